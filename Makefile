@@ -1,0 +1,13 @@
+# The two commands of the README. Both set up .venv themselves.
+JOB ?= examples/tiny-cpu.yaml
+PYTEST_ARGS ?=
+
+.PHONY: setup run test
+setup:
+	@scripts/setup.sh
+
+run: setup
+	.venv/bin/pipelinerl run $(JOB)
+
+test: setup
+	.venv/bin/python -m pytest $(PYTEST_ARGS)

@@ -1,0 +1,277 @@
+"""The `PipelineRLJob` resource: the single source of truth for one RL run.
+
+The same models validate a manifest for `pipelinerl run` / `pipelinerl validate`, drive the
+local supervisor and the services, and generate the CRD schema (`pipelinerl crd`). Field names
+are camelCase in YAML (Kubernetes convention) and snake_case in Python.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+API_GROUP = "pipelinerl.dev"
+API_VERSION = f"{API_GROUP}/v1alpha1"
+KIND = "PipelineRLJob"
+
+# Derived object names ("<job>-generator-<n>", streams, services) must stay within 63 chars.
+MAX_JOB_NAME = 40
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# Env names the operator sets itself; a user template may not override them.
+RESERVED_ENV = frozenset(
+    {
+        "PIPELINERL_JOB_FILE", "PIPELINERL_ROLE", "PIPELINERL_RANK", "PIPELINERL_WORLD_SIZE",
+        "PIPELINERL_NATS_URL", "PIPELINERL_WEIGHTS_ADDR", "PIPELINERL_RUN_DIR",
+        "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+    }
+)
+
+
+class SpecModel(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True
+    )
+
+
+class EnvVar(SpecModel):
+    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    value: str = Field(default="", max_length=4096)
+
+    @field_validator("name")
+    @classmethod
+    def _not_reserved(cls, v: str) -> str:
+        if v in RESERVED_ENV:
+            raise ValueError(f"env name {v!r} is reserved (set by PipelineRL itself)")
+        return v
+
+
+class Resources(SpecModel):
+    """Kubernetes resource requests/limits (quantities as strings, e.g. "4", "16Gi")."""
+
+    requests: dict[str, str] = Field(default_factory=dict, max_length=16)
+    limits: dict[str, str] = Field(default_factory=dict, max_length=16)
+
+
+class RoleSpec(SpecModel):
+    """Fields every role shares: curated pod fields plus a pod-template passthrough."""
+
+    image: str | None = Field(default=None, max_length=512, description="Container image; chart default when unset.")
+    resources: Resources = Field(default_factory=Resources)
+    gpus: int = Field(default=0, ge=0, le=16, description="GPUs per pod (nvidia.com/gpu).")
+    env: list[EnvVar] = Field(default_factory=list, max_length=64)
+    pod_template: dict[str, Any] | None = Field(
+        default=None,
+        description="PodTemplateSpec merged under the generated pod (nodeSelector, tolerations, volumes...).",
+    )
+
+
+class ModelSpec(SpecModel):
+    path: str = Field(
+        default="builtin:tiny-arith",
+        min_length=1,
+        max_length=1024,
+        description="Hugging Face model folder, or builtin:tiny-arith (built locally on first use).",
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_seq_len: int = Field(default=64, ge=8, le=131072, description="Prompt + completion tokens.")
+
+
+class TaskSpec(SpecModel):
+    name: str = Field(default="arith", min_length=1, max_length=128)
+    params: dict[str, Any] = Field(default_factory=dict, description="Task-specific parameters.")
+    seed: int = Field(default=0, ge=0)
+
+
+class RLSpec(SpecModel):
+    loss: Literal["reinforce", "ppo", "gspo", "cispo"] = "reinforce"
+    attempts: int = Field(default=8, ge=2, le=1024, description="Samples per prompt (group size G).")
+    max_lag: int | None = Field(
+        default=None, ge=0, le=1024,
+        description="Max policy versions between generation and training; default 4 (pipeline), 0 (sync).",
+    )
+    epsilon_low: float = Field(default=0.2, ge=0.0, le=10.0)
+    epsilon_high: float = Field(default=0.2, ge=0.0, le=100.0)
+    kl_coef: float = Field(default=0.0, ge=0.0)
+    entropy_coef: float = Field(default=0.0, ge=0.0)
+    normalize_advantages: bool = Field(default=False, description="Divide advantages by group std.")
+    filter_zero_variance: bool = Field(default=True, description="Drop groups whose rewards are all equal.")
+    token_weighting: Literal["sample", "token"] = Field(
+        default="sample", description="sample: each token weighs 1/samples per step; token: 1/tokens per step."
+    )
+
+
+class SamplingSpec(SpecModel):
+    temperature: float = Field(default=1.0, gt=0.0, le=10.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=16, ge=1, le=131072)
+
+
+class GeneratorSpec(RoleSpec):
+    replicas: int = Field(default=1, ge=1, le=1024)
+    tensor_parallel: int = Field(default=1, ge=1, le=16)
+    engine_args: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM engine arguments.")
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    max_inflight_groups: int = Field(default=64, ge=1, le=65536, description="Cap on concurrent prompt groups.")
+
+
+class PreprocessorSpec(RoleSpec):
+    max_pending_steps: int = Field(
+        default=2, ge=1, le=64, description="Steps of batches published ahead of the trainer (backpressure)."
+    )
+
+
+class TrainerSpec(RoleSpec):
+    replicas: int = Field(default=1, ge=1, le=1024)
+    zero_stage: Literal[0, 1, 2, 3] = 1
+    learning_rate: float = Field(default=1e-4, gt=0.0, le=1.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    grad_clip: float = Field(default=1.0, ge=0.0)
+    samples_per_step: int = Field(default=128, ge=1, le=1_000_000)
+    micro_batch_tokens: int = Field(default=4096, ge=8, le=10_000_000)
+    max_steps: int = Field(default=100, ge=1)
+    checkpoint_interval: int = Field(default=50, ge=0, description="Steps between checkpoints; 0: only at the end.")
+    seed: int = Field(default=42, ge=0)
+
+
+class WeightSyncSpec(SpecModel):
+    backend: Literal["auto", "nccl", "gloo"] = Field(default="auto", description="auto: NCCL with GPUs, else gloo.")
+    bucket_mb: int = Field(default=256, ge=1, le=65536)
+    timeout_seconds: float = Field(default=120.0, gt=0.0, le=86400.0)
+    port: int = Field(default=29600, ge=1024, le=65535)
+
+
+class EvalSpec(SpecModel):
+    interval: int = Field(default=10, ge=0, description="Evaluate every N policy versions; 0 disables.")
+    problems: int = Field(default=1000, ge=1, le=1_000_000)
+
+
+class RunPolicy(SpecModel):
+    backoff_limit: int = Field(default=3, ge=0, le=1000)
+    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+
+
+class SchedulingSpec(SpecModel):
+    scheduler_name: str | None = Field(default=None, max_length=253)
+    queue_name: str | None = Field(default=None, max_length=63, description="Kueue LocalQueue name.")
+    priority_class_name: str | None = Field(default=None, max_length=253)
+
+
+class NatsSpec(SpecModel):
+    url: str | None = Field(default=None, max_length=1024, description="Unset: embedded server (local) or the chart's.")
+    max_payload_mb: int = Field(default=8, ge=1, le=64)
+
+
+class JobSpec(SpecModel):
+    mode: Literal["pipeline", "sync"] = "pipeline"
+    suspend: bool = False
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    task: TaskSpec = Field(default_factory=TaskSpec)
+    rl: RLSpec = Field(default_factory=RLSpec)
+    generator: GeneratorSpec = Field(default_factory=GeneratorSpec)
+    preprocessor: PreprocessorSpec = Field(default_factory=PreprocessorSpec)
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    weight_sync: WeightSyncSpec = Field(default_factory=WeightSyncSpec)
+    eval: EvalSpec = Field(default_factory=EvalSpec)
+    run_policy: RunPolicy = Field(default_factory=RunPolicy)
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    nats: NatsSpec = Field(default_factory=NatsSpec)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> JobSpec:
+        if self.mode == "sync" and self.rl.max_lag not in (None, 0):
+            raise ValueError("rl.maxLag must be 0 or unset in sync mode (sync mode never trains on stale data)")
+        if self.trainer.samples_per_step % self.rl.attempts:
+            raise ValueError(
+                f"trainer.samplesPerStep ({self.trainer.samples_per_step}) must be a multiple of "
+                f"rl.attempts ({self.rl.attempts}) so that every step holds whole prompt groups"
+            )
+        if self.generator.sampling.max_tokens >= self.model.max_seq_len:
+            raise ValueError("generator.sampling.maxTokens must be smaller than model.maxSeqLen")
+        if self.trainer.micro_batch_tokens < self.model.max_seq_len:
+            raise ValueError("trainer.microBatchTokens must be at least model.maxSeqLen (one sample must fit)")
+        return self
+
+    @property
+    def max_lag(self) -> int:
+        """The lag budget in force: explicit, else 4 in pipeline mode and 0 in sync mode."""
+        if self.mode == "sync":
+            return 0
+        return 4 if self.rl.max_lag is None else self.rl.max_lag
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.trainer.samples_per_step // self.rl.attempts
+
+
+class ObjectMeta(BaseModel):
+    # Objects read back from the API server carry uid, resourceVersion, ...: keep what we use.
+    model_config = ConfigDict(extra="ignore")
+    name: str
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _dns_name(cls, v: str) -> str:
+        if len(v) > MAX_JOB_NAME or not DNS_LABEL.match(v):
+            raise ValueError(
+                f"must be a DNS label (lowercase letters, digits, '-') of at most {MAX_JOB_NAME} characters"
+            )
+        return v
+
+
+class PipelineRLJob(SpecModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    api_version: Literal["pipelinerl.dev/v1alpha1"] = Field(default=API_VERSION, alias="apiVersion")
+    kind: Literal["PipelineRLJob"] = KIND
+    metadata: ObjectMeta
+    spec: JobSpec = Field(default_factory=JobSpec)
+    status: dict[str, Any] | None = Field(default=None, exclude=True)
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+
+class SpecError(ValueError):
+    """A manifest that does not validate; the message names every field at fault."""
+
+
+def format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(root)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def parse_job(data: Any, source: str = "manifest") -> PipelineRLJob:
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: expected a PipelineRLJob mapping, got {type(data).__name__}")
+    try:
+        return PipelineRLJob.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(f"{source} is not a valid {KIND}:\n{format_errors(err)}") from None
+
+
+def load_job(path: str | Path) -> PipelineRLJob:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as err:
+        raise SpecError(f"{path}: cannot read manifest: {err}") from None
+    return parse_job(data, str(path))
+
+
+def dump_job(job: PipelineRLJob) -> str:
+    return yaml.safe_dump(job.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=False)
