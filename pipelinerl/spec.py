@@ -69,6 +69,22 @@ class RoleSpec(SpecModel):
         description="PodTemplateSpec merged under the generated pod (nodeSelector, tolerations, volumes...).",
     )
 
+    @field_validator("pod_template")
+    @classmethod
+    def _template_env_not_reserved(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        # The operator merges the template under its own pod: a reserved env var there would
+        # silently override rank/rendezvous wiring.
+        pod_spec = (v or {}).get("spec") or {}
+        for kind in ("containers", "initContainers"):
+            for container in pod_spec.get(kind) or []:
+                for env in (container or {}).get("env") or []:
+                    if (env or {}).get("name") in RESERVED_ENV:
+                        raise ValueError(
+                            f"podTemplate.spec.{kind}[{container.get('name', '?')}].env: "
+                            f"env name {env['name']!r} is reserved (set by PipelineRL itself)"
+                        )
+        return v
+
 
 class ModelSpec(SpecModel):
     path: str = Field(
@@ -167,6 +183,14 @@ class NatsSpec(SpecModel):
     max_payload_mb: int = Field(default=8, ge=1, le=64)
 
 
+class StorageSpec(SpecModel):
+    """The run directory (checkpoints, logs) of each trainer pod on Kubernetes: a PersistentVolumeClaim
+    per trainer rank that survives suspend/resume and is deleted with the job."""
+
+    size: str = Field(default="20Gi", min_length=1, max_length=64, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
+    storage_class_name: str | None = Field(default=None, max_length=253, description="Unset: the cluster default.")
+
+
 class JobSpec(SpecModel):
     mode: Literal["pipeline", "sync"] = "pipeline"
     suspend: bool = False
@@ -181,6 +205,7 @@ class JobSpec(SpecModel):
     run_policy: RunPolicy = Field(default_factory=RunPolicy)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     nats: NatsSpec = Field(default_factory=NatsSpec)
+    storage: StorageSpec = Field(default_factory=StorageSpec)
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:

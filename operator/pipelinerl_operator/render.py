@@ -1,0 +1,330 @@
+"""Pure rendering: a PipelineRLJob → the Kubernetes objects that run it. No I/O.
+
+Per role (generator, preprocessor, trainer): a headless Service (rendezvous DNS, published
+before pods are ready) and a StatefulSet (stable names, rank from the pod-index label). One
+ConfigMap holds the job manifest every pod reads. Everything is owned by the job, so deleting
+the job garbage-collects it all.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pipelinerl.spec import API_VERSION, KIND, PipelineRLJob, RoleSpec, dump_job
+
+ROLES = ("generator", "preprocessor", "trainer")
+HTTP_PORT = 8000
+MASTER_PORT = 29500
+JOB_FILE_DIR = "/etc/pipelinerl"
+JOB_FILE = f"{JOB_FILE_DIR}/job.yaml"
+RUN_DIR = "/var/lib/pipelinerl/run"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
+JOB_LABEL = "pipelinerl.dev/job"
+ROLE_LABEL = "pipelinerl.dev/role"
+CONFIG_HASH = "pipelinerl.dev/config-hash"
+FIELD_MANAGER = "pipelinerl-operator"
+# Pod-level fields of a role: changing them restarts that role only.
+POD_FIELDS = ("image", "resources", "gpus", "env", "podTemplate")
+
+
+class RenderError(ValueError):
+    """A spec the operator cannot run; reported as a condition and an Event, never retried blindly."""
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Install-wide settings (Helm values → operator env)."""
+
+    cpu_image: str = "ghcr.io/pipelinerl/pipelinerl-services:0.1.0"
+    gpu_image: str = "ghcr.io/pipelinerl/pipelinerl-services-gpu:0.1.0"
+    nats_url: str = "nats://pipelinerl-nats:4222"
+    service_account: str = "pipelinerl-job"
+    image_pull_policy: str = "IfNotPresent"
+
+
+def role_name(job: str, role: str) -> str:
+    return f"{job}-{role}"
+
+
+def config_map_name(job: str) -> str:
+    return f"{job}-config"
+
+
+def selector_labels(job: str, role: str) -> dict[str, str]:
+    return {JOB_LABEL: job, ROLE_LABEL: role}
+
+
+def generator_selector(job: str) -> str:
+    return ",".join(f"{k}={v}" for k, v in selector_labels(job, "generator").items())
+
+
+def trainer_host(job: PipelineRLJob, namespace: str) -> str:
+    return f"{role_name(job.name, 'trainer')}-0.{role_name(job.name, 'trainer')}.{namespace}.svc"
+
+
+def replicas(job: PipelineRLJob, role: str) -> int:
+    if role == "preprocessor":
+        return 1
+    return getattr(job.spec, role).replicas
+
+
+def _labels(job: PipelineRLJob, role: str | None) -> dict[str, str]:
+    labels = {
+        **{k: v for k, v in job.metadata.labels.items() if not k.startswith("kueue.x-k8s.io/")},
+        "app.kubernetes.io/name": "pipelinerl",
+        "app.kubernetes.io/instance": job.name,
+        "app.kubernetes.io/managed-by": "pipelinerl-operator",
+        JOB_LABEL: job.name,
+    }
+    if role:
+        labels |= {"app.kubernetes.io/component": role, ROLE_LABEL: role}
+    return labels
+
+
+def owner_reference(job: PipelineRLJob, uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": API_VERSION, "kind": KIND, "name": job.name, "uid": uid,
+        "controller": True, "blockOwnerDeletion": True,
+    }
+
+
+def _metadata(job: PipelineRLJob, namespace: str, uid: str, name: str, role: str | None) -> dict[str, Any]:
+    return {
+        "name": name, "namespace": namespace, "labels": _labels(job, role),
+        "ownerReferences": [owner_reference(job, uid)],
+    }
+
+
+# ---------------------------------------------------------------- pod template merge
+
+
+def merge_pod(user: Any, ours: Any) -> Any:
+    """Merge our generated pod over the user's template: our scalars win, lists of named
+    items (containers, volumes, env, ports, mounts) merge by name, other lists: ours if any."""
+    if isinstance(user, dict) and isinstance(ours, dict):
+        out = copy.deepcopy(user)
+        for key, value in ours.items():
+            out[key] = merge_pod(user[key], value) if key in user else copy.deepcopy(value)
+        return out
+    if isinstance(user, list) and isinstance(ours, list):
+        named = all(isinstance(x, dict) and "name" in x for x in user + ours)
+        if not named:
+            return copy.deepcopy(ours) if ours else copy.deepcopy(user)
+        ours_by_name = {x["name"]: x for x in ours}
+        user_names = {x["name"] for x in user}
+        merged = [merge_pod(x, ours_by_name[x["name"]]) if x["name"] in ours_by_name else copy.deepcopy(x) for x in user]
+        return merged + [copy.deepcopy(x) for x in ours if x["name"] not in user_names]
+    return copy.deepcopy(ours)
+
+
+# ---------------------------------------------------------------- pieces
+
+
+def role_config_hash(job: PipelineRLJob, role: str) -> str:
+    """Hash of what a role's pods read, leaving out what must not restart them: `suspend`,
+    `runPolicy` (operator only), generator replicas (scaling), other roles' pod fields."""
+    spec = job.spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+    spec.pop("suspend", None)
+    spec.pop("runPolicy", None)
+    if role != "generator":
+        spec["generator"].pop("replicas", None)
+    for other in ROLES:
+        if other != role:
+            for field in POD_FIELDS:
+                spec[other].pop(field, None)
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> list[dict[str, Any]]:
+    def rank(name: str) -> dict[str, Any]:
+        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}}
+
+    world = str(replicas(job, role))
+    env = [
+        {"name": "PIPELINERL_JOB_FILE", "value": JOB_FILE},
+        {"name": "PIPELINERL_ROLE", "value": role},
+        rank("PIPELINERL_RANK"),
+        {"name": "PIPELINERL_WORLD_SIZE", "value": world},
+        {"name": "PIPELINERL_NATS_URL", "value": job.spec.nats.url or cfg.nats_url},
+        {"name": "PIPELINERL_WEIGHTS_ADDR", "value": f"{trainer_host(job, namespace)}:{job.spec.weight_sync.port}"},
+        {"name": "PIPELINERL_RUN_DIR", "value": RUN_DIR},
+    ]
+    if role == "trainer":
+        env += [
+            {"name": "MASTER_ADDR", "value": trainer_host(job, namespace)},
+            {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
+            rank("RANK"),
+            {"name": "WORLD_SIZE", "value": world},
+            {"name": "LOCAL_RANK", "value": "0"},
+        ]
+    return env + [e.model_dump(mode="json") for e in getattr(job.spec, role).env]
+
+
+def _resources(spec: RoleSpec) -> dict[str, Any]:
+    requests = dict(spec.resources.requests)
+    limits = dict(spec.resources.limits)
+    if spec.gpus:
+        limits["nvidia.com/gpu"] = str(spec.gpus)
+        requests["nvidia.com/gpu"] = str(spec.gpus)
+    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+
+
+def _ports(job: PipelineRLJob, role: str) -> list[dict[str, Any]]:
+    ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
+    if role == "trainer":
+        ports += [
+            {"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"},
+            {"name": "weights", "containerPort": job.spec.weight_sync.port, "protocol": "TCP"},
+        ]
+    return ports
+
+
+def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+        "timeoutSeconds": 5, "failureThreshold": failures,
+    }
+
+
+def _pod_labels(job: PipelineRLJob, role: str) -> tuple[dict[str, str], dict[str, str]]:
+    labels = _labels(job, role)
+    annotations: dict[str, str] = {CONFIG_HASH: role_config_hash(job, role)}
+    sched = job.spec.scheduling
+    if sched.queue_name:  # Kueue admits all pods of the job as one group (gang admission)
+        labels["kueue.x-k8s.io/queue-name"] = sched.queue_name
+        labels["kueue.x-k8s.io/pod-group-name"] = job.name
+        annotations["kueue.x-k8s.io/pod-group-total-count"] = str(sum(replicas(job, r) for r in ROLES))
+    if sched.scheduler_name:  # coscheduling-style gang schedulers group pods by this label
+        labels["scheduling.x-k8s.io/pod-group"] = job.name
+    return labels, annotations
+
+
+def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> dict[str, Any]:
+    spec: RoleSpec = getattr(job.spec, role)
+    image = spec.image or (cfg.gpu_image if spec.gpus else cfg.cpu_image)
+    container = {
+        "name": role,
+        "image": image,
+        "imagePullPolicy": cfg.image_pull_policy,
+        "command": ["pipelinerl"],
+        "args": ["service", role, JOB_FILE],
+        "env": _env(job, role, namespace, cfg),
+        "ports": _ports(job, role),
+        "resources": _resources(spec),
+        "startupProbe": _probe("/healthz", 10, 180),  # model loading may take many minutes
+        "livenessProbe": _probe("/healthz", 20, 6),
+        "readinessProbe": _probe("/readyz", 10, 3),
+        "volumeMounts": [
+            {"name": "job-config", "mountPath": JOB_FILE_DIR, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "run", "mountPath": RUN_DIR},
+        ],
+    }
+    volumes: list[dict[str, Any]] = [
+        {"name": "job-config", "configMap": {"name": config_map_name(job.name)}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},  # NCCL and torch workers need a big /dev/shm
+    ]
+    if role != "trainer":  # trainers get a PersistentVolumeClaim per rank instead
+        volumes.append({"name": "run", "emptyDir": {}})
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": cfg.service_account,
+        "automountServiceAccountToken": False,  # job pods never call the Kubernetes API
+        "terminationGracePeriodSeconds": 60,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    sched = job.spec.scheduling
+    if sched.scheduler_name:
+        pod_spec["schedulerName"] = sched.scheduler_name
+    if sched.priority_class_name:
+        pod_spec["priorityClassName"] = sched.priority_class_name
+    labels, annotations = _pod_labels(job, role)
+    ours = {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
+    return merge_pod(spec.pod_template or {}, ours)
+
+
+# ---------------------------------------------------------------- objects
+
+
+def config_map(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": _metadata(job, namespace, uid, config_map_name(job.name), None),
+        "data": {"job.yaml": dump_job(job)},
+    }
+
+
+def service(job: PipelineRLJob, role: str, namespace: str, uid: str) -> dict[str, Any]:
+    ports = [
+        {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
+        for p in _ports(job, role)
+    ]
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": _metadata(job, namespace, uid, role_name(job.name, role), role),
+        "spec": {
+            "clusterIP": "None",
+            "publishNotReadyAddresses": True,  # rendezvous must resolve before pods are ready
+            "selector": selector_labels(job.name, role),
+            "ports": ports,
+        },
+    }
+
+
+def stateful_set(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: OperatorConfig, active: bool) -> dict[str, Any]:
+    name = role_name(job.name, role)
+    spec: dict[str, Any] = {
+        "serviceName": name,
+        "replicas": replicas(job, role) if active else 0,
+        "podManagementPolicy": "Parallel",  # ranks rendezvous: start them together
+        "selector": {"matchLabels": selector_labels(job.name, role)},
+        "template": pod_template(job, role, namespace, cfg),
+        "updateStrategy": {"type": "RollingUpdate"},
+    }
+    if role == "trainer":
+        storage = job.spec.storage
+        claim: dict[str, Any] = {
+            "accessModes": ["ReadWriteOnce"],
+            "resources": {"requests": {"storage": storage.size}},
+        }
+        if storage.storage_class_name:
+            claim["storageClassName"] = storage.storage_class_name
+        spec["volumeClaimTemplates"] = [{"metadata": {"name": "run"}, "spec": claim}]
+        # Checkpoints survive suspend (scale to 0) and go away with the job.
+        spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    return {
+        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "metadata": _metadata(job, namespace, uid, name, role),
+        "spec": spec,
+    }
+
+
+def validate_renderable(job: PipelineRLJob) -> None:
+    """Checks that only matter on Kubernetes (the spec models cannot know the pod layout)."""
+    gen = job.spec.generator
+    if gen.gpus and gen.tensor_parallel > gen.gpus:
+        raise RenderError(
+            f"generator.tensorParallel ({gen.tensor_parallel}) needs at least as many generator.gpus ({gen.gpus})"
+        )
+    for role in ROLES:
+        template = getattr(job.spec, role).pod_template or {}
+        containers = (template.get("spec") or {}).get("containers") or []
+        if any(not isinstance(c, dict) or not c.get("name") for c in containers):
+            raise RenderError(
+                f"{role}.podTemplate.spec.containers: every container needs a name "
+                f"(name one {role!r} to add mounts to the service container; other names add sidecars)"
+            )
+
+
+def render(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig, active: bool = True) -> list[dict[str, Any]]:
+    """Every child object of the job; `active=False` (suspended, finished) scales all roles to zero."""
+    validate_renderable(job)
+    objects = [config_map(job, namespace, uid)]
+    for role in ROLES:
+        objects.append(service(job, role, namespace, uid))
+        objects.append(stateful_set(job, role, namespace, uid, cfg, active))
+    return objects

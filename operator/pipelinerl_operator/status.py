@@ -1,0 +1,250 @@
+"""Pure status: what the operator observed → the job's `status` and the Events to post. No I/O.
+
+Role conditions (`GeneratorsReady`, `PreprocessorReady`, `TrainerReady`, `WeightSyncReady`)
+roll up into `Ready`, as KServe does. `Succeeded` and `Failed` are terminal: once set they stay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from pipelinerl.crd import JobStatus, Progress
+
+ROLE_CONDITIONS = {"generator": "GeneratorsReady", "preprocessor": "PreprocessorReady", "trainer": "TrainerReady"}
+# The fixed vocabulary of Event reasons the operator posts (docs/kubernetes.md lists them).
+EVENT_REASONS = frozenset({
+    "Created", "Updated", "InvalidSpec", "Ready", "NotReady", "Degraded", "Recovered", "Suspended",
+    "Resumed", "Succeeded", "Failed", "BackoffLimitExceeded", "DeadlineExceeded", "TTLExpired",
+    "StreamsDeleted", "StreamsDeleteFailed",
+})
+
+
+@dataclass(frozen=True)
+class RoleObserved:
+    desired: int  # what the spec asks for (the StatefulSet may be scaled to 0 while suspended)
+    replicas: int = 0
+    ready: int = 0
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything the status is computed from; gathered by the handlers."""
+
+    generation: int
+    now: datetime
+    previous: dict[str, Any] = field(default_factory=dict)  # the status as last written
+    spec_error: str | None = None
+    suspend: bool = False
+    roles: dict[str, RoleObserved] = field(default_factory=dict)
+    trainer_status: dict[str, Any] | None = None  # trainer rank 0 `/status`; None: unreachable
+    trainer_restarts: int = 0  # container restarts summed over trainer pods
+    backoff_limit: int = 3
+    active_deadline_seconds: int | None = None
+    generator_selector: str = ""
+
+
+@dataclass(frozen=True)
+class Event:
+    type: str  # Normal | Warning
+    reason: str
+    message: str
+
+
+def _ts(t: datetime) -> str:
+    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_ts(value: str) -> datetime:
+    return datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+def is_terminal(status: dict[str, Any] | None) -> bool:
+    return (status or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def progress_from(trainer: dict[str, Any] | None, previous: dict[str, Any]) -> dict[str, Any]:
+    """Map the trainer's `/status` JSON onto `status.progress`; keep the last known values when unreachable."""
+    if not trainer:
+        return previous or Progress().model_dump(by_alias=True, exclude_none=True)
+    fields = {"step", "version", "maxSteps", "samples", "reward", "lagMean", "lagMax", "tokensPerSecond", "lastUpdate"}
+    known = {k: v for k, v in trainer.items() if k in fields and v is not None}
+    try:
+        return Progress.model_validate(known).model_dump(by_alias=True, exclude_none=True)
+    except ValueError:  # a malformed report must not break reconciliation
+        return previous or Progress().model_dump(by_alias=True, exclude_none=True)
+
+
+class _Conditions:
+    def __init__(self, previous: list[dict[str, Any]], now: str, generation: int):
+        self._previous = {c["type"]: c for c in previous or []}
+        self._now = now
+        self._generation = generation
+        self.items: list[dict[str, Any]] = []
+
+    def set(self, type_: str, ok: bool, reason: str, message: str = "") -> None:
+        status = "True" if ok else "False"
+        before = self._previous.get(type_)
+        since = before["lastTransitionTime"] if before and before.get("status") == status else self._now
+        self.items.append({
+            "type": type_, "status": status, "reason": reason, "message": message,
+            "lastTransitionTime": since, "observedGeneration": self._generation,
+        })
+
+    def get(self, type_: str) -> bool:
+        return any(c["type"] == type_ and c["status"] == "True" for c in self.items)
+
+
+def _role_condition(conds: _Conditions, type_: str, role: RoleObserved, active: bool) -> None:
+    counts = f"{role.ready}/{role.desired} ready"
+    if not active:
+        conds.set(type_, False, "ScaledDown", counts)
+    elif role.ready >= role.desired > 0:
+        conds.set(type_, True, "AllReplicasReady", counts)
+    else:
+        conds.set(type_, False, "ReplicasNotReady", counts)
+
+
+def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
+    """The new status and the Events for what changed since `obs.previous`."""
+    prev = obs.previous or {}
+    now = _ts(obs.now)
+    conds = _Conditions(prev.get("conditions", []), now, obs.generation)
+    progress = progress_from(obs.trainer_status, prev.get("progress") or {})
+    failures = max(int(prev.get("failures", 0) or 0), obs.trainer_restarts)
+    start_time = prev.get("startTime")
+    completion_time = prev.get("completionTime")
+    roles = {r: obs.roles.get(r, RoleObserved(desired=0)) for r in ROLE_CONDITIONS}
+
+    # Terminal outcomes, in order of precedence; a terminal phase is sticky.
+    phase = prev.get("phase") if is_terminal(prev) else None
+    fail_reason, fail_message = "", ""
+    if phase:
+        before = _cond(prev, phase) or {}
+        fail_reason, fail_message = before.get("reason", phase), before.get("message", "")
+    if phase is None:
+        deadline = obs.active_deadline_seconds
+        if obs.trainer_status and obs.trainer_status.get("finished"):
+            phase, fail_message = "Succeeded", f"trainer finished at step {progress.get('step', 0)}"
+        elif failures > obs.backoff_limit:
+            phase, fail_reason = "Failed", "BackoffLimitExceeded"
+            fail_message = f"trainer restarted {failures} times (runPolicy.backoffLimit {obs.backoff_limit})"
+        elif deadline and start_time and obs.now - parse_ts(start_time) > timedelta(seconds=deadline):
+            phase, fail_reason = "Failed", "DeadlineExceeded"
+            fail_message = f"running longer than runPolicy.activeDeadlineSeconds ({deadline}s)"
+    terminal = phase in ("Succeeded", "Failed")
+    suspended = obs.suspend and not terminal
+    active = not suspended and not terminal and obs.spec_error is None
+
+    for role, type_ in ROLE_CONDITIONS.items():
+        _role_condition(conds, type_, roles[role], active)
+    pods_ready = all(conds.get(t) for t in ROLE_CONDITIONS.values())
+    if not active:
+        conds.set("WeightSyncReady", False, "ScaledDown", "")
+    elif obs.trainer_status is None:
+        conds.set("WeightSyncReady", False, "TrainerUnreachable", "trainer rank 0 /status did not answer")
+    elif obs.trainer_status.get("weightSyncReady") is False or not pods_ready:
+        conds.set("WeightSyncReady", False, "WaitingForMembers", "the weight broadcast group is not complete")
+    else:
+        conds.set("WeightSyncReady", True, "GroupFormed", f"policy version {progress.get('version', 0)}")
+
+    if obs.spec_error is not None:
+        phase = phase or prev.get("phase") or "Pending"
+        ready_reason, ready_message = "InvalidSpec", obs.spec_error
+    elif terminal:
+        ready_reason, ready_message = phase, fail_message
+    elif suspended:
+        phase, ready_reason, ready_message = "Suspended", "Suspended", "spec.suspend is true; all roles scaled to zero"
+    else:
+        not_ready = [c for c in conds.items if c["type"] in (*ROLE_CONDITIONS.values(), "WeightSyncReady") and c["status"] != "True"]
+        ready_reason = f"{not_ready[0]['type'].removesuffix('Ready')}NotReady" if not_ready else "AllComponentsReady"
+        ready_message = "; ".join(f"{c['type']}: {c['reason']} {c['message']}".strip() for c in not_ready)
+        started = roles["trainer"].ready > 0 and roles["generator"].ready > 0
+        phase = "Running" if started or (prev.get("phase") == "Running" and not_ready) else "Pending"
+    ready = not not_ready_any(conds) and active
+    conds.set("Ready", ready, ready_reason, ready_message)
+
+    gen = roles["generator"]
+    degraded_reason = ""
+    if active and phase == "Running" and 0 < gen.ready < gen.desired:
+        degraded_reason = "GeneratorsMissing"
+    elif active and failures > 0:
+        degraded_reason = "TrainerRestarted"
+    conds.set("Degraded", bool(degraded_reason), degraded_reason or "AsExpected",
+              f"{gen.ready}/{gen.desired} generators ready, {failures} trainer restarts" if degraded_reason else "")
+    conds.set("Progressing", active, "Training" if ready else ("Starting" if active else (ready_reason or "Stopped")),
+              f"step {progress.get('step', 0)}" if active else "")
+    conds.set("Suspended", suspended, "Suspended" if suspended else "NotSuspended")
+    conds.set("Succeeded", phase == "Succeeded", "Succeeded" if phase == "Succeeded" else "NotFinished",
+              fail_message if phase == "Succeeded" else "")
+    conds.set("Failed", phase == "Failed", fail_reason if phase == "Failed" else "NotFailed",
+              fail_message if phase == "Failed" else "")
+
+    if phase == "Running" and not start_time:
+        start_time = now
+    if terminal and not completion_time:
+        completion_time = now
+    status = JobStatus.model_validate({
+        "observedGeneration": obs.generation,
+        "phase": phase,
+        "conditions": conds.items,
+        "roles": {r: {"desired": o.desired, "replicas": o.replicas, "ready": o.ready} for r, o in roles.items()},
+        "generatorsReady": f"{gen.ready}/{gen.desired}",
+        "generatorSelector": obs.generator_selector,
+        "progress": progress,
+        "failures": failures,
+        "startTime": start_time,
+        "completionTime": completion_time,
+    }).model_dump(by_alias=True, exclude_none=True)
+    return status, events_between(prev, status)
+
+
+def not_ready_any(conds: _Conditions) -> bool:
+    return not all(conds.get(t) for t in (*ROLE_CONDITIONS.values(), "WeightSyncReady"))
+
+
+def _cond(status: dict[str, Any], type_: str) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions", []) if c["type"] == type_), None)
+
+
+def _flipped(prev: dict[str, Any], new: dict[str, Any], type_: str) -> bool | None:
+    """True/False when condition `type_` turned True/False; None when unchanged."""
+    before, after = _cond(prev, type_), _cond(new, type_)
+    was = bool(before and before["status"] == "True")
+    now = bool(after and after["status"] == "True")
+    if was == now or (before is None and not now):
+        return None
+    return now
+
+
+def events_between(prev: dict[str, Any], new: dict[str, Any]) -> list[Event]:
+    events = []
+    ready = _cond(new, "Ready") or {}
+    if _flipped(prev, new, "Ready") is True:
+        events.append(Event("Normal", "Ready", "all roles ready and the weight group formed"))
+    elif _flipped(prev, new, "Ready") is False and ready.get("reason") not in ("Suspended", "Succeeded", "Failed"):
+        reason = "InvalidSpec" if ready.get("reason") == "InvalidSpec" else "NotReady"
+        events.append(Event("Warning", reason, ready.get("message", "")))
+    elif ready.get("reason") == "InvalidSpec" and (_cond(prev, "Ready") or {}).get("message") != ready.get("message"):
+        events.append(Event("Warning", "InvalidSpec", ready.get("message", "")))
+    degraded = _flipped(prev, new, "Degraded")
+    if degraded is not None:
+        d = _cond(new, "Degraded") or {}
+        events.append(Event("Warning", "Degraded", d["message"]) if degraded else Event("Normal", "Recovered", "no longer degraded"))
+    suspended = _flipped(prev, new, "Suspended")
+    if suspended is not None:
+        events.append(Event("Normal", "Suspended" if suspended else "Resumed",
+                            "scaled all roles to zero; checkpoints kept" if suspended else "scaling roles back up"))
+    if _flipped(prev, new, "Succeeded"):
+        events.append(Event("Normal", "Succeeded", (_cond(new, "Succeeded") or {}).get("message", "")))
+    if _flipped(prev, new, "Failed"):
+        failed = _cond(new, "Failed") or {}
+        events.append(Event("Warning", failed["reason"] if failed["reason"] in EVENT_REASONS else "Failed", failed.get("message", "")))
+    return events
+
+
+def ttl_expired(status: dict[str, Any], ttl_seconds: int | None, now: datetime) -> bool:
+    if ttl_seconds is None or not is_terminal(status) or not status.get("completionTime"):
+        return False
+    return now - parse_ts(status["completionTime"]) >= timedelta(seconds=ttl_seconds)

@@ -1,0 +1,258 @@
+"""The PipelineRLJob CustomResourceDefinition, generated from the pydantic models in `spec.py`.
+
+`spec` comes from `JobSpec`'s JSON schema, converted into a Kubernetes structural schema
+(inlined refs, `nullable` instead of `anyOf null`, OpenAPI v3.0 exclusive bounds, defaults on
+nested objects so the API server fills them in). `status` comes from the `JobStatus` models
+below: kopf/the API server silently prune status fields that the schema does not declare, so
+every field the operator writes must be here. Cross-field rules that pydantic checks in
+`JobSpec._cross_field` are repeated as CEL rules so `kubectl apply` rejects what
+`pipelinerl validate` rejects; `tests/k8s/test_crd.py` checks both agree.
+`crds/pipelinerl.dev_pipelinerljobs.yaml` is this module's output, committed.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from pipelinerl.spec import API_GROUP, KIND, MAX_JOB_NAME, RESERVED_ENV, JobSpec
+
+PLURAL = "pipelinerljobs"
+SINGULAR = "pipelinerljob"
+SHORT_NAMES = ["prl", "prljob"]
+VERSION = "v1alpha1"
+CRD_NAME = f"{PLURAL}.{API_GROUP}"
+
+PHASES = ("Pending", "Running", "Suspended", "Succeeded", "Failed")
+CONDITION_TYPES = (
+    "Ready", "GeneratorsReady", "PreprocessorReady", "TrainerReady", "WeightSyncReady",
+    "Progressing", "Degraded", "Suspended", "Succeeded", "Failed",
+)
+
+
+# ---------------------------------------------------------------- status models
+
+
+class StatusModel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Condition(StatusModel):
+    """The standard `metav1.Condition` shape."""
+
+    type: str = Field(max_length=316)
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field(max_length=1024)
+    message: str = Field(default="", max_length=32768)
+    last_transition_time: str = Field(description="RFC 3339 time the status last changed.")
+    observed_generation: int | None = Field(default=None, ge=0)
+
+
+class RoleStatus(StatusModel):
+    desired: int = Field(default=0, ge=0)
+    replicas: int = Field(default=0, ge=0, description="Pods that exist.")
+    ready: int = Field(default=0, ge=0)
+
+
+class RolesStatus(StatusModel):
+    generator: RoleStatus = Field(default_factory=RoleStatus)
+    preprocessor: RoleStatus = Field(default_factory=RoleStatus)
+    trainer: RoleStatus = Field(default_factory=RoleStatus)
+
+
+class Progress(StatusModel):
+    """What trainer rank 0 reports on `/status`."""
+
+    step: int = Field(default=0, ge=0)
+    version: int = Field(default=0, ge=0, description="Policy version (optimizer steps applied).")
+    max_steps: int | None = Field(default=None, ge=0)
+    samples: int = Field(default=0, ge=0)
+    reward: float | None = None
+    lag_mean: float | None = None
+    lag_max: int | None = None
+    tokens_per_second: float | None = None
+    last_update: str | None = None
+
+
+class JobStatus(StatusModel):
+    observed_generation: int | None = None
+    phase: Literal[PHASES] = "Pending"  # type: ignore[valid-type]
+    conditions: list[Condition] = Field(default_factory=list, max_length=32)
+    roles: RolesStatus = Field(default_factory=RolesStatus)
+    generators_ready: str = Field(default="0/0", description="ready/desired generators, for the printer column.")
+    generator_selector: str = Field(default="", description="Label selector of the generator pods (scale subresource).")
+    progress: Progress = Field(default_factory=Progress)
+    failures: int = Field(default=0, ge=0, description="Trainer failures counted against runPolicy.backoffLimit.")
+    start_time: str | None = None
+    completion_time: str | None = None
+
+
+# ---------------------------------------------------------------- schema conversion
+
+
+def _resolve(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, list):
+        return [_resolve(n, defs) for n in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = _resolve(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+        return {**target, **{k: _resolve(v, defs) for k, v in node.items() if k != "$ref"}}
+    return {k: _resolve(v, defs) for k, v in node.items()}
+
+
+def _structural(node: dict[str, Any]) -> dict[str, Any]:
+    """One JSON-schema node (refs already inlined) → a Kubernetes structural-schema node."""
+    node = dict(node)
+    node.pop("title", None)
+    if "anyOf" in node:  # `X | None` → X, nullable
+        variants = [v for v in node.pop("anyOf") if v.get("type") != "null"]
+        if len(variants) != 1:
+            raise ValueError(f"cannot express union {variants} in a structural schema")
+        node = {**variants[0], **node, "nullable": True}
+        if node.get("default", 0) is None:
+            del node["default"]
+    if "const" in node:
+        node["enum"] = [node.pop("const")]
+    for bound in ("Minimum", "Maximum"):  # JSON schema 2020 number → OpenAPI 3.0 boolean
+        key = f"exclusive{bound}"
+        if key in node and not isinstance(node[key], bool):
+            node[bound.lower()] = node[key]
+            node[key] = True
+    if node.get("type") == "object":
+        props = node.get("properties")
+        if props:
+            node["properties"] = {k: _structural(v) for k, v in props.items()}
+            for key, prop in node["properties"].items():
+                # A nested object gets `{}` so the API server applies its fields' defaults.
+                if prop.get("type") == "object" and "properties" in prop and key not in node.get("required", []):
+                    prop.setdefault("default", {})
+            node.pop("additionalProperties", None)
+        elif isinstance(node.get("additionalProperties"), dict):
+            node["additionalProperties"] = _structural(node["additionalProperties"])
+        else:  # free-form mapping (podTemplate, engineArgs, task params)
+            node.pop("additionalProperties", None)
+            node["x-kubernetes-preserve-unknown-fields"] = True
+    if node.get("type") == "array":
+        node["items"] = _structural(node["items"])
+    return node
+
+
+def model_schema(model: type[BaseModel]) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True)
+    defs = raw.pop("$defs", {})
+    return _structural(_resolve(raw, defs))
+
+
+# ---------------------------------------------------------------- CEL rules
+
+# Each rule: (JSON path of the schema node it sits on, rule, message). Rules mirror
+# `JobSpec._cross_field` and add what only Kubernetes can check (transitions via oldSelf).
+IMMUTABLE = ("mode", "model", "task", "trainer.replicas", "trainer.zeroStage")
+
+SPEC_RULES: list[tuple[str, str, str]] = [
+    ("", "self.mode != 'sync' || !has(self.rl.maxLag) || self.rl.maxLag == 0",
+     "rl.maxLag must be 0 or unset in sync mode (sync mode never trains on stale data)"),
+    ("", "self.trainer.samplesPerStep % self.rl.attempts == 0",
+     "trainer.samplesPerStep must be a multiple of rl.attempts so that every step holds whole prompt groups"),
+    ("", "self.generator.sampling.maxTokens < self.model.maxSeqLen",
+     "generator.sampling.maxTokens must be smaller than model.maxSeqLen"),
+    ("", "self.trainer.microBatchTokens >= self.model.maxSeqLen",
+     "trainer.microBatchTokens must be at least model.maxSeqLen (one sample must fit)"),
+    ("", "self.generator.replicas >= 1", "generator.replicas must be at least 1 (use spec.suspend to stop a job)"),
+    *[(path, "self == oldSelf", f"{path} is immutable: create a new job to change it") for path in IMMUTABLE],
+]
+_RESERVED_LIST = ", ".join(f"'{n}'" for n in sorted(RESERVED_ENV))
+ENV_RULE = (f"!(self.name in [{_RESERVED_LIST}])", "env name is reserved (set by PipelineRL itself)")
+ROOT_RULES = [
+    (f"size(self.metadata.name) <= {MAX_JOB_NAME}", f"metadata.name must be at most {MAX_JOB_NAME} characters"),
+]
+
+
+def _node(schema: dict[str, Any], path: str) -> dict[str, Any]:
+    for part in filter(None, path.split(".")):
+        schema = schema["properties"][part]
+    return schema
+
+
+def _add_rule(node: dict[str, Any], rule: str, message: str) -> None:
+    node.setdefault("x-kubernetes-validations", []).append({"rule": rule, "message": message})
+
+
+def spec_schema() -> dict[str, Any]:
+    schema = model_schema(JobSpec)
+    for path, rule, message in SPEC_RULES:
+        _add_rule(_node(schema, path), rule, message)
+    for role in ("generator", "preprocessor", "trainer"):
+        _add_rule(_node(schema, f"{role}.env")["items"], *ENV_RULE)
+    return schema
+
+
+# ---------------------------------------------------------------- the CRD
+
+PRINTER_COLUMNS = [
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+    {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
+    {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
+    {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
+    {"name": "Version", "type": "integer", "jsonPath": ".status.progress.version"},
+    {"name": "Generators", "type": "string", "jsonPath": ".status.generatorsReady",
+     "description": "Ready/desired generator replicas"},
+    {"name": "Reward", "type": "number", "jsonPath": ".status.progress.reward", "priority": 1},
+    {"name": "Lag", "type": "number", "jsonPath": ".status.progress.lagMean", "priority": 1},
+    {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+]
+
+
+def crd_manifest() -> dict[str, Any]:
+    root: dict[str, Any] = {
+        "type": "object",
+        "required": ["spec"],
+        "properties": {
+            "apiVersion": {"type": "string"},
+            "kind": {"type": "string"},
+            "metadata": {"type": "object"},
+            "spec": spec_schema(),
+            "status": model_schema(JobStatus),
+        },
+    }
+    root["properties"]["spec"]["default"] = {}
+    for rule, message in ROOT_RULES:
+        _add_rule(root, rule, message)
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": CRD_NAME, "labels": {"app.kubernetes.io/part-of": "pipelinerl"}},
+        "spec": {
+            "group": API_GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": SINGULAR,
+                "shortNames": SHORT_NAMES, "categories": ["pipelinerl"],
+            },
+            "versions": [{
+                "name": VERSION,
+                "served": True,
+                "storage": True,
+                "schema": {"openAPIV3Schema": root},
+                "subresources": {
+                    "status": {},
+                    "scale": {
+                        "specReplicasPath": ".spec.generator.replicas",
+                        "statusReplicasPath": ".status.roles.generator.replicas",
+                        "labelSelectorPath": ".status.generatorSelector",
+                    },
+                },
+                "additionalPrinterColumns": copy.deepcopy(PRINTER_COLUMNS),
+            }],
+        },
+    }
+
+
+def crd_yaml() -> str:
+    header = "# Generated by `pipelinerl crd` from pipelinerl/spec.py and pipelinerl/crd.py: do not edit.\n"
+    return header + yaml.safe_dump(crd_manifest(), sort_keys=False, width=120)

@@ -1,0 +1,93 @@
+"""What the API server does with a CRD schema, done offline: structural defaulting, schema
+validation (jsonschema over the OpenAPI v3.0 dialect) and CEL rules (cel-python, oldSelf included)."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import celpy
+import jsonschema
+
+
+def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
+    """Fill `default`s the way the API server does: for absent properties of present objects, recursively."""
+    obj = copy.deepcopy(obj)
+    if isinstance(obj, dict) and "properties" in schema:
+        for key, sub in schema["properties"].items():
+            if key not in obj and "default" in sub:
+                obj[key] = copy.deepcopy(sub["default"])
+            if key in obj:
+                obj[key] = apply_defaults(sub, obj[key])
+    elif isinstance(obj, list) and "items" in schema:
+        obj = [apply_defaults(schema["items"], item) for item in obj]
+    return obj
+
+
+def to_jsonschema(node: Any) -> Any:
+    """OpenAPI v3.0 `nullable` → JSON-schema draft 4 (which shares the boolean exclusive bounds)."""
+    if isinstance(node, list):
+        return [to_jsonschema(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: to_jsonschema(v) for k, v in node.items() if not k.startswith("x-kubernetes") and k != "nullable"}
+    if node.get("nullable") and "type" in node:
+        out["type"] = [node["type"], "null"]
+    if node.get("x-kubernetes-preserve-unknown-fields") and "properties" not in node:
+        out.pop("additionalProperties", None)
+    elif node.get("type") == "object" and "properties" in node:
+        out["additionalProperties"] = False  # the server would prune; we want to hear about typos
+    return out
+
+
+def schema_errors(schema: dict[str, Any], obj: Any) -> list[str]:
+    validator = jsonschema.Draft4Validator(to_jsonschema(schema))
+    return sorted(f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj))
+
+
+@functools.cache
+def _program(rule: str) -> celpy.Runner:
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
+def all_rules(schema: dict[str, Any], path: str = "") -> list[tuple[str, str, str]]:
+    found = [(path, r["rule"], r["message"]) for r in schema.get("x-kubernetes-validations", [])]
+    for key, sub in schema.get("properties", {}).items():
+        found += all_rules(sub, f"{path}.{key}" if path else key)
+    if "items" in schema:
+        found += all_rules(schema["items"], f"{path}[]")
+    return found
+
+
+def cel_errors(schema: dict[str, Any], new: Any, old: Any = None, path: str = "") -> list[str]:
+    """Messages of the CEL rules that reject `new` (an update from `old` when given)."""
+    errors = []
+    for r in schema.get("x-kubernetes-validations", []):
+        transition = "oldSelf" in r["rule"]
+        if transition and old is None:
+            continue  # transition rules only run on updates where the old value exists
+        activation = {"self": celpy.json_to_cel(new)}
+        if transition:
+            activation["oldSelf"] = celpy.json_to_cel(old)
+        result = _program(r["rule"]).evaluate(activation)
+        if result is not True and result != celpy.celtypes.BoolType(True):
+            errors.append(r["message"])
+    if isinstance(new, dict):
+        for key, sub in schema.get("properties", {}).items():
+            if key in new:
+                old_sub = old.get(key) if isinstance(old, dict) else None
+                errors += cel_errors(sub, new[key], old_sub, f"{path}.{key}")
+    elif isinstance(new, list) and "items" in schema:
+        for item in new:
+            errors += cel_errors(schema["items"], item, None, f"{path}[]")
+    return errors
+
+
+def admit(crd: dict[str, Any], obj: dict[str, Any], old: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+    """Default, then validate: returns the stored object and every error the API server would report."""
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    stored = apply_defaults(schema, obj)
+    old_stored = apply_defaults(schema, old) if old is not None else None
+    return stored, schema_errors(schema, stored) + cel_errors(schema, stored, old_stored)
