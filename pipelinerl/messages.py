@@ -1,0 +1,176 @@
+"""Wire formats between the services, with one compact, versioned binary codec (msgpack).
+
+Every message is a msgpack map {"v": SCHEMA_VERSION, "t": <type tag>, ...fields}. Decoding
+checks the version and the type tag and validates the fields with pydantic, so a malformed
+message raises `MessageError` naming the message type and the field at fault.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+SCHEMA_VERSION = 1
+
+
+class MessageError(ValueError):
+    """A message that cannot be decoded; it is never acked as if processed."""
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    TYPE: ClassVar[str]
+
+
+class Sample(BaseModel):
+    """One attempt: the whole token sequence; `mask` marks the tokens the model generated."""
+
+    model_config = ConfigDict(extra="forbid")
+    tokens: list[int]
+    mask: list[int]
+    logprobs: list[float]  # sampling logprob per token (0 where mask is 0)
+    versions: list[int]  # policy version that produced each token (-1 where mask is 0)
+    reward: float
+    success: bool = False
+    truncated: bool = False  # hit max tokens before end of sequence
+
+    @model_validator(mode="after")
+    def _aligned(self) -> Sample:
+        n = len(self.tokens)
+        for name in ("mask", "logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} tokens")
+        if not any(self.mask):
+            raise ValueError("sample has no generated tokens")
+        return self
+
+    @property
+    def num_generated(self) -> int:
+        return sum(self.mask)
+
+    @property
+    def min_version(self) -> int:
+        return min(v for v, m in zip(self.versions, self.mask) if m)
+
+
+class RolloutGroup(Message):
+    """G attempts at one prompt: the unit the generator publishes and advantages are computed on."""
+
+    TYPE: ClassVar[str] = "rollout_group"
+    group_id: str  # unique and stable: also the JetStream Nats-Msg-Id for de-duplication
+    problem_id: str
+    generator: int
+    samples: list[Sample] = Field(min_length=1)
+    start_version: int
+    gen_seconds: float = 0.0
+
+
+class MicroBatch(Message):
+    """Packed samples for one trainer rank: one row of ≤ micro-batch tokens.
+
+    Each step gives every rank `count` micro-batches (empty sentinels included) so that all
+    ranks run the same number of forward/backward passes and their collectives stay in step.
+    """
+
+    TYPE: ClassVar[str] = "micro_batch"
+    step: int  # optimizer step this belongs to (0-based)
+    rank: int
+    index: int
+    count: int
+    tokens: list[int] = Field(default_factory=list)
+    positions: list[int] = Field(default_factory=list)  # restart at 0 for every packed sample
+    mask: list[int] = Field(default_factory=list)
+    advantages: list[float] = Field(default_factory=list)
+    logprobs: list[float] = Field(default_factory=list)
+    versions: list[int] = Field(default_factory=list)
+    weights: list[float] = Field(default_factory=list)  # per-token loss weight
+    sample_ids: list[int] = Field(default_factory=list)  # per-token index of the sample in this row
+    rewards: list[float] = Field(default_factory=list)  # per packed sample, for metrics
+    # Step-level facts (identical in every micro-batch of the step) for metrics.
+    step_samples: int = 0
+    step_groups_filtered: int = 0
+
+    @model_validator(mode="after")
+    def _aligned(self) -> MicroBatch:
+        n = len(self.tokens)
+        for name in ("positions", "mask", "advantages", "logprobs", "versions", "weights", "sample_ids"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} tokens")
+        if not 0 <= self.index < self.count:
+            raise ValueError(f"index {self.index} outside 0..{self.count - 1}")
+        return self
+
+    @property
+    def is_sentinel(self) -> bool:
+        return not self.tokens
+
+
+class PolicyVersion(Message):
+    """Announced by trainer rank 0 after the weights of `version` are in every generator."""
+
+    TYPE: ClassVar[str] = "policy_version"
+    version: int
+    step: int
+    finished: bool = False  # the trainer has taken its last step
+    timestamp: float
+
+
+class WeightUpdate(Message):
+    """Trainer → generators: join the broadcast now; tensors arrive in these buckets."""
+
+    TYPE: ClassVar[str] = "weight_update"
+    version: int
+    buckets: list[dict]
+
+
+class WeightUpdateDone(Message):
+    TYPE: ClassVar[str] = "weight_update_done"
+    version: int
+    generator: int
+    pause_seconds: float
+    running_requests: int  # requests kept alive across the update (in-flight)
+    error: str | None = None
+
+
+class Metrics(Message):
+    """A row of metrics from any service (trainer steps, evaluations, generator stats)."""
+
+    TYPE: ClassVar[str] = "metrics"
+    source: str
+    kind: str  # "train", "eval", "generator", ...
+    values: dict[str, float | int | str | bool | None]
+    timestamp: float
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {
+    m.TYPE: m for m in (RolloutGroup, MicroBatch, PolicyVersion, WeightUpdate, WeightUpdateDone, Metrics)
+}
+M = TypeVar("M", bound=Message)
+
+
+def encode(msg: Message) -> bytes:
+    body = msg.model_dump(mode="python")
+    body["v"] = SCHEMA_VERSION
+    body["t"] = msg.TYPE
+    return msgpack.packb(body, use_bin_type=True)
+
+
+def decode(data: bytes, expected: type[M]) -> M:
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False)
+    except Exception as err:  # msgpack raises several unrelated types
+        raise MessageError(f"{expected.TYPE}: not valid msgpack ({err})") from None
+    if not isinstance(body, dict):
+        raise MessageError(f"{expected.TYPE}: expected a map, got {type(body).__name__}")
+    version, tag = body.pop("v", None), body.pop("t", None)
+    if version != SCHEMA_VERSION:
+        raise MessageError(f"{expected.TYPE}: schema version {version!r} unsupported (this build speaks {SCHEMA_VERSION})")
+    if tag != expected.TYPE:
+        raise MessageError(f"expected a {expected.TYPE} message, got {tag!r}")
+    try:
+        return expected.model_validate(body)
+    except ValidationError as err:
+        fields = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors()[:5])
+        raise MessageError(f"{expected.TYPE}: {fields}") from None

@@ -1,0 +1,86 @@
+"""Task plugin interface: problems + an async rollout function + a reward.
+
+A task never talks to vLLM directly: it gets a `Policy` that generates token ids with per-token
+logprobs and policy versions. Multi-turn tasks call `policy.generate` several times and splice
+environment tokens in between (those are not trained on: mask 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from pipelinerl.messages import Sample
+
+
+@dataclass
+class Completion:
+    tokens: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "stop" or "length"
+
+
+class Policy(Protocol):
+    async def generate(self, prompt: list[int], max_tokens: int, greedy: bool = False) -> Completion: ...
+
+
+class Tokenizer(Protocol):
+    eos_token_id: int
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@dataclass
+class Problem:
+    id: str
+    prompt: str
+    answer: Any
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Task(Protocol):
+    name: str
+
+    def train_problem(self, index: int) -> Problem:
+        """The index-th training problem (an endless, seeded, deterministic stream)."""
+        ...
+
+    def test_problems(self, count: int) -> list[Problem]:
+        """A fixed held-out set, disjoint from the training stream."""
+        ...
+
+    async def rollout(self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
+                      greedy: bool = False) -> Sample:
+        ...
+
+
+class SampleBuilder:
+    """Accumulates a (multi-turn) token sequence: prompt/env tokens are untrained, model tokens trained."""
+
+    def __init__(self, prompt: list[int]):
+        self.tokens = list(prompt)
+        self.mask = [0] * len(prompt)
+        self.logprobs = [0.0] * len(prompt)
+        self.versions = [-1] * len(prompt)
+        self.truncated = False
+
+    def add_env(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        self.mask += [0] * len(tokens)
+        self.logprobs += [0.0] * len(tokens)
+        self.versions += [-1] * len(tokens)
+
+    def add_completion(self, c: Completion) -> None:
+        self.tokens += c.tokens
+        self.mask += [1] * len(c.tokens)
+        self.logprobs += c.logprobs
+        self.versions += c.versions
+        self.truncated = self.truncated or c.finish_reason == "length"
+
+    def build(self, reward: float, success: bool) -> Sample:
+        return Sample(
+            tokens=self.tokens, mask=self.mask, logprobs=self.logprobs, versions=self.versions,
+            reward=reward, success=success, truncated=self.truncated,
+        )

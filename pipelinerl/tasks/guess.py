@@ -1,0 +1,53 @@
+"""`guess`: a multi-turn task. The model guesses a secret number; the environment answers
+'<' (the secret is smaller), '>' (larger) or '=' and the model guesses again, up to `turns` times.
+
+Environment replies are spliced into the sequence as untrained tokens (mask 0); every model
+turn ends with its own eos, which is trained. Reward 1 for finding the secret, scaled down by
+the turns it took.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from pipelinerl.messages import Sample
+from pipelinerl.tasks.base import Policy, Problem, SampleBuilder, Tokenizer
+
+
+@dataclass
+class GuessTask:
+    max_number: int = 99
+    turns: int = 4
+    seed: int = 0
+    name: str = "guess"
+
+    def train_problem(self, index: int) -> Problem:
+        secret = random.Random(f"guess-train-{self.seed}-{index}").randint(0, self.max_number)
+        return Problem(id=f"train-{index}", prompt="?", answer=secret)
+
+    def test_problems(self, count: int) -> list[Problem]:
+        rng = random.Random(f"guess-test-{self.seed}")
+        return [Problem(id=f"test-{i}", prompt="?", answer=rng.randint(0, self.max_number)) for i in range(count)]
+
+    @staticmethod
+    def feedback(guess: str, secret: int) -> str:
+        try:
+            value = int(guess)
+        except ValueError:
+            return "?"  # not a number: ask again
+        return "=" if value == secret else ("<" if secret < value else ">")
+
+    async def rollout(self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
+                      greedy: bool = False) -> Sample:
+        sample = SampleBuilder(tokenizer.encode(problem.prompt))
+        for turn in range(self.turns):
+            completion = await policy.generate(sample.tokens, max_tokens, greedy=greedy)
+            sample.add_completion(completion)
+            if completion.finish_reason != "stop":
+                break
+            reply = self.feedback(tokenizer.decode(completion.tokens, skip_special_tokens=True), problem.answer)
+            if reply == "=":
+                return sample.build(reward=1.0 - turn / self.turns, success=True)
+            sample.add_env(tokenizer.encode(reply))
+        return sample.build(reward=0.0, success=False)

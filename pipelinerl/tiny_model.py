@@ -1,0 +1,157 @@
+"""The tiny default model, built locally (no hub access): a character tokenizer and a ~3M
+parameter Qwen2-architecture model that vLLM and Hugging Face both load.
+
+`builtin:tiny-arith` gets a short supervised warm start on `arith`, stopped by held-out
+accuracy (deliberately partial, 10-50%) so RL has something to learn; `builtin:tiny-random`
+is the same model untrained (for fast tests). Both are cached under PIPELINERL_CACHE.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SPECIALS = ["<pad>", "<eos>"]
+CHARS = list("0123456789+-*=<>?: ")
+VOCAB_SIZE = 32  # padded: a multiple of 8 is friendlier to kernels
+ARCH = dict(
+    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
+)
+WARM = dict(lr=1e-3, batch=128, max_steps=3000, eval_every=25, eval_from=200, eval_problems=500,
+            target_min=0.12, digits=3, seed=1234)
+BUILTINS = ("builtin:tiny-arith", "builtin:tiny-random")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PIPELINERL_CACHE", Path.home() / ".cache" / "pipelinerl"))
+
+
+def make_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="?"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIALS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="?")
+
+
+def make_model(seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        vocab_size=VOCAB_SIZE, tie_word_embeddings=True, bos_token_id=1, eos_token_id=1, pad_token_id=0,
+        dtype="float32", **ARCH,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def _encode_batch(tokenizer, prompts: list[str], answers: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and a loss mask over answer + eos, right-padded."""
+    rows = [(tokenizer.encode(p), tokenizer.encode(a) + [tokenizer.eos_token_id]) for p, a in zip(prompts, answers)]
+    width = max(len(p) + len(a) for p, a in rows)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, (p, a) in enumerate(rows):
+        ids[i, : len(p) + len(a)] = torch.tensor(p + a)
+        mask[i, len(p) : len(p) + len(a)] = True
+    return ids, mask
+
+
+def supervised_loss(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=ids).logits[:, :-1]
+    target, m = ids[:, 1:], mask[:, 1:]
+    return torch.nn.functional.cross_entropy(logits[m], target[m])
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tokenizer, problems) -> float:
+    """Exact-match accuracy of greedy answers (all arith prompts have the same length)."""
+    ids = torch.tensor([tokenizer.encode(p.prompt) for p in problems])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=WARM["digits"] + 2, pad_token_id=tokenizer.pad_token_id)
+    texts = tokenizer.batch_decode(out[:, ids.shape[1]:], skip_special_tokens=True)
+    return sum(t.strip() == p.answer for t, p in zip(texts, problems)) / len(problems)
+
+
+def warm_start(model, tokenizer, progress=print) -> dict:
+    from pipelinerl.tasks.arith import ArithTask
+
+    task = ArithTask(digits=WARM["digits"], seed=WARM["seed"])
+    test = task.test_problems(WARM["eval_problems"])
+    opt = torch.optim.AdamW(model.parameters(), lr=WARM["lr"])
+    t0, acc, index = time.time(), 0.0, 0
+    for step in range(1, WARM["max_steps"] + 1):
+        batch = [task.train_problem(index + i) for i in range(WARM["batch"])]
+        index += WARM["batch"]
+        model.train()
+        loss = supervised_loss(model, *_encode_batch(tokenizer, [p.prompt for p in batch], [p.answer for p in batch]))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step >= WARM["eval_from"] and step % WARM["eval_every"] == 0:
+            model.eval()
+            acc = greedy_accuracy(model, tokenizer, test)
+            progress(f"  warm start step {step}: loss {loss.item():.3f}, held-out accuracy {acc:.1%} "
+                     f"({time.time() - t0:.0f}s)")
+            if acc >= WARM["target_min"]:
+                break
+    return {"warm_start_steps": step, "warm_start_accuracy": acc, "warm_start_seconds": time.time() - t0}
+
+
+def _fingerprint(name: str) -> str:
+    blob = json.dumps({"name": name, "arch": ARCH, "warm": WARM, "chars": CHARS, "v": 1}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def resolve_model_path(path: str, progress=print) -> str:
+    """A model folder for `spec.model.path`: builds (once, under a file lock) the built-ins."""
+    if path not in BUILTINS:
+        return path
+    name = path.split(":", 1)[1]
+    target = cache_root() / "models" / f"{name}-{_fingerprint(name)}"
+    if (target / "pipelinerl-model.json").exists():
+        return str(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same model
+        if not (target / "pipelinerl-model.json").exists():
+            _build(name, target, progress)
+    return str(target)
+
+
+def _build(name: str, target: Path, progress) -> None:
+    progress(f"building {name} model in {target} ...")
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    tokenizer, model = make_tokenizer(), make_model()
+    info = {"name": name, "parameters": sum(p.numel() for p in model.parameters())}
+    if name == "tiny-arith":
+        info |= warm_start(model, tokenizer, progress)
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "pipelinerl-model.json").write_text(json.dumps(info, indent=1))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    progress(f"built {name}: {info}")
+
+
+def model_info(path: str) -> dict:
+    f = Path(path) / "pipelinerl-model.json"
+    return json.loads(f.read_text()) if f.exists() else {}

@@ -1,0 +1,113 @@
+"""RL policy losses (pure tensor functions) and the per-token log-probabilities they need.
+
+All inputs are 1-D over the tokens of a packed row, already shifted so that position t holds
+the log-probability of token t; `weights` is 0 on tokens that are not trained (prompt,
+environment replies, samples dropped for lag), so sums over all positions are safe.
+r_t = exp(logπ_θ(a_t) − logμ(a_t)), μ being the sampling policy whose logprobs the engine
+returned with each token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    kind: str = "reinforce"  # reinforce | ppo | gspo | cispo
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    kl_coef: float = 0.0
+    entropy_coef: float = 0.0
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each next token and the entropy of each next-token distribution.
+
+    logits: [L, V] for a row, tokens: [L]. Returns tensors of length L where entry t (t ≥ 1)
+    belongs to token t (predicted from position t−1) and entry 0 is 0. Computed in fp32 on
+    temperature-scaled logits, as the engine samples them (train/inference parity).
+    """
+    logp = torch.log_softmax(logits[:-1].float() / temperature, dim=-1)
+    picked = logp.gather(-1, tokens[1:, None]).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1)
+    zero = logits.new_zeros(1, dtype=torch.float32)
+    return torch.cat([zero, picked]), torch.cat([zero, entropy])
+
+
+def sequence_mean(values: torch.Tensor, sample_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per token: the mean of `values` over the masked tokens of its sample."""
+    n = int(sample_ids.max().item()) + 1 if sample_ids.numel() else 0
+    m = mask.to(values.dtype)
+    sums = torch.zeros(n, dtype=values.dtype).index_add(0, sample_ids, values * m)
+    counts = torch.zeros(n, dtype=values.dtype).index_add(0, sample_ids, m).clamp(min=1)
+    return (sums / counts)[sample_ids]
+
+
+def policy_loss(
+    new_logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    cfg: LossConfig,
+    sample_ids: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Σ_t w_t · ℓ_t for the chosen objective, plus statistics over the trained tokens."""
+    trained = weights > 0
+    log_ratio = torch.where(trained, new_logprobs - old_logprobs, torch.zeros_like(new_logprobs))
+    ratio = log_ratio.exp()
+    hi, lo = 1.0 + cfg.epsilon_high, 1.0 - cfg.epsilon_low
+
+    if cfg.kind == "reinforce":
+        # Truncated importance sampling: the weight is capped and carries no gradient.
+        is_weight = ratio.clamp(max=hi).detach()
+        per_token = -advantages * new_logprobs * is_weight
+        clipped = ratio > hi
+    elif cfg.kind == "cispo":
+        is_weight = ratio.clamp(min=lo, max=hi).detach()
+        per_token = -advantages * new_logprobs * is_weight
+        clipped = (ratio > hi) | (ratio < lo)
+    elif cfg.kind == "ppo":
+        per_token = -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
+        clipped = ((ratio > hi) & (advantages > 0)) | ((ratio < lo) & (advantages < 0))
+    elif cfg.kind == "gspo":
+        if sample_ids is None:
+            raise ValueError("gspo needs sample_ids to form sequence-level ratios")
+        # GSPO-token form: the value is the sequence ratio exp(mean log r), the gradient flows
+        # through each token's own logprob, which equals sequence-level GSPO for sequence advantages.
+        seq_log_ratio = sequence_mean(log_ratio, sample_ids, trained)
+        ratio = (seq_log_ratio.detach() + new_logprobs - new_logprobs.detach()).exp()
+        per_token = -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
+        clipped = ((ratio > hi) & (advantages > 0)) | ((ratio < lo) & (advantages < 0))
+    else:
+        raise ValueError(f"unknown loss {cfg.kind!r} (reinforce, ppo, gspo, cispo)")
+
+    loss = (weights * per_token).sum()
+    kl = None
+    if cfg.kl_coef > 0 and ref_logprobs is not None:
+        x = ref_logprobs - new_logprobs
+        kl = x.exp() - x - 1  # k3 estimator: unbiased, always ≥ 0
+        loss = loss + cfg.kl_coef * (weights * kl).sum()
+    if cfg.entropy_coef > 0 and entropy is not None:
+        loss = loss - cfg.entropy_coef * (weights * entropy).sum()
+
+    with torch.no_grad():
+        r = ratio[trained].detach()
+        stats = {"tokens": float(trained.sum()), "ratio_sum": float(r.sum()), "ratio_sq_sum": float((r * r).sum()),
+                 "ratio_max": float(r.max()) if r.numel() else 0.0,
+                 "ratio_min": float(r.min()) if r.numel() else 0.0,
+                 "clipped": float(clipped[trained].sum())}
+        if kl is not None:
+            stats["kl_sum"] = float(kl[trained].sum())
+        if entropy is not None:
+            stats["entropy_sum"] = float(entropy[trained].sum())
+    return loss, stats
+
+
+def effective_sample_size(ratio_sum: float, ratio_sq_sum: float, n: float) -> float:
+    """ESS = (Σ r)² / (N Σ r²) ∈ (0, 1]; 1 when the data is exactly on-policy."""
+    return ratio_sum**2 / (n * ratio_sq_sum) if n and ratio_sq_sum else 1.0

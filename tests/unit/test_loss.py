@@ -1,0 +1,84 @@
+import math
+
+import pytest
+import torch
+
+from pipelinerl_trainer.loss import LossConfig, effective_sample_size, policy_loss, sequence_mean, token_logprobs
+
+T = torch.tensor
+
+
+def test_token_logprobs_shift_and_temperature():
+    logits = T([[0.0, math.log(3.0)], [math.log(2.0), 0.0], [0.0, 0.0]])
+    lp, ent = token_logprobs(logits, T([0, 1, 0]), temperature=1.0)
+    # token 1 predicted from row 0: p(1) = 3/4; token 2 (=0) from row 1: p(0) = 2/3.
+    assert lp.tolist() == pytest.approx([0.0, math.log(0.75), math.log(2 / 3)])
+    assert ent[1].item() == pytest.approx(-(0.25 * math.log(0.25) + 0.75 * math.log(0.75)))
+    lp2, _ = token_logprobs(logits, T([0, 1, 0]), temperature=2.0)
+    # logits halved: p(1) = sqrt(3) / (1 + sqrt(3)).
+    assert lp2[1].item() == pytest.approx(math.log(math.sqrt(3) / (1 + math.sqrt(3))))
+
+
+def setup(new, old, adv, w):
+    new = T(new, dtype=torch.float32, requires_grad=True)
+    return new, T(old), T(adv), T(w)
+
+
+def test_reinforce_truncated_is_by_hand():
+    new, old, adv, w = setup([-1.0, -0.5, -2.0], [-1.0, -1.0, -2.0], [1.0, 2.0, -1.0], [0.5, 0.5, 0.0])
+    loss, stats = policy_loss(new, old, adv, w, LossConfig("reinforce", epsilon_high=0.2))
+    # ratios 1, e^0.5 → capped 1.2; third token untrained.
+    expected = -(0.5 * 1.0 * -1.0 * 1.0 + 0.5 * 2.0 * -0.5 * 1.2)
+    assert loss.item() == pytest.approx(expected)
+    loss.backward()
+    # d/dnew = -w·A·capped ratio (no gradient through the cap).
+    assert new.grad.tolist() == pytest.approx([-0.5, -1.2, 0.0])
+    assert stats["clipped"] == 1 and stats["tokens"] == 2
+
+
+def test_ppo_clip_by_hand():
+    new, old, adv, w = setup([math.log(1.5), math.log(0.5)], [0.0, 0.0], [1.0, -1.0], [1.0, 1.0])
+    loss, stats = policy_loss(new, old, adv, w, LossConfig("ppo", epsilon_low=0.2, epsilon_high=0.2))
+    # token 0: min(1.5, 1.2) = 1.2; token 1: min(-0.5, -0.8) = -0.8 → loss = -(1.2 - 0.8).
+    assert loss.item() == pytest.approx(-0.4)
+    loss.backward()
+    assert new.grad.tolist() == pytest.approx([0.0, 0.0])  # both clipped: no gradient
+    assert stats["clipped"] == 2
+
+
+def test_cispo_clips_weight_but_keeps_gradient():
+    new, old, adv, w = setup([math.log(2.0)], [0.0], [1.0], [1.0])
+    loss, _ = policy_loss(new, old, adv, w, LossConfig("cispo", epsilon_low=0.5, epsilon_high=0.2))
+    assert loss.item() == pytest.approx(-1.2 * math.log(2.0))
+    loss.backward()
+    assert new.grad.item() == pytest.approx(-1.2)
+
+
+def test_gspo_uses_sequence_ratio():
+    new, old, adv, w = setup([math.log(2.0), 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [0.5, 0.5, 1.0])
+    ids = T([0, 0, 1])
+    loss, _ = policy_loss(new, old, adv, w, LossConfig("gspo", epsilon_low=1.0, epsilon_high=1.0), sample_ids=ids)
+    s0 = math.sqrt(2.0)  # exp(mean(log 2, 0))
+    assert loss.item() == pytest.approx(-(0.5 * s0 + 0.5 * s0 + 1.0))
+    assert sequence_mean(T([2.0, 4.0, 7.0]), ids, T([1, 1, 1])).tolist() == [3.0, 3.0, 7.0]
+
+
+def test_kl_and_entropy_terms():
+    new, old, adv, w = setup([-1.0], [-1.0], [0.0], [1.0])
+    ref = T([-2.0])
+    loss, stats = policy_loss(new, old, adv, w, LossConfig("reinforce", kl_coef=0.1, entropy_coef=0.01),
+                              ref_logprobs=ref, entropy=T([0.7]))
+    k3 = math.exp(-1.0) + 1.0 - 1.0
+    assert loss.item() == pytest.approx(0.1 * k3 - 0.01 * 0.7)
+    assert stats["kl_sum"] == pytest.approx(k3)
+
+
+def test_ess():
+    assert effective_sample_size(4.0, 4.0, 4) == 1.0
+    assert effective_sample_size(3.0, 5.0, 2) == pytest.approx(9 / 10)
+
+
+def test_unknown_loss():
+    new, old, adv, w = setup([0.0], [0.0], [1.0], [1.0])
+    with pytest.raises(ValueError, match="unknown loss"):
+        policy_loss(new, old, adv, w, LossConfig("dpo"))
