@@ -1,0 +1,211 @@
+"""Thin kopf wiring: observe, render, apply, compute status. The decisions live in render.py and status.py.
+
+Every trigger (create, spec update, operator resume, periodic resync) runs the same idempotent
+`reconcile`, so restarting the operator at any point converges without duplicates.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import kopf
+
+from pipelinerl.crd import PLURAL, VERSION
+from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError, parse_job
+from pipelinerl_operator import metrics
+from pipelinerl_operator.kube import Kube
+from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
+from pipelinerl_operator.render import (
+    ROLES, OperatorConfig, RenderError, generator_selector, render, replicas, role_name, selector_labels,
+    trainer_host,
+)
+from pipelinerl_operator.status import Observed, RoleObserved, compute, is_terminal, ttl_expired
+from pipelinerl_operator.streams_cleanup import delete_job_streams
+
+FINALIZER = f"{API_GROUP}/cleanup"
+RESYNC_SECONDS = float(os.environ.get("PIPELINERL_RESYNC_SECONDS", "15"))
+
+
+def operator_config() -> OperatorConfig:
+    defaults = OperatorConfig()
+    env = os.environ.get
+    return OperatorConfig(
+        cpu_image=env("PIPELINERL_SERVICES_IMAGE", defaults.cpu_image),
+        gpu_image=env("PIPELINERL_SERVICES_GPU_IMAGE", defaults.gpu_image),
+        nats_url=env("PIPELINERL_DEFAULT_NATS_URL", defaults.nats_url),
+        service_account=env("PIPELINERL_JOB_SERVICE_ACCOUNT", defaults.service_account),
+        image_pull_policy=env("PIPELINERL_IMAGE_PULL_POLICY", defaults.image_pull_policy),
+    )
+
+
+class _State:
+    kube: Kube | None = None
+
+
+STATE = _State()
+
+
+@kopf.on.startup()
+async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    # One finalizer for kopf's timer bookkeeping and our stream cleanup.
+    settings.persistence.finalizer = FINALIZER
+    # Keep kopf's bookkeeping in annotations: status fields outside the CRD schema are pruned.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=API_GROUP, key="last-handled-configuration",
+    )
+    # Events come only from our fixed vocabulary (kopf.event), not from log lines.
+    settings.posting.level = logging.CRITICAL + 1
+    settings.networking.request_timeout = 60
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.watching.connect_timeout = 30
+    if os.environ.get("PIPELINERL_WATCH_NAMESPACES"):
+        settings.scanning.disabled = True  # namespaced install: no cluster-wide CRD/namespace scans
+    port = int(os.environ.get("PIPELINERL_METRICS_PORT", "8080"))
+    if port:
+        metrics.serve(port)
+
+
+@kopf.on.login()
+def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
+    """In a pod: the service account; elsewhere: kubeconfig; `PIPELINERL_KUBE_SERVER` overrides
+    both (a `kubectl proxy`, or the emulator in tests). The same credentials serve our own client."""
+    server = os.environ.get("PIPELINERL_KUBE_SERVER")
+    if server:
+        info: kopf.ConnectionInfo | None = kopf.ConnectionInfo(server=server, default_namespace="default")
+    else:
+        info = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+    if info is not None:
+        STATE.kube = Kube(info)
+    return info
+
+
+@kopf.on.cleanup()
+async def close_client(**_: Any) -> None:
+    if STATE.kube is not None:
+        await STATE.kube.close()
+
+
+def _event(body: kopf.Body, type_: str, reason: str, message: str) -> None:
+    kopf.event(body, type=type_, reason=reason, message=message[:1024])
+
+
+async def _observe_roles(kube: Kube, ns: str, job: Any, name: str) -> dict[str, RoleObserved]:
+    roles = {}
+    for role in ROLES:
+        sts = await kube.get("apps/v1", "StatefulSet", ns, role_name(name, role)) or {}
+        st = sts.get("status") or {}
+        desired = replicas(job, role) if job is not None else int((sts.get("spec") or {}).get("replicas", 0))
+        roles[role] = RoleObserved(desired=desired, replicas=int(st.get("replicas", 0) or 0),
+                                   ready=int(st.get("readyReplicas", 0) or 0))
+    return roles
+
+
+async def _trainer_restarts(kube: Kube, ns: str, name: str) -> int:
+    selector = ",".join(f"{k}={v}" for k, v in selector_labels(name, "trainer").items())
+    pods = await kube.list("v1", "Pod", ns, selector)
+    return sum(int(c.get("restartCount", 0) or 0)
+               for p in pods for c in (p.get("status") or {}).get("containerStatuses") or [])
+
+
+async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
+    kube = STATE.kube
+    if kube is None:
+        raise kopf.TemporaryError("not logged in to the Kubernetes API yet", delay=5)
+    started = time.monotonic()
+    meta = body["metadata"]
+    ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
+    previous = dict(body.get("status") or {})
+    cfg = operator_config()
+    job, spec_error, children = None, None, []
+    try:
+        job = parse_job({
+            "apiVersion": API_VERSION, "kind": KIND,
+            "metadata": {"name": name, "namespace": ns, "labels": dict(meta.get("labels") or {})},
+            "spec": dict(body.get("spec") or {}),
+        }, f"{KIND} {ns}/{name}")
+        active = not job.spec.suspend and not is_terminal(previous)
+        children = render(job, ns, uid, cfg, active=active)
+    except (SpecError, RenderError) as err:
+        spec_error = str(err)
+        logger.warning("invalid spec: %s", spec_error)
+    try:
+        for obj in children:
+            await kube.apply(obj)
+        roles = await _observe_roles(kube, ns, job, name)
+        restarts = await _trainer_restarts(kube, ns, name)
+        trainer_status = None
+        if job is not None and roles["trainer"].ready > 0:
+            url = status_url(os.environ.get("PIPELINERL_TRAINER_STATUS_URL", DEFAULT_URL), name, ns, trainer_host(job, ns))
+            trainer_status = await fetch_trainer_status(url)
+        now = datetime.now(timezone.utc)
+        status, events = compute(Observed(
+            generation=int(meta.get("generation", 0) or 0), now=now, previous=previous, spec_error=spec_error,
+            suspend=bool(job and job.spec.suspend), roles=roles, trainer_status=trainer_status,
+            trainer_restarts=restarts,
+            backoff_limit=job.spec.run_policy.backoff_limit if job else 0,
+            active_deadline_seconds=job.spec.run_policy.active_deadline_seconds if job else None,
+            generator_selector=generator_selector(name),
+        ))
+        if job is not None and is_terminal(status) and not is_terminal(previous):
+            for obj in render(job, ns, uid, cfg, active=False):  # free the GPUs; checkpoints stay
+                await kube.apply(obj)
+        patch.status.update(status)
+        for e in events:
+            _event(body, e.type, e.reason, e.message)
+        metrics.record_phase(ns, name, status["phase"])
+        metrics.JOB_STEP.labels(ns, name).set(status["progress"].get("step", 0))
+        if job is not None and ttl_expired(status, job.spec.run_policy.ttl_seconds_after_finished, now):
+            _event(body, "Normal", "TTLExpired", "deleting the finished job (runPolicy.ttlSecondsAfterFinished)")
+            await kube.delete(API_VERSION, KIND, ns, name)
+        return status
+    except Exception:
+        metrics.RECONCILE_ERRORS.labels(ns).inc()
+        raise
+    finally:
+        metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+
+
+@kopf.on.create(API_GROUP, VERSION, PLURAL)
+async def created(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    status = await reconcile(body, patch, logger)
+    if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
+        _event(body, "Normal", "Created", "created the ConfigMap, Services and StatefulSets")
+
+
+@kopf.on.update(API_GROUP, VERSION, PLURAL)
+async def updated(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    status = await reconcile(body, patch, logger)
+    if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
+        _event(body, "Normal", "Updated", f"applied generation {status.get('observedGeneration')}")
+
+
+@kopf.on.resume(API_GROUP, VERSION, PLURAL)
+async def resumed(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    await reconcile(body, patch, logger)
+
+
+@kopf.timer(API_GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
+async def resync(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+    await reconcile(body, patch, logger)
+
+
+@kopf.on.delete(API_GROUP, VERSION, PLURAL)
+async def deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
+    """Children go by garbage collection (ownerReferences); only the NATS streams need us.
+    Never blocks deletion: a NATS failure is reported and the finalizer is released."""
+    meta = body["metadata"]
+    name, ns = meta["name"], meta["namespace"]
+    url = (body.get("spec") or {}).get("nats", {}).get("url") or operator_config().nats_url
+    try:
+        streams = await delete_job_streams(url, name, timeout_s=float(os.environ.get("PIPELINERL_NATS_TIMEOUT", "10")))
+        _event(body, "Normal", "StreamsDeleted", f"deleted NATS streams: {', '.join(streams) or 'none'}")
+    except Exception as err:  # noqa: BLE001 - any NATS failure must still let the job go
+        logger.warning("could not delete NATS streams of %s/%s: %r", ns, name, err)
+        _event(body, "Warning", "StreamsDeleteFailed", f"could not delete NATS streams at {url}: {err!r}")
+    metrics.record_phase(ns, name, None)

@@ -1,0 +1,138 @@
+"""Run the real kopf engine with our handlers against kmock's Kubernetes emulator.
+
+No kube-apiserver can run on this machine, so kmock stands in for it: it serves discovery,
+list/watch/patch/create/delete of the declared resources over real HTTP. It has no controllers,
+defaulting or garbage collection: the tests play the StatefulSet controller (patching status
+through the API, as the real controller would) and assert ownerReferences instead of GC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import kmock
+import kopf
+
+NS = "team-a"
+JOBS = "pipelinerl.dev/v1alpha1/pipelinerljobs"
+RESOURCES = {
+    JOBS: dict(namespaced=True, kind="PipelineRLJob", singular="pipelinerljob", shortnames={"prl"},
+               subresources={"status", "scale"}, verbs={"get", "list", "watch", "patch", "create", "delete", "update"}),
+    "apps/v1/statefulsets": dict(namespaced=True, kind="StatefulSet", subresources={"status", "scale"}),
+    "v1/services": dict(namespaced=True, kind="Service"),
+    "v1/configmaps": dict(namespaced=True, kind="ConfigMap"),
+    "v1/pods": dict(namespaced=True, kind="Pod", subresources={"status"}),
+    "v1/events": dict(namespaced=True, kind="Event"),
+    "v1/namespaces": dict(namespaced=False, kind="Namespace"),
+}
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus `metadata.generateName` (kopf names its Events that way)."""
+
+    _generated: int = 0
+
+    async def _handle(self, request):  # type: ignore[no-untyped-def]
+        meta = request.data.get("metadata") if isinstance(request.data, dict) else None
+        if request.method == "POST" and meta and meta.get("generateName") and not meta.get("name"):
+            Emulator._generated += 1
+            meta["name"] = f"{meta['generateName']}{Emulator._generated:05d}"
+        return await super()._handle(request)
+
+
+@contextlib.asynccontextmanager
+async def emulator() -> AsyncIterator[Emulator]:
+    async with Emulator() as handler, kmock.Server(handler):
+        declare(handler)
+        yield handler
+
+
+def declare(emulator: kmock.KubernetesEmulator) -> None:
+    for key, info in RESOURCES.items():
+        emulator.resources[key] = kmock.ResourceInfo(**{**info, "verbs": info.get("verbs", {"get", "list", "watch", "patch", "create", "delete"})})
+
+
+class Api:
+    """What `kubectl` and the Kubernetes controllers would do, over HTTP against the emulator."""
+
+    def __init__(self, base: str):
+        self.base = base.rstrip("/")
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+
+    async def _call(self, method: str, path: str, body: Any = None) -> Any:
+        async with self.session.request(method, self.base + path, json=body) as resp:
+            text = await resp.text()
+            assert resp.status < 400, f"{method} {path}: {resp.status} {text[:300]}"
+            return json.loads(text) if text else None
+
+    def _job_path(self, name: str = "") -> str:
+        return f"/apis/pipelinerl.dev/v1alpha1/namespaces/{NS}/pipelinerljobs" + (f"/{name}" if name else "")
+
+    async def create_job(self, manifest: dict[str, Any]) -> None:
+        await self._call("POST", self._job_path(), manifest)
+
+    async def patch_job(self, name: str, patch: dict[str, Any]) -> None:
+        await self._call("PATCH", self._job_path(name), patch)
+
+    async def delete_job(self, name: str) -> None:
+        await self._call("DELETE", self._job_path(name))
+
+    async def set_sts_status(self, name: str, replicas: int, ready: int) -> None:
+        path = f"/apis/apps/v1/namespaces/{NS}/statefulsets/{name}/status"
+        await self._call("PATCH", path, {"status": {"replicas": replicas, "readyReplicas": ready}})
+
+    async def create_pod(self, name: str, labels: dict[str, str], restarts: int) -> None:
+        await self._call("POST", f"/api/v1/namespaces/{NS}/pods", {
+            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": labels},
+            "status": {"containerStatuses": [{"name": "trainer", "restartCount": restarts}]},
+        })
+
+    async def patch_pod_restarts(self, name: str, restarts: int) -> None:
+        await self._call("PATCH", f"/api/v1/namespaces/{NS}/pods/{name}/status",
+                         {"status": {"containerStatuses": [{"name": "trainer", "restartCount": restarts}]}})
+
+    async def close(self) -> None:
+        await self.session.close()
+
+
+@contextlib.asynccontextmanager
+async def running_operator(server_url: str, timeout_s: float = 10.0) -> AsyncIterator[None]:
+    """Start the operator (namespaced to NS, as a per-team install) in this event loop; stop it after."""
+    import pipelinerl_operator.handlers  # noqa: F401  (registers the handlers in kopf's default registry)
+
+    os.environ["PIPELINERL_KUBE_SERVER"] = server_url
+    os.environ["PIPELINERL_WATCH_NAMESPACES"] = NS
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(kopf.operator(
+        standalone=True, clusterwide=False, namespaces=[NS], stop_flag=stop, ready_flag=ready,
+    ))
+    try:
+        await asyncio.wait_for(ready.wait(), timeout_s)
+        yield
+    finally:
+        stop.set()
+        try:
+            await asyncio.wait_for(task, timeout_s)
+        except asyncio.TimeoutError:
+            task.cancel()
+
+
+async def eventually(check: Callable[[], Any], timeout_s: float = 10.0, what: str = "condition") -> Any:
+    """Poll `check` until it returns a truthy value (or stops raising AssertionError)."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    last: Exception | None = None
+    while asyncio.get_running_loop().time() < deadline:
+        try:
+            result = check()
+            if result:
+                return result
+        except (AssertionError, KeyError, TypeError) as err:
+            last = err
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}: {last!r}")
