@@ -91,6 +91,7 @@ class MicroBatch(Message):
     # Step-level facts (identical in every micro-batch of the step) for metrics.
     step_samples: int = 0
     step_groups_filtered: int = 0
+    step_groups_by_generator: dict[str, int] = Field(default_factory=dict)  # accepted groups per generator
 
     @model_validator(mode="after")
     def _aligned(self) -> MicroBatch:
@@ -115,6 +116,8 @@ class PolicyVersion(Message):
     step: int
     finished: bool = False  # the trainer has taken its last step
     timestamp: float
+    # Accepted groups of each generator (by rank) in steps ≤ version: frees their admission budget.
+    trained_groups: dict[str, int] = Field(default_factory=dict)
 
 
 class WeightUpdate(Message):

@@ -118,10 +118,11 @@ def _fingerprint(name: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
-def resolve_model_path(path: str, progress=print) -> str:
+def resolve_model_path(path: str, progress=None) -> str:
     """A model folder for `spec.model.path`: builds (once, under a file lock) the built-ins."""
     if path not in BUILTINS:
         return path
+    progress = progress or (lambda msg: print(msg, flush=True))
     name = path.split(":", 1)[1]
     target = cache_root() / "models" / f"{name}-{_fingerprint(name)}"
     if (target / "pipelinerl-model.json").exists():

@@ -32,11 +32,16 @@ class WeightReceiverExtension:
 
     def init_weight_group(self, host: str, port: int, rank: int, world_size: int,
                           timeout_s: float) -> None:
+        # `rank` is this engine's first rank in the weight group; collective_rpc
+        # sends the same args to every worker, so worker i of a TP/PP engine
+        # (self.rank == i) takes rank + i. Every worker receives full tensors:
+        # vLLM's loaders shard them.
         # Blocks until the trainer (TCPStore master, rank 0) and all other
-        # generator ranks have joined: the trainer must be creating its side
-        # concurrently. On GPUs pass backend="nccl" once that branch exists.
+        # ranks have joined: the trainer must create its side concurrently.
+        # On GPUs pass backend="nccl" once that branch exists in make_group.
         self._pipelinerl_weight_group = WeightGroup.create(
-            host, port, rank, world_size, timeout_s, is_master=False, backend="gloo"
+            host, port, rank + int(getattr(self, "rank", 0)), world_size, timeout_s,
+            is_master=False, backend="gloo",
         )
 
     def receive_weights(self, buckets: list[dict[str, Any]]) -> None:

@@ -1,0 +1,275 @@
+"""`pipelinerl run job.yaml`: the whole job on this machine.
+
+Starts an embedded nats-server and the same three services the pods run, as separate
+processes; shows live progress from the job's metrics stream; writes metrics.jsonl,
+summary.json and progress.png into the run folder. Ctrl-C stops everything cleanly; a service
+that dies stops the rest, and its log tail is shown with a non-zero exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from nats.js.api import DeliverPolicy
+
+from pipelinerl import messages as m
+from pipelinerl.spec import PipelineRLJob, dump_job
+from pipelinerl.streams import EmbeddedNats, JobSubjects, connect, ensure_streams, free_port
+from pipelinerl.tiny_model import model_info, resolve_model_path
+
+FINAL_EVAL_TIMEOUT_S = 300.0
+PRINT_EVERY_S = 3.0
+
+
+class Service:
+    def __init__(self, name: str, role: str, rank: int, env: dict, log_path: Path, job_file: Path):
+        self.name, self.role, self.rank, self.log_path = name, role, rank, log_path
+        self.http_port = int(env["PIPELINERL_HTTP_PORT"])
+        self.log = open(log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipelinerl.cli", "service", role, str(job_file)],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        self.log.close()
+
+
+class ServiceDied(RuntimeError):
+    def __init__(self, service: Service):
+        super().__init__(f"{service.name} exited with code {service.proc.returncode}")
+        self.service = service
+
+
+class LocalRun:
+    def __init__(self, job: PipelineRLJob, run_dir: Path, quiet: bool = False):
+        self.job, self.spec, self.run_dir = job, job.spec, run_dir
+        self.subjects = JobSubjects(job.name)
+        self.quiet = quiet
+        self.services: list[Service] = []
+        self.train: list[dict] = []
+        self.evals: list[dict] = []
+        self.gen_tokens: tuple[float, int] | None = None
+        self.gen_rate = 0.0
+        self.t0 = time.time()
+
+    def say(self, text: str) -> None:
+        if not self.quiet:
+            print(text, flush=True)
+
+    # -- processes -------------------------------------------------------------------------
+    def start_services(self, nats_url: str) -> None:
+        job_file = self.run_dir / "job.yaml"
+        job_file.write_text(dump_job(self.job))
+        logs = self.run_dir / "logs"
+        logs.mkdir(exist_ok=True)
+        gens, trainers = self.spec.generator.replicas, self.spec.trainer.replicas
+        weights_port, master_port = free_port(), free_port()
+        base = {
+            **os.environ, "PYTHONUNBUFFERED": "1", "PIPELINERL_NATS_URL": nats_url,
+            "PIPELINERL_WEIGHTS_ADDR": f"127.0.0.1:{weights_port}", "PIPELINERL_RUN_DIR": str(self.run_dir),
+            "PIPELINERL_GENERATORS": str(gens), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
+            # One thread per process: the services share this machine's cores.
+            "OMP_NUM_THREADS": "1", "PIPELINERL_TORCH_THREADS": "1",
+        }
+        layout = [("trainer", r, trainers) for r in range(trainers)] + [("preprocessor", 0, 1)] + \
+                 [("generator", r, gens) for r in range(gens)]
+        for role, rank, world in layout:
+            env = base | {"PIPELINERL_ROLE": role, "PIPELINERL_RANK": str(rank),
+                          "PIPELINERL_WORLD_SIZE": str(world), "PIPELINERL_HTTP_PORT": str(free_port())}
+            name = role if world == 1 else f"{role}-{rank}"
+            self.services.append(Service(name, role, rank, env, logs / f"{name}.log", job_file))
+
+    def check_services(self) -> bool:
+        """True when the trainers have all finished; raises ServiceDied on a failure."""
+        for s in self.services:
+            code = s.proc.poll()
+            if code not in (None, 0):
+                raise ServiceDied(s)
+        return all(s.proc.poll() == 0 for s in self.services if s.role == "trainer")
+
+    def stop_services(self) -> None:
+        for s in reversed(self.services):
+            s.stop()
+
+    # -- progress --------------------------------------------------------------------------
+    async def watch(self, nc) -> None:
+        js = nc.jetstream()
+        await ensure_streams(js, self.subjects, self.spec.nats.max_payload_mb)
+        metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+
+        async def on_metric(msg) -> None:
+            row = m.decode(msg.data, m.Metrics)
+            record = {"kind": row.kind, "source": row.source, "time": row.timestamp - self.t0, **row.values}
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
+            if row.kind == "train":
+                self.train.append(record)
+            elif row.kind == "eval":
+                self.evals.append(record)
+                tag = "warm start" if record["version"] == 0 else ("final" if record.get("final") else "eval")
+                self.say(f"  [{tag}] version {record['version']}: held-out accuracy {record['accuracy']:.1%} "
+                         f"on {record['problems']} problems")
+
+        await js.subscribe(self.subjects.metrics(">"), cb=on_metric, deliver_policy=DeliverPolicy.ALL,
+                           ordered_consumer=True)
+        last_print = 0.0
+        async with httpx.AsyncClient(timeout=1.0) as http:
+            while True:
+                finished = self.check_services()
+                await self.poll_generators(http)
+                if time.time() - last_print > PRINT_EVERY_S and self.train:
+                    self.say(self.progress_line())
+                    last_print = time.time()
+                if finished:
+                    break
+                await asyncio.sleep(0.5)
+            deadline = time.time() + FINAL_EVAL_TIMEOUT_S
+            while self.spec.eval.interval and not any(e.get("final") for e in self.evals):
+                self.check_services_alive_generators()
+                if time.time() > deadline:
+                    self.say("  (no final evaluation arrived in time)")
+                    break
+                await asyncio.sleep(0.5)
+        metrics_file.close()
+
+    def check_services_alive_generators(self) -> None:
+        for s in self.services:
+            if s.role == "generator" and s.proc.poll() not in (None, 0):
+                raise ServiceDied(s)
+
+    async def poll_generators(self, http) -> None:
+        total = 0
+        for s in self.services:
+            if s.role != "generator" or s.proc.poll() is not None:
+                continue
+            try:
+                total += (await http.get(f"http://127.0.0.1:{s.http_port}/status")).json().get("tokens", 0)
+            except (httpx.HTTPError, ValueError):
+                return
+        now = time.time()
+        if self.gen_tokens and now > self.gen_tokens[0]:
+            self.gen_rate = 0.7 * self.gen_rate + 0.3 * (total - self.gen_tokens[1]) / (now - self.gen_tokens[0])
+        self.gen_tokens = (now, total)
+
+    def progress_line(self) -> str:
+        t = self.train[-1]
+        acc = f"{self.evals[-1]['accuracy']:.1%}" if self.evals else "-"
+        recent = self.train[-10:]
+        reward = sum(r["reward"] for r in recent) / len(recent)
+        return (f"[{time.time() - self.t0:6.0f}s] step {t['step']:4d}/{self.spec.trainer.max_steps} "
+                f"version {t['step']:4d} | train reward {reward:.3f} | test acc {acc} | "
+                f"lag {t['lag_mean']:.2f} (max {t['lag_max']:.0f}) | ess {t['ess']:.3f} | "
+                f"gen {self.gen_rate:,.0f} tok/s | trainer {t['trainer_tokens_per_second']:,.0f} tok/s")
+
+    # -- results ---------------------------------------------------------------------------
+    def summary(self) -> dict:
+        first = next((e for e in self.evals if e["version"] == 0), None)
+        final = next((e for e in reversed(self.evals) if e.get("final")), self.evals[-1] if self.evals else None)
+        lags = [t["lag_max"] for t in self.train]
+        return {
+            "job": self.job.name, "mode": self.spec.mode, "max_lag": self.spec.max_lag,
+            "steps": self.train[-1]["step"] if self.train else 0,
+            "wall_seconds": time.time() - self.t0,
+            "warm_start_accuracy": first["accuracy"] if first else None,
+            "final_accuracy": final["accuracy"] if final else None,
+            "accuracy_gain_points": 100 * (final["accuracy"] - first["accuracy"]) if first and final else None,
+            "updates_with_requests_in_flight": sum(t.get("updates_with_running_requests", 0) for t in self.train),
+            "lag_max": max(lags) if lags else None,
+            "samples_dropped_for_lag": sum(t.get("dropped_for_lag", 0) for t in self.train),
+            "mean_ess": sum(t["ess"] for t in self.train) / len(self.train) if self.train else None,
+        }
+
+    def plot(self) -> Path | None:
+        if not self.train:
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        steps = [t["step"] for t in self.train]
+        rewards = [t["reward"] for t in self.train]
+        k = 10
+        smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1])
+                  for i in range(len(rewards))]
+        ax.plot(steps, rewards, color="tab:blue", alpha=0.25, label="train reward")
+        ax.plot(steps, smooth, color="tab:blue", label="train reward (10-step mean)")
+        if self.evals:
+            ax.plot([e["version"] for e in self.evals], [e["accuracy"] for e in self.evals], "o-",
+                    color="tab:red", label="held-out accuracy")
+        ax.set_xlabel("optimizer step (policy version)")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"{self.job.name}: {self.spec.mode} mode, max lag {self.spec.max_lag}")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right")
+        path = self.run_dir / "progress.png"
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return path
+
+
+def run_local(job: PipelineRLJob, run_dir: str | Path | None = None, quiet: bool = False) -> int:
+    run_dir = Path(run_dir or Path("runs") / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run = LocalRun(job, run_dir, quiet=quiet)
+    run.say(f"pipelinerl: running {job.name!r} ({job.spec.mode} mode, max lag {job.spec.max_lag}) in {run_dir}")
+    model_path = resolve_model_path(job.spec.model.path)
+    run.say(f"  model {model_path} {model_info(model_path) or ''}")
+    nats = EmbeddedNats(run_dir / "nats", job.spec.nats.max_payload_mb).start()
+    code = 0
+
+    async def main() -> None:
+        nc = await connect(nats.url, "pipelinerl-run")
+        try:
+            await run.watch(nc)
+        finally:
+            await nc.close()
+
+    def _terminate(*_) -> None:
+        raise KeyboardInterrupt  # SIGTERM stops the run like Ctrl-C: children are stopped too
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        run.t0 = time.time()
+        run.start_services(nats.url)
+        run.say(f"  services: {', '.join(s.name for s in run.services)}; logs in {run_dir / 'logs'}")
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        run.say("\ninterrupted: stopping services")
+        code = 130
+    except ServiceDied as err:
+        print(f"\nerror: {err}; stopping the other services. Last lines of {err.service.log_path}:\n"
+              f"{err.service.tail()}", file=sys.stderr, flush=True)
+        code = 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        run.stop_services()
+        nats.stop()
+    summary = run.summary()
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot = run.plot()
+    run.say("\nsummary: " + json.dumps(summary, indent=1))
+    if plot:
+        run.say(f"plot: {plot}")
+    return code

@@ -1,0 +1,56 @@
+"""Max-lag admission (pure): when may a generator start another prompt group?
+
+A group started now, at weights version v, is trained once every group queued before it has
+been trained. With Q groups of this generator queued or in flight (started, not yet trained,
+not discarded) and this generator's share of a step being groups_per_step / generators, the
+new group lands about Q / share steps from now; its lag stays within `max_lag` while
+Q < (max_lag + 1) · share. Groups the preprocessor will discard (zero variance) leave the
+queue as soon as they finish, so sync mode (max_lag 0) can never starve a step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class Admission:
+    groups_per_step: int
+    generators: int
+    max_lag: int
+    max_inflight: int
+    started: int = 0
+    finished: int = 0
+    discarded: int = 0
+    trained: int = 0  # this generator's groups in trained steps (announced by the trainer)
+
+    @property
+    def share(self) -> int:
+        return math.ceil(self.groups_per_step / self.generators)
+
+    @property
+    def budget(self) -> int:
+        return (self.max_lag + 1) * self.share
+
+    @property
+    def queued(self) -> int:
+        return self.started - self.discarded - self.trained
+
+    @property
+    def inflight(self) -> int:
+        return self.started - self.finished
+
+    def may_start(self) -> bool:
+        return self.queued < self.budget and self.inflight < self.max_inflight
+
+    def on_start(self) -> None:
+        self.started += 1
+
+    def on_finish(self, discarded: bool) -> None:
+        self.finished += 1
+        self.discarded += int(discarded)
+
+    def on_trained(self, trained_total: int) -> None:
+        # Announcements can arrive out of order after reconnects: never go backwards.
+        self.trained = max(self.trained, trained_total)

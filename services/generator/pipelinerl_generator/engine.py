@@ -1,0 +1,127 @@
+"""The inference engine: vLLM AsyncLLM in-process, as a task `Policy`, with in-flight
+weight updates.
+
+Per-token policy versions come from vLLM itself: the engine core stamps each step's outputs
+with its current weight-version label and reports, on the final output, spans of output
+tokens per label. We set the label while generation is paused, right after the new weights are
+loaded, so every token is tagged with the weights that actually sampled it (no race with
+outputs still in flight).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass
+
+from pipelinerl.spec import PipelineRLJob
+from pipelinerl.tasks import Completion
+
+log = logging.getLogger(__name__)
+EXTENSION = "pipelinerl_generator.weight_receiver.WeightReceiverExtension"
+
+
+@dataclass
+class UpdateStats:
+    version: int
+    pause_seconds: float
+    running_requests: int
+
+
+def engine_args(job: PipelineRLJob, model_path: str, seed: int):
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    spec = job.spec
+    on_cpu = spec.generator.gpus == 0
+    args = dict(
+        model=model_path, dtype=spec.model.dtype, max_model_len=spec.model.max_seq_len, seed=seed,
+        worker_extension_cls=EXTENSION, tensor_parallel_size=spec.generator.tensor_parallel,
+        enforce_eager=on_cpu,  # compiling costs 30-70 s on CPU and buys little for small models
+        enable_prefix_caching=True, disable_log_stats=True,
+    )
+    args.update(spec.generator.engine_args)
+    return AsyncEngineArgs(**args)
+
+
+def configure_cpu_env() -> None:
+    """Defaults for the CPU build (a single-process engine starts in seconds)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+class Engine:
+    """AsyncLLM plus what RL needs: sampling logprobs, token versions, weight updates."""
+
+    def __init__(self, job: PipelineRLJob, model_path: str, seed: int = 0):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if job.spec.generator.gpus == 0:
+            configure_cpu_env()
+        self.job = job
+        self.sampling = job.spec.generator.sampling
+        self.llm = AsyncLLM.from_engine_args(engine_args(job, model_path, seed))
+        self.eos = self.llm.tokenizer.eos_token_id if self.llm.tokenizer else None
+        self.version = 0
+        self.running = 0
+        self.tokens_generated = 0
+
+    async def start(self, version: int = 0) -> None:
+        await self.set_version(version)
+
+    async def set_version(self, version: int) -> None:
+        await self.llm.update_weight_version(str(version))
+        self.version = version
+
+    async def generate(self, prompt: list[int], max_tokens: int, greedy: bool = False) -> Completion:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            temperature=0.0 if greedy else self.sampling.temperature,
+            top_p=1.0 if greedy else self.sampling.top_p,
+            max_tokens=max_tokens, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY,
+            stop_token_ids=[self.eos] if self.eos is not None else None,
+        )
+        final = None
+        self.running += 1
+        try:
+            async for out in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=uuid.uuid4().hex):
+                final = out
+        finally:
+            self.running -= 1
+        c = final.outputs[0]
+        tokens = list(c.token_ids)
+        logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, tokens)]
+        self.tokens_generated += len(tokens)
+        return Completion(tokens=tokens, logprobs=logprobs, versions=token_versions(c.weight_versions, len(tokens)),
+                          finish_reason="length" if c.finish_reason == "length" else "stop")
+
+    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+        await self.llm.collective_rpc("init_weight_group", args=(host, port, rank, world_size, timeout_s))
+
+    async def update_weights(self, version: int, buckets: list[dict]) -> UpdateStats:
+        """Pause keeping running requests and their KV cache, load, relabel, resume."""
+        t0 = time.perf_counter()
+        running = self.running
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await self.llm.collective_rpc("receive_weights", args=(buckets,))
+            await self.set_version(version)
+        finally:
+            await self.llm.resume_generation()
+        return UpdateStats(version=version, pause_seconds=time.perf_counter() - t0, running_requests=running)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+
+
+def token_versions(spans, n: int) -> list[int]:
+    """Per-token versions from vLLM's [start, end) weight-version spans."""
+    if not spans:
+        raise RuntimeError("vLLM reported no weight-version labels for a finished request")
+    versions = [0] * n
+    for span in spans:
+        versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+    return versions

@@ -1,0 +1,246 @@
+"""Generator service: rollouts with max-lag admission, in-flight weight updates, evaluation.
+
+Loops, all on one asyncio loop:
+- admission: start prompt groups while the lag budget allows; each group runs G attempts
+  concurrently through the engine and is published to JetStream (msg id = group id, so a
+  retried publish is de-duplicated);
+- weights: on the trainer's `WeightUpdate`, pause (keeping requests), receive, resume, reply;
+- versions: the trainer's announcements free admission budget and trigger evaluations.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+
+from prometheus_client import Counter, Gauge
+
+from pipelinerl import messages as m
+from pipelinerl.services import HealthServer, ServiceEnv
+from pipelinerl.spec import PipelineRLJob
+from pipelinerl.streams import JobSubjects, connect, ensure_streams
+from pipelinerl.tasks import make_task
+from pipelinerl.tiny_model import resolve_model_path
+from pipelinerl_generator.admission import Admission
+from pipelinerl_generator.engine import Engine
+from pipelinerl_preprocessor.advantages import is_zero_variance
+
+log = logging.getLogger("pipelinerl.generator")
+GROUPS = Counter("pipelinerl_generator_groups_total", "Prompt groups published")
+TOKENS = Counter("pipelinerl_generator_tokens_total", "Tokens generated")
+VERSION = Gauge("pipelinerl_generator_policy_version", "Policy version of the engine weights")
+INFLIGHT = Gauge("pipelinerl_generator_inflight_groups", "Prompt groups being generated")
+UPDATE_PAUSE = Gauge("pipelinerl_generator_weight_update_pause_seconds", "Pause of the last weight update")
+
+
+class Generator:
+    def __init__(self, job: PipelineRLJob, env: ServiceEnv):
+        self.job, self.env, self.spec = job, env, job.spec
+        self.subjects = JobSubjects(job.name)
+        self.task = make_task(self.spec.task.name, self.spec.task.params, seed=self.spec.task.seed)
+        self.admission = Admission(
+            groups_per_step=self.spec.groups_per_step, generators=env.generators,
+            max_lag=self.spec.max_lag, max_inflight=self.spec.generator.max_inflight_groups,
+        )
+        self.wakeup = asyncio.Event()
+        self.stopping = asyncio.Event()
+        self.finished_version: int | None = None
+        self.evaluated: set[int] = set()
+        self.errors: list[BaseException] = []
+        self.tasks: set[asyncio.Task] = set()
+        self.busy_since: float | None = None
+        self.busy_seconds = 0.0
+        self.started_at = time.time()
+        self.updates_in_flight = 0  # updates applied while requests were running
+
+    # -- status ----------------------------------------------------------------------------
+    def status(self) -> dict:
+        a = self.admission
+        return {
+            "role": "generator", "rank": self.env.rank, "version": self.engine.version if hasattr(self, "engine") else 0,
+            "groupsStarted": a.started, "groupsFinished": a.finished, "groupsDiscarded": a.discarded,
+            "groupsTrained": a.trained, "inflightGroups": a.inflight, "queuedGroups": a.queued,
+            "tokens": self.engine.tokens_generated if hasattr(self, "engine") else 0,
+            "updatesWithRequestsInFlight": self.updates_in_flight,
+            "busyFraction": self.busy_fraction(),
+        }
+
+    def busy_fraction(self) -> float:
+        busy = self.busy_seconds + (time.time() - self.busy_since if self.busy_since else 0.0)
+        return busy / max(1e-9, time.time() - self.started_at)
+
+    def _track_busy(self) -> None:
+        now = time.time()
+        if self.engine.running and self.busy_since is None:
+            self.busy_since = now
+        elif not self.engine.running and self.busy_since is not None:
+            self.busy_seconds += now - self.busy_since
+            self.busy_since = None
+
+    # -- main ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        http = HealthServer("generator", self.env.http_port, self.status).start()
+        self.nc = await connect(self.env.nats_url, f"{self.job.name}-generator-{self.env.rank}")
+        self.js = self.nc.jetstream()
+        await ensure_streams(self.js, self.subjects, self.spec.nats.max_payload_mb)
+        model_path = resolve_model_path(self.spec.model.path)
+        self.engine = Engine(self.job, model_path, seed=self.spec.trainer.seed + 1000 * self.env.rank)
+        self.tokenizer = self.engine.llm.tokenizer
+        start_version, trained = await self._latest_version()
+        await self.engine.start(start_version)
+        VERSION.set(start_version)
+        # Nothing of a previous incarnation is queued any more: start the books from here.
+        a = self.admission
+        a.started = a.finished = a.trained = trained
+        await self.nc.subscribe(self.subjects.weights_update, cb=self._on_weight_update)
+        await self.js.subscribe(self.subjects.version, cb=self._on_version, deliver_policy=m_deliver_last(),
+                                ordered_consumer=True)
+        join = asyncio.create_task(self.engine.join_weight_group(
+            self.env.weights_host, self.env.weights_port, 1 + self.env.rank, 1 + self.env.generators,
+            self.spec.weight_sync.timeout_seconds))
+        await join
+        http.ready = True
+        log.info("generator %d ready at version %d (model %s)", self.env.rank, start_version, model_path)
+        self._spawn(self._maybe_eval(start_version))
+        await self._admission_loop()
+        self.engine.shutdown()
+        await self.nc.drain()
+
+    async def _latest_version(self) -> tuple[int, int]:
+        try:
+            msg = await self.js.get_last_msg(self.subjects.stream("CONTROL"), self.subjects.version)
+        except Exception:
+            return 0, 0
+        pv = m.decode(msg.data, m.PolicyVersion)
+        return pv.version, pv.trained_groups.get(str(self.env.rank), 0)
+
+    def _spawn(self, coro) -> None:
+        t = asyncio.create_task(coro)
+        self.tasks.add(t)
+        t.add_done_callback(self._done)
+
+    def _done(self, t: asyncio.Task) -> None:
+        self.tasks.discard(t)
+        if not t.cancelled() and t.exception() is not None:
+            self.errors.append(t.exception())
+            self.stopping.set()
+            self.wakeup.set()
+
+    async def _admission_loop(self) -> None:
+        index = self.env.rank  # generators take interleaved slices of the training stream
+        index += self.admission.started * self.env.generators
+        while not self.stopping.is_set():
+            if self.finished_version is not None:
+                break
+            if self.admission.may_start():
+                self.admission.on_start()
+                self._spawn(self._group(self.task.train_problem(index)))
+                index += self.env.generators
+                continue
+            self.wakeup.clear()
+            self._track_busy()
+            try:
+                await asyncio.wait_for(self.wakeup.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+        if self.errors:
+            raise self.errors[0]
+        # Finished: let the final evaluation complete, abandon rollouts nobody will train.
+        pending = [t for t in self.tasks]
+        if pending:
+            await asyncio.wait(pending, timeout=self.spec.weight_sync.timeout_seconds)
+
+    async def _group(self, problem) -> None:
+        INFLIGHT.inc()
+        self._track_busy()
+        t0 = time.time()
+        start_version = self.engine.version
+        try:
+            max_tokens = self.spec.generator.sampling.max_tokens
+            samples = await asyncio.gather(*[
+                self.task.rollout(self.engine, self.tokenizer, problem, max_tokens)
+                for _ in range(self.spec.rl.attempts)
+            ])
+            group = m.RolloutGroup(
+                group_id=f"{problem.id}", problem_id=problem.id, generator=self.env.rank, samples=list(samples),
+                start_version=start_version, gen_seconds=time.time() - t0,
+            )
+            await self.js.publish(self.subjects.rollouts, m.encode(group), headers={"Nats-Msg-Id": group.group_id},
+                                  timeout=30)
+            GROUPS.inc()
+            TOKENS.inc(sum(s.num_generated for s in samples))
+            discarded = self.spec.rl.filter_zero_variance and is_zero_variance([s.reward for s in samples])
+            self.admission.on_finish(discarded)
+        finally:
+            INFLIGHT.dec()
+            self._track_busy()
+            self.wakeup.set()
+
+    async def _on_weight_update(self, msg) -> None:
+        update = m.decode(msg.data, m.WeightUpdate)
+        reply = m.WeightUpdateDone(version=update.version, generator=self.env.rank, pause_seconds=0.0,
+                                   running_requests=0)
+        try:
+            stats = await self.engine.update_weights(update.version, update.buckets)
+            reply.pause_seconds, reply.running_requests = stats.pause_seconds, stats.running_requests
+            self.updates_in_flight += int(stats.running_requests > 0)
+            VERSION.set(update.version)
+            UPDATE_PAUSE.set(stats.pause_seconds)
+        except Exception as err:  # reported to the trainer, which fails loudly
+            log.exception("weight update to version %d failed", update.version)
+            reply.error = f"{type(err).__name__}: {err}"
+            self.errors.append(err)
+            self.stopping.set()
+        await self.nc.publish(self.subjects.weights_done, m.encode(reply))
+        self.wakeup.set()
+
+    async def _on_version(self, msg) -> None:
+        pv = m.decode(msg.data, m.PolicyVersion)
+        self.admission.on_trained(pv.trained_groups.get(str(self.env.rank), 0))
+        self.wakeup.set()
+        if pv.finished:
+            self.finished_version = pv.version
+        self._spawn(self._maybe_eval(pv.version, final=pv.finished))
+
+    async def _maybe_eval(self, version: int, final: bool = False) -> None:
+        interval = self.spec.eval.interval
+        if self.env.rank != 0 or version in self.evaluated:
+            return
+        if not final and (interval == 0 or version % interval):
+            return
+        self.evaluated.add(version)
+        t0 = time.time()
+        problems = self.task.test_problems(self.spec.eval.problems)
+        samples = await asyncio.gather(*[
+            self.task.rollout(self.engine, self.tokenizer, p, self.spec.generator.sampling.max_tokens, greedy=True)
+            for p in problems
+        ])
+        values = {
+            "version": version, "accuracy": sum(s.success for s in samples) / len(samples),
+            "reward": sum(s.reward for s in samples) / len(samples), "problems": len(samples),
+            "final": final, "seconds": time.time() - t0,
+        }
+        log.info("eval at version %d: accuracy %.3f", version, values["accuracy"])
+        await self.js.publish(self.subjects.metrics("eval"), m.encode(m.Metrics(
+            source=f"generator-{self.env.rank}", kind="eval", values=values, timestamp=time.time())), timeout=30)
+
+
+def m_deliver_last():
+    from nats.js.api import DeliverPolicy
+
+    return DeliverPolicy.LAST_PER_SUBJECT
+
+
+def main(job: PipelineRLJob, env: ServiceEnv) -> int:
+    gen = Generator(job, env)
+
+    async def _run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: (gen.stopping.set(), gen.wakeup.set()))
+        await gen.run()
+
+    asyncio.run(_run())
+    return 0

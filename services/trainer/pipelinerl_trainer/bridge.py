@@ -1,0 +1,69 @@
+"""NATS from a synchronous training loop: an asyncio loop in a daemon thread, with every call
+bounded by a timeout. Micro-batches of this rank arrive through an ordered consumer into a
+thread-safe queue, starting right after the last stream sequence a checkpoint consumed."""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import Any
+
+from nats.js.api import DeliverPolicy
+
+from pipelinerl import messages as m
+from pipelinerl.streams import JobSubjects, connect, ensure_streams
+
+
+class NatsBridge:
+    def __init__(self, url: str, name: str, subjects: JobSubjects, max_payload_mb: int):
+        self.subjects = subjects
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="nats", daemon=True)
+        self.thread.start()
+        self.batches: queue.Queue[tuple[int, m.MicroBatch]] = queue.Queue()
+        self.done: queue.Queue[m.WeightUpdateDone] = queue.Queue()
+        self.nc = self.call(connect(url, name), 60)
+        self.js = self.nc.jetstream()
+        self.call(ensure_streams(self.js, subjects, max_payload_mb), 60)
+
+    def call(self, coro, timeout_s: float) -> Any:
+        return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), self.loop).result()
+
+    def consume_batches(self, rank: int, after_seq: int) -> None:
+        async def on_msg(msg) -> None:
+            self.batches.put((msg.metadata.sequence.stream, m.decode(msg.data, m.MicroBatch)))
+
+        kwargs: dict[str, Any] = {"deliver_policy": DeliverPolicy.ALL}
+        if after_seq:
+            kwargs = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": after_seq + 1}
+        self.call(self.js.subscribe(self.subjects.batches(rank), cb=on_msg, ordered_consumer=True, **kwargs), 30)
+
+    def listen_weight_replies(self) -> None:
+        async def on_msg(msg) -> None:
+            self.done.put(m.decode(msg.data, m.WeightUpdateDone))
+
+        self.call(self.nc.subscribe(self.subjects.weights_done, cb=on_msg), 30)
+
+    def publish(self, subject: str, msg: m.Message, stream: bool = True) -> None:
+        if stream:
+            self.call(self.js.publish(subject, m.encode(msg), timeout=30), 60)
+        else:
+            self.call(self.nc.publish(subject, m.encode(msg)), 30)
+            self.call(self.nc.flush(timeout=30), 60)
+
+    def last(self, subject: str, stream_suffix: str, kind: type[m.Message]):
+        async def get():
+            try:
+                msg = await self.js.get_last_msg(self.subjects.stream(stream_suffix), subject)
+            except Exception:
+                return None
+            return m.decode(msg.data, kind)
+
+        return self.call(get(), 30)
+
+    def close(self) -> None:
+        try:
+            self.call(self.nc.drain(), 30)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)

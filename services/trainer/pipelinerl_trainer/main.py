@@ -1,0 +1,240 @@
+"""Trainer service: consume packed micro-batches, take RL optimizer steps with DeepSpeed,
+push the new weights into the running generators, announce the version, checkpoint.
+
+Every rank consumes its own subject; all ranks take the same number of micro-batches per step
+(sentinels included), so DeepSpeed's collectives stay in lock-step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import signal
+import threading
+import time
+from datetime import datetime, timezone
+
+import torch
+import torch.distributed as dist
+from prometheus_client import Counter, Gauge
+
+from pipelinerl import messages as m
+from pipelinerl.services import HealthServer, ServiceEnv
+from pipelinerl.spec import PipelineRLJob
+from pipelinerl.streams import JobSubjects
+from pipelinerl.tiny_model import resolve_model_path
+from pipelinerl.weight_group import WeightGroup
+from pipelinerl_trainer import checkpoint
+from pipelinerl_trainer.bridge import NatsBridge
+from pipelinerl_trainer.loss import LossConfig, effective_sample_size, policy_loss, token_logprobs
+from pipelinerl_trainer.model import build_engine, init_distributed
+from pipelinerl_trainer.weight_sender import WeightSender
+
+log = logging.getLogger("pipelinerl.trainer")
+STEP = Gauge("pipelinerl_trainer_step", "Optimizer steps taken (= policy version)")
+REWARD = Gauge("pipelinerl_trainer_reward", "Mean reward of the last step's samples")
+LAG = Gauge("pipelinerl_trainer_lag_mean", "Mean token lag of the last step")
+TOKENS_PER_S = Gauge("pipelinerl_trainer_tokens_per_second", "Trainer throughput of the last step")
+SYNC_S = Gauge("pipelinerl_trainer_weight_sync_seconds", "Duration of the last weight update")
+DROPPED = Counter("pipelinerl_trainer_samples_dropped_total", "Samples dropped for exceeding max lag")
+DATA_WAIT_S = 30.0  # log a "waiting for data" line this often
+
+
+class Trainer:
+    def __init__(self, job: PipelineRLJob, env: ServiceEnv):
+        self.job, self.spec, self.env = job, job.spec, env
+        self.rank, self.world = env.rank, env.world_size
+        self.subjects = JobSubjects(job.name)
+        self.ckpt_dir = env.run_dir / "checkpoints"
+        self.loss_cfg = LossConfig(self.spec.rl.loss, self.spec.rl.epsilon_low, self.spec.rl.epsilon_high,
+                                   self.spec.rl.kl_coef, self.spec.rl.entropy_coef)
+        self.stop = threading.Event()
+        self.progress: dict = {"step": 0, "version": 0, "samples": 0, "maxSteps": self.spec.trainer.max_steps,
+                               "finished": False}
+
+    def status(self) -> dict:
+        return {"role": "trainer", "rank": self.rank, **self.progress}
+
+    def run(self) -> int:
+        http = HealthServer("trainer", self.env.http_port, self.status).start()
+        on_gpu = self.spec.trainer.gpus > 0
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        init_distributed(on_gpu, self.spec.weight_sync.timeout_seconds * 5)
+        model_path = resolve_model_path(self.spec.model.path)
+        self.engine = build_engine(self.job, model_path)
+        self.ref_model = self._reference(model_path)
+        state = checkpoint.load(self.engine, self.ckpt_dir)
+        self.version = state.get("step", 0)
+        self.trained_groups: dict[str, int] = state.get("trained_groups", {})
+        self.consumed_seq = state.get("consumed_seq", {}).get(str(self.rank), 0)
+        self.samples_total = state.get("samples", 0)
+
+        self.bridge = NatsBridge(self.env.nats_url, f"{self.job.name}-trainer-{self.rank}", self.subjects,
+                                 self.spec.nats.max_payload_mb)
+        group = None
+        if self.rank == 0:
+            self.bridge.listen_weight_replies()
+            log.info("waiting for %d generator(s) to join the weight group on port %d",
+                     self.env.generators, self.env.weights_port)
+            group = WeightGroup.create("0.0.0.0", self.env.weights_port, 0, 1 + self.env.generators,
+                                       self.spec.weight_sync.timeout_seconds * 5, is_master=True)
+        self.sender = WeightSender(self.engine, self.rank, self.bridge, group, self.env.generators,
+                                   self.spec.weight_sync.bucket_mb, self.spec.weight_sync.timeout_seconds)
+        if self.version:  # resumed: generators may hold newer weights than the checkpoint
+            self.sender.send(self.version)
+            self._announce(finished=False)
+        self.bridge.consume_batches(self.rank, self.consumed_seq)
+        http.ready = True
+        log.info("trainer rank %d/%d ready at step %d (ZeRO-%d, model %s)", self.rank, self.world,
+                 self.version, self.spec.trainer.zero_stage, model_path)
+
+        while self.version < self.spec.trainer.max_steps and not self.stop.is_set():
+            batches = self._next_step_batches()
+            if batches is None:
+                break
+            metrics = self._train_step(batches)
+            self.version += 1
+            metrics |= self.sender.send(self.version)
+            last = self.version >= self.spec.trainer.max_steps
+            interval = self.spec.trainer.checkpoint_interval
+            if last or (interval and self.version % interval == 0):
+                self._checkpoint()
+            if self.rank == 0:
+                self._announce(finished=last)
+                self._report(metrics)
+        self.progress["finished"] = self.version >= self.spec.trainer.max_steps
+        self.bridge.close()
+        return 0
+
+    # -- data ------------------------------------------------------------------------------
+    def _next_step_batches(self) -> list[m.MicroBatch] | None:
+        """The `count` micro-batches of step `self.version` (older replayed ones are skipped)."""
+        got: list[m.MicroBatch] = []
+        waited = 0.0
+        while not self.stop.is_set():
+            try:
+                seq, mb = self.bridge.batches.get(timeout=1.0)
+            except queue.Empty:
+                waited += 1.0
+                if waited % DATA_WAIT_S == 0:
+                    log.info("step %d: waiting for data (%.0fs)", self.version, waited)
+                continue
+            self.consumed_seq = seq
+            if mb.step < self.version:
+                continue
+            if mb.step > self.version:
+                raise RuntimeError(f"rank {self.rank}: got step {mb.step} while step {self.version} is incomplete")
+            got.append(mb)
+            if len(got) == mb.count:
+                return got
+        return None
+
+    # -- training --------------------------------------------------------------------------
+    def _reference(self, model_path: str):
+        if self.spec.rl.kl_coef <= 0:
+            return None
+        from transformers import AutoModelForCausalLM
+
+        ref = AutoModelForCausalLM.from_pretrained(model_path)
+        return ref.eval().requires_grad_(False)
+
+    def _train_step(self, batches: list[m.MicroBatch]) -> dict:
+        t0 = time.perf_counter()
+        engine, temp = self.engine, self.spec.generator.sampling.temperature
+        engine.train()
+        sums = torch.zeros(10, dtype=torch.float64)  # reduced over ranks: see names below
+        lags: list[int] = []
+        for mb in batches:
+            if mb.is_sentinel:
+                # Same forward/backward shape on every rank, zero contribution.
+                ids = torch.zeros((1, 1), dtype=torch.long)
+                engine.backward(engine(input_ids=ids).logits.sum() * 0.0)
+                continue
+            ids = torch.tensor([mb.tokens])
+            logits = engine(input_ids=ids, position_ids=torch.tensor([mb.positions])).logits[0]
+            new_lp, entropy = token_logprobs(logits, ids[0], temp)
+            versions = torch.tensor(mb.versions)
+            weights = torch.tensor(mb.weights)
+            trained = weights > 0
+            # Drop what is older than the lag budget (counted per sample).
+            too_old = trained & (self.version - versions > self.spec.max_lag)
+            sample_ids = torch.tensor(mb.sample_ids)
+            dropped = int(torch.unique(sample_ids[too_old]).numel())
+            weights = torch.where(too_old, torch.zeros_like(weights), weights)
+            lags += (self.version - versions[trained]).tolist()
+            ref_lp = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logits = self.ref_model(input_ids=ids, position_ids=torch.tensor([mb.positions])).logits[0]
+                    ref_lp, _ = token_logprobs(ref_logits, ids[0], temp)
+            loss, st = policy_loss(new_lp, torch.tensor(mb.logprobs), torch.tensor(mb.advantages), weights,
+                                   self.loss_cfg, sample_ids=sample_ids, ref_logprobs=ref_lp, entropy=entropy)
+            # DeepSpeed averages gradients over data-parallel ranks; weights already sum over them.
+            engine.backward(loss * self.world)
+            sums += torch.tensor([loss.item(), st["tokens"], st["ratio_sum"], st["ratio_sq_sum"], st["clipped"],
+                                  st.get("entropy_sum", 0.0), st.get("kl_sum", 0.0), len(mb.rewards),
+                                  sum(mb.rewards), dropped], dtype=torch.float64)
+        engine.step()
+        grad_norm = engine.get_global_grad_norm()
+        if self.world > 1:
+            dist.all_reduce(sums)
+        loss, tokens, rsum, rsq, clipped, ent, kl, n, reward_sum, dropped = sums.tolist()
+        lag_t = torch.tensor(lags or [0], dtype=torch.float64)
+        elapsed = time.perf_counter() - t0
+        DROPPED.inc(dropped if self.rank == 0 else 0)
+        first = batches[0]
+        for g, c in first.step_groups_by_generator.items():
+            self.trained_groups[g] = self.trained_groups.get(g, 0) + c
+        self.samples_total += int(n)
+        return {
+            "step": self.version + 1, "loss": loss, "reward": reward_sum / max(n, 1), "samples": int(n),
+            "tokens": int(tokens), "ess": effective_sample_size(rsum, rsq, tokens),
+            "ratio_mean": rsum / max(tokens, 1), "clip_fraction": clipped / max(tokens, 1),
+            "entropy": ent / max(tokens, 1), "kl": kl / max(tokens, 1),
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "lag_min": float(lag_t.min()), "lag_mean": float(lag_t.mean()), "lag_max": float(lag_t.max()),
+            "dropped_for_lag": int(dropped), "groups_filtered": first.step_groups_filtered,
+            "train_seconds": elapsed, "trainer_tokens_per_second": tokens / elapsed * (1 if self.world == 1 else 1),
+        }
+
+    # -- outputs ---------------------------------------------------------------------------
+    def _announce(self, finished: bool) -> None:
+        self.bridge.publish(self.subjects.version, m.PolicyVersion(
+            version=self.version, step=self.version, finished=finished, timestamp=time.time(),
+            trained_groups=dict(self.trained_groups)))
+
+    def _report(self, metrics: dict) -> None:
+        STEP.set(self.version)
+        REWARD.set(metrics["reward"])
+        LAG.set(metrics["lag_mean"])
+        TOKENS_PER_S.set(metrics["trainer_tokens_per_second"])
+        SYNC_S.set(metrics["weight_sync_seconds"])
+        self.progress.update(
+            step=self.version, version=self.version, samples=self.samples_total, reward=metrics["reward"],
+            lagMean=metrics["lag_mean"], lagMax=metrics["lag_max"],
+            tokensPerSecond=metrics["trainer_tokens_per_second"],
+            lastUpdate=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        self.bridge.publish(self.subjects.metrics("train"), m.Metrics(
+            source="trainer", kind="train", values=metrics, timestamp=time.time()))
+        log.info("step %d: loss %.4f reward %.3f ess %.3f lag %.2f/%d sync %.0fms", self.version, metrics["loss"],
+                 metrics["reward"], metrics["ess"], metrics["lag_mean"], metrics["lag_max"],
+                 1000 * metrics["weight_sync_seconds"])
+
+    def _checkpoint(self) -> None:
+        seqs = [torch.tensor([self.consumed_seq], dtype=torch.long) for _ in range(self.world)]
+        if self.world > 1:
+            dist.all_gather(seqs, torch.tensor([self.consumed_seq], dtype=torch.long))
+        state = {"step": self.version, "samples": self.samples_total, "trained_groups": self.trained_groups,
+                 "consumed_seq": {str(r): int(s.item()) for r, s in enumerate(seqs)}}
+        checkpoint.save(self.engine, self.ckpt_dir, self.version, state, self.rank)
+
+
+def main(job: PipelineRLJob, env: ServiceEnv) -> int:
+    trainer = Trainer(job, env)
+    signal.signal(signal.SIGTERM, lambda *_: trainer.stop.set())
+    torch.set_num_threads(int(os.environ.get("PIPELINERL_TORCH_THREADS", "1")))
+    return trainer.run()

@@ -1,0 +1,79 @@
+"""DeepSpeed set-up: process group, engine, and full-weight access under any ZeRO stage."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from datetime import timedelta
+
+import torch
+
+from pipelinerl.spec import PipelineRLJob
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def init_distributed(on_gpu: bool, timeout_s: float) -> None:
+    if not on_gpu:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.comm.torch as ds_torch
+
+    if not on_gpu:
+        # DeepSpeed's optional shared-memory all-reduce for CPU costs ~80 s to compile on first
+        # use; gloo is fast enough for the tiny models run on CPU.
+        ds_torch.build_shm_op = lambda: None
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s))
+
+
+def ds_config(job: PipelineRLJob) -> dict:
+    t = job.spec.trainer
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        # Steps hold a variable number of micro-batches: we call step() ourselves after the
+        # last one, and DeepSpeed treats each step() as the accumulation boundary.
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": t.grad_clip,
+        "zero_optimization": {"stage": t.zero_stage},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if job.spec.model.dtype == "bfloat16":
+        cfg["bf16"] = {"enabled": True}
+    elif job.spec.model.dtype == "float16":
+        cfg["fp16"] = {"enabled": True}
+    return cfg
+
+
+def build_engine(job: PipelineRLJob, model_path: str):
+    import deepspeed
+    from transformers import AutoModelForCausalLM
+
+    t = job.spec.trainer
+    torch.manual_seed(t.seed)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[job.spec.model.dtype])
+    model.config.use_cache = False
+    # A client optimizer: DeepSpeed's own CPU Adam would compile kernels for minutes.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay,
+                                  betas=(0.9, 0.999))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(job))
+    return engine
+
+
+@contextlib.contextmanager
+def full_parameters(engine, params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Full tensors of `params` on every rank; under ZeRO-3 a collective all ranks must join."""
+    if engine.zero_optimization_stage() == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            yield
+    else:
+        yield
+
+
+def named_weights(engine) -> list[tuple[str, torch.nn.Parameter]]:
+    """Parameters in checkpoint naming (tied weights appear once, as the HF checkpoint has them)."""
+    return list(engine.module.named_parameters())
