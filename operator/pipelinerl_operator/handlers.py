@@ -121,6 +121,7 @@ async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger |
     meta = body["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
     previous = dict(body.get("status") or {})
+    logger.debug("reconciling generation %s", meta.get("generation"))
     cfg = operator_config()
     job, spec_error, children = None, None, []
     try:

@@ -12,9 +12,17 @@ import nats
 from nats.js.errors import NotFoundError
 
 
+SUFFIXES = ("ROLLOUTS", "BATCHES", "CONTROL", "METRICS")
+
+
 def stream_prefix(job_name: str) -> str:
     """Streams are named PRL_<JOB_NAME_UPPER_WITH_UNDERSCORES>_<SUFFIX> (ROLLOUTS, BATCHES, CONTROL, METRICS)."""
     return f"PRL_{job_name.upper().replace('-', '_')}_"
+
+
+def is_job_stream(stream: str, prefix: str) -> bool:
+    # The suffix must match exactly: job "demo"'s prefix PRL_DEMO_ also starts job "demo-2"'s streams.
+    return stream.startswith(prefix) and stream[len(prefix):] in SUFFIXES
 
 
 async def _delete(url: str, prefix: str, connect_timeout_s: float) -> list[str]:
@@ -26,7 +34,7 @@ async def _delete(url: str, prefix: str, connect_timeout_s: float) -> list[str]:
         deleted = []
         for info in await js.streams_info():
             name = info.config.name
-            if name and name.startswith(prefix):
+            if name and is_job_stream(name, prefix):
                 try:
                     await js.delete_stream(name)
                     deleted.append(name)

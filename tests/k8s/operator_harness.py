@@ -34,21 +34,50 @@ RESOURCES = {
 
 
 class Emulator(kmock.KubernetesEmulator):
-    """kmock's emulator plus `metadata.generateName` (kopf names its Events that way)."""
+    """kmock's emulator plus the API-server bookkeeping kopf relies on: a resourceVersion bumped
+    on every write (kopf waits for its own patches by it), `metadata.generation` bumped on spec
+    changes, uid/creationTimestamp on create, and `generateName` (kopf names its Events that way)."""
 
-    _generated: int = 0
+    _version: int = 0
+    creates: list[str] = []  # "plural/name" of every POST, to check nothing is created twice
+
+    def _current(self, request) -> dict[str, Any]:  # type: ignore[no-untyped-def]
+        for (res, ns, name), obj in self.objects.items():
+            if res == request.resource and ns == request.namespace and name == request.name and not obj.deleted:
+                return obj.raw
+        return {}
 
     async def _handle(self, request):  # type: ignore[no-untyped-def]
-        meta = request.data.get("metadata") if isinstance(request.data, dict) else None
-        if request.method == "POST" and meta and meta.get("generateName") and not meta.get("name"):
-            Emulator._generated += 1
-            meta["name"] = f"{meta['generateName']}{Emulator._generated:05d}"
+        Emulator._version += 1
+        rv = str(Emulator._version)
+        data = request.data
+        if request.method == "POST" and isinstance(data, dict) and request.resource is not None:
+            meta = data.setdefault("metadata", {})
+            if meta.get("generateName") and not meta.get("name"):
+                meta["name"] = f"{meta['generateName']}{rv}"
+            self.creates.append(f"{request.resource.plural}/{meta['name']}")
+            meta.setdefault("uid", f"uid-{meta['name']}")
+            meta.setdefault("creationTimestamp", "2026-11-22T00:00:00Z")
+            meta["generation"], meta["resourceVersion"] = 1, rv
+        elif request.method == "PATCH" and request.resource is not None:
+            current = self._current(request)
+            generation = int(current.get("metadata", {}).get("generation", 1))
+            if isinstance(data, dict):
+                if "spec" in data and not request.subresource:
+                    generation += 1
+                data.setdefault("metadata", {}).update(resourceVersion=rv, generation=generation)
+            elif isinstance(data, list):  # JSON patch (kopf's finalizers): append the bump
+                # No optimistic concurrency here: drop kopf's resourceVersion precondition, which
+                # a real server checks against versions kopf may not have watched yet.
+                data[:] = [op for op in data if not (op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion")]
+                data.append({"op": "replace", "path": "/metadata/resourceVersion", "value": rv})
         return await super()._handle(request)
 
 
 @contextlib.asynccontextmanager
 async def emulator() -> AsyncIterator[Emulator]:
     async with Emulator() as handler, kmock.Server(handler):
+        handler.creates = []
         declare(handler)
         yield handler
 

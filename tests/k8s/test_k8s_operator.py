@@ -28,7 +28,7 @@ def manifest(name: str = "demo", **spec: Any) -> dict[str, Any]:
         base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
     return {
         "apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob",
-        "metadata": {"name": name, "namespace": NS, "uid": f"uid-{name}", "generation": 1, "resourceVersion": "1"},
+        "metadata": {"name": name, "namespace": NS},
         "spec": base,
     }
 
@@ -107,3 +107,148 @@ async def test_create_renders_children_and_turns_ready_with_progress(cluster) ->
         del trainer.reports["demo"]
         await eventually(lambda: condition(emulator, "WeightSyncReady").get("reason") == "TrainerUnreachable")
         assert status(emulator)["progress"]["step"] == 12
+
+
+def sts_template(emulator, role: str) -> dict[str, Any]:
+    return obj(emulator, STS, f"demo-{role}")["spec"]["template"]
+
+
+async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
+    emulator, api, trainer = cluster
+    trainer.reports["demo"] = {"step": 3, "version": 3, "finished": False}
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest())
+        await eventually(lambda: obj(emulator, STS, "demo-trainer"), what="trainer StatefulSet")
+        await all_ready(api)
+        await eventually(lambda: condition(emulator, "Ready").get("status") == "True", what="Ready")
+        trainer_before = sts_template(emulator, "trainer")
+
+        # `kubectl scale prl/demo --replicas=4` writes spec.generator.replicas through the scale subresource.
+        await api.patch_job("demo", {"spec": {"generator": {"replicas": 4}}})
+        await eventually(lambda: obj(emulator, STS, "demo-generator")["spec"]["replicas"] == 4, what="scaled")
+        await eventually(lambda: status(emulator)["generatorsReady"] == "2/4", what="2/4")
+        assert condition(emulator, "Degraded")["reason"] == "GeneratorsMissing"
+        assert sts_template(emulator, "trainer") == trainer_before, "scaling generators must not restart trainers"
+        assert status(emulator)["observedGeneration"] == 2
+        await api.set_sts_status("demo-generator", 4, 4)
+        await eventually(lambda: condition(emulator, "Degraded").get("status") == "False", what="recovered")
+
+        # A trainer setting rolls the trainers (new config hash) but not the generators.
+        gen_before = sts_template(emulator, "generator")
+        await api.patch_job("demo", {"spec": {"trainer": {"learningRate": 0.0005}}})
+        await eventually(lambda: sts_template(emulator, "trainer") != trainer_before, what="trainer rollout")
+        assert "learningRate: 0.0005" in obj(emulator, "v1/configmaps", "demo-config")["data"]["job.yaml"]
+        ann = "pipelinerl.dev/config-hash"
+        assert sts_template(emulator, "generator")["metadata"]["annotations"][ann] != gen_before["metadata"]["annotations"][ann]
+        trainer_before = sts_template(emulator, "trainer")
+        await api.patch_job("demo", {"spec": {"generator": {"image": "example.com/gen:2"}}})
+        await eventually(lambda: sts_template(emulator, "generator")["spec"]["containers"][0]["image"] == "example.com/gen:2")
+        assert sts_template(emulator, "trainer") == trainer_before, "a generator image change must not restart trainers"
+
+        # Suspend: every role scales to zero, the job says so; resume brings them back.
+        await api.patch_job("demo", {"spec": {"suspend": True}})
+        await eventually(lambda: all(obj(emulator, STS, f"demo-{r}")["spec"]["replicas"] == 0 for r in ROLES), what="scaled to 0")
+        for role in ROLES:
+            await api.set_sts_status(f"demo-{role}", 0, 0)
+        await eventually(lambda: status(emulator).get("phase") == "Suspended", what="Suspended")
+        assert condition(emulator, "Suspended")["status"] == "True"
+        assert condition(emulator, "Ready")["reason"] == "Suspended"
+        assert "volumeClaimTemplates" in obj(emulator, STS, "demo-trainer")["spec"], "checkpoints are kept on PVCs"
+        await api.patch_job("demo", {"spec": {"suspend": False}})
+        await eventually(lambda: obj(emulator, STS, "demo-generator")["spec"]["replicas"] == 4, what=f"resumed {obj(emulator, JOBS, 'demo')['spec']} {status(emulator)}")
+        await all_ready(api, generators=4)
+        await eventually(lambda: condition(emulator, "Ready").get("status") == "True", what="Ready again")
+        await eventually(lambda: {"Suspended", "Resumed", "Degraded", "Recovered", "Updated"} <= set(events(emulator)),
+                         what=f"events, got {set(events(emulator))}")
+
+
+async def test_failing_trainer_fails_after_backoff_limit(cluster) -> None:
+    emulator, api, trainer = cluster
+    trainer.reports["demo"] = {"step": 1, "version": 1, "finished": False}
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest())  # backoffLimit 2
+        await eventually(lambda: obj(emulator, STS, "demo-trainer"))
+        await all_ready(api)
+        labels = {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer"}
+        await api.create_pod("demo-trainer-0", labels, restarts=0)
+        await api.create_pod("demo-trainer-1", labels, restarts=1)
+        await eventually(lambda: condition(emulator, "Degraded").get("reason") == "TrainerRestarted")
+        assert status(emulator)["phase"] == "Running"
+        await api.patch_pod_restarts("demo-trainer-0", 2)  # 3 restarts > backoffLimit 2
+        await eventually(lambda: status(emulator).get("phase") == "Failed", what="Failed")
+        failed = condition(emulator, "Failed")
+        assert failed["status"] == "True" and failed["reason"] == "BackoffLimitExceeded"
+        assert status(emulator)["completionTime"]
+        await eventually(lambda: all(obj(emulator, STS, f"demo-{r}")["spec"]["replicas"] == 0 for r in ROLES), what="released")
+        await eventually(lambda: "BackoffLimitExceeded" in events(emulator))
+        # Terminal is sticky: a recovered trainer does not resurrect the job.
+        await api.patch_pod_restarts("demo-trainer-0", 0)
+        await api.set_sts_status("demo-trainer", 2, 2)
+        await eventually(lambda: status(emulator)["roles"]["trainer"]["ready"] == 2)
+        assert status(emulator)["phase"] == "Failed"
+
+
+async def test_finished_trainer_succeeds_and_ttl_deletes(cluster) -> None:
+    emulator, api, trainer = cluster
+    trainer.reports["demo"] = {"step": 50, "version": 50, "maxSteps": 50, "finished": True}
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest(runPolicy={"ttlSecondsAfterFinished": 1}))
+        await eventually(lambda: obj(emulator, STS, "demo-trainer"))
+        await all_ready(api)
+        await eventually(lambda: status(emulator).get("phase") == "Succeeded", what="Succeeded")
+        assert condition(emulator, "Succeeded")["message"] == "trainer finished at step 50"
+        assert condition(emulator, "Progressing")["status"] == "False"
+        # ttlSecondsAfterFinished: the operator deletes the job; the finalizer is released (NATS is absent here).
+        await eventually(lambda: obj(emulator, JOBS, "demo") is None, timeout_s=15, what="TTL deletion")
+        await eventually(lambda: {"Succeeded", "TTLExpired", "StreamsDeleteFailed"} <= set(events(emulator)))
+
+
+async def test_invalid_spec_is_a_condition_not_a_crash(cluster) -> None:
+    emulator, api, _ = cluster
+    bad = manifest(generator={"replicas": 2, "gpus": 1, "tensorParallel": 2})  # schema-valid, not runnable
+    async with running_operator(str(emulator.url)):
+        await api.create_job(bad)
+        await eventually(lambda: condition(emulator, "Ready").get("reason") == "InvalidSpec", what="InvalidSpec")
+        assert "tensorParallel (2) needs at least as many generator.gpus (1)" in condition(emulator, "Ready")["message"]
+        assert obj(emulator, STS, "demo-generator") is None
+        await eventually(lambda: "InvalidSpec" in events(emulator))
+        # Fixing the spec recovers without restarting anything.
+        await api.patch_job("demo", {"spec": {"generator": {"gpus": 2}}})
+        await eventually(lambda: obj(emulator, STS, "demo-generator"), what="rendered after the fix")
+        await eventually(lambda: condition(emulator, "Ready").get("reason") == "GeneratorsNotReady")
+
+
+async def test_operator_restart_creates_no_duplicates(cluster) -> None:
+    emulator, api, trainer = cluster
+    trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False}
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest())
+        await eventually(lambda: obj(emulator, STS, "demo-trainer"))
+        await all_ready(api)
+        await eventually(lambda: condition(emulator, "Ready").get("status") == "True")
+    creates_before = [c for c in emulator.creates if not c.startswith("events/")]
+    async with running_operator(str(emulator.url)):
+        trainer.reports["demo"]["step"] = 8  # the new operator picks up where the old one stopped
+        await eventually(lambda: status(emulator)["progress"]["step"] == 8, what="resumed reconciliation")
+    creates_after = [c for c in emulator.creates if not c.startswith("events/")]
+    assert creates_after == creates_before and len(set(creates_after)) == len(creates_after) == 1 + 7, creates_after
+    assert condition(emulator, "Ready")["status"] == "True"
+
+
+async def test_deletion_removes_this_jobs_nats_streams(cluster, nats_url: str) -> None:
+    emulator, api, _ = cluster
+    nc = await nats.connect(nats_url, connect_timeout=2)
+    js = nc.jetstream(timeout=2)
+    for stream in ("PRL_DEMO_ROLLOUTS", "PRL_DEMO_BATCHES", "PRL_DEMO_CONTROL", "PRL_DEMO_METRICS", "PRL_DEMO_2_ROLLOUTS"):
+        await js.add_stream(name=stream, subjects=[f"{stream.lower()}.>"])
+    try:
+        async with running_operator(str(emulator.url)):
+            await api.create_job(manifest(nats={"url": nats_url}))
+            await eventually(lambda: "pipelinerl.dev/cleanup" in obj(emulator, JOBS, "demo")["metadata"].get("finalizers", []))
+            await api.delete_job("demo")
+            await eventually(lambda: obj(emulator, JOBS, "demo") is None, what="deleted")
+        left = sorted(s.config.name for s in await js.streams_info())
+        assert left == ["PRL_DEMO_2_ROLLOUTS"], "only job demo's streams go; demo-2's stay"
+        await eventually(lambda: "StreamsDeleted" in events(emulator))
+    finally:
+        await nc.close()
