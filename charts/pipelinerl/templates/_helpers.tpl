@@ -1,0 +1,24 @@
+{{- define "pipelinerl.fullname" -}}
+{{- printf "%s-pipelinerl" .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "pipelinerl.labels" -}}
+app.kubernetes.io/name: pipelinerl
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "pipelinerl.natsUrl" -}}
+{{- if .Values.nats.enabled -}}
+{{- printf "nats://%s-nats.%s.svc:4222" (include "pipelinerl.fullname" .) .Release.Namespace -}}
+{{- else -}}
+{{- .Values.nats.externalUrl -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "pipelinerl.namespaces" -}}
+{{- $all := prepend .Values.watchNamespaces .Release.Namespace | uniq -}}
+{{- join "," $all -}}
+{{- end -}}
