@@ -24,11 +24,11 @@ class GuessTask:
 
     def train_problem(self, index: int) -> Problem:
         secret = random.Random(f"guess-train-{self.seed}-{index}").randint(0, self.max_number)
-        return Problem(id=f"train-{index}", prompt="?", answer=secret)
+        return Problem(id=f"train-{index}", prompt=":", answer=secret)
 
     def test_problems(self, count: int) -> list[Problem]:
         rng = random.Random(f"guess-test-{self.seed}")
-        return [Problem(id=f"test-{i}", prompt="?", answer=rng.randint(0, self.max_number)) for i in range(count)]
+        return [Problem(id=f"test-{i}", prompt=":", answer=rng.randint(0, self.max_number)) for i in range(count)]
 
     @staticmethod
     def feedback(guess: str, secret: int) -> str:

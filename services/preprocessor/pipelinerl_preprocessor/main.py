@@ -64,8 +64,8 @@ class Preprocessor:
         log.info("preprocessor ready; next step %d, %d trainer ranks", self.step, self.ranks)
         last_keepalive = time.monotonic()
         while not self.stopping.is_set() and not self.finished:
-            if self.step >= self.trainer_version + self.spec.preprocessor.max_pending_steps:
-                await asyncio.sleep(0.05)  # backpressure: the trainer is behind
+            if self._trainer_behind():
+                await asyncio.sleep(0.05)
                 continue
             try:
                 msgs = await sub.fetch(batch=64, timeout=1.0)
@@ -77,13 +77,17 @@ class Preprocessor:
                 msgs = []
             for msg in msgs:
                 await self._intake(msg)
-            while len(self.accepted) >= self.spec.groups_per_step:
+            while len(self.accepted) >= self.spec.groups_per_step and not self._trainer_behind():
                 await self._publish_step()
             if time.monotonic() - last_keepalive > ACK_WAIT_S / 4:
                 for msg, _ in self.accepted:  # still waiting for a full step: not abandoned
                     await msg.in_progress()
                 last_keepalive = time.monotonic()
         await self.nc.drain()
+
+    def _trainer_behind(self) -> bool:
+        """Backpressure: enough steps are already waiting for the trainer."""
+        return self.step >= self.trainer_version + self.spec.preprocessor.max_pending_steps
 
     async def _next_step(self) -> int:
         """Resume after the last step already published (batches are never re-numbered)."""

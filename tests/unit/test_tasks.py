@@ -1,0 +1,83 @@
+import asyncio
+
+import pytest
+
+from pipelinerl.tasks import ArithTask, Completion, GuessTask, make_task
+from pipelinerl.tiny_model import make_tokenizer
+
+
+class ScriptedPolicy:
+    """Plays back fixed model turns (a stand-in for the engine: this tests the task logic only)."""
+
+    def __init__(self, tokenizer, turns: list[str], version: int = 3):
+        self.tok, self.turns, self.version, self.prompts = tokenizer, list(turns), version, []
+
+    async def generate(self, prompt, max_tokens, greedy=False) -> Completion:
+        self.prompts.append(list(prompt))
+        text = self.turns.pop(0)
+        ids = self.tok.encode(text) + [self.tok.eos_token_id]
+        return Completion(ids, [-0.1] * len(ids), [self.version] * len(ids), "stop")
+
+
+def test_arith_problems_are_deterministic_and_disjoint():
+    task = ArithTask(digits=3, seed=0)
+    test = task.test_problems(300)
+    assert test == ArithTask(digits=3, seed=0).test_problems(300)
+    train = [task.train_problem(i) for i in range(2000)]
+    assert train[5] == task.train_problem(5)
+    test_prompts = {p.prompt for p in test}
+    assert not test_prompts & {p.prompt for p in train}
+    a, b = map(int, train[0].prompt[:-1].split("+"))
+    assert train[0].answer == str(a + b) and 100 <= a <= 999
+
+
+def test_arith_rollout_reward_and_masks():
+    tok = make_tokenizer()
+    task = ArithTask()
+    p = task.test_problems(1)[0]
+    s = asyncio.run(task.rollout(ScriptedPolicy(tok, [p.answer]), tok, p, 8))
+    assert s.reward == 1.0 and s.success
+    n_prompt = len(tok.encode(p.prompt))
+    assert s.mask == [0] * n_prompt + [1] * (len(p.answer) + 1)
+    assert s.versions[n_prompt:] == [3] * (len(p.answer) + 1)
+    wrong = asyncio.run(task.rollout(ScriptedPolicy(tok, ["1"]), tok, p, 8))
+    assert wrong.reward == 0.0
+
+
+def test_guess_is_multi_turn_with_untrained_env_tokens():
+    tok = make_tokenizer()
+    task = GuessTask(max_number=99, turns=4)
+    problem = task.test_problems(1)[0]
+    secret = problem.answer
+    low, high = (secret - 1, secret + 1) if 0 < secret < 99 else (secret, secret)
+    policy = ScriptedPolicy(tok, [str(high), str(low), str(secret)] if 0 < secret < 99 else [str(secret)])
+    s = asyncio.run(task.rollout(policy, tok, problem, 4))
+    assert s.success
+    if 0 < secret < 99:
+        assert s.reward == pytest.approx(1 - 2 / 4)
+        text = tok.decode(s.tokens, skip_special_tokens=True)
+        assert text == f":{high}<{low}>{secret}"
+        # env replies '<' and '>' are untrained; every model token (eos included) is trained
+        env_positions = [i for i, t in enumerate(s.tokens) if t in tok.encode("<>")]
+        assert env_positions and all(s.mask[i] == 0 and s.versions[i] == -1 for i in env_positions)
+        assert sum(s.mask) == sum(len(tok.encode(str(x))) + 1 for x in (high, low, secret))
+        # later turns see the whole conversation so far
+        assert len(policy.prompts[2]) > len(policy.prompts[1]) > len(policy.prompts[0])
+
+
+def test_guess_feedback_and_failure():
+    assert GuessTask.feedback("50", 30) == "<" and GuessTask.feedback("10", 30) == ">"
+    assert GuessTask.feedback("30", 30) == "=" and GuessTask.feedback("", 30) == "?"
+    tok = make_tokenizer()
+    task = GuessTask(turns=2)
+    s = asyncio.run(task.rollout(ScriptedPolicy(tok, ["200", "201"]), tok, task.test_problems(1)[0], 4))
+    assert s.reward == 0.0 and not s.success
+
+
+def test_make_task_errors():
+    assert isinstance(make_task("guess", {"turns": 3}), GuessTask)
+    assert isinstance(make_task("pipelinerl.tasks.arith:ArithTask"), ArithTask)
+    with pytest.raises(ValueError, match="spec.task.name: unknown task 'nope'"):
+        make_task("nope")
+    with pytest.raises(ValueError, match="spec.task.params"):
+        make_task("arith", {"digitz": 3})
