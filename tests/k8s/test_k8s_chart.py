@@ -1,0 +1,119 @@
+"""The Helm chart rendered for real (helm-python-sdk, Helm's Go library), every object validated strictly."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from pipelinerl.crd import crd_yaml
+
+CHART = Path(__file__).resolve().parents[2] / "charts" / "pipelinerl"
+K8S_VERSION = "1.33"
+MONITORING = {"ServiceMonitor", "PodMonitor"}  # Prometheus-operator kinds: no upstream schema
+ALL_ON = {"metrics": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True},
+                      "kubeStateMetrics": {"enabled": True}}}
+
+
+def render(values: dict) -> list[dict]:
+    out = helm.Chart.load(str(CHART)).render(values, name="rl", namespace="team-a")
+    return [doc for text in out.values() for doc in yaml.safe_load_all(text) if doc]
+
+
+@pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-b"], **ALL_ON}, {"clusterWide": True, **ALL_ON},
+                                    {"nats": {"enabled": False, "externalUrl": "nats://nats.shared:4222"}}])
+def test_every_object_validates_strictly(values: dict) -> None:
+    objects = render(values)
+    assert objects
+    for obj in objects:
+        if obj["kind"] in MONITORING:
+            assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+            continue
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_namespaced_mode_has_no_cluster_scoped_objects() -> None:
+    objects = render({"watchNamespaces": ["team-b"]})
+    kinds = {o["kind"] for o in objects}
+    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
+    roles = {(o["kind"], o["metadata"]["namespace"]) for o in objects if o["kind"] in ("Role", "RoleBinding")}
+    assert roles == {(k, ns) for k in ("Role", "RoleBinding") for ns in ("team-a", "team-b")}
+    operator = next(o for o in objects if o["kind"] == "Deployment")
+    env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PIPELINERL_WATCH_NAMESPACES"] == "team-a,team-b"
+    assert env["PIPELINERL_DEFAULT_NATS_URL"] == "nats://rl-pipelinerl-nats.team-a.svc:4222"
+    assert operator["spec"]["replicas"] == 1 and operator["spec"]["strategy"]["type"] == "Recreate"
+    job_sas = [o for o in objects if o["kind"] == "ServiceAccount" and o["metadata"]["name"] == "pipelinerl-job"]
+    assert {sa["metadata"]["namespace"] for sa in job_sas} == {"team-a", "team-b"}
+    assert all(sa["automountServiceAccountToken"] is False for sa in job_sas)
+    # Job pods get no permissions at all: no binding names their ServiceAccount.
+    assert not [o for o in objects if o["kind"].endswith("Binding")
+                and any(s["name"] == "pipelinerl-job" for s in o["subjects"])]
+
+
+def test_cluster_wide_mode_watches_everything() -> None:
+    objects = render({"clusterWide": True})
+    kinds = {o["kind"] for o in objects}
+    assert {"ClusterRole", "ClusterRoleBinding"} <= kinds and "Role" not in kinds
+    operator = next(o for o in objects if o["kind"] == "Deployment")
+    env = {e["name"] for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "PIPELINERL_WATCH_NAMESPACES" not in env
+
+
+def test_operator_rbac_covers_what_it_calls() -> None:
+    role = next(o for o in render({}) if o["kind"] == "Role")
+    allowed = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+    for need in [("pipelinerl.dev", "pipelinerljobs", "watch"), ("pipelinerl.dev", "pipelinerljobs/status", "patch"),
+                 ("pipelinerl.dev", "pipelinerljobs", "delete"), ("apps", "statefulsets", "patch"),
+                 ("apps", "statefulsets", "create"), ("", "configmaps", "patch"), ("", "services", "create"),
+                 ("", "pods", "list"), ("", "events", "create")]:
+        assert need in allowed, need
+
+
+def test_optional_parts_toggle() -> None:
+    kinds = [o["kind"] for o in render({"nats": {"enabled": False, "externalUrl": "nats://x:4222"}})]
+    assert "StatefulSet" not in kinds and "ServiceMonitor" not in kinds
+    objects = render(ALL_ON)
+    dashboard = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboard"))
+    text = dashboard["data"]["pipelinerl.json"]
+    for metric in ("pipelinerl_job_phase", "pipelinerl_job_progress_step", "pipelinerl_job_progress_reward",
+                   "pipelinerl_job_progress_lag_mean", "pipelinerl_job_progress_tokens_per_second",
+                   "pipelinerl_weight_sync_seconds"):
+        assert metric in text
+    ksm = next(o for o in objects if o["metadata"]["name"].endswith("-ksm-config"))
+    config = yaml.safe_load(ksm["data"]["pipelinerl.yaml"])
+    names = {m["name"] for m in config["spec"]["resources"][0]["metrics"]}
+    assert {"phase", "condition", "progress_step", "progress_reward"} <= names
+    # The dashboard's KSM metrics exist under the prefix the config sets.
+    assert config["spec"]["resources"][0]["metricNamePrefix"] == "pipelinerl_job"
+
+
+def test_chart_ships_the_generated_crd() -> None:
+    crds = helm.Chart.load(str(CHART)).crds
+    assert len(crds) == 1
+    assert (CHART / "crds" / "pipelinerl.dev_pipelinerljobs.yaml").read_text() == crd_yaml(), \
+        "run: pipelinerl crd > charts/pipelinerl/crds/pipelinerl.dev_pipelinerljobs.yaml"
+
+
+@pytest.mark.parametrize("bad", [
+    {"clusterWide": "yes"},
+    {"operator": {"image": {"repository": "", "tag": "1"}}},
+    {"operator": {"resyncSeconds": 0}},
+    {"watchNamespaces": ["Team_A"]},
+    {"nats": {"maxPayloadMb": 128}},
+    {"nats": {"externalUrl": "http://nats:4222"}},
+    {"services": {"pullPolicy": "Sometimes"}},
+    {"typo": True},
+])
+def test_values_schema_rejects_bad_values(bad: dict) -> None:
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError):
+        chart.render(bad, name="rl", namespace="team-a")
+
+
+def test_lint_is_clean() -> None:
+    report = helm.lint(str(CHART), namespace="team-a", strict=True)
+    assert not [m for m in report["messages"] if m["severity"] >= 2], report
