@@ -6,6 +6,7 @@ Every trigger (create, spec update, operator resume, periodic resync) runs the s
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -44,6 +45,11 @@ def operator_config() -> OperatorConfig:
 
 class _State:
     kube: Kube | None = None
+    # kopf runs timers beside change handlers, and a body can lag behind our own status patch:
+    # one lock per job serializes reconciles, and the last status we wrote is the `previous`
+    # the next one compares with (so condition flips post exactly one Event).
+    locks: dict[str, asyncio.Lock] = {}
+    last_status: dict[str, dict[str, Any]] = {}
 
 
 STATE = _State()
@@ -51,6 +57,8 @@ STATE = _State()
 
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    STATE.locks.clear()
+    STATE.last_status.clear()
     # One finalizer for kopf's timer bookkeeping and our stream cleanup.
     settings.persistence.finalizer = FINALIZER
     # Keep kopf's bookkeeping in annotations: status fields outside the CRD schema are pruned.
@@ -114,13 +122,22 @@ async def _trainer_restarts(kube: Kube, ns: str, name: str) -> int:
 
 
 async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
+    key = str(body["metadata"].get("uid") or f"{body['metadata']['namespace']}/{body['metadata']['name']}")
+    async with STATE.locks.setdefault(key, asyncio.Lock()):
+        status = await _reconcile(body, patch, logger, STATE.last_status.get(key))
+        STATE.last_status[key] = status
+        return status
+
+
+async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter,
+                     last_written: dict[str, Any] | None) -> dict[str, Any]:
     kube = STATE.kube
     if kube is None:
         raise kopf.TemporaryError("not logged in to the Kubernetes API yet", delay=5)
     started = time.monotonic()
     meta = body["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
-    previous = dict(body.get("status") or {})
+    previous = dict(last_written or body.get("status") or {})
     logger.debug("reconciling generation %s", meta.get("generation"))
     cfg = operator_config()
     job, spec_error, children = None, None, []
@@ -158,6 +175,7 @@ async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger |
                 await kube.apply(obj)
         patch.status.update(status)
         for e in events:
+            logger.debug("event %s: %s", e.reason, e.message)
             _event(body, e.type, e.reason, e.message)
         metrics.record_phase(ns, name, status["phase"])
         metrics.JOB_STEP.labels(ns, name).set(status["progress"].get("step", 0))
@@ -210,3 +228,6 @@ async def deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
         logger.warning("could not delete NATS streams of %s/%s: %r", ns, name, err)
         _event(body, "Warning", "StreamsDeleteFailed", f"could not delete NATS streams at {url}: {err!r}")
     metrics.record_phase(ns, name, None)
+    key = str(meta.get("uid") or f"{ns}/{name}")
+    STATE.locks.pop(key, None)
+    STATE.last_status.pop(key, None)

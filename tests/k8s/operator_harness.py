@@ -42,7 +42,7 @@ class Emulator(kmock.KubernetesEmulator):
     creates: list[str] = []  # "plural/name" of every POST, to check nothing is created twice
 
     def _current(self, request) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-        for (res, ns, name), obj in self.objects.items():
+        for (res, ns, name), obj in list(self.objects.items()):
             if res == request.resource and ns == request.namespace and name == request.name and not obj.deleted:
                 return obj.raw
         return {}

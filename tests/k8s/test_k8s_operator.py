@@ -34,7 +34,7 @@ def manifest(name: str = "demo", **spec: Any) -> dict[str, Any]:
 
 
 def obj(emulator: kmock.KubernetesEmulator, resource: str, name: str) -> dict[str, Any] | None:
-    for (res, ns, n), o in emulator.objects.items():
+    for (res, ns, n), o in list(emulator.objects.items()):
         if n == name and ns == NS and f"{res.group}/{res.version}/{res.plural}".lstrip("/") == resource and not o.deleted:
             return copy.deepcopy(o.raw)
     return None
@@ -49,7 +49,7 @@ def condition(emulator: kmock.KubernetesEmulator, type_: str, name: str = "demo"
 
 
 def events(emulator: kmock.KubernetesEmulator) -> list[str]:
-    return [o.raw.get("reason") for (res, _, _), o in emulator.objects.items() if res.plural == "events"]
+    return [o.raw.get("reason") for (res, _, _), o in list(emulator.objects.items()) if res.plural == "events"]
 
 
 async def all_ready(api: Api, name: str = "demo", generators: int = 2, trainers: int = 2) -> None:

@@ -1,0 +1,132 @@
+"""Pure rendering: every object validates strictly against Kubernetes' own schemas; wiring is as contracted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+
+from pipelinerl.spec import SpecError, load_job, parse_job
+from pipelinerl_operator.render import OperatorConfig, RenderError, render, role_config_hash
+
+ROOT = Path(__file__).resolve().parents[2]
+CFG = OperatorConfig()
+
+
+def job(**spec):
+    return parse_job({"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob",
+                      "metadata": {"name": "demo", "labels": {"team": "a"}}, "spec": spec})
+
+
+def by_name(objects):
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def env_of(sts):
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+EDGE_CASES = [
+    {},
+    {"suspend": True},
+    {"generator": {"replicas": 64, "gpus": 8, "tensorParallel": 8, "resources": {"limits": {"memory": "200Gi"}}}},
+    {"scheduling": {"schedulerName": "volcano", "queueName": "team-a", "priorityClassName": "high"}},
+    {"storage": {"size": "1.5Ti", "storageClassName": "fast"}},
+    {"trainer": {"podTemplate": {"metadata": {"annotations": {"a": "b"}}, "spec": {
+        "nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
+        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+        "containers": [{"name": "trainer", "volumeMounts": [{"name": "models", "mountPath": "/models"}]},
+                       {"name": "log-shipper", "image": "busybox"}]}}}},
+]
+
+
+@pytest.mark.parametrize("spec", EDGE_CASES)
+def test_edge_cases_validate_strictly(spec) -> None:
+    for obj in render(job(**spec), "team-a", "uid-1", CFG, active=not spec.get("suspend")):
+        kubernetes_validate.validate(obj, "1.33", strict=True)
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_examples_validate_strictly(path: Path) -> None:
+    objects = render(load_job(path), "team-a", "uid-1", CFG)
+    assert len(objects) == 7
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.33", strict=True)
+
+
+def test_wiring_contract() -> None:
+    objs = by_name(render(job(generator={"replicas": 3}, trainer={"replicas": 2}), "team-a", "uid-1", CFG))
+    trainer = objs[("StatefulSet", "demo-trainer")]
+    env = env_of(trainer)
+    assert env["MASTER_ADDR"] == "demo-trainer-0.demo-trainer.team-a.svc" and env["MASTER_PORT"] == "29500"
+    assert env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == "0"
+    assert env["RANK"] == env["PIPELINERL_RANK"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    gen = env_of(objs[("StatefulSet", "demo-generator")])
+    assert gen["PIPELINERL_WEIGHTS_ADDR"] == "demo-trainer-0.demo-trainer.team-a.svc:29600"
+    assert gen["PIPELINERL_WORLD_SIZE"] == "3" and gen["PIPELINERL_ROLE"] == "generator"
+    assert gen["PIPELINERL_JOB_FILE"] == "/etc/pipelinerl/job.yaml" and "MASTER_ADDR" not in gen
+    container = trainer["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] + container["args"] == ["pipelinerl", "service", "trainer", "/etc/pipelinerl/job.yaml"]
+    for role in ("generator", "preprocessor", "trainer"):
+        svc = objs[("Service", f"demo-{role}")]
+        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+        sts = objs[("StatefulSet", f"demo-{role}")]
+        assert sts["spec"]["serviceName"] == f"demo-{role}"
+        volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+        assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
+        assert sts["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
+    assert parse_job(__import__("yaml").safe_load(objs[("ConfigMap", "demo-config")]["data"]["job.yaml"])).spec.generator.replicas == 3
+    assert trainer["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+
+
+def test_gpus_images_and_scheduling() -> None:
+    objs = by_name(render(job(generator={"gpus": 2, "tensorParallel": 2}, trainer={"image": "me/trainer:1"},
+                              scheduling={"queueName": "q", "schedulerName": "volcano"}), "ns", "u", CFG))
+    gen = objs[("StatefulSet", "demo-generator")]["spec"]["template"]
+    c = gen["spec"]["containers"][0]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == "2" and c["image"] == CFG.gpu_image
+    assert objs[("StatefulSet", "demo-preprocessor")]["spec"]["template"]["spec"]["containers"][0]["image"] == CFG.cpu_image
+    assert objs[("StatefulSet", "demo-trainer")]["spec"]["template"]["spec"]["containers"][0]["image"] == "me/trainer:1"
+    assert gen["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "q"
+    assert gen["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo"
+    assert gen["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "3"
+    assert gen["spec"]["schedulerName"] == "volcano"
+
+
+def test_suspend_scales_to_zero() -> None:
+    for obj in render(job(), "ns", "u", CFG, active=False):
+        if obj["kind"] == "StatefulSet":
+            assert obj["spec"]["replicas"] == 0
+
+
+def test_pod_template_merges_under_ours() -> None:
+    spec = EDGE_CASES[-1]
+    pod = by_name(render(job(**spec), "ns", "u", CFG))[("StatefulSet", "demo-trainer")]["spec"]["template"]
+    names = [c["name"] for c in pod["spec"]["containers"]]
+    assert names == ["trainer", "log-shipper"]
+    mounts = {m["name"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+    assert {"models", "job-config", "dshm", "run"} <= mounts
+    assert pod["spec"]["nodeSelector"] == {"pool": "gpu"} and pod["metadata"]["annotations"]["a"] == "b"
+    assert pod["spec"]["containers"][0]["command"] == ["pipelinerl"]
+
+
+def test_reserved_env_in_pod_template_rejected() -> None:
+    with pytest.raises(SpecError, match="reserved"):
+        job(generator={"podTemplate": {"spec": {"containers": [{"name": "generator", "env": [{"name": "RANK", "value": "9"}]}]}}})
+
+
+def test_unrenderable_specs() -> None:
+    with pytest.raises(RenderError, match="tensorParallel"):
+        render(job(generator={"gpus": 1, "tensorParallel": 2}), "ns", "u", CFG)
+    with pytest.raises(RenderError, match="needs a name"):
+        render(job(trainer={"podTemplate": {"spec": {"containers": [{"image": "x"}]}}}), "ns", "u", CFG)
+
+
+def test_config_hash_restarts_only_affected_roles() -> None:
+    base = job()
+    assert role_config_hash(job(generator={"replicas": 5}), "trainer") == role_config_hash(base, "trainer")
+    assert role_config_hash(job(suspend=True), "trainer") == role_config_hash(base, "trainer")
+    assert role_config_hash(job(generator={"image": "x"}), "trainer") == role_config_hash(base, "trainer")
+    assert role_config_hash(job(generator={"image": "x"}), "generator") != role_config_hash(base, "generator")
+    assert role_config_hash(job(trainer={"learningRate": 0.01}), "trainer") != role_config_hash(base, "trainer")
