@@ -117,3 +117,24 @@ def test_values_schema_rejects_bad_values(bad: dict) -> None:
 def test_lint_is_clean() -> None:
     report = helm.lint(str(CHART), namespace="team-a", strict=True)
     assert not [m for m in report["messages"] if m["severity"] >= 2], report
+
+
+def test_images_match_dockerfiles_and_render_defaults() -> None:
+    """No Docker engine here: check what can be checked statically (no image is built in CI)."""
+    from pipelinerl_operator.render import OperatorConfig
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    cfg = OperatorConfig()
+    assert cfg.cpu_image == f"{values['services']['image']['repository']}:{values['services']['image']['tag']}"
+    assert cfg.gpu_image == f"{values['services']['gpuImage']['repository']}:{values['services']['gpuImage']['tag']}"
+    docker = CHART.parents[1] / "docker"
+    for name in ("services-cpu.Dockerfile", "services-gpu.Dockerfile"):
+        text = (docker / name).read_text()
+        assert 'ENTRYPOINT ["pipelinerl"]' in text  # pods run `pipelinerl service <role> <job file>`
+    assert "vllm/vllm-openai" in (docker / "services-gpu.Dockerfile").read_text()
+    assert 'ENTRYPOINT ["python", "-m", "pipelinerl_operator"]' in (docker / "operator.Dockerfile").read_text()
+    for name in docker.glob("*.Dockerfile"):
+        for line in name.read_text().splitlines():
+            if line.startswith("COPY "):
+                for src in line.split()[1:-1]:
+                    assert (CHART.parents[1] / src).exists(), f"{name.name}: {src}"
