@@ -88,7 +88,7 @@ class LocalRun:
             "PIPELINERL_WEIGHTS_ADDR": f"127.0.0.1:{weights_port}", "PIPELINERL_RUN_DIR": str(self.run_dir),
             "PIPELINERL_GENERATORS": str(gens), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
             # One thread per process: the services share this machine's cores.
-            "OMP_NUM_THREADS": "1", "PIPELINERL_TORCH_THREADS": "1",
+            "OMP_NUM_THREADS": "1", "PIPELINERL_TORCH_THREADS": "1", "PIPELINERL_EXIT_WHEN_DONE": "1",
         }
         layout = [("trainer", r, trainers) for r in range(trainers)] + [("preprocessor", 0, 1)] + \
                  [("generator", r, gens) for r in range(gens)]
@@ -99,12 +99,14 @@ class LocalRun:
             self.services.append(Service(name, role, rank, env, logs / f"{name}.log", job_file))
 
     def check_services(self) -> bool:
-        """True when the trainers have all finished; raises ServiceDied on a failure."""
+        """True when the trainers have all finished; raises ServiceDied on a failure, or when
+        another service quits while the trainers still need it."""
+        trainers_done = all(s.proc.poll() == 0 for s in self.services if s.role == "trainer")
         for s in self.services:
             code = s.proc.poll()
-            if code not in (None, 0):
+            if code not in (None, 0) or (code == 0 and not trainers_done and s.role != "trainer"):
                 raise ServiceDied(s)
-        return all(s.proc.poll() == 0 for s in self.services if s.role == "trainer")
+        return trainers_done
 
     def stop_services(self) -> None:
         for s in reversed(self.services):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,4 +103,13 @@ def run_service(role: str, job: PipelineRLJob) -> int:
         from pipelinerl_trainer.main import main
     else:
         raise ValueError(f"unknown role {role!r}")
-    return main(job, env)
+    code = main(job, env)
+    if code == 0 and os.environ.get("PIPELINERL_EXIT_WHEN_DONE") != "1":
+        # In a StatefulSet an exited pod is restarted: a finished service stays up (serving
+        # /status with finished: true) until it is stopped. The local runner sets EXIT_WHEN_DONE.
+        log.info("%s finished; staying up until stopped", role)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+        stop.wait()
+    return code

@@ -87,7 +87,11 @@ class Engine:
         final = None
         self.running += 1
         try:
-            async for out in self.llm.generate({"prompt_token_ids": prompt}, params, request_id=uuid.uuid4().hex):
+            # update_weights keeps the KV cache (running requests continue), so the prefix cache
+            # still holds blocks computed by older weights; salting with the version keeps a new
+            # request from reusing them (it would otherwise sample from stale-weight KV).
+            inputs = {"prompt_token_ids": prompt, "cache_salt": f"v{self.version}"}
+            async for out in self.llm.generate(inputs, params, request_id=uuid.uuid4().hex):
                 final = out
         finally:
             self.running -= 1

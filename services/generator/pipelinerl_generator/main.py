@@ -200,9 +200,10 @@ class Generator:
         pv = m.decode(msg.data, m.PolicyVersion)
         self.admission.on_trained(pv.trained_groups.get(str(self.env.rank), 0))
         self.wakeup.set()
-        if pv.finished:
+        final = pv.finished and pv.version >= self.spec.trainer.max_steps  # not a stale one before a resume
+        if final:
             self.finished_version = pv.version
-        self._spawn(self._maybe_eval(pv.version, final=pv.finished))
+        self._spawn(self._maybe_eval(pv.version, final=final))
 
     async def _maybe_eval(self, version: int, final: bool = False) -> None:
         interval = self.spec.eval.interval

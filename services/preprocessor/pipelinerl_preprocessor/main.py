@@ -100,7 +100,7 @@ class Preprocessor:
     async def _on_version(self, msg) -> None:
         pv = m.decode(msg.data, m.PolicyVersion)
         self.trainer_version = max(self.trainer_version, pv.version)
-        self.finished = self.finished or pv.finished
+        self.finished = self.finished or (pv.finished and pv.version >= self.spec.trainer.max_steps)
 
     async def _intake(self, msg) -> None:
         try:

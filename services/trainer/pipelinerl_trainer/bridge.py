@@ -9,7 +9,7 @@ import queue
 import threading
 from typing import Any
 
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
 from pipelinerl.streams import JobSubjects, connect, ensure_streams
@@ -34,10 +34,10 @@ class NatsBridge:
         async def on_msg(msg) -> None:
             self.batches.put((msg.metadata.sequence.stream, m.decode(msg.data, m.MicroBatch)))
 
-        kwargs: dict[str, Any] = {"deliver_policy": DeliverPolicy.ALL}
+        config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
         if after_seq:
-            kwargs = {"deliver_policy": DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": after_seq + 1}
-        self.call(self.js.subscribe(self.subjects.batches(rank), cb=on_msg, ordered_consumer=True, **kwargs), 30)
+            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after_seq + 1)
+        self.call(self.js.subscribe(self.subjects.batches(rank), cb=on_msg, ordered_consumer=True, config=config), 30)
 
     def listen_weight_replies(self) -> None:
         async def on_msg(msg) -> None:

@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from pipelinerl import messages as m
 from pipelinerl.services import HealthServer, ServiceEnv
@@ -37,9 +37,11 @@ STEP = Gauge("pipelinerl_trainer_step", "Optimizer steps taken (= policy version
 REWARD = Gauge("pipelinerl_trainer_reward", "Mean reward of the last step's samples")
 LAG = Gauge("pipelinerl_trainer_lag_mean", "Mean token lag of the last step")
 TOKENS_PER_S = Gauge("pipelinerl_trainer_tokens_per_second", "Trainer throughput of the last step")
-SYNC_S = Gauge("pipelinerl_trainer_weight_sync_seconds", "Duration of the last weight update")
+SYNC_S = Histogram("pipelinerl_weight_sync_seconds", "Duration of weight updates (broadcast + all generators loaded)",
+                   buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100))
 DROPPED = Counter("pipelinerl_trainer_samples_dropped_total", "Samples dropped for exceeding max lag")
-DATA_WAIT_S = 30.0  # log a "waiting for data" line this often
+DATA_LOG_S = 30.0  # log a "waiting for data" line this often
+DATA_TIMEOUT_S = float(os.environ.get("PIPELINERL_DATA_TIMEOUT_S", "1800"))
 
 
 class Trainer:
@@ -120,8 +122,11 @@ class Trainer:
                 seq, mb = self.bridge.batches.get(timeout=1.0)
             except queue.Empty:
                 waited += 1.0
-                if waited % DATA_WAIT_S == 0:
+                if waited % DATA_LOG_S == 0:
                     log.info("step %d: waiting for data (%.0fs)", self.version, waited)
+                if waited >= DATA_TIMEOUT_S:
+                    raise TimeoutError(f"rank {self.rank}: no training data for step {self.version} in "
+                                       f"{DATA_TIMEOUT_S:.0f}s (are the generators and the preprocessor running?)")
                 continue
             self.consumed_seq = seq
             if mb.step < self.version:
@@ -155,7 +160,8 @@ class Trainer:
                 engine.backward(engine(input_ids=ids).logits.sum() * 0.0)
                 continue
             ids = torch.tensor([mb.tokens])
-            logits = engine(input_ids=ids, position_ids=torch.tensor([mb.positions])).logits[0]
+            # use_cache=False matters: with a cache transformers ignores the packing in position ids
+            logits = engine(input_ids=ids, position_ids=torch.tensor([mb.positions]), use_cache=False).logits[0]
             new_lp, entropy = token_logprobs(logits, ids[0], temp)
             versions = torch.tensor(mb.versions)
             weights = torch.tensor(mb.weights)
@@ -169,7 +175,8 @@ class Trainer:
             ref_lp = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_logits = self.ref_model(input_ids=ids, position_ids=torch.tensor([mb.positions])).logits[0]
+                    ref_logits = self.ref_model(input_ids=ids, position_ids=torch.tensor([mb.positions]),
+                                                use_cache=False).logits[0]
                     ref_lp, _ = token_logprobs(ref_logits, ids[0], temp)
             loss, st = policy_loss(new_lp, torch.tensor(mb.logprobs), torch.tensor(mb.advantages), weights,
                                    self.loss_cfg, sample_ids=sample_ids, ref_logprobs=ref_lp, entropy=entropy)
@@ -212,7 +219,7 @@ class Trainer:
         REWARD.set(metrics["reward"])
         LAG.set(metrics["lag_mean"])
         TOKENS_PER_S.set(metrics["trainer_tokens_per_second"])
-        SYNC_S.set(metrics["weight_sync_seconds"])
+        SYNC_S.observe(metrics["weight_sync_seconds"])
         self.progress.update(
             step=self.version, version=self.version, samples=self.samples_total, reward=metrics["reward"],
             lagMean=metrics["lag_mean"], lagMax=metrics["lag_max"],

@@ -17,13 +17,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def init_distributed(on_gpu: bool, timeout_s: float) -> None:
     if not on_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import sys
+
     import deepspeed
-    import deepspeed.comm.torch as ds_torch
 
     if not on_gpu:
         # DeepSpeed's optional shared-memory all-reduce for CPU costs ~80 s to compile on first
-        # use; gloo is fast enough for the tiny models run on CPU.
-        ds_torch.build_shm_op = lambda: None
+        # use; gloo is fast enough for the tiny models run on CPU. (sys.modules: the attribute
+        # `deepspeed.comm.torch` is shadowed by the torch package itself.)
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s))
 
 
