@@ -266,8 +266,10 @@ def run_local(job: PipelineRLJob, run_dir: str | Path | None = None, quiet: bool
         code = 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abort the clean-up
         run.stop_services()
         nats.stop()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     summary = run.summary()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     plot = run.plot()

@@ -79,3 +79,16 @@ def test_resume_from_checkpoint_does_not_retrain(tmp_path):
     assert [r["step"] for r in first] == [1, 2]
     assert [r["step"] for r in after] == [3, 4]  # steps 1-2 were not trained again
     assert "resumed from" in (tmp_path / "logs" / "trainer.log").read_text()
+
+
+def test_a_dying_service_stops_the_run_with_its_log_tail(tmp_path, capsys):
+    job = tiny_job("dies", model={"path": str(tmp_path / "no-such-model"), "maxSeqLen": 40})
+    code = run_local(parse_job(job), tmp_path / "run", quiet=True)
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "exited with code" in err and "stopping the other services" in err
+    assert "no-such-model" in err  # the tail of the failing service's own log
+    import psutil
+
+    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path / "run") in " ".join(p.info["cmdline"] or [])]
+    assert not leftovers  # every other service was stopped

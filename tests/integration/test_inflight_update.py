@@ -1,0 +1,243 @@
+"""In-flight weight updates of a live vLLM engine (the project's `Engine`), checked against
+Hugging Face: a trainer stand-in in a spawned process broadcasts weights over a real gloo
+`WeightGroup`; the engine receives them through its worker extension mid-generation."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+HOST = "127.0.0.1"
+SYNC_TIMEOUT_S = 60.0
+SEEDS = {"A": 1, "B": 2}
+PROMPTS = ["12+34=", "7*8=", "99-5=", "3<4?"]
+N_GREEDY = 24
+LONG_TOKENS = 200
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+# --- models ---------------------------------------------------------------------------------
+
+def save_model(path: Path, seed: int) -> str:
+    """`make_model(seed)` with sharper logits and no way to emit eos (so requests run to max_tokens)."""
+    from pipelinerl.tiny_model import make_model, make_tokenizer
+
+    tok, model = make_tokenizer(), make_model(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim >= 2:
+                p.mul_(10.0)  # std 0.2: diverse greedy text, top-2 logit gaps >> float32 noise
+        # Tied head: a zero eos row gives eos logit 0 while the best token's logit is > 0.
+        model.model.embed_tokens.weight[tok.eos_token_id] = 0.0
+    model.generation_config.eos_token_id = tok.eos_token_id
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def load_hf(path: str):
+    from transformers import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@torch.no_grad()
+def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """logprob of tokens[i] given prompt + tokens[:i], in one forward pass."""
+    ids = torch.tensor([prompt + tokens])
+    lp = torch.log_softmax(model(ids).logits[0].float(), -1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens))
+    return lp[pos, torch.tensor(tokens)]
+
+
+# --- trainer stand-in (spawned: module-level target) -------------------------------------------
+
+def _sender_main(paths: dict[str, str], port: int, cmd_q, res_q) -> None:
+    torch.set_num_threads(1)
+    from safetensors.torch import load_file
+
+    from pipelinerl.weight_group import WeightGroup
+
+    state = {name: load_file(f"{p}/model.safetensors") for name, p in paths.items()}
+    group = None
+    while True:
+        cmd, *args = cmd_q.get()
+        try:
+            if cmd == "init":
+                group = WeightGroup.create(HOST, port, 0, 2, SYNC_TIMEOUT_S)
+                res_q.put(("ok", None))
+            elif cmd == "send":
+                which, buckets = args
+                group.broadcast_buckets(state[which], buckets)
+                res_q.put(("ok", None))
+            elif cmd == "close":
+                if group is not None:
+                    group.close()
+                return
+        except BaseException as e:  # report, never leave the test waiting
+            res_q.put(("err", repr(e)))
+
+
+async def reply(res_q):
+    status, val = await asyncio.to_thread(res_q.get, True, SYNC_TIMEOUT_S + 30)
+    if status != "ok":
+        raise RuntimeError(f"trainer stand-in failed: {val}")
+    return val
+
+
+@dataclass
+class Rig:
+    engine: object
+    tokenizer: object
+    hf: dict
+    buckets: list
+    cmd_q: object
+    res_q: object
+    current: str = "A"  # which weights the engine holds
+    updates: list = field(default_factory=list)
+
+    async def update(self, which: str):
+        version = self.engine.version + 1
+        self.cmd_q.put(("send", which, self.buckets))
+        stats = await self.engine.update_weights(version, self.buckets)
+        await reply(self.res_q)
+        self.current = which
+        return stats
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def rig(tmp_path_factory):
+    from safetensors.torch import load_file
+
+    from pipelinerl.spec import parse_job
+    from pipelinerl.tiny_model import make_tokenizer
+    from pipelinerl.weight_group import plan_buckets_for
+    from pipelinerl_generator.engine import Engine
+
+    root = tmp_path_factory.mktemp("inflight")
+    paths = {name: save_model(root / name, seed) for name, seed in SEEDS.items()}
+    job = parse_job({
+        "apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": "inflight"},
+        "spec": {
+            "model": {"path": paths["A"], "maxSeqLen": 256, "dtype": "float32"},
+            "generator": {"sampling": {"maxTokens": LONG_TOKENS}},
+            "weightSync": {"backend": "gloo", "bucketMb": 1, "timeoutSeconds": SYNC_TIMEOUT_S},
+        },
+    })
+    sync = job.spec.weight_sync
+    buckets = plan_buckets_for(load_file(f"{paths['A']}/model.safetensors"), sync.bucket_mb << 20)
+    assert len(buckets) > 1  # exercise several buckets
+
+    ctx = mp.get_context("spawn")
+    cmd_q, res_q = ctx.Queue(), ctx.Queue()
+    port = free_port()
+    sender = ctx.Process(target=_sender_main, args=(paths, port, cmd_q, res_q), daemon=True)
+    sender.start()
+    engine = Engine(job, paths["A"])
+    try:
+        await engine.start(0)
+        cmd_q.put(("init",))
+        await engine.join_weight_group(HOST, port, 1, 2, sync.timeout_seconds)
+        await reply(res_q)
+        yield Rig(engine, make_tokenizer(), {n: load_hf(p) for n, p in paths.items()}, buckets, cmd_q, res_q)
+    finally:
+        cmd_q.put(("close",))
+        engine.shutdown()
+        sender.join(10)
+        if sender.is_alive():
+            sender.kill()
+
+
+async def wait_for_output_tokens(engine, n: int, timeout_s: float = 120.0) -> int:
+    """Block until the (single) running request has produced >= n tokens; returns the count seen."""
+    states = engine.llm.output_processor.request_states
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        counts = [s.detokenizer.num_output_tokens() for s in list(states.values())]
+        if counts and max(counts) >= n:
+            return max(counts)
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"no request reached {n} output tokens in {timeout_s}s")
+
+
+# --- tests ----------------------------------------------------------------------------------
+
+async def test_update_switches_greedy_output_from_model_a_to_model_b(rig):
+    engine, tok = rig.engine, rig.tokenizer
+    if rig.current != "A":  # only when run out of order; normally A is what vLLM loaded from disk
+        await rig.update("A")
+    # Short prompts plus one longer than a KV block (128 on CPU): a prefix-cache hit on KV
+    # computed by the old weights would show up as output != model B.
+    prompts = [tok.encode(p) for p in PROMPTS] + [tok.encode(("1+2=3 " * 30)[:140])]
+    ref = {n: [hf_greedy(rig.hf[n], p, N_GREEDY) for p in prompts] for n in ("A", "B")}
+    assert all(a != b for a, b in zip(ref["A"], ref["B"])), "models A and B must be distinguishable"
+
+    v_before = engine.version
+    before = await asyncio.gather(*(engine.generate(p, N_GREEDY, greedy=True) for p in prompts))
+    assert [c.tokens for c in before] == ref["A"]
+    assert all(c.versions == [v_before] * N_GREEDY and c.finish_reason == "length" for c in before)
+
+    stats = await rig.update("B")
+    assert stats.version == engine.version == v_before + 1
+    assert stats.running_requests == 0
+
+    after = await asyncio.gather(*(engine.generate(p, N_GREEDY, greedy=True) for p in prompts))
+    assert [c.tokens for c in after] == ref["B"]
+    assert all(c.versions == [stats.version] * N_GREEDY for c in after)
+    for p, c in zip(prompts, after):  # sampling logprobs are model B's too
+        torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(rig.hf["B"], p, c.tokens),
+                                   atol=1e-4, rtol=0)
+
+
+async def test_request_spanning_an_update_mixes_versions(rig):
+    engine, tok = rig.engine, rig.tokenizer
+    if rig.current != "A":
+        await rig.update("A")
+    v_old = engine.version
+    prompt = tok.encode(PROMPTS[0])
+    ref_a = hf_greedy(rig.hf["A"], prompt, LONG_TOKENS)
+
+    task = asyncio.create_task(engine.generate(prompt, LONG_TOKENS, greedy=True))
+    seen = await wait_for_output_tokens(engine, 10)
+    stats = await rig.update("B")
+    c = await task
+    v_new = stats.version
+
+    assert stats.running_requests == 1  # the update really happened mid-request
+    assert len(c.tokens) == len(c.versions) == len(c.logprobs) == LONG_TOKENS
+    assert c.finish_reason == "length"
+    assert all(a <= b for a, b in zip(c.versions, c.versions[1:])), "versions must be non-decreasing"
+    assert set(c.versions) == {v_old, v_new}
+    n_old = c.versions.count(v_old)
+    assert seen <= n_old < LONG_TOKENS
+
+    # Old-version tokens: exactly model A's greedy text, with model A's logprobs.
+    assert c.tokens[:n_old] == ref_a[:n_old]
+    lp_a = hf_logprobs(rig.hf["A"], prompt, c.tokens)
+    got = torch.tensor(c.logprobs)
+    torch.testing.assert_close(got[:n_old], lp_a[:n_old], atol=1e-4, rtol=0)
+    # New-version tokens were sampled by other weights: model A does not explain them.
+    assert (got[n_old:] - lp_a[n_old:]).abs().max() > 1e-2

@@ -1,0 +1,165 @@
+"""pipelinerl.weight_group: bucket plans, a real multi-process gloo broadcast, clear timeouts."""
+
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing as mp
+import queue
+import time
+
+import pytest
+import torch
+
+from pipelinerl.weight_group import WeightGroup, WeightSyncTimeout, plan_buckets, plan_buckets_for
+
+HOST = "127.0.0.1"
+
+
+def names(buckets):
+    return [[t["name"] for t in b["tensors"]] for b in buckets]
+
+
+# --- bucket planning (pure) ---------------------------------------------------------------
+
+def test_plan_groups_same_dtype_in_order_up_to_the_byte_limit():
+    spec = [("a", [4], "float32"), ("b", [2, 2], "float32"), ("c", [3], "float32"),
+            ("d", [8], "bfloat16"), ("e", [8], "bfloat16"), ("f", [1], "float32"), ("g", [5], "float16")]
+    b = plan_buckets(spec, bucket_bytes=32)  # 8 float32 or 16 bfloat16 elements
+    # a+b fill 32 bytes exactly (fits: <=); c starts a new bucket; a dtype change always starts one,
+    # and a later float32 tensor is not merged back into an earlier float32 bucket (order is kept).
+    assert names(b) == [["a", "b"], ["c"], ["d", "e"], ["f"], ["g"]]
+    assert [x["dtype"] for x in b] == ["float32", "float32", "bfloat16", "float32", "float16"]
+    assert [t for x in names(b) for t in x] == [n for n, _, _ in spec]
+    for x in b:
+        itemsize = torch.empty(0, dtype=getattr(torch, x["dtype"])).element_size()
+        assert x["numel"] * itemsize <= 32
+
+
+def test_plan_offsets_are_contiguous_and_shapes_kept():
+    b = plan_buckets([("w", [3, 2], "float32"), ("v", [4], "float32"), ("s", [], "float32")], bucket_bytes=1 << 20)
+    assert len(b) == 1
+    assert b[0]["tensors"] == [
+        {"name": "w", "shape": [3, 2], "offset": 0, "numel": 6},
+        {"name": "v", "shape": [4], "offset": 6, "numel": 4},
+        {"name": "s", "shape": [], "offset": 10, "numel": 1},
+    ]
+    assert b[0]["numel"] == 11
+
+
+def test_plan_oversize_tensor_gets_a_bucket_of_its_own():
+    b = plan_buckets([("small", [2], "float32"), ("big", [100], "float32"), ("after", [2], "float32")],
+                     bucket_bytes=16)
+    assert names(b) == [["small"], ["big"], ["after"]]
+    assert b[1]["numel"] == 100 and b[1]["tensors"][0]["offset"] == 0
+    assert b[2]["tensors"][0]["offset"] == 0
+
+
+def test_plan_for_tensors_is_plain_data_and_rejects_bad_input():
+    tensors = {"x": torch.zeros(2, 3), "y": torch.zeros(4, dtype=torch.bfloat16)}
+    b = plan_buckets_for(tensors, bucket_bytes=1024)
+    assert json.loads(json.dumps(b)) == b  # travels through msgpack/JSON (collective_rpc, NATS)
+    assert [(x["dtype"], x["tensors"][0]["shape"]) for x in b] == [("float32", [2, 3]), ("bfloat16", [4])]
+    with pytest.raises(ValueError):
+        plan_buckets([("x", [2], "int64")], bucket_bytes=1024)
+    with pytest.raises(ValueError):
+        plan_buckets([("x", [2], "float32")], bucket_bytes=0)
+    with pytest.raises(ValueError):
+        plan_buckets_for({"i": torch.zeros(2, dtype=torch.int32)}, bucket_bytes=1024)
+
+
+# --- real gloo groups (spawned processes) -------------------------------------------------
+
+def _receiver(port, rank, world, timeout_s, buckets, out_q):
+    try:
+        group = WeightGroup.create(HOST, port, rank, world, timeout_s)
+        got = {n: t.clone() for n, t in group.receive_buckets(buckets)}
+        group.close()
+        blob = io.BytesIO()
+        torch.save(got, blob)  # plain bytes: tensors put on a queue would share memory with this exiting process
+        out_q.put((rank, "ok", blob.getvalue()))
+    except BaseException as e:  # report instead of hanging the parent
+        out_q.put((rank, "err", repr(e)))
+
+
+def _idle_member(port, world, timeout_s, hold_s, ready):
+    """Joins the group as rank 1 but never enters a broadcast."""
+    ready.set()  # imports done: the short rendezvous timeout is about the group, not process start
+    group = WeightGroup.create(HOST, port, 1, world, timeout_s)
+    time.sleep(hold_s)
+    group.close()
+
+
+def test_broadcast_round_trip_to_two_receivers_is_exact(port):
+    g = torch.Generator().manual_seed(0)
+    tensors = {
+        "embed": torch.randn(7, 5, generator=g),
+        "bias": torch.randn(3, generator=g),
+        "norm": (torch.randn(4, 4, generator=g) * 1e3).to(torch.bfloat16),
+        "big": torch.randn(40, generator=g),  # 160 bytes > bucket: alone
+        "scalar": torch.tensor(3.25),
+        "tail": torch.randn(2, 3, generator=g).to(torch.bfloat16),
+    }
+    buckets = plan_buckets_for(tensors, bucket_bytes=64)
+    assert len(buckets) >= 4 and {b["dtype"] for b in buckets} == {"float32", "bfloat16"}
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    procs = [ctx.Process(target=_receiver, args=(port, r, 3, 30.0, buckets, out_q), daemon=True) for r in (1, 2)]
+    for p in procs:
+        p.start()
+    try:
+        sender = WeightGroup.create(HOST, port, 0, 3, 30.0)
+        sender.broadcast_buckets(tensors, buckets)
+        results = {}
+        for _ in procs:
+            rank, status, got = out_q.get(timeout=60)
+            assert status == "ok", got
+            results[rank] = torch.load(io.BytesIO(got))
+        sender.close()
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert sorted(results) == [1, 2]
+    for got in results.values():
+        assert list(got) == list(tensors)  # every tensor, in plan order
+        for name, t in tensors.items():
+            assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+            assert torch.equal(got[name], t), name
+
+
+def test_rendezvous_nobody_joins_times_out_clearly(port):
+    t0 = time.perf_counter()
+    with pytest.raises(WeightSyncTimeout, match=rf"rendezvous at {HOST}:{port}.*within 1.5s"):
+        WeightGroup.create(HOST, port, 0, 2, 1.5)  # trainer side: no generator ever connects
+    elapsed = time.perf_counter() - t0
+    assert 1.0 <= elapsed < 10, elapsed
+
+
+def test_generator_without_trainer_times_out_clearly(port):
+    t0 = time.perf_counter()
+    with pytest.raises(WeightSyncTimeout, match="rendezvous"):
+        WeightGroup.create(HOST, port, 1, 2, 1.5)  # generator side: no trainer (store master)
+    assert time.perf_counter() - t0 < 10
+
+
+def test_broadcast_receiver_never_enters_times_out_clearly(port):
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    member = ctx.Process(target=_idle_member, args=(port, 2, 2.0, 30.0, ready), daemon=True)
+    member.start()
+    try:
+        assert ready.wait(60)
+        sender = WeightGroup.create(HOST, port, 0, 2, 2.0)  # the rendezvous itself succeeds
+        tensors = {"w": torch.zeros(4 << 20)}  # 16 MiB: more than socket buffers absorb
+        t0 = time.perf_counter()
+        with pytest.raises(WeightSyncTimeout, match=r"broadcast to 1 generators failed or timed out after 2.0s"):
+            sender.broadcast_buckets(tensors, plan_buckets_for(tensors, bucket_bytes=64 << 20))
+        elapsed = time.perf_counter() - t0
+        assert member.is_alive(), "the member must still be in the group: a timeout, not a lost peer"
+        assert elapsed < 6, elapsed
+        sender.close()
+    finally:
+        member.kill()  # it would idle for hold_s more
+        member.join(10)
