@@ -21,6 +21,7 @@ import httpx
 from nats.js.api import DeliverPolicy
 
 from pipelinerl import messages as m
+from pipelinerl.services import die_with_parent
 from pipelinerl.spec import PipelineRLJob, dump_job
 from pipelinerl.streams import EmbeddedNats, JobSubjects, connect, ensure_streams, free_port
 from pipelinerl.tiny_model import model_info, resolve_model_path
@@ -36,7 +37,7 @@ class Service:
         self.log = open(log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pipelinerl.cli", "service", role, str(job_file)],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
         )
 
     def tail(self, lines: int = 40) -> str:

@@ -92,6 +92,23 @@ class HealthServer:
         return self
 
 
+def exit_soon(seconds: float = 20.0) -> None:
+    """Called on SIGTERM: if the clean shutdown stalls (e.g. NATS is already gone), exit anyway."""
+    timer = threading.Timer(seconds, os._exit, args=(0,))
+    timer.daemon = True
+    timer.start()
+
+
+def die_with_parent() -> None:
+    """preexec_fn for child services: SIGTERM when the parent (the local runner) dies (Linux)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def run_service(role: str, job: PipelineRLJob) -> int:
     env = ServiceEnv.from_environ(role, job)
     setup_logging(f"{role}-{env.rank}")

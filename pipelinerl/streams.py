@@ -17,6 +17,8 @@ import nats
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
+from pipelinerl.services import die_with_parent
+
 CONNECT_TIMEOUT_S = 10.0
 REQUEST_TIMEOUT_S = 10.0
 
@@ -150,7 +152,7 @@ class EmbeddedNats:
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(self.port),
              "-sd", str(self.store_dir)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

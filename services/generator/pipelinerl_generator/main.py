@@ -18,7 +18,7 @@ import time
 from prometheus_client import Counter, Gauge
 
 from pipelinerl import messages as m
-from pipelinerl.services import HealthServer, ServiceEnv
+from pipelinerl.services import HealthServer, ServiceEnv, exit_soon
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import JobSubjects, connect, ensure_streams
 from pipelinerl.tasks import make_task
@@ -106,7 +106,7 @@ class Generator:
         self._spawn(self._maybe_eval(start_version))
         await self._admission_loop()
         self.engine.shutdown()
-        await self.nc.drain()
+        await asyncio.wait_for(self.nc.drain(), 10)
 
     async def _latest_version(self) -> tuple[int, int]:
         try:
@@ -147,10 +147,12 @@ class Generator:
                 pass
         if self.errors:
             raise self.errors[0]
-        # Finished: let the final evaluation complete, abandon rollouts nobody will train.
-        pending = [t for t in self.tasks]
-        if pending:
-            await asyncio.wait(pending, timeout=self.spec.weight_sync.timeout_seconds)
+        if self.finished_version is not None and self.tasks:
+            # Finished: let the final evaluation complete (bounded); rollouts still running are
+            # abandoned below, nobody will train them.
+            await asyncio.wait(list(self.tasks), timeout=self.spec.weight_sync.timeout_seconds)
+        for t in list(self.tasks):
+            t.cancel()
 
     async def _group(self, problem) -> None:
         INFLIGHT.inc()
@@ -240,7 +242,7 @@ def main(job: PipelineRLJob, env: ServiceEnv) -> int:
     async def _run() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: (gen.stopping.set(), gen.wakeup.set()))
+            loop.add_signal_handler(sig, lambda: (gen.stopping.set(), gen.wakeup.set(), exit_soon()))
         await gen.run()
 
     asyncio.run(_run())

@@ -18,7 +18,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge
 
 from pipelinerl import messages as m
-from pipelinerl.services import HealthServer, ServiceEnv
+from pipelinerl.services import HealthServer, ServiceEnv, exit_soon
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import JobSubjects, connect, ensure_streams
 from pipelinerl_preprocessor.advantages import group_advantages, is_zero_variance
@@ -83,7 +83,7 @@ class Preprocessor:
                 for msg, _ in self.accepted:  # still waiting for a full step: not abandoned
                     await msg.in_progress()
                 last_keepalive = time.monotonic()
-        await self.nc.drain()
+        await asyncio.wait_for(self.nc.drain(), 10)
 
     def _trainer_behind(self) -> bool:
         """Backpressure: enough steps are already waiting for the trainer."""
@@ -159,7 +159,7 @@ def main(job: PipelineRLJob, env: ServiceEnv) -> int:
     async def _run() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, pre.stopping.set)
+            loop.add_signal_handler(sig, lambda: (pre.stopping.set(), exit_soon()))
         await pre.run()
 
     asyncio.run(_run())

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from prometheus_client import Counter, Gauge, Histogram
 
 from pipelinerl import messages as m
-from pipelinerl.services import HealthServer, ServiceEnv
+from pipelinerl.services import HealthServer, ServiceEnv, exit_soon
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import JobSubjects
 from pipelinerl.tiny_model import resolve_model_path
@@ -242,6 +242,6 @@ class Trainer:
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:
     trainer = Trainer(job, env)
-    signal.signal(signal.SIGTERM, lambda *_: trainer.stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: (trainer.stop.set(), exit_soon(60)))
     torch.set_num_threads(int(os.environ.get("PIPELINERL_TORCH_THREADS", "1")))
     return trainer.run()
