@@ -88,8 +88,10 @@ class LocalRun:
             **os.environ, "PYTHONUNBUFFERED": "1", "PIPELINERL_NATS_URL": nats_url,
             "PIPELINERL_WEIGHTS_ADDR": f"127.0.0.1:{weights_port}", "PIPELINERL_RUN_DIR": str(self.run_dir),
             "PIPELINERL_GENERATORS": str(gens), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
-            # One thread per process: the services share this machine's cores.
-            "OMP_NUM_THREADS": "1", "PIPELINERL_TORCH_THREADS": "1", "PIPELINERL_EXIT_WHEN_DONE": "1",
+            "OMP_NUM_THREADS": "1", "PIPELINERL_EXIT_WHEN_DONE": "1",
+            # Training is the compute-bound stage here: trainers split the cores between them
+            # (the generators' engine threads overlap with them; they idle while lag-bound).
+            "PIPELINERL_TORCH_THREADS": str(max(1, (os.cpu_count() or 1) // trainers)),
         }
         layout = [("trainer", r, trainers) for r in range(trainers)] + [("preprocessor", 0, 1)] + \
                  [("generator", r, gens) for r in range(gens)]

@@ -145,6 +145,9 @@ class TrainerSpec(RoleSpec):
     replicas: int = Field(default=1, ge=1, le=1024)
     zero_stage: Literal[0, 1, 2, 3] = 1
     learning_rate: float = Field(default=1e-4, gt=0.0, le=1.0)
+    warmup_steps: int = Field(
+        default=0, ge=0, description="Linear learning-rate warm-up; keeps Adam's first, large updates small."
+    )
     weight_decay: float = Field(default=0.0, ge=0.0)
     grad_clip: float = Field(default=1.0, ge=0.0)
     samples_per_step: int = Field(default=128, ge=1, le=1_000_000)

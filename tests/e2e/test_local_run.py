@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from pipelinerl.local import run_local
 from pipelinerl.spec import parse_job

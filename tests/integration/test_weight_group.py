@@ -5,7 +5,6 @@ from __future__ import annotations
 import io
 import json
 import multiprocessing as mp
-import queue
 import time
 
 import pytest

@@ -14,7 +14,7 @@ def job(**spec):
 
 def test_example_is_valid_and_round_trips():
     j = load_job(ROOT / "examples" / "tiny-cpu.yaml")
-    assert j.spec.mode == "pipeline" and j.spec.max_lag == 4 and j.spec.groups_per_step == 16
+    assert j.spec.mode == "pipeline" and j.spec.max_lag == 1 and j.spec.groups_per_step == 16
     again = parse_job(__import__("yaml").safe_load(dump_job(j)))
     assert again == j
 

@@ -81,3 +81,24 @@ def test_make_task_errors():
         make_task("nope")
     with pytest.raises(ValueError, match="spec.task.params"):
         make_task("arith", {"digitz": 3})
+
+
+def test_math_task_from_jsonl(tmp_path):
+    from pipelinerl.tasks.math import MathTask, final_number
+
+    assert final_number("so 3 + 4 = 7 #### 1,234") == "1234"
+    assert final_number("the result is 12.0") == "12" and final_number("no digits") is None
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "2+3?", "answer": "2+3=5 #### 5"}\n{"question": "7*6?", "answer": "42"}\n')
+    task = make_task("math", {"train_file": str(data)}, seed=1)
+    assert isinstance(task, MathTask)
+    assert {task.train_problem(i).answer for i in range(2)} == {"5", "42"}  # one epoch covers all
+    assert task.train_problem(7) == MathTask(train_file=str(data), seed=1).train_problem(7)
+    tok = make_tokenizer()
+    p = task.test_problems(1)[0]
+    good = asyncio.run(task.rollout(ScriptedPolicy(tok, [f"12+3=15 #### {p.answer}"]), tok, p, 32))
+    bad = asyncio.run(task.rollout(ScriptedPolicy(tok, ["#### 99"]), tok, p, 32))
+    assert good.reward == 1.0 and bad.reward == 0.0
+    data.write_text('{"question": "x"}\n')
+    with pytest.raises(ValueError, match="line 1"):
+        make_task("math", {"train_file": str(data)})

@@ -7,7 +7,6 @@ Every rank consumes its own subject; all ranks take the same number of micro-bat
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import queue
@@ -205,7 +204,7 @@ class Trainer:
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "lag_min": float(lag_t.min()), "lag_mean": float(lag_t.mean()), "lag_max": float(lag_t.max()),
             "dropped_for_lag": int(dropped), "groups_filtered": first.step_groups_filtered,
-            "train_seconds": elapsed, "trainer_tokens_per_second": tokens / elapsed * (1 if self.world == 1 else 1),
+            "train_seconds": elapsed, "trainer_tokens_per_second": tokens / elapsed,  # all ranks together
         }
 
     # -- outputs ---------------------------------------------------------------------------

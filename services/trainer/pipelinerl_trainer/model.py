@@ -60,7 +60,10 @@ def build_engine(job: PipelineRLJob, model_path: str):
     # A client optimizer: DeepSpeed's own CPU Adam would compile kernels for minutes.
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay,
                                   betas=(0.9, 0.999))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(job))
+    warmup = t.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                      config=ds_config(job))
     return engine
 
 
