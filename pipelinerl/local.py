@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import httpx
-from nats.js.api import DeliverPolicy
+from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
 from pipelinerl.services import die_with_parent
@@ -105,9 +105,11 @@ class LocalRun:
         """True when the trainers have all finished; raises ServiceDied on a failure, or when
         another service quits while the trainers still need it."""
         trainers_done = all(s.proc.poll() == 0 for s in self.services if s.role == "trainer")
+        last_step_seen = bool(self.train) and self.train[-1]["step"] >= self.spec.trainer.max_steps
         for s in self.services:
             code = s.proc.poll()
-            if code not in (None, 0) or (code == 0 and not trainers_done and s.role != "trainer"):
+            quit_early = code == 0 and s.role != "trainer" and not (trainers_done or last_step_seen)
+            if code not in (None, 0) or quit_early:
                 raise ServiceDied(s)
         return trainers_done
 
@@ -116,7 +118,7 @@ class LocalRun:
             s.stop()
 
     # -- progress --------------------------------------------------------------------------
-    async def watch(self, nc) -> None:
+    async def watch(self, nc, nats_url: str) -> None:
         js = nc.jetstream()
         await ensure_streams(js, self.subjects, self.spec.nats.max_payload_mb)
         metrics_file = open(self.run_dir / "metrics.jsonl", "a")
@@ -134,8 +136,12 @@ class LocalRun:
                 self.say(f"  [{tag}] version {record['version']}: held-out accuracy {record['accuracy']:.1%} "
                          f"on {record['problems']} problems")
 
-        await js.subscribe(self.subjects.metrics(">"), cb=on_metric, deliver_policy=DeliverPolicy.ALL,
-                           ordered_consumer=True)
+        # Only this run's metrics: a resumed run's stream still holds the earlier ones.
+        first = (await js.stream_info(self.subjects.stream("METRICS"))).state.last_seq + 1
+        await js.subscribe(self.subjects.metrics(">"), cb=on_metric, ordered_consumer=True,
+                           config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first))
+        self.start_services(nats_url)
+        self.say(f"  services: {', '.join(s.name for s in self.services)}; logs in {self.run_dir / 'logs'}")
         last_print = 0.0
         async with httpx.AsyncClient(timeout=1.0) as http:
             while True:
@@ -247,7 +253,7 @@ def run_local(job: PipelineRLJob, run_dir: str | Path | None = None, quiet: bool
     async def main() -> None:
         nc = await connect(nats.url, "pipelinerl-run")
         try:
-            await run.watch(nc)
+            await run.watch(nc, nats.url)
         finally:
             await nc.close()
 
@@ -257,8 +263,6 @@ def run_local(job: PipelineRLJob, run_dir: str | Path | None = None, quiet: bool
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         run.t0 = time.time()
-        run.start_services(nats.url)
-        run.say(f"  services: {', '.join(s.name for s in run.services)}; logs in {run_dir / 'logs'}")
         asyncio.run(main())
     except KeyboardInterrupt:
         run.say("\ninterrupted: stopping services")

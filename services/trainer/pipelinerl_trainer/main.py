@@ -105,8 +105,8 @@ class Trainer:
             if last or (interval and self.version % interval == 0):
                 self._checkpoint()
             if self.rank == 0:
+                self._report(metrics)  # before the announcement, which lets the generators finish
                 self._announce(finished=last)
-                self._report(metrics)
         self.progress["finished"] = self.version >= self.spec.trainer.max_steps
         self.bridge.close()
         return 0
