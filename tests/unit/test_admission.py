@@ -9,9 +9,9 @@ def fill(a: Admission) -> int:
     return n
 
 
-def test_pipeline_budget_is_lag_plus_one_steps():
+def test_pipeline_budget_is_max_lag_steps_of_unconsumed_groups():
     a = Admission(groups_per_step=16, generators=1, max_lag=4, max_inflight=1000)
-    assert fill(a) == 80
+    assert fill(a) == 64
     for _ in range(16):
         a.on_finish(discarded=False)
     assert not a.may_start()  # finished but untrained groups still count
@@ -30,7 +30,7 @@ def test_sync_mode_one_step_and_discards_free_budget():
 
 
 def test_share_and_inflight_cap():
-    a = Admission(groups_per_step=10, generators=3, max_lag=1, max_inflight=5)
+    a = Admission(groups_per_step=10, generators=3, max_lag=2, max_inflight=5)
     assert a.share == 4 and a.budget == 8
     assert fill(a) == 5  # capped by concurrency
     a.on_finish(False)

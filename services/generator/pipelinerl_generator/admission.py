@@ -1,10 +1,10 @@
 """Max-lag admission (pure): when may a generator start another prompt group?
 
 A group started now, at weights version v, is trained once every group queued before it has
-been trained. With Q groups of this generator queued or in flight (started, not yet trained,
-not discarded) and this generator's share of a step being groups_per_step / generators, the
-new group lands about Q / share steps from now; its lag stays within `max_lag` while
-Q < (max_lag + 1) · share. Groups the preprocessor will discard (zero variance) leave the
+been consumed by the trainer. With Q groups of this generator queued or in flight (started,
+not yet consumed, not discarded) and this generator's share of a step being
+groups_per_step / generators, the new group lands about Q / share steps from now; its lag
+stays within `max_lag` while Q < max_lag · share (see `budget` for sync mode). Groups the preprocessor will discard (zero variance) leave the
 queue as soon as they finish, so sync mode (max_lag 0) can never starve a step.
 """
 
@@ -31,7 +31,10 @@ class Admission:
 
     @property
     def budget(self) -> int:
-        return (self.max_lag + 1) * self.share
+        # With max_lag ≥ 1 the trainer reports groups as consumed when a step *starts* (so
+        # generation overlaps training), and max_lag steps of unconsumed groups keep every lag
+        # ≤ max_lag. Sync mode (0) counts them after the update instead: one step in flight.
+        return max(self.max_lag, 1) * self.share
 
     @property
     def queued(self) -> int:

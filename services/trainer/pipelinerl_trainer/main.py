@@ -97,6 +97,12 @@ class Trainer:
             batches = self._next_step_batches()
             if batches is None:
                 break
+            for g, c in batches[0].step_groups_by_generator.items():
+                self.trained_groups[g] = self.trained_groups.get(g, 0) + c
+            if self.rank == 0 and self.spec.max_lag > 0:
+                # Pipeline mode: this step's groups are consumed now, so generators may start
+                # the next ones while we train; the update below then lands on running requests.
+                self._announce(finished=False)
             metrics = self._train_step(batches)
             self.version += 1
             metrics |= self.sender.send(self.version)
@@ -193,8 +199,6 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         DROPPED.inc(dropped if self.rank == 0 else 0)
         first = batches[0]
-        for g, c in first.step_groups_by_generator.items():
-            self.trained_groups[g] = self.trained_groups.get(g, 0) + c
         self.samples_total += int(n)
         return {
             "step": self.version + 1, "loss": loss, "reward": reward_sum / max(n, 1), "samples": int(n),
