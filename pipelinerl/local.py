@@ -155,17 +155,12 @@ class LocalRun:
                 await asyncio.sleep(0.5)
             deadline = time.time() + FINAL_EVAL_TIMEOUT_S
             while self.spec.eval.interval and not any(e.get("final") for e in self.evals):
-                self.check_services_alive_generators()
+                self.check_services()
                 if time.time() > deadline:
                     self.say("  (no final evaluation arrived in time)")
                     break
                 await asyncio.sleep(0.5)
         metrics_file.close()
-
-    def check_services_alive_generators(self) -> None:
-        for s in self.services:
-            if s.role == "generator" and s.proc.poll() not in (None, 0):
-                raise ServiceDied(s)
 
     async def poll_generators(self, http) -> None:
         total = 0

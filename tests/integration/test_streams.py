@@ -19,6 +19,19 @@ async def publish(js, i: int):
     return await js.publish(SUBJECTS.rollouts, m.encode(group(i)), headers={"Nats-Msg-Id": f"g{i}"}, timeout=5)
 
 
+async def published(url: str, count: int):
+    """A connection to a job's streams with `count` rollout groups published, and a pull
+    consumer that redelivers after 1 s without an ack."""
+    nc = await connect(url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js, SUBJECTS, 8)
+    for i in range(count):
+        await publish(js, i)
+    sub = await js.pull_subscribe(SUBJECTS.rollouts, durable="pre",
+                                  config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=1.0))
+    return nc, sub
+
+
 async def test_streams_are_idempotent_and_round_trip(nats_server):
     nc = await connect(nats_server.url, "test")
     js = nc.jetstream()
@@ -39,13 +52,7 @@ async def test_streams_are_idempotent_and_round_trip(nats_server):
 
 
 async def test_unacked_messages_are_redelivered(nats_server):
-    nc = await connect(nats_server.url, "test")
-    js = nc.jetstream()
-    await ensure_streams(js, SUBJECTS, 8)
-    for i in range(3):
-        await publish(js, i)
-    sub = await js.pull_subscribe(SUBJECTS.rollouts, durable="pre",
-                                  config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=1.0))
+    nc, sub = await published(nats_server.url, 3)
     first = await sub.fetch(3, timeout=2)
     await first[0].ack()
     await first[2].ack()
@@ -59,13 +66,7 @@ async def test_unacked_messages_are_redelivered(nats_server):
 
 async def test_server_crash_keeps_acked_and_unacked_state(tmp_path):
     server = EmbeddedNats(tmp_path / "nats").start()
-    nc = await connect(server.url, "test")
-    js = nc.jetstream()
-    await ensure_streams(js, SUBJECTS, 8)
-    for i in range(4):
-        await publish(js, i)
-    sub = await js.pull_subscribe(SUBJECTS.rollouts, durable="pre",
-                                  config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=1.0))
+    nc, sub = await published(server.url, 4)
     msgs = await sub.fetch(4, timeout=2)
     for x in msgs[:2]:
         await x.ack_sync()

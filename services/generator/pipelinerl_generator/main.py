@@ -15,6 +15,7 @@ import logging
 import signal
 import time
 
+from nats.js.api import DeliverPolicy
 from prometheus_client import Counter, Gauge
 
 from pipelinerl import messages as m
@@ -95,7 +96,7 @@ class Generator:
         a = self.admission
         a.started = a.finished = a.trained = trained
         await self.nc.subscribe(self.subjects.weights_update, cb=self._on_weight_update)
-        await self.js.subscribe(self.subjects.version, cb=self._on_version, deliver_policy=m_deliver_last(),
+        await self.js.subscribe(self.subjects.version, cb=self._on_version, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
                                 ordered_consumer=True)
         join = asyncio.create_task(self.engine.join_weight_group(
             self.env.weights_host, self.env.weights_port, 1 + self.env.rank, 1 + self.env.generators,
@@ -228,12 +229,6 @@ class Generator:
         log.info("eval at version %d: accuracy %.3f", version, values["accuracy"])
         await self.js.publish(self.subjects.metrics("eval"), m.encode(m.Metrics(
             source=f"generator-{self.env.rank}", kind="eval", values=values, timestamp=time.time())), timeout=30)
-
-
-def m_deliver_last():
-    from nats.js.api import DeliverPolicy
-
-    return DeliverPolicy.LAST_PER_SUBJECT
 
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:
