@@ -1,4 +1,5 @@
-"""`pipelinerl` command line: run a job locally, validate a manifest, start one service, emit the CRD."""
+"""`pipelinerl` command line: run a job locally, validate a manifest, plan a cluster, start one service,
+emit the CRD."""
 
 from __future__ import annotations
 
@@ -28,6 +29,39 @@ def _service(args: argparse.Namespace) -> int:
     return run_service(args.role, load_job(args.job))
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import dataclasses
+    import json
+
+    from pipelinerl.planner import format_plan, load_calibration, parse_calibration, plan
+
+    job = load_job(args.job)
+    try:
+        calib = load_calibration(args.calibration or args.gpu_type or
+                                 ("h100-7b" if job.spec.generator.gpus else "cpu-tiny"))
+        if args.mean_tokens is not None or args.length_sigma is not None:
+            lengths = calib.lengths.model_dump() | {"distribution": "lognormal", "values": []}
+            if args.mean_tokens is not None:
+                lengths["mean_tokens"] = args.mean_tokens
+            if args.length_sigma is not None:
+                lengths["sigma"] = args.length_sigma
+            calib = parse_calibration(calib.model_dump() | {"lengths": lengths}, "command line")
+        result = plan(job, args.gpus, calib)
+    except ValueError as err:  # a bad calibration or an impossible split, named in the message
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.json:
+        out = dataclasses.asdict(result) | {
+            "recommended": dataclasses.asdict(result.recommended),
+            "speedup": result.speedup,
+            "speedup_vs_colocated": result.speedup_vs_colocated,
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print(format_plan(result))
+    return 0
+
+
 def _crd(args: argparse.Namespace) -> int:
     from pipelinerl.crd import crd_yaml
 
@@ -48,6 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("job")
     p.add_argument("--show", action="store_true", help="print the manifest with defaults filled in")
     p.set_defaults(func=_validate)
+
+    p = sub.add_parser("plan", help="predict pipeline vs sync throughput, lag and idle time; "
+                                    "recommend a split and max lag")
+    p.add_argument("job", help="PipelineRLJob manifest: samples per step, attempts, maxTokens, model")
+    p.add_argument("--gpus", type=int, required=True, help="devices to split between generators and trainers")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--gpu-type", choices=["h100-7b", "cpu-tiny"],
+                        help="built-in calibration (default: h100-7b when the job asks for GPUs, else cpu-tiny)")
+    source.add_argument("--calibration", metavar="FILE", help="calibration measured on your hardware (YAML/JSON)")
+    p.add_argument("--mean-tokens", type=float, help="override: lognormal completion lengths with this mean")
+    p.add_argument("--length-sigma", type=float, help="override: lognormal sigma (0: all completions alike)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=_plan)
 
     p = sub.add_parser("service", help="run one service (the entrypoint pods use)")
     p.add_argument("role", choices=["generator", "preprocessor", "trainer"])
