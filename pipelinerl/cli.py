@@ -20,7 +20,7 @@ def _validate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from pipelinerl.local import run_local
 
-    return run_local(load_job(args.job), run_dir=args.run_dir)
+    return run_local(load_job(args.job), run_dir=args.run_dir, pin_cores=args.pin_cores)
 
 
 def _service(args: argparse.Namespace) -> int:
@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("run", help="run a PipelineRLJob on this machine (embedded NATS, local processes)")
     p.add_argument("job", help="PipelineRLJob manifest (YAML)")
     p.add_argument("--run-dir", default=None, help="where logs, metrics and checkpoints go (default runs/<name>-<time>)")
+    p.add_argument("--pin-cores", action="store_true",
+                   help="give every generator and trainer rank its own cores (needs one per process)")
     p.set_defaults(func=_run)
 
     p = sub.add_parser("validate", help="validate a manifest and print field-level errors")

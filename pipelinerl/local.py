@@ -30,14 +30,34 @@ FINAL_EVAL_TIMEOUT_S = 300.0
 PRINT_EVERY_S = 3.0
 
 
+def cpu_layout(cpus: list[int], trainers: int, generators: int) -> dict[tuple[str, int], list[int]]:
+    """Dedicated cores per trainer rank and generator (`--pin-cores`): one per generator, the
+    rest shared out among the trainer ranks; the light preprocessor is left unpinned."""
+    if len(cpus) < trainers + generators:
+        raise ValueError(f"--pin-cores needs a core per trainer rank and generator ({trainers + generators}), "
+                         f"this process may use {len(cpus)}")
+    layout = {("generator", r): [cpus[r]] for r in range(generators)}
+    rest = cpus[generators:]
+    for r in range(trainers):
+        layout["trainer", r] = rest[r::trainers]
+    return layout
+
+
 class Service:
-    def __init__(self, name: str, role: str, rank: int, env: dict, log_path: Path, job_file: Path):
+    def __init__(self, name: str, role: str, rank: int, env: dict, log_path: Path, job_file: Path,
+                 cpus: list[int] | None = None):
         self.name, self.role, self.rank, self.log_path = name, role, rank, log_path
         self.http_port = int(env["PIPELINERL_HTTP_PORT"])
         self.log = open(log_path, "ab")
+
+        def setup() -> None:
+            die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pipelinerl.cli", "service", role, str(job_file)],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=setup,
         )
 
     def tail(self, lines: int = 40) -> str:
@@ -61,8 +81,10 @@ class ServiceDied(RuntimeError):
 
 
 class LocalRun:
-    def __init__(self, job: PipelineRLJob, run_dir: Path, quiet: bool = False):
+    def __init__(self, job: PipelineRLJob, run_dir: Path, quiet: bool = False, pin_cores: bool = False):
         self.job, self.spec, self.run_dir = job, job.spec, run_dir
+        self.pin_cores = pin_cores
+        self.busy: list[tuple[float, float]] = []  # (run time, generators' summed busy seconds)
         self.subjects = JobSubjects(job.name)
         self.quiet = quiet
         self.services: list[Service] = []
@@ -93,13 +115,16 @@ class LocalRun:
             # (the generators' engine threads overlap with them; they idle while lag-bound).
             "PIPELINERL_TORCH_THREADS": str(max(1, (os.cpu_count() or 1) // trainers)),
         }
+        cpus = cpu_layout(sorted(os.sched_getaffinity(0)), trainers, gens) if self.pin_cores else {}
         layout = [("trainer", r, trainers) for r in range(trainers)] + [("preprocessor", 0, 1)] + \
                  [("generator", r, gens) for r in range(gens)]
         for role, rank, world in layout:
             env = base | {"PIPELINERL_ROLE": role, "PIPELINERL_RANK": str(rank),
                           "PIPELINERL_WORLD_SIZE": str(world), "PIPELINERL_HTTP_PORT": str(free_port())}
+            if (role, rank) in cpus:
+                env["PIPELINERL_TORCH_THREADS"] = str(len(cpus[role, rank]))
             name = role if world == 1 else f"{role}-{rank}"
-            self.services.append(Service(name, role, rank, env, logs / f"{name}.log", job_file))
+            self.services.append(Service(name, role, rank, env, logs / f"{name}.log", job_file, cpus.get((role, rank))))
 
     def check_services(self) -> bool:
         """True when the trainers have all finished; raises ServiceDied on a failure, or when
@@ -163,15 +188,18 @@ class LocalRun:
         metrics_file.close()
 
     async def poll_generators(self, http) -> None:
-        total = 0
+        total, busy = 0, 0.0
         for s in self.services:
             if s.role != "generator" or s.proc.poll() is not None:
                 continue
             try:
-                total += (await http.get(f"http://127.0.0.1:{s.http_port}/status")).json().get("tokens", 0)
+                status = (await http.get(f"http://127.0.0.1:{s.http_port}/status")).json()
             except (httpx.HTTPError, ValueError):
                 return
+            total += status.get("tokens", 0)
+            busy += status.get("busySeconds", 0.0)
         now = time.time()
+        self.busy.append((now - self.t0, busy))
         if self.gen_tokens and now > self.gen_tokens[0]:
             self.gen_rate = 0.7 * self.gen_rate + 0.3 * (total - self.gen_tokens[1]) / (now - self.gen_tokens[0])
         self.gen_tokens = (now, total)
@@ -202,7 +230,30 @@ class LocalRun:
             "lag_max": max(lags) if lags else None,
             "samples_dropped_for_lag": sum(t.get("dropped_for_lag", 0) for t in self.train),
             "mean_ess": sum(t["ess"] for t in self.train) / len(self.train) if self.train else None,
+            **self.throughput(),
         }
+
+    def throughput(self) -> dict:
+        """Rates over the steady part of the run: from the end of the first step to the end of
+        the last (start-up and the first step's wait for data are left out)."""
+        if len(self.train) < 2:
+            return {}
+        first, last = self.train[0], self.train[-1]
+        window = last["time"] - first["time"]
+        steps = self.train[1:]
+        trainer_busy = sum(t["train_seconds"] + t.get("weight_sync_seconds", 0.0) for t in steps)
+        lags: dict[str, int] = {}
+        for t in self.train:
+            for k, v in t.items():
+                if k.startswith("tokens_lag_"):
+                    lags[k[len("tokens_lag_"):]] = lags.get(k[len("tokens_lag_"):], 0) + v
+        out = {"samples_per_second": sum(t["samples"] for t in steps) / window,
+               "seconds_per_step": window / len(steps), "trainer_busy_fraction": trainer_busy / window,
+               "lag_token_counts": dict(sorted(lags.items(), key=lambda kv: int(kv[0])))}
+        busy = [b for b in self.busy if first["time"] <= b[0] <= last["time"]]
+        if len(busy) >= 2:
+            out["generator_busy_fraction"] = (busy[-1][1] - busy[0][1]) / (busy[-1][0] - busy[0][0])
+        return out
 
     def plot(self) -> Path | None:
         if not self.train:
@@ -235,10 +286,11 @@ class LocalRun:
         return path
 
 
-def run_local(job: PipelineRLJob, run_dir: str | Path | None = None, quiet: bool = False) -> int:
+def run_local(job: PipelineRLJob, run_dir: str | Path | None = None, quiet: bool = False,
+              pin_cores: bool = False) -> int:
     run_dir = Path(run_dir or Path("runs") / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    run = LocalRun(job, run_dir, quiet=quiet)
+    run = LocalRun(job, run_dir, quiet=quiet, pin_cores=pin_cores)
     run.say(f"pipelinerl: running {job.name!r} ({job.spec.mode} mode, max lag {job.spec.max_lag}) in {run_dir}")
     model_path = resolve_model_path(job.spec.model.path)
     run.say(f"  model {model_path} {model_info(model_path) or ''}")

@@ -36,6 +36,26 @@ INFLIGHT = Gauge("pipelinerl_generator_inflight_groups", "Prompt groups being ge
 UPDATE_PAUSE = Gauge("pipelinerl_generator_weight_update_pause_seconds", "Pause of the last weight update")
 
 
+class BusyClock:
+    """Seconds during which at least one piece of work (a group or an evaluation) was running."""
+
+    def __init__(self) -> None:
+        self.active, self.total, self.since = 0, 0.0, 0.0
+
+    def enter(self) -> None:
+        if self.active == 0:
+            self.since = time.monotonic()
+        self.active += 1
+
+    def leave(self) -> None:
+        self.active -= 1
+        if self.active == 0:
+            self.total += time.monotonic() - self.since
+
+    def seconds(self) -> float:
+        return self.total + (time.monotonic() - self.since if self.active else 0.0)
+
+
 class Generator:
     def __init__(self, job: PipelineRLJob, env: ServiceEnv):
         self.job, self.env, self.spec = job, env, job.spec
@@ -51,9 +71,7 @@ class Generator:
         self.evaluated: set[int] = set()
         self.errors: list[BaseException] = []
         self.tasks: set[asyncio.Task] = set()
-        self.busy_since: float | None = None
-        self.busy_seconds = 0.0
-        self.started_at = time.time()
+        self.busy = BusyClock()
         self.updates_in_flight = 0  # updates applied while requests were running
 
     # -- status ----------------------------------------------------------------------------
@@ -65,20 +83,8 @@ class Generator:
             "groupsTrained": a.trained, "inflightGroups": a.inflight, "queuedGroups": a.queued,
             "tokens": self.engine.tokens_generated if hasattr(self, "engine") else 0,
             "updatesWithRequestsInFlight": self.updates_in_flight,
-            "busyFraction": self.busy_fraction(),
+            "busySeconds": self.busy.seconds(),
         }
-
-    def busy_fraction(self) -> float:
-        busy = self.busy_seconds + (time.time() - self.busy_since if self.busy_since else 0.0)
-        return busy / max(1e-9, time.time() - self.started_at)
-
-    def _track_busy(self) -> None:
-        now = time.time()
-        if self.engine.running and self.busy_since is None:
-            self.busy_since = now
-        elif not self.engine.running and self.busy_since is not None:
-            self.busy_seconds += now - self.busy_since
-            self.busy_since = None
 
     # -- main ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -141,7 +147,6 @@ class Generator:
                 index += self.env.generators
                 continue
             self.wakeup.clear()
-            self._track_busy()
             try:
                 await asyncio.wait_for(self.wakeup.wait(), 1.0)
             except asyncio.TimeoutError:
@@ -157,7 +162,7 @@ class Generator:
 
     async def _group(self, problem) -> None:
         INFLIGHT.inc()
-        self._track_busy()
+        self.busy.enter()
         t0 = time.time()
         start_version = self.engine.version
         try:
@@ -178,7 +183,7 @@ class Generator:
             self.admission.on_finish(discarded)
         finally:
             INFLIGHT.dec()
-            self._track_busy()
+            self.busy.leave()
             self.wakeup.set()
 
     async def _on_weight_update(self, msg) -> None:
@@ -217,10 +222,14 @@ class Generator:
         self.evaluated.add(version)
         t0 = time.time()
         problems = self.task.test_problems(self.spec.eval.problems)
-        samples = await asyncio.gather(*[
-            self.task.rollout(self.engine, self.tokenizer, p, self.spec.generator.sampling.max_tokens, greedy=True)
-            for p in problems
-        ])
+        self.busy.enter()
+        try:
+            samples = await asyncio.gather(*[
+                self.task.rollout(self.engine, self.tokenizer, p, self.spec.generator.sampling.max_tokens, greedy=True)
+                for p in problems
+            ])
+        finally:
+            self.busy.leave()
         values = {
             "version": version, "accuracy": sum(s.success for s in samples) / len(samples),
             "reward": sum(s.reward for s in samples) / len(samples), "problems": len(samples),

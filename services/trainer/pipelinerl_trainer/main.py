@@ -27,8 +27,8 @@ from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl.weight_group import WeightGroup
 from pipelinerl_trainer import checkpoint
 from pipelinerl_trainer.bridge import NatsBridge
-from pipelinerl_trainer.loss import LossConfig, effective_sample_size, policy_loss, token_logprobs
 from pipelinerl_trainer.model import build_engine, init_distributed
+from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
 from pipelinerl_trainer.weight_sender import WeightSender
 
 log = logging.getLogger("pipelinerl.trainer")
@@ -49,8 +49,7 @@ class Trainer:
         self.rank, self.world = env.rank, env.world_size
         self.subjects = JobSubjects(job.name)
         self.ckpt_dir = env.run_dir / "checkpoints"
-        self.loss_cfg = LossConfig(self.spec.rl.loss, self.spec.rl.epsilon_low, self.spec.rl.epsilon_high,
-                                   self.spec.rl.kl_coef, self.spec.rl.entropy_coef)
+        self.step_cfg = step_config(job)
         self.stop = threading.Event()
         self.progress: dict = {"step": 0, "version": 0, "samples": 0, "maxSteps": self.spec.trainer.max_steps,
                                "finished": False}
@@ -154,62 +153,24 @@ class Trainer:
 
     def _train_step(self, batches: list[m.MicroBatch]) -> dict:
         t0 = time.perf_counter()
-        engine, temp = self.engine, self.spec.generator.sampling.temperature
-        engine.train()
-        sums = torch.zeros(10, dtype=torch.float64)  # reduced over ranks: see names below
-        lags: list[int] = []
+        self.engine.train()
+        tally = StepTally()
         for mb in batches:
-            if mb.is_sentinel:
-                # Same forward/backward shape on every rank, zero contribution.
-                ids = torch.zeros((1, 1), dtype=torch.long)
-                engine.backward(engine(input_ids=ids).logits.sum() * 0.0)
-                continue
-            ids = torch.tensor([mb.tokens])
-            # use_cache=False matters: with a cache transformers ignores the packing in position ids
-            logits = engine(input_ids=ids, position_ids=torch.tensor([mb.positions]), use_cache=False).logits[0]
-            new_lp, entropy = token_logprobs(logits, ids[0], temp)
-            versions = torch.tensor(mb.versions)
-            weights = torch.tensor(mb.weights)
-            trained = weights > 0
-            # Drop what is older than the lag budget (counted per sample).
-            too_old = trained & (self.version - versions > self.spec.max_lag)
-            sample_ids = torch.tensor(mb.sample_ids)
-            dropped = int(torch.unique(sample_ids[too_old]).numel())
-            weights = torch.where(too_old, torch.zeros_like(weights), weights)
-            lags += (self.version - versions[trained]).tolist()
-            ref_lp = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref_logits = self.ref_model(input_ids=ids, position_ids=torch.tensor([mb.positions]),
-                                                use_cache=False).logits[0]
-                    ref_lp, _ = token_logprobs(ref_logits, ids[0], temp)
-            loss, st = policy_loss(new_lp, torch.tensor(mb.logprobs), torch.tensor(mb.advantages), weights,
-                                   self.loss_cfg, sample_ids=sample_ids, ref_logprobs=ref_lp, entropy=entropy)
+            loss = micro_batch_loss(self.engine, mb, self.version, self.step_cfg, tally, self.ref_model)
             # DeepSpeed averages gradients over data-parallel ranks; weights already sum over them.
-            engine.backward(loss * self.world)
-            sums += torch.tensor([loss.item(), st["tokens"], st["ratio_sum"], st["ratio_sq_sum"], st["clipped"],
-                                  st.get("entropy_sum", 0.0), st.get("kl_sum", 0.0), len(mb.rewards),
-                                  sum(mb.rewards), dropped], dtype=torch.float64)
-        engine.step()
-        grad_norm = engine.get_global_grad_norm()
+            self.engine.backward(loss * self.world)
+        self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
         if self.world > 1:
-            dist.all_reduce(sums)
-        loss, tokens, rsum, rsq, clipped, ent, kl, n, reward_sum, dropped = sums.tolist()
-        lag_t = torch.tensor(lags or [0], dtype=torch.float64)
+            dist.all_reduce(tally.sums)
+        metrics = tally.metrics()
         elapsed = time.perf_counter() - t0
-        DROPPED.inc(dropped if self.rank == 0 else 0)
-        first = batches[0]
-        self.samples_total += int(n)
-        return {
-            "step": self.version + 1, "loss": loss, "reward": reward_sum / max(n, 1), "samples": int(n),
-            "tokens": int(tokens), "ess": effective_sample_size(rsum, rsq, tokens),
-            "ratio_mean": rsum / max(tokens, 1), "clip_fraction": clipped / max(tokens, 1),
-            "entropy": ent / max(tokens, 1), "kl": kl / max(tokens, 1),
-            "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "lag_min": float(lag_t.min()), "lag_mean": float(lag_t.mean()), "lag_max": float(lag_t.max()),
-            "dropped_for_lag": int(dropped), "groups_filtered": first.step_groups_filtered,
-            "train_seconds": elapsed, "trainer_tokens_per_second": tokens / elapsed,  # all ranks together
-        }
+        DROPPED.inc(metrics["dropped_for_lag"] if self.rank == 0 else 0)
+        self.samples_total += metrics["samples"]
+        return {"step": self.version + 1, **metrics,
+                "grad_norm": float(grad_norm) if grad_norm is not None else None,
+                "groups_filtered": batches[0].step_groups_filtered, "train_seconds": elapsed,
+                "trainer_tokens_per_second": metrics["tokens"] / elapsed}  # all ranks together
 
     # -- outputs ---------------------------------------------------------------------------
     def _announce(self, finished: bool) -> None:

@@ -1,0 +1,63 @@
+"""Pure accounting of the local runner and the trainer step: core pinning, busy clocks,
+throughput over the steady window, per-lag token counts."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelinerl.local import LocalRun, cpu_layout
+from pipelinerl.spec import load_job
+from pipelinerl_generator.main import BusyClock
+from pipelinerl_trainer.step import StepTally
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
+
+
+def test_cpu_layout_gives_each_process_its_own_cores():
+    layout = cpu_layout([0, 1, 2, 3, 4], trainers=2, generators=1)
+    assert layout == {("generator", 0): [0], ("trainer", 0): [1, 3], ("trainer", 1): [2, 4]}
+    used = [c for cores in layout.values() for c in cores]
+    assert len(used) == len(set(used))
+
+
+def test_cpu_layout_refuses_too_few_cores():
+    with pytest.raises(ValueError, match="needs a core per trainer rank and generator"):
+        cpu_layout([0, 1], trainers=2, generators=1)
+
+
+def test_busy_clock_counts_overlapping_work_once():
+    clock = BusyClock()
+    clock.enter()
+    clock.enter()  # a second group while the first runs
+    time.sleep(0.05)
+    clock.leave()
+    clock.leave()
+    busy = clock.seconds()
+    time.sleep(0.05)  # idle: not counted
+    assert 0.04 < busy < 0.09
+    assert clock.seconds() == busy
+
+
+def test_step_tally_counts_tokens_per_lag():
+    tally = StepTally()
+    tally.lags = [0, 1, 1, 3]
+    tally.sums[1] = 4  # tokens
+    metrics = tally.metrics()
+    assert {k: v for k, v in metrics.items() if k.startswith("tokens_lag_")} == \
+        {"tokens_lag_0": 1, "tokens_lag_1": 2, "tokens_lag_3": 1}
+    assert metrics["lag_max"] == 3.0 and metrics["lag_mean"] == pytest.approx(1.25)
+
+
+def test_throughput_uses_the_steady_window(tmp_path):
+    run = LocalRun(load_job(EXAMPLE), tmp_path, quiet=True)
+    # Step 1 ends at t=10 after a long start-up; steps 2-3 take 2 s each, 1.5 s of it training.
+    run.train = [{"step": i, "time": t, "samples": 128, "train_seconds": 1.4, "weight_sync_seconds": 0.1,
+                  "tokens_lag_0": 10, "tokens_lag_1": 5 * (i > 1)} for i, t in ((1, 10.0), (2, 12.0), (3, 14.0))]
+    run.busy = [(5.0, 0.0), (10.0, 1.0), (12.0, 2.8), (14.0, 4.6)]
+    out = run.throughput()
+    assert out["samples_per_second"] == pytest.approx(256 / 4)
+    assert out["seconds_per_step"] == pytest.approx(2.0)
+    assert out["trainer_busy_fraction"] == pytest.approx(3.0 / 4)
+    assert out["generator_busy_fraction"] == pytest.approx(3.6 / 4)
+    assert out["lag_token_counts"] == {"0": 30, "1": 10}
