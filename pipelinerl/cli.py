@@ -46,6 +46,9 @@ def _plan(args: argparse.Namespace) -> int:
             if args.length_sigma is not None:
                 lengths["sigma"] = args.length_sigma
             calib = parse_calibration(calib.model_dump() | {"lengths": lengths}, "command line")
+        if args.filtered_fraction is not None:
+            calib = parse_calibration(calib.model_dump() | {"filtered_fraction": args.filtered_fraction},
+                                      "command line")
         result = plan(job, args.gpus, calib)
     except ValueError as err:  # a bad calibration or an impossible split, named in the message
         print(f"error: {err}", file=sys.stderr)
@@ -95,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     source.add_argument("--calibration", metavar="FILE", help="calibration measured on your hardware (YAML/JSON)")
     p.add_argument("--mean-tokens", type=float, help="override: lognormal completion lengths with this mean")
     p.add_argument("--length-sigma", type=float, help="override: lognormal sigma (0: all completions alike)")
+    p.add_argument("--filtered-fraction", type=float,
+                   help="override: share of groups dropped by zero-variance filtering (generated, never trained)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
 

@@ -9,6 +9,8 @@ beyond loading a calibration. The cost model and its assumptions are in docs/pla
     train step of T tokens on n trainer devices            T * train_s_per_token / (n * train_scaling^log2 n)
                                                            + optimizer_step_s
     weight update                                          trainer busy weight_sync_s, generators pause pause_s
+    zero-variance filtering                                a share filtered_fraction of the groups is generated,
+                                                           then dropped: it frees its admission slot on finishing
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ class Calibration(BaseModel):
     weight_sync_s: float = Field(default=0.0, ge=0)
     pause_s: float = Field(default=0.0, ge=0)
     contention: float = Field(default=0.0, ge=0, description="slow-down of each role while the other computes")
+    filtered_fraction: float = Field(
+        default=0.0, ge=0, lt=1, description="share of generated groups dropped by zero-variance filtering (all "
+                                             "attempts rewarded alike): a property of the task and model, like lengths")
     lengths: Lengths
 
     def step_s(self, batch: int) -> float:
@@ -141,6 +146,7 @@ class SimResult:
     samples_trained: int  # in the simulated (synced) steps
     samples_in_flight: int  # on engines, finished but not consumed, or in the step being trained
     samples_started: int
+    samples_filtered: int = 0  # generated, then dropped by zero-variance filtering
 
     @property
     def useful_samples_per_s(self) -> float:
@@ -176,8 +182,9 @@ class _Sim:
 
     def __init__(self, mode: str, n_gen: int, n_train: int, max_lag: int, samples_per_step: int,
                  attempts: int, calib: Calibration, max_tokens: int, lengths: Lengths, steps: int,
-                 warmup: int, seed: int) -> None:
+                 warmup: int, seed: int, filtered: float) -> None:
         self.c, self.attempts, self.max_tokens, self.lengths = calib, attempts, max_tokens, lengths
+        self.filtered = filtered
         self.mode, self.n_gen, self.n_train = mode, n_gen, n_train
         # Sync mode is max_lag 0: one step of groups admitted, consumed only after the update.
         self.max_lag = max_lag if mode == "pipeline" else 0
@@ -196,7 +203,9 @@ class _Sim:
         self.g_lengths: list[list[int]] = []
         self.g_starts: list[list[float]] = []
         self.g_left: list[int] = []
-        self.queued = 0  # groups started and not yet consumed by the trainer
+        self.g_drop: list[bool] = []  # zero-variance: dropped when it finishes, never trained
+        self.n_dropped = 0
+        self.queued = 0  # groups started and not yet consumed by the trainer (nor dropped)
         self.finished: deque[int] = deque()
         self.training = 0  # groups in the step being trained
         self.trained = 0  # groups in finished steps
@@ -254,6 +263,8 @@ class _Sim:
         self.g_lengths.append(lengths)
         self.g_starts.append([])
         self.g_left.append(self.attempts)
+        # Drawn only when filtering is on, so a run without it keeps the same random stream.
+        self.g_drop.append(self.filtered > 0 and self.rng.random() < self.filtered)
         self.queued += 1
         for n in lengths:
             e.waiting.append((n, gid))
@@ -301,7 +312,13 @@ class _Sim:
             _, gid = heapq.heappop(e.running)
             self.g_left[gid] -= 1
             if not self.g_left[gid]:
-                self.finished.append(gid)
+                if self.g_drop[gid]:
+                    # As the generator's admission (on_finish with discarded): the slot frees at
+                    # once, so the engine starts a replacement in both modes.
+                    self.queued -= 1
+                    self.n_dropped += 1
+                else:
+                    self.finished.append(gid)
         if e.waiting:
             self._fill(e)
         if self.queued < self.budget:
@@ -410,15 +427,18 @@ class _Sim:
             samples_trained=self.trained * self.attempts,
             samples_in_flight=(sum(1 for n in self.g_left if n) + len(self.finished) + self.training) * self.attempts,
             samples_started=len(self.g_engine) * self.attempts,
+            samples_filtered=self.n_dropped * self.attempts,
         )
 
 
 def simulate(mode: Literal["pipeline", "sync"], n_gen: int, n_train: int, max_lag: int, samples_per_step: int,
              attempts: int, calib: Calibration, max_tokens: int, lengths: Lengths | None = None,
-             steps: int | None = None, warmup: int | None = None, seed: int = 0) -> SimResult:
+             steps: int | None = None, warmup: int | None = None, seed: int = 0,
+             filtered: float | None = None) -> SimResult:
     """Simulate `steps` optimizer steps; rates and lag are measured after the first `warmup`.
 
     n_gen / n_train are devices; sync mode ignores max_lag (it is 0 there by definition).
+    `filtered`: share of groups dropped by zero-variance filtering (default: the calibration's).
     Default warm-up max_lag + 2 steps: a trainer-bound pipeline's lag climbs one step per step
     until it reaches max_lag. Default steps: warm-up + 7. Deterministic for a given seed.
     """
@@ -433,8 +453,11 @@ def simulate(mode: Literal["pipeline", "sync"], n_gen: int, n_train: int, max_la
                          f"got {n_gen} and {n_train}")
     if not 0 <= warmup < steps:
         raise ValueError(f"warmup ({warmup}) must be in [0, steps={steps})")
+    filtered = calib.filtered_fraction if filtered is None else filtered
+    if not 0 <= filtered < 1:
+        raise ValueError(f"filtered ({filtered}) must be in [0, 1)")
     return _Sim(mode, n_gen, n_train, max_lag, samples_per_step, attempts, calib, max_tokens,
-                lengths or calib.lengths, steps, warmup, seed).run()
+                lengths or calib.lengths, steps, warmup, seed, filtered).run()
 
 
 @dataclass(frozen=True)
@@ -450,6 +473,7 @@ class Plan:
     sync: SimResult  # best split in sync mode
     colocated: SimResult  # every device generates, then every device trains (the paper's baseline)
     lag_sweep: tuple[SimResult, ...]  # pipeline at its best split, one per max lag in LAGS
+    filtered: float = 0.0  # share of generated groups dropped by zero-variance filtering
 
     @property
     def recommended(self) -> SimResult:
@@ -501,8 +525,9 @@ def plan(job: PipelineRLJob, gpus: int, calib: Calibration, lengths: Lengths | N
     if not grid:
         raise ValueError(f"--gpus {gpus} leaves no split: need at least one trainer pod "
                          f"({max(spec.trainer.gpus, 1)} devices) and one generator engine ({calib.gpus_per_engine})")
+    filtered = calib.filtered_fraction if spec.rl.filter_zero_variance else 0.0
     common = dict(samples_per_step=spec.trainer.samples_per_step, attempts=spec.rl.attempts, calib=calib,
-                  max_tokens=spec.generator.sampling.max_tokens, lengths=lengths, seed=seed)
+                  max_tokens=spec.generator.sampling.max_tokens, lengths=lengths, seed=seed, filtered=filtered)
 
     # The split at the largest lag (least constrained); throughput settles within a few steps,
     # so the search skips the long warm-up that lag statistics need. Then the lag at that split.
@@ -515,7 +540,7 @@ def plan(job: PipelineRLJob, gpus: int, calib: Calibration, lengths: Lengths | N
     return Plan(job=job.name, model=spec.model.path, gpus=gpus, calibration=calib.name,
                 samples_per_step=spec.trainer.samples_per_step, attempts=spec.rl.attempts,
                 max_tokens=spec.generator.sampling.max_tokens, pipeline=chosen, sync=sync,
-                colocated=colocated, lag_sweep=sweep)
+                colocated=colocated, lag_sweep=sweep, filtered=filtered)
 
 
 def format_plan(p: Plan) -> str:
@@ -528,7 +553,8 @@ def format_plan(p: Plan) -> str:
                      f"{100 * r.dropped:.1f}", f"{100 * (1 - r.gen_busy):.0f}", f"{100 * r.gen_fill:.0f}",
                      f"{100 * (1 - r.train_busy):.0f}"))
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    lines = [f"{p.job}: {p.model}, {p.samples_per_step} samples/step ({p.attempts} attempts), "
+    filtered = f", {100 * p.filtered:.0f}% of groups filtered as zero-variance" if p.filtered else ""
+    lines = [f"{p.job}: {p.model}, {p.samples_per_step} samples/step ({p.attempts} attempts{filtered}), "
              f"maxTokens {p.max_tokens}, {p.gpus} devices, calibration {p.calibration}", ""]
     lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *rows)]
     r = p.recommended

@@ -1,0 +1,320 @@
+"""Planner calibration for this machine from benchmark 1's measured runs, then its validation.
+
+    .venv/bin/python -m bench.calibrate_cpu [--from bench/results/pipeline_vs_sync.json]
+
+Runs nothing but the planner (seconds). From the per-step records of `bench.pipeline_vs_sync`
+(generator and trainer pinned to a core each) it derives each cost from a quantity that is not
+the answer (the pipeline/sync ratio):
+
+- training: least squares of `train_seconds` against `row_tokens` over the steps of both modes
+  (`train_s_per_token`, `optimizer_step_s`); `contention` 0 (pinned cores);
+- weight update: mean `weight_sync_seconds` (`weight_sync_s`; `pause_s` the same: the engine's
+  pause is inside the trainer's send, bench/inflight_update);
+- workload: completion lengths (`tokens / samples`), prompt length, and the share of groups
+  dropped by zero-variance filtering (`groups_filtered`);
+- generation: the **sync** runs' generation phase (step period − `train_seconds` −
+  `weight_sync_seconds`: the trainer waiting for the step's data), on steps that no periodic
+  evaluation touched. One batch size cannot separate `decode_base_s` from `decode_per_seq_s`:
+  the slope is pinned by `bench/results/engine.json` (vLLM tokens/s for this model with 128
+  sequences running) and the base is then solved so that the simulated sync generation phase
+  equals the measured one.
+
+It writes `bench/results/calibration-cpu.json` (a plain Calibration, which `--gpu-type
+cpu-tiny` then uses), predicts both modes of the tiny job on 1 generator + 1 trainer, and
+compares with the measurement in `bench/results/planner_validation.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from bench.common import RESULTS, save, table
+from pipelinerl.planner import Calibration, Lengths, load_calibration, plan, simulate
+from pipelinerl.spec import parse_job
+
+ROOT = Path(__file__).resolve().parents[1]
+JOB = ROOT / "examples" / "tiny-cpu.yaml"
+CALIBRATION = RESULTS / "calibration-cpu.json"
+# vLLM's max_num_seqs when AsyncLLM builds its config (usage context ENGINE_CONTEXT):
+# SchedulerConfig.DEFAULT_MAX_NUM_SEQS. The generator does not override it for the tiny job.
+VLLM_MAX_NUM_SEQS = 128
+TARGET = 0.20  # the issue: the predicted ratio within 20% of the measured one
+
+
+def load(path: Path) -> dict:
+    data = json.loads(path.read_text())
+    runs = data["runs"]
+    if not runs.get("pipeline") or not runs.get("sync"):
+        raise SystemExit(f"{path}: needs runs of both modes")
+    return data
+
+
+def job_spec(max_lag: int):
+    data = yaml.safe_load(JOB.read_text())
+    data["spec"]["rl"]["maxLag"] = max_lag
+    return parse_job(data, str(JOB))
+
+
+def steps_of(run: dict, eval_interval: int, clean: bool) -> list[dict]:
+    """Steps 2.. with their period (start-up is in step 1's). `clean`: leave out the steps that
+    a periodic evaluation slowed down. The generator evaluates version v (v % interval == 0)
+    right after step v, on the same engine as the rollouts; in the measurement that lengthened
+    step v+1 (sync and pipeline) and v+2 (pipeline: the evaluation outlasts a step). The
+    planner does not model evaluation, so the calibration and the like-for-like comparison
+    use the other steps; the published figures keep every step."""
+    log = run["steps_log"]
+    out = []
+    for prev, cur in zip(log, log[1:]):
+        after_eval = eval_interval and (cur["step"] - 1) % eval_interval in (0, 1)
+        if clean and after_eval:
+            continue
+        out.append({**cur, "period": cur["time"] - prev["time"]})
+    return out
+
+
+def measured(data: dict, clean: bool) -> dict[str, dict]:
+    """Per mode, over both runs: trained samples/s (samples / summed periods), s/step, trainer
+    busy, token lag (each step's lag_mean weighted by its tokens)."""
+    interval = data["args"].get("eval_interval", 0)
+    out = {}
+    for mode, runs in data["runs"].items():
+        steps = [s for r in runs for s in steps_of(r, interval, clean)]
+        period = sum(s["period"] for s in steps)
+        out[mode] = {"samples_per_s": sum(s["samples"] for s in steps) / period, "step_s": period / len(steps),
+                     "train_busy": sum(s["train_seconds"] + s["weight_sync_seconds"] for s in steps) / period,
+                     "lag_mean": sum(s["tokens"] * s["lag_mean"] for s in steps) / sum(s["tokens"] for s in steps),
+                     "steps": len(steps)}
+        if not clean:  # the generator's busy clock is only in the run summaries (every step)
+            out[mode]["gen_busy"] = float(np.median([r["generator_busy_fraction"] for r in runs]))
+            out[mode]["samples_per_s_summary"] = float(np.median([r["samples_per_second"] for r in runs]))
+            out[mode]["train_busy_summary"] = float(np.median([r["trainer_busy_fraction"] for r in runs]))
+    return out
+
+
+def fit_train(steps: list[dict]) -> tuple[float, float, str]:
+    x = np.array([s["row_tokens"] for s in steps], float)
+    y = np.array([s["train_seconds"] for s in steps], float)
+    (per_token, fixed), *_ = np.linalg.lstsq(np.c_[x, np.ones_like(x)], y, rcond=None)
+    if per_token > 0 and fixed >= 0:
+        return float(per_token), float(fixed), f"least squares over {len(x)} steps ({x.min():.0f}-{x.max():.0f} tokens)"
+    return (float(y.sum() / x.sum()), 0.0,
+            f"per token only over {len(x)} steps (least squares gave {per_token:.2e} s/token + {fixed:.3f} s)")
+
+
+def two_point_lengths(mean: float, prompt_tokens: int) -> Lengths:
+    """3-digit sums have 3 or 4 digits; one token each plus end-of-sequence: 4 or 5 tokens.
+    The share of 5s that gives the measured mean (200 values: within 0.003 tokens of it)."""
+    if not 4 <= mean <= 5:
+        return Lengths(distribution="lognormal", mean_tokens=mean, sigma=0.12, prompt_tokens=prompt_tokens)
+    fives = round(200 * (mean - 4))
+    return Lengths(distribution="empirical", values=[4] * (200 - fives) + [5] * fives, prompt_tokens=prompt_tokens)
+
+
+def calibration_json(calib: Calibration) -> str:
+    """The Calibration's fields and nothing else (load_calibration rejects unknown keys); the
+    empirical lengths on one line."""
+    data = calib.model_dump(mode="json")
+    values = data["lengths"].pop("values")
+    text = json.dumps(data, indent=1)
+    return text.replace('"prompt_tokens"', f'"values": {json.dumps(values)},\n  "prompt_tokens"', 1) + "\n"
+
+
+def sync_gen_phase(calib: Calibration, job, mean_row_tokens: float, steps: int = 300, seed: int = 0) -> float:
+    """The simulated sync step less its training and weight update: the generation phase."""
+    spec = job.spec
+    r = simulate("sync", 1, 1, 0, spec.trainer.samples_per_step, spec.rl.attempts, calib,
+                 spec.generator.sampling.max_tokens, steps=steps, warmup=1, seed=seed)
+    train = calib.train_s(mean_row_tokens, 1) + calib.optimizer_step_s
+    return r.step_s - train - max(calib.weight_sync_s, calib.pause_s)
+
+
+def fit_base(calib: Calibration, job, rows: float, target: float, per_seq: Callable[[float], float],
+             hi: float) -> Calibration:
+    """The calibration whose decode_base_s (per-sequence cost per_seq(base)) makes the simulated
+    sync generation phase `target`. The phase grows with the base along each line used here."""
+    def with_base(base: float) -> Calibration:
+        return calib.model_copy(update={"decode_base_s": base, "decode_per_seq_s": per_seq(base)})
+
+    def gap(base: float) -> float:
+        return sync_gen_phase(with_base(base), job, rows) - target
+
+    lo = 1e-6
+    if gap(lo) > 0:
+        raise SystemExit(f"the sync generation phase ({target:.3f} s) is too short for this decode cost")
+    while gap(hi) < 0:
+        hi *= 2
+    for _ in range(30):  # bisection
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
+    return with_base((lo + hi) / 2)
+
+
+def fit_decode(calib: Calibration, job, rows: float, target: float, step_at: float, batch: int) -> Calibration:
+    """Through the engine benchmark's point (`batch` sequences per step take `step_at`):
+    per_seq = (step_at - base) / batch. If even a flat cost (base = step_at) is too fast for
+    the phase, the point cannot hold: the base alone then."""
+    if sync_gen_phase(calib.model_copy(update={"decode_base_s": step_at, "decode_per_seq_s": 0.0}),
+                      job, rows) < target:
+        return fit_base(calib, job, rows, target, lambda b: 0.0, step_at)
+    return fit_base(calib, job, rows, target, lambda b: (step_at - b) / batch, step_at)
+
+
+def calibrate(data: dict, source: Path) -> tuple[Calibration, dict]:
+    interval = data["args"].get("eval_interval", 0)
+    runs = data["runs"]
+    every = [s for mode in runs for r in runs[mode] for s in steps_of(r, interval, clean=False)]
+    job = job_spec(max_lag=int(runs["pipeline"][0].get("max_lag", 1)))
+    spec = job.spec
+    attempts = spec.rl.attempts
+
+    per_token, fixed, train_how = fit_train(every)
+    weight_sync = float(np.mean([s["weight_sync_seconds"] for s in every]))
+    samples = sum(s["samples"] for s in every)
+    mean_len = sum(s["tokens"] for s in every) / samples
+    prompt = round(sum(s["row_tokens"] - s["tokens"] for s in every) / samples)
+    lengths = two_point_lengths(mean_len, prompt)
+    kept = samples / attempts
+    dropped = sum(s["groups_filtered"] for s in every)
+    filtered = dropped / (dropped + kept)
+    rows = float(np.mean([s["row_tokens"] for s in every]))
+
+    # The engine's concurrency: vLLM's max_num_seqs, and at most maxInflightGroups groups.
+    # (The admission budget, max(maxLag, 1) steps of groups, is simulated on its own: 128
+    # sequences here in both modes, so the batch never exceeds 128 anyway.)
+    max_batch = min(int(spec.generator.engine_args.get("max_num_seqs", VLLM_MAX_NUM_SEQS)),
+                    spec.generator.max_inflight_groups * attempts)
+
+    engine = json.loads((RESULTS / "engine.json").read_text())
+    tok_s = engine["models"]["tiny-arith"]["vllm"]["median"]
+    # bench.engine submits 256 requests to the same engine; max_num_seqs of them run at once.
+    engine_batch = min(engine["settings"]["prompts"] * engine["settings"]["samples"], max_batch)
+    step_at = engine_batch / tok_s  # seconds per decode step with engine_batch sequences
+
+    sync_steps = [s for r in runs["sync"] for s in steps_of(r, interval, clean=True)]
+    gen_phase = float(np.mean([s["period"] - s["train_seconds"] - s["weight_sync_seconds"] for s in sync_steps]))
+    seqs = float(np.mean([s["samples"] + s["groups_filtered"] * attempts for s in sync_steps]))
+
+    base0 = Calibration(
+        name="cpu-tiny", gpus_per_engine=1, decode_base_s=step_at, decode_per_seq_s=0.0, max_batch=max_batch,
+        prefill_s_per_token=0.0, train_s_per_token=per_token, train_scaling=0.9, optimizer_step_s=fixed,
+        weight_sync_s=weight_sync, pause_s=weight_sync, contention=0.0, filtered_fraction=filtered, lengths=lengths)
+    fitted = fit_decode(base0, job, rows, gen_phase, step_at, engine_batch)
+    calib = fitted.model_copy(update={
+        "source": (f"measured: bench/calibrate_cpu.py from {source.name} ({data.get('date', '?')}, pinned cores) "
+                   f"and engine.json ({engine.get('date', '?')}). Train: {train_how}. Weight sync and pause: mean "
+                   f"weight_sync_seconds. Decode: slope from engine.json ({tok_s:.0f} tok/s at {engine_batch} "
+                   f"sequences), base solved so the simulated sync generation phase is the measured "
+                   f"{gen_phase:.3f} s. Prefill folded into decode (chunked prefill). train_scaling unmeasured "
+                   f"(one trainer rank)."),
+    })
+    calib = Calibration.model_validate(calib.model_dump())  # what load_calibration will see
+    facts = {
+        "train_fit": train_how, "mean_completion_tokens": mean_len, "prompt_tokens": prompt,
+        "mean_row_tokens": rows, "filtered_fraction": filtered,
+        "sync_generation_phase_s": gen_phase, "sync_steps_used": len(sync_steps),
+        "sequences_generated_per_sync_step": seqs, "engine_tokens_per_s": tok_s, "engine_batch": engine_batch,
+        "engine_step_s": step_at, "max_batch": max_batch,
+    }
+    return calib, facts
+
+
+def predict(calib: Calibration, max_lag: int, steps: int, seed: int = 0) -> dict:
+    spec = job_spec(max_lag).spec
+    common = dict(samples_per_step=spec.trainer.samples_per_step, attempts=spec.rl.attempts, calib=calib,
+                  max_tokens=spec.generator.sampling.max_tokens, steps=steps, warmup=1, seed=seed)
+    # As the benchmark ran: 1 generator + 1 trainer, rates from the end of step 1 to the last.
+    return {"pipeline": simulate("pipeline", 1, 1, max_lag, **common), "sync": simulate("sync", 1, 1, 0, **common)}
+
+
+def sensitivity(calib: Calibration, facts: dict, max_lag: int, steps: int) -> dict[str, float]:
+    """The predicted ratio with the decode cost split otherwise: all per step (flat), or half /
+    double the engine benchmark's slope; the base re-fitted to the sync phase each time."""
+    job, rows, target = job_spec(max_lag), facts["mean_row_tokens"], facts["sync_generation_phase_s"]
+    out = {}
+    for label, slope in (("flat (per_seq 0)", 0.0), ("slope x0.5", 0.5 * calib.decode_per_seq_s),
+                         ("slope x2", 2 * calib.decode_per_seq_s)):
+        c = fit_base(calib, job, rows, target, lambda b, slope=slope: slope, facts["engine_step_s"])
+        p = predict(c, max_lag, steps)
+        out[label] = p["pipeline"].samples_per_s / p["sync"].samples_per_s
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--from", dest="source", type=Path, default=RESULTS / "pipeline_vs_sync.json",
+                    help="benchmark 1's result (bench.pipeline_vs_sync)")
+    args = ap.parse_args()
+    data = load(args.source)
+    calib, facts = calibrate(data, args.source)
+    CALIBRATION.write_text(calibration_json(calib))
+    assert load_calibration("cpu-tiny") == calib, "load_calibration('cpu-tiny') must pick the measured file"
+    print(f"calibration -> {CALIBRATION.relative_to(ROOT)}")
+    for k in ("decode_base_s", "decode_per_seq_s", "max_batch", "prefill_s_per_token", "train_s_per_token",
+              "optimizer_step_s", "weight_sync_s", "pause_s", "contention", "filtered_fraction"):
+        print(f"  {k:20s} {getattr(calib, k):.4g}")
+    print(f"  lengths              mean {facts['mean_completion_tokens']:.3f} tokens ({calib.lengths.distribution}), "
+          f"prompt {calib.lengths.prompt_tokens}")
+    print(f"  sync generation phase {facts['sync_generation_phase_s']:.3f} s over {facts['sync_steps_used']} steps "
+          f"({facts['sequences_generated_per_sync_step']:.0f} sequences generated per step)")
+
+    max_lag = int(data["runs"]["pipeline"][0].get("max_lag", 1))
+    n_steps = int(data["args"].get("steps", 150))
+    pred = predict(calib, max_lag, n_steps)
+    clean, every = measured(data, clean=True), measured(data, clean=False)
+    ratio = {"predicted": pred["pipeline"].samples_per_s / pred["sync"].samples_per_s,
+             "measured": data["samples_rate_ratio"]["median"],
+             "measured_without_eval_steps": clean["pipeline"]["samples_per_s"] / clean["sync"]["samples_per_s"]}
+    error = ratio["predicted"] / ratio["measured"] - 1
+    error_clean = ratio["predicted"] / ratio["measured_without_eval_steps"] - 1
+    rows = []
+    for mode in ("pipeline", "sync"):
+        p, e, c = pred[mode], every[mode], clean[mode]
+        rows.append([mode, p.samples_per_s, e["samples_per_s_summary"], c["samples_per_s"], p.step_s, e["step_s"],
+                     c["step_s"], f"{p.gen_busy:.0%}", f"{e['gen_busy']:.0%}", f"{p.train_busy:.0%}",
+                     f"{e['train_busy_summary']:.0%}", f"{c['train_busy']:.0%}"])
+    print()
+    print(table(["mode", "pred samples/s", "meas", "meas no-eval", "pred s/step", "meas", "meas no-eval",
+                 "pred gen busy", "meas", "pred train busy", "meas", "meas no-eval"], rows))
+    within = abs(error) <= TARGET
+    print(f"\npipeline/sync ratio: predicted {ratio['predicted']:.2f}x, measured {ratio['measured']:.2f}x "
+          f"({ratio['measured_without_eval_steps']:.2f}x on the steps no evaluation touched): "
+          f"{error:+.1%} ({error_clean:+.1%} against the latter) -> {'within' if within else 'NOT within'} "
+          f"{TARGET:.0%}")
+    print(f"pipeline token lag: predicted {pred['pipeline'].lag_mean:.2f}, "
+          f"measured {every['pipeline']['lag_mean']:.2f} "
+          f"({clean['pipeline']['lag_mean']:.2f} without evaluation steps)")
+    sens = sensitivity(calib, facts, max_lag, n_steps)
+    print("ratio if the decode cost were split otherwise: "
+          + ", ".join(f"{k} {v:.2f}x" for k, v in sens.items()))
+    p = plan(job_spec(max_lag), 2, calib)
+    print(f"`pipelinerl plan examples/tiny-cpu.yaml --gpus 2` with it: pipeline (maxLag {p.pipeline.max_lag}) "
+          f"{p.pipeline.samples_per_s:.1f} samples/s vs sync {p.sync.samples_per_s:.1f}: {p.speedup:.2f}x")
+
+    def sim(r) -> dict:
+        return {"samples_per_s": r.samples_per_s, "step_s": r.step_s, "gen_busy": r.gen_busy,
+                "gen_fill": r.gen_fill, "train_busy": r.train_busy, "lag_mean": r.lag_mean}
+
+    save("planner_validation", {
+        "source": str(args.source.relative_to(ROOT) if args.source.is_absolute() else args.source),
+        "calibration": calib.model_dump(mode="json") | {"lengths": {"distribution": calib.lengths.distribution,
+                                                                    "mean": facts["mean_completion_tokens"],
+                                                                    "prompt_tokens": calib.lengths.prompt_tokens}},
+        "derivation": facts,
+        "predicted": {mode: sim(r) for mode, r in pred.items()},
+        "measured": {"all_steps": every, "without_eval_steps": clean},
+        "ratio": ratio, "ratio_error": error, "ratio_error_without_eval_steps": error_clean, "target": TARGET,
+        "within_target": within,
+        "ratio_sensitivity_to_decode_split": sens,
+        "plan_2_devices": {"pipeline_max_lag": p.pipeline.max_lag, "pipeline": sim(p.pipeline), "sync": sim(p.sync),
+                           "speedup": p.speedup},
+    }, "python -m bench.calibrate_cpu")
+
+
+if __name__ == "__main__":
+    main()
