@@ -7,7 +7,7 @@ setup:
 	@scripts/setup.sh
 
 run: setup
-	.venv/bin/pipelinerl run $(JOB)
+	.venv/bin/pipelinerl run --pin-cores $(JOB)
 
 test: setup
 	.venv/bin/python -m pytest $(PYTEST_ARGS)

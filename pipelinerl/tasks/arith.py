@@ -1,4 +1,11 @@
-"""`arith`: multi-digit addition with an exact-match reward ("123+456=" → "579<eos>")."""
+"""`arith`: multi-digit addition with an exact-match reward ("123+456=" → "579<eos>").
+
+`carry_out=False` keeps every sum within `digits` digits, so all answers have one length.
+Why it matters for the tiny default: a ~3M model learns to write a sum one digit longer than
+its operands much later than everything else — measured with the tiny model's supervised
+warm start, 91% of 3-digit answers but still 0% of 4-digit ones right after 1,000 steps — so
+RL from a partial warm start hits a ceiling set by the share of carry-out problems.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,7 @@ from pipelinerl.messages import Sample
 @dataclass
 class ArithTask:
     digits: int = 3
+    carry_out: bool = True  # False: only pairs whose sum keeps `digits` digits
     seed: int = 0
     name: str = "arith"
 
@@ -28,9 +36,11 @@ class ArithTask:
         return (a * 7919 + b * 104729) % 8 == 0
 
     def _draw(self, rng: random.Random, test: bool) -> tuple[int, int]:
-        while self.is_test(*(pair := self._operands(rng))) != test:
-            pass
-        return pair
+        # Rejection keeps the draw uniform over the allowed pairs.
+        while True:
+            a, b = self._operands(rng)
+            if self.is_test(a, b) == test and (self.carry_out or a + b < 10**self.digits):
+                return a, b
 
     def test_problems(self, count: int) -> list[Problem]:
         rng = random.Random(f"arith-test-{self.seed}")

@@ -102,3 +102,11 @@ def test_math_task_from_jsonl(tmp_path):
     data.write_text('{"question": "x"}\n')
     with pytest.raises(ValueError, match="line 1"):
         make_task("math", {"train_file": str(data)})
+
+
+def test_arith_without_carry_out_keeps_the_answer_length():
+    task = ArithTask(digits=3, carry_out=False, seed=0)
+    problems = task.test_problems(300) + [task.train_problem(i) for i in range(300)]
+    assert all(len(p.answer) == 3 for p in problems)
+    # The default draws carry-out sums too (about half of all pairs).
+    assert sum(len(p.answer) == 4 for p in ArithTask(digits=3, seed=0).test_problems(300)) > 100
