@@ -72,7 +72,8 @@ def test_plan_for_tensors_is_plain_data_and_rejects_bad_input():
 def _receiver(port, rank, world, timeout_s, buckets, out_q):
     try:
         group = WeightGroup.create(HOST, port, rank, world, timeout_s)
-        got = {n: t.clone() for n, t in group.receive_buckets(buckets)}
+        # Two updates: the second reuses the first one's buffers (views are copied out).
+        got = [{n: t.clone() for n, t in group.receive_buckets(buckets)} for _ in range(2)]
         group.close()
         blob = io.BytesIO()
         torch.save(got, blob)  # plain bytes: tensors put on a queue would share memory with this exiting process
@@ -89,7 +90,7 @@ def _idle_member(port, world, timeout_s, hold_s, ready):
     group.close()
 
 
-def test_broadcast_round_trip_to_two_receivers_is_exact(port):
+def test_broadcast_round_trips_to_two_receivers_are_exact(port):
     g = torch.Generator().manual_seed(0)
     tensors = {
         "embed": torch.randn(7, 5, generator=g),
@@ -108,7 +109,9 @@ def test_broadcast_round_trip_to_two_receivers_is_exact(port):
         p.start()
     try:
         sender = WeightGroup.create(HOST, port, 0, 3, 30.0)
+        second = {n: -2 * t for n, t in tensors.items()}
         sender.broadcast_buckets(tensors, buckets)
+        sender.broadcast_buckets(second, buckets)
         results = {}
         for _ in procs:
             rank, status, got = out_q.get(timeout=60)
@@ -121,11 +124,12 @@ def test_broadcast_round_trip_to_two_receivers_is_exact(port):
             if p.is_alive():
                 p.kill()
     assert sorted(results) == [1, 2]
-    for got in results.values():
-        assert list(got) == list(tensors)  # every tensor, in plan order
-        for name, t in tensors.items():
-            assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
-            assert torch.equal(got[name], t), name
+    for first, again in results.values():
+        for got, sent in ((first, tensors), (again, second)):
+            assert list(got) == list(sent)  # every tensor, in plan order
+            for name, t in sent.items():
+                assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
+                assert torch.equal(got[name], t), name
 
 
 def test_rendezvous_nobody_joins_times_out_clearly(port):
