@@ -1,7 +1,7 @@
 """Pipeline vs sync learning speed: the same job, seed and hardware in `mode: pipeline` and
 `mode: sync`, generator and trainer each pinned to their own core, runs alternated P S P S ….
 
-    .venv/bin/python -m bench.pipeline_vs_sync [--rounds 2] [--steps 150] [--gain 5]
+    .venv/bin/python -m bench.pipeline_vs_sync [--rounds 2] [--steps 150] [--gain 10]
 
 Reports per mode: trained samples/s, seconds per step, wall time from the first training step
 to a held-out accuracy `--gain` points above the warm start, generator and trainer busy
@@ -79,7 +79,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--gain", type=float, default=5.0, help="target: warm-start accuracy + this many points")
+    ap.add_argument("--gain", type=float, default=10.0, help="target: warm-start accuracy + this many points")
     ap.add_argument("--eval-interval", type=int, default=10)
     ap.add_argument("--eval-problems", type=int, default=500)
     ap.add_argument("--reanalyse", metavar="JSON", help="rebuild the report from a saved result, run nothing")
