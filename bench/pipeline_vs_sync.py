@@ -82,12 +82,18 @@ def main() -> None:
     ap.add_argument("--gain", type=float, default=10.0, help="target: warm-start accuracy + this many points")
     ap.add_argument("--eval-interval", type=int, default=10)
     ap.add_argument("--eval-problems", type=int, default=500)
-    ap.add_argument("--reanalyse", metavar="JSON", help="rebuild the report from a saved result, run nothing")
+    ap.add_argument("--reanalyse", metavar="JSON", nargs="+",
+                    help="rebuild the report from saved results (their rounds pooled), run nothing")
     args = ap.parse_args()
     if args.reanalyse:
-        runs = json.loads(Path(args.reanalyse).read_text())["runs"]
+        runs = {"pipeline": [], "sync": []}
+        for path in args.reanalyse:
+            saved = json.loads(Path(path).read_text())["runs"]
+            for mode in runs:
+                runs[mode] += saved[mode]
         for x in runs["pipeline"] + runs["sync"]:
             x["time_to_target_s"] = time_to_target(x["evals"], train_start(x["steps_log"]), args.gain)
+        args.rounds = len(runs["pipeline"])
     else:
         runs = {"pipeline": [], "sync": []}
         with tempfile.TemporaryDirectory(prefix="bench-pvs-") as tmp:

@@ -126,8 +126,8 @@ class WeightGroup:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.backend = backend
-        # Flat buffers kept across updates. Fresh large CPU buffers come from mmap untouched
-        # and are page-faulted in on every update (2-3x slower for 128 MB buckets, benchmark 2).
+        # Flat buffers kept across updates: fresh large CPU buffers come from mmap untouched
+        # and would be page-faulted in on every update (bench/README.md, benchmark 2).
         # Costs one model copy in the receiver's memory and the largest bucket in the sender's.
         self._send_buffers: dict[str, torch.Tensor] = {}  # dtype -> scratch, reused per bucket
         self._receive_buffers: list[torch.Tensor] = []  # one per bucket (see receive_buckets)
