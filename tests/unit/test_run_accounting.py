@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipelinerl.local import LocalRun, cpu_layout
 from pipelinerl.spec import load_job
@@ -47,6 +48,29 @@ def test_step_tally_counts_tokens_per_lag():
     assert {k: v for k, v in metrics.items() if k.startswith("tokens_lag_")} == \
         {"tokens_lag_0": 1, "tokens_lag_1": 2, "tokens_lag_3": 1}
     assert metrics["lag_max"] == 3.0 and metrics["lag_mean"] == pytest.approx(1.25)
+
+
+def test_samples_over_the_lag_budget_are_dropped_and_left_out_of_the_lag_metrics():
+    from types import SimpleNamespace
+
+    from pipelinerl import messages as m
+    from pipelinerl_trainer.loss import LossConfig
+    from pipelinerl_trainer.step import StepConfig, micro_batch_loss
+
+    def model(input_ids, position_ids, use_cache):  # uniform logits over 5 tokens
+        return SimpleNamespace(logits=torch.zeros(1, input_ids.shape[1], 5, requires_grad=True))
+
+    # Two packed samples of 3 tokens (prompt token, 2 completion tokens) trained at version 5:
+    # the first sampled at versions 4 (lag 1), the second at 2 (lag 3 > max lag 2).
+    mb = m.MicroBatch(step=0, rank=0, index=0, count=1, tokens=[1, 2, 3, 1, 4, 2], positions=[0, 1, 2] * 2,
+                      mask=[0, 1, 1] * 2, advantages=[0.0, 1.0, 1.0, 0.0, -1.0, -1.0],
+                      logprobs=[0.0] + [-1.6] * 2 + [0.0] + [-1.6] * 2, versions=[4, 4, 4, 2, 2, 2],
+                      weights=[0.0, 0.5, 0.5, 0.0, 0.5, 0.5], sample_ids=[0, 0, 0, 1, 1, 1], rewards=[1.0, 0.0])
+    tally = StepTally()
+    micro_batch_loss(model, mb, 5, StepConfig(LossConfig("reinforce"), 1.0, max_lag=2), tally)
+    metrics = tally.metrics()
+    assert metrics["dropped_for_lag"] == 1 and metrics["tokens"] == 2
+    assert metrics["lag_max"] == 1.0 and metrics["tokens_lag_1"] == 2 and "tokens_lag_3" not in metrics
 
 
 def test_throughput_uses_the_steady_window(tmp_path):

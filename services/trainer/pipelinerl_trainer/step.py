@@ -63,7 +63,7 @@ def micro_batch_loss(model, mb: m.MicroBatch, version: int, cfg: StepConfig, tal
     sample_ids = torch.tensor(mb.sample_ids)
     dropped = int(torch.unique(sample_ids[too_old]).numel())
     weights = torch.where(too_old, torch.zeros_like(weights), weights)
-    tally.lags += (version - versions[trained]).tolist()
+    tally.lags += (version - versions[trained & ~too_old]).tolist()  # lags of what is trained
     ref_lp = None
     if ref_model is not None:
         with torch.no_grad():
