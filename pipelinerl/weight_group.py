@@ -130,7 +130,7 @@ class WeightGroup:
         # and would be page-faulted in on every update (bench/README.md, benchmark 2).
         # Costs one model copy in the receiver's memory and the largest bucket in the sender's.
         self._send_buffers: dict[str, torch.Tensor] = {}  # dtype -> scratch, reused per bucket
-        self._receive_buffers: list[torch.Tensor] = []  # one per bucket (see receive_buckets)
+        self._receive_buffers: dict[int, torch.Tensor] = {}  # bucket index -> buffer (see receive_buckets)
 
     @classmethod
     def create(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float,
@@ -200,12 +200,11 @@ class WeightGroup:
         # One buffer per bucket, not shared within an update: the loader may hold views of
         # earlier buckets until their layer is complete. The next update reuses them: by
         # then the loader has copied everything into the model.
-        bufs, dtype = self._receive_buffers, DTYPES[bucket["dtype"]]
-        if i == len(bufs):
-            bufs.append(torch.empty(0, dtype=dtype))
-        if bufs[i].numel() != bucket["numel"] or bufs[i].dtype != dtype:
-            bufs[i] = torch.empty(bucket["numel"], dtype=dtype)
-        return bufs[i]
+        dtype = DTYPES[bucket["dtype"]]
+        buf = self._receive_buffers.get(i)
+        if buf is None or buf.numel() != bucket["numel"] or buf.dtype != dtype:
+            buf = self._receive_buffers[i] = torch.empty(bucket["numel"], dtype=dtype)
+        return buf
 
     def close(self) -> None:
         # ProcessGroupGloo has no explicit shutdown in all torch versions;
@@ -217,4 +216,4 @@ class WeightGroup:
             except Exception:
                 pass
         self.store = None  # type: ignore[assignment]
-        self._send_buffers, self._receive_buffers = {}, []
+        self._send_buffers, self._receive_buffers = {}, {}

@@ -1,16 +1,19 @@
 """Pure accounting of the local runner and the trainer step: core pinning, busy clocks,
-throughput over the steady window, per-lag token counts."""
+throughput over the steady window, per-lag token counts, samples dropped for lag."""
 
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from pipelinerl import messages as m
 from pipelinerl.local import LocalRun, cpu_layout
 from pipelinerl.spec import load_job
 from pipelinerl_generator.main import BusyClock
-from pipelinerl_trainer.step import StepTally
+from pipelinerl_trainer.loss import LossConfig
+from pipelinerl_trainer.step import StepConfig, StepTally, micro_batch_loss
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 
@@ -51,12 +54,6 @@ def test_step_tally_counts_tokens_per_lag():
 
 
 def test_samples_over_the_lag_budget_are_dropped_and_left_out_of_the_lag_metrics():
-    from types import SimpleNamespace
-
-    from pipelinerl import messages as m
-    from pipelinerl_trainer.loss import LossConfig
-    from pipelinerl_trainer.step import StepConfig, micro_batch_loss
-
     def model(input_ids, position_ids, use_cache):  # uniform logits over 5 tokens
         return SimpleNamespace(logits=torch.zeros(1, input_ids.shape[1], 5, requires_grad=True))
 
