@@ -15,6 +15,8 @@ import pytest
 import pytest_asyncio
 import torch
 
+from pipelinerl_generator.weight_receiver import WeightReceiverExtension
+
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
 HOST = "127.0.0.1"
@@ -116,6 +118,7 @@ class Rig:
     buckets: list
     cmd_q: object
     res_q: object
+    in_place: bool = True  # the receiver's loading path under test
     current: str = "A"  # which weights the engine holds
     updates: list = field(default_factory=list)
 
@@ -128,8 +131,23 @@ class Rig:
         return stats
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def rig(tmp_path_factory):
+# vLLM resolves the extension by qualified name in this process (single-process engine on CPU).
+class InPlaceProbe(WeightReceiverExtension):
+    """The project's extension, plus a probe of the loading path it took."""
+
+    def probe_loaded_in_place(self) -> bool:
+        return self._pipelinerl_packed is not None
+
+
+class ReloadProbe(InPlaceProbe):
+    """Forced onto its other path, vLLM's layerwise reload (taken for quantized models)."""
+
+    def _pipelinerl_can_load_in_place(self) -> bool:
+        return False
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[InPlaceProbe, ReloadProbe], ids=["in_place", "reload"])
+async def rig(request, tmp_path_factory):
     from safetensors.torch import load_file
 
     from pipelinerl.spec import parse_job
@@ -143,7 +161,8 @@ async def rig(tmp_path_factory):
         "apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": "inflight"},
         "spec": {
             "model": {"path": paths["A"], "maxSeqLen": 256, "dtype": "float32"},
-            "generator": {"sampling": {"maxTokens": LONG_TOKENS}},
+            "generator": {"sampling": {"maxTokens": LONG_TOKENS},
+                          "engineArgs": {"worker_extension_cls": f"{__name__}.{request.param.__name__}"}},
             "weightSync": {"backend": "gloo", "bucketMb": 1, "timeoutSeconds": SYNC_TIMEOUT_S},
         },
     })
@@ -162,7 +181,8 @@ async def rig(tmp_path_factory):
         cmd_q.put(("init",))
         await engine.join_weight_group(HOST, port, 1, 2, sync.timeout_seconds)
         await reply(res_q)
-        yield Rig(engine, make_tokenizer(), {n: load_hf(p) for n, p in paths.items()}, buckets, cmd_q, res_q)
+        yield Rig(engine, make_tokenizer(), {n: load_hf(p) for n, p in paths.items()}, buckets, cmd_q, res_q,
+                  in_place=request.param is InPlaceProbe)
     finally:
         cmd_q.put(("close",))
         engine.shutdown()
@@ -203,6 +223,7 @@ async def test_update_switches_greedy_output_from_model_a_to_model_b(rig):
     stats = await rig.update("B")
     assert stats.version == engine.version == v_before + 1
     assert stats.running_requests == 0
+    assert await engine.llm.collective_rpc("probe_loaded_in_place") == [rig.in_place]
 
     after = await asyncio.gather(*(engine.generate(p, N_GREEDY, greedy=True) for p in prompts))
     assert [c.tokens for c in after] == ref["B"]
@@ -241,3 +262,23 @@ async def test_request_spanning_an_update_mixes_versions(rig):
     torch.testing.assert_close(got[:n_old], lp_a[:n_old], atol=1e-4, rtol=0)
     # New-version tokens were sampled by other weights: model A does not explain them.
     assert (got[n_old:] - lp_a[n_old:]).abs().max() > 1e-2
+
+
+async def test_update_that_misses_a_weight_fails_naming_it(rig):
+    if not rig.in_place:
+        pytest.skip("vLLM's reload path only logs weights it did not load")
+    from pipelinerl.weight_group import plan_buckets
+
+    engine = rig.engine
+    tensors = [(t["name"], t["shape"], b["dtype"]) for b in rig.buckets for t in b["tensors"]]
+    dropped = "model.layers.0.mlp.down_proj.weight"
+    assert dropped in [t[0] for t in tensors]
+    partial = plan_buckets([t for t in tensors if t[0] != dropped], 1 << 20)
+    rig.cmd_q.put(("send", "B", partial))
+    with pytest.raises(Exception, match=f"did not cover 1 parameters.*{dropped}"):
+        await engine.update_weights(engine.version + 1, partial)
+    await reply(rig.res_q)
+    await rig.update("A")  # a full update repairs the engine
+    prompt = rig.tokenizer.encode(PROMPTS[1])
+    c = await engine.generate(prompt, N_GREEDY, greedy=True)
+    assert c.tokens == hf_greedy(rig.hf["A"], prompt, N_GREEDY)

@@ -2,7 +2,7 @@
 
 Use with ``AsyncEngineArgs(worker_extension_cls=
 "pipelinerl_generator.weight_receiver.WeightReceiverExtension")`` and drive it
-from the engine side with ``collective_rpc``:
+from the engine side with ``collective_rpc`` (as ``Engine.update_weights`` does):
 
     await engine.collective_rpc("init_weight_group", args=(host, port, rank, world, timeout_s))
     await engine.pause_generation(mode="keep", clear_cache=False)
@@ -29,6 +29,7 @@ from pipelinerl.weight_group import WeightGroup
 
 class WeightReceiverExtension:
     _pipelinerl_weight_group: WeightGroup | None = None
+    _pipelinerl_packed: list[torch.nn.Module] | None = None
 
     def init_weight_group(self, host: str, port: int, rank: int, world_size: int,
                           timeout_s: float) -> None:
@@ -48,12 +49,69 @@ class WeightReceiverExtension:
         group = self._pipelinerl_weight_group
         if group is None:
             raise RuntimeError("receive_weights called before init_weight_group")
-        # reload_weights (not model.load_weights): it restores checkpoint-format
-        # params, loads, then re-runs process_weights_after_loading, which is
-        # what re-packs CPU GEMM weights (and quantizes, on GPU). The iterator
-        # receives buckets lazily, so peak extra memory is ~ one layer.
-        self.reload_weights(weights_iterator=group.receive_buckets(buckets))  # type: ignore[attr-defined]
-        self._pipelinerl_retie_lm_head()
+        # The iterator receives buckets lazily, so loading overlaps the transfer.
+        weights = group.receive_buckets(buckets)
+        if self._pipelinerl_can_load_in_place():
+            self._pipelinerl_load_in_place(weights)
+        else:
+            # Quantized models: vLLM's reload restores checkpoint-format params layer by
+            # layer, loads, and re-runs process_weights_after_loading (re-quantizes).
+            self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+            self._pipelinerl_retie_lm_head()
+
+    def _pipelinerl_can_load_in_place(self) -> bool:
+        # Not for quantized weights, nor for CPU conv weights that vLLM re-lays out in place.
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        return (self.model_runner.model_config.quantization is None  # type: ignore[attr-defined]
+                and not any(hasattr(m, "_cpu_unpacked_conv_weight") for m in model.modules()))
+
+    def _pipelinerl_load_in_place(self, weights) -> None:
+        """Unquantized models: copy into the live parameters with the model's own loaders
+        (they stack q/k/v and gate/up and shard for TP), then redo only the CPU GEMM packing.
+
+        This is one copy plus the packing, where vLLM's layerwise reload re-creates every layer
+        (fresh, page-faulted allocations) and copies twice: ~2x faster on CPU. On GPU, unquantized
+        weights need no processing, so it is the copy alone."""
+        from vllm.config import set_current_vllm_config
+
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        packed = self._pipelinerl_packed_layers(model)
+        expected = {name for name, _ in model.named_parameters()}
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
+            loaded = model.load_weights(weights)
+            missing = expected - set(loaded or ())
+            if missing:  # a kept weight would otherwise keep stale (or, before any load, unset) values
+                raise RuntimeError(f"weight update did not cover {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
+            for layer in packed:
+                _repack_cpu_gemm(layer)
+
+    def _pipelinerl_packed_layers(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """Layers with a CPU GEMM packed from their weight (none on GPU), computed once.
+
+        The CPU build drops a linear layer's weight after packing it; the first call gives each
+        such layer its checkpoint-format weight back (from the metadata vLLM records for reloads,
+        weight_loader attributes included), kept from then on as the target of in-place loads:
+        one extra copy of the linear weights in host memory."""
+        if self._pipelinerl_packed is not None:
+            return self._pipelinerl_packed
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+        from vllm.model_executor.model_loader.reload.meta import materialize_meta_tensor
+        from vllm.model_executor.model_loader.reload.sanitize import restore_layer_refs
+
+        packed = []
+        for layer in model.modules():
+            if not callable(getattr(layer, "cpu_linear", None)) or getattr(layer, "_cpu_skip_gemm_dispatch", False):
+                continue
+            weight = getattr(layer, "weight", None)
+            if weight is not None and weight.numel() == 0:
+                meta = get_layerwise_info(layer).restore_metadata[0].get("weight")
+                if meta is None:
+                    raise RuntimeError(f"no reload metadata for {type(layer).__name__}.weight")
+                with torch.device(weight.device):  # materialize copies the attributes; re-bind them
+                    layer.weight = restore_layer_refs(materialize_meta_tensor(meta), layer)
+            packed.append(layer)
+        self._pipelinerl_packed = packed
+        return packed
 
     def close_weight_group(self) -> None:
         if self._pipelinerl_weight_group is not None:
@@ -81,3 +139,10 @@ class WeightReceiverExtension:
 
             with torch.no_grad():
                 dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
+
+
+def _repack_cpu_gemm(layer: torch.nn.Module) -> None:
+    """Rebuild a layer's packed CPU GEMM from its (kept, freshly loaded) weight."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
