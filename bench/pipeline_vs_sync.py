@@ -1,7 +1,7 @@
 """Pipeline vs sync learning speed: the same job, seed and hardware in `mode: pipeline` and
 `mode: sync`, generator and trainer each pinned to their own core, runs alternated P S P S ….
 
-    .venv/bin/python -m bench.pipeline_vs_sync [--rounds 2] [--steps 150] [--gain 10]
+    .venv/bin/python -m bench.pipeline_vs_sync [--rounds 2] [--steps 150] [--gain 10] [--max-lag N]
 
 Reports per mode: trained samples/s, seconds per step, wall time from the first training step
 to a held-out accuracy `--gain` points above the warm start, generator and trainer busy
@@ -26,7 +26,7 @@ from pipelinerl.spec import parse_job
 JOB = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
 
 
-def job_for(mode: str, steps: int, eval_interval: int, eval_problems: int, tag: str):
+def job_for(mode: str, steps: int, eval_interval: int, eval_problems: int, tag: str, max_lag: int | None = None):
     data = yaml.safe_load(JOB.read_text())
     spec = copy.deepcopy(data["spec"])
     spec["mode"] = mode
@@ -35,6 +35,8 @@ def job_for(mode: str, steps: int, eval_interval: int, eval_problems: int, tag: 
     spec["eval"] = {"interval": eval_interval, "problems": eval_problems}
     if mode == "sync":
         spec["rl"].pop("maxLag", None)  # sync means lag 0
+    elif max_lag is not None:
+        spec["rl"]["maxLag"] = max_lag
     return parse_job({**data, "metadata": {"name": f"bench-{mode}-{tag}"}, "spec": spec}, f"{JOB} ({mode})")
 
 
@@ -57,7 +59,7 @@ def time_to_target(evals: list[dict], start: float, gain_points: float, window: 
 
 def one_run(mode: str, args, tag: str, root: Path) -> dict:
     run_dir = root / f"{mode}-{tag}"
-    code = run_local(job_for(mode, args.steps, args.eval_interval, args.eval_problems, tag), run_dir, quiet=True,
+    code = run_local(job_for(mode, args.steps, args.eval_interval, args.eval_problems, tag, args.max_lag), run_dir, quiet=True,
                      pin_cores=True)
     if code:
         raise SystemExit(f"{mode} run failed ({code}); logs in {run_dir / 'logs'}")
@@ -82,6 +84,8 @@ def main() -> None:
     ap.add_argument("--gain", type=float, default=10.0, help="target: warm-start accuracy + this many points")
     ap.add_argument("--eval-interval", type=int, default=10)
     ap.add_argument("--eval-problems", type=int, default=500)
+    ap.add_argument("--max-lag", type=int, help="the pipeline's rl.maxLag (default: the example's); results go to "
+                    "pipeline_vs_sync-maxlagN.json")
     ap.add_argument("--reanalyse", metavar="JSON", nargs="+",
                     help="rebuild the report from saved results (their rounds pooled), run nothing")
     args = ap.parse_args()
@@ -137,8 +141,9 @@ def report(runs: dict[str, list[dict]], args) -> None:
               f"target >= 1.5x; {len(pairs)} of {args.rounds} rounds reached it in both modes)")
     gen_busy = result["modes"]["pipeline"]["generator_busy_fraction"]["median"]
     print(f"pipeline generator busy: {gen_busy:.0%} (target >= 90%)")
-    save("pipeline_vs_sync", result, f"python -m bench.pipeline_vs_sync --rounds {args.rounds} --steps {args.steps} "
-                                     f"--gain {args.gain}")
+    lag = f" --max-lag {args.max_lag}" if args.max_lag is not None else ""
+    save("pipeline_vs_sync" + (f"-maxlag{args.max_lag}" if lag else ""), result,
+         f"python -m bench.pipeline_vs_sync --rounds {args.rounds} --steps {args.steps} --gain {args.gain}{lag}")
 
 
 if __name__ == "__main__":

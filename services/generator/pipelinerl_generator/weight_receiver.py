@@ -49,7 +49,7 @@ class WeightReceiverExtension:
         group = self._pipelinerl_weight_group
         if group is None:
             raise RuntimeError("receive_weights called before init_weight_group")
-        # The iterator receives buckets lazily, so loading overlaps the transfer.
+        # Received bucket by bucket as the loader consumes the iterator.
         weights = group.receive_buckets(buckets)
         if self._pipelinerl_can_load_in_place():
             self._pipelinerl_load_in_place(weights)
