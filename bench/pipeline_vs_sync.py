@@ -57,6 +57,20 @@ def time_to_target(evals: list[dict], start: float, gain_points: float, window: 
     return None
 
 
+def pooled_curve(runs: list[dict]) -> list[dict]:
+    """A mode's held-out curve averaged over its rounds: per version evaluated in every round,
+    the mean accuracy and the mean time since the start of training. Single runs swing by
+    ±5 points between evaluations (policy noise as well as evaluation noise); the mean of the
+    rounds is a steadier estimate of when a mode reaches the target."""
+    by_version: dict[int, list[tuple[float, float]]] = {}
+    for x in runs:
+        start = train_start(x["steps_log"])
+        for e in x["evals"]:
+            by_version.setdefault(e["version"], []).append((e["accuracy"], e["time"] - start))
+    return [{"version": v, "accuracy": sum(a for a, _ in pts) / len(pts), "time": sum(t for _, t in pts) / len(pts)}
+            for v, pts in sorted(by_version.items()) if len(pts) == len(runs)]
+
+
 def one_run(mode: str, args, tag: str, root: Path) -> dict:
     run_dir = root / f"{mode}-{tag}"
     code = run_local(job_for(mode, args.steps, args.eval_interval, args.eval_problems, tag, args.max_lag), run_dir, quiet=True,
@@ -133,12 +147,19 @@ def report(runs: dict[str, list[dict]], args) -> None:
     pairs = [(s["time_to_target_s"], p["time_to_target_s"]) for p, s in zip(runs["pipeline"], runs["sync"])
              if p["time_to_target_s"] and s["time_to_target_s"]]
     result["time_to_target_ratio"] = summary([s / p for s, p in pairs]) if pairs else None
+    pooled = {mode: time_to_target(pooled_curve(runs[mode]), 0.0, args.gain) for mode in runs}
+    result["pooled_time_to_target_s"] = pooled
+    result["pooled_time_to_target_ratio"] = (pooled["sync"] / pooled["pipeline"]
+                                             if pooled["sync"] and pooled["pipeline"] else None)
     print(f"pipeline/sync trained-samples rate: {rate['median']:.2f}x (spread {rate['min']:.2f}-{rate['max']:.2f}; "
           f"target >= 1.6x)")
     if pairs:
         t = result["time_to_target_ratio"]
         print(f"sync/pipeline time to target: {t['median']:.2f}x (spread {t['min']:.2f}-{t['max']:.2f}; "
               f"target >= 1.5x; {len(pairs)} of {args.rounds} rounds reached it in both modes)")
+    if result["pooled_time_to_target_ratio"]:
+        print(f"sync/pipeline time to target on the curves averaged over the rounds: "
+              f"{result['pooled_time_to_target_ratio']:.2f}x ({pooled['sync']:.0f} s / {pooled['pipeline']:.0f} s)")
     gen_busy = result["modes"]["pipeline"]["generator_busy_fraction"]["median"]
     print(f"pipeline generator busy: {gen_busy:.0%} (target >= 90%)")
     lag = f" --max-lag {args.max_lag}" if args.max_lag is not None else ""
