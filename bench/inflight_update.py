@@ -10,12 +10,12 @@ Per model size (random Qwen2-architecture models, bench/models.py) this starts:
 
 Alternated in the same run, per round:
 - update: `WeightSender.send` wall time on the trainer (announce, flatten + broadcast the buckets,
-  generator pauses, reloads, re-ties, relabels, resumes, replies); the generator's pause time
+  generator pauses, loads and re-packs, relabels, resumes, replies); the generator's pause time
   (pause -> resume, from `Engine.update_weights`) comes back in the reply, and the worker times
-  the project's `receive_weights` (transfer + reload + re-tie) inside the pause;
+  the project's `receive_weights` (transfer + load + CPU GEMM re-pack) inside the pause;
 - raw: the same bytes, in the same bucket sizes, broadcast over a bare `ProcessGroupGloo` from
   the trainer process to the same vLLM worker process, into preallocated buffers (no flatten
-  copy, no reload): the transport's physical limit on this machine.
+  copy, no load): the transport's physical limit on this machine.
 
 Target: update <= 1.5 x raw + 30 ms. A bucket sweep (one tensor per send, 1, 16, 128 MB) runs
 both paths on one model. Every request must finish by length with all its tokens (none aborted).
@@ -60,8 +60,8 @@ TARGET_FACTOR, TARGET_FIXED_S = 1.5, 0.030
 # --- generator side: the project's extension plus a bare-gloo receive for the raw limit ------
 
 class BenchReceiver(WeightReceiverExtension):
-    """The project's extension, plus a timer around its `receive_weights` (transfer + reload +
-    re-tie, inside the worker) and a bare-gloo receive for the raw limit."""
+    """The project's extension, plus a timer around its `receive_weights` (transfer + load +
+    re-pack, inside the worker) and a bare-gloo receive for the raw limit."""
 
     _bench_receive_s = 0.0
 
