@@ -5,7 +5,9 @@ and micro-batches (target ≤ 1.15×), and packed rows of several lengths agains
 
 One step = the tiny job's step: 128 samples of an 8-token prompt and a 4-6 token completion,
 the tiny-arith model, the project's loss code (micro_batch_loss) and AdamW. Every side starts
-from the same weights; step times are interleaved A B C … per round.
+from the same weights; step times are interleaved A B C … per round. Packed rows use the
+trainer's packed-row attention (pipelinerl_trainer.packed_attention); one side runs the same rows
+through Hugging Face's stock SDPA, which masks each whole row, to show what that saves.
 """
 
 from __future__ import annotations
@@ -80,7 +82,7 @@ def main() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
     from transformers import AutoModelForCausalLM
 
-    from pipelinerl_trainer.model import build_engine, init_distributed
+    from pipelinerl_trainer.model import build_engine, init_distributed, load_model
 
     job = load_job(JOB)
     t = job.spec.trainer
@@ -95,8 +97,9 @@ def main() -> None:
     init_distributed(False, 60)
     engine = build_engine(job, path)
 
-    def plain():
-        model = AutoModelForCausalLM.from_pretrained(path).train()
+    def plain(stock_attention: bool = False):
+        # The trainer's model (packed-row attention), or Hugging Face's stock SDPA masking the row
+        model = (AutoModelForCausalLM.from_pretrained(path) if stock_attention else load_model(path)).train()
         opt = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
 
         def step():
@@ -106,6 +109,7 @@ def main() -> None:
         return model, opt, step
 
     p_model, p_opt, p_step = plain()
+    s_model, _, s_step = plain(stock_attention=True)
     r_model, _, r_step = plain()
     d_model, d_opt, _ = plain()
     engine.train()
@@ -114,6 +118,8 @@ def main() -> None:
             lambda: packed_step(engine, engine.step, packed, cfg, engine.backward)),
         f"plain PyTorch, packed {row_tokens}": lambda: timed(
             lambda: packed_step(p_model, p_step, packed, cfg, lambda loss: loss.backward())),
+        f"plain PyTorch, packed {row_tokens}, stock SDPA row mask": lambda: timed(
+            lambda: packed_step(s_model, s_step, packed, cfg, lambda loss: loss.backward())),
         f"plain PyTorch, one packed row of {tokens}": lambda: timed(
             lambda: packed_step(r_model, r_step, one_row, cfg, lambda loss: loss.backward())),
         "plain PyTorch, padded batch": lambda: timed(lambda: padded_step(d_model, d_opt, items, cfg, t.grad_clip)),

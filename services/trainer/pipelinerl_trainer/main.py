@@ -27,7 +27,7 @@ from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl.weight_group import WeightGroup
 from pipelinerl_trainer import checkpoint
 from pipelinerl_trainer.bridge import NatsBridge
-from pipelinerl_trainer.model import build_engine, init_distributed
+from pipelinerl_trainer.model import build_engine, init_distributed, load_model
 from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
 from pipelinerl_trainer.weight_sender import WeightSender
 
@@ -146,10 +146,7 @@ class Trainer:
     def _reference(self, model_path: str):
         if self.spec.rl.kl_coef <= 0:
             return None
-        from transformers import AutoModelForCausalLM
-
-        ref = AutoModelForCausalLM.from_pretrained(model_path)
-        return ref.eval().requires_grad_(False)
+        return load_model(model_path, self.spec.model.dtype).eval().requires_grad_(False)
 
     def _train_step(self, batches: list[m.MicroBatch]) -> dict:
         t0 = time.perf_counter()

@@ -10,6 +10,7 @@ from datetime import timedelta
 import torch
 
 from pipelinerl.spec import PipelineRLJob
+from pipelinerl_trainer.packed_attention import use_packed_attention
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,14 +50,22 @@ def ds_config(job: PipelineRLJob) -> dict:
     return cfg
 
 
+def load_model(model_path: str, dtype: str = "float32"):
+    """The Hugging Face model as the trainer runs it: packed-row attention, no KV cache."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
+    model.config.use_cache = False
+    use_packed_attention(model)
+    return model
+
+
 def build_engine(job: PipelineRLJob, model_path: str):
     import deepspeed
-    from transformers import AutoModelForCausalLM
 
     t = job.spec.trainer
     torch.manual_seed(t.seed)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[job.spec.model.dtype])
-    model.config.use_cache = False
+    model = load_model(model_path, job.spec.model.dtype)
     # A client optimizer: DeepSpeed's own CPU Adam would compile kernels for minutes.
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay,
                                   betas=(0.9, 0.999))
