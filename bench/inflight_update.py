@@ -9,16 +9,21 @@ Per model size (random Qwen2-architecture models, bench/models.py) this starts:
   WeightUpdate / WeightUpdateDone messages NATS would).
 
 Alternated in the same run, per round:
-- update: `WeightSender.send` wall time on the trainer (announce, flatten + broadcast the buckets,
-  generator pauses, loads and re-packs, relabels, resumes, replies); the generator's pause time
-  (pause -> resume, from `Engine.update_weights`) comes back in the reply, and the worker times
-  the project's `receive_weights` (transfer + load + CPU GEMM re-pack) inside the pause;
+- update, staged (the default, `weightSync.staged: true`): `WeightSender.send` wall time on the
+  trainer (announce, flatten + broadcast the buckets, reply). The generator receives, loads and
+  re-packs into its second copy of the weights while the requests keep generating, then pauses
+  only to swap the copies and relabel; its pause time (pause -> resume, from
+  `Engine.update_weights`) comes back in the reply;
+- update, in the pause (`staged: false`): the same, but the generator pauses first and receives,
+  loads and re-packs inside the pause;
 - raw: the same bytes, in the same bucket sizes, broadcast over a bare `ProcessGroupGloo` from
   the trainer process to the same vLLM worker process, into preallocated buffers (no flatten
   copy, no load): the transport's physical limit on this machine.
+The worker also times the transfer + load + CPU GEMM re-pack itself ("load").
 
-Target: update <= 1.5 x raw + 30 ms. A bucket sweep (one tensor per send, 1, 16, 128 MB) runs
-both paths on one model. Every request must finish by length with all its tokens (none aborted).
+Target: update (and pause) <= 1.5 x raw + 30 ms. A bucket sweep (one tensor per send, 1, 16,
+128 MB) runs staged updates and raw on one model. Every request must finish by length with all
+its tokens (none aborted).
 
     python -m bench.inflight_update            # full settings
     python -m bench.inflight_update --sizes 3M --repeats 2 --sweep-repeats 1 --sweep-size 3M
@@ -55,19 +60,20 @@ MAX_TOKENS, MAX_SEQ = 256, 512
 GAP_S = 0.2  # between measurements, so requests make progress and every update lands mid-generation
 SWEEP = {"per-tensor": 0, "1MB": 1, "16MB": 16, "128MB": 128}  # MB per bucket; 0: one tensor per send
 TARGET_FACTOR, TARGET_FIXED_S = 1.5, 0.030
+MODES = ("staged", "in pause")  # weightSync.staged true / false
 
 
 # --- generator side: the project's extension plus a bare-gloo receive for the raw limit ------
 
 class BenchReceiver(WeightReceiverExtension):
-    """The project's extension, plus a timer around its `receive_weights` (transfer + load +
-    re-pack, inside the worker) and a bare-gloo receive for the raw limit."""
+    """The project's extension, plus a timer around its in-place load (transfer + load + re-pack,
+    staged or in the pause) and a bare-gloo receive for the raw limit."""
 
     _bench_receive_s = 0.0
 
-    def receive_weights(self, buckets) -> None:
+    def _pipelinerl_load_in_place(self, model, packed, weights) -> None:
         t0 = time.perf_counter()
-        super().receive_weights(buckets)
+        super()._pipelinerl_load_in_place(model, packed, weights)
         self._bench_receive_s = time.perf_counter() - t0
 
     def bench_last_receive_s(self) -> float:
@@ -135,11 +141,12 @@ class _BridgeStandIn:
 
     def __init__(self, gen_q, done_q):
         self.gen_q, self.done = gen_q, _Replies(done_q)
+        self.staged = True  # which way the generator applies the next update
 
     def publish(self, subject, msg, stream=True) -> None:
         from pipelinerl import messages as m
 
-        self.gen_q.put(("update", m.encode(msg)))
+        self.gen_q.put(("staged" if self.staged else "in pause", m.encode(msg)))
 
 
 def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg: dict) -> None:
@@ -154,19 +161,20 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
         group = WeightGroup.create(HOST, port, 0, 2, TIMEOUT_S)
         store = dist.TCPStore(HOST, raw_port, 2, is_master=True, timeout=timedelta(seconds=TIMEOUT_S))
         raw_pg = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=TIMEOUT_S))
-        sender = WeightSender(_DeepSpeedStandIn(model), 0, _BridgeStandIn(gen_q, done_q), group, generators=1,
+        bridge = _BridgeStandIn(gen_q, done_q)
+        sender = WeightSender(_DeepSpeedStandIn(model), 0, bridge, group, generators=1,
                               bucket_mb=cfg["bucket_mb"], timeout_s=TIMEOUT_S)
         default_plan = sender.buckets
         shapes = [(n, list(p.shape), "float32") for n, p in sender.params]
         flat = torch.cat([p.detach().reshape(-1) for _, p in sender.params])  # the same bytes
         version, extra = 0, {}  # extra[label]: (version, pause, generators with running requests) per update
 
-        def update(label, plan):
+        def update(label, plan, staged=True):
             def fn():
                 nonlocal version
                 time.sleep(GAP_S)
                 version += 1
-                sender.buckets = plan
+                sender.buckets, bridge.staged = plan, staged
                 stats = sender.send(version)
                 extra.setdefault(label, []).append(
                     (version, stats["weight_pause_max_seconds"], stats["updates_with_running_requests"]))
@@ -197,8 +205,9 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
                     "buckets": len(plan), "bytes": 4 * sum(b["numel"] for b in plan)}
 
         out = {"parameters": int(flat.numel())}
-        runs = alternate({"update": update("default", default_plan), "raw": raw(default_plan)}, cfg["repeats"])
-        out["headline"] = collect(runs, "default", default_plan, "update", "raw")
+        runs = alternate({MODES[0]: update(MODES[0], default_plan), MODES[1]: update(MODES[1], default_plan, False),
+                          "raw": raw(default_plan)}, cfg["repeats"])
+        out["headline"] = {mode: collect(runs, mode, default_plan, mode, "raw") for mode in MODES}
         if cfg["sweep"]:
             plans = {lab: plan_buckets(shapes, max(1, mb << 20)) for lab, mb in SWEEP.items()}
             sides = {}
@@ -251,10 +260,13 @@ async def serve(engine, gen_q, done_q, trainer, receive_s: dict) -> None:
         if kind == "raw":
             await engine.llm.collective_rpc("bench_raw_receive", args=(body,))
             continue
+        engine.staged = kind == "staged"
         update = m.decode(body, m.WeightUpdate)
         reply = m.WeightUpdateDone(version=update.version, generator=0, pause_seconds=0.0, running_requests=0)
         try:
             stats = await engine.update_weights(update.version, update.buckets)
+            if stats.staged != engine.staged:
+                raise RuntimeError(f"asked for staged={engine.staged}, the engine did staged={stats.staged}")
             reply.pause_seconds, reply.running_requests = stats.pause_seconds, stats.running_requests
         except Exception as e:
             reply.error = f"{type(e).__name__}: {e}"
@@ -309,7 +321,7 @@ async def run_size(size: str, cfg: dict, tmp: Path) -> dict:
         trainer.join(30)
         if trainer.is_alive():
             trainer.kill()
-    for r in [out["headline"], *out.get("sweep", {}).values()]:
+    for r in [*out["headline"].values(), *out.get("sweep", {}).values()]:
         r["receive_s"] = [receive_s[v] for v in r.pop("versions")]
     bad = [c for c in done if c.finish_reason != "length" or len(c.tokens) != MAX_TOKENS]
     out["requests"] = {"finished": len(done), "not_full_length": len(bad), "errors": errors,
@@ -326,29 +338,32 @@ def target_s(raw_s: float) -> float:
 def analyse(r: dict) -> dict:
     from bench.common import paired_ratios, summary
 
-    up, raw = r["update_s"], r["raw_s"]
-    med_up, med_raw = summary(up)["median"], summary(raw)["median"]
-    return {"update": summary(up), "raw": summary(raw), "pause": summary(r["pause_s"]),
-            "receive": summary(r["receive_s"]),
-            "ratio": paired_ratios(up, raw),
-            "target_s": target_s(med_raw), "target_met": med_up <= target_s(med_raw),
-            "rounds_within_target": sum(u <= target_s(w) for u, w in zip(up, raw)),
-            "raw_gb_per_s": r["bytes"] / med_raw / 1e9}
+    up, pause, raw = r["update_s"], r["pause_s"], r["raw_s"]
+    med_raw = summary(raw)["median"]
+    out = {"update": summary(up), "raw": summary(raw), "pause": summary(pause), "receive": summary(r["receive_s"]),
+           "ratio": paired_ratios(up, raw), "target_s": target_s(med_raw), "raw_gb_per_s": r["bytes"] / med_raw / 1e9}
+    for key, xs in (("update", up), ("pause", pause)):
+        out[f"{key}_target_met"] = summary(xs)["median"] <= target_s(med_raw)
+        out[f"{key}_rounds_within_target"] = sum(x <= target_s(w) for x, w in zip(xs, raw))
+    return out
 
 
 def ms(s: dict) -> str:
     return f"{1e3 * s['median']:.1f} ({1e3 * s['min']:.1f}-{1e3 * s['max']:.1f})"
 
 
+def met(r: dict, a: dict, key: str) -> str:
+    return f"{'yes' if a[f'{key}_target_met'] else 'NO'} {a[f'{key}_rounds_within_target']}/{len(r['update_s'])}"
+
+
 def rows_for(label: str, r: dict, a: dict) -> list:
     return [label, f"{r['bytes'] / 2**20:.0f}", r["buckets"], ms(a["pause"]), ms(a["receive"]), ms(a["update"]), ms(a["raw"]),
             f"{a['ratio']['median']:.2f} ({a['ratio']['min']:.2f}-{a['ratio']['max']:.2f})",
-            f"{1e3 * a['target_s']:.0f}", f"{'yes' if a['target_met'] else 'NO'} "
-            f"{a['rounds_within_target']}/{len(r['update_s'])}", f"{a['raw_gb_per_s']:.2f}"]
+            f"{1e3 * a['target_s']:.0f}", met(r, a, "pause"), met(r, a, "update"), f"{a['raw_gb_per_s']:.2f}"]
 
 
-HEADERS = ["model", "MB", "buckets", "pause ms", "receive ms", "update ms", "raw ms", "update/raw", "target ms",
-           "met (rounds)", "raw GB/s"]
+HEADERS = ["model", "MB", "buckets", "pause ms", "load ms", "update ms", "raw ms", "update/raw", "target ms",
+           "pause met (rounds)", "update met (rounds)", "raw GB/s"]
 
 
 def main() -> None:
@@ -372,9 +387,9 @@ def main() -> None:
                    "sweep": size == args.sweep_size, "sweep_repeats": args.sweep_repeats}
             t0 = time.time()
             out = asyncio.run(run_size(size, cfg, Path(tmp)))
-            out["headline"]["analysis"] = analyse(out["headline"])
-            rows.append(rows_for(f"{size} ({out['parameters'] / 1e6:.0f}M)", out["headline"],
-                                 out["headline"]["analysis"]))
+            for mode, r in out["headline"].items():
+                r["analysis"] = analyse(r)
+                rows.append(rows_for(f"{size} ({out['parameters'] / 1e6:.0f}M), {mode}", r, r["analysis"]))
             for lab, r in out.get("sweep", {}).items():
                 r["analysis"] = analyse(r)
                 sweep_rows.append(rows_for(f"{size} {lab}", r, r["analysis"]))
@@ -394,7 +409,7 @@ def main() -> None:
     path = save("inflight_update", {
         "settings": {"streams": STREAMS, "max_tokens": MAX_TOKENS, "gap_s": GAP_S, "bucket_mb": bucket_mb,
                      "repeats": args.repeats, "sweep_size": args.sweep_size, "sweep_repeats": args.sweep_repeats,
-                     "target": f"update <= {TARGET_FACTOR} x raw + {1e3 * TARGET_FIXED_S:.0f} ms",
+                     "target": f"update, pause <= {TARGET_FACTOR} x raw + {1e3 * TARGET_FIXED_S:.0f} ms",
                      "engine": "vllm AsyncLLM via pipelinerl_generator.engine.Engine (V1, enforce_eager)"},
         "sizes": results, "requests_aborted_or_failed": aborted,
     }, command=f"python -m bench.inflight_update {' '.join(sys.argv[1:])}".strip())

@@ -162,6 +162,10 @@ class WeightSyncSpec(SpecModel):
     bucket_mb: int = Field(default=256, ge=1, le=65536)
     timeout_seconds: float = Field(default=120.0, gt=0.0, le=86400.0)
     port: int = Field(default=29600, ge=1024, le=65535)
+    staged: bool = Field(default=True, description=(
+        "Generators receive and load new weights into a second copy while they keep generating, "
+        "then pause only to swap them in (one extra copy of the weights in generator memory). "
+        "false: receive and load inside the pause. Quantized models always do the latter."))
 
 
 class EvalSpec(SpecModel):

@@ -119,6 +119,7 @@ class Rig:
     cmd_q: object
     res_q: object
     in_place: bool = True  # the receiver's loading path under test
+    staged: bool = True  # transferred and loaded beside generation, swapped in a short pause
     current: str = "A"  # which weights the engine holds
     updates: list = field(default_factory=list)
 
@@ -138,6 +139,9 @@ class InPlaceProbe(WeightReceiverExtension):
     def probe_loaded_in_place(self) -> bool:
         return self._pipelinerl_packed is not None
 
+    def probe_staged(self) -> bool:
+        return self._pipelinerl_shadow is not None
+
 
 class ReloadProbe(InPlaceProbe):
     """Forced onto its other path, vLLM's layerwise reload (taken for quantized models)."""
@@ -146,7 +150,12 @@ class ReloadProbe(InPlaceProbe):
         return False
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=[InPlaceProbe, ReloadProbe], ids=["in_place", "reload"])
+# (extension, weightSync.staged): staged in-place loading (the default), in-place loading inside
+# the pause, and the layerwise reload (quantized models), which cannot stage and falls back.
+PATHS = {"staged": (InPlaceProbe, True), "in_pause": (InPlaceProbe, False), "reload": (ReloadProbe, True)}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=list(PATHS))
 async def rig(request, tmp_path_factory):
     from safetensors.torch import load_file
 
@@ -155,6 +164,7 @@ async def rig(request, tmp_path_factory):
     from pipelinerl.weight_group import plan_buckets_for
     from pipelinerl_generator.engine import Engine
 
+    extension, staged = PATHS[request.param]
     root = tmp_path_factory.mktemp("inflight")
     paths = {name: save_model(root / name, seed) for name, seed in SEEDS.items()}
     job = parse_job({
@@ -162,8 +172,8 @@ async def rig(request, tmp_path_factory):
         "spec": {
             "model": {"path": paths["A"], "maxSeqLen": 256, "dtype": "float32"},
             "generator": {"sampling": {"maxTokens": LONG_TOKENS},
-                          "engineArgs": {"worker_extension_cls": f"{__name__}.{request.param.__name__}"}},
-            "weightSync": {"backend": "gloo", "bucketMb": 1, "timeoutSeconds": SYNC_TIMEOUT_S},
+                          "engineArgs": {"worker_extension_cls": f"{__name__}.{extension.__name__}"}},
+            "weightSync": {"backend": "gloo", "bucketMb": 1, "timeoutSeconds": SYNC_TIMEOUT_S, "staged": staged},
         },
     })
     sync = job.spec.weight_sync
@@ -182,7 +192,7 @@ async def rig(request, tmp_path_factory):
         await engine.join_weight_group(HOST, port, 1, 2, sync.timeout_seconds)
         await reply(res_q)
         yield Rig(engine, make_tokenizer(), {n: load_hf(p) for n, p in paths.items()}, buckets, cmd_q, res_q,
-                  in_place=request.param is InPlaceProbe)
+                  in_place=extension is InPlaceProbe, staged=staged and extension is InPlaceProbe)
     finally:
         cmd_q.put(("close",))
         engine.shutdown()
@@ -224,6 +234,8 @@ async def test_update_switches_greedy_output_from_model_a_to_model_b(rig):
     assert stats.version == engine.version == v_before + 1
     assert stats.running_requests == 0
     assert await engine.llm.collective_rpc("probe_loaded_in_place") == [rig.in_place]
+    assert not stats.staged  # nothing was running: loaded inside the pause
+    assert 0 < stats.pause_seconds <= stats.seconds
 
     after = await asyncio.gather(*(engine.generate(p, N_GREEDY, greedy=True) for p in prompts))
     assert [c.tokens for c in after] == ref["B"]
@@ -248,6 +260,9 @@ async def test_request_spanning_an_update_mixes_versions(rig):
     v_new = stats.version
 
     assert stats.running_requests == 1  # the update really happened mid-request
+    assert stats.staged == rig.staged and await engine.llm.collective_rpc("probe_staged") == [rig.staged]
+    if rig.staged:
+        assert stats.pause_seconds < stats.seconds
     assert len(c.tokens) == len(c.versions) == len(c.logprobs) == LONG_TOKENS
     assert c.finish_reason == "length"
     assert all(a <= b for a, b in zip(c.versions, c.versions[1:])), "versions must be non-decreasing"
@@ -275,10 +290,17 @@ async def test_update_that_misses_a_weight_fails_naming_it(rig):
     assert dropped in [t[0] for t in tensors]
     partial = plan_buckets([t for t in tensors if t[0] != dropped], 1 << 20)
     rig.cmd_q.put(("send", "B", partial))
+    version, prompt = engine.version, rig.tokenizer.encode(PROMPTS[1])
+    running = asyncio.create_task(engine.generate(prompt, LONG_TOKENS, greedy=True))  # staged if it can be
+    await wait_for_output_tokens(engine, 10)
     with pytest.raises(Exception, match=f"did not cover 1 parameters.*{dropped}"):
-        await engine.update_weights(engine.version + 1, partial)
+        await engine.update_weights(version + 1, partial)
     await reply(rig.res_q)
+    assert engine.version == version
+    c = await running
+    if rig.staged:  # the failed update loaded into the second copy only: the live weights are intact
+        assert c.tokens == hf_greedy(rig.hf[rig.current], prompt, LONG_TOKENS)
+        assert c.versions == [version] * LONG_TOKENS
     await rig.update("A")  # a full update repairs the engine
-    prompt = rig.tokenizer.encode(PROMPTS[1])
     c = await engine.generate(prompt, N_GREEDY, greedy=True)
     assert c.tokens == hf_greedy(rig.hf["A"], prompt, N_GREEDY)

@@ -10,6 +10,7 @@ outputs still in flight).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -21,13 +22,16 @@ from pipelinerl.tasks import Completion
 
 log = logging.getLogger(__name__)
 EXTENSION = "pipelinerl_generator.weight_receiver.WeightReceiverExtension"
+STAGED_POLL_S = 0.005
 
 
 @dataclass
 class UpdateStats:
     version: int
-    pause_seconds: float
-    running_requests: int
+    pause_seconds: float  # generation stopped
+    running_requests: int  # requests kept running across the update
+    seconds: float = 0.0  # the whole update, transfer included
+    staged: bool = False  # transferred and loaded beside generation (else inside the pause)
 
 
 def engine_args(job: PipelineRLJob, model_path: str, seed: int):
@@ -63,6 +67,7 @@ class Engine:
         self.sampling = job.spec.generator.sampling
         self.llm = AsyncLLM.from_engine_args(engine_args(job, model_path, seed))
         self.eos = self.llm.tokenizer.eos_token_id if self.llm.tokenizer else None
+        self.staged = job.spec.weight_sync.staged
         self.version = 0
         self.running = 0
         self.tokens_generated = 0
@@ -106,18 +111,39 @@ class Engine:
         await self.llm.collective_rpc("init_weight_group", args=(host, port, rank, world_size, timeout_s))
 
     async def update_weights(self, version: int, buckets: list[dict]) -> UpdateStats:
-        """Pause keeping running requests and their KV cache, load, relabel, resume."""
+        """With requests running: receive and load the new weights beside them (staged), then
+        pause keeping them and their KV cache, swap the weights in, relabel, resume. With none
+        running (nothing to keep going, and loading alone is faster), with `weightSync.staged:
+        false`, or for models that cannot be staged (quantized): receive inside the pause."""
         t0 = time.perf_counter()
+        staged = (self.staged and self.running > 0
+                  and all(await self.llm.collective_rpc("stage_weights", args=(buckets,))))
+        if staged:
+            await self._wait_staged(t0 + self.job.spec.weight_sync.timeout_seconds)
+        t_pause = time.perf_counter()
         running = self.running
         # The engine core's pause, not AsyncLLM.pause_generation: that adds a fixed 20 ms sleep
         # so aborted requests' last outputs arrive first, which "keep" mode does not need.
         await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
         try:
-            await self.llm.collective_rpc("receive_weights", args=(buckets,))
+            if staged:
+                await self.llm.collective_rpc("commit_staged_weights")
+            else:
+                await self.llm.collective_rpc("receive_weights", args=(buckets,))
             await self.set_version(version)
         finally:
             await self.llm.resume_generation()
-        return UpdateStats(version=version, pause_seconds=time.perf_counter() - t0, running_requests=running)
+        t1 = time.perf_counter()
+        return UpdateStats(version=version, pause_seconds=t1 - t_pause, running_requests=running,
+                           seconds=t1 - t0, staged=staged)
+
+    async def _wait_staged(self, deadline: float) -> None:
+        # Each poll is a utility call the engine answers between steps; staging errors surface here.
+        while not all(await self.llm.collective_rpc("staged_weights_ready")):
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"weights not received and loaded within weightSync.timeoutSeconds="
+                                   f"{self.job.spec.weight_sync.timeout_seconds}")
+            await asyncio.sleep(STAGED_POLL_S)
 
     def shutdown(self) -> None:
         self.llm.shutdown()

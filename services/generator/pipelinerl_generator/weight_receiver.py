@@ -5,8 +5,11 @@ Use with ``AsyncEngineArgs(worker_extension_cls=
 from the engine side with ``collective_rpc`` (as ``Engine.update_weights`` does):
 
     await engine.collective_rpc("init_weight_group", args=(host, port, rank, world, timeout_s))
+    # staged (default): receive and load beside generation, pause only to swap
+    await engine.collective_rpc("stage_weights", args=(buckets,))   # [False]: cannot stage
+    while not all(await engine.collective_rpc("staged_weights_ready")): await asyncio.sleep(...)
     await engine.pause_generation(mode="keep", clear_cache=False)
-    await engine.collective_rpc("receive_weights", args=(buckets,))
+    await engine.collective_rpc("commit_staged_weights")   # or receive_weights(buckets) unstaged
     await engine.update_weight_version(str(version))  # tags tokens sampled from now on
     await engine.resume_generation()
 
@@ -20,6 +23,9 @@ Attribute names must not clash with Worker attributes.
 
 from __future__ import annotations
 
+import copy
+import threading
+from types import MethodType
 from typing import Any
 
 import torch
@@ -30,6 +36,8 @@ from pipelinerl.weight_group import WeightGroup
 class WeightReceiverExtension:
     _pipelinerl_weight_group: WeightGroup | None = None
     _pipelinerl_packed: list[torch.nn.Module] | None = None
+    _pipelinerl_shadow: Shadow | None = None
+    _pipelinerl_staging: Staging | None = None
 
     def init_weight_group(self, host: str, port: int, rank: int, world_size: int,
                           timeout_s: float) -> None:
@@ -46,18 +54,66 @@ class WeightReceiverExtension:
         )
 
     def receive_weights(self, buckets: list[dict[str, Any]]) -> None:
-        group = self._pipelinerl_weight_group
-        if group is None:
-            raise RuntimeError("receive_weights called before init_weight_group")
+        """Receive and load into the live model: call while generation is paused."""
+        group = self._pipelinerl_group()
         # Received bucket by bucket as the loader consumes the iterator.
         weights = group.receive_buckets(buckets)
         if self._pipelinerl_can_load_in_place():
-            self._pipelinerl_load_in_place(weights)
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            self._pipelinerl_load_in_place(model, self._pipelinerl_packed_layers(model), weights)
         else:
             # Quantized models: vLLM's reload restores checkpoint-format params layer by
             # layer, loads, and re-runs process_weights_after_loading (re-quantizes).
             self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
             self._pipelinerl_retie_lm_head()
+
+    def _pipelinerl_group(self) -> WeightGroup:
+        if self._pipelinerl_weight_group is None:
+            raise RuntimeError("weights sent before init_weight_group")
+        return self._pipelinerl_weight_group
+
+    # -- staged updates: the transfer, load and re-pack run beside generation -------------------
+    def stage_weights(self, buckets: list[dict[str, Any]]) -> bool:
+        """Start receiving the next weights into a second copy of the model's parameters, on a
+        thread, while the engine keeps generating with the current ones; `commit_staged_weights`
+        swaps them in (a pause of pointer swaps). False, and nothing started, where this model
+        cannot be loaded in place (quantized): then use `receive_weights` inside a pause."""
+        if self._pipelinerl_staging is not None:
+            raise RuntimeError("weights are already being staged")
+        if not self._pipelinerl_can_load_in_place():
+            return False
+        group = self._pipelinerl_group()
+        shadow = self._pipelinerl_shadow_model()
+        self._pipelinerl_staging = Staging(lambda: self._pipelinerl_load_in_place(
+            shadow.model, shadow.packed, group.receive_buckets(buckets)))
+        return True
+
+    def staged_weights_ready(self) -> bool:
+        """True once the staged weights are loaded; raises what staging raised (the live
+        weights are then untouched)."""
+        staging = self._pipelinerl_staging
+        if staging is None:
+            raise RuntimeError("no weights are being staged")
+        if staging.thread.is_alive():
+            return False
+        if staging.error is not None:
+            self._pipelinerl_staging = None
+            raise staging.error
+        return True
+
+    def commit_staged_weights(self) -> None:
+        """Swap the staged weights in. Call while generation is paused: the next engine step
+        uses them. The previous weights become the second copy, the next update's target."""
+        if not self.staged_weights_ready():
+            raise RuntimeError("commit_staged_weights called before the staged weights were loaded")
+        self._pipelinerl_staging = None
+        self._pipelinerl_shadow.swap()  # type: ignore[union-attr]
+
+    def _pipelinerl_shadow_model(self) -> Shadow:
+        if self._pipelinerl_shadow is None:
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            self._pipelinerl_shadow = Shadow(model, self._pipelinerl_packed_layers(model))
+        return self._pipelinerl_shadow
 
     def _pipelinerl_can_load_in_place(self) -> bool:
         # Not for quantized weights, nor for CPU conv weights that vLLM re-lays out in place.
@@ -65,17 +121,16 @@ class WeightReceiverExtension:
         return (self.model_runner.model_config.quantization is None  # type: ignore[attr-defined]
                 and not any(hasattr(m, "_cpu_unpacked_conv_weight") for m in model.modules()))
 
-    def _pipelinerl_load_in_place(self, weights) -> None:
-        """Unquantized models: copy into the live parameters with the model's own loaders
-        (they stack q/k/v and gate/up and shard for TP), then redo only the CPU GEMM packing.
+    def _pipelinerl_load_in_place(self, model: torch.nn.Module, packed: list[torch.nn.Module], weights) -> None:
+        """Unquantized models: copy into `model`'s parameters (the live model, or its second
+        copy when staged) with the model's own loaders (they stack q/k/v and gate/up and shard
+        for TP), then redo only the CPU GEMM packing of `packed`, its packed layers.
 
         This is one copy plus the packing, where vLLM's layerwise reload re-creates every layer
         (fresh, page-faulted allocations) and copies twice: 1.5-2x faster on CPU. On GPU, unquantized
         weights need no processing, so it is the copy alone."""
         from vllm.config import set_current_vllm_config
 
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        packed = self._pipelinerl_packed_layers(model)
         expected = {name for name, _ in model.named_parameters()}
         with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
             loaded = model.load_weights(weights)
@@ -144,3 +199,65 @@ def _repack_cpu_gemm(layer: torch.nn.Module) -> None:
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+
+
+class Staging:
+    """A staged update running on its own thread; keeps what it raised."""
+
+    def __init__(self, work) -> None:
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(work,), name="pipelinerl-stage-weights", daemon=True)
+        self.thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            work()
+        except BaseException as err:  # noqa: BLE001 - handed to the engine by staged_weights_ready
+            self.error = err
+
+
+class Shadow:
+    """A second copy of a model's parameters, as a shallow copy of its module tree: each module
+    copied with its own parameters (same class and loader attributes, bound loaders re-bound to
+    the copy) and everything else shared. The model's own `load_weights` runs on it unchanged
+    while the live model generates; `swap` exchanges parameter storage and packed CPU GEMMs.
+    Costs one more copy of the weights (and of the packed GEMMs on CPU) in memory."""
+
+    def __init__(self, model: torch.nn.Module, packed: list[torch.nn.Module]) -> None:
+        modules: dict[int, torch.nn.Module] = {}
+        params: dict[int, torch.nn.Parameter] = {}
+        self.model = _shadow_module(model, modules, params)
+        self.packed = [modules[id(layer)] for layer in packed]
+        self.pairs = [(live, params[id(live)]) for live in model.parameters()]
+        self.packed_pairs = list(zip(packed, self.packed))
+
+    def swap(self) -> None:
+        with torch.no_grad():
+            for live, other in self.pairs:
+                live.data, other.data = other.data, live.data
+        for live, other in self.packed_pairs:
+            live.cpu_linear, other.cpu_linear = other.cpu_linear, live.cpu_linear
+
+
+def _shadow_module(module: torch.nn.Module, modules: dict, params: dict) -> torch.nn.Module:
+    if id(module) in modules:  # shared (tied) submodules stay shared
+        return modules[id(module)]
+    shadow = modules[id(module)] = copy.copy(module)
+    shadow._parameters = {name: None if p is None else _shadow_param(p, module, shadow, params)
+                          for name, p in module._parameters.items()}
+    shadow._buffers = dict(module._buffers)  # shared tensors: buffers are not in checkpoints
+    shadow._modules = {name: None if child is None else _shadow_module(child, modules, params)
+                       for name, child in module._modules.items()}
+    return shadow
+
+
+def _shadow_param(p: torch.nn.Parameter, owner: torch.nn.Module, shadow: torch.nn.Module,
+                  params: dict) -> torch.nn.Parameter:
+    if id(p) not in params:
+        # Uninitialised: every staged load must cover every parameter before a swap (checked).
+        twin = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device)
+        twin.__class__ = p.__class__
+        twin.__dict__ = {key: value.__func__.__get__(shadow) if isinstance(value, MethodType)
+                         and value.__self__ is owner else value for key, value in p.__dict__.items()}
+        params[id(p)] = twin
+    return params[id(p)]
