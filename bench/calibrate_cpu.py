@@ -8,8 +8,9 @@ the answer (the pipeline/sync ratio):
 
 - training: least squares of `train_seconds` against `row_tokens` over the steps of both modes
   (`train_s_per_token`, `optimizer_step_s`); `contention` 0 (pinned cores);
-- weight update: mean `weight_sync_seconds` (`weight_sync_s`; `pause_s` the same: the engine's
-  pause is inside the trainer's send, bench/inflight_update);
+- weight update: mean `weight_sync_seconds` (`weight_sync_s`); `pause_s` the pipeline runs'
+  mean `weight_pause_max_seconds` (staged updates pause only to swap the weights; results
+  recorded before that field existed use `weight_sync_s`, an upper bound);
 - workload: completion lengths (`tokens / samples`), prompt length, and the share of groups
   dropped by zero-variance filtering (`groups_filtered`);
 - generation: the **sync** runs' generation phase (step period − `train_seconds` −
@@ -175,6 +176,9 @@ def calibrate(data: dict, source: Path) -> tuple[Calibration, dict]:
 
     per_token, fixed, train_how = fit_train(every)
     weight_sync = float(np.mean([s["weight_sync_seconds"] for s in every]))
+    pauses = [s["weight_pause_max_seconds"] for r in runs["pipeline"] for s in steps_of(r, interval, clean=False)
+              if s.get("weight_pause_max_seconds") is not None]
+    pause = float(np.mean(pauses)) if pauses else weight_sync
     samples = sum(s["samples"] for s in every)
     mean_len = sum(s["tokens"] for s in every) / samples
     prompt = round(sum(s["row_tokens"] - s["tokens"] for s in every) / samples)
@@ -203,12 +207,12 @@ def calibrate(data: dict, source: Path) -> tuple[Calibration, dict]:
     base0 = Calibration(
         name="cpu-tiny", gpus_per_engine=1, decode_base_s=step_at, decode_per_seq_s=0.0, max_batch=max_batch,
         prefill_s_per_token=0.0, train_s_per_token=per_token, train_scaling=0.9, optimizer_step_s=fixed,
-        weight_sync_s=weight_sync, pause_s=weight_sync, contention=0.0, filtered_fraction=filtered, lengths=lengths)
+        weight_sync_s=weight_sync, pause_s=pause, contention=0.0, filtered_fraction=filtered, lengths=lengths)
     fitted = fit_decode(base0, job, rows, gen_phase, step_at, engine_batch)
     calib = fitted.model_copy(update={
         "source": (f"measured: bench/calibrate_cpu.py from {source.name} ({data.get('date', '?')}, pinned cores) "
-                   f"and engine.json ({engine.get('date', '?')}). Train: {train_how}. Weight sync and pause: mean "
-                   f"weight_sync_seconds. Decode: slope from engine.json ({tok_s:.0f} tok/s at {engine_batch} "
+                   f"and engine.json ({engine.get('date', '?')}). Train: {train_how}. Weight sync: mean weight_sync_seconds; "
+                   f"pause: {'mean weight_pause_max_seconds of the pipeline runs' if pauses else 'the same'}. Decode: slope from engine.json ({tok_s:.0f} tok/s at {engine_batch} "
                    f"sequences), base solved so the simulated sync generation phase is the measured "
                    f"{gen_phase:.3f} s. Prefill folded into decode (chunked prefill). train_scaling unmeasured "
                    f"(one trainer rank)."),

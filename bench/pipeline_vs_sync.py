@@ -80,7 +80,7 @@ def one_run(mode: str, args, tag: str, root: Path) -> dict:
     s = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     keep = ("step", "time", "samples", "tokens", "row_tokens", "train_seconds", "weight_sync_seconds",
-            "groups_filtered", "lag_mean", "ess")
+            "weight_pause_max_seconds", "groups_filtered", "lag_mean", "ess")
     steps = [{k: r.get(k) for k in keep} for r in records if r["kind"] == "train"]
     evals = [{k: r[k] for k in ("version", "time", "accuracy")} for r in records if r["kind"] == "eval"]
     ttt = time_to_target(evals, train_start(steps), args.gain)
