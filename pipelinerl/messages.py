@@ -115,6 +115,7 @@ class PolicyVersion(Message):
     version: int
     step: int
     finished: bool = False  # the trainer has taken its last step
+    training: bool = False  # step `version` has started (its groups are consumed), not finished
     timestamp: float
     # Accepted groups of each generator (by rank) in steps ≤ version: frees their admission budget.
     trained_groups: dict[str, int] = Field(default_factory=dict)

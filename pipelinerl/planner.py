@@ -189,7 +189,9 @@ class _Sim:
         # Sync mode is max_lag 0: one step of groups admitted, consumed only after the update.
         self.max_lag = max_lag if mode == "pipeline" else 0
         self.groups_per_step = samples_per_step // attempts
-        self.budget = max(self.max_lag, 1) * self.groups_per_step
+        # Pipeline: as the generator's Admission, one more step of groups once the weights of
+        # the step in training are in and until the next step starts (true before the first).
+        self.ahead = True
         self.steps, self.warmup = steps, warmup
         self.rng = np.random.default_rng(seed)
         self.pool: list[int] = []
@@ -278,6 +280,10 @@ class _Sim:
             heapq.heappush(e.running, (e.steps + n, gid))
             self.g_starts[gid].append(e.steps)
 
+    @property
+    def budget(self) -> int:
+        return (max(self.max_lag, 1) + int(bool(self.max_lag) and self.ahead)) * self.groups_per_step
+
     def _admit(self, prefer: int | None = None) -> None:
         """Start groups while the lag budget allows and an engine has a free slot.
 
@@ -338,6 +344,7 @@ class _Sim:
         if self.max_lag:
             # Pipeline: consumed at step start, so generation of the next groups overlaps training.
             self.queued -= len(gids)
+            self.ahead = False
             self._admit()
         tokens = sum(sum(self.g_lengths[g]) for g in gids) + len(gids) * self.attempts * self.lengths.prompt_tokens
         overlap = any(e.running for e in self.engines)
@@ -369,7 +376,8 @@ class _Sim:
             self.snap = self._engine_totals()
         if not self.max_lag:
             self.queued -= consumed  # sync: the next step's groups start on the new weights
-            self._admit()
+        self.ahead = True
+        self._admit()
         self._train()
 
     def _record_lag(self, gids: list[int]) -> None:

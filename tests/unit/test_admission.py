@@ -10,12 +10,12 @@ def fill(a: Admission) -> int:
 
 
 def test_pipeline_budget_is_max_lag_steps_of_unconsumed_groups():
-    a = Admission(groups_per_step=16, generators=1, max_lag=4, max_inflight=1000)
+    a = Admission(groups_per_step=16, generators=1, max_lag=4, max_inflight=1000, training_step=0)  # step 0 training
     assert fill(a) == 64
     for _ in range(16):
         a.on_finish(discarded=False)
     assert not a.may_start()  # finished but untrained groups still count
-    a.on_trained(16)
+    a.on_trained(16, training_step=1)
     assert fill(a) == 16
 
 
@@ -30,8 +30,31 @@ def test_sync_mode_one_step_and_discards_free_budget():
 
 
 def test_share_and_inflight_cap():
-    a = Admission(groups_per_step=10, generators=3, max_lag=2, max_inflight=5)
+    a = Admission(groups_per_step=10, generators=3, max_lag=2, max_inflight=5, training_step=0)
     assert a.share == 4 and a.budget == 8
     assert fill(a) == 5  # capped by concurrency
     a.on_finish(False)
     assert fill(a) == 1
+
+
+def test_one_more_share_once_the_weights_of_the_step_in_training_have_landed():
+    a = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000)
+    # Before any step: step 0 trains version-0 groups (lag 0), step 1 trains them at lag 1.
+    assert fill(a) == 32
+    for _ in range(32):
+        a.on_finish(discarded=False)
+    a.on_trained(16, training_step=0)  # step 0 starts with the engine at version 0
+    assert a.budget == 16 and not a.may_start()  # groups started now land in step 2: lag 2
+    a.on_weights(1)  # step 0 is over and its weights are in: a group started now lands in step 2 at lag 1
+    assert a.budget == 32 and fill(a) == 16
+    a.on_trained(16, training_step=0)  # the end-of-step announcement changes nothing
+    a.on_trained(32, training_step=1)  # step 1 starts
+    assert a.budget == 16 and not a.may_start()  # 16 queued for step 2 already
+    a.on_trained(32, training_step=0)  # stale announcements never go backwards
+    assert a.training_step == 1
+
+
+def test_sync_mode_budget_ignores_weights():
+    a = Admission(groups_per_step=8, generators=1, max_lag=0, max_inflight=1000)
+    a.on_weights(5)
+    assert a.budget == 8

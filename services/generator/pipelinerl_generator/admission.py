@@ -1,11 +1,15 @@
 """Max-lag admission (pure): when may a generator start another prompt group?
 
-A group started now, at weights version v, is trained once every group queued before it has
+A group started now, at weights version e, is trained once every group queued before it has
 been consumed by the trainer. With Q groups of this generator queued or in flight (started,
 not yet consumed, not discarded) and this generator's share of a step being
-groups_per_step / generators, the new group lands about Q / share steps from now; its lag
-stays within `max_lag` while Q < max_lag · share (see `budget` for sync mode). Groups the preprocessor will discard (zero variance) leave the
-queue as soon as they finish, so sync mode (max_lag 0) can never starve a step.
+groups_per_step / generators, the new group is consumed by step N + Q // share, N being the
+next step to start; its lag stays within `max_lag` while Q < (max_lag + e − N + 1) · share.
+While step N − 1 trains, the generator holds its input weights (e = N − 1): Q < max_lag ·
+share. Once that step's update has landed and until step N starts, e = N: one more share, so
+the generator never idles waiting for the announcement of a step whose data it already made.
+Groups the preprocessor will discard (zero variance) leave the queue as soon as they finish,
+so sync mode (max_lag 0, see `budget`) can never starve a step.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ class Admission:
     finished: int = 0
     discarded: int = 0
     trained: int = 0  # this generator's groups in trained steps (announced by the trainer)
+    training_step: int = -1  # the last step announced as started (N - 1)
+    weights_version: int = 0  # this generator's engine weights (e)
 
     @property
     def share(self) -> int:
@@ -33,8 +39,12 @@ class Admission:
     def budget(self) -> int:
         # With max_lag ≥ 1 the trainer reports groups as consumed when a step *starts* (so
         # generation overlaps training), and max_lag steps of unconsumed groups keep every lag
-        # ≤ max_lag. Sync mode (0) counts them after the update instead: one step in flight.
-        return max(self.max_lag, 1) * self.share
+        # ≤ max_lag, one more once the weights of the step in training have landed. Sync mode
+        # (0) counts them after the update instead: one step in flight.
+        if self.max_lag == 0:
+            return self.share
+        ahead = min(1, max(0, self.weights_version - self.training_step))
+        return (self.max_lag + ahead) * self.share
 
     @property
     def queued(self) -> int:
@@ -54,6 +64,10 @@ class Admission:
         self.finished += 1
         self.discarded += int(discarded)
 
-    def on_trained(self, trained_total: int) -> None:
+    def on_trained(self, trained_total: int, training_step: int = -1) -> None:
         # Announcements can arrive out of order after reconnects: never go backwards.
         self.trained = max(self.trained, trained_total)
+        self.training_step = max(self.training_step, training_step)
+
+    def on_weights(self, version: int) -> None:
+        self.weights_version = max(self.weights_version, version)

@@ -101,6 +101,7 @@ class Generator:
         # Nothing of a previous incarnation is queued any more: start the books from here.
         a = self.admission
         a.started = a.finished = a.trained = trained
+        a.weights_version = start_version
         await self.nc.subscribe(self.subjects.weights_update, cb=self._on_weight_update)
         await self.js.subscribe(self.subjects.version, cb=self._on_version, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
                                 ordered_consumer=True)
@@ -194,6 +195,7 @@ class Generator:
             stats = await self.engine.update_weights(update.version, update.buckets)
             reply.pause_seconds, reply.running_requests = stats.pause_seconds, stats.running_requests
             self.updates_in_flight += int(stats.running_requests > 0)
+            self.admission.on_weights(update.version)
             VERSION.set(update.version)
             UPDATE_PAUSE.set(stats.pause_seconds)
         except Exception as err:  # reported to the trainer, which fails loudly
@@ -206,7 +208,8 @@ class Generator:
 
     async def _on_version(self, msg) -> None:
         pv = m.decode(msg.data, m.PolicyVersion)
-        self.admission.on_trained(pv.trained_groups.get(str(self.env.rank), 0))
+        self.admission.on_trained(pv.trained_groups.get(str(self.env.rank), 0),
+                                  training_step=pv.version if pv.training else pv.version - 1)
         self.wakeup.set()
         final = pv.finished and pv.version >= self.spec.trainer.max_steps  # not a stale one before a resume
         if final:

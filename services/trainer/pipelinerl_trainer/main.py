@@ -101,7 +101,7 @@ class Trainer:
             if self.rank == 0 and self.spec.max_lag > 0:
                 # Pipeline mode: this step's groups are consumed now, so generators may start
                 # the next ones while we train; the update below then lands on running requests.
-                self._announce(finished=False)
+                self._announce(finished=False, training=True)
             metrics = self._train_step(batches)
             self.version += 1
             metrics |= self.sender.send(self.version)
@@ -170,9 +170,9 @@ class Trainer:
                 "trainer_tokens_per_second": metrics["tokens"] / elapsed}  # all ranks together
 
     # -- outputs ---------------------------------------------------------------------------
-    def _announce(self, finished: bool) -> None:
+    def _announce(self, finished: bool, training: bool = False) -> None:
         self.bridge.publish(self.subjects.version, m.PolicyVersion(
-            version=self.version, step=self.version, finished=finished, timestamp=time.time(),
+            version=self.version, step=self.version, finished=finished, training=training, timestamp=time.time(),
             trained_groups=dict(self.trained_groups)))
 
     def _report(self, metrics: dict) -> None:
