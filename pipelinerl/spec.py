@@ -154,6 +154,9 @@ class TrainerSpec(RoleSpec):
     micro_batch_tokens: int = Field(default=4096, ge=8, le=10_000_000)
     max_steps: int = Field(default=100, ge=1)
     checkpoint_interval: int = Field(default=50, ge=0, description="Steps between checkpoints; 0: only at the end.")
+    export_interval: int = Field(default=0, ge=0, description=(
+        "Save the Hugging Face weights every N policy versions (checkpoints/export/version-N; weights "
+        "and tokenizer only) for offline evaluation; 0 disables."))
     seed: int = Field(default=42, ge=0)
 
 

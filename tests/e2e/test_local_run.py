@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from pipelinerl.local import run_local
 from pipelinerl.spec import parse_job
@@ -41,7 +42,8 @@ def run(job: dict, run_dir: Path) -> dict:
 
 
 def test_pipeline_mode_two_deepspeed_ranks_zero3(tmp_path):
-    job = tiny_job("pipe", rl={"maxLag": 2}, trainer={"replicas": 2, "zeroStage": 3, "maxSteps": 6})
+    job = tiny_job("pipe", rl={"maxLag": 2}, trainer={"replicas": 2, "zeroStage": 3, "maxSteps": 6,
+                                                                       "exportInterval": 3})
     summary = run(job, tmp_path)
     train = rows(tmp_path, "train")
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]  # versions advance one per step
@@ -59,6 +61,12 @@ def test_pipeline_mode_two_deepspeed_ranks_zero3(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(ckpt / "hf")
     assert sum(p.numel() for p in model.parameters()) == 3158272
     assert json.loads((ckpt / "state.json").read_text())["step"] == 6
+    # Exports every 3 versions, gathered from the shards the same way: version 6's equals the final checkpoint.
+    exports = tmp_path / "checkpoints" / "export"
+    assert sorted(p.name for p in exports.iterdir()) == ["version-3", "version-6"]
+    exported = AutoModelForCausalLM.from_pretrained(exports / "version-6")
+    assert all(torch.equal(a, b) for a, b in zip(exported.state_dict().values(), model.state_dict().values()))
+    assert (exports / "version-3" / "tokenizer.json").exists()
     assert (tmp_path / "progress.png").stat().st_size > 10_000
 
 

@@ -41,8 +41,8 @@ def sequence_mean(values: torch.Tensor, sample_ids: torch.Tensor, mask: torch.Te
     """Per token: the mean of `values` over the masked tokens of its sample."""
     n = int(sample_ids.max().item()) + 1 if sample_ids.numel() else 0
     m = mask.to(values.dtype)
-    sums = torch.zeros(n, dtype=values.dtype).index_add(0, sample_ids, values * m)
-    counts = torch.zeros(n, dtype=values.dtype).index_add(0, sample_ids, m).clamp(min=1)
+    sums = values.new_zeros(n).index_add(0, sample_ids, values * m)
+    counts = values.new_zeros(n).index_add(0, sample_ids, m).clamp(min=1)
     return (sums / counts)[sample_ids]
 
 

@@ -109,6 +109,9 @@ class Trainer:
             interval = self.spec.trainer.checkpoint_interval
             if last or (interval and self.version % interval == 0):
                 self._checkpoint()
+            export = self.spec.trainer.export_interval
+            if export and self.version % export == 0:
+                checkpoint.export(self.engine, self.ckpt_dir, self.version, self.rank)
             if self.rank == 0:
                 self._report(metrics)  # before the announcement, which lets the generators finish
                 self._announce(finished=last)
@@ -158,8 +161,10 @@ class Trainer:
             self.engine.backward(loss * self.world)
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
-        if self.world > 1:
-            dist.all_reduce(tally.sums)
+        if self.world > 1:  # on the engine's device: NCCL reduces only GPU tensors
+            sums = tally.sums.to(self.engine.device)
+            dist.all_reduce(sums)
+            tally.sums = sums.cpu()
         metrics = tally.metrics()
         elapsed = time.perf_counter() - t0
         DROPPED.inc(metrics["dropped_for_lag"] if self.rank == 0 else 0)
@@ -193,9 +198,12 @@ class Trainer:
                  1000 * metrics["weight_sync_seconds"])
 
     def _checkpoint(self) -> None:
-        seqs = [torch.tensor([self.consumed_seq], dtype=torch.long) for _ in range(self.world)]
+        mine = torch.tensor([self.consumed_seq], dtype=torch.long, device=self.engine.device)
+        seqs = [torch.zeros_like(mine) for _ in range(self.world)]
         if self.world > 1:
-            dist.all_gather(seqs, torch.tensor([self.consumed_seq], dtype=torch.long))
+            dist.all_gather(seqs, mine)
+        else:
+            seqs = [mine]
         state = {"step": self.version, "samples": self.samples_total, "trained_groups": self.trained_groups,
                  "consumed_seq": {str(r): int(s.item()) for r, s in enumerate(seqs)}}
         checkpoint.save(self.engine, self.ckpt_dir, self.version, state, self.rank)

@@ -59,9 +59,9 @@ def packed_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0,
     q, k, v = query[0], key[0], value[0]  # [H, T, D]
     order, parts = [], []
     for length, group in length_groups(segments(position_ids[0].tolist())).items():
-        starts = torch.tensor([s for s, _ in group])
-        lengths = torch.tensor([n for _, n in group])
-        offsets = torch.arange(length)
+        starts = torch.tensor([s for s, _ in group], device=q.device)
+        lengths = torch.tensor([n for _, n in group], device=q.device)
+        offsets = torch.arange(length, device=q.device)
         # Past a sequence's end, repeat its last token: only padded queries (dropped below) see it.
         index = starts[:, None] + torch.minimum(offsets[None, :], lengths[:, None] - 1)  # [n, L]
         out = F.scaled_dot_product_attention(

@@ -49,18 +49,19 @@ class StepTally:
 def micro_batch_loss(model, mb: m.MicroBatch, version: int, cfg: StepConfig, tally: StepTally,
                      ref_model=None) -> torch.Tensor:
     """The loss of one micro-batch trained at policy `version`; statistics go into `tally`."""
+    dev = getattr(model, "device", None)  # a DeepSpeed engine's or Hugging Face model's; None: the default
     if mb.is_sentinel:
         # Same forward/backward shape on every rank, zero contribution.
-        return model(input_ids=torch.zeros((1, 1), dtype=torch.long)).logits.sum() * 0.0
-    ids, positions = torch.tensor([mb.tokens]), torch.tensor([mb.positions])
+        return model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=dev)).logits.sum() * 0.0
+    ids, positions = torch.tensor([mb.tokens], device=dev), torch.tensor([mb.positions], device=dev)
     # use_cache=False matters: with a cache transformers ignores the packing in position ids
     logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
     new_lp, entropy = token_logprobs(logits, ids[0], cfg.temperature)
-    versions, weights = torch.tensor(mb.versions), torch.tensor(mb.weights)
+    versions, weights = torch.tensor(mb.versions, device=dev), torch.tensor(mb.weights, device=dev)
     trained = weights > 0
     # Drop what is older than the lag budget (counted per sample).
     too_old = trained & (version - versions > cfg.max_lag)
-    sample_ids = torch.tensor(mb.sample_ids)
+    sample_ids = torch.tensor(mb.sample_ids, device=dev)
     dropped = int(torch.unique(sample_ids[too_old]).numel())
     weights = torch.where(too_old, torch.zeros_like(weights), weights)
     tally.lags += (version - versions[trained & ~too_old]).tolist()  # lags of what is trained
@@ -69,7 +70,8 @@ def micro_batch_loss(model, mb: m.MicroBatch, version: int, cfg: StepConfig, tal
         with torch.no_grad():
             ref_logits = ref_model(input_ids=ids, position_ids=positions, use_cache=False).logits[0]
             ref_lp, _ = token_logprobs(ref_logits, ids[0], cfg.temperature)
-    loss, st = policy_loss(new_lp, torch.tensor(mb.logprobs), torch.tensor(mb.advantages), weights, cfg.loss,
+    loss, st = policy_loss(new_lp, torch.tensor(mb.logprobs, device=dev), torch.tensor(mb.advantages, device=dev),
+                           weights, cfg.loss,
                            sample_ids=sample_ids, ref_logprobs=ref_lp, entropy=entropy)
     tally.sums += torch.tensor([loss.item(), st["tokens"], st["ratio_sum"], st["ratio_sq_sum"], st["clipped"],
                                 st.get("entropy_sum", 0.0), st.get("kl_sum", 0.0), len(mb.rewards),
