@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import paired_ratios, save, summary, table
+from bench.common import RESULTS, paired_ratios, save, summary, table
 from pipelinerl.local import run_local
 from pipelinerl.spec import parse_job
 from pipelinerl.tasks.arith import ArithTask
@@ -146,8 +146,9 @@ def main() -> None:
     ap.add_argument("--reanalyse", metavar="JSON", nargs="+",
                     help="rebuild the report from saved results (their rounds pooled), run nothing")
     args = ap.parse_args()
+    runs: dict[str, list[dict]] = {"pipeline": [], "sync": []}
+    partial = RESULTS / "pipeline_vs_sync.partial.json"  # the runs so far (--reanalyse reads it)
     if args.reanalyse:
-        runs = {"pipeline": [], "sync": []}
         for path in args.reanalyse:
             saved = json.loads(Path(path).read_text())["runs"]
             for mode in runs:
@@ -156,12 +157,15 @@ def main() -> None:
             x["time_to_target_s"] = time_to_target([x], args.gain)
         args.rounds = len(runs["pipeline"])
     else:
-        runs = {"pipeline": [], "sync": []}
+        RESULTS.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="bench-pvs-") as tmp:
             for r in range(args.rounds):
                 for mode in runs:
                     runs[mode].append(one_run(mode, args, str(r), Path(tmp)))
+                    partial.write_text(json.dumps({"runs": runs}) + "\n")
     report(runs, args)
+    if not args.reanalyse:
+        partial.unlink()
 
 
 def report(runs: dict[str, list[dict]], args) -> None:
@@ -203,14 +207,16 @@ def report(runs: dict[str, list[dict]], args) -> None:
     if result["pooled_time_to_target_ratio"]:
         print(f"sync/pipeline time to target on the rounds pooled: "
               f"{result['pooled_time_to_target_ratio']:.2f}x ({pooled['sync']:.0f} s / {pooled['pipeline']:.0f} s)")
+    else:
+        print("time to target on the rounds pooled: not reached by " + " and ".join(m for m in pooled if not pooled[m]))
     # The same figure for nearby targets: a ratio that holds only at one gain would be luck.
     gains = {}
     for gain in (args.gain - 5, args.gain - 2.5, args.gain, args.gain + 2.5):
         t = {mode: time_to_target(runs[mode], gain) for mode in runs}
-        gains[str(gain)] = t["sync"] / t["pipeline"] if t["sync"] and t["pipeline"] else None
+        gains[f"{gain:+g}"] = t["sync"] / t["pipeline"] if t["sync"] and t["pipeline"] else None
     result["pooled_time_to_target_ratio_by_gain"] = gains
     print("  by target gain (points): " + ", ".join(
-        f"{g:+g}: {'not reached' if r is None else f'{r:.2f}x'}" for g, r in gains.items()))
+        f"{g}: {'not reached' if r is None else f'{r:.2f}x'}" for g, r in gains.items()))
     gen_busy = result["modes"]["pipeline"]["generator_busy_fraction"]["median"]
     print(f"pipeline generator busy: {gen_busy:.0%} (target >= 90%)")
     lag = f" --max-lag {args.max_lag}" if args.max_lag is not None else ""

@@ -4,6 +4,7 @@ emit the CRD."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pipelinerl.spec import SpecError, dump_job, load_job
@@ -26,7 +27,14 @@ def _run(args: argparse.Namespace) -> int:
 def _service(args: argparse.Namespace) -> int:
     from pipelinerl.services import run_service
 
-    return run_service(args.role, load_job(args.job))
+    job = load_job(args.job)
+    if int(os.environ.get("PIPELINERL_RANKS_PER_POD", "1")) > 1:
+        from pipelinerl.pod_ranks import run_pod_ranks
+        from pipelinerl.services import setup_logging
+
+        setup_logging(f"{args.role}-pod")
+        return run_pod_ranks([sys.executable, "-m", "pipelinerl.cli", "service", args.role, args.job], dict(os.environ))
+    return run_service(args.role, job)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -152,7 +152,7 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 # Each rule: (JSON path of the schema node it sits on, rule, message). Rules mirror
 # `JobSpec._cross_field` and add what only Kubernetes can check (transitions via oldSelf).
-IMMUTABLE = ("mode", "model", "task", "trainer.replicas", "trainer.zeroStage")
+IMMUTABLE = ("mode", "model", "task", "trainer.replicas", "trainer.gpus", "trainer.zeroStage")
 
 SPEC_RULES: list[tuple[str, str, str]] = [
     ("", "self.mode != 'sync' || !has(self.rl.maxLag) || self.rl.maxLag == 0",

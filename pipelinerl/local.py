@@ -104,7 +104,7 @@ class LocalRun:
         job_file.write_text(dump_job(self.job))
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
-        gens, trainers = self.spec.generator.replicas, self.spec.trainer.replicas
+        gens, trainers = self.spec.generator.replicas, self.spec.trainer_ranks  # one machine: rank r on GPU r
         weights_port, master_port = free_port(), free_port()
         base = {
             **os.environ, "PYTHONUNBUFFERED": "1", "PIPELINERL_NATS_URL": nats_url,
@@ -121,6 +121,8 @@ class LocalRun:
         for role, rank, world in layout:
             env = base | {"PIPELINERL_ROLE": role, "PIPELINERL_RANK": str(rank),
                           "PIPELINERL_WORLD_SIZE": str(world), "PIPELINERL_HTTP_PORT": str(free_port())}
+            if role == "trainer":
+                env["PIPELINERL_LOCAL_RANK"] = str(rank)
             if (role, rank) in cpus:
                 env["PIPELINERL_TORCH_THREADS"] = str(len(cpus[role, rank]))
             name = role if world == 1 else f"{role}-{rank}"

@@ -27,6 +27,7 @@ class ServiceEnv:
     run_dir: Path
     http_port: int
     generators: int  # generator engines in the weight group (ranks 1..generators)
+    local_rank: int = 0  # the GPU of a multi-GPU trainer pod this rank runs on (pipelinerl.pod_ranks)
 
     @classmethod
     def from_environ(cls, role: str, job: PipelineRLJob) -> ServiceEnv:
@@ -36,6 +37,7 @@ class ServiceEnv:
             role=role,
             rank=int(e.get("PIPELINERL_RANK", "0")),
             world_size=int(e.get("PIPELINERL_WORLD_SIZE", "1")),
+            local_rank=int(e.get("PIPELINERL_LOCAL_RANK", "0")),
             nats_url=e.get("PIPELINERL_NATS_URL", job.spec.nats.url or "nats://127.0.0.1:4222"),
             weights_host=host or "127.0.0.1",
             weights_port=int(port),

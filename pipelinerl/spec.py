@@ -26,6 +26,7 @@ DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 RESERVED_ENV = frozenset(
     {
         "PIPELINERL_JOB_FILE", "PIPELINERL_ROLE", "PIPELINERL_RANK", "PIPELINERL_WORLD_SIZE",
+        "PIPELINERL_RANKS_PER_POD", "PIPELINERL_LOCAL_RANK",
         "PIPELINERL_NATS_URL", "PIPELINERL_WEIGHTS_ADDR", "PIPELINERL_RUN_DIR",
         "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
     }
@@ -62,7 +63,8 @@ class RoleSpec(SpecModel):
 
     image: str | None = Field(default=None, max_length=512, description="Container image; chart default when unset.")
     resources: Resources = Field(default_factory=Resources)
-    gpus: int = Field(default=0, ge=0, le=16, description="GPUs per pod (nvidia.com/gpu).")
+    gpus: int = Field(default=0, ge=0, le=16, description=(
+        "GPUs per pod (nvidia.com/gpu); a trainer pod runs one DeepSpeed rank per GPU."))
     env: list[EnvVar] = Field(default_factory=list, max_length=64)
     pod_template: dict[str, Any] | None = Field(
         default=None,
@@ -195,7 +197,7 @@ class NatsSpec(SpecModel):
 
 class StorageSpec(SpecModel):
     """The run directory (checkpoints, logs) of each trainer pod on Kubernetes: a PersistentVolumeClaim
-    per trainer rank that survives suspend/resume and is deleted with the job."""
+    per trainer pod that survives suspend/resume and is deleted with the job."""
 
     size: str = Field(default="20Gi", min_length=1, max_length=64, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
     storage_class_name: str | None = Field(default=None, max_length=253, description="Unset: the cluster default.")
@@ -242,6 +244,15 @@ class JobSpec(SpecModel):
     @property
     def groups_per_step(self) -> int:
         return self.trainer.samples_per_step // self.rl.attempts
+
+    @property
+    def trainer_ranks_per_pod(self) -> int:
+        """One DeepSpeed rank per GPU of a trainer pod (one per pod on CPU)."""
+        return max(1, self.trainer.gpus)
+
+    @property
+    def trainer_ranks(self) -> int:
+        return self.trainer.replicas * self.trainer_ranks_per_pod
 
 
 class ObjectMeta(BaseModel):

@@ -143,7 +143,9 @@ def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> 
     def rank(name: str) -> dict[str, Any]:
         return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}}
 
-    world = str(replicas(job, role))
+    # Trainer pods start one rank per GPU; PIPELINERL_RANK is the pod's index, from which
+    # each of its ranks derives RANK = index × ranks per pod + local rank (pipelinerl.services).
+    world = str(job.spec.trainer_ranks if role == "trainer" else replicas(job, role))
     env = [
         {"name": "PIPELINERL_JOB_FILE", "value": JOB_FILE},
         {"name": "PIPELINERL_ROLE", "value": role},
@@ -157,9 +159,7 @@ def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> 
         env += [
             {"name": "MASTER_ADDR", "value": trainer_host(job, namespace)},
             {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
-            rank("RANK"),
-            {"name": "WORLD_SIZE", "value": world},
-            {"name": "LOCAL_RANK", "value": "0"},
+            {"name": "PIPELINERL_RANKS_PER_POD", "value": str(job.spec.trainer_ranks_per_pod)},
         ]
     return env + [e.model_dump(mode="json") for e in getattr(job.spec, role).env]
 

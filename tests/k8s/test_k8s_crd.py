@@ -130,6 +130,7 @@ TRANSITIONS = [
     ({"mode": "sync"}, "mode", "mode is immutable: create a new job to change it"),
     ({"task": {"name": "guess"}}, "task", "task is immutable: create a new job to change it"),
     ({"trainer": {"replicas": 4}}, "trainer.replicas", "trainer.replicas is immutable: create a new job to change it"),
+    ({"trainer": {"gpus": 8}}, "trainer.gpus", "trainer.gpus is immutable: create a new job to change it"),
     ({"trainer": {"zeroStage": 3}}, "trainer.zeroStage", "trainer.zeroStage is immutable: create a new job to change it"),
 ]
 

@@ -60,8 +60,9 @@ def test_wiring_contract() -> None:
     trainer = objs[("StatefulSet", "demo-trainer")]
     env = env_of(trainer)
     assert env["MASTER_ADDR"] == "demo-trainer-0.demo-trainer.team-a.svc" and env["MASTER_PORT"] == "29500"
-    assert env["WORLD_SIZE"] == "2" and env["LOCAL_RANK"] == "0"
-    assert env["RANK"] == env["PIPELINERL_RANK"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    assert env["PIPELINERL_WORLD_SIZE"] == "2" and env["PIPELINERL_RANKS_PER_POD"] == "1"
+    assert env["PIPELINERL_RANK"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
+    assert "RANK" not in env and "LOCAL_RANK" not in env  # each rank process sets its own
     gen = env_of(objs[("StatefulSet", "demo-generator")])
     assert gen["PIPELINERL_WEIGHTS_ADDR"] == "demo-trainer-0.demo-trainer.team-a.svc:29600"
     assert gen["PIPELINERL_WORLD_SIZE"] == "3" and gen["PIPELINERL_ROLE"] == "generator"
@@ -78,6 +79,15 @@ def test_wiring_contract() -> None:
         assert sts["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert parse_job(__import__("yaml").safe_load(objs[("ConfigMap", "demo-config")]["data"]["job.yaml"])).spec.generator.replicas == 3
     assert trainer["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+
+
+def test_multi_gpu_trainer_pods_run_one_rank_per_gpu() -> None:
+    objs = by_name(render(job(trainer={"replicas": 2, "gpus": 8}), "team-a", "uid-1", CFG))
+    trainer = objs[("StatefulSet", "demo-trainer")]
+    env = env_of(trainer)
+    assert env["PIPELINERL_WORLD_SIZE"] == "16" and env["PIPELINERL_RANKS_PER_POD"] == "8"
+    assert trainer["spec"]["replicas"] == 2
+    assert trainer["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
 
 
 def test_gpus_images_and_scheduling() -> None:

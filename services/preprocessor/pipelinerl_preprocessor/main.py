@@ -153,8 +153,7 @@ class Preprocessor:
 
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:
-    trainer_ranks = job.spec.trainer.replicas
-    pre = Preprocessor(job, env, trainer_ranks)
+    pre = Preprocessor(job, env, job.spec.trainer_ranks)
 
     async def _run() -> None:
         loop = asyncio.get_running_loop()

@@ -4,6 +4,12 @@ Layout: <dir>/step-<N>/{ds/, hf/, state.json} and <dir>/latest (written last, at
 a crash mid-save leaves the previous checkpoint in force. Exports (weights only, for offline
 evaluation) go to <dir>/export/version-<N>/. All ranks call save/load/export (DeepSpeed saves
 its shards collectively; ZeRO-3 gathers the full weights collectively).
+
+Each trainer pod has a volume of its own, so <dir> is per pod: DeepSpeed writes with node-local
+storage (each pod's local rank 0 writes the model states next to its ranks' ZeRO shards), and
+each pod's local rank 0 writes state.json and `latest`. On load the ranks agree on the newest
+step that every pod has (a crash between two pods' `latest` leaves them one step apart).
+The full Hugging Face weights (hf/, exports) are written once, by global rank 0.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from pipelinerl_trainer.model import full_parameters
@@ -22,26 +29,28 @@ log = logging.getLogger("pipelinerl.trainer")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
-def latest(ckpt_dir: Path) -> Path | None:
+def latest_step(ckpt_dir: Path) -> int | None:
     marker = ckpt_dir / "latest"
     if not marker.exists():
         return None
-    return ckpt_dir / marker.read_text().strip()
+    return int(marker.read_text().strip().removeprefix("step-"))
 
 
-def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, model_path: str | None = None) -> Path:
+def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, local_rank: int,
+         model_path: str | None = None) -> Path:
     tag = f"step-{step}"
     target = ckpt_dir / tag
     engine.save_checkpoint(str(target / "ds"), tag="ds", client_state={"pipelinerl": state})
     _save_hf(engine, target / "hf", rank, model_path)
-    if rank == 0:
+    if local_rank == 0:
         (target / "state.json").write_text(json.dumps(state, indent=1))
     if dist.is_initialized():
         dist.barrier()
-    if rank == 0:
+    if local_rank == 0:
         tmp = ckpt_dir / "latest.tmp"
         tmp.write_text(tag)
         os.replace(tmp, ckpt_dir / "latest")
+    if rank == 0:
         log.info("checkpoint %s written", target)
     return target
 
@@ -69,10 +78,18 @@ def _save_hf(engine, target: Path, rank: int, model_path: str | None) -> None:
 
 
 def load(engine, ckpt_dir: Path) -> dict:
-    """Restore the latest checkpoint into `engine`; the consumed-data state, or {} if none."""
-    target = latest(ckpt_dir)
-    if target is None:
+    """Restore the newest checkpoint all ranks have into `engine`; the consumed-data state, or {}
+    if some rank has none (every rank then starts afresh, so all stay at the same step)."""
+    mine = latest_step(ckpt_dir)
+    step = torch.tensor([-1 if mine is None else mine], dtype=torch.long, device=engine.device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(step, op=dist.ReduceOp.MIN)
+    agreed = int(step.item())
+    if agreed < 0:
+        if mine is not None:
+            log.warning("found checkpoint step-%d but another trainer pod has none: starting afresh", mine)
         return {}
+    target = ckpt_dir / f"step-{agreed}"
     _, client = engine.load_checkpoint(str(target / "ds"), tag="ds")
     state = (client or {}).get("pipelinerl", {})
     log.info("resumed from %s at step %s", target, state.get("step"))

@@ -60,7 +60,9 @@ class Trainer:
     def run(self) -> int:
         http = HealthServer("trainer", self.env.http_port, self.status).start()
         on_gpu = self.spec.trainer.gpus > 0
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK="0")
+        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(self.env.local_rank))
+        if on_gpu:
+            torch.cuda.set_device(self.env.local_rank)
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", "29500")
         init_distributed(on_gpu, self.spec.weight_sync.timeout_seconds * 5)
@@ -206,7 +208,7 @@ class Trainer:
             seqs = [mine]
         state = {"step": self.version, "samples": self.samples_total, "trained_groups": self.trained_groups,
                  "consumed_seq": {str(r): int(s.item()) for r, s in enumerate(seqs)}}
-        checkpoint.save(self.engine, self.ckpt_dir, self.version, state, self.rank)
+        checkpoint.save(self.engine, self.ckpt_dir, self.version, state, self.rank, self.env.local_rank)
 
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:

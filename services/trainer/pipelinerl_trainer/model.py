@@ -41,6 +41,8 @@ def ds_config(job: PipelineRLJob) -> dict:
         "gradient_clipping": t.grad_clip,
         "zero_optimization": {"stage": t.zero_stage},
         "steps_per_print": 10**9,
+        # Each trainer pod checkpoints to its own volume (pipelinerl_trainer.checkpoint)
+        "checkpoint": {"use_node_local_storage": True},
         "wall_clock_breakdown": False,
     }
     if job.spec.model.dtype == "bfloat16":

@@ -1,0 +1,70 @@
+"""A trainer pod with several GPUs runs one DeepSpeed rank per GPU: its entrypoint starts that many
+`pipelinerl service trainer` processes and supervises them, so one failing rank fails the pod
+(and Kubernetes restarts it) instead of leaving the others waiting in a collective.
+
+The operator sets PIPELINERL_RANK to the pod's index and PIPELINERL_RANKS_PER_POD to its GPUs;
+rank r of pod p is global rank p × ranks per pod + r on GPU r. Rank 0 of the pod serves the pod's
+HTTP port (probes, /metrics); the others serve on ports of their own choosing.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import subprocess
+import threading
+
+from pipelinerl.services import die_with_parent
+
+log = logging.getLogger("pipelinerl")
+POLL_S = 1.0
+STOP_GRACE_S = 30.0
+
+
+def rank_envs(env: dict[str, str]) -> list[dict[str, str]]:
+    """The environment of each rank process of this pod (pure: derived from the pod's env)."""
+    pod, per_pod = int(env.get("PIPELINERL_RANK", "0")), int(env.get("PIPELINERL_RANKS_PER_POD", "1"))
+    port = env.get("PIPELINERL_HTTP_PORT", "8000")
+    return [env | {"PIPELINERL_RANK": str(pod * per_pod + r), "PIPELINERL_LOCAL_RANK": str(r),
+                   "PIPELINERL_RANKS_PER_POD": "1", "PIPELINERL_HTTP_PORT": port if r == 0 else "0"}
+            for r in range(per_pod)]
+
+
+def run_pod_ranks(argv: list[str], env: dict[str, str]) -> int:
+    """Run `argv` once per rank of the pod and wait: 0 once all exit 0; else the first failure's
+    code, after stopping the rest. SIGTERM/SIGINT are passed on to every rank."""
+    procs = [subprocess.Popen(argv, env=e, preexec_fn=die_with_parent) for e in rank_envs(env)]
+    log.info("pod: started %d ranks (pids %s)", len(procs), [p.pid for p in procs])
+    stopping = threading.Event()
+
+    def forward(signum, _frame) -> None:
+        stopping.set()
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    failed = 0
+    try:
+        while not stopping.is_set():
+            codes = [p.poll() for p in procs]
+            failed = next((c for c in codes if c not in (None, 0)), 0)
+            if failed or all(c == 0 for c in codes):
+                break
+            stopping.wait(POLL_S)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    if failed:
+        log.error("pod: a rank exited with code %s; stopped the others (codes %s)", failed,
+                  [p.returncode for p in procs])
+    return failed

@@ -1,0 +1,104 @@
+"""Trainer checkpoints when every trainer pod has a volume of its own (as on Kubernetes): two real
+DeepSpeed ZeRO-1 ranks on gloo, each saving to and resuming from its own folder only. The resumed
+ranks must continue exactly as the uninterrupted run (weights and Adam state restored), and when
+one pod's `latest` is a step behind (a crash between the pods' writes), both resume at that step."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.integration.conftest import free_port
+
+pytestmark = pytest.mark.slow
+WORLD = 2
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randint(2, 32, (1, 12), generator=torch.Generator().manual_seed(step))
+
+
+def _train(engine, step: int) -> None:
+    logits = engine(input_ids=_batch(step), use_cache=False).logits
+    engine.backward(logits.float().logsumexp(-1).mean())
+    engine.step()
+
+
+def _flat(engine) -> torch.Tensor:
+    return torch.cat([p.detach().float().flatten() for p in engine.module.parameters()])
+
+
+def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0",  # one rank per pod
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from pipelinerl.spec import parse_job
+    from pipelinerl_trainer import checkpoint
+    from pipelinerl_trainer.model import build_engine, init_distributed
+
+    job = parse_job({"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": "ck"},
+                     "spec": {"model": {"path": model}, "trainer": {"replicas": WORLD, "zeroStage": 1}}})
+    init_distributed(False, 60)
+    pod = Path(root) / f"pod-{rank}" / "checkpoints"
+    engine = build_engine(job, model)
+    for step in range(2):
+        _train(engine, step)
+    checkpoint.save(engine, pod, 2, {"step": 2, "rank": rank}, rank, local_rank=0)
+    _train(engine, 2)
+    after_three = _flat(engine)
+    checkpoint.save(engine, pod, 3, {"step": 3, "rank": rank}, rank, local_rank=0)
+    if rank == 1:  # this pod crashed before its `latest` moved to step 3
+        (pod / "latest").write_text("step-2")
+
+    resumed = build_engine(job, model)
+    state = checkpoint.load(resumed, pod)
+    _train(resumed, 2)  # the step the crash lost, again
+    out.put((rank, state, torch.equal(_flat(resumed), after_three), sorted(p.name for p in (pod / "step-3").iterdir()),
+             sorted(p.name for p in (pod / "step-3" / "ds" / "ds").iterdir())))
+
+
+def test_each_pod_resumes_from_its_own_volume(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = tmp_path / "model"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+                     ).save_pretrained(model)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, str(model), str(tmp_path), out)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    results, deadline = {}, time.monotonic() + 240
+    try:
+        while len(results) < WORLD:
+            # A rank that dies leaves the other blocked in a collective: fail at once, not at the deadline.
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            assert not dead and time.monotonic() < deadline, f"rank exit codes {dead}, results {sorted(results)}"
+            try:
+                rank, *rest = out.get(timeout=1)
+                results[rank] = rest
+            except queue.Empty:
+                pass
+        for p in procs:
+            p.join(60)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    for rank, (state, same_as_uninterrupted, step_files, ds_files) in results.items():
+        assert state == {"step": 2, "rank": rank}  # both at the step every pod has
+        assert same_as_uninterrupted  # weights and Adam moments came back from the pod's own folder
+        # Each pod holds the model states and its own ZeRO shard; the HF weights are written once.
+        assert step_files == (["ds", "hf", "state.json"] if rank == 0 else ["ds", "state.json"])
+        assert "mp_rank_00_model_states.pt" in ds_files
+        assert [f for f in ds_files if "optim_states" in f] == [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]
