@@ -14,9 +14,9 @@ the answer (the pipeline/sync ratio):
 - workload: completion lengths (`tokens / samples`), prompt length, and the share of groups
   dropped by zero-variance filtering (`groups_filtered`);
 - generation: the **sync** runs' generation phase (step period − `train_seconds` −
-  `weight_sync_seconds`: the trainer waiting for the step's data), on steps that no periodic
-  evaluation touched. One batch size cannot separate `decode_base_s` from `decode_per_seq_s`:
-  the slope is pinned by `bench/results/engine.json` (vLLM tokens/s for this model with 128
+  `weight_sync_seconds`: the trainer waiting for the step's data; benchmark 1 evaluates
+  offline, so no step carries evaluation work). One batch size cannot separate `decode_base_s`
+  from `decode_per_seq_s`: the slope is pinned by `bench/results/engine.json` (vLLM tokens/s for this model with 128
   sequences running) and the base is then solved so that the simulated sync generation phase
   equals the measured one.
 
@@ -62,39 +62,24 @@ def job_spec(max_lag: int):
     return parse_job(data, str(JOB))
 
 
-def steps_of(run: dict, eval_interval: int, clean: bool) -> list[dict]:
-    """Steps 2.. with their period (start-up is in step 1's). `clean`: leave out the steps that
-    a periodic evaluation slowed down. The generator evaluates version v (v % interval == 0)
-    right after step v, on the same engine as the rollouts; in the measurement that lengthened
-    step v+1 (sync and pipeline) and v+2 (pipeline: the evaluation outlasts a step). The
-    planner does not model evaluation, so the calibration and the like-for-like comparison
-    use the other steps; the published figures keep every step."""
+def steps_of(run: dict) -> list[dict]:
+    """Steps 2.. with their period (start-up is in step 1's)."""
     log = run["steps_log"]
-    out = []
-    for prev, cur in zip(log, log[1:]):
-        after_eval = eval_interval and (cur["step"] - 1) % eval_interval in (0, 1)
-        if clean and after_eval:
-            continue
-        out.append({**cur, "period": cur["time"] - prev["time"]})
-    return out
+    return [{**cur, "period": cur["time"] - prev["time"]} for prev, cur in zip(log, log[1:])]
 
 
-def measured(data: dict, clean: bool) -> dict[str, dict]:
-    """Per mode, over both runs: trained samples/s (samples / summed periods), s/step, trainer
-    busy, token lag (each step's lag_mean weighted by its tokens)."""
-    interval = data["args"].get("eval_interval", 0)
+def measured(data: dict) -> dict[str, dict]:
+    """Per mode: medians over the rounds of samples/s and busy fractions (as benchmark 1 reports
+    them), and over all rounds' steps s/step and the token lag (lag_mean weighted by tokens)."""
     out = {}
     for mode, runs in data["runs"].items():
-        steps = [s for r in runs for s in steps_of(r, interval, clean)]
-        period = sum(s["period"] for s in steps)
-        out[mode] = {"samples_per_s": sum(s["samples"] for s in steps) / period, "step_s": period / len(steps),
-                     "train_busy": sum(s["train_seconds"] + s["weight_sync_seconds"] for s in steps) / period,
+        steps = [s for r in runs for s in steps_of(r)]
+        out[mode] = {"samples_per_s": float(np.median([r["samples_per_second"] for r in runs])),
+                     "step_s": sum(s["period"] for s in steps) / len(steps),
+                     "gen_busy": float(np.median([r["generator_busy_fraction"] for r in runs])),
+                     "train_busy": float(np.median([r["trainer_busy_fraction"] for r in runs])),
                      "lag_mean": sum(s["tokens"] * s["lag_mean"] for s in steps) / sum(s["tokens"] for s in steps),
                      "steps": len(steps)}
-        if not clean:  # the generator's busy clock is only in the run summaries (every step)
-            out[mode]["gen_busy"] = float(np.median([r["generator_busy_fraction"] for r in runs]))
-            out[mode]["samples_per_s_summary"] = float(np.median([r["samples_per_second"] for r in runs]))
-            out[mode]["train_busy_summary"] = float(np.median([r["trainer_busy_fraction"] for r in runs]))
     return out
 
 
@@ -167,16 +152,15 @@ def fit_decode(calib: Calibration, job, rows: float, target: float, step_at: flo
 
 
 def calibrate(data: dict, source: Path) -> tuple[Calibration, dict]:
-    interval = data["args"].get("eval_interval", 0)
     runs = data["runs"]
-    every = [s for mode in runs for r in runs[mode] for s in steps_of(r, interval, clean=False)]
+    every = [s for mode in runs for r in runs[mode] for s in steps_of(r)]
     job = job_spec(max_lag=int(runs["pipeline"][0].get("max_lag", 1)))
     spec = job.spec
     attempts = spec.rl.attempts
 
     per_token, fixed, train_how = fit_train(every)
     weight_sync = float(np.mean([s["weight_sync_seconds"] for s in every]))
-    pauses = [s["weight_pause_max_seconds"] for r in runs["pipeline"] for s in steps_of(r, interval, clean=False)
+    pauses = [s["weight_pause_max_seconds"] for r in runs["pipeline"] for s in steps_of(r)
               if s.get("weight_pause_max_seconds") is not None]
     pause = float(np.mean(pauses)) if pauses else weight_sync
     samples = sum(s["samples"] for s in every)
@@ -200,7 +184,7 @@ def calibrate(data: dict, source: Path) -> tuple[Calibration, dict]:
     engine_batch = min(engine["settings"]["prompts"] * engine["settings"]["samples"], max_batch)
     step_at = engine_batch / tok_s  # seconds per decode step with engine_batch sequences
 
-    sync_steps = [s for r in runs["sync"] for s in steps_of(r, interval, clean=True)]
+    sync_steps = [s for r in runs["sync"] for s in steps_of(r)]
     gen_phase = float(np.mean([s["period"] - s["train_seconds"] - s["weight_sync_seconds"] for s in sync_steps]))
     seqs = float(np.mean([s["samples"] + s["groups_filtered"] * attempts for s in sync_steps]))
 
@@ -270,29 +254,22 @@ def main() -> None:
     max_lag = int(data["runs"]["pipeline"][0].get("max_lag", 1))
     n_steps = int(data["args"].get("steps", 150))
     pred = predict(calib, max_lag, n_steps)
-    clean, every = measured(data, clean=True), measured(data, clean=False)
+    meas = measured(data)
     ratio = {"predicted": pred["pipeline"].samples_per_s / pred["sync"].samples_per_s,
-             "measured": data["samples_rate_ratio"]["median"],
-             "measured_without_eval_steps": clean["pipeline"]["samples_per_s"] / clean["sync"]["samples_per_s"]}
+             "measured": data["samples_rate_ratio"]["median"]}
     error = ratio["predicted"] / ratio["measured"] - 1
-    error_clean = ratio["predicted"] / ratio["measured_without_eval_steps"] - 1
     rows = []
     for mode in ("pipeline", "sync"):
-        p, e, c = pred[mode], every[mode], clean[mode]
-        rows.append([mode, p.samples_per_s, e["samples_per_s_summary"], c["samples_per_s"], p.step_s, e["step_s"],
-                     c["step_s"], f"{p.gen_busy:.0%}", f"{e['gen_busy']:.0%}", f"{p.train_busy:.0%}",
-                     f"{e['train_busy_summary']:.0%}", f"{c['train_busy']:.0%}"])
+        p, e = pred[mode], meas[mode]
+        rows.append([mode, p.samples_per_s, e["samples_per_s"], p.step_s, e["step_s"], f"{p.gen_busy:.0%}",
+                     f"{e['gen_busy']:.0%}", f"{p.train_busy:.0%}", f"{e['train_busy']:.0%}"])
     print()
-    print(table(["mode", "pred samples/s", "meas", "meas no-eval", "pred s/step", "meas", "meas no-eval",
-                 "pred gen busy", "meas", "pred train busy", "meas", "meas no-eval"], rows))
+    print(table(["mode", "pred samples/s", "meas", "pred s/step", "meas", "pred gen busy", "meas",
+                 "pred train busy", "meas"], rows))
     within = abs(error) <= TARGET
-    print(f"\npipeline/sync ratio: predicted {ratio['predicted']:.2f}x, measured {ratio['measured']:.2f}x "
-          f"({ratio['measured_without_eval_steps']:.2f}x on the steps no evaluation touched): "
-          f"{error:+.1%} ({error_clean:+.1%} against the latter) -> {'within' if within else 'NOT within'} "
-          f"{TARGET:.0%}")
-    print(f"pipeline token lag: predicted {pred['pipeline'].lag_mean:.2f}, "
-          f"measured {every['pipeline']['lag_mean']:.2f} "
-          f"({clean['pipeline']['lag_mean']:.2f} without evaluation steps)")
+    print(f"\npipeline/sync ratio: predicted {ratio['predicted']:.2f}x, measured {ratio['measured']:.2f}x: "
+          f"{error:+.1%} -> {'within' if within else 'NOT within'} {TARGET:.0%}")
+    print(f"pipeline token lag: predicted {pred['pipeline'].lag_mean:.2f}, measured {meas['pipeline']['lag_mean']:.2f}")
     sens = sensitivity(calib, facts, max_lag, n_steps)
     print("ratio if the decode cost were split otherwise: "
           + ", ".join(f"{k} {v:.2f}x" for k, v in sens.items()))
@@ -311,8 +288,7 @@ def main() -> None:
                                                                     "prompt_tokens": calib.lengths.prompt_tokens}},
         "derivation": facts,
         "predicted": {mode: sim(r) for mode, r in pred.items()},
-        "measured": {"all_steps": every, "without_eval_steps": clean},
-        "ratio": ratio, "ratio_error": error, "ratio_error_without_eval_steps": error_clean, "target": TARGET,
+        "measured": meas, "ratio": ratio, "ratio_error": error, "target": TARGET,
         "within_target": within,
         "ratio_sensitivity_to_decode_split": sens,
         "plan_2_devices": {"pipeline_max_lag": p.pipeline.max_lag, "pipeline": sim(p.pipeline), "sync": sim(p.sync),

@@ -193,7 +193,7 @@ def main() -> None:
                      f"{mfu:.1%}" if mfu else "-", ratio["median"]])
     overhead = result["sides"][names[0]]["vs_plain"]["median"]
     result["deepspeed_overhead"] = overhead
-    print(f"{args.size} ({n_params / 1e9:.2f}B parameters) on {dev_name}: {len(items)} samples, {tokens} tokens, "
+    print(f"{args.size} ({n_params:,} parameters) on {dev_name}: {len(items)} samples, {tokens} tokens, "
           f"{len(batches)} micro-batches per step")
     print(table(["side", "step s (median)", "spread", "tokens/s", "TFLOP/s", "MFU", "× plain"], rows))
     print(f"DeepSpeed / plain PyTorch: {overhead:.2f}×")

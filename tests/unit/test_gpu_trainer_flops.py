@@ -1,8 +1,14 @@
-"""Benchmark 6's model-FLOP count (bench/gpu_trainer.py), checked against torch's own FLOP counter
-on a real forward + backward of a small Qwen2 model with eager attention."""
+"""Benchmark 6 (bench/gpu_trainer.py): its model-FLOP count, checked against torch's own FLOP
+counter on a real forward + backward of a small Qwen2 model with eager attention, and the script
+itself end to end on CPU (`--smoke`: real DeepSpeed and plain PyTorch steps on a tiny model), so
+that it is ready the day a GPU runs it."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
+import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -58,3 +64,12 @@ def test_peak_is_read_off_the_device_name():
     assert peak_tflops("NVIDIA H100 PCIe") == 756.0
     assert peak_tflops("NVIDIA H200") == 989.4
     assert peak_tflops("cpu") is None
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_end_to_end_on_cpu():
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_trainer", "--smoke"], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "deepspeed ZeRO-1, float32" in out.stdout and "plain PyTorch, float32" in out.stdout
+    assert "DeepSpeed / plain PyTorch: " in out.stdout
