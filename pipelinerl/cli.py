@@ -33,7 +33,8 @@ def _service(args: argparse.Namespace) -> int:
         from pipelinerl.services import setup_logging
 
         setup_logging(f"{args.role}-pod")
-        return run_pod_ranks([sys.executable, "-m", "pipelinerl.cli", "service", args.role, args.job], dict(os.environ))
+        argv = [sys.executable, "-m", "pipelinerl.cli", "service", args.role, args.job]
+        return run_pod_ranks(argv, dict(os.environ))
     return run_service(args.role, job)
 
 
