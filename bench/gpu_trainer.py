@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from bench.common import alternate, machine, paired_ratios, save, summary, table, timed
+from bench.trainer_overhead import packed_step
 from pipelinerl import messages as m
 from pipelinerl.spec import load_job, parse_job
 from pipelinerl_preprocessor.packing import StepSample, pack_step
@@ -154,10 +155,7 @@ def main() -> None:
                 torch.cuda.synchronize()
 
         def deepspeed_step() -> None:
-            tally = StepTally()
-            for mb in batches:
-                engine.backward(micro_batch_loss(engine, mb, 0, cfg, tally))
-            engine.step()
+            packed_step(engine, engine.step, batches, cfg, engine.backward)
             sync()
 
         def plain_step() -> None:

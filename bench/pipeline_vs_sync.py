@@ -102,9 +102,9 @@ def evaluate_exports(run_dir: Path, steps: list[dict], problems: int) -> list[di
     test = ArithTask(**spec["task"]["params"]).test_problems(problems)
     base = resolve_model_path(spec["model"]["path"])
     live = {r["step"]: r["time"] for r in steps}
-    exports = sorted((run_dir / "checkpoints" / "export").glob("version-*"), key=lambda p: int(p.name.split("-")[1]))
+    exports = sorted((int(p.name.split("-")[1]), p) for p in (run_dir / "checkpoints" / "export").glob("version-*"))
     evals = []
-    for version, path in [(0, Path(base))] + [(int(p.name.split("-")[1]), p) for p in exports]:
+    for version, path in [(0, Path(base))] + exports:
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         evals.append({"version": version, "time": live.get(version, train_start(steps)),
                       "accuracy": greedy_accuracy(model, AutoTokenizer.from_pretrained(path), test)})

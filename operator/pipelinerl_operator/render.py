@@ -144,7 +144,7 @@ def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> 
         return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}}
 
     # Trainer pods start one rank per GPU; PIPELINERL_RANK is the pod's index, from which
-    # each of its ranks derives RANK = index × ranks per pod + local rank (pipelinerl.services).
+    # each of its ranks derives RANK = index × ranks per pod + local rank (pipelinerl.pod_ranks).
     world = str(job.spec.trainer_ranks if role == "trainer" else replicas(job, role))
     env = [
         {"name": "PIPELINERL_JOB_FILE", "value": JOB_FILE},
