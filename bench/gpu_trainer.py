@@ -6,7 +6,7 @@ Qwen2-architecture model in bf16, against a plain PyTorch loop on the same GPU, 
 
 The model is random-init (throughput does not depend on the weights) with Qwen2-0.5B/1.5B shapes
 and their 151,936-token vocabulary. A step is a synthetic RL batch with long-tailed completion
-lengths, packed into rows by the preprocessor's `pack_step` and trained with the project's loss
+lengths, packed into rows by the preprocessor's `pack_wave` and trained with the project's loss
 code (`micro_batch_loss`), exactly as the trainer service does. Sides, alternated per round:
 
 - the trainer's DeepSpeed engine (`build_engine`: bf16 weights, fp32 master copy in the ZeRO
@@ -33,7 +33,7 @@ from bench.common import alternate, machine, paired_ratios, save, summary, table
 from bench.trainer_overhead import packed_step
 from pipelinerl import messages as m
 from pipelinerl.spec import load_job, parse_job
-from pipelinerl_preprocessor.packing import StepSample, pack_step
+from pipelinerl_preprocessor.packing import StepSample, pack_wave, step_weight
 from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
 
 VOCAB = 151_936
@@ -138,7 +138,8 @@ def main() -> None:
         job = job_for(path, dtype, args.zero_stage, args.micro_batch_tokens)
         cfg = step_config(job)
         items = synthetic_step(args.samples, args.prompt_tokens, args.max_completion, shape.vocab)
-        batches = pack_step(0, items, 1, args.micro_batch_tokens, job.spec.rl.token_weighting)[0]
+        weight = step_weight(items, job.spec.rl.token_weighting, len(items))
+        batches = pack_wave(0, items, 1, args.micro_batch_tokens, weight, last=True)[0]
         lengths = [len(s.sample.tokens) for s in items]
         tokens, flops = sum(lengths), step_flops(shape, lengths)
 

@@ -22,7 +22,7 @@ from bench.common import alternate, paired_ratios, save, summary, table, timed
 from pipelinerl import messages as m
 from pipelinerl.spec import load_job
 from pipelinerl.tiny_model import resolve_model_path
-from pipelinerl_preprocessor.packing import StepSample, pack_step
+from pipelinerl_preprocessor.packing import StepSample, pack_wave, step_weight
 from pipelinerl_trainer.loss import policy_loss, token_logprobs
 from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
 
@@ -91,8 +91,9 @@ def main() -> None:
     items = synthetic_step(args.samples)
     tokens = sum(len(s.sample.tokens) for s in items)
     row_tokens = t.micro_batch_tokens
-    packed = pack_step(0, items, 1, row_tokens, job.spec.rl.token_weighting)[0]
-    one_row = pack_step(0, items, 1, tokens, job.spec.rl.token_weighting)[0]
+    weight = step_weight(items, job.spec.rl.token_weighting, len(items))
+    packed = pack_wave(0, items, 1, row_tokens, weight, last=True)[0]
+    one_row = pack_wave(0, items, 1, tokens, weight, last=True)[0]
 
     init_distributed(False, 60)
     engine = build_engine(job, path)

@@ -70,15 +70,17 @@ class RolloutGroup(Message):
 class MicroBatch(Message):
     """Packed samples for one trainer rank: one row of ≤ micro-batch tokens.
 
-    Each step gives every rank `count` micro-batches (empty sentinels included) so that all
-    ranks run the same number of forward/backward passes and their collectives stay in step.
+    A step reaches the trainer as it is generated, in waves: every wave gives every rank the
+    same number of micro-batches (empty sentinels included), so all ranks run the same number
+    of forward/backward passes and their collectives stay in step. The final wave's micro-batches
+    are marked `last` and carry the step-level facts; the trainer steps after them.
     """
 
     TYPE: ClassVar[str] = "micro_batch"
     step: int  # optimizer step this belongs to (0-based)
     rank: int
-    index: int
-    count: int
+    index: int = Field(ge=0)  # position in the step on this rank
+    last: bool = False  # the rank's final micro-batch of the step: the optimizer steps after it
     tokens: list[int] = Field(default_factory=list)
     positions: list[int] = Field(default_factory=list)  # restart at 0 for every packed sample
     mask: list[int] = Field(default_factory=list)
@@ -88,7 +90,8 @@ class MicroBatch(Message):
     weights: list[float] = Field(default_factory=list)  # per-token loss weight
     sample_ids: list[int] = Field(default_factory=list)  # per-token index of the sample in this row
     rewards: list[float] = Field(default_factory=list)  # per packed sample, for metrics
-    # Step-level facts (identical in every micro-batch of the step) for metrics.
+    # Step-level facts for metrics and admission, counted over the step up to this wave
+    # (the final wave's are the step's).
     step_samples: int = 0
     step_groups_filtered: int = 0
     step_groups_by_generator: dict[str, int] = Field(default_factory=dict)  # accepted groups per generator
@@ -99,8 +102,6 @@ class MicroBatch(Message):
         for name in ("positions", "mask", "advantages", "logprobs", "versions", "weights", "sample_ids"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} tokens")
-        if not 0 <= self.index < self.count:
-            raise ValueError(f"index {self.index} outside 0..{self.count - 1}")
         return self
 
     @property

@@ -42,14 +42,16 @@ def run(job: dict, run_dir: Path) -> dict:
 
 
 def test_pipeline_mode_two_deepspeed_ranks_zero3(tmp_path):
+    # Rows of 128 tokens: several micro-batches per rank and step (sentinels included), over
+    # which both ZeRO-3 ranks must gather parameters in lock-step.
     job = tiny_job("pipe", rl={"maxLag": 2}, trainer={"replicas": 2, "zeroStage": 3, "maxSteps": 6,
-                                                                       "exportInterval": 3})
+                                                      "exportInterval": 3, "microBatchTokens": 128})
     summary = run(job, tmp_path)
     train = rows(tmp_path, "train")
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]  # versions advance one per step
     assert all(r["lag_max"] <= 2 for r in train) and summary["samples_dropped_for_lag"] == 0
     assert max(r["lag_max"] for r in train) >= 1  # generation really ran ahead of training
-    assert all(r["samples"] == 16 for r in train)
+    assert all(r["samples"] == 16 for r in train) and all(r["micro_batches"] >= 2 for r in train)
     # Whether an update lands on running requests here depends on timing (on this CPU the
     # generator outpaces training and idles at the lag bound): test_inflight_update proves it.
     evals = rows(tmp_path, "eval")

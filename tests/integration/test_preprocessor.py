@@ -57,17 +57,77 @@ async def test_preprocessor_service(nats_server, tmp_path):
         steps = [b.step for b in per_rank[rank]]
         assert steps == sorted(steps) and set(steps) == {0, 1}
     for step in (0, 1):
-        counts = {b.count for r in (0, 1) for b in per_rank[r] if b.step == step}
+        counts = {len([b for b in per_rank[r] if b.step == step]) for r in (0, 1)}
         assert len(counts) == 1  # same number of micro-batches on every rank
+        assert all([b.last for b in per_rank[r] if b.step == step][-1] for r in (0, 1))
         real = [b for r in (0, 1) for b in per_rank[r] if b.step == step and not b.is_sentinel]
         assert sum(len(b.rewards) for b in real) == 4
         advs = [a for b in real for a, msk in zip(b.advantages, b.mask) if msk]
         assert sorted(set(advs)) == [-1.0, 1.0]  # leave-one-out on rewards {1, 0}
-        first = next(b for r in (0, 1) for b in per_rank[r] if b.step == step)
-        assert sum(first.step_groups_by_generator.values()) == 2
+        final = next(b for b in per_rank[0] if b.step == step and b.last)
+        assert sum(final.step_groups_by_generator.values()) == 2
     # Acked inputs are gone from the work queue; the waiting group is still held (unacked).
     info = await js.consumer_info(subjects.stream("ROLLOUTS"), "preprocessor")
     assert info.num_ack_pending == 1 and info.num_pending == 0
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+    await nc.close()
+
+
+async def test_steps_stream_in_waves_and_a_restart_closes_a_partial_step(nats_server, tmp_path):
+    """Pipeline mode: micro-batches leave before their step is complete; a preprocessor stopped
+    between two waves is followed by one that closes that step with what was published."""
+    job = parse_job({"metadata": {"name": "pw"}, "spec": {
+        "model": {"maxSeqLen": 8}, "generator": {"sampling": {"maxTokens": 4}},
+        "rl": {"attempts": 2}, "trainer": {"samplesPerStep": 8, "microBatchTokens": 16}}})
+    subjects = JobSubjects("pw")
+    env = ServiceEnv(role="preprocessor", rank=0, world_size=1, nats_url=nats_server.url, weights_host="",
+                     weights_port=0, run_dir=tmp_path, http_port=0, generators=2)
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js, subjects, 8)
+    await js.publish(subjects.version, m.encode(m.PolicyVersion(version=5, step=5, timestamp=0)))  # no backpressure
+    out = await js.pull_subscribe(subjects.batches(0), durable="t")
+
+    async def publish(i):
+        await js.publish(subjects.rollouts, m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
+
+    async def batches(n):
+        got = []
+        while len(got) < n:
+            got += [m.decode(x.data, m.MicroBatch) for x in await out.fetch(n - len(got), timeout=5)]
+        return got
+
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    # 4 groups of 8 tokens per step, rows of 16: a wave leaves once 2 groups are pending (the
+    # first of them: a second one would not be sure to fit next to it).
+    await publish(0)
+    await asyncio.sleep(1.0)
+    assert pre.index == 0 and pre.in_step == 0
+    await publish(1)
+    (w0,) = await batches(1)
+    assert (w0.step, w0.index, w0.last, len(w0.rewards), w0.step_samples) == (0, 0, False, 2, 2)
+    for i in (2, 3):
+        await publish(i)
+    w1, w2 = await batches(2)
+    assert [(b.index, b.last) for b in (w1, w2)] == [(1, False), (2, True)]
+    assert w2.step_samples == 8 and w2.step_groups_by_generator == {"0": 2, "1": 2}
+    assert sum(len(b.rewards) for b in (w0, w1, w2)) == 8
+    # Step 1: one wave out, then the preprocessor stops.
+    for i in (4, 5):
+        await publish(i)
+    (w3,) = await batches(1)
+    assert (w3.step, w3.index, w3.last) == (1, 0, False)
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    (closing,) = await batches(1)
+    assert (closing.step, closing.index, closing.last, closing.is_sentinel) == (1, 1, True, True)
+    assert closing.step_samples == 2 and closing.step_groups_by_generator == {"0": 1}
+    await wait_until(lambda: pre.step == 2)
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()

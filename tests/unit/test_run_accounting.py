@@ -59,7 +59,7 @@ def test_samples_over_the_lag_budget_are_dropped_and_left_out_of_the_lag_metrics
 
     # Two packed samples of 3 tokens (prompt token, 2 completion tokens) trained at version 5:
     # the first sampled at versions 4 (lag 1), the second at 2 (lag 3 > max lag 2).
-    mb = m.MicroBatch(step=0, rank=0, index=0, count=1, tokens=[1, 2, 3, 1, 4, 2], positions=[0, 1, 2] * 2,
+    mb = m.MicroBatch(step=0, rank=0, index=0, last=True, tokens=[1, 2, 3, 1, 4, 2], positions=[0, 1, 2] * 2,
                       mask=[0, 1, 1] * 2, advantages=[0.0, 1.0, 1.0, 0.0, -1.0, -1.0],
                       logprobs=[0.0] + [-1.6] * 2 + [0.0] + [-1.6] * 2, versions=[4, 4, 4, 2, 2, 2],
                       weights=[0.0, 0.5, 0.5, 0.0, 0.5, 0.5], sample_ids=[0, 0, 0, 1, 1, 1], rewards=[1.0, 0.0])

@@ -1,9 +1,12 @@
 """Preprocessor service: rollout groups in, packed per-rank micro-batches out.
 
-Input groups are acked only after every micro-batch of the step they went into is stored by
-JetStream (publish acks awaited), so a crash loses nothing: unacked groups are redelivered
-and re-published batches are de-duplicated by their message ids. Backpressure: at most
-`maxPendingSteps` steps are published ahead of the trainer's announced version.
+In pipeline mode a step goes out in waves as its groups arrive (`packing.next_wave`), so the
+trainer computes on them while the rest of the step is generated; sync mode, the conventional
+baseline, publishes each step whole once it is generated. Input groups are acked only after
+every micro-batch of the wave they went into is stored by JetStream (publish acks awaited), so
+a crash loses nothing: unacked groups are redelivered, re-published batches are de-duplicated
+by their message ids, and a step left partial is closed on restart (`packing.close_step`).
+Backpressure: at most `maxPendingSteps` steps are published ahead of the trainer's version.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pipelinerl.services import HealthServer, ServiceEnv, exit_soon
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import JobSubjects, connect, ensure_streams
 from pipelinerl_preprocessor.advantages import group_advantages, is_zero_variance
-from pipelinerl_preprocessor.packing import StepSample, pack_step
+from pipelinerl_preprocessor.packing import StepSample, close_step, next_wave, pack_wave, step_weight
 
 log = logging.getLogger("pipelinerl.preprocessor")
 GROUPS_IN = Counter("pipelinerl_preprocessor_groups_total", "Rollout groups consumed", ["outcome"])
@@ -40,9 +43,19 @@ class Preprocessor:
         self.finished = False
         self.stopping = asyncio.Event()
         self.accepted: list[tuple[object, m.RolloutGroup]] = []  # (nats msg, group), unacked
-        self.filtered = 0
+        # Streaming needs each sample's weight before its step is complete: not with "token".
+        self.stream = self.spec.mode == "pipeline" and self.spec.rl.token_weighting == "sample"
         self.step = 0
+        self._new_step()
         self.stats = Tally()
+
+    def _new_step(self) -> None:
+        self.index = 0  # next micro-batch index of the step, on every rank
+        self.waves = 0
+        self.in_step = 0  # groups in the waves of the step published so far
+        self.step_samples = 0
+        self.by_generator: Tally = Tally()
+        self.filtered = 0  # zero-variance groups dropped since the previous step ended
 
     def status(self) -> dict:
         return {"role": "preprocessor", "nextStep": self.step, "trainerVersion": self.trainer_version,
@@ -53,7 +66,7 @@ class Preprocessor:
         self.nc = await connect(self.env.nats_url, f"{self.job.name}-preprocessor")
         self.js = self.nc.jetstream()
         await ensure_streams(self.js, self.subjects, self.spec.nats.max_payload_mb)
-        self.step = await self._next_step()
+        await self._resume()
         await self.js.subscribe(self.subjects.version, cb=self._on_version,
                                 deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ordered_consumer=True)
         sub = await self.js.pull_subscribe(
@@ -77,8 +90,13 @@ class Preprocessor:
                 msgs = []
             for msg in msgs:
                 await self._intake(msg)
-            while len(self.accepted) >= self.spec.groups_per_step and not self._trainer_behind():
-                await self._publish_step()
+            while not self._trainer_behind():
+                n, last = next_wave([[len(s.tokens) for s in g.samples] for _, g in self.accepted], self.in_step,
+                                    self.spec.groups_per_step, self.ranks, self.spec.trainer.micro_batch_tokens,
+                                    self.stream)
+                if not n:
+                    break
+                await self._publish_wave(n, last)
             if time.monotonic() - last_keepalive > ACK_WAIT_S / 4:
                 for msg, _ in self.accepted:  # still waiting for a full step: not abandoned
                     await msg.in_progress()
@@ -89,13 +107,20 @@ class Preprocessor:
         """Backpressure: enough steps are already waiting for the trainer."""
         return self.step >= self.trainer_version + self.spec.preprocessor.max_pending_steps
 
-    async def _next_step(self) -> int:
-        """Resume after the last step already published (batches are never re-numbered)."""
-        try:
-            last = await self.js.get_last_msg(self.subjects.stream("BATCHES"), self.subjects.batches(0))
-        except Exception:
-            return 0
-        return m.decode(last.data, m.MicroBatch).step + 1
+    async def _resume(self) -> None:
+        """Continue after the last step already published (batches are never re-numbered)."""
+        lasts = []
+        for rank in range(self.ranks):
+            try:
+                msg = await self.js.get_last_msg(self.subjects.stream("BATCHES"), self.subjects.batches(rank))
+                lasts.append(m.decode(msg.data, m.MicroBatch))
+            except Exception:  # nothing published to this rank yet
+                lasts.append(None)
+        self.step, closing = close_step(lasts)
+        if closing:
+            log.warning("step %d was left partial by a restart: closing it with the %d samples already published",
+                        self.step - 1, closing[0].step_samples)
+            await asyncio.gather(*(self._publish(mb) for mb in closing))
 
     async def _on_version(self, msg) -> None:
         pv = m.decode(msg.data, m.PolicyVersion)
@@ -124,32 +149,40 @@ class Preprocessor:
         GROUPS_IN.labels("accepted").inc()
         PENDING.set(len(self.accepted))
 
-    async def _publish_step(self) -> None:
-        take, self.accepted = self.accepted[: self.spec.groups_per_step], self.accepted[self.spec.groups_per_step:]
+    def _publish(self, mb: m.MicroBatch):
+        return self.js.publish(self.subjects.batches(mb.rank), m.encode(mb),
+                               headers={"Nats-Msg-Id": f"{mb.step}-{mb.rank}-{mb.index}"}, timeout=30)
+
+    async def _publish_wave(self, n: int, last: bool) -> None:
+        take, self.accepted = self.accepted[:n], self.accepted[n:]
         samples = []
         for _, group in take:
             adv = group_advantages([s.reward for s in group.samples], self.spec.rl.normalize_advantages)
             samples += [StepSample(s, a) for s, a in zip(group.samples, adv)]
-        by_generator = Tally(str(g.generator) for _, g in take)
-        per_rank = pack_step(self.step, samples, self.ranks, self.spec.trainer.micro_batch_tokens,
-                             self.spec.rl.token_weighting, groups_filtered=self.filtered)
-        acks = []
-        for batches in per_rank:
-            for mb in batches:
-                mb.step_groups_by_generator = dict(by_generator)
-                acks.append(self.js.publish(
-                    self.subjects.batches(mb.rank), m.encode(mb),
-                    headers={"Nats-Msg-Id": f"{self.step}-{mb.rank}-{mb.index}"}, timeout=30))
-        await asyncio.gather(*acks)  # stored durably before the inputs are released
+        self.in_step += n
+        self.step_samples += len(samples)
+        self.by_generator.update(str(g.generator) for _, g in take)
+        weight = step_weight(samples, self.spec.rl.token_weighting, self.spec.trainer.samples_per_step)
+        per_rank = pack_wave(self.step, samples, self.ranks, self.spec.trainer.micro_batch_tokens, weight,
+                             self.index, last)
+        batches = [mb for rank in per_rank for mb in rank]
+        for mb in batches:
+            mb.step_samples, mb.step_groups_filtered = self.step_samples, self.filtered
+            mb.step_groups_by_generator = dict(self.by_generator)
+        await asyncio.gather(*(self._publish(mb) for mb in batches))  # stored durably before the inputs are released
         for msg, _ in take:
             await msg.ack()
-        log.info("published step %d: %d samples in %d micro-batches/rank (%d groups filtered since last)",
-                 self.step, len(samples), len(per_rank[0]), self.filtered)
-        self.filtered = 0
+        self.index += len(per_rank[0])
+        self.waves += 1
+        PENDING.set(len(self.accepted))
+        if not last:
+            return
+        log.info("published step %d: %d samples in %d micro-batches/rank, %d wave(s) (%d groups filtered since last)",
+                 self.step, self.step_samples, self.index, self.waves, self.filtered)
         self.step += 1
+        self._new_step()
         self.stats["steps"] += 1
         STEPS_OUT.inc()
-        PENDING.set(len(self.accepted))
 
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:

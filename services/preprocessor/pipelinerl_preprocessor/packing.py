@@ -1,9 +1,11 @@
-"""Packing one optimizer step's samples into micro-batches for every trainer rank (pure).
+"""Packing an optimizer step's samples into micro-batches for every trainer rank (pure).
 
-Samples go into rows of at most `micro_batch_tokens` tokens (first-fit decreasing), position
-ids restart at 0 for every sample so attention stays within it, rows are spread over ranks to
-balance tokens, and every rank gets the same number of micro-batches (empty sentinels fill
-the gaps) so the ranks' collectives stay in lock-step.
+A step is published in waves as its groups arrive (`next_wave`), so the trainer can compute on
+the first micro-batches while the rest is generated. Within a wave, samples go into rows of at
+most `micro_batch_tokens` tokens (first-fit decreasing), position ids restart at 0 for every
+sample so attention stays within it, rows are spread over ranks to balance tokens, and every
+rank gets the same number of micro-batches (empty sentinels fill the gaps) so the ranks'
+collectives stay in lock-step.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ class StepSample:
     advantage: float
 
 
-def token_weights(samples: list[StepSample], weighting: str) -> float:
-    """Per-token loss weight of the step: 1/samples ("sample") or 1/trained tokens ("token")."""
+def step_weight(samples: list[StepSample], weighting: str, samples_per_step: int) -> float:
+    """Per-token loss weight of a step: 1/samples per step ("sample"), known before the step is
+    complete, or 1/its trained tokens ("token"), known only once it is (so it is not streamed)."""
     if weighting == "sample":
-        return 1.0 / max(1, len(samples))
+        return 1.0 / samples_per_step
     if weighting == "token":
         return 1.0 / max(1, sum(s.sample.num_generated for s in samples))
     raise ValueError(f"unknown token weighting {weighting!r}")
@@ -57,28 +60,79 @@ def spread_rows(row_tokens: list[int], ranks: int) -> list[list[int]]:
     return per_rank
 
 
-def pack_step(
-    step: int, samples: list[StepSample], ranks: int, micro_batch_tokens: int, weighting: str,
-    groups_filtered: int = 0,
-) -> list[list[MicroBatch]]:
-    """Micro-batches for each rank (outer list) for optimizer step `step`."""
-    weight = token_weights(samples, weighting)
+def pack_wave(step: int, samples: list[StepSample], ranks: int, micro_batch_tokens: int, weight: float,
+              first_index: int = 0, last: bool = False) -> list[list[MicroBatch]]:
+    """One wave of step `step`: micro-batches for each rank (outer list), numbered from
+    `first_index`, the same number on every rank; with `last`, each rank's final one ends the step."""
     lengths = [len(s.sample.tokens) for s in samples]
     rows = first_fit_rows(lengths, micro_batch_tokens)
     per_rank = spread_rows([sum(lengths[i] for i in row) for row in rows], ranks)
     count = max(1, max(len(r) for r in per_rank))
     out: list[list[MicroBatch]] = []
     for rank, row_ids in enumerate(per_rank):
-        batches = [_row(step, rank, k, count, [samples[i] for i in rows[r]], weight) for k, r in enumerate(row_ids)]
-        batches += [MicroBatch(step=step, rank=rank, index=k, count=count) for k in range(len(batches), count)]
-        for b in batches:
-            b.step_samples, b.step_groups_filtered = len(samples), groups_filtered
+        batches = [_row(step, rank, first_index + k, [samples[i] for i in rows[r]], weight)
+                   for k, r in enumerate(row_ids)]
+        batches += [MicroBatch(step=step, rank=rank, index=first_index + k) for k in range(len(batches), count)]
+        batches[-1].last = last
         out.append(batches)
     return out
 
 
-def _row(step: int, rank: int, index: int, count: int, items: list[StepSample], weight: float) -> MicroBatch:
-    mb = MicroBatch(step=step, rank=rank, index=index, count=count)
+def next_wave(pending: list[list[int]], in_step: int, groups_per_step: int, ranks: int, micro_batch_tokens: int,
+              stream: bool) -> tuple[int, bool]:
+    """How many pending groups (sample lengths each, in arrival order) to publish now as the next
+    wave of a step that already holds `in_step` groups, and whether that wave ends the step.
+
+    The rest of the step goes as soon as it is there. Before that, when streaming, a wave leaves
+    once more is pending than one full row per rank holds, so the trainer can start on it while
+    the rest is generated: the longest prefix first-fit decreasing is sure to pack into `ranks`
+    rows (a sample of length L that fits in none of them would find each fuller than C - L, so
+    ≤ ranks · (C - L_max) tokens always fit). A first group too large for that goes alone.
+    """
+    need = groups_per_step - in_step
+    if len(pending) >= need:
+        return need, True
+    if not stream:
+        return 0, False
+    total = longest = 0
+    for n, lengths in enumerate(pending):
+        total, longest = total + sum(lengths), max(longest, *lengths)
+        if total > ranks * (micro_batch_tokens - longest):
+            return max(n, 1), False
+    return 0, False
+
+
+def close_step(lasts: list[MicroBatch | None]) -> tuple[int, list[MicroBatch]]:
+    """After a restart, from each rank's last published micro-batch: the step to continue with
+    and the micro-batches to publish first.
+
+    Waves are acknowledged as they are stored, so a restart between two waves of a step leaves
+    it partial: it is closed as it is (a sentinel per rank marked last, after sentinels that even
+    out the ranks, with the facts of its last stored wave), and its groups not yet published,
+    never acknowledged, are redelivered into the next step.
+    """
+    known = [b for b in lasts if b is not None]
+    if not known:
+        return 0, []
+    step = max(b.step for b in known)
+    mine = [b if b is not None and b.step == step else None for b in lasts]
+    if all(b is not None and b.last for b in mine):
+        return step + 1, []
+    at_step = [b for b in mine if b is not None]
+    ended = [b.index for b in at_step if b.last]  # a final wave stored on some ranks only
+    end = ended[0] if ended else max(b.index for b in at_step) + 1
+    facts = max(at_step, key=lambda b: b.step_samples)
+    out = []
+    for rank, b in enumerate(mine):
+        for index in range(0 if b is None else b.index + 1, end + 1):
+            out.append(MicroBatch(step=step, rank=rank, index=index, last=index == end,
+                                  step_samples=facts.step_samples, step_groups_filtered=facts.step_groups_filtered,
+                                  step_groups_by_generator=dict(facts.step_groups_by_generator)))
+    return step + 1, out
+
+
+def _row(step: int, rank: int, index: int, items: list[StepSample], weight: float) -> MicroBatch:
+    mb = MicroBatch(step=step, rank=rank, index=index)
     for sid, item in enumerate(items):
         s = item.sample
         n = len(s.tokens)

@@ -1,8 +1,10 @@
 """Trainer service: consume packed micro-batches, take RL optimizer steps with DeepSpeed,
 push the new weights into the running generators, announce the version, checkpoint.
 
-Every rank consumes its own subject; all ranks take the same number of micro-batches per step
-(sentinels included), so DeepSpeed's collectives stay in lock-step.
+Every rank consumes its own subject and runs forward/backward on each micro-batch as it
+arrives (in pipeline mode a step streams in while it is generated); the optimizer steps after
+the one marked last. All ranks take the same number of micro-batches per step (sentinels
+included), so DeepSpeed's collectives stay in lock-step.
 """
 
 from __future__ import annotations
@@ -95,16 +97,9 @@ class Trainer:
                  self.version, self.spec.trainer.zero_stage, model_path)
 
         while self.version < self.spec.trainer.max_steps and not self.stop.is_set():
-            batches = self._next_step_batches()
-            if batches is None:
+            metrics = self._train_step()
+            if metrics is None:
                 break
-            for g, c in batches[0].step_groups_by_generator.items():
-                self.trained_groups[g] = self.trained_groups.get(g, 0) + c
-            if self.rank == 0 and self.spec.max_lag > 0:
-                # Pipeline mode: this step's groups are consumed now, so generators may start
-                # the next ones while we train; the update below then lands on running requests.
-                self._announce(finished=False, training=True)
-            metrics = self._train_step(batches)
             self.version += 1
             metrics |= self.sender.send(self.version)
             last = self.version >= self.spec.trainer.max_steps
@@ -122,9 +117,9 @@ class Trainer:
         return 0
 
     # -- data ------------------------------------------------------------------------------
-    def _next_step_batches(self) -> list[m.MicroBatch] | None:
-        """The `count` micro-batches of step `self.version` (older replayed ones are skipped)."""
-        got: list[m.MicroBatch] = []
+    def _next_batch(self) -> m.MicroBatch | None:
+        """The next micro-batch of step `self.version` (older replayed ones are skipped); None
+        once stopping."""
         waited = 0.0
         while not self.stop.is_set():
             try:
@@ -142,9 +137,7 @@ class Trainer:
                 continue
             if mb.step > self.version:
                 raise RuntimeError(f"rank {self.rank}: got step {mb.step} while step {self.version} is incomplete")
-            got.append(mb)
-            if len(got) == mb.count:
-                return got
+            return mb
         return None
 
     # -- training --------------------------------------------------------------------------
@@ -153,14 +146,27 @@ class Trainer:
             return None
         return load_model(model_path, self.spec.model.dtype).eval().requires_grad_(False)
 
-    def _train_step(self, batches: list[m.MicroBatch]) -> dict:
-        t0 = time.perf_counter()
+    def _train_step(self) -> dict | None:
+        """Step `self.version` on its micro-batches as they arrive; None if stopped first.
+        `train_seconds` counts computing only, not waiting for data."""
         self.engine.train()
         tally = StepTally()
-        for mb in batches:
+        elapsed, count = 0.0, 0
+        while True:
+            mb = self._next_batch()
+            if mb is None:
+                return None
+            count += 1
+            if mb.last:
+                self._consumed(mb)
+            t0 = time.perf_counter()
             loss = micro_batch_loss(self.engine, mb, self.version, self.step_cfg, tally, self.ref_model)
             # DeepSpeed averages gradients over data-parallel ranks; weights already sum over them.
             self.engine.backward(loss * self.world)
+            elapsed += time.perf_counter() - t0
+            if mb.last:
+                break
+        t0 = time.perf_counter()
         self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
         if self.world > 1:  # on the engine's device: NCCL reduces only GPU tensors
@@ -168,13 +174,22 @@ class Trainer:
             dist.all_reduce(sums)
             tally.sums = sums.cpu()
         metrics = tally.metrics()
-        elapsed = time.perf_counter() - t0
+        elapsed += time.perf_counter() - t0
         DROPPED.inc(metrics["dropped_for_lag"] if self.rank == 0 else 0)
         self.samples_total += metrics["samples"]
         return {"step": self.version + 1, **metrics,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "groups_filtered": batches[0].step_groups_filtered, "train_seconds": elapsed,
+                "groups_filtered": mb.step_groups_filtered, "micro_batches": count, "train_seconds": elapsed,
                 "trainer_tokens_per_second": metrics["tokens"] / elapsed}  # all ranks together
+
+    def _consumed(self, last: m.MicroBatch) -> None:
+        """The whole step is here: credit its groups to their generators."""
+        for g, c in last.step_groups_by_generator.items():
+            self.trained_groups[g] = self.trained_groups.get(g, 0) + c
+        if self.rank == 0 and self.spec.max_lag > 0:
+            # Pipeline mode: this step's groups are consumed now, so generators may start the
+            # next ones while we train; the update after the step then lands on running requests.
+            self._announce(finished=False, training=True)
 
     # -- outputs ---------------------------------------------------------------------------
     def _announce(self, finished: bool, training: bool = False) -> None:
