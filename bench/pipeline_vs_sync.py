@@ -119,8 +119,8 @@ def one_run(mode: str, args, tag: str, root: Path) -> dict:
         raise SystemExit(f"{mode} run failed ({code}); logs in {run_dir / 'logs'}")
     s = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    keep = ("step", "time", "samples", "tokens", "row_tokens", "train_seconds", "weight_sync_seconds",
-            "weight_pause_max_seconds", "groups_filtered", "lag_mean", "ess")
+    keep = ("step", "time", "samples", "tokens", "row_tokens", "train_seconds", "optimizer_seconds", "micro_batches",
+            "weight_sync_seconds", "weight_pause_max_seconds", "groups_filtered", "lag_mean", "ess")
     steps = [{k: r.get(k) for k in keep} for r in records if r["kind"] == "train"]
     evals = evaluate_exports(run_dir, steps, args.eval_problems)
     x = {**s, "steps_log": steps, "evals": evals,

@@ -7,7 +7,8 @@ beyond loading a calibration. The cost model and its assumptions are in docs/pla
     decode step of a generator with B running sequences   decode_base_s + decode_per_seq_s * B
     prefill of a prompt group (prefix cache shares it)     prefill_s_per_token * prompt_tokens
     train step of T tokens on n trainer devices            T * train_s_per_token / (n * train_scaling^log2 n)
-                                                           + optimizer_step_s
+                                                           + optimizer_step_s; in pipeline mode the tokens
+                                                           are computed in waves as their groups finish
     weight update                                          trainer busy weight_sync_s, generators pause pause_s
     zero-variance filtering                                a share filtered_fraction of the groups is generated,
                                                            then dropped: it frees its admission slot on finishing
@@ -175,20 +176,24 @@ class _Engine:
 class _Sim:
     """One simulated run; `simulate` is the public entry point.
 
-    Events: an engine's next sequence finish, the trainer's compute end ("trained") and the end
-    of its weight broadcast ("synced"). Between events every engine decodes at a constant rate,
+    Events: an engine's next sequence finish, the end of the trainer's compute of an early wave
+    of a step ("wave") or of its last wave and optimizer step ("trained"), and the end of its
+    weight broadcast ("synced"). Between events every engine decodes at a constant rate,
     so an engine's progress is banked (`_advance`) before anything that changes its rate.
     """
 
     def __init__(self, mode: str, n_gen: int, n_train: int, max_lag: int, samples_per_step: int,
                  attempts: int, calib: Calibration, max_tokens: int, lengths: Lengths, steps: int,
-                 warmup: int, seed: int, filtered: float) -> None:
+                 warmup: int, seed: int, filtered: float, wave_groups: int) -> None:
         self.c, self.attempts, self.max_tokens, self.lengths = calib, attempts, max_tokens, lengths
         self.filtered = filtered
         self.mode, self.n_gen, self.n_train = mode, n_gen, n_train
         # Sync mode is max_lag 0: one step of groups admitted, consumed only after the update.
         self.max_lag = max_lag if mode == "pipeline" else 0
         self.groups_per_step = samples_per_step // attempts
+        # Pipeline mode streams a step to the trainer in waves of this many groups (0: whole
+        # steps, as sync mode); a wave leaves once one more group is pending (packing.next_wave).
+        self.wave_groups = wave_groups if mode == "pipeline" else 0
         # Pipeline: as the generator's Admission, one more step of groups once the weights of
         # the step in training are in and until the next step starts (true before the first).
         self.ahead = True
@@ -209,13 +214,13 @@ class _Sim:
         self.n_dropped = 0
         self.queued = 0  # groups started and not yet consumed by the trainer (nor dropped)
         self.finished: deque[int] = deque()
-        self.training = 0  # groups in the step being trained
+        self.step_gids: list[int] = []  # groups of the step being trained, taken so far
         self.trained = 0  # groups in finished steps
         self.version = 0  # optimizer steps applied
         self.pauses: list[np.ndarray] = []  # pauses[k-1][engine]: decode step where version k begins
         self.base, self.per_seq = calib.decode_base_s, calib.decode_per_seq_s
         self.slow = 1.0  # decode slow-down while the trainer computes (contention)
-        self.trainer_free = True
+        self.computing = self.syncing = False
         self.done = 0  # steps trained and synced
         self.step_end: list[float] = []
         self.train_busy = 0.0
@@ -334,29 +339,42 @@ class _Sim:
 
     # -- trainer --------------------------------------------------------------------------
     def _train(self) -> None:
-        if not self.trainer_free or len(self.finished) < self.groups_per_step:
+        if self.computing or self.syncing:
             return
-        gids = [self.finished.popleft() for _ in range(self.groups_per_step)]
-        self.training = len(gids)
+        need = self.groups_per_step - len(self.step_gids)
+        last = len(self.finished) >= need
+        if not last and not (self.wave_groups and len(self.finished) > self.wave_groups):
+            return
+        gids = [self.finished.popleft() for _ in range(need if last else self.wave_groups)]
+        self.step_gids += gids
         measured = self.done >= self.warmup
         if measured:
             self._record_lag(gids)
-        if self.max_lag:
-            # Pipeline: consumed at step start, so generation of the next groups overlaps training.
-            self.queued -= len(gids)
+        if last and self.max_lag:
+            # Pipeline: consumed once the step is complete, so generation of the next groups
+            # overlaps the rest of its training.
+            self.queued -= self.groups_per_step
             self.ahead = False
             self._admit()
         tokens = sum(sum(self.g_lengths[g]) for g in gids) + len(gids) * self.attempts * self.lengths.prompt_tokens
         overlap = any(e.running for e in self.engines)
-        seconds = self.c.train_s(tokens, self.n_train) * (1 + self.c.contention * overlap) + self.c.optimizer_step_s
-        self.trainer_free = False
+        seconds = self.c.train_s(tokens, self.n_train) * (1 + self.c.contention * overlap)
+        seconds += self.c.optimizer_step_s if last else 0.0
+        self.computing = True
         if self.c.contention:
             self._set_slow(1.0 + self.c.contention)
         if measured:
-            self.train_busy += seconds + self.c.weight_sync_s
-        self._push(self.now + seconds, "trained", len(gids))
+            self.train_busy += seconds + (self.c.weight_sync_s if last else 0.0)
+        self._push(self.now + seconds, "trained" if last else "wave", self.groups_per_step)
+
+    def _on_wave(self) -> None:
+        self.computing = False
+        if self.c.contention:
+            self._set_slow(1.0)
+        self._train()
 
     def _on_trained(self, consumed: int) -> None:
+        self.computing, self.syncing = False, True
         for e in self.engines:
             self._advance(e)
             e.free_at = max(e.free_at, self.now) + self.c.pause_s
@@ -367,9 +385,9 @@ class _Sim:
         self._push(self.now + self.c.weight_sync_s, "synced", consumed)
 
     def _on_synced(self, consumed: int) -> None:
-        self.trainer_free = True
+        self.syncing = False
         self.trained += consumed
-        self.training = 0
+        self.step_gids = []
         self.done += 1
         self.step_end.append(self.now)
         if self.done == self.warmup:
@@ -411,6 +429,8 @@ class _Sim:
             self.now, _, kind, a, b = heapq.heappop(self.events)
             if kind == "gen":
                 self._on_engine(a, b)
+            elif kind == "wave":
+                self._on_wave()
             elif kind == "trained":
                 self._on_trained(a)
             else:
@@ -433,7 +453,7 @@ class _Sim:
             gen_fill=min(fill / (n_eng * window * self.c.max_batch), 1.0),
             train_busy=min(self.train_busy / window, 1.0),
             samples_trained=self.trained * self.attempts,
-            samples_in_flight=(sum(1 for n in self.g_left if n) + len(self.finished) + self.training) * self.attempts,
+            samples_in_flight=(sum(1 for n in self.g_left if n) + len(self.finished) + len(self.step_gids)) * self.attempts,
             samples_started=len(self.g_engine) * self.attempts,
             samples_filtered=self.n_dropped * self.attempts,
         )
@@ -442,11 +462,13 @@ class _Sim:
 def simulate(mode: Literal["pipeline", "sync"], n_gen: int, n_train: int, max_lag: int, samples_per_step: int,
              attempts: int, calib: Calibration, max_tokens: int, lengths: Lengths | None = None,
              steps: int | None = None, warmup: int | None = None, seed: int = 0,
-             filtered: float | None = None) -> SimResult:
+             filtered: float | None = None, wave_groups: int = 0) -> SimResult:
     """Simulate `steps` optimizer steps; rates and lag are measured after the first `warmup`.
 
     n_gen / n_train are devices; sync mode ignores max_lag (it is 0 there by definition).
     `filtered`: share of groups dropped by zero-variance filtering (default: the calibration's).
+    `wave_groups`: groups per early wave of a streamed step in pipeline mode (`wave_groups`
+    below; 0: the trainer waits for whole steps).
     Default warm-up max_lag + 2 steps: a trainer-bound pipeline's lag climbs one step per step
     until it reaches max_lag. Default steps: warm-up + 7. Deterministic for a given seed.
     """
@@ -465,7 +487,21 @@ def simulate(mode: Literal["pipeline", "sync"], n_gen: int, n_train: int, max_la
     if not 0 <= filtered < 1:
         raise ValueError(f"filtered ({filtered}) must be in [0, 1)")
     return _Sim(mode, n_gen, n_train, max_lag, samples_per_step, attempts, calib, max_tokens,
-                lengths or calib.lengths, steps, warmup, seed, filtered).run()
+                lengths or calib.lengths, steps, warmup, seed, filtered, wave_groups).run()
+
+
+def wave_groups(job: PipelineRLJob, trainer_ranks: int, lengths: Lengths) -> int:
+    """Groups in each early wave of a step streamed in pipeline mode (0: not streamed), as
+    `packing.next_wave` forms them from groups of mean length: as many as one row per trainer
+    rank is sure to hold."""
+    spec = job.spec
+    if spec.rl.token_weighting != "sample":
+        return 0
+    max_tokens = spec.generator.sampling.max_tokens
+    completion = float(np.mean(lengths.sample(np.random.default_rng(0), 4096, max_tokens)))
+    group = spec.rl.attempts * (lengths.prompt_tokens + completion)
+    longest = lengths.prompt_tokens + max_tokens
+    return max(1, int(trainer_ranks * (spec.trainer.micro_batch_tokens - longest) // group))
 
 
 @dataclass(frozen=True)
@@ -539,8 +575,13 @@ def plan(job: PipelineRLJob, gpus: int, calib: Calibration, lengths: Lengths | N
 
     # The split at the largest lag (least constrained); throughput settles within a few steps,
     # so the search skips the long warm-up that lag statistics need. Then the lag at that split.
-    best = _best(grid, lambda t: simulate("pipeline", gpus - t, t, LAGS[-1], steps=10, warmup=3, **common))
-    sweep = tuple(simulate("pipeline", best.generators, best.trainers, lag, **common) for lag in LAGS)
+    def waves(t: int) -> int:
+        return wave_groups(job, t, lengths or calib.lengths)
+
+    best = _best(grid, lambda t: simulate("pipeline", gpus - t, t, LAGS[-1], steps=10, warmup=3,
+                                          wave_groups=waves(t), **common))
+    sweep = tuple(simulate("pipeline", best.generators, best.trainers, lag, wave_groups=waves(best.trainers), **common)
+                  for lag in LAGS)
     top = max(r.useful_samples_per_s for r in sweep)
     chosen = next(r for r in sweep if r.useful_samples_per_s >= (1 - LAG_TOLERANCE) * top)
     sync = _best(grid, lambda t: simulate("sync", gpus - t, t, 0, **common))

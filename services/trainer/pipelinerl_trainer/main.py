@@ -168,6 +168,7 @@ class Trainer:
                 break
         t0 = time.perf_counter()
         self.engine.step()
+        optimizer_s = time.perf_counter() - t0
         grad_norm = self.engine.get_global_grad_norm()
         if self.world > 1:  # on the engine's device: NCCL reduces only GPU tensors
             sums = tally.sums.to(self.engine.device)
@@ -180,6 +181,7 @@ class Trainer:
         return {"step": self.version + 1, **metrics,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "groups_filtered": mb.step_groups_filtered, "micro_batches": count, "train_seconds": elapsed,
+                "optimizer_seconds": optimizer_s,
                 "trainer_tokens_per_second": metrics["tokens"] / elapsed}  # all ranks together
 
     def _consumed(self, last: m.MicroBatch) -> None:
