@@ -6,8 +6,11 @@ Runs nothing but the planner (seconds). From the per-step records of `bench.pipe
 (generator and trainer pinned to a core each) it derives each cost from a quantity that is not
 the answer (the pipeline/sync ratio):
 
-- training: least squares of `train_seconds` against `row_tokens` over the steps of both modes
-  (`train_s_per_token`, `optimizer_step_s`); `contention` 0 (pinned cores);
+- training: the mean `optimizer_seconds` (`optimizer_step_s`) and the rest of `train_seconds`
+  per row token (`train_s_per_token`), over the steps of both modes (results recorded before
+  the trainer reported `optimizer_seconds`: least squares of `train_seconds` against
+  `row_tokens`, which cannot separate the two well, the rows being all alike);
+  `contention` 0 (pinned cores);
 - weight update: mean `weight_sync_seconds` (`weight_sync_s`); `pause_s` the pipeline runs'
   mean `weight_pause_max_seconds` (staged updates pause only to swap the weights; results
   recorded before that field existed use `weight_sync_s`, an upper bound);
@@ -36,7 +39,7 @@ import numpy as np
 import yaml
 
 from bench.common import RESULTS, save, table
-from pipelinerl.planner import Calibration, Lengths, load_calibration, plan, simulate
+from pipelinerl.planner import Calibration, Lengths, load_calibration, plan, simulate, wave_groups
 from pipelinerl.spec import parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -86,6 +89,10 @@ def measured(data: dict) -> dict[str, dict]:
 def fit_train(steps: list[dict]) -> tuple[float, float, str]:
     x = np.array([s["row_tokens"] for s in steps], float)
     y = np.array([s["train_seconds"] for s in steps], float)
+    if all(s.get("optimizer_seconds") is not None for s in steps):
+        opt = np.array([s["optimizer_seconds"] for s in steps], float)
+        return (float((y - opt).sum() / x.sum()), float(opt.mean()),
+                f"optimizer step measured, forward/backward per row token, over {len(x)} steps")
     (per_token, fixed), *_ = np.linalg.lstsq(np.c_[x, np.ones_like(x)], y, rcond=None)
     if per_token > 0 and fixed >= 0:
         return float(per_token), float(fixed), f"least squares over {len(x)} steps ({x.min():.0f}-{x.max():.0f} tokens)"
@@ -213,11 +220,13 @@ def calibrate(data: dict, source: Path) -> tuple[Calibration, dict]:
 
 
 def predict(calib: Calibration, max_lag: int, steps: int, seed: int = 0) -> dict:
-    spec = job_spec(max_lag).spec
+    job = job_spec(max_lag)
+    spec = job.spec
     common = dict(samples_per_step=spec.trainer.samples_per_step, attempts=spec.rl.attempts, calib=calib,
                   max_tokens=spec.generator.sampling.max_tokens, steps=steps, warmup=1, seed=seed)
     # As the benchmark ran: 1 generator + 1 trainer, rates from the end of step 1 to the last.
-    return {"pipeline": simulate("pipeline", 1, 1, max_lag, **common), "sync": simulate("sync", 1, 1, 0, **common)}
+    return {"pipeline": simulate("pipeline", 1, 1, max_lag, wave_groups=wave_groups(job, 1, calib.lengths), **common),
+            "sync": simulate("sync", 1, 1, 0, **common)}
 
 
 def sensitivity(calib: Calibration, facts: dict, max_lag: int, steps: int) -> dict[str, float]:

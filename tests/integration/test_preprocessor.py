@@ -24,16 +24,21 @@ async def wait_until(cond, timeout=10.0):
         await asyncio.sleep(0.05)
 
 
-async def test_preprocessor_service(nats_server, tmp_path):
-    job = parse_job({"metadata": {"name": "pp"}, "spec": {
-        "rl": {"attempts": 2}, "trainer": {"replicas": 2, "samplesPerStep": 4, "microBatchTokens": 64},
-        "preprocessor": {"maxPendingSteps": 1}}})
-    subjects = JobSubjects("pp")
+async def start(nats_server, tmp_path, name: str, spec: dict):
+    """The job, the preprocessor's environment, and a JetStream client with the job's streams."""
+    job = parse_job({"metadata": {"name": name}, "spec": spec})
     env = ServiceEnv(role="preprocessor", rank=0, world_size=1, nats_url=nats_server.url, weights_host="",
                      weights_port=0, run_dir=tmp_path, http_port=0, generators=2)
     nc = await connect(nats_server.url, "test")
     js = nc.jetstream()
-    await ensure_streams(js, subjects, 8)
+    await ensure_streams(js, JobSubjects(name), 8)
+    return job, env, nc, js, JobSubjects(name)
+
+
+async def test_preprocessor_service(nats_server, tmp_path):
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "pp", {
+        "rl": {"attempts": 2}, "trainer": {"replicas": 2, "samplesPerStep": 4, "microBatchTokens": 64},
+        "preprocessor": {"maxPendingSteps": 1}})
     groups = [rollout(0, [1, 0]), rollout(1, [1, 1]), rollout(2, [0, 1]), rollout(3, [1, 0]), rollout(4, [0, 1]),
               rollout(5, [1, 0])]
     for g in groups:
@@ -77,15 +82,9 @@ async def test_preprocessor_service(nats_server, tmp_path):
 async def test_steps_stream_in_waves_and_a_restart_closes_a_partial_step(nats_server, tmp_path):
     """Pipeline mode: micro-batches leave before their step is complete; a preprocessor stopped
     between two waves is followed by one that closes that step with what was published."""
-    job = parse_job({"metadata": {"name": "pw"}, "spec": {
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "pw", {
         "model": {"maxSeqLen": 8}, "generator": {"sampling": {"maxTokens": 4}},
-        "rl": {"attempts": 2}, "trainer": {"samplesPerStep": 8, "microBatchTokens": 16}}})
-    subjects = JobSubjects("pw")
-    env = ServiceEnv(role="preprocessor", rank=0, world_size=1, nats_url=nats_server.url, weights_host="",
-                     weights_port=0, run_dir=tmp_path, http_port=0, generators=2)
-    nc = await connect(nats_server.url, "test")
-    js = nc.jetstream()
-    await ensure_streams(js, subjects, 8)
+        "rl": {"attempts": 2}, "trainer": {"samplesPerStep": 8, "microBatchTokens": 16}})
     await js.publish(subjects.version, m.encode(m.PolicyVersion(version=5, step=5, timestamp=0)))  # no backpressure
     out = await js.pull_subscribe(subjects.batches(0), durable="t")
 

@@ -16,6 +16,8 @@ def test_pipeline_budget_is_max_lag_steps_of_unconsumed_groups():
         a.on_finish(discarded=False)
     assert not a.may_start()  # finished but untrained groups still count
     a.on_trained(16, training_step=1)
+    assert not a.may_start()  # the engine still holds version 0: a group started now gets lag 5
+    a.on_weights(1)
     assert fill(a) == 16
 
 
@@ -58,3 +60,18 @@ def test_sync_mode_budget_ignores_weights():
     a = Admission(groups_per_step=8, generators=1, max_lag=0, max_inflight=1000)
     a.on_weights(5)
     assert a.budget == 8
+
+
+def test_one_share_less_while_the_weights_of_the_step_before_are_still_loading():
+    # The trainer sends version 1 and starts step 1 before the generator has loaded it: groups
+    # started on version 0 now would be trained in step 2, at lag 2.
+    a = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000)
+    assert fill(a) == 32
+    for _ in range(32):
+        a.on_finish(discarded=False)
+    a.on_trained(32, training_step=1)  # steps 0 and 1 consumed, the engine still at version 0
+    assert a.budget == 0 and not a.may_start()
+    a.on_weights(1)  # version 1 in: a group started now is trained in step 2 at lag 1
+    assert a.budget == 16 and fill(a) == 16
+    b = Admission(groups_per_step=16, generators=1, max_lag=2, max_inflight=1000, training_step=1)
+    assert b.budget == 16  # max lag 2: one step of room remains

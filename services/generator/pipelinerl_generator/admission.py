@@ -8,6 +8,8 @@ next step to start; its lag stays within `max_lag` while Q < (max_lag + e − N 
 While step N − 1 trains, the generator holds its input weights (e = N − 1): Q < max_lag ·
 share. Once that step's update has landed and until step N starts, e = N: one more share, so
 the generator never idles waiting for the announcement of a step whose data it already made.
+The trainer does not wait for an update to land before it trains on, so a step may also start
+while the generator still holds the weights before its input's (e = N − 2): one share less.
 Groups the preprocessor will discard (zero variance) leave the queue as soon as they finish,
 so sync mode (max_lag 0, see `budget`) can never starve a step.
 """
@@ -43,8 +45,8 @@ class Admission:
         # (0) counts them after the update instead: one step in flight.
         if self.max_lag == 0:
             return self.share
-        ahead = min(1, max(0, self.weights_version - self.training_step))
-        return (self.max_lag + ahead) * self.share
+        ahead = min(1, self.weights_version - self.training_step)
+        return max(0, self.max_lag + ahead) * self.share
 
     @property
     def queued(self) -> int:

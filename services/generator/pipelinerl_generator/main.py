@@ -223,6 +223,13 @@ class Generator:
         if not final and (interval == 0 or version % interval):
             return
         self.evaluated.add(version)
+        # The trainer announces a version as soon as its weights are sent: evaluate them once loaded.
+        deadline = time.monotonic() + self.spec.weight_sync.timeout_seconds
+        while self.engine.version < version:
+            if time.monotonic() > deadline:
+                log.warning("no evaluation of version %d: its weights never arrived", version)
+                return
+            await asyncio.sleep(0.02)
         t0 = time.time()
         problems = self.task.test_problems(self.spec.eval.problems)
         self.busy.enter()

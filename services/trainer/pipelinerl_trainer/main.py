@@ -101,8 +101,10 @@ class Trainer:
             if metrics is None:
                 break
             self.version += 1
-            metrics |= self.sender.send(self.version)
             last = self.version >= self.spec.trainer.max_steps
+            # Pipeline mode trains on while the generators load the weights (but for the last
+            # step's); sync mode's next step must be generated with them.
+            metrics |= self.sender.send(self.version, wait=last or self.spec.max_lag == 0)
             interval = self.spec.trainer.checkpoint_interval
             if last or (interval and self.version % interval == 0):
                 self._checkpoint()

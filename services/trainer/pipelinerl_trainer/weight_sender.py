@@ -1,6 +1,11 @@
 """Trainer side of in-flight weight updates: announce, broadcast bucketed tensors, collect
 every generator's reply, all within the weight-sync timeout (a missing or failing generator
-is a clear error, never a hang)."""
+is a clear error, never a hang).
+
+The trainer need not wait for the replies: once the bytes are sent it can train on while the
+generators load them, and the replies are collected before the next update (a generator
+takes one update at a time). Generators only admit work the lag budget allows for the weights
+they actually hold, so this never makes data staler than `maxLag`."""
 
 from __future__ import annotations
 
@@ -26,12 +31,15 @@ class WeightSender:
         self.buckets = plan_buckets(
             [(n, list(_full_shape(p)), _wire_dtype(p)) for n, p in self.params], bucket_mb << 20)
         self.by_name = dict(self.params)
+        self.pending: tuple[int, float] | None = None  # (version, deadline) of unconfirmed weights
 
-    def send(self, version: int) -> dict[str, float]:
+    def send(self, version: int, wait: bool = True) -> dict[str, float]:
+        """Broadcast the weights of `version`; with `wait`, also until every generator has them.
+        The pause statistics are those of the latest update confirmed (this one with `wait`)."""
         t0 = time.perf_counter()
+        stats = {"weight_pause_max_seconds": 0.0, "updates_with_running_requests": 0}
         if self.rank == 0:
-            while not self.bridge.done.empty():  # replies to an earlier update that timed out
-                self.bridge.done.get_nowait()
+            stats |= self.confirm()
             self.bridge.publish(self.bridge.subjects.weights_update,
                                 m.WeightUpdate(version=version, buckets=self.buckets), stream=False)
         for bucket in self.buckets:
@@ -40,13 +48,21 @@ class WeightSender:
                 if self.rank == 0:
                     self.group.broadcast_buckets(((t["name"], p.data) for t, p in zip(bucket["tensors"], params)),
                                                  [bucket])
-        stats = {"weight_sync_seconds": 0.0, "weight_pause_max_seconds": 0.0, "updates_with_running_requests": 0}
         if self.rank == 0:
-            replies = self._collect(version, time.monotonic() + self.timeout_s)
-            stats["weight_pause_max_seconds"] = max(r.pause_seconds for r in replies)
-            stats["updates_with_running_requests"] = sum(r.running_requests > 0 for r in replies)
+            self.pending = (version, time.monotonic() + self.timeout_s)
+            if wait:
+                stats |= self.confirm()
         stats["weight_sync_seconds"] = time.perf_counter() - t0
         return stats
+
+    def confirm(self) -> dict[str, float]:
+        """Rank 0: wait for every generator's reply to the update not yet confirmed, if any."""
+        if self.pending is None:
+            return {}
+        replies = self._collect(*self.pending)
+        self.pending = None
+        return {"weight_pause_max_seconds": max(r.pause_seconds for r in replies),
+                "updates_with_running_requests": sum(r.running_requests > 0 for r in replies)}
 
     def _collect(self, version: int, deadline: float) -> list[m.WeightUpdateDone]:
         replies: dict[int, m.WeightUpdateDone] = {}
