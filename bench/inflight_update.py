@@ -36,7 +36,6 @@ import asyncio
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from pipelinerl.ports import free_port  # noqa: E402
 from pipelinerl_generator.weight_receiver import WeightReceiverExtension  # noqa: E402
 
 HOST = "127.0.0.1"
@@ -228,12 +228,6 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
 
 
 # --- generator side: the main process ----------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
 
 async def keep_generating(engine, prompt: list[int], stop: asyncio.Event, done: list, errors: list) -> None:
     while not stop.is_set():

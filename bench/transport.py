@@ -35,7 +35,8 @@ from pathlib import Path
 from bench.common import alternate, paired_ratios, save, summary, table
 from pipelinerl import messages as m
 from pipelinerl.spec import dump_job, load_job
-from pipelinerl.streams import EmbeddedNats, JobSubjects, connect, delete_streams, ensure_streams, free_port, wait_for
+from pipelinerl.ports import free_port
+from pipelinerl.streams import EmbeddedNats, JobSubjects, connect, delete_streams, ensure_streams, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_JOB = ROOT / "examples" / "tiny-cpu.yaml"

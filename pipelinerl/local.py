@@ -23,7 +23,8 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from pipelinerl import messages as m
 from pipelinerl.services import die_with_parent
 from pipelinerl.spec import PipelineRLJob, dump_job
-from pipelinerl.streams import EmbeddedNats, JobSubjects, connect, ensure_streams, free_port
+from pipelinerl.ports import free_port
+from pipelinerl.streams import EmbeddedNats, JobSubjects, connect, ensure_streams
 from pipelinerl.tiny_model import model_info, resolve_model_path
 
 FINAL_EVAL_TIMEOUT_S = 300.0

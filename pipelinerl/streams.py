@@ -17,6 +17,7 @@ import nats
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
+from pipelinerl.ports import free_port
 from pipelinerl.services import die_with_parent
 
 CONNECT_TIMEOUT_S = 10.0
@@ -115,12 +116,6 @@ async def delete_streams(js, subjects: JobSubjects) -> list[str]:
         except NotFoundError:
             pass
     return deleted
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def nats_server_binary() -> str:

@@ -110,7 +110,7 @@ def make_group(
     except RuntimeError as e:  # DistStoreError / gloo connect errors subclass RuntimeError
         raise WeightSyncTimeout(
             f"weight group rendezvous at {host}:{port} (rank {rank}/{world_size}) "
-            f"failed within {timeout_s}s: {e}"
+            f"failed (timeout {timeout_s:g} s): {e}"
         ) from e
     return store, pg
 

@@ -3,19 +3,14 @@
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
+
+from pipelinerl.ports import free_port
 
 # vLLM CPU: a 1 GiB KV cache is plenty for the tiny model and keeps the engine start fast.
 # (tests/conftest.py already points VLLM_CACHE_ROOT / TORCHINDUCTOR_CACHE_DIR under .cache.)
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.conftest import free_port
+from pipelinerl.ports import free_port
 
 pytestmark = pytest.mark.slow
 WORLD = 2

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 import pytest_asyncio
 import torch
 
+from pipelinerl.ports import free_port
 from pipelinerl_generator.weight_receiver import WeightReceiverExtension
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -25,12 +25,6 @@ SEEDS = {"A": 1, "B": 2}
 PROMPTS = ["12+34=", "7*8=", "99-5=", "3<4?"]
 N_GREEDY = 24
 LONG_TOKENS = 200
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 # --- models ---------------------------------------------------------------------------------

