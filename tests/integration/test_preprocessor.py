@@ -29,10 +29,11 @@ async def start(nats_server, tmp_path, name: str, spec: dict):
     job = parse_job({"metadata": {"name": name}, "spec": spec})
     env = ServiceEnv(role="preprocessor", rank=0, world_size=1, nats_url=nats_server.url, weights_host="",
                      weights_port=0, run_dir=tmp_path, http_port=0, generators=2)
+    subjects = JobSubjects(name)
     nc = await connect(nats_server.url, "test")
     js = nc.jetstream()
-    await ensure_streams(js, JobSubjects(name), 8)
-    return job, env, nc, js, JobSubjects(name)
+    await ensure_streams(js, subjects, 8)
+    return job, env, nc, js, subjects
 
 
 async def test_preprocessor_service(nats_server, tmp_path):
