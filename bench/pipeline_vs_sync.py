@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
+import random
 import tempfile
 from pathlib import Path
 
@@ -79,18 +81,56 @@ def crossing_time(points: list[tuple[float, float]], target: float) -> float | N
     return None
 
 
-def curve(run: dict) -> list[tuple[float, float]]:
-    """A run's held-out curve: (seconds since the start of training, accuracy) per evaluated
-    version after the warm start."""
+def curve(run: dict, axis: str = "time") -> list[tuple[float, float]]:
+    """A run's held-out curve per evaluated version after the warm start: (seconds since the
+    start of training, accuracy), or with axis="version" (version, accuracy)."""
     start = train_start(run["steps_log"])
-    return [(e["time"] - start, e["accuracy"]) for e in run["evals"] if e["version"] > 0]
+    return [(e["time"] - start if axis == "time" else e["version"], e["accuracy"])
+            for e in run["evals"] if e["version"] > 0]
 
 
-def time_to_target(runs: list[dict], gain_points: float) -> float | None:
-    """Seconds to the warm start's accuracy + `gain_points` on the isotonic fit of the pooled
-    curves of `runs` (one run: its own time to target)."""
+def time_to_target(runs: list[dict], gain_points: float, axis: str = "time") -> float | None:
+    """Seconds (axis="version": optimizer steps) to the warm start's accuracy + `gain_points` on
+    the isotonic fit of the pooled curves of `runs` (one run: its own time to target)."""
     warm = sum(e["accuracy"] for x in runs for e in x["evals"] if e["version"] == 0) / len(runs)
-    return crossing_time([p for x in runs for p in curve(x)], warm + gain_points / 100)
+    return crossing_time([p for x in runs for p in curve(x, axis)], warm + gain_points / 100)
+
+
+def pooled_ratio(pipeline: list[dict], sync: list[dict], gain_points: float, axis: str = "time") -> float:
+    """Sync/pipeline time (or steps) to target on the pooled curves: inf if only sync misses the
+    target, 0 if only the pipeline does, nan if both do."""
+    s, p = (time_to_target(x, gain_points, axis) for x in (sync, pipeline))
+    s, p = (math.inf if v is None else v for v in (s, p))
+    return math.nan if s == p == math.inf else (math.inf if p == 0 else s / p)
+
+
+def bootstrap_interval(runs: dict[str, list[dict]], gain_points: float, resamples: int = 1000,
+                       seed: int = 0) -> dict[str, float]:
+    """5th/50th/95th percentile of the pooled time-to-target ratio over rounds drawn with
+    replacement (a round's pipeline and sync run together: they were measured side by side).
+    Runs of either mode end several points apart; this says how uncertain a pooled ratio is."""
+    rng = random.Random(seed)
+    n = len(runs["pipeline"])
+    ratios = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ratios.append(pooled_ratio([runs["pipeline"][i] for i in idx], [runs["sync"][i] for i in idx], gain_points))
+    both_missed = sum(math.isnan(r) for r in ratios)
+    ratios = sorted(r for r in ratios if not math.isnan(r))
+    pick = lambda q: ratios[min(len(ratios) - 1, int(q * len(ratios)))]  # noqa: E731
+    return {"p5": pick(0.05), "p50": pick(0.5), "p95": pick(0.95), "resamples": resamples,
+            "both_missed": both_missed}
+
+
+def accuracy_gap(runs: dict[str, list[dict]]) -> dict[int, float]:
+    """Per evaluated version: mean held-out accuracy of the pipeline runs minus the sync runs',
+    in points (how much each optimizer step learns, whatever it cost in time)."""
+    means = {mode: {} for mode in runs}
+    for mode, xs in runs.items():
+        for v in sorted({e["version"] for x in xs for e in x["evals"]}):
+            accs = [e["accuracy"] for x in xs for e in x["evals"] if e["version"] == v]
+            means[mode][v] = sum(accs) / len(accs)
+    return {v: 100 * (means["pipeline"][v] - means["sync"][v]) for v in means["pipeline"] if v in means["sync"]}
 
 
 def evaluate_exports(run_dir: Path, steps: list[dict], problems: int) -> list[dict]:
@@ -198,6 +238,12 @@ def report(runs: dict[str, list[dict]], args) -> None:
     result["pooled_time_to_target_s"] = pooled
     result["pooled_time_to_target_ratio"] = (pooled["sync"] / pooled["pipeline"]
                                              if pooled["sync"] and pooled["pipeline"] else None)
+    result["pooled_time_to_target_interval"] = bootstrap_interval(runs, args.gain)
+    # time ratio = rate ratio x steps ratio: how much of the speed the per-step learning keeps
+    steps = pooled_ratio(runs["pipeline"], runs["sync"], args.gain, axis="version")
+    result["pooled_steps_to_target_ratio"] = steps if math.isfinite(steps) else None
+    gap = accuracy_gap(runs)
+    result["accuracy_gap_points"] = gap
     print(f"pipeline/sync trained-samples rate: {rate['median']:.2f}x (spread {rate['min']:.2f}-{rate['max']:.2f}; "
           f"target >= 1.6x)")
     if pairs:
@@ -209,6 +255,12 @@ def report(runs: dict[str, list[dict]], args) -> None:
               f"{result['pooled_time_to_target_ratio']:.2f}x ({pooled['sync']:.0f} s / {pooled['pipeline']:.0f} s)")
     else:
         print("time to target on the rounds pooled: not reached by " + " and ".join(m for m in pooled if not pooled[m]))
+    ci = result["pooled_time_to_target_interval"]
+    print(f"  90% bootstrap interval over rounds: {ci['p5']:.2f}-{ci['p95']:.2f}x (median {ci['p50']:.2f}x)")
+    later = [g for v, g in gap.items() if v > 0]
+    print(f"  sync/pipeline steps to target (pooled): {steps:.2f}; pipeline minus sync held-out accuracy at equal "
+          f"version: {sum(later) / max(len(later), 1):+.1f} points on average, behind at {sum(g < 0 for g in later)} "
+          f"of {len(later)} versions")
     # The same figure for nearby targets: a ratio that holds only at one gain would be luck.
     gains = {}
     for gain in (args.gain - 5, args.gain - 2.5, args.gain, args.gain + 2.5):

@@ -273,6 +273,25 @@ async def test_request_spanning_an_update_mixes_versions(rig):
     assert (got[n_old:] - lp_a[n_old:]).abs().max() > 1e-2
 
 
+
+async def test_updates_in_flight_leave_exactly_the_new_weights_live(rig):
+    """Update after update with a request running (staged on the default path, as in pipeline
+    mode): each time, a new request is exactly the new model's, text and sampling logprobs, so
+    no tensor, copy or cache of an older version survives the swap."""
+    engine, tok = rig.engine, rig.tokenizer
+    prompt = tok.encode(PROMPTS[2])
+    for which in ("B", "A", "B") if rig.current == "A" else ("A", "B", "A"):
+        running = asyncio.create_task(engine.generate(tok.encode(PROMPTS[3]), LONG_TOKENS, greedy=True))
+        await wait_for_output_tokens(engine, 5)
+        stats = await rig.update(which)
+        assert stats.running_requests == 1 and stats.staged == rig.staged
+        fresh = await engine.generate(prompt, N_GREEDY, greedy=True)
+        assert fresh.tokens == hf_greedy(rig.hf[which], prompt, N_GREEDY), f"after the update to {which}"
+        assert fresh.versions == [stats.version] * N_GREEDY
+        torch.testing.assert_close(torch.tensor(fresh.logprobs), hf_logprobs(rig.hf[which], prompt, fresh.tokens),
+                                   atol=1e-4, rtol=0)
+        await running
+
 async def test_update_that_misses_a_weight_fails_naming_it(rig):
     if not rig.in_place:
         pytest.skip("vLLM's reload path only logs weights it did not load")

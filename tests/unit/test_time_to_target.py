@@ -1,9 +1,12 @@
 """Benchmark 1's time-to-target estimator (bench/pipeline_vs_sync.py): an isotonic fit of the
 held-out curve, so one lucky evaluation does not decide when a target is reached."""
 
+import math
+
 import pytest
 
-from bench.pipeline_vs_sync import crossing_time, isotonic, time_to_target
+from bench.pipeline_vs_sync import (accuracy_gap, bootstrap_interval, crossing_time, isotonic, pooled_ratio,
+                                    time_to_target)
 
 
 def test_isotonic_pools_adjacent_violators():
@@ -38,3 +41,31 @@ def test_time_to_target_pools_rounds_and_counts_from_the_start_of_training():
     # Pooled: points (10, .35) (10, .45) (20, .40) (20, .50) -> fit .35 .425 .425 .5
     assert time_to_target([a, b], 10) == pytest.approx(10.0)
     assert time_to_target([a, b], 25) is None
+
+
+def test_pooled_ratio_in_time_or_steps_and_when_a_mode_misses():
+    fast = run(0.30, [(10, 0.40), (20, 0.50)])  # +10 at t=10, version 10
+    slow = run(0.30, [(30, 0.35), (60, 0.40)])  # +10 at t=60, version 20
+    assert pooled_ratio([fast], [slow], 10) == pytest.approx(6.0)
+    assert pooled_ratio([fast], [slow], 10, axis="version") == pytest.approx(2.0)
+    assert pooled_ratio([slow], [fast], 15) == 0.0  # only the pipeline misses +15
+    assert pooled_ratio([fast], [slow], 15) == math.inf  # only sync misses it
+    assert math.isnan(pooled_ratio([slow], [slow], 30))
+
+
+def test_bootstrap_interval_brackets_the_pooled_ratio_and_is_reproducible():
+    pipe = [run(0.30, [(10, 0.35 + d), (20, 0.45 + d)]) for d in (0.0, 0.02, -0.02, 0.04)]
+    sync = [run(0.30, [(20, 0.35 + d), (40, 0.45 + d)]) for d in (0.01, -0.01, 0.03, 0.0)]
+    runs = {"pipeline": pipe, "sync": sync}
+    ci = bootstrap_interval(runs, 10, resamples=200, seed=3)
+    assert ci["p5"] <= pooled_ratio(pipe, sync, 10) <= ci["p95"]
+    assert 1.3 < ci["p5"] and ci["p95"] < 3.0  # the sync curves are about the pipeline's, twice as slow
+    assert ci == bootstrap_interval(runs, 10, resamples=200, seed=3)
+    one = bootstrap_interval({"pipeline": pipe[:1], "sync": sync[:1]}, 10, resamples=50)
+    assert one["p5"] == one["p95"] == pytest.approx(pooled_ratio(pipe[:1], sync[:1], 10))
+
+
+def test_accuracy_gap_compares_mean_accuracy_at_equal_version_in_points():
+    runs = {"pipeline": [run(0.30, [(5, 0.40), (10, 0.50)]), run(0.30, [(5, 0.42), (10, 0.46)])],
+            "sync": [run(0.30, [(9, 0.45), (20, 0.47)])]}
+    assert accuracy_gap(runs) == pytest.approx({0: 0.0, 10: -4.0, 20: 1.0})

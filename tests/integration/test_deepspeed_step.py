@@ -1,0 +1,78 @@
+"""The trainer's DeepSpeed engine takes the same optimizer step as plain PyTorch AdamW with
+gradient-norm clipping, over any number of micro-batches. Steps hold a variable number of
+micro-batches, so the trainer calls backward() per micro-batch and step() itself
+(`managed_gradient_accumulation: false`); a wrong accumulation setting would silently train on
+one micro-batch of each step, or scale its gradients. Each case runs in a fresh process (one
+gloo rank), as a trainer pod does."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from pipelinerl.ports import free_port
+
+pytestmark = pytest.mark.slow
+LR = 1e-2  # large enough that a missing micro-batch or a wrong scale moves the weights visibly
+
+
+def _loss(model, batch: torch.Tensor, scale: float) -> torch.Tensor:
+    return model(input_ids=batch, use_cache=False).logits.float().logsumexp(-1).mean() * scale
+
+
+def _compare(stage: int, path: str, port: int, out: mp.Queue) -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import deepspeed
+
+    from pipelinerl.spec import parse_job
+    from pipelinerl_trainer.model import build_engine, init_distributed, load_model
+
+    job = parse_job({"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": "ds"},
+                     "spec": {"model": {"path": path},
+                              "trainer": {"zeroStage": stage, "learningRate": LR, "warmupSteps": 0}}})
+    init_distributed(False, 60)
+    engine = build_engine(job, path)
+    plain = load_model(path)
+    opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=job.spec.trainer.weight_decay)
+    start = torch.cat([p.detach().flatten().clone() for p in plain.parameters()])
+    for step, n_micro in enumerate((3, 2)):  # steps of different lengths and loss scales
+        for i in range(n_micro):
+            batch = torch.randint(2, 32, (1, 12), generator=torch.Generator().manual_seed(10 * step + i))
+            engine.backward(_loss(engine, batch, step + 1))
+            _loss(plain, batch, step + 1).backward()
+        engine.step()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), job.spec.trainer.grad_clip)
+        opt.step()
+        opt.zero_grad()
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=stage == 3):
+        trained = torch.cat([p.detach().flatten().clone() for p in params])
+    expected = torch.cat([p.detach().flatten() for p in plain.parameters()])
+    out.put((float((expected - start).abs().max()), float((trained - expected).abs().max())))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_step_equals_plain_adamw_over_micro_batches(tmp_path, stage):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path / "model"
+    Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+                     ).save_pretrained(path)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_compare, args=(stage, str(path), free_port(), out))
+    proc.start()
+    try:
+        moved, diff = out.get(timeout=180)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    assert moved > 1e-2  # the two steps did move the weights
+    assert diff < 1e-4, f"DeepSpeed ZeRO-{stage} weights differ from plain AdamW by {diff}"
