@@ -157,6 +157,8 @@ IMMUTABLE = ("mode", "model", "task", "trainer.replicas", "trainer.gpus", "train
 SPEC_RULES: list[tuple[str, str, str]] = [
     ("", "self.mode != 'sync' || !has(self.rl.maxLag) || self.rl.maxLag == 0",
      "rl.maxLag must be 0 or unset in sync mode (sync mode never trains on stale data)"),
+    ("", "self.rl.importanceWeights != 'sequence' || self.rl.loss in ['reinforce', 'cispo']",
+     "rl.importanceWeights: sequence applies to the reinforce and cispo losses"),
     ("", "self.trainer.samplesPerStep % self.rl.attempts == 0",
      "trainer.samplesPerStep must be a multiple of rl.attempts so that every step holds whole prompt groups"),
     ("", "self.generator.sampling.maxTokens < self.model.maxSeqLen",

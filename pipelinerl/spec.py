@@ -114,6 +114,12 @@ class RLSpec(SpecModel):
     )
     epsilon_low: float = Field(default=0.2, ge=0.0, le=10.0)
     epsilon_high: float = Field(default=0.2, ge=0.0, le=100.0)
+    importance_weights: Literal["token", "sequence"] = Field(
+        default="token",
+        description="Off-policy weight of the reinforce and cispo losses, truncated at 1 + epsilonHigh: each "
+                    "token's own ratio (token), or its sample's product of ratios (sequence), which also corrects "
+                    "for how likely the token's prefix was.",
+    )
     kl_coef: float = Field(default=0.0, ge=0.0)
     entropy_coef: float = Field(default=0.0, ge=0.0)
     normalize_advantages: bool = Field(default=False, description="Divide advantages by group std.")
@@ -223,6 +229,9 @@ class JobSpec(SpecModel):
     def _cross_field(self) -> JobSpec:
         if self.mode == "sync" and self.rl.max_lag not in (None, 0):
             raise ValueError("rl.maxLag must be 0 or unset in sync mode (sync mode never trains on stale data)")
+        if self.rl.importance_weights == "sequence" and self.rl.loss not in ("reinforce", "cispo"):
+            raise ValueError(f"rl.importanceWeights: sequence applies to the reinforce and cispo losses, not "
+                             f"{self.rl.loss} (ppo clips per token, gspo is sequence-level already)")
         if self.trainer.samples_per_step % self.rl.attempts:
             raise ValueError(
                 f"trainer.samplesPerStep ({self.trainer.samples_per_step}) must be a multiple of "

@@ -81,6 +81,7 @@ def test_every_cel_rule_compiles_and_is_exercised_below() -> None:
 # (spec, CEL message, the field pydantic's error names). Both must reject each case.
 REJECTED = [
     ({"mode": "sync", "rl": {"maxLag": 2}}, "rl.maxLag must be 0 or unset in sync mode (sync mode never trains on stale data)", "rl.maxLag"),
+    ({"rl": {"loss": "ppo", "importanceWeights": "sequence"}}, "rl.importanceWeights: sequence applies to the reinforce and cispo losses", "rl.importanceWeights"),
     ({"rl": {"attempts": 3}}, "trainer.samplesPerStep must be a multiple of rl.attempts so that every step holds whole prompt groups", "trainer.samplesPerStep"),
     ({"model": {"maxSeqLen": 16}, "generator": {"sampling": {"maxTokens": 16}}}, "generator.sampling.maxTokens must be smaller than model.maxSeqLen", "generator.sampling.maxTokens"),
     ({"model": {"maxSeqLen": 8192}, "trainer": {"microBatchTokens": 4096}}, "trainer.microBatchTokens must be at least model.maxSeqLen (one sample must fit)", "trainer.microBatchTokens"),
@@ -92,6 +93,7 @@ ACCEPTED = [
     {"mode": "sync"},
     {"mode": "sync", "rl": {"maxLag": 0}},
     {"rl": {"attempts": 16}, "trainer": {"samplesPerStep": 256}},
+    {"rl": {"loss": "cispo", "importanceWeights": "sequence"}},
     {"model": {"maxSeqLen": 4096}, "generator": {"sampling": {"maxTokens": 4095}}},
     {"generator": {"env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}]}},
 ]

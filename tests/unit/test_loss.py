@@ -36,6 +36,29 @@ def test_reinforce_truncated_is_by_hand():
     assert stats["clipped"] == 1 and stats["tokens"] == 2
 
 
+def test_sequence_importance_weights_every_token_by_its_samples_ratio():
+    # Sample 0: token ratios e^0.1 and e^0.2 -> weight e^0.3 on both tokens; sample 1 ratio e^2,
+    # truncated at 1 + epsilon_high; the untrained prompt token (weight 0) does not count.
+    new, old, adv, w = setup([-3.0, -1.0, -0.5, -0.1], [0.0, -1.1, -0.7, -2.1], [1.0, 1.0, 1.0, -1.0],
+                             [0.0, 0.5, 0.5, 1.0])
+    ids = T([0, 0, 0, 1])
+    cfg = LossConfig("reinforce", epsilon_high=1.0, importance="sequence")
+    loss, stats = policy_loss(new, old, adv, w, cfg, sample_ids=ids)
+    loss.backward()
+    assert new.grad.tolist() == pytest.approx([0.0, -0.5 * math.exp(0.3), -0.5 * math.exp(0.3), 2.0])
+    assert stats["clipped"] == 1
+    # The per-token statistics stay per token (ESS measures staleness the same way in both).
+    assert stats["ratio_max"] == pytest.approx(math.exp(2.0))
+    new.grad = None
+    policy_loss(new, old, adv, w, LossConfig("cispo", epsilon_low=0.2, epsilon_high=1.0, importance="sequence"),
+                sample_ids=ids)[0].backward()
+    assert new.grad.tolist() == pytest.approx([0.0, -0.5 * math.exp(0.3), -0.5 * math.exp(0.3), 2.0])
+    with pytest.raises(ValueError, match="sample_ids"):
+        policy_loss(new, old, adv, w, cfg)
+    with pytest.raises(ValueError, match="unknown importance weights 'trajectory'"):
+        policy_loss(new, old, adv, w, LossConfig("reinforce", importance="trajectory"), sample_ids=ids)
+
+
 def test_ppo_clip_by_hand():
     new, old, adv, w = setup([math.log(1.5), math.log(0.5)], [0.0, 0.0], [1.0, -1.0], [1.0, 1.0])
     loss, stats = policy_loss(new, old, adv, w, LossConfig("ppo", epsilon_low=0.2, epsilon_high=0.2))

@@ -21,6 +21,9 @@ class LossConfig:
     epsilon_high: float = 0.2
     kl_coef: float = 0.0
     entropy_coef: float = 0.0
+    # What the weight of reinforce/cispo corrects: each token's own ratio r_t ("token"), or the
+    # sample's Π_t r_t ("sequence"), which also corrects how likely the token's prefix was.
+    importance: str = "token"
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,13 +40,16 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return torch.cat([zero, picked]), torch.cat([zero, entropy])
 
 
+def sequence_sum(values: torch.Tensor, sample_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per token: the sum of `values` over the masked tokens of its sample."""
+    n = int(sample_ids.max().item()) + 1 if sample_ids.numel() else 0
+    return values.new_zeros(n).index_add(0, sample_ids, values * mask.to(values.dtype))[sample_ids]
+
+
 def sequence_mean(values: torch.Tensor, sample_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Per token: the mean of `values` over the masked tokens of its sample."""
-    n = int(sample_ids.max().item()) + 1 if sample_ids.numel() else 0
-    m = mask.to(values.dtype)
-    sums = values.new_zeros(n).index_add(0, sample_ids, values * m)
-    counts = values.new_zeros(n).index_add(0, sample_ids, m).clamp(min=1)
-    return (sums / counts)[sample_ids]
+    counts = sequence_sum(torch.ones_like(values), sample_ids, mask).clamp(min=1)
+    return sequence_sum(values, sample_ids, mask) / counts
 
 
 def policy_loss(
@@ -61,16 +67,26 @@ def policy_loss(
     log_ratio = torch.where(trained, new_logprobs - old_logprobs, torch.zeros_like(new_logprobs))
     ratio = log_ratio.exp()
     hi, lo = 1.0 + cfg.epsilon_high, 1.0 - cfg.epsilon_low
+    if cfg.importance == "sequence" and cfg.kind in ("reinforce", "cispo"):
+        if sample_ids is None:
+            raise ValueError("sequence importance weights need sample_ids")
+        # A sample's reward comes at its end, so the exact off-policy weight of each of its
+        # tokens is the whole sample's ratio, not the token's own.
+        weight_ratio = sequence_sum(log_ratio, sample_ids, trained).exp()
+    elif cfg.importance not in ("token", "sequence"):
+        raise ValueError(f"unknown importance weights {cfg.importance!r} (token, sequence)")
+    else:
+        weight_ratio = ratio
 
     if cfg.kind == "reinforce":
         # Truncated importance sampling: the weight is capped and carries no gradient.
-        is_weight = ratio.clamp(max=hi).detach()
+        is_weight = weight_ratio.clamp(max=hi).detach()
         per_token = -advantages * new_logprobs * is_weight
-        clipped = ratio > hi
+        clipped = weight_ratio > hi
     elif cfg.kind == "cispo":
-        is_weight = ratio.clamp(min=lo, max=hi).detach()
+        is_weight = weight_ratio.clamp(min=lo, max=hi).detach()
         per_token = -advantages * new_logprobs * is_weight
-        clipped = (ratio > hi) | (ratio < lo)
+        clipped = (weight_ratio > hi) | (weight_ratio < lo)
     elif cfg.kind == "ppo":
         per_token = -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
         clipped = ((ratio > hi) & (advantages > 0)) | ((ratio < lo) & (advantages < 0))

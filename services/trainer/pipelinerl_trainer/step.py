@@ -81,5 +81,6 @@ def micro_batch_loss(model, mb: m.MicroBatch, version: int, cfg: StepConfig, tal
 
 def step_config(job) -> StepConfig:
     rl = job.spec.rl
-    return StepConfig(LossConfig(rl.loss, rl.epsilon_low, rl.epsilon_high, rl.kl_coef, rl.entropy_coef),
+    return StepConfig(LossConfig(rl.loss, rl.epsilon_low, rl.epsilon_high, rl.kl_coef, rl.entropy_coef,
+                                 rl.importance_weights),
                       job.spec.generator.sampling.temperature, job.spec.max_lag)
