@@ -1,7 +1,8 @@
 """Pipeline vs sync learning speed: the same job, seed and hardware in `mode: pipeline` and
 `mode: sync`, generator and trainer each pinned to their own core, runs alternated P S P S ….
 
-    .venv/bin/python -m bench.pipeline_vs_sync [--rounds 3] [--steps 150] [--gain 15] [--max-lag N]
+    .venv/bin/python -m bench.pipeline_vs_sync [--rounds 3] [--steps 150] [--gain 15]
+        [--pipeline-set rl.maxLag=2 ...] [--modes pipeline sync] [--name pipeline_vs_sync]
 
 Reports per mode: trained samples/s, seconds per step, wall time from the first training step
 to a held-out accuracy `--gain` points above the warm start, generator and trainer busy
@@ -36,7 +37,9 @@ from pipelinerl.tiny_model import greedy_accuracy, resolve_model_path
 JOB = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
 
 
-def job_for(mode: str, steps: int, export_interval: int, tag: str, max_lag: int | None = None):
+def job_for(mode: str, steps: int, export_interval: int, tag: str, pipeline_set: list[str] = ()):
+    """The example job in `mode`; `pipeline_set` ("rl.maxLag=2", values in YAML) changes the
+    pipeline's spec only (a variant measured against the same sync baseline)."""
     data = yaml.safe_load(JOB.read_text())
     spec = copy.deepcopy(data["spec"])
     spec["mode"] = mode
@@ -44,8 +47,16 @@ def job_for(mode: str, steps: int, export_interval: int, tag: str, max_lag: int 
     spec["eval"] = {"interval": 0}  # evaluated offline, from the exports
     if mode == "sync":
         spec["rl"].pop("maxLag", None)  # sync means lag 0
-    elif max_lag is not None:
-        spec["rl"]["maxLag"] = max_lag
+    else:
+        for item in pipeline_set:
+            field, eq, value = item.partition("=")
+            if not eq:
+                raise SystemExit(f"--pipeline-set {item!r}: expected FIELD=VALUE, e.g. rl.maxLag=2")
+            *parents, leaf = field.split(".")
+            node = spec
+            for key in parents:
+                node = node.setdefault(key, {})
+            node[leaf] = yaml.safe_load(value)
     return parse_job({**data, "metadata": {"name": f"bench-{mode}-{tag}"}, "spec": spec}, f"{JOB} ({mode})")
 
 
@@ -153,7 +164,7 @@ def evaluate_exports(run_dir: Path, steps: list[dict], problems: int) -> list[di
 
 def one_run(mode: str, args, tag: str, root: Path) -> dict:
     run_dir = root / f"{mode}-{tag}"
-    code = run_local(job_for(mode, args.steps, args.eval_interval, tag, args.max_lag), run_dir, quiet=True,
+    code = run_local(job_for(mode, args.steps, args.eval_interval, tag, args.pipeline_set), run_dir, quiet=True,
                      pin_cores=True)
     if code:
         raise SystemExit(f"{mode} run failed ({code}); logs in {run_dir / 'logs'}")
@@ -181,21 +192,26 @@ def main() -> None:
     ap.add_argument("--gain", type=float, default=15.0, help="target: warm-start accuracy + this many points")
     ap.add_argument("--eval-interval", type=int, default=10, help="versions between exports evaluated offline")
     ap.add_argument("--eval-problems", type=int, default=2000)
-    ap.add_argument("--max-lag", type=int, help="the pipeline's rl.maxLag (default: the example's); results go to "
-                    "pipeline_vs_sync-maxlagN.json")
+    ap.add_argument("--pipeline-set", metavar="FIELD=VALUE", action="append", default=[],
+                    help="change a field of the pipeline's spec, e.g. rl.maxLag=2 (repeatable)")
+    ap.add_argument("--modes", nargs="+", choices=["pipeline", "sync"], default=["pipeline", "sync"],
+                    help="run only these (one mode: its table, no ratios)")
+    ap.add_argument("--name", default="pipeline_vs_sync", help="results file: bench/results/NAME.json")
     ap.add_argument("--reanalyse", metavar="JSON", nargs="+",
                     help="rebuild the report from saved results (their rounds pooled), run nothing")
     args = ap.parse_args()
-    runs: dict[str, list[dict]] = {"pipeline": [], "sync": []}
-    partial = RESULTS / "pipeline_vs_sync.partial.json"  # the runs so far (--reanalyse reads it)
+    runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    partial = RESULTS / f"{args.name}.partial.json"  # the runs so far (--reanalyse reads it)
     if args.reanalyse:
         for path in args.reanalyse:
             saved = json.loads(Path(path).read_text())["runs"]
             for mode in runs:
-                runs[mode] += saved[mode]
-        for x in runs["pipeline"] + runs["sync"]:
-            x["time_to_target_s"] = time_to_target([x], args.gain)
-        args.rounds = len(runs["pipeline"])
+                runs[mode] += saved.get(mode, [])
+        runs = {mode: xs for mode, xs in runs.items() if xs}
+        for xs in runs.values():
+            for x in xs:
+                x["time_to_target_s"] = time_to_target([x], args.gain)
+        args.rounds = max(len(xs) for xs in runs.values())
     else:
         RESULTS.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(prefix="bench-pvs-") as tmp:
@@ -209,72 +225,85 @@ def main() -> None:
 
 
 def report(runs: dict[str, list[dict]], args) -> None:
-    def col(mode: str, key: str) -> list[float]:
-        return [x[key] for x in runs[mode] if x.get(key) is not None]
-
-    rows, result = [], {"args": vars(args), "runs": runs, "modes": {}}
+    result = {"args": vars(args), "runs": runs, "modes": {}}
+    rows = []
     for mode in runs:
-        lag: dict[str, int] = {}
-        for x in runs[mode]:
-            for k, v in x["lag_token_counts"].items():
-                lag[k] = lag.get(k, 0) + v
-        agg = {k: summary(col(mode, k)) for k in ("samples_per_second", "seconds_per_step", "generator_busy_fraction",
-                                                   "trainer_busy_fraction", "mean_ess") if col(mode, k)}
-        ttt = col(mode, "time_to_target_s")
-        agg["time_to_target_s"] = summary(ttt) if ttt else None
-        agg["lag_token_counts"] = lag
-        result["modes"][mode] = agg
+        agg = result["modes"][mode] = mode_summary(runs[mode], args.gain)
+        ttt = agg["time_to_target_s"]
         rows.append([mode, agg["samples_per_second"]["median"], agg["seconds_per_step"]["median"],
-                     agg["time_to_target_s"]["median"] if ttt else "not reached",
+                     ttt["median"] if ttt else "not reached", agg["pooled_steps_to_target"] or "not reached",
                      f"{agg['generator_busy_fraction']['median']:.0%}", f"{agg['trainer_busy_fraction']['median']:.0%}",
-                     " ".join(f"{k}:{v}" for k, v in lag.items()), agg["mean_ess"]["median"]])
-    print(table(["mode", "samples/s", "s/step", "s to target", "gen busy", "trainer busy", "token lags", "ESS"], rows))
-    rate = paired_ratios(col("pipeline", "samples_per_second"), col("sync", "samples_per_second"))
-    result["samples_rate_ratio"] = rate
-    pairs = [(s["time_to_target_s"], p["time_to_target_s"]) for p, s in zip(runs["pipeline"], runs["sync"])
-             if p["time_to_target_s"] and s["time_to_target_s"]]
-    result["time_to_target_ratio"] = summary([s / p for s, p in pairs]) if pairs else None
-    pooled = {mode: time_to_target(runs[mode], args.gain) for mode in runs}
-    result["pooled_time_to_target_s"] = pooled
-    result["pooled_time_to_target_ratio"] = (pooled["sync"] / pooled["pipeline"]
-                                             if pooled["sync"] and pooled["pipeline"] else None)
-    result["pooled_time_to_target_interval"] = bootstrap_interval(runs, args.gain)
-    # time ratio = rate ratio x steps ratio: how much of the speed the per-step learning keeps
-    steps = pooled_ratio(runs["pipeline"], runs["sync"], args.gain, axis="version")
-    result["pooled_steps_to_target_ratio"] = steps if math.isfinite(steps) else None
-    gap = accuracy_gap(runs)
-    result["accuracy_gap_points"] = gap
+                     " ".join(f"{k}:{v}" for k, v in agg["lag_token_counts"].items()), agg["mean_ess"]["median"]])
+    print(table(["mode", "samples/s", "s/step", "s to target", "steps to target (pooled)", "gen busy",
+                 "trainer busy", "token lags", "ESS"], rows))
+    if len(runs) == 2:
+        result |= compare(runs, args)
+    if "pipeline" in runs:
+        print(f"pipeline generator busy: {result['modes']['pipeline']['generator_busy_fraction']['median']:.0%} "
+              f"(target >= 90%)")
+    command = f"python -m bench.pipeline_vs_sync --rounds {args.rounds} --steps {args.steps} --gain {args.gain}"
+    command += "".join(f" --pipeline-set {x}" for x in args.pipeline_set)
+    command += "" if len(runs) == 2 else " --modes " + " ".join(runs)
+    command += "" if args.name == "pipeline_vs_sync" else f" --name {args.name}"
+    save(args.name, result, command)
+
+
+def mode_summary(xs: list[dict], gain: float) -> dict:
+    def col(key: str) -> list[float]:
+        return [x[key] for x in xs if x.get(key) is not None]
+
+    lag: dict[str, int] = {}
+    for x in xs:
+        for k, v in x["lag_token_counts"].items():
+            lag[k] = lag.get(k, 0) + v
+    agg = {k: summary(col(k)) for k in ("samples_per_second", "seconds_per_step", "generator_busy_fraction",
+                                        "trainer_busy_fraction", "mean_ess") if col(k)}
+    agg["time_to_target_s"] = summary(col("time_to_target_s")) if col("time_to_target_s") else None
+    agg["pooled_steps_to_target"] = time_to_target(xs, gain, axis="version")
+    agg["lag_token_counts"] = lag
+    return agg
+
+
+def compare(runs: dict[str, list[dict]], args) -> dict:
+    """Pipeline/sync ratios: rate per round, time to target per round and pooled (with its
+    bootstrap interval and nearby targets), and what per-step learning keeps of the rate."""
+    out = {}
+    rate = out["samples_rate_ratio"] = paired_ratios(
+        [x["samples_per_second"] for x in runs["pipeline"]], [x["samples_per_second"] for x in runs["sync"]])
     print(f"pipeline/sync trained-samples rate: {rate['median']:.2f}x (spread {rate['min']:.2f}-{rate['max']:.2f}; "
           f"target >= 1.6x)")
+    pairs = [(s["time_to_target_s"], p["time_to_target_s"]) for p, s in zip(runs["pipeline"], runs["sync"])
+             if p["time_to_target_s"] and s["time_to_target_s"]]
+    out["time_to_target_ratio"] = summary([s / p for s, p in pairs]) if pairs else None
     if pairs:
-        t = result["time_to_target_ratio"]
+        t = out["time_to_target_ratio"]
         print(f"sync/pipeline time to target: {t['median']:.2f}x (spread {t['min']:.2f}-{t['max']:.2f}; "
               f"target >= 1.5x; {len(pairs)} of {args.rounds} rounds reached it in both modes)")
-    if result["pooled_time_to_target_ratio"]:
+    pooled = out["pooled_time_to_target_s"] = {mode: time_to_target(runs[mode], args.gain) for mode in runs}
+    out["pooled_time_to_target_ratio"] = pooled["sync"] / pooled["pipeline"] if all(pooled.values()) else None
+    if out["pooled_time_to_target_ratio"]:
         print(f"sync/pipeline time to target on the rounds pooled: "
-              f"{result['pooled_time_to_target_ratio']:.2f}x ({pooled['sync']:.0f} s / {pooled['pipeline']:.0f} s)")
+              f"{out['pooled_time_to_target_ratio']:.2f}x ({pooled['sync']:.0f} s / {pooled['pipeline']:.0f} s)")
     else:
         print("time to target on the rounds pooled: not reached by " + " and ".join(m for m in pooled if not pooled[m]))
-    ci = result["pooled_time_to_target_interval"]
+    ci = out["pooled_time_to_target_interval"] = bootstrap_interval(runs, args.gain)
     print(f"  90% bootstrap interval over rounds: {ci['p5']:.2f}-{ci['p95']:.2f}x (median {ci['p50']:.2f}x)")
+    # time ratio = rate ratio x steps ratio: how much of the speed the per-step learning keeps
+    steps = pooled_ratio(runs["pipeline"], runs["sync"], args.gain, axis="version")
+    out["pooled_steps_to_target_ratio"] = steps if math.isfinite(steps) else None
+    gap = out["accuracy_gap_points"] = accuracy_gap(runs)
     later = [g for v, g in gap.items() if v > 0]
     print(f"  sync/pipeline steps to target (pooled): {steps:.2f}; pipeline minus sync held-out accuracy at equal "
           f"version: {sum(later) / max(len(later), 1):+.1f} points on average, behind at {sum(g < 0 for g in later)} "
           f"of {len(later)} versions")
     # The same figure for nearby targets: a ratio that holds only at one gain would be luck.
-    gains = {}
+    gains = out["pooled_time_to_target_ratio_by_gain"] = {}
     for gain in (args.gain - 5, args.gain - 2.5, args.gain, args.gain + 2.5):
         t = {mode: time_to_target(runs[mode], gain) for mode in runs}
         gains[f"{gain:+g}"] = t["sync"] / t["pipeline"] if t["sync"] and t["pipeline"] else None
-    result["pooled_time_to_target_ratio_by_gain"] = gains
     print("  by target gain (points): " + ", ".join(
         f"{g}: {'not reached' if r is None else f'{r:.2f}x'}" for g, r in gains.items()))
-    gen_busy = result["modes"]["pipeline"]["generator_busy_fraction"]["median"]
-    print(f"pipeline generator busy: {gen_busy:.0%} (target >= 90%)")
-    lag = f" --max-lag {args.max_lag}" if args.max_lag is not None else ""
-    save("pipeline_vs_sync" + (f"-maxlag{args.max_lag}" if lag else ""), result,
-         f"python -m bench.pipeline_vs_sync --rounds {args.rounds} --steps {args.steps} --gain {args.gain}{lag}")
-
+    return out
 
 if __name__ == "__main__":
     main()

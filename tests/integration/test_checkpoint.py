@@ -63,18 +63,11 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
              sorted(p.name for p in (pod / "step-3" / "ds" / "ds").iterdir())))
 
 
-def test_each_pod_resumes_from_its_own_volume(tmp_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    model = tmp_path / "model"
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
-                     ).save_pretrained(model)
+def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(model), str(tmp_path), out)) for r in range(WORLD)]
+    procs = [ctx.Process(target=_rank, args=(r, port, str(tiny_qwen2), str(tmp_path), out)) for r in range(WORLD)]
     for p in procs:
         p.start()
     results, deadline = {}, time.monotonic() + 240

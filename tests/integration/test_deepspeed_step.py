@@ -56,17 +56,10 @@ def _compare(stage: int, path: str, port: int, out: mp.Queue) -> None:
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_deepspeed_step_equals_plain_adamw_over_micro_batches(tmp_path, stage):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    path = tmp_path / "model"
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
-                     ).save_pretrained(path)
+def test_deepspeed_step_equals_plain_adamw_over_micro_batches(tiny_qwen2, stage):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_compare, args=(stage, str(path), free_port(), out))
+    proc = ctx.Process(target=_compare, args=(stage, str(tiny_qwen2), free_port(), out))
     proc.start()
     try:
         moved, diff = out.get(timeout=180)

@@ -1,12 +1,13 @@
-"""Benchmark 1's time-to-target estimator (bench/pipeline_vs_sync.py): an isotonic fit of the
-held-out curve, so one lucky evaluation does not decide when a target is reached."""
+"""Benchmark 1's analysis (bench/pipeline_vs_sync.py): time to target read off an isotonic fit of the
+held-out curve, so one lucky evaluation does not decide when a target is reached; pooled ratios, their
+bootstrap interval, the per-version gap; and the jobs it runs."""
 
 import math
 
 import pytest
 
-from bench.pipeline_vs_sync import (accuracy_gap, bootstrap_interval, crossing_time, isotonic, pooled_ratio,
-                                    time_to_target)
+from bench.pipeline_vs_sync import (accuracy_gap, bootstrap_interval, crossing_time, isotonic, job_for,
+                                    pooled_ratio, time_to_target)
 
 
 def test_isotonic_pools_adjacent_violators():
@@ -69,3 +70,13 @@ def test_accuracy_gap_compares_mean_accuracy_at_equal_version_in_points():
     runs = {"pipeline": [run(0.30, [(5, 0.40), (10, 0.50)]), run(0.30, [(5, 0.42), (10, 0.46)])],
             "sync": [run(0.30, [(9, 0.45), (20, 0.47)])]}
     assert accuracy_gap(runs) == pytest.approx({0: 0.0, 10: -4.0, 20: 1.0})
+
+
+def test_job_for_changes_only_the_pipelines_spec():
+    pipe = job_for("pipeline", 20, 5, "t", ["rl.maxLag=2", "rl.importanceWeights=token", "trainer.seed=7"])
+    assert (pipe.spec.rl.max_lag, pipe.spec.rl.importance_weights, pipe.spec.trainer.seed) == (2, "token", 7)
+    assert (pipe.spec.trainer.max_steps, pipe.spec.trainer.export_interval, pipe.spec.eval.interval) == (20, 5, 0)
+    sync = job_for("sync", 20, 5, "t", ["rl.maxLag=2"])  # the baseline is never changed
+    assert sync.spec.mode == "sync" and sync.spec.max_lag == 0 and sync.spec.trainer.seed != 7
+    with pytest.raises(SystemExit, match="expected FIELD=VALUE"):
+        job_for("pipeline", 20, 5, "t", ["rl.maxLag"])
