@@ -258,7 +258,8 @@ def mode_summary(xs: list[dict], gain: float) -> dict:
             lag[k] = lag.get(k, 0) + v
     agg = {k: summary(col(k)) for k in ("samples_per_second", "seconds_per_step", "generator_busy_fraction",
                                         "trainer_busy_fraction", "mean_ess") if col(k)}
-    agg["time_to_target_s"] = summary(col("time_to_target_s")) if col("time_to_target_s") else None
+    ttt = col("time_to_target_s")
+    agg["time_to_target_s"] = summary(ttt) if ttt else None
     agg["pooled_steps_to_target"] = time_to_target(xs, gain, axis="version")
     agg["lag_token_counts"] = lag
     return agg

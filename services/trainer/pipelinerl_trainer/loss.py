@@ -67,16 +67,15 @@ def policy_loss(
     log_ratio = torch.where(trained, new_logprobs - old_logprobs, torch.zeros_like(new_logprobs))
     ratio = log_ratio.exp()
     hi, lo = 1.0 + cfg.epsilon_high, 1.0 - cfg.epsilon_low
+    if cfg.importance not in ("token", "sequence"):
+        raise ValueError(f"unknown importance weights {cfg.importance!r} (token, sequence)")
+    weight_ratio = ratio  # what reinforce and cispo weight each token by
     if cfg.importance == "sequence" and cfg.kind in ("reinforce", "cispo"):
         if sample_ids is None:
             raise ValueError("sequence importance weights need sample_ids")
         # A sample's reward comes at its end, so the exact off-policy weight of each of its
         # tokens is the whole sample's ratio, not the token's own.
         weight_ratio = sequence_sum(log_ratio, sample_ids, trained).exp()
-    elif cfg.importance not in ("token", "sequence"):
-        raise ValueError(f"unknown importance weights {cfg.importance!r} (token, sequence)")
-    else:
-        weight_ratio = ratio
 
     if cfg.kind == "reinforce":
         # Truncated importance sampling: the weight is capped and carries no gradient.
