@@ -36,7 +36,9 @@ from bench.common import alternate, paired_ratios, save, summary, table
 from pipelinerl import messages as m
 from pipelinerl.spec import dump_job, load_job
 from pipelinerl.ports import free_port
-from pipelinerl.streams import EmbeddedNats, JobSubjects, connect, delete_streams, ensure_streams, wait_for
+from pipelinerl.contracts import JobSubjects
+from pipelinerl.embedded_nats import EmbeddedNats
+from pipelinerl.streams import connect, delete_streams, ensure_streams, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_JOB = ROOT / "examples" / "tiny-cpu.yaml"
@@ -69,8 +71,7 @@ def make_payloads(n: int, attempts: int, seed: int = 0) -> list[tuple[str, bytes
                 tokens=[rng.randrange(16) for _ in range(p + c)], mask=[0] * p + [1] * c,
                 logprobs=[0.0] * p + [-rng.random() * 2 for _ in range(c)], versions=[-1] * p + [0] * c,
                 reward=float(a % 2), success=bool(a % 2)))
-        group = m.RolloutGroup(group_id=f"g{i}", problem_id=f"p{i}", generator=0, samples=samples,
-                               start_version=0, gen_seconds=0.5)
+        group = m.RolloutGroup(group_id=f"g{i}", generator=0, samples=samples)
         out.append((group.group_id, m.encode(group)))
     return out
 
@@ -122,7 +123,7 @@ async def run_side(side: str, url: str, payloads: list[tuple[str, bytes]], workd
             job.metadata.name = name
             job_file = workdir / f"{name}.yaml"
             job_file.write_text(dump_job(job))
-            await js.publish(subjects.version, m.encode(m.PolicyVersion(version=HUGE_VERSION, step=0, timestamp=0)))
+            await js.publish(subjects.version, m.encode(m.PolicyVersion(version=HUGE_VERSION, timestamp=0)))
             seen = {"groups": 0, "samples": 0}
             expected = n * len(m.decode(payloads[0][1], m.RolloutGroup).samples)
 
@@ -137,8 +138,7 @@ async def run_side(side: str, url: str, payloads: list[tuple[str, bytes]], workd
             await js.subscribe(subjects.batches(0), cb=on_batch, ordered_consumer=True)
             env |= {"PIPELINERL_EXIT_WHEN_DONE": "1", "PIPELINERL_HTTP_PORT": str(free_port()),
                     "PIPELINERL_RUN_DIR": str(workdir)}
-            code = ("import sys; from pipelinerl.services import run_service; from pipelinerl.spec import load_job;"
-                    f" sys.exit(run_service('preprocessor', load_job({str(job_file)!r})))")
+            code = f"import sys; from pipelinerl.cli import main; sys.exit(main(['service', 'preprocessor', {str(job_file)!r}]))"
             durable = "preprocessor"
             if n % job.spec.groups_per_step:
                 raise ValueError(f"--groups must be a multiple of {job.spec.groups_per_step} (groups per step)")
@@ -161,7 +161,7 @@ async def run_side(side: str, url: str, payloads: list[tuple[str, bytes]], workd
                 assert seen == {"groups": n, "samples": expected}, seen
                 # Let the service finish the way it does in a job: the trainer says it is done.
                 await js.publish(subjects.version, m.encode(m.PolicyVersion(
-                    version=HUGE_VERSION, step=0, finished=True, timestamp=0)))
+                    version=HUGE_VERSION, finished=True, timestamp=0)))
         finally:
             await stop_process(proc)
         return n / elapsed

@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 
+from pipelinerl.contracts import ROLES
 from pipelinerl.spec import SpecError, dump_job, load_job
 
 
@@ -25,17 +26,29 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _service(args: argparse.Namespace) -> int:
-    from pipelinerl.services import run_service
+    """The entrypoint of every pod (and of the local runner's children): one service, or the
+    rank processes of a multi-GPU trainer pod."""
+    from pipelinerl.runtime import service_env, setup_logging, stay_up_until_stopped
 
     job = load_job(args.job)
-    if int(os.environ.get("PIPELINERL_RANKS_PER_POD", "1")) > 1:
+    env = service_env(args.role, job)
+    if (env.ranks_per_pod or 1) > 1:
         from pipelinerl.pod_ranks import run_pod_ranks
-        from pipelinerl.services import setup_logging
 
         setup_logging(f"{args.role}-pod")
         argv = [sys.executable, "-m", "pipelinerl.cli", "service", args.role, args.job]
         return run_pod_ranks(argv, dict(os.environ))
-    return run_service(args.role, job)
+    setup_logging(f"{args.role}-{env.rank}")
+    if args.role == "generator":
+        from pipelinerl_generator.main import main
+    elif args.role == "preprocessor":
+        from pipelinerl_preprocessor.main import main
+    else:
+        from pipelinerl_trainer.main import main
+    code = main(job, env)
+    if code == 0 and not env.exit_when_done:
+        stay_up_until_stopped(args.role)
+    return code
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -113,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_plan)
 
     p = sub.add_parser("service", help="run one service (the entrypoint pods use)")
-    p.add_argument("role", choices=["generator", "preprocessor", "trainer"])
+    p.add_argument("role", choices=ROLES)
     p.add_argument("job")
     p.set_defaults(func=_service)
 

@@ -6,7 +6,7 @@ nested objects so the API server fills them in). `status` comes from the `JobSta
 below: kopf/the API server silently prune status fields that the schema does not declare, so
 every field the operator writes must be here. Cross-field rules that pydantic checks in
 `JobSpec._cross_field` are repeated as CEL rules so `kubectl apply` rejects what
-`pipelinerl validate` rejects; `tests/k8s/test_crd.py` checks both agree.
+`pipelinerl validate` rejects; `tests/k8s/test_k8s_crd.py` checks both agree.
 `crds/pipelinerl.dev_pipelinerljobs.yaml` is this module's output, committed.
 """
 
@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from pipelinerl.contracts import ROLES, Progress
 from pipelinerl.spec import API_GROUP, KIND, MAX_JOB_NAME, RESERVED_ENV, JobSpec
 
 PLURAL = "pipelinerljobs"
@@ -63,19 +64,6 @@ class RolesStatus(StatusModel):
     preprocessor: RoleStatus = Field(default_factory=RoleStatus)
     trainer: RoleStatus = Field(default_factory=RoleStatus)
 
-
-class Progress(StatusModel):
-    """What trainer rank 0 reports on `/status`."""
-
-    step: int = Field(default=0, ge=0)
-    version: int = Field(default=0, ge=0, description="Policy version (optimizer steps applied).")
-    max_steps: int | None = Field(default=None, ge=0)
-    samples: int = Field(default=0, ge=0)
-    reward: float | None = None
-    lag_mean: float | None = None
-    lag_max: int | None = None
-    tokens_per_second: float | None = None
-    last_update: str | None = None
 
 
 class JobStatus(StatusModel):
@@ -189,7 +177,7 @@ def spec_schema() -> dict[str, Any]:
     schema = model_schema(JobSpec)
     for path, rule, message in SPEC_RULES:
         _add_rule(_node(schema, path), rule, message)
-    for role in ("generator", "preprocessor", "trainer"):
+    for role in ROLES:
         _add_rule(_node(schema, f"{role}.env")["items"], *ENV_RULE)
     return schema
 

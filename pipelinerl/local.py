@@ -21,10 +21,12 @@ import httpx
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
-from pipelinerl.services import die_with_parent
-from pipelinerl.spec import PipelineRLJob, dump_job
+from pipelinerl.contracts import GeneratorStatus, JobSubjects, ServiceEnv
+from pipelinerl.embedded_nats import EmbeddedNats
 from pipelinerl.ports import free_port
-from pipelinerl.streams import EmbeddedNats, JobSubjects, connect, ensure_streams
+from pipelinerl.processes import die_with_parent
+from pipelinerl.spec import PipelineRLJob, dump_job
+from pipelinerl.streams import connect, ensure_streams
 from pipelinerl.tiny_model import model_info, resolve_model_path
 
 FINAL_EVAL_TIMEOUT_S = 300.0
@@ -45,10 +47,9 @@ def cpu_layout(cpus: list[int], trainers: int, generators: int) -> dict[tuple[st
 
 
 class Service:
-    def __init__(self, name: str, role: str, rank: int, env: dict, log_path: Path, job_file: Path,
-                 cpus: list[int] | None = None):
-        self.name, self.role, self.rank, self.log_path = name, role, rank, log_path
-        self.http_port = int(env["PIPELINERL_HTTP_PORT"])
+    def __init__(self, name: str, env: ServiceEnv, log_path: Path, job_file: Path, cpus: list[int] | None = None):
+        self.name, self.role, self.rank, self.log_path = name, env.role, env.rank, log_path
+        self.http_port = env.http_port
         self.log = open(log_path, "ab")
 
         def setup() -> None:
@@ -57,8 +58,8 @@ class Service:
                 os.sched_setaffinity(0, cpus)
 
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipelinerl.cli", "service", role, str(job_file)],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=setup,
+            [sys.executable, "-m", "pipelinerl.cli", "service", env.role, str(job_file)],
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env.to_environ()}, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=setup,
         )
 
     def tail(self, lines: int = 40) -> str:
@@ -105,29 +106,23 @@ class LocalRun:
         job_file.write_text(dump_job(self.job))
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
-        gens, trainers = self.spec.generator.replicas, self.spec.trainer_ranks  # one machine: rank r on GPU r
+        gens, trainers = self.spec.generator.replicas, self.spec.trainer_ranks
         weights_port, master_port = free_port(), free_port()
-        base = {
-            **os.environ, "PYTHONUNBUFFERED": "1", "PIPELINERL_NATS_URL": nats_url,
-            "PIPELINERL_WEIGHTS_ADDR": f"127.0.0.1:{weights_port}", "PIPELINERL_RUN_DIR": str(self.run_dir),
-            "PIPELINERL_GENERATORS": str(gens), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port),
-            "OMP_NUM_THREADS": "1", "PIPELINERL_EXIT_WHEN_DONE": "1",
-            # Training is the compute-bound stage here: trainers split the cores between them
-            # (the generators' engine threads overlap with them; they idle while lag-bound).
-            "PIPELINERL_TORCH_THREADS": str(max(1, (os.cpu_count() or 1) // trainers)),
-        }
         cpus = cpu_layout(sorted(os.sched_getaffinity(0)), trainers, gens) if self.pin_cores else {}
         layout = [("trainer", r, trainers) for r in range(trainers)] + [("preprocessor", 0, 1)] + \
                  [("generator", r, gens) for r in range(gens)]
         for role, rank, world in layout:
-            env = base | {"PIPELINERL_ROLE": role, "PIPELINERL_RANK": str(rank),
-                          "PIPELINERL_WORLD_SIZE": str(world), "PIPELINERL_HTTP_PORT": str(free_port())}
-            if role == "trainer":
-                env["PIPELINERL_LOCAL_RANK"] = str(rank)
-            if (role, rank) in cpus:
-                env["PIPELINERL_TORCH_THREADS"] = str(len(cpus[role, rank]))
+            trainer = role == "trainer"
+            # Training is the compute-bound stage here: trainers split the cores between them
+            # (the generators' engine threads overlap with them; they idle while lag-bound).
+            threads = len(cpus[role, rank]) if (role, rank) in cpus else max(1, (os.cpu_count() or 1) // trainers)
+            env = ServiceEnv(
+                role, rank=rank, world_size=world, nats_url=nats_url, weights_addr=f"127.0.0.1:{weights_port}",
+                run_dir=self.run_dir, http_port=free_port(), exit_when_done=True, torch_threads=threads,
+                local_rank=rank if trainer else None,  # one machine: trainer rank r on GPU r
+                master_addr="127.0.0.1" if trainer else None, master_port=master_port if trainer else None)
             name = role if world == 1 else f"{role}-{rank}"
-            self.services.append(Service(name, role, rank, env, logs / f"{name}.log", job_file, cpus.get((role, rank))))
+            self.services.append(Service(name, env, logs / f"{name}.log", job_file, cpus.get((role, rank))))
 
     def check_services(self) -> bool:
         """True when the trainers have all finished; raises ServiceDied on a failure, or when
@@ -196,11 +191,11 @@ class LocalRun:
             if s.role != "generator" or s.proc.poll() is not None:
                 continue
             try:
-                status = (await http.get(f"http://127.0.0.1:{s.http_port}/status")).json()
+                status = GeneratorStatus.model_validate((await http.get(f"http://127.0.0.1:{s.http_port}/status")).json())
             except (httpx.HTTPError, ValueError):
                 return
-            total += status.get("tokens", 0)
-            busy += status.get("busySeconds", 0.0)
+            total += status.tokens
+            busy += status.busy_seconds
         now = time.time()
         self.busy.append((now - self.t0, busy))
         if self.gen_tokens and now > self.gen_tokens[0]:

@@ -12,7 +12,7 @@ from typing import ClassVar, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: RolloutGroup without problem_id/start_version/gen_seconds, PolicyVersion without step
 
 
 class MessageError(ValueError):
@@ -50,21 +50,21 @@ class Sample(BaseModel):
     def num_generated(self) -> int:
         return sum(self.mask)
 
-    @property
-    def min_version(self) -> int:
-        return min(v for v, m in zip(self.versions, self.mask) if m)
 
 
 class RolloutGroup(Message):
     """G attempts at one prompt: the unit the generator publishes and advantages are computed on."""
 
     TYPE: ClassVar[str] = "rollout_group"
-    group_id: str  # unique and stable: also the JetStream Nats-Msg-Id for de-duplication
-    problem_id: str
+    group_id: str  # the problem's id: unique and stable, also the JetStream Nats-Msg-Id for de-duplication
     generator: int
     samples: list[Sample] = Field(min_length=1)
-    start_version: int
-    gen_seconds: float = 0.0
+
+    @property
+    def zero_variance(self) -> bool:
+        """All attempts scored the same: every advantage is 0, the group carries no signal."""
+        rewards = [s.reward for s in self.samples]
+        return max(rewards) - min(rewards) <= 1e-12
 
 
 class MicroBatch(Message):
@@ -110,11 +110,12 @@ class MicroBatch(Message):
 
 
 class PolicyVersion(Message):
-    """Announced by trainer rank 0 after the weights of `version` are in every generator."""
+    """Announced by trainer rank 0: once the weights of `version` are sent (the generators
+    confirm loading them separately, `WeightUpdateDone`), and with `training` when step
+    `version` has started."""
 
     TYPE: ClassVar[str] = "policy_version"
-    version: int
-    step: int
+    version: int  # = optimizer steps taken
     finished: bool = False  # the trainer has taken its last step
     training: bool = False  # step `version` has started (its groups are consumed), not finished
     timestamp: float

@@ -2,19 +2,21 @@
 `pipelinerl service trainer` processes and supervises them, so one failing rank fails the pod
 (and Kubernetes restarts it) instead of leaving the others waiting in a collective.
 
-The operator sets PIPELINERL_RANK to the pod's index and PIPELINERL_RANKS_PER_POD to its GPUs;
+The operator sets the pod's rank (`ServiceEnv.rank`) to its index and `ranks_per_pod` to its GPUs;
 rank r of pod p is global rank p × ranks per pod + r on GPU r. Rank 0 of the pod serves the pod's
 HTTP port (probes, /metrics); the others serve on ports of their own choosing.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import subprocess
 import threading
 
-from pipelinerl.services import die_with_parent
+from pipelinerl.contracts import Env, ServiceEnv
+from pipelinerl.processes import die_with_parent
 
 log = logging.getLogger("pipelinerl")
 POLL_S = 1.0
@@ -23,11 +25,13 @@ STOP_GRACE_S = 30.0
 
 def rank_envs(env: dict[str, str]) -> list[dict[str, str]]:
     """The environment of each rank process of this pod (pure: derived from the pod's env)."""
-    pod, per_pod = int(env.get("PIPELINERL_RANK", "0")), int(env.get("PIPELINERL_RANKS_PER_POD", "1"))
-    port = env.get("PIPELINERL_HTTP_PORT", "8000")
-    return [env | {"PIPELINERL_RANK": str(pod * per_pod + r), "PIPELINERL_LOCAL_RANK": str(r),
-                   "PIPELINERL_RANKS_PER_POD": "1", "PIPELINERL_HTTP_PORT": port if r == 0 else "0"}
-            for r in range(per_pod)]
+    pod = ServiceEnv.from_environ("trainer", env)
+    per_pod = pod.ranks_per_pod or 1
+    ranks = [dataclasses.replace(pod, rank=pod.rank * per_pod + r, local_rank=r, ranks_per_pod=1,
+                                 http_port=pod.http_port if r == 0 else 0).to_environ() for r in range(per_pod)]
+    # Only what differs per rank: the rest stays as the pod has it (unset included).
+    return [env | {k: rank[k] for k in (Env.RANK, Env.LOCAL_RANK, Env.RANKS_PER_POD, Env.HTTP_PORT)}
+            for rank in ranks]
 
 
 def run_pod_ranks(argv: list[str], env: dict[str, str]) -> int:

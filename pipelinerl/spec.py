@@ -15,6 +15,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from pipelinerl.contracts import WEIGHTS_PORT, reserved_env
+
 API_GROUP = "pipelinerl.dev"
 API_VERSION = f"{API_GROUP}/v1alpha1"
 KIND = "PipelineRLJob"
@@ -23,14 +25,7 @@ KIND = "PipelineRLJob"
 MAX_JOB_NAME = 40
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 # Env names the operator sets itself; a user template may not override them.
-RESERVED_ENV = frozenset(
-    {
-        "PIPELINERL_JOB_FILE", "PIPELINERL_ROLE", "PIPELINERL_RANK", "PIPELINERL_WORLD_SIZE",
-        "PIPELINERL_RANKS_PER_POD", "PIPELINERL_LOCAL_RANK",
-        "PIPELINERL_NATS_URL", "PIPELINERL_WEIGHTS_ADDR", "PIPELINERL_RUN_DIR",
-        "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-    }
-)
+RESERVED_ENV = reserved_env()
 
 
 class SpecModel(BaseModel):
@@ -172,7 +167,7 @@ class WeightSyncSpec(SpecModel):
     backend: Literal["auto", "nccl", "gloo"] = Field(default="auto", description="auto: NCCL with GPUs, else gloo.")
     bucket_mb: int = Field(default=256, ge=1, le=65536)
     timeout_seconds: float = Field(default=120.0, gt=0.0, le=86400.0)
-    port: int = Field(default=29600, ge=1024, le=65535)
+    port: int = Field(default=WEIGHTS_PORT, ge=1024, le=65535)
     staged: bool = Field(default=True, description=(
         "Generators receive and load new weights into a second copy while they keep generating, "
         "then pause only to swap them in (one extra copy of the weights in generator memory). "
@@ -246,9 +241,26 @@ class JobSpec(SpecModel):
     @property
     def max_lag(self) -> int:
         """The lag budget in force: explicit, else 4 in pipeline mode and 0 in sync mode."""
-        if self.mode == "sync":
+        if self.is_sync:
             return 0
         return 4 if self.rl.max_lag is None else self.rl.max_lag
+
+    @property
+    def is_sync(self) -> bool:
+        """The conventional baseline: generate a step whole, stop, train, update, repeat."""
+        return self.mode == "sync"
+
+    @property
+    def streams_steps(self) -> bool:
+        """A step reaches the trainer in waves as it is generated. Pipeline mode only, and not with
+        tokenWeighting: token, whose loss weights are known only once the step is complete."""
+        return not self.is_sync and self.rl.token_weighting == "sample"
+
+    @property
+    def waits_for_weights(self) -> bool:
+        """No lag allowed (sync mode, or maxLag 0): the next step is generated with this step's
+        weights, so the trainer waits until every generator has loaded them."""
+        return self.max_lag == 0
 
     @property
     def groups_per_step(self) -> int:

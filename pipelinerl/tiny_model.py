@@ -38,7 +38,7 @@ BUILTINS = ("builtin:tiny-arith", "builtin:tiny-random")
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("PIPELINERL_CACHE", Path.home() / ".cache" / "pipelinerl"))
+    return Path(os.environ.get(Env.CACHE, Path.home() / ".cache" / "pipelinerl"))
 
 
 def make_tokenizer():

@@ -15,31 +15,31 @@ from typing import Any
 
 import kopf
 
+from pipelinerl.contracts import OPERATOR_METRICS_PORT, ROLES, OperatorEnv
 from pipelinerl.crd import PLURAL, VERSION
 from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError, parse_job
 from pipelinerl_operator import metrics
 from pipelinerl_operator.kube import Kube
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
 from pipelinerl_operator.render import (
-    ROLES, OperatorConfig, RenderError, generator_selector, render, replicas, role_name, selector_labels,
-    trainer_host,
+    OperatorConfig, RenderError, generator_selector, render, replicas, role_name, selector_labels, trainer_host,
 )
 from pipelinerl_operator.status import Observed, RoleObserved, compute, is_terminal, ttl_expired
 from pipelinerl_operator.streams_cleanup import delete_job_streams
 
 FINALIZER = f"{API_GROUP}/cleanup"
-RESYNC_SECONDS = float(os.environ.get("PIPELINERL_RESYNC_SECONDS", "15"))
+RESYNC_SECONDS = float(os.environ.get(OperatorEnv.RESYNC_SECONDS, "15"))
 
 
 def operator_config() -> OperatorConfig:
     defaults = OperatorConfig()
     env = os.environ.get
     return OperatorConfig(
-        cpu_image=env("PIPELINERL_SERVICES_IMAGE", defaults.cpu_image),
-        gpu_image=env("PIPELINERL_SERVICES_GPU_IMAGE", defaults.gpu_image),
-        nats_url=env("PIPELINERL_DEFAULT_NATS_URL", defaults.nats_url),
-        service_account=env("PIPELINERL_JOB_SERVICE_ACCOUNT", defaults.service_account),
-        image_pull_policy=env("PIPELINERL_IMAGE_PULL_POLICY", defaults.image_pull_policy),
+        cpu_image=env(OperatorEnv.SERVICES_IMAGE, defaults.cpu_image),
+        gpu_image=env(OperatorEnv.SERVICES_GPU_IMAGE, defaults.gpu_image),
+        nats_url=env(OperatorEnv.DEFAULT_NATS_URL, defaults.nats_url),
+        service_account=env(OperatorEnv.JOB_SERVICE_ACCOUNT, defaults.service_account),
+        image_pull_policy=env(OperatorEnv.IMAGE_PULL_POLICY, defaults.image_pull_policy),
     )
 
 
@@ -72,9 +72,9 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
     settings.watching.connect_timeout = 30
-    if os.environ.get("PIPELINERL_WATCH_NAMESPACES"):
+    if os.environ.get(OperatorEnv.WATCH_NAMESPACES):
         settings.scanning.disabled = True  # namespaced install: no cluster-wide CRD/namespace scans
-    port = int(os.environ.get("PIPELINERL_METRICS_PORT", "8080"))
+    port = int(os.environ.get(OperatorEnv.METRICS_PORT, str(OPERATOR_METRICS_PORT)))
     if port:
         metrics.serve(port)
 
@@ -83,7 +83,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
     """In a pod: the service account; elsewhere: kubeconfig; `PIPELINERL_KUBE_SERVER` overrides
     both (a `kubectl proxy`, or the emulator in tests). The same credentials serve our own client."""
-    server = os.environ.get("PIPELINERL_KUBE_SERVER")
+    server = os.environ.get(OperatorEnv.KUBE_SERVER)
     if server:
         info: kopf.ConnectionInfo | None = kopf.ConnectionInfo(server=server, default_namespace="default")
     else:
@@ -159,7 +159,7 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
         restarts = await _trainer_restarts(kube, ns, name)
         trainer_status = None
         if job is not None and roles["trainer"].ready > 0:
-            url = status_url(os.environ.get("PIPELINERL_TRAINER_STATUS_URL", DEFAULT_URL), name, ns, trainer_host(job, ns))
+            url = status_url(os.environ.get(OperatorEnv.TRAINER_STATUS_URL, DEFAULT_URL), name, ns, trainer_host(job, ns))
             trainer_status = await fetch_trainer_status(url)
         now = datetime.now(timezone.utc)
         status, events = compute(Observed(
@@ -222,7 +222,7 @@ async def deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
     name, ns = meta["name"], meta["namespace"]
     url = (body.get("spec") or {}).get("nats", {}).get("url") or operator_config().nats_url
     try:
-        streams = await delete_job_streams(url, name, timeout_s=float(os.environ.get("PIPELINERL_NATS_TIMEOUT", "10")))
+        streams = await delete_job_streams(url, name, timeout_s=float(os.environ.get(OperatorEnv.NATS_TIMEOUT, "10")))
         _event(body, "Normal", "StreamsDeleted", f"deleted NATS streams: {', '.join(streams) or 'none'}")
     except Exception as err:  # noqa: BLE001 - any NATS failure must still let the job go
         logger.warning("could not delete NATS streams of %s/%s: %r", ns, name, err)

@@ -14,18 +14,13 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from pipelinerl.contracts import (
+    CONFIG_HASH_ANNOTATION, HTTP_PORT, JOB_FILE, JOB_FILE_DIR, JOB_LABEL, KUEUE_POD_GROUP_COUNT_ANNOTATION,
+    KUEUE_POD_GROUP_LABEL, KUEUE_PREFIX, KUEUE_QUEUE_LABEL, MASTER_PORT, POD_GROUP_LABEL, POD_INDEX_LABEL,
+    POD_RUN_DIR, ROLE_LABEL, ROLES, Env, ServiceEnv,
+)
 from pipelinerl.spec import API_VERSION, KIND, PipelineRLJob, RoleSpec, dump_job
 
-ROLES = ("generator", "preprocessor", "trainer")
-HTTP_PORT = 8000
-MASTER_PORT = 29500
-JOB_FILE_DIR = "/etc/pipelinerl"
-JOB_FILE = f"{JOB_FILE_DIR}/job.yaml"
-RUN_DIR = "/var/lib/pipelinerl/run"
-POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"
-JOB_LABEL = "pipelinerl.dev/job"
-ROLE_LABEL = "pipelinerl.dev/role"
-CONFIG_HASH = "pipelinerl.dev/config-hash"
 FIELD_MANAGER = "pipelinerl-operator"
 # Pod-level fields of a role: changing them restarts that role only.
 POD_FIELDS = ("image", "resources", "gpus", "env", "podTemplate")
@@ -74,7 +69,7 @@ def replicas(job: PipelineRLJob, role: str) -> int:
 
 def _labels(job: PipelineRLJob, role: str | None) -> dict[str, str]:
     labels = {
-        **{k: v for k, v in job.metadata.labels.items() if not k.startswith("kueue.x-k8s.io/")},
+        **{k: v for k, v in job.metadata.labels.items() if not k.startswith(KUEUE_PREFIX)},
         "app.kubernetes.io/name": "pipelinerl",
         "app.kubernetes.io/instance": job.name,
         "app.kubernetes.io/managed-by": "pipelinerl-operator",
@@ -139,28 +134,23 @@ def role_config_hash(job: PipelineRLJob, role: str) -> str:
     return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> list[dict[str, Any]]:
-    def rank(name: str) -> dict[str, Any]:
-        return {"name": name, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}}
+def service_env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> ServiceEnv:
+    """What a role's pods are told (their rank comes from the pod-index label instead)."""
+    trainer = role == "trainer"
+    # Trainer pods start one rank per GPU; their rank is the pod's index, from which each
+    # rank process derives its own: index × ranks per pod + local rank (pipelinerl.pod_ranks).
+    return ServiceEnv(
+        role, world_size=job.spec.trainer_ranks if trainer else replicas(job, role),
+        nats_url=job.spec.nats.url or cfg.nats_url,
+        weights_addr=f"{trainer_host(job, namespace)}:{job.spec.weight_sync.port}", run_dir=POD_RUN_DIR,
+        ranks_per_pod=job.spec.trainer_ranks_per_pod if trainer else None,
+        master_addr=trainer_host(job, namespace) if trainer else None, master_port=MASTER_PORT if trainer else None)
 
-    # Trainer pods start one rank per GPU; PIPELINERL_RANK is the pod's index, from which
-    # each of its ranks derives RANK = index × ranks per pod + local rank (pipelinerl.pod_ranks).
-    world = str(job.spec.trainer_ranks if role == "trainer" else replicas(job, role))
-    env = [
-        {"name": "PIPELINERL_JOB_FILE", "value": JOB_FILE},
-        {"name": "PIPELINERL_ROLE", "value": role},
-        rank("PIPELINERL_RANK"),
-        {"name": "PIPELINERL_WORLD_SIZE", "value": world},
-        {"name": "PIPELINERL_NATS_URL", "value": job.spec.nats.url or cfg.nats_url},
-        {"name": "PIPELINERL_WEIGHTS_ADDR", "value": f"{trainer_host(job, namespace)}:{job.spec.weight_sync.port}"},
-        {"name": "PIPELINERL_RUN_DIR", "value": RUN_DIR},
-    ]
-    if role == "trainer":
-        env += [
-            {"name": "MASTER_ADDR", "value": trainer_host(job, namespace)},
-            {"name": "MASTER_PORT", "value": str(MASTER_PORT)},
-            {"name": "PIPELINERL_RANKS_PER_POD", "value": str(job.spec.trainer_ranks_per_pod)},
-        ]
+
+def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> list[dict[str, Any]]:
+    rank = {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}
+    env = [{"name": name, "valueFrom": rank} if name == Env.RANK else {"name": name, "value": value}
+           for name, value in service_env(job, role, namespace, cfg).to_environ().items()]
     return env + [e.model_dump(mode="json") for e in getattr(job.spec, role).env]
 
 
@@ -192,14 +182,14 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 def _pod_labels(job: PipelineRLJob, role: str) -> tuple[dict[str, str], dict[str, str]]:
     labels = _labels(job, role)
-    annotations: dict[str, str] = {CONFIG_HASH: role_config_hash(job, role)}
+    annotations: dict[str, str] = {CONFIG_HASH_ANNOTATION: role_config_hash(job, role)}
     sched = job.spec.scheduling
     if sched.queue_name:  # Kueue admits all pods of the job as one group (gang admission)
-        labels["kueue.x-k8s.io/queue-name"] = sched.queue_name
-        labels["kueue.x-k8s.io/pod-group-name"] = job.name
-        annotations["kueue.x-k8s.io/pod-group-total-count"] = str(sum(replicas(job, r) for r in ROLES))
+        labels[KUEUE_QUEUE_LABEL] = sched.queue_name
+        labels[KUEUE_POD_GROUP_LABEL] = job.name
+        annotations[KUEUE_POD_GROUP_COUNT_ANNOTATION] = str(sum(replicas(job, r) for r in ROLES))
     if sched.scheduler_name:  # coscheduling-style gang schedulers group pods by this label
-        labels["scheduling.x-k8s.io/pod-group"] = job.name
+        labels[POD_GROUP_LABEL] = job.name
     return labels, annotations
 
 
@@ -221,7 +211,7 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorCon
         "volumeMounts": [
             {"name": "job-config", "mountPath": JOB_FILE_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "run", "mountPath": RUN_DIR},
+            {"name": "run", "mountPath": POD_RUN_DIR},
         ],
     }
     volumes: list[dict[str, Any]] = [

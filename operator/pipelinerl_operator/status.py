@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
-from pipelinerl.crd import JobStatus, Progress
+from pipelinerl.contracts import Progress, TrainerStatus
+from pipelinerl.crd import JobStatus
 
 ROLE_CONDITIONS = {"generator": "GeneratorsReady", "preprocessor": "PreprocessorReady", "trainer": "TrainerReady"}
 # The fixed vocabulary of Event reasons the operator posts (docs/kubernetes.md lists them).
@@ -38,7 +39,7 @@ class Observed:
     spec_error: str | None = None
     suspend: bool = False
     roles: dict[str, RoleObserved] = field(default_factory=dict)
-    trainer_status: dict[str, Any] | None = None  # trainer rank 0 `/status`; None: unreachable
+    trainer_status: TrainerStatus | None = None  # trainer rank 0 `/status`; None: unreachable
     trainer_restarts: int = 0  # container restarts summed over trainer pods
     backoff_limit: int = 3
     active_deadline_seconds: int | None = None
@@ -64,16 +65,11 @@ def is_terminal(status: dict[str, Any] | None) -> bool:
     return (status or {}).get("phase") in ("Succeeded", "Failed")
 
 
-def progress_from(trainer: dict[str, Any] | None, previous: dict[str, Any]) -> dict[str, Any]:
-    """Map the trainer's `/status` JSON onto `status.progress`; keep the last known values when unreachable."""
-    if not trainer:
+def progress_from(trainer: TrainerStatus | None, previous: dict[str, Any]) -> dict[str, Any]:
+    """The trainer's progress as `status.progress`; the last known values when it is unreachable."""
+    if trainer is None:
         return previous or Progress().model_dump(by_alias=True, exclude_none=True)
-    fields = {"step", "version", "maxSteps", "samples", "reward", "lagMean", "lagMax", "tokensPerSecond", "lastUpdate"}
-    known = {k: v for k, v in trainer.items() if k in fields and v is not None}
-    try:
-        return Progress.model_validate(known).model_dump(by_alias=True, exclude_none=True)
-    except ValueError:  # a malformed report must not break reconciliation
-        return previous or Progress().model_dump(by_alias=True, exclude_none=True)
+    return trainer.model_dump(by_alias=True, exclude_none=True, include=set(Progress.model_fields))
 
 
 class _Conditions:
@@ -125,7 +121,7 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
         fail_reason, fail_message = before.get("reason", phase), before.get("message", "")
     if phase is None:
         deadline = obs.active_deadline_seconds
-        if obs.trainer_status and obs.trainer_status.get("finished"):
+        if obs.trainer_status and obs.trainer_status.finished:
             phase, fail_message = "Succeeded", f"trainer finished at step {progress.get('step', 0)}"
         elif failures > obs.backoff_limit:
             phase, fail_reason = "Failed", "BackoffLimitExceeded"
@@ -144,7 +140,7 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
         conds.set("WeightSyncReady", False, "ScaledDown", "")
     elif obs.trainer_status is None:
         conds.set("WeightSyncReady", False, "TrainerUnreachable", "trainer rank 0 /status did not answer")
-    elif obs.trainer_status.get("weightSyncReady") is False or not pods_ready:
+    elif not obs.trainer_status.weight_sync_ready or not pods_ready:
         conds.set("WeightSyncReady", False, "WaitingForMembers", "the weight broadcast group is not complete")
     else:
         conds.set("WeightSyncReady", True, "GroupFormed", f"policy version {progress.get('version', 0)}")

@@ -5,16 +5,16 @@ import asyncio
 import time
 
 from pipelinerl import messages as m
-from pipelinerl.services import ServiceEnv
+from pipelinerl.contracts import JobSubjects, ServiceEnv
 from pipelinerl.spec import parse_job
-from pipelinerl.streams import JobSubjects, connect, ensure_streams
+from pipelinerl.streams import connect, ensure_streams
 from pipelinerl_preprocessor.main import Preprocessor
 
 
 def rollout(i: int, rewards: list[float]) -> m.RolloutGroup:
     samples = [m.Sample(tokens=[3, 4, 5, 1], mask=[0, 0, 1, 1], logprobs=[0, 0, -1, -1], versions=[-1, -1, 0, 0],
                         reward=r) for r in rewards]
-    return m.RolloutGroup(group_id=f"g{i}", problem_id=f"p{i}", generator=i % 2, samples=samples, start_version=0)
+    return m.RolloutGroup(group_id=f"g{i}", generator=i % 2, samples=samples)
 
 
 async def wait_until(cond, timeout=10.0):
@@ -27,8 +27,7 @@ async def wait_until(cond, timeout=10.0):
 async def start(nats_server, tmp_path, name: str, spec: dict):
     """The job, the preprocessor's environment, and a JetStream client with the job's streams."""
     job = parse_job({"metadata": {"name": name}, "spec": spec})
-    env = ServiceEnv(role="preprocessor", rank=0, world_size=1, nats_url=nats_server.url, weights_host="",
-                     weights_port=0, run_dir=tmp_path, http_port=0, generators=2)
+    env = ServiceEnv("preprocessor", nats_url=nats_server.url, run_dir=tmp_path, http_port=0)
     subjects = JobSubjects(name)
     nc = await connect(nats_server.url, "test")
     js = nc.jetstream()
@@ -48,10 +47,10 @@ async def test_preprocessor_service(nats_server, tmp_path):
 
     pre = Preprocessor(job, env, trainer_ranks=2)
     task = asyncio.create_task(pre.run())
-    await wait_until(lambda: pre.step == 1 and pre.stats["malformed"] == 1 and pre.stats["filteredGroups"] == 1)
+    await wait_until(lambda: pre.step == 1 and pre.stats["malformed"] == 1 and pre.stats["filtered_groups"] == 1)
     await asyncio.sleep(0.5)
     assert pre.step == 1  # backpressure: trainer at version 0, one pending step allowed
-    await js.publish(subjects.version, m.encode(m.PolicyVersion(version=1, step=1, timestamp=0)))
+    await js.publish(subjects.version, m.encode(m.PolicyVersion(version=1, timestamp=0)))
     await wait_until(lambda: pre.step == 2)
     assert len(pre.accepted) == 1  # the fifth signal-carrying group waits for a full step
 
@@ -86,7 +85,7 @@ async def test_steps_stream_in_waves_and_a_restart_closes_a_partial_step(nats_se
     job, env, nc, js, subjects = await start(nats_server, tmp_path, "pw", {
         "model": {"maxSeqLen": 8}, "generator": {"sampling": {"maxTokens": 4}},
         "rl": {"attempts": 2}, "trainer": {"samplesPerStep": 8, "microBatchTokens": 16}})
-    await js.publish(subjects.version, m.encode(m.PolicyVersion(version=5, step=5, timestamp=0)))  # no backpressure
+    await js.publish(subjects.version, m.encode(m.PolicyVersion(version=5, timestamp=0)))  # no backpressure
     out = await js.pull_subscribe(subjects.batches(0), durable="t")
 
     async def publish(i):

@@ -5,14 +5,16 @@ import asyncio
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from pipelinerl import messages as m
-from pipelinerl.streams import EmbeddedNats, JobSubjects, connect, ensure_streams
+from pipelinerl.contracts import JobSubjects
+from pipelinerl.embedded_nats import EmbeddedNats
+from pipelinerl.streams import connect, ensure_streams
 
 SUBJECTS = JobSubjects("t-job")
 
 
 def group(i: int) -> m.RolloutGroup:
     s = m.Sample(tokens=[1, 2, 3], mask=[0, 1, 1], logprobs=[0, -1, -2], versions=[-1, 0, 0], reward=float(i % 2))
-    return m.RolloutGroup(group_id=f"g{i}", problem_id=f"p{i}", generator=0, samples=[s, s], start_version=0)
+    return m.RolloutGroup(group_id=f"g{i}", generator=0, samples=[s, s])
 
 
 async def publish(js, i: int):

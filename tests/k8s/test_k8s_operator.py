@@ -93,7 +93,7 @@ async def test_create_renders_children_and_turns_ready_with_progress(cluster) ->
             "message": "WeightSyncReady: TrainerUnreachable trainer rank 0 /status did not answer", "lastTransitionTime": ""}
         trainer.reports["demo"] = {"step": 12, "version": 12, "samples": 1536, "reward": 0.41, "lagMean": 1.3,
                                    "lagMax": 3, "tokensPerSecond": 5230.0, "lastUpdate": "2026-11-22T03:00:00Z",
-                                   "finished": False, "maxSteps": 50}
+                                   "finished": False, "maxSteps": 50, "weightSyncReady": True}
         await eventually(lambda: condition(emulator, "Ready").get("status") == "True", what="Ready")
         st = status(emulator)
         assert st["phase"] == "Running" and st["startTime"]
@@ -115,7 +115,7 @@ def sts_template(emulator, role: str) -> dict[str, Any]:
 
 async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
     emulator, api, trainer = cluster
-    trainer.reports["demo"] = {"step": 3, "version": 3, "finished": False}
+    trainer.reports["demo"] = {"step": 3, "version": 3, "finished": False, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest())
         await eventually(lambda: obj(emulator, STS, "demo-trainer"), what="trainer StatefulSet")
@@ -164,7 +164,7 @@ async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
 
 async def test_failing_trainer_fails_after_backoff_limit(cluster) -> None:
     emulator, api, trainer = cluster
-    trainer.reports["demo"] = {"step": 1, "version": 1, "finished": False}
+    trainer.reports["demo"] = {"step": 1, "version": 1, "finished": False, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest())  # backoffLimit 2
         await eventually(lambda: obj(emulator, STS, "demo-trainer"))
@@ -190,7 +190,7 @@ async def test_failing_trainer_fails_after_backoff_limit(cluster) -> None:
 
 async def test_finished_trainer_succeeds_and_ttl_deletes(cluster) -> None:
     emulator, api, trainer = cluster
-    trainer.reports["demo"] = {"step": 50, "version": 50, "maxSteps": 50, "finished": True}
+    trainer.reports["demo"] = {"step": 50, "version": 50, "maxSteps": 50, "finished": True, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest(runPolicy={"ttlSecondsAfterFinished": 1}))
         await eventually(lambda: obj(emulator, STS, "demo-trainer"))
@@ -220,7 +220,7 @@ async def test_invalid_spec_is_a_condition_not_a_crash(cluster) -> None:
 
 async def test_operator_restart_creates_no_duplicates(cluster) -> None:
     emulator, api, trainer = cluster
-    trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False}
+    trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest())
         await eventually(lambda: obj(emulator, STS, "demo-trainer"))

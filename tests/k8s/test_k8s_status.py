@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
+import pytest
+from pydantic import ValidationError
+
+from pipelinerl.contracts import TrainerStatus
 from pipelinerl.crd import JobStatus
 from pipelinerl_operator.status import Observed, RoleObserved, compute, ttl_expired
 
@@ -17,7 +21,9 @@ def cond(status, type_):
 
 def run(previous=None, now=T0, **kw):
     kw.setdefault("roles", UP)
-    kw.setdefault("trainer_status", {"step": 1, "version": 1})
+    report = kw.setdefault("trainer_status", {"step": 1, "version": 1, "weightSyncReady": True})
+    if report is not None:
+        kw["trainer_status"] = TrainerStatus.model_validate(report)
     return compute(Observed(generation=1, now=now, previous=previous or {}, **kw))
 
 
@@ -79,10 +85,18 @@ def test_suspend_and_invalid_spec() -> None:
     assert [e.reason for e in events] == ["InvalidSpec"]
 
 
-def test_malformed_trainer_report_keeps_previous_progress() -> None:
-    first, _ = run(trainer_status={"step": 5, "version": 5})
-    second, _ = run(previous=first, trainer_status={"step": "many"})
+def test_malformed_or_missing_trainer_report_keeps_previous_progress() -> None:
+    first, _ = run(trainer_status={"step": 5, "version": 5, "weightSyncReady": True})
+    with pytest.raises(ValidationError):  # progress.fetch_trainer_status reads such a report as None
+        TrainerStatus.model_validate({"step": "many"})
+    second, _ = run(previous=first, trainer_status=None)
     assert second["progress"]["step"] == 5
+
+
+def test_weight_group_not_formed_is_not_ready() -> None:
+    status, _ = run(trainer_status={"step": 0, "version": 0})  # the trainer still waits for generators
+    assert cond(status, "WeightSyncReady")["reason"] == "WaitingForMembers"
+    assert cond(status, "Ready")["status"] == "False"
 
 
 def test_ttl() -> None:

@@ -1,4 +1,4 @@
-from pipelinerl_generator.admission import Admission
+from pipelinerl.admission import Admission
 
 
 def fill(a: Admission) -> int:

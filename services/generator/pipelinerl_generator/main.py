@@ -19,14 +19,14 @@ from nats.js.api import DeliverPolicy
 from prometheus_client import Counter, Gauge
 
 from pipelinerl import messages as m
-from pipelinerl.services import HealthServer, ServiceEnv, exit_soon
+from pipelinerl.admission import Admission
+from pipelinerl.contracts import GeneratorStatus, JobSubjects, ServiceEnv
+from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import JobSubjects, connect, ensure_streams
+from pipelinerl.streams import connect, ensure_streams
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import resolve_model_path
-from pipelinerl_generator.admission import Admission
 from pipelinerl_generator.engine import Engine
-from pipelinerl_preprocessor.advantages import is_zero_variance
 
 log = logging.getLogger("pipelinerl.generator")
 GROUPS = Counter("pipelinerl_generator_groups_total", "Prompt groups published")
@@ -62,7 +62,7 @@ class Generator:
         self.subjects = JobSubjects(job.name)
         self.task = make_task(self.spec.task.name, self.spec.task.params, seed=self.spec.task.seed)
         self.admission = Admission(
-            groups_per_step=self.spec.groups_per_step, generators=env.generators,
+            groups_per_step=self.spec.groups_per_step, generators=env.world_size,
             max_lag=self.spec.max_lag, max_inflight=self.spec.generator.max_inflight_groups,
         )
         self.wakeup = asyncio.Event()
@@ -75,16 +75,14 @@ class Generator:
         self.updates_in_flight = 0  # updates applied while requests were running
 
     # -- status ----------------------------------------------------------------------------
-    def status(self) -> dict:
-        a = self.admission
-        return {
-            "role": "generator", "rank": self.env.rank, "version": self.engine.version if hasattr(self, "engine") else 0,
-            "groupsStarted": a.started, "groupsFinished": a.finished, "groupsDiscarded": a.discarded,
-            "groupsTrained": a.trained, "inflightGroups": a.inflight, "queuedGroups": a.queued,
-            "tokens": self.engine.tokens_generated if hasattr(self, "engine") else 0,
-            "updatesWithRequestsInFlight": self.updates_in_flight,
-            "busySeconds": self.busy.seconds(),
-        }
+    def status(self) -> GeneratorStatus:
+        a, engine = self.admission, getattr(self, "engine", None)
+        return GeneratorStatus(
+            rank=self.env.rank, version=engine.version if engine else 0,
+            groups_started=a.started, groups_finished=a.finished, groups_discarded=a.discarded,
+            groups_trained=a.trained, inflight_groups=a.inflight, queued_groups=a.queued,
+            tokens=engine.tokens_generated if engine else 0,
+            updates_with_requests_in_flight=self.updates_in_flight, busy_seconds=self.busy.seconds())
 
     # -- main ------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -106,7 +104,7 @@ class Generator:
         await self.js.subscribe(self.subjects.version, cb=self._on_version, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
                                 ordered_consumer=True)
         join = asyncio.create_task(self.engine.join_weight_group(
-            self.env.weights_host, self.env.weights_port, 1 + self.env.rank, 1 + self.env.generators,
+            self.env.weights_host, self.env.weights_port, 1 + self.env.rank, 1 + self.env.world_size,
             self.spec.weight_sync.timeout_seconds))
         await join
         http.ready = True
@@ -138,14 +136,14 @@ class Generator:
 
     async def _admission_loop(self) -> None:
         index = self.env.rank  # generators take interleaved slices of the training stream
-        index += self.admission.started * self.env.generators
+        index += self.admission.started * self.env.world_size
         while not self.stopping.is_set():
             if self.finished_version is not None:
                 break
             if self.admission.may_start():
                 self.admission.on_start()
                 self._spawn(self._group(self.task.train_problem(index)))
-                index += self.env.generators
+                index += self.env.world_size
                 continue
             self.wakeup.clear()
             try:
@@ -164,24 +162,18 @@ class Generator:
     async def _group(self, problem) -> None:
         INFLIGHT.inc()
         self.busy.enter()
-        t0 = time.time()
-        start_version = self.engine.version
         try:
             max_tokens = self.spec.generator.sampling.max_tokens
             samples = await asyncio.gather(*[
                 self.task.rollout(self.engine, self.tokenizer, problem, max_tokens)
                 for _ in range(self.spec.rl.attempts)
             ])
-            group = m.RolloutGroup(
-                group_id=f"{problem.id}", problem_id=problem.id, generator=self.env.rank, samples=list(samples),
-                start_version=start_version, gen_seconds=time.time() - t0,
-            )
+            group = m.RolloutGroup(group_id=problem.id, generator=self.env.rank, samples=list(samples))
             await self.js.publish(self.subjects.rollouts, m.encode(group), headers={"Nats-Msg-Id": group.group_id},
                                   timeout=30)
             GROUPS.inc()
             TOKENS.inc(sum(s.num_generated for s in samples))
-            discarded = self.spec.rl.filter_zero_variance and is_zero_variance([s.reward for s in samples])
-            self.admission.on_finish(discarded)
+            self.admission.on_finish(discarded=self.spec.rl.filter_zero_variance and group.zero_variance)
         finally:
             INFLIGHT.dec()
             self.busy.leave()

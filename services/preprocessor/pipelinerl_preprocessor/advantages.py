@@ -25,7 +25,3 @@ def group_advantages(rewards: list[float], normalize_std: bool = False) -> list[
         adv = [a / (std + STD_EPS) for a in adv]
     return adv
 
-
-def is_zero_variance(rewards: list[float]) -> bool:
-    """All attempts scored the same: every advantage is 0, the group carries no signal."""
-    return max(rewards) - min(rewards) <= 1e-12

@@ -21,10 +21,11 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge
 
 from pipelinerl import messages as m
-from pipelinerl.services import HealthServer, ServiceEnv, exit_soon
+from pipelinerl.contracts import JobSubjects, PreprocessorStatus, ServiceEnv
+from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import JobSubjects, connect, ensure_streams
-from pipelinerl_preprocessor.advantages import group_advantages, is_zero_variance
+from pipelinerl.streams import connect, ensure_streams
+from pipelinerl_preprocessor.advantages import group_advantages
 from pipelinerl_preprocessor.packing import StepSample, close_step, next_wave, pack_wave, step_weight
 
 log = logging.getLogger("pipelinerl.preprocessor")
@@ -43,11 +44,9 @@ class Preprocessor:
         self.finished = False
         self.stopping = asyncio.Event()
         self.accepted: list[tuple[object, m.RolloutGroup]] = []  # (nats msg, group), unacked
-        # Streaming needs each sample's weight before its step is complete: not with "token".
-        self.stream = self.spec.mode == "pipeline" and self.spec.rl.token_weighting == "sample"
         self.step = 0
         self._new_step()
-        self.stats = Tally()
+        self.stats: Tally = Tally()  # counts named as PreprocessorStatus fields
 
     def _new_step(self) -> None:
         self.index = 0  # next micro-batch index of the step, on every rank
@@ -57,9 +56,9 @@ class Preprocessor:
         self.by_generator: Tally = Tally()
         self.filtered = 0  # zero-variance groups dropped since the previous step ended
 
-    def status(self) -> dict:
-        return {"role": "preprocessor", "nextStep": self.step, "trainerVersion": self.trainer_version,
-                "pendingGroups": len(self.accepted), **dict(self.stats)}
+    def status(self) -> PreprocessorStatus:
+        return PreprocessorStatus(next_step=self.step, trainer_version=self.trainer_version,
+                                  pending_groups=len(self.accepted), **self.stats)
 
     async def run(self) -> None:
         http = HealthServer("preprocessor", self.env.http_port, self.status).start()
@@ -82,18 +81,14 @@ class Preprocessor:
                 continue
             try:
                 msgs = await sub.fetch(batch=64, timeout=1.0)
-            except asyncio.TimeoutError:
-                msgs = []
-            except Exception as err:  # nats.errors.TimeoutError is not asyncio's
-                if "timeout" not in type(err).__name__.lower():
-                    raise
+            except TimeoutError:  # nats' and asyncio's timeouts both derive from it
                 msgs = []
             for msg in msgs:
                 await self._intake(msg)
             while not self._trainer_behind():
                 n, last = next_wave([[len(s.tokens) for s in g.samples] for _, g in self.accepted], self.in_step,
                                     self.spec.groups_per_step, self.ranks, self.spec.trainer.micro_batch_tokens,
-                                    self.stream)
+                                    self.spec.streams_steps)
                 if not n:
                     break
                 await self._publish_wave(n, last)
@@ -137,11 +132,10 @@ class Preprocessor:
             GROUPS_IN.labels("malformed").inc()
             await msg.term()
             return
-        rewards = [s.reward for s in group.samples]
-        self.stats["truncatedSamples"] += sum(s.truncated for s in group.samples)
-        if self.spec.rl.filter_zero_variance and is_zero_variance(rewards):
+        self.stats["truncated_samples"] += sum(s.truncated for s in group.samples)
+        if self.spec.rl.filter_zero_variance and group.zero_variance:
             self.filtered += 1
-            self.stats["filteredGroups"] += 1
+            self.stats["filtered_groups"] += 1
             GROUPS_IN.labels("filtered").inc()
             await msg.ack()
             return

@@ -78,6 +78,13 @@ def pack_wave(step: int, samples: list[StepSample], ranks: int, micro_batch_toke
     return out
 
 
+def wave_capacity(ranks: int, micro_batch_tokens: int, longest: int) -> int:
+    """Tokens that first-fit decreasing is sure to pack into one row per rank when no sample is
+    longer than `longest` (a sample of length L that fits in none of the rows would find each
+    fuller than C - L, so ≤ ranks · (C - L_max) tokens always fit)."""
+    return ranks * (micro_batch_tokens - longest)
+
+
 def next_wave(pending: list[list[int]], in_step: int, groups_per_step: int, ranks: int, micro_batch_tokens: int,
               stream: bool) -> tuple[int, bool]:
     """How many pending groups (sample lengths each, in arrival order) to publish now as the next
@@ -86,8 +93,7 @@ def next_wave(pending: list[list[int]], in_step: int, groups_per_step: int, rank
     The rest of the step goes as soon as it is there. Before that, when streaming, a wave leaves
     once more is pending than one full row per rank holds, so the trainer can start on it while
     the rest is generated: the longest prefix first-fit decreasing is sure to pack into `ranks`
-    rows (a sample of length L that fits in none of them would find each fuller than C - L, so
-    ≤ ranks · (C - L_max) tokens always fit). A first group too large for that goes alone.
+    rows (`wave_capacity`). A first group too large for that goes alone.
     """
     need = groups_per_step - in_step
     if len(pending) >= need:
@@ -97,7 +103,7 @@ def next_wave(pending: list[list[int]], in_step: int, groups_per_step: int, rank
     total = longest = 0
     for n, lengths in enumerate(pending):
         total, longest = total + sum(lengths), max(longest, *lengths)
-        if total > ranks * (micro_batch_tokens - longest):
+        if total > wave_capacity(ranks, micro_batch_tokens, longest):
             return max(n, 1), False
     return 0, False
 

@@ -12,7 +12,8 @@ from typing import Any
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
-from pipelinerl.streams import JobSubjects, connect, ensure_streams
+from pipelinerl.contracts import JobSubjects
+from pipelinerl.streams import connect, ensure_streams
 
 
 class NatsBridge:
@@ -51,16 +52,6 @@ class NatsBridge:
         else:
             self.call(self.nc.publish(subject, m.encode(msg)), 30)
             self.call(self.nc.flush(timeout=30), 60)
-
-    def last(self, subject: str, stream_suffix: str, kind: type[m.Message]):
-        async def get():
-            try:
-                msg = await self.js.get_last_msg(self.subjects.stream(stream_suffix), subject)
-            except Exception:
-                return None
-            return m.decode(msg.data, kind)
-
-        return self.call(get(), 30)
 
     def close(self) -> None:
         try:

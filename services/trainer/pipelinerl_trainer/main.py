@@ -22,9 +22,9 @@ import torch.distributed as dist
 from prometheus_client import Counter, Gauge, Histogram
 
 from pipelinerl import messages as m
-from pipelinerl.services import HealthServer, ServiceEnv, exit_soon
+from pipelinerl.contracts import MASTER_PORT, Env, JobSubjects, ServiceEnv, TrainerStatus
+from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import JobSubjects
 from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl.weight_group import WeightGroup
 from pipelinerl_trainer import checkpoint
@@ -42,7 +42,7 @@ SYNC_S = Histogram("pipelinerl_weight_sync_seconds", "Duration of weight updates
                    buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100))
 DROPPED = Counter("pipelinerl_trainer_samples_dropped_total", "Samples dropped for exceeding max lag")
 DATA_LOG_S = 30.0  # log a "waiting for data" line this often
-DATA_TIMEOUT_S = float(os.environ.get("PIPELINERL_DATA_TIMEOUT_S", "1800"))
+DATA_TIMEOUT_S = float(os.environ.get(Env.DATA_TIMEOUT_S, "1800"))
 
 
 class Trainer:
@@ -53,20 +53,20 @@ class Trainer:
         self.ckpt_dir = env.run_dir / "checkpoints"
         self.step_cfg = step_config(job)
         self.stop = threading.Event()
-        self.progress: dict = {"step": 0, "version": 0, "samples": 0, "maxSteps": self.spec.trainer.max_steps,
-                               "finished": False}
+        self.progress = TrainerStatus(rank=self.rank, max_steps=self.spec.trainer.max_steps)
 
-    def status(self) -> dict:
-        return {"role": "trainer", "rank": self.rank, **self.progress}
+    def status(self) -> TrainerStatus:
+        return self.progress
 
     def run(self) -> int:
         http = HealthServer("trainer", self.env.http_port, self.status).start()
         on_gpu = self.spec.trainer.gpus > 0
-        os.environ.update(RANK=str(self.rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(self.env.local_rank))
+        local_rank = self.env.local_rank or 0
+        os.environ.update({Env.TORCH_RANK: str(self.rank), Env.TORCH_WORLD_SIZE: str(self.world),
+                           Env.TORCH_LOCAL_RANK: str(local_rank), Env.MASTER_ADDR: self.env.master_addr or "127.0.0.1",
+                           Env.MASTER_PORT: str(self.env.master_port or MASTER_PORT)})
         if on_gpu:
-            torch.cuda.set_device(self.env.local_rank)
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29500")
+            torch.cuda.set_device(local_rank)
         init_distributed(on_gpu, self.spec.weight_sync.timeout_seconds * 5)
         model_path = resolve_model_path(self.spec.model.path)
         self.engine = build_engine(self.job, model_path)
@@ -83,11 +83,12 @@ class Trainer:
         if self.rank == 0:
             self.bridge.listen_weight_replies()
             log.info("waiting for %d generator(s) to join the weight group on port %d",
-                     self.env.generators, self.env.weights_port)
-            group = WeightGroup.create("0.0.0.0", self.env.weights_port, 0, 1 + self.env.generators,
+                     self.spec.generator.replicas, self.env.weights_port)
+            group = WeightGroup.create("0.0.0.0", self.env.weights_port, 0, 1 + self.spec.generator.replicas,
                                        self.spec.weight_sync.timeout_seconds * 5, is_master=True)
-        self.sender = WeightSender(self.engine, self.rank, self.bridge, group, self.env.generators,
+        self.sender = WeightSender(self.engine, self.rank, self.bridge, group, self.spec.generator.replicas,
                                    self.spec.weight_sync.bucket_mb, self.spec.weight_sync.timeout_seconds)
+        self.progress.weight_sync_ready = True
         if self.version:  # resumed: generators may hold newer weights than the checkpoint
             self.sender.send(self.version)
             self._announce(finished=False)
@@ -104,7 +105,7 @@ class Trainer:
             last = self.version >= self.spec.trainer.max_steps
             # Pipeline mode trains on while the generators load the weights (but for the last
             # step's); sync mode's next step must be generated with them.
-            metrics |= self.sender.send(self.version, wait=last or self.spec.max_lag == 0)
+            metrics |= self.sender.send(self.version, wait=last or self.spec.waits_for_weights)
             interval = self.spec.trainer.checkpoint_interval
             if last or (interval and self.version % interval == 0):
                 self._checkpoint()
@@ -114,7 +115,7 @@ class Trainer:
             if self.rank == 0:
                 self._report(metrics)  # before the announcement, which lets the generators finish
                 self._announce(finished=last)
-        self.progress["finished"] = self.version >= self.spec.trainer.max_steps
+        self.progress.finished = self.version >= self.spec.trainer.max_steps
         self.bridge.close()
         return 0
 
@@ -190,7 +191,7 @@ class Trainer:
         """The whole step is here: credit its groups to their generators."""
         for g, c in last.step_groups_by_generator.items():
             self.trained_groups[g] = self.trained_groups.get(g, 0) + c
-        if self.rank == 0 and self.spec.max_lag > 0:
+        if self.rank == 0 and not self.spec.waits_for_weights:
             # Pipeline mode: this step's groups are consumed now, so generators may start the
             # next ones while we train; the update after the step then lands on running requests.
             self._announce(finished=False, training=True)
@@ -198,7 +199,7 @@ class Trainer:
     # -- outputs ---------------------------------------------------------------------------
     def _announce(self, finished: bool, training: bool = False) -> None:
         self.bridge.publish(self.subjects.version, m.PolicyVersion(
-            version=self.version, step=self.version, finished=finished, training=training, timestamp=time.time(),
+            version=self.version, finished=finished, training=training, timestamp=time.time(),
             trained_groups=dict(self.trained_groups)))
 
     def _report(self, metrics: dict) -> None:
@@ -207,11 +208,11 @@ class Trainer:
         LAG.set(metrics["lag_mean"])
         TOKENS_PER_S.set(metrics["trainer_tokens_per_second"])
         SYNC_S.observe(metrics["weight_sync_seconds"])
-        self.progress.update(
+        self.progress = self.progress.model_copy(update=dict(
             step=self.version, version=self.version, samples=self.samples_total, reward=metrics["reward"],
-            lagMean=metrics["lag_mean"], lagMax=metrics["lag_max"],
-            tokensPerSecond=metrics["trainer_tokens_per_second"],
-            lastUpdate=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            lag_mean=metrics["lag_mean"], lag_max=metrics["lag_max"],
+            tokens_per_second=metrics["trainer_tokens_per_second"],
+            last_update=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")))
         self.bridge.publish(self.subjects.metrics("train"), m.Metrics(
             source="trainer", kind="train", values=metrics, timestamp=time.time()))
         log.info("step %d: loss %.4f reward %.3f ess %.3f lag %.2f/%d sync %.0fms", self.version, metrics["loss"],
@@ -227,11 +228,11 @@ class Trainer:
             seqs = [mine]
         state = {"step": self.version, "samples": self.samples_total, "trained_groups": self.trained_groups,
                  "consumed_seq": {str(r): int(s.item()) for r, s in enumerate(seqs)}}
-        checkpoint.save(self.engine, self.ckpt_dir, self.version, state, self.rank, self.env.local_rank)
+        checkpoint.save(self.engine, self.ckpt_dir, self.version, state, self.rank, self.env.local_rank or 0)
 
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:
     trainer = Trainer(job, env)
     signal.signal(signal.SIGTERM, lambda *_: (trainer.stop.set(), exit_soon(60)))
-    torch.set_num_threads(int(os.environ.get("PIPELINERL_TORCH_THREADS", "1")))
+    torch.set_num_threads(env.torch_threads or 1)
     return trainer.run()

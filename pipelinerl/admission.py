@@ -20,6 +20,16 @@ import math
 from dataclasses import dataclass
 
 
+def lag_budget(max_lag: int, share: int, ahead: int) -> int:
+    """Groups one may have queued (started, neither consumed nor discarded): `share` per step
+    of lag. `ahead` is min(1, e - (N - 1)) for weights e and the step N - 1 in training: 1 once
+    that step's update has landed, 0 while it trains, -1 while the weights before its input's
+    still load. Sync (max_lag 0) keeps one step in flight, counted consumed after the update."""
+    if max_lag == 0:
+        return share
+    return max(0, max_lag + ahead) * share
+
+
 @dataclass
 class Admission:
     groups_per_step: int
@@ -41,12 +51,8 @@ class Admission:
     def budget(self) -> int:
         # With max_lag ≥ 1 the trainer reports groups as consumed when a step *starts* (so
         # generation overlaps training), and max_lag steps of unconsumed groups keep every lag
-        # ≤ max_lag, one more once the weights of the step in training have landed. Sync mode
-        # (0) counts them after the update instead: one step in flight.
-        if self.max_lag == 0:
-            return self.share
-        ahead = min(1, self.weights_version - self.training_step)
-        return max(0, self.max_lag + ahead) * self.share
+        # ≤ max_lag, one more once the weights of the step in training have landed.
+        return lag_budget(self.max_lag, self.share, min(1, self.weights_version - self.training_step))
 
     @property
     def queued(self) -> int:

