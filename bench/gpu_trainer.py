@@ -144,7 +144,7 @@ def main() -> None:
         tokens, flops = sum(lengths), step_flops(shape, lengths)
 
         init_distributed(on_gpu, 600)
-        engine = build_engine(job, path)  # DeepSpeed places it on the local GPU
+        engine = build_engine(job.spec.trainer, job.spec.model.dtype, path)  # DeepSpeed places it on the local GPU
         engine.train()
         plain = load_model(path).to(device).train()  # fp32 weights: the same master precision
         t = job.spec.trainer

@@ -151,6 +151,8 @@ SPEC_RULES: list[tuple[str, str, str]] = [
      "trainer.samplesPerStep must be a multiple of rl.attempts so that every step holds whole prompt groups"),
     ("", "self.generator.sampling.maxTokens < self.model.maxSeqLen",
      "generator.sampling.maxTokens must be smaller than model.maxSeqLen"),
+    ("", "self.weightSync.backend != 'nccl' || (self.trainer.gpus > 0 && self.generator.gpus > 0)",
+     "weightSync.backend: nccl needs GPUs on both sides (trainer.gpus and generator.gpus)"),
     ("", "self.trainer.microBatchTokens >= self.model.maxSeqLen",
      "trainer.microBatchTokens must be at least model.maxSeqLen (one sample must fit)"),
     ("", "self.generator.replicas >= 1", "generator.replicas must be at least 1 (use spec.suspend to stop a job)"),

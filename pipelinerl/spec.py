@@ -234,6 +234,9 @@ class JobSpec(SpecModel):
             )
         if self.generator.sampling.max_tokens >= self.model.max_seq_len:
             raise ValueError("generator.sampling.maxTokens must be smaller than model.maxSeqLen")
+        if self.weight_sync.backend == "nccl" and not (self.trainer.gpus and self.generator.gpus):
+            raise ValueError("weightSync.backend: nccl needs GPUs on both sides (trainer.gpus and generator.gpus); "
+                             "use gloo or auto on CPU")
         if self.trainer.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError("trainer.microBatchTokens must be at least model.maxSeqLen (one sample must fit)")
         return self
@@ -261,6 +264,14 @@ class JobSpec(SpecModel):
         """No lag allowed (sync mode, or maxLag 0): the next step is generated with this step's
         weights, so the trainer waits until every generator has loaded them."""
         return self.max_lag == 0
+
+    @property
+    def weight_transport(self) -> str:
+        """The weight group's backend: `auto` is NCCL where trainers and generators have GPUs."""
+        backend = self.weight_sync.backend
+        if backend == "auto":
+            return "nccl" if self.trainer.gpus and self.generator.gpus else "gloo"
+        return backend
 
     @property
     def groups_per_step(self) -> int:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from pipelinerl.contracts import Env
+
 log = logging.getLogger(__name__)
 
 SPECIALS = ["<pad>", "<eos>"]

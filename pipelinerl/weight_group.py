@@ -3,7 +3,9 @@
 One implementation serves both sides: the trainer (rank 0, TCPStore master)
 calls ``broadcast_buckets``; each generator worker calls ``receive_buckets``.
 The group is built from its own TCPStore/PrefixStore so it never touches the
-default group that DeepSpeed (or vLLM) owns.
+default group that DeepSpeed (or vLLM) owns. Two transports behind it
+(`weightSync.backend`): gloo moves host buffers (CPU, and GPUs at the cost of
+a copy each way); NCCL moves CUDA buffers from GPU to GPU, no host round trip.
 
 Bucket plans are plain lists/dicts/str/int so they can travel through
 msgpack (vLLM ``collective_rpc`` args, NATS). Tensors never do.
@@ -28,7 +30,11 @@ DTYPES: dict[str, torch.dtype] = {
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 
 
-class WeightSyncTimeout(RuntimeError):
+class WeightSyncError(RuntimeError):
+    """The weight group cannot be formed or used."""
+
+
+class WeightSyncTimeout(WeightSyncError):
     """A weight-group rendezvous or broadcast did not complete in time."""
 
 
@@ -75,11 +81,16 @@ def plan_buckets(
     return buckets
 
 
-def plan_buckets_for(named_tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[dict[str, Any]]:
-    """Convenience: a plan for tensors as they are (name, shape, dtype)."""
-    return plan_buckets(
-        [(n, list(t.shape), dtype_name(t.dtype)) for n, t in named_tensors.items()], bucket_bytes
-    )
+def check_backend(backend: str) -> None:
+    """Refuse a transport this process cannot run, with the reason (never swapped silently)."""
+    if backend == "gloo":
+        return
+    if backend != "nccl":
+        raise ValueError(f"weightSync.backend: unknown transport {backend!r} (gloo or nccl)")
+    if not dist.is_nccl_available():
+        raise WeightSyncError("weightSync.backend is nccl but this torch build has no NCCL (a CPU build?)")
+    if not torch.cuda.is_available():
+        raise WeightSyncError("weightSync.backend is nccl but no CUDA device is visible to this process")
 
 
 def make_group(
@@ -91,12 +102,9 @@ def make_group(
     timeout_s: float,
     is_master: bool,
 ) -> tuple[dist.Store, dist.ProcessGroup]:
-    """The single seam where the transport is chosen.
-
-    gloo works everywhere (CPU tensors). On GPUs an ``nccl`` branch goes here
-    (e.g. vLLM's StatelessProcessGroup + PyNcclCommunicator); callers keep the
-    same WeightGroup interface.
-    """
+    """The single seam where the transport is chosen: a gloo or NCCL backend on the group's
+    own store. NCCL needs the process's CUDA device set (``torch.cuda.set_device``) first."""
+    check_backend(backend)
     timeout = timedelta(seconds=timeout_s)
     try:
         # Master (trainer) waits for all world_size clients to connect; clients
@@ -106,7 +114,9 @@ def make_group(
         if backend == "gloo":
             pg: dist.ProcessGroup = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         else:
-            raise NotImplementedError(f"weight group backend {backend!r} not implemented yet")
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
     except RuntimeError as e:  # DistStoreError / gloo connect errors subclass RuntimeError
         raise WeightSyncTimeout(
             f"weight group rendezvous at {host}:{port} (rank {rank}/{world_size}) "
@@ -126,6 +136,9 @@ class WeightGroup:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.backend = backend
+        # Buffers live where the transport moves them from: host memory (gloo), or this
+        # process's current GPU (NCCL).
+        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         # Flat buffers kept across updates: fresh large CPU buffers come from mmap untouched
         # and would be page-faulted in on every update (bench/README.md, benchmark 2).
         # Costs one model copy in the receiver's memory and the largest bucket in the sender's.
@@ -188,12 +201,18 @@ class WeightGroup:
             for t in b["tensors"]:
                 yield t["name"], buf[t["offset"]: t["offset"] + t["numel"]].view(t["shape"])
 
+    def synchronize(self) -> None:
+        """Wait until the GPU has finished what was queued with the received tensors (the loader's
+        copies), so a model swapped in next reads complete weights. Nothing to wait for on CPU."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _send_buffer(self, bucket: dict[str, Any]) -> torch.Tensor:
         # One scratch buffer per dtype: each broadcast completes before the next bucket is filled.
         dtype = bucket["dtype"]
         buf = self._send_buffers.get(dtype)
         if buf is None or buf.numel() < bucket["numel"]:
-            buf = self._send_buffers[dtype] = torch.empty(bucket["numel"], dtype=DTYPES[dtype])
+            buf = self._send_buffers[dtype] = torch.empty(bucket["numel"], dtype=DTYPES[dtype], device=self.device)
         return buf[: bucket["numel"]]
 
     def _receive_buffer(self, i: int, bucket: dict[str, Any]) -> torch.Tensor:
@@ -203,7 +222,7 @@ class WeightGroup:
         dtype = DTYPES[bucket["dtype"]]
         buf = self._receive_buffers.get(i)
         if buf is None or buf.numel() != bucket["numel"] or buf.dtype != dtype:
-            buf = self._receive_buffers[i] = torch.empty(bucket["numel"], dtype=dtype)
+            buf = self._receive_buffers[i] = torch.empty(bucket["numel"], dtype=dtype, device=self.device)
         return buf
 
     def close(self) -> None:

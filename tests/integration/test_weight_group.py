@@ -1,4 +1,5 @@
-"""pipelinerl.weight_group: bucket plans, a real multi-process gloo broadcast, clear timeouts."""
+"""pipelinerl.weight_group: bucket plans, a real multi-process gloo broadcast, clear timeouts; the
+NCCL transport refused where it cannot run, and run for real where GPUs are (marked `gpu`)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,15 @@ import time
 import pytest
 import torch
 
-from pipelinerl.weight_group import WeightGroup, WeightSyncTimeout, plan_buckets, plan_buckets_for
+from pipelinerl.spec import parse_job
+from pipelinerl.weight_group import WeightGroup, WeightSyncError, WeightSyncTimeout, dtype_name, plan_buckets
 
 HOST = "127.0.0.1"
+GPUS = torch.cuda.device_count()
+
+
+def plan_buckets_for(tensors, bucket_bytes):
+    return plan_buckets([(n, list(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()], bucket_bytes)
 
 
 def names(buckets):
@@ -69,11 +76,13 @@ def test_plan_for_tensors_is_plain_data_and_rejects_bad_input():
 
 # --- real gloo groups (spawned processes) -------------------------------------------------
 
-def _receiver(port, rank, world, timeout_s, buckets, out_q):
+def _receiver(port, rank, world, timeout_s, buckets, out_q, backend="gloo"):
     try:
-        group = WeightGroup.create(HOST, port, rank, world, timeout_s)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        group = WeightGroup.create(HOST, port, rank, world, timeout_s, backend=backend)
         # Two updates: the second reuses the first one's buffers (views are copied out).
-        got = [{n: t.clone() for n, t in group.receive_buckets(buckets)} for _ in range(2)]
+        got = [{n: t.cpu().clone() for n, t in group.receive_buckets(buckets)} for _ in range(2)]
         group.close()
         blob = io.BytesIO()
         torch.save(got, blob)  # plain bytes: tensors put on a queue would share memory with this exiting process
@@ -166,3 +175,50 @@ def test_broadcast_receiver_never_enters_times_out_clearly(port):
     finally:
         member.kill()  # it would idle for hold_s more
         member.join(10)
+
+
+# --- transport choice (weightSync.backend) ----------------------------------------------------
+
+def job(**spec):
+    return parse_job({"metadata": {"name": "t"}, "spec": spec}).spec
+
+
+def test_auto_picks_nccl_only_with_gpus_on_both_sides():
+    assert job().weight_transport == "gloo"
+    gpus = {"trainer": {"gpus": 1}, "generator": {"gpus": 1}}
+    assert job(**gpus).weight_transport == "nccl"
+    assert job(**gpus, weightSync={"backend": "gloo"}).weight_transport == "gloo"
+    assert job(trainer={"gpus": 1}).weight_transport == "gloo"
+
+
+@pytest.mark.skipif(GPUS > 0, reason="checks the refusal where no GPU is visible")
+def test_nccl_without_a_gpu_is_refused_before_any_rendezvous(port):
+    t0 = time.perf_counter()
+    with pytest.raises(WeightSyncError, match="weightSync.backend is nccl but"):
+        WeightGroup.create(HOST, port, 0, 2, 30.0, backend="nccl")
+    assert time.perf_counter() - t0 < 5  # refused at once, not after the rendezvous timeout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 2, reason="NCCL refuses two ranks on one GPU: needs 2 GPUs")
+def test_nccl_broadcast_round_trips_gpu_to_gpu(port):
+    torch.cuda.set_device(0)
+    g = torch.Generator().manual_seed(0)
+    tensors = {"w": torch.randn(64, 32, generator=g).cuda(), "b": torch.randn(7, generator=g).to(torch.bfloat16).cuda()}
+    buckets = plan_buckets_for(tensors, bucket_bytes=1024)
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    proc = ctx.Process(target=_receiver, args=(port, 1, 2, 60.0, buckets, out_q, "nccl"), daemon=True)
+    proc.start()
+    sender = WeightGroup.create(HOST, port, 0, 2, 60.0, backend="nccl")
+    assert sender.device.type == "cuda"
+    for _ in range(2):
+        sender.broadcast_buckets(tensors, buckets)
+    rank, status, payload = out_q.get(timeout=120)
+    assert status == "ok", payload
+    for got in torch.load(io.BytesIO(payload)):
+        assert set(got) == set(tensors)
+        for name, t in tensors.items():
+            assert torch.equal(got[name], t.cpu())
+    proc.join(30)
+    sender.close()

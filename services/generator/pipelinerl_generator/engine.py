@@ -108,7 +108,8 @@ class Engine:
                           finish_reason="length" if c.finish_reason == "length" else "stop")
 
     async def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
-        await self.llm.collective_rpc("init_weight_group", args=(host, port, rank, world_size, timeout_s))
+        backend = self.job.spec.weight_transport
+        await self.llm.collective_rpc("init_weight_group", args=(host, port, rank, world_size, timeout_s, backend))
 
     async def update_weights(self, version: int, buckets: list[dict]) -> UpdateStats:
         """With requests running: receive and load the new weights beside them (staged), then

@@ -4,7 +4,7 @@ Use with ``AsyncEngineArgs(worker_extension_cls=
 "pipelinerl_generator.weight_receiver.WeightReceiverExtension")`` and drive it
 from the engine side with ``collective_rpc`` (as ``Engine.update_weights`` does):
 
-    await engine.collective_rpc("init_weight_group", args=(host, port, rank, world, timeout_s))
+    await engine.collective_rpc("init_weight_group", args=(host, port, rank, world, timeout_s, backend))
     # staged (default): receive and load beside generation, pause only to swap
     await engine.collective_rpc("stage_weights", args=(buckets,))   # [False]: cannot stage
     while not all(await engine.collective_rpc("staged_weights_ready")): await asyncio.sleep(...)
@@ -23,6 +23,7 @@ Attribute names must not clash with Worker attributes.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from types import MethodType
@@ -40,17 +41,16 @@ class WeightReceiverExtension:
     _pipelinerl_staging: Staging | None = None
 
     def init_weight_group(self, host: str, port: int, rank: int, world_size: int,
-                          timeout_s: float) -> None:
+                          timeout_s: float, backend: str) -> None:
         # `rank` is this engine's first rank in the weight group; collective_rpc
         # sends the same args to every worker, so worker i of a TP/PP engine
         # (self.rank == i) takes rank + i. Every worker receives full tensors:
-        # vLLM's loaders shard them.
+        # vLLM's loaders shard them. With NCCL, on this worker's GPU (vLLM has set it).
         # Blocks until the trainer (TCPStore master, rank 0) and all other
         # ranks have joined: the trainer must create its side concurrently.
-        # On GPUs pass backend="nccl" once that branch exists in make_group.
         self._pipelinerl_weight_group = WeightGroup.create(
             host, port, rank + int(getattr(self, "rank", 0)), world_size, timeout_s,
-            is_master=False, backend="gloo",
+            is_master=False, backend=backend,
         )
 
     def receive_weights(self, buckets: list[dict[str, Any]]) -> None:
@@ -84,8 +84,14 @@ class WeightReceiverExtension:
             return False
         group = self._pipelinerl_group()
         shadow = self._pipelinerl_shadow_model()
-        self._pipelinerl_staging = Staging(lambda: self._pipelinerl_load_in_place(
-            shadow.model, shadow.packed, group.receive_buckets(buckets)))
+
+        def load() -> None:
+            # A thread's CUDA device is its own: use the group's. The swap must find the copies done.
+            with torch.cuda.device(group.device) if group.device.type == "cuda" else contextlib.nullcontext():
+                self._pipelinerl_load_in_place(shadow.model, shadow.packed, group.receive_buckets(buckets))
+                group.synchronize()
+
+        self._pipelinerl_staging = Staging(load)
         return True
 
     def staged_weights_ready(self) -> bool:
@@ -167,11 +173,6 @@ class WeightReceiverExtension:
             packed.append(layer)
         self._pipelinerl_packed = packed
         return packed
-
-    def close_weight_group(self) -> None:
-        if self._pipelinerl_weight_group is not None:
-            self._pipelinerl_weight_group.close()
-            self._pipelinerl_weight_group = None
 
     def _pipelinerl_retie_lm_head(self) -> None:
         # With tie_word_embeddings the checkpoint has no lm_head.weight, so the

@@ -69,7 +69,7 @@ class Trainer:
             torch.cuda.set_device(local_rank)
         init_distributed(on_gpu, self.spec.weight_sync.timeout_seconds * 5)
         model_path = resolve_model_path(self.spec.model.path)
-        self.engine = build_engine(self.job, model_path)
+        self.engine = build_engine(self.spec.trainer, self.spec.model.dtype, model_path)
         self.ref_model = self._reference(model_path)
         state = checkpoint.load(self.engine, self.ckpt_dir)
         self.version = state.get("step", 0)
@@ -82,10 +82,11 @@ class Trainer:
         group = None
         if self.rank == 0:
             self.bridge.listen_weight_replies()
-            log.info("waiting for %d generator(s) to join the weight group on port %d",
-                     self.spec.generator.replicas, self.env.weights_port)
+            log.info("waiting for %d generator(s) to join the weight group on port %d (%s)",
+                     self.spec.generator.replicas, self.env.weights_port, self.spec.weight_transport)
             group = WeightGroup.create("0.0.0.0", self.env.weights_port, 0, 1 + self.spec.generator.replicas,
-                                       self.spec.weight_sync.timeout_seconds * 5, is_master=True)
+                                       self.spec.weight_sync.timeout_seconds * 5, is_master=True,
+                                       backend=self.spec.weight_transport)
         self.sender = WeightSender(self.engine, self.rank, self.bridge, group, self.spec.generator.replicas,
                                    self.spec.weight_sync.bucket_mb, self.spec.weight_sync.timeout_seconds)
         self.progress.weight_sync_ready = True

@@ -6,13 +6,13 @@ import contextlib
 import os
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Protocol
 
 import torch
 
-from pipelinerl.spec import PipelineRLJob
+from pipelinerl.spec import TrainerSpec
+from pipelinerl.weight_group import DTYPES
 from pipelinerl_trainer.packed_attention import use_packed_attention
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def init_distributed(on_gpu: bool, timeout_s: float) -> None:
@@ -30,8 +30,7 @@ def init_distributed(on_gpu: bool, timeout_s: float) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s))
 
 
-def ds_config(job: PipelineRLJob) -> dict:
-    t = job.spec.trainer
+def ds_config(t: TrainerSpec, dtype: str) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -45,9 +44,9 @@ def ds_config(job: PipelineRLJob) -> dict:
         "checkpoint": {"use_node_local_storage": True},
         "wall_clock_breakdown": False,
     }
-    if job.spec.model.dtype == "bfloat16":
+    if dtype == "bfloat16":
         cfg["bf16"] = {"enabled": True}
-    elif job.spec.model.dtype == "float16":
+    elif dtype == "float16":
         cfg["fp16"] = {"enabled": True}
     return cfg
 
@@ -62,24 +61,31 @@ def load_model(model_path: str, dtype: str = "float32"):
     return model
 
 
-def build_engine(job: PipelineRLJob, model_path: str):
+def build_engine(t: TrainerSpec, dtype: str, model_path: str):
     import deepspeed
 
-    t = job.spec.trainer
     torch.manual_seed(t.seed)
-    model = load_model(model_path, job.spec.model.dtype)
+    model = load_model(model_path, dtype)
     # A client optimizer: DeepSpeed's own CPU Adam would compile kernels for minutes.
     optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay,
                                   betas=(0.9, 0.999))
     warmup = t.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=ds_config(job))
+                                      config=ds_config(t, dtype))
     return engine
 
 
+class TrainingEngine(Protocol):
+    """What weight access uses of a DeepSpeed engine (benchmarks pass a plain module's stand-in)."""
+
+    module: torch.nn.Module
+
+    def zero_optimization_stage(self) -> int: ...
+
+
 @contextlib.contextmanager
-def full_parameters(engine, params: list[torch.nn.Parameter]) -> Iterator[None]:
+def full_parameters(engine: TrainingEngine, params: list[torch.nn.Parameter]) -> Iterator[None]:
     """Full tensors of `params` on every rank; under ZeRO-3 a collective all ranks must join."""
     if engine.zero_optimization_stage() == 3:
         import deepspeed
@@ -90,6 +96,6 @@ def full_parameters(engine, params: list[torch.nn.Parameter]) -> Iterator[None]:
         yield
 
 
-def named_weights(engine) -> list[tuple[str, torch.nn.Parameter]]:
+def named_weights(engine: TrainingEngine) -> list[tuple[str, torch.nn.Parameter]]:
     """Parameters in checkpoint naming (tied weights appear once, as the HF checkpoint has them)."""
     return list(engine.module.named_parameters())

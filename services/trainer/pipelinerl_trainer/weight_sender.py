@@ -12,19 +12,30 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from typing import Protocol
 
 from pipelinerl import messages as m
+from pipelinerl.contracts import JobSubjects
 from pipelinerl.weight_group import WeightGroup, WeightSyncTimeout, dtype_name, plan_buckets
-from pipelinerl_trainer.model import full_parameters, named_weights
+from pipelinerl_trainer.model import TrainingEngine, full_parameters, named_weights
 
 log = logging.getLogger("pipelinerl.trainer")
+
+
+class ReplyBridge(Protocol):
+    """What the sender uses of the trainer's NATS bridge: publish the update, read the replies."""
+
+    subjects: JobSubjects
+    done: queue.Queue[m.WeightUpdateDone]
+
+    def publish(self, subject: str, msg: m.Message, stream: bool = True) -> None: ...
 
 
 class WeightSender:
     """Runs on every trainer rank (ZeRO-3 gathers are collectives); only rank 0 talks."""
 
-    def __init__(self, engine, rank: int, bridge, group: WeightGroup | None, generators: int,
-                 bucket_mb: int, timeout_s: float):
+    def __init__(self, engine: TrainingEngine, rank: int, bridge: ReplyBridge, group: WeightGroup | None,
+                 generators: int, bucket_mb: int, timeout_s: float):
         self.engine, self.rank, self.bridge, self.group = engine, rank, bridge, group
         self.generators, self.timeout_s = generators, timeout_s
         self.params = named_weights(engine)
