@@ -23,8 +23,8 @@ the answer (the pipeline/sync ratio):
   sequences running) and the base is then solved so that the simulated sync generation phase
   equals the measured one.
 
-It writes `bench/results/calibration-cpu.json` (a plain Calibration, which `--gpu-type
-cpu-tiny` then uses), predicts both modes of the tiny job on 1 generator + 1 trainer, and
+It writes `pipelinerl/calibrations/cpu-tiny.yaml` (a plain Calibration: the built-in that
+`--gpu-type cpu-tiny` uses), predicts both modes of the tiny job on 1 generator + 1 trainer, and
 compares with the measurement in `bench/results/planner_validation.json`.
 """
 
@@ -39,12 +39,19 @@ import numpy as np
 import yaml
 
 from bench.common import RESULTS, save, table
-from pipelinerl.planner import Calibration, Lengths, load_calibration, plan, simulate, wave_groups
+from pipelinerl.planner.calibration import Calibration, Lengths, load_calibration
+from pipelinerl.planner.recommend import plan
+from pipelinerl.planner.simulation import simulate, wave_groups
 from pipelinerl.spec import parse_job
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "examples" / "tiny-cpu.yaml"
-CALIBRATION = RESULTS / "calibration-cpu.json"
+CALIBRATION = ROOT / "pipelinerl" / "calibrations" / "cpu-tiny.yaml"
+HEADER = """\
+# Measured by `python -m bench.calibrate_cpu` from benchmark 1 (bench/results/pipeline_vs_sync.json:
+# the tiny job of examples/tiny-cpu.yaml on 1 generator + 1 trainer, pinned cores); `source` says
+# how each cost was derived. To refresh it, run `python -m bench.calibrate_cpu`: it writes this file.
+"""
 # vLLM's max_num_seqs when AsyncLLM builds its config (usage context ENGINE_CONTEXT):
 # SchedulerConfig.DEFAULT_MAX_NUM_SEQS. The generator does not override it for the tiny job.
 VLLM_MAX_NUM_SEQS = 128
@@ -109,13 +116,11 @@ def two_point_lengths(mean: float, prompt_tokens: int) -> Lengths:
     return Lengths(distribution="empirical", values=[4] * (200 - fives) + [5] * fives, prompt_tokens=prompt_tokens)
 
 
-def calibration_json(calib: Calibration) -> str:
-    """The Calibration's fields and nothing else (load_calibration rejects unknown keys); the
-    empirical lengths on one line."""
-    data = calib.model_dump(mode="json")
-    values = data["lengths"].pop("values")
-    text = json.dumps(data, indent=1)
-    return text.replace('"prompt_tokens"', f'"values": {json.dumps(values)},\n  "prompt_tokens"', 1) + "\n"
+def calibration_yaml(calib: Calibration) -> str:
+    """HEADER, then the Calibration's fields and nothing else (load_calibration rejects unknown
+    keys); the empirical lengths as a flow list."""
+    return HEADER + yaml.safe_dump(calib.model_dump(mode="json"), sort_keys=False, default_flow_style=None,
+                                   width=100)
 
 
 def sync_gen_phase(calib: Calibration, job, mean_row_tokens: float, steps: int = 300, seed: int = 0) -> float:
@@ -249,8 +254,8 @@ def main() -> None:
     args = ap.parse_args()
     data = load(args.source)
     calib, facts = calibrate(data, args.source)
-    CALIBRATION.write_text(calibration_json(calib))
-    assert load_calibration("cpu-tiny") == calib, "load_calibration('cpu-tiny') must pick the measured file"
+    CALIBRATION.write_text(calibration_yaml(calib))
+    assert load_calibration("cpu-tiny") == calib, "load_calibration('cpu-tiny') must read the file just written"
     print(f"calibration -> {CALIBRATION.relative_to(ROOT)}")
     for k in ("decode_base_s", "decode_per_seq_s", "max_batch", "prefill_s_per_token", "train_s_per_token",
               "optimizer_step_s", "weight_sync_s", "pause_s", "contention", "filtered_fraction"):

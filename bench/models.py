@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from pipelinerl import tiny_model
+from pipelinerl.contracts import Env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,7 +25,7 @@ SIZES: dict[str, dict] = {
 
 
 def project_caches() -> None:
-    os.environ.setdefault("PIPELINERL_CACHE", str(ROOT / ".cache"))
+    os.environ.setdefault(Env.CACHE, str(ROOT / ".cache"))
     os.environ.setdefault("VLLM_CACHE_ROOT", str(ROOT / ".cache" / "vllm"))
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor"))
 

@@ -36,7 +36,7 @@ from bench.common import alternate, paired_ratios, save, summary, table
 from pipelinerl import messages as m
 from pipelinerl.spec import dump_job, load_job
 from pipelinerl.ports import free_port
-from pipelinerl.contracts import JobSubjects
+from pipelinerl.contracts import JobSubjects, ServiceEnv
 from pipelinerl.embedded_nats import EmbeddedNats
 from pipelinerl.streams import connect, delete_streams, ensure_streams, wait_for
 
@@ -116,7 +116,7 @@ async def run_side(side: str, url: str, payloads: list[tuple[str, bytes]], workd
     n = len(payloads)
     done = asyncio.Event()
     log = open(workdir / f"{name}.log", "wb")
-    env = os.environ | {"PYTHONPATH": str(ROOT), "PIPELINERL_NATS_URL": url}
+    env = os.environ | {"PYTHONPATH": str(ROOT)}
     try:
         if side == "preprocessor":
             job = load_job(TINY_JOB)
@@ -136,8 +136,8 @@ async def run_side(side: str, url: str, payloads: list[tuple[str, bytes]], workd
                     done.set()
 
             await js.subscribe(subjects.batches(0), cb=on_batch, ordered_consumer=True)
-            env |= {"PIPELINERL_EXIT_WHEN_DONE": "1", "PIPELINERL_HTTP_PORT": str(free_port()),
-                    "PIPELINERL_RUN_DIR": str(workdir)}
+            env |= ServiceEnv("preprocessor", nats_url=url, run_dir=workdir, http_port=free_port(),
+                              exit_when_done=True).to_environ()
             code = f"import sys; from pipelinerl.cli import main; sys.exit(main(['service', 'preprocessor', {str(job_file)!r}]))"
             durable = "preprocessor"
             if n % job.spec.groups_per_step:

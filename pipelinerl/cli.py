@@ -55,7 +55,8 @@ def _plan(args: argparse.Namespace) -> int:
     import dataclasses
     import json
 
-    from pipelinerl.planner import format_plan, load_calibration, parse_calibration, plan
+    from pipelinerl.planner.calibration import load_calibration, parse_calibration
+    from pipelinerl.planner.recommend import format_plan, plan
 
     job = load_job(args.job)
     try:

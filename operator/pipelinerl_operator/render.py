@@ -151,7 +151,8 @@ def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> 
     rank = {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}
     env = [{"name": name, "valueFrom": rank} if name == Env.RANK else {"name": name, "value": value}
            for name, value in service_env(job, role, namespace, cfg).to_environ().items()]
-    return env + [e.model_dump(mode="json") for e in getattr(job.spec, role).env]
+    spec: RoleSpec = getattr(job.spec, role)
+    return env + [e.model_dump(mode="json") for e in spec.env]
 
 
 def _resources(spec: RoleSpec) -> dict[str, Any]:
@@ -183,12 +184,12 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 def _pod_labels(job: PipelineRLJob, role: str) -> tuple[dict[str, str], dict[str, str]]:
     labels = _labels(job, role)
     annotations: dict[str, str] = {CONFIG_HASH_ANNOTATION: role_config_hash(job, role)}
-    sched = job.spec.scheduling
-    if sched.queue_name:  # Kueue admits all pods of the job as one group (gang admission)
-        labels[KUEUE_QUEUE_LABEL] = sched.queue_name
+    scheduling = job.spec.scheduling
+    if scheduling.queue_name:  # Kueue admits all pods of the job as one group (gang admission)
+        labels[KUEUE_QUEUE_LABEL] = scheduling.queue_name
         labels[KUEUE_POD_GROUP_LABEL] = job.name
         annotations[KUEUE_POD_GROUP_COUNT_ANNOTATION] = str(sum(replicas(job, r) for r in ROLES))
-    if sched.scheduler_name:  # coscheduling-style gang schedulers group pods by this label
+    if scheduling.scheduler_name:  # coscheduling-style gang schedulers group pods by this label
         labels[POD_GROUP_LABEL] = job.name
     return labels, annotations
 
@@ -227,11 +228,11 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorCon
         "containers": [container],
         "volumes": volumes,
     }
-    sched = job.spec.scheduling
-    if sched.scheduler_name:
-        pod_spec["schedulerName"] = sched.scheduler_name
-    if sched.priority_class_name:
-        pod_spec["priorityClassName"] = sched.priority_class_name
+    scheduling = job.spec.scheduling
+    if scheduling.scheduler_name:
+        pod_spec["schedulerName"] = scheduling.scheduler_name
+    if scheduling.priority_class_name:
+        pod_spec["priorityClassName"] = scheduling.priority_class_name
     labels, annotations = _pod_labels(job, role)
     ours = {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
     return merge_pod(spec.pod_template or {}, ours)

@@ -1,14 +1,15 @@
 import json
+from pathlib import Path
 
 import pytest
 import yaml
 
-from pipelinerl import planner
 from pipelinerl.cli import main
-from pipelinerl.planner import (
-    Calibration, CalibrationError, Lengths, dump_calibration, format_plan, load_calibration, parse_calibration,
-    plan, simulate, splits,
+from pipelinerl.planner.calibration import (
+    CALIBRATIONS, Calibration, CalibrationError, Lengths, load_calibration, parse_calibration,
 )
+from pipelinerl.planner.recommend import LAG_TOLERANCE, LAGS, format_plan, plan, splits
+from pipelinerl.planner.simulation import simulate, wave_groups
 from pipelinerl.spec import parse_job
 
 H100 = load_calibration("h100-7b")
@@ -163,23 +164,23 @@ def test_wave_groups_follow_the_preprocessor():
     # one row beside a longest sample of 16 tokens (as packing.next_wave forms them).
     tiny = parse_job(yaml.safe_load(open("examples/tiny-cpu.yaml")))
     lengths = Lengths(distribution="empirical", values=[4], prompt_tokens=8)
-    assert planner.wave_groups(tiny, 1, lengths) == (512 - 16) // 96 == 5
-    assert planner.wave_groups(tiny, 2, lengths) == 2 * (512 - 16) // 96
-    assert planner.wave_groups(job(rl={"tokenWeighting": "token"}), 1, lengths) == 0  # needs whole steps
-    assert planner.wave_groups(job(trainer={"microBatchTokens": 64}), 1, lognormal(1000, 1.0)) == 1
+    assert wave_groups(tiny, 1, lengths) == (512 - 16) // 96 == 5
+    assert wave_groups(tiny, 2, lengths) == 2 * (512 - 16) // 96
+    assert wave_groups(job(rl={"tokenWeighting": "token"}), 1, lengths) == 0  # needs whole steps
+    assert wave_groups(job(trainer={"microBatchTokens": 64}), 1, lognormal(1000, 1.0)) == 1
 
 
 def test_measured_cpu_calibration_predicts_benchmark_1():
     # bench/calibrate_cpu.py derives it from benchmark 1 (pipeline_vs_sync.json: the tiny job on
     # 1 generator + 1 trainer, pipeline maxLag 1 vs sync); the planner must keep predicting the
     # measured pipeline/sync ratio within 20%.
-    measured = planner.MEASURED_CPU.with_name("pipeline_vs_sync.json")
-    if not planner.MEASURED_CPU.is_file() or not measured.is_file():
-        pytest.skip("no measured CPU calibration (run python -m bench.calibrate_cpu)")
+    measured = Path("bench/results/pipeline_vs_sync.json")
+    if not measured.is_file():
+        pytest.skip("no benchmark 1 result (run python -m bench.pipeline_vs_sync)")
     calib = load_calibration("cpu-tiny")
     assert calib.source.startswith("measured")
     tiny = dict(samples_per_step=128, attempts=8, calib=calib, max_tokens=8, steps=40, warmup=1)
-    waves = planner.wave_groups(parse_job(yaml.safe_load(open("examples/tiny-cpu.yaml"))), 1, calib.lengths)
+    waves = wave_groups(parse_job(yaml.safe_load(open("examples/tiny-cpu.yaml"))), 1, calib.lengths)
     pipe = simulate("pipeline", 1, 1, 1, wave_groups=waves, **tiny)
     ratio = pipe.samples_per_s / simulate("sync", 1, 1, 0, **tiny).samples_per_s
     target = json.loads(measured.read_text())["samples_rate_ratio"]["median"]
@@ -216,13 +217,13 @@ def test_paper_scale_recommendation_is_sensible(paper_plan):
     p, r = paper_plan, paper_plan.pipeline
     assert r.generators + r.trainers == 128 and r.trainers % 8 == 0
     assert 0.1 <= r.generators / 128 <= 0.9
-    assert r.max_lag in planner.LAGS and r.lag_mean <= r.max_lag
+    assert r.max_lag in LAGS and r.lag_mean <= r.max_lag
     # Utilisation is what pipelining buys; sync leaves its generators' batches mostly empty.
     assert r.gen_busy > 0.8 and r.train_busy > 0.8 and p.sync.gen_fill < 0.5
     # Lag sweep: throughput grows with the lag budget and the choice is within tolerance of the best.
     rates = [s.useful_samples_per_s for s in p.lag_sweep]
     assert rates[0] < rates[-1]
-    assert r.useful_samples_per_s >= (1 - planner.LAG_TOLERANCE) * max(rates)
+    assert r.useful_samples_per_s >= (1 - LAG_TOLERANCE) * max(rates)
     assert "recommendation: mode pipeline" in format_plan(p)
 
 
@@ -230,7 +231,7 @@ def test_calibration_round_trip(tmp_path):
     for name in ("h100-7b", "cpu-tiny"):
         calib = load_calibration(name)
         path = tmp_path / f"{name}.yaml"
-        path.write_text(dump_calibration(calib))
+        path.write_text(yaml.safe_dump(calib.model_dump(mode="json"), sort_keys=False))
         assert load_calibration(path) == calib
     empirical = Lengths(distribution="empirical", values=[3, 5, 9])
     measured = H100.model_copy(update={"name": "measured", "lengths": empirical})
@@ -239,11 +240,15 @@ def test_calibration_round_trip(tmp_path):
     assert load_calibration(path) == measured
 
 
-def test_cpu_tiny_prefers_the_benchmarks_measurement(tmp_path, monkeypatch):
-    path = tmp_path / "calibration-cpu.json"
-    path.write_text(json.dumps(load_calibration("cpu-tiny").model_dump() | {"name": "cpu-measured"}))
-    monkeypatch.setattr(planner, "MEASURED_CPU", path)
-    assert load_calibration("cpu-tiny").name == "cpu-measured"
+def test_builtins_are_package_data():
+    # A built-in name reads pipelinerl/calibrations/<name>.yaml and nothing else: the measured
+    # CPU costs (bench/calibrate_cpu.py writes them there) ship with the package.
+    for name in ("h100-7b", "cpu-tiny"):
+        path = CALIBRATIONS / f"{name}.yaml"
+        assert load_calibration(name) == parse_calibration(yaml.safe_load(path.read_text())) == load_calibration(path)
+    assert load_calibration("cpu-tiny").source.startswith("measured")
+    with pytest.raises(CalibrationError, match="built-ins: cpu-tiny, h100-7b"):
+        load_calibration("calibration-cpu")
 
 
 @pytest.mark.parametrize("change,field", [
@@ -280,7 +285,7 @@ def test_cli_plan(capsys, tmp_path):
     data = json.loads(capsys.readouterr().out)
     assert data["filtered"] == 0.25
     assert data["recommended"]["generators"] + data["recommended"]["trainers"] == 3
-    assert data["speedup"] > 0 and len(data["lag_sweep"]) == len(planner.LAGS)
+    assert data["speedup"] > 0 and len(data["lag_sweep"]) == len(LAGS)
 
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"name": "x", "decode_base_s": -1}))

@@ -30,15 +30,15 @@ def init_distributed(on_gpu: bool, timeout_s: float) -> None:
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s))
 
 
-def ds_config(t: TrainerSpec, dtype: str) -> dict:
+def ds_config(trainer: TrainerSpec, dtype: str) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         # Steps hold a variable number of micro-batches: we call step() ourselves after the
         # last one, and DeepSpeed treats each step() as the accumulation boundary.
         "managed_gradient_accumulation": False,
-        "gradient_clipping": t.grad_clip,
-        "zero_optimization": {"stage": t.zero_stage},
+        "gradient_clipping": trainer.grad_clip,
+        "zero_optimization": {"stage": trainer.zero_stage},
         "steps_per_print": 10**9,
         # Each trainer pod checkpoints to its own volume (pipelinerl_trainer.checkpoint)
         "checkpoint": {"use_node_local_storage": True},
@@ -61,18 +61,18 @@ def load_model(model_path: str, dtype: str = "float32"):
     return model
 
 
-def build_engine(t: TrainerSpec, dtype: str, model_path: str):
+def build_engine(trainer: TrainerSpec, dtype: str, model_path: str):
     import deepspeed
 
-    torch.manual_seed(t.seed)
+    torch.manual_seed(trainer.seed)
     model = load_model(model_path, dtype)
     # A client optimizer: DeepSpeed's own CPU Adam would compile kernels for minutes.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay,
+    optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay,
                                   betas=(0.9, 0.999))
-    warmup = t.warmup_steps
+    warmup = trainer.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=ds_config(t, dtype))
+                                      config=ds_config(trainer, dtype))
     return engine
 
 

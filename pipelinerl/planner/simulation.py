@@ -1,132 +1,25 @@
-"""Cluster planner: predict pipeline vs sync throughput, lag and idle time before renting GPUs.
+"""Planner simulation: a discrete-event simulation of one run, pipeline or sync mode.
 
-A discrete-event simulation of generators (continuous batching, in-flight weight updates) and
-trainers, driven by per-token costs taken from measurements (a calibration file). Pure: no I/O
-beyond loading a calibration. The cost model and its assumptions are in docs/planner.md.
-
-    decode step of a generator with B running sequences   decode_base_s + decode_per_seq_s * B
-    prefill of a prompt group (prefix cache shares it)     prefill_s_per_token * prompt_tokens
-    train step of T tokens on n trainer devices            T * train_s_per_token / (n * train_scaling^log2 n)
-                                                           + optimizer_step_s; in pipeline mode the tokens
-                                                           are computed in waves as their groups finish
-    weight update                                          trainer busy weight_sync_s, generators pause pause_s
-    zero-variance filtering                                a share filtered_fraction of the groups is generated,
-                                                           then dropped: it frees its admission slot on finishing
+Generators (continuous batching, in-flight weight updates) and trainers, driven by the
+per-token costs of a calibration (`pipelinerl.planner.calibration`). Pure and deterministic
+for a seed. The rules it simulates are imported, not restated: the generators' admission
+(`pipelinerl.admission.lag_budget`) and the preprocessor's waves
+(`pipelinerl_preprocessor.packing.wave_capacity`).
 """
 
 from __future__ import annotations
 
 import heapq
-import math
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 import numpy as np
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pipelinerl.spec import PipelineRLJob, format_errors
-
-CALIBRATIONS = Path(__file__).with_name("calibrations")
-# The CPU benchmark records measured costs here; `cpu-tiny` prefers them to the placeholder.
-MEASURED_CPU = Path(__file__).resolve().parents[1] / "bench" / "results" / "calibration-cpu.json"
-LAGS = (1, 2, 4, 8, 16)
-# Recommend the smallest max lag whose throughput is within this fraction of the best one:
-# fresher data is worth a little throughput.
-LAG_TOLERANCE = 0.03
-
-
-class CalibrationError(ValueError):
-    """A calibration file that does not validate; the message names every field at fault."""
-
-
-class Lengths(BaseModel):
-    """Completion lengths (clipped at the job's maxTokens) and prompt length."""
-
-    model_config = ConfigDict(extra="forbid")
-    distribution: Literal["lognormal", "empirical"] = "lognormal"
-    mean_tokens: float | None = Field(default=None, gt=0, description="lognormal: mean before clipping")
-    sigma: float = Field(default=0.0, ge=0, le=4, description="lognormal shape; 0: every completion alike")
-    values: list[int] = Field(default_factory=list, description="empirical: measured completion lengths")
-    prompt_tokens: int = Field(default=0, ge=0)
-
-    @model_validator(mode="after")
-    def _complete(self) -> Lengths:
-        if self.distribution == "lognormal" and self.mean_tokens is None:
-            raise ValueError("mean_tokens is required for a lognormal distribution")
-        if self.distribution == "empirical" and (not self.values or min(self.values) < 1):
-            raise ValueError("values must be a non-empty list of lengths >= 1 for an empirical distribution")
-        return self
-
-    def sample(self, rng: np.random.Generator, n: int, max_tokens: int) -> np.ndarray:
-        if self.distribution == "empirical":
-            x = rng.choice(np.asarray(self.values, dtype=float), size=n)
-        else:
-            mu = math.log(self.mean_tokens) - self.sigma**2 / 2  # so that E[x] = mean_tokens
-            x = rng.lognormal(mu, self.sigma, size=n)
-        return np.clip(np.rint(x), 1, max_tokens).astype(np.int64)
-
-
-class Calibration(BaseModel):
-    """Per-device costs of one hardware/model combination (see the module docstring)."""
-
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1)
-    source: str = Field(default="", description="where the numbers come from: measured, estimated")
-    gpus_per_engine: int = Field(default=1, ge=1, description="devices per generator engine (tensor parallel)")
-    decode_base_s: float = Field(gt=0)
-    decode_per_seq_s: float = Field(ge=0)
-    max_batch: int = Field(ge=1, description="running sequences per engine (vLLM max_num_seqs / KV cache)")
-    prefill_s_per_token: float = Field(default=0.0, ge=0)
-    train_s_per_token: float = Field(gt=0, description="fwd+bwd per trained token on one trainer device")
-    train_scaling: float = Field(default=1.0, gt=0, le=1, description="throughput kept per doubling of trainers")
-    optimizer_step_s: float = Field(default=0.0, ge=0)
-    weight_sync_s: float = Field(default=0.0, ge=0)
-    pause_s: float = Field(default=0.0, ge=0)
-    contention: float = Field(default=0.0, ge=0, description="slow-down of each role while the other computes")
-    filtered_fraction: float = Field(
-        default=0.0, ge=0, lt=1, description="share of generated groups dropped by zero-variance filtering (all "
-                                             "attempts rewarded alike): a property of the task and model, like lengths")
-    lengths: Lengths
-
-    def step_s(self, batch: int) -> float:
-        return self.decode_base_s + self.decode_per_seq_s * batch
-
-    def train_s(self, tokens: float, n_train: int) -> float:
-        return tokens * self.train_s_per_token / (n_train * self.train_scaling ** math.log2(n_train))
-
-
-def parse_calibration(data: object, source: str = "calibration") -> Calibration:
-    if not isinstance(data, dict):
-        raise CalibrationError(f"{source}: expected a mapping of calibration fields, got {type(data).__name__}")
-    try:
-        return Calibration.model_validate(data)
-    except ValidationError as err:
-        raise CalibrationError(f"{source} is not a valid calibration:\n{format_errors(err)}") from None
-
-
-def load_calibration(name_or_path: str | Path) -> Calibration:
-    """A calibration file (YAML or JSON), or a built-in name (`h100-7b`, `cpu-tiny`)."""
-    path = Path(name_or_path)
-    if not path.is_file():
-        builtin = CALIBRATIONS / f"{name_or_path}.yaml"
-        if str(name_or_path) == "cpu-tiny" and MEASURED_CPU.is_file():
-            builtin = MEASURED_CPU
-        if not builtin.is_file():
-            known = ", ".join(sorted(p.stem for p in CALIBRATIONS.glob("*.yaml")))
-            raise CalibrationError(f"{name_or_path}: no such calibration file or built-in (built-ins: {known})")
-        path = builtin
-    try:
-        data = yaml.safe_load(path.read_text())  # JSON is YAML
-    except (OSError, yaml.YAMLError) as err:
-        raise CalibrationError(f"{path}: cannot read calibration: {err}") from None
-    return parse_calibration(data, str(path))
-
-
-def dump_calibration(calib: Calibration) -> str:
-    return yaml.safe_dump(calib.model_dump(mode="json"), sort_keys=False)
+from pipelinerl.admission import lag_budget
+from pipelinerl.planner.calibration import Calibration, Lengths
+from pipelinerl.spec import PipelineRLJob
+from pipelinerl_preprocessor.packing import wave_capacity
 
 
 @dataclass(frozen=True)
@@ -195,7 +88,8 @@ class _Sim:
         # steps, as sync mode); a wave leaves once one more group is pending (packing.next_wave).
         self.wave_groups = wave_groups if mode == "pipeline" else 0
         # Pipeline: as the generator's Admission, one more step of groups once the weights of
-        # the step in training are in and until the next step starts (true before the first).
+        # the step in training are in and until the next step starts (true before the first):
+        # lag_budget's `ahead` 1, else 0.
         self.ahead = True
         self.steps, self.warmup = steps, warmup
         self.rng = np.random.default_rng(seed)
@@ -287,7 +181,9 @@ class _Sim:
 
     @property
     def budget(self) -> int:
-        return (max(self.max_lag, 1) + int(bool(self.max_lag) and self.ahead)) * self.groups_per_step
+        # The generator's admission rule (lag_budget) for the whole cluster, whose share of a
+        # step is all of it.
+        return lag_budget(self.max_lag, self.groups_per_step, int(self.ahead))
 
     def _admit(self, prefer: int | None = None) -> None:
         """Start groups while the lag budget allows and an engine has a free slot.
@@ -501,114 +397,4 @@ def wave_groups(job: PipelineRLJob, trainer_ranks: int, lengths: Lengths) -> int
     completion = float(np.mean(lengths.sample(np.random.default_rng(0), 4096, max_tokens)))
     group = spec.rl.attempts * (lengths.prompt_tokens + completion)
     longest = lengths.prompt_tokens + max_tokens
-    return max(1, int(trainer_ranks * (spec.trainer.micro_batch_tokens - longest) // group))
-
-
-@dataclass(frozen=True)
-class Plan:
-    job: str
-    model: str
-    gpus: int
-    calibration: str
-    samples_per_step: int
-    attempts: int
-    max_tokens: int
-    pipeline: SimResult  # best pipeline split, smallest max lag within LAG_TOLERANCE of the best
-    sync: SimResult  # best split in sync mode
-    colocated: SimResult  # every device generates, then every device trains (the paper's baseline)
-    lag_sweep: tuple[SimResult, ...]  # pipeline at its best split, one per max lag in LAGS
-    filtered: float = 0.0  # share of generated groups dropped by zero-variance filtering
-
-    @property
-    def recommended(self) -> SimResult:
-        # Colocation is not something this project runs: it is a reference point only.
-        return self.pipeline if self.speedup >= 1 else self.sync
-
-    @property
-    def speedup(self) -> float:
-        return self.pipeline.useful_samples_per_s / self.sync.useful_samples_per_s
-
-    @property
-    def speedup_vs_colocated(self) -> float:
-        return self.pipeline.useful_samples_per_s / self.colocated.useful_samples_per_s
-
-
-def splits(gpus: int, trainer_granularity: int, gpus_per_engine: int) -> list[int]:
-    """Trainer device counts to try: whole trainer pods, the rest whole generator engines."""
-    return [t for t in range(trainer_granularity, gpus, trainer_granularity)
-            if (gpus - t) >= gpus_per_engine and (gpus - t) % gpus_per_engine == 0]
-
-
-def _best(grid: list[int], run: Callable[[int], SimResult]) -> SimResult:
-    """Maximise useful samples/s over the splits by golden-section search: throughput is
-    unimodal in the split (too few trainers starve on training, too few generators on
-    generation), and each probe is reused by the next, so 128 choices cost ~10 simulations."""
-    cache: dict[int, SimResult] = {}
-
-    def f(i: int) -> float:
-        if i not in cache:
-            cache[i] = run(grid[i])
-        return cache[i].useful_samples_per_s
-
-    lo, hi = 0, len(grid) - 1
-    while hi - lo > 3:
-        d = round((hi - lo) * 0.382)
-        a, b = lo + d, hi - d
-        if f(a) < f(b):
-            lo = a
-        else:
-            hi = b
-    return cache[max(range(lo, hi + 1), key=lambda i: (f(i), -i))]
-
-
-def plan(job: PipelineRLJob, gpus: int, calib: Calibration, lengths: Lengths | None = None, seed: int = 0) -> Plan:
-    """Best pipeline config (split, then the smallest max lag within LAG_TOLERANCE of the best
-    throughput) and best sync split, for `gpus` devices."""
-    spec = job.spec
-    grid = splits(gpus, max(spec.trainer.gpus, 1), calib.gpus_per_engine)
-    if not grid:
-        raise ValueError(f"--gpus {gpus} leaves no split: need at least one trainer pod "
-                         f"({max(spec.trainer.gpus, 1)} devices) and one generator engine ({calib.gpus_per_engine})")
-    filtered = calib.filtered_fraction if spec.rl.filter_zero_variance else 0.0
-    common = dict(samples_per_step=spec.trainer.samples_per_step, attempts=spec.rl.attempts, calib=calib,
-                  max_tokens=spec.generator.sampling.max_tokens, lengths=lengths, seed=seed, filtered=filtered)
-
-    # The split at the largest lag (least constrained); throughput settles within a few steps,
-    # so the search skips the long warm-up that lag statistics need. Then the lag at that split.
-    def waves(t: int) -> int:
-        return wave_groups(job, t, lengths or calib.lengths)
-
-    best = _best(grid, lambda t: simulate("pipeline", gpus - t, t, LAGS[-1], steps=10, warmup=3,
-                                          wave_groups=waves(t), **common))
-    sweep = tuple(simulate("pipeline", best.generators, best.trainers, lag, wave_groups=waves(best.trainers), **common)
-                  for lag in LAGS)
-    top = max(r.useful_samples_per_s for r in sweep)
-    chosen = next(r for r in sweep if r.useful_samples_per_s >= (1 - LAG_TOLERANCE) * top)
-    sync = _best(grid, lambda t: simulate("sync", gpus - t, t, 0, **common))
-    colocated = simulate("sync", gpus, gpus, 0, **common)
-    return Plan(job=job.name, model=spec.model.path, gpus=gpus, calibration=calib.name,
-                samples_per_step=spec.trainer.samples_per_step, attempts=spec.rl.attempts,
-                max_tokens=spec.generator.sampling.max_tokens, pipeline=chosen, sync=sync,
-                colocated=colocated, lag_sweep=sweep, filtered=filtered)
-
-
-def format_plan(p: Plan) -> str:
-    head = ("", "mode", "generators", "trainers", "max lag", "samples/s", "step s", "lag mean", "lag p95",
-            "dropped %", "gen idle %", "batch fill %", "train idle %")
-    rows = []
-    for label, r in [("pipeline", r) for r in p.lag_sweep] + [("sync", p.sync), ("sync colocated", p.colocated)]:
-        rows.append(("*" if r is p.recommended else "", label, str(r.generators), str(r.trainers), str(r.max_lag),
-                     f"{r.samples_per_s:.3g}", f"{r.step_s:.3g}", f"{r.lag_mean:.2f}", f"{r.lag_p95:.0f}",
-                     f"{100 * r.dropped:.1f}", f"{100 * (1 - r.gen_busy):.0f}", f"{100 * r.gen_fill:.0f}",
-                     f"{100 * (1 - r.train_busy):.0f}"))
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    filtered = f", {100 * p.filtered:.0f}% of groups filtered as zero-variance" if p.filtered else ""
-    lines = [f"{p.job}: {p.model}, {p.samples_per_step} samples/step ({p.attempts} attempts{filtered}), "
-             f"maxTokens {p.max_tokens}, {p.gpus} devices, calibration {p.calibration}", ""]
-    lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *rows)]
-    r = p.recommended
-    lines += ["", f"recommendation: mode {r.mode}, {r.generators} generator + {r.trainers} trainer devices, "
-              f"maxLag {r.max_lag}: {r.samples_per_s:.3g} samples/s",
-              f"pipeline vs sync: {p.speedup:.2f}x (best split each); vs colocated sync "
-              f"(the paper's baseline): {p.speedup_vs_colocated:.2f}x"]
-    return "\n".join(lines)
+    return max(1, int(wave_capacity(trainer_ranks, spec.trainer.micro_batch_tokens, longest) // group))

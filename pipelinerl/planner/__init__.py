@@ -1,0 +1,12 @@
+"""Cluster planner: predict pipeline vs sync throughput, lag and idle time before renting GPUs.
+
+A top-layer tool, like the CLI that runs it (`pipelinerl plan`): it imports the rules it
+simulates from the services (admission, packing), and nothing in pipelinerl's core imports it.
+The cost model and its assumptions are in docs/planner.md.
+
+- `calibration`: the per-device costs a simulation runs on (`Calibration`), loaded from a file
+  or from the built-ins in `pipelinerl/calibrations/<name>.yaml`.
+- `simulation`: the discrete-event simulation of one run (`simulate`) and the size of the
+  waves a step is streamed in (`wave_groups`).
+- `recommend`: the search over device splits and max lags (`plan`) and its report (`format_plan`).
+"""

@@ -1,0 +1,113 @@
+"""Planner calibrations: the per-device costs of one hardware/model combination.
+
+A calibration is a YAML or JSON file of `Calibration` fields; the built-ins are package data,
+`pipelinerl/calibrations/<name>.yaml`. The costs enter the simulation as follows (docs/planner.md):
+
+    decode step of a generator with B running sequences   decode_base_s + decode_per_seq_s * B
+    prefill of a prompt group (prefix cache shares it)     prefill_s_per_token * prompt_tokens
+    train step of T tokens on n trainer devices            T * train_s_per_token / (n * train_scaling^log2 n)
+                                                           + optimizer_step_s; in pipeline mode the tokens
+                                                           are computed in waves as their groups finish
+    weight update                                          trainer busy weight_sync_s, generators pause pause_s
+    zero-variance filtering                                a share filtered_fraction of the groups is generated,
+                                                           then dropped: it frees its admission slot on finishing
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipelinerl.spec import format_errors
+
+# The built-in calibrations: package data of pipelinerl.calibrations.
+CALIBRATIONS = Path(__file__).resolve().parents[1] / "calibrations"
+
+
+class CalibrationError(ValueError):
+    """A calibration file that does not validate; the message names every field at fault."""
+
+
+class Lengths(BaseModel):
+    """Completion lengths (clipped at the job's maxTokens) and prompt length."""
+
+    model_config = ConfigDict(extra="forbid")
+    distribution: Literal["lognormal", "empirical"] = "lognormal"
+    mean_tokens: float | None = Field(default=None, gt=0, description="lognormal: mean before clipping")
+    sigma: float = Field(default=0.0, ge=0, le=4, description="lognormal shape; 0: every completion alike")
+    values: list[int] = Field(default_factory=list, description="empirical: measured completion lengths")
+    prompt_tokens: int = Field(default=0, ge=0)
+
+    @model_validator(mode="after")
+    def _complete(self) -> Lengths:
+        if self.distribution == "lognormal" and self.mean_tokens is None:
+            raise ValueError("mean_tokens is required for a lognormal distribution")
+        if self.distribution == "empirical" and (not self.values or min(self.values) < 1):
+            raise ValueError("values must be a non-empty list of lengths >= 1 for an empirical distribution")
+        return self
+
+    def sample(self, rng: np.random.Generator, n: int, max_tokens: int) -> np.ndarray:
+        if self.distribution == "empirical":
+            x = rng.choice(np.asarray(self.values, dtype=float), size=n)
+        else:
+            mu = math.log(self.mean_tokens) - self.sigma**2 / 2  # so that E[x] = mean_tokens
+            x = rng.lognormal(mu, self.sigma, size=n)
+        return np.clip(np.rint(x), 1, max_tokens).astype(np.int64)
+
+
+class Calibration(BaseModel):
+    """Per-device costs of one hardware/model combination (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1)
+    source: str = Field(default="", description="where the numbers come from: measured, estimated")
+    gpus_per_engine: int = Field(default=1, ge=1, description="devices per generator engine (tensor parallel)")
+    decode_base_s: float = Field(gt=0)
+    decode_per_seq_s: float = Field(ge=0)
+    max_batch: int = Field(ge=1, description="running sequences per engine (vLLM max_num_seqs / KV cache)")
+    prefill_s_per_token: float = Field(default=0.0, ge=0)
+    train_s_per_token: float = Field(gt=0, description="fwd+bwd per trained token on one trainer device")
+    train_scaling: float = Field(default=1.0, gt=0, le=1, description="throughput kept per doubling of trainers")
+    optimizer_step_s: float = Field(default=0.0, ge=0)
+    weight_sync_s: float = Field(default=0.0, ge=0)
+    pause_s: float = Field(default=0.0, ge=0)
+    contention: float = Field(default=0.0, ge=0, description="slow-down of each role while the other computes")
+    filtered_fraction: float = Field(
+        default=0.0, ge=0, lt=1, description="share of generated groups dropped by zero-variance filtering (all "
+                                             "attempts rewarded alike): a property of the task and model, like lengths")
+    lengths: Lengths
+
+    def step_s(self, batch: int) -> float:
+        return self.decode_base_s + self.decode_per_seq_s * batch
+
+    def train_s(self, tokens: float, n_train: int) -> float:
+        return tokens * self.train_s_per_token / (n_train * self.train_scaling ** math.log2(n_train))
+
+
+def parse_calibration(data: object, source: str = "calibration") -> Calibration:
+    if not isinstance(data, dict):
+        raise CalibrationError(f"{source}: expected a mapping of calibration fields, got {type(data).__name__}")
+    try:
+        return Calibration.model_validate(data)
+    except ValidationError as err:
+        raise CalibrationError(f"{source} is not a valid calibration:\n{format_errors(err)}") from None
+
+
+def load_calibration(name_or_path: str | Path) -> Calibration:
+    """A calibration file (YAML or JSON), or the name of a built-in (`h100-7b`, `cpu-tiny`)."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        path = CALIBRATIONS / f"{name_or_path}.yaml"
+        if not path.is_file():
+            known = ", ".join(sorted(p.stem for p in CALIBRATIONS.glob("*.yaml")))
+            raise CalibrationError(f"{name_or_path}: no such calibration file or built-in (built-ins: {known})")
+    try:
+        data = yaml.safe_load(path.read_text())  # JSON is YAML
+    except (OSError, yaml.YAMLError) as err:
+        raise CalibrationError(f"{path}: cannot read calibration: {err}") from None
+    return parse_calibration(data, str(path))

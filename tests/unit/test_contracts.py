@@ -1,0 +1,126 @@
+"""pipelinerl.contracts is the one definition of every name and shape two components share: these
+tests fail when another place spells one of them itself, or when a side drifts from it."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelinerl import contracts as c
+from pipelinerl.contracts import Env, JobSubjects, OperatorEnv, ServiceEnv, TrainerStatus
+from pipelinerl.spec import RESERVED_ENV, parse_job
+from pipelinerl.streams import stream_configs
+
+ROOT = Path(__file__).resolve().parents[2]
+SOURCES = ("pipelinerl", "services", "operator", "bench")
+PORTS = {c.HTTP_PORT, c.MASTER_PORT, c.WEIGHTS_PORT, c.OPERATOR_METRICS_PORT, c.OPERATOR_HEALTH_PORT}
+ENV_NAMES = {v for k, v in vars(Env).items() if k.isupper()} | {v for k, v in vars(OperatorEnv).items() if k.isupper()}
+
+
+def constants():
+    """(file, line, value) of every literal in the project's code outside contracts.py."""
+    for folder in SOURCES:
+        for path in (ROOT / folder).rglob("*.py"):
+            if path == ROOT / "pipelinerl/contracts.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Constant):
+                    yield f"{path.relative_to(ROOT)}:{node.lineno}", node.value
+
+
+def test_no_environment_name_spelled_outside_contracts():
+    found = [(where, v) for where, v in constants() if isinstance(v, str)
+             and (re.fullmatch(r"PIPELINERL_[A-Z_]+", v) or v in ("MASTER_ADDR", "MASTER_PORT"))]  # not prose
+    assert not found, f"use pipelinerl.contracts.Env / OperatorEnv instead: {found}"
+
+
+def test_no_port_number_outside_contracts():
+    found = [(where, v) for where, v in constants() if type(v) is int and v in PORTS]
+    assert not found, f"use the port constants of pipelinerl.contracts: {found}"
+
+
+def test_chart_and_images_use_the_contract_names_and_ports():
+    operator = (ROOT / "charts/pipelinerl/templates/operator.yaml").read_text()
+    chart_env = set(re.findall(r"name: (PIPELINERL_[A-Z_]+)", operator))
+    assert chart_env and chart_env <= ENV_NAMES, chart_env - ENV_NAMES
+    assert f"{{name: health, containerPort: {c.OPERATOR_HEALTH_PORT}," in operator
+    values = yaml.safe_load((ROOT / "charts/pipelinerl/values.yaml").read_text())
+    assert values["operator"]["metricsPort"] == c.OPERATOR_METRICS_PORT
+    for dockerfile in (ROOT / "docker").glob("*.Dockerfile"):
+        used = set(re.findall(r"\bPIPELINERL_[A-Z_]+", dockerfile.read_text()))
+        assert used <= ENV_NAMES, (dockerfile.name, used - ENV_NAMES)
+    assert f"EXPOSE {c.OPERATOR_METRICS_PORT} {c.OPERATOR_HEALTH_PORT}" in (ROOT / "docker/operator.Dockerfile").read_text()
+
+
+def test_service_env_round_trips_and_names_a_bad_value():
+    envs = [ServiceEnv("generator"),
+            ServiceEnv("trainer", rank=3, world_size=8, nats_url="nats://n:1", weights_addr="t-0.t:1234",
+                       run_dir=Path("/r"), http_port=0, exit_when_done=True, torch_threads=2, local_rank=1,
+                       ranks_per_pod=4, master_addr="t-0.t", master_port=c.MASTER_PORT)]
+    for env in envs:
+        assert ServiceEnv.from_environ(env.role, env.to_environ()) == env
+        assert set(env.to_environ()) <= ENV_NAMES
+    assert (envs[1].weights_host, envs[1].weights_port) == ("t-0.t", 1234)
+    with pytest.raises(ValueError, match="PIPELINERL_RANK='two'"):
+        ServiceEnv.from_environ("trainer", {Env.RANK: "two"})
+
+
+def test_reserved_env_is_what_pipelinerl_sets():
+    assert RESERVED_ENV == c.reserved_env()
+    operator_sets = set(ServiceEnv("trainer", local_rank=0, ranks_per_pod=1, master_addr="m", master_port=1).to_environ())
+    assert operator_sets <= RESERVED_ENV
+    assert {Env.TORCH_RANK, Env.TORCH_WORLD_SIZE, Env.TORCH_LOCAL_RANK} <= RESERVED_ENV
+    assert Env.TORCH_THREADS not in RESERVED_ENV  # a user may tune a CPU trainer's threads
+
+
+def test_rendered_pods_are_told_what_the_services_read():
+    from pipelinerl_operator.render import OperatorConfig, render
+
+    job = parse_job({"metadata": {"name": "demo"}, "spec": {"trainer": {"replicas": 2, "gpus": 4},
+                                                             "generator": {"replicas": 3, "gpus": 1}}})
+    for sts in (o for o in render(job, "team-a", "uid", OperatorConfig()) if o["kind"] == "StatefulSet"):
+        role = sts["metadata"]["labels"][c.ROLE_LABEL]
+        container = next(x for x in sts["spec"]["template"]["spec"]["containers"] if x["name"] == role)
+        environ = {e["name"]: e.get("value", "2") for e in container["env"]}  # the pod index label: 2
+        env = ServiceEnv.from_environ(role, environ)
+        assert env.rank == 2 and env.run_dir == Path(c.POD_RUN_DIR) and env.http_port == c.HTTP_PORT
+        assert container["ports"][0]["containerPort"] == env.http_port
+        assert env.weights_host == f"demo-trainer-0.demo-trainer.team-a.svc" and env.weights_port == c.WEIGHTS_PORT
+        if role == "trainer":
+            assert (env.world_size, env.ranks_per_pod, env.master_port) == (8, 4, c.MASTER_PORT)
+        else:
+            assert env.ranks_per_pod is None and env.master_addr is None
+        assert container["args"] == ["service", role, c.JOB_FILE]
+
+
+def test_stream_names_are_the_ones_created_and_deleted():
+    subjects = JobSubjects("my.job-1")
+    assert [cfg.name for cfg in stream_configs(subjects, 1 << 20)] == subjects.streams
+    assert subjects.streams == ["PRL_MY_JOB_1_ROLLOUTS", "PRL_MY_JOB_1_BATCHES", "PRL_MY_JOB_1_CONTROL",
+                                "PRL_MY_JOB_1_METRICS"]
+    with pytest.raises(ValueError, match="unknown stream"):
+        subjects.stream("OTHER")
+
+
+def test_status_bodies_of_every_role_are_the_contract_models(tmp_path):
+    from pipelinerl_generator.main import Generator
+    from pipelinerl_operator.status import progress_from
+    from pipelinerl_preprocessor.main import Preprocessor
+    from pipelinerl_trainer.main import Trainer
+
+    job = parse_job({"metadata": {"name": "s"}, "spec": {"trainer": {"maxSteps": 7}}})
+    env = ServiceEnv("trainer", run_dir=tmp_path)
+    pre = Preprocessor(job, ServiceEnv("preprocessor"), 1)
+    for key in c.PreprocessorStatus.model_fields:  # every count the service keeps has a field
+        if key not in ("role", "next_step", "trainer_version", "pending_groups"):
+            pre.stats[key] += 1
+    for service, model in ((Trainer(job, env), c.TrainerStatus), (Generator(job, ServiceEnv("generator")), c.GeneratorStatus),
+                           (pre, c.PreprocessorStatus)):
+        body = service.status().model_dump(mode="json", by_alias=True)  # what HealthServer serves
+        assert model.model_validate(body) == service.status()
+    trainer = TrainerStatus.model_validate(Trainer(job, env).status().model_dump(by_alias=True))
+    assert progress_from(trainer, {}) == {"step": 0, "version": 0, "maxSteps": 7, "samples": 0}
