@@ -88,6 +88,8 @@ REJECTED = [
     ({"generator": {"replicas": 0}}, "generator.replicas must be at least 1 (use spec.suspend to stop a job)", "generator.replicas"),
     ({"generator": {"env": [{"name": "RANK", "value": "3"}]}}, "env name is reserved (set by PipelineRL itself)", "generator.env"),
     ({"trainer": {"env": [{"name": "PIPELINERL_NATS_URL"}]}}, "env name is reserved (set by PipelineRL itself)", "trainer.env"),
+    ({"weightSync": {"backend": "nccl"}, "trainer": {"gpus": 1}},
+     "weightSync.backend: nccl needs GPUs on both sides (trainer.gpus and generator.gpus)", "weightSync.backend"),
 ]
 ACCEPTED = [
     {"mode": "sync"},
@@ -96,6 +98,8 @@ ACCEPTED = [
     {"rl": {"loss": "cispo", "importanceWeights": "sequence"}},
     {"model": {"maxSeqLen": 4096}, "generator": {"sampling": {"maxTokens": 4095}}},
     {"generator": {"env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}]}},
+    {"weightSync": {"backend": "nccl"}, "trainer": {"gpus": 1}, "generator": {"gpus": 1}},
+    {"trainer": {"gpus": 1}},  # backend auto: gloo, since the generators have no GPU
 ]
 
 

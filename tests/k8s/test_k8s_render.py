@@ -65,8 +65,8 @@ def test_wiring_contract() -> None:
     assert "RANK" not in env and "LOCAL_RANK" not in env  # each rank process sets its own
     gen = env_of(objs[("StatefulSet", "demo-generator")])
     assert gen["PIPELINERL_WEIGHTS_ADDR"] == "demo-trainer-0.demo-trainer.team-a.svc:29600"
-    assert gen["PIPELINERL_WORLD_SIZE"] == "3" and gen["PIPELINERL_ROLE"] == "generator"
-    assert gen["PIPELINERL_JOB_FILE"] == "/etc/pipelinerl/job.yaml" and "MASTER_ADDR" not in gen
+    assert gen["PIPELINERL_WORLD_SIZE"] == "3" and gen["PIPELINERL_HTTP_PORT"] == "8000"
+    assert "MASTER_ADDR" not in gen and "PIPELINERL_RANKS_PER_POD" not in gen
     container = trainer["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] + container["args"] == ["pipelinerl", "service", "trainer", "/etc/pipelinerl/job.yaml"]
     for role in ("generator", "preprocessor", "trainer"):

@@ -17,7 +17,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from pipelinerl.spec import PipelineRLJob
+from pipelinerl.spec import GeneratorSpec, ModelSpec, PipelineRLJob
 from pipelinerl.tasks import Completion
 
 log = logging.getLogger(__name__)
@@ -34,18 +34,16 @@ class UpdateStats:
     staged: bool = False  # transferred and loaded beside generation (else inside the pause)
 
 
-def engine_args(job: PipelineRLJob, model_path: str, seed: int):
+def engine_args(generator: GeneratorSpec, model: ModelSpec, model_path: str, seed: int):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    spec = job.spec
-    on_cpu = spec.generator.gpus == 0
     args = dict(
-        model=model_path, dtype=spec.model.dtype, max_model_len=spec.model.max_seq_len, seed=seed,
-        worker_extension_cls=EXTENSION, tensor_parallel_size=spec.generator.tensor_parallel,
-        enforce_eager=on_cpu,  # compiling costs 30-70 s on CPU and buys little for small models
+        model=model_path, dtype=model.dtype, max_model_len=model.max_seq_len, seed=seed,
+        worker_extension_cls=EXTENSION, tensor_parallel_size=generator.tensor_parallel,
+        enforce_eager=generator.gpus == 0,  # compiling costs 30-70 s on CPU and buys little for small models
         enable_prefix_caching=True, disable_log_stats=True,
     )
-    args.update(spec.generator.engine_args)
+    args.update(generator.engine_args)
     return AsyncEngineArgs(**args)
 
 
@@ -65,7 +63,7 @@ class Engine:
             configure_cpu_env()
         self.job = job
         self.sampling = job.spec.generator.sampling
-        self.llm = AsyncLLM.from_engine_args(engine_args(job, model_path, seed))
+        self.llm = AsyncLLM.from_engine_args(engine_args(job.spec.generator, job.spec.model, model_path, seed))
         self.eos = self.llm.tokenizer.eos_token_id if self.llm.tokenizer else None
         self.staged = job.spec.weight_sync.staged
         self.version = 0
