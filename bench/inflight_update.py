@@ -54,6 +54,7 @@ from pipelinerl.ports import free_port  # noqa: E402
 from pipelinerl_generator.weight_receiver import WeightReceiverExtension  # noqa: E402
 
 HOST = "127.0.0.1"
+INCARNATION = "bench"  # the one generator's process id in the weight group
 TIMEOUT_S = 300.0  # generous: engine start of the largest model under load counts against the rendezvous
 STREAMS = 4  # long requests kept running through every update
 MAX_TOKENS, MAX_SEQ = 256, 512
@@ -140,8 +141,15 @@ class _BridgeStandIn:
         weights_update = "weights.update"
 
     def __init__(self, gen_q, done_q):
+        import queue as queue_
+
+        from pipelinerl import messages as m
+
         self.gen_q, self.done = gen_q, _Replies(done_q)
         self.staged = True  # which way the generator applies the next update
+        # The one generator (the main process) is there from the start.
+        self.hellos = queue_.Queue()
+        self.hellos.put((time.monotonic(), m.GeneratorHello(generator=0, incarnation=INCARNATION, version=0)))
 
     def publish(self, subject, msg, stream=True) -> None:
         from pipelinerl import messages as m
@@ -154,16 +162,17 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
         from transformers import Qwen2ForCausalLM
 
         from bench.common import alternate
-        from pipelinerl.weight_group import WeightGroup, plan_buckets
+        from pipelinerl.weight_group import open_store, plan_buckets
         from pipelinerl_trainer.weight_sender import WeightSender
 
         model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
-        group = WeightGroup.create(HOST, port, 0, 2, TIMEOUT_S)
+        weights_store = open_store(HOST, port, True, TIMEOUT_S)
         store = dist.TCPStore(HOST, raw_port, 2, is_master=True, timeout=timedelta(seconds=TIMEOUT_S))
         raw_pg = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=TIMEOUT_S))
         bridge = _BridgeStandIn(gen_q, done_q)
-        sender = WeightSender(_DeepSpeedStandIn(model), 0, bridge, group, generators=1,
-                              bucket_mb=cfg["bucket_mb"], timeout_s=TIMEOUT_S)
+        # The generator joins the weight group at the first update (a warm-up round, not measured).
+        sender = WeightSender(_DeepSpeedStandIn(model), 0, bridge, backend="gloo", bucket_mb=cfg["bucket_mb"],
+                              timeout_s=TIMEOUT_S, store=weights_store, liveness_s=float("inf"))
         default_plan = sender.buckets
         shapes = [(n, list(p.shape), "float32") for n, p in sender.params]
         flat = torch.cat([p.detach().reshape(-1) for _, p in sender.params])  # the same bytes
@@ -217,7 +226,6 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
             runs = alternate(sides, cfg["sweep_repeats"])
             out["sweep"] = {lab: collect(runs, lab, plan, f"update {lab}", f"raw {lab}") for lab, plan in plans.items()}
         res_q.put(("ok", out))
-        group.close()
     except BaseException as e:  # report, never leave the generator side waiting
         import traceback
 
@@ -238,10 +246,12 @@ async def keep_generating(engine, prompt: list[int], stop: asyncio.Event, done: 
             return
 
 
-async def serve(engine, gen_q, done_q, trainer, receive_s: dict) -> None:
-    """The generator's part: apply WeightUpdates as the service does; run raw receives."""
+async def serve(engine, gen_q, done_q, trainer, receive_s: dict, port: int) -> None:
+    """The generator's part: join the weight group and apply WeightUpdates as the service does;
+    run raw receives."""
     from pipelinerl import messages as m
 
+    group = None
     while True:
         try:
             kind, body = await asyncio.to_thread(gen_q.get, True, 1.0)
@@ -256,7 +266,11 @@ async def serve(engine, gen_q, done_q, trainer, receive_s: dict) -> None:
             continue
         engine.staged = kind == "staged"
         update = m.decode(body, m.WeightUpdate)
-        reply = m.WeightUpdateDone(version=update.version, generator=0, pause_seconds=0.0, running_requests=0)
+        if update.group != group:
+            group = update.group
+            await engine.join_weight_group(HOST, port, group, 1, 2, TIMEOUT_S)
+        reply = m.WeightUpdateDone(version=update.version, generator=0, incarnation=INCARNATION, pause_seconds=0.0,
+                                   running_requests=0)
         try:
             stats = await engine.update_weights(update.version, update.buckets)
             if stats.staged != engine.staged:
@@ -296,12 +310,11 @@ async def run_size(size: str, cfg: dict, tmp: Path) -> dict:
     pool = []
     try:
         await engine.start(0)
-        await engine.join_weight_group(HOST, port, 1, 2, TIMEOUT_S)
         await engine.llm.collective_rpc("bench_join_raw", args=(HOST, raw_port, TIMEOUT_S))
         pool = [asyncio.create_task(keep_generating(engine, tok.encode(f"{i}{i}+{i}="), stop, done, errors))
                 for i in range(STREAMS)]
         receive_s = {}
-        await serve(engine, gen_q, done_q, trainer, receive_s)
+        await serve(engine, gen_q, done_q, trainer, receive_s, port)
         status, out = await asyncio.to_thread(res_q.get, True, 60)
         if status != "ok":
             raise RuntimeError(f"trainer side failed:\n{out}")

@@ -165,7 +165,7 @@ def evaluate_exports(run_dir: Path, steps: list[dict], problems: int) -> list[di
 def one_run(mode: str, args, tag: str, root: Path) -> dict:
     run_dir = root / f"{mode}-{tag}"
     code = run_local(job_for(mode, args.steps, args.eval_interval, tag, args.pipeline_set), run_dir, quiet=True,
-                     pin_cores=True)
+                     pin_cores=True, restart=False)  # a restarted process would distort the timing
     if code:
         raise SystemExit(f"{mode} run failed ({code}); logs in {run_dir / 'logs'}")
     s = json.loads((run_dir / "summary.json").read_text())

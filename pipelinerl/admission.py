@@ -41,7 +41,7 @@ class Admission:
     discarded: int = 0
     trained: int = 0  # this generator's groups in trained steps (announced by the trainer)
     training_step: int = -1  # the last step announced as started (N - 1)
-    weights_version: int = 0  # this generator's engine weights (e)
+    weights_version: int = -1  # this generator's engine weights (e); -1: none from the trainer yet
 
     @property
     def share(self) -> int:
@@ -63,7 +63,7 @@ class Admission:
         return self.started - self.finished
 
     def may_start(self) -> bool:
-        return self.queued < self.budget and self.inflight < self.max_inflight
+        return self.weights_version >= 0 and self.queued < self.budget and self.inflight < self.max_inflight
 
     def on_start(self) -> None:
         self.started += 1
@@ -77,5 +77,7 @@ class Admission:
         self.trained = max(self.trained, trained_total)
         self.training_step = max(self.training_step, training_step)
 
-    def on_weights(self, version: int) -> None:
+    def on_weights(self, version: int, generators: int) -> None:
+        """New weights loaded, sent to `generators` generators: the step is shared among them."""
         self.weights_version = max(self.weights_version, version)
+        self.generators = generators

@@ -22,7 +22,8 @@ def _validate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from pipelinerl.local import run_local
 
-    return run_local(load_job(args.job), run_dir=args.run_dir, pin_cores=args.pin_cores)
+    return run_local(load_job(args.job), run_dir=args.run_dir, pin_cores=args.pin_cores,
+                     restart=args.restart == "on-failure")
 
 
 def _service(args: argparse.Namespace) -> int:
@@ -104,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", default=None, help="where logs, metrics and checkpoints go (default runs/<name>-<time>)")
     p.add_argument("--pin-cores", action="store_true",
                    help="give every generator and trainer rank its own cores (needs one per process)")
+    p.add_argument("--restart", choices=["on-failure", "never"], default="on-failure",
+                   help="restart a process that fails, after a backoff, up to runPolicy.backoffLimit times "
+                        "(as Kubernetes restarts a pod), or stop the run at the first failure")
     p.set_defaults(func=_run)
 
     p = sub.add_parser("validate", help="validate a manifest and print field-level errors")

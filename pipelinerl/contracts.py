@@ -219,6 +219,10 @@ class JobSubjects:
     def weights_done(self) -> str:
         return f"prl.{self._token}.weights.done"
 
+    @property
+    def weights_hello(self) -> str:
+        return f"prl.{self._token}.weights.hello"
+
 
 # ---------------------------------------------------------------- /status bodies
 
@@ -241,13 +245,17 @@ class Progress(StatusBody):
     lag_max: int | None = None
     tokens_per_second: float | None = None
     last_update: str | None = None
+    # The weight group (elastic: one membership epoch per generator join, leave or drop)
+    generators_in_group: int | None = Field(default=None, ge=0, description="Generators in the current epoch.")
+    weight_epoch: int | None = Field(default=None, ge=0, description="Membership epochs opened.")
+    generators_dropped: int | None = Field(default=None, ge=0, description="Dropped for a missed deadline or a failure.")
 
 
 class TrainerStatus(Progress):
     role: Literal["trainer"] = "trainer"
     rank: int = 0
     finished: bool = False  # the last step is trained
-    weight_sync_ready: bool = False  # rank 0: the weight group with the generators is formed
+    weight_sync_ready: bool = False  # rank 0: a weight group with at least one generator is formed
 
 
 class GeneratorStatus(StatusBody):

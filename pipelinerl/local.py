@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -46,24 +47,59 @@ def cpu_layout(cpus: list[int], trainers: int, generators: int) -> dict[tuple[st
     return layout
 
 
+@dataclass(frozen=True)
+class RestartPolicy:
+    """What the local runner does when a process exits too early (a pod's restart, locally):
+    restart it after a backoff, at most `limit` times per process; `on_failure=False` stops the
+    whole run at the first failure instead."""
+
+    on_failure: bool = True
+    limit: int = 3
+    base_s: float = 1.0
+    max_s: float = 30.0
+
+    def delay(self, restarts: int) -> float | None:
+        """Seconds to wait before restart number `restarts` + 1; None: give up."""
+        if not self.on_failure or restarts >= self.limit:
+            return None
+        return min(self.base_s * 2 ** restarts, self.max_s)
+
+
 class Service:
+    """One service process, in a process group of its own: stopping or reaping it ends every
+    process it started (e.g. a vLLM engine core)."""
+
     def __init__(self, name: str, env: ServiceEnv, log_path: Path, job_file: Path, cpus: list[int] | None = None):
         self.name, self.role, self.rank, self.log_path = name, env.role, env.rank, log_path
+        self.env, self.job_file, self.cpus = env, job_file, cpus
         self.http_port = env.http_port
-        self.log = open(log_path, "ab")
+        self.restarts = 0
+        self.restart_at: float | None = None  # monotonic time of a scheduled restart
+        self.start()
+
+    def start(self) -> None:
+        cpus = self.cpus
 
         def setup() -> None:
             die_with_parent()
             if cpus:
                 os.sched_setaffinity(0, cpus)
 
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipelinerl.cli", "service", env.role, str(job_file)],
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **env.to_environ()}, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=setup,
-        )
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pipelinerl.cli", "service", self.role, str(self.job_file)],
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env.to_environ()},
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=setup)
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def reap(self) -> None:
+        """After the service exited: end whatever it left running in its process group."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
     def stop(self, timeout_s: float = 20.0) -> None:
         if self.proc.poll() is None:
@@ -71,21 +107,24 @@ class Service:
             try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=10)
-        self.log.close()
+                pass
+        self.reap()
+        self.proc.wait(timeout=10)
 
 
 class ServiceDied(RuntimeError):
-    def __init__(self, service: Service):
-        super().__init__(f"{service.name} exited with code {service.proc.returncode}")
-        self.service = service
+    def __init__(self, name: str, code: int | None, log_path: Path, tail: str):
+        super().__init__(f"{name} exited with code {code}")
+        self.log_path, self.tail = log_path, tail
 
 
 class LocalRun:
-    def __init__(self, job: PipelineRLJob, run_dir: Path, quiet: bool = False, pin_cores: bool = False):
+    def __init__(self, job: PipelineRLJob, run_dir: Path, quiet: bool = False, pin_cores: bool = False,
+                 restart: RestartPolicy | None = None, nats: EmbeddedNats | None = None):
         self.job, self.spec, self.run_dir = job, job.spec, run_dir
         self.pin_cores = pin_cores
+        self.restart = restart or RestartPolicy(limit=job.spec.run_policy.backoff_limit)
+        self.nats, self.nats_restarts = nats, 0
         self.busy: list[tuple[float, float]] = []  # (run time, generators' summed busy seconds)
         self.subjects = JobSubjects(job.name)
         self.quiet = quiet
@@ -123,18 +162,55 @@ class LocalRun:
                 master_addr="127.0.0.1" if trainer else None, master_port=master_port if trainer else None)
             name = role if world == 1 else f"{role}-{rank}"
             self.services.append(Service(name, env, logs / f"{name}.log", job_file, cpus.get((role, rank))))
+        self._record_services()
 
     def check_services(self) -> bool:
-        """True when the trainers have all finished; raises ServiceDied on a failure, or when
-        another service quits while the trainers still need it."""
-        trainers_done = all(s.proc.poll() == 0 for s in self.services if s.role == "trainer")
+        """True when the trainers have all finished. A process that failed, or quit while the
+        trainers still need it, is restarted after a backoff (nats-server too); ServiceDied once
+        the restart policy gives up on it."""
+        self._check_nats()
+        trainers_done = all(s.proc.poll() == 0 and s.restart_at is None for s in self.services if s.role == "trainer")
         last_step_seen = bool(self.train) and self.train[-1]["step"] >= self.spec.trainer.max_steps
+        now = time.monotonic()
         for s in self.services:
+            if s.restart_at is not None:
+                if now >= s.restart_at:
+                    s.restart_at = None
+                    s.start()
+                    self._record_services()
+                continue
             code = s.proc.poll()
             quit_early = code == 0 and s.role != "trainer" and not (trainers_done or last_step_seen)
             if code not in (None, 0) or quit_early:
-                raise ServiceDied(s)
+                s.reap()
+                delay = self.restart.delay(s.restarts)
+                if delay is None:
+                    raise ServiceDied(s.name, code, s.log_path, s.tail())
+                s.restarts += 1
+                s.restart_at = now + delay
+                self.say(f"  {s.name} exited with code {code}: restarting it in {delay:.0f}s "
+                         f"(restart {s.restarts} of {self.restart.limit})")
         return trainers_done
+
+    def _check_nats(self) -> None:
+        if self.nats is None or self.nats.proc.poll() is None:
+            return
+        code, log = self.nats.proc.returncode, self.nats.store_dir / "nats.log"
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        delay = self.restart.delay(self.nats_restarts)
+        if delay is None:
+            raise ServiceDied("nats-server", code, log, tail)
+        self.nats_restarts += 1
+        self.say(f"  nats-server exited with code {code}: restarting it in {delay:.0f}s "
+                 f"(restart {self.nats_restarts} of {self.restart.limit}); streams are kept on disk")
+        time.sleep(delay)
+        self.nats.start()
+
+    def _record_services(self) -> None:
+        """services.json: each process of the run, for `ps`/`kill` and for tests."""
+        (self.run_dir / "services.json").write_text(json.dumps(
+            {s.name: {"pid": s.proc.pid, "restarts": s.restarts, "role": s.role, "rank": s.rank}
+             for s in self.services}, indent=1))
 
     def stop_services(self) -> None:
         for s in reversed(self.services):
@@ -285,14 +361,17 @@ class LocalRun:
 
 
 def run_local(job: PipelineRLJob, run_dir: str | Path | None = None, quiet: bool = False,
-              pin_cores: bool = False) -> int:
+              pin_cores: bool = False, restart: bool = True) -> int:
+    """Run the job here; `restart=False`: the first process to fail stops the run (else each is
+    restarted up to runPolicy.backoffLimit times, as its pod would be)."""
     run_dir = Path(run_dir or Path("runs") / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    run = LocalRun(job, run_dir, quiet=quiet, pin_cores=pin_cores)
+    policy = RestartPolicy(on_failure=restart, limit=job.spec.run_policy.backoff_limit)
+    run = LocalRun(job, run_dir, quiet=quiet, pin_cores=pin_cores, restart=policy)
     run.say(f"pipelinerl: running {job.name!r} ({job.spec.mode} mode, max lag {job.spec.max_lag}) in {run_dir}")
     model_path = resolve_model_path(job.spec.model.path)
     run.say(f"  model {model_path} {model_info(model_path) or ''}")
-    nats = EmbeddedNats(run_dir / "nats", job.spec.nats.max_payload_mb).start()
+    nats = run.nats = EmbeddedNats(run_dir / "nats", job.spec.nats.max_payload_mb).start()
     code = 0
 
     async def main() -> None:
@@ -313,8 +392,8 @@ def run_local(job: PipelineRLJob, run_dir: str | Path | None = None, quiet: bool
         run.say("\ninterrupted: stopping services")
         code = 130
     except ServiceDied as err:
-        print(f"\nerror: {err}; stopping the other services. Last lines of {err.service.log_path}:\n"
-              f"{err.service.tail()}", file=sys.stderr, flush=True)
+        print(f"\nerror: {err}; stopping the other services. Last lines of {err.log_path}:\n"
+              f"{err.tail}", file=sys.stderr, flush=True)
         code = 1
     finally:
         signal.signal(signal.SIGTERM, previous)

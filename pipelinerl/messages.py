@@ -123,18 +123,32 @@ class PolicyVersion(Message):
     trained_groups: dict[str, int] = Field(default_factory=dict)
 
 
+class GeneratorHello(Message):
+    """Generator → trainer, every few seconds: I am alive, and hold these weights."""
+
+    TYPE: ClassVar[str] = "generator_hello"
+    generator: int  # pod index
+    incarnation: str  # this process: a restarted generator is a new member of the weight group
+    version: int  # of the weights it holds; -1: none yet (it generates nothing until it gets some)
+
+
 class WeightUpdate(Message):
-    """Trainer → generators: join the broadcast now; tensors arrive in these buckets."""
+    """Trainer → generators: the weights of `version` are broadcast now in weight group `group`
+    (a membership epoch), in these buckets; `members` ((generator, incarnation) each) hold
+    ranks 1.. in that order, a tensor-parallel engine one rank per worker."""
 
     TYPE: ClassVar[str] = "weight_update"
     version: int
     buckets: list[dict]
+    group: str
+    members: list[tuple[int, str]]
 
 
 class WeightUpdateDone(Message):
     TYPE: ClassVar[str] = "weight_update_done"
     version: int
     generator: int
+    incarnation: str
     pause_seconds: float
     running_requests: int  # requests kept alive across the update (in-flight)
     error: str | None = None
@@ -151,7 +165,7 @@ class Metrics(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    m.TYPE: m for m in (RolloutGroup, MicroBatch, PolicyVersion, WeightUpdate, WeightUpdateDone, Metrics)
+    m.TYPE: m for m in (RolloutGroup, MicroBatch, PolicyVersion, GeneratorHello, WeightUpdate, WeightUpdateDone, Metrics)
 }
 M = TypeVar("M", bound=Message)
 

@@ -13,7 +13,8 @@ msgpack (vLLM ``collective_rpc`` args, NATS). Tensors never do.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import time
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 GROUP_PREFIX = "pipelinerl-weights"
+JOIN_TIMEOUT_S = 10.0  # members of a new epoch are up already (they said hello): joining is quick
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -93,65 +95,105 @@ def check_backend(backend: str) -> None:
         raise WeightSyncError("weightSync.backend is nccl but no CUDA device is visible to this process")
 
 
-def make_group(
-    backend: str,
-    host: str,
-    port: int,
-    rank: int,
-    world_size: int,
-    timeout_s: float,
-    is_master: bool,
-) -> tuple[dist.Store, dist.ProcessGroup]:
-    """The single seam where the transport is chosen: a gloo or NCCL backend on the group's
-    own store. NCCL needs the process's CUDA device set (``torch.cuda.set_device``) first."""
-    check_backend(backend)
+def buffer_device(backend: str) -> torch.device:
+    """Where a transport moves buffers from: host memory (gloo), or this process's GPU (NCCL)."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.Store:
+    """The rendezvous store: trainer rank 0 serves it for its lifetime (every epoch's group meets
+    in it under its own prefix); each generator connects to it to join an epoch."""
+    try:
+        return dist.TCPStore(host, port, None, is_master, timedelta(seconds=timeout_s), wait_for_workers=False)
+    except RuntimeError as e:  # DistStoreError subclasses RuntimeError
+        raise WeightSyncTimeout(f"weight group rendezvous at {host}:{port}: "
+                                f"{'cannot serve' if is_master else 'no trainer'} (timeout {timeout_s:g} s): {e}") from e
+
+
+def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout_s: float):
+    """The single seam where the transport is chosen. NCCL needs the process's CUDA device set
+    (``torch.cuda.set_device``) first."""
     timeout = timedelta(seconds=timeout_s)
     try:
-        # Master (trainer) waits for all world_size clients to connect; clients
-        # wait for the master. Both bounded by `timeout`.
-        store = dist.TCPStore(host, port, world_size, is_master=is_master, timeout=timeout)
-        prefixed = dist.PrefixStore(GROUP_PREFIX, store)
         if backend == "gloo":
-            pg: dist.ProcessGroup = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-        else:
-            options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
-    except RuntimeError as e:  # DistStoreError / gloo connect errors subclass RuntimeError
-        raise WeightSyncTimeout(
-            f"weight group rendezvous at {host}:{port} (rank {rank}/{world_size}) "
-            f"failed (timeout {timeout_s:g} s): {e}"
-        ) from e
-    return store, pg
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    except RuntimeError as e:  # gloo connect errors subclass RuntimeError
+        raise WeightSyncTimeout(f"weight group (rank {rank}/{world_size}) could not connect "
+                                f"(timeout {timeout_s:g} s): {e}") from e
+
+
+class GroupIncomplete(WeightSyncTimeout):
+    """Trainer side: members of a new epoch did not come to its rendezvous in time."""
+
+    def __init__(self, missing: list[int], message: str) -> None:
+        super().__init__(message)
+        self.missing = missing  # their ranks
+
+
+class GroupAborted(WeightSyncError):
+    """Generator side: the trainer called this epoch off (another member did not come)."""
 
 
 class WeightGroup:
-    """A broadcast group: rank 0 is the trainer, ranks 1.. are generator workers."""
+    """The broadcast group of one membership epoch: rank 0 is the trainer, ranks 1.. are
+    generator workers. It meets in the trainer's store under the epoch's own prefix, in two
+    phases so that a member that never comes costs a short wait, not a broken group: each member
+    says it is joining, and only once all have does the trainer let them build the group."""
 
-    def __init__(self, store: dist.Store, pg: dist.ProcessGroup, rank: int, world_size: int,
-                 timeout_s: float, backend: str = "gloo") -> None:
+    def __init__(self, store: dist.Store, pg, rank: int, world_size: int, timeout_s: float, backend: str) -> None:
         self.store = store  # keep alive: the group's rendezvous store
         self.pg = pg
         self.rank = rank
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.backend = backend
-        # Buffers live where the transport moves them from: host memory (gloo), or this
-        # process's current GPU (NCCL).
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.device = buffer_device(backend)
         # Flat buffers kept across updates: fresh large CPU buffers come from mmap untouched
         # and would be page-faulted in on every update (bench/README.md, benchmark 2).
-        # Costs one model copy in the receiver's memory and the largest bucket in the sender's.
-        self._send_buffers: dict[str, torch.Tensor] = {}  # dtype -> scratch, reused per bucket
+        # Costs one model copy in the receiver's memory.
         self._receive_buffers: dict[int, torch.Tensor] = {}  # bucket index -> buffer (see receive_buckets)
 
     @classmethod
-    def create(cls, host: str, port: int, rank: int, world_size: int, timeout_s: float,
-               is_master: bool | None = None, backend: str = "gloo") -> "WeightGroup":
-        if is_master is None:
-            is_master = rank == 0
-        store, pg = make_group(backend, host, port, rank, world_size, timeout_s, is_master)
-        return cls(store, pg, rank, world_size, timeout_s, backend)
+    def form(cls, store: dist.Store, group_id: str, world_size: int, timeout_s: float, backend: str = "gloo",
+             join_timeout_s: float = JOIN_TIMEOUT_S) -> WeightGroup:
+        """Trainer side (rank 0) of epoch `group_id`: wait until ranks 1..world_size-1 said they
+        are joining, then let them go and connect. Raises GroupIncomplete naming the ranks that
+        did not come within `join_timeout_s` (the others are told to abort)."""
+        check_backend(backend)
+        epoch = dist.PrefixStore(f"{GROUP_PREFIX}/{group_id}", store)
+        keys = [f"joining/{r}" for r in range(1, world_size)]
+        deadline = time.monotonic() + join_timeout_s
+        while keys and not epoch.check(keys):
+            if time.monotonic() > deadline:
+                missing = [r for r, key in enumerate(keys, 1) if not epoch.check([key])]
+                epoch.set("go", "abort")
+                raise GroupIncomplete(missing, f"weight group {group_id}: ranks {missing} did not join "
+                                               f"within {join_timeout_s:g} s")
+            time.sleep(0.01)
+        epoch.set("go", "go")
+        return cls(epoch, _process_group(backend, epoch, 0, world_size, timeout_s), 0, world_size, timeout_s, backend)
+
+    @classmethod
+    def join(cls, host: str, port: int, group_id: str, rank: int, world_size: int, timeout_s: float,
+             backend: str = "gloo") -> WeightGroup:
+        """Generator side: join epoch `group_id` as `rank` (≥ 1). Raises GroupAborted if the
+        trainer called the epoch off, WeightSyncTimeout if no trainer answers in time."""
+        check_backend(backend)
+        store = open_store(host, port, False, timeout_s)
+        epoch = dist.PrefixStore(f"{GROUP_PREFIX}/{group_id}", store)
+        epoch.set(f"joining/{rank}", "1")
+        try:
+            epoch.wait(["go"], timedelta(seconds=timeout_s))
+        except RuntimeError as e:
+            raise WeightSyncTimeout(f"weight group {group_id}: the trainer did not start it within "
+                                    f"{timeout_s:g} s: {e}") from e
+        if epoch.get("go") == b"abort":
+            raise GroupAborted(f"weight group {group_id}: called off by the trainer (a member did not join)")
+        return cls(epoch, _process_group(backend, epoch, rank, world_size, timeout_s), rank, world_size,
+                   timeout_s, backend)
 
     def _broadcast(self, buf: torch.Tensor, what: str) -> None:
         opts = dist.BroadcastOptions()
@@ -165,26 +207,12 @@ class WeightGroup:
                 f"failed or timed out after {self.timeout_s}s ({what}): {e}"
             ) from e
 
-    def broadcast_buckets(
-        self,
-        named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-        buckets: list[dict[str, Any]],
-    ) -> None:
-        """Sender (rank 0): flatten each bucket into one buffer and broadcast it.
-
-        One flat buffer per bucket is ~2x faster than per-tensor sends.
-        """
+    def broadcast(self, snapshot: Snapshot) -> None:
+        """Sender (rank 0): broadcast each bucket's flat buffer (~2x faster than per-tensor sends)."""
         if self.rank != 0:
-            raise RuntimeError("broadcast_buckets is for rank 0 (trainer)")
-        tensors = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
-        for i, b in enumerate(buckets):
-            buf = self._send_buffer(b)
-            for t in b["tensors"]:
-                src = tensors[t["name"]].detach()
-                if list(src.shape) != list(t["shape"]):
-                    raise ValueError(f"{t['name']}: shape {list(src.shape)} != planned {t['shape']}")
-                buf[t["offset"]: t["offset"] + t["numel"]].copy_(src.reshape(-1))  # casts dtype
-            self._broadcast(buf, f"bucket {i + 1}/{len(buckets)}, {buf.numel() * buf.element_size()} bytes")
+            raise RuntimeError("broadcast is for rank 0 (trainer)")
+        for i, buf in enumerate(snapshot.buffers):
+            self._broadcast(buf, f"bucket {i + 1}/{len(snapshot.buffers)}, {buf.numel() * buf.element_size()} bytes")
 
     def receive_buckets(self, buckets: list[dict[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Receiver: yields (name, tensor) views, receiving each bucket lazily. The views
@@ -207,14 +235,6 @@ class WeightGroup:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _send_buffer(self, bucket: dict[str, Any]) -> torch.Tensor:
-        # One scratch buffer per dtype: each broadcast completes before the next bucket is filled.
-        dtype = bucket["dtype"]
-        buf = self._send_buffers.get(dtype)
-        if buf is None or buf.numel() < bucket["numel"]:
-            buf = self._send_buffers[dtype] = torch.empty(bucket["numel"], dtype=DTYPES[dtype], device=self.device)
-        return buf[: bucket["numel"]]
-
     def _receive_buffer(self, i: int, bucket: dict[str, Any]) -> torch.Tensor:
         # One buffer per bucket, not shared within an update: the loader may hold views of
         # earlier buckets until their layer is complete. The next update reuses them: by
@@ -235,4 +255,31 @@ class WeightGroup:
             except Exception:
                 pass
         self.store = None  # type: ignore[assignment]
-        self._send_buffers, self._receive_buffers = {}, {}
+        self._receive_buffers = {}
+
+
+class Snapshot:
+    """Weights packed into one flat buffer per bucket, where the transport sends from: the
+    trainer keeps the last version sent, so a generator that joins later gets it without the
+    trainer ranks gathering again. One copy of the model (host memory with gloo, GPU memory with
+    NCCL)."""
+
+    def __init__(self, buckets: list[dict[str, Any]], device: torch.device) -> None:
+        self.buckets = buckets
+        self.buffers = [torch.empty(b["numel"], dtype=DTYPES[b["dtype"]], device=device) for b in buckets]
+        self.version: int | None = None  # of the weights packed (None: nothing yet)
+
+    def pack(self, index: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy bucket `index`'s tensors (by name) into its buffer, casting to the planned dtype."""
+        buf = self.buffers[index]
+        for t in self.buckets[index]["tensors"]:
+            src = tensors[t["name"]].detach()
+            if list(src.shape) != list(t["shape"]):
+                raise ValueError(f"{t['name']}: shape {list(src.shape)} != planned {t['shape']}")
+            buf[t["offset"]: t["offset"] + t["numel"]].copy_(src.reshape(-1))
+
+    def pack_all(self, tensors: Mapping[str, torch.Tensor], version: int) -> Snapshot:
+        for i in range(len(self.buckets)):
+            self.pack(i, tensors)
+        self.version = version
+        return self

@@ -8,25 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from jobs import tiny_job  # tests/e2e/jobs.py
+
 from pipelinerl.local import run_local
 from pipelinerl.spec import parse_job
 
 pytestmark = pytest.mark.slow
-
-
-def tiny_job(name: str, **spec) -> dict:
-    base = {
-        "model": {"path": "builtin:tiny-random", "maxSeqLen": 40},
-        "task": {"name": "arith"},
-        "rl": {"attempts": 4, "filterZeroVariance": False},
-        "generator": {"sampling": {"maxTokens": 24}},
-        "trainer": {"samplesPerStep": 16, "microBatchTokens": 256, "maxSteps": 5, "checkpointInterval": 0},
-        "eval": {"interval": 2, "problems": 16},
-    }
-    for key, value in spec.items():
-        base[key] = base.get(key, {}) | value if isinstance(value, dict) else value
-    return {"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": name},
-            "spec": base}
 
 
 def rows(run_dir: Path, kind: str) -> list[dict]:
@@ -93,7 +80,7 @@ def test_resume_from_checkpoint_does_not_retrain(tmp_path):
 
 def test_a_dying_service_stops_the_run_with_its_log_tail(tmp_path, capsys):
     job = tiny_job("dies", model={"path": str(tmp_path / "no-such-model"), "maxSeqLen": 40})
-    code = run_local(parse_job(job), tmp_path / "run", quiet=True)
+    code = run_local(parse_job(job), tmp_path / "run", quiet=True, restart=False)  # fail-stop
     err = capsys.readouterr().err
     assert code == 1
     assert "exited with code" in err and "stopping the other services" in err

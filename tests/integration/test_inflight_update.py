@@ -15,6 +15,7 @@ import pytest_asyncio
 import torch
 
 from pipelinerl.ports import free_port
+from pipelinerl_generator.engine import WeightsKept
 from pipelinerl_generator.weight_receiver import WeightReceiverExtension
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -75,7 +76,7 @@ def _sender_main(paths: dict[str, str], port: int, cmd_q, res_q) -> None:
     torch.set_num_threads(1)
     from safetensors.torch import load_file
 
-    from pipelinerl.weight_group import WeightGroup
+    from pipelinerl.weight_group import Snapshot, WeightGroup, open_store
 
     state = {name: load_file(f"{p}/model.safetensors") for name, p in paths.items()}
     group = None
@@ -83,11 +84,11 @@ def _sender_main(paths: dict[str, str], port: int, cmd_q, res_q) -> None:
         cmd, *args = cmd_q.get()
         try:
             if cmd == "init":
-                group = WeightGroup.create(HOST, port, 0, 2, SYNC_TIMEOUT_S)
+                group = WeightGroup.form(open_store(HOST, port, True, SYNC_TIMEOUT_S), "g", 2, SYNC_TIMEOUT_S)
                 res_q.put(("ok", None))
             elif cmd == "send":
                 which, buckets = args
-                group.broadcast_buckets(state[which], buckets)
+                group.broadcast(Snapshot(buckets, group.device).pack_all(state[which], version=0))
                 res_q.put(("ok", None))
             elif cmd == "close":
                 if group is not None:
@@ -184,7 +185,7 @@ async def rig(request, tmp_path_factory):
     try:
         await engine.start(0)
         cmd_q.put(("init",))
-        await engine.join_weight_group(HOST, port, 1, 2, sync.timeout_seconds)
+        await engine.join_weight_group(HOST, port, "g", 1, 2, sync.timeout_seconds)
         await reply(res_q)
         yield Rig(engine, make_tokenizer(), {n: load_hf(p) for n, p in paths.items()}, buckets, cmd_q, res_q,
                   in_place=extension is InPlaceProbe, staged=staged and extension is InPlaceProbe)
@@ -307,8 +308,10 @@ async def test_update_that_misses_a_weight_fails_naming_it(rig):
     version, prompt = engine.version, rig.tokenizer.encode(PROMPTS[1])
     running = asyncio.create_task(engine.generate(prompt, LONG_TOKENS, greedy=True))  # staged if it can be
     await wait_for_output_tokens(engine, 10)
-    with pytest.raises(Exception, match=f"did not cover 1 parameters.*{dropped}"):
+    with pytest.raises(Exception, match=f"did not cover 1 parameters.*{dropped}") as failed:
         await engine.update_weights(version + 1, partial)
+    # A staged failure keeps the live weights: the generator generates on (else it must stop).
+    assert isinstance(failed.value, WeightsKept) == rig.staged
     await reply(rig.res_q)
     assert engine.version == version
     c = await running

@@ -1,5 +1,6 @@
-"""pipelinerl.weight_group: bucket plans, a real multi-process gloo broadcast, clear timeouts; the
-NCCL transport refused where it cannot run, and run for real where GPUs are (marked `gpu`)."""
+"""pipelinerl.weight_group: bucket plans, a real multi-process gloo broadcast, epochs whose
+missing members are named and whose others are told to abort, clear timeouts; the NCCL transport
+refused where it cannot run, and run for real where GPUs are (marked `gpu`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,10 @@ import pytest
 import torch
 
 from pipelinerl.spec import parse_job
-from pipelinerl.weight_group import WeightGroup, WeightSyncError, WeightSyncTimeout, dtype_name, plan_buckets
+from pipelinerl.weight_group import (
+    GroupAborted, GroupIncomplete, Snapshot, WeightGroup, WeightSyncError, WeightSyncTimeout, dtype_name, open_store,
+    plan_buckets,
+)
 
 HOST = "127.0.0.1"
 GPUS = torch.cuda.device_count()
@@ -20,6 +24,10 @@ GPUS = torch.cuda.device_count()
 
 def plan_buckets_for(tensors, bucket_bytes):
     return plan_buckets([(n, list(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()], bucket_bytes)
+
+
+def send(group, tensors, buckets):
+    group.broadcast(Snapshot(buckets, group.device).pack_all(tensors, version=0))
 
 
 def names(buckets):
@@ -76,11 +84,11 @@ def test_plan_for_tensors_is_plain_data_and_rejects_bad_input():
 
 # --- real gloo groups (spawned processes) -------------------------------------------------
 
-def _receiver(port, rank, world, timeout_s, buckets, out_q, backend="gloo"):
+def _receiver(port, rank, world, timeout_s, buckets, out_q, backend="gloo", group_id="g"):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        group = WeightGroup.create(HOST, port, rank, world, timeout_s, backend=backend)
+        group = WeightGroup.join(HOST, port, group_id, rank, world, timeout_s, backend)
         # Two updates: the second reuses the first one's buffers (views are copied out).
         got = [{n: t.cpu().clone() for n, t in group.receive_buckets(buckets)} for _ in range(2)]
         group.close()
@@ -94,7 +102,7 @@ def _receiver(port, rank, world, timeout_s, buckets, out_q, backend="gloo"):
 def _idle_member(port, world, timeout_s, hold_s, ready):
     """Joins the group as rank 1 but never enters a broadcast."""
     ready.set()  # imports done: the short rendezvous timeout is about the group, not process start
-    group = WeightGroup.create(HOST, port, 1, world, timeout_s)
+    group = WeightGroup.join(HOST, port, "g", 1, world, timeout_s)
     time.sleep(hold_s)
     group.close()
 
@@ -117,10 +125,10 @@ def test_broadcast_round_trips_to_two_receivers_are_exact(port):
     for p in procs:
         p.start()
     try:
-        sender = WeightGroup.create(HOST, port, 0, 3, 30.0)
+        sender = WeightGroup.form(open_store(HOST, port, True, 30.0), "g", 3, 30.0)
         second = {n: -2 * t for n, t in tensors.items()}
-        sender.broadcast_buckets(tensors, buckets)
-        sender.broadcast_buckets(second, buckets)
+        send(sender, tensors, buckets)
+        send(sender, second, buckets)
         results = {}
         for _ in procs:
             rank, status, got = out_q.get(timeout=60)
@@ -141,19 +149,51 @@ def test_broadcast_round_trips_to_two_receivers_are_exact(port):
                 assert torch.equal(got[name], t), name
 
 
-def test_rendezvous_nobody_joins_times_out_clearly(port):
+def test_epoch_nobody_joins_names_the_missing_ranks(port):
+    store = open_store(HOST, port, True, 30.0)
     t0 = time.perf_counter()
-    with pytest.raises(WeightSyncTimeout, match=rf"rendezvous at {HOST}:{port}.*timeout 1.5 s"):
-        WeightGroup.create(HOST, port, 0, 2, 1.5)  # trainer side: no generator ever connects
+    with pytest.raises(GroupIncomplete, match=r"weight group e1: ranks \[1, 2\] did not join within 1.5 s") as err:
+        WeightGroup.form(store, "e1", 3, 30.0, join_timeout_s=1.5)  # trainer side: no generator comes
+    assert err.value.missing == [1, 2]
     elapsed = time.perf_counter() - t0
     assert 1.0 <= elapsed < 10, elapsed
 
 
 def test_generator_without_trainer_times_out_clearly(port):
     t0 = time.perf_counter()
-    with pytest.raises(WeightSyncTimeout, match="rendezvous"):
-        WeightGroup.create(HOST, port, 1, 2, 1.5)  # generator side: no trainer (store master)
+    with pytest.raises(WeightSyncTimeout, match="rendezvous.*no trainer"):
+        WeightGroup.join(HOST, port, "e1", 1, 2, 1.5)  # generator side: nobody serves the store
     assert time.perf_counter() - t0 < 10
+
+
+def test_a_member_that_never_comes_aborts_the_epoch_and_the_next_one_goes_on(port):
+    """Rank 2 of epoch e1 never joins (a generator that died): the trainer names it, rank 1 is told
+    to abort instead of waiting in a half-formed group, and epoch e2 without rank 2 works."""
+    store = open_store(HOST, port, True, 30.0)
+    tensors = {"w": torch.arange(12.0).reshape(3, 4)}
+    buckets = plan_buckets_for(tensors, bucket_bytes=1024)
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    first = ctx.Process(target=_receiver, args=(port, 1, 3, 30.0, buckets, out_q, "gloo", "e1"), daemon=True)
+    first.start()
+    try:
+        with pytest.raises(GroupIncomplete) as err:
+            WeightGroup.form(store, "e1", 3, 30.0, join_timeout_s=8.0)
+        assert err.value.missing == [2]
+        rank, status, message = out_q.get(timeout=60)
+        assert (rank, status) == (1, "err") and GroupAborted.__name__ in message
+        second = ctx.Process(target=_receiver, args=(port, 1, 2, 30.0, buckets, out_q, "gloo", "e2"), daemon=True)
+        second.start()
+        group = WeightGroup.form(store, "e2", 2, 30.0, join_timeout_s=30.0)
+        send(group, tensors, buckets)
+        send(group, tensors, buckets)
+        rank, status, payload = out_q.get(timeout=60)
+        assert status == "ok", payload
+        assert all(torch.equal(got["w"], tensors["w"]) for got in torch.load(io.BytesIO(payload)))
+        second.join(30)
+        group.close()
+    finally:
+        first.join(10)
 
 
 def test_broadcast_receiver_never_enters_times_out_clearly(port):
@@ -163,11 +203,11 @@ def test_broadcast_receiver_never_enters_times_out_clearly(port):
     member.start()
     try:
         assert ready.wait(60)
-        sender = WeightGroup.create(HOST, port, 0, 2, 2.0)  # the rendezvous itself succeeds
+        sender = WeightGroup.form(open_store(HOST, port, True, 30.0), "g", 2, 2.0)  # the rendezvous succeeds
         tensors = {"w": torch.zeros(4 << 20)}  # 16 MiB: more than socket buffers absorb
         t0 = time.perf_counter()
         with pytest.raises(WeightSyncTimeout, match=r"broadcast to 1 generators failed or timed out after 2.0s"):
-            sender.broadcast_buckets(tensors, plan_buckets_for(tensors, bucket_bytes=64 << 20))
+            send(sender, tensors, plan_buckets_for(tensors, bucket_bytes=64 << 20))
         elapsed = time.perf_counter() - t0
         assert member.is_alive(), "the member must still be in the group: a timeout, not a lost peer"
         assert elapsed < 6, elapsed
@@ -195,7 +235,7 @@ def test_auto_picks_nccl_only_with_gpus_on_both_sides():
 def test_nccl_without_a_gpu_is_refused_before_any_rendezvous(port):
     t0 = time.perf_counter()
     with pytest.raises(WeightSyncError, match="weightSync.backend is nccl but"):
-        WeightGroup.create(HOST, port, 0, 2, 30.0, backend="nccl")
+        WeightGroup.form(open_store(HOST, port, True, 30.0), "g", 2, 30.0, backend="nccl")
     assert time.perf_counter() - t0 < 5  # refused at once, not after the rendezvous timeout
 
 
@@ -210,10 +250,10 @@ def test_nccl_broadcast_round_trips_gpu_to_gpu(port):
     out_q = ctx.Queue()
     proc = ctx.Process(target=_receiver, args=(port, 1, 2, 60.0, buckets, out_q, "nccl"), daemon=True)
     proc.start()
-    sender = WeightGroup.create(HOST, port, 0, 2, 60.0, backend="nccl")
+    sender = WeightGroup.form(open_store(HOST, port, True, 60.0), "g", 2, 60.0, backend="nccl")
     assert sender.device.type == "cuda"
     for _ in range(2):
-        sender.broadcast_buckets(tensors, buckets)
+        send(sender, tensors, buckets)
     rank, status, payload = out_q.get(timeout=120)
     assert status == "ok", payload
     for got in torch.load(io.BytesIO(payload)):

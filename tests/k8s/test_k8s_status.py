@@ -104,3 +104,14 @@ def test_ttl() -> None:
     assert not ttl_expired(done, None, T0 + timedelta(days=9))
     assert not ttl_expired(done, 60, T0 + timedelta(seconds=30))
     assert ttl_expired(done, 60, T0 + timedelta(seconds=60))
+
+
+def test_generators_out_of_the_weight_group_degrade_the_job() -> None:
+    report = {"step": 9, "version": 9, "weightSyncReady": True, "generatorsInGroup": 1, "weightEpoch": 4}
+    status, events = run(trainer_status=report)  # both generator pods ready, one dropped from the group
+    degraded = cond(status, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "GeneratorsOutOfWeightGroup"
+    assert "1 in the weight group (epoch 4)" in degraded["message"]
+    assert status["progress"]["generatorsInGroup"] == 1 and cond(status, "Ready")["status"] == "True"
+    back, events = run(previous=status, trainer_status=report | {"generatorsInGroup": 2, "weightEpoch": 5})
+    assert cond(back, "Degraded")["status"] == "False" and [e.reason for e in events] == ["Recovered"]

@@ -10,19 +10,19 @@ def fill(a: Admission) -> int:
 
 
 def test_pipeline_budget_is_max_lag_steps_of_unconsumed_groups():
-    a = Admission(groups_per_step=16, generators=1, max_lag=4, max_inflight=1000, training_step=0)  # step 0 training
+    a = Admission(groups_per_step=16, generators=1, max_lag=4, max_inflight=1000, training_step=0, weights_version=0)  # step 0 training
     assert fill(a) == 64
     for _ in range(16):
         a.on_finish(discarded=False)
     assert not a.may_start()  # finished but untrained groups still count
     a.on_trained(16, training_step=1)
     assert not a.may_start()  # the engine still holds version 0: a group started now gets lag 5
-    a.on_weights(1)
+    a.on_weights(1, generators=1)
     assert fill(a) == 16
 
 
 def test_sync_mode_one_step_and_discards_free_budget():
-    a = Admission(groups_per_step=4, generators=1, max_lag=0, max_inflight=1000)
+    a = Admission(groups_per_step=4, generators=1, max_lag=0, max_inflight=1000, weights_version=0)
     assert fill(a) == 4
     a.on_finish(discarded=True)  # zero-variance: will never be trained
     assert fill(a) == 1  # replaced at once, so a step can always be filled
@@ -32,7 +32,7 @@ def test_sync_mode_one_step_and_discards_free_budget():
 
 
 def test_share_and_inflight_cap():
-    a = Admission(groups_per_step=10, generators=3, max_lag=2, max_inflight=5, training_step=0)
+    a = Admission(groups_per_step=10, generators=3, max_lag=2, max_inflight=5, training_step=0, weights_version=0)
     assert a.share == 4 and a.budget == 8
     assert fill(a) == 5  # capped by concurrency
     a.on_finish(False)
@@ -40,14 +40,14 @@ def test_share_and_inflight_cap():
 
 
 def test_one_more_share_once_the_weights_of_the_step_in_training_have_landed():
-    a = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000)
+    a = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000, weights_version=0)
     # Before any step: step 0 trains version-0 groups (lag 0), step 1 trains them at lag 1.
     assert fill(a) == 32
     for _ in range(32):
         a.on_finish(discarded=False)
     a.on_trained(16, training_step=0)  # step 0 starts with the engine at version 0
     assert a.budget == 16 and not a.may_start()  # groups started now land in step 2: lag 2
-    a.on_weights(1)  # step 0 is over and its weights are in: a group started now lands in step 2 at lag 1
+    a.on_weights(1, generators=1)  # step 0 is over and its weights are in: a group started now lands in step 2 at lag 1
     assert a.budget == 32 and fill(a) == 16
     a.on_trained(16, training_step=0)  # the end-of-step announcement changes nothing
     a.on_trained(32, training_step=1)  # step 1 starts
@@ -57,21 +57,37 @@ def test_one_more_share_once_the_weights_of_the_step_in_training_have_landed():
 
 
 def test_sync_mode_budget_ignores_weights():
-    a = Admission(groups_per_step=8, generators=1, max_lag=0, max_inflight=1000)
-    a.on_weights(5)
+    a = Admission(groups_per_step=8, generators=1, max_lag=0, max_inflight=1000, weights_version=0)
+    a.on_weights(5, generators=1)
     assert a.budget == 8
 
 
 def test_one_share_less_while_the_weights_of_the_step_before_are_still_loading():
     # The trainer sends version 1 and starts step 1 before the generator has loaded it: groups
     # started on version 0 now would be trained in step 2, at lag 2.
-    a = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000)
+    a = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000, weights_version=0)
     assert fill(a) == 32
     for _ in range(32):
         a.on_finish(discarded=False)
     a.on_trained(32, training_step=1)  # steps 0 and 1 consumed, the engine still at version 0
     assert a.budget == 0 and not a.may_start()
-    a.on_weights(1)  # version 1 in: a group started now is trained in step 2 at lag 1
+    a.on_weights(1, generators=1)  # version 1 in: a group started now is trained in step 2 at lag 1
     assert a.budget == 16 and fill(a) == 16
-    b = Admission(groups_per_step=16, generators=1, max_lag=2, max_inflight=1000, training_step=1)
+    b = Admission(groups_per_step=16, generators=1, max_lag=2, max_inflight=1000, training_step=1, weights_version=0)
     assert b.budget == 16  # max lag 2: one step of room remains
+
+
+def test_nothing_starts_before_the_trainer_sent_weights():
+    a = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000)
+    assert a.weights_version == -1 and fill(a) == 0  # disk weights carry no version: never sampled from
+    a.on_weights(3, generators=1)
+    assert fill(a) == 32
+
+
+def test_share_follows_the_generators_in_the_weight_group():
+    # One of two generators died: the survivor's share grows to the whole step, or no step
+    # could ever be filled again.
+    a = Admission(groups_per_step=16, generators=2, max_lag=1, max_inflight=1000, weights_version=0)
+    assert a.share == 8 and fill(a) == 16
+    a.on_weights(1, generators=1)
+    assert a.share == 16 and fill(a) == 16

@@ -25,6 +25,10 @@ EXTENSION = "pipelinerl_generator.weight_receiver.WeightReceiverExtension"
 STAGED_POLL_S = 0.005
 
 
+class WeightsKept(RuntimeError):
+    """A staged update failed before the swap: the live weights are untouched."""
+
+
 @dataclass
 class UpdateStats:
     version: int
@@ -66,7 +70,7 @@ class Engine:
         self.llm = AsyncLLM.from_engine_args(engine_args(job.spec.generator, job.spec.model, model_path, seed))
         self.eos = self.llm.tokenizer.eos_token_id if self.llm.tokenizer else None
         self.staged = job.spec.weight_sync.staged
-        self.version = 0
+        self.version = -1  # the label of the weights held: -1 until `start` or an update sets it
         self.running = 0
         self.tokens_generated = 0
 
@@ -105,9 +109,11 @@ class Engine:
         return Completion(tokens=tokens, logprobs=logprobs, versions=token_versions(c.weight_versions, len(tokens)),
                           finish_reason="length" if c.finish_reason == "length" else "stop")
 
-    async def join_weight_group(self, host: str, port: int, rank: int, world_size: int, timeout_s: float) -> None:
+    async def join_weight_group(self, host: str, port: int, group: str, rank: int, world_size: int,
+                                timeout_s: float) -> None:
         backend = self.job.spec.weight_transport
-        await self.llm.collective_rpc("init_weight_group", args=(host, port, rank, world_size, timeout_s, backend))
+        await self.llm.collective_rpc("init_weight_group",
+                                      args=(host, port, group, rank, world_size, timeout_s, backend))
 
     async def update_weights(self, version: int, buckets: list[dict]) -> UpdateStats:
         """With requests running: receive and load the new weights beside them (staged), then
@@ -118,7 +124,11 @@ class Engine:
         staged = (self.staged and self.running > 0
                   and all(await self.llm.collective_rpc("stage_weights", args=(buckets,))))
         if staged:
-            await self._wait_staged(t0 + self.job.spec.weight_sync.timeout_seconds)
+            try:
+                await self._wait_staged(t0 + self.job.spec.weight_sync.timeout_seconds)
+            except Exception as err:
+                raise WeightsKept(f"staged update to version {version} failed, generating on with version "
+                                  f"{self.version}: {type(err).__name__}: {err}") from err
         t_pause = time.perf_counter()
         running = self.running
         # The engine core's pause, not AsyncLLM.pause_generation: that adds a fixed 20 ms sleep

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import time
+import uuid
 
 from nats.js.api import DeliverPolicy
 from prometheus_client import Counter, Gauge
@@ -26,7 +27,7 @@ from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import connect, ensure_streams
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import resolve_model_path
-from pipelinerl_generator.engine import Engine
+from pipelinerl_generator.engine import Engine, WeightsKept
 
 log = logging.getLogger("pipelinerl.generator")
 GROUPS = Counter("pipelinerl_generator_groups_total", "Prompt groups published")
@@ -34,6 +35,7 @@ TOKENS = Counter("pipelinerl_generator_tokens_total", "Tokens generated")
 VERSION = Gauge("pipelinerl_generator_policy_version", "Policy version of the engine weights")
 INFLIGHT = Gauge("pipelinerl_generator_inflight_groups", "Prompt groups being generated")
 UPDATE_PAUSE = Gauge("pipelinerl_generator_weight_update_pause_seconds", "Pause of the last weight update")
+HELLO_S = 1.0  # the trainer takes a generator silent for LIVENESS_S (10 s) for gone
 
 
 class BusyClock:
@@ -68,11 +70,15 @@ class Generator:
         self.wakeup = asyncio.Event()
         self.stopping = asyncio.Event()
         self.finished_version: int | None = None
-        self.evaluated: set[int] = set()
+        self.evaluations: dict[int, asyncio.Future] = {}  # version -> its evaluation (shared by reports)
+        self.reported: set[tuple[int, bool]] = set()  # (version, final) published
         self.errors: list[BaseException] = []
         self.tasks: set[asyncio.Task] = set()
         self.busy = BusyClock()
         self.updates_in_flight = 0  # updates applied while requests were running
+        self.incarnation = uuid.uuid4().hex[:12]  # this process, to the weight group's membership
+        self.group: str | None = None  # the weight group (membership epoch) joined
+        self.holds_weights = asyncio.Event()  # the trainer's weights are loaded
 
     # -- status ----------------------------------------------------------------------------
     def status(self) -> GeneratorStatus:
@@ -93,34 +99,59 @@ class Generator:
         model_path = resolve_model_path(self.spec.model.path)
         self.engine = Engine(self.job, model_path, seed=self.spec.trainer.seed + 1000 * self.env.rank)
         self.tokenizer = self.engine.llm.tokenizer
-        start_version, trained = await self._latest_version()
-        await self.engine.start(start_version)
-        VERSION.set(start_version)
         # Nothing of a previous incarnation is queued any more: start the books from here.
         a = self.admission
-        a.started = a.finished = a.trained = trained
-        a.weights_version = start_version
+        a.started = a.finished = a.trained = await self._trained_groups()
         await self.nc.subscribe(self.subjects.weights_update, cb=self._on_weight_update)
         await self.js.subscribe(self.subjects.version, cb=self._on_version, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
                                 ordered_consumer=True)
-        join = asyncio.create_task(self.engine.join_weight_group(
-            self.env.weights_host, self.env.weights_port, 1 + self.env.rank, 1 + self.env.world_size,
-            self.spec.weight_sync.timeout_seconds))
-        await join
-        http.ready = True
-        log.info("generator %d ready at version %d (model %s)", self.env.rank, start_version, model_path)
-        self._spawn(self._maybe_eval(start_version))
-        await self._admission_loop()
+        hello = asyncio.create_task(self._say_hello())  # not in self.tasks: it runs until the end
+        # Whatever it loaded from disk, a generator generates only with weights the trainer sent
+        # (and labels its tokens with their version).
+        first = await self._first_weights(self.spec.weight_sync.timeout_seconds * 5)
+        if first is not None:
+            http.ready = True
+            log.info("generator %d ready at version %d (model %s)", self.env.rank, first, model_path)
+            self._spawn(self._maybe_eval(first))
+            await self._admission_loop()
+        hello.cancel()
         self.engine.shutdown()
         await asyncio.wait_for(self.nc.close(), 10)  # every publish was already acked: no drain needed
 
-    async def _latest_version(self) -> tuple[int, int]:
+    async def _trained_groups(self) -> int:
+        """This generator's groups trained so far, from the trainer's last announcement."""
         try:
             msg = await self.js.get_last_msg(self.subjects.stream("CONTROL"), self.subjects.version)
         except Exception:
-            return 0, 0
-        pv = m.decode(msg.data, m.PolicyVersion)
-        return pv.version, pv.trained_groups.get(str(self.env.rank), 0)
+            return 0
+        return m.decode(msg.data, m.PolicyVersion).trained_groups.get(str(self.env.rank), 0)
+
+    async def _say_hello(self) -> None:
+        """Tell trainer rank 0, every HELLO_S, that this process is alive and which weights it holds."""
+        while not self.stopping.is_set():
+            hello = m.GeneratorHello(generator=self.env.rank, incarnation=self.incarnation,
+                                     version=self.admission.weights_version)
+            try:
+                await self.nc.publish(self.subjects.weights_hello, m.encode(hello))
+            except Exception as err:  # NATS reconnecting: the next hello will do
+                log.warning("hello not sent: %s", err)
+            try:
+                await asyncio.wait_for(self.stopping.wait(), HELLO_S)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _first_weights(self, timeout_s: float) -> int | None:
+        """The version of the first weights received; None if stopped first."""
+        waits = [asyncio.ensure_future(self.holds_weights.wait()), asyncio.ensure_future(self.stopping.wait())]
+        done, pending = await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for w in pending:
+            w.cancel()
+        if self.errors:
+            raise self.errors[0]
+        if not done:
+            raise TimeoutError(f"generator {self.env.rank}: no weights from the trainer in {timeout_s:.0f}s "
+                               f"(is the trainer running? weight group at {self.env.weights_addr})")
+        return self.engine.version if self.holds_weights.is_set() else None
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
@@ -181,22 +212,47 @@ class Generator:
 
     async def _on_weight_update(self, msg) -> None:
         update = m.decode(msg.data, m.WeightUpdate)
-        reply = m.WeightUpdateDone(version=update.version, generator=self.env.rank, pause_seconds=0.0,
-                                   running_requests=0)
+        me = (self.env.rank, self.incarnation)
+        if me not in update.members:  # not (yet, or no longer) in this epoch: keep the weights we hold
+            self.group = None if update.group != self.group else self.group
+            return
+        if update.group != self.group and not await self._join(update):
+            return
+        reply = m.WeightUpdateDone(version=update.version, generator=self.env.rank, incarnation=self.incarnation,
+                                   pause_seconds=0.0, running_requests=0)
         try:
             stats = await self.engine.update_weights(update.version, update.buckets)
             reply.pause_seconds, reply.running_requests = stats.pause_seconds, stats.running_requests
             self.updates_in_flight += int(stats.running_requests > 0)
-            self.admission.on_weights(update.version)
+            self.admission.on_weights(update.version, generators=len(update.members))
+            self.holds_weights.set()
             VERSION.set(update.version)
             UPDATE_PAUSE.set(stats.pause_seconds)
-        except Exception as err:  # reported to the trainer, which fails loudly
+        except WeightsKept as err:  # the trainer drops us; the next epoch sends the weights again
+            log.warning("%s", err)
+            reply.error, self.group = str(err), None
+        except Exception as err:  # the live weights may be half-loaded: stop (and be restarted)
             log.exception("weight update to version %d failed", update.version)
             reply.error = f"{type(err).__name__}: {err}"
             self.errors.append(err)
             self.stopping.set()
         await self.nc.publish(self.subjects.weights_done, m.encode(reply))
         self.wakeup.set()
+
+    async def _join(self, update: m.WeightUpdate) -> bool:
+        """Join the update's weight group (a new membership epoch); False if that failed."""
+        tp = self.spec.generator.tensor_parallel
+        rank = 1 + update.members.index((self.env.rank, self.incarnation)) * tp
+        try:
+            await self.engine.join_weight_group(self.env.weights_host, self.env.weights_port, update.group, rank,
+                                                1 + len(update.members) * tp, self.spec.weight_sync.timeout_seconds)
+        except Exception as err:  # aborted or timed out: the trainer forms another epoch
+            log.warning("could not join weight group %s: %s", update.group, err)
+            self.group = None
+            return False
+        self.group = update.group
+        log.info("joined weight group %s as rank %d of %d", update.group, rank, 1 + len(update.members) * tp)
+        return True
 
     async def _on_version(self, msg) -> None:
         pv = m.decode(msg.data, m.PolicyVersion)
@@ -209,18 +265,31 @@ class Generator:
         self._spawn(self._maybe_eval(pv.version, final=final))
 
     async def _maybe_eval(self, version: int, final: bool = False) -> None:
+        """Evaluate `version` (once, however often asked) at the eval interval and the final one;
+        each kind of report is published once."""
         interval = self.spec.eval.interval
-        if self.env.rank != 0 or version in self.evaluated:
+        if self.env.rank != 0 or (version, final) in self.reported:
             return
         if not final and (interval == 0 or version % interval):
             return
-        self.evaluated.add(version)
+        self.reported.add((version, final))
+        if version not in self.evaluations:
+            self.evaluations[version] = asyncio.ensure_future(self._evaluate(version))
+        values = await self.evaluations[version]
+        if values is None:
+            return
+        log.info("eval at version %d: accuracy %.3f%s", version, values["accuracy"], " (final)" if final else "")
+        await self.js.publish(self.subjects.metrics("eval"), m.encode(m.Metrics(
+            source=f"generator-{self.env.rank}", kind="eval", values=values | {"final": final},
+            timestamp=time.time())), timeout=30)
+
+    async def _evaluate(self, version: int) -> dict | None:
         # The trainer announces a version as soon as its weights are sent: evaluate them once loaded.
         deadline = time.monotonic() + self.spec.weight_sync.timeout_seconds
         while self.engine.version < version:
             if time.monotonic() > deadline:
                 log.warning("no evaluation of version %d: its weights never arrived", version)
-                return
+                return None
             await asyncio.sleep(0.02)
         t0 = time.time()
         problems = self.task.test_problems(self.spec.eval.problems)
@@ -232,14 +301,9 @@ class Generator:
             ])
         finally:
             self.busy.leave()
-        values = {
-            "version": version, "accuracy": sum(s.success for s in samples) / len(samples),
-            "reward": sum(s.reward for s in samples) / len(samples), "problems": len(samples),
-            "final": final, "seconds": time.time() - t0,
-        }
-        log.info("eval at version %d: accuracy %.3f", version, values["accuracy"])
-        await self.js.publish(self.subjects.metrics("eval"), m.encode(m.Metrics(
-            source=f"generator-{self.env.rank}", kind="eval", values=values, timestamp=time.time())), timeout=30)
+        return {"version": version, "accuracy": sum(s.success for s in samples) / len(samples),
+                "reward": sum(s.reward for s in samples) / len(samples), "problems": len(samples),
+                "seconds": time.time() - t0}
 
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from typing import Any
 
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -24,6 +25,7 @@ class NatsBridge:
         self.thread.start()
         self.batches: queue.Queue[tuple[int, m.MicroBatch]] = queue.Queue()
         self.done: queue.Queue[m.WeightUpdateDone] = queue.Queue()
+        self.hellos: queue.Queue[tuple[float, m.GeneratorHello]] = queue.Queue()
         self.nc = self.call(connect(url, name), 60)
         self.js = self.nc.jetstream()
         self.call(ensure_streams(self.js, subjects, max_payload_mb), 60)
@@ -40,11 +42,16 @@ class NatsBridge:
             config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after_seq + 1)
         self.call(self.js.subscribe(self.subjects.batches(rank), cb=on_msg, ordered_consumer=True, config=config), 30)
 
-    def listen_weight_replies(self) -> None:
-        async def on_msg(msg) -> None:
+    def listen_to_generators(self) -> None:
+        """Rank 0: the generators' replies to weight updates, and their hellos."""
+        async def on_done(msg) -> None:
             self.done.put(m.decode(msg.data, m.WeightUpdateDone))
 
-        self.call(self.nc.subscribe(self.subjects.weights_done, cb=on_msg), 30)
+        async def on_hello(msg) -> None:
+            self.hellos.put((time.monotonic(), m.decode(msg.data, m.GeneratorHello)))
+
+        self.call(self.nc.subscribe(self.subjects.weights_done, cb=on_done), 30)
+        self.call(self.nc.subscribe(self.subjects.weights_hello, cb=on_hello), 30)
 
     def publish(self, subject: str, msg: m.Message, stream: bool = True) -> None:
         if stream:

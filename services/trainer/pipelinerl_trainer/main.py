@@ -26,7 +26,7 @@ from pipelinerl.contracts import MASTER_PORT, Env, JobSubjects, ServiceEnv, Trai
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.tiny_model import resolve_model_path
-from pipelinerl.weight_group import WeightGroup
+from pipelinerl.weight_group import open_store
 from pipelinerl_trainer import checkpoint
 from pipelinerl_trainer.bridge import NatsBridge
 from pipelinerl_trainer.model import build_engine, init_distributed, load_model
@@ -79,19 +79,22 @@ class Trainer:
 
         self.bridge = NatsBridge(self.env.nats_url, f"{self.job.name}-trainer-{self.rank}", self.subjects,
                                  self.spec.nats.max_payload_mb)
-        group = None
+        sync = self.spec.weight_sync
+        store = None
         if self.rank == 0:
-            self.bridge.listen_weight_replies()
-            log.info("waiting for %d generator(s) to join the weight group on port %d (%s)",
-                     self.spec.generator.replicas, self.env.weights_port, self.spec.weight_transport)
-            group = WeightGroup.create("0.0.0.0", self.env.weights_port, 0, 1 + self.spec.generator.replicas,
-                                       self.spec.weight_sync.timeout_seconds * 5, is_master=True,
-                                       backend=self.spec.weight_transport)
-        self.sender = WeightSender(self.engine, self.rank, self.bridge, group, self.spec.generator.replicas,
-                                   self.spec.weight_sync.bucket_mb, self.spec.weight_sync.timeout_seconds)
-        self.progress.weight_sync_ready = True
-        if self.version:  # resumed: generators may hold newer weights than the checkpoint
-            self.sender.send(self.version)
+            self.bridge.listen_to_generators()
+            store = open_store("0.0.0.0", self.env.weights_port, True, sync.timeout_seconds)
+            log.info("weight group (%s) rendezvous on port %d; generators join as they come",
+                     self.spec.weight_transport, self.env.weights_port)
+        self.sender = WeightSender(self.engine, self.rank, self.bridge, backend=self.spec.weight_transport,
+                                   bucket_mb=sync.bucket_mb, timeout_s=sync.timeout_seconds, store=store,
+                                   workers_per_generator=self.spec.generator.tensor_parallel)
+        # Every generator gets these weights before it generates (also those that kept running
+        # through a restart of the trainer: they may hold newer ones than the checkpoint's).
+        self.sender.send(self.version)
+        if self.rank == 0:
+            self._group_status()
+        if self.version:
             self._announce(finished=False)
         self.bridge.consume_batches(self.rank, self.consumed_seq)
         http.ready = True
@@ -107,6 +110,8 @@ class Trainer:
             # Pipeline mode trains on while the generators load the weights (but for the last
             # step's); sync mode's next step must be generated with them.
             metrics |= self.sender.send(self.version, wait=last or self.spec.waits_for_weights)
+            if last and self.rank == 0:
+                self._await_final_weights()
             interval = self.spec.trainer.checkpoint_interval
             if last or (interval and self.version % interval == 0):
                 self._checkpoint()
@@ -120,18 +125,33 @@ class Trainer:
         self.bridge.close()
         return 0
 
+    def _await_final_weights(self) -> None:
+        """The final evaluation needs a generator holding the final weights: if none does yet
+        (none was up, or all were dropped), keep sending them to whoever comes, for a while."""
+        deadline = time.monotonic() + self.spec.weight_sync.timeout_seconds * 5
+        while not self.sender.holders(self.version) and not self.stop.is_set():
+            if time.monotonic() > deadline:
+                log.warning("no generator holds the final weights (version %d): no final evaluation", self.version)
+                return
+            if not self.sender.resync():
+                time.sleep(1.0)
+
     # -- data ------------------------------------------------------------------------------
     def _next_batch(self) -> m.MicroBatch | None:
         """The next micro-batch of step `self.version` (older replayed ones are skipped); None
         once stopping."""
-        waited = 0.0
+        since = last_log = time.monotonic()
         while not self.stop.is_set():
             try:
                 seq, mb = self.bridge.batches.get(timeout=1.0)
             except queue.Empty:
-                waited += 1.0
-                if waited % DATA_LOG_S == 0:
+                if self.rank == 0:
+                    self.sender.resync()  # generators that joined or fell behind: get them going
+                    self._group_status()
+                waited = time.monotonic() - since
+                if time.monotonic() - last_log >= DATA_LOG_S:
                     log.info("step %d: waiting for data (%.0fs)", self.version, waited)
+                    last_log = time.monotonic()
                 if waited >= DATA_TIMEOUT_S:
                     raise TimeoutError(f"rank {self.rank}: no training data for step {self.version} in "
                                        f"{DATA_TIMEOUT_S:.0f}s (are the generators and the preprocessor running?)")
@@ -185,6 +205,7 @@ class Trainer:
         return {"step": self.version + 1, **metrics,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "groups_filtered": mb.step_groups_filtered, "micro_batches": count, "train_seconds": elapsed,
+                **{f"groups_from_generator_{g}": n for g, n in mb.step_groups_by_generator.items()},
                 "optimizer_seconds": optimizer_s,
                 "trainer_tokens_per_second": metrics["tokens"] / elapsed}  # all ranks together
 
@@ -203,7 +224,14 @@ class Trainer:
             version=self.version, finished=finished, training=training, timestamp=time.time(),
             trained_groups=dict(self.trained_groups)))
 
+    def _group_status(self) -> dict:
+        group = self.sender.status()
+        self.progress = self.progress.model_copy(update=dict(
+            weight_sync_ready=group["generators_in_group"] > 0, **group))
+        return group
+
     def _report(self, metrics: dict) -> None:
+        metrics |= self._group_status()
         STEP.set(self.version)
         REWARD.set(metrics["reward"])
         LAG.set(metrics["lag_mean"])

@@ -1,6 +1,12 @@
-"""Trainer side of in-flight weight updates: announce, broadcast bucketed tensors, collect
-every generator's reply, all within the weight-sync timeout (a missing or failing generator
-is a clear error, never a hang).
+"""Trainer side of in-flight weight updates over an elastic weight group.
+
+Every rank packs the new weights into rank 0's snapshot (under ZeRO-3 the gather is a
+collective); rank 0 then broadcasts it to the generators of the current membership epoch
+(`pipelinerl_trainer.membership`), opening a new epoch first when generators joined, left or
+were dropped. A generator that does not join, does not confirm within the weight-sync timeout,
+or fails to load is dropped and the job goes on with the others; none is ever waited for beyond
+a deadline. While the trainer waits for data, `resync` brings generators that joined or fell
+behind up to the snapshot's version, without the other ranks.
 
 The trainer need not wait for the replies: once the bytes are sent it can train on while the
 generators load them, and the replies are collected before the next update (a generator
@@ -12,90 +18,187 @@ from __future__ import annotations
 import logging
 import queue
 import time
+import uuid
 from typing import Protocol
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects
-from pipelinerl.weight_group import WeightGroup, WeightSyncTimeout, dtype_name, plan_buckets
+from pipelinerl.weight_group import (
+    GroupIncomplete, Snapshot, WeightGroup, WeightSyncError, buffer_device, dtype_name, plan_buckets,
+)
+from pipelinerl_trainer.membership import Member, Membership
 from pipelinerl_trainer.model import TrainingEngine, full_parameters, named_weights
 
 log = logging.getLogger("pipelinerl.trainer")
+LIVENESS_S = 10.0  # a generator silent for longer is taken for gone (it says hello every second)
+FORM_ATTEMPTS = 3  # epochs tried per update when members do not come
 
 
 class ReplyBridge(Protocol):
-    """What the sender uses of the trainer's NATS bridge: publish the update, read the replies."""
+    """What the sender uses of the trainer's NATS bridge: publish the update, read the replies
+    and the generators' hellos."""
 
     subjects: JobSubjects
     done: queue.Queue[m.WeightUpdateDone]
+    hellos: queue.Queue[tuple[float, m.GeneratorHello]]  # (monotonic time received, hello)
 
     def publish(self, subject: str, msg: m.Message, stream: bool = True) -> None: ...
 
 
 class WeightSender:
-    """Runs on every trainer rank (ZeRO-3 gathers are collectives); only rank 0 talks."""
+    """Runs on every trainer rank (ZeRO-3 gathers are collectives); only rank 0 talks, and only
+    rank 0 has a `store` (the rendezvous every epoch's group meets in)."""
 
-    def __init__(self, engine: TrainingEngine, rank: int, bridge: ReplyBridge, group: WeightGroup | None,
-                 generators: int, bucket_mb: int, timeout_s: float):
-        self.engine, self.rank, self.bridge, self.group = engine, rank, bridge, group
-        self.generators, self.timeout_s = generators, timeout_s
+    def __init__(self, engine: TrainingEngine, rank: int, bridge: ReplyBridge, *, backend: str, bucket_mb: int,
+                 timeout_s: float, store=None, workers_per_generator: int = 1, liveness_s: float = LIVENESS_S):
+        self.engine, self.rank, self.bridge, self.store = engine, rank, bridge, store
+        self.backend, self.timeout_s, self.workers = backend, timeout_s, workers_per_generator
         self.params = named_weights(engine)
         self.buckets = plan_buckets(
-            [(n, list(_full_shape(p)), _wire_dtype(p)) for n, p in self.params], bucket_mb << 20)
+            [(n, list(_full_shape(p)), dtype_name(p.dtype)) for n, p in self.params], bucket_mb << 20)
         self.by_name = dict(self.params)
-        self.pending: tuple[int, float] | None = None  # (version, deadline) of unconfirmed weights
+        self.snapshot = Snapshot(self.buckets, buffer_device(backend)) if rank == 0 else None
+        self.membership = Membership(liveness_s)
+        self.group: WeightGroup | None = None
+        self.group_id = ""
+        self.run_id = uuid.uuid4().hex[:8]  # this trainer process: its group ids never repeat a predecessor's
+        self.pending: tuple[int, float, tuple[Member, ...]] | None = None  # (version, deadline, members) unconfirmed
 
+    # -- all ranks ---------------------------------------------------------------------------
     def send(self, version: int, wait: bool = True) -> dict[str, float]:
-        """Broadcast the weights of `version`; with `wait`, also until every generator has them.
-        The pause statistics are those of the latest update confirmed (this one with `wait`)."""
+        """Pack the weights of `version`; rank 0 confirms the previous update and broadcasts this
+        one (with `wait`, also until the generators have loaded it). The pause statistics are
+        those of the latest update confirmed."""
         t0 = time.perf_counter()
-        stats = {"weight_pause_max_seconds": 0.0, "updates_with_running_requests": 0}
-        if self.rank == 0:
-            stats |= self.confirm()
-            self.bridge.publish(self.bridge.subjects.weights_update,
-                                m.WeightUpdate(version=version, buckets=self.buckets), stream=False)
-        for bucket in self.buckets:
+        for i, bucket in enumerate(self.buckets):
             params = [self.by_name[t["name"]] for t in bucket["tensors"]]
             with full_parameters(self.engine, params):
                 if self.rank == 0:
-                    self.group.broadcast_buckets(((t["name"], p.data) for t, p in zip(bucket["tensors"], params)),
-                                                 [bucket])
+                    self.snapshot.pack(i, {t["name"]: p.data for t, p in zip(bucket["tensors"], params)})
+        stats = {"weight_pause_max_seconds": 0.0, "updates_with_running_requests": 0}
         if self.rank == 0:
-            self.pending = (version, time.monotonic() + self.timeout_s)
-            if wait:
-                stats |= self.confirm()
+            self.snapshot.version = version
+            stats |= self.confirm()
+            stats |= self.publish(wait)
         stats["weight_sync_seconds"] = time.perf_counter() - t0
         return stats
 
+    # -- rank 0 -------------------------------------------------------------------------------
+    def publish(self, wait: bool) -> dict[str, float]:
+        """Broadcast the snapshot to the generators alive, in a new epoch where membership
+        changed. A generator's failure drops it; it never raises for one."""
+        version = self.snapshot.version
+        group = self._current_group(version)
+        if group is None:
+            return {}
+        try:
+            group.broadcast(self.snapshot)
+        except WeightSyncError as err:  # a member died mid-broadcast: which one, gloo cannot say
+            log.warning("weight broadcast of version %d failed, re-forming the group: %s", version, err)
+            self.membership.broken = True
+            return {}
+        self.pending = (version, time.monotonic() + self.timeout_s, self.membership.members)
+        return self.confirm() if wait else {}
+
+    def _current_group(self, version: int) -> WeightGroup | None:
+        """Announce the update and return the group to broadcast it in, forming a new epoch's
+        first where needed (members that do not come are dropped, up to FORM_ATTEMPTS epochs)."""
+        for _ in range(FORM_ATTEMPTS):
+            self._take_hellos()
+            members = self.membership.next_members(time.monotonic())
+            if members is not None:
+                self._close_group()
+                if not members:
+                    return None  # nobody to send to: whoever joins later gets the snapshot
+                self.group_id = f"{self.run_id}-{self.membership.open(members)}"
+            members = self.membership.members
+            self.bridge.publish(self.bridge.subjects.weights_update, m.WeightUpdate(
+                version=version, buckets=self.buckets, group=self.group_id,
+                members=[(g.generator, g.incarnation) for g in members]), stream=False)
+            if self.group is not None:
+                return self.group
+            try:
+                self.group = WeightGroup.form(self.store, self.group_id, 1 + len(members) * self.workers,
+                                              self.timeout_s, self.backend)
+                log.info("weight group %s: generators %s", self.group_id, [g.generator for g in members])
+                return self.group
+            except GroupIncomplete as err:
+                gone = sorted({members[(r - 1) // self.workers] for r in err.missing})
+                log.warning("%s: dropping generators %s", err, [g.generator for g in gone])
+                self.membership.drop(gone)
+            except WeightSyncError as err:  # all came, but one left before connecting: try again
+                log.warning("weight group %s failed to connect: %s", self.group_id, err)
+                self.membership.broken = True
+        return None
+
     def confirm(self) -> dict[str, float]:
-        """Rank 0: wait for every generator's reply to the update not yet confirmed, if any."""
+        """Wait (until the update's deadline) for the replies of the generators it was sent to;
+        those that did not confirm, or failed, are dropped."""
         if self.pending is None:
             return {}
-        replies = self._collect(*self.pending)
+        version, deadline, members = self.pending
         self.pending = None
-        return {"weight_pause_max_seconds": max(r.pause_seconds for r in replies),
-                "updates_with_running_requests": sum(r.running_requests > 0 for r in replies)}
-
-    def _collect(self, version: int, deadline: float) -> list[m.WeightUpdateDone]:
-        replies: dict[int, m.WeightUpdateDone] = {}
-        while len(replies) < self.generators:
+        replies: dict[Member, m.WeightUpdateDone] = {}
+        while len(replies) < len(members):
             try:
                 r = self.bridge.done.get(timeout=max(0.0, deadline - time.monotonic()))
             except queue.Empty:
-                missing = sorted(set(range(self.generators)) - set(replies))
-                raise WeightSyncTimeout(
-                    f"generators {missing} did not confirm weights of version {version} "
-                    f"within {self.timeout_s:.0f}s") from None
-            if r.version != version:
-                continue
-            if r.error:
-                raise RuntimeError(f"generator {r.generator} failed to load version {version}: {r.error}")
-            replies[r.generator] = r
-        return list(replies.values())
+                break
+            member = Member(r.generator, r.incarnation)
+            if r.version == version and member in members:
+                replies[member] = r
+        failed = [g for g, r in replies.items() if r.error]
+        for g in failed:
+            log.error("generator %d failed to load version %d: %s", g.generator, version, replies[g].error)
+        missing = [g for g in members if g not in replies]
+        if missing:
+            log.warning("generators %s did not confirm version %d within %.0fs: dropped",
+                        [g.generator for g in missing], version, self.timeout_s)
+        self.membership.drop(failed + missing)
+        loaded = [r for g, r in replies.items() if not r.error]
+        for r in loaded:
+            self.membership.hello(Member(r.generator, r.incarnation), version, time.monotonic())
+        return {"weight_pause_max_seconds": max((r.pause_seconds for r in loaded), default=0.0),
+                "updates_with_running_requests": sum(r.running_requests > 0 for r in loaded)}
+
+    def resync(self) -> bool:
+        """While waiting for data: send the snapshot again if a generator joined, left or fell
+        behind it (a joiner's first weights, or the only generator coming back). True if sent."""
+        if self.snapshot is None or self.snapshot.version is None:
+            return False
+        self.confirm()
+        self._take_hellos()
+        now = time.monotonic()
+        if self.membership.next_members(now) is None and not self.membership.behind(self.snapshot.version, now):
+            return False
+        self.publish(wait=True)
+        return True
+
+    def holders(self, version: int) -> list[Member]:
+        """Generators alive that hold the weights of `version` (or newer)."""
+        now = time.monotonic()
+        self._take_hellos()
+        return [g for g in self.membership.alive(now) if self.membership.holds.get(g, -1) >= version]
+
+    def status(self) -> dict[str, int | bool]:
+        """The weight group, for the trainer's /status and metrics."""
+        members = 0 if self.membership.broken else len(self.membership.members)
+        return {"generators_in_group": members, "weight_epoch": self.membership.epoch,
+                "generators_dropped": self.membership.dropped}
+
+    def _take_hellos(self) -> None:
+        while True:
+            try:
+                at, hello = self.bridge.hellos.get_nowait()
+            except queue.Empty:
+                return
+            self.membership.hello(Member(hello.generator, hello.incarnation), hello.version, at)
+
+    def _close_group(self) -> None:
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
 
 def _full_shape(p) -> tuple[int, ...]:
     return tuple(getattr(p, "ds_shape", p.shape))  # ZeRO-3 keeps the full shape in ds_shape
-
-
-def _wire_dtype(p) -> str:
-    return dtype_name(p.dtype)

@@ -1,0 +1,70 @@
+"""Who is in the weight group (pure): membership epochs of the generators.
+
+Each generator process says hello every few seconds (`GeneratorHello`: its pod index, an id of
+this process, the weights it holds). The weight group of an epoch is trainer rank 0 plus the
+generators listed for it. Trainer rank 0 opens a new epoch (a fresh group, under a fresh
+rendezvous prefix) before a broadcast when the generators alive differ from the epoch's
+members, or when the group broke. A generator that misses a deadline (does not join, does not
+confirm an update in time, fails to load) is dropped, never waited for; once it says hello again
+it joins the next epoch and first receives the current weights. Times are the caller's clock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, order=True)
+class Member:
+    generator: int  # pod index
+    incarnation: str  # one process of it: a restarted generator is a new member
+
+
+@dataclass
+class Membership:
+    liveness_s: float  # a generator whose last hello is older is taken for gone
+    epoch: int = 0  # epochs opened so far (0: no group yet)
+    members: tuple[Member, ...] = ()  # of the current epoch, weight-group ranks 1.. in this order
+    broken: bool = True  # the current group cannot be used again (or there is none)
+    seen: dict[Member, float] = field(default_factory=dict)  # last hello
+    holds: dict[Member, int] = field(default_factory=dict)  # the version each said it holds (-1: none)
+    dropped: int = 0  # members dropped so far
+
+    def hello(self, member: Member, version: int, now: float) -> None:
+        for old in [m for m in self.seen if m.generator == member.generator and m != member]:
+            self._forget(old)  # the same pod restarted: its previous process is gone
+        self.seen[member] = now
+        # A hello sent before an update was confirmed must not take the member back.
+        self.holds[member] = max(version, self.holds.get(member, -1))
+
+    def alive(self, now: float) -> tuple[Member, ...]:
+        return tuple(sorted(m for m, t in self.seen.items() if now - t <= self.liveness_s))
+
+    def next_members(self, now: float) -> tuple[Member, ...] | None:
+        """The members of the epoch to open before the next broadcast; None: keep the current one."""
+        alive = self.alive(now)
+        if not self.broken and set(alive) == set(self.members):
+            return None
+        return alive
+
+    def open(self, members: tuple[Member, ...]) -> int:
+        self.epoch += 1
+        self.members, self.broken = members, False
+        return self.epoch
+
+    def drop(self, members: list[Member] | tuple[Member, ...]) -> None:
+        """Out of the group (missed a deadline, failed): they rejoin by saying hello again."""
+        for m in members:
+            if m in self.seen:
+                self.dropped += 1
+                self._forget(m)
+        if set(members) & set(self.members):
+            self.broken = True
+
+    def behind(self, version: int, now: float) -> list[Member]:
+        """Alive members that said they hold weights older than `version`."""
+        return [m for m in self.alive(now) if self.holds.get(m, -1) < version]
+
+    def _forget(self, member: Member) -> None:
+        self.seen.pop(member, None)
+        self.holds.pop(member, None)
