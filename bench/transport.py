@@ -138,7 +138,8 @@ async def run_side(side: str, url: str, payloads: list[tuple[str, bytes]], workd
             await js.subscribe(subjects.batches(0), cb=on_batch, ordered_consumer=True)
             env |= ServiceEnv("preprocessor", nats_url=url, run_dir=workdir, http_port=free_port(),
                               exit_when_done=True).to_environ()
-            code = f"import sys; from pipelinerl.cli import main; sys.exit(main(['service', 'preprocessor', {str(job_file)!r}]))"
+            code = ("import sys; from pipelinerl.cli import main; "
+                    f"sys.exit(main(['service', 'preprocessor', {str(job_file)!r}]))")
             durable = "preprocessor"
             if n % job.spec.groups_per_step:
                 raise ValueError(f"--groups must be a multiple of {job.spec.groups_per_step} (groups per step)")

@@ -248,7 +248,8 @@ class Progress(StatusBody):
     # The weight group (elastic: one membership epoch per generator join, leave or drop)
     generators_in_group: int | None = Field(default=None, ge=0, description="Generators in the current epoch.")
     weight_epoch: int | None = Field(default=None, ge=0, description="Membership epochs opened.")
-    generators_dropped: int | None = Field(default=None, ge=0, description="Dropped for a missed deadline or a failure.")
+    generators_dropped: int | None = Field(default=None, ge=0,
+                                           description="Dropped for a missed deadline or a failure.")
 
 
 class TrainerStatus(Progress):

@@ -165,12 +165,12 @@ class LocalRun:
         self._record_services()
 
     def check_services(self) -> bool:
-        """True when the trainers have all finished. A process that failed, or quit while the
-        trainers still need it, is restarted after a backoff (nats-server too); ServiceDied once
-        the restart policy gives up on it."""
+        """True when the trainers have all finished. A process that failed is restarted after a
+        backoff (nats-server too); ServiceDied once the restart policy gives up on it. (A service
+        exits 0 only once the trainer announced the end, which may reach it before this run
+        has read the last step's metrics.)"""
         self._check_nats()
         trainers_done = all(s.proc.poll() == 0 and s.restart_at is None for s in self.services if s.role == "trainer")
-        last_step_seen = bool(self.train) and self.train[-1]["step"] >= self.spec.trainer.max_steps
         now = time.monotonic()
         for s in self.services:
             if s.restart_at is not None:
@@ -180,8 +180,7 @@ class LocalRun:
                     self._record_services()
                 continue
             code = s.proc.poll()
-            quit_early = code == 0 and s.role != "trainer" and not (trainers_done or last_step_seen)
-            if code not in (None, 0) or quit_early:
+            if code not in (None, 0):
                 s.reap()
                 delay = self.restart.delay(s.restarts)
                 if delay is None:
@@ -205,12 +204,17 @@ class LocalRun:
                  f"(restart {self.nats_restarts} of {self.restart.limit}); streams are kept on disk")
         time.sleep(delay)
         self.nats.start()
+        self._record_services()
 
     def _record_services(self) -> None:
         """services.json: each process of the run, for `ps`/`kill` and for tests."""
-        (self.run_dir / "services.json").write_text(json.dumps(
-            {s.name: {"pid": s.proc.pid, "restarts": s.restarts, "role": s.role, "rank": s.rank}
-             for s in self.services}, indent=1))
+        record = {s.name: {"pid": s.proc.pid, "restarts": s.restarts, "role": s.role, "rank": s.rank}
+                  for s in self.services}
+        if self.nats is not None:
+            record["nats-server"] = {"pid": self.nats.proc.pid, "restarts": self.nats_restarts, "role": "nats"}
+        tmp = self.run_dir / "services.json.tmp"
+        tmp.write_text(json.dumps(record, indent=1))
+        tmp.replace(self.run_dir / "services.json")  # readers never see half a file
 
     def stop_services(self) -> None:
         for s in reversed(self.services):

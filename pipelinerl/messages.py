@@ -165,7 +165,8 @@ class Metrics(Message):
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
-    m.TYPE: m for m in (RolloutGroup, MicroBatch, PolicyVersion, GeneratorHello, WeightUpdate, WeightUpdateDone, Metrics)
+    m.TYPE: m
+    for m in (RolloutGroup, MicroBatch, PolicyVersion, GeneratorHello, WeightUpdate, WeightUpdateDone, Metrics)
 }
 M = TypeVar("M", bound=Message)
 

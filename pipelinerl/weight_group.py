@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 GROUP_PREFIX = "pipelinerl-weights"
-JOIN_TIMEOUT_S = 10.0  # members of a new epoch are up already (they said hello): joining is quick
+JOIN_TIMEOUT_S = 5.0  # members of a new epoch are up already (they said hello): joining is quick
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -106,8 +106,8 @@ def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.
     try:
         return dist.TCPStore(host, port, None, is_master, timedelta(seconds=timeout_s), wait_for_workers=False)
     except RuntimeError as e:  # DistStoreError subclasses RuntimeError
-        raise WeightSyncTimeout(f"weight group rendezvous at {host}:{port}: "
-                                f"{'cannot serve' if is_master else 'no trainer'} (timeout {timeout_s:g} s): {e}") from e
+        side = "cannot serve" if is_master else "no trainer"
+        raise WeightSyncTimeout(f"weight group rendezvous at {host}:{port}: {side} (timeout {timeout_s:g} s): {e}") from e
 
 
 def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout_s: float):

@@ -1,7 +1,7 @@
 """`python -m pipelinerl_operator`: run the operator.
 
-PIPELINERL_WATCH_NAMESPACES=a,b (`OperatorEnv.WATCH_NAMESPACES`) → watch only those namespaces (per-team install, Role/RoleBinding
-only, no cluster-wide scanning); unset → cluster-wide. One replica, no peering (the chart uses a
+PIPELINERL_WATCH_NAMESPACES=a,b (`OperatorEnv.WATCH_NAMESPACES`) → watch only those namespaces
+(per-team install, Role/RoleBinding only, no cluster-wide scanning); unset → cluster-wide. One replica, no peering (the chart uses a
 Recreate Deployment so two operators never run at once).
 """
 

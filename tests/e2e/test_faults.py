@@ -6,95 +6,46 @@ which generators fed which steps, weight-group epochs, restarts and process ids.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
-import yaml
-
 from jobs import tiny_job  # tests/e2e/jobs.py
+
+from bench.run_process import RunProcess
 
 pytestmark = pytest.mark.slow
 RUN_TIMEOUT_S = 420
+SAMPLES = 16  # per step in tiny_job
 
 
-class Run:
-    def __init__(self, tmp_path: Path, job: dict):
-        self.dir = tmp_path / "run"
-        manifest = tmp_path / "job.yaml"
-        manifest.write_text(yaml.safe_dump(job))
-        self.out = open(tmp_path / "run.out", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipelinerl.cli", "run", str(manifest), "--run-dir",
-                                      str(self.dir)], stdout=self.out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self.deadline = time.monotonic() + RUN_TIMEOUT_S
+def fault_job(name: str, steps: int, **spec) -> dict:
+    # Short weight-sync deadlines: a dead member costs at most that long.
+    base = {"weightSync": {"timeoutSeconds": 20}, "eval": {"interval": 0}, "rl": {"maxLag": 1}}
+    return tiny_job(name, **(base | spec | {"trainer": {"maxSteps": steps} | spec.get("trainer", {})}))
 
-    def output(self) -> str:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted((self.dir / "logs").glob("*.log")))
-        return (self.dir.parent / "run.out").read_text()[-3000:] + "\n" + logs
 
-    def train(self) -> list[dict]:
-        path = self.dir / "metrics.jsonl"
-        lines = path.read_text().splitlines() if path.exists() else []
-        rows = []
-        for line in lines:
-            try:
-                rows.append(json.loads(line))
-            except ValueError:  # a line being written
-                pass
-        return [r for r in rows if r["kind"] == "train"]
-
-    def services(self) -> dict:
-        return json.loads((self.dir / "services.json").read_text())
-
-    def wait_step(self, step: int) -> None:
-        while not (self.train() and self.train()[-1]["step"] >= step):
-            assert self.proc.poll() is None, f"the run ended before step {step}:\n{self.output()}"
-            assert time.monotonic() < self.deadline, f"no step {step} in time:\n{self.output()}"
-            time.sleep(0.2)
-
-    def kill(self, name: str) -> tuple[int, int]:
-        """SIGKILL a service and everything it started; its pid, and the last step trained then."""
-        pid = self.services()[name]["pid"]
-        os.killpg(pid, signal.SIGKILL)
-        return pid, self.train()[-1]["step"]
-
-    def finish(self) -> None:
-        try:
-            code = self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            self.proc.wait(30)
-            raise AssertionError(f"the run did not finish in {RUN_TIMEOUT_S}s:\n{self.output()}") from None
-        finally:
-            self.out.close()
-        assert code == 0, self.output()
+def kill_mid_run(tmp_path, job: dict, victim: str, after_step: int = 3) -> tuple[RunProcess, dict, int]:
+    """Run `job`, SIGKILL `victim` once `after_step` is trained, let the run finish (exit 0):
+    the run, its processes before the kill, and the last step trained at the kill."""
+    run = RunProcess(tmp_path, job, RUN_TIMEOUT_S)
+    run.wait_step(after_step)
+    before = run.services()
+    _, killed_at = run.kill(victim)
+    run.finish()
+    return run, before, killed_at
 
 
 def groups_from(row: dict, generator: int) -> int:
     return row.get(f"groups_from_generator_{generator}", 0)
 
 
-def fault_job(name: str, **spec) -> dict:
-    # Short weight-sync deadlines: a dead member costs at most that long.
-    base = {"weightSync": {"timeoutSeconds": 20}, "eval": {"interval": 0}, "rl": {"maxLag": 1}}
-    return tiny_job(name, **(base | spec))
-
-
 def test_one_generator_of_two_dies_and_rejoins(tmp_path):
     steps = 16
-    run = Run(tmp_path, fault_job("gen2", generator={"replicas": 2}, trainer={"maxSteps": steps}))
-    run.wait_step(3)
-    pid, killed_at = run.kill("generator-1")
-    run.finish()
+    job = fault_job("gen2", steps, generator={"replicas": 2})
+    run, before, killed_at = kill_mid_run(tmp_path, job, "generator-1")
     train = run.train()
     assert [r["step"] for r in train] == list(range(1, steps + 1))  # the trainer never stopped nor repeated
-    assert all(r["samples"] == 16 and r["tokens"] > 0 for r in train)  # every step trained a full batch
+    assert all(r["samples"] == SAMPLES and r["tokens"] > 0 for r in train)  # every step trained a full batch
     # Training went on without the dead generator (groups it published before dying may still
     # be trained a few steps later), then it came back and fed steps again.
     alone = [r["step"] for r in train if r["step"] > killed_at and groups_from(r, 1) == 0]
@@ -102,20 +53,17 @@ def test_one_generator_of_two_dies_and_rejoins(tmp_path):
     assert alone and back, [(r["step"], groups_from(r, 0), groups_from(r, 1)) for r in train]
     assert all(r["lag_max"] <= 1 for r in train)  # its tokens carry the version of the weights it was sent
     services = run.services()
-    assert services["generator-1"]["restarts"] == 1 and services["generator-1"]["pid"] != pid
+    assert services["generator-1"]["restarts"] == 1 and services["generator-1"]["pid"] != before["generator-1"]["pid"]
     assert services["generator-0"]["restarts"] == 0 and services["trainer"]["restarts"] == 0
     assert train[-1]["weight_epoch"] >= 3 and train[-1]["generators_in_group"] == 2  # left, rejoined
 
 
 def test_the_only_generator_dies_the_trainer_waits_then_goes_on(tmp_path):
     steps = 10
-    run = Run(tmp_path, fault_job("gen1", trainer={"maxSteps": steps}))
-    run.wait_step(3)
-    run.kill("generator")
-    run.finish()
+    run, _, _ = kill_mid_run(tmp_path, fault_job("gen1", steps), "generator")
     train = run.train()
     assert [r["step"] for r in train] == list(range(1, steps + 1))
-    assert all(r["samples"] == 16 and r["tokens"] > 0 for r in train)
+    assert all(r["samples"] == SAMPLES and r["tokens"] > 0 for r in train)
     assert all(r["lag_max"] <= 1 for r in train)
     services = run.services()
     assert services["generator"]["restarts"] == 1 and services["trainer"]["restarts"] == 0
@@ -124,11 +72,8 @@ def test_the_only_generator_dies_the_trainer_waits_then_goes_on(tmp_path):
 
 def test_the_trainer_dies_resumes_from_its_checkpoint_and_generators_rejoin(tmp_path):
     steps = 12
-    run = Run(tmp_path, fault_job("trainer", trainer={"maxSteps": steps, "checkpointInterval": 3}))
-    run.wait_step(4)  # past the checkpoint of step 3
-    generator_pid = run.services()["generator"]["pid"]
-    _, killed_at = run.kill("trainer")
-    run.finish()
+    job = fault_job("trainer", steps, trainer={"checkpointInterval": 3})
+    run, before, killed_at = kill_mid_run(tmp_path, job, "trainer", after_step=4)  # past the step-3 checkpoint
     train = run.train()
     resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", (run.dir / "logs/trainer.log").read_text())[1])
     assert resumed_at % 3 == 0 and resumed_at <= killed_at  # the newest checkpoint when it died
@@ -136,11 +81,37 @@ def test_the_trainer_dies_resumes_from_its_checkpoint_and_generators_rejoin(tmp_
     first, second = train[:len(train) - (steps - resumed_at)], train[len(train) - (steps - resumed_at):]
     assert [r["step"] for r in first] == list(range(1, len(first) + 1)) and len(first) >= killed_at
     assert [r["step"] for r in second] == list(range(resumed_at + 1, steps + 1))
-    assert all(r["samples"] == 16 and r["tokens"] > 0 for r in train)
+    assert all(r["samples"] == SAMPLES and r["tokens"] > 0 for r in train)
     services = run.services()
     assert services["trainer"]["restarts"] == 1
     # The generator kept running and rejoined the new trainer's weight group.
-    assert services["generator"]["restarts"] == 0 and services["generator"]["pid"] == generator_pid
+    assert services["generator"]["restarts"] == 0 and services["generator"]["pid"] == before["generator"]["pid"]
     assert second[-1]["generators_in_group"] == 1 and groups_from(second[-1], 0) > 0
     latest = run.dir / "checkpoints" / (run.dir / "checkpoints" / "latest").read_text()
     assert json.loads((latest / "state.json").read_text())["step"] == steps
+
+
+def test_the_preprocessor_dies_mid_step_with_two_trainer_ranks(tmp_path):
+    # Rows of 64 tokens: each step reaches both ranks in several micro-batches, published in
+    # waves, so the kill can fall between them; the ranks must still agree on every step.
+    steps = 10
+    job = fault_job("pre", steps, trainer={"replicas": 2, "microBatchTokens": 64})
+    run, _, _ = kill_mid_run(tmp_path, job, "preprocessor")
+    train = run.train()
+    assert [r["step"] for r in train] == list(range(1, steps + 1))  # both ranks stepped in lock-step throughout
+    assert all(r["tokens"] > 0 for r in train)
+    assert sum(r["samples"] for r in train) >= SAMPLES * (steps - 1)  # a step closed early by the restart may be short
+    services = run.services()
+    assert services["preprocessor"]["restarts"] == 1
+    assert services["trainer-0"]["restarts"] == services["trainer-1"]["restarts"] == 0
+
+
+def test_nats_server_dies_and_nothing_acknowledged_is_lost(tmp_path):
+    steps = 10
+    run, _, _ = kill_mid_run(tmp_path, fault_job("nats", steps), "nats-server")
+    train = run.train()
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert all(r["samples"] == SAMPLES and r["tokens"] > 0 for r in train)  # no step lost or short
+    services = run.services()
+    assert services["nats-server"]["restarts"] == 1
+    assert all(s["restarts"] == 0 for name, s in services.items() if name != "nats-server")  # they reconnected

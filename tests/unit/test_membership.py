@@ -68,3 +68,14 @@ def test_trainer_restart_starts_over_and_everyone_rejoins():
     m.hello(B, 6, 0.2)
     assert m.broken and m.next_members(0.5) == (A, B)
     assert m.behind(5, 0.5) == [] and m.behind(7, 0.5) == [B]
+
+
+def test_after_a_failed_broadcast_only_generators_heard_from_again_count():
+    m = Membership(liveness_s=10)
+    m.hello(A, 4, 0.0)
+    m.hello(B, 4, 0.0)
+    m.open((A, B))
+    m.suspect(0.5)  # B died mid-broadcast; its last hello is still within the liveness window
+    assert m.broken and m.next_members(0.6) == ()  # nobody yet: no epoch formed around a corpse
+    m.hello(A, 4, 1.0)
+    assert m.next_members(1.1) == (A,)

@@ -137,11 +137,15 @@ class Engine:
         try:
             if staged:
                 await self.llm.collective_rpc("commit_staged_weights")
+                received = True
             else:
-                await self.llm.collective_rpc("receive_weights", args=(buckets,))
-            await self.set_version(version)
+                received = all(await self.llm.collective_rpc("receive_weights", args=(buckets,)))
+            if received:
+                await self.set_version(version)
         finally:
             await self.llm.resume_generation()
+        if not received:
+            raise WeightsKept(f"update to version {version} not received, generating on with version {self.version}")
         t1 = time.perf_counter()
         return UpdateStats(version=version, pause_seconds=t1 - t_pause, running_requests=running,
                            seconds=t1 - t0, staged=staged)

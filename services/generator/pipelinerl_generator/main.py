@@ -79,6 +79,8 @@ class Generator:
         self.incarnation = uuid.uuid4().hex[:12]  # this process, to the weight group's membership
         self.group: str | None = None  # the weight group (membership epoch) joined
         self.holds_weights = asyncio.Event()  # the trainer's weights are loaded
+        self.next_update: m.WeightUpdate | None = None
+        self.update_waiting = asyncio.Event()
 
     # -- status ----------------------------------------------------------------------------
     def status(self) -> GeneratorStatus:
@@ -105,7 +107,10 @@ class Generator:
         await self.nc.subscribe(self.subjects.weights_update, cb=self._on_weight_update)
         await self.js.subscribe(self.subjects.version, cb=self._on_version, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
                                 ordered_consumer=True)
-        hello = asyncio.create_task(self._say_hello())  # not in self.tasks: it runs until the end
+        # Not in self.tasks: these run until the end.
+        hello, updates = asyncio.create_task(self._say_hello()), asyncio.create_task(self._apply_updates())
+        for t in (hello, updates):
+            t.add_done_callback(self._done)  # a crash stops the generator, loudly
         # Whatever it loaded from disk, a generator generates only with weights the trainer sent
         # (and labels its tokens with their version).
         first = await self._first_weights(self.spec.weight_sync.timeout_seconds * 5)
@@ -115,6 +120,7 @@ class Generator:
             self._spawn(self._maybe_eval(first))
             await self._admission_loop()
         hello.cancel()
+        updates.cancel()
         self.engine.shutdown()
         await asyncio.wait_for(self.nc.close(), 10)  # every publish was already acked: no drain needed
 
@@ -211,7 +217,20 @@ class Generator:
             self.wakeup.set()
 
     async def _on_weight_update(self, msg) -> None:
-        update = m.decode(msg.data, m.WeightUpdate)
+        """Keep only the newest update: one that arrives while another is applied supersedes any
+        still waiting (each carries all the weights; a stale epoch's rendezvous is long over)."""
+        self.next_update = m.decode(msg.data, m.WeightUpdate)
+        self.update_waiting.set()
+
+    async def _apply_updates(self) -> None:
+        while True:
+            await self.update_waiting.wait()
+            self.update_waiting.clear()
+            update, self.next_update = self.next_update, None
+            if update is not None:
+                await self._apply(update)
+
+    async def _apply(self, update: m.WeightUpdate) -> None:
         me = (self.env.rank, self.incarnation)
         if me not in update.members:  # not (yet, or no longer) in this epoch: keep the weights we hold
             self.group = None if update.group != self.group else self.group

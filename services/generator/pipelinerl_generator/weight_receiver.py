@@ -25,13 +25,16 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import threading
 from types import MethodType
 from typing import Any
 
 import torch
 
-from pipelinerl.weight_group import WeightGroup
+from pipelinerl.weight_group import WeightGroup, WeightSyncError
+
+logger = logging.getLogger(__name__)
 
 
 class WeightReceiverExtension:
@@ -55,19 +58,25 @@ class WeightReceiverExtension:
         self._pipelinerl_weight_group = WeightGroup.join(
             host, port, group, rank + int(getattr(self, "rank", 0)), world_size, timeout_s, backend)
 
-    def receive_weights(self, buckets: list[dict[str, Any]]) -> None:
-        """Receive and load into the live model: call while generation is paused."""
+    def receive_weights(self, buckets: list[dict[str, Any]]) -> bool:
+        """Receive and load into the live model: call while generation is paused. Every bucket
+        arrives before any is loaded (into buffers kept anyway), so a transfer that fails (the
+        trainer or another member died) returns False with the live weights untouched."""
         group = self._pipelinerl_group()
-        # Received bucket by bucket as the loader consumes the iterator.
-        weights = group.receive_buckets(buckets)
+        try:
+            weights = list(group.receive_buckets(buckets))
+        except WeightSyncError as err:
+            logger.warning("weights not received, the live ones are kept: %s", err)
+            return False
         if self._pipelinerl_can_load_in_place():
             model = self.model_runner.get_model()  # type: ignore[attr-defined]
             self._pipelinerl_load_in_place(model, self._pipelinerl_packed_layers(model), weights)
         else:
             # Quantized models: vLLM's reload restores checkpoint-format params layer by
             # layer, loads, and re-runs process_weights_after_loading (re-quantizes).
-            self.reload_weights(weights_iterator=weights)  # type: ignore[attr-defined]
+            self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
             self._pipelinerl_retie_lm_head()
+        return True
 
     def _pipelinerl_group(self) -> WeightGroup:
         if self._pipelinerl_weight_group is None:

@@ -29,6 +29,7 @@ class Membership:
     seen: dict[Member, float] = field(default_factory=dict)  # last hello
     holds: dict[Member, int] = field(default_factory=dict)  # the version each said it holds (-1: none)
     dropped: int = 0  # members dropped so far
+    heard_after: float = float("-inf")  # only hellos newer than this count (see `suspect`)
 
     def hello(self, member: Member, version: int, now: float) -> None:
         for old in [m for m in self.seen if m.generator == member.generator and m != member]:
@@ -38,7 +39,12 @@ class Membership:
         self.holds[member] = max(version, self.holds.get(member, -1))
 
     def alive(self, now: float) -> tuple[Member, ...]:
-        return tuple(sorted(m for m, t in self.seen.items() if now - t <= self.liveness_s))
+        return tuple(sorted(m for m, t in self.seen.items() if now - t <= self.liveness_s and t > self.heard_after))
+
+    def suspect(self, now: float) -> None:
+        """A broadcast failed and gloo cannot say who died: from now on count only the generators
+        that say hello again (within a second), so the next epoch leaves the dead one out."""
+        self.heard_after, self.broken = now, True
 
     def next_members(self, now: float) -> tuple[Member, ...] | None:
         """The members of the epoch to open before the next broadcast; None: keep the current one."""

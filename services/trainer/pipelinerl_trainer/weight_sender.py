@@ -79,24 +79,25 @@ class WeightSender:
         if self.rank == 0:
             self.snapshot.version = version
             stats |= self.confirm()
-            stats |= self.publish(wait)
+            stats |= self.publish(wait) or {}
         stats["weight_sync_seconds"] = time.perf_counter() - t0
         return stats
 
     # -- rank 0 -------------------------------------------------------------------------------
-    def publish(self, wait: bool) -> dict[str, float]:
+    def publish(self, wait: bool) -> dict[str, float] | None:
         """Broadcast the snapshot to the generators alive, in a new epoch where membership
-        changed. A generator's failure drops it; it never raises for one."""
+        changed; None if it reached nobody. A generator's failure drops it; it never raises for one."""
         version = self.snapshot.version
         group = self._current_group(version)
         if group is None:
-            return {}
+            return None
         try:
             group.broadcast(self.snapshot)
         except WeightSyncError as err:  # a member died mid-broadcast: which one, gloo cannot say
             log.warning("weight broadcast of version %d failed, re-forming the group: %s", version, err)
-            self.membership.broken = True
-            return {}
+            self.membership.suspect(time.monotonic())
+            self._close_group()  # closes its connections: members still receiving fail at once
+            return None
         self.pending = (version, time.monotonic() + self.timeout_s, self.membership.members)
         return self.confirm() if wait else {}
 
@@ -109,6 +110,7 @@ class WeightSender:
             if members is not None:
                 self._close_group()
                 if not members:
+                    self.membership.broken = True  # no group at all
                     return None  # nobody to send to: whoever joins later gets the snapshot
                 self.group_id = f"{self.run_id}-{self.membership.open(members)}"
             members = self.membership.members
@@ -163,7 +165,8 @@ class WeightSender:
 
     def resync(self) -> bool:
         """While waiting for data: send the snapshot again if a generator joined, left or fell
-        behind it (a joiner's first weights, or the only generator coming back). True if sent."""
+        behind it (a joiner's first weights, or the only generator coming back). True if it
+        reached a generator."""
         if self.snapshot is None or self.snapshot.version is None:
             return False
         self.confirm()
@@ -171,8 +174,7 @@ class WeightSender:
         now = time.monotonic()
         if self.membership.next_members(now) is None and not self.membership.behind(self.snapshot.version, now):
             return False
-        self.publish(wait=True)
-        return True
+        return self.publish(wait=True) is not None
 
     def holders(self, version: int) -> list[Member]:
         """Generators alive that hold the weights of `version` (or newer)."""

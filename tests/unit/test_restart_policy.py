@@ -1,0 +1,16 @@
+"""The local runner's restart policy (pure): backoff that doubles up to a cap, a limit, fail-stop."""
+
+from pipelinerl.local import RestartPolicy
+
+
+def test_backoff_doubles_up_to_the_cap_then_gives_up():
+    p = RestartPolicy(limit=6, base_s=1.0, max_s=8.0)
+    assert [p.delay(n) for n in range(7)] == [1.0, 2.0, 4.0, 8.0, 8.0, 8.0, None]
+
+
+def test_fail_stop_never_restarts():
+    assert RestartPolicy(on_failure=False).delay(0) is None
+
+
+def test_limit_zero_is_fail_stop_too():
+    assert RestartPolicy(limit=0).delay(0) is None
