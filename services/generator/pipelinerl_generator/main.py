@@ -4,7 +4,10 @@ Loops, all on one asyncio loop:
 - admission: start prompt groups while the lag budget allows; each group runs G attempts
   concurrently through the engine and is published to JetStream (msg id = group id, so a
   retried publish is de-duplicated);
-- weights: on the trainer's `WeightUpdate`, pause (keeping requests), receive, resume, reply;
+- weights: say hello to the trainer every second; on a `WeightUpdate` that lists this process,
+  join its weight group if it is a new membership epoch, receive (staged beside generation, or
+  inside a pause that keeps requests), relabel, reply. Nothing is generated before the first
+  weights from the trainer arrive;
 - versions: the trainer's announcements free admission budget and trigger evaluations.
 """
 
@@ -233,7 +236,8 @@ class Generator:
     async def _apply(self, update: m.WeightUpdate) -> None:
         me = (self.env.rank, self.incarnation)
         if me not in update.members:  # not (yet, or no longer) in this epoch: keep the weights we hold
-            self.group = None if update.group != self.group else self.group
+            if update.group != self.group:
+                self.group = None
             return
         if update.group != self.group and not await self._join(update):
             return

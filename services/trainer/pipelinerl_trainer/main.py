@@ -79,15 +79,15 @@ class Trainer:
 
         self.bridge = NatsBridge(self.env.nats_url, f"{self.job.name}-trainer-{self.rank}", self.subjects,
                                  self.spec.nats.max_payload_mb)
-        sync = self.spec.weight_sync
+        weight_sync = self.spec.weight_sync
         store = None
         if self.rank == 0:
             self.bridge.listen_to_generators()
-            store = open_store("0.0.0.0", self.env.weights_port, True, sync.timeout_seconds)
+            store = open_store("0.0.0.0", self.env.weights_port, True, weight_sync.timeout_seconds)
             log.info("weight group (%s) rendezvous on port %d; generators join as they come",
                      self.spec.weight_transport, self.env.weights_port)
         self.sender = WeightSender(self.engine, self.rank, self.bridge, backend=self.spec.weight_transport,
-                                   bucket_mb=sync.bucket_mb, timeout_s=sync.timeout_seconds, store=store,
+                                   bucket_mb=weight_sync.bucket_mb, timeout_s=weight_sync.timeout_seconds, store=store,
                                    workers_per_generator=self.spec.generator.tensor_parallel)
         # Every generator gets these weights before it generates (also those that kept running
         # through a restart of the trainer: they may hold newer ones than the checkpoint's).
