@@ -102,7 +102,6 @@ class ServiceEnv:
 
     role: str
     rank: int = 0
-    world_size: int = 1
     nats_url: str = DEFAULT_NATS_URL
     weights_addr: str = f"127.0.0.1:{WEIGHTS_PORT}"  # host:port of trainer rank 0's weight group
     run_dir: Path = Path("runs")
@@ -110,6 +109,7 @@ class ServiceEnv:
     # Set by the local runner only (a user may set them on a cluster):
     exit_when_done: bool | None = None  # exit once finished; in a StatefulSet a finished service stays up
     torch_threads: int | None = None  # the trainer's torch threads (unset: 1)
+    world_size: int | None = None  # trainers: DeepSpeed ranks in all (generators need no count: elastic)
     local_rank: int | None = None  # trainers: the GPU of their pod this rank uses
     ranks_per_pod: int | None = None  # trainers: rank processes the pod starts (one per GPU)
     master_addr: str | None = None  # trainers: torch.distributed rendezvous of the ranks

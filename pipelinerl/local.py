@@ -156,7 +156,8 @@ class LocalRun:
             # (the generators' engine threads overlap with them; they idle while lag-bound).
             threads = len(cpus[role, rank]) if (role, rank) in cpus else max(1, (os.cpu_count() or 1) // trainers)
             env = ServiceEnv(
-                role, rank=rank, world_size=world, nats_url=nats_url, weights_addr=f"127.0.0.1:{weights_port}",
+                role, rank=rank, world_size=world if trainer else None, nats_url=nats_url,
+                weights_addr=f"127.0.0.1:{weights_port}",
                 run_dir=self.run_dir, http_port=free_port(), exit_when_done=True, torch_threads=threads,
                 local_rank=rank if trainer else None,  # one machine: trainer rank r on GPU r
                 master_addr="127.0.0.1" if trainer else None, master_port=master_port if trainer else None)

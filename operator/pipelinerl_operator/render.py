@@ -121,12 +121,12 @@ def merge_pod(user: Any, ours: Any) -> Any:
 
 def role_config_hash(job: PipelineRLJob, role: str) -> str:
     """Hash of what a role's pods read, leaving out what must not restart them: `suspend`,
-    `runPolicy` (operator only), generator replicas (scaling), other roles' pod fields."""
+    `runPolicy` (operator only), generator replicas (scaling adds or removes generator pods and
+    touches no running one: the weight group is elastic), other roles' pod fields."""
     spec = job.spec.model_dump(mode="json", by_alias=True, exclude_none=True)
     spec.pop("suspend", None)
     spec.pop("runPolicy", None)
-    if role != "generator":
-        spec["generator"].pop("replicas", None)
+    spec["generator"].pop("replicas", None)
     for other in ROLES:
         if other != role:
             for field in POD_FIELDS:
@@ -140,7 +140,7 @@ def service_env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConf
     # Trainer pods start one rank per GPU; their rank is the pod's index, from which each
     # rank process derives its own: index × ranks per pod + local rank (pipelinerl.pod_ranks).
     return ServiceEnv(
-        role, world_size=job.spec.trainer_ranks if trainer else replicas(job, role),
+        role, world_size=job.spec.trainer_ranks if trainer else None,
         nats_url=job.spec.nats.url or cfg.nats_url,
         weights_addr=f"{trainer_host(job, namespace)}:{job.spec.weight_sync.port}", run_dir=POD_RUN_DIR,
         ranks_per_pod=job.spec.trainer_ranks_per_pod if trainer else None,

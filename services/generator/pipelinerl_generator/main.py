@@ -67,7 +67,7 @@ class Generator:
         self.subjects = JobSubjects(job.name)
         self.task = make_task(self.spec.task.name, self.spec.task.params, seed=self.spec.task.seed)
         self.admission = Admission(
-            groups_per_step=self.spec.groups_per_step, generators=env.world_size,
+            groups_per_step=self.spec.groups_per_step, generators=self.spec.generator.replicas,
             max_lag=self.spec.max_lag, max_inflight=self.spec.generator.max_inflight_groups,
         )
         self.wakeup = asyncio.Event()
@@ -175,15 +175,17 @@ class Generator:
             self.wakeup.set()
 
     async def _admission_loop(self) -> None:
-        index = self.env.rank  # generators take interleaved slices of the training stream
-        index += self.admission.started * self.env.world_size
+        # Generators take interleaved slices of the training stream, strided by the replica count
+        # of the job they started with (a generator added later may use another stride).
+        stride = self.spec.generator.replicas
+        index = self.env.rank + self.admission.started * stride
         while not self.stopping.is_set():
             if self.finished_version is not None:
                 break
             if self.admission.may_start():
                 self.admission.on_start()
                 self._spawn(self._group(self.task.train_problem(index)))
-                index += self.env.world_size
+                index += stride
                 continue
             self.wakeup.clear()
             try:
@@ -208,7 +210,10 @@ class Generator:
                 self.task.rollout(self.engine, self.tokenizer, problem, max_tokens)
                 for _ in range(self.spec.rl.attempts)
             ])
-            group = m.RolloutGroup(group_id=problem.id, generator=self.env.rank, samples=list(samples))
+            # Unique per generator: after a scale-up, generators started with different strides
+            # may draw the same problem (then trained twice, never dropped as a duplicate).
+            group = m.RolloutGroup(group_id=f"{problem.id}@{self.env.rank}", generator=self.env.rank,
+                                   samples=list(samples))
             await self.js.publish(self.subjects.rollouts, m.encode(group), headers={"Nats-Msg-Id": group.group_id},
                                   timeout=30)
             GROUPS.inc()

@@ -48,7 +48,7 @@ DATA_TIMEOUT_S = float(os.environ.get(Env.DATA_TIMEOUT_S, "1800"))
 class Trainer:
     def __init__(self, job: PipelineRLJob, env: ServiceEnv):
         self.job, self.spec, self.env = job, job.spec, env
-        self.rank, self.world = env.rank, env.world_size
+        self.rank, self.world = env.rank, env.world_size or 1
         self.subjects = JobSubjects(job.name)
         self.ckpt_dir = env.run_dir / "checkpoints"
         self.step_cfg = step_config(job)
