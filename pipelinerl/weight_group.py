@@ -277,9 +277,3 @@ class Snapshot:
             if list(src.shape) != list(t["shape"]):
                 raise ValueError(f"{t['name']}: shape {list(src.shape)} != planned {t['shape']}")
             buf[t["offset"]: t["offset"] + t["numel"]].copy_(src.reshape(-1))
-
-    def pack_all(self, tensors: Mapping[str, torch.Tensor], version: int) -> Snapshot:
-        for i in range(len(self.buckets)):
-            self.pack(i, tensors)
-        self.version = version
-        return self

@@ -88,7 +88,10 @@ def _sender_main(paths: dict[str, str], port: int, cmd_q, res_q) -> None:
                 res_q.put(("ok", None))
             elif cmd == "send":
                 which, buckets = args
-                group.broadcast(Snapshot(buckets, group.device).pack_all(state[which], version=0))
+                snapshot = Snapshot(buckets, group.device)
+                for i in range(len(buckets)):
+                    snapshot.pack(i, state[which])
+                group.broadcast(snapshot)
                 res_q.put(("ok", None))
             elif cmd == "close":
                 if group is not None:

@@ -27,7 +27,10 @@ def plan_buckets_for(tensors, bucket_bytes):
 
 
 def send(group, tensors, buckets):
-    group.broadcast(Snapshot(buckets, group.device).pack_all(tensors, version=0))
+    snapshot = Snapshot(buckets, group.device)
+    for i in range(len(buckets)):
+        snapshot.pack(i, tensors)
+    group.broadcast(snapshot)
 
 
 def names(buckets):
