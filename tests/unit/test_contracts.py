@@ -38,6 +38,13 @@ def test_no_environment_name_spelled_outside_contracts():
     assert not found, f"use pipelinerl.contracts.Env / OperatorEnv instead: {found}"
 
 
+def test_no_label_or_annotation_spelled_outside_contracts():
+    prefixes = ("pipelinerl.dev/", c.KUEUE_PREFIX, c.POD_INDEX_LABEL, "scheduling.x-k8s.io/")
+    found = [(where, v) for where, v in constants() if isinstance(v, str) and v.startswith(prefixes)
+             and v != "pipelinerl.dev/v1alpha1"]  # the API version: pipelinerl.spec
+    assert not found, f"use the label and annotation constants of pipelinerl.contracts: {found}"
+
+
 def test_no_port_number_outside_contracts():
     found = [(where, v) for where, v in constants() if type(v) is int and v in PORTS]
     assert not found, f"use the port constants of pipelinerl.contracts: {found}"
