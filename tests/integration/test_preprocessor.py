@@ -130,3 +130,32 @@ async def test_steps_stream_in_waves_and_a_restart_closes_a_partial_step(nats_se
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()
+
+
+async def test_groups_held_by_a_dead_preprocessor_come_back_within_the_ack_wait(nats_server, tmp_path):
+    """A preprocessor that dies (its connection drops) while holding groups that wait for a full
+    step: they are redelivered to the next one within ACK_WAIT_S (30 s), not lost."""
+    from pipelinerl_preprocessor.main import ACK_WAIT_S
+
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "rd", {
+        "model": {"maxSeqLen": 8}, "generator": {"sampling": {"maxTokens": 4}}, "mode": "sync",
+        "rl": {"attempts": 2}, "trainer": {"samplesPerStep": 8, "microBatchTokens": 16}})
+    out = await js.pull_subscribe(subjects.batches(0), durable="t")
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    for i in range(3):  # 3 groups of a 4-group step: accepted, held unacknowledged
+        await js.publish(subjects.rollouts, m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
+    await wait_until(lambda: len(pre.accepted) == 3)
+    task.cancel()  # dies without acknowledging or closing cleanly
+    await asyncio.gather(task, return_exceptions=True)
+    await pre.nc.close()
+    t0 = time.monotonic()
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    await js.publish(subjects.rollouts, m.encode(rollout(3, [1, 0])), headers={"Nats-Msg-Id": "g3"})
+    first = m.decode((await out.fetch(1, timeout=ACK_WAIT_S + 20))[0].data, m.MicroBatch)
+    assert time.monotonic() - t0 < ACK_WAIT_S + 15
+    assert (first.step, first.step_samples) == (0, 8)  # the 3 held groups came back, plus the new one
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+    await nc.close()

@@ -32,7 +32,9 @@ log = logging.getLogger("pipelinerl.preprocessor")
 GROUPS_IN = Counter("pipelinerl_preprocessor_groups_total", "Rollout groups consumed", ["outcome"])
 STEPS_OUT = Counter("pipelinerl_preprocessor_steps_total", "Steps of micro-batches published")
 PENDING = Gauge("pipelinerl_preprocessor_pending_groups", "Accepted groups waiting for a full step")
-ACK_WAIT_S = 600.0
+# A group this preprocessor took but has not published is redelivered (to its restarted self)
+# this long after it died; while alive it keeps them with a keep-alive every quarter of it.
+ACK_WAIT_S = 30.0
 
 
 class Preprocessor:
@@ -76,6 +78,10 @@ class Preprocessor:
         log.info("preprocessor ready; next step %d, %d trainer ranks", self.step, self.ranks)
         last_keepalive = time.monotonic()
         while not self.stopping.is_set() and not self.finished:
+            if time.monotonic() - last_keepalive > ACK_WAIT_S / 4:  # also while the trainer is behind
+                for msg, _ in self.accepted:  # still waiting for a full step: not abandoned
+                    await msg.in_progress()
+                last_keepalive = time.monotonic()
             if self._trainer_behind():
                 await asyncio.sleep(0.05)
                 continue
@@ -92,10 +98,6 @@ class Preprocessor:
                 if not n:
                     break
                 await self._publish_wave(n, last)
-            if time.monotonic() - last_keepalive > ACK_WAIT_S / 4:
-                for msg, _ in self.accepted:  # still waiting for a full step: not abandoned
-                    await msg.in_progress()
-                last_keepalive = time.monotonic()
         await asyncio.wait_for(self.nc.close(), 10)  # every publish was already acked: no drain needed
 
     def _trainer_behind(self) -> bool:
