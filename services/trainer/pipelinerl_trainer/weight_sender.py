@@ -134,8 +134,9 @@ class WeightSender:
         return None
 
     def confirm(self) -> dict[str, float]:
-        """Wait (until the update's deadline) for the replies of the generators it was sent to;
-        those that did not confirm, or failed, are dropped."""
+        """Wait (until the update's deadline, or until the generators not heard from are gone
+        silent) for the replies of the generators it was sent to; those that did not confirm, or
+        failed, are dropped."""
         if self.pending is None:
             return {}
         version, deadline, members = self.pending
@@ -143,9 +144,13 @@ class WeightSender:
         replies: dict[Member, m.WeightUpdateDone] = {}
         while len(replies) < len(members):
             try:
-                r = self.bridge.done.get(timeout=max(0.0, deadline - time.monotonic()))
+                r = self.bridge.done.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
-                break
+                self._take_hellos()
+                alive = set(self.membership.alive(time.monotonic()))
+                if time.monotonic() >= deadline or all(g in replies or g not in alive for g in members):
+                    break  # a generator killed mid-update says nothing more: no use waiting for it
+                continue
             member = Member(r.generator, r.incarnation)
             if r.version == version and member in members:
                 replies[member] = r
