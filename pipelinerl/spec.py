@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -318,6 +318,9 @@ class PipelineRLJob(SpecModel):
         return self.metadata.name
 
 
+Parsed = TypeVar("Parsed", bound=BaseModel)
+
+
 class SpecError(ValueError):
     """A manifest that does not validate; the message names every field at fault."""
 
@@ -333,13 +336,18 @@ def format_errors(err: ValidationError) -> str:
     return "\n".join(lines)
 
 
-def parse_job(data: Any, source: str = "manifest") -> PipelineRLJob:
+def parse_mapping(model: type[Parsed], data: Any, source: str, what: str, error: type[ValueError]) -> Parsed:
+    """`data` validated as `model`; else `error`, naming every field at fault."""
     if not isinstance(data, dict):
-        raise SpecError(f"{source}: expected a PipelineRLJob mapping, got {type(data).__name__}")
+        raise error(f"{source}: expected a {what} mapping, got {type(data).__name__}")
     try:
-        return PipelineRLJob.model_validate(data)
+        return model.model_validate(data)
     except ValidationError as err:
-        raise SpecError(f"{source} is not a valid {KIND}:\n{format_errors(err)}") from None
+        raise error(f"{source} is not a valid {what}:\n{format_errors(err)}") from None
+
+
+def parse_job(data: Any, source: str = "manifest") -> PipelineRLJob:
+    return parse_mapping(PipelineRLJob, data, source, KIND, SpecError)
 
 
 def load_job(path: str | Path) -> PipelineRLJob:

@@ -21,9 +21,9 @@ from typing import Literal
 
 import numpy as np
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pipelinerl.spec import format_errors
+from pipelinerl.spec import parse_mapping
 
 # The built-in calibrations: package data of pipelinerl.calibrations.
 CALIBRATIONS = Path(__file__).resolve().parents[1] / "calibrations"
@@ -90,12 +90,7 @@ class Calibration(BaseModel):
 
 
 def parse_calibration(data: object, source: str = "calibration") -> Calibration:
-    if not isinstance(data, dict):
-        raise CalibrationError(f"{source}: expected a mapping of calibration fields, got {type(data).__name__}")
-    try:
-        return Calibration.model_validate(data)
-    except ValidationError as err:
-        raise CalibrationError(f"{source} is not a valid calibration:\n{format_errors(err)}") from None
+    return parse_mapping(Calibration, data, source, "calibration", CalibrationError)
 
 
 def load_calibration(name_or_path: str | Path) -> Calibration:
