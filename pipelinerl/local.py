@@ -91,9 +91,6 @@ class Service:
                 env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env.to_environ()},
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=setup)
 
-    def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
     def reap(self) -> None:
         """After the service exited: end whatever it left running in its process group."""
         try:
@@ -112,6 +109,10 @@ class Service:
         self.proc.wait(timeout=10)
 
 
+def tail(log_path: Path, lines: int = 40) -> str:
+    return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
 class ServiceDied(RuntimeError):
     def __init__(self, name: str, code: int | None, log_path: Path, tail: str):
         super().__init__(f"{name} exited with code {code}")
@@ -125,6 +126,7 @@ class LocalRun:
         self.pin_cores = pin_cores
         self.restart = restart or RestartPolicy(limit=job.spec.run_policy.backoff_limit)
         self.nats, self.nats_restarts = nats, 0
+        self.nats_restart_at: float | None = None
         self.busy: list[tuple[float, float]] = []  # (run time, generators' summed busy seconds)
         self.subjects = JobSubjects(job.name)
         self.quiet = quiet
@@ -183,29 +185,36 @@ class LocalRun:
             code = s.proc.poll()
             if code not in (None, 0):
                 s.reap()
-                delay = self.restart.delay(s.restarts)
-                if delay is None:
-                    raise ServiceDied(s.name, code, s.log_path, s.tail())
+                s.restart_at = now + self._backoff(s.name, s.restarts, code, s.log_path)
                 s.restarts += 1
-                s.restart_at = now + delay
-                self.say(f"  {s.name} exited with code {code}: restarting it in {delay:.0f}s "
-                         f"(restart {s.restarts} of {self.restart.limit})")
         return trainers_done
 
     def _check_nats(self) -> None:
-        if self.nats is None or self.nats.proc.poll() is None:
+        """nats-server is supervised like the services (its streams are kept on disk)."""
+        if self.nats is None:
             return
-        code, log = self.nats.proc.returncode, self.nats.store_dir / "nats.log"
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-        delay = self.restart.delay(self.nats_restarts)
+        now = time.monotonic()
+        if self.nats_restart_at is not None:
+            if now >= self.nats_restart_at:
+                self.nats_restart_at = None
+                self.nats.start()
+                self._record_services()
+            return
+        code = self.nats.proc.poll()
+        if code is not None:
+            self.nats_restart_at = now + self._backoff("nats-server", self.nats_restarts, code,
+                                                       self.nats.store_dir / "nats.log")
+            self.nats_restarts += 1
+
+    def _backoff(self, name: str, restarts: int, code: int, log_path: Path) -> float:
+        """Seconds until `name`, which exited with `code` after `restarts` restarts, is started
+        again; ServiceDied (with its log's tail) once the restart policy gives up on it."""
+        delay = self.restart.delay(restarts)
         if delay is None:
-            raise ServiceDied("nats-server", code, log, tail)
-        self.nats_restarts += 1
-        self.say(f"  nats-server exited with code {code}: restarting it in {delay:.0f}s "
-                 f"(restart {self.nats_restarts} of {self.restart.limit}); streams are kept on disk")
-        time.sleep(delay)
-        self.nats.start()
-        self._record_services()
+            raise ServiceDied(name, code, log_path, tail(log_path))
+        self.say(f"  {name} exited with code {code}: restarting it in {delay:.0f}s "
+                 f"(restart {restarts + 1} of {self.restart.limit})")
+        return delay
 
     def _record_services(self) -> None:
         """services.json: each process of the run, for `ps`/`kill` and for tests."""
