@@ -155,7 +155,7 @@ async def run_side(side: str, url: str, payloads: list[tuple[str, bytes]], workd
         try:
             await wait_consumer(js, subjects, durable, proc)
             t0 = time.perf_counter()
-            await publish_all(js, subjects.rollouts, payloads)
+            await publish_all(js, subjects.rollouts(0), payloads)
             await wait_for(done.wait(), timeout_s, f"{side}: {n} groups out")
             elapsed = time.perf_counter() - t0
             if side == "preprocessor":
@@ -180,7 +180,7 @@ def raw_consumer(url: str, job: str, n: int) -> None:
         subjects = JobSubjects(job)
         nc = await connect(url, "bench-raw")
         js = nc.jetstream()
-        sub = await js.pull_subscribe(subjects.rollouts, durable="raw", config=ConsumerConfig(
+        sub = await js.pull_subscribe(subjects.rollouts(">"), durable="raw", config=ConsumerConfig(
             ack_policy=AckPolicy.EXPLICIT, ack_wait=600, max_ack_pending=100_000))
         got = 0
         deadline = time.monotonic() + 600

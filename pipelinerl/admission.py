@@ -12,6 +12,11 @@ The trainer does not wait for an update to land before it trains on, so a step m
 while the generator still holds the weights before its input's (e = N − 2): one share less.
 Groups the preprocessor will discard (zero variance) leave the queue as soon as they finish,
 so sync mode (max_lag 0, see `budget`) can never starve a step.
+
+The queue counts every incarnation's groups: `published` and `discarded` continue from the
+generator's books in the stream, so a restarted generator neither over- nor under-fills it
+(groups of a dead incarnation are still trained), and a group JetStream drops as a duplicate
+of one already published is not counted again.
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ class Admission:
     generators: int
     max_lag: int
     max_inflight: int
-    started: int = 0
-    finished: int = 0
-    discarded: int = 0
+    started: int = 0  # by this process
+    finished: int = 0  # by this process: published, or dropped as a duplicate
+    published: int = 0  # groups in the stream, every incarnation's
+    discarded: int = 0  # of those, zero-variance ones (never trained)
     trained: int = 0  # this generator's groups in trained steps (announced by the trainer)
     training_step: int = -1  # the last step announced as started (N - 1)
     weights_version: int = -1  # this generator's engine weights (e); -1: none from the trainer yet
@@ -56,7 +62,7 @@ class Admission:
 
     @property
     def queued(self) -> int:
-        return self.started - self.discarded - self.trained
+        return self.published - self.discarded - self.trained + self.inflight
 
     @property
     def inflight(self) -> int:
@@ -68,9 +74,11 @@ class Admission:
     def on_start(self) -> None:
         self.started += 1
 
-    def on_finish(self, discarded: bool) -> None:
+    def on_finish(self, discarded: bool, published: bool = True) -> None:
         self.finished += 1
-        self.discarded += int(discarded)
+        if published:
+            self.published += 1
+            self.discarded += int(discarded)
 
     def on_trained(self, trained_total: int, training_step: int = -1) -> None:
         # Announcements can arrive out of order after reconnects: never go backwards.

@@ -174,7 +174,8 @@ def reserved_env() -> frozenset[str]:
 
 # ---------------------------------------------------------------- streams and subjects
 
-STREAM_SUFFIXES = ("ROLLOUTS", "BATCHES", "CONTROL", "METRICS")
+STREAM_SUFFIXES = ("ROLLOUTS", "BATCHES", "CONTROL", "METRICS", "DEADLETTER")
+DEADLETTER_REASON = "Pipelinerl-Reason"  # header of a dead letter: why it was rejected
 
 
 @dataclass(frozen=True)
@@ -196,9 +197,9 @@ class JobSubjects:
     def streams(self) -> list[str]:
         return [self.stream(s) for s in STREAM_SUFFIXES]
 
-    @property
-    def rollouts(self) -> str:
-        return f"prl.{self._token}.rollouts"
+    def rollouts(self, generator: int | str) -> str:
+        """One subject per generator: its newest group not yet consumed carries its books (GeneratorBooks)."""
+        return f"prl.{self._token}.rollouts.{generator}"
 
     def batches(self, rank: int | str) -> str:
         return f"prl.{self._token}.batches.{rank}"
@@ -209,6 +210,10 @@ class JobSubjects:
 
     def metrics(self, kind: str | None = None) -> str:
         return f"prl.{self._token}.metrics.{kind or '*'}"
+
+    def deadletter(self, kind: str | None = None) -> str:
+        """Rejected messages ("rollout", "batch"), kept with their reason for inspection."""
+        return f"prl.{self._token}.deadletter.{kind or '*'}"
 
     # Core NATS (not persisted): the weight-update handshake is only meaningful live.
     @property
@@ -250,6 +255,8 @@ class Progress(StatusBody):
     weight_epoch: int | None = Field(default=None, ge=0, description="Membership epochs opened.")
     generators_dropped: int | None = Field(default=None, ge=0,
                                            description="Dropped for a missed deadline or a failure.")
+    learning_alarm: str | None = Field(default=None, description="Why the newest steps show no learning "
+                                       "(no tokens trained, most samples dropped, a non-finite loss).")
 
 
 class TrainerStatus(Progress):
@@ -265,6 +272,7 @@ class GeneratorStatus(StatusBody):
     version: int = 0  # of the weights the engine holds
     groups_started: int = 0
     groups_finished: int = 0
+    groups_published: int = 0  # every incarnation's
     groups_discarded: int = 0
     groups_trained: int = 0
     inflight_groups: int = 0
@@ -281,5 +289,6 @@ class PreprocessorStatus(StatusBody):
     pending_groups: int = 0
     steps: int = 0
     malformed: int = 0
+    dead_lettered: int = 0  # malformed ones included
     filtered_groups: int = 0
     truncated_samples: int = 0

@@ -24,6 +24,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from pipelinerl import messages as m
 from pipelinerl.contracts import GeneratorStatus, JobSubjects, ServiceEnv
 from pipelinerl.embedded_nats import EmbeddedNats
+from pipelinerl.learning import learning_alarm
 from pipelinerl.ports import free_port
 from pipelinerl.processes import die_with_parent
 from pipelinerl.spec import PipelineRLJob, dump_job
@@ -318,6 +319,8 @@ class LocalRun:
             "lag_max": max(lags) if lags else None,
             "samples_dropped_for_lag": sum(t.get("dropped_for_lag", 0) for t in self.train),
             "mean_ess": sum(t["ess"] for t in self.train) / len(self.train) if self.train else None,
+            "micro_batches_rejected": sum(t.get("micro_batches_rejected", 0) for t in self.train),
+            "learning_alarm": learning_alarm(self.train),
             **self.throughput(),
         }
 
@@ -421,4 +424,7 @@ def run_local(job: PipelineRLJob, run_dir: str | Path | None = None, quiet: bool
     run.say("\nsummary: " + json.dumps(summary, indent=1))
     if plot:
         run.say(f"plot: {plot}")
+    if code == 0 and summary["learning_alarm"]:
+        print(f"\nerror: the run ended without learning: {summary['learning_alarm']}", file=sys.stderr, flush=True)
+        code = 2
     return code

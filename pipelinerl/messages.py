@@ -12,7 +12,7 @@ from typing import ClassVar, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION = 2  # 2: RolloutGroup without problem_id/start_version/gen_seconds, PolicyVersion without step
+SCHEMA_VERSION = 3  # 3: RolloutGroup.books; 2: without problem_id/start_version/gen_seconds, PolicyVersion without step
 
 
 class MessageError(ValueError):
@@ -52,6 +52,24 @@ class Sample(BaseModel):
 
 
 
+class GeneratorBooks(BaseModel):
+    """A generator's books once a group is published, carried by that group (no separate write
+    that a crash could leave behind). A restarted generator continues from its newest group:
+    still in the rollout stream, or consumed, then in the preprocessor's record of the books
+    of the groups it took (`MicroBatch.generator_books`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    published: int = Field(default=0, ge=0)  # its groups in the stream, every incarnation's, this one included
+    discarded: int = Field(default=0, ge=0)  # of those, zero-variance ones (the preprocessor drops them)
+    next_problem: int = Field(default=0, ge=0)  # training problem index where it goes on; every one below was started
+
+
+def newest_books(*books: GeneratorBooks | None) -> GeneratorBooks | None:
+    """The newest of a generator's books (they only grow, group by group)."""
+    known = [b for b in books if b is not None]
+    return max(known, key=lambda b: b.published) if known else None
+
+
 class RolloutGroup(Message):
     """G attempts at one prompt: the unit the generator publishes and advantages are computed on."""
 
@@ -59,6 +77,7 @@ class RolloutGroup(Message):
     group_id: str  # the problem's id: unique and stable, also the JetStream Nats-Msg-Id for de-duplication
     generator: int
     samples: list[Sample] = Field(min_length=1)
+    books: GeneratorBooks = Field(default_factory=GeneratorBooks)
 
     @property
     def zero_variance(self) -> bool:
@@ -95,6 +114,9 @@ class MicroBatch(Message):
     step_samples: int = 0
     step_groups_filtered: int = 0
     step_groups_by_generator: dict[str, int] = Field(default_factory=dict)  # accepted groups per generator
+    # The newest books of each generator (by rank) among every group the preprocessor has taken
+    # so far; a group taken but put into no micro-batch is acknowledged only once this is stored.
+    generator_books: dict[str, GeneratorBooks] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _aligned(self) -> MicroBatch:

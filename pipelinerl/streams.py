@@ -4,22 +4,27 @@ idempotent creation and deletion, connections with bounded waits."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
+import time
 
 import nats
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
-from pipelinerl.contracts import JobSubjects
+from pipelinerl.contracts import DEADLETTER_REASON, JobSubjects
 
+log = logging.getLogger("pipelinerl.streams")
 CONNECT_TIMEOUT_S = 10.0
+READ_TIMEOUT_S = 120.0  # a restarting service's reads of its position: NATS may be restarting too
 
 
 def stream_configs(subjects: JobSubjects, max_msg_bytes: int) -> list[StreamConfig]:
     common = dict(storage=StorageType.FILE, max_msg_size=max_msg_bytes, duplicate_window=600.0)
     return [
-        # Rollouts: work for the preprocessor, removed once acked by it.
-        StreamConfig(name=subjects.stream("ROLLOUTS"), subjects=[subjects.rollouts],
+        # Rollouts: work for the preprocessor, one subject per generator, removed once acked by
+        # it (a removal survives a kill -9 of nats-server; an acknowledgement may not).
+        StreamConfig(name=subjects.stream("ROLLOUTS"), subjects=[subjects.rollouts(">")],
                      retention=RetentionPolicy.WORK_QUEUE, **common),
         # Batches: kept (bounded) so a trainer restarted from a checkpoint can replay them.
         StreamConfig(name=subjects.stream("BATCHES"), subjects=[subjects.batches(">")],
@@ -31,6 +36,9 @@ def stream_configs(subjects: JobSubjects, max_msg_bytes: int) -> list[StreamConf
         StreamConfig(name=subjects.stream("METRICS"), subjects=[subjects.metrics(">")],
                      retention=RetentionPolicy.LIMITS, max_msgs=1_000_000,
                      discard=DiscardPolicy.OLD, **common),
+        # Dead letters: rejected rollouts and micro-batches with their reason (headers).
+        StreamConfig(name=subjects.stream("DEADLETTER"), subjects=[subjects.deadletter(">")],
+                     retention=RetentionPolicy.LIMITS, max_bytes=256 << 20, discard=DiscardPolicy.OLD, **common),
     ]
 
 
@@ -67,6 +75,31 @@ async def delete_streams(js, subjects: JobSubjects) -> list[str]:
         except NotFoundError:
             pass
     return deleted
+
+
+async def last_message(js, stream: str, subject: str, timeout_s: float = READ_TIMEOUT_S) -> bytes | None:
+    """The data of the stream's last message on `subject`; None only when there is none. A read
+    that times out or finds no connection is retried until `timeout_s`, then raises: it never
+    passes for "nothing there" (which would reset a restarting service's books)."""
+    deadline, delay = time.monotonic() + timeout_s, 0.5
+    while True:
+        try:
+            return (await js.get_last_msg(stream, subject)).data
+        except NotFoundError:
+            return None
+        except Exception as err:  # timeouts, a connection being re-established
+            if time.monotonic() + delay > deadline:
+                raise TimeoutError(f"could not read the last message on {subject} in {timeout_s:.0f}s: "
+                                   f"{type(err).__name__}: {err}") from None
+            log.warning("reading the last message on %s failed (%s: %s); retrying", subject, type(err).__name__, err)
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 5.0)
+
+
+async def dead_letter(js, subjects: JobSubjects, kind: str, data: bytes, reason: str, msg_id: str) -> None:
+    """Keep a rejected message (`kind`: "rollout", "batch") with its reason, once per `msg_id`."""
+    await js.publish(subjects.deadletter(kind), data, timeout=30,
+                     headers={"Nats-Msg-Id": msg_id, DEADLETTER_REASON: reason[:4000]})
 
 
 async def wait_for(coro, timeout_s: float, what: str):

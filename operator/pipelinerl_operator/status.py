@@ -163,16 +163,19 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
 
     gen = roles["generator"]
     in_group = progress.get("generatorsInGroup")
-    degraded_reason = ""
-    if active and phase == "Running" and 0 < gen.ready < gen.desired:
+    degraded_reason, alarm = "", progress.get("learningAlarm")
+    if active and alarm:
+        degraded_reason = "LearningStalled"  # the trainer steps, but learns nothing: see the message
+    elif active and phase == "Running" and 0 < gen.ready < gen.desired:
         degraded_reason = "GeneratorsMissing"
     elif active and phase == "Running" and progress.get("step", 0) > 0 and in_group is not None and in_group < gen.desired:
         degraded_reason = "GeneratorsOutOfWeightGroup"  # pods up, but dropped from (or not yet back in) the group
     elif active and failures > 0:
         degraded_reason = "TrainerRestarted"
     group = f", {in_group} in the weight group (epoch {progress.get('weightEpoch')})" if in_group is not None else ""
+    message = f"{gen.ready}/{gen.desired} generators ready{group}, {failures} trainer restarts"
     conds.set("Degraded", bool(degraded_reason), degraded_reason or "AsExpected",
-              f"{gen.ready}/{gen.desired} generators ready{group}, {failures} trainer restarts" if degraded_reason else "")
+              (f"{alarm}; {message}" if alarm else message) if degraded_reason else "")
     conds.set("Progressing", active, "Training" if ready else ("Starting" if active else (ready_reason or "Stopped")),
               f"step {progress.get('step', 0)}" if active else "")
     conds.set("Suspended", suspended, "Suspended" if suspended else "NotSuspended")

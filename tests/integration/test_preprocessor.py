@@ -42,8 +42,8 @@ async def test_preprocessor_service(nats_server, tmp_path):
     groups = [rollout(0, [1, 0]), rollout(1, [1, 1]), rollout(2, [0, 1]), rollout(3, [1, 0]), rollout(4, [0, 1]),
               rollout(5, [1, 0])]
     for g in groups:
-        await js.publish(subjects.rollouts, m.encode(g), headers={"Nats-Msg-Id": g.group_id})
-    await js.publish(subjects.rollouts, b"\x93garbage")
+        await js.publish(subjects.rollouts(g.generator), m.encode(g), headers={"Nats-Msg-Id": g.group_id})
+    await js.publish(subjects.rollouts(0), b"\x93garbage")
 
     pre = Preprocessor(job, env, trainer_ranks=2)
     task = asyncio.create_task(pre.run())
@@ -89,7 +89,7 @@ async def test_steps_stream_in_waves_and_a_restart_closes_a_partial_step(nats_se
     out = await js.pull_subscribe(subjects.batches(0), durable="t")
 
     async def publish(i):
-        await js.publish(subjects.rollouts, m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
+        await js.publish(subjects.rollouts(0), m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
 
     async def batches(n):
         got = []
@@ -144,7 +144,7 @@ async def test_groups_held_by_a_dead_preprocessor_come_back_within_the_ack_wait(
     pre = Preprocessor(job, env, trainer_ranks=1)
     task = asyncio.create_task(pre.run())
     for i in range(3):  # 3 groups of a 4-group step: accepted, held unacknowledged
-        await js.publish(subjects.rollouts, m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
+        await js.publish(subjects.rollouts(0), m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
     await wait_until(lambda: len(pre.accepted) == 3)
     task.cancel()  # dies without acknowledging or closing cleanly
     await asyncio.gather(task, return_exceptions=True)
@@ -152,10 +152,67 @@ async def test_groups_held_by_a_dead_preprocessor_come_back_within_the_ack_wait(
     t0 = time.monotonic()
     pre = Preprocessor(job, env, trainer_ranks=1)
     task = asyncio.create_task(pre.run())
-    await js.publish(subjects.rollouts, m.encode(rollout(3, [1, 0])), headers={"Nats-Msg-Id": "g3"})
+    await js.publish(subjects.rollouts(0), m.encode(rollout(3, [1, 0])), headers={"Nats-Msg-Id": "g3"})
     first = m.decode((await out.fetch(1, timeout=ACK_WAIT_S + 20))[0].data, m.MicroBatch)
     assert time.monotonic() - t0 < ACK_WAIT_S + 15
     assert (first.step, first.step_samples) == (0, 8)  # the 3 held groups came back, plus the new one
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+    await nc.close()
+
+
+async def test_poison_groups_are_dead_lettered_with_their_reason_and_the_step_goes_on(nats_server, tmp_path):
+    """Each kind of bad group, published into the job's stream: kept aside with its reason,
+    acknowledged (never redelivered), counted; a full step of good groups still goes out, and
+    the rejected groups count as consumed for their generators' admission."""
+    from pipelinerl.contracts import DEADLETTER_REASON
+
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "poison", {
+        "model": {"maxSeqLen": 8}, "generator": {"sampling": {"maxTokens": 4}},
+        "rl": {"attempts": 2}, "trainer": {"samplesPerStep": 4, "microBatchTokens": 16}})
+    await js.publish(subjects.version, m.encode(m.PolicyVersion(version=3, timestamp=0)))
+
+    def bad(i: int, **change) -> m.RolloutGroup:
+        g = rollout(i, [1, 0])
+        g.generator = 1
+        g.samples[1] = g.samples[1].model_copy(update=change)
+        return g
+
+    poison = {
+        "g10": bad(10, reward=float("nan")),
+        "g11": bad(11, tokens=list(range(9)), mask=[0] * 8 + [1], logprobs=[0.0] * 9, versions=[-1] * 8 + [3]),
+        "g12": bad(12, versions=[-1, -1, 0, 1_000_000]),
+        "g13": bad(13, logprobs=[0, 0, float("-inf"), -1]),
+    }
+    for gid, g in poison.items():
+        await js.publish(subjects.rollouts(1), m.encode(g), headers={"Nats-Msg-Id": gid})
+    await js.publish(subjects.rollouts(0), b"\x93garbage")
+    for i in (0, 2):
+        await js.publish(subjects.rollouts(0), m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
+
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    await wait_until(lambda: pre.step == 1)
+    assert pre.stats["dead_lettered"] == 5 and pre.stats["malformed"] == 1
+    dead = await js.pull_subscribe(subjects.deadletter("rollout"), durable="inspect")
+    letters = await dead.fetch(10, timeout=2)
+    reasons = [x.headers[DEADLETTER_REASON] for x in letters]
+    assert reasons[:4] == [
+        "group g10 from generator 1: sample 1: reward is nan",
+        "group g11 from generator 1: sample 1: 9 tokens, more than model.maxSeqLen (8)",
+        "group g12 from generator 1: sample 1: version 1000000 at token 3 is ahead of the trainer "
+        "(newest weights: version 4)",
+        "group g13 from generator 1: sample 1: logprob -inf at token 2 (a finite value ≤ 0)"]
+    assert reasons[4].startswith("rollout_group: not valid msgpack")
+    assert m.decode(letters[0].data, m.RolloutGroup).group_id == "g10"  # the message itself, for inspection
+    (step,) = [m.decode(x.data, m.MicroBatch) for x in await (await js.pull_subscribe(
+        subjects.batches(0), durable="t")).fetch(5, timeout=2)]
+    assert step.last and step.step_samples == 4  # the two good groups
+    # The rejected ones are consumed too, but for the NaN group: its rewards read as zero-variance
+    # to its generator as well, which counted it discarded itself.
+    assert step.step_groups_by_generator == {"0": 2, "1": 3}
+    info = await js.consumer_info(subjects.stream("ROLLOUTS"), "preprocessor")
+    assert info.num_ack_pending == 0 and info.num_pending == 0  # nothing will come back
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()

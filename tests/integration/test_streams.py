@@ -2,6 +2,7 @@
 
 import asyncio
 
+import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from pipelinerl import messages as m
@@ -18,7 +19,7 @@ def group(i: int) -> m.RolloutGroup:
 
 
 async def publish(js, i: int):
-    return await js.publish(SUBJECTS.rollouts, m.encode(group(i)), headers={"Nats-Msg-Id": f"g{i}"}, timeout=5)
+    return await js.publish(SUBJECTS.rollouts(0), m.encode(group(i)), headers={"Nats-Msg-Id": f"g{i}"}, timeout=5)
 
 
 async def published(url: str, count: int):
@@ -29,7 +30,7 @@ async def published(url: str, count: int):
     await ensure_streams(js, SUBJECTS, 8)
     for i in range(count):
         await publish(js, i)
-    sub = await js.pull_subscribe(SUBJECTS.rollouts, durable="pre",
+    sub = await js.pull_subscribe(SUBJECTS.rollouts(">"), durable="pre",
                                   config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=1.0))
     return nc, sub
 
@@ -45,7 +46,7 @@ async def test_streams_are_idempotent_and_round_trip(nats_server):
         await publish(js, i)
     dup = await publish(js, 3)  # a retried publish is recognised and not stored twice
     assert dup.duplicate
-    sub = await js.pull_subscribe(SUBJECTS.rollouts, durable="pre")
+    sub = await js.pull_subscribe(SUBJECTS.rollouts(">"), durable="pre")
     msgs = await sub.fetch(10, timeout=2)
     got = [m.decode(x.data, m.RolloutGroup) for x in msgs]
     assert [g.group_id for g in got] == [f"g{i}" for i in range(5)]
@@ -77,9 +78,39 @@ async def test_server_crash_keeps_acked_and_unacked_state(tmp_path):
     server = EmbeddedNats(tmp_path / "nats", port=server.port).start()
     nc = await connect(server.url, "test")
     js = nc.jetstream()
-    sub = await js.pull_subscribe(SUBJECTS.rollouts, durable="pre")
+    sub = await js.pull_subscribe(SUBJECTS.rollouts(">"), durable="pre")
     await asyncio.sleep(1.2)
     again = await sub.fetch(4, timeout=3)
     assert sorted(m.decode(x.data, m.RolloutGroup).group_id for x in again) == ["g2", "g3"]
     await nc.close()
     server.stop()
+
+
+async def test_a_read_that_times_out_is_retried_never_taken_for_empty(nats_server):
+    import os
+    import signal
+
+    from pipelinerl.streams import last_message
+
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js, SUBJECTS, 8)
+    await publish(js, 7)
+    stream = SUBJECTS.stream("ROLLOUTS")
+    assert await last_message(js, stream, SUBJECTS.rollouts(1)) is None  # truly empty
+    os.kill(nats_server.proc.pid, signal.SIGSTOP)  # the server hangs: every request times out
+    try:
+        read = asyncio.ensure_future(last_message(js, stream, SUBJECTS.rollouts(0)))
+        await asyncio.sleep(7)  # past the client's 5 s request timeout: a failed attempt is behind us
+        assert not read.done()
+    finally:
+        os.kill(nats_server.proc.pid, signal.SIGCONT)
+    data = await asyncio.wait_for(read, 30)
+    assert m.decode(data, m.RolloutGroup).group_id == "g7"
+    os.kill(nats_server.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TimeoutError, match="could not read the last message"):
+            await last_message(js, stream, SUBJECTS.rollouts(0), timeout_s=3)
+    finally:
+        os.kill(nats_server.proc.pid, signal.SIGCONT)
+    await nc.close()

@@ -91,3 +91,27 @@ def test_share_follows_the_generators_in_the_weight_group():
     assert a.share == 8 and fill(a) == 16
     a.on_weights(1, generators=1)
     assert a.share == 16 and fill(a) == 16
+
+
+def test_a_restarted_generator_counts_its_earlier_incarnations_queued_groups():
+    # The first incarnation published 40 groups (4 zero-variance) and died with 8 more running;
+    # steps so far trained 20 of them. The restart continues from its books in the stream.
+    a = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000, weights_version=3,
+                  training_step=2, published=40, discarded=4, trained=20)
+    assert a.queued == 16 and a.budget == 32 and fill(a) == 16  # 16 of the dead one's still to train
+    a.on_finish(discarded=False, published=False)  # JetStream had it already (same problem, same id)
+    assert a.published == 40 and a.queued == 31  # not queued twice
+    a.on_finish(discarded=True)
+    assert a.published == 41 and a.discarded == 5 and a.queued == 30
+
+
+def test_a_rolled_back_trainer_makes_the_queue_look_longer_never_shorter():
+    # The trainer resumed from an older checkpoint: its announcements restart lower, which only
+    # holds generation back until the replayed steps catch up (never lets it run ahead).
+    a = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000, weights_version=10,
+                  training_step=9, published=170, trained=150)
+    restarted = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000, weights_version=10,
+                          training_step=9, published=170)
+    restarted.on_trained(100, training_step=9)  # the resumed trainer's first announcement
+    assert restarted.queued > a.queued
+    assert fill(restarted) <= fill(a)

@@ -108,7 +108,7 @@ def test_stream_names_are_the_ones_created_and_deleted():
     subjects = JobSubjects("my.job-1")
     assert [cfg.name for cfg in stream_configs(subjects, 1 << 20)] == subjects.streams
     assert subjects.streams == ["PRL_MY_JOB_1_ROLLOUTS", "PRL_MY_JOB_1_BATCHES", "PRL_MY_JOB_1_CONTROL",
-                                "PRL_MY_JOB_1_METRICS"]
+                                "PRL_MY_JOB_1_METRICS", "PRL_MY_JOB_1_DEADLETTER"]
     with pytest.raises(ValueError, match="unknown stream"):
         subjects.stream("OTHER")
 

@@ -1,7 +1,7 @@
 import msgpack
 import pytest
 
-from pipelinerl.messages import MessageError, MicroBatch, PolicyVersion, RolloutGroup, Sample, decode, encode
+from pipelinerl.messages import SCHEMA_VERSION, MessageError, MicroBatch, PolicyVersion, RolloutGroup, Sample, decode, encode
 
 
 def group() -> RolloutGroup:
@@ -25,7 +25,7 @@ def test_wrong_type_version_and_fields_are_named():
     body["v"] = 99
     with pytest.raises(MessageError, match="schema version 99"):
         decode(msgpack.packb(body), RolloutGroup)
-    body["v"] = 2
+    body["v"] = SCHEMA_VERSION
     body["samples"][0]["mask"] = [1]
     with pytest.raises(MessageError, match=r"samples\.0.*mask has 1 entries for 4 tokens"):
         decode(msgpack.packb(body), RolloutGroup)

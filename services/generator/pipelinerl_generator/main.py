@@ -3,7 +3,8 @@
 Loops, all on one asyncio loop:
 - admission: start prompt groups while the lag budget allows; each group runs G attempts
   concurrently through the engine and is published to JetStream (msg id = group id, so a
-  retried publish is de-duplicated);
+  retried publish is de-duplicated) with the generator's books, from which a restarted
+  generator continues (`_restore_books`);
 - weights: say hello to the trainer every second; on a `WeightUpdate` that lists this process,
   join its weight group if it is a new membership epoch, receive (staged beside generation, or
   inside a pause that keeps requests), relabel, reply. Nothing is generated before the first
@@ -27,7 +28,7 @@ from pipelinerl.admission import Admission
 from pipelinerl.contracts import GeneratorStatus, JobSubjects, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import connect, ensure_streams
+from pipelinerl.streams import connect, ensure_streams, last_message
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl_generator.engine import Engine, WeightsKept
@@ -84,13 +85,16 @@ class Generator:
         self.holds_weights = asyncio.Event()  # the trainer's weights are loaded
         self.next_update: m.WeightUpdate | None = None
         self.update_waiting = asyncio.Event()
+        self.next_problem = env.rank  # training problem index of the next group
+        self.publishing = asyncio.Lock()  # one publish at a time: each group carries the books after it
 
     # -- status ----------------------------------------------------------------------------
     def status(self) -> GeneratorStatus:
         a, engine = self.admission, getattr(self, "engine", None)
         return GeneratorStatus(
             rank=self.env.rank, version=engine.version if engine else 0,
-            groups_started=a.started, groups_finished=a.finished, groups_discarded=a.discarded,
+            groups_started=a.started, groups_finished=a.finished, groups_published=a.published,
+            groups_discarded=a.discarded,
             groups_trained=a.trained, inflight_groups=a.inflight, queued_groups=a.queued,
             tokens=engine.tokens_generated if engine else 0,
             updates_with_requests_in_flight=self.updates_in_flight, busy_seconds=self.busy.seconds())
@@ -104,9 +108,7 @@ class Generator:
         model_path = resolve_model_path(self.spec.model.path)
         self.engine = Engine(self.job, model_path, seed=self.spec.trainer.seed + 1000 * self.env.rank)
         self.tokenizer = self.engine.llm.tokenizer
-        # Nothing of a previous incarnation is queued any more: start the books from here.
-        a = self.admission
-        a.started = a.finished = a.trained = await self._trained_groups()
+        await self._restore_books()
         await self.nc.subscribe(self.subjects.weights_update, cb=self._on_weight_update)
         await self.js.subscribe(self.subjects.version, cb=self._on_version, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
                                 ordered_consumer=True)
@@ -127,13 +129,33 @@ class Generator:
         self.engine.shutdown()
         await asyncio.wait_for(self.nc.close(), 10)  # every publish was already acked: no drain needed
 
-    async def _trained_groups(self) -> int:
-        """This generator's groups trained so far, from the trainer's last announcement."""
-        try:
-            msg = await self.js.get_last_msg(self.subjects.stream("CONTROL"), self.subjects.version)
-        except Exception:
-            return 0
-        return m.decode(msg.data, m.PolicyVersion).trained_groups.get(str(self.env.rank), 0)
+    async def _restore_books(self) -> None:
+        """Continue the books of this generator's earlier incarnations (groups published and
+        discarded, the next problem) from its newest group: the newest still in the rollout
+        stream, or the newest the preprocessor took, recorded in its micro-batches. Groups
+        trained come from the trainer's newest announcement. A group of theirs still queued
+        counts as queued; no problem they published is drawn again."""
+        a, rank = self.admission, self.env.rank
+        found = []
+        data = await last_message(self.js, self.subjects.stream("ROLLOUTS"), self.subjects.rollouts(rank))
+        if data is not None:
+            try:
+                found.append(m.decode(data, m.RolloutGroup).books)
+            except m.MessageError as err:  # not ours to trust: the preprocessor will dead-letter it
+                log.error("the newest message on %s is not a rollout group: %s", self.subjects.rollouts(rank), err)
+        for trainer_rank in range(self.spec.trainer_ranks):
+            data = await last_message(self.js, self.subjects.stream("BATCHES"), self.subjects.batches(trainer_rank))
+            if data is not None:
+                found.append(m.decode(data, m.MicroBatch).generator_books.get(str(rank)))
+        books = m.newest_books(*found)
+        if books is not None:
+            a.published, a.discarded, self.next_problem = books.published, books.discarded, books.next_problem
+        data = await last_message(self.js, self.subjects.stream("CONTROL"), self.subjects.version)
+        if data is not None:
+            a.on_trained(m.decode(data, m.PolicyVersion).trained_groups.get(str(rank), 0))
+        if a.published:
+            log.info("generator %d continues its books: %d groups published (%d discarded, %d trained), "
+                     "next problem %d", rank, a.published, a.discarded, a.trained, self.next_problem)
 
     async def _say_hello(self) -> None:
         """Tell trainer rank 0, every HELLO_S, that this process is alive and which weights it holds."""
@@ -178,14 +200,13 @@ class Generator:
         # Generators take interleaved slices of the training stream, strided by the replica count
         # of the job they started with (a generator added later may use another stride).
         stride = self.spec.generator.replicas
-        index = self.env.rank + self.admission.started * stride
         while not self.stopping.is_set():
             if self.finished_version is not None:
                 break
             if self.admission.may_start():
                 self.admission.on_start()
-                self._spawn(self._group(self.task.train_problem(index)))
-                index += stride
+                self._spawn(self._group(self.task.train_problem(self.next_problem)))
+                self.next_problem += stride
                 continue
             self.wakeup.clear()
             try:
@@ -214,15 +235,25 @@ class Generator:
             # may draw the same problem (then trained twice, never dropped as a duplicate).
             group = m.RolloutGroup(group_id=f"{problem.id}@{self.env.rank}", generator=self.env.rank,
                                    samples=list(samples))
-            await self.js.publish(self.subjects.rollouts, m.encode(group), headers={"Nats-Msg-Id": group.group_id},
-                                  timeout=30)
-            GROUPS.inc()
+            await self._publish(group)
             TOKENS.inc(sum(s.num_generated for s in samples))
-            self.admission.on_finish(discarded=self.spec.rl.filter_zero_variance and group.zero_variance)
         finally:
             INFLIGHT.dec()
             self.busy.leave()
             self.wakeup.set()
+
+    async def _publish(self, group: m.RolloutGroup) -> None:
+        a = self.admission
+        discarded = self.spec.rl.filter_zero_variance and group.zero_variance
+        async with self.publishing:
+            group.books = m.GeneratorBooks(published=a.published + 1, discarded=a.discarded + discarded,
+                                           next_problem=self.next_problem)
+            ack = await self.js.publish(self.subjects.rollouts(self.env.rank), m.encode(group),
+                                        headers={"Nats-Msg-Id": group.group_id}, timeout=30)
+            if ack.duplicate:  # an earlier incarnation published it: it is in the books already
+                log.warning("group %s was already published: not counted again", group.group_id)
+            a.on_finish(discarded=discarded, published=not ack.duplicate)
+        GROUPS.inc()
 
     async def _on_weight_update(self, msg) -> None:
         """Keep only the newest update: one that arrives while another is applied supersedes any

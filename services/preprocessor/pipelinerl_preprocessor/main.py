@@ -6,7 +6,12 @@ baseline, publishes each step whole once it is generated. Input groups are acked
 every micro-batch of the wave they went into is stored by JetStream (publish acks awaited), so
 a crash loses nothing: unacked groups are redelivered, re-published batches are de-duplicated
 by their message ids, and a step left partial is closed on restart (`packing.close_step`).
+Groups that go into no micro-batch (filtered, rejected) are acked after the next wave too: its
+micro-batches carry the books of every generator's newest group taken so far, which a
+restarted generator continues from once its groups have left the rollout stream.
 Backpressure: at most `maxPendingSteps` steps are published ahead of the trainer's version.
+A group that cannot be trained (`checks`) or decoded goes to the dead-letter stream with its
+reason and is acknowledged: one bad message never stops the job.
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects, PreprocessorStatus, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import connect, ensure_streams
+from pipelinerl.streams import connect, dead_letter, ensure_streams, last_message
 from pipelinerl_preprocessor.advantages import group_advantages
+from pipelinerl_preprocessor.checks import GroupLimits, group_problem
 from pipelinerl_preprocessor.packing import StepSample, close_step, next_wave, pack_wave, step_weight
 
 log = logging.getLogger("pipelinerl.preprocessor")
@@ -46,6 +52,8 @@ class Preprocessor:
         self.finished = False
         self.stopping = asyncio.Event()
         self.accepted: list[tuple[object, m.RolloutGroup]] = []  # (nats msg, group), unacked
+        self.settled: list = []  # nats msgs of groups in no micro-batch: acked after the next wave
+        self.books: dict[str, m.GeneratorBooks] = {}  # each generator's newest taken so far
         self.step = 0
         self._new_step()
         self.stats: Tally = Tally()  # counts named as PreprocessorStatus fields
@@ -71,7 +79,7 @@ class Preprocessor:
         await self.js.subscribe(self.subjects.version, cb=self._on_version,
                                 deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ordered_consumer=True)
         sub = await self.js.pull_subscribe(
-            self.subjects.rollouts, durable="preprocessor",
+            self.subjects.rollouts(">"), durable="preprocessor",
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, max_ack_pending=100_000),
         )
         http.ready = True
@@ -79,7 +87,7 @@ class Preprocessor:
         last_keepalive = time.monotonic()
         while not self.stopping.is_set() and not self.finished:
             if time.monotonic() - last_keepalive > ACK_WAIT_S / 4:  # also while the trainer is behind
-                for msg, _ in self.accepted:  # still waiting for a full step: not abandoned
+                for msg in [msg for msg, _ in self.accepted] + self.settled:  # waiting for a wave: not abandoned
                     await msg.in_progress()
                 last_keepalive = time.monotonic()
             if self._trainer_behind():
@@ -105,45 +113,81 @@ class Preprocessor:
         return self.step >= self.trainer_version + self.spec.preprocessor.max_pending_steps
 
     async def _resume(self) -> None:
-        """Continue after the last step already published (batches are never re-numbered)."""
+        """Continue after the last step already published (batches are never re-numbered), and
+        from the trainer's newest announcement."""
         lasts = []
         for rank in range(self.ranks):
-            try:
-                msg = await self.js.get_last_msg(self.subjects.stream("BATCHES"), self.subjects.batches(rank))
-                lasts.append(m.decode(msg.data, m.MicroBatch))
-            except Exception:  # nothing published to this rank yet
-                lasts.append(None)
+            data = await last_message(self.js, self.subjects.stream("BATCHES"), self.subjects.batches(rank))
+            lasts.append(m.decode(data, m.MicroBatch) if data is not None else None)
+        await self._refresh_trainer_version()
+        for mb in lasts:
+            for generator, books in (mb.generator_books if mb else {}).items():
+                self.books[generator] = m.newest_books(books, self.books.get(generator))
         self.step, closing = close_step(lasts)
+        for mb in closing:
+            mb.generator_books = dict(self.books)
         if closing:
             log.warning("step %d was left partial by a restart: closing it with the %d samples already published",
                         self.step - 1, closing[0].step_samples)
             await asyncio.gather(*(self._publish(mb) for mb in closing))
 
     async def _on_version(self, msg) -> None:
-        pv = m.decode(msg.data, m.PolicyVersion)
+        self._on_announcement(m.decode(msg.data, m.PolicyVersion))
+
+    def _on_announcement(self, pv: m.PolicyVersion) -> None:
         self.trainer_version = max(self.trainer_version, pv.version)
         self.finished = self.finished or (pv.finished and pv.version >= self.spec.trainer.max_steps)
+
+    async def _refresh_trainer_version(self) -> None:
+        data = await last_message(self.js, self.subjects.stream("CONTROL"), self.subjects.version)
+        if data is not None:
+            self._on_announcement(m.decode(data, m.PolicyVersion))
+
+    def _limits(self) -> GroupLimits:
+        return GroupLimits(max_seq_len=self.spec.model.max_seq_len, newest_version=self.trainer_version + 1)
 
     async def _intake(self, msg) -> None:
         try:
             group = m.decode(msg.data, m.RolloutGroup)
         except m.MessageError as err:
-            # Undecodable data would fail forever: terminate it (no redelivery) and say so.
-            log.error("dropping rollout message %s: %s", msg.metadata.sequence.stream, err)
             self.stats["malformed"] += 1
-            GROUPS_IN.labels("malformed").inc()
-            await msg.term()
+            await self._reject(msg, str(err))
+            return
+        key = str(group.generator)
+        self.books[key] = m.newest_books(group.books, self.books.get(key))
+        problem = group_problem(group, self._limits())
+        if problem and "ahead of the trainer" in problem:  # or is our news of the trainer late?
+            await self._refresh_trainer_version()
+            key = str(group.generator)
+        self.books[key] = m.newest_books(group.books, self.books.get(key))
+        problem = group_problem(group, self._limits())
+        if problem:
+            # Its generator counts it as queued until a step consumes it (unless it counted it
+            # discarded itself): this one is consumed, by the step being built.
+            if not (self.spec.rl.filter_zero_variance and group.zero_variance):
+                self.by_generator[str(group.generator)] += 1
+            await self._reject(msg, f"group {group.group_id} from generator {group.generator}: {problem}")
             return
         self.stats["truncated_samples"] += sum(s.truncated for s in group.samples)
         if self.spec.rl.filter_zero_variance and group.zero_variance:
             self.filtered += 1
             self.stats["filtered_groups"] += 1
             GROUPS_IN.labels("filtered").inc()
-            await msg.ack()
+            self.settled.append(msg)
             return
         self.accepted.append((msg, group))
         GROUPS_IN.labels("accepted").inc()
         PENDING.set(len(self.accepted))
+
+    async def _reject(self, msg, reason: str) -> None:
+        """Dead-letter a rollout message with its reason, kept for inspection; it is acked with
+        the next wave and never trained (it would fail forever)."""
+        seq = msg.metadata.sequence.stream
+        log.error("rollout message %d dead-lettered: %s", seq, reason)
+        await dead_letter(self.js, self.subjects, "rollout", msg.data, reason, f"rollout-{seq}")
+        self.stats["dead_lettered"] += 1
+        GROUPS_IN.labels("dead_lettered").inc()
+        self.settled.append(msg)
 
     def _publish(self, mb: m.MicroBatch):
         return self.js.publish(self.subjects.batches(mb.rank), m.encode(mb),
@@ -165,8 +209,10 @@ class Preprocessor:
         for mb in batches:
             mb.step_samples, mb.step_groups_filtered = self.step_samples, self.filtered
             mb.step_groups_by_generator = dict(self.by_generator)
+            mb.generator_books = dict(self.books)
         await asyncio.gather(*(self._publish(mb) for mb in batches))  # stored durably before the inputs are released
-        for msg, _ in take:
+        settled, self.settled = self.settled, []
+        for msg in [msg for msg, _ in take] + settled:
             await msg.ack()
         self.index += len(per_rank[0])
         self.waves += 1

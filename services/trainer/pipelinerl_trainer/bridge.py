@@ -5,6 +5,7 @@ thread-safe queue, starting right after the last stream sequence a checkpoint co
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -14,7 +15,9 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects
-from pipelinerl.streams import connect, ensure_streams
+from pipelinerl.streams import connect, dead_letter, ensure_streams
+
+log = logging.getLogger("pipelinerl.trainer")
 
 
 class NatsBridge:
@@ -35,7 +38,12 @@ class NatsBridge:
 
     def consume_batches(self, rank: int, after_seq: int) -> None:
         async def on_msg(msg) -> None:
-            self.batches.put((msg.metadata.sequence.stream, m.decode(msg.data, m.MicroBatch)))
+            seq = msg.metadata.sequence.stream
+            try:
+                self.batches.put((seq, m.decode(msg.data, m.MicroBatch)))
+            except m.MessageError as err:  # not from our preprocessor: kept aside, never trained
+                log.error("micro-batch %d dead-lettered: %s", seq, err)
+                await dead_letter(self.js, self.subjects, "batch", msg.data, str(err), f"batch-{seq}")
 
         config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
         if after_seq:
@@ -59,6 +67,9 @@ class NatsBridge:
         else:
             self.call(self.nc.publish(subject, m.encode(msg)), 30)
             self.call(self.nc.flush(timeout=30), 60)
+
+    def dead_letter(self, data: bytes, reason: str, msg_id: str) -> None:
+        self.call(dead_letter(self.js, self.subjects, "batch", data, reason, msg_id), 60)
 
     def close(self) -> None:
         try:

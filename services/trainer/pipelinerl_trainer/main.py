@@ -9,6 +9,7 @@ included), so DeepSpeed's collectives stay in lock-step.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import queue
@@ -23,12 +24,14 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import MASTER_PORT, Env, JobSubjects, ServiceEnv, TrainerStatus
+from pipelinerl.learning import WINDOW, learning_alarm
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl.weight_group import open_store
 from pipelinerl_trainer import checkpoint
 from pipelinerl_trainer.bridge import NatsBridge
+from pipelinerl_trainer.checks import as_sentinel, micro_batch_problem
 from pipelinerl_trainer.model import build_engine, init_distributed, load_model
 from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
 from pipelinerl_trainer.weight_sender import WeightSender
@@ -41,6 +44,9 @@ TOKENS_PER_S = Gauge("pipelinerl_trainer_tokens_per_second", "Trainer throughput
 SYNC_S = Histogram("pipelinerl_weight_sync_seconds", "Duration of weight updates (broadcast + all generators loaded)",
                    buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100))
 DROPPED = Counter("pipelinerl_trainer_samples_dropped_total", "Samples dropped for exceeding max lag")
+REJECTED = Counter("pipelinerl_trainer_micro_batches_rejected_total", "Micro-batches dead-lettered instead of trained")
+EMPTY_STEPS = Counter("pipelinerl_trainer_steps_without_tokens_total", "Steps that trained no tokens")
+ALARM = Gauge("pipelinerl_trainer_learning_alarm", "1 while the newest steps show no learning (see the log)")
 DATA_LOG_S = 30.0  # log a "waiting for data" line this often
 DATA_TIMEOUT_S = float(os.environ.get(Env.DATA_TIMEOUT_S, "1800"))
 
@@ -54,6 +60,7 @@ class Trainer:
         self.step_cfg = step_config(job)
         self.stop = threading.Event()
         self.progress = TrainerStatus(rank=self.rank, max_steps=self.spec.trainer.max_steps)
+        self.recent: collections.deque[dict] = collections.deque(maxlen=WINDOW)  # newest steps' metrics
 
     def status(self) -> TrainerStatus:
         return self.progress
@@ -71,6 +78,9 @@ class Trainer:
         model_path = resolve_model_path(self.spec.model.path)
         self.engine = build_engine(self.spec.trainer, self.spec.model.dtype, model_path)
         self.ref_model = self._reference(model_path)
+        module = self.engine.module
+        self.vocab_size = module.get_input_embeddings().num_embeddings
+        self.max_positions = getattr(module.config, "max_position_embeddings", None)
         state = checkpoint.load(self.engine, self.ckpt_dir)
         self.version = state.get("step", 0)
         self.trained_groups: dict[str, int] = state.get("trained_groups", {})
@@ -183,6 +193,9 @@ class Trainer:
             count += 1
             if mb.last:
                 self._consumed(mb)
+            problem = micro_batch_problem(mb, self.vocab_size, self.max_positions)
+            if problem:
+                mb = self._reject(mb, problem, tally)
             t0 = time.perf_counter()
             loss = micro_batch_loss(self.engine, mb, self.version, self.step_cfg, tally, self.ref_model)
             # DeepSpeed averages gradients over data-parallel ranks; weights already sum over them.
@@ -208,6 +221,14 @@ class Trainer:
                 **{f"groups_from_generator_{g}": n for g, n in mb.step_groups_by_generator.items()},
                 "optimizer_seconds": optimizer_s,
                 "trainer_tokens_per_second": metrics["tokens"] / elapsed}  # all ranks together
+
+    def _reject(self, mb: m.MicroBatch, problem: str, tally: StepTally) -> m.MicroBatch:
+        """Dead-letter a micro-batch the model cannot take; its sentinel keeps its place in the step."""
+        log.error("step %d: micro-batch %d of rank %d dead-lettered: %s", mb.step, mb.index, mb.rank, problem)
+        self.bridge.dead_letter(m.encode(mb), problem, f"batch-{mb.step}-{mb.rank}-{mb.index}")
+        REJECTED.inc()
+        tally.reject()
+        return as_sentinel(mb)
 
     def _consumed(self, last: m.MicroBatch) -> None:
         """The whole step is here: credit its groups to their generators."""
@@ -237,10 +258,16 @@ class Trainer:
         LAG.set(metrics["lag_mean"])
         TOKENS_PER_S.set(metrics["trainer_tokens_per_second"])
         SYNC_S.observe(metrics["weight_sync_seconds"])
+        EMPTY_STEPS.inc(metrics["tokens"] == 0)
+        self.recent.append(metrics)
+        alarm = learning_alarm(list(self.recent))
+        ALARM.set(alarm is not None)
+        if alarm:
+            log.warning("step %d: not learning: %s", self.version, alarm)
         self.progress = self.progress.model_copy(update=dict(
             step=self.version, version=self.version, samples=self.samples_total, reward=metrics["reward"],
             lag_mean=metrics["lag_mean"], lag_max=metrics["lag_max"],
-            tokens_per_second=metrics["trainer_tokens_per_second"],
+            tokens_per_second=metrics["trainer_tokens_per_second"], learning_alarm=alarm,
             last_update=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")))
         self.bridge.publish(self.subjects.metrics("train"), m.Metrics(
             source="trainer", kind="train", values=metrics, timestamp=time.time()))

@@ -14,7 +14,7 @@ from pipelinerl import messages as m
 from pipelinerl_trainer.loss import LossConfig, effective_sample_size, policy_loss, token_logprobs
 
 SUMS = ("loss", "tokens", "ratio_sum", "ratio_sq_sum", "clipped", "entropy_sum", "kl_sum", "samples", "reward_sum",
-        "dropped", "row_tokens")
+        "dropped", "row_tokens", "rejected")
 
 
 @dataclass
@@ -30,6 +30,10 @@ class StepTally:
     sums: torch.Tensor = field(default_factory=lambda: torch.zeros(len(SUMS), dtype=torch.float64))
     lags: list[int] = field(default_factory=list)
 
+    def reject(self) -> None:
+        """A micro-batch that could not be trained (dead-lettered; trained as a sentinel)."""
+        self.sums[SUMS.index("rejected")] += 1
+
     def metrics(self) -> dict:
         s = dict(zip(SUMS, self.sums.tolist()))
         tokens, n = s["tokens"], s["samples"]
@@ -41,7 +45,7 @@ class StepTally:
                 "entropy": s["entropy_sum"] / max(tokens, 1), "kl": s["kl_sum"] / max(tokens, 1),
                 "lag_min": float(lag.min()), "lag_mean": float(lag.mean()), "lag_max": float(lag.max()),
 
-                "dropped_for_lag": int(s["dropped"]),
+                "dropped_for_lag": int(s["dropped"]), "micro_batches_rejected": int(s["rejected"]),
                 # Token counts per lag, flat keys (metric values are scalars): tokens_lag_0, tokens_lag_1, …
                 **{f"tokens_lag_{int(k)}": int(c) for k, c in zip(*torch.unique(lag.long(), return_counts=True))}}
 
@@ -75,7 +79,7 @@ def micro_batch_loss(model, mb: m.MicroBatch, version: int, cfg: StepConfig, tal
                            sample_ids=sample_ids, ref_logprobs=ref_lp, entropy=entropy)
     tally.sums += torch.tensor([loss.item(), st["tokens"], st["ratio_sum"], st["ratio_sq_sum"], st["clipped"],
                                 st.get("entropy_sum", 0.0), st.get("kl_sum", 0.0), len(mb.rewards),
-                                sum(mb.rewards), dropped, len(mb.tokens)], dtype=torch.float64)
+                                sum(mb.rewards), dropped, len(mb.tokens), 0], dtype=torch.float64)
     return loss
 
 

@@ -1,0 +1,44 @@
+"""Is the run still learning? Alarms over the newest steps' metrics (pure).
+
+A run can go on stepping while it learns nothing: every sample dropped for lag (a resume that
+went wrong), every micro-batch rejected, a loss gone non-finite. The trainer logs the alarm
+and reports it in its status (the operator turns it into the job's `Degraded` condition);
+`pipelinerl run` exits non-zero when a run ends in one.
+"""
+
+from __future__ import annotations
+
+import math
+
+WINDOW = 10  # steps looked at
+MOST_DROPPED = 0.5  # of the window's samples
+
+
+def learning_alarm(steps: list[dict]) -> str | None:
+    """Why the newest of `steps` (train metrics rows, oldest first) show no learning, or None."""
+    window = steps[-WINDOW:]
+    if not window:
+        return None
+    bad_loss = [r["step"] for r in window if not math.isfinite(r["loss"])]
+    if bad_loss:
+        return f"NonFiniteLoss: the loss of step(s) {_steps(bad_loss)} is not finite"
+    empty = []
+    for r in reversed(window):
+        if r["tokens"] > 0:
+            break
+        empty.append(r["step"])
+    if empty:
+        dropped = sum(r["dropped_for_lag"] for r in window[-len(empty):])
+        rejected = sum(r.get("micro_batches_rejected", 0) for r in window[-len(empty):])
+        return (f"NoTokensTrained: step(s) {_steps(sorted(empty))} trained no tokens "
+                f"({dropped} samples dropped for lag, {rejected} micro-batches rejected)")
+    samples = sum(r["samples"] for r in window)
+    dropped = sum(r["dropped_for_lag"] for r in window)
+    if samples and dropped / samples > MOST_DROPPED:
+        return (f"MostSamplesDropped: {dropped} of the {samples} samples of steps {window[0]['step']}–"
+                f"{window[-1]['step']} were dropped for lag (rl.maxLag)")
+    return None
+
+
+def _steps(steps: list[int]) -> str:
+    return f"{steps[0]}–{steps[-1]}" if len(steps) > 1 else str(steps[0])

@@ -1,0 +1,89 @@
+"""A generator's books live in the stream, carried by each group it publishes: a restarted
+generator continues them (real nats-server; the generator without its engine)."""
+
+from pipelinerl import messages as m
+from pipelinerl.contracts import JobSubjects, ServiceEnv
+from pipelinerl.spec import parse_job
+from pipelinerl.streams import connect, ensure_streams, last_message
+from pipelinerl_generator.main import Generator
+from pipelinerl_preprocessor.main import Preprocessor
+
+JOB = parse_job({"metadata": {"name": "books"}, "spec": {
+    "rl": {"attempts": 2, "filterZeroVariance": True}, "generator": {"replicas": 2},
+    "trainer": {"samplesPerStep": 4}}})
+
+
+def group(problem: int, rewards: list[float]) -> m.RolloutGroup:
+    samples = [m.Sample(tokens=[3, 4, 5], mask=[0, 1, 1], logprobs=[0, -1, -1], versions=[-1, 0, 0], reward=r)
+               for r in rewards]
+    return m.RolloutGroup(group_id=f"p{problem}@1", generator=1, samples=samples)
+
+
+async def incarnation(nats_server, tmp_path) -> Generator:
+    gen = Generator(JOB, ServiceEnv("generator", rank=1, nats_url=nats_server.url, run_dir=tmp_path, http_port=0))
+    gen.nc = await connect(nats_server.url, "generator-1")
+    gen.js = gen.nc.jetstream()
+    await ensure_streams(gen.js, JobSubjects("books"), 8)
+    await gen._restore_books()
+    return gen
+
+
+async def start_and_publish(gen: Generator, rewards: list[float]) -> None:
+    problem = gen.next_problem
+    gen.admission.on_start()
+    gen.next_problem += JOB.spec.generator.replicas
+    await gen._publish(group(problem, rewards))
+
+
+async def test_a_restarted_generator_continues_its_books(nats_server, tmp_path):
+    first = await incarnation(nats_server, tmp_path)
+    assert (first.admission.published, first.next_problem) == (0, 1)  # nothing yet: its own first problem
+    for rewards in ([1, 0], [1, 1], [0, 1]):  # the second has zero variance: discarded downstream
+        await start_and_publish(first, rewards)
+    first.admission.on_start()  # a fourth group (problem 7) is being generated when it dies
+    first.next_problem += 2
+    await first.js.publish(JobSubjects("books").version, m.encode(m.PolicyVersion(
+        version=1, timestamp=0, trained_groups={"1": 1, "0": 5})))  # (as the trainer would)
+    await first.nc.close()
+
+    second = await incarnation(nats_server, tmp_path)
+    a = second.admission
+    assert (a.published, a.discarded, a.trained) == (3, 1, 1)
+    assert a.queued == 1  # the earlier incarnation's third group is still to be trained
+    # It goes on after the last problem the dead one published (7 was never published: it is
+    # drawn again, and nothing published is).
+    assert second.next_problem == 7
+    # A group JetStream already holds (same problem, same id) is not counted again.
+    second.admission.on_start()
+    await second._publish(group(3, [1, 0]))
+    assert (a.published, a.finished, a.queued) == (3, 1, 1)
+    await start_and_publish(second, [0, 1])
+    assert (a.published, a.queued) == (4, 2)
+    await second.nc.close()
+
+    third = await incarnation(nats_server, tmp_path)
+    assert (third.admission.published, third.admission.discarded, third.next_problem) == (4, 1, 9)
+    await third.nc.close()
+
+
+async def test_books_of_consumed_groups_come_from_the_preprocessors_record(nats_server, tmp_path):
+    import asyncio
+
+    first = await incarnation(nats_server, tmp_path)
+    for rewards in ([1, 0], [1, 1], [0, 1]):  # the newest two: filtered, then the step's second
+        await start_and_publish(first, rewards)
+    pre = Preprocessor(JOB, ServiceEnv("preprocessor", nats_url=nats_server.url, run_dir=tmp_path, http_port=0), 1)
+    task = asyncio.create_task(pre.run())
+    deadline = asyncio.get_running_loop().time() + 10
+    while pre.step < 1 or pre.settled:
+        assert asyncio.get_running_loop().time() < deadline, "the preprocessor did not publish step 0"
+        await asyncio.sleep(0.05)
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+
+    subjects = JobSubjects("books")
+    assert await last_message(first.js, subjects.stream("ROLLOUTS"), subjects.rollouts(1), 5) is None  # all consumed
+    await first.nc.close()
+    second = await incarnation(nats_server, tmp_path)
+    assert (second.admission.published, second.admission.discarded, second.next_problem) == (3, 1, 7)
+    await second.nc.close()

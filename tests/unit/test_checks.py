@@ -1,0 +1,78 @@
+"""The checks a rollout group and a micro-batch pass before training (pure): each failure
+named, with the sample, token or field at fault."""
+
+import math
+
+import pytest
+
+from pipelinerl import messages as m
+from pipelinerl_preprocessor.checks import GroupLimits, group_problem
+from pipelinerl_trainer.checks import as_sentinel, micro_batch_problem
+
+LIMITS = GroupLimits(max_seq_len=8, newest_version=5)
+
+
+def sample(**change) -> m.Sample:
+    base = dict(tokens=[3, 4, 5, 6], mask=[0, 0, 1, 1], logprobs=[0.0, 0.0, -0.5, -1e-7], versions=[-1, -1, 4, 5],
+                reward=1.0)
+    return m.Sample(**(base | change))
+
+
+def group(*samples: m.Sample) -> m.RolloutGroup:
+    return m.RolloutGroup(group_id="p1@0", generator=0, samples=list(samples))
+
+
+def test_a_sound_group_passes():
+    assert group_problem(group(sample(), sample(reward=0.0)), LIMITS) is None
+    assert group_problem(group(sample(logprobs=[0.0, 0.0, -0.5, 5e-4])), LIMITS) is None  # engine rounding
+
+
+@pytest.mark.parametrize("change, expected", [
+    (dict(reward=math.nan), "sample 1: reward is nan"),
+    (dict(reward=math.inf), "sample 1: reward is inf"),
+    (dict(tokens=list(range(9)), mask=[0] * 8 + [1], logprobs=[0.0] * 9, versions=[-1] * 8 + [5]),
+     "sample 1: 9 tokens, more than model.maxSeqLen (8)"),
+    (dict(tokens=[3, -1, 5, 6]), "sample 1: negative token id -1"),
+    (dict(mask=[0, 2, 1, 1]), "sample 1: mask 2 at token 1 (0 or 1)"),
+    (dict(logprobs=[0.0, 0.0, math.nan, -1.0]), "sample 1: logprob nan at token 2"),
+    (dict(logprobs=[0.0, 0.0, -math.inf, -1.0]), "sample 1: logprob -inf at token 2"),
+    (dict(logprobs=[0.0, 0.0, 0.7, -1.0]), "sample 1: logprob 0.7 at token 2"),
+    (dict(versions=[-1, -1, -1, 5]), "sample 1: version -1 at generated token 2"),
+    (dict(versions=[-1, -1, 4, 1_000_000]), "sample 1: version 1000000 at token 3 is ahead of the trainer"),
+])
+def test_each_poison_is_named(change, expected):
+    assert group_problem(group(sample(), sample(**change)), LIMITS).startswith(expected)
+
+
+def test_versions_up_to_the_newest_weights_pass_and_prompt_tokens_are_not_versioned():
+    assert group_problem(group(sample(versions=[-1, -1, 5, 5])), LIMITS) is None
+    assert group_problem(group(sample(versions=[-1, -1, 5, 6])), LIMITS) is not None
+    assert group_problem(group(sample(logprobs=[7.0, 0.0, -0.5, -0.5])), LIMITS) is None  # prompt: not sampled
+
+
+def micro_batch(**change) -> m.MicroBatch:
+    base = dict(step=3, rank=0, index=2, last=True, tokens=[1, 2, 3], positions=[0, 1, 2], mask=[0, 1, 1],
+                advantages=[0.0, 1.0, 1.0], logprobs=[0.0, -1.0, -2.0], versions=[-1, 2, 2],
+                weights=[0.0, 0.1, 0.1], sample_ids=[0, 0, 0], rewards=[1.0], step_samples=16,
+                step_groups_by_generator={"0": 4})
+    return m.MicroBatch(**(base | change))
+
+
+@pytest.mark.parametrize("change, expected", [
+    (dict(tokens=[1, 2, 100]), "token id 100 is outside the model's vocabulary (size 100)"),
+    (dict(tokens=[1, -3, 2]), "token id -3 is outside"),
+    (dict(positions=[0, 1, 64]), "position ids 0..64 outside the model's 0..64"),
+    (dict(advantages=[0.0, math.nan, 1.0]), "non-finite advantages"),
+    (dict(weights=[0.0, math.inf, 1.0]), "non-finite weights"),
+    (dict(logprobs=[0.0, -math.inf, 1.0]), "non-finite logprobs"),
+])
+def test_a_micro_batch_the_model_cannot_take_is_named(change, expected):
+    assert micro_batch_problem(micro_batch(), 100, 64) is None
+    assert micro_batch_problem(micro_batch(**change), 100, 64).startswith(expected)
+
+
+def test_a_rejected_micro_batch_keeps_its_place_in_the_step():
+    mb = as_sentinel(micro_batch(tokens=[1, 2, 100]))
+    assert mb.is_sentinel and micro_batch_problem(mb, 100, 64) is None
+    assert (mb.step, mb.rank, mb.index, mb.last, mb.step_samples, mb.step_groups_by_generator) == \
+        (3, 0, 2, True, 16, {"0": 4})

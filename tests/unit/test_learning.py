@@ -1,0 +1,36 @@
+"""Alarms over the newest steps (pure): learning stopped, most samples dropped, a bad loss."""
+
+import math
+
+from pipelinerl.learning import learning_alarm
+
+
+def step(n: int, tokens: int = 500, samples: int = 128, dropped: int = 0, loss: float = 0.1, **more) -> dict:
+    return {"step": n, "tokens": tokens, "samples": samples, "dropped_for_lag": dropped, "loss": loss, **more}
+
+
+def test_a_healthy_run_raises_nothing():
+    assert learning_alarm([]) is None
+    assert learning_alarm([step(i, dropped=10) for i in range(1, 30)]) is None
+
+
+def test_steps_that_train_nothing_are_named_with_the_cause():
+    rows = [step(i) for i in range(1, 19)] + [step(i, tokens=0, dropped=128) for i in range(19, 23)]
+    assert learning_alarm(rows) == "NoTokensTrained: step(s) 19–22 trained no tokens (512 samples dropped for lag, " \
+                                   "0 micro-batches rejected)"
+    rows.append(step(23))
+    assert learning_alarm(rows) is None  # learning again: the alarm clears
+    assert "step(s) 5 trained" in learning_alarm([step(5, tokens=0, micro_batches_rejected=2)])
+
+
+def test_most_samples_dropped_over_the_window():
+    rows = [step(i) for i in range(1, 5)] + [step(i, dropped=100) for i in range(5, 12)]
+    assert learning_alarm(rows).startswith("MostSamplesDropped: 700 of the 1280 samples of steps 2–11")
+    assert learning_alarm(rows[:-3]) is None  # 400 of 1024
+
+
+def test_a_non_finite_loss_in_the_window():
+    rows = [step(i) for i in range(1, 12)]
+    rows[6]["loss"] = math.nan
+    assert learning_alarm(rows) == "NonFiniteLoss: the loss of step(s) 7 is not finite"
+    assert learning_alarm(rows + [step(i) for i in range(12, 18)]) is None  # out of the window
