@@ -29,9 +29,9 @@ def learning_alarm(steps: list[dict]) -> str | None:
         empty.append(r["step"])
     if empty:
         dropped = sum(r["dropped_for_lag"] for r in window[-len(empty):])
-        rejected = sum(r.get("micro_batches_rejected", 0) for r in window[-len(empty):])
+        rejected = sum(r.get("samples_rejected", 0) for r in window[-len(empty):])
         return (f"NoTokensTrained: step(s) {_steps(sorted(empty))} trained no tokens "
-                f"({dropped} samples dropped for lag, {rejected} micro-batches rejected)")
+                f"({dropped} samples dropped for lag, {rejected} samples rejected)")
     samples = sum(r["samples"] for r in window)
     dropped = sum(r["dropped_for_lag"] for r in window)
     if samples and dropped / samples > MOST_DROPPED:

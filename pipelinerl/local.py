@@ -222,7 +222,8 @@ class LocalRun:
         record = {s.name: {"pid": s.proc.pid, "restarts": s.restarts, "role": s.role, "rank": s.rank}
                   for s in self.services}
         if self.nats is not None:
-            record["nats-server"] = {"pid": self.nats.proc.pid, "restarts": self.nats_restarts, "role": "nats"}
+            record["nats-server"] = {"pid": self.nats.proc.pid, "restarts": self.nats_restarts, "role": "nats",
+                                     "url": self.nats.url}
         tmp = self.run_dir / "services.json.tmp"
         tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(self.run_dir / "services.json")  # readers never see half a file
@@ -319,7 +320,7 @@ class LocalRun:
             "lag_max": max(lags) if lags else None,
             "samples_dropped_for_lag": sum(t.get("dropped_for_lag", 0) for t in self.train),
             "mean_ess": sum(t["ess"] for t in self.train) / len(self.train) if self.train else None,
-            "micro_batches_rejected": sum(t.get("micro_batches_rejected", 0) for t in self.train),
+            "samples_rejected": sum(t.get("samples_rejected", 0) for t in self.train),
             "learning_alarm": learning_alarm(self.train),
             **self.throughput(),
         }

@@ -109,6 +109,7 @@ class MicroBatch(Message):
     weights: list[float] = Field(default_factory=list)  # per-token loss weight
     sample_ids: list[int] = Field(default_factory=list)  # per-token index of the sample in this row
     rewards: list[float] = Field(default_factory=list)  # per packed sample, for metrics
+    group_ids: list[str] = Field(default_factory=list)  # per packed sample: which prompt group it came from
     # Step-level facts for metrics and admission, counted over the step up to this wave
     # (the final wave's are the step's).
     step_samples: int = 0

@@ -98,8 +98,9 @@ async def last_message(js, stream: str, subject: str, timeout_s: float = READ_TI
 
 async def dead_letter(js, subjects: JobSubjects, kind: str, data: bytes, reason: str, msg_id: str) -> None:
     """Keep a rejected message (`kind`: "rollout", "batch") with its reason, once per `msg_id`."""
+    reason = " ".join(reason.encode("ascii", "backslashreplace").decode().split())[:4000]  # a header: one ASCII line
     await js.publish(subjects.deadletter(kind), data, timeout=30,
-                     headers={"Nats-Msg-Id": msg_id, DEADLETTER_REASON: reason[:4000]})
+                     headers={"Nats-Msg-Id": msg_id, DEADLETTER_REASON: reason})
 
 
 async def wait_for(coro, timeout_s: float, what: str):

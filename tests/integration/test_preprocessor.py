@@ -202,7 +202,7 @@ async def test_poison_groups_are_dead_lettered_with_their_reason_and_the_step_go
         "group g11 from generator 1: sample 1: 9 tokens, more than model.maxSeqLen (8)",
         "group g12 from generator 1: sample 1: version 1000000 at token 3 is ahead of the trainer "
         "(newest weights: version 4)",
-        "group g13 from generator 1: sample 1: logprob -inf at token 2 (a finite value ≤ 0)"]
+        "group g13 from generator 1: sample 1: logprob -inf at token 2 (a finite value <= 0)"]
     assert reasons[4].startswith("rollout_group: not valid msgpack")
     assert m.decode(letters[0].data, m.RolloutGroup).group_id == "g10"  # the message itself, for inspection
     (step,) = [m.decode(x.data, m.MicroBatch) for x in await (await js.pull_subscribe(

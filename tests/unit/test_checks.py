@@ -1,5 +1,5 @@
-"""The checks a rollout group and a micro-batch pass before training (pure): each failure
-named, with the sample, token or field at fault."""
+"""The checks a rollout group and a micro-batch's samples pass before training (pure): each
+failure named, with the sample, token or field at fault."""
 
 import math
 
@@ -7,7 +7,7 @@ import pytest
 
 from pipelinerl import messages as m
 from pipelinerl_preprocessor.checks import GroupLimits, group_problem
-from pipelinerl_trainer.checks import as_sentinel, micro_batch_problem
+from pipelinerl_trainer.checks import bad_samples, describe, without
 
 LIMITS = GroupLimits(max_seq_len=8, newest_version=5)
 
@@ -51,28 +51,34 @@ def test_versions_up_to_the_newest_weights_pass_and_prompt_tokens_are_not_versio
 
 
 def micro_batch(**change) -> m.MicroBatch:
-    base = dict(step=3, rank=0, index=2, last=True, tokens=[1, 2, 3], positions=[0, 1, 2], mask=[0, 1, 1],
-                advantages=[0.0, 1.0, 1.0], logprobs=[0.0, -1.0, -2.0], versions=[-1, 2, 2],
-                weights=[0.0, 0.1, 0.1], sample_ids=[0, 0, 0], rewards=[1.0], step_samples=16,
-                step_groups_by_generator={"0": 4})
+    """Two packed samples: tokens 0-2 are sample 0 (group a), 3-5 sample 1 (group b)."""
+    base = dict(step=3, rank=0, index=2, last=True, tokens=[1, 2, 3, 1, 4, 5], positions=[0, 1, 2, 0, 1, 2],
+                mask=[0, 1, 1, 0, 1, 1], advantages=[0.0, 1.0, 1.0, 0.0, -1.0, -1.0],
+                logprobs=[0.0, -1.0, -2.0, 0.0, -0.5, -0.5], versions=[-1, 2, 2, -1, 2, 2],
+                weights=[0.0, 0.1, 0.1, 0.0, 0.1, 0.1], sample_ids=[0, 0, 0, 1, 1, 1], rewards=[1.0, 0.0],
+                group_ids=["a", "b"], step_samples=16, step_groups_by_generator={"0": 4})
     return m.MicroBatch(**(base | change))
 
 
 @pytest.mark.parametrize("change, expected", [
-    (dict(tokens=[1, 2, 100]), "token id 100 is outside the model's vocabulary (size 100)"),
-    (dict(tokens=[1, -3, 2]), "token id -3 is outside"),
-    (dict(positions=[0, 1, 64]), "position ids 0..64 outside the model's 0..64"),
-    (dict(advantages=[0.0, math.nan, 1.0]), "non-finite advantages"),
-    (dict(weights=[0.0, math.inf, 1.0]), "non-finite weights"),
-    (dict(logprobs=[0.0, -math.inf, 1.0]), "non-finite logprobs"),
+    (dict(tokens=[1, 2, 3, 1, 4, 100]), "token id 100 is outside the model's vocabulary (size 100)"),
+    (dict(tokens=[1, 2, 3, 1, -3, 5]), "token id -3 is outside"),
+    (dict(positions=[0, 1, 2, 0, 1, 64]), "position id 64 is outside the model's 0..64"),
+    (dict(advantages=[0.0, 1.0, 1.0, 0.0, math.nan, -1.0]), "non-finite advantage at token 4"),
+    (dict(weights=[0.0, 0.1, 0.1, 0.0, 0.1, math.inf]), "non-finite weight at token 5"),
+    (dict(logprobs=[0.0, -1.0, -2.0, 0.0, -math.inf, -0.5]), "non-finite logprob at token 4"),
 ])
-def test_a_micro_batch_the_model_cannot_take_is_named(change, expected):
-    assert micro_batch_problem(micro_batch(), 100, 64) is None
-    assert micro_batch_problem(micro_batch(**change), 100, 64).startswith(expected)
+def test_a_sample_the_model_cannot_take_is_named(change, expected):
+    assert bad_samples(micro_batch(), 100, 64) == {}
+    bad = bad_samples(micro_batch(**change), 100, 64)
+    assert list(bad) == [1] and bad[1].startswith(expected)
+    assert describe(micro_batch(), bad).startswith(f"sample 1 (group b): {expected}")
 
 
-def test_a_rejected_micro_batch_keeps_its_place_in_the_step():
-    mb = as_sentinel(micro_batch(tokens=[1, 2, 100]))
-    assert mb.is_sentinel and micro_batch_problem(mb, 100, 64) is None
-    assert (mb.step, mb.rank, mb.index, mb.last, mb.step_samples, mb.step_groups_by_generator) == \
-        (3, 0, 2, True, 16, {"0": 4})
+def test_bad_samples_are_blanked_and_the_rest_of_the_row_is_kept():
+    mb = without(micro_batch(tokens=[1, 2, 3, 1, 4, 100]), {1})
+    assert bad_samples(mb, 100, 64) == {}
+    assert mb.tokens == [1, 2, 3, 0, 0, 0] and mb.weights == [0.0, 0.1, 0.1, 0.0, 0.0, 0.0]
+    assert mb.logprobs[:3] == [0.0, -1.0, -2.0] and mb.versions == [-1, 2, 2, -1, -1, -1]
+    assert len(mb.tokens) == 6 and mb.sample_ids == [0, 0, 0, 1, 1, 1]  # same shape, same place in the step
+    assert (mb.step, mb.index, mb.last, mb.step_samples) == (3, 2, True, 16)

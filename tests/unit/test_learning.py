@@ -17,10 +17,10 @@ def test_a_healthy_run_raises_nothing():
 def test_steps_that_train_nothing_are_named_with_the_cause():
     rows = [step(i) for i in range(1, 19)] + [step(i, tokens=0, dropped=128) for i in range(19, 23)]
     assert learning_alarm(rows) == "NoTokensTrained: step(s) 19–22 trained no tokens (512 samples dropped for lag, " \
-                                   "0 micro-batches rejected)"
+                                   "0 samples rejected)"
     rows.append(step(23))
     assert learning_alarm(rows) is None  # learning again: the alarm clears
-    assert "step(s) 5 trained" in learning_alarm([step(5, tokens=0, micro_batches_rejected=2)])
+    assert "step(s) 5 trained" in learning_alarm([step(5, tokens=0, samples_rejected=2)])
 
 
 def test_most_samples_dropped_over_the_window():

@@ -41,7 +41,7 @@ def sample_problem(s: Sample, limits: GroupLimits) -> str | None:
         if not mask:
             continue
         if not (math.isfinite(lp) and lp <= LOGPROB_SLACK):
-            return f"logprob {lp} at token {j} (a finite value ≤ 0)"
+            return f"logprob {lp} at token {j} (a finite value <= 0)"
         if v < 0:
             return f"version {v} at generated token {j}"
         if v > limits.newest_version:

@@ -198,7 +198,7 @@ class Preprocessor:
         samples = []
         for _, group in take:
             adv = group_advantages([s.reward for s in group.samples], self.spec.rl.normalize_advantages)
-            samples += [StepSample(s, a) for s, a in zip(group.samples, adv)]
+            samples += [StepSample(s, a, group.group_id) for s, a in zip(group.samples, adv)]
         self.in_step += n
         self.step_samples += len(samples)
         self.by_generator.update(str(g.generator) for _, g in take)

@@ -19,6 +19,7 @@ from pipelinerl.messages import MicroBatch, Sample
 class StepSample:
     sample: Sample
     advantage: float
+    group_id: str = ""
 
 
 def step_weight(samples: list[StepSample], weighting: str, samples_per_step: int) -> float:
@@ -151,4 +152,5 @@ def _row(step: int, rank: int, index: int, items: list[StepSample], weight: floa
         mb.weights += [weight * m for m in s.mask]
         mb.sample_ids += [sid] * n
         mb.rewards.append(s.reward)
+        mb.group_ids.append(item.group_id)
     return mb

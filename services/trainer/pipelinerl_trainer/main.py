@@ -31,7 +31,7 @@ from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl.weight_group import open_store
 from pipelinerl_trainer import checkpoint
 from pipelinerl_trainer.bridge import NatsBridge
-from pipelinerl_trainer.checks import as_sentinel, micro_batch_problem
+from pipelinerl_trainer.checks import bad_samples, describe, without
 from pipelinerl_trainer.model import build_engine, init_distributed, load_model
 from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
 from pipelinerl_trainer.weight_sender import WeightSender
@@ -44,7 +44,7 @@ TOKENS_PER_S = Gauge("pipelinerl_trainer_tokens_per_second", "Trainer throughput
 SYNC_S = Histogram("pipelinerl_weight_sync_seconds", "Duration of weight updates (broadcast + all generators loaded)",
                    buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100))
 DROPPED = Counter("pipelinerl_trainer_samples_dropped_total", "Samples dropped for exceeding max lag")
-REJECTED = Counter("pipelinerl_trainer_micro_batches_rejected_total", "Micro-batches dead-lettered instead of trained")
+REJECTED = Counter("pipelinerl_trainer_samples_rejected_total", "Samples the model cannot take (dead-lettered, not trained)")
 EMPTY_STEPS = Counter("pipelinerl_trainer_steps_without_tokens_total", "Steps that trained no tokens")
 ALARM = Gauge("pipelinerl_trainer_learning_alarm", "1 while the newest steps show no learning (see the log)")
 DATA_LOG_S = 30.0  # log a "waiting for data" line this often
@@ -193,9 +193,9 @@ class Trainer:
             count += 1
             if mb.last:
                 self._consumed(mb)
-            problem = micro_batch_problem(mb, self.vocab_size, self.max_positions)
-            if problem:
-                mb = self._reject(mb, problem, tally)
+            bad = bad_samples(mb, self.vocab_size, self.max_positions)
+            if bad:
+                mb = self._reject(mb, bad, tally)
             t0 = time.perf_counter()
             loss = micro_batch_loss(self.engine, mb, self.version, self.step_cfg, tally, self.ref_model)
             # DeepSpeed averages gradients over data-parallel ranks; weights already sum over them.
@@ -222,13 +222,15 @@ class Trainer:
                 "optimizer_seconds": optimizer_s,
                 "trainer_tokens_per_second": metrics["tokens"] / elapsed}  # all ranks together
 
-    def _reject(self, mb: m.MicroBatch, problem: str, tally: StepTally) -> m.MicroBatch:
-        """Dead-letter a micro-batch the model cannot take; its sentinel keeps its place in the step."""
-        log.error("step %d: micro-batch %d of rank %d dead-lettered: %s", mb.step, mb.index, mb.rank, problem)
-        self.bridge.dead_letter(m.encode(mb), problem, f"batch-{mb.step}-{mb.rank}-{mb.index}")
-        REJECTED.inc()
-        tally.reject()
-        return as_sentinel(mb)
+    def _reject(self, mb: m.MicroBatch, bad: dict[int, str], tally: StepTally) -> m.MicroBatch:
+        """Dead-letter a micro-batch with samples the model cannot take; train it without them."""
+        reason = describe(mb, bad)
+        log.error("step %d: micro-batch %d of rank %d dead-lettered, trained without %d sample(s): %s",
+                  mb.step, mb.index, mb.rank, len(bad), reason)
+        self.bridge.dead_letter(m.encode(mb), reason, f"batch-{mb.step}-{mb.rank}-{mb.index}")
+        REJECTED.inc(len(bad))
+        tally.reject(len(bad))
+        return without(mb, set(bad))
 
     def _consumed(self, last: m.MicroBatch) -> None:
         """The whole step is here: credit its groups to their generators."""

@@ -30,9 +30,9 @@ class StepTally:
     sums: torch.Tensor = field(default_factory=lambda: torch.zeros(len(SUMS), dtype=torch.float64))
     lags: list[int] = field(default_factory=list)
 
-    def reject(self) -> None:
-        """A micro-batch that could not be trained (dead-lettered; trained as a sentinel)."""
-        self.sums[SUMS.index("rejected")] += 1
+    def reject(self, samples: int) -> None:
+        """Samples the model cannot take (dead-lettered, blanked)."""
+        self.sums[SUMS.index("rejected")] += samples
 
     def metrics(self) -> dict:
         s = dict(zip(SUMS, self.sums.tolist()))
@@ -45,7 +45,7 @@ class StepTally:
                 "entropy": s["entropy_sum"] / max(tokens, 1), "kl": s["kl_sum"] / max(tokens, 1),
                 "lag_min": float(lag.min()), "lag_mean": float(lag.mean()), "lag_max": float(lag.max()),
 
-                "dropped_for_lag": int(s["dropped"]), "micro_batches_rejected": int(s["rejected"]),
+                "dropped_for_lag": int(s["dropped"]), "samples_rejected": int(s["rejected"]),
                 # Token counts per lag, flat keys (metric values are scalars): tokens_lag_0, tokens_lag_1, …
                 **{f"tokens_lag_{int(k)}": int(c) for k, c in zip(*torch.unique(lag.long(), return_counts=True))}}
 
