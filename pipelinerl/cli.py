@@ -1,5 +1,5 @@
 """`pipelinerl` command line: run a job locally, validate a manifest, plan a cluster, start one service,
-emit the CRD."""
+list a job's dead letters, emit the CRD."""
 
 from __future__ import annotations
 
@@ -89,6 +89,47 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dead_letters(args: argparse.Namespace) -> int:
+    """What the job's services rejected, and why: from a running job's NATS, or a local run's store."""
+    import asyncio
+
+    from pipelinerl.contracts import DEADLETTER_REASON, JobSubjects
+    from pipelinerl.streams import connect, stored_messages
+
+    job = load_job(args.job)
+    subjects = JobSubjects(job.name)
+
+    async def read(url: str) -> list:
+        nc = await connect(url, "pipelinerl-dead-letters")
+        try:
+            return await stored_messages(nc.jetstream(), subjects.stream("DEADLETTER"))
+        finally:
+            await nc.close()
+
+    if args.nats:
+        letters = asyncio.run(read(args.nats))
+    else:
+        from pathlib import Path
+
+        from pipelinerl.embedded_nats import EmbeddedNats
+
+        store = Path(args.run_dir) / "nats"
+        if not store.is_dir():
+            print(f"error: {store} does not exist (--run-dir: the folder of a local run)", file=sys.stderr)
+            return 2
+        server = EmbeddedNats(store, job.spec.nats.max_payload_mb).start()
+        try:
+            letters = asyncio.run(read(server.url))
+        finally:
+            server.stop()
+    for x in letters:
+        kind = x.subject.rsplit(".", 1)[-1]
+        when = str(x.time)[:19].replace("T", " ") if x.time else "?"  # UTC
+        print(f"#{x.seq} {when} {kind}: {(x.headers or {}).get(DEADLETTER_REASON, '(no reason)')}")
+    print(f"{len(letters)} dead letter(s) for job {job.name!r}", file=sys.stderr)
+    return 0
+
+
 def _crd(args: argparse.Namespace) -> int:
     from pipelinerl.crd import crd_yaml
 
@@ -134,6 +175,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("role", choices=ROLES)
     p.add_argument("job")
     p.set_defaults(func=_service)
+
+    p = sub.add_parser("dead-letters", help="list what a job's services rejected (rollouts, micro-batches) and why")
+    p.add_argument("job")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-dir", help="a local run's folder (its NATS store)")
+    where.add_argument("--nats", metavar="URL", help="the NATS server of a running job")
+    p.set_defaults(func=_dead_letters)
 
     p = sub.add_parser("crd", help="print the PipelineRLJob CustomResourceDefinition (generated from the spec)")
     p.set_defaults(func=_crd)

@@ -255,6 +255,10 @@ class Progress(StatusBody):
     weight_epoch: int | None = Field(default=None, ge=0, description="Membership epochs opened.")
     generators_dropped: int | None = Field(default=None, ge=0,
                                            description="Dropped for a missed deadline or a failure.")
+    groups_rejected: int | None = Field(default=None, ge=0, description="Rollout groups dead-lettered by the "
+                                        "preprocessor (listed by `pipelinerl dead-letters`).")
+    samples_rejected: int | None = Field(default=None, ge=0, description="Samples the trainer's model could not "
+                                         "take (dead-lettered with their micro-batch, not trained).")
     learning_alarm: str | None = Field(default=None, description="Why the newest steps show no learning "
                                        "(no tokens trained, most samples dropped, a non-finite loss).")
 
@@ -290,5 +294,6 @@ class PreprocessorStatus(StatusBody):
     steps: int = 0
     malformed: int = 0
     dead_lettered: int = 0  # malformed ones included
+    stale_groups: int = 0  # too old for any step they could go into: dropped for lag
     filtered_groups: int = 0
     truncated_samples: int = 0

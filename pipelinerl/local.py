@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,6 +113,15 @@ class Service:
 
 def tail(log_path: Path, lines: int = 40) -> str:
     return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+EXCEPTION_LINE = re.compile(r"(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Exit|Timeout|Interrupt)\b.*")
+
+
+def cause(log_tail: str) -> str | None:
+    """The last exception a log shows ("TimeoutError: ..."), to name a failure first."""
+    found = [line.strip() for line in log_tail.splitlines() if EXCEPTION_LINE.fullmatch(line.strip())]
+    return found[-1] if found else None
 
 
 class ServiceDied(RuntimeError):
@@ -410,8 +420,9 @@ def run_local(job: PipelineRLJob, run_dir: str | Path | None = None, quiet: bool
         run.say("\ninterrupted: stopping services")
         code = 130
     except ServiceDied as err:
-        print(f"\nerror: {err}; stopping the other services. Last lines of {err.log_path}:\n"
-              f"{err.tail}", file=sys.stderr, flush=True)
+        why = cause(err.tail)
+        print(f"\nerror: {err}{f' ({why})' if why else ''}; stopping the other services. "
+              f"Last lines of {err.log_path}:\n{err.tail}", file=sys.stderr, flush=True)
         code = 1
     finally:
         signal.signal(signal.SIGTERM, previous)

@@ -114,6 +114,8 @@ class MicroBatch(Message):
     # (the final wave's are the step's).
     step_samples: int = 0
     step_groups_filtered: int = 0
+    step_groups_rejected: int = 0  # dead-lettered by the preprocessor
+    step_samples_stale: int = 0  # in groups too old for the step: dropped for lag by the preprocessor
     step_groups_by_generator: dict[str, int] = Field(default_factory=dict)  # accepted groups per generator
     # The newest books of each generator (by rank) among every group the preprocessor has taken
     # so far; a group taken but put into no micro-batch is acknowledged only once this is stored.

@@ -103,6 +103,20 @@ async def dead_letter(js, subjects: JobSubjects, kind: str, data: bytes, reason:
                      headers={"Nats-Msg-Id": msg_id, DEADLETTER_REASON: reason})
 
 
+async def stored_messages(js, stream: str) -> list:
+    """Every message a stream holds, oldest first (nats messages: .subject, .data, .headers)."""
+    state = (await js.stream_info(stream)).state
+    if not state.messages:
+        return []
+    out = []
+    for seq in range(state.first_seq, state.last_seq + 1):
+        try:
+            out.append(await js.get_msg(stream, seq))
+        except NotFoundError:  # deleted (acknowledged work, or over a limit)
+            pass
+    return out
+
+
 async def wait_for(coro, timeout_s: float, what: str):
     """await with a timeout that names what it was waiting for."""
     try:

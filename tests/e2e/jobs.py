@@ -24,23 +24,20 @@ def tiny_job(name: str, **spec) -> dict:
 
 def stored(run_dir: Path, job_name: str, suffix: str) -> list:
     """Every message left in one of a finished run's streams (its nats-server started again on
-    the run's store): nats messages, with .data and .headers."""
+    the run's store)."""
     from pipelinerl.contracts import JobSubjects
     from pipelinerl.embedded_nats import EmbeddedNats
-    from pipelinerl.streams import connect
+    from pipelinerl.streams import connect, stored_messages
 
     async def read() -> list:
-        server = EmbeddedNats(run_dir / "nats").start()
+        nc = await connect(server.url, "test")
         try:
-            nc = await connect(server.url, "test")
-            js = nc.jetstream()
-            stream = JobSubjects(job_name).stream(suffix)
-            state = (await js.stream_info(stream)).state
-            out = [await js.get_msg(stream, seq) for seq in range(state.first_seq, state.last_seq + 1)] \
-                if state.messages else []
-            await nc.close()
-            return out
+            return await stored_messages(nc.jetstream(), JobSubjects(job_name).stream(suffix))
         finally:
-            server.stop()
+            await nc.close()
 
-    return asyncio.run(read())
+    server = EmbeddedNats(run_dir / "nats").start()
+    try:
+        return asyncio.run(read())
+    finally:
+        server.stop()

@@ -85,6 +85,7 @@ def test_a_dying_service_stops_the_run_with_its_log_tail(tmp_path, capsys):
     assert code == 1
     assert "exited with code" in err and "stopping the other services" in err
     assert "no-such-model" in err  # the tail of the failing service's own log
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 0  # a stopped run still sums up
     import psutil
 
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path / "run") in " ".join(p.info["cmdline"] or [])]

@@ -38,7 +38,7 @@ POISON = {  # group id: (message, the start of the reason it is dead-lettered fo
 }
 
 
-def test_poison_rollouts_are_dead_lettered_and_the_job_finishes(tmp_path):
+def test_poison_rollouts_are_dead_lettered_and_the_job_finishes(tmp_path, capsys):
     job = tiny_job("poison", trainer={"maxSteps": STEPS}, eval={"interval": 0}, rl={"maxLag": 1})
     run = RunProcess(tmp_path, job, timeout_s=300)
     run.wait_step(2)
@@ -74,5 +74,13 @@ def test_poison_rollouts_are_dead_lettered_and_the_job_finishes(tmp_path):
     (batch,) = [x for x in letters if x.subject == subjects.deadletter("batch")]
     assert "(group vocab): token id 1000000 is outside the model's vocabulary" in batch.headers[DEADLETTER_REASON]
     assert 10**6 in m.decode(batch.data, m.MicroBatch).tokens  # the micro-batch as it came, for inspection
+    # `pipelinerl dead-letters` lists them for the user, reasons first.
+    from pipelinerl.cli import main
+
+    assert main(["dead-letters", str(tmp_path / "job.yaml"), "--run-dir", str(run.dir)]) == 0
+    listed = capsys.readouterr()
+    assert "6 dead letter(s) for job 'poison'" in listed.err
+    assert " rollout: group nan-reward from generator 7: sample 0: reward is nan" in listed.out
+    assert " batch: sample " in listed.out
     pre = (run.dir / "logs" / "preprocessor.log").read_text()
     assert pre.count("dead-lettered") == len(POISON) + 1 and "Traceback" not in pre

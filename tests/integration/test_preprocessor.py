@@ -216,3 +216,34 @@ async def test_poison_groups_are_dead_lettered_with_their_reason_and_the_step_go
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()
+
+
+async def test_a_group_too_old_for_its_step_takes_no_place_in_it(nats_server, tmp_path):
+    """Steps fill in arrival order: a group that waited behind others' backlog until every token
+    of it is past the lag bound would be dropped whole by the trainer. It is dropped here
+    instead (counted, credited to its generator), and the step fills with fresh groups."""
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "stale", {
+        "rl": {"attempts": 2, "maxLag": 1}, "trainer": {"samplesPerStep": 4, "microBatchTokens": 64}})
+    await js.publish(subjects.version, m.encode(m.PolicyVersion(version=10, timestamp=0)))  # no backpressure
+
+    def at(i: int, version: int) -> m.RolloutGroup:
+        g = rollout(i, [1, 0])
+        for s in g.samples:
+            s.versions = [-1, -1, version, version]
+        return g
+
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    for i, version in enumerate([0, 0, 0, 1, 0, 2, 2]):  # steps 0 and 1, then one too old for step 2
+        g = at(i, version)
+        await js.publish(subjects.rollouts(g.generator), m.encode(g), headers={"Nats-Msg-Id": g.group_id})
+    await wait_until(lambda: pre.step == 3)
+    assert pre.stats["stale_groups"] == 1
+    out = await js.pull_subscribe(subjects.batches(0), durable="t")
+    step2 = [b for b in (m.decode(x.data, m.MicroBatch) for x in await out.fetch(10, timeout=2)) if b.step == 2]
+    assert step2[-1].last and step2[-1].step_samples == 4 and step2[-1].step_samples_stale == 2
+    assert set(v for b in step2 for v, k in zip(b.versions, b.mask) if k) == {2}
+    assert step2[-1].step_groups_by_generator == {"0": 2, "1": 1}  # groups 4 (stale), 5 and 6
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+    await nc.close()

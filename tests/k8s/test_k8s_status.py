@@ -115,3 +115,17 @@ def test_generators_out_of_the_weight_group_degrade_the_job() -> None:
     assert status["progress"]["generatorsInGroup"] == 1 and cond(status, "Ready")["status"] == "True"
     back, events = run(previous=status, trainer_status=report | {"generatorsInGroup": 2, "weightEpoch": 5})
     assert cond(back, "Degraded")["status"] == "False" and [e.reason for e in events] == ["Recovered"]
+
+
+def test_a_run_that_stopped_learning_is_degraded_with_the_trainers_reason() -> None:
+    alarm = "NoTokensTrained: step(s) 19–22 trained no tokens (512 samples dropped for lag, 0 samples rejected)"
+    status, events = run(trainer_status={"step": 22, "version": 22, "weightSyncReady": True, "learningAlarm": alarm,
+                                         "groupsRejected": 3, "samplesRejected": 1})
+    JobStatus.model_validate(status)
+    degraded = cond(status, "Degraded")
+    assert degraded["status"] == "True" and degraded["reason"] == "LearningStalled"
+    assert degraded["message"].startswith(alarm)
+    assert status["progress"]["learningAlarm"] == alarm and status["progress"]["groupsRejected"] == 3
+    assert any(e.type == "Warning" and e.reason == "Degraded" for e in events)
+    healthy, events = run(previous=status, trainer_status={"step": 23, "version": 23, "weightSyncReady": True})
+    assert cond(healthy, "Degraded")["status"] == "False" and "Recovered" in {e.reason for e in events}

@@ -82,3 +82,13 @@ def test_bad_samples_are_blanked_and_the_rest_of_the_row_is_kept():
     assert mb.logprobs[:3] == [0.0, -1.0, -2.0] and mb.versions == [-1, 2, 2, -1, -1, -1]
     assert len(mb.tokens) == 6 and mb.sample_ids == [0, 0, 0, 1, 1, 1]  # same shape, same place in the step
     assert (mb.step, mb.index, mb.last, mb.step_samples) == (3, 2, True, 16)
+
+
+def test_a_group_too_old_for_the_step_it_can_go_into_is_hopelessly_stale():
+    from pipelinerl_preprocessor.checks import hopelessly_stale
+
+    g = group(sample(versions=[-1, -1, 2, 3]), sample(versions=[-1, -1, 1, 1]))
+    assert not hopelessly_stale(g, step=4, max_lag=1)  # its newest tokens (version 3) are trained at lag 1
+    assert hopelessly_stale(g, step=5, max_lag=1)  # nothing left the trainer would keep
+    assert not hopelessly_stale(g, step=5, max_lag=2)
+    assert not hopelessly_stale(g, step=3, max_lag=0) and hopelessly_stale(g, step=4, max_lag=0)  # sync

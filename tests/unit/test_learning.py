@@ -34,3 +34,8 @@ def test_a_non_finite_loss_in_the_window():
     rows[6]["loss"] = math.nan
     assert learning_alarm(rows) == "NonFiniteLoss: the loss of step(s) 7 is not finite"
     assert learning_alarm(rows + [step(i) for i in range(12, 18)]) is None  # out of the window
+
+
+def test_groups_dropped_before_packing_count_as_dropped():
+    rows = [step(i, samples=64, dropped=80, samples_stale=64) for i in range(1, 11)]  # half the groups stale, 16 more late
+    assert learning_alarm(rows).startswith("MostSamplesDropped: 800 of the 1280 samples")

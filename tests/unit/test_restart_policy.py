@@ -1,4 +1,5 @@
-"""The local runner's restart policy (pure): backoff that doubles up to a cap, a limit, fail-stop."""
+"""The local runner's restart policy (pure): backoff that doubles up to a cap, a limit, fail-stop;
+and how it names a failure."""
 
 from pipelinerl.local import RestartPolicy
 
@@ -14,3 +15,19 @@ def test_fail_stop_never_restarts():
 
 def test_limit_zero_is_fail_stop_too():
     assert RestartPolicy(limit=0).delay(0) is None
+
+
+def test_a_failure_is_named_by_the_last_exception_its_log_shows():
+    from pipelinerl.local import cause
+
+    log = """Traceback (most recent call last):
+  File "x.py", line 3, in <module>
+    raise KeyError("a")
+KeyError: 'a'
+
+During handling of the above exception, another exception occurred:
+  File "y.py", line 9, in main
+nats.errors.NoServersError: nats: no servers available for connection
+(EngineCore pid=12) INFO shutting down"""
+    assert cause(log) == "nats.errors.NoServersError: nats: no servers available for connection"
+    assert cause("INFO all good\nready") is None

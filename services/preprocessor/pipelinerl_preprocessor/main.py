@@ -31,7 +31,7 @@ from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import connect, dead_letter, ensure_streams, last_message
 from pipelinerl_preprocessor.advantages import group_advantages
-from pipelinerl_preprocessor.checks import GroupLimits, group_problem
+from pipelinerl_preprocessor.checks import GroupLimits, group_problem, hopelessly_stale
 from pipelinerl_preprocessor.packing import StepSample, close_step, next_wave, pack_wave, step_weight
 
 log = logging.getLogger("pipelinerl.preprocessor")
@@ -65,6 +65,8 @@ class Preprocessor:
         self.step_samples = 0
         self.by_generator: Tally = Tally()
         self.filtered = 0  # zero-variance groups dropped since the previous step ended
+        self.rejected = 0  # groups dead-lettered since the previous step ended
+        self.stale = 0  # samples of groups too old for the step, dropped since the previous step ended
 
     def status(self) -> PreprocessorStatus:
         return PreprocessorStatus(next_step=self.step, trainer_version=self.trainer_version,
@@ -100,6 +102,7 @@ class Preprocessor:
             for msg in msgs:
                 await self._intake(msg)
             while not self._trainer_behind():
+                self._drop_stale()
                 n, last = next_wave([[len(s.tokens) for s in g.samples] for _, g in self.accepted], self.in_step,
                                     self.spec.groups_per_step, self.ranks, self.spec.trainer.micro_batch_tokens,
                                     self.spec.streams_steps)
@@ -158,14 +161,12 @@ class Preprocessor:
         problem = group_problem(group, self._limits())
         if problem and "ahead of the trainer" in problem:  # or is our news of the trainer late?
             await self._refresh_trainer_version()
-            key = str(group.generator)
-        self.books[key] = m.newest_books(group.books, self.books.get(key))
-        problem = group_problem(group, self._limits())
+            problem = group_problem(group, self._limits())
+        # Its generator counts a group as queued until a step consumes it (unless it counted it
+        # discarded itself): one that goes into no step is consumed by the step being built.
+        consumed = not (self.spec.rl.filter_zero_variance and group.zero_variance)
         if problem:
-            # Its generator counts it as queued until a step consumes it (unless it counted it
-            # discarded itself): this one is consumed, by the step being built.
-            if not (self.spec.rl.filter_zero_variance and group.zero_variance):
-                self.by_generator[str(group.generator)] += 1
+            self.by_generator[key] += consumed
             await self._reject(msg, f"group {group.group_id} from generator {group.generator}: {problem}")
             return
         self.stats["truncated_samples"] += sum(s.truncated for s in group.samples)
@@ -179,6 +180,23 @@ class Preprocessor:
         GROUPS_IN.labels("accepted").inc()
         PENDING.set(len(self.accepted))
 
+    def _drop_stale(self) -> None:
+        """Groups too old for the step being built take no place in it (their generator's
+        queue counts them as consumed by it)."""
+        keep = []
+        for msg, group in self.accepted:
+            if not hopelessly_stale(group, self.step, self.spec.max_lag):
+                keep.append((msg, group))
+                continue
+            log.info("group %s from generator %d: too old for step %d (max lag %d), dropped",
+                     group.group_id, group.generator, self.step, self.spec.max_lag)
+            self.by_generator[str(group.generator)] += 1
+            self.stale += len(group.samples)
+            self.stats["stale_groups"] += 1
+            GROUPS_IN.labels("stale").inc()
+            self.settled.append(msg)
+        self.accepted = keep
+
     async def _reject(self, msg, reason: str) -> None:
         """Dead-letter a rollout message with its reason, kept for inspection; it is acked with
         the next wave and never trained (it would fail forever)."""
@@ -186,6 +204,7 @@ class Preprocessor:
         log.error("rollout message %d dead-lettered: %s", seq, reason)
         await dead_letter(self.js, self.subjects, "rollout", msg.data, reason, f"rollout-{seq}")
         self.stats["dead_lettered"] += 1
+        self.rejected += 1
         GROUPS_IN.labels("dead_lettered").inc()
         self.settled.append(msg)
 
@@ -208,6 +227,7 @@ class Preprocessor:
         batches = [mb for rank in per_rank for mb in rank]
         for mb in batches:
             mb.step_samples, mb.step_groups_filtered = self.step_samples, self.filtered
+            mb.step_groups_rejected, mb.step_samples_stale = self.rejected, self.stale
             mb.step_groups_by_generator = dict(self.by_generator)
             mb.generator_books = dict(self.books)
         await asyncio.gather(*(self._publish(mb) for mb in batches))  # stored durably before the inputs are released

@@ -134,6 +134,8 @@ def close_step(lasts: list[MicroBatch | None]) -> tuple[int, list[MicroBatch]]:
         for index in range(0 if b is None else b.index + 1, end + 1):
             out.append(MicroBatch(step=step, rank=rank, index=index, last=index == end,
                                   step_samples=facts.step_samples, step_groups_filtered=facts.step_groups_filtered,
+                                  step_groups_rejected=facts.step_groups_rejected,
+                                  step_samples_stale=facts.step_samples_stale,
                                   step_groups_by_generator=dict(facts.step_groups_by_generator)))
     return step + 1, out
 

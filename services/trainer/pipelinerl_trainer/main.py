@@ -86,6 +86,7 @@ class Trainer:
         self.trained_groups: dict[str, int] = state.get("trained_groups", {})
         self.consumed_seq = state.get("consumed_seq", {}).get(str(self.rank), 0)
         self.samples_total = state.get("samples", 0)
+        self.rejected_total = state.get("rejected", {"groups": 0, "samples": 0})  # dead-lettered, whole run
 
         self.bridge = NatsBridge(self.env.nats_url, f"{self.job.name}-trainer-{self.rank}", self.subjects,
                                  self.spec.nats.max_payload_mb)
@@ -212,12 +213,17 @@ class Trainer:
             dist.all_reduce(sums)
             tally.sums = sums.cpu()
         metrics = tally.metrics()
+        metrics["dropped_for_lag"] += mb.step_samples_stale  # the preprocessor's, whole groups
         elapsed += time.perf_counter() - t0
         DROPPED.inc(metrics["dropped_for_lag"] if self.rank == 0 else 0)
         self.samples_total += metrics["samples"]
+        self.rejected_total = {"groups": self.rejected_total["groups"] + mb.step_groups_rejected,
+                               "samples": self.rejected_total["samples"] + metrics["samples_rejected"]}
         return {"step": self.version + 1, **metrics,
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "groups_filtered": mb.step_groups_filtered, "micro_batches": count, "train_seconds": elapsed,
+                "groups_filtered": mb.step_groups_filtered, "groups_rejected": mb.step_groups_rejected,
+                "samples_stale": mb.step_samples_stale,
+                "micro_batches": count, "train_seconds": elapsed,
                 **{f"groups_from_generator_{g}": n for g, n in mb.step_groups_by_generator.items()},
                 "optimizer_seconds": optimizer_s,
                 "trainer_tokens_per_second": metrics["tokens"] / elapsed}  # all ranks together
@@ -268,6 +274,7 @@ class Trainer:
             log.warning("step %d: not learning: %s", self.version, alarm)
         self.progress = self.progress.model_copy(update=dict(
             step=self.version, version=self.version, samples=self.samples_total, reward=metrics["reward"],
+            groups_rejected=self.rejected_total["groups"], samples_rejected=self.rejected_total["samples"],
             lag_mean=metrics["lag_mean"], lag_max=metrics["lag_max"],
             tokens_per_second=metrics["trainer_tokens_per_second"], learning_alarm=alarm,
             last_update=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")))
@@ -285,6 +292,7 @@ class Trainer:
         else:
             seqs = [mine]
         state = {"step": self.version, "samples": self.samples_total, "trained_groups": self.trained_groups,
+                 "rejected": self.rejected_total,
                  "consumed_seq": {str(r): int(s.item()) for r, s in enumerate(seqs)}}
         checkpoint.save(self.engine, self.ckpt_dir, self.version, state, self.rank, self.env.local_rank or 0)
 
