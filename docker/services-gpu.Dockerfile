@@ -15,7 +15,8 @@ COPY services ./services
 # and our package without letting pip replace torch.
 RUN pip install "deepspeed>=0.19,<0.20" accelerate \
  && pip install --no-deps . \
- && pip install "pydantic>=2.7" pyyaml msgpack "nats-py>=2.9" fastapi uvicorn prometheus-client httpx safetensors
+ && pip install "pydantic>=2.7" pyyaml msgpack "nats-py>=2.9" fastapi uvicorn prometheus-client httpx safetensors \
+    datasets wandb mlflow-skinny sqlalchemy alembic tensorboard
 RUN mkdir -p /var/cache/pipelinerl && chmod 0777 /var/cache/pipelinerl
 EXPOSE 8000 29500 29600
 # The vLLM base image's entrypoint starts its API server: replace it.

@@ -365,22 +365,26 @@ class LocalRun:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(8, 4.5))
-        steps = [t["step"] for t in self.train]
+        fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
         rewards = [t["reward"] for t in self.train]
         k = 10
         smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1])
                   for i in range(len(rewards))]
-        ax.plot(steps, rewards, color="tab:blue", alpha=0.25, label="train reward")
-        ax.plot(steps, smooth, color="tab:blue", label="train reward (10-step mean)")
-        if self.evals:
-            ax.plot([e["version"] for e in self.evals], [e["accuracy"] for e in self.evals], "o-",
-                    color="tab:red", label="held-out accuracy")
-        ax.set_xlabel("optimizer step (policy version)")
-        ax.set_ylim(0, 1)
-        ax.set_title(f"{self.job.name}: {self.spec.mode} mode, max lag {self.spec.max_lag}")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="lower right")
+        # The same curves against optimizer steps and against wall-clock time (what is paid for).
+        for ax, train_x, eval_x, label in (
+                (axes[0], [t["step"] for t in self.train], [e["version"] for e in self.evals],
+                 "optimizer step (policy version)"),
+                (axes[1], [t["time"] / 60 for t in self.train], [e["time"] / 60 for e in self.evals],
+                 "wall-clock minutes since the run started")):
+            ax.plot(train_x, rewards, color="tab:blue", alpha=0.25, label="train reward")
+            ax.plot(train_x, smooth, color="tab:blue", label="train reward (10-step mean)")
+            if self.evals:
+                ax.plot(eval_x, [e["accuracy"] for e in self.evals], "o-", color="tab:red", label="held-out accuracy")
+            ax.set_xlabel(label)
+            ax.set_ylim(0, 1)
+            ax.grid(alpha=0.3)
+        axes[1].legend(loc="lower right")
+        fig.suptitle(f"{self.job.name}: {self.spec.mode} mode, max lag {self.spec.max_lag}")
         path = self.run_dir / "progress.png"
         fig.tight_layout()
         fig.savefig(path, dpi=100)

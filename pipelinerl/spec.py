@@ -204,6 +204,33 @@ class StorageSpec(SpecModel):
     storage_class_name: str | None = Field(default=None, max_length=253, description="Unset: the cluster default.")
 
 
+class WandbSpec(SpecModel):
+    project: str = Field(min_length=1, max_length=128)
+    entity: str | None = Field(default=None, max_length=128)
+    mode: Literal["online", "offline"] = Field(default="online", description="offline: files in the run "
+                                               "directory, for `wandb sync` later (online needs WANDB_API_KEY).")
+    tags: list[str] = Field(default_factory=list, max_length=64)
+
+
+class MlflowSpec(SpecModel):
+    tracking_uri: str | None = Field(default=None, max_length=1024,
+                                     description="Unset: a SQLite store in the run directory (mlflow.db).")
+    experiment: str | None = Field(default=None, max_length=256, description="Unset: the job's name.")
+
+
+class TensorboardSpec(SpecModel):
+    log_dir: str | None = Field(default=None, max_length=1024, description="Unset: tensorboard/ in the run directory.")
+
+
+class TrackingSpec(SpecModel):
+    """Experiment trackers the trainer logs to: train rows at their step, evaluations at their
+    policy version, under the names `metrics.jsonl` uses (prefixed train/ and eval/)."""
+
+    wandb: WandbSpec | None = None
+    mlflow: MlflowSpec | None = None
+    tensorboard: TensorboardSpec | None = None
+
+
 class JobSpec(SpecModel):
     mode: Literal["pipeline", "sync"] = "pipeline"
     suspend: bool = False
@@ -219,6 +246,7 @@ class JobSpec(SpecModel):
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     nats: NatsSpec = Field(default_factory=NatsSpec)
     storage: StorageSpec = Field(default_factory=StorageSpec)
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:

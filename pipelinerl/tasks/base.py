@@ -56,6 +56,21 @@ class Task(Protocol):
         ...
 
 
+def has_chat_template(tokenizer: Tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def prompt_ids(tokenizer: Tokenizer, prompt: str | list[dict[str, Any]], chat_template: bool) -> list[int]:
+    """Token ids of a prompt: text, or chat messages ({"role", "content"} each). Through the
+    chat template, ending with the assistant's turn; else as plain text (messages one per line)."""
+    if chat_template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        # return_dict=False: transformers 5 returns a BatchEncoding by default.
+        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    return tokenizer.encode(prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt))
+
+
 class SampleBuilder:
     """Accumulates a (multi-turn) token sequence: prompt/env tokens are untrained, model tokens trained."""
 

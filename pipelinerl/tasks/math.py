@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipelinerl.messages import Sample
-from pipelinerl.tasks.base import Policy, Problem, SampleBuilder, Tokenizer
+from pipelinerl.tasks.base import Policy, Problem, SampleBuilder, Tokenizer, has_chat_template, prompt_ids
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 INSTRUCTION = "Solve the problem step by step. Put the final answer after '####'."
@@ -70,16 +70,11 @@ class MathTask:
     def test_problems(self, count: int) -> list[Problem]:
         return load_problems(self.test_file or self.train_file, "test")[:count]
 
-    def prompt_ids(self, tokenizer: Tokenizer, question: str) -> list[int]:
-        text = f"{INSTRUCTION}\n\n{question}"
-        if getattr(tokenizer, "chat_template", None):
-            return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                 tokenize=True)
-        return tokenizer.encode(text + "\n")
-
     async def rollout(self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
                       greedy: bool = False) -> Sample:
-        sample = SampleBuilder(self.prompt_ids(tokenizer, problem.prompt))
+        chat = has_chat_template(tokenizer)
+        text = f"{INSTRUCTION}\n\n{problem.prompt}" + ("" if chat else "\n")
+        sample = SampleBuilder(prompt_ids(tokenizer, text, chat))
         completion = await policy.generate(sample.tokens, max_tokens, greedy=greedy)
         sample.add_completion(completion)
         answer = final_number(tokenizer.decode(completion.tokens, skip_special_tokens=True))

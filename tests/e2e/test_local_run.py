@@ -1,6 +1,7 @@
 """Whole jobs through `pipelinerl run`'s code path: embedded nats-server, real vLLM (CPU),
 real DeepSpeed ranks, real processes. A random tiny model is enough to check the machinery
-(versions advance, lag stays within bounds, in-flight updates, checkpoints, resume)."""
+(versions advance, lag stays within bounds, in-flight updates, checkpoints; resuming a killed
+run: test_resume.py)."""
 
 import json
 from pathlib import Path
@@ -66,16 +67,6 @@ def test_sync_mode_never_trains_stale_data(tmp_path):
     assert all(r["lag_max"] == 0 for r in train)
     assert all(r["ess"] == pytest.approx(1.0, abs=1e-3) for r in train)  # exactly on-policy
     assert summary["mode"] == "sync"
-
-
-def test_resume_from_checkpoint_does_not_retrain(tmp_path):
-    run(tiny_job("resume", trainer={"maxSteps": 2}), tmp_path)
-    first = rows(tmp_path, "train")
-    run(tiny_job("resume", trainer={"maxSteps": 4}), tmp_path)
-    after = rows(tmp_path, "train")[len(first):]
-    assert [r["step"] for r in first] == [1, 2]
-    assert [r["step"] for r in after] == [3, 4]  # steps 1-2 were not trained again
-    assert "resumed from" in (tmp_path / "logs" / "trainer.log").read_text()
 
 
 def test_a_dying_service_stops_the_run_with_its_log_tail(tmp_path, capsys):

@@ -39,7 +39,7 @@ POISON = {  # group id: (message, the start of the reason it is dead-lettered fo
 
 
 def test_poison_rollouts_are_dead_lettered_and_the_job_finishes(tmp_path, capsys):
-    job = tiny_job("poison", trainer={"maxSteps": STEPS}, eval={"interval": 0}, rl={"maxLag": 1})
+    job = tiny_job("poison", trainer={"maxSteps": STEPS}, eval={"interval": 0}, rl={"maxLag": 3})
     run = RunProcess(tmp_path, job, timeout_s=300)
     run.wait_step(2)
     subjects = JobSubjects("poison")
@@ -50,8 +50,11 @@ def test_poison_rollouts_are_dead_lettered_and_the_job_finishes(tmp_path, capsys
         for gid, (msg, _) in POISON.items():
             await js.publish(subjects.rollouts(FORGER), m.encode(msg), headers={"Nats-Msg-Id": gid})
         await js.publish(subjects.rollouts(FORGER), b"\x93not msgpack")
-        # Sound to the preprocessor, but a token the model has no embedding for: the trainer's check.
-        await js.publish(subjects.rollouts(FORGER), m.encode(group("vocab", tokens=[5, 6, 10**6, 8])),
+        # Sound to the preprocessor (and of a current version: not too old for the step it goes
+        # into), but a token the model has no embedding for: the trainer's check.
+        version = run.train()[-1]["step"]
+        await js.publish(subjects.rollouts(FORGER), m.encode(group("vocab", tokens=[5, 6, 10**6, 8],
+                                                                   versions=[-1, -1, version, version])),
                          headers={"Nats-Msg-Id": "vocab"})
         await nc.close()
 

@@ -1,10 +1,12 @@
-"""A run killed outright (every process SIGKILLed, as in a power cut) and run again in its run
-folder learns like a clean one: the default job's warm-started model, real processes.
+"""A TRL user's job, killed outright (every process SIGKILLed, as in a power cut) and run again
+in its run folder: it resumes, learns like a clean run, and its trackers carry on.
 
-Measured for this test's job (60 steps, checkpoint every 10, killed at step 17): a clean run
-went from 27.3% to 38.3% held-out accuracy, a resumed one to 39.7%; before generators
-continued their books from the stream, the resumed run trained no tokens from step 19 on (every
-sample dropped for lag) and ended at 19.7%."""
+The job is examples/trl/tiny-dataset.yaml (the default task as a JSONL file and a reward
+function with GRPOTrainer's signature, on the warm-started tiny model) with W&B (offline),
+MLflow and TensorBoard tracking: 60 steps, checkpoint every 10, killed at step 17. Measured with
+the built-in task before the dataset one existed: a clean run went from 27.3% to 38.3% held-out
+accuracy, a resumed one to 39.7%; before generators continued their books from the stream, the
+resumed run trained no tokens from step 19 on (every sample dropped for lag) and ended at 19.7%."""
 
 from __future__ import annotations
 
@@ -17,9 +19,11 @@ import pytest
 import torch
 import yaml
 from jobs import stored  # tests/e2e/jobs.py
+from wandb_records import wandb_history  # tests/wandb_records.py
 
 from bench.run_process import RunProcess
 from pipelinerl import messages as m
+from pipelinerl.tracking import default_mlflow_uri
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,9 +31,10 @@ STEPS, CHECKPOINT, KILL_AT = 60, 10, 17
 
 
 def job() -> dict:
-    manifest = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    manifest = yaml.safe_load((ROOT / "examples" / "trl" / "tiny-dataset.yaml").read_text())
     manifest["spec"]["trainer"] |= {"maxSteps": STEPS, "checkpointInterval": CHECKPOINT}
     manifest["spec"]["eval"] = {"interval": STEPS, "problems": 300}
+    manifest["spec"]["tracking"]["mlflow"] = {}
     return manifest
 
 
@@ -61,7 +66,9 @@ def logprob_gap(checkpoint: Path, batches: list[m.MicroBatch]) -> float:
     return gap
 
 
-def test_a_run_killed_outright_resumes_and_learns_like_a_clean_one(tmp_path):
+def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_tracking(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the manifest names its data and reward module from the repository root
+    monkeypatch.setenv("WANDB_SILENT", "true")
     first = RunProcess(tmp_path, job(), timeout_s=400)
     first.wait_step(KILL_AT)
     kill_everything(first)
@@ -101,3 +108,23 @@ def test_a_run_killed_outright_resumes_and_learns_like_a_clean_one(tmp_path):
     evals = [json.loads(line) for line in (second.dir / "metrics.jsonl").read_text().splitlines()]
     warm = next(e["accuracy"] for e in evals if e["kind"] == "eval" and e["version"] == 0)  # the first run's
     assert summary["final_accuracy"] - warm >= 0.05, (warm, summary)
+
+    # The trackers hold both runs: every step (those after the checkpoint twice), and the final
+    # evaluation; W&B's offline runs share one id, so `wandb sync` makes them one run.
+    ids = json.loads((second.dir / "tracking.json").read_text())
+    import mlflow
+
+    client = mlflow.MlflowClient(default_mlflow_uri(second.dir))
+    steps = [h.step for h in client.get_metric_history(ids["mlflow"], "train/reward")]
+    assert sorted(set(steps)) == list(range(1, STEPS + 1))
+    assert (STEPS, summary["final_accuracy"]) in [(h.step, h.value) for h in
+                                                  client.get_metric_history(ids["mlflow"], "eval/accuracy")]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(second.dir / "tensorboard"))
+    events.Reload()
+    assert {e.step for e in events.Scalars("train/loss")} == set(range(1, STEPS + 1))
+    runs = sorted(second.dir.glob(f"wandb/offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
+    history = [row for run in runs for row in wandb_history(run)]
+    assert len(runs) == 2 and {r["train/step"] for r in history if "train/step" in r} == set(range(1, STEPS + 1))
+    assert any(r.get("eval/version") == STEPS for r in history)

@@ -137,16 +137,15 @@ class Generator:
         counts as queued; no problem they published is drawn again."""
         a, rank = self.admission, self.env.rank
         found = []
-        data = await last_message(self.js, self.subjects.stream("ROLLOUTS"), self.subjects.rollouts(rank))
-        if data is not None:
+        records = [("ROLLOUTS", self.subjects.rollouts(rank), lambda d: m.decode(d, m.RolloutGroup).books)] + [
+            ("BATCHES", self.subjects.batches(r), lambda d: m.decode(d, m.MicroBatch).generator_books.get(str(rank)))
+            for r in range(self.spec.trainer_ranks)]
+        for stream, subject, books_of in records:
+            data = await last_message(self.js, self.subjects.stream(stream), subject)
             try:
-                found.append(m.decode(data, m.RolloutGroup).books)
-            except m.MessageError as err:  # not ours to trust: the preprocessor will dead-letter it
-                log.error("the newest message on %s is not a rollout group: %s", self.subjects.rollouts(rank), err)
-        for trainer_rank in range(self.spec.trainer_ranks):
-            data = await last_message(self.js, self.subjects.stream("BATCHES"), self.subjects.batches(trainer_rank))
-            if data is not None:
-                found.append(m.decode(data, m.MicroBatch).generator_books.get(str(rank)))
+                found.append(books_of(data) if data is not None else None)
+            except m.MessageError as err:  # not ours to trust (it is dead-lettered downstream)
+                log.error("the newest message on %s is not ours: %s", subject, err)
         books = m.newest_books(*found)
         if books is not None:
             a.published, a.discarded, self.next_problem = books.published, books.discarded, books.next_problem

@@ -29,6 +29,7 @@ class NatsBridge:
         self.batches: queue.Queue[tuple[int, m.MicroBatch]] = queue.Queue()
         self.done: queue.Queue[m.WeightUpdateDone] = queue.Queue()
         self.hellos: queue.Queue[tuple[float, m.GeneratorHello]] = queue.Queue()
+        self.evals: queue.Queue[m.Metrics] = queue.Queue()
         self.nc = self.call(connect(url, name), 60)
         self.js = self.nc.jetstream()
         self.call(ensure_streams(self.js, subjects, max_payload_mb), 60)
@@ -60,6 +61,13 @@ class NatsBridge:
 
         self.call(self.nc.subscribe(self.subjects.weights_done, cb=on_done), 30)
         self.call(self.nc.subscribe(self.subjects.weights_hello, cb=on_hello), 30)
+
+    def listen_to_evaluations(self) -> None:
+        """The generators' evaluation rows, live (for the experiment trackers)."""
+        async def on_eval(msg) -> None:
+            self.evals.put(m.decode(msg.data, m.Metrics))
+
+        self.call(self.nc.subscribe(self.subjects.metrics("eval"), cb=on_eval), 30)
 
     def publish(self, subject: str, msg: m.Message, stream: bool = True) -> None:
         if stream:

@@ -27,6 +27,7 @@ from pipelinerl.contracts import MASTER_PORT, Env, JobSubjects, ServiceEnv, Trai
 from pipelinerl.learning import WINDOW, learning_alarm
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
+from pipelinerl.tracking import Tracker
 from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl.weight_group import open_store
 from pipelinerl_trainer import checkpoint
@@ -49,6 +50,7 @@ EMPTY_STEPS = Counter("pipelinerl_trainer_steps_without_tokens_total", "Steps th
 ALARM = Gauge("pipelinerl_trainer_learning_alarm", "1 while the newest steps show no learning (see the log)")
 DATA_LOG_S = 30.0  # log a "waiting for data" line this often
 DATA_TIMEOUT_S = float(os.environ.get(Env.DATA_TIMEOUT_S, "1800"))
+FINAL_EVAL_WAIT_S = 300.0  # for the trackers: the final evaluation comes after the last step
 
 
 class Trainer:
@@ -92,8 +94,11 @@ class Trainer:
                                  self.spec.nats.max_payload_mb)
         weight_sync = self.spec.weight_sync
         store = None
+        self.tracker = Tracker(self.job, self.env.run_dir) if self.rank == 0 else None
         if self.rank == 0:
             self.bridge.listen_to_generators()
+            if self.tracker.enabled:
+                self.bridge.listen_to_evaluations()
             store = open_store("0.0.0.0", self.env.weights_port, True, weight_sync.timeout_seconds)
             log.info("weight group (%s) rendezvous on port %d; generators join as they come",
                      self.spec.weight_transport, self.env.weights_port)
@@ -133,6 +138,9 @@ class Trainer:
                 self._report(metrics)  # before the announcement, which lets the generators finish
                 self._announce(finished=last)
         self.progress.finished = self.version >= self.spec.trainer.max_steps
+        if self.tracker is not None:
+            self._track_evaluations(wait_for_final=self.progress.finished and self.spec.eval.interval > 0)
+            self.tracker.close()
         self.bridge.close()
         return 0
 
@@ -280,9 +288,26 @@ class Trainer:
             last_update=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")))
         self.bridge.publish(self.subjects.metrics("train"), m.Metrics(
             source="trainer", kind="train", values=metrics, timestamp=time.time()))
+        if self.tracker.enabled:
+            self.tracker.log("train", metrics)
+            self._track_evaluations()
         log.info("step %d: loss %.4f reward %.3f ess %.3f lag %.2f/%d sync %.0fms", self.version, metrics["loss"],
                  metrics["reward"], metrics["ess"], metrics["lag_mean"], metrics["lag_max"],
                  1000 * metrics["weight_sync_seconds"])
+
+    def _track_evaluations(self, wait_for_final: bool = False) -> None:
+        """Hand the evaluations that came in to the trackers (at the end: until the final one, bounded)."""
+        deadline = time.monotonic() + (FINAL_EVAL_WAIT_S if wait_for_final and self.tracker.enabled else 0)
+        while True:
+            try:
+                row = self.bridge.evals.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline or self.stop.is_set():
+                    return
+                continue
+            self.tracker.log("eval", row.values)
+            if row.values.get("final"):
+                deadline = 0.0
 
     def _checkpoint(self) -> None:
         mine = torch.tensor([self.consumed_seq], dtype=torch.long, device=self.engine.device)

@@ -1,0 +1,143 @@
+"""Experiment tracking (`spec.tracking`): W&B, MLflow and TensorBoard, fed by trainer rank 0.
+
+Every metrics row goes to each tracker the job names, under the names `metrics.jsonl` uses:
+train rows as `train/<name>` at their step, evaluations as `eval/<name>` at the policy version
+they evaluated (W&B: against its own x-axis, so a late evaluation is never dropped as out of
+order). Only numbers are logged. Each tracker's run id is kept in the run directory, so a
+restarted trainer continues the same run. The trackers' packages are imported only when asked for.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Protocol
+
+from pipelinerl.spec import PipelineRLJob, dump_job
+
+log = logging.getLogger("pipelinerl.tracking")
+AXES = {"train": "step", "eval": "version"}  # kind → the field that is its x-axis
+
+
+def scalars(kind: str, values: dict[str, Any]) -> tuple[int, dict[str, float]] | None:
+    """(x, {"<kind>/<name>": number}) for a metrics row of a tracked kind; None for other kinds."""
+    axis = AXES.get(kind)
+    if axis is None or not isinstance(values.get(axis), int):
+        return None
+    out = {f"{kind}/{k}": float(v) for k, v in values.items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    return values[axis], out
+
+
+class Backend(Protocol):
+    def log(self, kind: str, x: int, values: dict[str, float]) -> None: ...
+    def close(self) -> None: ...
+
+
+class Wandb:
+    def __init__(self, job: PipelineRLJob, run_dir: Path, run_id: str):
+        import wandb
+
+        spec = job.spec.tracking.wandb
+        self.run = wandb.init(project=spec.project, entity=spec.entity, mode=spec.mode, tags=spec.tags,
+                              name=job.name, id=run_id, resume="allow", dir=str(run_dir),
+                              config=json.loads(job.model_dump_json(by_alias=True)))
+        for kind, axis in AXES.items():
+            self.run.define_metric(f"{kind}/{axis}")
+            self.run.define_metric(f"{kind}/*", step_metric=f"{kind}/{axis}")
+
+    def log(self, kind: str, x: int, values: dict[str, float]) -> None:
+        self.run.log(values)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def default_mlflow_uri(run_dir: Path) -> str:
+    """A SQLite store in the run directory (MLflow's file store is frozen)."""
+    return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
+
+
+class Mlflow:
+    def __init__(self, job: PipelineRLJob, run_dir: Path, run_id: str | None):
+        import mlflow
+
+        spec = job.spec.tracking.mlflow
+        self.client = mlflow.MlflowClient(spec.tracking_uri or default_mlflow_uri(run_dir))
+        name = spec.experiment or job.name
+        found = self.client.get_experiment_by_name(name)
+        experiment = found.experiment_id if found else self.client.create_experiment(name)
+        if run_id is None:
+            run_id = self.client.create_run(experiment, run_name=job.name).info.run_id
+            self.client.log_text(run_id, dump_job(job), "job.yaml")
+        self.run_id = run_id
+
+    def log(self, kind: str, x: int, values: dict[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        now = int(1000 * time.time())
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, x) for k, v in values.items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+class Tensorboard:
+    def __init__(self, job: PipelineRLJob, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(job.spec.tracking.tensorboard.log_dir or str(run_dir / "tensorboard"))
+
+    def log(self, kind: str, x: int, values: dict[str, float]) -> None:
+        for k, v in values.items():
+            self.writer.add_scalar(k, v, x)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class Tracker:
+    """The job's trackers; `enabled` is False when it names none."""
+
+    def __init__(self, job: PipelineRLJob, run_dir: Path):
+        spec = job.spec.tracking
+        ids_file = run_dir / "tracking.json"  # run ids, so a restart continues the same runs
+        ids = json.loads(ids_file.read_text()) if ids_file.exists() else {}
+        self.backends: list[Backend] = []
+        if spec.wandb:
+            ids.setdefault("wandb", f"{job.name}-{uuid.uuid4().hex[:8]}")
+            self.backends.append(Wandb(job, run_dir, ids["wandb"]))
+        if spec.mlflow:
+            backend = Mlflow(job, run_dir, ids.get("mlflow"))
+            ids["mlflow"] = backend.run_id
+            self.backends.append(backend)
+        if spec.tensorboard:
+            self.backends.append(Tensorboard(job, run_dir))
+        if ids:
+            ids_file.write_text(json.dumps(ids))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.backends)
+
+    def log(self, kind: str, values: dict[str, Any]) -> None:
+        row = scalars(kind, values)
+        if row is None:
+            return
+        for backend in self.backends:
+            try:
+                backend.log(kind, *row)
+            except Exception as err:  # a tracker's outage must not stop training
+                log.warning("%s: could not log %s row: %s", type(backend).__name__, kind, err)
+
+    def close(self) -> None:
+        for backend in self.backends:
+            try:
+                backend.close()
+            except Exception as err:
+                log.warning("%s: could not close: %s", type(backend).__name__, err)

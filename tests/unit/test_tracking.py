@@ -1,0 +1,67 @@
+"""Experiment trackers against their real libraries, offline: W&B (offline mode), MLflow (a
+local file store), TensorBoard (event files) — the rows `metrics.jsonl` holds, read back."""
+
+import json
+import math
+
+from wandb_records import wandb_history  # tests/wandb_records.py
+
+from pipelinerl.spec import parse_job
+from pipelinerl.tracking import Tracker, default_mlflow_uri, scalars
+
+
+def job(**tracking):
+    return parse_job({"metadata": {"name": "tracked"}, "spec": {"tracking": tracking}})
+
+
+def test_rows_become_prefixed_numbers_at_their_axis():
+    assert scalars("train", {"step": 3, "loss": 0.5, "samples": 16, "grad_norm": None, "final": True,
+                             "reward": math.nan}) == (3, {"train/step": 3.0, "train/loss": 0.5, "train/samples": 16.0})
+    assert scalars("eval", {"version": 50, "accuracy": 0.4, "final": False}) == (50, {"eval/version": 50.0,
+                                                                                      "eval/accuracy": 0.4})
+    assert scalars("generator", {"step": 1}) is None and scalars("train", {"loss": 1.0}) is None
+
+
+def test_no_tracking_asked_for_is_a_no_op(tmp_path):
+    tracker = Tracker(job(), tmp_path)
+    assert not tracker.enabled
+    tracker.log("train", {"step": 1, "loss": 1.0})
+    tracker.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_every_tracker_gets_the_rows_and_a_restart_continues_the_same_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    spec = dict(wandb={"project": "p", "mode": "offline"}, mlflow={}, tensorboard={})
+    tracker = Tracker(job(**spec), tmp_path)
+    for step in (1, 2, 3):
+        tracker.log("train", {"step": step, "loss": 1.0 / step, "reward": 0.1 * step})
+    tracker.log("eval", {"version": 2, "accuracy": 0.3, "final": False})  # later than train step 3
+    tracker.close()
+    ids = json.loads((tmp_path / "tracking.json").read_text())
+
+    again = Tracker(job(**spec), tmp_path)  # the trainer restarted in the same run directory
+    again.log("train", {"step": 4, "loss": 0.2, "reward": 0.5})
+    again.close()
+    assert json.loads((tmp_path / "tracking.json").read_text()) == ids
+
+    import mlflow
+
+    client = mlflow.MlflowClient(default_mlflow_uri(tmp_path))
+    history = client.get_metric_history(ids["mlflow"], "train/loss")
+    assert [(h.step, round(h.value, 3)) for h in history] == [(1, 1.0), (2, 0.5), (3, 0.333), (4, 0.2)]
+    assert [(h.step, h.value) for h in client.get_metric_history(ids["mlflow"], "eval/accuracy")] == [(2, 0.3)]
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("train/loss")][:3] == [(1, 1.0), (2, 0.5), (3, 0.333)]
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("eval/accuracy")] == [(2, 0.3)]
+
+    # W&B: one offline directory per process, the same run id (`wandb sync` resumes the run).
+    runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
+    history = [row for run in runs for row in wandb_history(run)]
+    assert [(r["train/step"], r["train/loss"]) for r in history if "train/step" in r] == \
+        [(1, 1.0), (2, 0.5), (3, 1 / 3), (4, 0.2)]
+    assert [(r["eval/version"], r["eval/accuracy"]) for r in history if "eval/version" in r] == [(2, 0.3)]
