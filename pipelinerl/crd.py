@@ -77,6 +77,10 @@ class JobStatus(StatusModel):
     failures: int = Field(default=0, ge=0, description="Trainer failures counted against runPolicy.backoffLimit.")
     start_time: str | None = None
     completion_time: str | None = None
+    suspended_seconds: float = Field(default=0.0, ge=0, description="Time spent suspended (not counted "
+                                     "against runPolicy.activeDeadlineSeconds).")
+    suspended_since: str | None = None
+    last_progress_time: str | None = Field(default=None, description="When the policy version last changed.")
 
 
 # ---------------------------------------------------------------- schema conversion
@@ -102,6 +106,7 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
         if len(variants) != 1:
             raise ValueError(f"cannot express union {variants} in a structural schema")
         node = {**variants[0], **node, "nullable": True}
+        node.pop("title", None)
         if node.get("default", 0) is None:
             del node["default"]
     if "const" in node:
@@ -117,7 +122,9 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
             node["properties"] = {k: _structural(v) for k, v in props.items()}
             for key, prop in node["properties"].items():
                 # A nested object gets `{}` so the API server applies its fields' defaults.
-                if prop.get("type") == "object" and "properties" in prop and key not in node.get("required", []):
+                # (Not an optional section such as `tracking.wandb`: absent means off.)
+                if prop.get("type") == "object" and "properties" in prop and key not in node.get("required", []) \
+                        and not prop.get("nullable"):
                     prop.setdefault("default", {})
             node.pop("additionalProperties", None)
         elif isinstance(node.get("additionalProperties"), dict):

@@ -181,7 +181,10 @@ class EvalSpec(SpecModel):
 
 class RunPolicy(SpecModel):
     backoff_limit: int = Field(default=3, ge=0, le=1000)
-    active_deadline_seconds: int | None = Field(default=None, ge=1)
+    active_deadline_seconds: int | None = Field(default=None, ge=1, description="From creation; time "
+                                                "suspended is not counted.")
+    progress_deadline_seconds: int | None = Field(default=None, ge=1, description="No new policy version for this "
+                                                  "long while running: Ready and Progressing turn False.")
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
 
 

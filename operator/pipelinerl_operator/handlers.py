@@ -15,16 +15,17 @@ from typing import Any
 
 import kopf
 
-from pipelinerl.contracts import OPERATOR_METRICS_PORT, ROLES, OperatorEnv
+from pipelinerl.contracts import JOB_LABEL, OPERATOR_METRICS_PORT, ROLE_LABEL, ROLES, OperatorEnv
 from pipelinerl.crd import PLURAL, VERSION
 from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError, parse_job
 from pipelinerl_operator import metrics
-from pipelinerl_operator.kube import Kube
+from pipelinerl_operator.kube import Kube, KubeError
+from pipelinerl_operator.pods import pod_problems
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
 from pipelinerl_operator.render import (
-    OperatorConfig, RenderError, generator_selector, render, replicas, role_name, selector_labels, trainer_host,
+    OperatorConfig, RenderError, generator_selector, render, replicas, role_name, trainer_host,
 )
-from pipelinerl_operator.status import Observed, RoleObserved, compute, is_terminal, ttl_expired
+from pipelinerl_operator.status import Observed, RoleObserved, compute, is_terminal, parse_ts, ttl_expired
 from pipelinerl_operator.streams_cleanup import delete_job_streams
 
 FINALIZER = f"{API_GROUP}/cleanup"
@@ -114,11 +115,10 @@ async def _observe_roles(kube: Kube, ns: str, job: Any, name: str) -> dict[str, 
     return roles
 
 
-async def _trainer_restarts(kube: Kube, ns: str, name: str) -> int:
-    selector = ",".join(f"{k}={v}" for k, v in selector_labels(name, "trainer").items())
-    pods = await kube.list("v1", "Pod", ns, selector)
-    return sum(int(c.get("restartCount", 0) or 0)
-               for p in pods for c in (p.get("status") or {}).get("containerStatuses") or [])
+def _trainer_restarts(pods: list[dict[str, Any]]) -> int:
+    return sum(int(c.get("restartCount", 0) or 0) for p in pods
+               if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == "trainer"
+               for c in (p.get("status") or {}).get("containerStatuses") or [])
 
 
 async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
@@ -153,10 +153,16 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
         spec_error = str(err)
         logger.warning("invalid spec: %s", spec_error)
     try:
+        apply_error = None
         for obj in children:
-            await kube.apply(obj)
+            try:
+                await kube.apply(obj)
+            except KubeError as err:  # refused (invalid, quota, admission webhook): say so in the status
+                apply_error = f"{obj['kind']} {obj['metadata']['name']}: {err}"
+                logger.warning("the API server refused %s", apply_error)
+                break
         roles = await _observe_roles(kube, ns, job, name)
-        restarts = await _trainer_restarts(kube, ns, name)
+        pods = await kube.list("v1", "Pod", ns, f"{JOB_LABEL}={name}")
         trainer_status = None
         if job is not None and roles["trainer"].ready > 0:
             url = status_url(os.environ.get(OperatorEnv.TRAINER_STATUS_URL, DEFAULT_URL), name, ns, trainer_host(job, ns))
@@ -165,9 +171,11 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
         status, events = compute(Observed(
             generation=int(meta.get("generation", 0) or 0), now=now, previous=previous, spec_error=spec_error,
             suspend=bool(job and job.spec.suspend), roles=roles, trainer_status=trainer_status,
-            trainer_restarts=restarts,
+            trainer_restarts=_trainer_restarts(pods), pod_problems=tuple(pod_problems(pods)), apply_error=apply_error,
+            created=parse_ts(meta["creationTimestamp"]) if meta.get("creationTimestamp") else None,
             backoff_limit=job.spec.run_policy.backoff_limit if job else 0,
             active_deadline_seconds=job.spec.run_policy.active_deadline_seconds if job else None,
+            progress_deadline_seconds=job.spec.run_policy.progress_deadline_seconds if job else None,
             generator_selector=generator_selector(name),
         ))
         if job is not None and is_terminal(status) and not is_terminal(previous):

@@ -12,13 +12,15 @@ from typing import Any
 
 from pipelinerl.contracts import Progress, TrainerStatus
 from pipelinerl.crd import JobStatus
+from pipelinerl_operator.pods import REASONS as POD_REASONS
+from pipelinerl_operator.pods import PodProblem
 
 ROLE_CONDITIONS = {"generator": "GeneratorsReady", "preprocessor": "PreprocessorReady", "trainer": "TrainerReady"}
 # The fixed vocabulary of Event reasons the operator posts (docs/kubernetes.md lists them).
 EVENT_REASONS = frozenset({
     "Created", "Updated", "InvalidSpec", "Ready", "NotReady", "Degraded", "Recovered", "Suspended",
     "Resumed", "Succeeded", "Failed", "BackoffLimitExceeded", "DeadlineExceeded", "TTLExpired",
-    "StreamsDeleted", "StreamsDeleteFailed",
+    "StreamsDeleted", "StreamsDeleteFailed", "ApplyRefused", "ProgressDeadlineExceeded", *POD_REASONS,
 })
 
 
@@ -42,7 +44,11 @@ class Observed:
     trainer_status: TrainerStatus | None = None  # trainer rank 0 `/status`; None: unreachable
     trainer_restarts: int = 0  # container restarts summed over trainer pods
     backoff_limit: int = 3
-    active_deadline_seconds: int | None = None
+    active_deadline_seconds: int | None = None  # counted from creation, suspended time left out
+    progress_deadline_seconds: int | None = None  # no new policy version for this long: not progressing
+    created: datetime | None = None  # metadata.creationTimestamp
+    pod_problems: tuple[PodProblem, ...] = ()
+    apply_error: str | None = None  # the API server refused a child: its message
     generator_selector: str = ""
 
 
@@ -92,14 +98,43 @@ class _Conditions:
         return any(c["type"] == type_ and c["status"] == "True" for c in self.items)
 
 
-def _role_condition(conds: _Conditions, type_: str, role: RoleObserved, active: bool) -> None:
+def _role_condition(conds: _Conditions, type_: str, role: RoleObserved, active: bool,
+                    problems: list[PodProblem]) -> None:
     counts = f"{role.ready}/{role.desired} ready"
     if not active:
         conds.set(type_, False, "ScaledDown", counts)
+    elif problems:  # why, rather than how many: the first pod's problem names pod and container
+        more = f" (and {len(problems) - 1} more pods)" if len(problems) > 1 else ""
+        conds.set(type_, False, problems[0].reason, f"{counts}; {problems[0].describe()}{more}")
     elif role.ready >= role.desired > 0:
         conds.set(type_, True, "AllReplicasReady", counts)
     else:
         conds.set(type_, False, "ReplicasNotReady", counts)
+
+
+def _clocks(obs: Observed, prev: dict[str, Any], progress: dict[str, Any], now: str) -> dict[str, Any]:
+    """Suspended time (it stops the deadline's clock) and when the policy version last moved."""
+    suspended_s = float(prev.get("suspendedSeconds", 0) or 0)
+    since = prev.get("suspendedSince")
+    if since and not obs.suspend:
+        suspended_s += (obs.now - parse_ts(since)).total_seconds()
+        since = None
+    elif obs.suspend and not since:
+        since = now
+    moved = progress.get("version") != (prev.get("progress") or {}).get("version")
+    counting = prev.get("phase") == "Running" and not obs.suspend and prev.get("lastProgressTime")
+    last_progress = prev["lastProgressTime"] if counting and not moved else now
+    return {"suspendedSeconds": suspended_s, "suspendedSince": since, "lastProgressTime": last_progress}
+
+
+def _running_seconds(obs: Observed, clocks: dict[str, Any]) -> float | None:
+    """Seconds the job has existed, less the time it was suspended."""
+    if obs.created is None:
+        return None
+    suspended = clocks["suspendedSeconds"]
+    if clocks["suspendedSince"]:
+        suspended += (obs.now - parse_ts(clocks["suspendedSince"])).total_seconds()
+    return (obs.now - obs.created).total_seconds() - suspended
 
 
 def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
@@ -112,6 +147,7 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
     start_time = prev.get("startTime")
     completion_time = prev.get("completionTime")
     roles = {r: obs.roles.get(r, RoleObserved(desired=0)) for r in ROLE_CONDITIONS}
+    clocks = _clocks(obs, prev, progress, now)
 
     # Terminal outcomes, in order of precedence; a terminal phase is sticky.
     phase = prev.get("phase") if is_terminal(prev) else None
@@ -126,15 +162,16 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
         elif failures > obs.backoff_limit:
             phase, fail_reason = "Failed", "BackoffLimitExceeded"
             fail_message = f"trainer restarted {failures} times (runPolicy.backoffLimit {obs.backoff_limit})"
-        elif deadline and start_time and obs.now - parse_ts(start_time) > timedelta(seconds=deadline):
+        elif deadline and not obs.suspend and (_running_seconds(obs, clocks) or 0) > deadline:
             phase, fail_reason = "Failed", "DeadlineExceeded"
-            fail_message = f"running longer than runPolicy.activeDeadlineSeconds ({deadline}s)"
+            fail_message = f"not finished within runPolicy.activeDeadlineSeconds ({deadline}s) of its creation " \
+                           f"(suspended time not counted)"
     terminal = phase in ("Succeeded", "Failed")
     suspended = obs.suspend and not terminal
     active = not suspended and not terminal and obs.spec_error is None
 
     for role, type_ in ROLE_CONDITIONS.items():
-        _role_condition(conds, type_, roles[role], active)
+        _role_condition(conds, type_, roles[role], active, [p for p in obs.pod_problems if p.role == role])
     pods_ready = all(conds.get(t) for t in ROLE_CONDITIONS.values())
     if not active:
         conds.set("WeightSyncReady", False, "ScaledDown", "")
@@ -145,9 +182,17 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
     else:
         conds.set("WeightSyncReady", True, "GroupFormed", f"policy version {progress.get('version', 0)}")
 
+    stalled = ""
+    if active and obs.progress_deadline_seconds and prev.get("phase") == "Running" and \
+            obs.now - parse_ts(clocks["lastProgressTime"]) > timedelta(seconds=obs.progress_deadline_seconds):
+        stalled = (f"no new policy version since {clocks['lastProgressTime']} (version {progress.get('version', 0)}; "
+                   f"runPolicy.progressDeadlineSeconds {obs.progress_deadline_seconds})")
     if obs.spec_error is not None:
         phase = phase or prev.get("phase") or "Pending"
         ready_reason, ready_message = "InvalidSpec", obs.spec_error
+    elif obs.apply_error is not None and not terminal:
+        phase = phase or prev.get("phase") or "Pending"
+        ready_reason, ready_message = "ApplyRefused", obs.apply_error
     elif terminal:
         ready_reason, ready_message = phase, fail_message
     elif suspended:
@@ -158,7 +203,9 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
         ready_message = "; ".join(f"{c['type']}: {c['reason']} {c['message']}".strip() for c in not_ready)
         started = roles["trainer"].ready > 0 and roles["generator"].ready > 0
         phase = "Running" if started or (prev.get("phase") == "Running" and not_ready) else "Pending"
-    ready = not not_ready_any(conds) and active
+    if stalled and ready_reason == "AllComponentsReady":
+        ready_reason, ready_message = "ProgressDeadlineExceeded", stalled
+    ready = not not_ready_any(conds) and active and obs.apply_error is None and not stalled
     conds.set("Ready", ready, ready_reason, ready_message)
 
     gen = roles["generator"]
@@ -176,8 +223,11 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
     message = f"{gen.ready}/{gen.desired} generators ready{group}, {failures} trainer restarts"
     conds.set("Degraded", bool(degraded_reason), degraded_reason or "AsExpected",
               (f"{alarm}; {message}" if alarm else message) if degraded_reason else "")
-    conds.set("Progressing", active, "Training" if ready else ("Starting" if active else (ready_reason or "Stopped")),
-              f"step {progress.get('step', 0)}" if active else "")
+    if stalled:
+        conds.set("Progressing", False, "ProgressDeadlineExceeded", stalled)
+    else:
+        conds.set("Progressing", active, "Training" if ready else ("Starting" if active else (ready_reason or "Stopped")),
+                  f"step {progress.get('step', 0)}" if active else "")
     conds.set("Suspended", suspended, "Suspended" if suspended else "NotSuspended")
     conds.set("Succeeded", phase == "Succeeded", "Succeeded" if phase == "Succeeded" else "NotFinished",
               fail_message if phase == "Succeeded" else "")
@@ -199,6 +249,7 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
         "failures": failures,
         "startTime": start_time,
         "completionTime": completion_time,
+        **clocks,
     }).model_dump(by_alias=True, exclude_none=True)
     return status, events_between(prev, status)
 
@@ -241,6 +292,13 @@ def events_between(prev: dict[str, Any], new: dict[str, Any]) -> list[Event]:
                             "scaled all roles to zero; checkpoints kept" if suspended else "scaling roles back up"))
     if _flipped(prev, new, "Succeeded"):
         events.append(Event("Normal", "Succeeded", (_cond(new, "Succeeded") or {}).get("message", "")))
+    for type_ in (*ROLE_CONDITIONS.values(), "Ready", "Progressing"):
+        after, before = _cond(new, type_) or {}, _cond(prev, type_) or {}
+        reason = after.get("reason")
+        if (reason in POD_REASONS or reason in ("ApplyRefused", "ProgressDeadlineExceeded")) and \
+                (reason, after.get("message")) != (before.get("reason"), before.get("message")) and \
+                not (type_ == "Ready" and reason == "ProgressDeadlineExceeded"):  # Progressing says it
+            events.append(Event("Warning", reason, after.get("message", "")))
     if _flipped(prev, new, "Failed"):
         failed = _cond(new, "Failed") or {}
         events.append(Event("Warning", failed["reason"] if failed["reason"] in EVENT_REASONS else "Failed", failed.get("message", "")))

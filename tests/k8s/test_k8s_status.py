@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from pipelinerl.contracts import TrainerStatus
 from pipelinerl.crd import JobStatus
+from pipelinerl_operator.pods import PodProblem, pod_problems
 from pipelinerl_operator.status import Observed, RoleObserved, compute, ttl_expired
 
 T0 = datetime(2026, 11, 22, 3, 0, tzinfo=timezone.utc)
@@ -21,6 +22,7 @@ def cond(status, type_):
 
 def run(previous=None, now=T0, **kw):
     kw.setdefault("roles", UP)
+    kw.setdefault("created", T0)
     report = kw.setdefault("trainer_status", {"step": 1, "version": 1, "weightSyncReady": True})
     if report is not None:
         kw["trainer_status"] = TrainerStatus.model_validate(report)
@@ -129,3 +131,85 @@ def test_a_run_that_stopped_learning_is_degraded_with_the_trainers_reason() -> N
     assert any(e.type == "Warning" and e.reason == "Degraded" for e in events)
     healthy, events = run(previous=status, trainer_status={"step": 23, "version": 23, "weightSyncReady": True})
     assert cond(healthy, "Degraded")["status"] == "False" and "Recovered" in {e.reason for e in events}
+
+
+def test_the_deadline_counts_from_creation_and_not_while_suspended() -> None:
+    stuck, _ = run(now=T0 + timedelta(hours=2), active_deadline_seconds=3600, trainer_status=None,
+                   roles={**UP, "trainer": RoleObserved(1, 1, 0)})  # never started: Pending for 2 h
+    assert stuck["phase"] == "Failed" and cond(stuck, "Failed")["reason"] == "DeadlineExceeded"
+    minutes = lambda m: T0 + timedelta(minutes=m)  # noqa: E731
+    down = {r: RoleObserved(o.desired) for r, o in UP.items()}
+    s, _ = run(now=minutes(10), active_deadline_seconds=3600)
+    s, _ = run(previous=s, now=minutes(10), suspend=True, roles=down, active_deadline_seconds=3600)
+    s, _ = run(previous=s, now=minutes(80), suspend=True, roles=down, active_deadline_seconds=3600)
+    assert s["phase"] == "Suspended"  # past the deadline since creation, but suspended: not failed
+    s, _ = run(previous=s, now=minutes(100), active_deadline_seconds=3600)  # resumed: 90 min suspended
+    assert s["suspendedSeconds"] == 90 * 60 and "suspendedSince" not in s
+    s, _ = run(previous=s, now=minutes(140), active_deadline_seconds=3600)
+    assert s["phase"] == "Running"  # 50 minutes counted
+    s, events = run(previous=s, now=minutes(155), active_deadline_seconds=3600)
+    assert s["phase"] == "Failed" and "DeadlineExceeded" in {e.reason for e in events}
+
+
+def pod(name, role, **status):
+    return {"metadata": {"name": name, "labels": {"pipelinerl.dev/role": role}}, "status": status}
+
+
+PODS = [
+    pod("demo-generator-1", "generator", containerStatuses=[{"name": "generator", "state": {"waiting": {
+        "reason": "ImagePullBackOff", "message": 'Back-off pulling image "example.com/gen:typo"'}}}]),
+    pod("demo-generator-0", "generator", containerStatuses=[{"name": "generator", "state": {"running": {}}}]),
+    pod("demo-trainer-0", "trainer", containerStatuses=[{"name": "trainer", "state": {"waiting": {
+        "reason": "CrashLoopBackOff"}}, "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}]),
+    pod("demo-preprocessor-0", "preprocessor", conditions=[{"type": "PodScheduled", "status": "False",
+        "reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient memory."}]),
+]
+
+
+def test_pod_problems_are_read_with_pod_and_container_named() -> None:
+    assert pod_problems(PODS) == [
+        PodProblem("generator", "demo-generator-1", "generator", "ImagePullBackOff",
+                   'Back-off pulling image "example.com/gen:typo"'),
+        PodProblem("preprocessor", "demo-preprocessor-0", None, "Unschedulable",
+                   "0/3 nodes are available: 3 Insufficient memory."),
+        PodProblem("trainer", "demo-trainer-0", "trainer", "OOMKilled",
+                   "killed for memory (exit code 137): raise the role's memory limit"),
+    ]
+
+
+def test_pod_problems_show_in_the_role_conditions_ready_and_events() -> None:
+    healthy, _ = run()
+    roles = {"generator": RoleObserved(2, 2, 1), "preprocessor": RoleObserved(1, 1, 0), "trainer": RoleObserved(1, 1, 0)}
+    s, events = run(previous=healthy, roles=roles, pod_problems=tuple(pod_problems(PODS)), trainer_status=None)
+    JobStatus.model_validate(s)
+    gen = cond(s, "GeneratorsReady")
+    assert gen["reason"] == "ImagePullBackOff" and "demo-generator-1 container generator" in gen["message"]
+    assert cond(s, "TrainerReady")["reason"] == "OOMKilled" and cond(s, "PreprocessorReady")["reason"] == "Unschedulable"
+    assert "ImagePullBackOff" in cond(s, "Ready")["message"]
+    assert {(e.type, e.reason) for e in events} >= {("Warning", "ImagePullBackOff"), ("Warning", "OOMKilled"),
+                                                    ("Warning", "Unschedulable")}
+    again, events = run(previous=s, roles=roles, pod_problems=tuple(pod_problems(PODS)), trainer_status=None)
+    assert not [e for e in events if e.reason in ("ImagePullBackOff", "OOMKilled", "Unschedulable")]  # said once
+
+
+def test_a_refused_apply_is_a_condition_and_an_event() -> None:
+    refused = "StatefulSet demo-generator: 422 spec.template.spec.containers[0].image: Invalid value"
+    s, events = run(apply_error=refused)
+    assert cond(s, "Ready") | {"lastTransitionTime": ""} == {
+        "type": "Ready", "status": "False", "reason": "ApplyRefused", "message": refused,
+        "lastTransitionTime": "", "observedGeneration": 1}
+    assert ("Warning", "ApplyRefused", refused) in {(e.type, e.reason, e.message) for e in events}
+
+
+def test_no_new_version_for_the_progress_deadline_is_not_ready() -> None:
+    s, _ = run()
+    s, _ = run(previous=s, now=T0 + timedelta(minutes=5), progress_deadline_seconds=600)
+    assert cond(s, "Ready")["status"] == "True"
+    s, events = run(previous=s, now=T0 + timedelta(minutes=16), progress_deadline_seconds=600)  # still version 1
+    assert cond(s, "Ready")["reason"] == "ProgressDeadlineExceeded" and cond(s, "Ready")["status"] == "False"
+    assert cond(s, "Progressing")["reason"] == "ProgressDeadlineExceeded"
+    assert "no new policy version since 2026-11-22T03:00:00Z" in cond(s, "Progressing")["message"]
+    assert "ProgressDeadlineExceeded" in {e.reason for e in events}
+    s, _ = run(previous=s, now=T0 + timedelta(minutes=17), progress_deadline_seconds=600,
+               trainer_status={"step": 2, "version": 2, "weightSyncReady": True})
+    assert cond(s, "Ready")["status"] == "True" and s["lastProgressTime"] == "2026-11-22T03:17:00Z"

@@ -20,7 +20,8 @@ PACKAGES = {  # import name -> folder
 # its own package (no sideways arrows between services, nor between a service and the operator).
 LAYERS = {
     "contracts": ["pipelinerl", "pipelinerl.contracts", "pipelinerl.spec"],  # "pipelinerl": its __init__ alone
-    "core": ["pipelinerl.messages", "pipelinerl.streams", "pipelinerl.weight_group", "pipelinerl.admission", "pipelinerl.learning", "pipelinerl.tracking",
+    "core": ["pipelinerl.messages", "pipelinerl.streams", "pipelinerl.weight_group", "pipelinerl.admission",
+             "pipelinerl.learning", "pipelinerl.tracking",
              "pipelinerl.tasks", "pipelinerl.tiny_model", "pipelinerl.ports", "pipelinerl.runtime", "pipelinerl.crd"],
     "services": ["pipelinerl_generator", "pipelinerl_preprocessor", "pipelinerl_trainer", "pipelinerl_operator"],
     "tools": ["pipelinerl.cli", "pipelinerl.local", "pipelinerl.embedded_nats", "pipelinerl.processes",

@@ -1,0 +1,54 @@
+"""Why a job's pods are not running, read from their status (pure): the problems a user must see
+in the job's conditions and Events, with the pod and the container named."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pipelinerl.contracts import ROLE_LABEL
+
+# Container waiting reasons that will not clear by themselves.
+WAITING = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CrashLoopBackOff",
+           "CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+REASONS = frozenset({*WAITING, "OOMKilled", "Unschedulable"})
+
+
+@dataclass(frozen=True)
+class PodProblem:
+    role: str
+    pod: str
+    container: str | None
+    reason: str  # one of REASONS
+    message: str
+
+    def describe(self) -> str:
+        where = f"pod {self.pod}" + (f" container {self.container}" if self.container else "")
+        return f"{where}: {self.reason}" + (f": {self.message}" if self.message else "")
+
+
+def pod_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
+    """Each pod's problem, if it has one: unschedulable, an image that cannot be pulled, a
+    container crash-looping or killed for memory (the latest cause first)."""
+    out = []
+    for pod in sorted(pods, key=lambda p: p["metadata"]["name"]):
+        name, status = pod["metadata"]["name"], pod.get("status") or {}
+        role = (pod["metadata"].get("labels") or {}).get(ROLE_LABEL, "")
+        found = None
+        for c in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
+            waiting = (c.get("state") or {}).get("waiting") or {}
+            killed = ((c.get("state") or {}).get("terminated") or (c.get("lastState") or {}).get("terminated") or {})
+            if killed.get("reason") == "OOMKilled":
+                limit = f" (exit code {killed.get('exitCode')}): raise the role's memory limit"
+                found = PodProblem(role, name, c.get("name"), "OOMKilled", f"killed for memory{limit}")
+            elif waiting.get("reason") in WAITING:
+                found = PodProblem(role, name, c.get("name"), waiting["reason"], waiting.get("message", ""))
+            if found:
+                break
+        if found is None:
+            scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
+            if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
+                found = PodProblem(role, name, None, "Unschedulable", scheduled.get("message", ""))
+        if found:
+            out.append(found)
+    return out
