@@ -24,6 +24,15 @@ PLURALS = {
 }
 
 
+def status_message(text: str) -> str:
+    """The message of an API error: a `Status` object's `reason: message`, else the body's start."""
+    try:
+        status = json.loads(text)
+        return f"{status.get('reason', '')}: {status['message']}".lstrip(": ")[:1000]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return text[:500]
+
+
 class KubeError(RuntimeError):
     def __init__(self, status: int, message: str):
         super().__init__(f"HTTP {status}: {message}")
@@ -94,7 +103,7 @@ class Kube:
                 return None
             text = await resp.text()
             if resp.status >= 400:
-                raise KubeError(resp.status, text[:500])
+                raise KubeError(resp.status, status_message(text))
             return json.loads(text) if text else {}
 
     async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:

@@ -3,7 +3,8 @@
 No kube-apiserver can run on this machine, so kmock stands in for it: it serves discovery,
 list/watch/patch/create/delete of the declared resources over real HTTP. It has no controllers,
 defaulting or garbage collection: the tests play the StatefulSet controller (patching status
-through the API, as the real controller would) and assert ownerReferences instead of GC.
+through the API, as the real controller would) and assert ownerReferences instead of GC, and
+play the API server's validation where a test needs a write refused (`Emulator.refuse`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
+import attrs
 import kmock
 import kopf
 
@@ -33,6 +35,14 @@ RESOURCES = {
 }
 
 
+@attrs.frozen
+class Invalid(kmock.KubernetesError):
+    """What an API server answers to an object its validation or an admission webhook refuses."""
+    status: int = 422
+    reason: str = "Invalid"
+    message: str = "refused"
+
+
 class Emulator(kmock.KubernetesEmulator):
     """kmock's emulator plus the API-server bookkeeping kopf relies on: a resourceVersion bumped
     on every write (kopf waits for its own patches by it), `metadata.generation` bumped on spec
@@ -40,6 +50,7 @@ class Emulator(kmock.KubernetesEmulator):
 
     _version: int = 0
     creates: list[str] = []  # "plural/name" of every POST, to check nothing is created twice
+    refuse: dict[str, str] = {}  # "plural/name" → the message of a 422 answered to writes of it
 
     def _current(self, request) -> dict[str, Any]:  # type: ignore[no-untyped-def]
         for (res, ns, name), obj in list(self.objects.items()):
@@ -48,6 +59,11 @@ class Emulator(kmock.KubernetesEmulator):
         return {}
 
     async def _handle(self, request):  # type: ignore[no-untyped-def]
+        if request.method in ("PATCH", "POST", "PUT") and request.resource is not None:
+            name = request.name or ((request.data or {}).get("metadata") or {}).get("name")
+            refused = self.refuse.get(f"{request.resource.plural}/{name}")
+            if refused:
+                raise Invalid(message=refused)
         Emulator._version += 1
         rv = str(Emulator._version)
         data = request.data
@@ -77,7 +93,7 @@ class Emulator(kmock.KubernetesEmulator):
 @contextlib.asynccontextmanager
 async def emulator() -> AsyncIterator[Emulator]:
     async with Emulator() as handler, kmock.Server(handler):
-        handler.creates = []
+        handler.creates, handler.refuse = [], {}
         declare(handler)
         yield handler
 
@@ -116,10 +132,11 @@ class Api:
         path = f"/apis/apps/v1/namespaces/{NS}/statefulsets/{name}/status"
         await self._call("PATCH", path, {"status": {"replicas": replicas, "readyReplicas": ready}})
 
-    async def create_pod(self, name: str, labels: dict[str, str], restarts: int) -> None:
+    async def create_pod(self, name: str, labels: dict[str, str], restarts: int,
+                         status: dict[str, Any] | None = None) -> None:
         await self._call("POST", f"/api/v1/namespaces/{NS}/pods", {
             "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": labels},
-            "status": {"containerStatuses": [{"name": "trainer", "restartCount": restarts}]},
+            "status": {"containerStatuses": [{"name": "trainer", "restartCount": restarts}], **(status or {})},
         })
 
     async def patch_pod_restarts(self, name: str, restarts: int) -> None:

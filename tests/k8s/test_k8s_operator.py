@@ -252,3 +252,29 @@ async def test_deletion_removes_this_jobs_nats_streams(cluster, nats_url: str) -
         await eventually(lambda: "StreamsDeleted" in events(emulator))
     finally:
         await nc.close()
+
+
+async def test_a_refused_apply_and_a_stuck_pod_are_told_in_the_status_and_events(cluster) -> None:
+    emulator, api, trainer = cluster
+    trainer.reports["demo"] = {"step": 3, "version": 3, "finished": False, "weightSyncReady": True}
+    refusal = 'spec.template.spec.containers[0].image: Invalid value: "bad image": no spaces allowed'
+    emulator.refuse["statefulsets/demo-generator"] = refusal
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest())
+        await eventually(lambda: condition(emulator, "Ready").get("reason") == "ApplyRefused", what="ApplyRefused")
+        ready = condition(emulator, "Ready")
+        assert ready["status"] == "False" and "StatefulSet demo-generator" in ready["message"] and refusal in ready["message"]
+        await eventually(lambda: "ApplyRefused" in events(emulator), what="ApplyRefused event")
+        emulator.refuse.clear()  # fixed (e.g. a quota raised): the next reconcile applies it
+        await api.patch_job("demo", {"spec": {"generator": {"replicas": 3}}})
+        await eventually(lambda: obj(emulator, STS, "demo-generator"), what="generator StatefulSet")
+        await all_ready(api, generators=3)
+        # A trainer pod that no node can take: the condition says which pod and why.
+        await api.create_pod("demo-trainer-1", {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer"}, 0,
+                             status={"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                                                     "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]})
+        await api.set_sts_status("demo-trainer", 2, 1)
+        await eventually(lambda: condition(emulator, "TrainerReady").get("reason") == "Unschedulable", what="Unschedulable")
+        assert "pod demo-trainer-1: Unschedulable: 0/4 nodes" in condition(emulator, "TrainerReady")["message"]
+        assert condition(emulator, "Ready")["reason"] == "TrainerNotReady"
+        await eventually(lambda: "Unschedulable" in events(emulator), what="Unschedulable event")
