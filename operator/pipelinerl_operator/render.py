@@ -181,16 +181,26 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
+def gang_name(job: str) -> str:
+    """The pod group that must be scheduled together: the trainer ranks and the preprocessor."""
+    return f"{job}-trainer"
+
+
 def _pod_labels(job: PipelineRLJob, role: str) -> tuple[dict[str, str], dict[str, str]]:
     labels = _labels(job, role)
     annotations: dict[str, str] = {CONFIG_HASH_ANNOTATION: role_config_hash(job, role)}
     scheduling = job.spec.scheduling
-    if scheduling.queue_name:  # Kueue admits all pods of the job as one group (gang admission)
+    # The gang is the trainer ranks and the preprocessor: useless without each other, and fixed in
+    # size. Generators are elastic (the job scales them, and runs with any number ≥ 1): each is
+    # admitted on its own, so scaling them changes no pod template, a trainer's least of all.
+    gang = role != "generator"
+    if scheduling.queue_name:
         labels[KUEUE_QUEUE_LABEL] = scheduling.queue_name
-        labels[KUEUE_POD_GROUP_LABEL] = job.name
-        annotations[KUEUE_POD_GROUP_COUNT_ANNOTATION] = str(sum(replicas(job, r) for r in ROLES))
-    if scheduling.scheduler_name:  # coscheduling-style gang schedulers group pods by this label
-        labels[POD_GROUP_LABEL] = job.name
+        if gang:  # Kueue admits the pods of a pod group together
+            labels[KUEUE_POD_GROUP_LABEL] = gang_name(job.name)
+            annotations[KUEUE_POD_GROUP_COUNT_ANNOTATION] = str(replicas(job, "trainer") + replicas(job, "preprocessor"))
+    if scheduling.scheduler_name and gang:  # coscheduling-style gang schedulers group pods by this label
+        labels[POD_GROUP_LABEL] = gang_name(job.name)
     return labels, annotations
 
 

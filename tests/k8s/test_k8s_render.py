@@ -99,9 +99,24 @@ def test_gpus_images_and_scheduling() -> None:
     assert objs[("StatefulSet", "demo-preprocessor")]["spec"]["template"]["spec"]["containers"][0]["image"] == CFG.cpu_image
     assert objs[("StatefulSet", "demo-trainer")]["spec"]["template"]["spec"]["containers"][0]["image"] == "me/trainer:1"
     assert gen["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "q"
-    assert gen["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo"
-    assert gen["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "3"
     assert gen["spec"]["schedulerName"] == "volcano"
+    # The gang is the trainer ranks and the preprocessor; each generator is admitted on its own.
+    for role in ("trainer", "preprocessor"):
+        meta = objs[("StatefulSet", f"demo-{role}")]["spec"]["template"]["metadata"]
+        assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "q"
+        assert meta["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo-trainer"
+        assert meta["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "2"
+        assert meta["labels"]["scheduling.x-k8s.io/pod-group"] == "demo-trainer"
+    assert not {k for k in (*gen["metadata"]["labels"], *gen["metadata"]["annotations"]) if "pod-group" in k}
+
+
+def test_scaling_generators_in_a_queued_job_changes_no_pod_template() -> None:
+    def templates(generators: int) -> dict:
+        objs = render(job(generator={"replicas": generators}, trainer={"replicas": 2},
+                          scheduling={"queueName": "q", "schedulerName": "volcano"}), "ns", "u", CFG)
+        return {o["metadata"]["name"]: o["spec"]["template"] for o in objs if o["kind"] == "StatefulSet"}
+
+    assert templates(4) == templates(6)
 
 
 def test_suspend_scales_to_zero() -> None:
