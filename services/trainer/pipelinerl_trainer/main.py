@@ -87,6 +87,8 @@ class Trainer:
         self.version = state.get("step", 0)
         self.trained_groups: dict[str, int] = state.get("trained_groups", {})
         self.consumed_seq = state.get("consumed_seq", {}).get(str(self.rank), 0)
+        self.step_seq = self.consumed_seq  # the stream position after the last whole step trained
+        self.checkpointed = self.version
         self.samples_total = state.get("samples", 0)
         self.rejected_total = state.get("rejected", {"groups": 0, "samples": 0})  # dead-lettered, whole run
 
@@ -122,6 +124,7 @@ class Trainer:
             if metrics is None:
                 break
             self.version += 1
+            self.step_seq = self.consumed_seq
             last = self.version >= self.spec.trainer.max_steps
             # Pipeline mode trains on while the generators load the weights (but for the last
             # step's); sync mode's next step must be generated with them.
@@ -137,6 +140,10 @@ class Trainer:
             if self.rank == 0:
                 self._report(metrics)  # before the announcement, which lets the generators finish
                 self._announce(finished=last)
+        if self.stop.is_set() and self.version > self.checkpointed:
+            # Stopped (suspend, a drain, Ctrl-C): keep every step taken, within the grace period.
+            log.info("stopping: checkpointing step %d (the last one was %d)", self.version, self.checkpointed)
+            self._checkpoint()
         self.progress.finished = self.version >= self.spec.trainer.max_steps
         if self.tracker is not None:
             self._track_evaluations(wait_for_final=self.progress.finished and self.spec.eval.interval > 0)
@@ -310,7 +317,8 @@ class Trainer:
                 deadline = 0.0
 
     def _checkpoint(self) -> None:
-        mine = torch.tensor([self.consumed_seq], dtype=torch.long, device=self.engine.device)
+        # Where the last whole step ended: a step cut short by a stop is trained again in full.
+        mine = torch.tensor([self.step_seq], dtype=torch.long, device=self.engine.device)
         seqs = [torch.zeros_like(mine) for _ in range(self.world)]
         if self.world > 1:
             dist.all_gather(seqs, mine)
@@ -320,6 +328,7 @@ class Trainer:
                  "rejected": self.rejected_total,
                  "consumed_seq": {str(r): int(s.item()) for r, s in enumerate(seqs)}}
         checkpoint.save(self.engine, self.ckpt_dir, self.version, state, self.rank, self.env.local_rank or 0)
+        self.checkpointed = self.version
 
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:
