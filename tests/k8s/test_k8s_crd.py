@@ -62,7 +62,7 @@ def test_schema_defaults_equal_pydantic_defaults() -> None:
     assert _drop_empty(_drop_empty(stored["spec"])) == _drop_empty(_drop_empty(pydantic))
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_examples_are_admitted(path: Path) -> None:
     manifest = yaml.safe_load(path.read_text())
     parse_job(manifest)  # pydantic agrees

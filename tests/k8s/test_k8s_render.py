@@ -47,7 +47,7 @@ def test_edge_cases_validate_strictly(spec) -> None:
         kubernetes_validate.validate(obj, "1.33", strict=True)
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_examples_validate_strictly(path: Path) -> None:
     objects = render(load_job(path), "team-a", "uid-1", CFG)
     assert len(objects) == 7
