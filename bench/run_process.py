@@ -47,10 +47,21 @@ class RunProcess:
         return json.loads((self.dir / "services.json").read_text())
 
     def wait_step(self, step: int) -> None:
-        while not (self.train() and self.train()[-1]["step"] >= step):
-            assert self.proc.poll() is None, f"the run ended before step {step}:\n{self.output()}"
-            assert time.monotonic() < self.deadline, f"no step {step} in time:\n{self.output()}"
+        self.wait_until(lambda train: train and train[-1]["step"] >= step, f"step {step}")
+
+    def wait_until(self, done, what: str) -> None:
+        """Until `done(train rows)` holds, while the run goes on."""
+        while not done(self.train()):
+            assert self.proc.poll() is None, f"the run ended before {what}:\n{self.output()}"
+            assert time.monotonic() < self.deadline, f"no {what} in time:\n{self.output()}"
             time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Stop the run as Ctrl-C does (every service stops; the trainer checkpoints first)."""
+        os.kill(self.proc.pid, signal.SIGTERM)
+        code = self.proc.wait(timeout=120)
+        self.out.close()
+        assert code == 130, self.output()
 
     def kill(self, name: str) -> tuple[int, int]:
         """SIGKILL a service and everything it started; its pid, and the last step trained then."""

@@ -31,6 +31,9 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 JOB_FILE_DIR = "/etc/pipelinerl"  # in pods: the job manifest, from the job's ConfigMap
 JOB_FILE = f"{JOB_FILE_DIR}/job.yaml"
 POD_RUN_DIR = "/var/lib/pipelinerl/run"  # in pods: checkpoints and logs (a volume)
+POD_CACHE_DIR = "/var/cache/pipelinerl"  # in pods: built models, engine caches (a volume; the root fs is read-only)
+POD_TMP_DIR = "/tmp"  # in pods: a volume, also HOME (libraries write under ~/.cache)
+POD_USER = 10001  # the non-root user job pods run as (the images' own)
 
 # ---------------------------------------------------------------- labels and annotations
 
@@ -74,6 +77,7 @@ class Env:
     LOG_LEVEL = "PIPELINERL_LOG_LEVEL"
     DATA_TIMEOUT_S = "PIPELINERL_DATA_TIMEOUT_S"
     CACHE = "PIPELINERL_CACHE"
+    HOME = "HOME"  # set in pods to a writable volume
 
 
 class OperatorEnv:

@@ -17,7 +17,7 @@ from typing import Any
 from pipelinerl.contracts import (
     CONFIG_HASH_ANNOTATION, HTTP_PORT, JOB_FILE, JOB_FILE_DIR, JOB_LABEL, KUEUE_POD_GROUP_COUNT_ANNOTATION,
     KUEUE_POD_GROUP_LABEL, KUEUE_PREFIX, KUEUE_QUEUE_LABEL, MASTER_PORT, POD_GROUP_LABEL, POD_INDEX_LABEL,
-    POD_RUN_DIR, ROLE_LABEL, ROLES, Env, ServiceEnv,
+    POD_CACHE_DIR, POD_RUN_DIR, POD_TMP_DIR, POD_USER, ROLE_LABEL, ROLES, Env, ServiceEnv,
 )
 from pipelinerl.spec import API_VERSION, KIND, PipelineRLJob, RoleSpec, dump_job
 
@@ -152,6 +152,8 @@ def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> 
     env = [{"name": name, "valueFrom": rank} if name == Env.RANK else {"name": name, "value": value}
            for name, value in service_env(job, role, namespace, cfg).to_environ().items()]
     spec: RoleSpec = getattr(job.spec, role)
+    # The root filesystem is read-only: caches and home go to volumes (a user's env may move them).
+    env += [{"name": Env.CACHE, "value": POD_CACHE_DIR}, {"name": Env.HOME, "value": POD_TMP_DIR}]
     return env + [e.model_dump(mode="json") for e in spec.env]
 
 
@@ -204,6 +206,12 @@ def _pod_labels(job: PipelineRLJob, role: str) -> tuple[dict[str, str], dict[str
     return labels, annotations
 
 
+# Locked down (the "restricted" Pod Security Standard): writes go to the pod's volumes only. A
+# sidecar from the user's podTemplate gets the same, under what it sets itself.
+CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                      "capabilities": {"drop": ["ALL"]}}
+
+
 def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> dict[str, Any]:
     spec: RoleSpec = getattr(job.spec, role)
     image = spec.image or (cfg.gpu_image if spec.gpus else cfg.cpu_image)
@@ -223,11 +231,16 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorCon
             {"name": "job-config", "mountPath": JOB_FILE_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
             {"name": "run", "mountPath": POD_RUN_DIR},
+            {"name": "cache", "mountPath": POD_CACHE_DIR},
+            {"name": "tmp", "mountPath": POD_TMP_DIR},
         ],
+        "securityContext": copy.deepcopy(CONTAINER_SECURITY),
     }
     volumes: list[dict[str, Any]] = [
         {"name": "job-config", "configMap": {"name": config_map_name(job.name)}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},  # NCCL and torch workers need a big /dev/shm
+        {"name": "cache", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
     ]
     if role != "trainer":  # trainers get a PersistentVolumeClaim per rank instead
         volumes.append({"name": "run", "emptyDir": {}})
@@ -235,6 +248,8 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorCon
         "serviceAccountName": cfg.service_account,
         "automountServiceAccountToken": False,  # job pods never call the Kubernetes API
         "terminationGracePeriodSeconds": 60,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": POD_USER, "runAsGroup": POD_USER,
+                            "fsGroup": POD_USER, "seccompProfile": {"type": "RuntimeDefault"}},
         "containers": [container],
         "volumes": volumes,
     }
@@ -245,7 +260,10 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorCon
         pod_spec["priorityClassName"] = scheduling.priority_class_name
     labels, annotations = _pod_labels(job, role)
     ours = {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
-    return merge_pod(spec.pod_template or {}, ours)
+    pod = merge_pod(spec.pod_template or {}, ours)
+    for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:  # a user's sidecars too
+        c["securityContext"] = merge_pod(CONTAINER_SECURITY, c.get("securityContext") or {})
+    return pod
 
 
 # ---------------------------------------------------------------- objects

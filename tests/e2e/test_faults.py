@@ -40,11 +40,18 @@ def groups_from(row: dict, generator: int) -> int:
 
 
 def test_one_generator_of_two_dies_and_rejoins(tmp_path):
-    steps = 16
-    job = fault_job("gen2", steps, generator={"replicas": 2})
-    run, before, killed_at = kill_mid_run(tmp_path, job, "generator-1")
+    # Runs until the restarted generator has fed two steps (its vLLM start takes 15-20 s), then stops.
+    job = fault_job("gen2", 1000, generator={"replicas": 2})
+    run = RunProcess(tmp_path, job, RUN_TIMEOUT_S)
+    run.wait_step(3)
+    before = run.services()
+    _, killed_at = run.kill("generator-1")
+    run.wait_until(lambda train: sum(r["step"] > killed_at and r.get("weight_epoch", 0) >= 3
+                                     and groups_from(r, 1) > 0 for r in train) >= 2,
+                   "two steps fed by the restarted generator, back in the weight group")
+    run.stop()
     train = run.train()
-    assert [r["step"] for r in train] == list(range(1, steps + 1))  # the trainer never stopped nor repeated
+    assert [r["step"] for r in train] == list(range(1, len(train) + 1))  # the trainer never stopped nor repeated
     assert all(r["samples"] == SAMPLES and r["tokens"] > 0 for r in train)  # every step trained a full batch
     # Training went on without the dead generator (groups it published before dying may still
     # be trained a few steps later), then it came back and fed steps again.

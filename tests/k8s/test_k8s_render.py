@@ -47,6 +47,52 @@ def test_edge_cases_validate_strictly(spec) -> None:
         kubernetes_validate.validate(obj, "1.33", strict=True)
 
 
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """What breaks the Kubernetes "restricted" Pod Security Standard (v1.33) in a pod spec."""
+    out, psc = [], pod.get("securityContext") or {}
+    out += [f"spec.{k}" for k in ("hostNetwork", "hostPID", "hostIPC") if pod.get(k)]
+    out += [f"volume {v['name']}: {t}" for v in pod.get("volumes", []) for t in v if t != "name"
+            and t not in RESTRICTED_VOLUMES]
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        sc, where = c.get("securityContext") or {}, f"container {c['name']}"
+        if sc.get("privileged"):
+            out.append(f"{where}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{where}: allowPrivilegeEscalation not false")
+        if not (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True):
+            out.append(f"{where}: runAsNonRoot not true")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            out.append(f"{where}: runAsUser 0")
+        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{where}: seccompProfile {seccomp}")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in caps.get("drop", []) or set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{where}: capabilities {caps}")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            out.append(f"{where}: hostPort")
+    return out
+
+
+@pytest.mark.parametrize("spec", EDGE_CASES)
+def test_every_pod_meets_the_restricted_pod_security_standard(spec) -> None:
+    pods = [o["spec"]["template"] for o in render(job(**spec), "team-a", "uid-1", CFG) if o["kind"] == "StatefulSet"]
+    assert len(pods) == 3
+    for pod in pods:
+        assert restricted_violations(pod["spec"]) == []
+        for c in pod["spec"]["containers"]:
+            assert c["securityContext"]["readOnlyRootFilesystem"] is True
+        mounts = {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        assert {"/tmp", "/var/cache/pipelinerl", "/var/lib/pipelinerl/run"} <= mounts  # the writable places
+    assert restricted_violations({"containers": [{"name": "x"}], "hostNetwork": True}) == [
+        "spec.hostNetwork", "container x: allowPrivilegeEscalation not false", "container x: runAsNonRoot not true",
+        "container x: seccompProfile None", "container x: capabilities {}"]  # the checker itself checks
+
+
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_examples_validate_strictly(path: Path) -> None:
     objects = render(load_job(path), "team-a", "uid-1", CFG)
