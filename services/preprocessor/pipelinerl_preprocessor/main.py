@@ -159,7 +159,7 @@ class Preprocessor:
         key = str(group.generator)
         self.books[key] = m.newest_books(group.books, self.books.get(key))
         problem = group_problem(group, self._limits())
-        if problem and "ahead of the trainer" in problem:  # or is our news of the trainer late?
+        if problem:  # before refusing: is our news of the trainer's version late?
             await self._refresh_trainer_version()
             problem = group_problem(group, self._limits())
         # Its generator counts a group as queued until a step consumes it (unless it counted it
