@@ -7,9 +7,10 @@ COPY pyproject.toml README.md ./
 COPY pipelinerl ./pipelinerl
 COPY operator ./operator
 COPY services ./services
-# --no-deps: the operator needs only these, not the training stack the project depends on.
+# --no-deps: the operator needs only these, not the training stack the project depends on
+# (kubernetes-validate: its admission check validates rendered pods against the Kubernetes schema).
 RUN pip install --no-deps . \
- && pip install "pydantic>=2.7" pyyaml kopf kubernetes aiohttp nats-py prometheus-client
+ && pip install "pydantic>=2.7" pyyaml kopf kubernetes aiohttp nats-py prometheus-client kubernetes-validate
 USER 10001
 EXPOSE 8080 8081
 ENTRYPOINT ["python", "-m", "pipelinerl_operator"]

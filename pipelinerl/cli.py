@@ -8,11 +8,15 @@ import os
 import sys
 
 from pipelinerl.contracts import ROLES
-from pipelinerl.spec import SpecError, dump_job, load_job
+from pipelinerl.spec import SpecError, dump_job, load_job, read_manifest
 
 
 def _validate(args: argparse.Namespace) -> int:
-    job = load_job(args.job)
+    # The same check as the operator's admission webhook (and the rendered pods against Kubernetes' schema).
+    from pipelinerl_operator.admission import check
+
+    old = read_manifest(args.against) if args.against else None
+    job = check(read_manifest(args.job), old, source=args.job)
     print(f"{args.job}: valid {job.kind} {job.name!r} (mode {job.spec.mode}, max lag {job.spec.max_lag})")
     if args.show:
         print(dump_job(job), end="")
@@ -154,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("validate", help="validate a manifest and print field-level errors")
     p.add_argument("job")
     p.add_argument("--show", action="store_true", help="print the manifest with defaults filled in")
+    p.add_argument("--against", metavar="OLD", help="the stored job this manifest would update: refuse changes "
+                                                    "to fields that cannot change, as the cluster does")
     p.set_defaults(func=_validate)
 
     p = sub.add_parser("plan", help="predict pipeline vs sync throughput, lag and idle time; "

@@ -96,6 +96,8 @@ class OperatorEnv:
     KUBE_SERVER = "PIPELINERL_KUBE_SERVER"  # tests and `kubectl proxy`: talk to this API server
     TRAINER_STATUS_URL = "PIPELINERL_TRAINER_STATUS_URL"  # tests: where the trainer's /status is
     NATS_TIMEOUT = "PIPELINERL_NATS_TIMEOUT"
+    WEBHOOK_PORT = "PIPELINERL_WEBHOOK_PORT"  # unset: no admission webhook server
+    WEBHOOK_CERT_DIR = "PIPELINERL_WEBHOOK_CERT_DIR"  # tls.crt and tls.key; unset: plain HTTP (tests)
 
 
 @dataclass(frozen=True)

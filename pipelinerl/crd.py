@@ -19,8 +19,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from pipelinerl.contracts import ROLES, Progress
-from pipelinerl.spec import API_GROUP, KIND, MAX_JOB_NAME, RESERVED_ENV, JobSpec
+from pipelinerl.contracts import HTTP_PORT, MASTER_PORT, ROLES, Progress
+from pipelinerl.k8s_types import DNS_1035_LABEL, RESOURCE_NAME
+from pipelinerl.spec import (
+    API_GROUP, IMMUTABLE, KIND, MAX_JOB_NAME, RESERVED_ENV, TASK_IMPORT_PATH, TASK_NAMES, JobSpec,
+)
 
 PLURAL = "pipelinerljobs"
 SINGULAR = "pipelinerljob"
@@ -101,6 +104,8 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
     """One JSON-schema node (refs already inlined) → a Kubernetes structural-schema node."""
     node = dict(node)
     node.pop("title", None)
+    if node.get("x-kubernetes-int-or-string"):  # a quantity: integer or string, as Kubernetes has it
+        return node
     if "anyOf" in node:  # `X | None` → X, nullable
         variants = [v for v in node.pop("anyOf") if v.get("type") != "null"]
         if len(variants) != 1:
@@ -145,9 +150,17 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- CEL rules
 
-# Each rule: (JSON path of the schema node it sits on, rule, message). Rules mirror
-# `JobSpec._cross_field` and add what only Kubernetes can check (transitions via oldSelf).
-IMMUTABLE = ("mode", "model", "task", "trainer.replicas", "trainer.gpus", "trainer.zeroStage")
+# Each rule: (JSON path of the schema node it sits on, rule, message). Rules mirror the spec
+# models' validators and add what only Kubernetes can check (transitions via oldSelf). What CEL
+# cannot express (vLLM's argument list, quantities compared, the pod schema inside podTemplate)
+# the operator's admission webhook checks (pipelinerl_operator/admission.py).
+def _cel_list(items: tuple[str, ...] | list[str]) -> str:
+    return "[" + ", ".join(f"'{i}'" for i in items) + "]"
+
+
+def _cel_regex(pattern: str) -> str:
+    return pattern.replace("\\", "\\\\")
+
 
 SPEC_RULES: list[tuple[str, str, str]] = [
     ("", "self.mode != 'sync' || !has(self.rl.maxLag) || self.rl.maxLag == 0",
@@ -162,13 +175,33 @@ SPEC_RULES: list[tuple[str, str, str]] = [
      "weightSync.backend: nccl needs GPUs on both sides (trainer.gpus and generator.gpus)"),
     ("", "self.trainer.microBatchTokens >= self.model.maxSeqLen",
      "trainer.microBatchTokens must be at least model.maxSeqLen (one sample must fit)"),
-    ("", "self.generator.replicas >= 1", "generator.replicas must be at least 1 (use spec.suspend to stop a job)"),
+    ("generator", "self.tensorParallel == 1 || (self.gpus >= self.tensorParallel && self.gpus % self.tensorParallel == 0)",
+     "generator.tensorParallel must divide generator.gpus (each engine spans tensorParallel GPUs of its pod)"),
+    ("trainer", "self.warmupSteps <= self.maxSteps", "trainer.warmupSteps must not exceed trainer.maxSteps"),
+    ("weightSync", f"!(self.port in [{HTTP_PORT}, {MASTER_PORT}])",
+     f"weightSync.port must differ from the services' HTTP port ({HTTP_PORT}) and the trainer ranks' rendezvous "
+     f"port ({MASTER_PORT})"),
+    ("", "(self.trainer.gpus == 0 && self.generator.gpus == 0) || !self.model.path.startsWith('builtin:')",
+     "model.path: a GPU job needs a Hugging Face model (builtin:tiny-arith is the CPU example's toy model)"),
+    ("task", f"self.name in {_cel_list(TASK_NAMES)} || self.name.matches('{_cel_regex(TASK_IMPORT_PATH)}')",
+     f"task.name: a built-in task ({', '.join(TASK_NAMES)}) or module.path:Class"),
+    ("storage", "self.size.matches('^[+]?[0.]*[1-9]')", "storage.size must be greater than zero"),
     *[(path, "self == oldSelf", f"{path} is immutable: create a new job to change it") for path in IMMUTABLE],
 ]
 _RESERVED_LIST = ", ".join(f"'{n}'" for n in sorted(RESERVED_ENV))
 ENV_RULE = (f"!(self.name in [{_RESERVED_LIST}])", "env name is reserved (set by PipelineRL itself)")
+ENV_SOURCE_RULE = ("!(has(self.value) && has(self.valueFrom))", "env: set value or valueFrom, not both")
+ENV_UNIQUE_RULE = ("self.all(e, self.exists_one(f, f.name == e.name))", "env names must be unique")
+VALUE_FROM_RULE = ("has(self.secretKeyRef) != has(self.configMapKeyRef)",
+                   "env valueFrom: set exactly one of secretKeyRef, configMapKeyRef")
+RESOURCES_RULE = (" && ".join(f"(!has(self.{kind}) || self.{kind}.all(k, k.matches('{_cel_regex(RESOURCE_NAME)}')))"
+                              for kind in ("requests", "limits")),
+                  "resources.requests and resources.limits: keys must be resource names (cpu, memory, nvidia.com/gpu...)")
 ROOT_RULES = [
     (f"size(self.metadata.name) <= {MAX_JOB_NAME}", f"metadata.name must be at most {MAX_JOB_NAME} characters"),
+    (f"self.metadata.name.matches('{_cel_regex(DNS_1035_LABEL)}')",
+     "metadata.name must be a DNS-1035 label: a lowercase letter, then lowercase letters, digits or '-', "
+     "not ending in '-'"),
 ]
 
 
@@ -187,7 +220,12 @@ def spec_schema() -> dict[str, Any]:
     for path, rule, message in SPEC_RULES:
         _add_rule(_node(schema, path), rule, message)
     for role in ROLES:
-        _add_rule(_node(schema, f"{role}.env")["items"], *ENV_RULE)
+        env = _node(schema, f"{role}.env")
+        _add_rule(env, *ENV_UNIQUE_RULE)
+        for rule in (ENV_RULE, ENV_SOURCE_RULE):
+            _add_rule(env["items"], *rule)
+        _add_rule(env["items"]["properties"]["valueFrom"], *VALUE_FROM_RULE)
+        _add_rule(_node(schema, f"{role}.resources"), *RESOURCES_RULE)
     return schema
 
 

@@ -28,9 +28,9 @@ from pipelinerl.embedded_nats import EmbeddedNats
 from pipelinerl.learning import learning_alarm
 from pipelinerl.ports import free_port
 from pipelinerl.processes import die_with_parent
-from pipelinerl.spec import PipelineRLJob, dump_job
+from pipelinerl.spec import PipelineRLJob, SpecError, dump_job
 from pipelinerl.streams import connect, ensure_streams
-from pipelinerl.tiny_model import model_info, resolve_model_path
+from pipelinerl.tiny_model import local_model_problem, model_info, resolve_model_path
 
 FINAL_EVAL_TIMEOUT_S = 300.0
 PRINT_EVERY_S = 3.0
@@ -396,6 +396,9 @@ def run_local(job: PipelineRLJob, run_dir: str | Path | None = None, quiet: bool
               pin_cores: bool = False, restart: bool = True) -> int:
     """Run the job here; `restart=False`: the first process to fail stops the run (else each is
     restarted up to runPolicy.backoffLimit times, as its pod would be)."""
+    problem = local_model_problem(job.spec.model.path)
+    if problem:  # else each service fails after its start-up, with the model hub's word for it
+        raise SpecError(problem)
     run_dir = Path(run_dir or Path("runs") / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     policy = RestartPolicy(on_failure=restart, limit=job.spec.run_policy.backoff_limit)

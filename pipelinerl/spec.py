@@ -15,28 +15,61 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from pipelinerl.contracts import WEIGHTS_PORT, reserved_env
+from pipelinerl.contracts import HTTP_PORT, MASTER_PORT, WEIGHTS_PORT, reserved_env
+from pipelinerl.engine_args import engine_arg_errors
+from pipelinerl.k8s_types import (
+    DNS_1035_LABEL, NATS_URL, RESOURCE_NAME, DnsSubdomain, ImageRef, PositiveQuantity, Quantity, parse_quantity,
+)
 
 API_GROUP = "pipelinerl.dev"
 API_VERSION = f"{API_GROUP}/v1alpha1"
 KIND = "PipelineRLJob"
 
-# Derived object names ("<job>-generator-<n>", streams, services) must stay within 63 chars.
-MAX_JOB_NAME = 40
-DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+# The longest derived name, "<job>-preprocessor", names a StatefulSet, whose pods carry the label
+# controller-revision-hash "<statefulset>-<10-char hash>" (≤ 63): so 52 - 13 characters.
+MAX_JOB_NAME = 39
+DNS_LABEL = re.compile(DNS_1035_LABEL)
+TASK_NAMES = ("arith", "dataset", "guess", "math")  # pipelinerl.tasks.BUILTIN (a test keeps them equal)
+TASK_IMPORT_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+GPU_RESOURCE = "nvidia.com/gpu"
+# Fields a running job cannot change: the model, task and layout its checkpoints belong to, and
+# the trainer's volume claim templates (a StatefulSet refuses changes to them).
+IMMUTABLE = ("mode", "model", "task", "trainer.replicas", "trainer.gpus", "trainer.zeroStage", "storage")
 # Env names the operator sets itself; a user template may not override them.
 RESERVED_ENV = reserved_env()
 
 
 class SpecModel(BaseModel):
+    # strict: "4" is not 4, "yes" is not true (the API server refuses both; so do we).
+    # Manifests are parsed by alias only (`parse_mapping`): maxSteps, never max_steps.
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True, strict=True
     )
+
+
+class KeyRef(SpecModel):
+    name: DnsSubdomain = Field(description="The Secret or ConfigMap, in the job's namespace.")
+    key: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
+    optional: bool | None = None
+
+
+class EnvSource(SpecModel):
+    """Where a value comes from, so that a secret never lands in the job, a ConfigMap or an annotation."""
+
+    secret_key_ref: KeyRef | None = None
+    config_map_key_ref: KeyRef | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> EnvSource:
+        if (self.secret_key_ref is None) == (self.config_map_key_ref is None):
+            raise ValueError("set exactly one of secretKeyRef, configMapKeyRef")
+        return self
 
 
 class EnvVar(SpecModel):
     name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    value: str = Field(default="", max_length=4096)
+    value: str | None = Field(default=None, max_length=4096)
+    value_from: EnvSource | None = Field(default=None, description="A Secret or ConfigMap key (Kubernetes only).")
 
     @field_validator("name")
     @classmethod
@@ -45,18 +78,35 @@ class EnvVar(SpecModel):
             raise ValueError(f"env name {v!r} is reserved (set by PipelineRL itself)")
         return v
 
+    @model_validator(mode="after")
+    def _one_source(self) -> EnvVar:
+        if self.value is not None and self.value_from is not None:
+            raise ValueError("set value or valueFrom, not both")
+        return self
+
 
 class Resources(SpecModel):
-    """Kubernetes resource requests/limits (quantities as strings, e.g. "4", "16Gi")."""
+    """Kubernetes resource requests/limits: quantities as Kubernetes writes them (16, "500m", "16Gi")."""
 
-    requests: dict[str, str] = Field(default_factory=dict, max_length=16)
-    limits: dict[str, str] = Field(default_factory=dict, max_length=16)
+    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
+    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
+
+    @model_validator(mode="after")
+    def _names_and_bounds(self) -> Resources:
+        for kind in ("requests", "limits"):
+            for name in getattr(self, kind):
+                if not re.match(RESOURCE_NAME, name):
+                    raise ValueError(f"{kind}: {name!r} is not a resource name (cpu, memory, nvidia.com/gpu...)")
+        for name, request in self.requests.items():
+            if name in self.limits and parse_quantity(request) > parse_quantity(self.limits[name]):
+                raise ValueError(f"requests.{name} ({request}) must not exceed limits.{name} ({self.limits[name]})")
+        return self
 
 
 class RoleSpec(SpecModel):
     """Fields every role shares: curated pod fields plus a pod-template passthrough."""
 
-    image: str | None = Field(default=None, max_length=512, description="Container image; chart default when unset.")
+    image: ImageRef | None = Field(default=None, description="Container image; chart default when unset.")
     resources: Resources = Field(default_factory=Resources)
     gpus: int = Field(default=0, ge=0, le=16, description=(
         "GPUs per pod (nvidia.com/gpu); a trainer pod runs one DeepSpeed rank per GPU."))
@@ -66,21 +116,41 @@ class RoleSpec(SpecModel):
         description="PodTemplateSpec merged under the generated pod (nodeSelector, tolerations, volumes...).",
     )
 
+    @field_validator("env")
+    @classmethod
+    def _env_names_unique(cls, v: list[EnvVar]) -> list[EnvVar]:
+        names = [e.name for e in v]
+        if len(set(names)) != len(names):
+            raise ValueError(f"env names must be unique; {sorted({n for n in names if names.count(n) > 1})} repeat")
+        return v
+
     @field_validator("pod_template")
     @classmethod
     def _template_env_not_reserved(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         # The operator merges the template under its own pod: a reserved env var there would
-        # silently override rank/rendezvous wiring.
-        pod_spec = (v or {}).get("spec") or {}
+        # silently override rank/rendezvous wiring. (Its shape is checked against Kubernetes'
+        # schema by pipelinerl_operator.admission.)
+        pod_spec = (v or {}).get("spec")
         for kind in ("containers", "initContainers"):
-            for container in pod_spec.get(kind) or []:
-                for env in (container or {}).get("env") or []:
-                    if (env or {}).get("name") in RESERVED_ENV:
+            containers = pod_spec.get(kind) if isinstance(pod_spec, dict) else None
+            for container in containers if isinstance(containers, list) else []:
+                env = container.get("env") if isinstance(container, dict) else None
+                for var in env if isinstance(env, list) else []:
+                    if isinstance(var, dict) and var.get("name") in RESERVED_ENV:
                         raise ValueError(
                             f"podTemplate.spec.{kind}[{container.get('name', '?')}].env: "
-                            f"env name {env['name']!r} is reserved (set by PipelineRL itself)"
+                            f"env name {var['name']!r} is reserved (set by PipelineRL itself)"
                         )
         return v
+
+    @model_validator(mode="after")
+    def _gpus_once(self) -> RoleSpec:
+        for kind in ("requests", "limits"):
+            count = getattr(self.resources, kind).get(GPU_RESOURCE)
+            if count is not None and parse_quantity(count) != self.gpus:
+                raise ValueError(f"resources.{kind}.{GPU_RESOURCE} ({count}) differs from gpus ({self.gpus}): "
+                                 f"set gpus only, PipelineRL requests the GPUs itself")
+        return self
 
 
 class ModelSpec(SpecModel):
@@ -95,9 +165,17 @@ class ModelSpec(SpecModel):
 
 
 class TaskSpec(SpecModel):
-    name: str = Field(default="arith", min_length=1, max_length=128)
+    name: str = Field(default="arith", min_length=1, max_length=128,
+                      description=f"A built-in task ({', '.join(TASK_NAMES)}) or module.path:Class.")
     params: dict[str, Any] = Field(default_factory=dict, description="Task-specific parameters.")
     seed: int = Field(default=0, ge=0)
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v not in TASK_NAMES and not re.match(TASK_IMPORT_PATH, v):
+            raise ValueError(f"unknown task {v!r}: a built-in ({', '.join(TASK_NAMES)}) or module.path:Class")
+        return v
 
 
 class RLSpec(SpecModel):
@@ -137,6 +215,22 @@ class GeneratorSpec(RoleSpec):
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     max_inflight_groups: int = Field(default=64, ge=1, le=65536, description="Cap on concurrent prompt groups.")
 
+    @field_validator("engine_args")
+    @classmethod
+    def _vllm_knows_them(cls, v: dict[str, Any]) -> dict[str, Any]:
+        errors = engine_arg_errors(v)
+        if errors:
+            raise ValueError("; ".join(errors))
+        return v
+
+    @model_validator(mode="after")
+    def _tensor_parallel_fits(self) -> GeneratorSpec:
+        tp = self.tensor_parallel
+        if tp > 1 and (self.gpus < tp or self.gpus % tp):
+            raise ValueError(f"generator.tensorParallel ({tp}) must divide generator.gpus ({self.gpus}): "
+                             f"each engine spans tensorParallel GPUs of its pod")
+        return self
+
 
 class PreprocessorSpec(RoleSpec):
     max_pending_steps: int = Field(
@@ -162,6 +256,13 @@ class TrainerSpec(RoleSpec):
         "and tokenizer only) for offline evaluation; 0 disables."))
     seed: int = Field(default=42, ge=0)
 
+    @model_validator(mode="after")
+    def _warmup_within_run(self) -> TrainerSpec:
+        if self.warmup_steps > self.max_steps:
+            raise ValueError(f"trainer.warmupSteps ({self.warmup_steps}) must not exceed trainer.maxSteps "
+                             f"({self.max_steps})")
+        return self
+
 
 class WeightSyncSpec(SpecModel):
     backend: Literal["auto", "nccl", "gloo"] = Field(default="auto", description="auto: NCCL with GPUs, else gloo.")
@@ -172,6 +273,14 @@ class WeightSyncSpec(SpecModel):
         "Generators receive and load new weights into a second copy while they keep generating, "
         "then pause only to swap them in (one extra copy of the weights in generator memory). "
         "false: receive and load inside the pause. Quantized models always do the latter."))
+
+    @field_validator("port")
+    @classmethod
+    def _port_free(cls, v: int) -> int:
+        taken = {HTTP_PORT: "every service's HTTP port", MASTER_PORT: "the trainer ranks' rendezvous port"}
+        if v in taken:
+            raise ValueError(f"weightSync.port {v} is {taken[v]}")
+        return v
 
 
 class EvalSpec(SpecModel):
@@ -189,13 +298,15 @@ class RunPolicy(SpecModel):
 
 
 class SchedulingSpec(SpecModel):
-    scheduler_name: str | None = Field(default=None, max_length=253)
-    queue_name: str | None = Field(default=None, max_length=63, description="Kueue LocalQueue name.")
-    priority_class_name: str | None = Field(default=None, max_length=253)
+    scheduler_name: DnsSubdomain | None = None
+    queue_name: DnsSubdomain | None = Field(default=None, max_length=63, description="Kueue LocalQueue name.")
+    priority_class_name: DnsSubdomain | None = None
 
 
 class NatsSpec(SpecModel):
-    url: str | None = Field(default=None, max_length=1024, description="Unset: embedded server (local) or the chart's.")
+    url: str | None = Field(default=None, max_length=1024, pattern=NATS_URL,
+                            description="nats:// or tls:// URL(s), comma-separated; unset: embedded server "
+                                        "(local) or the chart's.")
     max_payload_mb: int = Field(default=8, ge=1, le=64)
 
 
@@ -203,8 +314,8 @@ class StorageSpec(SpecModel):
     """The run directory (checkpoints, logs) of each trainer pod on Kubernetes: a PersistentVolumeClaim
     per trainer pod that survives suspend/resume and is deleted with the job."""
 
-    size: str = Field(default="20Gi", min_length=1, max_length=64, pattern=r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|k|M|G|T|P)?$")
-    storage_class_name: str | None = Field(default=None, max_length=253, description="Unset: the cluster default.")
+    size: PositiveQuantity = "20Gi"
+    storage_class_name: DnsSubdomain | None = Field(default=None, description="Unset: the cluster default.")
 
 
 class WandbSpec(SpecModel):
@@ -270,6 +381,9 @@ class JobSpec(SpecModel):
                              "use gloo or auto on CPU")
         if self.trainer.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError("trainer.microBatchTokens must be at least model.maxSeqLen (one sample must fit)")
+        if (self.trainer.gpus or self.generator.gpus) and self.model.path.startswith("builtin:"):
+            raise ValueError(f"model.path: a GPU job needs a Hugging Face model ({self.model.path} is the CPU "
+                             f"example's toy model)")
         return self
 
     @property
@@ -320,7 +434,7 @@ class JobSpec(SpecModel):
 
 class ObjectMeta(BaseModel):
     # Objects read back from the API server carry uid, resourceVersion, ...: keep what we use.
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
     name: str
     namespace: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
@@ -331,13 +445,14 @@ class ObjectMeta(BaseModel):
     def _dns_name(cls, v: str) -> str:
         if len(v) > MAX_JOB_NAME or not DNS_LABEL.match(v):
             raise ValueError(
-                f"must be a DNS label (lowercase letters, digits, '-') of at most {MAX_JOB_NAME} characters"
+                f"must be a DNS-1035 label (a lowercase letter, then lowercase letters, digits or '-', not "
+                f"ending in '-') of at most {MAX_JOB_NAME} characters, so that every child object's name fits"
             )
         return v
 
 
 class PipelineRLJob(SpecModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True)
     api_version: Literal["pipelinerl.dev/v1alpha1"] = Field(default=API_VERSION, alias="apiVersion")
     kind: Literal["PipelineRLJob"] = KIND
     metadata: ObjectMeta
@@ -372,7 +487,7 @@ def parse_mapping(model: type[Parsed], data: Any, source: str, what: str, error:
     if not isinstance(data, dict):
         raise error(f"{source}: expected a {what} mapping, got {type(data).__name__}")
     try:
-        return model.model_validate(data)
+        return model.model_validate(data, by_alias=True, by_name=False)
     except ValidationError as err:
         raise error(f"{source} is not a valid {what}:\n{format_errors(err)}") from None
 
@@ -381,13 +496,44 @@ def parse_job(data: Any, source: str = "manifest") -> PipelineRLJob:
     return parse_mapping(PipelineRLJob, data, source, KIND, SpecError)
 
 
-def load_job(path: str | Path) -> PipelineRLJob:
+class _StrictLoader(yaml.SafeLoader):
+    """Refuses a key given twice in one mapping (PyYAML keeps the last; kubectl refuses it)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r} (the first value would be silently lost)", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_manifest(path: str | Path) -> Any:
+    """The one YAML document in `path`, read strictly; SpecError otherwise."""
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        documents = [d for d in yaml.load_all(path.read_text(), Loader=_StrictLoader) if d is not None]
     except (OSError, yaml.YAMLError) as err:
         raise SpecError(f"{path}: cannot read manifest: {err}") from None
-    return parse_job(data, str(path))
+    if len(documents) > 1:
+        raise SpecError(f"{path}: expected one document (one {KIND}), found {len(documents)}")
+    return documents[0] if documents else None
+
+
+def load_job(path: str | Path) -> PipelineRLJob:
+    return parse_job(read_manifest(path), str(path))
+
+
+def immutable_changes(old: PipelineRLJob, new: PipelineRLJob) -> list[str]:
+    """The IMMUTABLE fields (camelCase paths) that differ between a stored job and its update."""
+    def at(job: PipelineRLJob, path: str) -> Any:
+        node: Any = job.spec.model_dump(mode="json", by_alias=True)
+        for part in path.split("."):
+            node = node[part]
+        return node
+    return [path for path in IMMUTABLE if at(old, path) != at(new, path)]
 
 
 def dump_job(job: PipelineRLJob) -> str:

@@ -159,6 +159,20 @@ def _build(name: str, target: Path, progress) -> None:
     progress(f"built {name}: {info}")
 
 
+def local_model_problem(path: str) -> str | None:
+    """Why `model.path` cannot be loaded here, when that can be told before starting anything: a
+    local folder (absolute, relative or ~) that does not exist or has no config.json. Hub ids
+    (`Qwen/Qwen2.5-0.5B`) are left to the engines, which download them."""
+    if path in BUILTINS or not (path.startswith(("/", ".", "~")) or Path(path).exists()):
+        return None
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        return f"model.path: no folder {path!r} (a Hugging Face model folder, or a hub id such as Qwen/Qwen2.5-0.5B)"
+    if not (folder / "config.json").exists():
+        return f"model.path: {path!r} has no config.json (not a Hugging Face model folder)"
+    return None
+
+
 def model_info(path: str) -> dict:
     f = Path(path) / "pipelinerl-model.json"
     return json.loads(f.read_text()) if f.exists() else {}

@@ -70,7 +70,9 @@ class Mlflow:
         self.client = mlflow.MlflowClient(spec.tracking_uri or default_mlflow_uri(run_dir))
         name = spec.experiment or job.name
         found = self.client.get_experiment_by_name(name)
-        experiment = found.experiment_id if found else self.client.create_experiment(name)
+        # With the default store, artifacts go beside it (else MLflow writes ./mlruns wherever we run).
+        artifacts = None if spec.tracking_uri else (run_dir / "mlartifacts").resolve().as_uri()
+        experiment = found.experiment_id if found else self.client.create_experiment(name, artifacts)
         if run_id is None:
             run_id = self.client.create_run(experiment, run_name=job.name).info.run_id
             self.client.log_text(run_id, dump_job(job), "job.yaml")

@@ -17,13 +17,13 @@ import kopf
 
 from pipelinerl.contracts import JOB_LABEL, OPERATOR_METRICS_PORT, ROLE_LABEL, ROLES, OperatorEnv
 from pipelinerl.crd import PLURAL, VERSION
-from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError, parse_job
-from pipelinerl_operator import metrics
+from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError
+from pipelinerl_operator import admission, metrics
 from pipelinerl_operator.kube import Kube, KubeError
 from pipelinerl_operator.pods import pod_problems
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
 from pipelinerl_operator.render import (
-    OperatorConfig, RenderError, generator_selector, render, replicas, role_name, trainer_host,
+    OperatorConfig, generator_selector, render, replicas, role_name, trainer_host,
 )
 from pipelinerl_operator.status import Observed, RoleObserved, compute, is_terminal, parse_ts, ttl_expired
 from pipelinerl_operator.streams_cleanup import delete_job_streams
@@ -78,6 +78,31 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     port = int(os.environ.get(OperatorEnv.METRICS_PORT, str(OPERATOR_METRICS_PORT)))
     if port:
         metrics.serve(port)
+    webhook_port = os.environ.get(OperatorEnv.WEBHOOK_PORT)
+    if webhook_port:  # the chart's ValidatingWebhookConfiguration points here (not managed by kopf)
+        certs = os.environ.get(OperatorEnv.WEBHOOK_CERT_DIR)
+        settings.admission.server = kopf.WebhookServer(
+            addr="0.0.0.0", port=int(webhook_port), insecure=not certs,
+            certfile=os.path.join(certs, "tls.crt") if certs else None,
+            pkeyfile=os.path.join(certs, "tls.key") if certs else None,
+        )
+
+
+def validate_job(body: Any, old: Any, operation: str | None, **_: Any) -> None:
+    """The admission webhook: refuse what `pipelinerl validate` refuses, naming each field."""
+    stored = old if operation == "UPDATE" and old else None
+    if stored is not None and stored.get("spec") == body.get("spec"):
+        return  # metadata, finalizers, status: never blocked, even for a job older rules admitted
+    meta = body.get("metadata") or {}
+    try:
+        admission.check(dict(body), dict(stored) if stored else None,
+                        source=f"{KIND} {meta.get('namespace', '')}/{meta.get('name', '')}")
+    except SpecError as err:
+        raise kopf.AdmissionError(str(err), code=422) from None
+
+
+if os.environ.get(OperatorEnv.WEBHOOK_PORT):  # kopf refuses webhook handlers with no server to serve them
+    kopf.on.validate(API_GROUP, VERSION, PLURAL, id="validate-job", operations=["CREATE", "UPDATE"])(validate_job)
 
 
 @kopf.on.login()
@@ -142,14 +167,14 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
     cfg = operator_config()
     job, spec_error, children = None, None, []
     try:
-        job = parse_job({
+        job = admission.check({
             "apiVersion": API_VERSION, "kind": KIND,
             "metadata": {"name": name, "namespace": ns, "labels": dict(meta.get("labels") or {})},
             "spec": dict(body.get("spec") or {}),
-        }, f"{KIND} {ns}/{name}")
+        }, source=f"{KIND} {ns}/{name}")
         active = not job.spec.suspend and not is_terminal(previous)
         children = render(job, ns, uid, cfg, active=active)
-    except (SpecError, RenderError) as err:
+    except SpecError as err:
         spec_error = str(err)
         logger.warning("invalid spec: %s", spec_error)
     try:

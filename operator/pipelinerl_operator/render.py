@@ -154,7 +154,7 @@ def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> 
     spec: RoleSpec = getattr(job.spec, role)
     # The root filesystem is read-only: caches and home go to volumes (a user's env may move them).
     env += [{"name": Env.CACHE, "value": POD_CACHE_DIR}, {"name": Env.HOME, "value": POD_TMP_DIR}]
-    return env + [e.model_dump(mode="json") for e in spec.env]
+    return env + [e.model_dump(mode="json", by_alias=True, exclude_none=True) for e in spec.env]
 
 
 def _resources(spec: RoleSpec) -> dict[str, Any]:
@@ -324,19 +324,19 @@ def stateful_set(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
 
 def validate_renderable(job: PipelineRLJob) -> None:
     """Checks that only matter on Kubernetes (the spec models cannot know the pod layout)."""
-    gen = job.spec.generator
-    if gen.gpus and gen.tensor_parallel > gen.gpus:
-        raise RenderError(
-            f"generator.tensorParallel ({gen.tensor_parallel}) needs at least as many generator.gpus ({gen.gpus})"
-        )
     for role in ROLES:
         template = getattr(job.spec, role).pod_template or {}
-        containers = (template.get("spec") or {}).get("containers") or []
-        if any(not isinstance(c, dict) or not c.get("name") for c in containers):
+        pod_spec = template.get("spec") if isinstance(template.get("spec"), dict) else {}
+        containers = pod_spec.get("containers") or []
+        if not isinstance(containers, list) or any(not isinstance(c, dict) or not c.get("name") for c in containers):
             raise RenderError(
-                f"{role}.podTemplate.spec.containers: every container needs a name "
+                f"{role}.podTemplate.spec.containers: a list of containers, each with a name "
                 f"(name one {role!r} to add mounts to the service container; other names add sidecars)"
             )
+        for c in containers:
+            if c["name"] != role and not c.get("image"):
+                raise RenderError(f"{role}.podTemplate.spec.containers[{c['name']}].image: a sidecar needs an image "
+                                  f"(only the {role!r} container gets the job's)")
 
 
 def render(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig, active: bool = True) -> list[dict[str, Any]]:

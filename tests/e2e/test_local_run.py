@@ -12,7 +12,7 @@ import torch
 from jobs import tiny_job  # tests/e2e/jobs.py
 
 from pipelinerl.local import run_local
-from pipelinerl.spec import parse_job
+from pipelinerl.spec import SpecError, parse_job
 
 pytestmark = pytest.mark.slow
 
@@ -69,13 +69,28 @@ def test_sync_mode_never_trains_stale_data(tmp_path):
     assert summary["mode"] == "sync"
 
 
+def test_a_missing_model_folder_is_refused_before_anything_starts(tmp_path):
+    def job(folder):
+        return parse_job(tiny_job("nomodel", model={"path": str(folder), "maxSeqLen": 40}))
+
+    with pytest.raises(SpecError, match=r"model\.path: no folder '.*no-such-model'"):
+        run_local(job(tmp_path / "no-such-model"), tmp_path / "run", quiet=True)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecError, match="has no config.json"):
+        run_local(job(tmp_path / "empty"), tmp_path / "run", quiet=True)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_dying_service_stops_the_run_with_its_log_tail(tmp_path, capsys):
-    job = tiny_job("dies", model={"path": str(tmp_path / "no-such-model"), "maxSeqLen": 40})
+    broken = tmp_path / "broken-model"  # passes the check before the start; no engine can load it
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    job = tiny_job("dies", model={"path": str(broken), "maxSeqLen": 40})
     code = run_local(parse_job(job), tmp_path / "run", quiet=True, restart=False)  # fail-stop
     err = capsys.readouterr().err
     assert code == 1
     assert "exited with code" in err and "stopping the other services" in err
-    assert "no-such-model" in err  # the tail of the failing service's own log
+    assert "broken-model" in err  # the tail of the failing service's own log
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 0  # a stopped run still sums up
     import psutil
 

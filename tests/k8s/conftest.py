@@ -23,6 +23,8 @@ os.environ["PIPELINERL_RESYNC_SECONDS"] = "0.3"
 os.environ["PIPELINERL_METRICS_PORT"] = "0"  # tests read the registry directly
 os.environ["PIPELINERL_NATS_TIMEOUT"] = "2"
 os.environ["PIPELINERL_DEFAULT_NATS_URL"] = "nats://127.0.0.1:1"  # nothing listens: NATS is "gone"
+# Every operator the tests start serves its admission webhook (plain HTTP: no certificates here).
+os.environ["PIPELINERL_WEBHOOK_PORT"] = str(free_port())
 
 ROOT = Path(__file__).resolve().parents[2]
 

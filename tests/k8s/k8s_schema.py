@@ -47,7 +47,7 @@ def schema_errors(schema: dict[str, Any], obj: Any) -> list[str]:
 
 
 @functools.cache
-def _program(rule: str) -> celpy.Runner:
+def program(rule: str) -> celpy.Runner:
     env = celpy.Environment()
     return env.program(env.compile(rule))
 
@@ -71,7 +71,7 @@ def cel_errors(schema: dict[str, Any], new: Any, old: Any = None, path: str = ""
         activation = {"self": celpy.json_to_cel(new)}
         if transition:
             activation["oldSelf"] = celpy.json_to_cel(old)
-        result = _program(r["rule"]).evaluate(activation)
+        result = program(r["rule"]).evaluate(activation)
         if result is not True and result != celpy.celtypes.BoolType(True):
             errors.append(r["message"])
     if isinstance(new, dict):
@@ -86,8 +86,13 @@ def cel_errors(schema: dict[str, Any], new: Any, old: Any = None, path: str = ""
 
 
 def admit(crd: dict[str, Any], obj: dict[str, Any], old: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
-    """Default, then validate: returns the stored object and every error the API server would report."""
+    """Route, default, then validate: returns the stored object and every error the API server would
+    report. CEL rules run only on objects of the schema's types (the API server stops at schema errors)."""
+    group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
+    served = {f"{group}/{v['name']}" for v in crd["spec"]["versions"] if v["served"]}
+    if obj.get("apiVersion") not in served or obj.get("kind") != kind:
+        return obj, [f"apiVersion/kind: no matches for kind {obj.get('kind')!r} in version {obj.get('apiVersion')!r}"]
     schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     stored = apply_defaults(schema, obj)
     old_stored = apply_defaults(schema, old) if old is not None else None
-    return stored, schema_errors(schema, stored) + cel_errors(schema, stored, old_stored)
+    return stored, schema_errors(schema, stored) or cel_errors(schema, stored, old_stored)

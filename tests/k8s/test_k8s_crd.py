@@ -1,9 +1,8 @@
-"""The generated CRD: in sync with the spec models, structurally valid, CEL rules agreeing with pydantic,
-printer columns evaluated by kubectl's own JSONPath."""
+"""The generated CRD: in sync with the spec models, structurally valid, defaults as pydantic's,
+printer columns evaluated by kubectl's own JSONPath. What it refuses: test_k8s_corpus.py."""
 
 from __future__ import annotations
 
-import copy
 import json
 import subprocess
 from pathlib import Path
@@ -13,9 +12,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from k8s_schema import admit, all_rules, apply_defaults
+from k8s_schema import program, admit, all_rules, apply_defaults
 from pipelinerl.crd import crd_manifest, crd_yaml
-from pipelinerl.spec import JobSpec, SpecError, parse_job
+from pipelinerl.spec import JobSpec, parse_job
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD = crd_manifest()
@@ -70,85 +69,12 @@ def test_examples_are_admitted(path: Path) -> None:
     assert errors == []
 
 
-def test_every_cel_rule_compiles_and_is_exercised_below() -> None:
+def test_every_cel_rule_compiles() -> None:
+    # (test_k8s_corpus.py checks that each one refuses a manifest of the corpus)
     rules = all_rules(SCHEMA)
-    assert len(rules) >= 12
-    messages = {m for _, _, m in rules}
-    exercised = {case[1] for case in REJECTED} | {case[2] for case in TRANSITIONS if case[2]}
-    assert messages - exercised == {"metadata.name must be at most 40 characters"}  # see test_schema_rejects_...
-
-
-# (spec, CEL message, the field pydantic's error names). Both must reject each case.
-REJECTED = [
-    ({"mode": "sync", "rl": {"maxLag": 2}}, "rl.maxLag must be 0 or unset in sync mode (sync mode never trains on stale data)", "rl.maxLag"),
-    ({"rl": {"loss": "ppo", "importanceWeights": "sequence"}}, "rl.importanceWeights: sequence applies to the reinforce and cispo losses", "rl.importanceWeights"),
-    ({"rl": {"attempts": 3}}, "trainer.samplesPerStep must be a multiple of rl.attempts so that every step holds whole prompt groups", "trainer.samplesPerStep"),
-    ({"model": {"maxSeqLen": 16}, "generator": {"sampling": {"maxTokens": 16}}}, "generator.sampling.maxTokens must be smaller than model.maxSeqLen", "generator.sampling.maxTokens"),
-    ({"model": {"maxSeqLen": 8192}, "trainer": {"microBatchTokens": 4096}}, "trainer.microBatchTokens must be at least model.maxSeqLen (one sample must fit)", "trainer.microBatchTokens"),
-    ({"generator": {"replicas": 0}}, "generator.replicas must be at least 1 (use spec.suspend to stop a job)", "generator.replicas"),
-    ({"generator": {"env": [{"name": "RANK", "value": "3"}]}}, "env name is reserved (set by PipelineRL itself)", "generator.env"),
-    ({"trainer": {"env": [{"name": "PIPELINERL_NATS_URL"}]}}, "env name is reserved (set by PipelineRL itself)", "trainer.env"),
-    ({"weightSync": {"backend": "nccl"}, "trainer": {"gpus": 1}},
-     "weightSync.backend: nccl needs GPUs on both sides (trainer.gpus and generator.gpus)", "weightSync.backend"),
-]
-ACCEPTED = [
-    {"mode": "sync"},
-    {"mode": "sync", "rl": {"maxLag": 0}},
-    {"rl": {"attempts": 16}, "trainer": {"samplesPerStep": 256}},
-    {"rl": {"loss": "cispo", "importanceWeights": "sequence"}},
-    {"model": {"maxSeqLen": 4096}, "generator": {"sampling": {"maxTokens": 4095}}},
-    {"generator": {"env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}]}},
-    {"weightSync": {"backend": "nccl"}, "trainer": {"gpus": 1}, "generator": {"gpus": 1}},
-    {"trainer": {"gpus": 1}},  # backend auto: gloo, since the generators have no GPU
-]
-
-
-@pytest.mark.parametrize("spec,message,field", REJECTED)
-def test_cel_and_pydantic_reject_alike(spec: dict, message: str, field: str) -> None:
-    _, errors = admit(CRD, job(**spec))
-    assert message in errors
-    with pytest.raises(SpecError) as err:
-        parse_job(job(**spec))
-    assert field in str(err.value)
-
-
-@pytest.mark.parametrize("spec", ACCEPTED)
-def test_cel_and_pydantic_accept_alike(spec: dict) -> None:
-    assert admit(CRD, job(**spec))[1] == []
-    parse_job(job(**spec))
-
-
-def test_schema_rejects_out_of_range_and_typos() -> None:
-    assert admit(CRD, job(generator={"replicas": 0}))[1]
-    assert admit(CRD, job(trainer={"zeroStage": 4}))[1]
-    assert admit(CRD, job(trainer={"learningRate": 0}))[1]  # exclusive minimum
-    assert admit(CRD, job(rl={"lossy": "x"}))[1]
-    assert admit(CRD, job(storage={"size": "lots"}))[1]
-    assert admit(CRD, job(name="x" * 41))[1] == ["metadata.name must be at most 40 characters"]
-
-
-# (change applied to a running job, the CEL message expected or None when allowed)
-TRANSITIONS = [
-    ({"generator": {"replicas": 8}}, None, None),
-    ({"trainer": {"learningRate": 0.001}}, None, None),
-    ({"suspend": True}, None, None),
-    ({"model": {"path": "/models/other"}}, "model", "model is immutable: create a new job to change it"),
-    ({"mode": "sync"}, "mode", "mode is immutable: create a new job to change it"),
-    ({"task": {"name": "guess"}}, "task", "task is immutable: create a new job to change it"),
-    ({"trainer": {"replicas": 4}}, "trainer.replicas", "trainer.replicas is immutable: create a new job to change it"),
-    ({"trainer": {"gpus": 8}}, "trainer.gpus", "trainer.gpus is immutable: create a new job to change it"),
-    ({"trainer": {"zeroStage": 3}}, "trainer.zeroStage", "trainer.zeroStage is immutable: create a new job to change it"),
-]
-
-
-@pytest.mark.parametrize("change,field,message", TRANSITIONS)
-def test_update_rules(change: dict, field: str | None, message: str | None) -> None:
-    old = job()
-    new = copy.deepcopy(old)
-    for key, value in change.items():
-        new["spec"][key] = value
-    _, errors = admit(CRD, new, old)
-    assert errors == ([message] if message else [])
+    assert len(rules) >= 20
+    for _, rule, _ in rules:
+        program(rule)
 
 
 def test_printer_columns_with_kubectl_jsonpath(tmp_path: Path) -> None:

@@ -7,14 +7,16 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from pipelinerl.spec import SpecError, load_job, parse_job
-from pipelinerl_operator.render import OperatorConfig, RenderError, render, role_config_hash
+from pipelinerl.spec import MAX_JOB_NAME, SpecError, load_job, parse_job
+from pipelinerl_operator.render import OperatorConfig, render, role_config_hash
 
 ROOT = Path(__file__).resolve().parents[2]
 CFG = OperatorConfig()
 
 
 def job(**spec):
+    if any((spec.get(role) or {}).get("gpus") for role in ("generator", "trainer")):
+        spec.setdefault("model", {"path": "/models/qwen"})  # GPU jobs need a real model
     return parse_job({"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob",
                       "metadata": {"name": "demo", "labels": {"team": "a"}}, "spec": spec})
 
@@ -187,13 +189,6 @@ def test_reserved_env_in_pod_template_rejected() -> None:
         job(generator={"podTemplate": {"spec": {"containers": [{"name": "generator", "env": [{"name": "RANK", "value": "9"}]}]}}})
 
 
-def test_unrenderable_specs() -> None:
-    with pytest.raises(RenderError, match="tensorParallel"):
-        render(job(generator={"gpus": 1, "tensorParallel": 2}), "ns", "u", CFG)
-    with pytest.raises(RenderError, match="needs a name"):
-        render(job(trainer={"podTemplate": {"spec": {"containers": [{"image": "x"}]}}}), "ns", "u", CFG)
-
-
 def test_config_hash_restarts_only_affected_roles() -> None:
     base = job()
     assert role_config_hash(job(generator={"replicas": 5}), "trainer") == role_config_hash(base, "trainer")
@@ -213,3 +208,16 @@ def test_scaling_generators_changes_no_pod_template() -> None:
         key = ("StatefulSet", f"demo-{role}")
         assert after[key]["spec"]["template"] == before[key]["spec"]["template"], role
     assert after[("StatefulSet", "demo-generator")]["spec"]["replicas"] == 6
+
+
+def test_the_longest_job_name_leaves_every_child_name_valid() -> None:
+    name = "a" * MAX_JOB_NAME
+    longest = parse_job({"metadata": {"name": name}, "spec": {"generator": {"replicas": 1024}}})
+    for obj in render(longest, "team-a", "u", CFG):
+        assert len(obj["metadata"]["name"]) <= 63, obj["metadata"]["name"]  # Services: DNS-1035 labels
+        if obj["kind"] == "StatefulSet":
+            # Its pods carry controller-revision-hash "<name>-<10-char hash>", a label value (≤ 63).
+            assert len(obj["metadata"]["name"]) + 11 <= 63
+            assert len(f"{obj['metadata']['name']}-{obj['spec']['replicas'] - 1}") <= 63  # pod names
+    with pytest.raises(SpecError, match="at most 39 characters"):
+        parse_job({"metadata": {"name": name + "a"}})

@@ -19,7 +19,8 @@ PACKAGES = {  # import name -> folder
 # Lowest first. A module may import its own layer and those below; in the services layer only
 # its own package (no sideways arrows between services, nor between a service and the operator).
 LAYERS = {
-    "contracts": ["pipelinerl", "pipelinerl.contracts", "pipelinerl.spec"],  # "pipelinerl": its __init__ alone
+    "contracts": ["pipelinerl", "pipelinerl.contracts", "pipelinerl.k8s_types", "pipelinerl.engine_args",
+                  "pipelinerl.spec"],  # "pipelinerl": its __init__ alone
     "core": ["pipelinerl.messages", "pipelinerl.streams", "pipelinerl.weight_group", "pipelinerl.admission",
              "pipelinerl.learning", "pipelinerl.tracking",
              "pipelinerl.tasks", "pipelinerl.tiny_model", "pipelinerl.ports", "pipelinerl.runtime", "pipelinerl.crd"],

@@ -87,7 +87,7 @@ def test_reserved_env_is_what_pipelinerl_sets():
 def test_rendered_pods_are_told_what_the_services_read():
     from pipelinerl_operator.render import OperatorConfig, render
 
-    job = parse_job({"metadata": {"name": "demo"}, "spec": {"trainer": {"replicas": 2, "gpus": 4},
+    job = parse_job({"metadata": {"name": "demo"}, "spec": {"model": {"path": "/models/qwen"}, "trainer": {"replicas": 2, "gpus": 4},
                                                              "generator": {"replicas": 3, "gpus": 1}}})
     for sts in (o for o in render(job, "team-a", "uid", OperatorConfig()) if o["kind"] == "StatefulSet"):
         role = sts["metadata"]["labels"][c.ROLE_LABEL]

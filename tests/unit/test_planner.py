@@ -141,7 +141,7 @@ def test_filtered_groups_are_generated_and_not_trained():
     # The calibration's share is the default; a job without filtering plans with none.
     calib = H100.model_copy(update={"filtered_fraction": 0.4})
     assert simulate("sync", 8, 24, 0, lengths=lengths, steps=20, warmup=2, **SMALL | {"calib": calib}) == filtered
-    unfiltered = job(rl={"attempts": 16, "filterZeroVariance": False}, generator={"gpus": 1},
+    unfiltered = job(model={"path": "Qwen/Qwen2.5-7B"}, rl={"attempts": 16, "filterZeroVariance": False}, generator={"gpus": 1},
                      trainer={"gpus": 8, "samplesPerStep": 512})
     assert plan(unfiltered, 16, calib).filtered == 0
 

@@ -42,7 +42,7 @@ def test_errors_name_the_field(spec, message):
 
 
 def test_bad_metadata_and_kind():
-    with pytest.raises(SpecError, match=r"metadata\.name: must be a DNS label"):
+    with pytest.raises(SpecError, match=r"metadata\.name: must be a DNS-1035 label"):
         parse_job({"metadata": {"name": "Bad_Name"}})
     with pytest.raises(SpecError, match=r"kind: Input should be 'PipelineRLJob'"):
         parse_job({"kind": "Job", "metadata": {"name": "x"}})

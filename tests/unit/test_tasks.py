@@ -110,3 +110,10 @@ def test_arith_without_carry_out_keeps_the_answer_length():
     assert all(len(p.answer) == 3 for p in problems)
     # The default draws carry-out sums too (about half of all pairs).
     assert sum(len(p.answer) == 4 for p in ArithTask(digits=3, seed=0).test_problems(300)) > 100
+
+
+def test_the_spec_knows_every_builtin_task() -> None:
+    from pipelinerl.spec import TASK_NAMES
+    from pipelinerl.tasks import BUILTIN
+
+    assert set(TASK_NAMES) == set(BUILTIN)  # validate and the CRD accept exactly these names

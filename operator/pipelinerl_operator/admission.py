@@ -1,0 +1,66 @@
+"""One validation for every door a manifest comes through: `pipelinerl validate`, the operator's
+admission webhook, and its reconcile.
+
+The CRD's schema and CEL rules (`pipelinerl/crd.py`) refuse most mistakes at the API server even
+where the webhook is not installed; this is the whole check, adding what CEL cannot express:
+vLLM's argument list, Kubernetes quantities compared, and the rendered children (user pod
+templates merged in) validated against the Kubernetes OpenAPI schema of the oldest version the
+chart supports.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pipelinerl.contracts import ROLE_LABEL
+from pipelinerl.spec import KIND, PipelineRLJob, SpecError, immutable_changes, parse_job
+from pipelinerl_operator.render import OperatorConfig, RenderError, render
+
+# The oldest Kubernetes the chart admits (`kubeVersion` in Chart.yaml): the pod-index label
+# that ranks are read from is there from 1.28.
+KUBE_VERSION = "1.28"
+# jsonschema's wording for an unknown field: name the field itself, as `validate` does.
+_UNEXPECTED = re.compile(r"^Additional properties are not allowed \('([^']+)' was unexpected\)$")
+
+
+def _schema_errors(obj: dict[str, Any]) -> list[str]:
+    import kubernetes_validate  # ~1 s to load a version's schemas, once
+
+    try:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as err:
+        return [_name_field(obj, list(err.path), err.message)]
+    return []
+
+
+def _name_field(obj: dict[str, Any], path: list[Any], message: str) -> str:
+    """A schema error in a rendered child → the field of the job that put it there."""
+    unknown = _UNEXPECTED.match(message)
+    if unknown:
+        path, message = [*path, unknown.group(1)], "unknown field"
+    dotted = ".".join(map(str, path))
+    role = ((obj.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL)
+    if obj.get("kind") == "StatefulSet" and dotted.startswith("spec.template.") and role:
+        return f"spec.{role}.podTemplate.{dotted.removeprefix('spec.template.')}: {message}"
+    return f"{obj.get('kind')} {obj['metadata']['name']}: {dotted}: {message}"
+
+
+def check(manifest: Any, old: Any = None, source: str = "manifest") -> PipelineRLJob:
+    """The job `manifest` describes, or SpecError naming every field at fault; `old`: the stored
+    object this manifest would replace (fields that cannot change are refused)."""
+    job = parse_job(manifest, source)
+    if old is not None:
+        changed = immutable_changes(parse_job(old, f"{source} (stored)"), job)
+        if changed:
+            raise SpecError(f"{source} is not a valid update of the stored {KIND}:\n" + "\n".join(
+                f"  spec.{path}: cannot change once the job exists (create a new job)" for path in changed))
+    try:
+        children = render(job, job.metadata.namespace or "default", "00000000-0000-0000-0000-000000000000",
+                          OperatorConfig())
+    except RenderError as err:
+        raise SpecError(f"{source} is not a valid {KIND}:\n  spec.{err}") from None
+    errors = [e for obj in children for e in _schema_errors(obj)]
+    if errors:
+        raise SpecError(f"{source} renders objects Kubernetes would refuse:\n" + "\n".join(f"  {e}" for e in errors))
+    return job

@@ -1,0 +1,133 @@
+"""The manifest corpus (`manifest_corpus.yaml`) through every door a manifest comes in by.
+
+Each invalid manifest must be refused, with a message naming the field at fault, by
+`pipelinerl validate` (the CLI, `--against` the stored object for updates) and by the cluster:
+the CRD's schema and CEL rules at the API server, then the operator's validating webhook.
+Each valid one must be accepted by all of them. The API server is emulated offline
+(`k8s_schema.admit`: structural defaulting, the OpenAPI schema, CEL through cel-python), since no
+kube-apiserver runs here. YAML accidents never reach the API server as objects: kubectl's strict
+decoding refuses them, and so does `validate`.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import kopf
+import pytest
+import yaml
+
+from k8s_schema import admit, all_rules
+from pipelinerl.cli import main as cli
+from pipelinerl.crd import crd_manifest
+from pipelinerl_operator.handlers import validate_job
+
+CORPUS = yaml.safe_load((Path(__file__).with_name("manifest_corpus.yaml")).read_text())
+CRD = crd_manifest()
+BASE = {"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob",
+        "metadata": {"name": "demo", "namespace": "team-a"}, "spec": {}}
+
+# Invalid object cases that only the webhook refuses: CEL cannot express them (vLLM's argument
+# list, quantities compared, Kubernetes' pod schema inside the free-form podTemplate). Shrink this
+# set whenever a CRD rule learns one; the test fails if the CRD starts refusing one of them.
+WEBHOOK_ONLY = {
+    "engine-arg-misspelt", "engine-arg-wrong-type", "engine-arg-bool-type", "engine-arg-enum",
+    "engine-arg-contradicts-tp", "engine-arg-owned-model", "engine-arg-owned-seq-len",
+    "requests-above-limits", "memory-requests-above-limits", "gpu-limit-without-gpus",
+    "pod-template-container-unnamed", "pod-template-sidecar-without-image", "pod-template-typo", "pod-template-containers-mapping",
+    "pod-template-reserved-env", "pod-template-tolerations-mapping",
+}
+
+
+def merge(base: Any, patch: Any) -> Any:
+    if not isinstance(base, dict) or not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        out[key] = merge(out.get(key), value) if key in out else copy.deepcopy(value)
+    return out
+
+
+def manifests(case: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    new = merge(BASE, {"metadata": case.get("metadata", {})})
+    new["spec"] = merge({}, case["spec"]) if "spec" in case else {}
+    new.update(case.get("top", {}))
+    old = merge(BASE, {"spec": case["old"]}) if "old" in case else None
+    return new, old
+
+
+def run_validate(case: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    path = tmp_path / "job.yaml"
+    args = ["validate", str(path)]
+    if "text" in case:
+        path.write_text(case["text"])
+    else:
+        new, old = manifests(case)
+        path.write_text(yaml.safe_dump(new))
+        if old is not None:
+            (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
+            args += ["--against", str(tmp_path / "old.yaml")]
+    code = cli(args)
+    return code, capsys.readouterr().err
+
+
+def webhook_refusal(new: dict[str, Any], old: dict[str, Any] | None) -> str | None:
+    try:
+        validate_job(body=new, old=old, operation="UPDATE" if old else "CREATE")
+    except kopf.AdmissionError as err:
+        return str(err)
+    return None
+
+
+def by_id(cases: list[dict[str, Any]]) -> Any:
+    return pytest.mark.parametrize("case", cases, ids=[c["id"] for c in cases])
+
+
+def test_corpus_is_big_and_unambiguous() -> None:
+    ids = [c["id"] for c in CORPUS["invalid"] + CORPUS["valid"]]
+    assert len(ids) == len(set(ids))
+    assert len(CORPUS["invalid"]) >= 80 and len(CORPUS["valid"]) >= 10
+
+
+@by_id(CORPUS["invalid"])
+def test_invalid_is_refused_everywhere(case: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_validate(case, tmp_path, capsys)
+    assert code == 2 and case["field"] in err, err
+    if "text" in case:
+        return  # kubectl refuses it before the API server sees an object
+    new, old = manifests(case)
+    _, crd_errors = admit(CRD, new, old)
+    refusal = webhook_refusal(new, old)
+    assert refusal is not None and case["field"] in refusal, refusal
+    if case["id"] in WEBHOOK_ONLY:
+        assert crd_errors == [], f"the CRD now refuses {case['id']}: drop it from WEBHOOK_ONLY"
+    else:
+        assert crd_errors, "the CRD admits it"
+        leaf = [part for part in case["field"].split(".") if not part.isdigit()][-1]
+        assert any(leaf in e for e in crd_errors), crd_errors
+
+
+@by_id(CORPUS["valid"])
+def test_valid_is_accepted_everywhere(case: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, err = run_validate(case, tmp_path, capsys)
+    assert code == 0, err
+    new, old = manifests(case)
+    assert admit(CRD, new, old)[1] == []
+    assert webhook_refusal(new, old) is None
+
+
+def test_crd_alone_refuses_most(capsys: pytest.CaptureFixture[str]) -> None:
+    objects = [c for c in CORPUS["invalid"] if "text" not in c]
+    refused = [c["id"] for c in objects if admit(CRD, *manifests(c))[1]]
+    with capsys.disabled():
+        print(f"\ncorpus: {len(CORPUS['invalid'])} invalid, {len(CORPUS['valid'])} valid; the CRD alone refuses "
+              f"{len(refused)}/{len(objects)} invalid objects, the webhook the other {len(objects) - len(refused)}")
+    assert set(c["id"] for c in objects) - set(refused) == WEBHOOK_ONLY
+
+
+def test_every_cel_rule_refuses_some_manifest() -> None:
+    schema = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    said = {e for c in CORPUS["invalid"] if "text" not in c for e in admit(CRD, *manifests(c))[1]}
+    assert {message for _, _, message in all_rules(schema)} - said == set()
