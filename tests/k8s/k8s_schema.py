@@ -1,5 +1,6 @@
-"""What the API server does with a CRD schema, done offline: structural defaulting, schema
-validation (jsonschema over the OpenAPI v3.0 dialect) and CEL rules (cel-python, oldSelf included)."""
+"""What the API server does, done offline: with a CRD schema, structural defaulting, schema
+validation (jsonschema over the OpenAPI v3.0 dialect) and CEL rules (cel-python, oldSelf included);
+with a pod, the "restricted" Pod Security Standard's checks."""
 
 from __future__ import annotations
 
@@ -96,3 +97,34 @@ def admit(crd: dict[str, Any], obj: dict[str, Any], old: dict[str, Any] | None =
     stored = apply_defaults(schema, obj)
     old_stored = apply_defaults(schema, old) if old is not None else None
     return stored, schema_errors(schema, stored) or cel_errors(schema, stored, old_stored)
+
+
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+                      "projected", "secret"}
+
+
+def restricted_violations(pod: dict) -> list[str]:
+    """What breaks the Kubernetes "restricted" Pod Security Standard (v1.33) in a pod spec."""
+    out, psc = [], pod.get("securityContext") or {}
+    out += [f"spec.{k}" for k in ("hostNetwork", "hostPID", "hostIPC") if pod.get(k)]
+    out += [f"volume {v['name']}: {t}" for v in pod.get("volumes", []) for t in v if t != "name"
+            and t not in RESTRICTED_VOLUMES]
+    for c in pod.get("initContainers", []) + pod["containers"]:
+        sc, where = c.get("securityContext") or {}, f"container {c['name']}"
+        if sc.get("privileged"):
+            out.append(f"{where}: privileged")
+        if sc.get("allowPrivilegeEscalation") is not False:
+            out.append(f"{where}: allowPrivilegeEscalation not false")
+        if not (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True):
+            out.append(f"{where}: runAsNonRoot not true")
+        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
+            out.append(f"{where}: runAsUser 0")
+        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            out.append(f"{where}: seccompProfile {seccomp}")
+        caps = sc.get("capabilities") or {}
+        if "ALL" not in caps.get("drop", []) or set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            out.append(f"{where}: capabilities {caps}")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            out.append(f"{where}: hostPort")
+    return out

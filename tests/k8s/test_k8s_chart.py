@@ -9,6 +9,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from k8s_schema import restricted_violations
+
 from pipelinerl.crd import crd_yaml
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "pipelinerl"
@@ -63,14 +65,23 @@ def test_cluster_wide_mode_watches_everything() -> None:
     assert "PIPELINERL_WATCH_NAMESPACES" not in env
 
 
-def test_operator_rbac_covers_what_it_calls() -> None:
-    role = next(o for o in render({}) if o["kind"] == "Role")
-    allowed = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
-    for need in [("pipelinerl.dev", "pipelinerljobs", "watch"), ("pipelinerl.dev", "pipelinerljobs/status", "patch"),
-                 ("pipelinerl.dev", "pipelinerljobs", "delete"), ("apps", "statefulsets", "patch"),
-                 ("apps", "statefulsets", "create"), ("", "configmaps", "patch"), ("", "services", "create"),
-                 ("", "pods", "list"), ("", "events", "create")]:
-        assert need in allowed, need
+# What the operator calls (handlers.py, kube.py, kopf itself): no more, no less.
+OPERATOR_CALLS = {
+    ("pipelinerl.dev", "pipelinerljobs", verb) for verb in ("get", "list", "watch", "patch", "delete")
+} | {("pipelinerl.dev", "pipelinerljobs/status", "patch"), ("pipelinerl.dev", "pipelinerljobs/finalizers", "update"),
+     ("apps", "statefulsets", "get"), ("apps", "statefulsets", "create"), ("apps", "statefulsets", "patch"),
+     ("", "services", "create"), ("", "services", "patch"), ("", "configmaps", "create"), ("", "configmaps", "patch"),
+     ("", "pods", "list"), ("", "events", "create")}
+
+
+def test_operator_rbac_is_least_privilege() -> None:
+    for values, kind in (({}, "Role"), ({"clusterWide": True}, "ClusterRole")):
+        role = next(o for o in render(values) if o["kind"] == kind)
+        allowed = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+                   for v in rule["verbs"]}
+        discovery = {("", "namespaces", v) for v in ("get", "list", "watch")} | {
+            ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")}
+        assert allowed == OPERATOR_CALLS | (discovery if kind == "ClusterRole" else set())
 
 
 def test_optional_parts_toggle() -> None:
@@ -107,6 +118,16 @@ def test_chart_ships_the_generated_crd() -> None:
     {"nats": {"externalUrl": "http://nats:4222"}},
     {"services": {"pullPolicy": "Sometimes"}},
     {"typo": True},
+    {"nats": {"enabled": False}},  # no server and no external URL: jobs would have nowhere to talk
+    {"operator": {"metricsPort": 8081}},  # the health port
+    {"clusterWide": True, "watchNamespaces": ["team-b"]},
+    {"operator": {"resources": {"limits": {"memory": "lots"}}}},
+    {"nats": {"resources": {"requests": {"cpu": "two"}}}},
+    {"nats": {"image": "nats:latest"}},
+    {"nats": {"image": "nats"}},  # no tag: whatever latest is that day
+    {"operator": {"image": {"repository": "ghcr.io/pipelinerl/pipelinerl-operator", "tag": "latest"}}},
+    {"services": {"image": {"repository": "x", "tag": "1", "digest": "sha256:abc"}}},
+    {"webhook": {"failurePolicy": "Sometimes"}},
 ])
 def test_values_schema_rejects_bad_values(bad: dict) -> None:
     chart = helm.Chart.load(str(CHART))
@@ -138,3 +159,35 @@ def test_images_match_dockerfiles_and_render_defaults() -> None:
             if line.startswith("COPY "):
                 for src in line.split()[1:-1]:
                     assert (CHART.parents[1] / src).exists(), f"{name.name}: {src}"
+
+
+def test_images_pin_by_digest_when_given() -> None:
+    digest = "sha256:" + "ab" * 32
+    objects = render({"operator": {"image": {"repository": "r/op", "tag": "1", "digest": digest}},
+                      "services": {"image": {"repository": "r/svc", "tag": "1", "digest": digest}}})
+    operator = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in operator["env"]}
+    assert operator["image"] == f"r/op@{digest}" and env["PIPELINERL_SERVICES_IMAGE"] == f"r/svc@{digest}"
+
+
+def test_the_chart_pods_are_locked_down_and_nats_fits_its_volume() -> None:
+    objects = render({"nats": {"storageGi": 10}})
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objects if o["kind"] in ("Deployment", "StatefulSet")}
+    assert set(pods) == {"rl-pipelinerl-operator", "rl-pipelinerl-nats"}
+    for pod in pods.values():
+        assert restricted_violations(pod) == []
+        for c in pod["containers"]:
+            assert c["resources"]["requests"] and c["securityContext"]["readOnlyRootFilesystem"] is True
+    nats = pods["rl-pipelinerl-nats"]["containers"][0]
+    assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(nats)
+    config = next(o for o in objects if o["metadata"]["name"] == "rl-pipelinerl-nats" and o["kind"] == "ConfigMap")
+    max_file_store = int(next(line for line in config["data"]["nats.conf"].splitlines()
+                              if "max_file_store" in line).split(":")[1])
+    assert 0.85 * 10 * 2**30 < max_file_store < 10 * 2**30  # JetStream stops short of a full disk
+
+
+def test_the_chart_admits_only_kubernetes_versions_the_operator_supports() -> None:
+    from pipelinerl_operator.admission import KUBE_VERSION
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["kubeVersion"].startswith(f">={KUBE_VERSION}.0")  # the pod-index label: 1.28

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
+from k8s_schema import restricted_violations
 
 from pipelinerl.spec import MAX_JOB_NAME, SpecError, load_job, parse_job
 from pipelinerl_operator.render import OperatorConfig, render, role_config_hash
@@ -47,37 +48,6 @@ EDGE_CASES = [
 def test_edge_cases_validate_strictly(spec) -> None:
     for obj in render(job(**spec), "team-a", "uid-1", CFG, active=not spec.get("suspend")):
         kubernetes_validate.validate(obj, "1.33", strict=True)
-
-
-RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                      "projected", "secret"}
-
-
-def restricted_violations(pod: dict) -> list[str]:
-    """What breaks the Kubernetes "restricted" Pod Security Standard (v1.33) in a pod spec."""
-    out, psc = [], pod.get("securityContext") or {}
-    out += [f"spec.{k}" for k in ("hostNetwork", "hostPID", "hostIPC") if pod.get(k)]
-    out += [f"volume {v['name']}: {t}" for v in pod.get("volumes", []) for t in v if t != "name"
-            and t not in RESTRICTED_VOLUMES]
-    for c in pod.get("initContainers", []) + pod["containers"]:
-        sc, where = c.get("securityContext") or {}, f"container {c['name']}"
-        if sc.get("privileged"):
-            out.append(f"{where}: privileged")
-        if sc.get("allowPrivilegeEscalation") is not False:
-            out.append(f"{where}: allowPrivilegeEscalation not false")
-        if not (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True):
-            out.append(f"{where}: runAsNonRoot not true")
-        if sc.get("runAsUser", psc.get("runAsUser")) == 0:
-            out.append(f"{where}: runAsUser 0")
-        seccomp = (sc.get("seccompProfile") or psc.get("seccompProfile") or {}).get("type")
-        if seccomp not in ("RuntimeDefault", "Localhost"):
-            out.append(f"{where}: seccompProfile {seccomp}")
-        caps = sc.get("capabilities") or {}
-        if "ALL" not in caps.get("drop", []) or set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
-            out.append(f"{where}: capabilities {caps}")
-        if any(p.get("hostPort") for p in c.get("ports", [])):
-            out.append(f"{where}: hostPort")
-    return out
 
 
 @pytest.mark.parametrize("spec", EDGE_CASES)

@@ -22,3 +22,12 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- $all := prepend .Values.watchNamespaces .Release.Namespace | uniq -}}
 {{- join "," $all -}}
 {{- end -}}
+
+{{- /* An image reference from {repository, tag, digest}: pinned by digest when one is given. */ -}}
+{{- define "pipelinerl.image" -}}
+{{- if .digest -}}
+{{- printf "%s@%s" .repository .digest -}}
+{{- else -}}
+{{- printf "%s:%s" .repository .tag -}}
+{{- end -}}
+{{- end -}}
