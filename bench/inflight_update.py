@@ -299,11 +299,12 @@ async def run_size(size: str, cfg: dict, tmp: Path) -> dict:
         "apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": "bench"},
         "spec": {
             "model": {"path": path, "maxSeqLen": MAX_SEQ, "dtype": "float32"},
-            "generator": {"sampling": {"maxTokens": MAX_TOKENS},
-                          "engineArgs": {"worker_extension_cls": "bench.inflight_update.BenchReceiver"}},
+            "generator": {"sampling": {"maxTokens": MAX_TOKENS}},
             "weightSync": {"backend": "gloo", "timeoutSeconds": TIMEOUT_S},
         },
     })
+    # The benchmark's receiver replaces PipelineRL's extension (validation refuses that from a manifest).
+    job.spec.generator.engine_args["worker_extension_cls"] = "bench.inflight_update.BenchReceiver"
     engine = Engine(job, path)
     tok = make_tokenizer()
     stop, done, errors = asyncio.Event(), [], []

@@ -169,11 +169,12 @@ async def rig(request, tmp_path_factory):
         "apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": "inflight"},
         "spec": {
             "model": {"path": paths["A"], "maxSeqLen": 256, "dtype": "float32"},
-            "generator": {"sampling": {"maxTokens": LONG_TOKENS},
-                          "engineArgs": {"worker_extension_cls": f"{__name__}.{extension.__name__}"}},
+            "generator": {"sampling": {"maxTokens": LONG_TOKENS}},
             "weightSync": {"backend": "gloo", "bucketMb": 1, "timeoutSeconds": SYNC_TIMEOUT_S, "staged": staged},
         },
     })
+    # The probe replaces PipelineRL's extension, which validation refuses from a manifest.
+    job.spec.generator.engine_args["worker_extension_cls"] = f"{__name__}.{extension.__name__}"
     sync = job.spec.weight_sync
     weights = load_file(f"{paths['A']}/model.safetensors")
     buckets = plan_buckets([(n, list(t.shape), dtype_name(t.dtype)) for n, t in weights.items()], sync.bucket_mb << 20)

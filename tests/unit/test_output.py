@@ -1,0 +1,35 @@
+"""The output folder's best-on-evaluation bookkeeping (pipelinerl_trainer/output.py)."""
+
+from __future__ import annotations
+
+import json
+
+from pipelinerl_trainer.output import BEST_FILE, Output, is_better
+
+
+def export(path, marker: str) -> None:
+    path.mkdir(parents=True)
+    (path / "model.safetensors").write_text(marker)
+
+
+def test_better_is_strictly_better() -> None:
+    assert is_better(0.1, None) and is_better(0.5, {"accuracy": 0.4})
+    assert not is_better(0.4, {"accuracy": 0.4}) and not is_better(0.3, {"accuracy": 0.4})
+
+
+def test_candidates_are_promoted_or_dropped_as_results_come(tmp_path) -> None:
+    out = Output(tmp_path, keep_best=True)
+    assert [v for v in range(0, 9) if out.wants_candidate(v, 2)] == [2, 4, 6, 8]  # trained, evaluated versions
+    assert not Output(tmp_path, keep_best=False).wants_candidate(2, 2) and not out.wants_candidate(2, 0)
+    for version in (2, 4, 6):
+        export(out.candidate(version), f"v{version}")
+    assert out.evaluated(0, 0.9) is False  # the base model has no candidate: never "best"
+    assert out.evaluated(2, 0.3) is True
+    assert out.evaluated(4, 0.3) is False  # a tie keeps the earlier version
+    assert (tmp_path / "best" / "model.safetensors").read_text() == "v2"
+    assert [p.name for p in out.candidates.iterdir()] == ["version-6"]  # 4's dropped, 6's still awaited
+    assert out.evaluated(6, 0.5) is True
+    assert (tmp_path / "best" / "model.safetensors").read_text() == "v6"
+    assert json.loads((tmp_path / "best" / BEST_FILE).read_text()) == {"version": 6, "accuracy": 0.5}
+    assert list(out.candidates.iterdir()) == [] and not (tmp_path / ".best.old").exists()
+    assert Output(tmp_path, keep_best=True).best == {"version": 6, "accuracy": 0.5}  # a restarted trainer keeps it
