@@ -31,6 +31,7 @@ DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
 JOB_FILE_DIR = "/etc/pipelinerl"  # in pods: the job manifest, from the job's ConfigMap
 JOB_FILE = f"{JOB_FILE_DIR}/job.yaml"
 POD_RUN_DIR = "/var/lib/pipelinerl/run"  # in pods: checkpoints and logs (a volume)
+POD_OUTPUT_DIR = "/var/lib/pipelinerl/output"  # in trainer pods: spec.output's claim
 POD_CACHE_DIR = "/var/cache/pipelinerl"  # in pods: built models, engine caches (a volume; the root fs is read-only)
 POD_TMP_DIR = "/tmp"  # in pods: a volume, also HOME (libraries write under ~/.cache)
 POD_USER = 10001  # the non-root user job pods run as (the images' own)
@@ -64,6 +65,7 @@ class Env:
     NATS_URL = "PIPELINERL_NATS_URL"
     WEIGHTS_ADDR = "PIPELINERL_WEIGHTS_ADDR"
     RUN_DIR = "PIPELINERL_RUN_DIR"
+    OUTPUT_DIR = "PIPELINERL_OUTPUT_DIR"  # trainers: where spec.output goes (unset: no output)
     HTTP_PORT = "PIPELINERL_HTTP_PORT"
     EXIT_WHEN_DONE = "PIPELINERL_EXIT_WHEN_DONE"
     TORCH_THREADS = "PIPELINERL_TORCH_THREADS"
@@ -111,6 +113,7 @@ class ServiceEnv:
     nats_url: str = DEFAULT_NATS_URL
     weights_addr: str = f"127.0.0.1:{WEIGHTS_PORT}"  # host:port of trainer rank 0's weight group
     run_dir: Path = Path("runs")
+    output_dir: Path | None = None  # trainers: spec.output's folder
     http_port: int = HTTP_PORT  # 0: any free port (extra ranks of a multi-GPU trainer pod)
     # Set by the local runner only (a user may set them on a cluster):
     exit_when_done: bool | None = None  # exit once finished; in a StatefulSet a finished service stays up
@@ -123,7 +126,7 @@ class ServiceEnv:
 
     _NAMES = {
         "rank": Env.RANK, "world_size": Env.WORLD_SIZE, "nats_url": Env.NATS_URL,
-        "weights_addr": Env.WEIGHTS_ADDR, "run_dir": Env.RUN_DIR, "http_port": Env.HTTP_PORT,
+        "weights_addr": Env.WEIGHTS_ADDR, "run_dir": Env.RUN_DIR, "output_dir": Env.OUTPUT_DIR, "http_port": Env.HTTP_PORT,
         "exit_when_done": Env.EXIT_WHEN_DONE, "torch_threads": Env.TORCH_THREADS,
         "local_rank": Env.LOCAL_RANK, "ranks_per_pod": Env.RANKS_PER_POD,
         "master_addr": Env.MASTER_ADDR, "master_port": Env.MASTER_PORT,

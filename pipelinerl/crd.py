@@ -186,6 +186,8 @@ SPEC_RULES: list[tuple[str, str, str]] = [
     ("task", f"self.name in {_cel_list(TASK_NAMES)} || self.name.matches('{_cel_regex(TASK_IMPORT_PATH)}')",
      f"task.name: a built-in task ({', '.join(TASK_NAMES)}) or module.path:Class"),
     ("storage", "self.size.matches('^[+]?[0.]*[1-9]')", "storage.size must be greater than zero"),
+    ("output", "has(self.claimName) || has(self.path)",
+     "output: set claimName (Kubernetes), path (pipelinerl run) or both"),
     *[(path, "self == oldSelf", f"{path} is immutable: create a new job to change it") for path in IMMUTABLE],
 ]
 _RESERVED_LIST = ", ".join(f"'{n}'" for n in sorted(RESERVED_ENV))

@@ -159,6 +159,7 @@ class LocalRun:
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
         gens, trainers = self.spec.generator.replicas, self.spec.trainer_ranks
+        output = self.spec.output
         weights_port, master_port = free_port(), free_port()
         cpus = cpu_layout(sorted(os.sched_getaffinity(0)), trainers, gens) if self.pin_cores else {}
         layout = [("trainer", r, trainers) for r in range(trainers)] + [("preprocessor", 0, 1)] + \
@@ -172,6 +173,7 @@ class LocalRun:
                 role, rank=rank, world_size=world if trainer else None, nats_url=nats_url,
                 weights_addr=f"127.0.0.1:{weights_port}",
                 run_dir=self.run_dir, http_port=free_port(), exit_when_done=True, torch_threads=threads,
+                output_dir=Path(output.path).expanduser().resolve() if trainer and output and output.path else None,
                 local_rank=rank if trainer else None,  # one machine: trainer rank r on GPU r
                 master_addr="127.0.0.1" if trainer else None, master_port=master_port if trainer else None)
             name = role if world == 1 else f"{role}-{rank}"

@@ -336,6 +336,27 @@ class TensorboardSpec(SpecModel):
     log_dir: str | None = Field(default=None, max_length=1024, description="Unset: tensorboard/ in the run directory.")
 
 
+class OutputSpec(SpecModel):
+    """Where the trained model goes, outside the job's own volumes, so that it outlives the job:
+    final/ (the last step's weights) and best/ (the trained version that scored highest on
+    evaluation), Hugging Face folders with the tokenizer."""
+
+    claim_name: DnsSubdomain | None = Field(default=None, description=(
+        "Kubernetes: an existing PersistentVolumeClaim (not the job's: deleting the job leaves it), mounted "
+        "into the trainer pods; ReadWriteMany when trainer.replicas > 1."))
+    sub_path: str | None = Field(default=None, max_length=253, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$",
+                                 description="The folder inside the claim; unset: the job's name.")
+    path: str | None = Field(default=None, min_length=1, max_length=1024,
+                             description="`pipelinerl run`: a folder on this machine (relative: to where it runs).")
+    best: bool = Field(default=True, description="Keep the best version on evaluation too (needs eval.interval).")
+
+    @model_validator(mode="after")
+    def _somewhere(self) -> OutputSpec:
+        if self.claim_name is None and self.path is None:
+            raise ValueError("output: set claimName (Kubernetes), path (pipelinerl run) or both")
+        return self
+
+
 class TrackingSpec(SpecModel):
     """Experiment trackers the trainer logs to: train rows at their step, evaluations at their
     policy version, under the names `metrics.jsonl` uses (prefixed train/ and eval/)."""
@@ -361,6 +382,7 @@ class JobSpec(SpecModel):
     nats: NatsSpec = Field(default_factory=NatsSpec)
     storage: StorageSpec = Field(default_factory=StorageSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    output: OutputSpec | None = None
 
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:

@@ -17,7 +17,7 @@ from typing import Any
 from pipelinerl.contracts import (
     CONFIG_HASH_ANNOTATION, HTTP_PORT, JOB_FILE, JOB_FILE_DIR, JOB_LABEL, KUEUE_POD_GROUP_COUNT_ANNOTATION,
     KUEUE_POD_GROUP_LABEL, KUEUE_PREFIX, KUEUE_QUEUE_LABEL, MASTER_PORT, POD_GROUP_LABEL, POD_INDEX_LABEL,
-    POD_CACHE_DIR, POD_RUN_DIR, POD_TMP_DIR, POD_USER, ROLE_LABEL, ROLES, Env, ServiceEnv,
+    POD_CACHE_DIR, POD_OUTPUT_DIR, POD_RUN_DIR, POD_TMP_DIR, POD_USER, ROLE_LABEL, ROLES, Env, ServiceEnv,
 )
 from pipelinerl.spec import API_VERSION, KIND, PipelineRLJob, RoleSpec, dump_job
 
@@ -137,12 +137,14 @@ def role_config_hash(job: PipelineRLJob, role: str) -> str:
 def service_env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> ServiceEnv:
     """What a role's pods are told (their rank comes from the pod-index label instead)."""
     trainer = role == "trainer"
+    output = job.spec.output
     # Trainer pods start one rank per GPU; their rank is the pod's index, from which each
     # rank process derives its own: index × ranks per pod + local rank (pipelinerl.pod_ranks).
     return ServiceEnv(
         role, world_size=job.spec.trainer_ranks if trainer else None,
         nats_url=job.spec.nats.url or cfg.nats_url,
         weights_addr=f"{trainer_host(job, namespace)}:{job.spec.weight_sync.port}", run_dir=POD_RUN_DIR,
+        output_dir=POD_OUTPUT_DIR if trainer and output and output.claim_name else None,
         ranks_per_pod=job.spec.trainer_ranks_per_pod if trainer else None,
         master_addr=trainer_host(job, namespace) if trainer else None, master_port=MASTER_PORT if trainer else None)
 
@@ -244,6 +246,11 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorCon
     ]
     if role != "trainer":  # trainers get a PersistentVolumeClaim per rank instead
         volumes.append({"name": "run", "emptyDir": {}})
+    output = job.spec.output
+    if role == "trainer" and output and output.claim_name:  # the user's claim: outlives the job
+        volumes.append({"name": "output", "persistentVolumeClaim": {"claimName": output.claim_name}})
+        container["volumeMounts"].append(
+            {"name": "output", "mountPath": POD_OUTPUT_DIR, "subPath": output.sub_path or job.name})
     pod_spec: dict[str, Any] = {
         "serviceAccountName": cfg.service_account,
         "automountServiceAccountToken": False,  # job pods never call the Kubernetes API

@@ -33,7 +33,8 @@ def test_pipeline_mode_two_deepspeed_ranks_zero3(tmp_path):
     # Rows of 128 tokens: several micro-batches per rank and step (sentinels included), over
     # which both ZeRO-3 ranks must gather parameters in lock-step.
     job = tiny_job("pipe", rl={"maxLag": 2}, trainer={"replicas": 2, "zeroStage": 3, "maxSteps": 6,
-                                                      "exportInterval": 3, "microBatchTokens": 128})
+                                                      "exportInterval": 3, "microBatchTokens": 128},
+                   output={"path": str(tmp_path / "models")})
     summary = run(job, tmp_path)
     train = rows(tmp_path, "train")
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]  # versions advance one per step
@@ -57,6 +58,16 @@ def test_pipeline_mode_two_deepspeed_ranks_zero3(tmp_path):
     exported = AutoModelForCausalLM.from_pretrained(exports / "version-6")
     assert all(torch.equal(a, b) for a, b in zip(exported.state_dict().values(), model.state_dict().values()))
     assert (exports / "version-3" / "tokenizer.json").exists()
+    # spec.output: the final weights, and the trained version that evaluated best (the earliest
+    # of equals), both gathered from the shards; no candidate left behind.
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "final")
+    assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), model.state_dict().values()))
+    best = json.loads((tmp_path / "models" / "best" / "pipelinerl-best.json").read_text())
+    scores = {e["version"]: e["accuracy"] for e in evals if e["version"] > 0}
+    assert best == {"version": min(v for v, a in scores.items() if a == max(scores.values())), "accuracy": max(scores.values())}
+    AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "best")  # (a random model's rewards are all 0:
+    # its weights never change, so which version's they are is checked in tests/unit/test_output.py)
+    assert not list((tmp_path / "models" / ".candidates").glob("*"))
     assert (tmp_path / "progress.png").stat().st_size > 10_000
 
 

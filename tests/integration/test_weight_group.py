@@ -228,10 +228,11 @@ def job(**spec):
 
 def test_auto_picks_nccl_only_with_gpus_on_both_sides():
     assert job().weight_transport == "gloo"
-    gpus = {"trainer": {"gpus": 1}, "generator": {"gpus": 1}}
+    model = {"path": "/models/qwen"}  # GPU jobs need a real model
+    gpus = {"trainer": {"gpus": 1}, "generator": {"gpus": 1}, "model": model}
     assert job(**gpus).weight_transport == "nccl"
     assert job(**gpus, weightSync={"backend": "gloo"}).weight_transport == "gloo"
-    assert job(trainer={"gpus": 1}).weight_transport == "gloo"
+    assert job(trainer={"gpus": 1}, model=model).weight_transport == "gloo"
 
 
 @pytest.mark.skipif(GPUS > 0, reason="checks the refusal where no GPU is visible")

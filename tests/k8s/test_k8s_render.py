@@ -191,3 +191,15 @@ def test_the_longest_job_name_leaves_every_child_name_valid() -> None:
             assert len(f"{obj['metadata']['name']}-{obj['spec']['replicas'] - 1}") <= 63  # pod names
     with pytest.raises(SpecError, match="at most 39 characters"):
         parse_job({"metadata": {"name": name + "a"}})
+
+
+def test_the_output_claim_is_mounted_into_trainer_pods_only() -> None:
+    objs = by_name(render(job(output={"claimName": "team-models"}), "team-a", "uid-1", CFG))
+    trainer = objs[("StatefulSet", "demo-trainer")]["spec"]["template"]["spec"]
+    assert {"name": "output", "persistentVolumeClaim": {"claimName": "team-models"}} in trainer["volumes"]
+    assert {"name": "output", "mountPath": "/var/lib/pipelinerl/output", "subPath": "demo"} in trainer["containers"][0]["volumeMounts"]
+    assert env_of(objs[("StatefulSet", "demo-trainer")])["PIPELINERL_OUTPUT_DIR"] == "/var/lib/pipelinerl/output"
+    generator = objs[("StatefulSet", "demo-generator")]
+    assert "PIPELINERL_OUTPUT_DIR" not in env_of(generator)
+    assert all(v["name"] != "output" for v in generator["spec"]["template"]["spec"]["volumes"])
+    assert not [o for o in objs.values() if o["kind"] == "PersistentVolumeClaim"]  # the user's, not the job's

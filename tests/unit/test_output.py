@@ -20,6 +20,7 @@ def test_better_is_strictly_better() -> None:
 def test_candidates_are_promoted_or_dropped_as_results_come(tmp_path) -> None:
     out = Output(tmp_path, keep_best=True)
     assert [v for v in range(0, 9) if out.wants_candidate(v, 2)] == [2, 4, 6, 8]  # trained, evaluated versions
+    assert out.wants_candidate(7, 2, last=True)  # the final version is evaluated too
     assert not Output(tmp_path, keep_best=False).wants_candidate(2, 2) and not out.wants_candidate(2, 0)
     for version in (2, 4, 6):
         export(out.candidate(version), f"v{version}")

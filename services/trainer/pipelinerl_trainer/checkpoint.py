@@ -2,7 +2,7 @@
 
 Layout: <dir>/step-<N>/{ds/, hf/, state.json} and <dir>/latest (written last, atomically), so
 a crash mid-save leaves the previous checkpoint in force. Exports (weights only, for offline
-evaluation) go to <dir>/export/version-<N>/. All ranks call save/load/export (DeepSpeed saves
+evaluation) go to <dir>/export/version-<N>/ (and to spec.output: output.py). All ranks call save/load/export (DeepSpeed saves
 its shards collectively; ZeRO-3 gathers the full weights collectively).
 
 Each trainer pod has a volume of its own, so <dir> is per pod: DeepSpeed writes with node-local
@@ -55,10 +55,9 @@ def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, local_rank: 
     return target
 
 
-def export(engine, ckpt_dir: Path, version: int, rank: int, model_path: str | None = None) -> Path:
-    """The weights of `version` as a Hugging Face folder (no optimizer state): cheap enough to
-    take every few steps, so versions can be evaluated offline without slowing the run."""
-    target = ckpt_dir / "export" / f"version-{version}"
+def export(engine, target: Path, rank: int, model_path: str | None = None) -> Path:
+    """The current weights as a Hugging Face folder at `target` (no optimizer state): cheap enough
+    to take every few steps, so versions can be evaluated offline without slowing the run."""
     tmp = target.with_name(target.name + ".tmp")
     _save_hf(engine, tmp, rank, model_path)
     if rank == 0:

@@ -34,6 +34,7 @@ from pipelinerl_trainer import checkpoint
 from pipelinerl_trainer.bridge import NatsBridge
 from pipelinerl_trainer.checks import bad_samples, describe, without
 from pipelinerl_trainer.model import build_engine, init_distributed, load_model
+from pipelinerl_trainer.output import Output
 from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
 from pipelinerl_trainer.weight_sender import WeightSender
 
@@ -97,9 +98,13 @@ class Trainer:
         weight_sync = self.spec.weight_sync
         store = None
         self.tracker = Tracker(self.job, self.env.run_dir) if self.rank == 0 else None
+        output = self.spec.output
+        self.output = Output(self.env.output_dir, output.best if output else True) if self.env.output_dir else None
+        # Rank 0 takes the evaluations, for the trackers and to keep the best version.
+        self.wants_evals = self.rank == 0 and (self.tracker.enabled or bool(self.output and self.output.keep_best))
         if self.rank == 0:
             self.bridge.listen_to_generators()
-            if self.tracker.enabled:
+            if self.wants_evals:
                 self.bridge.listen_to_evaluations()
             store = open_store("0.0.0.0", self.env.weights_port, True, weight_sync.timeout_seconds)
             log.info("weight group (%s) rendezvous on port %d; generators join as they come",
@@ -136,7 +141,12 @@ class Trainer:
                 self._checkpoint()
             export = self.spec.trainer.export_interval
             if export and self.version % export == 0:
-                checkpoint.export(self.engine, self.ckpt_dir, self.version, self.rank)
+                checkpoint.export(self.engine, self.ckpt_dir / "export" / f"version-{self.version}", self.rank)
+            if self.output is not None:
+                if self.output.wants_candidate(self.version, self.spec.eval.interval, last):
+                    checkpoint.export(self.engine, self.output.candidate(self.version), self.rank)
+                if last:
+                    checkpoint.export(self.engine, self.output.final, self.rank)
             if self.rank == 0:
                 self._report(metrics)  # before the announcement, which lets the generators finish
                 self._announce(finished=last)
@@ -146,7 +156,8 @@ class Trainer:
             self._checkpoint()
         self.progress.finished = self.version >= self.spec.trainer.max_steps
         if self.tracker is not None:
-            self._track_evaluations(wait_for_final=self.progress.finished and self.spec.eval.interval > 0)
+            if self.wants_evals:
+                self._take_evaluations(wait_for_final=self.progress.finished and self.spec.eval.interval > 0)
             self.tracker.close()
         self.bridge.close()
         return 0
@@ -297,14 +308,16 @@ class Trainer:
             source="trainer", kind="train", values=metrics, timestamp=time.time()))
         if self.tracker.enabled:
             self.tracker.log("train", metrics)
-            self._track_evaluations()
+        if self.wants_evals:
+            self._take_evaluations()
         log.info("step %d: loss %.4f reward %.3f ess %.3f lag %.2f/%d sync %.0fms", self.version, metrics["loss"],
                  metrics["reward"], metrics["ess"], metrics["lag_mean"], metrics["lag_max"],
                  1000 * metrics["weight_sync_seconds"])
 
-    def _track_evaluations(self, wait_for_final: bool = False) -> None:
-        """Hand the evaluations that came in to the trackers (at the end: until the final one, bounded)."""
-        deadline = time.monotonic() + (FINAL_EVAL_WAIT_S if wait_for_final and self.tracker.enabled else 0)
+    def _take_evaluations(self, wait_for_final: bool = False) -> None:
+        """Hand the evaluations that came in to the trackers and the output (at the end: until the
+        final one, bounded)."""
+        deadline = time.monotonic() + (FINAL_EVAL_WAIT_S if wait_for_final else 0)
         while True:
             try:
                 row = self.bridge.evals.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
@@ -312,7 +325,11 @@ class Trainer:
                 if time.monotonic() >= deadline or self.stop.is_set():
                     return
                 continue
-            self.tracker.log("eval", row.values)
+            if self.tracker.enabled:
+                self.tracker.log("eval", row.values)
+            if self.output is not None and self.output.evaluated(int(row.values["version"]), row.values["accuracy"]):
+                log.info("version %d is the best on evaluation so far (accuracy %.3f): %s",
+                         row.values["version"], row.values["accuracy"], self.output.root / "best")
             if row.values.get("final"):
                 deadline = 0.0
 

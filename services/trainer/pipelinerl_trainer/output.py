@@ -39,9 +39,9 @@ class Output:
     def candidate(self, version: int) -> Path:
         return self.candidates / f"version-{version}"
 
-    def wants_candidate(self, version: int, eval_interval: int) -> bool:
-        """Evaluated versions (every `eval_interval`; the final one is evaluated too), trained ones only."""
-        return self.keep_best and eval_interval > 0 and version > 0 and version % eval_interval == 0
+    def wants_candidate(self, version: int, eval_interval: int, last: bool = False) -> bool:
+        """Evaluated versions (every `eval_interval`, and the last), trained ones only."""
+        return self.keep_best and eval_interval > 0 and version > 0 and (last or version % eval_interval == 0)
 
     def evaluated(self, version: int, accuracy: float) -> bool:
         """Take `version`'s result (rank 0): promote its candidate if it is the best yet; drop the
