@@ -97,11 +97,11 @@ def _dead_letters(args: argparse.Namespace) -> int:
     """What the job's services rejected, and why: from a running job's NATS, or a local run's store."""
     import asyncio
 
-    from pipelinerl.contracts import DEADLETTER_REASON, JobSubjects
+    from pipelinerl.contracts import DEADLETTER_REASON
     from pipelinerl.streams import connect, stored_messages
 
     job = load_job(args.job)
-    subjects = JobSubjects(job.name)
+    subjects = job.subjects
 
     async def read(url: str) -> list:
         nc = await connect(url, "pipelinerl-dead-letters")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,10 @@ class Env:
     HTTP_PORT = "PIPELINERL_HTTP_PORT"
     EXIT_WHEN_DONE = "PIPELINERL_EXIT_WHEN_DONE"
     TORCH_THREADS = "PIPELINERL_TORCH_THREADS"
+    # The job's credentials (on Kubernetes from the job's Secret, never in its ConfigMap)
+    NATS_USER = "PIPELINERL_NATS_USER"
+    NATS_PASSWORD = "PIPELINERL_NATS_PASSWORD"
+    WEIGHTS_TOKEN = "PIPELINERL_WEIGHTS_TOKEN"
     # torch.distributed's own names, for the trainer ranks' default group
     MASTER_ADDR = "MASTER_ADDR"
     MASTER_PORT = "MASTER_PORT"
@@ -123,6 +128,11 @@ class ServiceEnv:
     ranks_per_pod: int | None = None  # trainers: rank processes the pod starts (one per GPU)
     master_addr: str | None = None  # trainers: torch.distributed rendezvous of the ranks
     master_port: int | None = None
+    # Credentials (JOB_SECRET_KEYS): unset, NATS is reached without and the weight group's proofs
+    # use an empty token (the embedded NATS and the weight group then serve loopback only).
+    nats_user: str | None = None
+    nats_password: str | None = None
+    weights_token: str | None = None
 
     _NAMES = {
         "rank": Env.RANK, "world_size": Env.WORLD_SIZE, "nats_url": Env.NATS_URL,
@@ -130,6 +140,7 @@ class ServiceEnv:
         "exit_when_done": Env.EXIT_WHEN_DONE, "torch_threads": Env.TORCH_THREADS,
         "local_rank": Env.LOCAL_RANK, "ranks_per_pod": Env.RANKS_PER_POD,
         "master_addr": Env.MASTER_ADDR, "master_port": Env.MASTER_PORT,
+        "nats_user": Env.NATS_USER, "nats_password": Env.NATS_PASSWORD, "weights_token": Env.WEIGHTS_TOKEN,
     }
 
     @property
@@ -175,6 +186,10 @@ class ServiceEnv:
         return dataclasses.replace(base, role=role, **values)
 
 
+# The job's Secret (`<job>-credentials`, created by the operator): its keys, and the variable each feeds.
+JOB_SECRET_KEYS = {"natsUser": Env.NATS_USER, "natsPassword": Env.NATS_PASSWORD, "weightsToken": Env.WEIGHTS_TOKEN}
+
+
 def reserved_env() -> frozenset[str]:
     """Variables PipelineRL sets itself: a user's env or pod template may not override them."""
     own = set(ServiceEnv._NAMES.values()) - {Env.EXIT_WHEN_DONE, Env.TORCH_THREADS}
@@ -187,20 +202,32 @@ STREAM_SUFFIXES = ("ROLLOUTS", "BATCHES", "CONTROL", "METRICS", "DEADLETTER")
 DEADLETTER_REASON = "Pipelinerl-Reason"  # header of a dead letter: why it was rejected
 
 
+_NAME_TOKEN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
 @dataclass(frozen=True)
 class JobSubjects:
-    """NATS subjects and JetStream stream names of one job (`PRL_<JOB>_<SUFFIX>`)."""
+    """NATS subjects and JetStream stream names of one job, named by its namespace and its name:
+    `prl.<namespace>.<job>.…` and `PRL_<NAMESPACE>_<JOB>_<SUFFIX>`, so two jobs of one name in two
+    namespaces share none. Both are DNS labels (no '.', '_', '*' or '>'), so no two jobs' names
+    collide and no name is a wildcard."""
 
     job: str
+    namespace: str = "default"
+
+    def __post_init__(self) -> None:
+        for what, value in (("job name", self.job), ("namespace", self.namespace)):
+            if not _NAME_TOKEN.fullmatch(value):
+                raise ValueError(f"{what} {value!r}: not a DNS label (lowercase letters, digits, '-')")
 
     @property
     def _token(self) -> str:
-        return self.job.replace(".", "_")
+        return f"{self.namespace}.{self.job}"
 
     def stream(self, suffix: str) -> str:
         if suffix not in STREAM_SUFFIXES:
             raise ValueError(f"unknown stream {suffix!r} (one of {', '.join(STREAM_SUFFIXES)})")
-        return "PRL_" + self.job.upper().replace("-", "_").replace(".", "_") + "_" + suffix
+        return f"PRL_{self.namespace}_{self.job}_{suffix}".upper()
 
     @property
     def streams(self) -> list[str]:

@@ -14,6 +14,8 @@ from pydantic import AfterValidator, StringConstraints, WithJsonSchema
 
 # RFC 1123 subdomain: StorageClass, PriorityClass, scheduler and queue names.
 DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# RFC 1123 label: namespaces.
+DNS_1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 # RFC 1035 label: Service names (and so job names, which name the job's Services).
 DNS_1035_LABEL = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 # Resource names: `cpu`, `memory`, `nvidia.com/gpu`, `hugepages-2Mi`.

@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import httpx
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
-from pipelinerl.contracts import GeneratorStatus, JobSubjects, ServiceEnv
+from pipelinerl.contracts import GeneratorStatus, ServiceEnv
 from pipelinerl.embedded_nats import EmbeddedNats
 from pipelinerl.learning import learning_alarm
 from pipelinerl.ports import free_port
@@ -139,7 +140,7 @@ class LocalRun:
         self.nats, self.nats_restarts = nats, 0
         self.nats_restart_at: float | None = None
         self.busy: list[tuple[float, float]] = []  # (run time, generators' summed busy seconds)
-        self.subjects = JobSubjects(job.name)
+        self.subjects = job.subjects
         self.quiet = quiet
         self.services: list[Service] = []
         self.train: list[dict] = []
@@ -161,6 +162,7 @@ class LocalRun:
         gens, trainers = self.spec.generator.replicas, self.spec.trainer_ranks
         output = self.spec.output
         weights_port, master_port = free_port(), free_port()
+        token = secrets.token_hex(16)  # the weight group's members prove they hold it, as in a cluster
         cpus = cpu_layout(sorted(os.sched_getaffinity(0)), trainers, gens) if self.pin_cores else {}
         layout = [("trainer", r, trainers) for r in range(trainers)] + [("preprocessor", 0, 1)] + \
                  [("generator", r, gens) for r in range(gens)]
@@ -171,7 +173,7 @@ class LocalRun:
             threads = len(cpus[role, rank]) if (role, rank) in cpus else max(1, (os.cpu_count() or 1) // trainers)
             env = ServiceEnv(
                 role, rank=rank, world_size=world if trainer else None, nats_url=nats_url,
-                weights_addr=f"127.0.0.1:{weights_port}",
+                weights_addr=f"127.0.0.1:{weights_port}", weights_token=token,
                 run_dir=self.run_dir, http_port=free_port(), exit_when_done=True, torch_threads=threads,
                 output_dir=Path(output.path).expanduser().resolve() if trainer and output and output.path else None,
                 local_rank=rank if trainer else None,  # one machine: trainer rank r on GPU r

@@ -15,10 +15,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from pipelinerl.contracts import HTTP_PORT, MASTER_PORT, WEIGHTS_PORT, reserved_env
+from pipelinerl.contracts import HTTP_PORT, MASTER_PORT, WEIGHTS_PORT, JobSubjects, reserved_env
 from pipelinerl.engine_args import engine_arg_errors
 from pipelinerl.k8s_types import (
-    DNS_1035_LABEL, NATS_URL, RESOURCE_NAME, DnsSubdomain, ImageRef, PositiveQuantity, Quantity, parse_quantity,
+    DNS_1035_LABEL, DNS_1123_LABEL, NATS_URL, RESOURCE_NAME, DnsSubdomain, ImageRef, PositiveQuantity, Quantity,
+    parse_quantity,
 )
 
 API_GROUP = "pipelinerl.dev"
@@ -472,6 +473,14 @@ class ObjectMeta(BaseModel):
             )
         return v
 
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, v: str | None) -> str | None:
+        if v is not None and (len(v) > 63 or not re.fullmatch(DNS_1123_LABEL, v)):
+            raise ValueError("must be a namespace name (a DNS-1123 label: lowercase letters, digits or '-', "
+                             "at most 63 characters)")
+        return v
+
 
 class PipelineRLJob(SpecModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True)
@@ -484,6 +493,15 @@ class PipelineRLJob(SpecModel):
     @property
     def name(self) -> str:
         return self.metadata.name
+
+    @property
+    def namespace(self) -> str:
+        """On a cluster, the job's; locally `default` unless the manifest names one."""
+        return self.metadata.namespace or "default"
+
+    @property
+    def subjects(self) -> JobSubjects:
+        return JobSubjects(self.name, self.namespace)
 
 
 Parsed = TypeVar("Parsed", bound=BaseModel)

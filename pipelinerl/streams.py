@@ -42,12 +42,14 @@ def stream_configs(subjects: JobSubjects, max_msg_bytes: int) -> list[StreamConf
     ]
 
 
-async def connect(url: str, name: str) -> nats.NATS:
+async def connect(url: str, name: str, user: str | None = None, password: str | None = None) -> nats.NATS:
+    """A client that reconnects (for a while) through server restarts; `user`/`password`: the
+    job's NATS credentials, where the server requires them (the chart's NATS does)."""
     async def _err(e: Exception) -> None:
         print(f"[{name}] nats: {e}", file=sys.stderr)
 
     return await nats.connect(
-        url, name=name, connect_timeout=CONNECT_TIMEOUT_S, reconnect_time_wait=0.5,
+        url, name=name, user=user, password=password, connect_timeout=CONNECT_TIMEOUT_S, reconnect_time_wait=0.5,
         max_reconnect_attempts=120, allow_reconnect=True, error_cb=_err,
     )
 

@@ -13,6 +13,8 @@ msgpack (vLLM ``collective_rpc`` args, NATS). Tensors never do.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import time
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
@@ -125,6 +127,12 @@ def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, 
                                 f"(timeout {timeout_s:g} s): {e}") from e
 
 
+def proof(token: str, group_id: str, rank: int) -> bytes:
+    """What `rank` shows the others of epoch `group_id` to prove it holds the job's token (fresh
+    per epoch: group ids never repeat, so a proof seen once is worth nothing later)."""
+    return hmac.new(token.encode(), f"{group_id}/{rank}".encode(), hashlib.sha256).digest()
+
+
 class GroupIncomplete(WeightSyncTimeout):
     """Trainer side: members of a new epoch did not come to its rendezvous in time."""
 
@@ -143,6 +151,8 @@ class WeightGroup:
     phases so that a member that never comes costs a short wait, not a broken group: each member
     says it is joining, and only once all have does the trainer let them build the group."""
 
+    AUTH = "did not prove the job's weight token"
+
     def __init__(self, store: dist.Store, pg, rank: int, world_size: int, timeout_s: float, backend: str) -> None:
         self.store = store  # keep alive: the group's rendezvous store
         self.pg = pg
@@ -158,10 +168,11 @@ class WeightGroup:
 
     @classmethod
     def form(cls, store: dist.Store, group_id: str, world_size: int, timeout_s: float, backend: str = "gloo",
-             join_timeout_s: float = JOIN_TIMEOUT_S) -> WeightGroup:
+             join_timeout_s: float = JOIN_TIMEOUT_S, token: str = "") -> WeightGroup:
         """Trainer side (rank 0) of epoch `group_id`: wait until ranks 1..world_size-1 said they
         are joining, then let them go and connect. Raises GroupIncomplete naming the ranks that
-        did not come within `join_timeout_s` (the others are told to abort)."""
+        did not come within `join_timeout_s` (the others are told to abort), or that came without
+        the job's `token` (see `_authenticate`)."""
         check_backend(backend)
         epoch = dist.PrefixStore(f"{GROUP_PREFIX}/{group_id}", store)
         keys = [f"joining/{r}" for r in range(1, world_size)]
@@ -174,13 +185,18 @@ class WeightGroup:
                                                f"within {join_timeout_s:g} s")
             time.sleep(0.01)
         epoch.set("go", "go")
-        return cls(epoch, _process_group(backend, epoch, 0, world_size, timeout_s), 0, world_size, timeout_s, backend)
+        group = cls(epoch, _process_group(backend, epoch, 0, world_size, timeout_s), 0, world_size, timeout_s, backend)
+        refused = group._authenticate(group_id, token)
+        if refused:
+            raise GroupIncomplete(refused, f"weight group {group_id}: ranks {refused} {cls.AUTH}: refused")
+        return group
 
     @classmethod
     def join(cls, host: str, port: int, group_id: str, rank: int, world_size: int, timeout_s: float,
-             backend: str = "gloo") -> WeightGroup:
+             backend: str = "gloo", token: str = "") -> WeightGroup:
         """Generator side: join epoch `group_id` as `rank` (≥ 1). Raises GroupAborted if the
-        trainer called the epoch off, WeightSyncTimeout if no trainer answers in time."""
+        trainer called the epoch off or a member (the trainer included) lacks the job's `token`,
+        WeightSyncTimeout if no trainer answers in time."""
         check_backend(backend)
         store = open_store(host, port, False, timeout_s)
         epoch = dist.PrefixStore(f"{GROUP_PREFIX}/{group_id}", store)
@@ -192,8 +208,31 @@ class WeightGroup:
                                     f"{timeout_s:g} s: {e}") from e
         if epoch.get("go") == b"abort":
             raise GroupAborted(f"weight group {group_id}: called off by the trainer (a member did not join)")
-        return cls(epoch, _process_group(backend, epoch, rank, world_size, timeout_s), rank, world_size,
-                   timeout_s, backend)
+        group = cls(epoch, _process_group(backend, epoch, rank, world_size, timeout_s), rank, world_size,
+                    timeout_s, backend)
+        refused = group._authenticate(group_id, token)
+        if refused:
+            raise GroupAborted(f"weight group {group_id}: ranks {refused} (0: the trainer) {cls.AUTH}")
+        return group
+
+    def _authenticate(self, group_id: str, token: str) -> list[int]:
+        """Before any weights move, every rank shows every other its proof of the job's token;
+        the ranks whose proof is wrong (the group is closed if any). The rendezvous store has no
+        access control (anyone who reaches its port may list and write keys, and so take a rank's
+        place): this is what keeps an intruder from receiving weights or sending forged ones."""
+        mine = torch.frombuffer(bytearray(proof(token, group_id, self.rank)), dtype=torch.uint8).to(self.device)
+        shown = [torch.empty_like(mine) for _ in range(self.world_size)]
+        try:
+            self.pg.allgather([shown], [mine]).wait()
+        except RuntimeError as e:
+            self.close()
+            raise WeightSyncTimeout(f"weight group {group_id}: authentication failed or timed out "
+                                    f"after {self.timeout_s:g} s: {e}") from e
+        refused = [r for r, t in enumerate(shown)
+                   if not hmac.compare_digest(bytes(t.cpu().tolist()), proof(token, group_id, r))]
+        if refused:
+            self.close()
+        return refused
 
     def _broadcast(self, buf: torch.Tensor, what: str) -> None:
         opts = dist.BroadcastOptions()

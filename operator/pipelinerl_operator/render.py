@@ -2,8 +2,10 @@
 
 Per role (generator, preprocessor, trainer): a headless Service (rendezvous DNS, published
 before pods are ready) and a StatefulSet (stable names, rank from the pod-index label). One
-ConfigMap holds the job manifest every pod reads. Everything is owned by the job, so deleting
-the job garbage-collects it all.
+ConfigMap holds the job manifest every pod reads; a NetworkPolicy lets only the job's own pods
+reach its pods (the operator and metrics scrapers: the HTTP port only); with the install's key,
+a Secret holds the job's credentials (its NATS account, its weight token), given to its pods
+only by reference. Everything is owned by the job, so deleting the job garbage-collects it all.
 """
 
 from __future__ import annotations
@@ -15,11 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipelinerl.contracts import (
-    CONFIG_HASH_ANNOTATION, HTTP_PORT, JOB_FILE, JOB_FILE_DIR, JOB_LABEL, KUEUE_POD_GROUP_COUNT_ANNOTATION,
+    CONFIG_HASH_ANNOTATION, HTTP_PORT, JOB_FILE, JOB_SECRET_KEYS, JOB_FILE_DIR, JOB_LABEL, KUEUE_POD_GROUP_COUNT_ANNOTATION,
     KUEUE_POD_GROUP_LABEL, KUEUE_PREFIX, KUEUE_QUEUE_LABEL, MASTER_PORT, POD_GROUP_LABEL, POD_INDEX_LABEL,
     POD_CACHE_DIR, POD_OUTPUT_DIR, POD_RUN_DIR, POD_TMP_DIR, POD_USER, ROLE_LABEL, ROLES, Env, ServiceEnv,
 )
 from pipelinerl.spec import API_VERSION, KIND, PipelineRLJob, RoleSpec, dump_job
+from pipelinerl_operator.credentials import job_credentials, secret_data
 
 FIELD_MANAGER = "pipelinerl-operator"
 # Pod-level fields of a role: changing them restarts that role only.
@@ -39,6 +42,12 @@ class OperatorConfig:
     nats_url: str = "nats://pipelinerl-nats:4222"
     service_account: str = "pipelinerl-job"
     image_pull_policy: str = "IfNotPresent"
+    # The install's secret key (the chart generates one): per-job credentials derive from it.
+    # None: no Secret, no NATS credentials, an empty weight token (a cluster of one team).
+    auth_key: str | None = None
+    # Namespaces whose pods may reach job pods' HTTP port (/metrics, /status) besides the
+    # operator's: where Prometheus runs.
+    metrics_namespaces: tuple[str, ...] = ()
 
 
 def role_name(job: str, role: str) -> str:
@@ -47,6 +56,10 @@ def role_name(job: str, role: str) -> str:
 
 def config_map_name(job: str) -> str:
     return f"{job}-config"
+
+
+def secret_name(job: str) -> str:
+    return f"{job}-credentials"
 
 
 def selector_labels(job: str, role: str) -> dict[str, str]:
@@ -156,7 +169,15 @@ def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> 
     spec: RoleSpec = getattr(job.spec, role)
     # The root filesystem is read-only: caches and home go to volumes (a user's env may move them).
     env += [{"name": Env.CACHE, "value": POD_CACHE_DIR}, {"name": Env.HOME, "value": POD_TMP_DIR}]
+    env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name(job.name), "key": key}}}
+            for key, name in JOB_SECRET_KEYS.items() if _uses_secret(job, cfg, key)]
     return env + [e.model_dump(mode="json", by_alias=True, exclude_none=True) for e in spec.env]
+
+
+def _uses_secret(job: PipelineRLJob, cfg: OperatorConfig, key: str) -> bool:
+    """Credentials exist with the install's key; NATS ones are for the chart's NATS only (a
+    job's own `nats.url` is a server the operator does not configure)."""
+    return cfg.auth_key is not None and (key == "weightsToken" or job.spec.nats.url is None)
 
 
 def _resources(spec: RoleSpec) -> dict[str, Any]:
@@ -277,10 +298,43 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorCon
 
 
 def config_map(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, Any]:
+    # The pods name the job's streams by its namespace: it is in the manifest they read.
+    placed = job.model_copy(update={"metadata": job.metadata.model_copy(update={"namespace": namespace})})
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": _metadata(job, namespace, uid, config_map_name(job.name), None),
-        "data": {"job.yaml": dump_job(job)},
+        "data": {"job.yaml": dump_job(placed)},
+    }
+
+
+def secret(job: PipelineRLJob, namespace: str, uid: str, key: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": _metadata(job, namespace, uid, secret_name(job.name), None),
+        "data": secret_data(job_credentials(key, namespace, job.name, uid)),
+    }
+
+
+OPERATOR_POD = {"app.kubernetes.io/name": "pipelinerl", "app.kubernetes.io/component": "operator"}
+
+
+def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig) -> dict[str, Any]:
+    """Ingress to the job's pods: from its own pods on any port (the weight group's and
+    DeepSpeed's rendezvous, gloo's and NCCL's connections, whose ports are not fixed); to the
+    HTTP port (health, /metrics, /status) also from the operator and the metrics namespaces."""
+    own = {"podSelector": {"matchLabels": {JOB_LABEL: job.name}}}
+    readers = [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD)}}]
+    readers += [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
+                for ns in cfg.metrics_namespaces]
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": _metadata(job, namespace, uid, job.name, None),
+        "spec": {
+            "podSelector": {"matchLabels": {JOB_LABEL: job.name}},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [own]},
+                        {"from": readers, "ports": [{"port": HTTP_PORT, "protocol": "TCP"}]}],
+        },
     }
 
 
@@ -349,7 +403,9 @@ def validate_renderable(job: PipelineRLJob) -> None:
 def render(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig, active: bool = True) -> list[dict[str, Any]]:
     """Every child object of the job; `active=False` (suspended, finished) scales all roles to zero."""
     validate_renderable(job)
-    objects = [config_map(job, namespace, uid)]
+    objects = [config_map(job, namespace, uid), network_policy(job, namespace, uid, cfg)]
+    if cfg.auth_key is not None:  # before the pods that read it
+        objects.append(secret(job, namespace, uid, cfg.auth_key))
     for role in ROLES:
         objects.append(service(job, role, namespace, uid))
         objects.append(stateful_set(job, role, namespace, uid, cfg, active))

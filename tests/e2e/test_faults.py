@@ -98,6 +98,18 @@ def test_the_trainer_dies_resumes_from_its_checkpoint_and_generators_rejoin(tmp_
     assert [r["step"] for r in first] == list(range(1, len(first) + 1)) and len(first) >= killed_at
     assert [r["step"] for r in second] == list(range(resumed_at + 1, steps + 1))
     assert all(r["samples"] == SAMPLES and r["tokens"] > 0 for r in train)
+    # It replayed the steps the first trainer took past the checkpoint (all but perhaps the last,
+    # if it died before announcing it) from the same micro-batches: the same samples and rewards.
+    replayed = [r for r in second if r["replayed"]]
+    taken = {r["step"]: r for r in first[resumed_at:]}
+    assert [r["step"] for r in replayed] == list(range(resumed_at + 1, resumed_at + 1 + len(replayed)))
+    assert len(taken) - 1 <= len(replayed) <= len(taken)
+    assert all(r["reward"] == taken[r["step"]]["reward"] and groups_from(r, 0) == groups_from(taken[r["step"]], 0)
+               for r in replayed)
+    # Versions never went back: the generator kept the newer weights until the trainer was past
+    # them (it logs any step back), so nothing it made was too old.
+    assert "go back" not in (run.dir / "logs/generator.log").read_text()
+    assert all(r["lag_max"] <= 1 and r["dropped_for_lag"] == 0 for r in second)
     services = run.services()
     assert services["trainer"]["restarts"] == 1
     # The generator kept running and rejoined the new trainer's weight group.

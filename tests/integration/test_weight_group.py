@@ -87,11 +87,11 @@ def test_plan_for_tensors_is_plain_data_and_rejects_bad_input():
 
 # --- real gloo groups (spawned processes) -------------------------------------------------
 
-def _receiver(port, rank, world, timeout_s, buckets, out_q, backend="gloo", group_id="g"):
+def _receiver(port, rank, world, timeout_s, buckets, out_q, backend="gloo", group_id="g", token=""):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        group = WeightGroup.join(HOST, port, group_id, rank, world, timeout_s, backend)
+        group = WeightGroup.join(HOST, port, group_id, rank, world, timeout_s, backend, token)
         # Two updates: the second reuses the first one's buffers (views are copied out).
         got = [{n: t.cpu().clone() for n, t in group.receive_buckets(buckets)} for _ in range(2)]
         group.close()
@@ -150,6 +150,38 @@ def test_broadcast_round_trips_to_two_receivers_are_exact(port):
             for name, t in sent.items():
                 assert got[name].dtype == t.dtype and got[name].shape == t.shape, name
                 assert torch.equal(got[name], t), name
+
+
+def test_a_member_without_the_job_token_is_refused_before_any_weights_move(port):
+    tensors = {"w": torch.arange(6.0), "b": torch.ones(2)}
+    buckets = plan_buckets_for(tensors, bucket_bytes=1024)
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    store = open_store(HOST, port, True, 30.0)
+    # An intruder that reached the rendezvous and knows the epoch, but not the job's token.
+    intruder = ctx.Process(target=_receiver, args=(port, 1, 2, 30.0, buckets, out_q, "gloo", "e1", "a-guess"), daemon=True)
+    member = ctx.Process(target=_receiver, args=(port, 1, 2, 30.0, buckets, out_q, "gloo", "e2", "job-token"), daemon=True)
+    intruder.start()
+    try:
+        with pytest.raises(GroupIncomplete, match=r"weight group e1: ranks \[1\] did not prove the job's weight token: refused") as err:
+            WeightGroup.form(store, "e1", 2, 30.0, join_timeout_s=30.0, token="job-token")
+        assert err.value.missing == [1]  # dropped like a member that never came
+        rank, status, detail = out_q.get(timeout=30)
+        assert status == "err" and "GroupAborted" in detail and "ranks [0] (0: the trainer)" in detail, detail
+        # The job's own generator, in the next epoch: admitted, and it gets the weights exactly.
+        member.start()
+        group = WeightGroup.form(store, "e2", 2, 30.0, join_timeout_s=30.0, token="job-token")
+        send(group, tensors, buckets)
+        send(group, tensors, buckets)
+        rank, status, blob = out_q.get(timeout=30)
+        assert status == "ok", blob
+        assert all(torch.equal(got[n], t) for got in torch.load(io.BytesIO(blob)) for n, t in tensors.items())
+        group.close()
+    finally:
+        for p in (intruder, member):
+            p.join(10)
+            if p.is_alive():
+                p.kill()
 
 
 def test_epoch_nobody_joins_names_the_missing_ranks(port):

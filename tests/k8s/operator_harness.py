@@ -17,9 +17,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
+import aiohttp.web
 import attrs
 import kmock
 import kopf
+
+from pipelinerl.crd import crd_manifest
 
 NS = "team-a"
 JOBS = "pipelinerl.dev/v1alpha1/pipelinerljobs"
@@ -29,6 +32,8 @@ RESOURCES = {
     "apps/v1/statefulsets": dict(namespaced=True, kind="StatefulSet", subresources={"status", "scale"}),
     "v1/services": dict(namespaced=True, kind="Service"),
     "v1/configmaps": dict(namespaced=True, kind="ConfigMap"),
+    "v1/secrets": dict(namespaced=True, kind="Secret"),
+    "networking.k8s.io/v1/networkpolicies": dict(namespaced=True, kind="NetworkPolicy"),
     "v1/pods": dict(namespaced=True, kind="Pod", subresources={"status"}),
     "v1/events": dict(namespaced=True, kind="Event"),
     "v1/namespaces": dict(namespaced=False, kind="Namespace"),
@@ -59,6 +64,14 @@ class Emulator(kmock.KubernetesEmulator):
         return {}
 
     async def _handle(self, request):  # type: ignore[no-untyped-def]
+        if request.resource is not None and request.resource.plural == "pipelinerljobs" and request.subresource == "scale":
+            if request.method == "GET":
+                return aiohttp.web.json_response(self._scale(self._current(request)))
+            # A write of the Scale's spec.replicas is one of the job's specReplicasPath, as the
+            # API server maps it from the CRD's scale subresource (it bumps the generation too).
+            replicas = request.data["spec"]["replicas"]
+            request.data.clear()
+            request.data.update(_nested(SCALE["specReplicasPath"], replicas))
         if request.method in ("PATCH", "POST", "PUT") and request.resource is not None:
             name = request.name or ((request.data or {}).get("metadata") or {}).get("name")
             refused = self.refuse.get(f"{request.resource.plural}/{name}")
@@ -79,7 +92,7 @@ class Emulator(kmock.KubernetesEmulator):
             current = self._current(request)
             generation = int(current.get("metadata", {}).get("generation", 1))
             if isinstance(data, dict):
-                if "spec" in data and not request.subresource:
+                if "spec" in data and request.subresource in (None, "", "scale"):  # not /status
                     generation += 1
                 data.setdefault("metadata", {}).update(resourceVersion=rv, generation=generation)
             elif isinstance(data, list):  # JSON patch (kopf's finalizers): append the bump
@@ -88,6 +101,29 @@ class Emulator(kmock.KubernetesEmulator):
                 data[:] = [op for op in data if not (op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion")]
                 data.append({"op": "replace", "path": "/metadata/resourceVersion", "value": rv})
         return await super()._handle(request)
+
+    @staticmethod
+    def _scale(job: dict[str, Any]) -> dict[str, Any]:
+        """The autoscaling/v1 Scale the API server serves for a job, read through the CRD's paths."""
+        return {"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": job["metadata"]["name"]},
+                "spec": {"replicas": _at(job, SCALE["specReplicasPath"])},
+                "status": {"replicas": _at(job, SCALE["statusReplicasPath"]) or 0,
+                           "selector": _at(job, SCALE["labelSelectorPath"]) or ""}}
+
+
+SCALE = crd_manifest()["spec"]["versions"][0]["subresources"]["scale"]
+
+
+def _at(obj: dict[str, Any], path: str) -> Any:
+    for key in path.lstrip(".").split("."):
+        obj = (obj or {}).get(key)
+    return obj
+
+
+def _nested(path: str, value: Any) -> dict[str, Any]:
+    for key in reversed(path.lstrip(".").split(".")):
+        value = {key: value}
+    return value
 
 
 @contextlib.asynccontextmanager
@@ -124,6 +160,13 @@ class Api:
 
     async def patch_job(self, name: str, patch: dict[str, Any]) -> None:
         await self._call("PATCH", self._job_path(name), patch)
+
+    async def scale_job(self, name: str, replicas: int) -> None:
+        """`kubectl scale prl/NAME --replicas=N`: a write to the scale subresource."""
+        await self._call("PATCH", self._job_path(name) + "/scale", {"spec": {"replicas": replicas}})
+
+    async def get_scale(self, name: str) -> dict[str, Any]:
+        return await self._call("GET", self._job_path(name) + "/scale")
 
     async def delete_job(self, name: str) -> None:
         await self._call("DELETE", self._job_path(name))

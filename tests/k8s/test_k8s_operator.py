@@ -127,10 +127,15 @@ async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
         await eventually(lambda: condition(emulator, "Ready").get("status") == "True", what="Ready")
         trainer_before = sts_template(emulator, "trainer")
 
-        # `kubectl scale prl/demo --replicas=4` writes spec.generator.replicas through the scale subresource.
-        await api.patch_job("demo", {"spec": {"generator": {"replicas": 4}}})
+        # `kubectl scale prl/demo --replicas=4`: the scale subresource writes spec.generator.replicas.
+        await api.scale_job("demo", 4)
+        assert obj(emulator, JOBS, "demo")["spec"]["generator"]["replicas"] == 4
         await eventually(lambda: obj(emulator, STS, "demo-generator")["spec"]["replicas"] == 4, what="scaled")
         await eventually(lambda: status(emulator)["generatorsReady"] == "2/4", what="2/4")
+        # What an autoscaler reads back: the replicas running and a selector of the generator pods.
+        scale = await api.get_scale("demo")
+        assert scale["spec"]["replicas"] == 4 and scale["status"]["replicas"] == 2
+        assert scale["status"]["selector"] == "pipelinerl.dev/job=demo,pipelinerl.dev/role=generator"
         assert condition(emulator, "Degraded")["reason"] == "GeneratorsMissing"
         assert sts_template(emulator, "trainer") == trainer_before, "scaling generators must not restart trainers"
         assert status(emulator)["observedGeneration"] == 2

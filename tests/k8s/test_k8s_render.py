@@ -6,13 +6,14 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import yaml
 from k8s_schema import restricted_violations
 
 from pipelinerl.spec import MAX_JOB_NAME, SpecError, load_job, parse_job
 from pipelinerl_operator.render import OperatorConfig, render, role_config_hash
 
 ROOT = Path(__file__).resolve().parents[2]
-CFG = OperatorConfig()
+CFG = OperatorConfig(auth_key="install-key")
 
 
 def job(**spec):
@@ -68,7 +69,7 @@ def test_every_pod_meets_the_restricted_pod_security_standard(spec) -> None:
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_examples_validate_strictly(path: Path) -> None:
     objects = render(load_job(path), "team-a", "uid-1", CFG)
-    assert len(objects) == 7
+    assert len(objects) == 9  # ConfigMap, NetworkPolicy, Secret, a Service and a StatefulSet per role
     for obj in objects:
         kubernetes_validate.validate(obj, "1.33", strict=True)
 
@@ -203,3 +204,67 @@ def test_the_output_claim_is_mounted_into_trainer_pods_only() -> None:
     assert "PIPELINERL_OUTPUT_DIR" not in env_of(generator)
     assert all(v["name"] != "output" for v in generator["spec"]["template"]["spec"]["volumes"])
     assert not [o for o in objs.values() if o["kind"] == "PersistentVolumeClaim"]  # the user's, not the job's
+
+
+# --- tenancy: credentials by reference, a NetworkPolicy per job, nothing shared between namespaces
+
+
+def test_the_jobs_credentials_reach_its_pods_only_by_reference() -> None:
+    import base64
+    import json
+
+    from pipelinerl.contracts import JOB_SECRET_KEYS
+
+    objs = by_name(render(job(), "team-a", "uid-1", CFG))
+    secret = objs[("Secret", "demo-credentials")]
+    values = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    assert values.keys() == JOB_SECRET_KEYS.keys() and values["natsUser"] == "team-a.demo"
+    assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"  # goes with the job
+    for role in ("generator", "preprocessor", "trainer"):
+        env = env_of(objs[("StatefulSet", f"demo-{role}")])
+        for key, name in JOB_SECRET_KEYS.items():
+            assert env[name] == {"secretKeyRef": {"name": "demo-credentials", "key": key}}
+    # No secret value anywhere but in the Secret: not in the ConfigMap, env, labels or annotations.
+    elsewhere = json.dumps([o for key, o in objs.items() if key[0] != "Secret"])
+    assert not [k for k in ("natsPassword", "weightsToken") if values[k] in elsewhere]
+    # A job on its own NATS server gets no NATS credentials (the operator does not configure
+    # that server), still its weight token; an install without a key: no Secret at all.
+    external = by_name(render(job(nats={"url": "nats://nats.example:4222"}), "team-a", "uid-1", CFG))
+    env = env_of(external[("StatefulSet", "demo-trainer")])
+    assert "PIPELINERL_NATS_PASSWORD" not in env and "PIPELINERL_WEIGHTS_TOKEN" in env
+    assert not [o for o in render(job(), "team-a", "uid-1", OperatorConfig()) if o["kind"] == "Secret"]
+
+
+def test_the_network_policy_admits_only_the_jobs_own_pods_but_to_the_http_port() -> None:
+    cfg = OperatorConfig(auth_key="k", metrics_namespaces=("monitoring",))
+    objects = render(job(generator={"replicas": 3}, trainer={"replicas": 2}), "team-a", "uid-1", cfg)
+    policy = by_name(objects)[("NetworkPolicy", "demo")]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    for sts in (o for o in objects if o["kind"] == "StatefulSet"):  # it covers every pod of the job
+        assert selector.items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    own, readers = policy["spec"]["ingress"]
+    assert own == {"from": [{"podSelector": {"matchLabels": selector}}]}  # any port, this namespace only
+    assert readers["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert [f.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") for f in readers["from"]] \
+        == ["operator", None]
+    assert readers["from"][1] == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+
+
+def test_two_jobs_of_one_name_in_two_namespaces_share_nothing() -> None:
+    from pipelinerl_operator.credentials import nats_accounts
+
+    a = render(job(), "team-a", "uid-a", CFG)
+    b = render(job(), "team-b", "uid-b", CFG)
+    assert {o["metadata"]["namespace"] for o in a} == {"team-a"} and {o["metadata"]["namespace"] for o in b} == {"team-b"}
+    secret = lambda objs: next(o for o in objs if o["kind"] == "Secret")["data"]  # noqa: E731
+    assert not set(secret(a).values()) & set(secret(b).values())  # other NATS users, passwords, weight tokens
+    # The pods read their job's namespace from its manifest: they name their streams by it.
+    config = lambda objs: parse_job(yaml.safe_load(next(o for o in objs if o["kind"] == "ConfigMap")["data"]["job.yaml"]))  # noqa: E731
+    assert (config(a).subjects.namespace, config(b).subjects.namespace) == ("team-a", "team-b")
+    # Each is an account of its own on the NATS server (its streams live in it); the same job
+    # created again (a new uid) gets new credentials.
+    accounts = nats_accounts("install-key", [("team-a", "demo", "uid-a"), ("team-b", "demo", "uid-b")])
+    assert '"team-a.demo": { jetstream: enabled' in accounts and '"team-b.demo": { jetstream: enabled' in accounts
+    again = render(job(), "team-a", "uid-a2", CFG)
+    assert secret(again)["natsPassword"] != secret(a)["natsPassword"]

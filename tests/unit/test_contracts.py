@@ -105,12 +105,32 @@ def test_rendered_pods_are_told_what_the_services_read():
 
 
 def test_stream_names_are_the_ones_created_and_deleted():
-    subjects = JobSubjects("my.job-1")
+    subjects = JobSubjects("my-job-1", "team-a")
     assert [cfg.name for cfg in stream_configs(subjects, 1 << 20)] == subjects.streams
-    assert subjects.streams == ["PRL_MY_JOB_1_ROLLOUTS", "PRL_MY_JOB_1_BATCHES", "PRL_MY_JOB_1_CONTROL",
-                                "PRL_MY_JOB_1_METRICS", "PRL_MY_JOB_1_DEADLETTER"]
+    assert subjects.streams == ["PRL_TEAM-A_MY-JOB-1_ROLLOUTS", "PRL_TEAM-A_MY-JOB-1_BATCHES",
+                                "PRL_TEAM-A_MY-JOB-1_CONTROL", "PRL_TEAM-A_MY-JOB-1_METRICS",
+                                "PRL_TEAM-A_MY-JOB-1_DEADLETTER"]
+    assert subjects.rollouts(0) == "prl.team-a.my-job-1.rollouts.0"
     with pytest.raises(ValueError, match="unknown stream"):
         subjects.stream("OTHER")
+    for job, namespace in (("my.job", "a"), ("job", "a_b"), ("*", "a"), ("job", ">")):
+        with pytest.raises(ValueError, match="not a DNS label"):
+            JobSubjects(job, namespace)
+
+
+def test_jobs_of_one_name_in_two_namespaces_share_no_stream_or_subject():
+    def names(s: JobSubjects) -> set[str]:
+        return {*s.streams, s.rollouts(0), s.batches(0), s.version, s.metrics("train"), s.deadletter("rollout"),
+                s.weights_update, s.weights_done, s.weights_hello}
+
+    # Where a name and a namespace split at another '-', too: the separators keep them apart.
+    pairs = [(JobSubjects("demo", "team-a"), JobSubjects("demo", "team-b")),
+             (JobSubjects("b-c", "a"), JobSubjects("c", "a-b"))]
+    for one, other in pairs:
+        assert not names(one) & names(other)
+    job = parse_job({"metadata": {"name": "demo", "namespace": "team-a"}})
+    assert job.subjects == JobSubjects("demo", "team-a")
+    assert parse_job({"metadata": {"name": "demo"}}).subjects.namespace == "default"
 
 
 def test_status_bodies_of_every_role_are_the_contract_models(tmp_path):

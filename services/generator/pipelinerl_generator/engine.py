@@ -110,10 +110,10 @@ class Engine:
                           finish_reason="length" if c.finish_reason == "length" else "stop")
 
     async def join_weight_group(self, host: str, port: int, group: str, rank: int, world_size: int,
-                                timeout_s: float) -> None:
+                                timeout_s: float, token: str = "") -> None:
         backend = self.job.spec.weight_transport
         await self.llm.collective_rpc("init_weight_group",
-                                      args=(host, port, group, rank, world_size, timeout_s, backend))
+                                      args=(host, port, group, rank, world_size, timeout_s, backend, token))
 
     async def update_weights(self, version: int, buckets: list[dict]) -> UpdateStats:
         """With requests running: receive and load the new weights beside them (staged), then

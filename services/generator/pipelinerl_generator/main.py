@@ -25,7 +25,7 @@ from prometheus_client import Counter, Gauge
 
 from pipelinerl import messages as m
 from pipelinerl.admission import Admission
-from pipelinerl.contracts import GeneratorStatus, JobSubjects, ServiceEnv
+from pipelinerl.contracts import GeneratorStatus, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import connect, ensure_streams, last_message
@@ -65,7 +65,7 @@ class BusyClock:
 class Generator:
     def __init__(self, job: PipelineRLJob, env: ServiceEnv):
         self.job, self.env, self.spec = job, env, job.spec
-        self.subjects = JobSubjects(job.name)
+        self.subjects = job.subjects
         self.task = make_task(self.spec.task.name, self.spec.task.params, seed=self.spec.task.seed)
         self.admission = Admission(
             groups_per_step=self.spec.groups_per_step, generators=self.spec.generator.replicas,
@@ -102,7 +102,8 @@ class Generator:
     # -- main ------------------------------------------------------------------------------
     async def run(self) -> None:
         http = HealthServer("generator", self.env.http_port, self.status).start()
-        self.nc = await connect(self.env.nats_url, f"{self.job.name}-generator-{self.env.rank}")
+        self.nc = await connect(self.env.nats_url, f"{self.job.name}-generator-{self.env.rank}", self.env.nats_user,
+                                self.env.nats_password)
         self.js = self.nc.jetstream()
         await ensure_streams(self.js, self.subjects, self.spec.nats.max_payload_mb)
         model_path = resolve_model_path(self.spec.model.path)
@@ -278,6 +279,8 @@ class Generator:
             return
         reply = m.WeightUpdateDone(version=update.version, generator=self.env.rank, incarnation=self.incarnation,
                                    pause_seconds=0.0, running_requests=0)
+        if self.holds_weights.is_set() and update.version < self.engine.version:  # never expected: say so
+            log.warning("weights go back from version %d to %d", self.engine.version, update.version)
         try:
             stats = await self.engine.update_weights(update.version, update.buckets)
             reply.pause_seconds, reply.running_requests = stats.pause_seconds, stats.running_requests
@@ -303,7 +306,8 @@ class Generator:
         rank = 1 + update.members.index((self.env.rank, self.incarnation)) * tp
         try:
             await self.engine.join_weight_group(self.env.weights_host, self.env.weights_port, update.group, rank,
-                                                1 + len(update.members) * tp, self.spec.weight_sync.timeout_seconds)
+                                                1 + len(update.members) * tp, self.spec.weight_sync.timeout_seconds,
+                                                self.env.weights_token or "")
         except Exception as err:  # aborted or timed out: the trainer forms another epoch
             log.warning("could not join weight group %s: %s", update.group, err)
             self.group = None

@@ -4,7 +4,7 @@ Use with ``AsyncEngineArgs(worker_extension_cls=
 "pipelinerl_generator.weight_receiver.WeightReceiverExtension")`` and drive it
 from the engine side with ``collective_rpc`` (as ``Engine.update_weights`` does):
 
-    await engine.collective_rpc("init_weight_group", args=(host, port, group, rank, world, timeout_s, backend))
+    await engine.collective_rpc("init_weight_group", args=(host, port, group, rank, world, timeout_s, backend, token))
     # staged (default): receive and load beside generation, pause only to swap
     await engine.collective_rpc("stage_weights", args=(buckets,))   # [False]: cannot stage
     while not all(await engine.collective_rpc("staged_weights_ready")): await asyncio.sleep(...)
@@ -44,7 +44,7 @@ class WeightReceiverExtension:
     _pipelinerl_staging: Staging | None = None
 
     def init_weight_group(self, host: str, port: int, group: str, rank: int, world_size: int,
-                          timeout_s: float, backend: str) -> None:
+                          timeout_s: float, backend: str, token: str = "") -> None:
         """Join weight group `group` (a membership epoch), leaving the previous one."""
         # `rank` is this engine's first rank in the weight group; collective_rpc
         # sends the same args to every worker, so worker i of a TP/PP engine
@@ -56,7 +56,7 @@ class WeightReceiverExtension:
             self._pipelinerl_weight_group.close()
             self._pipelinerl_weight_group = None
         self._pipelinerl_weight_group = WeightGroup.join(
-            host, port, group, rank + int(getattr(self, "rank", 0)), world_size, timeout_s, backend)
+            host, port, group, rank + int(getattr(self, "rank", 0)), world_size, timeout_s, backend, token)
 
     def receive_weights(self, buckets: list[dict[str, Any]]) -> bool:
         """Receive and load into the live model: call while generation is paused. Every bucket

@@ -26,7 +26,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge
 
 from pipelinerl import messages as m
-from pipelinerl.contracts import JobSubjects, PreprocessorStatus, ServiceEnv
+from pipelinerl.contracts import PreprocessorStatus, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import connect, dead_letter, ensure_streams, last_message
@@ -46,7 +46,7 @@ ACK_WAIT_S = 30.0
 class Preprocessor:
     def __init__(self, job: PipelineRLJob, env: ServiceEnv, trainer_ranks: int):
         self.job, self.spec, self.env = job, job.spec, env
-        self.subjects = JobSubjects(job.name)
+        self.subjects = job.subjects
         self.ranks = trainer_ranks
         self.trainer_version = 0
         self.finished = False
@@ -74,7 +74,8 @@ class Preprocessor:
 
     async def run(self) -> None:
         http = HealthServer("preprocessor", self.env.http_port, self.status).start()
-        self.nc = await connect(self.env.nats_url, f"{self.job.name}-preprocessor")
+        self.nc = await connect(self.env.nats_url, f"{self.job.name}-preprocessor", self.env.nats_user,
+                                self.env.nats_password)
         self.js = self.nc.jetstream()
         await ensure_streams(self.js, self.subjects, self.spec.nats.max_payload_mb)
         await self._resume()

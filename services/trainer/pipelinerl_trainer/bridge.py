@@ -15,13 +15,14 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects
-from pipelinerl.streams import connect, dead_letter, ensure_streams
+from pipelinerl.streams import READ_TIMEOUT_S, connect, dead_letter, ensure_streams, last_message
 
 log = logging.getLogger("pipelinerl.trainer")
 
 
 class NatsBridge:
-    def __init__(self, url: str, name: str, subjects: JobSubjects, max_payload_mb: int):
+    def __init__(self, url: str, name: str, subjects: JobSubjects, max_payload_mb: int,
+                 user: str | None = None, password: str | None = None):
         self.subjects = subjects
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="nats", daemon=True)
@@ -30,7 +31,7 @@ class NatsBridge:
         self.done: queue.Queue[m.WeightUpdateDone] = queue.Queue()
         self.hellos: queue.Queue[tuple[float, m.GeneratorHello]] = queue.Queue()
         self.evals: queue.Queue[m.Metrics] = queue.Queue()
-        self.nc = self.call(connect(url, name), 60)
+        self.nc = self.call(connect(url, name, user, password), 60)
         self.js = self.nc.jetstream()
         self.call(ensure_streams(self.js, subjects, max_payload_mb), 60)
 
@@ -68,6 +69,11 @@ class NatsBridge:
             self.evals.put(m.decode(msg.data, m.Metrics))
 
         self.call(self.nc.subscribe(self.subjects.metrics("eval"), cb=on_eval), 30)
+
+    def last_announcement(self) -> m.PolicyVersion | None:
+        """The newest version announced on the job's stream (None: none yet)."""
+        data = self.call(last_message(self.js, self.subjects.stream("CONTROL"), self.subjects.version), READ_TIMEOUT_S + 5)
+        return m.decode(data, m.PolicyVersion) if data else None
 
     def publish(self, subject: str, msg: m.Message, stream: bool = True) -> None:
         if stream:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from prometheus_client import Counter, Gauge, Histogram
 
 from pipelinerl import messages as m
-from pipelinerl.contracts import MASTER_PORT, Env, JobSubjects, ServiceEnv, TrainerStatus
+from pipelinerl.contracts import MASTER_PORT, Env, ServiceEnv, TrainerStatus
 from pipelinerl.learning import WINDOW, learning_alarm
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
@@ -58,7 +58,7 @@ class Trainer:
     def __init__(self, job: PipelineRLJob, env: ServiceEnv):
         self.job, self.spec, self.env = job, job.spec, env
         self.rank, self.world = env.rank, env.world_size or 1
-        self.subjects = JobSubjects(job.name)
+        self.subjects = job.subjects
         self.ckpt_dir = env.run_dir / "checkpoints"
         self.step_cfg = step_config(job)
         self.stop = threading.Event()
@@ -94,7 +94,7 @@ class Trainer:
         self.rejected_total = state.get("rejected", {"groups": 0, "samples": 0})  # dead-lettered, whole run
 
         self.bridge = NatsBridge(self.env.nats_url, f"{self.job.name}-trainer-{self.rank}", self.subjects,
-                                 self.spec.nats.max_payload_mb)
+                                 self.spec.nats.max_payload_mb, self.env.nats_user, self.env.nats_password)
         weight_sync = self.spec.weight_sync
         store = None
         self.tracker = Tracker(self.job, self.env.run_dir) if self.rank == 0 else None
@@ -109,11 +109,20 @@ class Trainer:
             store = open_store("0.0.0.0", self.env.weights_port, True, weight_sync.timeout_seconds)
             log.info("weight group (%s) rendezvous on port %d; generators join as they come",
                      self.spec.weight_transport, self.env.weights_port)
+        # A restarted trainer first replays the steps its predecessor took after the checkpoint,
+        # from their micro-batches still in the stream: the same data, each step once in the
+        # lineage that goes on. Until it is past the newest version announced it sends and
+        # announces nothing, so no generator's weights nor any announced version go back.
+        self.floor = self._announced_version()
+        if self.floor > self.version:
+            log.info("replaying steps %d-%d (trained before the restart): no weights sent nor versions "
+                     "announced until version %d", self.version + 1, self.floor, self.floor)
         self.sender = WeightSender(self.engine, self.rank, self.bridge, backend=self.spec.weight_transport,
                                    bucket_mb=weight_sync.bucket_mb, timeout_s=weight_sync.timeout_seconds, store=store,
-                                   workers_per_generator=self.spec.generator.tensor_parallel)
+                                   workers_per_generator=self.spec.generator.tensor_parallel, floor=self.floor,
+                                   token=self.env.weights_token or "")
         # Every generator gets these weights before it generates (also those that kept running
-        # through a restart of the trainer: they may hold newer ones than the checkpoint's).
+        # through a restart of the trainer).
         self.sender.send(self.version)
         if self.rank == 0:
             self._group_status()
@@ -147,6 +156,7 @@ class Trainer:
                     checkpoint.export(self.engine, self.output.candidate(self.version), self.rank)
                 if last:
                     checkpoint.export(self.engine, self.output.final, self.rank)
+            metrics["replayed"] = int(self.version <= self.floor)
             if self.rank == 0:
                 self._report(metrics)  # before the announcement, which lets the generators finish
                 self._announce(finished=last)
@@ -274,7 +284,22 @@ class Trainer:
             self._announce(finished=False, training=True)
 
     # -- outputs ---------------------------------------------------------------------------
+    def _announced_version(self) -> int:
+        """The newest version announced on the job's stream (by a predecessor, if this trainer was
+        restarted), as every rank sees it: rank 0 reads it."""
+        newest = 0
+        if self.rank == 0:
+            announced = self.bridge.last_announcement()
+            newest = announced.version if announced else 0
+        if self.world > 1:
+            value = torch.tensor([newest], dtype=torch.long, device=self.engine.device)
+            dist.broadcast(value, src=0)
+            newest = int(value.item())
+        return newest
+
     def _announce(self, finished: bool, training: bool = False) -> None:
+        if self.version < self.floor:
+            return  # replaying: the predecessor announced this step already
         self.bridge.publish(self.subjects.version, m.PolicyVersion(
             version=self.version, finished=finished, training=training, timestamp=time.time(),
             trained_groups=dict(self.trained_groups)))

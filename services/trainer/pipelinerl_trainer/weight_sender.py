@@ -50,8 +50,13 @@ class WeightSender:
     rank 0 has a `store` (the rendezvous every epoch's group meets in)."""
 
     def __init__(self, engine: TrainingEngine, rank: int, bridge: ReplyBridge, *, backend: str, bucket_mb: int,
-                 timeout_s: float, store=None, workers_per_generator: int = 1, liveness_s: float = LIVENESS_S):
+                 timeout_s: float, store=None, workers_per_generator: int = 1, liveness_s: float = LIVENESS_S,
+                 floor: int = 0, token: str = ""):
         self.engine, self.rank, self.bridge, self.store = engine, rank, bridge, store
+        # Nothing older than this version is sent (a restarted trainer replaying steps its
+        # predecessor sent already): a generator's weights never go back.
+        self.floor = floor
+        self.token = token  # the job's weight token: members prove they hold it (WeightGroup._authenticate)
         self.backend, self.timeout_s, self.workers = backend, timeout_s, workers_per_generator
         self.params = named_weights(engine)
         self.buckets = plan_buckets(
@@ -68,14 +73,16 @@ class WeightSender:
     def send(self, version: int, wait: bool = True) -> dict[str, float]:
         """Pack the weights of `version`; rank 0 confirms the previous update and broadcasts this
         one (with `wait`, also until the generators have loaded it). The pause statistics are
-        those of the latest update confirmed."""
+        those of the latest update confirmed. Below the floor: nothing (on every rank alike)."""
         t0 = time.perf_counter()
+        stats = {"weight_pause_max_seconds": 0.0, "updates_with_running_requests": 0}
+        if version < self.floor:
+            return stats | {"weight_sync_seconds": 0.0}
         for i, bucket in enumerate(self.buckets):
             params = [self.by_name[t["name"]] for t in bucket["tensors"]]
             with full_parameters(self.engine, params):
                 if self.rank == 0:
                     self.snapshot.pack(i, {t["name"]: p.data for t, p in zip(bucket["tensors"], params)})
-        stats = {"weight_pause_max_seconds": 0.0, "updates_with_running_requests": 0}
         if self.rank == 0:
             self.snapshot.version = version
             stats |= self.confirm()
@@ -121,7 +128,7 @@ class WeightSender:
                 return self.group
             try:
                 self.group = WeightGroup.form(self.store, self.group_id, 1 + len(members) * self.workers,
-                                              self.timeout_s, self.backend)
+                                              self.timeout_s, self.backend, token=self.token)
                 log.info("weight group %s: generators %s", self.group_id, [g.generator for g in members])
                 return self.group
             except GroupIncomplete as err:

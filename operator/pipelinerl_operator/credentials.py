@@ -1,0 +1,55 @@
+"""Per-job credentials (pure): what keeps one job's pods out of another's streams and weights.
+
+Every job gets a NATS account of its own on the chart's NATS server (its streams and subjects
+live in it: no other job's client can see, read or write them) and a weight token its weight
+group's members must prove they hold (`pipelinerl.weight_group`). Both are derived from the
+install's secret key and the job's namespace, name and uid, so the operator needs no store of
+its own: the job's Secret, the server's account list and a re-created job's new credentials
+all follow from what the API server already holds.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+from collections.abc import Iterable
+
+OPERATOR_ACCOUNT = "pipelinerl"  # always there, so the server never runs without authentication
+
+
+def _derive(key: str, *parts: str) -> str:
+    return hmac.new(key.encode(), "/".join(parts).encode(), hashlib.sha256).hexdigest()
+
+
+def nats_user(namespace: str, name: str) -> str:
+    return f"{namespace}.{name}"  # both DNS labels: no two jobs share one
+
+
+def job_credentials(key: str, namespace: str, name: str, uid: str) -> dict[str, str]:
+    """The job Secret's values, by JOB_SECRET_KEYS key."""
+    return {
+        "natsUser": nats_user(namespace, name),
+        "natsPassword": _derive(key, "nats", namespace, name, uid),
+        "weightsToken": _derive(key, "weights", namespace, name, uid),
+    }
+
+
+def secret_data(values: dict[str, str]) -> dict[str, str]:
+    return {k: base64.b64encode(v.encode()).decode() for k, v in values.items()}
+
+
+def nats_accounts(key: str, jobs: Iterable[tuple[str, str, str]]) -> str:
+    """The `accounts` block of the NATS server's configuration (included by the chart's
+    nats.conf, reloaded when it changes): one account with JetStream per job (namespace, name,
+    uid), one user in it, and the operator's own account."""
+    def account(name: str, user: str, password: str, jetstream: bool) -> str:
+        js = "jetstream: enabled, " if jetstream else ""
+        return f"  {json.dumps(name)}: {{ {js}users: [ {{ user: {json.dumps(user)}, password: {json.dumps(password)} }} ] }}"
+
+    lines = [account(OPERATOR_ACCOUNT, OPERATOR_ACCOUNT, _derive(key, "operator"), False)]
+    for namespace, name, uid in sorted(set(jobs)):
+        creds = job_credentials(key, namespace, name, uid)
+        lines.append(account(creds["natsUser"], creds["natsUser"], creds["natsPassword"], True))
+    return "# Written by the PipelineRL operator: one account per job.\naccounts {\n" + "\n".join(lines) + "\n}\n"
