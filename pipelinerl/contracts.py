@@ -36,6 +36,7 @@ POD_OUTPUT_DIR = "/var/lib/pipelinerl/output"  # in trainer pods: spec.output's 
 POD_CACHE_DIR = "/var/cache/pipelinerl"  # in pods: built models, engine caches (a volume; the root fs is read-only)
 POD_TMP_DIR = "/tmp"  # in pods: a volume, also HOME (libraries write under ~/.cache)
 POD_USER = 10001  # the non-root user job pods run as (the images' own)
+NATS_ACCOUNTS_FILE = "accounts.conf"  # the key of the operator's accounts Secret; the chart's NATS includes it
 
 # ---------------------------------------------------------------- labels and annotations
 
@@ -105,6 +106,10 @@ class OperatorEnv:
     NATS_TIMEOUT = "PIPELINERL_NATS_TIMEOUT"
     WEBHOOK_PORT = "PIPELINERL_WEBHOOK_PORT"  # unset: no admission webhook server
     WEBHOOK_CERT_DIR = "PIPELINERL_WEBHOOK_CERT_DIR"  # tls.crt and tls.key; unset: plain HTTP (tests)
+    AUTH_KEY = "PIPELINERL_AUTH_KEY"  # the install's secret key: per-job credentials derive from it
+    NATS_ACCOUNTS_SECRET = "PIPELINERL_NATS_ACCOUNTS_SECRET"  # the Secret the chart's NATS includes
+    NAMESPACE = "PIPELINERL_NAMESPACE"  # the operator's own (where that Secret lives)
+    METRICS_NAMESPACES = "PIPELINERL_METRICS_NAMESPACES"  # comma-separated: may scrape job pods
 
 
 @dataclass(frozen=True)

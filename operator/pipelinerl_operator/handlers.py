@@ -15,10 +15,11 @@ from typing import Any
 
 import kopf
 
-from pipelinerl.contracts import JOB_LABEL, OPERATOR_METRICS_PORT, ROLE_LABEL, ROLES, OperatorEnv
+from pipelinerl.contracts import JOB_LABEL, NATS_ACCOUNTS_FILE, OPERATOR_METRICS_PORT, ROLE_LABEL, ROLES, OperatorEnv
 from pipelinerl.crd import PLURAL, VERSION
 from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError
 from pipelinerl_operator import admission, metrics
+from pipelinerl_operator.credentials import job_credentials, nats_accounts, secret_data
 from pipelinerl_operator.kube import Kube, KubeError
 from pipelinerl_operator.pods import pod_problems
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
@@ -41,6 +42,8 @@ def operator_config() -> OperatorConfig:
         nats_url=env(OperatorEnv.DEFAULT_NATS_URL, defaults.nats_url),
         service_account=env(OperatorEnv.JOB_SERVICE_ACCOUNT, defaults.service_account),
         image_pull_policy=env(OperatorEnv.IMAGE_PULL_POLICY, defaults.image_pull_policy),
+        auth_key=env(OperatorEnv.AUTH_KEY) or None,
+        metrics_namespaces=tuple(n for n in env(OperatorEnv.METRICS_NAMESPACES, "").split(",") if n),
     )
 
 
@@ -51,6 +54,8 @@ class _State:
     # the next one compares with (so condition flips post exactly one Event).
     locks: dict[str, asyncio.Lock] = {}
     last_status: dict[str, dict[str, Any]] = {}
+    accounts_written: str | None = None  # the NATS accounts last applied
+    accounts_lock: asyncio.Lock | None = None
 
 
 STATE = _State()
@@ -60,6 +65,7 @@ STATE = _State()
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     STATE.locks.clear()
     STATE.last_status.clear()
+    STATE.accounts_written, STATE.accounts_lock = None, asyncio.Lock()
     # One finalizer for kopf's timer bookkeeping and our stream cleanup.
     settings.persistence.finalizer = FINALIZER
     # Keep kopf's bookkeeping in annotations: status fields outside the CRD schema are pruned.
@@ -123,6 +129,33 @@ def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | No
 async def close_client(**_: Any) -> None:
     if STATE.kube is not None:
         await STATE.kube.close()
+
+
+@kopf.index(API_GROUP, VERSION, PLURAL)
+def job_uids(namespace: str, name: str, uid: str, **_: Any) -> dict[tuple[str, str], str]:
+    """Every job watched: each is an account on the chart's NATS server."""
+    return {(namespace, name): uid}
+
+
+async def sync_nats_accounts(index: kopf.Index, gone: str | None = None) -> None:
+    """Write the NATS accounts of the jobs in `index` (less `gone`, the uid of a job being
+    deleted) into the Secret the chart's NATS server includes (it reloads when the file changes).
+    Only with the install's key and that Secret named (the chart's NATS in use)."""
+    cfg = operator_config()
+    secret, namespace = os.environ.get(OperatorEnv.NATS_ACCOUNTS_SECRET), os.environ.get(OperatorEnv.NAMESPACE)
+    if not (cfg.auth_key and secret and namespace and STATE.kube and STATE.accounts_lock):
+        return
+    jobs = [(ns, name, uid) for (ns, name), uids in index.items() for uid in uids if uid != gone]
+    text = nats_accounts(cfg.auth_key, jobs)
+    async with STATE.accounts_lock:
+        if text != STATE.accounts_written:
+            await STATE.kube.apply({
+                "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                "metadata": {"name": secret, "namespace": namespace,
+                             "labels": {"app.kubernetes.io/name": "pipelinerl", "app.kubernetes.io/component": "nats"}},
+                "data": secret_data({NATS_ACCOUNTS_FILE: text}),
+            })
+            STATE.accounts_written = text
 
 
 def _event(body: kopf.Body, type_: str, reason: str, message: str) -> None:
@@ -224,42 +257,52 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
 
 
 @kopf.on.create(API_GROUP, VERSION, PLURAL)
-async def created(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+async def created(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, job_uids: kopf.Index, **_: Any) -> None:
+    await sync_nats_accounts(job_uids)  # before its pods connect
     status = await reconcile(body, patch, logger)
     if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
         _event(body, "Normal", "Created", "created the ConfigMap, Services and StatefulSets")
 
 
 @kopf.on.update(API_GROUP, VERSION, PLURAL)
-async def updated(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+async def updated(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, job_uids: kopf.Index, **_: Any) -> None:
+    await sync_nats_accounts(job_uids)  # before its pods connect
     status = await reconcile(body, patch, logger)
     if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
         _event(body, "Normal", "Updated", f"applied generation {status.get('observedGeneration')}")
 
 
 @kopf.on.resume(API_GROUP, VERSION, PLURAL)
-async def resumed(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+async def resumed(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, job_uids: kopf.Index, **_: Any) -> None:
+    await sync_nats_accounts(job_uids)
     await reconcile(body, patch, logger)
 
 
 @kopf.timer(API_GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-async def resync(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+async def resync(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, job_uids: kopf.Index, **_: Any) -> None:
+    await sync_nats_accounts(job_uids)
     await reconcile(body, patch, logger)
 
 
 @kopf.on.delete(API_GROUP, VERSION, PLURAL)
-async def deleted(body: kopf.Body, logger: logging.Logger, **_: Any) -> None:
-    """Children go by garbage collection (ownerReferences); only the NATS streams need us.
-    Never blocks deletion: a NATS failure is reported and the finalizer is released."""
+async def deleted(body: kopf.Body, logger: logging.Logger, job_uids: kopf.Index, **_: Any) -> None:
+    """Children go by garbage collection (ownerReferences); only the NATS streams and account
+    need us. Never blocks deletion: a NATS failure is reported and the finalizer is released."""
     meta = body["metadata"]
-    name, ns = meta["name"], meta["namespace"]
-    url = (body.get("spec") or {}).get("nats", {}).get("url") or operator_config().nats_url
+    name, ns, uid = meta["name"], meta["namespace"], meta.get("uid", "")
+    cfg = operator_config()
+    own_url = (body.get("spec") or {}).get("nats", {}).get("url")
+    url = own_url or cfg.nats_url
+    # On the chart's NATS, the streams live in the job's own account: delete them as its user.
+    creds = job_credentials(cfg.auth_key, ns, name, uid) if cfg.auth_key and not own_url else {}
     try:
-        streams = await delete_job_streams(url, name, timeout_s=float(os.environ.get(OperatorEnv.NATS_TIMEOUT, "10")))
+        streams = await delete_job_streams(url, name, ns, creds.get("natsUser"), creds.get("natsPassword"),
+                                           timeout_s=float(os.environ.get(OperatorEnv.NATS_TIMEOUT, "10")))
         _event(body, "Normal", "StreamsDeleted", f"deleted NATS streams: {', '.join(streams) or 'none'}")
     except Exception as err:  # noqa: BLE001 - any NATS failure must still let the job go
         logger.warning("could not delete NATS streams of %s/%s: %r", ns, name, err)
         _event(body, "Warning", "StreamsDeleteFailed", f"could not delete NATS streams at {url}: {err!r}")
+    await sync_nats_accounts(job_uids, gone=uid)
     metrics.record_phase(ns, name, None)
     key = str(meta.get("uid") or f"{ns}/{name}")
     STATE.locks.pop(key, None)

@@ -14,14 +14,19 @@ from pipelinerl.contracts import JobSubjects
 from pipelinerl.streams import delete_streams
 
 
-async def _delete(url: str, job_name: str, connect_timeout_s: float) -> list[str]:
-    nc = await nats.connect(url, connect_timeout=connect_timeout_s, allow_reconnect=False, max_reconnect_attempts=0)
+async def _delete(url: str, subjects: JobSubjects, user: str | None, password: str | None,
+                  connect_timeout_s: float) -> list[str]:
+    nc = await nats.connect(url, user=user, password=password, connect_timeout=connect_timeout_s,
+                            allow_reconnect=False, max_reconnect_attempts=0)
     try:
-        return await delete_streams(nc.jetstream(timeout=connect_timeout_s), JobSubjects(job_name))
+        return await delete_streams(nc.jetstream(timeout=connect_timeout_s), subjects)
     finally:
         await nc.close()
 
 
-async def delete_job_streams(url: str, job_name: str, timeout_s: float = 10.0) -> list[str]:
-    """Names of the deleted streams; raises on failure (TimeoutError, connection errors)."""
-    return await asyncio.wait_for(_delete(url, job_name, min(3.0, timeout_s)), timeout_s)
+async def delete_job_streams(url: str, job_name: str, namespace: str, user: str | None = None,
+                             password: str | None = None, timeout_s: float = 10.0) -> list[str]:
+    """Names of the deleted streams (as the job's NATS user, where it has one); raises on
+    failure (TimeoutError, connection errors)."""
+    subjects = JobSubjects(job_name, namespace)
+    return await asyncio.wait_for(_delete(url, subjects, user, password, min(3.0, timeout_s)), timeout_s)

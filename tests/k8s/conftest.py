@@ -74,3 +74,14 @@ def nats_url(tmp_path: Path) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.fixture
+async def cluster(trainer_status):
+    """The Kubernetes emulator, a client acting as kubectl and the controllers, the trainer stand-in."""
+    from operator_harness import Api, emulator
+
+    async with emulator() as server:
+        api = Api(str(server.url))
+        yield server, api, trainer_status
+        await api.close()

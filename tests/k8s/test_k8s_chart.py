@@ -71,6 +71,8 @@ OPERATOR_CALLS = {
 } | {("pipelinerl.dev", "pipelinerljobs/status", "patch"), ("pipelinerl.dev", "pipelinerljobs/finalizers", "update"),
      ("apps", "statefulsets", "get"), ("apps", "statefulsets", "create"), ("apps", "statefulsets", "patch"),
      ("", "services", "create"), ("", "services", "patch"), ("", "configmaps", "create"), ("", "configmaps", "patch"),
+     ("", "secrets", "create"), ("", "secrets", "patch"),  # a job's credentials; the NATS accounts
+     ("networking.k8s.io", "networkpolicies", "create"), ("networking.k8s.io", "networkpolicies", "patch"),
      ("", "pods", "list"), ("", "events", "create")}
 
 

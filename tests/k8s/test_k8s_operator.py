@@ -14,7 +14,9 @@ import nats
 import pytest
 from prometheus_client import generate_latest
 
-from operator_harness import JOBS, NS, Api, emulator, eventually, running_operator
+from operator_harness import JOBS, NS, Api, eventually, running_operator
+from pipelinerl.contracts import JobSubjects
+from pipelinerl.streams import ensure_streams
 from pipelinerl_operator import metrics
 
 STS = "apps/v1/statefulsets"
@@ -59,14 +61,6 @@ def events(emulator: kmock.KubernetesEmulator) -> list[str]:
 async def all_ready(api: Api, name: str = "demo", generators: int = 2, trainers: int = 2) -> None:
     for role, n in (("generator", generators), ("preprocessor", 1), ("trainer", trainers)):
         await api.set_sts_status(f"{name}-{role}", n, n)
-
-
-@pytest.fixture
-async def cluster(trainer_status):
-    async with emulator() as server:
-        api = Api(str(server.url))
-        yield server, api, trainer_status
-        await api.close()
 
 
 async def test_create_renders_children_and_turns_ready_with_progress(cluster) -> None:
@@ -283,7 +277,7 @@ async def test_operator_restart_creates_no_duplicates(cluster) -> None:
         trainer.reports["demo"]["step"] = 8  # the new operator picks up where the old one stopped
         await eventually(lambda: status(emulator)["progress"]["step"] == 8, what="resumed reconciliation")
     creates_after = [c for c in emulator.creates if not c.startswith("events/")]
-    assert creates_after == creates_before and len(set(creates_after)) == len(creates_after) == 1 + 7, creates_after
+    assert creates_after == creates_before and len(set(creates_after)) == len(creates_after) == 1 + 8, creates_after
     assert condition(emulator, "Ready")["status"] == "True"
 
 
@@ -291,8 +285,9 @@ async def test_deletion_removes_this_jobs_nats_streams(cluster, nats_url: str) -
     emulator, api, _ = cluster
     nc = await nats.connect(nats_url, connect_timeout=2)
     js = nc.jetstream(timeout=2)
-    for stream in ("PRL_DEMO_ROLLOUTS", "PRL_DEMO_BATCHES", "PRL_DEMO_CONTROL", "PRL_DEMO_METRICS", "PRL_DEMO_2_ROLLOUTS"):
-        await js.add_stream(name=stream, subjects=[f"{stream.lower()}.>"])
+    # This job's, a job's of another name, and a same-named job's in another namespace.
+    for subjects in (JobSubjects("demo", NS), JobSubjects("demo-2", NS), JobSubjects("demo", "team-b")):
+        await ensure_streams(js, subjects, 1)
     try:
         async with running_operator(str(emulator.url)):
             await api.create_job(manifest(nats={"url": nats_url}))
@@ -300,7 +295,8 @@ async def test_deletion_removes_this_jobs_nats_streams(cluster, nats_url: str) -
             await api.delete_job("demo")
             await eventually(lambda: obj(emulator, JOBS, "demo") is None, what="deleted")
         left = sorted(s.config.name for s in await js.streams_info())
-        assert left == ["PRL_DEMO_2_ROLLOUTS"], "only job demo's streams go; demo-2's stay"
+        assert left == sorted(JobSubjects("demo-2", NS).streams + JobSubjects("demo", "team-b").streams), \
+            "only this job's streams go"
         await eventually(lambda: "StreamsDeleted" in events(emulator))
     finally:
         await nc.close()
@@ -319,7 +315,7 @@ async def test_a_refused_apply_and_a_stuck_pod_are_told_in_the_status_and_events
         await eventually(lambda: "ApplyRefused" in events(emulator), what="ApplyRefused event")
         emulator.refuse.clear()  # fixed (e.g. a quota raised): the next reconcile applies it
         await api.patch_job("demo", {"spec": {"generator": {"replicas": 3}}})
-        await eventually(lambda: obj(emulator, STS, "demo-generator"), what="generator StatefulSet")
+        await eventually(lambda: all(obj(emulator, STS, f"demo-{r}") for r in ROLES), what="every StatefulSet")
         await all_ready(api, generators=3)
         # A trainer pod that no node can take: the condition says which pod and why.
         await api.create_pod("demo-trainer-1", {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer"}, 0,

@@ -1,0 +1,135 @@
+"""One job's pods cannot read, write or join another's streams: the operator (real kopf against
+kmock) writes each job's credentials and the NATS accounts; a real nats-server runs the chart's
+own nats.conf (rendered by Helm) with the accounts the operator wrote, as the chart's NATS pod
+does (its reloader sidecar's SIGHUP is sent by the test)."""
+
+from __future__ import annotations
+
+import base64
+import os
+import re
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import nats
+import pytest
+from operator_harness import NS, eventually, running_operator
+from test_k8s_chart import render as render_chart
+from test_k8s_operator import events, manifest, obj
+
+from pipelinerl.contracts import NATS_ACCOUNTS_FILE, JobSubjects, OperatorEnv
+from pipelinerl.embedded_nats import nats_server_binary
+from pipelinerl.ports import free_port
+from pipelinerl.streams import ensure_streams
+
+ACCOUNTS_SECRET = "rl-pipelinerl-nats-accounts"  # the chart's name for it (release "rl")
+SECRETS = "v1/secrets"
+
+
+def decoded(secret: dict | None) -> dict[str, str]:
+    return {k: base64.b64decode(v).decode() for k, v in ((secret or {}).get("data") or {}).items()}
+
+
+class ChartNats:
+    """nats-server started on the chart's nats.conf, its paths and ports moved under `root`."""
+
+    def __init__(self, root: Path):
+        conf = next(o for o in render_chart({}) if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-pipelinerl-nats")
+        self.port, self.root = free_port(), root
+        text = conf["data"]["nats.conf"]
+        assert 'include "../nats-accounts/accounts.conf"' in text  # where the chart mounts the accounts Secret
+        text = re.sub(r"^port: 4222$", f"port: {self.port}", text, flags=re.M)
+        text = re.sub(r"^http_port: 8222$", f"http_port: {free_port()}", text, flags=re.M)
+        text = text.replace("/data/jetstream", str(root / "jetstream")).replace("/var/run/nats", str(root))
+        (root / "nats").mkdir()
+        (root / "nats" / "nats.conf").write_text(text)
+        (root / "nats-accounts").mkdir()
+        self.proc: subprocess.Popen | None = None
+
+    def accounts(self, text: str) -> None:
+        (self.root / "nats-accounts" / NATS_ACCOUNTS_FILE).write_text(text)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(self.root / "nats" / "nats.conf")],
+                                     stdout=open(self.root / "nats.log", "wb"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 10
+        while socket.socket().connect_ex(("127.0.0.1", self.port)) != 0:
+            assert self.proc.poll() is None and time.monotonic() < deadline, (self.root / "nats.log").read_text()
+            time.sleep(0.05)
+
+    def reload(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGHUP)
+        time.sleep(0.5)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc:
+            self.proc.kill()
+            self.proc.wait()
+
+
+async def refused(url: str, **creds) -> bool:
+    try:
+        nc = await nats.connect(url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2, **creds)
+    except Exception as err:  # noqa: BLE001
+        return "Authorization Violation" in str(err)
+    await nc.close()
+    return False
+
+
+async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(cluster, tmp_path, monkeypatch) -> None:
+    emulator, api, _ = cluster
+    server = ChartNats(tmp_path)
+    for name, value in {OperatorEnv.AUTH_KEY: "install-key", OperatorEnv.NATS_ACCOUNTS_SECRET: ACCOUNTS_SECRET,
+                        OperatorEnv.NAMESPACE: NS, OperatorEnv.DEFAULT_NATS_URL: server.url}.items():
+        monkeypatch.setenv(name, value)
+    try:
+        async with running_operator(str(emulator.url)):
+            for job in ("demo", "other"):
+                await api.create_job(manifest(job))
+            both = lambda: '"team-a.demo"' in (a := decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET)).get(NATS_ACCOUNTS_FILE, "")) \
+                and '"team-a.other"' in a and a  # noqa: E731
+            server.accounts(await eventually(both, what="both jobs' accounts"))
+            server.start()
+            creds = {job: decoded(await eventually(lambda j=job: obj(emulator, SECRETS, f"{j}-credentials")))
+                     for job in ("demo", "other")}
+            login = {job: {"user": c["natsUser"], "password": c["natsPassword"]} for job, c in creds.items()}
+
+            # The job's pods, with its Secret's values: they create and use its streams.
+            demo = await nats.connect(server.url, **login["demo"])
+            await ensure_streams(demo.jetstream(), JobSubjects("demo", NS), 1)
+            await demo.jetstream().publish(JobSubjects("demo", NS).version, b"v1")
+            # Anyone else: refused without credentials, with another job's password, or a guess.
+            assert await refused(server.url)
+            assert await refused(server.url, user="team-a.demo", password=creds["other"]["natsPassword"])
+            assert await refused(server.url, user="team-a.demo", password="guess")
+            # Another job's pods see nothing of it: not its streams, not its messages.
+            other = await nats.connect(server.url, **login["other"])
+            assert await other.jetstream().streams_info() == []
+            sub = await other.subscribe(JobSubjects("demo", NS).version)
+            await demo.publish(JobSubjects("demo", NS).version, b"v2")
+            with pytest.raises(nats.errors.TimeoutError):
+                await sub.next_msg(timeout=0.5)
+
+            # Deleting the job deletes its streams (as its own user) and its account.
+            await api.delete_job("demo")
+            await eventually(lambda: '"team-a.demo"' not in decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET))[NATS_ACCOUNTS_FILE],
+                             what="the account gone")
+            assert await eventually(lambda: set(events(emulator)) & {"StreamsDeleted", "StreamsDeleteFailed"}) \
+                == {"StreamsDeleted"}
+            await demo.close()
+            server.accounts(decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET))[NATS_ACCOUNTS_FILE])
+            server.reload()
+            assert await refused(server.url, **login["demo"])
+            assert other.is_connected and other.stats["reconnects"] == 0  # the reload left other accounts alone
+            await other.close()
+    finally:
+        server.stop()
+
