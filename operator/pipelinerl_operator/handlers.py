@@ -40,7 +40,7 @@ def operator_config() -> OperatorConfig:
         cpu_image=env(OperatorEnv.SERVICES_IMAGE, defaults.cpu_image),
         gpu_image=env(OperatorEnv.SERVICES_GPU_IMAGE, defaults.gpu_image),
         nats_url=env(OperatorEnv.DEFAULT_NATS_URL, defaults.nats_url),
-        service_account=env(OperatorEnv.JOB_SERVICE_ACCOUNT, defaults.service_account),
+        service_account=env(OperatorEnv.JOB_SERVICE_ACCOUNT) or None,
         image_pull_policy=env(OperatorEnv.IMAGE_PULL_POLICY, defaults.image_pull_policy),
         auth_key=env(OperatorEnv.AUTH_KEY) or None,
         metrics_namespaces=tuple(n for n in env(OperatorEnv.METRICS_NAMESPACES, "").split(",") if n),

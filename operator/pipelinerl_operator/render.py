@@ -2,7 +2,8 @@
 
 Per role (generator, preprocessor, trainer): a headless Service (rendezvous DNS, published
 before pods are ready) and a StatefulSet (stable names, rank from the pod-index label). One
-ConfigMap holds the job manifest every pod reads; a NetworkPolicy lets only the job's own pods
+ConfigMap holds the job manifest every pod reads; a ServiceAccount is the pods' (no role bound,
+no token mounted); a NetworkPolicy lets only the job's own pods
 reach its pods (the operator and metrics scrapers: the HTTP port only); with the install's key,
 a Secret holds the job's credentials (its NATS account, its weight token), given to its pods
 only by reference. Everything is owned by the job, so deleting the job garbage-collects it all.
@@ -40,7 +41,7 @@ class OperatorConfig:
     cpu_image: str = "ghcr.io/pipelinerl/pipelinerl-services:0.1.0"
     gpu_image: str = "ghcr.io/pipelinerl/pipelinerl-services-gpu:0.1.0"
     nats_url: str = "nats://pipelinerl-nats:4222"
-    service_account: str = "pipelinerl-job"
+    service_account: str | None = None  # job pods' ServiceAccount; None: one per job, rendered with it
     image_pull_policy: str = "IfNotPresent"
     # The install's secret key (the chart generates one): per-job credentials derive from it.
     # None: no Secret, no NATS credentials, an empty weight token (a cluster of one team).
@@ -273,7 +274,7 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorCon
         container["volumeMounts"].append(
             {"name": "output", "mountPath": POD_OUTPUT_DIR, "subPath": output.sub_path or job.name})
     pod_spec: dict[str, Any] = {
-        "serviceAccountName": cfg.service_account,
+        "serviceAccountName": cfg.service_account or job.name,
         "automountServiceAccountToken": False,  # job pods never call the Kubernetes API
         "terminationGracePeriodSeconds": 60,
         "securityContext": {"runAsNonRoot": True, "runAsUser": POD_USER, "runAsGroup": POD_USER,
@@ -304,6 +305,15 @@ def config_map(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, Any]:
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": _metadata(job, namespace, uid, config_map_name(job.name), None),
         "data": {"job.yaml": dump_job(placed)},
+    }
+
+
+def service_account(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, Any]:
+    """The job's pods' own identity, wherever the job runs (no role is bound to it; its token is
+    not mounted): a binding of the user's may give it cloud permissions (object-store access)."""
+    return {
+        "apiVersion": "v1", "kind": "ServiceAccount", "automountServiceAccountToken": False,
+        "metadata": _metadata(job, namespace, uid, job.name, None),
     }
 
 
@@ -404,6 +414,8 @@ def render(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig, ac
     """Every child object of the job; `active=False` (suspended, finished) scales all roles to zero."""
     validate_renderable(job)
     objects = [config_map(job, namespace, uid), network_policy(job, namespace, uid, cfg)]
+    if cfg.service_account is None:
+        objects.append(service_account(job, namespace, uid))
     if cfg.auth_key is not None:  # before the pods that read it
         objects.append(secret(job, namespace, uid, cfg.auth_key))
     for role in ROLES:

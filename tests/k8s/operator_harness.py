@@ -33,6 +33,7 @@ RESOURCES = {
     "v1/services": dict(namespaced=True, kind="Service"),
     "v1/configmaps": dict(namespaced=True, kind="ConfigMap"),
     "v1/secrets": dict(namespaced=True, kind="Secret"),
+    "v1/serviceaccounts": dict(namespaced=True, kind="ServiceAccount"),
     "networking.k8s.io/v1/networkpolicies": dict(namespaced=True, kind="NetworkPolicy"),
     "v1/pods": dict(namespaced=True, kind="Pod", subresources={"status"}),
     "v1/events": dict(namespaced=True, kind="Event"),

@@ -48,12 +48,10 @@ def test_namespaced_mode_has_no_cluster_scoped_objects() -> None:
     assert env["PIPELINERL_WATCH_NAMESPACES"] == "team-a,team-b"
     assert env["PIPELINERL_DEFAULT_NATS_URL"] == "nats://rl-pipelinerl-nats.team-a.svc:4222"
     assert operator["spec"]["replicas"] == 1 and operator["spec"]["strategy"]["type"] == "Recreate"
-    job_sas = [o for o in objects if o["kind"] == "ServiceAccount" and o["metadata"]["name"] == "pipelinerl-job"]
-    assert {sa["metadata"]["namespace"] for sa in job_sas} == {"team-a", "team-b"}
-    assert all(sa["automountServiceAccountToken"] is False for sa in job_sas)
-    # Job pods get no permissions at all: no binding names their ServiceAccount.
-    assert not [o for o in objects if o["kind"].endswith("Binding")
-                and any(s["name"] == "pipelinerl-job" for s in o["subjects"])]
+    # Job pods' ServiceAccounts come with each job (the operator renders one per job, wherever it
+    # runs): the chart makes none but the operator's, and binds nothing but the operator's.
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"] == ["rl-pipelinerl-operator"]
+    assert all(s["name"] == "rl-pipelinerl-operator" for o in objects if o["kind"].endswith("Binding") for s in o["subjects"])
 
 
 def test_cluster_wide_mode_watches_everything() -> None:
@@ -72,6 +70,7 @@ OPERATOR_CALLS = {
      ("apps", "statefulsets", "get"), ("apps", "statefulsets", "create"), ("apps", "statefulsets", "patch"),
      ("", "services", "create"), ("", "services", "patch"), ("", "configmaps", "create"), ("", "configmaps", "patch"),
      ("", "secrets", "create"), ("", "secrets", "patch"),  # a job's credentials; the NATS accounts
+     ("", "serviceaccounts", "create"), ("", "serviceaccounts", "patch"),  # a job's pods' identity
      ("networking.k8s.io", "networkpolicies", "create"), ("networking.k8s.io", "networkpolicies", "patch"),
      ("", "pods", "list"), ("", "events", "create")}
 

@@ -277,7 +277,7 @@ async def test_operator_restart_creates_no_duplicates(cluster) -> None:
         trainer.reports["demo"]["step"] = 8  # the new operator picks up where the old one stopped
         await eventually(lambda: status(emulator)["progress"]["step"] == 8, what="resumed reconciliation")
     creates_after = [c for c in emulator.creates if not c.startswith("events/")]
-    assert creates_after == creates_before and len(set(creates_after)) == len(creates_after) == 1 + 8, creates_after
+    assert creates_after == creates_before and len(set(creates_after)) == len(creates_after) == 1 + 9, creates_after
     assert condition(emulator, "Ready")["status"] == "True"
 
 

@@ -69,7 +69,7 @@ def test_every_pod_meets_the_restricted_pod_security_standard(spec) -> None:
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("**/*.yaml")), ids=lambda p: p.name)
 def test_examples_validate_strictly(path: Path) -> None:
     objects = render(load_job(path), "team-a", "uid-1", CFG)
-    assert len(objects) == 9  # ConfigMap, NetworkPolicy, Secret, a Service and a StatefulSet per role
+    assert len(objects) == 10  # ConfigMap, NetworkPolicy, ServiceAccount, Secret, a Service and a StatefulSet per role
     for obj in objects:
         kubernetes_validate.validate(obj, "1.33", strict=True)
 
@@ -268,3 +268,15 @@ def test_two_jobs_of_one_name_in_two_namespaces_share_nothing() -> None:
     assert '"team-a.demo": { jetstream: enabled' in accounts and '"team-b.demo": { jetstream: enabled' in accounts
     again = render(job(), "team-a", "uid-a2", CFG)
     assert secret(again)["natsPassword"] != secret(a)["natsPassword"]
+
+
+def test_job_pods_run_as_their_jobs_own_service_account_wherever_the_job_is() -> None:
+    objs = by_name(render(job(), "team-z", "uid-1", CFG))  # any namespace: nothing needs to be there first
+    account = objs[("ServiceAccount", "demo")]
+    assert account["automountServiceAccountToken"] is False and account["metadata"]["namespace"] == "team-z"
+    for role in ("generator", "preprocessor", "trainer"):
+        pod = objs[("StatefulSet", f"demo-{role}")]["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == "demo" and pod["automountServiceAccountToken"] is False
+    chosen = render(job(), "team-z", "uid-1", OperatorConfig(service_account="shared-sa"))  # the install names one
+    assert not [o for o in chosen if o["kind"] == "ServiceAccount"]
+    assert {o["spec"]["template"]["spec"]["serviceAccountName"] for o in chosen if o["kind"] == "StatefulSet"} == {"shared-sa"}
