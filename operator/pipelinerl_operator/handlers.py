@@ -21,7 +21,7 @@ from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError
 from pipelinerl_operator import admission, metrics
 from pipelinerl_operator.credentials import job_credentials, nats_accounts, secret_data
 from pipelinerl_operator.kube import Kube, KubeError
-from pipelinerl_operator.pods import pod_problems
+from pipelinerl_operator.pods import pod_problems, trainer_gang_to_restart
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
 from pipelinerl_operator.render import (
     OperatorConfig, generator_selector, render, replicas, role_name, trainer_host,
@@ -169,7 +169,7 @@ async def _observe_roles(kube: Kube, ns: str, job: Any, name: str) -> dict[str, 
         st = sts.get("status") or {}
         desired = replicas(job, role) if job is not None else int((sts.get("spec") or {}).get("replicas", 0))
         roles[role] = RoleObserved(desired=desired, replicas=int(st.get("replicas", 0) or 0),
-                                   ready=int(st.get("readyReplicas", 0) or 0))
+                                   ready=int(st.get("readyReplicas", 0) or 0), update_revision=st.get("updateRevision"))
     return roles
 
 
@@ -221,6 +221,12 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
                 break
         roles = await _observe_roles(kube, ns, job, name)
         pods = await kube.list("v1", "Pod", ns, f"{JOB_LABEL}={name}")
+        gang = trainer_gang_to_restart(pods, roles["trainer"].update_revision) if job is not None else []
+        for pod in gang:
+            await kube.delete("v1", "Pod", ns, pod)
+        if gang:
+            _event(body, "Normal", "TrainerGangRestarted", f"trainer pods {', '.join(gang)} restart together on the "
+                   f"new template (revision {roles['trainer'].update_revision}), from their checkpoint")
         trainer_status = None
         if job is not None and roles["trainer"].ready > 0:
             url = status_url(os.environ.get(OperatorEnv.TRAINER_STATUS_URL, DEFAULT_URL), name, ns, trainer_host(job, ns))

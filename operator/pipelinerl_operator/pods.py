@@ -52,3 +52,17 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
         if found:
             out.append(found)
     return out
+
+
+REVISION_LABEL = "controller-revision-hash"  # set by the StatefulSet controller on each pod
+
+
+def trainer_gang_to_restart(pods: list[dict[str, Any]], update_revision: str | None) -> list[str]:
+    """The trainer pods to delete so that the gang restarts as a whole on its new template: all of
+    them, once any still runs an older revision (their StatefulSet updates `OnDelete`: rolled one
+    pod at a time, new ranks would meet old ones in a collective that never completes). Each
+    checkpoints on SIGTERM, and the new gang resumes from there. None while nothing is stale."""
+    trainers = [p for p in pods if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == "trainer"]
+    stale = [p for p in trainers if update_revision and (p["metadata"].get("labels") or {}).get(REVISION_LABEL)
+             not in (None, update_revision) and not p["metadata"].get("deletionTimestamp")]
+    return sorted(p["metadata"]["name"] for p in trainers if not p["metadata"].get("deletionTimestamp")) if stale else []

@@ -373,7 +373,9 @@ def stateful_set(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
         "podManagementPolicy": "Parallel",  # ranks rendezvous: start them together
         "selector": {"matchLabels": selector_labels(job.name, role)},
         "template": pod_template(job, role, namespace, cfg),
-        "updateStrategy": {"type": "RollingUpdate"},
+        # A trainer template change restarts the gang as a whole (the operator deletes its pods
+        # together: pods.trainer_gang_to_restart); one rank at a time would break its collectives.
+        "updateStrategy": {"type": "OnDelete" if role == "trainer" else "RollingUpdate"},
     }
     if role == "trainer":
         storage = job.spec.storage

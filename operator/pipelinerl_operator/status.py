@@ -20,7 +20,8 @@ ROLE_CONDITIONS = {"generator": "GeneratorsReady", "preprocessor": "Preprocessor
 EVENT_REASONS = frozenset({
     "Created", "Updated", "InvalidSpec", "Ready", "NotReady", "Degraded", "Recovered", "Suspended",
     "Resumed", "Succeeded", "Failed", "BackoffLimitExceeded", "DeadlineExceeded", "TTLExpired",
-    "StreamsDeleted", "StreamsDeleteFailed", "ApplyRefused", "ProgressDeadlineExceeded", *POD_REASONS,
+    "StreamsDeleted", "StreamsDeleteFailed", "ApplyRefused", "ProgressDeadlineExceeded", "TrainerGangRestarted",
+    *POD_REASONS,
 })
 
 
@@ -29,6 +30,7 @@ class RoleObserved:
     desired: int  # what the spec asks for (the StatefulSet may be scaled to 0 while suspended)
     replicas: int = 0
     ready: int = 0
+    update_revision: str | None = None  # the StatefulSet's template revision its pods should run
 
 
 @dataclass(frozen=True)

@@ -172,9 +172,10 @@ class Api:
     async def delete_job(self, name: str) -> None:
         await self._call("DELETE", self._job_path(name))
 
-    async def set_sts_status(self, name: str, replicas: int, ready: int) -> None:
+    async def set_sts_status(self, name: str, replicas: int, ready: int, update_revision: str | None = None) -> None:
         path = f"/apis/apps/v1/namespaces/{NS}/statefulsets/{name}/status"
-        await self._call("PATCH", path, {"status": {"replicas": replicas, "readyReplicas": ready}})
+        revision = {"updateRevision": update_revision} if update_revision else {}
+        await self._call("PATCH", path, {"status": {"replicas": replicas, "readyReplicas": ready, **revision}})
 
     async def create_pod(self, name: str, labels: dict[str, str], restarts: int,
                          status: dict[str, Any] | None = None) -> None:

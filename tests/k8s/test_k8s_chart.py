@@ -72,7 +72,7 @@ OPERATOR_CALLS = {
      ("", "secrets", "create"), ("", "secrets", "patch"),  # a job's credentials; the NATS accounts
      ("", "serviceaccounts", "create"), ("", "serviceaccounts", "patch"),  # a job's pods' identity
      ("networking.k8s.io", "networkpolicies", "create"), ("networking.k8s.io", "networkpolicies", "patch"),
-     ("", "pods", "list"), ("", "events", "create")}
+     ("", "pods", "list"), ("", "pods", "delete"), ("", "events", "create")}
 
 
 def test_operator_rbac_is_least_privilege() -> None:

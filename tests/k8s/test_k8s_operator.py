@@ -136,10 +136,20 @@ async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
         await api.set_sts_status("demo-generator", 4, 4)
         await eventually(lambda: condition(emulator, "Degraded").get("status") == "False", what="recovered")
 
-        # A trainer setting rolls the trainers (new config hash) but not the generators.
+        # A trainer setting rolls the trainers (new config hash) but not the generators, and the
+        # trainer gang restarts as a whole: the operator deletes every trainer pod at once.
         gen_before = sts_template(emulator, "generator")
+        assert obj(emulator, STS, "demo-trainer")["spec"]["updateStrategy"] == {"type": "OnDelete"}
+        for i in range(2):
+            await api.create_pod(f"demo-trainer-{i}", {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer",
+                                                       "controller-revision-hash": "rev-1"}, 0)
         await api.patch_job("demo", {"spec": {"trainer": {"learningRate": 0.0005}}})
         await eventually(lambda: sts_template(emulator, "trainer") != trainer_before, what="trainer rollout")
+        assert obj(emulator, "v1/pods", "demo-trainer-0") and obj(emulator, "v1/pods", "demo-trainer-1")
+        await api.set_sts_status("demo-trainer", 2, 2, update_revision="rev-2")  # the controller's new revision
+        await eventually(lambda: not obj(emulator, "v1/pods", "demo-trainer-0") and not obj(emulator, "v1/pods", "demo-trainer-1"),
+                         what="the trainer gang deleted")
+        await eventually(lambda: "TrainerGangRestarted" in events(emulator), what="TrainerGangRestarted event")
         assert "learningRate: 0.0005" in obj(emulator, "v1/configmaps", "demo-config")["data"]["job.yaml"]
         ann = "pipelinerl.dev/config-hash"
         assert sts_template(emulator, "generator")["metadata"]["annotations"][ann] != gen_before["metadata"]["annotations"][ann]

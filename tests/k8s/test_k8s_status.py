@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from pipelinerl.contracts import TrainerStatus
 from pipelinerl.crd import JobStatus
-from pipelinerl_operator.pods import PodProblem, pod_problems
+from pipelinerl_operator.pods import PodProblem, pod_problems, trainer_gang_to_restart
 from pipelinerl_operator.status import Observed, RoleObserved, compute, ttl_expired
 
 T0 = datetime(2026, 11, 22, 3, 0, tzinfo=timezone.utc)
@@ -213,3 +213,20 @@ def test_no_new_version_for_the_progress_deadline_is_not_ready() -> None:
     s, _ = run(previous=s, now=T0 + timedelta(minutes=17), progress_deadline_seconds=600,
                trainer_status={"step": 2, "version": 2, "weightSyncReady": True})
     assert cond(s, "Ready")["status"] == "True" and s["lastProgressTime"] == "2026-11-22T03:17:00Z"
+
+
+def test_a_trainer_template_change_restarts_the_whole_gang_once() -> None:
+    def pod(name: str, role: str, revision: str | None, deleting: bool = False) -> dict:
+        labels = {"pipelinerl.dev/role": role, **({"controller-revision-hash": revision} if revision else {})}
+        meta = {"name": name, "labels": labels, **({"deletionTimestamp": "2026-11-25T00:00:00Z"} if deleting else {})}
+        return {"metadata": meta}
+
+    gen = pod("demo-generator-0", "generator", "g-1")
+    # One pod on the old template: every trainer pod goes (a mixed gang cannot train), never a generator.
+    assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", "t-1"), pod("demo-trainer-1", "trainer", "t-2"), gen],
+                                   "t-2") == ["demo-trainer-0", "demo-trainer-1"]
+    # All on the new one, or already going, or no revision known yet: nothing to do.
+    assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", "t-2"), pod("demo-trainer-1", "trainer", "t-2")], "t-2") == []
+    assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", "t-1", deleting=True)], "t-2") == []
+    assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", "t-1")], None) == []
+    assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", None)], "t-2") == []
