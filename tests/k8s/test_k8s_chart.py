@@ -103,6 +103,30 @@ def test_optional_parts_toggle() -> None:
     assert config["spec"]["resources"][0]["metricNamePrefix"] == "pipelinerl_job"
 
 
+def test_the_dashboard_filters_by_job_and_shows_every_condition() -> None:
+    import json
+    from datetime import datetime, timezone
+
+    from pipelinerl.contracts import JOB_LABEL
+    from pipelinerl_operator.status import Observed, compute
+
+    objects = render(ALL_ON)
+    dashboard = json.loads(next(o for o in objects if o["metadata"]["name"].endswith("-dashboard"))["data"]["pipelinerl.json"])
+    exprs = {p["title"]: [t["expr"] for t in p["targets"]] for p in dashboard["panels"]}
+    # Every per-job panel filters by the chosen jobs: KSM series by `name`, pod series by the job
+    # label the PodMonitor copies onto them.
+    monitor = next(o for o in objects if o["kind"] == "PodMonitor")
+    assert JOB_LABEL in monitor["spec"]["podTargetLabels"]
+    pod_label = JOB_LABEL.replace(".", "_").replace("/", "_")
+    for title, queries in exprs.items():
+        if title not in ("Jobs by phase", "Operator reconcile errors/s"):
+            assert all('name=~"$job"' in q or f'{pod_label}=~"$job"' in q for q in queries), title
+    assert [q.split(",")[0] for q in exprs["Weight sync time (p50/p95)"]] == ["histogram_quantile(0.5", "histogram_quantile(0.95"]
+    # A panel for each condition the operator writes.
+    status, _ = compute(Observed(generation=1, now=datetime.now(timezone.utc)))
+    assert {f"Condition {c['type']}" for c in status["conditions"]} <= exprs.keys()
+
+
 def test_chart_ships_the_generated_crd() -> None:
     crds = helm.Chart.load(str(CHART)).crds
     assert len(crds) == 1
