@@ -21,7 +21,7 @@ from pipelinerl_operator.render import FIELD_MANAGER
 PLURALS = {
     "ConfigMap": "configmaps", "Service": "services", "StatefulSet": "statefulsets", "Pod": "pods",
     "PipelineRLJob": "pipelinerljobs", "Event": "events", "Secret": "secrets", "NetworkPolicy": "networkpolicies",
-    "ServiceAccount": "serviceaccounts",
+    "ServiceAccount": "serviceaccounts", "PodGroup": "podgroups",
 }
 
 

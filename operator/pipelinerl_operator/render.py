@@ -348,6 +348,16 @@ def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorCo
     }
 
 
+def pod_group(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, Any]:
+    """The gang as coscheduling-style gang schedulers read it (scheduler-plugins' PodGroup): the
+    pods carrying POD_GROUP_LABEL are bound together or not at all."""
+    return {
+        "apiVersion": "scheduling.x-k8s.io/v1alpha1", "kind": "PodGroup",
+        "metadata": _metadata(job, namespace, uid, gang_name(job.name), None),
+        "spec": {"minMember": replicas(job, "trainer") + replicas(job, "preprocessor")},
+    }
+
+
 def service(job: PipelineRLJob, role: str, namespace: str, uid: str) -> dict[str, Any]:
     ports = [
         {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
@@ -420,6 +430,8 @@ def render(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig, ac
         objects.append(service_account(job, namespace, uid))
     if cfg.auth_key is not None:  # before the pods that read it
         objects.append(secret(job, namespace, uid, cfg.auth_key))
+    if job.spec.scheduling.scheduler_name:  # before its pods, which the scheduler holds until it exists
+        objects.append(pod_group(job, namespace, uid))
     for role in ROLES:
         objects.append(service(job, role, namespace, uid))
         objects.append(stateful_set(job, role, namespace, uid, cfg, active))

@@ -72,6 +72,7 @@ OPERATOR_CALLS = {
      ("", "secrets", "create"), ("", "secrets", "patch"),  # a job's credentials; the NATS accounts
      ("", "serviceaccounts", "create"), ("", "serviceaccounts", "patch"),  # a job's pods' identity
      ("networking.k8s.io", "networkpolicies", "create"), ("networking.k8s.io", "networkpolicies", "patch"),
+     ("scheduling.x-k8s.io", "podgroups", "create"), ("scheduling.x-k8s.io", "podgroups", "patch"),
      ("", "pods", "list"), ("", "pods", "delete"), ("", "events", "create")}
 
 
