@@ -173,10 +173,10 @@ async def _observe_roles(kube: Kube, ns: str, job: Any, name: str) -> dict[str, 
     return roles
 
 
-def _trainer_restarts(pods: list[dict[str, Any]]) -> int:
-    return sum(int(c.get("restartCount", 0) or 0) for p in pods
-               if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == "trainer"
-               for c in (p.get("status") or {}).get("containerStatuses") or [])
+def _trainer_restarts(pods: list[dict[str, Any]]) -> dict[str, int]:
+    return {p["metadata"]["name"]: sum(int(c.get("restartCount", 0) or 0)
+                                       for c in (p.get("status") or {}).get("containerStatuses") or [])
+            for p in pods if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == "trainer"}
 
 
 async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:

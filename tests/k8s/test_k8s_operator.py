@@ -187,7 +187,11 @@ async def test_failing_trainer_fails_after_backoff_limit(cluster) -> None:
         await api.create_pod("demo-trainer-1", labels, restarts=1)
         await eventually(lambda: condition(emulator, "Degraded").get("reason") == "TrainerRestarted")
         assert status(emulator)["phase"] == "Running"
-        await api.patch_pod_restarts("demo-trainer-0", 2)  # 3 restarts > backoffLimit 2
+        # The other pod restarting with it (its collective broke): the same incident, one failure.
+        await api.patch_pod_restarts("demo-trainer-0", 1)
+        await eventually(lambda: status(emulator)["trainerRestarts"] == {"demo-trainer-0": 1, "demo-trainer-1": 1})
+        assert status(emulator)["failures"] == 1 and status(emulator)["phase"] == "Running"
+        await api.patch_pod_restarts("demo-trainer-0", 3)  # it fails twice more: 3 failures > backoffLimit 2
         await eventually(lambda: status(emulator).get("phase") == "Failed", what="Failed")
         failed = condition(emulator, "Failed")
         assert failed["status"] == "True" and failed["reason"] == "BackoffLimitExceeded"
