@@ -7,7 +7,7 @@ below: kopf/the API server silently prune status fields that the schema does not
 every field the operator writes must be here. Cross-field rules that pydantic checks in
 `JobSpec._cross_field` are repeated as CEL rules so `kubectl apply` rejects what
 `pipelinerl validate` rejects; `tests/k8s/test_k8s_crd.py` checks both agree.
-`crds/pipelinerl.dev_pipelinerljobs.yaml` is this module's output, committed.
+`crds/pipelinerl.dev_pipelinerljobs.yaml` and the chart's `files/` copy are this module's output, committed.
 """
 
 from __future__ import annotations

@@ -128,11 +128,20 @@ def test_the_dashboard_filters_by_job_and_shows_every_condition() -> None:
     assert {f"Condition {c['type']}" for c in status["conditions"]} <= exprs.keys()
 
 
-def test_chart_ships_the_generated_crd() -> None:
-    crds = helm.Chart.load(str(CHART)).crds
-    assert len(crds) == 1
-    assert (CHART / "crds" / "pipelinerl.dev_pipelinerljobs.yaml").read_text() == crd_yaml(), \
-        "run: pipelinerl crd > charts/pipelinerl/crds/pipelinerl.dev_pipelinerljobs.yaml"
+def test_chart_installs_and_upgrades_the_generated_crd() -> None:
+    from pipelinerl.crd import crd_manifest
+
+    assert (CHART / "files" / "pipelinerl.dev_pipelinerljobs.yaml").read_text() == crd_yaml(), \
+        "run: pipelinerl crd > charts/pipelinerl/files/pipelinerl.dev_pipelinerljobs.yaml"
+    # A template (Helm installs crds/ once and never upgrades it): the generated CRD exactly, kept
+    # on uninstall; a second release in the cluster leaves it to the first.
+    assert not helm.Chart.load(str(CHART)).crds
+    crd = next(o for o in render({}) if o["kind"] == "CustomResourceDefinition")
+    meta = crd.pop("metadata")
+    assert crd == {k: v for k, v in crd_manifest().items() if k != "metadata"}
+    assert meta["name"] == crd_manifest()["metadata"]["name"]
+    assert meta["annotations"] == {"helm.sh/resource-policy": "keep"}
+    assert not [o for o in render({"crds": {"install": False}}) if o["kind"] == "CustomResourceDefinition"]
 
 
 @pytest.mark.parametrize("bad", [
