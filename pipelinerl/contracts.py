@@ -49,6 +49,7 @@ KUEUE_QUEUE_LABEL = f"{KUEUE_PREFIX}queue-name"
 KUEUE_POD_GROUP_LABEL = f"{KUEUE_PREFIX}pod-group-name"
 KUEUE_POD_GROUP_COUNT_ANNOTATION = f"{KUEUE_PREFIX}pod-group-total-count"
 POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"  # coscheduling-style gang schedulers
+POD_GROUP_API = "scheduling.x-k8s.io/v1alpha1"  # their PodGroup object (scheduler-plugins)
 
 # ---------------------------------------------------------------- environment
 

@@ -20,7 +20,7 @@ from typing import Any
 from pipelinerl.contracts import (
     CONFIG_HASH_ANNOTATION, HTTP_PORT, JOB_FILE, JOB_SECRET_KEYS, JOB_FILE_DIR, JOB_LABEL, KUEUE_POD_GROUP_COUNT_ANNOTATION,
     KUEUE_POD_GROUP_LABEL, KUEUE_PREFIX, KUEUE_QUEUE_LABEL, MASTER_PORT, POD_GROUP_LABEL, POD_INDEX_LABEL,
-    POD_CACHE_DIR, POD_OUTPUT_DIR, POD_RUN_DIR, POD_TMP_DIR, POD_USER, ROLE_LABEL, ROLES, Env, ServiceEnv,
+    POD_CACHE_DIR, POD_GROUP_API, POD_OUTPUT_DIR, POD_RUN_DIR, POD_TMP_DIR, POD_USER, ROLE_LABEL, ROLES, Env, ServiceEnv,
 )
 from pipelinerl.spec import API_VERSION, KIND, PipelineRLJob, RoleSpec, dump_job
 from pipelinerl_operator.credentials import job_credentials, secret_data
@@ -352,7 +352,7 @@ def pod_group(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, Any]:
     """The gang as coscheduling-style gang schedulers read it (scheduler-plugins' PodGroup): the
     pods carrying POD_GROUP_LABEL are bound together or not at all."""
     return {
-        "apiVersion": "scheduling.x-k8s.io/v1alpha1", "kind": "PodGroup",
+        "apiVersion": POD_GROUP_API, "kind": "PodGroup",
         "metadata": _metadata(job, namespace, uid, gang_name(job.name), None),
         "spec": {"minMember": replicas(job, "trainer") + replicas(job, "preprocessor")},
     }

@@ -6,7 +6,7 @@ import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from pipelinerl import messages as m
-from pipelinerl.contracts import JobSubjects
+from pipelinerl.contracts import STREAM_SUFFIXES, JobSubjects
 from pipelinerl.embedded_nats import EmbeddedNats
 from pipelinerl.streams import connect, ensure_streams
 
@@ -41,7 +41,7 @@ async def test_streams_are_idempotent_and_round_trip(nats_server):
     await ensure_streams(js, SUBJECTS, 8)
     await ensure_streams(js, SUBJECTS, 8)  # a second service doing the same is harmless
     names = {s.config.name for s in await js.streams_info()}
-    assert {"PRL_T_JOB_ROLLOUTS", "PRL_T_JOB_BATCHES", "PRL_T_JOB_CONTROL", "PRL_T_JOB_METRICS"} <= names
+    assert names == set(SUBJECTS.streams) == {f"PRL_DEFAULT_T-JOB_{s}" for s in STREAM_SUFFIXES}
     for i in range(5):
         await publish(js, i)
     dup = await publish(js, 3)  # a retried publish is recognised and not stored twice

@@ -9,6 +9,7 @@ import pytest
 import yaml
 from k8s_schema import restricted_violations
 
+from pipelinerl.contracts import POD_GROUP_API
 from pipelinerl.spec import MAX_JOB_NAME, SpecError, load_job, parse_job
 from pipelinerl_operator.render import OperatorConfig, render, role_config_hash
 
@@ -45,7 +46,7 @@ EDGE_CASES = [
 ]
 
 
-GANG = "scheduling.x-k8s.io/v1alpha1"  # scheduler-plugins' PodGroup: no upstream schema to validate against
+GANG = POD_GROUP_API  # scheduler-plugins' PodGroup: no upstream schema to validate against
 
 
 @pytest.mark.parametrize("spec", EDGE_CASES)
