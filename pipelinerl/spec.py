@@ -296,6 +296,10 @@ class RunPolicy(SpecModel):
     progress_deadline_seconds: int | None = Field(default=None, ge=1, description="No new policy version for this "
                                                   "long while running: Ready and Progressing turn False.")
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    checkpoint_retention: Literal["DeleteAfterOutput", "Retain", "Delete"] = Field(
+        default="DeleteAfterOutput", description="The trainer volumes (checkpoints) when the job is deleted "
+        "(ttlSecondsAfterFinished too): DeleteAfterOutput deletes them only once spec.output holds the final "
+        "model (the job succeeded with an output), else keeps them; Retain always keeps them; Delete never does.")
 
 
 class SchedulingSpec(SpecModel):
@@ -313,7 +317,7 @@ class NatsSpec(SpecModel):
 
 class StorageSpec(SpecModel):
     """The run directory (checkpoints, logs) of each trainer pod on Kubernetes: a PersistentVolumeClaim
-    per trainer pod that survives suspend/resume and is deleted with the job."""
+    per trainer pod that survives suspend/resume; deleted with the job per runPolicy.checkpointRetention."""
 
     size: PositiveQuantity = "20Gi"
     storage_class_name: DnsSubdomain | None = Field(default=None, description="Unset: the cluster default.")

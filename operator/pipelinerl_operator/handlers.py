@@ -206,7 +206,7 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
             "spec": dict(body.get("spec") or {}),
         }, source=f"{KIND} {ns}/{name}")
         active = not job.spec.suspend and not is_terminal(previous)
-        children = render(job, ns, uid, cfg, active=active)
+        children = render(job, ns, uid, cfg, active=active, output_written=previous.get("phase") == "Succeeded")
     except SpecError as err:
         spec_error = str(err)
         logger.warning("invalid spec: %s", spec_error)
@@ -243,7 +243,8 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
             generator_selector=generator_selector(name),
         ))
         if job is not None and is_terminal(status) and not is_terminal(previous):
-            for obj in render(job, ns, uid, cfg, active=False):  # free the GPUs; checkpoints stay
+            # Free the GPUs; the checkpoints stay (or may now go with the job: the output is written).
+            for obj in render(job, ns, uid, cfg, active=False, output_written=status["phase"] == "Succeeded"):
                 await kube.apply(obj)
         patch.status.update(status)
         for e in events:

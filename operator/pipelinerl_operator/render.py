@@ -375,7 +375,14 @@ def service(job: PipelineRLJob, role: str, namespace: str, uid: str) -> dict[str
     }
 
 
-def stateful_set(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: OperatorConfig, active: bool) -> dict[str, Any]:
+def volumes_deletable(job: PipelineRLJob, output_written: bool) -> bool:
+    """Whether the trainer volumes may go with the job (`runPolicy.checkpointRetention`)."""
+    retention = job.spec.run_policy.checkpoint_retention
+    return retention == "Delete" or (retention == "DeleteAfterOutput" and job.spec.output is not None and output_written)
+
+
+def stateful_set(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: OperatorConfig, active: bool,
+                 output_written: bool = False) -> dict[str, Any]:
     name = role_name(job.name, role)
     spec: dict[str, Any] = {
         "serviceName": name,
@@ -396,8 +403,10 @@ def stateful_set(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
         if storage.storage_class_name:
             claim["storageClassName"] = storage.storage_class_name
         spec["volumeClaimTemplates"] = [{"metadata": {"name": "run"}, "spec": claim}]
-        # Checkpoints survive suspend (scale to 0) and go away with the job.
-        spec["persistentVolumeClaimRetentionPolicy"] = {"whenDeleted": "Delete", "whenScaled": "Retain"}
+        # Checkpoints survive suspend (scale to 0); with the job they go per the retention policy,
+        # never while they hold the only copy of a model the job was to write out.
+        spec["persistentVolumeClaimRetentionPolicy"] = {
+            "whenDeleted": "Delete" if volumes_deletable(job, output_written) else "Retain", "whenScaled": "Retain"}
     return {
         "apiVersion": "apps/v1", "kind": "StatefulSet",
         "metadata": _metadata(job, namespace, uid, name, role),
@@ -422,8 +431,10 @@ def validate_renderable(job: PipelineRLJob) -> None:
                                   f"(only the {role!r} container gets the job's)")
 
 
-def render(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig, active: bool = True) -> list[dict[str, Any]]:
-    """Every child object of the job; `active=False` (suspended, finished) scales all roles to zero."""
+def render(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig, active: bool = True,
+           output_written: bool = False) -> list[dict[str, Any]]:
+    """Every child object of the job; `active=False` (suspended, finished) scales all roles to zero;
+    `output_written`: the job succeeded with its output written (see `volumes_deletable`)."""
     validate_renderable(job)
     objects = [config_map(job, namespace, uid), network_policy(job, namespace, uid, cfg)]
     if cfg.service_account is None:
@@ -434,5 +445,5 @@ def render(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig, ac
         objects.append(pod_group(job, namespace, uid))
     for role in ROLES:
         objects.append(service(job, role, namespace, uid))
-        objects.append(stateful_set(job, role, namespace, uid, cfg, active))
+        objects.append(stateful_set(job, role, namespace, uid, cfg, active, output_written))
     return objects

@@ -209,10 +209,13 @@ async def test_finished_trainer_succeeds_and_ttl_deletes(cluster) -> None:
     emulator, api, trainer = cluster
     trainer.reports["demo"] = {"step": 50, "version": 50, "maxSteps": 50, "finished": True, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
-        await api.create_job(manifest(runPolicy={"ttlSecondsAfterFinished": 1}))
+        await api.create_job(manifest(runPolicy={"ttlSecondsAfterFinished": 1}, output={"claimName": "models"}))
         await eventually(lambda: obj(emulator, STS, "demo-trainer"))
+        retention = lambda: obj(emulator, STS, "demo-trainer")["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"]  # noqa: E731
+        assert retention() == "Retain"  # the checkpoints are the only copy of the model until the output is written
         await all_ready(api)
         await eventually(lambda: status(emulator).get("phase") == "Succeeded", what="Succeeded")
+        assert retention() == "Delete"  # the final model is on the output claim: the volumes may go with the job
         assert condition(emulator, "Succeeded")["message"] == "trainer finished at step 50"
         assert condition(emulator, "Progressing")["status"] == "False"
         # ttlSecondsAfterFinished: the operator deletes the job; the finalizer is released (NATS is absent here).

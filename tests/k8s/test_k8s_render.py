@@ -102,7 +102,8 @@ def test_wiring_contract() -> None:
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
         assert sts["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
     assert parse_job(__import__("yaml").safe_load(objs[("ConfigMap", "demo-config")]["data"]["job.yaml"])).spec.generator.replicas == 3
-    assert trainer["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Delete", "whenScaled": "Retain"}
+    # No output: the checkpoints are the trained model, kept when the job goes (see the retention test).
+    assert trainer["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
 
 
 def test_multi_gpu_trainer_pods_run_one_rank_per_gpu() -> None:
@@ -290,3 +291,17 @@ def test_job_pods_run_as_their_jobs_own_service_account_wherever_the_job_is() ->
     chosen = render(job(), "team-z", "uid-1", OperatorConfig(service_account="shared-sa"))  # the install names one
     assert not [o for o in chosen if o["kind"] == "ServiceAccount"]
     assert {o["spec"]["template"]["spec"]["serviceAccountName"] for o in chosen if o["kind"] == "StatefulSet"} == {"shared-sa"}
+
+
+@pytest.mark.parametrize("retention, output, written, deleted", [
+    ("DeleteAfterOutput", True, False, False),  # running: the checkpoints are the only copy
+    ("DeleteAfterOutput", True, True, True),  # succeeded: the final model is on the output claim
+    ("DeleteAfterOutput", False, True, False),  # no output: the checkpoints are the model
+    ("Retain", True, True, False),
+    ("Delete", False, False, True),
+])
+def test_trainer_volumes_go_with_the_job_only_per_the_retention_policy(retention, output, written, deleted) -> None:
+    spec = {"runPolicy": {"checkpointRetention": retention}, **({"output": {"claimName": "models"}} if output else {})}
+    trainer = by_name(render(job(**spec), "ns", "u", CFG, output_written=written))[("StatefulSet", "demo-trainer")]
+    assert trainer["spec"]["persistentVolumeClaimRetentionPolicy"] == {
+        "whenDeleted": "Delete" if deleted else "Retain", "whenScaled": "Retain"}
