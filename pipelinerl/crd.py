@@ -71,7 +71,7 @@ class RolesStatus(StatusModel):
 
 class Incident(StatusModel):
     time: str
-    pods: list[str] = Field(default_factory=list, max_length=1024, description="Trainer pods that restarted in it.")
+    pods: list[str] = Field(default_factory=list, max_length=1024, description="Pods that restarted in it.")
 
 
 class JobStatus(StatusModel):
@@ -82,10 +82,10 @@ class JobStatus(StatusModel):
     generators_ready: str = Field(default="0/0", description="ready/desired generators, for the printer column.")
     generator_selector: str = Field(default="", description="Label selector of the generator pods (scale subresource).")
     progress: Progress = Field(default_factory=Progress)
-    failures: int = Field(default=0, ge=0, description="Trainer failures (incidents) counted against "
-                          "runPolicy.backoffLimit: trainer pods restarting together count once.")
-    trainer_restarts: dict[str, int] = Field(default_factory=dict, description="Container restarts seen per "
-                                             "trainer pod.")
+    failures: int = Field(default=0, ge=0, description="Failures counted against runPolicy.backoffLimit: "
+                          "pod restarts of runPolicy.failingRoles, pods restarting together counted once.")
+    pod_restarts: dict[str, int] = Field(default_factory=dict, description="Container restarts seen per "
+                                             "pod of runPolicy.failingRoles.")
     last_incident: Incident | None = None
     start_time: str | None = None
     completion_time: str | None = None

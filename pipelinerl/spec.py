@@ -290,7 +290,12 @@ class EvalSpec(SpecModel):
 
 
 class RunPolicy(SpecModel):
-    backoff_limit: int = Field(default=3, ge=0, le=1000)
+    backoff_limit: int = Field(default=3, ge=0, le=1000, description="Failures (pod restarts of the "
+                               "failingRoles, per incident) beyond which the job fails.")
+    failing_roles: list[Literal["trainer", "preprocessor", "generator"]] = Field(
+        default=["trainer", "preprocessor"], max_length=3, description="Roles whose pod "
+        "restarts count against backoffLimit. Generators are left out by default: the job goes on without any "
+        "one of them (Degraded while some are missing), so a restarting generator degrades it, never fails it.")
     active_deadline_seconds: int | None = Field(default=None, ge=1, description="From creation; time "
                                                 "suspended is not counted.")
     progress_deadline_seconds: int | None = Field(default=None, ge=1, description="No new policy version for this "

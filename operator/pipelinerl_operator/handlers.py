@@ -173,10 +173,11 @@ async def _observe_roles(kube: Kube, ns: str, job: Any, name: str) -> dict[str, 
     return roles
 
 
-def _trainer_restarts(pods: list[dict[str, Any]]) -> dict[str, int]:
+def _pod_restarts(pods: list[dict[str, Any]], roles: list[str]) -> dict[str, int]:
+    """Container restarts per pod of the roles whose failures count (`runPolicy.failingRoles`)."""
     return {p["metadata"]["name"]: sum(int(c.get("restartCount", 0) or 0)
                                        for c in (p.get("status") or {}).get("containerStatuses") or [])
-            for p in pods if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == "trainer"}
+            for p in pods if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) in roles}
 
 
 async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
@@ -235,7 +236,7 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
         status, events = compute(Observed(
             generation=int(meta.get("generation", 0) or 0), now=now, previous=previous, spec_error=spec_error,
             suspend=bool(job and job.spec.suspend), roles=roles, trainer_status=trainer_status,
-            trainer_restarts=_trainer_restarts(pods), pod_problems=tuple(pod_problems(pods)), apply_error=apply_error,
+            pod_restarts=_pod_restarts(pods, job.spec.run_policy.failing_roles if job else ["trainer"]), pod_problems=tuple(pod_problems(pods)), apply_error=apply_error,
             created=parse_ts(meta["creationTimestamp"]) if meta.get("creationTimestamp") else None,
             backoff_limit=job.spec.run_policy.backoff_limit if job else 0,
             active_deadline_seconds=job.spec.run_policy.active_deadline_seconds if job else None,

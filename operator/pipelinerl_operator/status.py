@@ -46,7 +46,7 @@ class Observed:
     suspend: bool = False
     roles: dict[str, RoleObserved] = field(default_factory=dict)
     trainer_status: TrainerStatus | None = None  # trainer rank 0 `/status`; None: unreachable
-    trainer_restarts: Mapping[str, int] = field(default_factory=dict)  # container restarts per trainer pod
+    pod_restarts: Mapping[str, int] = field(default_factory=dict)  # container restarts per pod of runPolicy.failingRoles
     backoff_limit: int = 3
     active_deadline_seconds: int | None = None  # counted from creation, suspended time left out
     progress_deadline_seconds: int | None = None  # no new policy version for this long: not progressing
@@ -145,13 +145,13 @@ INCIDENT_WINDOW = timedelta(minutes=2)
 
 
 def count_failures(prev: dict[str, Any], restarts: Mapping[str, int], now: datetime) -> tuple[int, dict | None]:
-    """Trainer failures, per incident: the trainer pods whose restart count rose since the last
-    reconcile join the current incident if it began within INCIDENT_WINDOW and they are not in it
+    """Failures, per incident: the pods (of `runPolicy.failingRoles`) whose restart count rose
+    since the last reconcile join the current incident if it began within INCIDENT_WINDOW and they are not in it
     yet (one cause, e.g. a gang's collective broken by one rank, restarts several pods: one
     failure); every other restart is a failure of its own (a pod crash-looping fails again and
     again). A pod recreated with its count reset is a new baseline, not a failure."""
     failures = int(prev.get("failures", 0) or 0)
-    seen = prev.get("trainerRestarts") or {}
+    seen = prev.get("podRestarts") or {}
     incident = copy.deepcopy(prev.get("lastIncident"))
     for pod, count in sorted(restarts.items()):
         rise = count - int(seen.get(pod, 0))
@@ -170,7 +170,7 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
     now = _ts(obs.now)
     conds = _Conditions(prev.get("conditions", []), now, obs.generation)
     progress = progress_from(obs.trainer_status, prev.get("progress") or {})
-    failures, incident = count_failures(prev, obs.trainer_restarts, obs.now)
+    failures, incident = count_failures(prev, obs.pod_restarts, obs.now)
     start_time = prev.get("startTime")
     completion_time = prev.get("completionTime")
     roles = {r: obs.roles.get(r, RoleObserved(desired=0)) for r in ROLE_CONDITIONS}
@@ -188,8 +188,8 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
             phase, fail_message = "Succeeded", f"trainer finished at step {progress.get('step', 0)}"
         elif failures > obs.backoff_limit:
             phase, fail_reason = "Failed", "BackoffLimitExceeded"
-            fail_message = f"trainer failed {failures} times (runPolicy.backoffLimit {obs.backoff_limit}; " \
-                           f"pods restarting together count once)"
+            fail_message = f"pods failed {failures} times (runPolicy.backoffLimit {obs.backoff_limit}; pods " \
+                           f"restarting together count once; incident: {', '.join(incident['pods']) if incident else ''})"
         elif deadline and not obs.suspend and (_running_seconds(obs, clocks) or 0) > deadline:
             phase, fail_reason = "Failed", "DeadlineExceeded"
             fail_message = f"not finished within runPolicy.activeDeadlineSeconds ({deadline}s) of its creation " \
@@ -246,9 +246,9 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
     elif active and phase == "Running" and progress.get("step", 0) > 0 and in_group is not None and in_group < gen.desired:
         degraded_reason = "GeneratorsOutOfWeightGroup"  # pods up, but dropped from (or not yet back in) the group
     elif active and failures > 0:
-        degraded_reason = "TrainerRestarted"
+        degraded_reason = "PodsRestarted"
     group = f", {in_group} in the weight group (epoch {progress.get('weightEpoch')})" if in_group is not None else ""
-    message = f"{gen.ready}/{gen.desired} generators ready{group}, {failures} trainer failures"
+    message = f"{gen.ready}/{gen.desired} generators ready{group}, {failures} pod failures"
     conds.set("Degraded", bool(degraded_reason), degraded_reason or "AsExpected",
               (f"{alarm}; {message}" if alarm else message) if degraded_reason else "")
     if stalled:
@@ -275,7 +275,7 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
         "generatorSelector": obs.generator_selector,
         "progress": progress,
         "failures": failures,
-        "trainerRestarts": dict(obs.trainer_restarts),
+        "podRestarts": dict(obs.pod_restarts),
         "lastIncident": incident,
         "startTime": start_time,
         "completionTime": completion_time,

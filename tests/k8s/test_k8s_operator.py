@@ -184,12 +184,13 @@ async def test_failing_trainer_fails_after_backoff_limit(cluster) -> None:
         await all_ready(api)
         labels = {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer"}
         await api.create_pod("demo-trainer-0", labels, restarts=0)
+        await api.create_pod("demo-generator-0", {**labels, "pipelinerl.dev/role": "generator"}, restarts=5)  # elastic: not a failure
         await api.create_pod("demo-trainer-1", labels, restarts=1)
-        await eventually(lambda: condition(emulator, "Degraded").get("reason") == "TrainerRestarted")
+        await eventually(lambda: condition(emulator, "Degraded").get("reason") == "PodsRestarted")
         assert status(emulator)["phase"] == "Running"
         # The other pod restarting with it (its collective broke): the same incident, one failure.
         await api.patch_pod_restarts("demo-trainer-0", 1)
-        await eventually(lambda: status(emulator)["trainerRestarts"] == {"demo-trainer-0": 1, "demo-trainer-1": 1})
+        await eventually(lambda: status(emulator)["podRestarts"] == {"demo-trainer-0": 1, "demo-trainer-1": 1})
         assert status(emulator)["failures"] == 1 and status(emulator)["phase"] == "Running"
         await api.patch_pod_restarts("demo-trainer-0", 3)  # it fails twice more: 3 failures > backoffLimit 2
         await eventually(lambda: status(emulator).get("phase") == "Failed", what="Failed")

@@ -64,12 +64,12 @@ def test_success_is_terminal_and_sticky() -> None:
 def test_backoff_and_deadline() -> None:
     status = {}
     for minute in range(4):  # one pod failing again and again: each restart is a failure
-        status, _ = run(previous=status, now=T0 + timedelta(minutes=3 * minute), trainer_restarts={"t-0": minute + 1},
+        status, _ = run(previous=status, now=T0 + timedelta(minutes=3 * minute), pod_restarts={"t-0": minute + 1},
                         backoff_limit=3)
     assert status["failures"] == 4 and status["phase"] == "Failed"
     assert cond(status, "Failed")["reason"] == "BackoffLimitExceeded"
-    ok, _ = run(trainer_restarts={"t-0": 3}, backoff_limit=3)  # restarts before the operator saw them count too
-    assert ok["failures"] == 3 and ok["phase"] == "Running" and cond(ok, "Degraded")["reason"] == "TrainerRestarted"
+    ok, _ = run(pod_restarts={"t-0": 3}, backoff_limit=3)  # restarts before the operator saw them count too
+    assert ok["failures"] == 3 and ok["phase"] == "Running" and cond(ok, "Degraded")["reason"] == "PodsRestarted"
     started, _ = run()
     late, events = run(previous=started, now=T0 + timedelta(hours=2), active_deadline_seconds=3600)
     assert late["phase"] == "Failed" and cond(late, "Failed")["reason"] == "DeadlineExceeded"
@@ -79,18 +79,18 @@ def test_backoff_and_deadline() -> None:
 def test_failures_are_counted_per_incident_and_never_decrease() -> None:
     # One rank fails; the other trainer pods' collectives break and they restart a minute later:
     # one incident, one failure.
-    first, _ = run(trainer_restarts={"t-0": 1, "t-1": 0, "t-2": 0})
-    second, _ = run(previous=first, now=T0 + timedelta(minutes=1), trainer_restarts={"t-0": 1, "t-1": 1, "t-2": 1})
+    first, _ = run(pod_restarts={"t-0": 1, "t-1": 0, "t-2": 0})
+    second, _ = run(previous=first, now=T0 + timedelta(minutes=1), pod_restarts={"t-0": 1, "t-1": 1, "t-2": 1})
     assert (first["failures"], second["failures"]) == (1, 1)
     assert second["lastIncident"] == {"time": "2026-11-22T03:00:00Z", "pods": ["t-0", "t-1", "t-2"]}
     # The same pod again, even soon: a new incident; after the window, any pod: a new one.
-    third, _ = run(previous=second, now=T0 + timedelta(seconds=90), trainer_restarts={"t-0": 2, "t-1": 1, "t-2": 1})
-    fourth, _ = run(previous=third, now=T0 + timedelta(minutes=10), trainer_restarts={"t-0": 2, "t-1": 2, "t-2": 1})
+    third, _ = run(previous=second, now=T0 + timedelta(seconds=90), pod_restarts={"t-0": 2, "t-1": 1, "t-2": 1})
+    fourth, _ = run(previous=third, now=T0 + timedelta(minutes=10), pod_restarts={"t-0": 2, "t-1": 2, "t-2": 1})
     assert (third["failures"], fourth["failures"]) == (2, 3)
     # Pods recreated (a gang restart, a drain): counts reset to 0, nothing counted, none forgotten.
-    fifth, _ = run(previous=fourth, now=T0 + timedelta(minutes=11), trainer_restarts={"t-0": 0, "t-1": 0, "t-2": 0})
+    fifth, _ = run(previous=fourth, now=T0 + timedelta(minutes=11), pod_restarts={"t-0": 0, "t-1": 0, "t-2": 0})
     assert fifth["failures"] == 3
-    sixth, _ = run(previous=fifth, now=T0 + timedelta(minutes=20), trainer_restarts={"t-0": 1, "t-1": 0, "t-2": 0})
+    sixth, _ = run(previous=fifth, now=T0 + timedelta(minutes=20), pod_restarts={"t-0": 1, "t-1": 0, "t-2": 0})
     assert sixth["failures"] == 4
     JobStatus.model_validate(sixth)
 
