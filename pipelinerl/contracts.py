@@ -76,6 +76,7 @@ class Env:
     NATS_USER = "PIPELINERL_NATS_USER"
     NATS_PASSWORD = "PIPELINERL_NATS_PASSWORD"
     WEIGHTS_TOKEN = "PIPELINERL_WEIGHTS_TOKEN"
+    STREAM_REPLICAS = "PIPELINERL_STREAM_REPLICAS"  # JetStream copies of the job's streams (a NATS cluster)
     # torch.distributed's own names, for the trainer ranks' default group
     MASTER_ADDR = "MASTER_ADDR"
     MASTER_PORT = "MASTER_PORT"
@@ -111,6 +112,7 @@ class OperatorEnv:
     NATS_ACCOUNTS_SECRET = "PIPELINERL_NATS_ACCOUNTS_SECRET"  # the Secret the chart's NATS includes
     NAMESPACE = "PIPELINERL_NAMESPACE"  # the operator's own (where that Secret lives)
     METRICS_NAMESPACES = "PIPELINERL_METRICS_NAMESPACES"  # comma-separated: may scrape job pods
+    NATS_REPLICAS = "PIPELINERL_NATS_REPLICAS"  # servers of the chart's NATS (a JetStream cluster when > 1)
 
 
 @dataclass(frozen=True)
@@ -139,6 +141,7 @@ class ServiceEnv:
     nats_user: str | None = None
     nats_password: str | None = None
     weights_token: str | None = None
+    stream_replicas: int | None = None  # on a JetStream cluster: copies of each stream (unset: 1)
 
     _NAMES = {
         "rank": Env.RANK, "world_size": Env.WORLD_SIZE, "nats_url": Env.NATS_URL,
@@ -147,6 +150,7 @@ class ServiceEnv:
         "local_rank": Env.LOCAL_RANK, "ranks_per_pod": Env.RANKS_PER_POD,
         "master_addr": Env.MASTER_ADDR, "master_port": Env.MASTER_PORT,
         "nats_user": Env.NATS_USER, "nats_password": Env.NATS_PASSWORD, "weights_token": Env.WEIGHTS_TOKEN,
+        "stream_replicas": Env.STREAM_REPLICAS,
     }
 
     @property

@@ -19,8 +19,10 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 120.0  # a restarting service's reads of its position: NATS may be restarting too
 
 
-def stream_configs(subjects: JobSubjects, max_msg_bytes: int) -> list[StreamConfig]:
-    common = dict(storage=StorageType.FILE, max_msg_size=max_msg_bytes, duplicate_window=600.0)
+def stream_configs(subjects: JobSubjects, max_msg_bytes: int, replicas: int = 1) -> list[StreamConfig]:
+    """`replicas`: copies kept by a JetStream cluster (the chart's `nats.replicas`): a stream
+    outlives the loss of a minority of its servers."""
+    common = dict(storage=StorageType.FILE, max_msg_size=max_msg_bytes, duplicate_window=600.0, num_replicas=replicas)
     return [
         # Rollouts: work for the preprocessor, one subject per generator, removed once acked by
         # it (a removal survives a kill -9 of nats-server; an acknowledgement may not).
@@ -43,20 +45,21 @@ def stream_configs(subjects: JobSubjects, max_msg_bytes: int) -> list[StreamConf
 
 
 async def connect(url: str, name: str, user: str | None = None, password: str | None = None) -> nats.NATS:
-    """A client that reconnects (for a while) through server restarts; `user`/`password`: the
-    job's NATS credentials, where the server requires them (the chart's NATS does)."""
+    """A client that reconnects (for a while) through server restarts; `url`: one or more
+    servers, comma-separated (`nats.url`); `user`/`password`: the job's NATS credentials, where
+    the server requires them (the chart's NATS does)."""
     async def _err(e: Exception) -> None:
         print(f"[{name}] nats: {e}", file=sys.stderr)
 
     return await nats.connect(
-        url, name=name, user=user, password=password, connect_timeout=CONNECT_TIMEOUT_S, reconnect_time_wait=0.5,
+        servers=url.split(","), name=name, user=user, password=password, connect_timeout=CONNECT_TIMEOUT_S, reconnect_time_wait=0.5,
         max_reconnect_attempts=120, allow_reconnect=True, error_cb=_err,
     )
 
 
-async def ensure_streams(js, subjects: JobSubjects, max_payload_mb: int) -> None:
+async def ensure_streams(js, subjects: JobSubjects, max_payload_mb: int, replicas: int = 1) -> None:
     """Create the job's streams, or update them in place; safe to call from every service."""
-    for cfg in stream_configs(subjects, max_payload_mb << 20):
+    for cfg in stream_configs(subjects, max_payload_mb << 20, replicas):
         try:
             await js.stream_info(cfg.name)
             await js.update_stream(cfg)

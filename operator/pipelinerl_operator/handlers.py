@@ -44,6 +44,7 @@ def operator_config() -> OperatorConfig:
         image_pull_policy=env(OperatorEnv.IMAGE_PULL_POLICY, defaults.image_pull_policy),
         auth_key=env(OperatorEnv.AUTH_KEY) or None,
         metrics_namespaces=tuple(n for n in env(OperatorEnv.METRICS_NAMESPACES, "").split(",") if n),
+        nats_replicas=int(env(OperatorEnv.NATS_REPLICAS) or 1),
     )
 
 

@@ -49,6 +49,7 @@ class OperatorConfig:
     # Namespaces whose pods may reach job pods' HTTP port (/metrics, /status) besides the
     # operator's: where Prometheus runs.
     metrics_namespaces: tuple[str, ...] = ()
+    nats_replicas: int = 1  # servers of the chart's NATS: each stream of a job on it is kept by all of them
 
 
 def role_name(job: str, role: str) -> str:
@@ -160,6 +161,7 @@ def service_env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConf
         weights_addr=f"{trainer_host(job, namespace)}:{job.spec.weight_sync.port}", run_dir=POD_RUN_DIR,
         output_dir=POD_OUTPUT_DIR if trainer and output and output.claim_name else None,
         ranks_per_pod=job.spec.trainer_ranks_per_pod if trainer else None,
+        stream_replicas=cfg.nats_replicas if cfg.nats_replicas > 1 and job.spec.nats.url is None else None,
         master_addr=trainer_host(job, namespace) if trainer else None, master_port=MASTER_PORT if trainer else None)
 
 

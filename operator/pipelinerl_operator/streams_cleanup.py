@@ -16,7 +16,7 @@ from pipelinerl.streams import delete_streams
 
 async def _delete(url: str, subjects: JobSubjects, user: str | None, password: str | None,
                   connect_timeout_s: float) -> list[str]:
-    nc = await nats.connect(url, user=user, password=password, connect_timeout=connect_timeout_s,
+    nc = await nats.connect(servers=url.split(","), user=user, password=password, connect_timeout=connect_timeout_s,
                             allow_reconnect=False, max_reconnect_attempts=0)
     try:
         return await delete_streams(nc.jetstream(timeout=connect_timeout_s), subjects)

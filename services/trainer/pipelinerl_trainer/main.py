@@ -94,7 +94,8 @@ class Trainer:
         self.rejected_total = state.get("rejected", {"groups": 0, "samples": 0})  # dead-lettered, whole run
 
         self.bridge = NatsBridge(self.env.nats_url, f"{self.job.name}-trainer-{self.rank}", self.subjects,
-                                 self.spec.nats.max_payload_mb, self.env.nats_user, self.env.nats_password)
+                                 self.spec.nats.max_payload_mb, self.env.nats_user, self.env.nats_password,
+                                 self.env.stream_replicas or 1)
         weight_sync = self.spec.weight_sync
         store = None
         self.tracker = Tracker(self.job, self.env.run_dir) if self.rank == 0 else None

@@ -1,0 +1,136 @@
+"""The chart's NATS as a JetStream cluster (`nats.replicas: 3`): three real nats-server processes
+on the configuration Helm renders (addresses moved to loopback), the job's streams created as
+the services create them with the replica count the operator gives their pods; one server
+SIGKILLed, nothing acknowledged is lost and the job's streams take writes on."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import subprocess
+import time
+
+import nats
+from test_k8s_chart import render as render_chart
+
+from pipelinerl.contracts import JobSubjects, ServiceEnv
+from pipelinerl.embedded_nats import nats_server_binary
+from pipelinerl.ports import free_port
+from pipelinerl.spec import parse_job
+from pipelinerl.streams import connect, ensure_streams
+from pipelinerl_operator.render import OperatorConfig, render
+
+SUBJECTS = JobSubjects("demo", "team-a")
+
+
+def chart_objects(replicas: int) -> list[dict]:
+    return render_chart({"nats": {"replicas": replicas}, "auth": {"enabled": False}})
+
+
+def test_the_chart_renders_a_cluster_and_the_operator_replicates_job_streams_on_it() -> None:
+    objects = chart_objects(3)
+    sts = next(o for o in objects if o["kind"] == "StatefulSet")
+    assert sts["spec"]["replicas"] == 3 and sts["spec"]["podManagementPolicy"] == "Parallel"
+    assert next(o for o in objects if o["kind"] == "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    operator = next(o for o in objects if o["kind"] == "Deployment")
+    env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PIPELINERL_NATS_REPLICAS"] == "3"
+    # The operator tells a job's pods to keep each stream on every server (on the chart's NATS only).
+    for spec, expected in (({}, 3), ({"nats": {"url": "nats://elsewhere:4222"}}, None)):
+        job = parse_job({"metadata": {"name": "demo"}, "spec": spec})
+        pod = next(o for o in render(job, "team-a", "u", OperatorConfig(nats_replicas=3)) if o["kind"] == "StatefulSet")
+        environ = {e["name"]: e["value"] for e in pod["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
+        assert ServiceEnv.from_environ("trainer", environ).stream_replicas == expected
+    single = chart_objects(1)
+    assert "cluster {" not in next(o for o in single if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-nats"))["data"]["nats.conf"]
+    assert not [o for o in single if o["kind"] == "PodDisruptionBudget"]
+
+
+class Cluster:
+    def __init__(self, root, size: int = 3):
+        conf = next(o for o in chart_objects(size) if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-pipelinerl-nats")
+        template = conf["data"]["nats.conf"]
+        self.client = [free_port() for _ in range(size)]
+        cluster = [free_port() for _ in range(size)]
+        routes = re.findall(r"nats://(rl-pipelinerl-nats-(\d)\.\S+):6222", template)
+        assert [int(i) for _, i in routes] == list(range(size))  # one route per server, by pod DNS name
+        self.procs: list[subprocess.Popen | None] = []
+        for i in range(size):
+            text = re.sub(r"^port: 4222$", f"port: {self.client[i]}", template, flags=re.M)
+            text = re.sub(r"^http_port: 8222$", f"http_port: {free_port()}", text, flags=re.M)
+            text = text.replace("port: 6222", f"port: {cluster[i]}").replace("/var/run/nats", str(root / f"s{i}"))
+            text = text.replace("/data/jetstream", str(root / f"s{i}" / "js"))
+            for host, j in routes:
+                text = text.replace(f"nats://{host}:6222", f"nats://127.0.0.1:{cluster[int(j)]}")
+            (root / f"s{i}").mkdir()
+            (root / f"s{i}" / "nats.conf").write_text(text)
+            self.procs.append(subprocess.Popen(
+                [nats_server_binary(), "-c", str(root / f"s{i}" / "nats.conf")], env={"POD_NAME": f"rl-pipelinerl-nats-{i}"},
+                stdout=open(root / f"s{i}" / "log", "wb"), stderr=subprocess.STDOUT))
+        for port in self.client:
+            deadline = time.monotonic() + 10
+            while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+
+    @property
+    def urls(self) -> list[str]:
+        return [f"nats://127.0.0.1:{p}" for p in self.client]
+
+    def kill(self, i: int) -> None:
+        self.procs[i].send_signal(signal.SIGKILL)
+        self.procs[i].wait()
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+async def test_job_streams_on_a_three_server_cluster_survive_losing_one(tmp_path) -> None:
+    cluster = Cluster(tmp_path)
+    try:
+        nc = await connect(",".join(cluster.urls), "test")  # as the services connect (`nats.url` takes a list)
+        js = nc.jetstream(timeout=5)
+        await retried(lambda: ensure_streams(js, SUBJECTS, 1, replicas=3), "a JetStream cluster formed")
+        info = await js.stream_info(SUBJECTS.stream("BATCHES"))
+        assert info.config.num_replicas == 3 and len(info.cluster.replicas or []) == 2  # a leader and two copies
+        await publish(js, "before")
+        cluster.kill(int(info.cluster.leader.rsplit("-", 1)[1]))  # the stream's leader itself
+        await retried(lambda: publish(js, "after"), "writes after losing a server")  # a new leader takes them
+        got = await retried(lambda: read(js), "reads after losing a server")
+        assert got == [f"{w}-{i}" for w in ("before", "after") for i in range(20)]  # nothing lost, nothing twice
+        await nc.close()
+    finally:
+        cluster.stop()
+
+
+async def retried(step, what: str, timeout_s: float = 30.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await step()
+        except Exception as err:  # noqa: BLE001 - no JetStream leader (yet)
+            assert time.monotonic() < deadline, f"no {what} in {timeout_s:g} s: {err!r}"
+            await asyncio.sleep(0.5)
+
+
+async def publish(js, what: str) -> None:
+    for i in range(20):  # retried as a whole: the message ids keep each once
+        await js.publish(SUBJECTS.batches(0), f"{what}-{i}".encode(), headers={"Nats-Msg-Id": f"{what}-{i}"})
+
+
+async def read(js) -> list[str]:
+    sub = await js.subscribe(SUBJECTS.batches(0), ordered_consumer=True)
+    got = []
+    try:
+        while True:
+            try:
+                got.append((await sub.next_msg(timeout=1)).data.decode())
+            except nats.errors.TimeoutError:
+                return got
+    finally:
+        await sub.unsubscribe()
