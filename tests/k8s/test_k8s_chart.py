@@ -15,7 +15,6 @@ from k8s_schema import restricted_violations
 from pipelinerl.crd import crd_yaml
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "pipelinerl"
-K8S_VERSION = "1.33"
 MONITORING = {"ServiceMonitor", "PodMonitor"}  # Prometheus-operator kinds: no upstream schema
 ALL_ON = {"metrics": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True},
                       "kubeStateMetrics": {"enabled": True}}}
@@ -26,16 +25,22 @@ def render(values: dict) -> list[dict]:
     return [doc for text in out.values() for doc in yaml.safe_load_all(text) if doc]
 
 
+# Every Kubernetes release the chart admits (kubeVersion >= 1.28), up to the newest schemas here.
+CLAIMED = [f"1.{minor}" for minor in range(28, 38)]
+
+
 @pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-b"], **ALL_ON}, {"clusterWide": True, **ALL_ON},
-                                    {"nats": {"enabled": False, "externalUrl": "nats://nats.shared:4222"}}])
-def test_every_object_validates_strictly(values: dict) -> None:
+                                    {"nats": {"enabled": False, "externalUrl": "nats://nats.shared:4222"}},
+                                    {"nats": {"replicas": 3}}])
+def test_every_object_validates_strictly_on_every_claimed_version(values: dict) -> None:
     objects = render(values)
     assert objects
-    for obj in objects:
-        if obj["kind"] in MONITORING:
-            assert obj["apiVersion"] == "monitoring.coreos.com/v1"
-            continue
-        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    for version in CLAIMED:
+        for obj in objects:
+            if obj["kind"] in MONITORING:
+                assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+                continue
+            kubernetes_validate.validate(obj, version, strict=True)
 
 
 def test_namespaced_mode_has_no_cluster_scoped_objects() -> None:

@@ -75,8 +75,9 @@ def test_every_pod_meets_the_restricted_pod_security_standard(spec) -> None:
 def test_examples_validate_strictly(path: Path) -> None:
     objects = render(load_job(path), "team-a", "uid-1", CFG)
     assert len(objects) == 10  # ConfigMap, NetworkPolicy, ServiceAccount, Secret, a Service and a StatefulSet per role
-    for obj in objects:
-        kubernetes_validate.validate(obj, "1.33", strict=True)
+    for version in [f"1.{minor}" for minor in range(28, 38)]:  # every release the chart admits
+        for obj in objects:
+            kubernetes_validate.validate(obj, version, strict=True)
 
 
 def test_wiring_contract() -> None:
