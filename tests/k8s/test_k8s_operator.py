@@ -115,8 +115,9 @@ async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
     emulator, api, trainer = cluster
     trainer.reports["demo"] = {"step": 3, "version": 3, "finished": False, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
-        await api.create_job(manifest())
+        await api.create_job(manifest(scheduling={"queueName": "team-a-gpus"}))  # in a Kueue queue: the gang labels
         await eventually(lambda: obj(emulator, STS, "demo-trainer"), what="trainer StatefulSet")
+        assert sts_template(emulator, "trainer")["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo-trainer"
         await all_ready(api)
         await eventually(lambda: condition(emulator, "Ready").get("status") == "True", what="Ready")
         trainer_before = sts_template(emulator, "trainer")
