@@ -136,8 +136,9 @@ class ServiceEnv:
     ranks_per_pod: int | None = None  # trainers: rank processes the pod starts (one per GPU)
     master_addr: str | None = None  # trainers: torch.distributed rendezvous of the ranks
     master_port: int | None = None
-    # Credentials (JOB_SECRET_KEYS): unset, NATS is reached without and the weight group's proofs
-    # use an empty token (the embedded NATS and the weight group then serve loopback only).
+    # Credentials (JOB_SECRET_KEYS): unset, NATS is reached without them and the weight group's
+    # proofs use an empty token (the local runner draws a token per run; its embedded NATS
+    # listens on loopback only).
     nats_user: str | None = None
     nats_password: str | None = None
     weights_token: str | None = None
