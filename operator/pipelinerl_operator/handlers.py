@@ -237,7 +237,8 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
         status, events = compute(Observed(
             generation=int(meta.get("generation", 0) or 0), now=now, previous=previous, spec_error=spec_error,
             suspend=bool(job and job.spec.suspend), roles=roles, trainer_status=trainer_status,
-            pod_restarts=_pod_restarts(pods, job.spec.run_policy.failing_roles if job else ["trainer"]), pod_problems=tuple(pod_problems(pods)), apply_error=apply_error,
+            pod_restarts=_pod_restarts(pods, job.spec.run_policy.failing_roles if job else ["trainer"]),
+            pod_problems=tuple(pod_problems(pods)), apply_error=apply_error,
             created=parse_ts(meta["creationTimestamp"]) if meta.get("creationTimestamp") else None,
             backoff_limit=job.spec.run_policy.backoff_limit if job else 0,
             active_deadline_seconds=job.spec.run_policy.active_deadline_seconds if job else None,
@@ -311,7 +312,10 @@ async def deleted(body: kopf.Body, logger: logging.Logger, job_uids: kopf.Index,
     except Exception as err:  # noqa: BLE001 - any NATS failure must still let the job go
         logger.warning("could not delete NATS streams of %s/%s: %r", ns, name, err)
         _event(body, "Warning", "StreamsDeleteFailed", f"could not delete NATS streams at {url}: {err!r}")
-    await sync_nats_accounts(job_uids, gone=uid)
+    try:
+        await sync_nats_accounts(job_uids, gone=uid)
+    except Exception as err:  # noqa: BLE001 - the next job's change (or the resync) writes it again
+        logger.warning("could not remove the NATS account of %s/%s: %r", ns, name, err)
     metrics.record_phase(ns, name, None)
     key = str(meta.get("uid") or f"{ns}/{name}")
     STATE.locks.pop(key, None)
