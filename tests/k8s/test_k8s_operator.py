@@ -11,7 +11,6 @@ import aiohttp
 
 import kmock
 import nats
-import pytest
 from prometheus_client import generate_latest
 
 from operator_harness import JOBS, NS, Api, eventually, running_operator

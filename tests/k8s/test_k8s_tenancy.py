@@ -6,7 +6,6 @@ does (its reloader sidecar's SIGHUP is sent by the test)."""
 from __future__ import annotations
 
 import base64
-import os
 import re
 import signal
 import socket
