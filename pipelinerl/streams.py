@@ -57,9 +57,10 @@ async def connect(url: str, name: str, user: str | None = None, password: str | 
     )
 
 
-async def ensure_streams(js, subjects: JobSubjects, max_payload_mb: int, replicas: int = 1) -> None:
-    """Create the job's streams, or update them in place; safe to call from every service."""
-    for cfg in stream_configs(subjects, max_payload_mb << 20, replicas):
+async def ensure_streams(js, subjects: JobSubjects, max_payload_mb: int, replicas: int | None = None) -> None:
+    """Create the job's streams, or update them in place; safe to call from every service.
+    `replicas`: a service's `stream_replicas` (None: one copy)."""
+    for cfg in stream_configs(subjects, max_payload_mb << 20, replicas or 1):
         try:
             await js.stream_info(cfg.name)
             await js.update_stream(cfg)

@@ -161,7 +161,7 @@ def service_env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConf
         weights_addr=f"{trainer_host(job, namespace)}:{job.spec.weight_sync.port}", run_dir=POD_RUN_DIR,
         output_dir=POD_OUTPUT_DIR if trainer and output and output.claim_name else None,
         ranks_per_pod=job.spec.trainer_ranks_per_pod if trainer else None,
-        stream_replicas=cfg.nats_replicas if cfg.nats_replicas > 1 and job.spec.nats.url is None else None,
+        stream_replicas=cfg.nats_replicas if cfg.nats_replicas > 1 and on_chart_nats(job) else None,
         master_addr=trainer_host(job, namespace) if trainer else None, master_port=MASTER_PORT if trainer else None)
 
 
@@ -177,10 +177,15 @@ def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> 
     return env + [e.model_dump(mode="json", by_alias=True, exclude_none=True) for e in spec.env]
 
 
+def on_chart_nats(job: PipelineRLJob) -> bool:
+    """The job uses the chart's NATS, which the operator configures (accounts, replication); a
+    job's own `nats.url` is a server it does not."""
+    return job.spec.nats.url is None
+
+
 def _uses_secret(job: PipelineRLJob, cfg: OperatorConfig, key: str) -> bool:
-    """Credentials exist with the install's key; NATS ones are for the chart's NATS only (a
-    job's own `nats.url` is a server the operator does not configure)."""
-    return cfg.auth_key is not None and (key == "weightsToken" or job.spec.nats.url is None)
+    """Credentials exist with the install's key; NATS ones are for the chart's NATS only."""
+    return cfg.auth_key is not None and (key == "weightsToken" or on_chart_nats(job))
 
 
 def _resources(spec: RoleSpec) -> dict[str, Any]:

@@ -146,8 +146,8 @@ INCIDENT_WINDOW = timedelta(minutes=2)
 
 def count_failures(prev: dict[str, Any], restarts: Mapping[str, int], now: datetime) -> tuple[int, dict | None]:
     """Failures, per incident: the pods (of `runPolicy.failingRoles`) whose restart count rose
-    since the last reconcile join the current incident if it began within INCIDENT_WINDOW and they are not in it
-    yet (one cause, e.g. a gang's collective broken by one rank, restarts several pods: one
+    since the last reconcile join the current incident if it began within INCIDENT_WINDOW and
+    they are not in it yet (one cause, e.g. a gang's collective broken by one rank, restarts several pods: one
     failure); every other restart is a failure of its own (a pod crash-looping fails again and
     again). A pod recreated with its count reset is a new baseline, not a failure."""
     failures = int(prev.get("failures", 0) or 0)

@@ -105,7 +105,7 @@ class Generator:
         self.nc = await connect(self.env.nats_url, f"{self.job.name}-generator-{self.env.rank}", self.env.nats_user,
                                 self.env.nats_password)
         self.js = self.nc.jetstream()
-        await ensure_streams(self.js, self.subjects, self.spec.nats.max_payload_mb, self.env.stream_replicas or 1)
+        await ensure_streams(self.js, self.subjects, self.spec.nats.max_payload_mb, self.env.stream_replicas)
         model_path = resolve_model_path(self.spec.model.path)
         self.engine = Engine(self.job, model_path, seed=self.spec.trainer.seed + 1000 * self.env.rank)
         self.tokenizer = self.engine.llm.tokenizer

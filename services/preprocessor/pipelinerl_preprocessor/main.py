@@ -77,7 +77,7 @@ class Preprocessor:
         self.nc = await connect(self.env.nats_url, f"{self.job.name}-preprocessor", self.env.nats_user,
                                 self.env.nats_password)
         self.js = self.nc.jetstream()
-        await ensure_streams(self.js, self.subjects, self.spec.nats.max_payload_mb, self.env.stream_replicas or 1)
+        await ensure_streams(self.js, self.subjects, self.spec.nats.max_payload_mb, self.env.stream_replicas)
         await self._resume()
         await self.js.subscribe(self.subjects.version, cb=self._on_version,
                                 deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ordered_consumer=True)

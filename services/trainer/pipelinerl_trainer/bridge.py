@@ -22,7 +22,7 @@ log = logging.getLogger("pipelinerl.trainer")
 
 class NatsBridge:
     def __init__(self, url: str, name: str, subjects: JobSubjects, max_payload_mb: int,
-                 user: str | None = None, password: str | None = None, stream_replicas: int = 1):
+                 user: str | None = None, password: str | None = None, stream_replicas: int | None = None):
         self.subjects = subjects
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="nats", daemon=True)

@@ -95,7 +95,7 @@ class Trainer:
 
         self.bridge = NatsBridge(self.env.nats_url, f"{self.job.name}-trainer-{self.rank}", self.subjects,
                                  self.spec.nats.max_payload_mb, self.env.nats_user, self.env.nats_password,
-                                 self.env.stream_replicas or 1)
+                                 self.env.stream_replicas)
         weight_sync = self.spec.weight_sync
         store = None
         self.tracker = Tracker(self.job, self.env.run_dir) if self.rank == 0 else None
