@@ -2,7 +2,8 @@
 `mode: sync`, generator and trainer each pinned to their own core, runs alternated P S P S ….
 
     .venv/bin/python -m bench.pipeline_vs_sync [--rounds 3] [--steps 150] [--gain 15]
-        [--pipeline-set rl.maxLag=2 ...] [--modes pipeline sync] [--name pipeline_vs_sync]
+        [--job examples/tiny-cpu.yaml] [--pipeline-set rl.maxLag=2 ...] [--modes pipeline sync]
+        [--name pipeline_vs_sync]
 
 Reports per mode: trained samples/s, seconds per step, wall time from the first training step
 to a held-out accuracy `--gain` points above the warm start, generator and trainer busy
@@ -30,17 +31,18 @@ import yaml
 
 from bench.common import RESULTS, paired_ratios, save, summary, table
 from pipelinerl.local import run_local
-from pipelinerl.spec import parse_job
-from pipelinerl.tasks.arith import ArithTask
+from pipelinerl.spec import PipelineRLJob, parse_job
+from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import greedy_accuracy, resolve_model_path
 
 JOB = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
 
 
-def job_for(mode: str, steps: int, export_interval: int, tag: str, pipeline_set: list[str] = ()):
-    """The example job in `mode`; `pipeline_set` ("rl.maxLag=2", values in YAML) changes the
-    pipeline's spec only (a variant measured against the same sync baseline)."""
-    data = yaml.safe_load(JOB.read_text())
+def job_for(mode: str, steps: int, export_interval: int, tag: str, pipeline_set: list[str] = (), job: Path = JOB):
+    """The job of `job` (the tiny example by default) in `mode`; `pipeline_set` ("rl.maxLag=2",
+    values in YAML) changes the pipeline's spec only (a variant measured against the same sync
+    baseline)."""
+    data = yaml.safe_load(job.read_text())
     spec = copy.deepcopy(data["spec"])
     spec["mode"] = mode
     spec["trainer"] |= {"maxSteps": steps, "checkpointInterval": 0, "exportInterval": export_interval}
@@ -57,7 +59,7 @@ def job_for(mode: str, steps: int, export_interval: int, tag: str, pipeline_set:
             for key in parents:
                 node = node.setdefault(key, {})
             node[leaf] = yaml.safe_load(value)
-    return parse_job({**data, "metadata": {"name": f"bench-{mode}-{tag}"}, "spec": spec}, f"{JOB} ({mode})")
+    return parse_job({**data, "metadata": {"name": f"bench-{mode}-{tag}"}, "spec": spec}, f"{job} ({mode})")
 
 
 def train_start(steps: list[dict]) -> float:
@@ -115,17 +117,17 @@ def pooled_ratio(pipeline: list[dict], sync: list[dict], gain_points: float, axi
     return math.nan if s == p == math.inf else (math.inf if p == 0 else s / p)
 
 
-def bootstrap_interval(runs: dict[str, list[dict]], gain_points: float, resamples: int = 1000,
+def bootstrap_interval(pipeline: list[dict], baseline: list[dict], gain_points: float, resamples: int = 1000,
                        seed: int = 0) -> dict[str, float]:
-    """5th/50th/95th percentile of the pooled time-to-target ratio over rounds drawn with
-    replacement (a round's pipeline and sync run together: they were measured side by side).
-    Runs of either mode end several points apart; this says how uncertain a pooled ratio is."""
+    """5th/50th/95th percentile of the pooled baseline/pipeline time-to-target ratio over rounds
+    drawn with replacement (a round's runs go together: they were measured side by side). Runs
+    of either side end several points apart; this says how uncertain a pooled ratio is."""
     rng = random.Random(seed)
-    n = len(runs["pipeline"])
+    n = len(pipeline)
     ratios = []
     for _ in range(resamples):
         idx = [rng.randrange(n) for _ in range(n)]
-        ratios.append(pooled_ratio([runs["pipeline"][i] for i in idx], [runs["sync"][i] for i in idx], gain_points))
+        ratios.append(pooled_ratio([pipeline[i] for i in idx], [baseline[i] for i in idx], gain_points))
     both_missed = sum(math.isnan(r) for r in ratios)
     ratios = sorted(r for r in ratios if not math.isnan(r))
     pick = lambda q: ratios[min(len(ratios) - 1, int(q * len(ratios)))]  # noqa: E731
@@ -144,28 +146,31 @@ def accuracy_gap(runs: dict[str, list[dict]]) -> dict[int, float]:
     return {v: 100 * (means["pipeline"][v] - means["sync"][v]) for v in means["pipeline"] if v in means["sync"]}
 
 
-def evaluate_exports(run_dir: Path, steps: list[dict], problems: int) -> list[dict]:
-    """Greedy held-out accuracy of the warm start and of every exported version, each timed at
-    the moment its version went live (the trainer's report after the weight update)."""
+def evaluate_exports(exports_dir: Path, steps: list[dict], problems: int, job: PipelineRLJob) -> list[dict]:
+    """Greedy held-out accuracy of the warm start and of every exported version (`version-N`
+    folders), each timed at the moment its version went live (the trainer's report after the
+    weight update), on the job's held-out problems as its own evaluation poses them (up to
+    `maxTokens` new tokens, right when it stops with the answer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    spec = yaml.safe_load(JOB.read_text())["spec"]
-    test = ArithTask(**spec["task"]["params"]).test_problems(problems)
-    base = resolve_model_path(spec["model"]["path"])
+    spec = job.spec
+    test = make_task(spec.task.name, spec.task.params, seed=spec.task.seed).test_problems(problems)
+    base = Path(resolve_model_path(spec.model.path))
+    tokenizer = AutoTokenizer.from_pretrained(base)
     live = {r["step"]: r["time"] for r in steps}
-    exports = sorted((int(p.name.split("-")[1]), p) for p in (run_dir / "checkpoints" / "export").glob("version-*"))
+    exports = sorted((int(p.name.split("-")[1]), p) for p in exports_dir.glob("version-*"))
     evals = []
-    for version, path in [(0, Path(base))] + exports:
+    for version, path in [(0, base)] + [e for e in exports if e[0] > 0]:
         model = AutoModelForCausalLM.from_pretrained(path).eval()
         evals.append({"version": version, "time": live.get(version, train_start(steps)),
-                      "accuracy": greedy_accuracy(model, AutoTokenizer.from_pretrained(path), test)})
+                      "accuracy": greedy_accuracy(model, tokenizer, test, spec.generator.sampling.max_tokens)})
     return evals
 
 
 def one_run(mode: str, args, tag: str, root: Path) -> dict:
     run_dir = root / f"{mode}-{tag}"
-    code = run_local(job_for(mode, args.steps, args.eval_interval, tag, args.pipeline_set), run_dir, quiet=True,
-                     pin_cores=True, restart=False)  # a restarted process would distort the timing
+    job = job_for(mode, args.steps, args.eval_interval, tag, args.pipeline_set, Path(args.job))
+    code = run_local(job, run_dir, quiet=True, pin_cores=True, restart=False)  # a restart would distort the timing
     if code:
         raise SystemExit(f"{mode} run failed ({code}); logs in {run_dir / 'logs'}")
     s = json.loads((run_dir / "summary.json").read_text())
@@ -173,7 +178,7 @@ def one_run(mode: str, args, tag: str, root: Path) -> dict:
     keep = ("step", "time", "samples", "tokens", "row_tokens", "train_seconds", "optimizer_seconds", "micro_batches",
             "weight_sync_seconds", "weight_pause_max_seconds", "groups_filtered", "lag_mean", "ess")
     steps = [{k: r.get(k) for k in keep} for r in records if r["kind"] == "train"]
-    evals = evaluate_exports(run_dir, steps, args.eval_problems)
+    evals = evaluate_exports(run_dir / "checkpoints" / "export", steps, args.eval_problems, job)
     x = {**s, "steps_log": steps, "evals": evals,
          "warm_start_accuracy": evals[0]["accuracy"], "final_accuracy": evals[-1]["accuracy"]}
     x["time_to_target_s"] = time_to_target([x], args.gain)
@@ -190,6 +195,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--gain", type=float, default=15.0, help="target: warm-start accuracy + this many points")
+    ap.add_argument("--job", default=str(JOB), help="the job to run in both modes (default: the tiny example)")
     ap.add_argument("--eval-interval", type=int, default=10, help="versions between exports evaluated offline")
     ap.add_argument("--eval-problems", type=int, default=2000)
     ap.add_argument("--pipeline-set", metavar="FIELD=VALUE", action="append", default=[],
@@ -242,6 +248,7 @@ def report(runs: dict[str, list[dict]], args) -> None:
         print(f"pipeline generator busy: {result['modes']['pipeline']['generator_busy_fraction']['median']:.0%} "
               f"(target >= 90%)")
     command = f"python -m bench.pipeline_vs_sync --rounds {args.rounds} --steps {args.steps} --gain {args.gain}"
+    command += "" if Path(args.job).resolve() == JOB else f" --job {args.job}"
     command += "".join(f" --pipeline-set {x}" for x in args.pipeline_set)
     command += "" if len(runs) == 2 else " --modes " + " ".join(runs)
     command += "" if args.name == "pipeline_vs_sync" else f" --name {args.name}"
@@ -287,7 +294,7 @@ def compare(runs: dict[str, list[dict]], args) -> dict:
               f"{out['pooled_time_to_target_ratio']:.2f}x ({pooled['sync']:.0f} s / {pooled['pipeline']:.0f} s)")
     else:
         print("time to target on the rounds pooled: not reached by " + " and ".join(m for m in pooled if not pooled[m]))
-    ci = out["pooled_time_to_target_interval"] = bootstrap_interval(runs, args.gain)
+    ci = out["pooled_time_to_target_interval"] = bootstrap_interval(runs["pipeline"], runs["sync"], args.gain)
     print(f"  90% bootstrap interval over rounds: {ci['p5']:.2f}-{ci['p95']:.2f}x (median {ci['p50']:.2f}x)")
     # time ratio = rate ratio x steps ratio: how much of the speed the per-step learning keeps
     steps = pooled_ratio(runs["pipeline"], runs["sync"], args.gain, axis="version")

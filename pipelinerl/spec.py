@@ -30,7 +30,7 @@ KIND = "PipelineRLJob"
 # controller-revision-hash "<statefulset>-<10-char hash>" (≤ 63): so 52 - 13 characters.
 MAX_JOB_NAME = 39
 DNS_LABEL = re.compile(DNS_1035_LABEL)
-TASK_NAMES = ("arith", "dataset", "guess", "math")  # pipelinerl.tasks.BUILTIN (a test keeps them equal)
+TASK_NAMES = ("arith", "chain", "dataset", "guess", "math")  # pipelinerl.tasks.BUILTIN (a test keeps them equal)
 TASK_IMPORT_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 GPU_RESOURCE = "nvidia.com/gpu"
 # Fields a running job cannot change: the model, task and layout its checkpoints belong to, and
@@ -159,7 +159,7 @@ class ModelSpec(SpecModel):
         default="builtin:tiny-arith",
         min_length=1,
         max_length=1024,
-        description="Hugging Face model folder, or builtin:tiny-arith (built locally on first use).",
+        description="Hugging Face model folder, or builtin:tiny-arith / builtin:tiny-chain (built locally on first use).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_seq_len: int = Field(default=64, ge=8, le=131072, description="Prompt + completion tokens.")

@@ -10,11 +10,13 @@ from typing import Any
 
 from pipelinerl.tasks.arith import ArithTask
 from pipelinerl.tasks.base import Completion, Policy, Problem, SampleBuilder, Task
+from pipelinerl.tasks.chain import ChainTask
 from pipelinerl.tasks.dataset import DatasetTask
 from pipelinerl.tasks.guess import GuessTask
 from pipelinerl.tasks.math import MathTask
 
-BUILTIN: dict[str, type] = {"arith": ArithTask, "dataset": DatasetTask, "guess": GuessTask, "math": MathTask}
+BUILTIN: dict[str, type] = {"arith": ArithTask, "chain": ChainTask, "dataset": DatasetTask, "guess": GuessTask,
+                            "math": MathTask}
 
 __all__ = ["BUILTIN", "Completion", "Policy", "Problem", "SampleBuilder", "Task", "make_task"]
 

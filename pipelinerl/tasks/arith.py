@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from pipelinerl.tasks.base import Policy, Problem, SampleBuilder, Tokenizer
+from pipelinerl.tasks.base import Policy, Problem, Tokenizer, exact_answer_rollout
 from pipelinerl.messages import Sample
 
 
@@ -51,15 +51,6 @@ class ArithTask:
         rng = random.Random(f"arith-train-{self.seed}-{index}")
         return self._problem("train", index, *self._draw(rng, test=False))
 
-    def reward(self, completion: str, answer: str) -> float:
-        return 1.0 if completion.strip() == answer else 0.0
-
     async def rollout(self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
                       greedy: bool = False) -> Sample:
-        sample = SampleBuilder(tokenizer.encode(problem.prompt))
-        completion = await policy.generate(sample.tokens, max_tokens, greedy=greedy)
-        sample.add_completion(completion)
-        stopped = completion.finish_reason == "stop"
-        text = tokenizer.decode(completion.tokens, skip_special_tokens=True)
-        reward = self.reward(text, problem.answer) if stopped else 0.0
-        return sample.build(reward=reward, success=reward > 0)
+        return await exact_answer_rollout(policy, tokenizer, problem, max_tokens, greedy)

@@ -71,6 +71,18 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | list[dict[str, Any]], chat_te
     return tokenizer.encode(prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt))
 
 
+async def exact_answer_rollout(policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
+                               greedy: bool = False) -> Sample:
+    """One completion of the plain-text prompt, rewarded 1.0 when it stops (EOS, not truncated)
+    with exactly the problem's answer, stripped."""
+    sample = SampleBuilder(tokenizer.encode(problem.prompt))
+    completion = await policy.generate(sample.tokens, max_tokens, greedy=greedy)
+    sample.add_completion(completion)
+    text = tokenizer.decode(completion.tokens, skip_special_tokens=True)
+    success = completion.finish_reason == "stop" and text.strip() == problem.answer
+    return sample.build(reward=float(success), success=success)
+
+
 class SampleBuilder:
     """Accumulates a (multi-turn) token sequence: prompt/env tokens are untrained, model tokens trained."""
 

@@ -117,3 +117,91 @@ def test_the_spec_knows_every_builtin_task() -> None:
     from pipelinerl.tasks import BUILTIN
 
     assert set(TASK_NAMES) == set(BUILTIN)  # validate and the CRD accept exactly these names
+
+
+def test_chain_problems_are_worked_step_by_step_with_a_long_tail():
+    from pipelinerl.tasks.chain import ChainTask, worked
+
+    assert worked(37, 6, 4) == "3:43 2:49 1:55 0:61"
+    task = ChainTask(max_steps=12, seed=0)
+    assert task.test_problems(200) == ChainTask(max_steps=12, seed=0).test_problems(200)
+    train = [task.train_problem(i) for i in range(3000)]
+    assert train[7] == task.train_problem(7)
+    assert not {p.prompt for p in task.test_problems(500)} & {p.prompt for p in train}
+    p = train[0]
+    start, rest = p.prompt[:-1].split("+")
+    addend, steps = map(int, rest.split("*"))
+    assert p.answer == worked(int(start), addend, steps) and p.extra["steps"] == steps
+    assert p.answer.endswith(f"0:{int(start) + addend * steps}")
+    counts = [sum(q.extra["steps"] == k for q in train) for k in range(1, 13)]
+    assert counts[0] > 2 * counts[3] > 0 and counts[11] > 0  # P(k) ∝ 1/k: short ones common, long ones present
+    # Completion lengths (answer + EOS) within a step of 16 prompts differ by 10x or more, mostly.
+    lengths = [len(q.answer) + 1 for q in train]
+    spreads = [max(lengths[i:i + 16]) / min(lengths[i:i + 16]) for i in range(0, 3000, 16)]
+    assert sorted(spreads)[len(spreads) // 2] >= 10
+    assert all(len(q.answer) + 1 <= 96 for q in train)  # within the example job's maxTokens
+    with pytest.raises(ValueError, match="max_steps"):
+        ChainTask(max_steps=0)
+
+
+def test_chain_rollout_rewards_only_the_whole_worked_solution():
+    from pipelinerl.tasks.chain import ChainTask
+
+    tok = make_tokenizer()
+    task = ChainTask()
+    p = next(q for q in task.test_problems(50) if q.extra["steps"] >= 3)
+    right = asyncio.run(task.rollout(ScriptedPolicy(tok, [p.answer]), tok, p, 96))
+    assert right.reward == 1.0 and right.success and sum(right.mask) == len(p.answer) + 1
+    last = p.answer.rsplit(" ", 1)[1]
+    shortcut = asyncio.run(task.rollout(ScriptedPolicy(tok, [last]), tok, p, 96))  # the final total alone
+    one_step_off = p.answer.replace(" ", "  ", 1)
+    assert shortcut.reward == 0.0
+    assert asyncio.run(task.rollout(ScriptedPolicy(tok, [one_step_off]), tok, p, 96)).reward == 0.0
+
+
+def test_batch_loss_in_length_buckets_is_the_same_loss():
+    import torch
+
+    from pipelinerl.tasks.chain import ChainTask
+    from pipelinerl.tiny_model import batch_loss, make_model
+
+    torch.manual_seed(0)
+    tok, model = make_tokenizer(), make_model()
+    batch = [ChainTask().train_problem(i) for i in range(24)]
+    whole, bucketed = batch_loss(model, tok, batch), batch_loss(model, tok, batch, buckets=4)
+    assert bucketed.item() == pytest.approx(whole.item(), rel=1e-5)
+    grads = []
+    for loss in (whole, bucketed):
+        model.zero_grad()
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6)
+
+
+def test_greedy_accuracy_counts_answers_that_stop_and_batches_by_prompt_length():
+    import torch
+
+    from pipelinerl.tasks.base import Problem
+    from pipelinerl.tiny_model import greedy_accuracy
+
+    tok = make_tokenizer()
+    eos = tok.eos_token_id
+    replies = {"1+2=": "3", "10+20=": "30", "9+9=": "18"}  # the last one never stops
+
+    class Scripted:
+        calls: list[int] = []
+
+        def generate(self, input_ids, max_new_tokens, **_):
+            self.calls.append(input_ids.shape[1])
+            rows = []
+            for ids in input_ids.tolist():
+                prompt = tok.decode(ids)
+                new = tok.encode(replies[prompt]) + ([eos] if prompt != "9+9=" else [])
+                rows.append(ids + (new + [tok.pad_token_id] * max_new_tokens)[:max_new_tokens])
+            return torch.tensor(rows)
+
+    model = Scripted()
+    problems = [Problem("a", "1+2=", "3"), Problem("b", "10+20=", "30"), Problem("c", "9+9=", "18"),
+                Problem("d", "1+2=", "4")]
+    assert greedy_accuracy(model, tok, problems, max_new_tokens=4) == pytest.approx(2 / 4)
+    assert sorted(model.calls) == [4, 6]  # one generate per prompt length, none padded

@@ -57,12 +57,11 @@ def test_pooled_ratio_in_time_or_steps_and_when_a_mode_misses():
 def test_bootstrap_interval_brackets_the_pooled_ratio_and_is_reproducible():
     pipe = [run(0.30, [(10, 0.35 + d), (20, 0.45 + d)]) for d in (0.0, 0.02, -0.02, 0.04)]
     sync = [run(0.30, [(20, 0.35 + d), (40, 0.45 + d)]) for d in (0.01, -0.01, 0.03, 0.0)]
-    runs = {"pipeline": pipe, "sync": sync}
-    ci = bootstrap_interval(runs, 10, resamples=200, seed=3)
+    ci = bootstrap_interval(pipe, sync, 10, resamples=200, seed=3)
     assert ci["p5"] <= pooled_ratio(pipe, sync, 10) <= ci["p95"]
     assert 1.3 < ci["p5"] and ci["p95"] < 3.0  # the sync curves are about the pipeline's, twice as slow
-    assert ci == bootstrap_interval(runs, 10, resamples=200, seed=3)
-    one = bootstrap_interval({"pipeline": pipe[:1], "sync": sync[:1]}, 10, resamples=50)
+    assert ci == bootstrap_interval(pipe, sync, 10, resamples=200, seed=3)
+    one = bootstrap_interval(pipe[:1], sync[:1], 10, resamples=50)
     assert one["p5"] == one["p95"] == pytest.approx(pooled_ratio(pipe[:1], sync[:1], 10))
 
 

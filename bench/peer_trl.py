@@ -1,0 +1,231 @@
+"""Peer benchmark: this project (pipeline and sync mode) against TRL's GRPOTrainer, side by side.
+
+    .venv/bin/python -m bench.peer_trl [--job examples/tiny-cpu.yaml] [--rounds 3] [--steps 500]
+        [--trl-steps 1000] [--gains 10 20 30] [--sides pipeline sync trl] [--name peer_trl]
+
+The same warm-started model, task, held-out set, samples per step, prompts per step, learning
+rate and schedule, sampling temperature and completion budget, on the same machine, rounds
+alternated (pipeline, sync, TRL; then again). TRL is the current PyPI release, installed in
+the benchmark's own environment (`.cache/bench-trl`, from `bench/trl-requirements.txt`) and
+configured as TRL documents it: `GRPOConfig` + `GRPOTrainer` with Hugging Face `generate` (no
+vLLM server), on the CPU, with both cores (`--trl-threads 2`); this project gets the same two
+cores, one for the generator and one for the trainer (`--pin-cores`, as `make run`). The task's
+problems reach TRL as a dataset of `prompt`/`answer` rows (the training stream, in order), the
+reward as `examples/trl/rewards.py:exact_answer`, TRL's reward-function signature, the same
+exact-match rule as the task's own reward. Where the sides differ is how each trains by
+default (the table in bench/README.md), which is the point.
+
+Held-out accuracy is measured offline for every side alike (as benchmark 1 does): every
+`--eval-interval` versions each side writes its weights, and after the run each is evaluated
+greedily on the same `--eval-problems` held-out problems, timed when its version existed (TRL:
+the end of its optimizer step, the time spent writing weights taken off its clock). Reported per
+side: trained samples/s, seconds per step, steps and seconds from the start of training to the
+warm start's accuracy + each `--gains` (isotonic fit of the pooled rounds, and per round),
+start-up time, and where a step's time goes. Then TRL/pipeline and TRL/sync ratios of time to
+each target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from bench.common import RESULTS, save, summary, table
+from bench.pipeline_vs_sync import (JOB, bootstrap_interval, evaluate_exports, one_run, pooled_ratio, time_to_target,
+                                    train_start)
+from pipelinerl.spec import PipelineRLJob, parse_job
+from pipelinerl.tasks import make_task
+from pipelinerl.tiny_model import resolve_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_ENV = ROOT / ".cache" / "bench-trl"
+TRL_REQUIREMENTS = ROOT / "bench" / "trl-requirements.txt"
+TRL_SCRIPT = ROOT / "bench" / "trl_grpo.py"
+REWARD = ROOT / "examples" / "trl" / "rewards.py"
+SIDES = ("pipeline", "sync", "trl")
+
+
+def trl_python() -> Path:
+    """The TRL environment's interpreter: made once per requirements file, with their exact
+    versions and nothing resolved (as scripts/setup.sh makes .venv)."""
+    python, stamp = TRL_ENV / "bin" / "python", TRL_ENV / ".stamp"
+    want = hashlib.sha256(TRL_REQUIREMENTS.read_bytes()).hexdigest()
+    if stamp.exists() and stamp.read_text() == want:
+        return python
+    print(f"setting up TRL's environment in {TRL_ENV} (once, ~1 minute) ...", flush=True)
+    subprocess.run([os.environ.get("PYTHON", "python3.11"), "-m", "venv", "--clear", str(TRL_ENV)], check=True)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "-r",
+                    str(TRL_REQUIREMENTS)], check=True)
+    stamp.write_text(want)
+    return python
+
+
+def write_rows(job: PipelineRLJob, count: int, path: Path) -> None:
+    """The job's first `count` training problems as TRL dataset rows (`prompt`, `answer`)."""
+    task = make_task(job.spec.task.name, job.spec.task.params, seed=job.spec.task.seed)
+    with open(path, "w") as f:
+        for i in range(count):
+            p = task.train_problem(i)
+            f.write(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n")
+
+
+def trl_run(args, tag: str, root: Path) -> dict:
+    job = parse_job(yaml.safe_load(Path(args.job).read_text()), args.job)
+    spec, out = job.spec, root / f"trl-{tag}"
+    rows = root / "trl-train.jsonl"
+    if not rows.exists():
+        write_rows(job, args.trl_steps * spec.groups_per_step, rows)
+    cmd = [str(trl_python()), str(TRL_SCRIPT), "--model", resolve_model_path(spec.model.path), "--train", str(rows),
+           "--reward", f"{REWARD}:exact_answer", "--out", str(out), "--steps", str(args.trl_steps),
+           "--prompts", str(spec.groups_per_step), "--generations", str(spec.rl.attempts),
+           "--max-tokens", str(spec.generator.sampling.max_tokens), "--temperature",
+           str(spec.generator.sampling.temperature), "--lr", str(spec.trainer.learning_rate),
+           "--warmup", str(spec.trainer.warmup_steps), "--seed", str(spec.trainer.seed),
+           "--threads", str(args.trl_threads), "--export-interval", str(args.eval_interval)]
+    out.mkdir(parents=True)
+    t0 = time.monotonic()
+    with open(out / "trl.log", "w") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
+    wall = time.monotonic() - t0
+    if code:
+        raise SystemExit(f"TRL run failed ({code}); its log: {out / 'trl.log'}")
+    rows_ = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+    steps = [{**r, "train_seconds": r["seconds"]} for r in rows_]  # train_start(steps) = 0, TRL's clock
+    evals = evaluate_exports(out / "export", steps, args.eval_problems, job)
+    span = steps[-1]["time"]
+    samples = spec.trainer.samples_per_step
+    x = {"steps_log": steps, "evals": evals, "steps": len(steps), "wall_seconds": wall,
+         "startup_seconds": wall - span, "samples_per_second": samples * len(steps) / span,
+         "seconds_per_step": span / len(steps), "warm_start_accuracy": evals[0]["accuracy"],
+         "final_accuracy": evals[-1]["accuracy"]}
+    print(f"  trl round {tag}: {x['samples_per_second']:.1f} samples/s, {x['seconds_per_step']:.2f} s/step, accuracy "
+          f"{x['warm_start_accuracy']:.3f} -> {x['final_accuracy']:.3f}", flush=True)
+    return x
+
+
+def project_run(mode: str, args, tag: str, root: Path) -> dict:
+    x = one_run(mode, args, tag, root)
+    x["startup_seconds"] = x["wall_seconds"] - (x["steps_log"][-1]["time"] - train_start(x["steps_log"]))
+    return x
+
+
+def where_time_goes(side: str, xs: list[dict], attempts: int) -> dict[str, float]:
+    """Mean seconds per step, by phase (steps after the first, whose period holds start-up)."""
+    rows = [r for x in xs for r in x["steps_log"][1:]]
+    mean = lambda key: statistics.fmean(r[key] or 0.0 for r in rows)  # noqa: E731
+    if side == "trl":
+        return {k.removesuffix("_seconds"): mean(k) for k in ("generate_seconds", "reward_seconds",
+                "score_other_seconds", "forward_seconds", "backward_seconds", "optimizer_other_seconds")}
+    periods = [b["time"] - a["time"] for x in xs for a, b in zip(x["steps_log"], x["steps_log"][1:])]
+    out = {"period": statistics.fmean(periods), "trainer_compute": mean("train_seconds"),
+           "of_which_optimizer": mean("optimizer_seconds"), "weight_sync": mean("weight_sync_seconds")}
+    out["trainer_waits_for_data"] = out["period"] - out["trainer_compute"] - out["weight_sync"]
+    out["generator_busy_fraction"] = statistics.fmean(x.get("generator_busy_fraction", 0.0) for x in xs)
+    out["groups_generated_per_step"] = statistics.fmean(
+        r["samples"] / attempts + (r["groups_filtered"] or 0) for r in rows)
+    return out
+
+
+def report(runs: dict[str, list[dict]], args) -> dict:
+    job = parse_job(yaml.safe_load(Path(args.job).read_text()), args.job)
+    result: dict = {"args": vars(args), "runs": runs, "sides": {}, "ratios": {}}
+    rows = []
+    for side, xs in runs.items():
+        agg = result["sides"][side] = {
+            "samples_per_second": summary([x["samples_per_second"] for x in xs]),
+            "seconds_per_step": summary([x["seconds_per_step"] for x in xs]),
+            "startup_seconds": summary([x["startup_seconds"] for x in xs]),
+            "warm_start_accuracy": statistics.fmean(x["warm_start_accuracy"] for x in xs),
+            "final_accuracy": statistics.fmean(x["final_accuracy"] for x in xs),
+            "steps_run": len(xs[0]["steps_log"]),
+            "time_to_target_s": {f"+{g:g}": time_to_target(xs, g) for g in args.gains},
+            "steps_to_target": {f"+{g:g}": time_to_target(xs, g, "version") for g in args.gains},
+            "time_to_target_per_round_s": {f"+{g:g}": [time_to_target([x], g) for x in xs] for g in args.gains},
+            "where_time_goes": where_time_goes(side, xs, job.spec.rl.attempts)}
+        fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
+        rows.append([side, agg["samples_per_second"]["median"], agg["seconds_per_step"]["median"],
+                     agg["startup_seconds"]["median"], f"{agg['warm_start_accuracy']:.3f}",
+                     f"{agg['final_accuracy']:.3f} ({agg['steps_run']})",
+                     *(f"{fmt(agg['steps_to_target'][f'+{g:g}'])} / {fmt(agg['time_to_target_s'][f'+{g:g}'])}"
+                       for g in args.gains)])
+    print(table(["side", "samples/s", "s/step", "start-up s", "warm start", "final (steps)",
+                 *(f"+{g:g}: steps / s" for g in args.gains)], rows))
+    for side in runs:
+        print(f"  {side}, mean per step: " + ", ".join(
+            f"{k} {v:.3f}" for k, v in result["sides"][side]["where_time_goes"].items()))
+    for fast in ("pipeline", "sync"):
+        if fast not in runs or "trl" not in runs:
+            continue
+        ratios = result["ratios"][f"trl/{fast}"] = {}
+        for g in args.gains:
+            r = pooled_ratio(runs[fast], runs["trl"], g)
+            ci = bootstrap_interval(runs[fast], runs["trl"], g)
+            ratios[f"+{g:g}"] = {"pooled": None if math.isnan(r) else r, "interval": ci}
+        print(f"TRL/{fast} time to target (pooled; 90% bootstrap interval over rounds): " + ", ".join(
+            f"+{g:g}: {describe(ratios[f'+{g:g}'], runs, fast, g)}" for g in args.gains))
+    return result
+
+
+def describe(ratio: dict, runs: dict, fast: str, gain: float) -> str:
+    r, ci = ratio["pooled"], ratio["interval"]
+    if r is None:
+        return "neither reached it"
+    if r == math.inf:  # TRL missed it: the ratio is at least its shortest run over our time
+        bound = min(x["steps_log"][-1]["time"] for x in runs["trl"]) / time_to_target(runs[fast], gain)
+        return f"TRL never reached it in its run (> {bound:.2f}x)"
+    if r == 0:
+        return f"{fast} never reached it"
+    return f"{r:.2f}x ({ci['p5']:.2f}-{ci['p95']:.2f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--job", default=str(JOB), help="the job (default: the tiny example)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=500, help="optimizer steps of this project's runs")
+    ap.add_argument("--trl-steps", type=int, default=1000, help="optimizer steps of TRL's runs")
+    ap.add_argument("--gains", type=float, nargs="+", default=[10, 20, 30],
+                    help="targets: the warm start's accuracy + these many points")
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    ap.add_argument("--eval-interval", type=int, default=10, help="versions between weights evaluated offline")
+    ap.add_argument("--eval-problems", type=int, default=1000)
+    ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (cores here: 2)")
+    ap.add_argument("--name", default="peer_trl", help="results file: bench/results/NAME.json")
+    ap.add_argument("--reanalyse", metavar="JSON", help="rebuild the report from saved results, run nothing")
+    args = ap.parse_args()
+    args.pipeline_set, args.gain = [], args.gains[0]  # what one_run reads
+    if args.reanalyse:
+        runs = json.loads(Path(args.reanalyse).read_text())["runs"]
+    else:
+        runs = {side: [] for side in args.sides}
+        partial = RESULTS / f"{args.name}.partial.json"
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
+            for r in range(args.rounds):
+                for side in args.sides:
+                    run = trl_run if side == "trl" else lambda *a: project_run(side, *a)
+                    runs[side].append(run(args, str(r), Path(tmp)))
+                    partial.write_text(json.dumps({"runs": runs}) + "\n")
+    result = report(runs, args)
+    command = (f"python -m bench.peer_trl --rounds {args.rounds} --steps {args.steps} --trl-steps {args.trl_steps} "
+               f"--gains {' '.join(f'{g:g}' for g in args.gains)}")
+    command += "" if Path(args.job).resolve() == JOB else f" --job {args.job}"
+    command += "" if args.sides == list(SIDES) else " --sides " + " ".join(args.sides)
+    save(args.name, result, command)
+    if not args.reanalyse:
+        partial.unlink()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
