@@ -186,7 +186,7 @@ def describe(ratio: dict, runs: dict, fast: str, gain: float) -> str:
         return f"TRL never reached it in its run (> {bound:.2f}x)"
     if r == 0:
         return f"{fast} never reached it"
-    return f"{r:.2f}x ({ci['p5']:.2f}-{ci['p95']:.2f})"
+    return f"{r:.2f}x ({ci['p5']:.2f}-{ci['p95']:.2f})" if ci["p5"] is not None else f"{r:.2f}x"
 
 
 def main() -> None:

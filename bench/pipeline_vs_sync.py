@@ -130,7 +130,7 @@ def bootstrap_interval(pipeline: list[dict], baseline: list[dict], gain_points: 
         ratios.append(pooled_ratio([pipeline[i] for i in idx], [baseline[i] for i in idx], gain_points))
     both_missed = sum(math.isnan(r) for r in ratios)
     ratios = sorted(r for r in ratios if not math.isnan(r))
-    pick = lambda q: ratios[min(len(ratios) - 1, int(q * len(ratios)))]  # noqa: E731
+    pick = lambda q: ratios[min(len(ratios) - 1, int(q * len(ratios)))] if ratios else None  # noqa: E731
     return {"p5": pick(0.05), "p50": pick(0.5), "p95": pick(0.95), "resamples": resamples,
             "both_missed": both_missed}
 

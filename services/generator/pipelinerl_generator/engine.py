@@ -90,6 +90,7 @@ class Engine:
             top_p=1.0 if greedy else self.sampling.top_p,
             max_tokens=max_tokens, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY,
             stop_token_ids=[self.eos] if self.eos is not None else None,
+            detokenize=False,  # tasks decode the token ids themselves; vLLM's per-step detokenizing is wasted
         )
         final = None
         self.running += 1
