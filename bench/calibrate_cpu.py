@@ -1,6 +1,8 @@
 """Planner calibration for this machine from benchmark 1's measured runs, then its validation.
 
     .venv/bin/python -m bench.calibrate_cpu [--from bench/results/pipeline_vs_sync.json]
+    .venv/bin/python -m bench.calibrate_cpu --job examples/long-tail-cpu.yaml \
+        --from bench/results/peer_trl-long-tail.json --name cpu-long-tail
 
 Runs nothing but the planner (seconds). From the per-step records of `bench.pipeline_vs_sync`
 (generator and trainer pinned to a core each) it derives each cost from a quantity that is not
@@ -14,8 +16,10 @@ the answer (the pipeline/sync ratio):
 - weight update: mean `weight_sync_seconds` (`weight_sync_s`); `pause_s` the pipeline runs'
   mean `weight_pause_max_seconds` (staged updates pause only to swap the weights; results
   recorded before that field existed use `weight_sync_s`, an upper bound);
-- workload: completion lengths (`tokens / samples`), prompt length, and the share of groups
-  dropped by zero-variance filtering (`groups_filtered`);
+- workload: completion lengths, sampled from the warm-started model on the job's training
+  prompts at its temperature (an empirical distribution; the runs' mean `tokens / samples` is
+  printed beside it), prompt length, and the share of groups dropped by zero-variance filtering
+  (`groups_filtered`);
 - generation: the **sync** runs' generation phase (step period − `train_seconds` −
   `weight_sync_seconds`: the trainer waiting for the step's data; benchmark 1 evaluates
   offline, so no step carries evaluation work). One batch size cannot separate `decode_base_s`
@@ -23,9 +27,11 @@ the answer (the pipeline/sync ratio):
   sequences running) and the base is then solved so that the simulated sync generation phase
   equals the measured one.
 
-It writes `pipelinerl/calibrations/cpu-tiny.yaml` (a plain Calibration: the built-in that
-`--gpu-type cpu-tiny` uses), predicts both modes of the tiny job on 1 generator + 1 trainer, and
-compares with the measurement in `bench/results/planner_validation.json`.
+It writes `pipelinerl/calibrations/<--name>.yaml` (a plain Calibration: the built-in that
+`--gpu-type <name>` uses; `cpu-tiny` for the tiny job), predicts both modes of the job on 1
+generator + 1 trainer, and compares with the measurement in
+`bench/results/planner_validation[-<name>].json`. Any result with pipeline and sync runs of the
+job will do: benchmark 1's, or the peer benchmark's (`bench.peer_trl`).
 """
 
 from __future__ import annotations
@@ -38,19 +44,23 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from bench.common import RESULTS, save, table
+import torch
+
+from bench.common import RESULTS, paired_ratios, save, table
 from pipelinerl.planner.calibration import Calibration, Lengths, load_calibration
 from pipelinerl.planner.recommend import plan
 from pipelinerl.planner.simulation import simulate, wave_groups
 from pipelinerl.spec import parse_job
+from pipelinerl.tasks import make_task
+from pipelinerl.tiny_model import resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "examples" / "tiny-cpu.yaml"
-CALIBRATION = ROOT / "pipelinerl" / "calibrations" / "cpu-tiny.yaml"
+CALIBRATIONS = ROOT / "pipelinerl" / "calibrations"
 HEADER = """\
-# Measured by `python -m bench.calibrate_cpu` from benchmark 1 (bench/results/pipeline_vs_sync.json:
-# the tiny job of examples/tiny-cpu.yaml on 1 generator + 1 trainer, pinned cores); `source` says
-# how each cost was derived. To refresh it, run `python -m bench.calibrate_cpu`: it writes this file.
+# Measured by `python -m bench.calibrate_cpu` from the runs of {source} (the job of {job} on
+# 1 generator + 1 trainer, pinned cores); `source` says how each cost was derived. To refresh it,
+# run `{command}`: it writes this file.
 """
 # vLLM's max_num_seqs when AsyncLLM builds its config (usage context ENGINE_CONTEXT):
 # SchedulerConfig.DEFAULT_MAX_NUM_SEQS. The generator does not override it for the tiny job.
@@ -66,10 +76,10 @@ def load(path: Path) -> dict:
     return data
 
 
-def job_spec(max_lag: int):
-    data = yaml.safe_load(JOB.read_text())
+def job_spec(path: Path, max_lag: int):
+    data = yaml.safe_load(path.read_text())
     data["spec"]["rl"]["maxLag"] = max_lag
-    return parse_job(data, str(JOB))
+    return parse_job(data, str(path))
 
 
 def steps_of(run: dict) -> list[dict]:
@@ -82,7 +92,8 @@ def measured(data: dict) -> dict[str, dict]:
     """Per mode: medians over the rounds of samples/s and busy fractions (as benchmark 1 reports
     them), and over all rounds' steps s/step and the token lag (lag_mean weighted by tokens)."""
     out = {}
-    for mode, runs in data["runs"].items():
+    for mode in ("pipeline", "sync"):
+        runs = data["runs"][mode]
         steps = [s for r in runs for s in steps_of(r)]
         out[mode] = {"samples_per_s": float(np.median([r["samples_per_second"] for r in runs])),
                      "step_s": sum(s["period"] for s in steps) / len(steps),
@@ -107,20 +118,40 @@ def fit_train(steps: list[dict]) -> tuple[float, float, str]:
             f"per token only over {len(x)} steps (least squares gave {per_token:.2e} s/token + {fixed:.3f} s)")
 
 
-def two_point_lengths(mean: float, prompt_tokens: int) -> Lengths:
-    """3-digit sums have 3 or 4 digits; one token each plus end-of-sequence: 4 or 5 tokens.
-    The share of 5s that gives the measured mean (200 values: within 0.003 tokens of it)."""
-    if not 4 <= mean <= 5:
-        return Lengths(distribution="lognormal", mean_tokens=mean, sigma=0.12, prompt_tokens=prompt_tokens)
-    fives = round(200 * (mean - 4))
-    return Lengths(distribution="empirical", values=[4] * (200 - fives) + [5] * fives, prompt_tokens=prompt_tokens)
+@torch.no_grad()
+def sampled_lengths(job, count: int = 512, seed: int = 0) -> list[int]:
+    """Completion lengths (EOS included; `maxTokens` if it never comes) of the warm-started model
+    sampled at the job's temperature on its first `count` training prompts, one per prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = job.spec
+    path = resolve_model_path(spec.model.path)
+    model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    task = make_task(spec.task.name, spec.task.params, seed=spec.task.seed)
+    by_length: dict[int, list[list[int]]] = {}
+    for i in range(count):
+        ids = tok.encode(task.train_problem(i).prompt)
+        by_length.setdefault(len(ids), []).append(ids)
+    torch.manual_seed(seed)
+    limit, lengths = spec.generator.sampling.max_tokens, []
+    for group in by_length.values():
+        ids = torch.tensor(group)
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
+                             temperature=spec.generator.sampling.temperature, max_new_tokens=limit,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        for row in out[:, ids.shape[1]:].tolist():
+            lengths.append(row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else limit)
+    return lengths
 
 
 def calibration_yaml(calib: Calibration) -> str:
-    """HEADER, then the Calibration's fields and nothing else (load_calibration rejects unknown
-    keys); the empirical lengths as a flow list."""
-    return HEADER + yaml.safe_dump(calib.model_dump(mode="json"), sort_keys=False, default_flow_style=None,
-                                   width=100)
+    """The Calibration's fields and nothing else (load_calibration rejects unknown keys); the
+    empirical lengths as a flow list."""
+    return yaml.safe_dump(calib.model_dump(mode="json"), sort_keys=False, default_flow_style=None, width=100)
+
+
+def rel(path: Path) -> str:
+    return str(path.resolve().relative_to(ROOT)) if path.resolve().is_relative_to(ROOT) else str(path)
 
 
 def sync_gen_phase(calib: Calibration, job, mean_row_tokens: float, steps: int = 300, seed: int = 0) -> float:
@@ -163,10 +194,10 @@ def fit_decode(calib: Calibration, job, rows: float, target: float, step_at: flo
     return fit_base(calib, job, rows, target, lambda b: (step_at - b) / batch, step_at)
 
 
-def calibrate(data: dict, source: Path) -> tuple[Calibration, dict]:
+def calibrate(data: dict, source: Path, job_path: Path, name: str) -> tuple[Calibration, dict]:
     runs = data["runs"]
-    every = [s for mode in runs for r in runs[mode] for s in steps_of(r)]
-    job = job_spec(max_lag=int(runs["pipeline"][0].get("max_lag", 1)))
+    every = [s for mode in ("pipeline", "sync") for r in runs[mode] for s in steps_of(r)]
+    job = job_spec(job_path, max_lag=int(runs["pipeline"][0].get("max_lag", 1)))
     spec = job.spec
     attempts = spec.rl.attempts
 
@@ -178,7 +209,8 @@ def calibrate(data: dict, source: Path) -> tuple[Calibration, dict]:
     samples = sum(s["samples"] for s in every)
     mean_len = sum(s["tokens"] for s in every) / samples
     prompt = round(sum(s["row_tokens"] - s["tokens"] for s in every) / samples)
-    lengths = two_point_lengths(mean_len, prompt)
+    sampled = sampled_lengths(job)
+    lengths = Lengths(distribution="empirical", values=sampled, prompt_tokens=prompt)
     kept = samples / attempts
     dropped = sum(s["groups_filtered"] for s in every)
     filtered = dropped / (dropped + kept)
@@ -191,7 +223,7 @@ def calibrate(data: dict, source: Path) -> tuple[Calibration, dict]:
                     spec.generator.max_inflight_groups * attempts)
 
     engine = json.loads((RESULTS / "engine.json").read_text())
-    tok_s = engine["models"]["tiny-arith"]["vllm"]["median"]
+    tok_s = engine["models"]["tiny-arith"]["vllm"]["median"]  # the built-in tiny models share one architecture
     # bench.engine submits 256 requests to the same engine; max_num_seqs of them run at once.
     engine_batch = min(engine["settings"]["prompts"] * engine["settings"]["samples"], max_batch)
     step_at = engine_batch / tok_s  # seconds per decode step with engine_batch sequences
@@ -201,7 +233,7 @@ def calibrate(data: dict, source: Path) -> tuple[Calibration, dict]:
     seqs = float(np.mean([s["samples"] + s["groups_filtered"] * attempts for s in sync_steps]))
 
     base0 = Calibration(
-        name="cpu-tiny", gpus_per_engine=1, decode_base_s=step_at, decode_per_seq_s=0.0, max_batch=max_batch,
+        name=name, gpus_per_engine=1, decode_base_s=step_at, decode_per_seq_s=0.0, max_batch=max_batch,
         prefill_s_per_token=0.0, train_s_per_token=per_token, train_scaling=0.9, optimizer_step_s=fixed,
         weight_sync_s=weight_sync, pause_s=pause, contention=0.0, filtered_fraction=filtered, lengths=lengths)
     fitted = fit_decode(base0, job, rows, gen_phase, step_at, engine_batch)
@@ -216,6 +248,7 @@ def calibrate(data: dict, source: Path) -> tuple[Calibration, dict]:
     calib = Calibration.model_validate(calib.model_dump())  # what load_calibration will see
     facts = {
         "train_fit": train_how, "mean_completion_tokens": mean_len, "prompt_tokens": prompt,
+        "sampled_lengths_mean": sum(sampled) / len(sampled), "sampled_lengths_max": max(sampled),
         "mean_row_tokens": rows, "filtered_fraction": filtered,
         "sync_generation_phase_s": gen_phase, "sync_steps_used": len(sync_steps),
         "sequences_generated_per_sync_step": seqs, "engine_tokens_per_s": tok_s, "engine_batch": engine_batch,
@@ -224,8 +257,8 @@ def calibrate(data: dict, source: Path) -> tuple[Calibration, dict]:
     return calib, facts
 
 
-def predict(calib: Calibration, max_lag: int, steps: int, seed: int = 0) -> dict:
-    job = job_spec(max_lag)
+def predict(calib: Calibration, job_path: Path, max_lag: int, steps: int, seed: int = 0) -> dict:
+    job = job_spec(job_path, max_lag)
     spec = job.spec
     common = dict(samples_per_step=spec.trainer.samples_per_step, attempts=spec.rl.attempts, calib=calib,
                   max_tokens=spec.generator.sampling.max_tokens, steps=steps, warmup=1, seed=seed)
@@ -234,15 +267,15 @@ def predict(calib: Calibration, max_lag: int, steps: int, seed: int = 0) -> dict
             "sync": simulate("sync", 1, 1, 0, **common)}
 
 
-def sensitivity(calib: Calibration, facts: dict, max_lag: int, steps: int) -> dict[str, float]:
+def sensitivity(calib: Calibration, facts: dict, job_path: Path, max_lag: int, steps: int) -> dict[str, float]:
     """The predicted ratio with the decode cost split otherwise: all per step (flat), or half /
     double the engine benchmark's slope; the base re-fitted to the sync phase each time."""
-    job, rows, target = job_spec(max_lag), facts["mean_row_tokens"], facts["sync_generation_phase_s"]
+    job, rows, target = job_spec(job_path, max_lag), facts["mean_row_tokens"], facts["sync_generation_phase_s"]
     out = {}
     for label, slope in (("flat (per_seq 0)", 0.0), ("slope x0.5", 0.5 * calib.decode_per_seq_s),
                          ("slope x2", 2 * calib.decode_per_seq_s)):
         c = fit_base(calib, job, rows, target, lambda b, slope=slope: slope, facts["engine_step_s"])
-        p = predict(c, max_lag, steps)
+        p = predict(c, job_path, max_lag, steps)
         out[label] = p["pipeline"].samples_per_s / p["sync"].samples_per_s
     return out
 
@@ -250,27 +283,34 @@ def sensitivity(calib: Calibration, facts: dict, max_lag: int, steps: int) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--from", dest="source", type=Path, default=RESULTS / "pipeline_vs_sync.json",
-                    help="benchmark 1's result (bench.pipeline_vs_sync)")
+                    help="a result with pipeline and sync runs of the job (bench.pipeline_vs_sync or bench.peer_trl)")
+    ap.add_argument("--job", type=Path, default=JOB, help="the job those runs ran (default: the tiny example)")
+    ap.add_argument("--name", default="cpu-tiny", help="the calibration: pipelinerl/calibrations/NAME.yaml")
     args = ap.parse_args()
     data = load(args.source)
-    calib, facts = calibrate(data, args.source)
-    CALIBRATION.write_text(calibration_yaml(calib))
-    assert load_calibration("cpu-tiny") == calib, "load_calibration('cpu-tiny') must read the file just written"
-    print(f"calibration -> {CALIBRATION.relative_to(ROOT)}")
+    calib, facts = calibrate(data, args.source, args.job, args.name)
+    path = CALIBRATIONS / f"{args.name}.yaml"
+    command = "python -m bench.calibrate_cpu" + ("" if args.name == "cpu-tiny" else
+                                                  f" --job {rel(args.job)} --from {rel(args.source)} --name {args.name}")
+    path.write_text(HEADER.format(source=rel(args.source), job=rel(args.job), command=command) + calibration_yaml(calib))
+    assert load_calibration(args.name) == calib, f"load_calibration({args.name!r}) must read the file just written"
+    print(f"calibration -> {rel(path)}")
     for k in ("decode_base_s", "decode_per_seq_s", "max_batch", "prefill_s_per_token", "train_s_per_token",
               "optimizer_step_s", "weight_sync_s", "pause_s", "contention", "filtered_fraction"):
         print(f"  {k:20s} {getattr(calib, k):.4g}")
-    print(f"  lengths              mean {facts['mean_completion_tokens']:.3f} tokens ({calib.lengths.distribution}), "
+    print(f"  lengths              sampled from the warm start: mean {facts['sampled_lengths_mean']:.2f}, max "
+          f"{facts['sampled_lengths_max']} tokens (the runs' mean: {facts['mean_completion_tokens']:.2f}), "
           f"prompt {calib.lengths.prompt_tokens}")
     print(f"  sync generation phase {facts['sync_generation_phase_s']:.3f} s over {facts['sync_steps_used']} steps "
           f"({facts['sequences_generated_per_sync_step']:.0f} sequences generated per step)")
 
     max_lag = int(data["runs"]["pipeline"][0].get("max_lag", 1))
     n_steps = int(data["args"].get("steps", 150))
-    pred = predict(calib, max_lag, n_steps)
+    pred = predict(calib, args.job, max_lag, n_steps)
     meas = measured(data)
+    rates = {mode: [r["samples_per_second"] for r in data["runs"][mode]] for mode in ("pipeline", "sync")}
     ratio = {"predicted": pred["pipeline"].samples_per_s / pred["sync"].samples_per_s,
-             "measured": data["samples_rate_ratio"]["median"]}
+             "measured": paired_ratios(rates["pipeline"], rates["sync"])["median"]}
     error = ratio["predicted"] / ratio["measured"] - 1
     rows = []
     for mode in ("pipeline", "sync"):
@@ -284,19 +324,19 @@ def main() -> None:
     print(f"\npipeline/sync ratio: predicted {ratio['predicted']:.2f}x, measured {ratio['measured']:.2f}x: "
           f"{error:+.1%} -> {'within' if within else 'NOT within'} {TARGET:.0%}")
     print(f"pipeline token lag: predicted {pred['pipeline'].lag_mean:.2f}, measured {meas['pipeline']['lag_mean']:.2f}")
-    sens = sensitivity(calib, facts, max_lag, n_steps)
+    sens = sensitivity(calib, facts, args.job, max_lag, n_steps)
     print("ratio if the decode cost were split otherwise: "
           + ", ".join(f"{k} {v:.2f}x" for k, v in sens.items()))
-    p = plan(job_spec(max_lag), 2, calib)
-    print(f"`pipelinerl plan examples/tiny-cpu.yaml --gpus 2` with it: pipeline (maxLag {p.pipeline.max_lag}) "
+    p = plan(job_spec(args.job, max_lag), 2, calib)
+    print(f"`pipelinerl plan {rel(args.job)} --gpus 2 --gpu-type {args.name}`: pipeline (maxLag {p.pipeline.max_lag}) "
           f"{p.pipeline.samples_per_s:.1f} samples/s vs sync {p.sync.samples_per_s:.1f}: {p.speedup:.2f}x")
 
     def sim(r) -> dict:
         return {"samples_per_s": r.samples_per_s, "step_s": r.step_s, "gen_busy": r.gen_busy,
                 "gen_fill": r.gen_fill, "train_busy": r.train_busy, "lag_mean": r.lag_mean}
 
-    save("planner_validation", {
-        "source": str(args.source.relative_to(ROOT) if args.source.is_absolute() else args.source),
+    save("planner_validation" + ("" if args.name == "cpu-tiny" else f"-{args.name}"), {
+        "source": rel(args.source), "job": rel(args.job),
         "calibration": calib.model_dump(mode="json") | {"lengths": {"distribution": calib.lengths.distribution,
                                                                     "mean": facts["mean_completion_tokens"],
                                                                     "prompt_tokens": calib.lengths.prompt_tokens}},
@@ -307,7 +347,7 @@ def main() -> None:
         "ratio_sensitivity_to_decode_split": sens,
         "plan_2_devices": {"pipeline_max_lag": p.pipeline.max_lag, "pipeline": sim(p.pipeline), "sync": sim(p.sync),
                            "speedup": p.speedup},
-    }, "python -m bench.calibrate_cpu")
+    }, command)
 
 
 if __name__ == "__main__":

@@ -202,11 +202,17 @@ def main() -> None:
     ap.add_argument("--eval-problems", type=int, default=1000)
     ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (cores here: 2)")
     ap.add_argument("--name", default="peer_trl", help="results file: bench/results/NAME.json")
-    ap.add_argument("--reanalyse", metavar="JSON", help="rebuild the report from saved results, run nothing")
+    ap.add_argument("--reanalyse", metavar="JSON", nargs="+",
+                    help="rebuild the report from saved results (their rounds pooled), run nothing")
     args = ap.parse_args()
     args.pipeline_set, args.gain = [], args.gains[0]  # what one_run reads
     if args.reanalyse:
-        runs = json.loads(Path(args.reanalyse).read_text())["runs"]
+        runs = {side: [] for side in args.sides}
+        for path in args.reanalyse:
+            for side, xs in json.loads(Path(path).read_text())["runs"].items():
+                runs.setdefault(side, []).extend(xs)
+        runs = {side: xs for side, xs in runs.items() if xs}
+        args.rounds = max(len(xs) for xs in runs.values())
     else:
         runs = {side: [] for side in args.sides}
         partial = RESULTS / f"{args.name}.partial.json"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 from pipelinerl.contracts import ROLES
 from pipelinerl.spec import SpecError, dump_job, load_job, read_manifest
@@ -167,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("job", help="PipelineRLJob manifest: samples per step, attempts, maxTokens, model")
     p.add_argument("--gpus", type=int, required=True, help="devices to split between generators and trainers")
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--gpu-type", choices=["h100-7b", "cpu-tiny"],
+    builtins = sorted(f.stem for f in (Path(__file__).parent / "calibrations").glob("*.yaml"))
+    source.add_argument("--gpu-type", choices=builtins,
                         help="built-in calibration (default: h100-7b when the job asks for GPUs, else cpu-tiny)")
     source.add_argument("--calibration", metavar="FILE", help="calibration measured on your hardware (YAML/JSON)")
     p.add_argument("--mean-tokens", type=float, help="override: lognormal completion lengths with this mean")
