@@ -95,8 +95,9 @@ def trl_run(args, tag: str, root: Path) -> dict:
            "--threads", str(args.trl_threads), "--export-interval", str(args.eval_interval)]
     out.mkdir(parents=True)
     t0 = time.monotonic()
-    with open(out / "trl.log", "w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode
+    with open(out / "trl.log", "w") as log:  # bounded: 30 s a step is 10x the slowest seen here
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                              timeout=600 + 30 * args.trl_steps).returncode
     wall = time.monotonic() - t0
     if code:
         raise SystemExit(f"TRL run failed ({code}); its log: {out / 'trl.log'}")
