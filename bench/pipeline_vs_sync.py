@@ -49,6 +49,9 @@ def job_for(mode: str, steps: int, export_interval: int, tag: str, pipeline_set:
     spec["eval"] = {"interval": 0}  # evaluated offline, from the exports
     if mode == "sync":
         spec["rl"].pop("maxLag", None)  # sync means lag 0
+        # A pipeline's cap on groups in flight trades engine throughput for fresher samples;
+        # sync generates its whole step at once (the baseline as users run it).
+        spec.get("generator", {}).pop("maxInflightGroups", None)
     else:
         for item in pipeline_set:
             field, eq, value = item.partition("=")
