@@ -263,7 +263,8 @@ def predict(calib: Calibration, job_path: Path, max_lag: int, steps: int, seed: 
     common = dict(samples_per_step=spec.trainer.samples_per_step, attempts=spec.rl.attempts, calib=calib,
                   max_tokens=spec.generator.sampling.max_tokens, steps=steps, warmup=1, seed=seed)
     # As the benchmark ran: 1 generator + 1 trainer, rates from the end of step 1 to the last.
-    return {"pipeline": simulate("pipeline", 1, 1, max_lag, wave_groups=wave_groups(job, 1, calib.lengths), **common),
+    return {"pipeline": simulate("pipeline", 1, 1, max_lag, wave_groups=wave_groups(job, 1, calib.lengths),
+                                 max_inflight=spec.generator.max_inflight_groups, **common),
             "sync": simulate("sync", 1, 1, 0, **common)}
 
 

@@ -91,13 +91,13 @@ def plan(job: PipelineRLJob, gpus: int, calib: Calibration, lengths: Lengths | N
 
     # The split at the largest lag (least constrained); throughput settles within a few steps,
     # so the search skips the long warm-up that lag statistics need. Then the lag at that split.
-    def waves(t: int) -> int:
-        return wave_groups(job, t, lengths or calib.lengths)
+    # Only the pipeline caps its groups in flight (fresher samples); sync runs its step at once.
+    def pipeline(t: int, lag: int, **kw) -> SimResult:
+        return simulate("pipeline", gpus - t, t, lag, wave_groups=wave_groups(job, t, lengths or calib.lengths),
+                        max_inflight=spec.generator.max_inflight_groups, **common, **kw)
 
-    best = _best(grid, lambda t: simulate("pipeline", gpus - t, t, LAGS[-1], steps=10, warmup=3,
-                                          wave_groups=waves(t), **common))
-    sweep = tuple(simulate("pipeline", best.generators, best.trainers, lag, wave_groups=waves(best.trainers), **common)
-                  for lag in LAGS)
+    best = _best(grid, lambda t: pipeline(t, LAGS[-1], steps=10, warmup=3))
+    sweep = tuple(pipeline(best.trainers, lag) for lag in LAGS)
     top = max(r.useful_samples_per_s for r in sweep)
     chosen = next(r for r in sweep if r.useful_samples_per_s >= (1 - LAG_TOLERANCE) * top)
     sync = _best(grid, lambda t: simulate("sync", gpus - t, t, 0, **common))

@@ -49,7 +49,7 @@ class SimResult:
 
 
 class _Engine:
-    __slots__ = ("running", "waiting", "steps", "t_ref", "free_at", "token", "busy", "fill")
+    __slots__ = ("running", "waiting", "steps", "t_ref", "free_at", "token", "busy", "fill", "groups")
 
     def __init__(self) -> None:
         self.running: list[tuple[float, int]] = []  # heap of (decode step it finishes at, group)
@@ -60,6 +60,7 @@ class _Engine:
         self.token = 0  # invalidates this engine's scheduled event
         self.busy = 0.0  # time spent decoding
         self.fill = 0.0  # integral of running sequences over time
+        self.groups = 0  # started, not finished (the generator's max_inflight_groups caps it)
 
     @property
     def load(self) -> int:
@@ -77,9 +78,10 @@ class _Sim:
 
     def __init__(self, mode: str, n_gen: int, n_train: int, max_lag: int, samples_per_step: int,
                  attempts: int, calib: Calibration, max_tokens: int, lengths: Lengths, steps: int,
-                 warmup: int, seed: int, filtered: float, wave_groups: int) -> None:
+                 warmup: int, seed: int, filtered: float, wave_groups: int, max_inflight: int | None) -> None:
         self.c, self.attempts, self.max_tokens, self.lengths = calib, attempts, max_tokens, lengths
         self.filtered = filtered
+        self.max_inflight = max_inflight or 1 << 30
         self.mode, self.n_gen, self.n_train = mode, n_gen, n_train
         # Sync mode is max_lag 0: one step of groups admitted, consumed only after the update.
         self.max_lag = max_lag if mode == "pipeline" else 0
@@ -167,6 +169,7 @@ class _Sim:
         # Drawn only when filtering is on, so a run without it keeps the same random stream.
         self.g_drop.append(self.filtered > 0 and self.rng.random() < self.filtered)
         self.queued += 1
+        e.groups += 1
         for n in lengths:
             e.waiting.append((n, gid))
         self._fill(e)
@@ -185,22 +188,29 @@ class _Sim:
         # step is all of it.
         return lag_budget(self.max_lag, self.groups_per_step, int(self.ahead))
 
+    def _room(self, e: _Engine) -> bool:
+        return e.load < self.c.max_batch and e.groups < self.max_inflight
+
     def _admit(self, prefer: int | None = None) -> None:
-        """Start groups while the lag budget allows and an engine has a free slot.
+        """Start groups while the lag budget allows and an engine has room (a free batch slot,
+        fewer than `max_inflight` groups running).
 
         After a finish only that engine gained room (`prefer`); after the trainer consumed
         groups, every engine may take some: least loaded first.
         """
         if prefer is not None:
-            while self.queued < self.budget and self.engines[prefer].load < self.c.max_batch:
+            while self.queued < self.budget and self._room(self.engines[prefer]):
                 self._start_group(prefer)
             return
-        loads = [(e.load, i) for i, e in enumerate(self.engines)]
+        loads = [(e.load, i) for i, e in enumerate(self.engines) if self._room(e)]
         heapq.heapify(loads)
-        while self.queued < self.budget and loads[0][0] < self.c.max_batch:
+        while self.queued < self.budget and loads:
             _, i = loads[0]
             self._start_group(i)
-            heapq.heapreplace(loads, (self.engines[i].load, i))
+            if self._room(self.engines[i]):
+                heapq.heapreplace(loads, (self.engines[i].load, i))
+            else:
+                heapq.heappop(loads)
 
     def _set_slow(self, slow: float) -> None:
         # Changes every engine's decode rate (contention): bank progress at the old rate first.
@@ -219,6 +229,7 @@ class _Sim:
             _, gid = heapq.heappop(e.running)
             self.g_left[gid] -= 1
             if not self.g_left[gid]:
+                e.groups -= 1
                 if self.g_drop[gid]:
                     # As the generator's admission (on_finish with discarded): the slot frees at
                     # once, so the engine starts a replacement in both modes.
@@ -358,13 +369,14 @@ class _Sim:
 def simulate(mode: Literal["pipeline", "sync"], n_gen: int, n_train: int, max_lag: int, samples_per_step: int,
              attempts: int, calib: Calibration, max_tokens: int, lengths: Lengths | None = None,
              steps: int | None = None, warmup: int | None = None, seed: int = 0,
-             filtered: float | None = None, wave_groups: int = 0) -> SimResult:
+             filtered: float | None = None, wave_groups: int = 0, max_inflight: int | None = None) -> SimResult:
     """Simulate `steps` optimizer steps; rates and lag are measured after the first `warmup`.
 
     n_gen / n_train are devices; sync mode ignores max_lag (it is 0 there by definition).
     `filtered`: share of groups dropped by zero-variance filtering (default: the calibration's).
     `wave_groups`: groups per early wave of a streamed step in pipeline mode (`wave_groups`
-    below; 0: the trainer waits for whole steps).
+    below; 0: the trainer waits for whole steps). `max_inflight`: groups an engine may run at
+    once (the generator's `maxInflightGroups`; None: as many as its batch holds).
     Default warm-up max_lag + 2 steps: a trainer-bound pipeline's lag climbs one step per step
     until it reaches max_lag. Default steps: warm-up + 7. Deterministic for a given seed.
     """
@@ -383,7 +395,7 @@ def simulate(mode: Literal["pipeline", "sync"], n_gen: int, n_train: int, max_la
     if not 0 <= filtered < 1:
         raise ValueError(f"filtered ({filtered}) must be in [0, 1)")
     return _Sim(mode, n_gen, n_train, max_lag, samples_per_step, attempts, calib, max_tokens,
-                lengths or calib.lengths, steps, warmup, seed, filtered, wave_groups).run()
+                lengths or calib.lengths, steps, warmup, seed, filtered, wave_groups, max_inflight).run()
 
 
 def wave_groups(job: PipelineRLJob, trainer_ranks: int, lengths: Lengths) -> int:
