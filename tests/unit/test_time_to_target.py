@@ -3,6 +3,7 @@ held-out curve, so one lucky evaluation does not decide when a target is reached
 bootstrap interval, the per-version gap; and the jobs it runs."""
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,11 @@ def test_job_for_changes_only_the_pipelines_spec():
     assert sync.spec.mode == "sync" and sync.spec.max_lag == 0 and sync.spec.trainer.seed != 7
     with pytest.raises(SystemExit, match="expected FIELD=VALUE"):
         job_for("pipeline", 20, 5, "t", ["rl.maxLag"])
+
+
+def test_sync_baseline_generates_its_whole_step_at_once():
+    # The long-tail job caps the pipeline's groups in flight below a step's; sync does not.
+    job = Path(__file__).resolve().parents[2] / "examples" / "long-tail-cpu.yaml"
+    pipe, sync = (job_for(mode, 20, 5, "t", job=job) for mode in ("pipeline", "sync"))
+    assert pipe.spec.generator.max_inflight_groups < pipe.spec.groups_per_step
+    assert sync.spec.generator.max_inflight_groups >= sync.spec.groups_per_step
