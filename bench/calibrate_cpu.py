@@ -65,6 +65,7 @@ HEADER = """\
 # vLLM's max_num_seqs when AsyncLLM builds its config (usage context ENGINE_CONTEXT):
 # SchedulerConfig.DEFAULT_MAX_NUM_SEQS. The generator does not override it for the tiny job.
 VLLM_MAX_NUM_SEQS = 128
+MIN_BASE = 1e-6  # decode_base_s must be > 0
 TARGET = 0.20  # the issue: the predicted ratio within 20% of the measured one
 
 
@@ -163,35 +164,48 @@ def sync_gen_phase(calib: Calibration, job, mean_row_tokens: float, steps: int =
     return r.step_s - train - max(calib.weight_sync_s, calib.pause_s)
 
 
-def fit_base(calib: Calibration, job, rows: float, target: float, per_seq: Callable[[float], float],
-             hi: float) -> Calibration:
-    """The calibration whose decode_base_s (per-sequence cost per_seq(base)) makes the simulated
-    sync generation phase `target`. The phase grows with the base along each line used here."""
-    def with_base(base: float) -> Calibration:
-        return calib.model_copy(update={"decode_base_s": base, "decode_per_seq_s": per_seq(base)})
+def fit_line(line: Callable[[float], Calibration], job, rows: float, target: float, lo: float,
+             hi: float) -> Calibration | None:
+    """The calibration `line(x)`, x >= lo, whose simulated sync generation phase is `target`
+    (the phase grows with x along each line used here); None if even line(lo) is slower."""
+    def gap(x: float) -> float:
+        return sync_gen_phase(line(x), job, rows) - target
 
-    def gap(base: float) -> float:
-        return sync_gen_phase(with_base(base), job, rows) - target
-
-    lo = 1e-6
     if gap(lo) > 0:
-        raise SystemExit(f"the sync generation phase ({target:.3f} s) is too short for this decode cost")
+        return None
     while gap(hi) < 0:
         hi *= 2
     for _ in range(30):  # bisection
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
-    return with_base((lo + hi) / 2)
+    return line((lo + hi) / 2)
+
+
+def fit_base(calib: Calibration, job, rows: float, target: float, per_seq: float, hi: float) -> Calibration | None:
+    """decode_per_seq_s fixed, decode_base_s solved."""
+    return fit_line(lambda b: calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": per_seq}),
+                    job, rows, target, MIN_BASE, hi)
 
 
 def fit_decode(calib: Calibration, job, rows: float, target: float, step_at: float, batch: int) -> Calibration:
     """Through the engine benchmark's point (`batch` sequences per step take `step_at`):
     per_seq = (step_at - base) / batch. If even a flat cost (base = step_at) is too fast for
-    the phase, the point cannot hold: the base alone then."""
+    the phase, the point cannot hold: the base alone then. If even its slope alone (base ~0)
+    is too slow (the engine has become faster per sequence than when benchmarked), the
+    slope alone, solved."""
     if sync_gen_phase(calib.model_copy(update={"decode_base_s": step_at, "decode_per_seq_s": 0.0}),
                       job, rows) < target:
-        return fit_base(calib, job, rows, target, lambda b: 0.0, step_at)
-    return fit_base(calib, job, rows, target, lambda b: (step_at - b) / batch, step_at)
+        return fit_base(calib, job, rows, target, 0.0, step_at)
+    through_point = fit_line(lambda b: calib.model_copy(update={"decode_base_s": b,
+                                                                 "decode_per_seq_s": (step_at - b) / batch}),
+                             job, rows, target, MIN_BASE, step_at)
+    if through_point is not None:
+        return through_point
+    slope_only = fit_line(lambda k: calib.model_copy(update={"decode_base_s": MIN_BASE, "decode_per_seq_s": k}),
+                          job, rows, target, 0.0, step_at / batch)
+    if slope_only is None:
+        raise SystemExit(f"the sync generation phase ({target:.3f} s) is too short for any decode cost")
+    return slope_only
 
 
 def calibrate(data: dict, source: Path, job_path: Path, name: str) -> tuple[Calibration, dict]:
@@ -216,11 +230,9 @@ def calibrate(data: dict, source: Path, job_path: Path, name: str) -> tuple[Cali
     filtered = dropped / (dropped + kept)
     rows = float(np.mean([s["row_tokens"] for s in every]))
 
-    # The engine's concurrency: vLLM's max_num_seqs, and at most maxInflightGroups groups.
-    # (The admission budget, max(maxLag, 1) steps of groups, is simulated on its own: 128
-    # sequences here in both modes, so the batch never exceeds 128 anyway.)
-    max_batch = min(int(spec.generator.engine_args.get("max_num_seqs", VLLM_MAX_NUM_SEQS)),
-                    spec.generator.max_inflight_groups * attempts)
+    # The engine's batch: vLLM's max_num_seqs. (The generator's cap on groups in flight, which
+    # only the pipeline runs keep, and the admission budget are simulated on their own.)
+    max_batch = int(spec.generator.engine_args.get("max_num_seqs", VLLM_MAX_NUM_SEQS))
 
     engine = json.loads((RESULTS / "engine.json").read_text())
     tok_s = engine["models"]["tiny-arith"]["vllm"]["median"]  # the built-in tiny models share one architecture
@@ -240,9 +252,12 @@ def calibrate(data: dict, source: Path, job_path: Path, name: str) -> tuple[Cali
     calib = fitted.model_copy(update={
         "source": (f"measured: bench/calibrate_cpu.py from {source.name} ({data.get('date', '?')}, pinned cores) "
                    f"and engine.json ({engine.get('date', '?')}). Train: {train_how}. Weight sync: mean weight_sync_seconds; "
-                   f"pause: {'mean weight_pause_max_seconds of the pipeline runs' if pauses else 'the same'}. Decode: slope from engine.json ({tok_s:.0f} tok/s at {engine_batch} "
-                   f"sequences), base solved so the simulated sync generation phase is the measured "
-                   f"{gen_phase:.3f} s. Prefill folded into decode (chunked prefill). train_scaling unmeasured "
+                   f"pause: {'mean weight_pause_max_seconds of the pipeline runs' if pauses else 'the same'}. Decode: "
+                   + (f"per-sequence cost alone (engine.json's {tok_s:.0f} tok/s at {engine_batch} sequences is slower "
+                      f"than the runs' engine even with no per-step cost), solved"
+                      if fitted.decode_base_s == MIN_BASE else
+                      f"slope from engine.json ({tok_s:.0f} tok/s at {engine_batch} sequences), base solved")
+                   + f" so the simulated sync generation phase is the measured {gen_phase:.3f} s. Prefill folded into decode (chunked prefill). train_scaling unmeasured "
                    f"(one trainer rank)."),
     })
     calib = Calibration.model_validate(calib.model_dump())  # what load_calibration will see
@@ -268,14 +283,17 @@ def predict(calib: Calibration, job_path: Path, max_lag: int, steps: int, seed: 
             "sync": simulate("sync", 1, 1, 0, **common)}
 
 
-def sensitivity(calib: Calibration, facts: dict, job_path: Path, max_lag: int, steps: int) -> dict[str, float]:
+def sensitivity(calib: Calibration, facts: dict, job_path: Path, max_lag: int, steps: int) -> dict[str, float | None]:
     """The predicted ratio with the decode cost split otherwise: all per step (flat), or half /
     double the engine benchmark's slope; the base re-fitted to the sync phase each time."""
     job, rows, target = job_spec(job_path, max_lag), facts["mean_row_tokens"], facts["sync_generation_phase_s"]
     out = {}
     for label, slope in (("flat (per_seq 0)", 0.0), ("slope x0.5", 0.5 * calib.decode_per_seq_s),
                          ("slope x2", 2 * calib.decode_per_seq_s)):
-        c = fit_base(calib, job, rows, target, lambda b, slope=slope: slope, facts["engine_step_s"])
+        c = fit_base(calib, job, rows, target, slope, facts["engine_step_s"])
+        if c is None:  # that slope alone decodes slower than the measured phase
+            out[label] = None
+            continue
         p = predict(c, job_path, max_lag, steps)
         out[label] = p["pipeline"].samples_per_s / p["sync"].samples_per_s
     return out
@@ -327,7 +345,7 @@ def main() -> None:
     print(f"pipeline token lag: predicted {pred['pipeline'].lag_mean:.2f}, measured {meas['pipeline']['lag_mean']:.2f}")
     sens = sensitivity(calib, facts, args.job, max_lag, n_steps)
     print("ratio if the decode cost were split otherwise: "
-          + ", ".join(f"{k} {v:.2f}x" for k, v in sens.items()))
+          + ", ".join(f"{k} " + ("n/a (too slow for the phase)" if v is None else f"{v:.2f}x") for k, v in sens.items()))
     p = plan(job_spec(args.job, max_lag), 2, calib)
     print(f"`pipelinerl plan {rel(args.job)} --gpus 2 --gpu-type {args.name}`: pipeline (maxLag {p.pipeline.max_lag}) "
           f"{p.pipeline.samples_per_s:.1f} samples/s vs sync {p.sync.samples_per_s:.1f}: {p.speedup:.2f}x")

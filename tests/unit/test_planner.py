@@ -261,7 +261,7 @@ def test_builtins_are_package_data():
         path = CALIBRATIONS / f"{name}.yaml"
         assert load_calibration(name) == parse_calibration(yaml.safe_load(path.read_text())) == load_calibration(path)
     assert load_calibration("cpu-tiny").source.startswith("measured")
-    with pytest.raises(CalibrationError, match="built-ins: cpu-tiny, h100-7b"):
+    with pytest.raises(CalibrationError, match="built-ins: cpu-long-tail, cpu-tiny, h100-7b"):
         load_calibration("calibration-cpu")
 
 
