@@ -9,6 +9,8 @@ import sys
 import time
 
 import nats
+import nats.errors
+import nats.js.errors
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
@@ -102,11 +104,31 @@ async def last_message(js, stream: str, subject: str, timeout_s: float = READ_TI
             delay = min(2 * delay, 5.0)
 
 
+# No reply to a publish: the request or its ack lost while the client reconnects to a restarted
+# server, or JetStream still recovering its streams there.
+UNACKED = (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)
+
+
+async def publish_once(js, subject: str, data: bytes, msg_id: str, headers: dict | None = None,
+                       timeout_s: float = 30.0, attempts: int = 3):
+    """Publish to a stream until acknowledged, at most `attempts` tries of `timeout_s` each. The
+    message id makes a retry idempotent: JetStream stores it once and acks a repeat as a
+    duplicate (`ack.duplicate`), so a publish whose ack was lost is simply sent again."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return await js.publish(subject, data, timeout=timeout_s, headers={**(headers or {}), "Nats-Msg-Id": msg_id})
+        except UNACKED as err:
+            if attempt == attempts:
+                raise
+            log.warning("publish of %s to %s not acknowledged (%s); sending it again (%d of %d)",
+                        msg_id, subject, type(err).__name__, attempt + 1, attempts)
+            await asyncio.sleep(attempt)
+
+
 async def dead_letter(js, subjects: JobSubjects, kind: str, data: bytes, reason: str, msg_id: str) -> None:
     """Keep a rejected message (`kind`: "rollout", "batch") with its reason, once per `msg_id`."""
     reason = " ".join(reason.encode("ascii", "backslashreplace").decode().split())[:4000]  # a header: one ASCII line
-    await js.publish(subjects.deadletter(kind), data, timeout=30,
-                     headers={"Nats-Msg-Id": msg_id, DEADLETTER_REASON: reason})
+    await publish_once(js, subjects.deadletter(kind), data, msg_id, {DEADLETTER_REASON: reason})
 
 
 async def stored_messages(js, stream: str) -> list:

@@ -114,3 +114,33 @@ async def test_a_read_that_times_out_is_retried_never_taken_for_empty(nats_serve
     finally:
         os.kill(nats_server.proc.pid, signal.SIGCONT)
     await nc.close()
+
+
+async def test_a_publish_whose_ack_is_lost_is_sent_again_and_stored_once(nats_server):
+    import os
+    import signal
+
+    import nats.errors
+
+    from pipelinerl.streams import publish_once, stored_messages
+
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js, SUBJECTS, 8)
+    os.kill(nats_server.proc.pid, signal.SIGSTOP)  # no reply to the first attempt
+    try:
+        pub = asyncio.ensure_future(publish_once(js, SUBJECTS.rollouts(0), m.encode(group(7)), "g7", timeout_s=2))
+        await asyncio.sleep(3)
+        assert not pub.done()
+    finally:
+        os.kill(nats_server.proc.pid, signal.SIGCONT)
+    await asyncio.wait_for(pub, 30)  # the retry's ack (or the first one's, the retry a duplicate)
+    stored = await stored_messages(js, SUBJECTS.stream("ROLLOUTS"))
+    assert [m.decode(x.data, m.RolloutGroup).group_id for x in stored] == ["g7"]  # sent twice, stored once
+    os.kill(nats_server.proc.pid, signal.SIGSTOP)
+    try:  # bounded: a server that never answers fails the publish after its attempts
+        with pytest.raises(nats.errors.TimeoutError):
+            await publish_once(js, SUBJECTS.rollouts(0), m.encode(group(8)), "g8", timeout_s=1, attempts=2)
+    finally:
+        os.kill(nats_server.proc.pid, signal.SIGCONT)
+    await nc.close()

@@ -28,7 +28,7 @@ from pipelinerl.admission import Admission
 from pipelinerl.contracts import GeneratorStatus, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import connect, ensure_streams, last_message
+from pipelinerl.streams import connect, ensure_streams, last_message, publish_once
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl_generator.engine import Engine, WeightsKept
@@ -248,8 +248,7 @@ class Generator:
         async with self.publishing:
             group.books = m.GeneratorBooks(published=a.published + 1, discarded=a.discarded + discarded,
                                            next_problem=self.next_problem)
-            ack = await self.js.publish(self.subjects.rollouts(self.env.rank), m.encode(group),
-                                        headers={"Nats-Msg-Id": group.group_id}, timeout=30)
+            ack = await publish_once(self.js, self.subjects.rollouts(self.env.rank), m.encode(group), group.group_id)
             if ack.duplicate:  # an earlier incarnation published it: it is in the books already
                 log.warning("group %s was already published: not counted again", group.group_id)
             a.on_finish(discarded=discarded, published=not ack.duplicate)

@@ -29,7 +29,7 @@ from pipelinerl import messages as m
 from pipelinerl.contracts import PreprocessorStatus, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import connect, dead_letter, ensure_streams, last_message
+from pipelinerl.streams import connect, dead_letter, ensure_streams, last_message, publish_once
 from pipelinerl_preprocessor.advantages import group_advantages
 from pipelinerl_preprocessor.checks import GroupLimits, group_problem, hopelessly_stale
 from pipelinerl_preprocessor.packing import StepSample, close_step, next_wave, pack_wave, step_weight
@@ -210,8 +210,7 @@ class Preprocessor:
         self.settled.append(msg)
 
     def _publish(self, mb: m.MicroBatch):
-        return self.js.publish(self.subjects.batches(mb.rank), m.encode(mb),
-                               headers={"Nats-Msg-Id": f"{mb.step}-{mb.rank}-{mb.index}"}, timeout=30)
+        return publish_once(self.js, self.subjects.batches(mb.rank), m.encode(mb), f"{mb.step}-{mb.rank}-{mb.index}")
 
     async def _publish_wave(self, n: int, last: bool) -> None:
         take, self.accepted = self.accepted[:n], self.accepted[n:]
