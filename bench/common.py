@@ -80,3 +80,14 @@ def save(name: str, result: dict, command: str) -> Path:
                "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result}
     path.write_text(json.dumps(payload, indent=1) + "\n")
     return path
+
+
+def pooled_runs(paths: list[str | Path], sides: list[str]) -> dict[str, list[dict]]:
+    """The saved runs (`{"runs": {side: [run, ...]}}`) of several results files, pooled per side,
+    in file order; sides with no runs are left out."""
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    for path in paths:
+        saved = json.loads(Path(path).read_text())["runs"]
+        for side in runs:
+            runs[side] += saved.get(side, [])
+    return {side: xs for side, xs in runs.items() if xs}

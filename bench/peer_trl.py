@@ -41,7 +41,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import RESULTS, save, summary, table
+from bench.common import RESULTS, pooled_runs, save, summary, table
 from bench.pipeline_vs_sync import (JOB, bootstrap_interval, evaluate_exports, one_run, pooled_ratio, time_to_target,
                                     train_start)
 from pipelinerl.spec import PipelineRLJob, parse_job
@@ -208,11 +208,7 @@ def main() -> None:
     args = ap.parse_args()
     args.pipeline_set, args.gain = [], args.gains[0]  # what one_run reads
     if args.reanalyse:
-        runs = {side: [] for side in args.sides}
-        for path in args.reanalyse:
-            for side, xs in json.loads(Path(path).read_text())["runs"].items():
-                runs.setdefault(side, []).extend(xs)
-        runs = {side: xs for side, xs in runs.items() if xs}
+        runs = pooled_runs(args.reanalyse, args.sides)
         args.rounds = max(len(xs) for xs in runs.values())
     else:
         runs = {side: [] for side in args.sides}

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import RESULTS, paired_ratios, save, summary, table
+from bench.common import RESULTS, paired_ratios, pooled_runs, save, summary, table
 from pipelinerl.local import run_local
 from pipelinerl.spec import PipelineRLJob, parse_job
 from pipelinerl.tasks import make_task
@@ -212,11 +212,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     partial = RESULTS / f"{args.name}.partial.json"  # the runs so far (--reanalyse reads it)
     if args.reanalyse:
-        for path in args.reanalyse:
-            saved = json.loads(Path(path).read_text())["runs"]
-            for mode in runs:
-                runs[mode] += saved.get(mode, [])
-        runs = {mode: xs for mode, xs in runs.items() if xs}
+        runs = pooled_runs(args.reanalyse, args.modes)
         for xs in runs.values():
             for x in xs:
                 x["time_to_target_s"] = time_to_target([x], args.gain)

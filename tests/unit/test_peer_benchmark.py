@@ -60,3 +60,13 @@ def test_trl_trains_on_the_jobs_training_stream_as_prompt_answer_rows(tmp_path):
     task = make_task("chain", job.spec.task.params)
     assert len(rows) == 50
     assert rows[7] == {"prompt": task.train_problem(7).prompt, "answer": task.train_problem(7).answer}
+
+
+def test_reanalysis_pools_the_rounds_of_several_files(tmp_path):
+    from bench.common import pooled_runs
+
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"runs": {"pipeline": [{"r": 0}], "trl": [{"r": 0}]}}))
+    b.write_text(json.dumps({"runs": {"pipeline": [{"r": 1}], "sync": [{"r": 1}], "trl": [{"r": 1}]}}))
+    assert pooled_runs([a, b], ["pipeline", "sync"]) == {"pipeline": [{"r": 0}, {"r": 1}], "sync": [{"r": 1}]}
+    assert pooled_runs([a], ["pipeline", "sync", "trl"]) == {"pipeline": [{"r": 0}], "trl": [{"r": 0}]}  # none of sync
