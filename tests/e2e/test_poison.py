@@ -13,7 +13,7 @@ from jobs import stored, tiny_job  # tests/e2e/jobs.py
 from bench.run_process import RunProcess
 from pipelinerl import messages as m
 from pipelinerl.contracts import DEADLETTER_REASON, JobSubjects
-from pipelinerl.streams import connect
+from pipelinerl.streams import connect, last_message
 
 pytestmark = pytest.mark.slow
 STEPS = 8
@@ -50,9 +50,12 @@ def test_poison_rollouts_are_dead_lettered_and_the_job_finishes(tmp_path, capsys
         for gid, (msg, _) in POISON.items():
             await js.publish(subjects.rollouts(FORGER), m.encode(msg), headers={"Nats-Msg-Id": gid})
         await js.publish(subjects.rollouts(FORGER), b"\x93not msgpack")
-        # Sound to the preprocessor (and of a current version: not too old for the step it goes
-        # into), but a token the model has no embedding for: the trainer's check.
-        version = run.train()[-1]["step"]
+        # Sound to the preprocessor, but a token the model has no embedding for: the trainer's
+        # check. Its version is the trainer's newest, as announced to the preprocessor (the
+        # metrics file can be steps behind): as fresh as real groups arriving now, so it is not
+        # too old for the step it goes into.
+        announced = await last_message(js, subjects.stream("CONTROL"), subjects.version)
+        version = m.decode(announced, m.PolicyVersion).version
         await js.publish(subjects.rollouts(FORGER), m.encode(group("vocab", tokens=[5, 6, 10**6, 8],
                                                                    versions=[-1, -1, version, version])),
                          headers={"Nats-Msg-Id": "vocab"})
