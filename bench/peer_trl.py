@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--reanalyse", metavar="JSON", nargs="+",
                     help="rebuild the report from saved results (their rounds pooled), run nothing")
     args = ap.parse_args()
-    args.pipeline_set, args.gain = [], args.gains[0]  # what one_run reads
+    args.set, args.pipeline_set, args.gain = [], [], args.gains[0]  # what one_run reads
     if args.reanalyse:
         runs = pooled_runs(args.reanalyse, args.sides)
         args.rounds = max(len(xs) for xs in runs.values())

@@ -38,12 +38,14 @@ from pipelinerl.tiny_model import greedy_accuracy, resolve_model_path
 JOB = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
 
 
-def job_for(mode: str, steps: int, export_interval: int, tag: str, pipeline_set: list[str] = (), job: Path = JOB):
-    """The job of `job` (the tiny example by default) in `mode`; `pipeline_set` ("rl.maxLag=2",
-    values in YAML) changes the pipeline's spec only (a variant measured against the same sync
-    baseline)."""
+def job_for(mode: str, steps: int, export_interval: int, tag: str, pipeline_set: list[str] = (), job: Path = JOB,
+            both_set: list[str] = ()):
+    """The job of `job` (the tiny example by default) in `mode`. "FIELD=VALUE" items (values in
+    YAML, e.g. "rl.maxLag=2") change it: `both_set` for both modes (a variant of the job),
+    `pipeline_set` for the pipeline only (a variant measured against the same sync baseline)."""
     data = yaml.safe_load(job.read_text())
     spec = copy.deepcopy(data["spec"])
+    set_fields(spec, both_set)
     spec["mode"] = mode
     spec["trainer"] |= {"maxSteps": steps, "checkpointInterval": 0, "exportInterval": export_interval}
     spec["eval"] = {"interval": 0}  # evaluated offline, from the exports
@@ -53,16 +55,20 @@ def job_for(mode: str, steps: int, export_interval: int, tag: str, pipeline_set:
         # sync generates its whole step at once (the baseline as users run it).
         spec.get("generator", {}).pop("maxInflightGroups", None)
     else:
-        for item in pipeline_set:
-            field, eq, value = item.partition("=")
-            if not eq:
-                raise SystemExit(f"--pipeline-set {item!r}: expected FIELD=VALUE, e.g. rl.maxLag=2")
-            *parents, leaf = field.split(".")
-            node = spec
-            for key in parents:
-                node = node.setdefault(key, {})
-            node[leaf] = yaml.safe_load(value)
+        set_fields(spec, pipeline_set)
     return parse_job({**data, "metadata": {"name": f"bench-{mode}-{tag}"}, "spec": spec}, f"{job} ({mode})")
+
+
+def set_fields(spec: dict, items: list[str]) -> None:
+    for item in items:
+        field, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"{item!r}: expected FIELD=VALUE, e.g. rl.maxLag=2")
+        *parents, leaf = field.split(".")
+        node = spec
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = yaml.safe_load(value)
 
 
 def train_start(steps: list[dict]) -> float:
@@ -172,7 +178,7 @@ def evaluate_exports(exports_dir: Path, steps: list[dict], problems: int, job: P
 
 def one_run(mode: str, args, tag: str, root: Path) -> dict:
     run_dir = root / f"{mode}-{tag}"
-    job = job_for(mode, args.steps, args.eval_interval, tag, args.pipeline_set, Path(args.job))
+    job = job_for(mode, args.steps, args.eval_interval, tag, args.pipeline_set, Path(args.job), args.set)
     code = run_local(job, run_dir, quiet=True, pin_cores=True, restart=False)  # a restart would distort the timing
     if code:
         raise SystemExit(f"{mode} run failed ({code}); logs in {run_dir / 'logs'}")
@@ -201,6 +207,8 @@ def main() -> None:
     ap.add_argument("--job", default=str(JOB), help="the job to run in both modes (default: the tiny example)")
     ap.add_argument("--eval-interval", type=int, default=10, help="versions between exports evaluated offline")
     ap.add_argument("--eval-problems", type=int, default=2000)
+    ap.add_argument("--set", metavar="FIELD=VALUE", action="append", default=[],
+                    help="change a field of the job's spec in both modes, e.g. trainer.samplesPerStep=64 (repeatable)")
     ap.add_argument("--pipeline-set", metavar="FIELD=VALUE", action="append", default=[],
                     help="change a field of the pipeline's spec, e.g. rl.maxLag=2 (repeatable)")
     ap.add_argument("--modes", nargs="+", choices=["pipeline", "sync"], default=["pipeline", "sync"],
@@ -248,6 +256,7 @@ def report(runs: dict[str, list[dict]], args) -> None:
               f"(target >= 90%)")
     command = f"python -m bench.pipeline_vs_sync --rounds {args.rounds} --steps {args.steps} --gain {args.gain}"
     command += "" if Path(args.job).resolve() == JOB else f" --job {args.job}"
+    command += "".join(f" --set {x}" for x in args.set)
     command += "".join(f" --pipeline-set {x}" for x in args.pipeline_set)
     command += "" if len(runs) == 2 else " --modes " + " ".join(runs)
     command += "" if args.name == "pipeline_vs_sync" else f" --name {args.name}"

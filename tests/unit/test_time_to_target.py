@@ -82,6 +82,13 @@ def test_job_for_changes_only_the_pipelines_spec():
         job_for("pipeline", 20, 5, "t", ["rl.maxLag"])
 
 
+def test_job_for_changes_both_modes_with_both_set():
+    pipe, sync = (job_for(mode, 20, 5, "t", ["rl.maxLag=2"], both_set=["trainer.samplesPerStep=64", "rl.maxLag=3"])
+                  for mode in ("pipeline", "sync"))
+    assert pipe.spec.trainer.samples_per_step == sync.spec.trainer.samples_per_step == 64
+    assert (pipe.spec.max_lag, sync.spec.max_lag) == (2, 0)  # the pipeline's own setting wins; sync stays sync
+
+
 def test_sync_baseline_generates_its_whole_step_at_once():
     # The long-tail job caps the pipeline's groups in flight below a step's; sync does not.
     job = Path(__file__).resolve().parents[2] / "examples" / "long-tail-cpu.yaml"
