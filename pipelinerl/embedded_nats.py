@@ -42,16 +42,21 @@ class EmbeddedNats:
         log = open(self.store_dir / "nats.log", "ab")
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(self.port),
-             "-sd", str(self.store_dir)],
+             "-sd", str(self.store_dir), "--ports_file_dir", str(self.store_dir)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
         )
+        ports = self.store_dir / f"{Path(nats_server_binary()).name}_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"nats-server exited with {self.proc.returncode}; see {self.store_dir / 'nats.log'}")
-            with socket.socket() as s:
-                if s.connect_ex(("127.0.0.1", self.port)) == 0:
-                    return self
+            # The ports file, written by this very process once it listens, proves that what
+            # answers on the port is this server, not another one that took the port after
+            # free_port() chose it (this one then fails to bind and exits).
+            if ports.exists() and self.url in ports.read_text():  # {"nats": ["nats://127.0.0.1:PORT"]}
+                with socket.socket() as s:
+                    if s.connect_ex(("127.0.0.1", self.port)) == 0:
+                        return self
             time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"nats-server did not listen on port {self.port} within {timeout_s}s")

@@ -1,6 +1,10 @@
 """Real nats-server: stream set-up, round trip, de-duplication, redelivery, crash recovery."""
 
 import asyncio
+import os
+import signal
+import time
+from pathlib import Path
 
 import pytest
 from nats.js.api import AckPolicy, ConsumerConfig
@@ -86,10 +90,22 @@ async def test_server_crash_keeps_acked_and_unacked_state(tmp_path):
     server.stop()
 
 
-async def test_a_read_that_times_out_is_retried_never_taken_for_empty(nats_server):
-    import os
-    import signal
+def hang(server: EmbeddedNats) -> None:
+    """SIGSTOP the server and wait until it is stopped: the signal takes effect only when its
+    threads next run, and on a loaded machine a request sent meanwhile still gets a reply."""
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    status = Path(f"/proc/{server.proc.pid}/status")
+    deadline = time.monotonic() + 10
+    while "State:\tT" not in status.read_text():
+        assert time.monotonic() < deadline, "nats-server did not stop in 10 s"
+        time.sleep(0.01)
 
+
+def resume(server: EmbeddedNats) -> None:
+    os.kill(server.proc.pid, signal.SIGCONT)
+
+
+async def test_a_read_that_times_out_is_retried_never_taken_for_empty(nats_server):
     from pipelinerl.streams import last_message
 
     nc = await connect(nats_server.url, "test")
@@ -98,28 +114,25 @@ async def test_a_read_that_times_out_is_retried_never_taken_for_empty(nats_serve
     await publish(js, 7)
     stream = SUBJECTS.stream("ROLLOUTS")
     assert await last_message(js, stream, SUBJECTS.rollouts(1)) is None  # truly empty
-    os.kill(nats_server.proc.pid, signal.SIGSTOP)  # the server hangs: every request times out
+    hang(nats_server)  # the server hangs: every request times out
     try:
         read = asyncio.ensure_future(last_message(js, stream, SUBJECTS.rollouts(0)))
         await asyncio.sleep(7)  # past the client's 5 s request timeout: a failed attempt is behind us
         assert not read.done()
     finally:
-        os.kill(nats_server.proc.pid, signal.SIGCONT)
+        resume(nats_server)
     data = await asyncio.wait_for(read, 30)
     assert m.decode(data, m.RolloutGroup).group_id == "g7"
-    os.kill(nats_server.proc.pid, signal.SIGSTOP)
+    hang(nats_server)
     try:
         with pytest.raises(TimeoutError, match="could not read the last message"):
             await last_message(js, stream, SUBJECTS.rollouts(0), timeout_s=3)
     finally:
-        os.kill(nats_server.proc.pid, signal.SIGCONT)
+        resume(nats_server)
     await nc.close()
 
 
 async def test_a_publish_whose_ack_is_lost_is_sent_again_and_stored_once(nats_server):
-    import os
-    import signal
-
     import nats.errors
 
     from pipelinerl.streams import publish_once, stored_messages
@@ -127,20 +140,28 @@ async def test_a_publish_whose_ack_is_lost_is_sent_again_and_stored_once(nats_se
     nc = await connect(nats_server.url, "test")
     js = nc.jetstream()
     await ensure_streams(js, SUBJECTS, 8)
-    os.kill(nats_server.proc.pid, signal.SIGSTOP)  # no reply to the first attempt
+    hang(nats_server)  # no reply to the first attempt
     try:
         pub = asyncio.ensure_future(publish_once(js, SUBJECTS.rollouts(0), m.encode(group(7)), "g7", timeout_s=2))
         await asyncio.sleep(3)
         assert not pub.done()
     finally:
-        os.kill(nats_server.proc.pid, signal.SIGCONT)
+        resume(nats_server)
     await asyncio.wait_for(pub, 30)  # the retry's ack (or the first one's, the retry a duplicate)
     stored = await stored_messages(js, SUBJECTS.stream("ROLLOUTS"))
     assert [m.decode(x.data, m.RolloutGroup).group_id for x in stored] == ["g7"]  # sent twice, stored once
-    os.kill(nats_server.proc.pid, signal.SIGSTOP)
+    hang(nats_server)
     try:  # bounded: a server that never answers fails the publish after its attempts
         with pytest.raises(nats.errors.TimeoutError):
             await publish_once(js, SUBJECTS.rollouts(0), m.encode(group(8)), "g8", timeout_s=1, attempts=2)
     finally:
-        os.kill(nats_server.proc.pid, signal.SIGCONT)
+        resume(nats_server)
     await nc.close()
+
+
+def test_a_server_that_cannot_take_its_port_is_not_mistaken_for_the_one_there(tmp_path, nats_server):
+    # Another server took the port between free_port() and the start (tests and benchmarks side
+    # by side): this one fails to bind, and its start says so instead of handing out the
+    # address of a server that is someone else's.
+    with pytest.raises(RuntimeError, match="nats-server exited"):
+        EmbeddedNats(tmp_path / "second", port=nats_server.port).start()
