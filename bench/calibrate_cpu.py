@@ -31,7 +31,14 @@ It writes `pipelinerl/calibrations/<--name>.yaml` (a plain Calibration: the buil
 `--gpu-type <name>` uses; `cpu-tiny` for the tiny job), predicts both modes of the job on 1
 generator + 1 trainer, and compares with the measurement in
 `bench/results/planner_validation[-<name>].json`. Any result with pipeline and sync runs of the
-job will do: benchmark 1's, or the peer benchmark's (`bench.peer_trl`).
+job will do: benchmark 1's, or the peer benchmark's (`bench.peer_trl`); a variant of the job
+(benchmark 1's `--set`/`--pipeline-set`) is read from the result.
+
+`--calibration NAME` checks out of sample: it predicts the runs with that built-in calibration,
+fitted on other runs, instead of fitting one (and writes no calibration):
+
+    .venv/bin/python -m bench.calibrate_cpu --job examples/long-tail-cpu.yaml \
+        --from bench/results/pipeline_vs_sync-long-tail-32.json --calibration cpu-long-tail --name cpu-long-tail-32
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ import yaml
 
 import torch
 
-from bench.common import RESULTS, paired_ratios, save, table
+from bench.common import RESULTS, paired_ratios, save, set_fields, table
 from pipelinerl.planner.calibration import Calibration, Lengths, load_calibration
 from pipelinerl.planner.recommend import plan
 from pipelinerl.planner.simulation import simulate, wave_groups
@@ -77,10 +84,14 @@ def load(path: Path) -> dict:
     return data
 
 
-def job_spec(path: Path, max_lag: int):
-    data = yaml.safe_load(path.read_text())
-    data["spec"]["rl"]["maxLag"] = max_lag
-    return parse_job(data, str(path))
+def job_spec(path: Path, data: dict):
+    """The job the pipeline runs of `data` ran: `path` with the benchmark's changes (`--set`,
+    `--pipeline-set`; sync's own changes, lag 0 and no cap on groups in flight, are simulated
+    by mode) and the runs' maxLag."""
+    job = yaml.safe_load(path.read_text())
+    set_fields(job["spec"], data["args"].get("set", []) + data["args"].get("pipeline_set", []))
+    job["spec"]["rl"]["maxLag"] = int(data["runs"]["pipeline"][0].get("max_lag", 1))
+    return parse_job(job, str(path))
 
 
 def steps_of(run: dict) -> list[dict]:
@@ -208,10 +219,9 @@ def fit_decode(calib: Calibration, job, rows: float, target: float, step_at: flo
     return slope_only
 
 
-def calibrate(data: dict, source: Path, job_path: Path, name: str) -> tuple[Calibration, dict]:
+def calibrate(data: dict, source: Path, job, name: str) -> tuple[Calibration, dict]:
     runs = data["runs"]
     every = [s for mode in ("pipeline", "sync") for r in runs[mode] for s in steps_of(r)]
-    job = job_spec(job_path, max_lag=int(runs["pipeline"][0].get("max_lag", 1)))
     spec = job.spec
     attempts = spec.rl.attempts
 
@@ -272,21 +282,20 @@ def calibrate(data: dict, source: Path, job_path: Path, name: str) -> tuple[Cali
     return calib, facts
 
 
-def predict(calib: Calibration, job_path: Path, max_lag: int, steps: int, seed: int = 0) -> dict:
-    job = job_spec(job_path, max_lag)
+def predict(calib: Calibration, job, steps: int, seed: int = 0) -> dict:
     spec = job.spec
     common = dict(samples_per_step=spec.trainer.samples_per_step, attempts=spec.rl.attempts, calib=calib,
                   max_tokens=spec.generator.sampling.max_tokens, steps=steps, warmup=1, seed=seed)
     # As the benchmark ran: 1 generator + 1 trainer, rates from the end of step 1 to the last.
-    return {"pipeline": simulate("pipeline", 1, 1, max_lag, wave_groups=wave_groups(job, 1, calib.lengths),
+    return {"pipeline": simulate("pipeline", 1, 1, job.spec.max_lag, wave_groups=wave_groups(job, 1, calib.lengths),
                                  max_inflight=spec.generator.max_inflight_groups, **common),
             "sync": simulate("sync", 1, 1, 0, **common)}
 
 
-def sensitivity(calib: Calibration, facts: dict, job_path: Path, max_lag: int, steps: int) -> dict[str, float | None]:
+def sensitivity(calib: Calibration, facts: dict, job, steps: int) -> dict[str, float | None]:
     """The predicted ratio with the decode cost split otherwise: all per step (flat), or half /
     double the engine benchmark's slope; the base re-fitted to the sync phase each time."""
-    job, rows, target = job_spec(job_path, max_lag), facts["mean_row_tokens"], facts["sync_generation_phase_s"]
+    rows, target = facts["mean_row_tokens"], facts["sync_generation_phase_s"]
     out = {}
     for label, slope in (("flat (per_seq 0)", 0.0), ("slope x0.5", 0.5 * calib.decode_per_seq_s),
                          ("slope x2", 2 * calib.decode_per_seq_s)):
@@ -294,7 +303,7 @@ def sensitivity(calib: Calibration, facts: dict, job_path: Path, max_lag: int, s
         if c is None:  # that slope alone decodes slower than the measured phase
             out[label] = None
             continue
-        p = predict(c, job_path, max_lag, steps)
+        p = predict(c, job, steps)
         out[label] = p["pipeline"].samples_per_s / p["sync"].samples_per_s
     return out
 
@@ -305,15 +314,23 @@ def main() -> None:
                     help="a result with pipeline and sync runs of the job (bench.pipeline_vs_sync or bench.peer_trl)")
     ap.add_argument("--job", type=Path, default=JOB, help="the job those runs ran (default: the tiny example)")
     ap.add_argument("--name", default="cpu-tiny", help="the calibration: pipelinerl/calibrations/NAME.yaml")
+    ap.add_argument("--calibration", metavar="BUILTIN",
+                    help="predict with this built-in calibration instead of fitting one (out of sample); writes none")
     args = ap.parse_args()
     data = load(args.source)
-    calib, facts = calibrate(data, args.source, args.job, args.name)
-    path = CALIBRATIONS / f"{args.name}.yaml"
+    job = job_spec(args.job, data)
+    calib, facts = calibrate(data, args.source, job, args.name)
     command = "python -m bench.calibrate_cpu" + ("" if args.name == "cpu-tiny" else
                                                   f" --job {rel(args.job)} --from {rel(args.source)} --name {args.name}")
-    path.write_text(HEADER.format(source=rel(args.source), job=rel(args.job), command=command) + calibration_yaml(calib))
-    assert load_calibration(args.name) == calib, f"load_calibration({args.name!r}) must read the file just written"
-    print(f"calibration -> {rel(path)}")
+    if args.calibration:
+        calib = load_calibration(args.calibration)
+        command += f" --calibration {args.calibration}"
+        print(f"calibration: the built-in {args.calibration} ({calib.source[:60]}...)")
+    else:
+        path = CALIBRATIONS / f"{args.name}.yaml"
+        path.write_text(HEADER.format(source=rel(args.source), job=rel(args.job), command=command) + calibration_yaml(calib))
+        assert load_calibration(args.name) == calib, f"load_calibration({args.name!r}) must read the file just written"
+        print(f"calibration -> {rel(path)}")
     for k in ("decode_base_s", "decode_per_seq_s", "max_batch", "prefill_s_per_token", "train_s_per_token",
               "optimizer_step_s", "weight_sync_s", "pause_s", "contention", "filtered_fraction"):
         print(f"  {k:20s} {getattr(calib, k):.4g}")
@@ -323,9 +340,8 @@ def main() -> None:
     print(f"  sync generation phase {facts['sync_generation_phase_s']:.3f} s over {facts['sync_steps_used']} steps "
           f"({facts['sequences_generated_per_sync_step']:.0f} sequences generated per step)")
 
-    max_lag = int(data["runs"]["pipeline"][0].get("max_lag", 1))
     n_steps = int(data["args"].get("steps", 150))
-    pred = predict(calib, args.job, max_lag, n_steps)
+    pred = predict(calib, job, n_steps)
     meas = measured(data)
     rates = {mode: [r["samples_per_second"] for r in data["runs"][mode]] for mode in ("pipeline", "sync")}
     ratio = {"predicted": pred["pipeline"].samples_per_s / pred["sync"].samples_per_s,
@@ -343,11 +359,12 @@ def main() -> None:
     print(f"\npipeline/sync ratio: predicted {ratio['predicted']:.2f}x, measured {ratio['measured']:.2f}x: "
           f"{error:+.1%} -> {'within' if within else 'NOT within'} {TARGET:.0%}")
     print(f"pipeline token lag: predicted {pred['pipeline'].lag_mean:.2f}, measured {meas['pipeline']['lag_mean']:.2f}")
-    sens = sensitivity(calib, facts, args.job, max_lag, n_steps)
-    print("ratio if the decode cost were split otherwise: "
-          + ", ".join(f"{k} " + ("n/a (too slow for the phase)" if v is None else f"{v:.2f}x") for k, v in sens.items()))
-    p = plan(job_spec(args.job, max_lag), 2, calib)
-    print(f"`pipelinerl plan {rel(args.job)} --gpus 2 --gpu-type {args.name}`: pipeline (maxLag {p.pipeline.max_lag}) "
+    sens = {} if args.calibration else sensitivity(calib, facts, job, n_steps)  # it re-fits to these runs
+    if sens:
+        print("ratio if the decode cost were split otherwise: " + ", ".join(
+            f"{k} " + ("n/a (too slow for the phase)" if v is None else f"{v:.2f}x") for k, v in sens.items()))
+    p = plan(job, 2, calib)
+    print(f"`pipelinerl plan {rel(args.job)} --gpus 2 --gpu-type {args.calibration or args.name}`: pipeline (maxLag {p.pipeline.max_lag}) "
           f"{p.pipeline.samples_per_s:.1f} samples/s vs sync {p.sync.samples_per_s:.1f}: {p.speedup:.2f}x")
 
     def sim(r) -> dict:
@@ -355,7 +372,8 @@ def main() -> None:
                 "gen_fill": r.gen_fill, "train_busy": r.train_busy, "lag_mean": r.lag_mean}
 
     save("planner_validation" + ("" if args.name == "cpu-tiny" else f"-{args.name}"), {
-        "source": rel(args.source), "job": rel(args.job),
+        "source": rel(args.source), "job": rel(args.job), "variant": data["args"].get("set", []) + data["args"].get("pipeline_set", []),
+        "fitted_here": not args.calibration,
         "calibration": calib.model_dump(mode="json") | {"lengths": {"distribution": calib.lengths.distribution,
                                                                     "mean": facts["mean_completion_tokens"],
                                                                     "prompt_tokens": calib.lengths.prompt_tokens}},

@@ -13,6 +13,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -91,3 +93,16 @@ def pooled_runs(paths: list[str | Path], sides: list[str]) -> dict[str, list[dic
         for side in runs:
             runs[side] += saved.get(side, [])
     return {side: xs for side, xs in runs.items() if xs}
+
+
+def set_fields(spec: dict, items: list[str]) -> None:
+    """Change a job's spec in place by "FIELD=VALUE" items (dotted camelCase paths, YAML values)."""
+    for item in items:
+        field, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"{item!r}: expected FIELD=VALUE, e.g. rl.maxLag=2")
+        *parents, leaf = field.split(".")
+        node = spec
+        for key in parents:
+            node = node.setdefault(key, {})
+        node[leaf] = yaml.safe_load(value)

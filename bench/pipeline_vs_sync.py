@@ -29,7 +29,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import RESULTS, paired_ratios, pooled_runs, save, summary, table
+from bench.common import RESULTS, paired_ratios, pooled_runs, save, set_fields, summary, table
 from pipelinerl.local import run_local
 from pipelinerl.spec import PipelineRLJob, parse_job
 from pipelinerl.tasks import make_task
@@ -57,18 +57,6 @@ def job_for(mode: str, steps: int, export_interval: int, tag: str, pipeline_set:
     else:
         set_fields(spec, pipeline_set)
     return parse_job({**data, "metadata": {"name": f"bench-{mode}-{tag}"}, "spec": spec}, f"{job} ({mode})")
-
-
-def set_fields(spec: dict, items: list[str]) -> None:
-    for item in items:
-        field, eq, value = item.partition("=")
-        if not eq:
-            raise SystemExit(f"{item!r}: expected FIELD=VALUE, e.g. rl.maxLag=2")
-        *parents, leaf = field.split(".")
-        node = spec
-        for key in parents:
-            node = node.setdefault(key, {})
-        node[leaf] = yaml.safe_load(value)
 
 
 def train_start(steps: list[dict]) -> float:
