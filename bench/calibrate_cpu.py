@@ -166,11 +166,14 @@ def rel(path: Path) -> str:
     return str(path.resolve().relative_to(ROOT)) if path.resolve().is_relative_to(ROOT) else str(path)
 
 
-def sync_gen_phase(calib: Calibration, job, mean_row_tokens: float, steps: int = 300, seed: int = 0) -> float:
+SIM_STEPS = 300  # simulated sync steps per phase estimate
+
+
+def sync_gen_phase(calib: Calibration, job, mean_row_tokens: float, seed: int = 0) -> float:
     """The simulated sync step less its training and weight update: the generation phase."""
     spec = job.spec
     r = simulate("sync", 1, 1, 0, spec.trainer.samples_per_step, spec.rl.attempts, calib,
-                 spec.generator.sampling.max_tokens, steps=steps, warmup=1, seed=seed)
+                 spec.generator.sampling.max_tokens, steps=SIM_STEPS, warmup=1, seed=seed)
     train = calib.train_s(mean_row_tokens, 1) + calib.optimizer_step_s
     return r.step_s - train - max(calib.weight_sync_s, calib.pause_s)
 
@@ -219,7 +222,41 @@ def fit_decode(calib: Calibration, job, rows: float, target: float, step_at: flo
     return slope_only
 
 
-def calibrate(data: dict, source: Path, job, name: str) -> tuple[Calibration, dict]:
+def fit_split(calib: Calibration, job, rows: float, target: float, other: tuple, hi: float) -> Calibration | None:
+    """Base and slope both, from the sync generation phases at two step sizes: along the pairs
+    that give `target` for `job`, the base that also gives the phase of `other` (job, row
+    tokens, phase), a step of another size. (More base lengthens a small step's phase more,
+    its batch being smaller.) None where no pair with base >= MIN_BASE and slope >= 0 fits."""
+    job2, rows2, target2 = other
+    def on_line(b: float) -> Calibration:  # the slope for base b (0 once b alone is as slow)
+        return (fit_line(lambda k: calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": k}),
+                         job, rows, target, 0.0, hi)
+                or calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": 0.0}))
+
+    def gap(b: float) -> float:
+        return sync_gen_phase(on_line(b), job2, rows2) - target2
+
+    flat = fit_base(calib, job, rows, target, 0.0, hi)  # the largest base: no slope
+    if flat is None or gap(MIN_BASE) > 0 or gap(flat.decode_base_s) < 0:
+        return None
+    lo, hi_b = MIN_BASE, flat.decode_base_s
+    for _ in range(25):  # bisection
+        mid = (lo + hi_b) / 2
+        lo, hi_b = (mid, hi_b) if gap(mid) < 0 else (lo, mid)
+    return on_line((lo + hi_b) / 2)
+
+
+def sync_phase(data: dict) -> tuple[float, float]:
+    """The sync runs' generation phase (step period - train_seconds - weight_sync_seconds: the
+    trainer waiting for the step's data) and their mean row tokens per step."""
+    steps = [s for r in data["runs"]["sync"] for s in steps_of(r)]
+    return (float(np.mean([s["period"] - s["train_seconds"] - s["weight_sync_seconds"] for s in steps])),
+            float(np.mean([s["row_tokens"] for s in steps])))
+
+
+def calibrate(data: dict, source: Path, job, name: str, other: tuple | None = None) -> tuple[Calibration, dict]:
+    """`other`: (result, its job) of another step size, whose sync phase splits the decode cost
+    into per-step and per-sequence terms; without it the engine benchmark's point does."""
     runs = data["runs"]
     every = [s for mode in ("pipeline", "sync") for r in runs[mode] for s in steps_of(r)]
     spec = job.spec
@@ -251,23 +288,34 @@ def calibrate(data: dict, source: Path, job, name: str) -> tuple[Calibration, di
     step_at = engine_batch / tok_s  # seconds per decode step with engine_batch sequences
 
     sync_steps = [s for r in runs["sync"] for s in steps_of(r)]
-    gen_phase = float(np.mean([s["period"] - s["train_seconds"] - s["weight_sync_seconds"] for s in sync_steps]))
+    gen_phase = sync_phase(data)[0]
     seqs = float(np.mean([s["samples"] + s["groups_filtered"] * attempts for s in sync_steps]))
 
     base0 = Calibration(
         name=name, gpus_per_engine=1, decode_base_s=step_at, decode_per_seq_s=0.0, max_batch=max_batch,
         prefill_s_per_token=0.0, train_s_per_token=per_token, train_scaling=0.9, optimizer_step_s=fixed,
         weight_sync_s=weight_sync, pause_s=pause, contention=0.0, filtered_fraction=filtered, lengths=lengths)
-    fitted = fit_decode(base0, job, rows, gen_phase, step_at, engine_batch)
+    split = None
+    if other:
+        phase2, rows2 = sync_phase(other[0])
+        split = fit_split(base0, job, rows, gen_phase, (other[1], rows2, phase2), step_at)
+        if split is None:
+            raise SystemExit(f"no decode cost (base >= {MIN_BASE}, slope >= 0) gives both sync phases: "
+                             f"{gen_phase:.3f} s at {job.spec.trainer.samples_per_step} samples per step, "
+                             f"{phase2:.3f} s at {other[1].spec.trainer.samples_per_step}")
+    fitted = split or fit_decode(base0, job, rows, gen_phase, step_at, engine_batch)
+    decode_how = (f"base and slope solved so that the simulated sync generation phases are the measured {gen_phase:.3f} s "
+                  f"and {phase2:.3f} s (at {other[1].spec.trainer.samples_per_step} samples per step, "
+                  f"{other[0].get('date', '?')})" if split else
+                  f"per-sequence cost alone (engine.json's {tok_s:.0f} tok/s at {engine_batch} sequences is slower "
+                  f"than the runs' engine even with no per-step cost), solved so that the simulated sync generation phase is the measured {gen_phase:.3f} s"
+                  if fitted.decode_base_s == MIN_BASE else
+                  f"slope from engine.json ({tok_s:.0f} tok/s at {engine_batch} sequences), base solved so that the simulated sync generation phase is the measured {gen_phase:.3f} s")
     calib = fitted.model_copy(update={
-        "source": (f"measured: bench/calibrate_cpu.py from {source.name} ({data.get('date', '?')}, pinned cores) "
-                   f"and engine.json ({engine.get('date', '?')}). Train: {train_how}. Weight sync: mean weight_sync_seconds; "
+        "source": (f"measured: bench/calibrate_cpu.py from {source.name} ({data.get('date', '?')}, pinned cores)"
+                   + ("" if split else f" and engine.json ({engine.get('date', '?')})") + f". Train: {train_how}. Weight sync: mean weight_sync_seconds; "
                    f"pause: {'mean weight_pause_max_seconds of the pipeline runs' if pauses else 'the same'}. Decode: "
-                   + (f"per-sequence cost alone (engine.json's {tok_s:.0f} tok/s at {engine_batch} sequences is slower "
-                      f"than the runs' engine even with no per-step cost), solved"
-                      if fitted.decode_base_s == MIN_BASE else
-                      f"slope from engine.json ({tok_s:.0f} tok/s at {engine_batch} sequences), base solved")
-                   + f" so the simulated sync generation phase is the measured {gen_phase:.3f} s. Prefill folded into decode (chunked prefill). train_scaling unmeasured "
+                   + decode_how + ". Prefill folded into decode (chunked prefill). train_scaling unmeasured "
                    f"(one trainer rank)."),
     })
     calib = Calibration.model_validate(calib.model_dump())  # what load_calibration will see
@@ -278,6 +326,7 @@ def calibrate(data: dict, source: Path, job, name: str) -> tuple[Calibration, di
         "sync_generation_phase_s": gen_phase, "sync_steps_used": len(sync_steps),
         "sequences_generated_per_sync_step": seqs, "engine_tokens_per_s": tok_s, "engine_batch": engine_batch,
         "engine_step_s": step_at, "max_batch": max_batch,
+        "decode_split_from_sync_phase_s": {other[1].spec.trainer.samples_per_step: phase2} if split else None,
     }
     return calib, facts
 
@@ -314,14 +363,22 @@ def main() -> None:
                     help="a result with pipeline and sync runs of the job (bench.pipeline_vs_sync or bench.peer_trl)")
     ap.add_argument("--job", type=Path, default=JOB, help="the job those runs ran (default: the tiny example)")
     ap.add_argument("--name", default="cpu-tiny", help="the calibration: pipelinerl/calibrations/NAME.yaml")
+    ap.add_argument("--split-with", type=Path, metavar="JSON",
+                    help="benchmark 1's runs of the job at another step size (--set trainer.samplesPerStep=N): their "
+                         "sync phase splits the decode cost into per-step and per-sequence (default: engine.json's point)")
     ap.add_argument("--calibration", metavar="BUILTIN",
                     help="predict with this built-in calibration instead of fitting one (out of sample); writes none")
     args = ap.parse_args()
     data = load(args.source)
     job = job_spec(args.job, data)
-    calib, facts = calibrate(data, args.source, job, args.name)
+    other = None
+    if args.split_with:
+        other_data = load(args.split_with)
+        other = (other_data, job_spec(args.job, other_data))
+    calib, facts = calibrate(data, args.source, job, args.name, other)
     command = "python -m bench.calibrate_cpu" + ("" if args.name == "cpu-tiny" else
                                                   f" --job {rel(args.job)} --from {rel(args.source)} --name {args.name}")
+    command += f" --split-with {rel(args.split_with)}" if args.split_with else ""
     if args.calibration:
         calib = load_calibration(args.calibration)
         command += f" --calibration {args.calibration}"
