@@ -2,7 +2,8 @@
 
     .venv/bin/python -m bench.calibrate_cpu [--from bench/results/pipeline_vs_sync.json]
     .venv/bin/python -m bench.calibrate_cpu --job examples/long-tail-cpu.yaml \
-        --from bench/results/peer_trl-long-tail.json --name cpu-long-tail
+        --from bench/results/pipeline_vs_sync-long-tail.json --name cpu-long-tail \
+        --split-with bench/results/pipeline_vs_sync-long-tail-64.json
 
 Runs nothing but the planner (seconds). From the per-step records of `bench.pipeline_vs_sync`
 (generator and trainer pinned to a core each) it derives each cost from a quantity that is not
@@ -25,7 +26,8 @@ the answer (the pipeline/sync ratio):
   offline, so no step carries evaluation work). One batch size cannot separate `decode_base_s`
   from `decode_per_seq_s`: the slope is pinned by `bench/results/engine.json` (vLLM tokens/s for this model with 128
   sequences running) and the base is then solved so that the simulated sync generation phase
-  equals the measured one.
+  equals the measured one; or, with `--split-with` (the job's runs at another step size), both
+  are solved so that the simulated phases at both step sizes equal the measured ones.
 
 It writes `pipelinerl/calibrations/<--name>.yaml` (a plain Calibration: the built-in that
 `--gpu-type <name>` uses; `cpu-tiny` for the tiny job), predicts both modes of the job on 1
