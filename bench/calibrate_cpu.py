@@ -230,6 +230,7 @@ def fit_split(calib: Calibration, job, rows: float, target: float, other: tuple,
     tokens, phase), a step of another size. (More base lengthens a small step's phase more,
     its batch being smaller.) None where no pair with base >= MIN_BASE and slope >= 0 fits."""
     job2, rows2, target2 = other
+
     def on_line(b: float) -> Calibration:  # the slope for base b (0 once b alone is as slow)
         return (fit_line(lambda k: calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": k}),
                          job, rows, target, 0.0, hi)
@@ -306,13 +307,15 @@ def calibrate(data: dict, source: Path, job, name: str, other: tuple | None = No
                              f"{gen_phase:.3f} s at {job.spec.trainer.samples_per_step} samples per step, "
                              f"{phase2:.3f} s at {other[1].spec.trainer.samples_per_step}")
     fitted = split or fit_decode(base0, job, rows, gen_phase, step_at, engine_batch)
-    decode_how = (f"base and slope solved so that the simulated sync generation phases are the measured {gen_phase:.3f} s "
-                  f"and {phase2:.3f} s (at {other[1].spec.trainer.samples_per_step} samples per step, "
-                  f"{other[0].get('date', '?')})" if split else
-                  f"per-sequence cost alone (engine.json's {tok_s:.0f} tok/s at {engine_batch} sequences is slower "
-                  f"than the runs' engine even with no per-step cost), solved so that the simulated sync generation phase is the measured {gen_phase:.3f} s"
-                  if fitted.decode_base_s == MIN_BASE else
-                  f"slope from engine.json ({tok_s:.0f} tok/s at {engine_batch} sequences), base solved so that the simulated sync generation phase is the measured {gen_phase:.3f} s")
+    phase_is = f"so that the simulated sync generation phase is the measured {gen_phase:.3f} s"
+    if split:
+        decode_how = (f"base and slope solved {phase_is}, and {phase2:.3f} s at "
+                      f"{other[1].spec.trainer.samples_per_step} samples per step ({other[0].get('date', '?')})")
+    elif fitted.decode_base_s == MIN_BASE:
+        decode_how = (f"per-sequence cost alone (engine.json's {tok_s:.0f} tok/s at {engine_batch} sequences is "
+                      f"slower than the runs' engine even with no per-step cost), solved {phase_is}")
+    else:
+        decode_how = f"slope from engine.json ({tok_s:.0f} tok/s at {engine_batch} sequences), base solved {phase_is}"
     calib = fitted.model_copy(update={
         "source": (f"measured: bench/calibrate_cpu.py from {source.name} ({data.get('date', '?')}, pinned cores)"
                    + ("" if split else f" and engine.json ({engine.get('date', '?')})") + f". Train: {train_how}. Weight sync: mean weight_sync_seconds; "
@@ -345,7 +348,7 @@ def predict(calib: Calibration, job, steps: int, seed: int = 0) -> dict:
 
 def sensitivity(calib: Calibration, facts: dict, job, steps: int) -> dict[str, float | None]:
     """The predicted ratio with the decode cost split otherwise: all per step (flat), or half /
-    double the engine benchmark's slope; the base re-fitted to the sync phase each time."""
+    double the fitted slope; the base re-fitted to the sync phase each time."""
     rows, target = facts["mean_row_tokens"], facts["sync_generation_phase_s"]
     out = {}
     for label, slope in (("flat (per_seq 0)", 0.0), ("slope x0.5", 0.5 * calib.decode_per_seq_s),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 from jobs import stored, tiny_job  # tests/e2e/jobs.py
@@ -16,7 +17,7 @@ from pipelinerl.contracts import DEADLETTER_REASON, JobSubjects
 from pipelinerl.streams import connect, last_message
 
 pytestmark = pytest.mark.slow
-STEPS = 8
+STEPS = 16  # room for more copies of the vocab group
 FORGER = 7  # no such generator: the forged groups' credit cannot disturb a real one's admission
 
 
@@ -44,24 +45,41 @@ def test_poison_rollouts_are_dead_lettered_and_the_job_finishes(tmp_path, capsys
     run.wait_step(2)
     subjects = JobSubjects("poison")
 
-    async def publish() -> None:
+    async def publish(vocab: str | None = None) -> None:
         nc = await connect(run.services()["nats-server"]["url"], "forger")
         js = nc.jetstream()
-        for gid, (msg, _) in POISON.items():
-            await js.publish(subjects.rollouts(FORGER), m.encode(msg), headers={"Nats-Msg-Id": gid})
-        await js.publish(subjects.rollouts(FORGER), b"\x93not msgpack")
-        # Sound to the preprocessor, but a token the model has no embedding for: the trainer's
-        # check. Its version is the trainer's newest, as announced to the preprocessor (the
-        # metrics file can be steps behind): as fresh as real groups arriving now, so it is not
-        # too old for the step it goes into.
-        announced = await last_message(js, subjects.stream("CONTROL"), subjects.version)
-        version = m.decode(announced, m.PolicyVersion).version
-        await js.publish(subjects.rollouts(FORGER), m.encode(group("vocab", tokens=[5, 6, 10**6, 8],
-                                                                   versions=[-1, -1, version, version])),
-                         headers={"Nats-Msg-Id": "vocab"})
+        if vocab is None:
+            for gid, (msg, _) in POISON.items():
+                await js.publish(subjects.rollouts(FORGER), m.encode(msg), headers={"Nats-Msg-Id": gid})
+            await js.publish(subjects.rollouts(FORGER), b"\x93not msgpack")
+        else:  # sound to the preprocessor, and as fresh as the real groups arriving with it
+            announced = await last_message(js, subjects.stream("CONTROL"), subjects.version)
+            # Weights v + 1 exist once v is announced (sent before); the pause lets the
+            # preprocessor see the announcement too, or v + 1 would be ahead of the trainer.
+            await asyncio.sleep(0.3)
+            v = m.decode(announced, m.PolicyVersion).version + 1
+            await js.publish(subjects.rollouts(FORGER), m.encode(group(vocab, tokens=[5, 6, 10**6, 8], versions=[-1, -1, v, v])),
+                             headers={"Nats-Msg-Id": vocab})
         await nc.close()
 
     asyncio.run(publish())
+    # A token the model has no embedding for: the trainer's check. The group queues behind the
+    # real generator's and may come too old to the step it would go into: then it is dropped
+    # as stale (not dead-lettered), and a fresh copy is sent until one is trained.
+    logs = run.dir / "logs"
+    for attempt in range(5):
+        vocab = f"vocab-{attempt}"
+        asyncio.run(publish(vocab))
+        deadline = time.monotonic() + 60
+        while f"(group {vocab})" not in (logs / "trainer.log").read_text():
+            if f"group {vocab} from generator {FORGER}: too old" in (logs / "preprocessor.log").read_text():
+                break
+            assert time.monotonic() < deadline, f"{vocab}: neither trained nor dropped as stale in 60 s"
+            time.sleep(0.2)
+        else:
+            break
+    else:
+        raise AssertionError("5 copies of the vocab group in a row came too old to their step")
     run.finish()  # exit 0: every step trained, and the newest ones learn
     train = run.train()
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
@@ -78,7 +96,7 @@ def test_poison_rollouts_are_dead_lettered_and_the_job_finishes(tmp_path, capsys
         assert any(r.startswith(expected) for r in reasons), (gid, reasons)
     assert any(r.startswith("rollout_group: not valid msgpack") for r in reasons)
     (batch,) = [x for x in letters if x.subject == subjects.deadletter("batch")]
-    assert "(group vocab): token id 1000000 is outside the model's vocabulary" in batch.headers[DEADLETTER_REASON]
+    assert f"(group {vocab}): token id 1000000 is outside the model's vocabulary" in batch.headers[DEADLETTER_REASON]
     assert 10**6 in m.decode(batch.data, m.MicroBatch).tokens  # the micro-batch as it came, for inspection
     # `pipelinerl dead-letters` lists them for the user, reasons first.
     from pipelinerl.cli import main
