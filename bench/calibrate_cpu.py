@@ -86,12 +86,17 @@ def load(path: Path) -> dict:
     return data
 
 
+def variant(data: dict) -> list[str]:
+    """The FIELD=VALUE changes the benchmark made to the job (`--set`, then `--pipeline-set`)."""
+    return data["args"].get("set", []) + data["args"].get("pipeline_set", [])
+
+
 def job_spec(path: Path, data: dict):
     """The job the pipeline runs of `data` ran: `path` with the benchmark's changes (`--set`,
     `--pipeline-set`; sync's own changes, lag 0 and no cap on groups in flight, are simulated
     by mode) and the runs' maxLag."""
     job = yaml.safe_load(path.read_text())
-    set_fields(job["spec"], data["args"].get("set", []) + data["args"].get("pipeline_set", []))
+    set_fields(job["spec"], variant(data))
     job["spec"]["rl"]["maxLag"] = int(data["runs"]["pipeline"][0].get("max_lag", 1))
     return parse_job(job, str(path))
 
@@ -434,7 +439,7 @@ def main() -> None:
                 "gen_fill": r.gen_fill, "train_busy": r.train_busy, "lag_mean": r.lag_mean}
 
     save("planner_validation" + ("" if args.name == "cpu-tiny" else f"-{args.name}"), {
-        "source": rel(args.source), "job": rel(args.job), "variant": data["args"].get("set", []) + data["args"].get("pipeline_set", []),
+        "source": rel(args.source), "job": rel(args.job), "variant": variant(data),
         "fitted_here": not args.calibration,
         "calibration": calib.model_dump(mode="json") | {"lengths": {"distribution": calib.lengths.distribution,
                                                                     "mean": facts["mean_completion_tokens"],

@@ -40,12 +40,13 @@ class EmbeddedNats:
         conf = self.store_dir / "nats.conf"
         conf.write_text(f"max_payload: {self.max_payload_mb * 1024 * 1024}\n")
         log = open(self.store_dir / "nats.log", "ab")
+        binary = nats_server_binary()
         self.proc = subprocess.Popen(
-            [nats_server_binary(), "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(self.port),
+            [binary, "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(self.port),
              "-sd", str(self.store_dir), "--ports_file_dir", str(self.store_dir)],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
         )
-        ports = self.store_dir / f"{Path(nats_server_binary()).name}_{self.proc.pid}.ports"
+        ports = self.store_dir / f"{Path(binary).name}_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
