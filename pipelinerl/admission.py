@@ -13,6 +13,15 @@ while the generator still holds the weights before its input's (e = N − 2): on
 Groups the preprocessor will discard (zero variance) leave the queue as soon as they finish,
 so sync mode (max_lag 0, see `budget`) can never starve a step.
 
+Groups are consumed in the order they *finish*, not the order they start: a long group is
+overtaken by every shorter one started after it. So e above is the oldest start version among
+the groups still in flight, not the engine's: no group admitted while a long one runs may push
+that one past max_lag. (With the engine's version, a backlog kept at the budget put every group
+that took more than a step to generate over it, and its oldest tokens were dropped: on a
+long-tailed task, most of the long completions.) A long group thus holds admission back while
+it runs, the longer the closer it comes to max_lag: max_lag must exceed the steps the longest
+completions take to generate, or the generator idles while they finish.
+
 The queue counts every incarnation's groups: `published` and `discarded` continue from the
 generator's books in the stream, so a restarted generator neither over- nor under-fills it
 (groups of a dead incarnation are still trained), and a group JetStream drops as a duplicate
@@ -22,7 +31,7 @@ of one already published is not counted again.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def lag_budget(max_lag: int, share: int, ahead: int) -> int:
@@ -48,6 +57,7 @@ class Admission:
     trained: int = 0  # this generator's groups in trained steps (announced by the trainer)
     training_step: int = -1  # the last step announced as started (N - 1)
     weights_version: int = -1  # this generator's engine weights (e); -1: none from the trainer yet
+    running: list[int] = field(default_factory=list)  # the weights version each group in flight started at
 
     @property
     def share(self) -> int:
@@ -58,7 +68,9 @@ class Admission:
         # With max_lag ≥ 1 the trainer reports groups as consumed when a step *starts* (so
         # generation overlaps training), and max_lag steps of unconsumed groups keep every lag
         # ≤ max_lag, one more once the weights of the step in training have landed.
-        return lag_budget(self.max_lag, self.share, min(1, self.weights_version - self.training_step))
+        # A group in flight started on older weights is the one whose lag a new group can raise.
+        oldest = min(self.running, default=self.weights_version)
+        return lag_budget(self.max_lag, self.share, min(1, oldest - self.training_step))
 
     @property
     def queued(self) -> int:
@@ -66,16 +78,20 @@ class Admission:
 
     @property
     def inflight(self) -> int:
-        return self.started - self.finished
+        return len(self.running)
 
     def may_start(self) -> bool:
         return self.weights_version >= 0 and self.queued < self.budget and self.inflight < self.max_inflight
 
-    def on_start(self) -> None:
+    def on_start(self) -> int:
+        """A group starts: returns the weights version it starts at, for `on_finish`."""
         self.started += 1
+        self.running.append(self.weights_version)
+        return self.weights_version
 
-    def on_finish(self, discarded: bool, published: bool = True) -> None:
+    def on_finish(self, started_at: int, discarded: bool, published: bool = True) -> None:
         self.finished += 1
+        self.running.remove(started_at)
         if published:
             self.published += 1
             self.discarded += int(discarded)

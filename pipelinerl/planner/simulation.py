@@ -107,6 +107,7 @@ class _Sim:
         self.g_starts: list[list[float]] = []
         self.g_left: list[int] = []
         self.g_drop: list[bool] = []  # zero-variance: dropped when it finishes, never trained
+        self.running: list[int] = []  # the version each group still generating started at
         self.n_dropped = 0
         self.queued = 0  # groups started and not yet consumed by the trainer (nor dropped)
         self.finished: deque[int] = deque()
@@ -163,6 +164,7 @@ class _Sim:
         lengths = [self._length() for _ in range(self.attempts)]
         self.g_engine.append(i)
         self.g_version.append(self.version)
+        self.running.append(self.version)
         self.g_lengths.append(lengths)
         self.g_starts.append([])
         self.g_left.append(self.attempts)
@@ -184,9 +186,10 @@ class _Sim:
 
     @property
     def budget(self) -> int:
-        # The generator's admission rule (lag_budget) for the whole cluster, whose share of a
-        # step is all of it.
-        return lag_budget(self.max_lag, self.groups_per_step, int(self.ahead))
+        # The generator's admission rule (Admission.budget) for the whole cluster, whose share
+        # of a step is all of it: counted from the oldest group still generating.
+        oldest = min(self.running, default=self.version)
+        return lag_budget(self.max_lag, self.groups_per_step, int(self.ahead) + min(0, oldest - self.version))
 
     def _room(self, e: _Engine) -> bool:
         return e.load < self.c.max_batch and e.groups < self.max_inflight
@@ -225,11 +228,15 @@ class _Sim:
         if token != e.token:
             return
         self._advance(e)
+        raised = False  # the oldest group still generating finished: every engine may gain budget
         while e.running and e.running[0][0] <= e.steps + 1e-6:
             _, gid = heapq.heappop(e.running)
             self.g_left[gid] -= 1
             if not self.g_left[gid]:
                 e.groups -= 1
+                oldest = min(self.running)
+                self.running.remove(self.g_version[gid])
+                raised |= min(self.running, default=self.version) > oldest
                 if self.g_drop[gid]:
                     # As the generator's admission (on_finish with discarded): the slot frees at
                     # once, so the engine starts a replacement in both modes.
@@ -241,6 +248,8 @@ class _Sim:
             self._fill(e)
         if self.queued < self.budget:
             self._admit(prefer=i)
+            if raised:
+                self._admit()
         self._schedule(i)
         self._train()
 

@@ -1,3 +1,6 @@
+import itertools
+from collections import deque
+
 from pipelinerl.admission import Admission
 
 
@@ -13,18 +16,23 @@ def test_pipeline_budget_is_max_lag_steps_of_unconsumed_groups():
     a = Admission(groups_per_step=16, generators=1, max_lag=4, max_inflight=1000, training_step=0, weights_version=0)  # step 0 training
     assert fill(a) == 64
     for _ in range(16):
-        a.on_finish(discarded=False)
+        a.on_finish(0, discarded=False)
     assert not a.may_start()  # finished but untrained groups still count
     a.on_trained(16, training_step=1)
     assert not a.may_start()  # the engine still holds version 0: a group started now gets lag 5
     a.on_weights(1, generators=1)
-    assert fill(a) == 16
+    # 48 groups started on version 0 still run (steps 2-4): one started now could overtake one
+    # of them into step 5, at lag 5.
+    assert not a.may_start()
+    for _ in range(48):
+        a.on_finish(0, discarded=False)
+    assert fill(a) == 16  # step 5, lag 4
 
 
 def test_sync_mode_one_step_and_discards_free_budget():
     a = Admission(groups_per_step=4, generators=1, max_lag=0, max_inflight=1000, weights_version=0)
     assert fill(a) == 4
-    a.on_finish(discarded=True)  # zero-variance: will never be trained
+    a.on_finish(0, discarded=True)  # zero-variance: will never be trained
     assert fill(a) == 1  # replaced at once, so a step can always be filled
     a.on_trained(3)
     a.on_trained(2)  # out-of-order announcement is ignored
@@ -35,7 +43,7 @@ def test_share_and_inflight_cap():
     a = Admission(groups_per_step=10, generators=3, max_lag=2, max_inflight=5, training_step=0, weights_version=0)
     assert a.share == 4 and a.budget == 8
     assert fill(a) == 5  # capped by concurrency
-    a.on_finish(False)
+    a.on_finish(0, False)
     assert fill(a) == 1
 
 
@@ -44,7 +52,7 @@ def test_one_more_share_once_the_weights_of_the_step_in_training_have_landed():
     # Before any step: step 0 trains version-0 groups (lag 0), step 1 trains them at lag 1.
     assert fill(a) == 32
     for _ in range(32):
-        a.on_finish(discarded=False)
+        a.on_finish(0, discarded=False)
     a.on_trained(16, training_step=0)  # step 0 starts with the engine at version 0
     assert a.budget == 16 and not a.may_start()  # groups started now land in step 2: lag 2
     a.on_weights(1, generators=1)  # step 0 is over and its weights are in: a group started now lands in step 2 at lag 1
@@ -68,7 +76,7 @@ def test_one_share_less_while_the_weights_of_the_step_before_are_still_loading()
     a = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000, weights_version=0)
     assert fill(a) == 32
     for _ in range(32):
-        a.on_finish(discarded=False)
+        a.on_finish(0, discarded=False)
     a.on_trained(32, training_step=1)  # steps 0 and 1 consumed, the engine still at version 0
     assert a.budget == 0 and not a.may_start()
     a.on_weights(1, generators=1)  # version 1 in: a group started now is trained in step 2 at lag 1
@@ -99,9 +107,9 @@ def test_a_restarted_generator_counts_its_earlier_incarnations_queued_groups():
     a = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000, weights_version=3,
                   training_step=2, published=40, discarded=4, trained=20)
     assert a.queued == 16 and a.budget == 32 and fill(a) == 16  # 16 of the dead one's still to train
-    a.on_finish(discarded=False, published=False)  # JetStream had it already (same problem, same id)
+    a.on_finish(3, discarded=False, published=False)  # JetStream had it already (same problem, same id)
     assert a.published == 40 and a.queued == 31  # not queued twice
-    a.on_finish(discarded=True)
+    a.on_finish(3, discarded=True)
     assert a.published == 41 and a.discarded == 5 and a.queued == 30
 
 
@@ -115,3 +123,46 @@ def test_a_rolled_back_trainer_makes_the_queue_look_longer_never_shorter():
     restarted.on_trained(100, training_step=9)  # the resumed trainer's first announcement
     assert restarted.queued > a.queued
     assert fill(restarted) <= fill(a)
+
+
+def lags_of_a_run(lengths, max_lag: int, share: int, max_inflight: int, train_ticks: int, steps: int):
+    """One generator and a trainer, in ticks: groups are generated for `lengths` ticks each and
+    consumed in the order they finish, `share` a step; the trainer announces each step as it
+    starts and sends its weights when it ends. Returns each trained group's lag, and the ticks."""
+    a = Admission(groups_per_step=share, generators=1, max_lag=max_lag, max_inflight=max_inflight, weights_version=0)
+    running: list[tuple[int, int]] = []  # (tick it finishes, weights version it started at)
+    done: deque[int] = deque()  # finished, not yet consumed: their start versions
+    lags: list[int] = []
+    step, training_until, t = 0, None, 0
+    while step < steps:
+        for g in [g for g in running if g[0] <= t]:
+            running.remove(g)
+            a.on_finish(g[1], discarded=False)
+            done.append(g[1])
+        if training_until is not None and t >= training_until:
+            step, training_until = step + 1, None
+            a.on_weights(step, generators=1)
+        if training_until is None and len(done) >= share:
+            lags += [step - done.popleft() for _ in range(share)]  # step s trains at version s
+            a.on_trained(a.trained + share, training_step=step)
+            training_until = t + train_ticks
+        while a.may_start():
+            running.append((t + next(lengths), a.on_start()))
+        t += 1
+    return lags, t
+
+
+def test_a_long_group_overtaken_by_shorter_ones_stays_within_max_lag():
+    # Most groups take a tick, every eighth 9 ticks (several steps): the short ones started
+    # after a long one finish first and are trained first. Counted from the engine's version,
+    # the budget let them queue until the long one came max_lag + 2 steps late.
+    lags, ticks = lags_of_a_run(itertools.cycle([9] + [1] * 7), max_lag=4, share=4, max_inflight=8,
+                                train_ticks=2, steps=200)
+    assert max(lags) <= 4
+    assert ticks < 200 * 2 * 1.5  # and the generator still keeps the trainer fed most of the time
+
+
+def test_a_max_lag_shorter_than_the_longest_generation_holds_admission_back_without_deadlock():
+    lags, ticks = lags_of_a_run(itertools.cycle([12] + [1] * 7), max_lag=2, share=4, max_inflight=8,
+                                train_ticks=2, steps=100)
+    assert max(lags) <= 2 and len(lags) == 400

@@ -66,20 +66,23 @@ def test_sync_step_follows_the_cost_equations(pause_s):
 
 
 def test_pipeline_generators_idle_only_while_paused():
+    # With a lag budget longer than the longest completions take: a shorter one holds
+    # admission back while they run (test_a_short_lag_budget_holds_long_tailed_generation_back).
     lengths = lognormal(1000, 1.0)
-    free = simulate("pipeline", 8, 24, 4, lengths=lengths, **SMALL | {"calib": H100.model_copy(update={"pause_s": 0})})
-    paused = simulate("pipeline", 8, 24, 4, lengths=lengths,
+    free = simulate("pipeline", 8, 24, 12, lengths=lengths, **SMALL | {"calib": H100.model_copy(update={"pause_s": 0})})
+    paused = simulate("pipeline", 8, 24, 12, lengths=lengths,
                       **SMALL | {"calib": H100.model_copy(update={"pause_s": 3})})
     assert free.gen_busy > 0.99
     assert 1 - paused.gen_busy == pytest.approx(3 / paused.step_s, rel=0.05)
 
 
 def test_trainer_bound_pipeline_runs_max_lag_ahead():
-    # Fast generators fill the whole lag budget during each step: every token is max_lag old.
+    # Fast generators fill the whole lag budget during each step: every token is max_lag old
+    # (but for the few admitted later, behind a long group still generating).
     for max_lag in (1, 4):
         r = simulate("pipeline", 28, 4, max_lag, lengths=lognormal(1000, 1.0), **SMALL)
         assert r.train_busy > 0.99
-        assert r.lag_mean == pytest.approx(max_lag) and r.dropped == 0
+        assert r.lag_mean == pytest.approx(max_lag, abs=0.01) and r.dropped == 0
 
 
 def test_capping_groups_in_flight_trades_throughput_for_freshness():
@@ -88,12 +91,12 @@ def test_capping_groups_in_flight_trades_throughput_for_freshness():
     # lag budget allows, for some throughput, and nothing lost.
     free = simulate("pipeline", 28, 4, 4, lengths=lognormal(1000, 1.0), **SMALL)
     capped = simulate("pipeline", 28, 4, 4, lengths=lognormal(1000, 1.0), max_inflight=1, **SMALL)
-    assert free.lag_mean == pytest.approx(4) and capped.lag_mean < 1.5 and capped.dropped == 0
+    assert free.lag_mean == pytest.approx(4, abs=0.01) and capped.lag_mean < 1.5 and capped.dropped == 0
     assert capped.samples_per_s < free.samples_per_s and capped.train_busy < free.train_busy
     assert capped.samples_started == capped.samples_trained + capped.samples_in_flight
     # A cap the lag budget never reaches changes nothing.
     loose = simulate("pipeline", 28, 4, 4, lengths=lognormal(1000, 1.0), max_inflight=8, **SMALL)
-    assert (loose.samples_per_s, loose.lag_mean) == pytest.approx((free.samples_per_s, free.lag_mean))
+    assert (loose.samples_per_s, loose.lag_mean) == pytest.approx((free.samples_per_s, free.lag_mean), rel=1e-3)
 
 
 def test_pipeline_with_max_lag_0_is_sync():
@@ -112,8 +115,19 @@ def test_pipeline_lag_within_budget_and_fractions(max_lag):
     assert r.lag_max <= max_lag and r.lag_p95 <= max_lag and 0 < r.lag_mean <= max_lag
     for frac in (r.gen_busy, r.gen_fill, r.train_busy, r.dropped):
         assert 0 <= frac <= 1
-    # Overlap: both roles are busy more than half the time together.
-    assert r.gen_busy + r.train_busy > 1
+    # Overlap: both roles are busy more than half the time together, once the budget is more
+    # than a step (at 1 the long completions, several steps long, hold admission back).
+    assert r.gen_busy + r.train_busy > (1 if max_lag > 1 else 0.85)
+
+
+def test_a_short_lag_budget_holds_long_tailed_generation_back():
+    # Groups are trained in the order they finish, so admission counts from the oldest group
+    # still generating: a long one is never overtaken past max_lag (nothing dropped), and
+    # generation slows while it comes close; a budget longer than it takes frees it.
+    lengths = lognormal(1000, 1.0)
+    short, long = (simulate("pipeline", 8, 24, lag, lengths=lengths, **SMALL) for lag in (2, 8))
+    assert short.dropped == 0 and long.dropped == 0
+    assert short.samples_per_s < 0.6 * long.samples_per_s
 
 
 def test_equal_lengths_are_never_too_stale():

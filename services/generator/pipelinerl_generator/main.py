@@ -204,8 +204,8 @@ class Generator:
             if self.finished_version is not None:
                 break
             if self.admission.may_start():
-                self.admission.on_start()
-                self._spawn(self._group(self.task.train_problem(self.next_problem)))
+                started_at = self.admission.on_start()
+                self._spawn(self._group(self.task.train_problem(self.next_problem), started_at))
                 self.next_problem += stride
                 continue
             self.wakeup.clear()
@@ -222,7 +222,7 @@ class Generator:
         for t in list(self.tasks):
             t.cancel()
 
-    async def _group(self, problem) -> None:
+    async def _group(self, problem, started_at: int) -> None:
         INFLIGHT.inc()
         self.busy.enter()
         try:
@@ -235,14 +235,14 @@ class Generator:
             # may draw the same problem (then trained twice, never dropped as a duplicate).
             group = m.RolloutGroup(group_id=f"{problem.id}@{self.env.rank}", generator=self.env.rank,
                                    samples=list(samples))
-            await self._publish(group)
+            await self._publish(group, started_at)
             TOKENS.inc(sum(s.num_generated for s in samples))
         finally:
             INFLIGHT.dec()
             self.busy.leave()
             self.wakeup.set()
 
-    async def _publish(self, group: m.RolloutGroup) -> None:
+    async def _publish(self, group: m.RolloutGroup, started_at: int) -> None:
         a = self.admission
         discarded = self.spec.rl.filter_zero_variance and group.zero_variance
         async with self.publishing:
@@ -251,7 +251,7 @@ class Generator:
             ack = await publish_once(self.js, self.subjects.rollouts(self.env.rank), m.encode(group), group.group_id)
             if ack.duplicate:  # an earlier incarnation published it: it is in the books already
                 log.warning("group %s was already published: not counted again", group.group_id)
-            a.on_finish(discarded=discarded, published=not ack.duplicate)
+            a.on_finish(started_at, discarded=discarded, published=not ack.duplicate)
         GROUPS.inc()
 
     async def _on_weight_update(self, msg) -> None:
