@@ -30,9 +30,9 @@ async def incarnation(nats_server, tmp_path) -> Generator:
 
 async def start_and_publish(gen: Generator, rewards: list[float]) -> None:
     problem = gen.next_problem
-    gen.admission.on_start()
+    started_at = gen.admission.on_start()
     gen.next_problem += JOB.spec.generator.replicas
-    await gen._publish(group(problem, rewards))
+    await gen._publish(group(problem, rewards), started_at)
 
 
 async def test_a_restarted_generator_continues_its_books(nats_server, tmp_path):
@@ -54,8 +54,7 @@ async def test_a_restarted_generator_continues_its_books(nats_server, tmp_path):
     # drawn again, and nothing published is).
     assert second.next_problem == 7
     # A group JetStream already holds (same problem, same id) is not counted again.
-    second.admission.on_start()
-    await second._publish(group(3, [1, 0]))
+    await second._publish(group(3, [1, 0]), second.admission.on_start())
     assert (a.published, a.finished, a.queued) == (3, 1, 1)
     await start_and_publish(second, [0, 1])
     assert (a.published, a.queued) == (4, 2)
