@@ -120,11 +120,12 @@ def bootstrap_interval(pipeline: list[dict], baseline: list[dict], gain_points: 
     drawn with replacement (a round's runs go together: they were measured side by side). Runs
     of either side end several points apart; this says how uncertain a pooled ratio is."""
     rng = random.Random(seed)
-    n = len(pipeline)
+    n, m = len(pipeline), len(baseline)
     ratios = []
     for _ in range(resamples):
         idx = [rng.randrange(n) for _ in range(n)]
-        ratios.append(pooled_ratio([pipeline[i] for i in idx], [baseline[i] for i in idx], gain_points))
+        jdx = idx if m == n else [rng.randrange(m) for _ in range(m)]  # runs pooled unpaired: each side alone
+        ratios.append(pooled_ratio([pipeline[i] for i in idx], [baseline[j] for j in jdx], gain_points))
     both_missed = sum(math.isnan(r) for r in ratios)
     ratios = sorted(r for r in ratios if not math.isnan(r))
     pick = lambda q: ratios[min(len(ratios) - 1, int(q * len(ratios)))] if ratios else None  # noqa: E731
@@ -291,7 +292,8 @@ def compare(runs: dict[str, list[dict]], args) -> dict:
     else:
         print("time to target on the rounds pooled: not reached by " + " and ".join(m for m in pooled if not pooled[m]))
     ci = out["pooled_time_to_target_interval"] = bootstrap_interval(runs["pipeline"], runs["sync"], args.gain)
-    print(f"  90% bootstrap interval over rounds: {ci['p5']:.2f}-{ci['p95']:.2f}x (median {ci['p50']:.2f}x)")
+    print(f"  90% bootstrap interval over rounds: {ci['p5']:.2f}-{ci['p95']:.2f}x (median {ci['p50']:.2f}x)"
+          if ci["p5"] is not None else "  90% bootstrap interval over rounds: no resample reached the target in both modes")
     # time ratio = rate ratio x steps ratio: how much of the speed the per-step learning keeps
     steps = pooled_ratio(runs["pipeline"], runs["sync"], args.gain, axis="version")
     out["pooled_steps_to_target_ratio"] = steps if math.isfinite(steps) else None

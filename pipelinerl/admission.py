@@ -18,9 +18,9 @@ overtaken by every shorter one started after it. So e above is the oldest start 
 the groups still in flight, not the engine's: no group admitted while a long one runs may push
 that one past max_lag. (With the engine's version, a backlog kept at the budget put every group
 that took more than a step to generate over it, and its oldest tokens were dropped: on a
-long-tailed task, most of the long completions.) A long group thus holds admission back while
-it runs, the longer the closer it comes to max_lag: max_lag must exceed the steps the longest
-completions take to generate, or the generator idles while they finish.
+long-tailed task, most of the long completions.) A long group thus holds admission back as
+its lag nears max_lag: max_lag should exceed the steps the longest completions take to
+generate, or the generator idles while they finish.
 
 The queue counts every incarnation's groups: `published` and `discarded` continue from the
 generator's books in the stream, so a restarted generator neither over- nor under-fills it

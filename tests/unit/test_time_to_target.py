@@ -64,6 +64,9 @@ def test_bootstrap_interval_brackets_the_pooled_ratio_and_is_reproducible():
     assert ci == bootstrap_interval(pipe, sync, 10, resamples=200, seed=3)
     one = bootstrap_interval(pipe[:1], sync[:1], 10, resamples=50)
     assert one["p5"] == one["p95"] == pytest.approx(pooled_ratio(pipe[:1], sync[:1], 10))
+    # Runs pooled from several files need not pair up: each side is resampled on its own.
+    unpaired = bootstrap_interval(pipe[:3], sync[:2], 10, resamples=200, seed=3)
+    assert unpaired["p5"] <= pooled_ratio(pipe[:3], sync[:2], 10) <= unpaired["p95"]
 
 
 def test_accuracy_gap_compares_mean_accuracy_at_equal_version_in_points():
