@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.calibrate_cpu [--from bench/results/pipeline_vs_sync.json]
     .venv/bin/python -m bench.calibrate_cpu --job examples/long-tail-cpu.yaml \
-        --from bench/results/pipeline_vs_sync-long-tail.json --name cpu-long-tail \
+        --from bench/results/pipeline_vs_sync-long-tail-finish-order.json --name cpu-long-tail \
         --split-with bench/results/pipeline_vs_sync-long-tail-64.json
 
 Runs nothing but the planner (seconds). From the per-step records of `bench.pipeline_vs_sync`
@@ -40,7 +40,7 @@ job will do: benchmark 1's, or the peer benchmark's (`bench.peer_trl`); a varian
 fitted on other runs, instead of fitting one (and writes no calibration):
 
     .venv/bin/python -m bench.calibrate_cpu --job examples/long-tail-cpu.yaml \
-        --from bench/results/pipeline_vs_sync-long-tail-32.json --calibration cpu-long-tail --name cpu-long-tail-32
+        --from bench/results/pipeline_vs_sync-long-tail-32-finish-order.json --calibration cpu-long-tail --name cpu-long-tail-32
 """
 
 from __future__ import annotations
