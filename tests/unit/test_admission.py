@@ -155,11 +155,11 @@ def lags_of_a_run(lengths, max_lag: int, share: int, max_inflight: int, train_ti
 def test_a_long_group_overtaken_by_shorter_ones_stays_within_max_lag():
     # Most groups take a tick, every eighth 9 ticks (several steps): the short ones started
     # after a long one finish first and are trained first. Counted from the engine's version,
-    # the budget let them queue until the long one came max_lag + 2 steps late.
+    # the budget let them queue until the long one came up to 8 versions old.
     lags, ticks = lags_of_a_run(itertools.cycle([9] + [1] * 7), max_lag=4, share=4, max_inflight=8,
                                 train_ticks=2, steps=200)
     assert max(lags) <= 4
-    assert ticks < 200 * 2 * 1.5  # and the generator still keeps the trainer fed most of the time
+    assert ticks < 200 * 2 * 1.3  # and the trainer (2 ticks a step) is still fed most of the time
 
 
 def test_a_max_lag_shorter_than_the_longest_generation_holds_admission_back_without_deadlock():
