@@ -10,7 +10,7 @@ for a seed. The rules it simulates are imported, not restated: the generators' a
 from __future__ import annotations
 
 import heapq
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -107,7 +107,9 @@ class _Sim:
         self.g_starts: list[list[float]] = []
         self.g_left: list[int] = []
         self.g_drop: list[bool] = []  # zero-variance: dropped when it finishes, never trained
-        self.running: list[int] = []  # the version each group still generating started at
+        # Groups still generating, by the version they started at (few versions, many groups:
+        # the budget reads the oldest at every event).
+        self.running: Counter[int] = Counter()
         self.n_dropped = 0
         self.queued = 0  # groups started and not yet consumed by the trainer (nor dropped)
         self.finished: deque[int] = deque()
@@ -164,7 +166,7 @@ class _Sim:
         lengths = [self._length() for _ in range(self.attempts)]
         self.g_engine.append(i)
         self.g_version.append(self.version)
-        self.running.append(self.version)
+        self.running[self.version] += 1
         self.g_lengths.append(lengths)
         self.g_starts.append([])
         self.g_left.append(self.attempts)
@@ -234,9 +236,11 @@ class _Sim:
             self.g_left[gid] -= 1
             if not self.g_left[gid]:
                 e.groups -= 1
-                oldest = min(self.running)
-                self.running.remove(self.g_version[gid])
-                raised |= min(self.running, default=self.version) > oldest
+                v = self.g_version[gid]
+                self.running[v] -= 1
+                if not self.running[v]:
+                    del self.running[v]
+                    raised |= v < min(self.running, default=self.version)  # it was the oldest
                 if self.g_drop[gid]:
                     # As the generator's admission (on_finish with discarded): the slot frees at
                     # once, so the engine starts a replacement in both modes.
