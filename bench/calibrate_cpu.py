@@ -262,9 +262,9 @@ def sync_phase(data: dict) -> tuple[float, float]:
             float(np.mean([s["row_tokens"] for s in steps])))
 
 
-def calibrate(data: dict, source: Path, job, name: str, other: tuple | None = None) -> tuple[Calibration, dict]:
-    """`other`: (result, its job) of another step size, whose sync phase splits the decode cost
-    into per-step and per-sequence terms; without it the engine benchmark's point does."""
+def derive(data: dict, job, name: str) -> tuple[Calibration, dict]:
+    """What the runs say before any decode fit: the calibration with the engine benchmark's
+    per-step cost alone (where every fit starts), and the facts the report shows."""
     runs = data["runs"]
     every = [s for mode in ("pipeline", "sync") for r in runs[mode] for s in steps_of(r)]
     spec = job.spec
@@ -303,6 +303,24 @@ def calibrate(data: dict, source: Path, job, name: str, other: tuple | None = No
         name=name, gpus_per_engine=1, decode_base_s=step_at, decode_per_seq_s=0.0, max_batch=max_batch,
         prefill_s_per_token=0.0, train_s_per_token=per_token, train_scaling=0.9, optimizer_step_s=fixed,
         weight_sync_s=weight_sync, pause_s=pause, contention=0.0, filtered_fraction=filtered, lengths=lengths)
+    facts = {
+        "train_fit": train_how, "mean_completion_tokens": mean_len, "prompt_tokens": prompt,
+        "sampled_lengths_mean": sum(sampled) / len(sampled), "sampled_lengths_max": max(sampled),
+        "mean_row_tokens": rows, "filtered_fraction": filtered,
+        "sync_generation_phase_s": gen_phase, "sync_steps_used": len(sync_steps),
+        "sequences_generated_per_sync_step": seqs, "engine_tokens_per_s": tok_s, "engine_batch": engine_batch,
+        "engine_step_s": step_at, "max_batch": max_batch, "decode_split_from_sync_phase_s": None,
+        "engine_date": engine.get("date", "?"), "pause_from_pipeline_runs": bool(pauses),
+    }
+    return base0, facts
+
+
+def calibrate(data: dict, source: Path, job, name: str, other: tuple | None = None) -> tuple[Calibration, dict]:
+    """`other`: (result, its job) of another step size, whose sync phase splits the decode cost
+    into per-step and per-sequence terms; without it the engine benchmark's point does."""
+    base0, facts = derive(data, job, name)
+    rows, gen_phase, step_at = facts["mean_row_tokens"], facts["sync_generation_phase_s"], facts["engine_step_s"]
+    tok_s, engine_batch = facts["engine_tokens_per_s"], facts["engine_batch"]
     split = None
     if other:
         phase2, rows2 = sync_phase(other[0])
@@ -323,21 +341,15 @@ def calibrate(data: dict, source: Path, job, name: str, other: tuple | None = No
         decode_how = f"slope from engine.json ({tok_s:.0f} tok/s at {engine_batch} sequences), base solved {phase_is}"
     calib = fitted.model_copy(update={
         "source": (f"measured: bench/calibrate_cpu.py from {source.name} ({data.get('date', '?')}, pinned cores)"
-                   + ("" if split else f" and engine.json ({engine.get('date', '?')})") + f". Train: {train_how}. Weight sync: mean weight_sync_seconds; "
-                   f"pause: {'mean weight_pause_max_seconds of the pipeline runs' if pauses else 'the same'}. Decode: "
-                   + decode_how + ". Prefill folded into decode (chunked prefill). train_scaling unmeasured "
+                   + ("" if split else f" and engine.json ({facts['engine_date']})") + f". Train: {facts['train_fit']}. "
+                   f"Weight sync: mean weight_sync_seconds; pause: "
+                   f"{'mean weight_pause_max_seconds of the pipeline runs' if facts['pause_from_pipeline_runs'] else 'the same'}. "
+                   "Decode: " + decode_how + ". Prefill folded into decode (chunked prefill). train_scaling unmeasured "
                    f"(one trainer rank)."),
     })
     calib = Calibration.model_validate(calib.model_dump())  # what load_calibration will see
-    facts = {
-        "train_fit": train_how, "mean_completion_tokens": mean_len, "prompt_tokens": prompt,
-        "sampled_lengths_mean": sum(sampled) / len(sampled), "sampled_lengths_max": max(sampled),
-        "mean_row_tokens": rows, "filtered_fraction": filtered,
-        "sync_generation_phase_s": gen_phase, "sync_steps_used": len(sync_steps),
-        "sequences_generated_per_sync_step": seqs, "engine_tokens_per_s": tok_s, "engine_batch": engine_batch,
-        "engine_step_s": step_at, "max_batch": max_batch,
-        "decode_split_from_sync_phase_s": {other[1].spec.trainer.samples_per_step: phase2} if split else None,
-    }
+    if split:
+        facts["decode_split_from_sync_phase_s"] = {other[1].spec.trainer.samples_per_step: phase2}
     return calib, facts
 
 
@@ -381,19 +393,19 @@ def main() -> None:
     args = ap.parse_args()
     data = load(args.source)
     job = job_spec(args.job, data)
-    other = None
-    if args.split_with:
-        other_data = load(args.split_with)
-        other = (other_data, job_spec(args.job, other_data))
-    calib, facts = calibrate(data, args.source, job, args.name, other)
     command = "python -m bench.calibrate_cpu" + ("" if args.name == "cpu-tiny" else
                                                   f" --job {rel(args.job)} --from {rel(args.source)} --name {args.name}")
     command += f" --split-with {rel(args.split_with)}" if args.split_with else ""
-    if args.calibration:
-        calib = load_calibration(args.calibration)
+    if args.calibration:  # out of sample: the runs' facts for the report, no fit
+        calib, (_, facts) = load_calibration(args.calibration), derive(data, job, args.name)
         command += f" --calibration {args.calibration}"
         print(f"calibration: the built-in {args.calibration} ({calib.source[:60]}...)")
     else:
+        other = None
+        if args.split_with:
+            other_data = load(args.split_with)
+            other = (other_data, job_spec(args.job, other_data))
+        calib, facts = calibrate(data, args.source, job, args.name, other)
         path = CALIBRATIONS / f"{args.name}.yaml"
         path.write_text(HEADER.format(source=rel(args.source), job=rel(args.job), command=command) + calibration_yaml(calib))
         assert load_calibration(args.name) == calib, f"load_calibration({args.name!r}) must read the file just written"
