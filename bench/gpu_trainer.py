@@ -1,36 +1,49 @@
-"""GPU trainer throughput: tokens/s and model FLOP utilisation of the trainer's DeepSpeed step for a
-Qwen2-architecture model in bf16, against a plain PyTorch loop on the same GPU, model and batch.
+"""GPU trainer throughput (benchmark 6): the trainer's step against stock Hugging Face training on
+the same tokens, for a Qwen2-architecture model in bf16 on one GPU, with tokens/s, model FLOP
+utilisation, peak GPU memory and host syncs per side, and a profile of the trainer's step.
 
-    .venv/bin/python -m bench.gpu_trainer [--size 0.5B|1.5B] [--repeats 5] [--peak-tflops 989]
-    .venv/bin/python -m bench.gpu_trainer --smoke      # CPU, a tiny model in fp32: checks the script only
+    python -m bench.gpu_trainer [--size 0.5B|1.5B] [--sides stock,plain,zero1,zero3] [--repeats 3]
+                                [--micro-batch-tokens 8192] [--gradient-checkpointing] [--profile]
+    python -m bench.gpu_trainer --smoke      # CPU, a tiny model in fp32: checks the script only
 
 The model is random-init (throughput does not depend on the weights) with Qwen2-0.5B/1.5B shapes
 and their 151,936-token vocabulary. A step is a synthetic RL batch with long-tailed completion
-lengths, packed into rows by the preprocessor's `pack_wave` and trained with the project's loss
-code (`micro_batch_loss`), exactly as the trainer service does. Sides, alternated per round:
+lengths, packed into rows by the preprocessor's `pack_wave`. Sides (each built, warmed up, timed
+and freed in turn, so the GPU runs one thing at a time and a 1.5B model's sides need not fit
+together):
 
-- the trainer's DeepSpeed engine (`build_engine`: bf16 weights, fp32 master copy in the ZeRO
-  optimizer, client AdamW);
-- plain PyTorch with the same optimizer arithmetic: fp32 weights, bf16 autocast, AdamW.
+- stock: stock Hugging Face training of the same tokens: dense rows of micro-batch-tokens, SDPA
+  causal attention over the whole row, HF's own cross-entropy (labels), fp32 weights with bf16
+  autocast, AdamW, gradient clipping. The floor any GPU trainer must beat.
+- plain: the trainer's model (packed variable-length attention, fused log-prob head) and loss
+  code (`micro_batch_loss`), fp32 weights, bf16 autocast, AdamW.
+- zero1, zero3: the trainer's DeepSpeed engine (`build_engine`: bf16 weights, fp32 master copy
+  kept by ZeRO, client AdamW) at ZeRO-1 and ZeRO-3.
 
-MFU = model FLOPs per step / step time / the GPU's dense bf16 peak. Model FLOPs: 6 · N · T for the
-N weights that multiply every token (layers and LM head; embedding lookup excluded) over T row
-tokens, plus causal attention 6 · layers · heads · head_dim · Σ s(s+1)/2 · 2 over the packed
-sequences of length s (forward QKᵀ and AV, backward twice that). The device goes into the JSON.
+MFU = model FLOPs / step time / the device's dense bf16 peak (989 TFLOP/s for H100 SXM and
+H200, from the device name, or `--peak-tflops`); model FLOPs = 6 · N · T for the N weights every
+token multiplies (layers and LM head) over T tokens, plus causal attention within each sample,
+the same useful work for every side (stock computes more attention: across samples too).
+Host syncs: one extra step per project side under `torch.cuda.set_sync_debug_mode("warn")`,
+counting the warnings. `--profile`: one step of the first project side under torch.profiler:
+the GPU's busy fraction and its top kernels. With `--targets RATIO,MFU` it ends with a verdict.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import random
 import tempfile
+import time
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from bench.common import alternate, machine, paired_ratios, save, summary, table, timed
-from bench.trainer_overhead import packed_step
+from bench.common import machine, save, summary, table
 from pipelinerl import messages as m
 from pipelinerl.spec import load_job, parse_job
 from pipelinerl_preprocessor.packing import StepSample, pack_wave, step_weight
@@ -48,6 +61,7 @@ SIZES: dict[str, dict] = {
 }
 # Dense bf16 tensor-core peak, TFLOP/s (vendor data sheets; SXM parts), matched on the device name.
 PEAK_TFLOPS = {"H200": 989.4, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0, "L40S": 362.0}
+SIDES = ("stock", "plain", "zero1", "zero3")
 
 
 @dataclass
@@ -96,111 +110,258 @@ def synthetic_step(samples: int, prompt: int, max_completion: int, vocab: int, s
     return out
 
 
-def job_for(model_path: str, dtype: str, zero_stage: int, micro_batch_tokens: int):
+def dense_rows(items: list[StepSample], width: int, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The same tokens as stock HF training takes them: concatenated, cut into rows of `width`;
+    labels are the generated tokens (-100 elsewhere; HF shifts them itself)."""
+    ids = torch.tensor([t for s in items for t in s.sample.tokens])
+    mask = torch.tensor([k for s in items for k in s.sample.mask], dtype=torch.bool)
+    labels = torch.where(mask, ids, torch.full_like(ids, -100))
+    return [(ids[a:a + width][None].to(device), labels[a:a + width][None].to(device))
+            for a in range(0, len(ids), width)]
+
+
+def job_for(model_path: str, dtype: str, zero_stage: int, micro_batch_tokens: int, checkpointing: bool):
     data = load_job("examples/tiny-cpu.yaml").model_dump(mode="json", by_alias=True, exclude_none=True)
     data["spec"]["model"] |= {"path": model_path, "dtype": dtype, "maxSeqLen": micro_batch_tokens}
-    data["spec"]["trainer"] |= {"zeroStage": zero_stage, "microBatchTokens": micro_batch_tokens, "warmupSteps": 0}
+    data["spec"]["trainer"] |= {"zeroStage": zero_stage, "microBatchTokens": micro_batch_tokens, "warmupSteps": 0,
+                                "gradientCheckpointing": checkpointing}
     return parse_job(data, "gpu_trainer job")
+
+
+class Bench:
+    """Builds each side, times it, frees it."""
+
+    def __init__(self, args, path: str, on_gpu: bool):
+        self.args, self.path, self.on_gpu = args, path, on_gpu
+        self.device = torch.device("cuda" if on_gpu else "cpu")
+        self.dtype = "bfloat16" if on_gpu else "float32"
+        self.items = synthetic_step(args.samples, args.prompt_tokens, args.max_completion, SIZES[args.size]["vocab_size"])
+        job = self.job(1)
+        self.cfg = step_config(job)
+        weight = step_weight(self.items, job.spec.rl.token_weighting, len(self.items))
+        self.batches = pack_wave(0, self.items, 1, args.micro_batch_tokens, weight, last=True)[0]
+
+    def job(self, stage: int):
+        return job_for(self.path, self.dtype, stage, self.args.micro_batch_tokens, self.args.gradient_checkpointing)
+
+    def sync(self) -> None:
+        if self.on_gpu:
+            torch.cuda.synchronize()
+
+    def build(self, side: str) -> tuple[Callable[[], None], Callable[[], None] | None, list]:
+        """(one training step, the micro-batch loop alone or None, the objects to free)."""
+        from transformers import AutoModelForCausalLM
+
+        from pipelinerl_trainer.model import build_engine, load_model
+
+        t = self.job(1).spec.trainer
+        autocast = dict(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.on_gpu)
+        if side in ("zero1", "zero3"):
+            engine = build_engine(self.job(int(side[-1])).spec.trainer, self.dtype, self.path)
+            engine.train()
+
+            def loop() -> None:
+                tally = StepTally(self.cfg.max_lag, engine.device)
+                for mb in self.batches:
+                    engine.backward(micro_batch_loss(engine, mb, 0, self.cfg, tally))
+
+            def step() -> None:
+                loop()
+                engine.step()
+                self.sync()
+            return step, loop, [engine]
+        if side == "plain":
+            model = load_model(self.path, gradient_checkpointing=self.args.gradient_checkpointing).to(self.device)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.path, attn_implementation="sdpa").to(self.device)
+            if self.args.gradient_checkpointing:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay, betas=(0.9, 0.999))
+        rows = dense_rows(self.items, self.args.micro_batch_tokens, self.device) if side == "stock" else None
+
+        def loop() -> None:
+            tally = StepTally(self.cfg.max_lag, self.device)
+            with torch.autocast(**autocast):
+                if rows is not None:
+                    for ids, labels in rows:
+                        model(input_ids=ids, labels=labels, use_cache=False).loss.backward()
+                else:
+                    for mb in self.batches:
+                        micro_batch_loss(model, mb, 0, self.cfg, tally).backward()
+
+        def step() -> None:
+            loop()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            self.sync()
+        return step, (loop if side == "plain" else None), [model]
+
+    def run(self, side: str, profile: bool) -> dict:
+        gc.collect()
+        if self.on_gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        keep: list = []
+        try:
+            step, loop, keep = self.build(side)
+            build_s = time.perf_counter() - t0
+            for _ in range(self.args.warmup):
+                step()
+            times = []
+            for _ in range(self.args.repeats):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            out = {"seconds": summary(times), "build_seconds": build_s}
+            if self.on_gpu:
+                out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+                if profile:
+                    out["profile"] = profile_step(step)
+                if loop is not None:
+                    out["host_syncs_per_micro_batch"] = self.count_syncs(loop)
+        except torch.OutOfMemoryError as e:
+            out = {"error": f"out of memory: {str(e).splitlines()[0]}"}
+        for obj in keep:  # a DeepSpeed engine holds hooks and buffers until destroyed
+            if hasattr(obj, "destroy"):
+                obj.destroy()
+        return out
+
+    def count_syncs(self, loop: Callable[[], None]) -> float:
+        """Host syncs the device reported during one pass of the micro-batch loop (sync debug mode)."""
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                loop()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        self.sync()
+        syncs = [w for w in seen if "synchroniz" in str(w.message)]
+        if syncs:
+            print(f"  host syncs seen: {sorted({f'{w.filename}:{w.lineno}' for w in syncs})[:8]}")
+        return len(syncs) / len(self.batches)
+
+
+def profile_step(step: Callable[[], None], top: int = 8) -> dict:
+    """One step under torch.profiler: the GPU's busy fraction (kernel time / wall time) and the top
+    kernels by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        step()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    kernels = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0
+               and str(getattr(e, "device_type", "")).endswith("CUDA")]
+    busy_us = sum(e.self_device_time_total for e in kernels)
+    ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+    return {"wall_ms": wall_us / 1000, "gpu_busy_fraction": min(1.0, busy_us / wall_us),
+            "top_kernels": [{"name": e.key[:90], "ms": e.self_device_time_total / 1000, "calls": e.count,
+                             "share": e.self_device_time_total / busy_us} for e in ranked]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--size", choices=[s for s in SIZES if s != "smoke"], default="0.5B")
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
     ap.add_argument("--samples", type=int, default=128, help="samples per optimizer step")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-completion", type=int, default=4096)
     ap.add_argument("--micro-batch-tokens", type=int, default=8192)
-    ap.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=1)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--gradient-checkpointing", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--profile", action="store_true", help="profile one step of the first project side")
     ap.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak (default: from its name)")
+    ap.add_argument("--targets", help="RATIO,MFU: print a verdict (best project side vs stock, and its MFU)")
+    ap.add_argument("--tag", default="", help="suffix of the result file's name")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, fp32: checks the script runs")
     args = ap.parse_args()
     if args.smoke:
         args.size, args.samples, args.prompt_tokens, args.max_completion = "smoke", 8, 16, 64
-        args.micro_batch_tokens, args.repeats = 256, 2
+        args.micro_batch_tokens, args.repeats, args.sides = 256, 2, "stock,plain,zero1"
+    sides = [s for s in args.sides.split(",") if s]
+    if unknown := set(sides) - set(SIDES):
+        raise SystemExit(f"--sides: unknown {sorted(unknown)} (of {', '.join(SIDES)})")
     on_gpu = torch.cuda.is_available() and not args.smoke
     if not on_gpu and not args.smoke:
         raise SystemExit("bench.gpu_trainer needs a CUDA GPU (or --smoke to check the script on CPU)")
-    dtype = "bfloat16" if on_gpu else "float32"
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29518")
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from pipelinerl_trainer.model import build_engine, init_distributed, load_model
+    from pipelinerl_trainer.model import init_distributed
 
-    arch = SIZES[args.size]
-    shape = Shape.of(arch)
-    device = torch.device("cuda" if on_gpu else "cpu")
+    shape = Shape.of(SIZES[args.size])
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="gpu-trainer-") as path:
         torch.manual_seed(0)
-        config = Qwen2Config(tie_word_embeddings=True, max_position_embeddings=args.micro_batch_tokens,
-                             rope_theta=1e6, **arch)
+        config = Qwen2Config(tie_word_embeddings=True, max_position_embeddings=max(args.micro_batch_tokens, 8192),
+                             rope_theta=1e6, **SIZES[args.size])
         Qwen2ForCausalLM(config).save_pretrained(path)
-        job = job_for(path, dtype, args.zero_stage, args.micro_batch_tokens)
-        cfg = step_config(job)
-        items = synthetic_step(args.samples, args.prompt_tokens, args.max_completion, shape.vocab)
-        weight = step_weight(items, job.spec.rl.token_weighting, len(items))
-        batches = pack_wave(0, items, 1, args.micro_batch_tokens, weight, last=True)[0]
-        lengths = [len(s.sample.tokens) for s in items]
-        tokens, flops = sum(lengths), step_flops(shape, lengths)
-
+        bench = Bench(args, path, on_gpu)
         init_distributed(on_gpu, 600)
-        engine = build_engine(job.spec.trainer, job.spec.model.dtype, path)  # DeepSpeed places it on the local GPU
-        engine.train()
-        plain = load_model(path).to(device).train()  # fp32 weights: the same master precision
-        t = job.spec.trainer
-        opt = torch.optim.AdamW(plain.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay, betas=(0.9, 0.999))
-        n_params = sum(p.numel() for p in plain.parameters())
+        first_project = next((s for s in sides if s != "stock"), None)
+        for side in sides:
+            t0 = time.perf_counter()
+            results[side] = bench.run(side, profile=args.profile and side == first_project)
+            print(f"  {side}: {time.perf_counter() - t0:.0f} s", flush=True)
+    report(args, shape, bench, results, on_gpu)
 
-        def sync() -> None:
-            if on_gpu:
-                torch.cuda.synchronize()
 
-        def deepspeed_step() -> None:
-            packed_step(engine, engine.step, batches, cfg, engine.backward)
-            sync()
-
-        def plain_step() -> None:
-            tally = StepTally()
-            for mb in batches:
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=on_gpu):
-                    loss = micro_batch_loss(plain, mb, 0, cfg, tally)
-                loss.backward()
-            torch.nn.utils.clip_grad_norm_(plain.parameters(), t.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sync()
-
-        sides = {f"deepspeed ZeRO-{args.zero_stage}, {dtype}": lambda: timed(deepspeed_step),
-                 "plain PyTorch, bf16 autocast" if on_gpu else "plain PyTorch, float32": lambda: timed(plain_step)}
-        times = alternate(sides, args.repeats, warmup=1)
-
-    dev_name = machine()["device"]
-    peak = args.peak_tflops or (peak_tflops(str(dev_name)) if on_gpu else None)
-    names = list(sides)
-    rows, result = [], {"size": args.size, "parameters": n_params, "matmul_parameters": shape.matmul_params(),
-                        "dtype": dtype, "zero_stage": args.zero_stage, "samples_per_step": len(items),
-                        "tokens_per_step": tokens, "micro_batches": len(batches), "flops_per_step": flops,
-                        "peak_tflops": peak, "sides": {}}
-    for name in names:
-        s = summary(times[name])
-        ratio = paired_ratios(times[name], times[names[1]])
-        tflops = flops / s["median"] / 1e12
-        mfu = tflops / peak if peak else None
-        result["sides"][name] = {"seconds": s, "tokens_per_second": tokens / s["median"], "tflops": tflops,
-                                 "mfu": mfu, "vs_plain": ratio}
-        rows.append([name, s["median"], f"{s['min']:.3f}-{s['max']:.3f}", tokens / s["median"], tflops,
-                     f"{mfu:.1%}" if mfu else "-", ratio["median"]])
-    overhead = result["sides"][names[0]]["vs_plain"]["median"]
-    result["deepspeed_overhead"] = overhead
-    print(f"{args.size} ({n_params:,} parameters) on {dev_name}: {len(items)} samples, {tokens} tokens, "
-          f"{len(batches)} micro-batches per step")
-    print(table(["side", "step s (median)", "spread", "tokens/s", "TFLOP/s", "MFU", "× plain"], rows))
-    print(f"DeepSpeed / plain PyTorch: {overhead:.2f}×")
+def report(args, shape: Shape, bench: Bench, results: dict[str, dict], on_gpu: bool) -> None:
+    lengths = [len(s.sample.tokens) for s in bench.items]
+    tokens, flops = sum(lengths), step_flops(shape, lengths)
+    dev_name = str(machine()["device"])
+    peak = args.peak_tflops or (peak_tflops(dev_name) if on_gpu else None)
+    stock = results.get("stock", {}).get("seconds", {}).get("median")
+    rows = []
+    for side, r in results.items():
+        if "error" in r:
+            rows.append([side, r["error"][:60], "", "", "", "", "", ""])
+            continue
+        s = r["seconds"]["median"]
+        r |= {"tokens_per_second": tokens / s, "tflops": flops / s / 1e12,
+              "mfu": flops / s / 1e12 / peak if peak else None, "vs_stock": stock / s if stock else None}
+        rows.append([side, s, tokens / s, r["tflops"], f"{r['mfu']:.1%}" if r["mfu"] else "-",
+                     f"{r['vs_stock']:.2f}×" if r["vs_stock"] else "-",
+                     f"{r['peak_memory_gb']:.1f}" if "peak_memory_gb" in r else "-",
+                     f"{r['host_syncs_per_micro_batch']:.1f}" if "host_syncs_per_micro_batch" in r else "-"])
+    print(f"{args.size} ({shape.matmul_params():,} matmul weights) on {dev_name}: {len(bench.items)} samples, "
+          f"{tokens} tokens, {len(bench.batches)} micro-batches of ≤ {args.micro_batch_tokens} tokens per step"
+          f"{', activation checkpointing' if args.gradient_checkpointing else ''}")
+    print(table(["side", "step s", "tokens/s", "TFLOP/s", "MFU", "× stock", "peak GB", "syncs/mb"], rows))
+    for side, r in results.items():
+        if "profile" in r:
+            p = r["profile"]
+            print(f"profile of {side}: GPU busy {p['gpu_busy_fraction']:.0%} of {p['wall_ms']:.0f} ms")
+            for k in p["top_kernels"]:
+                print(f"  {k['share']:6.1%} {k['ms']:8.1f} ms {k['calls']:6d}×  {k['name']}")
+    verdict = None
+    if args.targets and stock:
+        ratio_target, mfu_target = (float(x) for x in args.targets.split(","))
+        done = {s: r for s, r in results.items() if s != "stock" and "error" not in r}
+        best = max(done, key=lambda s: done[s]["tokens_per_second"], default=None)
+        if best:
+            b = done[best]
+            verdict = {"best_side": best, "vs_stock": b["vs_stock"], "mfu": b["mfu"],
+                       "ratio_met": b["vs_stock"] >= ratio_target, "mfu_met": (b["mfu"] or 0) >= mfu_target}
+            mfu = f"{b['mfu']:.1%}" if b["mfu"] is not None else "unknown (no peak for this device)"
+            print(f"VERDICT {args.size}: best project side {best}: {b['vs_stock']:.2f}× stock HF "
+                  f"(target ≥ {ratio_target}×: {'met' if verdict['ratio_met'] else 'MISSED'}), MFU {mfu} "
+                  f"(target ≥ {mfu_target:.0%}: {'met' if verdict['mfu_met'] else 'MISSED'})")
     if not args.smoke:
-        command = (f"python -m bench.gpu_trainer --size {args.size} --samples {args.samples} --prompt-tokens "
-                   f"{args.prompt_tokens} --max-completion {args.max_completion} --micro-batch-tokens "
-                   f"{args.micro_batch_tokens} --zero-stage {args.zero_stage} --repeats {args.repeats}")
-        save(f"gpu_trainer-{args.size}", result, command)
+        command = (f"python -m bench.gpu_trainer --size {args.size} --sides {args.sides} --samples {args.samples} "
+                   f"--micro-batch-tokens {args.micro_batch_tokens} --repeats {args.repeats}"
+                   + (" --gradient-checkpointing" if args.gradient_checkpointing else ""))
+        save(f"gpu_trainer-{args.size}{args.tag}", {
+            "size": args.size, "matmul_parameters": shape.matmul_params(), "samples_per_step": len(bench.items),
+            "tokens_per_step": tokens, "micro_batches": len(bench.batches), "flops_per_step": flops,
+            "micro_batch_tokens": args.micro_batch_tokens, "gradient_checkpointing": args.gradient_checkpointing,
+            "peak_tflops": peak, "sides": results, "verdict": verdict}, command)
 
 
 if __name__ == "__main__":

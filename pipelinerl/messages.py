@@ -12,7 +12,7 @@ from typing import ClassVar, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION = 3  # 3: RolloutGroup.books; 2: without problem_id/start_version/gen_seconds, PolicyVersion without step
+SCHEMA_VERSION = 4  # 4: MicroBatch.lengths instead of sample_ids; 3: RolloutGroup.books; 2: without problem_id/start_version/gen_seconds, PolicyVersion without step
 
 
 class MessageError(ValueError):
@@ -107,7 +107,9 @@ class MicroBatch(Message):
     logprobs: list[float] = Field(default_factory=list)
     versions: list[int] = Field(default_factory=list)
     weights: list[float] = Field(default_factory=list)  # per-token loss weight
-    sample_ids: list[int] = Field(default_factory=list)  # per-token index of the sample in this row
+    # Tokens of each packed sample, in row order: where every sequence starts, as data (the
+    # trainer's variable-length attention takes them as they are, never re-derives them).
+    lengths: list[int] = Field(default_factory=list)
     rewards: list[float] = Field(default_factory=list)  # per packed sample, for metrics
     group_ids: list[str] = Field(default_factory=list)  # per packed sample: which prompt group it came from
     # Step-level facts for metrics and admission, counted over the step up to this wave
@@ -124,9 +126,13 @@ class MicroBatch(Message):
     @model_validator(mode="after")
     def _aligned(self) -> MicroBatch:
         n = len(self.tokens)
-        for name in ("positions", "mask", "advantages", "logprobs", "versions", "weights", "sample_ids"):
+        for name in ("positions", "mask", "advantages", "logprobs", "versions", "weights"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} tokens")
+        if sum(self.lengths) != n or any(k <= 0 for k in self.lengths):
+            raise ValueError(f"lengths {self.lengths} are not positive and summing to the {n} tokens")
+        if len(self.rewards) != len(self.lengths):
+            raise ValueError(f"{len(self.rewards)} rewards for {len(self.lengths)} packed samples")
         return self
 
     @property

@@ -256,6 +256,9 @@ class TrainerSpec(RoleSpec):
         "Save the Hugging Face weights every N policy versions (checkpoints/export/version-N; weights "
         "and tokenizer only) for offline evaluation; 0 disables."))
     seed: int = Field(default=42, ge=0)
+    gradient_checkpointing: bool = Field(default=False, description=(
+        "Recompute each layer's activations in the backward pass instead of keeping them: about a third "
+        "more compute for a fraction of the activation memory (large models, long micro-batches)."))
 
     @model_validator(mode="after")
     def _warmup_within_run(self) -> TrainerSpec:

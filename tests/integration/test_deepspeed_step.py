@@ -2,8 +2,9 @@
 gradient-norm clipping, over any number of micro-batches. Steps hold a variable number of
 micro-batches, so the trainer calls backward() per micro-batch and step() itself
 (`managed_gradient_accumulation: false`); a wrong accumulation setting would silently train on
-one micro-batch of each step, or scale its gradients. Each case runs in a fresh process (one
-gloo rank), as a trainer pod does."""
+one micro-batch of each step, or scale its gradients. The loss goes through the trainer's own
+forward (packed rows, fused log-prob head), under ZeRO-1 and ZeRO-3. Each case runs in a fresh
+process (one gloo rank), as a trainer pod does."""
 
 from __future__ import annotations
 
@@ -20,7 +21,14 @@ LR = 1e-2  # large enough that a missing micro-batch or a wrong scale moves the 
 
 
 def _loss(model, batch: torch.Tensor, scale: float) -> torch.Tensor:
-    return model(input_ids=batch, use_cache=False).logits.float().logsumexp(-1).mean() * scale
+    """The trainer's forward over a packed row (packed attention, fused log-prob head: under
+    ZeRO-3 the head's weight is gathered for it in the forward and the backward passes)."""
+    from pipelinerl_trainer.packed_attention import Packing
+
+    lengths = [5, 4, 3]
+    positions = torch.tensor([[p for n in lengths for p in range(n)]])
+    lp, entropy = model(input_ids=batch, position_ids=positions, packing=Packing.of(lengths), temperature=0.7)
+    return (-lp.sum() - 0.1 * entropy.sum()) * scale
 
 
 def _compare(stage: int, path: str, port: int, out: mp.Queue) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import multiprocessing as mp
+import os
 import time
 
 import pytest
@@ -90,7 +91,9 @@ def test_plan_for_tensors_is_plain_data_and_rejects_bad_input():
 def _receiver(port, rank, world, timeout_s, buckets, out_q, backend="gloo", group_id="g", token=""):
     try:
         if backend == "nccl":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+            if torch.cuda.device_count() == 1:  # NCCL refuses two ranks of one host on one GPU: another "host"
+                os.environ["NCCL_HOSTID"] = f"receiver-{rank}"
         group = WeightGroup.join(HOST, port, group_id, rank, world, timeout_s, backend, token)
         # Two updates: the second reuses the first one's buffers (views are copied out).
         got = [{n: t.cpu().clone() for n, t in group.receive_buckets(buckets)} for _ in range(2)]
@@ -276,9 +279,13 @@ def test_nccl_without_a_gpu_is_refused_before_any_rendezvous(port):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(GPUS < 2, reason="NCCL refuses two ranks on one GPU: needs 2 GPUs")
-def test_nccl_broadcast_round_trips_gpu_to_gpu(port):
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+def test_nccl_broadcast_round_trips_gpu_to_gpu(port, monkeypatch):
+    """On two GPUs, or on one: NCCL refuses two ranks of one host on one device, so there each
+    process names its own NCCL_HOSTID and NCCL takes them for two hosts (socket transport)."""
     torch.cuda.set_device(0)
+    if GPUS == 1:
+        monkeypatch.setenv("NCCL_HOSTID", "trainer")
     g = torch.Generator().manual_seed(0)
     tensors = {"w": torch.randn(64, 32, generator=g).cuda(), "b": torch.randn(7, generator=g).to(torch.bfloat16).cuda()}
     buckets = plan_buckets_for(tensors, bucket_bytes=1024)

@@ -55,7 +55,7 @@ def micro_batch(**change) -> m.MicroBatch:
     base = dict(step=3, rank=0, index=2, last=True, tokens=[1, 2, 3, 1, 4, 5], positions=[0, 1, 2, 0, 1, 2],
                 mask=[0, 1, 1, 0, 1, 1], advantages=[0.0, 1.0, 1.0, 0.0, -1.0, -1.0],
                 logprobs=[0.0, -1.0, -2.0, 0.0, -0.5, -0.5], versions=[-1, 2, 2, -1, 2, 2],
-                weights=[0.0, 0.1, 0.1, 0.0, 0.1, 0.1], sample_ids=[0, 0, 0, 1, 1, 1], rewards=[1.0, 0.0],
+                weights=[0.0, 0.1, 0.1, 0.0, 0.1, 0.1], lengths=[3, 3], rewards=[1.0, 0.0],
                 group_ids=["a", "b"], step_samples=16, step_groups_by_generator={"0": 4})
     return m.MicroBatch(**(base | change))
 
@@ -80,7 +80,7 @@ def test_bad_samples_are_blanked_and_the_rest_of_the_row_is_kept():
     assert bad_samples(mb, 100, 64) == {}
     assert mb.tokens == [1, 2, 3, 0, 0, 0] and mb.weights == [0.0, 0.1, 0.1, 0.0, 0.0, 0.0]
     assert mb.logprobs[:3] == [0.0, -1.0, -2.0] and mb.versions == [-1, 2, 2, -1, -1, -1]
-    assert len(mb.tokens) == 6 and mb.sample_ids == [0, 0, 0, 1, 1, 1]  # same shape, same place in the step
+    assert len(mb.tokens) == 6 and mb.lengths == [3, 3]  # same shape, same place in the step
     assert (mb.step, mb.index, mb.last, mb.step_samples) == (3, 2, True, 16)
 
 

@@ -42,6 +42,9 @@ def test_pack_wave_positions_weights_and_equal_counts():
     for mb in real:
         starts = [i for i, p in enumerate(mb.positions) if p == 0]
         assert len(starts) == len(mb.rewards)  # positions restart per sample
+        # and each sample's length travels with the row: the trainer's sequence boundaries
+        assert [sum(mb.lengths[:k]) for k in range(len(mb.lengths))] == starts
+        assert MicroBatch.model_validate(mb.model_dump()) == mb  # valid on the wire
         assert all(w == pytest.approx(1 / 7) for w, m in zip(mb.weights, mb.mask) if m)
         assert all(w == 0 for w, m in zip(mb.weights, mb.mask) if not m)
         assert mb.step == 5

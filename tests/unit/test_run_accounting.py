@@ -1,9 +1,9 @@
 """Pure accounting of the local runner and the trainer step: core pinning, busy clocks,
 throughput over the steady window, per-lag token counts, samples dropped for lag."""
 
+import math
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,9 +44,10 @@ def test_busy_clock_counts_overlapping_work_once():
 
 
 def test_step_tally_counts_tokens_per_lag():
-    tally = StepTally()
-    tally.lags = [0, 1, 1, 3]
-    tally.sums[1] = 4  # tokens
+    tally = StepTally(max_lag=4)
+    values = torch.zeros(8, dtype=torch.float64)
+    values[1] = 4  # tokens
+    tally.add_device(values, torch.tensor([1.0, 2, 0, 1, 0], dtype=torch.float64))  # lags 0, 1, 1, 3
     metrics = tally.metrics()
     assert {k: v for k, v in metrics.items() if k.startswith("tokens_lag_")} == \
         {"tokens_lag_0": 1, "tokens_lag_1": 2, "tokens_lag_3": 1}
@@ -54,16 +55,17 @@ def test_step_tally_counts_tokens_per_lag():
 
 
 def test_samples_over_the_lag_budget_are_dropped_and_left_out_of_the_lag_metrics():
-    def model(input_ids, position_ids, use_cache):  # uniform logits over 5 tokens
-        return SimpleNamespace(logits=torch.zeros(1, input_ids.shape[1], 5, requires_grad=True))
+    def model(input_ids, position_ids, packing, temperature):  # uniform over 5 tokens
+        n = input_ids.shape[1]
+        return torch.full((n,), -math.log(5), requires_grad=True), torch.full((n,), math.log(5))
 
     # Two packed samples of 3 tokens (prompt token, 2 completion tokens) trained at version 5:
     # the first sampled at versions 4 (lag 1), the second at 2 (lag 3 > max lag 2).
     mb = m.MicroBatch(step=0, rank=0, index=0, last=True, tokens=[1, 2, 3, 1, 4, 2], positions=[0, 1, 2] * 2,
                       mask=[0, 1, 1] * 2, advantages=[0.0, 1.0, 1.0, 0.0, -1.0, -1.0],
                       logprobs=[0.0] + [-1.6] * 2 + [0.0] + [-1.6] * 2, versions=[4, 4, 4, 2, 2, 2],
-                      weights=[0.0, 0.5, 0.5, 0.0, 0.5, 0.5], sample_ids=[0, 0, 0, 1, 1, 1], rewards=[1.0, 0.0])
-    tally = StepTally()
+                      weights=[0.0, 0.5, 0.5, 0.0, 0.5, 0.5], lengths=[3, 3], rewards=[1.0, 0.0])
+    tally = StepTally(max_lag=2)
     micro_batch_loss(model, mb, 5, StepConfig(LossConfig("reinforce"), 1.0, max_lag=2), tally)
     metrics = tally.metrics()
     assert metrics["dropped_for_lag"] == 1 and metrics["tokens"] == 2

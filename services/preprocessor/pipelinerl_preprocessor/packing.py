@@ -3,9 +3,9 @@
 A step is published in waves as its groups arrive (`next_wave`), so the trainer can compute on
 the first micro-batches while the rest is generated. Within a wave, samples go into rows of at
 most `micro_batch_tokens` tokens (first-fit decreasing), position ids restart at 0 for every
-sample so attention stays within it, rows are spread over ranks to balance tokens, and every
-rank gets the same number of micro-batches (empty sentinels fill the gaps) so the ranks'
-collectives stay in lock-step.
+sample and each sample's length travels with the row (the trainer's attention stays within
+it), rows are spread over ranks to balance tokens, and every rank gets the same number of
+micro-batches (empty sentinels fill the gaps) so the ranks' collectives stay in lock-step.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def close_step(lasts: list[MicroBatch | None]) -> tuple[int, list[MicroBatch]]:
 
 def _row(step: int, rank: int, index: int, items: list[StepSample], weight: float) -> MicroBatch:
     mb = MicroBatch(step=step, rank=rank, index=index)
-    for sid, item in enumerate(items):
+    for item in items:
         s = item.sample
         n = len(s.tokens)
         mb.tokens += s.tokens
@@ -152,7 +152,7 @@ def _row(step: int, rank: int, index: int, items: list[StepSample], weight: floa
         mb.logprobs += s.logprobs
         mb.versions += s.versions
         mb.weights += [weight * m for m in s.mask]
-        mb.sample_ids += [sid] * n
+        mb.lengths.append(n)
         mb.rewards.append(s.reward)
         mb.group_ids.append(item.group_id)
     return mb

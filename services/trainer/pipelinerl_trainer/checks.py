@@ -11,21 +11,34 @@ import math
 from pipelinerl import messages as m
 
 
+def spans(mb: m.MicroBatch) -> list[tuple[int, int]]:
+    """(start, end) of each packed sample of `mb` in its row."""
+    out, start = [], 0
+    for n in mb.lengths:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
 def bad_samples(mb: m.MicroBatch, vocab_size: int, max_positions: int | None) -> dict[int, str]:
-    """Sample id → why the model cannot train it, for each such sample of `mb`."""
+    """Sample index → why the model cannot train it, for each such sample of `mb` (C-speed scans
+    of each sample's slices; the loop is over samples, not tokens)."""
     bad: dict[int, str] = {}
-    for j, sid in enumerate(mb.sample_ids):
-        if sid in bad:
-            continue
-        token, pos = mb.tokens[j], mb.positions[j]
-        if not 0 <= token < vocab_size:
+    for sid, (a, b) in enumerate(spans(mb)):
+        tokens, positions = mb.tokens[a:b], mb.positions[a:b]
+        if min(tokens) < 0 or max(tokens) >= vocab_size:
+            token = next(t for t in tokens if not 0 <= t < vocab_size)
             bad[sid] = f"token id {token} is outside the model's vocabulary (size {vocab_size})"
-        elif pos < 0 or (max_positions is not None and pos >= max_positions):
+        elif min(positions) < 0 or (max_positions is not None and max(positions) >= max_positions):
+            pos = min(positions) if min(positions) < 0 else max(positions)
             bad[sid] = f"position id {pos} is outside the model's 0..{max_positions}"
         else:
-            name = next((n for n in ("logprobs", "advantages", "weights") if not math.isfinite(getattr(mb, n)[j])), None)
-            if name:
-                bad[sid] = f"non-finite {name[:-1]} at token {j}"
+            for name in ("logprobs", "advantages", "weights"):
+                values = getattr(mb, name)[a:b]
+                if not all(map(math.isfinite, values)):
+                    j = a + next(k for k, v in enumerate(values) if not math.isfinite(v))
+                    bad[sid] = f"non-finite {name[:-1]} at token {j}"
+                    break
     return bad
 
 
@@ -35,8 +48,9 @@ def describe(mb: m.MicroBatch, bad: dict[int, str]) -> str:
 
 
 def without(mb: m.MicroBatch, bad: set[int]) -> m.MicroBatch:
-    """`mb` with the `bad` samples blanked: token 0 at position 0, nothing to learn from."""
-    keep = [sid not in bad for sid in mb.sample_ids]
+    """`mb` with the `bad` samples blanked: token 0 at position 0, nothing to learn from (each
+    keeps its length, so the row's sequences stay where they were)."""
+    keep = [sid not in bad for sid, n in enumerate(mb.lengths) for _ in range(n)]
 
     def blank(values: list, zero) -> list:
         return [v if k else zero for v, k in zip(values, keep)]

@@ -2,7 +2,8 @@
 
 All inputs are 1-D over the tokens of a packed row, already shifted so that position t holds
 the log-probability of token t; `weights` is 0 on tokens that are not trained (prompt,
-environment replies, samples dropped for lag), so sums over all positions are safe.
+environment replies, samples dropped for lag), so sums over all positions are safe. Nothing
+here reads a value back to the host (no `.item()`, no boolean indexing): a GPU runs ahead.
 r_t = exp(logπ_θ(a_t) − logμ(a_t)), μ being the sampling policy whose logprobs the engine
 returned with each token.
 """
@@ -27,7 +28,9 @@ class LossConfig:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-prob of each next token and the entropy of each next-token distribution.
+    """Log-prob of each next token and the entropy of each next-token distribution: the
+    reference arithmetic, over whole logits (the trainer computes the same from hidden states
+    without them, `logprob_head.linear_logprobs`).
 
     logits: [L, V] for a row, tokens: [L]. Returns tensors of length L where entry t (t ≥ 1)
     belongs to token t (predicted from position t−1) and entry 0 is 0. Computed in fp32 on
@@ -41,9 +44,10 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 
 def sequence_sum(values: torch.Tensor, sample_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per token: the sum of `values` over the masked tokens of its sample."""
-    n = int(sample_ids.max().item()) + 1 if sample_ids.numel() else 0
-    return values.new_zeros(n).index_add(0, sample_ids, values * mask.to(values.dtype))[sample_ids]
+    """Per token: the sum of `values` over the masked tokens of its sample (sample ids index a
+    buffer as long as the row, which always has room: each sample has a token)."""
+    masked = torch.where(mask.bool(), values, torch.zeros_like(values))
+    return values.new_zeros(values.shape[0]).index_add(0, sample_ids, masked)[sample_ids]
 
 
 def sequence_mean(values: torch.Tensor, sample_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -61,8 +65,9 @@ def policy_loss(
     sample_ids: torch.Tensor | None = None,
     ref_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Σ_t w_t · ℓ_t for the chosen objective, plus statistics over the trained tokens."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Σ_t w_t · ℓ_t for the chosen objective, plus statistics (sums over the trained tokens, as
+    0-dim tensors on the inputs' device)."""
     trained = weights > 0
     log_ratio = torch.where(trained, new_logprobs - old_logprobs, torch.zeros_like(new_logprobs))
     ratio = log_ratio.exp()
@@ -111,15 +116,16 @@ def policy_loss(
         loss = loss - cfg.entropy_coef * (weights * entropy).sum()
 
     with torch.no_grad():
-        r = ratio[trained].detach()
-        stats = {"tokens": float(trained.sum()), "ratio_sum": float(r.sum()), "ratio_sq_sum": float((r * r).sum()),
-                 "ratio_max": float(r.max()) if r.numel() else 0.0,
-                 "ratio_min": float(r.min()) if r.numel() else 0.0,
-                 "clipped": float(clipped[trained].sum())}
+        def trained_sum(values: torch.Tensor) -> torch.Tensor:
+            return torch.where(trained, values, torch.zeros_like(values)).sum()
+
+        r = ratio.detach()
+        stats = {"tokens": trained.sum(), "ratio_sum": trained_sum(r), "ratio_sq_sum": trained_sum(r * r),
+                 "clipped": (clipped & trained).sum()}
         if kl is not None:
-            stats["kl_sum"] = float(kl[trained].sum())
+            stats["kl_sum"] = trained_sum(kl)
         if entropy is not None:
-            stats["entropy_sum"] = float(entropy[trained].sum())
+            stats["entropy_sum"] = trained_sum(entropy)
     return loss, stats
 
 

@@ -35,7 +35,7 @@ from pipelinerl_trainer.bridge import NatsBridge
 from pipelinerl_trainer.checks import bad_samples, describe, without
 from pipelinerl_trainer.model import build_engine, init_distributed, load_model
 from pipelinerl_trainer.output import Output
-from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
+from pipelinerl_trainer.step import ComputeClock, StepTally, micro_batch_loss, step_config
 from pipelinerl_trainer.weight_sender import WeightSender
 
 log = logging.getLogger("pipelinerl.trainer")
@@ -222,8 +222,9 @@ class Trainer:
         """Step `self.version` on its micro-batches as they arrive; None if stopped first.
         `train_seconds` counts computing only, not waiting for data."""
         self.engine.train()
-        tally = StepTally()
-        elapsed, count = 0.0, 0
+        tally = StepTally(self.spec.max_lag, self.engine.device)
+        clock = ComputeClock(self.engine.device)
+        count = 0
         while True:
             mb = self._next_batch()
             if mb is None:
@@ -234,24 +235,20 @@ class Trainer:
             bad = bad_samples(mb, self.vocab_size, self.max_positions)
             if bad:
                 mb = self._reject(mb, bad, tally)
-            t0 = time.perf_counter()
-            loss = micro_batch_loss(self.engine, mb, self.version, self.step_cfg, tally, self.ref_model)
-            # DeepSpeed averages gradients over data-parallel ranks; weights already sum over them.
-            self.engine.backward(loss * self.world)
-            elapsed += time.perf_counter() - t0
+            with clock:
+                loss = micro_batch_loss(self.engine, mb, self.version, self.step_cfg, tally, self.ref_model)
+                # DeepSpeed averages gradients over data-parallel ranks; weights already sum over them.
+                self.engine.backward(loss * self.world)
             if mb.last:
                 break
-        t0 = time.perf_counter()
-        self.engine.step()
-        optimizer_s = time.perf_counter() - t0
+        optimizer = ComputeClock(self.engine.device)
+        with optimizer:
+            self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
-        if self.world > 1:  # on the engine's device: NCCL reduces only GPU tensors
-            sums = tally.sums.to(self.engine.device)
-            dist.all_reduce(sums)
-            tally.sums = sums.cpu()
-        metrics = tally.metrics()
+        metrics = tally.finish(self.world).metrics()  # the step's one read of the device
+        optimizer_s = optimizer.seconds()
+        elapsed = clock.seconds() + optimizer_s
         metrics["dropped_for_lag"] += mb.step_samples_stale  # the preprocessor's, whole groups
-        elapsed += time.perf_counter() - t0
         DROPPED.inc(metrics["dropped_for_lag"] if self.rank == 0 else 0)
         self.samples_total += metrics["samples"]
         self.rejected_total = {"groups": self.rejected_total["groups"] + mb.step_groups_rejected,
@@ -272,7 +269,7 @@ class Trainer:
                   mb.step, mb.index, mb.rank, len(bad), reason)
         self.bridge.dead_letter(m.encode(mb), reason, f"batch-{mb.step}-{mb.rank}-{mb.index}")
         REJECTED.inc(len(bad))
-        tally.reject(len(bad))
+        tally.add(rejected=len(bad))
         return without(mb, set(bad))
 
     def _consumed(self, last: m.MicroBatch) -> None:

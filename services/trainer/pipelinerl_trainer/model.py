@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import types
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Protocol
@@ -12,7 +13,8 @@ import torch
 
 from pipelinerl.spec import TrainerSpec
 from pipelinerl.weight_group import DTYPES
-from pipelinerl_trainer.packed_attention import use_packed_attention
+from pipelinerl_trainer.logprob_head import linear_logprobs
+from pipelinerl_trainer.packed_attention import Packing, use_packed_attention
 
 
 def init_distributed(on_gpu: bool, timeout_s: float) -> None:
@@ -51,21 +53,59 @@ def ds_config(trainer: TrainerSpec, dtype: str) -> dict:
     return cfg
 
 
-def load_model(model_path: str, dtype: str = "float32"):
-    """The Hugging Face model as the trainer runs it: packed-row attention, no KV cache."""
+def load_model(model_path: str, dtype: str = "float32", gradient_checkpointing: bool = False):
+    """The Hugging Face model as the trainer runs it: packed-row attention, the fused log-prob
+    head (`policy_forward`), no KV cache."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=DTYPES[dtype])
     model.config.use_cache = False
     use_packed_attention(model)
+    use_policy_forward(model)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+# Config fields of models that transform the logits after the LM head (soft-capping, scaling):
+# the fused head computes log-probs from hidden states and would skip that.
+POST_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def use_policy_forward(model) -> None:
+    """Give `model` the trainer's forward: called with a `packing`, it returns the per-token
+    (log-prob, entropy) of a packed row straight from the last hidden states (`linear_logprobs`:
+    no full-vocabulary tensor); without one, it is the model's own forward.
+
+    The forward is the root module's (not a separate function over its parts) so that DeepSpeed
+    sees the call: ZeRO-3 gathers the head's weight for it, and the engine hooks its outputs."""
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear) or head.bias is not None:
+        raise ValueError(f"{type(model).__name__}: the trainer needs a bias-free linear LM head")
+    for name in POST_HEAD_FIELDS:
+        if getattr(model.config, name, None) not in (None, 1.0):
+            raise ValueError(f"{type(model).__name__} transforms its logits after the LM head ({name}), "
+                             "which the trainer's fused log-prob head does not")
+    stock = type(model).forward
+
+    def forward(self, input_ids=None, *, packing: Packing | None = None, temperature: float = 1.0, **kwargs):
+        if packing is None:
+            return stock(self, input_ids=input_ids, **kwargs)
+        hidden = self.base_model(input_ids=input_ids, packing=packing, use_cache=False, **kwargs).last_hidden_state[0]
+        # Entry t is token t's, predicted from position t - 1; entry 0 has no prediction.
+        logprobs, entropy = linear_logprobs(hidden[:-1], self.get_output_embeddings().weight, input_ids[0, 1:],
+                                            temperature)
+        zero = logprobs.new_zeros(1)
+        return torch.cat([zero, logprobs]), torch.cat([zero, entropy])
+
+    model.forward = types.MethodType(forward, model)
 
 
 def build_engine(trainer: TrainerSpec, dtype: str, model_path: str):
     import deepspeed
 
     torch.manual_seed(trainer.seed)
-    model = load_model(model_path, dtype)
+    model = load_model(model_path, dtype, trainer.gradient_checkpointing)
     # A client optimizer: DeepSpeed's own CPU Adam would compile kernels for minutes.
     optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay,
                                   betas=(0.9, 0.999))

@@ -1,0 +1,36 @@
+"""A micro-batch on the training device: its per-token fields as tensors, moved in two copies
+that never make the host wait, and its packing (where each sample's sequence is) built from the
+lengths the preprocessor sent."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipelinerl import messages as m
+from pipelinerl_trainer.packed_attention import Packing, to
+
+
+@dataclass(frozen=True)
+class DeviceBatch:
+    tokens: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    versions: torch.Tensor  # [T] long: the policy version that sampled each token (-1: not generated)
+    sample_ids: torch.Tensor  # [T] long: the packed sample each token belongs to
+    logprobs: torch.Tensor  # [T] fp32: the sampler's
+    advantages: torch.Tensor  # [T] fp32
+    weights: torch.Tensor  # [T] fp32: per-token loss weight, 0 where nothing is trained
+    packing: Packing
+    samples: int  # host facts, for the step's tallies
+    reward_sum: float
+
+
+def device_batch(mb: m.MicroBatch, device: torch.device | str) -> DeviceBatch:
+    """`mb` (not a sentinel) on `device`."""
+    sample_ids = torch.repeat_interleave(torch.arange(len(mb.lengths)), torch.tensor(mb.lengths))
+    ints = to(torch.cat([torch.tensor([mb.tokens, mb.positions, mb.versions], dtype=torch.long), sample_ids[None]]),
+              device)
+    floats = to(torch.tensor([mb.logprobs, mb.advantages, mb.weights], dtype=torch.float32), device)
+    return DeviceBatch(*ints, *floats, packing=Packing.of(mb.lengths, device), samples=len(mb.rewards),
+                       reward_sum=float(sum(mb.rewards)))

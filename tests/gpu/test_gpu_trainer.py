@@ -1,0 +1,101 @@
+"""The trainer's GPU path on a real GPU (skipped where none is visible; `bash bench/gpu_check.sh`
+runs them with the GPU benchmark): torch's variable-length flash attention is the kernel that
+runs and equals the masked row, the trainer's forward in bf16 equals stock Hugging Face's, and
+the micro-batch loop runs under `torch.cuda.set_sync_debug_mode("error")`."""
+
+import pytest
+import torch
+from attention_reference import masked_reference  # tests/
+
+from pipelinerl_trainer.packed_attention import Packing, kernel_for, varlen_attention
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+LENGTHS = [700, 13, 1, 300, 2048, 96, 511, 7]
+CUDA = torch.device("cuda")
+
+
+def test_varlen_flash_attention_runs_and_equals_the_masked_row():
+    assert kernel_for(CUDA, torch.bfloat16) == "varlen", "torch.nn.attention.varlen is missing from this torch"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    t = sum(LENGTHS)
+    q = torch.randn(14, t, 64, generator=g, device="cuda")
+    k, v = (torch.randn(2, t, 64, generator=g, device="cuda") for _ in range(2))
+    want = masked_reference(q, k, v, LENGTHS)  # fp32, the whole row masked
+    leaves = [x.bfloat16().requires_grad_() for x in (q, k, v)]
+    got = varlen_attention(*(x.transpose(0, 1) for x in leaves), Packing.of(LENGTHS, CUDA), scale=None)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    got.float().square().sum().backward()
+    ref = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    masked_reference(*ref, LENGTHS).square().sum().backward()
+    for a, b, name in zip(leaves, ref, "qkv"):
+        torch.testing.assert_close(a.grad.float(), b.grad, atol=5e-2, rtol=5e-2, msg=f"d{name}")
+
+
+def small_model(seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                                        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
+                                        max_position_embeddings=4096))
+
+
+def packed(lengths, vocab=4096, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, vocab, (1, sum(lengths)), generator=g)
+    positions = torch.tensor([[p for n in lengths for p in range(n)]])
+    return ids.cuda(), positions.cuda()
+
+
+def test_trainer_forward_in_bf16_equals_stock_hugging_face():
+    from pipelinerl_trainer.loss import token_logprobs
+    from pipelinerl_trainer.model import use_policy_forward
+    from pipelinerl_trainer.packed_attention import use_packed_attention
+
+    stock = small_model().cuda().bfloat16().train()
+    model = small_model().cuda().bfloat16().train()
+    use_packed_attention(model)
+    use_policy_forward(model)
+    ids, positions = packed(LENGTHS)
+    logits = stock(input_ids=ids, position_ids=positions, use_cache=False).logits[0]  # SDPA, packed-row mask
+    lp, ent = token_logprobs(logits, ids[0], 0.7)
+    (lp.sum() + ent.sum()).backward()
+    lp2, ent2 = model(input_ids=ids, position_ids=positions, packing=Packing.of(LENGTHS, CUDA), temperature=0.7)
+    (lp2.sum() + ent2.sum()).backward()
+    starts = torch.tensor([0] + LENGTHS).cumsum(0)[:-1].cuda()  # each sample's first entry is not its own
+    keep = torch.ones_like(lp, dtype=torch.bool).index_fill_(0, starts, False)
+    torch.testing.assert_close(lp2[keep], lp[keep], atol=5e-2, rtol=5e-2)
+    torch.testing.assert_close(ent2[keep], ent[keep], atol=5e-2, rtol=5e-2)
+    for (name, a), b in zip(stock.named_parameters(), model.parameters()):
+        cos = torch.nn.functional.cosine_similarity(a.grad.float().flatten(), b.grad.float().flatten(), dim=0)
+        assert cos > 0.99, (name, float(cos))
+
+
+def test_the_micro_batch_loop_never_makes_the_host_wait():
+    from pipelinerl import messages as m
+    from pipelinerl_preprocessor.packing import StepSample, pack_wave
+    from pipelinerl_trainer.loss import LossConfig
+    from pipelinerl_trainer.model import use_policy_forward
+    from pipelinerl_trainer.packed_attention import use_packed_attention
+    from pipelinerl_trainer.step import StepConfig, StepTally, micro_batch_loss
+
+    model = small_model().cuda().bfloat16().train()
+    use_packed_attention(model)
+    use_policy_forward(model)
+    items = [StepSample(m.Sample(tokens=list(range(2, 2 + n)), mask=[0] * 8 + [1] * (n - 8),
+                                 logprobs=[0.0] * 8 + [-1.0] * (n - 8), versions=[-1] * 8 + [i % 3] * (n - 8),
+                                 reward=float(i % 2)), advantage=0.5 - i % 2) for i, n in enumerate(LENGTHS * 3)
+             if n > 8]
+    batches = pack_wave(0, items, 1, 4096, 1 / len(items), last=True)[0]
+    cfg = StepConfig(LossConfig("reinforce", importance="sequence"), 0.7, max_lag=1)
+    micro_batch_loss(model, batches[0], 2, cfg, StepTally(1, CUDA)).backward()  # warm-up: caches, kernels
+    torch.cuda.synchronize()
+    tally = StepTally(1, CUDA)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for mb in batches:
+            micro_batch_loss(model, mb, 2, cfg, tally).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    metrics = tally.finish().metrics()
+    assert metrics["tokens"] > 0 and metrics["samples"] == len(items) and metrics["dropped_for_lag"] > 0

@@ -1,0 +1,115 @@
+"""The fused, chunked log-prob head equals the reference arithmetic (the LM head's matmul, then
+`token_logprobs`) within 1e-5, values and gradients of hidden states and weight, whatever the
+chunking, and its peak memory is a few chunks, not the [tokens, vocabulary] logits."""
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from pipelinerl_trainer.logprob_head import chunk_tokens, linear_logprobs
+from pipelinerl_trainer.loss import token_logprobs
+
+
+def inputs(n=50, hidden=16, vocab=97, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    return h, w, targets
+
+
+def reference(h, w, targets, temperature):
+    """token_logprobs over whole logits; its entry t + 1 is logits row t at token t + 1, so give it
+    a dummy last row and a dummy first token, and take entries 1..n."""
+    logits = torch.cat([h @ w.T, torch.zeros(1, w.shape[0], dtype=h.dtype)])
+    lp, ent = token_logprobs(logits, torch.cat([targets[:1], targets]), temperature)
+    return lp[1:], ent[1:]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 50, 1000])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_values_and_gradients_equal_the_reference(chunk, temperature):
+    g = torch.Generator().manual_seed(1)
+    up_lp, up_ent = torch.randn(50, generator=g), torch.randn(50, generator=g)  # any upstream gradients
+    results = []
+    for fused in (True, False):
+        h, w, targets = inputs()
+        lp, ent = linear_logprobs(h, w, targets, temperature, chunk) if fused else reference(h, w, targets,
+                                                                                              temperature)
+        ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
+        results.append((lp.detach(), ent.detach(), h.grad, w.grad))
+    assert results[0][0].dtype == torch.float32
+    for got, want, name in zip(results[0], results[1], ("logprobs", "entropy", "hidden grad", "weight grad")):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_only_the_gradients_asked_for_flow():
+    h, w, targets = inputs()
+    lp, _ = linear_logprobs(h, w.detach(), targets, 1.0, 8)  # entropy unused, weight frozen
+    lp.sum().backward()
+    hr = h.detach().clone().requires_grad_()
+    reference(hr, w.detach(), targets, 1.0)[0].sum().backward()
+    torch.testing.assert_close(h.grad, hr.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_autocast_computes_the_matmul_in_bf16_like_the_reference():
+    h, w, targets = inputs(vocab=300)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, ent = linear_logprobs(h, w, targets, 1.0, 16)
+        ref_lp, ref_ent = reference(h, w, targets, 1.0)
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=1e-4)  # the same bf16 matmul, fp32 after it
+    lp.sum().backward()
+    assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+
+
+def test_chunks_hold_a_budget_of_logits():
+    assert chunk_tokens(151_936) == (256 << 20) // (4 * 151_936)  # 441 tokens of Qwen2's vocabulary
+    assert chunk_tokens(10, budget=16) == 1
+
+
+class PeakBytes(TorchDispatchMode):
+    """Peak bytes of tensor storage made while the mode is on and still alive (checked at every
+    op: a storage that died is swept before a new one could reuse its address)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.now = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for key, (ref, n) in list(self.live.items()):
+            if ref.expired():
+                del self.live[key]
+                self.now -= n
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in self.live and storage.nbytes():
+                    self.live[storage.data_ptr()] = (StorageWeakRef(storage), storage.nbytes())
+                    self.now += storage.nbytes()
+        self.peak = max(self.peak, self.now)
+        return out
+
+
+def peak_of_loss(fused: bool, n=1024, vocab=4096, chunk=64) -> int:
+    h, w, targets = inputs(n=n, hidden=32, vocab=vocab)
+    with PeakBytes() as meter:
+        lp, ent = linear_logprobs(h, w, targets, 0.7, chunk) if fused else reference(h, w, targets, 0.7)
+        (lp.sum() + ent.sum()).backward()
+    return meter.peak
+
+
+def test_peak_memory_of_the_loss_is_a_few_chunks_not_the_logits():
+    n, vocab, chunk = 1024, 4096, 64
+    logits_bytes = n * vocab * 4  # 16 MiB: one fp32 [tokens, vocabulary] tensor
+    fused, ref = peak_of_loss(True, n, vocab, chunk), peak_of_loss(False, n, vocab, chunk)
+    assert ref >= 3 * logits_bytes  # the reference holds several full-vocabulary tensors at once
+    # The fused head: two chunk buffers (a third as margin), weight- and hidden-sized gradients,
+    # per-token vectors.
+    bound = 3 * chunk * vocab * 4 + 2 * vocab * 32 * 4 + 2 * n * 32 * 4 + 16 * n * 4
+    assert fused <= bound, (fused, bound)
+    assert fused * 10 < ref
