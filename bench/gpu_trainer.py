@@ -18,7 +18,8 @@ together):
 - plain: the trainer's model (packed variable-length attention, fused log-prob head) and loss
   code (`micro_batch_loss`), fp32 weights, bf16 autocast, AdamW.
 - zero1, zero3: the trainer's DeepSpeed engine (`build_engine`: bf16 weights, fp32 master copy
-  kept by ZeRO, client AdamW) at ZeRO-1 and ZeRO-3.
+  kept by ZeRO, client AdamW) at ZeRO-1 and ZeRO-3; zero1+compile: with `trainer.compile` (the
+  MLPs and norms compiled; the warm-up step pays the compilation).
 
 MFU = model FLOPs / step time / the device's dense bf16 peak (989 TFLOP/s for H100 SXM and
 H200, from the device name, or `--peak-tflops`); model FLOPs = 6 · N · T for the N weights every
@@ -61,7 +62,7 @@ SIZES: dict[str, dict] = {
 }
 # Dense bf16 tensor-core peak, TFLOP/s (vendor data sheets; SXM parts), matched on the device name.
 PEAK_TFLOPS = {"H200": 989.4, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0, "L40S": 362.0}
-SIDES = ("stock", "plain", "zero1", "zero3")
+SIDES = ("stock", "plain", "zero1", "zero3", "zero1+compile")
 
 
 @dataclass
@@ -120,11 +121,12 @@ def dense_rows(items: list[StepSample], width: int, device) -> list[tuple[torch.
             for a in range(0, len(ids), width)]
 
 
-def job_for(model_path: str, dtype: str, zero_stage: int, micro_batch_tokens: int, checkpointing: bool):
+def job_for(model_path: str, dtype: str, zero_stage: int, micro_batch_tokens: int, checkpointing: bool,
+            compile: bool = False):
     data = load_job("examples/tiny-cpu.yaml").model_dump(mode="json", by_alias=True, exclude_none=True)
     data["spec"]["model"] |= {"path": model_path, "dtype": dtype, "maxSeqLen": micro_batch_tokens}
     data["spec"]["trainer"] |= {"zeroStage": zero_stage, "microBatchTokens": micro_batch_tokens, "warmupSteps": 0,
-                                "gradientCheckpointing": checkpointing}
+                                "gradientCheckpointing": checkpointing, "compile": compile}
     return parse_job(data, "gpu_trainer job")
 
 
@@ -141,8 +143,9 @@ class Bench:
         weight = step_weight(self.items, job.spec.rl.token_weighting, len(self.items))
         self.batches = pack_wave(0, self.items, 1, args.micro_batch_tokens, weight, last=True)[0]
 
-    def job(self, stage: int):
-        return job_for(self.path, self.dtype, stage, self.args.micro_batch_tokens, self.args.gradient_checkpointing)
+    def job(self, stage: int, compile: bool = False):
+        return job_for(self.path, self.dtype, stage, self.args.micro_batch_tokens, self.args.gradient_checkpointing,
+                       compile)
 
     def sync(self) -> None:
         if self.on_gpu:
@@ -156,8 +159,8 @@ class Bench:
 
         t = self.job(1).spec.trainer
         autocast = dict(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.on_gpu)
-        if side in ("zero1", "zero3"):
-            engine = build_engine(self.job(int(side[-1])).spec.trainer, self.dtype, self.path)
+        if side.startswith("zero"):
+            engine = build_engine(self.job(int(side[4]), side.endswith("+compile")).spec.trainer, self.dtype, self.path)
             engine.train()
 
             def loop() -> None:

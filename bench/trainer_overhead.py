@@ -42,7 +42,7 @@ def synthetic_step(samples: int, seed: int = 0) -> list[StepSample]:
 
 
 def packed_step(model, optimizer_step, batches: list[m.MicroBatch], cfg, backward) -> None:
-    tally = StepTally()
+    tally = StepTally(cfg.max_lag)
     for mb in batches:
         backward(micro_batch_loss(model, mb, 0, cfg, tally))
     optimizer_step()
@@ -65,7 +65,8 @@ def padded_step(model, opt, items: list[StepSample], cfg, clip: float) -> None:
     loss = 0.0
     for i in range(len(items)):  # per-row: the loss code is written for 1-D rows
         lp, ent = token_logprobs(logits[i], ids[i], cfg.temperature)
-        loss = loss + policy_loss(lp, old[i], adv[i], w[i], cfg.loss, entropy=ent)[0]
+        loss = loss + policy_loss(lp, old[i], adv[i], w[i], cfg.loss, entropy=ent,
+                                  sample_ids=torch.zeros(width, dtype=torch.long))[0]  # a row: one sample
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
@@ -80,8 +81,6 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
-    from transformers import AutoModelForCausalLM
-
     from pipelinerl_trainer.model import build_engine, init_distributed, load_model
 
     job = load_job(JOB)
@@ -99,8 +98,10 @@ def main() -> None:
     engine = build_engine(job.spec.trainer, job.spec.model.dtype, path)
 
     def plain(stock_attention: bool = False):
-        # The trainer's model (packed-row attention), or Hugging Face's stock SDPA masking the row
-        model = (AutoModelForCausalLM.from_pretrained(path) if stock_attention else load_model(path)).train()
+        # The trainer's model (packed-row attention), or with Hugging Face's stock SDPA masking the row
+        model = load_model(path).train()
+        if stock_attention:
+            model.set_attn_implementation("sdpa")
         opt = torch.optim.AdamW(model.parameters(), lr=t.learning_rate, weight_decay=t.weight_decay)
 
         def step():
@@ -112,7 +113,7 @@ def main() -> None:
     p_model, p_opt, p_step = plain()
     s_model, _, s_step = plain(stock_attention=True)
     r_model, _, r_step = plain()
-    d_model, d_opt, _ = plain()
+    d_model, d_opt, _ = plain(stock_attention=True)  # a padded batch: stock SDPA with its padding mask
     engine.train()
     sides = {
         f"deepspeed ZeRO-{t.zero_stage}, packed {row_tokens}": lambda: timed(

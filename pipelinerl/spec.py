@@ -259,6 +259,9 @@ class TrainerSpec(RoleSpec):
     gradient_checkpointing: bool = Field(default=False, description=(
         "Recompute each layer's activations in the backward pass instead of keeping them: about a third "
         "more compute for a fraction of the activation memory (large models, long micro-batches)."))
+    compile: bool = Field(default=False, description=(
+        "torch.compile the decoder's MLPs and norms, fusing the elementwise work that eager mode runs op by op "
+        "(GPUs; the first steps pay the compilation). Benchmark 6 measures what it gains."))
 
     @model_validator(mode="after")
     def _warmup_within_run(self) -> TrainerSpec:

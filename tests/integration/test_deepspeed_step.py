@@ -77,3 +77,31 @@ def test_deepspeed_step_equals_plain_adamw_over_micro_batches(tiny_qwen2, stage)
             proc.kill()
     assert moved > 1e-2  # the two steps did move the weights
     assert diff < 1e-4, f"DeepSpeed ZeRO-{stage} weights differ from plain AdamW by {diff}"
+
+
+def _dtypes(stage: int, path: str, port: int, out: mp.Queue) -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from pipelinerl.spec import parse_job
+    from pipelinerl_trainer.model import build_engine, init_distributed
+
+    job = parse_job({"metadata": {"name": "ds"}, "spec": {"model": {"path": path, "dtype": "bfloat16"},
+                                                          "trainer": {"zeroStage": stage}}})
+    init_distributed(False, 60)
+    engine = build_engine(job.spec.trainer, "bfloat16", path)
+    opt = engine.optimizer  # ZeRO's: the flat partitions its AdamW steps, per stage
+    masters = opt.fp32_partitioned_groups_flat if stage == 3 else opt.single_partition_of_fp32_groups
+    out.put(({p.dtype for p in engine.module.parameters()}, {t.dtype for t in masters}))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_bf16_weights_compute_while_zero_keeps_the_fp32_master_copy(tiny_qwen2, stage):
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_dtypes, args=(stage, str(tiny_qwen2), free_port(), out))
+    proc.start()
+    try:
+        module, stepped = out.get(timeout=180)
+    finally:
+        proc.join(30)
+    assert module == {torch.bfloat16}  # forward and backward in bf16
+    assert stepped == {torch.float32}  # AdamW steps ZeRO's fp32 copy, which is cast back into the weights

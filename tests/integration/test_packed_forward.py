@@ -104,3 +104,25 @@ def test_models_that_transform_their_logits_are_refused():
     setattr(model.config, POST_HEAD_FIELDS[0], 30.0)
     with pytest.raises(ValueError, match="final_logit_softcapping"):
         use_policy_forward(model)
+
+
+@pytest.mark.slow
+def test_compiled_mlps_and_norms_give_the_same_gradients_and_compile_once():
+    """trainer.compile: the MLPs and norms compiled with dynamic shapes (inductor on CPU here)."""
+    from torch._dynamo.utils import counters
+
+    from pipelinerl_trainer.model import compile_elementwise
+
+    eager, compiled = trainer_model(4).train(), trainer_model(4).train()
+    compile_elementwise(compiled)
+    for model in (eager, compiled):
+        ids, positions = packed_row(SEQS)
+        lp, ent = model(input_ids=ids, position_ids=positions, packing=Packing.of(LENGTHS), temperature=0.7)
+        (lp.sum() + ent.sum()).backward()
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    ids, positions = packed_row(SEQS[:3])  # another row length: the same compiled graphs
+    compiled(input_ids=ids, position_ids=positions, packing=Packing.of(LENGTHS[:3]), temperature=0.7)[0].sum().backward()
+    assert counters["stats"]["unique_graphs"] == graphs

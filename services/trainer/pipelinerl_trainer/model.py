@@ -53,7 +53,8 @@ def ds_config(trainer: TrainerSpec, dtype: str) -> dict:
     return cfg
 
 
-def load_model(model_path: str, dtype: str = "float32", gradient_checkpointing: bool = False):
+def load_model(model_path: str, dtype: str = "float32", gradient_checkpointing: bool = False,
+               compile: bool = False):
     """The Hugging Face model as the trainer runs it: packed-row attention, the fused log-prob
     head (`policy_forward`), no KV cache."""
     from transformers import AutoModelForCausalLM
@@ -64,7 +65,19 @@ def load_model(model_path: str, dtype: str = "float32", gradient_checkpointing: 
     use_policy_forward(model)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if compile:
+        compile_elementwise(model)
     return model
+
+
+def compile_elementwise(model) -> None:
+    """torch.compile the decoder's MLPs and RMS norms, shapes dynamic (one compilation for every
+    row length): eager mode runs their elementwise work op by op (SiLU × up, the norm's fp32
+    round trip), compiled it is fused. Attention and the log-prob head are custom kernels already
+    and stay eager."""
+    for module in model.modules():
+        if type(module).__name__.endswith(("MLP", "RMSNorm")):
+            module.compile(dynamic=True)
 
 
 # Config fields of models that transform the logits after the LM head (soft-capping, scaling):
@@ -105,7 +118,7 @@ def build_engine(trainer: TrainerSpec, dtype: str, model_path: str):
     import deepspeed
 
     torch.manual_seed(trainer.seed)
-    model = load_model(model_path, dtype, trainer.gradient_checkpointing)
+    model = load_model(model_path, dtype, trainer.gradient_checkpointing, trainer.compile)
     # A client optimizer: DeepSpeed's own CPU Adam would compile kernels for minutes.
     optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay,
                                   betas=(0.9, 0.999))

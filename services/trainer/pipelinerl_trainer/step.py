@@ -87,10 +87,7 @@ def micro_batch_loss(model, mb: m.MicroBatch, version: int, cfg: StepConfig, tal
     """The loss of one micro-batch trained at policy `version`; statistics go into `tally`."""
     dev = getattr(model, "device", None) or torch.device("cpu")  # a DeepSpeed engine's or HF model's
     tally.add(row_tokens=len(mb.tokens))
-    if mb.is_sentinel:
-        # Same forward/backward shape on every rank, zero contribution.
-        return model(input_ids=torch.zeros((1, 1), dtype=torch.long, device=dev)).logits.sum() * 0.0
-    b = device_batch(mb, dev)
+    b = device_batch(mb, dev)  # a sentinel: one untrained token (the ranks' passes stay alike)
     tally.add(samples=b.samples, reward_sum=b.reward_sum)
     new_lp, entropy = policy_logprobs(model, b, cfg.temperature)
     trained = b.weights > 0

@@ -1,4 +1,10 @@
-"""The trainer's micro-batch loop never makes the host wait for the device: between taking a
+"""The trainer's micro-batch step on the trainer's model (real HF Qwen2).
+
+A sentinel (a rank's empty micro-batch) runs the same modules as a real row, so the ranks'
+ZeRO-3 gathers stay in step (a sentinel through a different path deadlocked two ranks), and
+contributes nothing.
+
+The micro-batch loop never makes the host wait for the device: between taking a
 micro-batch and the step's end, no operation reads a value back (`.item()`, `.tolist()`, a
 boolean mask, `nonzero`, `unique`, …), so a GPU runs ahead through the whole step; the step's
 tallies are read once, after its last micro-batch. Counted here on CPU by intercepting every
@@ -91,3 +97,27 @@ def test_the_counter_sees_a_sync():
         x[x > 2].sum()
         torch.unique(x)
     assert counter.syncs == ["_local_scalar_dense", "index", "_unique2"]
+
+
+def test_a_sentinel_runs_what_a_row_runs_and_counts_nothing():
+    model = trainer_model(seed=0).train()
+    row = micro_batches(1)[0]
+    sentinel = m.MicroBatch(step=0, rank=0, index=5, last=True)
+    cfg = StepConfig(LossConfig("reinforce"), temperature=0.7, max_lag=1)
+    calls: list[str] = []
+    names = {mod: name for name, mod in model.named_modules()}
+    hooks = [mod.register_forward_pre_hook(lambda mod, args: calls.append(names[mod])) for mod in names]
+    paths = []
+    for mb in (row, sentinel):
+        calls.clear()
+        tally = StepTally(max_lag=1)
+        loss = micro_batch_loss(model, mb, 1, cfg, tally)
+        paths.append(list(calls))
+    for h in hooks:
+        h.remove()
+    assert paths[0] == paths[1] and len(paths[0]) > 10
+    model.zero_grad()
+    loss.backward()
+    assert loss.item() == 0.0 and all(p.grad is None or not p.grad.any() for p in model.parameters())
+    metrics = tally.finish().metrics()
+    assert metrics["samples"] == 0 and metrics["tokens"] == 0 and metrics["row_tokens"] == 0
