@@ -161,8 +161,9 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 # Each rule: (JSON path of the schema node it sits on, rule, message). Rules mirror the spec
 # models' validators and add what only Kubernetes can check (transitions via oldSelf). What CEL
-# cannot express (vLLM's argument list, quantities compared, the pod schema inside podTemplate)
-# the operator's admission webhook checks (pipelinerl_operator/admission.py).
+# cannot express (vLLM's argument list, quantities compared, the pod schema inside podTemplate,
+# the pod security rules beyond host namespaces) the operator's admission webhook checks
+# (pipelinerl_operator/admission.py).
 def _cel_list(items: tuple[str, ...] | list[str]) -> str:
     return "[" + ", ".join(f"'{i}'" for i in items) + "]"
 
@@ -208,6 +209,10 @@ VALUE_FROM_RULE = ("has(self.secretKeyRef) != has(self.configMapKeyRef)",
 RESOURCES_RULE = (" && ".join(f"(!has(self.{kind}) || self.{kind}.all(k, k.matches('{_cel_regex(RESOURCE_NAME)}')))"
                               for kind in ("requests", "limits")),
                   "resources.requests and resources.limits: keys must be resource names (cpu, memory, nvidia.com/gpu...)")
+HOST_NAMESPACES_RULE = (
+    "!has(self.spec) || !(" + " || ".join(f"(has(self.spec.{f}) && self.spec.{f} == true)"
+                                          for f in ("hostNetwork", "hostPID", "hostIPC")) + ")",
+    "podTemplate.spec: host namespaces (hostNetwork, hostPID, hostIPC) are not allowed in a job's pods")
 ROOT_RULES = [
     (f"size(self.metadata.name) <= {MAX_JOB_NAME}", f"metadata.name must be at most {MAX_JOB_NAME} characters"),
     (f"self.metadata.name.matches('{_cel_regex(DNS_1035_LABEL)}')",
@@ -237,6 +242,7 @@ def spec_schema() -> dict[str, Any]:
             _add_rule(env["items"], *rule)
         _add_rule(env["items"]["properties"]["valueFrom"], *VALUE_FROM_RULE)
         _add_rule(_node(schema, f"{role}.resources"), *RESOURCES_RULE)
+        _add_rule(_node(schema, f"{role}.podTemplate"), *HOST_NAMESPACES_RULE)
     return schema
 
 

@@ -59,7 +59,7 @@ def check(manifest: Any, old: Any = None, source: str = "manifest") -> PipelineR
         children = render(job, job.metadata.namespace or "default", "00000000-0000-0000-0000-000000000000",
                           OperatorConfig())
     except RenderError as err:
-        raise SpecError(f"{source} is not a valid {KIND}:\n  spec.{err}") from None
+        raise SpecError(f"{source} is not a valid {KIND}:\n" + "\n".join(f"  spec.{p}" for p in err.problems)) from None
     # Kubernetes' own kinds (a gang scheduler's PodGroup has no schema here: we fill in all of it).
     errors = [e for obj in children if obj["apiVersion"] != POD_GROUP_API for e in _schema_errors(obj)]
     if errors:

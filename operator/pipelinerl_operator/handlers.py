@@ -159,6 +159,28 @@ async def sync_nats_accounts(index: kopf.Index, gone: str | None = None) -> None
             STATE.accounts_written = text
 
 
+async def apply_owned(kube: Kube, children: list[dict[str, Any]], uid: str) -> str | None:
+    """Apply the job's children in order; stop at the first that cannot be, and say why: an object
+    of that name the job does not own (never taken over: deleting the job would delete it), or
+    one the API server refused (invalid, quota, an admission webhook)."""
+    for obj in children:
+        meta = obj["metadata"]
+        what = f"{obj['kind']} {meta['name']}"
+        try:
+            existing = await kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+            if existing is not None and not owned_by(existing, uid):
+                return (f"{what} already exists and is not this job's: not taken over (delete or rename it, "
+                        "or give the job another name)")
+            await kube.apply(obj)
+        except KubeError as err:
+            return f"{what}: {err}"
+    return None
+
+
+def owned_by(obj: dict[str, Any], uid: str) -> bool:
+    return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences") or [])
+
+
 def _event(body: kopf.Body, type_: str, reason: str, message: str) -> None:
     kopf.event(body, type=type_, reason=reason, message=message[:1024])
 
@@ -213,14 +235,9 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
         spec_error = str(err)
         logger.warning("invalid spec: %s", spec_error)
     try:
-        apply_error = None
-        for obj in children:
-            try:
-                await kube.apply(obj)
-            except KubeError as err:  # refused (invalid, quota, admission webhook): say so in the status
-                apply_error = f"{obj['kind']} {obj['metadata']['name']}: {err}"
-                logger.warning("the API server refused %s", apply_error)
-                break
+        apply_error = await apply_owned(kube, children, uid)
+        if apply_error:
+            logger.warning("not applied: %s", apply_error)
         roles = await _observe_roles(kube, ns, job, name)
         pods = await kube.list("v1", "Pod", ns, f"{JOB_LABEL}={name}")
         gang = trainer_gang_to_restart(pods, roles["trainer"].update_revision) if job is not None else []

@@ -24,6 +24,7 @@ from pipelinerl.contracts import (
 )
 from pipelinerl.spec import API_VERSION, KIND, PipelineRLJob, RoleSpec, dump_job
 from pipelinerl_operator.credentials import job_credentials, secret_data
+from pipelinerl_operator.pod_security import CREDENTIALS_SUFFIX, pod_violations
 
 FIELD_MANAGER = "pipelinerl-operator"
 # Pod-level fields of a role: changing them restarts that role only.
@@ -31,7 +32,12 @@ POD_FIELDS = ("image", "resources", "gpus", "env", "podTemplate")
 
 
 class RenderError(ValueError):
-    """A spec the operator cannot run; reported as a condition and an Event, never retried blindly."""
+    """A spec the operator cannot run; reported as a condition and an Event, never retried blindly.
+    Each problem names its field under `spec.`."""
+
+    def __init__(self, *problems: str):
+        super().__init__("; ".join(problems))
+        self.problems = list(problems)
 
 
 @dataclass(frozen=True)
@@ -56,12 +62,22 @@ def role_name(job: str, role: str) -> str:
     return f"{job}-{role}"
 
 
+def owned_name(job: str, what: str = "") -> str:
+    """The name of a child that is not a role's: one no user object is likely to hold (and the
+    operator never takes over an object it does not own: handlers.apply_owned)."""
+    return f"{job}-pipelinerl" + (f"-{what}" if what else "")
+
+
 def config_map_name(job: str) -> str:
-    return f"{job}-config"
+    return owned_name(job, "config")
 
 
 def secret_name(job: str) -> str:
-    return f"{job}-credentials"
+    return f"{job}{CREDENTIALS_SUFFIX}"  # pod_security refuses other jobs' by the suffix
+
+
+def service_account_name(job: str, cfg: OperatorConfig) -> str:
+    return cfg.service_account or owned_name(job)
 
 
 def selector_labels(job: str, role: str) -> dict[str, str]:
@@ -216,7 +232,7 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 def gang_name(job: str) -> str:
     """The pod group that must be scheduled together: the trainer ranks and the preprocessor."""
-    return f"{job}-trainer"
+    return owned_name(job, "gang")
 
 
 def _pod_labels(job: PipelineRLJob, role: str) -> tuple[dict[str, str], dict[str, str]]:
@@ -238,7 +254,7 @@ def _pod_labels(job: PipelineRLJob, role: str) -> tuple[dict[str, str], dict[str
 
 
 # Locked down (the "restricted" Pod Security Standard): writes go to the pod's volumes only. A
-# sidecar from the user's podTemplate gets the same, under what it sets itself.
+# sidecar from the user's podTemplate gets the same.
 CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                       "capabilities": {"drop": ["ALL"]}}
 
@@ -281,7 +297,7 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorCon
         container["volumeMounts"].append(
             {"name": "output", "mountPath": POD_OUTPUT_DIR, "subPath": output.sub_path or job.name})
     pod_spec: dict[str, Any] = {
-        "serviceAccountName": cfg.service_account or job.name,
+        "serviceAccountName": service_account_name(job.name, cfg),
         "automountServiceAccountToken": False,  # job pods never call the Kubernetes API
         "terminationGracePeriodSeconds": 60,
         "securityContext": {"runAsNonRoot": True, "runAsUser": POD_USER, "runAsGroup": POD_USER,
@@ -296,9 +312,18 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorCon
         pod_spec["priorityClassName"] = scheduling.priority_class_name
     labels, annotations = _pod_labels(job, role)
     ours = {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
-    pod = merge_pod(spec.pod_template or {}, ours)
+    template = spec.pod_template or {}
+    pod = merge_pod(template, ours)
+    # Security settings are the exception: where the user sets one, theirs is kept (they may
+    # tighten ours), and the pod as merged must pass pod_security (they can never loosen them).
+    user = template.get("spec") or {}
+    for key in ("serviceAccountName", "serviceAccount", "automountServiceAccountToken"):
+        if key in user:
+            pod["spec"][key] = copy.deepcopy(user[key])
+    pod["spec"]["securityContext"] = merge_pod(pod_spec["securityContext"], user.get("securityContext") or {})
+    theirs = {c.get("name"): c for kind in ("initContainers", "containers") for c in user.get(kind) or []}
     for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:  # a user's sidecars too
-        c["securityContext"] = merge_pod(CONTAINER_SECURITY, c.get("securityContext") or {})
+        c["securityContext"] = merge_pod(CONTAINER_SECURITY, (theirs.get(c["name"]) or {}).get("securityContext") or {})
     return pod
 
 
@@ -320,7 +345,7 @@ def service_account(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, A
     not mounted): a binding of the user's may give it cloud permissions (object-store access)."""
     return {
         "apiVersion": "v1", "kind": "ServiceAccount", "automountServiceAccountToken": False,
-        "metadata": _metadata(job, namespace, uid, job.name, None),
+        "metadata": _metadata(job, namespace, uid, owned_name(job.name), None),
     }
 
 
@@ -345,7 +370,7 @@ def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorCo
                 for ns in cfg.metrics_namespaces]
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": _metadata(job, namespace, uid, job.name, None),
+        "metadata": _metadata(job, namespace, uid, owned_name(job.name), None),
         "spec": {
             "podSelector": {"matchLabels": {JOB_LABEL: job.name}},
             "policyTypes": ["Ingress"],
@@ -453,4 +478,19 @@ def render(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig, ac
     for role in ROLES:
         objects.append(service(job, role, namespace, uid))
         objects.append(stateful_set(job, role, namespace, uid, cfg, active, output_written))
+    check_pods(job, objects, cfg)
     return objects
+
+
+def check_pods(job: PipelineRLJob, objects: list[dict[str, Any]], cfg: OperatorConfig) -> None:
+    """Refuse a job whose pods, as rendered (its podTemplate merged in), would be more powerful
+    than its author may be: `pod_security`."""
+    problems = []
+    for obj in objects:
+        if obj["kind"] == "StatefulSet":
+            role = obj["metadata"]["labels"][ROLE_LABEL]
+            problems += [f"{role}.{v}" for v in pod_violations(
+                obj["spec"]["template"], service_account=service_account_name(job.name, cfg),
+                own_secret=secret_name(job.name))]
+    if problems:
+        raise RenderError(*problems)

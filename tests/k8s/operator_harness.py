@@ -184,6 +184,10 @@ class Api:
             "status": {"containerStatuses": [{"name": "trainer", "restartCount": restarts}], **(status or {})},
         })
 
+    async def create(self, path: str, body: dict[str, Any]) -> None:
+        """Any object, as a user would create it (e.g. one whose name a job's child would take)."""
+        await self._call("POST", path, body)
+
     async def patch_pod_restarts(self, name: str, restarts: int) -> None:
         await self._call("PATCH", f"/api/v1/namespaces/{NS}/pods/{name}/status",
                          {"status": {"containerStatuses": [{"name": "trainer", "restartCount": restarts}]}})

@@ -38,6 +38,15 @@ WEBHOOK_ONLY = {
     "requests-above-limits", "memory-requests-above-limits", "gpu-limit-without-gpus",
     "pod-template-container-unnamed", "pod-template-sidecar-without-image", "pod-template-typo", "pod-template-containers-mapping",
     "pod-template-reserved-env", "pod-template-tolerations-mapping",
+    # hostile authors: the pod security rules beyond host namespaces (pipelinerl_operator/pod_security.py)
+    "sidecar-privileged", "sidecar-escalation", "sidecar-root", "sidecar-sys-admin", "sidecar-keeps-capabilities",
+    "init-container-privileged", "service-container-root", "service-container-may-be-root",
+    "service-container-escalation", "service-container-writable-root", "proc-mount-unmasked",
+    "container-seccomp-unconfined", "pod-root", "pod-may-be-root", "pod-seccomp-unconfined", "pod-selinux-spc",
+    "pod-unsafe-sysctl", "windows-host-process", "apparmor-unconfined", "host-path-root", "nfs-volume", "host-port",
+    "projected-service-account-token", "operator-service-account", "deprecated-service-account", "automount-token",
+    "ephemeral-container", "install-key-by-env", "nats-accounts-by-volume", "webhook-cert-by-env-from",
+    "another-jobs-credentials", "another-jobs-credentials-projected",
 }
 
 

@@ -68,7 +68,7 @@ async def test_create_renders_children_and_turns_ready_with_progress(cluster) ->
         await api.create_job(manifest())
         sts = await eventually(lambda: all(obj(emulator, STS, f"demo-{r}") for r in ROLES), what="StatefulSets")
         assert sts
-        for kind, name in [(STS, f"demo-{r}") for r in ROLES] + [("v1/services", f"demo-{r}") for r in ROLES] + [("v1/configmaps", "demo-config")]:
+        for kind, name in [(STS, f"demo-{r}") for r in ROLES] + [("v1/services", f"demo-{r}") for r in ROLES] + [("v1/configmaps", "demo-pipelinerl-config")]:
             child = obj(emulator, kind, name)
             assert child is not None, name
             owner = child["metadata"]["ownerReferences"][0]
@@ -116,7 +116,7 @@ async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest(scheduling={"queueName": "team-a-gpus"}))  # in a Kueue queue: the gang labels
         await eventually(lambda: obj(emulator, STS, "demo-trainer"), what="trainer StatefulSet")
-        assert sts_template(emulator, "trainer")["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo-trainer"
+        assert sts_template(emulator, "trainer")["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo-pipelinerl-gang"
         await all_ready(api)
         await eventually(lambda: condition(emulator, "Ready").get("status") == "True", what="Ready")
         trainer_before = sts_template(emulator, "trainer")
@@ -150,7 +150,7 @@ async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
         await eventually(lambda: not obj(emulator, "v1/pods", "demo-trainer-0") and not obj(emulator, "v1/pods", "demo-trainer-1"),
                          what="the trainer gang deleted")
         await eventually(lambda: "TrainerGangRestarted" in events(emulator), what="TrainerGangRestarted event")
-        assert "learningRate: 0.0005" in obj(emulator, "v1/configmaps", "demo-config")["data"]["job.yaml"]
+        assert "learningRate: 0.0005" in obj(emulator, "v1/configmaps", "demo-pipelinerl-config")["data"]["job.yaml"]
         ann = "pipelinerl.dev/config-hash"
         assert sts_template(emulator, "generator")["metadata"]["annotations"][ann] != gen_before["metadata"]["annotations"][ann]
         trainer_before = sts_template(emulator, "trainer")
@@ -344,3 +344,19 @@ async def test_a_refused_apply_and_a_stuck_pod_are_told_in_the_status_and_events
         assert "pod demo-trainer-1: Unschedulable: 0/4 nodes" in condition(emulator, "TrainerReady")["message"]
         assert condition(emulator, "Ready")["reason"] == "TrainerNotReady"
         await eventually(lambda: "Unschedulable" in events(emulator), what="Unschedulable event")
+
+
+async def test_an_object_the_job_does_not_own_is_never_taken_over(cluster) -> None:
+    """A user's ServiceAccount already holds the name of the job's: the operator stops there
+    (nothing of the job's is applied after it, no pod runs as that account), says so in the
+    condition and an Event, and goes on once the name is free."""
+    emulator, api, _ = cluster
+    theirs = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "demo-pipelinerl", "namespace": NS}}
+    await api.create(f"/api/v1/namespaces/{NS}/serviceaccounts", theirs)
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest())
+        await eventually(lambda: condition(emulator, "Ready").get("reason") == "ApplyRefused", what="ApplyRefused")
+        assert "ServiceAccount demo-pipelinerl already exists and is not this job's" in condition(emulator, "Ready")["message"]
+        await eventually(lambda: "ApplyRefused" in events(emulator), what="ApplyRefused event")
+        assert not any(obj(emulator, STS, f"demo-{r}") for r in ROLES)  # no pod could run as that account
+        assert not obj(emulator, "v1/serviceaccounts", "demo-pipelinerl").get("metadata", {}).get("ownerReferences")

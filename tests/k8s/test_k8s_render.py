@@ -102,7 +102,7 @@ def test_wiring_contract() -> None:
         volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
         assert sts["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
-    assert parse_job(__import__("yaml").safe_load(objs[("ConfigMap", "demo-config")]["data"]["job.yaml"])).spec.generator.replicas == 3
+    assert parse_job(__import__("yaml").safe_load(objs[("ConfigMap", "demo-pipelinerl-config")]["data"]["job.yaml"])).spec.generator.replicas == 3
     # No output: the checkpoints are the trained model, kept when the job goes (see the retention test).
     assert trainer["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
 
@@ -130,12 +130,12 @@ def test_gpus_images_and_scheduling() -> None:
     for role in ("trainer", "preprocessor"):
         meta = objs[("StatefulSet", f"demo-{role}")]["spec"]["template"]["metadata"]
         assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "q"
-        assert meta["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo-trainer"
+        assert meta["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo-pipelinerl-gang"
         assert meta["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "2"
-        assert meta["labels"]["scheduling.x-k8s.io/pod-group"] == "demo-trainer"
+        assert meta["labels"]["scheduling.x-k8s.io/pod-group"] == "demo-pipelinerl-gang"
     assert not {k for k in (*gen["metadata"]["labels"], *gen["metadata"]["annotations"]) if "pod-group" in k}
     # The gang scheduler's PodGroup: the trainer pods and the preprocessor, bound together.
-    group = objs[("PodGroup", "demo-trainer")]
+    group = objs[("PodGroup", "demo-pipelinerl-gang")]
     assert group["apiVersion"] == GANG and group["spec"] == {"minMember": 2}  # one trainer pod here
     assert group["metadata"]["ownerReferences"][0]["uid"] == "u"
     assert not [o for o in render(job(), "ns", "u", CFG) if o["kind"] == "PodGroup"]  # no gang scheduler named
@@ -228,14 +228,14 @@ def test_the_jobs_credentials_reach_its_pods_only_by_reference() -> None:
     from pipelinerl.contracts import JOB_SECRET_KEYS
 
     objs = by_name(render(job(), "team-a", "uid-1", CFG))
-    secret = objs[("Secret", "demo-credentials")]
+    secret = objs[("Secret", "demo-pipelinerl-credentials")]
     values = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
     assert values.keys() == JOB_SECRET_KEYS.keys() and values["natsUser"] == "team-a.demo"
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"  # goes with the job
     for role in ("generator", "preprocessor", "trainer"):
         env = env_of(objs[("StatefulSet", f"demo-{role}")])
         for key, name in JOB_SECRET_KEYS.items():
-            assert env[name] == {"secretKeyRef": {"name": "demo-credentials", "key": key}}
+            assert env[name] == {"secretKeyRef": {"name": "demo-pipelinerl-credentials", "key": key}}
     # No secret value anywhere but in the Secret: not in the ConfigMap, env, labels or annotations.
     elsewhere = json.dumps([o for key, o in objs.items() if key[0] != "Secret"])
     assert not [k for k in ("natsPassword", "weightsToken") if values[k] in elsewhere]
@@ -250,7 +250,7 @@ def test_the_jobs_credentials_reach_its_pods_only_by_reference() -> None:
 def test_the_network_policy_admits_only_the_jobs_own_pods_but_to_the_http_port() -> None:
     cfg = OperatorConfig(auth_key="k", metrics_namespaces=("monitoring",))
     objects = render(job(generator={"replicas": 3}, trainer={"replicas": 2}), "team-a", "uid-1", cfg)
-    policy = by_name(objects)[("NetworkPolicy", "demo")]
+    policy = by_name(objects)[("NetworkPolicy", "demo-pipelinerl")]
     selector = policy["spec"]["podSelector"]["matchLabels"]
     for sts in (o for o in objects if o["kind"] == "StatefulSet"):  # it covers every pod of the job
         assert selector.items() <= sts["spec"]["template"]["metadata"]["labels"].items()
@@ -284,11 +284,11 @@ def test_two_jobs_of_one_name_in_two_namespaces_share_nothing() -> None:
 
 def test_job_pods_run_as_their_jobs_own_service_account_wherever_the_job_is() -> None:
     objs = by_name(render(job(), "team-z", "uid-1", CFG))  # any namespace: nothing needs to be there first
-    account = objs[("ServiceAccount", "demo")]
+    account = objs[("ServiceAccount", "demo-pipelinerl")]
     assert account["automountServiceAccountToken"] is False and account["metadata"]["namespace"] == "team-z"
     for role in ("generator", "preprocessor", "trainer"):
         pod = objs[("StatefulSet", f"demo-{role}")]["spec"]["template"]["spec"]
-        assert pod["serviceAccountName"] == "demo" and pod["automountServiceAccountToken"] is False
+        assert pod["serviceAccountName"] == "demo-pipelinerl" and pod["automountServiceAccountToken"] is False
     chosen = render(job(), "team-z", "uid-1", OperatorConfig(service_account="shared-sa"))  # the install names one
     assert not [o for o in chosen if o["kind"] == "ServiceAccount"]
     assert {o["spec"]["template"]["spec"]["serviceAccountName"] for o in chosen if o["kind"] == "StatefulSet"} == {"shared-sa"}

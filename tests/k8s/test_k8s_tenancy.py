@@ -97,7 +97,7 @@ async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(clu
                 and '"team-a.other"' in a and a  # noqa: E731
             server.accounts(await eventually(both, what="both jobs' accounts"))
             server.start()
-            creds = {job: decoded(await eventually(lambda j=job: obj(emulator, SECRETS, f"{j}-credentials")))
+            creds = {job: decoded(await eventually(lambda j=job: obj(emulator, SECRETS, f"{j}-pipelinerl-credentials")))
                      for job in ("demo", "other")}
             login = {job: {"user": c["natsUser"], "password": c["natsPassword"]} for job, c in creds.items()}
 

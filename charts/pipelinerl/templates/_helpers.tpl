@@ -1,5 +1,7 @@
+{{- /* Always ends in "-pipelinerl" (the release name is cut instead): job pods may not read the
+Secrets named "<fullname>-auth" and the like, which the operator recognises by that ending. */ -}}
 {{- define "pipelinerl.fullname" -}}
-{{- printf "%s-pipelinerl" .Release.Name | trunc 50 | trimSuffix "-" -}}
+{{- printf "%s-pipelinerl" (.Release.Name | trunc 39 | trimSuffix "-") -}}
 {{- end -}}
 
 {{- define "pipelinerl.labels" -}}
