@@ -14,11 +14,13 @@ from pipelinerl.spec import SpecError, dump_job, load_job, read_manifest
 
 def _validate(args: argparse.Namespace) -> int:
     # The same check as the operator's admission webhook (and the rendered pods against Kubernetes' schema).
-    from pipelinerl_operator.admission import check
+    from pipelinerl_operator.admission import check, job_warnings
 
     old = read_manifest(args.against) if args.against else None
     job = check(read_manifest(args.job), old, source=args.job)
     print(f"{args.job}: valid {job.kind} {job.name!r} (mode {job.spec.mode}, max lag {job.spec.max_lag})")
+    for warning in job_warnings(job):
+        print(f"warning: {warning}", file=sys.stderr)
     if args.show:
         print(dump_job(job), end="")
     return 0

@@ -29,6 +29,11 @@ KIND = "PipelineRLJob"
 # The longest derived name, "<job>-preprocessor", names a StatefulSet, whose pods carry the label
 # controller-revision-hash "<statefulset>-<10-char hash>" (≤ 63): so 52 - 13 characters.
 MAX_JOB_NAME = 39
+# Integers are bounded as the API server bounds them (int64) and, where they feed libraries, as
+# those do: seeds become numpy's and vLLM's (32 bits, with room for a seed per generator).
+MAX_SEED = 2**31 - 1
+MAX_STEPS = 10**9
+MAX_SECONDS = 10**10
 DNS_LABEL = re.compile(DNS_1035_LABEL)
 TASK_NAMES = ("arith", "chain", "dataset", "guess", "math")  # pipelinerl.tasks.BUILTIN (a test keeps them equal)
 TASK_IMPORT_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
@@ -169,7 +174,7 @@ class TaskSpec(SpecModel):
     name: str = Field(default="arith", min_length=1, max_length=128,
                       description=f"A built-in task ({', '.join(TASK_NAMES)}) or module.path:Class.")
     params: dict[str, Any] = Field(default_factory=dict, description="Task-specific parameters.")
-    seed: int = Field(default=0, ge=0)
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
 
     @field_validator("name")
     @classmethod
@@ -244,18 +249,19 @@ class TrainerSpec(RoleSpec):
     zero_stage: Literal[0, 1, 2, 3] = 1
     learning_rate: float = Field(default=1e-4, gt=0.0, le=1.0)
     warmup_steps: int = Field(
-        default=0, ge=0, description="Linear learning-rate warm-up; keeps Adam's first, large updates small."
+        default=0, ge=0, le=MAX_STEPS, description="Linear learning-rate warm-up; keeps Adam's first, large updates small."
     )
     weight_decay: float = Field(default=0.0, ge=0.0)
     grad_clip: float = Field(default=1.0, ge=0.0)
     samples_per_step: int = Field(default=128, ge=1, le=1_000_000)
     micro_batch_tokens: int = Field(default=4096, ge=8, le=10_000_000)
-    max_steps: int = Field(default=100, ge=1)
-    checkpoint_interval: int = Field(default=50, ge=0, description="Steps between checkpoints; 0: only at the end.")
-    export_interval: int = Field(default=0, ge=0, description=(
+    max_steps: int = Field(default=100, ge=1, le=MAX_STEPS)
+    checkpoint_interval: int = Field(default=50, ge=0, le=MAX_STEPS, description="Steps between checkpoints; 0: only at the end.")
+    export_interval: int = Field(default=0, ge=0, le=MAX_STEPS, description=(
         "Save the Hugging Face weights every N policy versions (checkpoints/export/version-N; weights "
         "and tokenizer only) for offline evaluation; 0 disables."))
-    seed: int = Field(default=42, ge=0)
+    seed: int = Field(default=42, ge=0, le=MAX_SEED, description=(
+        "Trainer and generator seeds derive from it (generator i: seed + 1000·i), within 32 bits."))
     gradient_checkpointing: bool = Field(default=False, description=(
         "Recompute each layer's activations in the backward pass instead of keeping them: about a third "
         "more compute for a fraction of the activation memory (large models, long micro-batches)."))
@@ -291,7 +297,7 @@ class WeightSyncSpec(SpecModel):
 
 
 class EvalSpec(SpecModel):
-    interval: int = Field(default=10, ge=0, description="Evaluate every N policy versions; 0 disables.")
+    interval: int = Field(default=10, ge=0, le=MAX_STEPS, description="Evaluate every N policy versions; 0 disables.")
     problems: int = Field(default=1000, ge=1, le=1_000_000)
 
 
@@ -302,11 +308,11 @@ class RunPolicy(SpecModel):
         default=["trainer", "preprocessor"], max_length=3, description="Roles whose pod "
         "restarts count against backoffLimit. Generators are left out by default: the job goes on without any "
         "one of them (Degraded while some are missing), so a restarting generator degrades it, never fails it.")
-    active_deadline_seconds: int | None = Field(default=None, ge=1, description="From creation; time "
+    active_deadline_seconds: int | None = Field(default=None, ge=1, le=MAX_SECONDS, description="From creation; time "
                                                 "suspended is not counted.")
-    progress_deadline_seconds: int | None = Field(default=None, ge=1, description="No new policy version for this "
+    progress_deadline_seconds: int | None = Field(default=None, ge=1, le=MAX_SECONDS, description="No new policy version for this "
                                                   "long while running: Ready and Progressing turn False.")
-    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=MAX_SECONDS)
     checkpoint_retention: Literal["DeleteAfterOutput", "Retain", "Delete"] = Field(
         default="DeleteAfterOutput", description="The trainer volumes (checkpoints) when the job is deleted "
         "(ttlSecondsAfterFinished too): DeleteAfterOutput deletes them only once spec.output holds the final "
@@ -552,7 +558,9 @@ def parse_job(data: Any, source: str = "manifest") -> PipelineRLJob:
 
 
 class _StrictLoader(yaml.SafeLoader):
-    """Refuses a key given twice in one mapping (PyYAML keeps the last; kubectl refuses it)."""
+    """Reads YAML as kubectl sends it to the API server: refuses a key given twice in one mapping
+    (PyYAML keeps the last; kubectl refuses it), and reads `1e-6` as a number (YAML 1.2, as
+    kubectl does; PyYAML's YAML 1.1 wants a dot, `1.0e-6`, and would read a string)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -563,6 +571,19 @@ class _StrictLoader(yaml.SafeLoader):
                     None, None, f"duplicate key {key!r} (the first value would be silently lost)", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+class _Dumper(yaml.SafeDumper):
+    """Writes what _StrictLoader reads back the same (a string like "1e5" quoted)."""
+
+
+for _cls in (_StrictLoader, _Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+                               list("-+.0123456789"))
+
+
+def dump_yaml(data: Any) -> str:
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
 
 
 def read_manifest(path: str | Path) -> Any:
@@ -592,4 +613,4 @@ def immutable_changes(old: PipelineRLJob, new: PipelineRLJob) -> list[str]:
 
 
 def dump_job(job: PipelineRLJob) -> str:
-    return yaml.safe_dump(job.model_dump(mode="json", by_alias=True, exclude_none=True), sort_keys=False)
+    return dump_yaml(job.model_dump(mode="json", by_alias=True, exclude_none=True))

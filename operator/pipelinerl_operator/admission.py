@@ -3,9 +3,9 @@ admission webhook, and its reconcile.
 
 The CRD's schema and CEL rules (`pipelinerl/crd.py`) refuse most mistakes at the API server even
 where the webhook is not installed; this is the whole check, adding what CEL cannot express:
-vLLM's argument list, Kubernetes quantities compared, and the rendered children (user pod
-templates merged in) validated against the Kubernetes OpenAPI schema of the oldest version the
-chart supports.
+vLLM's argument list, Kubernetes quantities compared, the rendered children (user pod templates
+merged in) validated against the Kubernetes OpenAPI schema of the oldest version the chart
+supports and against the pod security rules, and whether the task's prompts fit the context.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 from pipelinerl.contracts import POD_GROUP_API, ROLE_LABEL
+from pipelinerl.prompt_fit import static_prompt_fit
 from pipelinerl.spec import KIND, PipelineRLJob, SpecError, immutable_changes, parse_job
 from pipelinerl_operator.render import OperatorConfig, RenderError, render
 
@@ -64,4 +65,13 @@ def check(manifest: Any, old: Any = None, source: str = "manifest") -> PipelineR
     errors = [e for obj in children if obj["apiVersion"] != POD_GROUP_API for e in _schema_errors(obj)]
     if errors:
         raise SpecError(f"{source} renders objects Kubernetes would refuse:\n" + "\n".join(f"  {e}" for e in errors))
+    fit = static_prompt_fit(job)
+    if fit and fit[0]:
+        raise SpecError(f"{source} cannot run:\n" + "\n".join(f"  spec.{e}" for e in fit[0]))
     return job
+
+
+def job_warnings(job: PipelineRLJob) -> list[str]:
+    """What runs, but not as the author may expect (completions that would be cut)."""
+    fit = static_prompt_fit(job)
+    return [f"spec.{w}" for w in fit[1]] if fit else []

@@ -95,17 +95,20 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         )
 
 
-def validate_job(body: Any, old: Any, operation: str | None, **_: Any) -> None:
-    """The admission webhook: refuse what `pipelinerl validate` refuses, naming each field."""
+def validate_job(body: Any, old: Any, operation: str | None, warnings: list[str] | None = None, **_: Any) -> None:
+    """The admission webhook: refuse what `pipelinerl validate` refuses, naming each field, and
+    warn where it warns (kubectl prints the warnings)."""
     stored = old if operation == "UPDATE" and old else None
     if stored is not None and stored.get("spec") == body.get("spec"):
         return  # metadata, finalizers, status: never blocked, even for a job older rules admitted
     meta = body.get("metadata") or {}
     try:
-        admission.check(dict(body), dict(stored) if stored else None,
-                        source=f"{KIND} {meta.get('namespace', '')}/{meta.get('name', '')}")
+        job = admission.check(dict(body), dict(stored) if stored else None,
+                              source=f"{KIND} {meta.get('namespace', '')}/{meta.get('name', '')}")
     except SpecError as err:
         raise kopf.AdmissionError(str(err), code=422) from None
+    if warnings is not None:
+        warnings.extend(admission.job_warnings(job))
 
 
 if os.environ.get(OperatorEnv.WEBHOOK_PORT):  # kopf refuses webhook handlers with no server to serve them

@@ -154,12 +154,15 @@ class DatasetTask:
             total += weight * float(out[0])
         return total
 
-    async def rollout(self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
-                      greedy: bool = False) -> Sample:
+    def prompt_tokens(self, tokenizer: Tokenizer, problem: Problem) -> list[int]:
         chat = self.chat_template
         if chat is None:
             chat = isinstance(problem.prompt, list) and has_chat_template(tokenizer)
-        sample = SampleBuilder(prompt_ids(tokenizer, problem.prompt, chat))
+        return prompt_ids(tokenizer, problem.prompt, chat)
+
+    async def rollout(self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
+                      greedy: bool = False) -> Sample:
+        sample = SampleBuilder(self.prompt_tokens(tokenizer, problem))
         completion = await policy.generate(sample.tokens, max_tokens, greedy=greedy)
         sample.add_completion(completion)
         text = tokenizer.decode(completion.tokens, skip_special_tokens=True)

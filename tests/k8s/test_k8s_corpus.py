@@ -22,6 +22,7 @@ import yaml
 from k8s_schema import admit, all_rules
 from pipelinerl.cli import main as cli
 from pipelinerl.crd import crd_manifest
+from pipelinerl.spec import dump_yaml
 from pipelinerl_operator.handlers import validate_job
 
 CORPUS = yaml.safe_load((Path(__file__).with_name("manifest_corpus.yaml")).read_text())
@@ -47,6 +48,7 @@ WEBHOOK_ONLY = {
     "projected-service-account-token", "operator-service-account", "deprecated-service-account", "automount-token",
     "ephemeral-container", "install-key-by-env", "nats-accounts-by-volume", "webhook-cert-by-env-from",
     "another-jobs-credentials", "another-jobs-credentials-projected",
+    "prompts-longer-than-context",  # the task's prompts, tokenized (pipelinerl/prompt_fit.py)
 }
 
 
@@ -74,9 +76,9 @@ def run_validate(case: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFix
         path.write_text(case["text"])
     else:
         new, old = manifests(case)
-        path.write_text(yaml.safe_dump(new))
+        path.write_text(dump_yaml(new))
         if old is not None:
-            (tmp_path / "old.yaml").write_text(yaml.safe_dump(old))
+            (tmp_path / "old.yaml").write_text(dump_yaml(old))
             args += ["--against", str(tmp_path / "old.yaml")]
     code = cli(args)
     return code, capsys.readouterr().err
@@ -140,3 +142,10 @@ def test_every_cel_rule_refuses_some_manifest() -> None:
     schema = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     said = {e for c in CORPUS["invalid"] if "text" not in c for e in admit(CRD, *manifests(c))[1]}
     assert {message for _, _, message in all_rules(schema)} - said == set()
+
+
+def test_the_webhook_warns_where_validate_warns() -> None:
+    new = merge(BASE, {"spec": {"model": {"maxSeqLen": 16}, "generator": {"sampling": {"maxTokens": 12}}}})
+    warnings: list[str] = []
+    validate_job(body=new, old=None, operation="CREATE", warnings=warnings)  # admitted
+    assert len(warnings) == 1 and warnings[0].startswith("spec.generator.sampling.maxTokens: 12 tokens do not fit")

@@ -64,3 +64,69 @@ def test_cli_validate(tmp_path, capsys):
     broken.write_text("spec: [unclosed")
     assert cli(["validate", str(broken)]) == 2
     assert "cannot read manifest" in capsys.readouterr().err
+
+
+def test_yaml_is_read_as_kubectl_sends_it(tmp_path):
+    """1e-6 is a number (YAML 1.2, as kubectl reads it; PyYAML's 1.1 would make it a string), and
+    what the project writes it reads back the same (a string that looks like one stays a string)."""
+    from pipelinerl.spec import read_manifest
+
+    path = tmp_path / "job.yaml"
+    path.write_text("apiVersion: pipelinerl.dev/v1alpha1\nkind: PipelineRLJob\nmetadata: {name: t}\n"
+                    "spec:\n  trainer: {learningRate: 1e-6, weightDecay: .5e-2}\n"
+                    "  generator: {env: [{name: X, value: '1e5'}]}\n")
+    j = load_job(path)
+    assert j.spec.trainer.learning_rate == 1e-6 and j.spec.trainer.weight_decay == 0.005
+    assert j.spec.generator.env[0].value == "1e5"
+    path.write_text(dump_job(j))
+    assert load_job(path) == j and "'1e5'" in path.read_text()
+    path.write_text("a: 10\nb: 1.5\nc: v1e5\n")
+    assert read_manifest(path) == {"a": 10, "b": 1.5, "c": "v1e5"}
+
+
+def test_every_integer_field_is_bounded():
+    """As the API server bounds integers (int64), and lower where a library needs it (seeds)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from pipelinerl.spec import MAX_SEED, PipelineRLJob
+
+    unbounded, seen = [], set()
+
+    def walk(model: type[BaseModel], prefix: str) -> None:
+        if model in seen:
+            return
+        seen.add(model)
+        for name, field in model.model_fields.items():
+            args = typing.get_args(field.annotation) or (field.annotation,)
+            nested = [b for a in args for b in (a, *typing.get_args(a)) if isinstance(b, type) and issubclass(b, BaseModel)]
+            for sub in nested:
+                walk(sub, f"{prefix}{field.alias or name}.")
+            bound = [getattr(m, "le", None) or getattr(m, "lt", None) for m in field.metadata]
+            if int in args and not any(b is not None and b <= 2**63 - 1 for b in bound):
+                unbounded.append(prefix + (field.alias or name))
+    walk(PipelineRLJob, "")
+    assert unbounded == []
+    with pytest.raises(SpecError, match=r"spec\.trainer\.seed: Input should be less than or equal to 2147483647"):
+        parse_job(job(trainer={"seed": MAX_SEED + 1}))
+
+
+def test_prompts_that_leave_no_room_are_refused_and_cut_completions_are_warned(tmp_path, capsys):
+    from pipelinerl.prompt_fit import prompt_fit, static_prompt_fit
+    from pipelinerl.tasks import make_task
+    from pipelinerl.tiny_model import make_tokenizer
+
+    task, tok = make_task("arith"), make_tokenizer()
+    longest = max(len(tok.encode(task.train_problem(i).prompt)) for i in range(256))
+    assert prompt_fit(task, tok, longest + 4, 4) == ([], [])
+    errors, _ = prompt_fit(task, tok, longest, 1)
+    assert errors == [f"model.maxSeqLen: {longest} leaves no room for a completion: the longest of 512 of the "
+                      f"task's prompts is {longest} tokens"]
+    _, warnings = prompt_fit(task, tok, longest + 4, 6)
+    assert warnings and "completions are cut at 4 tokens" in warnings[0]
+    assert static_prompt_fit(parse_job(job(model={"path": "/models/qwen"}))) is None  # its tokenizer is unknown here
+    path = tmp_path / "job.yaml"
+    path.write_text(__import__("yaml").safe_dump(job(model={"maxSeqLen": longest + 4}, generator={"sampling": {"maxTokens": 6}})))
+    assert cli(["validate", str(path)]) == 0
+    assert "warning: spec.generator.sampling.maxTokens: 6 tokens do not fit" in capsys.readouterr().err

@@ -27,7 +27,8 @@ from pipelinerl import messages as m
 from pipelinerl.admission import Admission
 from pipelinerl.contracts import GeneratorStatus, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
-from pipelinerl.spec import PipelineRLJob
+from pipelinerl.prompt_fit import prompt_fit
+from pipelinerl.spec import PipelineRLJob, SpecError
 from pipelinerl.streams import connect, ensure_streams, last_message, publish_once
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import resolve_model_path
@@ -88,6 +89,15 @@ class Generator:
         self.next_problem = env.rank  # training problem index of the next group
         self.publishing = asyncio.Lock()  # one publish at a time: each group carries the books after it
 
+    def _check_prompts_fit(self) -> None:
+        """A job whose prompts leave no room for a completion cannot run: say so, by field."""
+        errors, warnings = prompt_fit(self.task, self.tokenizer, self.spec.model.max_seq_len,
+                                      self.spec.generator.sampling.max_tokens)
+        for w in warnings:
+            log.warning("spec.%s", w)
+        if errors:
+            raise SpecError("; ".join(f"spec.{e}" for e in errors))
+
     # -- status ----------------------------------------------------------------------------
     def status(self) -> GeneratorStatus:
         a, engine = self.admission, getattr(self, "engine", None)
@@ -109,6 +119,7 @@ class Generator:
         model_path = resolve_model_path(self.spec.model.path)
         self.engine = Engine(self.job, model_path, seed=self.spec.trainer.seed + 1000 * self.env.rank)
         self.tokenizer = self.engine.llm.tokenizer
+        self._check_prompts_fit()
         await self._restore_books()
         await self.nc.subscribe(self.subjects.weights_update, cb=self._on_weight_update)
         await self.js.subscribe(self.subjects.version, cb=self._on_version, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
