@@ -113,6 +113,7 @@ class OperatorEnv:
     NAMESPACE = "PIPELINERL_NAMESPACE"  # the operator's own (where that Secret lives)
     METRICS_NAMESPACES = "PIPELINERL_METRICS_NAMESPACES"  # comma-separated: may scrape job pods
     NATS_REPLICAS = "PIPELINERL_NATS_REPLICAS"  # servers of the chart's NATS (a JetStream cluster when > 1)
+    NATS_STORE_BYTES = "PIPELINERL_NATS_STORE_BYTES"  # its JetStream store (max_file_store), per server
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import httpx
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
+from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import GeneratorStatus, ServiceEnv
 from pipelinerl.embedded_nats import EmbeddedNats
 from pipelinerl.learning import learning_alarm
@@ -249,7 +250,7 @@ class LocalRun:
     # -- progress --------------------------------------------------------------------------
     async def watch(self, nc, nats_url: str) -> None:
         js = nc.jetstream()
-        await ensure_streams(js, self.subjects, self.spec.nats.max_payload_mb)
+        await ensure_streams(js, self.subjects, self.spec.nats.max_payload_mb, sizes=stream_bytes(self.spec))
         metrics_file = open(self.run_dir / "metrics.jsonl", "a")
 
         async def on_metric(msg) -> None:

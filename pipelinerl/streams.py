@@ -14,35 +14,43 @@ import nats.js.errors
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
 
+from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import DEADLETTER_REASON, JobSubjects
+from pipelinerl.spec import JobSpec
 
 log = logging.getLogger("pipelinerl.streams")
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 120.0  # a restarting service's reads of its position: NATS may be restarting too
 
 
-def stream_configs(subjects: JobSubjects, max_msg_bytes: int, replicas: int = 1) -> list[StreamConfig]:
+def stream_configs(subjects: JobSubjects, max_msg_bytes: int, replicas: int = 1,
+                   sizes: dict[str, int] | None = None) -> list[StreamConfig]:
     """`replicas`: copies kept by a JetStream cluster (the chart's `nats.replicas`): a stream
-    outlives the loss of a minority of its servers."""
+    outlives the loss of a minority of its servers. `sizes`: each stream's max_bytes
+    (`capacity.stream_bytes` of the job; None: of a job with the default spec)."""
+    size = sizes or stream_bytes(JobSpec())
     common = dict(storage=StorageType.FILE, max_msg_size=max_msg_bytes, duplicate_window=600.0, num_replicas=replicas)
     return [
         # Rollouts: work for the preprocessor, one subject per generator, removed once acked by
-        # it (a removal survives a kill -9 of nats-server; an acknowledgement may not).
+        # it (a removal survives a kill -9 of nats-server; an acknowledgement may not). Full:
+        # new publishes are refused, nothing queued is dropped.
         StreamConfig(name=subjects.stream("ROLLOUTS"), subjects=[subjects.rollouts(">")],
-                     retention=RetentionPolicy.WORK_QUEUE, **common),
+                     retention=RetentionPolicy.WORK_QUEUE, max_bytes=size["ROLLOUTS"], discard=DiscardPolicy.NEW,
+                     **common),
         # Batches: kept (bounded) so a trainer restarted from a checkpoint can replay them.
         StreamConfig(name=subjects.stream("BATCHES"), subjects=[subjects.batches(">")],
-                     retention=RetentionPolicy.LIMITS, max_bytes=4 << 30,
+                     retention=RetentionPolicy.LIMITS, max_bytes=size["BATCHES"],
                      discard=DiscardPolicy.OLD, **common),
         # Control: the latest policy version only.
         StreamConfig(name=subjects.stream("CONTROL"), subjects=[subjects.version],
-                     retention=RetentionPolicy.LIMITS, max_msgs_per_subject=1, **common),
+                     retention=RetentionPolicy.LIMITS, max_msgs_per_subject=1, max_bytes=size["CONTROL"], **common),
         StreamConfig(name=subjects.stream("METRICS"), subjects=[subjects.metrics(">")],
-                     retention=RetentionPolicy.LIMITS, max_msgs=1_000_000,
+                     retention=RetentionPolicy.LIMITS, max_bytes=size["METRICS"],
                      discard=DiscardPolicy.OLD, **common),
         # Dead letters: rejected rollouts and micro-batches with their reason (headers).
         StreamConfig(name=subjects.stream("DEADLETTER"), subjects=[subjects.deadletter(">")],
-                     retention=RetentionPolicy.LIMITS, max_bytes=256 << 20, discard=DiscardPolicy.OLD, **common),
+                     retention=RetentionPolicy.LIMITS, max_bytes=size["DEADLETTER"], discard=DiscardPolicy.OLD,
+                     **common),
     ]
 
 
@@ -59,10 +67,11 @@ async def connect(url: str, name: str, user: str | None = None, password: str | 
     )
 
 
-async def ensure_streams(js, subjects: JobSubjects, max_payload_mb: int, replicas: int | None = None) -> None:
+async def ensure_streams(js, subjects: JobSubjects, max_payload_mb: int, replicas: int | None = None,
+                         sizes: dict[str, int] | None = None) -> None:
     """Create the job's streams, or update them in place; safe to call from every service.
-    `replicas`: a service's `stream_replicas` (None: one copy)."""
-    for cfg in stream_configs(subjects, max_payload_mb << 20, replicas or 1):
+    `replicas`: a service's `stream_replicas` (None: one copy); `sizes`: see stream_configs."""
+    for cfg in stream_configs(subjects, max_payload_mb << 20, replicas or 1, sizes):
         try:
             await js.stream_info(cfg.name)
             await js.update_stream(cfg)

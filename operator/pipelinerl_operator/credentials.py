@@ -40,16 +40,18 @@ def secret_data(values: dict[str, str]) -> dict[str, str]:
     return {k: base64.b64encode(v.encode()).decode() for k, v in values.items()}
 
 
-def nats_accounts(key: str, jobs: Iterable[tuple[str, str, str]]) -> str:
+def nats_accounts(key: str, jobs: Iterable[tuple[str, str, str, int]]) -> str:
     """The `accounts` block of the NATS server's configuration (included by the chart's
-    nats.conf, reloaded when it changes): one account with JetStream per job (namespace, name,
-    uid), one user in it, and the operator's own account."""
-    def account(name: str, user: str, password: str, jetstream: bool) -> str:
-        js = "jetstream: enabled, " if jetstream else ""
+    nats.conf, reloaded when it changes): one account per job (namespace, name, uid, the bytes
+    its streams reserve), one user in it, JetStream within that job's own limit (file storage
+    only; every stream must say its size), and the operator's own account."""
+    def account(name: str, user: str, password: str, file_bytes: int | None) -> str:
+        js = (f"jetstream: {{ max_file: {file_bytes}, max_mem: 0, max_streams: 8, max_bytes_required: true }}, "
+              if file_bytes is not None else "")
         return f"  {json.dumps(name)}: {{ {js}users: [ {{ user: {json.dumps(user)}, password: {json.dumps(password)} }} ] }}"
 
-    lines = [account(OPERATOR_ACCOUNT, OPERATOR_ACCOUNT, _derive(key, "operator"), False)]
-    for namespace, name, uid in sorted(set(jobs)):
+    lines = [account(OPERATOR_ACCOUNT, OPERATOR_ACCOUNT, _derive(key, "operator"), None)]
+    for namespace, name, uid, reserved in sorted(set(jobs)):
         creds = job_credentials(key, namespace, name, uid)
-        lines.append(account(creds["natsUser"], creds["natsUser"], creds["natsPassword"], True))
+        lines.append(account(creds["natsUser"], creds["natsUser"], creds["natsPassword"], reserved))
     return "# Written by the PipelineRL operator: one account per job.\naccounts {\n" + "\n".join(lines) + "\n}\n"

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -17,14 +18,15 @@ import kopf
 
 from pipelinerl.contracts import JOB_LABEL, NATS_ACCOUNTS_FILE, OPERATOR_METRICS_PORT, ROLE_LABEL, ROLES, OperatorEnv
 from pipelinerl.crd import PLURAL, VERSION
-from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError
+from pipelinerl.capacity import fits, reserved_bytes
+from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError, parse_job
 from pipelinerl_operator import admission, metrics
 from pipelinerl_operator.credentials import job_credentials, nats_accounts, secret_data
 from pipelinerl_operator.kube import Kube, KubeError
 from pipelinerl_operator.pods import pod_problems, trainer_gang_to_restart
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
 from pipelinerl_operator.render import (
-    OperatorConfig, generator_selector, render, replicas, role_name, trainer_host,
+    OperatorConfig, generator_selector, on_chart_nats, render, replicas, role_name, trainer_host,
 )
 from pipelinerl_operator.status import Observed, RoleObserved, compute, is_terminal, parse_ts, ttl_expired
 from pipelinerl_operator.streams_cleanup import delete_job_streams
@@ -45,6 +47,7 @@ def operator_config() -> OperatorConfig:
         auth_key=env(OperatorEnv.AUTH_KEY) or None,
         metrics_namespaces=tuple(n for n in env(OperatorEnv.METRICS_NAMESPACES, "").split(",") if n),
         nats_replicas=int(env(OperatorEnv.NATS_REPLICAS) or 1),
+        nats_store_bytes=int(env(OperatorEnv.NATS_STORE_BYTES) or 0),
     )
 
 
@@ -135,10 +138,40 @@ async def close_client(**_: Any) -> None:
         await STATE.kube.close()
 
 
+@dataclass(frozen=True)
+class JobRecord:
+    uid: str
+    created: str  # metadata.creationTimestamp: earlier jobs keep their place in the NATS store
+    reserved: int  # bytes its streams reserve in the chart's NATS store (0: it uses its own server)
+
+
 @kopf.index(API_GROUP, VERSION, PLURAL)
-def job_uids(namespace: str, name: str, uid: str, **_: Any) -> dict[tuple[str, str], str]:
-    """Every job watched: each is an account on the chart's NATS server."""
-    return {(namespace, name): uid}
+def jobs(namespace: str, name: str, uid: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], JobRecord]:
+    """Every job watched: each is an account on the chart's NATS server, and reserves its
+    streams' bytes in that server's store."""
+    try:
+        job = parse_job({"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
+                         "spec": dict(body.get("spec") or {})})
+        reserved = reserved_bytes(job.spec) if on_chart_nats(job) else 0
+    except SpecError:
+        reserved = 0  # it never runs
+    return {(namespace, name): JobRecord(uid, body["metadata"].get("creationTimestamp") or "", reserved)}
+
+
+def store_problem(index: kopf.Index, namespace: str, name: str, cfg: OperatorConfig) -> str | None:
+    """Why the chart's NATS store cannot hold this job beside the jobs created before it; None if it can."""
+    records = [(r.created, f"{ns}/{n}", r.reserved) for (ns, n), rs in index.items() for r in rs]
+    mine = next((r for (ns, n), rs in index.items() if (ns, n) == (namespace, name) for r in rs), None)
+    if not cfg.nats_store_bytes or mine is None or not mine.reserved:
+        return None
+    ok, before = fits(cfg.nats_store_bytes, records, f"{namespace}/{name}")
+    if ok:
+        return None
+    gib = 1 << 30
+    return (f"the chart's NATS store ({cfg.nats_store_bytes / gib:.2f} GiB) cannot hold this job's streams "
+            f"({mine.reserved / gib:.2f} GiB) beside the jobs created before it ({before / gib:.2f} GiB reserved): "
+            "delete a finished job, lower trainer.checkpointInterval, trainer.samplesPerStep or model.maxSeqLen, "
+            "or give NATS a larger volume (the chart's nats.storageGi)")
 
 
 async def sync_nats_accounts(index: kopf.Index, gone: str | None = None) -> None:
@@ -149,8 +182,9 @@ async def sync_nats_accounts(index: kopf.Index, gone: str | None = None) -> None
     secret, namespace = os.environ.get(OperatorEnv.NATS_ACCOUNTS_SECRET), os.environ.get(OperatorEnv.NAMESPACE)
     if not (cfg.auth_key and secret and namespace and STATE.kube and STATE.accounts_lock):
         return
-    jobs = [(ns, name, uid) for (ns, name), uids in index.items() for uid in uids if uid != gone]
-    text = nats_accounts(cfg.auth_key, jobs)
+    accounts = [(ns, name, r.uid, r.reserved * cfg.nats_replicas)  # a limit counts every copy kept
+                for (ns, name), records in index.items() for r in records if r.uid != gone]
+    text = nats_accounts(cfg.auth_key, accounts)
     async with STATE.accounts_lock:
         if text != STATE.accounts_written:
             await STATE.kube.apply({
@@ -206,16 +240,17 @@ def _pod_restarts(pods: list[dict[str, Any]], roles: list[str]) -> dict[str, int
             for p in pods if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) in roles}
 
 
-async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter) -> dict[str, Any]:
+async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter,
+                    jobs: kopf.Index) -> dict[str, Any]:
     key = str(body["metadata"].get("uid") or f"{body['metadata']['namespace']}/{body['metadata']['name']}")
     async with STATE.locks.setdefault(key, asyncio.Lock()):
-        status = await _reconcile(body, patch, logger, STATE.last_status.get(key))
+        status = await _reconcile(body, patch, logger, STATE.last_status.get(key), jobs)
         STATE.last_status[key] = status
         return status
 
 
 async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter,
-                     last_written: dict[str, Any] | None) -> dict[str, Any]:
+                     last_written: dict[str, Any] | None, jobs: kopf.Index) -> dict[str, Any]:
     kube = STATE.kube
     if kube is None:
         raise kopf.TemporaryError("not logged in to the Kubernetes API yet", delay=5)
@@ -238,7 +273,8 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
         spec_error = str(err)
         logger.warning("invalid spec: %s", spec_error)
     try:
-        apply_error = await apply_owned(kube, children, uid)
+        apply_error = store_problem(jobs, ns, name, cfg) if children else None
+        apply_error = apply_error or await apply_owned(kube, children, uid)
         if apply_error:
             logger.warning("not applied: %s", apply_error)
         roles = await _observe_roles(kube, ns, job, name)
@@ -287,35 +323,35 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
 
 
 @kopf.on.create(API_GROUP, VERSION, PLURAL)
-async def created(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, job_uids: kopf.Index, **_: Any) -> None:
-    await sync_nats_accounts(job_uids)  # before its pods connect
-    status = await reconcile(body, patch, logger)
+async def created(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, jobs: kopf.Index, **_: Any) -> None:
+    await sync_nats_accounts(jobs)  # before its pods connect
+    status = await reconcile(body, patch, logger, jobs)
     if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
         _event(body, "Normal", "Created", "created the ConfigMap, Services and StatefulSets")
 
 
 @kopf.on.update(API_GROUP, VERSION, PLURAL)
-async def updated(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, job_uids: kopf.Index, **_: Any) -> None:
-    await sync_nats_accounts(job_uids)  # before its pods connect
-    status = await reconcile(body, patch, logger)
+async def updated(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, jobs: kopf.Index, **_: Any) -> None:
+    await sync_nats_accounts(jobs)  # before its pods connect
+    status = await reconcile(body, patch, logger, jobs)
     if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
         _event(body, "Normal", "Updated", f"applied generation {status.get('observedGeneration')}")
 
 
 @kopf.on.resume(API_GROUP, VERSION, PLURAL)
-async def resumed(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, job_uids: kopf.Index, **_: Any) -> None:
-    await sync_nats_accounts(job_uids)
-    await reconcile(body, patch, logger)
+async def resumed(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, jobs: kopf.Index, **_: Any) -> None:
+    await sync_nats_accounts(jobs)
+    await reconcile(body, patch, logger, jobs)
 
 
 @kopf.timer(API_GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-async def resync(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, job_uids: kopf.Index, **_: Any) -> None:
-    await sync_nats_accounts(job_uids)
-    await reconcile(body, patch, logger)
+async def resync(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, jobs: kopf.Index, **_: Any) -> None:
+    await sync_nats_accounts(jobs)
+    await reconcile(body, patch, logger, jobs)
 
 
 @kopf.on.delete(API_GROUP, VERSION, PLURAL)
-async def deleted(body: kopf.Body, logger: logging.Logger, job_uids: kopf.Index, **_: Any) -> None:
+async def deleted(body: kopf.Body, logger: logging.Logger, jobs: kopf.Index, **_: Any) -> None:
     """Children go by garbage collection (ownerReferences); only the NATS streams and account
     need us. Never blocks deletion: a NATS failure is reported and the finalizer is released."""
     meta = body["metadata"]
@@ -333,7 +369,7 @@ async def deleted(body: kopf.Body, logger: logging.Logger, job_uids: kopf.Index,
         logger.warning("could not delete NATS streams of %s/%s: %r", ns, name, err)
         _event(body, "Warning", "StreamsDeleteFailed", f"could not delete NATS streams at {url}: {err!r}")
     try:
-        await sync_nats_accounts(job_uids, gone=uid)
+        await sync_nats_accounts(jobs, gone=uid)
     except Exception as err:  # noqa: BLE001 - the next job's change (or the resync) writes it again
         logger.warning("could not remove the NATS account of %s/%s: %r", ns, name, err)
     metrics.record_phase(ns, name, None)

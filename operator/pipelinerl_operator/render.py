@@ -56,6 +56,7 @@ class OperatorConfig:
     # operator's: where Prometheus runs.
     metrics_namespaces: tuple[str, ...] = ()
     nats_replicas: int = 1  # servers of the chart's NATS: each stream of a job on it is kept by all of them
+    nats_store_bytes: int = 0  # the chart's NATS store (each server's): jobs beyond it are refused; 0: unchecked
 
 
 def role_name(job: str, role: str) -> str:
@@ -204,13 +205,35 @@ def _uses_secret(job: PipelineRLJob, cfg: OperatorConfig, key: str) -> bool:
     return cfg.auth_key is not None and (key == "weightsToken" or on_chart_nats(job))
 
 
-def _resources(spec: RoleSpec) -> dict[str, Any]:
+# What a role's pod asks for when its spec says nothing of cpu or memory (a namespace with a
+# ResourceQuota refuses pods without requests and limits): per pod on CPU, per GPU on GPUs.
+DEFAULT_RESOURCES = {
+    "preprocessor": {"requests": {"cpu": 0.5, "memory": 1}, "limits": {"cpu": 2, "memory": 2}},
+    "generator": {"requests": {"cpu": 1, "memory": 4}, "limits": {"cpu": 4, "memory": 8}},
+    "trainer": {"requests": {"cpu": 1, "memory": 4}, "limits": {"cpu": 4, "memory": 8}},
+}
+DEFAULT_PER_GPU = {"requests": {"cpu": 4, "memory": 32}, "limits": {"cpu": 8, "memory": 64}}
+
+
+def _quantity(resource: str, amount: float) -> str:
+    return (f"{amount:g}" if amount >= 1 else f"{int(amount * 1000)}m") if resource == "cpu" else f"{amount:g}Gi"
+
+
+def _resources(spec: RoleSpec, role: str) -> dict[str, Any]:
+    """The user's resources, and for cpu and memory where they name neither request nor limit,
+    the defaults for the role (scaled by its GPUs)."""
     requests = dict(spec.resources.requests)
     limits = dict(spec.resources.limits)
+    defaults = DEFAULT_RESOURCES[role]
+    for kind, into in (("requests", requests), ("limits", limits)):
+        for resource in ("cpu", "memory"):
+            if resource not in spec.resources.requests and resource not in spec.resources.limits:
+                amount = DEFAULT_PER_GPU[kind][resource] * spec.gpus if spec.gpus else defaults[kind][resource]
+                into[resource] = _quantity(resource, amount)
     if spec.gpus:
         limits["nvidia.com/gpu"] = str(spec.gpus)
         requests["nvidia.com/gpu"] = str(spec.gpus)
-    return {k: v for k, v in (("requests", requests), ("limits", limits)) if v}
+    return {"requests": requests, "limits": limits}
 
 
 def _ports(job: PipelineRLJob, role: str) -> list[dict[str, Any]]:
@@ -270,7 +293,7 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorCon
         "args": ["service", role, JOB_FILE],
         "env": _env(job, role, namespace, cfg),
         "ports": _ports(job, role),
-        "resources": _resources(spec),
+        "resources": _resources(spec, role),
         "startupProbe": _probe("/healthz", 10, 180),  # model loading may take many minutes
         "livenessProbe": _probe("/healthz", 20, 6),
         "readinessProbe": _probe("/readyz", 10, 3),

@@ -50,30 +50,33 @@ def test_the_chart_renders_a_cluster_and_the_operator_replicates_job_streams_on_
 
 class Cluster:
     def __init__(self, root, size: int = 3):
-        conf = next(o for o in chart_objects(size) if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-pipelinerl-nats")
+        objects = chart_objects(size)
+        conf = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-pipelinerl-nats")
         template = conf["data"]["nats.conf"]
+        routes_secret = next(o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == "rl-pipelinerl-nats-routes")
+        cluster_conf, self.password = routes_secret["stringData"]["cluster.conf"], routes_secret["stringData"]["password"]
+        assert 'include "../nats-routes/cluster.conf"' in template and self.password in cluster_conf
         self.client = [free_port() for _ in range(size)]
-        cluster = [free_port() for _ in range(size)]
-        routes = re.findall(r"nats://(rl-pipelinerl-nats-(\d)\.\S+):6222", template)
+        self.cluster = [free_port() for _ in range(size)]
+        routes = re.findall(r"nats://route:\S+@(rl-pipelinerl-nats-(\d)\.\S+):6222", cluster_conf)
         assert [int(i) for _, i in routes] == list(range(size))  # one route per server, by pod DNS name
         self.procs: list[subprocess.Popen | None] = []
         for i in range(size):
             text = re.sub(r"^port: 4222$", f"port: {self.client[i]}", template, flags=re.M)
             text = re.sub(r"^http_port: 8222$", f"http_port: {free_port()}", text, flags=re.M)
-            text = text.replace("port: 6222", f"port: {cluster[i]}").replace("/var/run/nats", str(root / f"s{i}"))
-            text = text.replace("/data/jetstream", str(root / f"s{i}" / "js"))
-            for host, j in routes:
-                text = text.replace(f"nats://{host}:6222", f"nats://127.0.0.1:{cluster[int(j)]}")
-            (root / f"s{i}").mkdir()
-            (root / f"s{i}" / "nats.conf").write_text(text)
+            text = text.replace("/var/run/nats", str(root / f"s{i}")).replace("/data/jetstream", str(root / f"s{i}" / "js"))
+            mine = cluster_conf.replace("port: 6222", f"port: {self.cluster[i]}")
+            for host, j in routes:  # pod DNS names → this machine's ports (as in the pods: ../nats-routes)
+                mine = mine.replace(f"@{host}:6222", f"@127.0.0.1:{self.cluster[int(j)]}")
+            for folder, name, content in (("etc", "nats.conf", text), ("nats-routes", "cluster.conf", mine)):
+                (root / f"s{i}" / folder).mkdir(parents=True, exist_ok=True)
+                (root / f"s{i}" / folder / name).write_text(content)
             self.procs.append(subprocess.Popen(
-                [nats_server_binary(), "-c", str(root / f"s{i}" / "nats.conf")], env={"POD_NAME": f"rl-pipelinerl-nats-{i}"},
+                [nats_server_binary(), "-c", str(root / f"s{i}" / "etc" / "nats.conf")],
+                env={"POD_NAME": f"rl-pipelinerl-nats-{i}"},
                 stdout=open(root / f"s{i}" / "log", "wb"), stderr=subprocess.STDOUT))
         for port in self.client:
-            deadline = time.monotonic() + 10
-            while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
+            wait_for_port(port)
 
     @property
     def urls(self) -> list[str]:
@@ -105,6 +108,64 @@ async def test_job_streams_on_a_three_server_cluster_survive_losing_one(tmp_path
         assert got == [f"{w}-{i}" for w in ("before", "after") for i in range(20)]  # nothing lost, nothing twice
         await nc.close()
     finally:
+        cluster.stop()
+
+
+def wait_for_port(port: int) -> None:
+    deadline = time.monotonic() + 10
+    while socket.socket().connect_ex(("127.0.0.1", port)) != 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def outsider(root, name: str, route: str) -> tuple[subprocess.Popen, int]:
+    """A nats-server started by someone else, routed to the cluster's first server."""
+    port, cluster_port = free_port(), free_port()
+    (root / name).mkdir()
+    (root / name / "nats.conf").write_text(
+        f"port: {port}\nserver_name: {name}\ncluster {{ name: rl-pipelinerl-nats, port: {cluster_port}, routes: [{route}] }}\n")
+    proc = subprocess.Popen([nats_server_binary(), "-c", str(root / name / "nats.conf")],
+                            stdout=open(root / name / "log", "wb"), stderr=subprocess.STDOUT)
+    wait_for_port(port)
+    return proc, port
+
+
+async def test_a_server_without_the_route_password_never_joins(tmp_path) -> None:
+    """Routes are authenticated: a rogue server routed to a member gets none of the cluster's
+    messages; one given the route password does (the control: the route itself works)."""
+    cluster = Cluster(tmp_path)
+    procs = []
+    try:
+        rogue, rogue_port = outsider(tmp_path, "rogue", f"nats://127.0.0.1:{cluster.cluster[0]}")
+        peer, peer_port = outsider(tmp_path, "peer", f"nats://route:{cluster.password}@127.0.0.1:{cluster.cluster[0]}")
+        procs = [rogue, peer]
+        inside = await nats.connect(cluster.urls[0])
+        listeners = {}
+        for name, port in (("rogue", rogue_port), ("peer", peer_port)):
+            nc = await nats.connect(f"nats://127.0.0.1:{port}")
+            listeners[name] = (nc, await nc.subscribe("prl.team-a.demo.>"))
+
+        async def heard(name: str) -> bool:
+            try:
+                await listeners[name][1].next_msg(timeout=0.3)
+                return True
+            except nats.errors.TimeoutError:
+                return False
+
+        async def peer_hears() -> None:
+            await inside.publish("prl.team-a.demo.version", b"v")
+            assert await heard("peer")
+        await retried(peer_hears, "the peer with the password routed in")
+        for _ in range(5):
+            await inside.publish("prl.team-a.demo.version", b"secret")
+        assert not await heard("rogue")
+        for nc, _ in listeners.values():
+            await nc.close()
+        await inside.close()
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
         cluster.stop()
 
 

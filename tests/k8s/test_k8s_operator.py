@@ -360,3 +360,26 @@ async def test_an_object_the_job_does_not_own_is_never_taken_over(cluster) -> No
         await eventually(lambda: "ApplyRefused" in events(emulator), what="ApplyRefused event")
         assert not any(obj(emulator, STS, f"demo-{r}") for r in ROLES)  # no pod could run as that account
         assert not obj(emulator, "v1/serviceaccounts", "demo-pipelinerl").get("metadata", {}).get("ownerReferences")
+
+
+async def test_a_job_the_nats_store_cannot_hold_is_refused_until_there_is_room(cluster, monkeypatch) -> None:
+    """Each job reserves its streams' bytes in the chart's NATS store (pipelinerl.capacity): a
+    job beyond the store, counted after the jobs created before it, is refused with a condition
+    and an Event saying so (its pods never start), and goes on once an earlier job is deleted."""
+    from pipelinerl.capacity import reserved_bytes
+    from pipelinerl.spec import parse_job
+
+    emulator, api, _ = cluster
+    one = reserved_bytes(parse_job(manifest("zeta")).spec)
+    monkeypatch.setenv("PIPELINERL_NATS_STORE_BYTES", str(2 * one + one // 2))  # room for two jobs
+    async with running_operator(str(emulator.url)):
+        for i, name in enumerate(("zeta", "mid", "alpha")):  # created in this order, not the names'
+            job = manifest(name)
+            job["metadata"]["creationTimestamp"] = f"2026-11-26T10:00:0{i}Z"  # the API server stamps it; kmock does not
+            await api.create_job(job)
+        await eventually(lambda: condition(emulator, "Ready", "alpha").get("reason") == "ApplyRefused", what="refused")
+        assert "the chart's NATS store" in condition(emulator, "Ready", "alpha")["message"]
+        await eventually(lambda: all(obj(emulator, STS, f"{n}-trainer") for n in ("zeta", "mid")), what="two jobs run")
+        assert not obj(emulator, STS, "alpha-trainer")
+        await api.delete_job("zeta")
+        await eventually(lambda: obj(emulator, STS, "alpha-trainer"), timeout_s=40, what="the last job's pods")

@@ -1,12 +1,15 @@
 """The pod security rules (pure): the operator's own pods pass; a user's podTemplate may tighten
 what the operator sets (the user's value is kept) but never loosen it; each rule names its field.
-The manifest corpus runs the same rules through every door (tests/k8s/test_k8s_corpus.py)."""
+The manifest corpus runs the same rules through every door (tests/k8s/test_k8s_corpus.py); the
+pods of every example and every manifest the doors accept are also checked by the tests' own,
+independent reading of the restricted standard (k8s_schema.restricted_violations)."""
 
 from pathlib import Path
 
 import pytest
 import yaml
 
+from k8s_schema import restricted_violations
 from pipelinerl.spec import load_job, parse_job
 from pipelinerl_operator.pod_security import pod_violations
 from pipelinerl_operator.render import OperatorConfig, RenderError, render, secret_name, service_account_name
@@ -24,11 +27,17 @@ def violations(pod: dict, job_name: str = "demo") -> list[str]:
     return pod_violations(pod, service_account=service_account_name(job_name, CFG), own_secret=secret_name(job_name))
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_example_renders_pods_that_meet_the_restricted_standard(path):
-    job = load_job(path)
+CORPUS = yaml.safe_load((Path(__file__).with_name("manifest_corpus.yaml")).read_text())
+ACCEPTED = [load_job(p) for p in sorted((ROOT / "examples").glob("*.yaml"))] + [
+    parse_job({"metadata": {"name": "demo", **case.get("metadata", {})}, "spec": case.get("spec", {})})
+    for case in CORPUS["valid"] if "text" not in case]
+
+
+@pytest.mark.parametrize("job", ACCEPTED, ids=lambda j: j.name)
+def test_every_accepted_manifest_renders_pods_that_meet_the_restricted_standard(job):
     for name, pod in pods(job).items():
         assert violations(pod, job.name) == [], name
+        assert restricted_violations(pod["spec"]) == [], name
 
 
 def job(**role):

@@ -276,8 +276,9 @@ def test_two_jobs_of_one_name_in_two_namespaces_share_nothing() -> None:
     assert (config(a).subjects.namespace, config(b).subjects.namespace) == ("team-a", "team-b")
     # Each is an account of its own on the NATS server (its streams live in it); the same job
     # created again (a new uid) gets new credentials.
-    accounts = nats_accounts("install-key", [("team-a", "demo", "uid-a"), ("team-b", "demo", "uid-b")])
-    assert '"team-a.demo": { jetstream: enabled' in accounts and '"team-b.demo": { jetstream: enabled' in accounts
+    accounts = nats_accounts("install-key", [("team-a", "demo", "uid-a", 1 << 30), ("team-b", "demo", "uid-b", 2 << 30)])
+    assert f'"team-a.demo": {{ jetstream: {{ max_file: {1 << 30}, max_mem: 0' in accounts
+    assert f'"team-b.demo": {{ jetstream: {{ max_file: {2 << 30}, max_mem: 0' in accounts
     again = render(job(), "team-a", "uid-a2", CFG)
     assert secret(again)["natsPassword"] != secret(a)["natsPassword"]
 
@@ -306,3 +307,19 @@ def test_trainer_volumes_go_with_the_job_only_per_the_retention_policy(retention
     trainer = by_name(render(job(**spec), "ns", "u", CFG, output_written=written))[("StatefulSet", "demo-trainer")]
     assert trainer["spec"]["persistentVolumeClaimRetentionPolicy"] == {
         "whenDeleted": "Delete" if deleted else "Retain", "whenScaled": "Retain"}
+
+
+def test_every_pod_asks_for_resources_the_user_did_not_name() -> None:
+    """A namespace ResourceQuota refuses pods without requests and limits: each role gets its
+    defaults (per GPU on GPUs) for cpu and memory wherever the user names neither."""
+    def resources(**spec):
+        objs = by_name(render(job(**spec), "ns", "u", CFG))
+        return {r: objs[("StatefulSet", f"demo-{r}")]["spec"]["template"]["spec"]["containers"][0]["resources"]
+                for r in ("generator", "preprocessor", "trainer")}
+
+    plain = resources()
+    assert plain["preprocessor"] == {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
+    assert plain["trainer"] == {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"cpu": "4", "memory": "8Gi"}}
+    mine = resources(model={"path": "/models/q"}, generator={"gpus": 2, "resources": {"requests": {"memory": "100Gi"}}})
+    assert mine["generator"] == {"requests": {"memory": "100Gi", "cpu": "8", "nvidia.com/gpu": "2"},
+                                 "limits": {"cpu": "16", "nvidia.com/gpu": "2"}}  # memory: the user's alone

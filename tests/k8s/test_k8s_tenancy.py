@@ -19,9 +19,11 @@ from operator_harness import NS, eventually, running_operator
 from test_k8s_chart import render as render_chart
 from test_k8s_operator import events, manifest, obj
 
+from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import NATS_ACCOUNTS_FILE, JobSubjects, OperatorEnv
 from pipelinerl.embedded_nats import nats_server_binary
 from pipelinerl.ports import free_port
+from pipelinerl.spec import parse_job
 from pipelinerl.streams import ensure_streams
 
 ACCOUNTS_SECRET = "rl-pipelinerl-nats-accounts"  # the chart's name for it (release "rl")
@@ -103,7 +105,8 @@ async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(clu
 
             # The job's pods, with its Secret's values: they create and use its streams.
             demo = await nats.connect(server.url, **login["demo"])
-            await ensure_streams(demo.jetstream(), JobSubjects("demo", NS), 1)
+            sizes = stream_bytes(parse_job(manifest("demo")).spec)  # as its pods size them: its account's limit
+            await ensure_streams(demo.jetstream(), JobSubjects("demo", NS), 1, sizes=sizes)
             await demo.jetstream().publish(JobSubjects("demo", NS).version, b"v1")
             # Anyone else: refused without credentials, with another job's password, or a guess.
             assert await refused(server.url)
@@ -112,6 +115,10 @@ async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(clu
             # Another job's pods see nothing of it: not its streams, not its messages.
             other = await nats.connect(server.url, **login["other"])
             assert await other.jetstream().streams_info() == []
+            # Nor can it reserve more of the store than its own streams' sizes (its account's limit).
+            with pytest.raises(nats.js.errors.APIError, match="insufficient|limit|exceed"):
+                await ensure_streams(other.jetstream(), JobSubjects("other", NS), 1,
+                                     sizes={k: 10 * v for k, v in sizes.items()})
             sub = await other.subscribe(JobSubjects("demo", NS).version)
             await demo.publish(JobSubjects("demo", NS).version, b"v2")
             with pytest.raises(nats.errors.TimeoutError):

@@ -33,3 +33,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s:%s" .repository .tag -}}
 {{- end -}}
 {{- end -}}
+
+{{- /* The chart's JetStream store, per server: 90% of its volume (JetStream refuses writes before
+the disk is full, never after). The operator refuses jobs it cannot hold. */ -}}
+{{- define "pipelinerl.natsStoreBytes" -}}
+{{- mul .Values.nats.storageGi 966367641 -}}
+{{- end -}}

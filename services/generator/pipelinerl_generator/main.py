@@ -25,6 +25,7 @@ from prometheus_client import Counter, Gauge
 
 from pipelinerl import messages as m
 from pipelinerl.admission import Admission
+from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import GeneratorStatus, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.prompt_fit import prompt_fit
@@ -115,7 +116,8 @@ class Generator:
         self.nc = await connect(self.env.nats_url, f"{self.job.name}-generator-{self.env.rank}", self.env.nats_user,
                                 self.env.nats_password)
         self.js = self.nc.jetstream()
-        await ensure_streams(self.js, self.subjects, self.spec.nats.max_payload_mb, self.env.stream_replicas)
+        await ensure_streams(self.js, self.subjects, self.spec.nats.max_payload_mb, self.env.stream_replicas,
+                             stream_bytes(self.spec))
         model_path = resolve_model_path(self.spec.model.path)
         self.engine = Engine(self.job, model_path, seed=self.spec.trainer.seed + 1000 * self.env.rank)
         self.tokenizer = self.engine.llm.tokenizer

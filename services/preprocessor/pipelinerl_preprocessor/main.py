@@ -26,6 +26,7 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge
 
 from pipelinerl import messages as m
+from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import PreprocessorStatus, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
@@ -77,7 +78,8 @@ class Preprocessor:
         self.nc = await connect(self.env.nats_url, f"{self.job.name}-preprocessor", self.env.nats_user,
                                 self.env.nats_password)
         self.js = self.nc.jetstream()
-        await ensure_streams(self.js, self.subjects, self.spec.nats.max_payload_mb, self.env.stream_replicas)
+        await ensure_streams(self.js, self.subjects, self.spec.nats.max_payload_mb, self.env.stream_replicas,
+                             stream_bytes(self.spec))
         await self._resume()
         await self.js.subscribe(self.subjects.version, cb=self._on_version,
                                 deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ordered_consumer=True)

@@ -22,7 +22,8 @@ log = logging.getLogger("pipelinerl.trainer")
 
 class NatsBridge:
     def __init__(self, url: str, name: str, subjects: JobSubjects, max_payload_mb: int,
-                 user: str | None = None, password: str | None = None, stream_replicas: int | None = None):
+                 user: str | None = None, password: str | None = None, stream_replicas: int | None = None,
+                 stream_sizes: dict[str, int] | None = None):
         self.subjects = subjects
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="nats", daemon=True)
@@ -33,7 +34,7 @@ class NatsBridge:
         self.evals: queue.Queue[m.Metrics] = queue.Queue()
         self.nc = self.call(connect(url, name, user, password), 60)
         self.js = self.nc.jetstream()
-        self.call(ensure_streams(self.js, subjects, max_payload_mb, stream_replicas), 60)
+        self.call(ensure_streams(self.js, subjects, max_payload_mb, stream_replicas, stream_sizes), 60)
 
     def call(self, coro, timeout_s: float) -> Any:
         return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), self.loop).result()
