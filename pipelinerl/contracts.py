@@ -114,6 +114,9 @@ class OperatorEnv:
     METRICS_NAMESPACES = "PIPELINERL_METRICS_NAMESPACES"  # comma-separated: may scrape job pods
     NATS_REPLICAS = "PIPELINERL_NATS_REPLICAS"  # servers of the chart's NATS (a JetStream cluster when > 1)
     NATS_STORE_BYTES = "PIPELINERL_NATS_STORE_BYTES"  # its JetStream store (max_file_store), per server
+    JOB_EGRESS = "PIPELINERL_JOB_EGRESS"  # "restricted" (default) or "open": job pods' egress
+    PEERING = "PIPELINERL_PEERING"  # kopf's peering object: replicas take turns reconciling (unset: one replica)
+    PEERING_LIFETIME = "PIPELINERL_PEERING_LIFETIME"  # seconds a silent replica keeps its turn (takeover time)
 
 
 @dataclass(frozen=True)

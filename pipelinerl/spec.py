@@ -325,6 +325,12 @@ class SchedulingSpec(SpecModel):
     priority_class_name: DnsSubdomain | None = None
 
 
+class NetworkSpec(SpecModel):
+    egress: list[dict[str, Any]] = Field(default_factory=list, max_length=32, description=(
+        "Where the job's pods may connect besides their own job, NATS and DNS, as NetworkPolicy egress "
+        "rules (to, ports), where the install restricts egress: e.g. the Hugging Face hub or W&B on port 443."))
+
+
 class NatsSpec(SpecModel):
     url: str | None = Field(default=None, max_length=1024, pattern=NATS_URL,
                             description="nats:// or tls:// URL(s), comma-separated; unset: embedded server "
@@ -402,6 +408,7 @@ class JobSpec(SpecModel):
     run_policy: RunPolicy = Field(default_factory=RunPolicy)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     nats: NatsSpec = Field(default_factory=NatsSpec)
+    network: NetworkSpec = Field(default_factory=NetworkSpec)
     storage: StorageSpec = Field(default_factory=StorageSpec)
     tracking: TrackingSpec = Field(default_factory=TrackingSpec)
     output: OutputSpec | None = None

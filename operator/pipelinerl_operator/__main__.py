@@ -1,13 +1,18 @@
 """`python -m pipelinerl_operator`: run the operator.
 
 PIPELINERL_WATCH_NAMESPACES=a,b (`OperatorEnv.WATCH_NAMESPACES`) → watch only those namespaces
-(per-team install, Role/RoleBinding only, no cluster-wide scanning); unset → cluster-wide. One replica, no peering (the chart uses a
-Recreate Deployment so two operators never run at once).
+(per-team install, Role/RoleBinding only, no cluster-wide scanning); unset → cluster-wide.
+
+PIPELINERL_PEERING=<name> (the chart sets it): several replicas, one reconciling at a time. They
+meet in kopf's peering object of that name; each starts with a random priority, the highest one
+alive reconciles and the others pause (taking over within a minute of its end), while every
+replica serves the admission webhook. Unset: standalone (one replica).
 """
 
 from __future__ import annotations
 
 import os
+import random
 
 import kopf
 
@@ -21,9 +26,12 @@ def watch_namespaces() -> list[str]:
 
 def main() -> None:
     namespaces = watch_namespaces()
+    peering = os.environ.get(OperatorEnv.PEERING) or None
     kopf.configure(verbose=bool(os.environ.get(OperatorEnv.DEBUG)), log_format=kopf.LogFormat.JSON)
     kopf.run(
-        standalone=True,
+        standalone=peering is None,
+        peering_name=peering,
+        priority=random.SystemRandom().randint(1, 2**31 - 1),  # distinct: peers of equal priority all pause
         clusterwide=not namespaces,
         namespaces=namespaces,
         liveness_endpoint=os.environ.get(OperatorEnv.LIVENESS, f"http://0.0.0.0:{OPERATOR_HEALTH_PORT}/healthz"),

@@ -44,6 +44,10 @@ def _name_field(obj: dict[str, Any], path: list[Any], message: str) -> str:
     role = ((obj.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL)
     if obj.get("kind") == "StatefulSet" and dotted.startswith("spec.template.") and role:
         return f"spec.{role}.podTemplate.{dotted.removeprefix('spec.template.')}: {message}"
+    if obj.get("kind") == "NetworkPolicy" and len(path) > 2 and path[:2] == ["spec", "egress"] and path[2] >= 3:
+        # its first three rules are the operator's (own pods, NATS, DNS); the rest are spec.network.egress
+        rest = ".".join(map(str, path[3:]))
+        return f"spec.network.egress.{path[2] - 3}{'.' + rest if rest else ''}: {message}"
     return f"{obj.get('kind')} {obj['metadata']['name']}: {dotted}: {message}"
 
 

@@ -48,6 +48,8 @@ def operator_config() -> OperatorConfig:
         metrics_namespaces=tuple(n for n in env(OperatorEnv.METRICS_NAMESPACES, "").split(",") if n),
         nats_replicas=int(env(OperatorEnv.NATS_REPLICAS) or 1),
         nats_store_bytes=int(env(OperatorEnv.NATS_STORE_BYTES) or 0),
+        restrict_egress=env(OperatorEnv.JOB_EGRESS, "restricted") != "open",
+        namespace=env(OperatorEnv.NAMESPACE, defaults.namespace),
     )
 
 
@@ -85,6 +87,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.connect_timeout = 30
     if os.environ.get(OperatorEnv.WATCH_NAMESPACES):
         settings.scanning.disabled = True  # namespaced install: no cluster-wide CRD/namespace scans
+    settings.peering.lifetime = int(os.environ.get(OperatorEnv.PEERING_LIFETIME) or 60)
     port = int(os.environ.get(OperatorEnv.METRICS_PORT, str(OPERATOR_METRICS_PORT)))
     if port:
         metrics.serve(port)
@@ -136,6 +139,7 @@ def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | No
 async def close_client(**_: Any) -> None:
     if STATE.kube is not None:
         await STATE.kube.close()
+        STATE.kube = None  # the next start logs in again (to whatever server it is told)
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,24 @@ def store_problem(index: kopf.Index, namespace: str, name: str, cfg: OperatorCon
             "or give NATS a larger volume (the chart's nats.storageGi)")
 
 
+def accounts_secret(name: str, namespace: str, text: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": name, "namespace": namespace,
+                         "labels": {"app.kubernetes.io/name": "pipelinerl", "app.kubernetes.io/component": "nats"}},
+            "data": secret_data({NATS_ACCOUNTS_FILE: text})}
+
+
+@kopf.on.startup()
+async def nats_accounts_exist(settings: kopf.OperatorSettings, **_: Any) -> None:
+    """The chart's NATS starts once its accounts Secret exists: create it (the operator's account
+    alone) if it does not; never overwrite it here (that would log every job out until the jobs'
+    next sync). Start-up runs before kopf's login: log in for our own client first."""
+    cfg = operator_config()
+    secret, namespace = os.environ.get(OperatorEnv.NATS_ACCOUNTS_SECRET), os.environ.get(OperatorEnv.NAMESPACE)
+    if cfg.auth_key and secret and namespace and (STATE.kube or login(settings=settings)):
+        await STATE.kube.create(accounts_secret(secret, namespace, nats_accounts(cfg.auth_key, [])))
+
+
 async def sync_nats_accounts(index: kopf.Index, gone: str | None = None) -> None:
     """Write the NATS accounts of the jobs in `index` (less `gone`, the uid of a job being
     deleted) into the Secret the chart's NATS server includes (it reloads when the file changes).
@@ -187,12 +209,7 @@ async def sync_nats_accounts(index: kopf.Index, gone: str | None = None) -> None
     text = nats_accounts(cfg.auth_key, accounts)
     async with STATE.accounts_lock:
         if text != STATE.accounts_written:
-            await STATE.kube.apply({
-                "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                "metadata": {"name": secret, "namespace": namespace,
-                             "labels": {"app.kubernetes.io/name": "pipelinerl", "app.kubernetes.io/component": "nats"}},
-                "data": secret_data({NATS_ACCOUNTS_FILE: text}),
-            })
+            await STATE.kube.apply(accounts_secret(secret, namespace, text))
             STATE.accounts_written = text
 
 

@@ -128,6 +128,17 @@ class Kube:
             return created or {}
         return applied
 
+    async def create(self, obj: dict[str, Any]) -> bool:
+        """Create `obj` unless an object of its name exists (then leave that one as it is)."""
+        meta = obj["metadata"]
+        try:
+            await self._request("POST", object_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), obj)
+        except KubeError as err:
+            if err.status == 409:  # AlreadyExists
+                return False
+            raise
+        return True
+
     async def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
         return await self._request("DELETE", object_path(api_version, kind, namespace, name)) is not None
 

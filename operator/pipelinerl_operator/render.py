@@ -16,6 +16,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from pipelinerl.contracts import (
     CONFIG_HASH_ANNOTATION, HTTP_PORT, JOB_FILE, JOB_SECRET_KEYS, JOB_FILE_DIR, JOB_LABEL, KUEUE_POD_GROUP_COUNT_ANNOTATION,
@@ -57,6 +58,10 @@ class OperatorConfig:
     metrics_namespaces: tuple[str, ...] = ()
     nats_replicas: int = 1  # servers of the chart's NATS: each stream of a job on it is kept by all of them
     nats_store_bytes: int = 0  # the chart's NATS store (each server's): jobs beyond it are refused; 0: unchecked
+    # Job pods may connect only to their own job, NATS, DNS and what the job lists (spec.network);
+    # False: anywhere. `namespace`: the operator's (where the chart's NATS runs).
+    restrict_egress: bool = True
+    namespace: str = "pipelinerl"
 
 
 def role_name(job: str, role: str) -> str:
@@ -381,26 +386,43 @@ def secret(job: PipelineRLJob, namespace: str, uid: str, key: str) -> dict[str, 
 
 
 OPERATOR_POD = {"app.kubernetes.io/name": "pipelinerl", "app.kubernetes.io/component": "operator"}
+NATS_POD = {"app.kubernetes.io/name": "pipelinerl", "app.kubernetes.io/component": "nats"}
+NATS_CLIENT_PORT = 4222
 
 
 def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig) -> dict[str, Any]:
     """Ingress to the job's pods: from its own pods on any port (the weight group's and
     DeepSpeed's rendezvous, gloo's and NCCL's connections, whose ports are not fixed); to the
-    HTTP port (health, /metrics, /status) also from the operator and the metrics namespaces."""
+    HTTP port (health, /metrics, /status) also from the operator and the metrics namespaces.
+    Egress (where the install restricts it): to its own pods, NATS, DNS, and what the job lists."""
     own = {"podSelector": {"matchLabels": {JOB_LABEL: job.name}}}
     readers = [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD)}}]
     readers += [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
                 for ns in cfg.metrics_namespaces]
+    spec: dict[str, Any] = {
+        "podSelector": {"matchLabels": {JOB_LABEL: job.name}},
+        "policyTypes": ["Ingress"],
+        "ingress": [{"from": [own]}, {"from": readers, "ports": [{"port": HTTP_PORT, "protocol": "TCP"}]}],
+    }
+    if cfg.restrict_egress:
+        spec["policyTypes"].append("Egress")
+        spec["egress"] = [{"to": [own]}, _nats_egress(job, cfg),
+                          {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]},
+                          *copy.deepcopy(job.spec.network.egress)]
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": _metadata(job, namespace, uid, owned_name(job.name), None),
-        "spec": {
-            "podSelector": {"matchLabels": {JOB_LABEL: job.name}},
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [own]},
-                        {"from": readers, "ports": [{"port": HTTP_PORT, "protocol": "TCP"}]}],
-        },
+        "metadata": _metadata(job, namespace, uid, owned_name(job.name), None), "spec": spec,
     }
+
+
+def _nats_egress(job: PipelineRLJob, cfg: OperatorConfig) -> dict[str, Any]:
+    """The chart's NATS pods on its client port; a job's own servers: their ports, anywhere."""
+    if on_chart_nats(job):
+        return {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": cfg.namespace}},
+                        "podSelector": {"matchLabels": dict(NATS_POD)}}],
+                "ports": [{"port": NATS_CLIENT_PORT, "protocol": "TCP"}]}
+    ports = sorted({urlsplit(u.strip()).port or NATS_CLIENT_PORT for u in (job.spec.nats.url or "").split(",")})
+    return {"ports": [{"port": p, "protocol": "TCP"} for p in ports]}
 
 
 def pod_group(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, Any]:

@@ -38,6 +38,7 @@ RESOURCES = {
     "v1/pods": dict(namespaced=True, kind="Pod", subresources={"status"}),
     "v1/events": dict(namespaced=True, kind="Event"),
     "v1/namespaces": dict(namespaced=False, kind="Namespace"),
+    "kopf.dev/v1/kopfpeerings": dict(namespaced=True, kind="KopfPeering"),
 }
 
 

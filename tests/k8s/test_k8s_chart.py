@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import helm_python as helm
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
@@ -16,13 +17,14 @@ from pipelinerl.crd import crd_yaml
 
 CHART = Path(__file__).resolve().parents[2] / "charts" / "pipelinerl"
 MONITORING = {"ServiceMonitor", "PodMonitor"}  # Prometheus-operator kinds: no upstream schema
+CERT_MANAGER = {"Issuer", "Certificate"}  # cert-manager's kinds: no upstream schema either
 ALL_ON = {"metrics": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True},
                       "kubeStateMetrics": {"enabled": True}}}
 
 
 def render(values: dict) -> list[dict]:
     out = helm.Chart.load(str(CHART)).render(values, name="rl", namespace="team-a")
-    return [doc for text in out.values() for doc in yaml.safe_load_all(text) if doc]
+    return [doc for path, text in out.items() if not path.endswith("NOTES.txt") for doc in yaml.safe_load_all(text) if doc]
 
 
 # Every Kubernetes release the chart admits (kubeVersion >= 1.28), up to the newest schemas here.
@@ -35,10 +37,15 @@ CLAIMED = [f"1.{minor}" for minor in range(28, 38)]
 def test_every_object_validates_strictly_on_every_claimed_version(values: dict) -> None:
     objects = render(values)
     assert objects
+    crds = {(o["spec"]["group"], o["spec"]["names"]["kind"]): o for o in objects if o["kind"] == "CustomResourceDefinition"}
     for version in CLAIMED:
         for obj in objects:
-            if obj["kind"] in MONITORING:
+            if obj["kind"] in MONITORING | CERT_MANAGER:
                 assert obj["apiVersion"] == "monitoring.coreos.com/v1"
+                continue
+            if obj["apiVersion"].startswith("kopf.dev/"):  # kopf's peering: a custom resource of the chart's CRD
+                crd = crds[("kopf.dev", obj["kind"])]
+                jsonschema.validate(obj, crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"])
                 continue
             kubernetes_validate.validate(obj, version, strict=True)
 
@@ -53,7 +60,8 @@ def test_namespaced_mode_has_no_cluster_scoped_objects() -> None:
     env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["PIPELINERL_WATCH_NAMESPACES"] == "team-a,team-b"
     assert env["PIPELINERL_DEFAULT_NATS_URL"] == "nats://rl-pipelinerl-nats.team-a.svc:4222"
-    assert operator["spec"]["replicas"] == 1 and operator["spec"]["strategy"]["type"] == "Recreate"
+    # Two replicas by default, taking turns reconciling, both serving the webhook (test below).
+    assert operator["spec"]["replicas"] == 2 and env["PIPELINERL_PEERING"] == "rl-pipelinerl"
     # Job pods' ServiceAccounts come with each job (the operator renders one per job, wherever it
     # runs): the chart makes none but the operator's, and binds nothing but the operator's.
     assert [o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"] == ["rl-pipelinerl-operator"]
@@ -73,12 +81,12 @@ def test_cluster_wide_mode_watches_everything() -> None:
 OPERATOR_CALLS = {
     ("pipelinerl.dev", "pipelinerljobs", verb) for verb in ("get", "list", "watch", "patch", "delete")
 } | {("pipelinerl.dev", "pipelinerljobs/status", "patch"), ("pipelinerl.dev", "pipelinerljobs/finalizers", "update"),
-     ("apps", "statefulsets", "get"), ("apps", "statefulsets", "create"), ("apps", "statefulsets", "patch"),
-     ("", "services", "create"), ("", "services", "patch"), ("", "configmaps", "create"), ("", "configmaps", "patch"),
-     ("", "secrets", "create"), ("", "secrets", "patch"),  # a job's credentials; the NATS accounts
-     ("", "serviceaccounts", "create"), ("", "serviceaccounts", "patch"),  # a job's pods' identity
-     ("networking.k8s.io", "networkpolicies", "create"), ("networking.k8s.io", "networkpolicies", "patch"),
-     ("scheduling.x-k8s.io", "podgroups", "create"), ("scheduling.x-k8s.io", "podgroups", "patch"),
+     *{(group, kind, verb) for group, kind in (
+         ("apps", "statefulsets"), ("", "services"), ("", "configmaps"),
+         ("", "secrets"),  # a job's credentials; the NATS accounts
+         ("", "serviceaccounts"),  # a job's pods' identity
+         ("networking.k8s.io", "networkpolicies"), ("scheduling.x-k8s.io", "podgroups"))
+       for verb in ("get", "create", "patch")},  # get: whether the job owns what it is about to apply
      ("", "pods", "list"), ("", "pods", "delete"), ("", "events", "create")}
 
 
@@ -89,7 +97,9 @@ def test_operator_rbac_is_least_privilege() -> None:
                    for v in rule["verbs"]}
         discovery = {("", "namespaces", v) for v in ("get", "list", "watch")} | {
             ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")}
-        assert allowed == OPERATOR_CALLS | (discovery if kind == "ClusterRole" else set())
+        peering = {("kopf.dev", "clusterkopfpeerings" if kind == "ClusterRole" else "kopfpeerings", v)
+                   for v in ("get", "list", "watch", "patch")}  # the replicas' turns (kopf peering)
+        assert allowed == OPERATOR_CALLS | peering | (discovery if kind == "ClusterRole" else set())
 
 
 def test_optional_parts_toggle() -> None:
@@ -169,6 +179,13 @@ def test_chart_installs_and_upgrades_the_generated_crd() -> None:
     {"operator": {"image": {"repository": "ghcr.io/pipelinerl/pipelinerl-operator", "tag": "latest"}}},
     {"services": {"image": {"repository": "x", "tag": "1", "digest": "sha256:abc"}}},
     {"webhook": {"failurePolicy": "Sometimes"}},
+    # protections turned off without saying so (acknowledgeInsecure: true)
+    {"auth": {"enabled": False}},
+    {"webhook": {"enabled": False}},
+    {"webhook": {"failurePolicy": "Ignore"}},
+    {"networkPolicies": {"enabled": False}},
+    {"jobEgress": "open"},
+    {"jobEgress": "anywhere"},
 ])
 def test_values_schema_rejects_bad_values(bad: dict) -> None:
     chart = helm.Chart.load(str(CHART))
@@ -239,3 +256,79 @@ def test_the_chart_admits_only_kubernetes_versions_the_operator_supports() -> No
 
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["kubeVersion"].startswith(f">={KUBE_VERSION}.0")  # the pod-index label: 1.28
+
+
+def test_turning_a_protection_off_takes_an_acknowledgement_and_the_notes_say_what_is_off() -> None:
+    chart = helm.Chart.load(str(CHART))
+    off = {"auth": {"enabled": False}, "webhook": {"failurePolicy": "Ignore"}, "jobEgress": "open",
+           "networkPolicies": {"enabled": False}, "acknowledgeInsecure": True}
+    notes = chart.render(off, name="rl", namespace="team-a")["pipelinerl/templates/NOTES.txt"]
+    for what in ("auth.enabled", "failurePolicy: Ignore", "jobEgress: open", "networkPolicies.enabled"):
+        assert what in notes, what
+    assert "WARNING" not in chart.render({}, name="rl", namespace="team-a")["pipelinerl/templates/NOTES.txt"]
+
+
+def test_nats_and_the_operator_take_connections_only_from_whom_they_serve() -> None:
+    objects = render({"nats": {"replicas": 3}, "metricsNamespaces": ["monitoring"]})
+    policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
+    nats, operator = policies["rl-pipelinerl-nats"], policies["rl-pipelinerl-operator"]
+    clients, routes = nats["ingress"]
+    assert clients["ports"] == [{"port": 4222, "protocol": "TCP"}]
+    assert [f["podSelector"]["matchLabels"] for f in clients["from"]] == [
+        {"app.kubernetes.io/managed-by": "pipelinerl-operator"},  # job pods, in any namespace
+        {"app.kubernetes.io/instance": "rl", "app.kubernetes.io/component": "operator"}]
+    assert routes == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "rl",
+                                                                "app.kubernetes.io/component": "nats"}}}],
+                      "ports": [{"port": 6222, "protocol": "TCP"}]}
+    assert operator["ingress"] == [{"ports": [{"port": 9443, "protocol": "TCP"}]},
+                                   {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+                                    "ports": [{"port": 8080, "protocol": "TCP"}]}]
+    # NATS monitoring (no login, it lists accounts) listens on loopback only; no port or Service exposes it.
+    conf = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-pipelinerl-nats")
+    assert 'http: "127.0.0.1:8222"' in conf["data"]["nats.conf"] and "http_port" not in conf["data"]["nats.conf"]
+    sts = next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-pipelinerl-nats")
+    assert all(p["containerPort"] != 8222 for c in sts["spec"]["template"]["spec"]["containers"] for p in c.get("ports", []))
+
+
+def test_the_webhook_outlives_a_replica_and_the_replicas_take_turns_reconciling() -> None:
+    objects = render({"watchNamespaces": ["team-b"]})
+    operator = next(o for o in objects if o["kind"] == "Deployment")
+    spec, container = operator["spec"], operator["spec"]["template"]["spec"]["containers"][0]
+    assert spec["replicas"] == 2 and spec["strategy"] == {"type": "RollingUpdate",
+                                                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    assert container["readinessProbe"]["tcpSocket"] == {"port": "webhook"}  # ready: it takes admission reviews
+    pdb = next(o for o in objects if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"].endswith("-operator"))
+    assert pdb["spec"]["minAvailable"] == 1
+    # kopf's peering: its CRD and one peering object in every watched namespace
+    assert {(o["kind"], o["metadata"].get("namespace")) for o in objects if o["apiVersion"] == "kopf.dev/v1"} == {
+        ("KopfPeering", "team-a"), ("KopfPeering", "team-b")}
+    assert any(o["kind"] == "CustomResourceDefinition" and o["metadata"]["name"] == "kopfpeerings.kopf.dev" for o in objects)
+    wide = render({"clusterWide": True})
+    assert [o["kind"] for o in wide if o["apiVersion"] == "kopf.dev/v1"] == ["ClusterKopfPeering"]
+    single = render({"operator": {"replicas": 1}})
+    one = next(o for o in single if o["kind"] == "Deployment")
+    assert one["spec"]["strategy"]["type"] == "Recreate"  # one replica: never two reconciling at once
+    assert "PIPELINERL_PEERING" not in {e["name"] for e in one["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert not [o for o in single if o["apiVersion"] == "kopf.dev/v1" or o["kind"] == "PodDisruptionBudget"]
+
+
+def test_with_cert_manager_every_render_is_the_same() -> None:
+    """GitOps tools render without a cluster: with cert-manager issuing the webhook's certificate
+    (and filling its caBundle), nothing in the chart changes between two renders."""
+    values = {"webhook": {"certManager": {"enabled": True}}, "auth": {"existingSecret": "rl-install-key"}}
+    chart = helm.Chart.load(str(CHART))
+    first, second = (chart.render(values, name="rl", namespace="team-a") for _ in range(2))
+    assert first == second  # the install key is the user's Secret; the NATS accounts, the operator's
+    operator = next(o for o in render(values) if o["kind"] == "Deployment")
+    env = {e["name"]: e.get("valueFrom") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PIPELINERL_AUTH_KEY"] == {"secretKeyRef": {"name": "rl-install-key", "key": "key"}}
+    objects = render(values)
+    kinds = {(o["kind"], o["metadata"]["name"]) for o in objects}
+    assert {("Issuer", "rl-pipelinerl-operator-webhook"), ("Certificate", "rl-pipelinerl-operator-webhook")} <= kinds
+    assert ("Secret", "rl-pipelinerl-operator-webhook") not in kinds  # cert-manager writes it
+    hook = next(o for o in objects if o["kind"] == "ValidatingWebhookConfiguration")
+    assert hook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == "team-a/rl-pipelinerl-operator-webhook"
+    assert "caBundle" not in hook["webhooks"][0]["clientConfig"]
+    # Without it, each `helm template` generates another CA (upgrades keep theirs by lookup).
+    plain = [chart.render({}, name="rl", namespace="team-a")["pipelinerl/templates/webhook.yaml"] for _ in range(2)]
+    assert plain[0] != plain[1]

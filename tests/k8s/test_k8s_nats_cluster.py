@@ -26,7 +26,7 @@ SUBJECTS = JobSubjects("demo", "team-a")
 
 
 def chart_objects(replicas: int) -> list[dict]:
-    return render_chart({"nats": {"replicas": replicas}, "auth": {"enabled": False}})
+    return render_chart({"nats": {"replicas": replicas}, "auth": {"enabled": False}, "acknowledgeInsecure": True})
 
 
 def test_the_chart_renders_a_cluster_and_the_operator_replicates_job_streams_on_it() -> None:
@@ -63,7 +63,7 @@ class Cluster:
         self.procs: list[subprocess.Popen | None] = []
         for i in range(size):
             text = re.sub(r"^port: 4222$", f"port: {self.client[i]}", template, flags=re.M)
-            text = re.sub(r"^http_port: 8222$", f"http_port: {free_port()}", text, flags=re.M)
+            text = text.replace("http: \"127.0.0.1:8222\"", f"http: \"127.0.0.1:{free_port()}\"")
             text = text.replace("/var/run/nats", str(root / f"s{i}")).replace("/data/jetstream", str(root / f"s{i}" / "js"))
             mine = cluster_conf.replace("port: 6222", f"port: {self.cluster[i]}")
             for host, j in routes:  # pod DNS names → this machine's ports (as in the pods: ../nats-routes)

@@ -383,3 +383,51 @@ async def test_a_job_the_nats_store_cannot_hold_is_refused_until_there_is_room(c
         assert not obj(emulator, STS, "alpha-trainer")
         await api.delete_job("zeta")
         await eventually(lambda: obj(emulator, STS, "alpha-trainer"), timeout_s=40, what="the last job's pods")
+
+
+async def test_two_replicas_take_turns_and_the_survivor_takes_over(cluster, tmp_path) -> None:
+    """The chart's two operator replicas (real processes, as in their pods) meet in kopf's peering
+    object: one reconciles, the other pauses; the one reconciling is killed (SIGKILL) and the
+    other takes the next job once the dead one's turn has lapsed."""
+    import signal
+    import subprocess
+    import sys
+
+    from pipelinerl.ports import free_port
+
+    emulator, api, _ = cluster
+    await api.create(f"/apis/kopf.dev/v1/namespaces/{NS}/kopfpeerings",
+                     {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rl-pipelinerl", "namespace": NS}})
+    procs = {}
+    for name in ("replica-a", "replica-b"):
+        env = {**os.environ, "PIPELINERL_KUBE_SERVER": str(emulator.url), "PIPELINERL_WATCH_NAMESPACES": NS,
+               "PIPELINERL_PEERING": "rl-pipelinerl", "PIPELINERL_PEERING_LIFETIME": "3", "POD_ID": name,
+               "PIPELINERL_METRICS_PORT": "0", "PIPELINERL_LIVENESS": f"http://127.0.0.1:{free_port()}/healthz"}
+        procs[name] = subprocess.Popen([sys.executable, "-m", "pipelinerl_operator"], env=env,
+                                       stdout=open(tmp_path / f"{name}.log", "wb"), stderr=subprocess.STDOUT)
+    try:
+        peers = await eventually(lambda: len((obj(emulator, "kopf.dev/v1/kopfpeerings", "rl-pipelinerl") or {})
+                                             .get("status") or {}) == 2 and obj(emulator, "kopf.dev/v1/kopfpeerings",
+                                                                               "rl-pipelinerl")["status"],
+                                 timeout_s=60, what="both replicas in the peering")
+        leader = max(peers, key=lambda p: peers[p]["priority"])
+        other = next(n for n in procs if n != leader)
+        await api.create_job(manifest("first"))
+        await eventually(lambda: obj(emulator, STS, "first-trainer"), timeout_s=30, what="the first job's children")
+        log = lambda name: (tmp_path / f"{name}.log").read_text()  # noqa: E731
+        await eventually(lambda: "Timer 'resync' succeeded" in log(leader), timeout_s=40, what="the leader's resync")
+        assert "Handler 'created' succeeded" in log(leader)
+        assert "Handler '" not in log(other) and "Timer '" not in log(other)  # the other one paused: none ran
+        procs[leader].send_signal(signal.SIGKILL)
+        procs[leader].wait()
+        await api.create_job(manifest("second"))
+        await eventually(lambda: obj(emulator, STS, "second-trainer"), timeout_s=60, what="the survivor taking over")
+        assert procs[other].poll() is None and "Resuming operations after the pause" in log(other)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()

@@ -260,7 +260,26 @@ def test_the_network_policy_admits_only_the_jobs_own_pods_but_to_the_http_port()
     assert [f.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") for f in readers["from"]] \
         == ["operator", None]
     assert readers["from"][1] == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
-    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+
+
+def test_job_pods_may_connect_only_to_their_job_nats_dns_and_what_the_job_lists() -> None:
+    hub = {"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"port": 443, "protocol": "TCP"}]}
+    cfg = OperatorConfig(namespace="pipelinerl-system")
+    policy = by_name(render(job(network={"egress": [hub]}), "team-a", "u", cfg))[("NetworkPolicy", "demo-pipelinerl")]
+    own, nats, dns, listed = policy["spec"]["egress"]
+    assert own == {"to": [{"podSelector": {"matchLabels": {"pipelinerl.dev/job": "demo"}}}]}
+    assert nats == {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "pipelinerl-system"}},
+                            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "pipelinerl",
+                                                            "app.kubernetes.io/component": "nats"}}}],
+                    "ports": [{"port": 4222, "protocol": "TCP"}]}
+    assert dns == {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
+    assert listed == hub
+    own_server = by_name(render(job(nats={"url": "nats://a:4222,tls://b:7422"}), "team-a", "u", cfg))
+    assert own_server[("NetworkPolicy", "demo-pipelinerl")]["spec"]["egress"][1] == {
+        "ports": [{"port": 4222, "protocol": "TCP"}, {"port": 7422, "protocol": "TCP"}]}  # its servers' ports
+    open_egress = by_name(render(job(), "team-a", "u", OperatorConfig(restrict_egress=False)))
+    assert open_egress[("NetworkPolicy", "demo-pipelinerl")]["spec"]["policyTypes"] == ["Ingress"]
 
 
 def test_two_jobs_of_one_name_in_two_namespaces_share_nothing() -> None:

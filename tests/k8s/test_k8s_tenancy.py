@@ -5,6 +5,7 @@ does (its reloader sidecar's SIGHUP is sent by the test)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import re
 import signal
@@ -43,7 +44,7 @@ class ChartNats:
         text = conf["data"]["nats.conf"]
         assert 'include "../nats-accounts/accounts.conf"' in text  # where the chart mounts the accounts Secret
         text = re.sub(r"^port: 4222$", f"port: {self.port}", text, flags=re.M)
-        text = re.sub(r"^http_port: 8222$", f"http_port: {free_port()}", text, flags=re.M)
+        text = text.replace("http: \"127.0.0.1:8222\"", f"http: \"127.0.0.1:{free_port()}\"")
         text = text.replace("/data/jetstream", str(root / "jetstream")).replace("/var/run/nats", str(root))
         (root / "nats").mkdir()
         (root / "nats" / "nats.conf").write_text(text)
@@ -139,3 +140,21 @@ async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(clu
     finally:
         server.stop()
 
+
+
+async def test_the_operator_creates_the_accounts_secret_nats_waits_for_and_never_resets_it(cluster, monkeypatch) -> None:
+    """No render of the chart writes the accounts Secret (a GitOps sync would log every job out):
+    the operator creates it at start-up with its own account alone, and leaves one that exists."""
+    emulator, api, _ = cluster
+    for name, value in {OperatorEnv.AUTH_KEY: "install-key", OperatorEnv.NATS_ACCOUNTS_SECRET: ACCOUNTS_SECRET,
+                        OperatorEnv.NAMESPACE: NS}.items():
+        monkeypatch.setenv(name, value)
+    async with running_operator(str(emulator.url)):
+        first = await eventually(lambda: decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET) or {}).get(NATS_ACCOUNTS_FILE))
+        assert '"pipelinerl"' in first and "jetstream" not in first  # the operator's account, no job's
+    assert not [o for o in render_chart({}) if o["kind"] == "Secret" and o["metadata"]["name"] == ACCOUNTS_SECRET]
+    await api._call("PATCH", f"/api/v1/namespaces/{NS}/secrets/{ACCOUNTS_SECRET}",
+                    {"data": {NATS_ACCOUNTS_FILE: base64.b64encode(b"# jobs' accounts").decode()}})
+    async with running_operator(str(emulator.url)):  # a restart leaves what is there
+        await asyncio.sleep(1)
+        assert decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET))[NATS_ACCOUNTS_FILE] == "# jobs' accounts"
