@@ -33,7 +33,8 @@ def test_the_chart_renders_a_cluster_and_the_operator_replicates_job_streams_on_
     objects = chart_objects(3)
     sts = next(o for o in objects if o["kind"] == "StatefulSet")
     assert sts["spec"]["replicas"] == 3 and sts["spec"]["podManagementPolicy"] == "Parallel"
-    assert next(o for o in objects if o["kind"] == "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    assert next(o for o in objects if o["kind"] == "PodDisruptionBudget"
+                and o["metadata"]["name"] == "rl-pipelinerl-nats")["spec"]["maxUnavailable"] == 1
     operator = next(o for o in objects if o["kind"] == "Deployment")
     env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["PIPELINERL_NATS_REPLICAS"] == "3"
@@ -45,7 +46,7 @@ def test_the_chart_renders_a_cluster_and_the_operator_replicates_job_streams_on_
         assert ServiceEnv.from_environ("trainer", environ).stream_replicas == expected
     single = chart_objects(1)
     assert "cluster {" not in next(o for o in single if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-nats"))["data"]["nats.conf"]
-    assert not [o for o in single if o["kind"] == "PodDisruptionBudget"]
+    assert not [o for o in single if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "rl-pipelinerl-nats"]
 
 
 class Cluster:
