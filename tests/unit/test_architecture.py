@@ -22,7 +22,7 @@ LAYERS = {
     "contracts": ["pipelinerl", "pipelinerl.contracts", "pipelinerl.k8s_types", "pipelinerl.engine_args",
                   "pipelinerl.spec"],  # "pipelinerl": its __init__ alone
     "core": ["pipelinerl.messages", "pipelinerl.streams", "pipelinerl.weight_group", "pipelinerl.admission",
-             "pipelinerl.learning", "pipelinerl.tracking",
+             "pipelinerl.learning", "pipelinerl.tracking", "pipelinerl.capacity", "pipelinerl.prompt_fit",
              "pipelinerl.tasks", "pipelinerl.tiny_model", "pipelinerl.ports", "pipelinerl.runtime", "pipelinerl.crd"],
     "services": ["pipelinerl_generator", "pipelinerl_preprocessor", "pipelinerl_trainer", "pipelinerl_operator"],
     "tools": ["pipelinerl.cli", "pipelinerl.local", "pipelinerl.embedded_nats", "pipelinerl.processes",
