@@ -10,4 +10,4 @@ run: setup
 	.venv/bin/pipelinerl run --pin-cores $(JOB)
 
 test: setup
-	.venv/bin/python -m pytest $(PYTEST_ARGS)
+	.venv/bin/python -m pytest --durations=25 $(PYTEST_ARGS)

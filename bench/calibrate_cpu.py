@@ -61,7 +61,7 @@ from pipelinerl.planner.recommend import plan
 from pipelinerl.planner.simulation import simulate, wave_groups
 from pipelinerl.spec import parse_job
 from pipelinerl.tasks import make_task
-from pipelinerl.tiny_model import resolve_model_path
+from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "examples" / "tiny-cpu.yaml"
@@ -141,11 +141,11 @@ def fit_train(steps: list[dict]) -> tuple[float, float, str]:
 def sampled_lengths(job, count: int = 512, seed: int = 0) -> list[int]:
     """Completion lengths (EOS included; `maxTokens` if it never comes) of the warm-started model
     sampled at the job's temperature on its first `count` training prompts, one per prompt."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     spec = job.spec
     path = resolve_model_path(spec.model.path)
-    model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+    model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), load_tokenizer(path)
     task = make_task(spec.task.name, spec.task.params, seed=spec.task.seed)
     by_length: dict[int, list[list[int]]] = {}
     for i in range(count):

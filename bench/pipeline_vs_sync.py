@@ -33,7 +33,7 @@ from bench.common import RESULTS, paired_ratios, pooled_runs, save, set_fields, 
 from pipelinerl.local import run_local
 from pipelinerl.spec import PipelineRLJob, parse_job
 from pipelinerl.tasks import make_task
-from pipelinerl.tiny_model import greedy_accuracy, resolve_model_path
+from pipelinerl.tiny_model import greedy_accuracy, load_tokenizer, resolve_model_path
 
 JOB = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
 
@@ -149,12 +149,12 @@ def evaluate_exports(exports_dir: Path, steps: list[dict], problems: int, job: P
     folders), each timed at the moment its version went live (the trainer's report after the
     weight update), on the job's held-out problems as its own evaluation poses them (up to
     `maxTokens` new tokens, right when it stops with the answer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     spec = job.spec
     test = make_task(spec.task.name, spec.task.params, seed=spec.task.seed).test_problems(problems)
     base = Path(resolve_model_path(spec.model.path))
-    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer = load_tokenizer(base)
     live = {r["step"]: r["time"] for r in steps}
     exports = sorted((int(p.name.split("-")[1]), p) for p in exports_dir.glob("version-*"))
     evals = []

@@ -57,7 +57,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     out = Path(args.out)
@@ -144,7 +144,10 @@ def main() -> None:
         "bf16": False, "gradient_checkpointing": False,
         "save_strategy": "no", "logging_steps": 10, "use_cpu": True, "dataloader_num_workers": 0,
         **overrides})
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    # A built-in model's tokenizer as it was saved: AutoTokenizer would build the Qwen2
+    # architecture's instead, which drops spaces (pipelinerl.tiny_model.load_tokenizer).
+    builtin = (Path(args.model) / "pipelinerl-model.json").exists()
+    tokenizer = (PreTrainedTokenizerFast if builtin else AutoTokenizer).from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     trainer = TimedGRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[reward_function(args.reward)],
                                args=config, train_dataset=data, callbacks=[Record()])

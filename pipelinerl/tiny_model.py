@@ -61,6 +61,15 @@ def make_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", unk_token="?")
 
 
+def load_tokenizer(path: str):
+    """The tokenizer of a model folder. A built-in model's is loaded as it was saved: transformers'
+    AutoTokenizer would build the Qwen2 architecture's (byte-level BPE) instead, which silently
+    drops spaces and other characters when encoding."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    return (PreTrainedTokenizerFast if model_info(path) else AutoTokenizer).from_pretrained(path)
+
+
 def make_model(seed: int = 0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -138,10 +147,12 @@ def warm_task(name: str):
     return ArithTask(digits=WARM["digits"], carry_out=WARM["carry_out"], seed=WARM["seed"])
 
 
-def warm_start(model, tokenizer, name: str = "tiny-arith", progress=print) -> dict:
+def warm_start(model, tokenizer, name: str = "tiny-arith", progress=print, max_steps: int | None = None) -> dict:
     """Supervised learning on the model's task (loss on answer + EOS) until its held-out greedy
     accuracy reaches the target: a deliberately partial start, for RL to take on."""
     warm, task = WARM_STARTS[name], warm_task(name)
+    if max_steps is not None:
+        warm = warm | {"max_steps": max_steps}
     test = task.test_problems(warm["eval_problems"])
     opt = torch.optim.AdamW(model.parameters(), lr=warm["lr"])
     t0, acc, index = time.time(), 0.0, 0
@@ -166,7 +177,8 @@ def warm_start(model, tokenizer, name: str = "tiny-arith", progress=print) -> di
 def _fingerprint(name: str) -> str:
     # tiny-random keeps the fingerprint it had when only tiny-arith was warm-started.
     warm = WARM_STARTS.get(name, WARM)
-    blob = json.dumps({"name": name, "arch": ARCH, "warm": warm, "chars": CHARS, "v": 1}, sort_keys=True)
+    # v2: built single-threaded with deterministic kernels (deterministic_build)
+    blob = json.dumps({"name": name, "arch": ARCH, "warm": warm, "chars": CHARS, "v": 2}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
@@ -187,13 +199,27 @@ def resolve_model_path(path: str, progress=None) -> str:
     return str(target)
 
 
+def deterministic_build(name: str, progress=print, max_steps: int | None = None):
+    """The built-in model's weights, the same on any machine: seeded, and single-threaded with
+    deterministic kernels (a thread count changes how sums are split, so the weights, the warm
+    start's stopping step and every benchmark target would move with the machine's cores)."""
+    threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    try:
+        tokenizer, model = make_tokenizer(), make_model()
+        info = {"name": name, "parameters": sum(p.numel() for p in model.parameters())}
+        if name in WARM_STARTS:
+            info |= warm_start(model, tokenizer, name, progress, max_steps)
+        return tokenizer, model, info
+    finally:
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+
+
 def _build(name: str, target: Path, progress) -> None:
-    progress(f"building {name} model in {target} ...")
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    tokenizer, model = make_tokenizer(), make_model()
-    info = {"name": name, "parameters": sum(p.numel() for p in model.parameters())}
-    if name in WARM_STARTS:
-        info |= warm_start(model, tokenizer, name, progress)
+    progress(f"building {name} model in {target} (single-threaded: the same weights on any machine) ...")
+    tokenizer, model, info = deterministic_build(name, progress)
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.generation_config.eos_token_id = tokenizer.eos_token_id

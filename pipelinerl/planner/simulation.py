@@ -4,7 +4,7 @@ Generators (continuous batching, in-flight weight updates) and trainers, driven 
 per-token costs of a calibration (`pipelinerl.planner.calibration`). Pure and deterministic
 for a seed. The rules it simulates are imported, not restated: the generators' admission
 (`pipelinerl.admission.lag_budget`) and the preprocessor's waves
-(`pipelinerl_preprocessor.packing.wave_capacity`).
+(`pipelinerl.steps.wave_capacity`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 from pipelinerl.admission import lag_budget
 from pipelinerl.planner.calibration import Calibration, Lengths
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl_preprocessor.packing import wave_capacity
+from pipelinerl.steps import wave_capacity
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class _Sim:
         self.max_lag = max_lag if mode == "pipeline" else 0
         self.groups_per_step = samples_per_step // attempts
         # Pipeline mode streams a step to the trainer in waves of this many groups (0: whole
-        # steps, as sync mode); a wave leaves once one more group is pending (packing.next_wave).
+        # steps, as sync mode); a wave leaves once one more group is pending (steps.next_wave).
         self.wave_groups = wave_groups if mode == "pipeline" else 0
         # Pipeline: as the generator's Admission, one more step of groups once the weights of
         # the step in training are in and until the next step starts (true before the first):
@@ -413,7 +413,7 @@ def simulate(mode: Literal["pipeline", "sync"], n_gen: int, n_train: int, max_la
 
 def wave_groups(job: PipelineRLJob, trainer_ranks: int, lengths: Lengths) -> int:
     """Groups in each early wave of a step streamed in pipeline mode (0: not streamed), as
-    `packing.next_wave` forms them from groups of mean length: as many as one row per trainer
+    `steps.next_wave` forms them from groups of mean length: as many as one row per trainer
     rank is sure to hold."""
     spec = job.spec
     if spec.rl.token_weighting != "sample":

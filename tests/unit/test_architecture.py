@@ -23,10 +23,11 @@ LAYERS = {
                   "pipelinerl.spec"],  # "pipelinerl": its __init__ alone
     "core": ["pipelinerl.messages", "pipelinerl.streams", "pipelinerl.weight_group", "pipelinerl.admission",
              "pipelinerl.learning", "pipelinerl.tracking", "pipelinerl.capacity", "pipelinerl.prompt_fit",
+             "pipelinerl.steps", "pipelinerl.planner",
              "pipelinerl.tasks", "pipelinerl.tiny_model", "pipelinerl.ports", "pipelinerl.runtime", "pipelinerl.crd"],
     "services": ["pipelinerl_generator", "pipelinerl_preprocessor", "pipelinerl_trainer", "pipelinerl_operator"],
     "tools": ["pipelinerl.cli", "pipelinerl.local", "pipelinerl.embedded_nats", "pipelinerl.processes",
-              "pipelinerl.pod_ranks", "pipelinerl.planner", "bench"],
+              "pipelinerl.pod_ranks", "bench"],
 }
 ORDER = list(LAYERS)
 

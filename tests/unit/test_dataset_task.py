@@ -110,3 +110,19 @@ def test_a_bad_row_and_a_bad_reward_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"reward function test_dataset_task:broken_reward returned \['high'\] "
                                          r"for train-4: expected a list of one finite float"):
         asyncio.run(task.rollout(ScriptedPolicy(tok, ["1"]), tok, task.test_problems(1)[0], 8))
+
+
+def test_a_builtin_models_tokenizer_keeps_the_spaces_of_a_prompt(tmp_path):
+    """transformers' AutoTokenizer builds the Qwen2 architecture's tokenizer for a built-in model
+    and drops spaces; the generator and the benchmarks load it as saved."""
+    from transformers import AutoTokenizer
+
+    from pipelinerl.tiny_model import load_tokenizer, make_model, make_tokenizer
+
+    make_model().save_pretrained(tmp_path)
+    make_tokenizer().save_pretrained(tmp_path)
+    (tmp_path / "pipelinerl-model.json").write_text('{"name": "tiny-random"}')
+    text = "12 + 3 = 15"
+    assert load_tokenizer(str(tmp_path)).encode(text) == make_tokenizer().encode(text)
+    assert load_tokenizer(str(tmp_path)).decode(make_tokenizer().encode(text)) == text
+    assert AutoTokenizer.from_pretrained(tmp_path).encode(text) != make_tokenizer().encode(text)  # the bug it avoids

@@ -1,7 +1,8 @@
 import pytest
 
 from pipelinerl.messages import MicroBatch, Sample
-from pipelinerl_preprocessor.packing import (StepSample, close_step, first_fit_rows, next_wave, pack_wave,
+from pipelinerl.steps import next_wave
+from pipelinerl_preprocessor.packing import (StepSample, close_step, first_fit_rows, pack_wave,
                                            spread_rows, step_weight)
 
 

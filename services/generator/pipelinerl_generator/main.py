@@ -30,9 +30,10 @@ from pipelinerl.contracts import GeneratorStatus, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.prompt_fit import prompt_fit
 from pipelinerl.spec import PipelineRLJob, SpecError
+from pipelinerl.steps import counts_as_discarded, training_step, weight_group_rank, weight_group_size
 from pipelinerl.streams import connect, ensure_streams, last_message, publish_once
 from pipelinerl.tasks import make_task
-from pipelinerl.tiny_model import resolve_model_path
+from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
 from pipelinerl_generator.engine import Engine, WeightsKept
 
 log = logging.getLogger("pipelinerl.generator")
@@ -120,7 +121,7 @@ class Generator:
                              stream_bytes(self.spec))
         model_path = resolve_model_path(self.spec.model.path)
         self.engine = Engine(self.job, model_path, seed=self.spec.trainer.seed + 1000 * self.env.rank)
-        self.tokenizer = self.engine.llm.tokenizer
+        self.tokenizer = load_tokenizer(model_path)  # prompts are tokenized here; vLLM takes token ids
         self._check_prompts_fit()
         await self._restore_books()
         await self.nc.subscribe(self.subjects.weights_update, cb=self._on_weight_update)
@@ -257,7 +258,7 @@ class Generator:
 
     async def _publish(self, group: m.RolloutGroup, started_at: int) -> None:
         a = self.admission
-        discarded = self.spec.rl.filter_zero_variance and group.zero_variance
+        discarded = counts_as_discarded(self.spec.rl.filter_zero_variance, group)
         async with self.publishing:
             group.books = m.GeneratorBooks(published=a.published + 1, discarded=a.discarded + discarded,
                                            next_problem=self.next_problem)
@@ -315,23 +316,24 @@ class Generator:
     async def _join(self, update: m.WeightUpdate) -> bool:
         """Join the update's weight group (a new membership epoch); False if that failed."""
         tp = self.spec.generator.tensor_parallel
-        rank = 1 + update.members.index((self.env.rank, self.incarnation)) * tp
+        rank = weight_group_rank(update.members.index((self.env.rank, self.incarnation)), tp)
         try:
             await self.engine.join_weight_group(self.env.weights_host, self.env.weights_port, update.group, rank,
-                                                1 + len(update.members) * tp, self.spec.weight_sync.timeout_seconds,
+                                                weight_group_size(len(update.members), tp),
+                                                self.spec.weight_sync.timeout_seconds,
                                                 self.env.weights_token or "")
         except Exception as err:  # aborted or timed out: the trainer forms another epoch
             log.warning("could not join weight group %s: %s", update.group, err)
             self.group = None
             return False
         self.group = update.group
-        log.info("joined weight group %s as rank %d of %d", update.group, rank, 1 + len(update.members) * tp)
+        log.info("joined weight group %s as rank %d of %d", update.group, rank, weight_group_size(len(update.members), tp))
         return True
 
     async def _on_version(self, msg) -> None:
         pv = m.decode(msg.data, m.PolicyVersion)
         self.admission.on_trained(pv.trained_groups.get(str(self.env.rank), 0),
-                                  training_step=pv.version if pv.training else pv.version - 1)
+                                  training_step=training_step(pv))
         self.wakeup.set()
         final = pv.finished and pv.version >= self.spec.trainer.max_steps  # not a stale one before a resume
         if final:

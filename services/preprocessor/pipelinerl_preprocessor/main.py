@@ -1,6 +1,6 @@
 """Preprocessor service: rollout groups in, packed per-rank micro-batches out.
 
-In pipeline mode a step goes out in waves as its groups arrive (`packing.next_wave`), so the
+In pipeline mode a step goes out in waves as its groups arrive (`steps.next_wave`), so the
 trainer computes on them while the rest of the step is generated; sync mode, the conventional
 baseline, publishes each step whole once it is generated. Input groups are acked only after
 every micro-batch of the wave they went into is stored by JetStream (publish acks awaited), so
@@ -33,7 +33,8 @@ from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import connect, dead_letter, ensure_streams, last_message, publish_once
 from pipelinerl_preprocessor.advantages import group_advantages
 from pipelinerl_preprocessor.checks import GroupLimits, group_problem, hopelessly_stale
-from pipelinerl_preprocessor.packing import StepSample, close_step, next_wave, pack_wave, step_weight
+from pipelinerl.steps import counts_as_discarded, next_wave
+from pipelinerl_preprocessor.packing import StepSample, close_step, pack_wave, step_weight
 
 log = logging.getLogger("pipelinerl.preprocessor")
 GROUPS_IN = Counter("pipelinerl_preprocessor_groups_total", "Rollout groups consumed", ["outcome"])
@@ -167,13 +168,13 @@ class Preprocessor:
             problem = group_problem(group, self._limits())
         # Its generator counts a group as queued until a step consumes it (unless it counted it
         # discarded itself): one that goes into no step is consumed by the step being built.
-        consumed = not (self.spec.rl.filter_zero_variance and group.zero_variance)
+        discarded = counts_as_discarded(self.spec.rl.filter_zero_variance, group)
         if problem:
-            self.by_generator[key] += consumed
+            self.by_generator[key] += not discarded
             await self._reject(msg, f"group {group.group_id} from generator {group.generator}: {problem}")
             return
         self.stats["truncated_samples"] += sum(s.truncated for s in group.samples)
-        if self.spec.rl.filter_zero_variance and group.zero_variance:
+        if discarded:
             self.filtered += 1
             self.stats["filtered_groups"] += 1
             GROUPS_IN.labels("filtered").inc()

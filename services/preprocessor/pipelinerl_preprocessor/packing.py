@@ -1,6 +1,6 @@
 """Packing an optimizer step's samples into micro-batches for every trainer rank (pure).
 
-A step is published in waves as its groups arrive (`next_wave`), so the trainer can compute on
+A step is published in waves as its groups arrive (`pipelinerl.steps.next_wave`), so the trainer can compute on
 the first micro-batches while the rest is generated. Within a wave, samples go into rows of at
 most `micro_batch_tokens` tokens (first-fit decreasing), position ids restart at 0 for every
 sample and each sample's length travels with the row (the trainer's attention stays within
@@ -77,36 +77,6 @@ def pack_wave(step: int, samples: list[StepSample], ranks: int, micro_batch_toke
         batches[-1].last = last
         out.append(batches)
     return out
-
-
-def wave_capacity(ranks: int, micro_batch_tokens: int, longest: int) -> int:
-    """Tokens that first-fit decreasing is sure to pack into one row per rank when no sample is
-    longer than `longest` (a sample of length L that fits in none of the rows would find each
-    fuller than C - L, so ≤ ranks · (C - L_max) tokens always fit)."""
-    return ranks * (micro_batch_tokens - longest)
-
-
-def next_wave(pending: list[list[int]], in_step: int, groups_per_step: int, ranks: int, micro_batch_tokens: int,
-              stream: bool) -> tuple[int, bool]:
-    """How many pending groups (sample lengths each, in arrival order) to publish now as the next
-    wave of a step that already holds `in_step` groups, and whether that wave ends the step.
-
-    The rest of the step goes as soon as it is there. Before that, when streaming, a wave leaves
-    once more is pending than one full row per rank holds, so the trainer can start on it while
-    the rest is generated: the longest prefix first-fit decreasing is sure to pack into `ranks`
-    rows (`wave_capacity`). A first group too large for that goes alone.
-    """
-    need = groups_per_step - in_step
-    if len(pending) >= need:
-        return need, True
-    if not stream:
-        return 0, False
-    total = longest = 0
-    for n, lengths in enumerate(pending):
-        total, longest = total + sum(lengths), max(longest, *lengths)
-        if total > wave_capacity(ranks, micro_batch_tokens, longest):
-            return max(n, 1), False
-    return 0, False
 
 
 def close_step(lasts: list[MicroBatch | None]) -> tuple[int, list[MicroBatch]]:

@@ -23,6 +23,7 @@ from typing import Protocol
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects
+from pipelinerl.steps import generator_of_rank, weight_group_size
 from pipelinerl.weight_group import (
     GroupIncomplete, Snapshot, WeightGroup, WeightSyncError, buffer_device, dtype_name, plan_buckets,
 )
@@ -127,12 +128,12 @@ class WeightSender:
             if self.group is not None:
                 return self.group
             try:
-                self.group = WeightGroup.form(self.store, self.group_id, 1 + len(members) * self.workers,
+                self.group = WeightGroup.form(self.store, self.group_id, weight_group_size(len(members), self.workers),
                                               self.timeout_s, self.backend, token=self.token)
                 log.info("weight group %s: generators %s", self.group_id, [g.generator for g in members])
                 return self.group
             except GroupIncomplete as err:
-                gone = sorted({members[(r - 1) // self.workers] for r in err.missing})
+                gone = sorted({members[generator_of_rank(r, self.workers)] for r in err.missing})
                 log.warning("%s: dropping generators %s", err, [g.generator for g in gone])
                 self.membership.drop(gone)
             except WeightSyncError as err:  # all came, but one left before connecting: try again

@@ -1,0 +1,73 @@
+"""What a step is (pure): the rules that the generators, the preprocessor, the trainer and the
+planner all apply, stated once.
+
+- which groups go into no step (`counts_as_discarded`): their generator stops counting them as
+  queued when they finish, the preprocessor settles them without a step;
+- when part of a step leaves the preprocessor as a wave (`wave_capacity`, `next_wave`): the
+  preprocessor streams by it, the planner simulates it;
+- which step an announcement says is in training (`training_step`): the generators' admission
+  counts from it;
+- the weight group's ranks (`weight_group_size`, `weight_group_rank`, `generator_of_rank`):
+  the trainer is rank 0, generator i's workers follow it in the order of the membership.
+
+The lag budget is `pipelinerl.admission.lag_budget`, which the planner's simulation calls too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def counts_as_discarded(filter_zero_variance: bool, group: Any) -> bool:
+    """A group that goes into no step: all its attempts scored alike (no signal) and the job filters those."""
+    return filter_zero_variance and group.zero_variance
+
+
+def training_step(announcement: Any) -> int:
+    """The step a PolicyVersion says is in training: its version while step `version` trains
+    (`training`), else the step that made it (version - 1)."""
+    return announcement.version if announcement.training else announcement.version - 1
+
+
+def weight_group_size(members: int, workers_per_generator: int) -> int:
+    return 1 + members * workers_per_generator
+
+
+def weight_group_rank(member_index: int, workers_per_generator: int) -> int:
+    """The first rank of the `member_index`-th generator of the membership (its workers follow)."""
+    return 1 + member_index * workers_per_generator
+
+
+def generator_of_rank(rank: int, workers_per_generator: int) -> int:
+    """The membership index of the generator whose worker holds `rank` (≥ 1)."""
+    return (rank - 1) // workers_per_generator
+
+
+def wave_capacity(ranks: int, micro_batch_tokens: int, longest: int) -> int:
+    """Tokens that first-fit decreasing is sure to pack into one row per rank when no sample is
+    longer than `longest` (a sample of length L that fits in none of the rows would find each
+    fuller than C - L, so ≤ ranks · (C - L_max) tokens always fit)."""
+    return ranks * (micro_batch_tokens - longest)
+
+
+def next_wave(pending: list[list[int]], in_step: int, groups_per_step: int, ranks: int, micro_batch_tokens: int,
+              stream: bool) -> tuple[int, bool]:
+    """How many pending groups (sample lengths each, in arrival order) to publish now as the next
+    wave of a step that already holds `in_step` groups, and whether that wave ends the step.
+
+    The rest of the step goes as soon as it is there. Before that, when streaming, a wave leaves
+    once more is pending than one full row per rank holds, so the trainer can start on it while
+    the rest is generated: the longest prefix first-fit decreasing is sure to pack into `ranks`
+    rows (`wave_capacity`). A first group too large for that goes alone.
+    """
+    need = groups_per_step - in_step
+    if len(pending) >= need:
+        return need, True
+    if not stream:
+        return 0, False
+    total = longest = 0
+    for n, lengths in enumerate(pending):
+        total, longest = total + sum(lengths), max(longest, *lengths)
+        if total > wave_capacity(ranks, micro_batch_tokens, longest):
+            return max(n, 1), False
+    return 0, False
