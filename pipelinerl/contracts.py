@@ -15,7 +15,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
@@ -181,7 +181,7 @@ class ServiceEnv:
         value is an error naming the variable."""
         base = defaults or cls(role)
         types = {f.name: f.type for f in dataclasses.fields(cls)}
-        values = {}
+        values: dict[str, Any] = {}
         for field, name in cls._NAMES.items():
             raw = environ.get(name)
             if raw in (None, ""):

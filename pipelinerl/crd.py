@@ -238,8 +238,8 @@ def spec_schema() -> dict[str, Any]:
     for role in ROLES:
         env = _node(schema, f"{role}.env")
         _add_rule(env, *ENV_UNIQUE_RULE)
-        for rule in (ENV_RULE, ENV_SOURCE_RULE):
-            _add_rule(env["items"], *rule)
+        for item_rule in (ENV_RULE, ENV_SOURCE_RULE):
+            _add_rule(env["items"], *item_rule)
         _add_rule(env["items"]["properties"]["valueFrom"], *VALUE_FROM_RULE)
         _add_rule(_node(schema, f"{role}.resources"), *RESOURCES_RULE)
         _add_rule(_node(schema, f"{role}.podTemplate"), *HOST_NAMESPACES_RULE)

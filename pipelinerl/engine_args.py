@@ -43,7 +43,7 @@ def _describe(tp: Any) -> tuple[set[str], list[Any] | None]:
         parts = [_describe(arg) for arg in typing.get_args(tp)]
         kinds = set().union(*(k for k, _ in parts))
         literal = [(k, e) for k, e in parts if k != {"null"}]
-        enum = [v for _, e in literal for v in e] if all(e is not None for _, e in literal) else None
+        enum = [v for _, e in literal for v in e or ()] if all(e is not None for _, e in literal) else None
         return kinds, enum
     base = origin or tp
     if base is bool:

@@ -32,8 +32,8 @@ NATS_URL = r"^(nats|tls|ws|wss)://[^\s/,]+(,(nats|tls|ws|wss)://[^\s/,]+)*$"
 DnsSubdomain = Annotated[str, StringConstraints(min_length=1, max_length=253, pattern=DNS_SUBDOMAIN)]
 ImageRef = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=IMAGE)]
 
-_BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
-_DECIMAL = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1, "k": 10**3,
+_BINARY: dict[str, int] = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
+_DECIMAL: dict[str, Decimal | int] = {"n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1, "k": 10**3,
             "M": 10**6, "G": 10**9, "T": 10**12, "P": 10**15, "E": 10**18}
 
 
@@ -46,7 +46,7 @@ def parse_quantity(value: int | str) -> Decimal:
     if not match:
         raise ValueError(f"{text!r} is not a Kubernetes quantity (e.g. 4, \"500m\", \"16Gi\", \"10G\"; "
                          f"units are Ki Mi Gi Ti Pi Ei or k M G T P E, not \"GB\")")
-    number, suffix = match.group(1), match.group(3) or ""
+    number, suffix = str(match.group(1)), match.group(3) or ""
     try:
         base = Decimal(number)
     except InvalidOperation:  # pragma: no cover - the pattern admits only numbers

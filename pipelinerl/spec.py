@@ -512,8 +512,8 @@ class ObjectMeta(BaseModel):
 
 class PipelineRLJob(SpecModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True)
-    api_version: Literal["pipelinerl.dev/v1alpha1"] = Field(default=API_VERSION, alias="apiVersion")
-    kind: Literal["PipelineRLJob"] = KIND
+    api_version: Literal["pipelinerl.dev/v1alpha1"] = Field(default="pipelinerl.dev/v1alpha1", alias="apiVersion")
+    kind: Literal["PipelineRLJob"] = "PipelineRLJob"
     metadata: ObjectMeta
     spec: JobSpec = Field(default_factory=JobSpec)
     status: dict[str, Any] | None = Field(default=None, exclude=True)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 import time
+from typing import Any
 
 import nats
 import nats.errors
@@ -29,7 +30,8 @@ def stream_configs(subjects: JobSubjects, max_msg_bytes: int, replicas: int = 1,
     outlives the loss of a minority of its servers. `sizes`: each stream's max_bytes
     (`capacity.stream_bytes` of the job; None: of a job with the default spec)."""
     size = sizes or stream_bytes(JobSpec())
-    common = dict(storage=StorageType.FILE, max_msg_size=max_msg_bytes, duplicate_window=600.0, num_replicas=replicas)
+    common: dict[str, Any] = dict(storage=StorageType.FILE, max_msg_size=max_msg_bytes, duplicate_window=600.0,
+                                  num_replicas=replicas)
     return [
         # Rollouts: work for the preprocessor, one subject per generator, removed once acked by
         # it (a removal survives a kill -9 of nats-server; an acknowledgement may not). Full:

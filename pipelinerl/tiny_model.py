@@ -16,6 +16,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 SPECIALS = ["<pad>", "<eos>"]
 CHARS = list("0123456789+-*=<>?: ")
 VOCAB_SIZE = 32  # padded: a multiple of 8 is friendlier to kernels
-ARCH = dict(
+ARCH: dict[str, Any] = dict(
     hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
 )
@@ -34,12 +35,12 @@ ARCH = dict(
 # from ~0 to >50% within ~100 steps, so it is checked every 5 steps to stop inside 10-50%.
 # Stopping at >= 25% rather than ~15% leaves fewer prompts that no attempt solves: RL then wastes
 # less generation on groups it must discard (1.25 vs 1.57 s per step) and gains as fast.
-WARM = dict(lr=1e-3, batch=128, max_steps=3000, eval_every=5, eval_from=100, eval_problems=500,
+WARM: dict[str, Any] = dict(lr=1e-3, batch=128, max_steps=3000, eval_every=5, eval_from=100, eval_problems=500,
             target_min=0.25, digits=3, carry_out=False, seed=1234)
 # `builtin:tiny-chain`, for the long-tail task (pipelinerl.tasks.chain): near 0 for ~300 steps,
 # then from 4% to 50% within ~100 (a solution is right only if every step is), so it is checked
 # every 5 steps from step 250 to stop near 20%, with the long chains mostly unsolved, for RL.
-WARM_CHAIN = dict(lr=1e-3, batch=128, buckets=4, max_steps=3000, eval_every=5, eval_from=250, eval_problems=500,
+WARM_CHAIN: dict[str, Any] = dict(lr=1e-3, batch=128, buckets=4, max_steps=3000, eval_every=5, eval_from=250, eval_problems=500,
                   target_min=0.20, chain_steps=12, tail=1.0, seed=1234)
 WARM_STARTS = {"tiny-arith": WARM, "tiny-chain": WARM_CHAIN}
 BUILTINS = ("builtin:tiny-arith", "builtin:tiny-chain", "builtin:tiny-random")
@@ -107,13 +108,14 @@ def batch_loss(model, tokenizer, batch, buckets: int = 1) -> torch.Tensor:
         return supervised_loss(model, *_encode_batch(tokenizer, [p.prompt for p in batch], [p.answer for p in batch]))
     ordered = sorted(batch, key=lambda p: len(p.prompt) + len(p.answer))
     size = -(-len(ordered) // buckets)
+    total: torch.Tensor | float
     total, tokens = 0.0, 0
     for i in range(0, len(ordered), size):
         ids, mask = _encode_batch(tokenizer, [p.prompt for p in ordered[i:i + size]],
                                   [p.answer for p in ordered[i:i + size]])
         total = total + supervised_loss(model, ids, mask, reduction="sum")
         tokens += int(mask[:, 1:].sum())
-    return total / tokens
+    return torch.as_tensor(total) / tokens
 
 
 @torch.no_grad()

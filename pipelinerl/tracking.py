@@ -43,6 +43,7 @@ class Wandb:
         import wandb
 
         spec = job.spec.tracking.wandb
+        assert spec is not None  # made only where the job asks for it
         self.run = wandb.init(project=spec.project, entity=spec.entity, mode=spec.mode, tags=spec.tags,
                               name=job.name, id=run_id, resume="allow", dir=str(run_dir),
                               config=json.loads(job.model_dump_json(by_alias=True)))
@@ -67,6 +68,7 @@ class Mlflow:
         import mlflow
 
         spec = job.spec.tracking.mlflow
+        assert spec is not None  # made only where the job asks for it
         self.client = mlflow.MlflowClient(spec.tracking_uri or default_mlflow_uri(run_dir))
         name = spec.experiment or job.name
         found = self.client.get_experiment_by_name(name)
@@ -92,7 +94,9 @@ class Tensorboard:
     def __init__(self, job: PipelineRLJob, run_dir: Path):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(job.spec.tracking.tensorboard.log_dir or str(run_dir / "tensorboard"))
+        spec = job.spec.tracking.tensorboard
+        assert spec is not None  # made only where the job asks for it
+        self.writer = SummaryWriter(spec.log_dir or str(run_dir / "tensorboard"))
 
     def log(self, kind: str, x: int, values: dict[str, float]) -> None:
         for k, v in values.items():

@@ -55,6 +55,7 @@ class Lengths(BaseModel):
         if self.distribution == "empirical":
             x = rng.choice(np.asarray(self.values, dtype=float), size=n)
         else:
+            assert self.mean_tokens, "a log-normal length distribution needs its mean"
             mu = math.log(self.mean_tokens) - self.sigma**2 / 2  # so that E[x] = mean_tokens
             x = rng.lognormal(mu, self.sigma, size=n)
         return np.clip(np.rint(x), 1, max_tokens).astype(np.int64)

@@ -7,6 +7,8 @@ formats the comparison (`format_plan`).
 
 from __future__ import annotations
 
+from typing import Any
+
 from dataclasses import dataclass
 from typing import Callable
 
@@ -86,7 +88,7 @@ def plan(job: PipelineRLJob, gpus: int, calib: Calibration, lengths: Lengths | N
         raise ValueError(f"--gpus {gpus} leaves no split: need at least one trainer pod "
                          f"({max(spec.trainer.gpus, 1)} devices) and one generator engine ({calib.gpus_per_engine})")
     filtered = calib.filtered_fraction if spec.rl.filter_zero_variance else 0.0
-    common = dict(samples_per_step=spec.trainer.samples_per_step, attempts=spec.rl.attempts, calib=calib,
+    common: dict[str, Any] = dict(samples_per_step=spec.trainer.samples_per_step, attempts=spec.rl.attempts, calib=calib,
                   max_tokens=spec.generator.sampling.max_tokens, lengths=lengths, seed=seed, filtered=filtered)
 
     # The split at the largest lag (least constrained); throughput settles within a few steps,

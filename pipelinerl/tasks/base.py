@@ -35,7 +35,7 @@ class Tokenizer(Protocol):
 @dataclass
 class Problem:
     id: str
-    prompt: str
+    prompt: str | list[dict[str, Any]]  # text, or chat messages ({"role", "content"} each)
     answer: Any
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -66,8 +66,8 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | list[dict[str, Any]], chat_te
     if chat_template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         # return_dict=False: transformers 5 returns a BatchEncoding by default.
-        return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+        return list(getattr(tokenizer, "apply_chat_template")(messages, add_generation_prompt=True, tokenize=True,
+                                                              return_dict=False))
     return tokenizer.encode(prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt))
 
 
@@ -75,7 +75,7 @@ async def exact_answer_rollout(policy: Policy, tokenizer: Tokenizer, problem: Pr
                                greedy: bool = False) -> Sample:
     """One completion of the plain-text prompt, rewarded 1.0 when it stops (EOS, not truncated)
     with exactly the problem's answer, stripped."""
-    sample = SampleBuilder(tokenizer.encode(problem.prompt))
+    sample = SampleBuilder(prompt_ids(tokenizer, problem.prompt, chat_template=False))
     completion = await policy.generate(sample.tokens, max_tokens, greedy=greedy)
     sample.add_completion(completion)
     text = tokenizer.decode(completion.tokens, skip_special_tokens=True)

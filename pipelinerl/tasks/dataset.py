@@ -142,7 +142,7 @@ class DatasetTask:
                   "completions": [[{"role": "assistant", "content": completion}] if conversational else completion],
                   **{k: [v] for k, v in problem.extra.items()}}
         total = 0.0
-        for (name, fn), weight in zip(self._rewards, self.reward_weights):
+        for (name, fn), weight in zip(self._rewards, self.reward_weights or ()):  # set in __post_init__
             try:
                 out = await fn(**kwargs) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **kwargs)
             except Exception as err:

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 
 from pipelinerl.messages import Sample
-from pipelinerl.tasks.base import Policy, Problem, SampleBuilder, Tokenizer
+from pipelinerl.tasks.base import Policy, Problem, SampleBuilder, Tokenizer, prompt_ids
 
 
 @dataclass
@@ -40,7 +40,7 @@ class GuessTask:
 
     async def rollout(self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
                       greedy: bool = False) -> Sample:
-        sample = SampleBuilder(tokenizer.encode(problem.prompt))
+        sample = SampleBuilder(prompt_ids(tokenizer, problem.prompt, chat_template=False))
         for turn in range(self.turns):
             completion = await policy.generate(sample.tokens, max_tokens, greedy=greedy)
             sample.add_completion(completion)
