@@ -2,7 +2,7 @@
 JOB ?= examples/tiny-cpu.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup run test
+.PHONY: setup run test lint
 setup:
 	@scripts/setup.sh
 
@@ -11,3 +11,9 @@ run: setup
 
 test: setup
 	.venv/bin/python -m pytest --durations=25 $(PYTEST_ARGS)
+
+# Lint, format and type checks (CI runs them before the tests).
+lint: setup
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+	.venv/bin/mypy

@@ -40,7 +40,8 @@ job will do: benchmark 1's, or the peer benchmark's (`bench.peer_trl`); a varian
 fitted on other runs, instead of fitting one (and writes no calibration):
 
     .venv/bin/python -m bench.calibrate_cpu --job examples/long-tail-cpu.yaml \
-        --from bench/results/pipeline_vs_sync-long-tail-32-finish-order.json --calibration cpu-long-tail --name cpu-long-tail-32
+        --from bench/results/pipeline_vs_sync-long-tail-32-finish-order.json \
+        --calibration cpu-long-tail --name cpu-long-tail-32
 """
 
 from __future__ import annotations
@@ -114,12 +115,14 @@ def measured(data: dict) -> dict[str, dict]:
     for mode in ("pipeline", "sync"):
         runs = data["runs"][mode]
         steps = [s for r in runs for s in steps_of(r)]
-        out[mode] = {"samples_per_s": float(np.median([r["samples_per_second"] for r in runs])),
-                     "step_s": sum(s["period"] for s in steps) / len(steps),
-                     "gen_busy": float(np.median([r["generator_busy_fraction"] for r in runs])),
-                     "train_busy": float(np.median([r["trainer_busy_fraction"] for r in runs])),
-                     "lag_mean": sum(s["tokens"] * s["lag_mean"] for s in steps) / sum(s["tokens"] for s in steps),
-                     "steps": len(steps)}
+        out[mode] = {
+            "samples_per_s": float(np.median([r["samples_per_second"] for r in runs])),
+            "step_s": sum(s["period"] for s in steps) / len(steps),
+            "gen_busy": float(np.median([r["generator_busy_fraction"] for r in runs])),
+            "train_busy": float(np.median([r["trainer_busy_fraction"] for r in runs])),
+            "lag_mean": sum(s["tokens"] * s["lag_mean"] for s in steps) / sum(s["tokens"] for s in steps),
+            "steps": len(steps),
+        }
     return out
 
 
@@ -128,13 +131,19 @@ def fit_train(steps: list[dict]) -> tuple[float, float, str]:
     y = np.array([s["train_seconds"] for s in steps], float)
     if all(s.get("optimizer_seconds") is not None for s in steps):
         opt = np.array([s["optimizer_seconds"] for s in steps], float)
-        return (float((y - opt).sum() / x.sum()), float(opt.mean()),
-                f"optimizer step measured, forward/backward per row token, over {len(x)} steps")
+        return (
+            float((y - opt).sum() / x.sum()),
+            float(opt.mean()),
+            f"optimizer step measured, forward/backward per row token, over {len(x)} steps",
+        )
     (per_token, fixed), *_ = np.linalg.lstsq(np.c_[x, np.ones_like(x)], y, rcond=None)
     if per_token > 0 and fixed >= 0:
         return float(per_token), float(fixed), f"least squares over {len(x)} steps ({x.min():.0f}-{x.max():.0f} tokens)"
-    return (float(y.sum() / x.sum()), 0.0,
-            f"per token only over {len(x)} steps (least squares gave {per_token:.2e} s/token + {fixed:.3f} s)")
+    return (
+        float(y.sum() / x.sum()),
+        0.0,
+        f"per token only over {len(x)} steps (least squares gave {per_token:.2e} s/token + {fixed:.3f} s)",
+    )
 
 
 @torch.no_grad()
@@ -155,10 +164,17 @@ def sampled_lengths(job, count: int = 512, seed: int = 0) -> list[int]:
     limit, lengths = spec.generator.sampling.max_tokens, []
     for group in by_length.values():
         ids = torch.tensor(group)
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
-                             temperature=spec.generator.sampling.temperature, max_new_tokens=limit,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        for row in out[:, ids.shape[1]:].tolist():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            top_k=0,
+            temperature=spec.generator.sampling.temperature,
+            max_new_tokens=limit,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+        for row in out[:, ids.shape[1] :].tolist():
             lengths.append(row.index(tok.eos_token_id) + 1 if tok.eos_token_id in row else limit)
     return lengths
 
@@ -179,16 +195,29 @@ SIM_STEPS = 300  # simulated sync steps per phase estimate
 def sync_gen_phase(calib: Calibration, job, mean_row_tokens: float, seed: int = 0) -> float:
     """The simulated sync step less its training and weight update: the generation phase."""
     spec = job.spec
-    r = simulate("sync", 1, 1, 0, spec.trainer.samples_per_step, spec.rl.attempts, calib,
-                 spec.generator.sampling.max_tokens, steps=SIM_STEPS, warmup=1, seed=seed)
+    r = simulate(
+        "sync",
+        1,
+        1,
+        0,
+        spec.trainer.samples_per_step,
+        spec.rl.attempts,
+        calib,
+        spec.generator.sampling.max_tokens,
+        steps=SIM_STEPS,
+        warmup=1,
+        seed=seed,
+    )
     train = calib.train_s(mean_row_tokens, 1) + calib.optimizer_step_s
     return r.step_s - train - max(calib.weight_sync_s, calib.pause_s)
 
 
-def fit_line(line: Callable[[float], Calibration], job, rows: float, target: float, lo: float,
-             hi: float) -> Calibration | None:
+def fit_line(
+    line: Callable[[float], Calibration], job, rows: float, target: float, lo: float, hi: float
+) -> Calibration | None:
     """The calibration `line(x)`, x >= lo, whose simulated sync generation phase is `target`
     (the phase grows with x along each line used here); None if even line(lo) is slower."""
+
     def gap(x: float) -> float:
         return sync_gen_phase(line(x), job, rows) - target
 
@@ -204,8 +233,14 @@ def fit_line(line: Callable[[float], Calibration], job, rows: float, target: flo
 
 def fit_base(calib: Calibration, job, rows: float, target: float, per_seq: float, hi: float) -> Calibration | None:
     """decode_per_seq_s fixed, decode_base_s solved."""
-    return fit_line(lambda b: calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": per_seq}),
-                    job, rows, target, MIN_BASE, hi)
+    return fit_line(
+        lambda b: calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": per_seq}),
+        job,
+        rows,
+        target,
+        MIN_BASE,
+        hi,
+    )
 
 
 def fit_decode(calib: Calibration, job, rows: float, target: float, step_at: float, batch: int) -> Calibration:
@@ -214,16 +249,26 @@ def fit_decode(calib: Calibration, job, rows: float, target: float, step_at: flo
     the phase, the point cannot hold: the base alone then. If even its slope alone (base ~0)
     is too slow (the engine has become faster per sequence than when benchmarked), the
     slope alone, solved."""
-    if sync_gen_phase(calib.model_copy(update={"decode_base_s": step_at, "decode_per_seq_s": 0.0}),
-                      job, rows) < target:
+    if sync_gen_phase(calib.model_copy(update={"decode_base_s": step_at, "decode_per_seq_s": 0.0}), job, rows) < target:
         return fit_base(calib, job, rows, target, 0.0, step_at)
-    through_point = fit_line(lambda b: calib.model_copy(update={"decode_base_s": b,
-                                                                 "decode_per_seq_s": (step_at - b) / batch}),
-                             job, rows, target, MIN_BASE, step_at)
+    through_point = fit_line(
+        lambda b: calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": (step_at - b) / batch}),
+        job,
+        rows,
+        target,
+        MIN_BASE,
+        step_at,
+    )
     if through_point is not None:
         return through_point
-    slope_only = fit_line(lambda k: calib.model_copy(update={"decode_base_s": MIN_BASE, "decode_per_seq_s": k}),
-                          job, rows, target, 0.0, step_at / batch)
+    slope_only = fit_line(
+        lambda k: calib.model_copy(update={"decode_base_s": MIN_BASE, "decode_per_seq_s": k}),
+        job,
+        rows,
+        target,
+        0.0,
+        step_at / batch,
+    )
     if slope_only is None:
         raise SystemExit(f"the sync generation phase ({target:.3f} s) is too short for any decode cost")
     return slope_only
@@ -237,9 +282,9 @@ def fit_split(calib: Calibration, job, rows: float, target: float, other: tuple,
     job2, rows2, target2 = other
 
     def on_line(b: float) -> Calibration:  # the slope for base b (0 once b alone is as slow)
-        return (fit_line(lambda k: calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": k}),
-                         job, rows, target, 0.0, hi)
-                or calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": 0.0}))
+        return fit_line(
+            lambda k: calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": k}), job, rows, target, 0.0, hi
+        ) or calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": 0.0})
 
     def gap(b: float) -> float:
         return sync_gen_phase(on_line(b), job2, rows2) - target2
@@ -258,8 +303,10 @@ def sync_phase(data: dict) -> tuple[float, float]:
     """The sync runs' generation phase (step period - train_seconds - weight_sync_seconds: the
     trainer waiting for the step's data) and their mean row tokens per step."""
     steps = [s for r in data["runs"]["sync"] for s in steps_of(r)]
-    return (float(np.mean([s["period"] - s["train_seconds"] - s["weight_sync_seconds"] for s in steps])),
-            float(np.mean([s["row_tokens"] for s in steps])))
+    return (
+        float(np.mean([s["period"] - s["train_seconds"] - s["weight_sync_seconds"] for s in steps])),
+        float(np.mean([s["row_tokens"] for s in steps])),
+    )
 
 
 def derive(data: dict, job, name: str) -> tuple[Calibration, dict]:
@@ -272,8 +319,12 @@ def derive(data: dict, job, name: str) -> tuple[Calibration, dict]:
 
     per_token, fixed, train_how = fit_train(every)
     weight_sync = float(np.mean([s["weight_sync_seconds"] for s in every]))
-    pauses = [s["weight_pause_max_seconds"] for r in runs["pipeline"] for s in steps_of(r)
-              if s.get("weight_pause_max_seconds") is not None]
+    pauses = [
+        s["weight_pause_max_seconds"]
+        for r in runs["pipeline"]
+        for s in steps_of(r)
+        if s.get("weight_pause_max_seconds") is not None
+    ]
     pause = float(np.mean(pauses)) if pauses else weight_sync
     samples = sum(s["samples"] for s in every)
     mean_len = sum(s["tokens"] for s in every) / samples
@@ -300,17 +351,39 @@ def derive(data: dict, job, name: str) -> tuple[Calibration, dict]:
     seqs = float(np.mean([s["samples"] + s["groups_filtered"] * attempts for s in sync_steps]))
 
     base0 = Calibration(
-        name=name, gpus_per_engine=1, decode_base_s=step_at, decode_per_seq_s=0.0, max_batch=max_batch,
-        prefill_s_per_token=0.0, train_s_per_token=per_token, train_scaling=0.9, optimizer_step_s=fixed,
-        weight_sync_s=weight_sync, pause_s=pause, contention=0.0, filtered_fraction=filtered, lengths=lengths)
+        name=name,
+        gpus_per_engine=1,
+        decode_base_s=step_at,
+        decode_per_seq_s=0.0,
+        max_batch=max_batch,
+        prefill_s_per_token=0.0,
+        train_s_per_token=per_token,
+        train_scaling=0.9,
+        optimizer_step_s=fixed,
+        weight_sync_s=weight_sync,
+        pause_s=pause,
+        contention=0.0,
+        filtered_fraction=filtered,
+        lengths=lengths,
+    )
     facts = {
-        "train_fit": train_how, "mean_completion_tokens": mean_len, "prompt_tokens": prompt,
-        "sampled_lengths_mean": sum(sampled) / len(sampled), "sampled_lengths_max": max(sampled),
-        "mean_row_tokens": rows, "filtered_fraction": filtered,
-        "sync_generation_phase_s": gen_phase, "sync_steps_used": len(sync_steps),
-        "sequences_generated_per_sync_step": seqs, "engine_tokens_per_s": tok_s, "engine_batch": engine_batch,
-        "engine_step_s": step_at, "max_batch": max_batch, "decode_split_from_sync_phase_s": None,
-        "engine_date": engine.get("date", "?"), "pause_from_pipeline_runs": bool(pauses),
+        "train_fit": train_how,
+        "mean_completion_tokens": mean_len,
+        "prompt_tokens": prompt,
+        "sampled_lengths_mean": sum(sampled) / len(sampled),
+        "sampled_lengths_max": max(sampled),
+        "mean_row_tokens": rows,
+        "filtered_fraction": filtered,
+        "sync_generation_phase_s": gen_phase,
+        "sync_steps_used": len(sync_steps),
+        "sequences_generated_per_sync_step": seqs,
+        "engine_tokens_per_s": tok_s,
+        "engine_batch": engine_batch,
+        "engine_step_s": step_at,
+        "max_batch": max_batch,
+        "decode_split_from_sync_phase_s": None,
+        "engine_date": engine.get("date", "?"),
+        "pause_from_pipeline_runs": bool(pauses),
     }
     return base0, facts
 
@@ -326,27 +399,41 @@ def calibrate(data: dict, source: Path, job, name: str, other: tuple | None = No
         phase2, rows2 = sync_phase(other[0])
         split = fit_split(base0, job, rows, gen_phase, (other[1], rows2, phase2), step_at)
         if split is None:
-            raise SystemExit(f"no decode cost (base >= {MIN_BASE}, slope >= 0) gives both sync phases: "
-                             f"{gen_phase:.3f} s at {job.spec.trainer.samples_per_step} samples per step, "
-                             f"{phase2:.3f} s at {other[1].spec.trainer.samples_per_step}")
+            raise SystemExit(
+                f"no decode cost (base >= {MIN_BASE}, slope >= 0) gives both sync phases: "
+                f"{gen_phase:.3f} s at {job.spec.trainer.samples_per_step} samples per step, "
+                f"{phase2:.3f} s at {other[1].spec.trainer.samples_per_step}"
+            )
     fitted = split or fit_decode(base0, job, rows, gen_phase, step_at, engine_batch)
     phase_is = f"so that the simulated sync generation phase is the measured {gen_phase:.3f} s"
     if split:
-        decode_how = (f"base and slope solved {phase_is}, and {phase2:.3f} s at "
-                      f"{other[1].spec.trainer.samples_per_step} samples per step ({other[0].get('date', '?')})")
+        decode_how = (
+            f"base and slope solved {phase_is}, and {phase2:.3f} s at "
+            f"{other[1].spec.trainer.samples_per_step} samples per step ({other[0].get('date', '?')})"
+        )
     elif fitted.decode_base_s == MIN_BASE:
-        decode_how = (f"per-sequence cost alone (engine.json's {tok_s:.0f} tok/s at {engine_batch} sequences is "
-                      f"slower than the runs' engine even with no per-step cost), solved {phase_is}")
+        decode_how = (
+            f"per-sequence cost alone (engine.json's {tok_s:.0f} tok/s at {engine_batch} sequences is "
+            f"slower than the runs' engine even with no per-step cost), solved {phase_is}"
+        )
     else:
         decode_how = f"slope from engine.json ({tok_s:.0f} tok/s at {engine_batch} sequences), base solved {phase_is}"
-    calib = fitted.model_copy(update={
-        "source": (f"measured: bench/calibrate_cpu.py from {source.name} ({data.get('date', '?')}, pinned cores)"
-                   + ("" if split else f" and engine.json ({facts['engine_date']})") + f". Train: {facts['train_fit']}. "
-                   f"Weight sync: mean weight_sync_seconds; pause: "
-                   f"{'mean weight_pause_max_seconds of the pipeline runs' if facts['pause_from_pipeline_runs'] else 'the same'}. "
-                   "Decode: " + decode_how + ". Prefill folded into decode (chunked prefill). train_scaling unmeasured "
-                   f"(one trainer rank)."),
-    })
+    pause_source = (
+        "mean weight_pause_max_seconds of the pipeline runs" if facts["pause_from_pipeline_runs"] else "the same"
+    )
+    calib = fitted.model_copy(
+        update={
+            "source": (
+                f"measured: bench/calibrate_cpu.py from {source.name} ({data.get('date', '?')}, pinned cores)"
+                + ("" if split else f" and engine.json ({facts['engine_date']})")
+                + f". Train: {facts['train_fit']}. "
+                f"Weight sync: mean weight_sync_seconds; pause: "
+                f"{pause_source}. "
+                "Decode: " + decode_how + ". Prefill folded into decode (chunked prefill). train_scaling unmeasured "
+                "(one trainer rank)."
+            ),
+        }
+    )
     calib = Calibration.model_validate(calib.model_dump())  # what load_calibration will see
     if split:
         facts["decode_split_from_sync_phase_s"] = {other[1].spec.trainer.samples_per_step: phase2}
@@ -355,12 +442,28 @@ def calibrate(data: dict, source: Path, job, name: str, other: tuple | None = No
 
 def predict(calib: Calibration, job, steps: int, seed: int = 0) -> dict:
     spec = job.spec
-    common = dict(samples_per_step=spec.trainer.samples_per_step, attempts=spec.rl.attempts, calib=calib,
-                  max_tokens=spec.generator.sampling.max_tokens, steps=steps, warmup=1, seed=seed)
+    common = dict(
+        samples_per_step=spec.trainer.samples_per_step,
+        attempts=spec.rl.attempts,
+        calib=calib,
+        max_tokens=spec.generator.sampling.max_tokens,
+        steps=steps,
+        warmup=1,
+        seed=seed,
+    )
     # As the benchmark ran: 1 generator + 1 trainer, rates from the end of step 1 to the last.
-    return {"pipeline": simulate("pipeline", 1, 1, job.spec.max_lag, wave_groups=wave_groups(job, 1, calib.lengths),
-                                 max_inflight=spec.generator.max_inflight_groups, **common),
-            "sync": simulate("sync", 1, 1, 0, **common)}
+    return {
+        "pipeline": simulate(
+            "pipeline",
+            1,
+            1,
+            job.spec.max_lag,
+            wave_groups=wave_groups(job, 1, calib.lengths),
+            max_inflight=spec.generator.max_inflight_groups,
+            **common,
+        ),
+        "sync": simulate("sync", 1, 1, 0, **common),
+    }
 
 
 def sensitivity(calib: Calibration, facts: dict, job, steps: int) -> dict[str, float | None]:
@@ -368,8 +471,11 @@ def sensitivity(calib: Calibration, facts: dict, job, steps: int) -> dict[str, f
     double the fitted slope; the base re-fitted to the sync phase each time."""
     rows, target = facts["mean_row_tokens"], facts["sync_generation_phase_s"]
     out = {}
-    for label, slope in (("flat (per_seq 0)", 0.0), ("slope x0.5", 0.5 * calib.decode_per_seq_s),
-                         ("slope x2", 2 * calib.decode_per_seq_s)):
+    for label, slope in (
+        ("flat (per_seq 0)", 0.0),
+        ("slope x0.5", 0.5 * calib.decode_per_seq_s),
+        ("slope x2", 2 * calib.decode_per_seq_s),
+    ):
         c = fit_base(calib, job, rows, target, slope, facts["engine_step_s"])
         if c is None:  # that slope alone decodes slower than the measured phase
             out[label] = None
@@ -381,20 +487,33 @@ def sensitivity(calib: Calibration, facts: dict, job, steps: int) -> dict[str, f
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--from", dest="source", type=Path, default=RESULTS / "pipeline_vs_sync.json",
-                    help="a result with pipeline and sync runs of the job (bench.pipeline_vs_sync or bench.peer_trl)")
+    ap.add_argument(
+        "--from",
+        dest="source",
+        type=Path,
+        default=RESULTS / "pipeline_vs_sync.json",
+        help="a result with pipeline and sync runs of the job (bench.pipeline_vs_sync or bench.peer_trl)",
+    )
     ap.add_argument("--job", type=Path, default=JOB, help="the job those runs ran (default: the tiny example)")
     ap.add_argument("--name", default="cpu-tiny", help="the calibration: pipelinerl/calibrations/NAME.yaml")
-    ap.add_argument("--split-with", type=Path, metavar="JSON",
-                    help="benchmark 1's runs of the job at another step size (--set trainer.samplesPerStep=N): their "
-                         "sync phase splits the decode cost into per-step and per-sequence (default: engine.json's point)")
-    ap.add_argument("--calibration", metavar="BUILTIN",
-                    help="predict with this built-in calibration instead of fitting one (out of sample); writes none")
+    ap.add_argument(
+        "--split-with",
+        type=Path,
+        metavar="JSON",
+        help="benchmark 1's runs of the job at another step size (--set trainer.samplesPerStep=N): their "
+        "sync phase splits the decode cost into per-step and per-sequence (default: engine.json's point)",
+    )
+    ap.add_argument(
+        "--calibration",
+        metavar="BUILTIN",
+        help="predict with this built-in calibration instead of fitting one (out of sample); writes none",
+    )
     args = ap.parse_args()
     data = load(args.source)
     job = job_spec(args.job, data)
-    command = "python -m bench.calibrate_cpu" + ("" if args.name == "cpu-tiny" else
-                                                  f" --job {rel(args.job)} --from {rel(args.source)} --name {args.name}")
+    command = "python -m bench.calibrate_cpu" + (
+        "" if args.name == "cpu-tiny" else f" --job {rel(args.job)} --from {rel(args.source)} --name {args.name}"
+    )
     command += f" --split-with {rel(args.split_with)}" if args.split_with else ""
     if args.calibration:  # out of sample: the runs' facts for the report, no fit
         calib, (_, facts) = load_calibration(args.calibration), derive(data, job, args.name)
@@ -407,63 +526,139 @@ def main() -> None:
             other = (other_data, job_spec(args.job, other_data))
         calib, facts = calibrate(data, args.source, job, args.name, other)
         path = CALIBRATIONS / f"{args.name}.yaml"
-        path.write_text(HEADER.format(source=rel(args.source), job=rel(args.job), command=command) + calibration_yaml(calib))
+        path.write_text(
+            HEADER.format(source=rel(args.source), job=rel(args.job), command=command) + calibration_yaml(calib)
+        )
         assert load_calibration(args.name) == calib, f"load_calibration({args.name!r}) must read the file just written"
         print(f"calibration -> {rel(path)}")
-    for k in ("decode_base_s", "decode_per_seq_s", "max_batch", "prefill_s_per_token", "train_s_per_token",
-              "optimizer_step_s", "weight_sync_s", "pause_s", "contention", "filtered_fraction"):
+    for k in (
+        "decode_base_s",
+        "decode_per_seq_s",
+        "max_batch",
+        "prefill_s_per_token",
+        "train_s_per_token",
+        "optimizer_step_s",
+        "weight_sync_s",
+        "pause_s",
+        "contention",
+        "filtered_fraction",
+    ):
         print(f"  {k:20s} {getattr(calib, k):.4g}")
-    print(f"  lengths              sampled from the warm start: mean {facts['sampled_lengths_mean']:.2f}, max "
-          f"{facts['sampled_lengths_max']} tokens (the runs' mean: {facts['mean_completion_tokens']:.2f}), "
-          f"prompt {calib.lengths.prompt_tokens}")
-    print(f"  sync generation phase {facts['sync_generation_phase_s']:.3f} s over {facts['sync_steps_used']} steps "
-          f"({facts['sequences_generated_per_sync_step']:.0f} sequences generated per step)")
+    print(
+        f"  lengths              sampled from the warm start: mean {facts['sampled_lengths_mean']:.2f}, max "
+        f"{facts['sampled_lengths_max']} tokens (the runs' mean: {facts['mean_completion_tokens']:.2f}), "
+        f"prompt {calib.lengths.prompt_tokens}"
+    )
+    print(
+        f"  sync generation phase {facts['sync_generation_phase_s']:.3f} s over {facts['sync_steps_used']} steps "
+        f"({facts['sequences_generated_per_sync_step']:.0f} sequences generated per step)"
+    )
 
     n_steps = int(data["args"].get("steps", 150))
     pred = predict(calib, job, n_steps)
     meas = measured(data)
     rates = {mode: [r["samples_per_second"] for r in data["runs"][mode]] for mode in ("pipeline", "sync")}
-    ratio = {"predicted": pred["pipeline"].samples_per_s / pred["sync"].samples_per_s,
-             "measured": paired_ratios(rates["pipeline"], rates["sync"])["median"]}
+    ratio = {
+        "predicted": pred["pipeline"].samples_per_s / pred["sync"].samples_per_s,
+        "measured": paired_ratios(rates["pipeline"], rates["sync"])["median"],
+    }
     error = ratio["predicted"] / ratio["measured"] - 1
     rows = []
     for mode in ("pipeline", "sync"):
         p, e = pred[mode], meas[mode]
-        rows.append([mode, p.samples_per_s, e["samples_per_s"], p.step_s, e["step_s"], f"{p.gen_busy:.0%}",
-                     f"{e['gen_busy']:.0%}", f"{p.train_busy:.0%}", f"{e['train_busy']:.0%}"])
+        rows.append(
+            [
+                mode,
+                p.samples_per_s,
+                e["samples_per_s"],
+                p.step_s,
+                e["step_s"],
+                f"{p.gen_busy:.0%}",
+                f"{e['gen_busy']:.0%}",
+                f"{p.train_busy:.0%}",
+                f"{e['train_busy']:.0%}",
+            ]
+        )
     print()
-    print(table(["mode", "pred samples/s", "meas", "pred s/step", "meas", "pred gen busy", "meas",
-                 "pred train busy", "meas"], rows))
+    print(
+        table(
+            [
+                "mode",
+                "pred samples/s",
+                "meas",
+                "pred s/step",
+                "meas",
+                "pred gen busy",
+                "meas",
+                "pred train busy",
+                "meas",
+            ],
+            rows,
+        )
+    )
     within = abs(error) <= TARGET
-    print(f"\npipeline/sync ratio: predicted {ratio['predicted']:.2f}x, measured {ratio['measured']:.2f}x: "
-          f"{error:+.1%} -> {'within' if within else 'NOT within'} {TARGET:.0%}")
+    print(
+        f"\npipeline/sync ratio: predicted {ratio['predicted']:.2f}x, measured {ratio['measured']:.2f}x: "
+        f"{error:+.1%} -> {'within' if within else 'NOT within'} {TARGET:.0%}"
+    )
     print(f"pipeline token lag: predicted {pred['pipeline'].lag_mean:.2f}, measured {meas['pipeline']['lag_mean']:.2f}")
     sens = {} if args.calibration else sensitivity(calib, facts, job, n_steps)  # it re-fits to these runs
     if sens:
-        print("ratio if the decode cost were split otherwise: " + ", ".join(
-            f"{k} " + ("n/a (too slow for the phase)" if v is None else f"{v:.2f}x") for k, v in sens.items()))
+        print(
+            "ratio if the decode cost were split otherwise: "
+            + ", ".join(
+                f"{k} " + ("n/a (too slow for the phase)" if v is None else f"{v:.2f}x") for k, v in sens.items()
+            )
+        )
     p = plan(job, 2, calib)
-    print(f"`pipelinerl plan {rel(args.job)} --gpus 2 --gpu-type {args.calibration or args.name}`: pipeline (maxLag {p.pipeline.max_lag}) "
-          f"{p.pipeline.samples_per_s:.1f} samples/s vs sync {p.sync.samples_per_s:.1f}: {p.speedup:.2f}x")
+    print(
+        f"`pipelinerl plan {rel(args.job)} --gpus 2 --gpu-type {args.calibration or args.name}`: "
+        f"pipeline (maxLag {p.pipeline.max_lag}) "
+        f"{p.pipeline.samples_per_s:.1f} samples/s vs sync {p.sync.samples_per_s:.1f}: {p.speedup:.2f}x"
+    )
 
     def sim(r) -> dict:
-        return {"samples_per_s": r.samples_per_s, "step_s": r.step_s, "gen_busy": r.gen_busy,
-                "gen_fill": r.gen_fill, "train_busy": r.train_busy, "lag_mean": r.lag_mean}
+        return {
+            "samples_per_s": r.samples_per_s,
+            "step_s": r.step_s,
+            "gen_busy": r.gen_busy,
+            "gen_fill": r.gen_fill,
+            "train_busy": r.train_busy,
+            "lag_mean": r.lag_mean,
+        }
 
-    save("planner_validation" + ("" if args.name == "cpu-tiny" else f"-{args.name}"), {
-        "source": rel(args.source), "job": rel(args.job), "variant": variant(data),
-        "fitted_here": not args.calibration,
-        "calibration": calib.model_dump(mode="json") | {"lengths": {"distribution": calib.lengths.distribution,
-                                                                    "mean": facts["mean_completion_tokens"],
-                                                                    "prompt_tokens": calib.lengths.prompt_tokens}},
-        "derivation": facts,
-        "predicted": {mode: sim(r) for mode, r in pred.items()},
-        "measured": meas, "ratio": ratio, "ratio_error": error, "target": TARGET,
-        "within_target": within,
-        "ratio_sensitivity_to_decode_split": sens,
-        "plan_2_devices": {"pipeline_max_lag": p.pipeline.max_lag, "pipeline": sim(p.pipeline), "sync": sim(p.sync),
-                           "speedup": p.speedup},
-    }, command)
+    save(
+        "planner_validation" + ("" if args.name == "cpu-tiny" else f"-{args.name}"),
+        {
+            "source": rel(args.source),
+            "job": rel(args.job),
+            "variant": variant(data),
+            "fitted_here": not args.calibration,
+            "calibration": calib.model_dump(mode="json")
+            | {
+                "lengths": {
+                    "distribution": calib.lengths.distribution,
+                    "mean": facts["mean_completion_tokens"],
+                    "prompt_tokens": calib.lengths.prompt_tokens,
+                }
+            },
+            "derivation": facts,
+            "predicted": {mode: sim(r) for mode, r in pred.items()},
+            "measured": meas,
+            "ratio": ratio,
+            "ratio_error": error,
+            "target": TARGET,
+            "within_target": within,
+            "ratio_sensitivity_to_decode_split": sens,
+            "plan_2_devices": {
+                "pipeline_max_lag": p.pipeline.max_lag,
+                "pipeline": sim(p.pipeline),
+                "sync": sim(p.sync),
+                "speedup": p.speedup,
+            },
+        },
+        command,
+    )
 
 
 if __name__ == "__main__":

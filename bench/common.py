@@ -67,8 +67,13 @@ def machine() -> dict[str, object]:
 
     import torch
 
-    info: dict[str, object] = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                               "torch": torch.__version__, "device": "cpu"}
+    info: dict[str, object] = {
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": "cpu",
+    }
     if torch.cuda.is_available():
         info["device"] = torch.cuda.get_device_name(0)
     return info
@@ -78,8 +83,13 @@ def save(name: str, result: dict, command: str) -> Path:
     """bench/results/<name>.json with the machine, the command that reproduces it and the time."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    payload = {"benchmark": name, "command": command, "machine": machine(),
-               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result}
+    payload = {
+        "benchmark": name,
+        "command": command,
+        "machine": machine(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **result,
+    }
     path.write_text(json.dumps(payload, indent=1) + "\n")
     return path
 

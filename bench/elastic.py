@@ -34,12 +34,19 @@ LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
 def job(name: str, generators: int, steps: int) -> dict:
-    return {"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": name}, "spec": {
-        "model": {"path": "builtin:tiny-random", "maxSeqLen": 40},
-        "rl": {"attempts": 4, "filterZeroVariance": False, "maxLag": 1},
-        "generator": {"replicas": generators, "sampling": {"maxTokens": 24}},
-        "trainer": {"samplesPerStep": 16, "microBatchTokens": 256, "maxSteps": steps, "checkpointInterval": 0},
-        "weightSync": {"timeoutSeconds": 20}, "eval": {"interval": 0}}}
+    return {
+        "apiVersion": "pipelinerl.dev/v1alpha1",
+        "kind": "PipelineRLJob",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"path": "builtin:tiny-random", "maxSeqLen": 40},
+            "rl": {"attempts": 4, "filterZeroVariance": False, "maxLag": 1},
+            "generator": {"replicas": generators, "sampling": {"maxTokens": 24}},
+            "trainer": {"samplesPerStep": 16, "microBatchTokens": 256, "maxSteps": steps, "checkpointInterval": 0},
+            "weightSync": {"timeoutSeconds": 20},
+            "eval": {"interval": 0},
+        },
+    }
 
 
 def log_time(line: str) -> float:
@@ -70,12 +77,17 @@ def one_round(root: Path, generators: int, steps: int, timeout_s: float) -> dict
     train = run.train()
     epochs = [(b["weight_epoch"] > a["weight_epoch"], b["weight_sync_seconds"]) for a, b in zip(train, train[1:])]
     return {
-        "generators": generators, "killed_after_step": killed_step,
-        "death_to_next_step_s": gaps[0], "longest_step_gap_s": max(gaps),
-        "restart_to_ready_s": log_time(ready) - started, "join_to_ready_s": log_time(ready) - joined,
+        "generators": generators,
+        "killed_after_step": killed_step,
+        "death_to_next_step_s": gaps[0],
+        "longest_step_gap_s": max(gaps),
+        "restart_to_ready_s": log_time(ready) - started,
+        "join_to_ready_s": log_time(ready) - joined,
         "ready_version": int(ready.rsplit(" ready at version ", 1)[1].split()[0]),
-        "epoch_change_sync_s": [s for new, s in epochs if new], "plain_sync_s": [s for new, s in epochs if not new],
-        "final_epoch": train[-1]["weight_epoch"], "steps": [r["step"] for r in train],
+        "epoch_change_sync_s": [s for new, s in epochs if new],
+        "plain_sync_s": [s for new, s in epochs if not new],
+        "final_epoch": train[-1]["weight_epoch"],
+        "steps": [r["step"] for r in train],
     }
 
 
@@ -90,10 +102,13 @@ def main() -> None:
     for i in range(args.rounds):
         for generators in (2, 1):  # alternated
             r = one_round(root, generators, args.steps, timeout_s=600)
-            print(f"round {i + 1}, {generators} generator(s): death -> next step {r['death_to_next_step_s']:.2f}s "
-                  f"(longest gap between steps after it {r['longest_step_gap_s']:.1f}s), "
-                  f"restart -> ready {r['restart_to_ready_s']:.1f}s (join -> ready {r['join_to_ready_s']:.2f}s), "
-                  f"epochs {r['final_epoch']}", flush=True)
+            print(
+                f"round {i + 1}, {generators} generator(s): death -> next step {r['death_to_next_step_s']:.2f}s "
+                f"(longest gap between steps after it {r['longest_step_gap_s']:.1f}s), "
+                f"restart -> ready {r['restart_to_ready_s']:.1f}s (join -> ready {r['join_to_ready_s']:.2f}s), "
+                f"epochs {r['final_epoch']}",
+                flush=True,
+            )
             rounds.append(r)
     out = {}
     for generators in (2, 1):
@@ -108,10 +123,15 @@ def main() -> None:
     plain = [s for r in rounds for s in r["plain_sync_s"]]
     out["epoch_change_sync_s"], out["plain_sync_s"] = summary(changes), summary(plain)
     out["epoch_change_vs_plain"] = statistics.median(changes) / statistics.median(plain)
-    print(f"epoch change: weight sync {out['epoch_change_sync_s']['median'] * 1000:.0f} ms (median of {len(changes)}) "
-          f"vs plain update {out['plain_sync_s']['median'] * 1000:.0f} ms ({out['epoch_change_vs_plain']:.1f}x)")
-    save("elastic", {"summary": out, "rounds": rounds},
-         f"python -m bench.elastic --rounds {args.rounds} --steps {args.steps}")
+    print(
+        f"epoch change: weight sync {out['epoch_change_sync_s']['median'] * 1000:.0f} ms (median of {len(changes)}) "
+        f"vs plain update {out['plain_sync_s']['median'] * 1000:.0f} ms ({out['epoch_change_vs_plain']:.1f}x)"
+    )
+    save(
+        "elastic",
+        {"summary": out, "rounds": rounds},
+        f"python -m bench.elastic --rounds {args.rounds} --steps {args.steps}",
+    )
 
 
 if __name__ == "__main__":

@@ -46,8 +46,15 @@ async def vllm_round(engine, batch: list[list[int]]) -> int:
     from vllm.sampling_params import RequestOutputKind
 
     # Engine.generate's parameters, plus min_tokens so every sample has MAX_TOKENS tokens.
-    params = SamplingParams(temperature=TEMPERATURE, top_p=1.0, max_tokens=MAX_TOKENS, min_tokens=MAX_TOKENS,
-                            logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY, stop_token_ids=[engine.eos])
+    params = SamplingParams(
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        max_tokens=MAX_TOKENS,
+        min_tokens=MAX_TOKENS,
+        logprobs=0,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+        stop_token_ids=[engine.eos],
+    )
 
     async def one(prompt: list[int]) -> int:
         async for out in engine.llm.generate({"prompt_token_ids": prompt}, params, request_id=uuid.uuid4().hex):
@@ -64,10 +71,21 @@ def hf_round(model, batch: list[list[int]], eos: int) -> int:
     width = max(map(len, batch))  # left-pad (arith prompts share one length, so usually a no-op)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=TEMPERATURE, top_p=1.0,
-                         top_k=0, max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
-                         num_return_sequences=SAMPLES, pad_token_id=0, eos_token_id=eos,
-                         output_scores=True, return_dict_in_generate=True)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        do_sample=True,
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        top_k=0,
+        max_new_tokens=MAX_TOKENS,
+        min_new_tokens=MAX_TOKENS,
+        num_return_sequences=SAMPLES,
+        pad_token_id=0,
+        eos_token_id=eos,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     new = out.sequences[:, width:]
     logprobs = torch.stack(out.scores, 1).log_softmax(-1).gather(-1, new[..., None])  # as vLLM returns
     assert new.shape == (len(batch) * SAMPLES, MAX_TOKENS) and logprobs.isfinite().all()
@@ -88,10 +106,17 @@ def run_model(name: str, repeats: int, tmp: Path) -> dict:
 
     path = model_path(name, tmp)
     params, prompt_len, runs = asyncio.run(measure(path, repeats))
-    return {"path": path, "parameters": params, "prompt_tokens": prompt_len,
-            "tokens_per_round": PROMPTS * SAMPLES * MAX_TOKENS, "vllm_tokens_per_s": runs["vllm"],
-            "hf_tokens_per_s": runs["hf"], "vllm": summary(runs["vllm"]), "hf": summary(runs["hf"]),
-            "vllm_over_hf": paired_ratios(runs["vllm"], runs["hf"])}
+    return {
+        "path": path,
+        "parameters": params,
+        "prompt_tokens": prompt_len,
+        "tokens_per_round": PROMPTS * SAMPLES * MAX_TOKENS,
+        "vllm_tokens_per_s": runs["vllm"],
+        "hf_tokens_per_s": runs["hf"],
+        "vllm": summary(runs["vllm"]),
+        "hf": summary(runs["hf"]),
+        "vllm_over_hf": paired_ratios(runs["vllm"], runs["hf"]),
+    }
 
 
 async def measure(path: str, repeats: int) -> tuple[int, int, dict[str, list[float]]]:
@@ -101,11 +126,17 @@ async def measure(path: str, repeats: int) -> tuple[int, int, dict[str, list[flo
     from pipelinerl.spec import parse_job
     from pipelinerl_generator.engine import Engine
 
-    job = parse_job({
-        "apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": "bench"},
-        "spec": {"model": {"path": path, "maxSeqLen": 128, "dtype": "float32"},
-                 "generator": {"sampling": {"maxTokens": MAX_TOKENS, "temperature": TEMPERATURE}}},
-    })
+    job = parse_job(
+        {
+            "apiVersion": "pipelinerl.dev/v1alpha1",
+            "kind": "PipelineRLJob",
+            "metadata": {"name": "bench"},
+            "spec": {
+                "model": {"path": path, "maxSeqLen": 128, "dtype": "float32"},
+                "generator": {"sampling": {"maxTokens": MAX_TOKENS, "temperature": TEMPERATURE}},
+            },
+        }
+    )
     engine = Engine(job, path)
     try:
         await engine.start(0)
@@ -118,12 +149,15 @@ async def measure(path: str, repeats: int) -> tuple[int, int, dict[str, list[flo
                 t0 = time.perf_counter()
                 tokens = fn()
                 return tokens / (time.perf_counter() - t0)
+
             return measure_once
 
         # The harness is synchronous: it runs in a thread while this loop (idle during the HF
         # side) serves the engine; vLLM rounds are handed to the loop and awaited from there.
-        sides = {"vllm": rate(lambda: asyncio.run_coroutine_threadsafe(vllm_round(engine, batch), loop).result()),
-                 "hf": rate(lambda: hf_round(hf, batch, engine.eos))}
+        sides = {
+            "vllm": rate(lambda: asyncio.run_coroutine_threadsafe(vllm_round(engine, batch), loop).result()),
+            "hf": rate(lambda: hf_round(hf, batch, engine.eos)),
+        }
         runs = await asyncio.to_thread(alternate, sides, repeats)
     finally:
         engine.shutdown()
@@ -145,16 +179,36 @@ def main() -> None:
             r = results[name] = run_model(name, args.repeats, Path(tmp))
             k = lambda s: f"{s['median']:.0f} ({s['min']:.0f}-{s['max']:.0f})"  # noqa: E731
             q = r["vllm_over_hf"]
-            rows.append([name, f"{r['parameters'] / 1e6:.1f}M", k(r["vllm"]), k(r["hf"]),
-                         f"{q['median']:.2f} ({q['min']:.2f}-{q['max']:.2f})"])
-    print(f"\nGeneration throughput, {PROMPTS} prompts x {SAMPLES} samples x {MAX_TOKENS} tokens, temperature "
-          f"{TEMPERATURE}; tokens/s median (min-max) over {args.repeats} alternated rounds\nvLLM side: {VLLM_KIND}")
+            rows.append(
+                [
+                    name,
+                    f"{r['parameters'] / 1e6:.1f}M",
+                    k(r["vllm"]),
+                    k(r["hf"]),
+                    f"{q['median']:.2f} ({q['min']:.2f}-{q['max']:.2f})",
+                ]
+            )
+    print(
+        f"\nGeneration throughput, {PROMPTS} prompts x {SAMPLES} samples x {MAX_TOKENS} tokens, temperature "
+        f"{TEMPERATURE}; tokens/s median (min-max) over {args.repeats} alternated rounds\nvLLM side: {VLLM_KIND}"
+    )
     print(table(["model", "params", "vLLM tok/s", "HF tok/s", "vLLM/HF"], rows))
-    path = save("engine", {"settings": {"prompts": PROMPTS, "samples": SAMPLES, "max_tokens": MAX_TOKENS,
-                                        "temperature": TEMPERATURE, "repeats": args.repeats, "vllm": VLLM_KIND,
-                                        "hf": "transformers generate, one batch, num_return_sequences, KV cache"},
-                           "models": results},
-                command=f"python -m bench.engine {' '.join(sys.argv[1:])}".strip())
+    path = save(
+        "engine",
+        {
+            "settings": {
+                "prompts": PROMPTS,
+                "samples": SAMPLES,
+                "max_tokens": MAX_TOKENS,
+                "temperature": TEMPERATURE,
+                "repeats": args.repeats,
+                "vllm": VLLM_KIND,
+                "hf": "transformers generate, one batch, num_return_sequences, KV cache",
+            },
+            "models": results,
+        },
+        command=f"python -m bench.engine {' '.join(sys.argv[1:])}".strip(),
+    )
     print(f"saved {path}")
 
 

@@ -53,12 +53,30 @@ from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
 VOCAB = 151_936
 # Qwen2-0.5B and Qwen2-1.5B shapes (their config.json); "smoke" is a CPU-sized check of the script.
 SIZES: dict[str, dict] = {
-    "0.5B": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                 num_key_value_heads=2, vocab_size=VOCAB),
-    "1.5B": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                 num_key_value_heads=2, vocab_size=VOCAB),
-    "smoke": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1, vocab_size=512),
+    "0.5B": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+    ),
+    "1.5B": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+    ),
+    "smoke": dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=512,
+    ),
 }
 # Dense bf16 tensor-core peak, TFLOP/s (vendor data sheets; SXM parts), matched on the device name.
 PEAK_TFLOPS = {"H200": 989.4, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0, "L40S": 362.0}
@@ -76,8 +94,14 @@ class Shape:
 
     @classmethod
     def of(cls, arch: dict) -> Shape:
-        return cls(arch["hidden_size"], arch["intermediate_size"], arch["num_hidden_layers"],
-                   arch["num_attention_heads"], arch["num_key_value_heads"], arch["vocab_size"])
+        return cls(
+            arch["hidden_size"],
+            arch["intermediate_size"],
+            arch["num_hidden_layers"],
+            arch["num_attention_heads"],
+            arch["num_key_value_heads"],
+            arch["vocab_size"],
+        )
 
     def matmul_params(self) -> int:
         """Weights every token multiplies: q, k, v, o, the gated MLP, and the LM head."""
@@ -105,9 +129,18 @@ def synthetic_step(samples: int, prompt: int, max_completion: int, vocab: int, s
     for _ in range(samples):
         n = min(max_completion, max(16, int(rng.lognormvariate(0, 0.8) * max_completion / 8)))
         tokens = [rng.randrange(2, vocab) for _ in range(prompt + n)]
-        out.append(StepSample(m.Sample(
-            tokens=tokens, mask=[0] * prompt + [1] * n, logprobs=[0.0] * prompt + [-rng.uniform(0.01, 2.0)] * n,
-            versions=[-1] * prompt + [0] * n, reward=float(rng.random() < 0.5)), rng.gauss(0, 1)))
+        out.append(
+            StepSample(
+                m.Sample(
+                    tokens=tokens,
+                    mask=[0] * prompt + [1] * n,
+                    logprobs=[0.0] * prompt + [-rng.uniform(0.01, 2.0)] * n,
+                    versions=[-1] * prompt + [0] * n,
+                    reward=float(rng.random() < 0.5),
+                ),
+                rng.gauss(0, 1),
+            )
+        )
     return out
 
 
@@ -117,16 +150,23 @@ def dense_rows(items: list[StepSample], width: int, device) -> list[tuple[torch.
     ids = torch.tensor([t for s in items for t in s.sample.tokens])
     mask = torch.tensor([k for s in items for k in s.sample.mask], dtype=torch.bool)
     labels = torch.where(mask, ids, torch.full_like(ids, -100))
-    return [(ids[a:a + width][None].to(device), labels[a:a + width][None].to(device))
-            for a in range(0, len(ids), width)]
+    return [
+        (ids[a : a + width][None].to(device), labels[a : a + width][None].to(device)) for a in range(0, len(ids), width)
+    ]
 
 
-def job_for(model_path: str, dtype: str, zero_stage: int, micro_batch_tokens: int, checkpointing: bool,
-            compile: bool = False):
+def job_for(
+    model_path: str, dtype: str, zero_stage: int, micro_batch_tokens: int, checkpointing: bool, compile: bool = False
+):
     data = load_job("examples/tiny-cpu.yaml").model_dump(mode="json", by_alias=True, exclude_none=True)
     data["spec"]["model"] |= {"path": model_path, "dtype": dtype, "maxSeqLen": micro_batch_tokens}
-    data["spec"]["trainer"] |= {"zeroStage": zero_stage, "microBatchTokens": micro_batch_tokens, "warmupSteps": 0,
-                                "gradientCheckpointing": checkpointing, "compile": compile}
+    data["spec"]["trainer"] |= {
+        "zeroStage": zero_stage,
+        "microBatchTokens": micro_batch_tokens,
+        "warmupSteps": 0,
+        "gradientCheckpointing": checkpointing,
+        "compile": compile,
+    }
     return parse_job(data, "gpu_trainer job")
 
 
@@ -137,15 +177,18 @@ class Bench:
         self.args, self.path, self.on_gpu = args, path, on_gpu
         self.device = torch.device("cuda" if on_gpu else "cpu")
         self.dtype = "bfloat16" if on_gpu else "float32"
-        self.items = synthetic_step(args.samples, args.prompt_tokens, args.max_completion, SIZES[args.size]["vocab_size"])
+        self.items = synthetic_step(
+            args.samples, args.prompt_tokens, args.max_completion, SIZES[args.size]["vocab_size"]
+        )
         job = self.job(1)
         self.cfg = step_config(job)
         weight = step_weight(self.items, job.spec.rl.token_weighting, len(self.items))
         self.batches = pack_wave(0, self.items, 1, args.micro_batch_tokens, weight, last=True)[0]
 
     def job(self, stage: int, compile: bool = False):
-        return job_for(self.path, self.dtype, stage, self.args.micro_batch_tokens, self.args.gradient_checkpointing,
-                       compile)
+        return job_for(
+            self.path, self.dtype, stage, self.args.micro_batch_tokens, self.args.gradient_checkpointing, compile
+        )
 
     def sync(self) -> None:
         if self.on_gpu:
@@ -172,6 +215,7 @@ class Bench:
                 loop()
                 engine.step()
                 self.sync()
+
             return step, loop, [engine]
         if side == "plain":
             model = load_model(self.path, gradient_checkpointing=self.args.gradient_checkpointing).to(self.device)
@@ -199,6 +243,7 @@ class Bench:
             opt.step()
             opt.zero_grad(set_to_none=True)
             self.sync()
+
         return step, (loop if side == "plain" else None), [model]
 
     def run(self, side: str, profile: bool) -> dict:
@@ -258,13 +303,26 @@ def profile_step(step: Callable[[], None], top: int = 8) -> dict:
         t0 = time.perf_counter()
         step()
         wall_us = (time.perf_counter() - t0) * 1e6
-    kernels = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0
-               and str(getattr(e, "device_type", "")).endswith("CUDA")]
+    kernels = [
+        e
+        for e in prof.key_averages()
+        if getattr(e, "self_device_time_total", 0) > 0 and str(getattr(e, "device_type", "")).endswith("CUDA")
+    ]
     busy_us = sum(e.self_device_time_total for e in kernels)
     ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
-    return {"wall_ms": wall_us / 1000, "gpu_busy_fraction": min(1.0, busy_us / wall_us),
-            "top_kernels": [{"name": e.key[:90], "ms": e.self_device_time_total / 1000, "calls": e.count,
-                             "share": e.self_device_time_total / busy_us} for e in ranked]}
+    return {
+        "wall_ms": wall_us / 1000,
+        "gpu_busy_fraction": min(1.0, busy_us / wall_us),
+        "top_kernels": [
+            {
+                "name": e.key[:90],
+                "ms": e.self_device_time_total / 1000,
+                "calls": e.count,
+                "share": e.self_device_time_total / busy_us,
+            }
+            for e in ranked
+        ],
+    }
 
 
 def main() -> None:
@@ -302,8 +360,12 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="gpu-trainer-") as path:
         torch.manual_seed(0)
-        config = Qwen2Config(tie_word_embeddings=True, max_position_embeddings=max(args.micro_batch_tokens, 8192),
-                             rope_theta=1e6, **SIZES[args.size])
+        config = Qwen2Config(
+            tie_word_embeddings=True,
+            max_position_embeddings=max(args.micro_batch_tokens, 8192),
+            rope_theta=1e6,
+            **SIZES[args.size],
+        )
         Qwen2ForCausalLM(config).save_pretrained(path)
         bench = Bench(args, path, on_gpu)
         init_distributed(on_gpu, 600)
@@ -327,15 +389,29 @@ def report(args, shape: Shape, bench: Bench, results: dict[str, dict], on_gpu: b
             rows.append([side, r["error"][:60], "", "", "", "", "", ""])
             continue
         s = r["seconds"]["median"]
-        r |= {"tokens_per_second": tokens / s, "tflops": flops / s / 1e12,
-              "mfu": flops / s / 1e12 / peak if peak else None, "vs_stock": stock / s if stock else None}
-        rows.append([side, s, tokens / s, r["tflops"], f"{r['mfu']:.1%}" if r["mfu"] else "-",
-                     f"{r['vs_stock']:.2f}×" if r["vs_stock"] else "-",
-                     f"{r['peak_memory_gb']:.1f}" if "peak_memory_gb" in r else "-",
-                     f"{r['host_syncs_per_micro_batch']:.1f}" if "host_syncs_per_micro_batch" in r else "-"])
-    print(f"{args.size} ({shape.matmul_params():,} matmul weights) on {dev_name}: {len(bench.items)} samples, "
-          f"{tokens} tokens, {len(bench.batches)} micro-batches of ≤ {args.micro_batch_tokens} tokens per step"
-          f"{', activation checkpointing' if args.gradient_checkpointing else ''}")
+        r |= {
+            "tokens_per_second": tokens / s,
+            "tflops": flops / s / 1e12,
+            "mfu": flops / s / 1e12 / peak if peak else None,
+            "vs_stock": stock / s if stock else None,
+        }
+        rows.append(
+            [
+                side,
+                s,
+                tokens / s,
+                r["tflops"],
+                f"{r['mfu']:.1%}" if r["mfu"] else "-",
+                f"{r['vs_stock']:.2f}×" if r["vs_stock"] else "-",
+                f"{r['peak_memory_gb']:.1f}" if "peak_memory_gb" in r else "-",
+                f"{r['host_syncs_per_micro_batch']:.1f}" if "host_syncs_per_micro_batch" in r else "-",
+            ]
+        )
+    print(
+        f"{args.size} ({shape.matmul_params():,} matmul weights) on {dev_name}: {len(bench.items)} samples, "
+        f"{tokens} tokens, {len(bench.batches)} micro-batches of ≤ {args.micro_batch_tokens} tokens per step"
+        f"{', activation checkpointing' if args.gradient_checkpointing else ''}"
+    )
     print(table(["side", "step s", "tokens/s", "TFLOP/s", "MFU", "× stock", "peak GB", "syncs/mb"], rows))
     for side, r in results.items():
         if "profile" in r:
@@ -350,21 +426,42 @@ def report(args, shape: Shape, bench: Bench, results: dict[str, dict], on_gpu: b
         best = max(done, key=lambda s: done[s]["tokens_per_second"], default=None)
         if best:
             b = done[best]
-            verdict = {"best_side": best, "vs_stock": b["vs_stock"], "mfu": b["mfu"],
-                       "ratio_met": b["vs_stock"] >= ratio_target, "mfu_met": (b["mfu"] or 0) >= mfu_target}
+            verdict = {
+                "best_side": best,
+                "vs_stock": b["vs_stock"],
+                "mfu": b["mfu"],
+                "ratio_met": b["vs_stock"] >= ratio_target,
+                "mfu_met": (b["mfu"] or 0) >= mfu_target,
+            }
             mfu = f"{b['mfu']:.1%}" if b["mfu"] is not None else "unknown (no peak for this device)"
-            print(f"VERDICT {args.size}: best project side {best}: {b['vs_stock']:.2f}× stock HF "
-                  f"(target ≥ {ratio_target}×: {'met' if verdict['ratio_met'] else 'MISSED'}), MFU {mfu} "
-                  f"(target ≥ {mfu_target:.0%}: {'met' if verdict['mfu_met'] else 'MISSED'})")
+            print(
+                f"VERDICT {args.size}: best project side {best}: {b['vs_stock']:.2f}× stock HF "
+                f"(target ≥ {ratio_target}×: {'met' if verdict['ratio_met'] else 'MISSED'}), MFU {mfu} "
+                f"(target ≥ {mfu_target:.0%}: {'met' if verdict['mfu_met'] else 'MISSED'})"
+            )
     if not args.smoke:
-        command = (f"python -m bench.gpu_trainer --size {args.size} --sides {args.sides} --samples {args.samples} "
-                   f"--micro-batch-tokens {args.micro_batch_tokens} --repeats {args.repeats}"
-                   + (" --gradient-checkpointing" if args.gradient_checkpointing else ""))
-        save(f"gpu_trainer-{args.size}{args.tag}", {
-            "size": args.size, "matmul_parameters": shape.matmul_params(), "samples_per_step": len(bench.items),
-            "tokens_per_step": tokens, "micro_batches": len(bench.batches), "flops_per_step": flops,
-            "micro_batch_tokens": args.micro_batch_tokens, "gradient_checkpointing": args.gradient_checkpointing,
-            "peak_tflops": peak, "sides": results, "verdict": verdict}, command)
+        command = (
+            f"python -m bench.gpu_trainer --size {args.size} --sides {args.sides} --samples {args.samples} "
+            f"--micro-batch-tokens {args.micro_batch_tokens} --repeats {args.repeats}"
+            + (" --gradient-checkpointing" if args.gradient_checkpointing else "")
+        )
+        save(
+            f"gpu_trainer-{args.size}{args.tag}",
+            {
+                "size": args.size,
+                "matmul_parameters": shape.matmul_params(),
+                "samples_per_step": len(bench.items),
+                "tokens_per_step": tokens,
+                "micro_batches": len(bench.batches),
+                "flops_per_step": flops,
+                "micro_batch_tokens": args.micro_batch_tokens,
+                "gradient_checkpointing": args.gradient_checkpointing,
+                "peak_tflops": peak,
+                "sides": results,
+                "verdict": verdict,
+            },
+            command,
+        )
 
 
 if __name__ == "__main__":

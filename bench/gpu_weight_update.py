@@ -36,7 +36,7 @@ def checksums(tensors) -> list[float]:
 def snapshot_tensors(snapshot, buckets):
     for buf, b in zip(snapshot.buffers, buckets):
         for t in b["tensors"]:
-            yield buf[t["offset"]: t["offset"] + t["numel"]]
+            yield buf[t["offset"] : t["offset"] + t["numel"]]
 
 
 def _receiver(port: int, buckets: list[dict], rounds: int, out: mp.Queue) -> None:
@@ -62,8 +62,14 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench.gpu_weight_update needs a CUDA GPU")
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-                      NCCL_HOSTID="trainer")
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        NCCL_HOSTID="trainer",
+    )
     torch.cuda.set_device(0)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -115,14 +121,24 @@ def main() -> None:
     proc.join(30)
     rows = [[k, summary(v)["median"], f"{min(v):.3f}-{max(v):.3f}"] for k, v in times.items()]
     gbps = nbytes / summary(times["broadcast"])["median"] / 1e9
-    print(f"{args.size}: {nbytes / 2**30:.2f} GiB of bf16 weights in {len(buckets)} buckets of ≤ {args.bucket_mb} MiB; "
-          f"NCCL on one GPU (two NCCL_HOSTIDs)")
+    print(
+        f"{args.size}: {nbytes / 2**30:.2f} GiB of bf16 weights in {len(buckets)} buckets of ≤ {args.bucket_mb} MiB; "
+        f"NCCL on one GPU (two NCCL_HOSTIDs)"
+    )
     print(table(["phase", "seconds (median)", "spread"], rows))
     print(f"broadcast {gbps:.1f} GB/s; received exactly: {exact}")
-    save(f"gpu_weight_update-{args.size}", {"size": args.size, "bytes": nbytes, "buckets": len(buckets),
-                                            "seconds": {k: summary(v) for k, v in times.items()},
-                                            "broadcast_gb_per_s": gbps, "exact": exact},
-         f"python -m bench.gpu_weight_update --size {args.size} --rounds {args.rounds} --bucket-mb {args.bucket_mb}")
+    save(
+        f"gpu_weight_update-{args.size}",
+        {
+            "size": args.size,
+            "bytes": nbytes,
+            "buckets": len(buckets),
+            "seconds": {k: summary(v) for k, v in times.items()},
+            "broadcast_gb_per_s": gbps,
+            "exact": exact,
+        },
+        f"python -m bench.gpu_weight_update --size {args.size} --rounds {args.rounds} --bucket-mb {args.bucket_mb}",
+    )
     if not exact:
         raise SystemExit("the received weights differ from the snapshot")
 

@@ -66,6 +66,7 @@ MODES = ("staged", "in pause")  # weightSync.staged true / false
 
 # --- generator side: the project's extension plus a bare-gloo receive for the raw limit ------
 
+
 class BenchReceiver(WeightReceiverExtension):
     """The project's extension, plus a timer around its in-place load (transfer + load + re-pack,
     staged or in the pause) and a bare-gloo receive for the raw limit."""
@@ -93,7 +94,7 @@ class BenchReceiver(WeightReceiverExtension):
         _bcast(pg, flag, root=1)  # "ready": the trainer starts its clock after this
         off = 0
         for n in numels:
-            _bcast(pg, self._bench_buf[off: off + n], root=0)
+            _bcast(pg, self._bench_buf[off : off + n], root=0)
             off += n
         _bcast(pg, flag, root=1)  # "all bytes in": the trainer stops its clock
 
@@ -105,6 +106,7 @@ def _bcast(pg, t: torch.Tensor, root: int) -> None:
 
 
 # --- trainer side (a spawned process) -----------------------------------------------------
+
 
 class _DeepSpeedStandIn:
     """What WeightSender needs of a DeepSpeed engine: the module; stage < 3 means no gather."""
@@ -171,8 +173,16 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
         raw_pg = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=TIMEOUT_S))
         bridge = _BridgeStandIn(gen_q, done_q)
         # The generator joins the weight group at the first update (a warm-up round, not measured).
-        sender = WeightSender(_DeepSpeedStandIn(model), 0, bridge, backend="gloo", bucket_mb=cfg["bucket_mb"],
-                              timeout_s=TIMEOUT_S, store=weights_store, liveness_s=float("inf"))
+        sender = WeightSender(
+            _DeepSpeedStandIn(model),
+            0,
+            bridge,
+            backend="gloo",
+            bucket_mb=cfg["bucket_mb"],
+            timeout_s=TIMEOUT_S,
+            store=weights_store,
+            liveness_s=float("inf"),
+        )
         default_plan = sender.buckets
         shapes = [(n, list(p.shape), "float32") for n, p in sender.params]
         flat = torch.cat([p.detach().reshape(-1) for _, p in sender.params])  # the same bytes
@@ -186,8 +196,10 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
                 sender.buckets, bridge.staged = plan, staged
                 stats = sender.send(version)
                 extra.setdefault(label, []).append(
-                    (version, stats["weight_pause_max_seconds"], stats["updates_with_running_requests"]))
+                    (version, stats["weight_pause_max_seconds"], stats["updates_with_running_requests"])
+                )
                 return stats["weight_sync_seconds"]
+
             return fn
 
         def raw(plan):
@@ -201,21 +213,34 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
                 t0 = time.perf_counter()
                 off = 0
                 for n in numels:
-                    _bcast(raw_pg, flat[off: off + n], root=0)
+                    _bcast(raw_pg, flat[off : off + n], root=0)
                     off += n
                 _bcast(raw_pg, flag, root=1)
                 return time.perf_counter() - t0
+
             return fn
 
         def collect(runs, label, plan, update_key, raw_key):
             recs = extra[label][1:]  # alternate() ran each side once as warm-up first
-            return {"update_s": runs[update_key], "raw_s": runs[raw_key], "versions": [v for v, _, _ in recs],
-                    "pause_s": [p for _, p, _ in recs], "with_running_requests": [r for _, _, r in recs],
-                    "buckets": len(plan), "bytes": 4 * sum(b["numel"] for b in plan)}
+            return {
+                "update_s": runs[update_key],
+                "raw_s": runs[raw_key],
+                "versions": [v for v, _, _ in recs],
+                "pause_s": [p for _, p, _ in recs],
+                "with_running_requests": [r for _, _, r in recs],
+                "buckets": len(plan),
+                "bytes": 4 * sum(b["numel"] for b in plan),
+            }
 
         out = {"parameters": int(flat.numel())}
-        runs = alternate({MODES[0]: update(MODES[0], default_plan), MODES[1]: update(MODES[1], default_plan, False),
-                          "raw": raw(default_plan)}, cfg["repeats"])
+        runs = alternate(
+            {
+                MODES[0]: update(MODES[0], default_plan),
+                MODES[1]: update(MODES[1], default_plan, False),
+                "raw": raw(default_plan),
+            },
+            cfg["repeats"],
+        )
         out["headline"] = {mode: collect(runs, mode, default_plan, mode, "raw") for mode in MODES}
         if cfg["sweep"]:
             plans = {lab: plan_buckets(shapes, max(1, mb << 20)) for lab, mb in SWEEP.items()}
@@ -236,6 +261,7 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
 
 
 # --- generator side: the main process ----------------------------------------------------------
+
 
 async def keep_generating(engine, prompt: list[int], stop: asyncio.Event, done: list, errors: list) -> None:
     while not stop.is_set():
@@ -269,8 +295,9 @@ async def serve(engine, gen_q, done_q, trainer, receive_s: dict, port: int) -> N
         if update.group != group:
             group = update.group
             await engine.join_weight_group(HOST, port, group, 1, 2, TIMEOUT_S)
-        reply = m.WeightUpdateDone(version=update.version, generator=0, incarnation=INCARNATION, pause_seconds=0.0,
-                                   running_requests=0)
+        reply = m.WeightUpdateDone(
+            version=update.version, generator=0, incarnation=INCARNATION, pause_seconds=0.0, running_requests=0
+        )
         try:
             stats = await engine.update_weights(update.version, update.buckets)
             if stats.staged != engine.staged:
@@ -295,14 +322,18 @@ async def run_size(size: str, cfg: dict, tmp: Path) -> dict:
     port, raw_port = free_port(), free_port()
     trainer = ctx.Process(target=_trainer_main, args=(path, port, raw_port, gen_q, done_q, res_q, cfg), daemon=True)
     trainer.start()
-    job = parse_job({
-        "apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": "bench"},
-        "spec": {
-            "model": {"path": path, "maxSeqLen": MAX_SEQ, "dtype": "float32"},
-            "generator": {"sampling": {"maxTokens": MAX_TOKENS}},
-            "weightSync": {"backend": "gloo", "timeoutSeconds": TIMEOUT_S},
-        },
-    })
+    job = parse_job(
+        {
+            "apiVersion": "pipelinerl.dev/v1alpha1",
+            "kind": "PipelineRLJob",
+            "metadata": {"name": "bench"},
+            "spec": {
+                "model": {"path": path, "maxSeqLen": MAX_SEQ, "dtype": "float32"},
+                "generator": {"sampling": {"maxTokens": MAX_TOKENS}},
+                "weightSync": {"backend": "gloo", "timeoutSeconds": TIMEOUT_S},
+            },
+        }
+    )
     # The benchmark's receiver replaces PipelineRL's extension (validation refuses that from a manifest).
     job.spec.generator.engine_args["worker_extension_cls"] = "bench.inflight_update.BenchReceiver"
     engine = Engine(job, path)
@@ -312,8 +343,10 @@ async def run_size(size: str, cfg: dict, tmp: Path) -> dict:
     try:
         await engine.start(0)
         await engine.llm.collective_rpc("bench_join_raw", args=(HOST, raw_port, TIMEOUT_S))
-        pool = [asyncio.create_task(keep_generating(engine, tok.encode(f"{i}{i}+{i}="), stop, done, errors))
-                for i in range(STREAMS)]
+        pool = [
+            asyncio.create_task(keep_generating(engine, tok.encode(f"{i}{i}+{i}="), stop, done, errors))
+            for i in range(STREAMS)
+        ]
         receive_s = {}
         await serve(engine, gen_q, done_q, trainer, receive_s, port)
         status, out = await asyncio.to_thread(res_q.get, True, 60)
@@ -332,12 +365,17 @@ async def run_size(size: str, cfg: dict, tmp: Path) -> dict:
     for r in [*out["headline"].values(), *out.get("sweep", {}).values()]:
         r["receive_s"] = [receive_s[v] for v in r.pop("versions")]
     bad = [c for c in done if c.finish_reason != "length" or len(c.tokens) != MAX_TOKENS]
-    out["requests"] = {"finished": len(done), "not_full_length": len(bad), "errors": errors,
-                       "spanning_updates": sum(len(set(c.versions)) > 1 for c in done)}
+    out["requests"] = {
+        "finished": len(done),
+        "not_full_length": len(bad),
+        "errors": errors,
+        "spanning_updates": sum(len(set(c.versions)) > 1 for c in done),
+    }
     return out
 
 
 # --- report -----------------------------------------------------------------------------------
+
 
 def target_s(raw_s: float) -> float:
     return TARGET_FACTOR * raw_s + TARGET_FIXED_S
@@ -348,8 +386,15 @@ def analyse(r: dict) -> dict:
 
     up, pause, raw = r["update_s"], r["pause_s"], r["raw_s"]
     med_raw = summary(raw)["median"]
-    out = {"update": summary(up), "raw": summary(raw), "pause": summary(pause), "receive": summary(r["receive_s"]),
-           "ratio": paired_ratios(up, raw), "target_s": target_s(med_raw), "raw_gb_per_s": r["bytes"] / med_raw / 1e9}
+    out = {
+        "update": summary(up),
+        "raw": summary(raw),
+        "pause": summary(pause),
+        "receive": summary(r["receive_s"]),
+        "ratio": paired_ratios(up, raw),
+        "target_s": target_s(med_raw),
+        "raw_gb_per_s": r["bytes"] / med_raw / 1e9,
+    }
     for key, xs in (("update", up), ("pause", pause)):
         out[f"{key}_target_met"] = summary(xs)["median"] <= target_s(med_raw)
         out[f"{key}_rounds_within_target"] = sum(x <= target_s(w) for x, w in zip(xs, raw))
@@ -365,13 +410,36 @@ def met(r: dict, a: dict, key: str) -> str:
 
 
 def rows_for(label: str, r: dict, a: dict) -> list:
-    return [label, f"{r['bytes'] / 2**20:.0f}", r["buckets"], ms(a["pause"]), ms(a["receive"]), ms(a["update"]), ms(a["raw"]),
-            f"{a['ratio']['median']:.2f} ({a['ratio']['min']:.2f}-{a['ratio']['max']:.2f})",
-            f"{1e3 * a['target_s']:.0f}", met(r, a, "pause"), met(r, a, "update"), f"{a['raw_gb_per_s']:.2f}"]
+    return [
+        label,
+        f"{r['bytes'] / 2**20:.0f}",
+        r["buckets"],
+        ms(a["pause"]),
+        ms(a["receive"]),
+        ms(a["update"]),
+        ms(a["raw"]),
+        f"{a['ratio']['median']:.2f} ({a['ratio']['min']:.2f}-{a['ratio']['max']:.2f})",
+        f"{1e3 * a['target_s']:.0f}",
+        met(r, a, "pause"),
+        met(r, a, "update"),
+        f"{a['raw_gb_per_s']:.2f}",
+    ]
 
 
-HEADERS = ["model", "MB", "buckets", "pause ms", "load ms", "update ms", "raw ms", "update/raw", "target ms",
-           "pause met (rounds)", "update met (rounds)", "raw GB/s"]
+HEADERS = [
+    "model",
+    "MB",
+    "buckets",
+    "pause ms",
+    "load ms",
+    "update ms",
+    "raw ms",
+    "update/raw",
+    "target ms",
+    "pause met (rounds)",
+    "update met (rounds)",
+    "raw GB/s",
+]
 
 
 def main() -> None:
@@ -391,8 +459,12 @@ def main() -> None:
     results, rows, sweep_rows = {}, [], []
     with tempfile.TemporaryDirectory(prefix="bench-inflight-") as tmp:
         for size in args.sizes:
-            cfg = {"bucket_mb": bucket_mb, "repeats": args.repeats,
-                   "sweep": size == args.sweep_size, "sweep_repeats": args.sweep_repeats}
+            cfg = {
+                "bucket_mb": bucket_mb,
+                "repeats": args.repeats,
+                "sweep": size == args.sweep_size,
+                "sweep_repeats": args.sweep_repeats,
+            }
             t0 = time.time()
             out = asyncio.run(run_size(size, cfg, Path(tmp)))
             for mode, r in out["headline"].items():
@@ -402,25 +474,42 @@ def main() -> None:
                 r["analysis"] = analyse(r)
                 sweep_rows.append(rows_for(f"{size} {lab}", r, r["analysis"]))
             req = out["requests"]
-            print(f"{size}: done in {time.time() - t0:.0f}s; requests finished {req['finished']}, "
-                  f"spanning updates {req['spanning_updates']}, not full length {req['not_full_length']}, "
-                  f"errors {len(req['errors'])}", flush=True)
+            print(
+                f"{size}: done in {time.time() - t0:.0f}s; requests finished {req['finished']}, "
+                f"spanning updates {req['spanning_updates']}, not full length {req['not_full_length']}, "
+                f"errors {len(req['errors'])}",
+                flush=True,
+            )
             results[size] = out
-    print(f"\nIn-flight update (AsyncLLM via the project's Engine, {STREAMS} greedy requests running, "
-          f"default bucket {bucket_mb} MB); median (min-max) over {args.repeats} alternated rounds")
+    print(
+        f"\nIn-flight update (AsyncLLM via the project's Engine, {STREAMS} greedy requests running, "
+        f"default bucket {bucket_mb} MB); median (min-max) over {args.repeats} alternated rounds"
+    )
     print(table(HEADERS, rows))
     if sweep_rows:
         print(f"\nBucket size sweep ({args.sweep_size}, {args.sweep_repeats} alternated rounds)")
         print(table(HEADERS, sweep_rows))
     aborted = sum(r["requests"]["not_full_length"] + len(r["requests"]["errors"]) for r in results.values())
     print(f"\nrequests not finished by length (aborted or failed): {aborted}")
-    path = save("inflight_update", {
-        "settings": {"streams": STREAMS, "max_tokens": MAX_TOKENS, "gap_s": GAP_S, "bucket_mb": bucket_mb,
-                     "repeats": args.repeats, "sweep_size": args.sweep_size, "sweep_repeats": args.sweep_repeats,
-                     "target": f"update, pause <= {TARGET_FACTOR} x raw + {1e3 * TARGET_FIXED_S:.0f} ms",
-                     "engine": "vllm AsyncLLM via pipelinerl_generator.engine.Engine (V1, enforce_eager)"},
-        "sizes": results, "requests_aborted_or_failed": aborted,
-    }, command=f"python -m bench.inflight_update {' '.join(sys.argv[1:])}".strip())
+    path = save(
+        "inflight_update",
+        {
+            "settings": {
+                "streams": STREAMS,
+                "max_tokens": MAX_TOKENS,
+                "gap_s": GAP_S,
+                "bucket_mb": bucket_mb,
+                "repeats": args.repeats,
+                "sweep_size": args.sweep_size,
+                "sweep_repeats": args.sweep_repeats,
+                "target": f"update, pause <= {TARGET_FACTOR} x raw + {1e3 * TARGET_FIXED_S:.0f} ms",
+                "engine": "vllm AsyncLLM via pipelinerl_generator.engine.Engine (V1, enforce_eager)",
+            },
+            "sizes": results,
+            "requests_aborted_or_failed": aborted,
+        },
+        command=f"python -m bench.inflight_update {' '.join(sys.argv[1:])}".strip(),
+    )
     print(f"saved {path}")
     if aborted:
         raise SystemExit("some requests were aborted or failed")

@@ -104,6 +104,7 @@ def run_size(size: str, repeats: int, tmp: Path) -> dict:
             t0 = time.perf_counter()
             received["disk_bytes"] = _read(files)
             return time.perf_counter() - t0
+
         return read
 
     try:
@@ -112,8 +113,13 @@ def run_size(size: str, repeats: int, tmp: Path) -> dict:
         sender.join(60)
         if sender.is_alive():
             sender.kill()
-    return {"parameters": parameters, "bytes": received["bytes"], "disk_bytes": received["disk_bytes"], "file_bytes": sum(f.stat().st_size for f in files),
-            "seconds": times}
+    return {
+        "parameters": parameters,
+        "bytes": received["bytes"],
+        "disk_bytes": received["disk_bytes"],
+        "file_bytes": sum(f.stat().st_size for f in files),
+        "seconds": times,
+    }
 
 
 def main() -> None:
@@ -132,14 +138,27 @@ def main() -> None:
             s = {k: summary(v) for k, v in r["seconds"].items()}
             ms = lambda k: f"{1e3 * s[k]['median']:.0f} ({1e3 * s[k]['min']:.0f}-{1e3 * s[k]['max']:.0f})"  # noqa: E731
             cold = paired_ratios(r["seconds"]["disk_cold"], r["seconds"]["broadcast"])["median"]
-            rows.append([f"{size} ({r['parameters'] / 1e6:.0f}M)", f"{r['bytes'] / 2**20:.0f}", ms("broadcast"),
-                         ms("disk_cold"), ms("disk_warm"), f"{cold:.2f}",
-                         f"{r['bytes'] / s['broadcast']['median'] / 1e9:.2f}"])
-    print(f"\nA joiner's first weights, median (min-max) ms over {args.repeats} alternated rounds "
-          "(the vLLM reload after either is the same, not included)")
+            rows.append(
+                [
+                    f"{size} ({r['parameters'] / 1e6:.0f}M)",
+                    f"{r['bytes'] / 2**20:.0f}",
+                    ms("broadcast"),
+                    ms("disk_cold"),
+                    ms("disk_warm"),
+                    f"{cold:.2f}",
+                    f"{r['bytes'] / s['broadcast']['median'] / 1e9:.2f}",
+                ]
+            )
+    print(
+        f"\nA joiner's first weights, median (min-max) ms over {args.repeats} alternated rounds "
+        "(the vLLM reload after either is the same, not included)"
+    )
     print(table(["model", "MB", "broadcast", "disk, cold", "disk, warm", "cold/broadcast", "broadcast GB/s"], rows))
-    path = save("joiner_source", {"settings": {"repeats": args.repeats}, "sizes": results},
-                command=f"python -m bench.joiner_source {' '.join(sys.argv[1:])}".strip())
+    path = save(
+        "joiner_source",
+        {"settings": {"repeats": args.repeats}, "sizes": results},
+        command=f"python -m bench.joiner_source {' '.join(sys.argv[1:])}".strip(),
+    )
     print(f"saved {path}")
 
 

@@ -17,10 +17,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # embeddings are tied, so nearly all parameters sit in the transformer layers.
 SIZES: dict[str, dict] = {
     "3M": dict(tiny_model.ARCH),
-    "30M": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=8,
-                num_key_value_heads=4),
-    "120M": dict(hidden_size=768, intermediate_size=2304, num_hidden_layers=18, num_attention_heads=12,
-                 num_key_value_heads=4),
+    "30M": dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4
+    ),
+    "120M": dict(
+        hidden_size=768, intermediate_size=2304, num_hidden_layers=18, num_attention_heads=12, num_key_value_heads=4
+    ),
 }
 
 
@@ -40,8 +42,15 @@ def save_model(path: Path, size: str, seed: int = 0, max_positions: int = 2048) 
     torch.manual_seed(seed)
     tok = tiny_model.make_tokenizer()
     arch = SIZES[size] | {"max_position_embeddings": max_positions, "rope_theta": 10000.0}
-    config = Qwen2Config(vocab_size=tiny_model.VOCAB_SIZE, tie_word_embeddings=True, bos_token_id=1,
-                         eos_token_id=1, pad_token_id=0, dtype="float32", **arch)
+    config = Qwen2Config(
+        vocab_size=tiny_model.VOCAB_SIZE,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+        dtype="float32",
+        **arch,
+    )
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():
         model.model.embed_tokens.weight[tok.eos_token_id] = 0.0

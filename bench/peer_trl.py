@@ -42,8 +42,15 @@ from pathlib import Path
 import yaml
 
 from bench.common import RESULTS, pooled_runs, save, summary, table
-from bench.pipeline_vs_sync import (JOB, bootstrap_interval, evaluate_exports, one_run, pooled_ratio, time_to_target,
-                                    train_start)
+from bench.pipeline_vs_sync import (
+    JOB,
+    bootstrap_interval,
+    evaluate_exports,
+    one_run,
+    pooled_ratio,
+    time_to_target,
+    train_start,
+)
 from pipelinerl.spec import PipelineRLJob, parse_job
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import resolve_model_path
@@ -65,8 +72,20 @@ def trl_python() -> Path:
         return python
     print(f"setting up TRL's environment in {TRL_ENV} (once, ~1 minute) ...", flush=True)
     subprocess.run([os.environ.get("PYTHON", "python3.11"), "-m", "venv", "--clear", str(TRL_ENV)], check=True)
-    subprocess.run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps", "-r",
-                    str(TRL_REQUIREMENTS)], check=True)
+    subprocess.run(
+        [
+            str(python),
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "-r",
+            str(TRL_REQUIREMENTS),
+        ],
+        check=True,
+    )
     stamp.write_text(want)
     return python
 
@@ -86,18 +105,48 @@ def trl_run(args, tag: str, root: Path) -> dict:
     rows = root / "trl-train.jsonl"
     if not rows.exists():
         write_rows(job, args.trl_steps * spec.groups_per_step, rows)
-    cmd = [str(trl_python()), str(TRL_SCRIPT), "--model", resolve_model_path(spec.model.path), "--train", str(rows),
-           "--reward", f"{REWARD}:exact_answer", "--out", str(out), "--steps", str(args.trl_steps),
-           "--prompts", str(spec.groups_per_step), "--generations", str(spec.rl.attempts),
-           "--max-tokens", str(spec.generator.sampling.max_tokens), "--temperature",
-           str(spec.generator.sampling.temperature), "--lr", str(spec.trainer.learning_rate),
-           "--warmup", str(spec.trainer.warmup_steps), "--seed", str(spec.trainer.seed),
-           "--threads", str(args.trl_threads), "--export-interval", str(args.eval_interval)]
+    cmd = [
+        str(trl_python()),
+        str(TRL_SCRIPT),
+        "--model",
+        resolve_model_path(spec.model.path),
+        "--train",
+        str(rows),
+        "--reward",
+        f"{REWARD}:exact_answer",
+        "--out",
+        str(out),
+        "--steps",
+        str(args.trl_steps),
+        "--prompts",
+        str(spec.groups_per_step),
+        "--generations",
+        str(spec.rl.attempts),
+        "--max-tokens",
+        str(spec.generator.sampling.max_tokens),
+        "--temperature",
+        str(spec.generator.sampling.temperature),
+        "--lr",
+        str(spec.trainer.learning_rate),
+        "--warmup",
+        str(spec.trainer.warmup_steps),
+        "--seed",
+        str(spec.trainer.seed),
+        "--threads",
+        str(args.trl_threads),
+        "--export-interval",
+        str(args.eval_interval),
+    ]
     out.mkdir(parents=True)
     t0 = time.monotonic()
     with open(out / "trl.log", "w") as log:  # bounded: 30 s a step is 10x the slowest seen here
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                              timeout=600 + 30 * args.trl_steps).returncode
+        code = subprocess.run(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1"},
+            timeout=600 + 30 * args.trl_steps,
+        ).returncode
     wall = time.monotonic() - t0
     if code:
         raise SystemExit(f"TRL run failed ({code}); its log: {out / 'trl.log'}")
@@ -106,12 +155,22 @@ def trl_run(args, tag: str, root: Path) -> dict:
     evals = evaluate_exports(out / "export", steps, args.eval_problems, job)
     span = steps[-1]["time"]
     samples = spec.trainer.samples_per_step
-    x = {"steps_log": steps, "evals": evals, "steps": len(steps), "wall_seconds": wall,
-         "startup_seconds": wall - span, "samples_per_second": samples * len(steps) / span,
-         "seconds_per_step": span / len(steps), "warm_start_accuracy": evals[0]["accuracy"],
-         "final_accuracy": evals[-1]["accuracy"]}
-    print(f"  trl round {tag}: {x['samples_per_second']:.1f} samples/s, {x['seconds_per_step']:.2f} s/step, accuracy "
-          f"{x['warm_start_accuracy']:.3f} -> {x['final_accuracy']:.3f}", flush=True)
+    x = {
+        "steps_log": steps,
+        "evals": evals,
+        "steps": len(steps),
+        "wall_seconds": wall,
+        "startup_seconds": wall - span,
+        "samples_per_second": samples * len(steps) / span,
+        "seconds_per_step": span / len(steps),
+        "warm_start_accuracy": evals[0]["accuracy"],
+        "final_accuracy": evals[-1]["accuracy"],
+    }
+    print(
+        f"  trl round {tag}: {x['samples_per_second']:.1f} samples/s, {x['seconds_per_step']:.2f} s/step, accuracy "
+        f"{x['warm_start_accuracy']:.3f} -> {x['final_accuracy']:.3f}",
+        flush=True,
+    )
     return x
 
 
@@ -126,15 +185,29 @@ def where_time_goes(side: str, xs: list[dict], attempts: int) -> dict[str, float
     rows = [r for x in xs for r in x["steps_log"][1:]]
     mean = lambda key: statistics.fmean(r[key] or 0.0 for r in rows)  # noqa: E731
     if side == "trl":
-        return {k.removesuffix("_seconds"): mean(k) for k in ("generate_seconds", "reward_seconds",
-                "score_other_seconds", "forward_seconds", "backward_seconds", "optimizer_other_seconds")}
+        return {
+            k.removesuffix("_seconds"): mean(k)
+            for k in (
+                "generate_seconds",
+                "reward_seconds",
+                "score_other_seconds",
+                "forward_seconds",
+                "backward_seconds",
+                "optimizer_other_seconds",
+            )
+        }
     periods = [b["time"] - a["time"] for x in xs for a, b in zip(x["steps_log"], x["steps_log"][1:])]
-    out = {"period": statistics.fmean(periods), "trainer_compute": mean("train_seconds"),
-           "of_which_optimizer": mean("optimizer_seconds"), "weight_sync": mean("weight_sync_seconds")}
+    out = {
+        "period": statistics.fmean(periods),
+        "trainer_compute": mean("train_seconds"),
+        "of_which_optimizer": mean("optimizer_seconds"),
+        "weight_sync": mean("weight_sync_seconds"),
+    }
     out["trainer_waits_for_data"] = out["period"] - out["trainer_compute"] - out["weight_sync"]
     out["generator_busy_fraction"] = statistics.fmean(x.get("generator_busy_fraction", 0.0) for x in xs)
     out["groups_generated_per_step"] = statistics.fmean(
-        r["samples"] / attempts + (r["groups_filtered"] or 0) for r in rows)
+        r["samples"] / attempts + (r["groups_filtered"] or 0) for r in rows
+    )
     return out
 
 
@@ -153,18 +226,42 @@ def report(runs: dict[str, list[dict]], args) -> dict:
             "time_to_target_s": {f"+{g:g}": time_to_target(xs, g) for g in args.gains},
             "steps_to_target": {f"+{g:g}": time_to_target(xs, g, "version") for g in args.gains},
             "time_to_target_per_round_s": {f"+{g:g}": [time_to_target([x], g) for x in xs] for g in args.gains},
-            "where_time_goes": where_time_goes(side, xs, job.spec.rl.attempts)}
+            "where_time_goes": where_time_goes(side, xs, job.spec.rl.attempts),
+        }
         fmt = lambda v: "-" if v is None else f"{v:.0f}"  # noqa: E731
-        rows.append([side, agg["samples_per_second"]["median"], agg["seconds_per_step"]["median"],
-                     agg["startup_seconds"]["median"], f"{agg['warm_start_accuracy']:.3f}",
-                     f"{agg['final_accuracy']:.3f} ({agg['steps_run']})",
-                     *(f"{fmt(agg['steps_to_target'][f'+{g:g}'])} / {fmt(agg['time_to_target_s'][f'+{g:g}'])}"
-                       for g in args.gains)])
-    print(table(["side", "samples/s", "s/step", "start-up s", "warm start", "final (steps)",
-                 *(f"+{g:g}: steps / s" for g in args.gains)], rows))
+        rows.append(
+            [
+                side,
+                agg["samples_per_second"]["median"],
+                agg["seconds_per_step"]["median"],
+                agg["startup_seconds"]["median"],
+                f"{agg['warm_start_accuracy']:.3f}",
+                f"{agg['final_accuracy']:.3f} ({agg['steps_run']})",
+                *(
+                    f"{fmt(agg['steps_to_target'][f'+{g:g}'])} / {fmt(agg['time_to_target_s'][f'+{g:g}'])}"
+                    for g in args.gains
+                ),
+            ]
+        )
+    print(
+        table(
+            [
+                "side",
+                "samples/s",
+                "s/step",
+                "start-up s",
+                "warm start",
+                "final (steps)",
+                *(f"+{g:g}: steps / s" for g in args.gains),
+            ],
+            rows,
+        )
+    )
     for side in runs:
-        print(f"  {side}, mean per step: " + ", ".join(
-            f"{k} {v:.3f}" for k, v in result["sides"][side]["where_time_goes"].items()))
+        print(
+            f"  {side}, mean per step: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in result["sides"][side]["where_time_goes"].items())
+        )
     for fast in ("pipeline", "sync"):
         if fast not in runs or "trl" not in runs:
             continue
@@ -173,8 +270,10 @@ def report(runs: dict[str, list[dict]], args) -> dict:
             r = pooled_ratio(runs[fast], runs["trl"], g)
             ci = bootstrap_interval(runs[fast], runs["trl"], g)
             ratios[f"+{g:g}"] = {"pooled": None if math.isnan(r) else r, "interval": ci}
-        print(f"TRL/{fast} time to target (pooled; 90% bootstrap interval over rounds): " + ", ".join(
-            f"+{g:g}: {describe(ratios[f'+{g:g}'], runs, fast, g)}" for g in args.gains))
+        print(
+            f"TRL/{fast} time to target (pooled; 90% bootstrap interval over rounds): "
+            + ", ".join(f"+{g:g}: {describe(ratios[f'+{g:g}'], runs, fast, g)}" for g in args.gains)
+        )
     return result
 
 
@@ -196,15 +295,24 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=500, help="optimizer steps of this project's runs")
     ap.add_argument("--trl-steps", type=int, default=1000, help="optimizer steps of TRL's runs")
-    ap.add_argument("--gains", type=float, nargs="+", default=[10, 20, 30],
-                    help="targets: the warm start's accuracy + these many points")
+    ap.add_argument(
+        "--gains",
+        type=float,
+        nargs="+",
+        default=[10, 20, 30],
+        help="targets: the warm start's accuracy + these many points",
+    )
     ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
     ap.add_argument("--eval-interval", type=int, default=10, help="versions between weights evaluated offline")
     ap.add_argument("--eval-problems", type=int, default=1000)
     ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (cores here: 2)")
     ap.add_argument("--name", default="peer_trl", help="results file: bench/results/NAME.json")
-    ap.add_argument("--reanalyse", metavar="JSON", nargs="+",
-                    help="rebuild the report from saved results (their rounds pooled), run nothing")
+    ap.add_argument(
+        "--reanalyse",
+        metavar="JSON",
+        nargs="+",
+        help="rebuild the report from saved results (their rounds pooled), run nothing",
+    )
     args = ap.parse_args()
     args.set, args.pipeline_set, args.gain = [], [], args.gains[0]  # what one_run reads
     if args.reanalyse:
@@ -221,8 +329,10 @@ def main() -> None:
                     runs[side].append(run(args, str(r), Path(tmp)))
                     partial.write_text(json.dumps({"runs": runs}) + "\n")
     result = report(runs, args)
-    command = (f"python -m bench.peer_trl --rounds {args.rounds} --steps {args.steps} --trl-steps {args.trl_steps} "
-               f"--gains {' '.join(f'{g:g}' for g in args.gains)}")
+    command = (
+        f"python -m bench.peer_trl --rounds {args.rounds} --steps {args.steps} --trl-steps {args.trl_steps} "
+        f"--gains {' '.join(f'{g:g}' for g in args.gains)}"
+    )
     command += "" if Path(args.job).resolve() == JOB else f" --job {args.job}"
     command += "" if args.sides == list(SIDES) else " --sides " + " ".join(args.sides)
     save(args.name, result, command)

@@ -38,8 +38,15 @@ from pipelinerl.tiny_model import greedy_accuracy, load_tokenizer, resolve_model
 JOB = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
 
 
-def job_for(mode: str, steps: int, export_interval: int, tag: str, pipeline_set: list[str] = (), job: Path = JOB,
-            both_set: list[str] = ()):
+def job_for(
+    mode: str,
+    steps: int,
+    export_interval: int,
+    tag: str,
+    pipeline_set: list[str] = (),
+    job: Path = JOB,
+    both_set: list[str] = (),
+):
     """The job of `job` (the tiny example by default) in `mode`. "FIELD=VALUE" items (values in
     YAML, e.g. "rl.maxLag=2") change it: `both_set` for both modes (a variant of the job),
     `pipeline_set` for the pipeline only (a variant measured against the same sync baseline)."""
@@ -95,8 +102,9 @@ def curve(run: dict, axis: str = "time") -> list[tuple[float, float]]:
     """A run's held-out curve per evaluated version after the warm start: (seconds since the
     start of training, accuracy), or with axis="version" (version, accuracy)."""
     start = train_start(run["steps_log"])
-    return [(e["time"] - start if axis == "time" else e["version"], e["accuracy"])
-            for e in run["evals"] if e["version"] > 0]
+    return [
+        (e["time"] - start if axis == "time" else e["version"], e["accuracy"]) for e in run["evals"] if e["version"] > 0
+    ]
 
 
 def time_to_target(runs: list[dict], gain_points: float, axis: str = "time") -> float | None:
@@ -114,8 +122,9 @@ def pooled_ratio(pipeline: list[dict], sync: list[dict], gain_points: float, axi
     return math.nan if s == p == math.inf else (math.inf if p == 0 else s / p)
 
 
-def bootstrap_interval(pipeline: list[dict], baseline: list[dict], gain_points: float, resamples: int = 1000,
-                       seed: int = 0) -> dict[str, float]:
+def bootstrap_interval(
+    pipeline: list[dict], baseline: list[dict], gain_points: float, resamples: int = 1000, seed: int = 0
+) -> dict[str, float]:
     """5th/50th/95th percentile of the pooled baseline/pipeline time-to-target ratio over rounds
     drawn with replacement (a round's runs go together: they were measured side by side). Runs
     of either side end several points apart; this says how uncertain a pooled ratio is."""
@@ -129,8 +138,7 @@ def bootstrap_interval(pipeline: list[dict], baseline: list[dict], gain_points: 
     both_missed = sum(math.isnan(r) for r in ratios)
     ratios = sorted(r for r in ratios if not math.isnan(r))
     pick = lambda q: ratios[min(len(ratios) - 1, int(q * len(ratios)))] if ratios else None  # noqa: E731
-    return {"p5": pick(0.05), "p50": pick(0.5), "p95": pick(0.95), "resamples": resamples,
-            "both_missed": both_missed}
+    return {"p5": pick(0.05), "p50": pick(0.5), "p95": pick(0.95), "resamples": resamples, "both_missed": both_missed}
 
 
 def accuracy_gap(runs: dict[str, list[dict]]) -> dict[int, float]:
@@ -160,8 +168,13 @@ def evaluate_exports(exports_dir: Path, steps: list[dict], problems: int, job: P
     evals = []
     for version, path in [(0, base)] + [e for e in exports if e[0] > 0]:
         model = AutoModelForCausalLM.from_pretrained(path).eval()
-        evals.append({"version": version, "time": live.get(version, train_start(steps)),
-                      "accuracy": greedy_accuracy(model, tokenizer, test, spec.generator.sampling.max_tokens)})
+        evals.append(
+            {
+                "version": version,
+                "time": live.get(version, train_start(steps)),
+                "accuracy": greedy_accuracy(model, tokenizer, test, spec.generator.sampling.max_tokens),
+            }
+        )
     return evals
 
 
@@ -173,18 +186,39 @@ def one_run(mode: str, args, tag: str, root: Path) -> dict:
         raise SystemExit(f"{mode} run failed ({code}); logs in {run_dir / 'logs'}")
     s = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    keep = ("step", "time", "samples", "tokens", "row_tokens", "train_seconds", "optimizer_seconds", "micro_batches",
-            "weight_sync_seconds", "weight_pause_max_seconds", "groups_filtered", "lag_mean", "ess")
+    keep = (
+        "step",
+        "time",
+        "samples",
+        "tokens",
+        "row_tokens",
+        "train_seconds",
+        "optimizer_seconds",
+        "micro_batches",
+        "weight_sync_seconds",
+        "weight_pause_max_seconds",
+        "groups_filtered",
+        "lag_mean",
+        "ess",
+    )
     steps = [{k: r.get(k) for k in keep} for r in records if r["kind"] == "train"]
     evals = evaluate_exports(run_dir / "checkpoints" / "export", steps, args.eval_problems, job)
-    x = {**s, "steps_log": steps, "evals": evals,
-         "warm_start_accuracy": evals[0]["accuracy"], "final_accuracy": evals[-1]["accuracy"]}
+    x = {
+        **s,
+        "steps_log": steps,
+        "evals": evals,
+        "warm_start_accuracy": evals[0]["accuracy"],
+        "final_accuracy": evals[-1]["accuracy"],
+    }
     x["time_to_target_s"] = time_to_target([x], args.gain)
     ttt = x["time_to_target_s"]
-    print(f"  {mode} round {tag}: {s['samples_per_second']:.1f} samples/s, {s['seconds_per_step']:.2f} s/step, "
-          f"to target {ttt if ttt is None else round(ttt)} s, gen busy {s.get('generator_busy_fraction', 0):.0%}, "
-          f"trainer busy {s['trainer_busy_fraction']:.0%}, accuracy {x['warm_start_accuracy']:.3f} -> "
-          f"{x['final_accuracy']:.3f}", flush=True)
+    print(
+        f"  {mode} round {tag}: {s['samples_per_second']:.1f} samples/s, {s['seconds_per_step']:.2f} s/step, "
+        f"to target {ttt if ttt is None else round(ttt)} s, gen busy {s.get('generator_busy_fraction', 0):.0%}, "
+        f"trainer busy {s['trainer_busy_fraction']:.0%}, accuracy {x['warm_start_accuracy']:.3f} -> "
+        f"{x['final_accuracy']:.3f}",
+        flush=True,
+    )
     return x
 
 
@@ -196,15 +230,34 @@ def main() -> None:
     ap.add_argument("--job", default=str(JOB), help="the job to run in both modes (default: the tiny example)")
     ap.add_argument("--eval-interval", type=int, default=10, help="versions between exports evaluated offline")
     ap.add_argument("--eval-problems", type=int, default=2000)
-    ap.add_argument("--set", metavar="FIELD=VALUE", action="append", default=[],
-                    help="change a field of the job's spec in both modes, e.g. trainer.samplesPerStep=64 (repeatable)")
-    ap.add_argument("--pipeline-set", metavar="FIELD=VALUE", action="append", default=[],
-                    help="change a field of the pipeline's spec, e.g. rl.maxLag=2 (repeatable)")
-    ap.add_argument("--modes", nargs="+", choices=["pipeline", "sync"], default=["pipeline", "sync"],
-                    help="run only these (one mode: its table, no ratios)")
+    ap.add_argument(
+        "--set",
+        metavar="FIELD=VALUE",
+        action="append",
+        default=[],
+        help="change a field of the job's spec in both modes, e.g. trainer.samplesPerStep=64 (repeatable)",
+    )
+    ap.add_argument(
+        "--pipeline-set",
+        metavar="FIELD=VALUE",
+        action="append",
+        default=[],
+        help="change a field of the pipeline's spec, e.g. rl.maxLag=2 (repeatable)",
+    )
+    ap.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["pipeline", "sync"],
+        default=["pipeline", "sync"],
+        help="run only these (one mode: its table, no ratios)",
+    )
     ap.add_argument("--name", default="pipeline_vs_sync", help="results file: bench/results/NAME.json")
-    ap.add_argument("--reanalyse", metavar="JSON", nargs="+",
-                    help="rebuild the report from saved results (their rounds pooled), run nothing")
+    ap.add_argument(
+        "--reanalyse",
+        metavar="JSON",
+        nargs="+",
+        help="rebuild the report from saved results (their rounds pooled), run nothing",
+    )
     args = ap.parse_args()
     runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     partial = RESULTS / f"{args.name}.partial.json"  # the runs so far (--reanalyse reads it)
@@ -232,17 +285,42 @@ def report(runs: dict[str, list[dict]], args) -> None:
     for mode in runs:
         agg = result["modes"][mode] = mode_summary(runs[mode], args.gain)
         ttt = agg["time_to_target_s"]
-        rows.append([mode, agg["samples_per_second"]["median"], agg["seconds_per_step"]["median"],
-                     ttt["median"] if ttt else "not reached", agg["pooled_steps_to_target"] or "not reached",
-                     f"{agg['generator_busy_fraction']['median']:.0%}", f"{agg['trainer_busy_fraction']['median']:.0%}",
-                     " ".join(f"{k}:{v}" for k, v in agg["lag_token_counts"].items()), agg["mean_ess"]["median"]])
-    print(table(["mode", "samples/s", "s/step", "s to target", "steps to target (pooled)", "gen busy",
-                 "trainer busy", "token lags", "ESS"], rows))
+        rows.append(
+            [
+                mode,
+                agg["samples_per_second"]["median"],
+                agg["seconds_per_step"]["median"],
+                ttt["median"] if ttt else "not reached",
+                agg["pooled_steps_to_target"] or "not reached",
+                f"{agg['generator_busy_fraction']['median']:.0%}",
+                f"{agg['trainer_busy_fraction']['median']:.0%}",
+                " ".join(f"{k}:{v}" for k, v in agg["lag_token_counts"].items()),
+                agg["mean_ess"]["median"],
+            ]
+        )
+    print(
+        table(
+            [
+                "mode",
+                "samples/s",
+                "s/step",
+                "s to target",
+                "steps to target (pooled)",
+                "gen busy",
+                "trainer busy",
+                "token lags",
+                "ESS",
+            ],
+            rows,
+        )
+    )
     if len(runs) == 2:
         result |= compare(runs, args)
     if "pipeline" in runs:
-        print(f"pipeline generator busy: {result['modes']['pipeline']['generator_busy_fraction']['median']:.0%} "
-              f"(target >= 90%)")
+        print(
+            f"pipeline generator busy: {result['modes']['pipeline']['generator_busy_fraction']['median']:.0%} "
+            f"(target >= 90%)"
+        )
     command = f"python -m bench.pipeline_vs_sync --rounds {args.rounds} --steps {args.steps} --gain {args.gain}"
     command += "" if Path(args.job).resolve() == JOB else f" --job {args.job}"
     command += "".join(f" --set {x}" for x in args.set)
@@ -260,8 +338,17 @@ def mode_summary(xs: list[dict], gain: float) -> dict:
     for x in xs:
         for k, v in x["lag_token_counts"].items():
             lag[k] = lag.get(k, 0) + v
-    agg = {k: summary(col(k)) for k in ("samples_per_second", "seconds_per_step", "generator_busy_fraction",
-                                        "trainer_busy_fraction", "mean_ess") if col(k)}
+    agg = {
+        k: summary(col(k))
+        for k in (
+            "samples_per_second",
+            "seconds_per_step",
+            "generator_busy_fraction",
+            "trainer_busy_fraction",
+            "mean_ess",
+        )
+        if col(k)
+    }
     ttt = col("time_to_target_s")
     agg["time_to_target_s"] = summary(ttt) if ttt else None
     agg["pooled_steps_to_target"] = time_to_target(xs, gain, axis="version")
@@ -274,42 +361,60 @@ def compare(runs: dict[str, list[dict]], args) -> dict:
     bootstrap interval and nearby targets), and what per-step learning keeps of the rate."""
     out = {}
     rate = out["samples_rate_ratio"] = paired_ratios(
-        [x["samples_per_second"] for x in runs["pipeline"]], [x["samples_per_second"] for x in runs["sync"]])
-    print(f"pipeline/sync trained-samples rate: {rate['median']:.2f}x (spread {rate['min']:.2f}-{rate['max']:.2f}; "
-          f"target >= 1.6x)")
-    pairs = [(s["time_to_target_s"], p["time_to_target_s"]) for p, s in zip(runs["pipeline"], runs["sync"])
-             if p["time_to_target_s"] and s["time_to_target_s"]]
+        [x["samples_per_second"] for x in runs["pipeline"]], [x["samples_per_second"] for x in runs["sync"]]
+    )
+    print(
+        f"pipeline/sync trained-samples rate: {rate['median']:.2f}x (spread {rate['min']:.2f}-{rate['max']:.2f}; "
+        f"target >= 1.6x)"
+    )
+    pairs = [
+        (s["time_to_target_s"], p["time_to_target_s"])
+        for p, s in zip(runs["pipeline"], runs["sync"])
+        if p["time_to_target_s"] and s["time_to_target_s"]
+    ]
     out["time_to_target_ratio"] = summary([s / p for s, p in pairs]) if pairs else None
     if pairs:
         t = out["time_to_target_ratio"]
-        print(f"sync/pipeline time to target: {t['median']:.2f}x (spread {t['min']:.2f}-{t['max']:.2f}; "
-              f"target >= 1.5x; {len(pairs)} of {args.rounds} rounds reached it in both modes)")
+        print(
+            f"sync/pipeline time to target: {t['median']:.2f}x (spread {t['min']:.2f}-{t['max']:.2f}; "
+            f"target >= 1.5x; {len(pairs)} of {args.rounds} rounds reached it in both modes)"
+        )
     pooled = out["pooled_time_to_target_s"] = {mode: time_to_target(runs[mode], args.gain) for mode in runs}
     out["pooled_time_to_target_ratio"] = pooled["sync"] / pooled["pipeline"] if all(pooled.values()) else None
     if out["pooled_time_to_target_ratio"]:
-        print(f"sync/pipeline time to target on the rounds pooled: "
-              f"{out['pooled_time_to_target_ratio']:.2f}x ({pooled['sync']:.0f} s / {pooled['pipeline']:.0f} s)")
+        print(
+            f"sync/pipeline time to target on the rounds pooled: "
+            f"{out['pooled_time_to_target_ratio']:.2f}x ({pooled['sync']:.0f} s / {pooled['pipeline']:.0f} s)"
+        )
     else:
         print("time to target on the rounds pooled: not reached by " + " and ".join(m for m in pooled if not pooled[m]))
     ci = out["pooled_time_to_target_interval"] = bootstrap_interval(runs["pipeline"], runs["sync"], args.gain)
-    print(f"  90% bootstrap interval over rounds: {ci['p5']:.2f}-{ci['p95']:.2f}x (median {ci['p50']:.2f}x)"
-          if ci["p5"] is not None else "  90% bootstrap interval over rounds: no resample reached the target in both modes")
+    print(
+        f"  90% bootstrap interval over rounds: {ci['p5']:.2f}-{ci['p95']:.2f}x (median {ci['p50']:.2f}x)"
+        if ci["p5"] is not None
+        else "  90% bootstrap interval over rounds: no resample reached the target in both modes"
+    )
     # time ratio = rate ratio x steps ratio: how much of the speed the per-step learning keeps
     steps = pooled_ratio(runs["pipeline"], runs["sync"], args.gain, axis="version")
     out["pooled_steps_to_target_ratio"] = steps if math.isfinite(steps) else None
     gap = out["accuracy_gap_points"] = accuracy_gap(runs)
     later = [g for v, g in gap.items() if v > 0]
-    print(f"  sync/pipeline steps to target (pooled): {steps:.2f}; pipeline minus sync held-out accuracy at equal "
-          f"version: {sum(later) / max(len(later), 1):+.1f} points on average, behind at {sum(g < 0 for g in later)} "
-          f"of {len(later)} versions")
+    print(
+        f"  sync/pipeline steps to target (pooled): {steps:.2f}; pipeline minus sync held-out accuracy at equal "
+        f"version: {sum(later) / max(len(later), 1):+.1f} points on average, behind at {sum(g < 0 for g in later)} "
+        f"of {len(later)} versions"
+    )
     # The same figure for nearby targets: a ratio that holds only at one gain would be luck.
     gains = out["pooled_time_to_target_ratio_by_gain"] = {}
     for gain in (args.gain - 5, args.gain - 2.5, args.gain, args.gain + 2.5):
         t = {mode: time_to_target(runs[mode], gain) for mode in runs}
         gains[f"{gain:+g}"] = t["sync"] / t["pipeline"] if t["sync"] and t["pipeline"] else None
-    print("  by target gain (points): " + ", ".join(
-        f"{g}: {'not reached' if r is None else f'{r:.2f}x'}" for g, r in gains.items()))
+    print(
+        "  by target gain (points): "
+        + ", ".join(f"{g}: {'not reached' if r is None else f'{r:.2f}x'}" for g, r in gains.items())
+    )
     return out
+
 
 if __name__ == "__main__":
     main()

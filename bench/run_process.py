@@ -22,9 +22,12 @@ class RunProcess:
         manifest = tmp_path / "job.yaml"
         manifest.write_text(yaml.safe_dump(job))
         self.out = open(tmp_path / "run.out", "wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pipelinerl.cli", "run", str(manifest), "--run-dir",
-                                      str(self.dir)], stdout=self.out, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipelinerl.cli", "run", str(manifest), "--run-dir", str(self.dir)],
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.timeout_s = timeout_s
         self.deadline = time.monotonic() + timeout_s
 

@@ -33,11 +33,22 @@ def synthetic_step(samples: int, seed: int = 0) -> list[StepSample]:
     rng = random.Random(seed)
     out = []
     for _ in range(samples):
-        prompt, completion = [rng.randrange(2, 12) for _ in range(8)], [rng.randrange(2, 12) for _ in range(rng.randint(4, 6))]
-        out.append(StepSample(m.Sample(
-            tokens=prompt + completion, mask=[0] * len(prompt) + [1] * len(completion),
-            logprobs=[0.0] * len(prompt) + [-rng.uniform(0.01, 2.0) for _ in completion],
-            versions=[-1] * len(prompt) + [0] * len(completion), reward=float(rng.random() < 0.3)), rng.gauss(0, 1)))
+        prompt, completion = (
+            [rng.randrange(2, 12) for _ in range(8)],
+            [rng.randrange(2, 12) for _ in range(rng.randint(4, 6))],
+        )
+        out.append(
+            StepSample(
+                m.Sample(
+                    tokens=prompt + completion,
+                    mask=[0] * len(prompt) + [1] * len(completion),
+                    logprobs=[0.0] * len(prompt) + [-rng.uniform(0.01, 2.0) for _ in completion],
+                    versions=[-1] * len(prompt) + [0] * len(completion),
+                    reward=float(rng.random() < 0.3),
+                ),
+                rng.gauss(0, 1),
+            )
+        )
     return out
 
 
@@ -65,8 +76,12 @@ def padded_step(model, opt, items: list[StepSample], cfg, clip: float) -> None:
     loss = 0.0
     for i in range(len(items)):  # per-row: the loss code is written for 1-D rows
         lp, ent = token_logprobs(logits[i], ids[i], cfg.temperature)
-        loss = loss + policy_loss(lp, old[i], adv[i], w[i], cfg.loss, entropy=ent,
-                                  sample_ids=torch.zeros(width, dtype=torch.long))[0]  # a row: one sample
+        loss = (
+            loss
+            + policy_loss(
+                lp, old[i], adv[i], w[i], cfg.loss, entropy=ent, sample_ids=torch.zeros(width, dtype=torch.long)
+            )[0]
+        )  # a row: one sample
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     opt.step()
@@ -108,6 +123,7 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
+
         return model, opt, step
 
     p_model, p_opt, p_step = plain()
@@ -117,32 +133,56 @@ def main() -> None:
     engine.train()
     sides = {
         f"deepspeed ZeRO-{t.zero_stage}, packed {row_tokens}": lambda: timed(
-            lambda: packed_step(engine, engine.step, packed, cfg, engine.backward)),
+            lambda: packed_step(engine, engine.step, packed, cfg, engine.backward)
+        ),
         f"plain PyTorch, packed {row_tokens}": lambda: timed(
-            lambda: packed_step(p_model, p_step, packed, cfg, lambda loss: loss.backward())),
+            lambda: packed_step(p_model, p_step, packed, cfg, lambda loss: loss.backward())
+        ),
         f"plain PyTorch, packed {row_tokens}, stock SDPA row mask": lambda: timed(
-            lambda: packed_step(s_model, s_step, packed, cfg, lambda loss: loss.backward())),
+            lambda: packed_step(s_model, s_step, packed, cfg, lambda loss: loss.backward())
+        ),
         f"plain PyTorch, one packed row of {tokens}": lambda: timed(
-            lambda: packed_step(r_model, r_step, one_row, cfg, lambda loss: loss.backward())),
+            lambda: packed_step(r_model, r_step, one_row, cfg, lambda loss: loss.backward())
+        ),
         "plain PyTorch, padded batch": lambda: timed(lambda: padded_step(d_model, d_opt, items, cfg, t.grad_clip)),
     }
     times = alternate(sides, args.repeats, warmup=2)
     names = list(sides)
     base = times[names[1]]
-    rows, result = [], {"tokens_per_step": tokens, "samples_per_step": len(items), "threads": args.threads,
-                        "micro_batches": len(packed), "sides": {}}
+    rows, result = (
+        [],
+        {
+            "tokens_per_step": tokens,
+            "samples_per_step": len(items),
+            "threads": args.threads,
+            "micro_batches": len(packed),
+            "sides": {},
+        },
+    )
     for name in names:
         s = summary(times[name])
         ratio = paired_ratios(times[name], base)
         result["sides"][name] = {"seconds": s, "tokens_per_second": tokens / s["median"], "vs_plain_packed": ratio}
-        rows.append([name, s["median"], f"{s['min']:.3f}-{s['max']:.3f}", tokens / s["median"], ratio["median"],
-                     f"{ratio['min']:.2f}-{ratio['max']:.2f}"])
+        rows.append(
+            [
+                name,
+                s["median"],
+                f"{s['min']:.3f}-{s['max']:.3f}",
+                tokens / s["median"],
+                ratio["median"],
+                f"{ratio['min']:.2f}-{ratio['max']:.2f}",
+            ]
+        )
     ds = result["sides"][names[0]]["vs_plain_packed"]["median"]
     result["deepspeed_overhead"] = ds
     result["target_met"] = ds <= 1.15
     print(table(["side", "step s (median)", "spread", "tokens/s", "× plain packed", "spread"], rows))
     print(f"DeepSpeed / plain PyTorch: {ds:.2f}× (target ≤ 1.15×: {'met' if ds <= 1.15 else 'MISSED'})")
-    save("trainer_overhead", result, "python -m bench.trainer_overhead " + f"--repeats {args.repeats} --threads {args.threads}")
+    save(
+        "trainer_overhead",
+        result,
+        "python -m bench.trainer_overhead " + f"--repeats {args.repeats} --threads {args.threads}",
+    )
 
 
 if __name__ == "__main__":

@@ -67,10 +67,16 @@ def make_payloads(n: int, attempts: int, seed: int = 0) -> list[tuple[str, bytes
         samples = []
         for a in range(attempts):
             p, c = rng.randint(7, 9), rng.randint(3, 7)
-            samples.append(m.Sample(
-                tokens=[rng.randrange(16) for _ in range(p + c)], mask=[0] * p + [1] * c,
-                logprobs=[0.0] * p + [-rng.random() * 2 for _ in range(c)], versions=[-1] * p + [0] * c,
-                reward=float(a % 2), success=bool(a % 2)))
+            samples.append(
+                m.Sample(
+                    tokens=[rng.randrange(16) for _ in range(p + c)],
+                    mask=[0] * p + [1] * c,
+                    logprobs=[0.0] * p + [-rng.random() * 2 for _ in range(c)],
+                    versions=[-1] * p + [0] * c,
+                    reward=float(a % 2),
+                    success=bool(a % 2),
+                )
+            )
         group = m.RolloutGroup(group_id=f"g{i}", generator=0, samples=samples)
         out.append((group.group_id, m.encode(group)))
     return out
@@ -78,8 +84,12 @@ def make_payloads(n: int, attempts: int, seed: int = 0) -> list[tuple[str, bytes
 
 async def publish_all(js, subject: str, payloads: list[tuple[str, bytes]]) -> None:
     for k in range(0, len(payloads), PUBLISH_WINDOW):
-        await asyncio.gather(*[js.publish(subject, data, headers={"Nats-Msg-Id": gid}, timeout=30)
-                               for gid, data in payloads[k:k + PUBLISH_WINDOW]])
+        await asyncio.gather(
+            *[
+                js.publish(subject, data, headers={"Nats-Msg-Id": gid}, timeout=30)
+                for gid, data in payloads[k : k + PUBLISH_WINDOW]
+            ]
+        )
 
 
 async def wait_consumer(js, subjects: JobSubjects, durable: str, proc) -> None:
@@ -136,22 +146,27 @@ async def run_side(side: str, url: str, payloads: list[tuple[str, bytes]], workd
                     done.set()
 
             await js.subscribe(subjects.batches(0), cb=on_batch, ordered_consumer=True)
-            env |= ServiceEnv("preprocessor", nats_url=url, run_dir=workdir, http_port=free_port(),
-                              exit_when_done=True).to_environ()
-            code = ("import sys; from pipelinerl.cli import main; "
-                    f"sys.exit(main(['service', 'preprocessor', {str(job_file)!r}]))")
+            env |= ServiceEnv(
+                "preprocessor", nats_url=url, run_dir=workdir, http_port=free_port(), exit_when_done=True
+            ).to_environ()
+            code = (
+                "import sys; from pipelinerl.cli import main; "
+                f"sys.exit(main(['service', 'preprocessor', {str(job_file)!r}]))"
+            )
             durable = "preprocessor"
             if n % job.spec.groups_per_step:
                 raise ValueError(f"--groups must be a multiple of {job.spec.groups_per_step} (groups per step)")
         else:
+
             async def on_done(msg) -> None:
                 done.set()
 
             await nc.subscribe(f"bench.{name}.done", cb=on_done)
             code = f"from bench.transport import raw_consumer; raw_consumer({url!r}, {name!r}, {n})"
             durable = "raw"
-        proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code, cwd=ROOT, env=env,
-                                                    stdout=log, stderr=asyncio.subprocess.STDOUT)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", code, cwd=ROOT, env=env, stdout=log, stderr=asyncio.subprocess.STDOUT
+        )
         try:
             await wait_consumer(js, subjects, durable, proc)
             t0 = time.perf_counter()
@@ -161,8 +176,9 @@ async def run_side(side: str, url: str, payloads: list[tuple[str, bytes]], workd
             if side == "preprocessor":
                 assert seen == {"groups": n, "samples": expected}, seen
                 # Let the service finish the way it does in a job: the trainer says it is done.
-                await js.publish(subjects.version, m.encode(m.PolicyVersion(
-                    version=HUGE_VERSION, finished=True, timestamp=0)))
+                await js.publish(
+                    subjects.version, m.encode(m.PolicyVersion(version=HUGE_VERSION, finished=True, timestamp=0))
+                )
         finally:
             await stop_process(proc)
         return n / elapsed
@@ -180,8 +196,11 @@ def raw_consumer(url: str, job: str, n: int) -> None:
         subjects = JobSubjects(job)
         nc = await connect(url, "bench-raw")
         js = nc.jetstream()
-        sub = await js.pull_subscribe(subjects.rollouts(">"), durable="raw", config=ConsumerConfig(
-            ack_policy=AckPolicy.EXPLICIT, ack_wait=600, max_ack_pending=100_000))
+        sub = await js.pull_subscribe(
+            subjects.rollouts(">"),
+            durable="raw",
+            config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=600, max_ack_pending=100_000),
+        )
         got = 0
         deadline = time.monotonic() + 600
         while got < n:
@@ -217,8 +236,13 @@ def measured_demand(run_dir: Path) -> dict | None:
     span = train[-1]["time"] - train[0]["time"]
     accepted = sum(r["samples"] / attempts for r in train[1:])
     filtered = sum(r.get("groups_filtered", 0) for r in train[1:])
-    return {"source": str(metrics), "steps": len(train), "seconds": span,
-            "accepted_groups_per_s": accepted / span, "groups_per_s": (accepted + filtered) / span}
+    return {
+        "source": str(metrics),
+        "steps": len(train),
+        "seconds": span,
+        "accepted_groups_per_s": accepted / span,
+        "groups_per_s": (accepted + filtered) / span,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,15 +263,20 @@ def main(argv: list[str] | None = None) -> int:
     demand = args.demand or (demand_info["groups_per_s"] if demand_info else DEFAULT_DEMAND)
     attempts = load_job(TINY_JOB).spec.rl.attempts
     payloads = make_payloads(args.groups, attempts)
-    print(f"{args.groups} groups of {attempts} attempts per round ({sum(len(d) for _, d in payloads) / args.groups:.0f}"
-          f" bytes each), {args.repeats} rounds + {args.warmup} warm-up, sides alternated", flush=True)
+    print(
+        f"{args.groups} groups of {attempts} attempts per round ({sum(len(d) for _, d in payloads) / args.groups:.0f}"
+        f" bytes each), {args.repeats} rounds + {args.warmup} warm-up, sides alternated",
+        flush=True,
+    )
 
     with tempfile.TemporaryDirectory(prefix="bench-transport-") as tmp, EmbeddedNats(Path(tmp) / "nats") as server:
+
         def side(name: str):
             def fn() -> float:
                 rate = asyncio.run(run_side(name, server.url, payloads, Path(tmp), args.timeout))
                 print(f"  {name:12s} {rate:8.0f} groups/s", flush=True)
                 return rate
+
             return fn
 
         rates = alternate({"preprocessor": side("preprocessor"), "raw": side("raw")}, args.repeats, args.warmup)
@@ -256,18 +285,41 @@ def main(argv: list[str] | None = None) -> int:
     ratio = paired_ratios(rates["preprocessor"], rates["raw"])
     margin = {k: v / demand for k, v in pre.items() if k != "n"}
     print()
-    print(table(["side", "groups/s median", "min", "max"],
-                [["preprocessor", pre["median"], pre["min"], pre["max"]], ["raw JetStream", raw["median"], raw["min"], raw["max"]]]))
-    print(f"\npreprocessor / raw (paired): median {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f})")
+    print(
+        table(
+            ["side", "groups/s median", "min", "max"],
+            [
+                ["preprocessor", pre["median"], pre["min"], pre["max"]],
+                ["raw JetStream", raw["median"], raw["min"], raw["max"]],
+            ],
+        )
+    )
+    print(
+        f"\npreprocessor / raw (paired): median {ratio['median']:.2f} (min {ratio['min']:.2f}, max {ratio['max']:.2f})"
+    )
     where = demand_info["source"] if demand_info else ("--demand" if args.demand else "built-in default")
     print(f"demand: {demand:.1f} groups/s produced by the generator ({where})")
-    print(f"margin: {margin['median']:.0f}x the demand (min {margin['min']:.0f}x) — target ≥ 10x: "
-          f"{'met' if margin['min'] >= 10 else 'NOT met'}")
+    print(
+        f"margin: {margin['median']:.0f}x the demand (min {margin['min']:.0f}x) — target ≥ 10x: "
+        f"{'met' if margin['min'] >= 10 else 'NOT met'}"
+    )
     if not args.no_save:
         command = "python -m bench.transport" + (" " + " ".join(argv if argv is not None else sys.argv[1:])).rstrip()
-        path = save("transport", {"groups_per_round": args.groups, "attempts": attempts, "rates": rates,
-                                  "preprocessor": pre, "raw": raw, "ratio": ratio, "demand_groups_per_s": demand,
-                                  "demand": demand_info, "margin": margin}, command.strip())
+        path = save(
+            "transport",
+            {
+                "groups_per_round": args.groups,
+                "attempts": attempts,
+                "rates": rates,
+                "preprocessor": pre,
+                "raw": raw,
+                "ratio": ratio,
+                "demand_groups_per_s": demand,
+                "demand": demand_info,
+                "margin": margin,
+            },
+            command.strip(),
+        )
         print(f"saved {path.relative_to(ROOT)}")
     return 0
 

@@ -51,8 +51,13 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--export-interval", type=int, default=10)
-    ap.add_argument("--set", metavar="FIELD=VALUE", action="append", default=[],
-                    help="another GRPOConfig field, the value as JSON (e.g. bf16=true)")
+    ap.add_argument(
+        "--set",
+        metavar="FIELD=VALUE",
+        action="append",
+        default=[],
+        help="another GRPOConfig field, the value as JSON (e.g. bf16=true)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -108,14 +113,22 @@ def main() -> None:
                 timing[k] = 0.0
             # Generation and rewards happen inside scoring, scoring and the forward inside the
             # training step; what is left of the step is the optimizer and the Trainer's loop.
-            split = {"generate_seconds": phases["generate"], "reward_seconds": phases["rewards"],
-                     "score_other_seconds": phases["score"] - phases["generate"] - phases["rewards"],
-                     "forward_seconds": phases["forward"],
-                     "backward_seconds": phases["training_step"] - phases["score"] - phases["forward"],
-                     "optimizer_other_seconds": (now - self.last) - phases["training_step"]}
+            split = {
+                "generate_seconds": phases["generate"],
+                "reward_seconds": phases["rewards"],
+                "score_other_seconds": phases["score"] - phases["generate"] - phases["rewards"],
+                "forward_seconds": phases["forward"],
+                "backward_seconds": phases["training_step"] - phases["score"] - phases["forward"],
+                "optimizer_other_seconds": (now - self.last) - phases["training_step"],
+            }
             metrics = trainer._metrics["train"]
-            row = {"step": state.global_step, "time": now - self.t0 - self.saving, "seconds": now - self.last,
-                   **split, "reward": metrics["reward"][-1] if metrics.get("reward") else None}
+            row = {
+                "step": state.global_step,
+                "time": now - self.t0 - self.saving,
+                "seconds": now - self.last,
+                **split,
+                "reward": metrics["reward"][-1] if metrics.get("reward") else None,
+            }
             self.log.write(json.dumps(row) + "\n")
             self.log.flush()
             if state.global_step % args.export_interval == 0:
@@ -126,31 +139,52 @@ def main() -> None:
             t0 = time.perf_counter()
             model.save_pretrained(out / "export" / f"version-{step}")
             (out / "export" / f"version-{step}" / "time.json").write_text(
-                json.dumps({"version": step, "time": t0 - self.t0 - self.saving}))
+                json.dumps({"version": step, "time": t0 - self.t0 - self.saving})
+            )
             self.saving += time.perf_counter() - t0
 
     data = load_dataset("json", data_files=args.train, split="train")
     batch = args.prompts * args.generations
     overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)}
-    config = GRPOConfig(**{
-        "output_dir": str(out / "trainer"), "seed": args.seed, "max_steps": args.steps, "report_to": [],
-        "per_device_train_batch_size": batch, "gradient_accumulation_steps": 1, "num_generations": args.generations,
-        "max_completion_length": args.max_tokens, "temperature": args.temperature,
-        "learning_rate": args.lr, "warmup_steps": args.warmup,
-        # The pipeline's schedule: linear warm-up, then constant (TRL's default decays to 0 by max_steps).
-        "lr_scheduler_type": "constant_with_warmup",
-        # Full precision like the pipeline's model, and no recomputation: each is the faster
-        # setting for TRL on this model (the defaults are bf16 and gradient checkpointing).
-        "bf16": False, "gradient_checkpointing": False,
-        "save_strategy": "no", "logging_steps": 10, "use_cpu": True, "dataloader_num_workers": 0,
-        **overrides})
+    config = GRPOConfig(
+        **{
+            "output_dir": str(out / "trainer"),
+            "seed": args.seed,
+            "max_steps": args.steps,
+            "report_to": [],
+            "per_device_train_batch_size": batch,
+            "gradient_accumulation_steps": 1,
+            "num_generations": args.generations,
+            "max_completion_length": args.max_tokens,
+            "temperature": args.temperature,
+            "learning_rate": args.lr,
+            "warmup_steps": args.warmup,
+            # The pipeline's schedule: linear warm-up, then constant (TRL's default decays to 0 by max_steps).
+            "lr_scheduler_type": "constant_with_warmup",
+            # Full precision like the pipeline's model, and no recomputation: each is the faster
+            # setting for TRL on this model (the defaults are bf16 and gradient checkpointing).
+            "bf16": False,
+            "gradient_checkpointing": False,
+            "save_strategy": "no",
+            "logging_steps": 10,
+            "use_cpu": True,
+            "dataloader_num_workers": 0,
+            **overrides,
+        }
+    )
     # A built-in model's tokenizer as it was saved: AutoTokenizer would build the Qwen2
     # architecture's instead, which drops spaces (pipelinerl.tiny_model.load_tokenizer).
     builtin = (Path(args.model) / "pipelinerl-model.json").exists()
     tokenizer = (PreTrainedTokenizerFast if builtin else AutoTokenizer).from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    trainer = TimedGRPOTrainer(model=model, processing_class=tokenizer, reward_funcs=[reward_function(args.reward)],
-                               args=config, train_dataset=data, callbacks=[Record()])
+    trainer = TimedGRPOTrainer(
+        model=model,
+        processing_class=tokenizer,
+        reward_funcs=[reward_function(args.reward)],
+        args=config,
+        train_dataset=data,
+        callbacks=[Record()],
+    )
     trainer.train()
 
 

@@ -26,9 +26,11 @@ def stream_bytes(spec: Any) -> dict[str, int]:
     replay = (spec.trainer.checkpoint_interval or spec.trainer.max_steps) + pending + 1
     # Rollouts: groups generated but not yet taken; admission keeps them within the lag budget.
     queued = spec.max_lag + pending + 2
-    return {"ROLLOUTS": max(MIN_STREAM_BYTES, queued * step_tokens * ROLLOUT_BYTES_PER_TOKEN),
-            "BATCHES": max(MIN_STREAM_BYTES, replay * step_tokens * BATCH_BYTES_PER_TOKEN),
-            **SMALL_STREAM_BYTES}
+    return {
+        "ROLLOUTS": max(MIN_STREAM_BYTES, queued * step_tokens * ROLLOUT_BYTES_PER_TOKEN),
+        "BATCHES": max(MIN_STREAM_BYTES, replay * step_tokens * BATCH_BYTES_PER_TOKEN),
+        **SMALL_STREAM_BYTES,
+    }
 
 
 def reserved_bytes(spec: Any) -> int:

@@ -29,8 +29,9 @@ def _validate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from pipelinerl.local import run_local
 
-    return run_local(load_job(args.job), run_dir=args.run_dir, pin_cores=args.pin_cores,
-                     restart=args.restart == "on-failure")
+    return run_local(
+        load_job(args.job), run_dir=args.run_dir, pin_cores=args.pin_cores, restart=args.restart == "on-failure"
+    )
 
 
 def _service(args: argparse.Namespace) -> int:
@@ -68,8 +69,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     job = load_job(args.job)
     try:
-        calib = load_calibration(args.calibration or args.gpu_type or
-                                 ("h100-7b" if job.spec.generator.gpus else "cpu-tiny"))
+        calib = load_calibration(
+            args.calibration or args.gpu_type or ("h100-7b" if job.spec.generator.gpus else "cpu-tiny")
+        )
         if args.mean_tokens is not None or args.length_sigma is not None:
             lengths = calib.lengths.model_dump() | {"distribution": "lognormal", "values": []}
             if args.mean_tokens is not None:
@@ -78,8 +80,9 @@ def _plan(args: argparse.Namespace) -> int:
                 lengths["sigma"] = args.length_sigma
             calib = parse_calibration(calib.model_dump() | {"lengths": lengths}, "command line")
         if args.filtered_fraction is not None:
-            calib = parse_calibration(calib.model_dump() | {"filtered_fraction": args.filtered_fraction},
-                                      "command line")
+            calib = parse_calibration(
+                calib.model_dump() | {"filtered_fraction": args.filtered_fraction}, "command line"
+            )
         result = plan(job, args.gpus, calib)
     except ValueError as err:  # a bad calibration or an impossible split, named in the message
         print(f"error: {err}", file=sys.stderr)
@@ -150,34 +153,54 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("run", help="run a PipelineRLJob on this machine (embedded NATS, local processes)")
     p.add_argument("job", help="PipelineRLJob manifest (YAML)")
-    p.add_argument("--run-dir", default=None, help="where logs, metrics and checkpoints go (default runs/<name>-<time>)")
-    p.add_argument("--pin-cores", action="store_true",
-                   help="give every generator and trainer rank its own cores (needs one per process)")
-    p.add_argument("--restart", choices=["on-failure", "never"], default="on-failure",
-                   help="restart a process that fails, after a backoff, up to runPolicy.backoffLimit times "
-                        "(as Kubernetes restarts a pod), or stop the run at the first failure")
+    p.add_argument(
+        "--run-dir", default=None, help="where logs, metrics and checkpoints go (default runs/<name>-<time>)"
+    )
+    p.add_argument(
+        "--pin-cores",
+        action="store_true",
+        help="give every generator and trainer rank its own cores (needs one per process)",
+    )
+    p.add_argument(
+        "--restart",
+        choices=["on-failure", "never"],
+        default="on-failure",
+        help="restart a process that fails, after a backoff, up to runPolicy.backoffLimit times "
+        "(as Kubernetes restarts a pod), or stop the run at the first failure",
+    )
     p.set_defaults(func=_run)
 
     p = sub.add_parser("validate", help="validate a manifest and print field-level errors")
     p.add_argument("job")
     p.add_argument("--show", action="store_true", help="print the manifest with defaults filled in")
-    p.add_argument("--against", metavar="OLD", help="the stored job this manifest would update: refuse changes "
-                                                    "to fields that cannot change, as the cluster does")
+    p.add_argument(
+        "--against",
+        metavar="OLD",
+        help="the stored job this manifest would update: refuse changes "
+        "to fields that cannot change, as the cluster does",
+    )
     p.set_defaults(func=_validate)
 
-    p = sub.add_parser("plan", help="predict pipeline vs sync throughput, lag and idle time; "
-                                    "recommend a split and max lag")
+    p = sub.add_parser(
+        "plan", help="predict pipeline vs sync throughput, lag and idle time; recommend a split and max lag"
+    )
     p.add_argument("job", help="PipelineRLJob manifest: samples per step, attempts, maxTokens, model")
     p.add_argument("--gpus", type=int, required=True, help="devices to split between generators and trainers")
     source = p.add_mutually_exclusive_group()
     builtins = sorted(f.stem for f in (Path(__file__).parent / "calibrations").glob("*.yaml"))
-    source.add_argument("--gpu-type", choices=builtins,
-                        help="built-in calibration (default: h100-7b when the job asks for GPUs, else cpu-tiny)")
+    source.add_argument(
+        "--gpu-type",
+        choices=builtins,
+        help="built-in calibration (default: h100-7b when the job asks for GPUs, else cpu-tiny)",
+    )
     source.add_argument("--calibration", metavar="FILE", help="calibration measured on your hardware (YAML/JSON)")
     p.add_argument("--mean-tokens", type=float, help="override: lognormal completion lengths with this mean")
     p.add_argument("--length-sigma", type=float, help="override: lognormal sigma (0: all completions alike)")
-    p.add_argument("--filtered-fraction", type=float,
-                   help="override: share of groups dropped by zero-variance filtering (generated, never trained)")
+    p.add_argument(
+        "--filtered-fraction",
+        type=float,
+        help="override: share of groups dropped by zero-variance filtering (generated, never trained)",
+    )
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=_plan)
 

@@ -149,12 +149,22 @@ class ServiceEnv:
     stream_replicas: int | None = None  # on a JetStream cluster: copies of each stream (unset: 1)
 
     _NAMES = {
-        "rank": Env.RANK, "world_size": Env.WORLD_SIZE, "nats_url": Env.NATS_URL,
-        "weights_addr": Env.WEIGHTS_ADDR, "run_dir": Env.RUN_DIR, "output_dir": Env.OUTPUT_DIR, "http_port": Env.HTTP_PORT,
-        "exit_when_done": Env.EXIT_WHEN_DONE, "torch_threads": Env.TORCH_THREADS,
-        "local_rank": Env.LOCAL_RANK, "ranks_per_pod": Env.RANKS_PER_POD,
-        "master_addr": Env.MASTER_ADDR, "master_port": Env.MASTER_PORT,
-        "nats_user": Env.NATS_USER, "nats_password": Env.NATS_PASSWORD, "weights_token": Env.WEIGHTS_TOKEN,
+        "rank": Env.RANK,
+        "world_size": Env.WORLD_SIZE,
+        "nats_url": Env.NATS_URL,
+        "weights_addr": Env.WEIGHTS_ADDR,
+        "run_dir": Env.RUN_DIR,
+        "output_dir": Env.OUTPUT_DIR,
+        "http_port": Env.HTTP_PORT,
+        "exit_when_done": Env.EXIT_WHEN_DONE,
+        "torch_threads": Env.TORCH_THREADS,
+        "local_rank": Env.LOCAL_RANK,
+        "ranks_per_pod": Env.RANKS_PER_POD,
+        "master_addr": Env.MASTER_ADDR,
+        "master_port": Env.MASTER_PORT,
+        "nats_user": Env.NATS_USER,
+        "nats_password": Env.NATS_PASSWORD,
+        "weights_token": Env.WEIGHTS_TOKEN,
         "stream_replicas": Env.STREAM_REPLICAS,
     }
 
@@ -175,8 +185,9 @@ class ServiceEnv:
         return out
 
     @classmethod
-    def from_environ(cls, role: str, environ: Mapping[str, str] = os.environ,
-                     defaults: ServiceEnv | None = None) -> ServiceEnv:
+    def from_environ(
+        cls, role: str, environ: Mapping[str, str] = os.environ, defaults: ServiceEnv | None = None
+    ) -> ServiceEnv:
         """The variables in `environ` over `defaults` (else the built-in defaults); a malformed
         value is an error naming the variable."""
         base = defaults or cls(role)
@@ -304,14 +315,24 @@ class Progress(StatusBody):
     # The weight group (elastic: one membership epoch per generator join, leave or drop)
     generators_in_group: int | None = Field(default=None, ge=0, description="Generators in the current epoch.")
     weight_epoch: int | None = Field(default=None, ge=0, description="Membership epochs opened.")
-    generators_dropped: int | None = Field(default=None, ge=0,
-                                           description="Dropped for a missed deadline or a failure.")
-    groups_rejected: int | None = Field(default=None, ge=0, description="Rollout groups dead-lettered by the "
-                                        "preprocessor (listed by `pipelinerl dead-letters`).")
-    samples_rejected: int | None = Field(default=None, ge=0, description="Samples the trainer's model could not "
-                                         "take (dead-lettered with their micro-batch, not trained).")
-    learning_alarm: str | None = Field(default=None, description="Why the newest steps show no learning "
-                                       "(no tokens trained, most samples dropped, a non-finite loss).")
+    generators_dropped: int | None = Field(
+        default=None, ge=0, description="Dropped for a missed deadline or a failure."
+    )
+    groups_rejected: int | None = Field(
+        default=None,
+        ge=0,
+        description="Rollout groups dead-lettered by the preprocessor (listed by `pipelinerl dead-letters`).",
+    )
+    samples_rejected: int | None = Field(
+        default=None,
+        ge=0,
+        description="Samples the trainer's model could not take (dead-lettered with their micro-batch, not trained).",
+    )
+    learning_alarm: str | None = Field(
+        default=None,
+        description="Why the newest steps show no learning "
+        "(no tokens trained, most samples dropped, a non-finite loss).",
+    )
 
 
 class TrainerStatus(Progress):

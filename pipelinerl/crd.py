@@ -22,7 +22,14 @@ from pydantic.alias_generators import to_camel
 from pipelinerl.contracts import HTTP_PORT, MASTER_PORT, ROLES, Progress
 from pipelinerl.k8s_types import DNS_1035_LABEL, RESOURCE_NAME
 from pipelinerl.spec import (
-    API_GROUP, IMMUTABLE, KIND, MAX_JOB_NAME, RESERVED_ENV, TASK_IMPORT_PATH, TASK_NAMES, JobSpec,
+    API_GROUP,
+    IMMUTABLE,
+    KIND,
+    MAX_JOB_NAME,
+    RESERVED_ENV,
+    TASK_IMPORT_PATH,
+    TASK_NAMES,
+    JobSpec,
 )
 
 PLURAL = "pipelinerljobs"
@@ -33,8 +40,16 @@ CRD_NAME = f"{PLURAL}.{API_GROUP}"
 
 PHASES = ("Pending", "Running", "Suspended", "Succeeded", "Failed")
 CONDITION_TYPES = (
-    "Ready", "GeneratorsReady", "PreprocessorReady", "TrainerReady", "WeightSyncReady",
-    "Progressing", "Degraded", "Suspended", "Succeeded", "Failed",
+    "Ready",
+    "GeneratorsReady",
+    "PreprocessorReady",
+    "TrainerReady",
+    "WeightSyncReady",
+    "Progressing",
+    "Degraded",
+    "Suspended",
+    "Succeeded",
+    "Failed",
 )
 
 
@@ -68,7 +83,6 @@ class RolesStatus(StatusModel):
     trainer: RoleStatus = Field(default_factory=RoleStatus)
 
 
-
 class Incident(StatusModel):
     time: str
     pods: list[str] = Field(default_factory=list, max_length=1024, description="Pods that restarted in it.")
@@ -82,15 +96,21 @@ class JobStatus(StatusModel):
     generators_ready: str = Field(default="0/0", description="ready/desired generators, for the printer column.")
     generator_selector: str = Field(default="", description="Label selector of the generator pods (scale subresource).")
     progress: Progress = Field(default_factory=Progress)
-    failures: int = Field(default=0, ge=0, description="Failures counted against runPolicy.backoffLimit: "
-                          "pod restarts of runPolicy.failingRoles, pods restarting together counted once.")
-    pod_restarts: dict[str, int] = Field(default_factory=dict, description="Container restarts seen per "
-                                             "pod of runPolicy.failingRoles.")
+    failures: int = Field(
+        default=0,
+        ge=0,
+        description="Failures counted against runPolicy.backoffLimit: "
+        "pod restarts of runPolicy.failingRoles, pods restarting together counted once.",
+    )
+    pod_restarts: dict[str, int] = Field(
+        default_factory=dict, description="Container restarts seen per pod of runPolicy.failingRoles."
+    )
     last_incident: Incident | None = None
     start_time: str | None = None
     completion_time: str | None = None
-    suspended_seconds: float = Field(default=0.0, ge=0, description="Time spent suspended (not counted "
-                                     "against runPolicy.activeDeadlineSeconds).")
+    suspended_seconds: float = Field(
+        default=0.0, ge=0, description="Time spent suspended (not counted against runPolicy.activeDeadlineSeconds)."
+    )
     suspended_since: str | None = None
     last_progress_time: str | None = Field(default=None, description="When the policy version last changed.")
 
@@ -137,8 +157,12 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
             for key, prop in node["properties"].items():
                 # A nested object gets `{}` so the API server applies its fields' defaults.
                 # (Not an optional section such as `tracking.wandb`: absent means off.)
-                if prop.get("type") == "object" and "properties" in prop and key not in node.get("required", []) \
-                        and not prop.get("nullable"):
+                if (
+                    prop.get("type") == "object"
+                    and "properties" in prop
+                    and key not in node.get("required", [])
+                    and not prop.get("nullable")
+                ):
                     prop.setdefault("default", {})
             node.pop("additionalProperties", None)
         elif isinstance(node.get("additionalProperties"), dict):
@@ -159,6 +183,7 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- CEL rules
 
+
 # Each rule: (JSON path of the schema node it sits on, rule, message). Rules mirror the spec
 # models' validators and add what only Kubernetes can check (transitions via oldSelf). What CEL
 # cannot express (vLLM's argument list, quantities compared, the pod schema inside podTemplate,
@@ -173,51 +198,94 @@ def _cel_regex(pattern: str) -> str:
 
 
 SPEC_RULES: list[tuple[str, str, str]] = [
-    ("", "self.mode != 'sync' || !has(self.rl.maxLag) || self.rl.maxLag == 0",
-     "rl.maxLag must be 0 or unset in sync mode (sync mode never trains on stale data)"),
-    ("", "self.rl.importanceWeights != 'sequence' || self.rl.loss in ['reinforce', 'cispo']",
-     "rl.importanceWeights: sequence applies to the reinforce and cispo losses"),
-    ("", "self.trainer.samplesPerStep % self.rl.attempts == 0",
-     "trainer.samplesPerStep must be a multiple of rl.attempts so that every step holds whole prompt groups"),
-    ("", "self.generator.sampling.maxTokens < self.model.maxSeqLen",
-     "generator.sampling.maxTokens must be smaller than model.maxSeqLen"),
-    ("", "self.weightSync.backend != 'nccl' || (self.trainer.gpus > 0 && self.generator.gpus > 0)",
-     "weightSync.backend: nccl needs GPUs on both sides (trainer.gpus and generator.gpus)"),
-    ("", "self.trainer.microBatchTokens >= self.model.maxSeqLen",
-     "trainer.microBatchTokens must be at least model.maxSeqLen (one sample must fit)"),
-    ("generator", "self.tensorParallel == 1 || (self.gpus >= self.tensorParallel && self.gpus % self.tensorParallel == 0)",
-     "generator.tensorParallel must divide generator.gpus (each engine spans tensorParallel GPUs of its pod)"),
+    (
+        "",
+        "self.mode != 'sync' || !has(self.rl.maxLag) || self.rl.maxLag == 0",
+        "rl.maxLag must be 0 or unset in sync mode (sync mode never trains on stale data)",
+    ),
+    (
+        "",
+        "self.rl.importanceWeights != 'sequence' || self.rl.loss in ['reinforce', 'cispo']",
+        "rl.importanceWeights: sequence applies to the reinforce and cispo losses",
+    ),
+    (
+        "",
+        "self.trainer.samplesPerStep % self.rl.attempts == 0",
+        "trainer.samplesPerStep must be a multiple of rl.attempts so that every step holds whole prompt groups",
+    ),
+    (
+        "",
+        "self.generator.sampling.maxTokens < self.model.maxSeqLen",
+        "generator.sampling.maxTokens must be smaller than model.maxSeqLen",
+    ),
+    (
+        "",
+        "self.weightSync.backend != 'nccl' || (self.trainer.gpus > 0 && self.generator.gpus > 0)",
+        "weightSync.backend: nccl needs GPUs on both sides (trainer.gpus and generator.gpus)",
+    ),
+    (
+        "",
+        "self.trainer.microBatchTokens >= self.model.maxSeqLen",
+        "trainer.microBatchTokens must be at least model.maxSeqLen (one sample must fit)",
+    ),
+    (
+        "generator",
+        "self.tensorParallel == 1 || (self.gpus >= self.tensorParallel && self.gpus % self.tensorParallel == 0)",
+        "generator.tensorParallel must divide generator.gpus (each engine spans tensorParallel GPUs of its pod)",
+    ),
     ("trainer", "self.warmupSteps <= self.maxSteps", "trainer.warmupSteps must not exceed trainer.maxSteps"),
-    ("weightSync", f"!(self.port in [{HTTP_PORT}, {MASTER_PORT}])",
-     f"weightSync.port must differ from the services' HTTP port ({HTTP_PORT}) and the trainer ranks' rendezvous "
-     f"port ({MASTER_PORT})"),
-    ("", "(self.trainer.gpus == 0 && self.generator.gpus == 0) || !self.model.path.startsWith('builtin:')",
-     "model.path: a GPU job needs a Hugging Face model (builtin:tiny-arith is the CPU example's toy model)"),
-    ("task", f"self.name in {_cel_list(TASK_NAMES)} || self.name.matches('{_cel_regex(TASK_IMPORT_PATH)}')",
-     f"task.name: a built-in task ({', '.join(TASK_NAMES)}) or module.path:Class"),
+    (
+        "weightSync",
+        f"!(self.port in [{HTTP_PORT}, {MASTER_PORT}])",
+        f"weightSync.port must differ from the services' HTTP port ({HTTP_PORT}) and the trainer ranks' rendezvous "
+        f"port ({MASTER_PORT})",
+    ),
+    (
+        "",
+        "(self.trainer.gpus == 0 && self.generator.gpus == 0) || !self.model.path.startsWith('builtin:')",
+        "model.path: a GPU job needs a Hugging Face model (builtin:tiny-arith is the CPU example's toy model)",
+    ),
+    (
+        "task",
+        f"self.name in {_cel_list(TASK_NAMES)} || self.name.matches('{_cel_regex(TASK_IMPORT_PATH)}')",
+        f"task.name: a built-in task ({', '.join(TASK_NAMES)}) or module.path:Class",
+    ),
     ("storage", "self.size.matches('^[+]?[0.]*[1-9]')", "storage.size must be greater than zero"),
-    ("output", "has(self.claimName) || has(self.path)",
-     "output: set claimName (Kubernetes), path (pipelinerl run) or both"),
+    (
+        "output",
+        "has(self.claimName) || has(self.path)",
+        "output: set claimName (Kubernetes), path (pipelinerl run) or both",
+    ),
     *[(path, "self == oldSelf", f"{path} is immutable: create a new job to change it") for path in IMMUTABLE],
 ]
 _RESERVED_LIST = ", ".join(f"'{n}'" for n in sorted(RESERVED_ENV))
 ENV_RULE = (f"!(self.name in [{_RESERVED_LIST}])", "env name is reserved (set by PipelineRL itself)")
 ENV_SOURCE_RULE = ("!(has(self.value) && has(self.valueFrom))", "env: set value or valueFrom, not both")
 ENV_UNIQUE_RULE = ("self.all(e, self.exists_one(f, f.name == e.name))", "env names must be unique")
-VALUE_FROM_RULE = ("has(self.secretKeyRef) != has(self.configMapKeyRef)",
-                   "env valueFrom: set exactly one of secretKeyRef, configMapKeyRef")
-RESOURCES_RULE = (" && ".join(f"(!has(self.{kind}) || self.{kind}.all(k, k.matches('{_cel_regex(RESOURCE_NAME)}')))"
-                              for kind in ("requests", "limits")),
-                  "resources.requests and resources.limits: keys must be resource names (cpu, memory, nvidia.com/gpu...)")
+VALUE_FROM_RULE = (
+    "has(self.secretKeyRef) != has(self.configMapKeyRef)",
+    "env valueFrom: set exactly one of secretKeyRef, configMapKeyRef",
+)
+RESOURCES_RULE = (
+    " && ".join(
+        f"(!has(self.{kind}) || self.{kind}.all(k, k.matches('{_cel_regex(RESOURCE_NAME)}')))"
+        for kind in ("requests", "limits")
+    ),
+    "resources.requests and resources.limits: keys must be resource names (cpu, memory, nvidia.com/gpu...)",
+)
 HOST_NAMESPACES_RULE = (
-    "!has(self.spec) || !(" + " || ".join(f"(has(self.spec.{f}) && self.spec.{f} == true)"
-                                          for f in ("hostNetwork", "hostPID", "hostIPC")) + ")",
-    "podTemplate.spec: host namespaces (hostNetwork, hostPID, hostIPC) are not allowed in a job's pods")
+    "!has(self.spec) || !("
+    + " || ".join(f"(has(self.spec.{f}) && self.spec.{f} == true)" for f in ("hostNetwork", "hostPID", "hostIPC"))
+    + ")",
+    "podTemplate.spec: host namespaces (hostNetwork, hostPID, hostIPC) are not allowed in a job's pods",
+)
 ROOT_RULES = [
     (f"size(self.metadata.name) <= {MAX_JOB_NAME}", f"metadata.name must be at most {MAX_JOB_NAME} characters"),
-    (f"self.metadata.name.matches('{_cel_regex(DNS_1035_LABEL)}')",
-     "metadata.name must be a DNS-1035 label: a lowercase letter, then lowercase letters, digits or '-', "
-     "not ending in '-'"),
+    (
+        f"self.metadata.name.matches('{_cel_regex(DNS_1035_LABEL)}')",
+        "metadata.name must be a DNS-1035 label: a lowercase letter, then lowercase letters, digits or '-', "
+        "not ending in '-'",
+    ),
 ]
 
 
@@ -254,8 +322,12 @@ PRINTER_COLUMNS = [
     {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
     {"name": "Step", "type": "integer", "jsonPath": ".status.progress.step"},
     {"name": "Version", "type": "integer", "jsonPath": ".status.progress.version"},
-    {"name": "Generators", "type": "string", "jsonPath": ".status.generatorsReady",
-     "description": "Ready/desired generator replicas"},
+    {
+        "name": "Generators",
+        "type": "string",
+        "jsonPath": ".status.generatorsReady",
+        "description": "Ready/desired generator replicas",
+    },
     {"name": "Reward", "type": "number", "jsonPath": ".status.progress.reward", "priority": 1},
     {"name": "Lag", "type": "number", "jsonPath": ".status.progress.lagMean", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
@@ -285,24 +357,30 @@ def crd_manifest() -> dict[str, Any]:
             "group": API_GROUP,
             "scope": "Namespaced",
             "names": {
-                "kind": KIND, "listKind": f"{KIND}List", "plural": PLURAL, "singular": SINGULAR,
-                "shortNames": SHORT_NAMES, "categories": ["pipelinerl"],
+                "kind": KIND,
+                "listKind": f"{KIND}List",
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": SHORT_NAMES,
+                "categories": ["pipelinerl"],
             },
-            "versions": [{
-                "name": VERSION,
-                "served": True,
-                "storage": True,
-                "schema": {"openAPIV3Schema": root},
-                "subresources": {
-                    "status": {},
-                    "scale": {
-                        "specReplicasPath": ".spec.generator.replicas",
-                        "statusReplicasPath": ".status.roles.generator.replicas",
-                        "labelSelectorPath": ".status.generatorSelector",
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": root},
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.generator.replicas",
+                            "statusReplicasPath": ".status.roles.generator.replicas",
+                            "labelSelectorPath": ".status.generatorSelector",
+                        },
                     },
-                },
-                "additionalPrinterColumns": copy.deepcopy(PRINTER_COLUMNS),
-            }],
+                    "additionalPrinterColumns": copy.deepcopy(PRINTER_COLUMNS),
+                }
+            ],
         },
     }
 

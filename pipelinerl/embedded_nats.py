@@ -42,9 +42,24 @@ class EmbeddedNats:
         log = open(self.store_dir / "nats.log", "ab")
         binary = nats_server_binary()
         self.proc = subprocess.Popen(
-            [binary, "-c", str(conf), "-js", "-a", "127.0.0.1", "-p", str(self.port),
-             "-sd", str(self.store_dir), "--ports_file_dir", str(self.store_dir)],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent,
+            [
+                binary,
+                "-c",
+                str(conf),
+                "-js",
+                "-a",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-sd",
+                str(self.store_dir),
+                "--ports_file_dir",
+                str(self.store_dir),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=die_with_parent,
         )
         ports = self.store_dir / f"{Path(binary).name}_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s

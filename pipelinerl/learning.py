@@ -28,15 +28,19 @@ def learning_alarm(steps: list[dict]) -> str | None:
             break
         empty.append(r["step"])
     if empty:
-        dropped = sum(r["dropped_for_lag"] for r in window[-len(empty):])
-        rejected = sum(r.get("samples_rejected", 0) for r in window[-len(empty):])
-        return (f"NoTokensTrained: step(s) {_steps(sorted(empty))} trained no tokens "
-                f"({dropped} samples dropped for lag, {rejected} samples rejected)")
+        dropped = sum(r["dropped_for_lag"] for r in window[-len(empty) :])
+        rejected = sum(r.get("samples_rejected", 0) for r in window[-len(empty) :])
+        return (
+            f"NoTokensTrained: step(s) {_steps(sorted(empty))} trained no tokens "
+            f"({dropped} samples dropped for lag, {rejected} samples rejected)"
+        )
     samples = sum(r["samples"] + r.get("samples_stale", 0) for r in window)  # stale: dropped before packing
     dropped = sum(r["dropped_for_lag"] for r in window)
     if samples and dropped / samples > MOST_DROPPED:
-        return (f"MostSamplesDropped: {dropped} of the {samples} samples of steps {window[0]['step']}–"
-                f"{window[-1]['step']} were dropped for lag (rl.maxLag)")
+        return (
+            f"MostSamplesDropped: {dropped} of the {samples} samples of steps {window[0]['step']}–"
+            f"{window[-1]['step']} were dropped for lag (rl.maxLag)"
+        )
     return None
 
 

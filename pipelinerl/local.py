@@ -42,8 +42,10 @@ def cpu_layout(cpus: list[int], trainers: int, generators: int) -> dict[tuple[st
     """Dedicated cores per trainer rank and generator (`--pin-cores`): one per generator, the
     rest shared out among the trainer ranks; the light preprocessor is left unpinned."""
     if len(cpus) < trainers + generators:
-        raise ValueError(f"--pin-cores needs a core per trainer rank and generator ({trainers + generators}), "
-                         f"this process may use {len(cpus)}")
+        raise ValueError(
+            f"--pin-cores needs a core per trainer rank and generator ({trainers + generators}), "
+            f"this process may use {len(cpus)}"
+        )
     layout = {("generator", r): [cpus[r]] for r in range(generators)}
     rest = cpus[generators:]
     for r in range(trainers):
@@ -66,7 +68,7 @@ class RestartPolicy:
         """Seconds to wait before restart number `restarts` + 1; None: give up."""
         if not self.on_failure or restarts >= self.limit:
             return None
-        return min(self.base_s * 2 ** restarts, self.max_s)
+        return min(self.base_s * 2**restarts, self.max_s)
 
 
 class Service:
@@ -93,7 +95,11 @@ class Service:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipelinerl.cli", "service", self.role, str(self.job_file)],
                 env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env.to_environ()},
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=setup)
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=setup,
+            )
 
     def reap(self) -> None:
         """After the service exited: end whatever it left running in its process group."""
@@ -133,8 +139,15 @@ class ServiceDied(RuntimeError):
 
 
 class LocalRun:
-    def __init__(self, job: PipelineRLJob, run_dir: Path, quiet: bool = False, pin_cores: bool = False,
-                 restart: RestartPolicy | None = None, nats: EmbeddedNats | None = None):
+    def __init__(
+        self,
+        job: PipelineRLJob,
+        run_dir: Path,
+        quiet: bool = False,
+        pin_cores: bool = False,
+        restart: RestartPolicy | None = None,
+        nats: EmbeddedNats | None = None,
+    ):
         self.job, self.spec, self.run_dir = job, job.spec, run_dir
         self.pin_cores = pin_cores
         self.restart = restart or RestartPolicy(limit=job.spec.run_policy.backoff_limit)
@@ -165,20 +178,32 @@ class LocalRun:
         weights_port, master_port = free_port(), free_port()
         token = secrets.token_hex(16)  # the weight group's members prove they hold it, as in a cluster
         cpus = cpu_layout(sorted(os.sched_getaffinity(0)), trainers, gens) if self.pin_cores else {}
-        layout = [("trainer", r, trainers) for r in range(trainers)] + [("preprocessor", 0, 1)] + \
-                 [("generator", r, gens) for r in range(gens)]
+        layout = (
+            [("trainer", r, trainers) for r in range(trainers)]
+            + [("preprocessor", 0, 1)]
+            + [("generator", r, gens) for r in range(gens)]
+        )
         for role, rank, world in layout:
             trainer = role == "trainer"
             # Training is the compute-bound stage here: trainers split the cores between them
             # (the generators' engine threads overlap with them; they idle while lag-bound).
             threads = len(cpus[role, rank]) if (role, rank) in cpus else max(1, (os.cpu_count() or 1) // trainers)
             env = ServiceEnv(
-                role, rank=rank, world_size=world if trainer else None, nats_url=nats_url,
-                weights_addr=f"127.0.0.1:{weights_port}", weights_token=token,
-                run_dir=self.run_dir, http_port=free_port(), exit_when_done=True, torch_threads=threads,
+                role,
+                rank=rank,
+                world_size=world if trainer else None,
+                nats_url=nats_url,
+                weights_addr=f"127.0.0.1:{weights_port}",
+                weights_token=token,
+                run_dir=self.run_dir,
+                http_port=free_port(),
+                exit_when_done=True,
+                torch_threads=threads,
                 output_dir=Path(output.path).expanduser().resolve() if trainer and output and output.path else None,
                 local_rank=rank if trainer else None,  # one machine: trainer rank r on GPU r
-                master_addr="127.0.0.1" if trainer else None, master_port=master_port if trainer else None)
+                master_addr="127.0.0.1" if trainer else None,
+                master_port=master_port if trainer else None,
+            )
             name = role if world == 1 else f"{role}-{rank}"
             self.services.append(Service(name, env, logs / f"{name}.log", job_file, cpus.get((role, rank))))
         self._record_services()
@@ -218,8 +243,9 @@ class LocalRun:
             return
         code = self.nats.proc.poll()
         if code is not None:
-            self.nats_restart_at = now + self._backoff("nats-server", self.nats_restarts, code,
-                                                       self.nats.store_dir / "nats.log")
+            self.nats_restart_at = now + self._backoff(
+                "nats-server", self.nats_restarts, code, self.nats.store_dir / "nats.log"
+            )
             self.nats_restarts += 1
 
     def _backoff(self, name: str, restarts: int, code: int, log_path: Path) -> float:
@@ -228,17 +254,24 @@ class LocalRun:
         delay = self.restart.delay(restarts)
         if delay is None:
             raise ServiceDied(name, code, log_path, tail(log_path))
-        self.say(f"  {name} exited with code {code}: restarting it in {delay:.0f}s "
-                 f"(restart {restarts + 1} of {self.restart.limit})")
+        self.say(
+            f"  {name} exited with code {code}: restarting it in {delay:.0f}s "
+            f"(restart {restarts + 1} of {self.restart.limit})"
+        )
         return delay
 
     def _record_services(self) -> None:
         """services.json: each process of the run, for `ps`/`kill` and for tests."""
-        record = {s.name: {"pid": s.proc.pid, "restarts": s.restarts, "role": s.role, "rank": s.rank}
-                  for s in self.services}
+        record = {
+            s.name: {"pid": s.proc.pid, "restarts": s.restarts, "role": s.role, "rank": s.rank} for s in self.services
+        }
         if self.nats is not None:
-            record["nats-server"] = {"pid": self.nats.proc.pid, "restarts": self.nats_restarts, "role": "nats",
-                                     "url": self.nats.url}
+            record["nats-server"] = {
+                "pid": self.nats.proc.pid,
+                "restarts": self.nats_restarts,
+                "role": "nats",
+                "url": self.nats.url,
+            }
         tmp = self.run_dir / "services.json.tmp"
         tmp.write_text(json.dumps(record, indent=1))
         tmp.replace(self.run_dir / "services.json")  # readers never see half a file
@@ -263,13 +296,19 @@ class LocalRun:
             elif row.kind == "eval":
                 self.evals.append(record)
                 tag = "warm start" if record["version"] == 0 else ("final" if record.get("final") else "eval")
-                self.say(f"  [{tag}] version {record['version']}: held-out accuracy {record['accuracy']:.1%} "
-                         f"on {record['problems']} problems")
+                self.say(
+                    f"  [{tag}] version {record['version']}: held-out accuracy {record['accuracy']:.1%} "
+                    f"on {record['problems']} problems"
+                )
 
         # Only this run's metrics: a resumed run's stream still holds the earlier ones.
         first = (await js.stream_info(self.subjects.stream("METRICS"))).state.last_seq + 1
-        await js.subscribe(self.subjects.metrics(">"), cb=on_metric, ordered_consumer=True,
-                           config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first))
+        await js.subscribe(
+            self.subjects.metrics(">"),
+            cb=on_metric,
+            ordered_consumer=True,
+            config=ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=first),
+        )
         self.start_services(nats_url)
         self.say(f"  services: {', '.join(s.name for s in self.services)}; logs in {self.run_dir / 'logs'}")
         last_print = 0.0
@@ -298,7 +337,9 @@ class LocalRun:
             if s.role != "generator" or s.proc.poll() is not None:
                 continue
             try:
-                status = GeneratorStatus.model_validate((await http.get(f"http://127.0.0.1:{s.http_port}/status")).json())
+                status = GeneratorStatus.model_validate(
+                    (await http.get(f"http://127.0.0.1:{s.http_port}/status")).json()
+                )
             except (httpx.HTTPError, ValueError):
                 return
             total += status.tokens
@@ -314,10 +355,12 @@ class LocalRun:
         acc = f"{self.evals[-1]['accuracy']:.1%}" if self.evals else "-"
         recent = self.train[-10:]
         reward = sum(r["reward"] for r in recent) / len(recent)
-        return (f"[{time.time() - self.t0:6.0f}s] step {t['step']:4d}/{self.spec.trainer.max_steps} "
-                f"version {t['step']:4d} | train reward {reward:.3f} | test acc {acc} | "
-                f"lag {t['lag_mean']:.2f} (max {t['lag_max']:.0f}) | ess {t['ess']:.3f} | "
-                f"gen {self.gen_rate:,.0f} tok/s | trainer {t['trainer_tokens_per_second']:,.0f} tok/s")
+        return (
+            f"[{time.time() - self.t0:6.0f}s] step {t['step']:4d}/{self.spec.trainer.max_steps} "
+            f"version {t['step']:4d} | train reward {reward:.3f} | test acc {acc} | "
+            f"lag {t['lag_mean']:.2f} (max {t['lag_max']:.0f}) | ess {t['ess']:.3f} | "
+            f"gen {self.gen_rate:,.0f} tok/s | trainer {t['trainer_tokens_per_second']:,.0f} tok/s"
+        )
 
     # -- results ---------------------------------------------------------------------------
     def summary(self) -> dict:
@@ -325,7 +368,9 @@ class LocalRun:
         final = next((e for e in reversed(self.evals) if e.get("final")), self.evals[-1] if self.evals else None)
         lags = [t["lag_max"] for t in self.train]
         return {
-            "job": self.job.name, "mode": self.spec.mode, "max_lag": self.spec.max_lag,
+            "job": self.job.name,
+            "mode": self.spec.mode,
+            "max_lag": self.spec.max_lag,
             "steps": self.train[-1]["step"] if self.train else 0,
             "wall_seconds": time.time() - self.t0,
             "warm_start_accuracy": first["accuracy"] if first else None,
@@ -353,10 +398,13 @@ class LocalRun:
         for t in self.train:
             for k, v in t.items():
                 if k.startswith("tokens_lag_"):
-                    lags[k[len("tokens_lag_"):]] = lags.get(k[len("tokens_lag_"):], 0) + v
-        out = {"samples_per_second": sum(t["samples"] for t in steps) / window,
-               "seconds_per_step": window / len(steps), "trainer_busy_fraction": trainer_busy / window,
-               "lag_token_counts": dict(sorted(lags.items(), key=lambda kv: int(kv[0])))}
+                    lags[k[len("tokens_lag_") :]] = lags.get(k[len("tokens_lag_") :], 0) + v
+        out = {
+            "samples_per_second": sum(t["samples"] for t in steps) / window,
+            "seconds_per_step": window / len(steps),
+            "trainer_busy_fraction": trainer_busy / window,
+            "lag_token_counts": dict(sorted(lags.items(), key=lambda kv: int(kv[0]))),
+        }
         busy = [b for b in self.busy if first["time"] <= b[0] <= last["time"]]
         if len(busy) >= 2:
             out["generator_busy_fraction"] = (busy[-1][1] - busy[0][1]) / (busy[-1][0] - busy[0][0])
@@ -373,14 +421,25 @@ class LocalRun:
         fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
         rewards = [t["reward"] for t in self.train]
         k = 10
-        smooth = [sum(rewards[max(0, i - k + 1): i + 1]) / len(rewards[max(0, i - k + 1): i + 1])
-                  for i in range(len(rewards))]
+        smooth = [
+            sum(rewards[max(0, i - k + 1) : i + 1]) / len(rewards[max(0, i - k + 1) : i + 1])
+            for i in range(len(rewards))
+        ]
         # The same curves against optimizer steps and against wall-clock time (what is paid for).
         for ax, train_x, eval_x, label in (
-                (axes[0], [t["step"] for t in self.train], [e["version"] for e in self.evals],
-                 "optimizer step (policy version)"),
-                (axes[1], [t["time"] / 60 for t in self.train], [e["time"] / 60 for e in self.evals],
-                 "wall-clock minutes since the run started")):
+            (
+                axes[0],
+                [t["step"] for t in self.train],
+                [e["version"] for e in self.evals],
+                "optimizer step (policy version)",
+            ),
+            (
+                axes[1],
+                [t["time"] / 60 for t in self.train],
+                [e["time"] / 60 for e in self.evals],
+                "wall-clock minutes since the run started",
+            ),
+        ):
             ax.plot(train_x, rewards, color="tab:blue", alpha=0.25, label="train reward")
             ax.plot(train_x, smooth, color="tab:blue", label="train reward (10-step mean)")
             if self.evals:
@@ -397,8 +456,13 @@ class LocalRun:
         return path
 
 
-def run_local(job: PipelineRLJob, run_dir: str | Path | None = None, quiet: bool = False,
-              pin_cores: bool = False, restart: bool = True) -> int:
+def run_local(
+    job: PipelineRLJob,
+    run_dir: str | Path | None = None,
+    quiet: bool = False,
+    pin_cores: bool = False,
+    restart: bool = True,
+) -> int:
     """Run the job here; `restart=False`: the first process to fail stops the run (else each is
     restarted up to runPolicy.backoffLimit times, as its pod would be)."""
     problem = local_model_problem(job.spec.model.path)
@@ -433,8 +497,12 @@ def run_local(job: PipelineRLJob, run_dir: str | Path | None = None, quiet: bool
         code = 130
     except ServiceDied as err:
         why = cause(err.tail)
-        print(f"\nerror: {err}{f' ({why})' if why else ''}; stopping the other services. "
-              f"Last lines of {err.log_path}:\n{err.tail}", file=sys.stderr, flush=True)
+        print(
+            f"\nerror: {err}{f' ({why})' if why else ''}; stopping the other services. "
+            f"Last lines of {err.log_path}:\n{err.tail}",
+            file=sys.stderr,
+            flush=True,
+        )
         code = 1
     finally:
         signal.signal(signal.SIGTERM, previous)

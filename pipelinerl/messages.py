@@ -12,7 +12,9 @@ from typing import ClassVar, TypeVar
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-SCHEMA_VERSION = 4  # 4: MicroBatch.lengths instead of sample_ids; 3: RolloutGroup.books; 2: without problem_id/start_version/gen_seconds, PolicyVersion without step
+# 4: MicroBatch.lengths instead of sample_ids; 3: RolloutGroup.books; 2: without problem_id/start_version/gen_seconds,
+# PolicyVersion without step
+SCHEMA_VERSION = 4
 
 
 class MessageError(ValueError):
@@ -49,7 +51,6 @@ class Sample(BaseModel):
     @property
     def num_generated(self) -> int:
         return sum(self.mask)
-
 
 
 class GeneratorBooks(BaseModel):
@@ -218,7 +219,9 @@ def decode(data: bytes, expected: type[M]) -> M:
         raise MessageError(f"{expected.TYPE}: expected a map, got {type(body).__name__}")
     version, tag = body.pop("v", None), body.pop("t", None)
     if version != SCHEMA_VERSION:
-        raise MessageError(f"{expected.TYPE}: schema version {version!r} unsupported (this build speaks {SCHEMA_VERSION})")
+        raise MessageError(
+            f"{expected.TYPE}: schema version {version!r} unsupported (this build speaks {SCHEMA_VERSION})"
+        )
     if tag != expected.TYPE:
         raise MessageError(f"expected a {expected.TYPE} message, got {tag!r}")
     try:

@@ -27,11 +27,14 @@ def rank_envs(env: dict[str, str]) -> list[dict[str, str]]:
     """The environment of each rank process of this pod (pure: derived from the pod's env)."""
     pod = ServiceEnv.from_environ("trainer", env)
     per_pod = pod.ranks_per_pod or 1
-    ranks = [dataclasses.replace(pod, rank=pod.rank * per_pod + r, local_rank=r, ranks_per_pod=1,
-                                 http_port=pod.http_port if r == 0 else 0).to_environ() for r in range(per_pod)]
+    ranks = [
+        dataclasses.replace(
+            pod, rank=pod.rank * per_pod + r, local_rank=r, ranks_per_pod=1, http_port=pod.http_port if r == 0 else 0
+        ).to_environ()
+        for r in range(per_pod)
+    ]
     # Only what differs per rank: the rest stays as the pod has it (unset included).
-    return [env | {k: rank[k] for k in (Env.RANK, Env.LOCAL_RANK, Env.RANKS_PER_POD, Env.HTTP_PORT)}
-            for rank in ranks]
+    return [env | {k: rank[k] for k in (Env.RANK, Env.LOCAL_RANK, Env.RANKS_PER_POD, Env.HTTP_PORT)} for rank in ranks]
 
 
 def run_pod_ranks(argv: list[str], env: dict[str, str]) -> int:
@@ -69,6 +72,7 @@ def run_pod_ranks(argv: list[str], env: dict[str, str]) -> int:
             p.kill()
             p.wait()
     if failed:
-        log.error("pod: a rank exited with code %s; stopped the others (codes %s)", failed,
-                  [p.returncode for p in procs])
+        log.error(
+            "pod: a rank exited with code %s; stopped the others (codes %s)", failed, [p.returncode for p in procs]
+        )
     return failed

@@ -20,8 +20,9 @@ def prompt_tokens(task: Any, tokenizer: Any, problem: Any) -> list[int]:
     return own(tokenizer, problem) if own else tokenizer.encode(problem.prompt)
 
 
-def prompt_fit(task: Any, tokenizer: Any, max_seq_len: int, max_tokens: int,
-               sampled: int = SAMPLED) -> tuple[list[str], list[str]]:
+def prompt_fit(
+    task: Any, tokenizer: Any, max_seq_len: int, max_tokens: int, sampled: int = SAMPLED
+) -> tuple[list[str], list[str]]:
     """(errors, warnings) about the longest of the task's first `sampled` training problems and
     held-out ones, against the context and the completion budget."""
     problems = [task.train_problem(i) for i in range(sampled)] + list(task.test_problems(sampled))
@@ -30,9 +31,11 @@ def prompt_fit(task: Any, tokenizer: Any, max_seq_len: int, max_tokens: int,
     if longest >= max_seq_len:
         return [f"model.maxSeqLen: {max_seq_len} leaves no room for a completion: {where}"], []
     if longest + max_tokens > max_seq_len:
-        return [], [f"generator.sampling.maxTokens: {max_tokens} tokens do not fit after every prompt in "
-                     f"model.maxSeqLen ({max_seq_len}): {where}, so its completions are cut at "
-                     f"{max_seq_len - longest} tokens"]
+        return [], [
+            f"generator.sampling.maxTokens: {max_tokens} tokens do not fit after every prompt in "
+            f"model.maxSeqLen ({max_seq_len}): {where}, so its completions are cut at "
+            f"{max_seq_len - longest} tokens"
+        ]
     return [], []
 
 

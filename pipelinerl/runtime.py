@@ -20,8 +20,9 @@ log = logging.getLogger("pipelinerl")
 
 def service_env(role: str, job: PipelineRLJob, environ: Mapping[str, str] = os.environ) -> ServiceEnv:
     """This process's `ServiceEnv`; what its starter left unset falls back to the job's values."""
-    defaults = ServiceEnv(role, nats_url=job.spec.nats.url or DEFAULT_NATS_URL,
-                          weights_addr=f"127.0.0.1:{job.spec.weight_sync.port}")
+    defaults = ServiceEnv(
+        role, nats_url=job.spec.nats.url or DEFAULT_NATS_URL, weights_addr=f"127.0.0.1:{job.spec.weight_sync.port}"
+    )
     return ServiceEnv.from_environ(role, environ, defaults)
 
 

@@ -18,7 +18,14 @@ from pydantic.alias_generators import to_camel
 from pipelinerl.contracts import HTTP_PORT, MASTER_PORT, WEIGHTS_PORT, JobSubjects, reserved_env
 from pipelinerl.engine_args import engine_arg_errors
 from pipelinerl.k8s_types import (
-    DNS_1035_LABEL, DNS_1123_LABEL, NATS_URL, RESOURCE_NAME, DnsSubdomain, ImageRef, PositiveQuantity, Quantity,
+    DNS_1035_LABEL,
+    DNS_1123_LABEL,
+    NATS_URL,
+    RESOURCE_NAME,
+    DnsSubdomain,
+    ImageRef,
+    PositiveQuantity,
+    Quantity,
     parse_quantity,
 )
 
@@ -114,8 +121,12 @@ class RoleSpec(SpecModel):
 
     image: ImageRef | None = Field(default=None, description="Container image; chart default when unset.")
     resources: Resources = Field(default_factory=Resources)
-    gpus: int = Field(default=0, ge=0, le=16, description=(
-        "GPUs per pod (nvidia.com/gpu); a trainer pod runs one DeepSpeed rank per GPU."))
+    gpus: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description=("GPUs per pod (nvidia.com/gpu); a trainer pod runs one DeepSpeed rank per GPU."),
+    )
     env: list[EnvVar] = Field(default_factory=list, max_length=64)
     pod_template: dict[str, Any] | None = Field(
         default=None,
@@ -154,8 +165,10 @@ class RoleSpec(SpecModel):
         for kind in ("requests", "limits"):
             count = getattr(self.resources, kind).get(GPU_RESOURCE)
             if count is not None and parse_quantity(count) != self.gpus:
-                raise ValueError(f"resources.{kind}.{GPU_RESOURCE} ({count}) differs from gpus ({self.gpus}): "
-                                 f"set gpus only, PipelineRL requests the GPUs itself")
+                raise ValueError(
+                    f"resources.{kind}.{GPU_RESOURCE} ({count}) differs from gpus ({self.gpus}): "
+                    f"set gpus only, PipelineRL requests the GPUs itself"
+                )
         return self
 
 
@@ -164,15 +177,20 @@ class ModelSpec(SpecModel):
         default="builtin:tiny-arith",
         min_length=1,
         max_length=1024,
-        description="Hugging Face model folder, or builtin:tiny-arith / builtin:tiny-chain (built locally on first use).",
+        description="Hugging Face model folder, or builtin:tiny-arith / builtin:tiny-chain "
+        "(built locally on first use).",
     )
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     max_seq_len: int = Field(default=64, ge=8, le=131072, description="Prompt + completion tokens.")
 
 
 class TaskSpec(SpecModel):
-    name: str = Field(default="arith", min_length=1, max_length=128,
-                      description=f"A built-in task ({', '.join(TASK_NAMES)}) or module.path:Class.")
+    name: str = Field(
+        default="arith",
+        min_length=1,
+        max_length=128,
+        description=f"A built-in task ({', '.join(TASK_NAMES)}) or module.path:Class.",
+    )
     params: dict[str, Any] = Field(default_factory=dict, description="Task-specific parameters.")
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
 
@@ -188,7 +206,9 @@ class RLSpec(SpecModel):
     loss: Literal["reinforce", "ppo", "gspo", "cispo"] = "reinforce"
     attempts: int = Field(default=8, ge=2, le=1024, description="Samples per prompt (group size G).")
     max_lag: int | None = Field(
-        default=None, ge=0, le=1024,
+        default=None,
+        ge=0,
+        le=1024,
         description="Max policy versions between generation and training; default 4 (pipeline), 0 (sync).",
     )
     epsilon_low: float = Field(default=0.2, ge=0.0, le=10.0)
@@ -196,8 +216,8 @@ class RLSpec(SpecModel):
     importance_weights: Literal["token", "sequence"] = Field(
         default="token",
         description="Off-policy weight of the reinforce and cispo losses, truncated at 1 + epsilonHigh: each "
-                    "token's own ratio (token), or its sample's product of ratios (sequence), which also corrects "
-                    "for how likely the token's prefix was.",
+        "token's own ratio (token), or its sample's product of ratios (sequence), which also corrects "
+        "for how likely the token's prefix was.",
     )
     kl_coef: float = Field(default=0.0, ge=0.0)
     entropy_coef: float = Field(default=0.0, ge=0.0)
@@ -233,8 +253,10 @@ class GeneratorSpec(RoleSpec):
     def _tensor_parallel_fits(self) -> GeneratorSpec:
         tp = self.tensor_parallel
         if tp > 1 and (self.gpus < tp or self.gpus % tp):
-            raise ValueError(f"generator.tensorParallel ({tp}) must divide generator.gpus ({self.gpus}): "
-                             f"each engine spans tensorParallel GPUs of its pod")
+            raise ValueError(
+                f"generator.tensorParallel ({tp}) must divide generator.gpus ({self.gpus}): "
+                f"each engine spans tensorParallel GPUs of its pod"
+            )
         return self
 
 
@@ -249,31 +271,55 @@ class TrainerSpec(RoleSpec):
     zero_stage: Literal[0, 1, 2, 3] = 1
     learning_rate: float = Field(default=1e-4, gt=0.0, le=1.0)
     warmup_steps: int = Field(
-        default=0, ge=0, le=MAX_STEPS, description="Linear learning-rate warm-up; keeps Adam's first, large updates small."
+        default=0,
+        ge=0,
+        le=MAX_STEPS,
+        description="Linear learning-rate warm-up; keeps Adam's first, large updates small.",
     )
     weight_decay: float = Field(default=0.0, ge=0.0)
     grad_clip: float = Field(default=1.0, ge=0.0)
     samples_per_step: int = Field(default=128, ge=1, le=1_000_000)
     micro_batch_tokens: int = Field(default=4096, ge=8, le=10_000_000)
     max_steps: int = Field(default=100, ge=1, le=MAX_STEPS)
-    checkpoint_interval: int = Field(default=50, ge=0, le=MAX_STEPS, description="Steps between checkpoints; 0: only at the end.")
-    export_interval: int = Field(default=0, ge=0, le=MAX_STEPS, description=(
-        "Save the Hugging Face weights every N policy versions (checkpoints/export/version-N; weights "
-        "and tokenizer only) for offline evaluation; 0 disables."))
-    seed: int = Field(default=42, ge=0, le=MAX_SEED, description=(
-        "Trainer and generator seeds derive from it (generator i: seed + 1000·i), within 32 bits."))
-    gradient_checkpointing: bool = Field(default=False, description=(
-        "Recompute each layer's activations in the backward pass instead of keeping them: about a third "
-        "more compute for a fraction of the activation memory (large models, long micro-batches)."))
-    compile: bool = Field(default=False, description=(
-        "torch.compile the decoder's MLPs and norms, fusing the elementwise work that eager mode runs op by op "
-        "(GPUs; the first steps pay the compilation). Benchmark 6 measures what it gains."))
+    checkpoint_interval: int = Field(
+        default=50, ge=0, le=MAX_STEPS, description="Steps between checkpoints; 0: only at the end."
+    )
+    export_interval: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_STEPS,
+        description=(
+            "Save the Hugging Face weights every N policy versions (checkpoints/export/version-N; weights "
+            "and tokenizer only) for offline evaluation; 0 disables."
+        ),
+    )
+    seed: int = Field(
+        default=42,
+        ge=0,
+        le=MAX_SEED,
+        description=("Trainer and generator seeds derive from it (generator i: seed + 1000·i), within 32 bits."),
+    )
+    gradient_checkpointing: bool = Field(
+        default=False,
+        description=(
+            "Recompute each layer's activations in the backward pass instead of keeping them: about a third "
+            "more compute for a fraction of the activation memory (large models, long micro-batches)."
+        ),
+    )
+    compile: bool = Field(
+        default=False,
+        description=(
+            "torch.compile the decoder's MLPs and norms, fusing the elementwise work that eager mode runs op by op "
+            "(GPUs; the first steps pay the compilation). Benchmark 6 measures what it gains."
+        ),
+    )
 
     @model_validator(mode="after")
     def _warmup_within_run(self) -> TrainerSpec:
         if self.warmup_steps > self.max_steps:
-            raise ValueError(f"trainer.warmupSteps ({self.warmup_steps}) must not exceed trainer.maxSteps "
-                             f"({self.max_steps})")
+            raise ValueError(
+                f"trainer.warmupSteps ({self.warmup_steps}) must not exceed trainer.maxSteps ({self.max_steps})"
+            )
         return self
 
 
@@ -282,10 +328,14 @@ class WeightSyncSpec(SpecModel):
     bucket_mb: int = Field(default=256, ge=1, le=65536)
     timeout_seconds: float = Field(default=120.0, gt=0.0, le=86400.0)
     port: int = Field(default=WEIGHTS_PORT, ge=1024, le=65535)
-    staged: bool = Field(default=True, description=(
-        "Generators receive and load new weights into a second copy while they keep generating, "
-        "then pause only to swap them in (one extra copy of the weights in generator memory). "
-        "false: receive and load inside the pause. Quantized models always do the latter."))
+    staged: bool = Field(
+        default=True,
+        description=(
+            "Generators receive and load new weights into a second copy while they keep generating, "
+            "then pause only to swap them in (one extra copy of the weights in generator memory). "
+            "false: receive and load inside the pause. Quantized models always do the latter."
+        ),
+    )
 
     @field_validator("port")
     @classmethod
@@ -302,21 +352,35 @@ class EvalSpec(SpecModel):
 
 
 class RunPolicy(SpecModel):
-    backoff_limit: int = Field(default=3, ge=0, le=1000, description="Failures (pod restarts of the "
-                               "failingRoles, per incident) beyond which the job fails.")
+    backoff_limit: int = Field(
+        default=3,
+        ge=0,
+        le=1000,
+        description="Failures (pod restarts of the failingRoles, per incident) beyond which the job fails.",
+    )
     failing_roles: list[Literal["trainer", "preprocessor", "generator"]] = Field(
-        default=["trainer", "preprocessor"], max_length=3, description="Roles whose pod "
+        default=["trainer", "preprocessor"],
+        max_length=3,
+        description="Roles whose pod "
         "restarts count against backoffLimit. Generators are left out by default: the job goes on without any "
-        "one of them (Degraded while some are missing), so a restarting generator degrades it, never fails it.")
-    active_deadline_seconds: int | None = Field(default=None, ge=1, le=MAX_SECONDS, description="From creation; time "
-                                                "suspended is not counted.")
-    progress_deadline_seconds: int | None = Field(default=None, ge=1, le=MAX_SECONDS, description="No new policy version for this "
-                                                  "long while running: Ready and Progressing turn False.")
+        "one of them (Degraded while some are missing), so a restarting generator degrades it, never fails it.",
+    )
+    active_deadline_seconds: int | None = Field(
+        default=None, ge=1, le=MAX_SECONDS, description="From creation; time suspended is not counted."
+    )
+    progress_deadline_seconds: int | None = Field(
+        default=None,
+        ge=1,
+        le=MAX_SECONDS,
+        description="No new policy version for this long while running: Ready and Progressing turn False.",
+    )
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=MAX_SECONDS)
     checkpoint_retention: Literal["DeleteAfterOutput", "Retain", "Delete"] = Field(
-        default="DeleteAfterOutput", description="The trainer volumes (checkpoints) when the job is deleted "
+        default="DeleteAfterOutput",
+        description="The trainer volumes (checkpoints) when the job is deleted "
         "(ttlSecondsAfterFinished too): DeleteAfterOutput deletes them only once spec.output holds the final "
-        "model (the job succeeded with an output), else keeps them; Retain always keeps them; Delete never does.")
+        "model (the job succeeded with an output), else keeps them; Retain always keeps them; Delete never does.",
+    )
 
 
 class SchedulingSpec(SpecModel):
@@ -326,15 +390,23 @@ class SchedulingSpec(SpecModel):
 
 
 class NetworkSpec(SpecModel):
-    egress: list[dict[str, Any]] = Field(default_factory=list, max_length=32, description=(
-        "Where the job's pods may connect besides their own job, NATS and DNS, as NetworkPolicy egress "
-        "rules (to, ports), where the install restricts egress: e.g. the Hugging Face hub or W&B on port 443."))
+    egress: list[dict[str, Any]] = Field(
+        default_factory=list,
+        max_length=32,
+        description=(
+            "Where the job's pods may connect besides their own job, NATS and DNS, as NetworkPolicy egress "
+            "rules (to, ports), where the install restricts egress: e.g. the Hugging Face hub or W&B on port 443."
+        ),
+    )
 
 
 class NatsSpec(SpecModel):
-    url: str | None = Field(default=None, max_length=1024, pattern=NATS_URL,
-                            description="nats:// or tls:// URL(s), comma-separated; unset: embedded server "
-                                        "(local) or the chart's.")
+    url: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=NATS_URL,
+        description="nats:// or tls:// URL(s), comma-separated; unset: embedded server (local) or the chart's.",
+    )
     max_payload_mb: int = Field(default=8, ge=1, le=64)
 
 
@@ -349,14 +421,17 @@ class StorageSpec(SpecModel):
 class WandbSpec(SpecModel):
     project: str = Field(min_length=1, max_length=128)
     entity: str | None = Field(default=None, max_length=128)
-    mode: Literal["online", "offline"] = Field(default="online", description="offline: files in the run "
-                                               "directory, for `wandb sync` later (online needs WANDB_API_KEY).")
+    mode: Literal["online", "offline"] = Field(
+        default="online",
+        description="offline: files in the run directory, for `wandb sync` later (online needs WANDB_API_KEY).",
+    )
     tags: list[str] = Field(default_factory=list, max_length=64)
 
 
 class MlflowSpec(SpecModel):
-    tracking_uri: str | None = Field(default=None, max_length=1024,
-                                     description="Unset: a SQLite store in the run directory (mlflow.db).")
+    tracking_uri: str | None = Field(
+        default=None, max_length=1024, description="Unset: a SQLite store in the run directory (mlflow.db)."
+    )
     experiment: str | None = Field(default=None, max_length=256, description="Unset: the job's name.")
 
 
@@ -369,13 +444,25 @@ class OutputSpec(SpecModel):
     final/ (the last step's weights) and best/ (the trained version that scored highest on
     evaluation), Hugging Face folders with the tokenizer."""
 
-    claim_name: DnsSubdomain | None = Field(default=None, description=(
-        "Kubernetes: an existing PersistentVolumeClaim (not the job's: deleting the job leaves it), mounted "
-        "into the trainer pods; ReadWriteMany when trainer.replicas > 1."))
-    sub_path: str | None = Field(default=None, max_length=253, pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$",
-                                 description="The folder inside the claim; unset: the job's name.")
-    path: str | None = Field(default=None, min_length=1, max_length=1024,
-                             description="`pipelinerl run`: a folder on this machine (relative: to where it runs).")
+    claim_name: DnsSubdomain | None = Field(
+        default=None,
+        description=(
+            "Kubernetes: an existing PersistentVolumeClaim (not the job's: deleting the job leaves it), mounted "
+            "into the trainer pods; ReadWriteMany when trainer.replicas > 1."
+        ),
+    )
+    sub_path: str | None = Field(
+        default=None,
+        max_length=253,
+        pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$",
+        description="The folder inside the claim; unset: the job's name.",
+    )
+    path: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="`pipelinerl run`: a folder on this machine (relative: to where it runs).",
+    )
     best: bool = Field(default=True, description="Keep the best version on evaluation too (needs eval.interval).")
 
     @model_validator(mode="after")
@@ -418,8 +505,10 @@ class JobSpec(SpecModel):
         if self.mode == "sync" and self.rl.max_lag not in (None, 0):
             raise ValueError("rl.maxLag must be 0 or unset in sync mode (sync mode never trains on stale data)")
         if self.rl.importance_weights == "sequence" and self.rl.loss not in ("reinforce", "cispo"):
-            raise ValueError(f"rl.importanceWeights: sequence applies to the reinforce and cispo losses, not "
-                             f"{self.rl.loss} (ppo clips per token, gspo is sequence-level already)")
+            raise ValueError(
+                f"rl.importanceWeights: sequence applies to the reinforce and cispo losses, not "
+                f"{self.rl.loss} (ppo clips per token, gspo is sequence-level already)"
+            )
         if self.trainer.samples_per_step % self.rl.attempts:
             raise ValueError(
                 f"trainer.samplesPerStep ({self.trainer.samples_per_step}) must be a multiple of "
@@ -428,13 +517,16 @@ class JobSpec(SpecModel):
         if self.generator.sampling.max_tokens >= self.model.max_seq_len:
             raise ValueError("generator.sampling.maxTokens must be smaller than model.maxSeqLen")
         if self.weight_sync.backend == "nccl" and not (self.trainer.gpus and self.generator.gpus):
-            raise ValueError("weightSync.backend: nccl needs GPUs on both sides (trainer.gpus and generator.gpus); "
-                             "use gloo or auto on CPU")
+            raise ValueError(
+                "weightSync.backend: nccl needs GPUs on both sides (trainer.gpus and generator.gpus); "
+                "use gloo or auto on CPU"
+            )
         if self.trainer.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError("trainer.microBatchTokens must be at least model.maxSeqLen (one sample must fit)")
         if (self.trainer.gpus or self.generator.gpus) and self.model.path.startswith("builtin:"):
-            raise ValueError(f"model.path: a GPU job needs a Hugging Face model ({self.model.path} is the CPU "
-                             f"example's toy model)")
+            raise ValueError(
+                f"model.path: a GPU job needs a Hugging Face model ({self.model.path} is the CPU example's toy model)"
+            )
         return self
 
     @property
@@ -505,8 +597,9 @@ class ObjectMeta(BaseModel):
     @classmethod
     def _namespace(cls, v: str | None) -> str | None:
         if v is not None and (len(v) > 63 or not re.fullmatch(DNS_1123_LABEL, v)):
-            raise ValueError("must be a namespace name (a DNS-1123 label: lowercase letters, digits or '-', "
-                             "at most 63 characters)")
+            raise ValueError(
+                "must be a namespace name (a DNS-1123 label: lowercase letters, digits or '-', at most 63 characters)"
+            )
         return v
 
 
@@ -575,7 +668,8 @@ class _StrictLoader(yaml.SafeLoader):
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r} (the first value would be silently lost)", key_node.start_mark)
+                    None, None, f"duplicate key {key!r} (the first value would be silently lost)", key_node.start_mark
+                )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -585,8 +679,11 @@ class _Dumper(yaml.SafeDumper):
 
 
 for _cls in (_StrictLoader, _Dumper):
-    _cls.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
-                               list("-+.0123456789"))
+    _cls.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
+        list("-+.0123456789"),
+    )
 
 
 def dump_yaml(data: Any) -> str:
@@ -611,11 +708,13 @@ def load_job(path: str | Path) -> PipelineRLJob:
 
 def immutable_changes(old: PipelineRLJob, new: PipelineRLJob) -> list[str]:
     """The IMMUTABLE fields (camelCase paths) that differ between a stored job and its update."""
+
     def at(job: PipelineRLJob, path: str) -> Any:
         node: Any = job.spec.model_dump(mode="json", by_alias=True)
         for part in path.split("."):
             node = node[part]
         return node
+
     return [path for path in IMMUTABLE if at(old, path) != at(new, path)]
 
 

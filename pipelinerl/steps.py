@@ -50,8 +50,9 @@ def wave_capacity(ranks: int, micro_batch_tokens: int, longest: int) -> int:
     return ranks * (micro_batch_tokens - longest)
 
 
-def next_wave(pending: list[list[int]], in_step: int, groups_per_step: int, ranks: int, micro_batch_tokens: int,
-              stream: bool) -> tuple[int, bool]:
+def next_wave(
+    pending: list[list[int]], in_step: int, groups_per_step: int, ranks: int, micro_batch_tokens: int, stream: bool
+) -> tuple[int, bool]:
     """How many pending groups (sample lengths each, in arrival order) to publish now as the next
     wave of a step that already holds `in_step` groups, and whether that wave ends the step.
 

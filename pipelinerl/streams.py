@@ -24,35 +24,63 @@ CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 120.0  # a restarting service's reads of its position: NATS may be restarting too
 
 
-def stream_configs(subjects: JobSubjects, max_msg_bytes: int, replicas: int = 1,
-                   sizes: dict[str, int] | None = None) -> list[StreamConfig]:
+def stream_configs(
+    subjects: JobSubjects, max_msg_bytes: int, replicas: int = 1, sizes: dict[str, int] | None = None
+) -> list[StreamConfig]:
     """`replicas`: copies kept by a JetStream cluster (the chart's `nats.replicas`): a stream
     outlives the loss of a minority of its servers. `sizes`: each stream's max_bytes
     (`capacity.stream_bytes` of the job; None: of a job with the default spec)."""
     size = sizes or stream_bytes(JobSpec())
-    common: dict[str, Any] = dict(storage=StorageType.FILE, max_msg_size=max_msg_bytes, duplicate_window=600.0,
-                                  num_replicas=replicas)
+    common: dict[str, Any] = dict(
+        storage=StorageType.FILE, max_msg_size=max_msg_bytes, duplicate_window=600.0, num_replicas=replicas
+    )
     return [
         # Rollouts: work for the preprocessor, one subject per generator, removed once acked by
         # it (a removal survives a kill -9 of nats-server; an acknowledgement may not). Full:
         # new publishes are refused, nothing queued is dropped.
-        StreamConfig(name=subjects.stream("ROLLOUTS"), subjects=[subjects.rollouts(">")],
-                     retention=RetentionPolicy.WORK_QUEUE, max_bytes=size["ROLLOUTS"], discard=DiscardPolicy.NEW,
-                     **common),
+        StreamConfig(
+            name=subjects.stream("ROLLOUTS"),
+            subjects=[subjects.rollouts(">")],
+            retention=RetentionPolicy.WORK_QUEUE,
+            max_bytes=size["ROLLOUTS"],
+            discard=DiscardPolicy.NEW,
+            **common,
+        ),
         # Batches: kept (bounded) so a trainer restarted from a checkpoint can replay them.
-        StreamConfig(name=subjects.stream("BATCHES"), subjects=[subjects.batches(">")],
-                     retention=RetentionPolicy.LIMITS, max_bytes=size["BATCHES"],
-                     discard=DiscardPolicy.OLD, **common),
+        StreamConfig(
+            name=subjects.stream("BATCHES"),
+            subjects=[subjects.batches(">")],
+            retention=RetentionPolicy.LIMITS,
+            max_bytes=size["BATCHES"],
+            discard=DiscardPolicy.OLD,
+            **common,
+        ),
         # Control: the latest policy version only.
-        StreamConfig(name=subjects.stream("CONTROL"), subjects=[subjects.version],
-                     retention=RetentionPolicy.LIMITS, max_msgs_per_subject=1, max_bytes=size["CONTROL"], **common),
-        StreamConfig(name=subjects.stream("METRICS"), subjects=[subjects.metrics(">")],
-                     retention=RetentionPolicy.LIMITS, max_bytes=size["METRICS"],
-                     discard=DiscardPolicy.OLD, **common),
+        StreamConfig(
+            name=subjects.stream("CONTROL"),
+            subjects=[subjects.version],
+            retention=RetentionPolicy.LIMITS,
+            max_msgs_per_subject=1,
+            max_bytes=size["CONTROL"],
+            **common,
+        ),
+        StreamConfig(
+            name=subjects.stream("METRICS"),
+            subjects=[subjects.metrics(">")],
+            retention=RetentionPolicy.LIMITS,
+            max_bytes=size["METRICS"],
+            discard=DiscardPolicy.OLD,
+            **common,
+        ),
         # Dead letters: rejected rollouts and micro-batches with their reason (headers).
-        StreamConfig(name=subjects.stream("DEADLETTER"), subjects=[subjects.deadletter(">")],
-                     retention=RetentionPolicy.LIMITS, max_bytes=size["DEADLETTER"], discard=DiscardPolicy.OLD,
-                     **common),
+        StreamConfig(
+            name=subjects.stream("DEADLETTER"),
+            subjects=[subjects.deadletter(">")],
+            retention=RetentionPolicy.LIMITS,
+            max_bytes=size["DEADLETTER"],
+            discard=DiscardPolicy.OLD,
+            **common,
+        ),
     ]
 
 
@@ -60,17 +88,26 @@ async def connect(url: str, name: str, user: str | None = None, password: str | 
     """A client that reconnects (for a while) through server restarts; `url`: one or more
     servers, comma-separated (`nats.url`); `user`/`password`: the job's NATS credentials, where
     the server requires them (the chart's NATS does)."""
+
     async def _err(e: Exception) -> None:
         print(f"[{name}] nats: {e}", file=sys.stderr)
 
     return await nats.connect(
-        servers=url.split(","), name=name, user=user, password=password, connect_timeout=CONNECT_TIMEOUT_S, reconnect_time_wait=0.5,
-        max_reconnect_attempts=120, allow_reconnect=True, error_cb=_err,
+        servers=url.split(","),
+        name=name,
+        user=user,
+        password=password,
+        connect_timeout=CONNECT_TIMEOUT_S,
+        reconnect_time_wait=0.5,
+        max_reconnect_attempts=120,
+        allow_reconnect=True,
+        error_cb=_err,
     )
 
 
-async def ensure_streams(js, subjects: JobSubjects, max_payload_mb: int, replicas: int | None = None,
-                         sizes: dict[str, int] | None = None) -> None:
+async def ensure_streams(
+    js, subjects: JobSubjects, max_payload_mb: int, replicas: int | None = None, sizes: dict[str, int] | None = None
+) -> None:
     """Create the job's streams, or update them in place; safe to call from every service.
     `replicas`: a service's `stream_replicas` (None: one copy); `sizes`: see stream_configs."""
     for cfg in stream_configs(subjects, max_payload_mb << 20, replicas or 1, sizes):
@@ -108,8 +145,9 @@ async def last_message(js, stream: str, subject: str, timeout_s: float = READ_TI
             return None
         except Exception as err:  # timeouts, a connection being re-established
             if time.monotonic() + delay > deadline:
-                raise TimeoutError(f"could not read the last message on {subject} in {timeout_s:.0f}s: "
-                                   f"{type(err).__name__}: {err}") from None
+                raise TimeoutError(
+                    f"could not read the last message on {subject} in {timeout_s:.0f}s: {type(err).__name__}: {err}"
+                ) from None
             log.warning("reading the last message on %s failed (%s: %s); retrying", subject, type(err).__name__, err)
             await asyncio.sleep(delay)
             delay = min(2 * delay, 5.0)
@@ -120,19 +158,28 @@ async def last_message(js, stream: str, subject: str, timeout_s: float = READ_TI
 UNACKED = (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)
 
 
-async def publish_once(js, subject: str, data: bytes, msg_id: str, headers: dict | None = None,
-                       timeout_s: float = 30.0, attempts: int = 3):
+async def publish_once(
+    js, subject: str, data: bytes, msg_id: str, headers: dict | None = None, timeout_s: float = 30.0, attempts: int = 3
+):
     """Publish to a stream until acknowledged, at most `attempts` tries of `timeout_s` each. The
     message id makes a retry idempotent: JetStream stores it once and acks a repeat as a
     duplicate (`ack.duplicate`), so a publish whose ack was lost is simply sent again."""
     for attempt in range(1, attempts + 1):
         try:
-            return await js.publish(subject, data, timeout=timeout_s, headers={**(headers or {}), "Nats-Msg-Id": msg_id})
+            return await js.publish(
+                subject, data, timeout=timeout_s, headers={**(headers or {}), "Nats-Msg-Id": msg_id}
+            )
         except UNACKED as err:
             if attempt == attempts:
                 raise
-            log.warning("publish of %s to %s not acknowledged (%s); sending it again (%d of %d)",
-                        msg_id, subject, type(err).__name__, attempt + 1, attempts)
+            log.warning(
+                "publish of %s to %s not acknowledged (%s); sending it again (%d of %d)",
+                msg_id,
+                subject,
+                type(err).__name__,
+                attempt + 1,
+                attempts,
+            )
             await asyncio.sleep(attempt)
 
 

@@ -28,20 +28,46 @@ SPECIALS = ["<pad>", "<eos>"]
 CHARS = list("0123456789+-*=<>?: ")
 VOCAB_SIZE = 32  # padded: a multiple of 8 is friendlier to kernels
 ARCH: dict[str, Any] = dict(
-    hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=256, rope_theta=10000.0,
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
 )
 # The warm start learns sums without carry-out (see pipelinerl.tasks.arith): its accuracy jumps
 # from ~0 to >50% within ~100 steps, so it is checked every 5 steps to stop inside 10-50%.
 # Stopping at >= 25% rather than ~15% leaves fewer prompts that no attempt solves: RL then wastes
 # less generation on groups it must discard (1.25 vs 1.57 s per step) and gains as fast.
-WARM: dict[str, Any] = dict(lr=1e-3, batch=128, max_steps=3000, eval_every=5, eval_from=100, eval_problems=500,
-            target_min=0.25, digits=3, carry_out=False, seed=1234)
+WARM: dict[str, Any] = dict(
+    lr=1e-3,
+    batch=128,
+    max_steps=3000,
+    eval_every=5,
+    eval_from=100,
+    eval_problems=500,
+    target_min=0.25,
+    digits=3,
+    carry_out=False,
+    seed=1234,
+)
 # `builtin:tiny-chain`, for the long-tail task (pipelinerl.tasks.chain): near 0 for ~300 steps,
 # then from 4% to 50% within ~100 (a solution is right only if every step is), so it is checked
 # every 5 steps from step 250 to stop near 20%, with the long chains mostly unsolved, for RL.
-WARM_CHAIN: dict[str, Any] = dict(lr=1e-3, batch=128, buckets=4, max_steps=3000, eval_every=5, eval_from=250, eval_problems=500,
-                  target_min=0.20, chain_steps=12, tail=1.0, seed=1234)
+WARM_CHAIN: dict[str, Any] = dict(
+    lr=1e-3,
+    batch=128,
+    buckets=4,
+    max_steps=3000,
+    eval_every=5,
+    eval_from=250,
+    eval_problems=500,
+    target_min=0.20,
+    chain_steps=12,
+    tail=1.0,
+    seed=1234,
+)
 WARM_STARTS = {"tiny-arith": WARM, "tiny-chain": WARM_CHAIN}
 BUILTINS = ("builtin:tiny-arith", "builtin:tiny-chain", "builtin:tiny-random")
 
@@ -76,8 +102,13 @@ def make_model(seed: int = 0):
 
     torch.manual_seed(seed)
     config = Qwen2Config(
-        vocab_size=VOCAB_SIZE, tie_word_embeddings=True, bos_token_id=1, eos_token_id=1, pad_token_id=0,
-        dtype="float32", **ARCH,
+        vocab_size=VOCAB_SIZE,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+        dtype="float32",
+        **ARCH,
     )
     return Qwen2ForCausalLM(config)
 
@@ -111,8 +142,9 @@ def batch_loss(model, tokenizer, batch, buckets: int = 1) -> torch.Tensor:
     total: torch.Tensor | float
     total, tokens = 0.0, 0
     for i in range(0, len(ordered), size):
-        ids, mask = _encode_batch(tokenizer, [p.prompt for p in ordered[i:i + size]],
-                                  [p.answer for p in ordered[i:i + size]])
+        ids, mask = _encode_batch(
+            tokenizer, [p.prompt for p in ordered[i : i + size]], [p.answer for p in ordered[i : i + size]]
+        )
         total = total + supervised_loss(model, ids, mask, reduction="sum")
         tokens += int(mask[:, 1:].sum())
     return torch.as_tensor(total) / tokens
@@ -130,11 +162,16 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int | None = Non
     for group in by_length.values():
         ids = torch.tensor([tokenizer.encode(p.prompt) for p in group])
         limit = max_new_tokens or max(len(tokenizer.encode(p.answer)) for p in group) + 2
-        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=limit, pad_token_id=tokenizer.pad_token_id)
-        for row, p in zip(out[:, ids.shape[1]:].tolist(), group):
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=limit,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        for row, p in zip(out[:, ids.shape[1] :].tolist(), group):
             if tokenizer.eos_token_id in row:
-                text = tokenizer.decode(row[:row.index(tokenizer.eos_token_id)])
+                text = tokenizer.decode(row[: row.index(tokenizer.eos_token_id)])
                 right += text.strip() == p.answer
     return right / len(problems)
 
@@ -169,8 +206,10 @@ def warm_start(model, tokenizer, name: str = "tiny-arith", progress=print, max_s
         if step >= warm["eval_from"] and step % warm["eval_every"] == 0:
             model.eval()
             acc = greedy_accuracy(model, tokenizer, test)
-            progress(f"  warm start step {step}: loss {loss.item():.3f}, held-out accuracy {acc:.1%} "
-                     f"({time.time() - t0:.0f}s)")
+            progress(
+                f"  warm start step {step}: loss {loss.item():.3f}, held-out accuracy {acc:.1%} "
+                f"({time.time() - t0:.0f}s)"
+            )
             if acc >= warm["target_min"]:
                 break
     return {"warm_start_steps": step, "warm_start_accuracy": acc, "warm_start_seconds": time.time() - t0}

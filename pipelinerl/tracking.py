@@ -28,8 +28,11 @@ def scalars(kind: str, values: dict[str, Any]) -> tuple[int, dict[str, float]] |
     axis = AXES.get(kind)
     if axis is None or not isinstance(values.get(axis), int):
         return None
-    out = {f"{kind}/{k}": float(v) for k, v in values.items()
-           if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    out = {
+        f"{kind}/{k}": float(v)
+        for k, v in values.items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
     return values[axis], out
 
 
@@ -44,9 +47,17 @@ class Wandb:
 
         spec = job.spec.tracking.wandb
         assert spec is not None  # made only where the job asks for it
-        self.run = wandb.init(project=spec.project, entity=spec.entity, mode=spec.mode, tags=spec.tags,
-                              name=job.name, id=run_id, resume="allow", dir=str(run_dir),
-                              config=json.loads(job.model_dump_json(by_alias=True)))
+        self.run = wandb.init(
+            project=spec.project,
+            entity=spec.entity,
+            mode=spec.mode,
+            tags=spec.tags,
+            name=job.name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=json.loads(job.model_dump_json(by_alias=True)),
+        )
         for kind, axis in AXES.items():
             self.run.define_metric(f"{kind}/{axis}")
             self.run.define_metric(f"{kind}/*", step_metric=f"{kind}/{axis}")

@@ -49,9 +49,7 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"unsupported weight dtype {dtype}") from None
 
 
-def plan_buckets(
-    named_shapes_dtypes: list[tuple[str, list[int], str]], bucket_bytes: int
-) -> list[dict[str, Any]]:
+def plan_buckets(named_shapes_dtypes: list[tuple[str, list[int], str]], bucket_bytes: int) -> list[dict[str, Any]]:
     """Group same-dtype tensors, in order, into flat buckets of <= bucket_bytes.
 
     A tensor larger than ``bucket_bytes`` gets a bucket of its own. Order is
@@ -69,18 +67,12 @@ def plan_buckets(
         for d in shape:
             numel *= int(d)
         itemsize = DTYPES[dtype].itemsize
-        fits = (
-            cur is not None
-            and cur["dtype"] == dtype
-            and (cur["numel"] + numel) * itemsize <= bucket_bytes
-        )
+        fits = cur is not None and cur["dtype"] == dtype and (cur["numel"] + numel) * itemsize <= bucket_bytes
         if not fits:
             cur = {"dtype": dtype, "numel": 0, "tensors": []}
             buckets.append(cur)
         assert cur is not None
-        cur["tensors"].append(
-            {"name": name, "shape": [int(d) for d in shape], "offset": cur["numel"], "numel": numel}
-        )
+        cur["tensors"].append({"name": name, "shape": [int(d) for d in shape], "offset": cur["numel"], "numel": numel})
         cur["numel"] += numel
     return buckets
 
@@ -109,7 +101,9 @@ def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.
         return dist.TCPStore(host, port, None, is_master, timedelta(seconds=timeout_s), wait_for_workers=False)
     except RuntimeError as e:  # DistStoreError subclasses RuntimeError
         side = "cannot serve" if is_master else "no trainer"
-        raise WeightSyncTimeout(f"weight group rendezvous at {host}:{port}: {side} (timeout {timeout_s:g} s): {e}") from e
+        raise WeightSyncTimeout(
+            f"weight group rendezvous at {host}:{port}: {side} (timeout {timeout_s:g} s): {e}"
+        ) from e
 
 
 def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout_s: float):
@@ -123,8 +117,9 @@ def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, 
         options._timeout = timeout
         return dist.ProcessGroupNCCL(store, rank, world_size, options)
     except RuntimeError as e:  # gloo connect errors subclass RuntimeError
-        raise WeightSyncTimeout(f"weight group (rank {rank}/{world_size}) could not connect "
-                                f"(timeout {timeout_s:g} s): {e}") from e
+        raise WeightSyncTimeout(
+            f"weight group (rank {rank}/{world_size}) could not connect (timeout {timeout_s:g} s): {e}"
+        ) from e
 
 
 def proof(token: str, group_id: str, rank: int) -> bytes:
@@ -167,8 +162,16 @@ class WeightGroup:
         self._receive_buffers: dict[int, torch.Tensor] = {}  # bucket index -> buffer (see receive_buckets)
 
     @classmethod
-    def form(cls, store: dist.Store, group_id: str, world_size: int, timeout_s: float, backend: str = "gloo",
-             join_timeout_s: float = JOIN_TIMEOUT_S, token: str = "") -> WeightGroup:
+    def form(
+        cls,
+        store: dist.Store,
+        group_id: str,
+        world_size: int,
+        timeout_s: float,
+        backend: str = "gloo",
+        join_timeout_s: float = JOIN_TIMEOUT_S,
+        token: str = "",
+    ) -> WeightGroup:
         """Trainer side (rank 0) of epoch `group_id`: wait until ranks 1..world_size-1 said they
         are joining, then let them go and connect. Raises GroupIncomplete naming the ranks that
         did not come within `join_timeout_s` (the others are told to abort), or that came without
@@ -181,8 +184,9 @@ class WeightGroup:
             if time.monotonic() > deadline:
                 missing = [r for r, key in enumerate(keys, 1) if not epoch.check([key])]
                 epoch.set("go", "abort")
-                raise GroupIncomplete(missing, f"weight group {group_id}: ranks {missing} did not join "
-                                               f"within {join_timeout_s:g} s")
+                raise GroupIncomplete(
+                    missing, f"weight group {group_id}: ranks {missing} did not join within {join_timeout_s:g} s"
+                )
             time.sleep(0.01)
         epoch.set("go", "go")
         group = cls(epoch, _process_group(backend, epoch, 0, world_size, timeout_s), 0, world_size, timeout_s, backend)
@@ -192,8 +196,17 @@ class WeightGroup:
         return group
 
     @classmethod
-    def join(cls, host: str, port: int, group_id: str, rank: int, world_size: int, timeout_s: float,
-             backend: str = "gloo", token: str = "") -> WeightGroup:
+    def join(
+        cls,
+        host: str,
+        port: int,
+        group_id: str,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        backend: str = "gloo",
+        token: str = "",
+    ) -> WeightGroup:
         """Generator side: join epoch `group_id` as `rank` (≥ 1). Raises GroupAborted if the
         trainer called the epoch off or a member (the trainer included) lacks the job's `token`,
         WeightSyncTimeout if no trainer answers in time."""
@@ -204,12 +217,14 @@ class WeightGroup:
         try:
             epoch.wait(["go"], timedelta(seconds=timeout_s))
         except RuntimeError as e:
-            raise WeightSyncTimeout(f"weight group {group_id}: the trainer did not start it within "
-                                    f"{timeout_s:g} s: {e}") from e
+            raise WeightSyncTimeout(
+                f"weight group {group_id}: the trainer did not start it within {timeout_s:g} s: {e}"
+            ) from e
         if epoch.get("go") == b"abort":
             raise GroupAborted(f"weight group {group_id}: called off by the trainer (a member did not join)")
-        group = cls(epoch, _process_group(backend, epoch, rank, world_size, timeout_s), rank, world_size,
-                    timeout_s, backend)
+        group = cls(
+            epoch, _process_group(backend, epoch, rank, world_size, timeout_s), rank, world_size, timeout_s, backend
+        )
         refused = group._authenticate(group_id, token)
         if refused:
             raise GroupAborted(f"weight group {group_id}: ranks {refused} (0: the trainer) {cls.AUTH}")
@@ -226,10 +241,14 @@ class WeightGroup:
             self.pg.allgather([shown], [mine]).wait()
         except RuntimeError as e:
             self.close()
-            raise WeightSyncTimeout(f"weight group {group_id}: authentication failed or timed out "
-                                    f"after {self.timeout_s:g} s: {e}") from e
-        refused = [r for r, t in enumerate(shown)
-                   if not hmac.compare_digest(bytes(t.cpu().tolist()), proof(token, group_id, r))]
+            raise WeightSyncTimeout(
+                f"weight group {group_id}: authentication failed or timed out after {self.timeout_s:g} s: {e}"
+            ) from e
+        refused = [
+            r
+            for r, t in enumerate(shown)
+            if not hmac.compare_digest(bytes(t.cpu().tolist()), proof(token, group_id, r))
+        ]
         if refused:
             self.close()
         return refused
@@ -266,7 +285,7 @@ class WeightGroup:
             buf = self._receive_buffer(i, b)
             self._broadcast(buf, f"bucket {i + 1}/{len(buckets)}")
             for t in b["tensors"]:
-                yield t["name"], buf[t["offset"]: t["offset"] + t["numel"]].view(t["shape"])
+                yield t["name"], buf[t["offset"] : t["offset"] + t["numel"]].view(t["shape"])
 
     def synchronize(self) -> None:
         """Wait until the GPU has finished what was queued with the received tensors (the loader's
@@ -315,4 +334,4 @@ class Snapshot:
             src = tensors[t["name"]].detach()
             if list(src.shape) != list(t["shape"]):
                 raise ValueError(f"{t['name']}: shape {list(src.shape)} != planned {t['shape']}")
-            buf[t["offset"]: t["offset"] + t["numel"]].copy_(src.reshape(-1))
+            buf[t["offset"] : t["offset"] + t["numel"]].copy_(src.reshape(-1))

@@ -12,13 +12,15 @@ def masked_reference(q, k, v, lengths, scale=None):
     pos = torch.arange(len(seq))
     mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
     rep = q.shape[0] // k.shape[0]
-    out = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0),
-                                         attn_mask=mask, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q, k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0), attn_mask=mask, scale=scale
+    )
     return out.transpose(0, 1)
 
 
-def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
-                     enable_gqa=False):
+def reference_varlen(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+):
     """torch's documented varlen_attn contract ([T, H, D] in and out, sequences from cu_seq), by
     plain SDPA per sequence; causal as (-1, 0) (torch ≥ 2.11)."""
     assert cu_seq_q is cu_seq_k and cu_seq_q.dtype == torch.int32
@@ -27,14 +29,32 @@ def reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, sca
     causal = tuple(window_size) == (-1, 0)
     out = []
     for a, b in zip(cu_seq_q[:-1].tolist(), cu_seq_q[1:].tolist()):
-        out.append(F.scaled_dot_product_attention(
-            query[a:b].transpose(0, 1), key[a:b].transpose(0, 1), value[a:b].transpose(0, 1), is_causal=causal,
-            scale=scale, enable_gqa=enable_gqa).transpose(0, 1))
+        out.append(
+            F.scaled_dot_product_attention(
+                query[a:b].transpose(0, 1),
+                key[a:b].transpose(0, 1),
+                value[a:b].transpose(0, 1),
+                is_causal=causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            ).transpose(0, 1)
+        )
     return torch.cat(out)
 
 
-def reference_varlen_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None,
-                          scale=None):
+def reference_varlen_2_10(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None, scale=None
+):
     """The torch 2.10 signature: causality as a flag, no GQA flag (the kernel takes fewer KV heads)."""
-    return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale,
-                            window_size=(-1, 0) if is_causal else (-1, -1), enable_gqa=query.shape[1] != key.shape[1])
+    return reference_varlen(
+        query,
+        key,
+        value,
+        cu_seq_q,
+        cu_seq_k,
+        max_q,
+        max_k,
+        scale=scale,
+        window_size=(-1, 0) if is_causal else (-1, -1),
+        enable_gqa=query.shape[1] != key.shape[1],
+    )

@@ -20,16 +20,17 @@ def wandb_history(path: Path) -> list[dict]:
     data, pos, rows, pieces = path.read_bytes(), HEADER, [], b""
     while pos + HEADER <= len(data):
         room = BLOCK - pos % BLOCK
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + HEADER]) if room >= HEADER else (0, 0, 0)
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER]) if room >= HEADER else (0, 0, 0)
         if kind == 0:  # the zero padding at a block's end
             pos += room
             continue
-        pieces = (b"" if kind in (1, 2) else pieces) + data[pos + HEADER:pos + HEADER + length]
+        pieces = (b"" if kind in (1, 2) else pieces) + data[pos + HEADER : pos + HEADER + length]
         pos += HEADER + length
         if kind in (1, 4):
             record = pb.Record()
             record.ParseFromString(pieces)
             if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
     return rows

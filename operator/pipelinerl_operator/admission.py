@@ -58,11 +58,14 @@ def check(manifest: Any, old: Any = None, source: str = "manifest") -> PipelineR
     if old is not None:
         changed = immutable_changes(parse_job(old, f"{source} (stored)"), job)
         if changed:
-            raise SpecError(f"{source} is not a valid update of the stored {KIND}:\n" + "\n".join(
-                f"  spec.{path}: cannot change once the job exists (create a new job)" for path in changed))
+            raise SpecError(
+                f"{source} is not a valid update of the stored {KIND}:\n"
+                + "\n".join(f"  spec.{path}: cannot change once the job exists (create a new job)" for path in changed)
+            )
     try:
-        children = render(job, job.metadata.namespace or "default", "00000000-0000-0000-0000-000000000000",
-                          OperatorConfig())
+        children = render(
+            job, job.metadata.namespace or "default", "00000000-0000-0000-0000-000000000000", OperatorConfig()
+        )
     except RenderError as err:
         raise SpecError(f"{source} is not a valid {KIND}:\n" + "\n".join(f"  spec.{p}" for p in err.problems)) from None
     # Kubernetes' own kinds (a gang scheduler's PodGroup has no schema here: we fill in all of it).

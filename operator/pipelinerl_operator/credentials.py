@@ -45,10 +45,15 @@ def nats_accounts(key: str, jobs: Iterable[tuple[str, str, str, int]]) -> str:
     nats.conf, reloaded when it changes): one account per job (namespace, name, uid, the bytes
     its streams reserve), one user in it, JetStream within that job's own limit (file storage
     only; every stream must say its size), and the operator's own account."""
+
     def account(name: str, user: str, password: str, file_bytes: int | None) -> str:
-        js = (f"jetstream: {{ max_file: {file_bytes}, max_mem: 0, max_streams: 8, max_bytes_required: true }}, "
-              if file_bytes is not None else "")
-        return f"  {json.dumps(name)}: {{ {js}users: [ {{ user: {json.dumps(user)}, password: {json.dumps(password)} }} ] }}"
+        js = (
+            f"jetstream: {{ max_file: {file_bytes}, max_mem: 0, max_streams: 8, max_bytes_required: true }}, "
+            if file_bytes is not None
+            else ""
+        )
+        login = f"{{ user: {json.dumps(user)}, password: {json.dumps(password)} }}"
+        return f"  {json.dumps(name)}: {{ {js}users: [ {login} ] }}"
 
     lines = [account(OPERATOR_ACCOUNT, OPERATOR_ACCOUNT, _derive(key, "operator"), None)]
     for namespace, name, uid, reserved in sorted(set(jobs)):

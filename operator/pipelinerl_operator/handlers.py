@@ -26,7 +26,13 @@ from pipelinerl_operator.kube import Kube, KubeError
 from pipelinerl_operator.pods import pod_problems, trainer_gang_to_restart
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
 from pipelinerl_operator.render import (
-    OperatorConfig, generator_selector, on_chart_nats, render, replicas, role_name, trainer_host,
+    OperatorConfig,
+    generator_selector,
+    on_chart_nats,
+    render,
+    replicas,
+    role_name,
+    trainer_host,
 )
 from pipelinerl_operator.status import Observed, RoleObserved, compute, is_terminal, parse_ts, ttl_expired
 from pipelinerl_operator.streams_cleanup import delete_job_streams
@@ -77,7 +83,8 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Keep kopf's bookkeeping in annotations: status fields outside the CRD schema are pruned.
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=API_GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=API_GROUP, key="last-handled-configuration",
+        prefix=API_GROUP,
+        key="last-handled-configuration",
     )
     # Events come only from our fixed vocabulary (kopf.event), not from log lines.
     settings.posting.level = logging.CRITICAL + 1
@@ -95,7 +102,9 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     if webhook_port:  # the chart's ValidatingWebhookConfiguration points here (not managed by kopf)
         certs = os.environ.get(OperatorEnv.WEBHOOK_CERT_DIR)
         settings.admission.server = kopf.WebhookServer(
-            addr="0.0.0.0", port=int(webhook_port), insecure=not certs,
+            addr="0.0.0.0",
+            port=int(webhook_port),
+            insecure=not certs,
             certfile=os.path.join(certs, "tls.crt") if certs else None,
             pkeyfile=os.path.join(certs, "tls.key") if certs else None,
         )
@@ -109,8 +118,11 @@ def validate_job(body: Any, old: Any, operation: str | None, warnings: list[str]
         return  # metadata, finalizers, status: never blocked, even for a job older rules admitted
     meta = body.get("metadata") or {}
     try:
-        job = admission.check(dict(body), dict(stored) if stored else None,
-                              source=f"{KIND} {meta.get('namespace', '')}/{meta.get('name', '')}")
+        job = admission.check(
+            dict(body),
+            dict(stored) if stored else None,
+            source=f"{KIND} {meta.get('namespace', '')}/{meta.get('name', '')}",
+        )
     except SpecError as err:
         raise kopf.AdmissionError(str(err), code=422) from None
     if warnings is not None:
@@ -154,8 +166,14 @@ def jobs(namespace: str, name: str, uid: str, body: kopf.Body, **_: Any) -> dict
     """Every job watched: each is an account on the chart's NATS server, and reserves its
     streams' bytes in that server's store."""
     try:
-        job = parse_job({"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
-                         "spec": dict(body.get("spec") or {})})
+        job = parse_job(
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "metadata": {"name": name, "namespace": namespace},
+                "spec": dict(body.get("spec") or {}),
+            }
+        )
         reserved = reserved_bytes(job.spec) if on_chart_nats(job) else 0
     except SpecError:
         reserved = 0  # it never runs
@@ -172,17 +190,26 @@ def store_problem(index: kopf.Index, namespace: str, name: str, cfg: OperatorCon
     if ok:
         return None
     gib = 1 << 30
-    return (f"the chart's NATS store ({cfg.nats_store_bytes / gib:.2f} GiB) cannot hold this job's streams "
-            f"({mine.reserved / gib:.2f} GiB) beside the jobs created before it ({before / gib:.2f} GiB reserved): "
-            "delete a finished job, lower trainer.checkpointInterval, trainer.samplesPerStep or model.maxSeqLen, "
-            "or give NATS a larger volume (the chart's nats.storageGi)")
+    return (
+        f"the chart's NATS store ({cfg.nats_store_bytes / gib:.2f} GiB) cannot hold this job's streams "
+        f"({mine.reserved / gib:.2f} GiB) beside the jobs created before it ({before / gib:.2f} GiB reserved): "
+        "delete a finished job, lower trainer.checkpointInterval, trainer.samplesPerStep or model.maxSeqLen, "
+        "or give NATS a larger volume (the chart's nats.storageGi)"
+    )
 
 
 def accounts_secret(name: str, namespace: str, text: str) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": {"name": name, "namespace": namespace,
-                         "labels": {"app.kubernetes.io/name": "pipelinerl", "app.kubernetes.io/component": "nats"}},
-            "data": secret_data({NATS_ACCOUNTS_FILE: text})}
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {"app.kubernetes.io/name": "pipelinerl", "app.kubernetes.io/component": "nats"},
+        },
+        "data": secret_data({NATS_ACCOUNTS_FILE: text}),
+    }
 
 
 @kopf.on.startup()
@@ -204,8 +231,12 @@ async def sync_nats_accounts(index: kopf.Index, gone: str | None = None) -> None
     secret, namespace = os.environ.get(OperatorEnv.NATS_ACCOUNTS_SECRET), os.environ.get(OperatorEnv.NAMESPACE)
     if not (cfg.auth_key and secret and namespace and STATE.kube and STATE.accounts_lock):
         return
-    accounts = [(ns, name, r.uid, r.reserved * cfg.nats_replicas)  # a limit counts every copy kept
-                for (ns, name), records in index.items() for r in records if r.uid != gone]
+    accounts = [
+        (ns, name, r.uid, r.reserved * cfg.nats_replicas)  # a limit counts every copy kept
+        for (ns, name), records in index.items()
+        for r in records
+        if r.uid != gone
+    ]
     text = nats_accounts(cfg.auth_key, accounts)
     async with STATE.accounts_lock:
         if text != STATE.accounts_written:
@@ -223,8 +254,10 @@ async def apply_owned(kube: Kube, children: list[dict[str, Any]], uid: str) -> s
         try:
             existing = await kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
             if existing is not None and not owned_by(existing, uid):
-                return (f"{what} already exists and is not this job's: not taken over (delete or rename it, "
-                        "or give the job another name)")
+                return (
+                    f"{what} already exists and is not this job's: not taken over (delete or rename it, "
+                    "or give the job another name)"
+                )
             await kube.apply(obj)
         except KubeError as err:
             return f"{what}: {err}"
@@ -245,20 +278,29 @@ async def _observe_roles(kube: Kube, ns: str, job: Any, name: str) -> dict[str, 
         sts = await kube.get("apps/v1", "StatefulSet", ns, role_name(name, role)) or {}
         st = sts.get("status") or {}
         desired = replicas(job, role) if job is not None else int((sts.get("spec") or {}).get("replicas", 0))
-        roles[role] = RoleObserved(desired=desired, replicas=int(st.get("replicas", 0) or 0),
-                                   ready=int(st.get("readyReplicas", 0) or 0), update_revision=st.get("updateRevision"))
+        roles[role] = RoleObserved(
+            desired=desired,
+            replicas=int(st.get("replicas", 0) or 0),
+            ready=int(st.get("readyReplicas", 0) or 0),
+            update_revision=st.get("updateRevision"),
+        )
     return roles
 
 
 def _pod_restarts(pods: list[dict[str, Any]], roles: list[str]) -> dict[str, int]:
     """Container restarts per pod of the roles whose failures count (`runPolicy.failingRoles`)."""
-    return {p["metadata"]["name"]: sum(int(c.get("restartCount", 0) or 0)
-                                       for c in (p.get("status") or {}).get("containerStatuses") or [])
-            for p in pods if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) in roles}
+    return {
+        p["metadata"]["name"]: sum(
+            int(c.get("restartCount", 0) or 0) for c in (p.get("status") or {}).get("containerStatuses") or []
+        )
+        for p in pods
+        if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) in roles
+    }
 
 
-async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter,
-                    jobs: kopf.Index) -> dict[str, Any]:
+async def reconcile(
+    body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter, jobs: kopf.Index
+) -> dict[str, Any]:
     key = str(body["metadata"].get("uid") or f"{body['metadata']['namespace']}/{body['metadata']['name']}")
     async with STATE.locks.setdefault(key, asyncio.Lock()):
         status = await _reconcile(body, patch, logger, STATE.last_status.get(key), jobs)
@@ -266,8 +308,13 @@ async def reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger |
         return status
 
 
-async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter,
-                     last_written: dict[str, Any] | None, jobs: kopf.Index) -> dict[str, Any]:
+async def _reconcile(
+    body: kopf.Body,
+    patch: kopf.Patch,
+    logger: logging.Logger | logging.LoggerAdapter,
+    last_written: dict[str, Any] | None,
+    jobs: kopf.Index,
+) -> dict[str, Any]:
     kube = STATE.kube
     if kube is None:
         raise kopf.TemporaryError("not logged in to the Kubernetes API yet", delay=5)
@@ -279,11 +326,15 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
     cfg = operator_config()
     job, spec_error, children = None, None, []
     try:
-        job = admission.check({
-            "apiVersion": API_VERSION, "kind": KIND,
-            "metadata": {"name": name, "namespace": ns, "labels": dict(meta.get("labels") or {})},
-            "spec": dict(body.get("spec") or {}),
-        }, source=f"{KIND} {ns}/{name}")
+        job = admission.check(
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "metadata": {"name": name, "namespace": ns, "labels": dict(meta.get("labels") or {})},
+                "spec": dict(body.get("spec") or {}),
+            },
+            source=f"{KIND} {ns}/{name}",
+        )
         active = not job.spec.suspend and not is_terminal(previous)
         children = render(job, ns, uid, cfg, active=active, output_written=previous.get("phase") == "Succeeded")
     except SpecError as err:
@@ -300,24 +351,39 @@ async def _reconcile(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger 
         for pod in gang:
             await kube.delete("v1", "Pod", ns, pod)
         if gang:
-            _event(body, "Normal", "TrainerGangRestarted", f"trainer pods {', '.join(gang)} restart together on the "
-                   f"new template (revision {roles['trainer'].update_revision}), from their checkpoint")
+            _event(
+                body,
+                "Normal",
+                "TrainerGangRestarted",
+                f"trainer pods {', '.join(gang)} restart together on the "
+                f"new template (revision {roles['trainer'].update_revision}), from their checkpoint",
+            )
         trainer_status = None
         if job is not None and roles["trainer"].ready > 0:
-            url = status_url(os.environ.get(OperatorEnv.TRAINER_STATUS_URL, DEFAULT_URL), name, ns, trainer_host(job, ns))
+            url = status_url(
+                os.environ.get(OperatorEnv.TRAINER_STATUS_URL, DEFAULT_URL), name, ns, trainer_host(job, ns)
+            )
             trainer_status = await fetch_trainer_status(url)
         now = datetime.now(timezone.utc)
-        status, events = compute(Observed(
-            generation=int(meta.get("generation", 0) or 0), now=now, previous=previous, spec_error=spec_error,
-            suspend=bool(job and job.spec.suspend), roles=roles, trainer_status=trainer_status,
-            pod_restarts=_pod_restarts(pods, job.spec.run_policy.failing_roles if job else ["trainer"]),
-            pod_problems=tuple(pod_problems(pods)), apply_error=apply_error,
-            created=parse_ts(meta["creationTimestamp"]) if meta.get("creationTimestamp") else None,
-            backoff_limit=job.spec.run_policy.backoff_limit if job else 0,
-            active_deadline_seconds=job.spec.run_policy.active_deadline_seconds if job else None,
-            progress_deadline_seconds=job.spec.run_policy.progress_deadline_seconds if job else None,
-            generator_selector=generator_selector(name),
-        ))
+        status, events = compute(
+            Observed(
+                generation=int(meta.get("generation", 0) or 0),
+                now=now,
+                previous=previous,
+                spec_error=spec_error,
+                suspend=bool(job and job.spec.suspend),
+                roles=roles,
+                trainer_status=trainer_status,
+                pod_restarts=_pod_restarts(pods, job.spec.run_policy.failing_roles if job else ["trainer"]),
+                pod_problems=tuple(pod_problems(pods)),
+                apply_error=apply_error,
+                created=parse_ts(meta["creationTimestamp"]) if meta.get("creationTimestamp") else None,
+                backoff_limit=job.spec.run_policy.backoff_limit if job else 0,
+                active_deadline_seconds=job.spec.run_policy.active_deadline_seconds if job else None,
+                progress_deadline_seconds=job.spec.run_policy.progress_deadline_seconds if job else None,
+                generator_selector=generator_selector(name),
+            )
+        )
         if job is not None and is_terminal(status) and not is_terminal(previous):
             # Free the GPUs; the checkpoints stay (or may now go with the job: the output is written).
             for obj in render(job, ns, uid, cfg, active=False, output_written=status["phase"] == "Succeeded"):
@@ -379,8 +445,14 @@ async def deleted(body: kopf.Body, logger: logging.Logger, jobs: kopf.Index, **_
     # On the chart's NATS, the streams live in the job's own account: delete them as its user.
     creds = job_credentials(cfg.auth_key, ns, name, uid) if cfg.auth_key and not own_url else {}
     try:
-        streams = await delete_job_streams(url, name, ns, creds.get("natsUser"), creds.get("natsPassword"),
-                                           timeout_s=float(os.environ.get(OperatorEnv.NATS_TIMEOUT, "10")))
+        streams = await delete_job_streams(
+            url,
+            name,
+            ns,
+            creds.get("natsUser"),
+            creds.get("natsPassword"),
+            timeout_s=float(os.environ.get(OperatorEnv.NATS_TIMEOUT, "10")),
+        )
         _event(body, "Normal", "StreamsDeleted", f"deleted NATS streams: {', '.join(streams) or 'none'}")
     except Exception as err:  # noqa: BLE001 - any NATS failure must still let the job go
         logger.warning("could not delete NATS streams of %s/%s: %r", ns, name, err)

@@ -19,9 +19,16 @@ import kopf
 from pipelinerl_operator.render import FIELD_MANAGER
 
 PLURALS = {
-    "ConfigMap": "configmaps", "Service": "services", "StatefulSet": "statefulsets", "Pod": "pods",
-    "PipelineRLJob": "pipelinerljobs", "Event": "events", "Secret": "secrets", "NetworkPolicy": "networkpolicies",
-    "ServiceAccount": "serviceaccounts", "PodGroup": "podgroups",
+    "ConfigMap": "configmaps",
+    "Service": "services",
+    "StatefulSet": "statefulsets",
+    "Pod": "pods",
+    "PipelineRLJob": "pipelinerljobs",
+    "Event": "events",
+    "Secret": "secrets",
+    "NetworkPolicy": "networkpolicies",
+    "ServiceAccount": "serviceaccounts",
+    "PodGroup": "podgroups",
 }
 
 
@@ -89,12 +96,21 @@ class Kube:
             return {"Authorization": f"{self._info.scheme or 'Bearer'} {self._info.token}"}
         return {}
 
-    async def _request(self, method: str, path: str, body: Any = None, *, params: dict[str, str] | None = None,
-                       content_type: str = "application/json") -> dict[str, Any] | None:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        params: dict[str, str] | None = None,
+        content_type: str = "application/json",
+    ) -> dict[str, Any] | None:
         if self._session is None or self._session.closed:
             auth = aiohttp.BasicAuth(self._info.username, self._info.password or "") if self._info.username else None
             self._session = aiohttp.ClientSession(
-                base_url=self._info.server.rstrip("/") + "/", timeout=self._timeout, auth=auth,
+                base_url=self._info.server.rstrip("/") + "/",
+                timeout=self._timeout,
+                auth=auth,
                 connector=aiohttp.TCPConnector(ssl=_ssl_context(self._info)),
             )
         headers = {**self._headers(), "Content-Type": content_type}
@@ -111,7 +127,9 @@ class Kube:
         return await self._request("GET", object_path(api_version, kind, namespace, name))
 
     async def list(self, api_version: str, kind: str, namespace: str | None, selector: str) -> list[dict[str, Any]]:
-        result = await self._request("GET", object_path(api_version, kind, namespace), params={"labelSelector": selector})
+        result = await self._request(
+            "GET", object_path(api_version, kind, namespace), params={"labelSelector": selector}
+        )
         return (result or {}).get("items", [])
 
     async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -120,11 +138,16 @@ class Kube:
         meta = obj["metadata"]
         path = object_path(obj["apiVersion"], obj["kind"], meta.get("namespace"), meta["name"])
         applied = await self._request(
-            "PATCH", path, obj, params={"fieldManager": FIELD_MANAGER, "force": "true"},
+            "PATCH",
+            path,
+            obj,
+            params={"fieldManager": FIELD_MANAGER, "force": "true"},
             content_type="application/apply-patch+yaml",  # JSON is valid YAML
         )
         if applied is None:
-            created = await self._request("POST", object_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), obj)
+            created = await self._request(
+                "POST", object_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), obj
+            )
             return created or {}
         return applied
 

@@ -8,9 +8,13 @@ from pipelinerl.crd import PHASES
 
 REGISTRY = CollectorRegistry()
 JOBS = Gauge("pipelinerl_operator_jobs", "PipelineRLJobs by phase", ["namespace", "phase"], registry=REGISTRY)
-RECONCILE_ERRORS = Counter("pipelinerl_operator_reconcile_errors_total", "Failed reconciliations", ["namespace"], registry=REGISTRY)
+RECONCILE_ERRORS = Counter(
+    "pipelinerl_operator_reconcile_errors_total", "Failed reconciliations", ["namespace"], registry=REGISTRY
+)
 RECONCILE_SECONDS = Histogram(
-    "pipelinerl_operator_reconcile_duration_seconds", "Reconciliation time", registry=REGISTRY,
+    "pipelinerl_operator_reconcile_duration_seconds",
+    "Reconciliation time",
+    registry=REGISTRY,
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
 JOB_STEP = Gauge("pipelinerl_job_step", "Trainer step of a job", ["namespace", "job"], registry=REGISTRY)

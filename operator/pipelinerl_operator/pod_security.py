@@ -17,22 +17,37 @@ from collections.abc import Iterator
 from typing import Any
 
 # Restricted: volume types a pod may use.
-VOLUME_TYPES = frozenset({"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                          "projected", "secret"})
+VOLUME_TYPES = frozenset(
+    {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
+)
 ADDABLE_CAPABILITIES = frozenset({"NET_BIND_SERVICE"})
 # Baseline: the sysctls any pod may set (the "safe" set, namespaced to the pod).
-SAFE_SYSCTLS = frozenset({"kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.ip_unprivileged_port_start",
-                          "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_local_reserved_ports",
-                          "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl",
-                          "net.ipv4.tcp_keepalive_probes"})
+SAFE_SYSCTLS = frozenset(
+    {
+        "kernel.shm_rmid_forced",
+        "net.ipv4.ip_local_port_range",
+        "net.ipv4.ip_unprivileged_port_start",
+        "net.ipv4.tcp_syncookies",
+        "net.ipv4.ping_group_range",
+        "net.ipv4.ip_local_reserved_ports",
+        "net.ipv4.tcp_keepalive_time",
+        "net.ipv4.tcp_fin_timeout",
+        "net.ipv4.tcp_keepalive_intvl",
+        "net.ipv4.tcp_keepalive_probes",
+    }
+)
 SELINUX_TYPES = frozenset({"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"})
 SECCOMP_TYPES = frozenset({"RuntimeDefault", "Localhost"})
 APPARMOR_ANNOTATION = "container.apparmor.security.beta.kubernetes.io/"
 CREDENTIALS_SUFFIX = "-pipelinerl-credentials"  # every job's Secret of credentials ends so (render.secret_name)
 # The chart's own Secrets ("<release>-pipelinerl-<suffix>": its fullname always ends in -pipelinerl):
 # the install's key, the NATS accounts and route credentials, the webhook's certificate.
-INSTALL_SECRET_SUFFIXES = ("-pipelinerl-auth", "-pipelinerl-nats-accounts", "-pipelinerl-nats-routes",
-                           "-pipelinerl-operator-webhook")
+INSTALL_SECRET_SUFFIXES = (
+    "-pipelinerl-auth",
+    "-pipelinerl-nats-accounts",
+    "-pipelinerl-nats-routes",
+    "-pipelinerl-operator-webhook",
+)
 
 
 def pod_violations(pod: dict[str, Any], *, service_account: str, own_secret: str) -> list[str]:
@@ -68,12 +83,16 @@ def pod_violations(pod: dict[str, Any], *, service_account: str, own_secret: str
         kinds = [k for k in volume if k != "name"]
         for kind in kinds:
             if kind not in VOLUME_TYPES:
-                bad(f"spec.volumes[{name}].{kind}", f"{kind} volumes are not allowed (restricted: "
-                    f"{', '.join(sorted(VOLUME_TYPES))})")
+                bad(
+                    f"spec.volumes[{name}].{kind}",
+                    f"{kind} volumes are not allowed (restricted: {', '.join(sorted(VOLUME_TYPES))})",
+                )
         for j, source in enumerate((volume.get("projected") or {}).get("sources") or []):
             if "serviceAccountToken" in source:
-                bad(f"spec.volumes[{name}].projected.sources[{j}].serviceAccountToken",
-                    "job pods never call the Kubernetes API: no ServiceAccount token")
+                bad(
+                    f"spec.volumes[{name}].projected.sources[{j}].serviceAccountToken",
+                    "job pods never call the Kubernetes API: no ServiceAccount token",
+                )
     for path, secret in _secret_references(spec):
         if secret.endswith(INSTALL_SECRET_SUFFIXES):
             bad(path, f"Secret {secret!r} is the PipelineRL install's own")
@@ -103,8 +122,10 @@ def pod_violations(pod: dict[str, Any], *, service_account: str, own_secret: str
                 bad(f"{where}.securityContext.procMount", "must be Default")
             for port in c.get("ports") or []:
                 if port.get("hostPort"):
-                    bad(f"{where}.ports[{port.get('name', port.get('containerPort'))}].hostPort",
-                        "host ports are not allowed")
+                    bad(
+                        f"{where}.ports[{port.get('name', port.get('containerPort'))}].hostPort",
+                        "host ports are not allowed",
+                    )
     return out
 
 
@@ -138,7 +159,10 @@ def _secret_references(spec: dict[str, Any]) -> Iterator[tuple[str, str]]:
             yield f"spec.volumes[{name}].secret.secretName", (volume["secret"] or {}).get("secretName", "")
         for j, source in enumerate((volume.get("projected") or {}).get("sources") or []):
             if "secret" in source:
-                yield f"spec.volumes[{name}].projected.sources[{j}].secret.name", (source["secret"] or {}).get("name", "")
+                yield (
+                    f"spec.volumes[{name}].projected.sources[{j}].secret.name",
+                    (source["secret"] or {}).get("name", ""),
+                )
     for kind in ("initContainers", "containers"):
         for c in spec.get(kind) or []:
             where = f"spec.{kind}[{c.get('name', '?')}]"

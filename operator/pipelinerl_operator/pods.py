@@ -9,8 +9,15 @@ from typing import Any
 from pipelinerl.contracts import ROLE_LABEL
 
 # Container waiting reasons that will not clear by themselves.
-WAITING = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "CrashLoopBackOff",
-           "CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+WAITING = (
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "CrashLoopBackOff",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+)
 REASONS = frozenset({*WAITING, "OOMKilled", "Unschedulable"})
 
 
@@ -37,7 +44,7 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
         found = None
         for c in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
             waiting = (c.get("state") or {}).get("waiting") or {}
-            killed = ((c.get("state") or {}).get("terminated") or (c.get("lastState") or {}).get("terminated") or {})
+            killed = (c.get("state") or {}).get("terminated") or (c.get("lastState") or {}).get("terminated") or {}
             if killed.get("reason") == "OOMKilled":
                 limit = f" (exit code {killed.get('exitCode')}): raise the role's memory limit"
                 found = PodProblem(role, name, c.get("name"), "OOMKilled", f"killed for memory{limit}")
@@ -63,6 +70,13 @@ def trainer_gang_to_restart(pods: list[dict[str, Any]], update_revision: str | N
     pod at a time, new ranks would meet old ones in a collective that never completes). Each
     checkpoints on SIGTERM, and the new gang resumes from there. None while nothing is stale."""
     trainers = [p for p in pods if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) == "trainer"]
-    stale = [p for p in trainers if update_revision and (p["metadata"].get("labels") or {}).get(REVISION_LABEL)
-             not in (None, update_revision) and not p["metadata"].get("deletionTimestamp")]
-    return sorted(p["metadata"]["name"] for p in trainers if not p["metadata"].get("deletionTimestamp")) if stale else []
+    stale = [
+        p
+        for p in trainers
+        if update_revision
+        and (p["metadata"].get("labels") or {}).get(REVISION_LABEL) not in (None, update_revision)
+        and not p["metadata"].get("deletionTimestamp")
+    ]
+    return (
+        sorted(p["metadata"]["name"] for p in trainers if not p["metadata"].get("deletionTimestamp")) if stale else []
+    )

@@ -19,9 +19,29 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from pipelinerl.contracts import (
-    CONFIG_HASH_ANNOTATION, HTTP_PORT, JOB_FILE, JOB_SECRET_KEYS, JOB_FILE_DIR, JOB_LABEL, KUEUE_POD_GROUP_COUNT_ANNOTATION,
-    KUEUE_POD_GROUP_LABEL, KUEUE_PREFIX, KUEUE_QUEUE_LABEL, MASTER_PORT, POD_GROUP_LABEL, POD_INDEX_LABEL,
-    POD_CACHE_DIR, POD_GROUP_API, POD_OUTPUT_DIR, POD_RUN_DIR, POD_TMP_DIR, POD_USER, ROLE_LABEL, ROLES, Env, ServiceEnv,
+    CONFIG_HASH_ANNOTATION,
+    HTTP_PORT,
+    JOB_FILE,
+    JOB_SECRET_KEYS,
+    JOB_FILE_DIR,
+    JOB_LABEL,
+    KUEUE_POD_GROUP_COUNT_ANNOTATION,
+    KUEUE_POD_GROUP_LABEL,
+    KUEUE_PREFIX,
+    KUEUE_QUEUE_LABEL,
+    MASTER_PORT,
+    POD_GROUP_LABEL,
+    POD_INDEX_LABEL,
+    POD_CACHE_DIR,
+    POD_GROUP_API,
+    POD_OUTPUT_DIR,
+    POD_RUN_DIR,
+    POD_TMP_DIR,
+    POD_USER,
+    ROLE_LABEL,
+    ROLES,
+    Env,
+    ServiceEnv,
 )
 from pipelinerl.spec import API_VERSION, KIND, PipelineRLJob, RoleSpec, dump_job
 from pipelinerl_operator.credentials import job_credentials, secret_data
@@ -119,14 +139,20 @@ def _labels(job: PipelineRLJob, role: str | None) -> dict[str, str]:
 
 def owner_reference(job: PipelineRLJob, uid: str) -> dict[str, Any]:
     return {
-        "apiVersion": API_VERSION, "kind": KIND, "name": job.name, "uid": uid,
-        "controller": True, "blockOwnerDeletion": True,
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": job.name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
     }
 
 
 def _metadata(job: PipelineRLJob, namespace: str, uid: str, name: str, role: str | None) -> dict[str, Any]:
     return {
-        "name": name, "namespace": namespace, "labels": _labels(job, role),
+        "name": name,
+        "namespace": namespace,
+        "labels": _labels(job, role),
         "ownerReferences": [owner_reference(job, uid)],
     }
 
@@ -148,7 +174,9 @@ def merge_pod(user: Any, ours: Any) -> Any:
             return copy.deepcopy(ours) if ours else copy.deepcopy(user)
         ours_by_name = {x["name"]: x for x in ours}
         user_names = {x["name"] for x in user}
-        merged = [merge_pod(x, ours_by_name[x["name"]]) if x["name"] in ours_by_name else copy.deepcopy(x) for x in user]
+        merged = [
+            merge_pod(x, ours_by_name[x["name"]]) if x["name"] in ours_by_name else copy.deepcopy(x) for x in user
+        ]
         return merged + [copy.deepcopy(x) for x in ours if x["name"] not in user_names]
     return copy.deepcopy(ours)
 
@@ -178,24 +206,33 @@ def service_env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConf
     # Trainer pods start one rank per GPU; their rank is the pod's index, from which each
     # rank process derives its own: index × ranks per pod + local rank (pipelinerl.pod_ranks).
     return ServiceEnv(
-        role, world_size=job.spec.trainer_ranks if trainer else None,
+        role,
+        world_size=job.spec.trainer_ranks if trainer else None,
         nats_url=job.spec.nats.url or cfg.nats_url,
-        weights_addr=f"{trainer_host(job, namespace)}:{job.spec.weight_sync.port}", run_dir=POD_RUN_DIR,
+        weights_addr=f"{trainer_host(job, namespace)}:{job.spec.weight_sync.port}",
+        run_dir=POD_RUN_DIR,
         output_dir=POD_OUTPUT_DIR if trainer and output and output.claim_name else None,
         ranks_per_pod=job.spec.trainer_ranks_per_pod if trainer else None,
         stream_replicas=cfg.nats_replicas if cfg.nats_replicas > 1 and on_chart_nats(job) else None,
-        master_addr=trainer_host(job, namespace) if trainer else None, master_port=MASTER_PORT if trainer else None)
+        master_addr=trainer_host(job, namespace) if trainer else None,
+        master_port=MASTER_PORT if trainer else None,
+    )
 
 
 def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> list[dict[str, Any]]:
     rank = {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}
-    env = [{"name": name, "valueFrom": rank} if name == Env.RANK else {"name": name, "value": value}
-           for name, value in service_env(job, role, namespace, cfg).to_environ().items()]
+    env = [
+        {"name": name, "valueFrom": rank} if name == Env.RANK else {"name": name, "value": value}
+        for name, value in service_env(job, role, namespace, cfg).to_environ().items()
+    ]
     spec: RoleSpec = getattr(job.spec, role)
     # The root filesystem is read-only: caches and home go to volumes (a user's env may move them).
     env += [{"name": Env.CACHE, "value": POD_CACHE_DIR}, {"name": Env.HOME, "value": POD_TMP_DIR}]
-    env += [{"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name(job.name), "key": key}}}
-            for key, name in JOB_SECRET_KEYS.items() if _uses_secret(job, cfg, key)]
+    env += [
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name(job.name), "key": key}}}
+        for key, name in JOB_SECRET_KEYS.items()
+        if _uses_secret(job, cfg, key)
+    ]
     return env + [e.model_dump(mode="json", by_alias=True, exclude_none=True) for e in spec.env]
 
 
@@ -253,8 +290,10 @@ def _ports(job: PipelineRLJob, role: str) -> list[dict[str, Any]]:
 
 def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     return {
-        "httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
-        "timeoutSeconds": 5, "failureThreshold": failures,
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
     }
 
 
@@ -275,7 +314,9 @@ def _pod_labels(job: PipelineRLJob, role: str) -> tuple[dict[str, str], dict[str
         labels[KUEUE_QUEUE_LABEL] = scheduling.queue_name
         if gang:  # Kueue admits the pods of a pod group together
             labels[KUEUE_POD_GROUP_LABEL] = gang_name(job.name)
-            annotations[KUEUE_POD_GROUP_COUNT_ANNOTATION] = str(replicas(job, "trainer") + replicas(job, "preprocessor"))
+            annotations[KUEUE_POD_GROUP_COUNT_ANNOTATION] = str(
+                replicas(job, "trainer") + replicas(job, "preprocessor")
+            )
     if scheduling.scheduler_name and gang:  # coscheduling-style gang schedulers group pods by this label
         labels[POD_GROUP_LABEL] = gang_name(job.name)
     return labels, annotations
@@ -283,8 +324,11 @@ def _pod_labels(job: PipelineRLJob, role: str) -> tuple[dict[str, str], dict[str
 
 # Locked down (the "restricted" Pod Security Standard): writes go to the pod's volumes only. A
 # sidecar from the user's podTemplate gets the same.
-CONTAINER_SECURITY = {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
-                      "capabilities": {"drop": ["ALL"]}}
+CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
 
 
 def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> dict[str, Any]:
@@ -323,13 +367,19 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorCon
     if role == "trainer" and output and output.claim_name:  # the user's claim: outlives the job
         volumes.append({"name": "output", "persistentVolumeClaim": {"claimName": output.claim_name}})
         container["volumeMounts"].append(
-            {"name": "output", "mountPath": POD_OUTPUT_DIR, "subPath": output.sub_path or job.name})
+            {"name": "output", "mountPath": POD_OUTPUT_DIR, "subPath": output.sub_path or job.name}
+        )
     pod_spec: dict[str, Any] = {
         "serviceAccountName": service_account_name(job.name, cfg),
         "automountServiceAccountToken": False,  # job pods never call the Kubernetes API
         "terminationGracePeriodSeconds": 60,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": POD_USER, "runAsGroup": POD_USER,
-                            "fsGroup": POD_USER, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": POD_USER,
+            "runAsGroup": POD_USER,
+            "fsGroup": POD_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "containers": [container],
         "volumes": volumes,
     }
@@ -362,7 +412,8 @@ def config_map(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, Any]:
     # The pods name the job's streams by its namespace: it is in the manifest they read.
     placed = job.model_copy(update={"metadata": job.metadata.model_copy(update={"namespace": namespace})})
     return {
-        "apiVersion": "v1", "kind": "ConfigMap",
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
         "metadata": _metadata(job, namespace, uid, config_map_name(job.name), None),
         "data": {"job.yaml": dump_job(placed)},
     }
@@ -372,14 +423,18 @@ def service_account(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, A
     """The job's pods' own identity, wherever the job runs (no role is bound to it; its token is
     not mounted): a binding of the user's may give it cloud permissions (object-store access)."""
     return {
-        "apiVersion": "v1", "kind": "ServiceAccount", "automountServiceAccountToken": False,
+        "apiVersion": "v1",
+        "kind": "ServiceAccount",
+        "automountServiceAccountToken": False,
         "metadata": _metadata(job, namespace, uid, owned_name(job.name), None),
     }
 
 
 def secret(job: PipelineRLJob, namespace: str, uid: str, key: str) -> dict[str, Any]:
     return {
-        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
         "metadata": _metadata(job, namespace, uid, secret_name(job.name), None),
         "data": secret_data(job_credentials(key, namespace, job.name, uid)),
     }
@@ -397,8 +452,9 @@ def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorCo
     Egress (where the install restricts it): to its own pods, NATS, DNS, and what the job lists."""
     own = {"podSelector": {"matchLabels": {JOB_LABEL: job.name}}}
     readers = [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD)}}]
-    readers += [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}
-                for ns in cfg.metrics_namespaces]
+    readers += [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}} for ns in cfg.metrics_namespaces
+    ]
     spec: dict[str, Any] = {
         "podSelector": {"matchLabels": {JOB_LABEL: job.name}},
         "policyTypes": ["Ingress"],
@@ -406,21 +462,32 @@ def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorCo
     }
     if cfg.restrict_egress:
         spec["policyTypes"].append("Egress")
-        spec["egress"] = [{"to": [own]}, _nats_egress(job, cfg),
-                          {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]},
-                          *copy.deepcopy(job.spec.network.egress)]
+        spec["egress"] = [
+            {"to": [own]},
+            _nats_egress(job, cfg),
+            {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]},
+            *copy.deepcopy(job.spec.network.egress),
+        ]
     return {
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": _metadata(job, namespace, uid, owned_name(job.name), None), "spec": spec,
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(job, namespace, uid, owned_name(job.name), None),
+        "spec": spec,
     }
 
 
 def _nats_egress(job: PipelineRLJob, cfg: OperatorConfig) -> dict[str, Any]:
     """The chart's NATS pods on its client port; a job's own servers: their ports, anywhere."""
     if on_chart_nats(job):
-        return {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": cfg.namespace}},
-                        "podSelector": {"matchLabels": dict(NATS_POD)}}],
-                "ports": [{"port": NATS_CLIENT_PORT, "protocol": "TCP"}]}
+        return {
+            "to": [
+                {
+                    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": cfg.namespace}},
+                    "podSelector": {"matchLabels": dict(NATS_POD)},
+                }
+            ],
+            "ports": [{"port": NATS_CLIENT_PORT, "protocol": "TCP"}],
+        }
     ports = sorted({urlsplit(u.strip()).port or NATS_CLIENT_PORT for u in (job.spec.nats.url or "").split(",")})
     return {"ports": [{"port": p, "protocol": "TCP"} for p in ports]}
 
@@ -429,7 +496,8 @@ def pod_group(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, Any]:
     """The gang as coscheduling-style gang schedulers read it (scheduler-plugins' PodGroup): the
     pods carrying POD_GROUP_LABEL are bound together or not at all."""
     return {
-        "apiVersion": POD_GROUP_API, "kind": "PodGroup",
+        "apiVersion": POD_GROUP_API,
+        "kind": "PodGroup",
         "metadata": _metadata(job, namespace, uid, gang_name(job.name), None),
         "spec": {"minMember": replicas(job, "trainer") + replicas(job, "preprocessor")},
     }
@@ -441,7 +509,8 @@ def service(job: PipelineRLJob, role: str, namespace: str, uid: str) -> dict[str
         for p in _ports(job, role)
     ]
     return {
-        "apiVersion": "v1", "kind": "Service",
+        "apiVersion": "v1",
+        "kind": "Service",
         "metadata": _metadata(job, namespace, uid, role_name(job.name, role), role),
         "spec": {
             "clusterIP": "None",
@@ -455,11 +524,20 @@ def service(job: PipelineRLJob, role: str, namespace: str, uid: str) -> dict[str
 def volumes_deletable(job: PipelineRLJob, output_written: bool) -> bool:
     """Whether the trainer volumes may go with the job (`runPolicy.checkpointRetention`)."""
     retention = job.spec.run_policy.checkpoint_retention
-    return retention == "Delete" or (retention == "DeleteAfterOutput" and job.spec.output is not None and output_written)
+    return retention == "Delete" or (
+        retention == "DeleteAfterOutput" and job.spec.output is not None and output_written
+    )
 
 
-def stateful_set(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: OperatorConfig, active: bool,
-                 output_written: bool = False) -> dict[str, Any]:
+def stateful_set(
+    job: PipelineRLJob,
+    role: str,
+    namespace: str,
+    uid: str,
+    cfg: OperatorConfig,
+    active: bool,
+    output_written: bool = False,
+) -> dict[str, Any]:
     name = role_name(job.name, role)
     spec: dict[str, Any] = {
         "serviceName": name,
@@ -483,9 +561,12 @@ def stateful_set(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
         # Checkpoints survive suspend (scale to 0); with the job they go per the retention policy,
         # never while they hold the only copy of a model the job was to write out.
         spec["persistentVolumeClaimRetentionPolicy"] = {
-            "whenDeleted": "Delete" if volumes_deletable(job, output_written) else "Retain", "whenScaled": "Retain"}
+            "whenDeleted": "Delete" if volumes_deletable(job, output_written) else "Retain",
+            "whenScaled": "Retain",
+        }
     return {
-        "apiVersion": "apps/v1", "kind": "StatefulSet",
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
         "metadata": _metadata(job, namespace, uid, name, role),
         "spec": spec,
     }
@@ -504,12 +585,15 @@ def validate_renderable(job: PipelineRLJob) -> None:
             )
         for c in containers:
             if c["name"] != role and not c.get("image"):
-                raise RenderError(f"{role}.podTemplate.spec.containers[{c['name']}].image: a sidecar needs an image "
-                                  f"(only the {role!r} container gets the job's)")
+                raise RenderError(
+                    f"{role}.podTemplate.spec.containers[{c['name']}].image: a sidecar needs an image "
+                    f"(only the {role!r} container gets the job's)"
+                )
 
 
-def render(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig, active: bool = True,
-           output_written: bool = False) -> list[dict[str, Any]]:
+def render(
+    job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig, active: bool = True, output_written: bool = False
+) -> list[dict[str, Any]]:
     """Every child object of the job; `active=False` (suspended, finished) scales all roles to zero;
     `output_written`: the job succeeded with its output written (see `volumes_deletable`)."""
     validate_renderable(job)
@@ -534,8 +618,13 @@ def check_pods(job: PipelineRLJob, objects: list[dict[str, Any]], cfg: OperatorC
     for obj in objects:
         if obj["kind"] == "StatefulSet":
             role = obj["metadata"]["labels"][ROLE_LABEL]
-            problems += [f"{role}.{v}" for v in pod_violations(
-                obj["spec"]["template"], service_account=service_account_name(job.name, cfg),
-                own_secret=secret_name(job.name))]
+            problems += [
+                f"{role}.{v}"
+                for v in pod_violations(
+                    obj["spec"]["template"],
+                    service_account=service_account_name(job.name, cfg),
+                    own_secret=secret_name(job.name),
+                )
+            ]
     if problems:
         raise RenderError(*problems)

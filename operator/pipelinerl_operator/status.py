@@ -19,12 +19,30 @@ from pipelinerl_operator.pods import PodProblem
 
 ROLE_CONDITIONS = {"generator": "GeneratorsReady", "preprocessor": "PreprocessorReady", "trainer": "TrainerReady"}
 # The fixed vocabulary of Event reasons the operator posts (docs/kubernetes.md lists them).
-EVENT_REASONS = frozenset({
-    "Created", "Updated", "InvalidSpec", "Ready", "NotReady", "Degraded", "Recovered", "Suspended",
-    "Resumed", "Succeeded", "Failed", "BackoffLimitExceeded", "DeadlineExceeded", "TTLExpired",
-    "StreamsDeleted", "StreamsDeleteFailed", "ApplyRefused", "ProgressDeadlineExceeded", "TrainerGangRestarted",
-    *POD_REASONS,
-})
+EVENT_REASONS = frozenset(
+    {
+        "Created",
+        "Updated",
+        "InvalidSpec",
+        "Ready",
+        "NotReady",
+        "Degraded",
+        "Recovered",
+        "Suspended",
+        "Resumed",
+        "Succeeded",
+        "Failed",
+        "BackoffLimitExceeded",
+        "DeadlineExceeded",
+        "TTLExpired",
+        "StreamsDeleted",
+        "StreamsDeleteFailed",
+        "ApplyRefused",
+        "ProgressDeadlineExceeded",
+        "TrainerGangRestarted",
+        *POD_REASONS,
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -46,7 +64,9 @@ class Observed:
     suspend: bool = False
     roles: dict[str, RoleObserved] = field(default_factory=dict)
     trainer_status: TrainerStatus | None = None  # trainer rank 0 `/status`; None: unreachable
-    pod_restarts: Mapping[str, int] = field(default_factory=dict)  # container restarts per pod of runPolicy.failingRoles
+    pod_restarts: Mapping[str, int] = field(
+        default_factory=dict
+    )  # container restarts per pod of runPolicy.failingRoles
     backoff_limit: int = 3
     active_deadline_seconds: int | None = None  # counted from creation, suspended time left out
     progress_deadline_seconds: int | None = None  # no new policy version for this long: not progressing
@@ -93,17 +113,24 @@ class _Conditions:
         status = "True" if ok else "False"
         before = self._previous.get(type_)
         since = before["lastTransitionTime"] if before and before.get("status") == status else self._now
-        self.items.append({
-            "type": type_, "status": status, "reason": reason, "message": message,
-            "lastTransitionTime": since, "observedGeneration": self._generation,
-        })
+        self.items.append(
+            {
+                "type": type_,
+                "status": status,
+                "reason": reason,
+                "message": message,
+                "lastTransitionTime": since,
+                "observedGeneration": self._generation,
+            }
+        )
 
     def get(self, type_: str) -> bool:
         return any(c["type"] == type_ and c["status"] == "True" for c in self.items)
 
 
-def _role_condition(conds: _Conditions, type_: str, role: RoleObserved, active: bool,
-                    problems: list[PodProblem]) -> None:
+def _role_condition(
+    conds: _Conditions, type_: str, role: RoleObserved, active: bool, problems: list[PodProblem]
+) -> None:
     counts = f"{role.ready}/{role.desired} ready"
     if not active:
         conds.set(type_, False, "ScaledDown", counts)
@@ -155,7 +182,12 @@ def count_failures(prev: dict[str, Any], restarts: Mapping[str, int], now: datet
     incident = copy.deepcopy(prev.get("lastIncident"))
     for pod, count in sorted(restarts.items()):
         rise = count - int(seen.get(pod, 0))
-        if rise > 0 and incident and now - parse_ts(incident["time"]) <= INCIDENT_WINDOW and pod not in incident["pods"]:
+        if (
+            rise > 0
+            and incident
+            and now - parse_ts(incident["time"]) <= INCIDENT_WINDOW
+            and pod not in incident["pods"]
+        ):
             incident["pods"].append(pod)
             rise -= 1
         if rise > 0:
@@ -188,12 +220,16 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
             phase, fail_message = "Succeeded", f"trainer finished at step {progress.get('step', 0)}"
         elif failures > obs.backoff_limit:
             phase, fail_reason = "Failed", "BackoffLimitExceeded"
-            fail_message = f"pods failed {failures} times (runPolicy.backoffLimit {obs.backoff_limit}; pods " \
-                           f"restarting together count once; incident: {', '.join(incident['pods']) if incident else ''})"
+            fail_message = (
+                f"pods failed {failures} times (runPolicy.backoffLimit {obs.backoff_limit}; pods "
+                f"restarting together count once; incident: {', '.join(incident['pods']) if incident else ''})"
+            )
         elif deadline and not obs.suspend and (_running_seconds(obs, clocks) or 0) > deadline:
             phase, fail_reason = "Failed", "DeadlineExceeded"
-            fail_message = f"not finished within runPolicy.activeDeadlineSeconds ({deadline}s) of its creation " \
-                           f"(suspended time not counted)"
+            fail_message = (
+                f"not finished within runPolicy.activeDeadlineSeconds ({deadline}s) of its creation "
+                f"(suspended time not counted)"
+            )
     terminal = phase in ("Succeeded", "Failed")
     suspended = obs.suspend and not terminal
     active = not suspended and not terminal and obs.spec_error is None
@@ -211,10 +247,16 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
         conds.set("WeightSyncReady", True, "GroupFormed", f"policy version {progress.get('version', 0)}")
 
     stalled = ""
-    if active and obs.progress_deadline_seconds and prev.get("phase") == "Running" and \
-            obs.now - parse_ts(clocks["lastProgressTime"]) > timedelta(seconds=obs.progress_deadline_seconds):
-        stalled = (f"no new policy version since {clocks['lastProgressTime']} (version {progress.get('version', 0)}; "
-                   f"runPolicy.progressDeadlineSeconds {obs.progress_deadline_seconds})")
+    if (
+        active
+        and obs.progress_deadline_seconds
+        and prev.get("phase") == "Running"
+        and obs.now - parse_ts(clocks["lastProgressTime"]) > timedelta(seconds=obs.progress_deadline_seconds)
+    ):
+        stalled = (
+            f"no new policy version since {clocks['lastProgressTime']} (version {progress.get('version', 0)}; "
+            f"runPolicy.progressDeadlineSeconds {obs.progress_deadline_seconds})"
+        )
     if obs.spec_error is not None:
         phase = phase or prev.get("phase") or "Pending"
         ready_reason, ready_message = "InvalidSpec", obs.spec_error
@@ -226,7 +268,11 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
     elif suspended:
         phase, ready_reason, ready_message = "Suspended", "Suspended", "spec.suspend is true; all roles scaled to zero"
     else:
-        not_ready = [c for c in conds.items if c["type"] in (*ROLE_CONDITIONS.values(), "WeightSyncReady") and c["status"] != "True"]
+        not_ready = [
+            c
+            for c in conds.items
+            if c["type"] in (*ROLE_CONDITIONS.values(), "WeightSyncReady") and c["status"] != "True"
+        ]
         ready_reason = f"{not_ready[0]['type'].removesuffix('Ready')}NotReady" if not_ready else "AllComponentsReady"
         ready_message = "; ".join(f"{c['type']}: {c['reason']} {c['message']}".strip() for c in not_ready)
         started = roles["trainer"].ready > 0 and roles["generator"].ready > 0
@@ -243,44 +289,68 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
         degraded_reason = "LearningStalled"  # the trainer steps, but learns nothing: see the message
     elif active and phase == "Running" and 0 < gen.ready < gen.desired:
         degraded_reason = "GeneratorsMissing"
-    elif active and phase == "Running" and progress.get("step", 0) > 0 and in_group is not None and in_group < gen.desired:
+    elif (
+        active
+        and phase == "Running"
+        and progress.get("step", 0) > 0
+        and in_group is not None
+        and in_group < gen.desired
+    ):
         degraded_reason = "GeneratorsOutOfWeightGroup"  # pods up, but dropped from (or not yet back in) the group
     elif active and failures > 0:
         degraded_reason = "PodsRestarted"
     group = f", {in_group} in the weight group (epoch {progress.get('weightEpoch')})" if in_group is not None else ""
     message = f"{gen.ready}/{gen.desired} generators ready{group}, {failures} pod failures"
-    conds.set("Degraded", bool(degraded_reason), degraded_reason or "AsExpected",
-              (f"{alarm}; {message}" if alarm else message) if degraded_reason else "")
+    conds.set(
+        "Degraded",
+        bool(degraded_reason),
+        degraded_reason or "AsExpected",
+        (f"{alarm}; {message}" if alarm else message) if degraded_reason else "",
+    )
     if stalled:
         conds.set("Progressing", False, "ProgressDeadlineExceeded", stalled)
     else:
-        conds.set("Progressing", active, "Training" if ready else ("Starting" if active else (ready_reason or "Stopped")),
-                  f"step {progress.get('step', 0)}" if active else "")
+        conds.set(
+            "Progressing",
+            active,
+            "Training" if ready else ("Starting" if active else (ready_reason or "Stopped")),
+            f"step {progress.get('step', 0)}" if active else "",
+        )
     conds.set("Suspended", suspended, "Suspended" if suspended else "NotSuspended")
-    conds.set("Succeeded", phase == "Succeeded", "Succeeded" if phase == "Succeeded" else "NotFinished",
-              fail_message if phase == "Succeeded" else "")
-    conds.set("Failed", phase == "Failed", fail_reason if phase == "Failed" else "NotFailed",
-              fail_message if phase == "Failed" else "")
+    conds.set(
+        "Succeeded",
+        phase == "Succeeded",
+        "Succeeded" if phase == "Succeeded" else "NotFinished",
+        fail_message if phase == "Succeeded" else "",
+    )
+    conds.set(
+        "Failed",
+        phase == "Failed",
+        fail_reason if phase == "Failed" else "NotFailed",
+        fail_message if phase == "Failed" else "",
+    )
 
     if phase == "Running" and not start_time:
         start_time = now
     if terminal and not completion_time:
         completion_time = now
-    status = JobStatus.model_validate({
-        "observedGeneration": obs.generation,
-        "phase": phase,
-        "conditions": conds.items,
-        "roles": {r: {"desired": o.desired, "replicas": o.replicas, "ready": o.ready} for r, o in roles.items()},
-        "generatorsReady": f"{gen.ready}/{gen.desired}",
-        "generatorSelector": obs.generator_selector,
-        "progress": progress,
-        "failures": failures,
-        "podRestarts": dict(obs.pod_restarts),
-        "lastIncident": incident,
-        "startTime": start_time,
-        "completionTime": completion_time,
-        **clocks,
-    }).model_dump(by_alias=True, exclude_none=True)
+    status = JobStatus.model_validate(
+        {
+            "observedGeneration": obs.generation,
+            "phase": phase,
+            "conditions": conds.items,
+            "roles": {r: {"desired": o.desired, "replicas": o.replicas, "ready": o.ready} for r, o in roles.items()},
+            "generatorsReady": f"{gen.ready}/{gen.desired}",
+            "generatorSelector": obs.generator_selector,
+            "progress": progress,
+            "failures": failures,
+            "podRestarts": dict(obs.pod_restarts),
+            "lastIncident": incident,
+            "startTime": start_time,
+            "completionTime": completion_time,
+            **clocks,
+        }
+    ).model_dump(by_alias=True, exclude_none=True)
     return status, events_between(prev, status)
 
 
@@ -315,23 +385,40 @@ def events_between(prev: dict[str, Any], new: dict[str, Any]) -> list[Event]:
     degraded = _flipped(prev, new, "Degraded")
     if degraded is not None:
         d = _cond(new, "Degraded") or {}
-        events.append(Event("Warning", "Degraded", d["message"]) if degraded else Event("Normal", "Recovered", "no longer degraded"))
+        events.append(
+            Event("Warning", "Degraded", d["message"])
+            if degraded
+            else Event("Normal", "Recovered", "no longer degraded")
+        )
     suspended = _flipped(prev, new, "Suspended")
     if suspended is not None:
-        events.append(Event("Normal", "Suspended" if suspended else "Resumed",
-                            "scaled all roles to zero; checkpoints kept" if suspended else "scaling roles back up"))
+        events.append(
+            Event(
+                "Normal",
+                "Suspended" if suspended else "Resumed",
+                "scaled all roles to zero; checkpoints kept" if suspended else "scaling roles back up",
+            )
+        )
     if _flipped(prev, new, "Succeeded"):
         events.append(Event("Normal", "Succeeded", (_cond(new, "Succeeded") or {}).get("message", "")))
     for type_ in (*ROLE_CONDITIONS.values(), "Ready", "Progressing"):
         after, before = _cond(new, type_) or {}, _cond(prev, type_) or {}
         reason = after.get("reason")
-        if (reason in POD_REASONS or reason in ("ApplyRefused", "ProgressDeadlineExceeded")) and \
-                (reason, after.get("message")) != (before.get("reason"), before.get("message")) and \
-                not (type_ == "Ready" and reason == "ProgressDeadlineExceeded"):  # Progressing says it
+        if (
+            (reason in POD_REASONS or reason in ("ApplyRefused", "ProgressDeadlineExceeded"))
+            and (reason, after.get("message")) != (before.get("reason"), before.get("message"))
+            and not (type_ == "Ready" and reason == "ProgressDeadlineExceeded")
+        ):  # Progressing says it
             events.append(Event("Warning", reason, after.get("message", "")))
     if _flipped(prev, new, "Failed"):
         failed = _cond(new, "Failed") or {}
-        events.append(Event("Warning", failed["reason"] if failed["reason"] in EVENT_REASONS else "Failed", failed.get("message", "")))
+        events.append(
+            Event(
+                "Warning",
+                failed["reason"] if failed["reason"] in EVENT_REASONS else "Failed",
+                failed.get("message", ""),
+            )
+        )
     return events
 
 

@@ -14,18 +14,31 @@ from pipelinerl.contracts import JobSubjects
 from pipelinerl.streams import delete_streams
 
 
-async def _delete(url: str, subjects: JobSubjects, user: str | None, password: str | None,
-                  connect_timeout_s: float) -> list[str]:
-    nc = await nats.connect(servers=url.split(","), user=user, password=password, connect_timeout=connect_timeout_s,
-                            allow_reconnect=False, max_reconnect_attempts=0)
+async def _delete(
+    url: str, subjects: JobSubjects, user: str | None, password: str | None, connect_timeout_s: float
+) -> list[str]:
+    nc = await nats.connect(
+        servers=url.split(","),
+        user=user,
+        password=password,
+        connect_timeout=connect_timeout_s,
+        allow_reconnect=False,
+        max_reconnect_attempts=0,
+    )
     try:
         return await delete_streams(nc.jetstream(timeout=connect_timeout_s), subjects)
     finally:
         await nc.close()
 
 
-async def delete_job_streams(url: str, job_name: str, namespace: str, user: str | None = None,
-                             password: str | None = None, timeout_s: float = 10.0) -> list[str]:
+async def delete_job_streams(
+    url: str,
+    job_name: str,
+    namespace: str,
+    user: str | None = None,
+    password: str | None = None,
+    timeout_s: float = 10.0,
+) -> list[str]:
     """Names of the deleted streams (as the job's NATS user, where it has one); raises on
     failure (TimeoutError, connection errors)."""
     subjects = JobSubjects(job_name, namespace)

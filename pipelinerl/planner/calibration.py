@@ -79,8 +79,12 @@ class Calibration(BaseModel):
     pause_s: float = Field(default=0.0, ge=0)
     contention: float = Field(default=0.0, ge=0, description="slow-down of each role while the other computes")
     filtered_fraction: float = Field(
-        default=0.0, ge=0, lt=1, description="share of generated groups dropped by zero-variance filtering (all "
-                                             "attempts rewarded alike): a property of the task and model, like lengths")
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="share of generated groups dropped by zero-variance filtering (all "
+        "attempts rewarded alike): a property of the task and model, like lengths",
+    )
     lengths: Lengths
 
     def step_s(self, batch: int) -> float:

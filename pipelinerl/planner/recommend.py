@@ -53,8 +53,11 @@ class Plan:
 
 def splits(gpus: int, trainer_granularity: int, gpus_per_engine: int) -> list[int]:
     """Trainer device counts to try: whole trainer pods, the rest whole generator engines."""
-    return [t for t in range(trainer_granularity, gpus, trainer_granularity)
-            if (gpus - t) >= gpus_per_engine and (gpus - t) % gpus_per_engine == 0]
+    return [
+        t
+        for t in range(trainer_granularity, gpus, trainer_granularity)
+        if (gpus - t) >= gpus_per_engine and (gpus - t) % gpus_per_engine == 0
+    ]
 
 
 def _best(grid: list[int], run: Callable[[int], SimResult]) -> SimResult:
@@ -85,18 +88,35 @@ def plan(job: PipelineRLJob, gpus: int, calib: Calibration, lengths: Lengths | N
     spec = job.spec
     grid = splits(gpus, max(spec.trainer.gpus, 1), calib.gpus_per_engine)
     if not grid:
-        raise ValueError(f"--gpus {gpus} leaves no split: need at least one trainer pod "
-                         f"({max(spec.trainer.gpus, 1)} devices) and one generator engine ({calib.gpus_per_engine})")
+        raise ValueError(
+            f"--gpus {gpus} leaves no split: need at least one trainer pod "
+            f"({max(spec.trainer.gpus, 1)} devices) and one generator engine ({calib.gpus_per_engine})"
+        )
     filtered = calib.filtered_fraction if spec.rl.filter_zero_variance else 0.0
-    common: dict[str, Any] = dict(samples_per_step=spec.trainer.samples_per_step, attempts=spec.rl.attempts, calib=calib,
-                  max_tokens=spec.generator.sampling.max_tokens, lengths=lengths, seed=seed, filtered=filtered)
+    common: dict[str, Any] = dict(
+        samples_per_step=spec.trainer.samples_per_step,
+        attempts=spec.rl.attempts,
+        calib=calib,
+        max_tokens=spec.generator.sampling.max_tokens,
+        lengths=lengths,
+        seed=seed,
+        filtered=filtered,
+    )
 
     # The split at the largest lag (least constrained); throughput settles within a few steps,
     # so the search skips the long warm-up that lag statistics need. Then the lag at that split.
     # Only the pipeline caps its groups in flight (fresher samples); sync runs its step at once.
     def pipeline(t: int, lag: int, **kw) -> SimResult:
-        return simulate("pipeline", gpus - t, t, lag, wave_groups=wave_groups(job, t, lengths or calib.lengths),
-                        max_inflight=spec.generator.max_inflight_groups, **common, **kw)
+        return simulate(
+            "pipeline",
+            gpus - t,
+            t,
+            lag,
+            wave_groups=wave_groups(job, t, lengths or calib.lengths),
+            max_inflight=spec.generator.max_inflight_groups,
+            **common,
+            **kw,
+        )
 
     best = _best(grid, lambda t: pipeline(t, LAGS[-1], steps=10, warmup=3))
     sweep = tuple(pipeline(best.trainers, lag) for lag in LAGS)
@@ -104,29 +124,71 @@ def plan(job: PipelineRLJob, gpus: int, calib: Calibration, lengths: Lengths | N
     chosen = next(r for r in sweep if r.useful_samples_per_s >= (1 - LAG_TOLERANCE) * top)
     sync = _best(grid, lambda t: simulate("sync", gpus - t, t, 0, **common))
     colocated = simulate("sync", gpus, gpus, 0, **common)
-    return Plan(job=job.name, model=spec.model.path, gpus=gpus, calibration=calib.name,
-                samples_per_step=spec.trainer.samples_per_step, attempts=spec.rl.attempts,
-                max_tokens=spec.generator.sampling.max_tokens, pipeline=chosen, sync=sync,
-                colocated=colocated, lag_sweep=sweep, filtered=filtered)
+    return Plan(
+        job=job.name,
+        model=spec.model.path,
+        gpus=gpus,
+        calibration=calib.name,
+        samples_per_step=spec.trainer.samples_per_step,
+        attempts=spec.rl.attempts,
+        max_tokens=spec.generator.sampling.max_tokens,
+        pipeline=chosen,
+        sync=sync,
+        colocated=colocated,
+        lag_sweep=sweep,
+        filtered=filtered,
+    )
 
 
 def format_plan(p: Plan) -> str:
-    head = ("", "mode", "generators", "trainers", "max lag", "samples/s", "step s", "lag mean", "lag p95",
-            "dropped %", "gen idle %", "batch fill %", "train idle %")
+    head = (
+        "",
+        "mode",
+        "generators",
+        "trainers",
+        "max lag",
+        "samples/s",
+        "step s",
+        "lag mean",
+        "lag p95",
+        "dropped %",
+        "gen idle %",
+        "batch fill %",
+        "train idle %",
+    )
     rows = []
     for label, r in [("pipeline", r) for r in p.lag_sweep] + [("sync", p.sync), ("sync colocated", p.colocated)]:
-        rows.append(("*" if r is p.recommended else "", label, str(r.generators), str(r.trainers), str(r.max_lag),
-                     f"{r.samples_per_s:.3g}", f"{r.step_s:.3g}", f"{r.lag_mean:.2f}", f"{r.lag_p95:.0f}",
-                     f"{100 * r.dropped:.1f}", f"{100 * (1 - r.gen_busy):.0f}", f"{100 * r.gen_fill:.0f}",
-                     f"{100 * (1 - r.train_busy):.0f}"))
+        rows.append(
+            (
+                "*" if r is p.recommended else "",
+                label,
+                str(r.generators),
+                str(r.trainers),
+                str(r.max_lag),
+                f"{r.samples_per_s:.3g}",
+                f"{r.step_s:.3g}",
+                f"{r.lag_mean:.2f}",
+                f"{r.lag_p95:.0f}",
+                f"{100 * r.dropped:.1f}",
+                f"{100 * (1 - r.gen_busy):.0f}",
+                f"{100 * r.gen_fill:.0f}",
+                f"{100 * (1 - r.train_busy):.0f}",
+            )
+        )
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     filtered = f", {100 * p.filtered:.0f}% of groups filtered as zero-variance" if p.filtered else ""
-    lines = [f"{p.job}: {p.model}, {p.samples_per_step} samples/step ({p.attempts} attempts{filtered}), "
-             f"maxTokens {p.max_tokens}, {p.gpus} devices, calibration {p.calibration}", ""]
+    lines = [
+        f"{p.job}: {p.model}, {p.samples_per_step} samples/step ({p.attempts} attempts{filtered}), "
+        f"maxTokens {p.max_tokens}, {p.gpus} devices, calibration {p.calibration}",
+        "",
+    ]
     lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *rows)]
     r = p.recommended
-    lines += ["", f"recommendation: mode {r.mode}, {r.generators} generator + {r.trainers} trainer devices, "
-              f"maxLag {r.max_lag}: {r.samples_per_s:.3g} samples/s",
-              f"pipeline vs sync: {p.speedup:.2f}x (best split each); vs colocated sync "
-              f"(the paper's baseline): {p.speedup_vs_colocated:.2f}x"]
+    lines += [
+        "",
+        f"recommendation: mode {r.mode}, {r.generators} generator + {r.trainers} trainer devices, "
+        f"maxLag {r.max_lag}: {r.samples_per_s:.3g} samples/s",
+        f"pipeline vs sync: {p.speedup:.2f}x (best split each); vs colocated sync "
+        f"(the paper's baseline): {p.speedup_vs_colocated:.2f}x",
+    ]
     return "\n".join(lines)

@@ -76,9 +76,24 @@ class _Sim:
     so an engine's progress is banked (`_advance`) before anything that changes its rate.
     """
 
-    def __init__(self, mode: str, n_gen: int, n_train: int, max_lag: int, samples_per_step: int,
-                 attempts: int, calib: Calibration, max_tokens: int, lengths: Lengths, steps: int,
-                 warmup: int, seed: int, filtered: float, wave_groups: int, max_inflight: int | None) -> None:
+    def __init__(
+        self,
+        mode: str,
+        n_gen: int,
+        n_train: int,
+        max_lag: int,
+        samples_per_step: int,
+        attempts: int,
+        calib: Calibration,
+        max_tokens: int,
+        lengths: Lengths,
+        steps: int,
+        warmup: int,
+        seed: int,
+        filtered: float,
+        wave_groups: int,
+        max_inflight: int | None,
+    ) -> None:
         self.c, self.attempts, self.max_tokens, self.lengths = calib, attempts, max_tokens, lengths
         self.filtered = filtered
         self.max_inflight = max_inflight or 1 << 30
@@ -362,7 +377,10 @@ class _Sim:
         lags = self.lag_tokens
         trained = max(lags.sum(), 1e-12)
         return SimResult(
-            mode=self.mode, generators=self.n_gen, trainers=self.n_train, max_lag=self.max_lag,
+            mode=self.mode,
+            generators=self.n_gen,
+            trainers=self.n_train,
+            max_lag=self.max_lag,
             samples_per_s=measured * self.groups_per_step * self.attempts / window,
             step_s=window / measured,
             lag_mean=float(lags @ np.arange(len(lags)) / trained),
@@ -373,16 +391,30 @@ class _Sim:
             gen_fill=min(fill / (n_eng * window * self.c.max_batch), 1.0),
             train_busy=min(self.train_busy / window, 1.0),
             samples_trained=self.trained * self.attempts,
-            samples_in_flight=(sum(1 for n in self.g_left if n) + len(self.finished) + len(self.step_gids)) * self.attempts,
+            samples_in_flight=(sum(1 for n in self.g_left if n) + len(self.finished) + len(self.step_gids))
+            * self.attempts,
             samples_started=len(self.g_engine) * self.attempts,
             samples_filtered=self.n_dropped * self.attempts,
         )
 
 
-def simulate(mode: Literal["pipeline", "sync"], n_gen: int, n_train: int, max_lag: int, samples_per_step: int,
-             attempts: int, calib: Calibration, max_tokens: int, lengths: Lengths | None = None,
-             steps: int | None = None, warmup: int | None = None, seed: int = 0,
-             filtered: float | None = None, wave_groups: int = 0, max_inflight: int | None = None) -> SimResult:
+def simulate(
+    mode: Literal["pipeline", "sync"],
+    n_gen: int,
+    n_train: int,
+    max_lag: int,
+    samples_per_step: int,
+    attempts: int,
+    calib: Calibration,
+    max_tokens: int,
+    lengths: Lengths | None = None,
+    steps: int | None = None,
+    warmup: int | None = None,
+    seed: int = 0,
+    filtered: float | None = None,
+    wave_groups: int = 0,
+    max_inflight: int | None = None,
+) -> SimResult:
     """Simulate `steps` optimizer steps; rates and lag are measured after the first `warmup`.
 
     n_gen / n_train are devices; sync mode ignores max_lag (it is 0 there by definition).
@@ -400,15 +432,32 @@ def simulate(mode: Literal["pipeline", "sync"], n_gen: int, n_train: int, max_la
     if samples_per_step % attempts:
         raise ValueError(f"samples_per_step ({samples_per_step}) must be a multiple of attempts ({attempts})")
     if n_gen < calib.gpus_per_engine or n_train < 1:
-        raise ValueError(f"need at least one generator engine ({calib.gpus_per_engine} devices) and one trainer, "
-                         f"got {n_gen} and {n_train}")
+        raise ValueError(
+            f"need at least one generator engine ({calib.gpus_per_engine} devices) and one trainer, "
+            f"got {n_gen} and {n_train}"
+        )
     if not 0 <= warmup < steps:
         raise ValueError(f"warmup ({warmup}) must be in [0, steps={steps})")
     filtered = calib.filtered_fraction if filtered is None else filtered
     if not 0 <= filtered < 1:
         raise ValueError(f"filtered ({filtered}) must be in [0, 1)")
-    return _Sim(mode, n_gen, n_train, max_lag, samples_per_step, attempts, calib, max_tokens,
-                lengths or calib.lengths, steps, warmup, seed, filtered, wave_groups, max_inflight).run()
+    return _Sim(
+        mode,
+        n_gen,
+        n_train,
+        max_lag,
+        samples_per_step,
+        attempts,
+        calib,
+        max_tokens,
+        lengths or calib.lengths,
+        steps,
+        warmup,
+        seed,
+        filtered,
+        wave_groups,
+        max_inflight,
+    ).run()
 
 
 def wave_groups(job: PipelineRLJob, trainer_ranks: int, lengths: Lengths) -> int:

@@ -15,8 +15,13 @@ from pipelinerl.tasks.dataset import DatasetTask
 from pipelinerl.tasks.guess import GuessTask
 from pipelinerl.tasks.math import MathTask
 
-BUILTIN: dict[str, type] = {"arith": ArithTask, "chain": ChainTask, "dataset": DatasetTask, "guess": GuessTask,
-                            "math": MathTask}
+BUILTIN: dict[str, type] = {
+    "arith": ArithTask,
+    "chain": ChainTask,
+    "dataset": DatasetTask,
+    "guess": GuessTask,
+    "math": MathTask,
+}
 
 __all__ = ["BUILTIN", "Completion", "Policy", "Problem", "SampleBuilder", "Task", "make_task"]
 

@@ -51,6 +51,7 @@ class ArithTask:
         rng = random.Random(f"arith-train-{self.seed}-{index}")
         return self._problem("train", index, *self._draw(rng, test=False))
 
-    async def rollout(self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
-                      greedy: bool = False) -> Sample:
+    async def rollout(
+        self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int, greedy: bool = False
+    ) -> Sample:
         return await exact_answer_rollout(policy, tokenizer, problem, max_tokens, greedy)

@@ -51,9 +51,9 @@ class Task(Protocol):
         """A fixed held-out set, disjoint from the training stream."""
         ...
 
-    async def rollout(self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
-                      greedy: bool = False) -> Sample:
-        ...
+    async def rollout(
+        self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int, greedy: bool = False
+    ) -> Sample: ...
 
 
 def has_chat_template(tokenizer: Tokenizer) -> bool:
@@ -66,13 +66,17 @@ def prompt_ids(tokenizer: Tokenizer, prompt: str | list[dict[str, Any]], chat_te
     if chat_template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         # return_dict=False: transformers 5 returns a BatchEncoding by default.
-        return list(getattr(tokenizer, "apply_chat_template")(messages, add_generation_prompt=True, tokenize=True,
-                                                              return_dict=False))
+        return list(
+            getattr(tokenizer, "apply_chat_template")(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
     return tokenizer.encode(prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt))
 
 
-async def exact_answer_rollout(policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
-                               greedy: bool = False) -> Sample:
+async def exact_answer_rollout(
+    policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int, greedy: bool = False
+) -> Sample:
     """One completion of the plain-text prompt, rewarded 1.0 when it stops (EOS, not truncated)
     with exactly the problem's answer, stripped."""
     sample = SampleBuilder(prompt_ids(tokenizer, problem.prompt, chat_template=False))
@@ -108,6 +112,11 @@ class SampleBuilder:
 
     def build(self, reward: float, success: bool) -> Sample:
         return Sample(
-            tokens=self.tokens, mask=self.mask, logprobs=self.logprobs, versions=self.versions,
-            reward=reward, success=success, truncated=self.truncated,
+            tokens=self.tokens,
+            mask=self.mask,
+            logprobs=self.logprobs,
+            versions=self.versions,
+            reward=reward,
+            success=success,
+            truncated=self.truncated,
         )

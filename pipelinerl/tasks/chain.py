@@ -43,7 +43,7 @@ class ChainTask:
             raise ValueError(f"chain: tail must be >= 0, not {self.tail}")
         if self.start_max < 0:
             raise ValueError(f"chain: start_max must be >= 0, not {self.start_max}")
-        self._weights = [k ** -self.tail for k in range(1, self.max_steps + 1)]
+        self._weights = [k**-self.tail for k in range(1, self.max_steps + 1)]
 
     @staticmethod
     def is_test(start: int, addend: int, steps: int) -> bool:
@@ -58,8 +58,12 @@ class ChainTask:
                 return start, addend, steps
 
     def _problem(self, kind: str, index: int, start: int, addend: int, steps: int) -> Problem:
-        return Problem(id=f"{kind}-{index}", prompt=f"{start}+{addend}*{steps}=", answer=worked(start, addend, steps),
-                       extra={"steps": steps})
+        return Problem(
+            id=f"{kind}-{index}",
+            prompt=f"{start}+{addend}*{steps}=",
+            answer=worked(start, addend, steps),
+            extra={"steps": steps},
+        )
 
     def test_problems(self, count: int) -> list[Problem]:
         rng = random.Random(f"chain-test-{self.seed}")
@@ -69,6 +73,7 @@ class ChainTask:
         rng = random.Random(f"chain-train-{self.seed}-{index}")  # per index: resumable, shardable
         return self._problem("train", index, *self._draw(rng, test=False))
 
-    async def rollout(self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
-                      greedy: bool = False) -> Sample:
+    async def rollout(
+        self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int, greedy: bool = False
+    ) -> Sample:
         return await exact_answer_rollout(policy, tokenizer, problem, max_tokens, greedy)

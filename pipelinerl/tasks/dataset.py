@@ -96,16 +96,20 @@ class DatasetTask:
         self._rewards = [(n, import_function(n, "reward")) for n in names]
         weights = self.reward_weights or [1.0] * len(names)
         if len(weights) != len(names):
-            raise ValueError(f"spec.task.params.reward_weights: {len(weights)} weights for {len(names)} reward functions")
+            raise ValueError(
+                f"spec.task.params.reward_weights: {len(weights)} weights for {len(names)} reward functions"
+            )
         self.reward_weights = [float(w) for w in weights]
         train = self._problems(data_files(self.train, "train"), "train")
         if self.test:
             self._test = self._problems(data_files(self.test, "test"), "test")
         else:  # hold out the last rows: never trained on
             if len(train) <= self.test_rows:
-                raise ValueError(f"spec.task.params.train: {len(train)} rows, not more than test_rows "
-                                 f"({self.test_rows}) to hold out; give a test set or lower test_rows")
-            train, self._test = train[:-self.test_rows], train[-self.test_rows:]
+                raise ValueError(
+                    f"spec.task.params.train: {len(train)} rows, not more than test_rows "
+                    f"({self.test_rows}) to hold out; give a test set or lower test_rows"
+                )
+            train, self._test = train[: -self.test_rows], train[-self.test_rows :]
         self._train = train
 
     def _problems(self, files: list[str], kind: str) -> list[Problem]:
@@ -113,13 +117,22 @@ class DatasetTask:
         for i, row in enumerate(load_rows(files)):
             where = f"spec.task.params.{kind}: {', '.join(files)} row {i + 1}"
             if self.prompt_field not in row:
-                raise ValueError(f"{where}: no field {self.prompt_field!r} (columns: {', '.join(row)}; "
-                                 f"set prompt_field)")
+                raise ValueError(
+                    f"{where}: no field {self.prompt_field!r} (columns: {', '.join(row)}; set prompt_field)"
+                )
             prompt = row[self.prompt_field]
-            if not (isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(
-                    isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt))):
-                raise ValueError(f"{where}: field {self.prompt_field!r} must be text or a list of "
-                                 f"{{role, content}} messages, got {type(prompt).__name__}")
+            if not (
+                isinstance(prompt, str)
+                or (
+                    isinstance(prompt, list)
+                    and prompt
+                    and all(isinstance(m, dict) and {"role", "content"} <= set(m) for m in prompt)
+                )
+            ):
+                raise ValueError(
+                    f"{where}: field {self.prompt_field!r} must be text or a list of "
+                    f"{{role, content}} messages, got {type(prompt).__name__}"
+                )
             extra = {k: v for k, v in row.items() if k not in (self.prompt_field, "completion")}
             out.append(Problem(id=f"{kind}-{i}", prompt=prompt, answer=None, extra=extra))
         if not out:
@@ -138,19 +151,29 @@ class DatasetTask:
     async def score(self, problem: Problem, completion: str, ids: list[int]) -> float:
         """The weighted sum of the reward functions, called as TRL calls them (a batch of one)."""
         conversational = isinstance(problem.prompt, list)
-        kwargs = {"prompts": [problem.prompt], "completion_ids": [ids],
-                  "completions": [[{"role": "assistant", "content": completion}] if conversational else completion],
-                  **{k: [v] for k, v in problem.extra.items()}}
+        kwargs = {
+            "prompts": [problem.prompt],
+            "completion_ids": [ids],
+            "completions": [[{"role": "assistant", "content": completion}] if conversational else completion],
+            **{k: [v] for k, v in problem.extra.items()},
+        }
         total = 0.0
         for (name, fn), weight in zip(self._rewards, self.reward_weights or ()):  # set in __post_init__
             try:
                 out = await fn(**kwargs) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **kwargs)
             except Exception as err:
-                raise RuntimeError(f"reward function {name} failed on {problem.id}: {type(err).__name__}: {err}") from err
-            if not (isinstance(out, (list, tuple)) and len(out) == 1 and isinstance(out[0], (int, float))
-                    and math.isfinite(out[0])):
-                raise ValueError(f"reward function {name} returned {out!r} for {problem.id}: "
-                                 f"expected a list of one finite float")
+                raise RuntimeError(
+                    f"reward function {name} failed on {problem.id}: {type(err).__name__}: {err}"
+                ) from err
+            if not (
+                isinstance(out, (list, tuple))
+                and len(out) == 1
+                and isinstance(out[0], (int, float))
+                and math.isfinite(out[0])
+            ):
+                raise ValueError(
+                    f"reward function {name} returned {out!r} for {problem.id}: expected a list of one finite float"
+                )
             total += weight * float(out[0])
         return total
 
@@ -160,8 +183,9 @@ class DatasetTask:
             chat = isinstance(problem.prompt, list) and has_chat_template(tokenizer)
         return prompt_ids(tokenizer, problem.prompt, chat)
 
-    async def rollout(self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
-                      greedy: bool = False) -> Sample:
+    async def rollout(
+        self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int, greedy: bool = False
+    ) -> Sample:
         sample = SampleBuilder(self.prompt_tokens(tokenizer, problem))
         completion = await policy.generate(sample.tokens, max_tokens, greedy=greedy)
         sample.add_completion(completion)

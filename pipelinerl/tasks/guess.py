@@ -38,8 +38,9 @@ class GuessTask:
             return "?"  # not a number: ask again
         return "=" if value == secret else ("<" if secret < value else ">")
 
-    async def rollout(self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
-                      greedy: bool = False) -> Sample:
+    async def rollout(
+        self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int, greedy: bool = False
+    ) -> Sample:
         sample = SampleBuilder(prompt_ids(tokenizer, problem.prompt, chat_template=False))
         for turn in range(self.turns):
             completion = await policy.generate(sample.tokens, max_tokens, greedy=greedy)

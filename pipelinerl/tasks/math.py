@@ -70,8 +70,9 @@ class MathTask:
     def test_problems(self, count: int) -> list[Problem]:
         return load_problems(self.test_file or self.train_file, "test")[:count]
 
-    async def rollout(self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int,
-                      greedy: bool = False) -> Sample:
+    async def rollout(
+        self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int, greedy: bool = False
+    ) -> Sample:
         chat = has_chat_template(tokenizer)
         text = f"{INSTRUCTION}\n\n{problem.prompt}" + ("" if chat else "\n")
         sample = SampleBuilder(prompt_ids(tokenizer, text, chat))

@@ -18,8 +18,7 @@ def tiny_job(name: str, **spec) -> dict:
     }
     for key, value in spec.items():
         base[key] = base.get(key, {}) | value if isinstance(value, dict) else value
-    return {"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": name},
-            "spec": base}
+    return {"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": name}, "spec": base}
 
 
 def stored(run_dir: Path, job_name: str, suffix: str) -> list:

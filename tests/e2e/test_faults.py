@@ -46,9 +46,12 @@ def test_one_generator_of_two_dies_and_rejoins(tmp_path):
     run.wait_step(3)
     before = run.services()
     _, killed_at = run.kill("generator-1")
-    run.wait_until(lambda train: sum(r["step"] > killed_at and r.get("weight_epoch", 0) >= 3
-                                     and groups_from(r, 1) > 0 for r in train) >= 2,
-                   "two steps fed by the restarted generator, back in the weight group")
+    run.wait_until(
+        lambda train: (
+            sum(r["step"] > killed_at and r.get("weight_epoch", 0) >= 3 and groups_from(r, 1) > 0 for r in train) >= 2
+        ),
+        "two steps fed by the restarted generator, back in the weight group",
+    )
     run.stop()
     train = run.train()
     assert [r["step"] for r in train] == list(range(1, len(train) + 1))  # the trainer never stopped nor repeated
@@ -94,7 +97,7 @@ def test_the_trainer_dies_resumes_from_its_checkpoint_and_generators_rejoin(tmp_
     resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", (run.dir / "logs/trainer.log").read_text())[1])
     assert resumed_at % 3 == 0 and resumed_at <= killed_at  # the newest checkpoint when it died
     # The first trainer's rows, then the restarted one's: each step once from its checkpoint on.
-    first, second = train[:len(train) - (steps - resumed_at)], train[len(train) - (steps - resumed_at):]
+    first, second = train[: len(train) - (steps - resumed_at)], train[len(train) - (steps - resumed_at) :]
     assert [r["step"] for r in first] == list(range(1, len(first) + 1)) and len(first) >= killed_at
     assert [r["step"] for r in second] == list(range(resumed_at + 1, steps + 1))
     assert all(r["samples"] == SAMPLES and r["tokens"] > 0 for r in train)
@@ -105,7 +108,9 @@ def test_the_trainer_dies_resumes_from_its_checkpoint_and_generators_rejoin(tmp_
     taken = {r["step"]: r for r in first[resumed_at:]}
     assert [r["step"] for r in replayed] == list(range(resumed_at + 1, resumed_at + 1 + len(replayed)))
     assert 1 <= len(taken) - 1 <= len(replayed) <= len(taken)
-    assert all((r["tokens"], r["entropy"]) == (taken[r["step"]]["tokens"], taken[r["step"]]["entropy"]) for r in replayed)
+    assert all(
+        (r["tokens"], r["entropy"]) == (taken[r["step"]]["tokens"], taken[r["step"]]["entropy"]) for r in replayed
+    )
     # Versions never went back: the generator kept the newer weights until the trainer was past
     # them (it logs any step back), so nothing it made was too old.
     assert "go back" not in (run.dir / "logs/generator.log").read_text()

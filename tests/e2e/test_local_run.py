@@ -32,9 +32,12 @@ def run(job: dict, run_dir: Path) -> dict:
 def test_pipeline_mode_two_deepspeed_ranks_zero3(tmp_path):
     # Rows of 128 tokens: several micro-batches per rank and step (sentinels included), over
     # which both ZeRO-3 ranks must gather parameters in lock-step.
-    job = tiny_job("pipe", rl={"maxLag": 2}, trainer={"replicas": 2, "zeroStage": 3, "maxSteps": 6,
-                                                      "exportInterval": 3, "microBatchTokens": 128},
-                   output={"path": str(tmp_path / "models")})
+    job = tiny_job(
+        "pipe",
+        rl={"maxLag": 2},
+        trainer={"replicas": 2, "zeroStage": 3, "maxSteps": 6, "exportInterval": 3, "microBatchTokens": 128},
+        output={"path": str(tmp_path / "models")},
+    )
     summary = run(job, tmp_path)
     train = rows(tmp_path, "train")
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]  # versions advance one per step
@@ -64,7 +67,10 @@ def test_pipeline_mode_two_deepspeed_ranks_zero3(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), model.state_dict().values()))
     best = json.loads((tmp_path / "models" / "best" / "pipelinerl-best.json").read_text())
     scores = {e["version"]: e["accuracy"] for e in evals if e["version"] > 0}
-    assert best == {"version": min(v for v, a in scores.items() if a == max(scores.values())), "accuracy": max(scores.values())}
+    assert best == {
+        "version": min(v for v, a in scores.items() if a == max(scores.values())),
+        "accuracy": max(scores.values()),
+    }
     AutoModelForCausalLM.from_pretrained(tmp_path / "models" / "best")  # (a random model's rewards are all 0:
     # its weights never change, so which version's they are is checked in tests/unit/test_output.py)
     assert not list((tmp_path / "models" / ".candidates").glob("*"))
@@ -96,5 +102,7 @@ def test_a_dying_service_stops_the_run_with_its_log_tail(tmp_path, capsys):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 0  # a stopped run still sums up
     import psutil
 
-    leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path / "run") in " ".join(p.info["cmdline"] or [])]
+    leftovers = [
+        p for p in psutil.process_iter(["cmdline"]) if str(tmp_path / "run") in " ".join(p.info["cmdline"] or [])
+    ]
     assert not leftovers  # every other service was stopped

@@ -22,20 +22,33 @@ FORGER = 7  # no such generator: the forged groups' credit cannot disturb a real
 
 
 def group(gid: str, **change) -> m.RolloutGroup:
-    sample = m.Sample(tokens=[5, 6, 7, 8], mask=[0, 0, 1, 1], logprobs=[0.0, 0.0, -0.5, -0.7],
-                      versions=[-1, -1, 0, 0], reward=1.0)
-    return m.RolloutGroup(group_id=gid, generator=FORGER, samples=[sample.model_copy(update=change),
-                                                                   sample.model_copy(update={"reward": 0.0})])
+    sample = m.Sample(
+        tokens=[5, 6, 7, 8], mask=[0, 0, 1, 1], logprobs=[0.0, 0.0, -0.5, -0.7], versions=[-1, -1, 0, 0], reward=1.0
+    )
+    return m.RolloutGroup(
+        group_id=gid,
+        generator=FORGER,
+        samples=[sample.model_copy(update=change), sample.model_copy(update={"reward": 0.0})],
+    )
 
 
 POISON = {  # group id: (message, the start of the reason it is dead-lettered for)
-    "nan-reward": (group("nan-reward", reward=float("nan")), "group nan-reward from generator 7: sample 0: reward is nan"),
-    "too-long": (group("too-long", tokens=[5] * 41, mask=[0] * 40 + [1], logprobs=[0.0] * 41, versions=[-1] * 40 + [0]),
-                 "group too-long from generator 7: sample 0: 41 tokens, more than model.maxSeqLen (40)"),
-    "future": (group("future", versions=[-1, -1, 0, 1_000_000]),
-               "group future from generator 7: sample 0: version 1000000 at token 3 is ahead of the trainer"),
-    "nan-logprob": (group("nan-logprob", logprobs=[0.0, 0.0, float("nan"), -0.7]),
-                    "group nan-logprob from generator 7: sample 0: logprob nan at token 2"),
+    "nan-reward": (
+        group("nan-reward", reward=float("nan")),
+        "group nan-reward from generator 7: sample 0: reward is nan",
+    ),
+    "too-long": (
+        group("too-long", tokens=[5] * 41, mask=[0] * 40 + [1], logprobs=[0.0] * 41, versions=[-1] * 40 + [0]),
+        "group too-long from generator 7: sample 0: 41 tokens, more than model.maxSeqLen (40)",
+    ),
+    "future": (
+        group("future", versions=[-1, -1, 0, 1_000_000]),
+        "group future from generator 7: sample 0: version 1000000 at token 3 is ahead of the trainer",
+    ),
+    "nan-logprob": (
+        group("nan-logprob", logprobs=[0.0, 0.0, float("nan"), -0.7]),
+        "group nan-logprob from generator 7: sample 0: logprob nan at token 2",
+    ),
 }
 
 
@@ -58,8 +71,11 @@ def test_poison_rollouts_are_dead_lettered_and_the_job_finishes(tmp_path, capsys
             # preprocessor see the announcement too, or v + 1 would be ahead of the trainer.
             await asyncio.sleep(0.3)
             v = m.decode(announced, m.PolicyVersion).version + 1
-            await js.publish(subjects.rollouts(FORGER), m.encode(group(vocab, tokens=[5, 6, 10**6, 8], versions=[-1, -1, v, v])),
-                             headers={"Nats-Msg-Id": vocab})
+            await js.publish(
+                subjects.rollouts(FORGER),
+                m.encode(group(vocab, tokens=[5, 6, 10**6, 8], versions=[-1, -1, v, v])),
+                headers={"Nats-Msg-Id": vocab},
+            )
         await nc.close()
 
     asyncio.run(publish())

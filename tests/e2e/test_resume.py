@@ -120,8 +120,9 @@ def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_trackin
     client = mlflow.MlflowClient(default_mlflow_uri(second.dir))
     steps = [h.step for h in client.get_metric_history(ids["mlflow"], "train/reward")]
     assert sorted(set(steps)) == list(range(1, STEPS + 1))
-    assert (STEPS, summary["final_accuracy"]) in [(h.step, h.value) for h in
-                                                  client.get_metric_history(ids["mlflow"], "eval/accuracy")]
+    assert (STEPS, summary["final_accuracy"]) in [
+        (h.step, h.value) for h in client.get_metric_history(ids["mlflow"], "eval/accuracy")
+    ]
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(second.dir / "tensorboard"))

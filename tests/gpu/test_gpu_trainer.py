@@ -35,9 +35,18 @@ def small_model(seed=0):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=4096, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                                        num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
-                                        max_position_embeddings=4096))
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=4096,
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            max_position_embeddings=4096,
+        )
+    )
 
 
 def packed(lengths, vocab=4096, seed=0):
@@ -82,10 +91,20 @@ def test_the_micro_batch_loop_never_makes_the_host_wait():
     model = small_model().cuda().bfloat16().train()
     use_packed_attention(model)
     use_policy_forward(model)
-    items = [StepSample(m.Sample(tokens=list(range(2, 2 + n)), mask=[0] * 8 + [1] * (n - 8),
-                                 logprobs=[0.0] * 8 + [-1.0] * (n - 8), versions=[-1] * 8 + [i % 3] * (n - 8),
-                                 reward=float(i % 2)), advantage=0.5 - i % 2) for i, n in enumerate(LENGTHS * 3)
-             if n > 8]
+    items = [
+        StepSample(
+            m.Sample(
+                tokens=list(range(2, 2 + n)),
+                mask=[0] * 8 + [1] * (n - 8),
+                logprobs=[0.0] * 8 + [-1.0] * (n - 8),
+                versions=[-1] * 8 + [i % 3] * (n - 8),
+                reward=float(i % 2),
+            ),
+            advantage=0.5 - i % 2,
+        )
+        for i, n in enumerate(LENGTHS * 3)
+        if n > 8
+    ]
     batches = pack_wave(0, items, 1, 4096, 1 / len(items), last=True)[0]
     cfg = StepConfig(LossConfig("reinforce", importance="sequence"), 0.7, max_lag=1)
     micro_batch_loss(model, batches[0], 2, cfg, StepTally(1, CUDA)).backward()  # warm-up: caches, kernels

@@ -27,7 +27,15 @@ def tiny_qwen2(tmp_path) -> Path:
 
     torch.manual_seed(0)
     path = tmp_path / "model"
-    Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                 num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
-                     ).save_pretrained(path)
+    Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=32,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+        )
+    ).save_pretrained(path)
     return path

@@ -35,15 +35,26 @@ def _flat(engine) -> torch.Tensor:
 
 
 def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK="0",  # one rank per pod
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(WORLD),
+        LOCAL_RANK="0",  # one rank per pod
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     from pipelinerl.spec import parse_job
     from pipelinerl_trainer import checkpoint
     from pipelinerl_trainer.model import build_engine, init_distributed
 
-    job = parse_job({"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": "ck"},
-                     "spec": {"model": {"path": model}, "trainer": {"replicas": WORLD, "zeroStage": 1}}})
+    job = parse_job(
+        {
+            "apiVersion": "pipelinerl.dev/v1alpha1",
+            "kind": "PipelineRLJob",
+            "metadata": {"name": "ck"},
+            "spec": {"model": {"path": model}, "trainer": {"replicas": WORLD, "zeroStage": 1}},
+        }
+    )
     init_distributed(False, 60)
     pod = Path(root) / f"pod-{rank}" / "checkpoints"
     engine = build_engine(job.spec.trainer, job.spec.model.dtype, model)
@@ -59,8 +70,15 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
     resumed = build_engine(job.spec.trainer, job.spec.model.dtype, model)
     state = checkpoint.load(resumed, pod)
     _train(resumed, 2)  # the step the crash lost, again
-    out.put((rank, state, torch.equal(_flat(resumed), after_three), sorted(p.name for p in (pod / "step-3").iterdir()),
-             sorted(p.name for p in (pod / "step-3" / "ds" / "ds").iterdir())))
+    out.put(
+        (
+            rank,
+            state,
+            torch.equal(_flat(resumed), after_three),
+            sorted(p.name for p in (pod / "step-3").iterdir()),
+            sorted(p.name for p in (pod / "step-3" / "ds" / "ds").iterdir()),
+        )
+    )
 
 
 def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2):

@@ -39,9 +39,14 @@ def _compare(stage: int, path: str, port: int, out: mp.Queue) -> None:
     from pipelinerl.spec import parse_job
     from pipelinerl_trainer.model import build_engine, init_distributed, load_model
 
-    job = parse_job({"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": "ds"},
-                     "spec": {"model": {"path": path},
-                              "trainer": {"zeroStage": stage, "learningRate": LR, "warmupSteps": 0}}})
+    job = parse_job(
+        {
+            "apiVersion": "pipelinerl.dev/v1alpha1",
+            "kind": "PipelineRLJob",
+            "metadata": {"name": "ds"},
+            "spec": {"model": {"path": path}, "trainer": {"zeroStage": stage, "learningRate": LR, "warmupSteps": 0}},
+        }
+    )
     init_distributed(False, 60)
     engine = build_engine(job.spec.trainer, job.spec.model.dtype, path)
     plain = load_model(path)
@@ -84,8 +89,12 @@ def _dtypes(stage: int, path: str, port: int, out: mp.Queue) -> None:
     from pipelinerl.spec import parse_job
     from pipelinerl_trainer.model import build_engine, init_distributed
 
-    job = parse_job({"metadata": {"name": "ds"}, "spec": {"model": {"path": path, "dtype": "bfloat16"},
-                                                          "trainer": {"zeroStage": stage}}})
+    job = parse_job(
+        {
+            "metadata": {"name": "ds"},
+            "spec": {"model": {"path": path, "dtype": "bfloat16"}, "trainer": {"zeroStage": stage}},
+        }
+    )
     init_distributed(False, 60)
     engine = build_engine(job.spec.trainer, "bfloat16", path)
     opt = engine.optimizer  # ZeRO's: the flat partitions its AdamW steps, per stage

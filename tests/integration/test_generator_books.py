@@ -8,14 +8,22 @@ from pipelinerl.streams import connect, ensure_streams, last_message
 from pipelinerl_generator.main import Generator
 from pipelinerl_preprocessor.main import Preprocessor
 
-JOB = parse_job({"metadata": {"name": "books"}, "spec": {
-    "rl": {"attempts": 2, "filterZeroVariance": True}, "generator": {"replicas": 2},
-    "trainer": {"samplesPerStep": 4}}})
+JOB = parse_job(
+    {
+        "metadata": {"name": "books"},
+        "spec": {
+            "rl": {"attempts": 2, "filterZeroVariance": True},
+            "generator": {"replicas": 2},
+            "trainer": {"samplesPerStep": 4},
+        },
+    }
+)
 
 
 def group(problem: int, rewards: list[float]) -> m.RolloutGroup:
-    samples = [m.Sample(tokens=[3, 4, 5], mask=[0, 1, 1], logprobs=[0, -1, -1], versions=[-1, 0, 0], reward=r)
-               for r in rewards]
+    samples = [
+        m.Sample(tokens=[3, 4, 5], mask=[0, 1, 1], logprobs=[0, -1, -1], versions=[-1, 0, 0], reward=r) for r in rewards
+    ]
     return m.RolloutGroup(group_id=f"p{problem}@1", generator=1, samples=samples)
 
 
@@ -42,8 +50,9 @@ async def test_a_restarted_generator_continues_its_books(nats_server, tmp_path):
         await start_and_publish(first, rewards)
     first.admission.on_start()  # a fourth group (problem 7) is being generated when it dies
     first.next_problem += 2
-    await first.js.publish(JobSubjects("books").version, m.encode(m.PolicyVersion(
-        version=1, timestamp=0, trained_groups={"1": 1, "0": 5})))  # (as the trainer would)
+    await first.js.publish(
+        JobSubjects("books").version, m.encode(m.PolicyVersion(version=1, timestamp=0, trained_groups={"1": 1, "0": 5}))
+    )  # (as the trainer would)
     await first.nc.close()
 
     second = await incarnation(nats_server, tmp_path)

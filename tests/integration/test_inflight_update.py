@@ -30,6 +30,7 @@ LONG_TOKENS = 200
 
 # --- models ---------------------------------------------------------------------------------
 
+
 def save_model(path: Path, seed: int) -> str:
     """`make_model(seed)` with sharper logits and no way to emit eos (so requests run to max_tokens)."""
     from pipelinerl.tiny_model import make_model, make_tokenizer
@@ -56,9 +57,15 @@ def load_hf(path: str):
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     ids = torch.tensor([prompt])
-    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                         max_new_tokens=n, min_new_tokens=n, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 @torch.no_grad()
@@ -71,6 +78,7 @@ def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 
 # --- trainer stand-in (spawned: module-level target) -------------------------------------------
+
 
 def _sender_main(paths: dict[str, str], port: int, cmd_q, res_q) -> None:
     torch.set_num_threads(1)
@@ -165,14 +173,18 @@ async def rig(request, tmp_path_factory):
     extension, staged = PATHS[request.param]
     root = tmp_path_factory.mktemp("inflight")
     paths = {name: save_model(root / name, seed) for name, seed in SEEDS.items()}
-    job = parse_job({
-        "apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": "inflight"},
-        "spec": {
-            "model": {"path": paths["A"], "maxSeqLen": 256, "dtype": "float32"},
-            "generator": {"sampling": {"maxTokens": LONG_TOKENS}},
-            "weightSync": {"backend": "gloo", "bucketMb": 1, "timeoutSeconds": SYNC_TIMEOUT_S, "staged": staged},
-        },
-    })
+    job = parse_job(
+        {
+            "apiVersion": "pipelinerl.dev/v1alpha1",
+            "kind": "PipelineRLJob",
+            "metadata": {"name": "inflight"},
+            "spec": {
+                "model": {"path": paths["A"], "maxSeqLen": 256, "dtype": "float32"},
+                "generator": {"sampling": {"maxTokens": LONG_TOKENS}},
+                "weightSync": {"backend": "gloo", "bucketMb": 1, "timeoutSeconds": SYNC_TIMEOUT_S, "staged": staged},
+            },
+        }
+    )
     # The probe replaces PipelineRL's extension, which validation refuses from a manifest.
     job.spec.generator.engine_args["worker_extension_cls"] = f"{__name__}.{extension.__name__}"
     sync = job.spec.weight_sync
@@ -191,8 +203,16 @@ async def rig(request, tmp_path_factory):
         cmd_q.put(("init",))
         await engine.join_weight_group(HOST, port, "g", 1, 2, sync.timeout_seconds)
         await reply(res_q)
-        yield Rig(engine, make_tokenizer(), {n: load_hf(p) for n, p in paths.items()}, buckets, cmd_q, res_q,
-                  in_place=extension is InPlaceProbe, staged=staged and extension is InPlaceProbe)
+        yield Rig(
+            engine,
+            make_tokenizer(),
+            {n: load_hf(p) for n, p in paths.items()},
+            buckets,
+            cmd_q,
+            res_q,
+            in_place=extension is InPlaceProbe,
+            staged=staged and extension is InPlaceProbe,
+        )
     finally:
         cmd_q.put(("close",))
         engine.shutdown()
@@ -214,6 +234,7 @@ async def wait_for_output_tokens(engine, n: int, timeout_s: float = 120.0) -> in
 
 
 # --- tests ----------------------------------------------------------------------------------
+
 
 async def test_update_switches_greedy_output_from_model_a_to_model_b(rig):
     engine, tok = rig.engine, rig.tokenizer
@@ -241,8 +262,7 @@ async def test_update_switches_greedy_output_from_model_a_to_model_b(rig):
     assert [c.tokens for c in after] == ref["B"]
     assert all(c.versions == [stats.version] * N_GREEDY for c in after)
     for p, c in zip(prompts, after):  # sampling logprobs are model B's too
-        torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(rig.hf["B"], p, c.tokens),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(torch.tensor(c.logprobs), hf_logprobs(rig.hf["B"], p, c.tokens), atol=1e-4, rtol=0)
 
 
 async def test_request_spanning_an_update_mixes_versions(rig):
@@ -279,7 +299,6 @@ async def test_request_spanning_an_update_mixes_versions(rig):
     assert (got[n_old:] - lp_a[n_old:]).abs().max() > 1e-2
 
 
-
 async def test_updates_in_flight_leave_exactly_the_new_weights_live(rig):
     """Update after update with a request running (staged on the default path, as in pipeline
     mode): each time, a new request is exactly the new model's, text and sampling logprobs, so
@@ -294,9 +313,11 @@ async def test_updates_in_flight_leave_exactly_the_new_weights_live(rig):
         fresh = await engine.generate(prompt, N_GREEDY, greedy=True)
         assert fresh.tokens == hf_greedy(rig.hf[which], prompt, N_GREEDY), f"after the update to {which}"
         assert fresh.versions == [stats.version] * N_GREEDY
-        torch.testing.assert_close(torch.tensor(fresh.logprobs), hf_logprobs(rig.hf[which], prompt, fresh.tokens),
-                                   atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(fresh.logprobs), hf_logprobs(rig.hf[which], prompt, fresh.tokens), atol=1e-4, rtol=0
+        )
         await running
+
 
 async def test_update_that_misses_a_weight_fails_naming_it(rig):
     if not rig.in_place:

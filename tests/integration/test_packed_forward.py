@@ -16,8 +16,14 @@ from pipelinerl_trainer.model import POST_HEAD_FIELDS, use_policy_forward
 from pipelinerl_trainer.packed_attention import Packing, use_packed_attention
 
 # Lengths that land in different padded-length groups, some padded (9 -> 10, 17 -> 20)
-SEQS = [[3, 4, 5, 12, 6, 7, 8, 15, 9, 1], [5, 5, 12, 9, 15, 4, 1], [7, 12, 7, 15], [9] * 17, [4, 12, 9, 15, 6, 6, 1, 3, 2],
-        [11]]
+SEQS = [
+    [3, 4, 5, 12, 6, 7, 8, 15, 9, 1],
+    [5, 5, 12, 9, 15, 4, 1],
+    [7, 12, 7, 15],
+    [9] * 17,
+    [4, 12, 9, 15, 6, 6, 1, 3, 2],
+    [11],
+]
 LENGTHS = [len(s) for s in SEQS]
 
 
@@ -46,6 +52,7 @@ def no_stock_sdpa(monkeypatch):
 
     def fail(*args, **kwargs):
         raise AssertionError("fell back to the stock SDPA path")
+
     monkeypatch.setattr(stock, "sdpa_attention_forward", fail)
 
 
@@ -64,8 +71,8 @@ def test_packed_row_equals_separate_samples(kernel, monkeypatch):
             alone = stock(input_ids=torch.tensor([s])).logits[0]
             lp_alone, ent_alone = token_logprobs(alone, torch.tensor(s), temperature=0.7)
             # entry 0 of each sample belongs to the previous sample in the packed row (never trained)
-            torch.testing.assert_close(lp[start + 1:start + len(s)], lp_alone[1:], atol=1e-5, rtol=1e-5)
-            torch.testing.assert_close(ent[start + 1:start + len(s)], ent_alone[1:], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(lp[start + 1 : start + len(s)], lp_alone[1:], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(ent[start + 1 : start + len(s)], ent_alone[1:], atol=1e-5, rtol=1e-5)
             start += len(s)
         unpacked = stock(input_ids=ids).logits[0]  # without position ids: samples see each other
     assert not torch.allclose(token_logprobs(unpacked, ids[0], 0.7)[0], lp, atol=1e-3)
@@ -124,5 +131,7 @@ def test_compiled_mlps_and_norms_give_the_same_gradients_and_compile_once():
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0
     ids, positions = packed_row(SEQS[:3])  # another row length: the same compiled graphs
-    compiled(input_ids=ids, position_ids=positions, packing=Packing.of(LENGTHS[:3]), temperature=0.7)[0].sum().backward()
+    compiled(input_ids=ids, position_ids=positions, packing=Packing.of(LENGTHS[:3]), temperature=0.7)[
+        0
+    ].sum().backward()
     assert counters["stats"]["unique_graphs"] == graphs

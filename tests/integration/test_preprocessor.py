@@ -12,8 +12,10 @@ from pipelinerl_preprocessor.main import Preprocessor
 
 
 def rollout(i: int, rewards: list[float]) -> m.RolloutGroup:
-    samples = [m.Sample(tokens=[3, 4, 5, 1], mask=[0, 0, 1, 1], logprobs=[0, 0, -1, -1], versions=[-1, -1, 0, 0],
-                        reward=r) for r in rewards]
+    samples = [
+        m.Sample(tokens=[3, 4, 5, 1], mask=[0, 0, 1, 1], logprobs=[0, 0, -1, -1], versions=[-1, -1, 0, 0], reward=r)
+        for r in rewards
+    ]
     return m.RolloutGroup(group_id=f"g{i}", generator=i % 2, samples=samples)
 
 
@@ -36,11 +38,24 @@ async def start(nats_server, tmp_path, name: str, spec: dict):
 
 
 async def test_preprocessor_service(nats_server, tmp_path):
-    job, env, nc, js, subjects = await start(nats_server, tmp_path, "pp", {
-        "rl": {"attempts": 2}, "trainer": {"replicas": 2, "samplesPerStep": 4, "microBatchTokens": 64},
-        "preprocessor": {"maxPendingSteps": 1}})
-    groups = [rollout(0, [1, 0]), rollout(1, [1, 1]), rollout(2, [0, 1]), rollout(3, [1, 0]), rollout(4, [0, 1]),
-              rollout(5, [1, 0])]
+    job, env, nc, js, subjects = await start(
+        nats_server,
+        tmp_path,
+        "pp",
+        {
+            "rl": {"attempts": 2},
+            "trainer": {"replicas": 2, "samplesPerStep": 4, "microBatchTokens": 64},
+            "preprocessor": {"maxPendingSteps": 1},
+        },
+    )
+    groups = [
+        rollout(0, [1, 0]),
+        rollout(1, [1, 1]),
+        rollout(2, [0, 1]),
+        rollout(3, [1, 0]),
+        rollout(4, [0, 1]),
+        rollout(5, [1, 0]),
+    ]
     for g in groups:
         await js.publish(subjects.rollouts(g.generator), m.encode(g), headers={"Nats-Msg-Id": g.group_id})
     await js.publish(subjects.rollouts(0), b"\x93garbage")
@@ -82,9 +97,17 @@ async def test_preprocessor_service(nats_server, tmp_path):
 async def test_steps_stream_in_waves_and_a_restart_closes_a_partial_step(nats_server, tmp_path):
     """Pipeline mode: micro-batches leave before their step is complete; a preprocessor stopped
     between two waves is followed by one that closes that step with what was published."""
-    job, env, nc, js, subjects = await start(nats_server, tmp_path, "pw", {
-        "model": {"maxSeqLen": 8}, "generator": {"sampling": {"maxTokens": 4}},
-        "rl": {"attempts": 2}, "trainer": {"samplesPerStep": 8, "microBatchTokens": 16}})
+    job, env, nc, js, subjects = await start(
+        nats_server,
+        tmp_path,
+        "pw",
+        {
+            "model": {"maxSeqLen": 8},
+            "generator": {"sampling": {"maxTokens": 4}},
+            "rl": {"attempts": 2},
+            "trainer": {"samplesPerStep": 8, "microBatchTokens": 16},
+        },
+    )
     await js.publish(subjects.version, m.encode(m.PolicyVersion(version=5, timestamp=0)))  # no backpressure
     out = await js.pull_subscribe(subjects.batches(0), durable="t")
 
@@ -137,9 +160,18 @@ async def test_groups_held_by_a_dead_preprocessor_come_back_within_the_ack_wait(
     step: they are redelivered to the next one within ACK_WAIT_S (30 s), not lost."""
     from pipelinerl_preprocessor.main import ACK_WAIT_S
 
-    job, env, nc, js, subjects = await start(nats_server, tmp_path, "rd", {
-        "model": {"maxSeqLen": 8}, "generator": {"sampling": {"maxTokens": 4}}, "mode": "sync",
-        "rl": {"attempts": 2}, "trainer": {"samplesPerStep": 8, "microBatchTokens": 16}})
+    job, env, nc, js, subjects = await start(
+        nats_server,
+        tmp_path,
+        "rd",
+        {
+            "model": {"maxSeqLen": 8},
+            "generator": {"sampling": {"maxTokens": 4}},
+            "mode": "sync",
+            "rl": {"attempts": 2},
+            "trainer": {"samplesPerStep": 8, "microBatchTokens": 16},
+        },
+    )
     out = await js.pull_subscribe(subjects.batches(0), durable="t")
     pre = Preprocessor(job, env, trainer_ranks=1)
     task = asyncio.create_task(pre.run())
@@ -167,9 +199,17 @@ async def test_poison_groups_are_dead_lettered_with_their_reason_and_the_step_go
     the rejected groups count as consumed for their generators' admission."""
     from pipelinerl.contracts import DEADLETTER_REASON
 
-    job, env, nc, js, subjects = await start(nats_server, tmp_path, "poison", {
-        "model": {"maxSeqLen": 8}, "generator": {"sampling": {"maxTokens": 4}},
-        "rl": {"attempts": 2}, "trainer": {"samplesPerStep": 4, "microBatchTokens": 16}})
+    job, env, nc, js, subjects = await start(
+        nats_server,
+        tmp_path,
+        "poison",
+        {
+            "model": {"maxSeqLen": 8},
+            "generator": {"sampling": {"maxTokens": 4}},
+            "rl": {"attempts": 2},
+            "trainer": {"samplesPerStep": 4, "microBatchTokens": 16},
+        },
+    )
     await js.publish(subjects.version, m.encode(m.PolicyVersion(version=3, timestamp=0)))
 
     def bad(i: int, **change) -> m.RolloutGroup:
@@ -202,11 +242,14 @@ async def test_poison_groups_are_dead_lettered_with_their_reason_and_the_step_go
         "group g11 from generator 1: sample 1: 9 tokens, more than model.maxSeqLen (8)",
         "group g12 from generator 1: sample 1: version 1000000 at token 3 is ahead of the trainer "
         "(newest weights: version 4)",
-        "group g13 from generator 1: sample 1: logprob -inf at token 2 (a finite value <= 0)"]
+        "group g13 from generator 1: sample 1: logprob -inf at token 2 (a finite value <= 0)",
+    ]
     assert reasons[4].startswith("rollout_group: not valid msgpack")
     assert m.decode(letters[0].data, m.RolloutGroup).group_id == "g10"  # the message itself, for inspection
-    (step,) = [m.decode(x.data, m.MicroBatch) for x in await (await js.pull_subscribe(
-        subjects.batches(0), durable="t")).fetch(5, timeout=2)]
+    (step,) = [
+        m.decode(x.data, m.MicroBatch)
+        for x in await (await js.pull_subscribe(subjects.batches(0), durable="t")).fetch(5, timeout=2)
+    ]
     assert step.last and step.step_samples == 4  # the two good groups
     # The rejected ones are consumed too, but for the NaN group: its rewards read as zero-variance
     # to its generator as well, which counted it discarded itself.
@@ -222,8 +265,12 @@ async def test_a_group_too_old_for_its_step_takes_no_place_in_it(nats_server, tm
     """Steps fill in arrival order: a group that waited behind others' backlog until every token
     of it is past the lag bound would be dropped whole by the trainer. It is dropped here
     instead (counted, credited to its generator), and the step fills with fresh groups."""
-    job, env, nc, js, subjects = await start(nats_server, tmp_path, "stale", {
-        "rl": {"attempts": 2, "maxLag": 1}, "trainer": {"samplesPerStep": 4, "microBatchTokens": 64}})
+    job, env, nc, js, subjects = await start(
+        nats_server,
+        tmp_path,
+        "stale",
+        {"rl": {"attempts": 2, "maxLag": 1}, "trainer": {"samplesPerStep": 4, "microBatchTokens": 64}},
+    )
     await js.publish(subjects.version, m.encode(m.PolicyVersion(version=10, timestamp=0)))  # no backpressure
 
     def at(i: int, version: int) -> m.RolloutGroup:

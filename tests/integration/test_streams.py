@@ -34,8 +34,9 @@ async def published(url: str, count: int):
     await ensure_streams(js, SUBJECTS, 8)
     for i in range(count):
         await publish(js, i)
-    sub = await js.pull_subscribe(SUBJECTS.rollouts(">"), durable="pre",
-                                  config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=1.0))
+    sub = await js.pull_subscribe(
+        SUBJECTS.rollouts(">"), durable="pre", config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=1.0)
+    )
     return nc, sub
 
 

@@ -25,8 +25,19 @@ from pipelinerl_trainer.step import StepConfig, StepTally, micro_batch_loss
 from test_packed_forward import trainer_model  # tests/integration
 
 # Operations whose result the host must wait for: a scalar read, or an output sized by the data.
-SYNCING = {"_local_scalar_dense", "nonzero", "masked_select", "_unique2", "unique_dim", "unique_consecutive",
-           "equal", "is_nonzero", "bincount", "masked_scatter", "histc"}
+SYNCING = {
+    "_local_scalar_dense",
+    "nonzero",
+    "masked_select",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "equal",
+    "is_nonzero",
+    "bincount",
+    "masked_scatter",
+    "histc",
+}
 
 
 class SyncCounter(TorchDispatchMode):
@@ -38,9 +49,14 @@ class SyncCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         self.ops += 1
-        if name in SYNCING or (name == "index" and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)) \
-                or (name == "repeat_interleave" and "output_size" not in (kwargs or {})):
+        if (
+            name in SYNCING
+            or (
+                name == "index"
+                and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
+            )
+            or (name == "repeat_interleave" and "output_size" not in (kwargs or {}))
+        ):
             self.syncs.append(name)
         return func(*args, **(kwargs or {}))
 
@@ -52,9 +68,18 @@ def micro_batches(n: int) -> list[m.MicroBatch]:
     items = []
     for i in range(24):
         k = rng.randint(3, 12)
-        items.append(StepSample(m.Sample(tokens=[rng.randrange(2, 14) for _ in range(4 + k)], mask=[0] * 4 + [1] * k,
-                                         logprobs=[0.0] * 4 + [-1.0] * k, versions=[-1] * 4 + [i % 3] * k,
-                                         reward=float(i % 2)), advantage=rng.gauss(0, 1)))
+        items.append(
+            StepSample(
+                m.Sample(
+                    tokens=[rng.randrange(2, 14) for _ in range(4 + k)],
+                    mask=[0] * 4 + [1] * k,
+                    logprobs=[0.0] * 4 + [-1.0] * k,
+                    versions=[-1] * 4 + [i % 3] * k,
+                    reward=float(i % 2),
+                ),
+                advantage=rng.gauss(0, 1),
+            )
+        )
     return pack_wave(0, items, 1, 64, 1 / 24, last=True)[0][:n]
 
 
@@ -65,6 +90,7 @@ def uncounted(monkeypatch, owner, name: str) -> None:
     def run(*args, **kwargs):
         with torch.utils._python_dispatch._disable_current_modes():
             return host_work(*args, **kwargs)
+
     monkeypatch.setattr(owner, name, run)
 
 
@@ -77,8 +103,11 @@ def test_the_micro_batch_loop_reads_nothing_back(monkeypatch):
     uncounted(monkeypatch, Packing, "grouped_plan")
     for kind in ("reinforce", "gspo", "ppo"):
         tally = StepTally(max_lag=1)
-        cfg = StepConfig(LossConfig(kind, kl_coef=0.0, importance="sequence" if kind == "reinforce" else "token"),
-                         temperature=0.7, max_lag=1)
+        cfg = StepConfig(
+            LossConfig(kind, kl_coef=0.0, importance="sequence" if kind == "reinforce" else "token"),
+            temperature=0.7,
+            max_lag=1,
+        )
         with counter:
             for mb in batches:
                 micro_batch_loss(model, mb, 2, cfg, tally).backward()

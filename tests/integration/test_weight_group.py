@@ -15,7 +15,14 @@ import torch
 
 from pipelinerl.spec import parse_job
 from pipelinerl.weight_group import (
-    GroupAborted, GroupIncomplete, Snapshot, WeightGroup, WeightSyncError, WeightSyncTimeout, dtype_name, open_store,
+    GroupAborted,
+    GroupIncomplete,
+    Snapshot,
+    WeightGroup,
+    WeightSyncError,
+    WeightSyncTimeout,
+    dtype_name,
+    open_store,
     plan_buckets,
 )
 
@@ -40,9 +47,17 @@ def names(buckets):
 
 # --- bucket planning (pure) ---------------------------------------------------------------
 
+
 def test_plan_groups_same_dtype_in_order_up_to_the_byte_limit():
-    spec = [("a", [4], "float32"), ("b", [2, 2], "float32"), ("c", [3], "float32"),
-            ("d", [8], "bfloat16"), ("e", [8], "bfloat16"), ("f", [1], "float32"), ("g", [5], "float16")]
+    spec = [
+        ("a", [4], "float32"),
+        ("b", [2, 2], "float32"),
+        ("c", [3], "float32"),
+        ("d", [8], "bfloat16"),
+        ("e", [8], "bfloat16"),
+        ("f", [1], "float32"),
+        ("g", [5], "float16"),
+    ]
     b = plan_buckets(spec, bucket_bytes=32)  # 8 float32 or 16 bfloat16 elements
     # a+b fill 32 bytes exactly (fits: <=); c starts a new bucket; a dtype change always starts one,
     # and a later float32 tensor is not merged back into an earlier float32 bucket (order is kept).
@@ -66,8 +81,7 @@ def test_plan_offsets_are_contiguous_and_shapes_kept():
 
 
 def test_plan_oversize_tensor_gets_a_bucket_of_its_own():
-    b = plan_buckets([("small", [2], "float32"), ("big", [100], "float32"), ("after", [2], "float32")],
-                     bucket_bytes=16)
+    b = plan_buckets([("small", [2], "float32"), ("big", [100], "float32"), ("after", [2], "float32")], bucket_bytes=16)
     assert names(b) == [["small"], ["big"], ["after"]]
     assert b[1]["numel"] == 100 and b[1]["tensors"][0]["offset"] == 0
     assert b[2]["tensors"][0]["offset"] == 0
@@ -87,6 +101,7 @@ def test_plan_for_tensors_is_plain_data_and_rejects_bad_input():
 
 
 # --- real gloo groups (spawned processes) -------------------------------------------------
+
 
 def _receiver(port, rank, world, timeout_s, buckets, out_q, backend="gloo", group_id="g", token=""):
     try:
@@ -162,11 +177,17 @@ def test_a_member_without_the_job_token_is_refused_before_any_weights_move(port)
     out_q = ctx.Queue()
     store = open_store(HOST, port, True, 30.0)
     # An intruder that reached the rendezvous and knows the epoch, but not the job's token.
-    intruder = ctx.Process(target=_receiver, args=(port, 1, 2, 30.0, buckets, out_q, "gloo", "e1", "a-guess"), daemon=True)
-    member = ctx.Process(target=_receiver, args=(port, 1, 2, 30.0, buckets, out_q, "gloo", "e2", "job-token"), daemon=True)
+    intruder = ctx.Process(
+        target=_receiver, args=(port, 1, 2, 30.0, buckets, out_q, "gloo", "e1", "a-guess"), daemon=True
+    )
+    member = ctx.Process(
+        target=_receiver, args=(port, 1, 2, 30.0, buckets, out_q, "gloo", "e2", "job-token"), daemon=True
+    )
     intruder.start()
     try:
-        with pytest.raises(GroupIncomplete, match=r"weight group e1: ranks \[1\] did not prove the job's weight token: refused") as err:
+        with pytest.raises(
+            GroupIncomplete, match=r"weight group e1: ranks \[1\] did not prove the job's weight token: refused"
+        ) as err:
             WeightGroup.form(store, "e1", 2, 30.0, join_timeout_s=30.0, token="job-token")
         assert err.value.missing == [1]  # dropped like a member that never came
         rank, status, detail = out_q.get(timeout=30)
@@ -256,6 +277,7 @@ def test_broadcast_receiver_never_enters_times_out_clearly(port):
 
 
 # --- transport choice (weightSync.backend) ----------------------------------------------------
+
 
 def job(**spec):
     return parse_job({"metadata": {"name": "t"}, "spec": spec}).spec

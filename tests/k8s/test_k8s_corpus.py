@@ -27,27 +27,66 @@ from pipelinerl_operator.handlers import validate_job
 
 CORPUS = yaml.safe_load((Path(__file__).with_name("manifest_corpus.yaml")).read_text())
 CRD = crd_manifest()
-BASE = {"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob",
-        "metadata": {"name": "demo", "namespace": "team-a"}, "spec": {}}
+BASE = {
+    "apiVersion": "pipelinerl.dev/v1alpha1",
+    "kind": "PipelineRLJob",
+    "metadata": {"name": "demo", "namespace": "team-a"},
+    "spec": {},
+}
 
 # Invalid object cases that only the webhook refuses: CEL cannot express them (vLLM's argument
 # list, quantities compared, Kubernetes' pod schema inside the free-form podTemplate). Shrink this
 # set whenever a CRD rule learns one; the test fails if the CRD starts refusing one of them.
 WEBHOOK_ONLY = {
-    "engine-arg-misspelt", "engine-arg-wrong-type", "engine-arg-bool-type", "engine-arg-enum",
-    "engine-arg-contradicts-tp", "engine-arg-owned-model", "engine-arg-owned-seq-len",
-    "requests-above-limits", "memory-requests-above-limits", "gpu-limit-without-gpus",
-    "pod-template-container-unnamed", "pod-template-sidecar-without-image", "pod-template-typo", "pod-template-containers-mapping",
-    "pod-template-reserved-env", "pod-template-tolerations-mapping",
+    "engine-arg-misspelt",
+    "engine-arg-wrong-type",
+    "engine-arg-bool-type",
+    "engine-arg-enum",
+    "engine-arg-contradicts-tp",
+    "engine-arg-owned-model",
+    "engine-arg-owned-seq-len",
+    "requests-above-limits",
+    "memory-requests-above-limits",
+    "gpu-limit-without-gpus",
+    "pod-template-container-unnamed",
+    "pod-template-sidecar-without-image",
+    "pod-template-typo",
+    "pod-template-containers-mapping",
+    "pod-template-reserved-env",
+    "pod-template-tolerations-mapping",
     # hostile authors: the pod security rules beyond host namespaces (pipelinerl_operator/pod_security.py)
-    "sidecar-privileged", "sidecar-escalation", "sidecar-root", "sidecar-sys-admin", "sidecar-keeps-capabilities",
-    "init-container-privileged", "service-container-root", "service-container-may-be-root",
-    "service-container-escalation", "service-container-writable-root", "proc-mount-unmasked",
-    "container-seccomp-unconfined", "pod-root", "pod-may-be-root", "pod-seccomp-unconfined", "pod-selinux-spc",
-    "pod-unsafe-sysctl", "windows-host-process", "apparmor-unconfined", "host-path-root", "nfs-volume", "host-port",
-    "projected-service-account-token", "operator-service-account", "deprecated-service-account", "automount-token",
-    "ephemeral-container", "install-key-by-env", "nats-accounts-by-volume", "webhook-cert-by-env-from",
-    "another-jobs-credentials", "another-jobs-credentials-projected",
+    "sidecar-privileged",
+    "sidecar-escalation",
+    "sidecar-root",
+    "sidecar-sys-admin",
+    "sidecar-keeps-capabilities",
+    "init-container-privileged",
+    "service-container-root",
+    "service-container-may-be-root",
+    "service-container-escalation",
+    "service-container-writable-root",
+    "proc-mount-unmasked",
+    "container-seccomp-unconfined",
+    "pod-root",
+    "pod-may-be-root",
+    "pod-seccomp-unconfined",
+    "pod-selinux-spc",
+    "pod-unsafe-sysctl",
+    "windows-host-process",
+    "apparmor-unconfined",
+    "host-path-root",
+    "nfs-volume",
+    "host-port",
+    "projected-service-account-token",
+    "operator-service-account",
+    "deprecated-service-account",
+    "automount-token",
+    "ephemeral-container",
+    "install-key-by-env",
+    "nats-accounts-by-volume",
+    "webhook-cert-by-env-from",
+    "another-jobs-credentials",
+    "another-jobs-credentials-projected",
     "prompts-longer-than-context",  # the task's prompts, tokenized (pipelinerl/prompt_fit.py)
     "egress-rule-misspelt",  # checked as the rendered NetworkPolicy, against Kubernetes' schema
 }
@@ -104,7 +143,9 @@ def test_corpus_is_big_and_unambiguous() -> None:
 
 
 @by_id(CORPUS["invalid"])
-def test_invalid_is_refused_everywhere(case: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_invalid_is_refused_everywhere(
+    case: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     code, err = run_validate(case, tmp_path, capsys)
     assert code == 2 and case["field"] in err, err
     if "text" in case:
@@ -134,8 +175,10 @@ def test_crd_alone_refuses_most(capsys: pytest.CaptureFixture[str]) -> None:
     objects = [c for c in CORPUS["invalid"] if "text" not in c]
     refused = [c["id"] for c in objects if admit(CRD, *manifests(c))[1]]
     with capsys.disabled():
-        print(f"\ncorpus: {len(CORPUS['invalid'])} invalid, {len(CORPUS['valid'])} valid; the CRD alone refuses "
-              f"{len(refused)}/{len(objects)} invalid objects, the webhook the other {len(objects) - len(refused)}")
+        print(
+            f"\ncorpus: {len(CORPUS['invalid'])} invalid, {len(CORPUS['valid'])} valid; the CRD alone refuses "
+            f"{len(refused)}/{len(objects)} invalid objects, the webhook the other {len(objects) - len(refused)}"
+        )
     assert set(c["id"] for c in objects) - set(refused) == WEBHOOK_ONLY
 
 

@@ -22,13 +22,18 @@ SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
 def job(name: str = "demo", **spec: Any) -> dict[str, Any]:
-    return {"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob",
-            "metadata": {"name": name, "namespace": "team-a"}, "spec": spec}
+    return {
+        "apiVersion": "pipelinerl.dev/v1alpha1",
+        "kind": "PipelineRLJob",
+        "metadata": {"name": name, "namespace": "team-a"},
+        "spec": spec,
+    }
 
 
 def test_committed_crd_is_generated_from_the_spec() -> None:
-    assert (ROOT / "crds" / "pipelinerl.dev_pipelinerljobs.yaml").read_text() == crd_yaml(), \
+    assert (ROOT / "crds" / "pipelinerl.dev_pipelinerljobs.yaml").read_text() == crd_yaml(), (
         "run: pipelinerl crd > crds/pipelinerl.dev_pipelinerljobs.yaml"
+    )
 
 
 def test_crd_validates_and_is_structural() -> None:
@@ -42,6 +47,7 @@ def test_crd_validates_and_is_structural() -> None:
             walk(sub, f"{path}.{key}")
         if "items" in node:
             walk(node["items"], f"{path}[]")
+
     walk(SCHEMA, "")
     version = CRD["spec"]["versions"][0]
     assert version["subresources"]["status"] == {}
@@ -83,7 +89,8 @@ def test_printer_columns_with_kubectl_jsonpath(tmp_path: Path) -> None:
     manifest = job()
     manifest["metadata"]["creationTimestamp"] = "2026-11-22T00:00:00Z"
     manifest["status"] = {
-        "phase": "Running", "generatorsReady": "3/4",
+        "phase": "Running",
+        "generatorsReady": "3/4",
         "progress": {"step": 12, "version": 11, "reward": 0.41, "lagMean": 1.5},
         "conditions": [  # Ready is deliberately not last
             {"type": "Ready", "status": "True", "reason": "AllComponentsReady"},
@@ -94,16 +101,30 @@ def test_printer_columns_with_kubectl_jsonpath(tmp_path: Path) -> None:
     path = tmp_path / "job.json"
     path.write_text(json.dumps(manifest))
     template = "|".join("{" + c["jsonPath"] + "}" for c in cols)
-    out = subprocess.run(["kubectl", "patch", "--local", "-f", str(path), "--type", "merge", "-p", "{}",
-                          "-o", f"jsonpath={template}"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["kubectl", "patch", "--local", "-f", str(path), "--type", "merge", "-p", "{}", "-o", f"jsonpath={template}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     values = dict(zip((c["name"] for c in cols), out.stdout.split("|")))
-    assert values == {"Ready": "True", "Reason": "AllComponentsReady", "Phase": "Running", "Step": "12",
-                      "Version": "11", "Generators": "3/4", "Reward": "0.41", "Lag": "1.5", "Age": "2026-11-22T00:00:00Z"}
+    assert values == {
+        "Ready": "True",
+        "Reason": "AllComponentsReady",
+        "Phase": "Running",
+        "Step": "12",
+        "Version": "11",
+        "Generators": "3/4",
+        "Reward": "0.41",
+        "Lag": "1.5",
+        "Age": "2026-11-22T00:00:00Z",
+    }
 
 
 def test_scale_subresource_points_at_real_fields() -> None:
     scale = CRD["spec"]["versions"][0]["subresources"]["scale"]
+
     def has(path: str) -> bool:
         node = SCHEMA
         for part in path.strip(".").split("."):
@@ -111,5 +132,6 @@ def test_scale_subresource_points_at_real_fields() -> None:
             if node is None:
                 return False
         return True
+
     assert has(scale["specReplicasPath"]) and has(scale["statusReplicasPath"]) and has(scale["labelSelectorPath"])
     assert SCHEMA["properties"]["spec"]["properties"]["generator"]["properties"]["replicas"]["type"] == "integer"

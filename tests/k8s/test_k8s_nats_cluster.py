@@ -33,8 +33,12 @@ def test_the_chart_renders_a_cluster_and_the_operator_replicates_job_streams_on_
     objects = chart_objects(3)
     sts = next(o for o in objects if o["kind"] == "StatefulSet")
     assert sts["spec"]["replicas"] == 3 and sts["spec"]["podManagementPolicy"] == "Parallel"
-    assert next(o for o in objects if o["kind"] == "PodDisruptionBudget"
-                and o["metadata"]["name"] == "rl-pipelinerl-nats")["spec"]["maxUnavailable"] == 1
+    assert (
+        next(
+            o for o in objects if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "rl-pipelinerl-nats"
+        )["spec"]["maxUnavailable"]
+        == 1
+    )
     operator = next(o for o in objects if o["kind"] == "Deployment")
     env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["PIPELINERL_NATS_REPLICAS"] == "3"
@@ -42,11 +46,20 @@ def test_the_chart_renders_a_cluster_and_the_operator_replicates_job_streams_on_
     for spec, expected in (({}, 3), ({"nats": {"url": "nats://elsewhere:4222"}}, None)):
         job = parse_job({"metadata": {"name": "demo"}, "spec": spec})
         pod = next(o for o in render(job, "team-a", "u", OperatorConfig(nats_replicas=3)) if o["kind"] == "StatefulSet")
-        environ = {e["name"]: e["value"] for e in pod["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
+        environ = {
+            e["name"]: e["value"] for e in pod["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e
+        }
         assert ServiceEnv.from_environ("trainer", environ).stream_replicas == expected
     single = chart_objects(1)
-    assert "cluster {" not in next(o for o in single if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-nats"))["data"]["nats.conf"]
-    assert not [o for o in single if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "rl-pipelinerl-nats"]
+    assert (
+        "cluster {"
+        not in next(o for o in single if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-nats"))["data"][
+            "nats.conf"
+        ]
+    )
+    assert not [
+        o for o in single if o["kind"] == "PodDisruptionBudget" and o["metadata"]["name"] == "rl-pipelinerl-nats"
+    ]
 
 
 class Cluster:
@@ -54,8 +67,13 @@ class Cluster:
         objects = chart_objects(size)
         conf = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-pipelinerl-nats")
         template = conf["data"]["nats.conf"]
-        routes_secret = next(o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == "rl-pipelinerl-nats-routes")
-        cluster_conf, self.password = routes_secret["stringData"]["cluster.conf"], routes_secret["stringData"]["password"]
+        routes_secret = next(
+            o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == "rl-pipelinerl-nats-routes"
+        )
+        cluster_conf, self.password = (
+            routes_secret["stringData"]["cluster.conf"],
+            routes_secret["stringData"]["password"],
+        )
         assert 'include "../nats-routes/cluster.conf"' in template and self.password in cluster_conf
         self.client = [free_port() for _ in range(size)]
         self.cluster = [free_port() for _ in range(size)]
@@ -64,18 +82,24 @@ class Cluster:
         self.procs: list[subprocess.Popen | None] = []
         for i in range(size):
             text = re.sub(r"^port: 4222$", f"port: {self.client[i]}", template, flags=re.M)
-            text = text.replace("http: \"127.0.0.1:8222\"", f"http: \"127.0.0.1:{free_port()}\"")
-            text = text.replace("/var/run/nats", str(root / f"s{i}")).replace("/data/jetstream", str(root / f"s{i}" / "js"))
+            text = text.replace('http: "127.0.0.1:8222"', f'http: "127.0.0.1:{free_port()}"')
+            text = text.replace("/var/run/nats", str(root / f"s{i}")).replace(
+                "/data/jetstream", str(root / f"s{i}" / "js")
+            )
             mine = cluster_conf.replace("port: 6222", f"port: {self.cluster[i]}")
             for host, j in routes:  # pod DNS names → this machine's ports (as in the pods: ../nats-routes)
                 mine = mine.replace(f"@{host}:6222", f"@127.0.0.1:{self.cluster[int(j)]}")
             for folder, name, content in (("etc", "nats.conf", text), ("nats-routes", "cluster.conf", mine)):
                 (root / f"s{i}" / folder).mkdir(parents=True, exist_ok=True)
                 (root / f"s{i}" / folder / name).write_text(content)
-            self.procs.append(subprocess.Popen(
-                [nats_server_binary(), "-c", str(root / f"s{i}" / "etc" / "nats.conf")],
-                env={"POD_NAME": f"rl-pipelinerl-nats-{i}"},
-                stdout=open(root / f"s{i}" / "log", "wb"), stderr=subprocess.STDOUT))
+            self.procs.append(
+                subprocess.Popen(
+                    [nats_server_binary(), "-c", str(root / f"s{i}" / "etc" / "nats.conf")],
+                    env={"POD_NAME": f"rl-pipelinerl-nats-{i}"},
+                    stdout=open(root / f"s{i}" / "log", "wb"),
+                    stderr=subprocess.STDOUT,
+                )
+            )
         for port in self.client:
             wait_for_port(port)
 
@@ -124,9 +148,14 @@ def outsider(root, name: str, route: str) -> tuple[subprocess.Popen, int]:
     port, cluster_port = free_port(), free_port()
     (root / name).mkdir()
     (root / name / "nats.conf").write_text(
-        f"port: {port}\nserver_name: {name}\ncluster {{ name: rl-pipelinerl-nats, port: {cluster_port}, routes: [{route}] }}\n")
-    proc = subprocess.Popen([nats_server_binary(), "-c", str(root / name / "nats.conf")],
-                            stdout=open(root / name / "log", "wb"), stderr=subprocess.STDOUT)
+        f"port: {port}\nserver_name: {name}\n"
+        f"cluster {{ name: rl-pipelinerl-nats, port: {cluster_port}, routes: [{route}] }}\n"
+    )
+    proc = subprocess.Popen(
+        [nats_server_binary(), "-c", str(root / name / "nats.conf")],
+        stdout=open(root / name / "log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     wait_for_port(port)
     return proc, port
 
@@ -156,6 +185,7 @@ async def test_a_server_without_the_route_password_never_joins(tmp_path) -> None
         async def peer_hears() -> None:
             await inside.publish("prl.team-a.demo.version", b"v")
             assert await heard("peer")
+
         await retried(peer_hears, "the peer with the password routed in")
         for _ in range(5):
             await inside.publish("prl.team-a.demo.version", b"secret")

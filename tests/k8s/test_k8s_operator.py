@@ -32,7 +32,8 @@ def manifest(name: str = "demo", **spec: Any) -> dict[str, Any]:
     for key, value in spec.items():
         base[key] = {**base.get(key, {}), **value} if isinstance(value, dict) else value
     return {
-        "apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob",
+        "apiVersion": "pipelinerl.dev/v1alpha1",
+        "kind": "PipelineRLJob",
         "metadata": {"name": name, "namespace": NS},
         "spec": base,
     }
@@ -40,7 +41,12 @@ def manifest(name: str = "demo", **spec: Any) -> dict[str, Any]:
 
 def obj(emulator: kmock.KubernetesEmulator, resource: str, name: str) -> dict[str, Any] | None:
     for (res, ns, n), o in list(emulator.objects.items()):
-        if n == name and ns == NS and f"{res.group}/{res.version}/{res.plural}".lstrip("/") == resource and not o.deleted:
+        if (
+            n == name
+            and ns == NS
+            and f"{res.group}/{res.version}/{res.plural}".lstrip("/") == resource
+            and not o.deleted
+        ):
             return copy.deepcopy(o.raw)
     return None
 
@@ -68,11 +74,20 @@ async def test_create_renders_children_and_turns_ready_with_progress(cluster) ->
         await api.create_job(manifest())
         sts = await eventually(lambda: all(obj(emulator, STS, f"demo-{r}") for r in ROLES), what="StatefulSets")
         assert sts
-        for kind, name in [(STS, f"demo-{r}") for r in ROLES] + [("v1/services", f"demo-{r}") for r in ROLES] + [("v1/configmaps", "demo-pipelinerl-config")]:
+        for kind, name in (
+            [(STS, f"demo-{r}") for r in ROLES]
+            + [("v1/services", f"demo-{r}") for r in ROLES]
+            + [("v1/configmaps", "demo-pipelinerl-config")]
+        ):
             child = obj(emulator, kind, name)
             assert child is not None, name
             owner = child["metadata"]["ownerReferences"][0]
-            assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("PipelineRLJob", "demo", "uid-demo", True)
+            assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
+                "PipelineRLJob",
+                "demo",
+                "uid-demo",
+                True,
+            )
         assert obj(emulator, STS, "demo-generator")["spec"]["replicas"] == 2
         assert obj(emulator, STS, "demo-trainer")["spec"]["replicas"] == 2
 
@@ -82,20 +97,49 @@ async def test_create_renders_children_and_turns_ready_with_progress(cluster) ->
         assert status(emulator)["observedGeneration"] == 1
         # Play the StatefulSet controller: pods come up. The trainer does not answer /status yet.
         await all_ready(api)
-        await eventually(lambda: all(condition(emulator, t).get("status") == "True"
-                                     for t in ("GeneratorsReady", "PreprocessorReady", "TrainerReady")), what="roles ready")
+        await eventually(
+            lambda: all(
+                condition(emulator, t).get("status") == "True"
+                for t in ("GeneratorsReady", "PreprocessorReady", "TrainerReady")
+            ),
+            what="roles ready",
+        )
         assert condition(emulator, "WeightSyncReady")["reason"] == "TrainerUnreachable"
         assert condition(emulator, "Ready") | {"lastTransitionTime": ""} == {
-            "type": "Ready", "status": "False", "reason": "WeightSyncNotReady", "observedGeneration": 1,
-            "message": "WeightSyncReady: TrainerUnreachable trainer rank 0 /status did not answer", "lastTransitionTime": ""}
-        trainer.reports["demo"] = {"step": 12, "version": 12, "samples": 1536, "reward": 0.41, "lagMean": 1.3,
-                                   "lagMax": 3, "tokensPerSecond": 5230.0, "lastUpdate": "2026-11-22T03:00:00Z",
-                                   "finished": False, "maxSteps": 50, "weightSyncReady": True}
+            "type": "Ready",
+            "status": "False",
+            "reason": "WeightSyncNotReady",
+            "observedGeneration": 1,
+            "message": "WeightSyncReady: TrainerUnreachable trainer rank 0 /status did not answer",
+            "lastTransitionTime": "",
+        }
+        trainer.reports["demo"] = {
+            "step": 12,
+            "version": 12,
+            "samples": 1536,
+            "reward": 0.41,
+            "lagMean": 1.3,
+            "lagMax": 3,
+            "tokensPerSecond": 5230.0,
+            "lastUpdate": "2026-11-22T03:00:00Z",
+            "finished": False,
+            "maxSteps": 50,
+            "weightSyncReady": True,
+        }
         await eventually(lambda: condition(emulator, "Ready").get("status") == "True", what="Ready")
         st = status(emulator)
         assert st["phase"] == "Running" and st["startTime"]
-        assert st["progress"] == {"step": 12, "version": 12, "maxSteps": 50, "samples": 1536, "reward": 0.41,
-                                  "lagMean": 1.3, "lagMax": 3, "tokensPerSecond": 5230.0, "lastUpdate": "2026-11-22T03:00:00Z"}
+        assert st["progress"] == {
+            "step": 12,
+            "version": 12,
+            "maxSteps": 50,
+            "samples": 1536,
+            "reward": 0.41,
+            "lagMean": 1.3,
+            "lagMax": 3,
+            "tokensPerSecond": 5230.0,
+            "lastUpdate": "2026-11-22T03:00:00Z",
+        }
         assert st["generatorsReady"] == "2/2" and st["roles"]["trainer"] == {"desired": 2, "replicas": 2, "ready": 2}
         await eventually(lambda: {"Created", "Ready"} <= set(events(emulator)), what="events")
         assert b'pipelinerl_operator_jobs{namespace="team-a",phase="Running"} 1.0' in generate_latest(metrics.REGISTRY)
@@ -116,7 +160,10 @@ async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest(scheduling={"queueName": "team-a-gpus"}))  # in a Kueue queue: the gang labels
         await eventually(lambda: obj(emulator, STS, "demo-trainer"), what="trainer StatefulSet")
-        assert sts_template(emulator, "trainer")["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo-pipelinerl-gang"
+        assert (
+            sts_template(emulator, "trainer")["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"]
+            == "demo-pipelinerl-gang"
+        )
         await all_ready(api)
         await eventually(lambda: condition(emulator, "Ready").get("status") == "True", what="Ready")
         trainer_before = sts_template(emulator, "trainer")
@@ -141,26 +188,38 @@ async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
         gen_before = sts_template(emulator, "generator")
         assert obj(emulator, STS, "demo-trainer")["spec"]["updateStrategy"] == {"type": "OnDelete"}
         for i in range(2):
-            await api.create_pod(f"demo-trainer-{i}", {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer",
-                                                       "controller-revision-hash": "rev-1"}, 0)
+            await api.create_pod(
+                f"demo-trainer-{i}",
+                {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer", "controller-revision-hash": "rev-1"},
+                0,
+            )
         await api.patch_job("demo", {"spec": {"trainer": {"learningRate": 0.0005}}})
         await eventually(lambda: sts_template(emulator, "trainer") != trainer_before, what="trainer rollout")
         assert obj(emulator, "v1/pods", "demo-trainer-0") and obj(emulator, "v1/pods", "demo-trainer-1")
         await api.set_sts_status("demo-trainer", 2, 2, update_revision="rev-2")  # the controller's new revision
-        await eventually(lambda: not obj(emulator, "v1/pods", "demo-trainer-0") and not obj(emulator, "v1/pods", "demo-trainer-1"),
-                         what="the trainer gang deleted")
+        await eventually(
+            lambda: not obj(emulator, "v1/pods", "demo-trainer-0") and not obj(emulator, "v1/pods", "demo-trainer-1"),
+            what="the trainer gang deleted",
+        )
         await eventually(lambda: "TrainerGangRestarted" in events(emulator), what="TrainerGangRestarted event")
         assert "learningRate: 0.0005" in obj(emulator, "v1/configmaps", "demo-pipelinerl-config")["data"]["job.yaml"]
         ann = "pipelinerl.dev/config-hash"
-        assert sts_template(emulator, "generator")["metadata"]["annotations"][ann] != gen_before["metadata"]["annotations"][ann]
+        assert (
+            sts_template(emulator, "generator")["metadata"]["annotations"][ann]
+            != gen_before["metadata"]["annotations"][ann]
+        )
         trainer_before = sts_template(emulator, "trainer")
         await api.patch_job("demo", {"spec": {"generator": {"image": "example.com/gen:2"}}})
-        await eventually(lambda: sts_template(emulator, "generator")["spec"]["containers"][0]["image"] == "example.com/gen:2")
+        await eventually(
+            lambda: sts_template(emulator, "generator")["spec"]["containers"][0]["image"] == "example.com/gen:2"
+        )
         assert sts_template(emulator, "trainer") == trainer_before, "a generator image change must not restart trainers"
 
         # Suspend: every role scales to zero, the job says so; resume brings them back.
         await api.patch_job("demo", {"spec": {"suspend": True}})
-        await eventually(lambda: all(obj(emulator, STS, f"demo-{r}")["spec"]["replicas"] == 0 for r in ROLES), what="scaled to 0")
+        await eventually(
+            lambda: all(obj(emulator, STS, f"demo-{r}")["spec"]["replicas"] == 0 for r in ROLES), what="scaled to 0"
+        )
         for role in ROLES:
             await api.set_sts_status(f"demo-{role}", 0, 0)
         await eventually(lambda: status(emulator).get("phase") == "Suspended", what="Suspended")
@@ -168,11 +227,16 @@ async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
         assert condition(emulator, "Ready")["reason"] == "Suspended"
         assert "volumeClaimTemplates" in obj(emulator, STS, "demo-trainer")["spec"], "checkpoints are kept on PVCs"
         await api.patch_job("demo", {"spec": {"suspend": False}})
-        await eventually(lambda: obj(emulator, STS, "demo-generator")["spec"]["replicas"] == 4, what=f"resumed {obj(emulator, JOBS, 'demo')['spec']} {status(emulator)}")
+        await eventually(
+            lambda: obj(emulator, STS, "demo-generator")["spec"]["replicas"] == 4,
+            what=f"resumed {obj(emulator, JOBS, 'demo')['spec']} {status(emulator)}",
+        )
         await all_ready(api, generators=4)
         await eventually(lambda: condition(emulator, "Ready").get("status") == "True", what="Ready again")
-        await eventually(lambda: {"Suspended", "Resumed", "Degraded", "Recovered", "Updated"} <= set(events(emulator)),
-                         what=f"events, got {set(events(emulator))}")
+        await eventually(
+            lambda: {"Suspended", "Resumed", "Degraded", "Recovered", "Updated"} <= set(events(emulator)),
+            what=f"events, got {set(events(emulator))}",
+        )
 
 
 async def test_failing_trainer_fails_after_backoff_limit(cluster) -> None:
@@ -184,7 +248,9 @@ async def test_failing_trainer_fails_after_backoff_limit(cluster) -> None:
         await all_ready(api)
         labels = {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer"}
         await api.create_pod("demo-trainer-0", labels, restarts=0)
-        await api.create_pod("demo-generator-0", {**labels, "pipelinerl.dev/role": "generator"}, restarts=5)  # elastic: not a failure
+        await api.create_pod(
+            "demo-generator-0", {**labels, "pipelinerl.dev/role": "generator"}, restarts=5
+        )  # elastic: not a failure
         await api.create_pod("demo-trainer-1", labels, restarts=1)
         await eventually(lambda: condition(emulator, "Degraded").get("reason") == "PodsRestarted")
         assert status(emulator)["phase"] == "Running"
@@ -197,7 +263,9 @@ async def test_failing_trainer_fails_after_backoff_limit(cluster) -> None:
         failed = condition(emulator, "Failed")
         assert failed["status"] == "True" and failed["reason"] == "BackoffLimitExceeded"
         assert status(emulator)["completionTime"]
-        await eventually(lambda: all(obj(emulator, STS, f"demo-{r}")["spec"]["replicas"] == 0 for r in ROLES), what="released")
+        await eventually(
+            lambda: all(obj(emulator, STS, f"demo-{r}")["spec"]["replicas"] == 0 for r in ROLES), what="released"
+        )
         await eventually(lambda: "BackoffLimitExceeded" in events(emulator))
         # Terminal is sticky: a recovered trainer does not resurrect the job.
         await api.patch_pod_restarts("demo-trainer-0", 0)
@@ -212,7 +280,9 @@ async def test_finished_trainer_succeeds_and_ttl_deletes(cluster) -> None:
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest(runPolicy={"ttlSecondsAfterFinished": 1}, output={"claimName": "models"}))
         await eventually(lambda: obj(emulator, STS, "demo-trainer"))
-        retention = lambda: obj(emulator, STS, "demo-trainer")["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"]  # noqa: E731
+        retention = lambda: obj(emulator, STS, "demo-trainer")["spec"]["persistentVolumeClaimRetentionPolicy"][  # noqa: E731
+            "whenDeleted"
+        ]  # noqa: E731
         assert retention() == "Retain"  # the checkpoints are the only copy of the model until the output is written
         await all_ready(api)
         await eventually(lambda: status(emulator).get("phase") == "Succeeded", what="Succeeded")
@@ -226,16 +296,25 @@ async def test_finished_trainer_succeeds_and_ttl_deletes(cluster) -> None:
 
 async def review(operation: str, new: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
     """An AdmissionReview as the API server POSTs it to the operator's webhook; its answer."""
-    request = {"uid": "r-1", "operation": operation, "object": new, "oldObject": old, "namespace": NS,
-               "name": new["metadata"]["name"], "userInfo": {"username": "alice"},
-               "kind": {"group": "pipelinerl.dev", "version": "v1alpha1", "kind": "PipelineRLJob"},
-               "resource": {"group": "pipelinerl.dev", "version": "v1alpha1", "resource": "pipelinerljobs"}}
+    request = {
+        "uid": "r-1",
+        "operation": operation,
+        "object": new,
+        "oldObject": old,
+        "namespace": NS,
+        "name": new["metadata"]["name"],
+        "userInfo": {"username": "alice"},
+        "kind": {"group": "pipelinerl.dev", "version": "v1alpha1", "kind": "PipelineRLJob"},
+        "resource": {"group": "pipelinerl.dev", "version": "v1alpha1", "resource": "pipelinerljobs"},
+    }
     url = f"http://127.0.0.1:{os.environ['PIPELINERL_WEBHOOK_PORT']}/validate-job"
     body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}
     for _ in range(50):  # kopf opens the server once it has discovered the resources
         try:
-            async with aiohttp.ClientSession() as session, session.post(
-                    url, json=body, timeout=aiohttp.ClientTimeout(total=10)) as resp:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.post(url, json=body, timeout=aiohttp.ClientTimeout(total=10)) as resp,
+            ):
                 assert resp.status == 200
                 return (await resp.json())["response"]
         except aiohttp.ClientConnectorError:
@@ -309,12 +388,15 @@ async def test_deletion_removes_this_jobs_nats_streams(cluster, nats_url: str) -
     try:
         async with running_operator(str(emulator.url)):
             await api.create_job(manifest(nats={"url": nats_url}))
-            await eventually(lambda: "pipelinerl.dev/cleanup" in obj(emulator, JOBS, "demo")["metadata"].get("finalizers", []))
+            await eventually(
+                lambda: "pipelinerl.dev/cleanup" in obj(emulator, JOBS, "demo")["metadata"].get("finalizers", [])
+            )
             await api.delete_job("demo")
             await eventually(lambda: obj(emulator, JOBS, "demo") is None, what="deleted")
         left = sorted(s.config.name for s in await js.streams_info())
-        assert left == sorted(JobSubjects("demo-2", NS).streams + JobSubjects("demo", "team-b").streams), \
+        assert left == sorted(JobSubjects("demo-2", NS).streams + JobSubjects("demo", "team-b").streams), (
             "only this job's streams go"
+        )
         await eventually(lambda: "StreamsDeleted" in events(emulator))
     finally:
         await nc.close()
@@ -329,18 +411,36 @@ async def test_a_refused_apply_and_a_stuck_pod_are_told_in_the_status_and_events
         await api.create_job(manifest())
         await eventually(lambda: condition(emulator, "Ready").get("reason") == "ApplyRefused", what="ApplyRefused")
         ready = condition(emulator, "Ready")
-        assert ready["status"] == "False" and "StatefulSet demo-generator" in ready["message"] and refusal in ready["message"]
+        assert (
+            ready["status"] == "False"
+            and "StatefulSet demo-generator" in ready["message"]
+            and refusal in ready["message"]
+        )
         await eventually(lambda: "ApplyRefused" in events(emulator), what="ApplyRefused event")
         emulator.refuse.clear()  # fixed (e.g. a quota raised): the next reconcile applies it
         await api.patch_job("demo", {"spec": {"generator": {"replicas": 3}}})
         await eventually(lambda: all(obj(emulator, STS, f"demo-{r}") for r in ROLES), what="every StatefulSet")
         await all_ready(api, generators=3)
         # A trainer pod that no node can take: the condition says which pod and why.
-        await api.create_pod("demo-trainer-1", {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer"}, 0,
-                             status={"conditions": [{"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
-                                                     "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]})
+        await api.create_pod(
+            "demo-trainer-1",
+            {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer"},
+            0,
+            status={
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu.",
+                    }
+                ]
+            },
+        )
         await api.set_sts_status("demo-trainer", 2, 1)
-        await eventually(lambda: condition(emulator, "TrainerReady").get("reason") == "Unschedulable", what="Unschedulable")
+        await eventually(
+            lambda: condition(emulator, "TrainerReady").get("reason") == "Unschedulable", what="Unschedulable"
+        )
         assert "pod demo-trainer-1: Unschedulable: 0/4 nodes" in condition(emulator, "TrainerReady")["message"]
         assert condition(emulator, "Ready")["reason"] == "TrainerNotReady"
         await eventually(lambda: "Unschedulable" in events(emulator), what="Unschedulable event")
@@ -356,7 +456,10 @@ async def test_an_object_the_job_does_not_own_is_never_taken_over(cluster) -> No
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest())
         await eventually(lambda: condition(emulator, "Ready").get("reason") == "ApplyRefused", what="ApplyRefused")
-        assert "ServiceAccount demo-pipelinerl already exists and is not this job's" in condition(emulator, "Ready")["message"]
+        assert (
+            "ServiceAccount demo-pipelinerl already exists and is not this job's"
+            in condition(emulator, "Ready")["message"]
+        )
         await eventually(lambda: "ApplyRefused" in events(emulator), what="ApplyRefused event")
         assert not any(obj(emulator, STS, f"demo-{r}") for r in ROLES)  # no pod could run as that account
         assert not obj(emulator, "v1/serviceaccounts", "demo-pipelinerl").get("metadata", {}).get("ownerReferences")
@@ -396,20 +499,37 @@ async def test_two_replicas_take_turns_and_the_survivor_takes_over(cluster, tmp_
     from pipelinerl.ports import free_port
 
     emulator, api, _ = cluster
-    await api.create(f"/apis/kopf.dev/v1/namespaces/{NS}/kopfpeerings",
-                     {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rl-pipelinerl", "namespace": NS}})
+    await api.create(
+        f"/apis/kopf.dev/v1/namespaces/{NS}/kopfpeerings",
+        {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rl-pipelinerl", "namespace": NS}},
+    )
     procs = {}
     for name in ("replica-a", "replica-b"):
-        env = {**os.environ, "PIPELINERL_KUBE_SERVER": str(emulator.url), "PIPELINERL_WATCH_NAMESPACES": NS,
-               "PIPELINERL_PEERING": "rl-pipelinerl", "PIPELINERL_PEERING_LIFETIME": "3", "POD_ID": name,
-               "PIPELINERL_METRICS_PORT": "0", "PIPELINERL_LIVENESS": f"http://127.0.0.1:{free_port()}/healthz"}
-        procs[name] = subprocess.Popen([sys.executable, "-m", "pipelinerl_operator"], env=env,
-                                       stdout=open(tmp_path / f"{name}.log", "wb"), stderr=subprocess.STDOUT)
+        env = {
+            **os.environ,
+            "PIPELINERL_KUBE_SERVER": str(emulator.url),
+            "PIPELINERL_WATCH_NAMESPACES": NS,
+            "PIPELINERL_PEERING": "rl-pipelinerl",
+            "PIPELINERL_PEERING_LIFETIME": "3",
+            "POD_ID": name,
+            "PIPELINERL_METRICS_PORT": "0",
+            "PIPELINERL_LIVENESS": f"http://127.0.0.1:{free_port()}/healthz",
+        }
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "pipelinerl_operator"],
+            env=env,
+            stdout=open(tmp_path / f"{name}.log", "wb"),
+            stderr=subprocess.STDOUT,
+        )
     try:
-        peers = await eventually(lambda: len((obj(emulator, "kopf.dev/v1/kopfpeerings", "rl-pipelinerl") or {})
-                                             .get("status") or {}) == 2 and obj(emulator, "kopf.dev/v1/kopfpeerings",
-                                                                               "rl-pipelinerl")["status"],
-                                 timeout_s=60, what="both replicas in the peering")
+        peers = await eventually(
+            lambda: (
+                len((obj(emulator, "kopf.dev/v1/kopfpeerings", "rl-pipelinerl") or {}).get("status") or {}) == 2
+                and obj(emulator, "kopf.dev/v1/kopfpeerings", "rl-pipelinerl")["status"]
+            ),
+            timeout_s=60,
+            what="both replicas in the peering",
+        )
         leader = max(peers, key=lambda p: peers[p]["priority"])
         other = next(n for n in procs if n != leader)
         await api.create_job(manifest("first"))

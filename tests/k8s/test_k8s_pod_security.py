@@ -19,8 +19,11 @@ CFG = OperatorConfig(auth_key="k")
 
 
 def pods(job) -> dict[str, dict]:
-    return {o["metadata"]["name"]: o["spec"]["template"] for o in render(job, "team-a", "uid", CFG)
-            if o["kind"] == "StatefulSet"}
+    return {
+        o["metadata"]["name"]: o["spec"]["template"]
+        for o in render(job, "team-a", "uid", CFG)
+        if o["kind"] == "StatefulSet"
+    }
 
 
 def violations(pod: dict, job_name: str = "demo") -> list[str]:
@@ -30,7 +33,9 @@ def violations(pod: dict, job_name: str = "demo") -> list[str]:
 CORPUS = yaml.safe_load((Path(__file__).with_name("manifest_corpus.yaml")).read_text())
 ACCEPTED = [load_job(p) for p in sorted((ROOT / "examples").glob("*.yaml"))] + [
     parse_job({"metadata": {"name": "demo", **case.get("metadata", {})}, "spec": case.get("spec", {})})
-    for case in CORPUS["valid"] if "text" not in case]
+    for case in CORPUS["valid"]
+    if "text" not in case
+]
 
 
 @pytest.mark.parametrize("job", ACCEPTED, ids=lambda j: j.name)
@@ -45,8 +50,16 @@ def job(**role):
 
 
 def test_a_user_may_tighten_and_the_users_value_is_kept():
-    pod = pods(job(podTemplate={"spec": {"securityContext": {"runAsUser": 20000}, "containers": [
-        {"name": "generator", "securityContext": {"runAsUser": 20001}}]}}))["demo-generator"]
+    pod = pods(
+        job(
+            podTemplate={
+                "spec": {
+                    "securityContext": {"runAsUser": 20000},
+                    "containers": [{"name": "generator", "securityContext": {"runAsUser": 20001}}],
+                }
+            }
+        )
+    )["demo-generator"]
     assert pod["spec"]["securityContext"]["runAsUser"] == 20000
     (container,) = pod["spec"]["containers"]
     assert container["securityContext"]["runAsUser"] == 20001
@@ -54,26 +67,38 @@ def test_a_user_may_tighten_and_the_users_value_is_kept():
 
 
 def test_a_user_can_never_loosen_and_every_problem_is_named():
-    template = {"spec": {"hostNetwork": True, "securityContext": {"runAsNonRoot": False}, "containers": [
-        {"name": "generator", "securityContext": {"readOnlyRootFilesystem": False}},
-        {"name": "miner", "image": "x/miner", "securityContext": {"privileged": True, "capabilities": {"add": ["SYS_ADMIN"]}}}],
-        "volumes": [{"name": "root", "hostPath": {"path": "/"}}]}}
+    template = {
+        "spec": {
+            "hostNetwork": True,
+            "securityContext": {"runAsNonRoot": False},
+            "containers": [
+                {"name": "generator", "securityContext": {"readOnlyRootFilesystem": False}},
+                {
+                    "name": "miner",
+                    "image": "x/miner",
+                    "securityContext": {"privileged": True, "capabilities": {"add": ["SYS_ADMIN"]}},
+                },
+            ],
+            "volumes": [{"name": "root", "hostPath": {"path": "/"}}],
+        }
+    }
     with pytest.raises(RenderError) as err:
         render(job(podTemplate=template), "team-a", "uid", CFG)
     assert err.value.problems == [
         "generator.podTemplate.spec.hostNetwork: host namespaces are not allowed",
         "generator.podTemplate.spec.securityContext.runAsNonRoot: must not be false",
-        "generator.podTemplate.spec.volumes[root].hostPath: hostPath volumes are not allowed (restricted: configMap, csi, "
-        "downwardAPI, emptyDir, ephemeral, persistentVolumeClaim, projected, secret)",
+        "generator.podTemplate.spec.volumes[root].hostPath: hostPath volumes are not allowed "
+        "(restricted: configMap, csi, downwardAPI, emptyDir, ephemeral, persistentVolumeClaim, projected, secret)",
         "generator.podTemplate.spec.containers[generator].securityContext.readOnlyRootFilesystem: must be true "
         "(write to a volume)",
-        "generator.podTemplate.spec.containers[generator].securityContext.runAsNonRoot: must be true (on the pod or the "
-        "container)",
-        "generator.podTemplate.spec.containers[miner].securityContext.privileged: privileged containers are not allowed",
-        "generator.podTemplate.spec.containers[miner].securityContext.runAsNonRoot: must be true (on the pod or the "
-        "container)",
-        "generator.podTemplate.spec.containers[miner].securityContext.capabilities.add: SYS_ADMIN may not be added (only "
-        "NET_BIND_SERVICE)",
+        "generator.podTemplate.spec.containers[generator].securityContext.runAsNonRoot: "
+        "must be true (on the pod or the container)",
+        "generator.podTemplate.spec.containers[miner].securityContext.privileged: "
+        "privileged containers are not allowed",
+        "generator.podTemplate.spec.containers[miner].securityContext.runAsNonRoot: "
+        "must be true (on the pod or the container)",
+        "generator.podTemplate.spec.containers[miner].securityContext.capabilities.add: "
+        "SYS_ADMIN may not be added (only NET_BIND_SERVICE)",
     ]
 
 

@@ -20,8 +20,14 @@ CFG = OperatorConfig(auth_key="install-key")
 def job(**spec):
     if any((spec.get(role) or {}).get("gpus") for role in ("generator", "trainer")):
         spec.setdefault("model", {"path": "/models/qwen"})  # GPU jobs need a real model
-    return parse_job({"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob",
-                      "metadata": {"name": "demo", "labels": {"team": "a"}}, "spec": spec})
+    return parse_job(
+        {
+            "apiVersion": "pipelinerl.dev/v1alpha1",
+            "kind": "PipelineRLJob",
+            "metadata": {"name": "demo", "labels": {"team": "a"}},
+            "spec": spec,
+        }
+    )
 
 
 def by_name(objects):
@@ -29,7 +35,9 @@ def by_name(objects):
 
 
 def env_of(sts):
-    return {e["name"]: e.get("value", e.get("valueFrom")) for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+    return {
+        e["name"]: e.get("value", e.get("valueFrom")) for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
 
 
 EDGE_CASES = [
@@ -38,11 +46,22 @@ EDGE_CASES = [
     {"generator": {"replicas": 64, "gpus": 8, "tensorParallel": 8, "resources": {"limits": {"memory": "200Gi"}}}},
     {"scheduling": {"schedulerName": "volcano", "queueName": "team-a", "priorityClassName": "high"}},
     {"storage": {"size": "1.5Ti", "storageClassName": "fast"}},
-    {"trainer": {"podTemplate": {"metadata": {"annotations": {"a": "b"}}, "spec": {
-        "nodeSelector": {"pool": "gpu"}, "tolerations": [{"key": "gpu", "operator": "Exists"}],
-        "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
-        "containers": [{"name": "trainer", "volumeMounts": [{"name": "models", "mountPath": "/models"}]},
-                       {"name": "log-shipper", "image": "busybox"}]}}}},
+    {
+        "trainer": {
+            "podTemplate": {
+                "metadata": {"annotations": {"a": "b"}},
+                "spec": {
+                    "nodeSelector": {"pool": "gpu"},
+                    "tolerations": [{"key": "gpu", "operator": "Exists"}],
+                    "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+                    "containers": [
+                        {"name": "trainer", "volumeMounts": [{"name": "models", "mountPath": "/models"}]},
+                        {"name": "log-shipper", "image": "busybox"},
+                    ],
+                },
+            }
+        }
+    },
 ]
 
 
@@ -67,8 +86,12 @@ def test_every_pod_meets_the_restricted_pod_security_standard(spec) -> None:
         mounts = {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
         assert {"/tmp", "/var/cache/pipelinerl", "/var/lib/pipelinerl/run"} <= mounts  # the writable places
     assert restricted_violations({"containers": [{"name": "x"}], "hostNetwork": True}) == [
-        "spec.hostNetwork", "container x: allowPrivilegeEscalation not false", "container x: runAsNonRoot not true",
-        "container x: seccompProfile None", "container x: capabilities {}"]  # the checker itself checks
+        "spec.hostNetwork",
+        "container x: allowPrivilegeEscalation not false",
+        "container x: runAsNonRoot not true",
+        "container x: seccompProfile None",
+        "container x: capabilities {}",
+    ]  # the checker itself checks
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("**/*.yaml")), ids=lambda p: p.name)
@@ -102,7 +125,12 @@ def test_wiring_contract() -> None:
         volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
         assert sts["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
-    assert parse_job(__import__("yaml").safe_load(objs[("ConfigMap", "demo-pipelinerl-config")]["data"]["job.yaml"])).spec.generator.replicas == 3
+    assert (
+        parse_job(
+            __import__("yaml").safe_load(objs[("ConfigMap", "demo-pipelinerl-config")]["data"]["job.yaml"])
+        ).spec.generator.replicas
+        == 3
+    )
     # No output: the checkpoints are the trained model, kept when the job goes (see the retention test).
     assert trainer["spec"]["persistentVolumeClaimRetentionPolicy"] == {"whenDeleted": "Retain", "whenScaled": "Retain"}
 
@@ -117,12 +145,25 @@ def test_multi_gpu_trainer_pods_run_one_rank_per_gpu() -> None:
 
 
 def test_gpus_images_and_scheduling() -> None:
-    objs = by_name(render(job(generator={"gpus": 2, "tensorParallel": 2}, trainer={"image": "me/trainer:1"},
-                              scheduling={"queueName": "q", "schedulerName": "volcano"}), "ns", "u", CFG))
+    objs = by_name(
+        render(
+            job(
+                generator={"gpus": 2, "tensorParallel": 2},
+                trainer={"image": "me/trainer:1"},
+                scheduling={"queueName": "q", "schedulerName": "volcano"},
+            ),
+            "ns",
+            "u",
+            CFG,
+        )
+    )
     gen = objs[("StatefulSet", "demo-generator")]["spec"]["template"]
     c = gen["spec"]["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2" and c["image"] == CFG.gpu_image
-    assert objs[("StatefulSet", "demo-preprocessor")]["spec"]["template"]["spec"]["containers"][0]["image"] == CFG.cpu_image
+    assert (
+        objs[("StatefulSet", "demo-preprocessor")]["spec"]["template"]["spec"]["containers"][0]["image"]
+        == CFG.cpu_image
+    )
     assert objs[("StatefulSet", "demo-trainer")]["spec"]["template"]["spec"]["containers"][0]["image"] == "me/trainer:1"
     assert gen["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "q"
     assert gen["spec"]["schedulerName"] == "volcano"
@@ -143,8 +184,16 @@ def test_gpus_images_and_scheduling() -> None:
 
 def test_scaling_generators_in_a_queued_job_changes_no_pod_template() -> None:
     def templates(generators: int) -> dict:
-        objs = render(job(generator={"replicas": generators}, trainer={"replicas": 2},
-                          scheduling={"queueName": "q", "schedulerName": "volcano"}), "ns", "u", CFG)
+        objs = render(
+            job(
+                generator={"replicas": generators},
+                trainer={"replicas": 2},
+                scheduling={"queueName": "q", "schedulerName": "volcano"},
+            ),
+            "ns",
+            "u",
+            CFG,
+        )
         return {o["metadata"]["name"]: o["spec"]["template"] for o in objs if o["kind"] == "StatefulSet"}
 
     assert templates(4) == templates(6)
@@ -169,7 +218,13 @@ def test_pod_template_merges_under_ours() -> None:
 
 def test_reserved_env_in_pod_template_rejected() -> None:
     with pytest.raises(SpecError, match="reserved"):
-        job(generator={"podTemplate": {"spec": {"containers": [{"name": "generator", "env": [{"name": "RANK", "value": "9"}]}]}}})
+        job(
+            generator={
+                "podTemplate": {
+                    "spec": {"containers": [{"name": "generator", "env": [{"name": "RANK", "value": "9"}]}]}
+                }
+            }
+        )
 
 
 def test_config_hash_restarts_only_affected_roles() -> None:
@@ -210,7 +265,9 @@ def test_the_output_claim_is_mounted_into_trainer_pods_only() -> None:
     objs = by_name(render(job(output={"claimName": "team-models"}), "team-a", "uid-1", CFG))
     trainer = objs[("StatefulSet", "demo-trainer")]["spec"]["template"]["spec"]
     assert {"name": "output", "persistentVolumeClaim": {"claimName": "team-models"}} in trainer["volumes"]
-    assert {"name": "output", "mountPath": "/var/lib/pipelinerl/output", "subPath": "demo"} in trainer["containers"][0]["volumeMounts"]
+    assert {"name": "output", "mountPath": "/var/lib/pipelinerl/output", "subPath": "demo"} in trainer["containers"][0][
+        "volumeMounts"
+    ]
     assert env_of(objs[("StatefulSet", "demo-trainer")])["PIPELINERL_OUTPUT_DIR"] == "/var/lib/pipelinerl/output"
     generator = objs[("StatefulSet", "demo-generator")]
     assert "PIPELINERL_OUTPUT_DIR" not in env_of(generator)
@@ -257,8 +314,9 @@ def test_the_network_policy_admits_only_the_jobs_own_pods_but_to_the_http_port()
     own, readers = policy["spec"]["ingress"]
     assert own == {"from": [{"podSelector": {"matchLabels": selector}}]}  # any port, this namespace only
     assert readers["ports"] == [{"port": 8000, "protocol": "TCP"}]
-    assert [f.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") for f in readers["from"]] \
-        == ["operator", None]
+    assert [
+        f.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") for f in readers["from"]
+    ] == ["operator", None]
     assert readers["from"][1] == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
 
@@ -269,15 +327,23 @@ def test_job_pods_may_connect_only_to_their_job_nats_dns_and_what_the_job_lists(
     policy = by_name(render(job(network={"egress": [hub]}), "team-a", "u", cfg))[("NetworkPolicy", "demo-pipelinerl")]
     own, nats, dns, listed = policy["spec"]["egress"]
     assert own == {"to": [{"podSelector": {"matchLabels": {"pipelinerl.dev/job": "demo"}}}]}
-    assert nats == {"to": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "pipelinerl-system"}},
-                            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "pipelinerl",
-                                                            "app.kubernetes.io/component": "nats"}}}],
-                    "ports": [{"port": 4222, "protocol": "TCP"}]}
+    assert nats == {
+        "to": [
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "pipelinerl-system"}},
+                "podSelector": {
+                    "matchLabels": {"app.kubernetes.io/name": "pipelinerl", "app.kubernetes.io/component": "nats"}
+                },
+            }
+        ],
+        "ports": [{"port": 4222, "protocol": "TCP"}],
+    }
     assert dns == {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
     assert listed == hub
     own_server = by_name(render(job(nats={"url": "nats://a:4222,tls://b:7422"}), "team-a", "u", cfg))
     assert own_server[("NetworkPolicy", "demo-pipelinerl")]["spec"]["egress"][1] == {
-        "ports": [{"port": 4222, "protocol": "TCP"}, {"port": 7422, "protocol": "TCP"}]}  # its servers' ports
+        "ports": [{"port": 4222, "protocol": "TCP"}, {"port": 7422, "protocol": "TCP"}]
+    }  # its servers' ports
     open_egress = by_name(render(job(), "team-a", "u", OperatorConfig(restrict_egress=False)))
     assert open_egress[("NetworkPolicy", "demo-pipelinerl")]["spec"]["policyTypes"] == ["Ingress"]
 
@@ -287,15 +353,21 @@ def test_two_jobs_of_one_name_in_two_namespaces_share_nothing() -> None:
 
     a = render(job(), "team-a", "uid-a", CFG)
     b = render(job(), "team-b", "uid-b", CFG)
-    assert {o["metadata"]["namespace"] for o in a} == {"team-a"} and {o["metadata"]["namespace"] for o in b} == {"team-b"}
+    assert {o["metadata"]["namespace"] for o in a} == {"team-a"} and {o["metadata"]["namespace"] for o in b} == {
+        "team-b"
+    }
     secret = lambda objs: next(o for o in objs if o["kind"] == "Secret")["data"]  # noqa: E731
     assert not set(secret(a).values()) & set(secret(b).values())  # other NATS users, passwords, weight tokens
     # The pods read their job's namespace from its manifest: they name their streams by it.
-    config = lambda objs: parse_job(yaml.safe_load(next(o for o in objs if o["kind"] == "ConfigMap")["data"]["job.yaml"]))  # noqa: E731
+    config = lambda objs: parse_job(  # noqa: E731
+        yaml.safe_load(next(o for o in objs if o["kind"] == "ConfigMap")["data"]["job.yaml"])
+    )  # noqa: E731
     assert (config(a).subjects.namespace, config(b).subjects.namespace) == ("team-a", "team-b")
     # Each is an account of its own on the NATS server (its streams live in it); the same job
     # created again (a new uid) gets new credentials.
-    accounts = nats_accounts("install-key", [("team-a", "demo", "uid-a", 1 << 30), ("team-b", "demo", "uid-b", 2 << 30)])
+    accounts = nats_accounts(
+        "install-key", [("team-a", "demo", "uid-a", 1 << 30), ("team-b", "demo", "uid-b", 2 << 30)]
+    )
     assert f'"team-a.demo": {{ jetstream: {{ max_file: {1 << 30}, max_mem: 0' in accounts
     assert f'"team-b.demo": {{ jetstream: {{ max_file: {2 << 30}, max_mem: 0' in accounts
     again = render(job(), "team-a", "uid-a2", CFG)
@@ -311,34 +383,49 @@ def test_job_pods_run_as_their_jobs_own_service_account_wherever_the_job_is() ->
         assert pod["serviceAccountName"] == "demo-pipelinerl" and pod["automountServiceAccountToken"] is False
     chosen = render(job(), "team-z", "uid-1", OperatorConfig(service_account="shared-sa"))  # the install names one
     assert not [o for o in chosen if o["kind"] == "ServiceAccount"]
-    assert {o["spec"]["template"]["spec"]["serviceAccountName"] for o in chosen if o["kind"] == "StatefulSet"} == {"shared-sa"}
+    assert {o["spec"]["template"]["spec"]["serviceAccountName"] for o in chosen if o["kind"] == "StatefulSet"} == {
+        "shared-sa"
+    }
 
 
-@pytest.mark.parametrize("retention, output, written, deleted", [
-    ("DeleteAfterOutput", True, False, False),  # running: the checkpoints are the only copy
-    ("DeleteAfterOutput", True, True, True),  # succeeded: the final model is on the output claim
-    ("DeleteAfterOutput", False, True, False),  # no output: the checkpoints are the model
-    ("Retain", True, True, False),
-    ("Delete", False, False, True),
-])
+@pytest.mark.parametrize(
+    "retention, output, written, deleted",
+    [
+        ("DeleteAfterOutput", True, False, False),  # running: the checkpoints are the only copy
+        ("DeleteAfterOutput", True, True, True),  # succeeded: the final model is on the output claim
+        ("DeleteAfterOutput", False, True, False),  # no output: the checkpoints are the model
+        ("Retain", True, True, False),
+        ("Delete", False, False, True),
+    ],
+)
 def test_trainer_volumes_go_with_the_job_only_per_the_retention_policy(retention, output, written, deleted) -> None:
     spec = {"runPolicy": {"checkpointRetention": retention}, **({"output": {"claimName": "models"}} if output else {})}
     trainer = by_name(render(job(**spec), "ns", "u", CFG, output_written=written))[("StatefulSet", "demo-trainer")]
     assert trainer["spec"]["persistentVolumeClaimRetentionPolicy"] == {
-        "whenDeleted": "Delete" if deleted else "Retain", "whenScaled": "Retain"}
+        "whenDeleted": "Delete" if deleted else "Retain",
+        "whenScaled": "Retain",
+    }
 
 
 def test_every_pod_asks_for_resources_the_user_did_not_name() -> None:
     """A namespace ResourceQuota refuses pods without requests and limits: each role gets its
     defaults (per GPU on GPUs) for cpu and memory wherever the user names neither."""
+
     def resources(**spec):
         objs = by_name(render(job(**spec), "ns", "u", CFG))
-        return {r: objs[("StatefulSet", f"demo-{r}")]["spec"]["template"]["spec"]["containers"][0]["resources"]
-                for r in ("generator", "preprocessor", "trainer")}
+        return {
+            r: objs[("StatefulSet", f"demo-{r}")]["spec"]["template"]["spec"]["containers"][0]["resources"]
+            for r in ("generator", "preprocessor", "trainer")
+        }
 
     plain = resources()
-    assert plain["preprocessor"] == {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"cpu": "2", "memory": "2Gi"}}
+    assert plain["preprocessor"] == {
+        "requests": {"cpu": "500m", "memory": "1Gi"},
+        "limits": {"cpu": "2", "memory": "2Gi"},
+    }
     assert plain["trainer"] == {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"cpu": "4", "memory": "8Gi"}}
     mine = resources(model={"path": "/models/q"}, generator={"gpus": 2, "resources": {"requests": {"memory": "100Gi"}}})
-    assert mine["generator"] == {"requests": {"memory": "100Gi", "cpu": "8", "nvidia.com/gpu": "2"},
-                                 "limits": {"cpu": "16", "nvidia.com/gpu": "2"}}  # memory: the user's alone
+    assert mine["generator"] == {
+        "requests": {"memory": "100Gi", "cpu": "8", "nvidia.com/gpu": "2"},
+        "limits": {"cpu": "16", "nvidia.com/gpu": "2"},
+    }  # memory: the user's alone

@@ -36,9 +36,14 @@ def test_ready_rollup_and_schema_valid() -> None:
     assert [e.reason for e in events] == ["Ready"]
     status, _ = run(roles={**UP, "preprocessor": RoleObserved(1, 1, 0)})
     assert cond(status, "Ready") | {"lastTransitionTime": ""} == {
-        "type": "Ready", "status": "False", "reason": "PreprocessorNotReady", "lastTransitionTime": "",
-        "message": "PreprocessorReady: ReplicasNotReady 0/1 ready; WeightSyncReady: WaitingForMembers the weight broadcast group is not complete",
-        "observedGeneration": 1}
+        "type": "Ready",
+        "status": "False",
+        "reason": "PreprocessorNotReady",
+        "lastTransitionTime": "",
+        "message": "PreprocessorReady: ReplicasNotReady 0/1 ready; "
+        "WeightSyncReady: WaitingForMembers the weight broadcast group is not complete",
+        "observedGeneration": 1,
+    }
 
 
 def test_transition_time_kept_while_unchanged() -> None:
@@ -46,7 +51,9 @@ def test_transition_time_kept_while_unchanged() -> None:
     second, events = run(previous=first, now=T0 + timedelta(minutes=5))
     assert cond(second, "Ready")["lastTransitionTime"] == cond(first, "Ready")["lastTransitionTime"]
     assert events == []
-    third, events = run(previous=second, now=T0 + timedelta(minutes=6), roles={**UP, "generator": RoleObserved(2, 2, 1)})
+    third, events = run(
+        previous=second, now=T0 + timedelta(minutes=6), roles={**UP, "generator": RoleObserved(2, 2, 1)}
+    )
     assert cond(third, "Degraded")["status"] == "True" and cond(third, "Degraded")["reason"] == "GeneratorsMissing"
     assert cond(third, "Ready")["lastTransitionTime"] == "2026-11-22T03:06:00Z"
     assert {e.reason for e in events} == {"NotReady", "Degraded"}
@@ -64,8 +71,9 @@ def test_success_is_terminal_and_sticky() -> None:
 def test_backoff_and_deadline() -> None:
     status = {}
     for minute in range(4):  # one pod failing again and again: each restart is a failure
-        status, _ = run(previous=status, now=T0 + timedelta(minutes=3 * minute), pod_restarts={"t-0": minute + 1},
-                        backoff_limit=3)
+        status, _ = run(
+            previous=status, now=T0 + timedelta(minutes=3 * minute), pod_restarts={"t-0": minute + 1}, backoff_limit=3
+        )
     assert status["failures"] == 4 and status["phase"] == "Failed"
     assert cond(status, "Failed")["reason"] == "BackoffLimitExceeded"
     ok, _ = run(pod_restarts={"t-0": 3}, backoff_limit=3)  # restarts before the operator saw them count too
@@ -138,8 +146,16 @@ def test_generators_out_of_the_weight_group_degrade_the_job() -> None:
 
 def test_a_run_that_stopped_learning_is_degraded_with_the_trainers_reason() -> None:
     alarm = "NoTokensTrained: step(s) 19–22 trained no tokens (512 samples dropped for lag, 0 samples rejected)"
-    status, events = run(trainer_status={"step": 22, "version": 22, "weightSyncReady": True, "learningAlarm": alarm,
-                                         "groupsRejected": 3, "samplesRejected": 1})
+    status, events = run(
+        trainer_status={
+            "step": 22,
+            "version": 22,
+            "weightSyncReady": True,
+            "learningAlarm": alarm,
+            "groupsRejected": 3,
+            "samplesRejected": 1,
+        }
+    )
     JobStatus.model_validate(status)
     degraded = cond(status, "Degraded")
     assert degraded["status"] == "True" and degraded["reason"] == "LearningStalled"
@@ -151,8 +167,12 @@ def test_a_run_that_stopped_learning_is_degraded_with_the_trainers_reason() -> N
 
 
 def test_the_deadline_counts_from_creation_and_not_while_suspended() -> None:
-    stuck, _ = run(now=T0 + timedelta(hours=2), active_deadline_seconds=3600, trainer_status=None,
-                   roles={**UP, "trainer": RoleObserved(1, 1, 0)})  # never started: Pending for 2 h
+    stuck, _ = run(
+        now=T0 + timedelta(hours=2),
+        active_deadline_seconds=3600,
+        trainer_status=None,
+        roles={**UP, "trainer": RoleObserved(1, 1, 0)},
+    )  # never started: Pending for 2 h
     assert stuck["phase"] == "Failed" and cond(stuck, "Failed")["reason"] == "DeadlineExceeded"
     minutes = lambda m: T0 + timedelta(minutes=m)  # noqa: E731
     down = {r: RoleObserved(o.desired) for r, o in UP.items()}
@@ -173,38 +193,94 @@ def pod(name, role, **status):
 
 
 PODS = [
-    pod("demo-generator-1", "generator", containerStatuses=[{"name": "generator", "state": {"waiting": {
-        "reason": "ImagePullBackOff", "message": 'Back-off pulling image "example.com/gen:typo"'}}}]),
+    pod(
+        "demo-generator-1",
+        "generator",
+        containerStatuses=[
+            {
+                "name": "generator",
+                "state": {
+                    "waiting": {
+                        "reason": "ImagePullBackOff",
+                        "message": 'Back-off pulling image "example.com/gen:typo"',
+                    }
+                },
+            }
+        ],
+    ),
     pod("demo-generator-0", "generator", containerStatuses=[{"name": "generator", "state": {"running": {}}}]),
-    pod("demo-trainer-0", "trainer", containerStatuses=[{"name": "trainer", "state": {"waiting": {
-        "reason": "CrashLoopBackOff"}}, "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}]),
-    pod("demo-preprocessor-0", "preprocessor", conditions=[{"type": "PodScheduled", "status": "False",
-        "reason": "Unschedulable", "message": "0/3 nodes are available: 3 Insufficient memory."}]),
+    pod(
+        "demo-trainer-0",
+        "trainer",
+        containerStatuses=[
+            {
+                "name": "trainer",
+                "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137}},
+            }
+        ],
+    ),
+    pod(
+        "demo-preprocessor-0",
+        "preprocessor",
+        conditions=[
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes are available: 3 Insufficient memory.",
+            }
+        ],
+    ),
 ]
 
 
 def test_pod_problems_are_read_with_pod_and_container_named() -> None:
     assert pod_problems(PODS) == [
-        PodProblem("generator", "demo-generator-1", "generator", "ImagePullBackOff",
-                   'Back-off pulling image "example.com/gen:typo"'),
-        PodProblem("preprocessor", "demo-preprocessor-0", None, "Unschedulable",
-                   "0/3 nodes are available: 3 Insufficient memory."),
-        PodProblem("trainer", "demo-trainer-0", "trainer", "OOMKilled",
-                   "killed for memory (exit code 137): raise the role's memory limit"),
+        PodProblem(
+            "generator",
+            "demo-generator-1",
+            "generator",
+            "ImagePullBackOff",
+            'Back-off pulling image "example.com/gen:typo"',
+        ),
+        PodProblem(
+            "preprocessor",
+            "demo-preprocessor-0",
+            None,
+            "Unschedulable",
+            "0/3 nodes are available: 3 Insufficient memory.",
+        ),
+        PodProblem(
+            "trainer",
+            "demo-trainer-0",
+            "trainer",
+            "OOMKilled",
+            "killed for memory (exit code 137): raise the role's memory limit",
+        ),
     ]
 
 
 def test_pod_problems_show_in_the_role_conditions_ready_and_events() -> None:
     healthy, _ = run()
-    roles = {"generator": RoleObserved(2, 2, 1), "preprocessor": RoleObserved(1, 1, 0), "trainer": RoleObserved(1, 1, 0)}
+    roles = {
+        "generator": RoleObserved(2, 2, 1),
+        "preprocessor": RoleObserved(1, 1, 0),
+        "trainer": RoleObserved(1, 1, 0),
+    }
     s, events = run(previous=healthy, roles=roles, pod_problems=tuple(pod_problems(PODS)), trainer_status=None)
     JobStatus.model_validate(s)
     gen = cond(s, "GeneratorsReady")
     assert gen["reason"] == "ImagePullBackOff" and "demo-generator-1 container generator" in gen["message"]
-    assert cond(s, "TrainerReady")["reason"] == "OOMKilled" and cond(s, "PreprocessorReady")["reason"] == "Unschedulable"
+    assert (
+        cond(s, "TrainerReady")["reason"] == "OOMKilled" and cond(s, "PreprocessorReady")["reason"] == "Unschedulable"
+    )
     assert "ImagePullBackOff" in cond(s, "Ready")["message"]
-    assert {(e.type, e.reason) for e in events} >= {("Warning", "ImagePullBackOff"), ("Warning", "OOMKilled"),
-                                                    ("Warning", "Unschedulable")}
+    assert {(e.type, e.reason) for e in events} >= {
+        ("Warning", "ImagePullBackOff"),
+        ("Warning", "OOMKilled"),
+        ("Warning", "Unschedulable"),
+    }
     again, events = run(previous=s, roles=roles, pod_problems=tuple(pod_problems(PODS)), trainer_status=None)
     assert not [e for e in events if e.reason in ("ImagePullBackOff", "OOMKilled", "Unschedulable")]  # said once
 
@@ -213,8 +289,13 @@ def test_a_refused_apply_is_a_condition_and_an_event() -> None:
     refused = "StatefulSet demo-generator: 422 spec.template.spec.containers[0].image: Invalid value"
     s, events = run(apply_error=refused)
     assert cond(s, "Ready") | {"lastTransitionTime": ""} == {
-        "type": "Ready", "status": "False", "reason": "ApplyRefused", "message": refused,
-        "lastTransitionTime": "", "observedGeneration": 1}
+        "type": "Ready",
+        "status": "False",
+        "reason": "ApplyRefused",
+        "message": refused,
+        "lastTransitionTime": "",
+        "observedGeneration": 1,
+    }
     assert ("Warning", "ApplyRefused", refused) in {(e.type, e.reason, e.message) for e in events}
 
 
@@ -227,8 +308,12 @@ def test_no_new_version_for_the_progress_deadline_is_not_ready() -> None:
     assert cond(s, "Progressing")["reason"] == "ProgressDeadlineExceeded"
     assert "no new policy version since 2026-11-22T03:00:00Z" in cond(s, "Progressing")["message"]
     assert "ProgressDeadlineExceeded" in {e.reason for e in events}
-    s, _ = run(previous=s, now=T0 + timedelta(minutes=17), progress_deadline_seconds=600,
-               trainer_status={"step": 2, "version": 2, "weightSyncReady": True})
+    s, _ = run(
+        previous=s,
+        now=T0 + timedelta(minutes=17),
+        progress_deadline_seconds=600,
+        trainer_status={"step": 2, "version": 2, "weightSyncReady": True},
+    )
     assert cond(s, "Ready")["status"] == "True" and s["lastProgressTime"] == "2026-11-22T03:17:00Z"
 
 
@@ -240,10 +325,16 @@ def test_a_trainer_template_change_restarts_the_whole_gang_once() -> None:
 
     gen = pod("demo-generator-0", "generator", "g-1")
     # One pod on the old template: every trainer pod goes (a mixed gang cannot train), never a generator.
-    assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", "t-1"), pod("demo-trainer-1", "trainer", "t-2"), gen],
-                                   "t-2") == ["demo-trainer-0", "demo-trainer-1"]
+    assert trainer_gang_to_restart(
+        [pod("demo-trainer-0", "trainer", "t-1"), pod("demo-trainer-1", "trainer", "t-2"), gen], "t-2"
+    ) == ["demo-trainer-0", "demo-trainer-1"]
     # All on the new one, or already going, or no revision known yet: nothing to do.
-    assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", "t-2"), pod("demo-trainer-1", "trainer", "t-2")], "t-2") == []
+    assert (
+        trainer_gang_to_restart(
+            [pod("demo-trainer-0", "trainer", "t-2"), pod("demo-trainer-1", "trainer", "t-2")], "t-2"
+        )
+        == []
+    )
     assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", "t-1", deleting=True)], "t-2") == []
     assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", "t-1")], None) == []
     assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", None)], "t-2") == []

@@ -39,12 +39,14 @@ class ChartNats:
     """nats-server started on the chart's nats.conf, its paths and ports moved under `root`."""
 
     def __init__(self, root: Path):
-        conf = next(o for o in render_chart({}) if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-pipelinerl-nats")
+        conf = next(
+            o for o in render_chart({}) if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-pipelinerl-nats"
+        )
         self.port, self.root = free_port(), root
         text = conf["data"]["nats.conf"]
         assert 'include "../nats-accounts/accounts.conf"' in text  # where the chart mounts the accounts Secret
         text = re.sub(r"^port: 4222$", f"port: {self.port}", text, flags=re.M)
-        text = text.replace("http: \"127.0.0.1:8222\"", f"http: \"127.0.0.1:{free_port()}\"")
+        text = text.replace('http: "127.0.0.1:8222"', f'http: "127.0.0.1:{free_port()}"')
         text = text.replace("/data/jetstream", str(root / "jetstream")).replace("/var/run/nats", str(root))
         (root / "nats").mkdir()
         (root / "nats" / "nats.conf").write_text(text)
@@ -55,8 +57,11 @@ class ChartNats:
         (self.root / "nats-accounts" / NATS_ACCOUNTS_FILE).write_text(text)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([nats_server_binary(), "-c", str(self.root / "nats" / "nats.conf")],
-                                     stdout=open(self.root / "nats.log", "wb"), stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [nats_server_binary(), "-c", str(self.root / "nats" / "nats.conf")],
+            stdout=open(self.root / "nats.log", "wb"),
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 10
         while socket.socket().connect_ex(("127.0.0.1", self.port)) != 0:
             assert self.proc.poll() is None and time.monotonic() < deadline, (self.root / "nats.log").read_text()
@@ -89,19 +94,28 @@ async def refused(url: str, **creds) -> bool:
 async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(cluster, tmp_path, monkeypatch) -> None:
     emulator, api, _ = cluster
     server = ChartNats(tmp_path)
-    for name, value in {OperatorEnv.AUTH_KEY: "install-key", OperatorEnv.NATS_ACCOUNTS_SECRET: ACCOUNTS_SECRET,
-                        OperatorEnv.NAMESPACE: NS, OperatorEnv.DEFAULT_NATS_URL: server.url}.items():
+    for name, value in {
+        OperatorEnv.AUTH_KEY: "install-key",
+        OperatorEnv.NATS_ACCOUNTS_SECRET: ACCOUNTS_SECRET,
+        OperatorEnv.NAMESPACE: NS,
+        OperatorEnv.DEFAULT_NATS_URL: server.url,
+    }.items():
         monkeypatch.setenv(name, value)
     try:
         async with running_operator(str(emulator.url)):
             for job in ("demo", "other"):
                 await api.create_job(manifest(job))
-            both = lambda: '"team-a.demo"' in (a := decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET)).get(NATS_ACCOUNTS_FILE, "")) \
-                and '"team-a.other"' in a and a  # noqa: E731
+            both = lambda: (  # noqa: E731
+                '"team-a.demo"' in (a := decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET)).get(NATS_ACCOUNTS_FILE, ""))
+                and '"team-a.other"' in a
+                and a
+            )  # noqa: E731
             server.accounts(await eventually(both, what="both jobs' accounts"))
             server.start()
-            creds = {job: decoded(await eventually(lambda j=job: obj(emulator, SECRETS, f"{j}-pipelinerl-credentials")))
-                     for job in ("demo", "other")}
+            creds = {
+                job: decoded(await eventually(lambda j=job: obj(emulator, SECRETS, f"{j}-pipelinerl-credentials")))
+                for job in ("demo", "other")
+            }
             login = {job: {"user": c["natsUser"], "password": c["natsPassword"]} for job, c in creds.items()}
 
             # The job's pods, with its Secret's values: they create and use its streams.
@@ -118,8 +132,9 @@ async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(clu
             assert await other.jetstream().streams_info() == []
             # Nor can it reserve more of the store than its own streams' sizes (its account's limit).
             with pytest.raises(nats.js.errors.APIError, match="insufficient|limit|exceed"):
-                await ensure_streams(other.jetstream(), JobSubjects("other", NS), 1,
-                                     sizes={k: 10 * v for k, v in sizes.items()})
+                await ensure_streams(
+                    other.jetstream(), JobSubjects("other", NS), 1, sizes={k: 10 * v for k, v in sizes.items()}
+                )
             sub = await other.subscribe(JobSubjects("demo", NS).version)
             await demo.publish(JobSubjects("demo", NS).version, b"v2")
             with pytest.raises(nats.errors.TimeoutError):
@@ -127,10 +142,13 @@ async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(clu
 
             # Deleting the job deletes its streams (as its own user) and its account.
             await api.delete_job("demo")
-            await eventually(lambda: '"team-a.demo"' not in decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET))[NATS_ACCOUNTS_FILE],
-                             what="the account gone")
-            assert await eventually(lambda: set(events(emulator)) & {"StreamsDeleted", "StreamsDeleteFailed"}) \
-                == {"StreamsDeleted"}
+            await eventually(
+                lambda: '"team-a.demo"' not in decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET))[NATS_ACCOUNTS_FILE],
+                what="the account gone",
+            )
+            assert await eventually(lambda: set(events(emulator)) & {"StreamsDeleted", "StreamsDeleteFailed"}) == {
+                "StreamsDeleted"
+            }
             await demo.close()
             server.accounts(decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET))[NATS_ACCOUNTS_FILE])
             server.reload()
@@ -144,20 +162,27 @@ async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(clu
         server.stop()
 
 
-
-async def test_the_operator_creates_the_accounts_secret_nats_waits_for_and_never_resets_it(cluster, monkeypatch) -> None:
+async def test_the_operator_creates_the_accounts_secret_nats_waits_for_and_never_resets_it(
+    cluster, monkeypatch
+) -> None:
     """No render of the chart writes the accounts Secret (a GitOps sync would log every job out):
     the operator creates it at start-up with its own account alone, and leaves one that exists."""
     emulator, api, _ = cluster
-    for name, value in {OperatorEnv.AUTH_KEY: "install-key", OperatorEnv.NATS_ACCOUNTS_SECRET: ACCOUNTS_SECRET,
-                        OperatorEnv.NAMESPACE: NS}.items():
+    for name, value in {
+        OperatorEnv.AUTH_KEY: "install-key",
+        OperatorEnv.NATS_ACCOUNTS_SECRET: ACCOUNTS_SECRET,
+        OperatorEnv.NAMESPACE: NS,
+    }.items():
         monkeypatch.setenv(name, value)
     async with running_operator(str(emulator.url)):
         first = await eventually(lambda: decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET) or {}).get(NATS_ACCOUNTS_FILE))
         assert '"pipelinerl"' in first and "jetstream" not in first  # the operator's account, no job's
     assert not [o for o in render_chart({}) if o["kind"] == "Secret" and o["metadata"]["name"] == ACCOUNTS_SECRET]
-    await api._call("PATCH", f"/api/v1/namespaces/{NS}/secrets/{ACCOUNTS_SECRET}",
-                    {"data": {NATS_ACCOUNTS_FILE: base64.b64encode(b"# jobs' accounts").decode()}})
+    await api._call(
+        "PATCH",
+        f"/api/v1/namespaces/{NS}/secrets/{ACCOUNTS_SECRET}",
+        {"data": {NATS_ACCOUNTS_FILE: base64.b64encode(b"# jobs' accounts").decode()}},
+    )
     async with running_operator(str(emulator.url)):  # a restart leaves what is there
         await asyncio.sleep(1)
         assert decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET))[NATS_ACCOUNTS_FILE] == "# jobs' accounts"

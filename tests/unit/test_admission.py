@@ -13,7 +13,9 @@ def fill(a: Admission) -> int:
 
 
 def test_pipeline_budget_is_max_lag_steps_of_unconsumed_groups():
-    a = Admission(groups_per_step=16, generators=1, max_lag=4, max_inflight=1000, training_step=0, weights_version=0)  # step 0 training
+    a = Admission(
+        groups_per_step=16, generators=1, max_lag=4, max_inflight=1000, training_step=0, weights_version=0
+    )  # step 0 training
     assert fill(a) == 64
     for _ in range(16):
         a.on_finish(0, discarded=False)
@@ -104,8 +106,17 @@ def test_share_follows_the_generators_in_the_weight_group():
 def test_a_restarted_generator_counts_its_earlier_incarnations_queued_groups():
     # The first incarnation published 40 groups (4 zero-variance) and died with 8 more running;
     # steps so far trained 20 of them. The restart continues from its books in the stream.
-    a = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000, weights_version=3,
-                  training_step=2, published=40, discarded=4, trained=20)
+    a = Admission(
+        groups_per_step=16,
+        generators=1,
+        max_lag=1,
+        max_inflight=1000,
+        weights_version=3,
+        training_step=2,
+        published=40,
+        discarded=4,
+        trained=20,
+    )
     assert a.queued == 16 and a.budget == 32 and fill(a) == 16  # 16 of the dead one's still to train
     a.on_finish(3, discarded=False, published=False)  # JetStream had it already (same problem, same id)
     assert a.published == 40 and a.queued == 31  # not queued twice
@@ -116,10 +127,25 @@ def test_a_restarted_generator_counts_its_earlier_incarnations_queued_groups():
 def test_a_rolled_back_trainer_makes_the_queue_look_longer_never_shorter():
     # The trainer resumed from an older checkpoint: its announcements restart lower, which only
     # holds generation back until the replayed steps catch up (never lets it run ahead).
-    a = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000, weights_version=10,
-                  training_step=9, published=170, trained=150)
-    restarted = Admission(groups_per_step=16, generators=1, max_lag=1, max_inflight=1000, weights_version=10,
-                          training_step=9, published=170)
+    a = Admission(
+        groups_per_step=16,
+        generators=1,
+        max_lag=1,
+        max_inflight=1000,
+        weights_version=10,
+        training_step=9,
+        published=170,
+        trained=150,
+    )
+    restarted = Admission(
+        groups_per_step=16,
+        generators=1,
+        max_lag=1,
+        max_inflight=1000,
+        weights_version=10,
+        training_step=9,
+        published=170,
+    )
     restarted.on_trained(100, training_step=9)  # the resumed trainer's first announcement
     assert restarted.queued > a.queued
     assert fill(restarted) <= fill(a)
@@ -156,13 +182,15 @@ def test_a_long_group_overtaken_by_shorter_ones_stays_within_max_lag():
     # Most groups take a tick, every eighth 9 ticks (several steps): the short ones started
     # after a long one finish first and are trained first. Counted from the engine's version,
     # the budget let them queue until the long one came up to 8 versions old.
-    lags, ticks = lags_of_a_run(itertools.cycle([9] + [1] * 7), max_lag=4, share=4, max_inflight=8,
-                                train_ticks=2, steps=200)
+    lags, ticks = lags_of_a_run(
+        itertools.cycle([9] + [1] * 7), max_lag=4, share=4, max_inflight=8, train_ticks=2, steps=200
+    )
     assert max(lags) <= 4
     assert ticks < 200 * 2 * 1.3  # and the trainer (2 ticks a step) is still fed most of the time
 
 
 def test_a_max_lag_shorter_than_the_longest_generation_holds_admission_back_without_deadlock():
-    lags, ticks = lags_of_a_run(itertools.cycle([12] + [1] * 7), max_lag=2, share=4, max_inflight=8,
-                                train_ticks=2, steps=100)
+    lags, ticks = lags_of_a_run(
+        itertools.cycle([12] + [1] * 7), max_lag=2, share=4, max_inflight=8, train_ticks=2, steps=100
+    )
     assert max(lags) <= 2 and len(lags) == 400

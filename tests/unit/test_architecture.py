@@ -19,15 +19,39 @@ PACKAGES = {  # import name -> folder
 # Lowest first. A module may import its own layer and those below; in the services layer only
 # its own package (no sideways arrows between services, nor between a service and the operator).
 LAYERS = {
-    "contracts": ["pipelinerl", "pipelinerl.contracts", "pipelinerl.k8s_types", "pipelinerl.engine_args",
-                  "pipelinerl.spec"],  # "pipelinerl": its __init__ alone
-    "core": ["pipelinerl.messages", "pipelinerl.streams", "pipelinerl.weight_group", "pipelinerl.admission",
-             "pipelinerl.learning", "pipelinerl.tracking", "pipelinerl.capacity", "pipelinerl.prompt_fit",
-             "pipelinerl.steps", "pipelinerl.planner",
-             "pipelinerl.tasks", "pipelinerl.tiny_model", "pipelinerl.ports", "pipelinerl.runtime", "pipelinerl.crd"],
+    "contracts": [
+        "pipelinerl",
+        "pipelinerl.contracts",
+        "pipelinerl.k8s_types",
+        "pipelinerl.engine_args",
+        "pipelinerl.spec",
+    ],  # "pipelinerl": its __init__ alone
+    "core": [
+        "pipelinerl.messages",
+        "pipelinerl.streams",
+        "pipelinerl.weight_group",
+        "pipelinerl.admission",
+        "pipelinerl.learning",
+        "pipelinerl.tracking",
+        "pipelinerl.capacity",
+        "pipelinerl.prompt_fit",
+        "pipelinerl.steps",
+        "pipelinerl.planner",
+        "pipelinerl.tasks",
+        "pipelinerl.tiny_model",
+        "pipelinerl.ports",
+        "pipelinerl.runtime",
+        "pipelinerl.crd",
+    ],
     "services": ["pipelinerl_generator", "pipelinerl_preprocessor", "pipelinerl_trainer", "pipelinerl_operator"],
-    "tools": ["pipelinerl.cli", "pipelinerl.local", "pipelinerl.embedded_nats", "pipelinerl.processes",
-              "pipelinerl.pod_ranks", "bench"],
+    "tools": [
+        "pipelinerl.cli",
+        "pipelinerl.local",
+        "pipelinerl.embedded_nats",
+        "pipelinerl.processes",
+        "pipelinerl.pod_ranks",
+        "bench",
+    ],
 }
 ORDER = list(LAYERS)
 
@@ -53,7 +77,9 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             targets = [base] + [f"{base}.{a.name}" for a in node.names]
         else:
             continue
@@ -72,8 +98,12 @@ def graph() -> dict[str, set[str]]:
 
 def layer(module: str) -> tuple[int, str]:
     """(layer index, the LAYERS entry that holds it: the longest that is the module or a parent)."""
-    holders = [(len(prefix), i, prefix) for i, key in enumerate(ORDER) for prefix in LAYERS[key]
-               if module == prefix or (prefix != "pipelinerl" and module.startswith(prefix + "."))]
+    holders = [
+        (len(prefix), i, prefix)
+        for i, key in enumerate(ORDER)
+        for prefix in LAYERS[key]
+        if module == prefix or (prefix != "pipelinerl" and module.startswith(prefix + "."))
+    ]
     assert holders, f"{module} is in no layer: add it to LAYERS and docs/architecture.md"
     _, i, prefix = max(holders)
     return i, prefix

@@ -12,8 +12,9 @@ JOB = Path(__file__).resolve().parents[2] / "examples" / "long-tail-cpu.yaml"
 
 
 def variant(samples_per_step: int):
-    return job_spec(JOB, {"args": {"set": [f"trainer.samplesPerStep={samples_per_step}"]},
-                          "runs": {"pipeline": [{"max_lag": 4}]}})
+    return job_spec(
+        JOB, {"args": {"set": [f"trainer.samplesPerStep={samples_per_step}"]}, "runs": {"pipeline": [{"max_lag": 4}]}}
+    )
 
 
 def test_two_step_sizes_recover_the_per_step_and_per_sequence_costs(monkeypatch):
@@ -22,7 +23,9 @@ def test_two_step_sizes_recover_the_per_step_and_per_sequence_costs(monkeypatch)
     big, small = variant(128), variant(32)
     rows = {128: 3760.0, 32: 940.0}
     phases = {n: sync_gen_phase(truth, job, rows[n]) for n, job in ((128, big), (32, small))}
-    assert phases[32] > phases[128] / 4 * 1.2  # the per-step term: a quarter of the step takes well over a quarter of the time
+    assert (
+        phases[32] > phases[128] / 4 * 1.2
+    )  # the per-step term: a quarter of the step takes well over a quarter of the time
     start = truth.model_copy(update={"decode_base_s": 0.02, "decode_per_seq_s": 0.0})
     fitted = fit_split(start, big, rows[128], phases[128], (small, rows[32], phases[32]), hi=0.05)
     assert fitted.decode_base_s == pytest.approx(0.006, rel=0.1)

@@ -12,8 +12,9 @@ def spec(**s):
 
 
 def test_batches_hold_what_a_restarted_trainer_replays():
-    big = spec(model={"maxSeqLen": 4096}, trainer={"samplesPerStep": 512, "checkpointInterval": 20,
-                                                    "microBatchTokens": 8192})
+    big = spec(
+        model={"maxSeqLen": 4096}, trainer={"samplesPerStep": 512, "checkpointInterval": 20, "microBatchTokens": 8192}
+    )
     # 20 steps since the checkpoint, 2 queued ahead, the step in progress: 23 steps of 512 × 4096 tokens
     assert stream_bytes(big)["BATCHES"] == 23 * 512 * 4096 * 48
     assert stream_bytes(big)["ROLLOUTS"] == (4 + 2 + 2) * 512 * 4096 * 24  # the lag budget's groups

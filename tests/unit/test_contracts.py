@@ -33,15 +33,21 @@ def constants():
 
 
 def test_no_environment_name_spelled_outside_contracts():
-    found = [(where, v) for where, v in constants() if isinstance(v, str)
-             and (re.fullmatch(r"PIPELINERL_[A-Z_]+", v) or v in ("MASTER_ADDR", "MASTER_PORT"))]  # not prose
+    found = [
+        (where, v)
+        for where, v in constants()
+        if isinstance(v, str) and (re.fullmatch(r"PIPELINERL_[A-Z_]+", v) or v in ("MASTER_ADDR", "MASTER_PORT"))
+    ]  # not prose
     assert not found, f"use pipelinerl.contracts.Env / OperatorEnv instead: {found}"
 
 
 def test_no_label_or_annotation_spelled_outside_contracts():
     prefixes = ("pipelinerl.dev/", c.KUEUE_PREFIX, c.POD_INDEX_LABEL, "scheduling.x-k8s.io/")
-    found = [(where, v) for where, v in constants() if isinstance(v, str) and v.startswith(prefixes)
-             and v != "pipelinerl.dev/v1alpha1"]  # the API version: pipelinerl.spec
+    found = [
+        (where, v)
+        for where, v in constants()
+        if isinstance(v, str) and v.startswith(prefixes) and v != "pipelinerl.dev/v1alpha1"
+    ]  # the API version: pipelinerl.spec
     assert not found, f"use the label and annotation constants of pipelinerl.contracts: {found}"
 
 
@@ -60,14 +66,31 @@ def test_chart_and_images_use_the_contract_names_and_ports():
     for dockerfile in (ROOT / "docker").glob("*.Dockerfile"):
         used = set(re.findall(r"\bPIPELINERL_[A-Z_]+", dockerfile.read_text()))
         assert used <= ENV_NAMES, (dockerfile.name, used - ENV_NAMES)
-    assert f"EXPOSE {c.OPERATOR_METRICS_PORT} {c.OPERATOR_HEALTH_PORT}" in (ROOT / "docker/operator.Dockerfile").read_text()
+    assert (
+        f"EXPOSE {c.OPERATOR_METRICS_PORT} {c.OPERATOR_HEALTH_PORT}"
+        in (ROOT / "docker/operator.Dockerfile").read_text()
+    )
 
 
 def test_service_env_round_trips_and_names_a_bad_value():
-    envs = [ServiceEnv("generator"),
-            ServiceEnv("trainer", rank=3, world_size=8, nats_url="nats://n:1", weights_addr="t-0.t:1234",
-                       run_dir=Path("/r"), http_port=0, exit_when_done=True, torch_threads=2, local_rank=1,
-                       ranks_per_pod=4, master_addr="t-0.t", master_port=c.MASTER_PORT)]
+    envs = [
+        ServiceEnv("generator"),
+        ServiceEnv(
+            "trainer",
+            rank=3,
+            world_size=8,
+            nats_url="nats://n:1",
+            weights_addr="t-0.t:1234",
+            run_dir=Path("/r"),
+            http_port=0,
+            exit_when_done=True,
+            torch_threads=2,
+            local_rank=1,
+            ranks_per_pod=4,
+            master_addr="t-0.t",
+            master_port=c.MASTER_PORT,
+        ),
+    ]
     for env in envs:
         assert ServiceEnv.from_environ(env.role, env.to_environ()) == env
         assert set(env.to_environ()) <= ENV_NAMES
@@ -78,7 +101,9 @@ def test_service_env_round_trips_and_names_a_bad_value():
 
 def test_reserved_env_is_what_pipelinerl_sets():
     assert RESERVED_ENV == c.reserved_env()
-    operator_sets = set(ServiceEnv("trainer", local_rank=0, ranks_per_pod=1, master_addr="m", master_port=1).to_environ())
+    operator_sets = set(
+        ServiceEnv("trainer", local_rank=0, ranks_per_pod=1, master_addr="m", master_port=1).to_environ()
+    )
     assert operator_sets <= RESERVED_ENV
     assert {Env.TORCH_RANK, Env.TORCH_WORLD_SIZE, Env.TORCH_LOCAL_RANK} <= RESERVED_ENV
     assert Env.TORCH_THREADS not in RESERVED_ENV  # a user may tune a CPU trainer's threads
@@ -87,8 +112,16 @@ def test_reserved_env_is_what_pipelinerl_sets():
 def test_rendered_pods_are_told_what_the_services_read():
     from pipelinerl_operator.render import OperatorConfig, render
 
-    job = parse_job({"metadata": {"name": "demo"}, "spec": {"model": {"path": "/models/qwen"}, "trainer": {"replicas": 2, "gpus": 4},
-                                                             "generator": {"replicas": 3, "gpus": 1}}})
+    job = parse_job(
+        {
+            "metadata": {"name": "demo"},
+            "spec": {
+                "model": {"path": "/models/qwen"},
+                "trainer": {"replicas": 2, "gpus": 4},
+                "generator": {"replicas": 3, "gpus": 1},
+            },
+        }
+    )
     for sts in (o for o in render(job, "team-a", "uid", OperatorConfig()) if o["kind"] == "StatefulSet"):
         role = sts["metadata"]["labels"][c.ROLE_LABEL]
         container = next(x for x in sts["spec"]["template"]["spec"]["containers"] if x["name"] == role)
@@ -96,7 +129,7 @@ def test_rendered_pods_are_told_what_the_services_read():
         env = ServiceEnv.from_environ(role, environ)
         assert env.rank == 2 and env.run_dir == Path(c.POD_RUN_DIR) and env.http_port == c.HTTP_PORT
         assert container["ports"][0]["containerPort"] == env.http_port
-        assert env.weights_host == f"demo-trainer-0.demo-trainer.team-a.svc" and env.weights_port == c.WEIGHTS_PORT
+        assert env.weights_host == "demo-trainer-0.demo-trainer.team-a.svc" and env.weights_port == c.WEIGHTS_PORT
         if role == "trainer":
             assert (env.world_size, env.ranks_per_pod, env.master_port) == (8, 4, c.MASTER_PORT)
         else:
@@ -107,9 +140,13 @@ def test_rendered_pods_are_told_what_the_services_read():
 def test_stream_names_are_the_ones_created_and_deleted():
     subjects = JobSubjects("my-job-1", "team-a")
     assert [cfg.name for cfg in stream_configs(subjects, 1 << 20)] == subjects.streams
-    assert subjects.streams == ["PRL_TEAM-A_MY-JOB-1_ROLLOUTS", "PRL_TEAM-A_MY-JOB-1_BATCHES",
-                                "PRL_TEAM-A_MY-JOB-1_CONTROL", "PRL_TEAM-A_MY-JOB-1_METRICS",
-                                "PRL_TEAM-A_MY-JOB-1_DEADLETTER"]
+    assert subjects.streams == [
+        "PRL_TEAM-A_MY-JOB-1_ROLLOUTS",
+        "PRL_TEAM-A_MY-JOB-1_BATCHES",
+        "PRL_TEAM-A_MY-JOB-1_CONTROL",
+        "PRL_TEAM-A_MY-JOB-1_METRICS",
+        "PRL_TEAM-A_MY-JOB-1_DEADLETTER",
+    ]
     assert subjects.rollouts(0) == "prl.team-a.my-job-1.rollouts.0"
     with pytest.raises(ValueError, match="unknown stream"):
         subjects.stream("OTHER")
@@ -120,12 +157,23 @@ def test_stream_names_are_the_ones_created_and_deleted():
 
 def test_jobs_of_one_name_in_two_namespaces_share_no_stream_or_subject():
     def names(s: JobSubjects) -> set[str]:
-        return {*s.streams, s.rollouts(0), s.batches(0), s.version, s.metrics("train"), s.deadletter("rollout"),
-                s.weights_update, s.weights_done, s.weights_hello}
+        return {
+            *s.streams,
+            s.rollouts(0),
+            s.batches(0),
+            s.version,
+            s.metrics("train"),
+            s.deadletter("rollout"),
+            s.weights_update,
+            s.weights_done,
+            s.weights_hello,
+        }
 
     # Where a name and a namespace split at another '-', too: the separators keep them apart.
-    pairs = [(JobSubjects("demo", "team-a"), JobSubjects("demo", "team-b")),
-             (JobSubjects("b-c", "a"), JobSubjects("c", "a-b"))]
+    pairs = [
+        (JobSubjects("demo", "team-a"), JobSubjects("demo", "team-b")),
+        (JobSubjects("b-c", "a"), JobSubjects("c", "a-b")),
+    ]
     for one, other in pairs:
         assert not names(one) & names(other)
     job = parse_job({"metadata": {"name": "demo", "namespace": "team-a"}})
@@ -145,8 +193,11 @@ def test_status_bodies_of_every_role_are_the_contract_models(tmp_path):
     for key in c.PreprocessorStatus.model_fields:  # every count the service keeps has a field
         if key not in ("role", "next_step", "trainer_version", "pending_groups"):
             pre.stats[key] += 1
-    for service, model in ((Trainer(job, env), c.TrainerStatus), (Generator(job, ServiceEnv("generator")), c.GeneratorStatus),
-                           (pre, c.PreprocessorStatus)):
+    for service, model in (
+        (Trainer(job, env), c.TrainerStatus),
+        (Generator(job, ServiceEnv("generator")), c.GeneratorStatus),
+        (pre, c.PreprocessorStatus),
+    ):
         body = service.status().model_dump(mode="json", by_alias=True)  # what HealthServer serves
         assert model.model_validate(body) == service.status()
     trainer = TrainerStatus.model_validate(Trainer(job, env).status().model_dump(by_alias=True))

@@ -14,8 +14,16 @@ SEEN: list[dict] = []
 
 
 def spy_reward(completions, prompts, completion_ids, answer, level, **kwargs):
-    SEEN.append({"completions": completions, "prompts": prompts, "completion_ids": completion_ids,
-                 "answer": answer, "level": level, **kwargs})
+    SEEN.append(
+        {
+            "completions": completions,
+            "prompts": prompts,
+            "completion_ids": completion_ids,
+            "answer": answer,
+            "level": level,
+            **kwargs,
+        }
+    )
     return [0.5 * (c.strip() == a) + 0.5 for c, a in zip(completions, answer)]
 
 
@@ -43,16 +51,24 @@ def rows(n):
 
 def test_text_prompts_trl_reward_signature_weights_and_a_held_out_tail(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", rows(30))
-    task = make_task("dataset", {"train": train, "test_rows": 5, "reward": ["test_dataset_task:spy_reward",
-                                                                            "test_dataset_task:length_penalty"],
-                                 "reward_weights": [1.0, 2.0]}, seed=3)
+    task = make_task(
+        "dataset",
+        {
+            "train": train,
+            "test_rows": 5,
+            "reward": ["test_dataset_task:spy_reward", "test_dataset_task:length_penalty"],
+            "reward_weights": [1.0, 2.0],
+        },
+        seed=3,
+    )
     assert isinstance(task, DatasetTask)
     held_out = task.test_problems(100)
     assert [p.prompt for p in held_out] == [f"{i}+{i}=" for i in range(25, 30)]
     trained = {task.train_problem(i).prompt for i in range(50)}
     assert len(trained) == 25 and not trained & {p.prompt for p in held_out}  # every row once per epoch
-    assert task.train_problem(7) == make_task("dataset", {"train": train, "test_rows": 5,
-                                                          "reward": "test_dataset_task:spy_reward"}, seed=3).train_problem(7)
+    assert task.train_problem(7) == make_task(
+        "dataset", {"train": train, "test_rows": 5, "reward": "test_dataset_task:spy_reward"}, seed=3
+    ).train_problem(7)
     tok = make_tokenizer()
     problem = held_out[0]
     SEEN.clear()
@@ -67,12 +83,19 @@ def test_chat_prompts_from_parquet_with_an_async_reward(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.Table.from_pylist([{"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)}
-                                  for i in range(6)])
+    table = pa.Table.from_pylist(
+        [{"prompt": [{"role": "user", "content": f"{i}+1="}], "answer": str(i + 1)} for i in range(6)]
+    )
     pq.write_table(table, tmp_path / "train.parquet")
     pq.write_table(table.slice(0, 2), tmp_path / "test.parquet")
-    task = make_task("dataset", {"train": str(tmp_path / "*.parquet").replace("*", "train"),
-                                 "test": str(tmp_path / "test.parquet"), "reward": "test_dataset_task:async_reward"})
+    task = make_task(
+        "dataset",
+        {
+            "train": str(tmp_path / "*.parquet").replace("*", "train"),
+            "test": str(tmp_path / "test.parquet"),
+            "reward": "test_dataset_task:async_reward",
+        },
+    )
     tok = make_tokenizer()  # no chat template: the messages are joined as text
     problem = task.test_problems(10)[1]
     policy = ScriptedPolicy(tok, ["2"])
@@ -81,18 +104,28 @@ def test_chat_prompts_from_parquet_with_an_async_reward(tmp_path):
     assert policy.prompts[0] == tok.encode("1+1=")
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"reward": "test_dataset_task:spy_reward"}, "spec.task.params.train is required"),
-    ({"train": "TRAIN"}, "spec.task.params.reward is required"),
-    ({"train": "TRAIN", "reward": "nope"}, "spec.task.params.reward: 'nope' is not module:function"),
-    ({"train": "TRAIN", "reward": "test_dataset_task:missing"}, "cannot import 'test_dataset_task:missing'"),
-    ({"train": "no/such/*.jsonl", "reward": "test_dataset_task:spy_reward"}, "spec.task.params.train: no file matches"),
-    ({"train": "TRAIN", "reward": "test_dataset_task:spy_reward", "prompt_field": "question"},
-     "row 1: no field 'question' (columns: prompt, answer, level; set prompt_field)"),
-    ({"train": "TRAIN", "reward": "test_dataset_task:spy_reward", "test_rows": 40}, "40) to hold out"),
-    ({"train": "TRAIN", "reward": ["test_dataset_task:spy_reward"], "reward_weights": [1, 2]},
-     "2 weights for 1 reward functions"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"reward": "test_dataset_task:spy_reward"}, "spec.task.params.train is required"),
+        ({"train": "TRAIN"}, "spec.task.params.reward is required"),
+        ({"train": "TRAIN", "reward": "nope"}, "spec.task.params.reward: 'nope' is not module:function"),
+        ({"train": "TRAIN", "reward": "test_dataset_task:missing"}, "cannot import 'test_dataset_task:missing'"),
+        (
+            {"train": "no/such/*.jsonl", "reward": "test_dataset_task:spy_reward"},
+            "spec.task.params.train: no file matches",
+        ),
+        (
+            {"train": "TRAIN", "reward": "test_dataset_task:spy_reward", "prompt_field": "question"},
+            "row 1: no field 'question' (columns: prompt, answer, level; set prompt_field)",
+        ),
+        ({"train": "TRAIN", "reward": "test_dataset_task:spy_reward", "test_rows": 40}, "40) to hold out"),
+        (
+            {"train": "TRAIN", "reward": ["test_dataset_task:spy_reward"], "reward_weights": [1, 2]},
+            "2 weights for 1 reward functions",
+        ),
+    ],
+)
 def test_bad_params_are_named(tmp_path, params, message):
     train = write_jsonl(tmp_path / "train.jsonl", rows(30))
     params = {k: (train if v == "TRAIN" else v) for k, v in params.items()}
@@ -107,8 +140,11 @@ def test_a_bad_row_and_a_bad_reward_are_named(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", rows(5))
     task = make_task("dataset", {"train": train, "reward": "test_dataset_task:broken_reward", "test_rows": 1})
     tok = make_tokenizer()
-    with pytest.raises(ValueError, match=r"reward function test_dataset_task:broken_reward returned \['high'\] "
-                                         r"for train-4: expected a list of one finite float"):
+    with pytest.raises(
+        ValueError,
+        match=r"reward function test_dataset_task:broken_reward returned \['high'\] "
+        r"for train-4: expected a list of one finite float",
+    ):
         asyncio.run(task.rollout(ScriptedPolicy(tok, ["1"]), tok, task.test_problems(1)[0], 8))
 
 

@@ -14,24 +14,38 @@ def test_the_table_is_the_installed_vllms() -> None:
     assert table_from_vllm() == table(), "run: python -m pipelinerl.engine_args > pipelinerl/engine_args.json"
 
 
-@pytest.mark.parametrize("annotation, kinds, enum", [
-    (bool, {"bool"}, None),
-    (float, {"int", "float"}, None),
-    (int | None, {"int", "null"}, None),
-    (Optional[Literal["lazy", "eager"]], {"str", "null"}, ["lazy", "eager"]),
-    (Union[Literal["auto", "hf"], str], {"str"}, None),  # any string goes
-    (Literal[1, 8, 16], {"int"}, [1, 8, 16]),
-    (list[int] | None, {"list", "null"}, None),
-    (dict[str, int], {"dict"}, None),
-    (type, {"any"}, None),  # config objects and enums: vLLM parses them itself
-])
+@pytest.mark.parametrize(
+    "annotation, kinds, enum",
+    [
+        (bool, {"bool"}, None),
+        (float, {"int", "float"}, None),
+        (int | None, {"int", "null"}, None),
+        (Optional[Literal["lazy", "eager"]], {"str", "null"}, ["lazy", "eager"]),
+        (Union[Literal["auto", "hf"], str], {"str"}, None),  # any string goes
+        (Literal[1, 8, 16], {"int"}, [1, 8, 16]),
+        (list[int] | None, {"list", "null"}, None),
+        (dict[str, int], {"dict"}, None),
+        (type, {"any"}, None),  # config objects and enums: vLLM parses them itself
+    ],
+)
 def test_annotations_become_kinds(annotation, kinds, enum) -> None:
     assert _describe(annotation) == (kinds, enum)
 
 
 def test_errors_name_each_argument() -> None:
-    assert engine_arg_errors({"max_num_seqs": 64, "gpu_memory_utilization": 1, "enforce_eager": True,
-                              "kv_cache_dtype": "fp8", "compilation_config": {"level": 3}, "block_size": None}) == []
+    assert (
+        engine_arg_errors(
+            {
+                "max_num_seqs": 64,
+                "gpu_memory_utilization": 1,
+                "enforce_eager": True,
+                "kv_cache_dtype": "fp8",
+                "compilation_config": {"level": 3},
+                "block_size": None,
+            }
+        )
+        == []
+    )
     errors = engine_arg_errors({"max_num_seq": 64, "enforce_eager": 1, "kv_cache_dtype": "fp7", "seed": 3})
     assert errors[0].startswith("engineArgs.max_num_seq: not an argument of vLLM") and "max_num_seqs" in errors[0]
     assert errors[1] == "engineArgs.enforce_eager: expected bool, got int 1"

@@ -68,10 +68,15 @@ def test_peak_is_read_off_the_device_name():
 
 @pytest.mark.slow
 def test_the_benchmark_runs_end_to_end_on_cpu():
-    out = subprocess.run([sys.executable, "-m", "bench.gpu_trainer", "--smoke", "--targets", "1.5,0.2"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_trainer", "--smoke", "--targets", "1.5,0.2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
-    sides = [line.split()[0] for line in out.stdout.splitlines() if line.split()[:1] in (["stock"], ["plain"],
-                                                                                            ["zero1"])]
+    sides = [
+        line.split()[0] for line in out.stdout.splitlines() if line.split()[:1] in (["stock"], ["plain"], ["zero1"])
+    ]
     assert sides == ["stock", "plain", "zero1"]  # each side ran: stock HF, plain PyTorch, DeepSpeed
     assert "VERDICT smoke: best project side " in out.stdout

@@ -16,8 +16,10 @@ def test_a_healthy_run_raises_nothing():
 
 def test_steps_that_train_nothing_are_named_with_the_cause():
     rows = [step(i) for i in range(1, 19)] + [step(i, tokens=0, dropped=128) for i in range(19, 23)]
-    assert learning_alarm(rows) == "NoTokensTrained: step(s) 19–22 trained no tokens (512 samples dropped for lag, " \
-                                   "0 samples rejected)"
+    assert (
+        learning_alarm(rows) == "NoTokensTrained: step(s) 19–22 trained no tokens (512 samples dropped for lag, "
+        "0 samples rejected)"
+    )
     rows.append(step(23))
     assert learning_alarm(rows) is None  # learning again: the alarm clears
     assert "step(s) 5 trained" in learning_alarm([step(5, tokens=0, samples_rejected=2)])
@@ -37,5 +39,7 @@ def test_a_non_finite_loss_in_the_window():
 
 
 def test_groups_dropped_before_packing_count_as_dropped():
-    rows = [step(i, samples=64, dropped=80, samples_stale=64) for i in range(1, 11)]  # half the groups stale, 16 more late
+    rows = [
+        step(i, samples=64, dropped=80, samples_stale=64) for i in range(1, 11)
+    ]  # half the groups stale, 16 more late
     assert learning_alarm(rows).startswith("MostSamplesDropped: 800 of the 1280 samples")

@@ -36,8 +36,7 @@ def test_values_and_gradients_equal_the_reference(chunk, temperature):
     results = []
     for fused in (True, False):
         h, w, targets = inputs()
-        lp, ent = linear_logprobs(h, w, targets, temperature, chunk) if fused else reference(h, w, targets,
-                                                                                              temperature)
+        lp, ent = linear_logprobs(h, w, targets, temperature, chunk) if fused else reference(h, w, targets, temperature)
         ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
         results.append((lp.detach(), ent.detach(), h.grad, w.grad))
     assert results[0][0].dtype == torch.float32

@@ -39,8 +39,9 @@ def test_reinforce_truncated_is_by_hand():
 def test_sequence_importance_weights_every_token_by_its_samples_ratio():
     # Sample 0: token ratios e^0.1 and e^0.2 -> weight e^0.3 on both tokens; sample 1 ratio e^2,
     # truncated at 1 + epsilon_high; the untrained prompt token (weight 0) does not count.
-    new, old, adv, w = setup([-3.0, -1.0, -0.5, -0.1], [0.0, -1.1, -0.7, -2.1], [1.0, 1.0, 1.0, -1.0],
-                             [0.0, 0.5, 0.5, 1.0])
+    new, old, adv, w = setup(
+        [-3.0, -1.0, -0.5, -0.1], [0.0, -1.1, -0.7, -2.1], [1.0, 1.0, 1.0, -1.0], [0.0, 0.5, 0.5, 1.0]
+    )
     ids = T([0, 0, 0, 1])
     cfg = LossConfig("reinforce", epsilon_high=1.0, importance="sequence")
     loss, stats = policy_loss(new, old, adv, w, cfg, sample_ids=ids)
@@ -50,8 +51,9 @@ def test_sequence_importance_weights_every_token_by_its_samples_ratio():
     # The per-token statistics stay per token (ESS measures staleness the same way in both).
     assert stats["ratio_sum"].item() == pytest.approx(math.exp(0.1) + math.exp(0.2) + math.exp(2.0))
     new.grad = None
-    policy_loss(new, old, adv, w, LossConfig("cispo", epsilon_low=0.2, epsilon_high=1.0, importance="sequence"),
-                sample_ids=ids)[0].backward()
+    policy_loss(
+        new, old, adv, w, LossConfig("cispo", epsilon_low=0.2, epsilon_high=1.0, importance="sequence"), sample_ids=ids
+    )[0].backward()
     assert new.grad.tolist() == pytest.approx([0.0, -0.5 * math.exp(0.3), -0.5 * math.exp(0.3), 2.0])
     with pytest.raises(ValueError, match="sample_ids"):
         policy_loss(new, old, adv, w, cfg)
@@ -89,8 +91,9 @@ def test_gspo_uses_sequence_ratio():
 def test_kl_and_entropy_terms():
     new, old, adv, w = setup([-1.0], [-1.0], [0.0], [1.0])
     ref = T([-2.0])
-    loss, stats = policy_loss(new, old, adv, w, LossConfig("reinforce", kl_coef=0.1, entropy_coef=0.01),
-                              ref_logprobs=ref, entropy=T([0.7]))
+    loss, stats = policy_loss(
+        new, old, adv, w, LossConfig("reinforce", kl_coef=0.1, entropy_coef=0.01), ref_logprobs=ref, entropy=T([0.7])
+    )
     k3 = math.exp(-1.0) + 1.0 - 1.0
     assert loss.item() == pytest.approx(0.1 * k3 - 0.01 * 0.7)
     assert stats["kl_sum"].item() == pytest.approx(k3)

@@ -1,12 +1,27 @@
 import msgpack
 import pytest
 
-from pipelinerl.messages import SCHEMA_VERSION, MessageError, MicroBatch, PolicyVersion, RolloutGroup, Sample, decode, encode
+from pipelinerl.messages import (
+    SCHEMA_VERSION,
+    MessageError,
+    MicroBatch,
+    PolicyVersion,
+    RolloutGroup,
+    Sample,
+    decode,
+    encode,
+)
 
 
 def group() -> RolloutGroup:
-    s = Sample(tokens=[5, 6, 7, 1], mask=[0, 0, 1, 1], logprobs=[0, 0, -0.25, -1.5], versions=[-1, -1, 3, 4],
-               reward=1.0, success=True)
+    s = Sample(
+        tokens=[5, 6, 7, 1],
+        mask=[0, 0, 1, 1],
+        logprobs=[0, 0, -0.25, -1.5],
+        versions=[-1, -1, 3, 4],
+        reward=1.0,
+        success=True,
+    )
     return RolloutGroup(group_id="g-1", generator=0, samples=[s, s])
 
 

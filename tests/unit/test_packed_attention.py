@@ -9,8 +9,14 @@ import torch
 
 from attention_reference import masked_reference, reference_varlen, reference_varlen_2_10  # tests/
 from pipelinerl_trainer import packed_attention as pa
-from pipelinerl_trainer.packed_attention import (Packing, grouped_attention, length_groups, packed_attention,
-                                                 padded_length, varlen_attention)
+from pipelinerl_trainer.packed_attention import (
+    Packing,
+    grouped_attention,
+    length_groups,
+    packed_attention,
+    padded_length,
+    varlen_attention,
+)
 
 LENGTHS = [13, 14, 12, 3, 1, 9, 17, 40]  # several length groups, some padded (9 -> 10, 17 -> 20)
 
@@ -39,8 +45,11 @@ def test_packing_holds_the_boundaries_and_a_plan_that_visits_every_token_once():
 def qkv(heads=4, kv_heads=2, dim=8, seed=0):
     g = torch.Generator().manual_seed(seed)
     t = sum(LENGTHS)
-    return (torch.randn(heads, t, dim, generator=g), torch.randn(kv_heads, t, dim, generator=g),
-            torch.randn(kv_heads, t, dim, generator=g))
+    return (
+        torch.randn(heads, t, dim, generator=g),
+        torch.randn(kv_heads, t, dim, generator=g),
+        torch.randn(kv_heads, t, dim, generator=g),
+    )
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
@@ -54,8 +63,9 @@ def test_grouped_kernel_equals_the_masked_row(kv_heads):
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_varlen_adapter_equals_the_masked_row(kernel, kv_heads):
     q, k, v = qkv(kv_heads=kv_heads)
-    got = varlen_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), Packing.of(LENGTHS),
-                           scale=0.3, kernel=kernel)
+    got = varlen_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), Packing.of(LENGTHS), scale=0.3, kernel=kernel
+    )
     torch.testing.assert_close(got, masked_reference(q, k, v, LENGTHS, scale=0.3), atol=1e-5, rtol=1e-5)
 
 
@@ -73,8 +83,7 @@ def test_attention_function_takes_one_packed_row_or_one_plain_sequence(monkeypat
         assert out.shape == (1, sum(LENGTHS), 4, 8) and weights is None
         torch.testing.assert_close(out[0], masked_reference(q[0], k[0], v[0], LENGTHS, 0.3), atol=1e-5, rtol=1e-5)
     plain, _ = packed_attention(Module(), q, k, v, None, scaling=0.3)  # no packing: one causal sequence
-    torch.testing.assert_close(plain[0], masked_reference(q[0], k[0], v[0], [sum(LENGTHS)], 0.3), atol=1e-5,
-                               rtol=1e-5)
+    torch.testing.assert_close(plain[0], masked_reference(q[0], k[0], v[0], [sum(LENGTHS)], 0.3), atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="one packed row"):
         packed_attention(Module(), torch.cat([q, q]), torch.cat([k, k]), torch.cat([v, v]), None)
     with pytest.raises(ValueError, match="no padding mask"):

@@ -2,15 +2,18 @@ import pytest
 
 from pipelinerl.messages import MicroBatch, Sample
 from pipelinerl.steps import next_wave
-from pipelinerl_preprocessor.packing import (StepSample, close_step, first_fit_rows, pack_wave,
-                                           spread_rows, step_weight)
+from pipelinerl_preprocessor.packing import StepSample, close_step, first_fit_rows, pack_wave, spread_rows, step_weight
 
 
 def sample(n_prompt: int, n_gen: int, reward: float = 1.0, version: int = 0) -> Sample:
     n = n_prompt + n_gen
-    return Sample(tokens=list(range(n)), mask=[0] * n_prompt + [1] * n_gen,
-                  logprobs=[0.0] * n_prompt + [-0.5] * n_gen, versions=[-1] * n_prompt + [version] * n_gen,
-                  reward=reward)
+    return Sample(
+        tokens=list(range(n)),
+        mask=[0] * n_prompt + [1] * n_gen,
+        logprobs=[0.0] * n_prompt + [-0.5] * n_gen,
+        versions=[-1] * n_prompt + [version] * n_gen,
+        reward=reward,
+    )
 
 
 def test_first_fit_decreasing():
@@ -29,8 +32,15 @@ def test_spread_balances_tokens():
 
 def test_pack_wave_positions_weights_and_equal_counts():
     samples = [StepSample(sample(3, 4 + i % 3), advantage=float(i)) for i in range(7)]
-    out = pack_wave(step=5, samples=samples, ranks=3, micro_batch_tokens=16, weight=step_weight(samples, "sample", 7),
-                    first_index=4, last=True)
+    out = pack_wave(
+        step=5,
+        samples=samples,
+        ranks=3,
+        micro_batch_tokens=16,
+        weight=step_weight(samples, "sample", 7),
+        first_index=4,
+        last=True,
+    )
     assert len(out) == 3
     counts = {len(r) for r in out}
     assert len(counts) == 1  # every rank runs the same number of micro-batches
@@ -92,8 +102,9 @@ def test_waves_always_pack_into_one_row_per_rank():
 
 
 def mb(step, rank, index, last=False, samples=0, by=None):
-    return MicroBatch(step=step, rank=rank, index=index, last=last, step_samples=samples,
-                      step_groups_by_generator=by or {})
+    return MicroBatch(
+        step=step, rank=rank, index=index, last=last, step_samples=samples, step_groups_by_generator=by or {}
+    )
 
 
 def test_close_step_after_a_restart():
@@ -102,15 +113,25 @@ def test_close_step_after_a_restart():
     # Stopped between two waves of step 4: each rank gets one final sentinel, with the facts of
     # the last stored wave (what the trainer credits to the generators).
     nxt, out = close_step([mb(4, 0, 1, samples=16, by={"0": 2}), mb(4, 1, 1, samples=16, by={"0": 2})])
-    assert nxt == 5 and [(b.rank, b.index, b.last, b.is_sentinel) for b in out] == [(0, 2, True, True),
-                                                                                    (1, 2, True, True)]
+    assert nxt == 5 and [(b.rank, b.index, b.last, b.is_sentinel) for b in out] == [
+        (0, 2, True, True),
+        (1, 2, True, True),
+    ]
     assert all(b.step == 4 and b.step_samples == 16 and b.step_groups_by_generator == {"0": 2} for b in out)
     # Stopped in the middle of publishing a wave: the ranks are evened out first.
     nxt, out = close_step([mb(4, 0, 3, samples=24), mb(4, 1, 1, samples=16), mb(3, 2, 5, last=True)])
     assert nxt == 5
-    assert [(b.rank, b.index, b.last) for b in out] == [(0, 4, True), (1, 2, False), (1, 3, False), (1, 4, True),
-                                                        (2, 0, False), (2, 1, False), (2, 2, False), (2, 3, False),
-                                                        (2, 4, True)]
+    assert [(b.rank, b.index, b.last) for b in out] == [
+        (0, 4, True),
+        (1, 2, False),
+        (1, 3, False),
+        (1, 4, True),
+        (2, 0, False),
+        (2, 1, False),
+        (2, 2, False),
+        (2, 3, False),
+        (2, 4, True),
+    ]
     assert {b.step_samples for b in out} == {24}
     # The final wave reached some ranks only: the others end at the same index.
     nxt, out = close_step([mb(4, 0, 3, last=True, samples=32), mb(4, 1, 1, samples=16)])

@@ -12,22 +12,47 @@ from pipelinerl.spec import parse_job
 
 
 def trl_step(step: int, t: float) -> dict:
-    return {"step": step, "time": t, "seconds": 0.3, "generate_seconds": 0.1, "reward_seconds": 0.001,
-            "score_other_seconds": 0.004, "forward_seconds": 0.07, "backward_seconds": 0.11,
-            "optimizer_other_seconds": 0.015, "train_seconds": 0.3}
+    return {
+        "step": step,
+        "time": t,
+        "seconds": 0.3,
+        "generate_seconds": 0.1,
+        "reward_seconds": 0.001,
+        "score_other_seconds": 0.004,
+        "forward_seconds": 0.07,
+        "backward_seconds": 0.11,
+        "optimizer_other_seconds": 0.015,
+        "train_seconds": 0.3,
+    }
 
 
 def our_step(step: int, t: float) -> dict:
-    return {"step": step, "time": t, "samples": 128, "train_seconds": 0.4, "optimizer_seconds": 0.05,
-            "weight_sync_seconds": 0.03, "groups_filtered": 12}
+    return {
+        "step": step,
+        "time": t,
+        "samples": 128,
+        "train_seconds": 0.4,
+        "optimizer_seconds": 0.05,
+        "weight_sync_seconds": 0.03,
+        "groups_filtered": 12,
+    }
 
 
 def test_where_time_goes_splits_a_step_into_its_phases():
     trl = where_time_goes("trl", [{"steps_log": [trl_step(i, 0.3 * i) for i in range(1, 6)]}], 8)
-    assert trl == pytest.approx({"generate": 0.1, "reward": 0.001, "score_other": 0.004, "forward": 0.07,
-                                 "backward": 0.11, "optimizer_other": 0.015})
-    ours = where_time_goes("pipeline", [{"steps_log": [our_step(i, 0.5 * i) for i in range(1, 6)],
-                                         "generator_busy_fraction": 0.9}], 8)
+    assert trl == pytest.approx(
+        {
+            "generate": 0.1,
+            "reward": 0.001,
+            "score_other": 0.004,
+            "forward": 0.07,
+            "backward": 0.11,
+            "optimizer_other": 0.015,
+        }
+    )
+    ours = where_time_goes(
+        "pipeline", [{"steps_log": [our_step(i, 0.5 * i) for i in range(1, 6)], "generator_busy_fraction": 0.9}], 8
+    )
     assert ours["period"] == pytest.approx(0.5) and ours["trainer_compute"] == pytest.approx(0.4)
     assert ours["trainer_waits_for_data"] == pytest.approx(0.5 - 0.4 - 0.03)
     assert ours["groups_generated_per_step"] == pytest.approx(128 / 8 + 12)  # trained + filtered groups
@@ -37,15 +62,18 @@ def test_where_time_goes_splits_a_step_into_its_phases():
 def test_a_missed_target_reads_as_a_bound_not_a_ratio():
     def run(times_acc):
         steps = [{"step": 1, "time": 1.0, "train_seconds": 1.0}]
-        return {"steps_log": steps + [{"step": 2, "time": 100.0, "train_seconds": 1.0}],
-                "evals": [{"version": 0, "time": 0.0, "accuracy": 0.3}] + [
-                    {"version": v, "time": t, "accuracy": a} for v, (t, a) in enumerate(times_acc, 1)]}
+        return {
+            "steps_log": steps + [{"step": 2, "time": 100.0, "train_seconds": 1.0}],
+            "evals": [{"version": 0, "time": 0.0, "accuracy": 0.3}]
+            + [{"version": v, "time": t, "accuracy": a} for v, (t, a) in enumerate(times_acc, 1)],
+        }
 
     ours, trl = run([(10, 0.45), (20, 0.55)]), run([(50, 0.35), (100, 0.38)])
     runs = {"pipeline": [ours], "trl": [trl]}
     ci = {"p5": None, "p95": None}
-    assert "never reached it in its run (> 10.00x)" in describe({"pooled": math.inf, "interval": ci}, runs,
-                                                                  "pipeline", 15)
+    assert "never reached it in its run (> 10.00x)" in describe(
+        {"pooled": math.inf, "interval": ci}, runs, "pipeline", 15
+    )
     assert describe({"pooled": 0.0, "interval": ci}, runs, "pipeline", 15) == "pipeline never reached it"
     assert describe({"pooled": None, "interval": ci}, runs, "pipeline", 15) == "neither reached it"
     assert describe({"pooled": 2.5, "interval": {"p5": 2.0, "p95": 3.1}}, runs, "pipeline", 15) == "2.50x (2.00-3.10)"

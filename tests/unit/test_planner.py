@@ -6,7 +6,12 @@ import yaml
 
 from pipelinerl.cli import main
 from pipelinerl.planner.calibration import (
-    CALIBRATIONS, Calibration, CalibrationError, Lengths, load_calibration, parse_calibration,
+    CALIBRATIONS,
+    Calibration,
+    CalibrationError,
+    Lengths,
+    load_calibration,
+    parse_calibration,
 )
 from pipelinerl.planner.recommend import LAG_TOLERANCE, LAGS, format_plan, plan, splits
 from pipelinerl.planner.simulation import simulate, wave_groups
@@ -22,15 +27,24 @@ def lognormal(mean: float, sigma: float) -> Lengths:
 
 
 def job(**spec) -> object:
-    return parse_job({"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob",
-                      "metadata": {"name": "plan-test"}, "spec": spec})
+    return parse_job(
+        {
+            "apiVersion": "pipelinerl.dev/v1alpha1",
+            "kind": "PipelineRLJob",
+            "metadata": {"name": "plan-test"},
+            "spec": spec,
+        }
+    )
 
 
 def paper_job():
     # The paper's setting: 7B model, batch 4096, 8k-token generations; trainer pods of 8 GPUs.
-    return job(model={"path": "Qwen/Qwen2.5-7B", "dtype": "bfloat16", "maxSeqLen": 8704},
-               rl={"attempts": 16}, generator={"gpus": 1, "sampling": {"maxTokens": 8192}},
-               trainer={"gpus": 8, "samplesPerStep": 4096, "microBatchTokens": 16384, "zeroStage": 3})
+    return job(
+        model={"path": "Qwen/Qwen2.5-7B", "dtype": "bfloat16", "maxSeqLen": 8704},
+        rl={"attempts": 16},
+        generator={"gpus": 1, "sampling": {"maxTokens": 8192}},
+        trainer={"gpus": 8, "samplesPerStep": 4096, "microBatchTokens": 16384, "zeroStage": 3},
+    )
 
 
 def test_sync_waits_on_its_longest_sequence():
@@ -50,10 +64,19 @@ def test_sync_waits_on_its_longest_sequence():
 @pytest.mark.parametrize("pause_s", [0.1, 0.5])
 def test_sync_step_follows_the_cost_equations(pause_s):
     # Equal lengths, one engine holding the whole step: every term of the model is visible.
-    calib = Calibration(name="t", decode_base_s=0.01, decode_per_seq_s=0.001, max_batch=64,
-                        prefill_s_per_token=5e-4, train_s_per_token=0.002, train_scaling=0.9,
-                        optimizer_step_s=0.3, weight_sync_s=0.2, pause_s=pause_s,
-                        lengths=Lengths(mean_tokens=50, sigma=0, prompt_tokens=20))
+    calib = Calibration(
+        name="t",
+        decode_base_s=0.01,
+        decode_per_seq_s=0.001,
+        max_batch=64,
+        prefill_s_per_token=5e-4,
+        train_s_per_token=0.002,
+        train_scaling=0.9,
+        optimizer_step_s=0.3,
+        weight_sync_s=0.2,
+        pause_s=pause_s,
+        lengths=Lengths(mean_tokens=50, sigma=0, prompt_tokens=20),
+    )
     r = simulate("sync", 1, 4, 0, samples_per_step=32, attempts=8, calib=calib, max_tokens=100, steps=4, warmup=1)
     prefill = 4 * 5e-4 * 20  # once per group of 8
     decode = 50 * (0.01 + 0.001 * 32)  # 50 steps of a 32-sequence batch
@@ -70,8 +93,9 @@ def test_pipeline_generators_idle_only_while_paused():
     # admission back while they run (test_a_short_lag_budget_holds_long_tailed_generation_back).
     lengths = lognormal(1000, 1.0)
     free = simulate("pipeline", 8, 24, 12, lengths=lengths, **SMALL | {"calib": H100.model_copy(update={"pause_s": 0})})
-    paused = simulate("pipeline", 8, 24, 12, lengths=lengths,
-                      **SMALL | {"calib": H100.model_copy(update={"pause_s": 3})})
+    paused = simulate(
+        "pipeline", 8, 24, 12, lengths=lengths, **SMALL | {"calib": H100.model_copy(update={"pause_s": 3})}
+    )
     assert free.gen_busy > 0.99
     assert 1 - paused.gen_busy == pytest.approx(3 / paused.step_s, rel=0.05)
 
@@ -143,12 +167,13 @@ def test_overlap_never_loses_without_contention():
         assert pipe.samples_per_s > sync.samples_per_s
 
 
-@pytest.mark.parametrize("mode,max_lag,waves", [("sync", 0, 0), ("pipeline", 1, 0), ("pipeline", 4, 0),
-                                                ("pipeline", 1, 5), ("pipeline", 4, 5)])
+@pytest.mark.parametrize(
+    "mode,max_lag,waves",
+    [("sync", 0, 0), ("pipeline", 1, 0), ("pipeline", 4, 0), ("pipeline", 1, 5), ("pipeline", 4, 5)],
+)
 def test_conservation(mode, max_lag, waves):
     steps, per_step = 7, SMALL["samples_per_step"]
-    r = simulate(mode, 8, 24, max_lag, lengths=lognormal(1000, 1.0), steps=steps, warmup=2, wave_groups=waves,
-                 **SMALL)
+    r = simulate(mode, 8, 24, max_lag, lengths=lognormal(1000, 1.0), steps=steps, warmup=2, wave_groups=waves, **SMALL)
     assert r.samples_trained == steps * per_step
     assert r.samples_started == r.samples_trained + r.samples_in_flight
     # At most max_lag steps of groups queued plus the step in training.
@@ -169,8 +194,12 @@ def test_filtered_groups_are_generated_and_not_trained():
     # The calibration's share is the default; a job without filtering plans with none.
     calib = H100.model_copy(update={"filtered_fraction": 0.4})
     assert simulate("sync", 8, 24, 0, lengths=lengths, steps=20, warmup=2, **SMALL | {"calib": calib}) == filtered
-    unfiltered = job(model={"path": "Qwen/Qwen2.5-7B"}, rl={"attempts": 16, "filterZeroVariance": False}, generator={"gpus": 1},
-                     trainer={"gpus": 8, "samplesPerStep": 512})
+    unfiltered = job(
+        model={"path": "Qwen/Qwen2.5-7B"},
+        rl={"attempts": 16, "filterZeroVariance": False},
+        generator={"gpus": 1},
+        trainer={"gpus": 8, "samplesPerStep": 512},
+    )
     assert plan(unfiltered, 16, calib).filtered == 0
 
 
@@ -279,14 +308,17 @@ def test_builtins_are_package_data():
         load_calibration("calibration-cpu")
 
 
-@pytest.mark.parametrize("change,field", [
-    ({"max_batch": 0}, "max_batch"),
-    ({"decode_base_s": None}, "decode_base_s"),
-    ({"train_scaling": 1.5}, "train_scaling"),
-    ({"trian_s_per_token": 1.0}, "trian_s_per_token"),
-    ({"lengths": {"distribution": "lognormal", "sigma": 1.0}}, "mean_tokens"),
-    ({"lengths": {"distribution": "empirical", "values": [0, 3]}}, "values"),
-])
+@pytest.mark.parametrize(
+    "change,field",
+    [
+        ({"max_batch": 0}, "max_batch"),
+        ({"decode_base_s": None}, "decode_base_s"),
+        ({"train_scaling": 1.5}, "train_scaling"),
+        ({"trian_s_per_token": 1.0}, "trian_s_per_token"),
+        ({"lengths": {"distribution": "lognormal", "sigma": 1.0}}, "mean_tokens"),
+        ({"lengths": {"distribution": "empirical", "values": [0, 3]}}, "values"),
+    ],
+)
 def test_bad_calibration_names_the_field(tmp_path, change, field):
     data = H100.model_dump() | change
     data = {k: v for k, v in data.items() if v is not None}
@@ -308,8 +340,22 @@ def test_cli_plan(capsys, tmp_path):
     assert main(["plan", "examples/tiny-cpu.yaml", "--gpus", "2"]) == 0
     out = capsys.readouterr().out
     assert "recommendation: mode" in out and "sync colocated" in out
-    assert main(["plan", "examples/tiny-cpu.yaml", "--gpus", "3", "--json", "--mean-tokens", "6",
-                 "--filtered-fraction", "0.25"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "examples/tiny-cpu.yaml",
+                "--gpus",
+                "3",
+                "--json",
+                "--mean-tokens",
+                "6",
+                "--filtered-fraction",
+                "0.25",
+            ]
+        )
+        == 0
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["filtered"] == 0.25
     assert data["recommended"]["generators"] + data["recommended"]["trainers"] == 3

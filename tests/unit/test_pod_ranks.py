@@ -27,8 +27,10 @@ def test_single_rank_pod_is_unchanged():
 
 
 def test_all_ranks_run_and_the_pod_succeeds(tmp_path):
-    script = ("import json, os, sys; json.dump({k: os.environ[k] for k in ('PIPELINERL_RANK', 'PIPELINERL_LOCAL_RANK')},"
-              f" open(os.path.join({str(tmp_path)!r}, os.environ['PIPELINERL_LOCAL_RANK']), 'w'))")
+    script = (
+        "import json, os, sys; json.dump({k: os.environ[k] for k in ('PIPELINERL_RANK', 'PIPELINERL_LOCAL_RANK')},"
+        f" open(os.path.join({str(tmp_path)!r}, os.environ['PIPELINERL_LOCAL_RANK']), 'w'))"
+    )
     assert run_pod_ranks([sys.executable, "-c", script], POD) == 0
     seen = sorted((json.loads((tmp_path / str(r)).read_text()) for r in range(4)), key=lambda d: d["PIPELINERL_RANK"])
     assert seen == [{"PIPELINERL_RANK": str(4 + r), "PIPELINERL_LOCAL_RANK": str(r)} for r in range(4)]
@@ -36,8 +38,9 @@ def test_all_ranks_run_and_the_pod_succeeds(tmp_path):
 
 def test_a_failing_rank_stops_the_others_and_fails_the_pod():
     # Local rank 2 fails; the others would wait for it forever (as in a collective).
-    script = ("import os, sys, time; r = os.environ['PIPELINERL_LOCAL_RANK'];"
-              " sys.exit(7) if r == '2' else time.sleep(600)")
+    script = (
+        "import os, sys, time; r = os.environ['PIPELINERL_LOCAL_RANK']; sys.exit(7) if r == '2' else time.sleep(600)"
+    )
     t0 = time.monotonic()
     assert run_pod_ranks([sys.executable, "-c", script], POD) == 7
     assert time.monotonic() - t0 < 30

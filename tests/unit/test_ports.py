@@ -9,12 +9,15 @@ from pipelinerl import ports
 from pipelinerl.ports import ephemeral_range, free_port, listen_range
 
 
-@pytest.mark.parametrize("ephemeral, expected", [
-    ((32768, 60999), range(10000, 32768)),   # Linux default
-    ((49152, 65535), range(10000, 49152)),   # macOS / IANA
-    ((10500, 40000), range(40001, 65536)),   # low ephemeral range: listen above it
-    ((1024, 65535), range(10000, 65536)),    # no safe side left
-])
+@pytest.mark.parametrize(
+    "ephemeral, expected",
+    [
+        ((32768, 60999), range(10000, 32768)),  # Linux default
+        ((49152, 65535), range(10000, 49152)),  # macOS / IANA
+        ((10500, 40000), range(40001, 65536)),  # low ephemeral range: listen above it
+        ((1024, 65535), range(10000, 65536)),  # no safe side left
+    ],
+)
 def test_listen_range_avoids_the_ephemeral_range(ephemeral, expected):
     assert listen_range(ephemeral) == expected
 

@@ -49,8 +49,11 @@ def test_step_tally_counts_tokens_per_lag():
     values[1] = 4  # tokens
     tally.add_device(values, torch.tensor([1.0, 2, 0, 1, 0], dtype=torch.float64))  # lags 0, 1, 1, 3
     metrics = tally.metrics()
-    assert {k: v for k, v in metrics.items() if k.startswith("tokens_lag_")} == \
-        {"tokens_lag_0": 1, "tokens_lag_1": 2, "tokens_lag_3": 1}
+    assert {k: v for k, v in metrics.items() if k.startswith("tokens_lag_")} == {
+        "tokens_lag_0": 1,
+        "tokens_lag_1": 2,
+        "tokens_lag_3": 1,
+    }
     assert metrics["lag_max"] == 3.0 and metrics["lag_mean"] == pytest.approx(1.25)
 
 
@@ -61,10 +64,21 @@ def test_samples_over_the_lag_budget_are_dropped_and_left_out_of_the_lag_metrics
 
     # Two packed samples of 3 tokens (prompt token, 2 completion tokens) trained at version 5:
     # the first sampled at versions 4 (lag 1), the second at 2 (lag 3 > max lag 2).
-    mb = m.MicroBatch(step=0, rank=0, index=0, last=True, tokens=[1, 2, 3, 1, 4, 2], positions=[0, 1, 2] * 2,
-                      mask=[0, 1, 1] * 2, advantages=[0.0, 1.0, 1.0, 0.0, -1.0, -1.0],
-                      logprobs=[0.0] + [-1.6] * 2 + [0.0] + [-1.6] * 2, versions=[4, 4, 4, 2, 2, 2],
-                      weights=[0.0, 0.5, 0.5, 0.0, 0.5, 0.5], lengths=[3, 3], rewards=[1.0, 0.0])
+    mb = m.MicroBatch(
+        step=0,
+        rank=0,
+        index=0,
+        last=True,
+        tokens=[1, 2, 3, 1, 4, 2],
+        positions=[0, 1, 2] * 2,
+        mask=[0, 1, 1] * 2,
+        advantages=[0.0, 1.0, 1.0, 0.0, -1.0, -1.0],
+        logprobs=[0.0] + [-1.6] * 2 + [0.0] + [-1.6] * 2,
+        versions=[4, 4, 4, 2, 2, 2],
+        weights=[0.0, 0.5, 0.5, 0.0, 0.5, 0.5],
+        lengths=[3, 3],
+        rewards=[1.0, 0.0],
+    )
     tally = StepTally(max_lag=2)
     micro_batch_loss(model, mb, 5, StepConfig(LossConfig("reinforce"), 1.0, max_lag=2), tally)
     metrics = tally.metrics()
@@ -75,8 +89,18 @@ def test_samples_over_the_lag_budget_are_dropped_and_left_out_of_the_lag_metrics
 def test_throughput_uses_the_steady_window(tmp_path):
     run = LocalRun(load_job(EXAMPLE), tmp_path, quiet=True)
     # Step 1 ends at t=10 after a long start-up; steps 2-3 take 2 s each, 1.5 s of it training.
-    run.train = [{"step": i, "time": t, "samples": 128, "train_seconds": 1.4, "weight_sync_seconds": 0.1,
-                  "tokens_lag_0": 10, "tokens_lag_1": 5 * (i > 1)} for i, t in ((1, 10.0), (2, 12.0), (3, 14.0))]
+    run.train = [
+        {
+            "step": i,
+            "time": t,
+            "samples": 128,
+            "train_seconds": 1.4,
+            "weight_sync_seconds": 0.1,
+            "tokens_lag_0": 10,
+            "tokens_lag_1": 5 * (i > 1),
+        }
+        for i, t in ((1, 10.0), (2, 12.0), (3, 14.0))
+    ]
     run.busy = [(5.0, 0.0), (10.0, 1.0), (12.0, 2.8), (14.0, 4.6)]
     out = run.throughput()
     assert out["samples_per_second"] == pytest.approx(256 / 4)

@@ -25,17 +25,20 @@ def test_effective_max_lag():
     assert parse_job(job(rl={"maxLag": 7})).spec.max_lag == 7
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"rl": {"maxLag": -1}}, r"spec\.rl\.maxLag: Input should be greater than or equal to 0"),
-    ({"rl": {"loss": "dpo"}}, r"spec\.rl\.loss: Input should be 'reinforce', 'ppo', 'gspo' or 'cispo'"),
-    ({"trainer": {"samplesPerStep": 12}}, r"samplesPerStep \(12\) must be a multiple of rl\.attempts \(8\)"),
-    ({"mode": "sync", "rl": {"maxLag": 2}}, r"rl\.maxLag must be 0 or unset in sync mode"),
-    ({"generator": {"sampling": {"maxTokens": 64}}}, r"maxTokens must be smaller than model\.maxSeqLen"),
-    ({"trainer": {"microBatchTokens": 16}}, r"microBatchTokens must be at least model\.maxSeqLen"),
-    ({"trainr": {}}, r"spec\.trainr: unknown field"),
-    ({"generator": {"env": [{"name": "RANK", "value": "3"}]}}, r"env name 'RANK' is reserved"),
-    ({"generator": {"sampling": {"temperature": 0}}}, r"temperature: Input should be greater than 0"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"rl": {"maxLag": -1}}, r"spec\.rl\.maxLag: Input should be greater than or equal to 0"),
+        ({"rl": {"loss": "dpo"}}, r"spec\.rl\.loss: Input should be 'reinforce', 'ppo', 'gspo' or 'cispo'"),
+        ({"trainer": {"samplesPerStep": 12}}, r"samplesPerStep \(12\) must be a multiple of rl\.attempts \(8\)"),
+        ({"mode": "sync", "rl": {"maxLag": 2}}, r"rl\.maxLag must be 0 or unset in sync mode"),
+        ({"generator": {"sampling": {"maxTokens": 64}}}, r"maxTokens must be smaller than model\.maxSeqLen"),
+        ({"trainer": {"microBatchTokens": 16}}, r"microBatchTokens must be at least model\.maxSeqLen"),
+        ({"trainr": {}}, r"spec\.trainr: unknown field"),
+        ({"generator": {"env": [{"name": "RANK", "value": "3"}]}}, r"env name 'RANK' is reserved"),
+        ({"generator": {"sampling": {"temperature": 0}}}, r"temperature: Input should be greater than 0"),
+    ],
+)
 def test_errors_name_the_field(spec, message):
     with pytest.raises(SpecError, match=message):
         parse_job(job(**spec))
@@ -55,8 +58,9 @@ def test_cli_validate(tmp_path, capsys):
     assert cli(["validate", str(good)]) == 0
     assert "valid PipelineRLJob 'tiny-arith'" in capsys.readouterr().out
     bad = tmp_path / "bad.yaml"
-    bad.write_text("apiVersion: pipelinerl.dev/v1alpha1\nkind: PipelineRLJob\nmetadata: {name: x}\n"
-                   "spec:\n  rl: {attempts: 1}\n")
+    bad.write_text(
+        "apiVersion: pipelinerl.dev/v1alpha1\nkind: PipelineRLJob\nmetadata: {name: x}\nspec:\n  rl: {attempts: 1}\n"
+    )
     assert cli(["validate", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "spec.rl.attempts: Input should be greater than or equal to 2" in err
@@ -72,9 +76,11 @@ def test_yaml_is_read_as_kubectl_sends_it(tmp_path):
     from pipelinerl.spec import read_manifest
 
     path = tmp_path / "job.yaml"
-    path.write_text("apiVersion: pipelinerl.dev/v1alpha1\nkind: PipelineRLJob\nmetadata: {name: t}\n"
-                    "spec:\n  trainer: {learningRate: 1e-6, weightDecay: .5e-2}\n"
-                    "  generator: {env: [{name: X, value: '1e5'}]}\n")
+    path.write_text(
+        "apiVersion: pipelinerl.dev/v1alpha1\nkind: PipelineRLJob\nmetadata: {name: t}\n"
+        "spec:\n  trainer: {learningRate: 1e-6, weightDecay: .5e-2}\n"
+        "  generator: {env: [{name: X, value: '1e5'}]}\n"
+    )
     j = load_job(path)
     assert j.spec.trainer.learning_rate == 1e-6 and j.spec.trainer.weight_decay == 0.005
     assert j.spec.generator.env[0].value == "1e5"
@@ -100,12 +106,15 @@ def test_every_integer_field_is_bounded():
         seen.add(model)
         for name, field in model.model_fields.items():
             args = typing.get_args(field.annotation) or (field.annotation,)
-            nested = [b for a in args for b in (a, *typing.get_args(a)) if isinstance(b, type) and issubclass(b, BaseModel)]
+            nested = [
+                b for a in args for b in (a, *typing.get_args(a)) if isinstance(b, type) and issubclass(b, BaseModel)
+            ]
             for sub in nested:
                 walk(sub, f"{prefix}{field.alias or name}.")
             bound = [getattr(m, "le", None) or getattr(m, "lt", None) for m in field.metadata]
             if int in args and not any(b is not None and b <= 2**63 - 1 for b in bound):
                 unbounded.append(prefix + (field.alias or name))
+
     walk(PipelineRLJob, "")
     assert unbounded == []
     with pytest.raises(SpecError, match=r"spec\.trainer\.seed: Input should be less than or equal to 2147483647"):
@@ -121,12 +130,16 @@ def test_prompts_that_leave_no_room_are_refused_and_cut_completions_are_warned(t
     longest = max(len(tok.encode(task.train_problem(i).prompt)) for i in range(256))
     assert prompt_fit(task, tok, longest + 4, 4) == ([], [])
     errors, _ = prompt_fit(task, tok, longest, 1)
-    assert errors == [f"model.maxSeqLen: {longest} leaves no room for a completion: the longest of 512 of the "
-                      f"task's prompts is {longest} tokens"]
+    assert errors == [
+        f"model.maxSeqLen: {longest} leaves no room for a completion: the longest of 512 of the "
+        f"task's prompts is {longest} tokens"
+    ]
     _, warnings = prompt_fit(task, tok, longest + 4, 6)
     assert warnings and "completions are cut at 4 tokens" in warnings[0]
     assert static_prompt_fit(parse_job(job(model={"path": "/models/qwen"}))) is None  # its tokenizer is unknown here
     path = tmp_path / "job.yaml"
-    path.write_text(__import__("yaml").safe_dump(job(model={"maxSeqLen": longest + 4}, generator={"sampling": {"maxTokens": 6}})))
+    path.write_text(
+        __import__("yaml").safe_dump(job(model={"maxSeqLen": longest + 4}, generator={"sampling": {"maxTokens": 6}}))
+    )
     assert cli(["validate", str(path)]) == 0
     assert "warning: spec.generator.sampling.maxTokens: 6 tokens do not fit" in capsys.readouterr().err

@@ -3,8 +3,7 @@
 from types import SimpleNamespace
 
 from pipelinerl import messages as m
-from pipelinerl.steps import (counts_as_discarded, generator_of_rank, training_step, weight_group_rank,
-                              weight_group_size)
+from pipelinerl.steps import counts_as_discarded, generator_of_rank, training_step, weight_group_rank, weight_group_size
 
 
 def test_the_weight_groups_ranks_name_their_generator():

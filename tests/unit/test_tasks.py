@@ -137,7 +137,7 @@ def test_chain_problems_are_worked_step_by_step_with_a_long_tail():
     assert counts[0] > 2 * counts[3] > 0 and counts[11] > 0  # P(k) ∝ 1/k: short ones common, long ones present
     # Completion lengths (answer + EOS) within a step of 16 prompts differ by 10x or more, mostly.
     lengths = [len(q.answer) + 1 for q in train]
-    spreads = [max(lengths[i:i + 16]) / min(lengths[i:i + 16]) for i in range(0, 3000, 16)]
+    spreads = [max(lengths[i : i + 16]) / min(lengths[i : i + 16]) for i in range(0, 3000, 16)]
     assert sorted(spreads)[len(spreads) // 2] >= 10
     assert all(len(q.answer) + 1 <= 96 for q in train)  # within the example job's maxTokens
     with pytest.raises(ValueError, match="max_steps"):
@@ -201,7 +201,11 @@ def test_greedy_accuracy_counts_answers_that_stop_and_batches_by_prompt_length()
             return torch.tensor(rows)
 
     model = Scripted()
-    problems = [Problem("a", "1+2=", "3"), Problem("b", "10+20=", "30"), Problem("c", "9+9=", "18"),
-                Problem("d", "1+2=", "4")]
+    problems = [
+        Problem("a", "1+2=", "3"),
+        Problem("b", "10+20=", "30"),
+        Problem("c", "9+9=", "18"),
+        Problem("d", "1+2=", "4"),
+    ]
     assert greedy_accuracy(model, tok, problems, max_new_tokens=4) == pytest.approx(2 / 4)
     assert sorted(model.calls) == [4, 6]  # one generate per prompt length, none padded

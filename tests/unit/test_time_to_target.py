@@ -7,8 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.pipeline_vs_sync import (accuracy_gap, bootstrap_interval, crossing_time, isotonic, job_for,
-                                    pooled_ratio, time_to_target)
+from bench.pipeline_vs_sync import (
+    accuracy_gap,
+    bootstrap_interval,
+    crossing_time,
+    isotonic,
+    job_for,
+    pooled_ratio,
+    time_to_target,
+)
 
 
 def test_isotonic_pools_adjacent_violators():
@@ -30,9 +37,11 @@ def test_crossing_time_interpolates_on_the_fit_not_the_first_lucky_point():
 
 
 def run(warm, curve):
-    return {"steps_log": [{"time": 1.0, "train_seconds": 1.0}],
-            "evals": [{"version": 0, "time": 0.0, "accuracy": warm}]
-            + [{"version": 10 * (i + 1), "time": t, "accuracy": a} for i, (t, a) in enumerate(curve)]}
+    return {
+        "steps_log": [{"time": 1.0, "train_seconds": 1.0}],
+        "evals": [{"version": 0, "time": 0.0, "accuracy": warm}]
+        + [{"version": 10 * (i + 1), "time": t, "accuracy": a} for i, (t, a) in enumerate(curve)],
+    }
 
 
 def test_time_to_target_pools_rounds_and_counts_from_the_start_of_training():
@@ -70,8 +79,10 @@ def test_bootstrap_interval_brackets_the_pooled_ratio_and_is_reproducible():
 
 
 def test_accuracy_gap_compares_mean_accuracy_at_equal_version_in_points():
-    runs = {"pipeline": [run(0.30, [(5, 0.40), (10, 0.50)]), run(0.30, [(5, 0.42), (10, 0.46)])],
-            "sync": [run(0.30, [(9, 0.45), (20, 0.47)])]}
+    runs = {
+        "pipeline": [run(0.30, [(5, 0.40), (10, 0.50)]), run(0.30, [(5, 0.42), (10, 0.46)])],
+        "sync": [run(0.30, [(9, 0.45), (20, 0.47)])],
+    }
     assert accuracy_gap(runs) == pytest.approx({0: 0.0, 10: -4.0, 20: 1.0})
 
 
@@ -86,8 +97,10 @@ def test_job_for_changes_only_the_pipelines_spec():
 
 
 def test_job_for_changes_both_modes_with_both_set():
-    pipe, sync = (job_for(mode, 20, 5, "t", ["rl.maxLag=2"], both_set=["trainer.samplesPerStep=64", "rl.maxLag=3"])
-                  for mode in ("pipeline", "sync"))
+    pipe, sync = (
+        job_for(mode, 20, 5, "t", ["rl.maxLag=2"], both_set=["trainer.samplesPerStep=64", "rl.maxLag=3"])
+        for mode in ("pipeline", "sync")
+    )
     assert pipe.spec.trainer.samples_per_step == sync.spec.trainer.samples_per_step == 64
     assert (pipe.spec.max_lag, sync.spec.max_lag) == (2, 0)  # the pipeline's own setting wins; sync stays sync
 
@@ -95,7 +108,8 @@ def test_job_for_changes_both_modes_with_both_set():
 def test_sync_baseline_generates_its_whole_step_at_once():
     # A job that caps the pipeline's groups in flight below a step's: sync does not keep the cap.
     job = Path(__file__).resolve().parents[2] / "examples" / "long-tail-cpu.yaml"
-    pipe, sync = (job_for(mode, 20, 5, "t", job=job, both_set=["generator.maxInflightGroups=8"])
-                  for mode in ("pipeline", "sync"))
+    pipe, sync = (
+        job_for(mode, 20, 5, "t", job=job, both_set=["generator.maxInflightGroups=8"]) for mode in ("pipeline", "sync")
+    )
     assert pipe.spec.generator.max_inflight_groups < pipe.spec.groups_per_step
     assert sync.spec.generator.max_inflight_groups >= sync.spec.groups_per_step

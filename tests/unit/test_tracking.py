@@ -15,10 +15,13 @@ def job(**tracking):
 
 
 def test_rows_become_prefixed_numbers_at_their_axis():
-    assert scalars("train", {"step": 3, "loss": 0.5, "samples": 16, "grad_norm": None, "final": True,
-                             "reward": math.nan}) == (3, {"train/step": 3.0, "train/loss": 0.5, "train/samples": 16.0})
-    assert scalars("eval", {"version": 50, "accuracy": 0.4, "final": False}) == (50, {"eval/version": 50.0,
-                                                                                      "eval/accuracy": 0.4})
+    assert scalars(
+        "train", {"step": 3, "loss": 0.5, "samples": 16, "grad_norm": None, "final": True, "reward": math.nan}
+    ) == (3, {"train/step": 3.0, "train/loss": 0.5, "train/samples": 16.0})
+    assert scalars("eval", {"version": 50, "accuracy": 0.4, "final": False}) == (
+        50,
+        {"eval/version": 50.0, "eval/accuracy": 0.4},
+    )
     assert scalars("generator", {"step": 1}) is None and scalars("train", {"loss": 1.0}) is None
 
 
@@ -62,6 +65,10 @@ def test_every_tracker_gets_the_rows_and_a_restart_continues_the_same_runs(tmp_p
     # W&B: one offline directory per process, the same run id (`wandb sync` resumes the run).
     runs = sorted((tmp_path / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb"))
     history = [row for run in runs for row in wandb_history(run)]
-    assert [(r["train/step"], r["train/loss"]) for r in history if "train/step" in r] == \
-        [(1, 1.0), (2, 0.5), (3, 1 / 3), (4, 0.2)]
+    assert [(r["train/step"], r["train/loss"]) for r in history if "train/step" in r] == [
+        (1, 1.0),
+        (2, 0.5),
+        (3, 1 / 3),
+        (4, 0.2),
+    ]
     assert [(r["eval/version"], r["eval/accuracy"]) for r in history if "eval/version" in r] == [(2, 0.3)]

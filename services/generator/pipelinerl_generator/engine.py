@@ -42,10 +42,15 @@ def engine_args(generator: GeneratorSpec, model: ModelSpec, model_path: str, see
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     args = dict(
-        model=model_path, dtype=model.dtype, max_model_len=model.max_seq_len, seed=seed,
-        worker_extension_cls=EXTENSION, tensor_parallel_size=generator.tensor_parallel,
+        model=model_path,
+        dtype=model.dtype,
+        max_model_len=model.max_seq_len,
+        seed=seed,
+        worker_extension_cls=EXTENSION,
+        tensor_parallel_size=generator.tensor_parallel,
         enforce_eager=generator.gpus == 0,  # compiling costs 30-70 s on CPU and buys little for small models
-        enable_prefix_caching=True, disable_log_stats=True,
+        enable_prefix_caching=True,
+        disable_log_stats=True,
     )
     args.update(generator.engine_args)
     return AsyncEngineArgs(**args)
@@ -88,7 +93,9 @@ class Engine:
         params = SamplingParams(
             temperature=0.0 if greedy else self.sampling.temperature,
             top_p=1.0 if greedy else self.sampling.top_p,
-            max_tokens=max_tokens, logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY,
+            max_tokens=max_tokens,
+            logprobs=0,
+            output_kind=RequestOutputKind.FINAL_ONLY,
             stop_token_ids=[self.eos] if self.eos is not None else None,
             detokenize=False,  # tasks decode the token ids themselves; vLLM's per-step detokenizing is wasted
         )
@@ -107,14 +114,20 @@ class Engine:
         tokens = list(c.token_ids)
         logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, tokens)]
         self.tokens_generated += len(tokens)
-        return Completion(tokens=tokens, logprobs=logprobs, versions=token_versions(c.weight_versions, len(tokens)),
-                          finish_reason="length" if c.finish_reason == "length" else "stop")
+        return Completion(
+            tokens=tokens,
+            logprobs=logprobs,
+            versions=token_versions(c.weight_versions, len(tokens)),
+            finish_reason="length" if c.finish_reason == "length" else "stop",
+        )
 
-    async def join_weight_group(self, host: str, port: int, group: str, rank: int, world_size: int,
-                                timeout_s: float, token: str = "") -> None:
+    async def join_weight_group(
+        self, host: str, port: int, group: str, rank: int, world_size: int, timeout_s: float, token: str = ""
+    ) -> None:
         backend = self.job.spec.weight_transport
-        await self.llm.collective_rpc("init_weight_group",
-                                      args=(host, port, group, rank, world_size, timeout_s, backend, token))
+        await self.llm.collective_rpc(
+            "init_weight_group", args=(host, port, group, rank, world_size, timeout_s, backend, token)
+        )
 
     async def update_weights(self, version: int, buckets: list[dict]) -> UpdateStats:
         """With requests running: receive and load the new weights beside them (staged), then
@@ -122,14 +135,17 @@ class Engine:
         running (nothing to keep going, and loading alone is faster), with `weightSync.staged:
         false`, or for models that cannot be staged (quantized): receive inside the pause."""
         t0 = time.perf_counter()
-        staged = (self.staged and self.running > 0
-                  and all(await self.llm.collective_rpc("stage_weights", args=(buckets,))))
+        staged = (
+            self.staged and self.running > 0 and all(await self.llm.collective_rpc("stage_weights", args=(buckets,)))
+        )
         if staged:
             try:
                 await self._wait_staged(t0 + self.job.spec.weight_sync.timeout_seconds)
             except Exception as err:
-                raise WeightsKept(f"staged update to version {version} failed, generating on with version "
-                                  f"{self.version}: {type(err).__name__}: {err}") from err
+                raise WeightsKept(
+                    f"staged update to version {version} failed, generating on with version "
+                    f"{self.version}: {type(err).__name__}: {err}"
+                ) from err
         t_pause = time.perf_counter()
         running = self.running
         # The engine core's pause, not AsyncLLM.pause_generation: that adds a fixed 20 ms sleep
@@ -148,15 +164,18 @@ class Engine:
         if not received:
             raise WeightsKept(f"update to version {version} not received, generating on with version {self.version}")
         t1 = time.perf_counter()
-        return UpdateStats(version=version, pause_seconds=t1 - t_pause, running_requests=running,
-                           seconds=t1 - t0, staged=staged)
+        return UpdateStats(
+            version=version, pause_seconds=t1 - t_pause, running_requests=running, seconds=t1 - t0, staged=staged
+        )
 
     async def _wait_staged(self, deadline: float) -> None:
         # Each poll is a utility call the engine answers between steps; staging errors surface here.
         while not all(await self.llm.collective_rpc("staged_weights_ready")):
             if time.perf_counter() > deadline:
-                raise TimeoutError(f"weights not received and loaded within weightSync.timeoutSeconds="
-                                   f"{self.job.spec.weight_sync.timeout_seconds}")
+                raise TimeoutError(
+                    f"weights not received and loaded within weightSync.timeoutSeconds="
+                    f"{self.job.spec.weight_sync.timeout_seconds}"
+                )
             await asyncio.sleep(STAGED_POLL_S)
 
     def shutdown(self) -> None:
@@ -169,5 +188,5 @@ def token_versions(spans, n: int) -> list[int]:
         raise RuntimeError("vLLM reported no weight-version labels for a finished request")
     versions = [0] * n
     for span in spans:
-        versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
+        versions[span.start : span.end] = [int(span.version)] * (span.end - span.start)
     return versions

@@ -71,8 +71,10 @@ class Generator:
         self.subjects = job.subjects
         self.task = make_task(self.spec.task.name, self.spec.task.params, seed=self.spec.task.seed)
         self.admission = Admission(
-            groups_per_step=self.spec.groups_per_step, generators=self.spec.generator.replicas,
-            max_lag=self.spec.max_lag, max_inflight=self.spec.generator.max_inflight_groups,
+            groups_per_step=self.spec.groups_per_step,
+            generators=self.spec.generator.replicas,
+            max_lag=self.spec.max_lag,
+            max_inflight=self.spec.generator.max_inflight_groups,
         )
         self.wakeup = asyncio.Event()
         self.stopping = asyncio.Event()
@@ -93,8 +95,9 @@ class Generator:
 
     def _check_prompts_fit(self) -> None:
         """A job whose prompts leave no room for a completion cannot run: say so, by field."""
-        errors, warnings = prompt_fit(self.task, self.tokenizer, self.spec.model.max_seq_len,
-                                      self.spec.generator.sampling.max_tokens)
+        errors, warnings = prompt_fit(
+            self.task, self.tokenizer, self.spec.model.max_seq_len, self.spec.generator.sampling.max_tokens
+        )
         for w in warnings:
             log.warning("spec.%s", w)
         if errors:
@@ -104,29 +107,42 @@ class Generator:
     def status(self) -> GeneratorStatus:
         a, engine = self.admission, getattr(self, "engine", None)
         return GeneratorStatus(
-            rank=self.env.rank, version=engine.version if engine else 0,
-            groups_started=a.started, groups_finished=a.finished, groups_published=a.published,
+            rank=self.env.rank,
+            version=engine.version if engine else 0,
+            groups_started=a.started,
+            groups_finished=a.finished,
+            groups_published=a.published,
             groups_discarded=a.discarded,
-            groups_trained=a.trained, inflight_groups=a.inflight, queued_groups=a.queued,
+            groups_trained=a.trained,
+            inflight_groups=a.inflight,
+            queued_groups=a.queued,
             tokens=engine.tokens_generated if engine else 0,
-            updates_with_requests_in_flight=self.updates_in_flight, busy_seconds=self.busy.seconds())
+            updates_with_requests_in_flight=self.updates_in_flight,
+            busy_seconds=self.busy.seconds(),
+        )
 
     # -- main ------------------------------------------------------------------------------
     async def run(self) -> None:
         http = HealthServer("generator", self.env.http_port, self.status).start()
-        self.nc = await connect(self.env.nats_url, f"{self.job.name}-generator-{self.env.rank}", self.env.nats_user,
-                                self.env.nats_password)
+        self.nc = await connect(
+            self.env.nats_url, f"{self.job.name}-generator-{self.env.rank}", self.env.nats_user, self.env.nats_password
+        )
         self.js = self.nc.jetstream()
-        await ensure_streams(self.js, self.subjects, self.spec.nats.max_payload_mb, self.env.stream_replicas,
-                             stream_bytes(self.spec))
+        await ensure_streams(
+            self.js, self.subjects, self.spec.nats.max_payload_mb, self.env.stream_replicas, stream_bytes(self.spec)
+        )
         model_path = resolve_model_path(self.spec.model.path)
         self.engine = Engine(self.job, model_path, seed=self.spec.trainer.seed + 1000 * self.env.rank)
         self.tokenizer = load_tokenizer(model_path)  # prompts are tokenized here; vLLM takes token ids
         self._check_prompts_fit()
         await self._restore_books()
         await self.nc.subscribe(self.subjects.weights_update, cb=self._on_weight_update)
-        await self.js.subscribe(self.subjects.version, cb=self._on_version, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
-                                ordered_consumer=True)
+        await self.js.subscribe(
+            self.subjects.version,
+            cb=self._on_version,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            ordered_consumer=True,
+        )
         # Not in self.tasks: these run until the end.
         hello, updates = asyncio.create_task(self._say_hello()), asyncio.create_task(self._apply_updates())
         for t in (hello, updates):
@@ -154,7 +170,8 @@ class Generator:
         found = []
         records = [("ROLLOUTS", self.subjects.rollouts(rank), lambda d: m.decode(d, m.RolloutGroup).books)] + [
             ("BATCHES", self.subjects.batches(r), lambda d: m.decode(d, m.MicroBatch).generator_books.get(str(rank)))
-            for r in range(self.spec.trainer_ranks)]
+            for r in range(self.spec.trainer_ranks)
+        ]
         for stream, subject, books_of in records:
             data = await last_message(self.js, self.subjects.stream(stream), subject)
             try:
@@ -168,14 +185,21 @@ class Generator:
         if data is not None:
             a.on_trained(m.decode(data, m.PolicyVersion).trained_groups.get(str(rank), 0))
         if a.published:
-            log.info("generator %d continues its books: %d groups published (%d discarded, %d trained), "
-                     "next problem %d", rank, a.published, a.discarded, a.trained, self.next_problem)
+            log.info(
+                "generator %d continues its books: %d groups published (%d discarded, %d trained), next problem %d",
+                rank,
+                a.published,
+                a.discarded,
+                a.trained,
+                self.next_problem,
+            )
 
     async def _say_hello(self) -> None:
         """Tell trainer rank 0, every HELLO_S, that this process is alive and which weights it holds."""
         while not self.stopping.is_set():
-            hello = m.GeneratorHello(generator=self.env.rank, incarnation=self.incarnation,
-                                     version=self.admission.weights_version)
+            hello = m.GeneratorHello(
+                generator=self.env.rank, incarnation=self.incarnation, version=self.admission.weights_version
+            )
             try:
                 await self.nc.publish(self.subjects.weights_hello, m.encode(hello))
             except Exception as err:  # NATS reconnecting: the next hello will do
@@ -194,8 +218,10 @@ class Generator:
         if self.errors:
             raise self.errors[0]
         if not done:
-            raise TimeoutError(f"generator {self.env.rank}: no weights from the trainer in {timeout_s:.0f}s "
-                               f"(is the trainer running? weight group at {self.env.weights_addr})")
+            raise TimeoutError(
+                f"generator {self.env.rank}: no weights from the trainer in {timeout_s:.0f}s "
+                f"(is the trainer running? weight group at {self.env.weights_addr})"
+            )
         return self.engine.version if self.holds_weights.is_set() else None
 
     def _spawn(self, coro) -> None:
@@ -241,14 +267,17 @@ class Generator:
         self.busy.enter()
         try:
             max_tokens = self.spec.generator.sampling.max_tokens
-            samples = await asyncio.gather(*[
-                self.task.rollout(self.engine, self.tokenizer, problem, max_tokens)
-                for _ in range(self.spec.rl.attempts)
-            ])
+            samples = await asyncio.gather(
+                *[
+                    self.task.rollout(self.engine, self.tokenizer, problem, max_tokens)
+                    for _ in range(self.spec.rl.attempts)
+                ]
+            )
             # Unique per generator: after a scale-up, generators started with different strides
             # may draw the same problem (then trained twice, never dropped as a duplicate).
-            group = m.RolloutGroup(group_id=f"{problem.id}@{self.env.rank}", generator=self.env.rank,
-                                   samples=list(samples))
+            group = m.RolloutGroup(
+                group_id=f"{problem.id}@{self.env.rank}", generator=self.env.rank, samples=list(samples)
+            )
             await self._publish(group, started_at)
             TOKENS.inc(sum(s.num_generated for s in samples))
         finally:
@@ -260,8 +289,9 @@ class Generator:
         a = self.admission
         discarded = counts_as_discarded(self.spec.rl.filter_zero_variance, group)
         async with self.publishing:
-            group.books = m.GeneratorBooks(published=a.published + 1, discarded=a.discarded + discarded,
-                                           next_problem=self.next_problem)
+            group.books = m.GeneratorBooks(
+                published=a.published + 1, discarded=a.discarded + discarded, next_problem=self.next_problem
+            )
             ack = await publish_once(self.js, self.subjects.rollouts(self.env.rank), m.encode(group), group.group_id)
             if ack.duplicate:  # an earlier incarnation published it: it is in the books already
                 log.warning("group %s was already published: not counted again", group.group_id)
@@ -290,8 +320,13 @@ class Generator:
             return
         if update.group != self.group and not await self._join(update):
             return
-        reply = m.WeightUpdateDone(version=update.version, generator=self.env.rank, incarnation=self.incarnation,
-                                   pause_seconds=0.0, running_requests=0)
+        reply = m.WeightUpdateDone(
+            version=update.version,
+            generator=self.env.rank,
+            incarnation=self.incarnation,
+            pause_seconds=0.0,
+            running_requests=0,
+        )
         if self.holds_weights.is_set() and update.version < self.engine.version:  # never expected: say so
             log.warning("weights go back from version %d to %d", self.engine.version, update.version)
         try:
@@ -318,22 +353,28 @@ class Generator:
         tp = self.spec.generator.tensor_parallel
         rank = weight_group_rank(update.members.index((self.env.rank, self.incarnation)), tp)
         try:
-            await self.engine.join_weight_group(self.env.weights_host, self.env.weights_port, update.group, rank,
-                                                weight_group_size(len(update.members), tp),
-                                                self.spec.weight_sync.timeout_seconds,
-                                                self.env.weights_token or "")
+            await self.engine.join_weight_group(
+                self.env.weights_host,
+                self.env.weights_port,
+                update.group,
+                rank,
+                weight_group_size(len(update.members), tp),
+                self.spec.weight_sync.timeout_seconds,
+                self.env.weights_token or "",
+            )
         except Exception as err:  # aborted or timed out: the trainer forms another epoch
             log.warning("could not join weight group %s: %s", update.group, err)
             self.group = None
             return False
         self.group = update.group
-        log.info("joined weight group %s as rank %d of %d", update.group, rank, weight_group_size(len(update.members), tp))
+        log.info(
+            "joined weight group %s as rank %d of %d", update.group, rank, weight_group_size(len(update.members), tp)
+        )
         return True
 
     async def _on_version(self, msg) -> None:
         pv = m.decode(msg.data, m.PolicyVersion)
-        self.admission.on_trained(pv.trained_groups.get(str(self.env.rank), 0),
-                                  training_step=training_step(pv))
+        self.admission.on_trained(pv.trained_groups.get(str(self.env.rank), 0), training_step=training_step(pv))
         self.wakeup.set()
         final = pv.finished and pv.version >= self.spec.trainer.max_steps  # not a stale one before a resume
         if final:
@@ -355,9 +396,18 @@ class Generator:
         if values is None:
             return
         log.info("eval at version %d: accuracy %.3f%s", version, values["accuracy"], " (final)" if final else "")
-        await self.js.publish(self.subjects.metrics("eval"), m.encode(m.Metrics(
-            source=f"generator-{self.env.rank}", kind="eval", values=values | {"final": final},
-            timestamp=time.time())), timeout=30)
+        await self.js.publish(
+            self.subjects.metrics("eval"),
+            m.encode(
+                m.Metrics(
+                    source=f"generator-{self.env.rank}",
+                    kind="eval",
+                    values=values | {"final": final},
+                    timestamp=time.time(),
+                )
+            ),
+            timeout=30,
+        )
 
     async def _evaluate(self, version: int) -> dict | None:
         # The trainer announces a version as soon as its weights are sent: evaluate them once loaded.
@@ -371,15 +421,23 @@ class Generator:
         problems = self.task.test_problems(self.spec.eval.problems)
         self.busy.enter()
         try:
-            samples = await asyncio.gather(*[
-                self.task.rollout(self.engine, self.tokenizer, p, self.spec.generator.sampling.max_tokens, greedy=True)
-                for p in problems
-            ])
+            samples = await asyncio.gather(
+                *[
+                    self.task.rollout(
+                        self.engine, self.tokenizer, p, self.spec.generator.sampling.max_tokens, greedy=True
+                    )
+                    for p in problems
+                ]
+            )
         finally:
             self.busy.leave()
-        return {"version": version, "accuracy": sum(s.success for s in samples) / len(samples),
-                "reward": sum(s.reward for s in samples) / len(samples), "problems": len(samples),
-                "seconds": time.time() - t0}
+        return {
+            "version": version,
+            "accuracy": sum(s.success for s in samples) / len(samples),
+            "reward": sum(s.reward for s in samples) / len(samples),
+            "problems": len(samples),
+            "seconds": time.time() - t0,
+        }
 
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:

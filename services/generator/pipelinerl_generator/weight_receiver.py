@@ -43,8 +43,17 @@ class WeightReceiverExtension:
     _pipelinerl_shadow: Shadow | None = None
     _pipelinerl_staging: Staging | None = None
 
-    def init_weight_group(self, host: str, port: int, group: str, rank: int, world_size: int,
-                          timeout_s: float, backend: str, token: str = "") -> None:
+    def init_weight_group(
+        self,
+        host: str,
+        port: int,
+        group: str,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        backend: str,
+        token: str = "",
+    ) -> None:
         """Join weight group `group` (a membership epoch), leaving the previous one."""
         # `rank` is this engine's first rank in the weight group; collective_rpc
         # sends the same args to every worker, so worker i of a TP/PP engine
@@ -56,7 +65,8 @@ class WeightReceiverExtension:
             self._pipelinerl_weight_group.close()
             self._pipelinerl_weight_group = None
         self._pipelinerl_weight_group = WeightGroup.join(
-            host, port, group, rank + int(getattr(self, "rank", 0)), world_size, timeout_s, backend, token)
+            host, port, group, rank + int(getattr(self, "rank", 0)), world_size, timeout_s, backend, token
+        )
 
     def receive_weights(self, buckets: list[dict[str, Any]]) -> bool:
         """Receive and load into the live model: call while generation is paused. Every bucket
@@ -135,8 +145,10 @@ class WeightReceiverExtension:
     def _pipelinerl_can_load_in_place(self) -> bool:
         # Not for quantized weights, nor for CPU conv weights that vLLM re-lays out in place.
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        return (self.model_runner.model_config.quantization is None  # type: ignore[attr-defined]
-                and not any(hasattr(m, "_cpu_unpacked_conv_weight") for m in model.modules()))
+        return (
+            self.model_runner.model_config.quantization is None  # type: ignore[attr-defined]
+            and not any(hasattr(m, "_cpu_unpacked_conv_weight") for m in model.modules())
+        )
 
     def _pipelinerl_load_in_place(self, model: torch.nn.Module, packed: list[torch.nn.Module], weights) -> None:
         """Unquantized models: copy into `model`'s parameters (the live model, or its second
@@ -255,21 +267,27 @@ def _shadow_module(module: torch.nn.Module, modules: dict, params: dict) -> torc
     if id(module) in modules:  # shared (tied) submodules stay shared
         return modules[id(module)]
     shadow = modules[id(module)] = copy.copy(module)
-    shadow._parameters = {name: None if p is None else _shadow_param(p, module, shadow, params)
-                          for name, p in module._parameters.items()}
+    shadow._parameters = {
+        name: None if p is None else _shadow_param(p, module, shadow, params) for name, p in module._parameters.items()
+    }
     shadow._buffers = dict(module._buffers)  # shared tensors: buffers are not in checkpoints
-    shadow._modules = {name: None if child is None else _shadow_module(child, modules, params)
-                       for name, child in module._modules.items()}
+    shadow._modules = {
+        name: None if child is None else _shadow_module(child, modules, params)
+        for name, child in module._modules.items()
+    }
     return shadow
 
 
-def _shadow_param(p: torch.nn.Parameter, owner: torch.nn.Module, shadow: torch.nn.Module,
-                  params: dict) -> torch.nn.Parameter:
+def _shadow_param(
+    p: torch.nn.Parameter, owner: torch.nn.Module, shadow: torch.nn.Module, params: dict
+) -> torch.nn.Parameter:
     if id(p) not in params:
         # Uninitialised: every staged load must cover every parameter before a swap (checked).
         twin = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device)
         twin.__class__ = p.__class__
-        twin.__dict__ = {key: value.__func__.__get__(shadow) if isinstance(value, MethodType)
-                         and value.__self__ is owner else value for key, value in p.__dict__.items()}
+        twin.__dict__ = {
+            key: value.__func__.__get__(shadow) if isinstance(value, MethodType) and value.__self__ is owner else value
+            for key, value in p.__dict__.items()
+        }
         params[id(p)] = twin
     return params[id(p)]

@@ -24,4 +24,3 @@ def group_advantages(rewards: list[float], normalize_std: bool = False) -> list[
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / g)
         adv = [a / (std + STD_EPS) for a in adv]
     return adv
-

@@ -71,21 +71,29 @@ class Preprocessor:
         self.stale = 0  # samples of groups too old for the step, dropped since the previous step ended
 
     def status(self) -> PreprocessorStatus:
-        return PreprocessorStatus(next_step=self.step, trainer_version=self.trainer_version,
-                                  pending_groups=len(self.accepted), **self.stats)
+        return PreprocessorStatus(
+            next_step=self.step, trainer_version=self.trainer_version, pending_groups=len(self.accepted), **self.stats
+        )
 
     async def run(self) -> None:
         http = HealthServer("preprocessor", self.env.http_port, self.status).start()
-        self.nc = await connect(self.env.nats_url, f"{self.job.name}-preprocessor", self.env.nats_user,
-                                self.env.nats_password)
+        self.nc = await connect(
+            self.env.nats_url, f"{self.job.name}-preprocessor", self.env.nats_user, self.env.nats_password
+        )
         self.js = self.nc.jetstream()
-        await ensure_streams(self.js, self.subjects, self.spec.nats.max_payload_mb, self.env.stream_replicas,
-                             stream_bytes(self.spec))
+        await ensure_streams(
+            self.js, self.subjects, self.spec.nats.max_payload_mb, self.env.stream_replicas, stream_bytes(self.spec)
+        )
         await self._resume()
-        await self.js.subscribe(self.subjects.version, cb=self._on_version,
-                                deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ordered_consumer=True)
+        await self.js.subscribe(
+            self.subjects.version,
+            cb=self._on_version,
+            deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
+            ordered_consumer=True,
+        )
         sub = await self.js.pull_subscribe(
-            self.subjects.rollouts(">"), durable="preprocessor",
+            self.subjects.rollouts(">"),
+            durable="preprocessor",
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, max_ack_pending=100_000),
         )
         http.ready = True
@@ -107,9 +115,14 @@ class Preprocessor:
                 await self._intake(msg)
             while not self._trainer_behind():
                 self._drop_stale()
-                n, last = next_wave([[len(s.tokens) for s in g.samples] for _, g in self.accepted], self.in_step,
-                                    self.spec.groups_per_step, self.ranks, self.spec.trainer.micro_batch_tokens,
-                                    self.spec.streams_steps)
+                n, last = next_wave(
+                    [[len(s.tokens) for s in g.samples] for _, g in self.accepted],
+                    self.in_step,
+                    self.spec.groups_per_step,
+                    self.ranks,
+                    self.spec.trainer.micro_batch_tokens,
+                    self.spec.streams_steps,
+                )
                 if not n:
                     break
                 await self._publish_wave(n, last)
@@ -134,8 +147,11 @@ class Preprocessor:
         for mb in closing:
             mb.generator_books = dict(self.books)
         if closing:
-            log.warning("step %d was left partial by a restart: closing it with the %d samples already published",
-                        self.step - 1, closing[0].step_samples)
+            log.warning(
+                "step %d was left partial by a restart: closing it with the %d samples already published",
+                self.step - 1,
+                closing[0].step_samples,
+            )
             await asyncio.gather(*(self._publish(mb) for mb in closing))
 
     async def _on_version(self, msg) -> None:
@@ -192,8 +208,13 @@ class Preprocessor:
             if not hopelessly_stale(group, self.step, self.spec.max_lag):
                 keep.append((msg, group))
                 continue
-            log.info("group %s from generator %d: too old for step %d (max lag %d), dropped",
-                     group.group_id, group.generator, self.step, self.spec.max_lag)
+            log.info(
+                "group %s from generator %d: too old for step %d (max lag %d), dropped",
+                group.group_id,
+                group.generator,
+                self.step,
+                self.spec.max_lag,
+            )
             self.by_generator[str(group.generator)] += 1
             self.stale += len(group.samples)
             self.stats["stale_groups"] += 1
@@ -225,8 +246,9 @@ class Preprocessor:
         self.step_samples += len(samples)
         self.by_generator.update(str(g.generator) for _, g in take)
         weight = step_weight(samples, self.spec.rl.token_weighting, self.spec.trainer.samples_per_step)
-        per_rank = pack_wave(self.step, samples, self.ranks, self.spec.trainer.micro_batch_tokens, weight,
-                             self.index, last)
+        per_rank = pack_wave(
+            self.step, samples, self.ranks, self.spec.trainer.micro_batch_tokens, weight, self.index, last
+        )
         batches = [mb for rank in per_rank for mb in rank]
         for mb in batches:
             mb.step_samples, mb.step_groups_filtered = self.step_samples, self.filtered
@@ -242,8 +264,14 @@ class Preprocessor:
         PENDING.set(len(self.accepted))
         if not last:
             return
-        log.info("published step %d: %d samples in %d micro-batches/rank, %d wave(s) (%d groups filtered since last)",
-                 self.step, self.step_samples, self.index, self.waves, self.filtered)
+        log.info(
+            "published step %d: %d samples in %d micro-batches/rank, %d wave(s) (%d groups filtered since last)",
+            self.step,
+            self.step_samples,
+            self.index,
+            self.waves,
+            self.filtered,
+        )
         self.step += 1
         self._new_step()
         self.stats["steps"] += 1

@@ -61,8 +61,15 @@ def spread_rows(row_tokens: list[int], ranks: int) -> list[list[int]]:
     return per_rank
 
 
-def pack_wave(step: int, samples: list[StepSample], ranks: int, micro_batch_tokens: int, weight: float,
-              first_index: int = 0, last: bool = False) -> list[list[MicroBatch]]:
+def pack_wave(
+    step: int,
+    samples: list[StepSample],
+    ranks: int,
+    micro_batch_tokens: int,
+    weight: float,
+    first_index: int = 0,
+    last: bool = False,
+) -> list[list[MicroBatch]]:
     """One wave of step `step`: micro-batches for each rank (outer list), numbered from
     `first_index`, the same number on every rank; with `last`, each rank's final one ends the step."""
     lengths = [len(s.sample.tokens) for s in samples]
@@ -71,8 +78,9 @@ def pack_wave(step: int, samples: list[StepSample], ranks: int, micro_batch_toke
     count = max(1, max(len(r) for r in per_rank))
     out: list[list[MicroBatch]] = []
     for rank, row_ids in enumerate(per_rank):
-        batches = [_row(step, rank, first_index + k, [samples[i] for i in rows[r]], weight)
-                   for k, r in enumerate(row_ids)]
+        batches = [
+            _row(step, rank, first_index + k, [samples[i] for i in rows[r]], weight) for k, r in enumerate(row_ids)
+        ]
         batches += [MicroBatch(step=step, rank=rank, index=first_index + k) for k in range(len(batches), count)]
         batches[-1].last = last
         out.append(batches)
@@ -102,11 +110,19 @@ def close_step(lasts: list[MicroBatch | None]) -> tuple[int, list[MicroBatch]]:
     out = []
     for rank, b in enumerate(mine):
         for index in range(0 if b is None else b.index + 1, end + 1):
-            out.append(MicroBatch(step=step, rank=rank, index=index, last=index == end,
-                                  step_samples=facts.step_samples, step_groups_filtered=facts.step_groups_filtered,
-                                  step_groups_rejected=facts.step_groups_rejected,
-                                  step_samples_stale=facts.step_samples_stale,
-                                  step_groups_by_generator=dict(facts.step_groups_by_generator)))
+            out.append(
+                MicroBatch(
+                    step=step,
+                    rank=rank,
+                    index=index,
+                    last=index == end,
+                    step_samples=facts.step_samples,
+                    step_groups_filtered=facts.step_groups_filtered,
+                    step_groups_rejected=facts.step_groups_rejected,
+                    step_samples_stale=facts.step_samples_stale,
+                    step_groups_by_generator=dict(facts.step_groups_by_generator),
+                )
+            )
     return step + 1, out
 
 

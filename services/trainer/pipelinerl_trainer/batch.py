@@ -31,12 +31,30 @@ def device_batch(mb: m.MicroBatch, device: torch.device | str) -> DeviceBatch:
     """`mb` on `device`. A sentinel (no samples) becomes one untrained token: the same forward
     and backward as a real row, so the ranks' collectives (ZeRO-3's gathers) stay in step."""
     if mb.is_sentinel:
-        mb = m.MicroBatch(step=mb.step, rank=mb.rank, index=mb.index, tokens=[0], positions=[0], mask=[0],
-                          advantages=[0.0], logprobs=[0.0], versions=[-1], weights=[0.0], lengths=[1], rewards=[0.0])
+        mb = m.MicroBatch(
+            step=mb.step,
+            rank=mb.rank,
+            index=mb.index,
+            tokens=[0],
+            positions=[0],
+            mask=[0],
+            advantages=[0.0],
+            logprobs=[0.0],
+            versions=[-1],
+            weights=[0.0],
+            lengths=[1],
+            rewards=[0.0],
+        )
         return dataclasses.replace(device_batch(mb, device), samples=0)
     sample_ids = torch.repeat_interleave(torch.arange(len(mb.lengths)), torch.tensor(mb.lengths))
-    ints = to(torch.cat([torch.tensor([mb.tokens, mb.positions, mb.versions], dtype=torch.long), sample_ids[None]]),
-              device)
+    ints = to(
+        torch.cat([torch.tensor([mb.tokens, mb.positions, mb.versions], dtype=torch.long), sample_ids[None]]), device
+    )
     floats = to(torch.tensor([mb.logprobs, mb.advantages, mb.weights], dtype=torch.float32), device)
-    return DeviceBatch(*ints, *floats, packing=Packing.of(mb.lengths, device), samples=len(mb.rewards),
-                       reward_sum=float(sum(mb.rewards)))
+    return DeviceBatch(
+        *ints,
+        *floats,
+        packing=Packing.of(mb.lengths, device),
+        samples=len(mb.rewards),
+        reward_sum=float(sum(mb.rewards)),
+    )

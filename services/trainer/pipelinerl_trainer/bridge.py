@@ -21,9 +21,17 @@ log = logging.getLogger("pipelinerl.trainer")
 
 
 class NatsBridge:
-    def __init__(self, url: str, name: str, subjects: JobSubjects, max_payload_mb: int,
-                 user: str | None = None, password: str | None = None, stream_replicas: int | None = None,
-                 stream_sizes: dict[str, int] | None = None):
+    def __init__(
+        self,
+        url: str,
+        name: str,
+        subjects: JobSubjects,
+        max_payload_mb: int,
+        user: str | None = None,
+        password: str | None = None,
+        stream_replicas: int | None = None,
+        stream_sizes: dict[str, int] | None = None,
+    ):
         self.subjects = subjects
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="nats", daemon=True)
@@ -55,6 +63,7 @@ class NatsBridge:
 
     def listen_to_generators(self) -> None:
         """Rank 0: the generators' replies to weight updates, and their hellos."""
+
         async def on_done(msg) -> None:
             self.done.put(m.decode(msg.data, m.WeightUpdateDone))
 
@@ -66,6 +75,7 @@ class NatsBridge:
 
     def listen_to_evaluations(self) -> None:
         """The generators' evaluation rows, live (for the experiment trackers)."""
+
         async def on_eval(msg) -> None:
             self.evals.put(m.decode(msg.data, m.Metrics))
 
@@ -73,7 +83,9 @@ class NatsBridge:
 
     def last_announcement(self) -> m.PolicyVersion | None:
         """The newest version announced on the job's stream (None: none yet)."""
-        data = self.call(last_message(self.js, self.subjects.stream("CONTROL"), self.subjects.version), READ_TIMEOUT_S + 5)
+        data = self.call(
+            last_message(self.js, self.subjects.stream("CONTROL"), self.subjects.version), READ_TIMEOUT_S + 5
+        )
         return m.decode(data, m.PolicyVersion) if data else None
 
     def publish(self, subject: str, msg: m.Message, stream: bool = True) -> None:

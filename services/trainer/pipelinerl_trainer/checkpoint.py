@@ -2,8 +2,9 @@
 
 Layout: <dir>/step-<N>/{ds/, hf/, state.json} and <dir>/latest (written last, atomically), so
 a crash mid-save leaves the previous checkpoint in force. Exports (weights only, for offline
-evaluation) go to <dir>/export/version-<N>/ (and to spec.output: output.py). All ranks call save/load/export (DeepSpeed saves
-its shards collectively; ZeRO-3 gathers the full weights collectively).
+evaluation) go to <dir>/export/version-<N>/ (and to spec.output: output.py). All ranks call
+save/load/export (DeepSpeed saves its shards collectively; ZeRO-3 gathers the full weights
+collectively).
 
 Each trainer pod has a volume of its own, so <dir> is per pod: DeepSpeed writes with node-local
 storage (each pod's local rank 0 writes the model states next to its ranks' ZeRO shards), and
@@ -36,8 +37,9 @@ def latest_step(ckpt_dir: Path) -> int | None:
     return int(marker.read_text().strip().removeprefix("step-"))
 
 
-def save(engine, ckpt_dir: Path, step: int, state: dict, rank: int, local_rank: int,
-         model_path: str | None = None) -> Path:
+def save(
+    engine, ckpt_dir: Path, step: int, state: dict, rank: int, local_rank: int, model_path: str | None = None
+) -> Path:
     tag = f"step-{step}"
     target = ckpt_dir / tag
     engine.save_checkpoint(str(target / "ds"), tag="ds", client_state={"pipelinerl": state})

@@ -43,8 +43,10 @@ def bad_samples(mb: m.MicroBatch, vocab_size: int, max_positions: int | None) ->
 
 
 def describe(mb: m.MicroBatch, bad: dict[int, str]) -> str:
-    return "; ".join(f"sample {sid} (group {mb.group_ids[sid] if sid < len(mb.group_ids) else '?'}): {why}"
-                     for sid, why in sorted(bad.items()))
+    return "; ".join(
+        f"sample {sid} (group {mb.group_ids[sid] if sid < len(mb.group_ids) else '?'}): {why}"
+        for sid, why in sorted(bad.items())
+    )
 
 
 def without(mb: m.MicroBatch, bad: set[int]) -> m.MicroBatch:
@@ -55,7 +57,14 @@ def without(mb: m.MicroBatch, bad: set[int]) -> m.MicroBatch:
     def blank(values: list, zero) -> list:
         return [v if k else zero for v, k in zip(values, keep)]
 
-    return mb.model_copy(update=dict(
-        tokens=blank(mb.tokens, 0), positions=blank(mb.positions, 0), mask=blank(mb.mask, 0),
-        advantages=blank(mb.advantages, 0.0), logprobs=blank(mb.logprobs, 0.0), weights=blank(mb.weights, 0.0),
-        versions=blank(mb.versions, -1)))
+    return mb.model_copy(
+        update=dict(
+            tokens=blank(mb.tokens, 0),
+            positions=blank(mb.positions, 0),
+            mask=blank(mb.mask, 0),
+            advantages=blank(mb.advantages, 0.0),
+            logprobs=blank(mb.logprobs, 0.0),
+            weights=blank(mb.weights, 0.0),
+            versions=blank(mb.versions, -1),
+        )
+    )

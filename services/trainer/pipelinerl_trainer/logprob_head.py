@@ -57,8 +57,9 @@ class _LinearLogprobs(torch.autograd.Function):
         n = hidden.shape[0]
         w = weight.to(dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
-            if ctx.needs_input_grad[1] else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        )
         g_lp = grad_logprobs if grad_logprobs is not None else torch.zeros_like(lse)
         g_ent = grad_entropy if grad_entropy is not None else torch.zeros_like(lse)
         with torch.autocast(hidden.device.type, enabled=False):
@@ -90,8 +91,9 @@ def _scaled_logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torc
     return z.div_(temperature) if temperature != 1.0 else z
 
 
-def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float,
-                    chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H], the LM head's weight [V, H], targets [N] → (log p(target), entropy), fp32
     [N]: row i's next-token distribution softmax(hidden[i] · weightᵀ / temperature)."""
     chunk = chunk or chunk_tokens(weight.shape[0])

@@ -116,12 +116,17 @@ def policy_loss(
         loss = loss - cfg.entropy_coef * (weights * entropy).sum()
 
     with torch.no_grad():
+
         def trained_sum(values: torch.Tensor) -> torch.Tensor:
             return torch.where(trained, values, torch.zeros_like(values)).sum()
 
         r = ratio.detach()
-        stats = {"tokens": trained.sum(), "ratio_sum": trained_sum(r), "ratio_sq_sum": trained_sum(r * r),
-                 "clipped": (clipped & trained).sum()}
+        stats = {
+            "tokens": trained.sum(),
+            "ratio_sum": trained_sum(r),
+            "ratio_sq_sum": trained_sum(r * r),
+            "clipped": (clipped & trained).sum(),
+        }
         if kl is not None:
             stats["kl_sum"] = trained_sum(kl)
         if entropy is not None:

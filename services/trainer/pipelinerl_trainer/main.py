@@ -44,10 +44,15 @@ STEP = Gauge("pipelinerl_trainer_step", "Optimizer steps taken (= policy version
 REWARD = Gauge("pipelinerl_trainer_reward", "Mean reward of the last step's samples")
 LAG = Gauge("pipelinerl_trainer_lag_mean", "Mean token lag of the last step")
 TOKENS_PER_S = Gauge("pipelinerl_trainer_tokens_per_second", "Trainer throughput of the last step")
-SYNC_S = Histogram("pipelinerl_weight_sync_seconds", "Duration of weight updates (broadcast + all generators loaded)",
-                   buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100))
+SYNC_S = Histogram(
+    "pipelinerl_weight_sync_seconds",
+    "Duration of weight updates (broadcast + all generators loaded)",
+    buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100),
+)
 DROPPED = Counter("pipelinerl_trainer_samples_dropped_total", "Samples dropped for exceeding max lag")
-REJECTED = Counter("pipelinerl_trainer_samples_rejected_total", "Samples the model cannot take (dead-lettered, not trained)")
+REJECTED = Counter(
+    "pipelinerl_trainer_samples_rejected_total", "Samples the model cannot take (dead-lettered, not trained)"
+)
 EMPTY_STEPS = Counter("pipelinerl_trainer_steps_without_tokens_total", "Steps that trained no tokens")
 ALARM = Gauge("pipelinerl_trainer_learning_alarm", "1 while the newest steps show no learning (see the log)")
 DATA_LOG_S = 30.0  # log a "waiting for data" line this often
@@ -73,9 +78,15 @@ class Trainer:
         http = HealthServer("trainer", self.env.http_port, self.status).start()
         on_gpu = self.spec.trainer.gpus > 0
         local_rank = self.env.local_rank or 0
-        os.environ.update({Env.TORCH_RANK: str(self.rank), Env.TORCH_WORLD_SIZE: str(self.world),
-                           Env.TORCH_LOCAL_RANK: str(local_rank), Env.MASTER_ADDR: self.env.master_addr or "127.0.0.1",
-                           Env.MASTER_PORT: str(self.env.master_port or MASTER_PORT)})
+        os.environ.update(
+            {
+                Env.TORCH_RANK: str(self.rank),
+                Env.TORCH_WORLD_SIZE: str(self.world),
+                Env.TORCH_LOCAL_RANK: str(local_rank),
+                Env.MASTER_ADDR: self.env.master_addr or "127.0.0.1",
+                Env.MASTER_PORT: str(self.env.master_port or MASTER_PORT),
+            }
+        )
         if on_gpu:
             torch.cuda.set_device(local_rank)
         init_distributed(on_gpu, self.spec.weight_sync.timeout_seconds * 5)
@@ -94,9 +105,16 @@ class Trainer:
         self.samples_total = state.get("samples", 0)
         self.rejected_total = state.get("rejected", {"groups": 0, "samples": 0})  # dead-lettered, whole run
 
-        self.bridge = NatsBridge(self.env.nats_url, f"{self.job.name}-trainer-{self.rank}", self.subjects,
-                                 self.spec.nats.max_payload_mb, self.env.nats_user, self.env.nats_password,
-                                 self.env.stream_replicas, stream_bytes(self.spec))
+        self.bridge = NatsBridge(
+            self.env.nats_url,
+            f"{self.job.name}-trainer-{self.rank}",
+            self.subjects,
+            self.spec.nats.max_payload_mb,
+            self.env.nats_user,
+            self.env.nats_password,
+            self.env.stream_replicas,
+            stream_bytes(self.spec),
+        )
         weight_sync = self.spec.weight_sync
         store = None
         self.tracker = Tracker(self.job, self.env.run_dir) if self.rank == 0 else None
@@ -109,20 +127,36 @@ class Trainer:
             if self.wants_evals:
                 self.bridge.listen_to_evaluations()
             store = open_store("0.0.0.0", self.env.weights_port, True, weight_sync.timeout_seconds)
-            log.info("weight group (%s) rendezvous on port %d; generators join as they come",
-                     self.spec.weight_transport, self.env.weights_port)
+            log.info(
+                "weight group (%s) rendezvous on port %d; generators join as they come",
+                self.spec.weight_transport,
+                self.env.weights_port,
+            )
         # A restarted trainer first replays the steps its predecessor took after the checkpoint,
         # from their micro-batches still in the stream: the same data, each step once in the
         # lineage that goes on. Until it is past the newest version announced it sends and
         # announces nothing, so no generator's weights nor any announced version go back.
         self.floor = self._announced_version()
         if self.floor > self.version:
-            log.info("replaying steps %d-%d (trained before the restart): no weights sent nor versions "
-                     "announced until version %d", self.version + 1, self.floor, self.floor)
-        self.sender = WeightSender(self.engine, self.rank, self.bridge, backend=self.spec.weight_transport,
-                                   bucket_mb=weight_sync.bucket_mb, timeout_s=weight_sync.timeout_seconds, store=store,
-                                   workers_per_generator=self.spec.generator.tensor_parallel, floor=self.floor,
-                                   token=self.env.weights_token or "")
+            log.info(
+                "replaying steps %d-%d (trained before the restart): no weights sent nor versions "
+                "announced until version %d",
+                self.version + 1,
+                self.floor,
+                self.floor,
+            )
+        self.sender = WeightSender(
+            self.engine,
+            self.rank,
+            self.bridge,
+            backend=self.spec.weight_transport,
+            bucket_mb=weight_sync.bucket_mb,
+            timeout_s=weight_sync.timeout_seconds,
+            store=store,
+            workers_per_generator=self.spec.generator.tensor_parallel,
+            floor=self.floor,
+            token=self.env.weights_token or "",
+        )
         # Every generator gets these weights before it generates (also those that kept running
         # through a restart of the trainer).
         self.sender.send(self.version)
@@ -132,8 +166,14 @@ class Trainer:
             self._announce(finished=False)
         self.bridge.consume_batches(self.rank, self.consumed_seq)
         http.ready = True
-        log.info("trainer rank %d/%d ready at step %d (ZeRO-%d, model %s)", self.rank, self.world,
-                 self.version, self.spec.trainer.zero_stage, model_path)
+        log.info(
+            "trainer rank %d/%d ready at step %d (ZeRO-%d, model %s)",
+            self.rank,
+            self.world,
+            self.version,
+            self.spec.trainer.zero_stage,
+            model_path,
+        )
 
         while self.version < self.spec.trainer.max_steps and not self.stop.is_set():
             metrics = self._train_step()
@@ -202,8 +242,10 @@ class Trainer:
                     log.info("step %d: waiting for data (%.0fs)", self.version, waited)
                     last_log = time.monotonic()
                 if waited >= DATA_TIMEOUT_S:
-                    raise TimeoutError(f"rank {self.rank}: no training data for step {self.version} in "
-                                       f"{DATA_TIMEOUT_S:.0f}s (are the generators and the preprocessor running?)")
+                    raise TimeoutError(
+                        f"rank {self.rank}: no training data for step {self.version} in "
+                        f"{DATA_TIMEOUT_S:.0f}s (are the generators and the preprocessor running?)"
+                    )
                 continue
             self.consumed_seq = seq
             if mb.step < self.version:
@@ -252,22 +294,35 @@ class Trainer:
         metrics["dropped_for_lag"] += mb.step_samples_stale  # the preprocessor's, whole groups
         DROPPED.inc(metrics["dropped_for_lag"] if self.rank == 0 else 0)
         self.samples_total += metrics["samples"]
-        self.rejected_total = {"groups": self.rejected_total["groups"] + mb.step_groups_rejected,
-                               "samples": self.rejected_total["samples"] + metrics["samples_rejected"]}
-        return {"step": self.version + 1, **metrics,
-                "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "groups_filtered": mb.step_groups_filtered, "groups_rejected": mb.step_groups_rejected,
-                "samples_stale": mb.step_samples_stale,
-                "micro_batches": count, "train_seconds": elapsed,
-                **{f"groups_from_generator_{g}": n for g, n in mb.step_groups_by_generator.items()},
-                "optimizer_seconds": optimizer_s,
-                "trainer_tokens_per_second": metrics["tokens"] / elapsed}  # all ranks together
+        self.rejected_total = {
+            "groups": self.rejected_total["groups"] + mb.step_groups_rejected,
+            "samples": self.rejected_total["samples"] + metrics["samples_rejected"],
+        }
+        return {
+            "step": self.version + 1,
+            **metrics,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "groups_filtered": mb.step_groups_filtered,
+            "groups_rejected": mb.step_groups_rejected,
+            "samples_stale": mb.step_samples_stale,
+            "micro_batches": count,
+            "train_seconds": elapsed,
+            **{f"groups_from_generator_{g}": n for g, n in mb.step_groups_by_generator.items()},
+            "optimizer_seconds": optimizer_s,
+            "trainer_tokens_per_second": metrics["tokens"] / elapsed,
+        }  # all ranks together
 
     def _reject(self, mb: m.MicroBatch, bad: dict[int, str], tally: StepTally) -> m.MicroBatch:
         """Dead-letter a micro-batch with samples the model cannot take; train it without them."""
         reason = describe(mb, bad)
-        log.error("step %d: micro-batch %d of rank %d dead-lettered, trained without %d sample(s): %s",
-                  mb.step, mb.index, mb.rank, len(bad), reason)
+        log.error(
+            "step %d: micro-batch %d of rank %d dead-lettered, trained without %d sample(s): %s",
+            mb.step,
+            mb.index,
+            mb.rank,
+            len(bad),
+            reason,
+        )
         self.bridge.dead_letter(m.encode(mb), reason, f"batch-{mb.step}-{mb.rank}-{mb.index}")
         REJECTED.inc(len(bad))
         tally.add(rejected=len(bad))
@@ -299,14 +354,22 @@ class Trainer:
     def _announce(self, finished: bool, training: bool = False) -> None:
         if self.version < self.floor:
             return  # replaying: the predecessor announced this step already
-        self.bridge.publish(self.subjects.version, m.PolicyVersion(
-            version=self.version, finished=finished, training=training, timestamp=time.time(),
-            trained_groups=dict(self.trained_groups)))
+        self.bridge.publish(
+            self.subjects.version,
+            m.PolicyVersion(
+                version=self.version,
+                finished=finished,
+                training=training,
+                timestamp=time.time(),
+                trained_groups=dict(self.trained_groups),
+            ),
+        )
 
     def _group_status(self) -> dict:
         group = self.sender.status()
-        self.progress = self.progress.model_copy(update=dict(
-            weight_sync_ready=group["generators_in_group"] > 0, **group))
+        self.progress = self.progress.model_copy(
+            update=dict(weight_sync_ready=group["generators_in_group"] > 0, **group)
+        )
         return group
 
     def _report(self, metrics: dict) -> None:
@@ -322,21 +385,39 @@ class Trainer:
         ALARM.set(alarm is not None)
         if alarm:
             log.warning("step %d: not learning: %s", self.version, alarm)
-        self.progress = self.progress.model_copy(update=dict(
-            step=self.version, version=self.version, samples=self.samples_total, reward=metrics["reward"],
-            groups_rejected=self.rejected_total["groups"], samples_rejected=self.rejected_total["samples"],
-            lag_mean=metrics["lag_mean"], lag_max=metrics["lag_max"],
-            tokens_per_second=metrics["trainer_tokens_per_second"], learning_alarm=alarm,
-            last_update=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")))
-        self.bridge.publish(self.subjects.metrics("train"), m.Metrics(
-            source="trainer", kind="train", values=metrics, timestamp=time.time()))
+        self.progress = self.progress.model_copy(
+            update=dict(
+                step=self.version,
+                version=self.version,
+                samples=self.samples_total,
+                reward=metrics["reward"],
+                groups_rejected=self.rejected_total["groups"],
+                samples_rejected=self.rejected_total["samples"],
+                lag_mean=metrics["lag_mean"],
+                lag_max=metrics["lag_max"],
+                tokens_per_second=metrics["trainer_tokens_per_second"],
+                learning_alarm=alarm,
+                last_update=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            )
+        )
+        self.bridge.publish(
+            self.subjects.metrics("train"),
+            m.Metrics(source="trainer", kind="train", values=metrics, timestamp=time.time()),
+        )
         if self.tracker.enabled:
             self.tracker.log("train", metrics)
         if self.wants_evals:
             self._take_evaluations()
-        log.info("step %d: loss %.4f reward %.3f ess %.3f lag %.2f/%d sync %.0fms", self.version, metrics["loss"],
-                 metrics["reward"], metrics["ess"], metrics["lag_mean"], metrics["lag_max"],
-                 1000 * metrics["weight_sync_seconds"])
+        log.info(
+            "step %d: loss %.4f reward %.3f ess %.3f lag %.2f/%d sync %.0fms",
+            self.version,
+            metrics["loss"],
+            metrics["reward"],
+            metrics["ess"],
+            metrics["lag_mean"],
+            metrics["lag_max"],
+            1000 * metrics["weight_sync_seconds"],
+        )
 
     def _take_evaluations(self, wait_for_final: bool = False) -> None:
         """Hand the evaluations that came in to the trackers and the output (at the end: until the
@@ -352,8 +433,12 @@ class Trainer:
             if self.tracker.enabled:
                 self.tracker.log("eval", row.values)
             if self.output is not None and self.output.evaluated(int(row.values["version"]), row.values["accuracy"]):
-                log.info("version %d is the best on evaluation so far (accuracy %.3f): %s",
-                         row.values["version"], row.values["accuracy"], self.output.root / "best")
+                log.info(
+                    "version %d is the best on evaluation so far (accuracy %.3f): %s",
+                    row.values["version"],
+                    row.values["accuracy"],
+                    self.output.root / "best",
+                )
             if row.values.get("final"):
                 deadline = 0.0
 
@@ -365,9 +450,13 @@ class Trainer:
             dist.all_gather(seqs, mine)
         else:
             seqs = [mine]
-        state = {"step": self.version, "samples": self.samples_total, "trained_groups": self.trained_groups,
-                 "rejected": self.rejected_total,
-                 "consumed_seq": {str(r): int(s.item()) for r, s in enumerate(seqs)}}
+        state = {
+            "step": self.version,
+            "samples": self.samples_total,
+            "trained_groups": self.trained_groups,
+            "rejected": self.rejected_total,
+            "consumed_seq": {str(r): int(s.item()) for r, s in enumerate(seqs)},
+        }
         checkpoint.save(self.engine, self.ckpt_dir, self.version, state, self.rank, self.env.local_rank or 0)
         self.checkpointed = self.version
 

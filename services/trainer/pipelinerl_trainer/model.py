@@ -53,8 +53,7 @@ def ds_config(trainer: TrainerSpec, dtype: str) -> dict:
     return cfg
 
 
-def load_model(model_path: str, dtype: str = "float32", gradient_checkpointing: bool = False,
-               compile: bool = False):
+def load_model(model_path: str, dtype: str = "float32", gradient_checkpointing: bool = False, compile: bool = False):
     """The Hugging Face model as the trainer runs it: packed-row attention, the fused log-prob
     head (`policy_forward`), no KV cache."""
     from transformers import AutoModelForCausalLM
@@ -97,8 +96,10 @@ def use_policy_forward(model) -> None:
         raise ValueError(f"{type(model).__name__}: the trainer needs a bias-free linear LM head")
     for name in POST_HEAD_FIELDS:
         if getattr(model.config, name, None) not in (None, 1.0):
-            raise ValueError(f"{type(model).__name__} transforms its logits after the LM head ({name}), "
-                             "which the trainer's fused log-prob head does not")
+            raise ValueError(
+                f"{type(model).__name__} transforms its logits after the LM head ({name}), "
+                "which the trainer's fused log-prob head does not"
+            )
     stock = type(model).forward
 
     def forward(self, input_ids=None, *, packing: Packing | None = None, temperature: float = 1.0, **kwargs):
@@ -106,8 +107,9 @@ def use_policy_forward(model) -> None:
             return stock(self, input_ids=input_ids, **kwargs)
         hidden = self.base_model(input_ids=input_ids, packing=packing, use_cache=False, **kwargs).last_hidden_state[0]
         # Entry t is token t's, predicted from position t - 1; entry 0 has no prediction.
-        logprobs, entropy = linear_logprobs(hidden[:-1], self.get_output_embeddings().weight, input_ids[0, 1:],
-                                            temperature)
+        logprobs, entropy = linear_logprobs(
+            hidden[:-1], self.get_output_embeddings().weight, input_ids[0, 1:], temperature
+        )
         zero = logprobs.new_zeros(1)
         return torch.cat([zero, logprobs]), torch.cat([zero, entropy])
 
@@ -120,12 +122,14 @@ def build_engine(trainer: TrainerSpec, dtype: str, model_path: str):
     torch.manual_seed(trainer.seed)
     model = load_model(model_path, dtype, trainer.gradient_checkpointing, trainer.compile)
     # A client optimizer: DeepSpeed's own CPU Adam would compile kernels for minutes.
-    optimizer = torch.optim.AdamW(model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay,
-                                  betas=(0.9, 0.999))
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=trainer.learning_rate, weight_decay=trainer.weight_decay, betas=(0.9, 0.999)
+    )
     warmup = trainer.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                      config=ds_config(trainer, dtype))
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(trainer, dtype)
+    )
     return engine
 
 

@@ -110,8 +110,9 @@ def _varlen():
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
-def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float | None,
-                     kernel=None) -> torch.Tensor:
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float | None, kernel=None
+) -> torch.Tensor:
     """q [T, H, D], k/v [T, Hkv, D] → [T, H, D], causal within each sequence. `kernel` stands in
     for torch's varlen_attn (tests on CPU pass a reference with the same contract)."""
     if kernel is None:
@@ -127,21 +128,38 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing:
     return kernel(q, k, v, cu, cu, n, n, **kwargs)
 
 
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float | None,
-                      dropout: float = 0.0) -> torch.Tensor:
+def grouped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, packing: Packing, scale: float | None, dropout: float = 0.0
+) -> torch.Tensor:
     """q [H, T, D], k/v [Hkv, T, D] → [T, H, D]: one SDPA call per length group."""
     groups, order = packing.grouped_plan()
     parts = []
     for index, real in groups:
         out = F.scaled_dot_product_attention(
-            q[:, index].transpose(0, 1), k[:, index].transpose(0, 1), v[:, index].transpose(0, 1),
-            dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=q.shape[0] != k.shape[0])  # [n, H, L, D]
+            q[:, index].transpose(0, 1),
+            k[:, index].transpose(0, 1),
+            v[:, index].transpose(0, 1),
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scale,
+            enable_gqa=q.shape[0] != k.shape[0],
+        )  # [n, H, L, D]
         parts.append(out.transpose(1, 2).flatten(0, 1)[real])  # [tokens, H, D]
     return torch.cat(parts)[order]
 
 
-def packed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
-                     sliding_window=None, packing: Packing | None = None, **kwargs):
+def packed_attention(
+    module,
+    query,
+    key,
+    value,
+    attention_mask,
+    dropout: float = 0.0,
+    scaling=None,
+    sliding_window=None,
+    packing: Packing | None = None,
+    **kwargs,
+):
     """Hugging Face attention-interface function: query [1, H, T, D], key/value [1, Hkv, T, D]
     → ([1, T, H, D], None), as HF's own SDPA function returns."""
     if sliding_window is not None:
@@ -150,14 +168,22 @@ def packed_attention(module, query, key, value, attention_mask, dropout: float =
         raise ValueError("the trainer's attention takes one packed row (no padding mask)")
     dropout = dropout if module.training else 0.0
     if packing is None:  # one plain sequence
-        out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling,
-                                             enable_gqa=query.shape[1] != key.shape[1])
+        out = F.scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            dropout_p=dropout,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
         return out.transpose(1, 2), None
     if kernel_for(query.device, query.dtype) == "varlen":
         if dropout:
             raise NotImplementedError("attention dropout with the varlen kernel")
-        out = varlen_attention(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), packing,
-                               scaling)
+        out = varlen_attention(
+            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), packing, scaling
+        )
     else:
         out = grouped_attention(query[0], key[0], value[0], packing, scaling, dropout)
     return out.unsqueeze(0), None

@@ -18,8 +18,20 @@ from pipelinerl import messages as m
 from pipelinerl_trainer.batch import DeviceBatch, device_batch
 from pipelinerl_trainer.loss import LossConfig, effective_sample_size, policy_loss
 
-SUMS = ("loss", "tokens", "ratio_sum", "ratio_sq_sum", "clipped", "entropy_sum", "kl_sum", "samples", "reward_sum",
-        "dropped", "row_tokens", "rejected")
+SUMS = (
+    "loss",
+    "tokens",
+    "ratio_sum",
+    "ratio_sq_sum",
+    "clipped",
+    "entropy_sum",
+    "kl_sum",
+    "samples",
+    "reward_sum",
+    "dropped",
+    "row_tokens",
+    "rejected",
+)
 DEVICE_SUMS = SUMS[:7] + ("dropped",)  # computed on the device; the rest are host facts of the messages
 
 
@@ -47,15 +59,15 @@ class StepTally:
 
     def add_device(self, values: torch.Tensor, lags: torch.Tensor) -> None:
         """`values` in DEVICE_SUMS order; `lags` the histogram's counts, on the device."""
-        self.device_sums[:len(DEVICE_SUMS)] += values
-        self.device_sums[len(DEVICE_SUMS):] += lags
+        self.device_sums[: len(DEVICE_SUMS)] += values
+        self.device_sums[len(DEVICE_SUMS) :] += lags
 
     def finish(self, world: int = 1) -> StepTally:
         """Read the step's sums: one copy from the device (an all-reduce over `world` ranks first)."""
         host = torch.tensor([self.host[k] for k in SUMS], dtype=torch.float64, device=self.device_sums.device)
         dev = torch.zeros(len(SUMS), dtype=torch.float64, device=self.device_sums.device)
-        dev[[SUMS.index(k) for k in DEVICE_SUMS]] = self.device_sums[:len(DEVICE_SUMS)]
-        both = torch.cat([host + dev, self.device_sums[len(DEVICE_SUMS):]])
+        dev[[SUMS.index(k) for k in DEVICE_SUMS]] = self.device_sums[: len(DEVICE_SUMS)]
+        both = torch.cat([host + dev, self.device_sums[len(DEVICE_SUMS) :]])
         if world > 1:
             dist.all_reduce(both)
         self.totals = both.tolist()
@@ -65,25 +77,34 @@ class StepTally:
         if self.totals is None:
             self.finish()
         s = dict(zip(SUMS, self.totals))
-        hist = self.totals[len(SUMS):]
+        hist = self.totals[len(SUMS) :]
         tokens, n = s["tokens"], s["samples"]
         counted = [(lag, int(c)) for lag, c in enumerate(hist) if c]
         lag_tokens = sum(c for _, c in counted)
-        return {"loss": s["loss"], "reward": s["reward_sum"] / max(n, 1), "samples": int(n), "tokens": int(tokens),
-                "row_tokens": int(s["row_tokens"]),  # prompts included: what the forward pass computes
-                "ess": effective_sample_size(s["ratio_sum"], s["ratio_sq_sum"], tokens),
-                "ratio_mean": s["ratio_sum"] / max(tokens, 1), "clip_fraction": s["clipped"] / max(tokens, 1),
-                "entropy": s["entropy_sum"] / max(tokens, 1), "kl": s["kl_sum"] / max(tokens, 1),
-                "lag_min": float(counted[0][0]) if counted else 0.0,
-                "lag_mean": sum(lag * c for lag, c in counted) / lag_tokens if counted else 0.0,
-                "lag_max": float(counted[-1][0]) if counted else 0.0,
-                "dropped_for_lag": int(s["dropped"]), "samples_rejected": int(s["rejected"]),
-                # Token counts per lag, flat keys (metric values are scalars): tokens_lag_0, tokens_lag_1, …
-                **{f"tokens_lag_{lag}": c for lag, c in counted}}
+        return {
+            "loss": s["loss"],
+            "reward": s["reward_sum"] / max(n, 1),
+            "samples": int(n),
+            "tokens": int(tokens),
+            "row_tokens": int(s["row_tokens"]),  # prompts included: what the forward pass computes
+            "ess": effective_sample_size(s["ratio_sum"], s["ratio_sq_sum"], tokens),
+            "ratio_mean": s["ratio_sum"] / max(tokens, 1),
+            "clip_fraction": s["clipped"] / max(tokens, 1),
+            "entropy": s["entropy_sum"] / max(tokens, 1),
+            "kl": s["kl_sum"] / max(tokens, 1),
+            "lag_min": float(counted[0][0]) if counted else 0.0,
+            "lag_mean": sum(lag * c for lag, c in counted) / lag_tokens if counted else 0.0,
+            "lag_max": float(counted[-1][0]) if counted else 0.0,
+            "dropped_for_lag": int(s["dropped"]),
+            "samples_rejected": int(s["rejected"]),
+            # Token counts per lag, flat keys (metric values are scalars): tokens_lag_0, tokens_lag_1, …
+            **{f"tokens_lag_{lag}": c for lag, c in counted},
+        }
 
 
-def micro_batch_loss(model, mb: m.MicroBatch, version: int, cfg: StepConfig, tally: StepTally,
-                     ref_model=None) -> torch.Tensor:
+def micro_batch_loss(
+    model, mb: m.MicroBatch, version: int, cfg: StepConfig, tally: StepTally, ref_model=None
+) -> torch.Tensor:
     """The loss of one micro-batch trained at policy `version`; statistics go into `tally`."""
     dev = getattr(model, "device", None) or torch.device("cpu")  # a DeepSpeed engine's or HF model's
     tally.add(row_tokens=len(mb.tokens))
@@ -98,16 +119,26 @@ def micro_batch_loss(model, mb: m.MicroBatch, version: int, cfg: StepConfig, tal
     weights = torch.where(too_old, torch.zeros_like(b.weights), b.weights)
     kept = (trained & ~too_old).double()
     lags = torch.zeros(cfg.max_lag + 1, dtype=torch.float64, device=dev).index_add_(
-        0, lag.clamp(0, cfg.max_lag), kept)  # lags of what is trained
+        0, lag.clamp(0, cfg.max_lag), kept
+    )  # lags of what is trained
     ref_lp = None
     if ref_model is not None:
         with torch.no_grad():
             ref_lp, _ = policy_logprobs(ref_model, b, cfg.temperature)
-    loss, st = policy_loss(new_lp, b.logprobs, b.advantages, weights, cfg.loss,
-                           sample_ids=b.sample_ids, ref_logprobs=ref_lp, entropy=entropy)
+    loss, st = policy_loss(
+        new_lp,
+        b.logprobs,
+        b.advantages,
+        weights,
+        cfg.loss,
+        sample_ids=b.sample_ids,
+        ref_logprobs=ref_lp,
+        entropy=entropy,
+    )
     zero = loss.new_zeros(())
-    values = torch.stack([v.double() for v in (loss.detach(), *(st.get(k, zero) for k in DEVICE_SUMS[1:-1]),
-                                               (stale_samples > 0).sum())])
+    values = torch.stack(
+        [v.double() for v in (loss.detach(), *(st.get(k, zero) for k in DEVICE_SUMS[1:-1]), (stale_samples > 0).sum())]
+    )
     tally.add_device(values, lags)
     return loss
 
@@ -149,6 +180,8 @@ class ComputeClock:
 
 def step_config(job) -> StepConfig:
     rl = job.spec.rl
-    return StepConfig(LossConfig(rl.loss, rl.epsilon_low, rl.epsilon_high, rl.kl_coef, rl.entropy_coef,
-                                 rl.importance_weights),
-                      job.spec.generator.sampling.temperature, job.spec.max_lag)
+    return StepConfig(
+        LossConfig(rl.loss, rl.epsilon_low, rl.epsilon_high, rl.kl_coef, rl.entropy_coef, rl.importance_weights),
+        job.spec.generator.sampling.temperature,
+        job.spec.max_lag,
+    )

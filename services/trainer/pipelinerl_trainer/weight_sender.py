@@ -25,7 +25,13 @@ from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects
 from pipelinerl.steps import generator_of_rank, weight_group_size
 from pipelinerl.weight_group import (
-    GroupIncomplete, Snapshot, WeightGroup, WeightSyncError, buffer_device, dtype_name, plan_buckets,
+    GroupIncomplete,
+    Snapshot,
+    WeightGroup,
+    WeightSyncError,
+    buffer_device,
+    dtype_name,
+    plan_buckets,
 )
 from pipelinerl_trainer.membership import Member, Membership
 from pipelinerl_trainer.model import TrainingEngine, full_parameters, named_weights
@@ -50,9 +56,21 @@ class WeightSender:
     """Runs on every trainer rank (ZeRO-3 gathers are collectives); only rank 0 talks, and only
     rank 0 has a `store` (the rendezvous every epoch's group meets in)."""
 
-    def __init__(self, engine: TrainingEngine, rank: int, bridge: ReplyBridge, *, backend: str, bucket_mb: int,
-                 timeout_s: float, store=None, workers_per_generator: int = 1, liveness_s: float = LIVENESS_S,
-                 floor: int = 0, token: str = ""):
+    def __init__(
+        self,
+        engine: TrainingEngine,
+        rank: int,
+        bridge: ReplyBridge,
+        *,
+        backend: str,
+        bucket_mb: int,
+        timeout_s: float,
+        store=None,
+        workers_per_generator: int = 1,
+        liveness_s: float = LIVENESS_S,
+        floor: int = 0,
+        token: str = "",
+    ):
         self.engine, self.rank, self.bridge, self.store = engine, rank, bridge, store
         # Nothing older than this version is sent (a restarted trainer replaying steps its
         # predecessor sent already): a generator's weights never go back.
@@ -61,7 +79,8 @@ class WeightSender:
         self.backend, self.timeout_s, self.workers = backend, timeout_s, workers_per_generator
         self.params = named_weights(engine)
         self.buckets = plan_buckets(
-            [(n, list(_full_shape(p)), dtype_name(p.dtype)) for n, p in self.params], bucket_mb << 20)
+            [(n, list(_full_shape(p)), dtype_name(p.dtype)) for n, p in self.params], bucket_mb << 20
+        )
         self.by_name = dict(self.params)
         self.snapshot = Snapshot(self.buckets, buffer_device(backend)) if rank == 0 else None
         self.membership = Membership(liveness_s)
@@ -122,14 +141,27 @@ class WeightSender:
                     return None  # nobody to send to: whoever joins later gets the snapshot
                 self.group_id = f"{self.run_id}-{self.membership.open(members)}"
             members = self.membership.members
-            self.bridge.publish(self.bridge.subjects.weights_update, m.WeightUpdate(
-                version=version, buckets=self.buckets, group=self.group_id,
-                members=[(g.generator, g.incarnation) for g in members]), stream=False)
+            self.bridge.publish(
+                self.bridge.subjects.weights_update,
+                m.WeightUpdate(
+                    version=version,
+                    buckets=self.buckets,
+                    group=self.group_id,
+                    members=[(g.generator, g.incarnation) for g in members],
+                ),
+                stream=False,
+            )
             if self.group is not None:
                 return self.group
             try:
-                self.group = WeightGroup.form(self.store, self.group_id, weight_group_size(len(members), self.workers),
-                                              self.timeout_s, self.backend, token=self.token)
+                self.group = WeightGroup.form(
+                    self.store,
+                    self.group_id,
+                    weight_group_size(len(members), self.workers),
+                    self.timeout_s,
+                    self.backend,
+                    token=self.token,
+                )
                 log.info("weight group %s: generators %s", self.group_id, [g.generator for g in members])
                 return self.group
             except GroupIncomplete as err:
@@ -167,14 +199,20 @@ class WeightSender:
             log.error("generator %d failed to load version %d: %s", g.generator, version, replies[g].error)
         missing = [g for g in members if g not in replies]
         if missing:
-            log.warning("generators %s did not confirm version %d within %.0fs: dropped",
-                        [g.generator for g in missing], version, self.timeout_s)
+            log.warning(
+                "generators %s did not confirm version %d within %.0fs: dropped",
+                [g.generator for g in missing],
+                version,
+                self.timeout_s,
+            )
         self.membership.drop(failed + missing)
         loaded = [r for g, r in replies.items() if not r.error]
         for r in loaded:
             self.membership.hello(Member(r.generator, r.incarnation), version, time.monotonic())
-        return {"weight_pause_max_seconds": max((r.pause_seconds for r in loaded), default=0.0),
-                "updates_with_running_requests": sum(r.running_requests > 0 for r in loaded)}
+        return {
+            "weight_pause_max_seconds": max((r.pause_seconds for r in loaded), default=0.0),
+            "updates_with_running_requests": sum(r.running_requests > 0 for r in loaded),
+        }
 
     def resync(self) -> bool:
         """While waiting for data: send the snapshot again if a generator joined, left or fell
@@ -198,8 +236,11 @@ class WeightSender:
     def status(self) -> dict[str, int | bool]:
         """The weight group, for the trainer's /status and metrics."""
         members = 0 if self.membership.broken else len(self.membership.members)
-        return {"generators_in_group": members, "weight_epoch": self.membership.epoch,
-                "generators_dropped": self.membership.dropped}
+        return {
+            "generators_in_group": members,
+            "weight_epoch": self.membership.epoch,
+            "generators_dropped": self.membership.dropped,
+        }
 
     def _take_hellos(self) -> None:
         while True:
