@@ -68,18 +68,23 @@ def _compare(stage: int, path: str, port: int, out: mp.Queue) -> None:
     out.put((float((expected - start).abs().max()), float((trained - expected).abs().max())))
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_deepspeed_step_equals_plain_adamw_over_micro_batches(tiny_qwen2, stage):
+def in_a_rank_process(target, stage: int, path) -> object:
+    """What `target` reports from a fresh process, a DeepSpeed rank of its own (as a trainer pod's)."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_compare, args=(stage, str(tiny_qwen2), free_port(), out))
+    proc = ctx.Process(target=target, args=(stage, str(path), free_port(), out))
     proc.start()
     try:
-        moved, diff = out.get(timeout=180)
+        return out.get(timeout=180)
     finally:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_step_equals_plain_adamw_over_micro_batches(tiny_qwen2, stage):
+    moved, diff = in_a_rank_process(_compare, stage, tiny_qwen2)
     assert moved > 1e-2  # the two steps did move the weights
     assert diff < 1e-4, f"DeepSpeed ZeRO-{stage} weights differ from plain AdamW by {diff}"
 
@@ -104,13 +109,6 @@ def _dtypes(stage: int, path: str, port: int, out: mp.Queue) -> None:
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_bf16_weights_compute_while_zero_keeps_the_fp32_master_copy(tiny_qwen2, stage):
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_dtypes, args=(stage, str(tiny_qwen2), free_port(), out))
-    proc.start()
-    try:
-        module, stepped = out.get(timeout=180)
-    finally:
-        proc.join(30)
+    module, stepped = in_a_rank_process(_dtypes, stage, tiny_qwen2)
     assert module == {torch.bfloat16}  # forward and backward in bf16
     assert stepped == {torch.float32}  # AdamW steps ZeRO's fp32 copy, which is cast back into the weights
