@@ -153,6 +153,15 @@ async def last_message(js, stream: str, subject: str, timeout_s: float = READ_TI
             delay = min(2 * delay, 5.0)
 
 
+async def last_announcement(js, subjects: JobSubjects, timeout_s: float = READ_TIMEOUT_S):
+    """The newest PolicyVersion announced on the job's CONTROL stream (None: none yet); a read
+    that fails is retried, never taken for "none" (`last_message`)."""
+    from pipelinerl.messages import PolicyVersion, decode
+
+    data = await last_message(js, subjects.stream("CONTROL"), subjects.version, timeout_s)
+    return decode(data, PolicyVersion) if data is not None else None
+
+
 # No reply to a publish: the request or its ack lost while the client reconnects to a restarted
 # server, or JetStream still recovering its streams there.
 UNACKED = (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)

@@ -256,13 +256,20 @@ class WeightGroup:
     def _broadcast(self, buf: torch.Tensor, what: str) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        t0 = time.monotonic()
         try:
             self.pg.broadcast([buf], opts).wait()
         except RuntimeError as e:  # gloo raises RuntimeError on timeout / peer loss
             peers = f"{self.world_size - 1} generators" if self.rank == 0 else "trainer"
+            elapsed = time.monotonic() - t0
+            # Say which happened: nobody answered in time, or a peer's connection closed early.
+            how = (
+                f"timed out after {self.timeout_s:g} s"
+                if elapsed >= 0.9 * self.timeout_s
+                else f"failed after {elapsed:.1f} s: a peer's connection closed (it died or left)"
+            )
             raise WeightSyncTimeout(
-                f"weight broadcast {'to' if self.rank == 0 else 'from'} {peers} "
-                f"failed or timed out after {self.timeout_s}s ({what}): {e}"
+                f"weight broadcast {'to' if self.rank == 0 else 'from'} {peers} {how} ({what}): {e}"
             ) from e
 
     def broadcast(self, snapshot: Snapshot) -> None:

@@ -265,7 +265,7 @@ def test_broadcast_receiver_never_enters_times_out_clearly(port):
         sender = WeightGroup.form(open_store(HOST, port, True, 30.0), "g", 2, 2.0)  # the rendezvous succeeds
         tensors = {"w": torch.zeros(4 << 20)}  # 16 MiB: more than socket buffers absorb
         t0 = time.perf_counter()
-        with pytest.raises(WeightSyncTimeout, match=r"broadcast to 1 generators failed or timed out after 2.0s"):
+        with pytest.raises(WeightSyncTimeout, match=r"broadcast to 1 generators timed out after 2 s"):
             send(sender, tensors, plan_buckets_for(tensors, bucket_bytes=64 << 20))
         elapsed = time.perf_counter() - t0
         assert member.is_alive(), "the member must still be in the group: a timeout, not a lost peer"
@@ -273,6 +273,30 @@ def test_broadcast_receiver_never_enters_times_out_clearly(port):
         sender.close()
     finally:
         member.kill()  # it would idle for hold_s more
+        member.join(10)
+
+
+def test_a_peer_lost_early_is_told_apart_from_a_timeout(port):
+    """A member that dies 1 s into a 30 s budget: the error says the peer's connection closed,
+    after about a second, not that the broadcast timed out after 30 s."""
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    member = ctx.Process(target=_idle_member, args=(port, 2, 30.0, 1.0, ready), daemon=True)
+    member.start()
+    try:
+        assert ready.wait(60)
+        sender = WeightGroup.form(open_store(HOST, port, True, 30.0), "g", 2, 30.0)
+        tensors = {"w": torch.zeros(4 << 20)}  # 16 MiB: more than socket buffers absorb
+        with pytest.raises(
+            WeightSyncTimeout,
+            match=r"broadcast to 1 generators failed after [0-9.]+ s: a peer's "
+            r"connection closed",
+        ) as err:
+            send(sender, tensors, plan_buckets_for(tensors, bucket_bytes=64 << 20))
+        assert float(str(err.value).split("failed after ")[1].split(" s")[0]) < 20
+        sender.close()
+    finally:
+        member.kill()
         member.join(10)
 
 

@@ -31,7 +31,7 @@ from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.prompt_fit import prompt_fit
 from pipelinerl.spec import PipelineRLJob, SpecError
 from pipelinerl.steps import counts_as_discarded, training_step, weight_group_rank, weight_group_size
-from pipelinerl.streams import connect, ensure_streams, last_message, publish_once
+from pipelinerl.streams import connect, ensure_streams, last_message, publish_once, last_announcement
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
 from pipelinerl_generator.engine import Engine, WeightsKept
@@ -181,9 +181,9 @@ class Generator:
         books = m.newest_books(*found)
         if books is not None:
             a.published, a.discarded, self.next_problem = books.published, books.discarded, books.next_problem
-        data = await last_message(self.js, self.subjects.stream("CONTROL"), self.subjects.version)
-        if data is not None:
-            a.on_trained(m.decode(data, m.PolicyVersion).trained_groups.get(str(rank), 0))
+        announced = await last_announcement(self.js, self.subjects)
+        if announced is not None:
+            a.on_trained(announced.trained_groups.get(str(rank), 0))
         if a.published:
             log.info(
                 "generator %d continues its books: %d groups published (%d discarded, %d trained), next problem %d",

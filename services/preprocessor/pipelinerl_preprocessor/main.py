@@ -30,7 +30,7 @@ from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import PreprocessorStatus, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import connect, dead_letter, ensure_streams, last_message, publish_once
+from pipelinerl.streams import connect, dead_letter, ensure_streams, last_message, publish_once, last_announcement
 from pipelinerl_preprocessor.advantages import group_advantages
 from pipelinerl_preprocessor.checks import GroupLimits, group_problem, hopelessly_stale
 from pipelinerl.steps import counts_as_discarded, next_wave
@@ -162,9 +162,9 @@ class Preprocessor:
         self.finished = self.finished or (pv.finished and pv.version >= self.spec.trainer.max_steps)
 
     async def _refresh_trainer_version(self) -> None:
-        data = await last_message(self.js, self.subjects.stream("CONTROL"), self.subjects.version)
-        if data is not None:
-            self._on_announcement(m.decode(data, m.PolicyVersion))
+        announced = await last_announcement(self.js, self.subjects)
+        if announced is not None:
+            self._on_announcement(announced)
 
     def _limits(self) -> GroupLimits:
         return GroupLimits(max_seq_len=self.spec.model.max_seq_len, newest_version=self.trainer_version + 1)

@@ -15,7 +15,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects
-from pipelinerl.streams import READ_TIMEOUT_S, connect, dead_letter, ensure_streams, last_message
+from pipelinerl.streams import READ_TIMEOUT_S, connect, dead_letter, ensure_streams, last_announcement
 
 log = logging.getLogger("pipelinerl.trainer")
 
@@ -83,10 +83,7 @@ class NatsBridge:
 
     def last_announcement(self) -> m.PolicyVersion | None:
         """The newest version announced on the job's stream (None: none yet)."""
-        data = self.call(
-            last_message(self.js, self.subjects.stream("CONTROL"), self.subjects.version), READ_TIMEOUT_S + 5
-        )
-        return m.decode(data, m.PolicyVersion) if data else None
+        return self.call(last_announcement(self.js, self.subjects), READ_TIMEOUT_S + 5)
 
     def publish(self, subject: str, msg: m.Message, stream: bool = True) -> None:
         if stream:
