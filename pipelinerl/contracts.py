@@ -270,6 +270,11 @@ class JobSubjects:
     def version(self) -> str:
         return f"prl.{self._token}.control.version"
 
+    @property
+    def problems(self) -> str:
+        """The next training problem no generator has claimed (`streams.claim_problems`)."""
+        return f"prl.{self._token}.control.problems"
+
     def metrics(self, kind: str | None = None) -> str:
         return f"prl.{self._token}.metrics.{kind or '*'}"
 

@@ -62,7 +62,6 @@ class GeneratorBooks(BaseModel):
     model_config = ConfigDict(extra="forbid")
     published: int = Field(default=0, ge=0)  # its groups in the stream, every incarnation's, this one included
     discarded: int = Field(default=0, ge=0)  # of those, zero-variance ones (the preprocessor drops them)
-    next_problem: int = Field(default=0, ge=0)  # training problem index where it goes on; every one below was started
 
 
 def newest_books(*books: GeneratorBooks | None) -> GeneratorBooks | None:

@@ -55,10 +55,10 @@ def stream_configs(
             discard=DiscardPolicy.OLD,
             **common,
         ),
-        # Control: the latest policy version only.
+        # Control: the latest policy version, and the next training problem unclaimed, only.
         StreamConfig(
             name=subjects.stream("CONTROL"),
-            subjects=[subjects.version],
+            subjects=[subjects.version, subjects.problems],
             retention=RetentionPolicy.LIMITS,
             max_msgs_per_subject=1,
             max_bytes=size["CONTROL"],
@@ -161,6 +161,40 @@ async def last_announcement(js, subjects: JobSubjects, timeout_s: float = READ_T
     data = await last_message(js, subjects.stream("CONTROL"), subjects.version, timeout_s)
     return decode(data, PolicyVersion) if data is not None else None
 
+
+async def claim_problems(js, subjects: JobSubjects, count: int, timeout_s: float = READ_TIMEOUT_S) -> int:
+    """The first of `count` training problem indices that no generator has drawn or will: the
+    job's claims are a counter on the CONTROL stream, advanced by an append that JetStream makes
+    only if nobody appended since it was read (an expected last sequence); a claimer that lost
+    the race reads again. Whatever the generators' number, incarnations or arrivals, no two get
+    one index; a claim whose acknowledgement was lost leaves a gap, never an overlap."""
+    subject, stream = subjects.problems, subjects.stream("CONTROL")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            last = await js.get_last_msg(stream, subject)
+            seq, start = last.seq, int(last.data)
+        except NotFoundError:
+            seq, start = 0, 0
+        try:
+            await js.publish(
+                subject,
+                str(start + count).encode(),
+                timeout=5.0,
+                headers={"Nats-Expected-Last-Subject-Sequence": str(seq)},
+            )
+            return start
+        except UNACKED:
+            pass  # lost or no ack: read again (the claim, if stored, is a gap)
+        except nats.js.errors.APIError as err:
+            if err.err_code != WRONG_LAST_SEQUENCE:
+                raise
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"could not claim training problems on {subject} in {timeout_s:.0f}s")
+        await asyncio.sleep(0.01)
+
+
+WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: another append came first
 
 # No reply to a publish: the request or its ack lost while the client reconnects to a restarted
 # server, or JetStream still recovering its streams there.

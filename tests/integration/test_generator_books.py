@@ -36,20 +36,19 @@ async def incarnation(nats_server, tmp_path) -> Generator:
     return gen
 
 
-async def start_and_publish(gen: Generator, rewards: list[float]) -> None:
-    problem = gen.next_problem
+async def start_and_publish(gen: Generator, rewards: list[float]) -> int:
+    problem = await gen._next_problem()
     started_at = gen.admission.on_start()
-    gen.next_problem += JOB.spec.generator.replicas
     await gen._publish(group(problem, rewards), started_at)
+    return problem
 
 
 async def test_a_restarted_generator_continues_its_books(nats_server, tmp_path):
     first = await incarnation(nats_server, tmp_path)
-    assert (first.admission.published, first.next_problem) == (0, 1)  # nothing yet: its own first problem
-    for rewards in ([1, 0], [1, 1], [0, 1]):  # the second has zero variance: discarded downstream
-        await start_and_publish(first, rewards)
-    first.admission.on_start()  # a fourth group (problem 7) is being generated when it dies
-    first.next_problem += 2
+    assert first.admission.published == 0  # nothing yet
+    drawn = [await start_and_publish(first, r) for r in ([1, 0], [1, 1], [0, 1])]  # the second: zero variance
+    drawn.append(await first._next_problem())  # a fourth group is being generated when it dies
+    first.admission.on_start()
     await first.js.publish(
         JobSubjects("books").version, m.encode(m.PolicyVersion(version=1, timestamp=0, trained_groups={"1": 1, "0": 5}))
     )  # (as the trainer would)
@@ -59,18 +58,18 @@ async def test_a_restarted_generator_continues_its_books(nats_server, tmp_path):
     a = second.admission
     assert (a.published, a.discarded, a.trained) == (3, 1, 1)
     assert a.queued == 1  # the earlier incarnation's third group is still to be trained
-    # It goes on after the last problem the dead one published (7 was never published: it is
-    # drawn again, and nothing published is).
-    assert second.next_problem == 7
-    # A group JetStream already holds (same problem, same id) is not counted again.
-    await second._publish(group(3, [1, 0]), second.admission.on_start())
+    # It never draws a problem the dead one drew (published or not): problems are claimed.
+    assert await second._next_problem() not in drawn
+    # A group JetStream already holds (same problem, same id: a publish whose ack was lost) is
+    # not counted again.
+    await second._publish(group(drawn[2], [0, 1]), second.admission.on_start())
     assert (a.published, a.finished, a.queued) == (3, 1, 1)
     await start_and_publish(second, [0, 1])
     assert (a.published, a.queued) == (4, 2)
     await second.nc.close()
 
     third = await incarnation(nats_server, tmp_path)
-    assert (third.admission.published, third.admission.discarded, third.next_problem) == (4, 1, 9)
+    assert (third.admission.published, third.admission.discarded) == (4, 1)
     await third.nc.close()
 
 
@@ -93,5 +92,32 @@ async def test_books_of_consumed_groups_come_from_the_preprocessors_record(nats_
     assert await last_message(first.js, subjects.stream("ROLLOUTS"), subjects.rollouts(1), 5) is None  # all consumed
     await first.nc.close()
     second = await incarnation(nats_server, tmp_path)
-    assert (second.admission.published, second.admission.discarded, second.next_problem) == (3, 1, 7)
+    assert (second.admission.published, second.admission.discarded) == (3, 1)
     await second.nc.close()
+
+
+async def test_problems_are_drawn_once_whatever_the_generators(nats_server):
+    """Generators claim blocks of the problem stream from one counter (an append JetStream makes
+    only if nobody appended since it was read): claimers racing, of different block sizes (as
+    generators that started with different replica counts), never get one index twice."""
+    import asyncio
+
+    from pipelinerl.streams import claim_problems
+
+    subjects = JobSubjects("claims")
+    clients = [await connect(nats_server.url, f"claimer-{i}") for i in range(3)]
+    await ensure_streams(clients[0].jetstream(), subjects, 8)
+
+    async def claimer(nc, block: int) -> list[int]:
+        got = []
+        for _ in range(15):
+            start = await claim_problems(nc.jetstream(), subjects, block)
+            got += range(start, start + block)
+        return got
+
+    drawn = await asyncio.gather(*(claimer(nc, block) for nc, block in zip(clients, (2, 3, 5))))
+    everything = [i for d in drawn for i in d]
+    assert len(everything) == len(set(everything)) == 15 * (2 + 3 + 5)
+    assert sorted(everything) == list(range(len(everything)))  # no gaps either, when no claim is lost
+    for nc in clients:
+        await nc.close()

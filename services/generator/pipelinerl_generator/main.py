@@ -15,6 +15,7 @@ Loops, all on one asyncio loop:
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import signal
 import time
@@ -31,7 +32,7 @@ from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.prompt_fit import prompt_fit
 from pipelinerl.spec import PipelineRLJob, SpecError
 from pipelinerl.steps import counts_as_discarded, training_step, weight_group_rank, weight_group_size
-from pipelinerl.streams import connect, ensure_streams, last_message, publish_once, last_announcement
+from pipelinerl.streams import claim_problems, connect, ensure_streams, last_announcement, last_message, publish_once
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
 from pipelinerl_generator.engine import Engine, WeightsKept
@@ -90,7 +91,7 @@ class Generator:
         self.holds_weights = asyncio.Event()  # the trainer's weights are loaded
         self.next_update: m.WeightUpdate | None = None
         self.update_waiting = asyncio.Event()
-        self.next_problem = env.rank  # training problem index of the next group
+        self.problems: collections.deque[int] = collections.deque()  # claimed training problems, not yet drawn
         self.publishing = asyncio.Lock()  # one publish at a time: each group carries the books after it
 
     def _check_prompts_fit(self) -> None:
@@ -162,10 +163,10 @@ class Generator:
 
     async def _restore_books(self) -> None:
         """Continue the books of this generator's earlier incarnations (groups published and
-        discarded, the next problem) from its newest group: the newest still in the rollout
-        stream, or the newest the preprocessor took, recorded in its micro-batches. Groups
-        trained come from the trainer's newest announcement. A group of theirs still queued
-        counts as queued; no problem they published is drawn again."""
+        discarded) from its newest group: the newest still in the rollout stream, or the newest
+        the preprocessor took, recorded in its micro-batches. Groups trained come from the
+        trainer's newest announcement. A group of theirs still queued counts as queued. (No
+        problem of theirs is drawn again: problems are claimed, `_next_problem`.)"""
         a, rank = self.admission, self.env.rank
         found = []
         records = [("ROLLOUTS", self.subjects.rollouts(rank), lambda d: m.decode(d, m.RolloutGroup).books)] + [
@@ -180,18 +181,17 @@ class Generator:
                 log.error("the newest message on %s is not ours: %s", subject, err)
         books = m.newest_books(*found)
         if books is not None:
-            a.published, a.discarded, self.next_problem = books.published, books.discarded, books.next_problem
+            a.published, a.discarded = books.published, books.discarded
         announced = await last_announcement(self.js, self.subjects)
         if announced is not None:
             a.on_trained(announced.trained_groups.get(str(rank), 0))
         if a.published:
             log.info(
-                "generator %d continues its books: %d groups published (%d discarded, %d trained), next problem %d",
+                "generator %d continues its books: %d groups published (%d discarded, %d trained)",
                 rank,
                 a.published,
                 a.discarded,
                 a.trained,
-                self.next_problem,
             )
 
     async def _say_hello(self) -> None:
@@ -237,16 +237,12 @@ class Generator:
             self.wakeup.set()
 
     async def _admission_loop(self) -> None:
-        # Generators take interleaved slices of the training stream, strided by the replica count
-        # of the job they started with (a generator added later may use another stride).
-        stride = self.spec.generator.replicas
         while not self.stopping.is_set():
             if self.finished_version is not None:
                 break
             if self.admission.may_start():
                 started_at = self.admission.on_start()
-                self._spawn(self._group(self.task.train_problem(self.next_problem), started_at))
-                self.next_problem += stride
+                self._spawn(self._group(self.task.train_problem(await self._next_problem()), started_at))
                 continue
             self.wakeup.clear()
             try:
@@ -262,6 +258,16 @@ class Generator:
         for t in list(self.tasks):
             t.cancel()
 
+    async def _next_problem(self) -> int:
+        """The next training problem: from a block claimed for this generator alone (a step's
+        share), so that whatever the generators' number, restarts or arrivals, each problem is
+        drawn once (a claimed block an incarnation did not finish is left unused)."""
+        if not self.problems:
+            block = max(1, self.admission.share)
+            start = await claim_problems(self.js, self.subjects, block)
+            self.problems.extend(range(start, start + block))
+        return self.problems.popleft()
+
     async def _group(self, problem, started_at: int) -> None:
         INFLIGHT.inc()
         self.busy.enter()
@@ -273,8 +279,7 @@ class Generator:
                     for _ in range(self.spec.rl.attempts)
                 ]
             )
-            # Unique per generator: after a scale-up, generators started with different strides
-            # may draw the same problem (then trained twice, never dropped as a duplicate).
+            # The problem's id (each is drawn once: claim_problems) and the generator's rank.
             group = m.RolloutGroup(
                 group_id=f"{problem.id}@{self.env.rank}", generator=self.env.rank, samples=list(samples)
             )
@@ -289,9 +294,7 @@ class Generator:
         a = self.admission
         discarded = counts_as_discarded(self.spec.rl.filter_zero_variance, group)
         async with self.publishing:
-            group.books = m.GeneratorBooks(
-                published=a.published + 1, discarded=a.discarded + discarded, next_problem=self.next_problem
-            )
+            group.books = m.GeneratorBooks(published=a.published + 1, discarded=a.discarded + discarded)
             ack = await publish_once(self.js, self.subjects.rollouts(self.env.rank), m.encode(group), group.group_id)
             if ack.duplicate:  # an earlier incarnation published it: it is in the books already
                 log.warning("group %s was already published: not counted again", group.group_id)
