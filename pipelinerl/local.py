@@ -9,6 +9,7 @@ that dies stops the rest, and its log tail is shown with a non-zero exit.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 import json
 import os
 import re
@@ -71,13 +72,41 @@ class RestartPolicy:
         return min(self.base_s * 2**restarts, self.max_s)
 
 
+def role_environ(entries, shell: Mapping[str, str], say=print) -> dict[str, str]:
+    """`spec.<role>.env` as `pipelinerl run` gives it to that role's processes: `value` entries as
+    written; a `valueFrom` entry (a Secret or ConfigMap key, which exists only on Kubernetes) from
+    the shell's variable of that name, or unset, said so."""
+    out = {}
+    for e in entries:
+        if e.value is not None:
+            out[e.name] = e.value
+        elif e.name in shell:
+            out[e.name] = shell[e.name]
+        else:
+            kind = "Secret" if e.value_from and e.value_from.secret_key_ref else "ConfigMap"
+            say(
+                f"  note: {e.name} is read from a {kind} on Kubernetes; locally it is unset "
+                f"(export {e.name}=... in this shell to give it)"
+            )
+    return out
+
+
 class Service:
     """One service process, in a process group of its own: stopping or reaping it ends every
     process it started (e.g. a vLLM engine core)."""
 
-    def __init__(self, name: str, env: ServiceEnv, log_path: Path, job_file: Path, cpus: list[int] | None = None):
+    def __init__(
+        self,
+        name: str,
+        env: ServiceEnv,
+        log_path: Path,
+        job_file: Path,
+        cpus: list[int] | None = None,
+        role_env: dict[str, str] | None = None,
+    ):
         self.name, self.role, self.rank, self.log_path = name, env.role, env.rank, log_path
         self.env, self.job_file, self.cpus = env, job_file, cpus
+        self.role_env = role_env or {}  # spec.<role>.env (role_environ)
         self.http_port = env.http_port
         self.restarts = 0
         self.restart_at: float | None = None  # monotonic time of a scheduled restart
@@ -94,7 +123,13 @@ class Service:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipelinerl.cli", "service", self.role, str(self.job_file)],
-                env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **self.env.to_environ()},
+                env={
+                    **os.environ,
+                    "PYTHONUNBUFFERED": "1",
+                    "OMP_NUM_THREADS": "1",
+                    **self.role_env,
+                    **self.env.to_environ(),
+                },
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -183,6 +218,10 @@ class LocalRun:
             + [("preprocessor", 0, 1)]
             + [("generator", r, gens) for r in range(gens)]
         )
+        role_envs = {
+            role: role_environ(getattr(self.spec, role).env, os.environ, self.say)
+            for role in ("trainer", "preprocessor", "generator")
+        }
         for role, rank, world in layout:
             trainer = role == "trainer"
             # Training is the compute-bound stage here: trainers split the cores between them
@@ -205,7 +244,9 @@ class LocalRun:
                 master_port=master_port if trainer else None,
             )
             name = role if world == 1 else f"{role}-{rank}"
-            self.services.append(Service(name, env, logs / f"{name}.log", job_file, cpus.get((role, rank))))
+            self.services.append(
+                Service(name, env, logs / f"{name}.log", job_file, cpus.get((role, rank)), role_envs[role])
+            )
         self._record_services()
 
     def check_services(self) -> bool:
