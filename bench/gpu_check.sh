@@ -23,7 +23,7 @@ ls .whl/*.whl .whl/deepspeed-*.tar.gz >/dev/null || { echo "no .whl/: run script
 $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" .whl/*.whl || exit 2
 DS_BUILD_OPS=0 $PY -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$SITE" \
   .whl/deepspeed-*.tar.gz || exit 2
-export PYTHONPATH="$SITE:$PWD:$PWD/operator:$PWD/services/generator:$PWD/services/preprocessor:$PWD/services/trainer"
+export PYTHONPATH="$SITE:$PWD:$PWD/operator:$PWD/services/generator:$PWD/services/preprocessor:$PWD/services/trainer:$PWD/cli"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import torch, transformers, deepspeed; print('torch', torch.__version__, '| transformers', transformers.__version__, '| deepspeed', deepspeed.__version__)"

@@ -30,7 +30,7 @@ from pathlib import Path
 import yaml
 
 from bench.common import RESULTS, paired_ratios, pooled_runs, save, set_fields, summary, table
-from pipelinerl.local import run_local
+from pipelinerl_cli.local import run_local
 from pipelinerl.spec import PipelineRLJob, parse_job
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import greedy_accuracy, load_tokenizer, resolve_model_path

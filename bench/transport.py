@@ -37,7 +37,7 @@ from pipelinerl import messages as m
 from pipelinerl.spec import dump_job, load_job
 from pipelinerl.ports import free_port
 from pipelinerl.contracts import JobSubjects, ServiceEnv
-from pipelinerl.embedded_nats import EmbeddedNats
+from pipelinerl_cli.embedded_nats import EmbeddedNats
 from pipelinerl.streams import connect, delete_streams, ensure_streams, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +150,7 @@ async def run_side(side: str, url: str, payloads: list[tuple[str, bytes]], workd
                 "preprocessor", nats_url=url, run_dir=workdir, http_port=free_port(), exit_when_done=True
             ).to_environ()
             code = (
-                "import sys; from pipelinerl.cli import main; "
+                "import sys; from pipelinerl_cli.main import main; "
                 f"sys.exit(main(['service', 'preprocessor', {str(job_file)!r}]))"
             )
             durable = "preprocessor"

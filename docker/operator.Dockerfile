@@ -7,6 +7,7 @@ COPY pyproject.toml README.md ./
 COPY pipelinerl ./pipelinerl
 COPY operator ./operator
 COPY services ./services
+COPY cli ./cli
 # --no-deps: the operator needs only these, not the training stack the project depends on
 # (kubernetes-validate: its admission check validates rendered pods against the Kubernetes schema).
 RUN pip install --no-deps . \

@@ -17,6 +17,7 @@ COPY pyproject.toml README.md ./
 COPY pipelinerl ./pipelinerl
 COPY operator ./operator
 COPY services ./services
+COPY cli ./cli
 COPY scripts ./scripts
 RUN pip install --no-deps .
 RUN useradd --uid 10001 --create-home pipelinerl && mkdir -p /var/cache/pipelinerl && chown -R 10001 /var/cache/pipelinerl

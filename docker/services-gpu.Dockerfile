@@ -19,6 +19,7 @@ COPY pyproject.toml README.md ./
 COPY pipelinerl ./pipelinerl
 COPY operator ./operator
 COPY services ./services
+COPY cli ./cli
 RUN pip install --no-deps .
 # Job pods run as this user (the restricted Pod Security Standard: never root).
 RUN useradd --uid 10001 --create-home pipelinerl && mkdir -p /var/cache/pipelinerl && chown -R 10001 /var/cache/pipelinerl

@@ -61,7 +61,7 @@ class Env:
     """Names of the variables a service process is started with (`ServiceEnv` reads and writes
     them) and of the few a user may set."""
 
-    RANK = "PIPELINERL_RANK"  # pod index (trainer pods: of the pod; pipelinerl.pod_ranks derives each rank's)
+    RANK = "PIPELINERL_RANK"  # pod index (trainer pods: of the pod; pipelinerl_cli.pod_ranks derives each rank's)
     WORLD_SIZE = "PIPELINERL_WORLD_SIZE"
     RANKS_PER_POD = "PIPELINERL_RANKS_PER_POD"
     LOCAL_RANK = "PIPELINERL_LOCAL_RANK"

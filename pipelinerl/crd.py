@@ -6,7 +6,7 @@ nested objects so the API server fills them in). `status` comes from the `JobSta
 below: kopf/the API server silently prune status fields that the schema does not declare, so
 every field the operator writes must be here. Cross-field rules that pydantic checks in
 `JobSpec._cross_field` are repeated as CEL rules so `kubectl apply` rejects what
-`pipelinerl validate` rejects; `tests/k8s/test_k8s_crd.py` checks both agree.
+`pipelinerl validate` rejects; `tests/k8s/pure/test_k8s_crd.py` checks both agree.
 `crds/pipelinerl.dev_pipelinerljobs.yaml` and the chart's `files/` copy are this module's output, committed.
 """
 

@@ -13,7 +13,7 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(ROOT / ".cache" / "inductor
 @pytest.fixture
 def nats_server(tmp_path):
     """A real nats-server with JetStream (starts in well under a second)."""
-    from pipelinerl.embedded_nats import EmbeddedNats
+    from pipelinerl_cli.embedded_nats import EmbeddedNats
 
     server = EmbeddedNats(tmp_path / "nats").start()
     yield server

@@ -204,7 +204,7 @@ def service_env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConf
     trainer = role == "trainer"
     output = job.spec.output
     # Trainer pods start one rank per GPU; their rank is the pod's index, from which each
-    # rank process derives its own: index × ranks per pod + local rank (pipelinerl.pod_ranks).
+    # rank process derives its own: index × ranks per pod + local rank (pipelinerl_cli.pod_ranks).
     return ServiceEnv(
         role,
         world_size=job.spec.trainer_ranks if trainer else None,

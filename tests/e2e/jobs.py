@@ -25,7 +25,7 @@ def stored(run_dir: Path, job_name: str, suffix: str) -> list:
     """Every message left in one of a finished run's streams (its nats-server started again on
     the run's store)."""
     from pipelinerl.contracts import JobSubjects
-    from pipelinerl.embedded_nats import EmbeddedNats
+    from pipelinerl_cli.embedded_nats import EmbeddedNats
     from pipelinerl.streams import connect, stored_messages
 
     async def read() -> list:

@@ -11,7 +11,7 @@ import re
 import pytest
 from jobs import tiny_job  # tests/e2e/jobs.py
 
-from bench.run_process import RunProcess
+from run_process import RunProcess  # tests/e2e/run_process.py
 
 pytestmark = pytest.mark.slow
 RUN_TIMEOUT_S = 420

@@ -11,7 +11,7 @@ import torch
 
 from jobs import tiny_job  # tests/e2e/jobs.py
 
-from pipelinerl.local import run_local
+from pipelinerl_cli.local import run_local
 from pipelinerl.spec import SpecError, parse_job
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import time
 import pytest
 from jobs import stored, tiny_job  # tests/e2e/jobs.py
 
-from bench.run_process import RunProcess
+from run_process import RunProcess  # tests/e2e/run_process.py
 from pipelinerl import messages as m
 from pipelinerl.contracts import DEADLETTER_REASON, JobSubjects
 from pipelinerl.streams import connect, last_message
@@ -115,7 +115,7 @@ def test_poison_rollouts_are_dead_lettered_and_the_job_finishes(tmp_path, capsys
     assert f"(group {vocab}): token id 1000000 is outside the model's vocabulary" in batch.headers[DEADLETTER_REASON]
     assert 10**6 in m.decode(batch.data, m.MicroBatch).tokens  # the micro-batch as it came, for inspection
     # `pipelinerl dead-letters` lists them for the user, reasons first.
-    from pipelinerl.cli import main
+    from pipelinerl_cli.main import main
 
     assert main(["dead-letters", str(tmp_path / "job.yaml"), "--run-dir", str(run.dir)]) == 0
     listed = capsys.readouterr()

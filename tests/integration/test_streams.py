@@ -11,7 +11,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import STREAM_SUFFIXES, JobSubjects
-from pipelinerl.embedded_nats import EmbeddedNats
+from pipelinerl_cli.embedded_nats import EmbeddedNats
 from pipelinerl.streams import connect, ensure_streams
 
 SUBJECTS = JobSubjects("t-job")

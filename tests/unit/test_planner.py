@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipelinerl.cli import main
+from pipelinerl_cli.main import main
 from pipelinerl.planner.calibration import (
     CALIBRATIONS,
     Calibration,

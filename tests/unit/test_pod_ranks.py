@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from pipelinerl.pod_ranks import rank_envs, run_pod_ranks
+from pipelinerl_cli.pod_ranks import rank_envs, run_pod_ranks
 
 POD = {"PIPELINERL_RANK": "1", "PIPELINERL_RANKS_PER_POD": "4", "PIPELINERL_HTTP_PORT": "8000", "KEEP": "x"}
 

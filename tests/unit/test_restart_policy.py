@@ -1,7 +1,7 @@
 """The local runner's restart policy (pure): backoff that doubles up to a cap, a limit, fail-stop;
 and how it names a failure."""
 
-from pipelinerl.local import RestartPolicy
+from pipelinerl_cli.local import RestartPolicy
 
 
 def test_backoff_doubles_up_to_the_cap_then_gives_up():
@@ -18,7 +18,7 @@ def test_limit_zero_is_fail_stop_too():
 
 
 def test_a_failure_is_named_by_the_last_exception_its_log_shows():
-    from pipelinerl.local import cause
+    from pipelinerl_cli.local import cause
 
     log = """Traceback (most recent call last):
   File "x.py", line 3, in <module>

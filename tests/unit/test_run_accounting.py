@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipelinerl import messages as m
-from pipelinerl.local import LocalRun, cpu_layout
+from pipelinerl_cli.local import LocalRun, cpu_layout
 from pipelinerl.spec import load_job
 from pipelinerl_generator.main import BusyClock
 from pipelinerl_trainer.loss import LossConfig

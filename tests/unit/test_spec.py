@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelinerl.cli import main as cli
+from pipelinerl_cli.main import main as cli
 from pipelinerl.spec import SpecError, dump_job, load_job, parse_job
 
 ROOT = Path(__file__).resolve().parents[2]

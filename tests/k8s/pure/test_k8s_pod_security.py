@@ -1,6 +1,6 @@
 """The pod security rules (pure): the operator's own pods pass; a user's podTemplate may tighten
 what the operator sets (the user's value is kept) but never loosen it; each rule names its field.
-The manifest corpus runs the same rules through every door (tests/k8s/test_k8s_corpus.py); the
+The manifest corpus runs the same rules through every door (tests/k8s/pure/test_k8s_corpus.py); the
 pods of every example and every manifest the doors accept are also checked by the tests' own,
 independent reading of the restricted standard (k8s_schema.restricted_violations)."""
 
@@ -14,7 +14,7 @@ from pipelinerl.spec import load_job, parse_job
 from pipelinerl_operator.pod_security import pod_violations
 from pipelinerl_operator.render import OperatorConfig, RenderError, render, secret_name, service_account_name
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CFG = OperatorConfig(auth_key="k")
 
 
@@ -30,7 +30,7 @@ def violations(pod: dict, job_name: str = "demo") -> list[str]:
     return pod_violations(pod, service_account=service_account_name(job_name, CFG), own_secret=secret_name(job_name))
 
 
-CORPUS = yaml.safe_load((Path(__file__).with_name("manifest_corpus.yaml")).read_text())
+CORPUS = yaml.safe_load((Path(__file__).parents[1] / "manifest_corpus.yaml").read_text())
 ACCEPTED = [load_job(p) for p in sorted((ROOT / "examples").glob("*.yaml"))] + [
     parse_job({"metadata": {"name": "demo", **case.get("metadata", {})}, "spec": case.get("spec", {})})
     for case in CORPUS["valid"]

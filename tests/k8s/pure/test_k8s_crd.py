@@ -16,7 +16,7 @@ from k8s_schema import program, admit, all_rules, apply_defaults
 from pipelinerl.crd import crd_manifest, crd_yaml
 from pipelinerl.spec import JobSpec, parse_job
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CRD = crd_manifest()
 SCHEMA = CRD["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 

@@ -17,12 +17,12 @@ from pathlib import Path
 import nats
 import pytest
 from operator_harness import NS, eventually, running_operator
-from test_k8s_chart import render as render_chart
+from chart import render as render_chart
 from test_k8s_operator import events, manifest, obj
 
 from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import NATS_ACCOUNTS_FILE, JobSubjects, OperatorEnv
-from pipelinerl.embedded_nats import nats_server_binary
+from pipelinerl_cli.embedded_nats import nats_server_binary
 from pipelinerl.ports import free_port
 from pipelinerl.spec import parse_job
 from pipelinerl.streams import ensure_streams

@@ -20,12 +20,12 @@ import pytest
 import yaml
 
 from k8s_schema import admit, all_rules
-from pipelinerl.cli import main as cli
+from pipelinerl_cli.main import main as cli
 from pipelinerl.crd import crd_manifest
 from pipelinerl.spec import dump_yaml
 from pipelinerl_operator.handlers import validate_job
 
-CORPUS = yaml.safe_load((Path(__file__).with_name("manifest_corpus.yaml")).read_text())
+CORPUS = yaml.safe_load((Path(__file__).parents[1] / "manifest_corpus.yaml").read_text())
 CRD = crd_manifest()
 BASE = {
     "apiVersion": "pipelinerl.dev/v1alpha1",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import helm_python as helm
 import jsonschema
@@ -11,11 +10,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from chart import CHART, render
 from k8s_schema import restricted_violations
 
 from pipelinerl.crd import crd_yaml
 
-CHART = Path(__file__).resolve().parents[2] / "charts" / "pipelinerl"
 MONITORING = {"ServiceMonitor", "PodMonitor"}  # Prometheus-operator kinds: no upstream schema
 CERT_MANAGER = {"Issuer", "Certificate"}  # cert-manager's kinds: no upstream schema either
 ALL_ON = {
@@ -25,13 +24,6 @@ ALL_ON = {
         "kubeStateMetrics": {"enabled": True},
     }
 }
-
-
-def render(values: dict) -> list[dict]:
-    out = helm.Chart.load(str(CHART)).render(values, name="rl", namespace="team-a")
-    return [
-        doc for path, text in out.items() if not path.endswith("NOTES.txt") for doc in yaml.safe_load_all(text) if doc
-    ]
 
 
 # Every Kubernetes release the chart admits (kubeVersion >= 1.28), up to the newest schemas here.

@@ -13,10 +13,10 @@ import subprocess
 import time
 
 import nats
-from test_k8s_chart import render as render_chart
+from chart import render as render_chart
 
 from pipelinerl.contracts import JobSubjects, ServiceEnv
-from pipelinerl.embedded_nats import nats_server_binary
+from pipelinerl_cli.embedded_nats import nats_server_binary
 from pipelinerl.ports import free_port
 from pipelinerl.spec import parse_job
 from pipelinerl.streams import connect, ensure_streams

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from pipelinerl.contracts import ROLES
+from pipelinerl.planner.calibration import CALIBRATIONS
 from pipelinerl.spec import SpecError, dump_job, load_job, read_manifest
 
 
@@ -27,7 +28,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from pipelinerl.local import run_local
+    from pipelinerl_cli.local import run_local
 
     return run_local(
         load_job(args.job), run_dir=args.run_dir, pin_cores=args.pin_cores, restart=args.restart == "on-failure"
@@ -42,10 +43,10 @@ def _service(args: argparse.Namespace) -> int:
     job = load_job(args.job)
     env = service_env(args.role, job)
     if (env.ranks_per_pod or 1) > 1:
-        from pipelinerl.pod_ranks import run_pod_ranks
+        from pipelinerl_cli.pod_ranks import run_pod_ranks
 
         setup_logging(f"{args.role}-pod")
-        argv = [sys.executable, "-m", "pipelinerl.cli", "service", args.role, args.job]
+        argv = [sys.executable, "-m", "pipelinerl_cli", "service", args.role, args.job]
         return run_pod_ranks(argv, dict(os.environ))
     setup_logging(f"{args.role}-{env.rank}")
     if args.role == "generator":
@@ -119,9 +120,7 @@ def _dead_letters(args: argparse.Namespace) -> int:
     if args.nats:
         letters = asyncio.run(read(args.nats))
     else:
-        from pathlib import Path
-
-        from pipelinerl.embedded_nats import EmbeddedNats
+        from pipelinerl_cli.embedded_nats import EmbeddedNats
 
         store = Path(args.run_dir) / "nats"
         if not store.is_dir():
@@ -187,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("job", help="PipelineRLJob manifest: samples per step, attempts, maxTokens, model")
     p.add_argument("--gpus", type=int, required=True, help="devices to split between generators and trainers")
     source = p.add_mutually_exclusive_group()
-    builtins = sorted(f.stem for f in (Path(__file__).parent / "calibrations").glob("*.yaml"))
+    builtins = sorted(f.stem for f in CALIBRATIONS.glob("*.yaml"))
     source.add_argument(
         "--gpu-type",
         choices=builtins,
@@ -225,7 +224,3 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

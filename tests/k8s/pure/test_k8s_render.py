@@ -13,7 +13,7 @@ from pipelinerl.contracts import POD_GROUP_API
 from pipelinerl.spec import MAX_JOB_NAME, SpecError, load_job, parse_job
 from pipelinerl_operator.render import OperatorConfig, render, role_config_hash
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CFG = OperatorConfig(auth_key="install-key")
 
 

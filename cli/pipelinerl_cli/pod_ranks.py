@@ -16,7 +16,7 @@ import subprocess
 import threading
 
 from pipelinerl.contracts import Env, ServiceEnv
-from pipelinerl.processes import die_with_parent
+from pipelinerl_cli.processes import die_with_parent
 
 log = logging.getLogger("pipelinerl")
 POLL_S = 1.0

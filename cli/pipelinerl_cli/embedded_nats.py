@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from pipelinerl.ports import free_port
-from pipelinerl.processes import die_with_parent
+from pipelinerl_cli.processes import die_with_parent
 
 
 def nats_server_binary() -> str:

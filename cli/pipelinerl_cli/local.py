@@ -27,10 +27,10 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 from pipelinerl import messages as m
 from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import GeneratorStatus, ServiceEnv
-from pipelinerl.embedded_nats import EmbeddedNats
+from pipelinerl_cli.embedded_nats import EmbeddedNats
 from pipelinerl.learning import learning_alarm
 from pipelinerl.ports import free_port
-from pipelinerl.processes import die_with_parent
+from pipelinerl_cli.processes import die_with_parent
 from pipelinerl.spec import PipelineRLJob, SpecError, dump_job
 from pipelinerl.streams import connect, ensure_streams
 from pipelinerl.tiny_model import local_model_problem, model_info, resolve_model_path
@@ -122,7 +122,7 @@ class Service:
 
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pipelinerl.cli", "service", self.role, str(self.job_file)],
+                [sys.executable, "-m", "pipelinerl_cli", "service", self.role, str(self.job_file)],
                 env={
                     **os.environ,
                     "PYTHONUNBUFFERED": "1",

@@ -23,7 +23,7 @@ class RunProcess:
         manifest.write_text(yaml.safe_dump(job))
         self.out = open(tmp_path / "run.out", "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipelinerl.cli", "run", str(manifest), "--run-dir", str(self.dir)],
+            [sys.executable, "-m", "pipelinerl_cli", "run", str(manifest), "--run-dir", str(self.dir)],
             stdout=self.out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
