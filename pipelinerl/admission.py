@@ -34,14 +34,17 @@ import math
 from dataclasses import dataclass, field
 
 
-def lag_budget(max_lag: int, share: int, ahead: int) -> int:
+def lag_budget(max_lag: int, share: int, oldest: int, training_step: int) -> int:
     """Groups one may have queued (started, neither consumed nor discarded): `share` per step
-    of lag. `ahead` is min(1, e - (N - 1)) for weights e and the step N - 1 in training: 1 once
-    that step's update has landed, 0 while it trains, -1 while the weights before its input's
-    still load. Sync (max_lag 0) keeps one step in flight, counted consumed after the update."""
+    of lag. `oldest` is the weights version of the oldest group still generating (the engine's
+    weights e when none is), `training_step` the step N - 1 last announced as started; their
+    difference, at most 1, is 1 once that step's update has landed, 0 while it trains, -1 while
+    the weights before its input's still load. Sync (max_lag 0) keeps one step in flight,
+    counted consumed after the update. The generators' `Admission` and the planner's
+    simulation both call this."""
     if max_lag == 0:
         return share
-    return max(0, max_lag + ahead) * share
+    return max(0, max_lag + min(1, oldest - training_step)) * share
 
 
 @dataclass
@@ -69,8 +72,7 @@ class Admission:
         # generation overlaps training), and max_lag steps of unconsumed groups keep every lag
         # ≤ max_lag, one more once the weights of the step in training have landed.
         # A group in flight started on older weights is the one whose lag a new group can raise.
-        oldest = min(self.running, default=self.weights_version)
-        return lag_budget(self.max_lag, self.share, min(1, oldest - self.training_step))
+        return lag_budget(self.max_lag, self.share, min(self.running, default=self.weights_version), self.training_step)
 
     @property
     def queued(self) -> int:

@@ -10,7 +10,8 @@ planner all apply, stated once.
 - the weight group's ranks (`weight_group_size`, `weight_group_rank`, `generator_of_rank`):
   the trainer is rank 0, generator i's workers follow it in the order of the membership.
 
-The lag budget is `pipelinerl.admission.lag_budget`, which the planner's simulation calls too.
+The lag budget is `pipelinerl.admission.lag_budget`, which the planner's simulation calls too
+(with the same arguments: test_admission replays a simulated trace into `Admission`).
 """
 
 from __future__ import annotations

@@ -93,6 +93,7 @@ class _Sim:
         filtered: float,
         wave_groups: int,
         max_inflight: int | None,
+        trace: list[tuple] | None = None,
     ) -> None:
         self.c, self.attempts, self.max_tokens, self.lengths = calib, attempts, max_tokens, lengths
         self.filtered = filtered
@@ -104,10 +105,11 @@ class _Sim:
         # Pipeline mode streams a step to the trainer in waves of this many groups (0: whole
         # steps, as sync mode); a wave leaves once one more group is pending (steps.next_wave).
         self.wave_groups = wave_groups if mode == "pipeline" else 0
-        # Pipeline: as the generator's Admission, one more step of groups once the weights of
-        # the step in training are in and until the next step starts (true before the first):
-        # lag_budget's `ahead` 1, else 0.
-        self.ahead = True
+        # The step last started, as the generators' Admission hears it from the trainer (none yet).
+        self.training_step = -1
+        # What admission hears, as the generators' Admission calls, each with the budget and the
+        # queue after it (simulate's `trace`).
+        self.trace = trace
         self.steps, self.warmup = steps, warmup
         self.rng = np.random.default_rng(seed)
         self.pool: list[int] = []
@@ -141,6 +143,10 @@ class _Sim:
         self.lag_tokens = np.zeros(self.max_lag + 1)  # trained tokens by lag, measured steps only
         self.dropped = 0.0
         self.snap = (0.0, 0.0)
+
+    def _heard(self, event: str, *args: int | bool) -> None:
+        if self.trace is not None:
+            self.trace.append((event, *args, self.budget, self.queued))
 
     # -- engines --------------------------------------------------------------------------
     def _step_s(self, e: _Engine) -> float:
@@ -188,6 +194,7 @@ class _Sim:
         # Drawn only when filtering is on, so a run without it keeps the same random stream.
         self.g_drop.append(self.filtered > 0 and self.rng.random() < self.filtered)
         self.queued += 1
+        self._heard("start", self.version)
         e.groups += 1
         for n in lengths:
             e.waiting.append((n, gid))
@@ -205,8 +212,9 @@ class _Sim:
     def budget(self) -> int:
         # The generator's admission rule (Admission.budget) for the whole cluster, whose share
         # of a step is all of it: counted from the oldest group still generating.
-        oldest = min(self.running, default=self.version)
-        return lag_budget(self.max_lag, self.groups_per_step, int(self.ahead) + min(0, oldest - self.version))
+        return lag_budget(
+            self.max_lag, self.groups_per_step, min(self.running, default=self.version), self.training_step
+        )
 
     def _room(self, e: _Engine) -> bool:
         return e.load < self.c.max_batch and e.groups < self.max_inflight
@@ -263,6 +271,7 @@ class _Sim:
                     self.n_dropped += 1
                 else:
                     self.finished.append(gid)
+                self._heard("finish", v, self.g_drop[gid])
         if e.waiting:
             self._fill(e)
         if self.queued < self.budget:
@@ -289,7 +298,8 @@ class _Sim:
             # Pipeline: consumed once the step is complete, so generation of the next groups
             # overlaps the rest of its training.
             self.queued -= self.groups_per_step
-            self.ahead = False
+            self.training_step = self.done
+            self._heard("trained", self.trained + self.groups_per_step, self.training_step)
             self._admit()
         tokens = sum(sum(self.g_lengths[g]) for g in gids) + len(gids) * self.attempts * self.lengths.prompt_tokens
         overlap = any(e.running for e in self.engines)
@@ -314,6 +324,7 @@ class _Sim:
             self._advance(e)
             e.free_at = max(e.free_at, self.now) + self.c.pause_s
         self.version += 1
+        self._heard("weights", self.version)
         # Tokens decoded after this pause carry the new version.
         self.pauses.append(np.array([e.steps for e in self.engines]))
         self._set_slow(1.0)  # the trainer stopped computing; reschedules every engine
@@ -329,7 +340,7 @@ class _Sim:
             self.snap = self._engine_totals()
         if not self.max_lag:
             self.queued -= consumed  # sync: the next step's groups start on the new weights
-        self.ahead = True
+            self._heard("trained", self.trained, self.done - 1)
         self._admit()
         self._train()
 
@@ -414,6 +425,7 @@ def simulate(
     filtered: float | None = None,
     wave_groups: int = 0,
     max_inflight: int | None = None,
+    trace: list[tuple] | None = None,
 ) -> SimResult:
     """Simulate `steps` optimizer steps; rates and lag are measured after the first `warmup`.
 
@@ -421,7 +433,8 @@ def simulate(
     `filtered`: share of groups dropped by zero-variance filtering (default: the calibration's).
     `wave_groups`: groups per early wave of a streamed step in pipeline mode (`wave_groups`
     below; 0: the trainer waits for whole steps). `max_inflight`: groups an engine may run at
-    once (the generator's `maxInflightGroups`; None: as many as its batch holds).
+    once (the generator's `maxInflightGroups`; None: as many as its batch holds). `trace`, when
+    given, receives what admission hears, in the generators' terms (test_admission replays it).
     Default warm-up max_lag + 2 steps: a trainer-bound pipeline's lag climbs one step per step
     until it reaches max_lag. Default steps: warm-up + 7. Deterministic for a given seed.
     """
@@ -457,6 +470,7 @@ def simulate(
         filtered,
         wave_groups,
         max_inflight,
+        trace,
     ).run()
 
 

@@ -1,7 +1,11 @@
 import itertools
 from collections import deque
 
+import pytest
+
 from pipelinerl.admission import Admission
+from pipelinerl.planner.calibration import load_calibration
+from pipelinerl.planner.simulation import simulate
 
 
 def fill(a: Admission) -> int:
@@ -194,3 +198,34 @@ def test_a_max_lag_shorter_than_the_longest_generation_holds_admission_back_with
         itertools.cycle([12] + [1] * 7), max_lag=2, share=4, max_inflight=8, train_ticks=2, steps=100
     )
     assert max(lags) <= 2 and len(lags) == 400
+
+
+@pytest.mark.parametrize(
+    "mode,max_lag,waves,filtered",
+    [("pipeline", 1, 0, 0.0), ("pipeline", 2, 2, 0.3), ("pipeline", 4, 3, 0.1), ("sync", 0, 0, 0.3)],
+)
+def test_the_planners_simulation_and_the_generators_admission_agree_on_one_trace(mode, max_lag, waves, filtered):
+    # The simulation reports what admission hears (group starts and finishes, steps consumed,
+    # weights landed) with its budget and queue after each; the generator's Admission, fed the
+    # same calls, must reach the same budget and queue at every one.
+    trace: list[tuple] = []
+    calib = load_calibration("cpu-long-tail")
+    simulate(mode, 2, 1, max_lag, 64, 4, calib, 256, steps=10, warmup=2, filtered=filtered,
+             wave_groups=waves, seed=3, trace=trace)  # fmt: skip
+    a = Admission(groups_per_step=16, generators=1, max_lag=max_lag, max_inflight=1 << 30)
+    a.on_weights(0, generators=1)
+    budgets = set()
+    for event, *args, budget, queued in trace:
+        if event == "start":
+            assert a.may_start() and a.on_start() == args[0]
+        elif event == "finish":
+            a.on_finish(args[0], discarded=args[1])
+        elif event == "trained":
+            a.on_trained(args[0], training_step=args[1])
+        else:
+            a.on_weights(args[0], generators=1)
+        assert (a.budget, a.queued) == (budget, queued), (event, args)
+        budgets.add(budget)
+    kinds = {e[0] for e in trace}
+    assert kinds == {"start", "finish", "trained", "weights"} and len(trace) > 200
+    assert mode == "sync" or len(budgets) >= 2  # the budget moved with the steps and the oldest group
