@@ -1,19 +1,23 @@
 """What every service process shares: its environment (set by the operator or the local
-runner), the HTTP endpoints (/healthz, /readyz, /metrics, /status), logging, shutdown."""
+runner), the HTTP endpoints (/healthz, /readyz, /metrics, /status), logging, joining the job's
+NATS, serving until stopped, shutdown."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
 import threading
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from pydantic import BaseModel
 
+from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import DEFAULT_NATS_URL, Env, ServiceEnv
 from pipelinerl.spec import PipelineRLJob
+from pipelinerl.streams import connect, ensure_streams
 
 log = logging.getLogger("pipelinerl")
 
@@ -71,6 +75,33 @@ class HealthServer:
         server = uvicorn.Server(uvicorn.Config(self.app, host="0.0.0.0", port=self.port, log_level="warning"))
         threading.Thread(target=server.run, name="http", daemon=True).start()
         return self
+
+
+async def join_job(job: PipelineRLJob, env: ServiceEnv, client: str) -> Any:
+    """This service's NATS connection (as `client`), the job's streams made sure of (created or
+    updated in place, at the sizes the job reserves)."""
+    nc = await connect(env.nats_url, client, env.nats_user, env.nats_password)
+    sizes = stream_bytes(job.spec)
+    await ensure_streams(nc.jetstream(), job.subjects, job.spec.nats.max_payload_mb, env.stream_replicas, sizes)
+    return nc
+
+
+def serve(run: Callable[[], Awaitable[None]], stop: Callable[[], None]) -> int:
+    """Runs an asyncio service to its end; SIGTERM or SIGINT calls `stop` (the service winds
+    down) and exits anyway if that stalls (`exit_soon`)."""
+
+    def stopped() -> None:
+        stop()
+        exit_soon()
+
+    async def _main() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopped)
+        await run()
+
+    asyncio.run(_main())
+    return 0
 
 
 def exit_soon(seconds: float = 20.0) -> None:

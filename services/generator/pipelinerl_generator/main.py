@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import signal
 import time
 import uuid
 
@@ -26,13 +25,12 @@ from prometheus_client import Counter, Gauge
 
 from pipelinerl import messages as m
 from pipelinerl.admission import Admission
-from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import GeneratorStatus, ServiceEnv
-from pipelinerl.runtime import HealthServer, exit_soon
+from pipelinerl.runtime import HealthServer, join_job, serve
 from pipelinerl.prompt_fit import prompt_fit
 from pipelinerl.spec import PipelineRLJob, SpecError
 from pipelinerl.steps import counts_as_discarded, training_step, weight_group_rank, weight_group_size
-from pipelinerl.streams import claim_problems, connect, ensure_streams, last_announcement, last_message, publish_once
+from pipelinerl.streams import claim_problems, last_announcement, last_message, publish_once
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
 from pipelinerl_generator.engine import Engine, WeightsKept
@@ -125,13 +123,8 @@ class Generator:
     # -- main ------------------------------------------------------------------------------
     async def run(self) -> None:
         http = HealthServer("generator", self.env.http_port, self.status).start()
-        self.nc = await connect(
-            self.env.nats_url, f"{self.job.name}-generator-{self.env.rank}", self.env.nats_user, self.env.nats_password
-        )
+        self.nc = await join_job(self.job, self.env, f"{self.job.name}-generator-{self.env.rank}")
         self.js = self.nc.jetstream()
-        await ensure_streams(
-            self.js, self.subjects, self.spec.nats.max_payload_mb, self.env.stream_replicas, stream_bytes(self.spec)
-        )
         model_path = resolve_model_path(self.spec.model.path)
         self.engine = Engine(self.job, model_path, seed=self.spec.trainer.seed + 1000 * self.env.rank)
         self.tokenizer = load_tokenizer(model_path)  # prompts are tokenized here; vLLM takes token ids
@@ -445,12 +438,4 @@ class Generator:
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:
     gen = Generator(job, env)
-
-    async def _run() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: (gen.stopping.set(), gen.wakeup.set(), exit_soon()))
-        await gen.run()
-
-    asyncio.run(_run())
-    return 0
+    return serve(gen.run, lambda: (gen.stopping.set(), gen.wakeup.set()))

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import signal
 import time
 from collections import Counter as Tally
 
@@ -26,11 +25,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from prometheus_client import Counter, Gauge
 
 from pipelinerl import messages as m
-from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import PreprocessorStatus, ServiceEnv
-from pipelinerl.runtime import HealthServer, exit_soon
+from pipelinerl.runtime import HealthServer, join_job, serve
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import connect, dead_letter, ensure_streams, last_message, publish_once, last_announcement
+from pipelinerl.streams import dead_letter, last_message, publish_once, last_announcement
 from pipelinerl_preprocessor.advantages import group_advantages
 from pipelinerl_preprocessor.checks import GroupLimits, group_problem, hopelessly_stale
 from pipelinerl.steps import counts_as_discarded, next_wave
@@ -77,13 +75,8 @@ class Preprocessor:
 
     async def run(self) -> None:
         http = HealthServer("preprocessor", self.env.http_port, self.status).start()
-        self.nc = await connect(
-            self.env.nats_url, f"{self.job.name}-preprocessor", self.env.nats_user, self.env.nats_password
-        )
+        self.nc = await join_job(self.job, self.env, f"{self.job.name}-preprocessor")
         self.js = self.nc.jetstream()
-        await ensure_streams(
-            self.js, self.subjects, self.spec.nats.max_payload_mb, self.env.stream_replicas, stream_bytes(self.spec)
-        )
         await self._resume()
         await self.js.subscribe(
             self.subjects.version,
@@ -280,12 +273,4 @@ class Preprocessor:
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:
     pre = Preprocessor(job, env, job.spec.trainer_ranks)
-
-    async def _run() -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, lambda: (pre.stopping.set(), exit_soon()))
-        await pre.run()
-
-    asyncio.run(_run())
-    return 0
+    return serve(pre.run, pre.stopping.set)

@@ -14,25 +14,17 @@ from typing import Any
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
-from pipelinerl.contracts import JobSubjects
-from pipelinerl.streams import READ_TIMEOUT_S, connect, dead_letter, ensure_streams, last_announcement
+from pipelinerl.contracts import ServiceEnv
+from pipelinerl.runtime import join_job
+from pipelinerl.spec import PipelineRLJob
+from pipelinerl.streams import READ_TIMEOUT_S, dead_letter, last_announcement
 
 log = logging.getLogger("pipelinerl.trainer")
 
 
 class NatsBridge:
-    def __init__(
-        self,
-        url: str,
-        name: str,
-        subjects: JobSubjects,
-        max_payload_mb: int,
-        user: str | None = None,
-        password: str | None = None,
-        stream_replicas: int | None = None,
-        stream_sizes: dict[str, int] | None = None,
-    ):
-        self.subjects = subjects
+    def __init__(self, job: PipelineRLJob, env: ServiceEnv, client: str):
+        self.subjects = job.subjects
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="nats", daemon=True)
         self.thread.start()
@@ -40,9 +32,8 @@ class NatsBridge:
         self.done: queue.Queue[m.WeightUpdateDone] = queue.Queue()
         self.hellos: queue.Queue[tuple[float, m.GeneratorHello]] = queue.Queue()
         self.evals: queue.Queue[m.Metrics] = queue.Queue()
-        self.nc = self.call(connect(url, name, user, password), 60)
+        self.nc = self.call(join_job(job, env, client), 60)
         self.js = self.nc.jetstream()
-        self.call(ensure_streams(self.js, subjects, max_payload_mb, stream_replicas, stream_sizes), 60)
 
     def call(self, coro, timeout_s: float) -> Any:
         return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), self.loop).result()

@@ -23,7 +23,6 @@ import torch.distributed as dist
 from prometheus_client import Counter, Gauge, Histogram
 
 from pipelinerl import messages as m
-from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import MASTER_PORT, Env, ServiceEnv, TrainerStatus
 from pipelinerl.learning import WINDOW, learning_alarm
 from pipelinerl.runtime import HealthServer, exit_soon
@@ -105,16 +104,7 @@ class Trainer:
         self.samples_total = state.get("samples", 0)
         self.rejected_total = state.get("rejected", {"groups": 0, "samples": 0})  # dead-lettered, whole run
 
-        self.bridge = NatsBridge(
-            self.env.nats_url,
-            f"{self.job.name}-trainer-{self.rank}",
-            self.subjects,
-            self.spec.nats.max_payload_mb,
-            self.env.nats_user,
-            self.env.nats_password,
-            self.env.stream_replicas,
-            stream_bytes(self.spec),
-        )
+        self.bridge = NatsBridge(self.job, self.env, f"{self.job.name}-trainer-{self.rank}")
         weight_sync = self.spec.weight_sync
         store = None
         self.tracker = Tracker(self.job, self.env.run_dir) if self.rank == 0 else None
