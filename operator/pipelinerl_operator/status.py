@@ -203,137 +203,23 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
     conds = _Conditions(prev.get("conditions", []), now, obs.generation)
     progress = progress_from(obs.trainer_status, prev.get("progress") or {})
     failures, incident = count_failures(prev, obs.pod_restarts, obs.now)
-    start_time = prev.get("startTime")
-    completion_time = prev.get("completionTime")
     roles = {r: obs.roles.get(r, RoleObserved(desired=0)) for r in ROLE_CONDITIONS}
     clocks = _clocks(obs, prev, progress, now)
 
-    # Terminal outcomes, in order of precedence; a terminal phase is sticky.
-    phase = prev.get("phase") if is_terminal(prev) else None
-    fail_reason, fail_message = "", ""
-    if phase:
-        before = _cond(prev, phase) or {}
-        fail_reason, fail_message = before.get("reason", phase), before.get("message", "")
-    if phase is None:
-        deadline = obs.active_deadline_seconds
-        if obs.trainer_status and obs.trainer_status.finished:
-            phase, fail_message = "Succeeded", f"trainer finished at step {progress.get('step', 0)}"
-        elif failures > obs.backoff_limit:
-            phase, fail_reason = "Failed", "BackoffLimitExceeded"
-            fail_message = (
-                f"pods failed {failures} times (runPolicy.backoffLimit {obs.backoff_limit}; pods "
-                f"restarting together count once; incident: {', '.join(incident['pods']) if incident else ''})"
-            )
-        elif deadline and not obs.suspend and (_running_seconds(obs, clocks) or 0) > deadline:
-            phase, fail_reason = "Failed", "DeadlineExceeded"
-            fail_message = (
-                f"not finished within runPolicy.activeDeadlineSeconds ({deadline}s) of its creation "
-                f"(suspended time not counted)"
-            )
+    phase, fail_reason, fail_message = _terminal_outcome(obs, prev, progress, failures, incident, clocks)
     terminal = phase in ("Succeeded", "Failed")
     suspended = obs.suspend and not terminal
     active = not suspended and not terminal and obs.spec_error is None
-
     for role, type_ in ROLE_CONDITIONS.items():
         _role_condition(conds, type_, roles[role], active, [p for p in obs.pod_problems if p.role == role])
-    pods_ready = all(conds.get(t) for t in ROLE_CONDITIONS.values())
-    if not active:
-        conds.set("WeightSyncReady", False, "ScaledDown", "")
-    elif obs.trainer_status is None:
-        conds.set("WeightSyncReady", False, "TrainerUnreachable", "trainer rank 0 /status did not answer")
-    elif not obs.trainer_status.weight_sync_ready or not pods_ready:
-        conds.set("WeightSyncReady", False, "WaitingForMembers", "the weight broadcast group is not complete")
-    else:
-        conds.set("WeightSyncReady", True, "GroupFormed", f"policy version {progress.get('version', 0)}")
-
-    stalled = ""
-    if (
-        active
-        and obs.progress_deadline_seconds
-        and prev.get("phase") == "Running"
-        and obs.now - parse_ts(clocks["lastProgressTime"]) > timedelta(seconds=obs.progress_deadline_seconds)
-    ):
-        stalled = (
-            f"no new policy version since {clocks['lastProgressTime']} (version {progress.get('version', 0)}; "
-            f"runPolicy.progressDeadlineSeconds {obs.progress_deadline_seconds})"
-        )
-    if obs.spec_error is not None:
-        phase = phase or prev.get("phase") or "Pending"
-        ready_reason, ready_message = "InvalidSpec", obs.spec_error
-    elif obs.apply_error is not None and not terminal:
-        phase = phase or prev.get("phase") or "Pending"
-        ready_reason, ready_message = "ApplyRefused", obs.apply_error
-    elif terminal:
-        ready_reason, ready_message = phase, fail_message
-    elif suspended:
-        phase, ready_reason, ready_message = "Suspended", "Suspended", "spec.suspend is true; all roles scaled to zero"
-    else:
-        not_ready = [
-            c
-            for c in conds.items
-            if c["type"] in (*ROLE_CONDITIONS.values(), "WeightSyncReady") and c["status"] != "True"
-        ]
-        ready_reason = f"{not_ready[0]['type'].removesuffix('Ready')}NotReady" if not_ready else "AllComponentsReady"
-        ready_message = "; ".join(f"{c['type']}: {c['reason']} {c['message']}".strip() for c in not_ready)
-        started = roles["trainer"].ready > 0 and roles["generator"].ready > 0
-        phase = "Running" if started or (prev.get("phase") == "Running" and not_ready) else "Pending"
-    if stalled and ready_reason == "AllComponentsReady":
-        ready_reason, ready_message = "ProgressDeadlineExceeded", stalled
-    ready = not not_ready_any(conds) and active and obs.apply_error is None and not stalled
-    conds.set("Ready", ready, ready_reason, ready_message)
+    _weight_sync_condition(conds, obs, progress, active)
+    stalled = _stalled(obs, prev, progress, clocks, active)
+    phase, ready, ready_reason = _ready_condition(conds, obs, prev, roles, phase, fail_message, stalled, active)
+    _degraded_condition(conds, progress, roles["generator"], failures, phase, active)
+    _progressing_condition(conds, ready, ready_reason, stalled, active, progress)
+    _outcome_conditions(conds, phase, suspended, fail_reason, fail_message)
 
     gen = roles["generator"]
-    in_group = progress.get("generatorsInGroup")
-    degraded_reason, alarm = "", progress.get("learningAlarm")
-    if active and alarm:
-        degraded_reason = "LearningStalled"  # the trainer steps, but learns nothing: see the message
-    elif active and phase == "Running" and 0 < gen.ready < gen.desired:
-        degraded_reason = "GeneratorsMissing"
-    elif (
-        active
-        and phase == "Running"
-        and progress.get("step", 0) > 0
-        and in_group is not None
-        and in_group < gen.desired
-    ):
-        degraded_reason = "GeneratorsOutOfWeightGroup"  # pods up, but dropped from (or not yet back in) the group
-    elif active and failures > 0:
-        degraded_reason = "PodsRestarted"
-    group = f", {in_group} in the weight group (epoch {progress.get('weightEpoch')})" if in_group is not None else ""
-    message = f"{gen.ready}/{gen.desired} generators ready{group}, {failures} pod failures"
-    conds.set(
-        "Degraded",
-        bool(degraded_reason),
-        degraded_reason or "AsExpected",
-        (f"{alarm}; {message}" if alarm else message) if degraded_reason else "",
-    )
-    if stalled:
-        conds.set("Progressing", False, "ProgressDeadlineExceeded", stalled)
-    else:
-        conds.set(
-            "Progressing",
-            active,
-            "Training" if ready else ("Starting" if active else (ready_reason or "Stopped")),
-            f"step {progress.get('step', 0)}" if active else "",
-        )
-    conds.set("Suspended", suspended, "Suspended" if suspended else "NotSuspended")
-    conds.set(
-        "Succeeded",
-        phase == "Succeeded",
-        "Succeeded" if phase == "Succeeded" else "NotFinished",
-        fail_message if phase == "Succeeded" else "",
-    )
-    conds.set(
-        "Failed",
-        phase == "Failed",
-        fail_reason if phase == "Failed" else "NotFailed",
-        fail_message if phase == "Failed" else "",
-    )
-
-    if phase == "Running" and not start_time:
-        start_time = now
-    if terminal and not completion_time:
-        completion_time = now
     status = JobStatus.model_validate(
         {
             "observedGeneration": obs.generation,
@@ -346,12 +232,158 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
             "failures": failures,
             "podRestarts": dict(obs.pod_restarts),
             "lastIncident": incident,
-            "startTime": start_time,
-            "completionTime": completion_time,
+            "startTime": prev.get("startTime") or (now if phase == "Running" else None),
+            "completionTime": prev.get("completionTime") or (now if terminal else None),
             **clocks,
         }
     ).model_dump(by_alias=True, exclude_none=True)
     return status, events_between(prev, status)
+
+
+def _terminal_outcome(
+    obs: Observed,
+    prev: dict[str, Any],
+    progress: dict[str, Any],
+    failures: int,
+    incident: dict[str, Any] | None,
+    clocks: dict[str, Any],
+) -> tuple[str | None, str, str]:
+    """(Succeeded or Failed or None, reason, message), in order of precedence; sticky once reached."""
+    if is_terminal(prev):
+        phase = prev["phase"]
+        before = _cond(prev, phase) or {}
+        return phase, before.get("reason", phase), before.get("message", "")
+    deadline = obs.active_deadline_seconds
+    if obs.trainer_status and obs.trainer_status.finished:
+        return "Succeeded", "", f"trainer finished at step {progress.get('step', 0)}"
+    if failures > obs.backoff_limit:
+        return (
+            "Failed",
+            "BackoffLimitExceeded",
+            f"pods failed {failures} times (runPolicy.backoffLimit {obs.backoff_limit}; pods "
+            f"restarting together count once; incident: {', '.join(incident['pods']) if incident else ''})",
+        )
+    if deadline and not obs.suspend and (_running_seconds(obs, clocks) or 0) > deadline:
+        return (
+            "Failed",
+            "DeadlineExceeded",
+            f"not finished within runPolicy.activeDeadlineSeconds ({deadline}s) of its creation "
+            f"(suspended time not counted)",
+        )
+    return None, "", ""
+
+
+def _weight_sync_condition(conds: _Conditions, obs: Observed, progress: dict[str, Any], active: bool) -> None:
+    pods_ready = all(conds.get(t) for t in ROLE_CONDITIONS.values())
+    if not active:
+        conds.set("WeightSyncReady", False, "ScaledDown", "")
+    elif obs.trainer_status is None:
+        conds.set("WeightSyncReady", False, "TrainerUnreachable", "trainer rank 0 /status did not answer")
+    elif not obs.trainer_status.weight_sync_ready or not pods_ready:
+        conds.set("WeightSyncReady", False, "WaitingForMembers", "the weight broadcast group is not complete")
+    else:
+        conds.set("WeightSyncReady", True, "GroupFormed", f"policy version {progress.get('version', 0)}")
+
+
+def _stalled(
+    obs: Observed, prev: dict[str, Any], progress: dict[str, Any], clocks: dict[str, Any], active: bool
+) -> str:
+    """Why the run counts as stalled (no new version within progressDeadlineSeconds), or ""."""
+    if not (active and obs.progress_deadline_seconds and prev.get("phase") == "Running"):
+        return ""
+    if obs.now - parse_ts(clocks["lastProgressTime"]) <= timedelta(seconds=obs.progress_deadline_seconds):
+        return ""
+    return (
+        f"no new policy version since {clocks['lastProgressTime']} (version {progress.get('version', 0)}; "
+        f"runPolicy.progressDeadlineSeconds {obs.progress_deadline_seconds})"
+    )
+
+
+def _ready_condition(
+    conds: _Conditions,
+    obs: Observed,
+    prev: dict[str, Any],
+    roles: dict[str, RoleObserved],
+    phase: str | None,
+    fail_message: str,
+    stalled: str,
+    active: bool,
+) -> tuple[str | None, bool, str]:
+    """Sets Ready; returns the phase, whether the job is ready and why (not)."""
+    terminal = phase in ("Succeeded", "Failed")
+    if obs.spec_error is not None:
+        phase = phase or prev.get("phase") or "Pending"
+        reason, message = "InvalidSpec", obs.spec_error
+    elif obs.apply_error is not None and not terminal:
+        phase = phase or prev.get("phase") or "Pending"
+        reason, message = "ApplyRefused", obs.apply_error
+    elif terminal:
+        reason, message = phase, fail_message
+    elif obs.suspend:
+        phase, reason, message = "Suspended", "Suspended", "spec.suspend is true; all roles scaled to zero"
+    else:
+        not_ready = [
+            c
+            for c in conds.items
+            if c["type"] in (*ROLE_CONDITIONS.values(), "WeightSyncReady") and c["status"] != "True"
+        ]
+        reason = f"{not_ready[0]['type'].removesuffix('Ready')}NotReady" if not_ready else "AllComponentsReady"
+        message = "; ".join(f"{c['type']}: {c['reason']} {c['message']}".strip() for c in not_ready)
+        started = roles["trainer"].ready > 0 and roles["generator"].ready > 0
+        phase = "Running" if started or (prev.get("phase") == "Running" and not_ready) else "Pending"
+    if stalled and reason == "AllComponentsReady":
+        reason, message = "ProgressDeadlineExceeded", stalled
+    ready = not not_ready_any(conds) and active and obs.apply_error is None and not stalled
+    conds.set("Ready", ready, reason, message)
+    return phase, ready, reason
+
+
+def _degraded_condition(
+    conds: _Conditions, progress: dict[str, Any], gen: RoleObserved, failures: int, phase: str | None, active: bool
+) -> None:
+    in_group = progress.get("generatorsInGroup")
+    reason, alarm = "", progress.get("learningAlarm")
+    running = active and phase == "Running"
+    if active and alarm:
+        reason = "LearningStalled"  # the trainer steps, but learns nothing: see the message
+    elif running and 0 < gen.ready < gen.desired:
+        reason = "GeneratorsMissing"
+    elif running and progress.get("step", 0) > 0 and in_group is not None and in_group < gen.desired:
+        reason = "GeneratorsOutOfWeightGroup"  # pods up, but dropped from (or not yet back in) the group
+    elif active and failures > 0:
+        reason = "PodsRestarted"
+    group = f", {in_group} in the weight group (epoch {progress.get('weightEpoch')})" if in_group is not None else ""
+    message = f"{gen.ready}/{gen.desired} generators ready{group}, {failures} pod failures"
+    conds.set(
+        "Degraded",
+        bool(reason),
+        reason or "AsExpected",
+        (f"{alarm}; {message}" if alarm else message) if reason else "",
+    )
+
+
+def _progressing_condition(
+    conds: _Conditions, ready: bool, ready_reason: str, stalled: str, active: bool, progress: dict[str, Any]
+) -> None:
+    if stalled:
+        conds.set("Progressing", False, "ProgressDeadlineExceeded", stalled)
+    else:
+        conds.set(
+            "Progressing",
+            active,
+            "Training" if ready else ("Starting" if active else (ready_reason or "Stopped")),
+            f"step {progress.get('step', 0)}" if active else "",
+        )
+
+
+def _outcome_conditions(
+    conds: _Conditions, phase: str | None, suspended: bool, fail_reason: str, fail_message: str
+) -> None:
+    """Suspended, Succeeded, Failed."""
+    conds.set("Suspended", suspended, "Suspended" if suspended else "NotSuspended")
+    succeeded, failed = phase == "Succeeded", phase == "Failed"
+    conds.set("Succeeded", succeeded, "Succeeded" if succeeded else "NotFinished", fail_message if succeeded else "")
+    conds.set("Failed", failed, fail_reason if failed else "NotFailed", fail_message if failed else "")
 
 
 def not_ready_any(conds: _Conditions) -> bool:

@@ -75,6 +75,34 @@ class Trainer:
 
     def run(self) -> int:
         http = HealthServer("trainer", self.env.http_port, self.status).start()
+        self._join_torch_group()
+        model_path = resolve_model_path(self.spec.model.path)
+        self._build(model_path)
+        self._restore()
+        self.bridge = NatsBridge(self.job, self.env, f"{self.job.name}-trainer-{self.rank}")
+        self._open_outputs()
+        self._join_weight_group()
+        self.bridge.consume_batches(self.rank, self.consumed_seq)
+        http.ready = True
+        log.info(
+            "trainer rank %d/%d ready at step %d (ZeRO-%d, model %s)",
+            self.rank,
+            self.world,
+            self.version,
+            self.spec.trainer.zero_stage,
+            model_path,
+        )
+        while self.version < self.spec.trainer.max_steps and not self.stop.is_set():
+            metrics = self._train_step()
+            if metrics is None:
+                break
+            self._after_step(metrics)
+        self._wind_down()
+        return 0
+
+    # -- phases of run ----------------------------------------------------------------------
+    def _join_torch_group(self) -> None:
+        """This rank in the trainers' torch.distributed group (DeepSpeed's), on its GPU if any."""
         on_gpu = self.spec.trainer.gpus > 0
         local_rank = self.env.local_rank or 0
         os.environ.update(
@@ -89,12 +117,16 @@ class Trainer:
         if on_gpu:
             torch.cuda.set_device(local_rank)
         init_distributed(on_gpu, self.spec.weight_sync.timeout_seconds * 5)
-        model_path = resolve_model_path(self.spec.model.path)
+
+    def _build(self, model_path: str) -> None:
         self.engine = build_engine(self.spec.trainer, self.spec.model.dtype, model_path)
         self.ref_model = self._reference(model_path)
         module = self.engine.module
         self.vocab_size = module.get_input_embeddings().num_embeddings
         self.max_positions = getattr(module.config, "max_position_embeddings", None)
+
+    def _restore(self) -> None:
+        """The newest checkpoint's weights, optimizer and books (none: step 0)."""
         state = checkpoint.load(self.engine, self.ckpt_dir)
         self.version = state.get("step", 0)
         self.trained_groups: dict[str, int] = state.get("trained_groups", {})
@@ -104,9 +136,8 @@ class Trainer:
         self.samples_total = state.get("samples", 0)
         self.rejected_total = state.get("rejected", {"groups": 0, "samples": 0})  # dead-lettered, whole run
 
-        self.bridge = NatsBridge(self.job, self.env, f"{self.job.name}-trainer-{self.rank}")
-        weight_sync = self.spec.weight_sync
-        store = None
+    def _open_outputs(self) -> None:
+        """Trackers, the model output folder, and (rank 0) what the generators report."""
         self.tracker = Tracker(self.job, self.env.run_dir) if self.rank == 0 else None
         output = self.spec.output
         self.output = Output(self.env.output_dir, output.best if output else True) if self.env.output_dir else None
@@ -116,6 +147,14 @@ class Trainer:
             self.bridge.listen_to_generators()
             if self.wants_evals:
                 self.bridge.listen_to_evaluations()
+
+    def _join_weight_group(self) -> None:
+        """Rank 0 opens the weight group's rendezvous; then the weights this trainer holds go out,
+        so every generator has them before it generates (also those that kept running through a
+        restart of the trainer)."""
+        weight_sync = self.spec.weight_sync
+        store = None
+        if self.rank == 0:
             store = open_store("0.0.0.0", self.env.weights_port, True, weight_sync.timeout_seconds)
             log.info(
                 "weight group (%s) rendezvous on port %d; generators join as they come",
@@ -147,51 +186,44 @@ class Trainer:
             floor=self.floor,
             token=self.env.weights_token or "",
         )
-        # Every generator gets these weights before it generates (also those that kept running
-        # through a restart of the trainer).
         self.sender.send(self.version)
         if self.rank == 0:
             self._group_status()
         if self.version:
             self._announce(finished=False)
-        self.bridge.consume_batches(self.rank, self.consumed_seq)
-        http.ready = True
-        log.info(
-            "trainer rank %d/%d ready at step %d (ZeRO-%d, model %s)",
-            self.rank,
-            self.world,
-            self.version,
-            self.spec.trainer.zero_stage,
-            model_path,
-        )
 
-        while self.version < self.spec.trainer.max_steps and not self.stop.is_set():
-            metrics = self._train_step()
-            if metrics is None:
-                break
-            self.version += 1
-            self.step_seq = self.consumed_seq
-            last = self.version >= self.spec.trainer.max_steps
-            # Pipeline mode trains on while the generators load the weights (but for the last
-            # step's); sync mode's next step must be generated with them.
-            metrics |= self.sender.send(self.version, wait=last or self.spec.waits_for_weights)
-            if last and self.rank == 0:
-                self._await_final_weights()
-            interval = self.spec.trainer.checkpoint_interval
-            if last or (interval and self.version % interval == 0):
-                self._checkpoint()
-            export = self.spec.trainer.export_interval
-            if export and self.version % export == 0:
-                checkpoint.export(self.engine, self.ckpt_dir / "export" / f"version-{self.version}", self.rank)
-            if self.output is not None:
-                if self.output.wants_candidate(self.version, self.spec.eval.interval, last):
-                    checkpoint.export(self.engine, self.output.candidate(self.version), self.rank)
-                if last:
-                    checkpoint.export(self.engine, self.output.final, self.rank)
-            metrics["replayed"] = int(self.version <= self.floor)
-            if self.rank == 0:
-                self._report(metrics)  # before the announcement, which lets the generators finish
-                self._announce(finished=last)
+    def _after_step(self, metrics: dict) -> None:
+        """A step was taken: send its weights, save what is due, report and announce it."""
+        self.version += 1
+        self.step_seq = self.consumed_seq
+        last = self.version >= self.spec.trainer.max_steps
+        # Pipeline mode trains on while the generators load the weights (but for the last
+        # step's); sync mode's next step must be generated with them.
+        metrics |= self.sender.send(self.version, wait=last or self.spec.waits_for_weights)
+        if last and self.rank == 0:
+            self._await_final_weights()
+        self._save(last)
+        metrics["replayed"] = int(self.version <= self.floor)
+        if self.rank == 0:
+            self._report(metrics)  # before the announcement, which lets the generators finish
+            self._announce(finished=last)
+
+    def _save(self, last: bool) -> None:
+        """Checkpoint, export and output copies due at this version."""
+        interval = self.spec.trainer.checkpoint_interval
+        if last or (interval and self.version % interval == 0):
+            self._checkpoint()
+        export = self.spec.trainer.export_interval
+        if export and self.version % export == 0:
+            checkpoint.export(self.engine, self.ckpt_dir / "export" / f"version-{self.version}", self.rank)
+        if self.output is not None:
+            if self.output.wants_candidate(self.version, self.spec.eval.interval, last):
+                checkpoint.export(self.engine, self.output.candidate(self.version), self.rank)
+            if last:
+                checkpoint.export(self.engine, self.output.final, self.rank)
+
+    def _wind_down(self) -> None:
+        """Stopped or done: keep every step taken, the final evaluation, close."""
         if self.stop.is_set() and self.version > self.checkpointed:
             # Stopped (suspend, a drain, Ctrl-C): keep every step taken, within the grace period.
             log.info("stopping: checkpointing step %d (the last one was %d)", self.version, self.checkpointed)
@@ -202,7 +234,6 @@ class Trainer:
                 self._take_evaluations(wait_for_final=self.progress.finished and self.spec.eval.interval > 0)
             self.tracker.close()
         self.bridge.close()
-        return 0
 
     def _await_final_weights(self) -> None:
         """The final evaluation needs a generator holding the final weights: if none does yet
