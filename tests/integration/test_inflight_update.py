@@ -87,12 +87,15 @@ def _sender_main(paths: dict[str, str], port: int, cmd_q, res_q) -> None:
     from pipelinerl.weight_group import Snapshot, WeightGroup, open_store
 
     state = {name: load_file(f"{p}/model.safetensors") for name, p in paths.items()}
-    group = None
+    group = store = None
     while True:
         cmd, *args = cmd_q.get()
         try:
-            if cmd == "init":
-                group = WeightGroup.form(open_store(HOST, port, True, SYNC_TIMEOUT_S), "g", 2, SYNC_TIMEOUT_S)
+            if cmd == "init":  # a new epoch, named args[0] (default "g")
+                if group is not None:
+                    group.close()
+                store = store or open_store(HOST, port, True, SYNC_TIMEOUT_S)
+                group = WeightGroup.form(store, args[0] if args else "g", 2, SYNC_TIMEOUT_S)
                 res_q.put(("ok", None))
             elif cmd == "send":
                 which, buckets = args
@@ -124,6 +127,7 @@ class Rig:
     buckets: list
     cmd_q: object
     res_q: object
+    port: int
     in_place: bool = True  # the receiver's loading path under test
     staged: bool = True  # transferred and loaded beside generation, swapped in a short pause
     current: str = "A"  # which weights the engine holds
@@ -147,6 +151,9 @@ class InPlaceProbe(WeightReceiverExtension):
 
     def probe_staged(self) -> bool:
         return self._pipelinerl_shadow is not None
+
+    def probe_staging_alive(self) -> bool:
+        return self._pipelinerl_staging is not None and self._pipelinerl_staging.thread.is_alive()
 
 
 class ReloadProbe(InPlaceProbe):
@@ -210,6 +217,7 @@ async def rig(request, tmp_path_factory):
             buckets,
             cmd_q,
             res_q,
+            port,
             in_place=extension is InPlaceProbe,
             staged=staged and extension is InPlaceProbe,
         )
@@ -346,3 +354,36 @@ async def test_update_that_misses_a_weight_fails_naming_it(rig):
     await rig.update("A")  # a full update repairs the engine
     c = await engine.generate(prompt, N_GREEDY, greedy=True)
     assert c.tokens == hf_greedy(rig.hf["A"], prompt, N_GREEDY)
+
+
+async def test_an_update_given_up_on_leaves_the_next_epoch_free_to_stage(rig):
+    """The trainer goes silent mid-update: the generator gives up at its deadline (WeightsKept)
+    while the transfer still waits on the group, generates on, joins the next epoch, and the
+    next update stages and lands as usual."""
+    if not rig.staged:
+        pytest.skip("only a staged update runs beside generation")
+    engine, sync = rig.engine, rig.engine.job.spec.weight_sync
+    version, prompt = engine.version, rig.tokenizer.encode(PROMPTS[2])
+    running = asyncio.create_task(engine.generate(prompt, LONG_TOKENS, greedy=True))
+    await wait_for_output_tokens(engine, 10)
+    patience, sync.timeout_seconds = sync.timeout_seconds, 2.0  # the engine's deadline, not the group's
+    try:
+        with pytest.raises(WeightsKept, match="not received and loaded within"):
+            await engine.update_weights(version + 1, rig.buckets)  # nothing is sent
+    finally:
+        sync.timeout_seconds = patience
+    assert engine.version == version
+    assert await engine.llm.collective_rpc("probe_staging_alive") == [True]  # still waiting on the group
+    epoch = f"g-{time.monotonic_ns()}"
+    rig.cmd_q.put(("init", epoch))
+    await engine.join_weight_group(HOST, rig.port, epoch, 1, 2, sync.timeout_seconds)
+    await reply(rig.res_q)
+    assert await engine.llm.collective_rpc("probe_staging_alive") == [False]
+    await running
+    running = asyncio.create_task(engine.generate(prompt, LONG_TOKENS, greedy=True))
+    await wait_for_output_tokens(engine, 10)
+    stats = await rig.update("B" if rig.current == "A" else "A")
+    assert stats.staged and engine.version == version + 1
+    await running
+    c = await engine.generate(prompt, N_GREEDY, greedy=True)
+    assert c.tokens == hf_greedy(rig.hf[rig.current], prompt, N_GREEDY)

@@ -64,6 +64,7 @@ class WeightReceiverExtension:
         if self._pipelinerl_weight_group is not None:
             self._pipelinerl_weight_group.close()
             self._pipelinerl_weight_group = None
+        self._pipelinerl_end_abandoned_staging(timeout_s)
         self._pipelinerl_weight_group = WeightGroup.join(
             host, port, group, rank + int(getattr(self, "rank", 0)), world_size, timeout_s, backend, token
         )
@@ -127,6 +128,18 @@ class WeightReceiverExtension:
             self._pipelinerl_staging = None
             raise staging.error
         return True
+
+    def _pipelinerl_end_abandoned_staging(self, timeout_s: float) -> None:
+        """An update the engine gave up on (its deadline passed: WeightsKept) may still be
+        receiving from the group just closed. Its thread ends with that group (a failed receive)
+        or at the group's collective timeout; wait for it, so the next update can stage."""
+        staging = self._pipelinerl_staging
+        if staging is None:
+            return
+        staging.thread.join(timeout_s)
+        if staging.thread.is_alive():
+            raise TimeoutError(f"an abandoned weight update still receives after {timeout_s:.0f} s")
+        self._pipelinerl_staging = None
 
     def commit_staged_weights(self) -> None:
         """Swap the staged weights in. Call while generation is paused: the next engine step
