@@ -118,7 +118,9 @@ class MicroBatch(Message):
     step_groups_filtered: int = 0
     step_groups_rejected: int = 0  # dead-lettered by the preprocessor
     step_samples_stale: int = 0  # in groups too old for the step: dropped for lag by the preprocessor
-    step_groups_by_generator: dict[str, int] = Field(default_factory=dict)  # accepted groups per generator
+    # Groups of each generator this step settles: trained, dead-lettered (unless zero-variance) or
+    # dropped as stale while it was built. Their generator's admission queue lets them all go.
+    step_groups_by_generator: dict[str, int] = Field(default_factory=dict)
     # The newest books of each generator (by rank) among every group the preprocessor has taken
     # so far; a group taken but put into no micro-batch is acknowledged only once this is stored.
     generator_books: dict[str, GeneratorBooks] = Field(default_factory=dict)
@@ -150,7 +152,8 @@ class PolicyVersion(Message):
     finished: bool = False  # the trainer has taken its last step
     training: bool = False  # step `version` has started (its groups are consumed), not finished
     timestamp: float
-    # Accepted groups of each generator (by rank) in steps ≤ version: frees their admission budget.
+    # Groups of each generator (by rank) settled by steps ≤ version (step_groups_by_generator summed):
+    # frees their admission budget.
     trained_groups: dict[str, int] = Field(default_factory=dict)
 
 

@@ -328,6 +328,7 @@ class Trainer:
             "samples_stale": mb.step_samples_stale,
             "micro_batches": count,
             "train_seconds": elapsed,
+            # settled by this step (trained, or dead-lettered or stale while it was built)
             **{f"groups_from_generator_{g}": n for g, n in mb.step_groups_by_generator.items()},
             "optimizer_seconds": optimizer_s,
             "trainer_tokens_per_second": metrics["tokens"] / elapsed,
