@@ -8,7 +8,7 @@ from the engine side with ``collective_rpc`` (as ``Engine.update_weights`` does)
     # staged (default): receive and load beside generation, pause only to swap
     await engine.collective_rpc("stage_weights", args=(buckets,))   # [False]: cannot stage
     while not all(await engine.collective_rpc("staged_weights_ready")): await asyncio.sleep(...)
-    await engine.pause_generation(mode="keep", clear_cache=False)
+    await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)  # running requests kept
     await engine.collective_rpc("commit_staged_weights")   # or receive_weights(buckets) unstaged
     await engine.update_weight_version(str(version))  # tags tokens sampled from now on
     await engine.resume_generation()
