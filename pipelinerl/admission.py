@@ -22,6 +22,18 @@ long-tailed task, most of the long completions.) A long group thus holds admissi
 its lag nears max_lag: max_lag should exceed the steps the longest completions take to
 generate, or the generator idles while they finish.
 
+Steps fill from every generator in the order groups finish, so one generator's forecast that
+its own share goes into each step breaks when another runs ahead: a generator that joins (or
+restarts) behind a backlog its peers queued while it was gone, or a slow generator whose groups
+the others' shorter ones overtake, had its groups trained steps later than forecast, their tokens
+past max_lag. So each generator also hears its peers' queues and their oldest group still
+generating (`on_peer`, from their hellos) and admits only while (a) its own queue is under its
+share of the budget counted from the oldest group in flight anywhere, and (b) the whole cluster's
+queue is under the whole step's budget. Own shares sum to the step, so (b) binds only behind a
+peer over its share (a backlog from a smaller membership): then only generators under their
+share start groups, and the room they share is what (a) leaves each. A peer silent for
+`peer_ttl_s` is forgotten (`expire_peers`): its groups in flight died with it.
+
 The queue counts every incarnation's groups: `published` and `discarded` continue from the
 generator's books in the stream, so a restarted generator neither over- nor under-fills it
 (groups of a dead incarnation are still trained), and a group JetStream drops as a duplicate
@@ -47,6 +59,15 @@ def lag_budget(max_lag: int, share: int, oldest: int, training_step: int) -> int
     return max(0, max_lag + min(1, oldest - training_step)) * share
 
 
+@dataclass(frozen=True)
+class Peer:
+    """What another generator said of its admission in its newest hello."""
+
+    queued: int
+    oldest: int | None  # the weights version of its oldest group still generating; None: none runs
+    seen: float  # when heard (monotonic seconds)
+
+
 @dataclass
 class Admission:
     groups_per_step: int
@@ -61,18 +82,33 @@ class Admission:
     training_step: int = -1  # the last step announced as started (N - 1)
     weights_version: int = -1  # this generator's engine weights (e); -1: none from the trainer yet
     running: list[int] = field(default_factory=list)  # the weights version each group in flight started at
+    peers: dict[int, Peer] = field(default_factory=dict)  # other generators, by rank
+    peer_ttl_s: float = 5.0
 
     @property
     def share(self) -> int:
         return math.ceil(self.groups_per_step / self.generators)
 
     @property
+    def oldest(self) -> int:
+        """The weights version a group started now is counted from: the oldest group still
+        generating here or at a peer (a group on older weights is the one whose lag a new group
+        can raise), or this engine's weights, which a group started now gets."""
+        peers = [p.oldest for p in self.peers.values() if p.oldest is not None]
+        return min([self.weights_version, *self.running, *peers])
+
+    @property
     def budget(self) -> int:
         # With max_lag ≥ 1 the trainer reports groups as consumed when a step *starts* (so
         # generation overlaps training), and max_lag steps of unconsumed groups keep every lag
         # ≤ max_lag, one more once the weights of the step in training have landed.
-        # A group in flight started on older weights is the one whose lag a new group can raise.
-        return lag_budget(self.max_lag, self.share, min(self.running, default=self.weights_version), self.training_step)
+        return lag_budget(self.max_lag, self.share, self.oldest, self.training_step)
+
+    @property
+    def cluster_room(self) -> int:
+        """Groups the whole cluster may still start: the whole step's budget less every queue."""
+        budget = lag_budget(self.max_lag, self.groups_per_step, self.oldest, self.training_step)
+        return budget - self.queued - sum(p.queued for p in self.peers.values())
 
     @property
     def queued(self) -> int:
@@ -83,7 +119,12 @@ class Admission:
         return len(self.running)
 
     def may_start(self) -> bool:
-        return self.weights_version >= 0 and self.queued < self.budget and self.inflight < self.max_inflight
+        return (
+            self.weights_version >= 0
+            and self.queued < self.budget
+            and self.cluster_room > 0
+            and self.inflight < self.max_inflight
+        )
 
     def on_start(self) -> int:
         """A group starts: returns the weights version it starts at, for `on_finish`."""
@@ -102,6 +143,13 @@ class Admission:
         # Announcements can arrive out of order after reconnects: never go backwards.
         self.trained = max(self.trained, trained_total)
         self.training_step = max(self.training_step, training_step)
+
+    def on_peer(self, rank: int, queued: int, oldest: int | None, now: float) -> None:
+        self.peers[rank] = Peer(queued, oldest, now)
+
+    def expire_peers(self, now: float) -> None:
+        """Forget peers silent for longer than `peer_ttl_s` (dead: their groups in flight are lost)."""
+        self.peers = {r: p for r, p in self.peers.items() if now - p.seen <= self.peer_ttl_s}
 
     def on_weights(self, version: int, generators: int) -> None:
         """New weights loaded, sent to `generators` generators: the step is shared among them."""

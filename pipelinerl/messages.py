@@ -158,12 +158,15 @@ class PolicyVersion(Message):
 
 
 class GeneratorHello(Message):
-    """Generator → trainer, every few seconds: I am alive, and hold these weights."""
+    """Generator → trainer and the other generators, every second and after it starts groups:
+    I am alive, hold these weights, and have this admission queue (`Admission.on_peer`)."""
 
     TYPE: ClassVar[str] = "generator_hello"
     generator: int  # pod index
     incarnation: str  # this process: a restarted generator is a new member of the weight group
     version: int  # of the weights it holds; -1: none yet (it generates nothing until it gets some)
+    queued: int = 0  # groups started and neither consumed nor discarded (`Admission.queued`)
+    oldest: int | None = None  # weights version of its oldest group still generating; None: none runs
 
 
 class WeightUpdate(Message):

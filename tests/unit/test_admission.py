@@ -1,4 +1,5 @@
 import itertools
+import random
 from collections import deque
 
 import pytest
@@ -156,28 +157,59 @@ def test_a_rolled_back_trainer_makes_the_queue_look_longer_never_shorter():
 
 
 def lags_of_a_run(lengths, max_lag: int, share: int, max_inflight: int, train_ticks: int, steps: int):
-    """One generator and a trainer, in ticks: groups are generated for `lengths` ticks each and
-    consumed in the order they finish, `share` a step; the trainer announces each step as it
-    starts and sends its weights when it ends. Returns each trained group's lag, and the ticks."""
-    a = Admission(groups_per_step=share, generators=1, max_lag=max_lag, max_inflight=max_inflight, weights_version=0)
-    running: list[tuple[int, int]] = []  # (tick it finishes, weights version it started at)
-    done: deque[int] = deque()  # finished, not yet consumed: their start versions
-    lags: list[int] = []
+    """One generator and a trainer (`lags_of_a_cluster` with one generator): each trained
+    group's lag, and the ticks."""
+    lags, t = lags_of_a_cluster([lengths], max_lag, share, max_inflight, train_ticks, steps)
+    return lags[0], t
+
+
+def lags_of_a_cluster(
+    lengths, max_lag, groups_per_step, max_inflight, train_ticks, steps, hear_peers=True, joins_at=None
+):
+    """Generators (one `lengths` iterator each) and a trainer, in ticks: groups are generated for
+    `lengths` ticks each and consumed in the order they finish, from all generators,
+    `groups_per_step` a step; the trainer announces each step as it starts and sends its weights
+    when it ends. With `hear_peers` every generator hears the others' queues each tick (their
+    hellos). Generator i takes part from step `joins_at[i]` on (the weights it then gets name the
+    membership). Returns each generator's trained groups' lags, and the ticks."""
+    n = len(lengths)
+    joins_at = joins_at or [0] * n
+    gens = [Admission(groups_per_step, 1, max_lag, max_inflight) for _ in range(n)]
+    running: list[tuple[int, int, int]] = []  # (tick it finishes, generator, weights version it started at)
+    done: deque[tuple[int, int]] = deque()  # finished, not yet consumed: (generator, start version)
+    lags: list[list[int]] = [[] for _ in range(n)]
+    trained = [0] * n
     step, training_until, t = 0, None, 0
+
+    def send_weights() -> None:
+        members = [i for i in range(n) if joins_at[i] <= step]
+        for i in members:
+            gens[i].on_weights(step, generators=len(members))
+
+    send_weights()
     while step < steps:
-        for g in [g for g in running if g[0] <= t]:
+        for g in sorted(g for g in running if g[0] <= t):
             running.remove(g)
-            a.on_finish(g[1], discarded=False)
-            done.append(g[1])
+            gens[g[1]].on_finish(g[2], discarded=False)
+            done.append((g[1], g[2]))
         if training_until is not None and t >= training_until:
             step, training_until = step + 1, None
-            a.on_weights(step, generators=1)
-        if training_until is None and len(done) >= share:
-            lags += [step - done.popleft() for _ in range(share)]  # step s trains at version s
-            a.on_trained(a.trained + share, training_step=step)
+            send_weights()
+        if training_until is None and len(done) >= groups_per_step:
+            for _ in range(groups_per_step):
+                i, version = done.popleft()
+                lags[i].append(step - version)  # step s trains at version s
+                trained[i] += 1
+            for i, a in enumerate(gens):
+                a.on_trained(trained[i], training_step=step)
             training_until = t + train_ticks
-        while a.may_start():
-            running.append((t + next(lengths), a.on_start()))
+        for i, a in enumerate(gens):
+            if hear_peers:
+                for j, b in enumerate(gens):
+                    if j != i and b.weights_version >= 0:
+                        a.on_peer(j, b.queued, min(b.running, default=None), now=t)
+            while a.may_start():
+                running.append((t + next(lengths[i]), i, a.on_start()))
         t += 1
     return lags, t
 
@@ -229,3 +261,57 @@ def test_the_planners_simulation_and_the_generators_admission_agree_on_one_trace
     kinds = {e[0] for e in trace}
     assert kinds == {"start", "finish", "trained", "weights"} and len(trace) > 200
     assert mode == "sync" or len(budgets) >= 2  # the budget moved with the steps and the oldest group
+
+
+def random_lengths(seed: int):
+    """Mostly one tick, three in ten 2-5 ticks."""
+    rng = random.Random(seed)
+    while True:
+        yield 1 if rng.random() < 0.7 else rng.randint(2, 5)
+
+
+@pytest.mark.parametrize("max_lag,groups_per_step", [(1, 4), (2, 8), (4, 8)])
+def test_generators_that_hear_their_peers_never_push_a_group_past_max_lag(max_lag, groups_per_step):
+    # Two generators of the same speed distribution. Steps fill in finish order from both, so a
+    # generator counting only its own share is overtaken by the other's short groups: about
+    # one group in ten went past max_lag (its tokens dropped). Hearing each other's queues and
+    # oldest groups, none does, and at max_lag 4 the run is no slower.
+    deaf, deaf_ticks = lags_of_a_cluster(
+        [random_lengths(1), random_lengths(2)], max_lag, groups_per_step, 8, 2, 100, hear_peers=False
+    )
+    heard, ticks = lags_of_a_cluster([random_lengths(1), random_lengths(2)], max_lag, groups_per_step, 8, 2, 100)
+    assert sum(lag > max_lag for lags in deaf for lag in lags) > 0.05 * sum(map(len, deaf))
+    assert max(lag for lags in heard for lag in lags) <= max_lag
+    assert min(map(len, heard)) > 0.4 * sum(map(len, heard))  # both generators feed the steps
+    if max_lag == 4:
+        assert ticks <= deaf_ticks * 1.02
+
+
+def test_a_generator_joining_behind_a_peers_backlog_waits_until_its_groups_can_make_their_steps():
+    # Generator 1 was gone: generator 0 alone queued two whole steps (lag 1, 4 groups a step).
+    # Generator 1 comes back at version 7: a group it started now would be trained after those
+    # 8, at step 9, lag 2. It waits until step 7's groups are consumed, then takes its share.
+    joining = Admission(
+        groups_per_step=4, generators=2, max_lag=1, max_inflight=100, weights_version=7, training_step=6
+    )
+    joining.on_peer(0, queued=8, oldest=None, now=0.0)
+    assert joining.budget == 4 and joining.cluster_room == 0 and not joining.may_start()
+    joining.on_trained(0, training_step=7)  # step 7 took 4 of generator 0's
+    joining.on_peer(0, queued=4, oldest=None, now=1.0)
+    assert fill(joining) == 0  # version 7 still loaded: a group started now would reach step 9
+    joining.on_weights(8, generators=2)
+    assert fill(joining) == 4  # trained at step 9 at the latest: lag 1
+    # A peer whose hellos stopped (dead: its groups in flight are lost) is forgotten.
+    joining.expire_peers(now=1.0 + joining.peer_ttl_s + 0.1)
+    assert joining.peers == {}
+
+
+def test_a_peers_old_group_in_flight_holds_this_generators_share():
+    # Generator 0 still runs a group started at version 5 while step 6 trains (lag 1 is its
+    # limit): every group generator 1 queues now can overtake it into a later step.
+    a = Admission(groups_per_step=4, generators=2, max_lag=1, max_inflight=100, weights_version=6, training_step=6)
+    assert a.budget == 2
+    a.on_peer(0, queued=1, oldest=5, now=0.0)
+    assert a.oldest == 5 and a.budget == 0 and not a.may_start()
+    a.on_peer(0, queued=1, oldest=None, now=0.5)  # it finished
+    assert fill(a) == 2

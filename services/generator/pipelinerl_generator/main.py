@@ -1,14 +1,15 @@
 """Generator service: rollouts with max-lag admission, in-flight weight updates, evaluation.
 
 Loops, all on one asyncio loop:
-- admission: start prompt groups while the lag budget allows; each group runs G attempts
+- admission: start prompt groups while the lag budget allows (this generator's share, and the
+  cluster's: peers' queues come with their hellos); each group runs G attempts
   concurrently through the engine and is published to JetStream (msg id = group id, so a
   retried publish is de-duplicated) with the generator's books, from which a restarted
   generator continues (`_restore_books`);
-- weights: say hello to the trainer every second; on a `WeightUpdate` that lists this process,
-  join its weight group if it is a new membership epoch, receive (staged beside generation, or
-  inside a pause that keeps requests), relabel, reply. Nothing is generated before the first
-  weights from the trainer arrive;
+- weights: say hello to the trainer and the peers every second (and after starting groups);
+  on a `WeightUpdate` that lists this process, join its weight group if it is a new membership
+  epoch, receive (staged beside generation, or inside a pause that keeps requests), relabel,
+  reply. Nothing is generated before the first weights from the trainer arrive;
 - versions: the trainer's announcements free admission budget and trigger evaluations.
 """
 
@@ -76,6 +77,7 @@ class Generator:
             max_inflight=self.spec.generator.max_inflight_groups,
         )
         self.wakeup = asyncio.Event()
+        self.started_groups = asyncio.Event()  # the peers should hear of this one's queue now
         self.stopping = asyncio.Event()
         self.finished_version: int | None = None
         self.evaluations: dict[int, asyncio.Future] = {}  # version -> its evaluation (shared by reports)
@@ -131,6 +133,7 @@ class Generator:
         self._check_prompts_fit()
         await self._restore_books()
         await self.nc.subscribe(self.subjects.weights_update, cb=self._on_weight_update)
+        await self.nc.subscribe(self.subjects.weights_hello, cb=self._on_hello)
         await self.js.subscribe(
             self.subjects.version,
             cb=self._on_version,
@@ -188,19 +191,35 @@ class Generator:
             )
 
     async def _say_hello(self) -> None:
-        """Tell trainer rank 0, every HELLO_S, that this process is alive and which weights it holds."""
+        """Tell trainer rank 0 and the other generators, every HELLO_S and as soon as this one
+        started groups, that this process is alive, which weights it holds and its admission
+        queue; forget the peers that stopped saying hello."""
+        a = self.admission
         while not self.stopping.is_set():
+            self.started_groups.clear()
             hello = m.GeneratorHello(
-                generator=self.env.rank, incarnation=self.incarnation, version=self.admission.weights_version
+                generator=self.env.rank,
+                incarnation=self.incarnation,
+                version=a.weights_version,
+                queued=a.queued,
+                oldest=min(a.running, default=None),
             )
             try:
                 await self.nc.publish(self.subjects.weights_hello, m.encode(hello))
             except Exception as err:  # NATS reconnecting: the next hello will do
                 log.warning("hello not sent: %s", err)
             try:
-                await asyncio.wait_for(self.stopping.wait(), HELLO_S)
+                await asyncio.wait_for(self.started_groups.wait(), HELLO_S)
             except asyncio.TimeoutError:
                 pass
+            a.expire_peers(time.monotonic())
+
+    async def _on_hello(self, msg) -> None:
+        """A peer's queue and oldest group in flight, for the cluster-wide admission rule."""
+        hello = m.decode(msg.data, m.GeneratorHello)
+        if hello.generator != self.env.rank:
+            self.admission.on_peer(hello.generator, hello.queued, hello.oldest, time.monotonic())
+            self.wakeup.set()
 
     async def _first_weights(self, timeout_s: float) -> int | None:
         """The version of the first weights received; None if stopped first."""
@@ -236,6 +255,7 @@ class Generator:
             if self.admission.may_start():
                 started_at = self.admission.on_start()
                 self._spawn(self._group(self.task.train_problem(await self._next_problem()), started_at))
+                self.started_groups.set()  # tell the peers at once
                 continue
             self.wakeup.clear()
             try:
