@@ -15,6 +15,9 @@ from pathlib import Path
 
 import yaml
 
+from bench.analysis import CLOCKS, band_headline, best_setting, round_seed
+from bench.contention import guarded
+
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -116,3 +119,80 @@ def set_fields(spec: dict, items: list[str]) -> None:
         for key in parents:
             node = node.setdefault(key, {})
         node[leaf] = yaml.safe_load(value)
+
+
+SWEEP_SEED_OFFSET = 1000  # sweep runs' seeds: apart from every round's
+
+
+def add_method_args(ap) -> None:
+    """The options of the method every learning-speed benchmark follows (bench/analysis.py)."""
+    ap.add_argument("--band", type=float, nargs=2, default=[5, 15], metavar=("LO", "HI"),
+                    help="the headline's targets: every point from warm start + LO to + HI")  # fmt: skip
+    ap.add_argument("--lrs", type=float, nargs="*", default=[],
+                    help="learning-rate grid swept on every side first (each side then runs at its best)")  # fmt: skip
+    ap.add_argument("--sweep-rounds", type=int, default=1, help="runs per side and learning rate in the sweep")
+    ap.add_argument("--reruns", type=int, default=2, help="tries of a round that ran beside other programs")
+
+
+def method_flags(args) -> str:
+    """The method's options as given, for the command that reproduces a result."""
+    flags = "" if args.band == [5, 15] else f" --band {args.band[0]:g} {args.band[1]:g}"
+    if args.lrs:
+        flags += f" --lrs {' '.join(f'{x:g}' for x in args.lrs)} --sweep-rounds {args.sweep_rounds}"
+    return flags
+
+
+def band_gains(args) -> list[float]:
+    lo, hi = args.band
+    return [lo + i for i in range(int(hi - lo) + 1)]
+
+
+def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, partial: Path) -> tuple[dict, dict]:
+    """The learning-rate sweep (`args.lrs`: every side at every rate, `args.sweep_rounds` runs
+    each; a side then runs at its best, `best_setting`), then `args.rounds` rounds alternating the
+    sides, round r at seed `round_seed(base_seed, r)` on every side. Each run goes through the
+    contention guard. `sides[name](tag, seed=..., lr=...)` runs one and returns its record.
+    Returns the runs per side and the sweep (its runs and each side's best rate)."""
+    sweep: dict = {"runs": {}, "best": {}}
+    for side, run in sides.items():
+        if not args.lrs:
+            break
+        tried = sweep["runs"][side] = {}
+        for lr in args.lrs:
+            tried[f"{lr:g}"] = [
+                guarded(
+                    lambda: run(f"sweep-{lr:g}-{i}", seed=round_seed(base_seed, SWEEP_SEED_OFFSET + i), lr=lr),
+                    f"{side} sweep lr {lr:g} run {i}",
+                    args.reruns,
+                )
+                for i in range(args.sweep_rounds)
+            ]
+            partial.write_text(json.dumps({"runs": {}, "sweep": sweep}) + "\n")
+        sweep["best"][side] = float(best_setting(tried, band_gains(args)))
+        print(f"  {side}: best learning rate {sweep['best'][side]:g} of {', '.join(tried)}", flush=True)
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    for r in range(args.rounds):
+        for side, run in sides.items():
+            lr = sweep["best"].get(side)
+            runs[side].append(
+                guarded(lambda: run(str(r), seed=round_seed(base_seed, r), lr=lr), f"{side} round {r}", args.reruns)
+            )
+            partial.write_text(json.dumps({"runs": runs, "sweep": sweep}) + "\n")
+    return runs, sweep
+
+
+def print_headlines(fast: str, baseline: str, runs: dict[str, list[dict]], args) -> dict:
+    """baseline/fast band-median time-to-target ratios on every clock, with their intervals and
+    per-round values; what they are printed as is what bench/README.md quotes."""
+    out = {}
+    gains = band_gains(args)
+    for clock in CLOCKS:
+        h = out[clock] = band_headline(runs[fast], runs[baseline], gains, clock)
+        fmt = lambda v: "-" if v is None else ("never" if v == float("inf") else f"{v:.2f}x")  # noqa: E731
+        interval = f" (90% {fmt(h['p5'])}-{fmt(h['p95'])})" if h["p5"] is not None else ""
+        print(
+            f"{baseline}/{fast} time to target, median over +{gains[0]:g}..+{gains[-1]:g} and {h['rounds']} rounds, "
+            f"clock {clock}: {fmt(h['median'])}{interval}; per round {', '.join(map(fmt, h['per_round']))}"
+            + (f"; {h['both_missed']} round-targets missed by both" if h["both_missed"] else "")
+        )
+    return out

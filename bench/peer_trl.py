@@ -1,7 +1,8 @@
 """Peer benchmark: this project (pipeline and sync mode) against TRL's GRPOTrainer, side by side.
 
     .venv/bin/python -m bench.peer_trl [--job examples/tiny-cpu.yaml] [--rounds 3] [--steps 500]
-        [--trl-steps 1000] [--gains 10 20 30] [--sides pipeline sync trl] [--name peer_trl]
+        [--trl-steps 1000] [--gains 10 20 30] [--sides pipeline sync trl trl-parity] [--band 5 15]
+        [--lrs 1e-4 1.5e-4 3e-4] [--name peer_trl]
 
 The same warm-started model, task, held-out set, samples per step, prompts per step, learning
 rate and schedule, sampling temperature and completion budget, on the same machine, rounds
@@ -18,16 +19,19 @@ default (the table in bench/README.md), which is the point.
 Held-out accuracy is measured offline for every side alike (as benchmark 1 does): every
 `--eval-interval` versions each side writes its weights, and after the run each is evaluated
 greedily on the same `--eval-problems` held-out problems, timed when its version existed (TRL:
-the end of its optimizer step, the time spent writing weights taken off its clock). Reported per
-side: trained samples/s, seconds per step, steps and seconds from the start of training to the
-warm start's accuracy + each `--gains` (isotonic fit of the pooled rounds, and per round),
-start-up time, and where a step's time goes. Then TRL/pipeline and TRL/sync ratios of time to
-each target.
+the end of its optimizer step, the time spent writing weights taken off its clock). Rounds,
+seeds, the learning-rate sweep, the contention guard and the band-median headline on three
+clocks follow the method of bench/analysis.py (bench/README.md, "The method"). `trl-parity` is
+TRL with the project's objective as near as TRL's options go. Reported per side: trained
+samples/s, seconds per step, start-up, steps and seconds to the warm start's accuracy + each
+`--gains` (pooled rounds), where a step's time goes; then the headline of each pair
+(TRL/pipeline, TRL/sync, and the same against `trl-parity`), with pooled ratios beside it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -41,16 +45,19 @@ from pathlib import Path
 
 import yaml
 
-from bench.common import RESULTS, pooled_runs, save, summary, table
-from bench.pipeline_vs_sync import (
-    JOB,
-    bootstrap_interval,
-    evaluate_exports,
-    one_run,
-    pooled_ratio,
-    time_to_target,
-    train_start,
+from bench.analysis import bootstrap_interval, pooled_ratio, time_to_target, train_start
+from bench.common import (
+    RESULTS,
+    add_method_args,
+    method_flags,
+    pooled_runs,
+    print_headlines,
+    run_rounds,
+    save,
+    summary,
+    table,
 )
+from bench.pipeline_vs_sync import JOB, evaluate_exports, one_run
 from pipelinerl.spec import PipelineRLJob, parse_job
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import resolve_model_path
@@ -60,7 +67,11 @@ TRL_ENV = ROOT / ".cache" / "bench-trl"
 TRL_REQUIREMENTS = ROOT / "bench" / "trl-requirements.txt"
 TRL_SCRIPT = ROOT / "bench" / "trl_grpo.py"
 REWARD = ROOT / "examples" / "trl" / "rewards.py"
-SIDES = ("pipeline", "sync", "trl")
+SIDES = ("pipeline", "sync", "trl", "trl-parity")
+# TRL with the project's objective as near as TRL's options go: advantages not divided by the
+# group's standard deviation, and Dr. GRPO's loss (a constant normaliser, not each completion's
+# length), so that the ratio against it measures asynchrony rather than objective.
+PARITY = ['scale_rewards="none"', 'loss_type="dr_grpo"']
 
 
 def trl_python() -> Path:
@@ -99,9 +110,11 @@ def write_rows(job: PipelineRLJob, count: int, path: Path) -> None:
             f.write(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n")
 
 
-def trl_run(args, tag: str, root: Path) -> dict:
+def trl_run(args, tag: str, root: Path, seed: int | None = None, lr: float | None = None, parity=False) -> dict:
     job = parse_job(yaml.safe_load(Path(args.job).read_text()), args.job)
-    spec, out = job.spec, root / f"trl-{tag}"
+    spec, out = job.spec, root / f"trl{'-parity' if parity else ''}-{tag}"
+    seed = spec.trainer.seed if seed is None else seed
+    lr = lr or spec.trainer.learning_rate
     rows = root / "trl-train.jsonl"
     if not rows.exists():
         write_rows(job, args.trl_steps * spec.groups_per_step, rows)
@@ -127,18 +140,19 @@ def trl_run(args, tag: str, root: Path) -> dict:
         "--temperature",
         str(spec.generator.sampling.temperature),
         "--lr",
-        str(spec.trainer.learning_rate),
+        str(lr),
         "--warmup",
         str(spec.trainer.warmup_steps),
         "--seed",
-        str(spec.trainer.seed),
+        str(seed),
         "--threads",
         str(args.trl_threads),
         "--export-interval",
         str(args.eval_interval),
+        *(item for field in PARITY if parity for item in ("--set", field)),
     ]
     out.mkdir(parents=True)
-    t0 = time.monotonic()
+    t0, launched = time.monotonic(), time.time()
     with open(out / "trl.log", "w") as log:  # bounded: 30 s a step is 10x the slowest seen here
         code = subprocess.run(
             cmd,
@@ -155,9 +169,14 @@ def trl_run(args, tag: str, root: Path) -> dict:
     evals = evaluate_exports(out / "export", steps, args.eval_problems, job)
     span = steps[-1]["time"]
     samples = spec.trainer.samples_per_step
+    began = json.loads((out / "clock.json").read_text())["train_begin"]
     x = {
+        "seed": seed,
+        "learning_rate": lr,
         "steps_log": steps,
         "evals": evals,
+        # On TRL's clock (0: training began); its first step generates at once.
+        "clock_origins": {"launch": launched - began, "first_token": 0.0},
         "steps": len(steps),
         "wall_seconds": wall,
         "startup_seconds": wall - span,
@@ -174,8 +193,8 @@ def trl_run(args, tag: str, root: Path) -> dict:
     return x
 
 
-def project_run(mode: str, args, tag: str, root: Path) -> dict:
-    x = one_run(mode, args, tag, root)
+def project_run(mode: str, args, tag: str, root: Path, seed: int | None = None, lr: float | None = None) -> dict:
+    x = one_run(mode, args, tag, root, seed, lr)
     x["startup_seconds"] = x["wall_seconds"] - (x["steps_log"][-1]["time"] - train_start(x["steps_log"]))
     return x
 
@@ -184,7 +203,7 @@ def where_time_goes(side: str, xs: list[dict], attempts: int) -> dict[str, float
     """Mean seconds per step, by phase (steps after the first, whose period holds start-up)."""
     rows = [r for x in xs for r in x["steps_log"][1:]]
     mean = lambda key: statistics.fmean(r[key] or 0.0 for r in rows)  # noqa: E731
-    if side == "trl":
+    if side.startswith("trl"):
         return {
             k.removesuffix("_seconds"): mean(k)
             for k in (
@@ -262,28 +281,31 @@ def report(runs: dict[str, list[dict]], args) -> dict:
             f"  {side}, mean per step: "
             + ", ".join(f"{k} {v:.3f}" for k, v in result["sides"][side]["where_time_goes"].items())
         )
-    for fast in ("pipeline", "sync"):
-        if fast not in runs or "trl" not in runs:
-            continue
-        ratios = result["ratios"][f"trl/{fast}"] = {}
+    pairs = [(f, b) for b in ("trl", "trl-parity") for f in ("pipeline", "sync") if f in runs and b in runs]
+    for fast, base in pairs:
+        key = f"{base}/{fast}"
+        result["ratios"][key] = {"headline": print_headlines(fast, base, runs, args), "pooled": {}}
         for g in args.gains:
-            r = pooled_ratio(runs[fast], runs["trl"], g)
-            ci = bootstrap_interval(runs[fast], runs["trl"], g)
-            ratios[f"+{g:g}"] = {"pooled": None if math.isnan(r) else r, "interval": ci}
+            r = pooled_ratio(runs[fast], runs[base], g)
+            ci = bootstrap_interval(runs[fast], runs[base], g)
+            result["ratios"][key]["pooled"][f"+{g:g}"] = {"pooled": None if math.isnan(r) else r, "interval": ci}
         print(
-            f"TRL/{fast} time to target (pooled; 90% bootstrap interval over rounds): "
-            + ", ".join(f"+{g:g}: {describe(ratios[f'+{g:g}'], runs, fast, g)}" for g in args.gains)
+            f"  beside it, {key} on the pooled curves (90% bootstrap interval over rounds): "
+            + ", ".join(
+                f"+{g:g}: {describe(result['ratios'][key]['pooled'][f'+{g:g}'], runs, fast, base, g)}"
+                for g in args.gains
+            )
         )
     return result
 
 
-def describe(ratio: dict, runs: dict, fast: str, gain: float) -> str:
+def describe(ratio: dict, runs: dict, fast: str, base: str, gain: float) -> str:
     r, ci = ratio["pooled"], ratio["interval"]
     if r is None:
         return "neither reached it"
     if r == math.inf:  # TRL missed it: the ratio is at least its shortest run over our time
-        bound = min(x["steps_log"][-1]["time"] for x in runs["trl"]) / time_to_target(runs[fast], gain)
-        return f"TRL never reached it in its run (> {bound:.2f}x)"
+        bound = min(x["steps_log"][-1]["time"] for x in runs[base]) / time_to_target(runs[fast], gain)
+        return f"{base} never reached it in its run (> {bound:.2f}x)"
     if r == 0:
         return f"{fast} never reached it"
     return f"{r:.2f}x ({ci['p5']:.2f}-{ci['p95']:.2f})" if ci["p5"] is not None else f"{r:.2f}x"
@@ -307,6 +329,7 @@ def main() -> None:
     ap.add_argument("--eval-problems", type=int, default=1000)
     ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (cores here: 2)")
     ap.add_argument("--name", default="peer_trl", help="results file: bench/results/NAME.json")
+    add_method_args(ap)
     ap.add_argument(
         "--reanalyse",
         metavar="JSON",
@@ -315,26 +338,30 @@ def main() -> None:
     )
     args = ap.parse_args()
     args.set, args.pipeline_set, args.gain = [], [], args.gains[0]  # what one_run reads
+    partial = RESULTS / f"{args.name}.partial.json"
+    sweep: dict = {}
     if args.reanalyse:
         runs = pooled_runs(args.reanalyse, args.sides)
         args.rounds = max(len(xs) for xs in runs.values())
     else:
-        runs = {side: [] for side in args.sides}
-        partial = RESULTS / f"{args.name}.partial.json"
         RESULTS.mkdir(parents=True, exist_ok=True)
+        base_seed = parse_job(yaml.safe_load(Path(args.job).read_text()), args.job).spec.trainer.seed
         with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
-            for r in range(args.rounds):
-                for side in args.sides:
-                    run = trl_run if side == "trl" else lambda *a: project_run(side, *a)
-                    runs[side].append(run(args, str(r), Path(tmp)))
-                    partial.write_text(json.dumps({"runs": runs}) + "\n")
-    result = report(runs, args)
+            sides = {
+                side: functools.partial(trl_run, args, root=Path(tmp), parity=side == "trl-parity")
+                if side.startswith("trl")
+                else functools.partial(project_run, side, args, root=Path(tmp))
+                for side in args.sides
+            }
+            runs, sweep = run_rounds(sides, args, base_seed, partial)
+    result = report(runs, args) | {"sweep": sweep}
     command = (
         f"python -m bench.peer_trl --rounds {args.rounds} --steps {args.steps} --trl-steps {args.trl_steps} "
         f"--gains {' '.join(f'{g:g}' for g in args.gains)}"
     )
     command += "" if Path(args.job).resolve() == JOB else f" --job {args.job}"
     command += "" if args.sides == list(SIDES) else " --sides " + " ".join(args.sides)
+    command += method_flags(args)
     save(args.name, result, command)
     if not args.reanalyse:
         partial.unlink()

@@ -3,11 +3,14 @@
 
     .venv/bin/python -m bench.pipeline_vs_sync [--rounds 3] [--steps 150] [--gain 15]
         [--job examples/tiny-cpu.yaml] [--pipeline-set rl.maxLag=2 ...] [--modes pipeline sync]
-        [--name pipeline_vs_sync]
+        [--band 5 15] [--lrs 5e-5 1e-4 2e-4] [--name pipeline_vs_sync]
 
 Reports per mode: trained samples/s, seconds per step, wall time from the first training step
 to a held-out accuracy `--gain` points above the warm start, generator and trainer busy
-fractions, the token lag distribution and ESS; then the pipeline/sync ratios per round.
+fractions, the token lag distribution and ESS; then the pipeline/sync ratios: the rate per round,
+and the band-median headline of time to target on three clocks with its interval over rounds
+(rounds of independent seeds, an optional learning-rate sweep per mode, a contention guard: the
+method of bench/analysis.py), pooled ratios beside it.
 
 Held-out accuracy is measured offline: the trainer exports its weights every `--eval-interval`
 versions (`trainer.exportInterval`), and after each run every export is evaluated greedily on
@@ -21,15 +24,35 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import math
-import random
 import tempfile
+import time
 from pathlib import Path
 
 import yaml
 
-from bench.common import RESULTS, paired_ratios, pooled_runs, save, set_fields, summary, table
+from bench.analysis import (
+    accuracy_gap,
+    bootstrap_interval,
+    pooled_ratio,
+    time_to_target,
+    train_start,
+)
+from bench.common import (
+    RESULTS,
+    add_method_args,
+    method_flags,
+    paired_ratios,
+    pooled_runs,
+    print_headlines,
+    run_rounds,
+    save,
+    set_fields,
+    summary,
+    table,
+)
 from pipelinerl_cli.local import run_local
 from pipelinerl.spec import PipelineRLJob, parse_job
 from pipelinerl.tasks import make_task
@@ -66,92 +89,6 @@ def job_for(
     return parse_job({**data, "metadata": {"name": f"bench-{mode}-{tag}"}, "spec": spec}, f"{job} ({mode})")
 
 
-def train_start(steps: list[dict]) -> float:
-    return steps[0]["time"] - steps[0]["train_seconds"]
-
-
-def isotonic(values: list[float]) -> list[float]:
-    """The non-decreasing sequence closest to `values` in least squares (pool adjacent
-    violators). Expected held-out accuracy rises with training; single evaluations swing by
-    ±5 points around it (policy noise as much as evaluation noise), so a crossing is read off
-    this fit rather than off the first lucky evaluation."""
-    blocks: list[list[float]] = []  # [mean, weight]
-    for v in values:
-        blocks.append([v, 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
-            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
-    return [m for m, w in blocks for _ in range(int(w))]
-
-
-def crossing_time(points: list[tuple[float, float]], target: float) -> float | None:
-    """When the isotonic fit of (time, accuracy) points first reaches `target`, interpolated
-    linearly between the fitted points around it (None if it never does)."""
-    points = sorted(points)
-    fit = isotonic([a for _, a in points])
-    for i, (a, (t, _)) in enumerate(zip(fit, points)):
-        if a >= target:
-            if i == 0:
-                return t
-            a0, t0 = fit[i - 1], points[i - 1][0]
-            return t0 + (t - t0) * (target - a0) / (a - a0)
-    return None
-
-
-def curve(run: dict, axis: str = "time") -> list[tuple[float, float]]:
-    """A run's held-out curve per evaluated version after the warm start: (seconds since the
-    start of training, accuracy), or with axis="version" (version, accuracy)."""
-    start = train_start(run["steps_log"])
-    return [
-        (e["time"] - start if axis == "time" else e["version"], e["accuracy"]) for e in run["evals"] if e["version"] > 0
-    ]
-
-
-def time_to_target(runs: list[dict], gain_points: float, axis: str = "time") -> float | None:
-    """Seconds (axis="version": optimizer steps) to the warm start's accuracy + `gain_points` on
-    the isotonic fit of the pooled curves of `runs` (one run: its own time to target)."""
-    warm = sum(e["accuracy"] for x in runs for e in x["evals"] if e["version"] == 0) / len(runs)
-    return crossing_time([p for x in runs for p in curve(x, axis)], warm + gain_points / 100)
-
-
-def pooled_ratio(pipeline: list[dict], sync: list[dict], gain_points: float, axis: str = "time") -> float:
-    """Sync/pipeline time (or steps) to target on the pooled curves: inf if only sync misses the
-    target, 0 if only the pipeline does, nan if both do."""
-    s, p = (time_to_target(x, gain_points, axis) for x in (sync, pipeline))
-    s, p = (math.inf if v is None else v for v in (s, p))
-    return math.nan if s == p == math.inf else (math.inf if p == 0 else s / p)
-
-
-def bootstrap_interval(
-    pipeline: list[dict], baseline: list[dict], gain_points: float, resamples: int = 1000, seed: int = 0
-) -> dict[str, float]:
-    """5th/50th/95th percentile of the pooled baseline/pipeline time-to-target ratio over rounds
-    drawn with replacement (a round's runs go together: they were measured side by side). Runs
-    of either side end several points apart; this says how uncertain a pooled ratio is."""
-    rng = random.Random(seed)
-    n, m = len(pipeline), len(baseline)
-    ratios = []
-    for _ in range(resamples):
-        idx = [rng.randrange(n) for _ in range(n)]
-        jdx = idx if m == n else [rng.randrange(m) for _ in range(m)]  # runs pooled unpaired: each side alone
-        ratios.append(pooled_ratio([pipeline[i] for i in idx], [baseline[j] for j in jdx], gain_points))
-    both_missed = sum(math.isnan(r) for r in ratios)
-    ratios = sorted(r for r in ratios if not math.isnan(r))
-    pick = lambda q: ratios[min(len(ratios) - 1, int(q * len(ratios)))] if ratios else None  # noqa: E731
-    return {"p5": pick(0.05), "p50": pick(0.5), "p95": pick(0.95), "resamples": resamples, "both_missed": both_missed}
-
-
-def accuracy_gap(runs: dict[str, list[dict]]) -> dict[int, float]:
-    """Per evaluated version: mean held-out accuracy of the pipeline runs minus the sync runs',
-    in points (how much each optimizer step learns, whatever it cost in time)."""
-    means = {mode: {} for mode in runs}
-    for mode, xs in runs.items():
-        for v in sorted({e["version"] for x in xs for e in x["evals"]}):
-            accs = [e["accuracy"] for x in xs for e in x["evals"] if e["version"] == v]
-            means[mode][v] = sum(accs) / len(accs)
-    return {v: 100 * (means["pipeline"][v] - means["sync"][v]) for v in means["pipeline"] if v in means["sync"]}
-
-
 def evaluate_exports(exports_dir: Path, steps: list[dict], problems: int, job: PipelineRLJob) -> list[dict]:
     """Greedy held-out accuracy of the warm start and of every exported version (`version-N`
     folders), each timed at the moment its version went live (the trainer's report after the
@@ -178,9 +115,13 @@ def evaluate_exports(exports_dir: Path, steps: list[dict], problems: int, job: P
     return evals
 
 
-def one_run(mode: str, args, tag: str, root: Path) -> dict:
+def one_run(mode: str, args, tag: str, root: Path, seed: int | None = None, lr: float | None = None) -> dict:
+    """One run of `mode`, with the round's `seed` and a learning rate (None: the job's)."""
     run_dir = root / f"{mode}-{tag}"
-    job = job_for(mode, args.steps, args.eval_interval, tag, args.pipeline_set, Path(args.job), args.set)
+    both = [*args.set, *([f"trainer.seed={seed}"] if seed is not None else [])]
+    both += [f"trainer.learningRate={lr}"] if lr else []
+    job = job_for(mode, args.steps, args.eval_interval, tag, args.pipeline_set, Path(args.job), both)
+    launched = time.time()
     code = run_local(job, run_dir, quiet=True, pin_cores=True, restart=False)  # a restart would distort the timing
     if code:
         raise SystemExit(f"{mode} run failed ({code}); logs in {run_dir / 'logs'}")
@@ -205,10 +146,14 @@ def one_run(mode: str, args, tag: str, root: Path) -> dict:
     evals = evaluate_exports(run_dir / "checkpoints" / "export", steps, args.eval_problems, job)
     x = {
         **s,
+        "seed": job.spec.trainer.seed,
+        "learning_rate": job.spec.trainer.learning_rate,
         "steps_log": steps,
         "evals": evals,
         "warm_start_accuracy": evals[0]["accuracy"],
         "final_accuracy": evals[-1]["accuracy"],
+        # The clocks' origins on the rows' clock (0 = when the runner started its services).
+        "clock_origins": {"launch": launched - s["started_at"], "first_token": s["first_group_seconds"]},
     }
     x["time_to_target_s"] = time_to_target([x], args.gain)
     ttt = x["time_to_target_s"]
@@ -252,6 +197,7 @@ def main() -> None:
         help="run only these (one mode: its table, no ratios)",
     )
     ap.add_argument("--name", default="pipeline_vs_sync", help="results file: bench/results/NAME.json")
+    add_method_args(ap)
     ap.add_argument(
         "--reanalyse",
         metavar="JSON",
@@ -259,8 +205,8 @@ def main() -> None:
         help="rebuild the report from saved results (their rounds pooled), run nothing",
     )
     args = ap.parse_args()
-    runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     partial = RESULTS / f"{args.name}.partial.json"  # the runs so far (--reanalyse reads it)
+    sweep: dict = {}
     if args.reanalyse:
         runs = pooled_runs(args.reanalyse, args.modes)
         for xs in runs.values():
@@ -269,18 +215,17 @@ def main() -> None:
         args.rounds = max(len(xs) for xs in runs.values())
     else:
         RESULTS.mkdir(parents=True, exist_ok=True)
+        base_seed = parse_job(yaml.safe_load(Path(args.job).read_text()), args.job).spec.trainer.seed
         with tempfile.TemporaryDirectory(prefix="bench-pvs-") as tmp:
-            for r in range(args.rounds):
-                for mode in runs:
-                    runs[mode].append(one_run(mode, args, str(r), Path(tmp)))
-                    partial.write_text(json.dumps({"runs": runs}) + "\n")
-    report(runs, args)
+            sides = {mode: functools.partial(one_run, mode, args, root=Path(tmp)) for mode in args.modes}
+            runs, sweep = run_rounds(sides, args, base_seed, partial)
+    report(runs, args, sweep)
     if not args.reanalyse:
         partial.unlink()
 
 
-def report(runs: dict[str, list[dict]], args) -> None:
-    result = {"args": vars(args), "runs": runs, "modes": {}}
+def report(runs: dict[str, list[dict]], args, sweep: dict | None = None) -> None:
+    result = {"args": vars(args), "runs": runs, "sweep": sweep or {}, "modes": {}}
     rows = []
     for mode in runs:
         agg = result["modes"][mode] = mode_summary(runs[mode], args.gain)
@@ -327,6 +272,7 @@ def report(runs: dict[str, list[dict]], args) -> None:
     command += "".join(f" --pipeline-set {x}" for x in args.pipeline_set)
     command += "" if len(runs) == 2 else " --modes " + " ".join(runs)
     command += "" if args.name == "pipeline_vs_sync" else f" --name {args.name}"
+    command += method_flags(args)
     save(args.name, result, command)
 
 
@@ -367,6 +313,8 @@ def compare(runs: dict[str, list[dict]], args) -> dict:
         f"pipeline/sync trained-samples rate: {rate['median']:.2f}x (spread {rate['min']:.2f}-{rate['max']:.2f}; "
         f"target >= 1.6x)"
     )
+    out["headline"] = print_headlines("pipeline", "sync", runs, args)
+    print("beside the headline (one target, rounds pooled or each alone):")
     pairs = [
         (s["time_to_target_s"], p["time_to_target_s"])
         for p, s in zip(runs["pipeline"], runs["sync"])

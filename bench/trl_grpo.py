@@ -103,6 +103,7 @@ def main() -> None:
             self.saving = 0.0  # seconds spent writing exports, off the clock
 
         def on_train_begin(self, *_, **__):
+            (out / "clock.json").write_text(json.dumps({"train_begin": time.time()}))  # the launch clock's offset
             self.t0 = self.last = time.perf_counter()
             self._export(0, trainer.model)
 

@@ -361,6 +361,7 @@ class GeneratorStatus(StatusBody):
     tokens: int = 0
     updates_with_requests_in_flight: int = 0
     busy_seconds: float = 0.0
+    first_group_at: float | None = None  # wall clock (Unix seconds) of this process's first group: generation began
 
 
 class PreprocessorStatus(StatusBody):

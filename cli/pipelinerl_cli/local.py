@@ -189,6 +189,7 @@ class LocalRun:
         self.nats, self.nats_restarts = nats, 0
         self.nats_restart_at: float | None = None
         self.busy: list[tuple[float, float]] = []  # (run time, generators' summed busy seconds)
+        self.first_group: float | None = None  # run time the first generator began generating
         self.subjects = job.subjects
         self.quiet = quiet
         self.services: list[Service] = []
@@ -385,6 +386,9 @@ class LocalRun:
                 return
             total += status.tokens
             busy += status.busy_seconds
+            if status.first_group_at is not None:
+                began = status.first_group_at - self.t0
+                self.first_group = began if self.first_group is None else min(self.first_group, began)
         now = time.time()
         self.busy.append((now - self.t0, busy))
         if self.gen_tokens and now > self.gen_tokens[0]:
@@ -414,6 +418,8 @@ class LocalRun:
             "max_lag": self.spec.max_lag,
             "steps": self.train[-1]["step"] if self.train else 0,
             "wall_seconds": time.time() - self.t0,
+            "started_at": self.t0,  # Unix seconds; rows' "time" counts from it
+            "first_group_seconds": self.first_group,  # when generation began, on the rows' clock
             "warm_start_accuracy": first["accuracy"] if first else None,
             "final_accuracy": final["accuracy"] if final else None,
             "accuracy_gain_points": 100 * (final["accuracy"] - first["accuracy"]) if first and final else None,

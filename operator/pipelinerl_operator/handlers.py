@@ -315,16 +315,42 @@ async def _reconcile(
     last_written: dict[str, Any] | None,
     jobs: kopf.Index,
 ) -> dict[str, Any]:
+    """One pass: read the spec, apply its children, observe them, restart a trainer gang on a new
+    template, compute the status and act on it."""
     kube = STATE.kube
     if kube is None:
         raise kopf.TemporaryError("not logged in to the Kubernetes API yet", delay=5)
     started = time.monotonic()
     meta = body["metadata"]
-    ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
+    ns, name = meta["namespace"], meta["name"]
     previous = dict(last_written or body.get("status") or {})
     logger.debug("reconciling generation %s", meta.get("generation"))
     cfg = operator_config()
-    job, spec_error, children = None, None, []
+    job, spec_error, children = _read_spec(body, previous, cfg, logger)
+    try:
+        apply_error = await _apply(kube, jobs, body, children, cfg, logger)
+        roles = await _observe_roles(kube, ns, job, name)
+        pods = await kube.list("v1", "Pod", ns, f"{JOB_LABEL}={name}")
+        await _restart_trainer_gang(kube, body, job, pods, roles)
+        now = datetime.now(timezone.utc)
+        status, events = compute(
+            _observed(body, job, now, previous, spec_error, roles, await _trainer_status(job, roles), pods, apply_error)
+        )
+        await _act_on(kube, body, patch, logger, job, cfg, previous, status, events, now)
+        return status
+    except Exception:
+        metrics.RECONCILE_ERRORS.labels(ns).inc()
+        raise
+    finally:
+        metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+
+
+def _read_spec(
+    body: kopf.Body, previous: dict[str, Any], cfg: Any, logger: logging.Logger | logging.LoggerAdapter
+) -> tuple[Any, str | None, list[dict[str, Any]]]:
+    """The job as `validate` reads it, and its children as rendered now; or the spec's error."""
+    meta = body["metadata"]
+    ns, name = meta["namespace"], meta["name"]
     try:
         job = admission.check(
             {
@@ -335,74 +361,123 @@ async def _reconcile(
             },
             source=f"{KIND} {ns}/{name}",
         )
-        active = not job.spec.suspend and not is_terminal(previous)
-        children = render(job, ns, uid, cfg, active=active, output_written=previous.get("phase") == "Succeeded")
     except SpecError as err:
-        spec_error = str(err)
-        logger.warning("invalid spec: %s", spec_error)
-    try:
-        apply_error = store_problem(jobs, ns, name, cfg) if children else None
-        apply_error = apply_error or await apply_owned(kube, children, uid)
-        if apply_error:
-            logger.warning("not applied: %s", apply_error)
-        roles = await _observe_roles(kube, ns, job, name)
-        pods = await kube.list("v1", "Pod", ns, f"{JOB_LABEL}={name}")
-        gang = trainer_gang_to_restart(pods, roles["trainer"].update_revision) if job is not None else []
-        for pod in gang:
-            await kube.delete("v1", "Pod", ns, pod)
-        if gang:
-            _event(
-                body,
-                "Normal",
-                "TrainerGangRestarted",
-                f"trainer pods {', '.join(gang)} restart together on the "
-                f"new template (revision {roles['trainer'].update_revision}), from their checkpoint",
-            )
-        trainer_status = None
-        if job is not None and roles["trainer"].ready > 0:
-            url = status_url(
-                os.environ.get(OperatorEnv.TRAINER_STATUS_URL, DEFAULT_URL), name, ns, trainer_host(job, ns)
-            )
-            trainer_status = await fetch_trainer_status(url)
-        now = datetime.now(timezone.utc)
-        status, events = compute(
-            Observed(
-                generation=int(meta.get("generation", 0) or 0),
-                now=now,
-                previous=previous,
-                spec_error=spec_error,
-                suspend=bool(job and job.spec.suspend),
-                roles=roles,
-                trainer_status=trainer_status,
-                pod_restarts=_pod_restarts(pods, job.spec.run_policy.failing_roles if job else ["trainer"]),
-                pod_problems=tuple(pod_problems(pods)),
-                apply_error=apply_error,
-                created=parse_ts(meta["creationTimestamp"]) if meta.get("creationTimestamp") else None,
-                backoff_limit=job.spec.run_policy.backoff_limit if job else 0,
-                active_deadline_seconds=job.spec.run_policy.active_deadline_seconds if job else None,
-                progress_deadline_seconds=job.spec.run_policy.progress_deadline_seconds if job else None,
-                generator_selector=generator_selector(name),
-            )
+        logger.warning("invalid spec: %s", err)
+        return None, str(err), []
+    active = not job.spec.suspend and not is_terminal(previous)
+    output_written = previous.get("phase") == "Succeeded"
+    return job, None, render(job, ns, meta.get("uid", ""), cfg, active=active, output_written=output_written)
+
+
+async def _apply(
+    kube: Kube,
+    jobs: kopf.Index,
+    body: kopf.Body,
+    children: list[dict[str, Any]],
+    cfg: Any,
+    logger: logging.Logger | logging.LoggerAdapter,
+) -> str | None:
+    """Apply the children if the store has room for the job; why not, otherwise."""
+    if not children:
+        return None
+    meta = body["metadata"]
+    error = store_problem(jobs, meta["namespace"], meta["name"], cfg) or await apply_owned(
+        kube, children, meta.get("uid", "")
+    )
+    if error:
+        logger.warning("not applied: %s", error)
+    return error
+
+
+async def _restart_trainer_gang(
+    kube: Kube, body: kopf.Body, job: Any, pods: list[dict[str, Any]], roles: dict[str, RoleObserved]
+) -> None:
+    """Trainer ranks restart together on a new template (one rank alone cannot rejoin the others)."""
+    if job is None:
+        return
+    gang = trainer_gang_to_restart(pods, roles["trainer"].update_revision)
+    for pod in gang:
+        await kube.delete("v1", "Pod", body["metadata"]["namespace"], pod)
+    if gang:
+        _event(
+            body,
+            "Normal",
+            "TrainerGangRestarted",
+            f"trainer pods {', '.join(gang)} restart together on the "
+            f"new template (revision {roles['trainer'].update_revision}), from their checkpoint",
         )
-        if job is not None and is_terminal(status) and not is_terminal(previous):
-            # Free the GPUs; the checkpoints stay (or may now go with the job: the output is written).
-            for obj in render(job, ns, uid, cfg, active=False, output_written=status["phase"] == "Succeeded"):
-                await kube.apply(obj)
-        patch.status.update(status)
-        for e in events:
-            logger.debug("event %s: %s", e.reason, e.message)
-            _event(body, e.type, e.reason, e.message)
-        metrics.record_phase(ns, name, status["phase"])
-        metrics.JOB_STEP.labels(ns, name).set(status["progress"].get("step", 0))
-        if job is not None and ttl_expired(status, job.spec.run_policy.ttl_seconds_after_finished, now):
-            _event(body, "Normal", "TTLExpired", "deleting the finished job (runPolicy.ttlSecondsAfterFinished)")
-            await kube.delete(API_VERSION, KIND, ns, name)
-        return status
-    except Exception:
-        metrics.RECONCILE_ERRORS.labels(ns).inc()
-        raise
-    finally:
-        metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
+
+
+async def _trainer_status(job: Any, roles: dict[str, RoleObserved]) -> Any:
+    """Trainer rank 0's /status, once it is ready (None before, or if it does not answer)."""
+    if job is None or roles["trainer"].ready == 0:
+        return None
+    ns, name = job.namespace, job.name
+    url = status_url(os.environ.get(OperatorEnv.TRAINER_STATUS_URL, DEFAULT_URL), name, ns, trainer_host(job, ns))
+    return await fetch_trainer_status(url)
+
+
+def _observed(
+    body: kopf.Body,
+    job: Any,
+    now: datetime,
+    previous: dict[str, Any],
+    spec_error: str | None,
+    roles: dict[str, RoleObserved],
+    trainer_status: Any,
+    pods: list[dict[str, Any]],
+    apply_error: str | None,
+) -> Observed:
+    meta = body["metadata"]
+    policy = job.spec.run_policy if job is not None else None
+    return Observed(
+        generation=int(meta.get("generation", 0) or 0),
+        now=now,
+        previous=previous,
+        spec_error=spec_error,
+        suspend=bool(job and job.spec.suspend),
+        roles=roles,
+        trainer_status=trainer_status,
+        pod_restarts=_pod_restarts(pods, policy.failing_roles if policy else ["trainer"]),
+        pod_problems=tuple(pod_problems(pods)),
+        apply_error=apply_error,
+        created=parse_ts(meta["creationTimestamp"]) if meta.get("creationTimestamp") else None,
+        backoff_limit=policy.backoff_limit if policy else 0,
+        active_deadline_seconds=policy.active_deadline_seconds if policy else None,
+        progress_deadline_seconds=policy.progress_deadline_seconds if policy else None,
+        generator_selector=generator_selector(meta["name"]),
+    )
+
+
+async def _act_on(
+    kube: Kube,
+    body: kopf.Body,
+    patch: kopf.Patch,
+    logger: logging.Logger | logging.LoggerAdapter,
+    job: Any,
+    cfg: Any,
+    previous: dict[str, Any],
+    status: dict[str, Any],
+    events: list[Any],
+    now: datetime,
+) -> None:
+    """Write the status and its events; free the GPUs of a job that just ended; delete a finished
+    job whose TTL has run out."""
+    meta = body["metadata"]
+    ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
+    if job is not None and is_terminal(status) and not is_terminal(previous):
+        # Free the GPUs; the checkpoints stay (or may now go with the job: the output is written).
+        for obj in render(job, ns, uid, cfg, active=False, output_written=status["phase"] == "Succeeded"):
+            await kube.apply(obj)
+    patch.status.update(status)
+    for e in events:
+        logger.debug("event %s: %s", e.reason, e.message)
+        _event(body, e.type, e.reason, e.message)
+    metrics.record_phase(ns, name, status["phase"])
+    metrics.JOB_STEP.labels(ns, name).set(status["progress"].get("step", 0))
+    if job is not None and ttl_expired(status, job.spec.run_policy.ttl_seconds_after_finished, now):
+        _event(body, "Normal", "TTLExpired", "deleting the finished job (runPolicy.ttlSecondsAfterFinished)")
+        await kube.delete(API_VERSION, KIND, ns, name)
 
 
 @kopf.on.create(API_GROUP, VERSION, PLURAL)

@@ -71,12 +71,13 @@ def test_a_missed_target_reads_as_a_bound_not_a_ratio():
     ours, trl = run([(10, 0.45), (20, 0.55)]), run([(50, 0.35), (100, 0.38)])
     runs = {"pipeline": [ours], "trl": [trl]}
     ci = {"p5": None, "p95": None}
-    assert "never reached it in its run (> 10.00x)" in describe(
-        {"pooled": math.inf, "interval": ci}, runs, "pipeline", 15
+    assert "trl never reached it in its run (> 10.00x)" in describe(
+        {"pooled": math.inf, "interval": ci}, runs, "pipeline", "trl", 15
     )
-    assert describe({"pooled": 0.0, "interval": ci}, runs, "pipeline", 15) == "pipeline never reached it"
-    assert describe({"pooled": None, "interval": ci}, runs, "pipeline", 15) == "neither reached it"
-    assert describe({"pooled": 2.5, "interval": {"p5": 2.0, "p95": 3.1}}, runs, "pipeline", 15) == "2.50x (2.00-3.10)"
+    assert describe({"pooled": 0.0, "interval": ci}, runs, "pipeline", "trl", 15) == "pipeline never reached it"
+    assert describe({"pooled": None, "interval": ci}, runs, "pipeline", "trl", 15) == "neither reached it"
+    both = {"pooled": 2.5, "interval": {"p5": 2.0, "p95": 3.1}}
+    assert describe(both, runs, "pipeline", "trl", 15) == "2.50x (2.00-3.10)"
 
 
 def test_trl_trains_on_the_jobs_training_stream_as_prompt_answer_rows(tmp_path):

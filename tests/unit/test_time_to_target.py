@@ -1,4 +1,4 @@
-"""Benchmark 1's analysis (bench/pipeline_vs_sync.py): time to target read off an isotonic fit of the
+"""The benchmarks' analysis (bench/analysis.py): time to target read off an isotonic fit of the
 held-out curve, so one lucky evaluation does not decide when a target is reached; pooled ratios, their
 bootstrap interval, the per-version gap; and the jobs it runs."""
 
@@ -7,15 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.pipeline_vs_sync import (
-    accuracy_gap,
-    bootstrap_interval,
-    crossing_time,
-    isotonic,
-    job_for,
-    pooled_ratio,
-    time_to_target,
-)
+from bench.analysis import accuracy_gap, bootstrap_interval, crossing_time, isotonic, pooled_ratio, time_to_target
+from bench.pipeline_vs_sync import job_for
 
 
 def test_isotonic_pools_adjacent_violators():

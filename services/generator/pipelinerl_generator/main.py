@@ -77,6 +77,7 @@ class Generator:
             max_inflight=self.spec.generator.max_inflight_groups,
         )
         self.wakeup = asyncio.Event()
+        self.first_group_at: float | None = None  # wall clock: when generation began (benchmarks' clocks)
         self.started_groups = asyncio.Event()  # the peers should hear of this one's queue now
         self.stopping = asyncio.Event()
         self.finished_version: int | None = None
@@ -120,6 +121,7 @@ class Generator:
             tokens=engine.tokens_generated if engine else 0,
             updates_with_requests_in_flight=self.updates_in_flight,
             busy_seconds=self.busy.seconds(),
+            first_group_at=self.first_group_at,
         )
 
     # -- main ------------------------------------------------------------------------------
@@ -254,6 +256,7 @@ class Generator:
                 break
             if self.admission.may_start():
                 started_at = self.admission.on_start()
+                self.first_group_at = self.first_group_at or time.time()
                 self._spawn(self._group(self.task.train_problem(await self._next_problem()), started_at))
                 self.started_groups.set()  # tell the peers at once
                 continue

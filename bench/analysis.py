@@ -1,0 +1,186 @@
+"""The benchmarks' verdicts (pure): time to target on held-out accuracy curves, ratios of two
+sides, and a headline a re-run reproduces.
+
+The method, for a comparison of a fast side against a baseline (bench/README.md, "Method"):
+- rounds are independent: round r runs every side with seed `round_seed(base, r)`, so rounds
+  differ on every side (TRL included) and sides share the seed set;
+- each round's curve gives its own time to each target (`time_to_target([run], gain)`), and
+  its ratio baseline/fast at that target (`round_ratio`);
+- the headline is the median of those per-round ratios over a band of targets (every point
+  from +5 to +15 by default), with a bootstrap over rounds (`band_headline`): one target or
+  one lucky evaluation does not decide it. Pooled curves (`pooled_ratio`) are reported beside it;
+- every time is read on three clocks (`CLOCKS`): from launch (start-up included), from the
+  first generated token, and from the start of training;
+- each side runs at its best learning rate of one grid (`best_setting`).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+
+CLOCKS = ("launch", "first_token", "time")
+
+
+def round_seed(base: int, round_index: int) -> int:
+    """Round r's seed, the same on every side: rounds are independent runs, not re-timings."""
+    return base + round_index
+
+
+def train_start(steps: list[dict]) -> float:
+    return steps[0]["time"] - steps[0]["train_seconds"]
+
+
+def isotonic(values: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to `values` in least squares (pool adjacent
+    violators). Expected held-out accuracy rises with training; single evaluations swing by
+    ±5 points around it (policy noise as much as evaluation noise), so a crossing is read off
+    this fit rather than off the first lucky evaluation."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for v in values:
+        blocks.append([v, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    return [m for m, w in blocks for _ in range(int(w))]
+
+
+def crossing_time(points: list[tuple[float, float]], target: float) -> float | None:
+    """When the isotonic fit of (time, accuracy) points first reaches `target`, interpolated
+    linearly between the fitted points around it (None if it never does)."""
+    points = sorted(points)
+    fit = isotonic([a for _, a in points])
+    for i, (a, (t, _)) in enumerate(zip(fit, points)):
+        if a >= target:
+            if i == 0:
+                return t
+            a0, t0 = fit[i - 1], points[i - 1][0]
+            return t0 + (t - t0) * (target - a0) / (a - a0)
+    return None
+
+
+def clock_origin(run: dict, axis: str) -> float:
+    """When `axis`'s clock starts, in the run's own time base (that of its steps and evals)."""
+    if axis == "time":
+        return train_start(run["steps_log"])
+    if axis not in run.get("clock_origins", {}):
+        raise SystemExit(f"a run has no {axis!r} clock (saved before clocks were recorded): use --clock time")
+    return run["clock_origins"][axis]
+
+
+def curve(run: dict, axis: str = "time") -> list[tuple[float, float]]:
+    """A run's held-out curve per evaluated version after the warm start: (seconds on the
+    `axis` clock, accuracy), or with axis="version" (version, accuracy). Clocks (`CLOCKS`):
+    "time" from the start of training, "first_token" from the first token generated, "launch"
+    from the command that started the run (start-up included)."""
+    if axis == "version":
+        return [(e["version"], e["accuracy"]) for e in run["evals"] if e["version"] > 0]
+    start = clock_origin(run, axis)
+    return [(e["time"] - start, e["accuracy"]) for e in run["evals"] if e["version"] > 0]
+
+
+def time_to_target(runs: list[dict], gain_points: float, axis: str = "time") -> float | None:
+    """Seconds (axis="version": optimizer steps) to the warm start's accuracy + `gain_points` on
+    the isotonic fit of the pooled curves of `runs` (one run: its own time to target)."""
+    warm = sum(e["accuracy"] for x in runs for e in x["evals"] if e["version"] == 0) / len(runs)
+    return crossing_time([p for x in runs for p in curve(x, axis)], warm + gain_points / 100)
+
+
+def pooled_ratio(pipeline: list[dict], sync: list[dict], gain_points: float, axis: str = "time") -> float:
+    """Sync/pipeline time (or steps) to target on the pooled curves: inf if only sync misses the
+    target, 0 if only the pipeline does, nan if both do."""
+    s, p = (time_to_target(x, gain_points, axis) for x in (sync, pipeline))
+    s, p = (math.inf if v is None else v for v in (s, p))
+    return math.nan if s == p == math.inf else (math.inf if p == 0 else s / p)
+
+
+def bootstrap_interval(
+    pipeline: list[dict], baseline: list[dict], gain_points: float, resamples: int = 1000, seed: int = 0
+) -> dict[str, float]:
+    """5th/50th/95th percentile of the pooled baseline/pipeline time-to-target ratio over rounds
+    drawn with replacement (a round's runs go together: they were measured side by side). Runs
+    of either side end several points apart; this says how uncertain a pooled ratio is."""
+    rng = random.Random(seed)
+    n, m = len(pipeline), len(baseline)
+    ratios = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        jdx = idx if m == n else [rng.randrange(m) for _ in range(m)]  # runs pooled unpaired: each side alone
+        ratios.append(pooled_ratio([pipeline[i] for i in idx], [baseline[j] for j in jdx], gain_points))
+    both_missed = sum(math.isnan(r) for r in ratios)
+    ratios = sorted(r for r in ratios if not math.isnan(r))
+    pick = lambda q: ratios[min(len(ratios) - 1, int(q * len(ratios)))] if ratios else None  # noqa: E731
+    return {"p5": pick(0.05), "p50": pick(0.5), "p95": pick(0.95), "resamples": resamples, "both_missed": both_missed}
+
+
+def accuracy_gap(runs: dict[str, list[dict]]) -> dict[int, float]:
+    """Per evaluated version: mean held-out accuracy of the pipeline runs minus the sync runs',
+    in points (how much each optimizer step learns, whatever it cost in time)."""
+    means = {mode: {} for mode in runs}
+    for mode, xs in runs.items():
+        for v in sorted({e["version"] for x in xs for e in x["evals"]}):
+            accs = [e["accuracy"] for x in xs for e in x["evals"] if e["version"] == v]
+            means[mode][v] = sum(accs) / len(accs)
+    return {v: 100 * (means["pipeline"][v] - means["sync"][v]) for v in means["pipeline"] if v in means["sync"]}
+
+
+def round_ratio(fast: dict, baseline: dict, gain_points: float, axis: str = "time") -> float | None:
+    """Baseline/fast time to target in one round (two runs of one seed): inf if only the
+    baseline misses the target, 0 if only the fast side does, None if both do."""
+    f, b = (time_to_target([x], gain_points, axis) for x in (fast, baseline))
+    if f is None and b is None:
+        return None
+    if f is None or b is None:
+        return math.inf if f is not None else 0.0
+    return math.inf if f == 0 else b / f
+
+
+def band_headline(
+    fast: list[dict],
+    baseline: list[dict],
+    gains: list[float],
+    axis: str = "time",
+    resamples: int = 1000,
+    seed: int = 0,
+) -> dict:
+    """The median over rounds and over the band of targets `gains` of the per-round ratios
+    baseline/fast, and its 90% bootstrap interval over rounds (a round's two runs go together:
+    same seed, run side by side). Rounds pair by index; targets missed by both sides of a round
+    are left out and counted."""
+    rounds = list(zip(fast, baseline))
+    table = [[round_ratio(f, b, g, axis) for g in gains] for f, b in rounds]
+
+    def median_of(rows: list[list[float | None]]) -> float | None:
+        values = [r for row in rows for r in row if r is not None]
+        return statistics.median(values) if values else None
+
+    rng = random.Random(seed)
+    resampled = (median_of([table[rng.randrange(len(table))] for _ in table]) for _ in range(resamples if table else 0))
+    boots = sorted(m for m in resampled if m is not None)
+    pick = lambda q: boots[min(len(boots) - 1, int(q * len(boots)))] if boots else None  # noqa: E731
+    return {
+        "median": median_of(table),
+        "p5": pick(0.05),
+        "p95": pick(0.95),
+        "per_round": [median_of([row]) for row in table],
+        "per_round_by_gain": {f"+{g:g}": [row[i] for row in table] for i, g in enumerate(gains)},
+        "both_missed": sum(r is None for row in table for r in row),
+        "rounds": len(table),
+        "gains": list(gains),
+        "clock": axis,
+    }
+
+
+def best_setting(runs_by_setting: dict[str, list[dict]], gains: list[float], axis: str = "time") -> str:
+    """The setting (e.g. a learning rate) of one side whose runs reach the band's targets
+    soonest: the lowest median over runs and targets of the time to target (a miss counts as
+    never); ties, and settings that reach none, go to the higher final accuracy."""
+
+    def score(setting: str) -> tuple[float, float]:
+        xs = runs_by_setting[setting]
+        times = [time_to_target([x], g, axis) for x in xs for g in gains]
+        median = statistics.median(math.inf if t is None else t for t in times)
+        return median, -statistics.fmean(x["evals"][-1]["accuracy"] for x in xs)
+
+    return min(runs_by_setting, key=score)
