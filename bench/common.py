@@ -183,12 +183,13 @@ def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, part
 
 def print_headlines(fast: str, baseline: str, runs: dict[str, list[dict]], args) -> dict:
     """baseline/fast band-median time-to-target ratios on every clock, with their intervals and
-    per-round values; what they are printed as is what bench/README.md quotes."""
+    per-round values (∞: the baseline missed most of the band's targets in that round); what
+    they are printed as is what bench/README.md quotes."""
     out = {}
     gains = band_gains(args)
     for clock in CLOCKS:
         h = out[clock] = band_headline(runs[fast], runs[baseline], gains, clock)
-        fmt = lambda v: "-" if v is None else ("never" if v == float("inf") else f"{v:.2f}x")  # noqa: E731
+        fmt = lambda v: "-" if v is None else ("∞" if v == float("inf") else f"{v:.2f}x")  # noqa: E731
         interval = f" (90% {fmt(h['p5'])}-{fmt(h['p95'])})" if h["p5"] is not None else ""
         print(
             f"{baseline}/{fast} time to target, median over +{gains[0]:g}..+{gains[-1]:g} and {h['rounds']} rounds, "
