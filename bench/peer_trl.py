@@ -186,8 +186,8 @@ def trl_run(args, tag: str, root: Path, seed: int | None = None, lr: float | Non
         "final_accuracy": evals[-1]["accuracy"],
     }
     print(
-        f"  trl round {tag}: {x['samples_per_second']:.1f} samples/s, {x['seconds_per_step']:.2f} s/step, accuracy "
-        f"{x['warm_start_accuracy']:.3f} -> {x['final_accuracy']:.3f}",
+        f"  {out.name.rsplit('-', 1)[0]} round {tag}: {x['samples_per_second']:.1f} samples/s, "
+        f"{x['seconds_per_step']:.2f} s/step, accuracy {x['warm_start_accuracy']:.3f} -> {x['final_accuracy']:.3f}",
         flush=True,
     )
     return x
