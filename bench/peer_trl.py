@@ -361,6 +361,8 @@ def main() -> None:
     )
     command += "" if Path(args.job).resolve() == JOB else f" --job {args.job}"
     command += "" if args.sides == list(SIDES) else " --sides " + " ".join(args.sides)
+    command += "" if args.eval_problems == 1000 else f" --eval-problems {args.eval_problems}"
+    command += "" if args.eval_interval == 10 else f" --eval-interval {args.eval_interval}"
     command += method_flags(args)
     save(args.name, result, command)
     if not args.reanalyse:

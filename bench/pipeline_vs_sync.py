@@ -272,6 +272,8 @@ def report(runs: dict[str, list[dict]], args, sweep: dict | None = None) -> None
     command += "".join(f" --pipeline-set {x}" for x in args.pipeline_set)
     command += "" if len(runs) == 2 else " --modes " + " ".join(runs)
     command += "" if args.name == "pipeline_vs_sync" else f" --name {args.name}"
+    command += "" if args.eval_problems == 2000 else f" --eval-problems {args.eval_problems}"
+    command += "" if args.eval_interval == 10 else f" --eval-interval {args.eval_interval}"
     command += method_flags(args)
     save(args.name, result, command)
 

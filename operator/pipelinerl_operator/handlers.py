@@ -429,7 +429,7 @@ def _observed(
     apply_error: str | None,
 ) -> Observed:
     meta = body["metadata"]
-    policy = job.spec.run_policy if job is not None else None
+    run_policy = job.spec.run_policy if job is not None else None
     return Observed(
         generation=int(meta.get("generation", 0) or 0),
         now=now,
@@ -438,13 +438,13 @@ def _observed(
         suspend=bool(job and job.spec.suspend),
         roles=roles,
         trainer_status=trainer_status,
-        pod_restarts=_pod_restarts(pods, policy.failing_roles if policy else ["trainer"]),
+        pod_restarts=_pod_restarts(pods, run_policy.failing_roles if run_policy else ["trainer"]),
         pod_problems=tuple(pod_problems(pods)),
         apply_error=apply_error,
         created=parse_ts(meta["creationTimestamp"]) if meta.get("creationTimestamp") else None,
-        backoff_limit=policy.backoff_limit if policy else 0,
-        active_deadline_seconds=policy.active_deadline_seconds if policy else None,
-        progress_deadline_seconds=policy.progress_deadline_seconds if policy else None,
+        backoff_limit=run_policy.backoff_limit if run_policy else 0,
+        active_deadline_seconds=run_policy.active_deadline_seconds if run_policy else None,
+        progress_deadline_seconds=run_policy.progress_deadline_seconds if run_policy else None,
         generator_selector=generator_selector(meta["name"]),
     )
 
