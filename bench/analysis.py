@@ -60,12 +60,16 @@ def crossing_time(points: list[tuple[float, float]], target: float) -> float | N
     return None
 
 
+def has_clock(run: dict, axis: str) -> bool:
+    return axis in ("time", "version") or axis in run.get("clock_origins", {})
+
+
 def clock_origin(run: dict, axis: str) -> float:
     """When `axis`'s clock starts, in the run's own time base (that of its steps and evals)."""
     if axis == "time":
         return train_start(run["steps_log"])
-    if axis not in run.get("clock_origins", {}):
-        raise SystemExit(f"a run has no {axis!r} clock (saved before clocks were recorded): use --clock time")
+    if not has_clock(run, axis):
+        raise SystemExit(f"a run has no {axis!r} clock (saved before clocks were recorded): only 'time' applies")
     return run["clock_origins"][axis]
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.analysis import CLOCKS, band_headline, best_setting, round_seed
+from bench.analysis import CLOCKS, band_headline, best_setting, has_clock, round_seed
 from bench.contention import guarded
 
 RESULTS = Path(__file__).parent / "results"
@@ -187,7 +187,8 @@ def print_headlines(fast: str, baseline: str, runs: dict[str, list[dict]], args)
     they are printed as is what bench/README.md quotes."""
     out = {}
     gains = band_gains(args)
-    for clock in CLOCKS:
+    both = runs[fast] + runs[baseline]
+    for clock in [c for c in CLOCKS if all(has_clock(x, c) for x in both)]:  # results saved before: "time" only
         h = out[clock] = band_headline(runs[fast], runs[baseline], gains, clock)
         fmt = lambda v: "-" if v is None else ("∞" if v == float("inf") else f"{v:.2f}x")  # noqa: E731
         interval = f" (90% {fmt(h['p5'])}-{fmt(h['p95'])})" if h["p5"] is not None else ""

@@ -147,3 +147,10 @@ def test_a_program_the_benchmark_did_not_start_shows_as_foreign_load_and_its_own
     time.sleep(2.5)
     after = contention.sample()
     assert contention.foreign_cores(before, after) * (after.wall - before.wall) >= 1.2
+
+
+def test_results_saved_before_the_clocks_are_read_on_the_training_clock_only(capsys):
+    old = [{k: v for k, v in linear(0.3, s).items() if k != "clock_origins"} for s in (1.0, 2.0)]
+    out = common.print_headlines("fast", "slow", {"fast": old[:1], "slow": old[1:]}, args())
+    assert list(out) == ["time"] and out["time"]["median"] == pytest.approx(2.0)
+    assert "clock time: 2.00x" in capsys.readouterr().out
