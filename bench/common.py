@@ -6,7 +6,9 @@ the same run, interleaved A B A B … so that background load hits both alike.
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import platform
 import statistics
 import time
@@ -154,18 +156,13 @@ def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, part
     contention guard. `sides[name](tag, seed=..., lr=...)` runs one and returns its record.
     Returns the runs per side and the sweep (its runs and each side's best rate)."""
     sweep: dict = {"runs": {}, "best": {}}
-    for side, run in sides.items():
-        if not args.lrs:
-            break
+    for side, run in sides.items() if args.lrs else ():
         tried = sweep["runs"][side] = {}
         for lr in args.lrs:
+            seeds = [round_seed(base_seed, SWEEP_SEED_OFFSET + i) for i in range(args.sweep_rounds)]
             tried[f"{lr:g}"] = [
-                guarded(
-                    lambda: run(f"sweep-{lr:g}-{i}", seed=round_seed(base_seed, SWEEP_SEED_OFFSET + i), lr=lr),
-                    f"{side} sweep lr {lr:g} run {i}",
-                    args.reruns,
-                )
-                for i in range(args.sweep_rounds)
+                guarded(partial_run(run, f"sweep-{lr:g}-{i}", seed, lr), f"{side} sweep lr {lr:g} run {i}", args.reruns)
+                for i, seed in enumerate(seeds)
             ]
             partial.write_text(json.dumps({"runs": {}, "sweep": sweep}) + "\n")
         sweep["best"][side] = float(best_setting(tried, band_gains(args)))
@@ -173,12 +170,18 @@ def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, part
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     for r in range(args.rounds):
         for side, run in sides.items():
-            lr = sweep["best"].get(side)
-            runs[side].append(
-                guarded(lambda: run(str(r), seed=round_seed(base_seed, r), lr=lr), f"{side} round {r}", args.reruns)
-            )
+            one = partial_run(run, str(r), round_seed(base_seed, r), sweep["best"].get(side))
+            runs[side].append(guarded(one, f"{side} round {r}", args.reruns))
             partial.write_text(json.dumps({"runs": runs, "sweep": sweep}) + "\n")
     return runs, sweep
+
+
+def partial_run(run: Callable[..., dict], tag: str, seed: int, lr: float | None) -> Callable[[], dict]:
+    return functools.partial(run, tag, seed=seed, lr=lr)
+
+
+def ratio_text(v: float | None) -> str:
+    return "-" if v is None else ("∞" if v == math.inf else f"{v:.2f}x")
 
 
 def print_headlines(fast: str, baseline: str, runs: dict[str, list[dict]], args) -> dict:
@@ -190,11 +193,11 @@ def print_headlines(fast: str, baseline: str, runs: dict[str, list[dict]], args)
     both = runs[fast] + runs[baseline]
     for clock in [c for c in CLOCKS if all(has_clock(x, c) for x in both)]:  # results saved before: "time" only
         h = out[clock] = band_headline(runs[fast], runs[baseline], gains, clock)
-        fmt = lambda v: "-" if v is None else ("∞" if v == float("inf") else f"{v:.2f}x")  # noqa: E731
-        interval = f" (90% {fmt(h['p5'])}-{fmt(h['p95'])})" if h["p5"] is not None else ""
+        interval = f" (90% {ratio_text(h['p5'])}-{ratio_text(h['p95'])})" if h["p5"] is not None else ""
+        rounds = ", ".join(map(ratio_text, h["per_round"]))
         print(
             f"{baseline}/{fast} time to target, median over +{gains[0]:g}..+{gains[-1]:g} and {h['rounds']} rounds, "
-            f"clock {clock}: {fmt(h['median'])}{interval}; per round {', '.join(map(fmt, h['per_round']))}"
+            f"clock {clock}: {ratio_text(h['median'])}{interval}; per round {rounds}"
             + (f"; {h['both_missed']} round-targets missed by both" if h["both_missed"] else "")
         )
     return out
