@@ -158,10 +158,10 @@ def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, part
     sweep: dict = {"runs": {}, "best": {}}
     for side, run in sides.items() if args.lrs else ():
         tried = sweep["runs"][side] = {}
-        for lr in args.lrs:
+        for j, lr in enumerate(args.lrs):  # the tag names the rate by its index: tags go into job names
             seeds = [round_seed(base_seed, SWEEP_SEED_OFFSET + i) for i in range(args.sweep_rounds)]
             tried[f"{lr:g}"] = [
-                guarded(partial_run(run, f"sweep-{lr:g}-{i}", seed, lr), f"{side} sweep lr {lr:g} run {i}", args.reruns)
+                guarded(partial_run(run, f"sweep{j}-{i}", seed, lr), f"{side} sweep lr {lr:g} run {i}", args.reruns)
                 for i, seed in enumerate(seeds)
             ]
             partial.write_text(json.dumps({"runs": {}, "sweep": sweep}) + "\n")
