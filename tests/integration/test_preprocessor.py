@@ -155,9 +155,10 @@ async def test_steps_stream_in_waves_and_a_restart_closes_a_partial_step(nats_se
     await nc.close()
 
 
-async def test_groups_held_by_a_dead_preprocessor_come_back_within_the_ack_wait(nats_server, tmp_path):
+async def test_groups_held_by_a_dead_preprocessor_come_back_at_once_and_first(nats_server, tmp_path):
     """A preprocessor that dies (its connection drops) while holding groups that wait for a full
-    step: they are redelivered to the next one within ACK_WAIT_S (30 s), not lost."""
+    step: the next one gets them at once, before newer groups, not after ACK_WAIT_S (30 s) behind
+    them (in pipeline mode they would then reach a step too old for it, and be dropped)."""
     from pipelinerl_preprocessor.main import ACK_WAIT_S
 
     job, env, nc, js, subjects = await start(
@@ -184,10 +185,14 @@ async def test_groups_held_by_a_dead_preprocessor_come_back_within_the_ack_wait(
     t0 = time.monotonic()
     pre = Preprocessor(job, env, trainer_ranks=1)
     task = asyncio.create_task(pre.run())
-    await js.publish(subjects.rollouts(0), m.encode(rollout(3, [1, 0])), headers={"Nats-Msg-Id": "g3"})
-    first = m.decode((await out.fetch(1, timeout=ACK_WAIT_S + 20))[0].data, m.MicroBatch)
-    assert time.monotonic() - t0 < ACK_WAIT_S + 15
-    assert (first.step, first.step_samples) == (0, 8)  # the 3 held groups came back, plus the new one
+    for i in range(3, 8):  # newer groups: more than a step's
+        await js.publish(subjects.rollouts(0), m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
+    step = [m.decode((await out.fetch(1, timeout=ACK_WAIT_S + 20))[0].data, m.MicroBatch)]
+    while not step[-1].last:
+        step.append(m.decode((await out.fetch(1, timeout=10))[0].data, m.MicroBatch))
+    assert time.monotonic() - t0 < ACK_WAIT_S / 3
+    assert {b.step for b in step} == {0} and step[-1].step_samples == 8
+    assert {g for b in step for g in b.group_ids} == {"g0", "g1", "g2", "g3"}  # the held groups first
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()

@@ -17,11 +17,13 @@ reason and is acknowledged: one bad message never stops the job.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter as Tally
 
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
+from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Gauge
 
 from pipelinerl import messages as m
@@ -38,8 +40,9 @@ log = logging.getLogger("pipelinerl.preprocessor")
 GROUPS_IN = Counter("pipelinerl_preprocessor_groups_total", "Rollout groups consumed", ["outcome"])
 STEPS_OUT = Counter("pipelinerl_preprocessor_steps_total", "Steps of micro-batches published")
 PENDING = Gauge("pipelinerl_preprocessor_pending_groups", "Accepted groups waiting for a full step")
-# A group this preprocessor took but has not published is redelivered (to its restarted self)
-# this long after it died; while alive it keeps them with a keep-alive every quarter of it.
+# A group this preprocessor took but has not published would be redelivered this long after it
+# died (its restarted self takes them back at once, see run); while alive it keeps them with a
+# keep-alive every quarter of it.
 ACK_WAIT_S = 30.0
 
 
@@ -84,6 +87,12 @@ class Preprocessor:
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
             ordered_consumer=True,
         )
+        # Groups a dead predecessor took but never acknowledged would come back only after
+        # ACK_WAIT_S, behind every newer group, and reach their step too old for it (dropped for
+        # lag). A new consumer of the work queue is handed what is left, those first, at once.
+        # Safe because one preprocessor runs (a StatefulSet of one): no live one loses its groups.
+        with contextlib.suppress(NotFoundError):
+            await self.js.delete_consumer(self.subjects.stream("ROLLOUTS"), "preprocessor")
         sub = await self.js.pull_subscribe(
             self.subjects.rollouts(">"),
             durable="preprocessor",
