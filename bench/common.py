@@ -11,6 +11,7 @@ import json
 import math
 import platform
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -174,6 +175,36 @@ def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, part
             runs[side].append(guarded(one, f"{side} round {r}", args.reruns))
             partial.write_text(json.dumps({"runs": runs, "sweep": sweep}) + "\n")
     return runs, sweep
+
+
+def add_results_args(ap, name: str) -> None:
+    """--name and --reanalyse, read by `gather_runs` and `save_runs`."""
+    ap.add_argument("--name", default=name, help="results file: bench/results/NAME.json")
+    ap.add_argument("--reanalyse", metavar="JSON", nargs="+",
+                    help="rebuild the report from saved results (their rounds pooled), run nothing")  # fmt: skip
+
+
+def gather_runs(args, sides: Callable[[Path], dict[str, Callable[..., dict]]], names: list[str]) -> tuple[dict, dict]:
+    """The runs per side to report, and the sweep: with --reanalyse the saved results' rounds
+    pooled (no sweep), else `run_rounds` from the job's seed, `sides(scratch folder)` giving each
+    side's run, the runs so far kept in RESULTS/NAME.partial.json (--reanalyse reads it too)."""
+    if args.reanalyse:
+        runs = pooled_runs(args.reanalyse, names)
+        args.rounds = max(len(xs) for xs in runs.values())
+        return runs, {}
+    from pipelinerl.spec import parse_job
+
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    base_seed = parse_job(yaml.safe_load(Path(args.job).read_text()), args.job).spec.trainer.seed
+    with tempfile.TemporaryDirectory(prefix=f"bench-{args.name}-") as tmp:
+        return run_rounds(sides(Path(tmp)), args, base_seed, RESULTS / f"{args.name}.partial.json")
+
+
+def save_runs(args, result: dict, command: str) -> None:
+    """`save` the report, and drop the runs-so-far file that it now supersedes."""
+    save(args.name, result, command)
+    if not args.reanalyse:
+        (RESULTS / f"{args.name}.partial.json").unlink(missing_ok=True)
 
 
 def partial_run(run: Callable[..., dict], tag: str, seed: int, lr: float | None) -> Callable[[], dict]:

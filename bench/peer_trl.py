@@ -39,7 +39,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,13 +46,12 @@ import yaml
 
 from bench.analysis import bootstrap_interval, pooled_ratio, time_to_target, train_start
 from bench.common import (
-    RESULTS,
     add_method_args,
+    add_results_args,
+    gather_runs,
     method_flags,
-    pooled_runs,
     print_headlines,
-    run_rounds,
-    save,
+    save_runs,
     summary,
     table,
 )
@@ -328,32 +326,20 @@ def main() -> None:
     ap.add_argument("--eval-interval", type=int, default=10, help="versions between weights evaluated offline")
     ap.add_argument("--eval-problems", type=int, default=1000)
     ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (cores here: 2)")
-    ap.add_argument("--name", default="peer_trl", help="results file: bench/results/NAME.json")
     add_method_args(ap)
-    ap.add_argument(
-        "--reanalyse",
-        metavar="JSON",
-        nargs="+",
-        help="rebuild the report from saved results (their rounds pooled), run nothing",
-    )
+    add_results_args(ap, "peer_trl")
     args = ap.parse_args()
     args.set, args.pipeline_set, args.gain = [], [], args.gains[0]  # what one_run reads
-    partial = RESULTS / f"{args.name}.partial.json"
-    sweep: dict = {}
-    if args.reanalyse:
-        runs = pooled_runs(args.reanalyse, args.sides)
-        args.rounds = max(len(xs) for xs in runs.values())
-    else:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        base_seed = parse_job(yaml.safe_load(Path(args.job).read_text()), args.job).spec.trainer.seed
-        with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
-            sides = {
-                side: functools.partial(trl_run, args, root=Path(tmp), parity=side == "trl-parity")
-                if side.startswith("trl")
-                else functools.partial(project_run, side, args, root=Path(tmp))
-                for side in args.sides
-            }
-            runs, sweep = run_rounds(sides, args, base_seed, partial)
+
+    def sides(tmp: Path) -> dict:
+        return {
+            side: functools.partial(trl_run, args, root=tmp, parity=side == "trl-parity")
+            if side.startswith("trl")
+            else functools.partial(project_run, side, args, root=tmp)
+            for side in args.sides
+        }
+
+    runs, sweep = gather_runs(args, sides, args.sides)
     result = report(runs, args) | {"sweep": sweep}
     command = (
         f"python -m bench.peer_trl --rounds {args.rounds} --steps {args.steps} --trl-steps {args.trl_steps} "
@@ -364,9 +350,7 @@ def main() -> None:
     command += "" if args.eval_problems == 1000 else f" --eval-problems {args.eval_problems}"
     command += "" if args.eval_interval == 10 else f" --eval-interval {args.eval_interval}"
     command += method_flags(args)
-    save(args.name, result, command)
-    if not args.reanalyse:
-        partial.unlink()
+    save_runs(args, result, command)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import copy
 import functools
 import json
 import math
-import tempfile
 import time
 from pathlib import Path
 
@@ -41,14 +40,13 @@ from bench.analysis import (
     train_start,
 )
 from bench.common import (
-    RESULTS,
     add_method_args,
+    add_results_args,
+    gather_runs,
     method_flags,
     paired_ratios,
-    pooled_runs,
     print_headlines,
-    run_rounds,
-    save,
+    save_runs,
     set_fields,
     summary,
     table,
@@ -196,32 +194,19 @@ def main() -> None:
         default=["pipeline", "sync"],
         help="run only these (one mode: its table, no ratios)",
     )
-    ap.add_argument("--name", default="pipeline_vs_sync", help="results file: bench/results/NAME.json")
     add_method_args(ap)
-    ap.add_argument(
-        "--reanalyse",
-        metavar="JSON",
-        nargs="+",
-        help="rebuild the report from saved results (their rounds pooled), run nothing",
-    )
+    add_results_args(ap, "pipeline_vs_sync")
     args = ap.parse_args()
-    partial = RESULTS / f"{args.name}.partial.json"  # the runs so far (--reanalyse reads it)
-    sweep: dict = {}
+
+    def sides(tmp: Path) -> dict:
+        return {mode: functools.partial(one_run, mode, args, root=tmp) for mode in args.modes}
+
+    runs, sweep = gather_runs(args, sides, args.modes)
     if args.reanalyse:
-        runs = pooled_runs(args.reanalyse, args.modes)
         for xs in runs.values():
             for x in xs:
                 x["time_to_target_s"] = time_to_target([x], args.gain)
-        args.rounds = max(len(xs) for xs in runs.values())
-    else:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        base_seed = parse_job(yaml.safe_load(Path(args.job).read_text()), args.job).spec.trainer.seed
-        with tempfile.TemporaryDirectory(prefix="bench-pvs-") as tmp:
-            sides = {mode: functools.partial(one_run, mode, args, root=Path(tmp)) for mode in args.modes}
-            runs, sweep = run_rounds(sides, args, base_seed, partial)
     report(runs, args, sweep)
-    if not args.reanalyse:
-        partial.unlink()
 
 
 def report(runs: dict[str, list[dict]], args, sweep: dict | None = None) -> None:
@@ -275,7 +260,7 @@ def report(runs: dict[str, list[dict]], args, sweep: dict | None = None) -> None
     command += "" if args.eval_problems == 2000 else f" --eval-problems {args.eval_problems}"
     command += "" if args.eval_interval == 10 else f" --eval-interval {args.eval_interval}"
     command += method_flags(args)
-    save(args.name, result, command)
+    save_runs(args, result, command)
 
 
 def mode_summary(xs: list[dict], gain: float) -> dict:

@@ -3,7 +3,9 @@ rounds, a band-median headline with a bootstrap over rounds, three clocks, a lea
 sweep per side, and a contention guard that reruns a round run beside other programs."""
 
 import argparse
+import json
 import math
+import re
 import subprocess
 import sys
 import time
@@ -110,6 +112,8 @@ def test_rounds_give_every_side_the_rounds_seed_and_each_side_its_best_rate(tmp_
     sweeps = {c[2] for c in calls if c[1].startswith("sweep")}
     assert sweeps.isdisjoint({7, 8})  # the sweep's seeds are not the rounds'
     assert [x["seed"] for x in runs["fast"]] == [x["seed"] for x in runs["slow"]] == [7, 8]
+    # Tags go into job names (DNS-1035 labels): a rate like 1e-04 must not appear in one.
+    assert all(re.fullmatch(r"[a-z0-9-]+", tag) for _, tag, _, _ in calls)
 
 
 def test_the_guard_reruns_a_round_run_beside_other_programs(monkeypatch):
@@ -154,3 +158,13 @@ def test_results_saved_before_the_clocks_are_read_on_the_training_clock_only(cap
     out = common.print_headlines("fast", "slow", {"fast": old[:1], "slow": old[1:]}, args())
     assert list(out) == ["time"] and out["time"]["median"] == pytest.approx(2.0)
     assert "clock time: 2.00x" in capsys.readouterr().out
+
+
+def test_a_reanalysis_pools_the_saved_rounds_and_runs_nothing(tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"runs": {"x": [{"r": 0}], "y": [{"r": 0}]}}))
+    b.write_text(json.dumps({"runs": {"x": [{"r": 1}]}}))
+    args = argparse.Namespace(reanalyse=[a, b], rounds=3, name="n")
+    runs, sweep = common.gather_runs(args, lambda tmp: pytest.fail("a reanalysis ran a side"), ["x", "y"])
+    assert runs == {"x": [{"r": 0}, {"r": 1}], "y": [{"r": 0}]} and sweep == {}
+    assert args.rounds == 2  # the report counts the rounds it pooled
