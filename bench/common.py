@@ -20,6 +20,7 @@ import yaml
 
 from bench.analysis import CLOCKS, band_headline, best_setting, has_clock, round_seed
 from bench.contention import guarded
+from pipelinerl.spec import load_yaml, parse_job
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -121,7 +122,7 @@ def set_fields(spec: dict, items: list[str]) -> None:
         node = spec
         for key in parents:
             node = node.setdefault(key, {})
-        node[leaf] = yaml.safe_load(value)
+        node[leaf] = load_yaml(value)  # as kubectl reads it: 5e-05 a number (YAML 1.1 wants a dot)
 
 
 SWEEP_SEED_OFFSET = 1000  # sweep runs' seeds: apart from every round's
@@ -192,8 +193,6 @@ def gather_runs(args, sides: Callable[[Path], dict[str, Callable[..., dict]]], n
         runs = pooled_runs(args.reanalyse, names)
         args.rounds = max(len(xs) for xs in runs.values())
         return runs, {}
-    from pipelinerl.spec import parse_job
-
     RESULTS.mkdir(parents=True, exist_ok=True)
     base_seed = parse_job(yaml.safe_load(Path(args.job).read_text()), args.job).spec.trainer.seed
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.name}-") as tmp:

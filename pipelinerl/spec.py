@@ -686,6 +686,11 @@ for _cls in (_StrictLoader, _Dumper):
     )
 
 
+def load_yaml(text: str) -> Any:
+    """A YAML value read as kubectl reads it (`1e-6` a number)."""
+    return yaml.load(text, Loader=_StrictLoader)
+
+
 def dump_yaml(data: Any) -> str:
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
 

@@ -87,6 +87,8 @@ def test_job_for_changes_only_the_pipelines_spec():
     assert sync.spec.mode == "sync" and sync.spec.max_lag == 0 and sync.spec.trainer.seed != 7
     with pytest.raises(SystemExit, match="expected FIELD=VALUE"):
         job_for("pipeline", 20, 5, "t", ["rl.maxLag"])
+    # A value is read as kubectl reads YAML: 5e-05 (what f"{lr}" gives) is a number, not a string.
+    assert job_for("pipeline", 20, 5, "t", ["trainer.learningRate=5e-05"]).spec.trainer.learning_rate == 5e-05
 
 
 def test_job_for_changes_both_modes_with_both_set():
