@@ -134,13 +134,19 @@ async def delete_streams(js, subjects: JobSubjects) -> list[str]:
 
 
 async def last_message(js, stream: str, subject: str, timeout_s: float = READ_TIMEOUT_S) -> bytes | None:
-    """The data of the stream's last message on `subject`; None only when there is none. A read
-    that times out or finds no connection is retried until `timeout_s`, then raises: it never
-    passes for "nothing there" (which would reset a restarting service's books)."""
+    """The data of the stream's last message on `subject`; None only when there is none (`last_stored`)."""
+    stored = await last_stored(js, stream, subject, timeout_s)
+    return None if stored is None else stored.data
+
+
+async def last_stored(js, stream: str, subject: str, timeout_s: float = READ_TIMEOUT_S):
+    """The stream's last message on `subject` (data and sequence); None only when there is none.
+    A read that times out or finds no connection is retried until `timeout_s`, then raises: it
+    never passes for "nothing there" (which would reset a restarting service's books)."""
     deadline, delay = time.monotonic() + timeout_s, 0.5
     while True:
         try:
-            return (await js.get_last_msg(stream, subject)).data
+            return await js.get_last_msg(stream, subject)
         except NotFoundError:
             return None
         except Exception as err:  # timeouts, a connection being re-established
@@ -232,13 +238,15 @@ async def dead_letter(js, subjects: JobSubjects, kind: str, data: bytes, reason:
     await publish_once(js, subjects.deadletter(kind), data, msg_id, {DEADLETTER_REASON: reason})
 
 
-async def stored_messages(js, stream: str) -> list:
-    """Every message a stream holds, oldest first (nats messages: .subject, .data, .headers)."""
+async def stored_messages(js, stream: str, newest: int | None = None) -> list:
+    """Every message a stream holds (the `newest` ones only: those of the last `newest`
+    sequences), oldest first (nats messages: .subject, .data, .headers)."""
     state = (await js.stream_info(stream)).state
     if not state.messages:
         return []
     out = []
-    for seq in range(state.first_seq, state.last_seq + 1):
+    first = state.first_seq if newest is None else max(state.first_seq, state.last_seq - newest + 1)
+    for seq in range(first, state.last_seq + 1):
         try:
             out.append(await js.get_msg(stream, seq))
         except NotFoundError:  # deleted (acknowledged work, or over a limit)
