@@ -134,19 +134,13 @@ async def delete_streams(js, subjects: JobSubjects) -> list[str]:
 
 
 async def last_message(js, stream: str, subject: str, timeout_s: float = READ_TIMEOUT_S) -> bytes | None:
-    """The data of the stream's last message on `subject`; None only when there is none (`last_stored`)."""
-    stored = await last_stored(js, stream, subject, timeout_s)
-    return None if stored is None else stored.data
-
-
-async def last_stored(js, stream: str, subject: str, timeout_s: float = READ_TIMEOUT_S):
-    """The stream's last message on `subject` (data and sequence); None only when there is none.
-    A read that times out or finds no connection is retried until `timeout_s`, then raises: it
-    never passes for "nothing there" (which would reset a restarting service's books)."""
+    """The data of the stream's last message on `subject`; None only when there is none. A read
+    that times out or finds no connection is retried until `timeout_s`, then raises: it never
+    passes for "nothing there" (which would reset a restarting service's books)."""
     deadline, delay = time.monotonic() + timeout_s, 0.5
     while True:
         try:
-            return await js.get_last_msg(stream, subject)
+            return (await js.get_last_msg(stream, subject)).data
         except NotFoundError:
             return None
         except Exception as err:  # timeouts, a connection being re-established
