@@ -232,13 +232,15 @@ async def dead_letter(js, subjects: JobSubjects, kind: str, data: bytes, reason:
     await publish_once(js, subjects.deadletter(kind), data, msg_id, {DEADLETTER_REASON: reason})
 
 
-async def stored_messages(js, stream: str) -> list:
-    """Every message a stream holds, oldest first (nats messages: .subject, .data, .headers)."""
+async def stored_messages(js, stream: str, newest: int | None = None) -> list:
+    """Every message a stream holds (the `newest` ones only: those of the last `newest`
+    sequences), oldest first (nats messages: .subject, .data, .headers)."""
     state = (await js.stream_info(stream)).state
     if not state.messages:
         return []
     out = []
-    for seq in range(state.first_seq, state.last_seq + 1):
+    first = state.first_seq if newest is None else max(state.first_seq, state.last_seq - newest + 1)
+    for seq in range(first, state.last_seq + 1):
         try:
             out.append(await js.get_msg(stream, seq))
         except NotFoundError:  # deleted (acknowledged work, or over a limit)

@@ -198,6 +198,63 @@ async def test_groups_held_by_a_dead_preprocessor_come_back_at_once_and_first(na
     await nc.close()
 
 
+async def test_groups_whose_acknowledgements_were_lost_are_not_trained_twice(nats_server, tmp_path, monkeypatch):
+    """A preprocessor killed after storing a step but before NATS had its groups' acks: the next
+    one is handed those groups again, and settles them untrained (they are in the stored step);
+    its first step holds only newer groups."""
+    import nats.aio.msg
+
+    job, env, nc, js, subjects = await start(
+        nats_server,
+        tmp_path,
+        "la",
+        {
+            "model": {"maxSeqLen": 8},
+            "generator": {"sampling": {"maxTokens": 4}},
+            "rl": {"attempts": 2},
+            "trainer": {"samplesPerStep": 8, "microBatchTokens": 16},
+        },
+    )
+    await js.publish(subjects.version, m.encode(m.PolicyVersion(version=5, timestamp=0)))  # no backpressure
+    out = await js.pull_subscribe(subjects.batches(0), durable="t")
+
+    async def step_groups():
+        got = [m.decode((await out.fetch(1, timeout=10))[0].data, m.MicroBatch)]
+        while not got[-1].last:
+            got.append(m.decode((await out.fetch(1, timeout=10))[0].data, m.MicroBatch))
+        return {b.step for b in got}, {g for b in got for g in b.group_ids}
+
+    async def lost(msg):  # the acknowledgements never reach NATS
+        pass
+
+    monkeypatch.setattr(nats.aio.msg.Msg, "ack", lost)
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    for i in range(4):
+        await js.publish(subjects.rollouts(0), m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
+    assert await step_groups() == ({0}, {"g0", "g1", "g2", "g3"})
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await pre.nc.close()
+    monkeypatch.undo()
+
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    for i in range(4, 8):
+        await js.publish(subjects.rollouts(0), m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
+    assert await step_groups() == ({1}, {"g4", "g5", "g6", "g7"})
+    assert pre.stats["trained_before"] == 4
+    for _ in range(50):  # the handed-back groups are settled (acknowledged) with the wave after them
+        info = await js.consumer_info(subjects.stream("ROLLOUTS"), "preprocessor")
+        if info.num_ack_pending == info.num_pending == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert info.num_ack_pending == info.num_pending == 0
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+    await nc.close()
+
+
 async def test_poison_groups_are_dead_lettered_with_their_reason_and_the_step_goes_on(nats_server, tmp_path):
     """Each kind of bad group, published into the job's stream: kept aside with its reason,
     acknowledged (never redelivered), counted; a full step of good groups still goes out, and

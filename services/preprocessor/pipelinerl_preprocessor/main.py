@@ -4,8 +4,10 @@ In pipeline mode a step goes out in waves as its groups arrive (`steps.next_wave
 trainer computes on them while the rest of the step is generated; sync mode, the conventional
 baseline, publishes each step whole once it is generated. Input groups are acked only after
 every micro-batch of the wave they went into is stored by JetStream (publish acks awaited), so
-a crash loses nothing: unacked groups are redelivered, re-published batches are de-duplicated
-by their message ids, and a step left partial is closed on restart (`packing.close_step`).
+a crash loses nothing: unacked groups are handed to the restarted preprocessor at once, ahead
+of newer ones (those of the newest stored step whose acks the crash lost are not trained again),
+re-published batches are de-duplicated by their message ids, and a step left partial is closed
+on restart (`packing.close_step`).
 Groups that go into no micro-batch (filtered, rejected) are acked after the next wave too: its
 micro-batches carry the books of every generator's newest group taken so far, which a
 restarted generator continues from once its groups have left the rollout stream.
@@ -30,7 +32,7 @@ from pipelinerl import messages as m
 from pipelinerl.contracts import PreprocessorStatus, ServiceEnv
 from pipelinerl.runtime import HealthServer, join_job, serve
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import dead_letter, last_message, publish_once, last_announcement
+from pipelinerl.streams import dead_letter, last_announcement, last_message, publish_once, stored_messages
 from pipelinerl_preprocessor.advantages import group_advantages
 from pipelinerl_preprocessor.checks import GroupLimits, group_problem, hopelessly_stale
 from pipelinerl.steps import counts_as_discarded, next_wave
@@ -57,6 +59,7 @@ class Preprocessor:
         self.accepted: list[tuple[object, m.RolloutGroup]] = []  # (nats msg, group), unacked
         self.settled: list = []  # nats msgs of groups in no micro-batch: acked after the next wave
         self.books: dict[str, m.GeneratorBooks] = {}  # each generator's newest taken so far
+        self.trained_before: set[str] = set()  # the groups of the newest step a predecessor stored
         self.step = 0
         self._new_step()
         self.stats: Tally = Tally()  # counts named as PreprocessorStatus fields
@@ -145,6 +148,7 @@ class Preprocessor:
         for mb in lasts:
             for generator, books in (mb.generator_books if mb else {}).items():
                 self.books[generator] = m.newest_books(books, self.books.get(generator))
+        self.trained_before = await self._groups_of_the_last_step(lasts)
         self.step, closing = close_step(lasts)
         for mb in closing:
             mb.generator_books = dict(self.books)
@@ -155,6 +159,19 @@ class Preprocessor:
                 closing[0].step_samples,
             )
             await asyncio.gather(*(self._publish(mb) for mb in closing))
+
+    async def _groups_of_the_last_step(self, lasts: list[m.MicroBatch | None]) -> set[str]:
+        """The groups in the newest step stored: a kill can have lost only its last wave's
+        acknowledgements (each wave's are sent before the next wave is stored, on the same
+        connection), so these are the only trained groups NATS may hand back (`_intake`)."""
+        stored = [mb for mb in lasts if mb is not None]
+        if not stored:
+            return set()
+        step = max(mb.step for mb in stored)
+        # Steps are stored one after another: the step's micro-batches are the stream's newest.
+        count = sum(mb.index + 1 for mb in stored if mb.step == step)
+        msgs = await stored_messages(self.js, self.subjects.stream("BATCHES"), newest=count)
+        return {g for msg in msgs for g in m.decode(msg.data, m.MicroBatch).group_ids}
 
     async def _on_version(self, msg) -> None:
         self._on_announcement(m.decode(msg.data, m.PolicyVersion))
@@ -180,6 +197,11 @@ class Preprocessor:
             return
         key = str(group.generator)
         self.books[key] = m.newest_books(group.books, self.books.get(key))
+        if group.group_id in self.trained_before:  # already credited to its generator, too
+            log.warning("group %s is in the step stored before a restart: its acknowledgement was lost", group.group_id)
+            self.stats["trained_before"] += 1
+            self.settled.append(msg)
+            return
         problem = group_problem(group, self._limits())
         if problem:  # before refusing: is our news of the trainer's version late?
             await self._refresh_trainer_version()
