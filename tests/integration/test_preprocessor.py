@@ -26,6 +26,28 @@ async def wait_until(cond, timeout=10.0):
         await asyncio.sleep(0.05)
 
 
+# Pipeline mode with rows of 16 tokens and 4 groups of 8 tokens a step: a step leaves in waves.
+WAVES = {
+    "model": {"maxSeqLen": 8},
+    "generator": {"sampling": {"maxTokens": 4}},
+    "rl": {"attempts": 2},
+    "trainer": {"samplesPerStep": 8, "microBatchTokens": 16},
+}
+
+
+async def publish_group(js, subjects, i: int) -> None:
+    """Group g<i> from generator 0, rewards 1 and 0."""
+    await publish_group(js, subjects, i)
+
+
+async def one_step(out, timeout: float = 10.0) -> list[m.MicroBatch]:
+    """The micro-batches of the next step on `out` (rank 0's), up to its last."""
+    got = [m.decode((await out.fetch(1, timeout=timeout))[0].data, m.MicroBatch)]
+    while not got[-1].last:
+        got.append(m.decode((await out.fetch(1, timeout=10))[0].data, m.MicroBatch))
+    return got
+
+
 async def start(nats_server, tmp_path, name: str, spec: dict):
     """The job, the preprocessor's environment, and a JetStream client with the job's streams."""
     job = parse_job({"metadata": {"name": name}, "spec": spec})
@@ -97,22 +119,9 @@ async def test_preprocessor_service(nats_server, tmp_path):
 async def test_steps_stream_in_waves_and_a_restart_closes_a_partial_step(nats_server, tmp_path):
     """Pipeline mode: micro-batches leave before their step is complete; a preprocessor stopped
     between two waves is followed by one that closes that step with what was published."""
-    job, env, nc, js, subjects = await start(
-        nats_server,
-        tmp_path,
-        "pw",
-        {
-            "model": {"maxSeqLen": 8},
-            "generator": {"sampling": {"maxTokens": 4}},
-            "rl": {"attempts": 2},
-            "trainer": {"samplesPerStep": 8, "microBatchTokens": 16},
-        },
-    )
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "pw", WAVES)
     await js.publish(subjects.version, m.encode(m.PolicyVersion(version=5, timestamp=0)))  # no backpressure
     out = await js.pull_subscribe(subjects.batches(0), durable="t")
-
-    async def publish(i):
-        await js.publish(subjects.rollouts(0), m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
 
     async def batches(n):
         got = []
@@ -124,21 +133,21 @@ async def test_steps_stream_in_waves_and_a_restart_closes_a_partial_step(nats_se
     task = asyncio.create_task(pre.run())
     # 4 groups of 8 tokens per step, rows of 16: a wave leaves once 2 groups are pending (the
     # first of them: a second one would not be sure to fit next to it).
-    await publish(0)
+    await publish_group(js, subjects, 0)
     await asyncio.sleep(1.0)
     assert pre.index == 0 and pre.in_step == 0
-    await publish(1)
+    await publish_group(js, subjects, 1)
     (w0,) = await batches(1)
     assert (w0.step, w0.index, w0.last, len(w0.rewards), w0.step_samples) == (0, 0, False, 2, 2)
     for i in (2, 3):
-        await publish(i)
+        await publish_group(js, subjects, i)
     w1, w2 = await batches(2)
     assert [(b.index, b.last) for b in (w1, w2)] == [(1, False), (2, True)]
     assert w2.step_samples == 8 and w2.step_groups_by_generator == {"0": 2, "1": 2}
     assert sum(len(b.rewards) for b in (w0, w1, w2)) == 8
     # Step 1: one wave out, then the preprocessor stops.
     for i in (4, 5):
-        await publish(i)
+        await publish_group(js, subjects, i)
     (w3,) = await batches(1)
     assert (w3.step, w3.index, w3.last) == (1, 0, False)
     pre.stopping.set()
@@ -161,23 +170,12 @@ async def test_groups_held_by_a_dead_preprocessor_come_back_at_once_and_first(na
     them (in pipeline mode they would then reach a step too old for it, and be dropped)."""
     from pipelinerl_preprocessor.main import ACK_WAIT_S
 
-    job, env, nc, js, subjects = await start(
-        nats_server,
-        tmp_path,
-        "rd",
-        {
-            "model": {"maxSeqLen": 8},
-            "generator": {"sampling": {"maxTokens": 4}},
-            "mode": "sync",
-            "rl": {"attempts": 2},
-            "trainer": {"samplesPerStep": 8, "microBatchTokens": 16},
-        },
-    )
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "rd", WAVES | {"mode": "sync"})
     out = await js.pull_subscribe(subjects.batches(0), durable="t")
     pre = Preprocessor(job, env, trainer_ranks=1)
     task = asyncio.create_task(pre.run())
     for i in range(3):  # 3 groups of a 4-group step: accepted, held unacknowledged
-        await js.publish(subjects.rollouts(0), m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
+        await publish_group(js, subjects, i)
     await wait_until(lambda: len(pre.accepted) == 3)
     task.cancel()  # dies without acknowledging or closing cleanly
     await asyncio.gather(task, return_exceptions=True)
@@ -186,10 +184,8 @@ async def test_groups_held_by_a_dead_preprocessor_come_back_at_once_and_first(na
     pre = Preprocessor(job, env, trainer_ranks=1)
     task = asyncio.create_task(pre.run())
     for i in range(3, 8):  # newer groups: more than a step's
-        await js.publish(subjects.rollouts(0), m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
-    step = [m.decode((await out.fetch(1, timeout=ACK_WAIT_S + 20))[0].data, m.MicroBatch)]
-    while not step[-1].last:
-        step.append(m.decode((await out.fetch(1, timeout=10))[0].data, m.MicroBatch))
+        await publish_group(js, subjects, i)
+    step = await one_step(out, timeout=ACK_WAIT_S + 20)
     assert time.monotonic() - t0 < ACK_WAIT_S / 3
     assert {b.step for b in step} == {0} and step[-1].step_samples == 8
     assert {g for b in step for g in b.group_ids} == {"g0", "g1", "g2", "g3"}  # the held groups first
@@ -204,24 +200,12 @@ async def test_groups_whose_acknowledgements_were_lost_are_not_trained_twice(nat
     its first step holds only newer groups."""
     import nats.aio.msg
 
-    job, env, nc, js, subjects = await start(
-        nats_server,
-        tmp_path,
-        "la",
-        {
-            "model": {"maxSeqLen": 8},
-            "generator": {"sampling": {"maxTokens": 4}},
-            "rl": {"attempts": 2},
-            "trainer": {"samplesPerStep": 8, "microBatchTokens": 16},
-        },
-    )
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "la", WAVES)
     await js.publish(subjects.version, m.encode(m.PolicyVersion(version=5, timestamp=0)))  # no backpressure
     out = await js.pull_subscribe(subjects.batches(0), durable="t")
 
     async def step_groups():
-        got = [m.decode((await out.fetch(1, timeout=10))[0].data, m.MicroBatch)]
-        while not got[-1].last:
-            got.append(m.decode((await out.fetch(1, timeout=10))[0].data, m.MicroBatch))
+        got = await one_step(out)
         return {b.step for b in got}, {g for b in got for g in b.group_ids}
 
     async def lost(msg):  # the acknowledgements never reach NATS
@@ -231,7 +215,7 @@ async def test_groups_whose_acknowledgements_were_lost_are_not_trained_twice(nat
     pre = Preprocessor(job, env, trainer_ranks=1)
     task = asyncio.create_task(pre.run())
     for i in range(4):
-        await js.publish(subjects.rollouts(0), m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
+        await publish_group(js, subjects, i)
     assert await step_groups() == ({0}, {"g0", "g1", "g2", "g3"})
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -241,7 +225,7 @@ async def test_groups_whose_acknowledgements_were_lost_are_not_trained_twice(nat
     pre = Preprocessor(job, env, trainer_ranks=1)
     task = asyncio.create_task(pre.run())
     for i in range(4, 8):
-        await js.publish(subjects.rollouts(0), m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
+        await publish_group(js, subjects, i)
     assert await step_groups() == ({1}, {"g4", "g5", "g6", "g7"})
     assert pre.stats["trained_before"] == 4
     for _ in range(50):  # the handed-back groups are settled (acknowledged) with the wave after them
@@ -290,7 +274,7 @@ async def test_poison_groups_are_dead_lettered_with_their_reason_and_the_step_go
         await js.publish(subjects.rollouts(1), m.encode(g), headers={"Nats-Msg-Id": gid})
     await js.publish(subjects.rollouts(0), b"\x93garbage")
     for i in (0, 2):
-        await js.publish(subjects.rollouts(0), m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
+        await publish_group(js, subjects, i)
 
     pre = Preprocessor(job, env, trainer_ranks=1)
     task = asyncio.create_task(pre.run())
