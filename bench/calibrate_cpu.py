@@ -60,7 +60,7 @@ from bench.common import RESULTS, paired_ratios, save, set_fields, table
 from pipelinerl.planner.calibration import Calibration, Lengths, load_calibration
 from pipelinerl.planner.recommend import plan
 from pipelinerl.planner.simulation import simulate, wave_groups
-from pipelinerl.spec import parse_job
+from pipelinerl.spec import parse_job, read_manifest
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
 
@@ -96,7 +96,7 @@ def job_spec(path: Path, data: dict):
     """The job the pipeline runs of `data` ran: `path` with the benchmark's changes (`--set`,
     `--pipeline-set`; sync's own changes, lag 0 and no cap on groups in flight, are simulated
     by mode) and the runs' maxLag."""
-    job = yaml.safe_load(path.read_text())
+    job = read_manifest(path)
     set_fields(job["spec"], variant(data))
     job["spec"]["rl"]["maxLag"] = int(data["runs"]["pipeline"][0].get("max_lag", 1))
     return parse_job(job, str(path))

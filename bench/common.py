@@ -16,11 +16,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import yaml
 
 from bench.analysis import CLOCKS, band_headline, best_setting, has_clock, round_seed
 from bench.contention import guarded
-from pipelinerl.spec import load_yaml, parse_job
+from pipelinerl.spec import load_job, load_yaml
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -158,10 +157,10 @@ def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, part
     contention guard. `sides[name](tag, seed=..., lr=...)` runs one and returns its record.
     Returns the runs per side and the sweep (its runs and each side's best rate)."""
     sweep: dict = {"runs": {}, "best": {}}
+    seeds = [round_seed(base_seed, SWEEP_SEED_OFFSET + i) for i in range(args.sweep_rounds)]
     for side, run in sides.items() if args.lrs else ():
         tried = sweep["runs"][side] = {}
         for j, lr in enumerate(args.lrs):  # the tag names the rate by its index: tags go into job names
-            seeds = [round_seed(base_seed, SWEEP_SEED_OFFSET + i) for i in range(args.sweep_rounds)]
             tried[f"{lr:g}"] = [
                 guarded(partial_run(run, f"sweep{j}-{i}", seed, lr), f"{side} sweep lr {lr:g} run {i}", args.reruns)
                 for i, seed in enumerate(seeds)
@@ -194,7 +193,7 @@ def gather_runs(args, sides: Callable[[Path], dict[str, Callable[..., dict]]], n
         args.rounds = max(len(xs) for xs in runs.values())
         return runs, {}
     RESULTS.mkdir(parents=True, exist_ok=True)
-    base_seed = parse_job(yaml.safe_load(Path(args.job).read_text()), args.job).spec.trainer.seed
+    base_seed = load_job(args.job).spec.trainer.seed
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.name}-") as tmp:
         return run_rounds(sides(Path(tmp)), args, base_seed, RESULTS / f"{args.name}.partial.json")
 

@@ -42,7 +42,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 
 from bench.analysis import bootstrap_interval, pooled_ratio, time_to_target, train_start
 from bench.common import (
@@ -56,7 +55,7 @@ from bench.common import (
     table,
 )
 from bench.pipeline_vs_sync import JOB, evaluate_exports, one_run
-from pipelinerl.spec import PipelineRLJob, parse_job
+from pipelinerl.spec import PipelineRLJob, load_job
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import resolve_model_path
 
@@ -109,7 +108,7 @@ def write_rows(job: PipelineRLJob, count: int, path: Path) -> None:
 
 
 def trl_run(args, tag: str, root: Path, seed: int | None = None, lr: float | None = None, parity=False) -> dict:
-    job = parse_job(yaml.safe_load(Path(args.job).read_text()), args.job)
+    job = load_job(args.job)
     spec, out = job.spec, root / f"trl{'-parity' if parity else ''}-{tag}"
     seed = spec.trainer.seed if seed is None else seed
     lr = lr or spec.trainer.learning_rate
@@ -229,7 +228,7 @@ def where_time_goes(side: str, xs: list[dict], attempts: int) -> dict[str, float
 
 
 def report(runs: dict[str, list[dict]], args) -> dict:
-    job = parse_job(yaml.safe_load(Path(args.job).read_text()), args.job)
+    job = load_job(args.job)
     result: dict = {"args": vars(args), "runs": runs, "sides": {}, "ratios": {}}
     rows = []
     for side, xs in runs.items():

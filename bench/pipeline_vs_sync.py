@@ -30,7 +30,6 @@ import math
 import time
 from pathlib import Path
 
-import yaml
 
 from bench.analysis import (
     accuracy_gap,
@@ -52,7 +51,7 @@ from bench.common import (
     table,
 )
 from pipelinerl_cli.local import run_local
-from pipelinerl.spec import PipelineRLJob, parse_job
+from pipelinerl.spec import PipelineRLJob, parse_job, read_manifest
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import greedy_accuracy, load_tokenizer, resolve_model_path
 
@@ -71,7 +70,7 @@ def job_for(
     """The job of `job` (the tiny example by default) in `mode`. "FIELD=VALUE" items (values in
     YAML, e.g. "rl.maxLag=2") change it: `both_set` for both modes (a variant of the job),
     `pipeline_set` for the pipeline only (a variant measured against the same sync baseline)."""
-    data = yaml.safe_load(job.read_text())
+    data = read_manifest(job)
     spec = copy.deepcopy(data["spec"])
     set_fields(spec, both_set)
     spec["mode"] = mode
