@@ -375,4 +375,4 @@ class PreprocessorStatus(StatusBody):
     stale_groups: int = 0  # too old for any step they could go into: dropped for lag
     filtered_groups: int = 0
     truncated_samples: int = 0
-    trained_before: int = 0  # handed back after a restart although in a stored step: not trained again
+    settled_before: int = 0  # handed back after a restart, although settled with the newest stored step: not recounted

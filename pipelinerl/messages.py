@@ -124,6 +124,10 @@ class MicroBatch(Message):
     # The newest books of each generator (by rank) among every group the preprocessor has taken
     # so far; a group taken but put into no micro-batch is acknowledged only once this is stored.
     generator_books: dict[str, GeneratorBooks] = Field(default_factory=dict)
+    # Groups acknowledged with this wave but put into no micro-batch (filtered, stale, dead-
+    # lettered): a preprocessor restarted after a kill that lost their acks settles them again
+    # without counting them twice.
+    settled_group_ids: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _aligned(self) -> MicroBatch:

@@ -194,10 +194,13 @@ async def test_groups_held_by_a_dead_preprocessor_come_back_at_once_and_first(na
     await nc.close()
 
 
-async def test_groups_whose_acknowledgements_were_lost_are_not_trained_twice(nats_server, tmp_path, monkeypatch):
-    """A preprocessor killed after storing a step but before NATS had its groups' acks: the next
-    one is handed those groups again, and settles them untrained (they are in the stored step);
-    its first step holds only newer groups."""
+async def test_groups_whose_acknowledgements_were_lost_are_not_trained_or_counted_twice(
+    nats_server, tmp_path, monkeypatch
+):
+    """A preprocessor killed after storing a step but before NATS had the acks of the groups it
+    settled with it (trained, filtered as zero-variance, dead-lettered): the next one is handed
+    those groups again and settles them untrained and uncounted (their ids are in the stored
+    step); its first step holds only newer groups, and credits only them to their generators."""
     import nats.aio.msg
 
     job, env, nc, js, subjects = await start(nats_server, tmp_path, "la", WAVES)
@@ -214,9 +217,17 @@ async def test_groups_whose_acknowledgements_were_lost_are_not_trained_twice(nat
     monkeypatch.setattr(nats.aio.msg.Msg, "ack", lost)
     pre = Preprocessor(job, env, trainer_ranks=1)
     task = asyncio.create_task(pre.run())
+    too_long = m.Sample(tokens=[3] * 9, mask=[0] * 7 + [1, 1], logprobs=[0] * 9, versions=[-1] * 7 + [0, 0], reward=1)
+    settled = [  # in no micro-batch: the first filtered (zero variance), the second dead-lettered
+        rollout(8, [1, 1]),
+        m.RolloutGroup(group_id="long", generator=1, samples=[too_long, too_long.model_copy(update={"reward": 0})]),
+    ]
+    for group in settled:
+        await js.publish(subjects.rollouts(0), m.encode(group), headers={"Nats-Msg-Id": group.group_id})
     for i in range(4):
         await publish_group(js, subjects, i)
     assert await step_groups() == ({0}, {"g0", "g1", "g2", "g3"})
+    assert pre.stats["filtered_groups"] == pre.stats["dead_lettered"] == 1
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
     await pre.nc.close()
@@ -226,8 +237,16 @@ async def test_groups_whose_acknowledgements_were_lost_are_not_trained_twice(nat
     task = asyncio.create_task(pre.run())
     for i in range(4, 8):
         await publish_group(js, subjects, i)
-    assert await step_groups() == ({1}, {"g4", "g5", "g6", "g7"})
-    assert pre.stats["trained_before"] == 4
+    got = await one_step(out)
+    assert {b.step for b in got} == {1} and {g for b in got for g in b.group_ids} == {"g4", "g5", "g6", "g7"}
+    # g4..g7 only: the dead-lettered group, credited to generator 1 in step 0, is not credited again
+    assert (got[-1].step_groups_by_generator, got[-1].step_groups_filtered, got[-1].step_groups_rejected) == (
+        {"0": 2, "1": 2},
+        0,
+        0,
+    )
+    assert pre.stats["settled_before"] == 6
+    assert pre.stats["filtered_groups"] == pre.stats["dead_lettered"] == 0
     for _ in range(50):  # the handed-back groups are settled (acknowledged) with the wave after them
         info = await js.consumer_info(subjects.stream("ROLLOUTS"), "preprocessor")
         if info.num_ack_pending == info.num_pending == 0:

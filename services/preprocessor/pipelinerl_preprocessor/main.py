@@ -8,9 +8,10 @@ a crash loses nothing: unacked groups are handed to the restarted preprocessor a
 of newer ones (those of the newest stored step whose acks the crash lost are not trained again),
 re-published batches are de-duplicated by their message ids, and a step left partial is closed
 on restart (`packing.close_step`).
-Groups that go into no micro-batch (filtered, rejected) are acked after the next wave too: its
-micro-batches carry the books of every generator's newest group taken so far, which a
-restarted generator continues from once its groups have left the rollout stream.
+Groups that go into no micro-batch (filtered, stale, rejected) are acked after the next wave too:
+its micro-batches carry the books of every generator's newest group taken so far, which a
+restarted generator continues from once its groups have left the rollout stream, and these
+groups' ids, so that a restart whose kill lost their acks does not count them twice.
 Backpressure: at most `maxPendingSteps` steps are published ahead of the trainer's version.
 A group that cannot be trained (`checks`) or decoded goes to the dead-letter stream with its
 reason and is acknowledged: one bad message never stops the job.
@@ -57,9 +58,10 @@ class Preprocessor:
         self.finished = False
         self.stopping = asyncio.Event()
         self.accepted: list[tuple[object, m.RolloutGroup]] = []  # (nats msg, group), unacked
-        self.settled: list = []  # nats msgs of groups in no micro-batch: acked after the next wave
+        # (nats msg, group id or None if undecodable) of groups in no micro-batch: acked after the next wave
+        self.settled: list[tuple[object, str | None]] = []
         self.books: dict[str, m.GeneratorBooks] = {}  # each generator's newest taken so far
-        self.trained_before: set[str] = set()  # the groups of the newest step a predecessor stored
+        self.settled_before: set[str] = set()  # the groups of the newest step a predecessor stored or settled
         self.step = 0
         self._new_step()
         self.stats: Tally = Tally()  # counts named as PreprocessorStatus fields
@@ -106,7 +108,7 @@ class Preprocessor:
         last_keepalive = time.monotonic()
         while not self.stopping.is_set() and not self.finished:
             if time.monotonic() - last_keepalive > ACK_WAIT_S / 4:  # also while the trainer is behind
-                for msg in [msg for msg, _ in self.accepted] + self.settled:  # waiting for a wave: not abandoned
+                for msg, _ in self.accepted + self.settled:  # waiting for a wave: not abandoned
                     await msg.in_progress()
                 last_keepalive = time.monotonic()
             if self._trainer_behind():
@@ -148,7 +150,7 @@ class Preprocessor:
         for mb in lasts:
             for generator, books in (mb.generator_books if mb else {}).items():
                 self.books[generator] = m.newest_books(books, self.books.get(generator))
-        self.trained_before = await self._groups_of_the_last_step(lasts)
+        self.settled_before = await self._groups_of_the_last_step(lasts)
         self.step, closing = close_step(lasts)
         for mb in closing:
             mb.generator_books = dict(self.books)
@@ -161,9 +163,9 @@ class Preprocessor:
             await asyncio.gather(*(self._publish(mb) for mb in closing))
 
     async def _groups_of_the_last_step(self, lasts: list[m.MicroBatch | None]) -> set[str]:
-        """The groups in the newest step stored: a kill can have lost only its last wave's
-        acknowledgements (each wave's are sent before the next wave is stored, on the same
-        connection), so these are the only trained groups NATS may hand back (`_intake`)."""
+        """The groups in, or settled with, the newest step stored: a kill can have lost only its
+        last wave's acknowledgements (each wave's are sent before the next wave is stored, on the
+        same connection), so these are the only settled groups NATS may hand back (`_intake`)."""
         stored = [mb for mb in lasts if mb is not None]
         if not stored:
             return set()
@@ -171,7 +173,8 @@ class Preprocessor:
         # Steps are stored one after another: the step's micro-batches are the stream's newest.
         count = sum(mb.index + 1 for mb in stored if mb.step == step)
         msgs = await stored_messages(self.js, self.subjects.stream("BATCHES"), newest=count)
-        return {g for msg in msgs for g in m.decode(msg.data, m.MicroBatch).group_ids}
+        batches = [m.decode(msg.data, m.MicroBatch) for msg in msgs]
+        return {g for mb in batches for g in mb.group_ids + mb.settled_group_ids}
 
     async def _on_version(self, msg) -> None:
         self._on_announcement(m.decode(msg.data, m.PolicyVersion))
@@ -197,10 +200,10 @@ class Preprocessor:
             return
         key = str(group.generator)
         self.books[key] = m.newest_books(group.books, self.books.get(key))
-        if group.group_id in self.trained_before:  # already credited to its generator, too
-            log.warning("group %s is in the step stored before a restart: its acknowledgement was lost", group.group_id)
-            self.stats["trained_before"] += 1
-            self.settled.append(msg)
+        if group.group_id in self.settled_before:  # already credited to its generator, too
+            log.warning("group %s was settled before a restart: its acknowledgement was lost", group.group_id)
+            self.stats["settled_before"] += 1
+            self.settled.append((msg, group.group_id))
             return
         problem = group_problem(group, self._limits())
         if problem:  # before refusing: is our news of the trainer's version late?
@@ -211,14 +214,15 @@ class Preprocessor:
         discarded = counts_as_discarded(self.spec.rl.filter_zero_variance, group)
         if problem:
             self.by_generator[key] += not discarded
-            await self._reject(msg, f"group {group.group_id} from generator {group.generator}: {problem}")
+            reason = f"group {group.group_id} from generator {group.generator}: {problem}"
+            await self._reject(msg, reason, group.group_id)
             return
         self.stats["truncated_samples"] += sum(s.truncated for s in group.samples)
         if discarded:
             self.filtered += 1
             self.stats["filtered_groups"] += 1
             GROUPS_IN.labels("filtered").inc()
-            self.settled.append(msg)
+            self.settled.append((msg, group.group_id))
             return
         self.accepted.append((msg, group))
         GROUPS_IN.labels("accepted").inc()
@@ -243,10 +247,10 @@ class Preprocessor:
             self.stale += len(group.samples)
             self.stats["stale_groups"] += 1
             GROUPS_IN.labels("stale").inc()
-            self.settled.append(msg)
+            self.settled.append((msg, group.group_id))
         self.accepted = keep
 
-    async def _reject(self, msg, reason: str) -> None:
+    async def _reject(self, msg, reason: str, group_id: str | None = None) -> None:
         """Dead-letter a rollout message with its reason, kept for inspection; it is acked with
         the next wave and never trained (it would fail forever)."""
         seq = msg.metadata.sequence.stream
@@ -255,7 +259,7 @@ class Preprocessor:
         self.stats["dead_lettered"] += 1
         self.rejected += 1
         GROUPS_IN.labels("dead_lettered").inc()
-        self.settled.append(msg)
+        self.settled.append((msg, group_id))
 
     def _publish(self, mb: m.MicroBatch):
         return publish_once(self.js, self.subjects.batches(mb.rank), m.encode(mb), f"{mb.step}-{mb.rank}-{mb.index}")
@@ -274,14 +278,16 @@ class Preprocessor:
             self.step, samples, self.ranks, self.spec.trainer.micro_batch_tokens, weight, self.index, last
         )
         batches = [mb for rank in per_rank for mb in rank]
+        settled_ids = [g for _, g in self.settled if g is not None]
         for mb in batches:
+            mb.settled_group_ids = settled_ids
             mb.step_samples, mb.step_groups_filtered = self.step_samples, self.filtered
             mb.step_groups_rejected, mb.step_samples_stale = self.rejected, self.stale
             mb.step_groups_by_generator = dict(self.by_generator)
             mb.generator_books = dict(self.books)
         await asyncio.gather(*(self._publish(mb) for mb in batches))  # stored durably before the inputs are released
         settled, self.settled = self.settled, []
-        for msg in [msg for msg, _ in take] + settled:
+        for msg, _ in take + settled:
             await msg.ack()
         self.index += len(per_rank[0])
         self.waves += 1
