@@ -7,7 +7,7 @@ message raises `MessageError` naming the message type and the field at fault.
 
 from __future__ import annotations
 
-from typing import ClassVar, TypeVar
+from typing import ClassVar, TypeVar, overload
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -64,6 +64,10 @@ class GeneratorBooks(BaseModel):
     discarded: int = Field(default=0, ge=0)  # of those, zero-variance ones (the preprocessor drops them)
 
 
+@overload
+def newest_books(first: GeneratorBooks, /, *books: GeneratorBooks | None) -> GeneratorBooks: ...
+@overload
+def newest_books(*books: GeneratorBooks | None) -> GeneratorBooks | None: ...
 def newest_books(*books: GeneratorBooks | None) -> GeneratorBooks | None:
     """The newest of a generator's books (they only grow, group by group)."""
     known = [b for b in books if b is not None]

@@ -283,6 +283,7 @@ class LocalRun:
                 self.nats.start()
                 self._record_services()
             return
+        assert self.nats.proc is not None  # started with the run
         code = self.nats.proc.poll()
         if code is not None:
             self.nats_restart_at = now + self._backoff(
@@ -307,7 +308,7 @@ class LocalRun:
         record = {
             s.name: {"pid": s.proc.pid, "restarts": s.restarts, "role": s.role, "rank": s.rank} for s in self.services
         }
-        if self.nats is not None:
+        if self.nats is not None and self.nats.proc is not None:
             record["nats-server"] = {
                 "pid": self.nats.proc.pid,
                 "restarts": self.nats_restarts,

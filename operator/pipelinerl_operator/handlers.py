@@ -110,7 +110,9 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         )
 
 
-def validate_job(body: Any, old: Any, operation: str | None, warnings: list[str] | None = None, **_: Any) -> None:
+def validate_job(
+    body: Any, old: Any = None, operation: str | None = None, warnings: list[str] | None = None, **_: Any
+) -> None:
     """The admission webhook: refuse what `pipelinerl validate` refuses, naming each field, and
     warn where it warns (kubectl prints the warnings)."""
     stored = old if operation == "UPDATE" and old else None
@@ -133,7 +135,6 @@ if os.environ.get(OperatorEnv.WEBHOOK_PORT):  # kopf refuses webhook handlers wi
     kopf.on.validate(API_GROUP, VERSION, PLURAL, id="validate-job", operations=["CREATE", "UPDATE"])(validate_job)
 
 
-@kopf.on.login()
 def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:
     """In a pod: the service account; elsewhere: kubeconfig; `PIPELINERL_KUBE_SERVER` overrides
     both (a `kubectl proxy`, or the emulator in tests). The same credentials serve our own client."""
@@ -145,6 +146,9 @@ def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | No
     if info is not None:
         STATE.kube = Kube(info)
     return info
+
+
+kopf.on.login()(login)  # registered, and still callable as it is (nats_accounts_exist)
 
 
 @kopf.on.cleanup()
@@ -162,7 +166,7 @@ class JobRecord:
 
 
 @kopf.index(API_GROUP, VERSION, PLURAL)
-def jobs(namespace: str, name: str, uid: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], JobRecord]:
+def jobs(namespace: str | None, name: str, uid: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], JobRecord]:
     """Every job watched: each is an account on the chart's NATS server, and reserves its
     streams' bytes in that server's store."""
     try:
@@ -177,7 +181,7 @@ def jobs(namespace: str, name: str, uid: str, body: kopf.Body, **_: Any) -> dict
         reserved = reserved_bytes(job.spec) if on_chart_nats(job) else 0
     except SpecError:
         reserved = 0  # it never runs
-    return {(namespace, name): JobRecord(uid, body["metadata"].get("creationTimestamp") or "", reserved)}
+    return {(namespace or "", name): JobRecord(uid, body["metadata"].get("creationTimestamp") or "", reserved)}
 
 
 def store_problem(index: kopf.Index, namespace: str, name: str, cfg: OperatorConfig) -> str | None:
@@ -219,7 +223,11 @@ async def nats_accounts_exist(settings: kopf.OperatorSettings, **_: Any) -> None
     next sync). Start-up runs before kopf's login: log in for our own client first."""
     cfg = operator_config()
     secret, namespace = os.environ.get(OperatorEnv.NATS_ACCOUNTS_SECRET), os.environ.get(OperatorEnv.NAMESPACE)
-    if cfg.auth_key and secret and namespace and (STATE.kube or login(settings=settings)):
+    if not (cfg.auth_key and secret and namespace):
+        return
+    if STATE.kube is None:
+        login(settings=settings)
+    if STATE.kube is not None:
         await STATE.kube.create(accounts_secret(secret, namespace, nats_accounts(cfg.auth_key, [])))
 
 
@@ -480,36 +488,36 @@ async def _act_on(
         await kube.delete(API_VERSION, KIND, ns, name)
 
 
-@kopf.on.create(API_GROUP, VERSION, PLURAL)
-async def created(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, jobs: kopf.Index, **_: Any) -> None:
+@kopf.on.create(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # kopf passes indices (jobs) by name: its protocols omit them
+async def created(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
     await sync_nats_accounts(jobs)  # before its pods connect
     status = await reconcile(body, patch, logger, jobs)
     if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
         _event(body, "Normal", "Created", "created the ConfigMap, Services and StatefulSets")
 
 
-@kopf.on.update(API_GROUP, VERSION, PLURAL)
-async def updated(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, jobs: kopf.Index, **_: Any) -> None:
+@kopf.on.update(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # kopf passes indices (jobs) by name: its protocols omit them
+async def updated(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
     await sync_nats_accounts(jobs)  # before its pods connect
     status = await reconcile(body, patch, logger, jobs)
     if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
         _event(body, "Normal", "Updated", f"applied generation {status.get('observedGeneration')}")
 
 
-@kopf.on.resume(API_GROUP, VERSION, PLURAL)
-async def resumed(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, jobs: kopf.Index, **_: Any) -> None:
+@kopf.on.resume(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # kopf passes indices (jobs) by name: its protocols omit them
+async def resumed(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
     await sync_nats_accounts(jobs)
     await reconcile(body, patch, logger, jobs)
 
 
-@kopf.timer(API_GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)
-async def resync(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, jobs: kopf.Index, **_: Any) -> None:
+@kopf.timer(API_GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)  # type: ignore[arg-type]  # kopf passes indices (jobs) by name: its protocols omit them
+async def resync(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
     await sync_nats_accounts(jobs)
     await reconcile(body, patch, logger, jobs)
 
 
-@kopf.on.delete(API_GROUP, VERSION, PLURAL)
-async def deleted(body: kopf.Body, logger: logging.Logger, jobs: kopf.Index, **_: Any) -> None:
+@kopf.on.delete(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # kopf passes indices (jobs) by name: its protocols omit them
+async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
     """Children go by garbage collection (ownerReferences); only the NATS streams and account
     need us. Never blocks deletion: a NATS failure is reported and the finalizer is released."""
     meta = body["metadata"]

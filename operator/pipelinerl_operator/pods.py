@@ -53,7 +53,9 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
             if found:
                 break
         if found is None:
-            scheduled = next((c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), {})
+            scheduled: dict[str, Any] = next(
+                (c for c in status.get("conditions") or [] if c.get("type") == "PodScheduled"), {}
+            )
             if scheduled.get("status") == "False" and scheduled.get("reason") == "Unschedulable":
                 found = PodProblem(role, name, None, "Unschedulable", scheduled.get("message", ""))
         if found:

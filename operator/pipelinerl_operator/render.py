@@ -15,6 +15,7 @@ import copy
 import hashlib
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -210,8 +211,8 @@ def service_env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConf
         world_size=job.spec.trainer_ranks if trainer else None,
         nats_url=job.spec.nats.url or cfg.nats_url,
         weights_addr=f"{trainer_host(job, namespace)}:{job.spec.weight_sync.port}",
-        run_dir=POD_RUN_DIR,
-        output_dir=POD_OUTPUT_DIR if trainer and output and output.claim_name else None,
+        run_dir=Path(POD_RUN_DIR),
+        output_dir=Path(POD_OUTPUT_DIR) if trainer and output and output.claim_name else None,
         ranks_per_pod=job.spec.trainer_ranks_per_pod if trainer else None,
         stream_replicas=cfg.nats_replicas if cfg.nats_replicas > 1 and on_chart_nats(job) else None,
         master_addr=trainer_host(job, namespace) if trainer else None,
@@ -249,12 +250,15 @@ def _uses_secret(job: PipelineRLJob, cfg: OperatorConfig, key: str) -> bool:
 
 # What a role's pod asks for when its spec says nothing of cpu or memory (a namespace with a
 # ResourceQuota refuses pods without requests and limits): per pod on CPU, per GPU on GPUs.
-DEFAULT_RESOURCES = {
+DEFAULT_RESOURCES: dict[str, dict[str, dict[str, float]]] = {
     "preprocessor": {"requests": {"cpu": 0.5, "memory": 1}, "limits": {"cpu": 2, "memory": 2}},
     "generator": {"requests": {"cpu": 1, "memory": 4}, "limits": {"cpu": 4, "memory": 8}},
     "trainer": {"requests": {"cpu": 1, "memory": 4}, "limits": {"cpu": 4, "memory": 8}},
 }
-DEFAULT_PER_GPU = {"requests": {"cpu": 4, "memory": 32}, "limits": {"cpu": 8, "memory": 64}}
+DEFAULT_PER_GPU: dict[str, dict[str, float]] = {
+    "requests": {"cpu": 4, "memory": 32},
+    "limits": {"cpu": 8, "memory": 64},
+}
 
 
 def _quantity(resource: str, amount: float) -> str:
@@ -334,7 +338,7 @@ CONTAINER_SECURITY = {
 def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> dict[str, Any]:
     spec: RoleSpec = getattr(job.spec, role)
     image = spec.image or (cfg.gpu_image if spec.gpus else cfg.cpu_image)
-    container = {
+    container: dict[str, Any] = {
         "name": role,
         "image": image,
         "imagePullPolicy": cfg.image_pull_policy,
@@ -576,7 +580,8 @@ def validate_renderable(job: PipelineRLJob) -> None:
     """Checks that only matter on Kubernetes (the spec models cannot know the pod layout)."""
     for role in ROLES:
         template = getattr(job.spec, role).pod_template or {}
-        pod_spec = template.get("spec") if isinstance(template.get("spec"), dict) else {}
+        given = template.get("spec")
+        pod_spec = given if isinstance(given, dict) else {}
         containers = pod_spec.get("containers") or []
         if not isinstance(containers, list) or any(not isinstance(c, dict) or not c.get("name") for c in containers):
             raise RenderError(

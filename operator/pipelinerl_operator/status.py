@@ -318,7 +318,7 @@ def _ready_condition(
         phase = phase or prev.get("phase") or "Pending"
         reason, message = "ApplyRefused", obs.apply_error
     elif terminal:
-        reason, message = phase, fail_message
+        reason, message = phase or "", fail_message
     elif obs.suspend:
         phase, reason, message = "Suspended", "Suspended", "spec.suspend is true; all roles scaled to zero"
     else:
@@ -410,8 +410,8 @@ def events_between(prev: dict[str, Any], new: dict[str, Any]) -> list[Event]:
     if _flipped(prev, new, "Ready") is True:
         events.append(Event("Normal", "Ready", "all roles ready and the weight group formed"))
     elif _flipped(prev, new, "Ready") is False and ready.get("reason") not in ("Suspended", "Succeeded", "Failed"):
-        reason = "InvalidSpec" if ready.get("reason") == "InvalidSpec" else "NotReady"
-        events.append(Event("Warning", reason, ready.get("message", "")))
+        why = "InvalidSpec" if ready.get("reason") == "InvalidSpec" else "NotReady"
+        events.append(Event("Warning", why, ready.get("message", "")))
     elif ready.get("reason") == "InvalidSpec" and (_cond(prev, "Ready") or {}).get("message") != ready.get("message"):
         events.append(Event("Warning", "InvalidSpec", ready.get("message", "")))
     degraded = _flipped(prev, new, "Degraded")

@@ -16,9 +16,13 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from pipelinerl.spec import GeneratorSpec, ModelSpec, PipelineRLJob
 from pipelinerl.tasks import Completion
+
+if TYPE_CHECKING:  # vLLM is imported where it runs: importing it costs seconds
+    from vllm.inputs import TokensPrompt
 
 log = logging.getLogger(__name__)
 EXTENSION = "pipelinerl_generator.weight_receiver.WeightReceiverExtension"
@@ -41,7 +45,7 @@ class UpdateStats:
 def engine_args(generator: GeneratorSpec, model: ModelSpec, model_path: str, seed: int):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
-    args = dict(
+    args: dict[str, Any] = dict(
         model=model_path,
         dtype=model.dtype,
         max_model_len=model.max_seq_len,
@@ -105,14 +109,16 @@ class Engine:
             # update_weights keeps the KV cache (running requests continue), so the prefix cache
             # still holds blocks computed by older weights; salting with the version keeps a new
             # request from reusing them (it would otherwise sample from stale-weight KV).
-            inputs = {"prompt_token_ids": prompt, "cache_salt": f"v{self.version}"}
+            inputs: TokensPrompt = {"prompt_token_ids": prompt, "cache_salt": f"v{self.version}"}
             async for out in self.llm.generate(inputs, params, request_id=uuid.uuid4().hex):
                 final = out
         finally:
             self.running -= 1
+        assert final is not None, "vLLM ended a request without output"
         c = final.outputs[0]
         tokens = list(c.token_ids)
-        logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, tokens)]
+        # logprobs=0 asked for the sampled token's at every position: vLLM's union type allows none
+        logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, tokens)]  # type: ignore[arg-type, index]
         self.tokens_generated += len(tokens)
         return Completion(
             tokens=tokens,

@@ -245,8 +245,9 @@ class Generator:
 
     def _done(self, t: asyncio.Task) -> None:
         self.tasks.discard(t)
-        if not t.cancelled() and t.exception() is not None:
-            self.errors.append(t.exception())
+        error = None if t.cancelled() else t.exception()
+        if error is not None:
+            self.errors.append(error)
             self.stopping.set()
             self.wakeup.set()
 
@@ -461,4 +462,9 @@ class Generator:
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:
     gen = Generator(job, env)
-    return serve(gen.run, lambda: (gen.stopping.set(), gen.wakeup.set()))
+
+    def stop() -> None:
+        gen.stopping.set()
+        gen.wakeup.set()
+
+    return serve(gen.run, stop)

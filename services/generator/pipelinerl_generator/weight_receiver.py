@@ -175,7 +175,7 @@ class WeightReceiverExtension:
 
         expected = {name for name, _ in model.named_parameters()}
         with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
-            loaded = model.load_weights(weights)
+            loaded = model.load_weights(weights)  # type: ignore[operator]  # vLLM's models have it, nn.Module not
             missing = expected - set(loaded or ())
             if missing:  # a kept weight would otherwise keep stale (or, before any load, unset) values
                 raise RuntimeError(f"weight update did not cover {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
@@ -272,8 +272,8 @@ class Shadow:
         with torch.no_grad():
             for live, other in self.pairs:
                 live.data, other.data = other.data, live.data
-        for live, other in self.packed_pairs:
-            live.cpu_linear, other.cpu_linear = other.cpu_linear, live.cpu_linear
+        for layer, twin in self.packed_pairs:
+            layer.cpu_linear, twin.cpu_linear = twin.cpu_linear, layer.cpu_linear
 
 
 def _shadow_module(module: torch.nn.Module, modules: dict, params: dict) -> torch.nn.Module:

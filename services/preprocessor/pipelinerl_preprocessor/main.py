@@ -25,6 +25,7 @@ import logging
 import time
 from collections import Counter as Tally
 
+from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Gauge
@@ -57,9 +58,9 @@ class Preprocessor:
         self.trainer_version = 0
         self.finished = False
         self.stopping = asyncio.Event()
-        self.accepted: list[tuple[object, m.RolloutGroup]] = []  # (nats msg, group), unacked
+        self.accepted: list[tuple[Msg, m.RolloutGroup]] = []  # (nats msg, group), unacked
         # (nats msg, group id or None if undecodable) of groups in no micro-batch: acked after the next wave
-        self.settled: list[tuple[object, str | None]] = []
+        self.settled: list[tuple[Msg, str | None]] = []
         self.books: dict[str, m.GeneratorBooks] = {}  # each generator's newest taken so far
         self.settled_before: set[str] = set()  # the groups of the newest step a predecessor stored or settled
         self.step = 0
@@ -77,9 +78,8 @@ class Preprocessor:
         self.stale = 0  # samples of groups too old for the step, dropped since the previous step ended
 
     def status(self) -> PreprocessorStatus:
-        return PreprocessorStatus(
-            next_step=self.step, trainer_version=self.trainer_version, pending_groups=len(self.accepted), **self.stats
-        )
+        now = {"next_step": self.step, "trainer_version": self.trainer_version, "pending_groups": len(self.accepted)}
+        return PreprocessorStatus.model_validate(now | dict(self.stats))
 
     async def run(self) -> None:
         http = HealthServer("preprocessor", self.env.http_port, self.status).start()

@@ -47,13 +47,20 @@ def device_batch(mb: m.MicroBatch, device: torch.device | str) -> DeviceBatch:
         )
         return dataclasses.replace(device_batch(mb, device), samples=0)
     sample_ids = torch.repeat_interleave(torch.arange(len(mb.lengths)), torch.tensor(mb.lengths))
-    ints = to(
+    tokens, positions, versions, sample_ids = to(
         torch.cat([torch.tensor([mb.tokens, mb.positions, mb.versions], dtype=torch.long), sample_ids[None]]), device
     )
-    floats = to(torch.tensor([mb.logprobs, mb.advantages, mb.weights], dtype=torch.float32), device)
+    logprobs, advantages, weights = to(
+        torch.tensor([mb.logprobs, mb.advantages, mb.weights], dtype=torch.float32), device
+    )
     return DeviceBatch(
-        *ints,
-        *floats,
+        tokens,
+        positions,
+        versions,
+        sample_ids,
+        logprobs,
+        advantages,
+        weights,
         packing=Packing.of(mb.lengths, device),
         samples=len(mb.rewards),
         reward_sum=float(sum(mb.rewards)),

@@ -142,7 +142,9 @@ class Trainer:
         output = self.spec.output
         self.output = Output(self.env.output_dir, output.best if output else True) if self.env.output_dir else None
         # Rank 0 takes the evaluations, for the trackers and to keep the best version.
-        self.wants_evals = self.rank == 0 and (self.tracker.enabled or bool(self.output and self.output.keep_best))
+        self.wants_evals = self.tracker is not None and (
+            self.tracker.enabled or bool(self.output and self.output.keep_best)
+        )
         if self.rank == 0:
             self.bridge.listen_to_generators()
             if self.wants_evals:
@@ -426,7 +428,7 @@ class Trainer:
             self.subjects.metrics("train"),
             m.Metrics(source="trainer", kind="train", values=metrics, timestamp=time.time()),
         )
-        if self.tracker.enabled:
+        if self.tracker is not None and self.tracker.enabled:
             self.tracker.log("train", metrics)
         if self.wants_evals:
             self._take_evaluations()
@@ -452,13 +454,14 @@ class Trainer:
                 if time.monotonic() >= deadline or self.stop.is_set():
                     return
                 continue
-            if self.tracker.enabled:
+            if self.tracker is not None and self.tracker.enabled:
                 self.tracker.log("eval", row.values)
-            if self.output is not None and self.output.evaluated(int(row.values["version"]), row.values["accuracy"]):
+            version, accuracy = int(row.values["version"]), float(row.values["accuracy"])  # type: ignore[arg-type]
+            if self.output is not None and self.output.evaluated(version, accuracy):
                 log.info(
                     "version %d is the best on evaluation so far (accuracy %.3f): %s",
-                    row.values["version"],
-                    row.values["accuracy"],
+                    version,
+                    accuracy,
                     self.output.root / "best",
                 )
             if row.values.get("final"):
@@ -485,6 +488,11 @@ class Trainer:
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:
     trainer = Trainer(job, env)
-    signal.signal(signal.SIGTERM, lambda *_: (trainer.stop.set(), exit_soon(60)))
+
+    def on_sigterm(*_) -> None:
+        trainer.stop.set()
+        exit_soon(60)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     torch.set_num_threads(env.torch_threads or 1)
     return trainer.run()

@@ -28,7 +28,7 @@ def init_distributed(on_gpu: bool, timeout_s: float) -> None:
         # DeepSpeed's optional shared-memory all-reduce for CPU costs ~80 s to compile on first
         # use; gloo is fast enough for the tiny models run on CPU. (sys.modules: the attribute
         # `deepspeed.comm.torch` is shadowed by the torch package itself.)
-        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s))
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -119,7 +120,7 @@ def varlen_attention(
         kernel, params = _varlen()
     else:
         params = set(inspect.signature(kernel).parameters)
-    kwargs = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    kwargs: dict[str, Any] = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
     if "enable_gqa" in params:
         kwargs["enable_gqa"] = q.shape[1] != k.shape[1]
     if scale is not None:

@@ -74,10 +74,10 @@ class StepTally:
         return self
 
     def metrics(self) -> dict:
-        if self.totals is None:
-            self.finish()
-        s = dict(zip(SUMS, self.totals))
-        hist = self.totals[len(SUMS) :]
+        totals = self.totals if self.totals is not None else self.finish().totals
+        assert totals is not None  # finish() sets them
+        s = dict(zip(SUMS, totals))
+        hist = totals[len(SUMS) :]
         tokens, n = s["tokens"], s["samples"]
         counted = [(lag, int(c)) for lag, c in enumerate(hist) if c]
         lag_tokens = sum(c for _, c in counted)

@@ -101,9 +101,9 @@ class WeightSender:
         for i, bucket in enumerate(self.buckets):
             params = [self.by_name[t["name"]] for t in bucket["tensors"]]
             with full_parameters(self.engine, params):
-                if self.rank == 0:
+                if self.snapshot is not None:  # rank 0's
                     self.snapshot.pack(i, {t["name"]: p.data for t, p in zip(bucket["tensors"], params)})
-        if self.rank == 0:
+        if self.snapshot is not None:
             self.snapshot.version = version
             stats |= self.confirm()
             stats |= self.publish(wait) or {}
@@ -114,12 +114,14 @@ class WeightSender:
     def publish(self, wait: bool) -> dict[str, float] | None:
         """Broadcast the snapshot to the generators alive, in a new epoch where membership
         changed; None if it reached nobody. A generator's failure drops it; it never raises for one."""
-        version = self.snapshot.version
+        snapshot = self.snapshot
+        assert snapshot is not None and snapshot.version is not None, "rank 0 publishes what it packed"
+        version = snapshot.version
         group = self._current_group(version)
         if group is None:
             return None
         try:
-            group.broadcast(self.snapshot)
+            group.broadcast(snapshot)
         except WeightSyncError as err:  # a member died mid-broadcast: which one, gloo cannot say
             log.warning("weight broadcast of version %d failed, re-forming the group: %s", version, err)
             self.membership.suspect(time.monotonic())
