@@ -488,7 +488,9 @@ async def _act_on(
         await kube.delete(API_VERSION, KIND, ns, name)
 
 
-@kopf.on.create(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # kopf passes indices (jobs) by name: its protocols omit them
+# The resource handlers take the `jobs` index, which kopf passes by name; its callback protocols
+# cannot name an index, hence the type: ignore on each of them.
+@kopf.on.create(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
 async def created(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
     await sync_nats_accounts(jobs)  # before its pods connect
     status = await reconcile(body, patch, logger, jobs)
@@ -496,7 +498,7 @@ async def created(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs:
         _event(body, "Normal", "Created", "created the ConfigMap, Services and StatefulSets")
 
 
-@kopf.on.update(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # kopf passes indices (jobs) by name: its protocols omit them
+@kopf.on.update(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
 async def updated(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
     await sync_nats_accounts(jobs)  # before its pods connect
     status = await reconcile(body, patch, logger, jobs)
@@ -504,19 +506,19 @@ async def updated(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs:
         _event(body, "Normal", "Updated", f"applied generation {status.get('observedGeneration')}")
 
 
-@kopf.on.resume(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # kopf passes indices (jobs) by name: its protocols omit them
+@kopf.on.resume(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
 async def resumed(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
     await sync_nats_accounts(jobs)
     await reconcile(body, patch, logger, jobs)
 
 
-@kopf.timer(API_GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)  # type: ignore[arg-type]  # kopf passes indices (jobs) by name: its protocols omit them
+@kopf.timer(API_GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)  # type: ignore[arg-type]
 async def resync(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
     await sync_nats_accounts(jobs)
     await reconcile(body, patch, logger, jobs)
 
 
-@kopf.on.delete(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]  # kopf passes indices (jobs) by name: its protocols omit them
+@kopf.on.delete(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
 async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
     """Children go by garbage collection (ownerReferences); only the NATS streams and account
     need us. Never blocks deletion: a NATS failure is reported and the finalizer is released."""
