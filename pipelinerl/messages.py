@@ -12,9 +12,9 @@ from typing import ClassVar, TypeVar, overload
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-# 4: MicroBatch.lengths instead of sample_ids; 3: RolloutGroup.books; 2: without problem_id/start_version/gen_seconds,
-# PolicyVersion without step
-SCHEMA_VERSION = 4
+# 5: MicroBatch.settled_group_ids; 4: MicroBatch.lengths instead of sample_ids; 3: RolloutGroup.books;
+# 2: without problem_id/start_version/gen_seconds, PolicyVersion without step
+SCHEMA_VERSION = 5
 
 
 class MessageError(ValueError):
