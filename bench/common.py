@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-
 from bench.analysis import CLOCKS, band_headline, best_setting, has_clock, round_seed
 from bench.contention import guarded
 from pipelinerl.spec import load_job, load_yaml

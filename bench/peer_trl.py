@@ -42,7 +42,6 @@ import sys
 import time
 from pathlib import Path
 
-
 from bench.analysis import bootstrap_interval, pooled_ratio, time_to_target, train_start
 from bench.common import (
     add_method_args,

@@ -30,7 +30,6 @@ import math
 import time
 from pathlib import Path
 
-
 from bench.analysis import (
     accuracy_gap,
     bootstrap_interval,

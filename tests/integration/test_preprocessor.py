@@ -207,9 +207,8 @@ async def test_groups_whose_acknowledgements_were_lost_are_not_trained_or_counte
     await js.publish(subjects.version, m.encode(m.PolicyVersion(version=5, timestamp=0)))  # no backpressure
     out = await js.pull_subscribe(subjects.batches(0), durable="t")
 
-    async def step_groups():
-        got = await one_step(out)
-        return {b.step for b in got}, {g for b in got for g in b.group_ids}
+    def steps_and_groups(batches):
+        return {b.step for b in batches}, {g for b in batches for g in b.group_ids}
 
     async def lost(msg):  # the acknowledgements never reach NATS
         pass
@@ -226,7 +225,7 @@ async def test_groups_whose_acknowledgements_were_lost_are_not_trained_or_counte
         await js.publish(subjects.rollouts(0), m.encode(group), headers={"Nats-Msg-Id": group.group_id})
     for i in range(4):
         await publish_group(js, subjects, i)
-    assert await step_groups() == ({0}, {"g0", "g1", "g2", "g3"})
+    assert steps_and_groups(await one_step(out)) == ({0}, {"g0", "g1", "g2", "g3"})
     assert pre.stats["filtered_groups"] == pre.stats["dead_lettered"] == 1
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
@@ -238,7 +237,7 @@ async def test_groups_whose_acknowledgements_were_lost_are_not_trained_or_counte
     for i in range(4, 8):
         await publish_group(js, subjects, i)
     got = await one_step(out)
-    assert {b.step for b in got} == {1} and {g for b in got for g in b.group_ids} == {"g4", "g5", "g6", "g7"}
+    assert steps_and_groups(got) == ({1}, {"g4", "g5", "g6", "g7"})
     # g4..g7 only: the dead-lettered group, credited to generator 1 in step 0, is not credited again
     assert (got[-1].step_groups_by_generator, got[-1].step_groups_filtered, got[-1].step_groups_rejected) == (
         {"0": 2, "1": 2},

@@ -150,7 +150,7 @@ class Preprocessor:
         for mb in lasts:
             for generator, books in (mb.generator_books if mb else {}).items():
                 self.books[generator] = m.newest_books(books, self.books.get(generator))
-        self.settled_before = await self._groups_of_the_last_step(lasts)
+        self.settled_before = await self._groups_settled_with_the_last_step(lasts)
         self.step, closing = close_step(lasts)
         for mb in closing:
             mb.generator_books = dict(self.books)
@@ -162,7 +162,7 @@ class Preprocessor:
             )
             await asyncio.gather(*(self._publish(mb) for mb in closing))
 
-    async def _groups_of_the_last_step(self, lasts: list[m.MicroBatch | None]) -> set[str]:
+    async def _groups_settled_with_the_last_step(self, lasts: list[m.MicroBatch | None]) -> set[str]:
         """The groups in, or settled with, the newest step stored: a kill can have lost only its
         last wave's acknowledgements (each wave's are sent before the next wave is stored, on the
         same connection), so these are the only settled groups NATS may hand back (`_intake`)."""

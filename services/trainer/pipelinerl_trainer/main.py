@@ -456,14 +456,15 @@ class Trainer:
                 continue
             if self.tracker is not None and self.tracker.enabled:
                 self.tracker.log("eval", row.values)
-            version, accuracy = int(row.values["version"]), float(row.values["accuracy"])  # type: ignore[arg-type]
-            if self.output is not None and self.output.evaluated(version, accuracy):
-                log.info(
-                    "version %d is the best on evaluation so far (accuracy %.3f): %s",
-                    version,
-                    accuracy,
-                    self.output.root / "best",
-                )
+            if self.output is not None:
+                version, accuracy = int(row.values["version"]), float(row.values["accuracy"])  # type: ignore[arg-type]
+                if self.output.evaluated(version, accuracy):
+                    log.info(
+                        "version %d is the best on evaluation so far (accuracy %.3f): %s",
+                        version,
+                        accuracy,
+                        self.output.root / "best",
+                    )
             if row.values.get("final"):
                 deadline = 0.0
 

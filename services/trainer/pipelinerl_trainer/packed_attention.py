@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
