@@ -137,16 +137,22 @@ async def last_message(js, stream: str, subject: str, timeout_s: float = READ_TI
     """The data of the stream's last message on `subject`; None only when there is none. A read
     that times out or finds no connection is retried until `timeout_s`, then raises: it never
     passes for "nothing there" (which would reset a restarting service's books)."""
-    deadline, delay = time.monotonic() + timeout_s, 0.5
+    last = await _read_last(js, stream, subject, time.monotonic() + timeout_s)
+    return last.data if last is not None else None
+
+
+async def _read_last(js, stream: str, subject: str, deadline: float):
+    """The stream's last message on `subject` (None: none), retried until `deadline`."""
+    delay = 0.5
     while True:
         try:
-            return (await js.get_last_msg(stream, subject)).data
+            return await js.get_last_msg(stream, subject)
         except NotFoundError:
             return None
         except Exception as err:  # timeouts, a connection being re-established
             if time.monotonic() + delay > deadline:
                 raise TimeoutError(
-                    f"could not read the last message on {subject} in {timeout_s:.0f}s: {type(err).__name__}: {err}"
+                    f"could not read the last message on {subject}: {type(err).__name__}: {err}"
                 ) from None
             log.warning("reading the last message on %s failed (%s: %s); retrying", subject, type(err).__name__, err)
             await asyncio.sleep(delay)
@@ -172,10 +178,10 @@ async def claim_problems(js, subjects: JobSubjects, count: int, timeout_s: float
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            last = await js.get_last_msg(stream, subject)
-            seq, start = last.seq, int(last.data)
-        except NotFoundError:
-            seq, start = 0, 0
+            last = await _read_last(js, stream, subject, deadline)
+        except TimeoutError as err:
+            raise TimeoutError(f"could not claim training problems on {subject} in {timeout_s:.0f}s ({err})") from None
+        seq, start = (last.seq, int(last.data)) if last is not None else (0, 0)
         try:
             await js.publish(
                 subject,

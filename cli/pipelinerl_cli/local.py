@@ -158,12 +158,13 @@ def tail(log_path: Path, lines: int = 40) -> str:
     return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
 
 
-EXCEPTION_LINE = re.compile(r"(?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Exit|Timeout|Interrupt)\b.*")
+EXCEPTION_LINE = re.compile(r"(?:\[\w+\]:\s*)?((?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Exit|Timeout|Interrupt)\b.*)")
 
 
 def cause(log_tail: str) -> str | None:
-    """The last exception a log shows ("TimeoutError: ..."), to name a failure first."""
-    found = [line.strip() for line in log_tail.splitlines() if EXCEPTION_LINE.fullmatch(line.strip())]
+    """The last exception a log shows ("TimeoutError: ..."; torch's "[rank0]: " prefix dropped),
+    to name a failure first."""
+    found = [m[1] for line in log_tail.splitlines() if (m := EXCEPTION_LINE.fullmatch(line.strip()))]
     return found[-1] if found else None
 
 
@@ -297,9 +298,12 @@ class LocalRun:
         delay = self.restart.delay(restarts)
         if delay is None:
             raise ServiceDied(name, code, log_path, tail(log_path))
-        self.say(
-            f"  {name} exited with code {code}: restarting it in {delay:.0f}s "
-            f"(restart {restarts + 1} of {self.restart.limit})"
+        why = cause(tail(log_path)) if code > 0 else None  # a crash, not a kill: say what it died of
+        print(  # a warning, even when quiet
+            f"  {name} exited with code {code}{f' ({why})' if why else ''}: restarting it in {delay:.0f}s "
+            f"(restart {restarts + 1} of {self.restart.limit})",
+            file=sys.stderr,
+            flush=True,
         )
         return delay
 

@@ -4,6 +4,7 @@ real DeepSpeed ranks, real processes. A random tiny model is enough to check the
 resuming a stopped or killed run: test_resume.py)."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -93,11 +94,15 @@ def test_a_dying_service_stops_the_run_with_its_log_tail(tmp_path, capsys):
     broken = tmp_path / "broken-model"  # passes the check before the start; no engine can load it
     broken.mkdir()
     (broken / "config.json").write_text("{}")
-    job = tiny_job("dies", model={"path": str(broken), "maxSeqLen": 40})
-    code = run_local(parse_job(job), tmp_path / "run", quiet=True, restart=False)  # fail-stop
+    job = tiny_job("dies", model={"path": str(broken), "maxSeqLen": 40}, runPolicy={"backoffLimit": 1})
+    code = run_local(parse_job(job), tmp_path / "run", quiet=True)  # one restart each, then it stops
     err = capsys.readouterr().err
     assert code == 1
-    assert "exited with code" in err and "stopping the other services" in err
+    # The restart names what the process died of; the second failure stops the run.
+    assert re.search(
+        r"trainer exited with code 1 \(ValueError: Unrecognized model .+\): restarting it in 1s \(restart 1 of 1\)", err
+    ), err
+    assert "stopping the other services" in err
     assert "broken-model" in err  # the tail of the failing service's own log
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == 0  # a stopped run still sums up
     import psutil

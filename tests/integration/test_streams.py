@@ -133,6 +133,33 @@ async def test_a_read_that_times_out_is_retried_never_taken_for_empty(nats_serve
     await nc.close()
 
 
+async def test_a_claim_whose_read_times_out_is_retried_never_a_crash(nats_server):
+    # A generator claims problems while nats-server restarts: a read with no reply (the client's
+    # 5 s request timeout) is tried again until the claim's deadline, then names the subject.
+    from pipelinerl.streams import claim_problems
+
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js, SUBJECTS, 8)
+    assert await claim_problems(js, SUBJECTS, 4) == 0
+    hang(nats_server)
+    try:
+        claim = asyncio.ensure_future(claim_problems(js, SUBJECTS, 4))
+        await asyncio.sleep(7)  # past the read's 5 s timeout: a failed attempt is behind us
+        assert not claim.done()
+    finally:
+        resume(nats_server)
+    assert await asyncio.wait_for(claim, 30) == 4
+    hang(nats_server)
+    try:
+        with pytest.raises(TimeoutError, match=f"could not claim training problems on {SUBJECTS.problems}"):
+            await claim_problems(js, SUBJECTS, 4, timeout_s=3)
+    finally:
+        resume(nats_server)
+    assert await claim_problems(js, SUBJECTS, 4) >= 8  # a claim stored without its ack is a gap
+    await nc.close()
+
+
 async def test_a_publish_whose_ack_is_lost_is_sent_again_and_stored_once(nats_server):
     import nats.errors
 

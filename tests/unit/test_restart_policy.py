@@ -31,3 +31,7 @@ nats.errors.NoServersError: nats: no servers available for connection
 (EngineCore pid=12) INFO shutting down"""
     assert cause(log) == "nats.errors.NoServersError: nats: no servers available for connection"
     assert cause("INFO all good\nready") is None
+    # A torch.distributed rank's lines carry its prefix: the exception is named without it.
+    assert cause("[rank0]:     raise ValueError(\n[rank0]: ValueError: Unrecognized model") == (
+        "ValueError: Unrecognized model"
+    )

@@ -416,18 +416,10 @@ class Generator:
         if values is None:
             return
         log.info("eval at version %d: accuracy %.3f%s", version, values["accuracy"], " (final)" if final else "")
-        await self.js.publish(
-            self.subjects.metrics("eval"),
-            m.encode(
-                m.Metrics(
-                    source=f"generator-{self.env.rank}",
-                    kind="eval",
-                    values=values | {"final": final},
-                    timestamp=time.time(),
-                )
-            ),
-            timeout=30,
+        row = m.Metrics(
+            source=f"generator-{self.env.rank}", kind="eval", values=values | {"final": final}, timestamp=time.time()
         )
+        await publish_once(self.js, self.subjects.metrics("eval"), m.encode(row), uuid.uuid4().hex)
 
     async def _evaluate(self, version: int) -> dict | None:
         # The trainer announces a version as soon as its weights are sent: evaluate them once loaded.

@@ -9,15 +9,17 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from typing import Any
 
+import nats.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import ServiceEnv
 from pipelinerl.runtime import join_job
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import READ_TIMEOUT_S, dead_letter, last_announcement
+from pipelinerl.streams import READ_TIMEOUT_S, dead_letter, last_announcement, publish_once
 
 log = logging.getLogger("pipelinerl.trainer")
 
@@ -77,11 +79,18 @@ class NatsBridge:
         return self.call(last_announcement(self.js, self.subjects), READ_TIMEOUT_S + 5)
 
     def publish(self, subject: str, msg: m.Message, stream: bool = True) -> None:
+        """To a stream: until acknowledged (its id, new per call, makes a resend idempotent), so a
+        request lost when nats-server dies is sent again. Core NATS (weight updates): sent, and
+        confirmed where the server answers; one a restart lost is not fatal, since a generator
+        that misses it is dropped at the weight group's deadline and the next epoch sends again."""
         if stream:
-            self.call(self.js.publish(subject, m.encode(msg), timeout=30), 60)
-        else:
-            self.call(self.nc.publish(subject, m.encode(msg)), 30)
+            self.call(publish_once(self.js, subject, m.encode(msg), uuid.uuid4().hex), 100)
+            return
+        self.call(self.nc.publish(subject, m.encode(msg)), 30)
+        try:
             self.call(self.nc.flush(timeout=30), 60)
+        except nats.errors.TimeoutError as err:  # FlushTimeoutError derives from it
+            log.warning("%s sent while NATS reconnects, not confirmed: %s", type(msg).__name__, err)
 
     def dead_letter(self, data: bytes, reason: str, msg_id: str) -> None:
         self.call(dead_letter(self.js, self.subjects, "batch", data, reason, msg_id), 60)
