@@ -134,6 +134,9 @@ def add_method_args(ap) -> None:
                     help="learning-rate grid swept on every side first (each side then runs at its best)")  # fmt: skip
     ap.add_argument("--sweep-rounds", type=int, default=1, help="runs per side and learning rate in the sweep")
     ap.add_argument("--reruns", type=int, default=2, help="tries of a round that ran beside other programs")
+    ap.add_argument("--sweep-with", metavar="JSON", nargs="+", default=[],
+                    help="earlier results of this benchmark, same settings: their sweep runs join this sweep "
+                         "(a rate they tried is not run again); with --rounds 0, a grid extended alone")  # fmt: skip
 
 
 def method_flags(args) -> str:
@@ -141,7 +144,28 @@ def method_flags(args) -> str:
     flags = "" if args.band == [5, 15] else f" --band {args.band[0]:g} {args.band[1]:g}"
     if args.lrs:
         flags += f" --lrs {' '.join(f'{x:g}' for x in args.lrs)} --sweep-rounds {args.sweep_rounds}"
-    return flags
+    return flags + "".join(f" --sweep-with {p}" for p in args.sweep_with)
+
+
+# What an earlier result may differ in and still lend its sweep runs: how many runs, and which.
+RUN_COUNT_ARGS = {"rounds", "lrs", "sweep_rounds", "reruns", "name", "reanalyse", "sweep_with", "sides", "modes"}
+
+
+def earlier_sweeps(paths: list[str], args) -> dict[str, dict[str, list[dict]]]:
+    """The sweep runs of earlier results per side and rate (`--sweep-with`); refused, naming the
+    setting, unless they ran with every setting of this run but the number of runs."""
+    out: dict[str, dict[str, list[dict]]] = {}
+    for path in paths:
+        saved = json.loads(Path(path).read_text())
+        for key, value in vars(args).items():
+            theirs = saved["args"].get(key, value)
+            same = Path(theirs).resolve() == Path(value).resolve() if key == "job" else theirs == value
+            if key not in RUN_COUNT_ARGS and not same:
+                raise SystemExit(f"--sweep-with {path}: it ran with {key}={theirs!r}, this run with {value!r}")
+        for side, by_rate in saved.get("sweep", {}).get("runs", {}).items():
+            for rate, runs in by_rate.items():
+                out.setdefault(side, {}).setdefault(rate, []).extend(runs)
+    return out
 
 
 def band_gains(args) -> list[float]:
@@ -157,16 +181,21 @@ def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, part
     Returns the runs per side and the sweep (its runs and each side's best rate)."""
     sweep: dict = {"runs": {}, "best": {}}
     seeds = [round_seed(base_seed, SWEEP_SEED_OFFSET + i) for i in range(args.sweep_rounds)]
+    earlier = earlier_sweeps(args.sweep_with, args)
     for side, run in sides.items() if args.lrs else ():
-        tried = sweep["runs"][side] = {}
+        tried = sweep["runs"][side] = dict(earlier.get(side, {}))  # at the same seeds as these
         for j, lr in enumerate(args.lrs):  # the tag names the rate by its index: tags go into job names
+            if f"{lr:g}" in tried:
+                continue
             tried[f"{lr:g}"] = [
                 guarded(partial_run(run, f"sweep{j}-{i}", seed, lr), f"{side} sweep lr {lr:g} run {i}", args.reruns)
                 for i, seed in enumerate(seeds)
             ]
             partial.write_text(json.dumps({"runs": {}, "sweep": sweep}) + "\n")
         sweep["best"][side] = float(best_setting(tried, band_gains(args)))
-        print(f"  {side}: best learning rate {sweep['best'][side]:g} of {', '.join(tried)}", flush=True)
+        finals = {lr: statistics.fmean(x["evals"][-1]["accuracy"] for x in xs) for lr, xs in tried.items()}
+        of = ", ".join(f"{lr} (final accuracy {a:.1%})" for lr, a in finals.items())
+        print(f"  {side}: best learning rate {sweep['best'][side]:g} of {of}", flush=True)
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     for r in range(args.rounds):
         for side, run in sides.items():
@@ -195,6 +224,12 @@ def gather_runs(args, sides: Callable[[Path], dict[str, Callable[..., dict]]], n
     base_seed = load_job(args.job).spec.trainer.seed
     with tempfile.TemporaryDirectory(prefix=f"bench-{args.name}-") as tmp:
         return run_rounds(sides(Path(tmp)), args, base_seed, RESULTS / f"{args.name}.partial.json")
+
+
+def save_sweep(args, sweep: dict, command: str) -> None:
+    """A sweep alone (`--rounds 0`, e.g. a grid extended with --sweep-with): its runs and each
+    side's best rate; no rounds, so no headline."""
+    save_runs(args, {"args": vars(args), "sweep": sweep}, command)
 
 
 def save_runs(args, result: dict, command: str) -> None:

@@ -50,6 +50,7 @@ from bench.common import (
     method_flags,
     print_headlines,
     save_runs,
+    save_sweep,
     summary,
     table,
 )
@@ -338,7 +339,6 @@ def main() -> None:
         }
 
     runs, sweep = gather_runs(args, sides, args.sides)
-    result = report(runs, args) | {"sweep": sweep}
     command = (
         f"python -m bench.peer_trl --rounds {args.rounds} --steps {args.steps} --trl-steps {args.trl_steps} "
         f"--gains {' '.join(f'{g:g}' for g in args.gains)}"
@@ -348,7 +348,9 @@ def main() -> None:
     command += "" if args.eval_problems == 1000 else f" --eval-problems {args.eval_problems}"
     command += "" if args.eval_interval == 10 else f" --eval-interval {args.eval_interval}"
     command += method_flags(args)
-    save_runs(args, result, command)
+    if not args.rounds:
+        return save_sweep(args, sweep, command)
+    save_runs(args, report(runs, args) | {"sweep": sweep}, command)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from bench.common import (
     paired_ratios,
     print_headlines,
     save_runs,
+    save_sweep,
     set_fields,
     summary,
     table,
@@ -200,6 +201,8 @@ def main() -> None:
         return {mode: functools.partial(one_run, mode, args, root=tmp) for mode in args.modes}
 
     runs, sweep = gather_runs(args, sides, args.modes)
+    if not args.rounds:
+        return save_sweep(args, sweep, reproduce(args, args.modes))
     if args.reanalyse:
         for xs in runs.values():
             for x in xs:
@@ -249,16 +252,20 @@ def report(runs: dict[str, list[dict]], args, sweep: dict | None = None) -> None
             f"pipeline generator busy: {result['modes']['pipeline']['generator_busy_fraction']['median']:.0%} "
             f"(target >= 90%)"
         )
+    save_runs(args, result, reproduce(args, list(runs)))
+
+
+def reproduce(args, modes: list[str]) -> str:
+    """The command that reproduces a result."""
     command = f"python -m bench.pipeline_vs_sync --rounds {args.rounds} --steps {args.steps} --gain {args.gain}"
     command += "" if Path(args.job).resolve() == JOB else f" --job {args.job}"
     command += "".join(f" --set {x}" for x in args.set)
     command += "".join(f" --pipeline-set {x}" for x in args.pipeline_set)
-    command += "" if len(runs) == 2 else " --modes " + " ".join(runs)
+    command += "" if len(modes) == 2 else " --modes " + " ".join(modes)
     command += "" if args.name == "pipeline_vs_sync" else f" --name {args.name}"
     command += "" if args.eval_problems == 2000 else f" --eval-problems {args.eval_problems}"
     command += "" if args.eval_interval == 10 else f" --eval-interval {args.eval_interval}"
-    command += method_flags(args)
-    save_runs(args, result, command)
+    return command + method_flags(args)
 
 
 def mode_summary(xs: list[dict], gain: float) -> dict:

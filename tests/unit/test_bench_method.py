@@ -87,7 +87,7 @@ def test_the_sweep_picks_the_rate_that_reaches_the_band_soonest():
 
 
 def args(**kw):
-    base = dict(rounds=2, lrs=[], sweep_rounds=1, reruns=0, band=[5, 15])
+    base = dict(rounds=2, lrs=[], sweep_rounds=1, reruns=0, band=[5, 15], sweep_with=[], steps=100)
     return argparse.Namespace(**(base | kw))
 
 
@@ -114,6 +114,28 @@ def test_rounds_give_every_side_the_rounds_seed_and_each_side_its_best_rate(tmp_
     assert [x["seed"] for x in runs["fast"]] == [x["seed"] for x in runs["slow"]] == [7, 8]
     # Tags go into job names (DNS-1035 labels): a rate like 1e-04 must not appear in one.
     assert all(re.fullmatch(r"[a-z0-9-]+", tag) for _, tag, _, _ in calls)
+
+
+def test_an_earlier_sweep_is_extended_not_rerun_and_only_with_the_same_settings(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "guarded", lambda fn, what, reruns: fn())
+    calls = []
+
+    def one(tag, seed, lr):
+        calls.append(lr)
+        return linear(0.3, {0.05: 1.0, 0.1: 2.0}[lr]) | {"seed": seed}
+
+    earlier = tmp_path / "earlier.json"  # a sweep at 0.1 only (its best, at the grid's edge)
+    earlier.write_text(
+        json.dumps({"args": vars(args(steps=100)), "sweep": {"runs": {"a": {"0.1": [one("s", 1, 0.1)]}}}})
+    )
+    calls.clear()
+    runs, sweep = common.run_rounds(
+        {"a": one}, args(rounds=0, lrs=[0.05, 0.1], sweep_with=[earlier]), 7, tmp_path / "p"
+    )
+    assert calls == [0.05]  # 0.1 was tried already: only the new rate ran, and no rounds
+    assert list(sweep["runs"]["a"]) == ["0.1", "0.05"] and sweep["best"] == {"a": 0.05} and runs == {"a": []}
+    with pytest.raises(SystemExit, match="it ran with steps=100, this run with 200"):
+        common.run_rounds({"a": one}, args(lrs=[0.05], sweep_with=[earlier], steps=200), 7, tmp_path / "p")
 
 
 def test_the_guard_reruns_a_round_run_beside_other_programs(monkeypatch):
