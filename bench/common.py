@@ -152,8 +152,9 @@ RUN_COUNT_ARGS = {"rounds", "lrs", "sweep_rounds", "reruns", "name", "reanalyse"
 
 
 def earlier_sweeps(paths: list[str], args) -> dict[str, dict[str, list[dict]]]:
-    """The sweep runs of earlier results per side and rate (`--sweep-with`); refused, naming the
-    setting, unless they ran with every setting of this run but the number of runs."""
+    """The sweep runs of earlier results per side and rate (`--sweep-with`: saved results, or the
+    runs-so-far file of one stopped during its rounds); refused, naming the setting, unless they
+    ran with every setting of this run but the number of runs."""
     out: dict[str, dict[str, list[dict]]] = {}
     for path in paths:
         saved = json.loads(Path(path).read_text())
@@ -191,7 +192,7 @@ def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, part
                 guarded(partial_run(run, f"sweep{j}-{i}", seed, lr), f"{side} sweep lr {lr:g} run {i}", args.reruns)
                 for i, seed in enumerate(seeds)
             ]
-            partial.write_text(json.dumps({"runs": {}, "sweep": sweep}) + "\n")
+            partial.write_text(json.dumps({"args": vars(args), "runs": {}, "sweep": sweep}, default=str) + "\n")
         sweep["best"][side] = float(best_setting(tried, band_gains(args)))
         finals = {lr: statistics.fmean(x["evals"][-1]["accuracy"] for x in xs) for lr, xs in tried.items()}
         of = ", ".join(f"{lr} (final accuracy {a:.1%})" for lr, a in finals.items())
@@ -201,7 +202,7 @@ def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, part
         for side, run in sides.items():
             one = partial_run(run, str(r), round_seed(base_seed, r), sweep["best"].get(side))
             runs[side].append(guarded(one, f"{side} round {r}", args.reruns))
-            partial.write_text(json.dumps({"runs": runs, "sweep": sweep}) + "\n")
+            partial.write_text(json.dumps({"args": vars(args), "runs": runs, "sweep": sweep}, default=str) + "\n")
     return runs, sweep
 
 

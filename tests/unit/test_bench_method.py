@@ -134,6 +134,9 @@ def test_an_earlier_sweep_is_extended_not_rerun_and_only_with_the_same_settings(
     )
     assert calls == [0.05]  # 0.1 was tried already: only the new rate ran, and no rounds
     assert list(sweep["runs"]["a"]) == ["0.1", "0.05"] and sweep["best"] == {"a": 0.05} and runs == {"a": []}
+    calls.clear()  # the runs-so-far file of a run stopped after its sweep extends a sweep too
+    _, again = common.run_rounds({"a": one}, args(rounds=0, lrs=[0.05], sweep_with=[tmp_path / "p"]), 7, tmp_path / "q")
+    assert calls == [] and again["best"] == {"a": 0.05}
     with pytest.raises(SystemExit, match="it ran with steps=100, this run with 200"):
         common.run_rounds({"a": one}, args(lrs=[0.05], sweep_with=[earlier], steps=200), 7, tmp_path / "p")
 
