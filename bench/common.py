@@ -181,8 +181,13 @@ def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, part
     contention guard. `sides[name](tag, seed=..., lr=...)` runs one and returns its record.
     Returns the runs per side and the sweep (its runs and each side's best rate)."""
     sweep: dict = {"runs": {}, "best": {}}
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
     seeds = [round_seed(base_seed, SWEEP_SEED_OFFSET + i) for i in range(args.sweep_rounds)]
     earlier = earlier_sweeps(args.sweep_with, args)
+
+    def keep() -> None:  # the runs so far, with what extends or reanalyses them
+        partial.write_text(json.dumps({"args": vars(args), "runs": runs, "sweep": sweep}, default=str) + "\n")
+
     for side, run in sides.items() if args.lrs else ():
         tried = sweep["runs"][side] = dict(earlier.get(side, {}))  # at the same seeds as these
         for j, lr in enumerate(args.lrs):  # the tag names the rate by its index: tags go into job names
@@ -192,17 +197,16 @@ def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, part
                 guarded(partial_run(run, f"sweep{j}-{i}", seed, lr), f"{side} sweep lr {lr:g} run {i}", args.reruns)
                 for i, seed in enumerate(seeds)
             ]
-            partial.write_text(json.dumps({"args": vars(args), "runs": {}, "sweep": sweep}, default=str) + "\n")
+            keep()
         sweep["best"][side] = float(best_setting(tried, band_gains(args)))
         finals = {lr: statistics.fmean(x["evals"][-1]["accuracy"] for x in xs) for lr, xs in tried.items()}
         of = ", ".join(f"{lr} (final accuracy {a:.1%})" for lr, a in finals.items())
         print(f"  {side}: best learning rate {sweep['best'][side]:g} of {of}", flush=True)
-    runs: dict[str, list[dict]] = {side: [] for side in sides}
     for r in range(args.rounds):
         for side, run in sides.items():
             one = partial_run(run, str(r), round_seed(base_seed, r), sweep["best"].get(side))
             runs[side].append(guarded(one, f"{side} round {r}", args.reruns))
-            partial.write_text(json.dumps({"args": vars(args), "runs": runs, "sweep": sweep}, default=str) + "\n")
+            keep()
     return runs, sweep
 
 
