@@ -503,14 +503,18 @@ async def test_two_replicas_take_turns_and_the_survivor_takes_over(cluster, tmp_
         f"/apis/kopf.dev/v1/namespaces/{NS}/kopfpeerings",
         {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": "rl-pipelinerl", "namespace": NS}},
     )
-    procs = {}
-    for name in ("replica-a", "replica-b"):
+    procs: dict[str, subprocess.Popen] = {}
+    log = lambda name: (tmp_path / f"{name}.log").read_text()  # noqa: E731
+
+    def start(name: str) -> None:
         env = {
             **os.environ,
             "PIPELINERL_KUBE_SERVER": str(emulator.url),
             "PIPELINERL_WATCH_NAMESPACES": NS,
             "PIPELINERL_PEERING": "rl-pipelinerl",
-            "PIPELINERL_PEERING_LIFETIME": "3",
+            # kopf touches every second below 11 s: a 6 s lifetime leaves a starved CI core 5 s
+            # before a live leader is taken for dead (3 s left 2 s)
+            "PIPELINERL_PEERING_LIFETIME": "6",
             "POD_ID": name,
             "PIPELINERL_METRICS_PORT": "0",
             "PIPELINERL_LIVENESS": f"http://127.0.0.1:{free_port()}/healthz",
@@ -521,7 +525,19 @@ async def test_two_replicas_take_turns_and_the_survivor_takes_over(cluster, tmp_
             stdout=open(tmp_path / f"{name}.log", "wb"),
             stderr=subprocess.STDOUT,
         )
+
+    def paused(name: str) -> bool:
+        """kopf starts a replica paused and logs each change after: paused if it never resumed or
+        paused again since."""
+        changes = [line for line in log(name).splitlines() if "Resuming operations" in line or "Pausing" in line]
+        return not changes or "Pausing" in changes[-1]
+
     try:
+        # one after the other, so that every state of the object the second one reads holds the
+        # first one, and the first one's pause (if the second one leads) is a line in its log
+        start("replica-a")
+        await eventually(lambda: not paused("replica-a"), timeout_s=60, what="the first replica alone resuming")
+        start("replica-b")
         peers = await eventually(
             lambda: (
                 len((obj(emulator, "kopf.dev/v1/kopfpeerings", "rl-pipelinerl") or {}).get("status") or {}) == 2
@@ -532,9 +548,9 @@ async def test_two_replicas_take_turns_and_the_survivor_takes_over(cluster, tmp_
         )
         leader = max(peers, key=lambda p: peers[p]["priority"])
         other = next(n for n in procs if n != leader)
+        await eventually(lambda: paused(other), timeout_s=30, what="the other replica's pause")
         await api.create_job(manifest("first"))
         await eventually(lambda: obj(emulator, STS, "first-trainer"), timeout_s=30, what="the first job's children")
-        log = lambda name: (tmp_path / f"{name}.log").read_text()  # noqa: E731
         await eventually(lambda: "Timer 'resync' succeeded" in log(leader), timeout_s=40, what="the leader's resync")
         assert "Handler 'created' succeeded" in log(leader)
         assert "Handler '" not in log(other) and "Timer '" not in log(other)  # the other one paused: none ran
