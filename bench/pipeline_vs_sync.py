@@ -119,7 +119,7 @@ def one_run(mode: str, args, tag: str, root: Path, seed: int | None = None, lr: 
     both += [f"trainer.learningRate={lr}"] if lr else []
     job = job_for(mode, args.steps, args.eval_interval, tag, args.pipeline_set, Path(args.job), both)
     launched = time.time()
-    code = run_local(job, run_dir, quiet=True, pin_cores=True, restart=False)  # a restart would distort the timing
+    code = run_local(job, run_dir, quiet=True, cores="split", restart=False)  # a restart would distort the timing
     if code:
         raise SystemExit(f"{mode} run failed ({code}); logs in {run_dir / 'logs'}")
     s = json.loads((run_dir / "summary.json").read_text())

@@ -11,7 +11,7 @@ the generator never idles waiting for the announcement of a step whose data it a
 The trainer does not wait for an update to land before it trains on, so a step may also start
 while the generator still holds the weights before its input's (e = N − 2): one share less.
 Groups the preprocessor will discard (zero variance) leave the queue as soon as they finish,
-so sync mode (max_lag 0, see `budget`) can never starve a step.
+so sync mode (one generation phase at a time, see `lag_budget`) can never starve a step.
 
 Groups are consumed in the order they *finish*, not the order they start: a long group is
 overtaken by every shorter one started after it. So e above is the oldest start version among
@@ -46,16 +46,20 @@ import math
 from dataclasses import dataclass, field
 
 
-def lag_budget(max_lag: int, share: int, oldest: int, training_step: int) -> int:
+def lag_budget(max_lag: int, share: int, oldest: int, training_step: int, steps_per_generation: int = 1) -> int:
     """Groups one may have queued (started, neither consumed nor discarded): `share` per step
     of lag. `oldest` is the weights version of the oldest group still generating (the engine's
     weights e when none is), `training_step` the step N - 1 last announced as started; their
     difference, at most 1, is 1 once that step's update has landed, 0 while it trains, -1 while
-    the weights before its input's still load. Sync (max_lag 0) keeps one step in flight,
-    counted consumed after the update. The generators' `Admission` and the planner's
-    simulation both call this."""
-    if max_lag == 0:
-        return share
+    the weights before its input's still load.
+
+    The conventional baseline (sync mode: k = `steps_per_generation` steps per phase, max_lag
+    k - 1; also pipeline mode with max_lag 0, k = 1) generates a phase of k steps with the weights
+    of the newest step trained and nothing while the phase trains: its steps are announced as
+    trained one by one, but the weights come only after the last. The generators' `Admission`
+    and the planner's simulation both call this."""
+    if steps_per_generation > 1 or max_lag == 0:
+        return steps_per_generation * share if oldest > training_step else 0
     return max(0, max_lag + min(1, oldest - training_step)) * share
 
 
@@ -74,6 +78,7 @@ class Admission:
     generators: int
     max_lag: int
     max_inflight: int
+    steps_per_generation: int = 1  # k of the conventional baseline (sync mode)
     started: int = 0  # by this process
     finished: int = 0  # by this process: published, or dropped as a duplicate
     published: int = 0  # groups in the stream, every incarnation's
@@ -102,12 +107,14 @@ class Admission:
         # With max_lag ≥ 1 the trainer reports groups as consumed when a step *starts* (so
         # generation overlaps training), and max_lag steps of unconsumed groups keep every lag
         # ≤ max_lag, one more once the weights of the step in training have landed.
-        return lag_budget(self.max_lag, self.share, self.oldest, self.training_step)
+        return lag_budget(self.max_lag, self.share, self.oldest, self.training_step, self.steps_per_generation)
 
     @property
     def cluster_room(self) -> int:
         """Groups the whole cluster may still start: the whole step's budget less every queue."""
-        budget = lag_budget(self.max_lag, self.groups_per_step, self.oldest, self.training_step)
+        budget = lag_budget(
+            self.max_lag, self.groups_per_step, self.oldest, self.training_step, self.steps_per_generation
+        )
         return budget - self.queued - sum(p.queued for p in self.peers.values())
 
     @property

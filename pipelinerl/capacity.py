@@ -21,7 +21,7 @@ SMALL_STREAM_BYTES = {"CONTROL": 1 << 20, "METRICS": 64 << 20, "DEADLETTER": 64 
 def stream_bytes(spec: Any) -> dict[str, int]:
     """Each stream's max_bytes, by its short name (`JobSubjects.stream`)."""
     step_tokens = spec.trainer.samples_per_step * spec.model.max_seq_len
-    pending = spec.preprocessor.max_pending_steps
+    pending = spec.pending_steps
     # Batches: what a trainer restarted from its last checkpoint replays, and what is queued ahead.
     replay = (spec.trainer.checkpoint_interval or spec.trainer.max_steps) + pending + 1
     # Rollouts: groups generated but not yet taken; admission keeps them within the lag budget.

@@ -134,7 +134,7 @@ class ServiceEnv:
     http_port: int = HTTP_PORT  # 0: any free port (extra ranks of a multi-GPU trainer pod)
     # Set by the local runner only (a user may set them on a cluster):
     exit_when_done: bool | None = None  # exit once finished; in a StatefulSet a finished service stays up
-    torch_threads: int | None = None  # the trainer's torch threads (unset: 1)
+    torch_threads: int | None = None  # compute threads: the trainer's torch threads, a generator engine's (unset: 1)
     world_size: int | None = None  # trainers: DeepSpeed ranks in all (generators need no count: elastic)
     local_rank: int | None = None  # trainers: the GPU of their pod this rank uses
     ranks_per_pod: int | None = None  # trainers: rank processes the pod starts (one per GPU)

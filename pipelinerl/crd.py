@@ -201,7 +201,19 @@ SPEC_RULES: list[tuple[str, str, str]] = [
     (
         "",
         "self.mode != 'sync' || !has(self.rl.maxLag) || self.rl.maxLag == 0",
-        "rl.maxLag must be 0 or unset in sync mode (sync mode never trains on stale data)",
+        "rl.maxLag must be 0 or unset in sync mode (its lag is set by rl.stepsPerGeneration: at most k - 1)",
+    ),
+    (
+        "",
+        "self.mode == 'sync' || self.rl.stepsPerGeneration == 1",
+        "rl.stepsPerGeneration applies to sync mode (the conventional baseline): pipeline mode sends weights "
+        "after every step",
+    ),
+    (
+        "",
+        "self.eval.interval % self.rl.stepsPerGeneration == 0",
+        "eval.interval must be a multiple of rl.stepsPerGeneration: the generators hold only the weights sent at "
+        "the end of each phase",
     ),
     (
         "",

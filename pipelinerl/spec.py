@@ -209,7 +209,17 @@ class RLSpec(SpecModel):
         default=None,
         ge=0,
         le=1024,
-        description="Max policy versions between generation and training; default 4 (pipeline), 0 (sync).",
+        description="Max policy versions between generation and training; default 4 (pipeline); in sync mode "
+        "it is stepsPerGeneration - 1 (the phase's last step trains on data that many versions old).",
+    )
+    steps_per_generation: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description="Sync mode (the conventional baseline): optimizer steps taken on each generation phase (k). "
+        "A phase generates k x trainer.samplesPerStep samples with the current weights, then the trainer takes k "
+        "steps on consecutive mini-batches of it (step j of the phase trains at lag j) and sends the weights once. "
+        "1 in pipeline mode.",
     )
     epsilon_low: float = Field(default=0.2, ge=0.0, le=10.0)
     epsilon_high: float = Field(default=0.2, ge=0.0, le=100.0)
@@ -503,7 +513,20 @@ class JobSpec(SpecModel):
     @model_validator(mode="after")
     def _cross_field(self) -> JobSpec:
         if self.mode == "sync" and self.rl.max_lag not in (None, 0):
-            raise ValueError("rl.maxLag must be 0 or unset in sync mode (sync mode never trains on stale data)")
+            raise ValueError(
+                "rl.maxLag must be 0 or unset in sync mode (its lag is set by rl.stepsPerGeneration: at most k - 1)"
+            )
+        k = self.rl.steps_per_generation
+        if k > 1 and self.mode != "sync":
+            raise ValueError(
+                f"rl.stepsPerGeneration ({k}) applies to sync mode (the conventional baseline): pipeline mode "
+                f"sends weights after every step"
+            )
+        if k > 1 and self.eval.interval % k:
+            raise ValueError(
+                f"eval.interval ({self.eval.interval}) must be a multiple of rl.stepsPerGeneration ({k}): the "
+                f"generators hold only the weights sent at the end of each phase"
+            )
         if self.rl.importance_weights == "sequence" and self.rl.loss not in ("reinforce", "cispo"):
             raise ValueError(
                 f"rl.importanceWeights: sequence applies to the reinforce and cispo losses, not "
@@ -531,15 +554,21 @@ class JobSpec(SpecModel):
 
     @property
     def max_lag(self) -> int:
-        """The lag budget in force: explicit, else 4 in pipeline mode and 0 in sync mode."""
+        """The lag budget in force: explicit, else 4 in pipeline mode; in sync mode the phase's
+        last step trains on data k - 1 versions old (k = stepsPerGeneration)."""
         if self.is_sync:
-            return 0
+            return self.steps_per_generation - 1
         return 4 if self.rl.max_lag is None else self.rl.max_lag
 
     @property
     def is_sync(self) -> bool:
-        """The conventional baseline: generate a step whole, stop, train, update, repeat."""
+        """The conventional baseline: generate a phase of k steps whole, stop, take k steps, update, repeat."""
         return self.mode == "sync"
+
+    @property
+    def steps_per_generation(self) -> int:
+        """k: optimizer steps per generation phase (the weights go out once per phase); 1 in pipeline mode."""
+        return self.rl.steps_per_generation if self.is_sync else 1
 
     @property
     def streams_steps(self) -> bool:
@@ -549,9 +578,15 @@ class JobSpec(SpecModel):
 
     @property
     def waits_for_weights(self) -> bool:
-        """No lag allowed (sync mode, or maxLag 0): the next step is generated with this step's
-        weights, so the trainer waits until every generator has loaded them."""
-        return self.max_lag == 0
+        """Sync mode, or maxLag 0: the next phase is generated with the weights sent at the end of
+        this one, so the trainer waits until every generator has loaded them."""
+        return self.is_sync or self.max_lag == 0
+
+    @property
+    def pending_steps(self) -> int:
+        """Steps the preprocessor may publish ahead of the trainer's version: maxPendingSteps, and
+        at least a whole generation phase (sync mode publishes a phase at once)."""
+        return max(self.preprocessor.max_pending_steps, self.steps_per_generation)
 
     @property
     def weight_transport(self) -> str:

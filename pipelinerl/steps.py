@@ -7,6 +7,9 @@ planner all apply, stated once.
   preprocessor streams by it, the planner simulates it;
 - which step an announcement says is in training (`training_step`): the generators' admission
   counts from it;
+- the conventional baseline's generation phases of k steps (`steps_left_in_phase`,
+  `sends_weights`): the preprocessor publishes a phase once it is generated whole, the trainer
+  sends the weights once per phase;
 - the weight group's ranks (`weight_group_size`, `weight_group_rank`, `generator_of_rank`):
   the trainer is rank 0, generator i's workers follow it in the order of the membership.
 
@@ -28,6 +31,18 @@ def training_step(announcement: Any) -> int:
     """The step a PolicyVersion says is in training: its version while step `version` trains
     (`training`), else the step that made it (version - 1)."""
     return announcement.version if announcement.training else announcement.version - 1
+
+
+def steps_left_in_phase(step: int, steps_per_generation: int) -> int:
+    """Steps of the generation phase from `step` on, `step` included (phases of k steps start at
+    multiples of k; pipeline mode: k = 1)."""
+    return steps_per_generation - step % steps_per_generation
+
+
+def sends_weights(version: int, steps_per_generation: int, last: bool) -> bool:
+    """Whether the trainer sends the weights of `version`: at the end of each generation phase
+    (the generators hold nothing in between) and after the last step."""
+    return last or version % steps_per_generation == 0
 
 
 def weight_group_size(members: int, workers_per_generator: int) -> int:
@@ -52,18 +67,26 @@ def wave_capacity(ranks: int, micro_batch_tokens: int, longest: int) -> int:
 
 
 def next_wave(
-    pending: list[list[int]], in_step: int, groups_per_step: int, ranks: int, micro_batch_tokens: int, stream: bool
+    pending: list[list[int]],
+    in_step: int,
+    groups_per_step: int,
+    ranks: int,
+    micro_batch_tokens: int,
+    stream: bool,
+    steps_left: int = 1,
 ) -> tuple[int, bool]:
     """How many pending groups (sample lengths each, in arrival order) to publish now as the next
     wave of a step that already holds `in_step` groups, and whether that wave ends the step.
 
-    The rest of the step goes as soon as it is there. Before that, when streaming, a wave leaves
+    The rest of the step goes as soon as it is there, and the rest of its generation phase too
+    (`steps_left` steps from this one: the conventional baseline trains only once a phase is
+    generated whole, so its first step waits for the phase). Before that, when streaming, a wave leaves
     once more is pending than one full row per rank holds, so the trainer can start on it while
     the rest is generated: the longest prefix first-fit decreasing is sure to pack into `ranks`
     rows (`wave_capacity`). A first group too large for that goes alone.
     """
     need = groups_per_step - in_step
-    if len(pending) >= need:
+    if len(pending) >= need + (steps_left - 1) * groups_per_step:
         return need, True
     if not stream:
         return 0, False

@@ -39,19 +39,49 @@ FINAL_EVAL_TIMEOUT_S = 300.0
 PRINT_EVERY_S = 3.0
 
 
-def cpu_layout(cpus: list[int], trainers: int, generators: int) -> dict[tuple[str, int], list[int]]:
-    """Dedicated cores per trainer rank and generator (`--pin-cores`): one per generator, the
-    rest shared out among the trainer ranks; the light preprocessor is left unpinned."""
-    if len(cpus) < trainers + generators:
-        raise ValueError(
-            f"--pin-cores needs a core per trainer rank and generator ({trainers + generators}), "
-            f"this process may use {len(cpus)}"
-        )
-    layout = {("generator", r): [cpus[r]] for r in range(generators)}
-    rest = cpus[generators:]
-    for r in range(trainers):
-        layout["trainer", r] = rest[r::trainers]
-    return layout
+CORES = ("default", "split", "colocated")
+
+
+@dataclass(frozen=True)
+class Cores:
+    """Where a service process runs: `cpus` it is pinned to (None: anywhere) and its compute
+    threads (the trainer's torch threads; a generator's vLLM engine threads)."""
+
+    cpus: list[int] | None
+    threads: int
+
+
+def core_plan(mode: str, cpus: list[int], trainers: int, generators: int) -> dict[tuple[str, int], Cores]:
+    """The cores of each trainer rank and generator, by `pipelinerl run`'s `--cores`:
+
+    - split (`--pin-cores`): dedicated cores, one per generator, the rest shared out among the
+      trainer ranks, each with as many threads as cores: neither stage slows the other, and in
+      sync mode each phase leaves the other stage's cores idle;
+    - colocated: every process may use every core, with that many threads (shared out among the
+      trainer ranks, and among the generators): the conventional baseline as the paper runs it,
+      each phase on the whole machine (the phases alternate, so they never compete; in pipeline
+      mode they would);
+    - default: unpinned, the trainer ranks share the cores out, a generator has one thread.
+
+    The light preprocessor is left unpinned, single-threaded."""
+    if mode == "split":
+        if len(cpus) < trainers + generators:
+            raise ValueError(
+                f"--pin-cores needs a core per trainer rank and generator ({trainers + generators}), "
+                f"this process may use {len(cpus)}"
+            )
+        plan = {("generator", r): Cores([cpus[r]], 1) for r in range(generators)}
+        rest = cpus[generators:]
+        for r in range(trainers):
+            plan["trainer", r] = Cores(rest[r::trainers], len(rest[r::trainers]))
+        return plan
+    if mode not in CORES:
+        raise ValueError(f"cores: one of {', '.join(CORES)}, not {mode!r}")
+    per_trainer = max(1, len(cpus) // trainers)
+    per_generator = max(1, len(cpus) // generators) if mode == "colocated" else 1
+    return {("trainer", r): Cores(None, per_trainer) for r in range(trainers)} | {
+        ("generator", r): Cores(None, per_generator) for r in range(generators)
+    }
 
 
 @dataclass(frozen=True)
@@ -126,7 +156,8 @@ class Service:
                 env={
                     **os.environ,
                     "PYTHONUNBUFFERED": "1",
-                    "OMP_NUM_THREADS": "1",
+                    # the vLLM engine's threads (the trainer sets its own from torch_threads)
+                    "OMP_NUM_THREADS": str(self.env.torch_threads or 1) if self.role == "generator" else "1",
                     **self.role_env,
                     **self.env.to_environ(),
                 },
@@ -180,12 +211,12 @@ class LocalRun:
         job: PipelineRLJob,
         run_dir: Path,
         quiet: bool = False,
-        pin_cores: bool = False,
+        cores: str = "default",
         restart: RestartPolicy | None = None,
         nats: EmbeddedNats | None = None,
     ):
         self.job, self.spec, self.run_dir = job, job.spec, run_dir
-        self.pin_cores = pin_cores
+        self.cores = cores
         self.restart = restart or RestartPolicy(limit=job.spec.run_policy.backoff_limit)
         self.nats, self.nats_restarts = nats, 0
         self.nats_restart_at: float | None = None
@@ -214,7 +245,7 @@ class LocalRun:
         output = self.spec.output
         weights_port, master_port = free_port(), free_port()
         token = secrets.token_hex(16)  # the weight group's members prove they hold it, as in a cluster
-        cpus = cpu_layout(sorted(os.sched_getaffinity(0)), trainers, gens) if self.pin_cores else {}
+        plan = core_plan(self.cores, sorted(os.sched_getaffinity(0)), trainers, gens)
         layout = (
             [("trainer", r, trainers) for r in range(trainers)]
             + [("preprocessor", 0, 1)]
@@ -226,9 +257,7 @@ class LocalRun:
         }
         for role, rank, world in layout:
             trainer = role == "trainer"
-            # Training is the compute-bound stage here: trainers split the cores between them
-            # (the generators' engine threads overlap with them; they idle while lag-bound).
-            threads = len(cpus[role, rank]) if (role, rank) in cpus else max(1, (os.cpu_count() or 1) // trainers)
+            cores = plan.get((role, rank), Cores(None, 1))
             env = ServiceEnv(
                 role,
                 rank=rank,
@@ -239,16 +268,14 @@ class LocalRun:
                 run_dir=self.run_dir,
                 http_port=free_port(),
                 exit_when_done=True,
-                torch_threads=threads,
+                torch_threads=cores.threads,
                 output_dir=Path(output.path).expanduser().resolve() if trainer and output and output.path else None,
                 local_rank=rank if trainer else None,  # one machine: trainer rank r on GPU r
                 master_addr="127.0.0.1" if trainer else None,
                 master_port=master_port if trainer else None,
             )
             name = role if world == 1 else f"{role}-{rank}"
-            self.services.append(
-                Service(name, env, logs / f"{name}.log", job_file, cpus.get((role, rank)), role_envs[role])
-            )
+            self.services.append(Service(name, env, logs / f"{name}.log", job_file, cores.cpus, role_envs[role]))
         self._record_services()
 
     def check_services(self) -> bool:
@@ -512,18 +539,18 @@ def run_local(
     job: PipelineRLJob,
     run_dir: str | Path | None = None,
     quiet: bool = False,
-    pin_cores: bool = False,
+    cores: str = "default",
     restart: bool = True,
 ) -> int:
-    """Run the job here; `restart=False`: the first process to fail stops the run (else each is
-    restarted up to runPolicy.backoffLimit times, as its pod would be)."""
+    """Run the job here; `cores`: see `core_plan`; `restart=False`: the first process to fail
+    stops the run (else each is restarted up to runPolicy.backoffLimit times, as its pod would be)."""
     problem = local_model_problem(job.spec.model.path)
     if problem:  # else each service fails after its start-up, with the model hub's word for it
         raise SpecError(problem)
     run_dir = Path(run_dir or Path("runs") / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     policy = RestartPolicy(on_failure=restart, limit=job.spec.run_policy.backoff_limit)
-    run = LocalRun(job, run_dir, quiet=quiet, pin_cores=pin_cores, restart=policy)
+    run = LocalRun(job, run_dir, quiet=quiet, cores=cores, restart=policy)
     run.say(f"pipelinerl: running {job.name!r} ({job.spec.mode} mode, max lag {job.spec.max_lag}) in {run_dir}")
     model_path = resolve_model_path(job.spec.model.path)
     run.say(f"  model {model_path} {model_info(model_path) or ''}")

@@ -30,9 +30,8 @@ def _validate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from pipelinerl_cli.local import run_local
 
-    return run_local(
-        load_job(args.job), run_dir=args.run_dir, pin_cores=args.pin_cores, restart=args.restart == "on-failure"
-    )
+    cores = "split" if args.pin_cores else args.cores
+    return run_local(load_job(args.job), run_dir=args.run_dir, cores=cores, restart=args.restart == "on-failure")
 
 
 def _service(args: argparse.Namespace) -> int:
@@ -155,10 +154,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--run-dir", default=None, help="where logs, metrics and checkpoints go (default runs/<name>-<time>)"
     )
-    p.add_argument(
+    cores = p.add_mutually_exclusive_group()
+    cores.add_argument(
         "--pin-cores",
         action="store_true",
-        help="give every generator and trainer rank its own cores (needs one per process)",
+        help="give every generator and trainer rank its own cores (needs one per process): --cores split",
+    )
+    cores.add_argument(
+        "--cores",
+        choices=["default", "split", "colocated"],
+        default="default",
+        help="split: as --pin-cores; colocated: the trainer and the generators may each use every core (sync "
+        "mode's phases alternate, each on the whole machine, as the conventional baseline runs); default: "
+        "unpinned, the trainer uses the cores, a generator one thread",
     )
     p.add_argument(
         "--restart",

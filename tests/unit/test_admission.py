@@ -71,10 +71,33 @@ def test_one_more_share_once_the_weights_of_the_step_in_training_have_landed():
     assert a.training_step == 1
 
 
-def test_sync_mode_budget_ignores_weights():
+def test_sync_mode_generates_only_on_the_weights_of_the_newest_step_trained():
     a = Admission(groups_per_step=8, generators=1, max_lag=0, max_inflight=1000, weights_version=0)
-    a.on_weights(5, generators=1)
-    assert a.budget == 8
+    assert fill(a) == 8
+    for _ in range(8):
+        a.on_finish(0, discarded=False)
+    a.on_trained(8, training_step=0)  # step 0 trained and announced: the generator still holds version 0
+    assert a.budget == 0 and fill(a) == 0  # a group started now would be trained at lag 1
+    a.on_weights(1, generators=1)
+    assert fill(a) == 8
+
+
+def test_conventional_k_generates_a_whole_phase_then_waits_for_its_weights():
+    # k = 4: a phase of 4 steps is generated on version 0; its steps are announced one by one
+    # (each frees its groups), but nothing starts until the weights of step 4 are in.
+    a = Admission(
+        groups_per_step=4, generators=2, max_lag=3, max_inflight=1000, weights_version=0, steps_per_generation=4
+    )
+    assert a.share == 2 and fill(a) == 8  # this generator's share of the whole phase
+    a.on_finish(0, discarded=True)  # zero-variance: replaced at once, the phase still fills
+    assert fill(a) == 1
+    for _ in range(8):
+        a.on_finish(0, discarded=False)
+    for step in range(4):
+        a.on_trained(2 * (step + 1), training_step=step)
+        assert a.budget == 0 and fill(a) == 0  # mid-phase: the generator holds only version 0
+    a.on_weights(4, generators=2)  # the phase's weights
+    assert a.budget == 8 and fill(a) == 8
 
 
 def test_one_share_less_while_the_weights_of_the_step_before_are_still_loading():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipelinerl import messages as m
-from pipelinerl_cli.local import LocalRun, cpu_layout
+from pipelinerl_cli.local import Cores, LocalRun, core_plan
 from pipelinerl.spec import load_job
 from pipelinerl_generator.main import BusyClock
 from pipelinerl_trainer.loss import LossConfig
@@ -18,16 +18,31 @@ from pipelinerl_trainer.step import StepConfig, StepTally, micro_batch_loss
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 
 
-def test_cpu_layout_gives_each_process_its_own_cores():
-    layout = cpu_layout([0, 1, 2, 3, 4], trainers=2, generators=1)
-    assert layout == {("generator", 0): [0], ("trainer", 0): [1, 3], ("trainer", 1): [2, 4]}
-    used = [c for cores in layout.values() for c in cores]
+def test_split_cores_give_each_process_its_own_cores_and_as_many_threads():
+    plan = core_plan("split", [0, 1, 2, 3, 4], trainers=2, generators=1)
+    assert plan == {
+        ("generator", 0): Cores([0], 1),
+        ("trainer", 0): Cores([1, 3], 2),
+        ("trainer", 1): Cores([2, 4], 2),
+    }
+    used = [c for cores in plan.values() for c in cores.cpus or []]
     assert len(used) == len(set(used))
 
 
-def test_cpu_layout_refuses_too_few_cores():
+def test_split_cores_refuse_too_few_cores():
     with pytest.raises(ValueError, match="needs a core per trainer rank and generator"):
-        cpu_layout([0, 1], trainers=2, generators=1)
+        core_plan("split", [0, 1], trainers=2, generators=1)
+
+
+def test_colocated_cores_give_the_trainer_and_the_generators_every_core_each():
+    plan = core_plan("colocated", [0, 1], trainers=1, generators=1)
+    assert plan == {("trainer", 0): Cores(None, 2), ("generator", 0): Cores(None, 2)}
+    two = core_plan("colocated", [0, 1, 2, 3], trainers=2, generators=2)
+    assert {c.threads for c in two.values()} == {2} and all(c.cpus is None for c in two.values())
+    default = core_plan("default", [0, 1], trainers=1, generators=1)
+    assert default == {("trainer", 0): Cores(None, 2), ("generator", 0): Cores(None, 1)}
+    with pytest.raises(ValueError, match="cores: one of default, split, colocated"):
+        core_plan("shared", [0, 1], trainers=1, generators=1)
 
 
 def test_busy_clock_counts_overlapping_work_once():

@@ -25,6 +25,15 @@ def test_effective_max_lag():
     assert parse_job(job(rl={"maxLag": 7})).spec.max_lag == 7
 
 
+def test_conventional_k_steps_per_generation():
+    k4 = parse_job(job(mode="sync", rl={"stepsPerGeneration": 4}, eval={"interval": 20})).spec
+    assert (k4.steps_per_generation, k4.max_lag, k4.waits_for_weights, k4.pending_steps) == (4, 3, True, 4)
+    assert not k4.streams_steps
+    assert parse_job(job()).spec.steps_per_generation == 1
+    sync = parse_job(job(mode="sync")).spec
+    assert (sync.steps_per_generation, sync.max_lag, sync.waits_for_weights, sync.pending_steps) == (1, 0, True, 2)
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
@@ -32,6 +41,11 @@ def test_effective_max_lag():
         ({"rl": {"loss": "dpo"}}, r"spec\.rl\.loss: Input should be 'reinforce', 'ppo', 'gspo' or 'cispo'"),
         ({"trainer": {"samplesPerStep": 12}}, r"samplesPerStep \(12\) must be a multiple of rl\.attempts \(8\)"),
         ({"mode": "sync", "rl": {"maxLag": 2}}, r"rl\.maxLag must be 0 or unset in sync mode"),
+        ({"rl": {"stepsPerGeneration": 4}}, r"rl\.stepsPerGeneration \(4\) applies to sync mode"),
+        (
+            {"mode": "sync", "rl": {"stepsPerGeneration": 4}, "eval": {"interval": 10}},
+            r"eval\.interval \(10\) must be a multiple of rl\.stepsPerGeneration \(4\)",
+        ),
         ({"generator": {"sampling": {"maxTokens": 64}}}, r"maxTokens must be smaller than model\.maxSeqLen"),
         ({"trainer": {"microBatchTokens": 16}}, r"microBatchTokens must be at least model\.maxSeqLen"),
         ({"trainr": {}}, r"spec\.trainr: unknown field"),

@@ -43,7 +43,7 @@ def fields(model: type[BaseModel], path: tuple[str, ...] = ()):
 def unread(code: str) -> list[str]:
     out = []
     for path in fields(JobSpec):
-        parents = {path[-2]} if len(path) > 1 else {"spec"}
+        parents = {path[-2]} if len(path) > 1 else {"spec", "self"}  # self: the spec's derived properties
         if path[-1] in RoleSpec.model_fields:
             parents.add("spec")  # render: spec: RoleSpec = getattr(job.spec, role)
         if not re.search(rf"\b({'|'.join(parents)})\.{path[-1]}\b", code):

@@ -3,7 +3,16 @@
 from types import SimpleNamespace
 
 from pipelinerl import messages as m
-from pipelinerl.steps import counts_as_discarded, generator_of_rank, training_step, weight_group_rank, weight_group_size
+from pipelinerl.steps import (
+    counts_as_discarded,
+    generator_of_rank,
+    next_wave,
+    sends_weights,
+    steps_left_in_phase,
+    training_step,
+    weight_group_rank,
+    weight_group_size,
+)
 
 
 def test_the_weight_groups_ranks_name_their_generator():
@@ -23,3 +32,21 @@ def test_a_zero_variance_group_is_discarded_only_where_the_job_filters_them():
     flat, mixed = SimpleNamespace(zero_variance=True), SimpleNamespace(zero_variance=False)
     assert counts_as_discarded(True, flat) and not counts_as_discarded(False, flat)
     assert not counts_as_discarded(True, mixed)
+
+
+def test_a_generation_phase_of_k_steps_gets_the_weights_once_at_its_end():
+    assert [steps_left_in_phase(s, 4) for s in range(9)] == [4, 3, 2, 1, 4, 3, 2, 1, 4]
+    assert [steps_left_in_phase(s, 1) for s in range(3)] == [1, 1, 1]  # pipeline mode: every step
+    # Versions 0 (the start), 4, 8: each phase's end; and the last step's, wherever it falls.
+    assert [v for v in range(11) if sends_weights(v, 4, last=False)] == [0, 4, 8]
+    assert sends_weights(10, 4, last=True)
+    assert all(sends_weights(v, 1, last=False) for v in range(5))
+
+
+def test_the_conventional_baseline_publishes_a_phase_only_once_it_is_generated_whole():
+    groups = [[5, 5]] * 11  # 11 groups of two samples
+    args = dict(groups_per_step=4, ranks=1, micro_batch_tokens=64, stream=False)
+    assert next_wave(groups, 0, steps_left=3, **args) == (0, False)  # 11 < 3 steps of 4 groups
+    assert next_wave(groups + [[5, 5]], 0, steps_left=3, **args) == (4, True)
+    assert next_wave(groups[:8], 0, steps_left=2, **args) == (4, True)  # mid-phase: the rest is there
+    assert next_wave(groups[:3], 1, steps_left=1, **args) == (3, True)  # a step left partial: its rest

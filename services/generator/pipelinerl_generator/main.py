@@ -75,6 +75,7 @@ class Generator:
             generators=self.spec.generator.replicas,
             max_lag=self.spec.max_lag,
             max_inflight=self.spec.generator.max_inflight_groups,
+            steps_per_generation=self.spec.steps_per_generation,
         )
         self.wakeup = asyncio.Event()
         self.first_group_at: float | None = None  # wall clock: when generation began (benchmarks' clocks)

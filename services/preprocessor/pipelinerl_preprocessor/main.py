@@ -2,17 +2,18 @@
 
 In pipeline mode a step goes out in waves as its groups arrive (`steps.next_wave`), so the
 trainer computes on them while the rest of the step is generated; sync mode, the conventional
-baseline, publishes each step whole once it is generated. Input groups are acked only after
-every micro-batch of the wave they went into is stored by JetStream (publish acks awaited), so
-a crash loses nothing: unacked groups are handed to the restarted preprocessor at once, ahead
-of newer ones (those of the newest stored step whose acks the crash lost are not trained again),
-re-published batches are de-duplicated by their message ids, and a step left partial is closed
-on restart (`packing.close_step`).
+baseline, publishes the k steps of a generation phase once the phase is generated whole.
+Input groups are acked only after every micro-batch of the wave they went into is stored by
+JetStream (publish acks awaited), so a crash loses nothing: unacked groups are handed to the
+restarted preprocessor at once, ahead of newer ones (those of the newest stored step whose acks
+the crash lost are not trained again), re-published batches are de-duplicated by their message
+ids, and a step left partial is closed on restart (`packing.close_step`).
 Groups that go into no micro-batch (filtered, stale, rejected) are acked after the next wave too:
 its micro-batches carry the books of every generator's newest group taken so far, which a
 restarted generator continues from once its groups have left the rollout stream, and these
 groups' ids, so that a restart whose kill lost their acks does not count them twice.
-Backpressure: at most `maxPendingSteps` steps are published ahead of the trainer's version.
+Backpressure: at most `maxPendingSteps` steps (a whole phase in sync mode) are published ahead
+of the trainer's version.
 A group that cannot be trained (`checks`) or decoded goes to the dead-letter stream with its
 reason and is acknowledged: one bad message never stops the job.
 """
@@ -37,7 +38,7 @@ from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import dead_letter, last_announcement, last_message, publish_once, stored_messages
 from pipelinerl_preprocessor.advantages import group_advantages
 from pipelinerl_preprocessor.checks import GroupLimits, group_problem, hopelessly_stale
-from pipelinerl.steps import counts_as_discarded, next_wave
+from pipelinerl.steps import counts_as_discarded, next_wave, steps_left_in_phase
 from pipelinerl_preprocessor.packing import StepSample, close_step, pack_wave, step_weight
 
 log = logging.getLogger("pipelinerl.preprocessor")
@@ -129,6 +130,7 @@ class Preprocessor:
                     self.ranks,
                     self.spec.trainer.micro_batch_tokens,
                     self.spec.streams_steps,
+                    steps_left_in_phase(self.step, self.spec.steps_per_generation),
                 )
                 if not n:
                     break
@@ -137,7 +139,7 @@ class Preprocessor:
 
     def _trainer_behind(self) -> bool:
         """Backpressure: enough steps are already waiting for the trainer."""
-        return self.step >= self.trainer_version + self.spec.preprocessor.max_pending_steps
+        return self.step >= self.trainer_version + self.spec.pending_steps
 
     async def _resume(self) -> None:
         """Continue after the last step already published (batches are never re-numbered), and

@@ -27,6 +27,7 @@ from pipelinerl.contracts import MASTER_PORT, Env, ServiceEnv, TrainerStatus
 from pipelinerl.learning import WINDOW, learning_alarm
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
+from pipelinerl.steps import sends_weights
 from pipelinerl.tracking import Tracker
 from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl.weight_group import open_store
@@ -36,7 +37,7 @@ from pipelinerl_trainer.checks import bad_samples, describe, without
 from pipelinerl_trainer.model import build_engine, init_distributed, load_model
 from pipelinerl_trainer.output import Output
 from pipelinerl_trainer.step import ComputeClock, StepTally, micro_batch_loss, step_config
-from pipelinerl_trainer.weight_sender import WeightSender
+from pipelinerl_trainer.weight_sender import NO_UPDATE, WeightSender
 
 log = logging.getLogger("pipelinerl.trainer")
 STEP = Gauge("pipelinerl_trainer_step", "Optimizer steps taken (= policy version)")
@@ -188,7 +189,8 @@ class Trainer:
             floor=self.floor,
             token=self.env.weights_token or "",
         )
-        self.sender.send(self.version)
+        if sends_weights(self.version, self.spec.steps_per_generation, last=False):
+            self.sender.send(self.version)  # (restarted mid-phase: the generators keep the phase's weights)
         if self.rank == 0:
             self._group_status()
         if self.version:
@@ -200,8 +202,11 @@ class Trainer:
         self.step_seq = self.consumed_seq
         last = self.version >= self.spec.trainer.max_steps
         # Pipeline mode trains on while the generators load the weights (but for the last
-        # step's); sync mode's next step must be generated with them.
-        metrics |= self.sender.send(self.version, wait=last or self.spec.waits_for_weights)
+        # step's); sync mode's next phase must be generated with them, and gets them once per phase.
+        if sends_weights(self.version, self.spec.steps_per_generation, last):
+            metrics |= self.sender.send(self.version, wait=last or self.spec.waits_for_weights)
+        else:
+            metrics |= NO_UPDATE
         if last and self.rank == 0:
             self._await_final_weights()
         self._save(last)

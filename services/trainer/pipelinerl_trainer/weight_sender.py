@@ -37,6 +37,12 @@ from pipelinerl_trainer.membership import Member, Membership
 from pipelinerl_trainer.model import TrainingEngine, full_parameters, named_weights
 
 log = logging.getLogger("pipelinerl.trainer")
+# A step's weight-update metrics when none was sent (below the floor, or inside a generation phase).
+NO_UPDATE: dict[str, float] = {
+    "weight_pause_max_seconds": 0.0,
+    "updates_with_running_requests": 0,
+    "weight_sync_seconds": 0.0,
+}
 LIVENESS_S = 10.0  # a generator silent for longer is taken for gone (it says hello every second)
 FORM_ATTEMPTS = 3  # epochs tried per update when members do not come
 
@@ -95,9 +101,9 @@ class WeightSender:
         one (with `wait`, also until the generators have loaded it). The pause statistics are
         those of the latest update confirmed. Below the floor: nothing (on every rank alike)."""
         t0 = time.perf_counter()
-        stats = {"weight_pause_max_seconds": 0.0, "updates_with_running_requests": 0}
+        stats = dict(NO_UPDATE)
         if version < self.floor:
-            return stats | {"weight_sync_seconds": 0.0}
+            return stats
         for i, bucket in enumerate(self.buckets):
             params = [self.by_name[t["name"]] for t in bucket["tensors"]]
             with full_parameters(self.engine, params):
