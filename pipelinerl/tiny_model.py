@@ -1,9 +1,16 @@
-"""The tiny default model, built locally (no hub access): a character tokenizer and a ~3M
-parameter Qwen2-architecture model that vLLM and Hugging Face both load.
+"""The tiny default model (no hub access): a character tokenizer and a ~3M parameter
+Qwen2-architecture model that vLLM and Hugging Face both load.
 
-`builtin:tiny-arith` gets a short supervised warm start on `arith`, stopped by held-out
-accuracy (deliberately partial, 10-50%) so RL has something to learn; `builtin:tiny-random`
-is the same model untrained (for fast tests). Both are cached under PIPELINERL_CACHE.
+`builtin:tiny-arith` has had a short supervised warm start on `arith`, stopped by held-out
+accuracy (deliberately partial, 10-50%) so RL has something to learn; `builtin:tiny-chain` the
+same on `chain`. Their weights ship with the package (`builtin_models/<name>.safetensors`, fp16,
+with the record of their warm start in `<name>.json`: its steps, its held-out accuracy, the
+weights' sha256): a float32 warm start is not the same on every CPU (its kernels sum in
+different orders), so it is built once (`python -m pipelinerl.tiny_model tiny-arith tiny-chain`,
+`deterministic_build`) and every machine starts from the same weights, checked by hash, and
+skips the minutes the build takes. `builtin:tiny-random` is the same model untrained (for fast
+tests), made from a seed. Each is written as a Hugging Face folder under PIPELINERL_CACHE on
+first use.
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ WARM_CHAIN: dict[str, Any] = dict(
 )
 WARM_STARTS = {"tiny-arith": WARM, "tiny-chain": WARM_CHAIN}
 BUILTINS = ("builtin:tiny-arith", "builtin:tiny-chain", "builtin:tiny-random")
+SHIPPED = Path(__file__).parent / "builtin_models"  # the warm-started models' weights and records
 
 
 def cache_root() -> Path:
@@ -216,15 +224,17 @@ def warm_start(model, tokenizer, name: str = "tiny-arith", progress=print, max_s
 
 
 def _fingerprint(name: str) -> str:
+    """Names a built-in's cache folder: the shipped weights' hash (warm-started models), or what
+    the untrained model is made from."""
+    if name in WARM_STARTS:
+        return shipped_record(name)["sha256"][:12]
     # tiny-random keeps the fingerprint it had when only tiny-arith was warm-started.
-    warm = WARM_STARTS.get(name, WARM)
-    # v2: built single-threaded with deterministic kernels (deterministic_build)
-    blob = json.dumps({"name": name, "arch": ARCH, "warm": warm, "chars": CHARS, "v": 2}, sort_keys=True)
+    blob = json.dumps({"name": name, "arch": ARCH, "warm": WARM, "chars": CHARS, "v": 2}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
 def resolve_model_path(path: str, progress=None) -> str:
-    """A model folder for `spec.model.path`: builds (once, under a file lock) the built-ins."""
+    """A model folder for `spec.model.path`: writes (once, under a file lock) the built-ins'."""
     if path not in BUILTINS:
         return path
     progress = progress or (lambda msg: print(msg, flush=True))
@@ -234,16 +244,16 @@ def resolve_model_path(path: str, progress=None) -> str:
         return str(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building the same model
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be writing the same model
         if not (target / "pipelinerl-model.json").exists():
-            _build(name, target, progress)
+            _write(name, target, progress)
     return str(target)
 
 
 def deterministic_build(name: str, progress=print, max_steps: int | None = None):
-    """The built-in model's weights, the same on any machine: seeded, and single-threaded with
-    deterministic kernels (a thread count changes how sums are split, so the weights, the warm
-    start's stopping step and every benchmark target would move with the machine's cores)."""
+    """The built-in model's weights from scratch: seeded, and single-threaded with deterministic
+    kernels, so a build does not depend on the machine's thread count (it still depends on the
+    CPU's kernels: hence the shipped weights)."""
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -258,9 +268,80 @@ def deterministic_build(name: str, progress=print, max_steps: int | None = None)
         torch.use_deterministic_algorithms(deterministic)
 
 
-def _build(name: str, target: Path, progress) -> None:
-    progress(f"building {name} model in {target} (single-threaded: the same weights on any machine) ...")
+def shipped_record(name: str) -> dict:
+    """The record of a shipped warm start: steps, held-out accuracy (of the fp16 weights, on the
+    warm start's own held-out problems), the weights file's sha256, where it was built."""
+    return json.loads((SHIPPED / f"{name}.json").read_text())
+
+
+def shipped_weights(name: str) -> dict[str, torch.Tensor]:
+    """The shipped fp16 weights of a warm-started built-in, checked against their record."""
+    from safetensors.torch import load_file
+
+    path = SHIPPED / f"{name}.safetensors"
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != shipped_record(name)["sha256"]:
+        raise RuntimeError(f"{path}: sha256 {digest} is not the recorded one (a corrupt or changed file)")
+    return load_file(path)
+
+
+def warm_model(name: str):
+    """The warm-started built-in as shipped: fp16 weights in the float32 model."""
+    model = make_model()
+    missing, unexpected = model.load_state_dict(
+        {k: v.float() for k, v in shipped_weights(name).items()}, strict=False
+    )
+    if unexpected or set(missing) != {"lm_head.weight"}:  # the LM head is tied to the embeddings
+        raise RuntimeError(f"{name}: shipped weights do not fit the model (missing {missing}, unexpected {unexpected})")
+    model.tie_weights()
+    return model
+
+
+def ship(name: str, progress=print) -> dict:
+    """Build a warm-started built-in from scratch and write it as the shipped weights and record:
+    the accuracy recorded is that of the fp16 weights every machine loads."""
     tokenizer, model, info = deterministic_build(name, progress)
+    return _ship(name, tokenizer, model, info, progress)
+
+
+def _ship(name: str, tokenizer, model, info: dict, progress=print) -> dict:
+    from safetensors.torch import save_file
+
+    state = {k: v.half().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    SHIPPED.mkdir(exist_ok=True)
+    path = SHIPPED / f"{name}.safetensors"
+    save_file(state, path)
+    warm, task = WARM_STARTS[name], warm_task(name)
+    info |= {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "built_on": _cpu_model(), "torch": torch.__version__}
+    (SHIPPED / f"{name}.json").write_text(json.dumps(info, indent=1) + "\n")
+    test = task.test_problems(warm["eval_problems"])
+    info["warm_start_accuracy"] = greedy_accuracy(warm_model(name).eval(), tokenizer, test)  # of the fp16 weights
+    (SHIPPED / f"{name}.json").write_text(json.dumps(info, indent=1) + "\n")
+    progress(f"shipped {name}: {info}")
+    return info
+
+
+def _cpu_model() -> str:
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _write(name: str, target: Path, progress) -> None:
+    """The built-in's Hugging Face folder: the shipped weights of a warm-started one, or the
+    seeded untrained model."""
+    tokenizer = make_tokenizer()
+    if name in WARM_STARTS:
+        model, info = warm_model(name), shipped_record(name)
+    else:
+        model = make_model()
+        info = {"name": name, "parameters": sum(p.numel() for p in model.parameters())}
     tmp = target.with_name(target.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
@@ -269,7 +350,7 @@ def _build(name: str, target: Path, progress) -> None:
     (tmp / "pipelinerl-model.json").write_text(json.dumps(info, indent=1))
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
-    progress(f"built {name}: {info}")
+    progress(f"wrote {name} to {target}")
 
 
 def local_model_problem(path: str) -> str | None:
@@ -289,3 +370,10 @@ def local_model_problem(path: str) -> str | None:
 def model_info(path: str) -> dict:
     f = Path(path) / "pipelinerl-model.json"
     return json.loads(f.read_text()) if f.exists() else {}
+
+
+if __name__ == "__main__":  # python -m pipelinerl.tiny_model tiny-arith tiny-chain: rebuild the shipped weights
+    import sys
+
+    for built_in in sys.argv[1:] or list(WARM_STARTS):
+        ship(built_in)

@@ -127,7 +127,14 @@ def test_compiled_mlps_and_norms_give_the_same_gradients_and_compile_once():
         lp, ent = model(input_ids=ids, position_ids=positions, packing=Packing.of(LENGTHS), temperature=0.7)
         (lp.sum() + ent.sum()).backward()
     for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
-        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+        # Compiled kernels sum in another order than eager ones (and inductor's code differs by
+        # CPU: AVX2 here, AVX-512 elsewhere), so float32 rounding differs by ~1e-7 of a tensor's
+        # scale: on the embeddings' gradient (entries up to ~90, each a sum over the row) that is
+        # ~4e-5 on entries near 0, past any fixed atol. The bounds scale with the gradient; a
+        # wrong gradient is off by far more than 1e-4 of its norm.
+        diff = (b.grad - a.grad).abs()
+        assert diff.norm() <= 1e-4 * a.grad.norm(), name
+        assert diff.max() <= 1e-5 * a.grad.abs().max(), name
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0
     ids, positions = packed_row(SEQS[:3])  # another row length: the same compiled graphs
