@@ -39,7 +39,7 @@ class Prometheus:
         config.write_text(
             yaml.safe_dump(
                 {
-                    "global": {"scrape_interval": f"{interval_s}s", "evaluation_interval": f"{interval_s}s"},
+                    "global": {"scrape_interval": f"{round(interval_s * 1000)}ms", "evaluation_interval": f"{round(interval_s * 1000)}ms"},
                     "rule_files": [str(RULES)],
                     "scrape_configs": scrape_configs,
                 }
