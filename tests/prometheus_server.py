@@ -24,7 +24,9 @@ DASHBOARD = ROOT / "charts" / "pipelinerl" / "dashboards" / "pipelinerl.json"
 
 def binary(name: str) -> str:
     path = shutil.which(name)
-    assert path, f"{name} not found: scripts/setup.sh installs it (Debian's `prometheus` package: apt-get install prometheus)"
+    assert path, (
+        f"{name} not found: scripts/setup.sh installs it (Debian's `prometheus` package: apt-get install prometheus)"
+    )
     return path
 
 
@@ -39,7 +41,10 @@ class Prometheus:
         config.write_text(
             yaml.safe_dump(
                 {
-                    "global": {"scrape_interval": f"{round(interval_s * 1000)}ms", "evaluation_interval": f"{round(interval_s * 1000)}ms"},
+                    "global": {
+                        "scrape_interval": f"{round(interval_s * 1000)}ms",
+                        "evaluation_interval": f"{round(interval_s * 1000)}ms",
+                    },
                     "rule_files": [str(RULES)],
                     "scrape_configs": scrape_configs,
                 }

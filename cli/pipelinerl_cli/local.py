@@ -311,7 +311,13 @@ class LocalRun:
         """services.json: each process of the run, for `ps`/`kill`, scrapers (its HTTP port:
         /metrics, /status) and tests."""
         record = {
-            s.name: {"pid": s.proc.pid, "restarts": s.restarts, "role": s.role, "rank": s.rank, "http_port": s.http_port}
+            s.name: {
+                "pid": s.proc.pid,
+                "restarts": s.restarts,
+                "role": s.role,
+                "rank": s.rank,
+                "http_port": s.http_port,
+            }
             for s in self.services
         }
         if self.nats is not None and self.nats.proc is not None:

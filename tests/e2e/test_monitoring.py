@@ -5,9 +5,9 @@ Every data-plane dashboard query (template variables substituted) must return se
 every alert rule must evaluate without error, and every series an alert reads must exist.
 
 Not from a run: the job-state panels read kube-state-metrics' view of the PipelineRLJob
-(`pipelinerl_job_*`, from the chart's KSM config: test_k8s_monitoring.py checks each is defined
-there) and the operator's own series (`pipelinerl_operator_*`: the operator reconciling a job on
-kmock is scraped in test_k8s_operator_metrics.py)."""
+(`pipelinerl_job_*`) and the operator's own series (`pipelinerl_operator_*`); no kube-state-metrics
+nor API server runs here, so test_k8s_monitoring.py checks them against the chart's KSM config and
+the operator's registry instead."""
 
 from __future__ import annotations
 

@@ -60,7 +60,10 @@ def test_vector_selectors_finds_the_series_of_an_expression():
       histogram_quantile(0.95, sum by (le, namespace) (rate(pipelinerl_weight_sync_seconds_bucket{job=~"$job"}[5m])))
       > on (namespace) group_left max without (pod) (up{pipelinerl_dev_role="generator"} offset 5m) and bool time() > 0
     """
-    assert vector_selectors(expr) == ['pipelinerl_weight_sync_seconds_bucket{job=~"$job"}', 'up{pipelinerl_dev_role="generator"}']
+    assert vector_selectors(expr) == [
+        'pipelinerl_weight_sync_seconds_bucket{job=~"$job"}',
+        'up{pipelinerl_dev_role="generator"}',
+    ]
     assert vector_selectors("sum(rate(pipelinerl_operator_reconcile_errors_total[5m]))") == [
         "pipelinerl_operator_reconcile_errors_total"
     ]

@@ -54,7 +54,9 @@ STREAM_LIMIT = Gauge(
     "A stream's max_bytes: when full, ROLLOUTS refuses new groups, the others drop their oldest messages",
     ["stream"],
 )
-STREAM_MESSAGES = Gauge("pipelinerl_stream_messages", "Messages stored in one of the job's JetStream streams", ["stream"])
+STREAM_MESSAGES = Gauge(
+    "pipelinerl_stream_messages", "Messages stored in one of the job's JetStream streams", ["stream"]
+)
 STREAMS_EVERY_S = 15.0
 # A group this preprocessor took but has not published would be redelivered this long after it
 # died (its restarted self takes them back at once, see run); while alive it keeps them with a

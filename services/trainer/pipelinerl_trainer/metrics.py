@@ -15,7 +15,8 @@ from prometheus_client import Counter, Gauge, Histogram
 STEP = Gauge("pipelinerl_trainer_step", "Optimizer steps taken (= policy version)")
 MAX_STEPS = Gauge("pipelinerl_trainer_max_steps", "Steps the job trains (spec.trainer.maxSteps)")
 PROGRESS_TIME = Gauge(
-    "pipelinerl_trainer_progress_timestamp_seconds", "Unix time of the last optimizer step (before the first: of the start)"
+    "pipelinerl_trainer_progress_timestamp_seconds",
+    "Unix time of the last optimizer step (before the first: of the start)",
 )
 PROGRESS_TIME.set_to_current_time()  # the process's start: a trainer stuck loading its model is stalled too
 REWARD = Gauge("pipelinerl_trainer_reward", "Mean reward of the last step's samples")
@@ -46,10 +47,13 @@ TOKENS_BY_LAG = Counter(
 EMPTY_STEPS = Counter("pipelinerl_trainer_steps_without_tokens_total", "Steps that trained no tokens")
 ALARM = Gauge("pipelinerl_trainer_learning_alarm", "1 while the newest steps show no learning (see the log)")
 IN_GROUP = Gauge("pipelinerl_trainer_generators_in_group", "Generators in the weight group's current epoch (rank 0)")
-WEIGHT_EPOCH = Gauge("pipelinerl_trainer_weight_epoch", "Weight-group epochs opened: one per join, leave or drop (rank 0)")
+WEIGHT_EPOCH = Gauge(
+    "pipelinerl_trainer_weight_epoch", "Weight-group epochs opened: one per join, leave or drop (rank 0)"
+)
 SYNC_FAILURES = Counter(
     "pipelinerl_trainer_weight_sync_failures_total",
-    "Weight updates that failed: a generator dropped (did not join, confirm in time or load) or a broadcast broken (rank 0)",
+    "Weight updates that failed (rank 0): a generator dropped (no join, no confirmation in time, a failed load) "
+    "or a broadcast broken",
 )
 
 
