@@ -335,9 +335,17 @@ class LocalRun:
         return delay
 
     def _record_services(self) -> None:
-        """services.json: each process of the run, for `ps`/`kill` and for tests."""
+        """services.json: each process of the run, for `ps`/`kill`, scrapers (its HTTP port:
+        /metrics, /status) and tests."""
         record = {
-            s.name: {"pid": s.proc.pid, "restarts": s.restarts, "role": s.role, "rank": s.rank} for s in self.services
+            s.name: {
+                "pid": s.proc.pid,
+                "restarts": s.restarts,
+                "role": s.role,
+                "rank": s.rank,
+                "http_port": s.http_port,
+            }
+            for s in self.services
         }
         if self.nats is not None and self.nats.proc is not None:
             record["nats-server"] = {

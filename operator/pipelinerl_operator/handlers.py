@@ -331,6 +331,7 @@ async def _reconcile(
     started = time.monotonic()
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
+    metrics.reconciling(ns)
     previous = dict(last_written or body.get("status") or {})
     logger.debug("reconciling generation %s", meta.get("generation"))
     cfg = operator_config()

@@ -22,6 +22,12 @@ JOB_STEP = Gauge("pipelinerl_job_step", "Trainer step of a job", ["namespace", "
 _phases: dict[tuple[str, str], str] = {}
 
 
+def reconciling(namespace: str) -> None:
+    """A job of `namespace` is being reconciled: its error counter exists from now on, at 0, so
+    that the first error is an increase (a series born at 1 shows none to `increase()`)."""
+    RECONCILE_ERRORS.labels(namespace)
+
+
 def record_phase(namespace: str, job: str, phase: str | None) -> None:
     """Track one job's phase (None: the job is gone) and refresh the per-phase gauges."""
     if phase is None:

@@ -66,6 +66,16 @@ class RunProcess:
         self.out.close()
         assert code == 130, self.output()
 
+    def abandon(self) -> None:
+        """A test failed midway: stop the run and every service it started, without asserting."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.out.close()
+
     def kill(self, name: str) -> tuple[int, int]:
         """SIGKILL a service and everything it started; its pid, and the last step trained then."""
         pid = self.services()[name]["pid"]

@@ -358,3 +358,29 @@ async def test_a_group_too_old_for_its_step_takes_no_place_in_it(nats_server, tm
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()
+
+
+async def test_the_preprocessor_reports_how_full_the_job_streams_are(nats_server, tmp_path):
+    from prometheus_client import REGISTRY
+
+    from pipelinerl.capacity import stream_bytes
+
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "fill", WAVES)
+    sizes = stream_bytes(job.spec)
+    await ensure_streams(js, subjects, 8, sizes=sizes)  # as the services make them: at the job's sizes
+    for i in range(3):  # read by nobody here: they stay
+        await js.publish(subjects.deadletter("rollout"), b"x" * 1000, headers={"Nats-Msg-Id": f"d{i}"})
+
+    def gauge(name: str, stream: str) -> float | None:
+        return REGISTRY.get_sample_value(name, {"stream": stream})
+
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    await wait_until(lambda: gauge("pipelinerl_stream_messages", "DEADLETTER") == 3)
+    info = await js.stream_info(subjects.stream("DEADLETTER"))
+    assert gauge("pipelinerl_stream_bytes", "DEADLETTER") == info.state.bytes > 3000
+    for suffix, size in sizes.items():  # every stream of the job, at the size the job reserves
+        assert gauge("pipelinerl_stream_limit_bytes", suffix) == size, suffix
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+    await nc.close()

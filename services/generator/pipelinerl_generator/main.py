@@ -22,7 +22,8 @@ import time
 import uuid
 
 from nats.js.api import DeliverPolicy
-from prometheus_client import Counter, Gauge
+from prometheus_client import REGISTRY, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pipelinerl import messages as m
 from pipelinerl.admission import Admission
@@ -42,6 +43,39 @@ TOKENS = Counter("pipelinerl_generator_tokens_total", "Tokens generated")
 VERSION = Gauge("pipelinerl_generator_policy_version", "Policy version of the engine weights")
 INFLIGHT = Gauge("pipelinerl_generator_inflight_groups", "Prompt groups being generated")
 UPDATE_PAUSE = Gauge("pipelinerl_generator_weight_update_pause_seconds", "Pause of the last weight update")
+
+
+class Scraped:
+    """What a scrape of /metrics reads from the running generator: its busy time (the rate is its
+    busy share, spells still going included), its admission queue, and its newest held-out
+    evaluation (generator 0's; no series before the first, rather than an accuracy of 0)."""
+
+    def __init__(self) -> None:
+        self.generator: Generator | None = None
+
+    def collect(self):
+        g = self.generator
+        if g is None:
+            return
+        yield CounterMetricFamily(
+            "pipelinerl_generator_busy_seconds", "Seconds with a group or an evaluation running", value=g.busy.seconds()
+        )
+        yield GaugeMetricFamily(
+            "pipelinerl_generator_queued_groups",
+            "Groups started and not yet consumed by a step (this generator's admission queue)",
+            value=g.admission.queued,
+        )
+        if g.newest_eval is not None:
+            for key, doc in (
+                ("accuracy", "Held-out accuracy (greedy) of the newest version evaluated"),
+                ("reward", "Held-out mean reward of the newest version evaluated"),
+                ("version", "The newest version evaluated"),
+            ):
+                yield GaugeMetricFamily(f"pipelinerl_generator_eval_{key}", doc, value=float(g.newest_eval[key]))
+
+
+SCRAPED = Scraped()
+REGISTRY.register(SCRAPED)
 HELLO_S = 1.0  # the trainer takes a generator silent for LIVENESS_S (10 s) for gone
 
 
@@ -95,6 +129,7 @@ class Generator:
         self.update_waiting = asyncio.Event()
         self.problems: collections.deque[int] = collections.deque()  # claimed training problems, not yet drawn
         self.publishing = asyncio.Lock()  # one publish at a time: each group carries the books after it
+        self.newest_eval: dict | None = None  # the evaluation of the highest version so far
 
     def _check_prompts_fit(self) -> None:
         """A job whose prompts leave no room for a completion cannot run: say so, by field."""
@@ -127,6 +162,7 @@ class Generator:
 
     # -- main ------------------------------------------------------------------------------
     async def run(self) -> None:
+        SCRAPED.generator = self
         http = HealthServer("generator", self.env.http_port, self.status).start()
         self.nc = await join_job(self.job, self.env, f"{self.job.name}-generator-{self.env.rank}")
         self.js = self.nc.jetstream()
@@ -416,6 +452,8 @@ class Generator:
         values = await self.evaluations[version]
         if values is None:
             return
+        if self.newest_eval is None or version >= self.newest_eval["version"]:
+            self.newest_eval = values
         log.info("eval at version %d: accuracy %.3f%s", version, values["accuracy"], " (final)" if final else "")
         row = m.Metrics(
             source=f"generator-{self.env.rank}", kind="eval", values=values | {"final": final}, timestamp=time.time()

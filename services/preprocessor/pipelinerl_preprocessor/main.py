@@ -32,7 +32,7 @@ from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Gauge
 
 from pipelinerl import messages as m
-from pipelinerl.contracts import PreprocessorStatus, ServiceEnv
+from pipelinerl.contracts import STREAM_SUFFIXES, PreprocessorStatus, ServiceEnv
 from pipelinerl.runtime import HealthServer, join_job, serve
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import dead_letter, last_announcement, last_message, publish_once, stored_messages
@@ -45,6 +45,20 @@ log = logging.getLogger("pipelinerl.preprocessor")
 GROUPS_IN = Counter("pipelinerl_preprocessor_groups_total", "Rollout groups consumed", ["outcome"])
 STEPS_OUT = Counter("pipelinerl_preprocessor_steps_total", "Steps of micro-batches published")
 PENDING = Gauge("pipelinerl_preprocessor_pending_groups", "Accepted groups waiting for a full step")
+OUTCOMES = ("accepted", "filtered", "stale", "dead_lettered")
+for _outcome in OUTCOMES:  # an outcome not seen yet is a 0, not a missing series
+    GROUPS_IN.labels(_outcome)
+# The job's streams, read from JetStream by its one preprocessor (the job's pods share a server).
+STREAM_BYTES = Gauge("pipelinerl_stream_bytes", "Bytes stored in one of the job's JetStream streams", ["stream"])
+STREAM_LIMIT = Gauge(
+    "pipelinerl_stream_limit_bytes",
+    "A stream's max_bytes: when full, ROLLOUTS refuses new groups, the others drop their oldest messages",
+    ["stream"],
+)
+STREAM_MESSAGES = Gauge(
+    "pipelinerl_stream_messages", "Messages stored in one of the job's JetStream streams", ["stream"]
+)
+STREAMS_EVERY_S = 15.0
 # A group this preprocessor took but has not published would be redelivered this long after it
 # died (its restarted self takes them back at once, see run); while alive it keeps them with a
 # keep-alive every quarter of it.
@@ -106,6 +120,7 @@ class Preprocessor:
         )
         http.ready = True
         log.info("preprocessor ready; next step %d, %d trainer ranks", self.step, self.ranks)
+        watch = asyncio.create_task(self._watch_streams())
         last_keepalive = time.monotonic()
         while not self.stopping.is_set() and not self.finished:
             if time.monotonic() - last_keepalive > ACK_WAIT_S / 4:  # also while the trainer is behind
@@ -135,7 +150,23 @@ class Preprocessor:
                 if not n:
                     break
                 await self._publish_wave(n, last)
+        watch.cancel()
         await asyncio.wait_for(self.nc.close(), 10)  # every publish was already acked: no drain needed
+
+    async def _watch_streams(self) -> None:
+        """Every STREAMS_EVERY_S, how full each of the job's streams is (for the store alert and
+        the queue panels); a read that fails is logged and tried again next time."""
+        while True:
+            for suffix in STREAM_SUFFIXES:
+                try:
+                    info = await asyncio.wait_for(self.js.stream_info(self.subjects.stream(suffix)), 5.0)
+                except Exception as err:  # noqa: BLE001 - NATS restarting: the next round reads it
+                    log.warning("stream %s not read: %r", suffix, err)
+                    continue
+                STREAM_BYTES.labels(suffix).set(info.state.bytes)
+                STREAM_MESSAGES.labels(suffix).set(info.state.messages)
+                STREAM_LIMIT.labels(suffix).set(info.config.max_bytes or 0)
+            await asyncio.sleep(STREAMS_EVERY_S)
 
     def _trainer_behind(self) -> bool:
         """Backpressure: enough steps are already waiting for the trainer."""

@@ -20,7 +20,6 @@ from datetime import datetime, timezone
 
 import torch
 import torch.distributed as dist
-from prometheus_client import Counter, Gauge, Histogram
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import MASTER_PORT, Env, ServiceEnv, TrainerStatus
@@ -32,6 +31,7 @@ from pipelinerl.tracking import Tracker
 from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl.weight_group import open_store
 from pipelinerl_trainer import checkpoint
+from pipelinerl_trainer import metrics as prom
 from pipelinerl_trainer.bridge import NatsBridge
 from pipelinerl_trainer.checks import bad_samples, describe, without
 from pipelinerl_trainer.model import build_engine, init_distributed, load_model
@@ -40,21 +40,6 @@ from pipelinerl_trainer.step import ComputeClock, StepTally, micro_batch_loss, s
 from pipelinerl_trainer.weight_sender import NO_UPDATE, WeightSender
 
 log = logging.getLogger("pipelinerl.trainer")
-STEP = Gauge("pipelinerl_trainer_step", "Optimizer steps taken (= policy version)")
-REWARD = Gauge("pipelinerl_trainer_reward", "Mean reward of the last step's samples")
-LAG = Gauge("pipelinerl_trainer_lag_mean", "Mean token lag of the last step")
-TOKENS_PER_S = Gauge("pipelinerl_trainer_tokens_per_second", "Trainer throughput of the last step")
-SYNC_S = Histogram(
-    "pipelinerl_weight_sync_seconds",
-    "Duration of weight updates (broadcast + all generators loaded)",
-    buckets=(0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30, 100),
-)
-DROPPED = Counter("pipelinerl_trainer_samples_dropped_total", "Samples dropped for exceeding max lag")
-REJECTED = Counter(
-    "pipelinerl_trainer_samples_rejected_total", "Samples the model cannot take (dead-lettered, not trained)"
-)
-EMPTY_STEPS = Counter("pipelinerl_trainer_steps_without_tokens_total", "Steps that trained no tokens")
-ALARM = Gauge("pipelinerl_trainer_learning_alarm", "1 while the newest steps show no learning (see the log)")
 DATA_LOG_S = 30.0  # log a "waiting for data" line this often
 DATA_TIMEOUT_S = float(os.environ.get(Env.DATA_TIMEOUT_S, "1800"))
 FINAL_EVAL_WAIT_S = 300.0  # for the trackers: the final evaluation comes after the last step
@@ -70,6 +55,7 @@ class Trainer:
         self.stop = threading.Event()
         self.progress = TrainerStatus(rank=self.rank, max_steps=self.spec.trainer.max_steps)
         self.recent: collections.deque[dict] = collections.deque(maxlen=WINDOW)  # newest steps' metrics
+        self.group_gauges = prom.WeightGroupGauges()
 
     def status(self) -> TrainerStatus:
         return self.progress
@@ -80,6 +66,7 @@ class Trainer:
         model_path = resolve_model_path(self.spec.model.path)
         self._build(model_path)
         self._restore()
+        prom.started(self.spec.trainer.max_steps, self.version, self.spec.max_lag)
         self.bridge = NatsBridge(self.job, self.env, f"{self.job.name}-trainer-{self.rank}")
         self._open_outputs()
         self._join_weight_group()
@@ -199,6 +186,7 @@ class Trainer:
     def _after_step(self, metrics: dict) -> None:
         """A step was taken: send its weights, save what is due, report and announce it."""
         self.version += 1
+        prom.stepped(self.version)
         self.step_seq = self.consumed_seq
         last = self.version >= self.spec.trainer.max_steps
         # Pipeline mode trains on while the generators load the weights (but for the last
@@ -320,7 +308,6 @@ class Trainer:
         optimizer_s = optimizer.seconds()
         elapsed = clock.seconds() + optimizer_s
         metrics["dropped_for_lag"] += mb.step_samples_stale  # the preprocessor's, whole groups
-        DROPPED.inc(metrics["dropped_for_lag"] if self.rank == 0 else 0)
         self.samples_total += metrics["samples"]
         self.rejected_total = {
             "groups": self.rejected_total["groups"] + mb.step_groups_rejected,
@@ -353,7 +340,7 @@ class Trainer:
             reason,
         )
         self.bridge.dead_letter(m.encode(mb), reason, f"batch-{mb.step}-{mb.rank}-{mb.index}")
-        REJECTED.inc(len(bad))
+        prom.REJECTED.inc(len(bad))
         tally.add(rejected=len(bad))
         return without(mb, set(bad))
 
@@ -396,6 +383,7 @@ class Trainer:
 
     def _group_status(self) -> dict:
         group = self.sender.status()
+        self.group_gauges.update(group["generators_in_group"], group["weight_epoch"], self.sender.failures)
         self.progress = self.progress.model_copy(
             update=dict(weight_sync_ready=group["generators_in_group"] > 0, **group)
         )
@@ -403,15 +391,9 @@ class Trainer:
 
     def _report(self, metrics: dict) -> None:
         metrics |= self._group_status()
-        STEP.set(self.version)
-        REWARD.set(metrics["reward"])
-        LAG.set(metrics["lag_mean"])
-        TOKENS_PER_S.set(metrics["trainer_tokens_per_second"])
-        SYNC_S.observe(metrics["weight_sync_seconds"])
-        EMPTY_STEPS.inc(metrics["tokens"] == 0)
         self.recent.append(metrics)
         alarm = learning_alarm(list(self.recent))
-        ALARM.set(alarm is not None)
+        prom.reported(metrics, alarm is not None)
         if alarm:
             log.warning("step %d: not learning: %s", self.version, alarm)
         self.progress = self.progress.model_copy(

@@ -94,6 +94,7 @@ class WeightSender:
         self.group_id = ""
         self.run_id = uuid.uuid4().hex[:8]  # this trainer process: its group ids never repeat a predecessor's
         self.pending: tuple[int, float, tuple[Member, ...]] | None = None  # (version, deadline, members) unconfirmed
+        self.broken_broadcasts = 0  # broadcasts a member's failure broke (each re-forms the group)
 
     # -- all ranks ---------------------------------------------------------------------------
     def send(self, version: int, wait: bool = True) -> dict[str, float]:
@@ -131,6 +132,7 @@ class WeightSender:
         except WeightSyncError as err:  # a member died mid-broadcast: which one, gloo cannot say
             log.warning("weight broadcast of version %d failed, re-forming the group: %s", version, err)
             self.membership.suspect(time.monotonic())
+            self.broken_broadcasts += 1
             self._close_group()  # closes its connections: members still receiving fail at once
             return None
         self.pending = (version, time.monotonic() + self.timeout_s, self.membership.members)
@@ -249,6 +251,12 @@ class WeightSender:
             "weight_epoch": self.membership.epoch,
             "generators_dropped": self.membership.dropped,
         }
+
+    @property
+    def failures(self) -> int:
+        """Updates that failed so far: generators dropped (no join, no confirmation, a failed
+        load) and broadcasts broken."""
+        return self.membership.dropped + self.broken_broadcasts
 
     def _take_hellos(self) -> None:
         while True:

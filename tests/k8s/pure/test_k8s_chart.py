@@ -15,13 +15,14 @@ from k8s_schema import restricted_violations
 
 from pipelinerl.crd import crd_yaml
 
-MONITORING = {"ServiceMonitor", "PodMonitor"}  # Prometheus-operator kinds: no upstream schema
+MONITORING = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}  # Prometheus-operator kinds: no upstream schema
 CERT_MANAGER = {"Issuer", "Certificate"}  # cert-manager's kinds: no upstream schema either
 ALL_ON = {
     "metrics": {
         "serviceMonitor": {"enabled": True},
         "grafanaDashboard": {"enabled": True},
         "kubeStateMetrics": {"enabled": True},
+        "prometheusRule": {"enabled": True},
     }
 }
 
