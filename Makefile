@@ -10,6 +10,7 @@ run: setup
 	.venv/bin/pipelinerl run --pin-cores $(JOB)
 
 test: setup
+	@scripts/test-tools.sh
 	.venv/bin/python -m pytest --durations=25 $(PYTEST_ARGS)
 
 # Lint, format and type checks (CI runs them before the tests).
