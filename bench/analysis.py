@@ -7,8 +7,13 @@ The method, for a comparison of a fast side against a baseline (bench/README.md,
 - each round's curve gives its own time to each target (`time_to_target([run], gain)`), and
   its ratio baseline/fast at that target (`round_ratio`);
 - the headline is the median of those per-round ratios over a band of targets (every point
-  from +5 to +15 by default), with a bootstrap over rounds (`band_headline`): one target or
+  from +5 to +15 by default), with a 90% t-interval over rounds (`band_headline`,
+  `log_t_interval`: on the logs of the per-round band medians; at least 5 rounds): one target or
   one lucky evaluation does not decide it. Pooled curves (`pooled_ratio`) are reported beside it;
+- a curve starts at the warm start, at the start of training, so a target reached before the
+  first evaluation is interpolated between the two instead of taken as the first evaluation's
+  time (start-up plus the evaluation interval); how many band targets were resolved that way is
+  reported (`early_targets`);
 - every time is read on three clocks (`CLOCKS`): from launch (start-up included), from the
   first generated token, and from the start of training;
 - each side runs at its best learning rate of one grid (`best_setting`).
@@ -74,14 +79,16 @@ def clock_origin(run: dict, axis: str) -> float:
 
 
 def curve(run: dict, axis: str = "time") -> list[tuple[float, float]]:
-    """A run's held-out curve per evaluated version after the warm start: (seconds on the
-    `axis` clock, accuracy), or with axis="version" (version, accuracy). Clocks (`CLOCKS`):
-    "time" from the start of training, "first_token" from the first token generated, "launch"
-    from the command that started the run (start-up included)."""
+    """A run's held-out curve: (seconds on the `axis` clock, accuracy) per evaluated version, or
+    with axis="version" (version, accuracy). It starts with the warm start at the start of
+    training (the model is the warm start until the first optimizer step), so a crossing before
+    the first evaluation is interpolated from there. Clocks (`CLOCKS`): "time" from the start of
+    training, "first_token" from the first token generated, "launch" from the command that
+    started the run (start-up included)."""
     if axis == "version":
-        return [(e["version"], e["accuracy"]) for e in run["evals"] if e["version"] > 0]
-    start = clock_origin(run, axis)
-    return [(e["time"] - start, e["accuracy"]) for e in run["evals"] if e["version"] > 0]
+        return [(e["version"], e["accuracy"]) for e in run["evals"]]
+    start, trained = clock_origin(run, axis), train_start(run["steps_log"])
+    return [((trained if e["version"] == 0 else e["time"]) - start, e["accuracy"]) for e in run["evals"]]
 
 
 def time_to_target(runs: list[dict], gain_points: float, axis: str = "time") -> float | None:
@@ -89,6 +96,33 @@ def time_to_target(runs: list[dict], gain_points: float, axis: str = "time") -> 
     the isotonic fit of the pooled curves of `runs` (one run: its own time to target)."""
     warm = sum(e["accuracy"] for x in runs for e in x["evals"] if e["version"] == 0) / len(runs)
     return crossing_time([p for x in runs for p in curve(x, axis)], warm + gain_points / 100)
+
+
+def early_targets(run: dict, gains: list[float], axis: str = "time") -> list[float]:
+    """The targets of `gains` this run reaches before its first evaluation after the warm start:
+    their times are interpolated from the warm start, not resolved by an evaluation."""
+    evaluated = [t for (t, _), e in zip(curve(run, axis), run["evals"]) if e["version"] > 0]
+    first = min(evaluated, default=None)
+    times = [time_to_target([run], g, axis) for g in gains]
+    return [g for g, t in zip(gains, times) if t is not None and first is not None and t < first]
+
+
+# One-sided 95% quantiles of Student's t (df 1..30): a two-sided 90% interval.
+T95 = [6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761,
+       1.753, 1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701,
+       1.699, 1.697]  # fmt: skip
+
+
+def log_t_interval(values: list[float | None]) -> dict[str, float | None]:
+    """The geometric mean of per-round ratios and its 90% t-interval (on their logs: ratios are
+    multiplicative). None where it cannot be formed: fewer than two rounds, or a round whose
+    ratio is unbounded (a side missed the targets) or missing."""
+    if len(values) < 2 or any(v is None or not 0 < v < math.inf for v in values):
+        return {"geomean": None, "low": None, "high": None, "n": len(values)}
+    logs = [math.log(v) for v in values]  # type: ignore[arg-type]
+    mean, n = statistics.fmean(logs), len(logs)
+    half = (T95[n - 2] if n - 1 <= len(T95) else 1.645) * statistics.stdev(logs) / math.sqrt(n)
+    return {"geomean": math.exp(mean), "low": math.exp(mean - half), "high": math.exp(mean + half), "n": n}
 
 
 def pooled_ratio(pipeline: list[dict], sync: list[dict], gain_points: float, axis: str = "time") -> float:
@@ -140,18 +174,12 @@ def round_ratio(fast: dict, baseline: dict, gain_points: float, axis: str = "tim
     return math.inf if f == 0 else b / f
 
 
-def band_headline(
-    fast: list[dict],
-    baseline: list[dict],
-    gains: list[float],
-    axis: str = "time",
-    resamples: int = 1000,
-    seed: int = 0,
-) -> dict:
+def band_headline(fast: list[dict], baseline: list[dict], gains: list[float], axis: str = "time") -> dict:
     """The median over rounds and over the band of targets `gains` of the per-round ratios
-    baseline/fast, and its 90% bootstrap interval over rounds (a round's two runs go together:
-    same seed, run side by side). Rounds pair by index; targets missed by both sides of a round
-    are left out and counted."""
+    baseline/fast, and the 90% t-interval of the per-round band medians (`log_t_interval`;
+    rounds pair by index: same seed, run side by side). Targets missed by both sides of a round
+    are left out and counted; targets either side reached before its first evaluation are
+    counted too (`early`)."""
     rounds = list(zip(fast, baseline))
     table = [[round_ratio(f, b, g, axis) for g in gains] for f, b in rounds]
 
@@ -159,17 +187,16 @@ def band_headline(
         values = [r for row in rows for r in row if r is not None]
         return statistics.median(values) if values else None
 
-    rng = random.Random(seed)
-    resampled = (median_of([table[rng.randrange(len(table))] for _ in table]) for _ in range(resamples if table else 0))
-    boots = sorted(m for m in resampled if m is not None)
-    pick = lambda q: boots[min(len(boots) - 1, int(q * len(boots)))] if boots else None  # noqa: E731
+    per_round = [median_of([row]) for row in table]
+    early = sum(len(early_targets(x, gains, axis)) for x in fast + baseline)
     return {
         "median": median_of(table),
-        "p5": pick(0.05),
-        "p95": pick(0.95),
-        "per_round": [median_of([row]) for row in table],
+        **log_t_interval(per_round),
+        "per_round": per_round,
         "per_round_by_gain": {f"+{g:g}": [row[i] for row in table] for i, g in enumerate(gains)},
         "both_missed": sum(r is None for row in table for r in row),
+        "early": early,
+        "targets": len(gains) * len(fast + baseline),
         "rounds": len(table),
         "gains": list(gains),
         "clock": axis,

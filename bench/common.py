@@ -72,9 +72,17 @@ def machine() -> dict[str, object]:
 
     import torch
 
+    from pipelinerl import tiny_model
+
     info: dict[str, object] = {
         "host": platform.node(),
+        "cpu": tiny_model.cpu_model(),
         "cpus": os.cpu_count(),
+        # Every figure is points above a warm start: which one (its weights' hash) goes with it.
+        "warm_starts": {
+            name: {k: tiny_model.shipped_record(name)[k] for k in ("sha256", "warm_start_accuracy")}
+            for name in tiny_model.WARM_STARTS
+        },
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": "cpu",
@@ -261,11 +269,21 @@ def print_headlines(fast: str, baseline: str, runs: dict[str, list[dict]], args)
     both = runs[fast] + runs[baseline]
     for clock in [c for c in CLOCKS if all(has_clock(x, c) for x in both)]:  # results saved before: "time" only
         h = out[clock] = band_headline(runs[fast], runs[baseline], gains, clock)
-        interval = f" (90% {ratio_text(h['p5'])}-{ratio_text(h['p95'])})" if h["p5"] is not None else ""
+        interval = (
+            f" (geometric mean {ratio_text(h['geomean'])}, "
+            f"90% t-interval {ratio_text(h['low'])}-{ratio_text(h['high'])})"
+            if h["geomean"] is not None
+            else " (no interval: a round's ratio is unbounded, or too few rounds)"
+        )
         rounds = ", ".join(map(ratio_text, h["per_round"]))
         print(
             f"{baseline}/{fast} time to target, median over +{gains[0]:g}..+{gains[-1]:g} and {h['rounds']} rounds, "
             f"clock {clock}: {ratio_text(h['median'])}{interval}; per round {rounds}"
             + (f"; {h['both_missed']} round-targets missed by both" if h["both_missed"] else "")
+            + (
+                f"; {h['early']} of {h['targets']} run-targets reached before the first evaluation"
+                if h["early"]
+                else ""
+            )
         )
     return out

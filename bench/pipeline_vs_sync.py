@@ -1,16 +1,22 @@
-"""Pipeline vs sync learning speed: the same job, seed and hardware in `mode: pipeline` and
-`mode: sync`, generator and trainer each pinned to their own core, runs alternated P S P S ….
+"""Pipeline vs the conventional baseline's learning speed: the same job, seed and hardware in
+`mode: pipeline` and `mode: sync` with k optimizer steps per generation phase (`sync` is k = 1,
+`sync-k4` k = 4: `rl.stepsPerGeneration`), runs alternated P S P S …. The pipeline's generator
+and trainer each have their own core (`--cores split`); the baseline's phases run with the same
+split (`--sync-cores split`, benchmarks 1 and 10) or each on the whole machine
+(`--sync-cores colocated`, benchmark 11: the conventional baseline as the paper runs it).
 
-    .venv/bin/python -m bench.pipeline_vs_sync [--rounds 3] [--steps 150] [--gain 15]
-        [--job examples/tiny-cpu.yaml] [--pipeline-set rl.maxLag=2 ...] [--modes pipeline sync]
+    .venv/bin/python -m bench.pipeline_vs_sync [--rounds 5] [--steps 150] [--gain 15]
+        [--job examples/tiny-cpu.yaml] [--pipeline-set rl.maxLag=2 ...]
+        [--modes pipeline sync sync-k2 sync-k4 sync-k8] [--sync-cores colocated]
         [--band 5 15] [--lrs 5e-5 1e-4 2e-4] [--name pipeline_vs_sync]
 
 Reports per mode: trained samples/s, seconds per step, wall time from the first training step
 to a held-out accuracy `--gain` points above the warm start, generator and trainer busy
-fractions, the token lag distribution and ESS; then the pipeline/sync ratios: the rate per round,
-and the band-median headline of time to target on three clocks with its interval over rounds
-(rounds of independent seeds, an optional learning-rate sweep per mode, a contention guard: the
-method of bench/analysis.py), pooled ratios beside it.
+fractions, the token lag distribution, max lag and ESS; then baseline/pipeline ratios for every
+baseline: the rate per round, and the band-median headline of time to target on three clocks
+with its interval over rounds (rounds of independent seeds, an optional learning-rate sweep per
+mode, a contention guard: the method of bench/analysis.py), pooled ratios beside it; with
+several baselines, the headline against the best of them (`best_baseline`).
 
 Held-out accuracy is measured offline: the trainer exports its weights every `--eval-interval`
 versions (`trainer.exportInterval`), and after each run every export is evaluated greedily on
@@ -32,6 +38,7 @@ from pathlib import Path
 
 from bench.analysis import (
     accuracy_gap,
+    best_setting,
     bootstrap_interval,
     pooled_ratio,
     time_to_target,
@@ -40,6 +47,7 @@ from bench.analysis import (
 from bench.common import (
     add_method_args,
     add_results_args,
+    band_gains,
     gather_runs,
     method_flags,
     paired_ratios,
@@ -58,6 +66,14 @@ from pipelinerl.tiny_model import greedy_accuracy, load_tokenizer, resolve_model
 JOB = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
 
 
+MODES = ("pipeline", "sync", "sync-k2", "sync-k4", "sync-k8", "sync-k16", "sync-k32")
+
+
+def steps_per_generation(mode: str) -> int:
+    """k of a baseline mode's name (`sync` is k = 1, `sync-k4` k = 4); 1 for the pipeline."""
+    return int(mode.split("-k")[1]) if "-k" in mode else 1
+
+
 def job_for(
     mode: str,
     steps: int,
@@ -73,17 +89,24 @@ def job_for(
     data = read_manifest(job)
     spec = copy.deepcopy(data["spec"])
     set_fields(spec, both_set)
-    spec["mode"] = mode
+    spec["mode"] = "pipeline" if mode == "pipeline" else "sync"
     spec["trainer"] |= {"maxSteps": steps, "checkpointInterval": 0, "exportInterval": export_interval}
     spec["eval"] = {"interval": 0}  # evaluated offline, from the exports
-    if mode == "sync":
-        spec["rl"].pop("maxLag", None)  # sync means lag 0
+    if mode != "pipeline":
+        spec["rl"].pop("maxLag", None)  # the phase sets the lag: k - 1
+        spec["rl"]["stepsPerGeneration"] = steps_per_generation(mode)
         # A pipeline's cap on groups in flight trades engine throughput for fresher samples;
         # sync generates its whole step at once (the baseline as users run it).
         spec.get("generator", {}).pop("maxInflightGroups", None)
     else:
         set_fields(spec, pipeline_set)
     return parse_job({**data, "metadata": {"name": f"bench-{mode}-{tag}"}, "spec": spec}, f"{job} ({mode})")
+
+
+def cores_for(mode: str, sync_cores: str) -> str:
+    """The pipeline's stages each on their own cores (they run at once); the baseline's phases
+    as `--sync-cores` says (split as the pipeline, or colocated: each phase on every core)."""
+    return "split" if mode == "pipeline" else sync_cores
 
 
 def evaluate_exports(exports_dir: Path, steps: list[dict], problems: int, job: PipelineRLJob) -> list[dict]:
@@ -119,7 +142,8 @@ def one_run(mode: str, args, tag: str, root: Path, seed: int | None = None, lr: 
     both += [f"trainer.learningRate={lr}"] if lr else []
     job = job_for(mode, args.steps, args.eval_interval, tag, args.pipeline_set, Path(args.job), both)
     launched = time.time()
-    code = run_local(job, run_dir, quiet=True, cores="split", restart=False)  # a restart would distort the timing
+    cores = cores_for(mode, args.sync_cores)
+    code = run_local(job, run_dir, quiet=True, cores=cores, restart=False)  # a restart would distort the timing
     if code:
         raise SystemExit(f"{mode} run failed ({code}); logs in {run_dir / 'logs'}")
     s = json.loads((run_dir / "summary.json").read_text())
@@ -137,12 +161,15 @@ def one_run(mode: str, args, tag: str, root: Path, seed: int | None = None, lr: 
         "weight_pause_max_seconds",
         "groups_filtered",
         "lag_mean",
+        "lag_max",
         "ess",
     )
     steps = [{k: r.get(k) for k in keep} for r in records if r["kind"] == "train"]
     evals = evaluate_exports(run_dir / "checkpoints" / "export", steps, args.eval_problems, job)
     x = {
         **s,
+        "cores": cores,
+        "steps_per_generation": job.spec.steps_per_generation,
         "seed": job.spec.trainer.seed,
         "learning_rate": job.spec.trainer.learning_rate,
         "steps_log": steps,
@@ -189,9 +216,16 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         nargs="+",
-        choices=["pipeline", "sync"],
+        choices=MODES,
         default=["pipeline", "sync"],
-        help="run only these (one mode: its table, no ratios)",
+        help="the sides: pipeline, and the conventional baseline with k steps per phase (sync: k = 1, "
+        "sync-kK: k = K); one mode: its table, no ratios",
+    )
+    ap.add_argument(
+        "--sync-cores",
+        choices=["split", "colocated"],
+        default="split",
+        help="the baseline's cores: split as the pipeline's (a core each), or colocated (each phase on every core)",
     )
     add_method_args(ap)
     add_results_args(ap, "pipeline_vs_sync")
@@ -219,6 +253,7 @@ def report(runs: dict[str, list[dict]], args, sweep: dict | None = None) -> None
         rows.append(
             [
                 mode,
+                runs[mode][0].get("cores", "split"),
                 agg["samples_per_second"]["median"],
                 agg["seconds_per_step"]["median"],
                 ttt["median"] if ttt else "not reached",
@@ -233,6 +268,7 @@ def report(runs: dict[str, list[dict]], args, sweep: dict | None = None) -> None
         table(
             [
                 "mode",
+                "cores",
                 "samples/s",
                 "s/step",
                 "s to target",
@@ -245,14 +281,27 @@ def report(runs: dict[str, list[dict]], args, sweep: dict | None = None) -> None
             rows,
         )
     )
-    if len(runs) == 2:
-        result |= compare(runs, args)
-    if "pipeline" in runs:
+    baselines = [mode for mode in runs if mode != "pipeline"]
+    if "pipeline" in runs and baselines:
+        result["baselines"] = {b: compare(runs, args, b) for b in baselines}
+        if len(baselines) == 1:
+            result |= result["baselines"][baselines[0]]  # where single-baseline results keep them
+        else:
+            best = result["best_baseline"] = best_baseline(runs, baselines, args)
+            result["headline"] = result["baselines"][best]["headline"]
+            print(f"\nthe best baseline (soonest to the band's targets from launch): {best}")
+            print_headlines("pipeline", best, runs, args)
         print(
             f"pipeline generator busy: {result['modes']['pipeline']['generator_busy_fraction']['median']:.0%} "
             f"(target >= 90%)"
         )
     save_runs(args, result, reproduce(args, list(runs)))
+
+
+def best_baseline(runs: dict[str, list[dict]], baselines: list[str], args) -> str:
+    """The baseline mode whose rounds reach the band's targets soonest from launch (the median
+    over rounds and targets; a miss counts as never): the pipeline's headline is against it."""
+    return best_setting({b: runs[b] for b in baselines}, band_gains(args), axis="launch")
 
 
 def reproduce(args, modes: list[str]) -> str:
@@ -261,7 +310,8 @@ def reproduce(args, modes: list[str]) -> str:
     command += "" if Path(args.job).resolve() == JOB else f" --job {args.job}"
     command += "".join(f" --set {x}" for x in args.set)
     command += "".join(f" --pipeline-set {x}" for x in args.pipeline_set)
-    command += "" if len(modes) == 2 else " --modes " + " ".join(modes)
+    command += "" if modes == ["pipeline", "sync"] else " --modes " + " ".join(modes)
+    command += "" if args.sync_cores == "split" else f" --sync-cores {args.sync_cores}"
     command += "" if args.name == "pipeline_vs_sync" else f" --name {args.name}"
     command += "" if args.eval_problems == 2000 else f" --eval-problems {args.eval_problems}"
     command += "" if args.eval_interval == 10 else f" --eval-interval {args.eval_interval}"
@@ -294,61 +344,61 @@ def mode_summary(xs: list[dict], gain: float) -> dict:
     return agg
 
 
-def compare(runs: dict[str, list[dict]], args) -> dict:
-    """Pipeline/sync ratios: rate per round, time to target per round and pooled (with its
+def compare(runs: dict[str, list[dict]], args, baseline: str = "sync") -> dict:
+    """Pipeline/`baseline` ratios: rate per round, time to target per round and pooled (with its
     bootstrap interval and nearby targets), and what per-step learning keeps of the rate."""
     out = {}
     rate = out["samples_rate_ratio"] = paired_ratios(
-        [x["samples_per_second"] for x in runs["pipeline"]], [x["samples_per_second"] for x in runs["sync"]]
+        [x["samples_per_second"] for x in runs["pipeline"]], [x["samples_per_second"] for x in runs[baseline]]
     )
     print(
-        f"pipeline/sync trained-samples rate: {rate['median']:.2f}x (spread {rate['min']:.2f}-{rate['max']:.2f}; "
+        f"pipeline/{baseline} trained-samples rate: {rate['median']:.2f}x (spread {rate['min']:.2f}-{rate['max']:.2f}; "
         f"target >= 1.6x)"
     )
-    out["headline"] = print_headlines("pipeline", "sync", runs, args)
+    out["headline"] = print_headlines("pipeline", baseline, runs, args)
     print("beside the headline (one target, rounds pooled or each alone):")
     pairs = [
         (s["time_to_target_s"], p["time_to_target_s"])
-        for p, s in zip(runs["pipeline"], runs["sync"])
+        for p, s in zip(runs["pipeline"], runs[baseline])
         if p["time_to_target_s"] and s["time_to_target_s"]
     ]
     out["time_to_target_ratio"] = summary([s / p for s, p in pairs]) if pairs else None
     if pairs:
         t = out["time_to_target_ratio"]
         print(
-            f"sync/pipeline time to target: {t['median']:.2f}x (spread {t['min']:.2f}-{t['max']:.2f}; "
+            f"{baseline}/pipeline time to target: {t['median']:.2f}x (spread {t['min']:.2f}-{t['max']:.2f}; "
             f"target >= 1.5x; {len(pairs)} of {args.rounds} rounds reached it in both modes)"
         )
-    pooled = out["pooled_time_to_target_s"] = {mode: time_to_target(runs[mode], args.gain) for mode in runs}
-    out["pooled_time_to_target_ratio"] = pooled["sync"] / pooled["pipeline"] if all(pooled.values()) else None
+    pooled = out["pooled_time_to_target_s"] = {m: time_to_target(runs[m], args.gain) for m in ("pipeline", baseline)}
+    out["pooled_time_to_target_ratio"] = pooled[baseline] / pooled["pipeline"] if all(pooled.values()) else None
     if out["pooled_time_to_target_ratio"]:
         print(
-            f"sync/pipeline time to target on the rounds pooled: "
-            f"{out['pooled_time_to_target_ratio']:.2f}x ({pooled['sync']:.0f} s / {pooled['pipeline']:.0f} s)"
+            f"{baseline}/pipeline time to target on the rounds pooled: "
+            f"{out['pooled_time_to_target_ratio']:.2f}x ({pooled[baseline]:.0f} s / {pooled['pipeline']:.0f} s)"
         )
     else:
         print("time to target on the rounds pooled: not reached by " + " and ".join(m for m in pooled if not pooled[m]))
-    ci = out["pooled_time_to_target_interval"] = bootstrap_interval(runs["pipeline"], runs["sync"], args.gain)
+    ci = out["pooled_time_to_target_interval"] = bootstrap_interval(runs["pipeline"], runs[baseline], args.gain)
     print(
         f"  90% bootstrap interval over rounds: {ci['p5']:.2f}-{ci['p95']:.2f}x (median {ci['p50']:.2f}x)"
         if ci["p5"] is not None
         else "  90% bootstrap interval over rounds: no resample reached the target in both modes"
     )
     # time ratio = rate ratio x steps ratio: how much of the speed the per-step learning keeps
-    steps = pooled_ratio(runs["pipeline"], runs["sync"], args.gain, axis="version")
+    steps = pooled_ratio(runs["pipeline"], runs[baseline], args.gain, axis="version")
     out["pooled_steps_to_target_ratio"] = steps if math.isfinite(steps) else None
-    gap = out["accuracy_gap_points"] = accuracy_gap(runs)
+    gap = out["accuracy_gap_points"] = accuracy_gap({"pipeline": runs["pipeline"], "sync": runs[baseline]})
     later = [g for v, g in gap.items() if v > 0]
     print(
-        f"  sync/pipeline steps to target (pooled): {steps:.2f}; pipeline minus sync held-out accuracy at equal "
-        f"version: {sum(later) / max(len(later), 1):+.1f} points on average, behind at {sum(g < 0 for g in later)} "
-        f"of {len(later)} versions"
+        f"  {baseline}/pipeline steps to target (pooled): {steps:.2f}; pipeline minus {baseline} held-out "
+        f"accuracy at equal version: {sum(later) / max(len(later), 1):+.1f} points on average, behind at "
+        f"{sum(g < 0 for g in later)} of {len(later)} versions"
     )
     # The same figure for nearby targets: a ratio that holds only at one gain would be luck.
     gains = out["pooled_time_to_target_ratio_by_gain"] = {}
     for gain in (args.gain - 5, args.gain - 2.5, args.gain, args.gain + 2.5):
-        t = {mode: time_to_target(runs[mode], gain) for mode in runs}
-        gains[f"{gain:+g}"] = t["sync"] / t["pipeline"] if t["sync"] and t["pipeline"] else None
+        t = {m: time_to_target(runs[m], gain) for m in ("pipeline", baseline)}
+        gains[f"{gain:+g}"] = t[baseline] / t["pipeline"] if t[baseline] and t["pipeline"] else None
     print(
         "  by target gain (points): "
         + ", ".join(f"{g}: {'not reached' if r is None else f'{r:.2f}x'}" for g, r in gains.items())

@@ -288,9 +288,7 @@ def shipped_weights(name: str) -> dict[str, torch.Tensor]:
 def warm_model(name: str):
     """The warm-started built-in as shipped: fp16 weights in the float32 model."""
     model = make_model()
-    missing, unexpected = model.load_state_dict(
-        {k: v.float() for k, v in shipped_weights(name).items()}, strict=False
-    )
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in shipped_weights(name).items()}, strict=False)
     if unexpected or set(missing) != {"lm_head.weight"}:  # the LM head is tied to the embeddings
         raise RuntimeError(f"{name}: shipped weights do not fit the model (missing {missing}, unexpected {unexpected})")
     model.tie_weights()
@@ -312,7 +310,11 @@ def _ship(name: str, tokenizer, model, info: dict, progress=print) -> dict:
     path = SHIPPED / f"{name}.safetensors"
     save_file(state, path)
     warm, task = WARM_STARTS[name], warm_task(name)
-    info |= {"sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "built_on": _cpu_model(), "torch": torch.__version__}
+    info |= {
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+        "built_on": cpu_model(),
+        "torch": torch.__version__,
+    }
     (SHIPPED / f"{name}.json").write_text(json.dumps(info, indent=1) + "\n")
     test = task.test_problems(warm["eval_problems"])
     info["warm_start_accuracy"] = greedy_accuracy(warm_model(name).eval(), tokenizer, test)  # of the fp16 weights
@@ -321,7 +323,7 @@ def _ship(name: str, tokenizer, model, info: dict, progress=print) -> dict:
     return info
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     import platform
 
     try:

@@ -14,7 +14,16 @@ import pytest
 
 import bench.common as common
 from bench import contention
-from bench.analysis import band_headline, best_setting, curve, round_ratio, round_seed, time_to_target
+from bench.analysis import (
+    band_headline,
+    best_setting,
+    curve,
+    early_targets,
+    log_t_interval,
+    round_ratio,
+    round_seed,
+    time_to_target,
+)
 
 
 def run(warm, points, origins=None, train_start=0.0):
@@ -35,9 +44,10 @@ def linear(warm, seconds_per_point, until=60.0, every=1.0, offset=0.0):
 
 def test_each_clock_counts_from_its_own_origin():
     x = run(0.3, [(10, 0.4), (20, 0.5)], origins={"launch": -20.0, "first_token": -5.0})
-    assert curve(x, "time") == [(10.0, 0.4), (20.0, 0.5)]  # training began at 0
-    assert curve(x, "first_token") == [(15.0, 0.4), (25.0, 0.5)]
-    assert curve(x, "launch") == [(30.0, 0.4), (40.0, 0.5)]
+    # training began at 0, on the warm start's weights
+    assert curve(x, "time") == [(0.0, 0.3), (10.0, 0.4), (20.0, 0.5)]
+    assert curve(x, "first_token") == [(5.0, 0.3), (15.0, 0.4), (25.0, 0.5)]
+    assert curve(x, "launch") == [(20.0, 0.3), (30.0, 0.4), (40.0, 0.5)]
     assert time_to_target([x], 10, "launch") == pytest.approx(30.0)
     with pytest.raises(SystemExit, match="no 'launch' clock"):
         curve({k: v for k, v in x.items() if k != "clock_origins"}, "launch")
@@ -56,12 +66,31 @@ def test_the_headline_is_the_band_median_of_per_round_ratios_not_a_pooled_curve(
     # them; the headline is the median of the per-round ratios over the band of targets.
     fast = [linear(0.3, 1.0) for _ in range(3)]
     base = [linear(0.3, k) for k in (2.0, 3.0, 4.0)]
-    h = band_headline(fast, base, [5, 6, 7, 8, 9, 10], resamples=300, seed=1)
+    h = band_headline(fast, base, [5, 6, 7, 8, 9, 10])
     assert h["per_round"] == pytest.approx([2.0, 3.0, 4.0])
     assert h["median"] == pytest.approx(3.0)
-    assert h["p5"] == pytest.approx(2.0) and h["p95"] == pytest.approx(4.0)  # rounds resampled whole
+    # The interval is a t-interval of the per-round values (on their logs): it contains each
+    # round's own value here, and is wide with three rounds, as it should be.
+    assert h["geomean"] == pytest.approx(24 ** (1 / 3))
+    assert h["low"] < 2.0 and h["high"] > 4.0
     assert h["rounds"] == 3 and h["both_missed"] == 0 and h["per_round_by_gain"]["+5"] == pytest.approx([2, 3, 4])
-    assert h == band_headline(fast, base, [5, 6, 7, 8, 9, 10], resamples=300, seed=1)  # reproducible
+    assert h["early"] == 0  # every run evaluated every second: every target resolved by an evaluation
+
+
+def test_the_interval_narrows_with_rounds_and_is_none_when_a_round_is_unbounded():
+    five = log_t_interval([2.9, 3.0, 3.1, 3.0, 2.95])
+    assert five["low"] < 3.0 < five["high"] and five["high"] / five["low"] < 1.1
+    wide = log_t_interval([2.0, 4.0])
+    assert wide["high"] / wide["low"] > 10  # two rounds say little
+    assert log_t_interval([2.0, math.inf, 3.0])["low"] is None
+    assert log_t_interval([3.0])["low"] is None
+
+
+def test_targets_reached_before_the_first_evaluation_are_counted():
+    # Evaluated first at 20 s: +5 and +10 (at 5 s and 10 s) come from the warm start's interpolation.
+    x = linear(0.3, 1.0, until=60.0, every=20.0)
+    assert early_targets(x, [5, 10, 15, 25]) == [5, 10, 15]
+    assert band_headline([x], [x], [5, 10, 25])["early"] == 4  # both sides' +5 and +10
 
 
 def test_one_target_far_off_does_not_move_the_headline():

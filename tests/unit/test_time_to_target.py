@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench.analysis import accuracy_gap, bootstrap_interval, crossing_time, isotonic, pooled_ratio, time_to_target
-from bench.pipeline_vs_sync import job_for
+from bench.pipeline_vs_sync import MODES, cores_for, job_for, steps_per_generation
 
 
 def test_isotonic_pools_adjacent_violators():
@@ -41,8 +41,10 @@ def test_time_to_target_pools_rounds_and_counts_from_the_start_of_training():
     a = run(0.30, [(10, 0.35), (20, 0.50)])
     b = run(0.30, [(10, 0.45), (20, 0.40)])
     assert time_to_target([a], 10) == pytest.approx(13.333, abs=1e-3)  # +10 points = 0.40
-    assert time_to_target([b], 10) == 10
-    # Pooled: points (10, .35) (10, .45) (20, .40) (20, .50) -> fit .35 .425 .425 .5
+    # Reached before the first evaluation: interpolated from the warm start at the start of
+    # training (fit .30 .425 .425), not taken as the first evaluation's time.
+    assert time_to_target([b], 10) == pytest.approx(8.0)
+    # Pooled: (0, .30) (0, .30) (10, .35) (10, .45) (20, .40) (20, .50) -> fit .30 .30 .35 .425 .425 .5
     assert time_to_target([a, b], 10) == pytest.approx(10.0)
     assert time_to_target([a, b], 25) is None
 
@@ -108,3 +110,14 @@ def test_sync_baseline_generates_its_whole_step_at_once():
     )
     assert pipe.spec.generator.max_inflight_groups < pipe.spec.groups_per_step
     assert sync.spec.generator.max_inflight_groups >= sync.spec.groups_per_step
+
+
+def test_the_conventional_baseline_with_k_steps_per_phase_and_its_cores():
+    k4 = job_for("sync-k4", 20, 5, "t", ["rl.maxLag=2"])
+    assert (k4.spec.mode, k4.spec.steps_per_generation, k4.spec.max_lag) == ("sync", 4, 3)
+    assert job_for("sync", 20, 5, "t").spec.steps_per_generation == 1
+    assert job_for("pipeline", 20, 5, "t").spec.steps_per_generation == 1
+    assert [steps_per_generation(m) for m in MODES] == [1, 1, 2, 4, 8, 16, 32]
+    # The pipeline's stages run at once, each on its own core; the baseline's phases as asked.
+    assert cores_for("pipeline", "colocated") == "split"
+    assert cores_for("sync-k4", "colocated") == "colocated" and cores_for("sync", "split") == "split"
