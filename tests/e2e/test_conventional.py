@@ -65,4 +65,3 @@ def test_conventional_rl_takes_k_steps_on_each_generation_phase(tmp_path):
 
     evals = [r for r in map(json.loads, lines) if r["kind"] == "eval"]
     assert {r["version"] for r in evals} >= {0, 8, STEPS}  # only versions the generator holds
-
