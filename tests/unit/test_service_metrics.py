@@ -22,6 +22,7 @@ STEP_METRICS = {
     "kl": 0.01,
     "entropy": 1.7,
     "trainer_tokens_per_second": 1234.0,
+    "weight_updates": 1,
     "weight_sync_seconds": 0.2,
     "samples": 16,
     "samples_stale": 4,
@@ -53,8 +54,9 @@ def test_a_step_sets_the_trainer_gauges_and_counts_samples_and_tokens_by_lag():
     assert value("pipelinerl_weight_sync_seconds_count") - syncs == 1
     after = {lag: value("pipelinerl_trainer_tokens_total", {"lag": str(lag)}) for lag in range(4)}
     assert {lag: after[lag] - before[lag] for lag in range(4)} == {0: 200, 1: 0, 2: 100, 3: 0}
-    prom.reported(STEP_METRICS, alarm=False)
+    prom.reported(STEP_METRICS | {"weight_updates": 0, "weight_sync_seconds": 0.0}, alarm=False)
     assert value("pipelinerl_trainer_learning_alarm") == 0
+    assert value("pipelinerl_weight_sync_seconds_count") - syncs == 1  # a step inside a phase sent nothing
 
 
 def test_each_step_moves_the_progress_time():

@@ -80,7 +80,8 @@ def reported(metrics: dict, alarm: bool) -> None:
     KL.set(metrics["kl"])
     ENTROPY.set(metrics["entropy"])
     TOKENS_PER_S.set(metrics["trainer_tokens_per_second"])
-    SYNC_S.observe(metrics["weight_sync_seconds"])
+    if metrics["weight_updates"]:  # conventional k: once per phase
+        SYNC_S.observe(metrics["weight_sync_seconds"])
     SAMPLES.inc(metrics["samples"] + metrics["samples_stale"])
     DROPPED.inc(metrics["dropped_for_lag"])
     EMPTY_STEPS.inc(metrics["tokens"] == 0)

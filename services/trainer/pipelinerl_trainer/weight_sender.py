@@ -39,6 +39,7 @@ from pipelinerl_trainer.model import TrainingEngine, full_parameters, named_weig
 log = logging.getLogger("pipelinerl.trainer")
 # A step's weight-update metrics when none was sent (below the floor, or inside a generation phase).
 NO_UPDATE: dict[str, float] = {
+    "weight_updates": 0,
     "weight_pause_max_seconds": 0.0,
     "updates_with_running_requests": 0,
     "weight_sync_seconds": 0.0,
@@ -115,6 +116,7 @@ class WeightSender:
             stats |= self.confirm()
             stats |= self.publish(wait) or {}
         stats["weight_sync_seconds"] = time.perf_counter() - t0
+        stats["weight_updates"] = 1
         return stats
 
     # -- rank 0 -------------------------------------------------------------------------------
