@@ -25,8 +25,8 @@ def _base(job: PipelineRLJob, base: str | None) -> Calibration:
     return load_calibration(base or ("h100-7b" if job.spec.generator.gpus else "cpu-tiny"))
 
 
-async def _read(url: str, job: PipelineRLJob) -> tuple[list[dict], list[int]]:
-    """The job's trainer metrics rows and the completion lengths of its stored micro-batches."""
+async def _read(url: str, job: PipelineRLJob) -> tuple[list[dict], list[MicroBatch]]:
+    """The job's trainer metrics rows and its stored micro-batches."""
     subjects = job.subjects
     nc = await wait_for(connect(url, "pipelinerl-calibrate"), READ_TIMEOUT_S, f"a connection to {url}")
     try:
@@ -40,11 +40,11 @@ async def _read(url: str, job: PipelineRLJob) -> tuple[list[dict], list[int]]:
         row = decode(msg.data, Metrics)
         if row.kind == "train":
             rows.append({"kind": row.kind, "time": row.timestamp, **row.values})
-    return rows, completion_lengths([decode(msg.data, MicroBatch) for msg in batches])
+    return rows, [decode(msg.data, MicroBatch) for msg in batches]
 
 
-def _stored_lengths(run: Path, job: PipelineRLJob) -> list[int]:
-    """The completion lengths a finished local run's store still holds (its nats-server started
+def _stored_batches(run: Path, job: PipelineRLJob) -> list[MicroBatch]:
+    """The micro-batches a finished local run's store still holds (its nats-server started
     again on the run's store)."""
     from pipelinerl_cli.embedded_nats import EmbeddedNats
 
@@ -60,7 +60,7 @@ def _stored_lengths(run: Path, job: PipelineRLJob) -> list[int]:
 def calibration_from_run(source: str, job: PipelineRLJob, base: str | None = None) -> tuple[Calibration, str]:
     """The calibration a pilot measured, and what came from where (for the user to read)."""
     if "://" in source:
-        rows, lengths = asyncio.run(_read(source, job))
+        rows, batches = asyncio.run(_read(source, job))
         pilot, summary, where = job, None, f"job {job.name} at {source}"
     else:
         run = Path(source)
@@ -73,7 +73,8 @@ def calibration_from_run(source: str, job: PipelineRLJob, base: str | None = Non
         rows = train_rows(metrics.read_text(), str(metrics))
         summary_file = run / "summary.json"
         summary = json.loads(summary_file.read_text()) if summary_file.is_file() else None
-        lengths = _stored_lengths(run, pilot)
+        batches = _stored_batches(run, pilot)
         where = str(run)
+    lengths = completion_lengths(batches, rows)
     calib, taken = derive_calibration(rows, pilot, _base(pilot, base), lengths, summary, where)
     return calib, f"calibration from {where} (pilot job {pilot.name!r}):\n{format_taken(taken)}"

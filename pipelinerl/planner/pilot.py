@@ -60,11 +60,16 @@ def train_rows(metrics_jsonl: str, where: str = "metrics.jsonl") -> list[dict]:
     return rows
 
 
-def completion_lengths(batches: list) -> list[int]:
+def completion_lengths(batches: list, rows: list[dict] | None = None) -> list[int]:
     """Completion lengths of the samples packed into micro-batches (`MicroBatch`: `lengths` per
-    packed sample, `mask` marking the generated tokens); sentinels and prompts count nothing."""
+    packed sample, `mask` marking the generated tokens); sentinels and prompts count nothing.
+    With the trainer's `rows`, only the steps they trained (the preprocessor may have packed
+    the next ones already)."""
+    trained = None if rows is None else {int(r["step"]) - 1 for r in rows}  # rows count steps from 1
     out = []
     for mb in batches:
+        if trained is not None and mb.step not in trained:
+            continue
         at = 0
         for n in mb.lengths:
             generated = sum(mb.mask[at : at + n])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipelinerl.planner.calibration import Calibration, Lengths
-from pipelinerl.planner.simulation import SimResult, simulate, wave_groups
+from pipelinerl.planner.simulation import CLIMB_LIFETIMES, WINDOW_LIFETIMES, SimResult, simulate, wave_groups
 from pipelinerl.spec import PipelineRLJob
 
 LAGS = (1, 2, 4, 8, 16, 32, 64)
@@ -193,7 +193,9 @@ def plan(
 
     # The split at the largest lag (least constrained), then the lag at that split. Only the
     # pipeline caps its groups in flight (fresher samples); a conventional phase runs at once.
-    def pipeline(t: int, lag: int, **probe: float) -> SimResult:
+    def pipeline(t: int, lag: int, probe: bool = False) -> SimResult:
+        # The search's probes measure over one lifetime (they only rank the splits).
+        lifetimes = 1.0 if probe else None
         return simulate(
             "pipeline",
             gpus - t,
@@ -201,12 +203,12 @@ def plan(
             lag,
             wave_groups=wave_groups(job, t, lengths or calib.lengths),
             max_inflight=spec.generator.max_inflight_groups,
+            window_lifetimes=lifetimes or WINDOW_LIFETIMES,
+            climb_lifetimes=lifetimes or CLIMB_LIFETIMES,
             **common,
-            **probe,
         )
 
-    # The search's probes measure over one lifetime (they only rank the splits).
-    best = _best(grid, lambda t: pipeline(t, LAGS[-1], window_lifetimes=1.0, climb_lifetimes=1.0))
+    best = _best(grid, lambda t: pipeline(t, LAGS[-1], probe=True))
     sweep = tuple(pipeline(best.trainers, lag) for lag in LAGS)
     top = max(r.useful_samples_per_s for r in sweep)
     chosen = next(r for r in sweep if r.useful_samples_per_s >= (1 - LAG_TOLERANCE) * top)

@@ -294,7 +294,7 @@ class _Sim:
         del self.pool[-n:]
         return out
 
-    def _start_group(self, i: int) -> None:
+    def _start_group(self, i: int, schedule: bool = True) -> None:
         e = self.engines[i]
         self._advance(e)
         # Prefill stalls the engine once per group: the attempts share the prompt (prefix cache).
@@ -314,11 +314,13 @@ class _Sim:
         # Drawn only when filtering is on, so a run without it keeps the same random stream.
         self.g_drop.append(self.filtered > 0 and self.rng.random() < self.filtered)
         self.queued += 1
-        self._heard("start", version)
+        if self.trace is not None:
+            self._heard("start", version)
         e.groups += 1
-        e.waiting.extend((n, gid) for n in lengths)
+        e.waiting.extend([(n, gid) for n in lengths])
         self._fill(e)
-        self._schedule(i)
+        if schedule:
+            self._schedule(i)
 
     @property
     def _weights(self) -> int:
@@ -353,13 +355,15 @@ class _Sim:
         After a finish only that engine gained room (`prefer`); after the trainer consumed
         groups, every engine may take some: least loaded first.
         """
+        budget = self.budget  # starting a group never moves it (it starts on the newest weights)
         if prefer is not None:
-            while self.queued < self.budget and self._room(self.engines[prefer]):
-                self._start_group(prefer)
+            e = self.engines[prefer]
+            while self.queued < budget and self._room(e):
+                self._start_group(prefer, schedule=False)  # the caller schedules the engine
             return
         loads = [(e.load, i) for i, e in enumerate(self.engines) if self._room(e)]
         heapq.heapify(loads)
-        while self.queued < self.budget and loads:
+        while self.queued < budget and loads:
             _, i = loads[0]
             self._start_group(i)
             if self._room(self.engines[i]):
@@ -399,7 +403,8 @@ class _Sim:
             self.n_dropped += 1
         else:
             self.finished.append(gid)
-        self._heard("finish", v, self.g_drop[gid])
+        if self.trace is not None:
+            self._heard("finish", v, self.g_drop[gid])
         return raised
 
     def _on_engine(self, i: int, token: int) -> None:
@@ -586,9 +591,11 @@ class _Sim:
         v0 = min(self.g_version[g] for g in gids)
         first = bisect_right(self.update_versions, v0)  # the updates after the oldest start version
         versions = [v0] + self.update_versions[first:]
-        at_least = [float(length.sum())]  # at_least[j]: tokens with version >= versions[j]
-        for u in range(first, len(self.update_versions)):
-            at_least.append(float(np.clip(start + length - self.update_steps[u][eng], 0, length).sum()))
+        # at_least[j]: tokens with version >= versions[j] (decoded after update j's pause).
+        at_least = [float(length.sum())]
+        if first < len(self.update_steps):
+            began = np.stack(self.update_steps[first:])[:, eng]  # (updates, sequences)
+            at_least += np.clip(start + length - began, 0, length).sum(axis=1).tolist()
         at_least.append(0.0)
         limit = len(self.lag_tokens) - 1
         for j, version in enumerate(versions):

@@ -15,7 +15,7 @@ from pipelinerl.planner.calibration import (
     parse_calibration,
 )
 from pipelinerl.planner.recommend import LAG_TOLERANCE, LAGS, format_plan, ks, plan, splits
-from pipelinerl.planner.simulation import simulate, wave_groups
+from pipelinerl.planner.simulation import MIN_STEPS, WINDOW_LIFETIMES, simulate, wave_groups
 from pipelinerl.spec import parse_job
 
 H100 = load_calibration("h100-7b")
@@ -88,6 +88,107 @@ def test_sync_step_follows_the_cost_equations(pause_s):
     assert r.step_s == pytest.approx(step, rel=1e-9)
     assert r.gen_busy == pytest.approx(decode / step, rel=1e-9)
     assert r.train_busy == pytest.approx((train + 0.2) / step, rel=1e-9)
+
+
+def equal_lengths_calibration(**update) -> Calibration:
+    """Equal lengths (50 tokens after a 20-token prompt), round costs: every term is visible."""
+    return Calibration(
+        name="t",
+        decode_base_s=0.01,
+        decode_per_seq_s=0.001,
+        max_batch=64,
+        prefill_s_per_token=5e-4,
+        train_s_per_token=0.002,
+        train_scaling=0.9,
+        optimizer_step_s=0.3,
+        weight_sync_s=0.2,
+        pause_s=0.1,
+        lengths=Lengths(mean_tokens=50, sigma=0, prompt_tokens=20),
+    ).model_copy(update=update)
+
+
+def test_a_decode_step_slows_as_its_sequences_contexts_grow():
+    # Each running sequence reads its KV cache: per_token per token of context (prompt + tokens
+    # so far), so with B sequences started together the step time grows by B · per_token a step.
+    calib = equal_lengths_calibration(decode_per_token_s=1e-5)
+    r = simulate("sync", 1, 4, 0, samples_per_step=32, attempts=8, calib=calib, max_tokens=100, steps=4, warmup=1)
+    first = 0.01 + 32 * (0.001 + 1e-5 * 20)  # the first step: contexts are the prompts
+    decode = 50 * first + 32 * 1e-5 * 50**2 / 2  # ∫ over 50 steps of first + 32·1e-5·x
+    step = 4 * 5e-4 * 20 + decode + 32 * 70 * 0.002 / (4 * 0.9**2) + 0.3 + 0.2
+    assert r.step_s == pytest.approx(step, rel=1e-9)
+    assert r.gen_tokens_per_busy_s == pytest.approx(32 * 50 / decode, rel=1e-9)
+    assert calib.step_s(32, 20) == pytest.approx(first)
+
+
+@pytest.mark.parametrize("cap", ["max_running", "kv_cache"])
+def test_an_engine_runs_at_most_its_cap_of_sequences(cap):
+    # Capped at 8 running sequences (the reference's llm_max_rollouts, or a KV cache of 8
+    # sequences of 70 tokens), a 32-sample step runs as four groups of 8, one after the other.
+    calib = equal_lengths_calibration(kv_cache_tokens=8 * 70 if cap == "kv_cache" else None)
+    common = dict(samples_per_step=32, attempts=8, calib=calib, max_tokens=100, steps=4, warmup=1)
+    r = simulate("sync", 1, 4, 0, max_running=8 if cap == "max_running" else None, **common)
+    train = 32 * 70 * 0.002 / (4 * 0.9**2) + 0.3
+    assert r.engine_batch == 8
+    assert r.step_s == pytest.approx(4 * (5e-4 * 20 + 50 * (0.01 + 0.001 * 8)) + train + 0.2, rel=1e-9)
+    assert r.gen_fill == pytest.approx(50 * (0.01 + 0.001 * 8) * 4 / r.step_s, rel=1e-9)  # full while decoding
+
+
+def test_conventional_k_trains_a_phase_in_k_steps_and_sends_weights_once():
+    # k = 2, split, one engine holding one step's sequences at a time: the trainer takes the
+    # phase's first step while its second is generated, then the second, then sends weights.
+    calib = equal_lengths_calibration(max_batch=32)
+    common = dict(samples_per_step=32, attempts=8, calib=calib, max_tokens=100, steps=6, warmup=2)
+    trace: list[tuple] = []
+    r = simulate("sync", 1, 4, 0, steps_per_generation=2, trace=trace, **common)
+    half = 4 * 5e-4 * 20 + 50 * (0.01 + 0.001 * 32)  # one step's groups, prefilled and decoded
+    train = 32 * 70 * 0.002 / (4 * 0.9**2) + 0.3
+    assert train < half  # the first step's training is hidden behind the second's generation
+    assert r.step_s == pytest.approx((2 * half + train + 0.2) / 2, rel=1e-9)
+    # Step j of a phase trains at lag j; the weights go out once per phase, 3 phases.
+    assert r.lag_max == 1 and r.lag_mean == pytest.approx(0.5) and r.steps_per_generation == 2
+    assert [e[1] for e in trace if e[0] == "weights"] == [2, 4, 6]
+    assert r.samples_trained == 6 * 32 and r.label == "conventional k=2, split"
+    # Colocated: the same devices generate the whole phase, then train both steps.
+    c = simulate("sync", 1, 1, 0, steps_per_generation=2, colocated=True, **common)
+    train_1 = 32 * 70 * 0.002 + 0.3  # one device
+    assert c.step_s == pytest.approx((2 * half + 2 * train_1 + 0.2) / 2, rel=1e-9)
+    assert c.gen_busy + c.train_busy <= 1 + 1e-9 and c.label == "conventional k=2, colocated"
+
+
+def test_conventional_k_amortises_the_long_tail():
+    # A long-tailed phase waits for its longest sequence once per k steps; the split trainer
+    # also overlaps the phase's first steps with the rest of its generation.
+    lengths = lognormal(1000, 1.0)
+    rates = [simulate("sync", 8, 24, 0, lengths=lengths, steps_per_generation=k, **SMALL) for k in (1, 4, 16)]
+    assert rates[0].samples_per_s < rates[1].samples_per_s < rates[2].samples_per_s
+    assert [r.lag_max for r in rates] == [0, 3, 15]
+    assert rates[2].gen_busy + rates[2].train_busy > 1  # both roles busy at once
+    colocated = simulate("sync", 32, 32, 0, lengths=lengths, steps_per_generation=4, colocated=True, **SMALL)
+    assert colocated.gen_busy + colocated.train_busy <= 1 + 1e-9
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(mode="pipeline", n_gen=8, n_train=24, max_lag=1, steps_per_generation=2), "steps_per_generation"),
+        (dict(mode="sync", n_gen=8, n_train=24, max_lag=0, colocated=True), "colocated"),
+        (dict(mode="sync", n_gen=8, n_train=24, max_lag=0, steps_per_generation=4, steps=6), "whole phases"),
+        (dict(mode="sync", n_gen=8, n_train=24, max_lag=0, max_running=0), "max_running"),
+    ],
+)
+def test_impossible_simulations_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        simulate(**kwargs, **SMALL)
+
+
+def test_the_window_spans_several_lifetimes_of_the_longest_sequence():
+    # A pipeline is measured once its start-up's groups have all finished, over at least
+    # WINDOW_LIFETIMES of the longest group lifetime seen; a sync phase over whole phases.
+    r = simulate("pipeline", 8, 24, 8, lengths=lognormal(1000, 1.0), **SMALL)
+    assert r.window_s >= WINDOW_LIFETIMES * r.longest_s > 0
+    assert r.window_s / r.step_s >= MIN_STEPS - 1e-9
+    s = simulate("sync", 8, 24, 0, lengths=lognormal(1000, 1.0), steps_per_generation=4, **SMALL)
+    assert s.window_s / s.step_s == pytest.approx(round(s.window_s / s.step_s)) and s.window_s / s.step_s % 4 == 0
 
 
 def test_pipeline_generators_idle_only_while_paused():
