@@ -288,10 +288,14 @@ class _Sim:
         heapq.heappush(self.events, (t, self.seq, kind, a, b))
 
     def _lengths(self, n: int) -> list[int]:
-        if len(self.pool) < n:
-            self.pool += self.lengths.sample(self.rng, 4096 + n, self.max_tokens).tolist()
-        out = self.pool[-n:]
-        del self.pool[-n:]
+        """The next n lengths: popped one by one from a pool of 4096 draws, refilled when empty."""
+        pool, out = self.pool, []
+        while len(out) < n:
+            if not pool:
+                pool.extend(self.lengths.sample(self.rng, 4096, self.max_tokens).tolist())
+            take = min(n - len(out), len(pool))
+            out.extend(reversed(pool[-take:]))
+            del pool[-take:]
         return out
 
     def _start_group(self, i: int, schedule: bool = True) -> None:
