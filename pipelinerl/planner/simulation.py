@@ -221,7 +221,7 @@ class _Sim:
         # Weight updates: the version each delivered and the decode step of every engine at
         # which it began (tokens decoded after it carry that version).
         self.update_versions: list[int] = []
-        self.update_steps: list[np.ndarray] = []
+        self.update_steps = np.zeros((64, len(self.engines)))  # row u: update u (grown by doubling)
         self.base = calib.decode_base_s
         self.per_seq = calib.decode_per_seq_s + calib.decode_per_token_s * lengths.prompt_tokens
         self.per_tok = calib.decode_per_token_s
@@ -289,7 +289,12 @@ class _Sim:
 
     def _lengths(self, n: int) -> list[int]:
         """The next n lengths: popped one by one from a pool of 4096 draws, refilled when empty."""
-        pool, out = self.pool, []
+        pool = self.pool
+        if len(pool) >= n:
+            out = pool[: -n - 1 : -1] if n < len(pool) else pool[::-1]
+            del pool[-n:]
+            return out
+        out = []
         while len(out) < n:
             if not pool:
                 pool.extend(self.lengths.sample(self.rng, 4096, self.max_tokens).tolist())
@@ -531,7 +536,10 @@ class _Sim:
         self._heard("weights", self.version)
         # Tokens decoded after this pause carry the new version.
         self.update_versions.append(self.version)
-        self.update_steps.append(np.array([e.steps for e in self.engines]))
+        u = len(self.update_versions) - 1
+        if u == len(self.update_steps):
+            self.update_steps = np.concatenate([self.update_steps, np.zeros_like(self.update_steps)])
+        self.update_steps[u] = [e.steps for e in self.engines]
         self._set_slow(1.0)  # the trainer stopped computing; reschedules every engine
         self._push(self.now + self.c.weight_sync_s, "synced", consumed)
 
@@ -589,16 +597,17 @@ class _Sim:
 
     def _record_lag(self, gids: list[int]) -> None:
         """Split each sequence's tokens by version: decode steps before/after each update."""
+        g_starts, g_lengths = self.g_starts, self.g_lengths
         eng = np.repeat([self.g_engine[g] for g in gids], self.attempts)
-        start = np.concatenate([self.g_starts[g] for g in gids])
-        length = np.concatenate([self.g_lengths[g] for g in gids]).astype(float)
+        start = np.array([x for g in gids for x in g_starts[g]])
+        length = np.array([x for g in gids for x in g_lengths[g]], dtype=float)
         v0 = min(self.g_version[g] for g in gids)
         first = bisect_right(self.update_versions, v0)  # the updates after the oldest start version
         versions = [v0] + self.update_versions[first:]
         # at_least[j]: tokens with version >= versions[j] (decoded after update j's pause).
         at_least = [float(length.sum())]
-        if first < len(self.update_steps):
-            began = np.stack(self.update_steps[first:])[:, eng]  # (updates, sequences)
+        if first < len(self.update_versions):
+            began = self.update_steps[first : len(self.update_versions)][:, eng]  # (updates, sequences)
             at_least += np.clip(start + length - began, 0, length).sum(axis=1).tolist()
         at_least.append(0.0)
         limit = len(self.lag_tokens) - 1

@@ -87,14 +87,14 @@ def test_paper_32_gpus_against_conventional_k4_colocated():
     k4 = simulate("sync", 32, 32, 0, steps_per_generation=4, colocated=True, **PAPER)
     published = 2.0
     r = ratio(pipeline, k4)
-    # MISSES (-30%). The same effects as at 128 GPUs (learning per sample at k = 4 vs the
+    # MISSES (-31%). The same effects as at 128 GPUs (learning per sample at k = 4 vs the
     # pipeline's lag is not modelled; the paper's conventional rate is an estimate). Here the
     # k = 4 phase's long tail is amortised over 4 steps only, so the pipeline gains more than
-    # at k = 32. The pipeline is trainer-bound on 16 trainers (its lag, ~21, exceeds the
-    # published ~8: the samples per step of this run are an estimate).
+    # at k = 32. The pipeline is trainer-bound on 16 trainers; its max lag (~11) is near the
+    # published ~8.
     assert abs(r / published - 1) > WITHIN
-    assert r == pytest.approx(1.40, rel=0.08)
-    assert pipeline.train_busy > 0.97 and k4.lag_max == 3
+    assert r == pytest.approx(1.39, rel=0.08)
+    assert pipeline.train_busy > 0.97 and 6 <= pipeline.lag_max <= 16 and k4.lag_max == 3
 
 
 # -- PipelineRL appendix A.4: the analytic case ---------------------------------------------
@@ -167,7 +167,7 @@ def test_appendix_a4_with_the_published_per_gpu_costs():
 # Published: 2.27x against AReaL's synchronous mode; H800s (the H100's compute and HBM: the same
 # cost set); 3/4 of the devices generate; 512 prompts x 16 attempts = 8,192 samples per step;
 # 27,648 max generated tokens; max staleness 8 (max lag 8).
-# Estimated: 128 devices (16 nodes: the ratio moves with the count, 1.64x at 64 and 2.08x at
+# Estimated: 128 devices (16 nodes: the ratio moves with the count, 1.64x at 64 and 2.12x at
 # 192); the baseline is AReaL with staleness 0 on the same split (conventional k = 1, split: our
 # reading of "its sync mode"); completions of the R1-distilled 7B lognormal with mean 8,000
 # tokens, sigma 0.8 (long reasoning on math; not published for the run), 100-token prompts;
@@ -186,5 +186,5 @@ def test_areal_7b_against_its_sync_mode():
     sync = simulate("sync", 96, 32, 0, **AREAL)
     published = 2.27
     r = ratio(pipeline, sync)
-    assert abs(r / published - 1) <= WITHIN  # 1.88: -17%
+    assert abs(r / published - 1) <= WITHIN  # 1.89: -17%
     assert pipeline.lag_max <= 8 and pipeline.engine_batch < H100.max_batch  # the KV cache binds
