@@ -245,13 +245,8 @@ class _Sim:
             self.trace.append((event, *args, self.budget, self.queued))
 
     # -- engines --------------------------------------------------------------------------
-    # The hot path (one call per sequence finish): kept lean, with the step-time formula
-    # (`_step_s`) written out where it runs.
-    def _step_s(self, e: _Engine) -> float:
-        """The current decode step's time (unslowed)."""
-        n = len(e.running)
-        return self.base + n * self.per_seq + self.per_tok * (n * e.steps - e.start_sum)
-
+    # The hot path (one call per sequence finish) is kept lean: the current decode step's time,
+    # base + n·per_seq + per_tok·(n·steps − start_sum) (unslowed), is written out where it runs.
     def _advance(self, e: _Engine) -> None:
         now = self.now
         start = e.t_ref if e.t_ref > e.free_at else e.free_at
