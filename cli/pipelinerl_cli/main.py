@@ -69,9 +69,15 @@ def _plan(args: argparse.Namespace) -> int:
 
     job = load_job(args.job)
     try:
-        calib = load_calibration(
-            args.calibration or args.gpu_type or ("h100-7b" if job.spec.generator.gpus else "cpu-tiny")
-        )
+        if args.calibrate_from:
+            from pipelinerl_cli.calibrate_from import calibration_from_run
+
+            calib, provenance = calibration_from_run(args.calibrate_from, job, base=args.calibration or args.gpu_type)
+            print(provenance, file=sys.stderr)
+        else:
+            calib = load_calibration(
+                args.calibration or args.gpu_type or ("h100-7b" if job.spec.generator.gpus else "cpu-tiny")
+            )
         if args.mean_tokens is not None or args.length_sigma is not None:
             lengths = calib.lengths.model_dump() | {"distribution": "lognormal", "values": []}
             if args.mean_tokens is not None:
@@ -83,16 +89,18 @@ def _plan(args: argparse.Namespace) -> int:
             calib = parse_calibration(
                 calib.model_dump() | {"filtered_fraction": args.filtered_fraction}, "command line"
             )
-        result = plan(job, args.gpus, calib)
-    except ValueError as err:  # a bad calibration or an impossible split, named in the message
+        result = plan(job, args.gpus, calib, max_k=args.max_k, max_running=args.max_running)
+    except ValueError as err:  # a bad calibration, run folder or an impossible split, named in the message
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.json:
-        out = dataclasses.asdict(result) | {
-            "recommended": dataclasses.asdict(result.recommended),
-            "speedup": result.speedup,
-            "speedup_vs_colocated": result.speedup_vs_colocated,
-        }
+        out = (
+            dataclasses.asdict(result)
+            | {"recommended": dataclasses.asdict(result.recommended)}
+            | {"best_split": dataclasses.asdict(result.best_split)}
+            | {"best_colocated": dataclasses.asdict(result.best_colocated)}
+            | result.speedups()
+        )
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(result))
@@ -189,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(func=_validate)
 
     p = sub.add_parser(
-        "plan", help="predict pipeline vs sync throughput, lag and idle time; recommend a split and max lag"
+        "plan",
+        help="predict pipeline vs conventional (k steps per generation phase) throughput, lag and idle time; "
+        "recommend a split and max lag",
     )
     p.add_argument("job", help="PipelineRLJob manifest: samples per step, attempts, maxTokens, model")
     p.add_argument("--gpus", type=int, required=True, help="devices to split between generators and trainers")
@@ -201,6 +211,26 @@ def main(argv: list[str] | None = None) -> int:
         help="built-in calibration (default: h100-7b when the job asks for GPUs, else cpu-tiny)",
     )
     source.add_argument("--calibration", metavar="FILE", help="calibration measured on your hardware (YAML/JSON)")
+    p.add_argument(
+        "--calibrate-from",
+        metavar="RUN",
+        help="derive the costs from a pilot run: a `pipelinerl run` folder, or the NATS URL of the running "
+        "job (its METRICS and BATCHES streams); costs a run cannot show come from --gpu-type/--calibration "
+        "(default: the built-in for the job's devices); what came from where is printed",
+    )
+    p.add_argument(
+        "--max-k",
+        type=int,
+        default=32,
+        help="conventional baseline: search k (optimizer steps per generation phase) over powers of two "
+        "up to this (default 32)",
+    )
+    p.add_argument(
+        "--max-running",
+        type=int,
+        help="cap on sequences running per generator engine, in every mode (as the reference "
+        "implementation's llm_max_rollouts); default: the calibration's batch",
+    )
     p.add_argument("--mean-tokens", type=float, help="override: lognormal completion lengths with this mean")
     p.add_argument("--length-sigma", type=float, help="override: lognormal sigma (0: all completions alike)")
     p.add_argument(

@@ -3,7 +3,9 @@
 A calibration is a YAML or JSON file of `Calibration` fields; the built-ins are package data,
 `pipelinerl/calibrations/<name>.yaml`. The costs enter the simulation as follows (docs/planner.md):
 
-    decode step of a generator with B running sequences   decode_base_s + decode_per_seq_s * B
+    decode step of a generator with B running sequences   decode_base_s + Σ over them (decode_per_seq_s
+    of contexts c_1..c_B (prompt + tokens so far)           + decode_per_token_s * c_i), B at most the
+                                                           engine's batch (`engine_batch`)
     prefill of a prompt group (prefix cache shares it)     prefill_s_per_token * prompt_tokens
     train step of T tokens on n trainer devices            T * train_s_per_token / (n * train_scaling^log2 n)
                                                            + optimizer_step_s; in pipeline mode the tokens
@@ -70,7 +72,19 @@ class Calibration(BaseModel):
     gpus_per_engine: int = Field(default=1, ge=1, description="devices per generator engine (tensor parallel)")
     decode_base_s: float = Field(gt=0)
     decode_per_seq_s: float = Field(ge=0)
-    max_batch: int = Field(ge=1, description="running sequences per engine (vLLM max_num_seqs / KV cache)")
+    decode_per_token_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="per running sequence and token of its context (prompt + generated so far): the KV "
+        "cache it reads every step, so a step slows as its sequences grow",
+    )
+    max_batch: int = Field(ge=1, description="running sequences per engine (vLLM max_num_seqs)")
+    kv_cache_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        description="KV cache of one engine, in tokens: it holds at most this / (prompt + mean completion) "
+        "sequences (None: max_batch alone bounds the batch)",
+    )
     prefill_s_per_token: float = Field(default=0.0, ge=0)
     train_s_per_token: float = Field(gt=0, description="fwd+bwd per trained token on one trainer device")
     train_scaling: float = Field(default=1.0, gt=0, le=1, description="throughput kept per doubling of trainers")
@@ -87,8 +101,20 @@ class Calibration(BaseModel):
     )
     lengths: Lengths
 
-    def step_s(self, batch: int) -> float:
-        return self.decode_base_s + self.decode_per_seq_s * batch
+    def step_s(self, batch: int, context: float = 0.0) -> float:
+        """A decode step's time with `batch` sequences of `context` tokens each."""
+        return self.decode_base_s + batch * (self.decode_per_seq_s + self.decode_per_token_s * context)
+
+    def engine_batch(self, lengths: Lengths, max_tokens: int, max_running: int | None = None) -> int:
+        """Sequences one engine runs at once: max_batch, the generator's cap on running
+        sequences (`max_running`: the reference implementation's llm_max_rollouts), and what
+        the KV cache holds at the mean context a sequence reaches (vLLM would preempt beyond:
+        not modelled)."""
+        cap = min(self.max_batch, max_running or self.max_batch)
+        if self.kv_cache_tokens:
+            mean = float(np.mean(lengths.sample(np.random.default_rng(0), 4096, max_tokens)))
+            cap = min(cap, max(1, int(self.kv_cache_tokens // (lengths.prompt_tokens + mean))))
+        return cap
 
     def train_s(self, tokens: float, n_train: int) -> float:
         return tokens * self.train_s_per_token / (n_train * self.train_scaling ** math.log2(n_train))

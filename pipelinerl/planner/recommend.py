@@ -1,25 +1,28 @@
 """Planner recommendation: the best split of the devices and max lag for a job (`plan`).
 
 Simulates pipeline mode over the splits of the devices between trainers and generators, then
-over the max lags at the best split, and sync mode (split, and colocated as a reference), then
-formats the comparison (`format_plan`).
+over the max lags at the best split; and the conventional baseline, k optimizer steps per
+generation phase for k = 1, 2, 4, … up to `max_k`, both split (each k at its best split) and
+colocated (every device generates, then every device trains). Then formats the comparison
+(`format_plan`): the pipeline against k = 1 and against the best k, each named by its baseline.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from pipelinerl.planner.calibration import Calibration, Lengths
-from pipelinerl.planner.simulation import SimResult, simulate, wave_groups
+from pipelinerl.planner.simulation import CLIMB_LIFETIMES, WINDOW_LIFETIMES, SimResult, simulate, wave_groups
 from pipelinerl.spec import PipelineRLJob
 
-LAGS = (1, 2, 4, 8, 16)
+LAGS = (1, 2, 4, 8, 16, 32, 64)
 # Recommend the smallest max lag whose throughput is within this fraction of the best one:
 # fresher data is worth a little throughput.
 LAG_TOLERANCE = 0.03
+# The conventional baseline's k is searched over powers of two up to this (the PipelineRL
+# paper's baseline: k = 32, the largest that trained stably there).
+MAX_K = 32
 
 
 @dataclass(frozen=True)
@@ -32,23 +35,80 @@ class Plan:
     attempts: int
     max_tokens: int
     pipeline: SimResult  # best pipeline split, smallest max lag within LAG_TOLERANCE of the best
-    sync: SimResult  # best split in sync mode
-    colocated: SimResult  # every device generates, then every device trains (the paper's baseline)
     lag_sweep: tuple[SimResult, ...]  # pipeline at its best split, one per max lag in LAGS
+    conventional: tuple[SimResult, ...]  # split: each k (1, 2, 4, …) at its best split
+    colocated: tuple[SimResult, ...]  # each k, every device generating then training
     filtered: float = 0.0  # share of generated groups dropped by zero-variance filtering
+    max_running: int | None = None  # cap on running sequences per engine, if any
+
+    @property
+    def sync(self) -> SimResult:
+        """This project's sync mode: conventional k = 1, split."""
+        return self.conventional[0]
+
+    @property
+    def best_split(self) -> SimResult:
+        return _fastest(self.conventional)
+
+    @property
+    def best_colocated(self) -> SimResult:
+        return _fastest(self.colocated)
 
     @property
     def recommended(self) -> SimResult:
-        # Colocation is not something this project runs: it is a reference point only.
-        return self.pipeline if self.speedup >= 1 else self.sync
+        """The freshest of the modes this project runs (the pipeline, or conventional k split;
+        colocated phases are a baseline only) within LAG_TOLERANCE of the fastest of them."""
+        runs = (self.pipeline, *self.conventional)
+        top = max(r.useful_samples_per_s for r in runs)
+        return min(
+            (r for r in runs if r.useful_samples_per_s >= (1 - LAG_TOLERANCE) * top),
+            key=lambda r: (r.lag_mean, -r.useful_samples_per_s),
+        )
+
+    def vs(self, baseline: SimResult) -> float:
+        """The pipeline's useful throughput over a baseline's."""
+        return self.pipeline.useful_samples_per_s / baseline.useful_samples_per_s
 
     @property
     def speedup(self) -> float:
-        return self.pipeline.useful_samples_per_s / self.sync.useful_samples_per_s
+        """Against conventional k = 1, split (this project's sync mode)."""
+        return self.vs(self.sync)
 
     @property
     def speedup_vs_colocated(self) -> float:
-        return self.pipeline.useful_samples_per_s / self.colocated.useful_samples_per_s
+        """Against conventional k = 1, colocated."""
+        return self.vs(self.colocated[0])
+
+    @property
+    def speedup_vs_best_split(self) -> float:
+        return self.vs(self.best_split)
+
+    @property
+    def speedup_vs_best_colocated(self) -> float:
+        return self.vs(self.best_colocated)
+
+    def speedups(self) -> dict[str, float]:
+        """Each ratio by its baseline's name (the JSON report's)."""
+        return {
+            "speedup": self.speedup,
+            "speedup_vs_colocated": self.speedup_vs_colocated,
+            "speedup_vs_best_split": self.speedup_vs_best_split,
+            "speedup_vs_best_colocated": self.speedup_vs_best_colocated,
+        }
+
+
+def _fastest(results: tuple[SimResult, ...]) -> SimResult:
+    return max(results, key=lambda r: (r.useful_samples_per_s, -r.steps_per_generation))
+
+
+def ks(max_k: int) -> tuple[int, ...]:
+    """The k searched: powers of two up to max_k (1 included)."""
+    if max_k < 1:
+        raise ValueError(f"max_k ({max_k}) must be >= 1")
+    out = [1]
+    while out[-1] * 2 <= max_k:
+        out.append(out[-1] * 2)
+    return tuple(out)
 
 
 def splits(gpus: int, trainer_granularity: int, gpus_per_engine: int) -> list[int]:
@@ -82,9 +142,36 @@ def _best(grid: list[int], run: Callable[[int], SimResult]) -> SimResult:
     return cache[max(range(lo, hi + 1), key=lambda i: (f(i), -i))]
 
 
-def plan(job: PipelineRLJob, gpus: int, calib: Calibration, lengths: Lengths | None = None, seed: int = 0) -> Plan:
+def _climb(grid: list[int], start: int, run: Callable[[int], SimResult]) -> SimResult:
+    """The best split near `start` (a neighbouring k's best): hill-climb one grid step at a
+    time while throughput rises (the optimum moves little from k to 2k)."""
+    cache: dict[int, SimResult] = {}
+
+    def f(i: int) -> float:
+        if i not in cache:
+            cache[i] = run(grid[i])
+        return cache[i].useful_samples_per_s
+
+    i = min(range(len(grid)), key=lambda j: abs(grid[j] - start))
+    for step in (-1, 1):
+        while 0 <= i + step < len(grid) and f(i + step) > f(i):
+            i += step
+    return cache[i] if i in cache else run(grid[i])
+
+
+def plan(
+    job: PipelineRLJob,
+    gpus: int,
+    calib: Calibration,
+    lengths: Lengths | None = None,
+    seed: int = 0,
+    max_k: int = MAX_K,
+    max_running: int | None = None,
+) -> Plan:
     """Best pipeline config (split, then the smallest max lag within LAG_TOLERANCE of the best
-    throughput) and best sync split, for `gpus` devices."""
+    throughput) and the conventional baseline for each k (split at its best split, and
+    colocated), for `gpus` devices. `max_running`: a cap on running sequences per engine in
+    every mode (the reference implementation's llm_max_rollouts)."""
     spec = job.spec
     grid = splits(gpus, max(spec.trainer.gpus, 1), calib.gpus_per_engine)
     if not grid:
@@ -101,12 +188,14 @@ def plan(job: PipelineRLJob, gpus: int, calib: Calibration, lengths: Lengths | N
         lengths=lengths,
         seed=seed,
         filtered=filtered,
+        max_running=max_running,
     )
 
-    # The split at the largest lag (least constrained); throughput settles within a few steps,
-    # so the search skips the long warm-up that lag statistics need. Then the lag at that split.
-    # Only the pipeline caps its groups in flight (fresher samples); sync runs its step at once.
-    def pipeline(t: int, lag: int, **kw) -> SimResult:
+    # The split at the largest lag (least constrained), then the lag at that split. Only the
+    # pipeline caps its groups in flight (fresher samples); a conventional phase runs at once.
+    def pipeline(t: int, lag: int, probe: bool = False) -> SimResult:
+        # The search's probes measure over one lifetime (they only rank the splits).
+        lifetimes = 1.0 if probe else None
         return simulate(
             "pipeline",
             gpus - t,
@@ -114,16 +203,28 @@ def plan(job: PipelineRLJob, gpus: int, calib: Calibration, lengths: Lengths | N
             lag,
             wave_groups=wave_groups(job, t, lengths or calib.lengths),
             max_inflight=spec.generator.max_inflight_groups,
+            window_lifetimes=lifetimes or WINDOW_LIFETIMES,
+            climb_lifetimes=lifetimes or CLIMB_LIFETIMES,
             **common,
-            **kw,
         )
 
-    best = _best(grid, lambda t: pipeline(t, LAGS[-1], steps=10, warmup=3))
+    best = _best(grid, lambda t: pipeline(t, LAGS[-1], probe=True))
     sweep = tuple(pipeline(best.trainers, lag) for lag in LAGS)
     top = max(r.useful_samples_per_s for r in sweep)
     chosen = next(r for r in sweep if r.useful_samples_per_s >= (1 - LAG_TOLERANCE) * top)
-    sync = _best(grid, lambda t: simulate("sync", gpus - t, t, 0, **common))
-    colocated = simulate("sync", gpus, gpus, 0, **common)
+
+    def conventional(t: int, k: int) -> SimResult:
+        return simulate("sync", gpus - t, t, 0, steps_per_generation=k, **common)
+
+    split: list[SimResult] = []
+    for k in ks(max_k):
+        if not split:
+            split.append(_best(grid, lambda t: conventional(t, k)))
+        else:
+            split.append(_climb(grid, split[-1].trainers, lambda t: conventional(t, k)))
+    colocated = tuple(
+        simulate("sync", gpus, gpus, 0, steps_per_generation=k, colocated=True, **common) for k in ks(max_k)
+    )
     return Plan(
         job=job.name,
         model=spec.model.path,
@@ -133,11 +234,16 @@ def plan(job: PipelineRLJob, gpus: int, calib: Calibration, lengths: Lengths | N
         attempts=spec.rl.attempts,
         max_tokens=spec.generator.sampling.max_tokens,
         pipeline=chosen,
-        sync=sync,
-        colocated=colocated,
         lag_sweep=sweep,
+        conventional=tuple(split),
+        colocated=colocated,
         filtered=filtered,
+        max_running=max_running,
     )
+
+
+def _devices(r: SimResult) -> str:
+    return f"{r.generators} devices, colocated" if r.colocated else f"{r.generators} + {r.trainers}"
 
 
 def format_plan(p: Plan) -> str:
@@ -151,24 +257,26 @@ def format_plan(p: Plan) -> str:
         "step s",
         "lag mean",
         "lag p95",
+        "lag max",
         "dropped %",
         "gen idle %",
         "batch fill %",
         "train idle %",
     )
     rows = []
-    for label, r in [("pipeline", r) for r in p.lag_sweep] + [("sync", p.sync), ("sync colocated", p.colocated)]:
+    for r in (*p.lag_sweep, *p.conventional, *p.colocated):
         rows.append(
             (
                 "*" if r is p.recommended else "",
-                label,
+                r.label,
                 str(r.generators),
                 str(r.trainers),
-                str(r.max_lag),
+                str(r.max_lag) if r.mode == "pipeline" else "-",
                 f"{r.samples_per_s:.3g}",
                 f"{r.step_s:.3g}",
                 f"{r.lag_mean:.2f}",
                 f"{r.lag_p95:.0f}",
+                str(r.lag_max),
                 f"{100 * r.dropped:.1f}",
                 f"{100 * (1 - r.gen_busy):.0f}",
                 f"{100 * r.gen_fill:.0f}",
@@ -177,18 +285,27 @@ def format_plan(p: Plan) -> str:
         )
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     filtered = f", {100 * p.filtered:.0f}% of groups filtered as zero-variance" if p.filtered else ""
+    capped = f", at most {p.max_running} sequences running per engine" if p.max_running else ""
     lines = [
         f"{p.job}: {p.model}, {p.samples_per_step} samples/step ({p.attempts} attempts{filtered}), "
-        f"maxTokens {p.max_tokens}, {p.gpus} devices, calibration {p.calibration}",
+        f"maxTokens {p.max_tokens}, {p.gpus} devices{capped}, calibration {p.calibration}",
         "",
     ]
     lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *rows)]
-    r = p.recommended
+    r, pipe = p.recommended, p.pipeline
     lines += [
         "",
-        f"recommendation: mode {r.mode}, {r.generators} generator + {r.trainers} trainer devices, "
-        f"maxLag {r.max_lag}: {r.samples_per_s:.3g} samples/s",
-        f"pipeline vs sync: {p.speedup:.2f}x (best split each); vs colocated sync "
-        f"(the paper's baseline): {p.speedup_vs_colocated:.2f}x",
+        f"recommendation: {r.label}"
+        + (f", maxLag {r.max_lag}" if r.mode == "pipeline" else "")
+        + f", {r.generators} generator + {r.trainers} trainer devices: {r.samples_per_s:.3g} samples/s",
+        f"pipeline (maxLag {pipe.max_lag}, {_devices(pipe)}), useful samples/s against conventional RL "
+        "(k optimizer steps per generation phase):",
     ]
+    for what, base in (
+        ("k = 1", p.sync),
+        ("k = 1", p.colocated[0]),
+        ("best k", p.best_split),
+        ("best k", p.best_colocated),
+    ):
+        lines.append(f"  vs {what:6s} {base.label} ({_devices(base)}): {p.vs(base):.2f}x")
     return "\n".join(lines)

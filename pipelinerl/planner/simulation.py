@@ -1,15 +1,28 @@
-"""Planner simulation: a discrete-event simulation of one run, pipeline or sync mode.
+"""Planner simulation: a discrete-event simulation of one run, pipeline or conventional.
 
 Generators (continuous batching, in-flight weight updates) and trainers, driven by the
 per-token costs of a calibration (`pipelinerl.planner.calibration`). Pure and deterministic
 for a seed. The rules it simulates are imported, not restated: the generators' admission
 (`pipelinerl.admission.lag_budget`) and the preprocessor's waves
 (`pipelinerl.steps.wave_capacity`).
+
+Modes (docs/planner.md):
+
+- `pipeline`: generators and trainers on their own devices, concurrently; a step streams to
+  the trainer in waves; weights are sent after every step and land on running sequences.
+- `sync` with `steps_per_generation` k (conventional RL, k = 1: this project's sync mode): one
+  generation phase of k steps' worth of groups on the newest weights, then k optimizer steps
+  on consecutive mini-batches of it (in the order groups finish), weights sent once per
+  phase. Split: the trainer takes a phase's first steps while its last groups are generated.
+  `colocated`: generators and trainers are the same devices and alternate, so the trainer
+  starts once the whole phase is generated, and every device trains.
 """
 
 from __future__ import annotations
 
 import heapq
+import math
+from bisect import bisect_right
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Literal
@@ -21,13 +34,27 @@ from pipelinerl.planner.calibration import Calibration, Lengths
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.steps import wave_capacity
 
+# The measuring window (when `steps` is not given). A pipeline starts empty: its rate and lag
+# settle only once the start-up's groups have all finished (the longest of them live the longest
+# sequence's lifetime) and, when the trainer is the bottleneck, once its lag has climbed until
+# admission holds it (the queue fills the lag budget), or for CLIMB_LIFETIMES of the longest
+# lifetime seen (a slow climb: the rate has settled, the lag has not, `lag_settled`). Then a long
+# tail makes the rate vary over a lifetime, so the window lasts at least WINDOW_LIFETIMES of the
+# longest group lifetime seen (admission to finish) and MIN_STEPS steps. A sync phase starts
+# from empty engines every time, so it needs no warm-up; its window is whole phases, at least
+# MIN_STEPS steps.
+WINDOW_LIFETIMES = 3.0
+CLIMB_LIFETIMES = 2.0
+MIN_STEPS = 7
+MAX_STEPS = 1_000_000  # a guard: no simulation of a plan comes near it
+
 
 @dataclass(frozen=True)
 class SimResult:
-    mode: str
+    mode: str  # "pipeline", or "sync" (conventional with steps_per_generation steps per phase)
     generators: int  # devices
-    trainers: int  # devices
-    max_lag: int
+    trainers: int  # devices (colocated: the same devices as the generators)
+    max_lag: int  # the admission's max lag (pipeline); 0 in sync mode
     samples_per_s: float
     step_s: float
     lag_mean: float  # per trained token: trainer version - version that generated it
@@ -35,31 +62,60 @@ class SimResult:
     lag_max: int
     dropped: float  # fraction of tokens older than max_lag (the trainer zero-weights them)
     gen_busy: float  # fraction of time an engine is decoding (any batch)
-    gen_fill: float  # mean running sequences / max_batch: low in sync mode's long tail
+    gen_fill: float  # mean running sequences / the engine's batch: low in a sync phase's long tail
     train_busy: float  # fraction of time the trainer computes or sends weights
     samples_trained: int  # in the simulated (synced) steps
     samples_in_flight: int  # on engines, finished but not consumed, or in the step being trained
     samples_started: int
     samples_filtered: int = 0  # generated, then dropped by zero-variance filtering
+    steps_per_generation: int = 1  # k: optimizer steps per generation phase (sync mode)
+    colocated: bool = False  # generators and trainers share every device, phase by phase
+    window_s: float = 0.0  # the measuring window (simulated seconds)
+    longest_s: float = 0.0  # the longest lifetime of a group seen (admission to finish)
+    engine_batch: int = 0  # running sequences an engine holds at most
+    gen_tokens_per_busy_s: float = 0.0  # tokens an engine decodes per second of decoding
+    lag_settled: bool = True  # False: a trainer-bound pipeline's lag was still climbing (the window's lag is low)
 
     @property
     def useful_samples_per_s(self) -> float:
         """What plans are ranked by: throughput less the stale tokens the trainer drops."""
         return self.samples_per_s * (1 - self.dropped)
 
+    @property
+    def label(self) -> str:
+        """The mode as a baseline is named: `pipeline`, or `conventional k=4, split`."""
+        if self.mode == "pipeline":
+            return "pipeline"
+        return f"conventional k={self.steps_per_generation}, {'colocated' if self.colocated else 'split'}"
+
 
 class _Engine:
-    __slots__ = ("running", "waiting", "steps", "t_ref", "free_at", "token", "busy", "fill", "groups")
+    __slots__ = (
+        "running",
+        "waiting",
+        "steps",
+        "start_sum",
+        "t_ref",
+        "free_at",
+        "token",
+        "busy",
+        "fill",
+        "tokens",
+        "groups",
+    )
 
     def __init__(self) -> None:
-        self.running: list[tuple[float, int]] = []  # heap of (decode step it finishes at, group)
-        self.waiting: deque[tuple[int, int]] = deque()  # (length, group) beyond max_batch
+        # Heap of (decode step it finishes at, decode step it started at, group).
+        self.running: list[tuple[float, float, int]] = []
+        self.waiting: deque[tuple[int, int]] = deque()  # (length, group) beyond the engine's batch
         self.steps = 0.0  # decode steps done: every running sequence gains one token per step
+        self.start_sum = 0.0  # sum of the running sequences' start steps (their contexts, summed)
         self.t_ref = 0.0  # wall time `steps` refers to
         self.free_at = 0.0  # paused (weight update) or prefilling until then
         self.token = 0  # invalidates this engine's scheduled event
         self.busy = 0.0  # time spent decoding
         self.fill = 0.0  # integral of running sequences over time
+        self.tokens = 0.0  # tokens decoded: decode steps times the sequences running in each
         self.groups = 0  # started, not finished (the generator's max_inflight_groups caps it)
 
     @property
@@ -71,9 +127,13 @@ class _Sim:
     """One simulated run; `simulate` is the public entry point.
 
     Events: an engine's next sequence finish, the end of the trainer's compute of an early wave
-    of a step ("wave") or of its last wave and optimizer step ("trained"), and the end of its
-    weight broadcast ("synced"). Between events every engine decodes at a constant rate,
-    so an engine's progress is banked (`_advance`) before anything that changes its rate.
+    of a step ("wave") or of a whole step and its optimizer step ("trained"), and the end of a
+    weight broadcast ("synced"). Between events every engine decodes at a rate that follows
+    its running sequences' contexts: a decode step with n sequences of contexts c_i takes
+    base + Σ (per_seq + per_token · c_i), and every c_i grows by one per step, so the step time
+    grows linearly in the steps done and the time for a number of steps (and its inverse) is a
+    quadratic in closed form. An engine's progress is banked (`_advance`) before anything that
+    changes its rate.
     """
 
     def __init__(
@@ -87,137 +147,210 @@ class _Sim:
         calib: Calibration,
         max_tokens: int,
         lengths: Lengths,
-        steps: int,
-        warmup: int,
+        steps: int | None,
+        warmup: int | None,
         seed: int,
         filtered: float,
         wave_groups: int,
         max_inflight: int | None,
-        trace: list[tuple] | None = None,
+        trace: list[tuple] | None,
+        steps_per_generation: int,
+        colocated: bool,
+        max_running: int | None,
+        window_lifetimes: float,
+        climb_lifetimes: float,
     ) -> None:
+        self.window_lifetimes, self.climb_lifetimes = window_lifetimes, climb_lifetimes
         self.c, self.attempts, self.max_tokens, self.lengths = calib, attempts, max_tokens, lengths
         self.filtered = filtered
         self.max_inflight = max_inflight or 1 << 30
         self.mode, self.n_gen, self.n_train = mode, n_gen, n_train
-        # Sync mode is max_lag 0: one step of groups admitted, consumed only after the update.
-        self.max_lag = max_lag if mode == "pipeline" else 0
+        self.pipeline = mode == "pipeline"
+        # Sync mode is max_lag 0: one phase of groups admitted, consumed only after the update.
+        self.max_lag = max_lag if self.pipeline else 0
+        self.k = 1 if self.pipeline else steps_per_generation
+        self.colocated = colocated and not self.pipeline
         self.groups_per_step = samples_per_step // attempts
         # Pipeline mode streams a step to the trainer in waves of this many groups (0: whole
         # steps, as sync mode); a wave leaves once one more group is pending (steps.next_wave).
-        self.wave_groups = wave_groups if mode == "pipeline" else 0
+        self.wave_groups = wave_groups if self.pipeline else 0
+        self.cap = calib.engine_batch(lengths, max_tokens, max_running)
         # The step last started, as the generators' Admission hears it from the trainer (none yet).
         self.training_step = -1
         # What admission hears, as the generators' Admission calls, each with the budget and the
         # queue after it (simulate's `trace`).
         self.trace = trace
-        self.steps, self.warmup = steps, warmup
+        self.fixed = steps is not None
+        self.steps = steps if steps is not None else MAX_STEPS
+        # Adaptive window: a sync phase (or a pipeline at max_lag 0, the same) needs no warm-up:
+        # it starts from empty engines every time.
+        self.phased = not self.max_lag
+        self.min_warmup = warmup if warmup is not None else (0 if self.phased else 2)
+        self.burst_end: int | None = None  # groups started before the first step ended: the start-up's
+        self.burst_left = 0  # of those, still generating
+        self.lag_settled = True
+        self.warm_at: int | None = None  # the step the window starts after
+        self.warm_t = 0.0
+        self.stop = False
         self.rng = np.random.default_rng(seed)
         self.pool: list[int] = []
         self.engines = [_Engine() for _ in range(n_gen // calib.gpus_per_engine)]
         self.events: list[tuple[float, int, str, int, int]] = []
         self.seq = 0  # tie-breaker: equal-time events run in the order they were scheduled
         self.now = 0.0
-        # Per group: engine, weights version at its start, lengths, start decode step per sequence.
+        # Per group: engine, weights version at its start, lengths, start decode step per
+        # sequence, admission time.
         self.g_engine: list[int] = []
         self.g_version: list[int] = []
         self.g_lengths: list[list[int]] = []
         self.g_starts: list[list[float]] = []
         self.g_left: list[int] = []
+        self.g_t0: list[float] = []
         self.g_drop: list[bool] = []  # zero-variance: dropped when it finishes, never trained
+        self.longest = 0.0  # the longest group lifetime seen (admission to finish)
         # Groups still generating, by the version they started at (few versions, many groups:
         # the budget reads the oldest at every event).
         self.running: Counter[int] = Counter()
+        self.oldest_running: int | None = None  # the smallest key of `running`
         self.n_dropped = 0
         self.queued = 0  # groups started and not yet consumed by the trainer (nor dropped)
         self.finished: deque[int] = deque()
         self.step_gids: list[int] = []  # groups of the step being trained, taken so far
         self.trained = 0  # groups in finished steps
         self.version = 0  # optimizer steps applied
-        self.pauses: list[np.ndarray] = []  # pauses[k-1][engine]: decode step where version k begins
-        self.base, self.per_seq = calib.decode_base_s, calib.decode_per_seq_s
+        # Weight updates: the version each delivered and the decode step of every engine at
+        # which it began (tokens decoded after it carry that version).
+        self.update_versions: list[int] = []
+        self.update_steps = np.zeros((64, len(self.engines)))  # row u: update u (grown by doubling)
+        self.base = calib.decode_base_s
+        self.per_seq = calib.decode_per_seq_s + calib.decode_per_token_s * lengths.prompt_tokens
+        self.per_tok = calib.decode_per_token_s
+        self.prefill_s = calib.prefill_s_per_token * lengths.prompt_tokens
+        # The admission budget's share: a step's groups (pipeline), a phase's (conventional k).
+        self.share = self.groups_per_step * self.k
         self.slow = 1.0  # decode slow-down while the trainer computes (contention)
         self.computing = self.syncing = False
-        self.done = 0  # steps trained and synced
+        self.done = 0  # steps trained (and, at a phase's end, synced)
         self.step_end: list[float] = []
         self.train_busy = 0.0
-        self.lag_tokens = np.zeros(self.max_lag + 1)  # trained tokens by lag, measured steps only
+        # Trained tokens by lag, measured steps only. A conventional phase trains its step j at lag j.
+        self.lag_tokens = np.zeros((self.max_lag if self.pipeline else self.k - 1) + 1)
         self.dropped = 0.0
-        self.snap = (0.0, 0.0)
+        self.snap = (0.0, 0.0, 0.0)
+        if not self.min_warmup:
+            self.warm_at = 0  # measured from the start
 
     def _heard(self, event: str, *args: int | bool) -> None:
         if self.trace is not None:
             self.trace.append((event, *args, self.budget, self.queued))
 
     # -- engines --------------------------------------------------------------------------
-    def _step_s(self, e: _Engine) -> float:
-        return (self.base + self.per_seq * len(e.running)) * self.slow
-
+    # The hot path (one call per sequence finish) is kept lean: the current decode step's time,
+    # base + n·per_seq + per_tok·(n·steps − start_sum) (unslowed), is written out where it runs.
     def _advance(self, e: _Engine) -> None:
+        now = self.now
         start = e.t_ref if e.t_ref > e.free_at else e.free_at
-        if self.now > start and e.running:
-            dt = self.now - start
-            e.steps += dt / self._step_s(e)
+        n = len(e.running)
+        if now > start and n:
+            dt = now - start
+            per_tok = self.per_tok
+            a0 = self.base + n * self.per_seq + per_tok * (n * e.steps - e.start_sum)
+            x = dt / self.slow
+            # Steps d with a0·d + b·d²/2 = x (the step time grows by b = per_tok·n per step).
+            d = 2 * x / (a0 + math.sqrt(a0 * a0 + 2 * per_tok * n * x)) if per_tok else x / a0
+            e.steps += d
+            e.tokens += d * n
             e.busy += dt
-            e.fill += dt * len(e.running)
-        e.t_ref = self.now
+            e.fill += dt * n
+        e.t_ref = now
 
     def _schedule(self, i: int) -> None:
         e = self.engines[i]
         e.token += 1
-        if e.running:
+        n = len(e.running)
+        if n:
             left = e.running[0][0] - e.steps
+            if left < 0:
+                left = 0.0
             start = self.now if self.now > e.free_at else e.free_at
-            self._push(start + (left if left > 0 else 0.0) * self._step_s(e), "gen", i, e.token)
+            a0 = self.base + n * self.per_seq + self.per_tok * (n * e.steps - e.start_sum)
+            dt = (a0 + self.per_tok * n * left / 2) * left * self.slow
+            self.seq += 1
+            heapq.heappush(self.events, (start + dt, self.seq, "gen", i, e.token))
 
     def _push(self, t: float, kind: str, a: int = 0, b: int = 0) -> None:
         self.seq += 1
         heapq.heappush(self.events, (t, self.seq, kind, a, b))
 
-    def _length(self) -> int:
-        if not self.pool:
-            self.pool = self.lengths.sample(self.rng, 4096, self.max_tokens).tolist()
-        return self.pool.pop()
+    def _lengths(self, n: int) -> list[int]:
+        """The next n lengths: popped one by one from a pool of 4096 draws, refilled when empty."""
+        pool = self.pool
+        if len(pool) >= n:
+            out = pool[: -n - 1 : -1] if n < len(pool) else pool[::-1]
+            del pool[-n:]
+            return out
+        out = []
+        while len(out) < n:
+            if not pool:
+                pool.extend(self.lengths.sample(self.rng, 4096, self.max_tokens).tolist())
+            take = min(n - len(out), len(pool))
+            out.extend(reversed(pool[-take:]))
+            del pool[-take:]
+        return out
 
-    def _start_group(self, i: int) -> None:
+    def _start_group(self, i: int, schedule: bool = True) -> None:
         e = self.engines[i]
         self._advance(e)
         # Prefill stalls the engine once per group: the attempts share the prompt (prefix cache).
-        e.free_at = max(e.free_at, self.now) + self.c.prefill_s_per_token * self.lengths.prompt_tokens
+        e.free_at = (e.free_at if e.free_at > self.now else self.now) + self.prefill_s
         gid = len(self.g_engine)
-        lengths = [self._length() for _ in range(self.attempts)]
+        lengths = self._lengths(self.attempts)
+        version = self.version if self.pipeline else self._weights
         self.g_engine.append(i)
-        self.g_version.append(self.version)
-        self.running[self.version] += 1
+        self.g_version.append(version)
+        self.running[version] += 1
+        if self.oldest_running is None:
+            self.oldest_running = version  # groups start on the newest weights: never older than one running
         self.g_lengths.append(lengths)
         self.g_starts.append([])
         self.g_left.append(self.attempts)
+        self.g_t0.append(self.now)
         # Drawn only when filtering is on, so a run without it keeps the same random stream.
         self.g_drop.append(self.filtered > 0 and self.rng.random() < self.filtered)
         self.queued += 1
-        self._heard("start", self.version)
+        if self.trace is not None:
+            self._heard("start", version)
         e.groups += 1
-        for n in lengths:
-            e.waiting.append((n, gid))
+        e.waiting.extend([(n, gid) for n in lengths])
         self._fill(e)
-        self._schedule(i)
+        if schedule:
+            self._schedule(i)
+
+    @property
+    def _weights(self) -> int:
+        """The version the engines hold: the last one sent (0 before any)."""
+        return self.update_versions[-1] if self.update_versions else 0
 
     def _fill(self, e: _Engine) -> None:
         # A group's sequences start in list order, so g_starts lines up with g_lengths.
-        while e.waiting and len(e.running) < self.c.max_batch:
-            n, gid = e.waiting.popleft()
-            heapq.heappush(e.running, (e.steps + n, gid))
-            self.g_starts[gid].append(e.steps)
+        running, waiting, steps = e.running, e.waiting, e.steps
+        while waiting and len(running) < self.cap:
+            n, gid = waiting.popleft()
+            heapq.heappush(running, (steps + n, steps, gid))
+            e.start_sum += steps
+            self.g_starts[gid].append(steps)
 
     @property
     def budget(self) -> int:
         # The generator's admission rule (Admission.budget) for the whole cluster, whose share
-        # of a step is all of it: counted from the oldest group still generating.
-        return lag_budget(
-            self.max_lag, self.groups_per_step, min(self.running, default=self.version), self.training_step
-        )
+        # of a step is all of it: counted from the oldest group still generating. Conventional
+        # k: one phase, k steps' worth of groups, on the newest weights (max_lag 0 over a
+        # phase's share; the lead's `lag_budget(..., steps_per_generation=k)` states the same).
+        oldest = self.version if self.oldest_running is None else self.oldest_running
+        return lag_budget(self.max_lag, self.share, oldest, self.training_step)
 
     def _room(self, e: _Engine) -> bool:
-        return e.load < self.c.max_batch and e.groups < self.max_inflight
+        return len(e.running) + len(e.waiting) < self.cap and e.groups < self.max_inflight
 
     def _admit(self, prefer: int | None = None) -> None:
         """Start groups while the lag budget allows and an engine has room (a free batch slot,
@@ -226,13 +359,15 @@ class _Sim:
         After a finish only that engine gained room (`prefer`); after the trainer consumed
         groups, every engine may take some: least loaded first.
         """
+        budget = self.budget  # starting a group never moves it (it starts on the newest weights)
         if prefer is not None:
-            while self.queued < self.budget and self._room(self.engines[prefer]):
-                self._start_group(prefer)
+            e = self.engines[prefer]
+            while self.queued < budget and self._room(e):
+                self._start_group(prefer, schedule=False)  # the caller schedules the engine
             return
         loads = [(e.load, i) for i, e in enumerate(self.engines) if self._room(e)]
         heapq.heapify(loads)
-        while self.queued < self.budget and loads:
+        while self.queued < budget and loads:
             _, i = loads[0]
             self._start_group(i)
             if self._room(self.engines[i]):
@@ -248,53 +383,112 @@ class _Sim:
         for i in range(len(self.engines)):
             self._schedule(i)
 
+    def _group_done(self, e: _Engine, gid: int) -> bool:
+        """A group's last sequence finished; True if it was the oldest still generating."""
+        e.groups -= 1
+        v = self.g_version[gid]
+        running = self.running
+        running[v] -= 1
+        raised = False
+        if not running[v]:
+            del running[v]
+            if v == self.oldest_running:
+                self.oldest_running = min(running) if running else None
+                raised = v < (self.version if self.oldest_running is None else self.oldest_running)
+        if self.burst_end is not None and gid < self.burst_end:
+            self.burst_left -= 1
+        lifetime = self.now - self.g_t0[gid]
+        if lifetime > self.longest:
+            self.longest = lifetime
+        if self.g_drop[gid]:
+            # As the generator's admission (on_finish with discarded): the slot frees at once,
+            # so the engine starts a replacement in both modes.
+            self.queued -= 1
+            self.n_dropped += 1
+        else:
+            self.finished.append(gid)
+        if self.trace is not None:
+            self._heard("finish", v, self.g_drop[gid])
+        return raised
+
     def _on_engine(self, i: int, token: int) -> None:
+        """An engine's next sequence finish (the hot path: `_advance` and `_schedule` written
+        out, attributes read once)."""
         e = self.engines[i]
         if token != e.token:
-            return
-        self._advance(e)
+            return  # superseded by a later schedule
+        now, per_tok, slow = self.now, self.per_tok, self.slow
+        base, per_seq = self.base, self.per_seq
+        running = e.running
+        # _advance
+        start = e.t_ref if e.t_ref > e.free_at else e.free_at
+        n = len(running)
+        if now > start and n:
+            dt = now - start
+            a0 = base + n * per_seq + per_tok * (n * e.steps - e.start_sum)
+            x = dt / slow
+            d = 2 * x / (a0 + math.sqrt(a0 * a0 + 2 * per_tok * n * x)) if per_tok else x / a0
+            e.steps += d
+            e.tokens += d * n
+            e.busy += dt
+            e.fill += dt * n
+        e.t_ref = now
         raised = False  # the oldest group still generating finished: every engine may gain budget
-        while e.running and e.running[0][0] <= e.steps + 1e-6:
-            _, gid = heapq.heappop(e.running)
-            self.g_left[gid] -= 1
-            if not self.g_left[gid]:
-                e.groups -= 1
-                v = self.g_version[gid]
-                self.running[v] -= 1
-                if not self.running[v]:
-                    del self.running[v]
-                    raised |= v < min(self.running, default=self.version)  # it was the oldest
-                if self.g_drop[gid]:
-                    # As the generator's admission (on_finish with discarded): the slot frees at
-                    # once, so the engine starts a replacement in both modes.
-                    self.queued -= 1
-                    self.n_dropped += 1
-                else:
-                    self.finished.append(gid)
-                self._heard("finish", v, self.g_drop[gid])
-        if e.waiting:
-            self._fill(e)
-        if self.queued < self.budget:
-            self._admit(prefer=i)
-            if raised:
-                self._admit()
-        self._schedule(i)
-        self._train()
+        g_left = self.g_left
+        done_at = e.steps + 1e-6
+        while running and running[0][0] <= done_at:
+            _, started, gid = heapq.heappop(running)
+            e.start_sum -= started
+            g_left[gid] -= 1
+            if not g_left[gid]:
+                raised |= self._group_done(e, gid)
+        waiting = e.waiting
+        if waiting:
+            cap, steps, g_starts = self.cap, e.steps, self.g_starts
+            while waiting and len(running) < cap:  # _fill
+                length, gid = waiting.popleft()
+                heapq.heappush(running, (steps + length, steps, gid))
+                e.start_sum += steps
+                g_starts[gid].append(steps)
+        elif not running:
+            e.start_sum = 0.0  # no rounding left over
+        if raised or (len(running) + len(waiting) < self.cap and e.groups < self.max_inflight):
+            if self.queued < self.budget:
+                self._admit(prefer=i)
+                if raised:
+                    self._admit()
+        # _schedule
+        e.token += 1
+        n = len(running)
+        if n:
+            left = running[0][0] - e.steps
+            if left < 0:
+                left = 0.0
+            start = now if now > e.free_at else e.free_at
+            a0 = base + n * per_seq + per_tok * (n * e.steps - e.start_sum)
+            self.seq += 1
+            heapq.heappush(
+                self.events, (start + (a0 + per_tok * n * left / 2) * left * slow, self.seq, "gen", i, e.token)
+            )
+        if not (self.computing or self.syncing):
+            self._train()
 
     # -- trainer --------------------------------------------------------------------------
     def _train(self) -> None:
         if self.computing or self.syncing:
             return
+        if self.colocated and self.running:
+            return  # the devices still generate this phase: they train once it is all there
         need = self.groups_per_step - len(self.step_gids)
         last = len(self.finished) >= need
         if not last and not (self.wave_groups and len(self.finished) > self.wave_groups):
             return
         gids = [self.finished.popleft() for _ in range(need if last else self.wave_groups)]
         self.step_gids += gids
-        measured = self.done >= self.warmup
+        measured = self.warm_at is not None
         if measured:
             self._record_lag(gids)
-        if last and self.max_lag:
+        if last and self.pipeline and self.max_lag:
             # Pipeline: consumed once the step is complete, so generation of the next groups
             # overlaps the rest of its training.
             self.queued -= self.groups_per_step
@@ -304,12 +498,13 @@ class _Sim:
         tokens = sum(sum(self.g_lengths[g]) for g in gids) + len(gids) * self.attempts * self.lengths.prompt_tokens
         overlap = any(e.running for e in self.engines)
         seconds = self.c.train_s(tokens, self.n_train) * (1 + self.c.contention * overlap)
+        sends = last and (self.version + 1) % self.k == 0  # the phase's last step sends weights
         seconds += self.c.optimizer_step_s if last else 0.0
         self.computing = True
         if self.c.contention:
             self._set_slow(1.0 + self.c.contention)
         if measured:
-            self.train_busy += seconds + (self.c.weight_sync_s if last else 0.0)
+            self.train_busy += seconds + (self.c.weight_sync_s if sends else 0.0)
         self._push(self.now + seconds, "trained" if last else "wave", self.groups_per_step)
 
     def _on_wave(self) -> None:
@@ -319,71 +514,134 @@ class _Sim:
         self._train()
 
     def _on_trained(self, consumed: int) -> None:
-        self.computing, self.syncing = False, True
+        self.computing = False
+        self.version += 1
+        if self.version % self.k:
+            # Conventional: more steps of this phase to take, on the same data; no weights sent.
+            if self.c.contention:
+                self._set_slow(1.0)
+            self._step_done(consumed)
+            self._window()
+            self._train()
+            return
+        self.syncing = True
         for e in self.engines:
             self._advance(e)
             e.free_at = max(e.free_at, self.now) + self.c.pause_s
-        self.version += 1
         self._heard("weights", self.version)
         # Tokens decoded after this pause carry the new version.
-        self.pauses.append(np.array([e.steps for e in self.engines]))
+        self.update_versions.append(self.version)
+        u = len(self.update_versions) - 1
+        if u == len(self.update_steps):
+            self.update_steps = np.concatenate([self.update_steps, np.zeros_like(self.update_steps)])
+        self.update_steps[u] = [e.steps for e in self.engines]
         self._set_slow(1.0)  # the trainer stopped computing; reschedules every engine
         self._push(self.now + self.c.weight_sync_s, "synced", consumed)
 
     def _on_synced(self, consumed: int) -> None:
         self.syncing = False
+        self._step_done(consumed)
+        if self.phased:
+            # Sync: the phase's groups are consumed, the next phase starts on the new weights.
+            self.queued -= self.k * consumed
+            self._heard("trained", self.trained, self.done - 1)
+        self._admit()
+        self._window()
+        self._train()
+
+    def _step_done(self, consumed: int) -> None:
         self.trained += consumed
         self.step_gids = []
         self.done += 1
         self.step_end.append(self.now)
-        if self.done == self.warmup:
-            self.snap = self._engine_totals()
-        if not self.max_lag:
-            self.queued -= consumed  # sync: the next step's groups start on the new weights
-            self._heard("trained", self.trained, self.done - 1)
-        self._admit()
-        self._train()
+
+    def _window(self) -> None:
+        """At a step's end, once its consequences (admission) are in: open or close the window."""
+        if self.done % self.k:
+            return  # the window opens and closes on whole phases
+        if self.fixed:
+            if self.done == self.min_warmup:
+                self._open_window()
+            if self.done >= self.steps:
+                self.stop = True
+        elif self.warm_at is None:
+            if self.burst_end is None:
+                self.burst_end = len(self.g_engine)
+                self.burst_left = sum(1 for g in range(self.burst_end) if self.g_left[g])
+            # A step's worth of groups waiting for the trainer: it is the bottleneck, and the lag
+            # climbs until admission holds it (the queue fills the budget). A slow climb (the
+            # generators barely faster) is cut off after CLIMB_LIFETIMES: the rate has settled,
+            # the lag is still rising (`lag_settled` False).
+            climbing = len(self.finished) >= self.groups_per_step and self.queued < self.budget
+            if self.done >= self.min_warmup and not self.burst_left:
+                if not climbing:
+                    self._open_window()
+                elif self.now >= self.climb_lifetimes * self.longest:
+                    self.lag_settled = False
+                    self._open_window()
+        elif self.done - self.warm_at >= MIN_STEPS and (
+            self.phased or self.now - self.warm_t >= self.window_lifetimes * self.longest
+        ):
+            self.stop = True
+        if self.done >= MAX_STEPS:
+            self.stop = True
+
+    def _open_window(self) -> None:
+        self.warm_at, self.warm_t = self.done, self.now
+        self.snap = self._engine_totals()
 
     def _record_lag(self, gids: list[int]) -> None:
-        """Split each sequence's tokens by version: decode steps before/after each pause."""
+        """Split each sequence's tokens by version: decode steps before/after each update."""
+        g_starts, g_lengths = self.g_starts, self.g_lengths
         eng = np.repeat([self.g_engine[g] for g in gids], self.attempts)
-        start = np.concatenate([self.g_starts[g] for g in gids])
-        length = np.concatenate([self.g_lengths[g] for g in gids]).astype(float)
+        start = np.array([x for g in gids for x in g_starts[g]])
+        length = np.array([x for g in gids for x in g_lengths[g]], dtype=float)
         v0 = min(self.g_version[g] for g in gids)
-        at_least = [float(length.sum())]  # at_least[j]: tokens with version >= v0 + j
-        for k in range(v0 + 1, self.version + 1):
-            at_least.append(float(np.clip(start + length - self.pauses[k - 1][eng], 0, length).sum()))
+        first = bisect_right(self.update_versions, v0)  # the updates after the oldest start version
+        versions = [v0] + self.update_versions[first:]
+        # at_least[j]: tokens with version >= versions[j] (decoded after update j's pause).
+        at_least = [float(length.sum())]
+        if first < len(self.update_versions):
+            began = self.update_steps[first : len(self.update_versions)][:, eng]  # (updates, sequences)
+            at_least += np.clip(start + length - began, 0, length).sum(axis=1).tolist()
         at_least.append(0.0)
-        for j in range(len(at_least) - 1):
-            lag = self.version - (v0 + j)
+        limit = len(self.lag_tokens) - 1
+        for j, version in enumerate(versions):
+            lag = self.version - version
             tokens = at_least[j] - at_least[j + 1]
-            if lag > self.max_lag:
+            if lag > limit:
                 self.dropped += tokens  # the trainer zero-weights tokens older than max_lag
             else:
                 self.lag_tokens[lag] += tokens
 
-    def _engine_totals(self) -> tuple[float, float]:
+    def _engine_totals(self) -> tuple[float, float, float]:
         for e in self.engines:
             self._advance(e)
-        return sum(e.busy for e in self.engines), sum(e.fill for e in self.engines)
+        return (
+            sum(e.busy for e in self.engines),
+            sum(e.fill for e in self.engines),
+            sum(e.tokens for e in self.engines),
+        )
 
     def run(self) -> SimResult:
         self._admit()
-        while self.done < self.steps:
-            if not self.events:
+        events, on_engine = self.events, self._on_engine
+        while not self.stop:
+            if not events:
                 raise RuntimeError(f"simulation stalled at step {self.done}: no group can finish (a bug)")
-            self.now, _, kind, a, b = heapq.heappop(self.events)
+            self.now, _, kind, a, b = heapq.heappop(events)
             if kind == "gen":
-                self._on_engine(a, b)
+                on_engine(a, b)
             elif kind == "wave":
                 self._on_wave()
             elif kind == "trained":
                 self._on_trained(a)
             else:
                 self._on_synced(a)
-        busy, fill = (x - y for x, y in zip(self._engine_totals(), self.snap))
-        window = self.step_end[-1] - (self.step_end[self.warmup - 1] if self.warmup else 0.0)
-        measured = self.steps - self.warmup
+        assert self.warm_at is not None
+        busy, fill, decoded = (x - y for x, y in zip(self._engine_totals(), self.snap))
+        window = self.step_end[-1] - self.warm_t
+        measured = self.done - self.warm_at
         n_eng = len(self.engines)
         lags = self.lag_tokens
         trained = max(lags.sum(), 1e-12)
@@ -399,13 +657,20 @@ class _Sim:
             lag_max=int(np.flatnonzero(lags > 1e-9).max(initial=0)),
             dropped=float(self.dropped / (trained + self.dropped)),
             gen_busy=min(busy / (n_eng * window), 1.0),
-            gen_fill=min(fill / (n_eng * window * self.c.max_batch), 1.0),
+            gen_fill=min(fill / (n_eng * window * self.cap), 1.0),
             train_busy=min(self.train_busy / window, 1.0),
             samples_trained=self.trained * self.attempts,
             samples_in_flight=(sum(1 for n in self.g_left if n) + len(self.finished) + len(self.step_gids))
             * self.attempts,
             samples_started=len(self.g_engine) * self.attempts,
             samples_filtered=self.n_dropped * self.attempts,
+            steps_per_generation=self.k,
+            colocated=self.colocated,
+            window_s=window,
+            longest_s=self.longest,
+            engine_batch=self.cap,
+            gen_tokens_per_busy_s=decoded / busy if busy else 0.0,
+            lag_settled=self.lag_settled,
         )
 
 
@@ -426,22 +691,38 @@ def simulate(
     wave_groups: int = 0,
     max_inflight: int | None = None,
     trace: list[tuple] | None = None,
+    steps_per_generation: int = 1,
+    colocated: bool = False,
+    max_running: int | None = None,
+    window_lifetimes: float = WINDOW_LIFETIMES,
+    climb_lifetimes: float = CLIMB_LIFETIMES,
 ) -> SimResult:
-    """Simulate `steps` optimizer steps; rates and lag are measured after the first `warmup`.
+    """Simulate a run; rates and lag are measured after a warm-up, over a window.
 
     n_gen / n_train are devices; sync mode ignores max_lag (it is 0 there by definition).
-    `filtered`: share of groups dropped by zero-variance filtering (default: the calibration's).
-    `wave_groups`: groups per early wave of a streamed step in pipeline mode (`wave_groups`
-    below; 0: the trainer waits for whole steps). `max_inflight`: groups an engine may run at
-    once (the generator's `maxInflightGroups`; None: as many as its batch holds). `trace`, when
-    given, receives what admission hears, in the generators' terms (test_admission replays it).
-    Default warm-up max_lag + 2 steps: a trainer-bound pipeline's lag climbs one step per step
-    until it reaches max_lag. Default steps: warm-up + 7. Deterministic for a given seed.
+    `steps_per_generation` (sync mode): k optimizer steps per generation phase. `colocated`
+    (sync mode): the generators and the trainers are the same devices, taking turns: pass
+    n_gen = n_train = every device. `filtered`: share of groups dropped by zero-variance
+    filtering (default: the calibration's). `wave_groups`: groups per early wave of a
+    streamed step in pipeline mode (`wave_groups` below; 0: the trainer waits for whole
+    steps). `max_inflight`: groups an engine may run at once (the generator's
+    `maxInflightGroups`; None: as many as its batch holds). `max_running`: sequences an engine
+    may run at once (the reference implementation's `llm_max_rollouts`; None: the
+    calibration's batch). `trace`, when given, receives what admission hears, in the
+    generators' terms (test_admission replays it).
+
+    Without `steps`, the window adapts (CLIMB_LIFETIMES, WINDOW_LIFETIMES, MIN_STEPS above):
+    the warm-up and the window are sized by the longest sequence's lifetime (`window_lifetimes`
+    and `climb_lifetimes` shorten them for a search's probes, whose rates need only rank). With `steps`
+    (and `warmup`, default max_lag + 2 in pipeline mode, 0 in sync mode) they are fixed; in
+    sync mode both are whole phases. Deterministic for a given seed.
     """
     if mode not in ("pipeline", "sync"):
         raise ValueError(f"mode must be 'pipeline' or 'sync', got {mode!r}")
-    warmup = (max_lag if mode == "pipeline" else 0) + 2 if warmup is None else warmup
-    steps = warmup + 7 if steps is None else steps
+    if steps_per_generation < 1 or (mode == "pipeline" and steps_per_generation != 1):
+        raise ValueError(f"steps_per_generation ({steps_per_generation}) must be >= 1, and 1 in pipeline mode")
+    if colocated and (mode == "pipeline" or n_gen != n_train):
+        raise ValueError("colocated runs are sync mode on shared devices: n_gen must equal n_train")
     if samples_per_step % attempts:
         raise ValueError(f"samples_per_step ({samples_per_step}) must be a multiple of attempts ({attempts})")
     if n_gen < calib.gpus_per_engine or n_train < 1:
@@ -449,8 +730,16 @@ def simulate(
             f"need at least one generator engine ({calib.gpus_per_engine} devices) and one trainer, "
             f"got {n_gen} and {n_train}"
         )
-    if not 0 <= warmup < steps:
-        raise ValueError(f"warmup ({warmup}) must be in [0, steps={steps})")
+    if max_running is not None and max_running < 1:
+        raise ValueError(f"max_running ({max_running}) must be >= 1")
+    if steps is not None:
+        warmup = (max_lag + 2 if mode == "pipeline" and max_lag else 0) if warmup is None else warmup
+        if not 0 <= warmup < steps:
+            raise ValueError(f"warmup ({warmup}) must be in [0, steps={steps})")
+        if warmup % steps_per_generation or steps % steps_per_generation:
+            raise ValueError(f"steps ({steps}) and warmup ({warmup}) must be whole phases of {steps_per_generation}")
+    elif warmup is not None and warmup < 0:
+        raise ValueError(f"warmup ({warmup}) must be >= 0")
     filtered = calib.filtered_fraction if filtered is None else filtered
     if not 0 <= filtered < 1:
         raise ValueError(f"filtered ({filtered}) must be in [0, 1)")
@@ -471,6 +760,11 @@ def simulate(
         wave_groups,
         max_inflight,
         trace,
+        steps_per_generation,
+        colocated,
+        max_running,
+        window_lifetimes,
+        climb_lifetimes,
     ).run()
 
 

@@ -1,0 +1,259 @@
+"""Calibration from a pilot run (pure): the costs a short run measured on the user's hardware.
+
+`pipelinerl plan JOB --gpus N --calibrate-from RUN` reads a `pipelinerl run` folder or a job's
+streams (the I/O: `pipelinerl_cli.calibrate_from`) and hands their content here:
+
+- the trainer's per-step metrics rows (`metrics.jsonl`, or the METRICS stream): training cost
+  per token, optimizer step, weight sync and the engines' pause, prompt length, the share of
+  groups filtered as zero-variance, the step period;
+- the run's summary (`summary.json`, local runs only): the generators' busy fraction;
+- the completion lengths of the trained samples (the micro-batches the BATCHES stream keeps).
+
+`derive_calibration` turns them into a `Calibration` and says where each number came from
+(`Taken`). What a pilot cannot show (the split of the decode cost between the per-step and
+per-sequence terms, the scaling of training with more devices, the engine's batch and KV
+cache) is kept from a base calibration, and the base's decode costs are scaled together so that
+the pilot's run, simulated, decodes as fast per busy second as the real one did.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipelinerl.planner.calibration import Calibration, Lengths, parse_calibration
+from pipelinerl.planner.simulation import simulate, wave_groups
+from pipelinerl.spec import PipelineRLJob
+
+MIN_STEPS = 3  # train rows a pilot needs: the first step (start-up) is left out
+DECODE_FIT_ROUNDS = 4  # fixed-point rounds of the decode scale (each a simulation of the pilot)
+
+
+class PilotError(ValueError):
+    """A pilot run that cannot calibrate: the message says what is missing, and where."""
+
+
+@dataclass(frozen=True)
+class Taken:
+    """One calibration field and where its value came from."""
+
+    field: str
+    value: float | int | str
+    source: str
+
+
+def train_rows(metrics_jsonl: str, where: str = "metrics.jsonl") -> list[dict]:
+    """The trainer's rows of a run's metrics.jsonl (one JSON object a line; other kinds skipped)."""
+    rows = []
+    for n, line in enumerate(metrics_jsonl.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise PilotError(f"{where}:{n}: not JSON ({err.msg})") from None
+        if isinstance(row, dict) and row.get("kind") == "train":
+            rows.append(row)
+    return rows
+
+
+def completion_lengths(batches: list, rows: list[dict] | None = None) -> list[int]:
+    """Completion lengths of the samples packed into micro-batches (`MicroBatch`: `lengths` per
+    packed sample, `mask` marking the generated tokens); sentinels and prompts count nothing.
+    With the trainer's `rows`, only the steps they trained (the preprocessor may have packed
+    the next ones already)."""
+    trained = None if rows is None else {int(r["step"]) - 1 for r in rows}  # rows count steps from 1
+    out = []
+    for mb in batches:
+        if trained is not None and mb.step not in trained:
+            continue
+        at = 0
+        for n in mb.lengths:
+            generated = sum(mb.mask[at : at + n])
+            if generated:
+                out.append(int(generated))
+            at += n
+    return out
+
+
+def _require(rows: list[dict], key: str, where: str) -> list[float]:
+    values = [r.get(key) for r in rows]
+    if any(v is None for v in values):
+        raise PilotError(f"{where}: train rows lack '{key}' (a run of an older version?)")
+    return [float(v) for v in values]  # type: ignore[arg-type]
+
+
+def devices(job: PipelineRLJob) -> tuple[int, int]:
+    """(generator devices, trainer devices) of a job: CPU processes count one each."""
+    spec = job.spec
+    return spec.generator.replicas * max(spec.generator.gpus, 1), spec.trainer_ranks
+
+
+def derive_calibration(
+    rows: list[dict],
+    pilot: PipelineRLJob,
+    base: Calibration,
+    lengths: list[int] | None = None,
+    summary: dict | None = None,
+    where: str = "the pilot run",
+    name: str | None = None,
+) -> tuple[Calibration, list[Taken]]:
+    """The calibration a pilot run measured: `rows` its trainer metrics rows, `pilot` the job it
+    ran, `base` the calibration whose unmeasurable costs are kept, `lengths` the completion
+    lengths of its trained samples (None: a lognormal of the measured mean with the base's
+    sigma), `summary` its summary.json (None: from a stream, no generator busy time)."""
+    if len(rows) < MIN_STEPS:
+        raise PilotError(f"{where}: {len(rows)} trained step(s); a pilot needs at least {MIN_STEPS}")
+    steady = sorted(rows, key=lambda r: r.get("step", 0))[1:]  # step 1 carries the start-up
+    spec = pilot.spec
+    n_gen, n_train = devices(pilot)
+    taken: list[Taken] = []
+
+    def take(field: str, value, source: str):
+        taken.append(Taken(field, value, source))
+        return value
+
+    samples = sum(_require(steady, "samples", where))
+    tokens = sum(_require(steady, "tokens", where))
+    row_tokens = sum(_require(steady, "row_tokens", where))
+    train_s = _require(steady, "train_seconds", where)
+    opt_s = [float(r.get("optimizer_seconds") or 0.0) for r in steady]
+    if not samples or not tokens:
+        raise PilotError(f"{where}: its steps trained no samples")
+    src = f"{where}: {len(steady)} steps after the first"
+
+    optimizer = take("optimizer_step_s", float(np.mean(opt_s)), f"{src}, mean optimizer_seconds")
+    # train_s(tokens, n) = tokens · per_token / (n · scaling^log2 n): inverted at the pilot's n.
+    per_token = (sum(train_s) - sum(opt_s)) / row_tokens * n_train * base.train_scaling ** math.log2(n_train)
+    take(
+        "train_s_per_token",
+        per_token,
+        f"{src}, (train_seconds - optimizer_seconds) / row_tokens on {n_train} trainer device(s)",
+    )
+    sync = take(
+        "weight_sync_s",
+        float(np.mean(_require(steady, "weight_sync_seconds", where))),
+        f"{src}, mean weight_sync_seconds",
+    )
+    pauses = [float(r["weight_pause_max_seconds"]) for r in steady if r.get("weight_pause_max_seconds") is not None]
+    pause = (
+        take("pause_s", float(np.mean(pauses)), f"{src}, mean weight_pause_max_seconds")
+        if pauses
+        else take("pause_s", sync, f"{where}: no weight_pause_max_seconds; the weight sync's")
+    )
+    prompt = take(
+        "lengths.prompt_tokens", round((row_tokens - tokens) / samples), f"{src}, (row_tokens - tokens) / samples"
+    )
+    filtered_groups = sum(float(r.get("groups_filtered") or 0) for r in steady)
+    kept_groups = samples / spec.rl.attempts
+    filtered = take(
+        "filtered_fraction",
+        filtered_groups / (filtered_groups + kept_groups),
+        f"{src}, groups_filtered / (groups_filtered + samples / attempts)",
+    )
+    mean_len = tokens / samples
+    if lengths:
+        dist = Lengths(distribution="empirical", values=lengths, prompt_tokens=prompt)
+        take(
+            "lengths",
+            f"empirical, {len(lengths)} values, mean {np.mean(lengths):.1f}",
+            f"{where}: the stored micro-batches",
+        )
+    else:
+        dist = Lengths(mean_tokens=mean_len, sigma=base.lengths.sigma, prompt_tokens=prompt)
+        take(
+            "lengths",
+            f"lognormal, mean {mean_len:.1f}, sigma {base.lengths.sigma}",
+            f"{src}, tokens / samples; sigma: {base.name}",
+        )
+
+    calib = base.model_copy(
+        update=dict(
+            name=name or f"{base.name}, calibrated from {where}",
+            train_s_per_token=per_token,
+            optimizer_step_s=optimizer,
+            weight_sync_s=sync,
+            pause_s=pause,
+            filtered_fraction=min(filtered, 0.99),
+            lengths=dist,
+        )
+    )
+
+    # Decode: one pilot cannot tell the per-step from the per-sequence cost, so the base's
+    # decode costs are scaled together until the pilot, simulated, decodes as many tokens per
+    # busy engine-second as the run did (generated tokens: trained ones, plus the filtered
+    # groups' at the same mean length).
+    window = float(steady[-1]["time"]) - float(rows[0]["time"]) if "time" in steady[-1] and "time" in rows[0] else 0.0
+    # generator_busy_fraction sums the generators' busy seconds (a group or an evaluation
+    # running) over the window from the first step's end to the last's, as the rows' tokens.
+    busy = (summary or {}).get("generator_busy_fraction")
+    if busy and window > 0:
+        generated = tokens * (1 + filtered_groups * spec.rl.attempts / samples)
+        measured = generated / (busy * window)
+        scale = 1.0
+        for _ in range(DECODE_FIT_ROUNDS):
+            trial = _scaled(calib, scale)
+            sim = _simulate_pilot(pilot, trial)
+            if not sim.gen_tokens_per_busy_s:
+                break
+            scale *= sim.gen_tokens_per_busy_s / measured
+        calib = _scaled(calib, scale)
+        take(
+            "decode_*, prefill_s_per_token",
+            f"{base.name}'s x {scale:.3g}",
+            f"{where}: {measured:,.0f} tokens per busy generator-second (summary.json generator_busy_fraction "
+            f"{busy:.2f} over {window:.0f} s); the pilot, simulated with them, decodes as fast",
+        )
+    else:
+        take("decode_*, prefill_s_per_token", f"{base.name}'s", f"{where}: no generator busy time (summary.json)")
+    for kept in ("max_batch", "kv_cache_tokens", "train_scaling", "gpus_per_engine", "contention"):
+        take(
+            kept,
+            getattr(calib, kept) if getattr(calib, kept) is not None else "none",
+            f"{base.name} (a pilot cannot measure it)",
+        )
+    source = f"calibrated from {where} on base {base.name}: " + "; ".join(f"{t.field} <- {t.source}" for t in taken)
+    return parse_calibration(calib.model_dump() | {"source": source}, where), taken
+
+
+def _scaled(calib: Calibration, scale: float) -> Calibration:
+    return calib.model_copy(
+        update={
+            "decode_base_s": calib.decode_base_s * scale,
+            "decode_per_seq_s": calib.decode_per_seq_s * scale,
+            "decode_per_token_s": calib.decode_per_token_s * scale,
+            "prefill_s_per_token": calib.prefill_s_per_token * scale,
+        }
+    )
+
+
+def _simulate_pilot(pilot: PipelineRLJob, calib: Calibration):
+    spec = pilot.spec
+    n_gen, n_train = devices(pilot)
+    pipeline = spec.mode == "pipeline"
+    return simulate(
+        "pipeline" if pipeline else "sync",
+        n_gen,
+        n_train,
+        spec.max_lag if pipeline else 0,
+        spec.trainer.samples_per_step,
+        spec.rl.attempts,
+        calib,
+        spec.generator.sampling.max_tokens,
+        wave_groups=wave_groups(pilot, n_train, calib.lengths) if pipeline else 0,
+        max_inflight=spec.generator.max_inflight_groups,
+        filtered=calib.filtered_fraction if spec.rl.filter_zero_variance else 0.0,
+    )
+
+
+def format_taken(taken: list[Taken]) -> str:
+    """What came from where, one field a line (printed by `pipelinerl plan --calibrate-from`)."""
+    width = max(len(t.field) for t in taken)
+    lines = []
+    for t in taken:
+        value = f"{t.value:.4g}" if isinstance(t.value, float) else str(t.value)
+        lines.append(f"  {t.field.ljust(width)}  {value:>12}  <- {t.source}")
+    return "\n".join(lines)

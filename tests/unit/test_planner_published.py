@@ -1,0 +1,190 @@
+"""The planner against published results: the PipelineRL paper (arXiv 2509.19128: §5 at 128
+and at 32 H100s, appendix A.4's analytic case) and AReaL (arXiv 2505.24298, Table 1, 7B).
+
+Every case runs on ONE cost set, the shipped `h100-7b` calibration (its comments give each
+number's derivation from published hardware and model figures); none is fitted to a case. Each
+test writes down its inputs: which are published, which are estimated and from what. The
+planner's ratio must be within ±20% of the published one; where it is not, the test names the
+effect the model lacks and asserts the planner's current value with a tolerance, so that it
+still fails if the model moves (either way).
+
+The ratios are of samples per second in the steady state. The papers' headlines are of time to
+a reward: the same thing only where both sides learn as much per sample.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pipelinerl.planner.calibration import Lengths, load_calibration
+from pipelinerl.planner.simulation import SimResult, simulate
+
+H100 = load_calibration("h100-7b")
+WITHIN = 0.20  # the target: within ±20% of the published ratio
+
+
+def ratio(pipeline: SimResult, baseline: SimResult) -> float:
+    return pipeline.useful_samples_per_s / baseline.useful_samples_per_s
+
+
+# -- PipelineRL §5: 128 H100, k = 32 ---------------------------------------------------------
+# Published (§5 and the reference implementation's config): Qwen2.5-7B, 128 H100s: 48
+# generation GPUs at 64 running sequences each (`llm_max_rollouts`) + 80 training GPUs; 1,024
+# samples per step; 8,192 max tokens; 8 attempts per prompt (the reference config); the
+# baseline: conventional RL with k = 32 optimizer steps per generation phase, every GPU
+# generating, then every GPU training (colocated). PipelineRL learned ~2x faster; its max lag
+# reached ~49.
+# Estimated: completion lengths lognormal, mean 1,500 before clipping, sigma 0.8 (the paper's
+# "1-2K of 8K"), 200-token prompts (the calibration's); the baseline's engines run at most 64
+# sequences too (the same actor, same `llm_max_rollouts`); the pipeline's lag budget 64 (above
+# the ~49 reached: it does not bind).
+PAPER = dict(samples_per_step=1024, attempts=8, calib=H100, max_tokens=8192, max_running=64)
+
+
+@pytest.fixture(scope="module")
+def paper_128():
+    pipeline = simulate("pipeline", 48, 80, 64, **PAPER)
+    k32 = simulate("sync", 128, 128, 0, steps_per_generation=32, colocated=True, **PAPER)
+    return pipeline, k32
+
+
+def test_paper_128_gpus_against_conventional_k32_colocated(paper_128):
+    pipeline, k32 = paper_128
+    published = 2.0
+    r = ratio(pipeline, k32)
+    # MISSES (-48%). Effects the planner lacks: (1) the paper's ~2x is time to a reward, and its
+    # baseline at k = 32 trains on samples up to 31 versions old (ESS like k = 8, the paper says
+    # of the pipeline), so the pipeline also learns more per sample: the planner counts samples
+    # per second only; (2) the paper's conventional throughput is itself an estimate (measured
+    # on a few nodes and corrected), which this cost model cannot reproduce. With published
+    # per-GPU costs, colocated k = 32 amortises its phase's long tail over 32 steps and keeps
+    # pace with the pipeline in samples per second.
+    assert abs(r / published - 1) > WITHIN
+    assert r == pytest.approx(1.04, rel=0.08)
+    # What the model does reproduce: the paper's split is near balance (its trainers ~93% busy,
+    # its engines full), the pipeline's lag stays far below a k = 32 phase's, and a k = 32 phase
+    # trains at lags 0..31.
+    assert pipeline.gen_fill > 0.75 and 0.85 < pipeline.train_busy <= 1
+    assert pipeline.lag_mean < k32.lag_mean and k32.lag_max == 31
+    assert pipeline.lag_max < 49  # the paper reached ~49 (lengths here are an estimate)
+
+
+def test_paper_128_gpus_simulates_fast_enough(paper_128):
+    # The measuring window spans several lifetimes of the longest sequence (start-up and long
+    # tail are out of the rate), at 128 GPUs.
+    pipeline, k32 = paper_128
+    assert pipeline.window_s >= 3 * pipeline.longest_s
+    assert k32.window_s >= k32.step_s * 32  # whole phases
+
+
+# -- PipelineRL, the 32-H100 version: k = 4 -------------------------------------------------
+# Published: 16 generation + 16 training H100s against conventional k = 4 (colocated, as in
+# §5); mean lengths 1-2K of 8K; max lag ~8; ~2x.
+# Estimated: 1,024 samples per step and 8 attempts (§5's), 64 running sequences per engine (the
+# reference config), lengths as §5.
+def test_paper_32_gpus_against_conventional_k4_colocated():
+    pipeline = simulate("pipeline", 16, 16, 64, **PAPER)
+    k4 = simulate("sync", 32, 32, 0, steps_per_generation=4, colocated=True, **PAPER)
+    published = 2.0
+    r = ratio(pipeline, k4)
+    # MISSES (-31%). The same effects as at 128 GPUs (learning per sample at k = 4 vs the
+    # pipeline's lag is not modelled; the paper's conventional rate is an estimate). Here the
+    # k = 4 phase's long tail is amortised over 4 steps only, so the pipeline gains more than
+    # at k = 32. The pipeline is trainer-bound on 16 trainers; its max lag (~11) is near the
+    # published ~8.
+    assert abs(r / published - 1) > WITHIN
+    assert r == pytest.approx(1.39, rel=0.08)
+    assert pipeline.train_busy > 0.97 and 6 <= pipeline.lag_max <= 16 and k4.lag_max == 3
+
+
+# -- PipelineRL appendix A.4: the analytic case ---------------------------------------------
+# Published: N = 128 accelerators, B = 128 samples per step, lengths uniform on 1..L; the
+# pipeline at 192 running sequences on each of 44 generation accelerators (84 train); the
+# conventional baseline at the same max lag, ~133 (k = 134: lags 0..133), every accelerator
+# generating B·k / N = 134 sequences, then training; PipelineRL 1.57x.
+# Estimated: L = 8,192 (§5's max tokens); no prompts, one attempt per prompt (the analysis counts
+# sequences); the pipeline's lag budget left open (its concurrency, 44 x 192, sets the lag).
+A4_LENGTHS = Lengths(distribution="empirical", values=list(range(1, 8193)), prompt_tokens=0)
+A4 = dict(samples_per_step=128, attempts=1, max_tokens=8192, lengths=A4_LENGTHS)
+
+
+def a4(calib) -> tuple[SimResult, SimResult]:
+    pipeline = simulate("pipeline", 44, 84, 1000, calib=calib, max_running=192, **A4)
+    k134 = simulate("sync", 128, 128, 0, calib=calib, steps_per_generation=134, colocated=True, **A4)
+    return pipeline, k134
+
+
+def test_appendix_a4_under_its_own_premises():
+    # The analysis' premises (our reading; the appendix's own cost model is not reproduced
+    # here): decoding memory-bound, a step's time independent of its batch and contexts (the
+    # calibration's weight streaming, 7 ms); no optimizer or weight-update time; training as
+    # fast as the 44 generators at 192 sequences on the 84 trainers the appendix gives them.
+    step = H100.decode_base_s
+    premises = H100.model_copy(
+        update=dict(
+            decode_per_seq_s=0.0,
+            decode_per_token_s=0.0,
+            prefill_s_per_token=0.0,
+            kv_cache_tokens=None,
+            optimizer_step_s=0.0,
+            weight_sync_s=0.0,
+            pause_s=0.0,
+            train_scaling=1.0,
+            train_s_per_token=84 * step / (44 * 192),
+        )
+    )
+    pipeline, k134 = a4(premises)
+    published = 1.57
+    r = ratio(pipeline, k134)
+    assert abs(r / published - 1) <= WITHIN  # 1.64: +4%
+    # The pipeline's lag: the concurrency (44 x 192 sequences, B = 128, mean length L/2) makes
+    # the longest sequence ~133 versions old, as the appendix says.
+    assert 120 <= pipeline.lag_max <= 150 and k134.lag_max == 133
+    # Measured over several lifetimes of the longest sequence, after the start-up's sequences
+    # have all finished. Measured as the planner used to (7 steps after a short warm-up), the
+    # start-up (engines filling, lag building) reads the pipeline far slower.
+    assert pipeline.window_s >= 3 * pipeline.longest_s
+    early = simulate("pipeline", 44, 84, 1000, calib=premises, max_running=192, steps=9, warmup=2, **A4)
+    assert ratio(early, k134) < 1.1
+
+
+def test_appendix_a4_with_the_published_per_gpu_costs():
+    pipeline, k134 = a4(H100)
+    published = 1.57
+    r = ratio(pipeline, k134)
+    # MISSES (-54%): under measured-style costs the appendix's premises do not hold, and the
+    # planner models what breaks them: (1) a weight update (1.2 s) and an optimizer step
+    # (0.3 s) after every 128-sample step leave the 84 trainers the bottleneck (busy ~100%,
+    # engines idle ~40%), where the analysis has training keep pace; (2) a decode step costs
+    # more with more and longer sequences (KV reads, 192 sequences of up to 8k tokens), so the
+    # pipeline's full batches lose much of their edge over the baseline's draining ones.
+    assert abs(r / published - 1) > WITHIN
+    assert r == pytest.approx(0.72, rel=0.08)
+    assert pipeline.train_busy > 0.97 and pipeline.gen_busy < 0.7
+
+
+# -- AReaL (arXiv 2505.24298), Table 1: 7B math -------------------------------------------------
+# Published: 2.27x against AReaL's synchronous mode; H800s (the H100's compute and HBM: the same
+# cost set); 3/4 of the devices generate; 512 prompts x 16 attempts = 8,192 samples per step;
+# 27,648 max generated tokens; max staleness 8 (max lag 8).
+# Estimated: 128 devices (16 nodes: the ratio moves with the count, 1.64x at 64 and 2.12x at
+# 192); the baseline is AReaL with staleness 0 on the same split (conventional k = 1, split: our
+# reading of "its sync mode"); completions of the R1-distilled 7B lognormal with mean 8,000
+# tokens, sigma 0.8 (long reasoning on math; not published for the run), 100-token prompts;
+# SGLang's batch bounded by the KV cache (the calibration's, ~118 sequences at that length).
+AREAL = dict(
+    samples_per_step=8192,
+    attempts=16,
+    calib=H100,
+    max_tokens=27648,
+    lengths=Lengths(mean_tokens=8000, sigma=0.8, prompt_tokens=100),
+)
+
+
+def test_areal_7b_against_its_sync_mode():
+    pipeline = simulate("pipeline", 96, 32, 8, **AREAL)
+    sync = simulate("sync", 96, 32, 0, **AREAL)
+    published = 2.27
+    r = ratio(pipeline, sync)
+    assert abs(r / published - 1) <= WITHIN  # 1.89: -17%
+    assert pipeline.lag_max <= 8 and pipeline.engine_batch < H100.max_batch  # the KV cache binds
