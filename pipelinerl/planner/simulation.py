@@ -13,9 +13,9 @@ Modes (docs/planner.md):
 - `sync` with `steps_per_generation` k (conventional RL, k = 1: this project's sync mode): one
   generation phase of k steps' worth of groups on the newest weights, then k optimizer steps
   on consecutive mini-batches of it (in the order groups finish), weights sent once per
-  phase. Split: the trainer takes a phase's first steps while its last groups are generated.
-  `colocated`: generators and trainers are the same devices and alternate, so the trainer
-  starts once the whole phase is generated, and every device trains.
+  phase. The trainer starts once the whole phase is generated (the preprocessor holds a
+  phase's first step until then). Split: generators and trainers on their own devices, each
+  idle in the other's phase; `colocated`: the same devices alternate, and every device trains.
 """
 
 from __future__ import annotations
@@ -477,8 +477,11 @@ class _Sim:
     def _train(self) -> None:
         if self.computing or self.syncing:
             return
-        if self.colocated and self.running:
-            return  # the devices still generate this phase: they train once it is all there
+        if not self.pipeline and self.running:
+            # The conventional baseline trains a phase once it is all generated (the
+            # preprocessor holds its first step until then: `steps.next_wave`); colocated, the
+            # devices are busy generating it anyway.
+            return
         need = self.groups_per_step - len(self.step_gids)
         last = len(self.finished) >= need
         if not last and not (self.wave_groups and len(self.finished) > self.wave_groups):
