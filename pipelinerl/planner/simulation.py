@@ -344,10 +344,10 @@ class _Sim:
     def budget(self) -> int:
         # The generator's admission rule (Admission.budget) for the whole cluster, whose share
         # of a step is all of it: counted from the oldest group still generating. Conventional
-        # k: one phase, k steps' worth of groups, on the newest weights (max_lag 0 over a
-        # phase's share; the lead's `lag_budget(..., steps_per_generation=k)` states the same).
+        # k: one phase, k steps' worth of groups, on the weights of the newest step trained.
         oldest = self.version if self.oldest_running is None else self.oldest_running
-        return lag_budget(self.max_lag, self.share, oldest, self.training_step)
+        lag = self.max_lag if self.pipeline else self.k - 1
+        return lag_budget(lag, self.groups_per_step, oldest, self.training_step, self.k)
 
     def _room(self, e: _Engine) -> bool:
         return len(e.running) + len(e.waiting) < self.cap and e.groups < self.max_inflight

@@ -256,18 +256,25 @@ def test_a_max_lag_shorter_than_the_longest_generation_holds_admission_back_with
 
 
 @pytest.mark.parametrize(
-    "mode,max_lag,waves,filtered",
-    [("pipeline", 1, 0, 0.0), ("pipeline", 2, 2, 0.3), ("pipeline", 4, 3, 0.1), ("sync", 0, 0, 0.3)],
+    "mode,max_lag,waves,filtered,k",
+    [
+        ("pipeline", 1, 0, 0.0, 1),
+        ("pipeline", 2, 2, 0.3, 1),
+        ("pipeline", 4, 3, 0.1, 1),
+        ("sync", 0, 0, 0.3, 1),
+        ("sync", 0, 0, 0.3, 2),  # conventional k = 2: a phase of two steps
+    ],
 )
-def test_the_planners_simulation_and_the_generators_admission_agree_on_one_trace(mode, max_lag, waves, filtered):
+def test_the_planners_simulation_and_the_generators_admission_agree_on_one_trace(mode, max_lag, waves, filtered, k):
     # The simulation reports what admission hears (group starts and finishes, steps consumed,
     # weights landed) with its budget and queue after each; the generator's Admission, fed the
     # same calls, must reach the same budget and queue at every one.
     trace: list[tuple] = []
     calib = load_calibration("cpu-long-tail")
     simulate(mode, 2, 1, max_lag, 64, 4, calib, 256, steps=10, warmup=2, filtered=filtered,
-             wave_groups=waves, seed=3, trace=trace)  # fmt: skip
-    a = Admission(groups_per_step=16, generators=1, max_lag=max_lag, max_inflight=1 << 30)
+             wave_groups=waves, seed=3, trace=trace, steps_per_generation=k)  # fmt: skip
+    lag = max_lag if mode == "pipeline" else k - 1  # as JobSpec.max_lag says
+    a = Admission(groups_per_step=16, generators=1, max_lag=lag, max_inflight=1 << 30, steps_per_generation=k)
     a.on_weights(0, generators=1)
     budgets = set()
     for event, *args, budget, queued in trace:

@@ -147,8 +147,8 @@ def test_conventional_k_trains_a_phase_in_k_steps_and_sends_weights_once():
     assert r.lag_max == 1 and r.lag_mean == pytest.approx(0.5) and r.steps_per_generation == 2
     assert [e[1] for e in trace if e[0] == "weights"] == [2, 4, 6]
     # Admission: one phase (k steps' worth of groups, 8) on the newest weights, consumed once its
-    # update has landed (`lag_budget` with max lag 0 over a phase's groups; the generators'
-    # `steps_per_generation` budget, once main has it, must give the same at every event).
+    # update has landed (`lag_budget` with steps_per_generation 2; test_admission replays such a
+    # trace into the generators' Admission).
     assert {e[-2] for e in trace} == {8} and max(e[-1] for e in trace) == 8
     assert [e[1:3] for e in trace if e[0] == "trained"] == [(8, 1), (16, 3), (24, 5)]
     assert r.samples_trained == 6 * 32 and r.label == "conventional k=2, split"
