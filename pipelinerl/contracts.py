@@ -115,6 +115,10 @@ class OperatorEnv:
     NATS_REPLICAS = "PIPELINERL_NATS_REPLICAS"  # servers of the chart's NATS (a JetStream cluster when > 1)
     NATS_STORE_BYTES = "PIPELINERL_NATS_STORE_BYTES"  # its JetStream store (max_file_store), per server
     JOB_EGRESS = "PIPELINERL_JOB_EGRESS"  # "restricted" (default) or "open": job pods' egress
+    JOB_POLICY = "PIPELINERL_JOB_POLICY"  # JSON: what jobs may ask for (the chart's jobPolicy; job_policy.JobPolicy)
+    INSTALL_SECRETS = "PIPELINERL_INSTALL_SECRETS"  # comma-separated: the install's Secrets, which no job may name
+    NATS_BUNDLED = "PIPELINERL_NATS_BUNDLED"  # "false": the chart's NATS is an external server (nats.externalUrl)
+    NATS_EXTERNAL_CIDRS = "PIPELINERL_NATS_EXTERNAL_CIDRS"  # comma-separated: where that server is (job egress)
     PEERING = "PIPELINERL_PEERING"  # kopf's peering object: replicas take turns reconciling (unset: one replica)
     PEERING_LIFETIME = "PIPELINERL_PEERING_LIFETIME"  # seconds a silent replica keeps its turn (takeover time)
 

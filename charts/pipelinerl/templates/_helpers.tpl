@@ -39,3 +39,11 @@ the disk is full, never after). The operator refuses jobs it cannot hold. */ -}}
 {{- define "pipelinerl.natsStoreBytes" -}}
 {{- mul .Values.nats.storageGi 966367641 -}}
 {{- end -}}
+
+{{- /* The install's Secrets, by name: no job may reference them (the operator refuses it). */ -}}
+{{- define "pipelinerl.installSecrets" -}}
+{{- $f := include "pipelinerl.fullname" . -}}
+{{- $names := list (printf "%s-auth" $f) (printf "%s-nats-accounts" $f) (printf "%s-nats-routes" $f) (printf "%s-operator-webhook" $f) -}}
+{{- with .Values.auth.existingSecret }}{{ $names = append $names . }}{{ end -}}
+{{- join "," $names -}}
+{{- end -}}

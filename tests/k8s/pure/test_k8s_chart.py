@@ -81,7 +81,9 @@ def test_namespaced_mode_has_no_cluster_scoped_objects() -> None:
 def test_cluster_wide_mode_watches_everything() -> None:
     objects = render({"clusterWide": True})
     kinds = {o["kind"] for o in objects}
-    assert {"ClusterRole", "ClusterRoleBinding"} <= kinds and "Role" not in kinds
+    assert {"ClusterRole", "ClusterRoleBinding"} <= kinds
+    # Its one Role: patching the NATS accounts Secret, in its own namespace.
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "Role"] == ["rl-pipelinerl-operator-nats-accounts"]
     operator = next(o for o in objects if o["kind"] == "Deployment")
     env = {e["name"] for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert "PIPELINERL_WATCH_NAMESPACES" not in env
@@ -99,13 +101,13 @@ OPERATOR_CALLS = {
             ("apps", "statefulsets"),
             ("", "services"),
             ("", "configmaps"),
-            ("", "secrets"),  # a job's credentials; the NATS accounts
             ("", "serviceaccounts"),  # a job's pods' identity
             ("networking.k8s.io", "networkpolicies"),
             ("scheduling.x-k8s.io", "podgroups"),
         )
         for verb in ("get", "create", "patch")
     },  # get: whether the job owns what it is about to apply
+    ("", "secrets", "create"),  # a job's credentials (never read, never overwritten); the NATS accounts
     ("", "pods", "list"),
     ("", "pods", "delete"),
     ("", "events", "create"),
@@ -114,7 +116,9 @@ OPERATOR_CALLS = {
 
 def test_operator_rbac_is_least_privilege() -> None:
     for values, kind in (({}, "Role"), ({"clusterWide": True}, "ClusterRole")):
-        role = next(o for o in render(values) if o["kind"] == kind)
+        role = next(
+            o for o in render(values) if o["kind"] == kind and o["metadata"]["name"] == "rl-pipelinerl-operator"
+        )
         allowed = {
             (g, r, v)
             for rule in role["rules"]
@@ -130,6 +134,42 @@ def test_operator_rbac_is_least_privilege() -> None:
             for v in ("get", "list", "watch", "patch")
         }  # the replicas' turns (kopf peering)
         assert allowed == OPERATOR_CALLS | peering | (discovery if kind == "ClusterRole" else set())
+
+
+def test_the_operator_reads_no_secret_and_writes_over_only_the_nats_accounts() -> None:
+    """Secrets may only be created where jobs run (a job's credentials: the operator never reads
+    them back, nor overwrites one it did not make); the one Secret it patches is the NATS
+    accounts Secret, by name, in its own namespace."""
+    for values in ({}, {"clusterWide": True}, {"watchNamespaces": ["team-b"]}):
+        objects = render(values)
+        secret_rules = [
+            (o["kind"], o["metadata"].get("namespace"), r)
+            for o in objects
+            if o["kind"] in ("Role", "ClusterRole")
+            for r in o["rules"]
+            if "secrets" in r["resources"]
+        ]
+        assert all(
+            "get" not in r["verbs"] and "list" not in r["verbs"] and "watch" not in r["verbs"] for *_, r in secret_rules
+        )
+        patching = [(kind, ns, r) for kind, ns, r in secret_rules if "patch" in r["verbs"]]
+        assert patching == [
+            (
+                "Role",
+                "team-a",
+                {
+                    "apiGroups": [""],
+                    "resources": ["secrets"],
+                    "resourceNames": ["rl-pipelinerl-nats-accounts"],
+                    "verbs": ["patch"],
+                },
+            )
+        ]
+    assert not [
+        o
+        for o in render({"nats": {"enabled": False, "externalUrl": "nats://x:4222"}})
+        if o["metadata"]["name"].endswith("-nats-accounts")
+    ]
 
 
 def test_optional_parts_toggle() -> None:
