@@ -372,6 +372,28 @@ async def test_invalid_spec_is_a_condition_not_a_crash(cluster) -> None:
         await eventually(lambda: condition(emulator, "Ready").get("reason") == "GeneratorsNotReady")
 
 
+async def test_the_operator_refuses_what_the_platform_does_not_allow(cluster, monkeypatch) -> None:
+    """The job policy at the operator's door (no webhook here): a job asking for what the policy
+    does not list is InvalidSpec, the field named, nothing rendered; once the platform lists it
+    (the chart's jobPolicy, read from the operator's environment), the same job runs."""
+    emulator, api, _ = cluster
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest(scheduling={"priorityClassName": "training"}))
+        await eventually(
+            lambda: condition(emulator, "Ready").get("reason") == "InvalidSpec", timeout_s=40, what="InvalidSpec"
+        )
+        assert (
+            "spec.scheduling.priorityClassName: 'training' is not a priority class jobs may use"
+            in condition(emulator, "Ready")["message"]
+        )
+        assert not obj(emulator, STS, "demo-prl-trainer") and not obj(
+            emulator, "v1/configmaps", "demo-pipelinerl-config"
+        )
+        allow(monkeypatch, priorityClassNames=["training"])
+        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"), timeout_s=20, what="rendered once allowed")
+        assert sts_template(emulator, "trainer")["spec"]["priorityClassName"] == "training"
+
+
 async def test_operator_restart_creates_no_duplicates(cluster) -> None:
     emulator, api, trainer = cluster
     trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False, "weightSyncReady": True}
@@ -475,6 +497,36 @@ async def test_an_object_the_job_does_not_own_is_never_taken_over(cluster) -> No
         await eventually(lambda: "ApplyRefused" in events(emulator), what="ApplyRefused event")
         assert not any(obj(emulator, STS, f"demo-prl-{r}") for r in ROLES)  # no pod could run as that account
         assert not obj(emulator, "v1/serviceaccounts", "demo-pipelinerl").get("metadata", {}).get("ownerReferences")
+
+
+async def test_a_failed_job_takes_over_nothing_on_its_way_out(cluster) -> None:
+    """The terminal path (Failed/DeadlineExceeded here) scales the job's children down through the
+    same ownership check as every other apply: a user's own ServiceAccount and Service that hold
+    the names of the job's children get no ownerReference (a real API server would delete them
+    with the job) and keep what their owner set."""
+    emulator, api, _ = cluster
+    mine = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "demo-pipelinerl", "namespace": NS}}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "demo-prl-generator", "namespace": NS, "labels": {"app": "theirs"}},
+        "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]},
+    }
+    await api.create(f"/api/v1/namespaces/{NS}/serviceaccounts", mine)
+    await api.create(f"/api/v1/namespaces/{NS}/services", service)
+    async with running_operator(str(emulator.url)):
+        # Created long ago (kmock stamps a past time): past its deadline at its first reconcile.
+        await api.create_job(manifest(runPolicy={"activeDeadlineSeconds": 1}))
+        await eventually(
+            lambda: condition(emulator, "Failed").get("reason") == "DeadlineExceeded", timeout_s=40, what="Failed"
+        )
+        await eventually(lambda: "DeadlineExceeded" in events(emulator), what="its Event")
+        await asyncio.sleep(1)  # a resync or two after the terminal one
+    for kind, name in (("v1/serviceaccounts", "demo-pipelinerl"), ("v1/services", "demo-prl-generator")):
+        theirs = obj(emulator, kind, name)
+        assert not theirs["metadata"].get("ownerReferences"), f"{kind} {name} taken over: {theirs['metadata']}"
+    assert obj(emulator, "v1/services", "demo-prl-generator")["spec"]["selector"] == {"app": "theirs"}
+    assert not obj(emulator, STS, "demo-prl-generator")  # nothing after the refused child
 
 
 async def test_a_job_the_nats_store_cannot_hold_waits_and_holds_nothing_until_there_is_room(
