@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+import aiohttp.web
 import kopf
 
 from pipelinerl.contracts import JOB_LABEL, NATS_ACCOUNTS_FILE, OPERATOR_METRICS_PORT, ROLE_LABEL, ROLES, OperatorEnv
@@ -24,7 +25,7 @@ from pipelinerl.capacity import admission_problem, reserved_bytes
 from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError
 from pipelinerl_operator import admission, metrics
 from pipelinerl_operator.credentials import job_credentials, nats_accounts, secret_data
-from pipelinerl_operator.job_policy import Install, JobPolicy, parse_policy
+from pipelinerl_operator.job_policy import MAX_MANIFEST_BYTES, Install, JobPolicy, parse_policy
 from pipelinerl_operator.kube import Kube, KubeError
 from pipelinerl_operator.pods import pod_problems, trainer_gang_to_restart
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
@@ -69,6 +70,25 @@ def operator_config() -> OperatorConfig:
         policy=_policy(env(OperatorEnv.JOB_POLICY, "")),
         install=Install(tuple(n for n in env(OperatorEnv.INSTALL_SECRETS, "").split(",") if n)),
     )
+
+
+# An admission review holds the job at most twice (an update's old and new objects), each within
+# admission.MAX_MANIFEST_BYTES: a larger body is refused unread (the webhook's port is reachable
+# from the API server, and wherever the network lets callers in).
+MAX_REVIEW_BYTES = 2 * MAX_MANIFEST_BYTES + 64 * 1024
+
+
+class BoundedWebhookServer(kopf.WebhookServer):
+    """kopf's webhook server, refusing (413) a body longer than a review can be before reading it
+    (a body without a length stays within aiohttp's own 1 MiB). Overrides kopf's `_serve`."""
+
+    @staticmethod
+    async def _serve(fn: Any, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        if (request.content_length or 0) > MAX_REVIEW_BYTES:
+            raise aiohttp.web.HTTPRequestEntityTooLarge(
+                max_size=MAX_REVIEW_BYTES, actual_size=request.content_length or 0
+            )
+        return await kopf.WebhookServer._serve(fn, request)
 
 
 class _State:
@@ -117,7 +137,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     webhook_port = os.environ.get(OperatorEnv.WEBHOOK_PORT)
     if webhook_port:  # the chart's ValidatingWebhookConfiguration points here (not managed by kopf)
         certs = os.environ.get(OperatorEnv.WEBHOOK_CERT_DIR)
-        settings.admission.server = kopf.WebhookServer(
+        settings.admission.server = BoundedWebhookServer(
             addr="0.0.0.0",
             port=int(webhook_port),
             insecure=not certs,

@@ -387,12 +387,62 @@ def test_nats_and_the_operator_take_connections_only_from_whom_they_serve() -> N
         "ports": [{"port": 6222, "protocol": "TCP"}],
     }
     assert operator["ingress"] == [
-        {"ports": [{"port": 9443, "protocol": "TCP"}]},
+        {"ports": [{"port": 9443, "protocol": "TCP"}]},  # from anywhere while apiServer.cidrs is empty (below)
         {
             "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
             "ports": [{"port": 8080, "protocol": "TCP"}],
         },
     ]
+    # Out, NATS: the cluster DNS and its routes, nothing else.
+    dns = {
+        "to": [
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+            }
+        ],
+        "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}],
+    }
+    assert nats["policyTypes"] == ["Ingress", "Egress"]
+    assert nats["egress"] == [dns, {"to": routes["from"], "ports": [{"port": 6222, "protocol": "TCP"}]}]
+    # Out, the operator: DNS, the API server, NATS, job pods' HTTP port (their /status).
+    nats_pods = {"app.kubernetes.io/instance": "rl", "app.kubernetes.io/component": "nats"}
+    assert operator["egress"] == [
+        dns,
+        {"ports": [{"port": 443, "protocol": "TCP"}, {"port": 6443, "protocol": "TCP"}]},
+        {"to": [{"podSelector": {"matchLabels": nats_pods}}], "ports": [{"port": 4222, "protocol": "TCP"}]},
+        {
+            "to": [
+                {
+                    "namespaceSelector": {},
+                    "podSelector": {"matchLabels": {"app.kubernetes.io/managed-by": "pipelinerl-operator"}},
+                }
+            ],
+            "ports": [{"port": 8000, "protocol": "TCP"}],
+        },
+    ]
+    # With the API server's addresses: the webhook admits them only, the operator reaches them only;
+    # an external NATS at its port and addresses; the NATS servers jobs may name, on their ports.
+    fenced = {
+        o["metadata"]["name"]: o["spec"]
+        for o in render(
+            {
+                "apiServer": {"cidrs": ["172.20.0.10/32"]},
+                "nats": {"enabled": False, "externalUrl": "nats://nats.shared:4333", "externalCidrs": ["10.9.0.0/16"]},
+                "jobPolicy": {"natsServers": ["nats.team-a.svc:7422"]},
+            }
+        )
+        if o["kind"] == "NetworkPolicy"
+    }["rl-pipelinerl-operator"]
+    assert fenced["ingress"] == [
+        {"ports": [{"port": 9443, "protocol": "TCP"}], "from": [{"ipBlock": {"cidr": "172.20.0.10/32"}}]}
+    ]
+    assert fenced["egress"][1]["to"] == [{"ipBlock": {"cidr": "172.20.0.10/32"}}]
+    assert fenced["egress"][2] == {
+        "ports": [{"port": 4333, "protocol": "TCP"}],
+        "to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}],
+    }
+    assert fenced["egress"][4] == {"ports": [{"port": 7422, "protocol": "TCP"}]}
     # NATS monitoring (no login, it lists accounts) listens on loopback only; no port or Service exposes it.
     conf = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-pipelinerl-nats")
     assert 'http: "127.0.0.1:8222"' in conf["data"]["nats.conf"] and "http_port" not in conf["data"]["nats.conf"]
@@ -433,10 +483,20 @@ def test_the_webhook_outlives_a_replica_and_the_replicas_take_turns_reconciling(
 def test_with_cert_manager_every_render_is_the_same() -> None:
     """GitOps tools render without a cluster: with cert-manager issuing the webhook's certificate
     (and filling its caBundle), nothing in the chart changes between two renders."""
-    values = {"webhook": {"certManager": {"enabled": True}}, "auth": {"existingSecret": "rl-install-key"}}
+    values = {
+        "webhook": {"certManager": {"enabled": True}},
+        "auth": {"existingSecret": "rl-install-key"},
+        "nats": {"replicas": 3, "routesExistingSecret": "rl-routes"},
+    }
     chart = helm.Chart.load(str(CHART))
     first, second = (chart.render(values, name="rl", namespace="team-a") for _ in range(2))
-    assert first == second  # the install key is the user's Secret; the NATS accounts, the operator's
+    assert (
+        first == second
+    )  # the install key and route password are the user's Secrets; the NATS accounts, the operator's
+    nats = next(o for o in render(values) if o["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+    route = {e["name"]: e for e in nats["env"]}["ROUTE_PASSWORD"]
+    assert route["valueFrom"]["secretKeyRef"] == {"name": "rl-routes", "key": "password"}
+    assert not [o for o in render(values) if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-routes")]
     operator = next(o for o in render(values) if o["kind"] == "Deployment")
     env = {e["name"]: e.get("valueFrom") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["PIPELINERL_AUTH_KEY"] == {"secretKeyRef": {"name": "rl-install-key", "key": "key"}}
@@ -450,3 +510,35 @@ def test_with_cert_manager_every_render_is_the_same() -> None:
     # Without it, each `helm template` generates another CA (upgrades keep theirs by lookup).
     plain = [chart.render({}, name="rl", namespace="team-a")["pipelinerl/templates/webhook.yaml"] for _ in range(2)]
     assert plain[0] != plain[1]
+
+
+@pytest.mark.parametrize("values", [{}, {"nats": {"replicas": 3}, "operator": {"replicas": 3}}, {"clusterWide": True}])
+def test_every_pod_the_chart_renders_is_bounded_and_the_webhook_replicas_spread(values: dict) -> None:
+    objects = render(values)
+    for o in objects:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            pod = o["spec"]["template"]["spec"]
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                for kind in ("requests", "limits"):
+                    assert {"cpu", "memory"} <= c["resources"][kind].keys(), (o["metadata"]["name"], c["name"], kind)
+    operator = next(o for o in objects if o["kind"] == "Deployment")["spec"]
+    spread = operator["template"]["spec"]["topologySpreadConstraints"]
+    assert spread == [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "DoNotSchedule",
+            "labelSelector": {
+                "matchLabels": {"app.kubernetes.io/instance": "rl", "app.kubernetes.io/component": "operator"}
+            },
+        }
+    ]
+
+
+def test_the_notes_warn_of_a_webhook_served_by_one_replica_and_open_to_every_pod() -> None:
+    chart = helm.Chart.load(str(CHART))
+    notes = lambda values: chart.render(values, name="rl", namespace="team-a")["pipelinerl/templates/NOTES.txt"]  # noqa: E731
+    assert "WARNING: operator.replicas: 1" in notes({"operator": {"replicas": 1}})
+    assert "operator.replicas" not in notes({})
+    assert "apiServer.cidrs is empty" in notes({})
+    assert "apiServer.cidrs" not in notes({"apiServer": {"cidrs": ["172.20.0.10/32"]}})
