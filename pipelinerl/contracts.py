@@ -49,6 +49,9 @@ KUEUE_QUEUE_LABEL = f"{KUEUE_PREFIX}queue-name"
 KUEUE_POD_GROUP_LABEL = f"{KUEUE_PREFIX}pod-group-name"
 KUEUE_POD_GROUP_COUNT_ANNOTATION = f"{KUEUE_PREFIX}pod-group-total-count"
 POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"  # coscheduling-style gang schedulers
+# Labels PipelineRL, Kueue and gang schedulers act on: set by the operator from the job's spec only
+# (a pod of the job in another queue, another job's gang, at another Kueue priority).
+RESERVED_LABEL_PREFIXES = ("pipelinerl.dev/", KUEUE_PREFIX, "scheduling.x-k8s.io/")
 POD_GROUP_API = "scheduling.x-k8s.io/v1alpha1"  # their PodGroup object (scheduler-plugins)
 
 # ---------------------------------------------------------------- environment

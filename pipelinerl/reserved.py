@@ -4,8 +4,6 @@ that the API server and the webhook refuse the same things with the same words."
 
 from __future__ import annotations
 
-from pipelinerl.contracts import KUEUE_PREFIX
-
 # Secrets: every job's credentials ("<job>-pipelinerl-credentials"), the chart's own
 # ("<release>-pipelinerl-<suffix>": its fullname always ends in -pipelinerl), Helm's record of
 # each release (its rendered values, the generated install key among them).
@@ -40,10 +38,6 @@ DEVICE_ENV = frozenset(
 # User and group IDs below this are root's and the system's (group 0, `disk`, `shadow`...): a pod
 # may run as another ID than the operator's 10001, never as one of those.
 MIN_ID = 1000
-
-# Labels PipelineRL, Kueue and gang schedulers act on: set by the operator from the job's spec only
-# (a pod of the job in another queue, another job's gang, at another Kueue priority).
-RESERVED_LABEL_PREFIXES = ("pipelinerl.dev/", KUEUE_PREFIX, "scheduling.x-k8s.io/")
 
 # Pod fields a podTemplate may not set that the CRD's CEL can see without iterating (the webhook
 # refuses every field outside its allowlist), and where the job's spec sets one instead.

@@ -42,7 +42,7 @@ from pydantic.alias_generators import to_camel
 
 from pipelinerl.capacity import reserved_bytes
 from pipelinerl import reserved
-from pipelinerl.contracts import reserved_env
+from pipelinerl.contracts import RESERVED_LABEL_PREFIXES, reserved_env
 from pipelinerl.k8s_types import Quantity, parse_quantity
 from pipelinerl.reserved import (
     CREDENTIALS_SUFFIX,
@@ -50,7 +50,6 @@ from pipelinerl.reserved import (
     HELM_RELEASE_PREFIX,
     INSTALL_SECRET_SUFFIXES,
     NOT_ALLOWED,
-    RESERVED_LABEL_PREFIXES,
     SPEC_INSTEAD,
 )
 from pipelinerl.spec import SpecError, parse_mapping

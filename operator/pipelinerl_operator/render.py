@@ -47,7 +47,8 @@ from pipelinerl.k8s_types import parse_quantity
 from pipelinerl.spec import API_VERSION, KIND, PipelineRLJob, RoleSpec, dump_job
 from pipelinerl_operator import job_policy
 from pipelinerl_operator.credentials import job_credentials, secret_data
-from pipelinerl.reserved import CREDENTIALS_SUFFIX, RESERVED_LABEL_PREFIXES
+from pipelinerl.contracts import RESERVED_LABEL_PREFIXES
+from pipelinerl.reserved import CREDENTIALS_SUFFIX
 from pipelinerl_operator.job_policy import Install, JobPolicy
 from pipelinerl_operator.pod_security import pod_violations
 
