@@ -67,9 +67,7 @@ def _name_field(obj: dict[str, Any], path: list[Any], message: str) -> str:
     return f"{obj.get('kind')} {obj['metadata']['name']}: {dotted}: {message}"
 
 
-def check(
-    manifest: Any, old: Any = None, source: str = "manifest", cfg: OperatorConfig | None = None
-) -> PipelineRLJob:
+def check(manifest: Any, old: Any = None, source: str = "manifest", cfg: OperatorConfig | None = None) -> PipelineRLJob:
     """The job `manifest` describes, or SpecError naming every field at fault; `old`: the stored
     object this manifest would replace (fields that cannot change are refused); `cfg`: the
     install's settings and the platform's policy (default: `OperatorConfig()`, the safe default)."""

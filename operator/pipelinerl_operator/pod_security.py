@@ -144,4 +144,3 @@ def _context(sc: dict[str, Any], path: str, bad, pod_level: bool) -> None:
     apparmor = (sc.get("appArmorProfile") or {}).get("type")
     if apparmor is not None and apparmor not in ("RuntimeDefault", "Localhost"):
         bad(f"{path}.appArmorProfile.type", "must be RuntimeDefault or Localhost")
-

@@ -36,6 +36,8 @@ def violations(pod: dict, job_name: str = "demo") -> list[str]:
 
 
 CORPUS = yaml.safe_load((Path(__file__).parents[1] / "manifest_corpus.yaml").read_text())
+
+
 def example(path: Path):
     job = load_job(path)
     job.metadata.namespace = "team-a"  # where examples/platform-values.yaml lets it run
