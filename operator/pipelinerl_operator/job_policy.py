@@ -3,10 +3,11 @@
 A platform team lets people create PipelineRLJobs who may not create pods, Secrets or network
 rules themselves; the operator creates them on their behalf, so it must never do for a job what
 its author could not do alone. `validate`, the admission webhook and every reconcile render the
-job and call `job_violations` (render.check_pods) with the platform's `JobPolicy`: the chart's
-`jobPolicy` values (the operator's PIPELINERL_JOB_POLICY), `pipelinerl validate --policy FILE`,
-or, unset, the defaults below (the safe default: nothing beyond the well-known). Each problem
-names the field at fault (`<role>.podTemplate.spec...`, `scheduling.priorityClassName`, ...):
+job and check it here (render.check_pods: `template_violations`, `pod_policy_violations`,
+`spec_violations`) against the platform's `JobPolicy`: the chart's `jobPolicy` values (the
+operator's PIPELINERL_JOB_POLICY), `pipelinerl validate --policy FILE`, or, unset, the defaults
+below (the safe default: nothing beyond the well-known). Each problem names the field at fault
+(`<role>.podTemplate.spec...`, `scheduling.priorityClassName`, ...):
 
 - a podTemplate may set only the fields listed here (POD_SPEC_FIELDS, CONTAINER_FIELDS, ...);
   anything else (nodeName, runtimeClassName, schedulerName, hostAliases, dnsConfig, probes
@@ -31,8 +32,8 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from decimal import Decimal
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -40,8 +41,8 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
 from pydantic.alias_generators import to_camel
 
-from pipelinerl.capacity import reserved_bytes
 from pipelinerl import reserved
+from pipelinerl.capacity import reserved_bytes
 from pipelinerl.contracts import RESERVED_LABEL_PREFIXES, reserved_env
 from pipelinerl.k8s_types import Quantity, parse_quantity
 from pipelinerl.reserved import (
