@@ -1,9 +1,12 @@
 """What a job holds in JetStream (pure): each stream's size, derived from the job, and their sum,
 which the job reserves in the store (JetStream reserves a stream's max_bytes when it is made).
 
-The chart's NATS store is shared by every job of the install: the operator grants each job's
-account this much (its JetStream limit), and refuses a job the store cannot hold beside the jobs
-created before it (`fits`), instead of letting its streams fail at start-up.
+The chart's NATS store is shared by every job of the install. A job holds a reservation only
+while it runs (admitted, not suspended, not finished); the operator grants its NATS account that
+much (its JetStream limit) and admits a job only where the reservations held, its own added, fit
+in the store and in its namespace's share of it (`admission_problem`): so the accounts the NATS
+server loads never add up to more than its store, and it can always start. A job waiting for room,
+suspended, finished or refused holds nothing and has no account.
 """
 
 from __future__ import annotations
@@ -37,13 +40,25 @@ def reserved_bytes(spec: Any) -> int:
     return sum(stream_bytes(spec).values())
 
 
-def fits(store_bytes: int, jobs: list[tuple[str, str, int]], job: str) -> tuple[bool, int]:
-    """Whether `job` fits in a store of `store_bytes` beside the jobs created before it; `jobs`:
-    (creation time, name, reserved bytes) of every job, `job` included. Also: the bytes reserved
-    before it."""
-    before = 0
-    for created, name, reserved in sorted(jobs):
-        if name == job:
-            return before + reserved <= store_bytes, before
-        before += reserved
-    raise KeyError(job)
+def admission_problem(
+    store_bytes: int, namespace_share: float, held: dict[str, tuple[str, int]], namespace: str, need: int
+) -> str | None:
+    """Why a job needing `need` bytes in `namespace` cannot hold them now beside the reservations
+    `held` (a job's id → its namespace and bytes; the job's own left out); None if it can."""
+    gib = 1 << 30
+    total = sum(b for _, b in held.values())
+    if total + need > store_bytes:
+        return (
+            f"the chart's NATS store ({store_bytes / gib:.2f} GiB) cannot hold this job's streams "
+            f"({need / gib:.2f} GiB) beside the running jobs' ({total / gib:.2f} GiB reserved): it starts once "
+            "there is room (a job finishes, is suspended or deleted); or lower trainer.checkpointInterval, "
+            "trainer.samplesPerStep or model.maxSeqLen, or give NATS a larger volume (the chart's nats.storageGi)"
+        )
+    mine = sum(b for ns, b in held.values() if ns == namespace)
+    if mine + need > store_bytes * namespace_share:
+        return (
+            f"the jobs of namespace {namespace} may reserve {namespace_share:.0%} of the chart's NATS store "
+            f"({store_bytes * namespace_share / gib:.2f} GiB: jobPolicy.namespaceShare); its running jobs hold "
+            f"{mine / gib:.2f} GiB and this one needs {need / gib:.2f} GiB: it starts once there is room"
+        )
+    return None

@@ -49,6 +49,9 @@ KUEUE_QUEUE_LABEL = f"{KUEUE_PREFIX}queue-name"
 KUEUE_POD_GROUP_LABEL = f"{KUEUE_PREFIX}pod-group-name"
 KUEUE_POD_GROUP_COUNT_ANNOTATION = f"{KUEUE_PREFIX}pod-group-total-count"
 POD_GROUP_LABEL = "scheduling.x-k8s.io/pod-group"  # coscheduling-style gang schedulers
+# Labels PipelineRL, Kueue and gang schedulers act on: set by the operator from the job's spec only
+# (a pod of the job in another queue, another job's gang, at another Kueue priority).
+RESERVED_LABEL_PREFIXES = ("pipelinerl.dev/", KUEUE_PREFIX, "scheduling.x-k8s.io/")
 POD_GROUP_API = "scheduling.x-k8s.io/v1alpha1"  # their PodGroup object (scheduler-plugins)
 
 # ---------------------------------------------------------------- environment
@@ -115,6 +118,10 @@ class OperatorEnv:
     NATS_REPLICAS = "PIPELINERL_NATS_REPLICAS"  # servers of the chart's NATS (a JetStream cluster when > 1)
     NATS_STORE_BYTES = "PIPELINERL_NATS_STORE_BYTES"  # its JetStream store (max_file_store), per server
     JOB_EGRESS = "PIPELINERL_JOB_EGRESS"  # "restricted" (default) or "open": job pods' egress
+    JOB_POLICY = "PIPELINERL_JOB_POLICY"  # JSON: what jobs may ask for (the chart's jobPolicy; job_policy.JobPolicy)
+    INSTALL_SECRETS = "PIPELINERL_INSTALL_SECRETS"  # comma-separated: the install's Secrets, which no job may name
+    NATS_BUNDLED = "PIPELINERL_NATS_BUNDLED"  # "false": the chart's NATS is an external server (nats.externalUrl)
+    NATS_EXTERNAL_CIDRS = "PIPELINERL_NATS_EXTERNAL_CIDRS"  # comma-separated: where that server is (job egress)
     PEERING = "PIPELINERL_PEERING"  # kopf's peering object: replicas take turns reconciling (unset: one replica)
     PEERING_LIFETIME = "PIPELINERL_PEERING_LIFETIME"  # seconds a silent replica keeps its turn (takeover time)
 

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from pipelinerl import reserved
 from pipelinerl.contracts import HTTP_PORT, MASTER_PORT, ROLES, Progress
 from pipelinerl.k8s_types import DNS_1035_LABEL, RESOURCE_NAME
 from pipelinerl.spec import (
@@ -113,6 +114,12 @@ class JobStatus(StatusModel):
     )
     suspended_since: str | None = None
     last_progress_time: str | None = Field(default=None, description="When the policy version last changed.")
+    nats_reserved_bytes: int = Field(
+        default=0,
+        ge=0,
+        description="Bytes the job's streams hold in the chart's NATS store: while it runs; 0 while it waits for "
+        "room, is suspended, finished or refused.",
+    )
 
 
 # ---------------------------------------------------------------- schema conversion
@@ -291,6 +298,63 @@ HOST_NAMESPACES_RULE = (
     + ")",
     "podTemplate.spec: host namespaces (hostNetwork, hostPID, hostIPC) are not allowed in a job's pods",
 )
+# What no job may use whatever its platform allows (pipelinerl.reserved), as far as CEL sees it
+# without iterating over free-form lists (the webhook's job policy refuses all of it, and more).
+POD_FIELD_RULES = [
+    (f"!has(self.spec) || !has(self.spec.{f})", f"podTemplate.spec.{f}: {reserved.NOT_ALLOWED}")
+    for f in reserved.REFUSED_POD_FIELDS
+] + [
+    (f"!has(self.spec) || !has(self.spec.{f})", f"podTemplate.spec.{f}: not set in a podTemplate: {why}")
+    for f, why in reserved.SPEC_INSTEAD.items()
+]
+POD_ID_RULES = [
+    (
+        f"!has(self.spec) || !has(self.spec.securityContext) || !has(self.spec.securityContext.{f}) || "
+        f"self.spec.securityContext.{f} >= {reserved.MIN_ID}",
+        f"podTemplate.spec.securityContext.{f}: {reserved.ID_WHY}",
+    )
+    for f in ("runAsUser", "runAsGroup", "fsGroup")
+]
+ENV_DEVICE_RULE = (
+    f"!(self.name in [{', '.join(repr(n) for n in sorted(reserved.DEVICE_ENV))}])",
+    f"env name: {reserved.DEVICE_ENV_WHY}",
+)
+_SECRET = "self.valueFrom.secretKeyRef.name"
+ENV_INSTALL_SECRET_RULE = (
+    f"!has(self.valueFrom) || !has(self.valueFrom.secretKeyRef) || !({_SECRET}.startsWith("
+    f"'{reserved.HELM_RELEASE_PREFIX}') || "
+    + " || ".join(f"{_SECRET}.endsWith('{suffix}')" for suffix in reserved.INSTALL_SECRET_SUFFIXES)
+    + ")",
+    f"env valueFrom.secretKeyRef.name: {reserved.INSTALL_SECRET_WHY} or {reserved.HELM_SECRET_WHY}: {reserved.NEVER}",
+)
+
+
+def env_credentials_rule(role: str) -> tuple[str, str]:
+    """On the root (the job's name): a role's env names no other job's credentials."""
+    ref = "e.valueFrom.secretKeyRef.name"
+    return (
+        f"!has(self.spec.{role}.env) || self.spec.{role}.env.all(e, !has(e.valueFrom) || "
+        "!has(e.valueFrom.secretKeyRef) || "
+        f"!{ref}.endsWith('{reserved.CREDENTIALS_SUFFIX}') || "
+        f"{ref} == self.metadata.name + '{reserved.CREDENTIALS_SUFFIX}')",
+        f"spec.{role}.env valueFrom.secretKeyRef.name: {reserved.CREDENTIALS_WHY}: {reserved.NEVER}",
+    )
+
+
+OUTPUT_CLAIM_RULE = (
+    f"!has(self.claimName) || !(self.claimName.matches('{_cel_regex(reserved.CHECKPOINT_CLAIM)}') || "
+    f"self.claimName.matches('{_cel_regex(reserved.NATS_CLAIM)}'))",
+    f"output.claimName: {reserved.CHECKPOINT_WHY} or {reserved.NATS_CLAIM_WHY}: {reserved.NEVER}",
+)
+PRIORITY_RULE = (
+    f"!has(self.priorityClassName) || !self.priorityClassName.startsWith('{reserved.SYSTEM_PRIORITY_PREFIX}')",
+    f"scheduling.priorityClassName: the cluster's own ({reserved.SYSTEM_PRIORITY_PREFIX}...) is not a priority "
+    "class jobs may use",
+)
+EGRESS_RULES = [
+    ("self.all(r, has(r.to) && size(r.to) > 0)", f"network.egress: {reserved.EGRESS_TO_WHY}"),
+    ("self.all(r, has(r.ports) && size(r.ports) > 0)", f"network.egress: {reserved.EGRESS_PORTS_WHY}"),
+]
 ROOT_RULES = [
     (f"size(self.metadata.name) <= {MAX_JOB_NAME}", f"metadata.name must be at most {MAX_JOB_NAME} characters"),
     (
@@ -323,6 +387,14 @@ def spec_schema() -> dict[str, Any]:
         _add_rule(env["items"]["properties"]["valueFrom"], *VALUE_FROM_RULE)
         _add_rule(_node(schema, f"{role}.resources"), *RESOURCES_RULE)
         _add_rule(_node(schema, f"{role}.podTemplate"), *HOST_NAMESPACES_RULE)
+        _add_rule(env["items"], *ENV_DEVICE_RULE)
+        _add_rule(env["items"], *ENV_INSTALL_SECRET_RULE)
+        for pod_rule in POD_FIELD_RULES + POD_ID_RULES:
+            _add_rule(_node(schema, f"{role}.podTemplate"), *pod_rule)
+    _add_rule(_node(schema, "output"), *OUTPUT_CLAIM_RULE)
+    _add_rule(_node(schema, "scheduling"), *PRIORITY_RULE)
+    for egress_rule in EGRESS_RULES:
+        _add_rule(_node(schema, "network.egress"), *egress_rule)
     return schema
 
 
@@ -359,7 +431,7 @@ def crd_manifest() -> dict[str, Any]:
         },
     }
     root["properties"]["spec"]["default"] = {}
-    for rule, message in ROOT_RULES:
+    for rule, message in ROOT_RULES + [env_credentials_rule(role) for role in ROLES]:
         _add_rule(root, rule, message)
     return {
         "apiVersion": "apiextensions.k8s.io/v1",

@@ -33,9 +33,9 @@ API_GROUP = "pipelinerl.dev"
 API_VERSION = f"{API_GROUP}/v1alpha1"
 KIND = "PipelineRLJob"
 
-# The longest derived name, "<job>-preprocessor", names a StatefulSet, whose pods carry the label
-# controller-revision-hash "<statefulset>-<10-char hash>" (≤ 63): so 52 - 13 characters.
-MAX_JOB_NAME = 39
+# The longest derived name, "<job>-prl-preprocessor", names a StatefulSet, whose pods carry the
+# label controller-revision-hash "<statefulset>-<10-char hash>" (≤ 63): so 52 - 17 characters.
+MAX_JOB_NAME = 35
 # Integers are bounded as the API server bounds them (int64) and, where they feed libraries, as
 # those do: seeds become numpy's and vLLM's (32 bits, with room for a seed per generator).
 MAX_SEED = 2**31 - 1

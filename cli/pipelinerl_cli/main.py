@@ -16,9 +16,18 @@ from pipelinerl.spec import SpecError, dump_job, load_job, read_manifest
 def _validate(args: argparse.Namespace) -> int:
     # The same check as the operator's admission webhook (and the rendered pods against Kubernetes' schema).
     from pipelinerl_operator.admission import check, job_warnings
+    from pipelinerl_operator.job_policy import DEFAULT_STORE_BYTES, parse_policy
+    from pipelinerl_operator.render import OperatorConfig
 
     old = read_manifest(args.against) if args.against else None
-    job = check(read_manifest(args.job), old, source=args.job)
+    # The platform's policy as the chart's jobPolicy values give it; else the safe default, and
+    # the chart's default NATS store.
+    policy = parse_policy(read_manifest(args.policy) if args.policy else None, args.policy or "jobPolicy")
+    cfg = OperatorConfig(policy=policy, nats_store_bytes=DEFAULT_STORE_BYTES)
+    manifest = read_manifest(args.job)
+    if args.namespace and isinstance(manifest, dict) and isinstance(manifest.get("metadata"), dict):
+        manifest["metadata"].setdefault("namespace", args.namespace)  # as `kubectl apply -n` places it
+    job = check(manifest, old, source=args.job, cfg=cfg)
     print(f"{args.job}: valid {job.kind} {job.name!r} (mode {job.spec.mode}, max lag {job.spec.max_lag})")
     for warning in job_warnings(job):
         print(f"warning: {warning}", file=sys.stderr)
@@ -194,6 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         help="the stored job this manifest would update: refuse changes "
         "to fields that cannot change, as the cluster does",
     )
+    p.add_argument(
+        "--policy",
+        metavar="FILE",
+        help="the platform's job policy to check against: the chart's values file (its jobPolicy) or the "
+        "jobPolicy block alone; default: the safe default the chart ships",
+    )
+    p.add_argument("-n", "--namespace", help="the namespace the job goes to, where its manifest names none")
     p.set_defaults(func=_validate)
 
     p = sub.add_parser(

@@ -10,12 +10,15 @@ supports and against the pod security rules, and whether the task's prompts fit 
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from typing import Any
 
 from pipelinerl.contracts import POD_GROUP_API, ROLE_LABEL
 from pipelinerl.prompt_fit import static_prompt_fit
 from pipelinerl.spec import KIND, PipelineRLJob, SpecError, immutable_changes, parse_job
+from pipelinerl_operator.job_policy import MAX_MANIFEST_BYTES
 from pipelinerl_operator.render import OperatorConfig, RenderError, render
 
 # The oldest Kubernetes the chart admits (`kubeVersion` in Chart.yaml): the pod-index label
@@ -25,14 +28,27 @@ KUBE_VERSION = "1.28"
 _UNEXPECTED = re.compile(r"^Additional properties are not allowed \('([^']+)' was unexpected\)$")
 
 
-def _schema_errors(obj: dict[str, Any]) -> list[str]:
-    import kubernetes_validate  # ~1 s to load a version's schemas, once
+@functools.cache
+def _validator(kind: str, api_version: str) -> Any:
+    """kubernetes-validate's strict schema of a kind at KUBE_VERSION, loaded once: its own
+    `validate` reads and parses the schema files at every call (about a second of CPU per job,
+    which every webhook review would pay)."""
+    import jsonschema
+    from kubernetes_validate import utils
+    from referencing import Registry, Resource
 
-    try:
-        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
-    except kubernetes_validate.ValidationError as err:
-        return [_name_field(obj, list(err.path), err.message)]
-    return []
+    version = [v for v in utils.all_versions() if utils.major_minor(v) <= KUBE_VERSION][-1]
+    folder = f"kubernetes-json-schema/v{version}-local-strict"
+    group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)  # rbac.authorization.k8s.io/v1 → rbac-v1
+    schema = utils.schema_contents(f"{folder}/{kind.lower()}-{group}.json", version)
+    definitions = utils.schema_contents(f"{folder}/_definitions.json", version)
+    registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.validators.Draft202012Validator(schema, registry=registry)
+
+
+def _schema_errors(obj: dict[str, Any]) -> list[str]:
+    err = next(_validator(obj["kind"], obj["apiVersion"]).iter_errors(obj), None)
+    return [_name_field(obj, list(err.path), err.message)] if err is not None else []
 
 
 def _name_field(obj: dict[str, Any], path: list[Any], message: str) -> str:
@@ -51,9 +67,16 @@ def _name_field(obj: dict[str, Any], path: list[Any], message: str) -> str:
     return f"{obj.get('kind')} {obj['metadata']['name']}: {dotted}: {message}"
 
 
-def check(manifest: Any, old: Any = None, source: str = "manifest") -> PipelineRLJob:
+def check(manifest: Any, old: Any = None, source: str = "manifest", cfg: OperatorConfig | None = None) -> PipelineRLJob:
     """The job `manifest` describes, or SpecError naming every field at fault; `old`: the stored
-    object this manifest would replace (fields that cannot change are refused)."""
+    object this manifest would replace (fields that cannot change are refused); `cfg`: the
+    install's settings and the platform's policy (default: `OperatorConfig()`, the safe default)."""
+    size = len(json.dumps(manifest, default=str))
+    if size > MAX_MANIFEST_BYTES:
+        raise SpecError(
+            f"{source}: the manifest is {size} bytes, more than a job may be ({MAX_MANIFEST_BYTES}): "
+            "keep data in ConfigMaps and volumes, not in the job"
+        )
     job = parse_job(manifest, source)
     if old is not None:
         changed = immutable_changes(parse_job(old, f"{source} (stored)"), job)
@@ -64,7 +87,7 @@ def check(manifest: Any, old: Any = None, source: str = "manifest") -> PipelineR
             )
     try:
         children = render(
-            job, job.metadata.namespace or "default", "00000000-0000-0000-0000-000000000000", OperatorConfig()
+            job, job.metadata.namespace or "default", "00000000-0000-0000-0000-000000000000", cfg or OperatorConfig()
         )
     except RenderError as err:
         raise SpecError(f"{source} is not a valid {KIND}:\n" + "\n".join(f"  spec.{p}" for p in err.problems)) from None

@@ -7,6 +7,8 @@ Every trigger (create, spec update, operator resume, periodic resync) runs the s
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import logging
 import os
 import time
@@ -14,14 +16,16 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+import aiohttp.web
 import kopf
 
 from pipelinerl.contracts import JOB_LABEL, NATS_ACCOUNTS_FILE, OPERATOR_METRICS_PORT, ROLE_LABEL, ROLES, OperatorEnv
 from pipelinerl.crd import PLURAL, VERSION
-from pipelinerl.capacity import fits, reserved_bytes
-from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError, parse_job
+from pipelinerl.capacity import admission_problem, reserved_bytes
+from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError
 from pipelinerl_operator import admission, metrics
 from pipelinerl_operator.credentials import job_credentials, nats_accounts, secret_data
+from pipelinerl_operator.job_policy import MAX_MANIFEST_BYTES, Install, JobPolicy, parse_policy
 from pipelinerl_operator.kube import Kube, KubeError
 from pipelinerl_operator.pods import pod_problems, trainer_gang_to_restart
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
@@ -41,6 +45,11 @@ FINALIZER = f"{API_GROUP}/cleanup"
 RESYNC_SECONDS = float(os.environ.get(OperatorEnv.RESYNC_SECONDS, "15"))
 
 
+@functools.cache
+def _policy(text: str) -> JobPolicy:
+    return parse_policy(json.loads(text) if text else None, OperatorEnv.JOB_POLICY)
+
+
 def operator_config() -> OperatorConfig:
     defaults = OperatorConfig()
     env = os.environ.get
@@ -56,7 +65,30 @@ def operator_config() -> OperatorConfig:
         nats_store_bytes=int(env(OperatorEnv.NATS_STORE_BYTES) or 0),
         restrict_egress=env(OperatorEnv.JOB_EGRESS, "restricted") != "open",
         namespace=env(OperatorEnv.NAMESPACE, defaults.namespace),
+        nats_bundled=env(OperatorEnv.NATS_BUNDLED, "true") != "false",
+        nats_external_cidrs=tuple(c for c in env(OperatorEnv.NATS_EXTERNAL_CIDRS, "").split(",") if c),
+        policy=_policy(env(OperatorEnv.JOB_POLICY, "")),
+        install=Install(tuple(n for n in env(OperatorEnv.INSTALL_SECRETS, "").split(",") if n)),
     )
+
+
+# An admission review holds the job at most twice (an update's old and new objects), each within
+# admission.MAX_MANIFEST_BYTES: a larger body is refused unread (the webhook's port is reachable
+# from the API server, and wherever the network lets callers in).
+MAX_REVIEW_BYTES = 2 * MAX_MANIFEST_BYTES + 64 * 1024
+
+
+class BoundedWebhookServer(kopf.WebhookServer):
+    """kopf's webhook server, refusing (413) a body longer than a review can be before reading it
+    (a body without a length stays within aiohttp's own 1 MiB). Overrides kopf's `_serve`."""
+
+    @staticmethod
+    async def _serve(fn: Any, request: aiohttp.web.Request) -> aiohttp.web.Response:
+        if (request.content_length or 0) > MAX_REVIEW_BYTES:
+            raise aiohttp.web.HTTPRequestEntityTooLarge(
+                max_size=MAX_REVIEW_BYTES, actual_size=request.content_length or 0
+            )
+        return await kopf.WebhookServer._serve(fn, request)
 
 
 class _State:
@@ -67,7 +99,10 @@ class _State:
     locks: dict[str, asyncio.Lock] = {}
     last_status: dict[str, dict[str, Any]] = {}
     accounts_written: str | None = None  # the NATS accounts last applied
-    accounts_lock: asyncio.Lock | None = None
+    # Reservations in the chart's NATS store, decided one at a time; what was decided here, until
+    # the job's status (the index) says so too.
+    capacity_lock: asyncio.Lock | None = None
+    decided: dict[str, tuple[str, str, int]] = {}
 
 
 STATE = _State()
@@ -77,7 +112,8 @@ STATE = _State()
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     STATE.locks.clear()
     STATE.last_status.clear()
-    STATE.accounts_written, STATE.accounts_lock = None, asyncio.Lock()
+    STATE.accounts_written, STATE.capacity_lock = None, asyncio.Lock()
+    STATE.decided.clear()
     # One finalizer for kopf's timer bookkeeping and our stream cleanup.
     settings.persistence.finalizer = FINALIZER
     # Keep kopf's bookkeeping in annotations: status fields outside the CRD schema are pruned.
@@ -101,7 +137,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     webhook_port = os.environ.get(OperatorEnv.WEBHOOK_PORT)
     if webhook_port:  # the chart's ValidatingWebhookConfiguration points here (not managed by kopf)
         certs = os.environ.get(OperatorEnv.WEBHOOK_CERT_DIR)
-        settings.admission.server = kopf.WebhookServer(
+        settings.admission.server = BoundedWebhookServer(
             addr="0.0.0.0",
             port=int(webhook_port),
             insecure=not certs,
@@ -124,6 +160,7 @@ def validate_job(
             dict(body),
             dict(stored) if stored else None,
             source=f"{KIND} {meta.get('namespace', '')}/{meta.get('name', '')}",
+            cfg=operator_config(),
         )
     except SpecError as err:
         raise kopf.AdmissionError(str(err), code=422) from None
@@ -161,45 +198,52 @@ async def close_client(**_: Any) -> None:
 @dataclass(frozen=True)
 class JobRecord:
     uid: str
-    created: str  # metadata.creationTimestamp: earlier jobs keep their place in the NATS store
-    reserved: int  # bytes its streams reserve in the chart's NATS store (0: it uses its own server)
+    held: int  # status.natsReservedBytes: what its status says it holds in the chart's NATS store
 
 
 @kopf.index(API_GROUP, VERSION, PLURAL)
 def jobs(namespace: str | None, name: str, uid: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], JobRecord]:
-    """Every job watched: each is an account on the chart's NATS server, and reserves its
-    streams' bytes in that server's store."""
-    try:
-        job = parse_job(
-            {
-                "apiVersion": API_VERSION,
-                "kind": KIND,
-                "metadata": {"name": name, "namespace": namespace},
-                "spec": dict(body.get("spec") or {}),
-            }
-        )
-        reserved = reserved_bytes(job.spec) if on_chart_nats(job) else 0
-    except SpecError:
-        reserved = 0  # it never runs
-    return {(namespace or "", name): JobRecord(uid, body["metadata"].get("creationTimestamp") or "", reserved)}
+    """Every job watched, with the bytes of the chart's NATS store its status says it holds: the
+    reservations stand in the jobs' statuses, so a restarted operator (or the replica taking its
+    turn) starts from them."""
+    held = (body.get("status") or {}).get("natsReservedBytes") or 0
+    return {(namespace or "", name): JobRecord(uid, held if isinstance(held, int) else 0)}
 
 
-def store_problem(index: kopf.Index, namespace: str, name: str, cfg: OperatorConfig) -> str | None:
-    """Why the chart's NATS store cannot hold this job beside the jobs created before it; None if it can."""
-    records = [(r.created, f"{ns}/{n}", r.reserved) for (ns, n), rs in index.items() for r in rs]
-    mine = next((r for (ns, n), rs in index.items() if (ns, n) == (namespace, name) for r in rs), None)
-    if not cfg.nats_store_bytes or mine is None or not mine.reserved:
-        return None
-    ok, before = fits(cfg.nats_store_bytes, records, f"{namespace}/{name}")
-    if ok:
-        return None
-    gib = 1 << 30
-    return (
-        f"the chart's NATS store ({cfg.nats_store_bytes / gib:.2f} GiB) cannot hold this job's streams "
-        f"({mine.reserved / gib:.2f} GiB) beside the jobs created before it ({before / gib:.2f} GiB reserved): "
-        "delete a finished job, lower trainer.checkpointInterval, trainer.samplesPerStep or model.maxSeqLen, "
-        "or give NATS a larger volume (the chart's nats.storageGi)"
-    )
+def held_reservations(index: kopf.Index) -> dict[str, tuple[str, str, int]]:
+    """uid → (namespace, name, bytes) of every job holding a reservation now: its status's, or
+    what this process decided since (STATE.decided: until the status says so too)."""
+    records = {r.uid: (ns, n, r.held) for (ns, n), rs in index.items() for r in rs}
+    for uid, decided in list(STATE.decided.items()):
+        if uid not in records or records[uid] == decided:
+            del STATE.decided[uid]  # gone, or the status has caught up
+        else:
+            records[uid] = decided
+    return {uid: r for uid, r in records.items() if r[2] > 0}
+
+
+async def reserve(
+    index: kopf.Index, cfg: OperatorConfig, uid: str, namespace: str, name: str, need: int
+) -> tuple[str | None, int]:
+    """Take, keep or give back (`need` 0) the job's reservation in the chart's NATS store, then
+    write the NATS accounts of the jobs that hold one. Returns why the job must wait, if it must
+    (it holds nothing then, and has no account), and the bytes it holds. Decisions are serialized,
+    so two jobs never take the same room; a running job whose update needs more than there is
+    keeps what it holds."""
+    assert STATE.capacity_lock is not None
+    async with STATE.capacity_lock:
+        held = held_reservations(index)
+        problem = None
+        mine = held.pop(uid, None)
+        if need and (mine is None or mine[2] != need) and cfg.nats_store_bytes:
+            others = {u: (ns, b) for u, (ns, _, b) in held.items()}
+            problem = admission_problem(cfg.nats_store_bytes, cfg.policy.namespace_share, others, namespace, need)
+        decided = mine if problem and mine else (namespace, name, 0 if problem else need)
+        STATE.decided[uid] = decided
+        if decided[2]:
+            held[uid] = decided
+        await sync_nats_accounts(cfg, held)
+        return problem, decided[2]
 
 
 def accounts_secret(name: str, namespace: str, text: str) -> dict[str, Any]:
@@ -231,35 +275,35 @@ async def nats_accounts_exist(settings: kopf.OperatorSettings, **_: Any) -> None
         await STATE.kube.create(accounts_secret(secret, namespace, nats_accounts(cfg.auth_key, [])))
 
 
-async def sync_nats_accounts(index: kopf.Index, gone: str | None = None) -> None:
-    """Write the NATS accounts of the jobs in `index` (less `gone`, the uid of a job being
-    deleted) into the Secret the chart's NATS server includes (it reloads when the file changes).
-    Only with the install's key and that Secret named (the chart's NATS in use)."""
-    cfg = operator_config()
+async def sync_nats_accounts(cfg: OperatorConfig, held: dict[str, tuple[str, str, int]]) -> None:
+    """Write the NATS accounts of the jobs holding a reservation (`held`) into the Secret the
+    chart's NATS server includes (it reloads when the file changes): their limits add up to no
+    more than its store, so it can always start. Only with the install's key and that Secret
+    named (the chart's own NATS in use)."""
     secret, namespace = os.environ.get(OperatorEnv.NATS_ACCOUNTS_SECRET), os.environ.get(OperatorEnv.NAMESPACE)
-    if not (cfg.auth_key and secret and namespace and STATE.kube and STATE.accounts_lock):
+    if not (cfg.auth_key and secret and namespace and STATE.kube):
         return
-    accounts = [
-        (ns, name, r.uid, r.reserved * cfg.nats_replicas)  # a limit counts every copy kept
-        for (ns, name), records in index.items()
-        for r in records
-        if r.uid != gone
-    ]
+    accounts = [(ns, name, uid, b * cfg.nats_replicas) for uid, (ns, name, b) in held.items()]  # every copy kept
     text = nats_accounts(cfg.auth_key, accounts)
-    async with STATE.accounts_lock:
-        if text != STATE.accounts_written:
-            await STATE.kube.apply(accounts_secret(secret, namespace, text))
-            STATE.accounts_written = text
+    if text != STATE.accounts_written:
+        await STATE.kube.apply(accounts_secret(secret, namespace, text))
+        STATE.accounts_written = text
 
 
 async def apply_owned(kube: Kube, children: list[dict[str, Any]], uid: str) -> str | None:
     """Apply the job's children in order; stop at the first that cannot be, and say why: an object
     of that name the job does not own (never taken over: deleting the job would delete it), or
-    one the API server refused (invalid, quota, an admission webhook)."""
+    one the API server refused (invalid, quota, an admission webhook). Every path that writes a
+    child comes here (the terminal one included). The job's Secret is only ever created: its
+    values follow from the job's uid and never change, so the operator needs no right to read (nor
+    to overwrite) Secrets where jobs run, and one of that name it did not make is left alone."""
     for obj in children:
         meta = obj["metadata"]
         what = f"{obj['kind']} {meta['name']}"
         try:
+            if obj["kind"] == "Secret":
+                await kube.create(obj)
+                continue
             existing = await kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
             if existing is not None and not owned_by(existing, uid):
                 return (
@@ -337,7 +381,7 @@ async def _reconcile(
     cfg = operator_config()
     job, spec_error, children = _read_spec(body, previous, cfg, logger)
     try:
-        apply_error = await _apply(kube, jobs, body, children, cfg, logger)
+        apply_error, held = await _reserve_and_apply(kube, jobs, body, job, previous, children, cfg, logger)
         roles = await _observe_roles(kube, ns, job, name)
         pods = await kube.list("v1", "Pod", ns, f"{JOB_LABEL}={name}")
         await _restart_trainer_gang(kube, body, job, pods, roles)
@@ -345,6 +389,7 @@ async def _reconcile(
         status, events = compute(
             _observed(body, job, now, previous, spec_error, roles, await _trainer_status(job, roles), pods, apply_error)
         )
+        status["natsReservedBytes"] = held
         await _act_on(kube, body, patch, logger, job, cfg, previous, status, events, now)
         return status
     except Exception:
@@ -369,6 +414,7 @@ def _read_spec(
                 "spec": dict(body.get("spec") or {}),
             },
             source=f"{KIND} {ns}/{name}",
+            cfg=cfg,
         )
     except SpecError as err:
         logger.warning("invalid spec: %s", err)
@@ -378,24 +424,34 @@ def _read_spec(
     return job, None, render(job, ns, meta.get("uid", ""), cfg, active=active, output_written=output_written)
 
 
-async def _apply(
+def store_bytes_needed(job: Any, previous: dict[str, Any], cfg: OperatorConfig) -> int:
+    """What the job must hold in the chart's NATS store now: its streams' bytes while it runs on
+    the install's own NATS; nothing when invalid, suspended or finished (or on another server)."""
+    if job is None or job.spec.suspend or is_terminal(previous) or not (on_chart_nats(job) and cfg.nats_bundled):
+        return 0
+    return reserved_bytes(job.spec)
+
+
+async def _reserve_and_apply(
     kube: Kube,
     jobs: kopf.Index,
     body: kopf.Body,
+    job: Any,
+    previous: dict[str, Any],
     children: list[dict[str, Any]],
-    cfg: Any,
+    cfg: OperatorConfig,
     logger: logging.Logger | logging.LoggerAdapter,
-) -> str | None:
-    """Apply the children if the store has room for the job; why not, otherwise."""
-    if not children:
-        return None
+) -> tuple[str | None, int]:
+    """Hold (or give back) the job's room in the NATS store, then apply its children if it has
+    room; why not, otherwise; and the bytes it holds."""
     meta = body["metadata"]
-    error = store_problem(jobs, meta["namespace"], meta["name"], cfg) or await apply_owned(
-        kube, children, meta.get("uid", "")
-    )
+    uid = meta.get("uid", "")
+    error, held = await reserve(jobs, cfg, uid, meta["namespace"], meta["name"], store_bytes_needed(job, previous, cfg))
+    if not error and children:
+        error = await apply_owned(kube, children, uid)
     if error:
         logger.warning("not applied: %s", error)
-    return error
+    return error, held
 
 
 async def _restart_trainer_gang(
@@ -476,8 +532,11 @@ async def _act_on(
     ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
     if job is not None and is_terminal(status) and not is_terminal(previous):
         # Free the GPUs; the checkpoints stay (or may now go with the job: the output is written).
-        for obj in render(job, ns, uid, cfg, active=False, output_written=status["phase"] == "Succeeded"):
-            await kube.apply(obj)
+        # As owned as any other apply: an object of a child's name that is not the job's stays as it is.
+        children = render(job, ns, uid, cfg, active=False, output_written=status["phase"] == "Succeeded")
+        error = await apply_owned(kube, children, uid)
+        if error:
+            logger.warning("not scaled down: %s", error)
     patch.status.update(status)
     for e in events:
         logger.debug("event %s: %s", e.reason, e.message)
@@ -493,7 +552,6 @@ async def _act_on(
 # cannot name an index, hence the type: ignore on each of them.
 @kopf.on.create(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
 async def created(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
-    await sync_nats_accounts(jobs)  # before its pods connect
     status = await reconcile(body, patch, logger, jobs)
     if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
         _event(body, "Normal", "Created", "created the ConfigMap, Services and StatefulSets")
@@ -501,7 +559,6 @@ async def created(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs:
 
 @kopf.on.update(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
 async def updated(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
-    await sync_nats_accounts(jobs)  # before its pods connect
     status = await reconcile(body, patch, logger, jobs)
     if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
         _event(body, "Normal", "Updated", f"applied generation {status.get('observedGeneration')}")
@@ -509,13 +566,11 @@ async def updated(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs:
 
 @kopf.on.resume(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
 async def resumed(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
-    await sync_nats_accounts(jobs)
     await reconcile(body, patch, logger, jobs)
 
 
 @kopf.timer(API_GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)  # type: ignore[arg-type]
 async def resync(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
-    await sync_nats_accounts(jobs)
     await reconcile(body, patch, logger, jobs)
 
 
@@ -544,7 +599,7 @@ async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
         logger.warning("could not delete NATS streams of %s/%s: %r", ns, name, err)
         _event(body, "Warning", "StreamsDeleteFailed", f"could not delete NATS streams at {url}: {err!r}")
     try:
-        await sync_nats_accounts(jobs, gone=uid)
+        await reserve(jobs, cfg, uid, ns, name, 0)  # its account goes with it
     except Exception as err:  # noqa: BLE001 - the next job's change (or the resync) writes it again
         logger.warning("could not remove the NATS account of %s/%s: %r", ns, name, err)
     metrics.record_phase(ns, name, None)

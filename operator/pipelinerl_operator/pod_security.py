@@ -5,16 +5,18 @@ user's `podTemplate` is merged in: the pod as it would run, not the template. Th
 Kubernetes' "restricted" Pod Security Standard (the version of 1.28-1.37: host namespaces,
 privileged containers, capabilities, host paths and ports, AppArmor, SELinux, /proc mounts,
 seccomp, sysctls, volume types, privilege escalation, non-root) and the operator's own:
-read-only root filesystems, no ServiceAccount but the one it sets and no projected
-ServiceAccount token (job pods never talk to the Kubernetes API), no ephemeral containers, and
-no reference to the install's own Secrets nor to another job's credentials. A user's podTemplate
-may tighten what the operator sets, never loosen it. Each violation names the field at fault.
+read-only root filesystems, no user or group ID below MIN_ID (root's group, `disk`, ...), no
+ServiceAccount but the one it sets and no projected ServiceAccount token (job pods never talk to
+the Kubernetes API), no ephemeral containers. A user's podTemplate may tighten what the operator
+sets, never loosen it. Each violation names the field at fault. (What a job may set at all, and
+the Secrets it may name, are job_policy's.)
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
+
+from pipelinerl.reserved import ID_WHY, MIN_ID
 
 # Restricted: volume types a pod may use.
 VOLUME_TYPES = frozenset(
@@ -39,18 +41,9 @@ SAFE_SYSCTLS = frozenset(
 SELINUX_TYPES = frozenset({"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"})
 SECCOMP_TYPES = frozenset({"RuntimeDefault", "Localhost"})
 APPARMOR_ANNOTATION = "container.apparmor.security.beta.kubernetes.io/"
-CREDENTIALS_SUFFIX = "-pipelinerl-credentials"  # every job's Secret of credentials ends so (render.secret_name)
-# The chart's own Secrets ("<release>-pipelinerl-<suffix>": its fullname always ends in -pipelinerl):
-# the install's key, the NATS accounts and route credentials, the webhook's certificate.
-INSTALL_SECRET_SUFFIXES = (
-    "-pipelinerl-auth",
-    "-pipelinerl-nats-accounts",
-    "-pipelinerl-nats-routes",
-    "-pipelinerl-operator-webhook",
-)
 
 
-def pod_violations(pod: dict[str, Any], *, service_account: str, own_secret: str) -> list[str]:
+def pod_violations(pod: dict[str, Any], *, service_account: str) -> list[str]:
     """Every rule the pod template `pod` breaks, as 'podTemplate.<path>: why' (paths as in the
     job's podTemplate; a container is named by its name)."""
     spec = pod.get("spec") or {}
@@ -93,11 +86,6 @@ def pod_violations(pod: dict[str, Any], *, service_account: str, own_secret: str
                     f"spec.volumes[{name}].projected.sources[{j}].serviceAccountToken",
                     "job pods never call the Kubernetes API: no ServiceAccount token",
                 )
-    for path, secret in _secret_references(spec):
-        if secret.endswith(INSTALL_SECRET_SUFFIXES):
-            bad(path, f"Secret {secret!r} is the PipelineRL install's own")
-        elif secret.endswith(CREDENTIALS_SUFFIX) and secret != own_secret:
-            bad(path, f"Secret {secret!r} holds another job's credentials")
     run_as_non_root = sc.get("runAsNonRoot") is True
     for kind in ("initContainers", "containers"):
         for c in spec.get(kind) or []:
@@ -133,8 +121,15 @@ def _context(sc: dict[str, Any], path: str, bad, pod_level: bool) -> None:
     """The checks a pod's and a container's securityContext share."""
     if sc.get("runAsNonRoot") is False:
         bad(f"{path}.runAsNonRoot", "must not be false")
-    if sc.get("runAsUser") == 0:
-        bad(f"{path}.runAsUser", "0 (root) is not allowed")
+    for field in ("runAsUser", "runAsGroup", "fsGroup") if pod_level else ("runAsUser", "runAsGroup"):
+        value = sc.get(field)
+        if isinstance(value, int) and value < MIN_ID:
+            bad(f"{path}.{field}", ID_WHY)
+    if pod_level:
+        groups = sc.get("supplementalGroups")
+        for value in groups if isinstance(groups, list) else []:
+            if isinstance(value, int) and value < MIN_ID:
+                bad(f"{path}.supplementalGroups", ID_WHY)
     if (sc.get("windowsOptions") or {}).get("hostProcess"):
         bad(f"{path}.windowsOptions.hostProcess", "host processes are not allowed")
     se = sc.get("seLinuxOptions") or {}
@@ -149,27 +144,3 @@ def _context(sc: dict[str, Any], path: str, bad, pod_level: bool) -> None:
     apparmor = (sc.get("appArmorProfile") or {}).get("type")
     if apparmor is not None and apparmor not in ("RuntimeDefault", "Localhost"):
         bad(f"{path}.appArmorProfile.type", "must be RuntimeDefault or Localhost")
-
-
-def _secret_references(spec: dict[str, Any]) -> Iterator[tuple[str, str]]:
-    """(field path, Secret name) of every Secret the pod reads: volumes, env, envFrom."""
-    for volume in spec.get("volumes") or []:
-        name = volume.get("name", "?")
-        if "secret" in volume:
-            yield f"spec.volumes[{name}].secret.secretName", (volume["secret"] or {}).get("secretName", "")
-        for j, source in enumerate((volume.get("projected") or {}).get("sources") or []):
-            if "secret" in source:
-                yield (
-                    f"spec.volumes[{name}].projected.sources[{j}].secret.name",
-                    (source["secret"] or {}).get("name", ""),
-                )
-    for kind in ("initContainers", "containers"):
-        for c in spec.get(kind) or []:
-            where = f"spec.{kind}[{c.get('name', '?')}]"
-            for var in c.get("env") or []:
-                ref = (var.get("valueFrom") or {}).get("secretKeyRef")
-                if ref:
-                    yield f"{where}.env[{var.get('name')}].valueFrom.secretKeyRef.name", ref.get("name", "")
-            for j, source in enumerate(c.get("envFrom") or []):
-                if "secretRef" in source:
-                    yield f"{where}.envFrom[{j}].secretRef.name", (source["secretRef"] or {}).get("name", "")

@@ -28,7 +28,6 @@ from pipelinerl.contracts import (
     JOB_LABEL,
     KUEUE_POD_GROUP_COUNT_ANNOTATION,
     KUEUE_POD_GROUP_LABEL,
-    KUEUE_PREFIX,
     KUEUE_QUEUE_LABEL,
     MASTER_PORT,
     POD_GROUP_LABEL,
@@ -44,11 +43,17 @@ from pipelinerl.contracts import (
     Env,
     ServiceEnv,
 )
+from pipelinerl.k8s_types import parse_quantity
 from pipelinerl.spec import API_VERSION, KIND, PipelineRLJob, RoleSpec, dump_job
+from pipelinerl_operator import job_policy
 from pipelinerl_operator.credentials import job_credentials, secret_data
-from pipelinerl_operator.pod_security import CREDENTIALS_SUFFIX, pod_violations
+from pipelinerl.contracts import RESERVED_LABEL_PREFIXES
+from pipelinerl.reserved import CREDENTIALS_SUFFIX
+from pipelinerl_operator.job_policy import Install, JobPolicy
+from pipelinerl_operator.pod_security import pod_violations
 
 FIELD_MANAGER = "pipelinerl-operator"
+ROLE_INFIX = "prl"
 # Pod-level fields of a role: changing them restarts that role only.
 POD_FIELDS = ("image", "resources", "gpus", "env", "podTemplate")
 
@@ -79,14 +84,23 @@ class OperatorConfig:
     metrics_namespaces: tuple[str, ...] = ()
     nats_replicas: int = 1  # servers of the chart's NATS: each stream of a job on it is kept by all of them
     nats_store_bytes: int = 0  # the chart's NATS store (each server's): jobs beyond it are refused; 0: unchecked
+    # The chart's NATS runs in the install (its pods, its accounts); False: `nats.externalUrl`, a
+    # server someone else runs, reached at `nats_external_cidrs` (none: anywhere on its ports).
+    nats_bundled: bool = True
+    nats_external_cidrs: tuple[str, ...] = ()
     # Job pods may connect only to their own job, NATS, DNS and what the job lists (spec.network);
     # False: anywhere. `namespace`: the operator's (where the chart's NATS runs).
     restrict_egress: bool = True
     namespace: str = "pipelinerl"
+    # What jobs may ask for (the chart's jobPolicy), and the install's own Secrets, which no job may name.
+    policy: JobPolicy = JobPolicy()
+    install: Install = Install()
 
 
 def role_name(job: str, role: str) -> str:
-    return f"{job}-{role}"
+    """A role's StatefulSet and Service: marked as PipelineRL's, so that no ordinary object such as
+    a Deployment's Service `<job>-generator` holds the name (spec.MAX_JOB_NAME leaves room)."""
+    return f"{job}-{ROLE_INFIX}-{role}"
 
 
 def owned_name(job: str, what: str = "") -> str:
@@ -126,8 +140,9 @@ def replicas(job: PipelineRLJob, role: str) -> int:
 
 
 def _labels(job: PipelineRLJob, role: str | None) -> dict[str, str]:
+    # The job's labels, less those the operator sets from the spec (queue, gang, its own).
     labels = {
-        **{k: v for k, v in job.metadata.labels.items() if not k.startswith(KUEUE_PREFIX)},
+        **{k: v for k, v in job.metadata.labels.items() if not k.startswith(RESERVED_LABEL_PREFIXES)},
         "app.kubernetes.io/name": "pipelinerl",
         "app.kubernetes.io/instance": job.name,
         "app.kubernetes.io/managed-by": "pipelinerl-operator",
@@ -244,8 +259,9 @@ def on_chart_nats(job: PipelineRLJob) -> bool:
 
 
 def _uses_secret(job: PipelineRLJob, cfg: OperatorConfig, key: str) -> bool:
-    """Credentials exist with the install's key; NATS ones are for the chart's NATS only."""
-    return cfg.auth_key is not None and (key == "weightsToken" or on_chart_nats(job))
+    """Credentials exist with the install's key; NATS ones are for the chart's own NATS only (the
+    operator writes its accounts; an external server is configured by whoever runs it)."""
+    return cfg.auth_key is not None and (key == "weightsToken" or (on_chart_nats(job) and cfg.nats_bundled))
 
 
 # What a role's pod asks for when its spec says nothing of cpu or memory (a namespace with a
@@ -267,7 +283,8 @@ def _quantity(resource: str, amount: float) -> str:
 
 def _resources(spec: RoleSpec, role: str) -> dict[str, Any]:
     """The user's resources, and for cpu and memory where they name neither request nor limit,
-    the defaults for the role (scaled by its GPUs)."""
+    the defaults for the role (scaled by its GPUs); a request without a limit gets the default
+    limit, or the request where it is larger (every pod has limits: a ResourceQuota admits it)."""
     requests = dict(spec.resources.requests)
     limits = dict(spec.resources.limits)
     defaults = DEFAULT_RESOURCES[role]
@@ -276,6 +293,11 @@ def _resources(spec: RoleSpec, role: str) -> dict[str, Any]:
             if resource not in spec.resources.requests and resource not in spec.resources.limits:
                 amount = DEFAULT_PER_GPU[kind][resource] * spec.gpus if spec.gpus else defaults[kind][resource]
                 into[resource] = _quantity(resource, amount)
+    for resource in ("cpu", "memory"):
+        if resource in requests and resource not in limits:
+            amount = DEFAULT_PER_GPU["limits"][resource] * spec.gpus if spec.gpus else defaults["limits"][resource]
+            default = _quantity(resource, amount)
+            limits[resource] = max(default, requests[resource], key=parse_quantity)
     if spec.gpus:
         limits["nvidia.com/gpu"] = str(spec.gpus)
         requests["nvidia.com/gpu"] = str(spec.gpus)
@@ -324,6 +346,34 @@ def _pod_labels(job: PipelineRLJob, role: str) -> tuple[dict[str, str], dict[str
     if scheduling.scheduler_name and gang:  # coscheduling-style gang schedulers group pods by this label
         labels[POD_GROUP_LABEL] = gang_name(job.name)
     return labels, annotations
+
+
+# What a user's sidecar or init container gets where it names neither request nor limit of cpu
+# or memory (and a limit where it names a request only).
+SIDECAR_RESOURCES: dict[str, dict[str, str]] = {
+    "requests": {"cpu": "100m", "memory": "128Mi"},
+    "limits": {"cpu": "1", "memory": "512Mi"},
+}
+
+
+def _sidecar_resources(container: dict[str, Any]) -> None:
+    given = container.get("resources") or {}
+    if not isinstance(given, dict):
+        return  # a wrong type: the schema check names it
+    requests, limits = given.get("requests") or {}, given.get("limits") or {}
+    if not isinstance(requests, dict) or not isinstance(limits, dict):
+        return
+    requests, limits = dict(requests), dict(limits)
+    for resource in ("cpu", "memory"):
+        if resource not in requests and resource not in limits:
+            requests[resource] = SIDECAR_RESOURCES["requests"][resource]
+            limits[resource] = SIDECAR_RESOURCES["limits"][resource]
+        elif resource not in limits:
+            try:
+                limits[resource] = max(SIDECAR_RESOURCES["limits"][resource], requests[resource], key=parse_quantity)
+            except ValueError:
+                pass  # not a quantity: the schema check names it
+    container["resources"] = {**given, "requests": requests, "limits": limits}
 
 
 # Locked down (the "restricted" Pod Security Standard): writes go to the pod's volumes only. A
@@ -406,6 +456,8 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorCon
     theirs = {c.get("name"): c for kind in ("initContainers", "containers") for c in user.get(kind) or []}
     for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:  # a user's sidecars too
         c["securityContext"] = merge_pod(CONTAINER_SECURITY, (theirs.get(c["name"]) or {}).get("securityContext") or {})
+        if c["name"] != role:
+            _sidecar_resources(c)
     return pod
 
 
@@ -469,8 +521,8 @@ def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorCo
         spec["egress"] = [
             {"to": [own]},
             _nats_egress(job, cfg),
-            {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]},
-            *copy.deepcopy(job.spec.network.egress),
+            job_policy.dns_egress(cfg.policy),
+            *job_policy.egress_rules(job.spec.network.egress, cfg.policy),  # within the platform's
         ]
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -481,8 +533,10 @@ def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorCo
 
 
 def _nats_egress(job: PipelineRLJob, cfg: OperatorConfig) -> dict[str, Any]:
-    """The chart's NATS pods on its client port; a job's own servers: their ports, anywhere."""
-    if on_chart_nats(job):
+    """The chart's NATS pods on its client port; the chart's external NATS on its URLs' ports, at
+    its addresses where the chart lists them; a job's own servers (jobPolicy.natsServers): their
+    ports, anywhere (a NetworkPolicy cannot name a host)."""
+    if on_chart_nats(job) and cfg.nats_bundled:
         return {
             "to": [
                 {
@@ -492,8 +546,12 @@ def _nats_egress(job: PipelineRLJob, cfg: OperatorConfig) -> dict[str, Any]:
             ],
             "ports": [{"port": NATS_CLIENT_PORT, "protocol": "TCP"}],
         }
-    ports = sorted({urlsplit(u.strip()).port or NATS_CLIENT_PORT for u in (job.spec.nats.url or "").split(",")})
-    return {"ports": [{"port": p, "protocol": "TCP"} for p in ports]}
+    urls = job.spec.nats.url or cfg.nats_url
+    ports = sorted({urlsplit(u.strip()).port or NATS_CLIENT_PORT for u in urls.split(",") if u.strip()})
+    rule: dict[str, Any] = {"ports": [{"port": p, "protocol": "TCP"} for p in ports]}
+    if on_chart_nats(job) and cfg.nats_external_cidrs:
+        rule["to"] = [{"ipBlock": {"cidr": c}} for c in cfg.nats_external_cidrs]
+    return rule
 
 
 def pod_group(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, Any]:
@@ -617,19 +675,32 @@ def render(
 
 
 def check_pods(job: PipelineRLJob, objects: list[dict[str, Any]], cfg: OperatorConfig) -> None:
-    """Refuse a job whose pods, as rendered (its podTemplate merged in), would be more powerful
-    than its author may be: `pod_security`."""
-    problems = []
+    """Refuse a job that asks for more than its author may have: its podTemplate's fields, its
+    pods as rendered (the podTemplate merged in) and its spec, against the platform's policy
+    (job_policy) and the pod security rules (pod_security)."""
+    namespace = job.metadata.namespace or "default"
+    bad = job_policy.Problems()
+    for role in ROLES:
+        job_policy.template_violations(role, getattr(job.spec, role).pod_template, bad)
     for obj in objects:
         if obj["kind"] == "StatefulSet":
             role = obj["metadata"]["labels"][ROLE_LABEL]
-            problems += [
-                f"{role}.{v}"
-                for v in pod_violations(
-                    obj["spec"]["template"],
-                    service_account=service_account_name(job.name, cfg),
-                    own_secret=secret_name(job.name),
-                )
+            pod = obj["spec"]["template"]
+            bad.items += [
+                f"{role}.{v}" for v in pod_violations(pod, service_account=service_account_name(job.name, cfg))
             ]
+            job_policy.pod_policy_violations(
+                role,
+                pod,
+                cfg.policy,
+                namespace,
+                secret_name(job.name),
+                (cfg.cpu_image, cfg.gpu_image),
+                cfg.install,
+                bad,
+            )
+    problems = bad.items + job_policy.spec_violations(
+        job, cfg.policy, namespace, cfg.install, cfg.nats_store_bytes, cfg.nats_bundled
+    )
     if problems:
-        raise RenderError(*problems)
+        raise RenderError(*dict.fromkeys(problems))  # each once

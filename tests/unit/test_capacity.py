@@ -1,9 +1,7 @@
-"""A job's JetStream reservation (pure): derived from the job, and a store's jobs counted in the
-order they were created."""
+"""A job's JetStream reservation (pure): derived from the job; admitted only beside the
+reservations held, within the store and its namespace's share."""
 
-import pytest
-
-from pipelinerl.capacity import MIN_STREAM_BYTES, fits, reserved_bytes, stream_bytes
+from pipelinerl.capacity import MIN_STREAM_BYTES, admission_problem, reserved_bytes, stream_bytes
 from pipelinerl.spec import parse_job
 
 
@@ -23,10 +21,13 @@ def test_batches_hold_what_a_restarted_trainer_replays():
     assert stream_bytes(spec(trainer={"checkpointInterval": 0, "maxSteps": 7}))["BATCHES"] == MIN_STREAM_BYTES
 
 
-def test_jobs_fit_in_creation_order():
-    jobs = [("2026-01-02", "b", 40), ("2026-01-01", "c", 50), ("2026-01-03", "a", 20)]
-    assert fits(100, jobs, "c") == (True, 0)
-    assert fits(100, jobs, "b") == (True, 50)
-    assert fits(100, jobs, "a") == (False, 90)  # created last: the one refused
-    with pytest.raises(KeyError):
-        fits(100, jobs, "d")
+def test_a_job_is_admitted_beside_the_reservations_held_within_its_namespaces_share():
+    held = {"u1": ("team-a", 40), "u2": ("team-b", 30)}
+    assert admission_problem(100, 1.0, held, "team-c", 30) is None
+    assert "cannot hold this job's streams" in admission_problem(100, 1.0, held, "team-c", 31)
+    # A namespace's jobs together within its share, whatever room the store has.
+    assert admission_problem(100, 0.5, held, "team-a", 10) is None
+    share = admission_problem(100, 0.5, held, "team-a", 11)
+    assert share is not None and "namespace team-a may reserve 50%" in share
+    # Jobs that hold nothing (waiting, suspended, finished, refused) are simply not in `held`.
+    assert admission_problem(100, 1.0, {}, "team-a", 100) is None

@@ -129,7 +129,8 @@ def test_rendered_pods_are_told_what_the_services_read():
         env = ServiceEnv.from_environ(role, environ)
         assert env.rank == 2 and env.run_dir == Path(c.POD_RUN_DIR) and env.http_port == c.HTTP_PORT
         assert container["ports"][0]["containerPort"] == env.http_port
-        assert env.weights_host == "demo-trainer-0.demo-trainer.team-a.svc" and env.weights_port == c.WEIGHTS_PORT
+        assert env.weights_host == "demo-prl-trainer-0.demo-prl-trainer.team-a.svc"
+        assert env.weights_port == c.WEIGHTS_PORT
         if role == "trainer":
             assert (env.world_size, env.ranks_per_pod, env.master_port) == (8, 4, c.MASTER_PORT)
         else:

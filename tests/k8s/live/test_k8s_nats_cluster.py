@@ -6,6 +6,7 @@ SIGKILLed, nothing acknowledged is lost and the job's streams take writes on."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import re
 import signal
 import socket
@@ -20,6 +21,7 @@ from pipelinerl_cli.embedded_nats import nats_server_binary
 from pipelinerl.ports import free_port
 from pipelinerl.spec import parse_job
 from pipelinerl.streams import connect, ensure_streams
+from pipelinerl_operator.job_policy import parse_policy
 from pipelinerl_operator.render import OperatorConfig, render
 
 SUBJECTS = JobSubjects("demo", "team-a")
@@ -45,7 +47,8 @@ def test_the_chart_renders_a_cluster_and_the_operator_replicates_job_streams_on_
     # The operator tells a job's pods to keep each stream on every server (on the chart's NATS only).
     for spec, expected in (({}, 3), ({"nats": {"url": "nats://elsewhere:4222"}}, None)):
         job = parse_job({"metadata": {"name": "demo"}, "spec": spec})
-        pod = next(o for o in render(job, "team-a", "u", OperatorConfig(nats_replicas=3)) if o["kind"] == "StatefulSet")
+        cfg = OperatorConfig(nats_replicas=3, policy=parse_policy({"natsServers": ["elsewhere:4222"]}))
+        pod = next(o for o in render(job, "team-a", "u", cfg) if o["kind"] == "StatefulSet")
         environ = {
             e["name"]: e["value"] for e in pod["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e
         }
@@ -63,6 +66,9 @@ def test_the_chart_renders_a_cluster_and_the_operator_replicates_job_streams_on_
 
 
 class Cluster:
+    """Each server as its pod runs it: the chart's nats.conf, and its container's environment
+    (the route password from the chart's Secret, the route URLs the kubelet expands it into)."""
+
     def __init__(self, root, size: int = 3):
         objects = chart_objects(size)
         conf = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-pipelinerl-nats")
@@ -70,32 +76,35 @@ class Cluster:
         routes_secret = next(
             o for o in objects if o["kind"] == "Secret" and o["metadata"]["name"] == "rl-pipelinerl-nats-routes"
         )
-        cluster_conf, self.password = (
-            routes_secret["stringData"]["cluster.conf"],
-            routes_secret["stringData"]["password"],
-        )
-        assert 'include "../nats-routes/cluster.conf"' in template and self.password in cluster_conf
+        self.password = base64.b64decode(routes_secret["data"]["password"]).decode()
+        assert self.password not in template  # the configuration carries no password
+        sts = next(o for o in objects if o["kind"] == "StatefulSet")
+        env = {e["name"]: e for e in sts["spec"]["template"]["spec"]["containers"][0]["env"]}
+        assert env["ROUTE_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+            "name": "rl-pipelinerl-nats-routes",
+            "key": "password",
+        }
         self.client = [free_port() for _ in range(size)]
         self.cluster = [free_port() for _ in range(size)]
-        routes = re.findall(r"nats://route:\S+@(rl-pipelinerl-nats-(\d)\.\S+):6222", cluster_conf)
-        assert [int(i) for _, i in routes] == list(range(size))  # one route per server, by pod DNS name
+        routes = {}
+        for j in range(size):  # one route per server, by pod DNS name → this machine's ports
+            url = env[f"ROUTE_{j}"]["value"]
+            assert url == f"nats://route:$(ROUTE_PASSWORD)@rl-pipelinerl-nats-{j}.rl-pipelinerl-nats.team-a.svc:6222"
+            routes[f"ROUTE_{j}"] = f"nats://route:{self.password}@127.0.0.1:{self.cluster[j]}"
         self.procs: list[subprocess.Popen | None] = []
         for i in range(size):
             text = re.sub(r"^port: 4222$", f"port: {self.client[i]}", template, flags=re.M)
+            text = text.replace("  port: 6222", f"  port: {self.cluster[i]}")
             text = text.replace('http: "127.0.0.1:8222"', f'http: "127.0.0.1:{free_port()}"')
             text = text.replace("/var/run/nats", str(root / f"s{i}")).replace(
                 "/data/jetstream", str(root / f"s{i}" / "js")
             )
-            mine = cluster_conf.replace("port: 6222", f"port: {self.cluster[i]}")
-            for host, j in routes:  # pod DNS names → this machine's ports (as in the pods: ../nats-routes)
-                mine = mine.replace(f"@{host}:6222", f"@127.0.0.1:{self.cluster[int(j)]}")
-            for folder, name, content in (("etc", "nats.conf", text), ("nats-routes", "cluster.conf", mine)):
-                (root / f"s{i}" / folder).mkdir(parents=True, exist_ok=True)
-                (root / f"s{i}" / folder / name).write_text(content)
+            (root / f"s{i}" / "etc").mkdir(parents=True, exist_ok=True)
+            (root / f"s{i}" / "etc" / "nats.conf").write_text(text)
             self.procs.append(
                 subprocess.Popen(
                     [nats_server_binary(), "-c", str(root / f"s{i}" / "etc" / "nats.conf")],
-                    env={"POD_NAME": f"rl-pipelinerl-nats-{i}"},
+                    env={"POD_NAME": f"rl-pipelinerl-nats-{i}", "ROUTE_PASSWORD": self.password, **routes},
                     stdout=open(root / f"s{i}" / "log", "wb"),
                     stderr=subprocess.STDOUT,
                 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
 from typing import Any
 
@@ -14,7 +15,7 @@ import nats
 from prometheus_client import generate_latest
 
 from operator_harness import JOBS, NS, Api, eventually, running_operator
-from pipelinerl.contracts import JobSubjects
+from pipelinerl.contracts import JobSubjects, OperatorEnv
 from pipelinerl.streams import ensure_streams
 from pipelinerl_operator import metrics
 
@@ -65,18 +66,18 @@ def events(emulator: kmock.KubernetesEmulator) -> list[str]:
 
 async def all_ready(api: Api, name: str = "demo", generators: int = 2, trainers: int = 2) -> None:
     for role, n in (("generator", generators), ("preprocessor", 1), ("trainer", trainers)):
-        await api.set_sts_status(f"{name}-{role}", n, n)
+        await api.set_sts_status(f"{name}-prl-{role}", n, n)
 
 
 async def test_create_renders_children_and_turns_ready_with_progress(cluster) -> None:
     emulator, api, trainer = cluster
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest())
-        sts = await eventually(lambda: all(obj(emulator, STS, f"demo-{r}") for r in ROLES), what="StatefulSets")
+        sts = await eventually(lambda: all(obj(emulator, STS, f"demo-prl-{r}") for r in ROLES), what="StatefulSets")
         assert sts
         for kind, name in (
-            [(STS, f"demo-{r}") for r in ROLES]
-            + [("v1/services", f"demo-{r}") for r in ROLES]
+            [(STS, f"demo-prl-{r}") for r in ROLES]
+            + [("v1/services", f"demo-prl-{r}") for r in ROLES]
             + [("v1/configmaps", "demo-pipelinerl-config")]
         ):
             child = obj(emulator, kind, name)
@@ -88,8 +89,8 @@ async def test_create_renders_children_and_turns_ready_with_progress(cluster) ->
                 "uid-demo",
                 True,
             )
-        assert obj(emulator, STS, "demo-generator")["spec"]["replicas"] == 2
-        assert obj(emulator, STS, "demo-trainer")["spec"]["replicas"] == 2
+        assert obj(emulator, STS, "demo-prl-generator")["spec"]["replicas"] == 2
+        assert obj(emulator, STS, "demo-prl-trainer")["spec"]["replicas"] == 2
 
         await eventually(lambda: condition(emulator, "Ready"), what="a Ready condition")
         assert condition(emulator, "Ready")["reason"] == "GeneratorsNotReady", status(emulator)
@@ -151,15 +152,21 @@ async def test_create_renders_children_and_turns_ready_with_progress(cluster) ->
 
 
 def sts_template(emulator, role: str) -> dict[str, Any]:
-    return obj(emulator, STS, f"demo-{role}")["spec"]["template"]
+    return obj(emulator, STS, f"demo-prl-{role}")["spec"]["template"]
 
 
-async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
+def allow(monkeypatch, **policy: Any) -> None:
+    """The platform's job policy (the chart's jobPolicy values, as the operator reads them)."""
+    monkeypatch.setenv(OperatorEnv.JOB_POLICY, json.dumps(policy))
+
+
+async def test_scale_suspend_resume_and_spec_change(cluster, monkeypatch) -> None:
     emulator, api, trainer = cluster
+    allow(monkeypatch, images=["ghcr.io/pipelinerl", "example.com"])
     trainer.reports["demo"] = {"step": 3, "version": 3, "finished": False, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest(scheduling={"queueName": "team-a-gpus"}))  # in a Kueue queue: the gang labels
-        await eventually(lambda: obj(emulator, STS, "demo-trainer"), what="trainer StatefulSet")
+        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"), what="trainer StatefulSet")
         assert (
             sts_template(emulator, "trainer")["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"]
             == "demo-pipelinerl-gang"
@@ -171,7 +178,7 @@ async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
         # `kubectl scale prl/demo --replicas=4`: the scale subresource writes spec.generator.replicas.
         await api.scale_job("demo", 4)
         assert obj(emulator, JOBS, "demo")["spec"]["generator"]["replicas"] == 4
-        await eventually(lambda: obj(emulator, STS, "demo-generator")["spec"]["replicas"] == 4, what="scaled")
+        await eventually(lambda: obj(emulator, STS, "demo-prl-generator")["spec"]["replicas"] == 4, what="scaled")
         await eventually(lambda: status(emulator)["generatorsReady"] == "2/4", what="2/4")
         # What an autoscaler reads back: the replicas running and a selector of the generator pods.
         scale = await api.get_scale("demo")
@@ -180,25 +187,28 @@ async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
         assert condition(emulator, "Degraded")["reason"] == "GeneratorsMissing"
         assert sts_template(emulator, "trainer") == trainer_before, "scaling generators must not restart trainers"
         assert status(emulator)["observedGeneration"] == 2
-        await api.set_sts_status("demo-generator", 4, 4)
+        await api.set_sts_status("demo-prl-generator", 4, 4)
         await eventually(lambda: condition(emulator, "Degraded").get("status") == "False", what="recovered")
 
         # A trainer setting rolls the trainers (new config hash) but not the generators, and the
         # trainer gang restarts as a whole: the operator deletes every trainer pod at once.
         gen_before = sts_template(emulator, "generator")
-        assert obj(emulator, STS, "demo-trainer")["spec"]["updateStrategy"] == {"type": "OnDelete"}
+        assert obj(emulator, STS, "demo-prl-trainer")["spec"]["updateStrategy"] == {"type": "OnDelete"}
         for i in range(2):
             await api.create_pod(
-                f"demo-trainer-{i}",
+                f"demo-prl-trainer-{i}",
                 {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer", "controller-revision-hash": "rev-1"},
                 0,
             )
         await api.patch_job("demo", {"spec": {"trainer": {"learningRate": 0.0005}}})
         await eventually(lambda: sts_template(emulator, "trainer") != trainer_before, what="trainer rollout")
-        assert obj(emulator, "v1/pods", "demo-trainer-0") and obj(emulator, "v1/pods", "demo-trainer-1")
-        await api.set_sts_status("demo-trainer", 2, 2, update_revision="rev-2")  # the controller's new revision
+        assert obj(emulator, "v1/pods", "demo-prl-trainer-0") and obj(emulator, "v1/pods", "demo-prl-trainer-1")
+        await api.set_sts_status("demo-prl-trainer", 2, 2, update_revision="rev-2")  # the controller's new revision
         await eventually(
-            lambda: not obj(emulator, "v1/pods", "demo-trainer-0") and not obj(emulator, "v1/pods", "demo-trainer-1"),
+            lambda: (
+                not obj(emulator, "v1/pods", "demo-prl-trainer-0")
+                and not obj(emulator, "v1/pods", "demo-prl-trainer-1")
+            ),
             what="the trainer gang deleted",
         )
         await eventually(lambda: "TrainerGangRestarted" in events(emulator), what="TrainerGangRestarted event")
@@ -218,17 +228,17 @@ async def test_scale_suspend_resume_and_spec_change(cluster) -> None:
         # Suspend: every role scales to zero, the job says so; resume brings them back.
         await api.patch_job("demo", {"spec": {"suspend": True}})
         await eventually(
-            lambda: all(obj(emulator, STS, f"demo-{r}")["spec"]["replicas"] == 0 for r in ROLES), what="scaled to 0"
+            lambda: all(obj(emulator, STS, f"demo-prl-{r}")["spec"]["replicas"] == 0 for r in ROLES), what="scaled to 0"
         )
         for role in ROLES:
-            await api.set_sts_status(f"demo-{role}", 0, 0)
+            await api.set_sts_status(f"demo-prl-{role}", 0, 0)
         await eventually(lambda: status(emulator).get("phase") == "Suspended", what="Suspended")
         assert condition(emulator, "Suspended")["status"] == "True"
         assert condition(emulator, "Ready")["reason"] == "Suspended"
-        assert "volumeClaimTemplates" in obj(emulator, STS, "demo-trainer")["spec"], "checkpoints are kept on PVCs"
+        assert "volumeClaimTemplates" in obj(emulator, STS, "demo-prl-trainer")["spec"], "checkpoints are kept on PVCs"
         await api.patch_job("demo", {"spec": {"suspend": False}})
         await eventually(
-            lambda: obj(emulator, STS, "demo-generator")["spec"]["replicas"] == 4,
+            lambda: obj(emulator, STS, "demo-prl-generator")["spec"]["replicas"] == 4,
             what=f"resumed {obj(emulator, JOBS, 'demo')['spec']} {status(emulator)}",
         )
         await all_ready(api, generators=4)
@@ -244,43 +254,44 @@ async def test_failing_trainer_fails_after_backoff_limit(cluster) -> None:
     trainer.reports["demo"] = {"step": 1, "version": 1, "finished": False, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest())  # backoffLimit 2
-        await eventually(lambda: obj(emulator, STS, "demo-trainer"))
+        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"))
         await all_ready(api)
         labels = {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer"}
-        await api.create_pod("demo-trainer-0", labels, restarts=0)
+        await api.create_pod("demo-prl-trainer-0", labels, restarts=0)
         await api.create_pod(
-            "demo-generator-0", {**labels, "pipelinerl.dev/role": "generator"}, restarts=5
+            "demo-prl-generator-0", {**labels, "pipelinerl.dev/role": "generator"}, restarts=5
         )  # elastic: not a failure
-        await api.create_pod("demo-trainer-1", labels, restarts=1)
+        await api.create_pod("demo-prl-trainer-1", labels, restarts=1)
         await eventually(lambda: condition(emulator, "Degraded").get("reason") == "PodsRestarted")
         assert status(emulator)["phase"] == "Running"
         # The other pod restarting with it (its collective broke): the same incident, one failure.
-        await api.patch_pod_restarts("demo-trainer-0", 1)
-        await eventually(lambda: status(emulator)["podRestarts"] == {"demo-trainer-0": 1, "demo-trainer-1": 1})
+        await api.patch_pod_restarts("demo-prl-trainer-0", 1)
+        await eventually(lambda: status(emulator)["podRestarts"] == {"demo-prl-trainer-0": 1, "demo-prl-trainer-1": 1})
         assert status(emulator)["failures"] == 1 and status(emulator)["phase"] == "Running"
-        await api.patch_pod_restarts("demo-trainer-0", 3)  # it fails twice more: 3 failures > backoffLimit 2
+        await api.patch_pod_restarts("demo-prl-trainer-0", 3)  # it fails twice more: 3 failures > backoffLimit 2
         await eventually(lambda: status(emulator).get("phase") == "Failed", what="Failed")
         failed = condition(emulator, "Failed")
         assert failed["status"] == "True" and failed["reason"] == "BackoffLimitExceeded"
         assert status(emulator)["completionTime"]
         await eventually(
-            lambda: all(obj(emulator, STS, f"demo-{r}")["spec"]["replicas"] == 0 for r in ROLES), what="released"
+            lambda: all(obj(emulator, STS, f"demo-prl-{r}")["spec"]["replicas"] == 0 for r in ROLES), what="released"
         )
         await eventually(lambda: "BackoffLimitExceeded" in events(emulator))
         # Terminal is sticky: a recovered trainer does not resurrect the job.
-        await api.patch_pod_restarts("demo-trainer-0", 0)
-        await api.set_sts_status("demo-trainer", 2, 2)
+        await api.patch_pod_restarts("demo-prl-trainer-0", 0)
+        await api.set_sts_status("demo-prl-trainer", 2, 2)
         await eventually(lambda: status(emulator)["roles"]["trainer"]["ready"] == 2)
         assert status(emulator)["phase"] == "Failed"
 
 
-async def test_finished_trainer_succeeds_and_ttl_deletes(cluster) -> None:
+async def test_finished_trainer_succeeds_and_ttl_deletes(cluster, monkeypatch) -> None:
     emulator, api, trainer = cluster
+    allow(monkeypatch, volumeClaims=[f"{NS}/models"])
     trainer.reports["demo"] = {"step": 50, "version": 50, "maxSteps": 50, "finished": True, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest(runPolicy={"ttlSecondsAfterFinished": 1}, output={"claimName": "models"}))
-        await eventually(lambda: obj(emulator, STS, "demo-trainer"))
-        retention = lambda: obj(emulator, STS, "demo-trainer")["spec"]["persistentVolumeClaimRetentionPolicy"][  # noqa: E731
+        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"))
+        retention = lambda: obj(emulator, STS, "demo-prl-trainer")["spec"]["persistentVolumeClaimRetentionPolicy"][  # noqa: E731
             "whenDeleted"
         ]  # noqa: E731
         assert retention() == "Retain"  # the checkpoints are the only copy of the model until the output is written
@@ -353,12 +364,34 @@ async def test_invalid_spec_is_a_condition_not_a_crash(cluster) -> None:
         await api.create_job(bad)
         await eventually(lambda: condition(emulator, "Ready").get("reason") == "InvalidSpec", what="InvalidSpec")
         assert "engineArgs.kv_cache_dtype: must be one of" in condition(emulator, "Ready")["message"]
-        assert obj(emulator, STS, "demo-generator") is None
+        assert obj(emulator, STS, "demo-prl-generator") is None
         await eventually(lambda: "InvalidSpec" in events(emulator))
         # Fixing the spec recovers without restarting anything.
         await api.patch_job("demo", {"spec": {"generator": {"engineArgs": {"kv_cache_dtype": "fp8"}}}})
-        await eventually(lambda: obj(emulator, STS, "demo-generator"), what="rendered after the fix")
+        await eventually(lambda: obj(emulator, STS, "demo-prl-generator"), what="rendered after the fix")
         await eventually(lambda: condition(emulator, "Ready").get("reason") == "GeneratorsNotReady")
+
+
+async def test_the_operator_refuses_what_the_platform_does_not_allow(cluster, monkeypatch) -> None:
+    """The job policy at the operator's door (no webhook here): a job asking for what the policy
+    does not list is InvalidSpec, the field named, nothing rendered; once the platform lists it
+    (the chart's jobPolicy, read from the operator's environment), the same job runs."""
+    emulator, api, _ = cluster
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest(scheduling={"priorityClassName": "training"}))
+        await eventually(
+            lambda: condition(emulator, "Ready").get("reason") == "InvalidSpec", timeout_s=40, what="InvalidSpec"
+        )
+        assert (
+            "spec.scheduling.priorityClassName: 'training' is not a priority class jobs may use"
+            in condition(emulator, "Ready")["message"]
+        )
+        assert not obj(emulator, STS, "demo-prl-trainer") and not obj(
+            emulator, "v1/configmaps", "demo-pipelinerl-config"
+        )
+        allow(monkeypatch, priorityClassNames=["training"])
+        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"), timeout_s=20, what="rendered once allowed")
+        assert sts_template(emulator, "trainer")["spec"]["priorityClassName"] == "training"
 
 
 async def test_operator_restart_creates_no_duplicates(cluster) -> None:
@@ -366,7 +399,7 @@ async def test_operator_restart_creates_no_duplicates(cluster) -> None:
     trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest())
-        await eventually(lambda: obj(emulator, STS, "demo-trainer"))
+        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"))
         await all_ready(api)
         await eventually(lambda: condition(emulator, "Ready").get("status") == "True")
     creates_before = [c for c in emulator.creates if not c.startswith("events/")]
@@ -378,8 +411,9 @@ async def test_operator_restart_creates_no_duplicates(cluster) -> None:
     assert condition(emulator, "Ready")["status"] == "True"
 
 
-async def test_deletion_removes_this_jobs_nats_streams(cluster, nats_url: str) -> None:
+async def test_deletion_removes_this_jobs_nats_streams(cluster, nats_url: str, monkeypatch) -> None:
     emulator, api, _ = cluster
+    allow(monkeypatch, natsServers=[nats_url.removeprefix("nats://")])
     nc = await nats.connect(nats_url, connect_timeout=2)
     js = nc.jetstream(timeout=2)
     # This job's, a job's of another name, and a same-named job's in another namespace.
@@ -406,24 +440,24 @@ async def test_a_refused_apply_and_a_stuck_pod_are_told_in_the_status_and_events
     emulator, api, trainer = cluster
     trainer.reports["demo"] = {"step": 3, "version": 3, "finished": False, "weightSyncReady": True}
     refusal = 'spec.template.spec.containers[0].image: Invalid value: "bad image": no spaces allowed'
-    emulator.refuse["statefulsets/demo-generator"] = refusal
+    emulator.refuse["statefulsets/demo-prl-generator"] = refusal
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest())
         await eventually(lambda: condition(emulator, "Ready").get("reason") == "ApplyRefused", what="ApplyRefused")
         ready = condition(emulator, "Ready")
         assert (
             ready["status"] == "False"
-            and "StatefulSet demo-generator" in ready["message"]
+            and "StatefulSet demo-prl-generator" in ready["message"]
             and refusal in ready["message"]
         )
         await eventually(lambda: "ApplyRefused" in events(emulator), what="ApplyRefused event")
         emulator.refuse.clear()  # fixed (e.g. a quota raised): the next reconcile applies it
         await api.patch_job("demo", {"spec": {"generator": {"replicas": 3}}})
-        await eventually(lambda: all(obj(emulator, STS, f"demo-{r}") for r in ROLES), what="every StatefulSet")
+        await eventually(lambda: all(obj(emulator, STS, f"demo-prl-{r}") for r in ROLES), what="every StatefulSet")
         await all_ready(api, generators=3)
         # A trainer pod that no node can take: the condition says which pod and why.
         await api.create_pod(
-            "demo-trainer-1",
+            "demo-prl-trainer-1",
             {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer"},
             0,
             status={
@@ -437,11 +471,11 @@ async def test_a_refused_apply_and_a_stuck_pod_are_told_in_the_status_and_events
                 ]
             },
         )
-        await api.set_sts_status("demo-trainer", 2, 1)
+        await api.set_sts_status("demo-prl-trainer", 2, 1)
         await eventually(
             lambda: condition(emulator, "TrainerReady").get("reason") == "Unschedulable", what="Unschedulable"
         )
-        assert "pod demo-trainer-1: Unschedulable: 0/4 nodes" in condition(emulator, "TrainerReady")["message"]
+        assert "pod demo-prl-trainer-1: Unschedulable: 0/4 nodes" in condition(emulator, "TrainerReady")["message"]
         assert condition(emulator, "Ready")["reason"] == "TrainerNotReady"
         await eventually(lambda: "Unschedulable" in events(emulator), what="Unschedulable event")
 
@@ -461,31 +495,74 @@ async def test_an_object_the_job_does_not_own_is_never_taken_over(cluster) -> No
             in condition(emulator, "Ready")["message"]
         )
         await eventually(lambda: "ApplyRefused" in events(emulator), what="ApplyRefused event")
-        assert not any(obj(emulator, STS, f"demo-{r}") for r in ROLES)  # no pod could run as that account
+        assert not any(obj(emulator, STS, f"demo-prl-{r}") for r in ROLES)  # no pod could run as that account
         assert not obj(emulator, "v1/serviceaccounts", "demo-pipelinerl").get("metadata", {}).get("ownerReferences")
 
 
-async def test_a_job_the_nats_store_cannot_hold_is_refused_until_there_is_room(cluster, monkeypatch) -> None:
-    """Each job reserves its streams' bytes in the chart's NATS store (pipelinerl.capacity): a
-    job beyond the store, counted after the jobs created before it, is refused with a condition
-    and an Event saying so (its pods never start), and goes on once an earlier job is deleted."""
+async def test_a_failed_job_takes_over_nothing_on_its_way_out(cluster) -> None:
+    """The terminal path (Failed/DeadlineExceeded here) scales the job's children down through the
+    same ownership check as every other apply: a user's own ServiceAccount and Service that hold
+    the names of the job's children get no ownerReference (a real API server would delete them
+    with the job) and keep what their owner set."""
+    emulator, api, _ = cluster
+    mine = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "demo-pipelinerl", "namespace": NS}}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "demo-prl-generator", "namespace": NS, "labels": {"app": "theirs"}},
+        "spec": {"selector": {"app": "theirs"}, "ports": [{"port": 80}]},
+    }
+    await api.create(f"/api/v1/namespaces/{NS}/serviceaccounts", mine)
+    await api.create(f"/api/v1/namespaces/{NS}/services", service)
+    async with running_operator(str(emulator.url)):
+        # Created long ago (kmock stamps a past time): past its deadline at its first reconcile.
+        await api.create_job(manifest(runPolicy={"activeDeadlineSeconds": 1}))
+        await eventually(
+            lambda: condition(emulator, "Failed").get("reason") == "DeadlineExceeded", timeout_s=40, what="Failed"
+        )
+        await eventually(lambda: "DeadlineExceeded" in events(emulator), what="its Event")
+        await asyncio.sleep(1)  # a resync or two after the terminal one
+    for kind, name in (("v1/serviceaccounts", "demo-pipelinerl"), ("v1/services", "demo-prl-generator")):
+        theirs = obj(emulator, kind, name)
+        assert not theirs["metadata"].get("ownerReferences"), f"{kind} {name} taken over: {theirs['metadata']}"
+    assert obj(emulator, "v1/services", "demo-prl-generator")["spec"]["selector"] == {"app": "theirs"}
+    assert not obj(emulator, STS, "demo-prl-generator")  # nothing after the refused child
+
+
+async def test_a_job_the_nats_store_cannot_hold_waits_and_holds_nothing_until_there_is_room(
+    cluster, monkeypatch
+) -> None:
+    """Each running job holds its streams' bytes in the chart's NATS store (pipelinerl.capacity),
+    said in its status. A job the store cannot hold beside them waits, told in a condition and an
+    Event (its pods never start), holding nothing: it takes no later job hostage. It starts once a
+    running job gives its room back: deleted, or suspended (which holds nothing either)."""
     from pipelinerl.capacity import reserved_bytes
     from pipelinerl.spec import parse_job
 
     emulator, api, _ = cluster
     one = reserved_bytes(parse_job(manifest("zeta")).spec)
     monkeypatch.setenv("PIPELINERL_NATS_STORE_BYTES", str(2 * one + one // 2))  # room for two jobs
+    held = lambda name: status(emulator, name).get("natsReservedBytes")  # noqa: E731
     async with running_operator(str(emulator.url)):
-        for i, name in enumerate(("zeta", "mid", "alpha")):  # created in this order, not the names'
-            job = manifest(name)
-            job["metadata"]["creationTimestamp"] = f"2026-11-26T10:00:0{i}Z"  # the API server stamps it; kmock does not
-            await api.create_job(job)
+        for name in ("zeta", "mid"):
+            await api.create_job(manifest(name))
+            await eventually(lambda n=name: obj(emulator, STS, f"{n}-prl-trainer"), timeout_s=30, what=f"{name} runs")
+        await eventually(lambda: held("zeta") == held("mid") == one, what="their reservations in their status")
+        await api.create_job(manifest("alpha"))
         await eventually(lambda: condition(emulator, "Ready", "alpha").get("reason") == "ApplyRefused", what="refused")
-        assert "the chart's NATS store" in condition(emulator, "Ready", "alpha")["message"]
-        await eventually(lambda: all(obj(emulator, STS, f"{n}-trainer") for n in ("zeta", "mid")), what="two jobs run")
-        assert not obj(emulator, STS, "alpha-trainer")
+        assert "cannot hold this job's streams" in condition(emulator, "Ready", "alpha")["message"]
+        assert held("alpha") == 0 and not obj(emulator, STS, "alpha-prl-trainer")
+        await eventually(lambda: "ApplyRefused" in events(emulator), what="an Event")
+        # A suspended job gives its room back: the waiting one starts.
+        await api.patch_job("mid", {"spec": {"suspend": True}})
+        await eventually(lambda: obj(emulator, STS, "alpha-prl-trainer"), timeout_s=40, what="the waiting job's pods")
+        await eventually(lambda: held("mid") == 0 and held("alpha") == one, what="mid's room, alpha's now")
+        # Resumed, it waits in turn (the store is full), holding nothing; deleting a job makes room.
+        await api.patch_job("mid", {"spec": {"suspend": False}})
+        await eventually(lambda: condition(emulator, "Ready", "mid").get("reason") == "ApplyRefused", what="mid waits")
+        assert held("mid") == 0
         await api.delete_job("zeta")
-        await eventually(lambda: obj(emulator, STS, "alpha-trainer"), timeout_s=40, what="the last job's pods")
+        await eventually(lambda: held("mid") == one, timeout_s=40, what="mid running again")
 
 
 async def test_two_replicas_take_turns_and_the_survivor_takes_over(cluster, tmp_path) -> None:
@@ -550,14 +627,16 @@ async def test_two_replicas_take_turns_and_the_survivor_takes_over(cluster, tmp_
         other = next(n for n in procs if n != leader)
         await eventually(lambda: paused(other), timeout_s=30, what="the other replica's pause")
         await api.create_job(manifest("first"))
-        await eventually(lambda: obj(emulator, STS, "first-trainer"), timeout_s=30, what="the first job's children")
+        await eventually(lambda: obj(emulator, STS, "first-prl-trainer"), timeout_s=30, what="the first job's children")
         await eventually(lambda: "Timer 'resync' succeeded" in log(leader), timeout_s=40, what="the leader's resync")
         assert "Handler 'created' succeeded" in log(leader)
         assert "Handler '" not in log(other) and "Timer '" not in log(other)  # the other one paused: none ran
         procs[leader].send_signal(signal.SIGKILL)
         procs[leader].wait()
         await api.create_job(manifest("second"))
-        await eventually(lambda: obj(emulator, STS, "second-trainer"), timeout_s=60, what="the survivor taking over")
+        await eventually(
+            lambda: obj(emulator, STS, "second-prl-trainer"), timeout_s=60, what="the survivor taking over"
+        )
         assert procs[other].poll() is None and "Resuming operations after the pause" in log(other)
     finally:
         for p in procs.values():

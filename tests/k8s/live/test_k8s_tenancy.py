@@ -18,7 +18,7 @@ import nats
 import pytest
 from operator_harness import NS, eventually, running_operator
 from chart import render as render_chart
-from test_k8s_operator import events, manifest, obj
+from test_k8s_operator import condition, events, manifest, obj, status
 
 from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import NATS_ACCOUNTS_FILE, JobSubjects, OperatorEnv
@@ -26,6 +26,7 @@ from pipelinerl_cli.embedded_nats import nats_server_binary
 from pipelinerl.ports import free_port
 from pipelinerl.spec import parse_job
 from pipelinerl.streams import ensure_streams
+from pipelinerl_operator.credentials import nats_accounts
 
 ACCOUNTS_SECRET = "rl-pipelinerl-nats-accounts"  # the chart's name for it (release "rl")
 SECRETS = "v1/secrets"
@@ -48,7 +49,8 @@ class ChartNats:
         text = re.sub(r"^port: 4222$", f"port: {self.port}", text, flags=re.M)
         text = text.replace('http: "127.0.0.1:8222"', f'http: "127.0.0.1:{free_port()}"')
         text = text.replace("/data/jetstream", str(root / "jetstream")).replace("/var/run/nats", str(root))
-        (root / "nats").mkdir()
+        self.max_file_store = int(re.search(r"max_file_store: ([0-9]+)", text)[1])  # type: ignore[index]
+        (root / "nats").mkdir(parents=True)
         (root / "nats" / "nats.conf").write_text(text)
         (root / "nats-accounts").mkdir()
         self.proc: subprocess.Popen | None = None
@@ -186,3 +188,89 @@ async def test_the_operator_creates_the_accounts_secret_nats_waits_for_and_never
     async with running_operator(str(emulator.url)):  # a restart leaves what is there
         await asyncio.sleep(1)
         assert decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET))[NATS_ACCOUNTS_FILE] == "# jobs' accounts"
+
+
+def big(name: str) -> dict:
+    """A job whose streams need about 7 GiB: the chart's default store (18 GiB) holds two."""
+    return manifest(
+        name,
+        model={"maxSeqLen": 1024},
+        generator={"replicas": 2, "sampling": {"maxTokens": 512}},
+        trainer={"samplesPerStep": 2048, "microBatchTokens": 4096, "checkpointInterval": 67},
+    )
+
+
+async def test_nats_starts_whatever_jobs_exist_and_only_running_jobs_have_accounts(
+    cluster, tmp_path, monkeypatch
+) -> None:
+    """Three jobs that each need more than a third of the chart's NATS store: the operator admits
+    two, and the third waits without an account; the chart's nats-server (its own nats.conf, the
+    accounts the operator wrote) starts. The accounts of all three (what an operator granting
+    every job its limit would write) stop it at start-up: the next restart of NATS would have
+    taken it from every job. A suspended or finished job gives its account back."""
+    from pipelinerl.capacity import reserved_bytes
+
+    emulator, api, trainer = cluster
+    server = ChartNats(tmp_path)
+    store = server.max_file_store
+    need = reserved_bytes(parse_job(big("one")).spec)
+    assert 2 * need <= store < 3 * need
+    for name, value in {
+        OperatorEnv.AUTH_KEY: "install-key",
+        OperatorEnv.NATS_ACCOUNTS_SECRET: ACCOUNTS_SECRET,
+        OperatorEnv.NAMESPACE: NS,
+        OperatorEnv.DEFAULT_NATS_URL: server.url,
+        OperatorEnv.NATS_STORE_BYTES: str(store),
+    }.items():
+        monkeypatch.setenv(name, value)
+    accounts = lambda: decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET)).get(NATS_ACCOUNTS_FILE, "")  # noqa: E731
+    jobs_in = lambda: sorted(re.findall(r'"team-a\.([a-z]+)": \{ jetstream', accounts()))  # noqa: E731
+    try:
+        async with running_operator(str(emulator.url)):
+            for name in ("one", "two"):
+                await api.create_job(big(name))
+                await eventually(lambda n=name: n in jobs_in(), timeout_s=40, what=f"{name}'s account")
+            await api.create_job(big("three"))
+            await eventually(
+                lambda: condition(emulator, "Ready", "three").get("reason") == "ApplyRefused",
+                timeout_s=20,
+                what="waits",
+            )
+            assert jobs_in() == ["one", "two"] and status(emulator, "three")["natsReservedBytes"] == 0
+            server.accounts(accounts())
+            server.start()  # it starts: the accounts' limits fit in its store
+            await (await nats.connect(server.url, user="pipelinerl", password=operator_password())).close()
+            server.stop()
+
+            # What granting every job its limit would have written: nats-server refuses to start.
+            every = nats_accounts("install-key", [(NS, n, f"uid-{n}", need) for n in ("one", "two", "three")])
+            blocked = ChartNats(tmp_path / "blocked")
+            blocked.accounts(every)
+            with pytest.raises(AssertionError, match="insufficient storage"):
+                blocked.start()
+
+            # Suspended: its account goes, the waiting job's comes; finished: its account goes too.
+            await api.patch_job("one", {"spec": {"suspend": True}})
+            await eventually(lambda: jobs_in() == ["three", "two"], timeout_s=60, what="the waiting job's account")
+            await eventually(
+                lambda: status(emulator, "one")["natsReservedBytes"] == 0, what="said in its status", timeout_s=60
+            )
+            trainer.reports["two"] = {
+                "step": 50,
+                "version": 50,
+                "maxSteps": 50,
+                "finished": True,
+                "weightSyncReady": True,
+            }
+            for role, n in (("generator", 2), ("preprocessor", 1), ("trainer", 2)):
+                await api.set_sts_status(f"two-prl-{role}", n, n)
+            await eventually(lambda: status(emulator, "two").get("phase") == "Succeeded", timeout_s=60, what="done")
+            await eventually(lambda: jobs_in() == ["three"], timeout_s=60, what="the finished job's account gone")
+    finally:
+        server.stop()
+
+
+def operator_password() -> str:
+    from pipelinerl_operator.credentials import _derive
+
+    return _derive("install-key", "operator")

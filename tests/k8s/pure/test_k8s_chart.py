@@ -82,7 +82,9 @@ def test_namespaced_mode_has_no_cluster_scoped_objects() -> None:
 def test_cluster_wide_mode_watches_everything() -> None:
     objects = render({"clusterWide": True})
     kinds = {o["kind"] for o in objects}
-    assert {"ClusterRole", "ClusterRoleBinding"} <= kinds and "Role" not in kinds
+    assert {"ClusterRole", "ClusterRoleBinding"} <= kinds
+    # Its one Role: patching the NATS accounts Secret, in its own namespace.
+    assert [o["metadata"]["name"] for o in objects if o["kind"] == "Role"] == ["rl-pipelinerl-operator-nats-accounts"]
     operator = next(o for o in objects if o["kind"] == "Deployment")
     env = {e["name"] for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert "PIPELINERL_WATCH_NAMESPACES" not in env
@@ -100,13 +102,13 @@ OPERATOR_CALLS = {
             ("apps", "statefulsets"),
             ("", "services"),
             ("", "configmaps"),
-            ("", "secrets"),  # a job's credentials; the NATS accounts
             ("", "serviceaccounts"),  # a job's pods' identity
             ("networking.k8s.io", "networkpolicies"),
             ("scheduling.x-k8s.io", "podgroups"),
         )
         for verb in ("get", "create", "patch")
     },  # get: whether the job owns what it is about to apply
+    ("", "secrets", "create"),  # a job's credentials (never read, never overwritten); the NATS accounts
     ("", "pods", "list"),
     ("", "pods", "delete"),
     ("", "events", "create"),
@@ -115,7 +117,9 @@ OPERATOR_CALLS = {
 
 def test_operator_rbac_is_least_privilege() -> None:
     for values, kind in (({}, "Role"), ({"clusterWide": True}, "ClusterRole")):
-        role = next(o for o in render(values) if o["kind"] == kind)
+        role = next(
+            o for o in render(values) if o["kind"] == kind and o["metadata"]["name"] == "rl-pipelinerl-operator"
+        )
         allowed = {
             (g, r, v)
             for rule in role["rules"]
@@ -131,6 +135,42 @@ def test_operator_rbac_is_least_privilege() -> None:
             for v in ("get", "list", "watch", "patch")
         }  # the replicas' turns (kopf peering)
         assert allowed == OPERATOR_CALLS | peering | (discovery if kind == "ClusterRole" else set())
+
+
+def test_the_operator_reads_no_secret_and_writes_over_only_the_nats_accounts() -> None:
+    """Secrets may only be created where jobs run (a job's credentials: the operator never reads
+    them back, nor overwrites one it did not make); the one Secret it patches is the NATS
+    accounts Secret, by name, in its own namespace."""
+    for values in ({}, {"clusterWide": True}, {"watchNamespaces": ["team-b"]}):
+        objects = render(values)
+        secret_rules = [
+            (o["kind"], o["metadata"].get("namespace"), r)
+            for o in objects
+            if o["kind"] in ("Role", "ClusterRole")
+            for r in o["rules"]
+            if "secrets" in r["resources"]
+        ]
+        assert all(
+            "get" not in r["verbs"] and "list" not in r["verbs"] and "watch" not in r["verbs"] for *_, r in secret_rules
+        )
+        patching = [(kind, ns, r) for kind, ns, r in secret_rules if "patch" in r["verbs"]]
+        assert patching == [
+            (
+                "Role",
+                "team-a",
+                {
+                    "apiGroups": [""],
+                    "resources": ["secrets"],
+                    "resourceNames": ["rl-pipelinerl-nats-accounts"],
+                    "verbs": ["patch"],
+                },
+            )
+        ]
+    assert not [
+        o
+        for o in render({"nats": {"enabled": False, "externalUrl": "nats://x:4222"}})
+        if o["metadata"]["name"].endswith("-nats-accounts")
+    ]
 
 
 def test_optional_parts_toggle() -> None:
@@ -348,12 +388,62 @@ def test_nats_and_the_operator_take_connections_only_from_whom_they_serve() -> N
         "ports": [{"port": 6222, "protocol": "TCP"}],
     }
     assert operator["ingress"] == [
-        {"ports": [{"port": 9443, "protocol": "TCP"}]},
+        {"ports": [{"port": 9443, "protocol": "TCP"}]},  # from anywhere while apiServer.cidrs is empty (below)
         {
             "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
             "ports": [{"port": 8080, "protocol": "TCP"}],
         },
     ]
+    # Out, NATS: the cluster DNS and its routes, nothing else.
+    dns = {
+        "to": [
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+            }
+        ],
+        "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}],
+    }
+    assert nats["policyTypes"] == ["Ingress", "Egress"]
+    assert nats["egress"] == [dns, {"to": routes["from"], "ports": [{"port": 6222, "protocol": "TCP"}]}]
+    # Out, the operator: DNS, the API server, NATS, job pods' HTTP port (their /status).
+    nats_pods = {"app.kubernetes.io/instance": "rl", "app.kubernetes.io/component": "nats"}
+    assert operator["egress"] == [
+        dns,
+        {"ports": [{"port": 443, "protocol": "TCP"}, {"port": 6443, "protocol": "TCP"}]},
+        {"to": [{"podSelector": {"matchLabels": nats_pods}}], "ports": [{"port": 4222, "protocol": "TCP"}]},
+        {
+            "to": [
+                {
+                    "namespaceSelector": {},
+                    "podSelector": {"matchLabels": {"app.kubernetes.io/managed-by": "pipelinerl-operator"}},
+                }
+            ],
+            "ports": [{"port": 8000, "protocol": "TCP"}],
+        },
+    ]
+    # With the API server's addresses: the webhook admits them only, the operator reaches them only;
+    # an external NATS at its port and addresses; the NATS servers jobs may name, on their ports.
+    fenced = {
+        o["metadata"]["name"]: o["spec"]
+        for o in render(
+            {
+                "apiServer": {"cidrs": ["172.20.0.10/32"]},
+                "nats": {"enabled": False, "externalUrl": "nats://nats.shared:4333", "externalCidrs": ["10.9.0.0/16"]},
+                "jobPolicy": {"natsServers": ["nats.team-a.svc:7422"]},
+            }
+        )
+        if o["kind"] == "NetworkPolicy"
+    }["rl-pipelinerl-operator"]
+    assert fenced["ingress"] == [
+        {"ports": [{"port": 9443, "protocol": "TCP"}], "from": [{"ipBlock": {"cidr": "172.20.0.10/32"}}]}
+    ]
+    assert fenced["egress"][1]["to"] == [{"ipBlock": {"cidr": "172.20.0.10/32"}}]
+    assert fenced["egress"][2] == {
+        "ports": [{"port": 4333, "protocol": "TCP"}],
+        "to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}],
+    }
+    assert fenced["egress"][4] == {"ports": [{"port": 7422, "protocol": "TCP"}]}
     # NATS monitoring (no login, it lists accounts) listens on loopback only; no port or Service exposes it.
     conf = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-pipelinerl-nats")
     assert 'http: "127.0.0.1:8222"' in conf["data"]["nats.conf"] and "http_port" not in conf["data"]["nats.conf"]
@@ -394,10 +484,20 @@ def test_the_webhook_outlives_a_replica_and_the_replicas_take_turns_reconciling(
 def test_with_cert_manager_every_render_is_the_same() -> None:
     """GitOps tools render without a cluster: with cert-manager issuing the webhook's certificate
     (and filling its caBundle), nothing in the chart changes between two renders."""
-    values = {"webhook": {"certManager": {"enabled": True}}, "auth": {"existingSecret": "rl-install-key"}}
+    values = {
+        "webhook": {"certManager": {"enabled": True}},
+        "auth": {"existingSecret": "rl-install-key"},
+        "nats": {"replicas": 3, "routesExistingSecret": "rl-routes"},
+    }
     chart = helm.Chart.load(str(CHART))
     first, second = (chart.render(values, name="rl", namespace="team-a") for _ in range(2))
-    assert first == second  # the install key is the user's Secret; the NATS accounts, the operator's
+    assert (
+        first == second
+    )  # the install key and route password are the user's Secrets; the NATS accounts, the operator's
+    nats = next(o for o in render(values) if o["kind"] == "StatefulSet")["spec"]["template"]["spec"]["containers"][0]
+    route = {e["name"]: e for e in nats["env"]}["ROUTE_PASSWORD"]
+    assert route["valueFrom"]["secretKeyRef"] == {"name": "rl-routes", "key": "password"}
+    assert not [o for o in render(values) if o["kind"] == "Secret" and o["metadata"]["name"].endswith("-routes")]
     operator = next(o for o in render(values) if o["kind"] == "Deployment")
     env = {e["name"]: e.get("valueFrom") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["PIPELINERL_AUTH_KEY"] == {"secretKeyRef": {"name": "rl-install-key", "key": "key"}}
@@ -411,3 +511,35 @@ def test_with_cert_manager_every_render_is_the_same() -> None:
     # Without it, each `helm template` generates another CA (upgrades keep theirs by lookup).
     plain = [chart.render({}, name="rl", namespace="team-a")["pipelinerl/templates/webhook.yaml"] for _ in range(2)]
     assert plain[0] != plain[1]
+
+
+@pytest.mark.parametrize("values", [{}, {"nats": {"replicas": 3}, "operator": {"replicas": 3}}, {"clusterWide": True}])
+def test_every_pod_the_chart_renders_is_bounded_and_the_webhook_replicas_spread(values: dict) -> None:
+    objects = render(values)
+    for o in objects:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            pod = o["spec"]["template"]["spec"]
+            for c in pod.get("initContainers", []) + pod["containers"]:
+                for kind in ("requests", "limits"):
+                    assert {"cpu", "memory"} <= c["resources"][kind].keys(), (o["metadata"]["name"], c["name"], kind)
+    operator = next(o for o in objects if o["kind"] == "Deployment")["spec"]
+    spread = operator["template"]["spec"]["topologySpreadConstraints"]
+    assert spread == [
+        {
+            "maxSkew": 1,
+            "topologyKey": "kubernetes.io/hostname",
+            "whenUnsatisfiable": "DoNotSchedule",
+            "labelSelector": {
+                "matchLabels": {"app.kubernetes.io/instance": "rl", "app.kubernetes.io/component": "operator"}
+            },
+        }
+    ]
+
+
+def test_the_notes_warn_of_a_webhook_served_by_one_replica_and_open_to_every_pod() -> None:
+    chart = helm.Chart.load(str(CHART))
+    notes = lambda values: chart.render(values, name="rl", namespace="team-a")["pipelinerl/templates/NOTES.txt"]  # noqa: E731
+    assert "WARNING: operator.replicas: 1" in notes({"operator": {"replicas": 1}})
+    assert "operator.replicas" not in notes({})
+    assert "apiServer.cidrs is empty" in notes({})
+    assert "apiServer.cidrs" not in notes({"apiServer": {"cidrs": ["172.20.0.10/32"]}})

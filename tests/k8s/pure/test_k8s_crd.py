@@ -67,7 +67,11 @@ def test_schema_defaults_equal_pydantic_defaults() -> None:
     assert _drop_empty(_drop_empty(stored["spec"])) == _drop_empty(_drop_empty(pydantic))
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("**/*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path",
+    [p for p in sorted((ROOT / "examples").glob("**/*.yaml")) if "kind: PipelineRLJob" in p.read_text()],
+    ids=lambda p: p.name,
+)
 def test_examples_are_admitted(path: Path) -> None:
     manifest = yaml.safe_load(path.read_text())
     parse_job(manifest)  # pydantic agrees

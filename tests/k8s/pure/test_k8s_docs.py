@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipelinerl.contracts import KUEUE_POD_GROUP_COUNT_ANNOTATION, KUEUE_POD_GROUP_LABEL, POD_GROUP_LABEL, ROLES
 from pipelinerl.spec import IMMUTABLE, parse_job
+from pipelinerl_operator.job_policy import JobPolicy
 from pipelinerl_operator.render import OperatorConfig, render
 
 DOC = (Path(__file__).resolve().parents[3] / "docs" / "kubernetes.md").read_text()
@@ -27,7 +28,8 @@ def every_child() -> list[dict]:
             "spec": {"scheduling": {"schedulerName": "scheduler-plugins-scheduler", "queueName": "team-queue"}},
         }
     )
-    return render(job, "team-a", "uid-1", OperatorConfig(auth_key="k" * 32))
+    policy = JobPolicy(scheduler_names=["scheduler-plugins-scheduler"])  # the platform allows the gang scheduler
+    return render(job, "team-a", "uid-1", OperatorConfig(auth_key="k" * 32, policy=policy))
 
 
 def test_the_objects_listed_are_the_objects_rendered():
@@ -44,7 +46,7 @@ def test_the_gang_labels_named_are_those_the_pods_carry():
     named = dict(re.findall(r"`([\w./-]+): <job>-([\w-]+)`", text))
     assert set(named) == {KUEUE_POD_GROUP_LABEL, POD_GROUP_LABEL}
     objects = every_child()
-    trainer = next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == f"{JOB}-trainer")
+    trainer = next(o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == f"{JOB}-prl-trainer")
     labels = trainer["spec"]["template"]["metadata"]["labels"]
     for label, suffix in named.items():
         assert labels[label] == f"{JOB}-{suffix}", label

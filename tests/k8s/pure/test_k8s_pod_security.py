@@ -11,36 +11,61 @@ import yaml
 
 from k8s_schema import restricted_violations
 from pipelinerl.spec import load_job, parse_job
+from pipelinerl_operator.job_policy import parse_policy
 from pipelinerl_operator.pod_security import pod_violations
-from pipelinerl_operator.render import OperatorConfig, RenderError, render, secret_name, service_account_name
+from pipelinerl_operator.render import OperatorConfig, RenderError, render, service_account_name
 
 ROOT = Path(__file__).resolve().parents[3]
 CFG = OperatorConfig(auth_key="k")
+# The platform values the examples assume (a claim of models, their priority class).
+EXAMPLES_CFG = OperatorConfig(
+    auth_key="k", policy=parse_policy(yaml.safe_load((ROOT / "examples" / "platform-values.yaml").read_text()))
+)
 
 
-def pods(job) -> dict[str, dict]:
+def pods(job, cfg: OperatorConfig = CFG) -> dict[str, dict]:
     return {
         o["metadata"]["name"]: o["spec"]["template"]
-        for o in render(job, "team-a", "uid", CFG)
+        for o in render(job, job.metadata.namespace or "team-a", "uid", cfg)
         if o["kind"] == "StatefulSet"
     }
 
 
 def violations(pod: dict, job_name: str = "demo") -> list[str]:
-    return pod_violations(pod, service_account=service_account_name(job_name, CFG), own_secret=secret_name(job_name))
+    return pod_violations(pod, service_account=service_account_name(job_name, CFG))
 
 
 CORPUS = yaml.safe_load((Path(__file__).parents[1] / "manifest_corpus.yaml").read_text())
-ACCEPTED = [load_job(p) for p in sorted((ROOT / "examples").glob("*.yaml"))] + [
-    parse_job({"metadata": {"name": "demo", **case.get("metadata", {})}, "spec": case.get("spec", {})})
+
+
+def example(path: Path):
+    job = load_job(path)
+    job.metadata.namespace = "team-a"  # where examples/platform-values.yaml lets it run
+    return job
+
+
+ACCEPTED = [
+    (example(p), EXAMPLES_CFG)
+    for p in sorted((ROOT / "examples").glob("*.yaml"))
+    if "kind: PipelineRLJob" in p.read_text()
+] + [
+    (
+        parse_job(
+            {
+                "metadata": {"name": "demo", "namespace": "team-a", **case.get("metadata", {})},
+                "spec": case.get("spec", {}),
+            }
+        ),
+        OperatorConfig(auth_key="k", policy=parse_policy(case.get("policy"))),
+    )
     for case in CORPUS["valid"]
     if "text" not in case
 ]
 
 
-@pytest.mark.parametrize("job", ACCEPTED, ids=lambda j: j.name)
-def test_every_accepted_manifest_renders_pods_that_meet_the_restricted_standard(job):
-    for name, pod in pods(job).items():
+@pytest.mark.parametrize("job,cfg", ACCEPTED, ids=lambda j: getattr(j, "name", ""))
+def test_every_accepted_manifest_renders_pods_that_meet_the_restricted_standard(job, cfg):
+    for name, pod in pods(job, cfg).items():
         assert violations(pod, job.name) == [], name
         assert restricted_violations(pod["spec"]) == [], name
 
@@ -59,7 +84,7 @@ def test_a_user_may_tighten_and_the_users_value_is_kept():
                 }
             }
         )
-    )["demo-generator"]
+    )["demo-prl-generator"]
     assert pod["spec"]["securityContext"]["runAsUser"] == 20000
     (container,) = pod["spec"]["containers"]
     assert container["securityContext"]["runAsUser"] == 20001
@@ -75,7 +100,7 @@ def test_a_user_can_never_loosen_and_every_problem_is_named():
                 {"name": "generator", "securityContext": {"readOnlyRootFilesystem": False}},
                 {
                     "name": "miner",
-                    "image": "x/miner",
+                    "image": "ghcr.io/pipelinerl/miner:1",
                     "securityContext": {"privileged": True, "capabilities": {"add": ["SYS_ADMIN"]}},
                 },
             ],
@@ -102,25 +127,25 @@ def test_a_user_can_never_loosen_and_every_problem_is_named():
     ]
 
 
-def test_secrets_a_pod_may_and_may_not_read():
-    pod = yaml.safe_load("""
-    spec:
-      serviceAccountName: demo-pipelinerl
-      automountServiceAccountToken: false
-      securityContext: {runAsNonRoot: true, seccompProfile: {type: RuntimeDefault}}
-      containers:
-        - name: c
-          securityContext: {allowPrivilegeEscalation: false, readOnlyRootFilesystem: true, capabilities: {drop: [ALL]}}
-          env:
-            - {name: MINE, valueFrom: {secretKeyRef: {name: demo-pipelinerl-credentials, key: natsPassword}}}
-            - {name: TEAM, valueFrom: {secretKeyRef: {name: hf-token, key: token}}}
-            - {name: KEY, valueFrom: {secretKeyRef: {name: prod-pipelinerl-auth, key: key}}}
-      volumes:
-        - {name: other, secret: {secretName: rival-pipelinerl-credentials}}
-    """)
-    assert violations(pod) == [
-        "podTemplate.spec.volumes[other].secret.secretName: Secret 'rival-pipelinerl-credentials' holds another job's "
-        "credentials",
-        "podTemplate.spec.containers[c].env[KEY].valueFrom.secretKeyRef.name: Secret 'prod-pipelinerl-auth' is the "
-        "PipelineRL install's own",
+def test_ids_below_1000_are_refused_wherever_they_are_set():
+    """Root's group and the system's (0, `disk` 6, ...) may not replace the operator's 10001, by any
+    of the fields that set one: the user's value is kept where set, so it is checked as merged."""
+    template = {
+        "spec": {
+            "securityContext": {"runAsGroup": 0, "fsGroup": 0, "supplementalGroups": [20000, 6]},
+            "containers": [{"name": "generator", "securityContext": {"runAsGroup": 5, "runAsUser": 999}}],
+        }
+    }
+    with pytest.raises(RenderError) as err:
+        render(job(podTemplate=template), "team-a", "uid", CFG)
+    why = "below 1000: root's or a system ID, not allowed"
+    assert err.value.problems == [
+        f"generator.podTemplate.spec.securityContext.{f}: {why}"
+        for f in ("runAsGroup", "fsGroup", "supplementalGroups")
+    ] + [
+        f"generator.podTemplate.spec.containers[generator].securityContext.{f}: {why}"
+        for f in ("runAsUser", "runAsGroup")
     ]
+    ok = {"spec": {"securityContext": {"runAsGroup": 20000, "fsGroup": 20000, "supplementalGroups": [20001]}}}
+    pod = pods(job(podTemplate=ok))["demo-prl-generator"]
+    assert pod["spec"]["securityContext"]["fsGroup"] == 20000  # tightened: the user's value kept

@@ -11,10 +11,29 @@ from k8s_schema import restricted_violations
 
 from pipelinerl.contracts import POD_GROUP_API
 from pipelinerl.spec import MAX_JOB_NAME, SpecError, load_job, parse_job
+from pipelinerl_operator.job_policy import parse_policy
 from pipelinerl_operator.render import OperatorConfig, render, role_config_hash
 
 ROOT = Path(__file__).resolve().parents[3]
-CFG = OperatorConfig(auth_key="install-key")
+# What these cases ask for beyond the default policy (tests/k8s/pure/test_k8s_job_policy.py tests
+# the policy itself): the platform lists it.
+POLICY = parse_policy(
+    {
+        "images": ["ghcr.io/pipelinerl", "docker.io/library", "docker.io/me"],
+        "nodeLabels": {"pool": ["gpu"]},
+        "tolerations": [{"key": "gpu"}, {"key": "nvidia.com/gpu"}],
+        "volumeClaims": ["*/models", "*/team-models"],
+        "schedulerNames": ["volcano"],
+        "priorityClassNames": ["high"],
+        "natsServers": ["nats.example:4222", "a:4222", "b:7422"],
+    }
+)
+CFG = OperatorConfig(auth_key="install-key", policy=POLICY)
+EXAMPLES_CFG = OperatorConfig(
+    auth_key="install-key",
+    policy=parse_policy(yaml.safe_load((ROOT / "examples" / "platform-values.yaml").read_text())),
+)
+EXAMPLES = [p for p in sorted((ROOT / "examples").glob("**/*.yaml")) if "kind: PipelineRLJob" in p.read_text()]
 
 
 def job(**spec):
@@ -94,34 +113,39 @@ def test_every_pod_meets_the_restricted_pod_security_standard(spec) -> None:
     ]  # the checker itself checks
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "examples").glob("**/*.yaml")), ids=lambda p: p.name)
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_examples_validate_strictly(path: Path) -> None:
-    objects = render(load_job(path), "team-a", "uid-1", CFG)
+    example = load_job(path)
+    example.metadata.namespace = "team-a"  # where examples/platform-values.yaml lets them run
+    objects = render(example, "team-a", "uid-1", EXAMPLES_CFG)
     assert len(objects) == 10  # ConfigMap, NetworkPolicy, ServiceAccount, Secret, a Service and a StatefulSet per role
     for version in [f"1.{minor}" for minor in range(28, 38)]:  # every release the chart admits
         for obj in objects:
             kubernetes_validate.validate(obj, version, strict=True)
+    for pod in (o["spec"]["template"]["spec"] for o in objects if o["kind"] == "StatefulSet"):
+        for c in pod["containers"]:  # every container is bounded: a ResourceQuota admits it
+            assert {"cpu", "memory"} <= c["resources"]["limits"].keys() and c["resources"]["requests"], c["name"]
 
 
 def test_wiring_contract() -> None:
     objs = by_name(render(job(generator={"replicas": 3}, trainer={"replicas": 2}), "team-a", "uid-1", CFG))
-    trainer = objs[("StatefulSet", "demo-trainer")]
+    trainer = objs[("StatefulSet", "demo-prl-trainer")]
     env = env_of(trainer)
-    assert env["MASTER_ADDR"] == "demo-trainer-0.demo-trainer.team-a.svc" and env["MASTER_PORT"] == "29500"
+    assert env["MASTER_ADDR"] == "demo-prl-trainer-0.demo-prl-trainer.team-a.svc" and env["MASTER_PORT"] == "29500"
     assert env["PIPELINERL_WORLD_SIZE"] == "2" and env["PIPELINERL_RANKS_PER_POD"] == "1"
     assert env["PIPELINERL_RANK"] == {"fieldRef": {"fieldPath": "metadata.labels['apps.kubernetes.io/pod-index']"}}
     assert "RANK" not in env and "LOCAL_RANK" not in env  # each rank process sets its own
-    gen = env_of(objs[("StatefulSet", "demo-generator")])
-    assert gen["PIPELINERL_WEIGHTS_ADDR"] == "demo-trainer-0.demo-trainer.team-a.svc:29600"
+    gen = env_of(objs[("StatefulSet", "demo-prl-generator")])
+    assert gen["PIPELINERL_WEIGHTS_ADDR"] == "demo-prl-trainer-0.demo-prl-trainer.team-a.svc:29600"
     assert "PIPELINERL_WORLD_SIZE" not in gen and gen["PIPELINERL_HTTP_PORT"] == "8000"  # elastic: no count
     assert "MASTER_ADDR" not in gen and "PIPELINERL_RANKS_PER_POD" not in gen
     container = trainer["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] + container["args"] == ["pipelinerl", "service", "trainer", "/etc/pipelinerl/job.yaml"]
     for role in ("generator", "preprocessor", "trainer"):
-        svc = objs[("Service", f"demo-{role}")]
+        svc = objs[("Service", f"demo-prl-{role}")]
         assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
-        sts = objs[("StatefulSet", f"demo-{role}")]
-        assert sts["spec"]["serviceName"] == f"demo-{role}"
+        sts = objs[("StatefulSet", f"demo-prl-{role}")]
+        assert sts["spec"]["serviceName"] == f"demo-prl-{role}"
         volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
         assert sts["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
@@ -137,7 +161,7 @@ def test_wiring_contract() -> None:
 
 def test_multi_gpu_trainer_pods_run_one_rank_per_gpu() -> None:
     objs = by_name(render(job(trainer={"replicas": 2, "gpus": 8}), "team-a", "uid-1", CFG))
-    trainer = objs[("StatefulSet", "demo-trainer")]
+    trainer = objs[("StatefulSet", "demo-prl-trainer")]
     env = env_of(trainer)
     assert env["PIPELINERL_WORLD_SIZE"] == "16" and env["PIPELINERL_RANKS_PER_POD"] == "8"
     assert trainer["spec"]["replicas"] == 2
@@ -157,19 +181,22 @@ def test_gpus_images_and_scheduling() -> None:
             CFG,
         )
     )
-    gen = objs[("StatefulSet", "demo-generator")]["spec"]["template"]
+    gen = objs[("StatefulSet", "demo-prl-generator")]["spec"]["template"]
     c = gen["spec"]["containers"][0]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == "2" and c["image"] == CFG.gpu_image
     assert (
-        objs[("StatefulSet", "demo-preprocessor")]["spec"]["template"]["spec"]["containers"][0]["image"]
+        objs[("StatefulSet", "demo-prl-preprocessor")]["spec"]["template"]["spec"]["containers"][0]["image"]
         == CFG.cpu_image
     )
-    assert objs[("StatefulSet", "demo-trainer")]["spec"]["template"]["spec"]["containers"][0]["image"] == "me/trainer:1"
+    assert (
+        objs[("StatefulSet", "demo-prl-trainer")]["spec"]["template"]["spec"]["containers"][0]["image"]
+        == "me/trainer:1"
+    )
     assert gen["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "q"
     assert gen["spec"]["schedulerName"] == "volcano"
     # The gang is the trainer ranks and the preprocessor; each generator is admitted on its own.
     for role in ("trainer", "preprocessor"):
-        meta = objs[("StatefulSet", f"demo-{role}")]["spec"]["template"]["metadata"]
+        meta = objs[("StatefulSet", f"demo-prl-{role}")]["spec"]["template"]["metadata"]
         assert meta["labels"]["kueue.x-k8s.io/queue-name"] == "q"
         assert meta["labels"]["kueue.x-k8s.io/pod-group-name"] == "demo-pipelinerl-gang"
         assert meta["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "2"
@@ -207,7 +234,7 @@ def test_suspend_scales_to_zero() -> None:
 
 def test_pod_template_merges_under_ours() -> None:
     spec = EDGE_CASES[-1]
-    pod = by_name(render(job(**spec), "ns", "u", CFG))[("StatefulSet", "demo-trainer")]["spec"]["template"]
+    pod = by_name(render(job(**spec), "ns", "u", CFG))[("StatefulSet", "demo-prl-trainer")]["spec"]["template"]
     names = [c["name"] for c in pod["spec"]["containers"]]
     assert names == ["trainer", "log-shipper"]
     mounts = {m["name"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
@@ -243,9 +270,9 @@ def test_scaling_generators_changes_no_pod_template() -> None:
     before = by_name(render(job(generator={"replicas": 2}), "team-a", "uid-1", CFG))
     after = by_name(render(job(generator={"replicas": 6}), "team-a", "uid-1", CFG))
     for role in ("generator", "preprocessor", "trainer"):
-        key = ("StatefulSet", f"demo-{role}")
+        key = ("StatefulSet", f"demo-prl-{role}")
         assert after[key]["spec"]["template"] == before[key]["spec"]["template"], role
-    assert after[("StatefulSet", "demo-generator")]["spec"]["replicas"] == 6
+    assert after[("StatefulSet", "demo-prl-generator")]["spec"]["replicas"] == 6
 
 
 def test_the_longest_job_name_leaves_every_child_name_valid() -> None:
@@ -257,19 +284,19 @@ def test_the_longest_job_name_leaves_every_child_name_valid() -> None:
             # Its pods carry controller-revision-hash "<name>-<10-char hash>", a label value (≤ 63).
             assert len(obj["metadata"]["name"]) + 11 <= 63
             assert len(f"{obj['metadata']['name']}-{obj['spec']['replicas'] - 1}") <= 63  # pod names
-    with pytest.raises(SpecError, match="at most 39 characters"):
+    with pytest.raises(SpecError, match=f"at most {MAX_JOB_NAME} characters"):
         parse_job({"metadata": {"name": name + "a"}})
 
 
 def test_the_output_claim_is_mounted_into_trainer_pods_only() -> None:
     objs = by_name(render(job(output={"claimName": "team-models"}), "team-a", "uid-1", CFG))
-    trainer = objs[("StatefulSet", "demo-trainer")]["spec"]["template"]["spec"]
+    trainer = objs[("StatefulSet", "demo-prl-trainer")]["spec"]["template"]["spec"]
     assert {"name": "output", "persistentVolumeClaim": {"claimName": "team-models"}} in trainer["volumes"]
     assert {"name": "output", "mountPath": "/var/lib/pipelinerl/output", "subPath": "demo"} in trainer["containers"][0][
         "volumeMounts"
     ]
-    assert env_of(objs[("StatefulSet", "demo-trainer")])["PIPELINERL_OUTPUT_DIR"] == "/var/lib/pipelinerl/output"
-    generator = objs[("StatefulSet", "demo-generator")]
+    assert env_of(objs[("StatefulSet", "demo-prl-trainer")])["PIPELINERL_OUTPUT_DIR"] == "/var/lib/pipelinerl/output"
+    generator = objs[("StatefulSet", "demo-prl-generator")]
     assert "PIPELINERL_OUTPUT_DIR" not in env_of(generator)
     assert all(v["name"] != "output" for v in generator["spec"]["template"]["spec"]["volumes"])
     assert not [o for o in objs.values() if o["kind"] == "PersistentVolumeClaim"]  # the user's, not the job's
@@ -290,7 +317,7 @@ def test_the_jobs_credentials_reach_its_pods_only_by_reference() -> None:
     assert values.keys() == JOB_SECRET_KEYS.keys() and values["natsUser"] == "team-a.demo"
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"  # goes with the job
     for role in ("generator", "preprocessor", "trainer"):
-        env = env_of(objs[("StatefulSet", f"demo-{role}")])
+        env = env_of(objs[("StatefulSet", f"demo-prl-{role}")])
         for key, name in JOB_SECRET_KEYS.items():
             assert env[name] == {"secretKeyRef": {"name": "demo-pipelinerl-credentials", "key": key}}
     # No secret value anywhere but in the Secret: not in the ConfigMap, env, labels or annotations.
@@ -299,7 +326,7 @@ def test_the_jobs_credentials_reach_its_pods_only_by_reference() -> None:
     # A job on its own NATS server gets no NATS credentials (the operator does not configure
     # that server), still its weight token; an install without a key: no Secret at all.
     external = by_name(render(job(nats={"url": "nats://nats.example:4222"}), "team-a", "uid-1", CFG))
-    env = env_of(external[("StatefulSet", "demo-trainer")])
+    env = env_of(external[("StatefulSet", "demo-prl-trainer")])
     assert "PIPELINERL_NATS_PASSWORD" not in env and "PIPELINERL_WEIGHTS_TOKEN" in env
     assert not [o for o in render(job(), "team-a", "uid-1", OperatorConfig()) if o["kind"] == "Secret"]
 
@@ -323,7 +350,7 @@ def test_the_network_policy_admits_only_the_jobs_own_pods_but_to_the_http_port()
 
 def test_job_pods_may_connect_only_to_their_job_nats_dns_and_what_the_job_lists() -> None:
     hub = {"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"port": 443, "protocol": "TCP"}]}
-    cfg = OperatorConfig(namespace="pipelinerl-system")
+    cfg = OperatorConfig(namespace="pipelinerl-system", policy=POLICY)
     policy = by_name(render(job(network={"egress": [hub]}), "team-a", "u", cfg))[("NetworkPolicy", "demo-pipelinerl")]
     own, nats, dns, listed = policy["spec"]["egress"]
     assert own == {"to": [{"podSelector": {"matchLabels": {"pipelinerl.dev/job": "demo"}}}]}
@@ -338,8 +365,34 @@ def test_job_pods_may_connect_only_to_their_job_nats_dns_and_what_the_job_lists(
         ],
         "ports": [{"port": 4222, "protocol": "TCP"}],
     }
-    assert dns == {"ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}
-    assert listed == hub
+    assert dns == {  # the cluster DNS only: a resolver anywhere would be a way out
+        "to": [
+            {
+                "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kube-system"}},
+                "podSelector": {"matchLabels": {"k8s-app": "kube-dns"}},
+            }
+        ],
+        "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}],
+    }
+    # The author's rule within the platform's (the default: public addresses on 443): its exceptions added.
+    assert listed == {
+        "to": [
+            {
+                "ipBlock": {
+                    "cidr": "0.0.0.0/0",
+                    "except": [
+                        "10.0.0.0/8",
+                        "172.16.0.0/12",
+                        "192.168.0.0/16",
+                        "100.64.0.0/10",
+                        "169.254.0.0/16",
+                        "127.0.0.0/8",
+                    ],
+                }
+            }
+        ],
+        "ports": [{"port": 443, "protocol": "TCP"}],
+    }
     own_server = by_name(render(job(nats={"url": "nats://a:4222,tls://b:7422"}), "team-a", "u", cfg))
     assert own_server[("NetworkPolicy", "demo-pipelinerl")]["spec"]["egress"][1] == {
         "ports": [{"port": 4222, "protocol": "TCP"}, {"port": 7422, "protocol": "TCP"}]
@@ -379,7 +432,7 @@ def test_job_pods_run_as_their_jobs_own_service_account_wherever_the_job_is() ->
     account = objs[("ServiceAccount", "demo-pipelinerl")]
     assert account["automountServiceAccountToken"] is False and account["metadata"]["namespace"] == "team-z"
     for role in ("generator", "preprocessor", "trainer"):
-        pod = objs[("StatefulSet", f"demo-{role}")]["spec"]["template"]["spec"]
+        pod = objs[("StatefulSet", f"demo-prl-{role}")]["spec"]["template"]["spec"]
         assert pod["serviceAccountName"] == "demo-pipelinerl" and pod["automountServiceAccountToken"] is False
     chosen = render(job(), "team-z", "uid-1", OperatorConfig(service_account="shared-sa"))  # the install names one
     assert not [o for o in chosen if o["kind"] == "ServiceAccount"]
@@ -400,7 +453,7 @@ def test_job_pods_run_as_their_jobs_own_service_account_wherever_the_job_is() ->
 )
 def test_trainer_volumes_go_with_the_job_only_per_the_retention_policy(retention, output, written, deleted) -> None:
     spec = {"runPolicy": {"checkpointRetention": retention}, **({"output": {"claimName": "models"}} if output else {})}
-    trainer = by_name(render(job(**spec), "ns", "u", CFG, output_written=written))[("StatefulSet", "demo-trainer")]
+    trainer = by_name(render(job(**spec), "ns", "u", CFG, output_written=written))[("StatefulSet", "demo-prl-trainer")]
     assert trainer["spec"]["persistentVolumeClaimRetentionPolicy"] == {
         "whenDeleted": "Delete" if deleted else "Retain",
         "whenScaled": "Retain",
@@ -414,7 +467,7 @@ def test_every_pod_asks_for_resources_the_user_did_not_name() -> None:
     def resources(**spec):
         objs = by_name(render(job(**spec), "ns", "u", CFG))
         return {
-            r: objs[("StatefulSet", f"demo-{r}")]["spec"]["template"]["spec"]["containers"][0]["resources"]
+            r: objs[("StatefulSet", f"demo-prl-{r}")]["spec"]["template"]["spec"]["containers"][0]["resources"]
             for r in ("generator", "preprocessor", "trainer")
         }
 
@@ -427,5 +480,19 @@ def test_every_pod_asks_for_resources_the_user_did_not_name() -> None:
     mine = resources(model={"path": "/models/q"}, generator={"gpus": 2, "resources": {"requests": {"memory": "100Gi"}}})
     assert mine["generator"] == {
         "requests": {"memory": "100Gi", "cpu": "8", "nvidia.com/gpu": "2"},
-        "limits": {"cpu": "16", "nvidia.com/gpu": "2"},
-    }  # memory: the user's alone
+        "limits": {"cpu": "16", "memory": "128Gi", "nvidia.com/gpu": "2"},
+    }  # memory: the user's request, and the default limit (the larger)
+    big = resources(trainer={"resources": {"requests": {"memory": "100Gi"}}})["trainer"]
+    assert big["limits"]["memory"] == "100Gi"  # a request above the default limit: the limit is the request
+    sidecar = by_name(
+        render(
+            job(trainer={"podTemplate": {"spec": {"containers": [{"name": "log", "image": "busybox:1"}]}}}),
+            "ns",
+            "u",
+            CFG,
+        )
+    )[("StatefulSet", "demo-prl-trainer")]["spec"]["template"]["spec"]["containers"][0]
+    assert sidecar["resources"] == {  # a sidecar naming nothing gets small defaults
+        "requests": {"cpu": "100m", "memory": "128Mi"},
+        "limits": {"cpu": "1", "memory": "512Mi"},
+    }

@@ -1,0 +1,264 @@
+"""The platform's job policy (pipelinerl_operator/job_policy.py): the chart's values reach the
+operator as they are, and its allowlists mean what they say. (The hostile-author corpus runs it
+through every door: tests/k8s/pure/test_k8s_corpus.py.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import helm_python as helm
+import kopf
+import pytest
+import yaml
+
+from chart import CHART, render as render_chart
+from pipelinerl.contracts import OperatorEnv
+from pipelinerl.spec import load_job, parse_job
+from pipelinerl_cli.main import main as cli
+from pipelinerl_operator.handlers import operator_config, validate_job
+from pipelinerl_operator.job_policy import (
+    MAX_MANIFEST_BYTES,
+    JobPolicy,
+    PolicyError,
+    parse_policy,
+    repository,
+    values_schema,
+)
+from pipelinerl_operator.render import OperatorConfig, RenderError, render
+
+ROOT = Path(__file__).resolve().parents[3]
+GPU_EXAMPLE = ROOT / "examples" / "gpu-qwen-math.yaml"
+
+
+def chart_env(values: dict) -> dict[str, str]:
+    """The operator's environment as the chart renders it (plain values only)."""
+    operator = next(o for o in render_chart(values) if o["kind"] == "Deployment")
+    return {e["name"]: e["value"] for e in operator["spec"]["template"]["spec"]["containers"][0]["env"] if "value" in e}
+
+
+def admitted(manifest: dict, env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> str | None:
+    """The webhook's answer for an operator started with `env`: None (admitted) or its refusal."""
+    for name in (OperatorEnv.JOB_POLICY, OperatorEnv.INSTALL_SECRETS):
+        monkeypatch.setenv(name, env[name])
+    try:
+        validate_job(body=manifest, old=None, operation="CREATE")
+    except kopf.AdmissionError as err:
+        return str(err)
+    return None
+
+
+def test_the_charts_policy_is_the_operators_safe_default() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert parse_policy(values["jobPolicy"]) == JobPolicy()
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["properties"]["jobPolicy"] == values_schema(), "regenerate values.schema.json's jobPolicy"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"secrets": ["hf-token"]},  # no namespace
+        {"volumeClaims": ["team-a/models/x"]},
+        {"images": ["fluent"]},  # no registry host
+        {"natsServers": ["nats.example"]},  # no port
+        {"namespaceShare": 2},
+        {"maxPodResources": {"cpu": "lots"}},
+        {"tolerations": [{"effect": "NoSchedule"}]},  # no key
+        {"nodeSelector": {}},  # a typo
+    ],
+)
+def test_helm_refuses_a_policy_the_operator_would_refuse(bad: dict) -> None:
+    with pytest.raises(PolicyError):
+        parse_policy(bad)
+    with pytest.raises(helm.HelmError):
+        helm.Chart.load(str(CHART)).render({"jobPolicy": bad}, name="rl", namespace="team-a")
+
+
+def test_the_chart_gives_the_operator_its_policy_and_its_own_secrets(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU example needs a claim and a priority class: refused by the chart's default, admitted
+    with the platform values it comes with. And the install's own Secret (auth.existingSecret
+    here) is refused even where the policy lists every Secret."""
+    example = yaml.safe_load(GPU_EXAMPLE.read_text())
+    example["metadata"]["namespace"] = "team-a"
+    refusal = admitted(example, chart_env({}), monkeypatch)
+    assert refusal is not None
+    assert "spec.scheduling.priorityClassName: 'training' is not a priority class jobs may use" in refusal
+    assert "spec.trainer.podTemplate.spec.volumes[models].persistentVolumeClaim.claimName" in refusal
+    platform = yaml.safe_load((ROOT / "examples" / "platform-values.yaml").read_text())
+    assert admitted(example, chart_env(platform), monkeypatch) is None
+
+    env = chart_env({"auth": {"existingSecret": "team-install-key"}, "jobPolicy": {"secrets": ["*/*"]}})
+    assert "team-install-key" in env[OperatorEnv.INSTALL_SECRETS].split(",")
+    thief = {
+        "apiVersion": "pipelinerl.dev/v1alpha1",
+        "kind": "PipelineRLJob",
+        "metadata": {"name": "thief", "namespace": "team-a"},
+        "spec": {
+            "trainer": {
+                "env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "team-install-key", "key": "key"}}}]
+            }
+        },
+    }
+    refusal = admitted(thief, env, monkeypatch)
+    assert refusal and "Secret 'team-install-key' is the PipelineRL install's own: no job may use it" in refusal
+    thief["spec"]["trainer"]["env"][0]["valueFrom"]["secretKeyRef"]["name"] = "hf-token"
+    assert admitted(thief, env, monkeypatch) is None  # any other Secret: listed ("*/*")
+
+
+def test_validate_takes_the_platforms_values_file_and_the_namespace(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["validate", str(GPU_EXAMPLE)]) == 2  # the safe default: refused
+    assert "jobPolicy.priorityClassNames: none" in capsys.readouterr().err
+    values = str(ROOT / "examples" / "platform-values.yaml")
+    assert cli(["validate", str(GPU_EXAMPLE), "--policy", values]) == 2  # team-a's claim, not default's
+    assert "not one jobs in default may use" in capsys.readouterr().err
+    assert cli(["validate", str(GPU_EXAMPLE), "--policy", values, "-n", "team-a"]) == 0
+
+
+def job(name: str = "demo", **spec):
+    return parse_job({"metadata": {"name": name, "namespace": "team-a"}, "spec": spec})
+
+
+def network_policy(cfg: OperatorConfig, **spec) -> dict:
+    return next(o for o in render(job(**spec), "team-a", "u", cfg) if o["kind"] == "NetworkPolicy")["spec"]
+
+
+def test_an_authors_egress_is_rendered_within_the_platforms() -> None:
+    policy = parse_policy(
+        {
+            "egress": [
+                {"cidr": "0.0.0.0/0", "except": ["10.0.0.0/8", "169.254.0.0/16"], "ports": [{"port": 443}]},
+                {"cidr": "192.0.2.0/24", "ports": [{"port": 8000, "endPort": 9000}]},
+                {"cidr": "2001:db8::/32"},  # any port
+            ]
+        }
+    )
+    cfg = OperatorConfig(policy=policy)
+    rules = [
+        {"to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["198.51.100.0/24"]}}], "ports": [{"port": 443}]},
+        {"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}}, {"ipBlock": {"cidr": "8.8.8.8/32"}}], "ports": [{"port": 443}]},
+        {"to": [{"ipBlock": {"cidr": "192.0.2.7/32"}}], "ports": [{"port": 8080, "endPort": 8090, "protocol": "TCP"}]},
+        {"to": [{"ipBlock": {"cidr": "2001:db8:1::/48"}}], "ports": [{"port": 22, "protocol": "TCP"}]},
+    ]
+    with pytest.raises(RenderError) as err:  # the second: 10/8 is excepted
+        render(job(network={"egress": rules}), "team-a", "u", cfg)
+    assert [p.split(":")[0] for p in err.value.problems] == ["network.egress.1"]
+    del rules[1]
+    listed = network_policy(cfg, network={"egress": rules})["egress"][3:]
+    assert listed == [
+        {
+            "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["198.51.100.0/24", "10.0.0.0/8", "169.254.0.0/16"]}}],
+            "ports": [{"port": 443}],
+        },
+        {"to": [{"ipBlock": {"cidr": "192.0.2.7/32"}}], "ports": [{"port": 8080, "endPort": 8090, "protocol": "TCP"}]},
+        {"to": [{"ipBlock": {"cidr": "2001:db8:1::/48"}}], "ports": [{"port": 22, "protocol": "TCP"}]},
+    ]
+    with pytest.raises(RenderError):  # a range reaching past the platform's
+        render(
+            job(network={"egress": [{"to": rules[1]["to"], "ports": [{"port": 8999, "endPort": 9001}]}]}),
+            "team-a",
+            "u",
+            cfg,
+        )
+
+
+def test_the_charts_external_nats_is_reachable_under_restricted_egress() -> None:
+    """nats.enabled false: job pods reach nats.externalUrl on its port (at nats.externalCidrs where
+    given), not the chart's NATS pods (there are none); and get no NATS credentials (its accounts
+    are not the operator's to write), still their weight token."""
+    cfg = OperatorConfig(auth_key="k", nats_bundled=False, nats_url="nats://nats.shared.example:4333")
+    rendered = render(job(), "team-a", "u", cfg)
+    spec = next(o for o in rendered if o["kind"] == "NetworkPolicy")["spec"]
+    assert spec["egress"][1] == {"ports": [{"port": 4333, "protocol": "TCP"}]}
+    fenced = OperatorConfig(nats_bundled=False, nats_url=cfg.nats_url, nats_external_cidrs=("10.9.0.0/16",))
+    assert network_policy(fenced)["egress"][1] == {
+        "ports": [{"port": 4333, "protocol": "TCP"}],
+        "to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}],
+    }
+    env = {
+        e["name"]
+        for o in rendered
+        if o["kind"] == "StatefulSet"
+        for e in o["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert "PIPELINERL_NATS_PASSWORD" not in env and "PIPELINERL_WEIGHTS_TOKEN" in env
+    # The chart says which: its own NATS, or an external one at these addresses.
+    external = chart_env(
+        {"nats": {"enabled": False, "externalUrl": "nats://nats.shared.example:4333", "externalCidrs": ["10.9.0.0/16"]}}
+    )
+    assert external[OperatorEnv.NATS_BUNDLED] == "false" and external[OperatorEnv.NATS_EXTERNAL_CIDRS] == "10.9.0.0/16"
+
+
+def test_allowlists_mean_what_they_say() -> None:
+    assert repository("busybox") == "docker.io/library/busybox"
+    assert repository("fluent/fluent-bit:3.0") == "docker.io/fluent/fluent-bit"
+    assert repository("localhost:5000/x@sha256:" + "a" * 64) == "localhost:5000/x"
+    assert repository("ghcr.io/pipelinerl/services:0.1") == "ghcr.io/pipelinerl/services"
+
+    def refused(cfg: OperatorConfig, **spec) -> list[str]:
+        try:
+            render(job(**spec), "team-a", "u", cfg)
+        except RenderError as err:
+            return err.problems
+        return []
+
+    claim = {
+        "trainer": {
+            "podTemplate": {"spec": {"volumes": [{"name": "m", "persistentVolumeClaim": {"claimName": "models"}}]}}
+        }
+    }
+    for listed, ok in ((["team-a/models"], True), (["*/models"], True), (["team-a/*"], True), (["team-b/*"], False)):
+        assert (refused(OperatorConfig(policy=parse_policy({"volumeClaims": listed})), **claim) == []) is ok, listed
+    taints = OperatorConfig(policy=parse_policy({"tolerations": [{"key": "dedicated", "effect": "NoSchedule"}]}))
+    tolerate = lambda t: {"trainer": {"podTemplate": {"spec": {"tolerations": [t]}}}}  # noqa: E731
+    assert refused(taints, **tolerate({"key": "dedicated", "operator": "Exists", "effect": "NoSchedule"})) == []
+    assert refused(
+        taints, **tolerate({"key": "dedicated", "operator": "Exists"})
+    )  # every effect of it: more than listed
+    # Job labels the operator sets from the spec never reach the pods from the job's metadata.
+    labelled = parse_job(
+        {
+            "metadata": {
+                "name": "demo",
+                "labels": {
+                    "team": "a",
+                    "kueue.x-k8s.io/priority-class": "urgent",
+                    "scheduling.x-k8s.io/pod-group": "x",
+                },
+            },
+            "spec": {},
+        }
+    )
+    pod = next(o for o in render(labelled, "team-a", "u", OperatorConfig()) if o["kind"] == "StatefulSet")
+    labels = pod["spec"]["template"]["metadata"]["labels"]
+    assert labels["team"] == "a" and not [k for k in labels if k.startswith(("kueue.", "scheduling.x-k8s.io"))]
+
+
+def test_a_manifest_too_large_to_check_cheaply_is_refused_at_every_door(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    manifest = {
+        "apiVersion": "pipelinerl.dev/v1alpha1",
+        "kind": "PipelineRLJob",
+        "metadata": {"name": "demo", "namespace": "team-a"},
+        "spec": {"task": {"params": {"blob": "x" * MAX_MANIFEST_BYTES}}},
+    }
+    with pytest.raises(kopf.AdmissionError, match="more than a job may be"):
+        validate_job(body=manifest, old=None, operation="CREATE")
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
+    assert cli(["validate", str(tmp_path / "job.yaml")]) == 2
+    assert "more than a job may be" in capsys.readouterr().err
+
+
+def test_the_operator_fails_loudly_on_a_bad_policy(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(OperatorEnv.JOB_POLICY, json.dumps({"secrets": ["hf-token"]}))
+    with pytest.raises(PolicyError, match="secrets.0"):
+        operator_config()
+
+
+def test_every_example_validates_under_the_platform_values_it_comes_with(capsys: pytest.CaptureFixture[str]) -> None:
+    values = str(ROOT / "examples" / "platform-values.yaml")
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        if "kind: PipelineRLJob" in path.read_text():
+            assert cli(["validate", str(path), "--policy", values, "-n", "team-a"]) == 0, capsys.readouterr().err
+            load_job(path)
