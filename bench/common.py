@@ -84,10 +84,11 @@ def machine() -> dict[str, object]:
     return info
 
 
-def save(name: str, result: dict, command: str) -> Path:
-    """bench/results/<name>.json with the machine, the command that reproduces it and the time."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def save(name: str, result: dict, command: str, folder: Path = RESULTS) -> Path:
+    """bench/results/<name>.json (or `folder`/<name>.json) with the machine, the command that
+    reproduces it and the time."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     payload = {
         "benchmark": name,
         "command": command,
