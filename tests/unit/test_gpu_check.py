@@ -220,3 +220,63 @@ def test_the_smoke_mode_runs_the_whole_check_on_cpu_and_keeps_everything_in_out(
     assert not re.search(r"it/s\]|\[INFO\]|Warning: ", printed)
     log = (out / "gpu_check.log").read_text()
     assert "passed" in log and "VERDICT weight update smoke" in log
+
+
+# Makes DeepSpeed absent, as on the GPU image before the install (this machine has it): the
+# import system no longer finds it, so neither do transformers' and accelerate's availability checks.
+HIDE_DEEPSPEED = """
+import importlib.machinery
+
+_find = importlib.machinery.PathFinder.find_spec.__func__
+
+
+def _find_spec(cls, fullname, path=None, target=None):
+    if fullname == "deepspeed" or fullname.startswith("deepspeed."):
+        return None
+    return _find(cls, fullname, path, target)
+
+
+importlib.machinery.PathFinder.find_spec = classmethod(_find_spec)
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_deepspeed_install_skips_only_what_needs_deepspeed(tmp_path):
+    """DeepSpeed is absent and its sdist does not build: the GPU tests still run, the 1.5B part
+    runs without its ZeRO side (plain instead), the weight update says it was skipped."""
+    site, wheels, out = tmp_path / "site", tmp_path / "whl", tmp_path / "out"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HIDE_DEEPSPEED)
+    wheels.mkdir()
+    (wheels / "deepspeed-0.0.tar.gz").write_bytes(b"not an sdist")
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, GPU_CHECK_SITE=str(site), GPU_CHECK_WHEELS=str(wheels))
+    done = subprocess.run(
+        ["bash", "bench/gpu_check.sh", "--smoke", "--parts", "gpu-tests,1.5B,weight-update"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 1, done.stdout[-3000:]  # the install failed: said by the exit code too
+    check = json.loads((out / "gpu_check.json").read_text())
+    assert check["install"]["deepspeed"] is False
+    assert check["install"]["missing_after"] == {"deepspeed": "ModuleNotFoundError: No module named 'deepspeed'"}
+    status = {p["name"]: p for p in check["parts"]}
+    assert status["install"]["status"] == "failed" and "DeepSpeed sdist: FAILED" in status["install"]["note"]
+    assert status["gpu-tests"]["status"] == "ok"
+    assert status["1.5B"]["status"] == "ok", (out / "gpu_check.log").read_text()[-3000:]
+    assert status["1.5B"]["note"] == "sides zero1 skipped: DeepSpeed did not install; plain instead"
+    assert list(json.loads((out / "gpu_trainer-1.5B.json").read_text())["sides"]) == ["stock", "plain"]
+    assert status["weight-update"]["status"] == "skipped"
+    assert "== weight-update: skipped: it needs DeepSpeed, which did not install" in done.stdout
+
+
+def test_a_deepspeed_that_does_not_import_is_moved_out_of_the_scratch_site(tmp_path):
+    site = tmp_path / "site"
+    for name in ("deepspeed", "deepspeed-0.19.8.dist-info", "deepspeed_extra", "pydantic"):
+        (site / name).mkdir(parents=True)
+    assert gpu_check.quarantine(site, "deepspeed") == ["deepspeed", "deepspeed-0.19.8.dist-info"]
+    assert sorted(p.name for p in site.iterdir()) == ["deepspeed_extra", "pydantic"]
+    assert sorted(p.name for p in (tmp_path / "site-broken").iterdir()) == ["deepspeed", "deepspeed-0.19.8.dist-info"]
+    assert gpu_check.quarantine(site, "deepspeed") == []
