@@ -285,13 +285,13 @@ class Bench:
     def run(self, side: str, profile: bool) -> dict:
         """One side: built, warmed up, timed; its figures, or the error that stopped it (any
         exception: the other sides go on)."""
-        held = self.free()
         t0 = time.perf_counter()
         keep: list = []
         out: dict = {}
-        if held is not None:
-            out["held_before_gb"] = held  # allocated when this side began (freed sides leave ~0)
         try:
+            held = self.free()  # raises too after a CUDA error that poisoned the context
+            if held is not None:
+                out["held_before_gb"] = held  # allocated when this side began (freed sides leave ~0)
             step, loop, keep = self.build(side)
             out["build_seconds"] = time.perf_counter() - t0
             for _ in range(self.args.warmup):
@@ -313,7 +313,10 @@ class Bench:
             out = {k: v for k, v in out.items() if k in ("held_before_gb", "build_seconds")}
             out["error"] = error_text(e)
             if self.on_gpu:
-                out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / GB
+                try:
+                    out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / GB
+                except Exception:  # the context is gone (a CUDA error): no figure
+                    pass
             print(f"  {side} failed: {out['error']}", flush=True)
             traceback.print_exc()  # the whole cause, in the log
         finally:

@@ -120,3 +120,41 @@ def test_sigterm_stops_the_side_in_progress_and_keeps_the_others(monkeypatch, tm
     assert list(report["sides"]) == ["stock", "plain"]  # zero1 never began
     assert report["sides"]["stock"]["tokens_per_second"] > 0
     assert report["sides"]["plain"]["error"].startswith("stopped: SIGTERM")
+
+
+@pytest.mark.parametrize(
+    ("total", "fraction", "cap"),
+    [
+        (150.0e9, 80 / 150, 80.0),  # an H200 (141 GB): capped, so a fit means an 80 GB GPU's
+        (85.0e9, 80 / 85, 80.0),  # an H100 80GB offers ~85 GB of 10^9 bytes: capped a little
+        (40.0e9, None, 40.0),  # a smaller GPU: its own memory is the limit
+    ],
+)
+def test_gpu_memory_is_capped_where_the_gpu_has_more(monkeypatch, total, fraction, cap):
+    calls = []
+
+    class Props:
+        total_memory = total
+
+    monkeypatch.setattr(gpu_trainer.torch.cuda, "get_device_properties", lambda device: Props())
+    monkeypatch.setattr(gpu_trainer.torch.cuda, "set_per_process_memory_fraction", lambda f: calls.append(f))
+    got = gpu_trainer.cap_memory(80.0)
+    assert got == {"device_memory_gb": total / 1e9, "memory_cap_gb": pytest.approx(cap)}
+    assert calls == ([] if fraction is None else [pytest.approx(fraction)])
+
+
+def test_a_side_that_finds_the_gpu_context_broken_is_recorded_not_fatal(monkeypatch, tmp_path):
+    """After a CUDA error the context stays broken and even freeing memory raises: the next side
+    records that error instead of ending the run."""
+    calls = []
+
+    def free(self):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return None
+
+    monkeypatch.setattr(gpu_trainer.Bench, "free", free)
+    report, _ = run_main(monkeypatch, tmp_path, "stock,plain", {})
+    assert report["sides"]["stock"]["tokens_per_second"] > 0
+    assert report["sides"]["plain"] == {"error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
