@@ -153,7 +153,8 @@ def sampled_lengths(job, count: int = 512, seed: int = 0) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     spec = job.spec
-    path = resolve_model_path(spec.model.path)
+    with torch.enable_grad():  # a built-in model not built yet is trained here (its warm start)
+        path = resolve_model_path(spec.model.path)
     model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), load_tokenizer(path)
     task = make_task(spec.task.name, spec.task.params, seed=spec.task.seed)
     by_length: dict[int, list[list[int]]] = {}
