@@ -106,7 +106,7 @@ SMOKE_DEFAULTS = dict(
     sides="stock,plain,zero1",
 )
 GB = 1e9  # memory figures are in GB of 10^9 bytes (an H100 "80GB" offers about 85 of them)
-NAME = re.compile(r"[A-Za-z0-9._-]*")  # result file names: what the device tool brings back from $OUT
+NAME = re.compile(r"[A-Za-z0-9._-]+")  # result file names: what the device tool brings back from $OUT
 
 
 class Stopped(BaseException):
