@@ -47,7 +47,6 @@ fitted on other runs, instead of fitting one (and writes no calibration):
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 
@@ -57,6 +56,7 @@ import yaml
 import torch
 
 from bench.common import RESULTS, paired_ratios, save, set_fields, table
+from bench.results_store import read_result
 from pipelinerl.planner.calibration import Calibration, Lengths, load_calibration
 from pipelinerl.planner.recommend import plan
 from pipelinerl.planner.simulation import simulate, wave_groups
@@ -80,7 +80,7 @@ TARGET = 0.20  # the issue: the predicted ratio within 20% of the measured one
 
 
 def load(path: Path) -> dict:
-    data = json.loads(path.read_text())
+    data = read_result(path)
     runs = data["runs"]
     if not runs.get("pipeline") or not runs.get("sync"):
         raise SystemExit(f"{path}: needs runs of both modes")
@@ -153,7 +153,8 @@ def sampled_lengths(job, count: int = 512, seed: int = 0) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     spec = job.spec
-    path = resolve_model_path(spec.model.path)
+    with torch.enable_grad():  # a built-in model not built yet is trained here (its warm start)
+        path = resolve_model_path(spec.model.path)
     model, tok = AutoModelForCausalLM.from_pretrained(path).eval(), load_tokenizer(path)
     task = make_task(spec.task.name, spec.task.params, seed=spec.task.seed)
     by_length: dict[int, list[list[int]]] = {}
@@ -340,7 +341,7 @@ def derive(data: dict, job, name: str) -> tuple[Calibration, dict]:
     # only the pipeline runs keep, and the admission budget are simulated on their own.)
     max_batch = int(spec.generator.engine_args.get("max_num_seqs", VLLM_MAX_NUM_SEQS))
 
-    engine = json.loads((RESULTS / "engine.json").read_text())
+    engine = read_result(RESULTS / "engine.json")
     tok_s = engine["models"]["tiny-arith"]["vllm"]["median"]  # the built-in tiny models share one architecture
     # bench.engine submits 256 requests to the same engine; max_num_seqs of them run at once.
     engine_batch = min(engine["settings"]["prompts"] * engine["settings"]["samples"], max_batch)

@@ -18,9 +18,8 @@ from pathlib import Path
 
 from bench.analysis import CLOCKS, band_headline, best_setting, has_clock, round_seed
 from bench.contention import guarded
+from bench.results_store import RESULTS, read_result, write_result
 from pipelinerl.spec import load_job, load_yaml
-
-RESULTS = Path(__file__).parent / "results"
 
 
 def alternate(sides: dict[str, Callable[[], float]], repeats: int, warmup: int = 1) -> dict[str, list[float]]:
@@ -92,10 +91,12 @@ def machine() -> dict[str, object]:
     return info
 
 
-def save(name: str, result: dict, command: str) -> Path:
-    """bench/results/<name>.json with the machine, the command that reproduces it and the time."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def save(name: str, result: dict, command: str, folder: Path = RESULTS) -> Path:
+    """bench/results/<name>.json (or `folder`/<name>.json) with the machine, the command that
+    reproduces it and the time (a summary and the whole result compressed where its runs carry
+    per-step records: bench/results_store.py)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
     payload = {
         "benchmark": name,
         "command": command,
@@ -103,7 +104,7 @@ def save(name: str, result: dict, command: str) -> Path:
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **result,
     }
-    path.write_text(json.dumps(payload, indent=1) + "\n")
+    write_result(path, payload)
     return path
 
 
@@ -112,7 +113,7 @@ def pooled_runs(paths: list[str | Path], sides: list[str]) -> dict[str, list[dic
     in file order; sides with no runs are left out."""
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     for path in paths:
-        saved = json.loads(Path(path).read_text())["runs"]
+        saved = read_result(path)["runs"]
         for side in runs:
             runs[side] += saved.get(side, [])
     return {side: xs for side, xs in runs.items() if xs}
@@ -165,7 +166,7 @@ def earlier_sweeps(paths: list[str], args) -> dict[str, dict[str, list[dict]]]:
     ran with every setting of this run but the number of runs."""
     out: dict[str, dict[str, list[dict]]] = {}
     for path in paths:
-        saved = json.loads(Path(path).read_text())
+        saved = read_result(path)
         for key, value in vars(args).items():
             theirs = saved["args"].get(key, value)
             same = Path(theirs).resolve() == Path(value).resolve() if key == "job" else theirs == value

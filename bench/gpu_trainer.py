@@ -4,6 +4,7 @@ utilisation, peak GPU memory and host syncs per side, and a profile of the train
 
     python -m bench.gpu_trainer [--size 0.5B|1.5B] [--sides stock,plain,zero1,zero3] [--repeats 3]
                                 [--micro-batch-tokens 8192] [--gradient-checkpointing] [--profile]
+                                [--targets RATIO,MFU] [--memory-cap-gb 80] [--tag=-16k | --name NAME]
     python -m bench.gpu_trainer --smoke      # CPU, a tiny model in fp32: checks the script only
 
 The model is random-init (throughput does not depend on the weights) with Qwen2-0.5B/1.5B shapes
@@ -28,6 +29,13 @@ the same useful work for every side (stock computes more attention: across sampl
 Host syncs: one extra step per project side under `torch.cuda.set_sync_debug_mode("warn")`,
 counting the warnings. `--profile`: one step of the first project side under torch.profiler:
 the GPU's busy fraction and its top kernels. With `--targets RATIO,MFU` it ends with a verdict.
+
+A side that fails (out of memory, or any other error) is recorded with its error and the others
+go on; after every side the result JSON is written again, with the verdict so far, so a run cut
+short keeps every side that finished. Peak memory is each side's own: the previous side is freed
+and the peak statistics reset before it starts (what was still allocated then is reported
+beside it). `--memory-cap-gb 80` caps the process's GPU memory at 80 GB (10^9 bytes, below what
+an H100 80GB offers) where the GPU has more, and says per side whether it fits.
 """
 
 from __future__ import annotations
@@ -36,15 +44,20 @@ import argparse
 import gc
 import os
 import random
+import re
+import signal
+import sys
 import tempfile
 import time
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from bench.common import machine, save, summary, table
+from bench.common import RESULTS, machine, save, summary, table
 from pipelinerl import messages as m
 from pipelinerl.spec import load_job, parse_job
 from pipelinerl_preprocessor.packing import StepSample, pack_wave, step_weight
@@ -81,6 +94,23 @@ SIZES: dict[str, dict] = {
 # Dense bf16 tensor-core peak, TFLOP/s (vendor data sheets; SXM parts), matched on the device name.
 PEAK_TFLOPS = {"H200": 989.4, "H100 NVL": 835.0, "H100 PCIe": 756.0, "H100": 989.4, "A100": 312.0, "L40S": 362.0}
 SIDES = ("stock", "plain", "zero1", "zero3", "zero1+compile")
+DEFAULT_SIDES = "stock,plain,zero1,zero3"
+# --smoke changes these defaults (options given explicitly still apply).
+SMOKE_DEFAULTS = dict(
+    size="smoke",
+    samples=8,
+    prompt_tokens=16,
+    max_completion=64,
+    micro_batch_tokens=256,
+    repeats=2,
+    sides="stock,plain,zero1",
+)
+GB = 1e9  # memory figures are in GB of 10^9 bytes (an H100 "80GB" offers about 85 of them)
+NAME = re.compile(r"[A-Za-z0-9._-]+")  # result file names: what the device tool brings back from $OUT
+
+
+class Stopped(BaseException):
+    """SIGTERM (the GPU check's time budget ran out): stop the side in progress, keep the rest."""
 
 
 @dataclass
@@ -175,6 +205,7 @@ class Bench:
 
     def __init__(self, args, path: str, on_gpu: bool):
         self.args, self.path, self.on_gpu = args, path, on_gpu
+        self.distributed = False
         self.device = torch.device("cuda" if on_gpu else "cpu")
         self.dtype = "bfloat16" if on_gpu else "float32"
         self.items = synthetic_step(
@@ -203,6 +234,11 @@ class Bench:
         t = self.job(1).spec.trainer
         autocast = dict(device_type=self.device.type, dtype=torch.bfloat16, enabled=self.on_gpu)
         if side.startswith("zero"):
+            if not self.distributed:  # only DeepSpeed's sides need it (and DeepSpeed installed)
+                from pipelinerl_trainer.model import init_distributed
+
+                init_distributed(self.on_gpu, 600)
+                self.distributed = True
             engine = build_engine(self.job(int(side[4]), side.endswith("+compile")).spec.trainer, self.dtype, self.path)
             engine.train()
 
@@ -247,15 +283,17 @@ class Bench:
         return step, (loop if side == "plain" else None), [model]
 
     def run(self, side: str, profile: bool) -> dict:
-        gc.collect()
-        if self.on_gpu:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
+        """One side: built, warmed up, timed; its figures, or the error that stopped it (any
+        exception: the other sides go on)."""
         t0 = time.perf_counter()
         keep: list = []
+        out: dict = {}
         try:
+            held = self.free()  # raises too after a CUDA error that poisoned the context
+            if held is not None:
+                out["held_before_gb"] = held  # allocated when this side began (freed sides leave ~0)
             step, loop, keep = self.build(side)
-            build_s = time.perf_counter() - t0
+            out["build_seconds"] = time.perf_counter() - t0
             for _ in range(self.args.warmup):
                 step()
             times = []
@@ -263,19 +301,43 @@ class Bench:
                 t0 = time.perf_counter()
                 step()
                 times.append(time.perf_counter() - t0)
-            out = {"seconds": summary(times), "build_seconds": build_s}
+            out["seconds"] = summary(times)
             if self.on_gpu:
-                out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
+                out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / GB
+                out["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / GB
                 if profile:
                     out["profile"] = profile_step(step)
                 if loop is not None:
                     out["host_syncs_per_micro_batch"] = self.count_syncs(loop)
-        except torch.OutOfMemoryError as e:
-            out = {"error": f"out of memory: {str(e).splitlines()[0]}"}
-        for obj in keep:  # a DeepSpeed engine holds hooks and buffers until destroyed
-            if hasattr(obj, "destroy"):
-                obj.destroy()
+        except Exception as e:  # every error is this side's result
+            out = {k: v for k, v in out.items() if k in ("held_before_gb", "build_seconds")}
+            out["error"] = error_text(e)
+            if self.on_gpu:
+                try:
+                    out["peak_memory_gb"] = torch.cuda.max_memory_allocated() / GB
+                except Exception:  # the context is gone (a CUDA error): no figure
+                    pass
+            print(f"  {side} failed: {out['error']}", flush=True)
+            traceback.print_exc()  # the whole cause, in the log
+        finally:
+            for obj in keep:  # a DeepSpeed engine holds hooks and buffers until destroyed
+                if hasattr(obj, "destroy"):
+                    try:
+                        obj.destroy()
+                    except Exception as e:  # the side's figures stand; the next side reports what is held
+                        print(f"  {side}: could not destroy its engine: {error_text(e)}", flush=True)
+            keep.clear()
         return out
+
+    def free(self) -> float | None:
+        """Free what earlier sides left and reset the peak statistics; GB still allocated."""
+        gc.collect()
+        if not self.on_gpu:
+            return None
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        return torch.cuda.memory_allocated() / GB
 
     def count_syncs(self, loop: Callable[[], None]) -> float:
         """Host syncs the device reported during one pass of the micro-batch loop (sync debug mode)."""
@@ -325,10 +387,18 @@ def profile_step(step: Callable[[], None], top: int = 8) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size", choices=[s for s in SIZES if s != "smoke"], default="0.5B")
-    ap.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated, of {', '.join(SIDES)}")
+def error_text(e: BaseException) -> str:
+    """One line: what stopped a side (out of memory told apart: it is the memory verdict)."""
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    if isinstance(e, torch.OutOfMemoryError):
+        return f"out of memory: {first}"
+    return f"{type(e).__name__}: {first}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    ap.add_argument("--size", choices=list(SIZES), default="0.5B", help="model shape (smoke: a tiny one, for CPU)")
+    ap.add_argument("--sides", default=DEFAULT_SIDES, help=f"comma-separated, of {', '.join(SIDES)}")
     ap.add_argument("--samples", type=int, default=128, help="samples per optimizer step")
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--max-completion", type=int, default=4096)
@@ -339,129 +409,285 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile one step of the first project side")
     ap.add_argument("--peak-tflops", type=float, help="the device's dense bf16 peak (default: from its name)")
     ap.add_argument("--targets", help="RATIO,MFU: print a verdict (best project side vs stock, and its MFU)")
-    ap.add_argument("--tag", default="", help="suffix of the result file's name")
-    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, fp32: checks the script runs")
-    args = ap.parse_args()
-    if args.smoke:
-        args.size, args.samples, args.prompt_tokens, args.max_completion = "smoke", 8, 16, 64
-        args.micro_batch_tokens, args.repeats, args.sides = 256, 2, "stock,plain,zero1"
-    sides = [s for s in args.sides.split(",") if s]
-    if unknown := set(sides) - set(SIDES):
-        raise SystemExit(f"--sides: unknown {sorted(unknown)} (of {', '.join(SIDES)})")
+    ap.add_argument(
+        "--memory-cap-gb", type=float, help="cap GPU memory at this many GB (10^9 bytes); FITS/OOM per side"
+    )
+    ap.add_argument("--tag", default="", help="suffix of the result file's name (one starting with '-': --tag=-16k)")
+    ap.add_argument("--name", help="the result file's name (default gpu_trainer-SIZE plus --tag)")
+    ap.add_argument("--results-dir", type=Path, help="where the result JSON goes (default bench/results)")
+    ap.add_argument(
+        "--smoke", action="store_true", help="CPU, tiny model, fp32: checks the script (JSON: --results-dir)"
+    )
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options, checked: each bad one is named."""
+    argv = sys.argv[1:] if argv is None else argv
+    ap = build_parser()
+    if "--smoke" in argv:
+        ap.set_defaults(**SMOKE_DEFAULTS)
+    args = ap.parse_args(argv)
+    args.side_list = [s for s in args.sides.split(",") if s]
+    if unknown := [s for s in args.side_list if s not in SIDES]:
+        ap.error(f"--sides: unknown {unknown} (of {', '.join(SIDES)})")
+    if not args.side_list:
+        ap.error("--sides: none given")
+    args.target_pair = None
+    if args.targets:
+        try:
+            ratio, mfu = (float(x) for x in args.targets.split(","))
+        except ValueError:
+            ap.error(f"--targets: expected RATIO,MFU (e.g. 1.5,0.20), got {args.targets!r}")
+        args.target_pair = (ratio, mfu)
+    args.name = args.name or f"gpu_trainer-{args.size}{args.tag}"
+    if not NAME.fullmatch(args.name):
+        ap.error(f"--name/--tag: {args.name!r} may hold only letters, digits, '.', '_' and '-'")
+    for field in ("samples", "repeats", "micro_batch_tokens"):
+        if getattr(args, field) < 1:
+            ap.error(f"--{field.replace('_', '-')}: must be at least 1")
+    return args
+
+
+def cap_memory(cap_gb: float | None) -> dict:
+    """Cap this process's GPU memory at `cap_gb` where the GPU has more (a fit claimed for an
+    80 GB GPU must not rest on an H200's 141); the device's total and the cap."""
+    total = torch.cuda.get_device_properties(0).total_memory
+    out: dict = {"device_memory_gb": total / GB, "memory_cap_gb": None}
+    if cap_gb is not None and cap_gb * GB < total:
+        torch.cuda.set_per_process_memory_fraction(cap_gb * GB / total)
+        out["memory_cap_gb"] = cap_gb
+        print(f"GPU memory capped at {cap_gb:g} GB of the device's {total / GB:.1f} GB", flush=True)
+    elif cap_gb is not None:
+        out["memory_cap_gb"] = total / GB
+        print(f"GPU memory: the device's {total / GB:.1f} GB (≤ the {cap_gb:g} GB cap)", flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     on_gpu = torch.cuda.is_available() and not args.smoke
     if not on_gpu and not args.smoke:
         raise SystemExit("bench.gpu_trainer needs a CUDA GPU (or --smoke to check the script on CPU)")
+    folder = args.results_dir or (None if args.smoke else RESULTS)  # a smoke figure never lands in bench/results
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29518")
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from pipelinerl_trainer.model import init_distributed
-
+    memory = cap_memory(args.memory_cap_gb) if on_gpu else {}
     shape = Shape.of(SIZES[args.size])
     results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="gpu-trainer-") as path:
-        torch.manual_seed(0)
-        config = Qwen2Config(
-            tie_word_embeddings=True,
-            max_position_embeddings=max(args.micro_batch_tokens, 8192),
-            rope_theta=1e6,
-            **SIZES[args.size],
-        )
-        Qwen2ForCausalLM(config).save_pretrained(path)
-        bench = Bench(args, path, on_gpu)
-        init_distributed(on_gpu, 600)
-        first_project = next((s for s in sides if s != "stock"), None)
-        for side in sides:
-            t0 = time.perf_counter()
-            results[side] = bench.run(side, profile=args.profile and side == first_project)
-            print(f"  {side}: {time.perf_counter() - t0:.0f} s", flush=True)
-    report(args, shape, bench, results, on_gpu)
-
-
-def report(args, shape: Shape, bench: Bench, results: dict[str, dict], on_gpu: bool) -> None:
-    lengths = [len(s.sample.tokens) for s in bench.items]
-    tokens, flops = sum(lengths), step_flops(shape, lengths)
-    dev_name = str(machine()["device"])
-    peak = args.peak_tflops or (peak_tflops(dev_name) if on_gpu else None)
-    stock = results.get("stock", {}).get("seconds", {}).get("median")
-    rows = []
-    for side, r in results.items():
-        if "error" in r:
-            rows.append([side, r["error"][:60], "", "", "", "", "", ""])
-            continue
-        s = r["seconds"]["median"]
-        r |= {
-            "tokens_per_second": tokens / s,
-            "tflops": flops / s / 1e12,
-            "mfu": flops / s / 1e12 / peak if peak else None,
-            "vs_stock": stock / s if stock else None,
-        }
-        rows.append(
-            [
-                side,
-                s,
-                tokens / s,
-                r["tflops"],
-                f"{r['mfu']:.1%}" if r["mfu"] else "-",
-                f"{r['vs_stock']:.2f}×" if r["vs_stock"] else "-",
-                f"{r['peak_memory_gb']:.1f}" if "peak_memory_gb" in r else "-",
-                f"{r['host_syncs_per_micro_batch']:.1f}" if "host_syncs_per_micro_batch" in r else "-",
-            ]
-        )
-    print(
-        f"{args.size} ({shape.matmul_params():,} matmul weights) on {dev_name}: {len(bench.items)} samples, "
-        f"{tokens} tokens, {len(bench.batches)} micro-batches of ≤ {args.micro_batch_tokens} tokens per step"
-        f"{', activation checkpointing' if args.gradient_checkpointing else ''}"
-    )
-    print(table(["side", "step s", "tokens/s", "TFLOP/s", "MFU", "× stock", "peak GB", "syncs/mb"], rows))
-    for side, r in results.items():
-        if "profile" in r:
-            p = r["profile"]
-            print(f"profile of {side}: GPU busy {p['gpu_busy_fraction']:.0%} of {p['wall_ms']:.0f} ms")
-            for k in p["top_kernels"]:
-                print(f"  {k['share']:6.1%} {k['ms']:8.1f} ms {k['calls']:6d}×  {k['name']}")
-    verdict = None
-    if args.targets and stock:
-        ratio_target, mfu_target = (float(x) for x in args.targets.split(","))
-        done = {s: r for s, r in results.items() if s != "stock" and "error" not in r}
-        best = max(done, key=lambda s: done[s]["tokens_per_second"], default=None)
-        if best:
-            b = done[best]
-            verdict = {
-                "best_side": best,
-                "vs_stock": b["vs_stock"],
-                "mfu": b["mfu"],
-                "ratio_met": b["vs_stock"] >= ratio_target,
-                "mfu_met": (b["mfu"] or 0) >= mfu_target,
-            }
-            mfu = f"{b['mfu']:.1%}" if b["mfu"] is not None else "unknown (no peak for this device)"
-            print(
-                f"VERDICT {args.size}: best project side {best}: {b['vs_stock']:.2f}× stock HF "
-                f"(target ≥ {ratio_target}×: {'met' if verdict['ratio_met'] else 'MISSED'}), MFU {mfu} "
-                f"(target ≥ {mfu_target:.0%}: {'met' if verdict['mfu_met'] else 'MISSED'})"
+    stopped = False
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        with tempfile.TemporaryDirectory(prefix="gpu-trainer-") as path:
+            torch.manual_seed(0)
+            config = Qwen2Config(
+                tie_word_embeddings=True,
+                max_position_embeddings=max(args.micro_batch_tokens, 8192),
+                rope_theta=1e6,
+                **SIZES[args.size],
             )
-    if not args.smoke:
-        command = (
-            f"python -m bench.gpu_trainer --size {args.size} --sides {args.sides} --samples {args.samples} "
-            f"--micro-batch-tokens {args.micro_batch_tokens} --repeats {args.repeats}"
-            + (" --gradient-checkpointing" if args.gradient_checkpointing else "")
+            with torch.device("cuda" if on_gpu else "cpu"):  # random init on the GPU: seconds, not a minute
+                Qwen2ForCausalLM(config).save_pretrained(path)  # fp32, as stock HF trains it
+            bench = Bench(args, path, on_gpu)
+            run = Run(args, shape, bench, on_gpu, memory)
+            print(run.header(), flush=True)
+            first_project = next((s for s in args.side_list if s != "stock"), None)
+            for side in args.side_list:
+                t0 = time.perf_counter()
+                try:
+                    results[side] = bench.run(side, profile=args.profile and side == first_project)
+                except Stopped:
+                    results[side] = {"error": "stopped: SIGTERM (the GPU check's time budget ran out) during this side"}
+                    stopped = True
+                print(f"  {run.row_text(side, results, time.perf_counter() - t0)}", flush=True)
+                if folder is not None:  # after every side: a run cut short keeps what it measured
+                    save(args.name, run.report(results), run.command(), folder)
+                if stopped:
+                    break
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(table(*run.table(results)))
+    run.print_profiles(results)
+    for line in run.report(results)["verdict_lines"]:
+        print(line)
+    if stopped:
+        raise SystemExit(143)
+
+
+def _stop(signum, frame) -> None:
+    raise Stopped()
+
+
+class Run:
+    """The figures of one run, derived from the sides' results (pure, but for the device name)."""
+
+    def __init__(self, args, shape: Shape, bench: Bench, on_gpu: bool, memory: dict):
+        self.args, self.shape, self.on_gpu, self.memory = args, shape, on_gpu, memory
+        lengths = [len(s.sample.tokens) for s in bench.items]
+        self.samples, self.micro_batches = len(bench.items), len(bench.batches)
+        self.tokens, self.flops = sum(lengths), step_flops(shape, lengths)
+        self.device = str(machine()["device"])
+        self.peak = args.peak_tflops or (peak_tflops(self.device) if on_gpu else None)
+        self.label = args.name.removeprefix("gpu_trainer-")
+
+    def header(self) -> str:
+        a = self.args
+        return (
+            f"{a.size} ({self.shape.matmul_params():,} matmul weights) on {self.device}: {self.samples} samples, "
+            f"{self.tokens} tokens, {self.micro_batches} micro-batches of ≤ {a.micro_batch_tokens} tokens per step"
+            f"{', activation checkpointing' if a.gradient_checkpointing else ''}; sides {','.join(a.side_list)}"
         )
-        save(
-            f"gpu_trainer-{args.size}{args.tag}",
-            {
-                "size": args.size,
-                "matmul_parameters": shape.matmul_params(),
-                "samples_per_step": len(bench.items),
-                "tokens_per_step": tokens,
-                "micro_batches": len(bench.batches),
-                "flops_per_step": flops,
-                "micro_batch_tokens": args.micro_batch_tokens,
-                "gradient_checkpointing": args.gradient_checkpointing,
-                "peak_tflops": peak,
-                "sides": results,
-                "verdict": verdict,
-            },
-            command,
+
+    def figures(self, results: dict[str, dict]) -> dict[str, dict]:
+        """Each side's result with its rates: tokens/s, TFLOP/s, MFU, × stock."""
+        stock = results.get("stock", {}).get("seconds", {}).get("median")
+        out = {}
+        for side, r in results.items():
+            r = dict(r)
+            if "seconds" in r:
+                s = r["seconds"]["median"]
+                tflops = self.flops / s / 1e12
+                r |= {
+                    "tokens_per_second": self.tokens / s,
+                    "tflops": tflops,
+                    "mfu": tflops / self.peak if self.peak else None,
+                    "vs_stock": stock / s if stock else None,
+                }
+            out[side] = r
+        return out
+
+    def row_text(self, side: str, results: dict[str, dict], took: float) -> str:
+        r = self.figures(results)[side]
+        if "error" in r:
+            return f"{side}: FAILED after {took:.0f} s: {r['error']}"
+        parts = [f"{r['seconds']['median']:.3g} s/step", f"{r['tokens_per_second']:,.0f} tokens/s"]
+        if r["mfu"] is not None:
+            parts.append(f"MFU {r['mfu']:.1%}")
+        if r["vs_stock"] is not None and side != "stock":
+            parts.append(f"{r['vs_stock']:.2f}× stock")
+        if "peak_memory_gb" in r:
+            parts.append(f"peak {r['peak_memory_gb']:.1f} GB")
+        if "host_syncs_per_micro_batch" in r:
+            parts.append(f"{r['host_syncs_per_micro_batch']:.1f} syncs/mb")
+        return f"{side}: {', '.join(parts)} ({took:.0f} s)"
+
+    def table(self, results: dict[str, dict]) -> tuple[list[str], list[list[object]]]:
+        rows: list[list[object]] = []
+        for side, r in self.figures(results).items():
+            if "error" in r:
+                rows.append([side, r["error"][:60], "", "", "", "", "", ""])
+                continue
+            rows.append(
+                [
+                    side,
+                    r["seconds"]["median"],
+                    r["tokens_per_second"],
+                    r["tflops"],
+                    f"{r['mfu']:.1%}" if r["mfu"] is not None else "-",
+                    f"{r['vs_stock']:.2f}×" if r["vs_stock"] is not None else "-",
+                    f"{r['peak_memory_gb']:.1f}" if "peak_memory_gb" in r else "-",
+                    f"{r['host_syncs_per_micro_batch']:.1f}" if "host_syncs_per_micro_batch" in r else "-",
+                ]
+            )
+        return ["side", "step s", "tokens/s", "TFLOP/s", "MFU", "× stock", "peak GB", "syncs/mb"], rows
+
+    def print_profiles(self, results: dict[str, dict]) -> None:
+        for side, r in results.items():
+            if "profile" in r:
+                p = r["profile"]
+                print(f"profile of {side}: GPU busy {p['gpu_busy_fraction']:.0%} of {p['wall_ms']:.0f} ms")
+                for k in p["top_kernels"]:
+                    print(f"  {k['share']:6.1%} {k['ms']:8.1f} ms {k['calls']:6d}×  {k['name']}")
+
+    def report(self, results: dict[str, dict]) -> dict:
+        sides = self.figures(results)
+        verdict_, lines = verdict(self.label, sides, self.args.target_pair)
+        cap = self.memory.get("memory_cap_gb")
+        lines += memory_verdicts(self.label, sides, cap) if self.args.memory_cap_gb else []
+        a = self.args
+        return {
+            "size": a.size,
+            "matmul_parameters": self.shape.matmul_params(),
+            "samples_per_step": self.samples,
+            "tokens_per_step": self.tokens,
+            "micro_batches": self.micro_batches,
+            "flops_per_step": self.flops,
+            "micro_batch_tokens": a.micro_batch_tokens,
+            "gradient_checkpointing": a.gradient_checkpointing,
+            "peak_tflops": self.peak,
+            **self.memory,
+            "sides_asked": a.side_list,
+            "sides": sides,
+            "verdict": verdict_,
+            "verdict_lines": lines,
+        }
+
+    def command(self) -> str:
+        a = self.args
+        return (
+            f"python -m bench.gpu_trainer --size {a.size} --sides {a.sides} --samples {a.samples} "
+            f"--micro-batch-tokens {a.micro_batch_tokens} --repeats {a.repeats} --name {a.name}"
+            + (f" --targets {a.targets}" if a.targets else "")
+            + (f" --memory-cap-gb {a.memory_cap_gb:g}" if a.memory_cap_gb else "")
+            + (" --gradient-checkpointing" if a.gradient_checkpointing else "")
+            + (" --smoke" if a.smoke else "")
         )
+
+
+def verdict(label: str, sides: dict[str, dict], targets: tuple[float, float] | None) -> tuple[dict | None, list[str]]:
+    """The targets' verdict from the sides so far (with their rates, `Run.figures`): the fastest
+    project side against stock HF and its MFU; each part said unknown where its figure is
+    missing (stock failed or not run yet, no peak for the device), never left out."""
+    if targets is None:
+        return None, []
+    ratio_target, mfu_target = targets
+    done = {s: r for s, r in sides.items() if s != "stock" and "error" not in r}
+    best = max(done, key=lambda s: done[s]["tokens_per_second"], default=None)
+    if best is None:
+        why = "; ".join(f"{s}: {r['error']}" for s, r in sides.items() if s != "stock") or "none has run"
+        return (
+            {"best_side": None, "vs_stock": None, "mfu": None, "ratio_met": None, "mfu_met": None},
+            [f"VERDICT {label}: no project side ran ({why}): both targets unknown"],
+        )
+    b = done[best]
+    met = lambda ok: "met" if ok else "MISSED"  # noqa: E731
+    v = {"best_side": best, "vs_stock": b["vs_stock"], "mfu": b["mfu"], "ratio_met": None, "mfu_met": None}
+    if b["vs_stock"] is not None:
+        v["ratio_met"] = b["vs_stock"] >= ratio_target
+        ratio = f"{b['vs_stock']:.2f}× stock HF (target ≥ {ratio_target:g}×: {met(v['ratio_met'])})"
+    else:
+        stock = sides.get("stock", {})
+        why = f"stock failed: {stock['error'][:80]}" if "error" in stock else "no stock figure"
+        ratio = f"× stock HF unknown ({why}; target ≥ {ratio_target:g}×)"
+    if b["mfu"] is not None:
+        v["mfu_met"] = b["mfu"] >= mfu_target
+        mfu = f"MFU {b['mfu']:.1%} (target ≥ {mfu_target:.0%}: {met(v['mfu_met'])})"
+    else:
+        mfu = f"MFU unknown (no peak for this device; target ≥ {mfu_target:.0%})"
+    return v, [f"VERDICT {label}: best project side {best}: {ratio}, {mfu}"]
+
+
+def memory_verdicts(label: str, sides: dict[str, dict], cap_gb: float | None) -> list[str]:
+    """Per side: FITS under the memory cap (with its peak), OOM, or unknown (it failed otherwise,
+    or ran where there are no GPU memory figures)."""
+    cap = f"{cap_gb:g} GB" if cap_gb else "the cap"
+    lines = []
+    for side, r in sides.items():
+        if "error" not in r and "peak_reserved_gb" in r:
+            what = (
+                f"FITS in {cap} (peak {r['peak_reserved_gb']:.1f} GB reserved, {r['peak_memory_gb']:.1f} GB allocated)"
+            )
+        elif r.get("error", "").startswith("out of memory"):
+            what = f"OOM at {cap}" + (
+                f" (peak {r['peak_memory_gb']:.1f} GB allocated)" if "peak_memory_gb" in r else ""
+            )
+        elif "error" in r:
+            what = f"unknown ({r['error'][:80]})"
+        else:
+            what = "unknown (no GPU memory figures on CPU)"
+        lines.append(f"VERDICT {label} memory: {side} {what}")
+    return lines
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ names its own NCCL_HOSTID and NCCL takes them for two hosts (its socket transpor
 NVLink between two GPUs: an upper bound on the broadcast's cost).
 
     python -m bench.gpu_weight_update [--size 1.5B] [--rounds 3] [--bucket-mb 256]
+    python -m bench.gpu_weight_update --smoke   # CPU: the tiny shape over gloo, checks the script
+
+It ends with a VERDICT line and writes its JSON (bench/results, or `--results-dir`), also when
+the receiver fails (with the error).
 """
 
 from __future__ import annotations
@@ -19,14 +23,16 @@ import multiprocessing as mp
 import os
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from bench.common import save, summary, table
-from bench.gpu_trainer import SIZES, job_for
+from bench.common import RESULTS, save, summary, table
+from bench.gpu_trainer import NAME, SIZES, job_for
 from pipelinerl.ports import free_port
 
 TOKEN = "bench-token"
+TIMEOUT_S = 120.0  # the group's collectives, and the wait for the receiver to join (a fresh CUDA process)
 
 
 def checksums(tensors) -> list[float]:
@@ -39,13 +45,14 @@ def snapshot_tensors(snapshot, buckets):
             yield buf[t["offset"] : t["offset"] + t["numel"]]
 
 
-def _receiver(port: int, buckets: list[dict], rounds: int, out: mp.Queue) -> None:
+def _receiver(port: int, buckets: list[dict], rounds: int, backend: str, out: mp.Queue) -> None:
     try:
-        os.environ["NCCL_HOSTID"] = "generator"
-        torch.cuda.set_device(0)
+        if backend == "nccl":
+            os.environ["NCCL_HOSTID"] = "generator"
+            torch.cuda.set_device(0)
         from pipelinerl.weight_group import WeightGroup
 
-        group = WeightGroup.join("127.0.0.1", port, "bench", 1, 2, 120.0, "nccl", TOKEN)
+        group = WeightGroup.join("127.0.0.1", port, "bench", 1, 2, TIMEOUT_S, backend, TOKEN)
         for _ in range(rounds):
             sums = checksums(t for _, t in group.receive_buckets(buckets))
             out.put(("ok", sums))
@@ -54,93 +61,139 @@ def _receiver(port: int, buckets: list[dict], rounds: int, out: mp.Queue) -> Non
         out.put(("err", repr(e)))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--size", choices=["0.5B", "1.5B"], default="1.5B")
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    ap.add_argument("--size", choices=list(SIZES), default="1.5B")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--bucket-mb", type=int, default=256)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench.gpu_weight_update needs a CUDA GPU")
-    os.environ.update(
-        RANK="0",
-        WORLD_SIZE="1",
-        LOCAL_RANK="0",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        NCCL_HOSTID="trainer",
+    ap.add_argument("--name", help="the result file's name (default gpu_weight_update-SIZE)")
+    ap.add_argument("--results-dir", type=Path, help="where the result JSON goes (default bench/results)")
+    ap.add_argument("--smoke", action="store_true", help="CPU and gloo, the tiny shape: checks the script")
+    return ap
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = build_parser()
+    args = ap.parse_args(argv)
+    if args.smoke and args.size != "smoke":
+        args.size = "smoke"
+    if args.rounds < 1:
+        ap.error("--rounds: must be at least 1")
+    if args.bucket_mb < 1:
+        ap.error("--bucket-mb: must be at least 1")
+    args.name = args.name or f"gpu_weight_update-{args.size}"
+    if not NAME.fullmatch(args.name):
+        ap.error(f"--name: {args.name!r} may hold only letters, digits, '.', '_' and '-'")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    on_gpu = torch.cuda.is_available() and not args.smoke
+    if not on_gpu and not args.smoke:
+        raise SystemExit("bench.gpu_weight_update needs a CUDA GPU (or --smoke to check the script on CPU)")
+    backend = "nccl" if on_gpu else "gloo"
+    folder = args.results_dir or (None if args.smoke else RESULTS)
+    command = (
+        f"python -m bench.gpu_weight_update --size {args.size} --rounds {args.rounds} --bucket-mb {args.bucket_mb}"
+        + (" --smoke" if args.smoke else "")
     )
-    torch.cuda.set_device(0)
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    if on_gpu:
+        os.environ["NCCL_HOSTID"] = "trainer"
+        torch.cuda.set_device(0)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from pipelinerl.weight_group import Snapshot, WeightGroup, dtype_name, open_store, plan_buckets
     from pipelinerl_trainer.model import build_engine, full_parameters, init_distributed, named_weights
 
+    dtype = "bfloat16" if on_gpu else "float32"
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     with tempfile.TemporaryDirectory(prefix="gpu-weights-") as path:
         torch.manual_seed(0)
-        Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **SIZES[args.size])).save_pretrained(path)
-        job = job_for(path, "bfloat16", 1, 8192, False)
-        init_distributed(True, 600)
-        engine = build_engine(job.spec.trainer, "bfloat16", path)
+        with device:  # random init on the GPU: seconds, not a minute
+            model = Qwen2ForCausalLM(Qwen2Config(tie_word_embeddings=True, **SIZES[args.size]))
+            model.to(getattr(torch, dtype)).save_pretrained(path)
+        del model
+        job = job_for(path, dtype, 1, 8192, False)
+        init_distributed(on_gpu, 600)
+        engine = build_engine(job.spec.trainer, dtype, path)
     params = named_weights(engine)
     by_name = dict(params)
     buckets = plan_buckets([(n, list(p.shape), dtype_name(p.dtype)) for n, p in params], args.bucket_mb << 20)
-    snapshot = Snapshot(buckets, torch.device("cuda", 0))
+    snapshot = Snapshot(buckets, device)
     nbytes = sum(b.numel() * b.element_size() for b in snapshot.buffers)
+    transport = "NCCL on one GPU (two NCCL_HOSTIDs)" if on_gpu else "gloo on the CPU"
+    what = (
+        f"{args.size}: {nbytes / 2**30:.2f} GiB of {dtype} weights in {len(buckets)} buckets "
+        f"of ≤ {args.bucket_mb} MiB; {transport}"
+    )
+    print(what, flush=True)
 
     port = free_port()
-    store = open_store("127.0.0.1", port, True, 120.0)
+    store = open_store("127.0.0.1", port, True, TIMEOUT_S)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_receiver, args=(port, buckets, args.rounds + 1, out), daemon=True)
+    proc = ctx.Process(target=_receiver, args=(port, buckets, args.rounds + 1, backend, out), daemon=True)
     proc.start()
-    group = WeightGroup.form(store, "bench", 2, 120.0, "nccl", token=TOKEN)
     times: dict[str, list[float]] = {"pack": [], "broadcast": [], "update": []}  # update: until received
     exact = True
-    for r in range(args.rounds + 1):  # the first round warms NCCL up and is not counted
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for i, bucket in enumerate(buckets):
-            tensors = [by_name[t["name"]] for t in bucket["tensors"]]
-            with full_parameters(engine, tensors):
-                snapshot.pack(i, {t["name"]: p.data for t, p in zip(bucket["tensors"], tensors)})
-        torch.cuda.synchronize()
-        t1 = time.perf_counter()
-        group.broadcast(snapshot)
-        torch.cuda.synchronize()  # the collective is done on both ranks
-        t2 = time.perf_counter()
-        status, payload = out.get(timeout=300)
-        t3 = time.perf_counter()  # the receiver has every tensor (and its checksum)
-        if status != "ok":
-            raise SystemExit(f"receiver failed: {payload}")
-        exact &= payload == checksums(snapshot_tensors(snapshot, buckets))
-        if r:
-            for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t0)):
-                times[k].append(v)
-    group.close()
+    error = None
+    try:
+        # The receiver is a fresh process: importing torch (and a CUDA context) takes seconds.
+        group = WeightGroup.form(store, "bench", 2, TIMEOUT_S, backend, join_timeout_s=TIMEOUT_S, token=TOKEN)
+        for r in range(args.rounds + 1):  # the first round warms the transport up and is not counted
+            sync(on_gpu)
+            t0 = time.perf_counter()
+            for i, bucket in enumerate(buckets):
+                tensors = [by_name[t["name"]] for t in bucket["tensors"]]
+                with full_parameters(engine, tensors):
+                    snapshot.pack(i, {t["name"]: p.data for t, p in zip(bucket["tensors"], tensors)})
+            sync(on_gpu)
+            t1 = time.perf_counter()
+            group.broadcast(snapshot)
+            sync(on_gpu)  # the collective is done on both ranks
+            t2 = time.perf_counter()
+            status, payload = out.get(timeout=300)
+            t3 = time.perf_counter()  # the receiver has every tensor (and its checksum)
+            if status != "ok":
+                raise RuntimeError(f"receiver failed: {payload}")
+            exact &= payload == checksums(snapshot_tensors(snapshot, buckets))
+            if r:
+                for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t0)):
+                    times[k].append(v)
+        group.close()
+    except Exception as e:  # recorded: the JSON says what stopped it
+        error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
     proc.join(30)
-    rows = [[k, summary(v)["median"], f"{min(v):.3f}-{max(v):.3f}"] for k, v in times.items()]
-    gbps = nbytes / summary(times["broadcast"])["median"] / 1e9
-    print(
-        f"{args.size}: {nbytes / 2**30:.2f} GiB of bf16 weights in {len(buckets)} buckets of ≤ {args.bucket_mb} MiB; "
-        f"NCCL on one GPU (two NCCL_HOSTIDs)"
-    )
-    print(table(["phase", "seconds (median)", "spread"], rows))
-    print(f"broadcast {gbps:.1f} GB/s; received exactly: {exact}")
-    save(
-        f"gpu_weight_update-{args.size}",
-        {
-            "size": args.size,
-            "bytes": nbytes,
-            "buckets": len(buckets),
-            "seconds": {k: summary(v) for k, v in times.items()},
-            "broadcast_gb_per_s": gbps,
-            "exact": exact,
-        },
-        f"python -m bench.gpu_weight_update --size {args.size} --rounds {args.rounds} --bucket-mb {args.bucket_mb}",
-    )
-    if not exact:
-        raise SystemExit("the received weights differ from the snapshot")
+    if proc.is_alive():
+        proc.kill()
+    result: dict = {"size": args.size, "backend": backend, "bytes": nbytes, "buckets": len(buckets)}
+    if error is None:
+        gbps = nbytes / summary(times["broadcast"])["median"] / 1e9
+        med = {k: summary(v)["median"] for k, v in times.items()}
+        rows = [[k, med[k], f"{min(v):.3f}-{max(v):.3f}"] for k, v in times.items()]
+        print(table(["phase", "seconds (median)", "spread"], rows))
+        verdict = (
+            f"VERDICT weight update {args.size}: {med['update']:.3g} s end to end (pack {med['pack']:.3g} s, "
+            f"broadcast {med['broadcast']:.3g} s at {gbps:.3g} GB/s), "
+            + ("received exactly" if exact else "RECEIVED WEIGHTS DIFFER")
+        )
+        result |= {"seconds": {k: summary(v) for k, v in times.items()}, "broadcast_gb_per_s": gbps, "exact": exact}
+    else:
+        verdict = f"VERDICT weight update {args.size}: FAILED: {error}"
+        result["error"] = error
+    result["verdict_lines"] = [verdict]
+    print(verdict, flush=True)
+    if folder is not None:
+        save(args.name, result, command, folder)
+    if error is not None or not exact:
+        raise SystemExit(1)
+
+
+def sync(on_gpu: bool) -> None:
+    if on_gpu:
+        torch.cuda.synchronize()
 
 
 if __name__ == "__main__":

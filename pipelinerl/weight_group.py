@@ -24,7 +24,14 @@ import torch
 import torch.distributed as dist
 
 GROUP_PREFIX = "pipelinerl-weights"
-JOIN_TIMEOUT_S = 5.0  # members of a new epoch are up already (they said hello): joining is quick
+# How long the trainer waits for a new epoch's members to say they are joining. They said hello,
+# so they are up, but joining still takes each a NATS round trip, a vLLM collective_rpc, closing
+# its previous group and connecting to the store; a member started beside the trainer (a test's or
+# a benchmark's spawned process) must first import torch and create its CUDA context, which alone
+# takes several seconds (4.8 s measured for the import and join on a 2-core CPU machine). A member
+# that never comes costs the trainer this wait once per epoch tried. Never longer than the members
+# themselves wait for `go` (the weight-sync timeout): by then they have given up.
+JOIN_TIMEOUT_S = 30.0
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -122,6 +129,14 @@ def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, 
         ) from e
 
 
+def join_window(timeout_s: float, join_timeout_s: float | None = None) -> float:
+    """The trainer's wait for an epoch's `joining` keys: `join_timeout_s` where given, else
+    JOIN_TIMEOUT_S capped at the group's `timeout_s` (a member's own wait for `go`)."""
+    if join_timeout_s is not None:
+        return join_timeout_s
+    return min(JOIN_TIMEOUT_S, timeout_s)
+
+
 def proof(token: str, group_id: str, rank: int) -> bytes:
     """What `rank` shows the others of epoch `group_id` to prove it holds the job's token (fresh
     per epoch: group ids never repeat, so a proof seen once is worth nothing later)."""
@@ -169,14 +184,16 @@ class WeightGroup:
         world_size: int,
         timeout_s: float,
         backend: str = "gloo",
-        join_timeout_s: float = JOIN_TIMEOUT_S,
+        join_timeout_s: float | None = None,
         token: str = "",
     ) -> WeightGroup:
         """Trainer side (rank 0) of epoch `group_id`: wait until ranks 1..world_size-1 said they
         are joining, then let them go and connect. Raises GroupIncomplete naming the ranks that
-        did not come within `join_timeout_s` (the others are told to abort), or that came without
-        the job's `token` (see `_authenticate`)."""
+        did not come within the join window (`join_window`: `join_timeout_s`, or by default
+        JOIN_TIMEOUT_S capped at `timeout_s`; the others are told to abort), or that came
+        without the job's `token` (see `_authenticate`)."""
         check_backend(backend)
+        join_timeout_s = join_window(timeout_s, join_timeout_s)
         epoch = dist.PrefixStore(f"{GROUP_PREFIX}/{group_id}", store)
         keys = [f"joining/{r}" for r in range(1, world_size)]
         deadline = time.monotonic() + join_timeout_s

@@ -15,6 +15,7 @@ import torch
 
 from pipelinerl.spec import parse_job
 from pipelinerl.weight_group import (
+    JOIN_TIMEOUT_S,
     GroupAborted,
     GroupIncomplete,
     Snapshot,
@@ -22,6 +23,7 @@ from pipelinerl.weight_group import (
     WeightSyncError,
     WeightSyncTimeout,
     dtype_name,
+    join_window,
     open_store,
     plan_buckets,
 )
@@ -103,8 +105,9 @@ def test_plan_for_tensors_is_plain_data_and_rejects_bad_input():
 # --- real gloo groups (spawned processes) -------------------------------------------------
 
 
-def _receiver(port, rank, world, timeout_s, buckets, out_q, backend="gloo", group_id="g", token=""):
+def _receiver(port, rank, world, timeout_s, buckets, out_q, backend="gloo", group_id="g", token="", delay_s=0.0):
     try:
+        time.sleep(delay_s)  # a member still starting up (importing torch, creating a CUDA context)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
             if torch.cuda.device_count() == 1:  # NCCL refuses two ranks of one host on one GPU: another "host"
@@ -206,6 +209,38 @@ def test_a_member_without_the_job_token_is_refused_before_any_weights_move(port)
             p.join(10)
             if p.is_alive():
                 p.kill()
+
+
+def test_the_join_window_is_half_a_minute_and_never_longer_than_the_members_wait():
+    assert JOIN_TIMEOUT_S == 30.0 and join_window(120.0) == 30.0
+    assert join_window(20.0) == 20.0  # members give up waiting for `go` after the group's timeout
+    assert join_window(120.0, join_timeout_s=1.5) == 1.5  # a caller's own window
+
+
+def test_a_member_that_starts_slowly_joins_within_the_default_window(port):
+    """A member spawned beside the trainer must import torch (on a GPU also create its CUDA
+    context) before it can join, seconds after the trainer starts waiting: here it comes 6 s
+    late, and the default window still admits it (the earlier 5 s one did not)."""
+    tensors = {"w": torch.arange(10.0)}
+    buckets = plan_buckets_for(tensors, bucket_bytes=1024)
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    late = ctx.Process(target=_receiver, args=(port, 1, 2, 60.0, buckets, out_q, "gloo", "g", "", 6.0), daemon=True)
+    late.start()
+    try:
+        t0 = time.perf_counter()
+        group = WeightGroup.form(open_store(HOST, port, True, 60.0), "g", 2, 60.0)  # the default window
+        assert time.perf_counter() - t0 >= 6.0  # it did wait for the late member
+        send(group, tensors, buckets)
+        send(group, tensors, buckets)
+        rank, status, blob = out_q.get(timeout=60)
+        assert status == "ok", blob
+        assert all(torch.equal(got["w"], tensors["w"]) for got in torch.load(io.BytesIO(blob)))
+        group.close()
+    finally:
+        late.join(10)
+        if late.is_alive():
+            late.kill()
 
 
 def test_epoch_nobody_joins_names_the_missing_ranks(port):

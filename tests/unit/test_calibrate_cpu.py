@@ -33,3 +33,26 @@ def test_two_step_sizes_recover_the_per_step_and_per_sequence_costs(monkeypatch)
     # Phases no split can give (the small step slower than a flat cost makes it): refused.
     assert fit_split(start, big, rows[128], phases[128], (small, rows[32], 5 * phases[32]), hi=0.05) is None
     assert MIN_BASE < fitted.decode_base_s
+
+
+def test_a_built_in_model_not_built_yet_is_built_with_gradients_on(monkeypatch):
+    """Sampling runs under no_grad, but a built-in model missing from the cache is trained (its
+    warm start) when its path is resolved: that must happen with gradients on (it failed with
+    "element 0 of tensors does not require grad" on a fresh cache)."""
+    import torch
+
+    from bench import calibrate_cpu
+
+    class Resolved(Exception):
+        pass
+
+    seen = []
+
+    def resolve(path):
+        seen.append(torch.is_grad_enabled())
+        raise Resolved
+
+    monkeypatch.setattr(calibrate_cpu, "resolve_model_path", resolve)
+    with pytest.raises(Resolved):
+        calibrate_cpu.sampled_lengths(variant(32))
+    assert seen == [True]

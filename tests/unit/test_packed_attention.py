@@ -97,3 +97,60 @@ def test_the_kernel_is_varlen_only_where_flash_attention_runs():
     assert pa.kernel_for(torch.device("cuda"), torch.float32) == "grouped"  # flash has no fp32
     expected = "varlen" if pa._varlen() is not None else "grouped"
     assert pa.kernel_for(torch.device("cuda"), torch.bfloat16) == expected
+
+
+def test_the_compute_dtype_is_autocasts_where_autocast_is_on():
+    x = torch.zeros(2, dtype=torch.float32)
+    assert pa.compute_dtype(x) == torch.float32
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert pa.compute_dtype(x) == torch.bfloat16
+        assert pa.compute_dtype(x.to(torch.float16)) == torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        assert pa.compute_dtype(x) == torch.float32
+
+
+def test_fp32_weights_under_bf16_autocast_reach_the_varlen_kernel_in_bf16(monkeypatch):
+    """The benchmark's `plain` side (fp32 weights, bf16 autocast): Hugging Face's rotary embedding
+    hands attention fp32 q and k. The kernel is chosen, and fed, by autocast's dtype, so on a GPU
+    this takes the varlen kernel, not the grouped SDPA path. Here the CPU stands in for CUDA:
+    the choice treats it as the GPU would, and the varlen kernel is the reference."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from pipelinerl_trainer.model import use_policy_forward
+
+    chosen, fed = [], []
+
+    def kernel_for(device, dtype):  # CUDA's rule, on the CPU
+        chosen.append(dtype)
+        return "varlen" if dtype in (torch.bfloat16, torch.float16) else "grouped"
+
+    def kernel(q, k, v, *args, **kwargs):
+        fed.append((q.dtype, k.dtype, v.dtype))
+        return reference_varlen(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(pa, "kernel_for", kernel_for)
+    monkeypatch.setattr(pa, "_varlen", lambda: (kernel, {"window_size", "enable_gqa", "scale"}))
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
+    model = Qwen2ForCausalLM(config)  # fp32 weights
+    pa.use_packed_attention(model)
+    use_policy_forward(model)
+    ids = torch.randint(2, 64, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(1))
+    positions = torch.tensor([[p for n in LENGTHS for p in range(n)]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logprobs, _ = model(input_ids=ids, position_ids=positions, packing=Packing.of(LENGTHS))
+    assert chosen == [torch.bfloat16] * 2  # one choice per layer, by autocast's dtype (was fp32)
+    assert fed == [(torch.bfloat16,) * 3] * 2  # the kernel gets q, k, v in bf16 (it does not autocast)
+    # The same as the grouped SDPA path under the same autocast (bf16 rounding apart).
+    monkeypatch.setattr(pa, "kernel_for", lambda device, dtype: "grouped")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        grouped, _ = model(input_ids=ids, position_ids=positions, packing=Packing.of(LENGTHS))
+    torch.testing.assert_close(logprobs, grouped, atol=3e-2, rtol=3e-2)

@@ -5,7 +5,8 @@ trainer turns the lengths into a `Packing` once per micro-batch (cumulative leng
 device, the longest length on the host), and every attention layer takes it from there: no
 layer looks at position ids and nothing waits on the device.
 
-Two kernels behind one attention function, chosen by the device and dtype (`kernel_for`):
+Two kernels behind one attention function, chosen by the device and the dtype attention computes
+in (`kernel_for`, `compute_dtype`: autocast's where it is on):
 
 - ``varlen``: PyTorch's variable-length flash attention (`torch.nn.attention.varlen`, CUDA,
   bf16/fp16): one kernel call per layer over the whole row, no padding, no gathers.
@@ -91,6 +92,15 @@ def to(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype attention computes in: autocast's where autocast is on for `t`'s device, else
+    `t`'s. Under bf16 autocast with fp32 weights, Hugging Face's rotary embedding hands over q and
+    k in fp32 (its cos/sin follow the fp32 hidden states) and v in bf16: SDPA casts them to bf16
+    itself, so the varlen kernel must be chosen, and fed, by autocast's dtype too."""
+    kind = t.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else t.dtype
 
 
 def kernel_for(device: torch.device, dtype: torch.dtype) -> str:
@@ -179,12 +189,13 @@ def packed_attention(
             enable_gqa=query.shape[1] != key.shape[1],
         )
         return out.transpose(1, 2), None
-    if kernel_for(query.device, query.dtype) == "varlen":
+    dtype = compute_dtype(query)
+    if kernel_for(query.device, dtype) == "varlen":
         if dropout:
             raise NotImplementedError("attention dropout with the varlen kernel")
-        out = varlen_attention(
-            query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), packing, scaling
-        )
+        # torch's varlen op is not autocast-aware: it gets q, k, v in the compute dtype.
+        q, k, v = (x[0].transpose(0, 1).to(dtype) for x in (query, key, value))
+        out = varlen_attention(q, k, v, packing, scaling)
     else:
         out = grouped_attention(query[0], key[0], value[0], packing, scaling, dropout)
     return out.unsqueeze(0), None

@@ -1,0 +1,282 @@
+"""The GPU check (bench/gpu_check.py, `bash bench/gpu_check.sh`), which must work the first time a
+GPU is lent: the exact command lines it runs parse, what it prints leaves out the noise that
+would push the first parts out of the device tool's 12,000-character tail, each part gets what
+is left of one budget, a failed DeepSpeed install skips only what needs DeepSpeed, and `--smoke`
+runs the whole script on CPU (slow) with the log and every JSON in the output folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import gpu_check, gpu_trainer, gpu_weight_update
+from bench.gpu_check import GRACE_S, MIN_PART_S, SUMMARY_S, Check, Filter, part_timeout, plan, without_deepspeed
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "bench" / "README.md"
+
+
+def parts(smoke: bool, out: Path) -> dict[str, gpu_check.Part]:
+    return {p.name: p for p in plan(smoke, out)}
+
+
+@pytest.mark.parametrize("smoke", [False, True])
+def test_every_command_line_the_check_runs_parses(smoke, tmp_path):
+    got = parts(smoke, tmp_path)
+    assert list(got) == list(gpu_check.PART_NAMES)  # ordered by value: tests, 0.5B, 1.5B, 16k fit, update
+    trainer = {}
+    for name in ("0.5B", "1.5B", "1.5B-16k"):
+        argv = got[name].argv
+        assert argv[:2] == ["-m", "bench.gpu_trainer"]
+        assert "--sides" in argv  # never the default sides: the part's own, named
+        trainer[name] = gpu_trainer.parse_args(argv[2:])
+        assert trainer[name].results_dir == tmp_path and f"{trainer[name].name}" == got[name].result
+    assert trainer["0.5B"].side_list == ["stock", "plain", "zero1", "zero3"] and trainer["0.5B"].profile
+    assert trainer["1.5B"].side_list == ["stock", "zero1"]
+    assert trainer["1.5B-16k"].side_list == ["zero1"]
+    assert trainer["0.5B"].target_pair == (1.5, 0.20) and trainer["1.5B"].target_pair == (1.5, 0.30)
+    assert trainer["1.5B"].memory_cap_gb == trainer["1.5B-16k"].memory_cap_gb == 80
+    assert trainer["1.5B-16k"].micro_batch_tokens == (512 if smoke else 16384)
+    if not smoke:
+        assert [trainer[n].size for n in trainer] == ["0.5B", "1.5B", "1.5B"]
+        assert trainer["1.5B-16k"].micro_batch_tokens > trainer["1.5B"].micro_batch_tokens
+    update = got["weight-update"].argv
+    assert update[:2] == ["-m", "bench.gpu_weight_update"]
+    args = gpu_weight_update.parse_args(update[2:])
+    assert args.name == got["weight-update"].result and args.results_dir == tmp_path
+    assert args.size == ("smoke" if smoke else "1.5B")
+    tests = got["gpu-tests"].argv
+    assert tests[:2] == ["-m", "pytest"] and tests[tests.index("--timeout") + 1] == "120" and "-rfE" in tests
+
+
+def test_a_tag_that_starts_with_a_dash_goes_after_an_equals_sign():
+    assert gpu_trainer.parse_args(["--size", "1.5B", "--tag=-16k"]).name == "gpu_trainer-1.5B-16k"
+    with pytest.raises(SystemExit):  # argparse takes "-16k" for an option: the form the old script used
+        gpu_trainer.parse_args(["--size", "1.5B", "--tag", "-16k"])
+
+
+def test_the_readmes_benchmark_6_command_lines_parse():
+    lines = [ln.strip() for ln in README.read_text().splitlines()]
+    commands = [ln.split("#")[0] for ln in lines if ln.startswith("python -m bench.gpu_")]
+    assert len(commands) >= 5
+    for command in commands:
+        argv = shlex.split(command)
+        module = {"bench.gpu_trainer": gpu_trainer, "bench.gpu_weight_update": gpu_weight_update}[argv[2]]
+        module.parse_args(argv[3:])  # exits (a failed test) on any option argparse refuses
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        (["--sides", "stock,zero2"], "--sides"),
+        (["--targets", "1.5"], "--targets"),
+        (["--name", "a/b"], "--name"),
+        (["--tag", "x y"], "--name/--tag"),
+        (["--repeats", "0"], "--repeats"),
+    ],
+)
+def test_bad_options_are_refused_naming_the_field(argv, field, capsys):
+    with pytest.raises(SystemExit):
+        gpu_trainer.parse_args(argv)
+    assert field in capsys.readouterr().err
+
+
+def test_smoke_changes_the_defaults_and_explicit_options_still_apply():
+    args = gpu_trainer.parse_args(["--smoke", "--micro-batch-tokens", "512", "--sides", "zero1"])
+    assert (args.size, args.samples, args.micro_batch_tokens, args.side_list) == ("smoke", 8, 512, ["zero1"])
+    assert gpu_trainer.parse_args([]).side_list == ["stock", "plain", "zero1", "zero3"]
+
+
+def test_the_printed_output_leaves_out_progress_bars_log_info_and_warnings():
+    f = Filter()
+    noise = [
+        "Loading weights: 100%|██████████| 26/26 [00:00<00:00, 2045.04it/s]",
+        "Writing model shards:   0%|          | 0/1 [00:00<?, ?it/s]",
+        "[2026-11-27 18:34:20,081] [INFO] [config.py:1003:print] bfloat16_enabled ............. True",
+        "[2026-11-27 18:34:20,081] [WARNING] [real_accelerator.py:213:get_accelerator] Setting accelerator to CPU.",
+        "/x/torch/distributed/c10d_logger.py:83: FutureWarning: `all_gather_into_tensor` is deprecated.",
+        "  return func(*args, **kwargs)",  # the source line under the warning
+        "   ",
+    ]
+    assert [line for line in noise if f.shown(line + "\n")] == []
+    kept = [
+        "  zero1: 0.839 s/step, 305 tokens/s, 1.62× stock (9 s)",
+        "VERDICT 0.5B: best project side plain: 1.60× stock HF (target ≥ 1.5×: met), MFU 31.0% (target ≥ 20%: met)",
+        "  stock failed: out of memory: CUDA out of memory. Tried to allocate 4.6 GiB",
+        "[2026-11-27 18:34:20,081] [ERROR] [engine.py:1:x] something broke",
+    ]
+    assert [line for line in kept if f.shown(line + "\n")] == kept
+
+
+def test_pytests_output_is_reduced_to_its_failures_and_totals():
+    f = Filter(pytest=True)
+    out = [
+        "....F.s",
+        "tests/gpu/test_gpu_trainer.py:20: AssertionError",
+        "FAILED tests/gpu/test_gpu_trainer.py::test_varlen - AssertionError: torch.nn.attention.varlen is missing",
+        "ERROR tests/integration/test_weight_group.py::test_nccl - Failed: Timeout (>120.0s) from pytest-timeout.",
+        "1 failed, 2 passed, 1 skipped, 1 error, 13 deselected in 141.20s (0:02:21)",
+    ]
+    assert [line for line in out if f.shown(line)] == out[2:]
+    assert f.kept == out[2:]  # the part's summary lines
+
+
+def test_each_part_gets_what_is_left_of_the_budget_up_to_its_cap():
+    assert part_timeout(150, 400) == 150
+    assert part_timeout(150, 100) == 100 - GRACE_S - SUMMARY_S
+    assert part_timeout(150, MIN_PART_S + GRACE_S + SUMMARY_S) == MIN_PART_S
+    assert part_timeout(150, MIN_PART_S + GRACE_S + SUMMARY_S - 1) is None  # skipped, said so
+
+
+def test_without_deepspeed_only_the_zero_sides_are_skipped(tmp_path):
+    got = parts(False, tmp_path)
+    half, note = without_deepspeed(got["0.5B"])
+    assert half is not None and gpu_trainer.parse_args(half.argv[2:]).side_list == ["stock", "plain"]
+    assert note == "sides zero1,zero3 skipped: DeepSpeed did not install"
+    one, note = without_deepspeed(got["1.5B"])  # no project side would be left: plain instead of zero1
+    assert one is not None and gpu_trainer.parse_args(one.argv[2:]).side_list == ["stock", "plain"]
+    assert note == "sides zero1 skipped: DeepSpeed did not install; plain instead"
+    assert without_deepspeed(got["1.5B-16k"]) == (None, "skipped: all its sides need DeepSpeed, which did not install")
+    assert without_deepspeed(got["weight-update"]) == (None, "skipped: it needs DeepSpeed, which did not install")
+
+
+def test_parts_that_need_deepspeed_say_they_were_skipped_and_a_part_past_the_budget_too(tmp_path, capsys):
+    check = Check(gpu_check.parse_args(["--out", str(tmp_path), "--budget", "60"]))
+    check.install = {"deepspeed": False}
+    got = parts(False, tmp_path)
+    check.do_part(got["1.5B-16k"])  # nothing of it runs without DeepSpeed
+    check.start -= 60  # the budget is spent
+    check.do_part(got["gpu-tests"])
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())["parts"]
+    assert [(p["name"], p["status"]) for p in saved] == [("1.5B-16k", "skipped"), ("gpu-tests", "skipped")]
+    assert saved[0]["note"] == "skipped: all its sides need DeepSpeed, which did not install"
+    assert re.fullmatch(r"skipped: 0 s left of the 60 s budget", saved[1]["note"])
+    printed = capsys.readouterr().out
+    assert "== 1.5B-16k: skipped: all its sides need DeepSpeed" in printed and "== gpu-tests: skipped" in printed
+    assert printed.strip() in (tmp_path / "gpu_check.log").read_text()  # the log has what was printed
+
+
+def test_a_trainer_parts_sides_make_one_summary_line():
+    sides = {
+        "stock": {"tokens_per_second": 55300.0, "vs_stock": 1.0, "mfu": 0.171, "peak_memory_gb": 21.4},
+        "plain": {"tokens_per_second": 82950.0, "vs_stock": 1.5, "mfu": 0.256, "peak_memory_gb": 18.2},
+        "zero3": {"error": "out of memory: CUDA out of memory. Tried to allocate 4.6 GiB"},
+    }
+    assert gpu_check.sides_line("0.5B", sides) == (
+        "0.5B: stock 55,300 tok/s MFU 17% 21 GB | plain 82,950 tok/s 1.50× MFU 26% 18 GB"
+        " | zero3 FAILED (out of memory: CUDA out of memory. Tried to allocate 4.6 GiB)"
+    )
+
+
+# Names the device tool brings back from $OUT: letters, digits, '.', '_', '-'; at most 8 files.
+OUT_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+@pytest.mark.slow
+def test_the_smoke_mode_runs_the_whole_check_on_cpu_and_keeps_everything_in_out(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, GPU_CHECK_WHEELS=str(tmp_path / "no-wheels"))
+    done = subprocess.run(
+        ["bash", "bench/gpu_check.sh", "--smoke"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=1200
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == [
+        "gpu_check.json",
+        "gpu_check.log",
+        "gpu_trainer-0.5B.json",
+        "gpu_trainer-1.5B-16k.json",
+        "gpu_trainer-1.5B.json",
+        "gpu_weight_update-1.5B.json",
+    ]
+    assert len(files) <= 8 and all(OUT_NAME.fullmatch(f) for f in files)
+    check = json.loads((out / "gpu_check.json").read_text())
+    assert check["smoke"] and check["install"]["deepspeed"]
+    assert [(p["name"], p["status"]) for p in check["parts"]] == [
+        ("install", "ok"),
+        *((name, "ok") for name in gpu_check.PART_NAMES),
+    ]
+    for name in ("gpu_trainer-0.5B", "gpu_trainer-1.5B", "gpu_trainer-1.5B-16k"):
+        report = json.loads((out / f"{name}.json").read_text())
+        assert report["size"] == "smoke" and all("seconds" in r for r in report["sides"].values()), name
+    assert json.loads((out / "gpu_weight_update-1.5B.json").read_text())["exact"] is True
+    printed = done.stdout
+    summary = printed[printed.index("== summary") :]
+    for line in (
+        "VERDICT 0.5B: best project side",
+        "VERDICT 1.5B: best project side",
+        "VERDICT 1.5B-16k memory: zero1",
+        "VERDICT weight update smoke:",
+    ):
+        assert line in summary, line
+    assert len(printed) < 12_000  # the whole output fits the device tool's tail
+    assert not re.search(r"it/s\]|\[INFO\]|Warning: ", printed)
+    log = (out / "gpu_check.log").read_text()
+    assert "passed" in log and "VERDICT weight update smoke" in log
+
+
+# Makes DeepSpeed absent, as on the GPU image before the install (this machine has it): the
+# import system no longer finds it, so neither do transformers' and accelerate's availability checks.
+HIDE_DEEPSPEED = """
+import importlib.machinery
+
+_find = importlib.machinery.PathFinder.find_spec.__func__
+
+
+def _find_spec(cls, fullname, path=None, target=None):
+    if fullname == "deepspeed" or fullname.startswith("deepspeed."):
+        return None
+    return _find(cls, fullname, path, target)
+
+
+importlib.machinery.PathFinder.find_spec = classmethod(_find_spec)
+"""
+
+
+@pytest.mark.slow
+def test_a_failed_deepspeed_install_skips_only_what_needs_deepspeed(tmp_path):
+    """DeepSpeed is absent and its sdist does not build: the GPU tests still run, the 1.5B part
+    runs without its ZeRO side (plain instead), the weight update says it was skipped."""
+    site, wheels, out = tmp_path / "site", tmp_path / "whl", tmp_path / "out"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HIDE_DEEPSPEED)
+    wheels.mkdir()
+    (wheels / "deepspeed-0.0.tar.gz").write_bytes(b"not an sdist")
+    env = dict(os.environ, OUT=str(out), PYTHON=sys.executable, GPU_CHECK_SITE=str(site), GPU_CHECK_WHEELS=str(wheels))
+    done = subprocess.run(
+        ["bash", "bench/gpu_check.sh", "--smoke", "--parts", "gpu-tests,1.5B,weight-update"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 1, done.stdout[-3000:]  # the install failed: said by the exit code too
+    check = json.loads((out / "gpu_check.json").read_text())
+    assert check["install"]["deepspeed"] is False
+    assert check["install"]["missing_after"] == {"deepspeed": "ModuleNotFoundError: No module named 'deepspeed'"}
+    status = {p["name"]: p for p in check["parts"]}
+    assert status["install"]["status"] == "failed" and "DeepSpeed sdist: FAILED" in status["install"]["note"]
+    assert status["gpu-tests"]["status"] == "ok"
+    assert status["1.5B"]["status"] == "ok", (out / "gpu_check.log").read_text()[-3000:]
+    assert status["1.5B"]["note"] == "sides zero1 skipped: DeepSpeed did not install; plain instead"
+    assert list(json.loads((out / "gpu_trainer-1.5B.json").read_text())["sides"]) == ["stock", "plain"]
+    assert status["weight-update"]["status"] == "skipped"
+    assert "== weight-update: skipped: it needs DeepSpeed, which did not install" in done.stdout
+
+
+def test_a_deepspeed_that_does_not_import_is_moved_out_of_the_scratch_site(tmp_path):
+    site = tmp_path / "site"
+    for name in ("deepspeed", "deepspeed-0.19.8.dist-info", "deepspeed_extra", "pydantic"):
+        (site / name).mkdir(parents=True)
+    assert gpu_check.quarantine(site, "deepspeed") == ["deepspeed", "deepspeed-0.19.8.dist-info"]
+    assert sorted(p.name for p in site.iterdir()) == ["deepspeed_extra", "pydantic"]
+    assert sorted(p.name for p in (tmp_path / "site-broken").iterdir()) == ["deepspeed", "deepspeed-0.19.8.dist-info"]
+    assert gpu_check.quarantine(site, "deepspeed") == []
