@@ -307,23 +307,24 @@ class Trainer:
         metrics = tally.finish(self.world).metrics()  # the step's one read of the device
         optimizer_s = optimizer.seconds()
         elapsed = clock.seconds() + optimizer_s
-        metrics["dropped_for_lag"] += mb.step_samples_stale  # the preprocessor's, whole groups
+        ledger = mb.ledger  # the step's books, as its final micro-batch carries them
+        metrics["dropped_for_lag"] += ledger.stale_samples  # the preprocessor's, whole groups
         self.samples_total += metrics["samples"]
         self.rejected_total = {
-            "groups": self.rejected_total["groups"] + mb.step_groups_rejected,
+            "groups": self.rejected_total["groups"] + ledger.dead_lettered,
             "samples": self.rejected_total["samples"] + metrics["samples_rejected"],
         }
         return {
             "step": self.version + 1,
             **metrics,
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
-            "groups_filtered": mb.step_groups_filtered,
-            "groups_rejected": mb.step_groups_rejected,
-            "samples_stale": mb.step_samples_stale,
+            "groups_filtered": ledger.filtered,
+            "groups_rejected": ledger.dead_lettered,
+            "samples_stale": ledger.stale_samples,
             "micro_batches": count,
             "train_seconds": elapsed,
             # settled by this step (trained, or dead-lettered or stale while it was built)
-            **{f"groups_from_generator_{g}": n for g, n in mb.step_groups_by_generator.items()},
+            **{f"groups_from_generator_{g}": n for g, n in ledger.credits.items()},
             "optimizer_seconds": optimizer_s,
             "trainer_tokens_per_second": metrics["tokens"] / elapsed,
         }  # all ranks together
@@ -346,7 +347,7 @@ class Trainer:
 
     def _consumed(self, last: m.MicroBatch) -> None:
         """The whole step is here: credit its groups to their generators."""
-        for g, c in last.step_groups_by_generator.items():
+        for g, c in last.ledger.credits.items():
             self.trained_groups[g] = self.trained_groups.get(g, 0) + c
         if self.rank == 0 and not self.spec.waits_for_weights:
             # Pipeline mode: this step's groups are consumed now, so generators may start the
