@@ -10,18 +10,29 @@ from pathlib import Path
 
 from pipelinerl.contracts import ROLES
 from pipelinerl.planner.calibration import CALIBRATIONS
-from pipelinerl.spec import SpecError, dump_job, load_job, read_manifest
+from pipelinerl.spec import PipelineRLJob, SpecError, dump_job, load_job, read_manifest
+
+
+def _checked(path: str, runs_here: bool, against: str | None = None) -> PipelineRLJob:
+    """The job at `path`, checked as the operator's admission webhook checks it (the rendered pods
+    against Kubernetes' schema too), and its model path as far as it can be from here (SpecError);
+    its warnings printed. `validate` and `run` both call it, `run` before it starts anything."""
+    from pipelinerl.tiny_model import model_path_problem
+    from pipelinerl_operator.admission import check, job_warnings
+
+    old = read_manifest(against) if against else None
+    job = check(read_manifest(path), old, source=path)
+    problem, note = model_path_problem(job.spec.model.path, runs_here)
+    if problem:
+        raise SpecError(f"{path} cannot run:\n  spec.{problem}")
+    for warning in job_warnings(job) + ([f"spec.{note}"] if note else []):
+        print(f"warning: {warning}", file=sys.stderr)
+    return job
 
 
 def _validate(args: argparse.Namespace) -> int:
-    # The same check as the operator's admission webhook (and the rendered pods against Kubernetes' schema).
-    from pipelinerl_operator.admission import check, job_warnings
-
-    old = read_manifest(args.against) if args.against else None
-    job = check(read_manifest(args.job), old, source=args.job)
+    job = _checked(args.job, runs_here=False, against=args.against)
     print(f"{args.job}: valid {job.kind} {job.name!r} (mode {job.spec.mode}, max lag {job.spec.max_lag})")
-    for warning in job_warnings(job):
-        print(f"warning: {warning}", file=sys.stderr)
     if args.show:
         print(dump_job(job), end="")
     return 0
@@ -30,8 +41,9 @@ def _validate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from pipelinerl_cli.local import run_local
 
+    job = _checked(args.job, runs_here=True)  # what validate refuses never starts
     cores = "split" if args.pin_cores else args.cores
-    return run_local(load_job(args.job), run_dir=args.run_dir, cores=cores, restart=args.restart == "on-failure")
+    return run_local(job, run_dir=args.run_dir, cores=cores, restart=args.restart == "on-failure")
 
 
 def _service(args: argparse.Namespace) -> int:
