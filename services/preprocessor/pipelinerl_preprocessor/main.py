@@ -268,9 +268,10 @@ class Preprocessor:
             )
         elif wave.again:
             log.warning("step %d: publishing again the wave stored in part before the restart", wave.step)
-        await asyncio.gather(
-            *(self._publish(mb) for mb in wave.batches)
-        )  # stored durably before the inputs are released
+        # Stored durably before the inputs are released.
+        await asyncio.gather(*(self._publish(mb) for mb in wave.batches))
+        if wave.last:  # (tests: a kill that loses the acknowledgements of a step's last wave)
+            failpoint(f"preprocessor-stored-step-{wave.step}")
         for msg in wave.acks:
             await msg.ack()
         PENDING.set(len(self.builder.accepted))

@@ -1,0 +1,94 @@
+"""`pipelinerl run` as a process of its own, watched from outside: its train metrics, its
+processes (services.json), SIGKILL to one of them. The fault tests and the elastic benchmark
+drive jobs through it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+
+class RunProcess:
+    def __init__(self, tmp_path: Path, job: dict, timeout_s: float):
+        tmp_path.mkdir(parents=True, exist_ok=True)
+        self.dir = tmp_path / "run"
+        manifest = tmp_path / "job.yaml"
+        manifest.write_text(yaml.safe_dump(job))
+        self.out = open(tmp_path / "run.out", "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pipelinerl_cli", "run", str(manifest), "--run-dir", str(self.dir)],
+            stdout=self.out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.timeout_s = timeout_s
+        self.deadline = time.monotonic() + timeout_s
+
+    def output(self) -> str:
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in sorted((self.dir / "logs").glob("*.log")))
+        return (self.dir.parent / "run.out").read_text()[-3000:] + "\n" + logs
+
+    def train(self) -> list[dict]:
+        path = self.dir / "metrics.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        rows = []
+        for line in lines:
+            try:
+                rows.append(json.loads(line))
+            except ValueError:  # a line being written
+                pass
+        return [r for r in rows if r["kind"] == "train"]
+
+    def services(self) -> dict:
+        return json.loads((self.dir / "services.json").read_text())
+
+    def wait_step(self, step: int) -> None:
+        self.wait_until(lambda train: train and train[-1]["step"] >= step, f"step {step}")
+
+    def wait_until(self, done, what: str) -> None:
+        """Until `done(train rows)` holds, while the run goes on."""
+        while not done(self.train()):
+            assert self.proc.poll() is None, f"the run ended before {what}:\n{self.output()}"
+            assert time.monotonic() < self.deadline, f"no {what} in time:\n{self.output()}"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        """Stop the run as Ctrl-C does (every service stops; the trainer checkpoints first)."""
+        os.kill(self.proc.pid, signal.SIGTERM)
+        code = self.proc.wait(timeout=120)
+        self.out.close()
+        assert code == 130, self.output()
+
+    def abandon(self) -> None:
+        """A test failed midway: stop the run and every service it started, without asserting."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.out.close()
+
+    def kill(self, name: str) -> tuple[int, int]:
+        """SIGKILL a service and everything it started; its pid, and the last step trained then."""
+        pid = self.services()[name]["pid"]
+        os.killpg(pid, signal.SIGKILL)
+        return pid, self.train()[-1]["step"]
+
+    def finish(self) -> None:
+        try:
+            code = self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+            raise AssertionError(f"the run did not finish in {self.timeout_s}s:\n{self.output()}") from None
+        finally:
+            self.out.close()
+        assert code == 0, self.output()
