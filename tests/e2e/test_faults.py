@@ -14,7 +14,7 @@ from jobs import stored, tiny_job  # tests/e2e/jobs.py
 
 from pipelinerl import messages as m
 from pipelinerl.books import Outcome
-from run_process import RunProcess  # tests/e2e/run_process.py
+from bench.run_process import RunProcess
 
 pytestmark = pytest.mark.slow
 RUN_TIMEOUT_S = 420
@@ -189,7 +189,12 @@ def test_the_preprocessor_killed_mid_step_once_then_twice_loses_nothing(tmp_path
         name,
         steps,
         trainer={"replicas": 2, "microBatchTokens": 64},
-        preprocessor={"env": [{"name": Env.FAILPOINT, "value": "preprocessor-stored-step-2"}]},
+        # One step ahead at most: the preprocessor builds the step the trainer waits for, so it
+        # is mid-step most of the time; and it is killed at a failure point once.
+        preprocessor={
+            "maxPendingSteps": 1,
+            "env": [{"name": Env.FAILPOINT, "value": "preprocessor-stored-step-2"}],
+        },
         runPolicy={"backoffLimit": 6},
     )
     run = RunProcess(tmp_path, job, RUN_TIMEOUT_S)

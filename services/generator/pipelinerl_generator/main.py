@@ -22,8 +22,6 @@ import time
 import uuid
 
 from nats.js.api import DeliverPolicy
-from prometheus_client import REGISTRY, Counter, Gauge
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from pipelinerl import books
 from pipelinerl import messages as m
@@ -37,67 +35,10 @@ from pipelinerl.streams import claim_problems, last_announcement, last_message, 
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
 from pipelinerl_generator.engine import Engine, WeightsKept
+from pipelinerl_generator.metrics import GROUPS, INFLIGHT, SCRAPED, TOKENS, UPDATE_PAUSE, VERSION, BusyClock
 
 log = logging.getLogger("pipelinerl.generator")
-GROUPS = Counter("pipelinerl_generator_groups_total", "Prompt groups published")
-TOKENS = Counter("pipelinerl_generator_tokens_total", "Tokens generated")
-VERSION = Gauge("pipelinerl_generator_policy_version", "Policy version of the engine weights")
-INFLIGHT = Gauge("pipelinerl_generator_inflight_groups", "Prompt groups being generated")
-UPDATE_PAUSE = Gauge("pipelinerl_generator_weight_update_pause_seconds", "Pause of the last weight update")
-
-
-class Scraped:
-    """What a scrape of /metrics reads from the running generator: its busy time (the rate is its
-    busy share, spells still going included), its admission queue, and its newest held-out
-    evaluation (generator 0's; no series before the first, rather than an accuracy of 0)."""
-
-    def __init__(self) -> None:
-        self.generator: Generator | None = None
-
-    def collect(self):
-        g = self.generator
-        if g is None:
-            return
-        yield CounterMetricFamily(
-            "pipelinerl_generator_busy_seconds", "Seconds with a group or an evaluation running", value=g.busy.seconds()
-        )
-        yield GaugeMetricFamily(
-            "pipelinerl_generator_queued_groups",
-            "Groups started and not yet consumed by a step (this generator's admission queue)",
-            value=g.admission.queued,
-        )
-        if g.newest_eval is not None:
-            for key, doc in (
-                ("accuracy", "Held-out accuracy (greedy) of the newest version evaluated"),
-                ("reward", "Held-out mean reward of the newest version evaluated"),
-                ("version", "The newest version evaluated"),
-            ):
-                yield GaugeMetricFamily(f"pipelinerl_generator_eval_{key}", doc, value=float(g.newest_eval[key]))
-
-
-SCRAPED = Scraped()
-REGISTRY.register(SCRAPED)
 HELLO_S = 1.0  # the trainer takes a generator silent for LIVENESS_S (10 s) for gone
-
-
-class BusyClock:
-    """Seconds during which at least one piece of work (a group or an evaluation) was running."""
-
-    def __init__(self) -> None:
-        self.active, self.total, self.since = 0, 0.0, 0.0
-
-    def enter(self) -> None:
-        if self.active == 0:
-            self.since = time.monotonic()
-        self.active += 1
-
-    def leave(self) -> None:
-        self.active -= 1
-        if self.active == 0:
-            self.total += time.monotonic() - self.since
-
-    def seconds(self) -> float:
-        return self.total + (time.monotonic() - self.since if self.active else 0.0)
 
 
 class Generator:
