@@ -142,9 +142,9 @@ class Generator:
         """Continue the books of this generator's earlier incarnations (groups published and
         discarded) from its newest group: the newest still in the rollout stream, or the newest
         the preprocessor took, recorded in its micro-batches (`books.restore`, as the preprocessor
-        reads them). Groups trained come from the
-        trainer's newest announcement. A group of theirs still queued counts as queued. (No
-        problem of theirs is drawn again: problems are claimed, `_next_problem`.)"""
+        reads them). Groups trained come from the trainer's newest announcement. A group of
+        theirs still queued counts as queued. (No problem of theirs is drawn again: problems are
+        claimed, `_next_problem`.)"""
         a, rank = self.admission, self.env.rank
         queued = None
         data = await last_message(self.js, self.subjects.stream("ROLLOUTS"), self.subjects.rollouts(rank))
