@@ -159,7 +159,7 @@ def mid_step(run: RunProcess, name: str) -> bool:
 
     port = run.services()["preprocessor"]["http_port"]
     try:
-        held = httpx.get(f"http://127.0.0.1:{port}/status", timeout=1).json()["pending_groups"]
+        held = httpx.get(f"http://127.0.0.1:{port}/status", timeout=1).json()["pendingGroups"]
     except (httpx.HTTPError, ValueError):  # starting or restarting
         return False
     newest = newest_stored(run, name)
@@ -189,12 +189,10 @@ def test_the_preprocessor_killed_mid_step_once_then_twice_loses_nothing(tmp_path
         name,
         steps,
         trainer={"replicas": 2, "microBatchTokens": 64},
-        # One step ahead at most: the preprocessor builds the step the trainer waits for, so it
-        # is mid-step most of the time; and it is killed at a failure point once.
-        preprocessor={
-            "maxPendingSteps": 1,
-            "env": [{"name": Env.FAILPOINT, "value": "preprocessor-stored-step-2"}],
-        },
+        # One group generated at a time: generation is what the trainer waits for, so a step
+        # reaches it in waves and the preprocessor is mid-step most of the time.
+        generator={"maxInflightGroups": 1},
+        preprocessor={"env": [{"name": Env.FAILPOINT, "value": "preprocessor-stored-step-2"}]},
         runPolicy={"backoffLimit": 6},
     )
     run = RunProcess(tmp_path, job, RUN_TIMEOUT_S)
