@@ -177,7 +177,7 @@ class Preprocessor:
         self.builder = StepBuilder(self.spec, self.ranks, restored)
         if restored.ledger.waves and not restored.ledger.closed or restored.torn:
             log.warning(
-                "step %d was left partial by a restart (%d groups, %d samples stored%s): continuing it",
+                "step %d was left partial by a restart (%d group(s), %d samples stored%s): continuing it",
                 restored.step,
                 restored.ledger.trained_groups,
                 restored.ledger.samples,
