@@ -369,5 +369,5 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_the_books_balance_whatever_fails_when(case):
     spec, ranks, generators = CASES[case]
-    for seed in range(8):
+    for seed in range(16):
         run(seed, spec, ranks, generators, steps=10)
