@@ -32,3 +32,5 @@ def test_a_step_moves_the_position_and_the_checkpoint_keeps_it():
         rejected_samples=1,
     )
     assert Position.restored(kept, rank=1).consumed_seq == 12
+    p.saved()
+    assert p.checkpointed == 1

@@ -1,6 +1,6 @@
 """Where a trainer rank stands (pure): its version, its place in its micro-batch stream, and the
-run's counts; what a checkpoint keeps and a restart goes on from, changed in the three moments
-that change it (`took`, `consumed`, `stepped`)."""
+run's counts; what a checkpoint keeps and a restart goes on from, changed only in the moments
+that change it (`took`, `consumed`, `stepped`, `saved`)."""
 
 from __future__ import annotations
 
@@ -55,6 +55,10 @@ class Position:
         self.samples += samples
         self.rejected_groups += rejected_groups
         self.rejected_samples += rejected_samples
+
+    def saved(self) -> None:
+        """A checkpoint of this version is written."""
+        self.checkpointed = self.version
 
     def kept(self, step_seqs: dict[str, int]) -> dict:
         """A checkpoint's state (`step_seqs`: every rank's `step_seq`, by rank)."""

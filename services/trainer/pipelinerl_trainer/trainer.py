@@ -299,4 +299,4 @@ class Trainer:
             seqs = [mine]
         state = self.position.kept({str(r): int(s.item()) for r, s in enumerate(seqs)})
         checkpoint.save(self.engine, self.ckpt_dir, self.position.version, state, self.rank, self.env.local_rank or 0)
-        self.position.checkpointed = self.position.version
+        self.position.saved()
