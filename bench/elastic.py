@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 
 from bench.common import save, summary
-from tests.e2e.run_process import RunProcess  # the fault tests' harness
+from bench.run_process import RunProcess  # also the fault tests' harness
 
 KILL_AT_STEP = 8
 LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")

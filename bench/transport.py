@@ -141,7 +141,7 @@ async def run_side(side: str, url: str, payloads: list[tuple[str, bytes]], workd
                 mb = m.decode(msg.data, m.MicroBatch)
                 seen["samples"] += len(mb.rewards)
                 if mb.index == 0:
-                    seen["groups"] += sum(mb.step_groups_by_generator.values())
+                    seen["groups"] += sum(mb.ledger.credits.values())
                 if seen["samples"] >= expected:  # the last step's last micro-batch
                     done.set()
 

@@ -90,6 +90,8 @@ class Env:
     LOG_LEVEL = "PIPELINERL_LOG_LEVEL"
     DATA_TIMEOUT_S = "PIPELINERL_DATA_TIMEOUT_S"
     CACHE = "PIPELINERL_CACHE"
+    # tests only: the process kills itself (SIGKILL) at the failure point of this name (`runtime.failpoint`)
+    FAILPOINT = "PIPELINERL_FAILPOINT"
     HOME = "HOME"  # set in pods to a writable volume
 
 

@@ -7,14 +7,19 @@ message raises `MessageError` naming the message type and the field at fault.
 
 from __future__ import annotations
 
-from typing import ClassVar, TypeVar, overload
+from typing import ClassVar, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-# 5: MicroBatch.settled_group_ids; 4: MicroBatch.lengths instead of sample_ids; 3: RolloutGroup.books;
+from pipelinerl.books import GeneratorBooks, StepLedger
+
+# 6: MicroBatch.ledger (one StepLedger) instead of step_samples, step_groups_filtered,
+# step_groups_rejected, step_samples_stale, step_groups_by_generator, generator_books and
+# settled_group_ids; 5: MicroBatch.settled_group_ids; 4: MicroBatch.lengths instead of sample_ids;
+# 3: RolloutGroup.books;
 # 2: without problem_id/start_version/gen_seconds, PolicyVersion without step
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 
 class MessageError(ValueError):
@@ -53,27 +58,6 @@ class Sample(BaseModel):
         return sum(self.mask)
 
 
-class GeneratorBooks(BaseModel):
-    """A generator's books once a group is published, carried by that group (no separate write
-    that a crash could leave behind). A restarted generator continues from its newest group:
-    still in the rollout stream, or consumed, then in the preprocessor's record of the books
-    of the groups it took (`MicroBatch.generator_books`)."""
-
-    model_config = ConfigDict(extra="forbid")
-    published: int = Field(default=0, ge=0)  # its groups in the stream, every incarnation's, this one included
-    discarded: int = Field(default=0, ge=0)  # of those, zero-variance ones (the preprocessor drops them)
-
-
-@overload
-def newest_books(first: GeneratorBooks, /, *books: GeneratorBooks | None) -> GeneratorBooks: ...
-@overload
-def newest_books(*books: GeneratorBooks | None) -> GeneratorBooks | None: ...
-def newest_books(*books: GeneratorBooks | None) -> GeneratorBooks | None:
-    """The newest of a generator's books (they only grow, group by group)."""
-    known = [b for b in books if b is not None]
-    return max(known, key=lambda b: b.published) if known else None
-
-
 class RolloutGroup(Message):
     """G attempts at one prompt: the unit the generator publishes and advantages are computed on."""
 
@@ -96,7 +80,8 @@ class MicroBatch(Message):
     A step reaches the trainer as it is generated, in waves: every wave gives every rank the
     same number of micro-batches (empty sentinels included), so all ranks run the same number
     of forward/backward passes and their collectives stay in step. The final wave's micro-batches
-    are marked `last` and carry the step-level facts; the trainer steps after them.
+    are marked `last`; the trainer steps after them. Every micro-batch carries the step's books as of
+    its wave (`ledger`).
     """
 
     TYPE: ClassVar[str] = "micro_batch"
@@ -116,22 +101,9 @@ class MicroBatch(Message):
     lengths: list[int] = Field(default_factory=list)
     rewards: list[float] = Field(default_factory=list)  # per packed sample, for metrics
     group_ids: list[str] = Field(default_factory=list)  # per packed sample: which prompt group it came from
-    # Step-level facts for metrics and admission, counted over the step up to this wave
-    # (the final wave's are the step's).
-    step_samples: int = 0
-    step_groups_filtered: int = 0
-    step_groups_rejected: int = 0  # dead-lettered by the preprocessor
-    step_samples_stale: int = 0  # in groups too old for the step: dropped for lag by the preprocessor
-    # Groups of each generator this step settles: trained, dead-lettered (unless zero-variance) or
-    # dropped as stale while it was built. Their generator's admission queue lets them all go.
-    step_groups_by_generator: dict[str, int] = Field(default_factory=dict)
-    # The newest books of each generator (by rank) among every group the preprocessor has taken
-    # so far; a group taken but put into no micro-batch is acknowledged only once this is stored.
-    generator_books: dict[str, GeneratorBooks] = Field(default_factory=dict)
-    # Groups acknowledged with this wave but put into no micro-batch (filtered, stale, dead-
-    # lettered): a preprocessor restarted after a kill that lost their acks settles them again
-    # without counting them twice.
-    settled_group_ids: list[str] = Field(default_factory=list)
+    # What the step has settled up to this wave (the final wave's: the step's), every generator's
+    # newest books, and where the wave lies: `pipelinerl.books`.
+    ledger: StepLedger = Field(default_factory=StepLedger)
 
     @model_validator(mode="after")
     def _aligned(self) -> MicroBatch:
@@ -160,7 +132,7 @@ class PolicyVersion(Message):
     finished: bool = False  # the trainer has taken its last step
     training: bool = False  # step `version` has started (its groups are consumed), not finished
     timestamp: float
-    # Groups of each generator (by rank) settled by steps ≤ version (step_groups_by_generator summed):
+    # Groups of each generator (by rank) settled by steps ≤ version (their ledgers' credits summed):
     # frees their admission budget.
     trained_groups: dict[str, int] = Field(default_factory=dict)
 

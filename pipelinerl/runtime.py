@@ -104,6 +104,15 @@ def serve(run: Callable[[], Awaitable[None]], stop: Callable[[], None]) -> int:
     return 0
 
 
+def failpoint(name: str) -> None:
+    """A kill -9 at exactly this point, for the fault tests: with `PIPELINERL_FAILPOINT` set to
+    `name`, the process sends itself SIGKILL here (nothing runs after it, as in a real kill);
+    otherwise nothing."""
+    if os.environ.get(Env.FAILPOINT) == name:
+        log.warning("failure point %s: killing this process", name)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def exit_soon(seconds: float = 20.0) -> None:
     """Called on SIGTERM: if the clean shutdown stalls (e.g. NATS is already gone), exit anyway."""
     timer = threading.Timer(seconds, os._exit, args=(0,))

@@ -1,6 +1,14 @@
 """What a step is (pure): the rules that the generators, the preprocessor, the trainer and the
 planner all apply, stated once.
 
+- steps and versions, the conventions every service counts by: step N trains at version N (the
+  optimizer steps taken before it, `step_version`) and makes version N + 1 (`version_after`); an
+  announcement names the step in training (`training_step`); the newest weights that exist are the
+  announced version + 1 (`newest_weights`: sent before announced); a token's lag is the version
+  its step trains at minus the version that sampled it (`token_lag`), and it is too old past
+  maxLag (`too_old`: the trainer's rule, per token); a group every token of which is too old for
+  the step takes no place in it (`hopelessly_stale`: the preprocessor's rule, per group). The
+  books these counts keep are `pipelinerl.books`;
 - which groups go into no step (`counts_as_discarded`): their generator stops counting them as
   queued when they finish, the preprocessor settles them without a step;
 - when part of a step leaves the preprocessor as a wave (`wave_capacity`, `next_wave`): the
@@ -22,15 +30,52 @@ from __future__ import annotations
 from typing import Any
 
 
-def counts_as_discarded(filter_zero_variance: bool, group: Any) -> bool:
-    """A group that goes into no step: all its attempts scored alike (no signal) and the job filters those."""
-    return filter_zero_variance and group.zero_variance
+# -- steps and versions ------------------------------------------------------------------------
+def step_version(step: int) -> int:
+    """The policy version step `step` trains at: the optimizer steps taken before it."""
+    return step
+
+
+def version_after(step: int) -> int:
+    """The version step `step` makes (its optimizer step taken)."""
+    return step + 1
 
 
 def training_step(announcement: Any) -> int:
     """The step a PolicyVersion says is in training: its version while step `version` trains
     (`training`), else the step that made it (version - 1)."""
     return announcement.version if announcement.training else announcement.version - 1
+
+
+def newest_weights(announced_version: int) -> int:
+    """The newest weights that can exist: the trainer sends version v + 1 before it announces it,
+    so a token may carry it (the preprocessor refuses anything newer)."""
+    return announced_version + 1
+
+
+def token_lag(version: Any, token_versions: Any) -> Any:
+    """Versions between the weights that sampled a token and the step training it at `version`
+    (ints, or the trainer's tensors)."""
+    return version - token_versions
+
+
+def too_old(lag: Any, max_lag: int) -> Any:
+    """A token past maxLag: the trainer gives it no loss weight (ints, or tensors: a mask)."""
+    return lag > max_lag
+
+
+def hopelessly_stale(group: Any, step: int, max_lag: int) -> bool:
+    """Every generated token of `group` is too old for step `step`: the trainer would drop all of
+    it, so it must not take a place in the step. (The steps fill in arrival order, so a
+    generator's groups can wait behind another's backlog.)"""
+    newest = max(v for s in group.samples for v, k in zip(s.versions, s.mask) if k)
+    return bool(too_old(token_lag(step_version(step), newest), max_lag))
+
+
+# -- which groups a step takes, and when ----------------------------------------------------------
+def counts_as_discarded(filter_zero_variance: bool, group: Any) -> bool:
+    """A group that goes into no step: all its attempts scored alike (no signal) and the job filters those."""
+    return filter_zero_variance and group.zero_variance
 
 
 def steps_left_in_phase(step: int, steps_per_generation: int) -> int:

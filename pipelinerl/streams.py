@@ -168,6 +168,23 @@ async def last_announcement(js, subjects: JobSubjects, timeout_s: float = READ_T
     return decode(data, PolicyVersion) if data is not None else None
 
 
+async def newest_batches(js, subjects: JobSubjects, ranks: int, timeout_s: float = READ_TIMEOUT_S) -> list:
+    """The newest micro-batch stored for each trainer rank (None: none yet), from which the
+    books are restored (`books.restore`); reads that fail are retried (`last_message`). One that
+    cannot be decoded raises MessageError naming its subject."""
+    from pipelinerl.messages import MessageError, MicroBatch, decode
+
+    out = []
+    for rank in range(ranks):
+        subject = subjects.batches(rank)
+        data = await last_message(js, subjects.stream("BATCHES"), subject, timeout_s)
+        try:
+            out.append(decode(data, MicroBatch) if data is not None else None)
+        except MessageError as err:
+            raise MessageError(f"the newest message on {subject}: {err}") from None
+    return out
+
+
 async def claim_problems(js, subjects: JobSubjects, count: int, timeout_s: float = READ_TIMEOUT_S) -> int:
     """The first of `count` training problem indices that no generator has drawn or will: the
     job's claims are a counter on the CONTROL stream, advanced by an append that JetStream makes

@@ -355,18 +355,31 @@ def _write(name: str, target: Path, progress) -> None:
     progress(f"wrote {name} to {target}")
 
 
-def local_model_problem(path: str) -> str | None:
-    """Why `model.path` cannot be loaded here, when that can be told before starting anything: a
-    local folder (absolute, relative or ~) that does not exist or has no config.json. Hub ids
-    (`Qwen/Qwen2.5-0.5B`) are left to the engines, which download them."""
+def model_path_problem(path: str, runs_here: bool) -> tuple[str | None, str | None]:
+    """(error, note) on `model.path`, told from how the path looks, before anything starts.
+
+    A relative or ~ path names a folder on this machine: it must be a Hugging Face model folder.
+    An absolute path may be one only the cluster's pods see (a volume their pod template mounts,
+    e.g. a PersistentVolumeClaim): missing here, it is an error only for a job that runs here
+    (`runs_here`: `pipelinerl run`); `validate` says it cannot check it. A path that exists here
+    must be a model folder. Built-ins and hub ids (`Qwen/Qwen2.5-0.5B`) are left to the engines,
+    which download them."""
     if path in BUILTINS or not (path.startswith(("/", ".", "~")) or Path(path).exists()):
-        return None
+        return None, None
     folder = Path(path).expanduser()
+    if not folder.exists() and path.startswith("/") and not runs_here:
+        return None, (
+            f"model.path: {path!r} is not on this machine; an absolute path may be a volume only the "
+            "cluster's pods mount (e.g. a PersistentVolumeClaim), which cannot be checked from here "
+            "(`pipelinerl run` needs it on this machine)"
+        )
     if not folder.is_dir():
-        return f"model.path: no folder {path!r} (a Hugging Face model folder, or a hub id such as Qwen/Qwen2.5-0.5B)"
+        where = "on this machine: a relative or ~ path names a local folder" if path[0] in ".~" else "on this machine"
+        model = "a Hugging Face model folder, or a hub id such as Qwen/Qwen2.5-0.5B"
+        return f"model.path: no folder {path!r} {where} ({model})", None
     if not (folder / "config.json").exists():
-        return f"model.path: {path!r} has no config.json (not a Hugging Face model folder)"
-    return None
+        return f"model.path: {path!r} has no config.json (not a Hugging Face model folder)", None
+    return None, None
 
 
 def model_info(path: str) -> dict:

@@ -7,30 +7,53 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipelinerl.contracts import ROLES
 from pipelinerl.planner.calibration import CALIBRATIONS
-from pipelinerl.spec import SpecError, dump_job, load_job, read_manifest
+from pipelinerl.spec import PipelineRLJob, SpecError, dump_job, load_job, read_manifest
+
+if TYPE_CHECKING:
+    from pipelinerl_operator.render import OperatorConfig
+
+
+def _checked(
+    path: str,
+    runs_here: bool,
+    against: str | None = None,
+    cfg: OperatorConfig | None = None,
+    namespace: str | None = None,
+) -> PipelineRLJob:
+    """The job at `path`, checked as the operator's admission webhook checks it (the rendered pods
+    against Kubernetes' schema too; `cfg`: the install's settings and job policy, else the
+    defaults), and its model path as far as it can be from here (SpecError); its warnings
+    printed. `validate` and `run` both call it, `run` before it starts anything."""
+    from pipelinerl.tiny_model import model_path_problem
+    from pipelinerl_operator.admission import check, job_warnings
+
+    old = read_manifest(against) if against else None
+    manifest = read_manifest(path)
+    if namespace and isinstance(manifest, dict) and isinstance(manifest.get("metadata"), dict):
+        manifest["metadata"].setdefault("namespace", namespace)  # as `kubectl apply -n` places it
+    job = check(manifest, old, source=path, cfg=cfg)
+    problem, note = model_path_problem(job.spec.model.path, runs_here)
+    if problem:
+        raise SpecError(f"{path} cannot run:\n  spec.{problem}")
+    for warning in job_warnings(job) + ([f"spec.{note}"] if note else []):
+        print(f"warning: {warning}", file=sys.stderr)
+    return job
 
 
 def _validate(args: argparse.Namespace) -> int:
-    # The same check as the operator's admission webhook (and the rendered pods against Kubernetes' schema).
-    from pipelinerl_operator.admission import check, job_warnings
+    # The platform's policy as the chart's jobPolicy values give it; else the safe default, and
+    # the chart's default NATS store.
     from pipelinerl_operator.job_policy import DEFAULT_STORE_BYTES, parse_policy
     from pipelinerl_operator.render import OperatorConfig
 
-    old = read_manifest(args.against) if args.against else None
-    # The platform's policy as the chart's jobPolicy values give it; else the safe default, and
-    # the chart's default NATS store.
     policy = parse_policy(read_manifest(args.policy) if args.policy else None, args.policy or "jobPolicy")
     cfg = OperatorConfig(policy=policy, nats_store_bytes=DEFAULT_STORE_BYTES)
-    manifest = read_manifest(args.job)
-    if args.namespace and isinstance(manifest, dict) and isinstance(manifest.get("metadata"), dict):
-        manifest["metadata"].setdefault("namespace", args.namespace)  # as `kubectl apply -n` places it
-    job = check(manifest, old, source=args.job, cfg=cfg)
+    job = _checked(args.job, runs_here=False, against=args.against, cfg=cfg, namespace=args.namespace)
     print(f"{args.job}: valid {job.kind} {job.name!r} (mode {job.spec.mode}, max lag {job.spec.max_lag})")
-    for warning in job_warnings(job):
-        print(f"warning: {warning}", file=sys.stderr)
     if args.show:
         print(dump_job(job), end="")
     return 0
@@ -39,8 +62,9 @@ def _validate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from pipelinerl_cli.local import run_local
 
+    job = _checked(args.job, runs_here=True)  # what validate refuses never starts
     cores = "split" if args.pin_cores else args.cores
-    return run_local(load_job(args.job), run_dir=args.run_dir, cores=cores, restart=args.restart == "on-failure")
+    return run_local(job, run_dir=args.run_dir, cores=cores, restart=args.restart == "on-failure")
 
 
 def _service(args: argparse.Namespace) -> int:

@@ -19,7 +19,7 @@ import pytest
 from jobs import tiny_job  # tests/e2e/jobs.py
 
 from prometheus_server import DASHBOARD, Prometheus, alert_rules, vector_selectors  # tests/prometheus_server.py
-from run_process import RunProcess  # tests/e2e/run_process.py
+from bench.run_process import RunProcess
 
 pytestmark = pytest.mark.slow
 JOB, NAMESPACE = "watched", "local"

@@ -11,7 +11,7 @@ import time
 import pytest
 from jobs import stored, tiny_job  # tests/e2e/jobs.py
 
-from run_process import RunProcess  # tests/e2e/run_process.py
+from bench.run_process import RunProcess
 from pipelinerl import messages as m
 from pipelinerl.contracts import DEADLETTER_REASON, JobSubjects
 from pipelinerl.streams import connect, last_message

@@ -21,7 +21,7 @@ import yaml
 from jobs import stored  # tests/e2e/jobs.py
 from wandb_records import wandb_history  # tests/wandb_records.py
 
-from run_process import RunProcess  # tests/e2e/run_process.py
+from bench.run_process import RunProcess
 from pipelinerl import messages as m
 from pipelinerl.tracking import default_mlflow_uri
 

@@ -82,7 +82,7 @@ async def test_books_of_consumed_groups_come_from_the_preprocessors_record(nats_
     pre = Preprocessor(JOB, ServiceEnv("preprocessor", nats_url=nats_server.url, run_dir=tmp_path, http_port=0), 1)
     task = asyncio.create_task(pre.run())
     deadline = asyncio.get_running_loop().time() + 10
-    while pre.step < 1 or pre.settled:
+    while pre.builder.step < 1 or pre.builder.settled:
         assert asyncio.get_running_loop().time() < deadline, "the preprocessor did not publish step 0"
         await asyncio.sleep(0.05)
     pre.stopping.set()

@@ -4,6 +4,8 @@ only after publishing, backpressure from the trainer's version, malformed input.
 import asyncio
 import time
 
+import pytest
+
 from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects, ServiceEnv
 from pipelinerl.spec import parse_job
@@ -84,12 +86,14 @@ async def test_preprocessor_service(nats_server, tmp_path):
 
     pre = Preprocessor(job, env, trainer_ranks=2)
     task = asyncio.create_task(pre.run())
-    await wait_until(lambda: pre.step == 1 and pre.stats["malformed"] == 1 and pre.stats["filtered_groups"] == 1)
+    await wait_until(
+        lambda: pre.builder.step == 1 and pre.stats["malformed"] == 1 and pre.stats["filtered_groups"] == 1
+    )
     await asyncio.sleep(0.5)
-    assert pre.step == 1  # backpressure: trainer at version 0, one pending step allowed
+    assert pre.builder.step == 1  # backpressure: trainer at version 0, one pending step allowed
     await js.publish(subjects.version, m.encode(m.PolicyVersion(version=1, timestamp=0)))
-    await wait_until(lambda: pre.step == 2)
-    assert len(pre.accepted) == 1  # the fifth signal-carrying group waits for a full step
+    await wait_until(lambda: pre.builder.step == 2)
+    assert len(pre.builder.accepted) == 1  # the fifth signal-carrying group waits for a full step
 
     per_rank = {}
     for rank in (0, 1):
@@ -107,7 +111,7 @@ async def test_preprocessor_service(nats_server, tmp_path):
         advs = [a for b in real for a, msk in zip(b.advantages, b.mask) if msk]
         assert sorted(set(advs)) == [-1.0, 1.0]  # leave-one-out on rewards {1, 0}
         final = next(b for b in per_rank[0] if b.step == step and b.last)
-        assert sum(final.step_groups_by_generator.values()) == 2
+        assert sum(final.ledger.credits.values()) == 2
     # Acked inputs are gone from the work queue; the waiting group is still held (unacked).
     info = await js.consumer_info(subjects.stream("ROLLOUTS"), "preprocessor")
     assert info.num_ack_pending == 1 and info.num_pending == 0
@@ -116,9 +120,10 @@ async def test_preprocessor_service(nats_server, tmp_path):
     await nc.close()
 
 
-async def test_steps_stream_in_waves_and_a_restart_closes_a_partial_step(nats_server, tmp_path):
+async def test_steps_stream_in_waves_and_a_restart_continues_a_partial_step(nats_server, tmp_path):
     """Pipeline mode: micro-batches leave before their step is complete; a preprocessor stopped
-    between two waves is followed by one that closes that step with what was published."""
+    between two waves is followed by one that continues that step where it was, with the group
+    its predecessor held (handed back) and the next ones: the step is whole, not closed short."""
     job, env, nc, js, subjects = await start(nats_server, tmp_path, "pw", WAVES)
     await js.publish(subjects.version, m.encode(m.PolicyVersion(version=5, timestamp=0)))  # no backpressure
     out = await js.pull_subscribe(subjects.batches(0), durable="t")
@@ -135,30 +140,35 @@ async def test_steps_stream_in_waves_and_a_restart_closes_a_partial_step(nats_se
     # first of them: a second one would not be sure to fit next to it).
     await publish_group(js, subjects, 0)
     await asyncio.sleep(1.0)
-    assert pre.index == 0 and pre.in_step == 0
+    assert pre.builder.index == 0 and pre.builder.ledger.trained_groups == 0
     await publish_group(js, subjects, 1)
     (w0,) = await batches(1)
-    assert (w0.step, w0.index, w0.last, len(w0.rewards), w0.step_samples) == (0, 0, False, 2, 2)
+    assert (w0.step, w0.index, w0.last, len(w0.rewards), w0.ledger.samples) == (0, 0, False, 2, 2)
     for i in (2, 3):
         await publish_group(js, subjects, i)
     w1, w2 = await batches(2)
     assert [(b.index, b.last) for b in (w1, w2)] == [(1, False), (2, True)]
-    assert w2.step_samples == 8 and w2.step_groups_by_generator == {"0": 2, "1": 2}
+    assert w2.ledger.samples == 8 and w2.ledger.credits == {"0": 2, "1": 2}
     assert sum(len(b.rewards) for b in (w0, w1, w2)) == 8
-    # Step 1: one wave out, then the preprocessor stops.
+    # Step 1: one wave out (g4; g5 held for the next), then the preprocessor stops.
     for i in (4, 5):
         await publish_group(js, subjects, i)
     (w3,) = await batches(1)
-    assert (w3.step, w3.index, w3.last) == (1, 0, False)
+    assert (w3.step, w3.index, w3.last, w3.group_ids) == (1, 0, False, ["g4", "g4"])
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
 
     pre = Preprocessor(job, env, trainer_ranks=1)
     task = asyncio.create_task(pre.run())
-    (closing,) = await batches(1)
-    assert (closing.step, closing.index, closing.last, closing.is_sentinel) == (1, 1, True, True)
-    assert closing.step_samples == 2 and closing.step_groups_by_generator == {"0": 1}
-    await wait_until(lambda: pre.step == 2)
+    await wait_until(lambda: pre.builder.caught_up and len(pre.builder.accepted) == 1)
+    assert (pre.builder.step, pre.builder.index, pre.builder.ledger.trained_groups) == (1, 1, 1)
+    for i in (6, 7):
+        await publish_group(js, subjects, i)
+    rest = await batches(2)
+    assert [(b.step, b.index, b.last) for b in rest] == [(1, 1, False), (1, 2, True)]
+    assert {g for b in [w3, *rest] for g in b.group_ids} == {"g4", "g5", "g6", "g7"}
+    assert rest[-1].ledger.samples == 8 and rest[-1].ledger.credits == {"0": 2, "1": 2}
+    await wait_until(lambda: pre.builder.step == 2)
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()
@@ -176,7 +186,7 @@ async def test_groups_held_by_a_dead_preprocessor_come_back_at_once_and_first(na
     task = asyncio.create_task(pre.run())
     for i in range(3):  # 3 groups of a 4-group step: accepted, held unacknowledged
         await publish_group(js, subjects, i)
-    await wait_until(lambda: len(pre.accepted) == 3)
+    await wait_until(lambda: len(pre.builder.accepted) == 3)
     task.cancel()  # dies without acknowledging or closing cleanly
     await asyncio.gather(task, return_exceptions=True)
     await pre.nc.close()
@@ -187,7 +197,7 @@ async def test_groups_held_by_a_dead_preprocessor_come_back_at_once_and_first(na
         await publish_group(js, subjects, i)
     step = await one_step(out, timeout=ACK_WAIT_S + 20)
     assert time.monotonic() - t0 < ACK_WAIT_S / 3
-    assert {b.step for b in step} == {0} and step[-1].step_samples == 8
+    assert {b.step for b in step} == {0} and step[-1].ledger.samples == 8
     assert {g for b in step for g in b.group_ids} == {"g0", "g1", "g2", "g3"}  # the held groups first
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
@@ -239,11 +249,9 @@ async def test_groups_whose_acknowledgements_were_lost_are_not_trained_or_counte
     got = await one_step(out)
     assert steps_and_groups(got) == ({1}, {"g4", "g5", "g6", "g7"})
     # g4..g7 only: the dead-lettered group, credited to generator 1 in step 0, is not credited again
-    assert (got[-1].step_groups_by_generator, got[-1].step_groups_filtered, got[-1].step_groups_rejected) == (
-        {"0": 2, "1": 2},
-        0,
-        0,
-    )
+    ledger = got[-1].ledger
+    assert (ledger.credits, ledger.filtered, ledger.dead_lettered) == ({"0": 2, "1": 2}, 0, 0)
+    assert set(ledger.returned) == {"g0", "g1", "g2", "g3", "g8", "long"}  # settled again, counted nowhere
     assert pre.stats["settled_before"] == 6
     assert pre.stats["filtered_groups"] == pre.stats["dead_lettered"] == 0
     for _ in range(50):  # the handed-back groups are settled (acknowledged) with the wave after them
@@ -296,7 +304,7 @@ async def test_poison_groups_are_dead_lettered_with_their_reason_and_the_step_go
 
     pre = Preprocessor(job, env, trainer_ranks=1)
     task = asyncio.create_task(pre.run())
-    await wait_until(lambda: pre.step == 1)
+    await wait_until(lambda: pre.builder.step == 1)
     assert pre.stats["dead_lettered"] == 5 and pre.stats["malformed"] == 1
     dead = await js.pull_subscribe(subjects.deadletter("rollout"), durable="inspect")
     letters = await dead.fetch(10, timeout=2)
@@ -314,10 +322,10 @@ async def test_poison_groups_are_dead_lettered_with_their_reason_and_the_step_go
         m.decode(x.data, m.MicroBatch)
         for x in await (await js.pull_subscribe(subjects.batches(0), durable="t")).fetch(5, timeout=2)
     ]
-    assert step.last and step.step_samples == 4  # the two good groups
+    assert step.last and step.ledger.samples == 4  # the two good groups
     # The rejected ones are consumed too, but for the NaN group: its rewards read as zero-variance
     # to its generator as well, which counted it discarded itself.
-    assert step.step_groups_by_generator == {"0": 2, "1": 3}
+    assert step.ledger.credits == {"0": 2, "1": 3}
     info = await js.consumer_info(subjects.stream("ROLLOUTS"), "preprocessor")
     assert info.num_ack_pending == 0 and info.num_pending == 0  # nothing will come back
     pre.stopping.set()
@@ -348,13 +356,13 @@ async def test_a_group_too_old_for_its_step_takes_no_place_in_it(nats_server, tm
     for i, version in enumerate([0, 0, 0, 1, 0, 2, 2]):  # steps 0 and 1, then one too old for step 2
         g = at(i, version)
         await js.publish(subjects.rollouts(g.generator), m.encode(g), headers={"Nats-Msg-Id": g.group_id})
-    await wait_until(lambda: pre.step == 3)
+    await wait_until(lambda: pre.builder.step == 3)
     assert pre.stats["stale_groups"] == 1
     out = await js.pull_subscribe(subjects.batches(0), durable="t")
     step2 = [b for b in (m.decode(x.data, m.MicroBatch) for x in await out.fetch(10, timeout=2)) if b.step == 2]
-    assert step2[-1].last and step2[-1].step_samples == 4 and step2[-1].step_samples_stale == 2
+    assert step2[-1].last and step2[-1].ledger.samples == 4 and step2[-1].ledger.stale_samples == 2
     assert set(v for b in step2 for v, k in zip(b.versions, b.mask) if k) == {2}
-    assert step2[-1].step_groups_by_generator == {"0": 2, "1": 1}  # groups 4 (stale), 5 and 6
+    assert step2[-1].ledger.credits == {"0": 2, "1": 1}  # groups 4 (stale), 5 and 6
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()
@@ -381,6 +389,57 @@ async def test_the_preprocessor_reports_how_full_the_job_streams_are(nats_server
     assert gauge("pipelinerl_stream_bytes", "DEADLETTER") == info.state.bytes > 3000
     for suffix, size in sizes.items():  # every stream of the job, at the size the job reserves
         assert gauge("pipelinerl_stream_limit_bytes", suffix) == size, suffix
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+    await nc.close()
+
+
+async def test_a_wave_stored_on_some_ranks_only_is_published_again_as_it_was(nats_server, tmp_path, monkeypatch):
+    """A preprocessor that dies while storing a wave (here: its micro-batch for rank 1 is never
+    stored, rank 0's is) leaves the step torn between the ranks; the wave's groups were not
+    acknowledged. The next one packs the same groups again the same way and stores only what
+    is missing: each rank gets the step once, whole, and the trainer's two ranks stay alike."""
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "torn", WAVES | {"mode": "sync"})
+    outs = [await js.pull_subscribe(subjects.batches(r), durable=f"t{r}") for r in (0, 1)]
+    packed: list[m.MicroBatch] = []
+    publish = Preprocessor._publish
+
+    async def killed() -> None:
+        await asyncio.sleep(1.0)  # rank 0's is stored by then
+        raise ConnectionError("killed while storing the wave")
+
+    def dies_on_rank_1(self, mb):
+        packed.append(mb)
+        return killed() if mb.rank == 1 else publish(self, mb)
+
+    monkeypatch.setattr(Preprocessor, "_publish", dies_on_rank_1)
+    pre = Preprocessor(job, env, trainer_ranks=2)
+    task = asyncio.create_task(pre.run())
+    for i in range(4):  # one step, one wave (sync mode): one row per rank
+        await publish_group(js, subjects, i)
+    await asyncio.gather(task, return_exceptions=True)
+    assert task.exception() is not None
+    await pre.nc.close()
+    monkeypatch.undo()
+    (first,) = [m.decode(x.data, m.MicroBatch) for x in await outs[0].fetch(5, timeout=2)]
+    assert first.last and first.ledger.trained_groups == 4
+
+    pre = Preprocessor(job, env, trainer_ranks=2)
+    task = asyncio.create_task(pre.run())
+    (again,) = [m.decode(x.data, m.MicroBatch) for x in await outs[1].fetch(5, timeout=10)]
+    lost = next(mb for mb in packed if mb.rank == 1)
+    assert (again.step, again.index, again.last, again.group_ids) == (0, 0, True, lost.group_ids)
+    assert again.tokens == lost.tokens and again.ledger == first.ledger
+    assert {g for mb in (first, again) for g in mb.group_ids} == {"g0", "g1", "g2", "g3"}
+    await wait_until(lambda: pre.builder.step == 1)
+    with pytest.raises(TimeoutError):  # rank 0's micro-batch was not stored twice
+        await outs[0].fetch(1, timeout=1)
+    for _ in range(50):  # the wave's groups are acknowledged now
+        info = await js.consumer_info(subjects.stream("ROLLOUTS"), "preprocessor")
+        if info.num_ack_pending == info.num_pending == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert info.num_ack_pending == info.num_pending == 0
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()

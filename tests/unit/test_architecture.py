@@ -191,3 +191,19 @@ def test_the_checker_sees_real_edges():
     assert "pipelinerl.contracts" in g["pipelinerl.spec"]
     assert "pipelinerl_generator.engine" in g["pipelinerl_generator.main"]
     assert "pipelinerl_generator.main" in g["pipelinerl_cli.main"]  # a lazy import inside a function
+
+
+def test_no_module_imports_the_tests():
+    """The tests import the code, never the other way round (a harness a benchmark shares with
+    the tests lives in bench/, as bench/run_process.py does)."""
+    found = []
+    for name, (path, _, _) in modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module or ""]
+            else:
+                continue
+            found += [f"{name} -> {t}" for t in targets if t == "tests" or t.startswith("tests.")]
+    assert not found, found

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from pipelinerl import messages as m
+from pipelinerl.books import StepLedger
 from pipelinerl_preprocessor.checks import GroupLimits, group_problem
 from pipelinerl_trainer.checks import bad_samples, describe, without
 
@@ -73,8 +74,7 @@ def micro_batch(**change) -> m.MicroBatch:
         lengths=[3, 3],
         rewards=[1.0, 0.0],
         group_ids=["a", "b"],
-        step_samples=16,
-        step_groups_by_generator={"0": 4},
+        ledger=StepLedger(waves=1, wave_last=2, closed=True),
     )
     return m.MicroBatch(**(base | change))
 
@@ -103,14 +103,4 @@ def test_bad_samples_are_blanked_and_the_rest_of_the_row_is_kept():
     assert mb.tokens == [1, 2, 3, 0, 0, 0] and mb.weights == [0.0, 0.1, 0.1, 0.0, 0.0, 0.0]
     assert mb.logprobs[:3] == [0.0, -1.0, -2.0] and mb.versions == [-1, 2, 2, -1, -1, -1]
     assert len(mb.tokens) == 6 and mb.lengths == [3, 3]  # same shape, same place in the step
-    assert (mb.step, mb.index, mb.last, mb.step_samples) == (3, 2, True, 16)
-
-
-def test_a_group_too_old_for_the_step_it_can_go_into_is_hopelessly_stale():
-    from pipelinerl_preprocessor.checks import hopelessly_stale
-
-    g = group(sample(versions=[-1, -1, 2, 3]), sample(versions=[-1, -1, 1, 1]))
-    assert not hopelessly_stale(g, step=4, max_lag=1)  # its newest tokens (version 3) are trained at lag 1
-    assert hopelessly_stale(g, step=5, max_lag=1)  # nothing left the trainer would keep
-    assert not hopelessly_stale(g, step=5, max_lag=2)
-    assert not hopelessly_stale(g, step=3, max_lag=0) and hopelessly_stale(g, step=4, max_lag=0)  # sync
+    assert (mb.step, mb.index, mb.last, mb.ledger) == (3, 2, True, micro_batch().ledger)

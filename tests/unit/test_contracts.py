@@ -182,24 +182,23 @@ def test_jobs_of_one_name_in_two_namespaces_share_no_stream_or_subject():
     assert parse_job({"metadata": {"name": "demo"}}).subjects.namespace == "default"
 
 
-def test_status_bodies_of_every_role_are_the_contract_models(tmp_path):
+def test_status_bodies_of_every_role_are_the_contract_models():
     from pipelinerl_generator.main import Generator
     from pipelinerl_operator.status import progress_from
     from pipelinerl_preprocessor.main import Preprocessor
-    from pipelinerl_trainer.main import Trainer
+    from pipelinerl_trainer.reporting import Board
 
     job = parse_job({"metadata": {"name": "s"}, "spec": {"trainer": {"maxSteps": 7}}})
-    env = ServiceEnv("trainer", run_dir=tmp_path)
     pre = Preprocessor(job, ServiceEnv("preprocessor"), 1)
     for key in c.PreprocessorStatus.model_fields:  # every count the service keeps has a field
         if key not in ("role", "next_step", "trainer_version", "pending_groups"):
             pre.stats[key] += 1
     for service, model in (
-        (Trainer(job, env), c.TrainerStatus),
+        (Board(0, job.spec.trainer.max_steps), c.TrainerStatus),  # what the trainer serves, from its start
         (Generator(job, ServiceEnv("generator")), c.GeneratorStatus),
         (pre, c.PreprocessorStatus),
     ):
         body = service.status().model_dump(mode="json", by_alias=True)  # what HealthServer serves
         assert model.model_validate(body) == service.status()
-    trainer = TrainerStatus.model_validate(Trainer(job, env).status().model_dump(by_alias=True))
+    trainer = TrainerStatus.model_validate(Board(0, 7).status().model_dump(by_alias=True))
     assert progress_from(trainer, {}) == {"step": 0, "version": 0, "maxSteps": 7, "samples": 0}

@@ -2,7 +2,7 @@ import pytest
 
 from pipelinerl.messages import MicroBatch, Sample
 from pipelinerl.steps import next_wave
-from pipelinerl_preprocessor.packing import StepSample, close_step, first_fit_rows, pack_wave, spread_rows, step_weight
+from pipelinerl_preprocessor.packing import StepSample, fill_ranks, first_fit_rows, pack_wave, spread_rows, step_weight
 
 
 def sample(n_prompt: int, n_gen: int, reward: float = 1.0, version: int = 0) -> Sample:
@@ -101,26 +101,9 @@ def test_waves_always_pack_into_one_row_per_rank():
             assert all(len(r) == 1 for r in pack_wave(0, samples, ranks, cap, 1.0))
 
 
-def mb(step, rank, index, last=False, samples=0, by=None):
-    return MicroBatch(
-        step=step, rank=rank, index=index, last=last, step_samples=samples, step_groups_by_generator=by or {}
-    )
-
-
-def test_close_step_after_a_restart():
-    assert close_step([None, None]) == (0, [])
-    assert close_step([mb(3, 0, 2, last=True), mb(3, 1, 2, last=True)]) == (4, [])
-    # Stopped between two waves of step 4: each rank gets one final sentinel, with the facts of
-    # the last stored wave (what the trainer credits to the generators).
-    nxt, out = close_step([mb(4, 0, 1, samples=16, by={"0": 2}), mb(4, 1, 1, samples=16, by={"0": 2})])
-    assert nxt == 5 and [(b.rank, b.index, b.last, b.is_sentinel) for b in out] == [
-        (0, 2, True, True),
-        (1, 2, True, True),
-    ]
-    assert all(b.step == 4 and b.step_samples == 16 and b.step_groups_by_generator == {"0": 2} for b in out)
-    # Stopped in the middle of publishing a wave: the ranks are evened out first.
-    nxt, out = close_step([mb(4, 0, 3, samples=24), mb(4, 1, 1, samples=16), mb(3, 2, 5, last=True)])
-    assert nxt == 5
+def test_sentinels_bring_every_rank_to_the_end_of_a_wave_stored_in_part():
+    # Rank 0 has stored through index 3, rank 1 through 1, rank 2 none of the step; the wave ends at 4.
+    out = fill_ranks(4, {0: 3, 1: 1, 2: -1}, 4, last=True)
     assert [(b.rank, b.index, b.last) for b in out] == [
         (0, 4, True),
         (1, 2, False),
@@ -132,7 +115,5 @@ def test_close_step_after_a_restart():
         (2, 3, False),
         (2, 4, True),
     ]
-    assert {b.step_samples for b in out} == {24}
-    # The final wave reached some ranks only: the others end at the same index.
-    nxt, out = close_step([mb(4, 0, 3, last=True, samples=32), mb(4, 1, 1, samples=16)])
-    assert nxt == 5 and [(b.rank, b.index, b.last) for b in out] == [(1, 2, False), (1, 3, True)]
+    assert all(b.step == 4 and b.is_sentinel for b in out)
+    assert [(b.rank, b.index, b.last) for b in fill_ranks(4, {0: 3, 1: 2}, 3, last=False)] == [(1, 3, False)]

@@ -1,7 +1,9 @@
-"""The local runner's restart policy (pure): backoff that doubles up to a cap, a limit, fail-stop;
-and how it names a failure."""
+"""The local runner's restart policy (pure): backoff that doubles up to a cap, a limit, fail-stop,
+no restart of a job that cannot run; and how it names a failure, in its own output."""
 
-from pipelinerl_cli.local import RestartPolicy
+import pytest
+
+from pipelinerl_cli.supervisor import CANNOT_RUN, RestartPolicy, ServiceDied, cause
 
 
 def test_backoff_doubles_up_to_the_cap_then_gives_up():
@@ -17,9 +19,14 @@ def test_limit_zero_is_fail_stop_too():
     assert RestartPolicy(limit=0).delay(0) is None
 
 
-def test_a_failure_is_named_by_the_last_exception_its_log_shows():
-    from pipelinerl_cli.local import cause
+def test_a_service_that_cannot_run_the_job_is_not_restarted():
+    # `pipelinerl service` exits 2 for a job it cannot run (its "error: ..."): it would fail again.
+    assert RestartPolicy(limit=3).delay(0, code=CANNOT_RUN) is None
+    assert RestartPolicy(limit=3).delay(0, code=1) == 1.0
+    assert "cannot run as written" in str(ServiceDied("generator", CANNOT_RUN, None, ""))  # type: ignore[arg-type]
 
+
+def test_a_failure_is_named_by_the_last_exception_its_log_shows():
     log = """Traceback (most recent call last):
   File "x.py", line 3, in <module>
     raise KeyError("a")
@@ -35,3 +42,24 @@ nats.errors.NoServersError: nats: no servers available for connection
     assert cause("[rank0]:     raise ValueError(\n[rank0]: ValueError: Unrecognized model") == (
         "ValueError: Unrecognized model"
     )
+    # The command line's own "error: ..." for a job it cannot run (a SpecError, exit code 2).
+    spec_error = "INFO loading the tokenizer\nerror: spec.model.maxSeqLen: 12 leaves no room for a completion"
+    assert cause(spec_error) == "spec.model.maxSeqLen: 12 leaves no room for a completion"
+
+
+def test_the_runner_names_why_a_service_exited_in_its_own_output(tmp_path, capsys):
+    from pipelinerl.spec import parse_job
+    from pipelinerl_cli.local import LocalRun
+
+    run = LocalRun(parse_job({"metadata": {"name": "t"}}), tmp_path, quiet=True)
+    log = tmp_path / "generator.log"
+    log.write_text("INFO starting\nTraceback (most recent call last):\nValueError: no tokenizer in /models/x\n")
+    assert run._backoff("generator", 0, 1, log) == 1.0
+    assert (
+        "generator exited with code 1 (ValueError: no tokenizer in /models/x): restarting it in 1s (restart 1 of 3)"
+        in capsys.readouterr().err
+    )
+    log.write_text("INFO starting\nerror: spec.model.maxSeqLen: 12 leaves no room for a completion\n")
+    with pytest.raises(ServiceDied, match="generator exited with code 2 \\(the job cannot run as written") as died:
+        run._backoff("generator", 0, CANNOT_RUN, log)
+    assert cause(died.value.tail) == "spec.model.maxSeqLen: 12 leaves no room for a completion"

@@ -1,6 +1,6 @@
 """`pipelinerl run` gives each role its `spec.<role>.env`, as a pod would get it."""
 
-from pipelinerl_cli.local import role_environ
+from pipelinerl_cli.supervisor import role_environ
 from pipelinerl.spec import EnvVar
 
 

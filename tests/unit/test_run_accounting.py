@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from pipelinerl import messages as m
-from pipelinerl_cli.local import Cores, LocalRun, core_plan
+from pipelinerl_cli.local import LocalRun
+from pipelinerl_cli.supervisor import Cores, core_plan
 from pipelinerl.spec import load_job
-from pipelinerl_generator.main import BusyClock
+from pipelinerl_generator.metrics import BusyClock
 from pipelinerl_trainer.loss import LossConfig
 from pipelinerl_trainer.step import StepConfig, StepTally, micro_batch_loss
 

@@ -83,7 +83,7 @@ def test_weight_sync_failures_count_what_is_new_since_the_last_look():
 
 
 def test_a_generator_exports_its_busy_time_queue_and_newest_evaluation_when_scraped():
-    from pipelinerl_generator.main import BusyClock, Scraped
+    from pipelinerl_generator.metrics import BusyClock, Scraped
 
     registry = CollectorRegistry()
     scraped = Scraped()

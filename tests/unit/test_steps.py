@@ -6,10 +6,16 @@ from pipelinerl import messages as m
 from pipelinerl.steps import (
     counts_as_discarded,
     generator_of_rank,
+    hopelessly_stale,
+    newest_weights,
     next_wave,
     sends_weights,
+    step_version,
     steps_left_in_phase,
+    token_lag,
+    too_old,
     training_step,
+    version_after,
     weight_group_rank,
     weight_group_size,
 )
@@ -21,6 +27,25 @@ def test_the_weight_groups_ranks_name_their_generator():
         ranks = [weight_group_rank(i, tp) + w for i in range(3) for w in range(tp)]
         assert ranks == list(range(1, weight_group_size(3, tp)))
         assert [generator_of_rank(r, tp) for r in ranks] == [i for i in range(3) for _ in range(tp)]
+
+
+def test_steps_and_versions_count_alike_everywhere():
+    # Step N trains at version N (the steps taken before it) and makes version N + 1.
+    assert [step_version(n) for n in range(3)] == [0, 1, 2] and version_after(4) == 5
+    assert newest_weights(6) == 7  # version 7 may be sent, and sampled from, before it is announced
+    # A token sampled at version 3 and trained by step 5 is 2 versions old: past maxLag 1, not 2.
+    assert token_lag(step_version(5), 3) == 2 and too_old(2, 1) and not too_old(2, 2)
+
+
+def test_a_group_too_old_for_the_step_it_can_go_into_is_hopelessly_stale():
+    def sample(versions):
+        return m.Sample(tokens=[3, 4, 5, 6], mask=[0, 0, 1, 1], logprobs=[0, 0, -1, -1], versions=versions, reward=1)
+
+    g = m.RolloutGroup(group_id="p1@0", generator=0, samples=[sample([-1, -1, 2, 3]), sample([-1, -1, 1, 1])])
+    assert not hopelessly_stale(g, step=4, max_lag=1)  # its newest tokens (version 3) are trained at lag 1
+    assert hopelessly_stale(g, step=5, max_lag=1)  # nothing left the trainer would keep
+    assert not hopelessly_stale(g, step=5, max_lag=2)
+    assert not hopelessly_stale(g, step=3, max_lag=0) and hopelessly_stale(g, step=4, max_lag=0)  # sync
 
 
 def test_an_announcement_names_the_step_in_training():

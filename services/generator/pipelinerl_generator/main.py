@@ -22,9 +22,8 @@ import time
 import uuid
 
 from nats.js.api import DeliverPolicy
-from prometheus_client import REGISTRY, Counter, Gauge
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from pipelinerl import books
 from pipelinerl import messages as m
 from pipelinerl.admission import Admission
 from pipelinerl.contracts import GeneratorStatus, ServiceEnv
@@ -32,71 +31,14 @@ from pipelinerl.runtime import HealthServer, join_job, serve
 from pipelinerl.prompt_fit import prompt_fit
 from pipelinerl.spec import PipelineRLJob, SpecError
 from pipelinerl.steps import counts_as_discarded, training_step, weight_group_rank, weight_group_size
-from pipelinerl.streams import claim_problems, last_announcement, last_message, publish_once
+from pipelinerl.streams import claim_problems, last_announcement, last_message, newest_batches, publish_once
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
 from pipelinerl_generator.engine import Engine, WeightsKept
+from pipelinerl_generator.metrics import GROUPS, INFLIGHT, SCRAPED, TOKENS, UPDATE_PAUSE, VERSION, BusyClock
 
 log = logging.getLogger("pipelinerl.generator")
-GROUPS = Counter("pipelinerl_generator_groups_total", "Prompt groups published")
-TOKENS = Counter("pipelinerl_generator_tokens_total", "Tokens generated")
-VERSION = Gauge("pipelinerl_generator_policy_version", "Policy version of the engine weights")
-INFLIGHT = Gauge("pipelinerl_generator_inflight_groups", "Prompt groups being generated")
-UPDATE_PAUSE = Gauge("pipelinerl_generator_weight_update_pause_seconds", "Pause of the last weight update")
-
-
-class Scraped:
-    """What a scrape of /metrics reads from the running generator: its busy time (the rate is its
-    busy share, spells still going included), its admission queue, and its newest held-out
-    evaluation (generator 0's; no series before the first, rather than an accuracy of 0)."""
-
-    def __init__(self) -> None:
-        self.generator: Generator | None = None
-
-    def collect(self):
-        g = self.generator
-        if g is None:
-            return
-        yield CounterMetricFamily(
-            "pipelinerl_generator_busy_seconds", "Seconds with a group or an evaluation running", value=g.busy.seconds()
-        )
-        yield GaugeMetricFamily(
-            "pipelinerl_generator_queued_groups",
-            "Groups started and not yet consumed by a step (this generator's admission queue)",
-            value=g.admission.queued,
-        )
-        if g.newest_eval is not None:
-            for key, doc in (
-                ("accuracy", "Held-out accuracy (greedy) of the newest version evaluated"),
-                ("reward", "Held-out mean reward of the newest version evaluated"),
-                ("version", "The newest version evaluated"),
-            ):
-                yield GaugeMetricFamily(f"pipelinerl_generator_eval_{key}", doc, value=float(g.newest_eval[key]))
-
-
-SCRAPED = Scraped()
-REGISTRY.register(SCRAPED)
 HELLO_S = 1.0  # the trainer takes a generator silent for LIVENESS_S (10 s) for gone
-
-
-class BusyClock:
-    """Seconds during which at least one piece of work (a group or an evaluation) was running."""
-
-    def __init__(self) -> None:
-        self.active, self.total, self.since = 0, 0.0, 0.0
-
-    def enter(self) -> None:
-        if self.active == 0:
-            self.since = time.monotonic()
-        self.active += 1
-
-    def leave(self) -> None:
-        self.active -= 1
-        if self.active == 0:
-            self.total += time.monotonic() - self.since
-
-    def seconds(self) -> float:
-        return self.total + (time.monotonic() - self.since if self.active else 0.0)
 
 
 class Generator:
@@ -199,24 +141,25 @@ class Generator:
     async def _restore_books(self) -> None:
         """Continue the books of this generator's earlier incarnations (groups published and
         discarded) from its newest group: the newest still in the rollout stream, or the newest
-        the preprocessor took, recorded in its micro-batches. Groups trained come from the
-        trainer's newest announcement. A group of theirs still queued counts as queued. (No
-        problem of theirs is drawn again: problems are claimed, `_next_problem`.)"""
+        the preprocessor took, recorded in its micro-batches (`books.restore`, as the preprocessor
+        reads them). Groups trained come from the trainer's newest announcement. A group of
+        theirs still queued counts as queued. (No problem of theirs is drawn again: problems are
+        claimed, `_next_problem`.)"""
         a, rank = self.admission, self.env.rank
-        found = []
-        records = [("ROLLOUTS", self.subjects.rollouts(rank), lambda d: m.decode(d, m.RolloutGroup).books)] + [
-            ("BATCHES", self.subjects.batches(r), lambda d: m.decode(d, m.MicroBatch).generator_books.get(str(rank)))
-            for r in range(self.spec.trainer_ranks)
-        ]
-        for stream, subject, books_of in records:
-            data = await last_message(self.js, self.subjects.stream(stream), subject)
-            try:
-                found.append(books_of(data) if data is not None else None)
-            except m.MessageError as err:  # not ours to trust (it is dead-lettered downstream)
-                log.error("the newest message on %s is not ours: %s", subject, err)
-        books = m.newest_books(*found)
-        if books is not None:
-            a.published, a.discarded = books.published, books.discarded
+        queued = None
+        data = await last_message(self.js, self.subjects.stream("ROLLOUTS"), self.subjects.rollouts(rank))
+        try:
+            queued = m.decode(data, m.RolloutGroup).books if data is not None else None
+        except m.MessageError as err:  # not ours to trust (it is dead-lettered downstream)
+            log.error("the newest message on %s is not ours: %s", self.subjects.rollouts(rank), err)
+        try:
+            taken = books.restore(await newest_batches(self.js, self.subjects, self.spec.trainer_ranks))
+        except m.MessageError as err:
+            log.error("the preprocessor's record is not readable: %s", err)
+            taken = books.restore([])
+        newest = books.newest_books(queued, taken.generators.get(str(rank)))
+        if newest is not None:
+            a.published, a.discarded = newest.published, newest.discarded
         announced = await last_announcement(self.js, self.subjects)
         if announced is not None:
             a.on_trained(announced.trained_groups.get(str(rank), 0))
@@ -348,7 +291,7 @@ class Generator:
         a = self.admission
         discarded = counts_as_discarded(self.spec.rl.filter_zero_variance, group)
         async with self.publishing:
-            group.books = m.GeneratorBooks(published=a.published + 1, discarded=a.discarded + discarded)
+            group.books = books.GeneratorBooks(published=a.published + 1, discarded=a.discarded + discarded)
             ack = await publish_once(self.js, self.subjects.rollouts(self.env.rank), m.encode(group), group.group_id)
             if ack.duplicate:  # an earlier incarnation published it: it is in the books already
                 log.warning("group %s was already published: not counted again", group.group_id)

@@ -28,14 +28,6 @@ def group_problem(group: RolloutGroup, limits: GroupLimits) -> str | None:
     return None
 
 
-def hopelessly_stale(group: RolloutGroup, step: int, max_lag: int) -> bool:
-    """Every generated token of `group` is older than step `step` (trained at version `step`)
-    accepts: the trainer would drop all of it, so it must not take a place in the step. (The
-    steps fill in arrival order, so a generator's groups can wait behind another's backlog.)"""
-    newest = max(v for s in group.samples for v, k in zip(s.versions, s.mask) if k)
-    return step - newest > max_lag
-
-
 def sample_problem(s: Sample, limits: GroupLimits) -> str | None:
     if not math.isfinite(s.reward):
         return f"reward is {s.reward}"

@@ -1,17 +1,18 @@
-"""Preprocessor service: rollout groups in, packed per-rank micro-batches out.
+"""Preprocessor service: rollout groups in, packed per-rank micro-batches out; the I/O around
+the step being built (`builder.StepBuilder`, pure).
 
 In pipeline mode a step goes out in waves as its groups arrive (`steps.next_wave`), so the
 trainer computes on them while the rest of the step is generated; sync mode, the conventional
 baseline, publishes the k steps of a generation phase once the phase is generated whole.
 Input groups are acked only after every micro-batch of the wave they went into is stored by
 JetStream (publish acks awaited), so a crash loses nothing: unacked groups are handed to the
-restarted preprocessor at once, ahead of newer ones (those of the newest stored step whose acks
-the crash lost are not trained again), re-published batches are de-duplicated by their message
-ids, and a step left partial is closed on restart (`packing.close_step`).
+restarted preprocessor at once, ahead of newer ones, and go into the step it continues, the one
+its predecessor was building (`books.restore`); those of the newest stored step whose acks the
+crash lost are settled again, neither trained nor counted twice (their ids are in its ledger).
 Groups that go into no micro-batch (filtered, stale, rejected) are acked after the next wave too:
-its micro-batches carry the books of every generator's newest group taken so far, which a
-restarted generator continues from once its groups have left the rollout stream, and these
-groups' ids, so that a restart whose kill lost their acks does not count them twice.
+its micro-batches carry the step's ledger, with these groups and the books of every generator's
+newest group taken so far, which a restarted generator continues from once its groups have left
+the rollout stream.
 Backpressure: at most `maxPendingSteps` steps (a whole phase in sync mode) are published ahead
 of the trainer's version.
 A group that cannot be trained (`checks`) or decoded goes to the dead-letter stream with its
@@ -31,15 +32,16 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.js.errors import NotFoundError
 from prometheus_client import Counter, Gauge
 
+from pipelinerl import books
 from pipelinerl import messages as m
+from pipelinerl.books import Outcome
 from pipelinerl.contracts import STREAM_SUFFIXES, PreprocessorStatus, ServiceEnv
-from pipelinerl.runtime import HealthServer, join_job, serve
+from pipelinerl.runtime import HealthServer, failpoint, join_job, serve
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import dead_letter, last_announcement, last_message, publish_once, stored_messages
-from pipelinerl_preprocessor.advantages import group_advantages
-from pipelinerl_preprocessor.checks import GroupLimits, group_problem, hopelessly_stale
-from pipelinerl.steps import counts_as_discarded, next_wave, steps_left_in_phase
-from pipelinerl_preprocessor.packing import StepSample, close_step, pack_wave, step_weight
+from pipelinerl.steps import newest_weights
+from pipelinerl.streams import dead_letter, last_announcement, newest_batches, publish_once
+from pipelinerl_preprocessor.builder import StepBuilder, Wave
+from pipelinerl_preprocessor.checks import GroupLimits, group_problem
 
 log = logging.getLogger("pipelinerl.preprocessor")
 GROUPS_IN = Counter("pipelinerl_preprocessor_groups_total", "Rollout groups consumed", ["outcome"])
@@ -73,27 +75,13 @@ class Preprocessor:
         self.trainer_version = 0
         self.finished = False
         self.stopping = asyncio.Event()
-        self.accepted: list[tuple[Msg, m.RolloutGroup]] = []  # (nats msg, group), unacked
-        # (nats msg, group id or None if undecodable) of groups in no micro-batch: acked after the next wave
-        self.settled: list[tuple[Msg, str | None]] = []
-        self.books: dict[str, m.GeneratorBooks] = {}  # each generator's newest taken so far
-        self.settled_before: set[str] = set()  # the groups of the newest step a predecessor stored or settled
-        self.step = 0
-        self._new_step()
+        self.builder = StepBuilder(self.spec, trainer_ranks, books.restore([]))  # until `_resume` reads the streams
+        self.backlog = 0  # the rollout stream's last sequence at the start: handed over whole before any wave
         self.stats: Tally = Tally()  # counts named as PreprocessorStatus fields
 
-    def _new_step(self) -> None:
-        self.index = 0  # next micro-batch index of the step, on every rank
-        self.waves = 0
-        self.in_step = 0  # groups in the waves of the step published so far
-        self.step_samples = 0
-        self.by_generator: Tally = Tally()
-        self.filtered = 0  # zero-variance groups dropped since the previous step ended
-        self.rejected = 0  # groups dead-lettered since the previous step ended
-        self.stale = 0  # samples of groups too old for the step, dropped since the previous step ended
-
     def status(self) -> PreprocessorStatus:
-        now = {"next_step": self.step, "trainer_version": self.trainer_version, "pending_groups": len(self.accepted)}
+        b = self.builder
+        now = {"next_step": b.step, "trainer_version": self.trainer_version, "pending_groups": len(b.accepted)}
         return PreprocessorStatus.model_validate(now | dict(self.stats))
 
     async def run(self) -> None:
@@ -111,20 +99,23 @@ class Preprocessor:
         # ACK_WAIT_S, behind every newer group, and reach their step too old for it (dropped for
         # lag). A new consumer of the work queue is handed what is left, those first, at once.
         # Safe because one preprocessor runs (a StatefulSet of one): no live one loses its groups.
+        rollouts = self.subjects.stream("ROLLOUTS")
+        self.backlog = (await self.js.stream_info(rollouts)).state.last_seq
+        self.builder.caught_up = self.backlog == 0
         with contextlib.suppress(NotFoundError):
-            await self.js.delete_consumer(self.subjects.stream("ROLLOUTS"), "preprocessor")
+            await self.js.delete_consumer(rollouts, "preprocessor")
         sub = await self.js.pull_subscribe(
             self.subjects.rollouts(">"),
             durable="preprocessor",
             config=ConsumerConfig(ack_policy=AckPolicy.EXPLICIT, ack_wait=ACK_WAIT_S, max_ack_pending=100_000),
         )
         http.ready = True
-        log.info("preprocessor ready; next step %d, %d trainer ranks", self.step, self.ranks)
+        log.info("preprocessor ready; next step %d, %d trainer ranks", self.builder.step, self.ranks)
         watch = asyncio.create_task(self._watch_streams())
         last_keepalive = time.monotonic()
         while not self.stopping.is_set() and not self.finished:
             if time.monotonic() - last_keepalive > ACK_WAIT_S / 4:  # also while the trainer is behind
-                for msg, _ in self.accepted + self.settled:  # waiting for a wave: not abandoned
+                for msg in self.builder.held():  # waiting for a wave: not abandoned
                     await msg.in_progress()
                 last_keepalive = time.monotonic()
             if self._trainer_behind():
@@ -136,22 +127,27 @@ class Preprocessor:
                 msgs = []
             for msg in msgs:
                 await self._intake(msg)
+            self._catch_up(msgs)
             while not self._trainer_behind():
-                self._drop_stale()
-                n, last = next_wave(
-                    [[len(s.tokens) for s in g.samples] for _, g in self.accepted],
-                    self.in_step,
-                    self.spec.groups_per_step,
-                    self.ranks,
-                    self.spec.trainer.micro_batch_tokens,
-                    self.spec.streams_steps,
-                    steps_left_in_phase(self.step, self.spec.steps_per_generation),
-                )
-                if not n:
+                for group in self.builder.drop_stale():
+                    self._dropped_stale(group)
+                wave = self.builder.next_wave()
+                if wave is None:
                     break
-                await self._publish_wave(n, last)
+                await self._store(wave)
         watch.cancel()
         await asyncio.wait_for(self.nc.close(), 10)  # every publish was already acked: no drain needed
+
+    def _catch_up(self, msgs: list[Msg]) -> None:
+        """Every group left in the stream at the start has been handed over once a fetch comes
+        back empty or reaches the stream's end then (the consumer delivers in stream order)."""
+        if self.builder.caught_up:
+            return
+        if not msgs or any(
+            msg.metadata.sequence.stream >= self.backlog or msg.metadata.num_pending == 0 for msg in msgs
+        ):
+            self.builder.caught_up = True
+            log.info("took every group left in the stream at the start (%d pending)", len(self.builder.accepted))
 
     async def _watch_streams(self) -> None:
         """Every STREAMS_EVERY_S, how full each of the job's streams is (for the store alert and
@@ -170,44 +166,23 @@ class Preprocessor:
 
     def _trainer_behind(self) -> bool:
         """Backpressure: enough steps are already waiting for the trainer."""
-        return self.step >= self.trainer_version + self.spec.pending_steps
+        return self.builder.step >= self.trainer_version + self.spec.pending_steps
 
     async def _resume(self) -> None:
-        """Continue after the last step already published (batches are never re-numbered), and
-        from the trainer's newest announcement."""
-        lasts = []
-        for rank in range(self.ranks):
-            data = await last_message(self.js, self.subjects.stream("BATCHES"), self.subjects.batches(rank))
-            lasts.append(m.decode(data, m.MicroBatch) if data is not None else None)
+        """Go on from the books of the newest micro-batches stored (`books.restore`): the step a
+        predecessor was building is continued, not closed short, and a wave it stored in part is
+        published again; and from the trainer's newest announcement."""
+        restored = books.restore(await newest_batches(self.js, self.subjects, self.ranks))
         await self._refresh_trainer_version()
-        for mb in lasts:
-            for generator, books in (mb.generator_books if mb else {}).items():
-                self.books[generator] = m.newest_books(books, self.books.get(generator))
-        self.settled_before = await self._groups_settled_with_the_last_step(lasts)
-        self.step, closing = close_step(lasts)
-        for mb in closing:
-            mb.generator_books = dict(self.books)
-        if closing:
+        self.builder = StepBuilder(self.spec, self.ranks, restored)
+        if restored.ledger.waves and not restored.ledger.closed or restored.torn:
             log.warning(
-                "step %d was left partial by a restart: closing it with the %d samples already published",
-                self.step - 1,
-                closing[0].step_samples,
+                "step %d was left partial by a restart (%d group(s), %d samples stored%s): continuing it",
+                restored.step,
+                restored.ledger.trained_groups,
+                restored.ledger.samples,
+                "; a wave stored in part is published again first" if restored.torn else "",
             )
-            await asyncio.gather(*(self._publish(mb) for mb in closing))
-
-    async def _groups_settled_with_the_last_step(self, lasts: list[m.MicroBatch | None]) -> set[str]:
-        """The groups in, or settled with, the newest step stored: a kill can have lost only its
-        last wave's acknowledgements (each wave's are sent before the next wave is stored, on the
-        same connection), so these are the only settled groups NATS may hand back (`_intake`)."""
-        stored = [mb for mb in lasts if mb is not None]
-        if not stored:
-            return set()
-        step = max(mb.step for mb in stored)
-        # Steps are stored one after another: the step's micro-batches are the stream's newest.
-        count = sum(mb.index + 1 for mb in stored if mb.step == step)
-        msgs = await stored_messages(self.js, self.subjects.stream("BATCHES"), newest=count)
-        batches = [m.decode(msg.data, m.MicroBatch) for msg in msgs]
-        return {g for mb in batches for g in mb.group_ids + mb.settled_group_ids}
 
     async def _on_version(self, msg) -> None:
         self._on_announcement(m.decode(msg.data, m.PolicyVersion))
@@ -222,121 +197,94 @@ class Preprocessor:
             self._on_announcement(announced)
 
     def _limits(self) -> GroupLimits:
-        return GroupLimits(max_seq_len=self.spec.model.max_seq_len, newest_version=self.trainer_version + 1)
+        return GroupLimits(max_seq_len=self.spec.model.max_seq_len, newest_version=newest_weights(self.trainer_version))
 
     async def _intake(self, msg) -> None:
+        b, seq = self.builder, msg.metadata.sequence.stream
         try:
             group = m.decode(msg.data, m.RolloutGroup)
         except m.MessageError as err:
-            self.stats["malformed"] += 1
-            await self._reject(msg, str(err))
+            if not self._returned(msg, books.undecodable_id(seq)):
+                self.stats["malformed"] += 1
+                await self._reject(msg, str(err), None)
             return
-        key = str(group.generator)
-        self.books[key] = m.newest_books(group.books, self.books.get(key))
-        if group.group_id in self.settled_before:  # already credited to its generator, too
-            log.warning("group %s was settled before a restart: its acknowledgement was lost", group.group_id)
-            self.stats["settled_before"] += 1
-            self.settled.append((msg, group.group_id))
+        b.note_books(group)
+        if self._returned(msg, group.group_id):
             return
         problem = group_problem(group, self._limits())
         if problem:  # before refusing: is our news of the trainer's version late?
             await self._refresh_trainer_version()
             problem = group_problem(group, self._limits())
-        # Its generator counts a group as queued until a step consumes it (unless it counted it
-        # discarded itself): one that goes into no step is consumed by the step being built.
-        discarded = counts_as_discarded(self.spec.rl.filter_zero_variance, group)
         if problem:
-            self.by_generator[key] += not discarded
-            reason = f"group {group.group_id} from generator {group.generator}: {problem}"
-            await self._reject(msg, reason, group.group_id)
+            await self._reject(msg, f"group {group.group_id} from generator {group.generator}: {problem}", group)
             return
         self.stats["truncated_samples"] += sum(s.truncated for s in group.samples)
-        if discarded:
-            self.filtered += 1
+        if b.take(msg, group) == Outcome.FILTERED:
             self.stats["filtered_groups"] += 1
             GROUPS_IN.labels("filtered").inc()
-            self.settled.append((msg, group.group_id))
             return
-        self.accepted.append((msg, group))
         GROUPS_IN.labels("accepted").inc()
-        PENDING.set(len(self.accepted))
+        PENDING.set(len(b.accepted))
 
-    def _drop_stale(self) -> None:
-        """Groups too old for the step being built take no place in it (their generator's
-        queue counts them as consumed by it)."""
-        keep = []
-        for msg, group in self.accepted:
-            if not hopelessly_stale(group, self.step, self.spec.max_lag):
-                keep.append((msg, group))
-                continue
-            log.info(
-                "group %s from generator %d: too old for step %d (max lag %d), dropped",
-                group.group_id,
-                group.generator,
-                self.step,
-                self.spec.max_lag,
-            )
-            self.by_generator[str(group.generator)] += 1
-            self.stale += len(group.samples)
-            self.stats["stale_groups"] += 1
-            GROUPS_IN.labels("stale").inc()
-            self.settled.append((msg, group.group_id))
-        self.accepted = keep
+    def _returned(self, msg, entry_id: str) -> bool:
+        """Settled before a restart whose kill lost its acknowledgement: settled again, uncounted."""
+        if not self.builder.returned(msg, entry_id):
+            return False
+        log.warning("%s was settled before a restart: its acknowledgement was lost", entry_id)
+        self.stats["settled_before"] += 1
+        return True
 
-    async def _reject(self, msg, reason: str, group_id: str | None = None) -> None:
+    def _dropped_stale(self, group: m.RolloutGroup) -> None:
+        log.info(
+            "group %s from generator %d: too old for step %d (max lag %d), dropped",
+            group.group_id,
+            group.generator,
+            self.builder.step,
+            self.spec.max_lag,
+        )
+        self.stats["stale_groups"] += 1
+        GROUPS_IN.labels("stale").inc()
+
+    async def _reject(self, msg, reason: str, group: m.RolloutGroup | None) -> None:
         """Dead-letter a rollout message with its reason, kept for inspection; it is acked with
         the next wave and never trained (it would fail forever)."""
         seq = msg.metadata.sequence.stream
         log.error("rollout message %d dead-lettered: %s", seq, reason)
         await dead_letter(self.js, self.subjects, "rollout", msg.data, reason, f"rollout-{seq}")
         self.stats["dead_lettered"] += 1
-        self.rejected += 1
         GROUPS_IN.labels("dead_lettered").inc()
-        self.settled.append((msg, group_id))
+        self.builder.dead_lettered(msg, group.group_id if group is not None else books.undecodable_id(seq), group)
 
     def _publish(self, mb: m.MicroBatch):
         return publish_once(self.js, self.subjects.batches(mb.rank), m.encode(mb), f"{mb.step}-{mb.rank}-{mb.index}")
 
-    async def _publish_wave(self, n: int, last: bool) -> None:
-        take, self.accepted = self.accepted[:n], self.accepted[n:]
-        samples = []
-        for _, group in take:
-            adv = group_advantages([s.reward for s in group.samples], self.spec.rl.normalize_advantages)
-            samples += [StepSample(s, a, group.group_id) for s, a in zip(group.samples, adv)]
-        self.in_step += n
-        self.step_samples += len(samples)
-        self.by_generator.update(str(g.generator) for _, g in take)
-        weight = step_weight(samples, self.spec.rl.token_weighting, self.spec.trainer.samples_per_step)
-        per_rank = pack_wave(
-            self.step, samples, self.ranks, self.spec.trainer.micro_batch_tokens, weight, self.index, last
-        )
-        batches = [mb for rank in per_rank for mb in rank]
-        settled_ids = [g for _, g in self.settled if g is not None]
-        for mb in batches:
-            mb.settled_group_ids = settled_ids
-            mb.step_samples, mb.step_groups_filtered = self.step_samples, self.filtered
-            mb.step_groups_rejected, mb.step_samples_stale = self.rejected, self.stale
-            mb.step_groups_by_generator = dict(self.by_generator)
-            mb.generator_books = dict(self.books)
-        await asyncio.gather(*(self._publish(mb) for mb in batches))  # stored durably before the inputs are released
-        settled, self.settled = self.settled, []
-        for msg, _ in take + settled:
+    async def _store(self, wave: Wave) -> None:
+        if wave.lost:
+            log.error(
+                "step %d: groups %s of the wave stored in part before the restart never came back: "
+                "the ranks are evened out with empty micro-batches, the samples not stored are lost",
+                wave.step,
+                wave.lost,
+            )
+        elif wave.again:
+            log.warning("step %d: publishing again the wave stored in part before the restart", wave.step)
+        # Stored durably before the inputs are released.
+        await asyncio.gather(*(self._publish(mb) for mb in wave.batches))
+        if wave.last:  # (tests: a kill that loses the acknowledgements of a step's last wave)
+            failpoint(f"preprocessor-stored-step-{wave.step}")
+        for msg in wave.acks:
             await msg.ack()
-        self.index += len(per_rank[0])
-        self.waves += 1
-        PENDING.set(len(self.accepted))
-        if not last:
+        PENDING.set(len(self.builder.accepted))
+        if not wave.last:
             return
+        ledger = wave.batches[-1].ledger if wave.batches else None
         log.info(
-            "published step %d: %d samples in %d micro-batches/rank, %d wave(s) (%d groups filtered since last)",
-            self.step,
-            self.step_samples,
-            self.index,
-            self.waves,
-            self.filtered,
+            "published step %d: %d samples in %d waves (%d groups filtered)",
+            wave.step,
+            ledger.samples if ledger else 0,
+            ledger.waves if ledger else 0,
+            ledger.filtered if ledger else 0,
         )
-        self.step += 1
-        self._new_step()
         self.stats["steps"] += 1
         STEPS_OUT.inc()
 

@@ -87,43 +87,15 @@ def pack_wave(
     return out
 
 
-def close_step(lasts: list[MicroBatch | None]) -> tuple[int, list[MicroBatch]]:
-    """After a restart, from each rank's last published micro-batch: the step to continue with
-    and the micro-batches to publish first.
-
-    Waves are acknowledged as they are stored, so a restart between two waves of a step leaves
-    it partial: it is closed as it is (a sentinel per rank marked last, after sentinels that even
-    out the ranks, with the facts of its last stored wave), and its groups not yet published,
-    never acknowledged, are redelivered into the next step.
-    """
-    known = [b for b in lasts if b is not None]
-    if not known:
-        return 0, []
-    step = max(b.step for b in known)
-    mine = [b if b is not None and b.step == step else None for b in lasts]
-    if all(b is not None and b.last for b in mine):
-        return step + 1, []
-    at_step = [b for b in mine if b is not None]
-    ended = [b.index for b in at_step if b.last]  # a final wave stored on some ranks only
-    end = ended[0] if ended else max(b.index for b in at_step) + 1
-    facts = max(at_step, key=lambda b: b.step_samples)
-    out = []
-    for rank, b in enumerate(mine):
-        for index in range(0 if b is None else b.index + 1, end + 1):
-            out.append(
-                MicroBatch(
-                    step=step,
-                    rank=rank,
-                    index=index,
-                    last=index == end,
-                    step_samples=facts.step_samples,
-                    step_groups_filtered=facts.step_groups_filtered,
-                    step_groups_rejected=facts.step_groups_rejected,
-                    step_samples_stale=facts.step_samples_stale,
-                    step_groups_by_generator=dict(facts.step_groups_by_generator),
-                )
-            )
-    return step + 1, out
+def fill_ranks(step: int, stored: dict[int, int], last_index: int, last: bool) -> list[MicroBatch]:
+    """Sentinels that bring every rank up to micro-batch `last_index` of `step` (`stored`: rank ->
+    its last index stored), the final one marked `last`: the ranks' passes stay alike when a wave
+    stored in part cannot be published again (`StepBuilder`)."""
+    return [
+        MicroBatch(step=step, rank=rank, index=index, last=last and index == last_index)
+        for rank, through in sorted(stored.items())
+        for index in range(through + 1, last_index + 1)
+    ]
 
 
 def _row(step: int, rank: int, index: int, items: list[StepSample], weight: float) -> MicroBatch:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from pipelinerl import messages as m
+from pipelinerl.steps import token_lag, too_old
 from pipelinerl_trainer.batch import DeviceBatch, device_batch
 from pipelinerl_trainer.loss import LossConfig, effective_sample_size, policy_loss
 
@@ -113,11 +114,11 @@ def micro_batch_loss(
     new_lp, entropy = policy_logprobs(model, b, cfg.temperature)
     trained = b.weights > 0
     # Drop what is older than the lag budget (counted per sample).
-    lag = version - b.versions
-    too_old = trained & (lag > cfg.max_lag)
-    stale_samples = torch.zeros_like(b.weights).index_add_(0, b.sample_ids, too_old.float())
-    weights = torch.where(too_old, torch.zeros_like(b.weights), b.weights)
-    kept = (trained & ~too_old).double()
+    lag = token_lag(version, b.versions)
+    dropped = trained & too_old(lag, cfg.max_lag)
+    stale_samples = torch.zeros_like(b.weights).index_add_(0, b.sample_ids, dropped.float())
+    weights = torch.where(dropped, torch.zeros_like(b.weights), b.weights)
+    kept = (trained & ~dropped).double()
     lags = torch.zeros(cfg.max_lag + 1, dtype=torch.float64, device=dev).index_add_(
         0, lag.clamp(0, cfg.max_lag), kept
     )  # lags of what is trained

@@ -1,0 +1,196 @@
+"""The processes of a local run (`pipelinerl run`): where each runs (`core_plan`), what it is
+given (`role_environ`), how it is started and stopped (`Service`), restarted after a failure as
+its pod would be (`RestartPolicy`), and how a failure is named (`cause`, `ServiceDied`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipelinerl.contracts import ServiceEnv
+from pipelinerl_cli.processes import die_with_parent
+
+CORES = ("default", "split", "colocated")
+
+
+@dataclass(frozen=True)
+class Cores:
+    """Where a service process runs: `cpus` it is pinned to (None: anywhere) and its compute
+    threads (the trainer's torch threads; a generator's vLLM engine threads)."""
+
+    cpus: list[int] | None
+    threads: int
+
+
+def core_plan(mode: str, cpus: list[int], trainers: int, generators: int) -> dict[tuple[str, int], Cores]:
+    """The cores of each trainer rank and generator, by `pipelinerl run`'s `--cores`:
+
+    - split (`--pin-cores`): dedicated cores, one per generator, the rest shared out among the
+      trainer ranks, each with as many threads as cores: neither stage slows the other, and in
+      sync mode each phase leaves the other stage's cores idle;
+    - colocated: every process may use every core, with that many threads (shared out among the
+      trainer ranks, and among the generators): the conventional baseline as the paper runs it,
+      each phase on the whole machine (the phases alternate, so they never compete; in pipeline
+      mode they would);
+    - default: unpinned, the trainer ranks share the cores out, a generator has one thread.
+
+    The light preprocessor is left unpinned, single-threaded."""
+    if mode == "split":
+        if len(cpus) < trainers + generators:
+            raise ValueError(
+                f"--pin-cores needs a core per trainer rank and generator ({trainers + generators}), "
+                f"this process may use {len(cpus)}"
+            )
+        plan = {("generator", r): Cores([cpus[r]], 1) for r in range(generators)}
+        rest = cpus[generators:]
+        for r in range(trainers):
+            plan["trainer", r] = Cores(rest[r::trainers], len(rest[r::trainers]))
+        return plan
+    if mode not in CORES:
+        raise ValueError(f"cores: one of {', '.join(CORES)}, not {mode!r}")
+    per_trainer = max(1, len(cpus) // trainers)
+    per_generator = max(1, len(cpus) // generators) if mode == "colocated" else 1
+    return {("trainer", r): Cores(None, per_trainer) for r in range(trainers)} | {
+        ("generator", r): Cores(None, per_generator) for r in range(generators)
+    }
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """What the local runner does when a process exits too early (a pod's restart, locally):
+    restart it after a backoff, at most `limit` times per process; `on_failure=False` stops the
+    whole run at the first failure instead."""
+
+    on_failure: bool = True
+    limit: int = 3
+    base_s: float = 1.0
+    max_s: float = 30.0
+
+    def delay(self, restarts: int, code: int = 1) -> float | None:
+        """Seconds to wait before restart number `restarts` + 1 of a process that exited with
+        `code`; None: give up (also at once for CANNOT_RUN: it would fail the same way again)."""
+        if not self.on_failure or restarts >= self.limit or code == CANNOT_RUN:
+            return None
+        return min(self.base_s * 2**restarts, self.max_s)
+
+
+# A service's exit code when the job cannot run as written (`pipelinerl service` prints
+# "error: ..." and exits 2, as for any bad input): restarting it cannot help.
+CANNOT_RUN = 2
+
+
+def role_environ(entries, shell: Mapping[str, str], say=print) -> dict[str, str]:
+    """`spec.<role>.env` as `pipelinerl run` gives it to that role's processes: `value` entries as
+    written; a `valueFrom` entry (a Secret or ConfigMap key, which exists only on Kubernetes) from
+    the shell's variable of that name, or unset, said so."""
+    out = {}
+    for e in entries:
+        if e.value is not None:
+            out[e.name] = e.value
+        elif e.name in shell:
+            out[e.name] = shell[e.name]
+        else:
+            kind = "Secret" if e.value_from and e.value_from.secret_key_ref else "ConfigMap"
+            say(
+                f"  note: {e.name} is read from a {kind} on Kubernetes; locally it is unset "
+                f"(export {e.name}=... in this shell to give it)"
+            )
+    return out
+
+
+class Service:
+    """One service process, in a process group of its own: stopping or reaping it ends every
+    process it started (e.g. a vLLM engine core)."""
+
+    def __init__(
+        self,
+        name: str,
+        env: ServiceEnv,
+        log_path: Path,
+        job_file: Path,
+        cpus: list[int] | None = None,
+        role_env: dict[str, str] | None = None,
+    ):
+        self.name, self.role, self.rank, self.log_path = name, env.role, env.rank, log_path
+        self.env, self.job_file, self.cpus = env, job_file, cpus
+        self.role_env = role_env or {}  # spec.<role>.env (role_environ)
+        self.http_port = env.http_port
+        self.restarts = 0
+        self.restart_at: float | None = None  # monotonic time of a scheduled restart
+        self.start()
+
+    def start(self) -> None:
+        cpus = self.cpus
+
+        def setup() -> None:
+            die_with_parent()
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pipelinerl_cli", "service", self.role, str(self.job_file)],
+                env={
+                    **os.environ,
+                    "PYTHONUNBUFFERED": "1",
+                    # the vLLM engine's threads (the trainer sets its own from torch_threads)
+                    "OMP_NUM_THREADS": str(self.env.torch_threads or 1) if self.role == "generator" else "1",
+                    **self.role_env,
+                    **self.env.to_environ(),
+                },
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=setup,
+            )
+
+    def reap(self) -> None:
+        """After the service exited: end whatever it left running in its process group."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                pass
+        self.reap()
+        self.proc.wait(timeout=10)
+
+
+def tail(log_path: Path, lines: int = 40) -> str:
+    return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+
+
+EXCEPTION_LINE = re.compile(r"(?:\[\w+\]:\s*)?((?:[\w.]+\.)?[A-Z]\w*(?:Error|Exception|Exit|Timeout|Interrupt)\b.*)")
+ERROR_LINE = re.compile(r"error: (.+)")  # the command line's own word for bad input (`pipelinerl_cli.main`)
+
+
+def cause(log_tail: str) -> str | None:
+    """The last exception a log shows ("TimeoutError: ..."; torch's "[rank0]: " prefix dropped),
+    or the command line's "error: ..." (a job it cannot run), to name a failure first."""
+    found = [
+        m[1]
+        for line in log_tail.splitlines()
+        if (m := EXCEPTION_LINE.fullmatch(line.strip()) or ERROR_LINE.fullmatch(line.strip()))
+    ]
+    return found[-1] if found else None
+
+
+class ServiceDied(RuntimeError):
+    """A process the restart policy gave up on."""
+
+    def __init__(self, name: str, code: int | None, log_path: Path, tail: str):
+        hopeless = " (the job cannot run as written: a restart would fail the same way)" if code == CANNOT_RUN else ""
+        super().__init__(f"{name} exited with code {code}{hopeless}")
+        self.code, self.log_path, self.tail = code, log_path, tail

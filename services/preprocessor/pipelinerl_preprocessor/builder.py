@@ -1,0 +1,199 @@
+"""The step the preprocessor is building (pure: the service does the I/O around it).
+
+Groups come in and are recorded in the step's ledger with their outcome (`books.credit`): taken
+for a step (`take`: filtered there, or accepted), dead-lettered (`dead_lettered`), too old for the
+step (`drop_stale`), or settled already before a restart (`returned`). `next_wave` says what to
+store next: part of the step (`steps.next_wave`), its micro-batches each carrying the ledger as of
+that wave, and the messages to acknowledge once they are all stored.
+
+A restarted builder (from `books.restore`) goes on with the step its predecessor was building:
+the groups its predecessor held come back unacknowledged and go into that step, the one they were
+made for (closed short, the step would lose them, and the next step would take them too old); a
+wave stored in part is published again first, as it was. It publishes nothing until it has been
+handed every group left in the stream at its start (`caught_up`, the service says when), so the
+groups its predecessor held, and those handed back after a lost acknowledgement, are all known
+before its first wave.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from pipelinerl.books import Outcome, Restored, StepLedger, Torn, credit, newest_books, settle_again
+from pipelinerl.messages import MicroBatch, RolloutGroup
+from pipelinerl.spec import JobSpec
+from pipelinerl.steps import counts_as_discarded, hopelessly_stale, next_wave, steps_left_in_phase
+from pipelinerl_preprocessor.advantages import group_advantages
+from pipelinerl_preprocessor.packing import StepSample, fill_ranks, pack_wave, step_weight
+
+
+@dataclass
+class Wave:
+    step: int
+    batches: list[MicroBatch]  # to store, every rank's
+    acks: list[Any]  # the messages to acknowledge once every micro-batch is stored
+    last: bool  # it ends the step
+    groups: int  # trained groups in it
+    again: bool = False  # a wave stored in part before a restart, published again (its missing micro-batches)
+    lost: list[str] = field(default_factory=list)  # groups of such a wave that never came back
+
+
+class StepBuilder:
+    def __init__(self, spec: JobSpec, ranks: int, restored: Restored, caught_up: bool = False):
+        self.spec, self.ranks = spec, ranks
+        self.step = restored.step
+        self.ledger = restored.ledger
+        self.index = restored.next_index  # the step's next micro-batch index, on every rank
+        self.settled_before = restored.settled
+        self.torn: Torn | None = restored.torn
+        self.accepted: list[tuple[Any, RolloutGroup]] = []  # (message, group) waiting for a wave, unacknowledged
+        # (message, ledger entry id) of groups in no micro-batch: acknowledged with the next wave
+        self.settled: list[tuple[Any, str]] = []
+        self.caught_up = caught_up  # every group left in the stream at the start has been handed over
+
+    def held(self) -> list[Any]:
+        """Messages taken and not yet acknowledged."""
+        return [ref for ref, _ in self.accepted + self.settled]
+
+    def note_books(self, group: RolloutGroup) -> None:
+        key = str(group.generator)
+        self.ledger.generators[key] = newest_books(group.books, self.ledger.generators.get(key))
+
+    def returned(self, ref: Any, group_id: str) -> bool:
+        """A group the newest stored step settled, handed back because a kill lost its
+        acknowledgement: settled again, uncounted (True); False for any other group."""
+        if group_id not in self.settled_before:
+            return False
+        settle_again(self.ledger, group_id)
+        self.settled.append((ref, group_id))
+        return True
+
+    def dead_lettered(self, ref: Any, entry_id: str, group: RolloutGroup | None) -> None:
+        """A message that cannot be trained (`group` None: not even decoded), kept aside by the
+        service with its reason."""
+        discarded = group is not None and counts_as_discarded(self.spec.rl.filter_zero_variance, group)
+        generator, samples = (group.generator, len(group.samples)) if group is not None else (None, 0)
+        credit(self.ledger, Outcome.DEAD_LETTERED, entry_id, generator, samples, discarded)
+        self.settled.append((ref, entry_id))
+
+    def take(self, ref: Any, group: RolloutGroup) -> Outcome | None:
+        """A group that can be trained: filtered (returned), or accepted for a wave (None)."""
+        if counts_as_discarded(self.spec.rl.filter_zero_variance, group):
+            credit(self.ledger, Outcome.FILTERED, group.group_id, group.generator, len(group.samples), True)
+            self.settled.append((ref, group.group_id))
+            return Outcome.FILTERED
+        self.accepted.append((ref, group))
+        return None
+
+    def drop_stale(self) -> list[RolloutGroup]:
+        """Groups too old for the step being built take no place in it (their generator's queue
+        counts them as consumed by it); those of a wave to publish again stay."""
+        again = set(self.torn.groups) if self.torn else set()
+        keep, dropped = [], []
+        for ref, group in self.accepted:
+            if group.group_id in again or not hopelessly_stale(group, self.step, self.spec.max_lag):
+                keep.append((ref, group))
+                continue
+            credit(self.ledger, Outcome.STALE, group.group_id, group.generator, len(group.samples), False)
+            self.settled.append((ref, group.group_id))
+            dropped.append(group)
+        self.accepted = keep
+        return dropped
+
+    def next_wave(self) -> Wave | None:
+        """The next wave to store, if one is due; the builder counts it stored from here on (a
+        failure to store it stops the service, whose successor restores from what was stored)."""
+        if not self.caught_up:
+            return None
+        if self.torn is not None:
+            return self._again(self.torn)
+        n, last = next_wave(
+            [[len(s.tokens) for s in g.samples] for _, g in self.accepted],
+            self.ledger.trained_groups,
+            self.spec.groups_per_step,
+            self.ranks,
+            self.spec.trainer.micro_batch_tokens,
+            self.spec.streams_steps,
+            steps_left_in_phase(self.step, self.spec.steps_per_generation),
+        )
+        if not n:
+            return None
+        take, self.accepted = self.accepted[:n], self.accepted[n:]
+        for _, group in take:
+            credit(self.ledger, Outcome.TRAINED, group.group_id, group.generator, len(group.samples), False)
+        per_rank = self._pack([g for _, g in take], self.index, last)
+        count = len(per_rank[0])
+        self.ledger.waves += 1
+        self.ledger.wave_first, self.ledger.wave_last, self.ledger.closed = self.index, self.index + count - 1, last
+        batches = self._carrying([mb for mbs in per_rank for mb in mbs], self.ledger)
+        wave = Wave(self.step, batches, [ref for ref, _ in take + self.settled], last, len(take))
+        self.settled = []
+        self._stored(last)
+        return wave
+
+    def _again(self, torn: Torn) -> Wave:
+        """The wave a kill left stored in part: packed again from the same groups in the same
+        order (packing is deterministic), its micro-batches not yet stored published. If some of
+        its groups never came back (the stream lost them), the ranks are evened out with
+        sentinels instead, and the samples not stored are lost (named in `Wave.lost`). It carries
+        the ledger it was stored with: of the groups settled since, only those that ledger
+        names (handed back) are acknowledged with it, the others wait for the next wave."""
+        self.torn = None
+        found, again = {g.group_id: (ref, g) for ref, g in self.accepted}, set(torn.groups)
+        self.accepted = [(ref, g) for ref, g in self.accepted if g.group_id not in again]
+        take = [found[i] for i in torn.groups if i in found]
+        lost = [i for i in torn.groups if i not in found]
+        last, wave_last = torn.ledger.closed, torn.ledger.wave_last
+        if lost:
+            batches = fill_ranks(self.step, torn.stored, wave_last, last)
+        else:
+            per_rank = self._pack([g for _, g in take], torn.first, last)
+            for rank, ids in torn.newest.items():
+                repacked = next(mb for mb in per_rank[rank] if mb.index == torn.stored[rank])
+                if repacked.group_ids != ids or per_rank[rank][-1].index != wave_last:
+                    raise RuntimeError(
+                        f"step {self.step}: the wave stored in part before the restart packs differently "
+                        f"now (rank {rank}, micro-batch {repacked.index}: {repacked.group_ids} where {ids} is stored)"
+                    )
+            batches = [mb for rank, mbs in enumerate(per_rank) for mb in mbs if mb.index > torn.stored[rank]]
+        named = torn.ledger.ids
+        wave = Wave(
+            self.step,
+            self._carrying(batches, torn.ledger),
+            [ref for ref, _ in take] + [ref for ref, entry in self.settled if entry in named],
+            last,
+            len(take),
+            again=True,
+            lost=lost,
+        )
+        self.settled = [(ref, entry) for ref, entry in self.settled if entry not in named]
+        self.ledger.returned = [i for i in self.ledger.returned if i not in named]
+        self._stored(last)
+        return wave
+
+    def _pack(self, groups: list[RolloutGroup], first_index: int, last: bool) -> list[list[MicroBatch]]:
+        samples = []
+        for group in groups:
+            adv = group_advantages([s.reward for s in group.samples], self.spec.rl.normalize_advantages)
+            samples += [StepSample(s, a, group.group_id) for s, a in zip(group.samples, adv)]
+        weight = step_weight(samples, self.spec.rl.token_weighting, self.spec.trainer.samples_per_step)
+        return pack_wave(
+            self.step, samples, self.ranks, self.spec.trainer.micro_batch_tokens, weight, first_index, last
+        )
+
+    def _carrying(self, batches: list[MicroBatch], ledger: StepLedger) -> list[MicroBatch]:
+        snapshot = ledger.snapshot()  # the builder's own goes on changing
+        for mb in batches:
+            mb.ledger = snapshot
+        return batches
+
+    def _stored(self, last: bool) -> None:
+        """A wave is stored: the next one's index, or a new step, which takes over the groups
+        settled since and not yet acknowledged (after a wave published again only)."""
+        if not last:
+            self.index = self.ledger.wave_last + 1
+            return
+        waiting = [e.model_copy(update={"wave": 0}) for e in self.ledger.groups if e.wave == self.ledger.waves]
+        self.step, self.index = self.step + 1, 0
+        self.ledger = StepLedger(groups=waiting, generators=dict(self.ledger.generators))

@@ -1,0 +1,302 @@
+"""One trainer rank's loop: consume this rank's micro-batches, step the optimizer, send the new
+weights to the generators, announce the version, checkpoint.
+
+Every rank consumes its own subject and runs forward/backward on each micro-batch as it
+arrives (in pipeline mode a step streams in while it is generated); the optimizer steps after
+the one marked last. All ranks take the same number of micro-batches per step (sentinels
+included), so DeepSpeed's collectives stay in lock-step.
+
+Everything a `Trainer` holds is given to it, assembled in order by `main.assemble` (the torch
+group, the model, the checkpoint's `Position`, NATS, the weight sender); what changes as it
+trains is its `Position`. The phases read them: `start` (the weights go out, the data comes
+in), then `run`: per step `_train_step` (waiting for data, `_while_waiting` keeps the weight
+group going) and `_after_step` (send, save, report, announce), and `_wind_down`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipelinerl import messages as m
+from pipelinerl.contracts import Env, ServiceEnv
+from pipelinerl.spec import PipelineRLJob
+from pipelinerl.steps import sends_weights, step_version
+from pipelinerl_trainer import checkpoint
+from pipelinerl_trainer import metrics as prom
+from pipelinerl_trainer.bridge import NatsBridge
+from pipelinerl_trainer.checks import bad_samples, describe, without
+from pipelinerl_trainer.output import Output
+from pipelinerl_trainer.position import Position
+from pipelinerl_trainer.reporting import Reporter
+from pipelinerl_trainer.step import ComputeClock, StepTally, micro_batch_loss, step_config
+from pipelinerl_trainer.weight_sender import NO_UPDATE, WeightSender
+
+log = logging.getLogger("pipelinerl.trainer")
+DATA_LOG_S = 30.0  # log a "waiting for data" line this often
+DATA_TIMEOUT_S = float(os.environ.get(Env.DATA_TIMEOUT_S, "1800"))
+
+
+@dataclass(frozen=True)
+class Model:
+    """The model being trained (a DeepSpeed engine), its frozen reference (KL; None without), and
+    what the checks of a micro-batch need of it."""
+
+    engine: Any
+    reference: Any
+    vocab_size: int
+    max_positions: int | None
+
+
+class Trainer:
+    def __init__(
+        self,
+        job: PipelineRLJob,
+        env: ServiceEnv,
+        model: Model,
+        position: Position,
+        bridge: NatsBridge,
+        sender: WeightSender,
+        reporter: Reporter,
+        output: Output | None,
+        floor: int,
+        stop: threading.Event,
+    ):
+        self.job, self.spec, self.env = job, job.spec, env
+        self.rank, self.world = env.rank, env.world_size or 1
+        self.ckpt_dir = env.run_dir / "checkpoints"
+        self.step_cfg = step_config(job)
+        self.model, self.engine = model, model.engine
+        self.position = position
+        self.bridge, self.sender, self.reporter, self.output = bridge, sender, reporter, output
+        # The newest version already announced (by a predecessor): nothing is sent or announced
+        # below it while the steps after the checkpoint are replayed.
+        self.floor = floor
+        self.stop = stop
+
+    def run(self) -> int:
+        while self.position.version < self.spec.trainer.max_steps and not self.stop.is_set():
+            metrics = self._train_step()
+            if metrics is None:
+                break
+            self._after_step(metrics)
+        self._wind_down()
+        return 0
+
+    # -- phases --------------------------------------------------------------------------------
+    def start(self) -> None:
+        """The weights this trainer holds go out, so every generator has them before it generates
+        (also those that kept running through a restart of the trainer); then the micro-batches
+        after the checkpoint's position come in."""
+        version = self.position.version
+        if sends_weights(version, self.spec.steps_per_generation, last=False):
+            self.sender.send(version)  # (restarted mid-phase: the generators keep the phase's weights)
+        if self.rank == 0:
+            self.reporter.group_status(self.sender)
+        if version:
+            self._announce(finished=False)
+        self.bridge.consume_batches(self.rank, self.position.consumed_seq)
+
+    def _train_step(self) -> dict | None:
+        """Step `version` on its micro-batches as they arrive; None if stopped first.
+        `train_seconds` counts computing only, not waiting for data."""
+        version = step_version(self.position.version)
+        self.engine.train()
+        tally = StepTally(self.spec.max_lag, self.engine.device)
+        clock = ComputeClock(self.engine.device)
+        count = 0
+        while True:
+            mb = self._next_batch()
+            if mb is None:
+                return None
+            count += 1
+            if mb.last:
+                self._consumed(mb)
+            bad = bad_samples(mb, self.model.vocab_size, self.model.max_positions)
+            if bad:
+                mb = self._reject(mb, bad, tally)
+            with clock:
+                loss = micro_batch_loss(self.engine, mb, version, self.step_cfg, tally, self.model.reference)
+                # DeepSpeed averages gradients over data-parallel ranks; weights already sum over them.
+                self.engine.backward(loss * self.world)
+            if mb.last:
+                break
+        optimizer = ComputeClock(self.engine.device)
+        with optimizer:
+            self.engine.step()
+        grad_norm = self.engine.get_global_grad_norm()
+        metrics = tally.finish(self.world).metrics()  # the step's one read of the device
+        optimizer_s = optimizer.seconds()
+        elapsed = clock.seconds() + optimizer_s
+        ledger = mb.ledger  # the step's books, as its final micro-batch carries them
+        metrics["dropped_for_lag"] += ledger.stale_samples  # the preprocessor's, whole groups
+        self.position.stepped(metrics["samples"], ledger.dead_lettered, metrics["samples_rejected"])
+        return {
+            "step": self.position.version,
+            **metrics,
+            "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "groups_filtered": ledger.filtered,
+            "groups_rejected": ledger.dead_lettered,
+            "samples_stale": ledger.stale_samples,
+            "micro_batches": count,
+            "train_seconds": elapsed,
+            # settled by this step (trained, or dead-lettered or stale while it was built)
+            **{f"groups_from_generator_{g}": n for g, n in ledger.credits.items()},
+            "optimizer_seconds": optimizer_s,
+            "trainer_tokens_per_second": metrics["tokens"] / elapsed,
+        }  # all ranks together
+
+    def _next_batch(self) -> m.MicroBatch | None:
+        """The next micro-batch of the step in training (older replayed ones are skipped); None
+        once stopping. While none comes, `_while_waiting`."""
+        step = step_version(self.position.version)
+        since = last_log = time.monotonic()
+        while not self.stop.is_set():
+            try:
+                seq, mb = self.bridge.batches.get(timeout=1.0)
+            except queue.Empty:
+                self._while_waiting()
+                waited = time.monotonic() - since
+                if time.monotonic() - last_log >= DATA_LOG_S:
+                    log.info("step %d: waiting for data (%.0fs)", step, waited)
+                    last_log = time.monotonic()
+                if waited >= DATA_TIMEOUT_S:
+                    raise TimeoutError(
+                        f"rank {self.rank}: no training data for step {step} in "
+                        f"{DATA_TIMEOUT_S:.0f}s (are the generators and the preprocessor running?)"
+                    )
+                continue
+            self.position.took(seq)
+            if mb.step < step:
+                continue
+            if mb.step > step:
+                raise RuntimeError(f"rank {self.rank}: got step {mb.step} while step {step} is incomplete")
+            return mb
+        return None
+
+    def _while_waiting(self) -> None:
+        """Rank 0, while no data comes: generators that joined or fell behind get the weights
+        (their generation is what the trainer waits for), and the weight group's state is shown."""
+        if self.rank == 0:
+            self.sender.resync()
+            self.reporter.group_status(self.sender)
+
+    def _consumed(self, last: m.MicroBatch) -> None:
+        """The whole step is here: credit its groups to their generators."""
+        self.position.consumed(last.ledger)
+        if self.rank == 0 and not self.spec.waits_for_weights:
+            # Pipeline mode: this step's groups are consumed now, so generators may start the
+            # next ones while we train; the update after the step then lands on running requests.
+            self._announce(finished=False, training=True)
+
+    def _reject(self, mb: m.MicroBatch, bad: dict[int, str], tally: StepTally) -> m.MicroBatch:
+        """Dead-letter a micro-batch with samples the model cannot take; train it without them."""
+        reason = describe(mb, bad)
+        log.error(
+            "step %d: micro-batch %d of rank %d dead-lettered, trained without %d sample(s): %s",
+            mb.step,
+            mb.index,
+            mb.rank,
+            len(bad),
+            reason,
+        )
+        self.bridge.dead_letter(m.encode(mb), reason, f"batch-{mb.step}-{mb.rank}-{mb.index}")
+        prom.REJECTED.inc(len(bad))
+        tally.add(rejected=len(bad))
+        return without(mb, set(bad))
+
+    def _after_step(self, metrics: dict) -> None:
+        """A step was taken: send its weights, save what is due, report and announce it."""
+        version = self.position.version
+        prom.stepped(version)
+        last = version >= self.spec.trainer.max_steps
+        # Pipeline mode trains on while the generators load the weights (but for the last
+        # step's); sync mode's next phase must be generated with them, and gets them once per phase.
+        if sends_weights(version, self.spec.steps_per_generation, last):
+            metrics |= self.sender.send(version, wait=last or self.spec.waits_for_weights)
+        else:
+            metrics |= NO_UPDATE
+        if last and self.rank == 0:
+            self._await_final_weights()
+        self._save(last)
+        metrics["replayed"] = int(version <= self.floor)
+        if self.rank == 0:
+            self.reporter.step(
+                metrics, self.position, self.sender
+            )  # before the announcement, which lets the generators finish
+            self._announce(finished=last)
+
+    def _save(self, last: bool) -> None:
+        """Checkpoint, export and output copies due at this version."""
+        version = self.position.version
+        interval = self.spec.trainer.checkpoint_interval
+        if last or (interval and version % interval == 0):
+            self._checkpoint()
+        export = self.spec.trainer.export_interval
+        if export and version % export == 0:
+            checkpoint.export(self.engine, self.ckpt_dir / "export" / f"version-{version}", self.rank)
+        if self.output is not None:
+            if self.output.wants_candidate(version, self.spec.eval.interval, last):
+                checkpoint.export(self.engine, self.output.candidate(version), self.rank)
+            if last:
+                checkpoint.export(self.engine, self.output.final, self.rank)
+
+    def _await_final_weights(self) -> None:
+        """The final evaluation needs a generator holding the final weights: if none does yet
+        (none was up, or all were dropped), keep sending them to whoever comes, for a while."""
+        version = self.position.version
+        deadline = time.monotonic() + self.spec.weight_sync.timeout_seconds * 5
+        while not self.sender.holders(version) and not self.stop.is_set():
+            if time.monotonic() > deadline:
+                log.warning("no generator holds the final weights (version %d): no final evaluation", version)
+                return
+            if not self.sender.resync():
+                time.sleep(1.0)
+
+    def _wind_down(self) -> None:
+        """Stopped or done: keep every step taken, the final evaluation, close."""
+        p = self.position
+        if self.stop.is_set() and p.version > p.checkpointed:
+            # Stopped (suspend, a drain, Ctrl-C): keep every step taken, within the grace period.
+            log.info("stopping: checkpointing step %d (the last one was %d)", p.version, p.checkpointed)
+            self._checkpoint()
+        finished = p.version >= self.spec.trainer.max_steps
+        self.reporter.board.update(finished=finished)
+        self.reporter.close(finished, self.stop.is_set)
+        self.bridge.close()
+
+    # -- what goes out ---------------------------------------------------------------------------
+    def _announce(self, finished: bool, training: bool = False) -> None:
+        p = self.position
+        if p.version < self.floor:
+            return  # replaying: the predecessor announced this step already
+        self.bridge.publish(
+            self.job.subjects.version,
+            m.PolicyVersion(
+                version=p.version,
+                finished=finished,
+                training=training,
+                timestamp=time.time(),
+                trained_groups=dict(p.trained_groups),
+            ),
+        )
+
+    def _checkpoint(self) -> None:
+        # Where the last whole step ended: a step cut short by a stop is trained again in full.
+        mine = torch.tensor([self.position.step_seq], dtype=torch.long, device=self.engine.device)
+        seqs = [torch.zeros_like(mine) for _ in range(self.world)]
+        if self.world > 1:
+            dist.all_gather(seqs, mine)
+        else:
+            seqs = [mine]
+        state = self.position.kept({str(r): int(s.item()) for r, s in enumerate(seqs)})
+        checkpoint.save(self.engine, self.ckpt_dir, self.position.version, state, self.rank, self.env.local_rank or 0)
+        self.position.saved()

@@ -1,0 +1,53 @@
+"""`pipelinerl run` checks a manifest as `validate` does, before it starts anything; both check
+the model path as far as they can from this machine, deciding by how the path looks."""
+
+import yaml
+
+from pipelinerl.tasks import make_task
+from pipelinerl.tiny_model import make_tokenizer
+from pipelinerl_cli.main import main as cli
+
+
+def manifest(tmp_path, **spec) -> str:
+    job = {"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": "t"}, "spec": spec}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return str(path)
+
+
+def test_run_refuses_what_validate_refuses_and_starts_nothing(tmp_path, capsys):
+    task, tok = make_task("arith"), make_tokenizer()
+    longest = max(len(tok.encode(task.train_problem(i).prompt)) for i in range(512))
+    path = manifest(tmp_path, model={"maxSeqLen": longest}, generator={"sampling": {"maxTokens": 4}})  # no room left
+    assert cli(["validate", path]) == 2
+    refused = capsys.readouterr().err
+    assert f"spec.model.maxSeqLen: {longest} leaves no room for a completion" in refused
+    run_dir = tmp_path / "run"
+    assert cli(["run", path, "--run-dir", str(run_dir)]) == 2
+    assert capsys.readouterr().err == refused  # the same words
+    assert not run_dir.exists()  # nothing was started: no run folder, no nats-server, no service
+
+
+def test_a_local_model_folder_must_exist_one_only_the_cluster_sees_cannot_be_checked(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    # A relative (or ~) path names a folder on this machine: refused by both.
+    path = manifest(tmp_path, model={"path": "./models/qwen"})
+    assert cli(["validate", path]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "spec.model.path: no folder './models/qwen' on this machine: a relative or ~ path names a local folder" in err
+    )
+    # An absolute path may be a volume only the pods mount: validate says it cannot check it ...
+    path = manifest(tmp_path, model={"path": "/models/qwen-7b"})
+    assert cli(["validate", path]) == 0
+    err = capsys.readouterr().err
+    assert "warning: spec.model.path: '/models/qwen-7b' is not on this machine" in err
+    assert "cannot be checked from here" in err and "PersistentVolumeClaim" in err
+    # ... and a local run, which needs it here, refuses it before starting anything.
+    assert cli(["run", path, "--run-dir", str(tmp_path / "run")]) == 2
+    assert "spec.model.path: no folder '/models/qwen-7b' on this machine" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+    # A folder that is there must be a model folder.
+    (tmp_path / "models" / "qwen").mkdir(parents=True)
+    assert cli(["validate", manifest(tmp_path, model={"path": "./models/qwen"})]) == 2
+    assert "has no config.json" in capsys.readouterr().err

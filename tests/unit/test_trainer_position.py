@@ -1,0 +1,36 @@
+"""Where a trainer rank stands (pure): what a checkpoint keeps is what a restart goes on from,
+and the three moments that change it."""
+
+from pipelinerl.books import Outcome, StepLedger, credit
+from pipelinerl_trainer.position import Position
+
+
+def test_a_step_moves_the_position_and_the_checkpoint_keeps_it():
+    p = Position.restored({}, rank=0)
+    assert (p.version, p.consumed_seq, p.trained_groups) == (0, 0, {})
+    ledger = StepLedger()
+    credit(ledger, Outcome.TRAINED, "a@0", 0, 4, False)
+    credit(ledger, Outcome.STALE, "b@1", 1, 4, False)
+    credit(ledger, Outcome.FILTERED, "c@1", 1, 4, True)
+    p.took(7)
+    p.consumed(ledger)  # the final micro-batch: its groups are consumed, before the step is taken
+    assert p.trained_groups == {"0": 1, "1": 1} and p.version == 0 and p.step_seq == 0
+    p.took(9)
+    p.stepped(samples=4, rejected_groups=2, rejected_samples=1)
+    assert (p.version, p.step_seq, p.samples, p.rejected_groups, p.rejected_samples) == (1, 9, 4, 2, 1)
+    p.took(11)  # part of the next step: a checkpoint resumes where the last whole step ended
+    kept = p.kept({"0": p.step_seq, "1": 12})
+    again = Position.restored(kept, rank=0)
+    assert again == Position(
+        version=1,
+        trained_groups={"0": 1, "1": 1},
+        consumed_seq=9,
+        step_seq=9,
+        checkpointed=1,
+        samples=4,
+        rejected_groups=2,
+        rejected_samples=1,
+    )
+    assert Position.restored(kept, rank=1).consumed_seq == 12
+    p.saved()
+    assert p.checkpointed == 1
