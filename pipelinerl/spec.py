@@ -127,7 +127,9 @@ class RoleSpec(SpecModel):
         le=16,
         description=("GPUs per pod (nvidia.com/gpu); a trainer pod runs one DeepSpeed rank per GPU."),
     )
-    env: list[EnvVar] = Field(default_factory=list, max_length=64)
+    env: list[EnvVar] = Field(
+        default_factory=list, max_length=64, description="Environment variables of the role's container."
+    )
     pod_template: dict[str, Any] | None = Field(
         default=None,
         description="PodTemplateSpec merged under the generated pod (nodeSelector, tolerations, volumes...).",
@@ -177,10 +179,12 @@ class ModelSpec(SpecModel):
         default="builtin:tiny-arith",
         min_length=1,
         max_length=1024,
-        description="Hugging Face model folder, or builtin:tiny-arith / builtin:tiny-chain "
-        "(built locally on first use).",
+        description="Hugging Face model folder (or hub id), or builtin:tiny-arith / builtin:tiny-chain (their "
+        "warm-started weights ship with the package).",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        default="float32", description="Weights' dtype in the generators and the trainer."
+    )
     max_seq_len: int = Field(default=64, ge=8, le=131072, description="Prompt + completion tokens.")
 
 
@@ -192,7 +196,7 @@ class TaskSpec(SpecModel):
         description=f"A built-in task ({', '.join(TASK_NAMES)}) or module.path:Class.",
     )
     params: dict[str, Any] = Field(default_factory=dict, description="Task-specific parameters.")
-    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Seed of the task's problem order and held-out set.")
 
     @field_validator("name")
     @classmethod
@@ -203,7 +207,11 @@ class TaskSpec(SpecModel):
 
 
 class RLSpec(SpecModel):
-    loss: Literal["reinforce", "ppo", "gspo", "cispo"] = "reinforce"
+    loss: Literal["reinforce", "ppo", "gspo", "cispo"] = Field(
+        default="reinforce",
+        description="reinforce: truncated-IS REINFORCE (the reference's); ppo: PPO-clip; gspo: sequence-level ratio; "
+        "cispo: clipped IS weight on the log-prob (ScaleRL).",
+    )
     attempts: int = Field(default=8, ge=2, le=1024, description="Samples per prompt (group size G).")
     max_lag: int | None = Field(
         default=None,
@@ -221,16 +229,18 @@ class RLSpec(SpecModel):
         "steps on consecutive mini-batches of it (step j of the phase trains at lag j) and sends the weights once. "
         "1 in pipeline mode.",
     )
-    epsilon_low: float = Field(default=0.2, ge=0.0, le=10.0)
-    epsilon_high: float = Field(default=0.2, ge=0.0, le=100.0)
+    epsilon_low: float = Field(default=0.2, ge=0.0, le=10.0, description="Lower clip of the ratio: 1 - epsilonLow.")
+    epsilon_high: float = Field(
+        default=0.2, ge=0.0, le=100.0, description="Upper clip or truncation of the ratio: 1 + epsilonHigh."
+    )
     importance_weights: Literal["token", "sequence"] = Field(
         default="token",
         description="Off-policy weight of the reinforce and cispo losses, truncated at 1 + epsilonHigh: each "
         "token's own ratio (token), or its sample's product of ratios (sequence), which also corrects "
         "for how likely the token's prefix was.",
     )
-    kl_coef: float = Field(default=0.0, ge=0.0)
-    entropy_coef: float = Field(default=0.0, ge=0.0)
+    kl_coef: float = Field(default=0.0, ge=0.0, description="Weight of a k3 KL penalty to the initial model (0: none).")
+    entropy_coef: float = Field(default=0.0, ge=0.0, description="Weight of an entropy bonus (0: none).")
     normalize_advantages: bool = Field(default=False, description="Divide advantages by group std.")
     filter_zero_variance: bool = Field(default=True, description="Drop groups whose rewards are all equal.")
     token_weighting: Literal["sample", "token"] = Field(
@@ -239,14 +249,18 @@ class RLSpec(SpecModel):
 
 
 class SamplingSpec(SpecModel):
-    temperature: float = Field(default=1.0, gt=0.0, le=10.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    max_tokens: int = Field(default=16, ge=1, le=131072)
+    temperature: float = Field(
+        default=1.0, gt=0.0, le=10.0, description="Sampling temperature (the trainer divides logits by it too)."
+    )
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    max_tokens: int = Field(default=16, ge=1, le=131072, description="Completion tokens per attempt at most.")
 
 
 class GeneratorSpec(RoleSpec):
-    replicas: int = Field(default=1, ge=1, le=1024)
-    tensor_parallel: int = Field(default=1, ge=1, le=16)
+    replicas: int = Field(
+        default=1, ge=1, le=1024, description="Generator pods (`kubectl scale` changes it; they join the weights live)."
+    )
+    tensor_parallel: int = Field(default=1, ge=1, le=16, description="GPUs per vLLM engine.")
     engine_args: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM engine arguments.")
     sampling: SamplingSpec = Field(default_factory=SamplingSpec)
     max_inflight_groups: int = Field(default=64, ge=1, le=65536, description="Cap on concurrent prompt groups.")
@@ -277,20 +291,24 @@ class PreprocessorSpec(RoleSpec):
 
 
 class TrainerSpec(RoleSpec):
-    replicas: int = Field(default=1, ge=1, le=1024)
-    zero_stage: Literal[0, 1, 2, 3] = 1
-    learning_rate: float = Field(default=1e-4, gt=0.0, le=1.0)
+    replicas: int = Field(default=1, ge=1, le=1024, description="Trainer pods (DeepSpeed ranks: replicas x gpus).")
+    zero_stage: Literal[0, 1, 2, 3] = Field(default=1, description="DeepSpeed ZeRO stage.")
+    learning_rate: float = Field(default=1e-4, gt=0.0, le=1.0, description="AdamW learning rate.")
     warmup_steps: int = Field(
         default=0,
         ge=0,
         le=MAX_STEPS,
         description="Linear learning-rate warm-up; keeps Adam's first, large updates small.",
     )
-    weight_decay: float = Field(default=0.0, ge=0.0)
-    grad_clip: float = Field(default=1.0, ge=0.0)
-    samples_per_step: int = Field(default=128, ge=1, le=1_000_000)
-    micro_batch_tokens: int = Field(default=4096, ge=8, le=10_000_000)
-    max_steps: int = Field(default=100, ge=1, le=MAX_STEPS)
+    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
+    grad_clip: float = Field(default=1.0, ge=0.0, description="Gradient norm clip (0: none).")
+    samples_per_step: int = Field(
+        default=128, ge=1, le=1_000_000, description="Samples per optimizer step (B: prompts x rl.attempts)."
+    )
+    micro_batch_tokens: int = Field(
+        default=4096, ge=8, le=10_000_000, description="Tokens per packed row (a micro-batch) per trainer rank."
+    )
+    max_steps: int = Field(default=100, ge=1, le=MAX_STEPS, description="Optimizer steps of the run.")
     checkpoint_interval: int = Field(
         default=50, ge=0, le=MAX_STEPS, description="Steps between checkpoints; 0: only at the end."
     )
@@ -335,9 +353,14 @@ class TrainerSpec(RoleSpec):
 
 class WeightSyncSpec(SpecModel):
     backend: Literal["auto", "nccl", "gloo"] = Field(default="auto", description="auto: NCCL with GPUs, else gloo.")
-    bucket_mb: int = Field(default=256, ge=1, le=65536)
-    timeout_seconds: float = Field(default=120.0, gt=0.0, le=86400.0)
-    port: int = Field(default=WEIGHTS_PORT, ge=1024, le=65535)
+    bucket_mb: int = Field(default=256, ge=1, le=65536, description="Flat buffer size of one broadcast.")
+    timeout_seconds: float = Field(
+        default=120.0,
+        gt=0.0,
+        le=86400.0,
+        description="Bound of every weight-sync wait; a generator past it is dropped, not waited for.",
+    )
+    port: int = Field(default=WEIGHTS_PORT, ge=1024, le=65535, description="Trainer rank 0's weight rendezvous port.")
     staged: bool = Field(
         default=True,
         description=(
@@ -358,7 +381,7 @@ class WeightSyncSpec(SpecModel):
 
 class EvalSpec(SpecModel):
     interval: int = Field(default=10, ge=0, le=MAX_STEPS, description="Evaluate every N policy versions; 0 disables.")
-    problems: int = Field(default=1000, ge=1, le=1_000_000)
+    problems: int = Field(default=1000, ge=1, le=1_000_000, description="Held-out problems per evaluation (greedy).")
 
 
 class RunPolicy(SpecModel):
@@ -384,7 +407,9 @@ class RunPolicy(SpecModel):
         le=MAX_SECONDS,
         description="No new policy version for this long while running: Ready and Progressing turn False.",
     )
-    ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=MAX_SECONDS)
+    ttl_seconds_after_finished: int | None = Field(
+        default=None, ge=0, le=MAX_SECONDS, description="Delete the finished job this long after it ends."
+    )
     checkpoint_retention: Literal["DeleteAfterOutput", "Retain", "Delete"] = Field(
         default="DeleteAfterOutput",
         description="The trainer volumes (checkpoints) when the job is deleted "
@@ -394,9 +419,11 @@ class RunPolicy(SpecModel):
 
 
 class SchedulingSpec(SpecModel):
-    scheduler_name: DnsSubdomain | None = None
+    scheduler_name: DnsSubdomain | None = Field(
+        default=None, description="Pod scheduler; with a gang scheduler, the trainers and preprocessor form a PodGroup."
+    )
     queue_name: DnsSubdomain | None = Field(default=None, max_length=63, description="Kueue LocalQueue name.")
-    priority_class_name: DnsSubdomain | None = None
+    priority_class_name: DnsSubdomain | None = Field(default=None, description="PriorityClass of the job's pods.")
 
 
 class NetworkSpec(SpecModel):
@@ -417,25 +444,25 @@ class NatsSpec(SpecModel):
         pattern=NATS_URL,
         description="nats:// or tls:// URL(s), comma-separated; unset: embedded server (local) or the chart's.",
     )
-    max_payload_mb: int = Field(default=8, ge=1, le=64)
+    max_payload_mb: int = Field(default=8, ge=1, le=64, description="Largest NATS message (a micro-batch) in MiB.")
 
 
 class StorageSpec(SpecModel):
     """The run directory (checkpoints, logs) of each trainer pod on Kubernetes: a PersistentVolumeClaim
     per trainer pod that survives suspend/resume; deleted with the job per runPolicy.checkpointRetention."""
 
-    size: PositiveQuantity = "20Gi"
+    size: PositiveQuantity = Field(default="20Gi", description="Each trainer pod's checkpoint volume.")
     storage_class_name: DnsSubdomain | None = Field(default=None, description="Unset: the cluster default.")
 
 
 class WandbSpec(SpecModel):
-    project: str = Field(min_length=1, max_length=128)
-    entity: str | None = Field(default=None, max_length=128)
+    project: str = Field(min_length=1, max_length=128, description="W&B project.")
+    entity: str | None = Field(default=None, max_length=128, description="W&B entity (team or user).")
     mode: Literal["online", "offline"] = Field(
         default="online",
         description="offline: files in the run directory, for `wandb sync` later (online needs WANDB_API_KEY).",
     )
-    tags: list[str] = Field(default_factory=list, max_length=64)
+    tags: list[str] = Field(default_factory=list, max_length=64, description="W&B run tags.")
 
 
 class MlflowSpec(SpecModel):
@@ -492,8 +519,12 @@ class TrackingSpec(SpecModel):
 
 
 class JobSpec(SpecModel):
-    mode: Literal["pipeline", "sync"] = "pipeline"
-    suspend: bool = False
+    mode: Literal["pipeline", "sync"] = Field(
+        default="pipeline",
+        description="pipeline: in-flight weight updates, lag <= rl.maxLag; sync: the conventional baseline "
+        "(rl.stepsPerGeneration steps per generation phase).",
+    )
+    suspend: bool = Field(default=False, description="Checkpoint and scale every role to zero; false resumes.")
     model: ModelSpec = Field(default_factory=ModelSpec)
     task: TaskSpec = Field(default_factory=TaskSpec)
     rl: RLSpec = Field(default_factory=RLSpec)
