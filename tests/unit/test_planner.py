@@ -63,33 +63,6 @@ def test_sync_waits_on_its_longest_sequence():
     assert sync_tail.gen_fill < sync_even.gen_fill
 
 
-@pytest.mark.parametrize("pause_s", [0.1, 0.5])
-def test_sync_step_follows_the_cost_equations(pause_s):
-    # Equal lengths, one engine holding the whole step: every term of the model is visible.
-    calib = Calibration(
-        name="t",
-        decode_base_s=0.01,
-        decode_per_seq_s=0.001,
-        max_batch=64,
-        prefill_s_per_token=5e-4,
-        train_s_per_token=0.002,
-        train_scaling=0.9,
-        optimizer_step_s=0.3,
-        weight_sync_s=0.2,
-        pause_s=pause_s,
-        lengths=Lengths(mean_tokens=50, sigma=0, prompt_tokens=20),
-    )
-    r = simulate("sync", 1, 4, 0, samples_per_step=32, attempts=8, calib=calib, max_tokens=100, steps=4, warmup=1)
-    prefill = 4 * 5e-4 * 20  # once per group of 8
-    decode = 50 * (0.01 + 0.001 * 32)  # 50 steps of a 32-sequence batch
-    train = 32 * (50 + 20) * 0.002 / (4 * 0.9**2) + 0.3  # 4 trainers: two doublings
-    # The next step's prompts wait for the broadcast and for the engine's pause.
-    step = prefill + decode + train + max(0.2, pause_s)
-    assert r.step_s == pytest.approx(step, rel=1e-9)
-    assert r.gen_busy == pytest.approx(decode / step, rel=1e-9)
-    assert r.train_busy == pytest.approx((train + 0.2) / step, rel=1e-9)
-
-
 def equal_lengths_calibration(**update) -> Calibration:
     """Equal lengths (50 tokens after a 20-token prompt), round costs: every term is visible."""
     return Calibration(
@@ -105,6 +78,21 @@ def equal_lengths_calibration(**update) -> Calibration:
         pause_s=0.1,
         lengths=Lengths(mean_tokens=50, sigma=0, prompt_tokens=20),
     ).model_copy(update=update)
+
+
+@pytest.mark.parametrize("pause_s", [0.1, 0.5])
+def test_sync_step_follows_the_cost_equations(pause_s):
+    # Equal lengths, one engine holding the whole step: every term of the model is visible.
+    calib = equal_lengths_calibration(pause_s=pause_s)
+    r = simulate("sync", 1, 4, 0, samples_per_step=32, attempts=8, calib=calib, max_tokens=100, steps=4, warmup=1)
+    prefill = 4 * 5e-4 * 20  # once per group of 8
+    decode = 50 * (0.01 + 0.001 * 32)  # 50 steps of a 32-sequence batch
+    train = 32 * (50 + 20) * 0.002 / (4 * 0.9**2) + 0.3  # 4 trainers: two doublings
+    # The next step's prompts wait for the broadcast and for the engine's pause.
+    step = prefill + decode + train + max(0.2, pause_s)
+    assert r.step_s == pytest.approx(step, rel=1e-9)
+    assert r.gen_busy == pytest.approx(decode / step, rel=1e-9)
+    assert r.train_busy == pytest.approx((train + 0.2) / step, rel=1e-9)
 
 
 def test_a_decode_step_slows_as_its_sequences_contexts_grow():
