@@ -1,6 +1,9 @@
 # The two commands of the README. Both set up .venv themselves.
 JOB ?= examples/tiny-cpu.yaml
 PYTEST_ARGS ?=
+# Two pytest workers: one alone keeps ~1.1 of 2 cores busy (the e2e tests wait on start-ups and
+# restarts). Each test file stays on one worker, so module fixtures are built once.
+TEST_WORKERS ?= 2
 
 .PHONY: setup run test lint
 setup:
@@ -11,7 +14,7 @@ run: setup
 
 test: setup
 	@scripts/test-tools.sh
-	.venv/bin/python -m pytest --durations=25 $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # Lint, format and type checks (CI runs them before the tests).
 lint: setup

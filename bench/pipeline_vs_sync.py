@@ -33,6 +33,7 @@ import copy
 import functools
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -138,6 +139,7 @@ def evaluate_exports(exports_dir: Path, steps: list[dict], problems: int, job: P
 def one_run(mode: str, args, tag: str, root: Path, seed: int | None = None, lr: float | None = None) -> dict:
     """One run of `mode`, with the round's `seed` and a learning rate (None: the job's)."""
     run_dir = root / f"{mode}-{tag}"
+    shutil.rmtree(run_dir, ignore_errors=True)  # a rerun (the contention guard's) starts afresh: `run` would resume
     both = [*args.set, *([f"trainer.seed={seed}"] if seed is not None else [])]
     both += [f"trainer.learningRate={lr}"] if lr else []
     job = job_for(mode, args.steps, args.eval_interval, tag, args.pipeline_set, Path(args.job), both)

@@ -1,5 +1,5 @@
 """What no job may use, whatever its platform allows (pure constants): shared by the CRD's CEL
-rules (pipelinerl/crd.py) and the operator's job policy (pipelinerl_operator/job_policy.py), so
+rules (pipelinerl/crd.py) and the operator's policy checks (pipelinerl_operator/policy_checks.py), so
 that the API server and the webhook refuse the same things with the same words."""
 
 from __future__ import annotations

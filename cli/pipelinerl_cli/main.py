@@ -19,15 +19,15 @@ if TYPE_CHECKING:
 
 def _checked(
     path: str,
+    cfg: OperatorConfig,
     runs_here: bool,
     against: str | None = None,
-    cfg: OperatorConfig | None = None,
     namespace: str | None = None,
 ) -> PipelineRLJob:
     """The job at `path`, checked as the operator's admission webhook checks it (the rendered pods
-    against Kubernetes' schema too; `cfg`: the install's settings and job policy, else the
-    defaults), and its model path as far as it can be from here (SpecError); its warnings
-    printed. `validate` and `run` both call it, `run` before it starts anything."""
+    against Kubernetes' schema too; `cfg`: the install's settings and job policy, `_install`),
+    and its model path as far as it can be from here (SpecError); its warnings printed.
+    `validate` and `run` both call it, `run` before it starts anything."""
     from pipelinerl.tiny_model import model_path_problem
     from pipelinerl_operator.admission import check, job_warnings
 
@@ -44,15 +44,18 @@ def _checked(
     return job
 
 
-def _validate(args: argparse.Namespace) -> int:
-    # The platform's policy as the chart's jobPolicy values give it; else the safe default, and
-    # the chart's default NATS store.
-    from pipelinerl_operator.job_policy import DEFAULT_STORE_BYTES, parse_policy
-    from pipelinerl_operator.render import OperatorConfig
+def _install(values: str | None) -> OperatorConfig:
+    """The settings the webhook of an install with these Helm values checks jobs with: its job
+    policy, its own Secrets' names (`auth.existingSecret`, ...), its NATS store, its images; no
+    file: the chart's defaults (the safe default policy, the default NATS store)."""
+    from pipelinerl_operator.config import from_values
 
-    policy = parse_policy(read_manifest(args.policy) if args.policy else None, args.policy or "jobPolicy")
-    cfg = OperatorConfig(policy=policy, nats_store_bytes=DEFAULT_STORE_BYTES)
-    job = _checked(args.job, runs_here=False, against=args.against, cfg=cfg, namespace=args.namespace)
+    return from_values(read_manifest(values), values) if values else from_values()
+
+
+def _validate(args: argparse.Namespace) -> int:
+    cfg = _install(args.policy)
+    job = _checked(args.job, cfg, runs_here=False, against=args.against, namespace=args.namespace)
     print(f"{args.job}: valid {job.kind} {job.name!r} (mode {job.spec.mode}, max lag {job.spec.max_lag})")
     if args.show:
         print(dump_job(job), end="")
@@ -62,7 +65,8 @@ def _validate(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from pipelinerl_cli.local import run_local
 
-    job = _checked(args.job, runs_here=True)  # what validate refuses never starts
+    # What validate refuses (with no --policy: the chart's defaults) never starts.
+    job = _checked(args.job, _install(None), runs_here=True)
     cores = "split" if args.pin_cores else args.cores
     return run_local(job, run_dir=args.run_dir, cores=cores, restart=args.restart == "on-failure")
 
@@ -230,8 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--policy",
         metavar="FILE",
-        help="the platform's job policy to check against: the chart's values file (its jobPolicy) or the "
-        "jobPolicy block alone; default: the safe default the chart ships",
+        help="the install to check against, as its webhook does: the chart's values file (merged over the "
+        "chart's defaults as Helm merges it: its jobPolicy, auth.existingSecret, nats.routesExistingSecret, "
+        "the NATS store, the services images) or the jobPolicy block alone; default: the chart's defaults",
     )
     p.add_argument("-n", "--namespace", help="the namespace the job goes to, where its manifest names none")
     p.set_defaults(func=_validate)

@@ -18,9 +18,9 @@ from typing import Any
 from pipelinerl.contracts import POD_GROUP_API, ROLE_LABEL
 from pipelinerl.prompt_fit import static_prompt_fit
 from pipelinerl.spec import KIND, PipelineRLJob, SpecError, immutable_changes, parse_job
-from pipelinerl_operator.job_policy import MAX_MANIFEST_BYTES
 from pipelinerl_operator.render import OperatorConfig, RenderError, render
 
+MAX_MANIFEST_BYTES = 256 * 1024  # a job's JSON; checking one costs CPU in proportion (the webhook's too)
 # The oldest Kubernetes the chart admits (`kubeVersion` in Chart.yaml): the pod-index label
 # that ranks are read from is there from 1.28.
 KUBE_VERSION = "1.28"

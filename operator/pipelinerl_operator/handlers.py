@@ -7,8 +7,6 @@ Every trigger (create, spec update, operator resume, periodic resync) runs the s
 from __future__ import annotations
 
 import asyncio
-import functools
-import json
 import logging
 import os
 import time
@@ -24,8 +22,9 @@ from pipelinerl.crd import PLURAL, VERSION
 from pipelinerl.capacity import admission_problem, reserved_bytes
 from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError
 from pipelinerl_operator import admission, metrics
+from pipelinerl_operator.admission import MAX_MANIFEST_BYTES
+from pipelinerl_operator.config import from_env
 from pipelinerl_operator.credentials import job_credentials, nats_accounts, secret_data
-from pipelinerl_operator.job_policy import MAX_MANIFEST_BYTES, Install, JobPolicy, parse_policy
 from pipelinerl_operator.kube import Kube, KubeError
 from pipelinerl_operator.pods import pod_problems, trainer_gang_to_restart
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
@@ -45,31 +44,9 @@ FINALIZER = f"{API_GROUP}/cleanup"
 RESYNC_SECONDS = float(os.environ.get(OperatorEnv.RESYNC_SECONDS, "15"))
 
 
-@functools.cache
-def _policy(text: str) -> JobPolicy:
-    return parse_policy(json.loads(text) if text else None, OperatorEnv.JOB_POLICY)
-
-
 def operator_config() -> OperatorConfig:
-    defaults = OperatorConfig()
-    env = os.environ.get
-    return OperatorConfig(
-        cpu_image=env(OperatorEnv.SERVICES_IMAGE, defaults.cpu_image),
-        gpu_image=env(OperatorEnv.SERVICES_GPU_IMAGE, defaults.gpu_image),
-        nats_url=env(OperatorEnv.DEFAULT_NATS_URL, defaults.nats_url),
-        service_account=env(OperatorEnv.JOB_SERVICE_ACCOUNT) or None,
-        image_pull_policy=env(OperatorEnv.IMAGE_PULL_POLICY, defaults.image_pull_policy),
-        auth_key=env(OperatorEnv.AUTH_KEY) or None,
-        metrics_namespaces=tuple(n for n in env(OperatorEnv.METRICS_NAMESPACES, "").split(",") if n),
-        nats_replicas=int(env(OperatorEnv.NATS_REPLICAS) or 1),
-        nats_store_bytes=int(env(OperatorEnv.NATS_STORE_BYTES) or 0),
-        restrict_egress=env(OperatorEnv.JOB_EGRESS, "restricted") != "open",
-        namespace=env(OperatorEnv.NAMESPACE, defaults.namespace),
-        nats_bundled=env(OperatorEnv.NATS_BUNDLED, "true") != "false",
-        nats_external_cidrs=tuple(c for c in env(OperatorEnv.NATS_EXTERNAL_CIDRS, "").split(",") if c),
-        policy=_policy(env(OperatorEnv.JOB_POLICY, "")),
-        install=Install(tuple(n for n in env(OperatorEnv.INSTALL_SECRETS, "").split(",") if n)),
-    )
+    """The install's settings, from this process's environment (as the chart sets it)."""
+    return from_env(os.environ)
 
 
 # An admission review holds the job at most twice (an update's old and new objects), each within

@@ -9,7 +9,7 @@ read-only root filesystems, no user or group ID below MIN_ID (root's group, `dis
 ServiceAccount but the one it sets and no projected ServiceAccount token (job pods never talk to
 the Kubernetes API), no ephemeral containers. A user's podTemplate may tighten what the operator
 sets, never loosen it. Each violation names the field at fault. (What a job may set at all, and
-the Secrets it may name, are job_policy's.)
+the Secrets it may name, are policy_checks'.)
 """
 
 from __future__ import annotations

@@ -45,10 +45,11 @@ from pipelinerl.contracts import (
 )
 from pipelinerl.k8s_types import parse_quantity
 from pipelinerl.spec import API_VERSION, KIND, PipelineRLJob, RoleSpec, dump_job
-from pipelinerl_operator import job_policy
+from pipelinerl_operator import policy_checks
 from pipelinerl_operator.credentials import job_credentials, secret_data
 from pipelinerl.contracts import RESERVED_LABEL_PREFIXES
 from pipelinerl.reserved import CREDENTIALS_SUFFIX
+from pipelinerl_operator.egress import dns_egress, egress_rules
 from pipelinerl_operator.job_policy import Install, JobPolicy
 from pipelinerl_operator.pod_security import pod_violations
 
@@ -521,8 +522,8 @@ def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorCo
         spec["egress"] = [
             {"to": [own]},
             _nats_egress(job, cfg),
-            job_policy.dns_egress(cfg.policy),
-            *job_policy.egress_rules(job.spec.network.egress, cfg.policy),  # within the platform's
+            dns_egress(cfg.policy),
+            *egress_rules(job.spec.network.egress, cfg.policy),  # within the platform's
         ]
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -677,11 +678,11 @@ def render(
 def check_pods(job: PipelineRLJob, objects: list[dict[str, Any]], cfg: OperatorConfig) -> None:
     """Refuse a job that asks for more than its author may have: its podTemplate's fields, its
     pods as rendered (the podTemplate merged in) and its spec, against the platform's policy
-    (job_policy) and the pod security rules (pod_security)."""
+    (policy_checks) and the pod security rules (pod_security)."""
     namespace = job.metadata.namespace or "default"
-    bad = job_policy.Problems()
+    bad = policy_checks.Problems()
     for role in ROLES:
-        job_policy.template_violations(role, getattr(job.spec, role).pod_template, bad)
+        policy_checks.template_violations(role, getattr(job.spec, role).pod_template, bad)
     for obj in objects:
         if obj["kind"] == "StatefulSet":
             role = obj["metadata"]["labels"][ROLE_LABEL]
@@ -689,7 +690,7 @@ def check_pods(job: PipelineRLJob, objects: list[dict[str, Any]], cfg: OperatorC
             bad.items += [
                 f"{role}.{v}" for v in pod_violations(pod, service_account=service_account_name(job.name, cfg))
             ]
-            job_policy.pod_policy_violations(
+            policy_checks.pod_policy_violations(
                 role,
                 pod,
                 cfg.policy,
@@ -699,7 +700,7 @@ def check_pods(job: PipelineRLJob, objects: list[dict[str, Any]], cfg: OperatorC
                 cfg.install,
                 bad,
             )
-    problems = bad.items + job_policy.spec_violations(
+    problems = bad.items + policy_checks.spec_violations(
         job, cfg.policy, namespace, cfg.install, cfg.nats_store_bytes, cfg.nats_bundled
     )
     if problems:

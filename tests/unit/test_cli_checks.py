@@ -1,11 +1,16 @@
 """`pipelinerl run` checks a manifest as `validate` does, before it starts anything; both check
 the model path as far as they can from this machine, deciding by how the path looks."""
 
+from pathlib import Path
+
+import pytest
 import yaml
 
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import make_tokenizer
 from pipelinerl_cli.main import main as cli
+
+CORPUS = Path(__file__).resolve().parents[1] / "k8s" / "manifest_corpus.yaml"
 
 
 def manifest(tmp_path, **spec) -> str:
@@ -15,17 +20,29 @@ def manifest(tmp_path, **spec) -> str:
     return str(path)
 
 
-def test_run_refuses_what_validate_refuses_and_starts_nothing(tmp_path, capsys):
+def test_run_refuses_what_validate_refuses_and_starts_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("pipelinerl_cli.local.run_local", lambda *_, **__: pytest.fail("run started the job"))
     task, tok = make_task("arith"), make_tokenizer()
     longest = max(len(tok.encode(task.train_problem(i).prompt)) for i in range(512))
-    path = manifest(tmp_path, model={"maxSeqLen": longest}, generator={"sampling": {"maxTokens": 4}})  # no room left
-    assert cli(["validate", path]) == 2
-    refused = capsys.readouterr().err
-    assert f"spec.model.maxSeqLen: {longest} leaves no room for a completion" in refused
-    run_dir = tmp_path / "run"
-    assert cli(["run", path, "--run-dir", str(run_dir)]) == 2
-    assert capsys.readouterr().err == refused  # the same words
-    assert not run_dir.exists()  # nothing was started: no run folder, no nats-server, no service
+    # A prompt that leaves no room for a completion; a job whose NATS streams no store of the
+    # chart's default size holds (run checks with the install validate assumes: the chart's defaults).
+    hostage = next(c for c in yaml.safe_load(CORPUS.read_text())["invalid"] if c["id"] == "store-hostage")
+    cases = [
+        (
+            {"model": {"maxSeqLen": longest}, "generator": {"sampling": {"maxTokens": 4}}},
+            f"spec.model.maxSeqLen: {longest} leaves no room for a completion",
+        ),
+        (hostage["spec"], f"spec.{hostage['field']}: the job's NATS streams would reserve"),
+    ]
+    for spec, why in cases:
+        path = manifest(tmp_path, **spec)
+        assert cli(["validate", path]) == 2
+        refused = capsys.readouterr().err
+        assert why in refused
+        run_dir = tmp_path / "run"
+        assert cli(["run", path, "--run-dir", str(run_dir)]) == 2
+        assert capsys.readouterr().err == refused  # the same words
+        assert not run_dir.exists()  # nothing was started: no run folder, no nats-server, no service
 
 
 def test_a_local_model_folder_must_exist_one_only_the_cluster_sees_cannot_be_checked(tmp_path, capsys, monkeypatch):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from pipelinerl.contracts import MASTER_PORT, Env, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
+from pipelinerl.steps import version_after
 from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl.weight_group import open_store
 from pipelinerl_trainer import checkpoint
@@ -104,9 +105,9 @@ def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.
     floor = announced_version(bridge, rank, world, model.engine.device)
     if floor > position.version:
         log.info(
-            "replaying steps %d-%d (trained before the restart): no weights sent nor versions "
-            "announced until version %d",
-            position.version + 1,
+            "replaying the steps that make versions %d-%d (trained before the restart): no weights "
+            "sent nor versions announced until version %d",
+            version_after(position.version),
             floor,
             floor,
         )

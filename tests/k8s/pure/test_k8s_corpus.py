@@ -28,7 +28,7 @@ from pipelinerl.crd import crd_manifest
 from pipelinerl.contracts import OperatorEnv
 from pipelinerl.spec import dump_yaml
 from pipelinerl_operator.handlers import validate_job
-from pipelinerl_operator.job_policy import DEFAULT_STORE_BYTES
+from pipelinerl_operator.config import DEFAULT_STORE_BYTES
 
 CORPUS = yaml.safe_load((Path(__file__).parents[1] / "manifest_corpus.yaml").read_text())
 CRD = crd_manifest()

@@ -1,10 +1,12 @@
-"""The platform's job policy (pipelinerl_operator/job_policy.py): the chart's values reach the
-operator as they are, and its allowlists mean what they say. (The hostile-author corpus runs it
+"""The platform's job policy (pipelinerl_operator/job_policy.py, checked by policy_checks.py): the
+chart's values reach the operator as they are, `validate --policy` computes the same settings from
+them (config.py), and its allowlists mean what they say. (The hostile-author corpus runs it
 through every door: tests/k8s/pure/test_k8s_corpus.py.)"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import helm_python as helm
@@ -17,14 +19,10 @@ from pipelinerl.contracts import OperatorEnv
 from pipelinerl.spec import load_job, parse_job
 from pipelinerl_cli.main import main as cli
 from pipelinerl_operator.handlers import operator_config, validate_job
-from pipelinerl_operator.job_policy import (
-    MAX_MANIFEST_BYTES,
-    JobPolicy,
-    PolicyError,
-    parse_policy,
-    repository,
-    values_schema,
-)
+from pipelinerl_operator import config
+from pipelinerl_operator.admission import MAX_MANIFEST_BYTES
+from pipelinerl_operator.job_policy import JobPolicy, PolicyError, parse_policy, values_schema
+from pipelinerl_operator.policy_checks import repository
 from pipelinerl_operator.render import OperatorConfig, RenderError, render
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -113,6 +111,95 @@ def test_validate_takes_the_platforms_values_file_and_the_namespace(capsys: pyte
     assert cli(["validate", str(GPU_EXAMPLE), "--policy", values]) == 2  # team-a's claim, not default's
     assert "not one jobs in default may use" in capsys.readouterr().err
     assert cli(["validate", str(GPU_EXAMPLE), "--policy", values, "-n", "team-a"]) == 0
+
+
+def test_validate_holds_the_install_the_webhook_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`validate --policy values.yaml` checks with the settings the chart gives the webhook for
+    those values: the install's own Secrets, named by its values (auth.existingSecret,
+    nats.routesExistingSecret), are refused even where the policy lists every Secret, in the
+    webhook's words."""
+    values = {
+        "auth": {"existingSecret": "team-install-key"},
+        "nats": {"routesExistingSecret": "team-routes"},
+        "jobPolicy": {"secrets": ["*/*"]},
+    }
+    (tmp_path / "values.yaml").write_text(yaml.safe_dump(values))
+    env = chart_env(values)
+    for name in ("team-install-key", "team-routes", "hf-token"):
+        thief = {
+            "apiVersion": "pipelinerl.dev/v1alpha1",
+            "kind": "PipelineRLJob",
+            "metadata": {"name": "thief", "namespace": "team-a"},
+            "spec": {"trainer": {"env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": name, "key": "key"}}}]}},
+        }
+        (tmp_path / "job.yaml").write_text(yaml.safe_dump(thief))
+        code = cli(["validate", str(tmp_path / "job.yaml"), "--policy", str(tmp_path / "values.yaml")])
+        err = capsys.readouterr().err
+        refusal = admitted(thief, env, monkeypatch)
+        if name == "hf-token":  # any other Secret: listed ("*/*"), at both doors
+            assert code == 0 and refusal is None, err
+            continue
+        assert code == 2
+        assert f"env[K].valueFrom.secretKeyRef.name: Secret {name!r} is the PipelineRL install's own: no job" in err
+        assert refusal is not None
+        said = [line.strip() for line in err.splitlines() if line.startswith("  ")]
+        assert said == [line.strip() for line in refusal.splitlines() if line.startswith("  ")], (err, refusal)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {  # maps merge over the chart's defaults key by key (lists are replaced whole)
+            "auth": {"existingSecret": "team-install-key"},
+            "nats": {"routesExistingSecret": "team-routes", "replicas": 3, "storageGi": 5},
+            "jobPolicy": {
+                "nodeLabels": {"pool": ["cpu"]},
+                "maxPodResources": {"cpu": "8"},
+                "dns": {"cidrs": ["169.254.20.10/32"]},
+                "secrets": ["team-a/hf-token"],
+                "maxJobStoreGi": 2,
+            },
+        },
+        {  # a null deletes a default
+            "jobPolicy": {"nodeLabels": {"kubernetes.io/os": None}, "maxPodResources": {"nvidia.com/gpu": None}},
+            "metricsNamespaces": ["monitoring"],
+            "jobEgress": "open",
+            "acknowledgeInsecure": True,
+        },
+        {
+            "nats": {"enabled": False, "externalUrl": "nats://nats.shared:4333", "externalCidrs": ["10.9.0.0/16"]},
+            "services": {"image": {"repository": "registry.corp/pipelinerl-services", "digest": "sha256:" + "a" * 64}},
+            "auth": {"enabled": False},
+            "acknowledgeInsecure": True,
+        },
+        yaml.safe_load((ROOT / "examples" / "platform-values.yaml").read_text()),
+    ],
+)
+def test_validate_builds_the_settings_the_chart_gives_the_operator(values: dict) -> None:
+    """config.chart_env mirrors the chart's templates: the operator's settings from the
+    environment Helm renders equal those `validate --policy` computes from the same values (the
+    install key and the release namespace aside: no values hold them)."""
+    rendered = config.from_env(chart_env(values))
+    mirrored = config.from_env(config.chart_env(values, release="rl", namespace="team-a"))
+    assert mirrored == rendered
+    key = config.KEY_STANDIN if values.get("auth", {}).get("enabled", True) else None
+    assert config.from_values(values, release="rl", namespace="team-a") == replace(rendered, auth_key=key)
+
+
+def test_the_mirrored_chart_defaults_are_the_charts() -> None:
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for key, default in config.CHART_DEFAULTS.items():
+        if key == "jobPolicy":
+            assert parse_policy(default) == parse_policy(values[key])
+        elif isinstance(default, dict):
+            assert {k: values[key][k] for k in default} == default, key
+        else:
+            assert values[key] == default, key
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert config.VALUES_KEYS == set(schema["properties"])
 
 
 def job(name: str = "demo", **spec):

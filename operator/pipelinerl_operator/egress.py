@@ -1,0 +1,116 @@
+"""A job's egress within the platform's (pure): each of the author's `spec.network.egress` rules
+must fall inside one of the policy's `egress` rules (`egress_problems`, a check every door
+calls), and is rendered with that rule's exceptions added (`egress_rules`: the intersection);
+name lookups go to the cluster DNS only (`dns_egress`)."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+from pipelinerl import reserved
+from pipelinerl_operator.job_policy import EgressRule, JobPolicy
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _ports(rule: dict[str, Any]) -> list[tuple[int, int, str]]:
+    """(first, last, protocol) of each port of the rule; none if any is not a number."""
+    out = []
+    for p in _list(rule.get("ports")):
+        p = _dict(p)
+        port, end = p.get("port"), p.get("endPort", p.get("port"))
+        if not isinstance(port, int) or not isinstance(end, int) or isinstance(port, bool):
+            return []
+        out.append((port, end, str(p.get("protocol", "TCP"))))
+    return out
+
+
+def _allowing(rule: Any, policy: JobPolicy) -> tuple[tuple[str, str] | None, EgressRule | None]:
+    """The platform rule an author's egress rule falls inside; or why it is outside the policy
+    (the sub-field at fault, the reason)."""
+    if not isinstance(rule, dict):
+        return ("", "an egress rule is a mapping of to and ports"), None
+    for key in rule:
+        if key not in ("to", "ports"):
+            return (f".{key}", "unknown field (an egress rule has to and ports)"), None
+    peers = _list(rule.get("to"))
+    ports = _ports(rule)
+    if not peers or any(set(_dict(p)) != {"ipBlock"} for p in peers):
+        return (".to", reserved.EGRESS_TO_WHY), None
+    if not ports:
+        return (".ports", reserved.EGRESS_PORTS_WHY), None
+    blocks = []
+    for peer in peers:
+        try:
+            blocks.append(ipaddress.ip_network(str(_dict(peer["ipBlock"]).get("cidr")), strict=False))
+        except ValueError:
+            return (".to", "each ipBlock needs a cidr"), None
+    for platform in policy.egress:
+        outer = ipaddress.ip_network(platform.cidr)
+        excluded = [ipaddress.ip_network(e) for e in platform.except_]
+        inside = all(
+            b.version == outer.version
+            and b.subnet_of(outer)  # type: ignore[arg-type]
+            and not any(b.version == e.version and b.subnet_of(e) for e in excluded)  # type: ignore[arg-type]
+            for b in blocks
+        )
+        if inside and (platform.ports is None or all(any(r.covers(*p) for r in platform.ports) for p in ports)):
+            return None, platform
+    allowed = "; ".join(
+        p.cidr
+        + (f" except {', '.join(p.except_)}" if p.except_ else "")
+        + (f" on {', '.join(f'{r.port}/{r.protocol}' for r in p.ports)}" if p.ports is not None else "")
+        for p in policy.egress
+    )
+    return ("", f"outside what jobs may reach (jobPolicy.egress: {allowed or 'none'})"), None
+
+
+def egress_problems(rule: Any, policy: JobPolicy) -> list[tuple[str, str]]:
+    problem, _ = _allowing(rule, policy)
+    return [problem] if problem else []
+
+
+def egress_rules(rules: list[dict[str, Any]], policy: JobPolicy) -> list[dict[str, Any]]:
+    """The author's rules as rendered: each within the platform rule it falls inside, its
+    exceptions added (the intersection). Rules outside the policy are left out (the doors refuse them)."""
+    out = []
+    for rule in rules:
+        _, platform = _allowing(rule, policy)
+        if platform is None:
+            continue
+        to = []
+        for peer in rule["to"]:
+            block = dict(peer["ipBlock"])
+            inner = ipaddress.ip_network(block["cidr"], strict=False)
+            excepts = list(block.get("except") or [])
+            excepts += [
+                e
+                for e in platform.except_
+                if ipaddress.ip_network(e).version == inner.version
+                and ipaddress.ip_network(e).subnet_of(inner)  # type: ignore[arg-type]
+                and e not in excepts
+            ]
+            if excepts:
+                block["except"] = excepts
+            to.append({"ipBlock": block})
+        out.append({"to": to, "ports": [dict(p) for p in rule["ports"]]})
+    return out
+
+
+def dns_egress(policy: JobPolicy) -> dict[str, Any]:
+    """Name lookups go to the cluster DNS only (a resolver anywhere would be a way out)."""
+    peers: list[dict[str, Any]] = [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": policy.dns.namespace}},
+            "podSelector": {"matchLabels": dict(policy.dns.pod_labels)},
+        }
+    ]
+    peers += [{"ipBlock": {"cidr": c}} for c in policy.dns.cidrs]
+    return {"to": peers, "ports": [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]}

@@ -1,0 +1,571 @@
+"""A job against the platform's policy (pure): what a job may ask for, in one place every door calls.
+
+A platform team lets people create PipelineRLJobs who may not create pods, Secrets or network
+rules themselves; the operator creates them on their behalf, so it must never do for a job what
+its author could not do alone. `validate`, the admission webhook and every reconcile render the
+job and check it here (render.check_pods: `template_violations`, `pod_policy_violations`,
+`spec_violations`) against the platform's `JobPolicy` (pipelinerl_operator.job_policy: the
+chart's `jobPolicy` values, or the safe default) and the install's own Secrets (`Install`).
+Each problem names the field at fault (`<role>.podTemplate.spec...`,
+`scheduling.priorityClassName`, ...):
+
+- a podTemplate may set only the fields listed here (POD_SPEC_FIELDS, CONTAINER_FIELDS, ...);
+  anything else (nodeName, runtimeClassName, schedulerName, hostAliases, dnsConfig, probes
+  aimed at another host, ...) is refused;
+- bounds: each pod's resources within `maxPodResources` (only the resources listed there), volume
+  sizes within `maxVolumeSize`, node labels, tolerations, priority classes, schedulers, CSI
+  drivers and image registries from their allowlists;
+- references: a Secret or PersistentVolumeClaim only where `secrets` / `volumeClaims` list it
+  (`namespace/name`, `*` for either), in every field that can name one, and never the install's
+  Secrets, a Helm release Secret, another job's credentials or checkpoints, nor the NATS store;
+- environment: no name PipelineRL sets, nor one the GPU runtime reads (a CPU pod must not see
+  the node's GPUs), and no `envFrom` that could yield one;
+- egress: each `spec.network.egress` rule inside one of the platform's `egress` rules
+  (pipelinerl_operator.egress, which also renders it), a job's own NATS servers from `natsServers`;
+- capacity: a job's NATS streams within what one job may reserve (pipelinerl.capacity).
+
+The restricted Pod Security Standard and the operator's own pod rules (non-root, no token, ...)
+are pod_security's (render.check_pods calls both; the fields it judges pass the allowlists here),
+so a problem is told once.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from decimal import Decimal
+from typing import Any
+from urllib.parse import urlsplit
+
+from pipelinerl import reserved
+from pipelinerl.capacity import reserved_bytes
+from pipelinerl.contracts import RESERVED_LABEL_PREFIXES, reserved_env
+from pipelinerl.k8s_types import parse_quantity
+from pipelinerl.reserved import (
+    CREDENTIALS_SUFFIX,
+    DEVICE_ENV,
+    HELM_RELEASE_PREFIX,
+    INSTALL_SECRET_SUFFIXES,
+    NOT_ALLOWED,
+    SPEC_INSTEAD,
+)
+from pipelinerl_operator.egress import egress_problems
+from pipelinerl_operator.job_policy import Install, JobPolicy
+
+GIB = 1 << 30
+
+# ---------------------------------------------------------------- the fields a podTemplate may set
+
+POD_META_FIELDS = frozenset({"labels", "annotations"})
+# Pod fields a job may set. Those pod_security judges (host namespaces, the ServiceAccount and its
+# token, securityContext, ephemeral containers) pass here so that each problem is told once.
+POD_SPEC_FIELDS = frozenset(
+    {
+        "containers",
+        "initContainers",
+        "volumes",
+        "nodeSelector",
+        "affinity",
+        "tolerations",
+        "topologySpreadConstraints",
+        "imagePullSecrets",
+        "enableServiceLinks",
+        "hostUsers",
+        # judged by pod_security:
+        "securityContext",
+        "serviceAccountName",
+        "serviceAccount",
+        "automountServiceAccountToken",
+        "hostNetwork",
+        "hostPID",
+        "hostIPC",
+        "ephemeralContainers",
+    }
+)
+CONTAINER_FIELDS = frozenset(
+    {
+        "name",
+        "image",
+        "imagePullPolicy",
+        "command",
+        "args",
+        "workingDir",
+        "env",
+        "envFrom",
+        "ports",
+        "resources",
+        "volumeMounts",
+        "livenessProbe",
+        "readinessProbe",
+        "startupProbe",
+        "lifecycle",
+        "securityContext",
+        "terminationMessagePath",
+        "terminationMessagePolicy",
+    }
+)
+INIT_CONTAINER_FIELDS = CONTAINER_FIELDS | {"restartPolicy"}  # restartPolicy: Always makes a sidecar
+POD_SECURITY_FIELDS = frozenset(
+    {
+        "runAsUser",
+        "runAsGroup",
+        "runAsNonRoot",
+        "fsGroup",
+        "fsGroupChangePolicy",
+        "supplementalGroups",
+        "seccompProfile",
+        "seLinuxOptions",
+        "appArmorProfile",
+        "sysctls",
+        "windowsOptions",  # pod_security refuses host processes with its reason
+    }
+)
+CONTAINER_SECURITY_FIELDS = frozenset(
+    {
+        "allowPrivilegeEscalation",
+        "readOnlyRootFilesystem",
+        "capabilities",
+        "privileged",
+        "procMount",
+        "runAsUser",
+        "runAsGroup",
+        "runAsNonRoot",
+        "seccompProfile",
+        "seLinuxOptions",
+        "appArmorProfile",
+        "windowsOptions",
+    }
+)
+EPHEMERAL_CLAIM_FIELDS = frozenset({"accessModes", "resources", "storageClassName", "volumeMode"})
+ENV_SOURCES = frozenset({"secretKeyRef", "configMapKeyRef", "fieldRef", "resourceFieldRef"})
+DEVICE_ENV_WHY = reserved.DEVICE_ENV_WHY
+FORBIDDEN_ENV = reserved_env() | DEVICE_ENV
+# Annotations the kubelet or a scheduler acts on: the job's spec sets these, one way only.
+RESERVED_ANNOTATION_PREFIXES = (
+    *RESERVED_LABEL_PREFIXES,
+    "seccomp.security.alpha.kubernetes.io/",
+    "container.seccomp.security.alpha.kubernetes.io/",
+)
+
+CHECKPOINT_CLAIM = re.compile(reserved.CHECKPOINT_CLAIM)
+NATS_CLAIM = re.compile(reserved.NATS_CLAIM)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _listed(entries: list[str], namespace: str, name: str) -> bool:
+    for entry in entries:
+        ns, n = entry.split("/")
+        if ns in ("*", namespace) and n in ("*", name):
+            return True
+    return False
+
+
+def repository(image: str) -> str:
+    """An image reference's repository, registry host first (docker.io for Docker Hub's)."""
+    name = image.split("@", 1)[0]
+    if name.rfind(":") > name.rfind("/"):
+        name = name[: name.rfind(":")]
+    first, _, rest = name.partition("/")
+    if not rest:
+        return f"docker.io/library/{name}"
+    if "." not in first and ":" not in first and first != "localhost":
+        return f"docker.io/{name}"
+    return name
+
+
+def image_allowed(image: str, prefixes: list[str]) -> bool:
+    repo = repository(image)
+    return any(repo == p.rstrip("/") or repo.startswith(p.rstrip("/") + "/") for p in prefixes)
+
+
+def _quantity(value: Any) -> Decimal | None:
+    try:
+        return parse_quantity(value)
+    except ValueError:
+        return None  # Kubernetes' schema check names it
+
+
+def _dict(value: Any) -> dict[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _list(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else []
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.2f} GiB"
+
+
+# ---------------------------------------------------------------- the checks
+
+
+class Problems:
+    """Problems of one job, each 'field: why' (fields as under the job's `spec.`)."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+
+    def __call__(self, field: str, why: str) -> None:
+        self.items.append(f"{field}: {why}")
+
+
+def allowed_fields(given: dict[str, Any], allowed: frozenset[str], where: str, bad: Problems) -> None:
+    for key in given:
+        if key in SPEC_INSTEAD and where.endswith("podTemplate.spec"):
+            bad(f"{where}.{key}", f"not set in a podTemplate: {SPEC_INSTEAD[key]}")
+        elif key not in allowed:
+            bad(f"{where}.{key}", f"{NOT_ALLOWED} (allowed: {', '.join(sorted(allowed))})")
+
+
+def template_violations(role: str, template: Any, bad: Problems) -> None:
+    """The fields the user's podTemplate sets, against the allowlists (its values are checked on
+    the pod as rendered)."""
+    if not isinstance(template, dict):
+        return  # the schema check names it
+    where = f"{role}.podTemplate"
+    allowed_fields(template, frozenset({"metadata", "spec"}), where, bad)
+    meta = _dict(template.get("metadata"))
+    allowed_fields(meta, POD_META_FIELDS, f"{where}.metadata", bad)
+    for kind in ("labels", "annotations"):
+        reserved = RESERVED_LABEL_PREFIXES if kind == "labels" else RESERVED_ANNOTATION_PREFIXES
+        for key in _dict(meta.get(kind)):
+            if key.startswith(reserved):
+                bad(f"{where}.metadata.{kind}[{key}]", "reserved: PipelineRL and the job's spec set these")
+    spec = _dict(template.get("spec"))
+    allowed_fields(spec, POD_SPEC_FIELDS, f"{where}.spec", bad)
+    allowed_fields(_dict(spec.get("securityContext")), POD_SECURITY_FIELDS, f"{where}.spec.securityContext", bad)
+    for kind, fields in (("containers", CONTAINER_FIELDS), ("initContainers", INIT_CONTAINER_FIELDS)):
+        for c in _list(spec.get(kind)):
+            if not isinstance(c, dict):
+                continue
+            at = f"{where}.spec.{kind}[{c.get('name', '?')}]"
+            allowed_fields(c, fields, at, bad)
+            allowed_fields(_dict(c.get("securityContext")), CONTAINER_SECURITY_FIELDS, f"{at}.securityContext", bad)
+            _env(c, at, bad)
+            if kind == "initContainers" and c.get("restartPolicy") not in (None, "Always"):
+                bad(f"{at}.restartPolicy", "only Always (a sidecar)")
+    for volume in _list(spec.get("volumes")):
+        if isinstance(volume, dict) and "ephemeral" in volume:
+            claim = _dict(_dict(_dict(volume["ephemeral"]).get("volumeClaimTemplate")).get("spec"))
+            at = f"{where}.spec.volumes[{volume.get('name', '?')}].ephemeral.volumeClaimTemplate.spec"
+            allowed_fields(claim, EPHEMERAL_CLAIM_FIELDS, at, bad)
+
+
+def pod_policy_violations(
+    role: str,
+    pod: dict[str, Any],
+    policy: JobPolicy,
+    namespace: str,
+    own_secret: str,
+    default_images: tuple[str, ...],
+    install: Install,
+    bad: Problems,
+) -> None:
+    """The rendered pod (the podTemplate merged in) within the policy's bounds and references."""
+    spec = _dict(pod.get("spec"))
+    where = f"{role}.podTemplate.spec"
+    if spec.get("hostUsers") not in (None, False):
+        bad(f"{where}.hostUsers", "may only be false (a user namespace)")
+    _placement(spec, where, policy, bad)
+    containers = [
+        (kind, c) for kind in ("initContainers", "containers") for c in _list(spec.get(kind)) if isinstance(c, dict)
+    ]
+    for kind, c in containers:
+        at = f"{where}.{kind}[{c.get('name', '?')}]"
+        image = c.get("image")
+        if isinstance(image, str) and image not in default_images and not image_allowed(image, policy.images):
+            bad(
+                f"{at}.image" if c.get("name") != role else f"{role}.image",
+                f"{repository(image)} is not in an allowed registry (jobPolicy.images: {', '.join(policy.images)})",
+            )
+        for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+            _handler_host(_dict(c.get(probe)), f"{at}.{probe}", bad)
+        for hook in ("postStart", "preStop"):
+            _handler_host(_dict(_dict(c.get("lifecycle")).get(hook)), f"{at}.lifecycle.{hook}", bad)
+        for mount in _list(c.get("volumeMounts")):
+            if isinstance(mount, dict) and mount.get("mountPropagation") not in (None, "None"):
+                bad(f"{at}.volumeMounts[{mount.get('name', '?')}].mountPropagation", "only None")
+        for port in _list(c.get("ports")):
+            if isinstance(port, dict) and port.get("hostIP"):
+                bad(f"{at}.ports[{port.get('name', port.get('containerPort'))}].hostIP", "not allowed")
+    _resources(containers, role, policy, bad)
+    _volumes(spec, where, policy, bad)
+    for path, name in secret_references(spec, where):
+        _reference("Secret", path, name, namespace, policy.secrets, "secrets", own_secret, install, bad)
+    for path, name in claim_references(spec, where):
+        _reference(
+            "PersistentVolumeClaim", path, name, namespace, policy.volume_claims, "volumeClaims", "", install, bad
+        )
+
+
+def _handler_host(handler: dict[str, Any], at: str, bad: Problems) -> None:
+    for kind in ("httpGet", "tcpSocket"):
+        if _dict(handler.get(kind)).get("host"):
+            bad(f"{at}.{kind}.host", "the kubelet would call another host from the node: not allowed")
+
+
+def _env(c: dict[str, Any], at: str, bad: Problems) -> None:
+    for var in _list(c.get("env")):
+        if not isinstance(var, dict):
+            continue
+        name = var.get("name")
+        if name in DEVICE_ENV:
+            bad(f"{at}.env[{name}]", DEVICE_ENV_WHY)
+        elif name in FORBIDDEN_ENV:
+            bad(f"{at}.env[{name}]", "reserved (set by PipelineRL itself)")
+        source = _dict(var.get("valueFrom"))
+        for key in source:
+            if key not in ENV_SOURCES:
+                bad(f"{at}.env[{name}].valueFrom.{key}", f"not allowed (allowed: {', '.join(sorted(ENV_SOURCES))})")
+    for j, source in enumerate(_list(c.get("envFrom"))):
+        prefix = _dict(source).get("prefix") or ""
+        clash = sorted(n for n in FORBIDDEN_ENV if n.startswith(prefix))
+        if clash:
+            bad(
+                f"{at}.envFrom[{j}].prefix",
+                (f"{prefix!r} could yield {clash[0]}" if prefix else "needed")
+                + ": a prefix no reserved name starts with (e.g. APP_), so no key of it can set a variable "
+                "PipelineRL or the GPU runtime reads",
+            )
+
+
+def _placement(spec: dict[str, Any], where: str, policy: JobPolicy, bad: Problems) -> None:
+    for key, value in _dict(spec.get("nodeSelector")).items():
+        _node_label(key, [value], f"{where}.nodeSelector[{key}]", policy, bad)
+    node = _dict(_dict(spec.get("affinity")).get("nodeAffinity"))
+    terms = [
+        (f"requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[{i}]", t)
+        for i, t in enumerate(
+            _list(_dict(node.get("requiredDuringSchedulingIgnoredDuringExecution")).get("nodeSelectorTerms"))
+        )
+    ] + [
+        (f"preferredDuringSchedulingIgnoredDuringExecution[{i}].preference", _dict(t).get("preference"))
+        for i, t in enumerate(_list(node.get("preferredDuringSchedulingIgnoredDuringExecution")))
+    ]
+    for path, term in terms:
+        term = _dict(term)
+        at = f"{where}.affinity.nodeAffinity.{path}"
+        if term.get("matchFields"):
+            bad(f"{at}.matchFields", "choosing nodes by name is not allowed (use allowed node labels)")
+        for j, expr in enumerate(_list(term.get("matchExpressions"))):
+            expr = _dict(expr)
+            values = _list(expr.get("values")) if expr.get("operator") == "In" else []
+            _node_label(expr.get("key"), values, f"{at}.matchExpressions[{j}]", policy, bad)
+    for kind in ("podAffinity", "podAntiAffinity"):
+        pods = _dict(_dict(spec.get("affinity")).get(kind))
+        terms = _list(pods.get("requiredDuringSchedulingIgnoredDuringExecution")) + [
+            _dict(t).get("podAffinityTerm") for t in _list(pods.get("preferredDuringSchedulingIgnoredDuringExecution"))
+        ]
+        for term in terms:
+            for field in ("namespaces", "namespaceSelector"):
+                if field in _dict(term):
+                    bad(f"{where}.affinity.{kind}.{field}", "pods of other namespaces are not a job's to follow")
+    for i, toleration in enumerate(_list(spec.get("tolerations"))):
+        t = _dict(toleration)
+        allowed = any(
+            t.get("key") == rule.key and (rule.effect is None or t.get("effect") == rule.effect)
+            for rule in policy.tolerations
+        )
+        if not allowed:
+            taints = ", ".join(f"{r.key}{':' + r.effect if r.effect else ''}" for r in policy.tolerations) or "none"
+            bad(
+                f"{where}.tolerations[{i}]",
+                f"not a taint jobs may tolerate (jobPolicy.tolerations: {taints}; a key is required)",
+            )
+
+
+def _node_label(key: Any, values: list[Any], at: str, policy: JobPolicy, bad: Problems) -> None:
+    allowed = policy.node_labels.get(key) if isinstance(key, str) else None
+    if allowed is None:
+        listed = ", ".join(sorted(policy.node_labels)) or "none"
+        bad(at, f"node label {key!r} is not one jobs may select on (jobPolicy.nodeLabels: {listed})")
+    elif "*" not in allowed:
+        for value in values:
+            if value not in allowed:
+                bad(at, f"{key}={value} is not an allowed value (jobPolicy.nodeLabels: {', '.join(allowed)})")
+
+
+def _resources(containers: list[tuple[str, dict[str, Any]]], role: str, policy: JobPolicy, bad: Problems) -> None:
+    """Each pod's requests and limits, its containers summed, within the policy's maxima (named as
+    the role's resources: the service container's, where sidecars add theirs)."""
+    for kind in ("requests", "limits"):
+        total: dict[str, Decimal] = {}
+        for _, c in containers:
+            for name, value in _dict(_dict(c.get("resources")).get(kind)).items():
+                amount = _quantity(value)
+                if amount is not None:
+                    total[name] = total.get(name, Decimal(0)) + amount
+        for name, amount in sorted(total.items()):
+            cap = policy.max_pod_resources.get(name)
+            if cap is None:
+                allowed = ", ".join(sorted(policy.max_pod_resources)) or "none"
+                bad(f"{role}.resources.{kind}.{name}", f"not a resource jobs may ask for (allowed: {allowed})")
+            elif amount > parse_quantity(cap):
+                bad(
+                    f"{role}.resources.{kind}.{name}",
+                    f"{amount.normalize():f} per pod (its containers summed) is more than a pod may ask for "
+                    f"(jobPolicy.maxPodResources.{name}: {cap})",
+                )
+
+
+def _volumes(spec: dict[str, Any], where: str, policy: JobPolicy, bad: Problems) -> None:
+    cap = parse_quantity(policy.max_volume_size)
+    for volume in _list(spec.get("volumes")):
+        volume = _dict(volume)
+        at = f"{where}.volumes[{volume.get('name', '?')}]"
+        empty = _dict(volume.get("emptyDir"))
+        size = _quantity(empty.get("sizeLimit", 0))
+        if size is not None and size > cap:
+            bad(
+                f"{at}.emptyDir.sizeLimit",
+                f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})",
+            )
+        claim = _dict(_dict(_dict(volume.get("ephemeral")).get("volumeClaimTemplate")).get("spec"))
+        if claim:
+            size = _quantity(_dict(_dict(claim.get("resources")).get("requests")).get("storage", 0))
+            if size is not None and size > cap:
+                bad(
+                    f"{at}.ephemeral.volumeClaimTemplate.spec.resources.requests.storage",
+                    f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})",
+                )
+        if "csi" in volume and _dict(volume["csi"]).get("driver") not in policy.csi_drivers:
+            drivers = ", ".join(policy.csi_drivers) or "none"
+            bad(f"{at}.csi.driver", f"not a CSI driver jobs may use inline (jobPolicy.csiDrivers: {drivers})")
+
+
+def secret_references(spec: dict[str, Any], where: str) -> Iterator[tuple[str, str]]:
+    """(field, name) of every Secret a pod names: volumes (secret, projected, CSI), env, envFrom,
+    imagePullSecrets."""
+    for volume in _list(spec.get("volumes")):
+        volume = _dict(volume)
+        at = f"{where}.volumes[{volume.get('name', '?')}]"
+        if "secret" in volume:
+            yield f"{at}.secret.secretName", str(_dict(volume["secret"]).get("secretName", ""))
+        for j, source in enumerate(_list(_dict(volume.get("projected")).get("sources"))):
+            if "secret" in _dict(source):
+                yield f"{at}.projected.sources[{j}].secret.name", str(_dict(source["secret"]).get("name", ""))
+        ref = _dict(_dict(volume.get("csi")).get("nodePublishSecretRef"))
+        if ref:
+            yield f"{at}.csi.nodePublishSecretRef.name", str(ref.get("name", ""))
+    for j, ref in enumerate(_list(spec.get("imagePullSecrets"))):
+        yield f"{where}.imagePullSecrets[{j}].name", str(_dict(ref).get("name", ""))
+    for kind in ("initContainers", "containers"):
+        for c in _list(spec.get(kind)):
+            c = _dict(c)
+            at = f"{where}.{kind}[{c.get('name', '?')}]"
+            for var in _list(c.get("env")):
+                ref = _dict(_dict(_dict(var).get("valueFrom")).get("secretKeyRef"))
+                if ref:
+                    yield f"{at}.env[{_dict(var).get('name')}].valueFrom.secretKeyRef.name", str(ref.get("name", ""))
+            for j, source in enumerate(_list(c.get("envFrom"))):
+                if "secretRef" in _dict(source):
+                    yield f"{at}.envFrom[{j}].secretRef.name", str(_dict(source["secretRef"]).get("name", ""))
+
+
+def claim_references(spec: dict[str, Any], where: str) -> Iterator[tuple[str, str]]:
+    for volume in _list(spec.get("volumes")):
+        volume = _dict(volume)
+        claim = _dict(volume.get("persistentVolumeClaim"))
+        if claim:
+            yield (
+                f"{where}.volumes[{volume.get('name', '?')}].persistentVolumeClaim.claimName",
+                str(claim.get("claimName", "")),
+            )
+
+
+def never(kind: str, name: str, own_secret: str, install: Install) -> str | None:
+    """Why no job may ever reference this Secret or claim, whatever the policy lists; None if it may."""
+    if kind == "Secret":
+        if name.startswith(HELM_RELEASE_PREFIX):
+            return reserved.HELM_SECRET_WHY
+        if name in install.secrets or name.endswith(INSTALL_SECRET_SUFFIXES):
+            return reserved.INSTALL_SECRET_WHY
+        if name.endswith(CREDENTIALS_SUFFIX) and name != own_secret:
+            return reserved.CREDENTIALS_WHY
+    elif CHECKPOINT_CLAIM.match(name):
+        return reserved.CHECKPOINT_WHY
+    elif NATS_CLAIM.match(name):
+        return reserved.NATS_CLAIM_WHY
+    return None
+
+
+def _reference(
+    kind: str,
+    path: str,
+    name: str,
+    namespace: str,
+    listed: list[str],
+    value: str,
+    own_secret: str,
+    install: Install,
+    bad: Problems,
+) -> None:
+    why = never(kind, name, own_secret, install)
+    if why:
+        bad(path, f"{kind} {name!r} is {why}: {reserved.NEVER}")
+    elif name != own_secret and not _listed(listed, namespace, name):
+        bad(
+            path,
+            f"{kind} {name!r} is not one jobs in {namespace} may use: the platform lists those in "
+            f"jobPolicy.{value} (namespace/name)",
+        )
+
+
+def spec_violations(
+    job: Any, policy: JobPolicy, namespace: str, install: Install, store_bytes: int, bundled_nats: bool
+) -> list[str]:
+    """What the job's spec itself asks for, beyond its pods."""
+    bad = Problems()
+    s = job.spec
+    for role in ("generator", "preprocessor", "trainer"):
+        for var in getattr(s, role).env:
+            if var.name in DEVICE_ENV:
+                bad(f"{role}.env[{var.name}]", DEVICE_ENV_WHY)
+    scheduling = s.scheduling
+    if scheduling.priority_class_name and scheduling.priority_class_name not in policy.priority_class_names:
+        bad(
+            "scheduling.priorityClassName",
+            f"{scheduling.priority_class_name!r} is not a priority class jobs may use "
+            f"(jobPolicy.priorityClassNames: {', '.join(policy.priority_class_names) or 'none'})",
+        )
+    if scheduling.scheduler_name and scheduling.scheduler_name not in policy.scheduler_names:
+        bad(
+            "scheduling.schedulerName",
+            f"{scheduling.scheduler_name!r} is not a scheduler jobs may use "
+            f"(jobPolicy.schedulerNames: {', '.join(policy.scheduler_names) or 'none'})",
+        )
+    size = _quantity(s.storage.size)
+    if size is not None and size > parse_quantity(policy.max_volume_size):
+        bad("storage.size", f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})")
+    if s.output and s.output.claim_name:
+        _reference("PersistentVolumeClaim", "output.claimName", s.output.claim_name, namespace,
+                   policy.volume_claims, "volumeClaims", "", install, bad)  # fmt: skip
+    for url in (s.nats.url or "").split(","):
+        if url.strip():
+            parts = urlsplit(url.strip())
+            server = f"{parts.hostname}:{parts.port or 4222}"
+            if server not in policy.nats_servers:
+                bad(
+                    "nats.url",
+                    f"{server} is not a NATS server jobs may use "
+                    f"(jobPolicy.natsServers: {', '.join(policy.nats_servers) or 'none'})",
+                )
+    for i, rule in enumerate(s.network.egress):
+        for problem in egress_problems(rule, policy):
+            bad(f"network.egress.{i}{problem[0]}", problem[1])
+    if s.nats.url is None and bundled_nats and store_bytes:
+        limit = min(store_bytes * policy.namespace_share, (policy.max_job_store_gi or float("inf")) * GIB)
+        need = reserved_bytes(s)
+        if need > limit:
+            bad(
+                "trainer.checkpointInterval",
+                f"the job's NATS streams would reserve {_gib(need)} (what a trainer restarted from its last "
+                f"checkpoint replays: checkpointInterval + preprocessor.maxPendingSteps + 1 steps of "
+                f"samplesPerStep x model.maxSeqLen tokens; and the rollouts), more than one job may hold "
+                f"({_gib(limit)}: the NATS store, jobPolicy.namespaceShare, jobPolicy.maxJobStoreGi); lower "
+                "trainer.checkpointInterval, trainer.samplesPerStep or model.maxSeqLen",
+            )
+    return bad.items
