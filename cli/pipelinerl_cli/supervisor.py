@@ -137,7 +137,10 @@ class Service:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipelinerl_cli", "service", self.role, str(self.job_file)],
                 env={
-                    **os.environ,
+                    # Not the W&B service of the process that launched the run (WANDB_SERVICE): it
+                    # would hold a killed trainer's run, and the restarted trainer's run would be
+                    # refused as "in use". Each service starts its own.
+                    **{k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"},
                     "PYTHONUNBUFFERED": "1",
                     # the vLLM engine's threads (the trainer sets its own from torch_threads)
                     "OMP_NUM_THREADS": str(self.env.torch_threads or 1) if self.role == "generator" else "1",
