@@ -102,6 +102,8 @@ def test_kl_and_entropy_terms():
 def test_ess():
     assert effective_sample_size(4.0, 4.0, 4) == 1.0
     assert effective_sample_size(3.0, 5.0, 2) == pytest.approx(9 / 10)
+    # rounding in the separate sums must not report more than the on-policy bound
+    assert effective_sample_size(4.0000001, 4.0, 4) == 1.0
 
 
 def test_unknown_loss():

@@ -135,5 +135,8 @@ def policy_loss(
 
 
 def effective_sample_size(ratio_sum: float, ratio_sq_sum: float, n: float) -> float:
-    """ESS = (Σ r)² / (N Σ r²) ∈ (0, 1]; 1 when the data is exactly on-policy."""
-    return ratio_sum**2 / (n * ratio_sq_sum) if n and ratio_sq_sum else 1.0
+    """ESS = (Σ r)² / (N Σ r²) ∈ (0, 1]; 1 when the data is exactly on-policy.
+
+    Clamped at 1: the two sums are rounded separately (float32, over micro-batches), so an
+    on-policy batch can come out a hair above the bound Cauchy-Schwarz sets."""
+    return min(1.0, ratio_sum**2 / (n * ratio_sq_sum)) if n and ratio_sq_sum else 1.0
