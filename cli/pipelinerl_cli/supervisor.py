@@ -104,6 +104,22 @@ def role_environ(entries, shell: Mapping[str, str], say=print) -> dict[str, str]
     return out
 
 
+def service_environ(shell: Mapping[str, str], env: ServiceEnv, role_env: Mapping[str, str]) -> dict[str, str]:
+    """A service's environment: the shell's, then its role's `spec.<role>.env`, then the
+    service contract (`ServiceEnv`), each over the one before."""
+    return {
+        # Not the W&B service of the process that launched the run (WANDB_SERVICE): it would hold
+        # a killed trainer's run, and the restarted trainer's run would be refused as "in use".
+        # Each service starts its own.
+        **{k: v for k, v in shell.items() if k != "WANDB_SERVICE"},
+        "PYTHONUNBUFFERED": "1",
+        # the vLLM engine's threads (the trainer sets its own from torch_threads)
+        "OMP_NUM_THREADS": str(env.torch_threads or 1) if env.role == "generator" else "1",
+        **role_env,
+        **env.to_environ(),
+    }
+
+
 class Service:
     """One service process, in a process group of its own: stopping or reaping it ends every
     process it started (e.g. a vLLM engine core)."""
@@ -136,17 +152,7 @@ class Service:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipelinerl_cli", "service", self.role, str(self.job_file)],
-                env={
-                    # Not the W&B service of the process that launched the run (WANDB_SERVICE): it
-                    # would hold a killed trainer's run, and the restarted trainer's run would be
-                    # refused as "in use". Each service starts its own.
-                    **{k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"},
-                    "PYTHONUNBUFFERED": "1",
-                    # the vLLM engine's threads (the trainer sets its own from torch_threads)
-                    "OMP_NUM_THREADS": str(self.env.torch_threads or 1) if self.role == "generator" else "1",
-                    **self.role_env,
-                    **self.env.to_environ(),
-                },
+                env=service_environ(os.environ, self.env, self.role_env),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -1,6 +1,6 @@
 """`pipelinerl run` gives each role its `spec.<role>.env`, as a pod would get it."""
 
-from pipelinerl_cli.supervisor import role_environ
+from pipelinerl_cli.supervisor import role_environ, service_environ
 from pipelinerl.spec import EnvVar
 
 
@@ -27,3 +27,17 @@ def test_secret_refs_come_from_the_shell_or_are_said_unset():
     said.clear()
     role_environ(entries[:1], {}, said.append)
     assert "WANDB_API_KEY" in said[0] and "Secret" in said[0]
+
+
+def test_a_service_gets_the_shell_then_its_role_env_then_the_contract_but_not_the_launchers_wandb_service():
+    from pipelinerl.contracts import Env, ServiceEnv
+
+    shell = {"PATH": "/bin", "HF_HOME": "/shell", "WANDB_SERVICE": "2-123-tcp-localhost-4567", Env.RANK: "9"}
+    trainer = service_environ(shell, ServiceEnv(role="trainer", rank=1), {"HF_HOME": "/role", Env.RANK: "7"})
+    # A W&B service of the launcher would hold a killed trainer's run (its restart: "in use").
+    assert "WANDB_SERVICE" not in trainer
+    assert trainer["PATH"] == "/bin" and trainer["HF_HOME"] == "/role"  # the role's env over the shell's
+    assert trainer[Env.RANK] == "1"  # the contract over both
+    assert trainer["OMP_NUM_THREADS"] == "1" and trainer["PYTHONUNBUFFERED"] == "1"
+    generator = service_environ(shell, ServiceEnv(role="generator", torch_threads=2), {})
+    assert generator["OMP_NUM_THREADS"] == "2" and generator["HF_HOME"] == "/shell"
