@@ -14,7 +14,7 @@ run: setup
 
 test: setup
 	@scripts/test-tools.sh
-	.venv/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 $(PYTEST_ARGS)
 
 # Lint, format and type checks (CI runs them before the tests).
 lint: setup
