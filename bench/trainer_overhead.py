@@ -20,6 +20,7 @@ import torch
 
 from bench.common import alternate, paired_ratios, save, summary, table, timed
 from pipelinerl import messages as m
+from pipelinerl.ports import free_port
 from pipelinerl.spec import load_job
 from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl_preprocessor.packing import StepSample, pack_wave, step_weight
@@ -95,7 +96,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29517")
+    # A port of its own: a fixed one clashed with a run beside it (the test suite's other worker).
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     from pipelinerl_trainer.model import build_engine, init_distributed, load_model
 
     job = load_job(JOB)

@@ -205,7 +205,8 @@ def test_the_smoke_mode_runs_the_whole_check_on_cpu_and_keeps_everything_in_out(
     ]
     for name in ("gpu_trainer-0.5B", "gpu_trainer-1.5B", "gpu_trainer-1.5B-16k"):
         report = json.loads((out / f"{name}.json").read_text())
-        assert report["size"] == "smoke" and all("seconds" in r for r in report["sides"].values()), name
+        sides = report["sides"]
+        assert report["size"] == "smoke" and all("seconds" in r for r in sides.values()), (name, sides)
     assert json.loads((out / "gpu_weight_update-1.5B.json").read_text())["exact"] is True
     printed = done.stdout
     summary = printed[printed.index("== summary") :]
