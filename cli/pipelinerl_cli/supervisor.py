@@ -166,13 +166,23 @@ class Service:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def stop(self, timeout_s: float = 20.0) -> None:
+    def terminate(self) -> None:
+        """SIGTERM to its process group, as Kubernetes stops a pod (a trainer checkpoints first)."""
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
             try:
-                self.proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
                 pass
+
+    def stop(self, timeout_s: float = 20.0, terminated: bool = False) -> None:
+        """Terminate it (unless `terminated` already), give it `timeout_s` to exit, then kill
+        whatever is left of its process group."""
+        if not terminated:
+            self.terminate()
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
         self.reap()
         self.proc.wait(timeout=10)
 

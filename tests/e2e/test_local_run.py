@@ -12,8 +12,12 @@ import torch
 
 from jobs import tiny_job  # tests/e2e/jobs.py
 
+from pipelinerl.planner.calibration import load_calibration
+from pipelinerl.planner.pilot import derive_calibration, train_rows
+from pipelinerl.spec import SpecError, load_job, parse_job
+from pipelinerl_cli.calibrate_from import calibration_from_run
 from pipelinerl_cli.local import run_local
-from pipelinerl.spec import SpecError, parse_job
+from pipelinerl_cli.main import main
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +34,10 @@ def run(job: dict, run_dir: Path) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def test_pipeline_mode_two_deepspeed_ranks_zero3(tmp_path):
+@pytest.fixture(scope="module")
+def zero3_run(tmp_path_factory) -> tuple[Path, dict]:
+    """One whole run, read by two tests: two ZeRO-3 ranks, and `plan --calibrate-from` its folder."""
+    tmp_path = tmp_path_factory.mktemp("zero3")
     # Rows of 128 tokens: several micro-batches per rank and step (sentinels included), over
     # which both ZeRO-3 ranks must gather parameters in lock-step.
     job = tiny_job(
@@ -39,7 +46,11 @@ def test_pipeline_mode_two_deepspeed_ranks_zero3(tmp_path):
         trainer={"replicas": 2, "zeroStage": 3, "maxSteps": 6, "exportInterval": 3, "microBatchTokens": 128},
         output={"path": str(tmp_path / "models")},
     )
-    summary = run(job, tmp_path)
+    return tmp_path, run(job, tmp_path)
+
+
+def test_pipeline_mode_two_deepspeed_ranks_zero3(zero3_run):
+    tmp_path, summary = zero3_run
     train = rows(tmp_path, "train")
     assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]  # versions advance one per step
     assert all(r["lag_max"] <= 2 for r in train) and summary["samples_dropped_for_lag"] == 0
@@ -76,6 +87,34 @@ def test_pipeline_mode_two_deepspeed_ranks_zero3(tmp_path):
     # its weights never change, so which version's they are is checked in tests/unit/test_output.py)
     assert not list((tmp_path / "models" / ".candidates").glob("*"))
     assert (tmp_path / "progress.png").stat().st_size > 10_000
+
+
+def test_plan_calibrates_from_a_local_run_folder(zero3_run, capsys):
+    """`pipelinerl plan --calibrate-from` on the run's folder: its metrics.jsonl and
+    summary.json, and the micro-batches its NATS store still holds."""
+    run, _ = zero3_run
+    rows = train_rows((run / "metrics.jsonl").read_text())
+    summary = json.loads((run / "summary.json").read_text())
+    pilot = load_job(run / "job.yaml")
+
+    calib, report = calibration_from_run(str(run), pilot)
+    # Every trained sample's completion length, read back from the run's BATCHES stream (each
+    # step's micro-batches are kept for a resumed trainer to replay), from both ranks.
+    assert calib.lengths.distribution == "empirical"
+    assert len(calib.lengths.values) == sum(r["samples"] for r in rows)
+    assert sum(calib.lengths.values) == sum(r["tokens"] for r in rows)
+    # The rest from the files, as the pure derivation reads them.
+    expected, _ = derive_calibration(
+        rows, pilot, load_calibration("cpu-tiny"), calib.lengths.values, summary, where=str(run)
+    )
+    assert calib == expected
+    assert "the stored micro-batches" in report and "generator_busy_fraction" in report
+
+    capsys.readouterr()
+    job_file = run / "job.yaml"
+    assert main(["plan", str(job_file), "--gpus", "2", "--max-k", "2", "--calibrate-from", str(run)]) == 0
+    out, err = capsys.readouterr()
+    assert f"calibration from {run}" in err and "recommendation:" in out
 
 
 def test_a_missing_model_folder_is_refused_before_anything_starts(tmp_path):

@@ -1,6 +1,6 @@
 """`pipelinerl plan --calibrate-from`: the costs a pilot run measured, from its files' content
 (pure: `pipelinerl.planner.pilot`), and the command on a run folder written here. A real
-`pipelinerl run` folder: tests/e2e/test_plan_calibrate_from.py."""
+`pipelinerl run` folder: tests/e2e/test_local_run.py (`test_plan_calibrates_from_a_local_run_folder`)."""
 
 from __future__ import annotations
 
