@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import platform
 import statistics
 import tempfile
@@ -64,6 +65,14 @@ def _fmt(c: object) -> str:
     if isinstance(c, float):
         return f"{c:.3g}" if abs(c) < 1000 else f"{c:.0f}"
     return str(c)
+
+
+def one_rank_distributed_env() -> None:
+    """torch.distributed's environment for a benchmark that is one rank on its own, on a free
+    port (a fixed one clashed with a run beside it: the test suite's other worker)."""
+    from pipelinerl.ports import free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
 def machine() -> dict[str, object]:

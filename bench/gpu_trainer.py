@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import random
 import re
 import signal
@@ -57,9 +56,8 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, machine, save, summary, table
+from bench.common import RESULTS, machine, one_rank_distributed_env, save, summary, table
 from pipelinerl import messages as m
-from pipelinerl.ports import free_port
 from pipelinerl.spec import load_job, parse_job
 from pipelinerl_preprocessor.packing import StepSample, pack_wave, step_weight
 from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
@@ -471,8 +469,7 @@ def main(argv: list[str] | None = None) -> None:
     if not on_gpu and not args.smoke:
         raise SystemExit("bench.gpu_trainer needs a CUDA GPU (or --smoke to check the script on CPU)")
     folder = args.results_dir or (None if args.smoke else RESULTS)  # a smoke figure never lands in bench/results
-    # A port of its own: a fixed one clashed with a run beside it (the test suite's other worker).
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    one_rank_distributed_env()
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     memory = cap_memory(args.memory_cap_gb) if on_gpu else {}

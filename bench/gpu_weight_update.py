@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, save, summary, table
+from bench.common import RESULTS, one_rank_distributed_env, save, summary, table
 from bench.gpu_trainer import NAME, SIZES, job_for
 from pipelinerl.ports import free_port
 
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         f"python -m bench.gpu_weight_update --size {args.size} --rounds {args.rounds} --bucket-mb {args.bucket_mb}"
         + (" --smoke" if args.smoke else "")
     )
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    one_rank_distributed_env()
     if on_gpu:
         os.environ["NCCL_HOSTID"] = "trainer"
         torch.cuda.set_device(0)

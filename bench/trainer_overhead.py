@@ -13,14 +13,12 @@ through Hugging Face's stock SDPA, which masks each whole row, to show what that
 from __future__ import annotations
 
 import argparse
-import os
 import random
 
 import torch
 
-from bench.common import alternate, paired_ratios, save, summary, table, timed
+from bench.common import alternate, one_rank_distributed_env, paired_ratios, save, summary, table, timed
 from pipelinerl import messages as m
-from pipelinerl.ports import free_port
 from pipelinerl.spec import load_job
 from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl_preprocessor.packing import StepSample, pack_wave, step_weight
@@ -96,8 +94,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=128)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    # A port of its own: a fixed one clashed with a run beside it (the test suite's other worker).
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    one_rank_distributed_env()
     from pipelinerl_trainer.model import build_engine, init_distributed, load_model
 
     job = load_job(JOB)
