@@ -57,6 +57,9 @@ class Wandb:
             resume="allow",
             dir=str(run_dir),
             config=json.loads(job.model_dump_json(by_alias=True)),
+            # W&B writes its run file every 15 s by default: a pod killed outright lost up to 15 s
+            # of steps, those before the checkpoint it resumes from too, which no replay restores.
+            settings=wandb.Settings(x_transaction_log_flush_interval=1.0),
         )
         for kind, axis in AXES.items():
             self.run.define_metric(f"{kind}/{axis}")

@@ -3,6 +3,9 @@ local file store), TensorBoard (event files) — the rows `metrics.jsonl` holds,
 
 import json
 import math
+import os
+import subprocess
+import sys
 
 from wandb_records import wandb_history  # tests/wandb_records.py
 
@@ -72,3 +75,32 @@ def test_every_tracker_gets_the_rows_and_a_restart_continues_the_same_runs(tmp_p
         (4, 0.2),
     ]
     assert [(r["eval/version"], r["eval/accuracy"]) for r in history if "eval/version" in r] == [(2, 0.3)]
+
+
+KILLED_TRACKER = """
+import os, sys, time
+from pathlib import Path
+from pipelinerl.spec import parse_job
+from pipelinerl.tracking import Tracker
+job = parse_job({"metadata": {"name": "tracked"}, "spec": {"tracking": {"wandb": {"project": "p", "mode": "offline"}}}})
+tracker = Tracker(job, Path(sys.argv[1]))
+for step in range(1, 6):
+    tracker.log("train", {"step": step, "loss": 1.0})
+time.sleep(3)  # a few seconds pass before the kill (a checkpoint, then more steps)
+os.killpg(0, 9)  # the trainer's process group, W&B's service with it, as a pod is killed
+"""
+
+
+def test_a_tracker_killed_outright_keeps_the_steps_logged_seconds_before(tmp_path):
+    """W&B wrote its run file every 15 s by default; a trainer killed within that window lost the
+    steps before its checkpoint (test_resume, once). Now it writes every second."""
+    proc = subprocess.run(
+        [sys.executable, "-c", KILLED_TRACKER, str(tmp_path)],
+        env={**os.environ, "WANDB_SILENT": "true"},
+        start_new_session=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9
+    ids = json.loads((tmp_path / "tracking.json").read_text())
+    (run,) = (tmp_path / "wandb").glob(f"offline-run-*-{ids['wandb']}/run-{ids['wandb']}.wandb")
+    assert [r["train/step"] for r in wandb_history(run) if "train/step" in r] == [1, 2, 3, 4, 5]
