@@ -100,11 +100,14 @@ def test_the_only_generator_then_the_nats_server_die_and_nothing_acknowledged_is
 
 def test_the_trainer_dies_resumes_from_its_checkpoint_and_generators_rejoin(tmp_path):
     steps = 12
-    job = fault_job("trainer", steps, trainer={"checkpointInterval": 3})
-    run, before, killed_at = kill_mid_run(tmp_path, job, "trainer", after_step=5)  # 2 steps past the step-3 checkpoint
+    # Killed 2 steps past the step-4 checkpoint and 2 before the next. With 1 step to the next
+    # checkpoint, that step and its checkpoint could finish between the poll and the kill (a step
+    # took 0.3 s once), and the run would resume past every step it was seen to take.
+    job = fault_job("trainer", steps, trainer={"checkpointInterval": 4})
+    run, before, killed_at = kill_mid_run(tmp_path, job, "trainer", after_step=6)
     train = run.train()
     resumed_at = int(re.search(r"resumed from \S+ at step (\d+)", (run.dir / "logs/trainer.log").read_text())[1])
-    assert resumed_at % 3 == 0 and resumed_at <= killed_at  # the newest checkpoint when it died
+    assert resumed_at % 4 == 0 and resumed_at <= killed_at  # the newest checkpoint when it died
     # The first trainer's rows, then the restarted one's: each step once from its checkpoint on.
     first, second = train[: len(train) - (steps - resumed_at)], train[len(train) - (steps - resumed_at) :]
     assert [r["step"] for r in first] == list(range(1, len(first) + 1)) and len(first) >= killed_at

@@ -61,7 +61,9 @@ def engine_args(generator: GeneratorSpec, model: ModelSpec, model_path: str, see
 
 
 def configure_cpu_env() -> None:
-    """Defaults for the CPU build (a single-process engine starts in seconds)."""
+    """Defaults for the CPU build. VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps LLMEngine's core in
+    process; AsyncLLM spawns its engine core whatever it says (vLLM's CPU platform forces spawn),
+    which imports vLLM a second time: ~15-20 s of a generator's start on a loaded 2-core machine."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
