@@ -125,6 +125,12 @@ def pooled_runs(paths: list[str | Path], sides: list[str]) -> dict[str, list[dic
         saved = read_result(path)["runs"]
         for side in runs:
             runs[side] += saved.get(side, [])
+    for side, xs in runs.items():  # the same round twice is a re-timing, not an independent round
+        seeds = [x["seed"] for x in xs if "seed" in x]
+        if len(set(seeds)) < len(seeds):
+            raise SystemExit(
+                f"--reanalyse: {side} has two runs at one seed ({sorted(seeds)}): give later rounds --first-round"
+            )
     return {side: xs for side, xs in runs.items() if xs}
 
 
@@ -151,6 +157,8 @@ def add_method_args(ap) -> None:
     ap.add_argument("--lrs", type=float, nargs="*", default=[],
                     help="learning-rate grid swept on every side first (each side then runs at its best)")  # fmt: skip
     ap.add_argument("--sweep-rounds", type=int, default=1, help="runs per side and learning rate in the sweep")
+    ap.add_argument("--first-round", type=int, default=0,
+                    help="the first round's index (its seed): more rounds, to pool with --reanalyse")  # fmt: skip
     ap.add_argument("--reruns", type=int, default=2, help="tries of a round that ran beside other programs")
     ap.add_argument("--sweep-with", metavar="JSON", nargs="+", default=[],
                     help="earlier results of this benchmark, same settings: their sweep runs join this sweep "
@@ -162,11 +170,12 @@ def method_flags(args) -> str:
     flags = "" if args.band == [5, 15] else f" --band {args.band[0]:g} {args.band[1]:g}"
     if args.lrs:
         flags += f" --lrs {' '.join(f'{x:g}' for x in args.lrs)} --sweep-rounds {args.sweep_rounds}"
+    flags += f" --first-round {args.first_round}" if args.first_round else ""
     return flags + "".join(f" --sweep-with {p}" for p in args.sweep_with)
 
 
 # What an earlier result may differ in and still lend its sweep runs: how many runs, and which.
-RUN_COUNT_ARGS = {"rounds", "lrs", "sweep_rounds", "reruns", "name", "reanalyse", "sweep_with", "sides", "modes"}
+RUN_COUNT_ARGS = set("rounds first_round lrs sweep_rounds reruns name reanalyse sweep_with sides modes".split())
 
 
 def earlier_sweeps(paths: list[str], args) -> dict[str, dict[str, list[dict]]]:
@@ -195,7 +204,7 @@ def band_gains(args) -> list[float]:
 def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, partial: Path) -> tuple[dict, dict]:
     """The learning-rate sweep (`args.lrs`: every side at every rate, `args.sweep_rounds` runs
     each; a side then runs at its best, `best_setting`), then `args.rounds` rounds alternating the
-    sides, round r at seed `round_seed(base_seed, r)` on every side. Each run goes through the
+    sides, round r (from `args.first_round`) at seed `round_seed(base_seed, r)` on every side. Each run goes through the
     contention guard. `sides[name](tag, seed=..., lr=...)` runs one and returns its record.
     Returns the runs per side and the sweep (its runs and each side's best rate)."""
     sweep: dict = {"runs": {}, "best": {}}
@@ -220,7 +229,7 @@ def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, part
         finals = {lr: statistics.fmean(x["evals"][-1]["accuracy"] for x in xs) for lr, xs in tried.items()}
         of = ", ".join(f"{lr} (final accuracy {a:.1%})" for lr, a in finals.items())
         print(f"  {side}: best learning rate {sweep['best'][side]:g} of {of}", flush=True)
-    for r in range(args.rounds):
+    for r in range(args.first_round, args.first_round + args.rounds):
         for side, run in sides.items():
             one = partial_run(run, str(r), round_seed(base_seed, r), sweep["best"].get(side))
             runs[side].append(guarded(one, f"{side} round {r}", args.reruns))

@@ -116,7 +116,7 @@ def test_the_sweep_picks_the_rate_that_reaches_the_band_soonest():
 
 
 def args(**kw):
-    base = dict(rounds=2, lrs=[], sweep_rounds=1, reruns=0, band=[5, 15], sweep_with=[], steps=100)
+    base = dict(rounds=2, first_round=0, lrs=[], sweep_rounds=1, reruns=0, band=[5, 15], sweep_with=[], steps=100)
     return argparse.Namespace(**(base | kw))
 
 
@@ -141,6 +141,10 @@ def test_rounds_give_every_side_the_rounds_seed_and_each_side_its_best_rate(tmp_
     sweeps = {c[2] for c in calls if c[1].startswith("sweep")}
     assert sweeps.isdisjoint({7, 8})  # the sweep's seeds are not the rounds'
     assert [x["seed"] for x in runs["fast"]] == [x["seed"] for x in runs["slow"]] == [7, 8]
+    # More rounds later (to pool with --reanalyse) go on from the given round, at new seeds.
+    calls.clear()
+    more, _ = common.run_rounds({"fast": side("fast")}, args(rounds=1, first_round=2), 7, tmp_path / "q.json")
+    assert calls == [("fast", "2", 9, None)] and [x["seed"] for x in more["fast"]] == [9]
     # Tags go into job names (DNS-1035 labels): a rate like 1e-04 must not appear in one.
     assert all(re.fullmatch(r"[a-z0-9-]+", tag) for _, tag, _, _ in calls)
 
@@ -222,3 +226,8 @@ def test_a_reanalysis_pools_the_saved_rounds_and_runs_nothing(tmp_path):
     runs, sweep = common.gather_runs(args, lambda tmp: pytest.fail("a reanalysis ran a side"), ["x", "y"])
     assert runs == {"x": [{"r": 0}, {"r": 1}], "y": [{"r": 0}]} and sweep == {}
     assert args.rounds == 2  # the report counts the rounds it pooled
+    # Two results of the same rounds are not pooled as if independent.
+    for path in (a, b):
+        path.write_text(json.dumps({"runs": {"x": [{"seed": 42}]}}))
+    with pytest.raises(SystemExit, match="x has two runs at one seed"):
+        common.gather_runs(args, lambda tmp: pytest.fail("a reanalysis ran a side"), ["x"])
