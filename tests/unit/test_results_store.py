@@ -88,6 +88,7 @@ def test_every_kept_result_is_whole_and_its_summary_matches_it():
         assert has_bulk(whole), path
         assert summary_of(whole) | {FULL: full_path(path).name} == json.loads(path.read_text()), path
     for path in RESULTS.glob("*.json"):  # no result carries its per-step records uncompressed
-        assert not has_bulk(json.loads(path.read_text())), path
+        if not path.name.endswith(".partial.json"):  # a running benchmark's runs so far (not kept: .gitignore)
+            assert not has_bulk(json.loads(path.read_text())), path
     orphans = [p for p in RESULTS.glob("*.json.xz") if not Path(str(p).removesuffix(".xz")).exists()]
     assert orphans == []
