@@ -76,8 +76,6 @@ def one_rank_distributed_env() -> None:
 
 
 def machine() -> dict[str, object]:
-    import os
-
     import torch
 
     from pipelinerl import tiny_model

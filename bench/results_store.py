@@ -88,8 +88,14 @@ def compact(path: Path) -> bool:
     return True
 
 
+def kept_results() -> list[Path]:
+    """The results in bench/results; not a running benchmark's runs so far (`NAME.partial.json`,
+    which git ignores)."""
+    return sorted(p for p in RESULTS.glob("*.json") if not p.name.endswith(".partial.json"))
+
+
 def main(argv: list[str]) -> None:
-    paths = [Path(p) for p in argv] or sorted(p for p in RESULTS.glob("*.json") if not p.name.endswith(".partial.json"))
+    paths = [Path(p) for p in argv] or kept_results()
     for path in paths:
         before = path.stat().st_size
         if compact(path):

@@ -16,6 +16,7 @@ from bench.results_store import (
     compact,
     full_path,
     has_bulk,
+    kept_results,
     read_result,
     summary_of,
     write_result,
@@ -81,14 +82,13 @@ def test_the_loaders_read_the_whole_runs_through_a_summarys_path():
 
 
 def test_every_kept_result_is_whole_and_its_summary_matches_it():
-    summaries = [p for p in sorted(RESULTS.glob("*.json")) if FULL in json.loads(p.read_text())]
+    summaries = [p for p in kept_results() if FULL in json.loads(p.read_text())]
     assert len(summaries) >= 20
     for path in summaries:
         whole = read_result(path)
         assert has_bulk(whole), path
         assert summary_of(whole) | {FULL: full_path(path).name} == json.loads(path.read_text()), path
-    for path in RESULTS.glob("*.json"):  # no result carries its per-step records uncompressed
-        if not path.name.endswith(".partial.json"):  # a running benchmark's runs so far (not kept: .gitignore)
-            assert not has_bulk(json.loads(path.read_text())), path
+    for path in kept_results():  # no result carries its per-step records uncompressed
+        assert not has_bulk(json.loads(path.read_text())), path
     orphans = [p for p in RESULTS.glob("*.json.xz") if not Path(str(p).removesuffix(".xz")).exists()]
     assert orphans == []
