@@ -1,6 +1,6 @@
 """What the services' and the operator's /metrics say, from what they know: the series the chart's
 alerts and dashboard read (their names are checked against a real Prometheus in
-tests/e2e/test_monitoring.py)."""
+tests/e2e/test_watched_run.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The chart's monitoring parts: the PrometheusRule is the plain rules file, and the series a real
-run cannot show (tests/e2e/test_monitoring.py checks the rest against a real Prometheus) are
+run cannot show (tests/e2e/test_watched_run.py checks the rest against a real Prometheus) are
 defined where they come from: the chart's kube-state-metrics config and the operator's registry."""
 
 from __future__ import annotations
