@@ -128,6 +128,7 @@ class Rig:
     cmd_q: object
     res_q: object
     port: int
+    sender: object
     in_place: bool = True  # the receiver's loading path under test
     staged: bool = True  # transferred and loaded beside generation, swapped in a short pause
     current: str = "A"  # which weights the engine holds
@@ -143,33 +144,51 @@ class Rig:
 
 
 # vLLM resolves the extension by qualified name in this process (single-process engine on CPU).
-class InPlaceProbe(WeightReceiverExtension):
-    """The project's extension, plus a probe of the loading path it took."""
+class Probe(WeightReceiverExtension):
+    """The project's extension, plus probes of the loading path the last update took, and a
+    switch onto its other path, vLLM's layerwise reload (taken for quantized models)."""
 
-    def probe_loaded_in_place(self) -> bool:
-        return self._pipelinerl_packed is not None
+    _probe_reload = False
+    _probe_last_in_place: bool | None = None
+    _probe_last_staged: bool | None = None
 
-    def probe_staged(self) -> bool:
-        return self._pipelinerl_shadow is not None
+    def probe_force_reload(self, on: bool) -> None:
+        self._probe_reload = on
+
+    def _pipelinerl_can_load_in_place(self) -> bool:
+        return not self._probe_reload and super()._pipelinerl_can_load_in_place()
+
+    def receive_weights(self, buckets):
+        self._probe_last_in_place = self._probe_last_staged = False
+        return super().receive_weights(buckets)
+
+    def stage_weights(self, buckets):
+        self._probe_last_staged = started = super().stage_weights(buckets)
+        return started
+
+    def _pipelinerl_load_in_place(self, model, packed, weights) -> None:
+        self._probe_last_in_place = True
+        super()._pipelinerl_load_in_place(model, packed, weights)
+
+    def probe_loaded_in_place(self) -> bool | None:
+        return self._probe_last_in_place
+
+    def probe_staged(self) -> bool | None:
+        return self._probe_last_staged
 
     def probe_staging_alive(self) -> bool:
         return self._pipelinerl_staging is not None and self._pipelinerl_staging.thread.is_alive()
 
 
-class ReloadProbe(InPlaceProbe):
-    """Forced onto its other path, vLLM's layerwise reload (taken for quantized models)."""
-
-    def _pipelinerl_can_load_in_place(self) -> bool:
-        return False
-
-
-# (extension, weightSync.staged): staged in-place loading (the default), in-place loading inside
-# the pause, and the layerwise reload (quantized models), which cannot stage and falls back.
-PATHS = {"staged": (InPlaceProbe, True), "in_pause": (InPlaceProbe, False), "reload": (ReloadProbe, True)}
+# (the layerwise reload, weightSync.staged): staged in-place loading (the default), in-place
+# loading inside the pause, and the layerwise reload (quantized models), which cannot stage and
+# falls back. The two in-place paths share an engine (each start costs ~20 s of the suite); the
+# reload gets its own: an engine takes one of the two for its life (the model is quantized or not),
+# and neither works after the other has loaded.
+PATHS = {"staged": (False, True), "in_pause": (False, False), "reload": (True, True)}
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module", params=list(PATHS))
-async def rig(request, tmp_path_factory):
+async def start_rig(root: Path, reload: bool) -> Rig:
     from safetensors.torch import load_file
 
     from pipelinerl.spec import parse_job
@@ -177,8 +196,6 @@ async def rig(request, tmp_path_factory):
     from pipelinerl.weight_group import dtype_name, plan_buckets
     from pipelinerl_generator.engine import Engine
 
-    extension, staged = PATHS[request.param]
-    root = tmp_path_factory.mktemp("inflight")
     paths = {name: save_model(root / name, seed) for name, seed in SEEDS.items()}
     job = parse_job(
         {
@@ -188,12 +205,12 @@ async def rig(request, tmp_path_factory):
             "spec": {
                 "model": {"path": paths["A"], "maxSeqLen": 256, "dtype": "float32"},
                 "generator": {"sampling": {"maxTokens": LONG_TOKENS}},
-                "weightSync": {"backend": "gloo", "bucketMb": 1, "timeoutSeconds": SYNC_TIMEOUT_S, "staged": staged},
+                "weightSync": {"backend": "gloo", "bucketMb": 1, "timeoutSeconds": SYNC_TIMEOUT_S},
             },
         }
     )
     # The probe replaces PipelineRL's extension, which validation refuses from a manifest.
-    job.spec.generator.engine_args["worker_extension_cls"] = f"{__name__}.{extension.__name__}"
+    job.spec.generator.engine_args["worker_extension_cls"] = f"{__name__}.{Probe.__name__}"
     sync = job.spec.weight_sync
     weights = load_file(f"{paths['A']}/model.safetensors")
     buckets = plan_buckets([(n, list(t.shape), dtype_name(t.dtype)) for n, t in weights.items()], sync.bucket_mb << 20)
@@ -205,28 +222,56 @@ async def rig(request, tmp_path_factory):
     sender = ctx.Process(target=_sender_main, args=(paths, port, cmd_q, res_q), daemon=True)
     sender.start()
     engine = Engine(job, paths["A"])
+    rig = Rig(engine, make_tokenizer(), {}, buckets, cmd_q, res_q, port, sender)
     try:
         await engine.start(0)
+        await engine.llm.collective_rpc("probe_force_reload", args=(reload,))  # before any update
         cmd_q.put(("init",))
         await engine.join_weight_group(HOST, port, "g", 1, 2, sync.timeout_seconds)
         await reply(res_q)
-        yield Rig(
-            engine,
-            make_tokenizer(),
-            {n: load_hf(p) for n, p in paths.items()},
-            buckets,
-            cmd_q,
-            res_q,
-            port,
-            in_place=extension is InPlaceProbe,
-            staged=staged and extension is InPlaceProbe,
-        )
+        rig.hf = {n: load_hf(p) for n, p in paths.items()}
+    except BaseException:
+        stop_rig(rig)
+        raise
+    return rig
+
+
+def stop_rig(rig: Rig) -> None:
+    rig.cmd_q.put(("close",))
+    rig.engine.shutdown()
+    rig.sender.join(10)
+    if rig.sender.is_alive():
+        rig.sender.kill()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engines(tmp_path_factory):
+    """The rig for a loading path (reload or in place), started when first asked for; one at a time."""
+    running: dict[bool, Rig] = {}
+
+    async def rig_for(reload: bool) -> Rig:
+        if reload not in running:
+            for other in running.values():
+                stop_rig(other)
+            running.clear()
+            running[reload] = await start_rig(tmp_path_factory.mktemp("inflight"), reload)
+        return running[reload]
+
+    try:
+        yield rig_for
     finally:
-        cmd_q.put(("close",))
-        engine.shutdown()
-        sender.join(10)
-        if sender.is_alive():
-            sender.kill()
+        for rig in running.values():
+            stop_rig(rig)
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module", params=list(PATHS))
+async def rig(request, engines):
+    """An engine on one loading path: the tests run path by path, in PATHS order."""
+    reload, staged = PATHS[request.param]
+    rig = await engines(reload)
+    rig.engine.staged = staged
+    rig.in_place, rig.staged = not reload, staged and not reload
+    return rig
 
 
 async def wait_for_output_tokens(engine, n: int, timeout_s: float = 120.0) -> int:
