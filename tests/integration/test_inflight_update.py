@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -132,7 +132,6 @@ class Rig:
     in_place: bool = True  # the receiver's loading path under test
     staged: bool = True  # transferred and loaded beside generation, swapped in a short pause
     current: str = "A"  # which weights the engine holds
-    updates: list = field(default_factory=list)
 
     async def update(self, which: str):
         version = self.engine.version + 1
