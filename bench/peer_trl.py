@@ -22,10 +22,12 @@ greedily on the same `--eval-problems` held-out problems, timed when its version
 the end of its optimizer step, the time spent writing weights taken off its clock). Rounds,
 seeds, the learning-rate sweep, the contention guard and the band-median headline on three
 clocks follow the method of bench/analysis.py (bench/README.md, "The method"). `trl-parity` is
-TRL with the project's objective as near as TRL's options go. Reported per side: trained
-samples/s, seconds per step, start-up, steps and seconds to the warm start's accuracy + each
-`--gains` (pooled rounds), where a step's time goes; then the headline of each pair
-(TRL/pipeline, TRL/sync, and the same against `trl-parity`), with pooled ratios beside it.
+TRL with the project's objective as near as TRL's options go; `trl-k2`, `trl-k4` and `trl-k8`
+are TRL with `steps_per_generation` k (one generation batch of k steps' samples, then k
+optimizer steps on its slices: TRL's form of conventional RL with k steps per phase). Reported
+per side: trained samples/s, seconds per step, start-up, steps and seconds to the warm start's
+accuracy + each `--gains` (pooled rounds), where a step's time goes; then the headline of each
+pair (each TRL side / pipeline and / sync), with pooled ratios beside it.
 """
 
 from __future__ import annotations
@@ -64,7 +66,9 @@ TRL_ENV = ROOT / ".cache" / "bench-trl"
 TRL_REQUIREMENTS = ROOT / "bench" / "trl-requirements.txt"
 TRL_SCRIPT = ROOT / "bench" / "trl_grpo.py"
 REWARD = ROOT / "examples" / "trl" / "rewards.py"
-SIDES = ("pipeline", "sync", "trl", "trl-parity")
+DEFAULT_SIDES = ("pipeline", "sync", "trl", "trl-parity")
+TRL_K = {"trl-k2": 2, "trl-k4": 4, "trl-k8": 8}  # side: GRPOConfig.steps_per_generation
+SIDES = (*DEFAULT_SIDES, *TRL_K)
 # TRL with the project's objective as near as TRL's options go: advantages not divided by the
 # group's standard deviation, and Dr. GRPO's loss (a constant normaliser, not each completion's
 # length), so that the ratio against it measures asynchrony rather than objective.
@@ -107,9 +111,9 @@ def write_rows(job: PipelineRLJob, count: int, path: Path) -> None:
             f.write(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n")
 
 
-def trl_run(args, tag: str, root: Path, seed: int | None = None, lr: float | None = None, parity=False) -> dict:
+def trl_run(args, tag: str, root: Path, seed: int | None = None, lr: float | None = None, side="trl") -> dict:
     job = load_job(args.job)
-    spec, out = job.spec, root / f"trl{'-parity' if parity else ''}-{tag}"
+    spec, out = job.spec, root / f"{side}-{tag}"
     seed = spec.trainer.seed if seed is None else seed
     lr = lr or spec.trainer.learning_rate
     rows = root / "trl-train.jsonl"
@@ -146,7 +150,8 @@ def trl_run(args, tag: str, root: Path, seed: int | None = None, lr: float | Non
         str(args.trl_threads),
         "--export-interval",
         str(args.eval_interval),
-        *(item for field in PARITY if parity for item in ("--set", field)),
+        *(item for field in PARITY if side == "trl-parity" for item in ("--set", field)),
+        *(("--set", f"steps_per_generation={TRL_K[side]}") if side in TRL_K else ()),
     ]
     out.mkdir(parents=True)
     t0, launched = time.monotonic(), time.time()
@@ -278,7 +283,7 @@ def report(runs: dict[str, list[dict]], args) -> dict:
             f"  {side}, mean per step: "
             + ", ".join(f"{k} {v:.3f}" for k, v in result["sides"][side]["where_time_goes"].items())
         )
-    pairs = [(f, b) for b in ("trl", "trl-parity") for f in ("pipeline", "sync") if f in runs and b in runs]
+    pairs = [(f, b) for b in runs if b.startswith("trl") for f in ("pipeline", "sync") if f in runs]
     for fast, base in pairs:
         key = f"{base}/{fast}"
         result["ratios"][key] = {"headline": print_headlines(fast, base, runs, args), "pooled": {}}
@@ -321,7 +326,7 @@ def main() -> None:
         default=[10, 20, 30],
         help="targets: the warm start's accuracy + these many points",
     )
-    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES))
+    ap.add_argument("--sides", nargs="+", choices=SIDES, default=list(DEFAULT_SIDES))
     ap.add_argument("--eval-interval", type=int, default=10, help="versions between weights evaluated offline")
     ap.add_argument("--eval-problems", type=int, default=1000)
     ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (cores here: 2)")
@@ -332,7 +337,7 @@ def main() -> None:
 
     def sides(tmp: Path) -> dict:
         return {
-            side: functools.partial(trl_run, args, root=tmp, parity=side == "trl-parity")
+            side: functools.partial(trl_run, args, root=tmp, side=side)
             if side.startswith("trl")
             else functools.partial(project_run, side, args, root=tmp)
             for side in args.sides
@@ -344,7 +349,7 @@ def main() -> None:
         f"--gains {' '.join(f'{g:g}' for g in args.gains)}"
     )
     command += "" if Path(args.job).resolve() == JOB else f" --job {args.job}"
-    command += "" if args.sides == list(SIDES) else " --sides " + " ".join(args.sides)
+    command += "" if args.sides == list(DEFAULT_SIDES) else " --sides " + " ".join(args.sides)
     command += "" if args.eval_problems == 1000 else f" --eval-problems {args.eval_problems}"
     command += "" if args.eval_interval == 10 else f" --eval-interval {args.eval_interval}"
     command += method_flags(args)
