@@ -313,7 +313,7 @@ def describe(ratio: dict, runs: dict, fast: str, base: str, gain: float) -> str:
     return f"{r:.2f}x ({ci['p5']:.2f}-{ci['p95']:.2f})" if ci["p5"] is not None else f"{r:.2f}x"
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--job", default=str(JOB), help="the job (default: the tiny example)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -332,8 +332,15 @@ def main() -> None:
     ap.add_argument("--trl-threads", type=int, default=2, help="torch threads of the TRL process (cores here: 2)")
     add_method_args(ap)
     add_results_args(ap, "peer_trl")
-    args = ap.parse_args()
-    args.set, args.pipeline_set, args.gain = [], [], args.gains[0]  # what one_run reads
+    args = ap.parse_args(argv)
+    # What pipeline_vs_sync.one_run reads beyond these options: the project's sides run as
+    # `make run` does, the generator and the trainer on a core each (sync too).
+    args.set, args.pipeline_set, args.gain, args.sync_cores = [], [], args.gains[0], "split"
+    return args
+
+
+def main() -> None:
+    args = parse_args()
 
     def sides(tmp: Path) -> dict:
         return {

@@ -1,5 +1,5 @@
-"""The peer benchmark's analysis (bench/peer_trl.py): where each side's step goes, how a ratio
-reads when a side misses a target, and the rows TRL trains on."""
+"""The peer benchmark (bench/peer_trl.py): where each side's step goes, how a ratio reads when a
+side misses a target, the rows TRL trains on, and what each side's run is given."""
 
 import json
 import math
@@ -78,6 +78,48 @@ def test_a_missed_target_reads_as_a_bound_not_a_ratio():
     assert describe({"pooled": None, "interval": ci}, runs, "pipeline", "trl", 15) == "neither reached it"
     both = {"pooled": 2.5, "interval": {"p5": 2.0, "p95": 3.1}}
     assert describe(both, runs, "pipeline", "trl", 15) == "2.50x (2.00-3.10)"
+
+
+def test_the_projects_sides_get_every_option_their_shared_run_reads():
+    """The pipeline and sync sides run through benchmark 1's `one_run`: every `args.X` it reads
+    must be set by the peer benchmark's options (a missing one failed the first pipeline round,
+    after the sweep, once `--sync-cores` was added there)."""
+    import ast
+    import inspect
+
+    from bench.peer_trl import parse_args
+    from bench.pipeline_vs_sync import one_run
+
+    tree = ast.parse(inspect.getsource(one_run))
+    read = {
+        n.attr
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "args"
+    }
+    assert {"sync_cores", "eval_problems", "steps"} <= read  # the walk sees what one_run reads
+    assert read <= set(vars(parse_args([]))), read - set(vars(parse_args([])))
+
+
+def test_a_trl_k_side_generates_once_every_k_steps(tmp_path, monkeypatch):
+    """`trl-k4` passes steps_per_generation 4 to TRL's config; the other TRL sides do not."""
+    import subprocess
+
+    from bench import peer_trl
+
+    seen = {}
+
+    def fake_run(cmd, **_):  # records TRL's command line; the run itself is bench/trl_grpo.py's
+        seen[cmd[cmd.index("--out") + 1].rsplit("/", 1)[1]] = cmd
+        raise SystemExit("stop here")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr(peer_trl, "trl_python", lambda: tmp_path / "python")  # no environment made
+    args = peer_trl.parse_args(["--trl-steps", "5"])
+    for side in ("trl", "trl-parity", "trl-k4"):
+        with pytest.raises(SystemExit):
+            peer_trl.trl_run(args, "0", tmp_path, side=side)
+    sets = {out: [cmd[i + 1] for i, a in enumerate(cmd) if a == "--set"] for out, cmd in seen.items()}
+    assert sets == {"trl-0": [], "trl-parity-0": peer_trl.PARITY, "trl-k4-0": ["steps_per_generation=4"]}
 
 
 def test_trl_trains_on_the_jobs_training_stream_as_prompt_answer_rows(tmp_path):
