@@ -32,8 +32,11 @@ def groups_from(row: dict, generator: int) -> int:
 
 
 def test_one_generator_of_two_dies_and_rejoins(tmp_path):
-    # Runs until the restarted generator has fed two steps (its vLLM start takes 15-20 s), then stops.
-    job = fault_job("gen2", 1000, generator={"replicas": 2})
+    # Runs until the restarted generator has fed two steps, then stops. One group in flight per
+    # generator: the survivor alone then keeps the trainer waiting rather than both cores busy,
+    # so the restart's vLLM start (~40 CPU-seconds) is not starved (it took 96 s beside ~110
+    # steps trained flat out).
+    job = fault_job("gen2", 1000, generator={"replicas": 2, "maxInflightGroups": 1})
     run = RunProcess(tmp_path, job, RUN_TIMEOUT_S)
     run.wait_step(3)
     before = run.services()
