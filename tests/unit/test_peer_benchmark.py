@@ -3,6 +3,7 @@ side misses a target, the rows TRL trains on, and what each side's run is given.
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import yaml
@@ -100,7 +101,7 @@ def test_the_projects_sides_get_every_option_their_shared_run_reads():
     assert read <= set(vars(parse_args([]))), read - set(vars(parse_args([])))
 
 
-def test_a_trl_k_side_generates_once_every_k_steps(tmp_path, monkeypatch):
+def test_a_trl_k_side_asks_trl_for_k_steps_per_generation(tmp_path, monkeypatch):
     """`trl-k4` passes steps_per_generation 4 to TRL's config; the other TRL sides do not."""
     import subprocess
 
@@ -109,7 +110,7 @@ def test_a_trl_k_side_generates_once_every_k_steps(tmp_path, monkeypatch):
     seen = {}
 
     def fake_run(cmd, **_):  # records TRL's command line; the run itself is bench/trl_grpo.py's
-        seen[cmd[cmd.index("--out") + 1].rsplit("/", 1)[1]] = cmd
+        seen[Path(cmd[cmd.index("--out") + 1]).name] = cmd
         raise SystemExit("stop here")
 
     monkeypatch.setattr(subprocess, "run", fake_run)
