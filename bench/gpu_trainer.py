@@ -348,15 +348,20 @@ class Bench:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         self.sync()
-        syncs = [w for w in seen if "synchroniz" in str(w.message)]
+        # Not the mode's own "prototype feature" warning, which set_sync_debug_mode itself raises
+        syncs = [w for w in seen if "called a synchronizing" in str(w.message)]
         if syncs:
             print(f"  host syncs seen: {sorted({f'{w.filename}:{w.lineno}' for w in syncs})[:8]}")
         return len(syncs) / len(self.batches)
 
 
-def profile_step(step: Callable[[], None], top: int = 8) -> dict:
-    """One step under torch.profiler: the GPU's busy fraction (kernel time / wall time) and the top
-    kernels by GPU time."""
+# CUDA runtime calls that can make the host wait (or show a pageable copy): counted in a profile
+HOST_WAITS = re.compile(r"^cuda\w*(Synchronize|Memcpy|HostAlloc|FreeHost|Malloc|Free)\b")
+
+
+def profile_step(step: Callable[[], None], top: int = 12) -> dict:
+    """One step under torch.profiler: the GPU's busy fraction (kernel time / wall time), the top
+    kernels by GPU time, and the runtime calls that can make the host wait (count, host ms)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -369,6 +374,11 @@ def profile_step(step: Callable[[], None], top: int = 8) -> dict:
         for e in prof.key_averages()
         if getattr(e, "self_device_time_total", 0) > 0 and str(getattr(e, "device_type", "")).endswith("CUDA")
     ]
+    waits = {
+        e.key: {"calls": e.count, "host_ms": e.cpu_time_total / 1000}
+        for e in prof.key_averages()
+        if HOST_WAITS.match(e.key)
+    }
     busy_us = sum(e.self_device_time_total for e in kernels)
     ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
     return {
@@ -383,6 +393,7 @@ def profile_step(step: Callable[[], None], top: int = 8) -> dict:
             }
             for e in ranked
         ],
+        "runtime_calls": waits,
     }
 
 
@@ -598,6 +609,8 @@ class Run:
                 print(f"profile of {side}: GPU busy {p['gpu_busy_fraction']:.0%} of {p['wall_ms']:.0f} ms")
                 for k in p["top_kernels"]:
                     print(f"  {k['share']:6.1%} {k['ms']:8.1f} ms {k['calls']:6d}×  {k['name']}")
+                calls = p.get("runtime_calls", {}).items()
+                print("  runtime calls: " + ", ".join(f"{k} {v['calls']}× {v['host_ms']:.1f} ms" for k, v in calls))
 
     def report(self, results: dict[str, dict]) -> dict:
         sides = self.figures(results)

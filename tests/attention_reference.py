@@ -8,8 +8,9 @@ import torch.nn.functional as F
 
 def masked_reference(q, k, v, lengths, scale=None):
     """[H, T, D] → [T, H, D]: the whole row, block-diagonal causal mask."""
-    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
-    pos = torch.arange(len(seq))
+    dev = q.device  # the mask where q is: the GPU test calls this with CUDA tensors
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device=dev), torch.tensor(lengths, device=dev))
+    pos = torch.arange(len(seq), device=dev)
     mask = (seq[:, None] == seq[None, :]) & (pos[:, None] >= pos[None, :])
     rep = q.shape[0] // k.shape[0]
     out = F.scaled_dot_product_attention(

@@ -1,7 +1,8 @@
 """The trainer's GPU path on a real GPU (skipped where none is visible; `bash bench/gpu_check.sh`
 runs them with the GPU benchmark): torch's variable-length flash attention is the kernel that
-runs and equals the masked row, the trainer's forward in bf16 equals stock Hugging Face's, and
-the micro-batch loop runs under `torch.cuda.set_sync_debug_mode("error")`."""
+runs and equals the masked row, the compiled log-prob head equals the eager one, the trainer's
+forward in bf16 equals stock Hugging Face's, and the micro-batch loop runs under
+`torch.cuda.set_sync_debug_mode("error")`."""
 
 import pytest
 import torch
@@ -29,6 +30,29 @@ def test_varlen_flash_attention_runs_and_equals_the_masked_row():
     masked_reference(*ref, LENGTHS).square().sum().backward()
     for a, b, name in zip(leaves, ref, "qkv"):
         torch.testing.assert_close(a.grad.float(), b.grad, atol=5e-2, rtol=5e-2, msg=f"d{name}")
+
+
+def test_the_compiled_log_prob_head_is_the_default_and_equals_the_eager_one():
+    from pipelinerl_trainer.logprob_head import compiled_by_default, linear_logprobs
+
+    assert compiled_by_default(CUDA), "Triton is missing: the head's chunk arithmetic would run eager"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, hidden, vocab = 2500, 896, 151_936  # Qwen2-0.5B's head; compiled: a chunk of 1766 tokens and a shorter one
+    h = torch.randn(n, hidden, generator=g, device="cuda")
+    w = torch.randn(vocab, hidden, generator=g, device="cuda") * 0.05
+    targets = torch.randint(0, vocab, (n,), generator=g, device="cuda")
+    up_lp, up_ent = torch.randn(2, n, generator=g, device="cuda")
+    results = []
+    for compiled in (True, False):
+        hh, ww = (x.clone().requires_grad_() for x in (h, w))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            lp, ent = linear_logprobs(hh, ww, targets, 0.7, compiled=compiled)
+        ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
+        results.append((lp.detach(), ent.detach(), hh.grad, ww.grad))
+    for a, b, name in zip(*results, ("logprobs", "entropy", "hidden grad", "weight grad")):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        err = ((a.float() - b.float()).norm() / b.float().norm()).item()
+        assert err < 1e-2, f"{name}: relative error {err:.2e}"
 
 
 def small_model(seed=0):

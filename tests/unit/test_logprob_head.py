@@ -1,6 +1,7 @@
 """The fused, chunked log-prob head equals the reference arithmetic (the LM head's matmul, then
 `token_logprobs`) within 1e-5, values and gradients of hidden states and weight, whatever the
-chunking, and its peak memory is a few chunks, not the [tokens, vocabulary] logits."""
+chunking; its compiled chunk arithmetic (the GPU's) equals the eager one, here compiled for the
+CPU; and its peak memory is a few chunks, not the [tokens, vocabulary] logits."""
 
 import pytest
 import torch
@@ -8,7 +9,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from pipelinerl_trainer.logprob_head import chunk_tokens, linear_logprobs
+from pipelinerl_trainer.logprob_head import chunk_tokens, compiled_by_default, linear_logprobs
 from pipelinerl_trainer.loss import token_logprobs
 
 
@@ -64,8 +65,36 @@ def test_autocast_computes_the_matmul_in_bf16_like_the_reference():
     assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
 
 
+def losses_and_grads(compiled, temperature, chunk, autocast=False, n=50, vocab=97):
+    g = torch.Generator().manual_seed(2)
+    up_lp, up_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    h, w, targets = inputs(n=n, vocab=vocab)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        lp, ent = linear_logprobs(h, w, targets, temperature, chunk, compiled=compiled)
+    ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
+    return lp.detach(), ent.detach(), h.grad, w.grad
+
+
+@pytest.mark.slow  # torch.compile for the CPU: ~15 s the first time
+def test_the_compiled_chunk_arithmetic_equals_the_eager_one():
+    names = ("logprobs", "entropy", "hidden grad", "weight grad")
+    for temperature, chunk in ((1.0, 7), (0.7, 50), (0.7, 13)):  # chunk lengths vary: no recompiling
+        got, want = (losses_and_grads(c, temperature, chunk) for c in (True, False))
+        for a, b, name in zip(got, want, names):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{name} at T={temperature}, chunk {chunk}")
+    # Under bf16 autocast both take the same bf16 matmul and hand back bf16 logit gradients.
+    got, want = (losses_and_grads(c, 1.0, 16, autocast=True, vocab=300) for c in (True, False))
+    for a, b, name in zip(got, want, names):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3, msg=f"{name} under autocast")
+
+
+def test_only_cuda_compiles_the_chunk_arithmetic_by_default():
+    assert not compiled_by_default(torch.device("cpu"))
+
+
 def test_chunks_hold_a_budget_of_logits():
     assert chunk_tokens(151_936) == (256 << 20) // (4 * 151_936)  # 441 tokens of Qwen2's vocabulary
+    assert chunk_tokens(151_936, 512 << 20, 2) == 1766  # compiled, bf16: no fp32 copy of the chunk
     assert chunk_tokens(10, budget=16) == 1
 
 

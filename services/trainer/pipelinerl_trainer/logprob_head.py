@@ -4,10 +4,19 @@ the LM head and chunked over tokens, so no [tokens, vocabulary] tensor is ever w
 `token_logprobs` (loss.py) takes logits: for a 151,936-token vocabulary and an 8,192-token row
 the logits, their fp32 copy, the log-softmax and the entropy's product are 5 GB each. Here the
 head's matmul, the temperature, the log-softmax, the picked token and the entropy are computed
-one chunk of tokens at a time (`LOGIT_CHUNK_BYTES` of fp32 logits per chunk), keeping only two
-numbers per token; the backward pass recomputes each chunk's logits and turns them into the
-gradients of the hidden states and of the head's weight. The arithmetic is `token_logprobs`'s:
-the matmul in the compute dtype (the weights', or autocast's), the rest in fp32.
+one chunk of tokens at a time, keeping only two numbers per token; the backward pass recomputes
+each chunk's logits and turns them into the gradients of the hidden states and of the head's
+weight. The arithmetic is `token_logprobs`'s: the matmul in the compute dtype (the weights', or
+autocast's), the rest in fp32.
+
+Two ways to do a chunk's arithmetic after its matmul, equal to rounding (tests):
+- eager (the CPU path): in place on one fp32 copy of the chunk's logits, `LOGIT_CHUNK_BYTES` of
+  them; a dozen passes over it, each its own kernel.
+- compiled (CUDA, where Triton is installed): the same formulas under torch.compile, which fuses
+  them into a few kernels that read the chunk's logits in the compute dtype and write one
+  gradient in it: no fp32 copy, so chunks of `COMPILED_CHUNK_BYTES` of logits. On a GPU the
+  eager passes cost several times the head's matmuls (a profile at 0.5B: the head's elementwise
+  kernels were the top of the step).
 
 With z = logits / temperature, p = softmax(z), H = -Σ p log p:
   d log p[a] / dz = onehot(a) - p,    dH / dz = -p (log p + H).
@@ -15,13 +24,17 @@ With z = logits / temperature, p = softmax(z), H = -Σ p log p:
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+
 import torch
 
-LOGIT_CHUNK_BYTES = 256 << 20  # fp32 logits of one chunk (two such buffers are alive at once)
+LOGIT_CHUNK_BYTES = 256 << 20  # eager: fp32 logits of one chunk (two such buffers are alive at once)
+COMPILED_CHUNK_BYTES = 512 << 20  # compiled: logits of one chunk in the compute dtype (and its gradient)
 
 
-def chunk_tokens(vocab: int, budget: int = LOGIT_CHUNK_BYTES) -> int:
-    return max(1, budget // (4 * vocab))
+def chunk_tokens(vocab: int, budget: int = LOGIT_CHUNK_BYTES, itemsize: int = 4) -> int:
+    return max(1, budget // (itemsize * vocab))
 
 
 def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -29,33 +42,87 @@ def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
 
 
+def compiled_by_default(device: torch.device) -> bool:
+    """The compiled chunk arithmetic where it pays and compiles: CUDA with Triton."""
+    return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+# --- a chunk's arithmetic, as formulas (compiled) ---------------------------------------------
+
+
+def chunk_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """Logits [n, V] (compute dtype) → fp32 (log-sum-exp, log p(target), entropy) [n] of z."""
+    z = logits.float() / temperature
+    lse = torch.logsumexp(z, -1)
+    logp = z - lse[:, None]
+    return lse, logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+
+def chunk_grad(logits, targets, lse, entropy, g_lp, g_ent, temperature: float) -> torch.Tensor:
+    """dL/dlogits [n, V] in the logits' dtype, given dL/dlogp(target) and dL/dH per row."""
+    logp = logits.float() / temperature - lse[:, None]
+    p = logp.exp()
+    onehot = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
+    grad = ((logp + entropy[:, None]) * -g_ent[:, None] - g_lp[:, None]) * p + torch.where(onehot, g_lp[:, None], 0.0)
+    return (grad / temperature).to(logits.dtype)
+
+
+@functools.cache
+def _compiled():
+    # dynamic: one compilation for every chunk length (a row's last chunk is shorter)
+    return torch.compile(chunk_stats, dynamic=True), torch.compile(chunk_grad, dynamic=True)
+
+
+# --- the same, eager and in place (one fp32 buffer per chunk) ----------------------------------
+
+
+def _eager_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    z = _scaled(logits, temperature)
+    lse = torch.logsumexp(z, -1)
+    z.sub_(lse[:, None])  # log p
+    logprobs = z.gather(-1, targets[:, None])[:, 0]
+    return lse, logprobs, -z.exp().mul_(z).sum(-1)
+
+
+def _eager_grad(logits, targets, lse, entropy, g_lp, g_ent, temperature: float) -> torch.Tensor:
+    logp = _scaled(logits, temperature).sub_(lse[:, None])
+    p = logp.exp()
+    # dL/dz = g_lp (onehot - p) - g_ent p (log p + H), built in logp's buffer
+    grad = logp.add_(entropy[:, None]).mul_(-g_ent[:, None]).sub_(g_lp[:, None]).mul_(p)
+    del p
+    grad.scatter_add_(1, targets[:, None], g_lp[:, None])
+    return grad.div_(temperature).to(logits.dtype)
+
+
+def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = logits.float()
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
 class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, dtype: torch.dtype):
+    def forward(ctx, hidden, weight, targets, temperature: float, chunk: int, dtype: torch.dtype, compiled: bool):
         n = hidden.shape[0]
         logprobs = hidden.new_empty(n, dtype=torch.float32)
         entropy = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
+        stats = _compiled()[0] if compiled else _eager_stats
         w = weight.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for a in range(0, n, chunk):
                 b = min(n, a + chunk)
-                z = _scaled_logits(hidden[a:b].to(dtype), w, temperature)
-                lse[a:b] = torch.logsumexp(z, -1)
-                z.sub_(lse[a:b, None])  # log p
-                logprobs[a:b] = z.gather(-1, targets[a:b, None])[:, 0]
-                entropy[a:b] = -z.exp().mul_(z).sum(-1)
-                del z  # before the next chunk's is made
+                lse[a:b], logprobs[a:b], entropy[a:b] = stats(hidden[a:b].to(dtype) @ w.T, targets[a:b], temperature)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
-        ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
+        ctx.temperature, ctx.chunk, ctx.dtype, ctx.compiled = temperature, chunk, dtype, compiled
         return logprobs, entropy
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
-        t, dtype = ctx.temperature, ctx.dtype
+        dtype = ctx.dtype
         n = hidden.shape[0]
         w = weight.to(dtype)
+        grad_of = _compiled()[1] if ctx.compiled else _eager_grad
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
@@ -66,13 +133,8 @@ class _LinearLogprobs(torch.autograd.Function):
             for a in range(0, n, ctx.chunk):
                 b = min(n, a + ctx.chunk)
                 h = hidden[a:b].to(dtype)
-                logp = _scaled_logits(h, w, t).sub_(lse[a:b, None])
-                p = logp.exp()
-                # dL/dz = g_lp (onehot - p) - g_ent p (log p + H), built in logp's buffer
-                grad = logp.add_(entropy[a:b, None]).mul_(-g_ent[a:b, None]).sub_(g_lp[a:b, None]).mul_(p)
-                del p
-                grad.scatter_add_(1, targets[a:b, None], g_lp[a:b, None])
-                grad = grad.div_(t).to(dtype)  # dL/dlogits
+                s = slice(a, b)
+                grad = grad_of(h @ w.T, targets[s], lse[s], entropy[s], g_lp[s], g_ent[s], ctx.temperature)
                 if grad_hidden is not None:
                     grad_hidden[a:b] = (grad @ w).to(hidden.dtype)
                 if grad_weight is not None:  # accumulated in fp32 over the chunks
@@ -80,21 +142,26 @@ class _LinearLogprobs(torch.autograd.Function):
                         grad_weight.addmm_(grad.T, h)
                     else:
                         grad_weight.add_(grad.T @ h)
-                del grad, logp
+                del grad
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
-
-
-def _scaled_logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = (h @ w.T).float()
-    return z.div_(temperature) if temperature != 1.0 else z
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def linear_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float, chunk: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk: int | None = None,
+    compiled: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [N, H], the LM head's weight [V, H], targets [N] → (log p(target), entropy), fp32
-    [N]: row i's next-token distribution softmax(hidden[i] · weightᵀ / temperature)."""
-    chunk = chunk or chunk_tokens(weight.shape[0])
-    return _LinearLogprobs.apply(hidden, weight, targets, float(temperature), chunk, _compute_dtype(weight))
+    [N]: row i's next-token distribution softmax(hidden[i] · weightᵀ / temperature). `compiled`:
+    the chunk arithmetic compiled (default: `compiled_by_default`)."""
+    compiled = compiled_by_default(hidden.device) if compiled is None else compiled
+    dtype = _compute_dtype(weight)
+    if chunk is None:
+        budget, itemsize = (COMPILED_CHUNK_BYTES, dtype.itemsize) if compiled else (LOGIT_CHUNK_BYTES, 4)
+        chunk = chunk_tokens(weight.shape[0], budget, itemsize)
+    return _LinearLogprobs.apply(hidden, weight, targets, float(temperature), chunk, dtype, compiled)
