@@ -21,15 +21,18 @@ def test_varlen_flash_attention_runs_and_equals_the_masked_row():
     t = sum(LENGTHS)
     q = torch.randn(14, t, 64, generator=g, device="cuda")
     k, v = (torch.randn(2, t, 64, generator=g, device="cuda") for _ in range(2))
-    want = masked_reference(q, k, v, LENGTHS)  # fp32, the whole row masked
     leaves = [x.bfloat16().requires_grad_() for x in (q, k, v)]
+    ref = [x.detach().float().requires_grad_() for x in leaves]  # the same bf16 inputs, in fp32
+    want = masked_reference(*ref, LENGTHS)  # fp32, the whole row masked
     got = varlen_attention(*(x.transpose(0, 1) for x in leaves), Packing.of(LENGTHS, CUDA), scale=None)
-    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), want.detach(), atol=2e-2, rtol=2e-2)
     got.float().square().sum().backward()
-    ref = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-    masked_reference(*ref, LENGTHS).square().sum().backward()
+    want.square().sum().backward()
+    # bf16 gradients summed over many tokens (dk, dv also over the 7 query heads per KV head):
+    # compared as a whole, relative to their size
     for a, b, name in zip(leaves, ref, "qkv"):
-        torch.testing.assert_close(a.grad.float(), b.grad, atol=5e-2, rtol=5e-2, msg=f"d{name}")
+        err = ((a.grad.float() - b.grad).norm() / b.grad.norm()).item()
+        assert err < 1e-2, f"d{name}: relative error {err:.2e}"
 
 
 def test_the_compiled_log_prob_head_is_the_default_and_equals_the_eager_one():
