@@ -357,7 +357,7 @@ class Bench:
 
 
 # CUDA runtime calls that can make the host wait (or show a pageable copy): counted in a profile
-HOST_WAITS = re.compile(r"^cuda\w*(Synchronize|Memcpy|HostAlloc|FreeHost|Malloc|Free)\b")
+HOST_WAITS = re.compile(r"^cuda\w*(Synchronize|Memcpy|HostAlloc|FreeHost|Malloc|Free)")
 
 
 def profile_step(step: Callable[[], None], top: int = 12) -> dict:

@@ -158,3 +158,11 @@ def test_a_side_that_finds_the_gpu_context_broken_is_recorded_not_fatal(monkeypa
     report, _ = run_main(monkeypatch, tmp_path, "stock,plain", {})
     assert report["sides"]["stock"]["tokens_per_second"] > 0
     assert report["sides"]["plain"] == {"error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+
+
+def test_the_profile_counts_the_runtime_calls_that_can_make_the_host_wait():
+    waits = [n for n in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaHostAlloc",
+                         "cudaFreeHost", "cudaMalloc", "cudaLaunchKernel", "cudaEventRecord", "aten::copy_")
+             if gpu_trainer.HOST_WAITS.match(n)]  # fmt: skip
+    assert waits == ["cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync", "cudaHostAlloc",
+                     "cudaFreeHost", "cudaMalloc"]  # fmt: skip
