@@ -15,8 +15,8 @@ Two ways to do a chunk's arithmetic after its matmul, equal to rounding (tests):
 - compiled (CUDA, where Triton is installed): the same formulas under torch.compile, which fuses
   them into a few kernels that read the chunk's logits in the compute dtype and write one
   gradient in it: no fp32 copy, so chunks of `COMPILED_CHUNK_BYTES` of logits. On a GPU the
-  eager passes cost several times the head's matmuls (a profile at 0.5B: the head's elementwise
-  kernels were the top of the step).
+  eager passes cost several times the head's matmuls: on an H200 at Qwen2-0.5B shapes they were
+  the top kernels of the step, and compiling them took it from 1.64 to 1.11 s (benchmark 6).
 
 With z = logits / temperature, p = softmax(z), H = -Σ p log p:
   d log p[a] / dz = onehot(a) - p,    dH / dz = -p (log p + H).
