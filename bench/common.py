@@ -190,7 +190,9 @@ def earlier_sweeps(paths: list[str], args) -> dict[str, dict[str, list[dict]]]:
                 raise SystemExit(f"--sweep-with {path}: it ran with {key}={theirs!r}, this run with {value!r}")
         for side, by_rate in saved.get("sweep", {}).get("runs", {}).items():
             for rate, runs in by_rate.items():
-                out.setdefault(side, {}).setdefault(rate, []).extend(runs)
+                have = out.setdefault(side, {}).setdefault(rate, [])
+                # once each: a sweep that extended another carries that one's runs too
+                have.extend(r for r in runs if r not in have)
     return out
 
 

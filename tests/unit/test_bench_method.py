@@ -170,6 +170,9 @@ def test_an_earlier_sweep_is_extended_not_rerun_and_only_with_the_same_settings(
     calls.clear()  # the runs-so-far file of a run stopped after its sweep extends a sweep too
     _, again = common.run_rounds({"a": one}, args(rounds=0, lrs=[0.05], sweep_with=[tmp_path / "p"]), 7, tmp_path / "q")
     assert calls == [] and again["best"] == {"a": 0.05}
+    # The extended sweep and the one it extended, given together: each run counts once.
+    both = common.earlier_sweeps([earlier, tmp_path / "p"], args(rounds=0, lrs=[0.05]))
+    assert {rate: len(xs) for rate, xs in both["a"].items()} == {"0.1": 1, "0.05": 1}
     with pytest.raises(SystemExit, match="it ran with steps=100, this run with 200"):
         common.run_rounds({"a": one}, args(lrs=[0.05], sweep_with=[earlier], steps=200), 7, tmp_path / "p")
 
