@@ -370,16 +370,13 @@ def profile_step(step: Callable[[], None], top: int = 12) -> dict:
         t0 = time.perf_counter()
         step()
         wall_us = (time.perf_counter() - t0) * 1e6
+    events = prof.key_averages()  # aggregated once: it walks every recorded event
     kernels = [
         e
-        for e in prof.key_averages()
+        for e in events
         if getattr(e, "self_device_time_total", 0) > 0 and str(getattr(e, "device_type", "")).endswith("CUDA")
     ]
-    waits = {
-        e.key: {"calls": e.count, "host_ms": e.cpu_time_total / 1000}
-        for e in prof.key_averages()
-        if HOST_WAITS.match(e.key)
-    }
+    waits = {e.key: {"calls": e.count, "host_ms": e.cpu_time_total / 1000} for e in events if HOST_WAITS.match(e.key)}
     busy_us = sum(e.self_device_time_total for e in kernels)
     ranked = sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
     return {

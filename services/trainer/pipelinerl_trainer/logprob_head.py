@@ -110,8 +110,8 @@ class _LinearLogprobs(torch.autograd.Function):
         w = weight.to(dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for a in range(0, n, chunk):
-                b = min(n, a + chunk)
-                lse[a:b], logprobs[a:b], entropy[a:b] = stats(hidden[a:b].to(dtype) @ w.T, targets[a:b], temperature)
+                s = slice(a, min(n, a + chunk))
+                lse[s], logprobs[s], entropy[s] = stats(hidden[s].to(dtype) @ w.T, targets[s], temperature)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.dtype, ctx.compiled = temperature, chunk, dtype, compiled
         return logprobs, entropy
@@ -131,12 +131,11 @@ class _LinearLogprobs(torch.autograd.Function):
         g_ent = grad_entropy if grad_entropy is not None else torch.zeros_like(lse)
         with torch.autocast(hidden.device.type, enabled=False):
             for a in range(0, n, ctx.chunk):
-                b = min(n, a + ctx.chunk)
-                h = hidden[a:b].to(dtype)
-                s = slice(a, b)
+                s = slice(a, min(n, a + ctx.chunk))
+                h = hidden[s].to(dtype)
                 grad = grad_of(h @ w.T, targets[s], lse[s], entropy[s], g_lp[s], g_ent[s], ctx.temperature)
                 if grad_hidden is not None:
-                    grad_hidden[a:b] = (grad @ w).to(hidden.dtype)
+                    grad_hidden[s] = (grad @ w).to(hidden.dtype)
                 if grad_weight is not None:  # accumulated in fp32 over the chunks
                     if dtype == torch.float32:
                         grad_weight.addmm_(grad.T, h)
