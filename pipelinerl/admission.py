@@ -10,8 +10,9 @@ share. Once that step's update has landed and until step N starts, e = N: one mo
 the generator never idles waiting for the announcement of a step whose data it already made.
 The trainer does not wait for an update to land before it trains on, so a step may also start
 while the generator still holds the weights before its input's (e = N − 2): one share less.
-Groups the preprocessor will discard (zero variance) leave the queue as soon as they finish,
-so sync mode (one generation phase at a time, see `lag_budget`) can never starve a step.
+Groups the preprocessor will discard (zero variance, or not trainable: `steps.counts_as_discarded`)
+leave the queue as soon as they finish, so sync mode (one generation phase at a time, see
+`lag_budget`) can never starve a step.
 
 Groups are consumed in the order they *finish*, not the order they start: a long group is
 overtaken by every shorter one started after it. So e above is the oldest start version among
@@ -82,7 +83,7 @@ class Admission:
     started: int = 0  # by this process
     finished: int = 0  # by this process: published, or dropped as a duplicate
     published: int = 0  # groups in the stream, every incarnation's
-    discarded: int = 0  # of those, zero-variance ones (never trained)
+    discarded: int = 0  # of those, ones never trained (steps.counts_as_discarded)
     trained: int = 0  # this generator's groups in trained steps (announced by the trainer)
     training_step: int = -1  # the last step announced as started (N - 1)
     weights_version: int = -1  # this generator's engine weights (e); -1: none from the trainer yet

@@ -43,7 +43,7 @@ class GeneratorBooks(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     published: int = Field(default=0, ge=0)  # its groups in the stream, every incarnation's, this one included
-    discarded: int = Field(default=0, ge=0)  # of those, zero-variance ones (the preprocessor drops them)
+    discarded: int = Field(default=0, ge=0)  # of those, ones dropped on sight (steps.counts_as_discarded)
 
 
 @overload
@@ -166,8 +166,8 @@ def credit(
     """Record a group's outcome in the step being built, acknowledged with its next wave.
 
     Its generator counts a group as queued until a step consumes it, unless it counted it as
-    discarded itself (`steps.counts_as_discarded`: zero variance where the job filters those):
-    every other group, trained or not, is credited to it. A filtered group is discarded by
+    discarded itself (`steps.counts_as_discarded`: zero variance where the job filters those, or
+    not trainable): every other group, trained or not, is credited to it. A filtered group is discarded by
     definition; a trained or stale one never is (the filter comes first)."""
     if (outcome == Outcome.FILTERED) != discarded and outcome != Outcome.DEAD_LETTERED:
         raise ValueError(

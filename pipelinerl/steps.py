@@ -9,8 +9,9 @@ planner all apply, stated once.
   maxLag (`too_old`: the trainer's rule, per token); a group every token of which is too old for
   the step takes no place in it (`hopelessly_stale`: the preprocessor's rule, per group). The
   books these counts keep are `pipelinerl.books`;
-- which groups go into no step (`counts_as_discarded`): their generator stops counting them as
-  queued when they finish, the preprocessor settles them without a step;
+- which groups go into no step (`counts_as_discarded`: filtered, or not trainable): their
+  generator stops counting them as queued when they finish, the preprocessor settles them
+  without a step;
 - when part of a step leaves the preprocessor as a wave (`wave_capacity`, `next_wave`): the
   preprocessor streams by it, the planner simulates it;
 - which step an announcement says is in training (`training_step`): the generators' admission
@@ -28,6 +29,8 @@ The lag budget is `pipelinerl.admission.lag_budget`, which the planner's simulat
 from __future__ import annotations
 
 from typing import Any
+
+from pipelinerl.group_checks import GroupLimits, group_problem
 
 
 # -- steps and versions ------------------------------------------------------------------------
@@ -73,9 +76,14 @@ def hopelessly_stale(group: Any, step: int, max_lag: int) -> bool:
 
 
 # -- which groups a step takes, and when ----------------------------------------------------------
-def counts_as_discarded(filter_zero_variance: bool, group: Any) -> bool:
-    """A group that goes into no step: all its attempts scored alike (no signal) and the job filters those."""
-    return filter_zero_variance and group.zero_variance
+def counts_as_discarded(spec: Any, group: Any) -> bool:
+    """A group that goes into no step, as its generator can tell when it finishes: all its
+    attempts scored alike (no signal) and the job (`spec`) filters those, or it cannot be trained
+    (`group_checks`: the preprocessor dead-letters it). Counted, it holds no place in admission:
+    a conventional phase, whose first step waits for the whole phase, would wait for it forever."""
+    if spec.rl.filter_zero_variance and group.zero_variance:
+        return True
+    return group_problem(group, GroupLimits(spec.model.max_seq_len)) is not None
 
 
 def steps_left_in_phase(step: int, steps_per_generation: int) -> int:

@@ -1,24 +1,28 @@
 """The conventional baseline with k optimizer steps per generation phase (`mode: sync`,
 `rl.stepsPerGeneration: 4`), end to end through `pipelinerl run`: each phase is generated whole
 on the weights of its first step, the trainer takes 4 steps on consecutive mini-batches of it
-(step j of the phase at lag j, importance-weighted), and the weights go out once per phase."""
+(step j of the phase at lag j, importance-weighted), and the weights go out once per phase.
+
+The run is stopped in its second phase (SIGTERM, as a suspend, a drain or Ctrl-C sends) and run
+again: the trainer checkpoints the step it reached before it exits, and the run goes on from
+there, the rest of that phase from its stored micro-batches at the lags they had."""
 
 import json
+import math
 
 import pytest
 
 from jobs import stored, tiny_job  # tests/e2e/jobs.py
 
+from bench.run_process import RunProcess
 from pipelinerl import messages as m
-from pipelinerl_cli.local import run_local
-from pipelinerl.spec import parse_job
 
 pytestmark = pytest.mark.slow
 
-K, STEPS, SAMPLES = 4, 8, 32  # two phases
+K, STEPS, SAMPLES = 4, 12, 32  # three phases
 
 
-def test_conventional_rl_takes_k_steps_on_each_generation_phase(tmp_path):
+def test_conventional_rl_takes_k_steps_on_each_generation_phase_and_resumes_a_stopped_run(tmp_path):
     # The warm-started model: its samples earn rewards, so the policy moves within a phase and
     # the later steps of a phase are really off-policy.
     job = tiny_job(
@@ -31,12 +35,26 @@ def test_conventional_rl_takes_k_steps_on_each_generation_phase(tmp_path):
         trainer={"samplesPerStep": SAMPLES, "maxSteps": STEPS, "learningRate": 3e-4, "microBatchTokens": 128},
         eval={"interval": K, "problems": 64},
     )
-    assert run_local(parse_job(job), tmp_path, quiet=True) == 0, (tmp_path / "logs" / "trainer.log").read_text()[-3000:]
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    train = [r for r in map(json.loads, lines) if r["kind"] == "train"]
-    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    first = RunProcess(tmp_path, job, timeout_s=240)
+    try:
+        first.wait_step(K + 1)  # in the second phase (its steps take ~0.3 s: the stop most likely lands in it)
+    except BaseException:
+        first.abandon()
+        raise
+    first.stop()
+    seen = len(first.train())
+    # The trainer may finish a step after the runner stopped listening: at least every step seen.
+    checkpointed = int((first.dir / "checkpoints" / "latest").read_text().removeprefix("step-"))
+    assert checkpointed >= seen  # no interval checkpoint came (checkpointInterval 0): the stop's
+    assert f"stopping: checkpointing step {checkpointed}" in (first.dir / "logs" / "trainer.log").read_text()
 
-    # Step s (1-based) is step j = (s - 1) % K of its phase and trains every token at lag j.
+    second = RunProcess(tmp_path, job, timeout_s=240)
+    second.finish()
+    train = second.train()  # the first run's rows, then the second's
+    assert [r["step"] for r in train[seen:]] == list(range(checkpointed + 1, STEPS + 1))  # nothing repeated
+
+    # Step s (1-based) is step j = (s - 1) % K of its phase and trains every token at lag j,
+    # resumed or not.
     for r in train:
         j = (r["step"] - 1) % K
         assert (r["lag_min"], r["lag_max"]) == (j, j), r
@@ -44,13 +62,14 @@ def test_conventional_rl_takes_k_steps_on_each_generation_phase(tmp_path):
         # The weights go out once per phase, after its last step.
         assert (r["weight_sync_seconds"] > 0) == (j == K - 1), r
     # On-policy at the first step of each phase; the later ones are corrected for the drift.
-    first = [r["ess"] for r in train if (r["step"] - 1) % K == 0]
-    last = [r["ess"] for r in train if (r["step"] - 1) % K == K - 1]
-    assert all(e == pytest.approx(1.0, abs=1e-3) for e in first)
-    assert max(last) < 0.999
+    first_steps = [r["ess"] for r in train if (r["step"] - 1) % K == 0]
+    last_steps = [r["ess"] for r in train if (r["step"] - 1) % K == K - 1]
+    assert all(e == pytest.approx(1.0, abs=1e-3) for e in first_steps)
+    assert max(last_steps) < 0.999
 
-    # What each micro-batch held: the phase's version on every token, the step's samples in full.
-    batches = [m.decode(msg.data, m.MicroBatch) for msg in stored(tmp_path, "conv", "BATCHES")]
+    # What each micro-batch held: the phase's version on every token, the step's samples in full,
+    # each step once (the stopped preprocessor's successor went on where it was).
+    batches = [m.decode(msg.data, m.MicroBatch) for msg in stored(second.dir, "conv", "BATCHES")]
     by_step: dict[int, list[m.MicroBatch]] = {}
     for mb in batches:
         by_step.setdefault(mb.step, []).append(mb)
@@ -60,8 +79,11 @@ def test_conventional_rl_takes_k_steps_on_each_generation_phase(tmp_path):
         generated = {v for mb in mbs for v, trained in zip(mb.versions, mb.mask) if trained}
         assert generated == {phase}, step  # so the step trains them at lag step - phase
         assert sum(len(mb.lengths) for mb in mbs) == SAMPLES
-        trained = next(r for r in train if r["step"] == step + 1)
-        assert trained["tokens"] == sum(sum(mb.mask) for mb in mbs)
+        for trained in (r for r in train if r["step"] == step + 1):
+            assert trained["tokens"] == sum(sum(mb.mask) for mb in mbs)
 
-    evals = [r for r in map(json.loads, lines) if r["kind"] == "eval"]
-    assert {r["version"] for r in evals} >= {0, K, STEPS}  # only versions the generator holds
+    lines = (second.dir / "metrics.jsonl").read_text().splitlines()
+    versions = {r["version"] for r in map(json.loads, lines) if r["kind"] == "eval"}
+    # The second run's generator got its first weights at the end of the phase it was stopped in
+    # (or at once, stopped at a phase's end): it evaluated them.
+    assert {0, K * math.ceil(checkpointed / K), STEPS} <= versions, (checkpointed, versions)

@@ -1,7 +1,7 @@
 """Whole jobs through `pipelinerl run`'s code path: embedded nats-server, real vLLM (CPU),
 real DeepSpeed ranks, real processes. A random tiny model is enough to check the machinery
-(versions advance, lag stays within bounds, in-flight updates, checkpoints; sync mode and
-resuming a stopped or killed run: test_resume.py)."""
+(versions advance, lag stays within bounds, in-flight updates, checkpoints; resuming a killed
+run: test_resume.py; sync mode and resuming a stopped run: test_conventional.py)."""
 
 import json
 import re
@@ -60,6 +60,9 @@ def test_pipeline_mode_two_deepspeed_ranks_zero3(zero3_run):
     # generator outpaces training and idles at the lag bound): test_inflight_update proves it.
     evals = rows(tmp_path, "eval")
     assert evals[0]["version"] == 0 and evals[-1]["final"] and evals[-1]["version"] == 6
+    # The generator's engine core was forked from it (one thread then), not spawned: its start
+    # skips vLLM's second import (engine.core_start_method).
+    assert "engine core: fork" in (tmp_path / "logs" / "generator.log").read_text()
     # The final checkpoint holds Hugging Face weights gathered from both ZeRO-3 shards.
     ckpt = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text()
     from transformers import AutoModelForCausalLM

@@ -160,31 +160,3 @@ def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_trackin
     history = [row for run in runs for row in wandb_history(run)]
     assert len(runs) == 2 and {r["train/step"] for r in history if "train/step" in r} == set(range(1, STEPS + 1))
     assert any(r.get("eval/version") == STEPS for r in history)
-
-
-def test_a_stopped_sync_run_checkpoints_its_last_step_and_resumes_there_on_policy(tmp_path):
-    """SIGTERM, as a suspend, a drain or Ctrl-C sends: the trainer checkpoints the steps taken
-    since its last checkpoint before it exits, and the run goes on from there. In sync mode (the
-    conventional baseline) every step, before and after, trains on data of its own weights."""
-    from jobs import tiny_job
-
-    job = tiny_job("stop", mode="sync", trainer={"maxSteps": 7, "checkpointInterval": 100}, eval={"interval": 0})
-    first = RunProcess(tmp_path, job, timeout_s=300)
-    first.wait_step(3)
-    os.kill(first.proc.pid, signal.SIGTERM)
-    assert first.proc.wait(60) == 130  # interrupted
-    first.out.close()
-    seen = len(first.train())
-    # The trainer may finish a step after the runner stopped listening: at least every step seen.
-    checkpointed = int((first.dir / "checkpoints" / "latest").read_text().removeprefix("step-"))
-    assert checkpointed >= seen  # no interval checkpoint had come yet
-    assert f"stopping: checkpointing step {checkpointed}" in (first.dir / "logs" / "trainer.log").read_text()
-
-    second = RunProcess(tmp_path, job, timeout_s=300)
-    second.finish()
-    resumed = second.train()[seen:]
-    assert [r["step"] for r in resumed] == list(range(checkpointed + 1, 8))  # nothing repeated
-    assert all(r["samples"] == 16 and r["tokens"] > 0 for r in resumed)
-    rows = second.train()
-    assert all(r["lag_max"] == 0 for r in rows)
-    assert all(r["ess"] == pytest.approx(1.0, abs=1e-3) for r in rows)  # exactly on-policy, resumed or not

@@ -1,10 +1,13 @@
 import itertools
 import random
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 
+from pipelinerl import messages as m
 from pipelinerl.admission import Admission
+from pipelinerl.steps import counts_as_discarded
 from pipelinerl.planner.calibration import load_calibration
 from pipelinerl.planner.simulation import simulate
 
@@ -98,6 +101,18 @@ def test_conventional_k_generates_a_whole_phase_then_waits_for_its_weights():
         assert a.budget == 0 and fill(a) == 0  # mid-phase: the generator holds only version 0
     a.on_weights(4, generators=2)  # the phase's weights
     assert a.budget == 8 and fill(a) == 8
+
+
+def test_a_group_the_preprocessor_will_dead_letter_holds_no_place_in_a_phase():
+    # Its first step waits for the whole phase: had the generator kept counting a group that can
+    # never be trained (a reward not finite here) as queued, the phase would wait for it forever.
+    spec = SimpleNamespace(rl=SimpleNamespace(filter_zero_variance=True), model=SimpleNamespace(max_seq_len=40))
+    a = Admission(groups_per_step=4, generators=1, max_lag=1, max_inflight=9, weights_version=0, steps_per_generation=2)
+    assert fill(a) == 8
+    sample = m.Sample(tokens=[3, 4], mask=[0, 1], logprobs=[0.0, -0.5], versions=[-1, 0], reward=float("nan"))
+    poisoned = m.RolloutGroup(group_id="p1@0", generator=0, samples=[sample, sample])
+    a.on_finish(0, discarded=counts_as_discarded(spec, poisoned))  # as the generator publishes it
+    assert fill(a) == 1  # replaced at once
 
 
 def test_one_share_less_while_the_weights_of_the_step_before_are_still_loading():

@@ -31,7 +31,7 @@ from pipelinerl.books import Outcome
 from pipelinerl.spec import parse_job
 from pipelinerl.steps import counts_as_discarded, newest_weights
 from pipelinerl_preprocessor.builder import StepBuilder
-from pipelinerl_preprocessor.checks import GroupLimits, group_problem
+from pipelinerl.group_checks import GroupLimits, group_problem
 
 ATTEMPTS = 2
 
@@ -108,7 +108,7 @@ class Generator:
         self.published, self.discarded = newest.published, newest.discarded
         mine = [g for g in self.world.published.values() if g.generator == self.rank]
         assert self.published == len(mine), "a restarted generator's books are not its groups"
-        assert self.discarded == sum(counts_as_discarded(self.world.spec.rl.filter_zero_variance, g) for g in mine)
+        assert self.discarded == sum(counts_as_discarded(self.world.spec, g) for g in mine)
 
     def publish(self, dies: bool) -> None:
         w, rnd = self.world, self.world.rnd
@@ -117,10 +117,12 @@ class Generator:
             return
         w.problems += 1
         version = max(0, w.announced.version - rnd.choice([0, 0, 0, 1, 2]))  # the weights it holds, maybe old
+        if rnd.random() < 0.03:  # ahead of the trainer: dead-lettered, but its generator cannot tell
+            version = w.announced.version + 2
         rewards = rnd.choice([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [1.0, float("nan")]])
         samples = []
         for reward in rewards:
-            n = rnd.randint(1, 4)
+            n = 7 if rnd.random() < 0.02 else rnd.randint(1, 4)  # 7: longer than maxSeqLen, dead-lettered
             samples.append(
                 m.Sample(
                     tokens=[3] * (2 + n),
@@ -131,7 +133,7 @@ class Generator:
                 )  # fmt: skip
             )
         group = m.RolloutGroup(group_id=f"p{w.problems}@{self.rank}", generator=self.rank, samples=samples)
-        discarded = counts_as_discarded(w.spec.rl.filter_zero_variance, group)
+        discarded = counts_as_discarded(w.spec, group)
         group.books = books.GeneratorBooks(published=self.published + 1, discarded=self.discarded + discarded)
         w.queue.publish(self.rank, m.encode(group))
         w.published[group.group_id] = group
@@ -336,9 +338,7 @@ def check_books(w: World) -> None:
     for gen in w.generators:
         gen.restart()
         mine = [g for g in w.published.values() if g.generator == gen.rank]
-        unsettled = [
-            g for g in mine if not counts_as_discarded(spec.rl.filter_zero_variance, g) and g.group_id not in settled
-        ]
+        unsettled = [g for g in mine if not counts_as_discarded(spec, g) and g.group_id not in settled]
         queued = gen.published - gen.discarded - w.announced.trained_groups.get(str(gen.rank), 0)
         assert queued == len(unsettled), (gen.rank, queued, [g.group_id for g in unsettled])
 

@@ -7,7 +7,7 @@ import pytest
 
 from pipelinerl import messages as m
 from pipelinerl.books import StepLedger
-from pipelinerl_preprocessor.checks import GroupLimits, group_problem
+from pipelinerl.group_checks import GroupLimits, group_problem
 from pipelinerl_trainer.checks import bad_samples, describe, without
 
 LIMITS = GroupLimits(max_seq_len=8, newest_version=5)

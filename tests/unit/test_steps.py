@@ -53,10 +53,20 @@ def test_an_announcement_names_the_step_in_training():
     assert training_step(m.PolicyVersion(version=7, timestamp=0)) == 6  # the weights step 6 made
 
 
-def test_a_zero_variance_group_is_discarded_only_where_the_job_filters_them():
-    flat, mixed = SimpleNamespace(zero_variance=True), SimpleNamespace(zero_variance=False)
-    assert counts_as_discarded(True, flat) and not counts_as_discarded(False, flat)
-    assert not counts_as_discarded(True, mixed)
+def group(*rewards: float, versions: tuple[int, int] = (-1, 0)) -> m.RolloutGroup:
+    sample = dict(tokens=[3, 4], mask=[0, 1], logprobs=[0.0, -0.5], versions=list(versions))
+    return m.RolloutGroup(group_id="p1@0", generator=0, samples=[m.Sample(**sample, reward=r) for r in rewards])
+
+
+def test_a_group_is_discarded_where_the_job_filters_zero_variance_or_it_cannot_be_trained():
+    spec = SimpleNamespace(rl=SimpleNamespace(filter_zero_variance=True), model=SimpleNamespace(max_seq_len=8))
+    kept = SimpleNamespace(rl=SimpleNamespace(filter_zero_variance=False), model=spec.model)
+    assert counts_as_discarded(spec, group(1.0, 1.0)) and not counts_as_discarded(kept, group(1.0, 1.0))
+    assert not counts_as_discarded(spec, group(1.0, 0.0))
+    # The preprocessor dead-letters it (a reward not finite): its generator must not wait for it.
+    assert counts_as_discarded(kept, group(1.0, float("nan")))
+    # Whether a version is ahead of the trainer only the preprocessor can tell: not discarded here.
+    assert not counts_as_discarded(kept, group(1.0, 0.0, versions=(-1, 10**6)))
 
 
 def test_a_generation_phase_of_k_steps_gets_the_weights_once_at_its_end():

@@ -11,8 +11,10 @@ outputs still in flight).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
+import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -62,10 +64,40 @@ def engine_args(generator: GeneratorSpec, model: ModelSpec, model_path: str, see
 
 def configure_cpu_env() -> None:
     """Defaults for the CPU build. VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps LLMEngine's core in
-    process; AsyncLLM spawns its engine core whatever it says (vLLM's CPU platform forces spawn),
-    which imports vLLM a second time: ~15-20 s of a generator's start on a loaded 2-core machine."""
+    process; AsyncLLM runs its engine core in a process of its own whatever it says."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def threads_running() -> int:
+    """This process's threads, as the kernel counts them (OpenMP's and native libraries' too)."""
+    return len(os.listdir("/proc/self/task"))
+
+
+def core_start_method(gpus: int, executor: str, threads: int) -> str | None:
+    """How AsyncLLM starts its engine core process on the CPU build (None: on GPUs, vLLM's own
+    choice). vLLM's CPU platform sets spawn, so the core imports vLLM again (~17 CPU-seconds of
+    every generator start). Forked, it starts from this process's imports: safe while no thread
+    of ours runs (none can hold a lock the child would inherit taken) and no OpenMP pool exists
+    (it breaks in a forked child). vLLM's own zmq threads start after this check, as on its GPU
+    fork path, and the child never uses that context. An executor other than "uni" (tensor
+    parallelism, or VLLM_ENABLE_V1_MULTIPROCESSING=1) starts workers from the core, which by
+    then runs threads: spawn."""
+    if gpus:
+        return None
+    return "fork" if executor == "uni" and threads == 1 else "spawn"
+
+
+def _forget_parent_signals() -> None:
+    """In a forked child: the parent's event loop registered a wakeup fd for its signals, and a
+    signal the child catches (vLLM's core handles SIGTERM when it is shut down) would be written
+    into the parent's loop, which would take it for its own SIGTERM and stop the generator."""
+    signal.set_wakeup_fd(-1)
+
+
+@functools.cache
+def forget_parent_signals_after_fork() -> None:
+    os.register_at_fork(after_in_child=_forget_parent_signals)
 
 
 class Engine:
@@ -74,11 +106,23 @@ class Engine:
     def __init__(self, job: PipelineRLJob, model_path: str, seed: int = 0):
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        if job.spec.generator.gpus == 0:
+        generator = job.spec.generator
+        if generator.gpus == 0:
             configure_cpu_env()
         self.job = job
-        self.sampling = job.spec.generator.sampling
-        self.llm = AsyncLLM.from_engine_args(engine_args(job.spec.generator, job.spec.model, model_path, seed))
+        self.sampling = generator.sampling
+        args = engine_args(generator, job.spec.model, model_path, seed)
+        config = args.create_engine_config()  # where the CPU platform sets spawn
+        executor = str(config.parallel_config.distributed_executor_backend)
+        self.core_start = core_start_method(generator.gpus, executor, threads_running())
+        if self.core_start:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = self.core_start
+        if self.core_start == "fork":
+            forget_parent_signals_after_fork()
+        log.info("engine core: %s", self.core_start or "vLLM's start method")
+        self.llm = AsyncLLM.from_vllm_config(
+            config, enable_log_requests=args.enable_log_requests, disable_log_stats=args.disable_log_stats
+        )
         self.eos = self.llm.tokenizer.eos_token_id if self.llm.tokenizer else None
         self.staged = job.spec.weight_sync.staged
         self.version = -1  # the label of the weights held: -1 until `start` or an update sets it

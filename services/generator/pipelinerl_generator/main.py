@@ -105,11 +105,19 @@ class Generator:
     # -- main ------------------------------------------------------------------------------
     async def run(self) -> None:
         SCRAPED.generator = self
+        model_path = resolve_model_path(self.spec.model.path)
+        seed = self.spec.trainer.seed + 1000 * self.env.rank
+        # On the CPU build the engine comes first, while no thread of ours runs (its core process
+        # is then forked, not spawned: `engine.core_start_method`; it starts in seconds). On GPUs
+        # the health server answers while the model downloads and loads, which can take long.
+        cpu = not self.spec.generator.gpus
+        if cpu:
+            self.engine = Engine(self.job, model_path, seed=seed)
         http = HealthServer("generator", self.env.http_port, self.status).start()
         self.nc = await join_job(self.job, self.env, f"{self.job.name}-generator-{self.env.rank}")
         self.js = self.nc.jetstream()
-        model_path = resolve_model_path(self.spec.model.path)
-        self.engine = Engine(self.job, model_path, seed=self.spec.trainer.seed + 1000 * self.env.rank)
+        if not cpu:
+            self.engine = Engine(self.job, model_path, seed=seed)
         self.tokenizer = load_tokenizer(model_path)  # prompts are tokenized here; vLLM takes token ids
         self._check_prompts_fit()
         await self._restore_books()
@@ -289,7 +297,7 @@ class Generator:
 
     async def _publish(self, group: m.RolloutGroup, started_at: int) -> None:
         a = self.admission
-        discarded = counts_as_discarded(self.spec.rl.filter_zero_variance, group)
+        discarded = counts_as_discarded(self.spec, group)
         async with self.publishing:
             group.books = books.GeneratorBooks(published=a.published + 1, discarded=a.discarded + discarded)
             ack = await publish_once(self.js, self.subjects.rollouts(self.env.rank), m.encode(group), group.group_id)

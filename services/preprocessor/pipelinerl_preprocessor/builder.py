@@ -72,14 +72,14 @@ class StepBuilder:
     def dead_lettered(self, ref: Any, entry_id: str, group: RolloutGroup | None) -> None:
         """A message that cannot be trained (`group` None: not even decoded), kept aside by the
         service with its reason."""
-        discarded = group is not None and counts_as_discarded(self.spec.rl.filter_zero_variance, group)
+        discarded = group is not None and counts_as_discarded(self.spec, group)
         generator, samples = (group.generator, len(group.samples)) if group is not None else (None, 0)
         credit(self.ledger, Outcome.DEAD_LETTERED, entry_id, generator, samples, discarded)
         self.settled.append((ref, entry_id))
 
     def take(self, ref: Any, group: RolloutGroup) -> Outcome | None:
         """A group that can be trained: filtered (returned), or accepted for a wave (None)."""
-        if counts_as_discarded(self.spec.rl.filter_zero_variance, group):
+        if counts_as_discarded(self.spec, group):
             credit(self.ledger, Outcome.FILTERED, group.group_id, group.generator, len(group.samples), True)
             self.settled.append((ref, group.group_id))
             return Outcome.FILTERED

@@ -15,7 +15,7 @@ newest group taken so far, which a restarted generator continues from once its g
 the rollout stream.
 Backpressure: at most `maxPendingSteps` steps (a whole phase in sync mode) are published ahead
 of the trainer's version.
-A group that cannot be trained (`checks`) or decoded goes to the dead-letter stream with its
+A group that cannot be trained (`pipelinerl.group_checks`) or decoded goes to the dead-letter stream with its
 reason and is acknowledged: one bad message never stops the job.
 """
 
@@ -41,7 +41,7 @@ from pipelinerl.spec import PipelineRLJob
 from pipelinerl.steps import newest_weights
 from pipelinerl.streams import dead_letter, last_announcement, newest_batches, publish_once
 from pipelinerl_preprocessor.builder import StepBuilder, Wave
-from pipelinerl_preprocessor.checks import GroupLimits, group_problem
+from pipelinerl.group_checks import GroupLimits, group_problem
 
 log = logging.getLogger("pipelinerl.preprocessor")
 GROUPS_IN = Counter("pipelinerl_preprocessor_groups_total", "Rollout groups consumed", ["outcome"])

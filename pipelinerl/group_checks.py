@@ -1,14 +1,18 @@
-"""What a rollout group must satisfy before it is trained (pure). A group that fails goes to the
-dead-letter stream with the reason returned here, instead of crashing a service on every
-redelivery or training on garbage. Token ids against the vocabulary are the trainer's check
-(it holds the model); everything else is checked here, on the way in."""
+"""What a rollout group must satisfy before it is trained (pure). The preprocessor sends a group
+that fails to the dead-letter stream with the reason returned here, instead of crashing a service
+on every redelivery or training on garbage; its generator, which runs the same checks on what it
+publishes (all but the version's, which needs the trainer's news), stops counting it as queued
+(`steps.counts_as_discarded`), so it holds no place in admission. Token ids against the vocabulary
+are the trainer's check (it holds the model)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pipelinerl.messages import RolloutGroup, Sample
+if TYPE_CHECKING:  # (the planner imports the step rules, which call these: no messages there)
+    from pipelinerl.messages import RolloutGroup, Sample
 
 LOGPROB_SLACK = 1e-3  # sampling logprobs are ≤ 0; engines round a near-certain token's to a hair above
 
@@ -16,7 +20,9 @@ LOGPROB_SLACK = 1e-3  # sampling logprobs are ≤ 0; engines round a near-certai
 @dataclass(frozen=True)
 class GroupLimits:
     max_seq_len: int  # model.maxSeqLen: a longer sample fits no micro-batch row (rows hold at least as much)
-    newest_version: int  # the newest weights that exist: the trainer's announced version + 1 (sent before announced)
+    # The newest weights that exist: the trainer's announced version + 1 (sent before announced);
+    # None: not checked (a generator's own check).
+    newest_version: int | None = None
 
 
 def group_problem(group: RolloutGroup, limits: GroupLimits) -> str | None:
@@ -44,6 +50,6 @@ def sample_problem(s: Sample, limits: GroupLimits) -> str | None:
             return f"logprob {lp} at token {j} (a finite value <= 0)"
         if v < 0:
             return f"version {v} at generated token {j}"
-        if v > limits.newest_version:
+        if limits.newest_version is not None and v > limits.newest_version:
             return f"version {v} at token {j} is ahead of the trainer (newest weights: version {limits.newest_version})"
     return None

@@ -1,0 +1,64 @@
+"""How the generator's vLLM engine core process starts (services/generator/.../engine.py): forked
+on the CPU build while no thread of the generator's runs, spawned otherwise; a forked core's
+signals stay its own."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import threading
+
+import pytest
+
+from pipelinerl_generator.engine import core_start_method, forget_parent_signals_after_fork, threads_running
+
+
+@pytest.mark.parametrize(
+    ("gpus", "executor", "threads", "method"),
+    [
+        (0, "uni", 1, "fork"),  # the CPU build, one thread: nothing to copy half-taken
+        (0, "uni", 2, "spawn"),  # a second thread (an HTTP server, OpenMP's pool) may hold a lock
+        (0, "mp", 1, "spawn"),  # the core would start workers from a process with threads by then
+        (1, "uni", 1, None),  # GPUs: vLLM's own choice
+        (4, "mp", 9, None),
+    ],
+)
+def test_the_core_is_forked_only_from_a_single_threaded_cpu_generator(gpus, executor, threads, method):
+    assert core_start_method(gpus, executor, threads) == method
+
+
+def test_threads_are_counted_as_the_kernel_sees_them():
+    release = threading.Event()
+    thread = threading.Thread(target=release.wait)
+    thread.start()
+    try:
+        assert str(thread.native_id) in os.listdir("/proc/self/task") and threads_running() >= 2
+    finally:
+        release.set()
+        thread.join()
+
+
+def _catch_own_sigterm() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: None)  # as vLLM's engine core does
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_forked_cores_own_signal_does_not_reach_the_generators_event_loop():
+    # The child inherits the loop's wakeup fd: without the at-fork reset, the SIGTERM vLLM's core
+    # gets at every engine shutdown was read by the generator's loop as its own, and stopped it.
+    forget_parent_signals_after_fork()
+    loop = asyncio.new_event_loop()
+    heard: list[str] = []
+    loop.add_signal_handler(signal.SIGTERM, heard.append, "SIGTERM")
+    try:
+        child = multiprocessing.get_context("fork").Process(target=_catch_own_sigterm)
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0
+        loop.run_until_complete(asyncio.sleep(0.5))  # a byte in the loop's self-pipe is read here
+        assert heard == []
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+        loop.close()
