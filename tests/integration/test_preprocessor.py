@@ -268,7 +268,7 @@ async def test_groups_whose_acknowledgements_were_lost_are_not_trained_or_counte
 async def test_poison_groups_are_dead_lettered_with_their_reason_and_the_step_goes_on(nats_server, tmp_path):
     """Each kind of bad group, published into the job's stream: kept aside with its reason,
     acknowledged (never redelivered), counted; a full step of good groups still goes out, and
-    the rejected groups count as consumed for their generators' admission."""
+    each rejected group is settled for its generator's admission exactly once."""
     from pipelinerl.contracts import DEADLETTER_REASON
 
     job, env, nc, js, subjects = await start(
@@ -323,9 +323,10 @@ async def test_poison_groups_are_dead_lettered_with_their_reason_and_the_step_go
         for x in await (await js.pull_subscribe(subjects.batches(0), durable="t")).fetch(5, timeout=2)
     ]
     assert step.last and step.ledger.samples == 4  # the two good groups
-    # The rejected ones are consumed too, but for the NaN group: its rewards read as zero-variance
-    # to its generator as well, which counted it discarded itself.
-    assert step.ledger.credits == {"0": 2, "1": 3}
+    # Of the rejected ones, only the group with a version ahead of the trainer is consumed at the
+    # step: its generator cannot see that. The others fail checks their generator makes too, so it
+    # counted them discarded itself (steps.counts_as_discarded) and they held no place.
+    assert step.ledger.credits == {"0": 2, "1": 1}
     info = await js.consumer_info(subjects.stream("ROLLOUTS"), "preprocessor")
     assert info.num_ack_pending == 0 and info.num_pending == 0  # nothing will come back
     pre.stopping.set()
