@@ -114,12 +114,12 @@ class Engine:
         args = engine_args(generator, job.spec.model, model_path, seed)
         config = args.create_engine_config()  # where the CPU platform sets spawn
         executor = str(config.parallel_config.distributed_executor_backend)
-        self.core_start = core_start_method(generator.gpus, executor, threads_running())
-        if self.core_start:
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = self.core_start
-        if self.core_start == "fork":
+        core_start = core_start_method(generator.gpus, executor, threads_running())
+        if core_start:
+            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = core_start
+        if core_start == "fork":
             forget_parent_signals_after_fork()
-        log.info("engine core: %s", self.core_start or "vLLM's start method")
+        log.info("engine core: %s", core_start or "vLLM's start method")
         self.llm = AsyncLLM.from_vllm_config(
             config, enable_log_requests=args.enable_log_requests, disable_log_stats=args.disable_log_stats
         )
