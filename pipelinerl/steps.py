@@ -9,7 +9,7 @@ planner all apply, stated once.
   maxLag (`too_old`: the trainer's rule, per token); a group every token of which is too old for
   the step takes no place in it (`hopelessly_stale`: the preprocessor's rule, per group). The
   books these counts keep are `pipelinerl.books`;
-- which groups go into no step (`counts_as_discarded`: filtered, or not trainable): their
+- which groups go into no step (`counts_as_discarded`: `filtered`, or not trainable): their
   generator stops counting them as queued when they finish, the preprocessor settles them
   without a step;
 - when part of a step leaves the preprocessor as a wave (`wave_capacity`, `next_wave`): the
@@ -76,14 +76,17 @@ def hopelessly_stale(group: Any, step: int, max_lag: int) -> bool:
 
 
 # -- which groups a step takes, and when ----------------------------------------------------------
+def filtered(spec: Any, group: Any) -> bool:
+    """All its attempts scored alike (no signal), and the job (`spec`) filters those."""
+    return spec.rl.filter_zero_variance and group.zero_variance
+
+
 def counts_as_discarded(spec: Any, group: Any) -> bool:
-    """A group that goes into no step, as its generator can tell when it finishes: all its
-    attempts scored alike (no signal) and the job (`spec`) filters those, or it cannot be trained
-    (`group_checks`: the preprocessor dead-letters it). Counted, it holds no place in admission:
-    a conventional phase, whose first step waits for the whole phase, would wait for it forever."""
-    if spec.rl.filter_zero_variance and group.zero_variance:
-        return True
-    return group_problem(group, GroupLimits(spec.model.max_seq_len)) is not None
+    """A group that goes into no step, as its generator can tell when it finishes: filtered, or
+    it cannot be trained (`group_checks`: the preprocessor dead-letters it). Counted, it holds no
+    place in admission: a conventional phase, whose first step waits for the whole phase, would
+    wait for it forever."""
+    return filtered(spec, group) or group_problem(group, GroupLimits(spec.model.max_seq_len)) is not None
 
 
 def steps_left_in_phase(step: int, steps_per_generation: int) -> int:

@@ -23,7 +23,7 @@ from typing import Any
 from pipelinerl.books import Outcome, Restored, StepLedger, Torn, credit, newest_books, settle_again
 from pipelinerl.messages import MicroBatch, RolloutGroup
 from pipelinerl.spec import JobSpec
-from pipelinerl.steps import counts_as_discarded, hopelessly_stale, next_wave, steps_left_in_phase
+from pipelinerl.steps import counts_as_discarded, filtered, hopelessly_stale, next_wave, steps_left_in_phase
 from pipelinerl_preprocessor.advantages import group_advantages
 from pipelinerl_preprocessor.packing import StepSample, fill_ranks, pack_wave, step_weight
 
@@ -78,8 +78,9 @@ class StepBuilder:
         self.settled.append((ref, entry_id))
 
     def take(self, ref: Any, group: RolloutGroup) -> Outcome | None:
-        """A group that can be trained: filtered (returned), or accepted for a wave (None)."""
-        if counts_as_discarded(self.spec, group):
+        """A group that can be trained: filtered (returned), or accepted for a wave (None). It
+        passed the checks, so its generator counted it discarded exactly when it is filtered."""
+        if filtered(self.spec, group):
             credit(self.ledger, Outcome.FILTERED, group.group_id, group.generator, len(group.samples), True)
             self.settled.append((ref, group.group_id))
             return Outcome.FILTERED
