@@ -46,6 +46,19 @@ FINAL_EVAL_TIMEOUT_S = 300.0
 PRINT_EVERY_S = 3.0
 
 
+class Running:
+    """A total of per-process counters that survives restarts: a restarted process (a new key)
+    counts again from 0, and a dead one keeps what it added, so the total never goes back."""
+
+    def __init__(self) -> None:
+        self.last: dict[tuple[str, int], float] = {}
+        self.total = 0.0
+
+    def add(self, process: tuple[str, int], value: float) -> None:
+        self.total += max(0.0, value - self.last.get(process, 0.0))
+        self.last[process] = value
+
+
 class LocalRun:
     def __init__(
         self,
@@ -68,7 +81,8 @@ class LocalRun:
         self.services: list[Service] = []
         self.train: list[dict] = []
         self.evals: list[dict] = []
-        self.gen_tokens: tuple[float, int] | None = None
+        self.gen_tokens, self.gen_busy = Running(), Running()  # summed over generators, across restarts
+        self.gen_polled: tuple[float, float] | None = None  # (time, tokens) at the last poll
         self.gen_rate = 0.0
         self.t0 = time.time()
 
@@ -259,7 +273,6 @@ class LocalRun:
         metrics_file.close()
 
     async def poll_generators(self, http) -> None:
-        total, busy = 0, 0.0
         for s in self.services:
             if s.role != "generator" or s.proc.poll() is not None:
                 continue
@@ -269,16 +282,16 @@ class LocalRun:
                 )
             except (httpx.HTTPError, ValueError):
                 return
-            total += status.tokens
-            busy += status.busy_seconds
+            self.gen_tokens.add((s.name, s.proc.pid), status.tokens)
+            self.gen_busy.add((s.name, s.proc.pid), status.busy_seconds)
             if status.first_group_at is not None:
                 began = status.first_group_at - self.t0
                 self.first_group = began if self.first_group is None else min(self.first_group, began)
-        now = time.time()
-        self.busy.append((now - self.t0, busy))
-        if self.gen_tokens and now > self.gen_tokens[0]:
-            self.gen_rate = 0.7 * self.gen_rate + 0.3 * (total - self.gen_tokens[1]) / (now - self.gen_tokens[0])
-        self.gen_tokens = (now, total)
+        now, total = time.time(), self.gen_tokens.total
+        self.busy.append((now - self.t0, self.gen_busy.total))
+        if self.gen_polled and now > self.gen_polled[0]:
+            self.gen_rate = 0.7 * self.gen_rate + 0.3 * (total - self.gen_polled[1]) / (now - self.gen_polled[0])
+        self.gen_polled = (now, total)
 
     def progress_line(self) -> str:
         t = self.train[-1]

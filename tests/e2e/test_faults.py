@@ -110,6 +110,10 @@ def test_the_generator_then_the_trainer_then_nats_die_and_nothing_acknowledged_i
     # Versions never went back: the generator kept the newer weights until the trainer was past
     # them (it logs any step back), so nothing it made was too old.
     assert "go back" not in (run.dir / "logs/generator.log").read_text()
+    # The progress lines' generator tok/s never went negative over the generator's restart
+    # (its token counter starts again from 0: -184 tok/s was printed once).
+    progress = (run.dir.parent / "run.out").read_text()
+    assert re.findall(r"gen [\d,]+ tok/s", progress) and " gen -" not in progress
     # Nothing dropped for lag after the trainer's resume, up to the server's death. (After a
     # server restart a group per step may come too old: 4 samples in 4 of 5 steps once, 11-28.)
     assert all(r["dropped_for_lag"] == 0 for r in train[len(first) : seen_before_nats])

@@ -112,6 +112,9 @@ def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_trackin
     assert sum(r["dropped_for_lag"] for r in resumed) <= 16, [(r["step"], r["dropped_for_lag"]) for r in resumed]
     assert all(r["lag_max"] <= 1 for r in resumed)
     assert summary["learning_alarm"] is None
+    # Both generators forked their engine core, the dataset task loaded after it (its loader
+    # starts threads, which would make the core spawn: ~10 s more of each start).
+    assert (second.dir / "logs" / "generator.log").read_text().count("engine core: fork") == 2
 
     batches = [m.decode(x.data, m.MicroBatch) for x in stored(second.dir, manifest["metadata"]["name"], "BATCHES")]
     batches = [b for b in batches if not b.is_sentinel]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pipelinerl import messages as m
-from pipelinerl_cli.local import LocalRun
+from pipelinerl_cli.local import LocalRun, Running
 from pipelinerl_cli.supervisor import Cores, core_plan
 from pipelinerl.spec import load_job
 from pipelinerl_generator.metrics import BusyClock
@@ -57,6 +57,21 @@ def test_busy_clock_counts_overlapping_work_once():
     time.sleep(0.05)  # idle: not counted
     assert 0.04 < busy < 0.09
     assert clock.seconds() == busy
+
+
+def test_generator_counters_summed_across_a_restart_never_go_back():
+    # A generator's token and busy counters start again from 0 when it restarts: the runner's
+    # totals (its tok/s and busy fraction) showed -184 tok/s right after one, before this.
+    tokens = Running()
+    tokens.add(("generator-0", 100), 500)
+    tokens.add(("generator-1", 101), 300)
+    tokens.add(("generator-0", 100), 700)
+    assert tokens.total == 1000
+    tokens.add(("generator-1", 205), 40)  # restarted: a new process, counting from 0
+    assert tokens.total == 1040
+    tokens.add(("generator-0", 100), 700)  # nothing new
+    tokens.add(("generator-1", 205), 90)
+    assert tokens.total == 1090
 
 
 def test_step_tally_counts_tokens_per_lag():

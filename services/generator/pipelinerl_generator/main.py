@@ -45,7 +45,6 @@ class Generator:
     def __init__(self, job: PipelineRLJob, env: ServiceEnv):
         self.job, self.env, self.spec = job, env, job.spec
         self.subjects = job.subjects
-        self.task = make_task(self.spec.task.name, self.spec.task.params, seed=self.spec.task.seed)
         self.admission = Admission(
             groups_per_step=self.spec.groups_per_step,
             generators=self.spec.generator.replicas,
@@ -108,11 +107,13 @@ class Generator:
         model_path = resolve_model_path(self.spec.model.path)
         seed = self.spec.trainer.seed + 1000 * self.env.rank
         # On the CPU build the engine comes first, while no thread of ours runs (its core process
-        # is then forked, not spawned: `engine.core_start_method`; it starts in seconds). On GPUs
-        # the health server answers while the model downloads and loads, which can take long.
+        # is then forked, not spawned: `engine.core_start_method`; it starts in seconds). Even the
+        # task waits: a dataset task's loader (pyarrow) starts threads. On GPUs the health server
+        # answers while the model downloads and loads, which can take long.
         cpu = not self.spec.generator.gpus
         if cpu:
             self.engine = Engine(self.job, model_path, seed=seed)
+        self.task = make_task(self.spec.task.name, self.spec.task.params, seed=self.spec.task.seed)
         http = HealthServer("generator", self.env.http_port, self.status).start()
         self.nc = await join_job(self.job, self.env, f"{self.job.name}-generator-{self.env.rank}")
         self.js = self.nc.jetstream()
