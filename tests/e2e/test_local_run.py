@@ -38,6 +38,7 @@ def run(job: dict, run_dir: Path) -> dict:
 def zero3_run(tmp_path_factory) -> tuple[Path, dict]:
     """One whole run, read by two tests: two ZeRO-3 ranks, and `plan --calibrate-from` its folder."""
     tmp_path = tmp_path_factory.mktemp("zero3")
+    inductor = tmp_path / "inductor"  # what anything compiled would leave (none is: see the test)
     # Rows of 128 tokens: several micro-batches per rank and step (sentinels included), over
     # which both ZeRO-3 ranks must gather parameters in lock-step.
     job = tiny_job(
@@ -46,7 +47,9 @@ def zero3_run(tmp_path_factory) -> tuple[Path, dict]:
         trainer={"replicas": 2, "zeroStage": 3, "maxSteps": 6, "exportInterval": 3, "microBatchTokens": 128},
         output={"path": str(tmp_path / "models")},
     )
-    return tmp_path, run(job, tmp_path)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+        return tmp_path, run(job, tmp_path)
 
 
 def test_pipeline_mode_two_deepspeed_ranks_zero3(zero3_run):
@@ -63,6 +66,9 @@ def test_pipeline_mode_two_deepspeed_ranks_zero3(zero3_run):
     # The generator's engine core was forked from it (one thread then), not spawned: its start
     # skips vLLM's second import (engine.core_start_method).
     assert "engine core: fork" in (tmp_path / "logs" / "generator.log").read_text()
+    # Nothing was compiled: not the model (eager on CPU), nor vLLM's sampler (engine.disable_compile:
+    # ~12 s of a generator's first completion on a machine without inductor's cache).
+    assert not [p for p in (tmp_path / "inductor").rglob("*") if p.is_file()]
     # The final checkpoint holds Hugging Face weights gathered from both ZeRO-3 shards.
     ckpt = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text()
     from transformers import AutoModelForCausalLM
