@@ -66,7 +66,7 @@ def test_pipeline_mode_two_deepspeed_ranks_zero3(zero3_run):
     # The generator's engine core was forked from it (one thread then), not spawned: its start
     # skips vLLM's second import (engine.core_start_method).
     assert "engine core: fork" in (tmp_path / "logs" / "generator.log").read_text()
-    # Nothing was compiled: not the model (eager on CPU), nor vLLM's sampler (engine.disable_compile:
+    # Nothing was compiled: not the model (eager on CPU), nor vLLM's sampler (engine.compile_disabled:
     # ~12 s of a generator's first completion on a machine without inductor's cache).
     assert not [p for p in (tmp_path / "inductor").rglob("*") if p.is_file()]
     # The final checkpoint holds Hugging Face weights gathered from both ZeRO-3 shards.

@@ -1,6 +1,7 @@
 """How the generator's vLLM engine core process starts (services/generator/.../engine.py): forked
 on the CPU build while no thread of the generator's runs, spawned otherwise; a forked core's
-signals stay its own."""
+signals stay its own; it starts with torch.compile off, and the generator's process is left as
+it was."""
 
 from __future__ import annotations
 
@@ -12,7 +13,12 @@ import threading
 
 import pytest
 
-from pipelinerl_generator.engine import core_start_method, forget_parent_signals_after_fork, threads_running
+from pipelinerl_generator.engine import (
+    compile_disabled,
+    core_start_method,
+    forget_parent_signals_after_fork,
+    threads_running,
+)
 
 
 @pytest.mark.parametrize(
@@ -62,3 +68,27 @@ def test_a_forked_cores_own_signal_does_not_reach_the_generators_event_loop():
     finally:
         loop.remove_signal_handler(signal.SIGTERM)
         loop.close()
+
+
+def report_compile(out) -> None:
+    import torch._dynamo
+
+    out.put((torch._dynamo.config.disable, os.environ.get("TORCH_COMPILE_DISABLE")))
+
+
+def test_compile_is_off_in_a_core_started_meanwhile_and_back_on_after():
+    import torch._dynamo
+
+    assert not torch._dynamo.config.disable and "TORCH_COMPILE_DISABLE" not in os.environ
+    for method in ("fork", "spawn"):
+        ctx = multiprocessing.get_context(method)
+        out = ctx.Queue()
+        with compile_disabled(True):
+            proc = ctx.Process(target=report_compile, args=(out,))
+            proc.start()
+        assert out.get(timeout=60) == (True, "1"), method
+        proc.join(30)
+    # This process (a test's that builds an engine, too) compiles again; with False nothing changes.
+    assert not torch._dynamo.config.disable and "TORCH_COMPILE_DISABLE" not in os.environ
+    with compile_disabled(False):
+        assert not torch._dynamo.config.disable

@@ -11,6 +11,7 @@ outputs still in flight).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -100,15 +101,28 @@ def forget_parent_signals_after_fork() -> None:
     os.register_at_fork(after_in_child=_forget_parent_signals)
 
 
-def disable_compile() -> None:
+@contextlib.contextmanager
+def compile_disabled(disable: bool):
     """Eager, vLLM still torch.compiles one sampler function (the sampled token's rank among the
     logprobs, `batched_count_greater_than`): ~12 CPU-seconds at a generator's first completion on
     a machine without inductor's cache, ~1.6 s with it. Uncompiled it is one comparison and a sum.
-    This process's setting reaches a forked engine core; the variable, a spawned one."""
+    Held while the engine core starts: a forked core keeps the setting, a spawned one reads the
+    variable; this process (a test's, too) is left as it was."""
+    if not disable:
+        yield
+        return
     import torch._dynamo
 
+    before = os.environ.get("TORCH_COMPILE_DISABLE")
     os.environ["TORCH_COMPILE_DISABLE"] = "1"
-    torch._dynamo.config.disable = True
+    try:
+        with torch._dynamo.config.patch(disable=True):
+            yield
+    finally:
+        if before is None:
+            del os.environ["TORCH_COMPILE_DISABLE"]
+        else:
+            os.environ["TORCH_COMPILE_DISABLE"] = before
 
 
 class Engine:
@@ -124,8 +138,6 @@ class Engine:
         self.sampling = generator.sampling
         args = engine_args(generator, job.spec.model, model_path, seed)
         config = args.create_engine_config()  # where the CPU platform sets spawn
-        if generator.gpus == 0 and config.model_config.enforce_eager:
-            disable_compile()
         executor = str(config.parallel_config.distributed_executor_backend)
         core_start = core_start_method(generator.gpus, executor, threads_running())
         if core_start:
@@ -133,9 +145,10 @@ class Engine:
         if core_start == "fork":
             forget_parent_signals_after_fork()
         log.info("engine core: %s", core_start or "vLLM's start method")
-        self.llm = AsyncLLM.from_vllm_config(
-            config, enable_log_requests=args.enable_log_requests, disable_log_stats=args.disable_log_stats
-        )
+        with compile_disabled(generator.gpus == 0 and config.model_config.enforce_eager):
+            self.llm = AsyncLLM.from_vllm_config(
+                config, enable_log_requests=args.enable_log_requests, disable_log_stats=args.disable_log_stats
+            )
         self.eos = self.llm.tokenizer.eos_token_id if self.llm.tokenizer else None
         self.staged = job.spec.weight_sync.staged
         self.version = -1  # the label of the weights held: -1 until `start` or an update sets it
