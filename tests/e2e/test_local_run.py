@@ -38,7 +38,7 @@ def run(job: dict, run_dir: Path) -> dict:
 def zero3_run(tmp_path_factory) -> tuple[Path, dict]:
     """One whole run, read by two tests: two ZeRO-3 ranks, and `plan --calibrate-from` its folder."""
     tmp_path = tmp_path_factory.mktemp("zero3")
-    inductor = tmp_path / "inductor"  # what anything compiled would leave (none is: see the test)
+    caches = tmp_path / "caches"  # what a compile or vLLM's model inspection would leave (see the test)
     # Rows of 128 tokens: several micro-batches per rank and step (sentinels included), over
     # which both ZeRO-3 ranks must gather parameters in lock-step.
     job = tiny_job(
@@ -48,7 +48,8 @@ def zero3_run(tmp_path_factory) -> tuple[Path, dict]:
         output={"path": str(tmp_path / "models")},
     )
     with pytest.MonkeyPatch.context() as env:
-        env.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+        env.setenv("TORCHINDUCTOR_CACHE_DIR", str(caches / "inductor"))
+        env.setenv("VLLM_CACHE_ROOT", str(caches / "vllm"))
         return tmp_path, run(job, tmp_path)
 
 
@@ -67,8 +68,9 @@ def test_pipeline_mode_two_deepspeed_ranks_zero3(zero3_run):
     # skips vLLM's second import (engine.core_start_method).
     assert "engine core: fork" in (tmp_path / "logs" / "generator.log").read_text()
     # Nothing was compiled: not the model (eager on CPU), nor vLLM's sampler (engine.compile_disabled:
-    # ~12 s of a generator's first completion on a machine without inductor's cache).
-    assert not [p for p in (tmp_path / "inductor").rglob("*") if p.is_file()]
+    # ~12 s of a generator's first completion on a machine without inductor's cache). vLLM did not
+    # inspect the model in a subprocess, which leaves its answer in its cache (register_model_here).
+    assert not [p for p in (tmp_path / "caches").rglob("*") if p.is_file()]
     # The final checkpoint holds Hugging Face weights gathered from both ZeRO-3 shards.
     ckpt = tmp_path / "checkpoints" / (tmp_path / "checkpoints" / "latest").read_text()
     from transformers import AutoModelForCausalLM

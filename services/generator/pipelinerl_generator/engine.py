@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import os
 import signal
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipelinerl.spec import GeneratorSpec, ModelSpec, PipelineRLJob
@@ -101,6 +103,22 @@ def forget_parent_signals_after_fork() -> None:
     os.register_at_fork(after_in_child=_forget_parent_signals)
 
 
+def register_model_here(model_path: str) -> None:
+    """vLLM inspects a model class it has not imported in a subprocess that imports vLLM again
+    (~8 CPU-seconds), unless VLLM_CACHE_ROOT holds the answer from an earlier start, which a new
+    pod or machine does not. The subprocess keeps CUDA out of this process; the CPU build has
+    none, so a local model folder's classes are imported and registered here instead."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return
+    from vllm import ModelRegistry
+
+    for arch in json.loads(config.read_text()).get("architectures") or []:
+        entry = ModelRegistry.models.get(arch)
+        if entry is not None:
+            ModelRegistry.register_model(arch, entry.load_model_cls())
+
+
 @contextlib.contextmanager
 def compile_disabled(disable: bool):
     """Eager, vLLM still torch.compiles one sampler function (the sampled token's rank among the
@@ -134,6 +152,7 @@ class Engine:
         generator = job.spec.generator
         if generator.gpus == 0:
             configure_cpu_env()
+            register_model_here(model_path)
         self.job = job
         self.sampling = generator.sampling
         args = engine_args(generator, job.spec.model, model_path, seed)
