@@ -14,7 +14,6 @@ import pytest
 
 from jobs import stored, tiny_job  # tests/e2e/jobs.py
 
-from bench.run_process import RunProcess
 from pipelinerl import messages as m
 
 pytestmark = pytest.mark.slow
@@ -22,7 +21,7 @@ pytestmark = pytest.mark.slow
 K, STEPS, SAMPLES = 4, 12, 32  # three phases
 
 
-def test_conventional_rl_takes_k_steps_on_each_generation_phase_and_resumes_a_stopped_run(tmp_path):
+def test_conventional_rl_takes_k_steps_on_each_generation_phase_and_resumes_a_stopped_run(start_run):
     # The warm-started model: its samples earn rewards, so the policy moves within a phase and
     # the later steps of a phase are really off-policy.
     job = tiny_job(
@@ -35,12 +34,8 @@ def test_conventional_rl_takes_k_steps_on_each_generation_phase_and_resumes_a_st
         trainer={"samplesPerStep": SAMPLES, "maxSteps": STEPS, "learningRate": 3e-4, "microBatchTokens": 128},
         eval={"interval": K, "problems": 64},
     )
-    first = RunProcess(tmp_path, job, timeout_s=240)
-    try:
-        first.wait_step(K + 1)  # in the second phase (its steps take ~0.3 s: the stop most likely lands in it)
-    except BaseException:
-        first.abandon()
-        raise
+    first = start_run(job, timeout_s=240)
+    first.wait_step(K + 1)  # in the second phase (its steps take ~0.3 s: the stop most likely lands in it)
     first.stop()
     seen = len(first.train())
     # The trainer may finish a step after the runner stopped listening: at least every step seen.
@@ -48,7 +43,7 @@ def test_conventional_rl_takes_k_steps_on_each_generation_phase_and_resumes_a_st
     assert checkpointed >= seen  # no interval checkpoint came (checkpointInterval 0): the stop's
     assert f"stopping: checkpointing step {checkpointed}" in (first.dir / "logs" / "trainer.log").read_text()
 
-    second = RunProcess(tmp_path, job, timeout_s=240)
+    second = start_run(job, timeout_s=240)
     second.finish()
     train = second.train()  # the first run's rows, then the second's
     assert [r["step"] for r in train[seen:]] == list(range(checkpointed + 1, STEPS + 1))  # nothing repeated

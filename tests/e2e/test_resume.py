@@ -85,17 +85,17 @@ def logprob_gap(checkpoint: Path, batches: list[m.MicroBatch]) -> float:
     return gap
 
 
-def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_tracking(tmp_path, monkeypatch):
+def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_tracking(tmp_path, monkeypatch, start_run):
     monkeypatch.chdir(ROOT)  # the manifest names its data and reward module from the repository root
     monkeypatch.setenv("WANDB_SILENT", "true")
     manifest = job(held_out(tmp_path))
-    first = RunProcess(tmp_path, manifest, timeout_s=400)
+    first = start_run(manifest, timeout_s=400)
     first.wait_step(KILL_AT)
     kill_everything(first)
     killed_at = first.train()[-1]["step"]
     before = len(first.train())
 
-    second = RunProcess(tmp_path, manifest, timeout_s=400)
+    second = start_run(manifest, timeout_s=400)
     second.finish()
     summary = json.loads((second.dir / "summary.json").read_text())
     resumed = second.train()[before:]
