@@ -34,15 +34,15 @@ def groups_from(row: dict, generator: int) -> int:
 def test_one_generator_of_two_dies_and_rejoins(start_run):
     # Runs until the restarted generator has fed two steps, then stops. One group in flight per
     # generator: the survivor alone then keeps the trainer waiting rather than both cores busy,
-    # so the restart's vLLM start (~40 CPU-seconds) is less starved (in CI it took ~105 s beside
-    # ~105 steps trained flat out; ~80 s beside ~60 with this).
+    # so the restart's vLLM start is less starved.
     job = fault_job("gen2", 1000, generator={"replicas": 2, "maxInflightGroups": 1})
     run = start_run(job, RUN_TIMEOUT_S)
     # Killed once it has fed a step: generator-0 alone may reach any given step before it joins.
     run.wait_until(lambda train: any(groups_from(r, 1) > 0 for r in train), "a step fed by generator-1")
     before = run.services()
-    _, killed_at = run.kill("generator-1")
+    # Read before the kill: read after, it may already count the epoch the kill started.
     epoch = run.train()[-1]["weight_epoch"]  # the group left, then the restart joined: 2 epochs on at least
+    _, killed_at = run.kill("generator-1")
     run.wait_until(
         lambda train: (
             sum(r["step"] > killed_at and r["weight_epoch"] >= epoch + 2 and groups_from(r, 1) > 0 for r in train) >= 2
