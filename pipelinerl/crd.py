@@ -30,6 +30,7 @@ from pipelinerl.spec import (
     RESERVED_ENV,
     TASK_IMPORT_PATH,
     TASK_NAMES,
+    TOP_P_ERROR,
     JobSpec,
 )
 
@@ -232,6 +233,7 @@ SPEC_RULES: list[tuple[str, str, str]] = [
         "self.trainer.samplesPerStep % self.rl.attempts == 0",
         "trainer.samplesPerStep must be a multiple of rl.attempts so that every step holds whole prompt groups",
     ),
+    ("generator.sampling", "!has(self.topP) || self.topP == 1.0", "generator.sampling." + TOP_P_ERROR),
     (
         "",
         "self.generator.sampling.maxTokens < self.model.maxSeqLen",

@@ -28,6 +28,7 @@ OWNED = {
     "tensor_parallel_size": "set generator.tensorParallel",
     "seed": "PipelineRL seeds each generator from task.seed",
     "worker_extension_cls": "PipelineRL's weight-update extension must stay loaded",
+    "logprobs_mode": "the trainer's importance ratios need the sampling policy's own log-probs (processed_logprobs)",
 }
 
 

@@ -248,12 +248,30 @@ class RLSpec(SpecModel):
     )
 
 
+TOP_P_ERROR = (
+    "topP below 1 is not supported: the trainer's policy is the full softmax at the sampling "
+    "temperature, so a nucleus would bias every importance ratio by the nucleus's mass"
+)
+
+
 class SamplingSpec(SpecModel):
     temperature: float = Field(
         default=1.0, gt=0.0, le=10.0, description="Sampling temperature (the trainer divides logits by it too)."
     )
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling threshold.")
+    top_p: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=1.0,
+        description="Nucleus sampling threshold: only 1 (off) is supported, see the error below 1.",
+    )
     max_tokens: int = Field(default=16, ge=1, le=131072, description="Completion tokens per attempt at most.")
+
+    @field_validator("top_p")
+    @classmethod
+    def _no_nucleus(cls, v: float) -> float:
+        if v < 1.0:
+            raise ValueError(TOP_P_ERROR)
+        return v
 
 
 class GeneratorSpec(RoleSpec):

@@ -129,6 +129,7 @@ class Rig:
     res_q: object
     port: int
     sender: object
+    paths: dict[str, str]
     in_place: bool = True  # the receiver's loading path under test
     staged: bool = True  # transferred and loaded beside generation, swapped in a short pause
     current: str = "A"  # which weights the engine holds
@@ -221,7 +222,7 @@ async def start_rig(root: Path, reload: bool) -> Rig:
     sender = ctx.Process(target=_sender_main, args=(paths, port, cmd_q, res_q), daemon=True)
     sender.start()
     engine = Engine(job, paths["A"])
-    rig = Rig(engine, make_tokenizer(), {}, buckets, cmd_q, res_q, port, sender)
+    rig = Rig(engine, make_tokenizer(), {}, buckets, cmd_q, res_q, port, sender, paths)
     try:
         await engine.start(0)
         await engine.llm.collective_rpc("probe_force_reload", args=(reload,))  # before any update
@@ -431,3 +432,33 @@ async def test_an_update_given_up_on_leaves_the_next_epoch_free_to_stage(rig):
     await running
     c = await engine.generate(prompt, N_GREEDY, greedy=True)
     assert c.tokens == hf_greedy(rig.hf[rig.current], prompt, N_GREEDY)
+
+
+async def test_sampling_logprobs_at_a_temperature_are_the_trainers_own(engines):
+    """At temperature 0.7 the log-prob vLLM reports for each sampled token is the one the trainer
+    computes for it with the same weights (its packed forward and fused head, logits / T): on-policy
+    importance ratios are 1 and the ESS of the samples is 1. With vLLM's default logprobs mode
+    (before the temperature) the ratios differ from 1 by tens of percent."""
+    from pipelinerl_trainer.loss import effective_sample_size
+    from pipelinerl_trainer.model import load_model
+    from pipelinerl_trainer.packed_attention import Packing
+
+    rig = await engines(False)
+    engine, tok = rig.engine, rig.tokenizer
+    temperature, before = 0.7, engine.sampling
+    engine.sampling = before.model_copy(update={"temperature": temperature})
+    try:
+        prompts = [tok.encode(p) for p in PROMPTS]
+        completions = await asyncio.gather(*(engine.generate(p, N_GREEDY) for p in prompts for _ in range(4)))
+    finally:
+        engine.sampling = before
+    trainer_model = load_model(str(rig.paths[rig.current])).eval()
+    ratios = []
+    with torch.no_grad():
+        for p, c in zip([p for p in prompts for _ in range(4)], completions):
+            ids = torch.tensor([p + c.tokens])
+            lp, _ = trainer_model(input_ids=ids, packing=Packing.of([ids.shape[1]]), temperature=temperature)
+            ratios.append(torch.exp(lp[len(p) :] - torch.tensor(c.logprobs)))
+    r = torch.cat(ratios).double()
+    assert (r - 1).abs().max() < 1e-3, f"on-policy ratios off by up to {(r - 1).abs().max():.3g}"
+    assert effective_sample_size(r.sum().item(), (r * r).sum().item(), r.numel()) > 0.9999

@@ -60,6 +60,10 @@ def engine_args(generator: GeneratorSpec, model: ModelSpec, model_path: str, see
         enforce_eager=generator.gpus == 0,  # compiling costs 30-70 s on CPU and buys little for small models
         enable_prefix_caching=True,
         disable_log_stats=True,
+        # The behaviour policy's log-probs, as the trainer computes its own: after the temperature
+        # (and top-p/top-k, which the spec keeps off). vLLM's default, raw_logprobs, is before
+        # them: at temperature != 1 every on-policy importance ratio would differ from 1.
+        logprobs_mode="processed_logprobs",
     )
     args.update(generator.engine_args)
     return AsyncEngineArgs(**args)
