@@ -382,9 +382,11 @@ class WeightSyncSpec(SpecModel):
     staged: bool = Field(
         default=True,
         description=(
-            "Generators receive and load new weights into a second copy while they keep generating, "
-            "then pause only to swap them in (one extra copy of the weights in generator memory). "
-            "false: receive and load inside the pause. Quantized models always do the latter."
+            "Generators receive and load new weights into a staging copy while they keep generating, "
+            "then pause only to copy them in (one extra copy of the weights in generator memory; a failed "
+            "transfer keeps the live weights). false: received straight into the live weights inside the "
+            "pause (a transfer failing midway restarts the generator). Models vLLM post-processes after "
+            "loading (quantized, MLA, some MoE kernels) always take vLLM's layerwise reload inside the pause."
         ),
     )
 

@@ -13,8 +13,11 @@ msgpack (vLLM ``collective_rpc`` args, NATS). Tensors never do.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
+import os
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
@@ -39,6 +42,11 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
+# Receive buffers a receiver cycles through: bucket i arrives in buffer i % RECEIVE_RING while
+# the loader still copies out of bucket i - 1. Two bound the update's transfer memory at two
+# buckets, whatever the model's size (one per bucket was the whole unsharded model, kept).
+RECEIVE_RING = 2
+_ENV_LOCK = threading.Lock()
 
 
 class WeightSyncError(RuntimeError):
@@ -115,18 +123,44 @@ def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.
 
 def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout_s: float):
     """The single seam where the transport is chosen. NCCL needs the process's CUDA device set
-    (``torch.cuda.set_device``) first."""
+    (``torch.cuda.set_device``) first.
+
+    NCCL is built with blocking wait for this group alone (ProcessGroupNCCL reads the variable in
+    its constructor): it then runs no watchdog thread, and `wait()` polls the collective on the
+    calling thread, aborts the group's communicator on a timeout or an NCCL error (a lost peer)
+    and raises DistBackendError, as gloo raises. By default the watchdog would instead kill the
+    process (TORCH_NCCL_ASYNC_ERROR_HANDLING=3). The process's other groups (DeepSpeed's, vLLM's)
+    keep torch's defaults. Every collective here is issued asynchronously and waited on: a
+    synchronous one returns no work to wait on, and would have no timeout at all."""
     timeout = timedelta(seconds=timeout_s)
     try:
         if backend == "gloo":
             return dist.ProcessGroupGloo(store, rank, world_size, timeout)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+        with _environ(TORCH_NCCL_BLOCKING_WAIT="1"):
+            return dist.ProcessGroupNCCL(store, rank, world_size, options)
     except RuntimeError as e:  # gloo connect errors subclass RuntimeError
         raise WeightSyncTimeout(
             f"weight group (rank {rank}/{world_size}) could not connect (timeout {timeout_s:g} s): {e}"
         ) from e
+
+
+@contextlib.contextmanager
+def _environ(**values: str):
+    """Environment variables set while a constructor reads them, then restored (one at a time:
+    the environment is the process's)."""
+    with _ENV_LOCK:
+        before = {k: os.environ.get(k) for k in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for k, v in before.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
 
 def join_window(timeout_s: float, join_timeout_s: float | None = None) -> float:
@@ -171,10 +205,11 @@ class WeightGroup:
         self.timeout_s = timeout_s
         self.backend = backend
         self.device = buffer_device(backend)
-        # Flat buffers kept across updates: fresh large CPU buffers come from mmap untouched
-        # and would be page-faulted in on every update (bench/README.md, benchmark 2).
-        # Costs one model copy in the receiver's memory.
-        self._receive_buffers: dict[int, torch.Tensor] = {}  # bucket index -> buffer (see receive_buckets)
+        # RECEIVE_RING flat byte buffers, kept across updates: fresh large CPU buffers come from
+        # mmap untouched and would be page-faulted in on every update (bench/README.md,
+        # benchmark 2). Each holds the largest bucket seen; a bucket is a dtype view of one.
+        self._receive_buffers: list[torch.Tensor] = []
+        self.failed = False  # a collective of this group raised: close() aborts it
 
     @classmethod
     def form(
@@ -257,6 +292,7 @@ class WeightGroup:
         try:
             self.pg.allgather([shown], [mine]).wait()
         except RuntimeError as e:
+            self.failed = True
             self.close()
             raise WeightSyncTimeout(
                 f"weight group {group_id}: authentication failed or timed out after {self.timeout_s:g} s: {e}"
@@ -276,7 +312,8 @@ class WeightGroup:
         t0 = time.monotonic()
         try:
             self.pg.broadcast([buf], opts).wait()
-        except RuntimeError as e:  # gloo raises RuntimeError on timeout / peer loss
+        except RuntimeError as e:  # gloo, and NCCL with blocking wait, raise on a timeout or a lost peer
+            self.failed = True
             peers = f"{self.world_size - 1} generators" if self.rank == 0 else "trainer"
             elapsed = time.monotonic() - t0
             # Say which happened: nobody answered in time, or a peer's connection closed early.
@@ -297,8 +334,11 @@ class WeightGroup:
             self._broadcast(buf, f"bucket {i + 1}/{len(snapshot.buffers)}, {buf.numel() * buf.element_size()} bytes")
 
     def receive_buckets(self, buckets: list[dict[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Receiver: yields (name, tensor) views, receiving each bucket lazily. The views
-        share buffers with the next call's: copy what must outlive it.
+        """Receiver: yields (name, tensor) views, receiving each bucket lazily into the ring of
+        RECEIVE_RING buffers. A view is overwritten when the bucket RECEIVE_RING places later
+        arrives: consume it before asking for more (a loader that copies as it goes), or clone it.
+        On a GPU the copies may still be queued when the next receive is issued: both run in
+        stream order (NCCL's stream waits for the current one), so nothing is overwritten early.
 
         The caller must exhaust the iterator; otherwise the sender blocks and
         then fails with WeightSyncTimeout.
@@ -318,26 +358,33 @@ class WeightGroup:
             torch.cuda.synchronize(self.device)
 
     def _receive_buffer(self, i: int, bucket: dict[str, Any]) -> torch.Tensor:
-        # One buffer per bucket, not shared within an update: the loader may hold views of
-        # earlier buckets until their layer is complete. The next update reuses them: by
-        # then the loader has copied everything into the model.
         dtype = DTYPES[bucket["dtype"]]
-        buf = self._receive_buffers.get(i)
-        if buf is None or buf.numel() != bucket["numel"] or buf.dtype != dtype:
-            buf = self._receive_buffers[i] = torch.empty(bucket["numel"], dtype=dtype, device=self.device)
-        return buf
+        nbytes = bucket["numel"] * dtype.itemsize
+        slot = i % RECEIVE_RING
+        if slot == len(self._receive_buffers):
+            self._receive_buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
+        if self._receive_buffers[slot].numel() < nbytes:  # grown to the largest bucket, then kept
+            self._receive_buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return self._receive_buffers[slot][:nbytes].view(dtype)
+
+    @property
+    def receive_bytes(self) -> int:
+        """The receive ring's memory, as allocated now."""
+        return sum(b.numel() for b in self._receive_buffers)
 
     def close(self) -> None:
-        # ProcessGroupGloo has no explicit shutdown in all torch versions;
-        # dropping references closes its sockets.
+        """Release the group. One whose collective failed is aborted: its communicator may still
+        hold a collective that will never complete, which a shutdown would wait for."""
         pg, self.pg = self.pg, None  # type: ignore[assignment]
-        if pg is not None and hasattr(pg, "shutdown"):
-            try:
-                pg.shutdown()
-            except Exception:
-                pass
+        if pg is not None:
+            ending = getattr(pg, "abort" if self.failed else "shutdown", None) or getattr(pg, "shutdown", None)
+            if ending is not None:
+                try:
+                    ending()
+                except Exception:
+                    pass
         self.store = None  # type: ignore[assignment]
-        self._receive_buffers = {}
+        self._receive_buffers = []
 
 
 class Snapshot:

@@ -155,8 +155,8 @@ class Probe(WeightReceiverExtension):
     def probe_force_reload(self, on: bool) -> None:
         self._probe_reload = on
 
-    def _pipelinerl_can_load_in_place(self) -> bool:
-        return not self._probe_reload and super()._pipelinerl_can_load_in_place()
+    def _pipelinerl_load_blockers(self, model) -> list[str]:
+        return ["forced by the test"] if self._probe_reload else super()._pipelinerl_load_blockers(model)
 
     def receive_weights(self, buckets):
         self._probe_last_in_place = self._probe_last_staged = False
@@ -177,7 +177,7 @@ class Probe(WeightReceiverExtension):
         return self._probe_last_staged
 
     def probe_staging_alive(self) -> bool:
-        return self._pipelinerl_staging is not None and self._pipelinerl_staging.thread.is_alive()
+        return self._pipelinerl_transfer is not None and self._pipelinerl_transfer.thread.is_alive()
 
 
 # (the layerwise reload, weightSync.staged): staged in-place loading (the default), in-place
@@ -269,7 +269,9 @@ async def rig(request, engines):
     """An engine on one loading path: the tests run path by path, in PATHS order."""
     reload, staged = PATHS[request.param]
     rig = await engines(reload)
-    rig.engine.staged = staged
+    if rig.engine.staged != staged or rig.engine.update_path is None:
+        rig.engine.staged, rig.engine.update_path = staged, None  # the engine's path, chosen anew
+        await rig.engine.prepare_updates()
     rig.in_place, rig.staged = not reload, staged and not reload
     return rig
 
@@ -358,6 +360,11 @@ async def test_updates_in_flight_leave_exactly_the_new_weights_live(rig):
     no tensor, copy or cache of an older version survives the swap."""
     engine, tok = rig.engine, rig.tokenizer
     prompt = tok.encode(PROMPTS[2])
+    # On a GPU, CUDA graphs replay the addresses they captured: the live weights must keep their
+    # storage through every update (on CPU, packed linears get their weight back at the first
+    # load, so the addresses are read after one).
+    await rig.update(rig.current)
+    storage = await engine.llm.collective_rpc("probe_live_storage")
     for which in ("B", "A", "B") if rig.current == "A" else ("A", "B", "A"):
         running = asyncio.create_task(engine.generate(tok.encode(PROMPTS[3]), LONG_TOKENS, greedy=True))
         await wait_for_output_tokens(engine, 5)
@@ -370,6 +377,7 @@ async def test_updates_in_flight_leave_exactly_the_new_weights_live(rig):
             torch.tensor(fresh.logprobs), hf_logprobs(rig.hf[which], prompt, fresh.tokens), atol=1e-4, rtol=0
         )
         await running
+        assert await engine.llm.collective_rpc("probe_live_storage") == storage, "a live weight moved"
 
 
 async def test_update_that_misses_a_weight_fails_naming_it(rig):
@@ -462,3 +470,32 @@ async def test_sampling_logprobs_at_a_temperature_are_the_trainers_own(engines):
     r = torch.cat(ratios).double()
     assert (r - 1).abs().max() < 1e-3, f"on-policy ratios off by up to {(r - 1).abs().max():.3g}"
     assert effective_sample_size(r.sum().item(), (r * r).sum().item(), r.numel()) > 0.9999
+
+
+async def test_weights_vllm_derives_after_loading_send_the_update_through_its_reload():
+    """`load_blockers` names what an in-place copy would leave stale; the tiny model has none
+    (the engines above take the staged path), plain linear layers have none."""
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    from pipelinerl_generator.weight_receiver import load_blockers
+
+    def module(**attrs):
+        m = torch.nn.Module()
+        for k, v in attrs.items():
+            setattr(m, k, v)
+        return m
+
+    class Sinks:
+        _sinks_source = torch.zeros(2)
+
+    model = torch.nn.Module()
+    model.linear = module(quant_method=UnquantizedLinearMethod())
+    assert load_blockers(model) == []
+    model.fp8 = module(quant_method=object())
+    model.gate = module(_bf16x3_weight=torch.zeros(1))
+    model.attn = module(impl=Sinks())
+    assert load_blockers(model) == [
+        "fp8: quantized (object)",
+        "gate: bf16x3_weight derived at load",
+        "attn: attention sinks copied to float32",
+    ]

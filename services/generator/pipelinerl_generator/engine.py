@@ -174,6 +174,7 @@ class Engine:
             )
         self.eos = self.llm.tokenizer.eos_token_id if self.llm.tokenizer else None
         self.staged = job.spec.weight_sync.staged
+        self.update_path: str | None = None  # staged, in_place or reload: `prepare_updates`
         self.version = -1  # the label of the weights held: -1 until `start` or an update sets it
         self.running = 0
         self.tokens_generated = 0
@@ -230,14 +231,44 @@ class Engine:
             "init_weight_group", args=(host, port, group, rank, world_size, timeout_s, backend, token)
         )
 
+    async def prepare_updates(self) -> None:
+        """Choose the loading path (`weight_receiver`) and allocate the staging copy, once: at
+        the generator's start, so that a copy that does not fit fails the start, not an update."""
+        if self.update_path is not None:
+            return
+        infos = await self.llm.collective_rpc("prepare_weight_updates", args=(self.staged,))
+        info = infos[0]
+        self.update_path = info["path"]
+        log.info(
+            "weight updates: %s%s, staging copy %.1f MiB per worker%s",
+            self.update_path,
+            " (received inside the pause)" if self.update_path == "staged" and not self.stages_beside else "",
+            info["staging_bytes"] / 2**20,
+            f"; in-place loading would miss: {'; '.join(info['blockers'])}" if info["blockers"] else "",
+        )
+
+    @property
+    def stages_beside(self) -> bool:
+        """Staged updates are received beside generation, on a thread of each worker, except
+        over NCCL with tensor parallelism: that thread's communicator would run beside the
+        worker's own tensor-parallel all-reduces on the same GPU, which NCCL does not support
+        (two communicators' kernels can deadlock). There they are received inside the pause,
+        on the worker's thread, still into the staging copy: the pause then lasts the transfer."""
+        tp = self.job.spec.generator.tensor_parallel
+        return self.update_path == "staged" and not (self.job.spec.weight_transport == "nccl" and tp > 1)
+
     async def update_weights(self, version: int, buckets: list[dict]) -> UpdateStats:
-        """With requests running: receive and load the new weights beside them (staged), then
-        pause keeping them and their KV cache, swap the weights in, relabel, resume. With none
-        running (nothing to keep going, and loading alone is faster), with `weightSync.staged:
-        false`, or for models that cannot be staged (quantized): receive inside the pause."""
+        """With requests running: receive and load the new weights into the staging copy beside
+        them, then pause keeping them and their KV cache, copy the weights in, relabel, resume.
+        With none running (nothing to keep going), without a staging copy (`weightSync.staged:
+        false`, or models vLLM post-processes: `weight_receiver`), or over NCCL with tensor
+        parallelism (`stages_beside`): receive inside the pause."""
+        await self.prepare_updates()
         t0 = time.perf_counter()
         staged = (
-            self.staged and self.running > 0 and all(await self.llm.collective_rpc("stage_weights", args=(buckets,)))
+            self.stages_beside
+            and self.running > 0
+            and all(await self.llm.collective_rpc("stage_weights", args=(buckets,)))
         )
         if staged:
             try:
@@ -250,20 +281,21 @@ class Engine:
         t_pause = time.perf_counter()
         running = self.running
         # The engine core's pause, not AsyncLLM.pause_generation: that adds a fixed 20 ms sleep
-        # so aborted requests' last outputs arrive first, which "keep" mode does not need.
+        # so aborted requests' last outputs arrive first, which "keep" mode does not need. It
+        # returns once the batches in flight are done and the device is synchronized.
         await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
         try:
             if staged:
                 await self.llm.collective_rpc("commit_staged_weights")
-                received = True
+                kept = ""
             else:
-                received = all(await self.llm.collective_rpc("receive_weights", args=(buckets,)))
-            if received:
+                kept = next((e for e in await self.llm.collective_rpc("receive_weights", args=(buckets,)) if e), "")
+            if not kept:
                 await self.set_version(version)
         finally:
             await self.llm.resume_generation()
-        if not received:
-            raise WeightsKept(f"update to version {version} not received, generating on with version {self.version}")
+        if kept:
+            raise WeightsKept(f"update to version {version} failed, generating on with version {self.version}: {kept}")
         t1 = time.perf_counter()
         return UpdateStats(
             version=version, pause_seconds=t1 - t_pause, running_requests=running, seconds=t1 - t0, staged=staged

@@ -121,6 +121,7 @@ class Generator:
             self.engine = Engine(self.job, model_path, seed=seed)
         self.tokenizer = load_tokenizer(model_path)  # prompts are tokenized here; vLLM takes token ids
         self._check_prompts_fit()
+        await self.engine.prepare_updates()  # the staging copy, allocated now: one that does not fit fails here
         await self._restore_books()
         await self.nc.subscribe(self.subjects.weights_update, cb=self._on_weight_update)
         await self.nc.subscribe(self.subjects.weights_hello, cb=self._on_hello)

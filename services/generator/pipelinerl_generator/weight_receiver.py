@@ -4,17 +4,30 @@ Use with ``AsyncEngineArgs(worker_extension_cls=
 "pipelinerl_generator.weight_receiver.WeightReceiverExtension")`` and drive it
 from the engine side with ``collective_rpc`` (as ``Engine.update_weights`` does):
 
+    await engine.collective_rpc("prepare_weight_updates", args=(staged,))  # once: the loading path
     await engine.collective_rpc("init_weight_group", args=(host, port, group, rank, world, timeout_s, backend, token))
-    # staged (default): receive and load beside generation, pause only to swap
-    await engine.collective_rpc("stage_weights", args=(buckets,))   # [False]: cannot stage
+    # staged (default): receive and load into the staging copy beside generation
+    await engine.collective_rpc("stage_weights", args=(buckets,))   # [False]: no staging copy
     while not all(await engine.collective_rpc("staged_weights_ready")): await asyncio.sleep(...)
     await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)  # running requests kept
-    await engine.collective_rpc("commit_staged_weights")   # or receive_weights(buckets) unstaged
+    await engine.collective_rpc("commit_staged_weights")   # or receive_weights(buckets) inside the pause
     await engine.update_weight_version(str(version))  # tags tokens sampled from now on
     await engine.resume_generation()
 
 Only the bucket plan (plain lists/dicts) crosses collective_rpc; tensors come
 over the dedicated weight group (pipelinerl.weight_group.WeightGroup).
+
+Whatever the path, the live parameters keep their storage: a GPU engine's CUDA graphs replay
+the addresses they captured (staging.py). Three loading paths, chosen once per engine:
+- staged (weightSync.staged, unquantized models whose weights need no post-load processing):
+  every update loads into the staging copy, then `commit` copies it into the live weights. A
+  transfer that fails leaves the live weights untouched.
+- in place (staged: false): loaded straight into the live weights inside the pause: no second
+  copy, but a transfer that fails after the first bucket leaves them half-loaded (the generator
+  then stops and is restarted).
+- reload (quantized, MoE kernels that re-lay their weights out, MLA, attention sinks:
+  `load_blockers`): vLLM's layerwise reload, which re-runs each layer's post-load processing and
+  copies into the original storage; inside the pause, half-loaded on failure as above.
 
 vLLM mixes this class into its Worker (it appends it to the worker's bases),
 so ``self`` is the worker: ``self.model_runner``, ``self.reload_weights`` exist.
@@ -23,16 +36,14 @@ Attribute names must not clash with Worker attributes.
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
-import threading
-from types import MethodType
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
 from pipelinerl.weight_group import WeightGroup, WeightSyncError
+from pipelinerl_generator.staging import StagingCopy, Transfer
 
 logger = logging.getLogger(__name__)
 
@@ -40,8 +51,37 @@ logger = logging.getLogger(__name__)
 class WeightReceiverExtension:
     _pipelinerl_weight_group: WeightGroup | None = None
     _pipelinerl_packed: list[torch.nn.Module] | None = None
-    _pipelinerl_shadow: Shadow | None = None
-    _pipelinerl_staging: Staging | None = None
+    _pipelinerl_path: str | None = None  # staged, in_place or reload (prepare_weight_updates)
+    _pipelinerl_staging: StagingCopy | None = None
+    _pipelinerl_transfer: Transfer | None = None
+
+    def prepare_weight_updates(self, staged: bool) -> dict[str, Any]:
+        """Choose this engine's loading path and allocate the staging copy where staged: at
+        start, so a copy that does not fit fails the generator's start, not its first update.
+        What was chosen and why, for the engine's log. (Called again with another `staged`, it
+        allocates or frees the copy: tests switch paths on one engine.)"""
+        if self._pipelinerl_transfer is not None:
+            raise RuntimeError("the loading path cannot change while weights are being staged")
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        if self._pipelinerl_path is None:
+            self._pipelinerl_blockers = self._pipelinerl_load_blockers(model)
+        if self._pipelinerl_blockers:
+            self._pipelinerl_path, self._pipelinerl_staging = "reload", None
+        elif staged:
+            self._pipelinerl_path = "staged"
+            if self._pipelinerl_staging is None:
+                self._pipelinerl_staging = StagingCopy(model, self._pipelinerl_packed_layers(model))
+        else:
+            self._pipelinerl_path, self._pipelinerl_staging = "in_place", None
+        staging = self._pipelinerl_staging
+        return {
+            "path": self._pipelinerl_path,
+            "blockers": self._pipelinerl_blockers[:5],
+            "staging_bytes": staging.nbytes if staging else 0,
+        }
+
+    def _pipelinerl_load_blockers(self, model: torch.nn.Module) -> list[str]:
+        return load_blockers(model)
 
     def init_weight_group(
         self,
@@ -64,113 +104,122 @@ class WeightReceiverExtension:
         if self._pipelinerl_weight_group is not None:
             self._pipelinerl_weight_group.close()
             self._pipelinerl_weight_group = None
-        self._pipelinerl_end_abandoned_staging(timeout_s)
+        self._pipelinerl_end_abandoned_transfer(timeout_s)
         self._pipelinerl_weight_group = WeightGroup.join(
             host, port, group, rank + int(getattr(self, "rank", 0)), world_size, timeout_s, backend, token
         )
 
-    def receive_weights(self, buckets: list[dict[str, Any]]) -> bool:
-        """Receive and load into the live model: call while generation is paused. Every bucket
-        arrives before any is loaded (into buffers kept anyway), so a transfer that fails (the
-        trainer or another member died) returns False with the live weights untouched."""
+    def receive_weights(self, buckets: list[dict[str, Any]]) -> str:
+        """Receive and load, inside the pause (on this worker's thread, between engine steps);
+        "" once loaded, else why the live weights were kept. Staged: into the staging copy,
+        then committed; any failure keeps the live weights. Otherwise straight into the live
+        weights: kept if the first bucket failed (nothing loaded yet); a transfer failing later
+        raises (they are half-loaded: the generator stops)."""
         group = self._pipelinerl_group()
+        if self._pipelinerl_path is None:
+            raise RuntimeError("receive_weights before prepare_weight_updates")
+        staging = self._pipelinerl_staging
+        if staging is not None:
+            try:
+                self._pipelinerl_load_in_place(staging.model, staging.packed, group.receive_buckets(buckets))
+            except Exception as err:  # noqa: BLE001 - the staging copy alone saw it
+                logger.warning("weights not loaded, the live ones are kept: %s", err)
+                return f"{type(err).__name__}: {err}"
+            staging.commit()
+            self._pipelinerl_synchronize()
+            return ""
+        weights = _Counted(group.receive_buckets(buckets))
         try:
-            weights = list(group.receive_buckets(buckets))
+            if self._pipelinerl_path == "in_place":
+                model = self.model_runner.get_model()  # type: ignore[attr-defined]
+                self._pipelinerl_load_in_place(model, self._pipelinerl_packed_layers(model), weights)
+            else:
+                # vLLM's layerwise reload keeps a layer's tensors until the layer is complete: the
+                # ring's views would be overwritten by then, so each is cloned (a layer's worth).
+                self.reload_weights(weights_iterator=((name, t.clone()) for name, t in weights))  # type: ignore[attr-defined]
+                self._pipelinerl_retie_lm_head()
         except WeightSyncError as err:
+            if weights.taken:
+                raise RuntimeError(f"weight transfer failed with the live weights half-loaded: {err}") from err
             logger.warning("weights not received, the live ones are kept: %s", err)
-            return False
-        if self._pipelinerl_can_load_in_place():
-            model = self.model_runner.get_model()  # type: ignore[attr-defined]
-            self._pipelinerl_load_in_place(model, self._pipelinerl_packed_layers(model), weights)
-        else:
-            # Quantized models: vLLM's reload restores checkpoint-format params layer by
-            # layer, loads, and re-runs process_weights_after_loading (re-quantizes).
-            self.reload_weights(weights_iterator=iter(weights))  # type: ignore[attr-defined]
-            self._pipelinerl_retie_lm_head()
-        return True
+            return f"{type(err).__name__}: {err}"
+        self._pipelinerl_synchronize()
+        return ""
 
     def _pipelinerl_group(self) -> WeightGroup:
         if self._pipelinerl_weight_group is None:
             raise RuntimeError("weights sent before init_weight_group")
         return self._pipelinerl_weight_group
 
+    def _pipelinerl_synchronize(self) -> None:
+        # The loads ran on this thread's stream, before the engine's next step on the same one;
+        # waiting here makes the pause's length the update's real cost and surfaces errors.
+        self._pipelinerl_group().synchronize()
+
     # -- staged updates: the transfer, load and re-pack run beside generation -------------------
     def stage_weights(self, buckets: list[dict[str, Any]]) -> bool:
-        """Start receiving the next weights into a second copy of the model's parameters, on a
-        thread, while the engine keeps generating with the current ones; `commit_staged_weights`
-        swaps them in (a pause of pointer swaps). False, and nothing started, where this model
-        cannot be loaded in place (quantized): then use `receive_weights` inside a pause."""
-        if self._pipelinerl_staging is not None:
+        """Start receiving the next weights into the staging copy, on a thread, while the engine
+        keeps generating with the live ones; `commit_staged_weights` copies them in. False, and
+        nothing started, where this engine has no staging copy: use `receive_weights`."""
+        if self._pipelinerl_transfer is not None:
             raise RuntimeError("weights are already being staged")
-        if not self._pipelinerl_can_load_in_place():
+        staging = self._pipelinerl_staging
+        if staging is None:
             return False
         group = self._pipelinerl_group()
-        shadow = self._pipelinerl_shadow_model()
-
-        def load() -> None:
-            # A thread's CUDA device is its own: use the group's. The swap must find the copies done.
-            with torch.cuda.device(group.device) if group.device.type == "cuda" else contextlib.nullcontext():
-                self._pipelinerl_load_in_place(shadow.model, shadow.packed, group.receive_buckets(buckets))
-                group.synchronize()
-
-        self._pipelinerl_staging = Staging(load)
+        self._pipelinerl_transfer = Transfer(
+            lambda: self._pipelinerl_load_in_place(staging.model, staging.packed, group.receive_buckets(buckets)),
+            group.device,
+        )
         return True
 
     def staged_weights_ready(self) -> bool:
         """True once the staged weights are loaded; raises what staging raised (the live
         weights are then untouched)."""
-        staging = self._pipelinerl_staging
-        if staging is None:
+        transfer = self._pipelinerl_transfer
+        if transfer is None:
             raise RuntimeError("no weights are being staged")
-        if staging.thread.is_alive():
+        if transfer.thread.is_alive():
             return False
-        if staging.error is not None:
-            self._pipelinerl_staging = None
-            raise staging.error
+        if transfer.error is not None:
+            self._pipelinerl_transfer = None
+            raise transfer.error
         return True
 
-    def _pipelinerl_end_abandoned_staging(self, timeout_s: float) -> None:
+    def _pipelinerl_end_abandoned_transfer(self, timeout_s: float) -> None:
         """An update the engine gave up on (its deadline passed: WeightsKept) may still be
         receiving from the group just closed. Its thread ends with that group (a failed receive)
         or at the group's collective timeout; wait for it, so the next update can stage."""
-        staging = self._pipelinerl_staging
-        if staging is None:
+        transfer = self._pipelinerl_transfer
+        if transfer is None:
             return
-        staging.thread.join(timeout_s)
-        if staging.thread.is_alive():
+        transfer.thread.join(timeout_s)
+        if transfer.thread.is_alive():
             raise TimeoutError(f"an abandoned weight update still receives after {timeout_s:.0f} s")
-        self._pipelinerl_staging = None
+        self._pipelinerl_transfer = None
 
     def commit_staged_weights(self) -> None:
-        """Swap the staged weights in. Call while generation is paused: the next engine step
-        uses them. The previous weights become the second copy, the next update's target."""
+        """Copy the staged weights into the live storage. Call while generation is paused: the
+        next engine step uses them."""
         if not self.staged_weights_ready():
             raise RuntimeError("commit_staged_weights called before the staged weights were loaded")
-        self._pipelinerl_staging = None
-        self._pipelinerl_shadow.swap()  # type: ignore[union-attr]
+        self._pipelinerl_transfer = None
+        self._pipelinerl_staging.commit()  # type: ignore[union-attr]
+        self._pipelinerl_synchronize()
 
-    def _pipelinerl_shadow_model(self) -> Shadow:
-        if self._pipelinerl_shadow is None:
-            model = self.model_runner.get_model()  # type: ignore[attr-defined]
-            self._pipelinerl_shadow = Shadow(model, self._pipelinerl_packed_layers(model))
-        return self._pipelinerl_shadow
-
-    def _pipelinerl_can_load_in_place(self) -> bool:
-        # Not for quantized weights, nor for CPU conv weights that vLLM re-lays out in place.
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        return (
-            self.model_runner.model_config.quantization is None  # type: ignore[attr-defined]
-            and not any(hasattr(m, "_cpu_unpacked_conv_weight") for m in model.modules())
-        )
+    def probe_live_storage(self) -> list[int]:
+        """The live parameters' storage addresses, in order (tests: they never change)."""
+        return [p.data_ptr() for p in self.model_runner.get_model().parameters()]  # type: ignore[attr-defined]
 
     def _pipelinerl_load_in_place(self, model: torch.nn.Module, packed: list[torch.nn.Module], weights) -> None:
-        """Unquantized models: copy into `model`'s parameters (the live model, or its second
-        copy when staged) with the model's own loaders (they stack q/k/v and gate/up and shard
-        for TP), then redo only the CPU GEMM packing of `packed`, its packed layers.
+        """Unquantized models: copy into `model`'s parameters (the live model, or the staging
+        copy) with the model's own loaders (they stack q/k/v and gate/up and shard for TP; each
+        copies in place, `param.data.copy_`, as it goes), then redo only the CPU GEMM packing of
+        `packed`, its packed layers.
 
         This is one copy plus the packing, where vLLM's layerwise reload re-creates every layer
-        (fresh, page-faulted allocations) and copies twice: 1.5-2x faster on CPU. On GPU, unquantized
-        weights need no processing, so it is the copy alone."""
+        (fresh, page-faulted allocations) and copies twice: 1.5-2x faster on CPU. On GPU, these
+        weights need no processing (`load_blockers`), so it is the copy alone."""
         from vllm.config import set_current_vllm_config
 
         expected = {name for name, _ in model.named_parameters()}
@@ -231,76 +280,62 @@ class WeightReceiverExtension:
                 _repack_cpu_gemm(lm_head)
 
 
+class _Counted:
+    """An iterator that remembers whether anything was taken from it (a load has begun)."""
+
+    def __init__(self, items: Iterable) -> None:
+        self._items: Iterator = iter(items)
+        self.taken = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self._items)
+        self.taken = True
+        return item
+
+
+def load_blockers(model: torch.nn.Module) -> list[str]:
+    """Why copying checkpoint tensors into `model`'s parameters with its own loaders would leave
+    it wrong (empty: it is enough). vLLM post-processes some weights after loading, and only its
+    layerwise reload re-runs that: quantized weights; MoE kernels that re-lay their weights out
+    (FlashInfer, AITER, CPU prepacking: only Triton's keep the checkpoint layout); MLA, whose
+    W_UK_T / W_UV derive from kv_b_proj; attention sinks kept in float32; CPU convolutions
+    repacked in place; ROCm's bf16x3 gate weights. CPU-packed linear GEMMs are not blockers:
+    the receiver repacks them itself."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.linear import UnquantizedLinearMethod
+    from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+    from vllm.v1.attention.backend import MLAAttentionImpl
+
+    copy_safe_moe = (UnquantizedMoeBackend.TRITON, UnquantizedMoeBackend.BATCHED_TRITON)
+    reasons = []
+    for name, m in model.named_modules():
+        method = getattr(m, "quant_method", None)
+        if isinstance(method, UnquantizedFusedMoEMethod):
+            if method.unquantized_backend not in copy_safe_moe:
+                reasons.append(f"{name}: MoE weights re-laid out for {method.unquantized_backend.name}")
+        elif method is not None and not isinstance(method, (UnquantizedLinearMethod, UnquantizedEmbeddingMethod)):
+            reasons.append(f"{name}: quantized ({type(method).__name__})")
+        if isinstance(m, MLAAttention):
+            reasons.append(f"{name}: MLA (W_UK_T, W_UV derive from kv_b_proj)")
+        impl: Any = getattr(m, "impl", None)
+        for variant in impl.get_impl_variants() if hasattr(impl, "get_impl_variants") else [impl]:
+            if isinstance(variant, MLAAttentionImpl) and not isinstance(m, MLAAttention):
+                reasons.append(f"{name}: MLA attention")
+            if getattr(variant, "_sinks_source", None) is not None:
+                reasons.append(f"{name}: attention sinks copied to float32")
+        for attr in ("_cpu_unpacked_conv_weight", "_bf16x3_weight"):
+            if getattr(m, attr, None) is not None:
+                reasons.append(f"{name}: {attr.lstrip('_')} derived at load")
+    return reasons
+
+
 def _repack_cpu_gemm(layer: torch.nn.Module) -> None:
     """Rebuild a layer's packed CPU GEMM from its (kept, freshly loaded) weight."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
-
-
-class Staging:
-    """A staged update running on its own thread; keeps what it raised."""
-
-    def __init__(self, work) -> None:
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(work,), name="pipelinerl-stage-weights", daemon=True)
-        self.thread.start()
-
-    def _run(self, work) -> None:
-        try:
-            work()
-        except BaseException as err:  # noqa: BLE001 - handed to the engine by staged_weights_ready
-            self.error = err
-
-
-class Shadow:
-    """A second copy of a model's parameters, as a shallow copy of its module tree: each module
-    copied with its own parameters (same class and loader attributes, bound loaders re-bound to
-    the copy) and everything else shared. The model's own `load_weights` runs on it unchanged
-    while the live model generates; `swap` exchanges parameter storage and packed CPU GEMMs.
-    Costs one more copy of the weights (and of the packed GEMMs on CPU) in memory."""
-
-    def __init__(self, model: torch.nn.Module, packed: list[torch.nn.Module]) -> None:
-        modules: dict[int, torch.nn.Module] = {}
-        params: dict[int, torch.nn.Parameter] = {}
-        self.model = _shadow_module(model, modules, params)
-        self.packed = [modules[id(layer)] for layer in packed]
-        self.pairs = [(live, params[id(live)]) for live in model.parameters()]
-        self.packed_pairs = list(zip(packed, self.packed))
-
-    def swap(self) -> None:
-        with torch.no_grad():
-            for live, other in self.pairs:
-                live.data, other.data = other.data, live.data
-        for layer, twin in self.packed_pairs:
-            layer.cpu_linear, twin.cpu_linear = twin.cpu_linear, layer.cpu_linear
-
-
-def _shadow_module(module: torch.nn.Module, modules: dict, params: dict) -> torch.nn.Module:
-    if id(module) in modules:  # shared (tied) submodules stay shared
-        return modules[id(module)]
-    shadow = modules[id(module)] = copy.copy(module)
-    shadow._parameters = {
-        name: None if p is None else _shadow_param(p, module, shadow, params) for name, p in module._parameters.items()
-    }
-    shadow._buffers = dict(module._buffers)  # shared tensors: buffers are not in checkpoints
-    shadow._modules = {
-        name: None if child is None else _shadow_module(child, modules, params)
-        for name, child in module._modules.items()
-    }
-    return shadow
-
-
-def _shadow_param(
-    p: torch.nn.Parameter, owner: torch.nn.Module, shadow: torch.nn.Module, params: dict
-) -> torch.nn.Parameter:
-    if id(p) not in params:
-        # Uninitialised: every staged load must cover every parameter before a swap (checked).
-        twin = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device)
-        twin.__class__ = p.__class__
-        twin.__dict__ = {
-            key: value.__func__.__get__(shadow) if isinstance(value, MethodType) and value.__self__ is owner else value
-            for key, value in p.__dict__.items()
-        }
-        params[id(p)] = twin
-    return params[id(p)]
