@@ -109,7 +109,7 @@ def main() -> None:
     one_row = pack_wave(0, items, 1, tokens, weight, last=True)[0]
 
     init_distributed(False, 60)
-    engine = build_engine(job.spec.trainer, job.spec.model.dtype, path)
+    engine = build_engine(job.spec.trainer, job.spec.weights_dtype, path)
 
     def plain(stock_attention: bool = False):
         # The trainer's model (packed-row attention), or with Hugging Face's stock SDPA masking the row

@@ -182,8 +182,10 @@ class ModelSpec(SpecModel):
         description="Hugging Face model folder (or hub id), or builtin:tiny-arith / builtin:tiny-chain (their "
         "warm-started weights ship with the package).",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        default="float32", description="Weights' dtype in the generators and the trainer."
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        default="auto",
+        description="Weights' dtype in the generators and the trainer; auto: bfloat16 where the job has GPUs, "
+        "float32 on CPU.",
     )
     max_seq_len: int = Field(default=64, ge=8, le=131072, description="Prompt + completion tokens.")
 
@@ -646,6 +648,15 @@ class JobSpec(SpecModel):
         if backend == "auto":
             return "nccl" if self.trainer.gpus and self.generator.gpus else "gloo"
         return backend
+
+    @property
+    def weights_dtype(self) -> str:
+        """The weights' dtype in force: `model.dtype`, where `auto` is bfloat16 for a job with
+        GPUs (half the memory and transfer of float32, and what the GPU kernels are fast in) and
+        float32 on CPU."""
+        if self.model.dtype != "auto":
+            return self.model.dtype
+        return "bfloat16" if self.trainer.gpus or self.generator.gpus else "float32"
 
     @property
     def groups_per_step(self) -> int:

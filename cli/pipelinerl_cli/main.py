@@ -57,9 +57,18 @@ def _validate(args: argparse.Namespace) -> int:
     cfg = _install(args.policy)
     job = _checked(args.job, cfg, runs_here=False, against=args.against, namespace=args.namespace)
     print(f"{args.job}: valid {job.kind} {job.name!r} (mode {job.spec.mode}, max lag {job.spec.max_lag})")
+    _print_memory_plan(job)
     if args.show:
         print(dump_job(job), end="")
     return 0
+
+
+def _print_memory_plan(job: PipelineRLJob) -> None:
+    from pipelinerl.generator_memory import job_plan
+
+    memory, _ = job_plan(job.spec)
+    if memory is not None:
+        print("\n".join(memory.lines()))
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -141,6 +150,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
     else:
         print(format_plan(result))
+        _print_memory_plan(job)
     return 0
 
 

@@ -16,6 +16,7 @@ import re
 from typing import Any
 
 from pipelinerl.contracts import POD_GROUP_API, ROLE_LABEL
+from pipelinerl.generator_memory import job_plan
 from pipelinerl.prompt_fit import static_prompt_fit
 from pipelinerl.spec import KIND, PipelineRLJob, SpecError, immutable_changes, parse_job
 from pipelinerl_operator.render import OperatorConfig, RenderError, render
@@ -98,10 +99,16 @@ def check(manifest: Any, old: Any = None, source: str = "manifest", cfg: Operato
     fit = static_prompt_fit(job)
     if fit and fit[0]:
         raise SpecError(f"{source} cannot run:\n" + "\n".join(f"  spec.{e}" for e in fit[0]))
+    memory, _ = job_plan(job.spec)
+    if memory is not None and memory.errors:
+        raise SpecError(f"{source} cannot run:\n" + "\n".join(f"  spec.{e}" for e in memory.errors))
     return job
 
 
 def job_warnings(job: PipelineRLJob) -> list[str]:
-    """What runs, but not as the author may expect (completions that would be cut)."""
+    """What runs, but not as the author may expect (completions that would be cut), or is checked
+    only once it runs (a generator memory plan the manifest cannot make)."""
     fit = static_prompt_fit(job)
-    return [f"spec.{w}" for w in fit[1]] if fit else []
+    _, unplanned = job_plan(job.spec)
+    memory = [f"generator GPU memory not planned here, only at the generator's start: {unplanned}"]
+    return ([f"spec.{w}" for w in fit[1]] if fit else []) + (memory if unplanned else [])

@@ -8,6 +8,7 @@ import io
 import json
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
@@ -333,6 +334,77 @@ def test_a_peer_lost_early_is_told_apart_from_a_timeout(port):
     finally:
         member.kill()
         member.join(10)
+
+
+def _receiving_member(port, backend, ready, timeout_s):
+    """Joins epoch "g" as rank 1 and receives update after update until it is killed."""
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+        os.environ["NCCL_HOSTID"] = "member-killed"  # one GPU: two "hosts" (see below)
+    group = WeightGroup.join(HOST, port, "g", 1, 2, timeout_s, backend)
+    ready.set()
+    buckets = plan_buckets([("w", [BIG], "float32")], BIG * 4)
+    while True:
+        for _ in group.receive_buckets(buckets):
+            pass
+
+
+BIG = 16 << 20  # 64 MiB of float32 per update: a broadcast long enough to be killed in
+KILL_TIMEOUT_S = 8.0
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")])],
+)
+def test_a_member_killed_mid_broadcast_raises_and_the_trainer_goes_on(port, backend, monkeypatch):
+    """kill -9 of a generator while the trainer broadcasts to it: the trainer gets WeightSyncError
+    (with NCCL too: its weight group waits blocking, so no watchdog kills the trainer) by the
+    collective timeout, then forms the next epoch with a new member and sends it exact weights."""
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+        monkeypatch.setenv("NCCL_HOSTID", "trainer")
+    device = "cuda" if backend == "nccl" else "cpu"
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    member = ctx.Process(target=_receiving_member, args=(port, backend, ready, 60.0), daemon=True)
+    member.start()
+    store = open_store(HOST, port, True, 60.0)
+    try:
+        sender = WeightGroup.form(store, "g", 2, KILL_TIMEOUT_S, backend=backend)
+        assert ready.wait(60)
+        tensors = {"w": torch.ones(BIG, device=device)}
+        buckets = plan_buckets_for(tensors, BIG * 4)
+        send(sender, tensors, buckets)  # one whole update first: the member really receives
+        killer = threading.Timer(0.5, member.kill)
+        killer.start()
+        t0 = time.monotonic()
+        with pytest.raises(WeightSyncError):
+            while time.monotonic() - t0 < 60:
+                send(sender, tensors, buckets)
+        # gloo notices a peer killed between two sends at once, one killed mid-send only at the
+        # collective timeout (its pending send is not failed when the pair closes): bounded both ways.
+        assert time.monotonic() - (t0 + 0.5) < KILL_TIMEOUT_S + 5, "raised late: after the collective timeout"
+        sender.close()
+    finally:
+        member.kill()
+        member.join(10)
+    # The trainer goes on: the next epoch with a new member, exact weights.
+    g = torch.Generator().manual_seed(1)
+    tensors = {"w": torch.randn(1000, generator=g).to(device), "b": torch.randn(10, generator=g).to(device)}
+    buckets = plan_buckets_for(tensors, bucket_bytes=2048)
+    out_q = ctx.Queue()
+    joiner = ctx.Process(target=_receiver, args=(port, 1, 2, 60.0, buckets, out_q, backend, "g2"), daemon=True)
+    joiner.start()
+    sender = WeightGroup.form(store, "g2", 2, 60.0, backend=backend)
+    for _ in range(2):
+        send(sender, tensors, buckets)
+    rank, status, payload = out_q.get(timeout=120)
+    assert status == "ok", payload
+    for got in torch.load(io.BytesIO(payload)):
+        assert all(torch.equal(got[n], t.cpu()) for n, t in tensors.items())
+    joiner.join(30)
+    sender.close()
 
 
 # --- transport choice (weightSync.backend) ----------------------------------------------------

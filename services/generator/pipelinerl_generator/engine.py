@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelinerl.spec import GeneratorSpec, ModelSpec, PipelineRLJob
+from pipelinerl.spec import PipelineRLJob, SpecError
 from pipelinerl.tasks import Completion
 
 if TYPE_CHECKING:  # vLLM is imported where it runs: importing it costs seconds
@@ -47,13 +47,15 @@ class UpdateStats:
     staged: bool = False  # transferred and loaded beside generation (else inside the pause)
 
 
-def engine_args(generator: GeneratorSpec, model: ModelSpec, model_path: str, seed: int):
+def engine_args(job: PipelineRLJob, model_path: str, seed: int, utilization: float | None = None):
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    spec = job.spec
+    generator = spec.generator
     args: dict[str, Any] = dict(
         model=model_path,
-        dtype=model.dtype,
-        max_model_len=model.max_seq_len,
+        dtype=spec.weights_dtype,
+        max_model_len=spec.model.max_seq_len,
         seed=seed,
         worker_extension_cls=EXTENSION,
         tensor_parallel_size=generator.tensor_parallel,
@@ -65,8 +67,29 @@ def engine_args(generator: GeneratorSpec, model: ModelSpec, model_path: str, see
         # them: at temperature != 1 every on-policy importance ratio would differ from 1.
         logprobs_mode="processed_logprobs",
     )
+    if utilization is not None:  # the generator's memory plan: room beside vLLM for weight updates
+        args["gpu_memory_utilization"] = utilization
     args.update(generator.engine_args)
     return AsyncEngineArgs(**args)
+
+
+def planned_utilization(job: PipelineRLJob, hf_config: dict[str, Any]) -> float | None:
+    """The generator's memory plan (`pipelinerl.generator_memory`) with the model's own config
+    and this GPU's real size: SpecError, by field, where weight updates cannot fit beside vLLM;
+    else the utilization to give vLLM (None: the job set it, or the plan cannot be made)."""
+    from vllm.platforms import current_platform
+
+    from pipelinerl.generator_memory import job_plan
+
+    memory, why = job_plan(job.spec, config=hf_config, gpu_bytes=current_platform.get_device_total_memory(0))
+    if memory is None:
+        log.warning("generator GPU memory not planned: %s", why)
+        return None
+    for line in memory.lines():
+        log.info("%s", line)
+    if memory.errors:
+        raise SpecError("; ".join(f"spec.{e}" for e in memory.errors))
+    return None if memory.explicit_utilization else memory.utilization
 
 
 def configure_cpu_env() -> None:
@@ -159,8 +182,13 @@ class Engine:
             register_model_here(model_path)
         self.job = job
         self.sampling = generator.sampling
-        args = engine_args(generator, job.spec.model, model_path, seed)
+        args = engine_args(job, model_path, seed)
         config = args.create_engine_config()  # where the CPU platform sets spawn
+        if generator.gpus:
+            utilization = planned_utilization(job, config.model_config.hf_config.to_dict())
+            if utilization is not None:
+                args = engine_args(job, model_path, seed, utilization)
+                config = args.create_engine_config()
         executor = str(config.parallel_config.distributed_executor_backend)
         core_start = core_start_method(generator.gpus, executor, threads_running())
         if core_start:

@@ -52,7 +52,7 @@ def join_torch_group(job: PipelineRLJob, env: ServiceEnv) -> None:
 
 def build_model(job: PipelineRLJob, model_path: str) -> Model:
     spec = job.spec
-    engine = build_engine(spec.trainer, spec.model.dtype, model_path)
+    engine = build_engine(spec.trainer, spec.weights_dtype, model_path)
     reference = None
     if spec.rl.kl_coef > 0:
         reference = load_model(model_path, spec.model.dtype).eval().requires_grad_(False)
