@@ -668,6 +668,17 @@ class JobSpec(SpecModel):
         return max(1, self.trainer.gpus)
 
     @property
+    def generator_engines_per_pod(self) -> int:
+        """One vLLM engine per tensorParallel GPUs of a generator pod (one per pod on CPU): a pod
+        with more GPUs than tensorParallel runs several, each a generator of its own."""
+        return max(1, self.generator.gpus // self.generator.tensor_parallel)
+
+    @property
+    def generator_engines(self) -> int:
+        """Generators in all: pods × engines per pod (their ranks: pod index × per pod + engine)."""
+        return self.generator.replicas * self.generator_engines_per_pod
+
+    @property
     def trainer_ranks(self) -> int:
         return self.trainer.replicas * self.trainer_ranks_per_pod
 

@@ -96,7 +96,7 @@ class LocalRun:
         job_file.write_text(dump_job(self.job))
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
-        gens, trainers = self.spec.generator.replicas, self.spec.trainer_ranks
+        gens, trainers = self.spec.generator_engines, self.spec.trainer_ranks
         output = self.spec.output
         weights_port, master_port = free_port(), free_port()
         token = secrets.token_hex(16)  # the weight group's members prove they hold it, as in a cluster

@@ -82,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def _service(args: argparse.Namespace) -> int:
     """The entrypoint of every pod (and of the local runner's children): one service, or the
-    rank processes of a multi-GPU trainer pod."""
+    rank processes of a multi-GPU trainer pod or a generator pod of several engines."""
     from pipelinerl.runtime import service_env, setup_logging, stay_up_until_stopped
 
     job = load_job(args.job)
@@ -92,7 +92,8 @@ def _service(args: argparse.Namespace) -> int:
 
         setup_logging(f"{args.role}-pod")
         argv = [sys.executable, "-m", "pipelinerl_cli", "service", args.role, args.job]
-        return run_pod_ranks(argv, dict(os.environ))
+        tp = job.spec.generator.tensor_parallel if args.role == "generator" else 1
+        return run_pod_ranks(argv, dict(os.environ), args.role, tp)
     setup_logging(f"{args.role}-{env.rank}")
     if args.role == "generator":
         from pipelinerl_generator.main import main

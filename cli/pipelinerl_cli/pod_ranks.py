@@ -1,10 +1,13 @@
-"""A trainer pod with several GPUs runs one DeepSpeed rank per GPU: its entrypoint starts that many
-`pipelinerl service trainer` processes and supervises them, so one failing rank fails the pod
-(and Kubernetes restarts it) instead of leaving the others waiting in a collective.
+"""A pod that runs several rank processes: a trainer pod with several GPUs runs one DeepSpeed rank
+per GPU, a generator pod with more GPUs than tensorParallel one vLLM engine per tensorParallel
+GPUs. Its entrypoint starts that many `pipelinerl service ROLE` processes and supervises them, so
+one failing rank fails the pod (and Kubernetes restarts it) instead of leaving the others waiting
+in a collective or a generator's GPUs idle.
 
-The operator sets the pod's rank (`ServiceEnv.rank`) to its index and `ranks_per_pod` to its GPUs;
-rank r of pod p is global rank p × ranks per pod + r on GPU r. Rank 0 of the pod serves the pod's
-HTTP port (probes, /metrics); the others serve on ports of their own choosing.
+The operator sets the pod's rank (`ServiceEnv.rank`) to its index and `ranks_per_pod`; rank r of
+pod p is global rank p × ranks per pod + r: a trainer rank on GPU r, a generator engine on GPUs
+r × tp .. r × tp + tp - 1 (CUDA_VISIBLE_DEVICES). Rank 0 of the pod serves the pod's HTTP port
+(probes, /metrics); the others serve on ports of their own choosing.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ POLL_S = 1.0
 STOP_GRACE_S = 30.0
 
 
-def rank_envs(env: dict[str, str]) -> list[dict[str, str]]:
-    """The environment of each rank process of this pod (pure: derived from the pod's env)."""
-    pod = ServiceEnv.from_environ("trainer", env)
+def rank_envs(env: dict[str, str], role: str = "trainer", gpus_per_rank: int = 1) -> list[dict[str, str]]:
+    """The environment of each rank process of this pod (pure: derived from the pod's env). A
+    generator engine sees only its own `gpus_per_rank` GPUs (of those the pod sees)."""
+    pod = ServiceEnv.from_environ(role, env)
     per_pod = pod.ranks_per_pod or 1
     ranks = [
         dataclasses.replace(
@@ -34,13 +38,19 @@ def rank_envs(env: dict[str, str]) -> list[dict[str, str]]:
         for r in range(per_pod)
     ]
     # Only what differs per rank: the rest stays as the pod has it (unset included).
-    return [env | {k: rank[k] for k in (Env.RANK, Env.LOCAL_RANK, Env.RANKS_PER_POD, Env.HTTP_PORT)} for rank in ranks]
+    envs = [env | {k: rank[k] for k in (Env.RANK, Env.LOCAL_RANK, Env.RANKS_PER_POD, Env.HTTP_PORT)} for rank in ranks]
+    if role == "generator" and per_pod > 1:
+        visible = env.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible else [str(i) for i in range(per_pod * gpus_per_rank)]
+        for r, e in enumerate(envs):
+            e["CUDA_VISIBLE_DEVICES"] = ",".join(devices[r * gpus_per_rank : (r + 1) * gpus_per_rank])
+    return envs
 
 
-def run_pod_ranks(argv: list[str], env: dict[str, str]) -> int:
+def run_pod_ranks(argv: list[str], env: dict[str, str], role: str = "trainer", gpus_per_rank: int = 1) -> int:
     """Run `argv` once per rank of the pod and wait: 0 once all exit 0; else the first failure's
     code, after stopping the rest. SIGTERM/SIGINT are passed on to every rank."""
-    procs = [subprocess.Popen(argv, env=e, preexec_fn=die_with_parent) for e in rank_envs(env)]
+    procs = [subprocess.Popen(argv, env=e, preexec_fn=die_with_parent) for e in rank_envs(env, role, gpus_per_rank)]
     log.info("pod: started %d ranks (pids %s)", len(procs), [p.pid for p in procs])
     stopping = threading.Event()
 

@@ -220,8 +220,10 @@ def service_env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConf
     """What a role's pods are told (their rank comes from the pod-index label instead)."""
     trainer = role == "trainer"
     output = job.spec.output
-    # Trainer pods start one rank per GPU; their rank is the pod's index, from which each
-    # rank process derives its own: index × ranks per pod + local rank (pipelinerl_cli.pod_ranks).
+    # Trainer pods start one rank per GPU, generator pods one engine per tensorParallel GPUs;
+    # their rank is the pod's index, from which each rank process derives its own: index × ranks
+    # per pod + local rank (pipelinerl_cli.pod_ranks).
+    per_pod = {"trainer": job.spec.trainer_ranks_per_pod, "generator": job.spec.generator_engines_per_pod}
     return ServiceEnv(
         role,
         world_size=job.spec.trainer_ranks if trainer else None,
@@ -229,7 +231,7 @@ def service_env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConf
         weights_addr=f"{trainer_host(job, namespace)}:{job.spec.weight_sync.port}",
         run_dir=Path(POD_RUN_DIR),
         output_dir=Path(POD_OUTPUT_DIR) if trainer and output and output.claim_name else None,
-        ranks_per_pod=job.spec.trainer_ranks_per_pod if trainer else None,
+        ranks_per_pod=per_pod[role] if trainer or per_pod.get(role, 1) > 1 else None,
         stream_replicas=cfg.nats_replicas if cfg.nats_replicas > 1 and on_chart_nats(job) else None,
         master_addr=trainer_host(job, namespace) if trainer else None,
         master_port=MASTER_PORT if trainer else None,

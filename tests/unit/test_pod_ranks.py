@@ -44,3 +44,14 @@ def test_a_failing_rank_stops_the_others_and_fails_the_pod():
     t0 = time.monotonic()
     assert run_pod_ranks([sys.executable, "-c", script], POD) == 7
     assert time.monotonic() - t0 < 30
+
+
+def test_a_generator_pod_runs_one_engine_per_tensor_parallel_gpus():
+    """A generator pod of 4 GPUs at tensorParallel 2: two engines, each a generator of its own on
+    its two GPUs (of those the pod sees), none left idle."""
+    pod = {"PIPELINERL_RANK": "1", "PIPELINERL_RANKS_PER_POD": "2", "PIPELINERL_HTTP_PORT": "8000"}
+    envs = rank_envs(pod, "generator", gpus_per_rank=2)
+    assert [(e["PIPELINERL_RANK"], e["CUDA_VISIBLE_DEVICES"]) for e in envs] == [("2", "0,1"), ("3", "2,3")]
+    envs = rank_envs(pod | {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "generator", gpus_per_rank=2)
+    assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["4,5", "6,7"]
+    assert all("CUDA_VISIBLE_DEVICES" not in e for e in rank_envs(POD))  # a trainer rank picks its GPU itself

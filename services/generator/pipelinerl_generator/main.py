@@ -47,7 +47,7 @@ class Generator:
         self.subjects = job.subjects
         self.admission = Admission(
             groups_per_step=self.spec.groups_per_step,
-            generators=self.spec.generator.replicas,
+            generators=self.spec.generator_engines,
             max_lag=self.spec.max_lag,
             max_inflight=self.spec.generator.max_inflight_groups,
             steps_per_generation=self.spec.steps_per_generation,

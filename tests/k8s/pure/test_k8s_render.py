@@ -168,6 +168,19 @@ def test_multi_gpu_trainer_pods_run_one_rank_per_gpu() -> None:
     assert trainer["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "8"
 
 
+def test_generator_pods_run_one_engine_per_tensor_parallel_gpus() -> None:
+    objs = by_name(render(job(generator={"replicas": 2, "gpus": 8, "tensorParallel": 2}), "team-a", "uid-1", CFG))
+    env = env_of(objs[("StatefulSet", "demo-prl-generator")])
+    assert env["PIPELINERL_RANKS_PER_POD"] == "4"  # four engines per pod: no GPU left idle
+    assert job(generator={"replicas": 2, "gpus": 8, "tensorParallel": 2}).spec.generator_engines == 8
+    one = env_of(
+        by_name(render(job(generator={"gpus": 2, "tensorParallel": 2}), "team-a", "u", CFG))[
+            ("StatefulSet", "demo-prl-generator")
+        ]
+    )
+    assert "PIPELINERL_RANKS_PER_POD" not in one
+
+
 def test_gpus_images_and_scheduling() -> None:
     objs = by_name(
         render(
