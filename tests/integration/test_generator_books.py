@@ -1,11 +1,13 @@
 """A generator's books live in the stream, carried by each group it publishes: a restarted
 generator continues them (real nats-server; the generator without its engine)."""
 
+import asyncio
+
 from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects, ServiceEnv
 from pipelinerl.spec import parse_job
 from pipelinerl.streams import connect, ensure_streams, last_message
-from pipelinerl_generator.main import Generator
+from pipelinerl_generator.main import Generator, restore_admission
 from pipelinerl_preprocessor.main import Preprocessor
 
 JOB = parse_job(
@@ -28,12 +30,12 @@ def group(problem: int, rewards: list[float]) -> m.RolloutGroup:
 
 
 async def incarnation(nats_server, tmp_path) -> Generator:
-    gen = Generator(JOB, ServiceEnv("generator", rank=1, nats_url=nats_server.url, run_dir=tmp_path, http_port=0))
-    gen.nc = await connect(nats_server.url, "generator-1")
-    gen.js = gen.nc.jetstream()
-    await ensure_streams(gen.js, JobSubjects("books"), 8)
-    await gen._restore_books()
-    return gen
+    """A generator as `assemble` builds one, from what the stream holds (no engine, task or HTTP)."""
+    env = ServiceEnv("generator", rank=1, nats_url=nats_server.url, run_dir=tmp_path, http_port=0)
+    nc = await connect(nats_server.url, "generator-1")
+    await ensure_streams(nc.jetstream(), JobSubjects("books"), 8)
+    admission = await restore_admission(JOB.spec, JOB.subjects, nc.jetstream(), env.rank)
+    return Generator(JOB, env, nc, None, None, None, admission, None, asyncio.Event(), asyncio.Event())
 
 
 async def start_and_publish(gen: Generator, rewards: list[float]) -> int:
@@ -74,8 +76,6 @@ async def test_a_restarted_generator_continues_its_books(nats_server, tmp_path):
 
 
 async def test_books_of_consumed_groups_come_from_the_preprocessors_record(nats_server, tmp_path):
-    import asyncio
-
     first = await incarnation(nats_server, tmp_path)
     for rewards in ([1, 0], [1, 1], [0, 1]):  # the newest two: filtered, then the step's second
         await start_and_publish(first, rewards)
@@ -106,8 +106,6 @@ async def test_problems_are_drawn_once_whatever_the_generators(nats_server):
     """Generators claim blocks of the problem stream from one counter (an append JetStream makes
     only if nobody appended since it was read): claimers racing, of different block sizes (as
     generators that started with different replica counts), never get one index twice."""
-    import asyncio
-
     from pipelinerl.streams import claim_problems
 
     subjects = JobSubjects("claims")

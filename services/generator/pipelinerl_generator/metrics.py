@@ -37,13 +37,14 @@ class Scraped:
             "Groups started and not yet consumed by a step (this generator's admission queue)",
             value=g.admission.queued,
         )
-        if g.newest_eval is not None:
+        newest = g.evaluator.newest
+        if newest is not None:
             for key, doc in (
                 ("accuracy", "Held-out accuracy (greedy) of the newest version evaluated"),
                 ("reward", "Held-out mean reward of the newest version evaluated"),
                 ("version", "The newest version evaluated"),
             ):
-                yield GaugeMetricFamily(f"pipelinerl_generator_eval_{key}", doc, value=float(g.newest_eval[key]))
+                yield GaugeMetricFamily(f"pipelinerl_generator_eval_{key}", doc, value=float(newest[key]))
 
 
 SCRAPED = Scraped()

@@ -1,0 +1,78 @@
+"""Held-out evaluations, by generator 0: greedy completions of the task's test problems with the
+weights of a version, at every `eval.interval` versions and the final one; each version evaluated
+once however often asked, each kind of report (periodic, final) published once on the job's
+metrics stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+
+from pipelinerl import messages as m
+from pipelinerl.contracts import JobSubjects
+from pipelinerl.spec import JobSpec
+from pipelinerl.streams import publish_once
+from pipelinerl_generator.engine import Engine
+from pipelinerl_generator.metrics import BusyClock
+
+log = logging.getLogger("pipelinerl.generator")
+
+
+class Evaluator:
+    def __init__(
+        self, spec: JobSpec, rank: int, subjects: JobSubjects, js, engine: Engine, task, tokenizer, busy: BusyClock
+    ) -> None:
+        self.spec, self.rank, self.subjects, self.js = spec, rank, subjects, js
+        self.engine, self.task, self.tokenizer, self.busy = engine, task, tokenizer, busy
+        self.evaluations: dict[int, asyncio.Future] = {}  # version -> its evaluation (shared by reports)
+        self.reported: set[tuple[int, bool]] = set()  # (version, final) published
+        self.newest: dict | None = None  # the evaluation of the highest version so far (/metrics)
+
+    async def maybe_eval(self, version: int, final: bool = False) -> None:
+        """Evaluate `version` at the eval interval and the final one, on generator 0 only."""
+        interval = self.spec.eval.interval
+        if self.rank != 0 or (version, final) in self.reported:
+            return
+        if not final and (interval == 0 or version % interval):
+            return
+        self.reported.add((version, final))
+        if version not in self.evaluations:
+            self.evaluations[version] = asyncio.ensure_future(self._evaluate(version))
+        values = await self.evaluations[version]
+        if values is None:
+            return
+        if self.newest is None or version >= self.newest["version"]:
+            self.newest = values
+        log.info("eval at version %d: accuracy %.3f%s", version, values["accuracy"], " (final)" if final else "")
+        row = m.Metrics(
+            source=f"generator-{self.rank}", kind="eval", values=values | {"final": final}, timestamp=time.time()
+        )
+        await publish_once(self.js, self.subjects.metrics("eval"), m.encode(row), uuid.uuid4().hex)
+
+    async def _evaluate(self, version: int) -> dict | None:
+        # The trainer announces a version as soon as its weights are sent: evaluate them once loaded.
+        deadline = time.monotonic() + self.spec.weight_sync.timeout_seconds
+        while self.engine.version < version:
+            if time.monotonic() > deadline:
+                log.warning("no evaluation of version %d: its weights never arrived", version)
+                return None
+            await asyncio.sleep(0.02)
+        t0 = time.time()
+        problems = self.task.test_problems(self.spec.eval.problems)
+        max_tokens = self.spec.generator.sampling.max_tokens
+        self.busy.enter()
+        try:
+            samples = await asyncio.gather(
+                *[self.task.rollout(self.engine, self.tokenizer, p, max_tokens, greedy=True) for p in problems]
+            )
+        finally:
+            self.busy.leave()
+        return {
+            "version": version,
+            "accuracy": sum(s.success for s in samples) / len(samples),
+            "reward": sum(s.reward for s in samples) / len(samples),
+            "problems": len(samples),
+            "seconds": time.time() - t0,
+        }
