@@ -9,13 +9,19 @@ default) up to its own cap, each going on whatever the others did:
    (`scripts/gpu-wheels.sh`) into a scratch folder, skipped where they import already;
    DeepSpeed's sdist is built without its ops or CUDA detection, and a failure there only
    skips what needs DeepSpeed;
-2. gpu-tests: the GPU tests (varlen flash attention, the bf16 forward, the sync-free loop, the
+2. weight-plane: the in-flight update against what a GPU engine runs (torch only, no vLLM): a
+   captured CUDA graph computes with the weights each commit brings, staged and in place, and a
+   `.data` swap leaves it stale (tests/integration/test_commit_graphs.py); two NCCL ranks on the
+   GPU, one killed mid-broadcast: the survivor raises WeightSyncError and sends the next epoch
+   exact weights (test_weight_group.py, `killed`);
+3. commit-7B: the commit of a staged update for a Qwen2.5-7B TP-2 shard, timed (bench/gpu_commit.py);
+4. gpu-tests: the GPU tests (varlen flash attention, the bf16 forward, the sync-free loop, the
    NCCL transport), 120 s per test at most; their summary lines (-rfE) printed, all in the log;
-3. 0.5B: benchmark 6 at Qwen2-0.5B shapes, sides stock, plain, zero1, zero1+compile, with a
+5. 0.5B: benchmark 6 at Qwen2-0.5B shapes, sides stock, plain, zero1, zero1+compile, with a
    profile (ZeRO-3 only shards, which one GPU does not need: 0.25× stock on an H200);
-4. 1.5B: at Qwen2-1.5B shapes, sides stock, zero1, zero1+compile (no compiled side in --smoke);
-5. 1.5B-16k: one 1.5B ZeRO-1 step of 16,384-token micro-batches under an 80 GB memory cap;
-6. weight-update: a 1.5B weight update timed end to end (DeepSpeed pack, NCCL, receive).
+6. 1.5B: at Qwen2-1.5B shapes, sides stock, zero1, zero1+compile (no compiled side in --smoke);
+7. 1.5B-16k: one 1.5B ZeRO-1 step of 16,384-token micro-batches under an 80 GB memory cap;
+8. weight-update: a 1.5B weight update timed end to end (DeepSpeed pack, NCCL, receive).
 
 Everything goes to $OUT as it happens (a temporary folder where $OUT is unset): the whole output
 in gpu_check.log, each benchmark's JSON (written by the benchmark after each side), and
@@ -56,7 +62,7 @@ SMOKE_CAP_FACTOR = 3  # the parts' caps, likewise
 GRACE_S = 10  # SIGTERM to SIGKILL: a benchmark saves what it has
 MIN_PART_S = 30  # a part that would get less is skipped
 SUMMARY_S = 5  # kept back for the summary
-PART_NAMES = ("gpu-tests", "0.5B", "1.5B", "1.5B-16k", "weight-update")
+PART_NAMES = ("weight-plane", "commit-7B", "gpu-tests", "0.5B", "1.5B", "1.5B-16k", "weight-update")
 SITE = Path(os.environ.get("GPU_CHECK_SITE", "/tmp/pipelinerl-gpu-site"))  # where .whl/ is installed
 WHEELS = Path(os.environ.get("GPU_CHECK_WHEELS", ROOT / ".whl"))  # scripts/gpu-wheels.sh fills it
 MEMORY_CAP_GB = "80"
@@ -106,6 +112,20 @@ def plan(smoke: bool, out: Path) -> list[Part]:
         return ",".join(s for s in names.split(",") if not (smoke and s.endswith("+compile")))
 
     return [
+        Part(
+            "weight-plane",
+            ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "90", "-rfE", "--tb=short"]
+            + ["tests/integration/test_commit_graphs.py", "tests/integration/test_weight_group.py"]
+            + ["-k", ("cpu" if smoke else "cuda") + " or killed"],  # the smoke: the CPU stand-ins, gloo
+            100,
+            pytest=True,
+        ),
+        Part(
+            "commit-7B",
+            ["-m", "bench.gpu_commit"] + (["--smoke"] if smoke else []) + ["--name", "gpu_commit-7B"] + outdir,
+            60,
+            result="gpu_commit-7B",
+        ),
         Part(
             "gpu-tests",
             ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "120", "-rfE", "--tb=short"]

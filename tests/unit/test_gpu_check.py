@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_check, gpu_trainer, gpu_weight_update
+from bench import gpu_check, gpu_commit, gpu_trainer, gpu_weight_update
 from bench.gpu_check import GRACE_S, MIN_PART_S, SUMMARY_S, Check, Filter, part_timeout, plan, without_deepspeed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +30,15 @@ def parts(smoke: bool, out: Path) -> dict[str, gpu_check.Part]:
 @pytest.mark.parametrize("smoke", [False, True])
 def test_every_command_line_the_check_runs_parses(smoke, tmp_path):
     got = parts(smoke, tmp_path)
-    assert list(got) == list(gpu_check.PART_NAMES)  # ordered by value: tests, 0.5B, 1.5B, 16k fit, update
+    # ordered by value: the weight plane, the commit, tests, 0.5B, 1.5B, 16k fit, update
+    assert list(got) == list(gpu_check.PART_NAMES)
+    plane = got["weight-plane"].argv
+    assert plane[:2] == ["-m", "pytest"] and plane[plane.index("-k") + 1] == ("cpu" if smoke else "cuda") + " or killed"
+    assert "tests/integration/test_commit_graphs.py" in plane and "tests/integration/test_weight_group.py" in plane
+    commit = got["commit-7B"].argv
+    assert commit[:2] == ["-m", "bench.gpu_commit"] and ("--smoke" in commit) == smoke
+    commit_args = gpu_commit.parse_args(commit[2:])
+    assert commit_args.name == got["commit-7B"].result and commit_args.results_dir == tmp_path
     trainer = {}
     for name in ("0.5B", "1.5B", "1.5B-16k"):
         argv = got[name].argv
@@ -192,6 +200,7 @@ def test_the_smoke_mode_runs_the_whole_check_on_cpu_and_keeps_everything_in_out(
     assert files == [
         "gpu_check.json",
         "gpu_check.log",
+        "gpu_commit-7B.json",
         "gpu_trainer-0.5B.json",
         "gpu_trainer-1.5B-16k.json",
         "gpu_trainer-1.5B.json",
@@ -209,6 +218,7 @@ def test_the_smoke_mode_runs_the_whole_check_on_cpu_and_keeps_everything_in_out(
         sides = report["sides"]
         assert report["size"] == "smoke" and all("seconds" in r for r in sides.values()), (name, sides)
     assert json.loads((out / "gpu_weight_update-1.5B.json").read_text())["exact"] is True
+    assert json.loads((out / "gpu_commit-7B.json").read_text())["exact"] is True
     printed = done.stdout
     summary = printed[printed.index("== summary") :]
     for line in (
@@ -216,8 +226,11 @@ def test_the_smoke_mode_runs_the_whole_check_on_cpu_and_keeps_everything_in_out(
         "VERDICT 1.5B: best project side",
         "VERDICT 1.5B-16k memory: zero1",
         "VERDICT weight update smoke:",
+        "VERDICT commit of a staged update (smoke shape",
     ):
         assert line in summary, line
+    plane = next(p for p in check["parts"] if p["name"] == "weight-plane")
+    assert any(re.search(r"\b4 passed", line) for line in plane["summary_lines"]), plane
     assert len(printed) < 12_000  # the whole output fits the device tool's tail
     assert not re.search(r"it/s\]|\[INFO\]|Warning: ", printed)
     log = (out / "gpu_check.log").read_text()
