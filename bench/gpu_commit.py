@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> None:
         "exact": exact,
         "verdict_lines": [verdict],
     }
-    save(args.name, result, "python -m bench.gpu_commit" + (" --smoke" if args.smoke else ""), args.results_dir or RESULTS)
+    command = "python -m bench.gpu_commit" + (" --smoke" if args.smoke else "")
+    save(args.name, result, command, args.results_dir or RESULTS)
     if not exact:
         raise SystemExit(1)
 

@@ -57,7 +57,7 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
     )
     init_distributed(False, 60)
     pod = Path(root) / f"pod-{rank}" / "checkpoints"
-    engine = build_engine(job.spec.trainer, job.spec.model.dtype, model)
+    engine = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
     for step in range(2):
         _train(engine, step)
     checkpoint.save(engine, pod, 2, {"step": 2, "rank": rank}, rank, local_rank=0)
@@ -67,7 +67,7 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
     if rank == 1:  # this pod crashed before its `latest` moved to step 3
         (pod / "latest").write_text("step-2")
 
-    resumed = build_engine(job.spec.trainer, job.spec.model.dtype, model)
+    resumed = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
     state = checkpoint.load(resumed, pod)
     _train(resumed, 2)  # the step the crash lost, again
     out.put(

@@ -48,7 +48,7 @@ def _compare(stage: int, path: str, port: int, out: mp.Queue) -> None:
         }
     )
     init_distributed(False, 60)
-    engine = build_engine(job.spec.trainer, job.spec.model.dtype, path)
+    engine = build_engine(job.spec.trainer, job.spec.weights_dtype, path)
     plain = load_model(path)
     opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=job.spec.trainer.weight_decay)
     start = torch.cat([p.detach().flatten().clone() for p in plain.parameters()])

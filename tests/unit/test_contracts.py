@@ -4,8 +4,10 @@ tests fail when another place spells one of them itself, or when a side drifts f
 from __future__ import annotations
 
 import ast
+import asyncio
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -183,6 +185,7 @@ def test_jobs_of_one_name_in_two_namespaces_share_no_stream_or_subject():
 
 
 def test_status_bodies_of_every_role_are_the_contract_models():
+    from pipelinerl.admission import Admission
     from pipelinerl_generator.main import Generator
     from pipelinerl_operator.status import progress_from
     from pipelinerl_preprocessor.main import Preprocessor
@@ -193,9 +196,15 @@ def test_status_bodies_of_every_role_are_the_contract_models():
     for key in c.PreprocessorStatus.model_fields:  # every count the service keeps has a field
         if key not in ("role", "next_step", "trainer_version", "pending_groups"):
             pre.stats[key] += 1
+    # A generator as `assemble` hands it in; only what its status reads is real.
+    engine = SimpleNamespace(version=3, tokens_generated=120)
+    nc = SimpleNamespace(jetstream=lambda: None)
+    admission = Admission(groups_per_step=4, generators=1, max_lag=1, max_inflight=8)
+    events = asyncio.Event(), asyncio.Event()
+    generator = Generator(job, ServiceEnv("generator"), nc, engine, None, None, admission, None, *events)
     for service, model in (
         (Board(0, job.spec.trainer.max_steps), c.TrainerStatus),  # what the trainer serves, from its start
-        (Generator(job, ServiceEnv("generator")), c.GeneratorStatus),
+        (generator, c.GeneratorStatus),
         (pre, c.PreprocessorStatus),
     ):
         body = service.status().model_dump(mode="json", by_alias=True)  # what HealthServer serves

@@ -90,7 +90,8 @@ def test_a_generator_exports_its_busy_time_queue_and_newest_evaluation_when_scra
     registry.register(scraped)
     assert generate_latest(registry) == b""  # no generator yet: nothing
     clock = BusyClock()
-    generator = SimpleNamespace(busy=clock, admission=SimpleNamespace(queued=3), newest_eval=None)
+    evaluator = SimpleNamespace(newest=None)
+    generator = SimpleNamespace(busy=clock, admission=SimpleNamespace(queued=3), evaluator=evaluator)
     scraped.generator = generator
     clock.enter()
     time.sleep(0.05)
@@ -100,7 +101,7 @@ def test_a_generator_exports_its_busy_time_queue_and_newest_evaluation_when_scra
     assert value("pipelinerl_generator_queued_groups", registry=registry) == 3
     # No evaluation yet: no accuracy series (a 0 would read as an accuracy).
     assert value("pipelinerl_generator_eval_accuracy", registry=registry) is None
-    generator.newest_eval = {"version": 4, "accuracy": 0.31, "reward": 0.4, "problems": 16, "seconds": 1.0}
+    evaluator.newest = {"version": 4, "accuracy": 0.31, "reward": 0.4, "problems": 16, "seconds": 1.0}
     assert value("pipelinerl_generator_eval_accuracy", registry=registry) == 0.31
     assert value("pipelinerl_generator_eval_version", registry=registry) == 4
 

@@ -55,7 +55,7 @@ def build_model(job: PipelineRLJob, model_path: str) -> Model:
     engine = build_engine(spec.trainer, spec.weights_dtype, model_path)
     reference = None
     if spec.rl.kl_coef > 0:
-        reference = load_model(model_path, spec.model.dtype).eval().requires_grad_(False)
+        reference = load_model(model_path, spec.weights_dtype).eval().requires_grad_(False)
     module = engine.module
     return Model(
         engine,
