@@ -11,8 +11,8 @@ Per model size (random Qwen2-architecture models, bench/models.py) this starts:
 Alternated in the same run, per round:
 - update, staged (the default, `weightSync.staged: true`): `WeightSender.send` wall time on the
   trainer (announce, flatten + broadcast the buckets, reply). The generator receives, loads and
-  re-packs into its second copy of the weights while the requests keep generating, then pauses
-  only to swap the copies and relabel; its pause time (pause -> resume, from
+  re-packs into its staging copy of the weights while the requests keep generating, then pauses
+  only to copy it into the live weights and relabel; its pause time (pause -> resume, from
   `Engine.update_weights`) comes back in the reply;
 - update, in the pause (`staged: false`): the same, but the generator pauses first and receives,
   loads and re-packs inside the pause;
@@ -290,7 +290,7 @@ async def serve(engine, gen_q, done_q, trainer, receive_s: dict, port: int) -> N
         if kind == "raw":
             await engine.llm.collective_rpc("bench_raw_receive", args=(body,))
             continue
-        engine.staged = kind == "staged"
+        await engine.choose_staged(kind == "staged")
         update = m.decode(body, m.WeightUpdate)
         if update.group != group:
             group = update.group

@@ -89,6 +89,7 @@ class Env:
     # a user's knobs, never set by PipelineRL
     LOG_LEVEL = "PIPELINERL_LOG_LEVEL"
     DATA_TIMEOUT_S = "PIPELINERL_DATA_TIMEOUT_S"
+    ACK_WAIT_S = "PIPELINERL_ACK_WAIT_S"  # the preprocessor's: a held group is delivered again after it
     CACHE = "PIPELINERL_CACHE"
     # tests only: the process kills itself (SIGKILL) at the failure point of this name (`runtime.failpoint`)
     FAILPOINT = "PIPELINERL_FAILPOINT"

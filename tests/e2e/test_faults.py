@@ -6,7 +6,9 @@ which generators fed which steps, weight-group epochs, restarts and process ids.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -216,9 +218,62 @@ def test_the_preprocessor_killed_mid_step_once_then_twice_loses_nothing(start_ru
     assert sum(r["dropped_for_lag"] for r in train) == 0 and sum(r["samples_stale"] for r in train) == 0
     assert all(r["lag_max"] <= 1 for r in train)
 
-    # The streams: every step once per rank, its micro-batches numbered 0..k with only k last,
-    # the ranks alike; each group trained in one step only, whole; the ledgers add up to what
-    # the trainer announced.
+    by_step, trained = audit_streams(run, name, steps, 2)
+    # The kill at the failure point lost the acknowledgements of step 2's last wave: its groups
+    # came back and were settled again, neither trained nor counted twice.
+    lost = set(by_step[2][0][-1].ledger.wave_groups(by_step[2][0][-1].ledger.waves - 1))
+    returned = {g for ranks in by_step.values() for mb in ranks[0] for g in mb.ledger.returned}
+    assert lost and lost <= returned and all(trained[g] == 2 for g in lost)
+    assert "delivered again" in log
+
+    services = run.services()
+    assert services["preprocessor"]["restarts"] == 4
+    assert (
+        services["trainer-0"]["restarts"] == services["trainer-1"]["restarts"] == services["generator"]["restarts"] == 0
+    )
+
+
+def test_a_preprocessor_paused_past_its_acknowledgement_wait_trains_nothing_twice(start_run):
+    """SIGSTOP to the preprocessor while it holds groups, for longer than its acknowledgement wait
+    (a frozen node, a paused container), then SIGCONT: JetStream has delivered the held groups
+    again to the same, living consumer. Each is taken once: no group trained twice nor credited
+    twice (the generator's admission books stay true, so nothing is dropped for lag afterwards),
+    every step full, the run finishes."""
+    from pipelinerl.contracts import Env
+
+    steps, name, ack_wait = 24, "paused", 4
+    job = fault_job(
+        name,
+        steps,
+        generator={"maxInflightGroups": 1},  # a step reaches the preprocessor in waves: it holds groups
+        trainer={"microBatchTokens": 128},
+        preprocessor={"env": [{"name": Env.ACK_WAIT_S, "value": str(ack_wait)}]},
+    )
+    run = start_run(job, RUN_TIMEOUT_S)
+    run.wait_step(4)
+    run.wait_until(lambda _: mid_step(run, name), "the preprocessor holding groups mid-step")
+    pid = run.services()["preprocessor"]["pid"]
+    os.killpg(pid, signal.SIGSTOP)
+    time.sleep(ack_wait + 10)
+    os.killpg(pid, signal.SIGCONT)
+    run.finish()
+    train = run.train()
+    assert run.services()["preprocessor"]["restarts"] == 0 and run.services()["preprocessor"]["pid"] == pid
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert all(r["samples"] == SAMPLES and r["tokens"] > 0 for r in train), [(r["step"], r["samples"]) for r in train]
+    # Twice-credited groups would over-free the generator's queue: more groups than a step admits,
+    # dropped as too old later. None is.
+    assert sum(r["dropped_for_lag"] for r in train) == 0 and sum(r["samples_stale"] for r in train) == 0
+    audit_streams(run, name, steps, 1)
+    log = (run.dir / "logs/preprocessor.log").read_text()
+    assert "delivered again (delivery 2)" in log  # the pause did outlast the wait: held groups came back
+
+
+def audit_streams(run: RunProcess, name: str, steps: int, ranks_n: int) -> tuple[dict, dict[str, int]]:
+    """The streams: every step once per rank, its micro-batches numbered 0..k with only k last,
+    the ranks alike; each step a full batch of trained groups, none stale; each group trained in
+    one step only, whole; the ledgers add up to what the trainer announced. (micro-batches by
+    step and rank, the step each group was trained in)."""
     batches = [m.decode(x.data, m.MicroBatch) for x in stored(run.dir, name, "BATCHES")]
     by_step: dict[int, dict[int, list[m.MicroBatch]]] = {}
     for mb in batches:
@@ -229,14 +284,15 @@ def test_the_preprocessor_killed_mid_step_once_then_twice_loses_nothing(start_ru
     trained: dict[str, int] = {}
     credits: dict[str, int] = {}
     for step, ranks in by_step.items():
-        assert sorted(ranks) == [0, 1]
+        assert sorted(ranks) == list(range(ranks_n))
         counts = {len(mbs) for mbs in ranks.values()}
         assert len(counts) == 1, (step, counts)
         for mbs in ranks.values():
             assert [mb.index for mb in mbs] == list(range(len(mbs))) and [mb.last for mb in mbs][-1]
             assert not any(mb.last for mb in mbs[:-1])
         final = ranks[0][-1].ledger
-        assert final == ranks[1][-1].ledger and final.trained_groups == groups_per_step and final.samples == SAMPLES
+        assert all(mbs[-1].ledger == final for mbs in ranks.values())
+        assert final.trained_groups == groups_per_step and final.samples == SAMPLES
         assert not final.entries(Outcome.STALE)
         samples = [g for mbs in ranks.values() for mb in mbs for g in mb.group_ids]
         assert sorted(samples) == sorted(e.id for e in final.entries(Outcome.TRAINED) for _ in range(4))
@@ -249,15 +305,4 @@ def test_the_preprocessor_killed_mid_step_once_then_twice_loses_nothing(start_ru
         m.decode(x.data, m.PolicyVersion) for x in stored(run.dir, name, "CONTROL") if x.subject.endswith("version")
     ]
     assert announced.finished and announced.trained_groups == credits
-    # The kill at the failure point lost the acknowledgements of step 2's last wave: its groups
-    # came back and were settled again, neither trained nor counted twice.
-    lost = set(by_step[2][0][-1].ledger.wave_groups(by_step[2][0][-1].ledger.waves - 1))
-    returned = {g for ranks in by_step.values() for mb in ranks[0] for g in mb.ledger.returned}
-    assert lost and lost <= returned and all(trained[g] == 2 for g in lost)
-    assert "its acknowledgement was lost" in log
-
-    services = run.services()
-    assert services["preprocessor"]["restarts"] == 4
-    assert (
-        services["trainer-0"]["restarts"] == services["trainer-1"]["restarts"] == services["generator"]["restarts"] == 0
-    )
+    return by_step, trained

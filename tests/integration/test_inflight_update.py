@@ -269,9 +269,7 @@ async def rig(request, engines):
     """An engine on one loading path: the tests run path by path, in PATHS order."""
     reload, staged = PATHS[request.param]
     rig = await engines(reload)
-    if rig.engine.staged != staged or rig.engine.update_path is None:
-        rig.engine.staged, rig.engine.update_path = staged, None  # the engine's path, chosen anew
-        await rig.engine.prepare_updates()
+    await rig.engine.choose_staged(staged)
     rig.in_place, rig.staged = not reload, staged and not reload
     return rig
 

@@ -3,7 +3,9 @@
 them in fetches of any size and stores waves, the trainer consumes steps, and any service is
 killed at any point and restarted from what is stored: the preprocessor (its acknowledgements of
 the newest wave lost or not, or in the middle of storing a wave), the trainer (back to its
-checkpoint, replaying), a generator (just after a publish it never counted).
+checkpoint, replaying), a generator (just after a publish it never counted); and the preprocessor
+paused at any point for longer than the acknowledgement wait, so that everything it holds is
+delivered to it again while it lives.
 
 The services' own logic runs: `StepBuilder` (the preprocessor's, pure), `books.restore`,
 `books.credit`, the micro-batches' wire format. What is simulated is only the I/O: JetStream's
@@ -62,6 +64,11 @@ class WorkQueue:
         got = pending[:n]
         self.delivered.update(got)
         return [(s, len(pending) - i - 1) for i, s in enumerate(got)]
+
+    def expire(self) -> None:
+        """The acknowledgement wait passed for everything the consumer holds (its process was paused
+        for longer: SIGSTOP, a frozen node): JetStream delivers it again, to the same live consumer."""
+        self.delivered = {s for s in self.delivered if s not in self.msgs}
 
     def ack(self, seq: int) -> None:
         self.msgs.pop(seq, None)
@@ -286,6 +293,11 @@ def run(seed: int, spec, ranks: int, generators: int, steps: int) -> World:
                 kills["trainer"] += 1
                 w.trainer.restart()
                 w.trainer.train()
+            elif not quiet and event < 0.94:  # the preprocessor paused past the ack wait, then goes on
+                kills["paused"] += 1
+                if rnd.random() < 0.5:  # the acknowledgements it had sent arrived before the wait ran out
+                    w.pre.flush()
+                w.queue.expire()
         except Killed:
             if event < 0.3:
                 kills["generator"] += 1

@@ -275,6 +275,13 @@ class Engine:
             f"; in-place loading would miss: {'; '.join(info['blockers'])}" if info["blockers"] else "",
         )
 
+    async def choose_staged(self, staged: bool) -> None:
+        """Take the staged path or the in-place one from the next update on (tests and benchmarks
+        compare them on one engine; a job keeps `weightSync.staged`)."""
+        if staged != self.staged or self.update_path is None:
+            self.staged, self.update_path = staged, None
+            await self.prepare_updates()
+
     @property
     def stages_beside(self) -> bool:
         """Staged updates are received beside generation, on a thread of each worker, except

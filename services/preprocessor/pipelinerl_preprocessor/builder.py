@@ -2,7 +2,8 @@
 
 Groups come in and are recorded in the step's ledger with their outcome (`books.credit`): taken
 for a step (`take`: filtered there, or accepted), dead-lettered (`dead_lettered`), too old for the
-step (`drop_stale`), or settled already before a restart (`returned`). `next_wave` says what to
+step (`drop_stale`), or delivered again after it was taken or settled (`returned`: after a restart
+or a pause that outlasted the acknowledgement wait). `next_wave` says what to
 store next: part of the step (`steps.next_wave`), its micro-batches each carrying the ledger as of
 that wave, and the messages to acknowledge once they are all stored.
 
@@ -61,11 +62,25 @@ class StepBuilder:
         self.ledger.generators[key] = newest_books(group.books, self.ledger.generators.get(key))
 
     def returned(self, ref: Any, group_id: str) -> bool:
-        """A group the newest stored step settled, handed back because a kill lost its
-        acknowledgement: settled again, uncounted (True); False for any other group."""
-        if group_id not in self.settled_before:
-            return False
-        settle_again(self.ledger, group_id)
+        """A group delivered again that this builder holds already, or that the current or the
+        previous step settled: handed back because a kill lost its acknowledgement, or delivered
+        again to this live consumer because a pause (SIGSTOP, a frozen node, a long stall)
+        outlasted the acknowledgement wait. Acknowledged with the next wave, never taken or
+        credited twice (True); False for a group not seen before."""
+        # Held: the newest delivery takes the place of the earlier one, acknowledged with the wave
+        # that stores the group (acknowledged sooner, the message would go before it is stored).
+        for i, (_, group) in enumerate(self.accepted):
+            if group.group_id == group_id:
+                self.accepted[i] = (ref, group)
+                return True
+        for i, (_, entry) in enumerate(self.settled):
+            if entry == group_id:
+                self.settled[i] = (ref, entry)
+                return True
+        if group_id in self.settled_before:  # the previous stored step's: acknowledged with this one
+            settle_again(self.ledger, group_id)
+        elif group_id not in self.ledger.ids or group_id in (self.torn.groups if self.torn else ()):
+            return False  # new (or of a wave stored in part, which it comes back to be stored again)
         self.settled.append((ref, group_id))
         return True
 
@@ -196,5 +211,6 @@ class StepBuilder:
             self.index = self.ledger.wave_last + 1
             return
         waiting = [e.model_copy(update={"wave": 0}) for e in self.ledger.groups if e.wave == self.ledger.waves]
+        self.settled_before = frozenset(self.ledger.ids)  # delivered again later: known (`returned`)
         self.step, self.index = self.step + 1, 0
         self.ledger = StepLedger(groups=waiting, generators=dict(self.ledger.generators))

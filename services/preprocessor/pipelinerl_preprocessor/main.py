@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections import Counter as Tally
 
@@ -35,7 +36,7 @@ from prometheus_client import Counter, Gauge
 from pipelinerl import books
 from pipelinerl import messages as m
 from pipelinerl.books import Outcome
-from pipelinerl.contracts import STREAM_SUFFIXES, PreprocessorStatus, ServiceEnv
+from pipelinerl.contracts import STREAM_SUFFIXES, Env, PreprocessorStatus, ServiceEnv
 from pipelinerl.runtime import HealthServer, failpoint, join_job, serve
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.steps import newest_weights
@@ -63,8 +64,9 @@ STREAM_MESSAGES = Gauge(
 STREAMS_EVERY_S = 15.0
 # A group this preprocessor took but has not published would be redelivered this long after it
 # died (its restarted self takes them back at once, see run); while alive it keeps them with a
-# keep-alive every quarter of it.
-ACK_WAIT_S = 30.0
+# keep-alive every quarter of it. A pause longer than this (SIGSTOP, a frozen node, a stall) has
+# them delivered again to the living preprocessor, which takes each once (`StepBuilder.returned`).
+ACK_WAIT_S = float(os.environ.get(Env.ACK_WAIT_S, "30"))
 
 
 class Preprocessor:
@@ -227,10 +229,17 @@ class Preprocessor:
         PENDING.set(len(b.accepted))
 
     def _returned(self, msg, entry_id: str) -> bool:
-        """Settled before a restart whose kill lost its acknowledgement: settled again, uncounted."""
+        """Taken or settled already, delivered again (a kill lost its acknowledgement, or a pause
+        outlasted the acknowledgement wait): taken once, never again, never counted twice."""
         if not self.builder.returned(msg, entry_id):
             return False
-        log.warning("%s was settled before a restart: its acknowledgement was lost", entry_id)
+        log.warning(
+            "%s delivered again (delivery %d): taken already, not again (a restart lost its acknowledgement, "
+            "or a pause outlasted the %g s acknowledgement wait)",
+            entry_id,
+            msg.metadata.num_delivered,
+            ACK_WAIT_S,
+        )
         self.stats["settled_before"] += 1
         return True
 
