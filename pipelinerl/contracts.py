@@ -285,6 +285,11 @@ class JobSubjects:
         """The next training problem no generator has claimed (`streams.claim_problems`)."""
         return f"prl.{self._token}.control.problems"
 
+    @property
+    def store(self) -> str:
+        """Which store the streams are (`messages.StoreIdentity`, `streams.store_identity`)."""
+        return f"prl.{self._token}.control.store"
+
     def metrics(self, kind: str | None = None) -> str:
         return f"prl.{self._token}.metrics.{kind or '*'}"
 
@@ -355,6 +360,7 @@ class TrainerStatus(Progress):
     rank: int = 0
     finished: bool = False  # the last step is trained
     weight_sync_ready: bool = False  # rank 0: a weight group with at least one generator is formed
+    store_lost: str = ""  # why the job's store is not the one its checkpoint's positions belong to
 
 
 class GeneratorStatus(StatusBody):

@@ -181,9 +181,31 @@ class Metrics(Message):
     timestamp: float
 
 
+class StoreIdentity(Message):
+    """Which store the job's streams are (one per JetStream store: a lost or replaced store has
+    another), written once when the streams are first created (`streams.ensure_streams`). The
+    trainer's checkpoints name the store their stream positions belong to; a store that
+    `pipelinerl recover-store` made for a checkpoint `adopts` its store."""
+
+    TYPE: ClassVar[str] = "store_identity"
+    id: str
+    created: float  # wall clock
+    adopts: str | None = None  # the lost store's id whose checkpoint this store goes on from
+    adopted_step: int | None = None  # that checkpoint's step
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     m.TYPE: m
-    for m in (RolloutGroup, MicroBatch, PolicyVersion, GeneratorHello, WeightUpdate, WeightUpdateDone, Metrics)
+    for m in (
+        RolloutGroup,
+        MicroBatch,
+        PolicyVersion,
+        GeneratorHello,
+        WeightUpdate,
+        WeightUpdateDone,
+        Metrics,
+        StoreIdentity,
+    )
 }
 M = TypeVar("M", bound=Message)
 

@@ -55,10 +55,11 @@ def stream_configs(
             discard=DiscardPolicy.OLD,
             **common,
         ),
-        # Control: the latest policy version, and the next training problem unclaimed, only.
+        # Control: the latest policy version, the next training problem unclaimed and which store
+        # this is, only.
         StreamConfig(
             name=subjects.stream("CONTROL"),
-            subjects=[subjects.version, subjects.problems],
+            subjects=[subjects.version, subjects.problems, subjects.store],
             retention=RetentionPolicy.LIMITS,
             max_msgs_per_subject=1,
             max_bytes=size["CONTROL"],
@@ -120,6 +121,68 @@ async def ensure_streams(
             except Exception as err:  # another service created it in between
                 if "already in use" not in str(err):
                     raise
+
+
+async def store_identity(js, subjects: JobSubjects, adopts=None, timeout_s: float = READ_TIMEOUT_S):
+    """The job's store identity (`messages.StoreIdentity`), written here where the store has none
+    (its streams were just made: a new job, or a lost store's replacement). Written once: the
+    append is made only while the subject is empty (an expected last sequence of 0), so services
+    starting together agree on the one written first. `adopts`: (the lost store's id, the
+    checkpoint's step) that a new store goes on from (`pipelinerl recover-store`)."""
+    import uuid
+
+    from pipelinerl.messages import MessageError, StoreIdentity, decode, encode
+
+    stream = subjects.stream("CONTROL")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        last = await _read_last(js, stream, subjects.store, deadline)
+        if last is not None:
+            try:
+                return decode(last.data, StoreIdentity)
+            except MessageError as err:
+                raise MessageError(f"the job's store identity on {subjects.store}: {err}") from None
+        mine = StoreIdentity(id=uuid.uuid4().hex, created=time.time())
+        if adopts is not None:
+            mine.adopts, mine.adopted_step = adopts
+        try:
+            await js.publish(
+                subjects.store, encode(mine), timeout=5.0, headers={"Nats-Expected-Last-Subject-Sequence": "0"}
+            )
+            log.info("the job's store is new: identity %s", mine.id)
+            return mine
+        except UNACKED:
+            pass  # read again: stored or not
+        except nats.js.errors.APIError as err:
+            if err.err_code != WRONG_LAST_SEQUENCE:
+                raise
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"could not read or write the job's store identity on {subjects.store}")
+
+
+async def recover_store(
+    js, subjects: JobSubjects, spec: JobSpec, adopt: str, step: int, problems: int, replicas: int | None = None
+):
+    """Make the job's store, lost or replaced, go on from a trainer checkpoint (step `step`, taken
+    with store `adopt`, when `problems` problems were claimed): its streams emptied (what the
+    services made in it since the loss started from nothing), a store identity that adopts the
+    checkpoint's store (the trainer takes it and reads its micro-batches from the start), the
+    checkpoint's step announced with no group credited yet (the generators' books start again
+    with the store; the preprocessor builds that step first) and problem claims going on past the
+    checkpoint's. With the job's services stopped: running ones would keep the state of the store
+    they started in."""
+    import uuid
+
+    from pipelinerl.capacity import stream_bytes
+    from pipelinerl.messages import PolicyVersion, StoreIdentity, encode
+
+    await delete_streams(js, subjects)
+    await ensure_streams(js, subjects, spec.nats.max_payload_mb, replicas, stream_bytes(spec))
+    identity = StoreIdentity(id=uuid.uuid4().hex, created=time.time(), adopts=adopt, adopted_step=step)
+    await js.publish(subjects.store, encode(identity), timeout=10.0)
+    await js.publish(subjects.version, encode(PolicyVersion(version=step, timestamp=time.time())), timeout=10.0)
+    await js.publish(subjects.problems, str(problems).encode(), timeout=10.0)
+    return identity
 
 
 async def delete_streams(js, subjects: JobSubjects) -> list[str]:
@@ -215,6 +278,12 @@ async def claim_problems(js, subjects: JobSubjects, count: int, timeout_s: float
         if time.monotonic() > deadline:
             raise TimeoutError(f"could not claim training problems on {subject} in {timeout_s:.0f}s")
         await asyncio.sleep(0.01)
+
+
+async def problems_claimed(js, subjects: JobSubjects, timeout_s: float = READ_TIMEOUT_S) -> int:
+    """How many training problems the job's generators have claimed (`claim_problems`)."""
+    data = await last_message(js, subjects.stream("CONTROL"), subjects.problems, timeout_s)
+    return int(data) if data is not None else 0
 
 
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: another append came first

@@ -194,6 +194,55 @@ def _dead_letters(args: argparse.Namespace) -> int:
     return 0
 
 
+def _recover_store(args: argparse.Namespace) -> int:
+    """A lost or replaced NATS store (the trainer says StoreLost) made to go on from the trainer's
+    checkpoint: locally from the run folder's newest checkpoint, on a cluster from what the
+    trainer's StoreLost message names (`pipelinerl.streams.recover_store`)."""
+    import asyncio
+    import json
+
+    from pipelinerl.streams import connect, recover_store
+
+    job = load_job(args.job)
+    if args.run_dir:
+        ckpts = Path(args.run_dir) / "checkpoints"
+        latest = ckpts / "latest"
+        if not latest.is_file():
+            raise SpecError(f"no checkpoint in {ckpts}: nothing to go on from (start the run afresh)")
+        tag = latest.read_text().strip()
+        state = json.loads((ckpts / tag / "state.json").read_text())
+        if not state.get("store"):
+            raise SpecError(f"the checkpoint {tag} names no store (taken before stores had identities)")
+        adopt, step, problems = state["store"], state["step"], state.get("problems_claimed", 0)
+    elif args.adopt is None or args.step is None or args.problems is None:
+        raise SpecError("--nats needs --adopt, --step and --problems (the trainer's StoreLost message names them)")
+    else:
+        adopt, step, problems = args.adopt, args.step, args.problems
+
+    async def recover(url: str):
+        nc = await connect(url, "pipelinerl-recover-store")
+        try:
+            return await recover_store(nc.jetstream(), job.subjects, job.spec, adopt, step, problems)
+        finally:
+            await nc.close()
+
+    if args.nats:
+        identity = asyncio.run(recover(args.nats))
+    else:
+        from pipelinerl_cli.embedded_nats import EmbeddedNats
+
+        server = EmbeddedNats(Path(args.run_dir) / "nats", job.spec.nats.max_payload_mb).start()
+        try:
+            identity = asyncio.run(recover(server.url))
+        finally:
+            server.stop()
+    print(
+        f"store {identity.id} goes on from the checkpoint of step {step} (store {adopt}); problem claims from "
+        f"{problems}; its streams start empty"
+    )
+    return 0
+
+
 def _crd(args: argparse.Namespace) -> int:
     from pipelinerl.crd import crd_yaml
 
@@ -308,6 +357,20 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--run-dir", help="a local run's folder (its NATS store)")
     where.add_argument("--nats", metavar="URL", help="the NATS server of a running job")
     p.set_defaults(func=_dead_letters)
+
+    p = sub.add_parser(
+        "recover-store", help="make a lost or replaced NATS store go on from the trainer's checkpoint (StoreLost)"
+    )
+    p.add_argument("job")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--run-dir", help="a local run's folder (its store and checkpoints)")
+    where.add_argument("--nats", metavar="URL", help="the NATS server of a job on a cluster (the job suspended)")
+    p.add_argument(
+        "--adopt", metavar="STORE", help="with --nats: the lost store's id (the trainer's StoreLost message)"
+    )
+    p.add_argument("--step", type=int, help="with --nats: the checkpoint's step")
+    p.add_argument("--problems", type=int, help="with --nats: problems claimed at the checkpoint")
+    p.set_defaults(func=_recover_store)
 
     p = sub.add_parser("crd", help="print the PipelineRLJob CustomResourceDefinition (generated from the spec)")
     p.set_defaults(func=_crd)

@@ -40,6 +40,7 @@ EVENT_REASONS = frozenset(
         "ApplyRefused",
         "ProgressDeadlineExceeded",
         "TrainerGangRestarted",
+        "StoreLost",
         *POD_REASONS,
     }
 )
@@ -319,6 +320,10 @@ def _ready_condition(
         reason, message = "ApplyRefused", obs.apply_error
     elif terminal:
         reason, message = phase or "", fail_message
+    elif obs.trainer_status is not None and obs.trainer_status.store_lost and not obs.suspend:
+        # The trainer trains nothing until `pipelinerl recover-store` gives its checkpoint a store.
+        phase = prev.get("phase") or "Running"
+        reason, message = "StoreLost", obs.trainer_status.store_lost
     elif obs.suspend:
         phase, reason, message = "Suspended", "Suspended", "spec.suspend is true; all roles scaled to zero"
     else:
@@ -333,7 +338,7 @@ def _ready_condition(
         phase = "Running" if started or (prev.get("phase") == "Running" and not_ready) else "Pending"
     if stalled and reason == "AllComponentsReady":
         reason, message = "ProgressDeadlineExceeded", stalled
-    ready = not not_ready_any(conds) and active and obs.apply_error is None and not stalled
+    ready = not not_ready_any(conds) and active and obs.apply_error is None and not stalled and reason != "StoreLost"
     conds.set("Ready", ready, reason, message)
     return phase, ready, reason
 
@@ -437,7 +442,7 @@ def events_between(prev: dict[str, Any], new: dict[str, Any]) -> list[Event]:
         after, before = _cond(new, type_) or {}, _cond(prev, type_) or {}
         reason = after.get("reason")
         if (
-            (reason in POD_REASONS or reason in ("ApplyRefused", "ProgressDeadlineExceeded"))
+            (reason in POD_REASONS or reason in ("ApplyRefused", "ProgressDeadlineExceeded", "StoreLost"))
             and (reason, after.get("message")) != (before.get("reason"), before.get("message"))
             and not (type_ == "Ready" and reason == "ProgressDeadlineExceeded")
         ):  # Progressing says it

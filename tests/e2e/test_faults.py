@@ -133,22 +133,29 @@ def test_the_generator_then_the_trainer_then_nats_die_and_nothing_acknowledged_i
     assert json.loads((latest / "state.json").read_text())["step"] == steps
 
 
-def newest_stored(run: RunProcess, name: str) -> m.MicroBatch | None:
-    """The newest micro-batch stored for trainer rank 0, read from the run's nats-server."""
+def on_running_nats(run: RunProcess, read):
+    """`read(js)` against the running run's nats-server."""
     import asyncio
 
-    from pipelinerl.contracts import JobSubjects
-    from pipelinerl.streams import connect, last_message
+    from pipelinerl.streams import connect
 
-    async def read() -> bytes | None:
+    async def go():
         nc = await connect(run.services()["nats-server"]["url"], "test")
         try:
-            subjects = JobSubjects(name)
-            return await last_message(nc.jetstream(), subjects.stream("BATCHES"), subjects.batches(0), 5)
+            return await read(nc.jetstream())
         finally:
             await nc.close()
 
-    data = asyncio.run(read())
+    return asyncio.run(go())
+
+
+def newest_stored(run: RunProcess, name: str) -> m.MicroBatch | None:
+    """The newest micro-batch stored for trainer rank 0, read from the run's nats-server."""
+    from pipelinerl.contracts import JobSubjects
+    from pipelinerl.streams import last_message
+
+    subjects = JobSubjects(name)
+    data = on_running_nats(run, lambda js: last_message(js, subjects.stream("BATCHES"), subjects.batches(0), 5))
     return m.decode(data, m.MicroBatch) if data is not None else None
 
 
@@ -267,6 +274,67 @@ def test_a_preprocessor_paused_past_its_acknowledgement_wait_trains_nothing_twic
     audit_streams(run, name, steps, 1)
     log = (run.dir / "logs/preprocessor.log").read_text()
     assert "delivered again (delivery 2)" in log  # the pause did outlast the wait: held groups came back
+
+
+def test_a_lost_store_stops_the_job_and_recover_store_resumes_it_from_the_checkpoint(start_run, tmp_path):
+    """The run's NATS store deleted and nats-server restarted empty (a lost or replaced volume):
+    the trainer finds its positions belong to another store and stops the run with StoreLost,
+    never restarting silently from zero. `pipelinerl recover-store` makes the new store go on
+    from the trainer's checkpoint (step 4), and the run resumes there: steps 5.. again, each full,
+    no problem of the checkpoint's lineage drawn again, the metrics history kept."""
+    import shutil
+    import subprocess
+    import sys
+
+    steps, name = 12, "lost"
+    job = fault_job(name, steps, trainer={"checkpointInterval": 4})
+    first = start_run(job, RUN_TIMEOUT_S)
+    first.wait_step(6)  # past the checkpoint of step 4
+    from pipelinerl.contracts import JobSubjects
+    from pipelinerl.streams import stored_messages
+
+    before = on_running_nats(first, lambda js: stored_messages(js, JobSubjects(name).stream("BATCHES")))
+    kept = {mb.step: mb.group_ids for mb in (m.decode(x.data, m.MicroBatch) for x in before)}
+    trained_before = {g for step in range(4) for g in kept.get(step, [])}  # the checkpoint's lineage
+    rows_before = len(first.train())
+    shutil.rmtree(first.dir / "nats")  # the store, from under the running server
+    first.kill("nats-server")  # restarted by the runner, empty
+    code = first.proc.wait(timeout=RUN_TIMEOUT_S)
+    out = first.output()
+    assert code != 0 and "StoreLost" in out and "recover-store" in out, out
+    assert len(first.train()) < rows_before + 3  # it stopped; no silent restart from step 0 trained on
+
+    recovered = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipelinerl_cli",
+            "recover-store",
+            str(tmp_path / "job.yaml"),
+            "--run-dir",
+            str(first.dir),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert recovered.returncode == 0, recovered.stderr
+    assert "goes on from the checkpoint of step 4" in recovered.stdout
+
+    second = start_run(job, RUN_TIMEOUT_S)
+    second.finish()
+    train = second.train()
+    resumed = [r for r in train[rows_before:] if r["step"] > 4]
+    # Every row before the loss is still in the run's metrics; after the recovery steps 5.. again, each full.
+    assert [r["step"] for r in train[:rows_before]] == list(range(1, rows_before + 1))
+    assert [r["step"] for r in resumed][-(steps - 4) :] == list(range(5, steps + 1))
+    assert all(r["samples"] == SAMPLES for r in resumed)
+    batches = [m.decode(x.data, m.MicroBatch) for x in stored(second.dir, name, "BATCHES")]
+    assert {mb.step for mb in batches} >= set(range(4, steps))  # the new store starts at the checkpoint's step
+    drawn_after = {g for mb in batches for g in mb.group_ids}
+    assert not drawn_after & trained_before, "a problem of the checkpoint's lineage was drawn again"
+    log = (second.dir / "logs/trainer.log").read_text()
+    assert "resumed from" in log
 
 
 def audit_streams(run: RunProcess, name: str, steps: int, ranks_n: int) -> tuple[dict, dict[str, int]]:

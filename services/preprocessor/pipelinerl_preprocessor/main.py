@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -174,8 +175,14 @@ class Preprocessor:
         """Go on from the books of the newest micro-batches stored (`books.restore`): the step a
         predecessor was building is continued, not closed short, and a wave it stored in part is
         published again; and from the trainer's newest announcement."""
-        restored = books.restore(await newest_batches(self.js, self.subjects, self.ranks))
+        newest = await newest_batches(self.js, self.subjects, self.ranks)
+        restored = books.restore(newest)
         await self._refresh_trainer_version()
+        if not any(newest) and self.trainer_version > restored.step:
+            # A store recovered for a trainer checkpoint (`pipelinerl recover-store`): no micro-batch
+            # yet, and the trainer takes the checkpoint's step next.
+            log.info("a store that goes on from the trainer's step %d: building it first", self.trainer_version)
+            restored = dataclasses.replace(restored, step=self.trainer_version)
         self.builder = StepBuilder(self.spec, self.ranks, restored)
         if restored.ledger.waves and not restored.ledger.closed or restored.torn:
             log.warning(

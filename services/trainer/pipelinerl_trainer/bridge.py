@@ -19,7 +19,14 @@ from pipelinerl import messages as m
 from pipelinerl.contracts import ServiceEnv
 from pipelinerl.runtime import join_job
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import READ_TIMEOUT_S, dead_letter, last_announcement, publish_once
+from pipelinerl.streams import (
+    READ_TIMEOUT_S,
+    dead_letter,
+    last_announcement,
+    problems_claimed,
+    publish_once,
+    store_identity,
+)
 
 log = logging.getLogger("pipelinerl.trainer")
 
@@ -73,6 +80,13 @@ class NatsBridge:
             self.evals.put(m.decode(msg.data, m.Metrics))
 
         self.call(self.nc.subscribe(self.subjects.metrics("eval"), cb=on_eval), 30)
+
+    def store_identity(self) -> m.StoreIdentity:
+        """Which store the job's streams are (written by the first service to find none)."""
+        return self.call(store_identity(self.js, self.subjects), READ_TIMEOUT_S + 5)
+
+    def problems_claimed(self) -> int:
+        return self.call(problems_claimed(self.js, self.subjects), READ_TIMEOUT_S + 5)
 
     def last_announcement(self) -> m.PolicyVersion | None:
         """The newest version announced on the job's stream (None: none yet)."""

@@ -24,12 +24,13 @@ from pipelinerl_trainer import metrics as prom
 from pipelinerl_trainer.bridge import NatsBridge
 from pipelinerl_trainer.model import build_engine, init_distributed, load_model
 from pipelinerl_trainer.output import Output
-from pipelinerl_trainer.position import Position
+from pipelinerl_trainer.position import Position, StoreLost
 from pipelinerl_trainer.reporting import Board, Reporter
 from pipelinerl_trainer.trainer import Model, Trainer
 from pipelinerl_trainer.weight_sender import WeightSender
 
 log = logging.getLogger("pipelinerl.trainer")
+STORE_POLL_S = 10.0  # a trainer whose store was lost looks again this often for one recovered for it
 
 
 def join_torch_group(job: PipelineRLJob, env: ServiceEnv) -> None:
@@ -79,6 +80,20 @@ def announced_version(bridge: NatsBridge, rank: int, world: int, device) -> int:
     return newest
 
 
+def await_store(position: Position, bridge: NatsBridge, board: Board, env: ServiceEnv, stop: threading.Event) -> None:
+    """Go on only in the store the checkpoint belongs to (`Position.check_store`). A lost or
+    replaced store stops a local run (StoreLost: the runner does not restart what cannot run);
+    a pod trains nothing, says why on /status (the operator's StoreLost condition and Event) and
+    waits for `pipelinerl recover-store` to make the new store go on from the checkpoint."""
+    while lost := position.check_store(bridge.store_identity()):
+        board.update(store_lost=lost)
+        log.error("%s", lost)
+        if env.exit_when_done or stop.is_set():
+            raise StoreLost(lost)
+        stop.wait(STORE_POLL_S)
+    board.update(store_lost="")
+
+
 def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.Event) -> Trainer:
     spec, rank, world = job.spec, env.rank, env.world_size or 1
     join_torch_group(job, env)
@@ -87,6 +102,7 @@ def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.
     position = Position.restored(checkpoint.load(model.engine, env.run_dir / "checkpoints"), rank)
     prom.started(spec.trainer.max_steps, position.version, spec.max_lag)
     bridge = NatsBridge(job, env, f"{job.name}-trainer-{rank}")
+    await_store(position, bridge, board, env, stop)
     output = Output(env.output_dir, spec.output.best if spec.output else True) if env.output_dir else None
     reporter = Reporter(job, rank, env.run_dir, board, bridge, output)
     # Rank 0 serves the weight group's rendezvous for its lifetime (every epoch meets in it).

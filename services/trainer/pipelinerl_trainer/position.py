@@ -7,7 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipelinerl.books import StepLedger
+from pipelinerl.spec import SpecError
 from pipelinerl.steps import version_after
+
+
+class StoreLost(SpecError):
+    """The job's store is not the one the trainer's stream positions belong to (`check_store`)."""
 
 
 @dataclass
@@ -21,6 +26,8 @@ class Position:
     samples: int = 0  # trained, whole run
     rejected_groups: int = 0  # dead-lettered by the preprocessor, whole run
     rejected_samples: int = 0  # dead-lettered by the trainer (the model cannot take them), whole run
+    store: str = ""  # the job's store (`messages.StoreIdentity.id`) the stream positions belong to
+    problems_claimed: int = 0  # the job's problem claims at the checkpoint (a recovered store goes on past them)
 
     @classmethod
     def restored(cls, state: dict, rank: int) -> Position:
@@ -37,6 +44,34 @@ class Position:
             samples=state.get("samples", 0),
             rejected_groups=rejected["groups"],
             rejected_samples=rejected["samples"],
+            store=state.get("store", ""),
+            problems_claimed=state.get("problems_claimed", 0),
+        )
+
+    def check_store(self, identity, starting: bool = True) -> str:
+        """The job's store (`identity`, a StoreIdentity) against the one this position's stream
+        sequences and credits belong to: "" where they go on in it, else why not (StoreLost). At a
+        start, a position with no store yet (a first start, or a checkpoint from before stores had
+        identities) takes it, and one `pipelinerl recover-store` made for this checkpoint is
+        adopted: its streams start empty, so from sequence 0 and with no group credited yet."""
+        if identity.id == self.store or starting and not self.store:
+            self.store = identity.id
+            return ""
+        if starting and identity.adopts == self.store and identity.adopted_step == self.version:
+            self.store, self.consumed_seq, self.step_seq, self.trained_groups = identity.id, 0, 0, {}
+            return ""
+        cluster = (
+            f"with the job suspended, `pipelinerl recover-store JOB --nats URL -n NAMESPACE --adopt {self.store} "
+            f"--step {self.version} --problems {self.problems_claimed}`, then resume it"
+            if starting
+            else "the restarted trainer names the command"
+        )
+        return (
+            f"StoreLost: the trainer's position (step {self.version}{', its checkpoint' if starting else ''}) "
+            f"belongs to the job's NATS store {self.store}, but the store is now {identity.id} (lost or replaced: "
+            f"its streams, positions and books are not the trainer's). Nothing is trained until the new store goes "
+            f"on from the trainer's newest checkpoint: locally `pipelinerl recover-store JOB --run-dir DIR`, then "
+            f"`pipelinerl run JOB --run-dir DIR`; on a cluster, {cluster}"
         )
 
     def took(self, seq: int) -> None:
@@ -60,12 +95,15 @@ class Position:
         """A checkpoint of this version is written."""
         self.checkpointed = self.version
 
-    def kept(self, step_seqs: dict[str, int]) -> dict:
-        """A checkpoint's state (`step_seqs`: every rank's `step_seq`, by rank)."""
+    def kept(self, step_seqs: dict[str, int], problems_claimed: int = 0) -> dict:
+        """A checkpoint's state (`step_seqs`: every rank's `step_seq`, by rank; `problems_claimed`:
+        the job's problem claims then, where a recovered store's claims go on)."""
         return {
             "step": self.version,
             "samples": self.samples,
             "trained_groups": dict(self.trained_groups),
             "rejected": {"groups": self.rejected_groups, "samples": self.rejected_samples},
             "consumed_seq": step_seqs,
+            "store": self.store,
+            "problems_claimed": max(problems_claimed, self.problems_claimed),
         }

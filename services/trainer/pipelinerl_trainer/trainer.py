@@ -35,7 +35,7 @@ from pipelinerl_trainer import metrics as prom
 from pipelinerl_trainer.bridge import NatsBridge
 from pipelinerl_trainer.checks import bad_samples, describe, without
 from pipelinerl_trainer.output import Output
-from pipelinerl_trainer.position import Position
+from pipelinerl_trainer.position import Position, StoreLost
 from pipelinerl_trainer.reporting import Reporter
 from pipelinerl_trainer.step import ComputeClock, StepTally, micro_batch_loss, step_config
 from pipelinerl_trainer.weight_sender import NO_UPDATE, WeightSender
@@ -43,6 +43,7 @@ from pipelinerl_trainer.weight_sender import NO_UPDATE, WeightSender
 log = logging.getLogger("pipelinerl.trainer")
 DATA_LOG_S = 30.0  # log a "waiting for data" line this often
 DATA_TIMEOUT_S = float(os.environ.get(Env.DATA_TIMEOUT_S, "1800"))
+STORE_CHECK_S = 10.0  # while waiting for data: how often the job's store is checked (`_while_waiting`)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Trainer:
         # below it while the steps after the checkpoint are replayed.
         self.floor = floor
         self.stop = stop
+        self.store_checked = time.monotonic()  # when the job's store was last checked (`_while_waiting`)
 
     def run(self) -> int:
         while self.position.version < self.spec.trainer.max_steps and not self.stop.is_set():
@@ -183,8 +185,16 @@ class Trainer:
         return None
 
     def _while_waiting(self) -> None:
-        """Rank 0, while no data comes: generators that joined or fell behind get the weights
-        (their generation is what the trainer waits for), and the weight group's state is shown."""
+        """While no data comes: every STORE_CHECK_S, is the job's store still the one this rank's
+        position belongs to (a store lost and replaced under a running job sends nothing it can
+        train: StoreLost, rather than waiting out the data timeout)? Rank 0: generators that
+        joined or fell behind get the weights (their generation is what the trainer waits for),
+        and the weight group's state is shown."""
+        if time.monotonic() - self.store_checked >= STORE_CHECK_S:
+            self.store_checked = time.monotonic()
+            lost = self.position.check_store(self.bridge.store_identity(), starting=False)
+            if lost:
+                raise StoreLost(lost)
         if self.rank == 0:
             self.sender.resync()
             self.reporter.group_status(self.sender)
@@ -297,6 +307,7 @@ class Trainer:
             dist.all_gather(seqs, mine)
         else:
             seqs = [mine]
-        state = self.position.kept({str(r): int(s.item()) for r, s in enumerate(seqs)})
+        claimed = self.bridge.problems_claimed() if self.rank == 0 else 0  # recover-store reads rank 0's
+        state = self.position.kept({str(r): int(s.item()) for r, s in enumerate(seqs)}, claimed)
         checkpoint.save(self.engine, self.ckpt_dir, self.position.version, state, self.rank, self.env.local_rank or 0)
         self.position.saved()

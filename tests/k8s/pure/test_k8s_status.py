@@ -317,6 +317,22 @@ def test_no_new_version_for_the_progress_deadline_is_not_ready() -> None:
     assert cond(s, "Ready")["status"] == "True" and s["lastProgressTime"] == "2026-11-22T03:17:00Z"
 
 
+def test_a_lost_store_is_not_ready_with_a_store_lost_event_until_recovered() -> None:
+    s, _ = run()
+    lost = {"step": 7, "version": 7, "weightSyncReady": True, "storeLost": "StoreLost: ... store a, now b"}
+    s, events = run(previous=s, now=T0 + timedelta(minutes=1), trainer_status=lost)
+    ready = cond(s, "Ready")
+    assert (ready["status"], ready["reason"], ready["message"]) == ("False", "StoreLost", lost["storeLost"])
+    assert s["phase"] == "Running" and [(e.type, e.reason) for e in events if e.reason == "StoreLost"] == [
+        ("Warning", "StoreLost")
+    ]
+    JobStatus.model_validate(s)
+    s, events = run(previous=s, now=T0 + timedelta(minutes=2), trainer_status=lost)
+    assert not [e for e in events if e.reason == "StoreLost"]  # once, not at every reconcile
+    s, events = run(previous=s, now=T0 + timedelta(minutes=3))  # recover-store ran: the trainer goes on
+    assert cond(s, "Ready")["status"] == "True" and "Ready" in {e.reason for e in events}
+
+
 def test_a_trainer_template_change_restarts_the_whole_gang_once() -> None:
     def pod(name: str, role: str, revision: str | None, deleting: bool = False) -> dict:
         labels = {"pipelinerl.dev/role": role, **({"controller-revision-hash": revision} if revision else {})}
