@@ -14,6 +14,7 @@ import nats.errors
 import nats.js.errors
 from nats.js.api import DiscardPolicy, RetentionPolicy, StorageType, StreamConfig
 from nats.js.errors import NotFoundError
+from prometheus_client import Counter
 
 from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import DEADLETTER_REASON, JobSubjects
@@ -293,6 +294,15 @@ WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: another append came first
 UNACKED = (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.js.errors.ServiceUnavailableError)
 
 
+UNACKNOWLEDGED = Counter(
+    "pipelinerl_publish_unacknowledged_total",
+    "Publishes to the job's streams that JetStream did not acknowledge in time (sent again, or given up)",
+)
+# What a publish with no acknowledgement usually means, for the log: JetStream unable to write is
+# silent to clients (no error reply), and says why only in its own log and /healthz.
+NO_ACK_CAUSE = "nats-server restarting, or JetStream unable to write its store (a full disk: its /healthz and log say)"
+
+
 async def publish_once(
     js, subject: str, data: bytes, msg_id: str, headers: dict | None = None, timeout_s: float = 30.0, attempts: int = 3
 ):
@@ -305,13 +315,17 @@ async def publish_once(
                 subject, data, timeout=timeout_s, headers={**(headers or {}), "Nats-Msg-Id": msg_id}
             )
         except UNACKED as err:
+            UNACKNOWLEDGED.inc()
             if attempt == attempts:
-                raise
+                raise TimeoutError(
+                    f"publish of {msg_id} to {subject} not acknowledged in {attempts} tries ({NO_ACK_CAUSE})"
+                ) from err
             log.warning(
-                "publish of %s to %s not acknowledged (%s); sending it again (%d of %d)",
+                "publish of %s to %s not acknowledged (%s: %s); sending it again (%d of %d)",
                 msg_id,
                 subject,
                 type(err).__name__,
+                NO_ACK_CAUSE,
                 attempt + 1,
                 attempts,
             )

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 from pipelinerl.ports import free_port
@@ -28,6 +31,7 @@ class EmbeddedNats:
     def __init__(self, store_dir: Path, max_payload_mb: int = 8, port: int | None = None):
         self.store_dir = Path(store_dir)
         self.port = port or free_port()
+        self.monitor_port = free_port()  # its /healthz, on loopback
         self.max_payload_mb = max_payload_mb
         self.proc: subprocess.Popen | None = None
 
@@ -51,6 +55,8 @@ class EmbeddedNats:
                 "127.0.0.1",
                 "-p",
                 str(self.port),
+                "-m",
+                str(self.monitor_port),
                 "-sd",
                 str(self.store_dir),
                 "--ports_file_dir",
@@ -76,6 +82,22 @@ class EmbeddedNats:
             time.sleep(0.05)
         self.stop()
         raise TimeoutError(f"nats-server did not listen on port {self.port} within {timeout_s}s")
+
+    def jetstream_problem(self) -> str:
+        """Why JetStream cannot serve the streams, as its /healthz says ("" when healthy, or when it
+        does not answer: a server that died is seen by its exit). A write error (a full disk) keeps
+        the stream refusing writes, silently to clients, until the server is restarted."""
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.monitor_port}/healthz", timeout=2) as reply:
+                reply.read()
+            return ""
+        except urllib.error.HTTPError as err:
+            try:
+                return str(json.loads(err.read()).get("error") or f"/healthz {err.code}")
+            except ValueError:
+                return f"/healthz {err.code}"
+        except OSError:
+            return ""
 
     def stop(self, kill: bool = False) -> None:
         if self.proc and self.proc.poll() is None:

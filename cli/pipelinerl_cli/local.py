@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import secrets
+import shutil
 import signal
 import sys
 import time
@@ -43,6 +44,9 @@ from pipelinerl_cli.supervisor import (
 )
 
 FINAL_EVAL_TIMEOUT_S = 300.0
+NATS_HEALTH_S = 2.0  # how often nats-server's JetStream health is asked
+NATS_ROOM_BYTES = 64 << 20  # free space on its store's disk before a JetStream that cannot write is restarted
+NATS_FULL_SAY_S = 30.0  # how often "waiting for room" is said
 PRINT_EVERY_S = 3.0
 
 
@@ -74,6 +78,7 @@ class LocalRun:
         self.restart = restart or RestartPolicy(limit=job.spec.run_policy.backoff_limit)
         self.nats, self.nats_restarts = nats, 0
         self.nats_restart_at: float | None = None
+        self.nats_checked = self.nats_full_said = 0.0  # monotonic: JetStream's health asked, "disk full" said
         self.busy: list[tuple[float, float]] = []  # (run time, generators' summed busy seconds)
         self.first_group: float | None = None  # run time the first generator began generating
         self.subjects = job.subjects
@@ -173,6 +178,38 @@ class LocalRun:
                 "nats-server", self.nats_restarts, code, self.nats.store_dir / "nats.log"
             )
             self.nats_restarts += 1
+        elif now - self.nats_checked >= NATS_HEALTH_S:
+            self.nats_checked = now
+            self._check_jetstream(now)
+
+    def _check_jetstream(self, now: float) -> None:
+        """JetStream that cannot write (a full disk) refuses writes until nats-server restarts,
+        even once the disk has room again: restart it then, as a pod's liveness probe would."""
+        assert self.nats is not None
+        problem = self.nats.jetstream_problem()
+        if not problem:
+            return
+        free = shutil.disk_usage(self.nats.store_dir).free
+        if free < NATS_ROOM_BYTES:
+            if now - self.nats_full_said >= NATS_FULL_SAY_S:
+                self.nats_full_said = now
+                print(
+                    f"  nats-server: JetStream cannot write ({problem}); its disk has {free >> 20} MiB free: "
+                    f"waiting for room",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return
+        print(
+            f"  nats-server: JetStream cannot write ({problem}); restarting it, its disk has room again "
+            f"({free >> 20} MiB free)",
+            file=sys.stderr,
+            flush=True,
+        )
+        self.nats.stop()
+        self.nats.start()
+        self.nats_restarts += 1
+        self._record_services()
 
     def _backoff(self, name: str, restarts: int, code: int, log_path: Path) -> float:
         """Seconds until `name`, which exited with `code` after `restarts` restarts, is started

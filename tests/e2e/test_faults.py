@@ -133,6 +133,48 @@ def test_the_generator_then_the_trainer_then_nats_die_and_nothing_acknowledged_i
     assert json.loads((latest / "state.json").read_text())["step"] == steps
 
 
+def test_a_full_disk_under_the_store_recovers_by_itself_once_freed(start_run, tmp_path):
+    """The NATS store on a small filesystem of its own (a 256 MiB tmpfs the test mounts), filled
+    to the last byte for 20 s while the job runs, then freed: JetStream, which goes on refusing
+    writes after a write error even once there is room, is restarted by the runner when its
+    /healthz says so and its disk has room; the services ride the outage out on their publish
+    retries (naming the likely cause), and the run finishes with nothing lost or trained twice."""
+    import subprocess
+
+    steps, name = 30, "full"
+    store = tmp_path / "run" / "nats"
+    store.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256M", "tmpfs", str(store)], check=True)
+    try:
+        run = start_run(fault_job(name, steps), RUN_TIMEOUT_S)
+        run.wait_step(4)
+        filler = store / "filler"
+        with open(filler, "wb") as f:
+            try:
+                while True:
+                    f.write(b"\0" * (1 << 20))
+                    f.flush()
+            except OSError as err:
+                assert err.errno == 28  # ENOSPC: the store's disk is full
+        full_at = run.train()[-1]["step"]
+        time.sleep(20)
+        filler.unlink()
+        run.finish()
+        train = run.train()
+        out = run.output()
+        assert "JetStream cannot write" in out and "restarting it, its disk has room again" in out, out
+        assert run.services()["nats-server"]["restarts"] >= 1
+        assert full_at < steps  # it was mid-run
+        assert [r["step"] for r in train] == list(range(1, steps + 1))
+        assert all(r["samples"] == SAMPLES for r in train)
+        assert sum(r["dropped_for_lag"] for r in train) == 0
+        logs = "".join(p.read_text() for p in (run.dir / "logs").glob("*.log"))
+        assert "not acknowledged" in logs and "JetStream unable to write its store" in logs
+        audit_streams(run, name, steps, 1)
+    finally:
+        subprocess.run(["umount", "-l", str(store)], check=False)
+
+
 def on_running_nats(run: RunProcess, read):
     """`read(js)` against the running run's nats-server."""
     import asyncio

@@ -11,7 +11,8 @@ def identity(id_: str, adopts: str | None = None, step: int | None = None) -> m.
 
 
 def at_checkpoint(store: str, step: int = 4) -> Position:
-    state = {"step": step, "consumed_seq": {"0": 57}, "trained_groups": {"0": 16}, "store": store, "problems_claimed": 40}
+    state = {"step": step, "consumed_seq": {"0": 57}, "trained_groups": {"0": 16}, "store": store}
+    state["problems_claimed"] = 40
     return Position.restored(state, 0)
 
 
