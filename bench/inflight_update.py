@@ -164,7 +164,7 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
         from transformers import Qwen2ForCausalLM
 
         from bench.common import alternate
-        from pipelinerl.weight_group import open_store, plan_buckets
+        from pipelinerl.weight_group import Snapshot, open_store, plan_buckets
         from pipelinerl_trainer.weight_sender import WeightSender
 
         model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -193,7 +193,9 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
                 nonlocal version
                 time.sleep(GAP_S)
                 version += 1
-                sender.buckets, bridge.staged = plan, staged
+                if sender.buckets is not plan:  # the snapshot is packed by its plan: a new plan, a new one
+                    sender.buckets, sender.snapshot = plan, Snapshot(plan, torch.device("cpu"))
+                bridge.staged = staged
                 stats = sender.send(version)
                 extra.setdefault(label, []).append(
                     (version, stats["weight_pause_max_seconds"], stats["updates_with_running_requests"])
