@@ -28,7 +28,12 @@ def nats_server(tmp_path):
 # The longest files first (a few minutes each under two workers), then the other end-to-end
 # runs, then the rest: with `--dist loadfile --no-loadscope-reorder` (make test) each worker
 # takes the next file in this order, so no long file starts last and finishes alone.
-LONGEST_FIRST = ("tests/e2e/test_resume.py", "tests/e2e/test_faults.py", "tests/e2e/")
+LONGEST_FIRST = (
+    "tests/e2e/test_resume.py",
+    "tests/e2e/test_faults.py",
+    "tests/e2e/test_store_faults.py",
+    "tests/e2e/",
+)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,27 +6,15 @@ which generators fed which steps, weight-group epochs, restarts and process ids.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import time
 
 import pytest
-from jobs import stored, tiny_job  # tests/e2e/jobs.py
+from faults import RUN_TIMEOUT_S, SAMPLES, audit_streams, fault_job, mid_step, newest_stored  # tests/e2e/faults.py
 
-from pipelinerl import messages as m
-from pipelinerl.books import Outcome
 from bench.run_process import RunProcess
 
 pytestmark = pytest.mark.slow
-RUN_TIMEOUT_S = 420
-SAMPLES = 16  # per step in tiny_job
-
-
-def fault_job(name: str, steps: int, **spec) -> dict:
-    # Short weight-sync deadlines: a dead member costs at most that long.
-    base = {"weightSync": {"timeoutSeconds": 20}, "eval": {"interval": 0}, "rl": {"maxLag": 1}}
-    return tiny_job(name, **(base | spec | {"trainer": {"maxSteps": steps} | spec.get("trainer", {})}))
 
 
 def groups_from(row: dict, generator: int) -> int:
@@ -133,88 +121,6 @@ def test_the_generator_then_the_trainer_then_nats_die_and_nothing_acknowledged_i
     assert json.loads((latest / "state.json").read_text())["step"] == steps
 
 
-def test_a_full_disk_under_the_store_recovers_by_itself_once_freed(start_run, tmp_path):
-    """The NATS store on a small filesystem of its own (a 256 MiB tmpfs the test mounts), filled
-    to the last byte for 20 s while the job runs, then freed: JetStream, which goes on refusing
-    writes after a write error even once there is room, is restarted by the runner when its
-    /healthz says so and its disk has room; the services ride the outage out on their publish
-    retries (naming the likely cause), and the run finishes with nothing lost or trained twice."""
-    import subprocess
-
-    steps, name = 30, "full"
-    store = tmp_path / "run" / "nats"
-    store.mkdir(parents=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256M", "tmpfs", str(store)], check=True)
-    try:
-        run = start_run(fault_job(name, steps), RUN_TIMEOUT_S)
-        run.wait_step(4)
-        filler = store / "filler"
-        with open(filler, "wb") as f:
-            try:
-                while True:
-                    f.write(b"\0" * (1 << 20))
-                    f.flush()
-            except OSError as err:
-                assert err.errno == 28  # ENOSPC: the store's disk is full
-        full_at = run.train()[-1]["step"]
-        time.sleep(20)
-        filler.unlink()
-        run.finish()
-        train = run.train()
-        out = run.output()
-        assert "JetStream cannot write" in out and "restarting it, its disk has room again" in out, out
-        assert run.services()["nats-server"]["restarts"] >= 1
-        assert full_at < steps  # it was mid-run
-        assert [r["step"] for r in train] == list(range(1, steps + 1))
-        assert all(r["samples"] == SAMPLES for r in train)
-        assert sum(r["dropped_for_lag"] for r in train) == 0
-        logs = "".join(p.read_text() for p in (run.dir / "logs").glob("*.log"))
-        assert "not acknowledged" in logs and "JetStream unable to write its store" in logs
-        audit_streams(run, name, steps, 1)
-    finally:
-        subprocess.run(["umount", "-l", str(store)], check=False)
-
-
-def on_running_nats(run: RunProcess, read):
-    """`read(js)` against the running run's nats-server."""
-    import asyncio
-
-    from pipelinerl.streams import connect
-
-    async def go():
-        nc = await connect(run.services()["nats-server"]["url"], "test")
-        try:
-            return await read(nc.jetstream())
-        finally:
-            await nc.close()
-
-    return asyncio.run(go())
-
-
-def newest_stored(run: RunProcess, name: str) -> m.MicroBatch | None:
-    """The newest micro-batch stored for trainer rank 0, read from the run's nats-server."""
-    from pipelinerl.contracts import JobSubjects
-    from pipelinerl.streams import last_message
-
-    subjects = JobSubjects(name)
-    data = on_running_nats(run, lambda js: last_message(js, subjects.stream("BATCHES"), subjects.batches(0), 5))
-    return m.decode(data, m.MicroBatch) if data is not None else None
-
-
-def mid_step(run: RunProcess, name: str) -> bool:
-    """The preprocessor holds groups and the step it builds is stored in part (the newest
-    micro-batch stored does not end a step): a kill now is the one that used to lose them."""
-    import httpx
-
-    port = run.services()["preprocessor"]["http_port"]
-    try:
-        held = httpx.get(f"http://127.0.0.1:{port}/status", timeout=1).json()["pendingGroups"]
-    except (httpx.HTTPError, ValueError):  # starting or restarting
-        return False
-    newest = newest_stored(run, name)
-    return bool(held) and newest is not None and not newest.last
-
-
 def kill_mid_step(run: RunProcess, name: str) -> bool:
     """SIGKILL the preprocessor as soon as it is mid-step; whether it still was when it died."""
     run.wait_until(lambda _: mid_step(run, name), "the preprocessor mid-step")
@@ -280,139 +186,3 @@ def test_the_preprocessor_killed_mid_step_once_then_twice_loses_nothing(start_ru
     assert (
         services["trainer-0"]["restarts"] == services["trainer-1"]["restarts"] == services["generator"]["restarts"] == 0
     )
-
-
-def test_a_preprocessor_paused_past_its_acknowledgement_wait_trains_nothing_twice(start_run):
-    """SIGSTOP to the preprocessor while it holds groups, for longer than its acknowledgement wait
-    (a frozen node, a paused container), then SIGCONT: JetStream has delivered the held groups
-    again to the same, living consumer. Each is taken once: no group trained twice nor credited
-    twice (the generator's admission books stay true, so nothing is dropped for lag afterwards),
-    every step full, the run finishes."""
-    from pipelinerl.contracts import Env
-
-    steps, name, ack_wait = 24, "paused", 4
-    job = fault_job(
-        name,
-        steps,
-        generator={"maxInflightGroups": 1},  # a step reaches the preprocessor in waves: it holds groups
-        trainer={"microBatchTokens": 128},
-        preprocessor={"env": [{"name": Env.ACK_WAIT_S, "value": str(ack_wait)}]},
-    )
-    run = start_run(job, RUN_TIMEOUT_S)
-    run.wait_step(4)
-    run.wait_until(lambda _: mid_step(run, name), "the preprocessor holding groups mid-step")
-    pid = run.services()["preprocessor"]["pid"]
-    os.killpg(pid, signal.SIGSTOP)
-    time.sleep(ack_wait + 10)
-    os.killpg(pid, signal.SIGCONT)
-    run.finish()
-    train = run.train()
-    assert run.services()["preprocessor"]["restarts"] == 0 and run.services()["preprocessor"]["pid"] == pid
-    assert [r["step"] for r in train] == list(range(1, steps + 1))
-    assert all(r["samples"] == SAMPLES and r["tokens"] > 0 for r in train), [(r["step"], r["samples"]) for r in train]
-    # Twice-credited groups would over-free the generator's queue: more groups than a step admits,
-    # dropped as too old later. None is.
-    assert sum(r["dropped_for_lag"] for r in train) == 0 and sum(r["samples_stale"] for r in train) == 0
-    audit_streams(run, name, steps, 1)
-    log = (run.dir / "logs/preprocessor.log").read_text()
-    assert "delivered again (delivery 2)" in log  # the pause did outlast the wait: held groups came back
-
-
-def test_a_lost_store_stops_the_job_and_recover_store_resumes_it_from_the_checkpoint(start_run, tmp_path):
-    """The run's NATS store deleted and nats-server restarted empty (a lost or replaced volume):
-    the trainer finds its positions belong to another store and stops the run with StoreLost,
-    never restarting silently from zero. `pipelinerl recover-store` makes the new store go on
-    from the trainer's checkpoint (step 4), and the run resumes there: steps 5.. again, each full,
-    no problem of the checkpoint's lineage drawn again, the metrics history kept."""
-    import shutil
-    import subprocess
-    import sys
-
-    steps, name = 12, "lost"
-    job = fault_job(name, steps, trainer={"checkpointInterval": 4})
-    first = start_run(job, RUN_TIMEOUT_S)
-    first.wait_step(6)  # past the checkpoint of step 4
-    from pipelinerl.contracts import JobSubjects
-    from pipelinerl.streams import stored_messages
-
-    before = on_running_nats(first, lambda js: stored_messages(js, JobSubjects(name).stream("BATCHES")))
-    kept = {mb.step: mb.group_ids for mb in (m.decode(x.data, m.MicroBatch) for x in before)}
-    trained_before = {g for step in range(4) for g in kept.get(step, [])}  # the checkpoint's lineage
-    rows_before = len(first.train())
-    shutil.rmtree(first.dir / "nats")  # the store, from under the running server
-    first.kill("nats-server")  # restarted by the runner, empty
-    code = first.proc.wait(timeout=RUN_TIMEOUT_S)
-    out = first.output()
-    assert code != 0 and "StoreLost" in out and "recover-store" in out, out
-    assert len(first.train()) < rows_before + 3  # it stopped; no silent restart from step 0 trained on
-
-    recovered = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipelinerl_cli",
-            "recover-store",
-            str(tmp_path / "job.yaml"),
-            "--run-dir",
-            str(first.dir),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert recovered.returncode == 0, recovered.stderr
-    assert "goes on from the checkpoint of step 4" in recovered.stdout
-
-    second = start_run(job, RUN_TIMEOUT_S)
-    second.finish()
-    train = second.train()
-    resumed = [r for r in train[rows_before:] if r["step"] > 4]
-    # Every row before the loss is still in the run's metrics; after the recovery steps 5.. again, each full.
-    assert [r["step"] for r in train[:rows_before]] == list(range(1, rows_before + 1))
-    assert [r["step"] for r in resumed][-(steps - 4) :] == list(range(5, steps + 1))
-    assert all(r["samples"] == SAMPLES for r in resumed)
-    batches = [m.decode(x.data, m.MicroBatch) for x in stored(second.dir, name, "BATCHES")]
-    assert {mb.step for mb in batches} >= set(range(4, steps))  # the new store starts at the checkpoint's step
-    drawn_after = {g for mb in batches for g in mb.group_ids}
-    assert not drawn_after & trained_before, "a problem of the checkpoint's lineage was drawn again"
-    log = (second.dir / "logs/trainer.log").read_text()
-    assert "resumed from" in log
-
-
-def audit_streams(run: RunProcess, name: str, steps: int, ranks_n: int) -> tuple[dict, dict[str, int]]:
-    """The streams: every step once per rank, its micro-batches numbered 0..k with only k last,
-    the ranks alike; each step a full batch of trained groups, none stale; each group trained in
-    one step only, whole; the ledgers add up to what the trainer announced. (micro-batches by
-    step and rank, the step each group was trained in)."""
-    batches = [m.decode(x.data, m.MicroBatch) for x in stored(run.dir, name, "BATCHES")]
-    by_step: dict[int, dict[int, list[m.MicroBatch]]] = {}
-    for mb in batches:
-        if mb.step < steps:  # (the preprocessor may have begun one more)
-            by_step.setdefault(mb.step, {}).setdefault(mb.rank, []).append(mb)
-    assert sorted(by_step) == list(range(steps))
-    groups_per_step = SAMPLES // 4
-    trained: dict[str, int] = {}
-    credits: dict[str, int] = {}
-    for step, ranks in by_step.items():
-        assert sorted(ranks) == list(range(ranks_n))
-        counts = {len(mbs) for mbs in ranks.values()}
-        assert len(counts) == 1, (step, counts)
-        for mbs in ranks.values():
-            assert [mb.index for mb in mbs] == list(range(len(mbs))) and [mb.last for mb in mbs][-1]
-            assert not any(mb.last for mb in mbs[:-1])
-        final = ranks[0][-1].ledger
-        assert all(mbs[-1].ledger == final for mbs in ranks.values())
-        assert final.trained_groups == groups_per_step and final.samples == SAMPLES
-        assert not final.entries(Outcome.STALE)
-        samples = [g for mbs in ranks.values() for mb in mbs for g in mb.group_ids]
-        assert sorted(samples) == sorted(e.id for e in final.entries(Outcome.TRAINED) for _ in range(4))
-        for g in set(samples):
-            assert g not in trained, f"group {g} trained in steps {trained[g]} and {step}"
-            trained[g] = step
-        for g, c in final.credits.items():
-            credits[g] = credits.get(g, 0) + c
-    (announced,) = [
-        m.decode(x.data, m.PolicyVersion) for x in stored(run.dir, name, "CONTROL") if x.subject.endswith("version")
-    ]
-    assert announced.finished and announced.trained_groups == credits
-    return by_step, trained

@@ -41,7 +41,7 @@ from pipelinerl.contracts import STREAM_SUFFIXES, Env, PreprocessorStatus, Servi
 from pipelinerl.runtime import HealthServer, failpoint, join_job, serve
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.steps import newest_weights
-from pipelinerl.streams import dead_letter, last_announcement, newest_batches, publish_once
+from pipelinerl.streams import dead_letter, last_announcement, newest_batches, publish_once, store_identity
 from pipelinerl_preprocessor.builder import StepBuilder, Wave
 from pipelinerl.group_checks import GroupLimits, group_problem
 
@@ -178,11 +178,11 @@ class Preprocessor:
         newest = await newest_batches(self.js, self.subjects, self.ranks)
         restored = books.restore(newest)
         await self._refresh_trainer_version()
-        if not any(newest) and self.trainer_version > restored.step:
-            # A store recovered for a trainer checkpoint (`pipelinerl recover-store`): no micro-batch
-            # yet, and the trainer takes the checkpoint's step next.
-            log.info("a store that goes on from the trainer's step %d: building it first", self.trainer_version)
-            restored = dataclasses.replace(restored, step=self.trainer_version)
+        if not any(newest):
+            adopted = (await store_identity(self.js, self.subjects)).adopted_step
+            if adopted:  # a store recovered for a trainer checkpoint (`pipelinerl recover-store`)
+                log.info("a store that goes on from the trainer's checkpoint: building its step %d first", adopted)
+                restored = dataclasses.replace(restored, step=adopted)
         self.builder = StepBuilder(self.spec, self.ranks, restored)
         if restored.ledger.waves and not restored.ledger.closed or restored.torn:
             log.warning(
