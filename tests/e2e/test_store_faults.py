@@ -1,57 +1,19 @@
-"""The faults a cluster has that a kill does not model, survived by a running job (`pipelinerl
-run` in its own process, as tests/e2e/test_faults.py): a service paused past its acknowledgement
-wait, the NATS store lost, the store's disk full. Each asserts the audit's counts: nothing trained
-twice, nothing dropped beyond lag, every step full."""
+"""Faults of the NATS store that a kill does not model, survived by a running job (`pipelinerl
+run` in its own process, as tests/e2e/test_faults.py): the store lost, the store's disk full. Each
+asserts the audit's counts: nothing trained twice, nothing dropped beyond lag, every step full.
+(A preprocessor paused past its acknowledgement wait: tests/integration/test_preprocessor.py.)"""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 
 import pytest
-from faults import RUN_TIMEOUT_S, SAMPLES, audit_streams, fault_job, mid_step, on_running_nats  # tests/e2e/faults.py
+from faults import RUN_TIMEOUT_S, SAMPLES, audit_streams, fault_job, on_running_nats  # tests/e2e/faults.py
 from jobs import stored  # tests/e2e/jobs.py
 
 from pipelinerl import messages as m
 
 pytestmark = pytest.mark.slow
-
-
-def test_a_preprocessor_paused_past_its_acknowledgement_wait_trains_nothing_twice(start_run):
-    """SIGSTOP to the preprocessor while it holds groups, for longer than its acknowledgement wait
-    (a frozen node, a paused container), then SIGCONT: JetStream has delivered the held groups
-    again to the same, living consumer. Each is taken once: no group trained twice nor credited
-    twice (the generator's admission books stay true, so nothing is dropped for lag afterwards),
-    every step full, the run finishes."""
-    from pipelinerl.contracts import Env
-
-    steps, name, ack_wait = 16, "paused", 4
-    job = fault_job(
-        name,
-        steps,
-        generator={"maxInflightGroups": 1},  # a step reaches the preprocessor in waves: it holds groups
-        trainer={"microBatchTokens": 128},
-        preprocessor={"env": [{"name": Env.ACK_WAIT_S, "value": str(ack_wait)}]},
-    )
-    run = start_run(job, RUN_TIMEOUT_S)
-    run.wait_step(4)
-    run.wait_until(lambda _: mid_step(run, name), "the preprocessor holding groups mid-step")
-    pid = run.services()["preprocessor"]["pid"]
-    os.killpg(pid, signal.SIGSTOP)
-    time.sleep(ack_wait + 6)
-    os.killpg(pid, signal.SIGCONT)
-    run.finish()
-    train = run.train()
-    assert run.services()["preprocessor"]["restarts"] == 0 and run.services()["preprocessor"]["pid"] == pid
-    assert [r["step"] for r in train] == list(range(1, steps + 1))
-    assert all(r["samples"] == SAMPLES and r["tokens"] > 0 for r in train), [(r["step"], r["samples"]) for r in train]
-    # Twice-credited groups would over-free the generator's queue: more groups than a step admits,
-    # dropped as too old later. None is.
-    assert sum(r["dropped_for_lag"] for r in train) == 0 and sum(r["samples_stale"] for r in train) == 0
-    audit_streams(run, name, steps, 1)
-    log = (run.dir / "logs/preprocessor.log").read_text()
-    assert "delivered again (delivery 2)" in log  # the pause did outlast the wait: held groups came back
 
 
 def test_a_lost_store_stops_the_job_and_recover_store_resumes_it_from_the_checkpoint(start_run, tmp_path):

@@ -444,3 +444,37 @@ async def test_a_wave_stored_on_some_ranks_only_is_published_again_as_it_was(nat
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()
+
+
+async def test_a_preprocessor_frozen_past_its_acknowledgement_wait_takes_each_held_group_once(
+    nats_server, tmp_path, monkeypatch
+):
+    """The preprocessor's process stops (SIGSTOP, a frozen node, a stall: here its event loop is
+    blocked, its NATS client with it) for longer than its acknowledgement wait while it holds
+    groups: JetStream delivers them again to the same, living consumer. Each is taken once:
+    every group is trained in one step only, each step's ledger credits its four groups."""
+    from pipelinerl_preprocessor import main as service
+
+    monkeypatch.setattr(service, "ACK_WAIT_S", 2.5)  # (its keep-alive: every fetch, at most 1 s apart)
+    # A step goes out whole (token weighting: its loss weights need all of it), so groups are held.
+    spec = WAVES | {"rl": {"attempts": 2, "tokenWeighting": "token"}}
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "fz", spec)
+    out = await js.pull_subscribe(subjects.batches(0), durable="t")
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    for i in range(3):  # 3 groups of a 4-group step: held, unacknowledged
+        await publish_group(js, subjects, i)
+    await wait_until(lambda: len(pre.builder.accepted) == 3)
+    time.sleep(6)  # frozen: no keep-alive goes out; the held groups are delivered again meanwhile
+    await asyncio.sleep(1)  # the copies come in
+    for i in range(3, 8):
+        await publish_group(js, subjects, i)
+    steps = [await one_step(out), await one_step(out)]
+    trained = [g for step in steps for b in step for g in set(b.group_ids)]
+    assert sorted(trained) == [f"g{i}" for i in range(8)]  # each once, none twice
+    for n, step in enumerate(steps):
+        assert {b.step for b in step} == {n} and step[-1].ledger.credits == {"0": 2, "1": 2}
+    assert pre.stats["settled_before"] >= 3  # the copies of the held groups, recognised
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+    await nc.close()
