@@ -60,11 +60,22 @@ def mid_step(run: RunProcess, name: str) -> bool:
 
 
 def audit_streams(run: RunProcess, name: str, steps: int, ranks_n: int) -> tuple[dict, dict[str, int]]:
-    """The streams: every step once per rank, its micro-batches numbered 0..k with only k last,
-    the ranks alike; each step a full batch of trained groups, none stale; each group trained in
-    one step only, whole; the ledgers add up to what the trainer announced. (micro-batches by
-    step and rank, the step each group was trained in)."""
+    """A finished run's streams (`audit_batches`); the ledgers add up to what the trainer
+    announced last. (micro-batches by step and rank, the step each group was trained in)."""
     batches = [m.decode(x.data, m.MicroBatch) for x in stored(run.dir, name, "BATCHES")]
+    by_step, trained, credits = audit_batches(batches, steps, ranks_n)
+    (announced,) = [
+        m.decode(x.data, m.PolicyVersion) for x in stored(run.dir, name, "CONTROL") if x.subject.endswith("version")
+    ]
+    assert announced.finished and announced.trained_groups == credits
+    return by_step, trained
+
+
+def audit_batches(batches: list[m.MicroBatch], steps: int, ranks_n: int) -> tuple[dict, dict[str, int], dict]:
+    """Steps 0..steps-1: every step once per rank, its micro-batches numbered 0..k with only k
+    last, the ranks alike; each step a full batch of trained groups, none stale; each group
+    trained in one step only, whole. (micro-batches by step and rank, the step each group was
+    trained in, the credits of the steps' ledgers summed by generator)."""
     by_step: dict[int, dict[int, list[m.MicroBatch]]] = {}
     for mb in batches:
         if mb.step < steps:  # (the preprocessor may have begun one more)
@@ -91,8 +102,4 @@ def audit_streams(run: RunProcess, name: str, steps: int, ranks_n: int) -> tuple
             trained[g] = step
         for g, c in final.credits.items():
             credits[g] = credits.get(g, 0) + c
-    (announced,) = [
-        m.decode(x.data, m.PolicyVersion) for x in stored(run.dir, name, "CONTROL") if x.subject.endswith("version")
-    ]
-    assert announced.finished and announced.trained_groups == credits
-    return by_step, trained
+    return by_step, trained, credits

@@ -43,7 +43,7 @@ from pipelinerl_trainer.weight_sender import NO_UPDATE, WeightSender
 log = logging.getLogger("pipelinerl.trainer")
 DATA_LOG_S = 30.0  # log a "waiting for data" line this often
 DATA_TIMEOUT_S = float(os.environ.get(Env.DATA_TIMEOUT_S, "1800"))
-STORE_CHECK_S = 10.0  # while waiting for data: how often the job's store is checked (`_while_waiting`)
+STORE_CHECK_S = 2.0  # while waiting for data: how often the job's store is checked (`_while_waiting`)
 
 
 @dataclass(frozen=True)
