@@ -361,6 +361,7 @@ class TrainerStatus(Progress):
     finished: bool = False  # the last step is trained
     weight_sync_ready: bool = False  # rank 0: a weight group with at least one generator is formed
     store_lost: str = ""  # why the job's store is not the one its checkpoint's positions belong to
+    store_unacknowledged: str = ""  # a publish JetStream left unacknowledged in the last 2 minutes
 
 
 class GeneratorStatus(StatusBody):

@@ -303,6 +303,17 @@ UNACKNOWLEDGED = Counter(
 NO_ACK_CAUSE = "nats-server restarting, or JetStream unable to write its store (a full disk: its /healthz and log say)"
 
 
+_unacknowledged: list[tuple[float, str]] = []  # the newest publish left unacknowledged: (wall clock, what)
+
+
+def recent_unacknowledged(within_s: float = 120.0) -> str:
+    """What this process last published unacknowledged, if within `within_s` ("" otherwise): for
+    its /status (the trainer's is the job's StoreNotAcknowledging condition)."""
+    if not _unacknowledged or time.time() - _unacknowledged[-1][0] > within_s:
+        return ""
+    return _unacknowledged[-1][1]
+
+
 async def publish_once(
     js, subject: str, data: bytes, msg_id: str, headers: dict | None = None, timeout_s: float = 30.0, attempts: int = 3
 ):
@@ -316,6 +327,7 @@ async def publish_once(
             )
         except UNACKED as err:
             UNACKNOWLEDGED.inc()
+            _unacknowledged[:] = [(time.time(), f"a publish to {subject} not acknowledged ({NO_ACK_CAUSE})")]
             if attempt == attempts:
                 raise TimeoutError(
                     f"publish of {msg_id} to {subject} not acknowledged in {attempts} tries ({NO_ACK_CAUSE})"

@@ -216,7 +216,8 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
     _weight_sync_condition(conds, obs, progress, active)
     stalled = _stalled(obs, prev, progress, clocks, active)
     phase, ready, ready_reason = _ready_condition(conds, obs, prev, roles, phase, fail_message, stalled, active)
-    _degraded_condition(conds, progress, roles["generator"], failures, phase, active)
+    unacknowledged = obs.trainer_status.store_unacknowledged if obs.trainer_status else ""
+    _degraded_condition(conds, progress, roles["generator"], failures, phase, active, unacknowledged)
     _progressing_condition(conds, ready, ready_reason, stalled, active, progress)
     _outcome_conditions(conds, phase, suspended, fail_reason, fail_message)
 
@@ -344,12 +345,20 @@ def _ready_condition(
 
 
 def _degraded_condition(
-    conds: _Conditions, progress: dict[str, Any], gen: RoleObserved, failures: int, phase: str | None, active: bool
+    conds: _Conditions,
+    progress: dict[str, Any],
+    gen: RoleObserved,
+    failures: int,
+    phase: str | None,
+    active: bool,
+    unacknowledged: str = "",
 ) -> None:
     in_group = progress.get("generatorsInGroup")
     reason, alarm = "", progress.get("learningAlarm")
     running = active and phase == "Running"
-    if active and alarm:
+    if active and unacknowledged:
+        reason, alarm = "StoreNotAcknowledging", f"the trainer: {unacknowledged}"  # JetStream cannot write?
+    elif active and alarm:
         reason = "LearningStalled"  # the trainer steps, but learns nothing: see the message
     elif running and 0 < gen.ready < gen.desired:
         reason = "GeneratorsMissing"

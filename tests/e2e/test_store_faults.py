@@ -1,27 +1,33 @@
-"""Faults of the NATS store that a kill does not model, survived by a running job (`pipelinerl
-run` in its own process, as tests/e2e/test_faults.py), one after the other in one run: the store's
-disk full, then the store lost. (A preprocessor paused past its acknowledgement wait:
-tests/integration/test_preprocessor.py.)"""
+"""Faults a cluster has that a kill does not model, survived by a running job (`pipelinerl run` in
+its own process, as tests/e2e/test_faults.py), one after the other in one run: the preprocessor
+paused past its acknowledgement wait, the store's disk full, then the store lost. (The pause is
+also tested at length against a real nats-server: tests/integration/test_preprocessor.py.)"""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import time
 
 import pytest
-from faults import RUN_TIMEOUT_S, SAMPLES, audit_batches, fault_job, on_running_nats  # tests/e2e/faults.py
+from faults import RUN_TIMEOUT_S, SAMPLES, audit_batches, fault_job, mid_step, on_running_nats  # tests/e2e/faults.py
 from jobs import stored  # tests/e2e/jobs.py
 
 from pipelinerl import messages as m
-from pipelinerl.contracts import JobSubjects
+from pipelinerl.contracts import Env, JobSubjects
 from pipelinerl.streams import stored_messages
 
 pytestmark = pytest.mark.slow
 
 
-def test_the_stores_disk_full_then_the_store_lost(start_run, tmp_path):
-    """1. The NATS store on a small filesystem of its own (a 256 MiB tmpfs the test mounts),
+def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(start_run, tmp_path):
+    """0. SIGSTOP to the preprocessor while it holds groups, for longer than its acknowledgement
+    wait (a frozen node, a paused container), then SIGCONT: JetStream has delivered the held
+    groups again to the same, living consumer, which takes each once: nothing trained or credited
+    twice (the generator's queue stays true: nothing dropped for lag after).
+    1. The NATS store on a small filesystem of its own (a 256 MiB tmpfs the test mounts),
     filled to the last byte for 6 s while the job runs, then freed: JetStream, which goes on
     refusing writes after a write error even once there is room, is restarted by the runner when
     its /healthz says so and its disk has room; the services ride the outage out on their publish
@@ -36,9 +42,26 @@ def test_the_stores_disk_full_then_the_store_lost(start_run, tmp_path):
     store.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256M", "tmpfs", str(store)], check=True)
     try:
-        job = fault_job(name, steps, trainer={"checkpointInterval": 4})
+        ack_wait = 4
+        job = fault_job(
+            name,
+            steps,
+            generator={"maxInflightGroups": 1},  # a step reaches the preprocessor in waves: it holds groups
+            trainer={"checkpointInterval": 4, "microBatchTokens": 128},
+            preprocessor={"env": [{"name": Env.ACK_WAIT_S, "value": str(ack_wait)}]},
+        )
         first = start_run(job, RUN_TIMEOUT_S)
-        first.wait_step(2)
+        first.wait_step(1)
+        first.wait_until(lambda _: mid_step(first, name), "the preprocessor holding groups mid-step")
+        pid = first.services()["preprocessor"]["pid"]
+        os.killpg(pid, signal.SIGSTOP)
+        time.sleep(ack_wait + 5)
+        os.killpg(pid, signal.SIGCONT)
+        first.wait_step(first.train()[-1]["step"] + 1)  # on after the pause
+        preprocessor_log = (first.dir / "logs/preprocessor.log").read_text()
+        assert "delivered again (delivery 2)" in preprocessor_log  # the pause outlasted the wait
+        assert first.services()["preprocessor"]["restarts"] == 0
+
         filler = store / "filler"
         with open(filler, "wb") as f:
             try:
@@ -56,7 +79,7 @@ def test_the_stores_disk_full_then_the_store_lost(start_run, tmp_path):
 
         out = first.output()
         assert "JetStream cannot write" in out and "restarting it, its disk has room again" in out, out
-        assert full_at < 5
+        assert full_at < steps  # mid-run
         logs = "".join(p.read_text() for p in (first.dir / "logs").glob("*.log"))
         assert "not acknowledged" in logs and "JetStream unable to write its store" in logs
         train = first.train()

@@ -162,7 +162,7 @@ async def test_a_claim_whose_read_times_out_is_retried_never_a_crash(nats_server
 
 async def test_a_publish_whose_ack_is_lost_is_sent_again_and_stored_once(nats_server):
 
-    from pipelinerl.streams import publish_once, stored_messages
+    from pipelinerl.streams import publish_once, recent_unacknowledged, stored_messages
 
     nc = await connect(nats_server.url, "test")
     js = nc.jetstream()
@@ -181,6 +181,8 @@ async def test_a_publish_whose_ack_is_lost_is_sent_again_and_stored_once(nats_se
     try:  # bounded: a server that never answers fails the publish after its attempts
         with pytest.raises(TimeoutError, match="g8 .* not acknowledged in 2 tries .*JetStream unable to write"):
             await publish_once(js, SUBJECTS.rollouts(0), m.encode(group(8)), "g8", timeout_s=1, attempts=2)
+        assert "rollouts.0 not acknowledged" in recent_unacknowledged()  # for the trainer's /status
+        assert recent_unacknowledged(within_s=-1) == ""
     finally:
         resume(nats_server)
     await nc.close()
@@ -192,3 +194,54 @@ def test_a_server_that_cannot_take_its_port_is_not_mistaken_for_the_one_there(tm
     # address of a server that is someone else's.
     with pytest.raises(RuntimeError, match="nats-server exited"):
         EmbeddedNats(tmp_path / "second", port=nats_server.port).start()
+
+
+def test_recover_store_on_a_cluster_makes_the_new_store_adopt_the_checkpoint(nats_server, tmp_path):
+    """`pipelinerl recover-store JOB --nats URL --adopt --step --problems` (the job suspended; what
+    the trainer's StoreLost names), against a real nats-server: whatever the services made in the
+    new store since the loss is gone; the store's identity adopts the lost one at that step, the
+    step is announced with nothing credited, claims go on past the checkpoint's."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from pipelinerl.streams import claim_problems, last_announcement, store_identity, stored_messages
+
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump({"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob",
+                                        "metadata": {"name": "t-job"}, "spec": {}}))  # fmt: skip
+
+    async def before():
+        nc = await connect(nats_server.url, "test")
+        js = nc.jetstream()
+        await ensure_streams(js, SUBJECTS, 8)
+        fresh = await store_identity(js, SUBJECTS)  # a service made it, on the empty store
+        await js.publish(SUBJECTS.rollouts(0), m.encode(group(1)))  # and generated from nothing
+        await nc.close()
+        return fresh
+
+    fresh = asyncio.run(before())
+    cmd = ["recover-store", str(manifest), "--nats", nats_server.url, "--adopt", "lost", "--step", "4"]
+    missing = subprocess.run([sys.executable, "-m", "pipelinerl_cli", *cmd], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "--problems" in missing.stderr  # all three, or nothing
+    done = subprocess.run(
+        [sys.executable, "-m", "pipelinerl_cli", *cmd, "--problems", "40"], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+
+    async def after():
+        nc = await connect(nats_server.url, "test")
+        js = nc.jetstream()
+        try:
+            identity = await store_identity(js, SUBJECTS)
+            announced = await last_announcement(js, SUBJECTS)
+            rollouts = await stored_messages(js, SUBJECTS.stream("ROLLOUTS"))
+            return identity, announced, rollouts, await claim_problems(js, SUBJECTS, 8)
+        finally:
+            await nc.close()
+
+    identity, announced, rollouts, claimed = asyncio.run(after())
+    assert identity.id != fresh.id and (identity.adopts, identity.adopted_step) == ("lost", 4)
+    assert (announced.version, announced.trained_groups, announced.finished) == (4, {}, False)
+    assert rollouts == [] and claimed == 40

@@ -15,6 +15,7 @@ from pipelinerl import messages as m
 from pipelinerl.contracts import TrainerStatus
 from pipelinerl.learning import WINDOW, learning_alarm
 from pipelinerl.spec import PipelineRLJob
+from pipelinerl.streams import recent_unacknowledged
 from pipelinerl.tracking import Tracker
 from pipelinerl_trainer import metrics as prom
 from pipelinerl_trainer.bridge import NatsBridge
@@ -33,7 +34,8 @@ class Board:
         self.body = TrainerStatus(rank=rank, max_steps=max_steps)
 
     def status(self) -> TrainerStatus:
-        return self.body
+        # Read when asked: a rank blocked in a publish JetStream does not acknowledge still says so.
+        return self.body.model_copy(update={"store_unacknowledged": recent_unacknowledged()})
 
     def update(self, **fields) -> None:
         self.body = self.body.model_copy(update=fields)

@@ -333,6 +333,18 @@ def test_a_lost_store_is_not_ready_with_a_store_lost_event_until_recovered() -> 
     assert cond(s, "Ready")["status"] == "True" and "Ready" in {e.reason for e in events}
 
 
+def test_publishes_jetstream_does_not_acknowledge_degrade_the_job_with_the_likely_cause() -> None:
+    s, _ = run()
+    report = {"step": 3, "version": 3, "weightSyncReady": True}
+    what = "a publish to prl.team-a.demo.metrics.train not acknowledged (... JetStream unable to write its store ...)"
+    s, events = run(previous=s, now=T0 + timedelta(minutes=1), trainer_status=report | {"storeUnacknowledged": what})
+    degraded = cond(s, "Degraded")
+    assert (degraded["status"], degraded["reason"]) == ("True", "StoreNotAcknowledging")
+    assert what in degraded["message"] and [e.reason for e in events] == ["Degraded"]
+    s, events = run(previous=s, now=T0 + timedelta(minutes=4), trainer_status=report)  # acknowledged again
+    assert cond(s, "Degraded")["status"] == "False" and [e.reason for e in events] == ["Recovered"]
+
+
 def test_a_trainer_template_change_restarts_the_whole_gang_once() -> None:
     def pod(name: str, role: str, revision: str | None, deleting: bool = False) -> dict:
         labels = {"pipelinerl.dev/role": role, **({"controller-revision-hash": revision} if revision else {})}
