@@ -5,7 +5,9 @@ killed at any point and restarted from what is stored: the preprocessor (its ack
 the newest wave lost or not, or in the middle of storing a wave), the trainer (back to its
 checkpoint, replaying), a generator (just after a publish it never counted); and the preprocessor
 paused at any point for longer than the acknowledgement wait, so that everything it holds is
-delivered to it again while it lives.
+delivered to it again while it lives. (It is the only service a pause can harm so: the trainer
+reads its micro-batches through an ordered consumer that acknowledges nothing, a generator reads
+no work queue; paused, they are only slow, which the random interleavings already are.)
 
 The services' own logic runs: `StepBuilder` (the preprocessor's, pure), `books.restore`,
 `books.credit`, the micro-batches' wire format. What is simulated is only the I/O: JetStream's
