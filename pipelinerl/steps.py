@@ -50,6 +50,12 @@ def training_step(announcement: Any) -> int:
     return announcement.version if announcement.training else announcement.version - 1
 
 
+def is_final(announcement: Any, max_steps: int) -> bool:
+    """A PolicyVersion that ends the job: the trainer's last (`finished`), and not a stale one read
+    before a resume that raised `trainer.maxSteps` (its version is short of it)."""
+    return announcement.finished and announcement.version >= max_steps
+
+
 def newest_weights(announced_version: int) -> int:
     """The newest weights that can exist: the trainer sends version v + 1 before it announces it,
     so a token may carry it (the preprocessor refuses anything newer)."""

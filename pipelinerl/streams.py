@@ -86,8 +86,16 @@ def stream_configs(
     ]
 
 
-async def connect(url: str, name: str, user: str | None = None, password: str | None = None) -> nats.NATS:
-    """A client that reconnects (for a while) through server restarts; `url`: one or more
+async def connect(
+    url: str,
+    name: str,
+    user: str | None = None,
+    password: str | None = None,
+    reconnect: bool = True,
+    timeout_s: float = CONNECT_TIMEOUT_S,
+) -> nats.NATS:
+    """A client that reconnects (for a while) through server restarts, unless `reconnect` is
+    False (a one-off call that must fail fast, such as the operator's cleanup); `url`: one or more
     servers, comma-separated (`nats.url`); `user`/`password`: the job's NATS credentials, where
     the server requires them (the chart's NATS does)."""
 
@@ -99,10 +107,10 @@ async def connect(url: str, name: str, user: str | None = None, password: str | 
         name=name,
         user=user,
         password=password,
-        connect_timeout=CONNECT_TIMEOUT_S,
+        connect_timeout=timeout_s,
         reconnect_time_wait=0.5,
-        max_reconnect_attempts=120,
-        allow_reconnect=True,
+        max_reconnect_attempts=120 if reconnect else 0,
+        allow_reconnect=reconnect,
         error_cb=_err,
     )
 

@@ -8,23 +8,14 @@ from __future__ import annotations
 
 import asyncio
 
-import nats
-
 from pipelinerl.contracts import JobSubjects
-from pipelinerl.streams import delete_streams
+from pipelinerl.streams import connect, delete_streams
 
 
 async def _delete(
     url: str, subjects: JobSubjects, user: str | None, password: str | None, connect_timeout_s: float
 ) -> list[str]:
-    nc = await nats.connect(
-        servers=url.split(","),
-        user=user,
-        password=password,
-        connect_timeout=connect_timeout_s,
-        allow_reconnect=False,
-        max_reconnect_attempts=0,
-    )
+    nc = await connect(url, "pipelinerl-operator-cleanup", user, password, reconnect=False, timeout_s=connect_timeout_s)
     try:
         return await delete_streams(nc.jetstream(timeout=connect_timeout_s), subjects)
     finally:

@@ -42,6 +42,17 @@ async def publish_group(js, subjects, i: int) -> None:
     await js.publish(subjects.rollouts(0), m.encode(rollout(i, [1, 0])), headers={"Nats-Msg-Id": f"g{i}"})
 
 
+async def all_acknowledged(js, subjects, timeout_s: float = 5.0) -> None:
+    """Until the preprocessor holds nothing unacknowledged and nothing waits for it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = await js.consumer_info(subjects.stream("ROLLOUTS"), "preprocessor")
+        if info.num_ack_pending == info.num_pending == 0:
+            return
+        assert time.monotonic() < deadline, f"{info.num_ack_pending} held, {info.num_pending} waiting"
+        await asyncio.sleep(0.1)
+
+
 async def one_step(out, timeout: float = 10.0) -> list[m.MicroBatch]:
     """The micro-batches of the next step on `out` (rank 0's), up to its last."""
     got = [m.decode((await out.fetch(1, timeout=timeout))[0].data, m.MicroBatch)]
@@ -254,12 +265,7 @@ async def test_groups_whose_acknowledgements_were_lost_are_not_trained_or_counte
     assert set(ledger.returned) == {"g0", "g1", "g2", "g3", "g8", "long"}  # settled again, counted nowhere
     assert pre.stats["settled_before"] == 6
     assert pre.stats["filtered_groups"] == pre.stats["dead_lettered"] == 0
-    for _ in range(50):  # the handed-back groups are settled (acknowledged) with the wave after them
-        info = await js.consumer_info(subjects.stream("ROLLOUTS"), "preprocessor")
-        if info.num_ack_pending == info.num_pending == 0:
-            break
-        await asyncio.sleep(0.1)
-    assert info.num_ack_pending == info.num_pending == 0
+    await all_acknowledged(js, subjects)  # the handed-back groups, with the wave after them
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()
@@ -435,12 +441,7 @@ async def test_a_wave_stored_on_some_ranks_only_is_published_again_as_it_was(nat
     await wait_until(lambda: pre.builder.step == 1)
     with pytest.raises(TimeoutError):  # rank 0's micro-batch was not stored twice
         await outs[0].fetch(1, timeout=1)
-    for _ in range(50):  # the wave's groups are acknowledged now
-        info = await js.consumer_info(subjects.stream("ROLLOUTS"), "preprocessor")
-        if info.num_ack_pending == info.num_pending == 0:
-            break
-        await asyncio.sleep(0.1)
-    assert info.num_ack_pending == info.num_pending == 0
+    await all_acknowledged(js, subjects)  # the wave's groups, now
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()

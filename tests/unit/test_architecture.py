@@ -34,6 +34,43 @@ CONTRACTS = {
 }
 
 
+# Across the layers, three kinds of module: pure rules (no I/O of their own: the logic the
+# services are made of, tested thoroughly on their own), wire formats, and the I/O shells around
+# them. A rule or a wire format imports only rules, wire formats and contracts of the project, and
+# no I/O library: a rule that reached for NATS or a socket would be tested through its I/O again.
+PURE = {
+    "pipelinerl.admission",
+    "pipelinerl.books",
+    "pipelinerl.capacity",
+    "pipelinerl.crd",
+    "pipelinerl.generator_memory",
+    "pipelinerl.group_checks",
+    "pipelinerl.learning",
+    "pipelinerl.reserved",
+    "pipelinerl.steps",
+    "pipelinerl.planner.calibration",
+    "pipelinerl.planner.recommend",
+    "pipelinerl.planner.simulation",
+    "pipelinerl_preprocessor.advantages",
+    "pipelinerl_preprocessor.builder",
+    "pipelinerl_preprocessor.packing",
+    "pipelinerl_trainer.checks",
+    "pipelinerl_trainer.membership",
+    "pipelinerl_trainer.position",
+    "pipelinerl_operator.credentials",
+    "pipelinerl_operator.egress",
+    "pipelinerl_operator.job_policy",
+    "pipelinerl_operator.pod_security",
+    "pipelinerl_operator.pods",
+    "pipelinerl_operator.policy_checks",
+    "pipelinerl_operator.render",
+    "pipelinerl_operator.status",
+}
+WIRE = {"pipelinerl.messages"}
+IO_LIBRARIES = ("nats", "httpx", "aiohttp", "fastapi", "uvicorn", "kopf", "kubernetes", "socket", "subprocess",
+                "torch.distributed", "urllib.request", "requests", "vllm", "deepspeed")  # fmt: skip
+
+
 def packages(root: Path) -> dict[str, tuple[Path, str]]:
     """import name -> (folder, layer): a layered folder is a package or holds packages."""
     out = {}
@@ -100,6 +137,59 @@ def violations(root: Path = ROOT) -> list[str]:
             if up or sideways:
                 wrong.append(f"{module} -> {dep}")
     return sorted(wrong)
+
+
+def library_imports(path: Path) -> set[str]:
+    """Every module name a file imports, lazy imports included (the project's and libraries')."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def kind_violations(root: Path = ROOT) -> list[str]:
+    """A rule or a wire format importing an I/O module of the project, or an I/O library."""
+    mods, wrong = modules(root), []
+    contracts = {name for name, (_, layer, _) in mods.items() if layer == "contracts"}
+    allowed = PURE | WIRE | contracts | set(packages(root))  # (a package's own __init__: empty)
+    for module, deps in graph(root).items():
+        if module not in PURE | WIRE:
+            continue
+        wrong += [f"{module} -> {dep}" for dep in sorted(deps - allowed)]
+        for name in sorted(library_imports(mods[module][0])):
+            if any(name == lib or name.startswith(lib + ".") for lib in IO_LIBRARIES):
+                wrong.append(f"{module} -> {name} (an I/O library)")
+    return wrong
+
+
+def test_rules_and_wire_formats_do_no_io():
+    assert not kind_violations(), "a rule or a wire format reaching for I/O:\n" + "\n".join(kind_violations())
+    assert PURE | WIRE <= set(modules()), "a module named here no longer exists: " + str(PURE | WIRE - set(modules()))
+
+
+def test_a_planted_import_of_io_into_a_rule_or_a_wire_format_is_caught(tmp_path: Path):
+    for folder in FOLDERS:
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__", "results"))
+    planted = {  # file -> import it gains: each arrow the kinds forbid
+        "pipelinerl/books.py": "import pipelinerl.streams",  # a rule -> the core's I/O
+        "pipelinerl/messages.py": "from pipelinerl.weight_group import WeightGroup",  # a wire format -> I/O
+        "pipelinerl/steps.py": "import nats",  # a rule -> an I/O library
+        "services/preprocessor/pipelinerl_preprocessor/builder.py": "from pipelinerl_preprocessor.main import main",
+        "operator/pipelinerl_operator/render.py": "import kubernetes.client",  # lazily, in a function too
+    }
+    for file, line in planted.items():
+        path = tmp_path / file
+        path.write_text(path.read_text() + f"\n\ndef _planted():\n    {line}\n")
+    assert set(kind_violations(tmp_path)) == {
+        "pipelinerl.books -> pipelinerl.streams",
+        "pipelinerl.messages -> pipelinerl.weight_group",
+        "pipelinerl.steps -> nats (an I/O library)",
+        "pipelinerl_preprocessor.builder -> pipelinerl_preprocessor.main",
+        "pipelinerl_operator.render -> kubernetes.client (an I/O library)",
+    }
 
 
 def test_every_installed_package_lives_in_a_layered_folder():

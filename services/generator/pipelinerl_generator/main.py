@@ -29,7 +29,7 @@ from pipelinerl.contracts import GeneratorStatus, JobSubjects, ServiceEnv
 from pipelinerl.prompt_fit import prompt_fit
 from pipelinerl.runtime import HealthServer, join_job, serve
 from pipelinerl.spec import JobSpec, PipelineRLJob, SpecError
-from pipelinerl.steps import counts_as_discarded, training_step
+from pipelinerl.steps import counts_as_discarded, is_final, training_step
 from pipelinerl.streams import claim_problems, last_announcement, last_message, newest_batches, publish_once
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
@@ -203,7 +203,7 @@ class Generator:
         pv = m.decode(msg.data, m.PolicyVersion)
         self.admission.on_trained(pv.trained_groups.get(str(self.env.rank), 0), training_step=training_step(pv))
         self.wakeup.set()
-        final = pv.finished and pv.version >= self.spec.trainer.max_steps  # not a stale one before a resume
+        final = is_final(pv, self.spec.trainer.max_steps)
         if final:
             self.finished_version = pv.version
         self._spawn(self.evaluator.maybe_eval(pv.version, final=final))

@@ -40,7 +40,7 @@ from pipelinerl.books import Outcome
 from pipelinerl.contracts import STREAM_SUFFIXES, Env, PreprocessorStatus, ServiceEnv
 from pipelinerl.runtime import HealthServer, failpoint, join_job, serve
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.steps import newest_weights
+from pipelinerl.steps import is_final, newest_weights
 from pipelinerl.streams import dead_letter, last_announcement, newest_batches, publish_once, store_identity
 from pipelinerl_preprocessor.builder import StepBuilder, Wave
 from pipelinerl.group_checks import GroupLimits, group_problem
@@ -198,7 +198,7 @@ class Preprocessor:
 
     def _on_announcement(self, pv: m.PolicyVersion) -> None:
         self.trainer_version = max(self.trainer_version, pv.version)
-        self.finished = self.finished or (pv.finished and pv.version >= self.spec.trainer.max_steps)
+        self.finished = self.finished or is_final(pv, self.spec.trainer.max_steps)
 
     async def _refresh_trainer_version(self) -> None:
         announced = await last_announcement(self.js, self.subjects)
