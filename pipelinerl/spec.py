@@ -2,7 +2,9 @@
 
 The same models validate a manifest for `pipelinerl run` / `pipelinerl validate`, drive the
 local supervisor and the services, and generate the CRD schema (`pipelinerl crd`). Field names
-are camelCase in YAML (Kubernetes convention) and snake_case in Python.
+are camelCase in YAML (Kubernetes convention) and snake_case in Python. The job (`JobSpec`) is
+assembled here from its roles (`spec_roles`) and its other sections (`spec_sections`), on what
+they share (`spec_base`); every name is importable from here.
 """
 
 from __future__ import annotations
@@ -15,529 +17,63 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from pipelinerl.contracts import HTTP_PORT, MASTER_PORT, WEIGHTS_PORT, JobSubjects, reserved_env
-from pipelinerl.engine_args import engine_arg_errors
-from pipelinerl.k8s_types import (
-    DNS_1035_LABEL,
-    DNS_1123_LABEL,
-    NATS_URL,
-    RESOURCE_NAME,
-    DnsSubdomain,
-    ImageRef,
-    PositiveQuantity,
-    Quantity,
-    parse_quantity,
+from pipelinerl.contracts import JobSubjects
+from pipelinerl.k8s_types import DNS_1123_LABEL
+from pipelinerl.spec_base import (
+    API_GROUP,
+    API_VERSION,
+    DNS_LABEL,
+    GPU_RESOURCE,
+    IMMUTABLE,
+    KIND,
+    MAX_JOB_NAME,
+    MAX_SECONDS,
+    MAX_SEED,
+    MAX_STEPS,
+    RESERVED_ENV,
+    TASK_IMPORT_PATH,
+    TASK_NAMES,
+    SpecModel,
+)
+from pipelinerl.spec_roles import (
+    TOP_P_ERROR,
+    EnvSource,
+    EnvVar,
+    GeneratorSpec,
+    KeyRef,
+    PreprocessorSpec,
+    Resources,
+    RoleSpec,
+    SamplingSpec,
+    TrainerSpec,
+)
+from pipelinerl.spec_sections import (
+    EvalSpec,
+    MlflowSpec,
+    ModelSpec,
+    NatsSpec,
+    NetworkSpec,
+    OutputSpec,
+    RLSpec,
+    RunPolicy,
+    SchedulingSpec,
+    StorageSpec,
+    TaskSpec,
+    TensorboardSpec,
+    TrackingSpec,
+    WandbSpec,
+    WeightSyncSpec,
 )
 
-API_GROUP = "pipelinerl.dev"
-API_VERSION = f"{API_GROUP}/v1alpha1"
-KIND = "PipelineRLJob"
-
-# The longest derived name, "<job>-prl-preprocessor", names a StatefulSet, whose pods carry the
-# label controller-revision-hash "<statefulset>-<10-char hash>" (≤ 63): so 52 - 17 characters.
-MAX_JOB_NAME = 35
-# Integers are bounded as the API server bounds them (int64) and, where they feed libraries, as
-# those do: seeds become numpy's and vLLM's (32 bits, with room for a seed per generator).
-MAX_SEED = 2**31 - 1
-MAX_STEPS = 10**9
-MAX_SECONDS = 10**10
-DNS_LABEL = re.compile(DNS_1035_LABEL)
-TASK_NAMES = ("arith", "chain", "dataset", "guess", "math")  # pipelinerl.tasks.BUILTIN (a test keeps them equal)
-TASK_IMPORT_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
-GPU_RESOURCE = "nvidia.com/gpu"
-# Fields a running job cannot change: the model, task and layout its checkpoints belong to, and
-# the trainer's volume claim templates (a StatefulSet refuses changes to them).
-IMMUTABLE = ("mode", "model", "task", "trainer.replicas", "trainer.gpus", "trainer.zeroStage", "storage")
-# Env names the operator sets itself; a user template may not override them.
-RESERVED_ENV = reserved_env()
-
-
-class SpecModel(BaseModel):
-    # strict: "4" is not 4, "yes" is not true (the API server refuses both; so do we).
-    # Manifests are parsed by alias only (`parse_mapping`): maxSteps, never max_steps.
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True, strict=True
-    )
-
-
-class KeyRef(SpecModel):
-    name: DnsSubdomain = Field(description="The Secret or ConfigMap, in the job's namespace.")
-    key: str = Field(min_length=1, max_length=253, pattern=r"^[-._a-zA-Z0-9]+$")
-    optional: bool | None = None
-
-
-class EnvSource(SpecModel):
-    """Where a value comes from, so that a secret never lands in the job, a ConfigMap or an annotation."""
-
-    secret_key_ref: KeyRef | None = None
-    config_map_key_ref: KeyRef | None = None
-
-    @model_validator(mode="after")
-    def _exactly_one(self) -> EnvSource:
-        if (self.secret_key_ref is None) == (self.config_map_key_ref is None):
-            raise ValueError("set exactly one of secretKeyRef, configMapKeyRef")
-        return self
-
-
-class EnvVar(SpecModel):
-    name: str = Field(min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    value: str | None = Field(default=None, max_length=4096)
-    value_from: EnvSource | None = Field(default=None, description="A Secret or ConfigMap key (Kubernetes only).")
-
-    @field_validator("name")
-    @classmethod
-    def _not_reserved(cls, v: str) -> str:
-        if v in RESERVED_ENV:
-            raise ValueError(f"env name {v!r} is reserved (set by PipelineRL itself)")
-        return v
-
-    @model_validator(mode="after")
-    def _one_source(self) -> EnvVar:
-        if self.value is not None and self.value_from is not None:
-            raise ValueError("set value or valueFrom, not both")
-        return self
-
-
-class Resources(SpecModel):
-    """Kubernetes resource requests/limits: quantities as Kubernetes writes them (16, "500m", "16Gi")."""
-
-    requests: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
-    limits: dict[str, Quantity] = Field(default_factory=dict, max_length=16)
-
-    @model_validator(mode="after")
-    def _names_and_bounds(self) -> Resources:
-        for kind in ("requests", "limits"):
-            for name in getattr(self, kind):
-                if not re.match(RESOURCE_NAME, name):
-                    raise ValueError(f"{kind}: {name!r} is not a resource name (cpu, memory, nvidia.com/gpu...)")
-        for name, request in self.requests.items():
-            if name in self.limits and parse_quantity(request) > parse_quantity(self.limits[name]):
-                raise ValueError(f"requests.{name} ({request}) must not exceed limits.{name} ({self.limits[name]})")
-        return self
-
-
-class RoleSpec(SpecModel):
-    """Fields every role shares: curated pod fields plus a pod-template passthrough."""
-
-    image: ImageRef | None = Field(default=None, description="Container image; chart default when unset.")
-    resources: Resources = Field(default_factory=Resources)
-    gpus: int = Field(
-        default=0,
-        ge=0,
-        le=16,
-        description=("GPUs per pod (nvidia.com/gpu); a trainer pod runs one DeepSpeed rank per GPU."),
-    )
-    env: list[EnvVar] = Field(
-        default_factory=list, max_length=64, description="Environment variables of the role's container."
-    )
-    pod_template: dict[str, Any] | None = Field(
-        default=None,
-        description="PodTemplateSpec merged under the generated pod (nodeSelector, tolerations, volumes...).",
-    )
-
-    @field_validator("env")
-    @classmethod
-    def _env_names_unique(cls, v: list[EnvVar]) -> list[EnvVar]:
-        names = [e.name for e in v]
-        if len(set(names)) != len(names):
-            raise ValueError(f"env names must be unique; {sorted({n for n in names if names.count(n) > 1})} repeat")
-        return v
-
-    @field_validator("pod_template")
-    @classmethod
-    def _template_env_not_reserved(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        # The operator merges the template under its own pod: a reserved env var there would
-        # silently override rank/rendezvous wiring. (Its shape is checked against Kubernetes'
-        # schema by pipelinerl_operator.admission.)
-        pod_spec = (v or {}).get("spec")
-        for kind in ("containers", "initContainers"):
-            containers = pod_spec.get(kind) if isinstance(pod_spec, dict) else None
-            for container in containers if isinstance(containers, list) else []:
-                env = container.get("env") if isinstance(container, dict) else None
-                for var in env if isinstance(env, list) else []:
-                    if isinstance(var, dict) and var.get("name") in RESERVED_ENV:
-                        raise ValueError(
-                            f"podTemplate.spec.{kind}[{container.get('name', '?')}].env: "
-                            f"env name {var['name']!r} is reserved (set by PipelineRL itself)"
-                        )
-        return v
-
-    @model_validator(mode="after")
-    def _gpus_once(self) -> RoleSpec:
-        for kind in ("requests", "limits"):
-            count = getattr(self.resources, kind).get(GPU_RESOURCE)
-            if count is not None and parse_quantity(count) != self.gpus:
-                raise ValueError(
-                    f"resources.{kind}.{GPU_RESOURCE} ({count}) differs from gpus ({self.gpus}): "
-                    f"set gpus only, PipelineRL requests the GPUs itself"
-                )
-        return self
-
-
-class ModelSpec(SpecModel):
-    path: str = Field(
-        default="builtin:tiny-arith",
-        min_length=1,
-        max_length=1024,
-        description="Hugging Face model folder (or hub id), or builtin:tiny-arith / builtin:tiny-chain (their "
-        "warm-started weights ship with the package).",
-    )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
-        default="auto",
-        description="Weights' dtype in the generators and the trainer; auto: bfloat16 where the job has GPUs, "
-        "float32 on CPU.",
-    )
-    max_seq_len: int = Field(default=64, ge=8, le=131072, description="Prompt + completion tokens.")
-
-
-class TaskSpec(SpecModel):
-    name: str = Field(
-        default="arith",
-        min_length=1,
-        max_length=128,
-        description=f"A built-in task ({', '.join(TASK_NAMES)}) or module.path:Class.",
-    )
-    params: dict[str, Any] = Field(default_factory=dict, description="Task-specific parameters.")
-    seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Seed of the task's problem order and held-out set.")
-
-    @field_validator("name")
-    @classmethod
-    def _known(cls, v: str) -> str:
-        if v not in TASK_NAMES and not re.match(TASK_IMPORT_PATH, v):
-            raise ValueError(f"unknown task {v!r}: a built-in ({', '.join(TASK_NAMES)}) or module.path:Class")
-        return v
-
-
-class RLSpec(SpecModel):
-    loss: Literal["reinforce", "ppo", "gspo", "cispo"] = Field(
-        default="reinforce",
-        description="reinforce: truncated-IS REINFORCE (the reference's); ppo: PPO-clip; gspo: sequence-level ratio; "
-        "cispo: clipped IS weight on the log-prob (ScaleRL).",
-    )
-    attempts: int = Field(default=8, ge=2, le=1024, description="Samples per prompt (group size G).")
-    max_lag: int | None = Field(
-        default=None,
-        ge=0,
-        le=1024,
-        description="Max policy versions between generation and training; default 4 (pipeline); in sync mode "
-        "it is stepsPerGeneration - 1 (the phase's last step trains on data that many versions old).",
-    )
-    steps_per_generation: int = Field(
-        default=1,
-        ge=1,
-        le=256,
-        description="Sync mode (the conventional baseline): optimizer steps taken on each generation phase (k). "
-        "A phase generates k x trainer.samplesPerStep samples with the current weights, then the trainer takes k "
-        "steps on consecutive mini-batches of it (step j of the phase trains at lag j) and sends the weights once. "
-        "1 in pipeline mode.",
-    )
-    epsilon_low: float = Field(default=0.2, ge=0.0, le=10.0, description="Lower clip of the ratio: 1 - epsilonLow.")
-    epsilon_high: float = Field(
-        default=0.2, ge=0.0, le=100.0, description="Upper clip or truncation of the ratio: 1 + epsilonHigh."
-    )
-    importance_weights: Literal["token", "sequence"] = Field(
-        default="token",
-        description="Off-policy weight of the reinforce and cispo losses, truncated at 1 + epsilonHigh: each "
-        "token's own ratio (token), or its sample's product of ratios (sequence), which also corrects "
-        "for how likely the token's prefix was.",
-    )
-    kl_coef: float = Field(default=0.0, ge=0.0, description="Weight of a k3 KL penalty to the initial model (0: none).")
-    entropy_coef: float = Field(default=0.0, ge=0.0, description="Weight of an entropy bonus (0: none).")
-    normalize_advantages: bool = Field(default=False, description="Divide advantages by group std.")
-    filter_zero_variance: bool = Field(default=True, description="Drop groups whose rewards are all equal.")
-    token_weighting: Literal["sample", "token"] = Field(
-        default="sample", description="sample: each token weighs 1/samples per step; token: 1/tokens per step."
-    )
-
-
-TOP_P_ERROR = (
-    "topP below 1 is not supported: the trainer's policy is the full softmax at the sampling "
-    "temperature, so a nucleus would bias every importance ratio by the nucleus's mass"
-)
-
-
-class SamplingSpec(SpecModel):
-    temperature: float = Field(
-        default=1.0, gt=0.0, le=10.0, description="Sampling temperature (the trainer divides logits by it too)."
-    )
-    top_p: float = Field(
-        default=1.0,
-        gt=0.0,
-        le=1.0,
-        description="Nucleus sampling threshold: only 1 (off) is supported, see the error below 1.",
-    )
-    max_tokens: int = Field(default=16, ge=1, le=131072, description="Completion tokens per attempt at most.")
-
-    @field_validator("top_p")
-    @classmethod
-    def _no_nucleus(cls, v: float) -> float:
-        if v < 1.0:
-            raise ValueError(TOP_P_ERROR)
-        return v
-
-
-class GeneratorSpec(RoleSpec):
-    replicas: int = Field(
-        default=1, ge=1, le=1024, description="Generator pods (`kubectl scale` changes it; they join the weights live)."
-    )
-    tensor_parallel: int = Field(default=1, ge=1, le=16, description="GPUs per vLLM engine.")
-    engine_args: dict[str, Any] = Field(default_factory=dict, description="Extra vLLM engine arguments.")
-    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
-    max_inflight_groups: int = Field(default=64, ge=1, le=65536, description="Cap on concurrent prompt groups.")
-
-    @field_validator("engine_args")
-    @classmethod
-    def _vllm_knows_them(cls, v: dict[str, Any]) -> dict[str, Any]:
-        errors = engine_arg_errors(v)
-        if errors:
-            raise ValueError("; ".join(errors))
-        return v
-
-    @model_validator(mode="after")
-    def _tensor_parallel_fits(self) -> GeneratorSpec:
-        tp = self.tensor_parallel
-        if tp > 1 and (self.gpus < tp or self.gpus % tp):
-            raise ValueError(
-                f"generator.tensorParallel ({tp}) must divide generator.gpus ({self.gpus}): "
-                f"each engine spans tensorParallel GPUs of its pod"
-            )
-        return self
-
-
-class PreprocessorSpec(RoleSpec):
-    max_pending_steps: int = Field(
-        default=2, ge=1, le=64, description="Steps of batches published ahead of the trainer (backpressure)."
-    )
-
-
-class TrainerSpec(RoleSpec):
-    replicas: int = Field(default=1, ge=1, le=1024, description="Trainer pods (DeepSpeed ranks: replicas x gpus).")
-    zero_stage: Literal[0, 1, 2, 3] = Field(default=1, description="DeepSpeed ZeRO stage.")
-    learning_rate: float = Field(default=1e-4, gt=0.0, le=1.0, description="AdamW learning rate.")
-    warmup_steps: int = Field(
-        default=0,
-        ge=0,
-        le=MAX_STEPS,
-        description="Linear learning-rate warm-up; keeps Adam's first, large updates small.",
-    )
-    weight_decay: float = Field(default=0.0, ge=0.0, description="AdamW weight decay.")
-    grad_clip: float = Field(default=1.0, ge=0.0, description="Gradient norm clip (0: none).")
-    samples_per_step: int = Field(
-        default=128, ge=1, le=1_000_000, description="Samples per optimizer step (B: prompts x rl.attempts)."
-    )
-    micro_batch_tokens: int = Field(
-        default=4096, ge=8, le=10_000_000, description="Tokens per packed row (a micro-batch) per trainer rank."
-    )
-    max_steps: int = Field(default=100, ge=1, le=MAX_STEPS, description="Optimizer steps of the run.")
-    checkpoint_interval: int = Field(
-        default=50, ge=0, le=MAX_STEPS, description="Steps between checkpoints; 0: only at the end."
-    )
-    export_interval: int = Field(
-        default=0,
-        ge=0,
-        le=MAX_STEPS,
-        description=(
-            "Save the Hugging Face weights every N policy versions (checkpoints/export/version-N; weights "
-            "and tokenizer only) for offline evaluation; 0 disables."
-        ),
-    )
-    seed: int = Field(
-        default=42,
-        ge=0,
-        le=MAX_SEED,
-        description=("Trainer and generator seeds derive from it (generator i: seed + 1000·i), within 32 bits."),
-    )
-    gradient_checkpointing: bool = Field(
-        default=False,
-        description=(
-            "Recompute each layer's activations in the backward pass instead of keeping them: about a third "
-            "more compute for a fraction of the activation memory (large models, long micro-batches)."
-        ),
-    )
-    compile: bool = Field(
-        default=False,
-        description=(
-            "torch.compile the decoder's MLPs and norms, fusing the elementwise work that eager mode runs op by op "
-            "(GPUs; the first steps pay the compilation). Benchmark 6 measures what it gains."
-        ),
-    )
-
-    @model_validator(mode="after")
-    def _warmup_within_run(self) -> TrainerSpec:
-        if self.warmup_steps > self.max_steps:
-            raise ValueError(
-                f"trainer.warmupSteps ({self.warmup_steps}) must not exceed trainer.maxSteps ({self.max_steps})"
-            )
-        return self
-
-
-class WeightSyncSpec(SpecModel):
-    backend: Literal["auto", "nccl", "gloo"] = Field(default="auto", description="auto: NCCL with GPUs, else gloo.")
-    bucket_mb: int = Field(default=256, ge=1, le=65536, description="Flat buffer size of one broadcast.")
-    timeout_seconds: float = Field(
-        default=120.0,
-        gt=0.0,
-        le=86400.0,
-        description="Bound of every weight-sync wait; a generator past it is dropped, not waited for.",
-    )
-    port: int = Field(default=WEIGHTS_PORT, ge=1024, le=65535, description="Trainer rank 0's weight rendezvous port.")
-    staged: bool = Field(
-        default=True,
-        description=(
-            "Generators receive and load new weights into a staging copy while they keep generating, "
-            "then pause only to copy them in (one extra copy of the weights in generator memory; a failed "
-            "transfer keeps the live weights). false: received straight into the live weights inside the "
-            "pause (a transfer failing midway restarts the generator). Models vLLM post-processes after "
-            "loading (quantized, MLA, some MoE kernels) always take vLLM's layerwise reload inside the pause."
-        ),
-    )
-
-    @field_validator("port")
-    @classmethod
-    def _port_free(cls, v: int) -> int:
-        taken = {HTTP_PORT: "every service's HTTP port", MASTER_PORT: "the trainer ranks' rendezvous port"}
-        if v in taken:
-            raise ValueError(f"weightSync.port {v} is {taken[v]}")
-        return v
-
-
-class EvalSpec(SpecModel):
-    interval: int = Field(default=10, ge=0, le=MAX_STEPS, description="Evaluate every N policy versions; 0 disables.")
-    problems: int = Field(default=1000, ge=1, le=1_000_000, description="Held-out problems per evaluation (greedy).")
-
-
-class RunPolicy(SpecModel):
-    backoff_limit: int = Field(
-        default=3,
-        ge=0,
-        le=1000,
-        description="Failures (pod restarts of the failingRoles, per incident) beyond which the job fails.",
-    )
-    failing_roles: list[Literal["trainer", "preprocessor", "generator"]] = Field(
-        default=["trainer", "preprocessor"],
-        max_length=3,
-        description="Roles whose pod "
-        "restarts count against backoffLimit. Generators are left out by default: the job goes on without any "
-        "one of them (Degraded while some are missing), so a restarting generator degrades it, never fails it.",
-    )
-    active_deadline_seconds: int | None = Field(
-        default=None, ge=1, le=MAX_SECONDS, description="From creation; time suspended is not counted."
-    )
-    progress_deadline_seconds: int | None = Field(
-        default=None,
-        ge=1,
-        le=MAX_SECONDS,
-        description="No new policy version for this long while running: Ready and Progressing turn False.",
-    )
-    ttl_seconds_after_finished: int | None = Field(
-        default=None, ge=0, le=MAX_SECONDS, description="Delete the finished job this long after it ends."
-    )
-    checkpoint_retention: Literal["DeleteAfterOutput", "Retain", "Delete"] = Field(
-        default="DeleteAfterOutput",
-        description="The trainer volumes (checkpoints) when the job is deleted "
-        "(ttlSecondsAfterFinished too): DeleteAfterOutput deletes them only once spec.output holds the final "
-        "model (the job succeeded with an output), else keeps them; Retain always keeps them; Delete never does.",
-    )
-
-
-class SchedulingSpec(SpecModel):
-    scheduler_name: DnsSubdomain | None = Field(
-        default=None, description="Pod scheduler; with a gang scheduler, the trainers and preprocessor form a PodGroup."
-    )
-    queue_name: DnsSubdomain | None = Field(default=None, max_length=63, description="Kueue LocalQueue name.")
-    priority_class_name: DnsSubdomain | None = Field(default=None, description="PriorityClass of the job's pods.")
-
-
-class NetworkSpec(SpecModel):
-    egress: list[dict[str, Any]] = Field(
-        default_factory=list,
-        max_length=32,
-        description=(
-            "Where the job's pods may connect besides their own job, NATS and DNS, as NetworkPolicy egress "
-            "rules (to, ports), where the install restricts egress: e.g. the Hugging Face hub or W&B on port 443."
-        ),
-    )
-
-
-class NatsSpec(SpecModel):
-    url: str | None = Field(
-        default=None,
-        max_length=1024,
-        pattern=NATS_URL,
-        description="nats:// or tls:// URL(s), comma-separated; unset: embedded server (local) or the chart's.",
-    )
-    max_payload_mb: int = Field(default=8, ge=1, le=64, description="Largest NATS message (a micro-batch) in MiB.")
-
-
-class StorageSpec(SpecModel):
-    """The run directory (checkpoints, logs) of each trainer pod on Kubernetes: a PersistentVolumeClaim
-    per trainer pod that survives suspend/resume; deleted with the job per runPolicy.checkpointRetention."""
-
-    size: PositiveQuantity = Field(default="20Gi", description="Each trainer pod's checkpoint volume.")
-    storage_class_name: DnsSubdomain | None = Field(default=None, description="Unset: the cluster default.")
-
-
-class WandbSpec(SpecModel):
-    project: str = Field(min_length=1, max_length=128, description="W&B project.")
-    entity: str | None = Field(default=None, max_length=128, description="W&B entity (team or user).")
-    mode: Literal["online", "offline"] = Field(
-        default="online",
-        description="offline: files in the run directory, for `wandb sync` later (online needs WANDB_API_KEY).",
-    )
-    tags: list[str] = Field(default_factory=list, max_length=64, description="W&B run tags.")
-
-
-class MlflowSpec(SpecModel):
-    tracking_uri: str | None = Field(
-        default=None, max_length=1024, description="Unset: a SQLite store in the run directory (mlflow.db)."
-    )
-    experiment: str | None = Field(default=None, max_length=256, description="Unset: the job's name.")
-
-
-class TensorboardSpec(SpecModel):
-    log_dir: str | None = Field(default=None, max_length=1024, description="Unset: tensorboard/ in the run directory.")
-
-
-class OutputSpec(SpecModel):
-    """Where the trained model goes, outside the job's own volumes, so that it outlives the job:
-    final/ (the last step's weights) and best/ (the trained version that scored highest on
-    evaluation), Hugging Face folders with the tokenizer."""
-
-    claim_name: DnsSubdomain | None = Field(
-        default=None,
-        description=(
-            "Kubernetes: an existing PersistentVolumeClaim (not the job's: deleting the job leaves it), mounted "
-            "into the trainer pods; ReadWriteMany when trainer.replicas > 1."
-        ),
-    )
-    sub_path: str | None = Field(
-        default=None,
-        max_length=253,
-        pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$",
-        description="The folder inside the claim; unset: the job's name.",
-    )
-    path: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=1024,
-        description="`pipelinerl run`: a folder on this machine (relative: to where it runs).",
-    )
-    best: bool = Field(default=True, description="Keep the best version on evaluation too (needs eval.interval).")
-
-    @model_validator(mode="after")
-    def _somewhere(self) -> OutputSpec:
-        if self.claim_name is None and self.path is None:
-            raise ValueError("output: set claimName (Kubernetes), path (pipelinerl run) or both")
-        return self
-
-
-class TrackingSpec(SpecModel):
-    """Experiment trackers the trainer logs to: train rows at their step, evaluations at their
-    policy version, under the names `metrics.jsonl` uses (prefixed train/ and eval/)."""
-
-    wandb: WandbSpec | None = None
-    mlflow: MlflowSpec | None = None
-    tensorboard: TensorboardSpec | None = None
+__all__ = [  # the spec's names, wherever they are defined
+    "API_GROUP", "API_VERSION", "DNS_LABEL", "GPU_RESOURCE", "IMMUTABLE", "KIND", "MAX_JOB_NAME", "MAX_SECONDS",
+    "MAX_SEED", "MAX_STEPS", "RESERVED_ENV", "TASK_IMPORT_PATH", "TASK_NAMES", "TOP_P_ERROR", "EnvSource", "EnvVar",
+    "EvalSpec", "GeneratorSpec", "JobSpec", "KeyRef", "MlflowSpec", "ModelSpec", "NatsSpec", "NetworkSpec",
+    "ObjectMeta", "OutputSpec", "PipelineRLJob", "PreprocessorSpec", "RLSpec", "Resources", "RoleSpec", "RunPolicy",
+    "SamplingSpec", "SchedulingSpec", "SpecError", "SpecModel", "StorageSpec", "TaskSpec", "TensorboardSpec",
+    "TrackingSpec", "TrainerSpec", "WandbSpec", "WeightSyncSpec", "dump_job", "dump_yaml", "format_errors",
+    "immutable_changes", "load_job", "load_yaml", "parse_job", "parse_mapping", "read_manifest",
+]  # fmt: skip
 
 
 class JobSpec(SpecModel):

@@ -31,6 +31,9 @@ CONTRACTS = {
     "pipelinerl.k8s_types",
     "pipelinerl.engine_args",
     "pipelinerl.spec",
+    "pipelinerl.spec_base",
+    "pipelinerl.spec_roles",
+    "pipelinerl.spec_sections",
 }
 
 

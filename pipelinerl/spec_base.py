@@ -1,0 +1,43 @@
+"""What every part of the `PipelineRLJob` spec shares (pipelinerl/spec.py assembles the job from
+its roles, `spec_roles`, and its other sections, `spec_sections`): the API's names, the bounds
+values are held to, and the base model (strict, camelCase)."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+from pipelinerl.contracts import reserved_env
+from pipelinerl.k8s_types import DNS_1035_LABEL
+
+API_GROUP = "pipelinerl.dev"
+API_VERSION = f"{API_GROUP}/v1alpha1"
+KIND = "PipelineRLJob"
+
+# The longest derived name, "<job>-prl-preprocessor", names a StatefulSet, whose pods carry the
+# label controller-revision-hash "<statefulset>-<10-char hash>" (≤ 63): so 52 - 17 characters.
+MAX_JOB_NAME = 35
+# Integers are bounded as the API server bounds them (int64) and, where they feed libraries, as
+# those do: seeds become numpy's and vLLM's (32 bits, with room for a seed per generator).
+MAX_SEED = 2**31 - 1
+MAX_STEPS = 10**9
+MAX_SECONDS = 10**10
+DNS_LABEL = re.compile(DNS_1035_LABEL)
+TASK_NAMES = ("arith", "chain", "dataset", "guess", "math")  # pipelinerl.tasks.BUILTIN (a test keeps them equal)
+TASK_IMPORT_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+GPU_RESOURCE = "nvidia.com/gpu"
+# Fields a running job cannot change: the model, task and layout its checkpoints belong to, and
+# the trainer's volume claim templates (a StatefulSet refuses changes to them).
+IMMUTABLE = ("mode", "model", "task", "trainer.replicas", "trainer.gpus", "trainer.zeroStage", "storage")
+# Env names the operator sets itself; a user template may not override them.
+RESERVED_ENV = reserved_env()
+
+
+class SpecModel(BaseModel):
+    # strict: "4" is not 4, "yes" is not true (the API server refuses both; so do we).
+    # Manifests are parsed by alias only (`parse_mapping`): maxSteps, never max_steps.
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True, strict=True
+    )
