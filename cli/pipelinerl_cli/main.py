@@ -14,7 +14,7 @@ from pipelinerl.planner.calibration import CALIBRATIONS
 from pipelinerl.spec import PipelineRLJob, SpecError, dump_job, load_job, read_manifest
 
 if TYPE_CHECKING:
-    from pipelinerl_operator.render import OperatorConfig
+    from pipelinerl_operator.config import OperatorConfig
 
 
 def _checked(

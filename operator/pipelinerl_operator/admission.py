@@ -19,7 +19,8 @@ from pipelinerl.contracts import POD_GROUP_API, ROLE_LABEL
 from pipelinerl.generator_memory import job_plan
 from pipelinerl.prompt_fit import static_prompt_fit
 from pipelinerl.spec import KIND, PipelineRLJob, SpecError, immutable_changes, parse_job
-from pipelinerl_operator.render import OperatorConfig, RenderError, render
+from pipelinerl_operator.config import OperatorConfig
+from pipelinerl_operator.render import RenderError, render
 
 MAX_MANIFEST_BYTES = 256 * 1024  # a job's JSON; checking one costs CPU in proportion (the webhook's too)
 # The oldest Kubernetes the chart admits (`kubeVersion` in Chart.yaml): the pod-index label

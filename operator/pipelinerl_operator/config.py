@@ -19,12 +19,42 @@ import copy
 import functools
 import json
 from collections.abc import Mapping
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pipelinerl.contracts import OperatorEnv
 from pipelinerl_operator.job_policy import Install, JobPolicy, PolicyError, parse_policy
-from pipelinerl_operator.render import OperatorConfig
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    """Install-wide settings (Helm values → operator env)."""
+
+    cpu_image: str = "ghcr.io/pipelinerl/pipelinerl-services:0.1.0"
+    gpu_image: str = "ghcr.io/pipelinerl/pipelinerl-services-gpu:0.1.0"
+    nats_url: str = "nats://pipelinerl-nats:4222"
+    service_account: str | None = None  # job pods' ServiceAccount; None: one per job, rendered with it
+    image_pull_policy: str = "IfNotPresent"
+    # The install's secret key (the chart generates one): per-job credentials derive from it.
+    # None: no Secret, no NATS credentials, an empty weight token (a cluster of one team).
+    auth_key: str | None = None
+    # Namespaces whose pods may reach job pods' HTTP port (/metrics, /status) besides the
+    # operator's: where Prometheus runs.
+    metrics_namespaces: tuple[str, ...] = ()
+    nats_replicas: int = 1  # servers of the chart's NATS: each stream of a job on it is kept by all of them
+    nats_store_bytes: int = 0  # the chart's NATS store (each server's): jobs beyond it are refused; 0: unchecked
+    # The chart's NATS runs in the install (its pods, its accounts); False: `nats.externalUrl`, a
+    # server someone else runs, reached at `nats_external_cidrs` (none: anywhere on its ports).
+    nats_bundled: bool = True
+    nats_external_cidrs: tuple[str, ...] = ()
+    # Job pods may connect only to their own job, NATS, DNS and what the job lists (spec.network);
+    # False: anywhere. `namespace`: the operator's (where the chart's NATS runs).
+    restrict_egress: bool = True
+    namespace: str = "pipelinerl"
+    # What jobs may ask for (the chart's jobPolicy), and the install's own Secrets, which no job may name.
+    policy: JobPolicy = JobPolicy()
+    install: Install = Install()
+
 
 # The chart's JetStream store, per server, per GiB of its volume (90%: `pipelinerl.natsStoreBytes`).
 STORE_BYTES_PER_GI = 966367641

@@ -28,15 +28,10 @@ from pipelinerl_operator.credentials import job_credentials, nats_accounts, secr
 from pipelinerl_operator.kube import Kube, KubeError
 from pipelinerl_operator.pods import pod_problems, trainer_gang_to_restart
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
-from pipelinerl_operator.render import (
-    OperatorConfig,
-    generator_selector,
-    on_chart_nats,
-    render,
-    replicas,
-    role_name,
-    trainer_host,
-)
+from pipelinerl_operator.config import OperatorConfig
+from pipelinerl_operator.names import generator_selector, replicas, role_name, trainer_host
+from pipelinerl_operator.pod_template import on_chart_nats
+from pipelinerl_operator.render import render
 from pipelinerl_operator.status import Observed, RoleObserved, compute, is_terminal, parse_ts, ttl_expired
 from pipelinerl_operator.streams_cleanup import delete_job_streams
 

@@ -16,7 +16,7 @@ from urllib.parse import quote
 import aiohttp
 import kopf
 
-from pipelinerl_operator.render import FIELD_MANAGER
+from pipelinerl_operator.names import FIELD_MANAGER
 
 PLURALS = {
     "ConfigMap": "configmaps",

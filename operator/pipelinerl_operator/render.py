@@ -11,52 +11,34 @@ only by reference. Everything is owned by the job, so deleting the job garbage-c
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from pipelinerl.contracts import (
-    CONFIG_HASH_ANNOTATION,
     HTTP_PORT,
-    JOB_FILE,
-    JOB_SECRET_KEYS,
-    JOB_FILE_DIR,
     JOB_LABEL,
-    KUEUE_POD_GROUP_COUNT_ANNOTATION,
-    KUEUE_POD_GROUP_LABEL,
-    KUEUE_QUEUE_LABEL,
-    MASTER_PORT,
-    POD_GROUP_LABEL,
-    POD_INDEX_LABEL,
-    POD_CACHE_DIR,
     POD_GROUP_API,
-    POD_OUTPUT_DIR,
-    POD_RUN_DIR,
-    POD_TMP_DIR,
-    POD_USER,
     ROLE_LABEL,
     ROLES,
-    Env,
-    ServiceEnv,
 )
-from pipelinerl.k8s_types import parse_quantity
-from pipelinerl.spec import API_VERSION, KIND, PipelineRLJob, RoleSpec, dump_job
+from pipelinerl.spec import PipelineRLJob, dump_job
 from pipelinerl_operator import policy_checks
 from pipelinerl_operator.credentials import job_credentials, secret_data
-from pipelinerl.contracts import RESERVED_LABEL_PREFIXES
-from pipelinerl.reserved import CREDENTIALS_SUFFIX
 from pipelinerl_operator.egress import dns_egress, egress_rules
-from pipelinerl_operator.job_policy import Install, JobPolicy
 from pipelinerl_operator.pod_security import pod_violations
-
-FIELD_MANAGER = "pipelinerl-operator"
-ROLE_INFIX = "prl"
-# Pod-level fields of a role: changing them restarts that role only.
-POD_FIELDS = ("image", "resources", "gpus", "env", "podTemplate")
+from pipelinerl_operator.config import OperatorConfig
+from pipelinerl_operator.names import (
+    config_map_name,
+    gang_name,
+    metadata,
+    owned_name,
+    replicas,
+    role_name,
+    secret_name,
+    selector_labels,
+    service_account_name,
+)
+from pipelinerl_operator.pod_template import container_ports, on_chart_nats, pod_template
 
 
 class RenderError(ValueError):
@@ -68,402 +50,6 @@ class RenderError(ValueError):
         self.problems = list(problems)
 
 
-@dataclass(frozen=True)
-class OperatorConfig:
-    """Install-wide settings (Helm values → operator env)."""
-
-    cpu_image: str = "ghcr.io/pipelinerl/pipelinerl-services:0.1.0"
-    gpu_image: str = "ghcr.io/pipelinerl/pipelinerl-services-gpu:0.1.0"
-    nats_url: str = "nats://pipelinerl-nats:4222"
-    service_account: str | None = None  # job pods' ServiceAccount; None: one per job, rendered with it
-    image_pull_policy: str = "IfNotPresent"
-    # The install's secret key (the chart generates one): per-job credentials derive from it.
-    # None: no Secret, no NATS credentials, an empty weight token (a cluster of one team).
-    auth_key: str | None = None
-    # Namespaces whose pods may reach job pods' HTTP port (/metrics, /status) besides the
-    # operator's: where Prometheus runs.
-    metrics_namespaces: tuple[str, ...] = ()
-    nats_replicas: int = 1  # servers of the chart's NATS: each stream of a job on it is kept by all of them
-    nats_store_bytes: int = 0  # the chart's NATS store (each server's): jobs beyond it are refused; 0: unchecked
-    # The chart's NATS runs in the install (its pods, its accounts); False: `nats.externalUrl`, a
-    # server someone else runs, reached at `nats_external_cidrs` (none: anywhere on its ports).
-    nats_bundled: bool = True
-    nats_external_cidrs: tuple[str, ...] = ()
-    # Job pods may connect only to their own job, NATS, DNS and what the job lists (spec.network);
-    # False: anywhere. `namespace`: the operator's (where the chart's NATS runs).
-    restrict_egress: bool = True
-    namespace: str = "pipelinerl"
-    # What jobs may ask for (the chart's jobPolicy), and the install's own Secrets, which no job may name.
-    policy: JobPolicy = JobPolicy()
-    install: Install = Install()
-
-
-def role_name(job: str, role: str) -> str:
-    """A role's StatefulSet and Service: marked as PipelineRL's, so that no ordinary object such as
-    a Deployment's Service `<job>-generator` holds the name (spec.MAX_JOB_NAME leaves room)."""
-    return f"{job}-{ROLE_INFIX}-{role}"
-
-
-def owned_name(job: str, what: str = "") -> str:
-    """The name of a child that is not a role's: one no user object is likely to hold (and the
-    operator never takes over an object it does not own: handlers.apply_owned)."""
-    return f"{job}-pipelinerl" + (f"-{what}" if what else "")
-
-
-def config_map_name(job: str) -> str:
-    return owned_name(job, "config")
-
-
-def secret_name(job: str) -> str:
-    return f"{job}{CREDENTIALS_SUFFIX}"  # pod_security refuses other jobs' by the suffix
-
-
-def service_account_name(job: str, cfg: OperatorConfig) -> str:
-    return cfg.service_account or owned_name(job)
-
-
-def selector_labels(job: str, role: str) -> dict[str, str]:
-    return {JOB_LABEL: job, ROLE_LABEL: role}
-
-
-def generator_selector(job: str) -> str:
-    return ",".join(f"{k}={v}" for k, v in selector_labels(job, "generator").items())
-
-
-def trainer_host(job: PipelineRLJob, namespace: str) -> str:
-    return f"{role_name(job.name, 'trainer')}-0.{role_name(job.name, 'trainer')}.{namespace}.svc"
-
-
-def replicas(job: PipelineRLJob, role: str) -> int:
-    if role == "preprocessor":
-        return 1
-    return getattr(job.spec, role).replicas
-
-
-def _labels(job: PipelineRLJob, role: str | None) -> dict[str, str]:
-    # The job's labels, less those the operator sets from the spec (queue, gang, its own).
-    labels = {
-        **{k: v for k, v in job.metadata.labels.items() if not k.startswith(RESERVED_LABEL_PREFIXES)},
-        "app.kubernetes.io/name": "pipelinerl",
-        "app.kubernetes.io/instance": job.name,
-        "app.kubernetes.io/managed-by": "pipelinerl-operator",
-        JOB_LABEL: job.name,
-    }
-    if role:
-        labels |= {"app.kubernetes.io/component": role, ROLE_LABEL: role}
-    return labels
-
-
-def owner_reference(job: PipelineRLJob, uid: str) -> dict[str, Any]:
-    return {
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "name": job.name,
-        "uid": uid,
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
-
-
-def _metadata(job: PipelineRLJob, namespace: str, uid: str, name: str, role: str | None) -> dict[str, Any]:
-    return {
-        "name": name,
-        "namespace": namespace,
-        "labels": _labels(job, role),
-        "ownerReferences": [owner_reference(job, uid)],
-    }
-
-
-# ---------------------------------------------------------------- pod template merge
-
-
-def merge_pod(user: Any, ours: Any) -> Any:
-    """Merge our generated pod over the user's template: our scalars win, lists of named
-    items (containers, volumes, env, ports, mounts) merge by name, other lists: ours if any."""
-    if isinstance(user, dict) and isinstance(ours, dict):
-        out = copy.deepcopy(user)
-        for key, value in ours.items():
-            out[key] = merge_pod(user[key], value) if key in user else copy.deepcopy(value)
-        return out
-    if isinstance(user, list) and isinstance(ours, list):
-        named = all(isinstance(x, dict) and "name" in x for x in user + ours)
-        if not named:
-            return copy.deepcopy(ours) if ours else copy.deepcopy(user)
-        ours_by_name = {x["name"]: x for x in ours}
-        user_names = {x["name"] for x in user}
-        merged = [
-            merge_pod(x, ours_by_name[x["name"]]) if x["name"] in ours_by_name else copy.deepcopy(x) for x in user
-        ]
-        return merged + [copy.deepcopy(x) for x in ours if x["name"] not in user_names]
-    return copy.deepcopy(ours)
-
-
-# ---------------------------------------------------------------- pieces
-
-
-def role_config_hash(job: PipelineRLJob, role: str) -> str:
-    """Hash of what a role's pods read, leaving out what must not restart them: `suspend`,
-    `runPolicy` (operator only), generator replicas (scaling adds or removes generator pods and
-    touches no running one: the weight group is elastic), other roles' pod fields."""
-    spec = job.spec.model_dump(mode="json", by_alias=True, exclude_none=True)
-    spec.pop("suspend", None)
-    spec.pop("runPolicy", None)
-    spec["generator"].pop("replicas", None)
-    for other in ROLES:
-        if other != role:
-            for field in POD_FIELDS:
-                spec[other].pop(field, None)
-    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def service_env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> ServiceEnv:
-    """What a role's pods are told (their rank comes from the pod-index label instead)."""
-    trainer = role == "trainer"
-    output = job.spec.output
-    # Trainer pods start one rank per GPU, generator pods one engine per tensorParallel GPUs;
-    # their rank is the pod's index, from which each rank process derives its own: index × ranks
-    # per pod + local rank (pipelinerl_cli.pod_ranks).
-    per_pod = {"trainer": job.spec.trainer_ranks_per_pod, "generator": job.spec.generator_engines_per_pod}
-    return ServiceEnv(
-        role,
-        world_size=job.spec.trainer_ranks if trainer else None,
-        nats_url=job.spec.nats.url or cfg.nats_url,
-        weights_addr=f"{trainer_host(job, namespace)}:{job.spec.weight_sync.port}",
-        run_dir=Path(POD_RUN_DIR),
-        output_dir=Path(POD_OUTPUT_DIR) if trainer and output and output.claim_name else None,
-        ranks_per_pod=per_pod[role] if trainer or per_pod.get(role, 1) > 1 else None,
-        stream_replicas=cfg.nats_replicas if cfg.nats_replicas > 1 and on_chart_nats(job) else None,
-        master_addr=trainer_host(job, namespace) if trainer else None,
-        master_port=MASTER_PORT if trainer else None,
-    )
-
-
-def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> list[dict[str, Any]]:
-    rank = {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}
-    env = [
-        {"name": name, "valueFrom": rank} if name == Env.RANK else {"name": name, "value": value}
-        for name, value in service_env(job, role, namespace, cfg).to_environ().items()
-    ]
-    spec: RoleSpec = getattr(job.spec, role)
-    # The root filesystem is read-only: caches and home go to volumes (a user's env may move them).
-    env += [{"name": Env.CACHE, "value": POD_CACHE_DIR}, {"name": Env.HOME, "value": POD_TMP_DIR}]
-    env += [
-        {"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name(job.name), "key": key}}}
-        for key, name in JOB_SECRET_KEYS.items()
-        if _uses_secret(job, cfg, key)
-    ]
-    return env + [e.model_dump(mode="json", by_alias=True, exclude_none=True) for e in spec.env]
-
-
-def on_chart_nats(job: PipelineRLJob) -> bool:
-    """The job uses the chart's NATS, which the operator configures (accounts, replication); a
-    job's own `nats.url` is a server it does not."""
-    return job.spec.nats.url is None
-
-
-def _uses_secret(job: PipelineRLJob, cfg: OperatorConfig, key: str) -> bool:
-    """Credentials exist with the install's key; NATS ones are for the chart's own NATS only (the
-    operator writes its accounts; an external server is configured by whoever runs it)."""
-    return cfg.auth_key is not None and (key == "weightsToken" or (on_chart_nats(job) and cfg.nats_bundled))
-
-
-# What a role's pod asks for when its spec says nothing of cpu or memory (a namespace with a
-# ResourceQuota refuses pods without requests and limits): per pod on CPU, per GPU on GPUs.
-DEFAULT_RESOURCES: dict[str, dict[str, dict[str, float]]] = {
-    "preprocessor": {"requests": {"cpu": 0.5, "memory": 1}, "limits": {"cpu": 2, "memory": 2}},
-    "generator": {"requests": {"cpu": 1, "memory": 4}, "limits": {"cpu": 4, "memory": 8}},
-    "trainer": {"requests": {"cpu": 1, "memory": 4}, "limits": {"cpu": 4, "memory": 8}},
-}
-DEFAULT_PER_GPU: dict[str, dict[str, float]] = {
-    "requests": {"cpu": 4, "memory": 32},
-    "limits": {"cpu": 8, "memory": 64},
-}
-
-
-def _quantity(resource: str, amount: float) -> str:
-    return (f"{amount:g}" if amount >= 1 else f"{int(amount * 1000)}m") if resource == "cpu" else f"{amount:g}Gi"
-
-
-def _resources(spec: RoleSpec, role: str) -> dict[str, Any]:
-    """The user's resources, and for cpu and memory where they name neither request nor limit,
-    the defaults for the role (scaled by its GPUs); a request without a limit gets the default
-    limit, or the request where it is larger (every pod has limits: a ResourceQuota admits it)."""
-    requests = dict(spec.resources.requests)
-    limits = dict(spec.resources.limits)
-    defaults = DEFAULT_RESOURCES[role]
-    for kind, into in (("requests", requests), ("limits", limits)):
-        for resource in ("cpu", "memory"):
-            if resource not in spec.resources.requests and resource not in spec.resources.limits:
-                amount = DEFAULT_PER_GPU[kind][resource] * spec.gpus if spec.gpus else defaults[kind][resource]
-                into[resource] = _quantity(resource, amount)
-    for resource in ("cpu", "memory"):
-        if resource in requests and resource not in limits:
-            amount = DEFAULT_PER_GPU["limits"][resource] * spec.gpus if spec.gpus else defaults["limits"][resource]
-            default = _quantity(resource, amount)
-            limits[resource] = max(default, requests[resource], key=parse_quantity)
-    if spec.gpus:
-        limits["nvidia.com/gpu"] = str(spec.gpus)
-        requests["nvidia.com/gpu"] = str(spec.gpus)
-    return {"requests": requests, "limits": limits}
-
-
-def _ports(job: PipelineRLJob, role: str) -> list[dict[str, Any]]:
-    ports = [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}]
-    if role == "trainer":
-        ports += [
-            {"name": "dist", "containerPort": MASTER_PORT, "protocol": "TCP"},
-            {"name": "weights", "containerPort": job.spec.weight_sync.port, "protocol": "TCP"},
-        ]
-    return ports
-
-
-def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
-    return {
-        "httpGet": {"path": path, "port": "http"},
-        "periodSeconds": period,
-        "timeoutSeconds": 5,
-        "failureThreshold": failures,
-    }
-
-
-def gang_name(job: str) -> str:
-    """The pod group that must be scheduled together: the trainer ranks and the preprocessor."""
-    return owned_name(job, "gang")
-
-
-def _pod_labels(job: PipelineRLJob, role: str) -> tuple[dict[str, str], dict[str, str]]:
-    labels = _labels(job, role)
-    annotations: dict[str, str] = {CONFIG_HASH_ANNOTATION: role_config_hash(job, role)}
-    scheduling = job.spec.scheduling
-    # The gang is the trainer ranks and the preprocessor: useless without each other, and fixed in
-    # size. Generators are elastic (the job scales them, and runs with any number ≥ 1): each is
-    # admitted on its own, so scaling them changes no pod template, a trainer's least of all.
-    gang = role != "generator"
-    if scheduling.queue_name:
-        labels[KUEUE_QUEUE_LABEL] = scheduling.queue_name
-        if gang:  # Kueue admits the pods of a pod group together
-            labels[KUEUE_POD_GROUP_LABEL] = gang_name(job.name)
-            annotations[KUEUE_POD_GROUP_COUNT_ANNOTATION] = str(
-                replicas(job, "trainer") + replicas(job, "preprocessor")
-            )
-    if scheduling.scheduler_name and gang:  # coscheduling-style gang schedulers group pods by this label
-        labels[POD_GROUP_LABEL] = gang_name(job.name)
-    return labels, annotations
-
-
-# What a user's sidecar or init container gets where it names neither request nor limit of cpu
-# or memory (and a limit where it names a request only).
-SIDECAR_RESOURCES: dict[str, dict[str, str]] = {
-    "requests": {"cpu": "100m", "memory": "128Mi"},
-    "limits": {"cpu": "1", "memory": "512Mi"},
-}
-
-
-def _sidecar_resources(container: dict[str, Any]) -> None:
-    given = container.get("resources") or {}
-    if not isinstance(given, dict):
-        return  # a wrong type: the schema check names it
-    requests, limits = given.get("requests") or {}, given.get("limits") or {}
-    if not isinstance(requests, dict) or not isinstance(limits, dict):
-        return
-    requests, limits = dict(requests), dict(limits)
-    for resource in ("cpu", "memory"):
-        if resource not in requests and resource not in limits:
-            requests[resource] = SIDECAR_RESOURCES["requests"][resource]
-            limits[resource] = SIDECAR_RESOURCES["limits"][resource]
-        elif resource not in limits:
-            try:
-                limits[resource] = max(SIDECAR_RESOURCES["limits"][resource], requests[resource], key=parse_quantity)
-            except ValueError:
-                pass  # not a quantity: the schema check names it
-    container["resources"] = {**given, "requests": requests, "limits": limits}
-
-
-# Locked down (the "restricted" Pod Security Standard): writes go to the pod's volumes only. A
-# sidecar from the user's podTemplate gets the same.
-CONTAINER_SECURITY = {
-    "allowPrivilegeEscalation": False,
-    "readOnlyRootFilesystem": True,
-    "capabilities": {"drop": ["ALL"]},
-}
-
-
-def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> dict[str, Any]:
-    spec: RoleSpec = getattr(job.spec, role)
-    image = spec.image or (cfg.gpu_image if spec.gpus else cfg.cpu_image)
-    container: dict[str, Any] = {
-        "name": role,
-        "image": image,
-        "imagePullPolicy": cfg.image_pull_policy,
-        "command": ["pipelinerl"],
-        "args": ["service", role, JOB_FILE],
-        "env": _env(job, role, namespace, cfg),
-        "ports": _ports(job, role),
-        "resources": _resources(spec, role),
-        "startupProbe": _probe("/healthz", 10, 180),  # model loading may take many minutes
-        "livenessProbe": _probe("/healthz", 20, 6),
-        "readinessProbe": _probe("/readyz", 10, 3),
-        "volumeMounts": [
-            {"name": "job-config", "mountPath": JOB_FILE_DIR, "readOnly": True},
-            {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "run", "mountPath": POD_RUN_DIR},
-            {"name": "cache", "mountPath": POD_CACHE_DIR},
-            {"name": "tmp", "mountPath": POD_TMP_DIR},
-        ],
-        "securityContext": copy.deepcopy(CONTAINER_SECURITY),
-    }
-    volumes: list[dict[str, Any]] = [
-        {"name": "job-config", "configMap": {"name": config_map_name(job.name)}},
-        {"name": "dshm", "emptyDir": {"medium": "Memory"}},  # NCCL and torch workers need a big /dev/shm
-        {"name": "cache", "emptyDir": {}},
-        {"name": "tmp", "emptyDir": {}},
-    ]
-    if role != "trainer":  # trainers get a PersistentVolumeClaim per rank instead
-        volumes.append({"name": "run", "emptyDir": {}})
-    output = job.spec.output
-    if role == "trainer" and output and output.claim_name:  # the user's claim: outlives the job
-        volumes.append({"name": "output", "persistentVolumeClaim": {"claimName": output.claim_name}})
-        container["volumeMounts"].append(
-            {"name": "output", "mountPath": POD_OUTPUT_DIR, "subPath": output.sub_path or job.name}
-        )
-    pod_spec: dict[str, Any] = {
-        "serviceAccountName": service_account_name(job.name, cfg),
-        "automountServiceAccountToken": False,  # job pods never call the Kubernetes API
-        "terminationGracePeriodSeconds": 60,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": POD_USER,
-            "runAsGroup": POD_USER,
-            "fsGroup": POD_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-        "containers": [container],
-        "volumes": volumes,
-    }
-    scheduling = job.spec.scheduling
-    if scheduling.scheduler_name:
-        pod_spec["schedulerName"] = scheduling.scheduler_name
-    if scheduling.priority_class_name:
-        pod_spec["priorityClassName"] = scheduling.priority_class_name
-    labels, annotations = _pod_labels(job, role)
-    ours = {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
-    template = spec.pod_template or {}
-    pod = merge_pod(template, ours)
-    # Security settings are the exception: where the user sets one, theirs is kept (they may
-    # tighten ours), and the pod as merged must pass pod_security (they can never loosen them).
-    user = template.get("spec") or {}
-    for key in ("serviceAccountName", "serviceAccount", "automountServiceAccountToken"):
-        if key in user:
-            pod["spec"][key] = copy.deepcopy(user[key])
-    pod["spec"]["securityContext"] = merge_pod(pod_spec["securityContext"], user.get("securityContext") or {})
-    theirs = {c.get("name"): c for kind in ("initContainers", "containers") for c in user.get(kind) or []}
-    for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:  # a user's sidecars too
-        c["securityContext"] = merge_pod(CONTAINER_SECURITY, (theirs.get(c["name"]) or {}).get("securityContext") or {})
-        if c["name"] != role:
-            _sidecar_resources(c)
-    return pod
-
-
 # ---------------------------------------------------------------- objects
 
 
@@ -473,7 +59,7 @@ def config_map(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _metadata(job, namespace, uid, config_map_name(job.name), None),
+        "metadata": metadata(job, namespace, uid, config_map_name(job.name), None),
         "data": {"job.yaml": dump_job(placed)},
     }
 
@@ -485,7 +71,7 @@ def service_account(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, A
         "apiVersion": "v1",
         "kind": "ServiceAccount",
         "automountServiceAccountToken": False,
-        "metadata": _metadata(job, namespace, uid, owned_name(job.name), None),
+        "metadata": metadata(job, namespace, uid, owned_name(job.name), None),
     }
 
 
@@ -494,7 +80,7 @@ def secret(job: PipelineRLJob, namespace: str, uid: str, key: str) -> dict[str, 
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": _metadata(job, namespace, uid, secret_name(job.name), None),
+        "metadata": metadata(job, namespace, uid, secret_name(job.name), None),
         "data": secret_data(job_credentials(key, namespace, job.name, uid)),
     }
 
@@ -530,7 +116,7 @@ def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorCo
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(job, namespace, uid, owned_name(job.name), None),
+        "metadata": metadata(job, namespace, uid, owned_name(job.name), None),
         "spec": spec,
     }
 
@@ -563,7 +149,7 @@ def pod_group(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, Any]:
     return {
         "apiVersion": POD_GROUP_API,
         "kind": "PodGroup",
-        "metadata": _metadata(job, namespace, uid, gang_name(job.name), None),
+        "metadata": metadata(job, namespace, uid, gang_name(job.name), None),
         "spec": {"minMember": replicas(job, "trainer") + replicas(job, "preprocessor")},
     }
 
@@ -571,12 +157,12 @@ def pod_group(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, Any]:
 def service(job: PipelineRLJob, role: str, namespace: str, uid: str) -> dict[str, Any]:
     ports = [
         {"name": p["name"], "port": p["containerPort"], "targetPort": p["name"], "protocol": "TCP"}
-        for p in _ports(job, role)
+        for p in container_ports(job, role)
     ]
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(job, namespace, uid, role_name(job.name, role), role),
+        "metadata": metadata(job, namespace, uid, role_name(job.name, role), role),
         "spec": {
             "clusterIP": "None",
             "publishNotReadyAddresses": True,  # rendezvous must resolve before pods are ready
@@ -632,7 +218,7 @@ def stateful_set(
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
-        "metadata": _metadata(job, namespace, uid, name, role),
+        "metadata": metadata(job, namespace, uid, name, role),
         "spec": spec,
     }
 

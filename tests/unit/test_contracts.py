@@ -112,7 +112,8 @@ def test_reserved_env_is_what_pipelinerl_sets():
 
 
 def test_rendered_pods_are_told_what_the_services_read():
-    from pipelinerl_operator.render import OperatorConfig, render
+    from pipelinerl_operator.config import OperatorConfig
+    from pipelinerl_operator.render import render
 
     job = parse_job(
         {

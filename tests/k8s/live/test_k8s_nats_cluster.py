@@ -22,7 +22,8 @@ from pipelinerl.ports import free_port
 from pipelinerl.spec import parse_job
 from pipelinerl.streams import connect, ensure_streams
 from pipelinerl_operator.job_policy import parse_policy
-from pipelinerl_operator.render import OperatorConfig, render
+from pipelinerl_operator.config import OperatorConfig
+from pipelinerl_operator.render import render
 
 SUBJECTS = JobSubjects("demo", "team-a")
 

@@ -285,7 +285,7 @@ def test_lint_is_clean() -> None:
 
 def test_images_match_dockerfiles_and_render_defaults() -> None:
     """No Docker engine here: check what can be checked statically (no image is built in CI)."""
-    from pipelinerl_operator.render import OperatorConfig
+    from pipelinerl_operator.config import OperatorConfig
 
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     cfg = OperatorConfig()

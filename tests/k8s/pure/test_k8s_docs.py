@@ -10,7 +10,8 @@ from pathlib import Path
 from pipelinerl.contracts import KUEUE_POD_GROUP_COUNT_ANNOTATION, KUEUE_POD_GROUP_LABEL, POD_GROUP_LABEL, ROLES
 from pipelinerl.spec import IMMUTABLE, parse_job
 from pipelinerl_operator.job_policy import JobPolicy
-from pipelinerl_operator.render import OperatorConfig, render
+from pipelinerl_operator.config import OperatorConfig
+from pipelinerl_operator.render import render
 
 DOC = (Path(__file__).resolve().parents[3] / "docs" / "kubernetes.md").read_text()
 JOB = "demo"

@@ -23,7 +23,8 @@ from pipelinerl_operator import config
 from pipelinerl_operator.admission import MAX_MANIFEST_BYTES
 from pipelinerl_operator.job_policy import JobPolicy, PolicyError, parse_policy, values_schema
 from pipelinerl_operator.policy_checks import repository
-from pipelinerl_operator.render import OperatorConfig, RenderError, render
+from pipelinerl_operator.config import OperatorConfig
+from pipelinerl_operator.render import RenderError, render
 
 ROOT = Path(__file__).resolve().parents[3]
 GPU_EXAMPLE = ROOT / "examples" / "gpu-qwen-math.yaml"

@@ -13,7 +13,9 @@ from k8s_schema import restricted_violations
 from pipelinerl.spec import load_job, parse_job
 from pipelinerl_operator.job_policy import parse_policy
 from pipelinerl_operator.pod_security import pod_violations
-from pipelinerl_operator.render import OperatorConfig, RenderError, render, service_account_name
+from pipelinerl_operator.config import OperatorConfig
+from pipelinerl_operator.names import service_account_name
+from pipelinerl_operator.render import RenderError, render
 
 ROOT = Path(__file__).resolve().parents[3]
 CFG = OperatorConfig(auth_key="k")

@@ -12,7 +12,9 @@ from k8s_schema import restricted_violations
 from pipelinerl.contracts import POD_GROUP_API
 from pipelinerl.spec import MAX_JOB_NAME, SpecError, load_job, parse_job
 from pipelinerl_operator.job_policy import parse_policy
-from pipelinerl_operator.render import OperatorConfig, render, role_config_hash
+from pipelinerl_operator.config import OperatorConfig
+from pipelinerl_operator.pod_template import role_config_hash
+from pipelinerl_operator.render import render
 
 ROOT = Path(__file__).resolve().parents[3]
 # What these cases ask for beyond the default policy (tests/k8s/pure/test_k8s_job_policy.py tests
