@@ -10,29 +10,33 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
 import aiohttp.web
 import kopf
 
-from pipelinerl.contracts import JOB_LABEL, NATS_ACCOUNTS_FILE, OPERATOR_METRICS_PORT, ROLE_LABEL, ROLES, OperatorEnv
+from pipelinerl.contracts import JOB_LABEL, OPERATOR_METRICS_PORT, ROLE_LABEL, ROLES, OperatorEnv
 from pipelinerl.crd import PLURAL, VERSION
-from pipelinerl.capacity import admission_problem, reserved_bytes
 from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError
 from pipelinerl_operator import admission, metrics
 from pipelinerl_operator.admission import MAX_MANIFEST_BYTES
 from pipelinerl_operator.config import from_env
-from pipelinerl_operator.credentials import job_credentials, nats_accounts, secret_data
+from pipelinerl_operator.credentials import job_credentials, nats_accounts
 from pipelinerl_operator.kube import Kube, KubeError
 from pipelinerl_operator.pods import pod_problems, trainer_gang_to_restart
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.names import generator_selector, replicas, role_name, trainer_host
-from pipelinerl_operator.pod_template import on_chart_nats
 from pipelinerl_operator.render import render
 from pipelinerl_operator.status import Observed, RoleObserved, compute, is_terminal, parse_ts, ttl_expired
+from pipelinerl_operator.nats_store import (
+    JobRecord,
+    Reservations,
+    accounts_secret,
+    accounts_secret_name,
+    store_bytes_needed,
+)
 from pipelinerl_operator.streams_cleanup import delete_job_streams
 
 FINALIZER = f"{API_GROUP}/cleanup"
@@ -70,11 +74,7 @@ class _State:
     # the next one compares with (so condition flips post exactly one Event).
     locks: dict[str, asyncio.Lock] = {}
     last_status: dict[str, dict[str, Any]] = {}
-    accounts_written: str | None = None  # the NATS accounts last applied
-    # Reservations in the chart's NATS store, decided one at a time; what was decided here, until
-    # the job's status (the index) says so too.
-    capacity_lock: asyncio.Lock | None = None
-    decided: dict[str, tuple[str, str, int]] = {}
+    store: Reservations = Reservations()  # the chart's NATS store (nats_store.py)
 
 
 STATE = _State()
@@ -84,8 +84,7 @@ STATE = _State()
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     STATE.locks.clear()
     STATE.last_status.clear()
-    STATE.accounts_written, STATE.capacity_lock = None, asyncio.Lock()
-    STATE.decided.clear()
+    STATE.store = Reservations()
     # One finalizer for kopf's timer bookkeeping and our stream cleanup.
     settings.persistence.finalizer = FINALIZER
     # Keep kopf's bookkeeping in annotations: status fields outside the CRD schema are pruned.
@@ -167,12 +166,6 @@ async def close_client(**_: Any) -> None:
         STATE.kube = None  # the next start logs in again (to whatever server it is told)
 
 
-@dataclass(frozen=True)
-class JobRecord:
-    uid: str
-    held: int  # status.natsReservedBytes: what its status says it holds in the chart's NATS store
-
-
 @kopf.index(API_GROUP, VERSION, PLURAL)
 def jobs(namespace: str | None, name: str, uid: str, body: kopf.Body, **_: Any) -> dict[tuple[str, str], JobRecord]:
     """Every job watched, with the bytes of the chart's NATS store its status says it holds: the
@@ -182,84 +175,19 @@ def jobs(namespace: str | None, name: str, uid: str, body: kopf.Body, **_: Any) 
     return {(namespace or "", name): JobRecord(uid, held if isinstance(held, int) else 0)}
 
 
-def held_reservations(index: kopf.Index) -> dict[str, tuple[str, str, int]]:
-    """uid → (namespace, name, bytes) of every job holding a reservation now: its status's, or
-    what this process decided since (STATE.decided: until the status says so too)."""
-    records = {r.uid: (ns, n, r.held) for (ns, n), rs in index.items() for r in rs}
-    for uid, decided in list(STATE.decided.items()):
-        if uid not in records or records[uid] == decided:
-            del STATE.decided[uid]  # gone, or the status has caught up
-        else:
-            records[uid] = decided
-    return {uid: r for uid, r in records.items() if r[2] > 0}
-
-
-async def reserve(
-    index: kopf.Index, cfg: OperatorConfig, uid: str, namespace: str, name: str, need: int
-) -> tuple[str | None, int]:
-    """Take, keep or give back (`need` 0) the job's reservation in the chart's NATS store, then
-    write the NATS accounts of the jobs that hold one. Returns why the job must wait, if it must
-    (it holds nothing then, and has no account), and the bytes it holds. Decisions are serialized,
-    so two jobs never take the same room; a running job whose update needs more than there is
-    keeps what it holds."""
-    assert STATE.capacity_lock is not None
-    async with STATE.capacity_lock:
-        held = held_reservations(index)
-        problem = None
-        mine = held.pop(uid, None)
-        if need and (mine is None or mine[2] != need) and cfg.nats_store_bytes:
-            others = {u: (ns, b) for u, (ns, _, b) in held.items()}
-            problem = admission_problem(cfg.nats_store_bytes, cfg.policy.namespace_share, others, namespace, need)
-        decided = mine if problem and mine else (namespace, name, 0 if problem else need)
-        STATE.decided[uid] = decided
-        if decided[2]:
-            held[uid] = decided
-        await sync_nats_accounts(cfg, held)
-        return problem, decided[2]
-
-
-def accounts_secret(name: str, namespace: str, text: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "type": "Opaque",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": {"app.kubernetes.io/name": "pipelinerl", "app.kubernetes.io/component": "nats"},
-        },
-        "data": secret_data({NATS_ACCOUNTS_FILE: text}),
-    }
-
-
 @kopf.on.startup()
 async def nats_accounts_exist(settings: kopf.OperatorSettings, **_: Any) -> None:
     """The chart's NATS starts once its accounts Secret exists: create it (the operator's account
     alone) if it does not; never overwrite it here (that would log every job out until the jobs'
     next sync). Start-up runs before kopf's login: log in for our own client first."""
     cfg = operator_config()
-    secret, namespace = os.environ.get(OperatorEnv.NATS_ACCOUNTS_SECRET), os.environ.get(OperatorEnv.NAMESPACE)
+    secret, namespace = accounts_secret_name()
     if not (cfg.auth_key and secret and namespace):
         return
     if STATE.kube is None:
         login(settings=settings)
     if STATE.kube is not None:
         await STATE.kube.create(accounts_secret(secret, namespace, nats_accounts(cfg.auth_key, [])))
-
-
-async def sync_nats_accounts(cfg: OperatorConfig, held: dict[str, tuple[str, str, int]]) -> None:
-    """Write the NATS accounts of the jobs holding a reservation (`held`) into the Secret the
-    chart's NATS server includes (it reloads when the file changes): their limits add up to no
-    more than its store, so it can always start. Only with the install's key and that Secret
-    named (the chart's own NATS in use)."""
-    secret, namespace = os.environ.get(OperatorEnv.NATS_ACCOUNTS_SECRET), os.environ.get(OperatorEnv.NAMESPACE)
-    if not (cfg.auth_key and secret and namespace and STATE.kube):
-        return
-    accounts = [(ns, name, uid, b * cfg.nats_replicas) for uid, (ns, name, b) in held.items()]  # every copy kept
-    text = nats_accounts(cfg.auth_key, accounts)
-    if text != STATE.accounts_written:
-        await STATE.kube.apply(accounts_secret(secret, namespace, text))
-        STATE.accounts_written = text
 
 
 async def apply_owned(kube: Kube, children: list[dict[str, Any]], uid: str) -> str | None:
@@ -396,14 +324,6 @@ def _read_spec(
     return job, None, render(job, ns, meta.get("uid", ""), cfg, active=active, output_written=output_written)
 
 
-def store_bytes_needed(job: Any, previous: dict[str, Any], cfg: OperatorConfig) -> int:
-    """What the job must hold in the chart's NATS store now: its streams' bytes while it runs on
-    the install's own NATS; nothing when invalid, suspended or finished (or on another server)."""
-    if job is None or job.spec.suspend or is_terminal(previous) or not (on_chart_nats(job) and cfg.nats_bundled):
-        return 0
-    return reserved_bytes(job.spec)
-
-
 async def _reserve_and_apply(
     kube: Kube,
     jobs: kopf.Index,
@@ -418,7 +338,8 @@ async def _reserve_and_apply(
     room; why not, otherwise; and the bytes it holds."""
     meta = body["metadata"]
     uid = meta.get("uid", "")
-    error, held = await reserve(jobs, cfg, uid, meta["namespace"], meta["name"], store_bytes_needed(job, previous, cfg))
+    need = store_bytes_needed(job, previous, cfg)
+    error, held = await STATE.store.reserve(jobs, cfg, STATE.kube, uid, meta["namespace"], meta["name"], need)
     if not error and children:
         error = await apply_owned(kube, children, uid)
     if error:
@@ -571,7 +492,7 @@ async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
         logger.warning("could not delete NATS streams of %s/%s: %r", ns, name, err)
         _event(body, "Warning", "StreamsDeleteFailed", f"could not delete NATS streams at {url}: {err!r}")
     try:
-        await reserve(jobs, cfg, uid, ns, name, 0)  # its account goes with it
+        await STATE.store.reserve(jobs, cfg, STATE.kube, uid, ns, name, 0)  # its account goes with it
     except Exception as err:  # noqa: BLE001 - the next job's change (or the resync) writes it again
         logger.warning("could not remove the NATS account of %s/%s: %r", ns, name, err)
     metrics.record_phase(ns, name, None)
