@@ -25,7 +25,7 @@ import math
 from bisect import bisect_right
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -136,30 +136,16 @@ class _Sim:
     changes its rate.
     """
 
-    def __init__(
-        self,
-        mode: str,
-        n_gen: int,
-        n_train: int,
-        max_lag: int,
-        samples_per_step: int,
-        attempts: int,
-        calib: Calibration,
-        max_tokens: int,
-        lengths: Lengths,
-        steps: int | None,
-        warmup: int | None,
-        seed: int,
-        filtered: float,
-        wave_groups: int,
-        max_inflight: int | None,
-        trace: list[tuple] | None,
-        steps_per_generation: int,
-        colocated: bool,
-        max_running: int | None,
-        window_lifetimes: float,
-        climb_lifetimes: float,
-    ) -> None:
+    def __init__(self, p: SimParams) -> None:
+        mode, n_gen, n_train, max_lag, calib = p.mode, p.n_gen, p.n_train, p.max_lag, p.calib
+        samples_per_step, attempts, max_tokens, steps, warmup = (
+            p.samples_per_step, p.attempts, p.max_tokens, p.steps, p.warmup
+        )  # fmt: skip
+        seed, wave_groups, max_inflight, trace, colocated = p.seed, p.wave_groups, p.max_inflight, p.trace, p.colocated
+        steps_per_generation, max_running = p.steps_per_generation, p.max_running
+        window_lifetimes, climb_lifetimes = p.window_lifetimes, p.climb_lifetimes
+        lengths, filtered = p.lengths, p.filtered
+        assert lengths is not None and filtered is not None  # filled in by SimParams
         self.window_lifetimes, self.climb_lifetimes = window_lifetimes, climb_lifetimes
         self.c, self.attempts, self.max_tokens, self.lengths = calib, attempts, max_tokens, lengths
         self.filtered = filtered
@@ -677,29 +663,68 @@ class _Sim:
         )
 
 
-def simulate(
-    mode: Literal["pipeline", "sync"],
-    n_gen: int,
-    n_train: int,
-    max_lag: int,
-    samples_per_step: int,
-    attempts: int,
-    calib: Calibration,
-    max_tokens: int,
-    lengths: Lengths | None = None,
-    steps: int | None = None,
-    warmup: int | None = None,
-    seed: int = 0,
-    filtered: float | None = None,
-    wave_groups: int = 0,
-    max_inflight: int | None = None,
-    trace: list[tuple] | None = None,
-    steps_per_generation: int = 1,
-    colocated: bool = False,
-    max_running: int | None = None,
-    window_lifetimes: float = WINDOW_LIFETIMES,
-    climb_lifetimes: float = CLIMB_LIFETIMES,
-) -> SimResult:
+@dataclass
+class SimParams:
+    """One simulated run's parameters (`simulate` takes them as they are listed here)."""
+
+    mode: Literal["pipeline", "sync"]
+    n_gen: int
+    n_train: int
+    max_lag: int
+    samples_per_step: int
+    attempts: int
+    calib: Calibration
+    max_tokens: int
+    lengths: Lengths | None = None  # None: the calibration's
+    steps: int | None = None
+    warmup: int | None = None
+    seed: int = 0
+    filtered: float | None = None  # None: the calibration's
+    wave_groups: int = 0
+    max_inflight: int | None = None
+    trace: list[tuple] | None = None
+    steps_per_generation: int = 1
+    colocated: bool = False
+    max_running: int | None = None
+    window_lifetimes: float = WINDOW_LIFETIMES
+    climb_lifetimes: float = CLIMB_LIFETIMES
+
+    def __post_init__(self) -> None:
+        """Checked, and the defaults that depend on others filled in (ValueError naming the one at fault)."""
+        mode, n_gen, n_train, max_lag, calib = self.mode, self.n_gen, self.n_train, self.max_lag, self.calib
+        samples_per_step, attempts, k = self.samples_per_step, self.attempts, self.steps_per_generation
+        colocated, max_running, steps, warmup = self.colocated, self.max_running, self.steps, self.warmup
+        if mode not in ("pipeline", "sync"):
+            raise ValueError(f"mode must be 'pipeline' or 'sync', got {mode!r}")
+        if k < 1 or (mode == "pipeline" and k != 1):
+            raise ValueError(f"steps_per_generation ({k}) must be >= 1, and 1 in pipeline mode")
+        if colocated and (mode == "pipeline" or n_gen != n_train):
+            raise ValueError("colocated runs are sync mode on shared devices: n_gen must equal n_train")
+        if samples_per_step % attempts:
+            raise ValueError(f"samples_per_step ({samples_per_step}) must be a multiple of attempts ({attempts})")
+        if n_gen < calib.gpus_per_engine or n_train < 1:
+            raise ValueError(
+                f"need at least one generator engine ({calib.gpus_per_engine} devices) and one trainer, "
+                f"got {n_gen} and {n_train}"
+            )
+        if max_running is not None and max_running < 1:
+            raise ValueError(f"max_running ({max_running}) must be >= 1")
+        if steps is not None:
+            warmup = (max_lag + 2 if mode == "pipeline" and max_lag else 0) if warmup is None else warmup
+            if not 0 <= warmup < steps:
+                raise ValueError(f"warmup ({warmup}) must be in [0, steps={steps})")
+            if warmup % k or steps % k:
+                raise ValueError(f"steps ({steps}) and warmup ({warmup}) must be whole phases of {k}")
+        elif warmup is not None and warmup < 0:
+            raise ValueError(f"warmup ({warmup}) must be >= 0")
+        self.warmup = warmup
+        self.lengths = self.lengths or calib.lengths
+        self.filtered = calib.filtered_fraction if self.filtered is None else self.filtered
+        if not 0 <= self.filtered < 1:
+            raise ValueError(f"filtered ({self.filtered}) must be in [0, 1)")
+
+
+def simulate(*args: Any, **kwargs: Any) -> SimResult:
     """Simulate a run; rates and lag are measured after a warm-up, over a window.
 
     n_gen / n_train are devices; sync mode ignores max_lag (it is 0 there by definition).
@@ -720,55 +745,7 @@ def simulate(
     (and `warmup`, default max_lag + 2 in pipeline mode, 0 in sync mode) they are fixed; in
     sync mode both are whole phases. Deterministic for a given seed.
     """
-    if mode not in ("pipeline", "sync"):
-        raise ValueError(f"mode must be 'pipeline' or 'sync', got {mode!r}")
-    if steps_per_generation < 1 or (mode == "pipeline" and steps_per_generation != 1):
-        raise ValueError(f"steps_per_generation ({steps_per_generation}) must be >= 1, and 1 in pipeline mode")
-    if colocated and (mode == "pipeline" or n_gen != n_train):
-        raise ValueError("colocated runs are sync mode on shared devices: n_gen must equal n_train")
-    if samples_per_step % attempts:
-        raise ValueError(f"samples_per_step ({samples_per_step}) must be a multiple of attempts ({attempts})")
-    if n_gen < calib.gpus_per_engine or n_train < 1:
-        raise ValueError(
-            f"need at least one generator engine ({calib.gpus_per_engine} devices) and one trainer, "
-            f"got {n_gen} and {n_train}"
-        )
-    if max_running is not None and max_running < 1:
-        raise ValueError(f"max_running ({max_running}) must be >= 1")
-    if steps is not None:
-        warmup = (max_lag + 2 if mode == "pipeline" and max_lag else 0) if warmup is None else warmup
-        if not 0 <= warmup < steps:
-            raise ValueError(f"warmup ({warmup}) must be in [0, steps={steps})")
-        if warmup % steps_per_generation or steps % steps_per_generation:
-            raise ValueError(f"steps ({steps}) and warmup ({warmup}) must be whole phases of {steps_per_generation}")
-    elif warmup is not None and warmup < 0:
-        raise ValueError(f"warmup ({warmup}) must be >= 0")
-    filtered = calib.filtered_fraction if filtered is None else filtered
-    if not 0 <= filtered < 1:
-        raise ValueError(f"filtered ({filtered}) must be in [0, 1)")
-    return _Sim(
-        mode,
-        n_gen,
-        n_train,
-        max_lag,
-        samples_per_step,
-        attempts,
-        calib,
-        max_tokens,
-        lengths or calib.lengths,
-        steps,
-        warmup,
-        seed,
-        filtered,
-        wave_groups,
-        max_inflight,
-        trace,
-        steps_per_generation,
-        colocated,
-        max_running,
-        window_lifetimes,
-        climb_lifetimes,
-    ).run()
+    return _Sim(SimParams(*args, **kwargs)).run()
 
 
 def wave_groups(job: PipelineRLJob, trainer_ranks: int, lengths: Lengths) -> int:
