@@ -51,7 +51,7 @@ def admission_problem(
         return (
             f"the chart's NATS store ({store_bytes / gib:.2f} GiB) cannot hold this job's streams "
             f"({need / gib:.2f} GiB) beside the running jobs' ({total / gib:.2f} GiB reserved): it starts once "
-            "there is room (a job finishes, is suspended or deleted); or lower trainer.checkpointInterval, "
+            "there is room (a job finishes or is deleted); or lower trainer.checkpointInterval, "
             "trainer.samplesPerStep or model.maxSeqLen, or give NATS a larger volume (the chart's nats.storageGi)"
         )
     mine = sum(b for ns, b in held.values() if ns == namespace)

@@ -318,7 +318,9 @@ POD_ID_RULES = [
     for f in ("runAsUser", "runAsGroup", "fsGroup")
 ]
 ENV_DEVICE_RULE = (
-    f"!(self.name in [{', '.join(repr(n) for n in sorted(reserved.DEVICE_ENV))}])",
+    "!("
+    + " || ".join(f"self.name.startsWith('{p}')" for p in reserved.DEVICE_ENV_PREFIXES)
+    + f" || self.name in [{', '.join(repr(n) for n in sorted(reserved.DEVICE_ENV_NAMES))}])",
     f"env name: {reserved.DEVICE_ENV_WHY}",
 )
 _SECRET = "self.valueFrom.secretKeyRef.name"
@@ -332,13 +334,13 @@ ENV_INSTALL_SECRET_RULE = (
 
 
 def env_credentials_rule(role: str) -> tuple[str, str]:
-    """On the root (the job's name): a role's env names no other job's credentials."""
+    """A role's env names no job's credentials Secret (the job's own reach its pods through the
+    operator's env alone)."""
     ref = "e.valueFrom.secretKeyRef.name"
     return (
         f"!has(self.spec.{role}.env) || self.spec.{role}.env.all(e, !has(e.valueFrom) || "
         "!has(e.valueFrom.secretKeyRef) || "
-        f"!{ref}.endsWith('{reserved.CREDENTIALS_SUFFIX}') || "
-        f"{ref} == self.metadata.name + '{reserved.CREDENTIALS_SUFFIX}')",
+        f"!{ref}.endsWith('{reserved.CREDENTIALS_SUFFIX}'))",
         f"spec.{role}.env valueFrom.secretKeyRef.name: {reserved.CREDENTIALS_WHY}: {reserved.NEVER}",
     )
 

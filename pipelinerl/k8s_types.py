@@ -72,6 +72,32 @@ def parse_quantity(value: int | str) -> Decimal:
     return base * Decimal(_BINARY.get(suffix) or _DECIMAL[suffix])
 
 
+# What the API server reads where a pod's JSON has a quantity (apimachinery's
+# Quantity.UnmarshalJSON: the string's surrounding space trimmed, then ParseQuantity, which takes
+# a sign): "  32", "-1" and the JSON number 4096.5 are all quantities there. The spec's own fields
+# keep the strict QUANTITY (their CRD pattern); a podTemplate's are read this way, so that the
+# policy sees the number the kubelet will.
+_SIGNED_QUANTITY = re.compile(r"[+-]?" + QUANTITY.lstrip("^").removeprefix(r"\+?").rstrip("$"))
+
+
+def read_quantity(value: Any) -> Decimal:
+    """A quantity as Kubernetes reads it from a manifest (a string, an integer, a float: a JSON
+    number; null reads as 0); ValueError where Kubernetes could not read it either."""
+    if value is None:
+        return Decimal(0)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f'expected a quantity such as 4, "500m" or "16Gi", got {value!r}')
+    if isinstance(value, float):
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError(f"{value!r} is not a Kubernetes quantity")
+        return Decimal(repr(value))
+    text = str(value).strip()
+    if not _SIGNED_QUANTITY.fullmatch(text):
+        raise ValueError(f"{str(value)!r} is not a quantity Kubernetes can read")
+    sign = -1 if text.startswith("-") else 1
+    return sign * parse_quantity(text.lstrip("+-"))
+
+
 def _quantity(value: int | str) -> int | str:
     if parse_quantity(value) < 0:
         raise ValueError("must not be negative")

@@ -4,7 +4,7 @@ that the API server and the webhook refuse the same things with the same words."
 
 from __future__ import annotations
 
-# Secrets: every job's credentials ("<job>-pipelinerl-credentials"), the chart's own
+# Secrets: every job's credentials ("<job>-<uid[:8]>-pipelinerl-credentials"), the chart's own
 # ("<release>-pipelinerl-<suffix>": its fullname always ends in -pipelinerl), Helm's record of
 # each release (its rendered values, the generated install key among them).
 CREDENTIALS_SUFFIX = "-pipelinerl-credentials"
@@ -20,20 +20,25 @@ HELM_RELEASE_PREFIX = "sh.helm.release.v1."
 CHECKPOINT_CLAIM = r"^run-.+-trainer-[0-9]+$"
 NATS_CLAIM = r"^data-.+-pipelinerl-nats-[0-9]+$"
 
-# What the GPU container runtime reads from a container's environment: NVIDIA_VISIBLE_DEVICES=all
-# hands a pod every GPU of its node, requested or not.
-DEVICE_ENV = frozenset(
-    {
-        "NVIDIA_VISIBLE_DEVICES",
-        "NVIDIA_DRIVER_CAPABILITIES",
-        "NVIDIA_REQUIRE_CUDA",
-        "NVIDIA_DISABLE_REQUIRE",
-        "NVIDIA_MIG_CONFIG_DEVICES",
-        "NVIDIA_MIG_MONITOR_DEVICES",
-        "NVIDIA_IMEX_CHANNELS",
-        "CUDA_VISIBLE_DEVICES",
-    }
-)
+# What a GPU container runtime reads from a container's environment: NVIDIA_VISIBLE_DEVICES=all
+# hands a pod every GPU of its node, requested or not, and the NVIDIA toolkit reads more of its
+# NVIDIA_ names with every release (NVIDIA_MOFED, NVIDIA_GDS, ...), so the whole prefix is
+# refused, not a list of today's names.
+DEVICE_ENV_PREFIXES = ("NVIDIA_", "HABANA_VISIBLE_", "AMD_VISIBLE_DEVICES")
+DEVICE_ENV_NAMES = frozenset({"CUDA_VISIBLE_DEVICES"})
+
+
+def is_device_env(name: object) -> bool:
+    return isinstance(name, str) and (name in DEVICE_ENV_NAMES or name.startswith(DEVICE_ENV_PREFIXES))
+
+
+def could_yield_device_env(prefix: str) -> bool:
+    """Whether `prefix` + some key is a name `is_device_env` refuses (an envFrom's keys are
+    anyone's)."""
+    return any(p.startswith(prefix) or prefix.startswith(p) for p in DEVICE_ENV_PREFIXES) or any(
+        n.startswith(prefix) for n in DEVICE_ENV_NAMES
+    )
+
 
 # User and group IDs below this are root's and the system's (group 0, `disk`, `shadow`...): a pod
 # may run as another ID than the operator's 10001, never as one of those.
@@ -64,7 +69,7 @@ DEVICE_ENV_WHY = "the GPU runtime reads it: a pod gets the GPUs it requests (gpu
 ID_WHY = f"below {MIN_ID}: root's or a system ID, not allowed"
 HELM_SECRET_WHY = "a Helm release Secret (it holds the release's rendered values, the install key among them)"
 INSTALL_SECRET_WHY = "the PipelineRL install's own"
-CREDENTIALS_WHY = "another job's credentials"
+CREDENTIALS_WHY = "a job's credentials (its own reach its pods from the operator alone)"
 CHECKPOINT_WHY = "a job's checkpoints (a trainer's run volume)"
 NATS_CLAIM_WHY = "the NATS store of a PipelineRL install (every job's streams)"
 NEVER = "no job may use it"

@@ -27,6 +27,12 @@ def nats_user(namespace: str, name: str) -> str:
     return f"{namespace}.{name}"  # both DNS labels: no two jobs share one
 
 
+def job_account(namespace: str, name: str, uid: str) -> str:
+    """The job's NATS account: its streams are stored under this name, so a later job of the same
+    name (another uid) never finds an earlier one's data, whatever was left on the volume."""
+    return f"{nats_user(namespace, name)}.{uid}"
+
+
 def job_credentials(key: str, namespace: str, name: str, uid: str) -> dict[str, str]:
     """The job Secret's values, by JOB_SECRET_KEYS key."""
     return {
@@ -43,8 +49,8 @@ def secret_data(values: dict[str, str]) -> dict[str, str]:
 def nats_accounts(key: str, jobs: Iterable[tuple[str, str, str, int]]) -> str:
     """The `accounts` block of the NATS server's configuration (included by the chart's
     nats.conf, reloaded when it changes): one account per job (namespace, name, uid, the bytes
-    its streams reserve), one user in it, JetStream within that job's own limit (file storage
-    only; every stream must say its size), and the operator's own account."""
+    its streams reserve; named by `job_account`), one user in it, JetStream within that job's own
+    limit (file storage only; every stream must say its size), and the operator's own account."""
 
     def account(name: str, user: str, password: str, file_bytes: int | None) -> str:
         js = (
@@ -58,5 +64,5 @@ def nats_accounts(key: str, jobs: Iterable[tuple[str, str, str, int]]) -> str:
     lines = [account(OPERATOR_ACCOUNT, OPERATOR_ACCOUNT, _derive(key, "operator"), None)]
     for namespace, name, uid, reserved in sorted(set(jobs)):
         creds = job_credentials(key, namespace, name, uid)
-        lines.append(account(creds["natsUser"], creds["natsUser"], creds["natsPassword"], reserved))
+        lines.append(account(job_account(namespace, name, uid), creds["natsUser"], creds["natsPassword"], reserved))
     return "# Written by the PipelineRL operator: one account per job.\naccounts {\n" + "\n".join(lines) + "\n}\n"

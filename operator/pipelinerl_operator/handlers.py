@@ -339,6 +339,9 @@ async def _reserve_and_apply(
     meta = body["metadata"]
     uid = meta.get("uid", "")
     need = store_bytes_needed(job, previous, cfg)
+    holds = int(previous.get("natsReservedBytes") or 0)
+    if holds and not need and not await _delete_streams(body, cfg, logger):
+        need = holds  # its account (and room) stays until its streams are gone: tried again next pass
     error, held = await STATE.store.reserve(jobs, cfg, STATE.kube, uid, meta["namespace"], meta["name"], need)
     if not error and children:
         error = await apply_owned(kube, children, uid)
@@ -469,14 +472,39 @@ async def resync(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: 
 
 @kopf.on.delete(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
 async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
-    """Children go by garbage collection (ownerReferences); only the NATS streams and account
-    need us. Never blocks deletion: a NATS failure is reported and the finalizer is released."""
+    """Children go by garbage collection (ownerReferences), unless the job was deleted with
+    `--cascade=orphan`: its StatefulSets are deleted here either way (nothing else would stop
+    their pods). Then its NATS streams, and only then its account (deleting them needs it). Never
+    blocks deletion: a NATS failure is reported and the finalizer is released (what is left is in
+    an account no later job gets: `credentials.job_account`)."""
     meta = body["metadata"]
     name, ns, uid = meta["name"], meta["namespace"], meta.get("uid", "")
     cfg = operator_config()
-    own_url = (body.get("spec") or {}).get("nats", {}).get("url")
+    await _delete_statefulsets(STATE.kube, ns, name, uid, logger)
+    held = STATE.store.held(jobs).get(uid, ("", "", 0))[2]
+    if held or _own_nats_url(body) or not cfg.nats_bundled:  # on the chart's NATS, no room means no streams
+        await _delete_streams(body, cfg, logger)
+    try:
+        await STATE.store.reserve(jobs, cfg, STATE.kube, uid, ns, name, 0)  # its account goes with it
+    except Exception as err:  # noqa: BLE001 - the next job's change (or the resync) writes it again
+        logger.warning("could not remove the NATS account of %s/%s: %r", ns, name, err)
+    metrics.record_phase(ns, name, None)
+    key = str(meta.get("uid") or f"{ns}/{name}")
+    STATE.locks.pop(key, None)
+    STATE.last_status.pop(key, None)
+
+
+def _own_nats_url(body: kopf.Body) -> str | None:
+    return ((body.get("spec") or {}).get("nats") or {}).get("url")
+
+
+async def _delete_streams(body: kopf.Body, cfg: OperatorConfig, logger: logging.Logger | logging.LoggerAdapter) -> bool:
+    """The job's NATS streams deleted (on the chart's NATS as the job's own user: they live in its
+    account), told in an Event; False where NATS did not answer."""
+    meta = body["metadata"]
+    name, ns, uid = meta["name"], meta["namespace"], meta.get("uid", "")
+    own_url = _own_nats_url(body)
     url = own_url or cfg.nats_url
-    # On the chart's NATS, the streams live in the job's own account: delete them as its user.
     creds = job_credentials(cfg.auth_key, ns, name, uid) if cfg.auth_key and not own_url else {}
     try:
         streams = await delete_job_streams(
@@ -487,15 +515,33 @@ async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
             creds.get("natsPassword"),
             timeout_s=float(os.environ.get(OperatorEnv.NATS_TIMEOUT, "10")),
         )
-        _event(body, "Normal", "StreamsDeleted", f"deleted NATS streams: {', '.join(streams) or 'none'}")
-    except Exception as err:  # noqa: BLE001 - any NATS failure must still let the job go
+    except Exception as err:  # noqa: BLE001 - any NATS failure is told, never raised
         logger.warning("could not delete NATS streams of %s/%s: %r", ns, name, err)
-        _event(body, "Warning", "StreamsDeleteFailed", f"could not delete NATS streams at {url}: {err!r}")
-    try:
-        await STATE.store.reserve(jobs, cfg, STATE.kube, uid, ns, name, 0)  # its account goes with it
-    except Exception as err:  # noqa: BLE001 - the next job's change (or the resync) writes it again
-        logger.warning("could not remove the NATS account of %s/%s: %r", ns, name, err)
-    metrics.record_phase(ns, name, None)
-    key = str(meta.get("uid") or f"{ns}/{name}")
-    STATE.locks.pop(key, None)
-    STATE.last_status.pop(key, None)
+        _event(
+            body,
+            "Warning",
+            "StreamsDeleteFailed",
+            f"could not delete NATS streams at {url}: {err!r} (they stay in the job's own account, which no "
+            "later job gets; on the chart's NATS they hold their room until it restarts)",
+        )
+        return False
+    _event(body, "Normal", "StreamsDeleted", f"deleted NATS streams: {', '.join(streams) or 'none'}")
+    return True
+
+
+async def _delete_statefulsets(
+    kube: Kube | None, ns: str, name: str, uid: str, logger: logging.Logger | logging.LoggerAdapter
+) -> None:
+    """The job's StatefulSets: its own, or ones `--cascade=orphan` left with no owner (the garbage
+    collector strips the ownerReferences then); never one another owner holds."""
+    if kube is None:
+        return
+    for role in ROLES:
+        try:
+            sts = await kube.get("apps/v1", "StatefulSet", ns, role_name(name, role))
+            if sts is None or (sts["metadata"].get("labels") or {}).get(JOB_LABEL) != name:
+                continue
+            if owned_by(sts, uid) or not sts["metadata"].get("ownerReferences"):
+                await kube.delete("apps/v1", "StatefulSet", ns, role_name(name, role))
+        except KubeError as err:
+            logger.warning("could not delete StatefulSet %s: %s", role_name(name, role), err)

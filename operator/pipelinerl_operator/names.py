@@ -32,8 +32,12 @@ def config_map_name(job: str) -> str:
     return owned_name(job, "config")
 
 
-def secret_name(job: str) -> str:
-    return f"{job}{CREDENTIALS_SUFFIX}"  # pod_security refuses other jobs' by the suffix
+def secret_name(job: str, uid: str) -> str:
+    """The job's credentials, named for this job only: a later job of the same name never takes an
+    earlier one's Secret the garbage collector has not deleted yet, and nobody can make one for a
+    job before it exists (the operator only creates it: it has no right to read Secrets). The
+    policy refuses other jobs' by the suffix."""
+    return f"{job}-{uid[:8]}{CREDENTIALS_SUFFIX}"
 
 
 def service_account_name(job: str, cfg: OperatorConfig) -> str:

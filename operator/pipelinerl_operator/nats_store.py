@@ -31,10 +31,15 @@ class JobRecord:
 
 def store_bytes_needed(job: Any, previous: dict[str, Any], cfg: OperatorConfig) -> int:
     """What the job must hold in the chart's NATS store now: its streams' bytes while it runs on
-    the install's own NATS; nothing when invalid, suspended or finished (or on another server)."""
-    if job is None or job.spec.suspend or is_terminal(previous) or not (on_chart_nats(job) and cfg.nats_bundled):
+    the install's own NATS. Suspended, or with a spec that no longer parses, it keeps what it holds
+    (its streams stay for its resume: the server holds their room all the while, so the books
+    must too) and takes nothing new; finished, nothing (handlers deletes its streams first)."""
+    held = int(previous.get("natsReservedBytes") or 0)
+    if is_terminal(previous):
         return 0
-    return reserved_bytes(job.spec)
+    if job is None or job.spec.suspend:
+        return held
+    return reserved_bytes(job.spec) if on_chart_nats(job) and cfg.nats_bundled else 0
 
 
 def accounts_secret(name: str, namespace: str, text: str) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from pipelinerl.contracts import (
     Env,
     ServiceEnv,
 )
-from pipelinerl.k8s_types import parse_quantity
+from pipelinerl.k8s_types import parse_quantity, read_quantity
 from pipelinerl.spec import PipelineRLJob, RoleSpec
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.names import (
@@ -111,7 +111,7 @@ def service_env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConf
     )
 
 
-def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> list[dict[str, Any]]:
+def _env(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: OperatorConfig) -> list[dict[str, Any]]:
     rank = {"fieldRef": {"fieldPath": f"metadata.labels['{POD_INDEX_LABEL}']"}}
     env = [
         {"name": name, "valueFrom": rank} if name == Env.RANK else {"name": name, "value": value}
@@ -121,7 +121,7 @@ def _env(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> 
     # The root filesystem is read-only: caches and home go to volumes (a user's env may move them).
     env += [{"name": Env.CACHE, "value": POD_CACHE_DIR}, {"name": Env.HOME, "value": POD_TMP_DIR}]
     env += [
-        {"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name(job.name), "key": key}}}
+        {"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name(job.name, uid), "key": key}}}
         for key, name in JOB_SECRET_KEYS.items()
         if _uses_secret(job, cfg, key)
     ]
@@ -241,9 +241,9 @@ def _sidecar_resources(container: dict[str, Any]) -> None:
             limits[resource] = SIDECAR_RESOURCES["limits"][resource]
         elif resource not in limits:
             try:
-                limits[resource] = max(SIDECAR_RESOURCES["limits"][resource], requests[resource], key=parse_quantity)
+                limits[resource] = max(SIDECAR_RESOURCES["limits"][resource], requests[resource], key=read_quantity)
             except ValueError:
-                pass  # not a quantity: the schema check names it
+                pass  # not a quantity: the policy check names it
     container["resources"] = {**given, "requests": requests, "limits": limits}
 
 
@@ -256,7 +256,7 @@ CONTAINER_SECURITY = {
 }
 
 
-def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorConfig) -> dict[str, Any]:
+def pod_template(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: OperatorConfig) -> dict[str, Any]:
     spec: RoleSpec = getattr(job.spec, role)
     image = spec.image or (cfg.gpu_image if spec.gpus else cfg.cpu_image)
     container: dict[str, Any] = {
@@ -265,7 +265,7 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, cfg: OperatorCon
         "imagePullPolicy": cfg.image_pull_policy,
         "command": ["pipelinerl"],
         "args": ["service", role, JOB_FILE],
-        "env": _env(job, role, namespace, cfg),
+        "env": _env(job, role, namespace, uid, cfg),
         "ports": container_ports(job, role),
         "resources": _resources(spec, role),
         "startupProbe": _probe("/healthz", 10, 180),  # model loading may take many minutes

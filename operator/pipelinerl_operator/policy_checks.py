@@ -39,11 +39,12 @@ from urllib.parse import urlsplit
 
 from pipelinerl import reserved
 from pipelinerl.capacity import reserved_bytes
-from pipelinerl.contracts import RESERVED_LABEL_PREFIXES, reserved_env
-from pipelinerl.k8s_types import parse_quantity
+from pipelinerl.contracts import JOB_SECRET_KEYS, RESERVED_LABEL_PREFIXES, reserved_env
+from pipelinerl.k8s_types import parse_quantity, read_quantity
 from pipelinerl.reserved import (
+    could_yield_device_env,
+    is_device_env,
     CREDENTIALS_SUFFIX,
-    DEVICE_ENV,
     HELM_RELEASE_PREFIX,
     INSTALL_SECRET_SUFFIXES,
     NOT_ALLOWED,
@@ -53,6 +54,7 @@ from pipelinerl_operator.egress import egress_problems
 from pipelinerl_operator.job_policy import Install, JobPolicy
 
 GIB = 1 << 30
+HOSTNAME_LABEL = "kubernetes.io/hostname"  # on every node: spreading over it chooses none
 
 # ---------------------------------------------------------------- the fields a podTemplate may set
 
@@ -139,7 +141,10 @@ CONTAINER_SECURITY_FIELDS = frozenset(
 EPHEMERAL_CLAIM_FIELDS = frozenset({"accessModes", "resources", "storageClassName", "volumeMode"})
 ENV_SOURCES = frozenset({"secretKeyRef", "configMapKeyRef", "fieldRef", "resourceFieldRef"})
 DEVICE_ENV_WHY = reserved.DEVICE_ENV_WHY
-FORBIDDEN_ENV = reserved_env() | DEVICE_ENV
+FORBIDDEN_ENV = reserved_env()
+# The job's credentials reach its service containers under these names, set by the operator
+# alone (FORBIDDEN_ENV refuses them to a user): the one reference to a credentials Secret allowed.
+OPERATORS_SECRET_ENV = frozenset(JOB_SECRET_KEYS.values())
 # Annotations the kubelet or a scheduler acts on: the job's spec sets these, one way only.
 RESERVED_ANNOTATION_PREFIXES = (
     *RESERVED_LABEL_PREFIXES,
@@ -180,11 +185,14 @@ def image_allowed(image: str, prefixes: list[str]) -> bool:
     return any(repo == p.rstrip("/") or repo.startswith(p.rstrip("/") + "/") for p in prefixes)
 
 
-def _quantity(value: Any) -> Decimal | None:
+def _quantity(value: Any, at: str, bad: Problems) -> Decimal | None:
+    """The number Kubernetes reads (spaces trimmed, JSON numbers, a sign), so that no spelling the
+    kubelet reads slips past a bound; one it could not read is refused here, never skipped."""
     try:
-        return parse_quantity(value)
-    except ValueError:
-        return None  # Kubernetes' schema check names it
+        return read_quantity(value)
+    except ValueError as err:
+        bad(at, str(err))
+        return None
 
 
 def _dict(value: Any) -> dict[str, Any]:
@@ -249,9 +257,13 @@ def template_violations(role: str, template: Any, bad: Problems) -> None:
                 bad(f"{at}.restartPolicy", "only Always (a sidecar)")
     for volume in _list(spec.get("volumes")):
         if isinstance(volume, dict) and "ephemeral" in volume:
-            claim = _dict(_dict(_dict(volume["ephemeral"]).get("volumeClaimTemplate")).get("spec"))
-            at = f"{where}.spec.volumes[{volume.get('name', '?')}].ephemeral.volumeClaimTemplate.spec"
-            allowed_fields(claim, EPHEMERAL_CLAIM_FIELDS, at, bad)
+            template = _dict(_dict(volume["ephemeral"]).get("volumeClaimTemplate"))
+            at = f"{where}.spec.volumes[{volume.get('name', '?')}].ephemeral.volumeClaimTemplate"
+            allowed_fields(template, frozenset({"metadata", "spec"}), at, bad)
+            # Labels only: provisioners and the scheduler act on a claim's annotations
+            # (volume.kubernetes.io/selected-node binds it, and the pod, to any node by name).
+            allowed_fields(_dict(template.get("metadata")), frozenset({"labels"}), f"{at}.metadata", bad)
+            allowed_fields(_dict(template.get("spec")), EPHEMERAL_CLAIM_FIELDS, f"{at}.spec", bad)
 
 
 def pod_policy_violations(
@@ -259,7 +271,6 @@ def pod_policy_violations(
     pod: dict[str, Any],
     policy: JobPolicy,
     namespace: str,
-    own_secret: str,
     default_images: tuple[str, ...],
     install: Install,
     bad: Problems,
@@ -294,11 +305,9 @@ def pod_policy_violations(
     _resources(containers, role, policy, bad)
     _volumes(spec, where, policy, bad)
     for path, name in secret_references(spec, where):
-        _reference("Secret", path, name, namespace, policy.secrets, "secrets", own_secret, install, bad)
+        _reference("Secret", path, name, namespace, policy.secrets, "secrets", install, bad)
     for path, name in claim_references(spec, where):
-        _reference(
-            "PersistentVolumeClaim", path, name, namespace, policy.volume_claims, "volumeClaims", "", install, bad
-        )
+        _reference("PersistentVolumeClaim", path, name, namespace, policy.volume_claims, "volumeClaims", install, bad)
 
 
 def _handler_host(handler: dict[str, Any], at: str, bad: Problems) -> None:
@@ -312,7 +321,7 @@ def _env(c: dict[str, Any], at: str, bad: Problems) -> None:
         if not isinstance(var, dict):
             continue
         name = var.get("name")
-        if name in DEVICE_ENV:
+        if is_device_env(name):
             bad(f"{at}.env[{name}]", DEVICE_ENV_WHY)
         elif name in FORBIDDEN_ENV:
             bad(f"{at}.env[{name}]", "reserved (set by PipelineRL itself)")
@@ -323,6 +332,8 @@ def _env(c: dict[str, Any], at: str, bad: Problems) -> None:
     for j, source in enumerate(_list(c.get("envFrom"))):
         prefix = _dict(source).get("prefix") or ""
         clash = sorted(n for n in FORBIDDEN_ENV if n.startswith(prefix))
+        if could_yield_device_env(prefix):
+            clash.insert(0, "a GPU runtime's variable")
         if clash:
             bad(
                 f"{at}.envFrom[{j}].prefix",
@@ -359,10 +370,14 @@ def _placement(spec: dict[str, Any], where: str, policy: JobPolicy, bad: Problem
         terms = _list(pods.get("requiredDuringSchedulingIgnoredDuringExecution")) + [
             _dict(t).get("podAffinityTerm") for t in _list(pods.get("preferredDuringSchedulingIgnoredDuringExecution"))
         ]
-        for term in terms:
+        for i, term in enumerate(terms):
             for field in ("namespaces", "namespaceSelector"):
                 if field in _dict(term):
                     bad(f"{where}.affinity.{kind}.{field}", "pods of other namespaces are not a job's to follow")
+            _topology_key(_dict(term).get("topologyKey"), f"{where}.affinity.{kind}[{i}].topologyKey", policy, bad)
+    for i, constraint in enumerate(_list(spec.get("topologySpreadConstraints"))):
+        at = f"{where}.topologySpreadConstraints[{i}].topologyKey"
+        _topology_key(_dict(constraint).get("topologyKey"), at, policy, bad)
     for i, toleration in enumerate(_list(spec.get("tolerations"))):
         t = _dict(toleration)
         allowed = any(
@@ -375,6 +390,15 @@ def _placement(spec: dict[str, Any], where: str, policy: JobPolicy, bad: Problem
                 f"{where}.tolerations[{i}]",
                 f"not a taint jobs may tolerate (jobPolicy.tolerations: {taints}; a key is required)",
             )
+
+
+def _topology_key(key: Any, at: str, policy: JobPolicy, bad: Problems) -> None:
+    """A topology key chooses nodes too: only nodes carrying the label take the pod (a spread
+    constraint over `node-role.kubernetes.io/control-plane` lands on control-plane nodes), so it
+    must be a label jobs may select on, or the hostname every node has."""
+    if key is not None and key != HOSTNAME_LABEL and key not in policy.node_labels:
+        listed = ", ".join([HOSTNAME_LABEL, *sorted(policy.node_labels)])
+        bad(at, f"{key!r}: a topology key only nodes with that label satisfy; one of: {listed}")
 
 
 def _node_label(key: Any, values: list[Any], at: str, policy: JobPolicy, bad: Problems) -> None:
@@ -395,7 +419,7 @@ def _resources(containers: list[tuple[str, dict[str, Any]]], role: str, policy: 
         total: dict[str, Decimal] = {}
         for _, c in containers:
             for name, value in _dict(_dict(c.get("resources")).get(kind)).items():
-                amount = _quantity(value)
+                amount = _quantity(value, f"{role}.resources.{kind}.{name}", bad)
                 if amount is not None:
                     total[name] = total.get(name, Decimal(0)) + amount
         for name, amount in sorted(total.items()):
@@ -417,7 +441,7 @@ def _volumes(spec: dict[str, Any], where: str, policy: JobPolicy, bad: Problems)
         volume = _dict(volume)
         at = f"{where}.volumes[{volume.get('name', '?')}]"
         empty = _dict(volume.get("emptyDir"))
-        size = _quantity(empty.get("sizeLimit", 0))
+        size = _quantity(empty.get("sizeLimit"), f"{at}.emptyDir.sizeLimit", bad)
         if size is not None and size > cap:
             bad(
                 f"{at}.emptyDir.sizeLimit",
@@ -425,12 +449,14 @@ def _volumes(spec: dict[str, Any], where: str, policy: JobPolicy, bad: Problems)
             )
         claim = _dict(_dict(_dict(volume.get("ephemeral")).get("volumeClaimTemplate")).get("spec"))
         if claim:
-            size = _quantity(_dict(_dict(claim.get("resources")).get("requests")).get("storage", 0))
-            if size is not None and size > cap:
-                bad(
-                    f"{at}.ephemeral.volumeClaimTemplate.spec.resources.requests.storage",
-                    f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})",
-                )
+            for kind, amounts in _dict(claim.get("resources")).items():
+                for name, value in _dict(amounts).items():
+                    field = f"{at}.ephemeral.volumeClaimTemplate.spec.resources.{kind}.{name}"
+                    size = _quantity(value, field, bad)
+                    if name != "storage":
+                        bad(field, "a volume claim asks for storage only")
+                    elif size is not None and size > cap:
+                        bad(field, f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})")
         if "csi" in volume and _dict(volume["csi"]).get("driver") not in policy.csi_drivers:
             drivers = ", ".join(policy.csi_drivers) or "none"
             bad(f"{at}.csi.driver", f"not a CSI driver jobs may use inline (jobPolicy.csiDrivers: {drivers})")
@@ -458,7 +484,7 @@ def secret_references(spec: dict[str, Any], where: str) -> Iterator[tuple[str, s
             at = f"{where}.{kind}[{c.get('name', '?')}]"
             for var in _list(c.get("env")):
                 ref = _dict(_dict(_dict(var).get("valueFrom")).get("secretKeyRef"))
-                if ref:
+                if ref and _dict(var).get("name") not in OPERATORS_SECRET_ENV:
                     yield f"{at}.env[{_dict(var).get('name')}].valueFrom.secretKeyRef.name", str(ref.get("name", ""))
             for j, source in enumerate(_list(c.get("envFrom"))):
                 if "secretRef" in _dict(source):
@@ -476,14 +502,14 @@ def claim_references(spec: dict[str, Any], where: str) -> Iterator[tuple[str, st
             )
 
 
-def never(kind: str, name: str, own_secret: str, install: Install) -> str | None:
+def never(kind: str, name: str, install: Install) -> str | None:
     """Why no job may ever reference this Secret or claim, whatever the policy lists; None if it may."""
     if kind == "Secret":
         if name.startswith(HELM_RELEASE_PREFIX):
             return reserved.HELM_SECRET_WHY
         if name in install.secrets or name.endswith(INSTALL_SECRET_SUFFIXES):
             return reserved.INSTALL_SECRET_WHY
-        if name.endswith(CREDENTIALS_SUFFIX) and name != own_secret:
+        if name.endswith(CREDENTIALS_SUFFIX):  # the job's own too: only the operator's env names it
             return reserved.CREDENTIALS_WHY
     elif CHECKPOINT_CLAIM.match(name):
         return reserved.CHECKPOINT_WHY
@@ -499,14 +525,13 @@ def _reference(
     namespace: str,
     listed: list[str],
     value: str,
-    own_secret: str,
     install: Install,
     bad: Problems,
 ) -> None:
-    why = never(kind, name, own_secret, install)
+    why = never(kind, name, install)
     if why:
         bad(path, f"{kind} {name!r} is {why}: {reserved.NEVER}")
-    elif name != own_secret and not _listed(listed, namespace, name):
+    elif not _listed(listed, namespace, name):
         bad(
             path,
             f"{kind} {name!r} is not one jobs in {namespace} may use: the platform lists those in "
@@ -522,7 +547,7 @@ def spec_violations(
     s = job.spec
     for role in ("generator", "preprocessor", "trainer"):
         for var in getattr(s, role).env:
-            if var.name in DEVICE_ENV:
+            if is_device_env(var.name):
                 bad(f"{role}.env[{var.name}]", DEVICE_ENV_WHY)
     scheduling = s.scheduling
     if scheduling.priority_class_name and scheduling.priority_class_name not in policy.priority_class_names:
@@ -537,12 +562,11 @@ def spec_violations(
             f"{scheduling.scheduler_name!r} is not a scheduler jobs may use "
             f"(jobPolicy.schedulerNames: {', '.join(policy.scheduler_names) or 'none'})",
         )
-    size = _quantity(s.storage.size)
-    if size is not None and size > parse_quantity(policy.max_volume_size):
+    if parse_quantity(s.storage.size) > parse_quantity(policy.max_volume_size):
         bad("storage.size", f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})")
     if s.output and s.output.claim_name:
         _reference("PersistentVolumeClaim", "output.claimName", s.output.claim_name, namespace,
-                   policy.volume_claims, "volumeClaims", "", install, bad)  # fmt: skip
+                   policy.volume_claims, "volumeClaims", install, bad)  # fmt: skip
     for url in (s.nats.url or "").split(","):
         if url.strip():
             parts = urlsplit(url.strip())

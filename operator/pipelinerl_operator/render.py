@@ -80,7 +80,7 @@ def secret(job: PipelineRLJob, namespace: str, uid: str, key: str) -> dict[str, 
         "apiVersion": "v1",
         "kind": "Secret",
         "type": "Opaque",
-        "metadata": metadata(job, namespace, uid, secret_name(job.name), None),
+        "metadata": metadata(job, namespace, uid, secret_name(job.name, uid), None),
         "data": secret_data(job_credentials(key, namespace, job.name, uid)),
     }
 
@@ -195,7 +195,7 @@ def stateful_set(
         "replicas": replicas(job, role) if active else 0,
         "podManagementPolicy": "Parallel",  # ranks rendezvous: start them together
         "selector": {"matchLabels": selector_labels(job.name, role)},
-        "template": pod_template(job, role, namespace, cfg),
+        "template": pod_template(job, role, namespace, uid, cfg),
         # A trainer template change restarts the gang as a whole (the operator deletes its pods
         # together: pods.trainer_gang_to_restart); one rank at a time would break its collectives.
         "updateStrategy": {"type": "OnDelete" if role == "trainer" else "RollingUpdate"},
@@ -283,7 +283,6 @@ def check_pods(job: PipelineRLJob, objects: list[dict[str, Any]], cfg: OperatorC
                 pod,
                 cfg.policy,
                 namespace,
-                secret_name(job.name),
                 (cfg.cpu_image, cfg.gpu_image),
                 cfg.install,
                 bad,

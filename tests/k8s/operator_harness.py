@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import uuid
 import os
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -98,7 +99,7 @@ class Emulator(kmock.KubernetesEmulator):
             if meta.get("generateName") and not meta.get("name"):
                 meta["name"] = f"{meta['generateName']}{rv}"
             self.creates.append(f"{request.resource.plural}/{meta['name']}")
-            meta.setdefault("uid", f"uid-{meta['name']}")
+            meta.setdefault("uid", str(uuid.uuid4()))  # as the API server: one per object ever made
             meta.setdefault("creationTimestamp", "2026-11-22T00:00:00Z")
             meta["generation"], meta["resourceVersion"] = 1, rv
         elif request.method == "PATCH" and request.resource is not None:
@@ -254,6 +255,17 @@ async def running_operator(server_url: str, timeout_s: float = 10.0) -> AsyncIte
             await asyncio.wait_for(task, timeout_s)
         except asyncio.TimeoutError:
             task.cancel()
+
+
+async def collect_garbage(emulator: kmock.KubernetesEmulator, api: Api, owner_uid: str) -> None:
+    """What the garbage collector does once an owner is gone (kmock has none): delete what it owned."""
+    for (res, ns, name), o in list(emulator.objects.items()):
+        if o.deleted:
+            continue
+        refs = (o.raw.get("metadata") or {}).get("ownerReferences") or []
+        if any(r.get("uid") == owner_uid for r in refs):
+            base = f"/apis/{res.group}/{res.version}" if res.group else f"/api/{res.version}"
+            await api._call("DELETE", f"{base}/namespaces/{ns}/{res.plural}/{name}")
 
 
 async def eventually(check: Callable[[], Any], timeout_s: float = 10.0, what: str = "condition") -> Any:

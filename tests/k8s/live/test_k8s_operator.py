@@ -86,7 +86,7 @@ async def test_create_renders_children_and_turns_ready_with_progress(cluster) ->
             assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == (
                 "PipelineRLJob",
                 "demo",
-                "uid-demo",
+                obj(emulator, JOBS, "demo")["metadata"]["uid"],
                 True,
             )
         assert obj(emulator, STS, "demo-prl-generator")["spec"]["replicas"] == 2
@@ -434,6 +434,41 @@ async def test_deletion_removes_this_jobs_nats_streams(cluster, nats_url: str, m
         await eventually(lambda: "StreamsDeleted" in events(emulator))
     finally:
         await nc.close()
+
+
+async def test_a_job_deleted_with_orphan_cascade_leaves_no_statefulset_behind(cluster) -> None:
+    """`kubectl delete prl demo --cascade=orphan`: the garbage collector strips the children's
+    ownerReferences instead of deleting them (done here by hand: kmock has no garbage collector),
+    which would leave the StatefulSets and their GPU pods running with nothing to stop them. The
+    operator's finalizer deletes the job's StatefulSets itself; one of that name another owner
+    holds stays."""
+    emulator, api, _ = cluster
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest())
+        await eventually(lambda: all(obj(emulator, STS, f"demo-prl-{r}") for r in ROLES), what="children")
+        for role in ("generator", "trainer"):
+            await api._call(
+                "PATCH",
+                f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo-prl-{role}",
+                {"metadata": {"ownerReferences": []}},
+            )
+        other = {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "name": "keeper",
+            "uid": "not-the-job",
+            "controller": True,
+        }
+        await api._call(
+            "PATCH",
+            f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo-prl-preprocessor",
+            {"metadata": {"ownerReferences": [other]}},
+        )
+        assert not obj(emulator, STS, "demo-prl-trainer")["metadata"].get("ownerReferences")
+        await api.delete_job("demo")
+        await eventually(lambda: obj(emulator, JOBS, "demo") is None, what="deleted")
+    assert obj(emulator, STS, "demo-prl-generator") is None and obj(emulator, STS, "demo-prl-trainer") is None
+    assert obj(emulator, STS, "demo-prl-preprocessor") is not None  # another owner's: not ours to delete
 
 
 async def test_a_refused_apply_and_a_stuck_pod_are_told_in_the_status_and_events(cluster) -> None:

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import nats
 import pytest
-from operator_harness import NS, eventually, running_operator
+from operator_harness import JOBS, NS, collect_garbage, eventually, running_operator
 from chart import render as render_chart
 from test_k8s_operator import condition, events, manifest, obj, status
 
 from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import NATS_ACCOUNTS_FILE, JobSubjects, OperatorEnv
+from pipelinerl.reserved import CREDENTIALS_SUFFIX
 from pipelinerl_cli.embedded_nats import nats_server_binary
 from pipelinerl.ports import free_port
 from pipelinerl.spec import parse_job
@@ -34,6 +35,12 @@ SECRETS = "v1/secrets"
 
 def decoded(secret: dict | None) -> dict[str, str]:
     return {k: base64.b64decode(v).decode() for k, v in ((secret or {}).get("data") or {}).items()}
+
+
+def credentials(emulator, job: str) -> dict[str, str] | None:
+    """The job's credentials Secret's values (its name has the job's uid in it)."""
+    uid = (obj(emulator, JOBS, job) or {}).get("metadata", {}).get("uid")
+    return decoded(obj(emulator, SECRETS, f"{job}-{uid[:8]}{CREDENTIALS_SUFFIX}")) if uid else None
 
 
 class ChartNats:
@@ -108,16 +115,13 @@ async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(clu
             for job in ("demo", "other"):
                 await api.create_job(manifest(job))
             both = lambda: (  # noqa: E731
-                '"team-a.demo"' in (a := decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET)).get(NATS_ACCOUNTS_FILE, ""))
-                and '"team-a.other"' in a
+                '"team-a.demo.' in (a := decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET)).get(NATS_ACCOUNTS_FILE, ""))
+                and '"team-a.other.' in a
                 and a
             )  # noqa: E731
             server.accounts(await eventually(both, what="both jobs' accounts"))
             server.start()
-            creds = {
-                job: decoded(await eventually(lambda j=job: obj(emulator, SECRETS, f"{j}-pipelinerl-credentials")))
-                for job in ("demo", "other")
-            }
+            creds = {job: await eventually(lambda j=job: credentials(emulator, j)) for job in ("demo", "other")}
             login = {job: {"user": c["natsUser"], "password": c["natsPassword"]} for job, c in creds.items()}
 
             # The job's pods, with its Secret's values: they create and use its streams.
@@ -145,7 +149,7 @@ async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(clu
             # Deleting the job deletes its streams (as its own user) and its account.
             await api.delete_job("demo")
             await eventually(
-                lambda: '"team-a.demo"' not in decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET))[NATS_ACCOUNTS_FILE],
+                lambda: '"team-a.demo.' not in decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET))[NATS_ACCOUNTS_FILE],
                 what="the account gone",
             )
             assert await eventually(lambda: set(events(emulator)) & {"StreamsDeleted", "StreamsDeleteFailed"}) == {
@@ -160,6 +164,51 @@ async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(clu
                 await asyncio.sleep(0.2)
             assert other.is_connected and other.stats["reconnects"] == 0  # the reload left other accounts alone
             await other.close()
+    finally:
+        server.stop()
+
+
+async def test_a_job_of_an_earlier_jobs_name_never_sees_its_data(cluster, tmp_path, monkeypatch) -> None:
+    """The job is deleted while NATS is down, so its streams stay on the volume; a new job of the
+    same name (another uid) gets an account of its own, and finds none of them."""
+    emulator, api, _ = cluster
+    server = ChartNats(tmp_path)
+    for name, value in {
+        OperatorEnv.AUTH_KEY: "install-key",
+        OperatorEnv.NATS_ACCOUNTS_SECRET: ACCOUNTS_SECRET,
+        OperatorEnv.NAMESPACE: NS,
+        OperatorEnv.DEFAULT_NATS_URL: server.url,
+    }.items():
+        monkeypatch.setenv(name, value)
+    accounts = lambda: decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET)).get(NATS_ACCOUNTS_FILE, "")  # noqa: E731
+    subjects = JobSubjects("demo", NS)
+    try:
+        async with running_operator(str(emulator.url)):
+            await api.create_job(manifest("demo"))
+            server.accounts(await eventually(lambda: '"team-a.demo.' in accounts() and accounts(), what="account"))
+            server.start()
+            old = await eventually(lambda: credentials(emulator, "demo"))
+            nc = await nats.connect(server.url, user=old["natsUser"], password=old["natsPassword"])
+            await ensure_streams(nc.jetstream(), subjects, 1, sizes=stream_bytes(parse_job(manifest("demo")).spec))
+            await nc.jetstream().publish(subjects.version, b"the earlier job's")
+            await nc.close()
+            server.stop()
+
+            uid = obj(emulator, JOBS, "demo")["metadata"]["uid"]
+            await api.delete_job("demo")
+            await eventually(lambda: obj(emulator, JOBS, "demo") is None, what="deleted")
+            assert "StreamsDeleteFailed" in events(emulator)
+            await collect_garbage(emulator, api, uid)
+            assert any(p.name == subjects.stream("CONTROL") for p in (tmp_path / "jetstream").rglob("*"))  # left
+
+            await api.create_job(manifest("demo"))
+            new = await eventually(lambda: credentials(emulator, "demo"))
+            assert new["natsPassword"] != old["natsPassword"]
+            server.accounts(await eventually(lambda: '"team-a.demo.' in accounts() and accounts(), what="account"))
+            server.start()
+            nc = await nats.connect(server.url, user=new["natsUser"], password=new["natsPassword"])
+            assert await nc.jetstream().streams_info() == []  # the earlier job's streams are not in its account
+            await nc.close()
     finally:
         server.stop()
 
@@ -224,7 +273,7 @@ async def test_nats_starts_whatever_jobs_exist_and_only_running_jobs_have_accoun
     }.items():
         monkeypatch.setenv(name, value)
     accounts = lambda: decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET)).get(NATS_ACCOUNTS_FILE, "")  # noqa: E731
-    jobs_in = lambda: sorted(re.findall(r'"team-a\.([a-z]+)": \{ jetstream', accounts()))  # noqa: E731
+    jobs_in = lambda: sorted(re.findall(r'"team-a\.([a-z]+)\.[-0-9a-z]+": \{ jetstream', accounts()))  # noqa: E731
     try:
         async with running_operator(str(emulator.url)):
             for name in ("one", "two"):
@@ -249,12 +298,22 @@ async def test_nats_starts_whatever_jobs_exist_and_only_running_jobs_have_accoun
             with pytest.raises(AssertionError, match="insufficient storage"):
                 blocked.start()
 
-            # Suspended: its account goes, the waiting job's comes; finished: its account goes too.
-            await api.patch_job("one", {"spec": {"suspend": True}})
-            await eventually(lambda: jobs_in() == ["three", "two"], timeout_s=60, what="the waiting job's account")
-            await eventually(
-                lambda: status(emulator, "one")["natsReservedBytes"] == 0, what="said in its status", timeout_s=60
+            # The finished job's streams go before its account: deleting them needs it.
+            server.start()
+            creds = credentials(emulator, "two")
+            two = await nats.connect(server.url, user=creds["natsUser"], password=creds["natsPassword"])
+            await ensure_streams(
+                two.jetstream(), JobSubjects("two", NS), 1, sizes=stream_bytes(parse_job(big("two")).spec)
             )
+
+            # Suspended: it keeps its streams for its resume, and the room they hold on the server
+            # (the books say what the server holds), so the waiting job still waits.
+            held = status(emulator, "one")["natsReservedBytes"]
+            await api.patch_job("one", {"spec": {"suspend": True}})
+            await eventually(lambda: condition(emulator, "Suspended", "one").get("status") == "True", timeout_s=60)
+            await asyncio.sleep(2)  # a resync after it
+            assert jobs_in() == ["one", "two"] and status(emulator, "one")["natsReservedBytes"] == held
+            # Finished: its streams deleted (as its user), then its account goes and the waiting job's comes.
             trainer.reports["two"] = {
                 "step": 50,
                 "version": 50,
@@ -265,7 +324,12 @@ async def test_nats_starts_whatever_jobs_exist_and_only_running_jobs_have_accoun
             for role, n in (("generator", 2), ("preprocessor", 1), ("trainer", 2)):
                 await api.set_sts_status(f"two-prl-{role}", n, n)
             await eventually(lambda: status(emulator, "two").get("phase") == "Succeeded", timeout_s=60, what="done")
-            await eventually(lambda: jobs_in() == ["three"], timeout_s=60, what="the finished job's account gone")
+            await eventually(
+                lambda: jobs_in() == ["one", "three"], timeout_s=60, what="the finished job's room given on"
+            )
+            assert await two.jetstream().streams_info() == []  # its account still loaded: deleted while it could be
+            await eventually(lambda: status(emulator, "two")["natsReservedBytes"] == 0, what="said in its status")
+            await two.close()
     finally:
         server.stop()
 

@@ -154,6 +154,21 @@ WEBHOOK_ONLY = {
     "store-share",
     "store-job-bound",
     "prompts-longer-than-context",  # the task's prompts, tokenized (pipelinerl/prompt_fit.py)
+    # quantities as Kubernetes reads them, in a free-form podTemplate
+    "cpu-with-spaces",
+    "memory-as-json-number",
+    "gpus-with-spaces",
+    "hugepages-with-spaces",
+    "device-plugin-resource-as-number",
+    "empty-dir-with-spaces",
+    "ephemeral-volume-as-number",
+    "ephemeral-volume-by-limit",
+    "quantity-unreadable",
+    "ephemeral-claim-selected-node",
+    "spread-over-control-plane",
+    "pod-affinity-topology-key",
+    "gpu-runtime-variable-in-a-sidecar",
+    "gpu-runtime-prefix-from-env-from",
 }
 
 

@@ -37,7 +37,7 @@ def test_the_objects_listed_are_the_objects_rendered():
     listed = set()
     for kind, name in re.findall(r"^\| (\w+) `([^`]+)` \|", section("What the operator renders"), re.M):
         names = [name.replace("<role>", r) for r in ROLES] if "<role>" in name else [name]
-        listed |= {(kind, n.replace("<job>", JOB)) for n in names}
+        listed |= {(kind, n.replace("<job>", JOB).replace("<uid8>", "uid-1")) for n in names}
     rendered = {(o["kind"], o["metadata"]["name"]) for o in every_child()}
     assert listed == rendered
 

@@ -327,14 +327,14 @@ def test_the_jobs_credentials_reach_its_pods_only_by_reference() -> None:
     from pipelinerl.contracts import JOB_SECRET_KEYS
 
     objs = by_name(render(job(), "team-a", "uid-1", CFG))
-    secret = objs[("Secret", "demo-pipelinerl-credentials")]
+    secret = objs[("Secret", "demo-uid-1-pipelinerl-credentials")]
     values = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
     assert values.keys() == JOB_SECRET_KEYS.keys() and values["natsUser"] == "team-a.demo"
     assert secret["metadata"]["ownerReferences"][0]["uid"] == "uid-1"  # goes with the job
     for role in ("generator", "preprocessor", "trainer"):
         env = env_of(objs[("StatefulSet", f"demo-prl-{role}")])
         for key, name in JOB_SECRET_KEYS.items():
-            assert env[name] == {"secretKeyRef": {"name": "demo-pipelinerl-credentials", "key": key}}
+            assert env[name] == {"secretKeyRef": {"name": "demo-uid-1-pipelinerl-credentials", "key": key}}
     # No secret value anywhere but in the Secret: not in the ConfigMap, env, labels or annotations.
     elsewhere = json.dumps([o for key, o in objs.items() if key[0] != "Secret"])
     assert not [k for k in ("natsPassword", "weightsToken") if values[k] in elsewhere]
@@ -436,10 +436,14 @@ def test_two_jobs_of_one_name_in_two_namespaces_share_nothing() -> None:
     accounts = nats_accounts(
         "install-key", [("team-a", "demo", "uid-a", 1 << 30), ("team-b", "demo", "uid-b", 2 << 30)]
     )
-    assert f'"team-a.demo": {{ jetstream: {{ max_file: {1 << 30}, max_mem: 0' in accounts
-    assert f'"team-b.demo": {{ jetstream: {{ max_file: {2 << 30}, max_mem: 0' in accounts
+    assert f'"team-a.demo.uid-a": {{ jetstream: {{ max_file: {1 << 30}, max_mem: 0' in accounts
+    assert f'"team-b.demo.uid-b": {{ jetstream: {{ max_file: {2 << 30}, max_mem: 0' in accounts
+    # Created again (a new uid): new credentials, a Secret of another name, an account of its own
+    # (so streams an earlier job left on the volume are not in it).
     again = render(job(), "team-a", "uid-a2", CFG)
     assert secret(again)["natsPassword"] != secret(a)["natsPassword"]
+    assert {o["metadata"]["name"] for o in again if o["kind"] == "Secret"} == {"demo-uid-a2-pipelinerl-credentials"}
+    assert '"team-a.demo.uid-a2"' in nats_accounts("install-key", [("team-a", "demo", "uid-a2", 1 << 30)])
 
 
 def test_job_pods_run_as_their_jobs_own_service_account_wherever_the_job_is() -> None:
