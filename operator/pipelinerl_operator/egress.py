@@ -32,6 +32,47 @@ def _ports(rule: dict[str, Any]) -> list[tuple[int, int, str]]:
     return out
 
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+# Never a destination, whatever the platform lists: "this network", multicast, reserved.
+NEVER_V4 = ("0.0.0.0/8", "224.0.0.0/4", "240.0.0.0/4")
+# IPv6 that reaches IPv4 space with the IPv4 address inside it in ways not translated here (a
+# local NAT64 prefix's split format, Teredo's obfuscated one): never a job's destination.
+NEVER_V6 = ("64:ff9b:1::/48", "2001::/32")
+_LOW_32 = ("::ffff:0:0/96", "64:ff9b::/96", "::/96")  # IPv4-mapped, NAT64's well-known prefix, IPv4-compatible
+
+
+def embedded(v4: ipaddress.IPv4Network) -> list[ipaddress.IPv6Network]:
+    """The IPv6 networks a packet to `v4` can also be written as (the low 32 bits of the mapped,
+    NAT64 and compatible prefixes; 6to4's 2002:AABB:CCDD::/48)."""
+    nets = [
+        ipaddress.IPv6Network(
+            (int(ipaddress.ip_network(p).network_address) | int(v4.network_address), 96 + v4.prefixlen)
+        )
+        for p in _LOW_32
+    ]
+    return nets + [ipaddress.IPv6Network(((0x2002 << 112) | (int(v4.network_address) << 80), 16 + v4.prefixlen))]
+
+
+def excluded(platform: EgressRule, policy: JobPolicy) -> list[Network]:
+    """What a platform rule leaves out: its exceptions, what is never a destination, and on IPv6
+    every IPv4 exception of the policy's written as IPv6 (so 64:ff9b::10.0.0.1 is as private as
+    10.0.0.1)."""
+    outer = ipaddress.ip_network(platform.cidr)
+    nets = [ipaddress.ip_network(e) for e in platform.except_]
+    if outer.version == 4:
+        nets += [ipaddress.IPv4Network(n) for n in NEVER_V4]
+    else:
+        v4 = [ipaddress.IPv4Network(n) for n in NEVER_V4]
+        v4 += [
+            n
+            for r in policy.egress
+            for e in r.except_
+            if isinstance(n := ipaddress.ip_network(e), ipaddress.IPv4Network)
+        ]
+        nets += [ipaddress.IPv6Network(n) for n in NEVER_V6] + [n for v in dict.fromkeys(v4) for n in embedded(v)]
+    return [n for n in dict.fromkeys(nets) if n.version == outer.version and n.overlaps(outer)]  # type: ignore[arg-type]
+
+
 def _allowing(rule: Any, policy: JobPolicy) -> tuple[tuple[str, str] | None, EgressRule | None]:
     """The platform rule an author's egress rule falls inside; or why it is outside the policy
     (the sub-field at fault, the reason)."""
@@ -54,11 +95,11 @@ def _allowing(rule: Any, policy: JobPolicy) -> tuple[tuple[str, str] | None, Egr
             return (".to", "each ipBlock needs a cidr"), None
     for platform in policy.egress:
         outer = ipaddress.ip_network(platform.cidr)
-        excluded = [ipaddress.ip_network(e) for e in platform.except_]
+        out = excluded(platform, policy)
         inside = all(
             b.version == outer.version
             and b.subnet_of(outer)  # type: ignore[arg-type]
-            and not any(b.version == e.version and b.subnet_of(e) for e in excluded)  # type: ignore[arg-type]
+            and not any(b.version == e.version and b.subnet_of(e) for e in out)  # type: ignore[arg-type]
             for b in blocks
         )
         if inside and (platform.ports is None or all(any(r.covers(*p) for r in platform.ports) for p in ports)):
@@ -91,11 +132,9 @@ def egress_rules(rules: list[dict[str, Any]], policy: JobPolicy) -> list[dict[st
             inner = ipaddress.ip_network(block["cidr"], strict=False)
             excepts = list(block.get("except") or [])
             excepts += [
-                e
-                for e in platform.except_
-                if ipaddress.ip_network(e).version == inner.version
-                and ipaddress.ip_network(e).subnet_of(inner)  # type: ignore[arg-type]
-                and e not in excepts
+                str(e)
+                for e in excluded(platform, policy)
+                if e.version == inner.version and e.subnet_of(inner) and e != inner and str(e) not in excepts  # type: ignore[arg-type]
             ]
             if excepts:
                 block["except"] = excepts

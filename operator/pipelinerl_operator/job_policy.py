@@ -76,7 +76,16 @@ class DnsPeers(PolicyModel):
     cidrs: list[str] = Field(default_factory=list)
 
 
-PRIVATE_V4 = ["10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "169.254.0.0/16", "127.0.0.0/8"]
+PRIVATE_V4 = [
+    "10.0.0.0/8",
+    "172.16.0.0/12",
+    "192.168.0.0/16",
+    "100.64.0.0/10",
+    "169.254.0.0/16",
+    "127.0.0.0/8",
+    "192.0.0.0/24",  # IETF protocol assignments
+    "198.18.0.0/15",  # benchmarking: some clouds route it inside
+]
 PRIVATE_V6 = ["fc00::/7", "fe80::/10", "::1/128"]
 MAX_POD_RESOURCES: dict[str, int | str] = {
     "cpu": "128",
@@ -118,6 +127,12 @@ class JobPolicy(PolicyModel):
     priority_class_names: list[str] = Field(default_factory=list)
     scheduler_names: list[str] = Field(default_factory=list)
     csi_drivers: list[str] = Field(default_factory=list, description="Drivers of inline CSI volumes.")
+    pod_metadata_prefixes: list[str] = Field(
+        default_factory=list,
+        description="Prefixes (the part of a key before '/') of the labels and annotations a job may put "
+        "on its pods: the network plugins, meshes and schedulers act on prefixed keys (Multus, Calico, "
+        "sidecar injection); keys without a prefix are always allowed.",
+    )
     secrets: list[Annotated[str, StringConstraints(pattern=NAMESPACED)]] = Field(
         default_factory=list, description="Secrets jobs may read: 'namespace/name', '*' for either."
     )
@@ -141,6 +156,11 @@ class JobPolicy(PolicyModel):
     namespace_share: float = Field(
         default=1.0, gt=0, le=1, description="Share of the NATS store the jobs of one namespace may reserve together."
     )
+
+    def pod_metadata_allowed(self, key: str) -> bool:
+        """A label or annotation a job may put on its pods: no prefix, or one the platform lists."""
+        prefix, slash, _ = key.rpartition("/")
+        return not slash or prefix in self.pod_metadata_prefixes
 
 
 @dataclass(frozen=True)

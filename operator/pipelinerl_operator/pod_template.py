@@ -199,8 +199,13 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
     }
 
 
-def _pod_labels(job: PipelineRLJob, role: str) -> tuple[dict[str, str], dict[str, str]]:
-    labels = job_labels(job, role)
+def _pod_labels(job: PipelineRLJob, role: str, cfg: OperatorConfig) -> tuple[dict[str, str], dict[str, str]]:
+    # The job's own labels reach its pods only where the platform lets a job label them so.
+    labels = {
+        k: v
+        for k, v in job_labels(job, role).items()
+        if k not in job.metadata.labels or cfg.policy.pod_metadata_allowed(k)
+    }
     annotations: dict[str, str] = {CONFIG_HASH_ANNOTATION: role_config_hash(job, role)}
     scheduling = job.spec.scheduling
     # The gang is the trainer ranks and the preprocessor: useless without each other, and fixed in
@@ -313,7 +318,7 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
         pod_spec["schedulerName"] = scheduling.scheduler_name
     if scheduling.priority_class_name:
         pod_spec["priorityClassName"] = scheduling.priority_class_name
-    labels, annotations = _pod_labels(job, role)
+    labels, annotations = _pod_labels(job, role, cfg)
     ours = {"metadata": {"labels": labels, "annotations": annotations}, "spec": pod_spec}
     template = spec.pod_template or {}
     pod = merge_pod(template, ours)

@@ -228,7 +228,7 @@ def allowed_fields(given: dict[str, Any], allowed: frozenset[str], where: str, b
             bad(f"{where}.{key}", f"{NOT_ALLOWED} (allowed: {', '.join(sorted(allowed))})")
 
 
-def template_violations(role: str, template: Any, bad: Problems) -> None:
+def template_violations(role: str, template: Any, policy: JobPolicy, bad: Problems) -> None:
     """The fields the user's podTemplate sets, against the allowlists (its values are checked on
     the pod as rendered)."""
     if not isinstance(template, dict):
@@ -242,6 +242,12 @@ def template_violations(role: str, template: Any, bad: Problems) -> None:
         for key in _dict(meta.get(kind)):
             if key.startswith(reserved):
                 bad(f"{where}.metadata.{kind}[{key}]", "reserved: PipelineRL and the job's spec set these")
+            elif not policy.pod_metadata_allowed(key):
+                listed = ", ".join(policy.pod_metadata_prefixes) or "none"
+                bad(
+                    f"{where}.metadata.{kind}[{key}]",
+                    f"a prefix the platform does not let jobs set on pods (jobPolicy.podMetadataPrefixes: {listed})",
+                )
     spec = _dict(template.get("spec"))
     allowed_fields(spec, POD_SPEC_FIELDS, f"{where}.spec", bad)
     allowed_fields(_dict(spec.get("securityContext")), POD_SECURITY_FIELDS, f"{where}.spec.securityContext", bad)

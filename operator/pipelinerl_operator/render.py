@@ -270,7 +270,7 @@ def check_pods(job: PipelineRLJob, objects: list[dict[str, Any]], cfg: OperatorC
     namespace = job.metadata.namespace or "default"
     bad = policy_checks.Problems()
     for role in ROLES:
-        policy_checks.template_violations(role, getattr(job.spec, role).pod_template, bad)
+        policy_checks.template_violations(role, getattr(job.spec, role).pod_template, cfg.policy, bad)
     for obj in objects:
         if obj["kind"] == "StatefulSet":
             role = obj["metadata"]["labels"][ROLE_LABEL]

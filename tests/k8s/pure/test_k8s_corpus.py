@@ -169,6 +169,18 @@ WEBHOOK_ONLY = {
     "pod-affinity-topology-key",
     "gpu-runtime-variable-in-a-sidecar",
     "gpu-runtime-prefix-from-env-from",
+    "egress-private-as-nat64",
+    "egress-private-as-ipv4-mapped",
+    "egress-private-as-6to4",
+    "egress-teredo",
+    "egress-reserved-range",
+    "egress-benchmarking-range",
+    "egress-this-network",
+    "multus-second-network",
+    "calico-fixed-address",
+    "mesh-opt-out-label",
+    "autoscaler-pin-annotation",
+    "karpenter-do-not-disrupt",
 }
 
 

@@ -235,9 +235,23 @@ def test_an_authors_egress_is_rendered_within_the_platforms() -> None:
     listed = network_policy(cfg, network={"egress": rules})["egress"][3:]
     assert listed == [
         {
-            "to": [{"ipBlock": {"cidr": "0.0.0.0/0", "except": ["198.51.100.0/24", "10.0.0.0/8", "169.254.0.0/16"]}}],
+            "to": [
+                {
+                    "ipBlock": {
+                        "cidr": "0.0.0.0/0",
+                        "except": [
+                            "198.51.100.0/24",
+                            "10.0.0.0/8",
+                            "169.254.0.0/16",
+                            "0.0.0.0/8",
+                            "224.0.0.0/4",
+                            "240.0.0.0/4",
+                        ],
+                    }
+                }
+            ],
             "ports": [{"port": 443}],
-        },
+        },  # fmt: skip
         {"to": [{"ipBlock": {"cidr": "192.0.2.7/32"}}], "ports": [{"port": 8080, "endPort": 8090, "protocol": "TCP"}]},
         {"to": [{"ipBlock": {"cidr": "2001:db8:1::/48"}}], "ports": [{"port": 22, "protocol": "TCP"}]},
     ]
@@ -248,6 +262,44 @@ def test_an_authors_egress_is_rendered_within_the_platforms() -> None:
             "u",
             cfg,
         )
+
+
+def test_ipv6_reaches_no_ipv4_address_the_policy_excepts() -> None:
+    """IPv4 space written as IPv6 (IPv4-mapped, NAT64's well-known prefix, 6to4, IPv4-compatible)
+    is excepted on IPv6 rules as the policy excepts it on IPv4: refused when asked for alone,
+    excepted when inside a larger block; Teredo and local NAT64 always."""
+    import ipaddress
+
+    from pipelinerl_operator.egress import embedded
+
+    metadata = ipaddress.ip_address("169.254.169.254")
+    forms = embedded(ipaddress.IPv4Network("169.254.169.254/32"))
+    assert [str(f) for f in forms] == [
+        "::ffff:a9fe:a9fe/128",
+        "64:ff9b::a9fe:a9fe/128",
+        "::a9fe:a9fe/128",
+        "2002:a9fe:a9fe::/48",
+    ]
+    assert ipaddress.IPv6Address("::ffff:169.254.169.254").ipv4_mapped == metadata
+    assert ipaddress.IPv6Address("2002:a9fe:a9fe::1").sixtofour == metadata
+    cfg = OperatorConfig()  # the safe default: public addresses on 443
+    for cidr in ("::ffff:10.1.2.3/128", "64:ff9b::c0a8:0/112", "2002:ac10::/28", "2001::/32", "64:ff9b:1::/64"):
+        with pytest.raises(RenderError):
+            render(
+                job(network={"egress": [{"to": [{"ipBlock": {"cidr": cidr}}], "ports": [{"port": 443}]}]}),
+                "t",
+                "u",
+                cfg,
+            )
+    rendered = network_policy(
+        cfg, network={"egress": [{"to": [{"ipBlock": {"cidr": "::/0"}}], "ports": [{"port": 443}]}]}
+    )
+    excepts = {ipaddress.ip_network(e) for e in rendered["egress"][3]["to"][0]["ipBlock"]["except"]}
+    for v4 in ("10.0.0.0/8", "169.254.0.0/16", "127.0.0.0/8", "240.0.0.0/4"):
+        assert set(embedded(ipaddress.IPv4Network(v4))) <= excepts, v4
+    # A public address written as NAT64 (how IPv6-only clusters reach IPv4) stays reachable.
+    public = {"to": [{"ipBlock": {"cidr": "64:ff9b::808:808/128"}}], "ports": [{"port": 443}]}
+    assert network_policy(cfg, network={"egress": [public]})["egress"][3] == public
 
 
 def test_the_charts_external_nats_is_reachable_under_restricted_egress() -> None:

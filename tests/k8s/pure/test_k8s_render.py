@@ -402,6 +402,11 @@ def test_job_pods_may_connect_only_to_their_job_nats_dns_and_what_the_job_lists(
                         "100.64.0.0/10",
                         "169.254.0.0/16",
                         "127.0.0.0/8",
+                        "192.0.0.0/24",
+                        "198.18.0.0/15",
+                        "0.0.0.0/8",
+                        "224.0.0.0/4",
+                        "240.0.0.0/4",
                     ],
                 }
             }
@@ -444,6 +449,22 @@ def test_two_jobs_of_one_name_in_two_namespaces_share_nothing() -> None:
     assert secret(again)["natsPassword"] != secret(a)["natsPassword"]
     assert {o["metadata"]["name"] for o in again if o["kind"] == "Secret"} == {"demo-uid-a2-pipelinerl-credentials"}
     assert '"team-a.demo.uid-a2"' in nats_accounts("install-key", [("team-a", "demo", "uid-a2", 1 << 30)])
+
+
+def test_a_jobs_own_labels_reach_its_pods_only_where_the_platform_allows_their_prefix() -> None:
+    """A label on the job is copied to its children; onto its pods only without a prefix or with
+    one the platform lists (a mesh opt-out or a network plugin's label would act on every pod)."""
+    from pipelinerl_operator.job_policy import JobPolicy
+
+    manifest = {"metadata": {"name": "demo", "labels": {"team": "a", "sidecar.istio.io/inject": "false"}}}
+    for prefixes, expected in (([], {"team"}), (["sidecar.istio.io"], {"team", "sidecar.istio.io/inject"})):
+        cfg = OperatorConfig(policy=JobPolicy(pod_metadata_prefixes=prefixes))
+        objs = by_name(render(parse_job(manifest), "team-a", "uid-1", cfg))
+        for role in ("generator", "preprocessor", "trainer"):
+            sts = objs[("StatefulSet", f"demo-prl-{role}")]
+            pod_labels = set(sts["spec"]["template"]["metadata"]["labels"])
+            assert pod_labels & {"team", "sidecar.istio.io/inject"} == expected
+            assert "sidecar.istio.io/inject" in sts["metadata"]["labels"]  # the StatefulSet itself keeps it
 
 
 def test_job_pods_run_as_their_jobs_own_service_account_wherever_the_job_is() -> None:
