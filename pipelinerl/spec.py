@@ -297,7 +297,30 @@ def parse_mapping(model: type[Parsed], data: Any, source: str, what: str, error:
         raise error(f"{source} is not a valid {what}:\n{format_errors(err)}") from None
 
 
+MAX_DEPTH = 32  # a pod spec is at most ~12 levels deep; checking a deeper one costs every door
+
+
+def too_deep(data: Any, limit: int = MAX_DEPTH) -> str | None:
+    """The path where `data` nests deeper than `limit` (looked at without recursion, so that no
+    manifest can exhaust the stack of the doors that read it); None where it does not."""
+    stack: list[tuple[Any, str, int]] = [(data, "", 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        if depth > limit:
+            return path
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        stack.extend((v, f"{path}.{k}" if path else str(k), depth + 1) for k, v in items)
+    return None
+
+
+def check_depth(data: Any, source: str) -> None:
+    deep = too_deep(data)
+    if deep is not None:
+        raise SpecError(f"{source} is not a valid {KIND}:\n  {deep[:200]}: nested more than {MAX_DEPTH} levels deep")
+
+
 def parse_job(data: Any, source: str = "manifest") -> PipelineRLJob:
+    check_depth(data, source)
     return parse_mapping(PipelineRLJob, data, source, KIND, SpecError)
 
 
@@ -346,6 +369,8 @@ def read_manifest(path: str | Path) -> Any:
         documents = [d for d in yaml.load_all(path.read_text(), Loader=_StrictLoader) if d is not None]
     except (OSError, yaml.YAMLError) as err:
         raise SpecError(f"{path}: cannot read manifest: {err}") from None
+    except RecursionError:
+        raise SpecError(f"{path}: cannot read manifest: nested more than {MAX_DEPTH} levels deep") from None
     if len(documents) > 1:
         raise SpecError(f"{path}: expected one document (one {KIND}), found {len(documents)}")
     return documents[0] if documents else None

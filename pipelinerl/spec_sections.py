@@ -244,7 +244,10 @@ class OutputSpec(SpecModel):
         default=None,
         max_length=253,
         pattern=r"^[A-Za-z0-9_-][A-Za-z0-9._-]*(/[A-Za-z0-9_-][A-Za-z0-9._-]*)*$",
-        description="The folder inside the claim; unset: the job's name.",
+        description=(
+            "A folder inside the claim that the job's own folder (named by the job) goes in; unset: the claim's "
+            "root. A job writes only under its own name, so no subPath reaches another job's model."
+        ),
     )
     path: str | None = Field(
         default=None,

@@ -18,7 +18,7 @@ from typing import Any
 from pipelinerl.contracts import POD_GROUP_API, ROLE_LABEL
 from pipelinerl.generator_memory import job_plan
 from pipelinerl.prompt_fit import static_prompt_fit
-from pipelinerl.spec import KIND, PipelineRLJob, SpecError, immutable_changes, parse_job
+from pipelinerl.spec import KIND, PipelineRLJob, SpecError, check_depth, immutable_changes, parse_job
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.render import RenderError, render
 
@@ -73,6 +73,7 @@ def check(manifest: Any, old: Any = None, source: str = "manifest", cfg: Operato
     """The job `manifest` describes, or SpecError naming every field at fault; `old`: the stored
     object this manifest would replace (fields that cannot change are refused); `cfg`: the
     install's settings and the platform's policy (default: `OperatorConfig()`, the safe default)."""
+    check_depth(manifest, source)  # before anything walks it
     size = len(json.dumps(manifest, default=str))
     if size > MAX_MANIFEST_BYTES:
         raise SpecError(

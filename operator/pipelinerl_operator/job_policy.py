@@ -127,6 +127,11 @@ class JobPolicy(PolicyModel):
     priority_class_names: list[str] = Field(default_factory=list)
     scheduler_names: list[str] = Field(default_factory=list)
     csi_drivers: list[str] = Field(default_factory=list, description="Drivers of inline CSI volumes.")
+    localhost_profiles: list[str] = Field(
+        default_factory=list,
+        description="Node-local seccomp and AppArmor profiles (localhostProfile) jobs may use: a profile "
+        "on the node may allow more than RuntimeDefault, so only those the platform vetted.",
+    )
     pod_metadata_prefixes: list[str] = Field(
         default_factory=list,
         description="Prefixes (the part of a key before '/') of the labels and annotations a job may put "

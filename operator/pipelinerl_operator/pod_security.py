@@ -117,19 +117,26 @@ def pod_violations(pod: dict[str, Any], *, service_account: str) -> list[str]:
     return out
 
 
+def _id(value: Any, path: str, bad) -> None:  # type: ignore[no-untyped-def]
+    """A user or group ID as the API server reads it: any JSON number (0.0 is group 0, root's)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return  # not a number: the schema check names it
+    if value != int(value):
+        bad(path, "must be a whole number")
+    elif value < MIN_ID:
+        bad(path, ID_WHY)
+
+
 def _context(sc: dict[str, Any], path: str, bad, pod_level: bool) -> None:
     """The checks a pod's and a container's securityContext share."""
     if sc.get("runAsNonRoot") is False:
         bad(f"{path}.runAsNonRoot", "must not be false")
     for field in ("runAsUser", "runAsGroup", "fsGroup") if pod_level else ("runAsUser", "runAsGroup"):
-        value = sc.get(field)
-        if isinstance(value, int) and value < MIN_ID:
-            bad(f"{path}.{field}", ID_WHY)
+        _id(sc.get(field), f"{path}.{field}", bad)
     if pod_level:
         groups = sc.get("supplementalGroups")
         for value in groups if isinstance(groups, list) else []:
-            if isinstance(value, int) and value < MIN_ID:
-                bad(f"{path}.supplementalGroups", ID_WHY)
+            _id(value, f"{path}.supplementalGroups", bad)
     if (sc.get("windowsOptions") or {}).get("hostProcess"):
         bad(f"{path}.windowsOptions.hostProcess", "host processes are not allowed")
     se = sc.get("seLinuxOptions") or {}

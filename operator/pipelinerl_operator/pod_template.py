@@ -267,7 +267,7 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
     container: dict[str, Any] = {
         "name": role,
         "image": image,
-        "imagePullPolicy": cfg.image_pull_policy,
+        "imagePullPolicy": cfg.image_pull_policy if image in (cfg.cpu_image, cfg.gpu_image) else "Always",
         "command": ["pipelinerl"],
         "args": ["service", role, JOB_FILE],
         "env": _env(job, role, namespace, uid, cfg),
@@ -297,7 +297,11 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
     if role == "trainer" and output and output.claim_name:  # the user's claim: outlives the job
         volumes.append({"name": "output", "persistentVolumeClaim": {"claimName": output.claim_name}})
         container["volumeMounts"].append(
-            {"name": "output", "mountPath": POD_OUTPUT_DIR, "subPath": output.sub_path or job.name}
+            {
+                "name": "output",
+                "mountPath": POD_OUTPUT_DIR,
+                "subPath": "/".join(filter(None, (output.sub_path, job.name))),
+            }
         )
     pod_spec: dict[str, Any] = {
         "serviceAccountName": service_account_name(job.name, cfg),
@@ -334,4 +338,8 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
         c["securityContext"] = merge_pod(CONTAINER_SECURITY, (theirs.get(c["name"]) or {}).get("securityContext") or {})
         if c["name"] != role:
             _sidecar_resources(c)
+        if c.get("image") not in (cfg.cpu_image, cfg.gpu_image):
+            # A job's own image is pulled every time, so the registry checks the job's pull rights:
+            # a cached copy on the node may be another tenant's (pulled with their credentials).
+            c.setdefault("imagePullPolicy", "Always")
     return pod

@@ -298,6 +298,12 @@ def pod_policy_violations(
                 f"{at}.image" if c.get("name") != role else f"{role}.image",
                 f"{repository(image)} is not in an allowed registry (jobPolicy.images: {', '.join(policy.images)})",
             )
+        if image not in default_images and c.get("imagePullPolicy") not in (None, "Always"):
+            bad(
+                f"{at}.imagePullPolicy",
+                "only Always for an image of the job's own: a copy cached on the node may be another tenant's, "
+                "pulled with their credentials (Always makes the registry check this job's)",
+            )
         for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
             _handler_host(_dict(c.get(probe)), f"{at}.{probe}", bad)
         for hook in ("postStart", "preStop"):
@@ -308,6 +314,21 @@ def pod_policy_violations(
         for port in _list(c.get("ports")):
             if isinstance(port, dict) and port.get("hostIP"):
                 bad(f"{at}.ports[{port.get('name', port.get('containerPort'))}].hostIP", "not allowed")
+    contexts = [(f"{where}.securityContext", _dict(spec.get("securityContext")))]
+    contexts += [
+        (f"{where}.{kind}[{c.get('name', '?')}].securityContext", _dict(c.get("securityContext")))
+        for kind, c in containers
+    ]
+    for at, sc in contexts:
+        for kind in ("seccompProfile", "appArmorProfile"):
+            profile = _dict(sc.get(kind))
+            if profile.get("type") == "Localhost" and profile.get("localhostProfile") not in policy.localhost_profiles:
+                listed = ", ".join(policy.localhost_profiles) or "none"
+                bad(
+                    f"{at}.{kind}.localhostProfile",
+                    f"not a node profile jobs may use (jobPolicy.localhostProfiles: {listed}): one may allow more "
+                    "than RuntimeDefault",
+                )
     _resources(containers, role, policy, bad)
     _volumes(spec, where, policy, bad)
     for path, name in secret_references(spec, where):

@@ -315,6 +315,10 @@ def test_the_output_claim_is_mounted_into_trainer_pods_only() -> None:
     assert "PIPELINERL_OUTPUT_DIR" not in env_of(generator)
     assert all(v["name"] != "output" for v in generator["spec"]["template"]["spec"]["volumes"])
     assert not [o for o in objs.values() if o["kind"] == "PersistentVolumeClaim"]  # the user's, not the job's
+    # A subPath is a folder the job's own goes in: naming another job's folder reaches inside it, never its model.
+    other = by_name(render(job(output={"claimName": "team-models", "subPath": "other"}), "team-a", "uid-1", CFG))
+    mounts = other[("StatefulSet", "demo-prl-trainer")]["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+    assert {"name": "output", "mountPath": "/var/lib/pipelinerl/output", "subPath": "other/demo"} in mounts
 
 
 # --- tenancy: credentials by reference, a NetworkPolicy per job, nothing shared between namespaces
