@@ -141,6 +141,9 @@ class JobPolicy(PolicyModel):
     secrets: list[Annotated[str, StringConstraints(pattern=NAMESPACED)]] = Field(
         default_factory=list, description="Secrets jobs may read: 'namespace/name', '*' for either."
     )
+    config_maps: list[Annotated[str, StringConstraints(pattern=NAMESPACED)]] = Field(
+        default_factory=list, description="ConfigMaps jobs may read: 'namespace/name', '*' for either."
+    )
     volume_claims: list[Annotated[str, StringConstraints(pattern=NAMESPACED)]] = Field(
         default_factory=list, description="PersistentVolumeClaims jobs may mount: 'namespace/name', '*' for either."
     )

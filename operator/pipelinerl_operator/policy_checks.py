@@ -277,6 +277,7 @@ def pod_policy_violations(
     pod: dict[str, Any],
     policy: JobPolicy,
     namespace: str,
+    own_config: str,
     default_images: tuple[str, ...],
     install: Install,
     bad: Problems,
@@ -335,6 +336,9 @@ def pod_policy_violations(
         _reference("Secret", path, name, namespace, policy.secrets, "secrets", install, bad)
     for path, name in claim_references(spec, where):
         _reference("PersistentVolumeClaim", path, name, namespace, policy.volume_claims, "volumeClaims", install, bad)
+    for path, name in config_map_references(spec, where):
+        if name != own_config:  # the job's own manifest, which the operator mounts
+            _reference("ConfigMap", path, name, namespace, policy.config_maps, "configMaps", install, bad)
 
 
 def _handler_host(handler: dict[str, Any], at: str, bad: Problems) -> None:
@@ -518,6 +522,29 @@ def secret_references(spec: dict[str, Any], where: str) -> Iterator[tuple[str, s
                     yield f"{at}.envFrom[{j}].secretRef.name", str(_dict(source["secretRef"]).get("name", ""))
 
 
+def config_map_references(spec: dict[str, Any], where: str) -> Iterator[tuple[str, str]]:
+    """(field, name) of every ConfigMap a pod names: volumes (configMap, projected), env, envFrom."""
+    for volume in _list(spec.get("volumes")):
+        volume = _dict(volume)
+        at = f"{where}.volumes[{volume.get('name', '?')}]"
+        if "configMap" in volume:
+            yield f"{at}.configMap.name", str(_dict(volume["configMap"]).get("name", ""))
+        for j, source in enumerate(_list(_dict(volume.get("projected")).get("sources"))):
+            if "configMap" in _dict(source):
+                yield f"{at}.projected.sources[{j}].configMap.name", str(_dict(source["configMap"]).get("name", ""))
+    for kind in ("initContainers", "containers"):
+        for c in _list(spec.get(kind)):
+            c = _dict(c)
+            at = f"{where}.{kind}[{c.get('name', '?')}]"
+            for var in _list(c.get("env")):
+                ref = _dict(_dict(_dict(var).get("valueFrom")).get("configMapKeyRef"))
+                if ref:
+                    yield f"{at}.env[{_dict(var).get('name')}].valueFrom.configMapKeyRef.name", str(ref.get("name", ""))
+            for j, source in enumerate(_list(c.get("envFrom"))):
+                if "configMapRef" in _dict(source):
+                    yield f"{at}.envFrom[{j}].configMapRef.name", str(_dict(source["configMapRef"]).get("name", ""))
+
+
 def claim_references(spec: dict[str, Any], where: str) -> Iterator[tuple[str, str]]:
     for volume in _list(spec.get("volumes")):
         volume = _dict(volume)
@@ -530,7 +557,8 @@ def claim_references(spec: dict[str, Any], where: str) -> Iterator[tuple[str, st
 
 
 def never(kind: str, name: str, install: Install) -> str | None:
-    """Why no job may ever reference this Secret or claim, whatever the policy lists; None if it may."""
+    """Why no job may ever reference this Secret, ConfigMap or claim, whatever the policy lists;
+    None if it may."""
     if kind == "Secret":
         if name.startswith(HELM_RELEASE_PREFIX):
             return reserved.HELM_SECRET_WHY
@@ -538,6 +566,13 @@ def never(kind: str, name: str, install: Install) -> str | None:
             return reserved.INSTALL_SECRET_WHY
         if name.endswith(CREDENTIALS_SUFFIX):  # the job's own too: only the operator's env names it
             return reserved.CREDENTIALS_WHY
+    elif kind == "ConfigMap":
+        if name.startswith(HELM_RELEASE_PREFIX):
+            return reserved.HELM_CONFIG_MAP_WHY
+        if name.endswith(reserved.INSTALL_CONFIG_MAP_SUFFIXES):
+            return reserved.INSTALL_SECRET_WHY
+        if name.endswith(reserved.JOB_CONFIG_SUFFIX):
+            return reserved.JOB_CONFIG_WHY
     elif CHECKPOINT_CLAIM.match(name):
         return reserved.CHECKPOINT_WHY
     elif NATS_CLAIM.match(name):

@@ -283,6 +283,7 @@ def check_pods(job: PipelineRLJob, objects: list[dict[str, Any]], cfg: OperatorC
                 pod,
                 cfg.policy,
                 namespace,
+                config_map_name(job.name),
                 (cfg.cpu_image, cfg.gpu_image),
                 cfg.install,
                 bad,

@@ -185,6 +185,10 @@ WEBHOOK_ONLY = {
     "another-tenants-cached-image",
     "seccomp-localhost-not-vetted",
     "apparmor-localhost-not-vetted",
+    "helm-release-record-config-map",
+    "another-jobs-config",
+    "install-nats-config-projected",
+    "config-map-not-listed",
 }
 
 
