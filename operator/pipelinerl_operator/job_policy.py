@@ -119,6 +119,16 @@ class JobPolicy(PolicyModel):
     max_volume_size: Quantity = Field(
         default="2Ti", description="An emptyDir's sizeLimit, an ephemeral volume's claim, spec.storage.size."
     )
+    max_job_pods: int = Field(default=64, ge=1, description="Pods one job may run, every role together.")
+    max_job_gpus: int = Field(default=64, ge=0, description="GPUs one job may ask for, every pod together.")
+    max_job_volume_size: Quantity = Field(
+        default="16Ti", description="Volume bytes one job may ask for, every pod's volumes together."
+    )
+    queue_required_above_gpus: int | None = Field(
+        default=None,
+        ge=0,
+        description="A job asking for more GPUs than this must name a Kueue queue (scheduling.queueName); unset: none.",
+    )
     node_labels: dict[str, list[str]] = Field(
         default_factory=lambda: {k: ["*"] for k in WELL_KNOWN_NODE_LABELS},
         description="Node labels nodeSelector and node affinity may use, with their values ('*': any).",
@@ -162,7 +172,7 @@ class JobPolicy(PolicyModel):
         default=None, gt=0, description="NATS store one job may reserve; unset: the store (times namespaceShare)."
     )
     namespace_share: float = Field(
-        default=1.0, gt=0, le=1, description="Share of the NATS store the jobs of one namespace may reserve together."
+        default=0.8, gt=0, le=1, description="Share of the NATS store the jobs of one namespace may reserve together."
     )
 
     def pod_metadata_allowed(self, key: str) -> bool:

@@ -39,7 +39,7 @@ from urllib.parse import urlsplit
 
 from pipelinerl import reserved
 from pipelinerl.capacity import reserved_bytes
-from pipelinerl.contracts import JOB_SECRET_KEYS, RESERVED_LABEL_PREFIXES, reserved_env
+from pipelinerl.contracts import JOB_SECRET_KEYS, RESERVED_LABEL_PREFIXES, ROLE_LABEL, reserved_env
 from pipelinerl.k8s_types import parse_quantity, read_quantity
 from pipelinerl.reserved import (
     could_yield_device_env,
@@ -599,6 +599,76 @@ def _reference(
             f"{kind} {name!r} is not one jobs in {namespace} may use: the platform lists those in "
             f"jobPolicy.{value} (namespace/name)",
         )
+
+
+def _pod_volume_bytes(pod_spec: dict[str, Any]) -> Decimal:
+    """What a pod's volumes may hold: emptyDir size limits and ephemeral claims (their larger of
+    request and limit); unreadable sizes are refused elsewhere and count as 0 here."""
+    total = Decimal(0)
+    for volume in _list(pod_spec.get("volumes")):
+        volume = _dict(volume)
+        sizes = [_dict(volume.get("emptyDir")).get("sizeLimit")]
+        claim = _dict(_dict(_dict(volume.get("ephemeral")).get("volumeClaimTemplate")).get("spec"))
+        sizes += [_dict(amounts).get("storage") for amounts in _dict(claim.get("resources")).values()]
+        readable = []
+        for size in sizes:
+            try:
+                readable.append(read_quantity(size))
+            except ValueError:
+                pass
+        total += max(readable, default=Decimal(0))
+    return total
+
+
+def total_violations(
+    replicas: dict[str, int], statefulsets: list[dict[str, Any]], job: Any, policy: JobPolicy
+) -> list[str]:
+    """The job as a whole (every role's pods at the replicas its spec asks for) within the
+    platform's per-job maxima: pods, GPUs, volume bytes; and a queue above the size that needs one."""
+    bad = Problems()
+    pods, gpus, volume = 0, Decimal(0), Decimal(0)
+    for sts in statefulsets:
+        role = sts["metadata"]["labels"].get(ROLE_LABEL, "")
+        n = replicas.get(role, 0)
+        spec = _dict(_dict(sts["spec"].get("template")).get("spec"))
+        per_pod = Decimal(0)
+        for c in _list(spec.get("containers")) + _list(spec.get("initContainers")):
+            try:
+                per_pod += read_quantity(_dict(_dict(_dict(c).get("resources")).get("limits")).get("nvidia.com/gpu"))
+            except ValueError:
+                pass
+        claims = [
+            _dict(_dict(_dict(t).get("spec")).get("resources")).get("requests", {}).get("storage")
+            for t in _list(sts["spec"].get("volumeClaimTemplates"))
+        ]
+        pods += n
+        gpus += n * per_pod
+        volume += n * (_pod_volume_bytes(spec) + sum((read_quantity(c) for c in claims), Decimal(0)))
+    if pods > policy.max_job_pods:
+        bad(
+            "replicas",
+            f"{pods} pods, every role together: more than a job may run (jobPolicy.maxJobPods: {policy.max_job_pods})",
+        )
+    if gpus > policy.max_job_gpus:
+        bad(
+            "gpus",
+            f"{gpus:f} GPUs, every pod together: more than a job may ask for "
+            f"(jobPolicy.maxJobGpus: {policy.max_job_gpus})",
+        )
+    if volume > parse_quantity(policy.max_job_volume_size):
+        bad(
+            "storage",
+            f"{_gib(float(volume))} of volumes, every pod's together: more than a job may ask for "
+            f"(jobPolicy.maxJobVolumeSize: {policy.max_job_volume_size})",
+        )
+    above = policy.queue_required_above_gpus
+    if above is not None and gpus > above and not job.spec.scheduling.queue_name:
+        bad(
+            "scheduling.queueName",
+            f"required for a job of {gpus:f} GPUs (jobPolicy.queueRequiredAboveGpus: {above}): the platform admits "
+            "jobs this large through a Kueue queue",
+        )
+    return bad.items
 
 
 def spec_violations(

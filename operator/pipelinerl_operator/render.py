@@ -291,5 +291,7 @@ def check_pods(job: PipelineRLJob, objects: list[dict[str, Any]], cfg: OperatorC
     problems = bad.items + policy_checks.spec_violations(
         job, cfg.policy, namespace, cfg.install, cfg.nats_store_bytes, cfg.nats_bundled
     )
+    statefulsets = [o for o in objects if o["kind"] == "StatefulSet"]
+    problems += policy_checks.total_violations({r: replicas(job, r) for r in ROLES}, statefulsets, job, cfg.policy)
     if problems:
         raise RenderError(*dict.fromkeys(problems))  # each once

@@ -570,7 +570,8 @@ async def test_a_job_the_nats_store_cannot_hold_waits_and_holds_nothing_until_th
     """Each running job holds its streams' bytes in the chart's NATS store (pipelinerl.capacity),
     said in its status. A job the store cannot hold beside them waits, told in a condition and an
     Event (its pods never start), holding nothing: it takes no later job hostage. It starts once a
-    running job gives its room back: deleted, or suspended (which holds nothing either)."""
+    job gives its room back by being deleted; a suspended job keeps its room (its streams stay on
+    the server for its resume) and resumes into it."""
     from pipelinerl.capacity import reserved_bytes
     from pipelinerl.spec import parse_job
 
@@ -588,16 +589,21 @@ async def test_a_job_the_nats_store_cannot_hold_waits_and_holds_nothing_until_th
         assert "cannot hold this job's streams" in condition(emulator, "Ready", "alpha")["message"]
         assert held("alpha") == 0 and not obj(emulator, STS, "alpha-prl-trainer")
         await eventually(lambda: "ApplyRefused" in events(emulator), what="an Event")
-        # A suspended job gives its room back: the waiting one starts.
+        # A suspended job keeps its room (the server holds its streams): the waiting one still waits.
         await api.patch_job("mid", {"spec": {"suspend": True}})
-        await eventually(lambda: obj(emulator, STS, "alpha-prl-trainer"), timeout_s=40, what="the waiting job's pods")
-        await eventually(lambda: held("mid") == 0 and held("alpha") == one, what="mid's room, alpha's now")
-        # Resumed, it waits in turn (the store is full), holding nothing; deleting a job makes room.
-        await api.patch_job("mid", {"spec": {"suspend": False}})
-        await eventually(lambda: condition(emulator, "Ready", "mid").get("reason") == "ApplyRefused", what="mid waits")
-        assert held("mid") == 0
+        await eventually(lambda: condition(emulator, "Suspended", "mid").get("status") == "True", what="suspended")
+        await asyncio.sleep(1)  # resyncs after it
+        assert held("mid") == one and held("alpha") == 0 and not obj(emulator, STS, "alpha-prl-trainer")
+        # Deleting a job makes room: the waiting one starts; the suspended one resumes into its own room.
         await api.delete_job("zeta")
-        await eventually(lambda: held("mid") == one, timeout_s=40, what="mid running again")
+        await eventually(lambda: obj(emulator, STS, "alpha-prl-trainer"), timeout_s=40, what="the waiting job's pods")
+        await eventually(lambda: held("alpha") == one, what="alpha's room")
+        await api.patch_job("mid", {"spec": {"suspend": False}})
+        await eventually(
+            lambda: obj(emulator, STS, "mid-prl-trainer")["spec"]["replicas"] > 0 and held("mid") == one,
+            timeout_s=40,
+            what="mid running again in its room",
+        )
 
 
 async def test_two_replicas_take_turns_and_the_survivor_takes_over(cluster, tmp_path) -> None:

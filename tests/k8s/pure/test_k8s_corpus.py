@@ -152,6 +152,7 @@ WEBHOOK_ONLY = {
     "store-hostage",  # the NATS store's size is the chart's
     "store-hostage-by-update",
     "store-share",
+    "store-whole-by-default",
     "store-job-bound",
     "prompts-longer-than-context",  # the task's prompts, tokenized (pipelinerl/prompt_fit.py)
     # quantities as Kubernetes reads them, in a free-form podTemplate
@@ -189,6 +190,10 @@ WEBHOOK_ONLY = {
     "another-jobs-config",
     "install-nats-config-projected",
     "config-map-not-listed",
+    "gpus-by-the-thousand",
+    "pods-by-the-hundred",
+    "volumes-by-the-petabyte",
+    "large-job-without-a-queue",
 }
 
 

@@ -28,6 +28,8 @@ POLICY = parse_policy(
         "schedulerNames": ["volcano"],
         "priorityClassNames": ["high"],
         "natsServers": ["nats.example:4222", "a:4222", "b:7422"],
+        "maxJobPods": 2048,  # the edge cases: 64 generators, the most replicas a role may have
+        "maxJobGpus": 1024,
     }
 )
 CFG = OperatorConfig(auth_key="install-key", policy=POLICY)
