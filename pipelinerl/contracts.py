@@ -117,6 +117,7 @@ class OperatorEnv:
     AUTH_KEY = "PIPELINERL_AUTH_KEY"  # the install's secret key: per-job credentials derive from it
     NATS_ACCOUNTS_SECRET = "PIPELINERL_NATS_ACCOUNTS_SECRET"  # the Secret the chart's NATS includes
     NAMESPACE = "PIPELINERL_NAMESPACE"  # the operator's own (where that Secret lives)
+    SERVICE_ACCOUNT = "PIPELINERL_SERVICE_ACCOUNT"  # the operator's own: only it may drop its finalizer
     METRICS_NAMESPACES = "PIPELINERL_METRICS_NAMESPACES"  # comma-separated: may scrape job pods
     NATS_REPLICAS = "PIPELINERL_NATS_REPLICAS"  # servers of the chart's NATS (a JetStream cluster when > 1)
     NATS_STORE_BYTES = "PIPELINERL_NATS_STORE_BYTES"  # its JetStream store (max_file_store), per server

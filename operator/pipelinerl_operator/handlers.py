@@ -117,12 +117,37 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         )
 
 
+def finalizer_taken_by_another(old: Any, new: Any, userinfo: Any) -> bool:
+    """An update that drops the operator's finalizer, made by anyone but the operator (or a
+    cluster admin, the way out when the operator is gone): the job would go without its cleanup."""
+    had = FINALIZER in ((old.get("metadata") or {}).get("finalizers") or [])
+    has = FINALIZER in ((new.get("metadata") or {}).get("finalizers") or [])
+    account, namespace = os.environ.get(OperatorEnv.SERVICE_ACCOUNT), os.environ.get(OperatorEnv.NAMESPACE)
+    if not had or has or not (account and namespace):
+        return False
+    user = userinfo or {}
+    return user.get("username") != f"system:serviceaccount:{namespace}:{account}" and "system:masters" not in (
+        user.get("groups") or []
+    )
+
+
 def validate_job(
-    body: Any, old: Any = None, operation: str | None = None, warnings: list[str] | None = None, **_: Any
+    body: Any,
+    old: Any = None,
+    operation: str | None = None,
+    warnings: list[str] | None = None,
+    userinfo: Any = None,
+    **_: Any,
 ) -> None:
     """The admission webhook: refuse what `pipelinerl validate` refuses, naming each field, and
     warn where it warns (kubectl prints the warnings)."""
     stored = old if operation == "UPDATE" and old else None
+    if stored is not None and finalizer_taken_by_another(stored, body, userinfo):
+        raise kopf.AdmissionError(
+            f"metadata.finalizers: {FINALIZER} is the operator's to remove, once it has deleted the job's "
+            "streams and StatefulSets (delete the job instead)",
+            code=403,
+        )
     if stored is not None and stored.get("spec") == body.get("spec"):
         return  # metadata, finalizers, status: never blocked, even for a job older rules admitted
     meta = body.get("metadata") or {}

@@ -402,3 +402,33 @@ def test_every_example_validates_under_the_platform_values_it_comes_with(capsys:
         if "kind: PipelineRLJob" in path.read_text():
             assert cli(["validate", str(path), "--policy", values, "-n", "team-a"]) == 0, capsys.readouterr().err
             load_job(path)
+
+
+def test_only_the_operator_or_a_cluster_admin_drops_the_cleanup_finalizer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An update that only removes the operator's finalizer would let the job go without its
+    streams and StatefulSets deleted: the webhook refuses it from anyone but the operator's own
+    service account (the chart gives the operator its name) or a cluster admin."""
+    from pipelinerl_operator.handlers import FINALIZER
+
+    operator = next(o for o in render_chart({}) if o["kind"] == "Deployment" and "operator" in o["metadata"]["name"])
+    env = {e["name"]: e for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env[OperatorEnv.SERVICE_ACCOUNT]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.serviceAccountName"}}
+    monkeypatch.setenv(OperatorEnv.SERVICE_ACCOUNT, "rl-pipelinerl-operator")
+    monkeypatch.setenv(OperatorEnv.NAMESPACE, "pipelinerl-system")
+    stored = {
+        "apiVersion": "pipelinerl.dev/v1alpha1",
+        "kind": "PipelineRLJob",
+        "metadata": {"name": "demo", "namespace": "team-a", "finalizers": [FINALIZER, "other/keep"]},
+        "spec": {},
+    }
+    dropped = json.loads(json.dumps(stored))
+    dropped["metadata"]["finalizers"] = ["other/keep"]
+    author = {"username": "alice", "groups": ["team-a", "system:authenticated"]}
+    with pytest.raises(kopf.AdmissionError, match="metadata.finalizers"):
+        validate_job(body=dropped, old=stored, operation="UPDATE", userinfo=author)
+    me = {"username": "system:serviceaccount:pipelinerl-system:rl-pipelinerl-operator", "groups": []}
+    validate_job(body=dropped, old=stored, operation="UPDATE", userinfo=me)
+    validate_job(
+        body=dropped, old=stored, operation="UPDATE", userinfo={"username": "root", "groups": ["system:masters"]}
+    )
+    validate_job(body=stored, old=dropped, operation="UPDATE", userinfo=author)  # adding it back is anyone's
