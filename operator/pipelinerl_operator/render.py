@@ -229,18 +229,21 @@ def validate_renderable(job: PipelineRLJob) -> None:
         template = getattr(job.spec, role).pod_template or {}
         given = template.get("spec")
         pod_spec = given if isinstance(given, dict) else {}
-        containers = pod_spec.get("containers") or []
-        if not isinstance(containers, list) or any(not isinstance(c, dict) or not c.get("name") for c in containers):
-            raise RenderError(
-                f"{role}.podTemplate.spec.containers: a list of containers, each with a name "
-                f"(name one {role!r} to add mounts to the service container; other names add sidecars)"
-            )
-        for c in containers:
-            if c["name"] != role and not c.get("image"):
+        for kind in ("containers", "initContainers"):
+            containers = pod_spec.get(kind) or []
+            if not isinstance(containers, list) or any(
+                not isinstance(c, dict) or not c.get("name") for c in containers
+            ):
                 raise RenderError(
-                    f"{role}.podTemplate.spec.containers[{c['name']}].image: a sidecar needs an image "
-                    f"(only the {role!r} container gets the job's)"
+                    f"{role}.podTemplate.spec.{kind}: a list of containers, each with a name "
+                    f"(name one {role!r} to add mounts to the service container; other names add sidecars)"
                 )
+            for c in containers:
+                if (c["name"] != role or kind == "initContainers") and not c.get("image"):
+                    raise RenderError(
+                        f"{role}.podTemplate.spec.{kind}[{c['name']}].image: a sidecar needs an image "
+                        f"(only the {role!r} container gets the job's)"
+                    )
 
 
 def render(
