@@ -291,6 +291,11 @@ class JobSubjects:
         """Which store the streams are (`messages.StoreIdentity`, `streams.store_identity`)."""
         return f"prl.{self._token}.control.store"
 
+    @property
+    def checkpoint(self) -> str:
+        """The trainer's newest checkpoint (`messages.Checkpointed`)."""
+        return f"prl.{self._token}.control.checkpoint"
+
     def metrics(self, kind: str | None = None) -> str:
         return f"prl.{self._token}.metrics.{kind or '*'}"
 

@@ -90,6 +90,12 @@ class Incident(StatusModel):
     pods: list[str] = Field(default_factory=list, max_length=1024, description="Pods that restarted in it.")
 
 
+class SuspendedStore(StatusModel):
+    store: str = Field(max_length=64, description="The store the checkpoint's stream positions belong to.")
+    step: int = Field(ge=0)
+    problems: int = Field(ge=0, description="The job's problem claims at the checkpoint.")
+
+
 class JobStatus(StatusModel):
     observed_generation: int | None = None
     phase: Literal[PHASES] = "Pending"  # type: ignore[valid-type]
@@ -120,6 +126,11 @@ class JobStatus(StatusModel):
         ge=0,
         description="Bytes the job's streams hold in the chart's NATS store: while it runs; 0 while it waits for "
         "room, is suspended, finished or refused.",
+    )
+    suspended_store: SuspendedStore | None = Field(
+        default=None,
+        description="A suspended job's trainer checkpoint, read before its streams were deleted: its resume makes "
+        "a new store that goes on from it.",
     )
 
 

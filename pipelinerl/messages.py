@@ -194,6 +194,17 @@ class StoreIdentity(Message):
     adopted_step: int | None = None  # that checkpoint's step
 
 
+class Checkpointed(Message):
+    """The trainer's newest checkpoint, once saved (rank 0 tells it on the CONTROL stream): what a
+    job's store must go on from to resume it (`streams.recover_store`). The operator reads it when
+    it deletes a suspended job's streams, and makes the resumed job's store adopt it."""
+
+    TYPE: ClassVar[str] = "checkpointed"
+    store: str  # the store its stream positions belong to (`StoreIdentity.id`)
+    step: int
+    problems: int  # the job's problem claims at that checkpoint
+
+
 MESSAGE_TYPES: dict[str, type[Message]] = {
     m.TYPE: m
     for m in (
@@ -205,6 +216,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         WeightUpdateDone,
         Metrics,
         StoreIdentity,
+        Checkpointed,
     )
 }
 M = TypeVar("M", bound=Message)

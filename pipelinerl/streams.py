@@ -56,11 +56,11 @@ def stream_configs(
             discard=DiscardPolicy.OLD,
             **common,
         ),
-        # Control: the latest policy version, the next training problem unclaimed and which store
-        # this is, only.
+        # Control: the latest policy version, the next training problem unclaimed, which store
+        # this is and the trainer's newest checkpoint, only.
         StreamConfig(
             name=subjects.stream("CONTROL"),
-            subjects=[subjects.version, subjects.problems, subjects.store],
+            subjects=[subjects.version, subjects.problems, subjects.store, subjects.checkpoint],
             retention=RetentionPolicy.LIMITS,
             max_msgs_per_subject=1,
             max_bytes=size["CONTROL"],
@@ -287,6 +287,14 @@ async def claim_problems(js, subjects: JobSubjects, count: int, timeout_s: float
         if time.monotonic() > deadline:
             raise TimeoutError(f"could not claim training problems on {subject} in {timeout_s:.0f}s")
         await asyncio.sleep(0.01)
+
+
+async def last_checkpoint(js, subjects: JobSubjects, timeout_s: float = READ_TIMEOUT_S):
+    """The trainer's newest checkpoint (`messages.Checkpointed`; None: none told yet)."""
+    from pipelinerl.messages import Checkpointed, decode
+
+    data = await last_message(js, subjects.stream("CONTROL"), subjects.checkpoint, timeout_s)
+    return decode(data, Checkpointed) if data is not None else None
 
 
 async def problems_claimed(js, subjects: JobSubjects, timeout_s: float = READ_TIMEOUT_S) -> int:

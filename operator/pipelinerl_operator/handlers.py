@@ -37,7 +37,7 @@ from pipelinerl_operator.nats_store import (
     accounts_secret_name,
     store_bytes_needed,
 )
-from pipelinerl_operator.streams_cleanup import delete_job_streams
+from pipelinerl_operator.job_streams import delete_job_streams, read_checkpoint, restore_store
 
 FINALIZER = f"{API_GROUP}/cleanup"
 RESYNC_SECONDS = float(os.environ.get(OperatorEnv.RESYNC_SECONDS, "15"))
@@ -306,7 +306,7 @@ async def _reconcile(
     cfg = operator_config()
     job, spec_error, children = _read_spec(body, previous, cfg, logger)
     try:
-        apply_error, held = await _reserve_and_apply(kube, jobs, body, job, previous, children, cfg, logger)
+        apply_error, held, kept = await _reserve_and_apply(kube, jobs, body, job, previous, children, cfg, logger)
         roles = await _observe_roles(kube, ns, job, name)
         pods = await kube.list("v1", "Pod", ns, f"{JOB_LABEL}={name}")
         await _restart_trainer_gang(kube, body, job, pods, roles)
@@ -315,6 +315,7 @@ async def _reconcile(
             _observed(body, job, now, previous, spec_error, roles, await _trainer_status(job, roles), pods, apply_error)
         )
         status["natsReservedBytes"] = held
+        status["suspendedStore"] = kept or None  # a suspended job's checkpoint record, until its resume
         await _act_on(kube, body, patch, logger, job, cfg, previous, status, events, now)
         return status
     except Exception:
@@ -358,21 +359,81 @@ async def _reserve_and_apply(
     children: list[dict[str, Any]],
     cfg: OperatorConfig,
     logger: logging.Logger | logging.LoggerAdapter,
-) -> tuple[str | None, int]:
+) -> tuple[str | None, int, dict[str, Any] | None]:
     """Hold (or give back) the job's room in the NATS store, then apply its children if it has
-    room; why not, otherwise; and the bytes it holds."""
+    room; why not, otherwise; the bytes it holds; a suspended job's checkpoint record, kept until
+    its resume has restored its store from it."""
     meta = body["metadata"]
     uid = meta.get("uid", "")
     need = store_bytes_needed(job, previous, cfg)
     holds = int(previous.get("natsReservedBytes") or 0)
-    if holds and not need and not await _delete_streams(body, cfg, logger):
-        need = holds  # its account (and room) stays until its streams are gone: tried again next pass
+    kept = previous.get("suspendedStore")
+    if holds and not need:  # its account (and room) stays until its streams are gone: tried again next pass
+        released = await _release_streams(kube, body, job, cfg, logger)
+        if released is None:
+            need = holds
+        elif job is not None and job.spec.suspend:
+            kept = released
     error, held = await STATE.store.reserve(jobs, cfg, STATE.kube, uid, meta["namespace"], meta["name"], need)
+    if not error and children and need and kept:  # resumed: its store goes on from its checkpoint first
+        error = await _restore_streams(body, job, cfg, kept, logger)
+        kept = kept if error else None
     if not error and children:
         error = await apply_owned(kube, children, uid)
     if error:
         logger.warning("not applied: %s", error)
-    return error, held
+    return error, held, kept
+
+
+async def _release_streams(
+    kube: Kube, body: kopf.Body, job: Any, cfg: OperatorConfig, logger: logging.Logger | logging.LoggerAdapter
+) -> dict[str, Any] | None:
+    """Before the job's room is given back: its streams deleted. A suspended job's only once its
+    pods are gone, and with its trainer's newest checkpoint record read first, which its resume
+    restores the store from (returned; {} where there is none). None: not yet."""
+    meta = body["metadata"]
+    record: dict[str, Any] | None = {}
+    if job is not None and job.spec.suspend:
+        if await kube.list("v1", "Pod", meta["namespace"], f"{JOB_LABEL}={meta['name']}"):
+            return None  # still stopping: the trainer checkpoints on its way out
+        creds = _nats_login(body, cfg)
+        try:
+            record = await read_checkpoint(
+                creds["url"], meta["name"], meta["namespace"], creds["user"], creds["password"], _nats_timeout()
+            )
+        except Exception as err:  # noqa: BLE001 - told, and tried again next pass
+            _event(body, "Warning", "StreamsDeleteFailed", f"could not read the trainer's checkpoint record: {err!r}")
+            return None
+    if not await _delete_streams(body, cfg, logger):
+        return None
+    return record or {}
+
+
+async def _restore_streams(
+    body: kopf.Body,
+    job: Any,
+    cfg: OperatorConfig,
+    record: dict[str, Any],
+    logger: logging.Logger | logging.LoggerAdapter,
+) -> str | None:
+    """A resumed job's streams made again, going on from its trainer's checkpoint; why not yet."""
+    creds = _nats_login(body, cfg)
+    replicas = cfg.nats_replicas if cfg.nats_replicas > 1 and not _own_nats_url(body) else None
+    try:
+        await restore_store(creds["url"], job, creds["user"], creds["password"], record, replicas, _nats_timeout())
+    except Exception as err:  # noqa: BLE001 - its account may not be on the server yet: next pass
+        logger.info("restoring the NATS store of %s/%s: %r", job.namespace, job.name, err)
+        return (
+            f"its NATS store is being restored from its trainer's checkpoint (step {record['step']}) before its "
+            f"pods start: {type(err).__name__}"
+        )
+    _event(
+        body,
+        "Normal",
+        "StoreRestored",
+        f"the job's NATS store goes on from its trainer's checkpoint at step {record['step']}",
+    )
+    return None
 
 
 async def _restart_trainer_gang(
@@ -523,23 +584,30 @@ def _own_nats_url(body: kopf.Body) -> str | None:
     return ((body.get("spec") or {}).get("nats") or {}).get("url")
 
 
+def _nats_login(body: kopf.Body, cfg: OperatorConfig) -> dict[str, Any]:
+    """Where the job's streams are, and its NATS user there (on the chart's NATS: they live in its account)."""
+    meta, own_url = body["metadata"], _own_nats_url(body)
+    creds = (
+        job_credentials(cfg.auth_key, meta["namespace"], meta["name"], meta.get("uid", ""))
+        if cfg.auth_key and not own_url
+        else {}
+    )
+    return {"url": own_url or cfg.nats_url, "user": creds.get("natsUser"), "password": creds.get("natsPassword")}
+
+
+def _nats_timeout() -> float:
+    return float(os.environ.get(OperatorEnv.NATS_TIMEOUT, "10"))
+
+
 async def _delete_streams(body: kopf.Body, cfg: OperatorConfig, logger: logging.Logger | logging.LoggerAdapter) -> bool:
     """The job's NATS streams deleted (on the chart's NATS as the job's own user: they live in its
     account), told in an Event; False where NATS did not answer."""
     meta = body["metadata"]
-    name, ns, uid = meta["name"], meta["namespace"], meta.get("uid", "")
-    own_url = _own_nats_url(body)
-    url = own_url or cfg.nats_url
-    creds = job_credentials(cfg.auth_key, ns, name, uid) if cfg.auth_key and not own_url else {}
+    name, ns = meta["name"], meta["namespace"]
+    creds = _nats_login(body, cfg)
+    url = creds["url"]
     try:
-        streams = await delete_job_streams(
-            url,
-            name,
-            ns,
-            creds.get("natsUser"),
-            creds.get("natsPassword"),
-            timeout_s=float(os.environ.get(OperatorEnv.NATS_TIMEOUT, "10")),
-        )
+        streams = await delete_job_streams(url, name, ns, creds["user"], creds["password"], _nats_timeout())
     except Exception as err:  # noqa: BLE001 - any NATS failure is told, never raised
         logger.warning("could not delete NATS streams of %s/%s: %r", ns, name, err)
         _event(

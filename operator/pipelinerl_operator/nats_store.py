@@ -31,13 +31,12 @@ class JobRecord:
 
 def store_bytes_needed(job: Any, previous: dict[str, Any], cfg: OperatorConfig) -> int:
     """What the job must hold in the chart's NATS store now: its streams' bytes while it runs on
-    the install's own NATS. Suspended, or with a spec that no longer parses, it keeps what it holds
-    (its streams stay for its resume: the server holds their room all the while, so the books
-    must too) and takes nothing new; finished, nothing (handlers deletes its streams first)."""
+    the install's own NATS; with a spec that no longer parses, what it holds; suspended or
+    finished, nothing (handlers deletes its streams first, and gives the room back only then)."""
     held = int(previous.get("natsReservedBytes") or 0)
-    if is_terminal(previous):
+    if is_terminal(previous) or job is not None and job.spec.suspend:
         return 0
-    if job is None or job.spec.suspend:
+    if job is None:
         return held
     return reserved_bytes(job.spec) if on_chart_nats(job) and cfg.nats_bundled else 0
 

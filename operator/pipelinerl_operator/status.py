@@ -37,6 +37,7 @@ EVENT_REASONS = frozenset(
         "TTLExpired",
         "StreamsDeleted",
         "StreamsDeleteFailed",
+        "StoreRestored",
         "ApplyRefused",
         "ProgressDeadlineExceeded",
         "TrainerGangRestarted",

@@ -311,3 +311,6 @@ class Trainer:
         state = self.position.kept({str(r): int(s.item()) for r, s in enumerate(seqs)}, claimed)
         checkpoint.save(self.engine, self.ckpt_dir, self.position.version, state, self.rank, self.env.local_rank or 0)
         self.position.saved()
+        if self.rank == 0:  # saved: what a store must go on from to resume this job (the operator reads it)
+            told = m.Checkpointed(store=state["store"], step=self.position.version, problems=state["problems_claimed"])
+            self.bridge.publish(self.job.subjects.checkpoint, told)

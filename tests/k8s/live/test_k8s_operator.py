@@ -565,19 +565,20 @@ async def test_a_failed_job_takes_over_nothing_on_its_way_out(cluster) -> None:
 
 
 async def test_a_job_the_nats_store_cannot_hold_waits_and_holds_nothing_until_there_is_room(
-    cluster, monkeypatch
+    cluster, nats_url, monkeypatch
 ) -> None:
     """Each running job holds its streams' bytes in the chart's NATS store (pipelinerl.capacity),
     said in its status. A job the store cannot hold beside them waits, told in a condition and an
     Event (its pods never start), holding nothing: it takes no later job hostage. It starts once a
-    job gives its room back by being deleted; a suspended job keeps its room (its streams stay on
-    the server for its resume) and resumes into it."""
+    running job gives its room back: deleted, or suspended (once its streams are deleted: NATS
+    runs here, with no checkpoint record to keep)."""
     from pipelinerl.capacity import reserved_bytes
     from pipelinerl.spec import parse_job
 
     emulator, api, _ = cluster
     one = reserved_bytes(parse_job(manifest("zeta")).spec)
     monkeypatch.setenv("PIPELINERL_NATS_STORE_BYTES", str(2 * one + one // 2))  # room for two jobs
+    monkeypatch.setenv(OperatorEnv.DEFAULT_NATS_URL, nats_url)  # where suspended jobs' streams are deleted
     held = lambda name: status(emulator, name).get("natsReservedBytes")  # noqa: E731
     async with running_operator(str(emulator.url)):
         for name in ("zeta", "mid"):
@@ -589,21 +590,16 @@ async def test_a_job_the_nats_store_cannot_hold_waits_and_holds_nothing_until_th
         assert "cannot hold this job's streams" in condition(emulator, "Ready", "alpha")["message"]
         assert held("alpha") == 0 and not obj(emulator, STS, "alpha-prl-trainer")
         await eventually(lambda: "ApplyRefused" in events(emulator), what="an Event")
-        # A suspended job keeps its room (the server holds its streams): the waiting one still waits.
+        # A suspended job gives its room back: the waiting one starts.
         await api.patch_job("mid", {"spec": {"suspend": True}})
-        await eventually(lambda: condition(emulator, "Suspended", "mid").get("status") == "True", what="suspended")
-        await asyncio.sleep(1)  # resyncs after it
-        assert held("mid") == one and held("alpha") == 0 and not obj(emulator, STS, "alpha-prl-trainer")
-        # Deleting a job makes room: the waiting one starts; the suspended one resumes into its own room.
-        await api.delete_job("zeta")
         await eventually(lambda: obj(emulator, STS, "alpha-prl-trainer"), timeout_s=40, what="the waiting job's pods")
-        await eventually(lambda: held("alpha") == one, what="alpha's room")
+        await eventually(lambda: held("mid") == 0 and held("alpha") == one, what="mid's room, alpha's now")
+        # Resumed, it waits in turn (the store is full), holding nothing; deleting a job makes room.
         await api.patch_job("mid", {"spec": {"suspend": False}})
-        await eventually(
-            lambda: obj(emulator, STS, "mid-prl-trainer")["spec"]["replicas"] > 0 and held("mid") == one,
-            timeout_s=40,
-            what="mid running again in its room",
-        )
+        await eventually(lambda: condition(emulator, "Ready", "mid").get("reason") == "ApplyRefused", what="mid waits")
+        assert held("mid") == 0
+        await api.delete_job("zeta")
+        await eventually(lambda: held("mid") == one, timeout_s=40, what="mid running again")
 
 
 async def test_two_replicas_take_turns_and_the_survivor_takes_over(cluster, tmp_path) -> None:

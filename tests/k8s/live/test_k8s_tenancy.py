@@ -26,7 +26,8 @@ from pipelinerl.reserved import CREDENTIALS_SUFFIX
 from pipelinerl_cli.embedded_nats import nats_server_binary
 from pipelinerl.ports import free_port
 from pipelinerl.spec import parse_job
-from pipelinerl.streams import ensure_streams
+from pipelinerl.messages import Checkpointed, encode
+from pipelinerl.streams import ensure_streams, last_announcement, problems_claimed, store_identity
 from pipelinerl_operator.credentials import nats_accounts
 
 ACCOUNTS_SECRET = "rl-pipelinerl-nats-accounts"  # the chart's name for it (release "rl")
@@ -298,22 +299,37 @@ async def test_nats_starts_whatever_jobs_exist_and_only_running_jobs_have_accoun
             with pytest.raises(AssertionError, match="insufficient storage"):
                 blocked.start()
 
-            # The finished job's streams go before its account: deleting them needs it.
+            # The jobs' pods: their streams, and one's trainer has told its newest checkpoint.
             server.start()
-            creds = credentials(emulator, "two")
-            two = await nats.connect(server.url, user=creds["natsUser"], password=creds["natsPassword"])
-            await ensure_streams(
-                two.jetstream(), JobSubjects("two", NS), 1, sizes=stream_bytes(parse_job(big("two")).spec)
-            )
+            login = {n: credentials(emulator, n) for n in ("one", "two")}
+            nc = {
+                n: await nats.connect(server.url, user=c["natsUser"], password=c["natsPassword"])
+                for n, c in login.items()
+            }
+            for n in nc:
+                await ensure_streams(
+                    nc[n].jetstream(), JobSubjects(n, NS), 1, sizes=stream_bytes(parse_job(big(n)).spec)
+                )
+            ones = JobSubjects("one", NS)
+            identity = await store_identity(nc["one"].jetstream(), ones)
+            told = Checkpointed(store=identity.id, step=7, problems=123)
+            await nc["one"].jetstream().publish(ones.checkpoint, encode(told))
 
-            # Suspended: it keeps its streams for its resume, and the room they hold on the server
-            # (the books say what the server holds), so the waiting job still waits.
-            held = status(emulator, "one")["natsReservedBytes"]
+            # Suspended: once its pods are gone, its checkpoint record kept in its status, its
+            # streams deleted (as its user: its account is still loaded), then its room and account
+            # go, and the waiting job's comes.
             await api.patch_job("one", {"spec": {"suspend": True}})
-            await eventually(lambda: condition(emulator, "Suspended", "one").get("status") == "True", timeout_s=60)
-            await asyncio.sleep(2)  # a resync after it
-            assert jobs_in() == ["one", "two"] and status(emulator, "one")["natsReservedBytes"] == held
-            # Finished: its streams deleted (as its user), then its account goes and the waiting job's comes.
+            await eventually(lambda: jobs_in() == ["three", "two"], timeout_s=60, what="the waiting job's account")
+            await eventually(
+                lambda: (
+                    status(emulator, "one").get("suspendedStore") == {"store": identity.id, "step": 7, "problems": 123}
+                    and status(emulator, "one")["natsReservedBytes"] == 0
+                ),
+                timeout_s=60,
+                what="its checkpoint kept, its room given back",
+            )
+            assert await nc["one"].jetstream().streams_info() == []
+            # Finished: its streams deleted (as its user), then its account goes.
             trainer.reports["two"] = {
                 "step": 50,
                 "version": 50,
@@ -324,12 +340,35 @@ async def test_nats_starts_whatever_jobs_exist_and_only_running_jobs_have_accoun
             for role, n in (("generator", 2), ("preprocessor", 1), ("trainer", 2)):
                 await api.set_sts_status(f"two-prl-{role}", n, n)
             await eventually(lambda: status(emulator, "two").get("phase") == "Succeeded", timeout_s=60, what="done")
-            await eventually(
-                lambda: jobs_in() == ["one", "three"], timeout_s=60, what="the finished job's room given on"
-            )
-            assert await two.jetstream().streams_info() == []  # its account still loaded: deleted while it could be
+            await eventually(lambda: jobs_in() == ["three"], timeout_s=60, what="the finished job's account gone")
+            assert await nc["two"].jetstream().streams_info() == []  # deleted while its account was there
             await eventually(lambda: status(emulator, "two")["natsReservedBytes"] == 0, what="said in its status")
-            await two.close()
+            for client in nc.values():
+                await client.close()
+
+            # Resumed (there is room again): its account comes back; once the server has it, the
+            # operator makes its store go on from the checkpoint, and only then starts its pods.
+            await api.patch_job("one", {"spec": {"suspend": False}})
+            await eventually(lambda: jobs_in() == ["one", "three"], timeout_s=60, what="its account back")
+            await asyncio.sleep(1)
+            assert obj(emulator, "apps/v1/statefulsets", "one-prl-trainer")["spec"]["replicas"] == 0  # not yet
+            server.accounts(accounts())
+            server.reload()
+            await eventually(lambda: "StoreRestored" in events(emulator), timeout_s=60, what="the store restored")
+            await eventually(
+                lambda: (
+                    not status(emulator, "one").get("suspendedStore")
+                    and obj(emulator, "apps/v1/statefulsets", "one-prl-trainer")["spec"]["replicas"] == 2
+                ),
+                timeout_s=60,
+                what="its pods started",
+            )
+            one = await nats.connect(server.url, user=login["one"]["natsUser"], password=login["one"]["natsPassword"])
+            restored = await store_identity(one.jetstream(), ones)
+            assert (restored.adopts, restored.adopted_step) == (identity.id, 7)
+            assert (await last_announcement(one.jetstream(), ones)).version == 7
+            assert await problems_claimed(one.jetstream(), ones) == 123
+            await one.close()
     finally:
         server.stop()
 
