@@ -127,6 +127,12 @@ class JobStatus(StatusModel):
         description="Bytes the job's streams hold in the chart's NATS store: while it runs; 0 while it waits for "
         "room, is suspended, finished or refused.",
     )
+    credentials_secret: str | None = Field(
+        default=None,
+        max_length=253,
+        description="The job's credentials Secret, once the operator has made it (one of that name it did not "
+        "make is never used).",
+    )
     suspended_store: SuspendedStore | None = Field(
         default=None,
         description="A suspended job's trainer checkpoint, read before its streams were deleted: its resume makes "

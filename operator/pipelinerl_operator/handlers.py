@@ -215,30 +215,37 @@ async def nats_accounts_exist(settings: kopf.OperatorSettings, **_: Any) -> None
         await STATE.kube.create(accounts_secret(secret, namespace, nats_accounts(cfg.auth_key, [])))
 
 
-async def apply_owned(kube: Kube, children: list[dict[str, Any]], uid: str) -> str | None:
+async def apply_owned(
+    kube: Kube, children: list[dict[str, Any]], uid: str, made: str | None
+) -> tuple[str | None, str | None]:
     """Apply the job's children in order; stop at the first that cannot be, and say why: an object
     of that name the job does not own (never taken over: deleting the job would delete it), or
     one the API server refused (invalid, quota, an admission webhook). Every path that writes a
     child comes here (the terminal one included). The job's Secret is only ever created: its
     values follow from the job's uid and never change, so the operator needs no right to read (nor
-    to overwrite) Secrets where jobs run, and one of that name it did not make is left alone."""
+    to overwrite) Secrets where jobs run. `made`: the Secret the job's status says the operator
+    created (status.credentialsSecret); one of that name found otherwise is someone else's, and
+    the job's pods never get it. Returns why it stopped (None: all applied) and the Secret the
+    operator has made, as the status keeps it."""
     for obj in children:
         meta = obj["metadata"]
         what = f"{obj['kind']} {meta['name']}"
         try:
             if obj["kind"] == "Secret":
-                await kube.create(obj)
+                if not await kube.create(obj) and made != meta["name"]:
+                    return f"{what} already exists and this job did not make it: not used (delete it)", made
+                made = meta["name"]
                 continue
             existing = await kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
             if existing is not None and not owned_by(existing, uid):
                 return (
                     f"{what} already exists and is not this job's: not taken over (delete or rename it, "
                     "or give the job another name)"
-                )
+                ), made
             await kube.apply(obj)
         except KubeError as err:
-            return f"{what}: {err}"
-    return None
+            return f"{what}: {err}", made
+    return None, made
 
 
 def owned_by(obj: dict[str, Any], uid: str) -> bool:
@@ -306,7 +313,7 @@ async def _reconcile(
     cfg = operator_config()
     job, spec_error, children = _read_spec(body, previous, cfg, logger)
     try:
-        apply_error, held, kept = await _reserve_and_apply(kube, jobs, body, job, previous, children, cfg, logger)
+        apply_error, held, kept, made = await _reserve_and_apply(kube, jobs, body, job, previous, children, cfg, logger)
         roles = await _observe_roles(kube, ns, job, name)
         pods = await kube.list("v1", "Pod", ns, f"{JOB_LABEL}={name}")
         await _restart_trainer_gang(kube, body, job, pods, roles)
@@ -316,6 +323,7 @@ async def _reconcile(
         )
         status["natsReservedBytes"] = held
         status["suspendedStore"] = kept or None  # a suspended job's checkpoint record, until its resume
+        status["credentialsSecret"] = made
         await _act_on(kube, body, patch, logger, job, cfg, previous, status, events, now)
         return status
     except Exception:
@@ -359,15 +367,15 @@ async def _reserve_and_apply(
     children: list[dict[str, Any]],
     cfg: OperatorConfig,
     logger: logging.Logger | logging.LoggerAdapter,
-) -> tuple[str | None, int, dict[str, Any] | None]:
+) -> tuple[str | None, int, dict[str, Any] | None, str | None]:
     """Hold (or give back) the job's room in the NATS store, then apply its children if it has
     room; why not, otherwise; the bytes it holds; a suspended job's checkpoint record, kept until
-    its resume has restored its store from it."""
+    its resume has restored its store from it; the credentials Secret the operator made."""
     meta = body["metadata"]
     uid = meta.get("uid", "")
     need = store_bytes_needed(job, previous, cfg)
     holds = int(previous.get("natsReservedBytes") or 0)
-    kept = previous.get("suspendedStore")
+    kept, made = previous.get("suspendedStore"), previous.get("credentialsSecret")
     if holds and not need:  # its account (and room) stays until its streams are gone: tried again next pass
         released = await _release_streams(kube, body, job, cfg, logger)
         if released is None:
@@ -379,10 +387,10 @@ async def _reserve_and_apply(
         error = await _restore_streams(body, job, cfg, kept, logger)
         kept = kept if error else None
     if not error and children:
-        error = await apply_owned(kube, children, uid)
+        error, made = await apply_owned(kube, children, uid, made)
     if error:
         logger.warning("not applied: %s", error)
-    return error, held, kept
+    return error, held, kept, made
 
 
 async def _release_streams(
@@ -516,7 +524,7 @@ async def _act_on(
         # Free the GPUs; the checkpoints stay (or may now go with the job: the output is written).
         # As owned as any other apply: an object of a child's name that is not the job's stays as it is.
         children = render(job, ns, uid, cfg, active=False, output_written=status["phase"] == "Succeeded")
-        error = await apply_owned(kube, children, uid)
+        error, _ = await apply_owned(kube, children, uid, previous.get("credentialsSecret"))
         if error:
             logger.warning("not scaled down: %s", error)
     patch.status.update(status)

@@ -534,6 +534,31 @@ async def test_an_object_the_job_does_not_own_is_never_taken_over(cluster) -> No
         assert not obj(emulator, "v1/serviceaccounts", "demo-pipelinerl").get("metadata", {}).get("ownerReferences")
 
 
+async def test_a_credentials_secret_the_operator_did_not_make_is_never_used(cluster, monkeypatch) -> None:
+    """Someone makes the job's credentials Secret (its name has the job's uid: only once the job
+    exists) before the operator's first pass: the operator, which cannot read Secrets, tells its
+    own from theirs by the job's status (status.credentialsSecret), applies nothing that would
+    read it, and goes on once it is deleted. Restarted, it keeps using the one it made."""
+    monkeypatch.setenv(OperatorEnv.AUTH_KEY, "install-key")
+    emulator, api, _ = cluster
+    await api.create_job(manifest())  # no operator running yet
+    uid = obj(emulator, JOBS, "demo")["metadata"]["uid"]
+    name = f"demo-{uid[:8]}-pipelinerl-credentials"
+    theirs = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": NS}, "data": {}}
+    await api.create(f"/api/v1/namespaces/{NS}/secrets", theirs)
+    async with running_operator(str(emulator.url)):
+        await eventually(lambda: condition(emulator, "Ready").get("reason") == "ApplyRefused", what="refused")
+        assert f"Secret {name} already exists and this job did not make it" in condition(emulator, "Ready")["message"]
+        assert not any(obj(emulator, STS, f"demo-prl-{r}") for r in ROLES)  # no pod reads it
+        await api._call("DELETE", f"/api/v1/namespaces/{NS}/secrets/{name}")
+        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"), timeout_s=30, what="its pods, with its own")
+        await eventually(lambda: status(emulator).get("credentialsSecret") == name, what="said in its status")
+        assert obj(emulator, "v1/secrets", name)["metadata"]["ownerReferences"][0]["uid"] == uid
+    async with running_operator(str(emulator.url)):  # restarted: its own Secret is there (a create finds it)
+        await asyncio.sleep(1)
+        assert condition(emulator, "Ready").get("reason") != "ApplyRefused"
+
+
 async def test_a_failed_job_takes_over_nothing_on_its_way_out(cluster) -> None:
     """The terminal path (Failed/DeadlineExceeded here) scales the job's children down through the
     same ownership check as every other apply: a user's own ServiceAccount and Service that hold
