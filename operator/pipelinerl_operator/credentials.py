@@ -46,11 +46,13 @@ def secret_data(values: dict[str, str]) -> dict[str, str]:
     return {k: base64.b64encode(v.encode()).decode() for k, v in values.items()}
 
 
-def nats_accounts(key: str, jobs: Iterable[tuple[str, str, str, int]]) -> str:
+def nats_accounts(key: str, jobs: Iterable[tuple[str, str, str, int]], retired: Iterable[str] = ()) -> str:
     """The `accounts` block of the NATS server's configuration (included by the chart's
     nats.conf, reloaded when it changes): one account per job (namespace, name, uid, the bytes
     its streams reserve; named by `job_account`), one user in it, JetStream within that job's own
-    limit (file storage only; every stream must say its size), and the operator's own account."""
+    limit (file storage only; every stream must say its size), and the operator's own account;
+    `retired`: accounts whose job gave its room back, kept a while with JetStream disabled and no
+    user (`nats_store.Reservations.retire`)."""
 
     def account(name: str, user: str, password: str, file_bytes: int | None) -> str:
         js = (
@@ -65,4 +67,5 @@ def nats_accounts(key: str, jobs: Iterable[tuple[str, str, str, int]]) -> str:
     for namespace, name, uid, reserved in sorted(set(jobs)):
         creds = job_credentials(key, namespace, name, uid)
         lines.append(account(job_account(namespace, name, uid), creds["natsUser"], creds["natsPassword"], reserved))
+    lines += [f"  {json.dumps(name)}: {{ jetstream: disabled }}" for name in retired]
     return "# Written by the PipelineRL operator: one account per job.\naccounts {\n" + "\n".join(lines) + "\n}\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,11 +17,19 @@ from typing import Any
 from pipelinerl.capacity import admission_problem, reserved_bytes
 from pipelinerl.contracts import NATS_ACCOUNTS_FILE, OperatorEnv
 from pipelinerl_operator.config import OperatorConfig
-from pipelinerl_operator.credentials import nats_accounts, secret_data
+from pipelinerl_operator.credentials import job_account, nats_accounts, secret_data
 from pipelinerl_operator.pod_template import on_chart_nats
 from pipelinerl_operator.status import is_terminal
 
 Held = dict[str, tuple[str, str, int]]  # uid -> (namespace, name, bytes held)
+# How long a job's account stays, JetStream disabled, after its job gave its room back (and its
+# room counts as held): longer than a change of the accounts Secret takes to reach the server
+# (the kubelet's Secret sync, about a minute, then the chart's reloader).
+RETIRE_S = 300.0
+
+
+def retire_seconds() -> float:
+    return float(os.environ.get(OperatorEnv.NATS_RETIRE_SECONDS) or RETIRE_S)
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,8 @@ class Reservations:
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     decided: Held = field(default_factory=dict)
     accounts_written: str | None = None
+    enabled: dict[str, tuple[str, int]] = field(default_factory=dict)  # account -> (namespace, bytes) last written
+    retired: dict[str, tuple[str, int, float]] = field(default_factory=dict)  # ... and since when, retired
 
     def held(self, index: Mapping[tuple[str, str], Iterable[JobRecord]]) -> Held:
         """Every job holding a reservation now: its status's, or what was decided here since."""
@@ -93,6 +104,8 @@ class Reservations:
             mine = held.pop(uid, None)
             if need and (mine is None or mine[2] != need) and cfg.nats_store_bytes:
                 others = {u: (ns, b) for u, (ns, _, b) in held.items()}
+                own = job_account(namespace, name, uid)
+                others |= {a: (ns, b) for a, (ns, b, _) in self.retiring().items() if a != own}
                 problem = admission_problem(cfg.nats_store_bytes, cfg.policy.namespace_share, others, namespace, need)
             decided = mine if problem and mine else (namespace, name, 0 if problem else need)
             self.decided[uid] = decided
@@ -109,7 +122,28 @@ class Reservations:
         if not (cfg.auth_key and secret and namespace and kube):
             return
         accounts = [(ns, name, uid, b * cfg.nats_replicas) for uid, (ns, name, b) in held.items()]  # every copy
-        text = nats_accounts(cfg.auth_key, accounts)
+        text = nats_accounts(cfg.auth_key, accounts, self.retire({job_account(*a[:3]): (a[0], a[3]) for a in accounts}))
         if text != self.accounts_written:
             await kube.apply(accounts_secret(secret, namespace, text))
             self.accounts_written = text
+
+    def retire(self, enabled: dict[str, tuple[str, int]], now: float | None = None) -> list[str]:
+        """The accounts to write with JetStream disabled (`enabled`: those written with it, by
+        account: namespace and bytes): those whose job gave its room back in the last RETIRE_S.
+        nats-server keeps the storage of an account dropped from its configuration reserved
+        until it restarts (nats-io/nats-server#3420), and releases it when the account's
+        JetStream is disabled; so a job's account is disabled first and dropped once the server
+        has had time to reload that. Its room counts as held until then (`retiring`): a reload
+        that enabled an account into room another in the same reload gives back could fail (the
+        server takes accounts in no set order, and stops at the first it cannot enable)."""
+        now = time.monotonic() if now is None else now
+        for account, (namespace, size) in self.enabled.items():
+            if account not in enabled:
+                self.retired[account] = (namespace, size, now)
+        self.enabled = dict(enabled)
+        self.retired = {a: r for a, r in self.retiring(now).items() if a not in enabled}
+        return sorted(self.retired)
+
+    def retiring(self, now: float | None = None) -> dict[str, tuple[str, int, float]]:
+        now = time.monotonic() if now is None else now
+        return {a: r for a, r in self.retired.items() if now - r[2] < retire_seconds()}

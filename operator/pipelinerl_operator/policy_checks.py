@@ -332,11 +332,11 @@ def pod_policy_violations(
                 )
     _resources(containers, role, policy, bad)
     _volumes(spec, where, policy, bad)
-    for path, name in secret_references(spec, where):
+    for path, name in references("Secret", spec, where):
         _reference("Secret", path, name, namespace, policy.secrets, "secrets", install, bad)
     for path, name in claim_references(spec, where):
         _reference("PersistentVolumeClaim", path, name, namespace, policy.volume_claims, "volumeClaims", install, bad)
-    for path, name in config_map_references(spec, where):
+    for path, name in references("ConfigMap", spec, where):
         if name != own_config:  # the job's own manifest, which the operator mounts
             _reference("ConfigMap", path, name, namespace, policy.config_maps, "configMaps", install, bad)
 
@@ -493,56 +493,43 @@ def _volumes(spec: dict[str, Any], where: str, policy: JobPolicy, bad: Problems)
             bad(f"{at}.csi.driver", f"not a CSI driver jobs may use inline (jobPolicy.csiDrivers: {drivers})")
 
 
-def secret_references(spec: dict[str, Any], where: str) -> Iterator[tuple[str, str]]:
-    """(field, name) of every Secret a pod names: volumes (secret, projected, CSI), env, envFrom,
-    imagePullSecrets."""
+# Where a pod names a Secret or a ConfigMap: (volume source, its name field), the env source, the
+# envFrom source.
+_NAMED_BY = {
+    "Secret": (("secret", "secretName"), "secretKeyRef", "secretRef"),
+    "ConfigMap": (("configMap", "name"), "configMapKeyRef", "configMapRef"),
+}
+
+
+def references(kind: str, spec: dict[str, Any], where: str) -> Iterator[tuple[str, str]]:
+    """(field, name) of every Secret or ConfigMap (`kind`) a pod names: volumes (and projected
+    sources; a Secret also as a CSI nodePublishSecretRef and in imagePullSecrets), env, envFrom.
+    The operator's own credentials, under the env names only it may set, are not counted."""
+    (source, name_field), env_key, env_from_key = _NAMED_BY[kind]
     for volume in _list(spec.get("volumes")):
         volume = _dict(volume)
         at = f"{where}.volumes[{volume.get('name', '?')}]"
-        if "secret" in volume:
-            yield f"{at}.secret.secretName", str(_dict(volume["secret"]).get("secretName", ""))
-        for j, source in enumerate(_list(_dict(volume.get("projected")).get("sources"))):
-            if "secret" in _dict(source):
-                yield f"{at}.projected.sources[{j}].secret.name", str(_dict(source["secret"]).get("name", ""))
+        if source in volume:
+            yield f"{at}.{source}.{name_field}", str(_dict(volume[source]).get(name_field, ""))
+        for j, projected in enumerate(_list(_dict(volume.get("projected")).get("sources"))):
+            if source in _dict(projected):
+                yield f"{at}.projected.sources[{j}].{source}.name", str(_dict(projected[source]).get("name", ""))
         ref = _dict(_dict(volume.get("csi")).get("nodePublishSecretRef"))
-        if ref:
+        if ref and kind == "Secret":
             yield f"{at}.csi.nodePublishSecretRef.name", str(ref.get("name", ""))
-    for j, ref in enumerate(_list(spec.get("imagePullSecrets"))):
+    for j, ref in enumerate(_list(spec.get("imagePullSecrets")) if kind == "Secret" else []):
         yield f"{where}.imagePullSecrets[{j}].name", str(_dict(ref).get("name", ""))
-    for kind in ("initContainers", "containers"):
-        for c in _list(spec.get(kind)):
+    for containers in ("initContainers", "containers"):
+        for c in _list(spec.get(containers)):
             c = _dict(c)
-            at = f"{where}.{kind}[{c.get('name', '?')}]"
+            at = f"{where}.{containers}[{c.get('name', '?')}]"
             for var in _list(c.get("env")):
-                ref = _dict(_dict(_dict(var).get("valueFrom")).get("secretKeyRef"))
+                ref = _dict(_dict(_dict(var).get("valueFrom")).get(env_key))
                 if ref and _dict(var).get("name") not in OPERATORS_SECRET_ENV:
-                    yield f"{at}.env[{_dict(var).get('name')}].valueFrom.secretKeyRef.name", str(ref.get("name", ""))
-            for j, source in enumerate(_list(c.get("envFrom"))):
-                if "secretRef" in _dict(source):
-                    yield f"{at}.envFrom[{j}].secretRef.name", str(_dict(source["secretRef"]).get("name", ""))
-
-
-def config_map_references(spec: dict[str, Any], where: str) -> Iterator[tuple[str, str]]:
-    """(field, name) of every ConfigMap a pod names: volumes (configMap, projected), env, envFrom."""
-    for volume in _list(spec.get("volumes")):
-        volume = _dict(volume)
-        at = f"{where}.volumes[{volume.get('name', '?')}]"
-        if "configMap" in volume:
-            yield f"{at}.configMap.name", str(_dict(volume["configMap"]).get("name", ""))
-        for j, source in enumerate(_list(_dict(volume.get("projected")).get("sources"))):
-            if "configMap" in _dict(source):
-                yield f"{at}.projected.sources[{j}].configMap.name", str(_dict(source["configMap"]).get("name", ""))
-    for kind in ("initContainers", "containers"):
-        for c in _list(spec.get(kind)):
-            c = _dict(c)
-            at = f"{where}.{kind}[{c.get('name', '?')}]"
-            for var in _list(c.get("env")):
-                ref = _dict(_dict(_dict(var).get("valueFrom")).get("configMapKeyRef"))
-                if ref:
-                    yield f"{at}.env[{_dict(var).get('name')}].valueFrom.configMapKeyRef.name", str(ref.get("name", ""))
-            for j, source in enumerate(_list(c.get("envFrom"))):
-                if "configMapRef" in _dict(source):
-                    yield f"{at}.envFrom[{j}].configMapRef.name", str(_dict(source["configMapRef"]).get("name", ""))
+                    yield f"{at}.env[{_dict(var).get('name')}].valueFrom.{env_key}.name", str(ref.get("name", ""))
+            for j, env_from in enumerate(_list(c.get("envFrom"))):
+                if env_from_key in _dict(env_from):
+                    yield f"{at}.envFrom[{j}].{env_from_key}.name", str(_dict(env_from[env_from_key]).get("name", ""))
 
 
 def claim_references(spec: dict[str, Any], where: str) -> Iterator[tuple[str, str]]:

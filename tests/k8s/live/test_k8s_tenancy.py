@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import re
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
@@ -82,6 +84,28 @@ class ChartNats:
         self.proc.send_signal(signal.SIGHUP)
         time.sleep(0.5)
 
+    @contextlib.asynccontextmanager
+    async def following(self, emulator) -> AsyncIterator[None]:
+        """What the chart's reloader sidecar does: each change of the accounts Secret written to
+        the server's file, and the server reloaded (checked, with its log, for JetStream errors)."""
+
+        async def follow() -> None:
+            written = None
+            while True:
+                text = decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET)).get(NATS_ACCOUNTS_FILE)
+                if text and text != written:
+                    self.accounts(text)
+                    self.reload()
+                    written = text
+                await asyncio.sleep(0.2)
+
+        task = asyncio.create_task(follow())
+        try:
+            yield
+        finally:
+            task.cancel()
+        assert "Error enabling jetstream" not in (self.root / "nats.log").read_text()
+
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
@@ -90,6 +114,18 @@ class ChartNats:
         if self.proc:
             self.proc.kill()
             self.proc.wait()
+
+
+def on_chart_nats(monkeypatch, server: ChartNats, **more: str) -> None:
+    """The operator's settings as the chart writes them for its own NATS (`server`)."""
+    for name, value in {
+        OperatorEnv.AUTH_KEY: "install-key",
+        OperatorEnv.NATS_ACCOUNTS_SECRET: ACCOUNTS_SECRET,
+        OperatorEnv.NAMESPACE: NS,
+        OperatorEnv.DEFAULT_NATS_URL: server.url,
+        **more,
+    }.items():
+        monkeypatch.setenv(name, value)
 
 
 async def refused(url: str, **creds) -> bool:
@@ -104,13 +140,7 @@ async def refused(url: str, **creds) -> bool:
 async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(cluster, tmp_path, monkeypatch) -> None:
     emulator, api, _ = cluster
     server = ChartNats(tmp_path)
-    for name, value in {
-        OperatorEnv.AUTH_KEY: "install-key",
-        OperatorEnv.NATS_ACCOUNTS_SECRET: ACCOUNTS_SECRET,
-        OperatorEnv.NAMESPACE: NS,
-        OperatorEnv.DEFAULT_NATS_URL: server.url,
-    }.items():
-        monkeypatch.setenv(name, value)
+    on_chart_nats(monkeypatch, server)
     try:
         async with running_operator(str(emulator.url)):
             for job in ("demo", "other"):
@@ -147,11 +177,16 @@ async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(clu
             with pytest.raises(nats.errors.TimeoutError):
                 await sub.next_msg(timeout=0.5)
 
-            # Deleting the job deletes its streams (as its own user) and its account.
+            # Deleting the job deletes its streams (as its own user), then retires its account: no
+            # user, JetStream disabled (which gives its room back on the running server; dropping
+            # the account would keep it reserved until a restart), dropped later.
             await api.delete_job("demo")
             await eventually(
-                lambda: '"team-a.demo.' not in decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET))[NATS_ACCOUNTS_FILE],
-                what="the account gone",
+                lambda: re.search(
+                    r'"team-a\.demo\.[^"]+": \{ jetstream: disabled \}',
+                    decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET))[NATS_ACCOUNTS_FILE],
+                ),
+                what="the account retired",
             )
             assert await eventually(lambda: set(events(emulator)) & {"StreamsDeleted", "StreamsDeleteFailed"}) == {
                 "StreamsDeleted"
@@ -174,13 +209,7 @@ async def test_a_job_of_an_earlier_jobs_name_never_sees_its_data(cluster, tmp_pa
     same name (another uid) gets an account of its own, and finds none of them."""
     emulator, api, _ = cluster
     server = ChartNats(tmp_path)
-    for name, value in {
-        OperatorEnv.AUTH_KEY: "install-key",
-        OperatorEnv.NATS_ACCOUNTS_SECRET: ACCOUNTS_SECRET,
-        OperatorEnv.NAMESPACE: NS,
-        OperatorEnv.DEFAULT_NATS_URL: server.url,
-    }.items():
-        monkeypatch.setenv(name, value)
+    on_chart_nats(monkeypatch, server)
     accounts = lambda: decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET)).get(NATS_ACCOUNTS_FILE, "")  # noqa: E731
     subjects = JobSubjects("demo", NS)
     try:
@@ -265,16 +294,11 @@ async def test_nats_starts_whatever_jobs_exist_and_only_running_jobs_have_accoun
     store = server.max_file_store
     need = reserved_bytes(parse_job(big("one")).spec)
     assert 2 * need <= store < 3 * need
-    for name, value in {
-        OperatorEnv.AUTH_KEY: "install-key",
-        OperatorEnv.NATS_ACCOUNTS_SECRET: ACCOUNTS_SECRET,
-        OperatorEnv.NAMESPACE: NS,
-        OperatorEnv.DEFAULT_NATS_URL: server.url,
-        OperatorEnv.NATS_STORE_BYTES: str(store),
-    }.items():
-        monkeypatch.setenv(name, value)
+    on_chart_nats(
+        monkeypatch, server, **{OperatorEnv.NATS_STORE_BYTES: str(store), OperatorEnv.NATS_RETIRE_SECONDS: "3"}
+    )
     accounts = lambda: decoded(obj(emulator, SECRETS, ACCOUNTS_SECRET)).get(NATS_ACCOUNTS_FILE, "")  # noqa: E731
-    jobs_in = lambda: sorted(re.findall(r'"team-a\.([a-z]+)\.[-0-9a-z]+": \{ jetstream', accounts()))  # noqa: E731
+    jobs_in = lambda: sorted(re.findall(r'"team-a\.([a-z]+)\.[-0-9a-z]+": \{ jetstream: \{', accounts()))  # noqa: E731
     try:
         async with running_operator(str(emulator.url)):
             for name in ("one", "two"):
@@ -299,76 +323,75 @@ async def test_nats_starts_whatever_jobs_exist_and_only_running_jobs_have_accoun
             with pytest.raises(AssertionError, match="insufficient storage"):
                 blocked.start()
 
-            # The jobs' pods: their streams, and one's trainer has told its newest checkpoint.
+            # The chart's reloader from here on. The jobs' pods: their streams, and one's trainer
+            # has told its newest checkpoint.
             server.start()
-            login = {n: credentials(emulator, n) for n in ("one", "two")}
-            nc = {
-                n: await nats.connect(server.url, user=c["natsUser"], password=c["natsPassword"])
-                for n, c in login.items()
-            }
-            for n in nc:
-                await ensure_streams(
-                    nc[n].jetstream(), JobSubjects(n, NS), 1, sizes=stream_bytes(parse_job(big(n)).spec)
+            async with server.following(emulator):
+                login = {n: credentials(emulator, n) for n in ("one", "two")}
+                for n, c in login.items():
+                    nc = await nats.connect(server.url, user=c["natsUser"], password=c["natsPassword"])
+                    sizes = stream_bytes(parse_job(big(n)).spec)
+                    await ensure_streams(nc.jetstream(), JobSubjects(n, NS), 1, sizes=sizes)
+                    if n == "one":
+                        identity = await store_identity(nc.jetstream(), JobSubjects(n, NS))
+                        told = Checkpointed(store=identity.id, step=7, problems=123)
+                        await nc.jetstream().publish(JobSubjects(n, NS).checkpoint, encode(told))
+                    await nc.close()
+
+                # Suspended: once its pods are gone, its checkpoint record kept in its status, its
+                # streams deleted (as its user), then its account retired (JetStream disabled, which
+                # gives its room back on the running server) and, once the server has had that, the
+                # waiting job's account enabled into the room.
+                await api.patch_job("one", {"spec": {"suspend": True}})
+                await eventually(
+                    lambda: (
+                        status(emulator, "one").get("suspendedStore")
+                        == {"store": identity.id, "step": 7, "problems": 123}
+                        and status(emulator, "one")["natsReservedBytes"] == 0
+                    ),
+                    timeout_s=60,
+                    what="its checkpoint kept, its room given back",
                 )
-            ones = JobSubjects("one", NS)
-            identity = await store_identity(nc["one"].jetstream(), ones)
-            told = Checkpointed(store=identity.id, step=7, problems=123)
-            await nc["one"].jetstream().publish(ones.checkpoint, encode(told))
+                await eventually(lambda: jobs_in() == ["three", "two"], timeout_s=60, what="the waiting job's account")
+                # Finished: its streams deleted (as its user), then its account retired.
+                trainer.reports["two"] = {
+                    "step": 50,
+                    "version": 50,
+                    "maxSteps": 50,
+                    "finished": True,
+                    "weightSyncReady": True,
+                }
+                for role, n in (("generator", 2), ("preprocessor", 1), ("trainer", 2)):
+                    await api.set_sts_status(f"two-prl-{role}", n, n)
+                await eventually(lambda: status(emulator, "two").get("phase") == "Succeeded", timeout_s=60, what="done")
+                await eventually(
+                    lambda: jobs_in() == ["three"], timeout_s=60, what="the finished job's account retired"
+                )
+                await eventually(
+                    lambda: events(emulator).count("StreamsDeleted") >= 2, what="one's and two's, as their users"
+                )
+                await eventually(lambda: status(emulator, "two")["natsReservedBytes"] == 0, what="said in its status")
 
-            # Suspended: once its pods are gone, its checkpoint record kept in its status, its
-            # streams deleted (as its user: its account is still loaded), then its room and account
-            # go, and the waiting job's comes.
-            await api.patch_job("one", {"spec": {"suspend": True}})
-            await eventually(lambda: jobs_in() == ["three", "two"], timeout_s=60, what="the waiting job's account")
-            await eventually(
-                lambda: (
-                    status(emulator, "one").get("suspendedStore") == {"store": identity.id, "step": 7, "problems": 123}
-                    and status(emulator, "one")["natsReservedBytes"] == 0
-                ),
-                timeout_s=60,
-                what="its checkpoint kept, its room given back",
-            )
-            assert await nc["one"].jetstream().streams_info() == []
-            # Finished: its streams deleted (as its user), then its account goes.
-            trainer.reports["two"] = {
-                "step": 50,
-                "version": 50,
-                "maxSteps": 50,
-                "finished": True,
-                "weightSyncReady": True,
-            }
-            for role, n in (("generator", 2), ("preprocessor", 1), ("trainer", 2)):
-                await api.set_sts_status(f"two-prl-{role}", n, n)
-            await eventually(lambda: status(emulator, "two").get("phase") == "Succeeded", timeout_s=60, what="done")
-            await eventually(lambda: jobs_in() == ["three"], timeout_s=60, what="the finished job's account gone")
-            assert await nc["two"].jetstream().streams_info() == []  # deleted while its account was there
-            await eventually(lambda: status(emulator, "two")["natsReservedBytes"] == 0, what="said in its status")
-            for client in nc.values():
-                await client.close()
-
-            # Resumed (there is room again): its account comes back; once the server has it, the
-            # operator makes its store go on from the checkpoint, and only then starts its pods.
-            await api.patch_job("one", {"spec": {"suspend": False}})
-            await eventually(lambda: jobs_in() == ["one", "three"], timeout_s=60, what="its account back")
-            await asyncio.sleep(1)
-            assert obj(emulator, "apps/v1/statefulsets", "one-prl-trainer")["spec"]["replicas"] == 0  # not yet
-            server.accounts(accounts())
-            server.reload()
-            await eventually(lambda: "StoreRestored" in events(emulator), timeout_s=60, what="the store restored")
-            await eventually(
-                lambda: (
-                    not status(emulator, "one").get("suspendedStore")
-                    and obj(emulator, "apps/v1/statefulsets", "one-prl-trainer")["spec"]["replicas"] == 2
-                ),
-                timeout_s=60,
-                what="its pods started",
-            )
-            one = await nats.connect(server.url, user=login["one"]["natsUser"], password=login["one"]["natsPassword"])
-            restored = await store_identity(one.jetstream(), ones)
-            assert (restored.adopts, restored.adopted_step) == (identity.id, 7)
-            assert (await last_announcement(one.jetstream(), ones)).version == 7
-            assert await problems_claimed(one.jetstream(), ones) == 123
-            await one.close()
+                # Resumed (there is room again): its account comes back; once the server has it, the
+                # operator makes its store go on from the checkpoint, and only then starts its pods.
+                await api.patch_job("one", {"spec": {"suspend": False}})
+                await eventually(lambda: jobs_in() == ["one", "three"], timeout_s=60, what="its account back")
+                await eventually(lambda: "StoreRestored" in events(emulator), timeout_s=60, what="the store restored")
+                await eventually(
+                    lambda: (
+                        not status(emulator, "one").get("suspendedStore")
+                        and obj(emulator, "apps/v1/statefulsets", "one-prl-trainer")["spec"]["replicas"] == 2
+                    ),
+                    timeout_s=60,
+                    what="its pods started",
+                )
+                ones, one = JobSubjects("one", NS), login["one"]
+                nc = await nats.connect(server.url, user=one["natsUser"], password=one["natsPassword"])
+                restored = await store_identity(nc.jetstream(), ones)
+                assert (restored.adopts, restored.adopted_step) == (identity.id, 7)
+                assert (await last_announcement(nc.jetstream(), ones)).version == 7
+                assert await problems_claimed(nc.jetstream(), ones) == 123
+                await nc.close()
     finally:
         server.stop()
 
