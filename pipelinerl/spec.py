@@ -276,15 +276,38 @@ class SpecError(ValueError):
     """A manifest that does not validate; the message names every field at fault."""
 
 
-def format_errors(err: ValidationError) -> str:
+def format_errors(err: ValidationError, model: type[BaseModel] | None = None) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(root)"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown field"
+            msg = "unknown field" + _did_you_mean(model, e["loc"])
         lines.append(f"  {loc}: {msg}")
     return "\n".join(lines)
+
+
+def _did_you_mean(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str:
+    """The field of the model at `loc[:-1]` closest to the unknown `loc[-1]`, where one is close."""
+    import difflib
+    import typing
+
+    node: Any = model
+    for part in loc[:-1]:
+        if not (isinstance(node, type) and issubclass(node, BaseModel)):
+            return ""
+        field = next((f for n, f in node.model_fields.items() if part in (n, f.alias)), None)
+        if field is None:
+            return ""
+        inner: list[Any] = [*typing.get_args(field.annotation), field.annotation]
+        node = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
+    if not (isinstance(node, type) and issubclass(node, BaseModel)):
+        return ""
+    names = [f.alias or n for n, f in node.model_fields.items()]
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
+    if not close and str(loc[-1]).replace("_", "").lower() in {n.lower() for n in names}:
+        close = [n for n in names if n.lower() == str(loc[-1]).replace("_", "").lower()]
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def parse_mapping(model: type[Parsed], data: Any, source: str, what: str, error: type[ValueError]) -> Parsed:
@@ -294,7 +317,7 @@ def parse_mapping(model: type[Parsed], data: Any, source: str, what: str, error:
     try:
         return model.model_validate(data, by_alias=True, by_name=False)
     except ValidationError as err:
-        raise error(f"{source} is not a valid {what}:\n{format_errors(err)}") from None
+        raise error(f"{source} is not a valid {what}:\n{format_errors(err, model)}") from None
 
 
 MAX_DEPTH = 32  # a pod spec is at most ~12 levels deep; checking a deeper one costs every door

@@ -155,6 +155,23 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _job_in(args: argparse.Namespace) -> PipelineRLJob:
+    """The job of the manifest, in `-n NAMESPACE` where given (its streams are named by it)."""
+    job = load_job(args.job)
+    if getattr(args, "namespace", None):
+        job = job.model_copy(update={"metadata": job.metadata.model_copy(update={"namespace": args.namespace})})
+    return job
+
+
+def _nats_login() -> tuple[str | None, str | None]:
+    """The job's NATS user and password, as its pods get them (on the chart's NATS every job has its
+    own account): from PIPELINERL_NATS_USER and PIPELINERL_NATS_PASSWORD, e.g. read from the job's
+    credentials Secret with kubectl (docs/kubernetes.md, "Runbook")."""
+    from pipelinerl.contracts import Env
+
+    return os.environ.get(Env.NATS_USER), os.environ.get(Env.NATS_PASSWORD)
+
+
 def _dead_letters(args: argparse.Namespace) -> int:
     """What the job's services rejected, and why: from a running job's NATS, or a local run's store."""
     import asyncio
@@ -162,11 +179,11 @@ def _dead_letters(args: argparse.Namespace) -> int:
     from pipelinerl.contracts import DEADLETTER_REASON
     from pipelinerl.streams import connect, stored_messages
 
-    job = load_job(args.job)
+    job = _job_in(args)
     subjects = job.subjects
 
     async def read(url: str) -> list:
-        nc = await connect(url, "pipelinerl-dead-letters")
+        nc = await connect(url, "pipelinerl-dead-letters", *_nats_login(), reconnect=False)
         try:
             return await stored_messages(nc.jetstream(), subjects.stream("DEADLETTER"))
         finally:
@@ -203,7 +220,7 @@ def _recover_store(args: argparse.Namespace) -> int:
 
     from pipelinerl.streams import connect, recover_store
 
-    job = load_job(args.job)
+    job = _job_in(args)
     if args.run_dir:
         ckpts = Path(args.run_dir) / "checkpoints"
         latest = ckpts / "latest"
@@ -220,7 +237,7 @@ def _recover_store(args: argparse.Namespace) -> int:
         adopt, step, problems = args.adopt, args.step, args.problems
 
     async def recover(url: str):
-        nc = await connect(url, "pipelinerl-recover-store")
+        nc = await connect(url, "pipelinerl-recover-store", *_nats_login(), reconnect=False)
         try:
             return await recover_store(nc.jetstream(), job.subjects, job.spec, adopt, step, problems)
         finally:
@@ -243,6 +260,15 @@ def _recover_store(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pipelinerl-k8s")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown"
+
+
 def _crd(args: argparse.Namespace) -> int:
     from pipelinerl.crd import crd_yaml
 
@@ -252,6 +278,7 @@ def _crd(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pipelinerl", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("run", help="run a PipelineRLJob on this machine (embedded NATS, local processes)")
@@ -356,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--run-dir", help="a local run's folder (its NATS store)")
     where.add_argument("--nats", metavar="URL", help="the NATS server of a running job")
+    p.add_argument("-n", "--namespace", help="the job's namespace (default: the manifest's)")
     p.set_defaults(func=_dead_letters)
 
     p = sub.add_parser(
@@ -370,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--step", type=int, help="with --nats: the checkpoint's step")
     p.add_argument("--problems", type=int, help="with --nats: problems claimed at the checkpoint")
+    p.add_argument("-n", "--namespace", help="the job's namespace (default: the manifest's)")
     p.set_defaults(func=_recover_store)
 
     p = sub.add_parser("crd", help="print the PipelineRLJob CustomResourceDefinition (generated from the spec)")

@@ -18,6 +18,7 @@ from typing import Any
 from pipelinerl.contracts import POD_GROUP_API, ROLE_LABEL
 from pipelinerl.generator_memory import job_plan
 from pipelinerl.prompt_fit import static_prompt_fit
+from pipelinerl.tasks import param_problems
 from pipelinerl.spec import KIND, PipelineRLJob, SpecError, check_depth, immutable_changes, parse_job
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.render import RenderError, render
@@ -81,6 +82,9 @@ def check(manifest: Any, old: Any = None, source: str = "manifest", cfg: Operato
             "keep data in ConfigMaps and volumes, not in the job"
         )
     job = parse_job(manifest, source)
+    unknown = param_problems(job.spec.task.name, job.spec.task.params)
+    if unknown:
+        raise SpecError(f"{source} is not a valid {KIND}:\n" + "\n".join(f"  spec.{u}" for u in unknown))
     if old is not None:
         changed = immutable_changes(parse_job(old, f"{source} (stored)"), job)
         if changed:

@@ -23,7 +23,29 @@ BUILTIN: dict[str, type] = {
     "math": MathTask,
 }
 
-__all__ = ["BUILTIN", "Completion", "Policy", "Problem", "SampleBuilder", "Task", "make_task"]
+__all__ = ["BUILTIN", "Completion", "Policy", "Problem", "SampleBuilder", "Task", "make_task", "param_problems"]
+
+
+def param_problems(name: str, params: dict[str, Any]) -> list[str]:
+    """A built-in task's params against those its constructor takes (`seed` and `name` are the
+    spec's, underscored ones its own): each unknown one named, with the closest known one."""
+    import difflib
+    import inspect
+
+    cls = BUILTIN.get(name)
+    if cls is None:
+        return []  # module:Class: its constructor says so when the generator builds it
+    known = [p for p in inspect.signature(cls).parameters if p not in ("seed", "name")]
+    known = [p for p in known if not p.startswith("_")]
+    problems = []
+    for key in params:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}? " if close else ""
+            problems.append(
+                f"task.params.{key}: unknown for the {name} task ({hint}its params: {', '.join(known) or 'none'})"
+            )
+    return problems
 
 
 def make_task(name: str, params: dict[str, Any] | None = None, seed: int = 0) -> Task:

@@ -245,3 +245,56 @@ def test_recover_store_on_a_cluster_makes_the_new_store_adopt_the_checkpoint(nat
     assert identity.id != fresh.id and (identity.adopts, identity.adopted_step) == ("lost", 4)
     assert (announced.version, announced.trained_groups, announced.finished) == (4, {}, False)
     assert rollouts == [] and claimed == 40
+
+
+def test_dead_letters_reads_a_namespaced_job_with_its_own_credentials(tmp_path):
+    """`pipelinerl dead-letters job.yaml --nats URL -n NAMESPACE` on a server that wants a login
+    (as the chart's does): the job's streams are named by the namespace given, and the login is the
+    job's, from PIPELINERL_NATS_USER / PIPELINERL_NATS_PASSWORD (never on the command line)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    from pipelinerl.contracts import Env
+    from pipelinerl.ports import free_port
+    from pipelinerl.streams import dead_letter
+
+    port = free_port()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port),
+         "-sd", str(tmp_path / "js"), "--user", "team-b.demo", "--pass", "secret"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"nats://127.0.0.1:{port}"
+    manifest = tmp_path / "job.yaml"
+    manifest.write_text(yaml.safe_dump({"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob",
+                                        "metadata": {"name": "demo"}, "spec": {}}))  # fmt: skip
+    subjects = JobSubjects("demo", "team-b")
+
+    async def letter():
+        for _ in range(50):
+            try:
+                nc = await connect(url, "test", "team-b.demo", "secret")
+                break
+            except Exception:  # noqa: BLE001 - starting
+                await asyncio.sleep(0.1)
+        await ensure_streams(nc.jetstream(), subjects, 1)
+        await dead_letter(nc.jetstream(), subjects, "rollout", b"{}", "reward is NaN", "r-1")
+        await nc.close()
+
+    def run(*extra: str, **env: str):
+        cmd = [sys.executable, "-m", "pipelinerl_cli", "dead-letters", str(manifest), "--nats", url, *extra]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**os.environ, **env})
+
+    try:
+        asyncio.run(letter())
+        login = {Env.NATS_USER: "team-b.demo", Env.NATS_PASSWORD: "secret"}
+        listed = run("-n", "team-b", **login)
+        assert listed.returncode == 0 and "rollout: reward is NaN" in listed.stdout, listed.stderr
+        assert "1 dead letter(s)" in listed.stderr
+        refused = run("-n", "team-b")  # no login
+        assert refused.returncode != 0 and "Authorization" in refused.stderr + refused.stdout
+    finally:
+        server.kill()
+        server.wait()

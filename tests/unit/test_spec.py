@@ -157,3 +157,33 @@ def test_prompts_that_leave_no_room_are_refused_and_cut_completions_are_warned(t
     )
     assert cli(["validate", str(path)]) == 0
     assert "warning: spec.generator.sampling.maxTokens: 6 tokens do not fit" in capsys.readouterr().err
+
+
+def test_an_unknown_field_is_named_with_the_closest_known_one():
+    from pipelinerl.spec import SpecError, parse_job
+
+    manifest = {
+        "metadata": {"name": "demo"},
+        "spec": {"trainr": {}, "trainer": {"max_steps": 3}, "generator": {"sampling": {"temprature": 1.0}}},
+    }
+    with pytest.raises(SpecError) as err:
+        parse_job(manifest)
+    said = str(err.value)
+    assert "spec.trainr: unknown field (did you mean trainer?)" in said
+    assert "spec.trainer.max_steps: unknown field (did you mean maxSteps?)" in said
+    assert "spec.generator.sampling.temprature: unknown field (did you mean temperature?)" in said
+    with pytest.raises(SpecError, match=r"spec\.zzz: unknown field$"):  # nothing close: no guess
+        parse_job({"metadata": {"name": "demo"}, "spec": {"zzz": 1}})
+
+
+def test_a_built_in_tasks_params_are_its_constructors():
+    from pipelinerl.tasks import param_problems
+
+    assert param_problems("arith", {"digits": 3, "carry_out": True}) == []
+    assert param_problems("arith", {"digitz": 3}) == [
+        "task.params.digitz: unknown for the arith task (did you mean digits? its params: digits, carry_out)"
+    ]
+    assert [p.split(":")[0] for p in param_problems("dataset", {"train": "a", "_rewards": 1})] == [
+        "task.params._rewards"
+    ]
+    assert param_problems("mypackage.tasks:Mine", {"anything": 1}) == []  # its constructor judges, when built

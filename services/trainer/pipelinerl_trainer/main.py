@@ -13,6 +13,7 @@ import threading
 import torch
 import torch.distributed as dist
 
+from pipelinerl import messages as m
 from pipelinerl.contracts import MASTER_PORT, Env, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
@@ -83,13 +84,19 @@ def announced_version(bridge: NatsBridge, rank: int, world: int, device) -> int:
 def await_store(position: Position, bridge: NatsBridge, board: Board, env: ServiceEnv, stop: threading.Event) -> None:
     """Go on only in the store the checkpoint belongs to (`Position.check_store`). A lost or
     replaced store stops a local run (StoreLost: the runner does not restart what cannot run);
-    a pod trains nothing, says why on /status (the operator's StoreLost condition and Event) and
-    waits for `pipelinerl recover-store` to make the new store go on from the checkpoint."""
+    a pod trains nothing, says why on /status (the operator's StoreLost condition and Event),
+    tells its checkpoint on the new store (rank 0: what the operator makes the store go on from
+    when the job is suspended and resumed) and waits."""
+    told = False
     while lost := position.check_store(bridge.store_identity()):
         board.update(store_lost=lost)
         log.error("%s", lost)
         if env.exit_when_done or stop.is_set():
             raise StoreLost(lost)
+        if env.rank == 0 and not told:
+            record = m.Checkpointed(store=position.store, step=position.version, problems=position.problems_claimed)
+            bridge.publish(bridge.subjects.checkpoint, record)
+            told = True
         stop.wait(STORE_POLL_S)
     board.update(store_lost="")
 

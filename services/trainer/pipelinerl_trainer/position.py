@@ -61,10 +61,12 @@ class Position:
             self.store, self.consumed_seq, self.step_seq, self.trained_groups = identity.id, 0, 0, {}
             return ""
         cluster = (
-            f"with the job suspended, `pipelinerl recover-store JOB --nats URL -n NAMESPACE --adopt {self.store} "
-            f"--step {self.version} --problems {self.problems_claimed}`, then resume it"
+            "suspend the job, then resume it: the trainer has told this checkpoint on the new store, and the "
+            "operator makes the resumed job's store go on from it (on a NATS of the job's own, with the job "
+            f"suspended: `pipelinerl recover-store JOB --nats URL -n NAMESPACE --adopt {self.store} "
+            f"--step {self.version} --problems {self.problems_claimed}`)"
             if starting
-            else "the restarted trainer names the command"
+            else "the restarted trainer says how"
         )
         return (
             f"StoreLost: the trainer's position (step {self.version}{', its checkpoint' if starting else ''}) "
