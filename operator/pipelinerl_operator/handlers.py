@@ -22,7 +22,7 @@ from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError
 from pipelinerl_operator import admission, metrics
 from pipelinerl_operator.admission import MAX_MANIFEST_BYTES
 from pipelinerl_operator.config import from_env
-from pipelinerl_operator.credentials import job_credentials, nats_accounts
+from pipelinerl_operator.credentials import nats_accounts
 from pipelinerl_operator.kube import Kube, KubeError
 from pipelinerl_operator.pods import pod_problems, trainer_gang_to_restart
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
@@ -37,7 +37,7 @@ from pipelinerl_operator.nats_store import (
     accounts_secret_name,
     store_bytes_needed,
 )
-from pipelinerl_operator.job_streams import delete_job_streams, read_checkpoint, restore_store
+from pipelinerl_operator.job_streams import JobStreams, own_nats_url
 
 FINALIZER = f"{API_GROUP}/cleanup"
 RESYNC_SECONDS = float(os.environ.get(OperatorEnv.RESYNC_SECONDS, "15"))
@@ -256,6 +256,10 @@ def _event(body: kopf.Body, type_: str, reason: str, message: str) -> None:
     kopf.event(body, type=type_, reason=reason, message=message[:1024])
 
 
+def _streams(body: kopf.Body, cfg: OperatorConfig, logger: logging.Logger | logging.LoggerAdapter) -> JobStreams:
+    return JobStreams(body, cfg, lambda type_, reason, message: _event(body, type_, reason, message), logger)
+
+
 async def _observe_roles(kube: Kube, ns: str, job: Any, name: str) -> dict[str, RoleObserved]:
     roles = {}
     for role in ROLES:
@@ -376,72 +380,23 @@ async def _reserve_and_apply(
     need = store_bytes_needed(job, previous, cfg)
     holds = int(previous.get("natsReservedBytes") or 0)
     kept, made = previous.get("suspendedStore"), previous.get("credentialsSecret")
+    streams = _streams(body, cfg, logger)
+    suspended = job is not None and job.spec.suspend
     if holds and not need:  # its account (and room) stays until its streams are gone: tried again next pass
-        released = await _release_streams(kube, body, job, cfg, logger)
+        released = await streams.release(kube, suspended)
         if released is None:
             need = holds
-        elif job is not None and job.spec.suspend:
+        elif suspended:
             kept = released
     error, held = await STATE.store.reserve(jobs, cfg, STATE.kube, uid, meta["namespace"], meta["name"], need)
     if not error and children and need and kept:  # resumed: its store goes on from its checkpoint first
-        error = await _restore_streams(body, job, cfg, kept, logger)
+        error = await streams.restore(job, kept)
         kept = kept if error else None
     if not error and children:
         error, made = await apply_owned(kube, children, uid, made)
     if error:
         logger.warning("not applied: %s", error)
     return error, held, kept, made
-
-
-async def _release_streams(
-    kube: Kube, body: kopf.Body, job: Any, cfg: OperatorConfig, logger: logging.Logger | logging.LoggerAdapter
-) -> dict[str, Any] | None:
-    """Before the job's room is given back: its streams deleted. A suspended job's only once its
-    pods are gone, and with its trainer's newest checkpoint record read first, which its resume
-    restores the store from (returned; {} where there is none). None: not yet."""
-    meta = body["metadata"]
-    record: dict[str, Any] | None = {}
-    if job is not None and job.spec.suspend:
-        if await kube.list("v1", "Pod", meta["namespace"], f"{JOB_LABEL}={meta['name']}"):
-            return None  # still stopping: the trainer checkpoints on its way out
-        creds = _nats_login(body, cfg)
-        try:
-            record = await read_checkpoint(
-                creds["url"], meta["name"], meta["namespace"], creds["user"], creds["password"], _nats_timeout()
-            )
-        except Exception as err:  # noqa: BLE001 - told, and tried again next pass
-            _event(body, "Warning", "StreamsDeleteFailed", f"could not read the trainer's checkpoint record: {err!r}")
-            return None
-    if not await _delete_streams(body, cfg, logger):
-        return None
-    return record or {}
-
-
-async def _restore_streams(
-    body: kopf.Body,
-    job: Any,
-    cfg: OperatorConfig,
-    record: dict[str, Any],
-    logger: logging.Logger | logging.LoggerAdapter,
-) -> str | None:
-    """A resumed job's streams made again, going on from its trainer's checkpoint; why not yet."""
-    creds = _nats_login(body, cfg)
-    replicas = cfg.nats_replicas if cfg.nats_replicas > 1 and not _own_nats_url(body) else None
-    try:
-        await restore_store(creds["url"], job, creds["user"], creds["password"], record, replicas, _nats_timeout())
-    except Exception as err:  # noqa: BLE001 - its account may not be on the server yet: next pass
-        logger.info("restoring the NATS store of %s/%s: %r", job.namespace, job.name, err)
-        return (
-            f"its NATS store is being restored from its trainer's checkpoint (step {record['step']}) before its "
-            f"pods start: {type(err).__name__}"
-        )
-    _event(
-        body,
-        "Normal",
-        "StoreRestored",
-        f"the job's NATS store goes on from its trainer's checkpoint at step {record['step']}",
-    )
-    return None
 
 
 async def _restart_trainer_gang(
@@ -576,8 +531,8 @@ async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
     cfg = operator_config()
     await _delete_statefulsets(STATE.kube, ns, name, uid, logger)
     held = STATE.store.held(jobs).get(uid, ("", "", 0))[2]
-    if held or _own_nats_url(body) or not cfg.nats_bundled:  # on the chart's NATS, no room means no streams
-        await _delete_streams(body, cfg, logger)
+    if held or own_nats_url(body) or not cfg.nats_bundled:  # on the chart's NATS, no room means no streams
+        await _streams(body, cfg, logger).delete()
     try:
         await STATE.store.reserve(jobs, cfg, STATE.kube, uid, ns, name, 0)  # its account goes with it
     except Exception as err:  # noqa: BLE001 - the next job's change (or the resync) writes it again
@@ -586,48 +541,6 @@ async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
     key = str(meta.get("uid") or f"{ns}/{name}")
     STATE.locks.pop(key, None)
     STATE.last_status.pop(key, None)
-
-
-def _own_nats_url(body: kopf.Body) -> str | None:
-    return ((body.get("spec") or {}).get("nats") or {}).get("url")
-
-
-def _nats_login(body: kopf.Body, cfg: OperatorConfig) -> dict[str, Any]:
-    """Where the job's streams are, and its NATS user there (on the chart's NATS: they live in its account)."""
-    meta, own_url = body["metadata"], _own_nats_url(body)
-    creds = (
-        job_credentials(cfg.auth_key, meta["namespace"], meta["name"], meta.get("uid", ""))
-        if cfg.auth_key and not own_url
-        else {}
-    )
-    return {"url": own_url or cfg.nats_url, "user": creds.get("natsUser"), "password": creds.get("natsPassword")}
-
-
-def _nats_timeout() -> float:
-    return float(os.environ.get(OperatorEnv.NATS_TIMEOUT, "10"))
-
-
-async def _delete_streams(body: kopf.Body, cfg: OperatorConfig, logger: logging.Logger | logging.LoggerAdapter) -> bool:
-    """The job's NATS streams deleted (on the chart's NATS as the job's own user: they live in its
-    account), told in an Event; False where NATS did not answer."""
-    meta = body["metadata"]
-    name, ns = meta["name"], meta["namespace"]
-    creds = _nats_login(body, cfg)
-    url = creds["url"]
-    try:
-        streams = await delete_job_streams(url, name, ns, creds["user"], creds["password"], _nats_timeout())
-    except Exception as err:  # noqa: BLE001 - any NATS failure is told, never raised
-        logger.warning("could not delete NATS streams of %s/%s: %r", ns, name, err)
-        _event(
-            body,
-            "Warning",
-            "StreamsDeleteFailed",
-            f"could not delete NATS streams at {url}: {err!r} (they stay in the job's own account, which no "
-            "later job gets; on the chart's NATS they hold their room until it restarts)",
-        )
-        return False
-    _event(body, "Normal", "StreamsDeleted", f"deleted NATS streams: {', '.join(streams) or 'none'}")
-    return True
 
 
 async def _delete_statefulsets(

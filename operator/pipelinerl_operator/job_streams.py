@@ -3,18 +3,24 @@ delete them (a deleted or finished job's, a suspended one's once its pods are go
 trainer's newest checkpoint record first (what a suspended job resumes from), and make a resumed
 job's new store go on from it (`streams.recover_store`).
 
-Bounded: each gives up after `timeout_s` and raises; the caller reports it and tries again at its
-next pass (or, for a deleted job, lets it go: the streams are then left behind on the server).
+Bounded: each gives up after `timeout_s`. `JobStreams` tells each outcome in an Event and never
+raises: the caller tries again at its next pass (or, for a deleted job, lets it go: the streams
+are then left behind on the server).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pipelinerl.contracts import JobSubjects
+from pipelinerl.contracts import JOB_LABEL, JobSubjects, OperatorEnv
 from pipelinerl.streams import connect, delete_streams, last_checkpoint, recover_store
+from pipelinerl_operator.config import OperatorConfig
+from pipelinerl_operator.credentials import job_credentials
 
 T = TypeVar("T")
 
@@ -65,3 +71,84 @@ async def restore_store(
         await recover_store(js, subjects, job.spec, record["store"], record["step"], record["problems"], replicas)
 
     await _as_job(url, user, password, timeout_s, restore)
+
+
+def own_nats_url(body: Mapping[str, Any]) -> str | None:
+    return ((body.get("spec") or {}).get("nats") or {}).get("url")
+
+
+@dataclass
+class JobStreams:
+    """One job's streams, as the operator reaches them (`body`: the job object), each outcome told
+    through `event(type, reason, message)`."""
+
+    body: Mapping[str, Any]
+    cfg: OperatorConfig
+    event: Callable[[str, str, str], None]
+    logger: logging.Logger | logging.LoggerAdapter
+
+    def __post_init__(self) -> None:
+        meta = self.body["metadata"]
+        self.name, self.namespace, uid = meta["name"], meta["namespace"], meta.get("uid", "")
+        own = own_nats_url(self.body)
+        # On the chart's NATS the streams live in the job's own account: reached as its user.
+        creds = (
+            job_credentials(self.cfg.auth_key, self.namespace, self.name, uid) if self.cfg.auth_key and not own else {}
+        )
+        self.url, self.user, self.password = own or self.cfg.nats_url, creds.get("natsUser"), creds.get("natsPassword")
+        self.replicas = self.cfg.nats_replicas if self.cfg.nats_replicas > 1 and not own else None
+        self.timeout_s = float(os.environ.get(OperatorEnv.NATS_TIMEOUT, "10"))
+
+    async def delete(self) -> bool:
+        """The streams deleted; False where NATS did not answer."""
+        try:
+            streams = await delete_job_streams(
+                self.url, self.name, self.namespace, self.user, self.password, self.timeout_s
+            )
+        except Exception as err:  # noqa: BLE001 - any NATS failure is told, never raised
+            self.logger.warning("could not delete NATS streams of %s/%s: %r", self.namespace, self.name, err)
+            self.event(
+                "Warning",
+                "StreamsDeleteFailed",
+                f"could not delete NATS streams at {self.url}: {err!r} (they stay in the job's own account, which "
+                "no later job gets; on the chart's NATS they hold their room until it restarts)",
+            )
+            return False
+        self.event("Normal", "StreamsDeleted", f"deleted NATS streams: {', '.join(streams) or 'none'}")
+        return True
+
+    async def release(self, kube: Any, suspended: bool) -> dict[str, Any] | None:
+        """Before the job's room is given back: its streams deleted. A suspended job's only once
+        its pods are gone, and with its trainer's newest checkpoint record read first, which its
+        resume restores the store from (returned; {} where there is none). None: not yet."""
+        record: dict[str, Any] | None = {}
+        if suspended:
+            if await kube.list("v1", "Pod", self.namespace, f"{JOB_LABEL}={self.name}"):
+                return None  # still stopping: the trainer checkpoints on its way out
+            try:
+                record = await read_checkpoint(
+                    self.url, self.name, self.namespace, self.user, self.password, self.timeout_s
+                )
+            except Exception as err:  # noqa: BLE001 - told, and tried again next pass
+                self.event("Warning", "StreamsDeleteFailed", f"could not read the trainer's checkpoint record: {err!r}")
+                return None
+        if not await self.delete():
+            return None
+        return record or {}
+
+    async def restore(self, job: Any, record: dict[str, Any]) -> str | None:
+        """A resumed job's streams made again, going on from its trainer's checkpoint; why not yet."""
+        try:
+            await restore_store(self.url, job, self.user, self.password, record, self.replicas, self.timeout_s)
+        except Exception as err:  # noqa: BLE001 - its account may not be on the server yet: next pass
+            self.logger.info("restoring the NATS store of %s/%s: %r", self.namespace, self.name, err)
+            return (
+                f"its NATS store is being restored from its trainer's checkpoint (step {record['step']}) before "
+                f"its pods start: {type(err).__name__}"
+            )
+        self.event(
+            "Normal",
+            "StoreRestored",
+            f"the job's NATS store goes on from its trainer's checkpoint at step {record['step']}",
+        )
+        return None

@@ -35,11 +35,9 @@ import re
 from collections.abc import Iterator
 from decimal import Decimal
 from typing import Any
-from urllib.parse import urlsplit
 
 from pipelinerl import reserved
-from pipelinerl.capacity import reserved_bytes
-from pipelinerl.contracts import JOB_SECRET_KEYS, RESERVED_LABEL_PREFIXES, ROLE_LABEL, reserved_env
+from pipelinerl.contracts import JOB_SECRET_KEYS, RESERVED_LABEL_PREFIXES, reserved_env
 from pipelinerl.k8s_types import parse_quantity, read_quantity
 from pipelinerl.reserved import (
     could_yield_device_env,
@@ -50,7 +48,6 @@ from pipelinerl.reserved import (
     NOT_ALLOWED,
     SPEC_INSTEAD,
 )
-from pipelinerl_operator.egress import egress_problems
 from pipelinerl_operator.job_policy import Install, JobPolicy
 
 GIB = 1 << 30
@@ -195,15 +192,15 @@ def _quantity(value: Any, at: str, bad: Problems) -> Decimal | None:
         return None
 
 
-def _dict(value: Any) -> dict[str, Any]:
+def as_dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _list(value: Any) -> list[Any]:
+def as_list(value: Any) -> list[Any]:
     return value if isinstance(value, list) else []
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
     return f"{n / GIB:.2f} GiB"
 
 
@@ -235,11 +232,11 @@ def template_violations(role: str, template: Any, policy: JobPolicy, bad: Proble
         return  # the schema check names it
     where = f"{role}.podTemplate"
     allowed_fields(template, frozenset({"metadata", "spec"}), where, bad)
-    meta = _dict(template.get("metadata"))
+    meta = as_dict(template.get("metadata"))
     allowed_fields(meta, POD_META_FIELDS, f"{where}.metadata", bad)
     for kind in ("labels", "annotations"):
         reserved = RESERVED_LABEL_PREFIXES if kind == "labels" else RESERVED_ANNOTATION_PREFIXES
-        for key in _dict(meta.get(kind)):
+        for key in as_dict(meta.get(kind)):
             if key.startswith(reserved):
                 bad(f"{where}.metadata.{kind}[{key}]", "reserved: PipelineRL and the job's spec set these")
             elif not policy.pod_metadata_allowed(key):
@@ -248,28 +245,28 @@ def template_violations(role: str, template: Any, policy: JobPolicy, bad: Proble
                     f"{where}.metadata.{kind}[{key}]",
                     f"a prefix the platform does not let jobs set on pods (jobPolicy.podMetadataPrefixes: {listed})",
                 )
-    spec = _dict(template.get("spec"))
+    spec = as_dict(template.get("spec"))
     allowed_fields(spec, POD_SPEC_FIELDS, f"{where}.spec", bad)
-    allowed_fields(_dict(spec.get("securityContext")), POD_SECURITY_FIELDS, f"{where}.spec.securityContext", bad)
+    allowed_fields(as_dict(spec.get("securityContext")), POD_SECURITY_FIELDS, f"{where}.spec.securityContext", bad)
     for kind, fields in (("containers", CONTAINER_FIELDS), ("initContainers", INIT_CONTAINER_FIELDS)):
-        for c in _list(spec.get(kind)):
+        for c in as_list(spec.get(kind)):
             if not isinstance(c, dict):
                 continue
             at = f"{where}.spec.{kind}[{c.get('name', '?')}]"
             allowed_fields(c, fields, at, bad)
-            allowed_fields(_dict(c.get("securityContext")), CONTAINER_SECURITY_FIELDS, f"{at}.securityContext", bad)
+            allowed_fields(as_dict(c.get("securityContext")), CONTAINER_SECURITY_FIELDS, f"{at}.securityContext", bad)
             _env(c, at, bad)
             if kind == "initContainers" and c.get("restartPolicy") not in (None, "Always"):
                 bad(f"{at}.restartPolicy", "only Always (a sidecar)")
-    for volume in _list(spec.get("volumes")):
+    for volume in as_list(spec.get("volumes")):
         if isinstance(volume, dict) and "ephemeral" in volume:
-            template = _dict(_dict(volume["ephemeral"]).get("volumeClaimTemplate"))
+            template = as_dict(as_dict(volume["ephemeral"]).get("volumeClaimTemplate"))
             at = f"{where}.spec.volumes[{volume.get('name', '?')}].ephemeral.volumeClaimTemplate"
             allowed_fields(template, frozenset({"metadata", "spec"}), at, bad)
             # Labels only: provisioners and the scheduler act on a claim's annotations
             # (volume.kubernetes.io/selected-node binds it, and the pod, to any node by name).
-            allowed_fields(_dict(template.get("metadata")), frozenset({"labels"}), f"{at}.metadata", bad)
-            allowed_fields(_dict(template.get("spec")), EPHEMERAL_CLAIM_FIELDS, f"{at}.spec", bad)
+            allowed_fields(as_dict(template.get("metadata")), frozenset({"labels"}), f"{at}.metadata", bad)
+            allowed_fields(as_dict(template.get("spec")), EPHEMERAL_CLAIM_FIELDS, f"{at}.spec", bad)
 
 
 def pod_policy_violations(
@@ -283,13 +280,13 @@ def pod_policy_violations(
     bad: Problems,
 ) -> None:
     """The rendered pod (the podTemplate merged in) within the policy's bounds and references."""
-    spec = _dict(pod.get("spec"))
+    spec = as_dict(pod.get("spec"))
     where = f"{role}.podTemplate.spec"
     if spec.get("hostUsers") not in (None, False):
         bad(f"{where}.hostUsers", "may only be false (a user namespace)")
     _placement(spec, where, policy, bad)
     containers = [
-        (kind, c) for kind in ("initContainers", "containers") for c in _list(spec.get(kind)) if isinstance(c, dict)
+        (kind, c) for kind in ("initContainers", "containers") for c in as_list(spec.get(kind)) if isinstance(c, dict)
     ]
     for kind, c in containers:
         at = f"{where}.{kind}[{c.get('name', '?')}]"
@@ -306,23 +303,23 @@ def pod_policy_violations(
                 "pulled with their credentials (Always makes the registry check this job's)",
             )
         for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
-            _handler_host(_dict(c.get(probe)), f"{at}.{probe}", bad)
+            _handler_host(as_dict(c.get(probe)), f"{at}.{probe}", bad)
         for hook in ("postStart", "preStop"):
-            _handler_host(_dict(_dict(c.get("lifecycle")).get(hook)), f"{at}.lifecycle.{hook}", bad)
-        for mount in _list(c.get("volumeMounts")):
+            _handler_host(as_dict(as_dict(c.get("lifecycle")).get(hook)), f"{at}.lifecycle.{hook}", bad)
+        for mount in as_list(c.get("volumeMounts")):
             if isinstance(mount, dict) and mount.get("mountPropagation") not in (None, "None"):
                 bad(f"{at}.volumeMounts[{mount.get('name', '?')}].mountPropagation", "only None")
-        for port in _list(c.get("ports")):
+        for port in as_list(c.get("ports")):
             if isinstance(port, dict) and port.get("hostIP"):
                 bad(f"{at}.ports[{port.get('name', port.get('containerPort'))}].hostIP", "not allowed")
-    contexts = [(f"{where}.securityContext", _dict(spec.get("securityContext")))]
+    contexts = [(f"{where}.securityContext", as_dict(spec.get("securityContext")))]
     contexts += [
-        (f"{where}.{kind}[{c.get('name', '?')}].securityContext", _dict(c.get("securityContext")))
+        (f"{where}.{kind}[{c.get('name', '?')}].securityContext", as_dict(c.get("securityContext")))
         for kind, c in containers
     ]
     for at, sc in contexts:
         for kind in ("seccompProfile", "appArmorProfile"):
-            profile = _dict(sc.get(kind))
+            profile = as_dict(sc.get(kind))
             if profile.get("type") == "Localhost" and profile.get("localhostProfile") not in policy.localhost_profiles:
                 listed = ", ".join(policy.localhost_profiles) or "none"
                 bad(
@@ -333,22 +330,24 @@ def pod_policy_violations(
     _resources(containers, role, policy, bad)
     _volumes(spec, where, policy, bad)
     for path, name in references("Secret", spec, where):
-        _reference("Secret", path, name, namespace, policy.secrets, "secrets", install, bad)
+        check_reference("Secret", path, name, namespace, policy.secrets, "secrets", install, bad)
     for path, name in claim_references(spec, where):
-        _reference("PersistentVolumeClaim", path, name, namespace, policy.volume_claims, "volumeClaims", install, bad)
+        check_reference(
+            "PersistentVolumeClaim", path, name, namespace, policy.volume_claims, "volumeClaims", install, bad
+        )
     for path, name in references("ConfigMap", spec, where):
         if name != own_config:  # the job's own manifest, which the operator mounts
-            _reference("ConfigMap", path, name, namespace, policy.config_maps, "configMaps", install, bad)
+            check_reference("ConfigMap", path, name, namespace, policy.config_maps, "configMaps", install, bad)
 
 
 def _handler_host(handler: dict[str, Any], at: str, bad: Problems) -> None:
     for kind in ("httpGet", "tcpSocket"):
-        if _dict(handler.get(kind)).get("host"):
+        if as_dict(handler.get(kind)).get("host"):
             bad(f"{at}.{kind}.host", "the kubelet would call another host from the node: not allowed")
 
 
 def _env(c: dict[str, Any], at: str, bad: Problems) -> None:
-    for var in _list(c.get("env")):
+    for var in as_list(c.get("env")):
         if not isinstance(var, dict):
             continue
         name = var.get("name")
@@ -356,12 +355,12 @@ def _env(c: dict[str, Any], at: str, bad: Problems) -> None:
             bad(f"{at}.env[{name}]", DEVICE_ENV_WHY)
         elif name in FORBIDDEN_ENV:
             bad(f"{at}.env[{name}]", "reserved (set by PipelineRL itself)")
-        source = _dict(var.get("valueFrom"))
+        source = as_dict(var.get("valueFrom"))
         for key in source:
             if key not in ENV_SOURCES:
                 bad(f"{at}.env[{name}].valueFrom.{key}", f"not allowed (allowed: {', '.join(sorted(ENV_SOURCES))})")
-    for j, source in enumerate(_list(c.get("envFrom"))):
-        prefix = _dict(source).get("prefix") or ""
+    for j, source in enumerate(as_list(c.get("envFrom"))):
+        prefix = as_dict(source).get("prefix") or ""
         clash = sorted(n for n in FORBIDDEN_ENV if n.startswith(prefix))
         if could_yield_device_env(prefix):
             clash.insert(0, "a GPU runtime's variable")
@@ -375,42 +374,43 @@ def _env(c: dict[str, Any], at: str, bad: Problems) -> None:
 
 
 def _placement(spec: dict[str, Any], where: str, policy: JobPolicy, bad: Problems) -> None:
-    for key, value in _dict(spec.get("nodeSelector")).items():
+    for key, value in as_dict(spec.get("nodeSelector")).items():
         _node_label(key, [value], f"{where}.nodeSelector[{key}]", policy, bad)
-    node = _dict(_dict(spec.get("affinity")).get("nodeAffinity"))
+    node = as_dict(as_dict(spec.get("affinity")).get("nodeAffinity"))
     terms = [
         (f"requiredDuringSchedulingIgnoredDuringExecution.nodeSelectorTerms[{i}]", t)
         for i, t in enumerate(
-            _list(_dict(node.get("requiredDuringSchedulingIgnoredDuringExecution")).get("nodeSelectorTerms"))
+            as_list(as_dict(node.get("requiredDuringSchedulingIgnoredDuringExecution")).get("nodeSelectorTerms"))
         )
     ] + [
-        (f"preferredDuringSchedulingIgnoredDuringExecution[{i}].preference", _dict(t).get("preference"))
-        for i, t in enumerate(_list(node.get("preferredDuringSchedulingIgnoredDuringExecution")))
+        (f"preferredDuringSchedulingIgnoredDuringExecution[{i}].preference", as_dict(t).get("preference"))
+        for i, t in enumerate(as_list(node.get("preferredDuringSchedulingIgnoredDuringExecution")))
     ]
     for path, term in terms:
-        term = _dict(term)
+        term = as_dict(term)
         at = f"{where}.affinity.nodeAffinity.{path}"
         if term.get("matchFields"):
             bad(f"{at}.matchFields", "choosing nodes by name is not allowed (use allowed node labels)")
-        for j, expr in enumerate(_list(term.get("matchExpressions"))):
-            expr = _dict(expr)
-            values = _list(expr.get("values")) if expr.get("operator") == "In" else []
+        for j, expr in enumerate(as_list(term.get("matchExpressions"))):
+            expr = as_dict(expr)
+            values = as_list(expr.get("values")) if expr.get("operator") == "In" else []
             _node_label(expr.get("key"), values, f"{at}.matchExpressions[{j}]", policy, bad)
     for kind in ("podAffinity", "podAntiAffinity"):
-        pods = _dict(_dict(spec.get("affinity")).get(kind))
-        terms = _list(pods.get("requiredDuringSchedulingIgnoredDuringExecution")) + [
-            _dict(t).get("podAffinityTerm") for t in _list(pods.get("preferredDuringSchedulingIgnoredDuringExecution"))
+        pods = as_dict(as_dict(spec.get("affinity")).get(kind))
+        terms = as_list(pods.get("requiredDuringSchedulingIgnoredDuringExecution")) + [
+            as_dict(t).get("podAffinityTerm")
+            for t in as_list(pods.get("preferredDuringSchedulingIgnoredDuringExecution"))
         ]
         for i, term in enumerate(terms):
             for field in ("namespaces", "namespaceSelector"):
-                if field in _dict(term):
+                if field in as_dict(term):
                     bad(f"{where}.affinity.{kind}.{field}", "pods of other namespaces are not a job's to follow")
-            _topology_key(_dict(term).get("topologyKey"), f"{where}.affinity.{kind}[{i}].topologyKey", policy, bad)
-    for i, constraint in enumerate(_list(spec.get("topologySpreadConstraints"))):
+            _topology_key(as_dict(term).get("topologyKey"), f"{where}.affinity.{kind}[{i}].topologyKey", policy, bad)
+    for i, constraint in enumerate(as_list(spec.get("topologySpreadConstraints"))):
         at = f"{where}.topologySpreadConstraints[{i}].topologyKey"
-        _topology_key(_dict(constraint).get("topologyKey"), at, policy, bad)
-    for i, toleration in enumerate(_list(spec.get("tolerations"))):
-        t = _dict(toleration)
+        _topology_key(as_dict(constraint).get("topologyKey"), at, policy, bad)
+    for i, toleration in enumerate(as_list(spec.get("tolerations"))):
+        t = as_dict(toleration)
         allowed = any(
             t.get("key") == rule.key and (rule.effect is None or t.get("effect") == rule.effect)
             for rule in policy.tolerations
@@ -449,7 +449,7 @@ def _resources(containers: list[tuple[str, dict[str, Any]]], role: str, policy: 
     for kind in ("requests", "limits"):
         total: dict[str, Decimal] = {}
         for _, c in containers:
-            for name, value in _dict(_dict(c.get("resources")).get(kind)).items():
+            for name, value in as_dict(as_dict(c.get("resources")).get(kind)).items():
                 amount = _quantity(value, f"{role}.resources.{kind}.{name}", bad)
                 if amount is not None:
                     total[name] = total.get(name, Decimal(0)) + amount
@@ -468,27 +468,27 @@ def _resources(containers: list[tuple[str, dict[str, Any]]], role: str, policy: 
 
 def _volumes(spec: dict[str, Any], where: str, policy: JobPolicy, bad: Problems) -> None:
     cap = parse_quantity(policy.max_volume_size)
-    for volume in _list(spec.get("volumes")):
-        volume = _dict(volume)
+    for volume in as_list(spec.get("volumes")):
+        volume = as_dict(volume)
         at = f"{where}.volumes[{volume.get('name', '?')}]"
-        empty = _dict(volume.get("emptyDir"))
+        empty = as_dict(volume.get("emptyDir"))
         size = _quantity(empty.get("sizeLimit"), f"{at}.emptyDir.sizeLimit", bad)
         if size is not None and size > cap:
             bad(
                 f"{at}.emptyDir.sizeLimit",
                 f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})",
             )
-        claim = _dict(_dict(_dict(volume.get("ephemeral")).get("volumeClaimTemplate")).get("spec"))
+        claim = as_dict(as_dict(as_dict(volume.get("ephemeral")).get("volumeClaimTemplate")).get("spec"))
         if claim:
-            for kind, amounts in _dict(claim.get("resources")).items():
-                for name, value in _dict(amounts).items():
+            for kind, amounts in as_dict(claim.get("resources")).items():
+                for name, value in as_dict(amounts).items():
                     field = f"{at}.ephemeral.volumeClaimTemplate.spec.resources.{kind}.{name}"
                     size = _quantity(value, field, bad)
                     if name != "storage":
                         bad(field, "a volume claim asks for storage only")
                     elif size is not None and size > cap:
                         bad(field, f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})")
-        if "csi" in volume and _dict(volume["csi"]).get("driver") not in policy.csi_drivers:
+        if "csi" in volume and as_dict(volume["csi"]).get("driver") not in policy.csi_drivers:
             drivers = ", ".join(policy.csi_drivers) or "none"
             bad(f"{at}.csi.driver", f"not a CSI driver jobs may use inline (jobPolicy.csiDrivers: {drivers})")
 
@@ -506,36 +506,36 @@ def references(kind: str, spec: dict[str, Any], where: str) -> Iterator[tuple[st
     sources; a Secret also as a CSI nodePublishSecretRef and in imagePullSecrets), env, envFrom.
     The operator's own credentials, under the env names only it may set, are not counted."""
     (source, name_field), env_key, env_from_key = _NAMED_BY[kind]
-    for volume in _list(spec.get("volumes")):
-        volume = _dict(volume)
+    for volume in as_list(spec.get("volumes")):
+        volume = as_dict(volume)
         at = f"{where}.volumes[{volume.get('name', '?')}]"
         if source in volume:
-            yield f"{at}.{source}.{name_field}", str(_dict(volume[source]).get(name_field, ""))
-        for j, projected in enumerate(_list(_dict(volume.get("projected")).get("sources"))):
-            if source in _dict(projected):
-                yield f"{at}.projected.sources[{j}].{source}.name", str(_dict(projected[source]).get("name", ""))
-        ref = _dict(_dict(volume.get("csi")).get("nodePublishSecretRef"))
+            yield f"{at}.{source}.{name_field}", str(as_dict(volume[source]).get(name_field, ""))
+        for j, projected in enumerate(as_list(as_dict(volume.get("projected")).get("sources"))):
+            if source in as_dict(projected):
+                yield f"{at}.projected.sources[{j}].{source}.name", str(as_dict(projected[source]).get("name", ""))
+        ref = as_dict(as_dict(volume.get("csi")).get("nodePublishSecretRef"))
         if ref and kind == "Secret":
             yield f"{at}.csi.nodePublishSecretRef.name", str(ref.get("name", ""))
-    for j, ref in enumerate(_list(spec.get("imagePullSecrets")) if kind == "Secret" else []):
-        yield f"{where}.imagePullSecrets[{j}].name", str(_dict(ref).get("name", ""))
+    for j, ref in enumerate(as_list(spec.get("imagePullSecrets")) if kind == "Secret" else []):
+        yield f"{where}.imagePullSecrets[{j}].name", str(as_dict(ref).get("name", ""))
     for containers in ("initContainers", "containers"):
-        for c in _list(spec.get(containers)):
-            c = _dict(c)
+        for c in as_list(spec.get(containers)):
+            c = as_dict(c)
             at = f"{where}.{containers}[{c.get('name', '?')}]"
-            for var in _list(c.get("env")):
-                ref = _dict(_dict(_dict(var).get("valueFrom")).get(env_key))
-                if ref and _dict(var).get("name") not in OPERATORS_SECRET_ENV:
-                    yield f"{at}.env[{_dict(var).get('name')}].valueFrom.{env_key}.name", str(ref.get("name", ""))
-            for j, env_from in enumerate(_list(c.get("envFrom"))):
-                if env_from_key in _dict(env_from):
-                    yield f"{at}.envFrom[{j}].{env_from_key}.name", str(_dict(env_from[env_from_key]).get("name", ""))
+            for var in as_list(c.get("env")):
+                ref = as_dict(as_dict(as_dict(var).get("valueFrom")).get(env_key))
+                if ref and as_dict(var).get("name") not in OPERATORS_SECRET_ENV:
+                    yield f"{at}.env[{as_dict(var).get('name')}].valueFrom.{env_key}.name", str(ref.get("name", ""))
+            for j, env_from in enumerate(as_list(c.get("envFrom"))):
+                if env_from_key in as_dict(env_from):
+                    yield f"{at}.envFrom[{j}].{env_from_key}.name", str(as_dict(env_from[env_from_key]).get("name", ""))
 
 
 def claim_references(spec: dict[str, Any], where: str) -> Iterator[tuple[str, str]]:
-    for volume in _list(spec.get("volumes")):
-        volume = _dict(volume)
-        claim = _dict(volume.get("persistentVolumeClaim"))
+    for volume in as_list(spec.get("volumes")):
+        volume = as_dict(volume)
+        claim = as_dict(volume.get("persistentVolumeClaim"))
         if claim:
             yield (
                 f"{where}.volumes[{volume.get('name', '?')}].persistentVolumeClaim.claimName",
@@ -567,7 +567,7 @@ def never(kind: str, name: str, install: Install) -> str | None:
     return None
 
 
-def _reference(
+def check_reference(
     kind: str,
     path: str,
     name: str,
@@ -586,129 +586,3 @@ def _reference(
             f"{kind} {name!r} is not one jobs in {namespace} may use: the platform lists those in "
             f"jobPolicy.{value} (namespace/name)",
         )
-
-
-def _pod_volume_bytes(pod_spec: dict[str, Any]) -> Decimal:
-    """What a pod's volumes may hold: emptyDir size limits and ephemeral claims (their larger of
-    request and limit); unreadable sizes are refused elsewhere and count as 0 here."""
-    total = Decimal(0)
-    for volume in _list(pod_spec.get("volumes")):
-        volume = _dict(volume)
-        sizes = [_dict(volume.get("emptyDir")).get("sizeLimit")]
-        claim = _dict(_dict(_dict(volume.get("ephemeral")).get("volumeClaimTemplate")).get("spec"))
-        sizes += [_dict(amounts).get("storage") for amounts in _dict(claim.get("resources")).values()]
-        readable = []
-        for size in sizes:
-            try:
-                readable.append(read_quantity(size))
-            except ValueError:
-                pass
-        total += max(readable, default=Decimal(0))
-    return total
-
-
-def total_violations(
-    replicas: dict[str, int], statefulsets: list[dict[str, Any]], job: Any, policy: JobPolicy
-) -> list[str]:
-    """The job as a whole (every role's pods at the replicas its spec asks for) within the
-    platform's per-job maxima: pods, GPUs, volume bytes; and a queue above the size that needs one."""
-    bad = Problems()
-    pods, gpus, volume = 0, Decimal(0), Decimal(0)
-    for sts in statefulsets:
-        role = sts["metadata"]["labels"].get(ROLE_LABEL, "")
-        n = replicas.get(role, 0)
-        spec = _dict(_dict(sts["spec"].get("template")).get("spec"))
-        per_pod = Decimal(0)
-        for c in _list(spec.get("containers")) + _list(spec.get("initContainers")):
-            try:
-                per_pod += read_quantity(_dict(_dict(_dict(c).get("resources")).get("limits")).get("nvidia.com/gpu"))
-            except ValueError:
-                pass
-        claims = [
-            _dict(_dict(_dict(t).get("spec")).get("resources")).get("requests", {}).get("storage")
-            for t in _list(sts["spec"].get("volumeClaimTemplates"))
-        ]
-        pods += n
-        gpus += n * per_pod
-        volume += n * (_pod_volume_bytes(spec) + sum((read_quantity(c) for c in claims), Decimal(0)))
-    if pods > policy.max_job_pods:
-        bad(
-            "replicas",
-            f"{pods} pods, every role together: more than a job may run (jobPolicy.maxJobPods: {policy.max_job_pods})",
-        )
-    if gpus > policy.max_job_gpus:
-        bad(
-            "gpus",
-            f"{gpus:f} GPUs, every pod together: more than a job may ask for "
-            f"(jobPolicy.maxJobGpus: {policy.max_job_gpus})",
-        )
-    if volume > parse_quantity(policy.max_job_volume_size):
-        bad(
-            "storage",
-            f"{_gib(float(volume))} of volumes, every pod's together: more than a job may ask for "
-            f"(jobPolicy.maxJobVolumeSize: {policy.max_job_volume_size})",
-        )
-    above = policy.queue_required_above_gpus
-    if above is not None and gpus > above and not job.spec.scheduling.queue_name:
-        bad(
-            "scheduling.queueName",
-            f"required for a job of {gpus:f} GPUs (jobPolicy.queueRequiredAboveGpus: {above}): the platform admits "
-            "jobs this large through a Kueue queue",
-        )
-    return bad.items
-
-
-def spec_violations(
-    job: Any, policy: JobPolicy, namespace: str, install: Install, store_bytes: int, bundled_nats: bool
-) -> list[str]:
-    """What the job's spec itself asks for, beyond its pods."""
-    bad = Problems()
-    s = job.spec
-    for role in ("generator", "preprocessor", "trainer"):
-        for var in getattr(s, role).env:
-            if is_device_env(var.name):
-                bad(f"{role}.env[{var.name}]", DEVICE_ENV_WHY)
-    scheduling = s.scheduling
-    if scheduling.priority_class_name and scheduling.priority_class_name not in policy.priority_class_names:
-        bad(
-            "scheduling.priorityClassName",
-            f"{scheduling.priority_class_name!r} is not a priority class jobs may use "
-            f"(jobPolicy.priorityClassNames: {', '.join(policy.priority_class_names) or 'none'})",
-        )
-    if scheduling.scheduler_name and scheduling.scheduler_name not in policy.scheduler_names:
-        bad(
-            "scheduling.schedulerName",
-            f"{scheduling.scheduler_name!r} is not a scheduler jobs may use "
-            f"(jobPolicy.schedulerNames: {', '.join(policy.scheduler_names) or 'none'})",
-        )
-    if parse_quantity(s.storage.size) > parse_quantity(policy.max_volume_size):
-        bad("storage.size", f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})")
-    if s.output and s.output.claim_name:
-        _reference("PersistentVolumeClaim", "output.claimName", s.output.claim_name, namespace,
-                   policy.volume_claims, "volumeClaims", install, bad)  # fmt: skip
-    for url in (s.nats.url or "").split(","):
-        if url.strip():
-            parts = urlsplit(url.strip())
-            server = f"{parts.hostname}:{parts.port or 4222}"
-            if server not in policy.nats_servers:
-                bad(
-                    "nats.url",
-                    f"{server} is not a NATS server jobs may use "
-                    f"(jobPolicy.natsServers: {', '.join(policy.nats_servers) or 'none'})",
-                )
-    for i, rule in enumerate(s.network.egress):
-        for problem in egress_problems(rule, policy):
-            bad(f"network.egress.{i}{problem[0]}", problem[1])
-    if s.nats.url is None and bundled_nats and store_bytes:
-        limit = min(store_bytes * policy.namespace_share, (policy.max_job_store_gi or float("inf")) * GIB)
-        need = reserved_bytes(s)
-        if need > limit:
-            bad(
-                "trainer.checkpointInterval",
-                f"the job's NATS streams would reserve {_gib(need)} (what a trainer restarted from its last "
-                f"checkpoint replays: checkpointInterval + preprocessor.maxPendingSteps + 1 steps of "
-                f"samplesPerStep x model.maxSeqLen tokens; and the rollouts), more than one job may hold "
-                f"({_gib(limit)}: the NATS store, jobPolicy.namespaceShare, jobPolicy.maxJobStoreGi); lower "
-                "trainer.checkpointInterval, trainer.samplesPerStep or model.maxSeqLen",
-            )
-    return bad.items

@@ -22,7 +22,7 @@ from pipelinerl.contracts import (
     ROLES,
 )
 from pipelinerl.spec import PipelineRLJob, dump_job
-from pipelinerl_operator import policy_checks
+from pipelinerl_operator import policy_checks, policy_job
 from pipelinerl_operator.credentials import job_credentials, secret_data
 from pipelinerl_operator.egress import dns_egress, egress_rules
 from pipelinerl_operator.pod_security import pod_violations
@@ -291,10 +291,10 @@ def check_pods(job: PipelineRLJob, objects: list[dict[str, Any]], cfg: OperatorC
                 cfg.install,
                 bad,
             )
-    problems = bad.items + policy_checks.spec_violations(
+    problems = bad.items + policy_job.spec_violations(
         job, cfg.policy, namespace, cfg.install, cfg.nats_store_bytes, cfg.nats_bundled
     )
     statefulsets = [o for o in objects if o["kind"] == "StatefulSet"]
-    problems += policy_checks.total_violations({r: replicas(job, r) for r in ROLES}, statefulsets, job, cfg.policy)
+    problems += policy_job.total_violations({r: replicas(job, r) for r in ROLES}, statefulsets, job, cfg.policy)
     if problems:
         raise RenderError(*dict.fromkeys(problems))  # each once

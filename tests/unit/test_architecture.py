@@ -69,6 +69,7 @@ PURE = {
     "pipelinerl_operator.pod_template",
     "pipelinerl_operator.pods",
     "pipelinerl_operator.policy_checks",
+    "pipelinerl_operator.policy_job",
     "pipelinerl_operator.render",
     "pipelinerl_operator.status",
 }

@@ -1,0 +1,146 @@
+"""A job as a whole against the platform's policy (pure): what its spec asks for beyond its pods
+(priority, scheduler, volumes, output claim, NATS servers, egress, its room in the NATS store),
+and every role's pods together at the replicas the spec asks for (pods, GPUs, volume bytes; a
+queue above the size that needs one). The pods one by one are policy_checks'."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+from urllib.parse import urlsplit
+
+from pipelinerl.capacity import reserved_bytes
+from pipelinerl.contracts import ROLE_LABEL
+from pipelinerl.k8s_types import parse_quantity, read_quantity
+from pipelinerl.reserved import is_device_env
+from pipelinerl_operator.egress import egress_problems
+from pipelinerl_operator.job_policy import Install, JobPolicy
+from pipelinerl_operator.policy_checks import DEVICE_ENV_WHY, GIB, Problems, as_dict, as_list, check_reference, gib
+
+
+def _pod_volume_bytes(pod_spec: dict[str, Any]) -> Decimal:
+    """What a pod's volumes may hold: emptyDir size limits and ephemeral claims (their larger of
+    request and limit); unreadable sizes are refused elsewhere and count as 0 here."""
+    total = Decimal(0)
+    for volume in as_list(pod_spec.get("volumes")):
+        volume = as_dict(volume)
+        sizes = [as_dict(volume.get("emptyDir")).get("sizeLimit")]
+        claim = as_dict(as_dict(as_dict(volume.get("ephemeral")).get("volumeClaimTemplate")).get("spec"))
+        sizes += [as_dict(amounts).get("storage") for amounts in as_dict(claim.get("resources")).values()]
+        readable = []
+        for size in sizes:
+            try:
+                readable.append(read_quantity(size))
+            except ValueError:
+                pass
+        total += max(readable, default=Decimal(0))
+    return total
+
+
+def total_violations(
+    replicas: dict[str, int], statefulsets: list[dict[str, Any]], job: Any, policy: JobPolicy
+) -> list[str]:
+    """The job as a whole (every role's pods at the replicas its spec asks for) within the
+    platform's per-job maxima: pods, GPUs, volume bytes; and a queue above the size that needs one."""
+    bad = Problems()
+    pods, gpus, volume = 0, Decimal(0), Decimal(0)
+    for sts in statefulsets:
+        role = sts["metadata"]["labels"].get(ROLE_LABEL, "")
+        n = replicas.get(role, 0)
+        spec = as_dict(as_dict(sts["spec"].get("template")).get("spec"))
+        per_pod = Decimal(0)
+        for c in as_list(spec.get("containers")) + as_list(spec.get("initContainers")):
+            try:
+                per_pod += read_quantity(
+                    as_dict(as_dict(as_dict(c).get("resources")).get("limits")).get("nvidia.com/gpu")
+                )
+            except ValueError:
+                pass
+        claims = [
+            as_dict(as_dict(as_dict(t).get("spec")).get("resources")).get("requests", {}).get("storage")
+            for t in as_list(sts["spec"].get("volumeClaimTemplates"))
+        ]
+        pods += n
+        gpus += n * per_pod
+        volume += n * (_pod_volume_bytes(spec) + sum((read_quantity(c) for c in claims), Decimal(0)))
+    if pods > policy.max_job_pods:
+        bad(
+            "replicas",
+            f"{pods} pods, every role together: more than a job may run (jobPolicy.maxJobPods: {policy.max_job_pods})",
+        )
+    if gpus > policy.max_job_gpus:
+        bad(
+            "gpus",
+            f"{gpus:f} GPUs, every pod together: more than a job may ask for "
+            f"(jobPolicy.maxJobGpus: {policy.max_job_gpus})",
+        )
+    if volume > parse_quantity(policy.max_job_volume_size):
+        bad(
+            "storage",
+            f"{gib(float(volume))} of volumes, every pod's together: more than a job may ask for "
+            f"(jobPolicy.maxJobVolumeSize: {policy.max_job_volume_size})",
+        )
+    above = policy.queue_required_above_gpus
+    if above is not None and gpus > above and not job.spec.scheduling.queue_name:
+        bad(
+            "scheduling.queueName",
+            f"required for a job of {gpus:f} GPUs (jobPolicy.queueRequiredAboveGpus: {above}): the platform admits "
+            "jobs this large through a Kueue queue",
+        )
+    return bad.items
+
+
+def spec_violations(
+    job: Any, policy: JobPolicy, namespace: str, install: Install, store_bytes: int, bundled_nats: bool
+) -> list[str]:
+    """What the job's spec itself asks for, beyond its pods."""
+    bad = Problems()
+    s = job.spec
+    for role in ("generator", "preprocessor", "trainer"):
+        for var in getattr(s, role).env:
+            if is_device_env(var.name):
+                bad(f"{role}.env[{var.name}]", DEVICE_ENV_WHY)
+    scheduling = s.scheduling
+    if scheduling.priority_class_name and scheduling.priority_class_name not in policy.priority_class_names:
+        bad(
+            "scheduling.priorityClassName",
+            f"{scheduling.priority_class_name!r} is not a priority class jobs may use "
+            f"(jobPolicy.priorityClassNames: {', '.join(policy.priority_class_names) or 'none'})",
+        )
+    if scheduling.scheduler_name and scheduling.scheduler_name not in policy.scheduler_names:
+        bad(
+            "scheduling.schedulerName",
+            f"{scheduling.scheduler_name!r} is not a scheduler jobs may use "
+            f"(jobPolicy.schedulerNames: {', '.join(policy.scheduler_names) or 'none'})",
+        )
+    if parse_quantity(s.storage.size) > parse_quantity(policy.max_volume_size):
+        bad("storage.size", f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})")
+    if s.output and s.output.claim_name:
+        check_reference("PersistentVolumeClaim", "output.claimName", s.output.claim_name, namespace,
+                   policy.volume_claims, "volumeClaims", install, bad)  # fmt: skip
+    for url in (s.nats.url or "").split(","):
+        if url.strip():
+            parts = urlsplit(url.strip())
+            server = f"{parts.hostname}:{parts.port or 4222}"
+            if server not in policy.nats_servers:
+                bad(
+                    "nats.url",
+                    f"{server} is not a NATS server jobs may use "
+                    f"(jobPolicy.natsServers: {', '.join(policy.nats_servers) or 'none'})",
+                )
+    for i, rule in enumerate(s.network.egress):
+        for problem in egress_problems(rule, policy):
+            bad(f"network.egress.{i}{problem[0]}", problem[1])
+    if s.nats.url is None and bundled_nats and store_bytes:
+        limit = min(store_bytes * policy.namespace_share, (policy.max_job_store_gi or float("inf")) * GIB)
+        need = reserved_bytes(s)
+        if need > limit:
+            bad(
+                "trainer.checkpointInterval",
+                f"the job's NATS streams would reserve {gib(need)} (what a trainer restarted from its last "
+                f"checkpoint replays: checkpointInterval + preprocessor.maxPendingSteps + 1 steps of "
+                f"samplesPerStep x model.maxSeqLen tokens; and the rollouts), more than one job may hold "
+                f"({gib(limit)}: the NATS store, jobPolicy.namespaceShare, jobPolicy.maxJobStoreGi); lower "
+                "trainer.checkpointInterval, trainer.samplesPerStep or model.maxSeqLen",
+            )
+    return bad.items
