@@ -31,9 +31,10 @@ def test_a_lost_store_is_store_lost_with_the_recovery_named():
     lost = p.check_store(identity("b"))
     assert lost.startswith("StoreLost:") and "store a" in lost and "now b" in lost
     assert "--adopt a --step 4 --problems 40" in lost and "--run-dir" in lost
+    assert "suspend the job, then resume it" in lost  # on a cluster the operator restores it
     assert p.store == "a" and p.consumed_seq == 57  # nothing taken from the other store
     running = at_checkpoint("a")
-    assert "restarted trainer names" in running.check_store(identity("b"), starting=False)
+    assert "restarted trainer says how" in running.check_store(identity("b"), starting=False)
 
 
 def test_only_a_store_recovered_for_this_checkpoint_is_adopted():
