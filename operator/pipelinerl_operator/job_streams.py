@@ -25,54 +25,6 @@ from pipelinerl_operator.credentials import job_credentials
 T = TypeVar("T")
 
 
-async def _as_job(
-    url: str, user: str | None, password: str | None, timeout_s: float, call: Callable[[Any], Awaitable[T]]
-) -> T:
-    async def run() -> T:
-        nc = await connect(url, "pipelinerl-operator", user, password, reconnect=False, timeout_s=min(3.0, timeout_s))
-        try:
-            return await call(nc.jetstream(timeout=min(3.0, timeout_s)))
-        finally:
-            await nc.close()
-
-    return await asyncio.wait_for(run(), timeout_s)
-
-
-async def delete_job_streams(
-    url: str,
-    job_name: str,
-    namespace: str,
-    user: str | None = None,
-    password: str | None = None,
-    timeout_s: float = 10.0,
-) -> list[str]:
-    """Names of the deleted streams; raises on failure (TimeoutError, connection errors)."""
-    subjects = JobSubjects(job_name, namespace)
-    return await _as_job(url, user, password, timeout_s, lambda js: delete_streams(js, subjects))
-
-
-async def read_checkpoint(
-    url: str, job_name: str, namespace: str, user: str | None, password: str | None, timeout_s: float = 10.0
-) -> dict[str, Any] | None:
-    """The trainer's newest checkpoint record, as status.suspendedStore keeps it (None: none yet)."""
-    subjects = JobSubjects(job_name, namespace)
-    told = await _as_job(url, user, password, timeout_s, lambda js: last_checkpoint(js, subjects, timeout_s))
-    return {"store": told.store, "step": told.step, "problems": told.problems} if told is not None else None
-
-
-async def restore_store(
-    url: str, job: Any, user: str | None, password: str | None, record: dict[str, Any], replicas: int | None,
-    timeout_s: float = 10.0,
-) -> None:  # fmt: skip
-    """The resumed job's streams made again, going on from its trainer's checkpoint `record`."""
-    subjects = JobSubjects(job.name, job.namespace or "default")
-
-    async def restore(js: Any) -> None:
-        await recover_store(js, subjects, job.spec, record["store"], record["step"], record["problems"], replicas)
-
-    await _as_job(url, user, password, timeout_s, restore)
-
-
 def own_nats_url(body: Mapping[str, Any]) -> str | None:
     return ((body.get("spec") or {}).get("nats") or {}).get("url")
 
@@ -98,13 +50,27 @@ class JobStreams:
         self.url, self.user, self.password = own or self.cfg.nats_url, creds.get("natsUser"), creds.get("natsPassword")
         self.replicas = self.cfg.nats_replicas if self.cfg.nats_replicas > 1 and not own else None
         self.timeout_s = float(os.environ.get(OperatorEnv.NATS_TIMEOUT, "10"))
+        self.subjects = JobSubjects(self.name, self.namespace)
+
+    async def _as_job(self, call: Callable[[Any], Awaitable[T]]) -> T:
+        """`call` on the job's JetStream, connected as the job; raises after `timeout_s`."""
+
+        async def run() -> T:
+            short = min(3.0, self.timeout_s)
+            nc = await connect(
+                self.url, "pipelinerl-operator", self.user, self.password, reconnect=False, timeout_s=short
+            )
+            try:
+                return await call(nc.jetstream(timeout=short))
+            finally:
+                await nc.close()
+
+        return await asyncio.wait_for(run(), self.timeout_s)
 
     async def delete(self) -> bool:
         """The streams deleted; False where NATS did not answer."""
         try:
-            streams = await delete_job_streams(
-                self.url, self.name, self.namespace, self.user, self.password, self.timeout_s
-            )
+            streams = await self._as_job(lambda js: delete_streams(js, self.subjects))
         except Exception as err:  # noqa: BLE001 - any NATS failure is told, never raised
             self.logger.warning("could not delete NATS streams of %s/%s: %r", self.namespace, self.name, err)
             self.event(
@@ -121,25 +87,28 @@ class JobStreams:
         """Before the job's room is given back: its streams deleted. A suspended job's only once
         its pods are gone, and with its trainer's newest checkpoint record read first, which its
         resume restores the store from (returned; {} where there is none). None: not yet."""
-        record: dict[str, Any] | None = {}
+        record: dict[str, Any] = {}
         if suspended:
             if await kube.list("v1", "Pod", self.namespace, f"{JOB_LABEL}={self.name}"):
                 return None  # still stopping: the trainer checkpoints on its way out
             try:
-                record = await read_checkpoint(
-                    self.url, self.name, self.namespace, self.user, self.password, self.timeout_s
-                )
+                told = await self._as_job(lambda js: last_checkpoint(js, self.subjects, self.timeout_s))
             except Exception as err:  # noqa: BLE001 - told, and tried again next pass
                 self.event("Warning", "StreamsDeleteFailed", f"could not read the trainer's checkpoint record: {err!r}")
                 return None
+            record = {"store": told.store, "step": told.step, "problems": told.problems} if told else {}
         if not await self.delete():
             return None
-        return record or {}
+        return record
 
     async def restore(self, job: Any, record: dict[str, Any]) -> str | None:
         """A resumed job's streams made again, going on from its trainer's checkpoint; why not yet."""
         try:
-            await restore_store(self.url, job, self.user, self.password, record, self.replicas, self.timeout_s)
+            await self._as_job(
+                lambda js: recover_store(
+                    js, self.subjects, job.spec, record["store"], record["step"], record["problems"], self.replicas
+                )
+            )
         except Exception as err:  # noqa: BLE001 - its account may not be on the server yet: next pass
             self.logger.info("restoring the NATS store of %s/%s: %r", self.namespace, self.name, err)
             return (
