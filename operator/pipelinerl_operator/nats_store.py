@@ -122,7 +122,9 @@ class Reservations:
         if not (cfg.auth_key and secret and namespace and kube):
             return
         accounts = [(ns, name, uid, b * cfg.nats_replicas) for uid, (ns, name, b) in held.items()]  # every copy
-        text = nats_accounts(cfg.auth_key, accounts, self.retire({job_account(*a[:3]): (a[0], a[3]) for a in accounts}))
+        # Retired room is counted as `held` counts it (one copy), beside the other jobs'.
+        retired = self.retire({job_account(ns, name, uid): (ns, b) for uid, (ns, name, b) in held.items()})
+        text = nats_accounts(cfg.auth_key, accounts, retired)
         if text != self.accounts_written:
             await kube.apply(accounts_secret(secret, namespace, text))
             self.accounts_written = text
