@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipelinerl.contracts import ROLES
 from pipelinerl.planner.calibration import CALIBRATIONS
@@ -163,46 +163,49 @@ def _job_in(args: argparse.Namespace) -> PipelineRLJob:
     return job
 
 
-def _nats_login() -> tuple[str | None, str | None]:
-    """The job's NATS user and password, as its pods get them (on the chart's NATS every job has its
-    own account): from PIPELINERL_NATS_USER and PIPELINERL_NATS_PASSWORD, e.g. read from the job's
-    credentials Secret with kubectl (docs/kubernetes.md, "Runbook")."""
-    from pipelinerl.contracts import Env
-
-    return os.environ.get(Env.NATS_USER), os.environ.get(Env.NATS_PASSWORD)
-
-
-def _dead_letters(args: argparse.Namespace) -> int:
-    """What the job's services rejected, and why: from a running job's NATS, or a local run's store."""
+def _on_job_store(args: argparse.Namespace, job: PipelineRLJob, client: str, call: Any) -> Any:
+    """`call(js)` on the job's JetStream: at `--nats URL`, logged in as the job's pods are (on the
+    chart's NATS every job has its own account: PIPELINERL_NATS_USER and PIPELINERL_NATS_PASSWORD,
+    read from the job's credentials Secret, docs/kubernetes.md), failing fast; or on the store of
+    the local run in `--run-dir`, its nats-server started here for the call."""
     import asyncio
 
-    from pipelinerl.contracts import DEADLETTER_REASON
-    from pipelinerl.streams import connect, stored_messages
+    from pipelinerl.contracts import Env
+    from pipelinerl.streams import connect
 
-    job = _job_in(args)
-    subjects = job.subjects
-
-    async def read(url: str) -> list:
-        nc = await connect(url, "pipelinerl-dead-letters", *_nats_login(), reconnect=False)
+    async def run(url: str) -> Any:
+        login = os.environ.get(Env.NATS_USER), os.environ.get(Env.NATS_PASSWORD)
+        nc = await connect(url, client, *login, reconnect=False)
         try:
-            return await stored_messages(nc.jetstream(), subjects.stream("DEADLETTER"))
+            return await call(nc.jetstream())
         finally:
             await nc.close()
 
     if args.nats:
-        letters = asyncio.run(read(args.nats))
-    else:
-        from pipelinerl_cli.embedded_nats import EmbeddedNats
+        return asyncio.run(run(args.nats))
+    from pipelinerl_cli.embedded_nats import EmbeddedNats
 
-        store = Path(args.run_dir) / "nats"
-        if not store.is_dir():
-            print(f"error: {store} does not exist (--run-dir: the folder of a local run)", file=sys.stderr)
-            return 2
-        server = EmbeddedNats(store, job.spec.nats.max_payload_mb).start()
-        try:
-            letters = asyncio.run(read(server.url))
-        finally:
-            server.stop()
+    server = EmbeddedNats(Path(args.run_dir) / "nats", job.spec.nats.max_payload_mb).start()
+    try:
+        return asyncio.run(run(server.url))
+    finally:
+        server.stop()
+
+
+def _dead_letters(args: argparse.Namespace) -> int:
+    """What the job's services rejected, and why: from a running job's NATS, or a local run's store."""
+    from pipelinerl.contracts import DEADLETTER_REASON
+    from pipelinerl.streams import stored_messages
+
+    job = _job_in(args)
+    if args.run_dir and not (Path(args.run_dir) / "nats").is_dir():
+        print(
+            f"error: {Path(args.run_dir) / 'nats'} does not exist (--run-dir: the folder of a local run)",
+            file=sys.stderr,
+        )
+        return 2
+    stream = job.subjects.stream("DEADLETTER")
+    letters = _on_job_store(args, job, "pipelinerl-dead-letters", lambda js: stored_messages(js, stream))
     for x in letters:
         kind = x.subject.rsplit(".", 1)[-1]
         when = str(x.time)[:19].replace("T", " ") if x.time else "?"  # UTC
@@ -215,10 +218,9 @@ def _recover_store(args: argparse.Namespace) -> int:
     """A lost or replaced NATS store (the trainer says StoreLost) made to go on from the trainer's
     checkpoint: locally from the run folder's newest checkpoint, on a cluster from what the
     trainer's StoreLost message names (`pipelinerl.streams.recover_store`)."""
-    import asyncio
     import json
 
-    from pipelinerl.streams import connect, recover_store
+    from pipelinerl.streams import recover_store
 
     job = _job_in(args)
     if args.run_dir:
@@ -236,23 +238,12 @@ def _recover_store(args: argparse.Namespace) -> int:
     else:
         adopt, step, problems = args.adopt, args.step, args.problems
 
-    async def recover(url: str):
-        nc = await connect(url, "pipelinerl-recover-store", *_nats_login(), reconnect=False)
-        try:
-            return await recover_store(nc.jetstream(), job.subjects, job.spec, adopt, step, problems)
-        finally:
-            await nc.close()
-
-    if args.nats:
-        identity = asyncio.run(recover(args.nats))
-    else:
-        from pipelinerl_cli.embedded_nats import EmbeddedNats
-
-        server = EmbeddedNats(Path(args.run_dir) / "nats", job.spec.nats.max_payload_mb).start()
-        try:
-            identity = asyncio.run(recover(server.url))
-        finally:
-            server.stop()
+    identity = _on_job_store(
+        args,
+        job,
+        "pipelinerl-recover-store",
+        lambda js: recover_store(js, job.subjects, job.spec, adopt, step, problems),
+    )
     print(
         f"store {identity.id} goes on from the checkpoint of step {step} (store {adopt}); problem claims from "
         f"{problems}; its streams start empty"
