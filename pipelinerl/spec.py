@@ -34,6 +34,7 @@ from pipelinerl.spec_base import (
     TASK_IMPORT_PATH,
     TASK_NAMES,
     SpecModel,
+    closest,
 )
 from pipelinerl.spec_roles import (
     TOP_P_ERROR,
@@ -289,25 +290,15 @@ def format_errors(err: ValidationError, model: type[BaseModel] | None = None) ->
 
 def _did_you_mean(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> str:
     """The field of the model at `loc[:-1]` closest to the unknown `loc[-1]`, where one is close."""
-    import difflib
     import typing
 
     node: Any = model
     for part in loc[:-1]:
-        if not (isinstance(node, type) and issubclass(node, BaseModel)):
-            return ""
-        field = next((f for n, f in node.model_fields.items() if part in (n, f.alias)), None)
-        if field is None:
-            return ""
-        inner: list[Any] = [*typing.get_args(field.annotation), field.annotation]
+        field = next((f for n, f in node.model_fields.items() if part in (n, f.alias)), None) if node else None
+        inner: list[Any] = [*typing.get_args(field.annotation), field.annotation] if field else []
         node = next((a for a in inner if isinstance(a, type) and issubclass(a, BaseModel)), None)
-    if not (isinstance(node, type) and issubclass(node, BaseModel)):
-        return ""
-    names = [f.alias or n for n, f in node.model_fields.items()]
-    close = difflib.get_close_matches(str(loc[-1]), names, n=1, cutoff=0.6)
-    if not close and str(loc[-1]).replace("_", "").lower() in {n.lower() for n in names}:
-        close = [n for n in names if n.lower() == str(loc[-1]).replace("_", "").lower()]
-    return f" (did you mean {close[0]}?)" if close else ""
+    close = closest(str(loc[-1]), [f.alias or n for n, f in node.model_fields.items()]) if node else None
+    return f" (did you mean {close}?)" if close else ""
 
 
 def parse_mapping(model: type[Parsed], data: Any, source: str, what: str, error: type[ValueError]) -> Parsed:

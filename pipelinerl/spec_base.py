@@ -4,7 +4,9 @@ values are held to, and the base model (strict, camelCase)."""
 
 from __future__ import annotations
 
+import difflib
 import re
+from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
@@ -41,3 +43,12 @@ class SpecModel(BaseModel):
     model_config = ConfigDict(
         alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True, strict=True
     )
+
+
+def closest(word: str, names: Iterable[str]) -> str | None:
+    """The name `word` most likely misspells: close in spelling, or the same but for case and
+    underscores (snake_case for camelCase); None where none is."""
+    names = list(names)
+    close = difflib.get_close_matches(word, names, n=1, cutoff=0.6)
+    folded = word.replace("_", "").lower()
+    return close[0] if close else next((n for n in names if n.lower() == folded), None)

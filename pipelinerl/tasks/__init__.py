@@ -29,8 +29,9 @@ __all__ = ["BUILTIN", "Completion", "Policy", "Problem", "SampleBuilder", "Task"
 def param_problems(name: str, params: dict[str, Any]) -> list[str]:
     """A built-in task's params against those its constructor takes (`seed` and `name` are the
     spec's, underscored ones its own): each unknown one named, with the closest known one."""
-    import difflib
     import inspect
+
+    from pipelinerl.spec_base import closest
 
     cls = BUILTIN.get(name)
     if cls is None:
@@ -40,8 +41,8 @@ def param_problems(name: str, params: dict[str, Any]) -> list[str]:
     problems = []
     for key in params:
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}? " if close else ""
+            close = closest(key, known)
+            hint = f"did you mean {close}? " if close else ""
             problems.append(
                 f"task.params.{key}: unknown for the {name} task ({hint}its params: {', '.join(known) or 'none'})"
             )
