@@ -466,30 +466,34 @@ def _resources(containers: list[tuple[str, dict[str, Any]]], role: str, policy: 
                 )
 
 
-def _volumes(spec: dict[str, Any], where: str, policy: JobPolicy, bad: Problems) -> None:
-    cap = parse_quantity(policy.max_volume_size)
-    for volume in as_list(spec.get("volumes")):
+def volume_sizes(spec: dict[str, Any], where: str) -> Iterator[tuple[int, str, str, Any]]:
+    """(the volume's index, the field, the resource, its value) of every size a pod's volumes ask
+    for: an emptyDir's sizeLimit (storage), an ephemeral claim's requests and limits."""
+    for i, volume in enumerate(as_list(spec.get("volumes"))):
         volume = as_dict(volume)
         at = f"{where}.volumes[{volume.get('name', '?')}]"
         empty = as_dict(volume.get("emptyDir"))
-        size = _quantity(empty.get("sizeLimit"), f"{at}.emptyDir.sizeLimit", bad)
-        if size is not None and size > cap:
-            bad(
-                f"{at}.emptyDir.sizeLimit",
-                f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})",
-            )
+        if "sizeLimit" in empty:
+            yield i, f"{at}.emptyDir.sizeLimit", "storage", empty["sizeLimit"]
         claim = as_dict(as_dict(as_dict(volume.get("ephemeral")).get("volumeClaimTemplate")).get("spec"))
-        if claim:
-            for kind, amounts in as_dict(claim.get("resources")).items():
-                for name, value in as_dict(amounts).items():
-                    field = f"{at}.ephemeral.volumeClaimTemplate.spec.resources.{kind}.{name}"
-                    size = _quantity(value, field, bad)
-                    if name != "storage":
-                        bad(field, "a volume claim asks for storage only")
-                    elif size is not None and size > cap:
-                        bad(field, f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})")
+        for kind, amounts in as_dict(claim.get("resources")).items():
+            for name, value in as_dict(amounts).items():
+                yield i, f"{at}.ephemeral.volumeClaimTemplate.spec.resources.{kind}.{name}", name, value
+
+
+def _volumes(spec: dict[str, Any], where: str, policy: JobPolicy, bad: Problems) -> None:
+    cap = parse_quantity(policy.max_volume_size)
+    for _, field, name, value in volume_sizes(spec, where):
+        size = _quantity(value, field, bad)
+        if name != "storage":
+            bad(field, "a volume claim asks for storage only")
+        elif size is not None and size > cap:
+            bad(field, f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})")
+    for volume in as_list(spec.get("volumes")):
+        volume = as_dict(volume)
         if "csi" in volume and as_dict(volume["csi"]).get("driver") not in policy.csi_drivers:
             drivers = ", ".join(policy.csi_drivers) or "none"
+            at = f"{where}.volumes[{volume.get('name', '?')}]"
             bad(f"{at}.csi.driver", f"not a CSI driver jobs may use inline (jobPolicy.csiDrivers: {drivers})")
 
 

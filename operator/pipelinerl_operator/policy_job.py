@@ -15,26 +15,29 @@ from pipelinerl.k8s_types import parse_quantity, read_quantity
 from pipelinerl.reserved import is_device_env
 from pipelinerl_operator.egress import egress_problems
 from pipelinerl_operator.job_policy import Install, JobPolicy
-from pipelinerl_operator.policy_checks import DEVICE_ENV_WHY, GIB, Problems, as_dict, as_list, check_reference, gib
+from pipelinerl_operator.policy_checks import (
+    DEVICE_ENV_WHY,
+    GIB,
+    Problems,
+    as_dict,
+    as_list,
+    check_reference,
+    gib,
+    volume_sizes,
+)
 
 
 def _pod_volume_bytes(pod_spec: dict[str, Any]) -> Decimal:
     """What a pod's volumes may hold: emptyDir size limits and ephemeral claims (their larger of
     request and limit); unreadable sizes are refused elsewhere and count as 0 here."""
-    total = Decimal(0)
-    for volume in as_list(pod_spec.get("volumes")):
-        volume = as_dict(volume)
-        sizes = [as_dict(volume.get("emptyDir")).get("sizeLimit")]
-        claim = as_dict(as_dict(as_dict(volume.get("ephemeral")).get("volumeClaimTemplate")).get("spec"))
-        sizes += [as_dict(amounts).get("storage") for amounts in as_dict(claim.get("resources")).values()]
-        readable = []
-        for size in sizes:
-            try:
-                readable.append(read_quantity(size))
-            except ValueError:
-                pass
-        total += max(readable, default=Decimal(0))
-    return total
+    largest: dict[int, Decimal] = {}
+    for volume, _, name, value in volume_sizes(pod_spec, ""):
+        try:
+            size = read_quantity(value) if name == "storage" else Decimal(0)
+        except ValueError:
+            continue
+        largest[volume] = max(largest.get(volume, Decimal(0)), size)
+    return sum(largest.values(), Decimal(0))
 
 
 def total_violations(
