@@ -5,7 +5,7 @@ PYTEST_ARGS ?=
 # restarts). Each test file stays on one worker, so module fixtures are built once.
 TEST_WORKERS ?= 2
 
-.PHONY: setup run test lint
+.PHONY: setup run test lint images test-containers
 setup:
 	@scripts/setup.sh
 
@@ -21,3 +21,11 @@ lint: setup
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 	.venv/bin/mypy
+
+# The operator and CPU services images, built with buildah on a base made from Debian's packages.
+images: setup
+	@scripts/images.sh
+
+# The tiny job's rendered pods run as podman containers from those images (CI runs it after `test`).
+test-containers: images
+	.venv/bin/python -m pytest -m containers tests/containers $(PYTEST_ARGS)

@@ -5,11 +5,15 @@ The method, for a comparison of a fast side against a baseline (bench/README.md,
 - rounds are independent: round r runs every side with seed `round_seed(base, r)`, so rounds
   differ on every side (TRL included) and sides share the seed set;
 - each round's curve gives its own time to each target (`time_to_target([run], gain)`), and
-  its ratio baseline/fast at that target (`round_ratio`);
-- the headline is the median of those per-round ratios over a band of targets (every point
-  from +5 to +15 by default), with a 90% t-interval over rounds (`band_headline`,
-  `log_t_interval`: on the logs of the per-round band medians; at least 5 rounds): one target or
-  one lucky evaluation does not decide it. Pooled curves (`pooled_ratio`) are reported beside it;
+  its ratio baseline/fast at that target (`round_bound`);
+- the headline is one estimator, point and interval: the geometric mean of the per-round
+  medians over a band of targets (every point from +5 to +15 by default) and its 90%
+  t-interval over rounds (`band_headline`, `log_t_interval`): one target or one lucky
+  evaluation does not decide it. A target one side of a round never reached is censored, not
+  void: its ratio is bounded by that side's last evaluation (`round_bound`: at least, or at
+  most, that), and the bound enters the estimate, counted (`censored`). The rounds a ratio of
+  1.3x needs to resolve at the spread seen are printed (`rounds_to_resolve`). Pooled curves
+  (`pooled_ratio`) are reported beside it;
 - a curve starts at the warm start, at the start of training, so a target reached before the
   first evaluation is interpolated between the two instead of taken as the first evaluation's
   time (start-up plus the evaluation interval); how many band targets were resolved that way is
@@ -163,25 +167,52 @@ def accuracy_gap(runs: dict[str, list[dict]]) -> dict[int, float]:
     return {v: 100 * (means["pipeline"][v] - means["sync"][v]) for v in means["pipeline"] if v in means["sync"]}
 
 
-def round_ratio(fast: dict, baseline: dict, gain_points: float, axis: str = "time") -> float | None:
-    """Baseline/fast time to target in one round (two runs of one seed): inf if only the
-    baseline misses the target, 0 if only the fast side does, None if both do."""
+def run_end(run: dict, axis: str = "time") -> float:
+    """The run's last evaluation on `axis`'s clock: a target it never reached lies beyond."""
+    return max(t for t, _ in curve(run, axis))
+
+
+def round_bound(fast: dict, baseline: dict, gain_points: float, axis: str = "time") -> tuple[float | None, str]:
+    """Baseline/fast time to target in one round, censored where a side never reached it: the
+    ratio is then at least baseline's last evaluation / fast's time ("at least"), or at most
+    baseline's time / fast's last evaluation ("at most"); (None, "missed") if neither side did."""
     f, b = (time_to_target([x], gain_points, axis) for x in (fast, baseline))
     if f is None and b is None:
+        return None, "missed"
+    if b is None:
+        return run_end(baseline, axis) / max(f, 1e-9), "at least"
+    if f is None:
+        return b / run_end(fast, axis), "at most"
+    return b / max(f, 1e-9), "exact"
+
+
+Z80 = 0.8416  # the normal quantile of 80% power
+
+
+def rounds_to_resolve(per_round: list[float | None], effect: float = 1.3) -> int | None:
+    """Rounds whose 90% t-interval tells a ratio of `effect` from 1 with 80% power, at the
+    spread of these rounds' log ratios; None with fewer than two finite rounds."""
+    logs = [math.log(v) for v in per_round if v is not None and 0 < v < math.inf]
+    if len(logs) < 2:
         return None
-    if f is None or b is None:
-        return math.inf if f is not None else 0.0
-    return math.inf if f == 0 else b / f
+    sd = statistics.stdev(logs)
+    for n in range(2, 100_000):
+        t = T95[n - 2] if n - 1 <= len(T95) else 1.645
+        if (t + Z80) * sd / math.sqrt(n) <= math.log(effect):
+            return n
+    return None
 
 
 def band_headline(fast: list[dict], baseline: list[dict], gains: list[float], axis: str = "time") -> dict:
-    """The median over rounds and over the band of targets `gains` of the per-round ratios
-    baseline/fast, and the 90% t-interval of the per-round band medians (`log_t_interval`;
-    rounds pair by index: same seed, run side by side). Targets missed by both sides of a round
-    are left out and counted; targets either side reached before its first evaluation are
-    counted too (`early`)."""
+    """baseline/fast over the band of targets `gains`: per round, the median of its ratios (a
+    censored target at its bound, `round_bound`); the headline, their geometric mean and its
+    90% t-interval (`log_t_interval`; rounds pair by index: same seed, run side by side). The
+    median over rounds and targets is kept beside it (`median`). Targets missed by both sides
+    of a round are left out and counted, censored ones counted; targets either side reached
+    before its first evaluation are counted too (`early`)."""
     rounds = list(zip(fast, baseline))
-    table = [[round_ratio(f, b, g, axis) for g in gains] for f, b in rounds]
+    bounded = [[round_bound(f, b, g, axis) for g in gains] for f, b in rounds]
+    table = [[v for v, _ in row] for row in bounded]
 
     def median_of(rows: list[list[float | None]]) -> float | None:
         values = [r for row in rows for r in row if r is not None]
@@ -192,9 +223,11 @@ def band_headline(fast: list[dict], baseline: list[dict], gains: list[float], ax
     return {
         "median": median_of(table),
         **log_t_interval(per_round),
+        "censored": sum(kind in ("at least", "at most") for row in bounded for _, kind in row),
+        "rounds_for_1.3x": rounds_to_resolve(per_round),
         "per_round": per_round,
         "per_round_by_gain": {f"+{g:g}": [row[i] for row in table] for i, g in enumerate(gains)},
-        "both_missed": sum(r is None for row in table for r in row),
+        "both_missed": sum(kind == "missed" for row in bounded for _, kind in row),
         "early": early,
         "targets": len(gains) * len(fast + baseline),
         "rounds": len(table),

@@ -47,7 +47,6 @@ fitted on other runs, instead of fitting one (and writes no calibration):
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -56,10 +55,13 @@ import yaml
 import torch
 
 from bench.common import RESULTS, paired_ratios, save, set_fields, table
+from bench.decode_fit import MIN_BASE, fit_base, fit_decode, fit_split
 from bench.results_store import read_result
+from pipelinerl.phases import phases
 from pipelinerl.planner.calibration import Calibration, Lengths, load_calibration
 from pipelinerl.planner.recommend import plan
-from pipelinerl.planner.simulation import simulate, wave_groups
+from pipelinerl.planner.sim_params import wave_groups
+from pipelinerl.planner.simulation import simulate
 from pipelinerl.spec import parse_job, read_manifest
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
@@ -75,7 +77,6 @@ HEADER = """\
 # vLLM's max_num_seqs when AsyncLLM builds its config (usage context ENGINE_CONTEXT):
 # SchedulerConfig.DEFAULT_MAX_NUM_SEQS. The generator does not override it for the tiny job.
 VLLM_MAX_NUM_SEQS = 128
-MIN_BASE = 1e-6  # decode_base_s must be > 0
 TARGET = 0.20  # the issue: the predicted ratio within 20% of the measured one
 
 
@@ -190,124 +191,13 @@ def rel(path: Path) -> str:
     return str(path.resolve().relative_to(ROOT)) if path.resolve().is_relative_to(ROOT) else str(path)
 
 
-SIM_STEPS = 300  # simulated sync steps per phase estimate
-
-
-def sync_gen_phase(calib: Calibration, job, mean_row_tokens: float, seed: int = 0) -> float:
-    """The simulated sync step less its training and weight update: the generation phase."""
-    spec = job.spec
-    r = simulate(
-        "sync",
-        1,
-        1,
-        0,
-        spec.trainer.samples_per_step,
-        spec.rl.attempts,
-        calib,
-        spec.generator.sampling.max_tokens,
-        steps=SIM_STEPS,
-        warmup=1,
-        seed=seed,
-    )
-    train = calib.train_s(mean_row_tokens, 1) + calib.optimizer_step_s
-    return r.step_s - train - max(calib.weight_sync_s, calib.pause_s)
-
-
-def fit_line(
-    line: Callable[[float], Calibration], job, rows: float, target: float, lo: float, hi: float
-) -> Calibration | None:
-    """The calibration `line(x)`, x >= lo, whose simulated sync generation phase is `target`
-    (the phase grows with x along each line used here); None if even line(lo) is slower."""
-
-    def gap(x: float) -> float:
-        return sync_gen_phase(line(x), job, rows) - target
-
-    if gap(lo) > 0:
-        return None
-    while gap(hi) < 0:
-        hi *= 2
-    for _ in range(30):  # bisection
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if gap(mid) < 0 else (lo, mid)
-    return line((lo + hi) / 2)
-
-
-def fit_base(calib: Calibration, job, rows: float, target: float, per_seq: float, hi: float) -> Calibration | None:
-    """decode_per_seq_s fixed, decode_base_s solved."""
-    return fit_line(
-        lambda b: calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": per_seq}),
-        job,
-        rows,
-        target,
-        MIN_BASE,
-        hi,
-    )
-
-
-def fit_decode(calib: Calibration, job, rows: float, target: float, step_at: float, batch: int) -> Calibration:
-    """Through the engine benchmark's point (`batch` sequences per step take `step_at`):
-    per_seq = (step_at - base) / batch. If even a flat cost (base = step_at) is too fast for
-    the phase, the point cannot hold: the base alone then. If even its slope alone (base ~0)
-    is too slow (the engine has become faster per sequence than when benchmarked), the
-    slope alone, solved."""
-    if sync_gen_phase(calib.model_copy(update={"decode_base_s": step_at, "decode_per_seq_s": 0.0}), job, rows) < target:
-        return fit_base(calib, job, rows, target, 0.0, step_at)
-    through_point = fit_line(
-        lambda b: calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": (step_at - b) / batch}),
-        job,
-        rows,
-        target,
-        MIN_BASE,
-        step_at,
-    )
-    if through_point is not None:
-        return through_point
-    slope_only = fit_line(
-        lambda k: calib.model_copy(update={"decode_base_s": MIN_BASE, "decode_per_seq_s": k}),
-        job,
-        rows,
-        target,
-        0.0,
-        step_at / batch,
-    )
-    if slope_only is None:
-        raise SystemExit(f"the sync generation phase ({target:.3f} s) is too short for any decode cost")
-    return slope_only
-
-
-def fit_split(calib: Calibration, job, rows: float, target: float, other: tuple, hi: float) -> Calibration | None:
-    """Base and slope both, from the sync generation phases at two step sizes: along the pairs
-    that give `target` for `job`, the base that also gives the phase of `other` (job, row
-    tokens, phase), a step of another size. (More base lengthens a small step's phase more,
-    its batch being smaller.) None where no pair with base >= MIN_BASE and slope >= 0 fits."""
-    job2, rows2, target2 = other
-
-    def on_line(b: float) -> Calibration:  # the slope for base b (0 once b alone is as slow)
-        return fit_line(
-            lambda k: calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": k}), job, rows, target, 0.0, hi
-        ) or calib.model_copy(update={"decode_base_s": b, "decode_per_seq_s": 0.0})
-
-    def gap(b: float) -> float:
-        return sync_gen_phase(on_line(b), job2, rows2) - target2
-
-    flat = fit_base(calib, job, rows, target, 0.0, hi)  # the largest base: no slope
-    if flat is None or gap(MIN_BASE) > 0 or gap(flat.decode_base_s) < 0:
-        return None
-    lo, hi_b = MIN_BASE, flat.decode_base_s
-    for _ in range(25):  # bisection
-        mid = (lo + hi_b) / 2
-        lo, hi_b = (mid, hi_b) if gap(mid) < 0 else (lo, mid)
-    return on_line((lo + hi_b) / 2)
-
-
 def sync_phase(data: dict) -> tuple[float, float]:
-    """The sync runs' generation phase (step period - train_seconds - weight_sync_seconds: the
-    trainer waiting for the step's data) and their mean row tokens per step."""
-    steps = [s for r in data["runs"]["sync"] for s in steps_of(r)]
-    return (
-        float(np.mean([s["period"] - s["train_seconds"] - s["weight_sync_seconds"] for s in steps])),
-        float(np.mean([s["row_tokens"] for s in steps])),
-    )
+    """The sync runs' generation phase (a phase's wait, `pipelinerl.phases`: the step period less
+    training and the update, the trainer waiting for the step's data) and their mean row tokens
+    per step."""
+    runs = data["runs"]["sync"]
+    waits = [p.wait_s for r in runs for p in phases(r["steps_log"], 1)]
+    return float(np.mean(waits)), float(np.mean([s["row_tokens"] for r in runs for s in steps_of(r)]))
 
 
 def derive(data: dict, job, name: str) -> tuple[Calibration, dict]:
@@ -343,7 +233,7 @@ def derive(data: dict, job, name: str) -> tuple[Calibration, dict]:
 
     engine = read_result(RESULTS / "engine.json")
     tok_s = engine["models"]["tiny-arith"]["vllm"]["median"]  # the built-in tiny models share one architecture
-    # bench.engine submits 256 requests to the same engine; max_num_seqs of them run at once.
+    # The retired engine benchmark (5) submitted 256 requests to one engine; max_num_seqs ran at once.
     engine_batch = min(engine["settings"]["prompts"] * engine["settings"]["samples"], max_batch)
     step_at = engine_batch / tok_s  # seconds per decode step with engine_batch sequences
 
@@ -486,7 +376,7 @@ def sensitivity(calib: Calibration, facts: dict, job, steps: int) -> dict[str, f
     return out
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--from",
@@ -509,41 +399,53 @@ def main() -> None:
         metavar="BUILTIN",
         help="predict with this built-in calibration instead of fitting one (out of sample); writes none",
     )
-    args = ap.parse_args()
-    data = load(args.source)
-    job = job_spec(args.job, data)
+    return ap.parse_args()
+
+
+def reproduce(args) -> str:
     command = "python -m bench.calibrate_cpu" + (
         "" if args.name == "cpu-tiny" else f" --job {rel(args.job)} --from {rel(args.source)} --name {args.name}"
     )
     command += f" --split-with {rel(args.split_with)}" if args.split_with else ""
-    if args.calibration:  # out of sample: the runs' facts for the report, no fit
+    return command + (f" --calibration {args.calibration}" if args.calibration else "")
+
+
+def calibration_for(args, data: dict, job, command: str) -> tuple[Calibration, dict]:
+    """The built-in calibration asked for (out of sample: the runs' facts for the report, no fit),
+    or one fitted to the runs and written to pipelinerl/calibrations/NAME.yaml."""
+    if args.calibration:
         calib, (_, facts) = load_calibration(args.calibration), derive(data, job, args.name)
-        command += f" --calibration {args.calibration}"
         print(f"calibration: the built-in {args.calibration} ({calib.source[:60]}...)")
-    else:
-        other = None
-        if args.split_with:
-            other_data = load(args.split_with)
-            other = (other_data, job_spec(args.job, other_data))
-        calib, facts = calibrate(data, args.source, job, args.name, other)
-        path = CALIBRATIONS / f"{args.name}.yaml"
-        path.write_text(
-            HEADER.format(source=rel(args.source), job=rel(args.job), command=command) + calibration_yaml(calib)
-        )
-        assert load_calibration(args.name) == calib, f"load_calibration({args.name!r}) must read the file just written"
-        print(f"calibration -> {rel(path)}")
-    for k in (
-        "decode_base_s",
-        "decode_per_seq_s",
-        "max_batch",
-        "prefill_s_per_token",
-        "train_s_per_token",
-        "optimizer_step_s",
-        "weight_sync_s",
-        "pause_s",
-        "contention",
-        "filtered_fraction",
-    ):
+        return calib, facts
+    other = None
+    if args.split_with:
+        other_data = load(args.split_with)
+        other = (other_data, job_spec(args.job, other_data))
+    calib, facts = calibrate(data, args.source, job, args.name, other)
+    path = CALIBRATIONS / f"{args.name}.yaml"
+    header = HEADER.format(source=rel(args.source), job=rel(args.job), command=command)
+    path.write_text(header + calibration_yaml(calib))
+    assert load_calibration(args.name) == calib, f"load_calibration({args.name!r}) must read the file just written"
+    print(f"calibration -> {rel(path)}")
+    return calib, facts
+
+
+PRINTED = (
+    "decode_base_s",
+    "decode_per_seq_s",
+    "max_batch",
+    "prefill_s_per_token",
+    "train_s_per_token",
+    "optimizer_step_s",
+    "weight_sync_s",
+    "pause_s",
+    "contention",
+    "filtered_fraction",
+)
+
+
+def print_calibration(calib: Calibration, facts: dict) -> None:
+    for k in PRINTED:
         print(f"  {k:20s} {getattr(calib, k):.4g}")
     print(
         f"  lengths              sampled from the warm start: mean {facts['sampled_lengths_mean']:.2f}, max "
@@ -555,8 +457,17 @@ def main() -> None:
         f"({facts['sequences_generated_per_sync_step']:.0f} sequences generated per step)"
     )
 
-    n_steps = int(data["args"].get("steps", 150))
-    pred = predict(calib, job, n_steps)
+
+def sim(r) -> dict:
+    """What the report keeps of a simulated run."""
+    keys = ("samples_per_s", "step_s", "gen_busy", "gen_fill", "train_busy", "lag_mean")
+    return {k: getattr(r, k) for k in keys}
+
+
+def validate(calib: Calibration, job, data: dict, steps: int) -> dict:
+    """The calibration's prediction of the runs' modes (`steps` long) against what they measured,
+    printed; the figures for the report."""
+    pred = predict(calib, job, steps)
     meas = measured(data)
     rates = {mode: [r["samples_per_second"] for r in data["runs"][mode]] for mode in ("pipeline", "sync")}
     ratio = {
@@ -564,47 +475,41 @@ def main() -> None:
         "measured": paired_ratios(rates["pipeline"], rates["sync"])["median"],
     }
     error = ratio["predicted"] / ratio["measured"] - 1
-    rows = []
-    for mode in ("pipeline", "sync"):
-        p, e = pred[mode], meas[mode]
-        rows.append(
-            [
-                mode,
-                p.samples_per_s,
-                e["samples_per_s"],
-                p.step_s,
-                e["step_s"],
-                f"{p.gen_busy:.0%}",
-                f"{e['gen_busy']:.0%}",
-                f"{p.train_busy:.0%}",
-                f"{e['train_busy']:.0%}",
-            ]
-        )
+    rows = [
+        [mode, p.samples_per_s, e["samples_per_s"], p.step_s, e["step_s"]]
+        + [f"{x:.0%}" for x in (p.gen_busy, e["gen_busy"], p.train_busy, e["train_busy"])]
+        for mode, p, e in ((mode, pred[mode], meas[mode]) for mode in ("pipeline", "sync"))
+    ]
+    head = ["mode", "pred samples/s", "meas", "pred s/step", "meas", "pred gen busy", "meas", "pred train busy", "meas"]
     print()
-    print(
-        table(
-            [
-                "mode",
-                "pred samples/s",
-                "meas",
-                "pred s/step",
-                "meas",
-                "pred gen busy",
-                "meas",
-                "pred train busy",
-                "meas",
-            ],
-            rows,
-        )
-    )
+    print(table(head, rows))
     within = abs(error) <= TARGET
     print(
         f"\npipeline/sync ratio: predicted {ratio['predicted']:.2f}x, measured {ratio['measured']:.2f}x: "
         f"{error:+.1%} -> {'within' if within else 'NOT within'} {TARGET:.0%}"
     )
     print(f"pipeline token lag: predicted {pred['pipeline'].lag_mean:.2f}, measured {meas['pipeline']['lag_mean']:.2f}")
-    sens = {} if args.calibration else sensitivity(calib, facts, job, n_steps)  # it re-fits to these runs
-    if sens:
+    return {
+        "predicted": {mode: sim(r) for mode, r in pred.items()},
+        "measured": meas,
+        "ratio": ratio,
+        "ratio_error": error,
+        "target": TARGET,
+        "within_target": within,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    data = load(args.source)
+    job = job_spec(args.job, data)
+    command = reproduce(args)
+    calib, facts = calibration_for(args, data, job, command)
+    print_calibration(calib, facts)
+    steps = int(data["args"].get("steps", 150))
+    checked = validate(calib, job, data, steps)
+    sens = {} if args.calibration else sensitivity(calib, facts, job, steps)
+    if sens:  # it re-fits to these runs
         print(
             "ratio if the decode cost were split otherwise: "
             + ", ".join(
@@ -617,17 +522,11 @@ def main() -> None:
         f"pipeline (maxLag {p.pipeline.max_lag}) "
         f"{p.pipeline.samples_per_s:.1f} samples/s vs sync {p.sync.samples_per_s:.1f}: {p.speedup:.2f}x"
     )
-
-    def sim(r) -> dict:
-        return {
-            "samples_per_s": r.samples_per_s,
-            "step_s": r.step_s,
-            "gen_busy": r.gen_busy,
-            "gen_fill": r.gen_fill,
-            "train_busy": r.train_busy,
-            "lag_mean": r.lag_mean,
-        }
-
+    lengths = {
+        "distribution": calib.lengths.distribution,
+        "mean": facts["mean_completion_tokens"],
+        "prompt_tokens": calib.lengths.prompt_tokens,
+    }
     save(
         "planner_validation" + ("" if args.name == "cpu-tiny" else f"-{args.name}"),
         {
@@ -635,21 +534,9 @@ def main() -> None:
             "job": rel(args.job),
             "variant": variant(data),
             "fitted_here": not args.calibration,
-            "calibration": calib.model_dump(mode="json")
-            | {
-                "lengths": {
-                    "distribution": calib.lengths.distribution,
-                    "mean": facts["mean_completion_tokens"],
-                    "prompt_tokens": calib.lengths.prompt_tokens,
-                }
-            },
+            "calibration": calib.model_dump(mode="json") | {"lengths": lengths},
             "derivation": facts,
-            "predicted": {mode: sim(r) for mode, r in pred.items()},
-            "measured": meas,
-            "ratio": ratio,
-            "ratio_error": error,
-            "target": TARGET,
-            "within_target": within,
+            **checked,
             "ratio_sensitivity_to_decode_split": sens,
             "plan_2_devices": {
                 "pipeline_max_lag": p.pipeline.max_lag,

@@ -75,6 +75,18 @@ def one_rank_distributed_env() -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
 
 
+def gpu_or_smoke(args, name: str) -> tuple[bool, Path | None]:
+    """A GPU benchmark's device and results folder: the GPU, unless `--smoke` checks the script on
+    CPU with tiny shapes (its figures land only in `--results-dir`, never in bench/results);
+    neither a GPU nor `--smoke`: it stops."""
+    import torch
+
+    on_gpu = torch.cuda.is_available() and not args.smoke
+    if not on_gpu and not args.smoke:
+        raise SystemExit(f"bench.{name} needs a CUDA GPU (or --smoke to check the script on CPU)")
+    return on_gpu, args.results_dir or (None if args.smoke else RESULTS)
+
+
 def machine() -> dict[str, object]:
     import torch
 
@@ -279,25 +291,30 @@ def ratio_text(v: float | None) -> str:
     return "-" if v is None else ("∞" if v == math.inf else f"{v:.2f}x")
 
 
+def estimate_text(h: dict) -> str:
+    """A band headline's estimate: its geometric mean and 90% t-interval over rounds."""
+    if h["geomean"] is None:
+        return "no estimate (too few rounds, or a round with no target reached by either side)"
+    return f"{ratio_text(h['geomean'])} (90% t-interval {ratio_text(h['low'])}-{ratio_text(h['high'])})"
+
+
 def print_headlines(fast: str, baseline: str, runs: dict[str, list[dict]], args) -> dict:
-    """baseline/fast band-median time-to-target ratios on every clock, with their intervals and
-    per-round values (∞: the baseline missed most of the band's targets in that round); what
-    they are printed as is what bench/README.md quotes."""
+    """baseline/fast time-to-target ratios over the band on every clock: the geometric mean of
+    the per-round band medians and its 90% t-interval (one estimator), the rounds a 1.3x ratio
+    needs at this spread, the per-round values (a target one side never reached censored at its
+    bound); what they are printed as is what bench/README.md quotes."""
     out = {}
     gains = band_gains(args)
     both = runs[fast] + runs[baseline]
     for clock in [c for c in CLOCKS if all(has_clock(x, c) for x in both)]:  # results saved before: "time" only
         h = out[clock] = band_headline(runs[fast], runs[baseline], gains, clock)
-        interval = (
-            f" (geometric mean {ratio_text(h['geomean'])}, "
-            f"90% t-interval {ratio_text(h['low'])}-{ratio_text(h['high'])})"
-            if h["geomean"] is not None
-            else " (no interval: a round's ratio is unbounded, or too few rounds)"
-        )
+        interval = estimate_text(h)
         rounds = ", ".join(map(ratio_text, h["per_round"]))
         print(
-            f"{baseline}/{fast} time to target, median over +{gains[0]:g}..+{gains[-1]:g} and {h['rounds']} rounds, "
-            f"clock {clock}: {ratio_text(h['median'])}{interval}; per round {rounds}"
+            f"{baseline}/{fast} time to target over +{gains[0]:g}..+{gains[-1]:g}, {h['rounds']} rounds, "
+            f"clock {clock}: {interval}; per round {rounds}; median {ratio_text(h['median'])}"
+            + (f"; 1.3x needs {h['rounds_for_1.3x']} rounds at this spread" if h["rounds_for_1.3x"] else "")
+            + (f"; {h['censored']} round-targets censored at a run's end" if h["censored"] else "")
             + (f"; {h['both_missed']} round-targets missed by both" if h["both_missed"] else "")
             + (
                 f"; {h['early']} of {h['targets']} run-targets reached before the first evaluation"

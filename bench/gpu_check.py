@@ -15,13 +15,16 @@ default) up to its own cap, each going on whatever the others did:
    GPU, one killed mid-broadcast: the survivor raises WeightSyncError and sends the next epoch
    exact weights (test_weight_group.py, `killed`);
 3. commit-7B: the commit of a staged update for a Qwen2.5-7B TP-2 shard, timed (bench/gpu_commit.py);
-4. gpu-tests: the GPU tests (varlen flash attention, the bf16 forward, the sync-free loop, the
+4. decode-curve: a decode step's time against the running batch (1-512) and the context (1K, 4K)
+   for Qwen2.5-1.5B and -7B shapes, bf16, static KV cache, CUDA graphs (bench/gpu_decode.py): the
+   curve the planner's decode costs and the throughput bound are fitted from;
+5. gpu-tests: the GPU tests (varlen flash attention, the bf16 forward, the sync-free loop, the
    NCCL transport), 120 s per test at most; their summary lines (-rfE) printed, all in the log;
-5. 0.5B: benchmark 6 at Qwen2-0.5B shapes, sides stock, plain, zero1, zero1+compile, with a
+6. 0.5B: benchmark 6 at Qwen2-0.5B shapes, sides stock, plain, zero1, zero1+compile, with a
    profile (ZeRO-3 only shards, which one GPU does not need: 0.25× stock on an H200);
-6. 1.5B: at Qwen2-1.5B shapes, sides stock, zero1, zero1+compile (no compiled side in --smoke);
-7. 1.5B-16k: one 1.5B ZeRO-1 step of 16,384-token micro-batches under an 80 GB memory cap;
-8. weight-update: a 1.5B weight update timed end to end (DeepSpeed pack, NCCL, receive).
+7. 1.5B: at Qwen2-1.5B shapes, sides stock, zero1, zero1+compile (no compiled side in --smoke);
+8. 1.5B-16k: one 1.5B ZeRO-1 step of 16,384-token micro-batches under an 80 GB memory cap;
+9. weight-update: a 1.5B weight update timed end to end (DeepSpeed pack, NCCL, receive).
 
 Everything goes to $OUT as it happens (a temporary folder where $OUT is unset): the whole output
 in gpu_check.log, each benchmark's JSON (written by the benchmark after each side), and
@@ -62,7 +65,7 @@ SMOKE_CAP_FACTOR = 3  # the parts' caps, likewise
 GRACE_S = 10  # SIGTERM to SIGKILL: a benchmark saves what it has
 MIN_PART_S = 30  # a part that would get less is skipped
 SUMMARY_S = 5  # kept back for the summary
-PART_NAMES = ("weight-plane", "commit-7B", "gpu-tests", "0.5B", "1.5B", "1.5B-16k", "weight-update")
+PART_NAMES = ("weight-plane", "commit-7B", "decode-curve", "gpu-tests", "0.5B", "1.5B", "1.5B-16k", "weight-update")
 SITE = Path(os.environ.get("GPU_CHECK_SITE", "/tmp/pipelinerl-gpu-site"))  # where .whl/ is installed
 WHEELS = Path(os.environ.get("GPU_CHECK_WHEELS", ROOT / ".whl"))  # scripts/gpu-wheels.sh fills it
 MEMORY_CAP_GB = "80"
@@ -125,6 +128,12 @@ def plan(smoke: bool, out: Path) -> list[Part]:
             ["-m", "bench.gpu_commit"] + (["--smoke"] if smoke else []) + ["--name", "gpu_commit-7B"] + outdir,
             60,
             result="gpu_commit-7B",
+        ),
+        Part(
+            "decode-curve",
+            ["-m", "bench.gpu_decode"] + (["--smoke"] if smoke else []) + ["--name", "gpu_decode"] + outdir,
+            90,
+            result="gpu_decode",
         ),
         Part(
             "gpu-tests",

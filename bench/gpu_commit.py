@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, save
+from bench.common import gpu_or_smoke, save
 from pipelinerl.generator_memory import KNOWN_MODELS, ModelShape
 from pipelinerl_generator.staging import StagingCopy
 
@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    on_gpu = torch.cuda.is_available() and not args.smoke
+    on_gpu, folder = gpu_or_smoke(args, "gpu_commit")
     device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
     dtype = torch.bfloat16 if on_gpu else torch.float32
     shape = SMOKE if args.smoke else ModelShape.from_config(KNOWN_MODELS["qwen2.5-7b"])
@@ -96,7 +96,8 @@ def main(argv: list[str] | None = None) -> None:
         "verdict_lines": [verdict],
     }
     command = "python -m bench.gpu_commit" + (" --smoke" if args.smoke else "")
-    save(args.name, result, command, args.results_dir or RESULTS)
+    if folder is not None:
+        save(args.name, result, command, folder)
     if not exact:
         raise SystemExit(1)
 

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, one_rank_distributed_env, save, summary, table
-from bench.gpu_trainer import NAME, SIZES, job_for
+from bench.common import gpu_or_smoke, one_rank_distributed_env, save, summary, table
+from bench.gpu_shapes import SIZES
+from bench.gpu_trainer import NAME, job_for
 from pipelinerl.ports import free_port
 
 TOKEN = "bench-token"
@@ -89,11 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    on_gpu = torch.cuda.is_available() and not args.smoke
-    if not on_gpu and not args.smoke:
-        raise SystemExit("bench.gpu_weight_update needs a CUDA GPU (or --smoke to check the script on CPU)")
+    on_gpu, folder = gpu_or_smoke(args, "gpu_weight_update")
     backend = "nccl" if on_gpu else "gloo"
-    folder = args.results_dir or (None if args.smoke else RESULTS)
     command = (
         f"python -m bench.gpu_weight_update --size {args.size} --rounds {args.rounds} --bucket-mb {args.bucket_mb}"
         + (" --smoke" if args.smoke else "")

@@ -3,7 +3,8 @@
 `sync-k4` k = 4: `rl.stepsPerGeneration`), runs alternated P S P S …. The pipeline's generator
 and trainer each have their own core (`--cores split`); the baseline's phases run with the same
 split (`--sync-cores split`, benchmarks 1 and 10) or each on the whole machine
-(`--sync-cores colocated`, benchmark 11: the conventional baseline as the paper runs it).
+(`--sync-cores colocated`, benchmark 11: the conventional baseline as the paper runs it, every
+core generating the phase, one engine per core: `--colocated-engines`, then every core training).
 
     .venv/bin/python -m bench.pipeline_vs_sync [--rounds 5] [--steps 150] [--gain 15]
         [--job examples/tiny-cpu.yaml] [--pipeline-set rl.maxLag=2 ...]
@@ -33,12 +34,14 @@ import copy
 import functools
 import json
 import math
+import os
 import shutil
 import time
 from pathlib import Path
 
 from bench.analysis import (
     accuracy_gap,
+    band_headline,
     best_setting,
     bootstrap_interval,
     pooled_ratio,
@@ -52,7 +55,9 @@ from bench.common import (
     gather_runs,
     method_flags,
     paired_ratios,
+    estimate_text,
     print_headlines,
+    ratio_text,
     save_runs,
     save_sweep,
     set_fields,
@@ -60,7 +65,8 @@ from bench.common import (
     table,
 )
 from pipelinerl_cli.local import run_local
-from pipelinerl.spec import PipelineRLJob, parse_job, read_manifest
+from pipelinerl.phases import decomposition
+from pipelinerl.spec import PipelineRLJob, load_job, parse_job, read_manifest
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import greedy_accuracy, load_tokenizer, resolve_model_path
 
@@ -83,10 +89,12 @@ def job_for(
     pipeline_set: list[str] = (),
     job: Path = JOB,
     both_set: list[str] = (),
+    engines: int | None = None,
 ):
     """The job of `job` (the tiny example by default) in `mode`. "FIELD=VALUE" items (values in
     YAML, e.g. "rl.maxLag=2") change it: `both_set` for both modes (a variant of the job),
-    `pipeline_set` for the pipeline only (a variant measured against the same sync baseline)."""
+    `pipeline_set` for the pipeline only (a variant measured against the same sync baseline).
+    `engines`: the baseline's generators (its phases generate on that many engines)."""
     data = read_manifest(job)
     spec = copy.deepcopy(data["spec"])
     set_fields(spec, both_set)
@@ -99,9 +107,17 @@ def job_for(
         # A pipeline's cap on groups in flight trades engine throughput for fresher samples;
         # sync generates its whole step at once (the baseline as users run it).
         spec.get("generator", {}).pop("maxInflightGroups", None)
+        if engines:
+            spec.setdefault("generator", {})["replicas"] = engines
     else:
         set_fields(spec, pipeline_set)
     return parse_job({**data, "metadata": {"name": f"bench-{mode}-{tag}"}, "spec": spec}, f"{job} ({mode})")
+
+
+def colocated_engines(args) -> int:
+    """The colocated baseline's engines: `--colocated-engines`, or one per core this process
+    may use (a phase generates on every core, as every GPU generates in the paper's baseline)."""
+    return args.colocated_engines or len(os.sched_getaffinity(0))
 
 
 def cores_for(mode: str, sync_cores: str) -> str:
@@ -142,9 +158,10 @@ def one_run(mode: str, args, tag: str, root: Path, seed: int | None = None, lr: 
     shutil.rmtree(run_dir, ignore_errors=True)  # a rerun (the contention guard's) starts afresh: `run` would resume
     both = [*args.set, *([f"trainer.seed={seed}"] if seed is not None else [])]
     both += [f"trainer.learningRate={lr}"] if lr else []
-    job = job_for(mode, args.steps, args.eval_interval, tag, args.pipeline_set, Path(args.job), both)
-    launched = time.time()
     cores = cores_for(mode, args.sync_cores)
+    engines = colocated_engines(args) if cores == "colocated" else None
+    job = job_for(mode, args.steps, args.eval_interval, tag, args.pipeline_set, Path(args.job), both, engines)
+    launched = time.time()
     code = run_local(job, run_dir, quiet=True, cores=cores, restart=False)  # a restart would distort the timing
     if code:
         raise SystemExit(f"{mode} run failed ({code}); logs in {run_dir / 'logs'}")
@@ -171,6 +188,7 @@ def one_run(mode: str, args, tag: str, root: Path, seed: int | None = None, lr: 
     x = {
         **s,
         "cores": cores,
+        "generators": job.spec.generator.replicas,
         "steps_per_generation": job.spec.steps_per_generation,
         "seed": job.spec.trainer.seed,
         "learning_rate": job.spec.trainer.learning_rate,
@@ -229,6 +247,13 @@ def main() -> None:
         default="split",
         help="the baseline's cores: split as the pipeline's (a core each), or colocated (each phase on every core)",
     )
+    ap.add_argument(
+        "--colocated-engines",
+        type=int,
+        default=0,
+        help="the colocated baseline's engines (generator.replicas); 0: one per core (benchmark 11 before "
+        "2026-12-02 ran one)",
+    )
     add_method_args(ap)
     add_results_args(ap, "pipeline_vs_sync")
     args = ap.parse_args()
@@ -248,7 +273,7 @@ def main() -> None:
 
 def report(runs: dict[str, list[dict]], args, sweep: dict | None = None) -> None:
     result = {"args": vars(args), "runs": runs, "sweep": sweep or {}, "modes": {}}
-    rows = []
+    rows, phase_rows = [], []
     for mode in runs:
         agg = result["modes"][mode] = mode_summary(runs[mode], args.gain)
         ttt = agg["time_to_target_s"]
@@ -266,6 +291,7 @@ def report(runs: dict[str, list[dict]], args, sweep: dict | None = None) -> None
                 agg["mean_ess"]["median"],
             ]
         )
+        phase_rows.append(phase_row(mode, runs[mode][0], agg, args))
     print(
         table(
             [
@@ -282,6 +308,16 @@ def report(runs: dict[str, list[dict]], args, sweep: dict | None = None) -> None
             ],
             rows,
         )
+    )
+    print(
+        table(
+            ["mode", "engines", "generation tok/s", "the curve predicts", "waiting", "training", "updating"],
+            phase_rows,
+        )
+    )
+    print(
+        "(a phase: k steps' generation, the switch and the preprocessor included (the trainer waiting), its "
+        "training, the weight update; the pipeline's: its generators' tokens/s, a step's trainer starved of data)"
     )
     baselines = [mode for mode in runs if mode != "pipeline"]
     if "pipeline" in runs and baselines:
@@ -300,6 +336,49 @@ def report(runs: dict[str, list[dict]], args, sweep: dict | None = None) -> None
     save_runs(args, result, reproduce(args, list(runs)))
 
 
+def phase_row(mode: str, run: dict, agg: dict, args) -> list:
+    """A mode's generation rate and where its phases' time went; for a colocated conventional
+    phase, what benchmark 12's decode curve predicts for it beside (from the job's lengths)."""
+    from bench.decode_curve import predicted_phase_rate
+
+    phases = agg["phases"]
+    shares = ("wait_share", "train_share", "update_share")
+    share = [f"{phases[k]['median']:.0%}" if k in phases else "-" for k in shares]
+    if mode == "pipeline":
+        rate = agg.get("generated_tokens_per_second", {}).get("median")
+        predicted = None
+    else:
+        rate = phases.get("tokens_per_wait_second", {}).get("median")
+        k = steps_per_generation(mode)
+        samples = k * load_job(args.job).spec.trainer.samples_per_step
+        engines = run.get("generators", 1)
+        predicted = predicted_phase_rate(args.job, engines, samples) if run.get("cores") == "colocated" else None
+    return [mode, run.get("generators", 1), rate or "-", predicted or "-", *share]
+
+
+def trainer_rate(xs: list[dict]) -> float:
+    """Row tokens per training second over every step of `xs` after the first (the whole step:
+    packing, log-probs, the optimizer)."""
+    steps = [r for x in xs for r in x["steps_log"][1:]]
+    return sum(r["row_tokens"] for r in steps) / sum(r["train_seconds"] for r in steps)
+
+
+def measured_bound(runs: dict[str, list[dict]], baseline: str, args) -> dict | None:
+    """The throughput bound against a colocated `baseline` with the trainer rates these runs
+    measured: the pipeline's trainer on its core, the baseline's on every core and its engines."""
+    from bench.decode_curve import bound_with_trainer
+
+    base = runs[baseline]
+    if base[0].get("cores") != "colocated":
+        return None  # the bound's conventional phase runs on every core
+    cores = len(os.sched_getaffinity(0))
+    rates = {cores - 1: trainer_rate(runs["pipeline"]), cores: trainer_rate(base)}
+    samples = load_job(args.job).spec.trainer.samples_per_step
+    engines = base[0].get("generators", 1)
+    b = bound_with_trainer(args.job, steps_per_generation(baseline), samples, rates, engines)
+    return None if b is None else {"ratio": b.ratio, "tail_share": b.tail_share, "trainer_tokens_per_s": rates}
+
+
 def best_baseline(runs: dict[str, list[dict]], baselines: list[str], args) -> str:
     """The baseline mode whose rounds reach the band's targets soonest from launch (the median
     over rounds and targets; a miss counts as never): the pipeline's headline is against it."""
@@ -314,6 +393,7 @@ def reproduce(args, modes: list[str]) -> str:
     command += "".join(f" --pipeline-set {x}" for x in args.pipeline_set)
     command += "" if modes == ["pipeline", "sync"] else " --modes " + " ".join(modes)
     command += "" if args.sync_cores == "split" else f" --sync-cores {args.sync_cores}"
+    command += f" --colocated-engines {args.colocated_engines}" if args.colocated_engines else ""
     command += "" if args.name == "pipeline_vs_sync" else f" --name {args.name}"
     command += "" if args.eval_problems == 2000 else f" --eval-problems {args.eval_problems}"
     command += "" if args.eval_interval == 10 else f" --eval-interval {args.eval_interval}"
@@ -341,6 +421,16 @@ def mode_summary(xs: list[dict], gain: float) -> dict:
     }
     ttt = col("time_to_target_s")
     agg["time_to_target_s"] = summary(ttt) if ttt else None
+    # where a phase's time went (pipelinerl.phases), and the generators' rate while generating
+    per_phase = [decomposition(x["steps_log"], x.get("steps_per_generation", 1)) for x in xs if x.get("steps_log")]
+    per_phase = [p for p in per_phase if p]
+    agg["phases"] = {
+        k: summary([p[k] for p in per_phase if p[k] is not None])
+        for k in ("wait_share", "train_share", "update_share", "tokens_per_wait_second")
+        if any(p[k] is not None for p in per_phase)
+    }
+    if col("generated_tokens_per_second"):
+        agg["generated_tokens_per_second"] = summary(col("generated_tokens_per_second"))
     agg["pooled_steps_to_target"] = time_to_target(xs, gain, axis="version")
     agg["lag_token_counts"] = lag
     return agg
@@ -357,7 +447,23 @@ def compare(runs: dict[str, list[dict]], args, baseline: str = "sync") -> dict:
         f"pipeline/{baseline} trained-samples rate: {rate['median']:.2f}x (spread {rate['min']:.2f}-{rate['max']:.2f}; "
         f"target >= 1.6x)"
     )
+    out["bound"] = measured_bound(runs, baseline, args)
+    if out["bound"]:
+        print(
+            f"  the decode curve's bound (benchmark 12's curve and engines, this run's trainers): "
+            f"{out['bound']['ratio']:.2f}x; measured {rate['median'] / out['bound']['ratio']:.0%} of it (above 100%: "
+            "the phases generate slower than the curve, by costs it does not hold)"
+        )
     out["headline"] = print_headlines("pipeline", baseline, runs, args)
+    # The paper's two factors apart, per round: samples/s (above) and learning per sample, the
+    # baseline's samples to each target over the pipeline's (steps: both train samplesPerStep a step).
+    per_sample = out["samples_to_target"] = band_headline(runs["pipeline"], runs[baseline], band_gains(args), "version")
+    print(
+        f"{baseline}/pipeline samples to target (learning per sample), over the band: "
+        + estimate_text(per_sample)
+        + "; per round "
+        + ", ".join(map(ratio_text, per_sample["per_round"]))
+    )
     print("beside the headline (one target, rounds pooled or each alone):")
     pairs = [
         (s["time_to_target_s"], p["time_to_target_s"])

@@ -5,12 +5,14 @@ A result whose runs carry per-step records (`steps_log`: the learning-speed benc
 6 MB each) is kept as two files: NAME.json, its summary (every figure, setting, seed and warm
 start, each run's evaluations; only the per-step records left out, and `"full_record"` naming the
 other file), and NAME.json.xz, the whole result, xz-compressed (about a seventh of its size).
-Every other result is one plain NAME.json.
+Every other result is one plain NAME.json. A superseded result (kept as history, quoted by no
+current figure) keeps its summary only (`retire`): bench/results stays under LIMIT_BYTES.
 
 `read_result` reads either form, given NAME.json or NAME.json.xz, and always returns the whole
 result: `--reanalyse`, `--sweep-with`, `calibrate_cpu --from/--split-with` take the paths they
 always took. `python -m bench.results_store [FILE ...]` puts existing results in this form (all
-of bench/results by default; the compressed file holds the original bytes).
+of bench/results by default; the compressed file holds the original bytes); `--retire FILE ...`
+keeps only the summaries of superseded ones.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ from typing import Any
 RESULTS = Path(__file__).parent / "results"
 BULKY = "steps_log"  # the per-step records: 97% of the bytes of the learning-speed results
 FULL = "full_record"  # the summary's pointer to the whole result
+RETIRED = "per_step_records"  # in a retired result's summary, in place of FULL
 XZ = ".xz"
+LIMIT_BYTES = 8_000_000  # bench/results as a whole
 
 
 def has_bulk(data: Any) -> bool:
@@ -88,6 +92,19 @@ def compact(path: Path) -> bool:
     return True
 
 
+def retire(path: Path) -> None:
+    """Keep only the summary of a superseded result: its per-step records (the compressed whole)
+    go, and the summary says so instead of pointing to them."""
+    data = json.loads(path.read_text())
+    if FULL not in data:
+        raise SystemExit(f"{path}: no compressed whole result to retire")
+    full_path(path).unlink()
+    data = {k: v for k, v in data.items() if k != FULL} | {
+        RETIRED: "dropped: a superseded result, its figures kept here"
+    }
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
 def kept_results() -> list[Path]:
     """The results in bench/results; not a running benchmark's runs so far (`NAME.partial.json`,
     which git ignores)."""
@@ -95,6 +112,10 @@ def kept_results() -> list[Path]:
 
 
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--retire"]:
+        for path in argv[1:]:
+            retire(Path(path))
+        return
     paths = [Path(p) for p in argv] or kept_results()
     for path in paths:
         before = path.stat().st_size

@@ -39,12 +39,27 @@ The queue counts every incarnation's groups: `published` and `discarded` continu
 generator's books in the stream, so a restarted generator neither over- nor under-fills it
 (groups of a dead incarnation are still trained), and a group JetStream drops as a duplicate
 of one already published is not counted again.
+
+A phased run (the conventional baseline, `phased`) counts its queue by phase instead: the groups
+this generator started on the phase's weights, less those it discarded. Nothing is consumed
+while a phase trains (its budget is 0 then), and once the next phase's weights land every group
+of an older one was trained or is surplus, which the preprocessor drops as too old, settled only
+by the next phase's first step. Generators that join at different times overshoot a phase (the
+first one counts the whole step as its share until the others arrive): counted by the trainer's
+credits, that surplus would hold every queue full until a step that needs those very
+generators' groups, and the run would wait forever.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
+
+def phased(max_lag: int, steps_per_generation: int) -> bool:
+    """Generation in phases, one set of weights each, nothing generated while a phase trains: the
+    conventional baseline (k = `steps_per_generation` > 1), or max_lag 0 (k = 1)."""
+    return steps_per_generation > 1 or max_lag == 0
 
 
 def lag_budget(max_lag: int, share: int, oldest: int, training_step: int, steps_per_generation: int = 1) -> int:
@@ -59,7 +74,7 @@ def lag_budget(max_lag: int, share: int, oldest: int, training_step: int, steps_
     of the newest step trained and nothing while the phase trains: its steps are announced as
     trained one by one, but the weights come only after the last. The generators' `Admission`
     and the planner's simulation both call this."""
-    if steps_per_generation > 1 or max_lag == 0:
+    if phased(max_lag, steps_per_generation):
         return steps_per_generation * share if oldest > training_step else 0
     return max(0, max_lag + min(1, oldest - training_step)) * share
 
@@ -90,6 +105,8 @@ class Admission:
     running: list[int] = field(default_factory=list)  # the weights version each group in flight started at
     peers: dict[int, Peer] = field(default_factory=dict)  # other generators, by rank
     peer_ttl_s: float = 5.0
+    # phased: groups started by this process on each weights version, less those discarded
+    phase_groups: dict[int, int] = field(default_factory=dict)
 
     @property
     def share(self) -> int:
@@ -120,6 +137,8 @@ class Admission:
 
     @property
     def queued(self) -> int:
+        if phased(self.max_lag, self.steps_per_generation):
+            return self.phase_groups.get(self.weights_version, 0)  # this phase's (see the module's doc)
         return self.published - self.discarded - self.trained + self.inflight
 
     @property
@@ -138,6 +157,7 @@ class Admission:
         """A group starts: returns the weights version it starts at, for `on_finish`."""
         self.started += 1
         self.running.append(self.weights_version)
+        self.phase_groups[self.weights_version] = self.phase_groups.get(self.weights_version, 0) + 1
         return self.weights_version
 
     def on_finish(self, started_at: int, discarded: bool, published: bool = True) -> None:
@@ -146,6 +166,8 @@ class Admission:
         if published:
             self.published += 1
             self.discarded += int(discarded)
+        if discarded and started_at in self.phase_groups:  # (published or not: no place in the phase)
+            self.phase_groups[started_at] -= 1
 
     def on_trained(self, trained_total: int, training_step: int = -1) -> None:
         # Announcements can arrive out of order after reconnects: never go backwards.
@@ -163,3 +185,4 @@ class Admission:
         """New weights loaded, sent to `generators` generators: the step is shared among them."""
         self.weights_version = max(self.weights_version, version)
         self.generators = generators
+        self.phase_groups = {v: n for v, n in self.phase_groups.items() if v >= self.weights_version}

@@ -126,3 +126,45 @@ def vector_selectors(expr: str) -> list[str]:
 
 def alert_rules() -> list[dict]:
     return [r for g in yaml.safe_load(RULES.read_text())["groups"] for r in g["rules"] if "alert" in r]
+
+
+def rule_expr(alert: str) -> str:
+    (rule,) = [r for r in alert_rules() if r["alert"] == alert]
+    return rule["expr"]
+
+
+def job_targets(services: dict, namespace: str, job: str) -> list[dict]:
+    """One static target per service of a local run (its services.json), labelled as the chart's
+    PodMonitor labels the job's pods."""
+    return [
+        {
+            "targets": [f"127.0.0.1:{s['http_port']}"],
+            "labels": {
+                "namespace": namespace,
+                "pod": f"{job}-{s['role']}-{s['rank']}",
+                "pipelinerl_dev_job": job,
+                "pipelinerl_dev_role": s["role"],
+            },
+        }
+        for s in services.values()
+        if "http_port" in s
+    ]
+
+
+def job_scrape_config(services: dict, namespace: str, job: str) -> dict:
+    return {"job_name": f"{namespace}/pipelinerl-jobs", "static_configs": job_targets(services, namespace, job)}
+
+
+def file_scrape_config(path: Path, namespace: str) -> dict:
+    """Targets read from `path` (file discovery, reread every second): a Prometheus started before
+    the run whose ports it will scrape (write `job_targets(...)` there as JSON once they are known)."""
+    return {
+        "job_name": f"{namespace}/pipelinerl-jobs",
+        "file_sd_configs": [{"files": [str(path)], "refresh_interval": "1s"}],
+    }
+
+
+def held(prometheus: Prometheus, expr: str, start: float, end: float) -> list[dict]:
+    """The series for which `expr` held at some second in [start, end] (each with its count)."""
+    span = max(1, round(end - start))
+    return prometheus.query(f"count_over_time(({expr})[{span}s:1s])", end)

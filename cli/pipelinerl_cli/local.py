@@ -27,6 +27,7 @@ from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import GeneratorStatus, ServiceEnv
 from pipelinerl_cli.embedded_nats import EmbeddedNats
 from pipelinerl.learning import learning_alarm
+from pipelinerl.phases import decomposition
 from pipelinerl.ports import free_port
 from pipelinerl.spec import PipelineRLJob, SpecError, dump_job
 from pipelinerl.streams import connect, ensure_streams
@@ -79,7 +80,8 @@ class LocalRun:
         self.nats, self.nats_restarts = nats, 0
         self.nats_restart_at: float | None = None
         self.nats_checked = self.nats_full_said = 0.0  # monotonic: JetStream's health asked, "disk full" said
-        self.busy: list[tuple[float, float]] = []  # (run time, generators' summed busy seconds)
+        # (run time, generators' summed busy seconds, their summed tokens generated)
+        self.busy: list[tuple[float, float, float]] = []
         self.first_group: float | None = None  # run time the first generator began generating
         self.subjects = job.subjects
         self.quiet = quiet
@@ -325,7 +327,7 @@ class LocalRun:
                 began = status.first_group_at - self.t0
                 self.first_group = began if self.first_group is None else min(self.first_group, began)
         now, total = time.time(), self.gen_tokens.total
-        self.busy.append((now - self.t0, self.gen_busy.total))
+        self.busy.append((now - self.t0, self.gen_busy.total, total))
         if self.gen_polled and now > self.gen_polled[0]:
             self.gen_rate = 0.7 * self.gen_rate + 0.3 * (total - self.gen_polled[1]) / (now - self.gen_polled[0])
         self.gen_polled = (now, total)
@@ -389,7 +391,11 @@ class LocalRun:
         }
         busy = [b for b in self.busy if first["time"] <= b[0] <= last["time"]]
         if len(busy) >= 2:
-            out["generator_busy_fraction"] = (busy[-1][1] - busy[0][1]) / (busy[-1][0] - busy[0][0])
+            polled = busy[-1][0] - busy[0][0]
+            out["generator_busy_fraction"] = (busy[-1][1] - busy[0][1]) / polled
+            out["generated_tokens_per_second"] = (busy[-1][2] - busy[0][2]) / polled
+        # waiting, training and updating per phase (a step, in pipeline mode)
+        out["phases"] = decomposition(self.train, self.spec.steps_per_generation)
         return out
 
     def plot(self) -> Path | None:

@@ -147,6 +147,7 @@ def _plan(args: argparse.Namespace) -> int:
             | {"best_split": dataclasses.asdict(result.best_split)}
             | {"best_colocated": dataclasses.asdict(result.best_colocated)}
             | result.speedups()
+            | {"ratio_range": {b: result.ratio_range(b) for b in ("best_split", "best_colocated")}}
         )
         print(json.dumps(out, indent=2))
     else:

@@ -103,6 +103,7 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
         settings.scanning.disabled = True  # namespaced install: no cluster-wide CRD/namespace scans
     settings.peering.lifetime = int(os.environ.get(OperatorEnv.PEERING_LIFETIME) or 60)
     port = int(os.environ.get(OperatorEnv.METRICS_PORT, str(OPERATOR_METRICS_PORT)))
+    metrics.JOBS.stale_after_s = 3 * RESYNC_SECONDS  # three passes missed: not this replica's to say
     if port:
         metrics.serve(port)
     webhook_port = os.environ.get(OperatorEnv.WEBHOOK_PORT)
@@ -186,6 +187,7 @@ kopf.on.login()(login)  # registered, and still callable as it is (nats_accounts
 
 @kopf.on.cleanup()
 async def close_client(**_: Any) -> None:
+    metrics.stop_serving()
     if STATE.kube is not None:
         await STATE.kube.close()
         STATE.kube = None  # the next start logs in again (to whatever server it is told)
@@ -486,8 +488,7 @@ async def _act_on(
     for e in events:
         logger.debug("event %s: %s", e.reason, e.message)
         _event(body, e.type, e.reason, e.message)
-    metrics.record_phase(ns, name, status["phase"])
-    metrics.JOB_STEP.labels(ns, name).set(status["progress"].get("step", 0))
+    metrics.JOBS.record(ns, name, status)
     if job is not None and ttl_expired(status, job.spec.run_policy.ttl_seconds_after_finished, now):
         _event(body, "Normal", "TTLExpired", "deleting the finished job (runPolicy.ttlSecondsAfterFinished)")
         await kube.delete(API_VERSION, KIND, ns, name)
@@ -537,7 +538,7 @@ async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
         await STATE.store.reserve(jobs, cfg, STATE.kube, uid, ns, name, 0)  # its account goes with it
     except Exception as err:  # noqa: BLE001 - the next job's change (or the resync) writes it again
         logger.warning("could not remove the NATS account of %s/%s: %r", ns, name, err)
-    metrics.record_phase(ns, name, None)
+    metrics.JOBS.record(ns, name, None)
     key = str(meta.get("uid") or f"{ns}/{name}")
     STATE.locks.pop(key, None)
     STATE.last_status.pop(key, None)

@@ -6,7 +6,10 @@ The cost model and its assumptions are in docs/planner.md.
 
 - `calibration`: the per-device costs a simulation runs on (`Calibration`), loaded from a file
   or from the built-ins in `pipelinerl/calibrations/<name>.yaml`.
-- `simulation`: the discrete-event simulation of one run (`simulate`) and the size of the
-  waves a step is streamed in (`wave_groups`).
+- `sim_params`: a simulation's parameters (`SimParams`), its result (`SimResult`), its measuring
+  window and the size of the waves a step is streamed in (`wave_groups`).
+- `simulation`: the discrete-event simulation of one run (`simulate`): its state and event loop.
+- `bound`: the samples/s ratio the pipeline can reach against conventional k from measured
+  physics alone (a decode curve, the trainer by cores), with the tail counted.
 - `recommend`: the search over device splits and max lags (`plan`) and its report (`format_plan`).
 """

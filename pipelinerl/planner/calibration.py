@@ -63,6 +63,20 @@ class Lengths(BaseModel):
         return np.clip(np.rint(x), 1, max_tokens).astype(np.int64)
 
 
+class TensorParallel(BaseModel):
+    """How an engine's costs change with its devices, for the planner's range over tensor
+    parallelism (`at_tensor_parallel`): the weights streamed each decode step, the per-sequence
+    GEMMs, the KV cache read and the prefill split over the devices; a step's fixed overhead
+    (scheduling, launches) does not; at TP > 1 each step adds its all-reduces. The KV cache an
+    engine holds grows with its devices' memory less their share of the weights."""
+
+    model_config = ConfigDict(extra="forbid")
+    weights_bytes: float = Field(gt=0, description="the model's weights as the engine holds them")
+    kv_bytes_per_token: float = Field(gt=0, description="KV cache per token of context, all layers")
+    fixed_s: float = Field(default=0.0, ge=0, description="the part of decode_base_s that TP does not split")
+    allreduce_s: float = Field(ge=0, description="a decode step's all-reduces at TP > 1 (two per layer)")
+
+
 class Calibration(BaseModel):
     """Per-device costs of one hardware/model combination (see the module docstring)."""
 
@@ -99,6 +113,9 @@ class Calibration(BaseModel):
         description="share of generated groups dropped by zero-variance filtering (all "
         "attempts rewarded alike): a property of the task and model, like lengths",
     )
+    tensor_parallel: TensorParallel | None = Field(
+        default=None, description="how the costs scale with gpus_per_engine (None: the planner does not vary TP)"
+    )
     lengths: Lengths
 
     def step_s(self, batch: int, context: float = 0.0) -> float:
@@ -118,6 +135,42 @@ class Calibration(BaseModel):
 
     def train_s(self, tokens: float, n_train: int) -> float:
         return tokens * self.train_s_per_token / (n_train * self.train_scaling ** math.log2(n_train))
+
+
+def at_tensor_parallel(calib: Calibration, tp: int) -> Calibration:
+    """`calib`'s costs for engines of `tp` devices, from how they scale (`calib.tensor_parallel`;
+    pure). Raises ValueError where they cannot: no scaling given, or weights that do not fit."""
+    x = calib.tensor_parallel
+    if x is None:
+        raise ValueError(f"calibration {calib.name}: no tensor_parallel scaling to vary TP by")
+    t0 = calib.gpus_per_engine
+    if tp == t0:
+        return calib
+
+    def allreduce(t: int) -> float:
+        return x.allreduce_s if t > 1 else 0.0
+
+    streamed = calib.decode_base_s - x.fixed_s - allreduce(t0)  # the weights' stream: split
+    if streamed <= 0:
+        raise ValueError(f"calibration {calib.name}: tensor_parallel's fixed_s and allreduce_s exceed decode_base_s")
+    share = t0 / tp
+    kv = None
+    if calib.kv_cache_tokens:
+        usable = (calib.kv_cache_tokens * x.kv_bytes_per_token + x.weights_bytes) / t0  # per device
+        kv = int((tp * usable - x.weights_bytes) / x.kv_bytes_per_token)
+        if kv < 1:
+            raise ValueError(f"calibration {calib.name}: the weights leave no KV cache on {tp} device(s)")
+    return calib.model_copy(
+        update={
+            "name": f"{calib.name} at TP {tp}",
+            "gpus_per_engine": tp,
+            "decode_base_s": x.fixed_s + streamed * share + allreduce(tp),
+            "decode_per_seq_s": calib.decode_per_seq_s * share,
+            "decode_per_token_s": calib.decode_per_token_s * share,
+            "prefill_s_per_token": calib.prefill_s_per_token * share,
+            "kv_cache_tokens": kv,
+        }
+    )
 
 
 def parse_calibration(data: object, source: str = "calibration") -> Calibration:

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from pipelinerl.planner.calibration import Calibration, Lengths, parse_calibration
-from pipelinerl.planner.simulation import simulate, wave_groups
+from pipelinerl.planner.sim_params import wave_groups
+from pipelinerl.planner.simulation import simulate
 from pipelinerl.spec import PipelineRLJob
 
 MIN_STEPS = 3  # train rows a pilot needs: the first step (start-up) is left out
@@ -209,12 +210,10 @@ def derive_calibration(
         )
     else:
         take("decode_*, prefill_s_per_token", f"{base.name}'s", f"{where}: no generator busy time (summary.json)")
-    for kept in ("max_batch", "kv_cache_tokens", "train_scaling", "gpus_per_engine", "contention"):
-        take(
-            kept,
-            getattr(calib, kept) if getattr(calib, kept) is not None else "none",
-            f"{base.name} (a pilot cannot measure it)",
-        )
+    for kept in ("max_batch", "kv_cache_tokens", "train_scaling", "gpus_per_engine", "contention", "tensor_parallel"):
+        value = getattr(calib, kept)
+        shown = "none" if value is None else "given" if kept == "tensor_parallel" else value
+        take(kept, shown, f"{base.name} (a pilot cannot measure it)")
     source = f"calibrated from {where} on base {base.name}: " + "; ".join(f"{t.field} <- {t.source}" for t in taken)
     return parse_calibration(calib.model_dump() | {"source": source}, where), taken
 

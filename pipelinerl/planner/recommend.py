@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from pipelinerl.planner.calibration import Calibration, Lengths
-from pipelinerl.planner.simulation import CLIMB_LIFETIMES, WINDOW_LIFETIMES, SimResult, simulate, wave_groups
+from pipelinerl.planner.calibration import Calibration, Lengths, at_tensor_parallel
+from pipelinerl.planner.sim_params import CLIMB_LIFETIMES, WINDOW_LIFETIMES, SimResult
+from pipelinerl.planner.sim_params import wave_groups
+from pipelinerl.planner.simulation import simulate
 from pipelinerl.spec import PipelineRLJob
 
 LAGS = (1, 2, 4, 8, 16, 32, 64)
@@ -23,6 +25,13 @@ LAG_TOLERANCE = 0.03
 # The conventional baseline's k is searched over powers of two up to this (the PipelineRL
 # paper's baseline: k = 32, the largest that trained stably there).
 MAX_K = 32
+# Inputs a team rarely knows before a run, so the ratios against the best k are also simulated
+# under variants of them, at the configurations chosen for the calibration (what the team would
+# deploy), and reported as a range: completion lengths (the mean halved and doubled, the spread,
+# a lognormal's sigma, halved and 1.5x) and, where the calibration says how its costs scale,
+# tensor parallelism (engines of half and twice its devices, at the nearest split they allow).
+LENGTH_VARIANTS = {"mean x0.5": (0.5, 1.0), "mean x2": (2.0, 1.0), "sigma x0.5": (1.0, 0.5), "sigma x1.5": (1.0, 1.5)}
+TP_FACTORS = (0.5, 2.0)
 
 
 @dataclass(frozen=True)
@@ -40,6 +49,15 @@ class Plan:
     colocated: tuple[SimResult, ...]  # each k, every device generating then training
     filtered: float = 0.0  # share of generated groups dropped by zero-variance filtering
     max_running: int | None = None  # cap on running sequences per engine, if any
+    # the pipeline / best k (split, colocated) ratios under each variant (`variants_of`)
+    variants: dict[str, dict[str, float]] | None = None
+
+    def ratio_range(self, baseline: str) -> tuple[float, float]:
+        """The lowest and highest pipeline / `baseline` ratio ("best_split", "best_colocated")
+        over the calibration's inputs and their variants."""
+        point = self.vs(self.best_split if baseline == "best_split" else self.best_colocated)
+        values = [point, *(v[baseline] for v in (self.variants or {}).values())]
+        return min(values), max(values)
 
     @property
     def sync(self) -> SimResult:
@@ -193,19 +211,21 @@ def plan(
 
     # The split at the largest lag (least constrained), then the lag at that split. Only the
     # pipeline caps its groups in flight (fresher samples); a conventional phase runs at once.
-    def pipeline(t: int, lag: int, probe: bool = False) -> SimResult:
+    # Each mode's simulation at the calibration's inputs, or with a variant's `change`.
+    def pipeline(t: int, lag: int, probe: bool = False, **change: Any) -> SimResult:
         # The search's probes measure over one lifetime (they only rank the splits).
         lifetimes = 1.0 if probe else None
+        at = common | change
         return simulate(
             "pipeline",
             gpus - t,
             t,
             lag,
-            wave_groups=wave_groups(job, t, lengths or calib.lengths),
+            wave_groups=wave_groups(job, t, at["lengths"] or at["calib"].lengths),
             max_inflight=spec.generator.max_inflight_groups,
             window_lifetimes=lifetimes or WINDOW_LIFETIMES,
             climb_lifetimes=lifetimes or CLIMB_LIFETIMES,
-            **common,
+            **at,
         )
 
     best = _best(grid, lambda t: pipeline(t, LAGS[-1], probe=True))
@@ -213,8 +233,11 @@ def plan(
     top = max(r.useful_samples_per_s for r in sweep)
     chosen = next(r for r in sweep if r.useful_samples_per_s >= (1 - LAG_TOLERANCE) * top)
 
-    def conventional(t: int, k: int) -> SimResult:
-        return simulate("sync", gpus - t, t, 0, steps_per_generation=k, **common)
+    def conventional(t: int, k: int, **change: Any) -> SimResult:
+        return simulate("sync", gpus - t, t, 0, steps_per_generation=k, **(common | change))
+
+    def colocated_k(k: int, **change: Any) -> SimResult:
+        return simulate("sync", gpus, gpus, 0, steps_per_generation=k, colocated=True, **(common | change))
 
     split: list[SimResult] = []
     for k in ks(max_k):
@@ -222,9 +245,25 @@ def plan(
             split.append(_best(grid, lambda t: conventional(t, k)))
         else:
             split.append(_climb(grid, split[-1].trainers, lambda t: conventional(t, k)))
-    colocated = tuple(
-        simulate("sync", gpus, gpus, 0, steps_per_generation=k, colocated=True, **common) for k in ks(max_k)
-    )
+    colocated = tuple(colocated_k(k) for k in ks(max_k))
+    best_split, best_colocated = _fastest(tuple(split)), _fastest(colocated)
+    variants = {}
+    for name, change in variants_of(lengths or calib.lengths, calib).items():
+        # The splits chosen, or the nearest an engine of the variant's devices allows.
+        grid_at = splits(gpus, max(spec.trainer.gpus, 1), change.get("calib", calib).gpus_per_engine)
+        if not grid_at:
+            continue
+
+        def near(trainers: int) -> int:
+            return min(grid_at, key=lambda g: (abs(g - trainers), g))
+
+        pipe = pipeline(near(chosen.trainers), chosen.max_lag, **change)
+        k_split = conventional(near(best_split.trainers), best_split.steps_per_generation, **change)
+        k_col = colocated_k(best_colocated.steps_per_generation, **change)
+        variants[name] = {
+            "best_split": pipe.useful_samples_per_s / k_split.useful_samples_per_s,
+            "best_colocated": pipe.useful_samples_per_s / k_col.useful_samples_per_s,
+        }
     return Plan(
         job=job.name,
         model=spec.model.path,
@@ -239,7 +278,39 @@ def plan(
         colocated=colocated,
         filtered=filtered,
         max_running=max_running,
+        variants=variants,
     )
+
+
+def variants_of(lengths: Lengths, calib: Calibration) -> dict[str, dict[str, Any]]:
+    """Each variant's name and what it changes of the simulation's inputs (pure): LENGTH_VARIANTS
+    of `lengths`, and TP_FACTORS of the calibration's devices per engine where it says how its
+    costs scale (a TP whose engines cannot hold the model is left out)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, (mean_x, sigma_x) in LENGTH_VARIANTS.items():
+        varied = vary(lengths, mean_x, sigma_x)
+        if varied is not None:
+            out[name] = {"lengths": varied}
+    if calib.tensor_parallel is not None:
+        for factor in TP_FACTORS:
+            tp = round(calib.gpus_per_engine * factor)
+            if tp >= 1 and tp != calib.gpus_per_engine:
+                try:
+                    out[f"TP {tp}"] = {"calib": at_tensor_parallel(calib, tp)}
+                except ValueError:
+                    continue
+    return out
+
+
+def vary(lengths: Lengths, mean_x: float, sigma_x: float) -> Lengths | None:
+    """The lengths with their mean scaled by `mean_x` and a lognormal's sigma by `sigma_x`; an
+    empirical list has its values scaled (no sigma to change: None for a sigma variant)."""
+    if lengths.distribution == "empirical":
+        if sigma_x != 1.0:
+            return None
+        return lengths.model_copy(update={"values": [max(1, round(v * mean_x)) for v in lengths.values]})
+    assert lengths.mean_tokens is not None  # a lognormal's, validated
+    return lengths.model_copy(update={"mean_tokens": lengths.mean_tokens * mean_x, "sigma": lengths.sigma * sigma_x})
 
 
 def _devices(r: SimResult) -> str:
@@ -308,4 +379,11 @@ def format_plan(p: Plan) -> str:
         ("best k", p.best_colocated),
     ):
         lines.append(f"  vs {what:6s} {base.label} ({_devices(base)}): {p.vs(base):.2f}x")
+    if p.variants:
+        ranges = {b: p.ratio_range(b) for b in ("best_split", "best_colocated")}
+        lines.append(
+            f"  over the inputs a team rarely knows ({', '.join(p.variants)}): vs best k split "
+            f"{ranges['best_split'][0]:.2f}-{ranges['best_split'][1]:.2f}x, vs best k colocated "
+            f"{ranges['best_colocated'][0]:.2f}-{ranges['best_colocated'][1]:.2f}x"
+        )
     return "\n".join(lines)

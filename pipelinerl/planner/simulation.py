@@ -6,7 +6,7 @@ for a seed. The rules it simulates are imported, not restated: the generators' a
 (`pipelinerl.admission.lag_budget`) and the preprocessor's waves
 (`pipelinerl.steps.wave_capacity`).
 
-Modes (docs/planner.md):
+Its parameters, result and measuring window: `pipelinerl.planner.sim_params`. Modes (docs/planner.md):
 
 - `pipeline`: generators and trainers on their own devices, concurrently; a step streams to
   the trainer in waves; weights are sent after every step and land on running sequences.
@@ -24,99 +24,29 @@ import heapq
 import math
 from bisect import bisect_right
 from collections import Counter, deque
-from dataclasses import dataclass
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from pipelinerl.admission import lag_budget
-from pipelinerl.planner.calibration import Calibration, Lengths
-from pipelinerl.spec import PipelineRLJob
-from pipelinerl.steps import wave_capacity
-
-# The measuring window (when `steps` is not given). A pipeline starts empty: its rate and lag
-# settle only once the start-up's groups have all finished (the longest of them live the longest
-# sequence's lifetime) and, when the trainer is the bottleneck, once its lag has climbed until
-# admission holds it (the queue fills the lag budget), or for CLIMB_LIFETIMES of the longest
-# lifetime seen (a slow climb: the rate has settled, the lag has not, `lag_settled`). Then a long
-# tail makes the rate vary over a lifetime, so the window lasts at least WINDOW_LIFETIMES of the
-# longest group lifetime seen (admission to finish) and MIN_STEPS steps. A sync phase starts
-# from empty engines every time, so it needs no warm-up; its window is whole phases, at least
-# MIN_STEPS steps.
-WINDOW_LIFETIMES = 3.0
-CLIMB_LIFETIMES = 2.0
-MIN_STEPS = 7
-MAX_STEPS = 1_000_000  # a guard: no simulation of a plan comes near it
+from pipelinerl.planner.sim_params import MAX_STEPS, MIN_STEPS, SimParams, SimResult
 
 
-@dataclass(frozen=True)
-class SimResult:
-    mode: str  # "pipeline", or "sync" (conventional with steps_per_generation steps per phase)
-    generators: int  # devices
-    trainers: int  # devices (colocated: the same devices as the generators)
-    max_lag: int  # the admission's max lag (pipeline); 0 in sync mode
-    samples_per_s: float
-    step_s: float
-    lag_mean: float  # per trained token: trainer version - version that generated it
-    lag_p95: float
-    lag_max: int
-    dropped: float  # fraction of tokens older than max_lag (the trainer zero-weights them)
-    gen_busy: float  # fraction of time an engine is decoding (any batch)
-    gen_fill: float  # mean running sequences / the engine's batch: low in a sync phase's long tail
-    train_busy: float  # fraction of time the trainer computes or sends weights
-    samples_trained: int  # in the simulated (synced) steps
-    samples_in_flight: int  # on engines, finished but not consumed, or in the step being trained
-    samples_started: int
-    samples_filtered: int = 0  # generated, then dropped by zero-variance filtering
-    steps_per_generation: int = 1  # k: optimizer steps per generation phase (sync mode)
-    colocated: bool = False  # generators and trainers share every device, phase by phase
-    window_s: float = 0.0  # the measuring window (simulated seconds)
-    longest_s: float = 0.0  # the longest lifetime of a group seen (admission to finish)
-    engine_batch: int = 0  # running sequences an engine holds at most
-    gen_tokens_per_busy_s: float = 0.0  # tokens an engine decodes per second of decoding
-    lag_settled: bool = True  # False: a trainer-bound pipeline's lag was still climbing (the window's lag is low)
-
-    @property
-    def useful_samples_per_s(self) -> float:
-        """What plans are ranked by: throughput less the stale tokens the trainer drops."""
-        return self.samples_per_s * (1 - self.dropped)
-
-    @property
-    def label(self) -> str:
-        """The mode as a baseline is named: `pipeline`, or `conventional k=4, split`."""
-        if self.mode == "pipeline":
-            return "pipeline"
-        return f"conventional k={self.steps_per_generation}, {'colocated' if self.colocated else 'split'}"
-
-
+@dataclass(slots=True)
 class _Engine:
-    __slots__ = (
-        "running",
-        "waiting",
-        "steps",
-        "start_sum",
-        "t_ref",
-        "free_at",
-        "token",
-        "busy",
-        "fill",
-        "tokens",
-        "groups",
-    )
-
-    def __init__(self) -> None:
-        # Heap of (decode step it finishes at, decode step it started at, group).
-        self.running: list[tuple[float, float, int]] = []
-        self.waiting: deque[tuple[int, int]] = deque()  # (length, group) beyond the engine's batch
-        self.steps = 0.0  # decode steps done: every running sequence gains one token per step
-        self.start_sum = 0.0  # sum of the running sequences' start steps (their contexts, summed)
-        self.t_ref = 0.0  # wall time `steps` refers to
-        self.free_at = 0.0  # paused (weight update) or prefilling until then
-        self.token = 0  # invalidates this engine's scheduled event
-        self.busy = 0.0  # time spent decoding
-        self.fill = 0.0  # integral of running sequences over time
-        self.tokens = 0.0  # tokens decoded: decode steps times the sequences running in each
-        self.groups = 0  # started, not finished (the generator's max_inflight_groups caps it)
+    # Heap of (decode step it finishes at, decode step it started at, group).
+    running: list[tuple[float, float, int]] = field(default_factory=list)
+    waiting: deque[tuple[int, int]] = field(default_factory=deque)  # (length, group) beyond the engine's batch
+    steps: float = 0.0  # decode steps done: every running sequence gains one token per step
+    start_sum: float = 0.0  # sum of the running sequences' start steps (their contexts, summed)
+    t_ref: float = 0.0  # wall time `steps` refers to
+    free_at: float = 0.0  # paused (weight update) or prefilling until then
+    token: int = 0  # invalidates this engine's scheduled event
+    busy: float = 0.0  # time spent decoding
+    fill: float = 0.0  # integral of running sequences over time
+    tokens: float = 0.0  # tokens decoded: decode steps times the sequences running in each
+    groups: int = 0  # started, not finished (the generator's max_inflight_groups caps it)
 
     @property
     def load(self) -> int:
@@ -137,50 +67,42 @@ class _Sim:
     """
 
     def __init__(self, p: SimParams) -> None:
-        mode, n_gen, n_train, max_lag, calib = p.mode, p.n_gen, p.n_train, p.max_lag, p.calib
-        samples_per_step, attempts, max_tokens, steps, warmup = (
-            p.samples_per_step, p.attempts, p.max_tokens, p.steps, p.warmup
-        )  # fmt: skip
-        seed, wave_groups, max_inflight, trace, colocated = p.seed, p.wave_groups, p.max_inflight, p.trace, p.colocated
-        steps_per_generation, max_running = p.steps_per_generation, p.max_running
-        window_lifetimes, climb_lifetimes = p.window_lifetimes, p.climb_lifetimes
-        lengths, filtered = p.lengths, p.filtered
-        assert lengths is not None and filtered is not None  # filled in by SimParams
-        self.window_lifetimes, self.climb_lifetimes = window_lifetimes, climb_lifetimes
-        self.c, self.attempts, self.max_tokens, self.lengths = calib, attempts, max_tokens, lengths
-        self.filtered = filtered
-        self.max_inflight = max_inflight or 1 << 30
-        self.mode, self.n_gen, self.n_train = mode, n_gen, n_train
-        self.pipeline = mode == "pipeline"
+        assert p.lengths is not None and p.filtered is not None  # filled in by SimParams
+        self.window_lifetimes, self.climb_lifetimes = p.window_lifetimes, p.climb_lifetimes
+        self.c, self.attempts, self.max_tokens, self.lengths = p.calib, p.attempts, p.max_tokens, p.lengths
+        self.filtered = p.filtered
+        self.max_inflight = p.max_inflight or 1 << 30
+        self.mode, self.n_gen, self.n_train = p.mode, p.n_gen, p.n_train
+        self.pipeline = p.mode == "pipeline"
         # Sync mode is max_lag 0: one phase of groups admitted, consumed only after the update.
-        self.max_lag = max_lag if self.pipeline else 0
-        self.k = 1 if self.pipeline else steps_per_generation
-        self.colocated = colocated and not self.pipeline
-        self.groups_per_step = samples_per_step // attempts
+        self.max_lag = p.max_lag if self.pipeline else 0
+        self.k = 1 if self.pipeline else p.steps_per_generation
+        self.colocated = p.colocated and not self.pipeline
+        self.groups_per_step = p.samples_per_step // p.attempts
         # Pipeline mode streams a step to the trainer in waves of this many groups (0: whole
         # steps, as sync mode); a wave leaves once one more group is pending (steps.next_wave).
-        self.wave_groups = wave_groups if self.pipeline else 0
-        self.cap = calib.engine_batch(lengths, max_tokens, max_running)
+        self.wave_groups = p.wave_groups if self.pipeline else 0
+        self.cap = p.calib.engine_batch(p.lengths, p.max_tokens, p.max_running)
         # The step last started, as the generators' Admission hears it from the trainer (none yet).
         self.training_step = -1
         # What admission hears, as the generators' Admission calls, each with the budget and the
         # queue after it (simulate's `trace`).
-        self.trace = trace
-        self.fixed = steps is not None
-        self.steps = steps if steps is not None else MAX_STEPS
+        self.trace = p.trace
+        self.fixed = p.steps is not None
+        self.steps = p.steps if p.steps is not None else MAX_STEPS
         # Adaptive window: a sync phase (or a pipeline at max_lag 0, the same) needs no warm-up:
         # it starts from empty engines every time.
         self.phased = not self.max_lag
-        self.min_warmup = warmup if warmup is not None else (0 if self.phased else 2)
+        self.min_warmup = p.warmup if p.warmup is not None else (0 if self.phased else 2)
         self.burst_end: int | None = None  # groups started before the first step ended: the start-up's
         self.burst_left = 0  # of those, still generating
         self.lag_settled = True
         self.warm_at: int | None = None  # the step the window starts after
         self.warm_t = 0.0
         self.stop = False
-        self.rng = np.random.default_rng(seed)
+        self.rng = np.random.default_rng(p.seed)
         self.pool: list[int] = []
-        self.engines = [_Engine() for _ in range(n_gen // calib.gpus_per_engine)]
+        self.engines = [_Engine() for _ in range(p.n_gen // p.calib.gpus_per_engine)]
         self.events: list[tuple[float, int, str, int, int]] = []
         self.seq = 0  # tie-breaker: equal-time events run in the order they were scheduled
         self.now = 0.0
@@ -208,10 +130,10 @@ class _Sim:
         # which it began (tokens decoded after it carry that version).
         self.update_versions: list[int] = []
         self.update_steps = np.zeros((64, len(self.engines)))  # row u: update u (grown by doubling)
-        self.base = calib.decode_base_s
-        self.per_seq = calib.decode_per_seq_s + calib.decode_per_token_s * lengths.prompt_tokens
-        self.per_tok = calib.decode_per_token_s
-        self.prefill_s = calib.prefill_s_per_token * lengths.prompt_tokens
+        self.base = p.calib.decode_base_s
+        self.per_seq = p.calib.decode_per_seq_s + p.calib.decode_per_token_s * p.lengths.prompt_tokens
+        self.per_tok = p.calib.decode_per_token_s
+        self.prefill_s = p.calib.prefill_s_per_token * p.lengths.prompt_tokens
         # The admission budget's share: a step's groups (pipeline), a phase's (conventional k).
         self.share = self.groups_per_step * self.k
         self.slow = 1.0  # decode slow-down while the trainer computes (contention)
@@ -517,6 +439,10 @@ class _Sim:
         for e in self.engines:
             self._advance(e)
             e.free_at = max(e.free_at, self.now) + self.c.pause_s
+        if self.phased:
+            # The next phase's weights: the generators count that phase's groups only
+            # (pipelinerl.admission: a phased queue), the last phase's are consumed.
+            self.queued -= self.k * consumed
         self._heard("weights", self.version)
         # Tokens decoded after this pause carry the new version.
         self.update_versions.append(self.version)
@@ -531,8 +457,7 @@ class _Sim:
         self.syncing = False
         self._step_done(consumed)
         if self.phased:
-            # Sync: the phase's groups are consumed, the next phase starts on the new weights.
-            self.queued -= self.k * consumed
+            # The trainer announces the phase trained; the next phase starts on the new weights.
             self._heard("trained", self.trained, self.done - 1)
         self._admit()
         self._window()
@@ -663,100 +588,7 @@ class _Sim:
         )
 
 
-@dataclass
-class SimParams:
-    """One simulated run's parameters (`simulate` takes them as they are listed here)."""
-
-    mode: Literal["pipeline", "sync"]
-    n_gen: int
-    n_train: int
-    max_lag: int
-    samples_per_step: int
-    attempts: int
-    calib: Calibration
-    max_tokens: int
-    lengths: Lengths | None = None  # None: the calibration's
-    steps: int | None = None
-    warmup: int | None = None
-    seed: int = 0
-    filtered: float | None = None  # None: the calibration's
-    wave_groups: int = 0
-    max_inflight: int | None = None
-    trace: list[tuple] | None = None
-    steps_per_generation: int = 1
-    colocated: bool = False
-    max_running: int | None = None
-    window_lifetimes: float = WINDOW_LIFETIMES
-    climb_lifetimes: float = CLIMB_LIFETIMES
-
-    def __post_init__(self) -> None:
-        """Checked, and the defaults that depend on others filled in (ValueError naming the one at fault)."""
-        mode, n_gen, n_train, max_lag, calib = self.mode, self.n_gen, self.n_train, self.max_lag, self.calib
-        samples_per_step, attempts, k = self.samples_per_step, self.attempts, self.steps_per_generation
-        colocated, max_running, steps, warmup = self.colocated, self.max_running, self.steps, self.warmup
-        if mode not in ("pipeline", "sync"):
-            raise ValueError(f"mode must be 'pipeline' or 'sync', got {mode!r}")
-        if k < 1 or (mode == "pipeline" and k != 1):
-            raise ValueError(f"steps_per_generation ({k}) must be >= 1, and 1 in pipeline mode")
-        if colocated and (mode == "pipeline" or n_gen != n_train):
-            raise ValueError("colocated runs are sync mode on shared devices: n_gen must equal n_train")
-        if samples_per_step % attempts:
-            raise ValueError(f"samples_per_step ({samples_per_step}) must be a multiple of attempts ({attempts})")
-        if n_gen < calib.gpus_per_engine or n_train < 1:
-            raise ValueError(
-                f"need at least one generator engine ({calib.gpus_per_engine} devices) and one trainer, "
-                f"got {n_gen} and {n_train}"
-            )
-        if max_running is not None and max_running < 1:
-            raise ValueError(f"max_running ({max_running}) must be >= 1")
-        if steps is not None:
-            warmup = (max_lag + 2 if mode == "pipeline" and max_lag else 0) if warmup is None else warmup
-            if not 0 <= warmup < steps:
-                raise ValueError(f"warmup ({warmup}) must be in [0, steps={steps})")
-            if warmup % k or steps % k:
-                raise ValueError(f"steps ({steps}) and warmup ({warmup}) must be whole phases of {k}")
-        elif warmup is not None and warmup < 0:
-            raise ValueError(f"warmup ({warmup}) must be >= 0")
-        self.warmup = warmup
-        self.lengths = self.lengths or calib.lengths
-        self.filtered = calib.filtered_fraction if self.filtered is None else self.filtered
-        if not 0 <= self.filtered < 1:
-            raise ValueError(f"filtered ({self.filtered}) must be in [0, 1)")
-
-
 def simulate(*args: Any, **kwargs: Any) -> SimResult:
-    """Simulate a run; rates and lag are measured after a warm-up, over a window.
-
-    n_gen / n_train are devices; sync mode ignores max_lag (it is 0 there by definition).
-    `steps_per_generation` (sync mode): k optimizer steps per generation phase. `colocated`
-    (sync mode): the generators and the trainers are the same devices, taking turns: pass
-    n_gen = n_train = every device. `filtered`: share of groups dropped by zero-variance
-    filtering (default: the calibration's). `wave_groups`: groups per early wave of a
-    streamed step in pipeline mode (`wave_groups` below; 0: the trainer waits for whole
-    steps). `max_inflight`: groups an engine may run at once (the generator's
-    `maxInflightGroups`; None: as many as its batch holds). `max_running`: sequences an engine
-    may run at once (the reference implementation's `llm_max_rollouts`; None: the
-    calibration's batch). `trace`, when given, receives what admission hears, in the
-    generators' terms (test_admission replays it).
-
-    Without `steps`, the window adapts (CLIMB_LIFETIMES, WINDOW_LIFETIMES, MIN_STEPS above):
-    the warm-up and the window are sized by the longest sequence's lifetime (`window_lifetimes`
-    and `climb_lifetimes` shorten them for a search's probes, whose rates need only rank). With `steps`
-    (and `warmup`, default max_lag + 2 in pipeline mode, 0 in sync mode) they are fixed; in
-    sync mode both are whole phases. Deterministic for a given seed.
-    """
+    """Simulate a run (its parameters: `SimParams`, in order); rates and lag are measured after
+    a warm-up, over a window. Deterministic for a given seed."""
     return _Sim(SimParams(*args, **kwargs)).run()
-
-
-def wave_groups(job: PipelineRLJob, trainer_ranks: int, lengths: Lengths) -> int:
-    """Groups in each early wave of a step streamed in pipeline mode (0: not streamed), as
-    `steps.next_wave` forms them from groups of mean length: as many as one row per trainer
-    rank is sure to hold."""
-    spec = job.spec
-    if spec.rl.token_weighting != "sample":
-        return 0
-    max_tokens = spec.generator.sampling.max_tokens
-    completion = float(np.mean(lengths.sample(np.random.default_rng(0), 4096, max_tokens)))
-    group = spec.rl.attempts * (lengths.prompt_tokens + completion)
-    longest = lengths.prompt_tokens + max_tokens
-    return max(1, int(wave_capacity(trainer_ranks, spec.trainer.micro_batch_tokens, longest) // group))

@@ -15,6 +15,7 @@ import pytest
 from jobs import stored, tiny_job  # tests/e2e/jobs.py
 
 from pipelinerl import messages as m
+from pipelinerl.phases import decomposition
 
 pytestmark = pytest.mark.slow
 
@@ -76,6 +77,15 @@ def test_conventional_rl_takes_k_steps_on_each_generation_phase_and_resumes_a_st
         assert sum(len(mb.lengths) for mb in mbs) == SAMPLES
         for trained in (r for r in train if r["step"] == step + 1):
             assert trained["tokens"] == sum(sum(mb.mask) for mb in mbs)
+
+    # Where the phases' time went: generating (the trainer waiting), training, the update (each
+    # run's rows on its own clock; a run's first phase, holding its start-up, left out).
+    phases = decomposition(train[:seen], K)
+    assert phases["steps_per_phase"] == K and phases["phases"] >= 1
+    assert phases["wait_seconds"] > 0 and phases["tokens_per_wait_second"] > 0
+    assert phases["wait_share"] + phases["train_share"] + phases["update_share"] == pytest.approx(1.0)
+    summary = json.loads((second.dir / "summary.json").read_text())
+    assert summary["phases"] == decomposition(train[seen:], K)
 
     lines = (second.dir / "metrics.jsonl").read_text().splitlines()
     versions = {r["version"] for r in map(json.loads, lines) if r["kind"] == "eval"}

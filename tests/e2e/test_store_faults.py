@@ -5,6 +5,7 @@ also tested at length against a real nats-server: tests/integration/test_preproc
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import time
 import pytest
 from faults import RUN_TIMEOUT_S, SAMPLES, audit_batches, fault_job, mid_step, on_running_nats  # tests/e2e/faults.py
 from jobs import stored  # tests/e2e/jobs.py
+from prometheus_server import Prometheus, file_scrape_config, held, job_targets, rule_expr  # tests/prometheus_server.py
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import Env, JobSubjects
@@ -42,6 +44,7 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
     store = tmp_path / "run" / "nats"
     store.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256M", "tmpfs", str(store)], check=True)
+    prometheus = None
     try:
         ack_wait = 4
         job = fault_job(
@@ -51,8 +54,14 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
             trainer={"checkpointInterval": 4, "microBatchTokens": 128},
             preprocessor={"env": [{"name": Env.ACK_WAIT_S, "value": str(ack_wait)}]},
         )
+        # Watched as on a cluster: the store-not-acknowledging alert's expression, on this fault
+        # (Prometheus ready before the run, which is timed; told the services' ports once known).
+        targets = tmp_path / "targets.json"
+        prometheus = Prometheus(tmp_path / "prometheus", [file_scrape_config(targets, "local")])
+        prometheus.wait_ready()
         first = start_run(job, RUN_TIMEOUT_S)
         first.wait_step(1)
+        targets.write_text(json.dumps(job_targets(first.services(), "local", name)))
         first.wait_until(lambda _: mid_step(first, name), "the preprocessor holding groups mid-step")
         pid = first.services()["preprocessor"]["pid"]
         os.killpg(pid, signal.SIGSTOP)
@@ -64,6 +73,7 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
         assert first.services()["preprocessor"]["restarts"] == 0
 
         filler = store / "filler"
+        filled_at = time.time()
         with open(filler, "wb") as f:
             try:
                 while True:
@@ -86,6 +96,16 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
         train = first.train()
         assert [r["step"] for r in train] == list(range(1, len(train) + 1))
         assert all(r["samples"] == SAMPLES for r in train) and sum(r["dropped_for_lag"] for r in train) == 0
+        # The full disk as Prometheus sees it: each publish left unacknowledged is counted when its
+        # wait runs out, which may come after the job writes again, so wait for it to be scraped
+        # (before the store-loss fault below, which leaves publishes unacknowledged too).
+        unacknowledged = rule_expr("PipelineRLStoreNotAcknowledging")
+        deadline = time.monotonic() + 60
+        while not (fired := held(prometheus, unacknowledged, filled_at, time.time())):
+            assert time.monotonic() < deadline, f"no series for {unacknowledged} in 60 s after the disk filled"
+            time.sleep(1)
+        assert not held(prometheus, unacknowledged, filled_at - 20, filled_at)  # not before the disk filled
+        assert [(s["metric"]["namespace"], s["metric"]["pipelinerl_dev_job"]) for s in fired] == [("local", name)]
         before = on_running_nats(first, lambda js: stored_messages(js, JobSubjects(name).stream("BATCHES")))
         by_step, _, _ = audit_batches([m.decode(x.data, m.MicroBatch) for x in before], 5, 1)
         trained_before = {g for step in range(4) for mbs in by_step[step].values() for mb in mbs for g in mb.group_ids}
@@ -126,4 +146,6 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
         newest = latest_step(second.dir / "checkpoints")
         assert [(t.step, t.store) for t in told] == [(newest, identity.id)] and told[0].problems > 0
     finally:
+        if prometheus is not None:
+            prometheus.stop()
         subprocess.run(["umount", "-l", str(store)], check=False)

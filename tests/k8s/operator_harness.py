@@ -58,6 +58,15 @@ class Invalid(kmock.KubernetesError):
     message: str = "refused"
 
 
+@attrs.frozen
+class Failing(kmock.KubernetesError):
+    """What an API server answers when it cannot serve a request (etcd unreachable, overloaded)."""
+
+    status: int = 500
+    reason: str = "InternalError"
+    message: str = "etcdserver: request timed out"
+
+
 class Emulator(kmock.KubernetesEmulator):
     """kmock's emulator plus the API-server bookkeeping kopf relies on: a resourceVersion bumped
     on every write (kopf waits for its own patches by it), `metadata.generation` bumped on spec
@@ -66,6 +75,7 @@ class Emulator(kmock.KubernetesEmulator):
     _version: int = 0
     creates: list[str] = []  # "plural/name" of every POST, to check nothing is created twice
     refuse: dict[str, str] = {}  # "plural/name" → the message of a 422 answered to writes of it
+    failing: set[str] = set()  # plurals every request for which is answered 500
 
     def _current(self, request) -> dict[str, Any]:  # type: ignore[no-untyped-def]
         for (res, ns, name), obj in list(self.objects.items()):
@@ -86,6 +96,8 @@ class Emulator(kmock.KubernetesEmulator):
             replicas = request.data["spec"]["replicas"]
             request.data.clear()
             request.data.update(_nested(SCALE["specReplicasPath"], replicas))
+        if request.resource is not None and request.resource.plural in self.failing:
+            raise Failing()
         if request.method in ("PATCH", "POST", "PUT") and request.resource is not None:
             name = request.name or ((request.data or {}).get("metadata") or {}).get("name")
             refused = self.refuse.get(f"{request.resource.plural}/{name}")
@@ -151,7 +163,7 @@ def _nested(path: str, value: Any) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def emulator() -> AsyncIterator[Emulator]:
     async with Emulator() as handler, kmock.Server(handler):
-        handler.creates, handler.refuse = [], {}
+        handler.creates, handler.refuse, handler.failing = [], {}, set()
         declare(handler)
         yield handler
 

@@ -103,6 +103,31 @@ def test_conventional_k_generates_a_whole_phase_then_waits_for_its_weights():
     assert a.budget == 8 and fill(a) == 8
 
 
+def test_a_phase_overshot_by_generators_that_joined_apart_never_holds_the_next_one_back():
+    # Found by benchmark 11 with two engines (k = 4, 16 groups a step): generator 0 joined first
+    # and took the whole phase as its share (64), generator 1 joined and started its own share
+    # (32) before it heard its peer; the steps took 42 of generator 0's groups and 22 of
+    # generator 1's. Counted by the trainer's credits, each queue held 32 groups the next phase
+    # could not train (too old: settled only by its first step) against a budget of 32: neither
+    # generator started the phase that step needed, and the trainer waited for it forever.
+    first = Admission(groups_per_step=16, generators=1, max_lag=3, max_inflight=1000, steps_per_generation=4)
+    second = Admission(groups_per_step=16, generators=2, max_lag=3, max_inflight=1000, steps_per_generation=4)
+    first.on_weights(0, generators=1)
+    assert fill(first) == 64
+    first.on_weights(0, generators=2)  # the second joined: the same weights, shared by two
+    second.on_weights(0, generators=2)
+    assert fill(second) == 32  # it had not heard its peer yet
+    for a, started in ((first, 64), (second, 32)):
+        for _ in range(started):
+            a.on_finish(0, discarded=False)
+    first.on_trained(42, training_step=3)
+    second.on_trained(22, training_step=3)
+    for a in (first, second):
+        assert a.budget == 0  # the phase trains
+        a.on_weights(4, generators=2)  # its weights: the next phase
+        assert a.queued == 0 and fill(a) == 32  # its share of the phase, whatever the last left over
+
+
 def test_a_group_the_preprocessor_will_dead_letter_holds_no_place_in_a_phase():
     # Its first step waits for the whole phase: had the generator kept counting a group that can
     # never be trained (a reward not finite here) as queued, the phase would wait for it forever.

@@ -20,8 +20,9 @@ from bench.analysis import (
     curve,
     early_targets,
     log_t_interval,
-    round_ratio,
+    round_bound,
     round_seed,
+    rounds_to_resolve,
     time_to_target,
 )
 
@@ -53,12 +54,23 @@ def test_each_clock_counts_from_its_own_origin():
         curve({k: v for k, v in x.items() if k != "clock_origins"}, "launch")
 
 
-def test_a_rounds_ratio_and_its_misses():
-    fast, slow = linear(0.3, 1.0), linear(0.3, 2.0)  # +10 points at 10 s and at 20 s
-    assert round_ratio(fast, slow, 10) == pytest.approx(2.0)
-    assert round_ratio(fast, slow, 40) == math.inf  # only the baseline misses +40 (its run ends at +30)
-    assert round_ratio(slow, fast, 40) == 0.0
-    assert round_ratio(slow, slow, 70) is None
+def test_a_rounds_ratio_and_its_misses_censored_at_the_runs_end():
+    fast, slow = linear(0.3, 1.0), linear(0.3, 2.0)  # +10 points at 10 s and at 20 s; both end at 60 s
+    assert round_bound(fast, slow, 10) == (pytest.approx(2.0), "exact")
+    # Only the baseline misses +40 (its run ends at +30, at 60 s): the ratio is at least 60 / 40.
+    assert round_bound(fast, slow, 40) == (pytest.approx(1.5), "at least")
+    assert round_bound(slow, fast, 40) == (pytest.approx(40 / 60), "at most")
+    assert round_bound(slow, slow, 70) == (None, "missed")
+
+
+def test_a_round_that_misses_most_targets_enters_the_estimate_at_its_bound():
+    # Round 3's baseline stops at +8: its +9 and +10 are censored (ratio at least 16 / 9 and 16 / 10),
+    # not a void interval.
+    fast = [linear(0.3, 1.0) for _ in range(3)]
+    base = [linear(0.3, 2.0), linear(0.3, 2.0), linear(0.3, 2.0, until=16.0)]
+    h = band_headline(fast, base, [5, 6, 7, 8, 9, 10])
+    assert h["censored"] == 2 and h["geomean"] is not None and h["low"] is not None
+    assert h["per_round"][2] == pytest.approx(2.0)  # the median of 2, 2, 2, 2, 1.78, 1.6
 
 
 def test_the_headline_is_the_band_median_of_per_round_ratios_not_a_pooled_curve():
@@ -99,8 +111,18 @@ def test_one_target_far_off_does_not_move_the_headline():
     fast = linear(0.3, 1.0)
     stall = [(2.0 * t, 0.3 + t / 100) for t in range(1, 10)] + [(100.0, 0.40), (102.0, 0.41), (104.0, 0.42)]
     base = run(0.3, stall)
-    assert round_ratio(fast, base, 10) == pytest.approx(10.0)
+    assert round_bound(fast, base, 10)[0] == pytest.approx(10.0)
     assert band_headline([fast], [base], [5, 6, 7, 8, 9, 10])["median"] == pytest.approx(2.0)
+
+
+def test_the_rounds_a_ratio_needs_grow_with_the_spread():
+    tight = rounds_to_resolve([1.30, 1.25, 1.35, 1.28, 1.32])
+    loose = rounds_to_resolve([0.8, 1.9, 1.1, 2.4, 0.9])
+    assert tight is not None and loose is not None and tight < 5 < loose
+    # n satisfies (t + z) sd / sqrt(n) <= log 1.3, and n - 1 does not
+    sd = __import__("statistics").stdev(math.log(v) for v in [0.8, 1.9, 1.1, 2.4, 0.9])
+    assert (1.645 + 0.8416) * sd / math.sqrt(loose) <= math.log(1.3) * 1.05
+    assert rounds_to_resolve([1.3, math.inf]) is None
 
 
 def test_rounds_differ_by_seed_and_sides_share_the_seeds():
@@ -218,7 +240,7 @@ def test_results_saved_before_the_clocks_are_read_on_the_training_clock_only(cap
     old = [{k: v for k, v in linear(0.3, s).items() if k != "clock_origins"} for s in (1.0, 2.0)]
     out = common.print_headlines("fast", "slow", {"fast": old[:1], "slow": old[1:]}, args())
     assert list(out) == ["time"] and out["time"]["median"] == pytest.approx(2.0)
-    assert "clock time: 2.00x" in capsys.readouterr().out
+    assert "clock time: no estimate" in (printed := capsys.readouterr().out) and "per round 2.00x" in printed
 
 
 def test_a_reanalysis_pools_the_saved_rounds_and_runs_nothing(tmp_path):

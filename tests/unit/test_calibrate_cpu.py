@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.calibrate_cpu import MIN_BASE, fit_split, job_spec, sync_gen_phase
+from bench.calibrate_cpu import job_spec
+from bench.decode_fit import MIN_BASE, fit_split, sync_gen_phase
 from pipelinerl.planner.calibration import load_calibration
 
 JOB = Path(__file__).resolve().parents[2] / "examples" / "long-tail-cpu.yaml"
@@ -18,7 +19,7 @@ def variant(samples_per_step: int):
 
 
 def test_two_step_sizes_recover_the_per_step_and_per_sequence_costs(monkeypatch):
-    monkeypatch.setattr("bench.calibrate_cpu.SIM_STEPS", 40)  # the same simulation, shorter
+    monkeypatch.setattr("bench.decode_fit.SIM_STEPS", 40)  # the same simulation, shorter
     truth = load_calibration("cpu-long-tail").model_copy(update={"decode_base_s": 0.006, "decode_per_seq_s": 2.5e-4})
     big, small = variant(128), variant(32)
     rows = {128: 3760.0, 32: 940.0}

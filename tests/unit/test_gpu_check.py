@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_check, gpu_commit, gpu_trainer, gpu_weight_update
+from bench import gpu_check, gpu_commit, gpu_decode, gpu_trainer, gpu_weight_update
 from bench.gpu_check import GRACE_S, MIN_PART_S, SUMMARY_S, Check, Filter, part_timeout, plan, without_deepspeed
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,7 +30,7 @@ def parts(smoke: bool, out: Path) -> dict[str, gpu_check.Part]:
 @pytest.mark.parametrize("smoke", [False, True])
 def test_every_command_line_the_check_runs_parses(smoke, tmp_path):
     got = parts(smoke, tmp_path)
-    # ordered by value: the weight plane, the commit, tests, 0.5B, 1.5B, 16k fit, update
+    # ordered by value: the weight plane, the commit, the decode curve, tests, 0.5B, 1.5B, 16k fit, update
     assert list(got) == list(gpu_check.PART_NAMES)
     plane = got["weight-plane"].argv
     assert plane[:2] == ["-m", "pytest"] and plane[plane.index("-k") + 1] == ("cpu" if smoke else "cuda") + " or killed"
@@ -39,6 +39,11 @@ def test_every_command_line_the_check_runs_parses(smoke, tmp_path):
     assert commit[:2] == ["-m", "bench.gpu_commit"] and ("--smoke" in commit) == smoke
     commit_args = gpu_commit.parse_args(commit[2:])
     assert commit_args.name == got["commit-7B"].result and commit_args.results_dir == tmp_path
+    decode = got["decode-curve"].argv
+    assert decode[:2] == ["-m", "bench.gpu_decode"] and ("--smoke" in decode) == smoke
+    decode_args = gpu_decode.parse_args(decode[2:])
+    assert decode_args.name == got["decode-curve"].result and decode_args.results_dir == tmp_path
+    assert decode_args.models == ("smoke" if smoke else "1.5B,7B")
     trainer = {}
     for name in ("0.5B", "1.5B", "1.5B-16k"):
         argv = got[name].argv
@@ -201,6 +206,7 @@ def test_the_smoke_mode_runs_the_whole_check_on_cpu_and_keeps_everything_in_out(
         "gpu_check.json",
         "gpu_check.log",
         "gpu_commit-7B.json",
+        "gpu_decode.json",
         "gpu_trainer-0.5B.json",
         "gpu_trainer-1.5B-16k.json",
         "gpu_trainer-1.5B.json",
@@ -219,6 +225,7 @@ def test_the_smoke_mode_runs_the_whole_check_on_cpu_and_keeps_everything_in_out(
         assert report["size"] == "smoke" and all("seconds" in r for r in sides.values()), (name, sides)
     assert json.loads((out / "gpu_weight_update-1.5B.json").read_text())["exact"] is True
     assert json.loads((out / "gpu_commit-7B.json").read_text())["exact"] is True
+    assert all(p["step_s"] > 0 for p in json.loads((out / "gpu_decode.json").read_text())["models"]["smoke"]["points"])
     printed = done.stdout
     summary = printed[printed.index("== summary") :]
     for line in (
@@ -296,3 +303,16 @@ def test_a_deepspeed_that_does_not_import_is_moved_out_of_the_scratch_site(tmp_p
     assert sorted(p.name for p in site.iterdir()) == ["deepspeed_extra", "pydantic"]
     assert sorted(p.name for p in (tmp_path / "site-broken").iterdir()) == ["deepspeed", "deepspeed-0.19.8.dist-info"]
     assert gpu_check.quarantine(site, "deepspeed") == []
+
+
+def test_the_decode_curve_part_measures_on_cpu_and_bounds_the_batch_by_kv_memory(tmp_path):
+    """Its smoke (tiny shapes, eager) writes a point per batch and context; the KV bytes it
+    checks a point against are the static cache's (keys and values, every layer)."""
+    gpu_decode.main(["--smoke", "--results-dir", str(tmp_path)])
+    result = json.loads((tmp_path / "gpu_decode.json").read_text())
+    points = result["models"]["smoke"]["points"]
+    assert [(p["batch"], p["context"]) for p in points] == [(1, 16), (4, 16), (1, 32), (4, 32)]
+    assert all(p["step_s"] > 0 for p in points)
+    seven = gpu_decode.MODELS["7B"]  # 28 layers, 4 KV heads of 128: 57,344 bytes a position in bf16
+    assert gpu_decode.kv_bytes(seven, 1, 1) == 2 * 28 * 4 * 128 * 2
+    assert gpu_decode.kv_bytes(seven, 512, 4096) > 100e9  # more than an H200 leaves after the weights

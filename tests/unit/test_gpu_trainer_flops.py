@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from bench.gpu_trainer import SIZES, Shape, peak_tflops, step_flops
+from bench.gpu_shapes import SIZES, Shape, peak_tflops, step_flops
 
 
 def _model(arch: dict):

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from bench import gpu_trainer
-from bench.gpu_trainer import memory_verdicts, verdict
+from bench.gpu_trainer_report import memory_verdicts, verdict
 
 TARGETS = (1.5, 0.20)
 

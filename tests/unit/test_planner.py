@@ -11,11 +11,24 @@ from pipelinerl.planner.calibration import (
     Calibration,
     CalibrationError,
     Lengths,
+    at_tensor_parallel,
     load_calibration,
     parse_calibration,
 )
-from pipelinerl.planner.recommend import LAG_TOLERANCE, LAGS, format_plan, ks, plan, splits
-from pipelinerl.planner.simulation import MIN_STEPS, WINDOW_LIFETIMES, simulate, wave_groups
+from pipelinerl.planner.recommend import (
+    LAG_TOLERANCE,
+    LAGS,
+    LENGTH_VARIANTS,
+    format_plan,
+    ks,
+    plan,
+    splits,
+    variants_of,
+    vary,
+)
+from pipelinerl.planner.sim_params import MIN_STEPS, WINDOW_LIFETIMES
+from pipelinerl.planner.sim_params import wave_groups
+from pipelinerl.planner.simulation import simulate
 from pipelinerl.spec import parse_job
 
 H100 = load_calibration("h100-7b")
@@ -408,6 +421,57 @@ def test_the_recommendation_is_the_freshest_within_tolerance_of_the_fastest(pape
     assert slow.recommended is fastest  # a pipeline well behind: the fastest conventional k
 
 
+def test_the_plan_reports_a_range_over_the_inputs_a_team_rarely_knows(paper_plan):
+    p = paper_plan
+    assert set(p.variants) == set(LENGTH_VARIANTS) | {"TP 2"}  # h100-7b says how its costs scale with TP
+    for baseline, point in (("best_split", p.speedup_vs_best_split), ("best_colocated", p.speedup_vs_best_colocated)):
+        low, high = p.ratio_range(baseline)
+        assert low <= point <= high and high > low  # the inputs move the ratio
+    # At the split chosen for the calibration's lengths: twice as long, its generators fall short
+    # (the split would have to move), while colocated phases use every device whatever the lengths.
+    assert p.variants["mean x2"]["best_colocated"] < p.speedup_vs_best_colocated
+    # TP 2 moves the ratio: the same devices make half as many engines, each with a faster step
+    # and twice the KV cache.
+    assert p.variants["TP 2"]["best_split"] != pytest.approx(p.speedup_vs_best_split, rel=0.01)
+    low, high = p.ratio_range("best_colocated")
+    assert f"vs best k colocated {low:.2f}-{high:.2f}x" in format_plan(p) and "TP 2)" in format_plan(p)
+
+
+def test_tensor_parallel_splits_what_streams_and_keeps_what_does_not():
+    h = H100
+    x = h.tensor_parallel
+    assert x is not None and h.gpus_per_engine == 1
+    tp2 = at_tensor_parallel(h, 2)
+    assert tp2.gpus_per_engine == 2 and tp2.name == "h100-7b at TP 2"
+    # The step: its fixed part kept, the weights' stream halved, two all-reduces per layer added.
+    assert tp2.decode_base_s == pytest.approx(x.fixed_s + (h.decode_base_s - x.fixed_s) / 2 + x.allreduce_s)
+    assert tp2.decode_per_seq_s == pytest.approx(h.decode_per_seq_s / 2)
+    assert tp2.decode_per_token_s == pytest.approx(h.decode_per_token_s / 2)
+    assert tp2.prefill_s_per_token == pytest.approx(h.prefill_s_per_token / 2)
+    # Two devices' memory less one copy of the weights, in KV tokens: more than twice one's.
+    assert tp2.kv_cache_tokens > 2 * h.kv_cache_tokens
+    # Back to one device: the calibration's own costs.
+    back = at_tensor_parallel(tp2, 1)
+    for field in ("decode_base_s", "decode_per_seq_s", "decode_per_token_s", "prefill_s_per_token"):
+        assert getattr(back, field) == pytest.approx(getattr(h, field)), field
+    assert abs(back.kv_cache_tokens - h.kv_cache_tokens) <= 1
+    assert at_tensor_parallel(h, 1) is h
+    with pytest.raises(ValueError, match="no KV cache on 1 device"):
+        at_tensor_parallel(tp2.model_copy(update={"tensor_parallel": x.model_copy(update={"weights_bytes": 1e12})}), 1)
+    with pytest.raises(ValueError, match="no tensor_parallel scaling"):
+        at_tensor_parallel(h.model_copy(update={"tensor_parallel": None}), 2)
+    # No scaling given, or a TP that cannot hold the model: no TP variant.
+    assert not [n for n in variants_of(h.lengths, h.model_copy(update={"tensor_parallel": None})) if n.startswith("TP")]
+    assert [n for n in variants_of(h.lengths, tp2) if n.startswith("TP")] == ["TP 1", "TP 4"]
+
+
+def test_varied_lengths_scale_the_mean_and_the_spread():
+    lognormal = Lengths(mean_tokens=1000, sigma=0.8, prompt_tokens=50)
+    assert vary(lognormal, 2.0, 0.5) == Lengths(mean_tokens=2000, sigma=0.4, prompt_tokens=50)
+    measured = Lengths(distribution="empirical", values=[3, 10, 40], prompt_tokens=8)
+    assert vary(measured, 0.5, 1.0).values == [2, 5, 20] and vary(measured, 1.0, 1.5) is None
+
+
 def test_k_are_powers_of_two_up_to_the_bound():
     assert ks(1) == (1,) and ks(32) == (1, 2, 4, 8, 16, 32) and ks(40) == (1, 2, 4, 8, 16, 32)
     with pytest.raises(ValueError, match="max_k"):
@@ -498,6 +562,8 @@ def test_cli_plan(capsys, tmp_path):
 
     assert data["speedup_vs_best_split"] == pytest.approx(useful(data["pipeline"]) / useful(data["best_split"]))
     assert data["best_colocated"]["colocated"] and data["speedup_vs_best_colocated"] > 0
+    low, high = data["ratio_range"]["best_colocated"]
+    assert low <= data["speedup_vs_best_colocated"] <= high
 
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"name": "x", "decode_base_s": -1}))

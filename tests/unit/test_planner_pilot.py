@@ -20,7 +20,8 @@ from pipelinerl.planner.pilot import (
     format_taken,
     train_rows,
 )
-from pipelinerl.planner.simulation import simulate, wave_groups
+from pipelinerl.planner.sim_params import wave_groups
+from pipelinerl.planner.simulation import simulate
 from pipelinerl.spec import parse_job
 from pipelinerl_cli.main import main
 

@@ -17,7 +17,8 @@ from __future__ import annotations
 import pytest
 
 from pipelinerl.planner.calibration import Lengths, load_calibration
-from pipelinerl.planner.simulation import SimResult, simulate
+from pipelinerl.planner.sim_params import SimResult
+from pipelinerl.planner.simulation import simulate
 
 H100 = load_calibration("h100-7b")
 WITHIN = 0.20  # the target: within ±20% of the published ratio

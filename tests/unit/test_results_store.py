@@ -1,7 +1,8 @@
 """Benchmark results kept lean (bench/results_store.py): a result with per-step records is kept as
 a readable summary plus the whole result xz-compressed, and every loader (`--reanalyse`,
 `--sweep-with`, `calibrate_cpu --from`) reads the whole result through the summary's path, so no
-analysis loses anything; the repository's own results are checked to be in that form and whole."""
+analysis loses anything; the repository's own results are checked to be in that form and whole,
+and bench/results to stay under its size limit (superseded results keep their summaries only)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from pathlib import Path
 from bench.common import pooled_runs, save
 from bench.results_store import (
     FULL,
+    LIMIT_BYTES,
     RESULTS,
+    RETIRED,
     compact,
     full_path,
     has_bulk,
     kept_results,
     read_result,
+    retire,
     summary_of,
     write_result,
 )
@@ -92,3 +96,19 @@ def test_every_kept_result_is_whole_and_its_summary_matches_it():
         assert not has_bulk(json.loads(path.read_text())), path
     orphans = [p for p in RESULTS.glob("*.json.xz") if not Path(str(p).removesuffix(".xz")).exists()]
     assert orphans == []
+
+
+def test_a_retired_result_keeps_its_summary_and_says_its_records_are_gone(tmp_path):
+    path = tmp_path / "old.json"
+    write_result(path, result())
+    retire(path)
+    kept = json.loads(path.read_text())
+    assert not full_path(path).exists() and FULL not in kept and RETIRED in kept
+    assert kept["headline"] == {"median": 1.84} and read_result(path) == kept
+
+
+def test_bench_results_stay_under_their_limit():
+    files = [p for p in RESULTS.rglob("*") if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    biggest = sorted(files, key=lambda p: p.stat().st_size)[-3:]
+    assert total < LIMIT_BYTES, f"bench/results: {total:,} bytes; retire superseded results ({biggest})"

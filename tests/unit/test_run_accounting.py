@@ -125,6 +125,7 @@ def test_throughput_uses_the_steady_window(tmp_path):
             "step": i,
             "time": t,
             "samples": 128,
+            "tokens": 640,
             "train_seconds": 1.4,
             "weight_sync_seconds": 0.1,
             "tokens_lag_0": 10,
@@ -132,10 +133,13 @@ def test_throughput_uses_the_steady_window(tmp_path):
         }
         for i, t in ((1, 10.0), (2, 12.0), (3, 14.0))
     ]
-    run.busy = [(5.0, 0.0), (10.0, 1.0), (12.0, 2.8), (14.0, 4.6)]
+    run.busy = [(5.0, 0.0, 0), (10.0, 1.0, 900), (12.0, 2.8, 2000), (14.0, 4.6, 3300)]
     out = run.throughput()
     assert out["samples_per_second"] == pytest.approx(256 / 4)
     assert out["seconds_per_step"] == pytest.approx(2.0)
     assert out["trainer_busy_fraction"] == pytest.approx(3.0 / 4)
     assert out["generator_busy_fraction"] == pytest.approx(3.6 / 4)
     assert out["lag_token_counts"] == {"0": 30, "1": 10}
+    assert out["generated_tokens_per_second"] == pytest.approx(2400 / 4)
+    # a step a phase (the pipeline): each waited 2 - 1.4 - 0.1 s for its data
+    assert out["phases"]["phases"] == 2 and out["phases"]["wait_seconds"] == pytest.approx(0.5)

@@ -3,6 +3,7 @@ held-out curve, so one lucky evaluation does not decide when a target is reached
 bootstrap interval, the per-version gap; and the jobs it runs."""
 
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -121,3 +122,14 @@ def test_the_conventional_baseline_with_k_steps_per_phase_and_its_cores():
     # The pipeline's stages run at once, each on its own core; the baseline's phases as asked.
     assert cores_for("pipeline", "colocated") == "split"
     assert cores_for("sync-k4", "colocated") == "colocated" and cores_for("sync", "split") == "split"
+
+
+def test_the_colocated_baseline_generates_on_an_engine_per_core():
+    from types import SimpleNamespace
+
+    from bench.pipeline_vs_sync import colocated_engines
+
+    assert job_for("sync-k8", 20, 5, "t", engines=2).spec.generator.replicas == 2
+    assert job_for("pipeline", 20, 5, "t", engines=2).spec.generator.replicas == 1  # the pipeline's own split
+    assert colocated_engines(SimpleNamespace(colocated_engines=0)) == len(os.sched_getaffinity(0))
+    assert colocated_engines(SimpleNamespace(colocated_engines=1)) == 1  # benchmark 11 before 2026-12-02

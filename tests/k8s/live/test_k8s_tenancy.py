@@ -20,7 +20,7 @@ import nats
 import pytest
 from operator_harness import JOBS, NS, collect_garbage, eventually, running_operator
 from chart import render as render_chart
-from test_k8s_operator import condition, events, manifest, obj, status
+from job_views import condition, events, manifest, obj, status
 
 from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import NATS_ACCOUNTS_FILE, JobSubjects, OperatorEnv

@@ -21,7 +21,6 @@ ALL_ON = {
     "metrics": {
         "serviceMonitor": {"enabled": True},
         "grafanaDashboard": {"enabled": True},
-        "kubeStateMetrics": {"enabled": True},
         "prometheusRule": {"enabled": True},
     }
 }
@@ -188,12 +187,6 @@ def test_optional_parts_toggle() -> None:
         "pipelinerl_weight_sync_seconds",
     ):
         assert metric in text
-    ksm = next(o for o in objects if o["metadata"]["name"].endswith("-ksm-config"))
-    config = yaml.safe_load(ksm["data"]["pipelinerl.yaml"])
-    names = {m["name"] for m in config["spec"]["resources"][0]["metrics"]}
-    assert {"phase", "condition", "progress_step", "progress_reward"} <= names
-    # The dashboard's KSM metrics exist under the prefix the config sets.
-    assert config["spec"]["resources"][0]["metricNamePrefix"] == "pipelinerl_job"
 
 
 def test_the_dashboard_filters_by_job_and_shows_every_condition() -> None:
@@ -208,7 +201,7 @@ def test_the_dashboard_filters_by_job_and_shows_every_condition() -> None:
         next(o for o in objects if o["metadata"]["name"].endswith("-dashboard"))["data"]["pipelinerl.json"]
     )
     exprs = {p["title"]: [t["expr"] for t in p["targets"]] for p in dashboard["panels"]}
-    # Every per-job panel filters by the chosen jobs: KSM series by `name`, pod series by the job
+    # Every per-job panel filters by the chosen jobs: the operator's job series by `name`, pod series by the job
     # label the PodMonitor copies onto them.
     monitor = next(o for o in objects if o["kind"] == "PodMonitor")
     assert JOB_LABEL in monitor["spec"]["podTargetLabels"]

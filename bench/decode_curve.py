@@ -1,0 +1,231 @@
+"""The decode curve and the throughput bound (benchmark 12): what this machine's physics lets the
+pipeline reach against conventional RL with k steps per phase, printed beside benchmark 11's
+measured samples/s ratios.
+
+    python -m bench.decode_curve     # ~8 min: the tiny model's curve, the trainer at 1 and 2 cores,
+                                     # two engines side by side
+
+Measured, one engine on one core (vLLM's CPU build through the generator's own `Engine`):
+the decode step's seconds against its running batch (1-128 sequences) and their contexts (8 and
+128 prompt tokens), each point the difference of two rounds of B requests that decode 16 and 64
+tokens (so prefill and start-up cancel), repeated and alternated; the trainer's forward and
+backward tokens/s on the same model with torch on 1 and on 2 threads. Fitted: base + per
+sequence + per sequence and context token (`pipelinerl.planner.bound.fit_curve`), the costs the
+planner's `Calibration` takes. From them, `pipelinerl.planner.bound` gives the samples/s ratio
+the pipeline can reach against each k for the tiny and the long-tail jobs' completion lengths
+(the calibrations' samples): conventional phases generate on both cores (one engine each, at
+the speed each keeps beside the other: `bench/engines_side_by_side.py`, measured here) and train
+on both; the pipeline splits the cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import time
+from dataclasses import replace
+
+# Before torch loads OpenMP: on a shared machine, spin-waiting OpenMP threads (the default) slow
+# small-model work ~15x whenever other processes hold the cores; passive waiting keeps the figures
+# meaningful under contention. Set OMP_WAIT_POLICY=ACTIVE to measure the default on a quiet machine.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench import engines_side_by_side as side_by_side  # noqa: E402
+from bench.common import RESULTS, alternate, save, summary, table  # noqa: E402
+from bench.tiny_engine import decode_round, tiny_engine  # noqa: E402
+from bench.results_store import read_result  # noqa: E402
+from pipelinerl.planner.bound import DecodeCurve, Machine, bound, fit_curve, phase_generation  # noqa: E402
+from pipelinerl.planner.calibration import load_calibration  # noqa: E402
+
+BATCHES = (1, 4, 16, 64, 128)
+CONTEXTS = (8, 128)
+SHORT, LONG = 16, 64  # decode tokens of the two rounds whose difference is a point
+KS = (1, 2, 4, 8)
+SAMPLES_PER_STEP = 128  # both jobs' (examples/tiny-cpu.yaml, long-tail-cpu.yaml)
+JOBS = {"tiny": ("cpu-tiny", "conventional_k-tiny"), "long-tail": ("cpu-long-tail", "conventional_k-long-tail")}
+CALIBRATION_OF_JOB = {"tiny-cpu.yaml": "cpu-tiny", "long-tail-cpu.yaml": "cpu-long-tail"}  # their lengths
+
+
+def saved_machine(name: str = "decode_curve") -> Machine | None:
+    """The machine benchmark 12 measured (bench/results/NAME.json), if it has run."""
+    path = RESULTS / f"{name}.json"
+    if not path.exists():
+        return None
+    data = read_result(path)
+    return Machine(
+        cores=max(int(c) for c in data["trainer_tokens_per_s"]),
+        curve=DecodeCurve(**data["curve"]),
+        train_tokens_per_s={int(c): s["median"] for c, s in data["trainer_tokens_per_s"].items()},
+        engine_scaling=data.get("engines_side_by_side", {}).get("engine_scaling", 1.0),
+    )
+
+
+def calibration_lengths(calibration: str) -> tuple[list[int], int]:
+    """A calibration's sample of completion lengths (its mean, for a lognormal) and prompt tokens."""
+    lengths = load_calibration(calibration).lengths
+    return lengths.values or [int(lengths.mean_tokens or 1)], lengths.prompt_tokens
+
+
+def job_lengths(job: str) -> tuple[list[int], int] | None:
+    """An example job's completion lengths and prompt tokens (its calibration's sample)."""
+    calibration = CALIBRATION_OF_JOB.get(os.path.basename(job))
+    return None if calibration is None else calibration_lengths(calibration)
+
+
+def predicted_phase_rate(job: str, engines: int, samples: int) -> float | None:
+    """The tokens/s the measured curve predicts for a conventional phase of `samples` completions
+    of `job` (the example's lengths, from its calibration) on `engines` engines, the tail
+    included; None without benchmark 12's result or for a job without a calibration."""
+    machine, lengths = saved_machine(), job_lengths(job)
+    if machine is None or lengths is None:
+        return None
+    gen_s, _, tokens = phase_generation(replace(machine, cores=engines), lengths[0], lengths[1], samples)
+    return tokens / gen_s
+
+
+def bound_with_trainer(
+    job: str, k: int, samples_per_step: int, train_tokens_per_s: dict[int, float], engines: int | None = None
+):
+    """The bound (`pipelinerl.planner.bound.bound`) on benchmark 12's decode curve and engines,
+    with a run's own trainer rates by cores (its rows' tokens over its training seconds: the
+    whole step, not the bare forward and backward benchmark 12 times) and the conventional
+    phase's `engines` (None: one per core); None where it cannot be formed."""
+    machine, lengths = saved_machine(), job_lengths(job)
+    if machine is None or lengths is None or set(train_tokens_per_s) != set(machine.train_tokens_per_s):
+        return None
+    machine = replace(machine, train_tokens_per_s=train_tokens_per_s)
+    return bound(machine, lengths[0], lengths[1], samples_per_step, k, engines)
+
+
+async def curve_points(path: str, repeats: int) -> list[dict]:
+    engine = await tiny_engine(path)
+    rng = np.random.default_rng(0)
+    points = []
+    try:
+        vocab = engine.llm.tokenizer.vocab_size if engine.llm.tokenizer else 64
+        for context in CONTEXTS:
+            for batch in BATCHES:
+                prompts = [[int(t) for t in rng.integers(3, vocab, context)] for _ in range(batch)]
+                loop = asyncio.get_running_loop()
+
+                def timed(tokens: int):
+                    def once() -> float:
+                        return asyncio.run_coroutine_threadsafe(decode_round(engine, prompts, tokens), loop).result()
+
+                    return once
+
+                runs = await asyncio.to_thread(alternate, {"short": timed(SHORT), "long": timed(LONG)}, repeats)
+                steps = [(b - a) / (LONG - SHORT) for a, b in zip(runs["short"], runs["long"])]
+                step = float(np.median(steps))
+                points.append(
+                    {"batch": batch, "context": context + (SHORT + LONG) / 2, "step_s": step, "steps_s": steps}
+                )
+                print(f"  batch {batch:3d}, prompt {context:3d}: {1000 * step:.2f} ms per decode step", flush=True)
+    finally:
+        engine.shutdown()
+    return points
+
+
+def trainer_rates(path: str, repeats: int) -> dict[int, dict]:
+    """Forward and backward tokens/s of the model, torch on 1 and on 2 threads (alternated)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    rows = torch.randint(3, model.config.vocab_size, (8, 64))
+
+    def rate(threads: int):
+        def once() -> float:
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            model(input_ids=rows, labels=rows).loss.backward()
+            model.zero_grad(set_to_none=True)
+            return rows.numel() / (time.perf_counter() - t0)
+
+        return once
+
+    cores = [c for c in (1, 2) if c <= (os.cpu_count() or 1)]
+    runs = alternate({str(c): rate(c) for c in cores}, repeats, warmup=2)
+    torch.set_num_threads(os.cpu_count() or 1)
+    return {c: summary(runs[str(c)]) for c in cores}
+
+
+def measured_ratios(result: str) -> dict[int, float]:
+    """Benchmark 11's pipeline / conventional k samples/s (median over its rounds), by k."""
+    path = RESULTS / f"{result}.json"
+    if not path.exists():
+        return {}
+    data = read_result(path)
+    out = {}
+    for mode, b in data.get("baselines", {}).items():
+        k = 1 if mode == "sync" else int(mode.removeprefix("sync-k"))
+        out[k] = b["samples_rate_ratio"]["median"]
+    return out
+
+
+def main() -> None:
+    from bench.models import project_caches
+    from pipelinerl.tiny_model import resolve_model_path
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--name", default="decode_curve")
+    ap.add_argument("--side-by-side-seconds", type=float, default=20.0)
+    args = ap.parse_args()
+    project_caches()
+    path = resolve_model_path("builtin:tiny-arith")
+    print("decode step, one engine on one core (vLLM CPU build):", flush=True)
+    points = asyncio.run(curve_points(path, args.repeats))
+    curve = fit_curve([(p["batch"], p["context"], p["step_s"]) for p in points])
+    train = trainer_rates(path, args.repeats)
+    print(
+        f"fitted: {1000 * curve.base_s:.2f} ms + {1000 * curve.per_seq_s:.3f} ms per sequence + "
+        f"{1e6 * curve.per_token_s:.3f} us per sequence and context token; a batch of 128 costs "
+        f"{curve.step_s(128, 128 * 48) / curve.step_s(1, 48):.1f}x one sequence's step"
+    )
+    print("trainer tokens/s: " + ", ".join(f"{c} core(s) {s['median']:.0f}" for c, s in train.items()))
+    cores = max(train)
+    print(f"{cores} engines side by side, one thread each, unpinned (the colocated baseline's):", flush=True)
+    engines = side_by_side.measure(cores, 64, args.side_by_side_seconds, args.repeats)
+    print(f"each engine beside the others: {engines['engine_scaling']:.2f}x its tokens/s alone")
+    machine = Machine(
+        cores=cores,
+        curve=curve,
+        train_tokens_per_s={c: s["median"] for c, s in train.items()},
+        engine_scaling=engines["engine_scaling"],
+    )
+    rows, bounds = [], {}
+    for job, (calibration, result) in JOBS.items():
+        lengths, prompt = calibration_lengths(calibration)
+        measured = measured_ratios(result)
+        for k in KS:
+            b = bound(machine, lengths, prompt, SAMPLES_PER_STEP, k)
+            one = bound(machine, lengths, prompt, SAMPLES_PER_STEP, k, engines=1)
+            bounds[f"{job}/k={k}"] = {
+                "ratio": b.ratio,
+                "ratio_one_engine": one.ratio,
+                "tail_share": b.tail_share,
+                "split": b.generator_cores,
+            }
+            got = measured.get(k)
+            rows.append(
+                [job, k, f"{b.ratio:.2f}", f"{b.tail_share:.0%}", f"{one.ratio:.2f}", f"{got:.2f}" if got else "-"]
+            )
+    headers = ["job", "k", "bound: pipeline / k samples/s", "phase in its tail", "bound, one engine a phase"]
+    print(table([*headers, "measured (benchmark 11, one engine)"], rows))
+    result = {
+        "points": points,
+        "curve": {"base_s": curve.base_s, "per_seq_s": curve.per_seq_s, "per_token_s": curve.per_token_s},
+        "trainer_tokens_per_s": {str(c): s for c, s in train.items()},
+        "engines_side_by_side": engines,
+        "bounds": bounds,
+    }
+    saved = save(args.name, result, f"python -m bench.decode_curve --repeats {args.repeats}")
+    print(f"wrote {saved}")
+
+
+if __name__ == "__main__":
+    main()

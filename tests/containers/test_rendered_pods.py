@@ -1,0 +1,217 @@
+"""The tiny job's pods as the operator renders them, run as podman containers from the images
+`make images` builds, the way a kubelet would run them (tests/containers/kubelet.py): the chart's
+NATS pod with the accounts the operator writes, then the job's StatefulSets' pods, on one
+private network whose DNS answers the cluster's names. The job trains to its last step and
+every service exits 0; each pod's health endpoint answers while it runs.
+
+`make test-containers` (CI runs it after `make test`): needs root, podman and the images.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelinerl import messages as m
+from pipelinerl.capacity import reserved_bytes
+from pipelinerl.contracts import HTTP_PORT, JobSubjects
+from pipelinerl.spec import parse_job
+from pipelinerl.streams import connect, stored_messages
+from pipelinerl_operator.config import KEY_STANDIN, from_values
+from pipelinerl_operator.credentials import job_credentials, nats_accounts
+from pipelinerl_operator.nats_store import accounts_secret
+from pipelinerl_operator.render import render
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "k8s"))
+from chart import render as render_chart  # noqa: E402
+
+import kubelet  # noqa: E402
+
+pytestmark = [pytest.mark.containers, pytest.mark.slow, pytest.mark.timeout(600)]
+
+ROOT = Path(__file__).resolve().parents[2]
+TAG = os.environ.get("TAG", "dev")
+SERVICES = f"localhost/pipelinerl-services:{TAG}"
+VALUES = {"services": {"image": {"repository": "localhost/pipelinerl-services", "tag": TAG}, "pullPolicy": "Never"}}
+# This host refuses podman's default limits (above its own): the open-file limit it has, and a
+# process limit in the range it lets a container set.
+ULIMITS = ["--ulimit=nofile={}:{}".format(*resource.getrlimit(resource.RLIMIT_NOFILE)), "--ulimit=nproc=4096:4096"]
+STEPS = 30
+RUN_TIMEOUT_S = 420
+
+
+def podman(*args: str, check: bool = True, timeout: float = 120) -> str:
+    done = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=timeout)
+    if check and done.returncode:
+        raise AssertionError(f"podman {' '.join(args[:3])}...: {done.stderr.strip()[-2000:]}")
+    return done.stdout.strip()
+
+
+def short_job() -> dict:
+    data = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
+    data["spec"]["trainer"] |= {"maxSteps": STEPS, "checkpointInterval": STEPS // 2}
+    data["spec"]["eval"] = {"interval": STEPS // 2, "problems": 100}
+    return data
+
+
+class Cluster:
+    """One private podman network playing the cluster: pods started from rendered objects."""
+
+    def __init__(self, root: Path):
+        self.root, self.network = root, f"pipelinerl-{uuid.uuid4().hex[:8]}"
+        self.containers: list[str] = []
+        podman("network", "create", self.network)
+
+    def start(self, pod: kubelet.Pod, containers: list[str], objects: dict, services: list[dict], images: dict) -> None:
+        dirs = {}
+        for volume in kubelet.folder_volumes(pod):
+            folder = self.root / pod.namespace / pod.name / volume
+            folder.mkdir(parents=True)
+            dirs[volume] = folder
+        for volume, files in kubelet.volume_files(pod, objects).items():
+            for name, text in files.items():
+                (dirs[volume] / name).write_text(text)
+        fs_group = (pod.spec.get("securityContext") or {}).get("fsGroup")
+        group = fs_group if fs_group is not None else 0
+        for folder in dirs.values():  # what the kubelet does with fsGroup: the group owns, setgid
+            os.chown(folder, 0, group)
+            folder.chmod(0o2775)
+            for f in folder.iterdir():
+                os.chown(f, 0, group)
+                f.chmod(0o644)
+        for name in containers:
+            args = kubelet.run_args(
+                pod, name, objects, images, dirs, self.network, kubelet.dns_names(pod, services), os.cpu_count() or 1
+            )
+            args[2:2] = ULIMITS
+            podman(*args[1:])
+            self.containers.append(kubelet.podman_name(pod, name))
+
+    def ip(self, container: str) -> str:
+        return podman("inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", container)
+
+    def state(self, container: str) -> tuple[str, int]:
+        out = podman("inspect", "-f", "{{.State.Status}} {{.State.ExitCode}}", container)
+        status, code = out.split()
+        return status, int(code)
+
+    def logs(self, container: str) -> str:
+        return podman("logs", "--tail", "40", container, check=False)
+
+    def close(self) -> None:
+        for c in self.containers:
+            podman("rm", "-f", "-t", "5", c, check=False)
+        podman("network", "rm", "-f", self.network, check=False)
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    if os.geteuid() != 0:
+        pytest.fail("the rendered pods run under rootful podman (make test-containers as root)")
+    if subprocess.run(["podman", "image", "exists", SERVICES]).returncode:
+        pytest.fail(f"{SERVICES} not built: run `make images`")
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+
+
+def status(ip: str) -> dict:
+    try:
+        with urllib.request.urlopen(f"http://{ip}:{HTTP_PORT}/status", timeout=3) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return {}
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=3) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def test_the_rendered_tiny_job_trains_to_its_last_step_as_podman_containers(cluster, tmp_path) -> None:
+    uid, namespace = str(uuid.uuid4()), "team-b"
+    job = parse_job(short_job())
+    cfg = from_values(VALUES, release="rl", namespace="team-a")  # the chart's NATS and key, as installed
+    job_objects = render(job, namespace, uid, cfg)
+    chart = render_chart(VALUES)
+    accounts = accounts_secret(
+        "rl-pipelinerl-nats-accounts",
+        "team-a",
+        nats_accounts(KEY_STANDIN, [(namespace, job.name, uid, reserved_bytes(job.spec))]),
+    )
+    objects = {(o["kind"], o["metadata"]["name"]): o for o in chart + job_objects + [accounts]}
+    services = [o for o in chart + job_objects if o["kind"] == "Service"]
+    images = {
+        SERVICES: kubelet.Image(SERVICES),
+        # The chart's NATS image is a registry pull: the services image carries the same server.
+        next(
+            c["image"] for o in chart if o["kind"] == "StatefulSet" for c in o["spec"]["template"]["spec"]["containers"]
+        ): kubelet.Image(SERVICES, ("nats-server",)),
+    }
+    nats_sts = next(o for o in chart if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-pipelinerl-nats")
+    (nats_pod,) = kubelet.stateful_set_pods(nats_sts)
+    # The reloader sidecar only follows later account changes; this job's account is there from the start.
+    cluster.start(nats_pod, ["nats"], objects, services, images)
+    nats = kubelet.podman_name(nats_pod, "nats")
+
+    pods = [p for o in job_objects if o["kind"] == "StatefulSet" for p in kubelet.stateful_set_pods(o)]
+    for pod in pods:
+        cluster.start(pod, [pod.spec["containers"][0]["name"]], objects, services, images)
+    names = {pod.name: kubelet.podman_name(pod, pod.spec["containers"][0]["name"]) for pod in pods}
+
+    # As the operator: poll trainer rank 0's /status until it says finished (status.compute's
+    # Succeeded), checking each pod's /healthz on its pod address meanwhile; then scale to zero
+    # (SIGTERM, the pods' grace period) and require a clean exit from each.
+    trainer = names[f"{job.name}-prl-trainer-0"]
+    answered: set[str] = set()
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not status(cluster.ip(trainer)).get("finished"):
+        states = {p: cluster.state(c) for p, c in names.items()}
+        exited = {p: s for p, s in states.items() if s[0] == "exited"}
+        assert not exited, "\n".join(f"{p} exited {s[1]}:\n{cluster.logs(names[p])}" for p, s in exited.items())
+        answered |= {p for p, c in names.items() if healthy(f"http://{cluster.ip(c)}:{HTTP_PORT}/healthz")}
+        assert time.monotonic() < deadline, "not finished:\n" + "\n".join(cluster.logs(c) for c in names.values())
+        time.sleep(2)
+    answered |= {p for p, c in names.items() if healthy(f"http://{cluster.ip(c)}:{HTTP_PORT}/healthz")}
+    assert answered == set(names)  # every pod's /healthz answered on its pod address
+    grace = str(pods[0].spec["terminationGracePeriodSeconds"])
+    for c in names.values():
+        podman("stop", "-t", grace, c, timeout=int(grace) + 30)
+    codes = {pod: cluster.state(c)[1] for pod, c in names.items()}
+    assert codes == dict.fromkeys(names, 0), {p: cluster.logs(names[p]) for p, code in codes.items() if code}
+
+    # The trainer's claim holds its last checkpoint, written as the pod's non-root user.
+    run = tmp_path / namespace / f"{job.name}-prl-trainer-0" / "run"
+    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
+    assert json.loads((latest / "state.json").read_text())["step"] == STEPS
+    assert latest.stat().st_uid == 10001
+    # The job's metrics stream, read with the job's own login: one row per step, the evaluations.
+    creds = job_credentials(KEY_STANDIN, namespace, job.name, uid)
+    url = f"nats://{cluster.ip(nats)}:4222"
+    rows = asyncio.run(metrics(url, creds["natsUser"], creds["natsPassword"], JobSubjects(job.name, namespace)))
+    assert [r.values["step"] for r in rows if r.kind == "train"] == list(range(1, STEPS + 1))
+    versions = [r.values["version"] for r in rows if r.kind == "eval"]
+    assert versions[0] == 0 and STEPS // 2 in versions and versions[-1] == STEPS
+
+
+async def metrics(url: str, user: str, password: str, subjects: JobSubjects) -> list:
+    nc = await connect(url, "test", user, password, reconnect=False)
+    try:
+        stored = await stored_messages(nc.jetstream(), subjects.stream("METRICS"))
+        return [m.decode(msg.data, m.Metrics) for msg in stored]
+    finally:
+        await nc.close()

@@ -1,0 +1,112 @@
+"""The throughput bound (pipelinerl/planner/bound.py): the decode curve fitted from points, one
+engine's phase with its tail counted step by step, and the pipeline's reachable ratio against
+conventional k: high where a decode step costs the same at any batch (a GPU below saturation)
+and the lengths have a tail, near 1 where the step's cost grows with the batch."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pipelinerl.planner.bound import DecodeCurve, Machine, bound, fit_curve, full_batch_samples_per_s, phase_seconds
+
+
+def test_the_fit_recovers_the_costs_that_made_the_points():
+    truth = DecodeCurve(0.004, 0.00017, 2e-7)
+    points = [(b, c, truth.step_s(b, b * c)) for b in (1, 4, 16, 64, 128) for c in (48.0, 168.0)]
+    fitted = fit_curve(points)
+    assert fitted.base_s == pytest.approx(0.004, rel=1e-6)
+    assert fitted.per_seq_s == pytest.approx(0.00017, rel=1e-6)
+    assert fitted.per_token_s == pytest.approx(2e-7, rel=1e-6)
+
+
+def test_a_cost_the_points_make_negative_is_dropped_and_the_others_refitted():
+    points = [(b, 10.0, 0.01 - 1e-9 * b) for b in (1, 8, 64)]  # flat, a hair falling: no per-sequence cost
+    fitted = fit_curve(points)
+    assert fitted.per_seq_s == 0 and fitted.per_token_s == 0
+    assert fitted.base_s == pytest.approx(0.01, rel=1e-4)
+
+
+def test_a_phase_pays_every_decode_step_and_each_running_sequences_share():
+    curve = DecodeCurve(1.0, 0.1, 0.0)
+    assert phase_seconds(curve, [5], prompt=0, max_running=8) == pytest.approx(5 * 1.1)
+    # Two sequences of 2 and 6 tokens: 2 steps with both, then 4 with one (the tail).
+    assert phase_seconds(curve, [2, 6], prompt=0, max_running=8) == pytest.approx(2 * 1.2 + 4 * 1.1)
+    # One place: the second waits for the first.
+    assert phase_seconds(curve, [2, 6], prompt=0, max_running=1) == pytest.approx(8 * 1.1)
+
+
+def test_contexts_grow_by_a_token_per_decode_step():
+    curve = DecodeCurve(0.0, 0.0, 1.0)
+    # One sequence, prompt 10, 3 tokens: contexts 10, 11, 12.
+    assert phase_seconds(curve, [3], prompt=10, max_running=4) == pytest.approx(33.0)
+
+
+def test_a_full_batch_of_steady_sequences():
+    curve = DecodeCurve(0.01, 0.0, 0.0)  # a step costs the same at any batch
+    assert full_batch_samples_per_s(curve, 100.0, 0, 64) == pytest.approx(64 / (0.01 * 100))
+
+
+LONG_TAIL = [int(x) for x in np.clip(np.random.default_rng(0).lognormal(np.log(40), 1.0, 512), 1, 400)]
+
+
+def machine(curve: DecodeCurve, train: float) -> Machine:
+    return Machine(cores=2, curve=curve, train_tokens_per_s={1: train, 2: 2 * train})
+
+
+def test_a_flat_decode_step_and_a_long_tail_leave_the_conventional_phase_idle():
+    """A GPU below saturation (the paper's Fig. 2a): the tail's steps cost a full batch's."""
+    flat = machine(DecodeCurve(0.02, 0.0, 0.0), train=20_000.0)
+    b = bound(flat, LONG_TAIL, prompt=16, samples_per_step=128, k=1)
+    assert b.ratio > 1.5 and b.tail_share > 0.5
+    assert bound(flat, [40] * 512, prompt=16, samples_per_step=128, k=1).ratio < b.ratio  # no tail: less to win
+
+
+def test_a_step_that_costs_by_the_batch_leaves_little_to_win():
+    """CPU-like: the step's cost is the batch's, so a full batch is no cheaper per token than the tail."""
+    linear = machine(DecodeCurve(1e-6, 0.0002, 0.0), train=20_000.0)
+    for k in (1, 4):
+        assert bound(linear, LONG_TAIL, prompt=16, samples_per_step=128, k=k).ratio < 1.15
+
+
+def test_larger_k_amortises_the_tail_over_more_sequences_per_engine():
+    flat = machine(DecodeCurve(0.02, 0.0, 0.0), train=20_000.0)
+    ratios = [bound(flat, LONG_TAIL, prompt=16, samples_per_step=128, k=k).ratio for k in (1, 2, 4, 8)]
+    assert ratios == sorted(ratios, reverse=True)  # each k's bigger phase fills the engines longer
+
+
+def test_engines_that_slow_each_other_lengthen_the_conventional_phase():
+    """Two engines sharing a memory bus each decode at a share of their speed alone: the
+    conventional phase (every core generating) takes that much longer; one engine is as fast."""
+    curve = DecodeCurve(0.005, 0.0001, 0.0)
+    alone = machine(curve, train=5_000.0)
+    shared = Machine(cores=2, curve=curve, train_tokens_per_s={1: 5_000.0, 2: 10_000.0}, engine_scaling=0.8)
+    assert shared.engines_rate(1) == 1.0 and shared.engines_rate(2) == pytest.approx(1.6)
+    a = bound(alone, LONG_TAIL, prompt=16, samples_per_step=128, k=4)
+    b = bound(shared, LONG_TAIL, prompt=16, samples_per_step=128, k=4)
+    assert b.pipeline_samples_per_s == pytest.approx(a.pipeline_samples_per_s)  # one generating engine
+    assert b.conventional_samples_per_s < a.conventional_samples_per_s and b.ratio > a.ratio
+    assert b.tail_share == pytest.approx(a.tail_share)
+
+
+def test_the_bound_with_a_runs_own_trainer_rates():
+    """Benchmark 11 prints the bound on benchmark 12's decode curve with the trainer rates its
+    own runs measured: a slower pipeline trainer (one core) lowers the pipeline's reach."""
+    from bench.decode_curve import bound_with_trainer, saved_machine
+
+    assert saved_machine() is not None  # bench/results/decode_curve.json is kept
+    fast = bound_with_trainer("examples/long-tail-cpu.yaml", 8, 128, {1: 5000.0, 2: 5100.0})
+    slow = bound_with_trainer("examples/long-tail-cpu.yaml", 8, 128, {1: 2000.0, 2: 5100.0})
+    assert fast is not None and slow is not None and slow.ratio < fast.ratio
+    assert bound_with_trainer("examples/unknown.yaml", 8, 128, {1: 1.0, 2: 1.0}) is None
+    assert bound_with_trainer("examples/long-tail-cpu.yaml", 8, 128, {3: 1.0}) is None  # cores it did not measure
+
+
+def test_a_conventional_phase_on_one_engine_leaves_the_other_core_idle():
+    """Benchmark 11 before 2026-12-02: one engine generated the phase on two cores; the bound
+    against it is higher than against an engine per core."""
+    curve = DecodeCurve(0.005, 0.0001, 0.0)
+    m = Machine(cores=2, curve=curve, train_tokens_per_s={1: 5_000.0, 2: 5_100.0}, engine_scaling=0.87)
+    one = bound(m, LONG_TAIL, prompt=16, samples_per_step=128, k=4, engines=1)
+    each = bound(m, LONG_TAIL, prompt=16, samples_per_step=128, k=4)
+    assert one.ratio > each.ratio and one.pipeline_samples_per_s == each.pipeline_samples_per_s
