@@ -38,9 +38,10 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
     2. Then the store deleted and nats-server restarted empty (a lost or replaced volume): the
     trainer finds its positions belong to another store and stops the run with StoreLost, never
     restarting silently from zero. `pipelinerl recover-store` makes the new store go on from the
-    trainer's checkpoint (step 4), and the run resumes there: steps 5.. again, each full, no
-    problem of the checkpoint's lineage drawn again, the metrics history kept."""
-    steps, name = 9, "store"
+    trainer's newest checkpoint (step 4 or 8: the run goes on while Prometheus scrapes), and the
+    run resumes there: the steps after it again, each full, no problem of the checkpoint's lineage
+    drawn again, the metrics history kept."""
+    steps, name = 12, "store"
     store = tmp_path / "run" / "nats"
     store.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256M", "tmpfs", str(store)], check=True)
@@ -118,24 +119,27 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
         out = first.output()
         assert code != 0 and "StoreLost" in out and "recover-store" in out, out
         assert len(first.train()) < rows_before + 3  # it stopped; no silent restart from step 0 trained on
+        checkpoint = latest_step(first.dir / "checkpoints")
+        assert checkpoint >= 4
 
         recover = ["recover-store", str(tmp_path / "job.yaml"), "--run-dir", str(first.dir)]
         recovered = subprocess.run(
             [sys.executable, "-m", "pipelinerl_cli", *recover], capture_output=True, text=True, timeout=120
         )
         assert recovered.returncode == 0, recovered.stderr
-        assert "goes on from the checkpoint of step 4" in recovered.stdout
+        assert f"goes on from the checkpoint of step {checkpoint}" in recovered.stdout
 
         second = start_run(job, RUN_TIMEOUT_S)
         second.finish()
         train = second.train()
-        resumed = [r for r in train[rows_before:] if r["step"] > 4]
-        # Every row before the loss is still in the run's metrics; after the recovery steps 5.. again, each full.
+        resumed = [r for r in train[rows_before:] if r["step"] > checkpoint]
+        # Every row before the loss is still in the run's metrics; after the recovery the steps past
+        # the checkpoint again, each full.
         assert [r["step"] for r in train[:rows_before]] == list(range(1, rows_before + 1))
-        assert [r["step"] for r in resumed][-(steps - 4) :] == list(range(5, steps + 1))
+        assert [r["step"] for r in resumed][-(steps - checkpoint) :] == list(range(checkpoint + 1, steps + 1))
         assert all(r["samples"] == SAMPLES for r in resumed)
         batches = [m.decode(x.data, m.MicroBatch) for x in stored(second.dir, name, "BATCHES")]
-        assert {mb.step for mb in batches} >= set(range(4, steps))  # the new store starts at the checkpoint's step
+        assert {mb.step for mb in batches} >= set(range(checkpoint, steps))  # the new store starts at the checkpoint
         drawn_after = {g for mb in batches for g in mb.group_ids}
         assert not drawn_after & trained_before, "a problem of the checkpoint's lineage was drawn again"
         assert "resumed from" in (second.dir / "logs/trainer.log").read_text()
