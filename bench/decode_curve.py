@@ -38,7 +38,8 @@ from bench import engines_side_by_side as side_by_side  # noqa: E402
 from bench.common import RESULTS, alternate, save, summary, table  # noqa: E402
 from bench.tiny_engine import decode_round, tiny_engine  # noqa: E402
 from bench.results_store import read_result  # noqa: E402
-from pipelinerl.planner.bound import DecodeCurve, Machine, bound, fit_curve, phase_generation  # noqa: E402
+from bench.calibrate_cpu import calibration_yaml  # noqa: E402
+from pipelinerl.planner.bound import DecodeCurve, Machine, bound, fit_curve, machine_calibration, phase_generation  # noqa: E402
 from pipelinerl.planner.calibration import load_calibration  # noqa: E402
 
 BATCHES = (1, 4, 16, 64, 128)
@@ -46,22 +47,34 @@ CONTEXTS = (8, 128)
 SHORT, LONG = 16, 64  # decode tokens of the two rounds whose difference is a point
 KS = (1, 2, 4, 8)
 SAMPLES_PER_STEP = 128  # both jobs' (examples/tiny-cpu.yaml, long-tail-cpu.yaml)
-JOBS = {"tiny": ("cpu-tiny", "conventional_k-tiny"), "long-tail": ("cpu-long-tail", "conventional_k-long-tail")}
+JOBS = {
+    "tiny": ("examples/tiny-cpu.yaml", "conventional_k-tiny"),
+    "long-tail": ("examples/long-tail-cpu.yaml", "conventional_k-long-tail"),
+}
 CALIBRATION_OF_JOB = {"tiny-cpu.yaml": "cpu-tiny", "long-tail-cpu.yaml": "cpu-long-tail"}  # their lengths
 
 
-def saved_machine(name: str = "decode_curve") -> Machine | None:
-    """The machine benchmark 12 measured (bench/results/NAME.json), if it has run."""
+def saved_machine(job: str, name: str = "decode_curve") -> Machine | None:
+    """The machine benchmark 12 measured (bench/results/NAME.json), with the trainer's rates on
+    `job`'s steps, if it has run (and timed that job's)."""
     path = RESULTS / f"{name}.json"
     if not path.exists():
         return None
     data = read_result(path)
+    train = data["trainer_tokens_per_s"].get(job_key(job))
+    if train is None:
+        return None
     return Machine(
-        cores=max(int(c) for c in data["trainer_tokens_per_s"]),
+        cores=max(int(c) for c in train),
         curve=DecodeCurve(**data["curve"]),
-        train_tokens_per_s={int(c): s["median"] for c, s in data["trainer_tokens_per_s"].items()},
+        train_tokens_per_s={int(c): s["median"] for c, s in train.items()},
         engine_scaling=data.get("engines_side_by_side", {}).get("engine_scaling", 1.0),
     )
+
+
+def job_key(job: str) -> str | None:
+    """Benchmark 12's name of an example job (JOBS), by its file."""
+    return next((key for key, (path, _) in JOBS.items() if os.path.basename(path) == os.path.basename(job)), None)
 
 
 def calibration_lengths(calibration: str) -> tuple[list[int], int]:
@@ -80,7 +93,7 @@ def predicted_phase_rate(job: str, engines: int, samples: int) -> float | None:
     """The tokens/s the measured curve predicts for a conventional phase of `samples` completions
     of `job` (the example's lengths, from its calibration) on `engines` engines, the tail
     included; None without benchmark 12's result or for a job without a calibration."""
-    machine, lengths = saved_machine(), job_lengths(job)
+    machine, lengths = saved_machine(job), job_lengths(job)
     if machine is None or lengths is None:
         return None
     gen_s, _, tokens = phase_generation(replace(machine, cores=engines), lengths[0], lengths[1], samples)
@@ -94,7 +107,7 @@ def bound_with_trainer(
     with a run's own trainer rates by cores (its rows' tokens over its training seconds: the
     whole step, not the bare forward and backward benchmark 12 times) and the conventional
     phase's `engines` (None: one per core); None where it cannot be formed."""
-    machine, lengths = saved_machine(), job_lengths(job)
+    machine, lengths = saved_machine(job), job_lengths(job)
     if machine is None or lengths is None or set(train_tokens_per_s) != set(machine.train_tokens_per_s):
         return None
     machine = replace(machine, train_tokens_per_s=train_tokens_per_s)
@@ -130,20 +143,49 @@ async def curve_points(path: str, repeats: int) -> list[dict]:
     return points
 
 
-def trainer_rates(path: str, repeats: int) -> dict[int, dict]:
-    """Forward and backward tokens/s of the model, torch on 1 and on 2 threads (alternated)."""
-    from transformers import AutoModelForCausalLM
+def trainer_rates(path: str, job: str, repeats: int) -> dict[int, dict]:
+    """Row tokens per second of the trainer's step on `job`'s shape, torch on 1 and on 2 threads
+    (alternated): its samples per step at the example's lengths (its calibration's sample),
+    packed into micro-batches of its microBatchTokens, each the trainer's loss
+    (`micro_batch_loss`) and backward, then the gradient clip and AdamW's step: as the trainer
+    computes a step (without DeepSpeed's bookkeeping), so its rate reads as a run's does."""
+    from pipelinerl import messages as m
+    from pipelinerl.spec import load_job
+    from pipelinerl_preprocessor.packing import StepSample, pack_wave, step_weight
+    from pipelinerl_trainer.model import load_model
+    from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    rows = torch.randint(3, model.config.vocab_size, (8, 64))
+    spec = load_job(job).spec
+    lengths, prompt = calibration_lengths(CALIBRATION_OF_JOB[os.path.basename(job)])
+    model = load_model(path).train()
+    vocab = model.config.vocab_size
+    rng = np.random.default_rng(0)
+    items = []
+    for i in range(spec.trainer.samples_per_step):
+        n = lengths[i % len(lengths)]
+        tokens = [int(t) for t in rng.integers(3, vocab, prompt + n)]
+        sample = m.Sample(
+            tokens=tokens, mask=[0] * prompt + [1] * n, logprobs=[0.0] * prompt + [-0.5] * n,
+            versions=[-1] * prompt + [0] * n, reward=float(i % 2),
+        )  # fmt: skip
+        items.append(StepSample(sample, float(rng.normal())))
+    weight = step_weight(items, spec.rl.token_weighting, len(items))
+    batches = pack_wave(0, items, 1, spec.trainer.micro_batch_tokens, weight, last=True)[0]
+    row_tokens = sum(len(mb.tokens) for mb in batches)
+    cfg = step_config(load_job(job))
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.trainer.learning_rate)
 
     def rate(threads: int):
         def once() -> float:
             torch.set_num_threads(threads)
             t0 = time.perf_counter()
-            model(input_ids=rows, labels=rows).loss.backward()
-            model.zero_grad(set_to_none=True)
-            return rows.numel() / (time.perf_counter() - t0)
+            tally = StepTally(cfg.max_lag, "cpu")
+            for mb in batches:
+                micro_batch_loss(model, mb, 0, cfg, tally).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return row_tokens / (time.perf_counter() - t0)
 
         return once
 
@@ -180,31 +222,43 @@ def main() -> None:
     print("decode step, one engine on one core (vLLM CPU build):", flush=True)
     points = asyncio.run(curve_points(path, args.repeats))
     curve = fit_curve([(p["batch"], p["context"], p["step_s"]) for p in points])
-    train = trainer_rates(path, args.repeats)
     print(
         f"fitted: {1000 * curve.base_s:.2f} ms + {1000 * curve.per_seq_s:.3f} ms per sequence + "
         f"{1e6 * curve.per_token_s:.3f} us per sequence and context token; a batch of 128 costs "
         f"{curve.step_s(128, 128 * 48) / curve.step_s(1, 48):.1f}x one sequence's step"
     )
-    print("trainer tokens/s: " + ", ".join(f"{c} core(s) {s['median']:.0f}" for c, s in train.items()))
-    cores = max(train)
+    train = {key: trainer_rates(path, job, args.repeats) for key, (job, _) in JOBS.items()}
+    for key, rates in train.items():
+        print(
+            f"trainer tokens/s, {key} steps: " + ", ".join(f"{c} core(s) {s['median']:.0f}" for c, s in rates.items())
+        )
+    cores = max(train["tiny"])
     print(f"{cores} engines side by side, one thread each, unpinned (the colocated baseline's):", flush=True)
     engines = side_by_side.measure(cores, 64, args.side_by_side_seconds, args.repeats)
     print(f"each engine beside the others: {engines['engine_scaling']:.2f}x its tokens/s alone")
-    machine = Machine(
-        cores=cores,
-        curve=curve,
-        train_tokens_per_s={c: s["median"] for c, s in train.items()},
-        engine_scaling=engines["engine_scaling"],
-    )
-    rows, bounds = [], {}
-    for job, (calibration, result) in JOBS.items():
-        lengths, prompt = calibration_lengths(calibration)
+    command = f"python -m bench.decode_curve --repeats {args.repeats}"
+    rows, bounds, calibrations = [], {}, {}
+    for key, (job, result) in JOBS.items():
+        machine = Machine(
+            cores=cores,
+            curve=curve,
+            train_tokens_per_s={c: s["median"] for c, s in train[key].items()},
+            engine_scaling=engines["engine_scaling"],
+        )
+        lengths, prompt = calibration_lengths(CALIBRATION_OF_JOB[os.path.basename(job)])
+        calibrations[key] = machine_calibration(
+            machine,
+            load_calibration(CALIBRATION_OF_JOB[os.path.basename(job)]).lengths,
+            f"physics-{key}",
+            f"measured: `{command}` (bench/results/{args.name}.json), its decode curve, engines side by side "
+            f"and trainer steps of {job}, nothing fitted to a run; lengths: the built-in calibration's sample; "
+            "the weight update unmeasured (0)",
+        )
         measured = measured_ratios(result)
         for k in KS:
             b = bound(machine, lengths, prompt, SAMPLES_PER_STEP, k)
             one = bound(machine, lengths, prompt, SAMPLES_PER_STEP, k, engines=1)
-            bounds[f"{job}/k={k}"] = {
+            bounds[f"{key}/k={k}"] = {
                 "ratio": b.ratio,
                 "ratio_one_engine": one.ratio,
                 "tail_share": b.tail_share,
@@ -212,19 +266,23 @@ def main() -> None:
             }
             got = measured.get(k)
             rows.append(
-                [job, k, f"{b.ratio:.2f}", f"{b.tail_share:.0%}", f"{one.ratio:.2f}", f"{got:.2f}" if got else "-"]
+                [key, k, f"{b.ratio:.2f}", f"{b.tail_share:.0%}", f"{one.ratio:.2f}", f"{got:.2f}" if got else "-"]
             )
     headers = ["job", "k", "bound: pipeline / k samples/s", "phase in its tail", "bound, one engine a phase"]
     print(table([*headers, "measured (benchmark 11, one engine)"], rows))
     result = {
         "points": points,
         "curve": {"base_s": curve.base_s, "per_seq_s": curve.per_seq_s, "per_token_s": curve.per_token_s},
-        "trainer_tokens_per_s": {str(c): s for c, s in train.items()},
+        "trainer_tokens_per_s": {key: {str(c): s for c, s in rates.items()} for key, rates in train.items()},
         "engines_side_by_side": engines,
         "bounds": bounds,
     }
-    saved = save(args.name, result, f"python -m bench.decode_curve --repeats {args.repeats}")
+    saved = save(args.name, result, command)
     print(f"wrote {saved}")
+    for key, calib in calibrations.items():
+        out = RESULTS / f"{args.name}-{key}.calibration.yaml"
+        out.write_text(calibration_yaml(calib))
+        print(f"wrote {out} (the planner's costs: pipelinerl plan {JOBS[key][0]} --calibration {out.name})")
 
 
 if __name__ == "__main__":

@@ -19,9 +19,12 @@ beside the measured ratios.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import numpy as np
+
+from pipelinerl.planner.calibration import Calibration, Lengths
 
 
 @dataclass(frozen=True)
@@ -151,3 +154,28 @@ def bound(
         if rate > best:
             best, cores_g = rate, g
     return Bound(k, conventional, best, cores_g, max(0.0, 1 - first / gen_s) if gen_s else 0.0)
+
+
+def machine_calibration(m: Machine, lengths: Lengths, name: str, source: str) -> Calibration:
+    """The planner's costs from the measured physics alone, nothing fitted to a run: each
+    engine's decode step as the curve's, slowed as an engine is beside busy cores (every engine
+    on this machine has a busy neighbour: another engine, or the trainer); training at the
+    trainer's tokens/s on one core, its scaling to every core as measured; the update's
+    seconds. The simulator then adds what the bound leaves out: admission, the lag budget,
+    waves, steps' boundaries."""
+    slower = m.engines_rate(m.cores) / m.cores
+    one, every = m.train_tokens_per_s[1], m.train_tokens_per_s[m.cores]
+    scaling = min(1.0, (every / (m.cores * one)) ** (1 / math.log2(m.cores))) if m.cores > 1 else 1.0
+    return Calibration(
+        name=name,
+        source=source,
+        decode_base_s=m.curve.base_s / slower,
+        decode_per_seq_s=m.curve.per_seq_s / slower,
+        decode_per_token_s=m.curve.per_token_s / slower,
+        max_batch=m.max_running,
+        train_s_per_token=1 / one,
+        train_scaling=scaling,
+        weight_sync_s=m.update_s,
+        pause_s=m.update_s,
+        lengths=lengths,
+    )

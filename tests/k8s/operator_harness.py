@@ -280,7 +280,7 @@ async def collect_garbage(emulator: kmock.KubernetesEmulator, api: Api, owner_ui
             await api._call("DELETE", f"{base}/namespaces/{ns}/{res.plural}/{name}")
 
 
-async def eventually(check: Callable[[], Any], timeout_s: float = 10.0, what: str = "condition") -> Any:
+async def eventually(check: Callable[[], Any], timeout_s: float = 30.0, what: str = "condition") -> Any:
     """Poll `check` until it returns a truthy value (or stops raising AssertionError)."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     last: Exception | None = None

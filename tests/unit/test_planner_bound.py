@@ -5,10 +5,22 @@ and the lengths have a tail, near 1 where the step's cost grows with the batch."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
-from pipelinerl.planner.bound import DecodeCurve, Machine, bound, fit_curve, full_batch_samples_per_s, phase_seconds
+from pipelinerl.planner.bound import (
+    DecodeCurve,
+    Machine,
+    bound,
+    fit_curve,
+    full_batch_samples_per_s,
+    machine_calibration,
+    phase_seconds,
+)
+from pipelinerl.planner.calibration import Lengths
+from pipelinerl.planner.simulation import simulate
 
 
 def test_the_fit_recovers_the_costs_that_made_the_points():
@@ -94,7 +106,7 @@ def test_the_bound_with_a_runs_own_trainer_rates():
     own runs measured: a slower pipeline trainer (one core) lowers the pipeline's reach."""
     from bench.decode_curve import bound_with_trainer, saved_machine
 
-    assert saved_machine() is not None  # bench/results/decode_curve.json is kept
+    assert saved_machine("examples/long-tail-cpu.yaml") is not None  # bench/results/decode_curve.json is kept
     fast = bound_with_trainer("examples/long-tail-cpu.yaml", 8, 128, {1: 5000.0, 2: 5100.0})
     slow = bound_with_trainer("examples/long-tail-cpu.yaml", 8, 128, {1: 2000.0, 2: 5100.0})
     assert fast is not None and slow is not None and slow.ratio < fast.ratio
@@ -110,3 +122,28 @@ def test_a_conventional_phase_on_one_engine_leaves_the_other_core_idle():
     one = bound(m, LONG_TAIL, prompt=16, samples_per_step=128, k=4, engines=1)
     each = bound(m, LONG_TAIL, prompt=16, samples_per_step=128, k=4)
     assert one.ratio > each.ratio and one.pipeline_samples_per_s == each.pipeline_samples_per_s
+
+
+def test_the_planner_on_the_machines_physics_trains_and_decodes_as_measured():
+    """`machine_calibration`: the simulator on benchmark 12's physics alone. Its trainer takes
+    the measured tokens/s on one core and on both (the scaling solved from them); its engines
+    decode at the curve's cost slowed as beside a busy core; so a trainer-bound pipeline runs at
+    the trainer's rate, and a generator-bound one at the engine's full-batch rate."""
+    curve = DecodeCurve(0.005, 0.0001, 0.0)
+    m = Machine(cores=2, curve=curve, train_tokens_per_s={1: 4_000.0, 2: 6_000.0}, engine_scaling=0.8)
+    lengths = Lengths(distribution="empirical", values=LONG_TAIL, prompt_tokens=8)
+    c = machine_calibration(m, lengths, "physics", "test")
+    assert c.train_s(6_000.0, 1) == pytest.approx(1.5) and c.train_s(6_000.0, 2) == pytest.approx(1.0)
+    assert c.step_s(10) == pytest.approx(curve.step_s(10, 0) / 0.8)
+    tokens = 8 + float(np.mean(LONG_TAIL))
+    common = dict(samples_per_step=128, attempts=8, calib=c, max_tokens=max(LONG_TAIL), steps=40, warmup=4)
+    trainer_bound = simulate("pipeline", 1, 1, 8, **common)
+    assert trainer_bound.train_busy > 0.95
+    assert trainer_bound.samples_per_s == pytest.approx(4_000.0 / tokens, rel=0.05)
+    fast = machine_calibration(replace(m, train_tokens_per_s={1: 1e6, 2: 1.5e6}), lengths, "physics", "test")
+    generator_bound = simulate("pipeline", 1, 1, 8, **(common | {"calib": fast}))
+    full = full_batch_samples_per_s(
+        replace(curve, base_s=0.005 / 0.8, per_seq_s=0.0001 / 0.8), np.mean(LONG_TAIL), 8, 128
+    )
+    assert generator_bound.gen_busy > 0.95
+    assert generator_bound.samples_per_s == pytest.approx(full, rel=0.15)

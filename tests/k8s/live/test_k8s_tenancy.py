@@ -370,7 +370,9 @@ async def test_nats_starts_whatever_jobs_exist_and_only_running_jobs_have_accoun
                 await eventually(
                     lambda: events(emulator).count("StreamsDeleted") >= 2, what="one's and two's, as their users"
                 )
-                await eventually(lambda: status(emulator, "two")["natsReservedBytes"] == 0, what="said in its status")
+                await eventually(
+                    lambda: status(emulator, "two")["natsReservedBytes"] == 0, timeout_s=60, what="said in its status"
+                )
 
                 # Resumed (there is room again): its account comes back; once the server has it, the
                 # operator makes its store go on from the checkpoint, and only then starts its pods.
