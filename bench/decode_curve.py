@@ -2,20 +2,23 @@
 pipeline reach against conventional RL with k steps per phase, printed beside benchmark 11's
 measured samples/s ratios.
 
-    python -m bench.decode_curve     # ~8 min: the tiny model's curve, the trainer at 1 and 2 cores,
-                                     # two engines side by side
+    python -m bench.decode_curve     # ~9 min: the tiny model's curve, the trainer's steps at 1 and
+                                     # 2 cores, two engines side by side
 
 Measured, one engine on one core (vLLM's CPU build through the generator's own `Engine`):
 the decode step's seconds against its running batch (1-128 sequences) and their contexts (8 and
 128 prompt tokens), each point the difference of two rounds of B requests that decode 16 and 64
-tokens (so prefill and start-up cancel), repeated and alternated; the trainer's forward and
-backward tokens/s on the same model with torch on 1 and on 2 threads. Fitted: base + per
-sequence + per sequence and context token (`pipelinerl.planner.bound.fit_curve`), the costs the
-planner's `Calibration` takes. From them, `pipelinerl.planner.bound` gives the samples/s ratio
-the pipeline can reach against each k for the tiny and the long-tail jobs' completion lengths
-(the calibrations' samples): conventional phases generate on both cores (one engine each, at
-the speed each keeps beside the other: `bench/engines_side_by_side.py`, measured here) and train
-on both; the pipeline splits the cores.
+tokens (so prefill and start-up cancel), repeated and alternated; the trainer's tokens/s on each
+example job's step (its samples at its lengths, packed, the trainer's loss, AdamW) with torch on
+1 and on 2 threads. Fitted: base + per sequence + per sequence and context token
+(`pipelinerl.planner.bound.fit_curve`). From them, `pipelinerl.planner.bound` gives the
+samples/s ratio the pipeline can reach against each k for the tiny and the long-tail jobs'
+completion lengths (the calibrations' samples): conventional phases generate on both cores (one
+engine each, at the speed each keeps beside the other: `bench/engines_side_by_side.py`,
+measured here) and train on both; the pipeline splits the cores. And the planner's costs from
+this physics alone, one calibration per job (`machine_calibration`;
+bench/results/NAME-JOB.calibration.yaml, for `pipelinerl plan --calibration`): what it predicts
+for a benchmark-11 run is a prediction nothing of that run was fitted to.
 """
 
 from __future__ import annotations

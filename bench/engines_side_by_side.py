@@ -30,6 +30,11 @@ from bench.common import summary  # noqa: E402
 
 TOKENS = 64  # per request and round
 START_TIMEOUT_S = 180.0  # a vLLM CPU engine starts in ~10-40 s here
+TRIES = 2  # of a measurement whose engines did not all start (vLLM's CPU start-up once hung here)
+
+
+class NotStarted(RuntimeError):
+    """An engine process that did not say it was ready in time, or died first."""
 
 
 async def decode_for(path: str, batch: int, seconds: float) -> dict:
@@ -71,10 +76,10 @@ def side_by_side(engines: int, batch: int, seconds: float) -> list[float]:
             line = "-"
             while line and line.strip() != "ready":
                 if not select.select([p.stdout], [], [], max(0.0, deadline - time.time()))[0]:
-                    raise SystemExit(f"an engine did not start in {START_TIMEOUT_S:.0f} s")
+                    raise NotStarted(f"an engine did not start in {START_TIMEOUT_S:.0f} s")
                 line = p.stdout.readline()  # (a child writes whole lines)
             if not line:
-                raise SystemExit(f"an engine process failed before it was ready ({p.wait()})")
+                raise NotStarted(f"an engine process failed before it was ready ({p.wait()})")
         start_at = time.time() + 1.0
         rates = []
         for p in procs:
@@ -97,9 +102,20 @@ def measure(engines: int, batch: int, seconds: float, repeats: int) -> dict:
     """One engine alone and `engines` at once, alternated `repeats` times: each engine's tokens/s
     at once over one's alone (the median of the rounds), and the rounds."""
     alone, together = [], []
+
+    def tried(n: int) -> list[float]:
+        for attempt in range(1, TRIES + 1):
+            try:
+                return side_by_side(n, batch, seconds)
+            except NotStarted as err:
+                if attempt == TRIES:
+                    raise SystemExit(f"{err} ({TRIES} tries)") from None
+                print(f"  {err}; trying again", flush=True)
+        raise AssertionError("unreachable")
+
     for r in range(repeats):
-        alone.append(side_by_side(1, batch, seconds)[0])
-        together.append(side_by_side(engines, batch, seconds))
+        alone.append(tried(1)[0])
+        together.append(tried(engines))
         print(
             f"  round {r + 1}: one engine alone {alone[-1]:,.0f} tok/s; {engines} at once "
             + ", ".join(f"{x:,.0f}" for x in together[-1])
