@@ -285,7 +285,9 @@ def main() -> None:
     for key, calib in calibrations.items():
         out = RESULTS / f"{args.name}-{key}.calibration.yaml"
         out.write_text(calibration_yaml(calib))
-        print(f"wrote {out} (the planner's costs: pipelinerl plan {JOBS[key][0]} --calibration {out.name})")
+        print(
+            f"wrote {out} (the planner's costs: pipelinerl plan {JOBS[key][0]} --calibration bench/results/{out.name})"
+        )
 
 
 if __name__ == "__main__":

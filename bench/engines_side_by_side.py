@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -67,8 +69,9 @@ def side_by_side(engines: int, batch: int, seconds: float) -> list[float]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "bench.engines_side_by_side", "--child", "--batch", str(batch)]
     cmd += ["--seconds", str(seconds)]
-    procs = [
-        subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) for _ in range(engines)
+    procs = [  # each in a session of its own: a hung one is killed with its engine core process
+        subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True)
+        for _ in range(engines)
     ]
     try:
         deadline = time.time() + START_TIMEOUT_S
@@ -94,8 +97,8 @@ def side_by_side(engines: int, batch: int, seconds: float) -> list[float]:
         return rates
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)  # vLLM's engine core outlives a killed parent
 
 
 def measure(engines: int, batch: int, seconds: float, repeats: int) -> dict:

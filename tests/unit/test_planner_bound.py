@@ -147,3 +147,41 @@ def test_the_planner_on_the_machines_physics_trains_and_decodes_as_measured():
     )
     assert generator_bound.gen_busy > 0.95
     assert generator_bound.samples_per_s == pytest.approx(full, rel=0.15)
+
+
+def test_the_kept_physics_calibrations_are_benchmark_12s_kept_measurements():
+    """bench/results/decode_curve-JOB.calibration.yaml (what the in-vitro prediction read) is
+    `machine_calibration` of bench/results/decode_curve.json: nothing else went into it."""
+    from bench.decode_curve import CALIBRATION_OF_JOB, JOBS, saved_machine
+
+    from bench.common import RESULTS
+    from pipelinerl.planner.calibration import load_calibration
+
+    for key, (job, _) in JOBS.items():
+        kept = load_calibration(RESULTS / f"decode_curve-{key}.calibration.yaml")
+        machine = saved_machine(job)
+        assert machine is not None
+        lengths = load_calibration(CALIBRATION_OF_JOB[job.rsplit("/", 1)[-1]]).lengths
+        again = machine_calibration(machine, lengths, kept.name, kept.source)
+        assert kept == again
+
+
+def test_the_in_vitro_prediction_was_written_first_and_is_within_15_percent():
+    """Issue 54's in-vitro check, held against the kept files: the planner's samples/s for each
+    side of benchmark 11's long-tail run (pipeline vs k = 8, an engine per core), written from
+    benchmark 12's physics before the run's first round started, within ±15% of the measured
+    median of each side."""
+    import datetime
+
+    from bench.common import RESULTS
+    from bench.results_store import read_result
+
+    predicted = read_result(RESULTS / "planner_prediction-long-tail-physics.json")
+    measured = read_result(RESULTS / "conventional_k8-long-tail-physics.json")
+    written = datetime.datetime.fromisoformat(predicted["date"].replace("Z", "+00:00"))
+    first = min(r["started_at"] for runs in measured["runs"].values() for r in runs)
+    assert written.timestamp() < first
+    assert "decode_curve-long-tail.calibration.yaml" in predicted["command"]
+    for side in ("pipeline", "sync-k8"):
+        got = measured["modes"][side]["samples_per_second"]["median"]
+        assert abs(predicted["predicted_samples_per_s"][side] / got - 1) <= 0.15, side
