@@ -43,7 +43,7 @@ from bench.tiny_engine import decode_round, tiny_engine  # noqa: E402
 from bench.results_store import read_result  # noqa: E402
 from bench.calibrate_cpu import calibration_yaml  # noqa: E402
 from pipelinerl.planner.bound import DecodeCurve, Machine, bound, fit_curve, machine_calibration, phase_generation  # noqa: E402
-from pipelinerl.planner.calibration import load_calibration  # noqa: E402
+from pipelinerl.planner.calibration import Lengths, load_calibration  # noqa: E402
 
 BATCHES = (1, 4, 16, 64, 128)
 CONTEXTS = (8, 128)
@@ -80,16 +80,21 @@ def job_key(job: str) -> str | None:
     return next((key for key, (path, _) in JOBS.items() if os.path.basename(path) == os.path.basename(job)), None)
 
 
-def calibration_lengths(calibration: str) -> tuple[list[int], int]:
-    """A calibration's sample of completion lengths (its mean, for a lognormal) and prompt tokens."""
-    lengths = load_calibration(calibration).lengths
+def job_length_model(job: str) -> Lengths | None:
+    """An example job's completion and prompt lengths, as its built-in calibration holds them."""
+    calibration = CALIBRATION_OF_JOB.get(os.path.basename(job))
+    return None if calibration is None else load_calibration(calibration).lengths
+
+
+def sample_of(lengths: Lengths) -> tuple[list[int], int]:
+    """A sample of completion lengths (the mean, for a lognormal) and the prompt tokens."""
     return lengths.values or [int(lengths.mean_tokens or 1)], lengths.prompt_tokens
 
 
 def job_lengths(job: str) -> tuple[list[int], int] | None:
-    """An example job's completion lengths and prompt tokens (its calibration's sample)."""
-    calibration = CALIBRATION_OF_JOB.get(os.path.basename(job))
-    return None if calibration is None else calibration_lengths(calibration)
+    """An example job's sample of completion lengths and prompt tokens (`sample_of`)."""
+    lengths = job_length_model(job)
+    return None if lengths is None else sample_of(lengths)
 
 
 def predicted_phase_rate(job: str, engines: int, samples: int) -> float | None:
@@ -158,8 +163,11 @@ def trainer_rates(path: str, job: str, repeats: int) -> dict[int, dict]:
     from pipelinerl_trainer.model import load_model
     from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
 
-    spec = load_job(job).spec
-    lengths, prompt = calibration_lengths(CALIBRATION_OF_JOB[os.path.basename(job)])
+    example = load_job(job)
+    spec = example.spec
+    model_lengths = job_length_model(job)
+    assert model_lengths is not None, f"{job}: not an example job with a calibration (CALIBRATION_OF_JOB)"
+    lengths, prompt = sample_of(model_lengths)
     model = load_model(path).train()
     vocab = model.config.vocab_size
     rng = np.random.default_rng(0)
@@ -175,7 +183,7 @@ def trainer_rates(path: str, job: str, repeats: int) -> dict[int, dict]:
     weight = step_weight(items, spec.rl.token_weighting, len(items))
     batches = pack_wave(0, items, 1, spec.trainer.micro_batch_tokens, weight, last=True)[0]
     row_tokens = sum(len(mb.tokens) for mb in batches)
-    cfg = step_config(load_job(job))
+    cfg = step_config(example)
     opt = torch.optim.AdamW(model.parameters(), lr=spec.trainer.learning_rate)
 
     def rate(threads: int):
@@ -248,10 +256,12 @@ def main() -> None:
             train_tokens_per_s={c: s["median"] for c, s in train[key].items()},
             engine_scaling=engines["engine_scaling"],
         )
-        lengths, prompt = calibration_lengths(CALIBRATION_OF_JOB[os.path.basename(job)])
+        model_lengths = job_length_model(job)
+        assert model_lengths is not None  # every JOBS entry has its calibration
+        lengths, prompt = sample_of(model_lengths)
         calibrations[key] = machine_calibration(
             machine,
-            load_calibration(CALIBRATION_OF_JOB[os.path.basename(job)]).lengths,
+            model_lengths,
             f"physics-{key}",
             f"measured: `{command}` (bench/results/{args.name}.json), its decode curve, engines side by side "
             f"and trainer steps of {job}, nothing fitted to a run; lengths: the built-in calibration's sample; "

@@ -152,7 +152,7 @@ def test_the_planner_on_the_machines_physics_trains_and_decodes_as_measured():
 def test_the_kept_physics_calibrations_are_benchmark_12s_kept_measurements():
     """bench/results/decode_curve-JOB.calibration.yaml (what the in-vitro prediction read) is
     `machine_calibration` of bench/results/decode_curve.json: nothing else went into it."""
-    from bench.decode_curve import CALIBRATION_OF_JOB, JOBS, saved_machine
+    from bench.decode_curve import JOBS, job_length_model, saved_machine
 
     from bench.common import RESULTS
     from pipelinerl.planner.calibration import load_calibration
@@ -161,7 +161,8 @@ def test_the_kept_physics_calibrations_are_benchmark_12s_kept_measurements():
         kept = load_calibration(RESULTS / f"decode_curve-{key}.calibration.yaml")
         machine = saved_machine(job)
         assert machine is not None
-        lengths = load_calibration(CALIBRATION_OF_JOB[job.rsplit("/", 1)[-1]]).lengths
+        lengths = job_length_model(job)
+        assert lengths is not None
         again = machine_calibration(machine, lengths, kept.name, kept.source)
         assert kept == again
 
