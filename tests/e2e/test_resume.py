@@ -3,7 +3,7 @@ in its run folder: it resumes, learns like a clean run, and its trackers carry o
 
 The job is examples/trl/tiny-dataset.yaml (the default task as a JSONL file and a reward
 function with GRPOTrainer's signature, on the warm-started tiny model) with W&B (offline),
-MLflow and TensorBoard tracking: 60 steps, checkpoint every 10, killed at step 12 (two steps to
+MLflow and TensorBoard tracking: 40 steps, checkpoint every 10, killed at step 12 (two steps to
 replay). Measured with the built-in task before the dataset one existed: a clean run went from
 27.3% to 38.3% held-out accuracy, a resumed one to 39.7%; before generators continued their books
 from the stream, the resumed run trained no tokens from step 19 on (every sample dropped for lag)
@@ -13,7 +13,9 @@ Three CI runs of this test gained +12.0, +10.7 and +3.7 points of greedy accurac
 300 held-out problems, while their mean training reward over the last ten steps rose +12, +11 and
 +10 points over the first ten: greedy accuracy swings with small weight changes (the +3.7 run
 trained as well as the others). So the reward of 1,280 on-policy samples at each end carries the
-"it learns" assertion, and the held-out set, 1,000 problems here, must not fall."""
+"it learns" assertion, and the held-out set, 1,000 problems here, must not fall. Those runs took
+60 steps; 40 keep the margin (two runs of 60, read at step 40: reward +11 and +13 points, greedy
+accuracy 29.6% -> 38.4% and 34.3%) at two thirds of the time."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ from pipelinerl.tracking import default_mlflow_uri
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, CHECKPOINT, KILL_AT, EVAL_PROBLEMS = 60, 10, 12, 1000
+STEPS, CHECKPOINT, KILL_AT, EVAL_PROBLEMS = 40, 10, 12, 1000
 
 
 def held_out(folder: Path) -> Path:
@@ -127,7 +129,7 @@ def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_trackin
     assert len(steps_of) >= STEPS * 16 and all(len(s) == 1 for s in steps_of.values())
     # The tokens labelled with a checkpoint's version were sampled from exactly its weights
     # (the generator's label is the weights it holds); a neighbour's differ clearly.
-    for version in (CHECKPOINT, 3 * CHECKPOINT, 5 * CHECKPOINT):
+    for version in (CHECKPOINT, 2 * CHECKPOINT, 3 * CHECKPOINT):
         labelled = [b for b in batches if {v for v, k in zip(b.versions, b.mask) if k} == {version}][:4]
         assert labelled, version
         assert logprob_gap(second.dir / "checkpoints" / f"step-{version}", labelled) < 1e-3

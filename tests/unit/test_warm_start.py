@@ -20,7 +20,7 @@ BUILD = """
 import hashlib, sys, torch
 from pipelinerl.tiny_model import deterministic_build
 torch.set_num_threads(int(sys.argv[1]))  # the machine's own setting: the build must not depend on it
-_, model, info = deterministic_build("tiny-arith", progress=lambda _: None, max_steps=12)
+_, model, info = deterministic_build("tiny-arith", progress=lambda _: None, max_steps=6)
 digest = hashlib.sha256(b"".join(t.numpy().tobytes() for t in model.state_dict().values())).hexdigest()
 print(digest, torch.get_num_threads())
 """
