@@ -65,13 +65,14 @@ def all_rules(schema: dict[str, Any], path: str = "") -> list[tuple[str, str, st
 def cel_errors(schema: dict[str, Any], new: Any, old: Any = None, path: str = "") -> list[str]:
     """Messages of the CEL rules that reject `new` (an update from `old` when given)."""
     errors = []
-    for r in schema.get("x-kubernetes-validations", []):
-        transition = "oldSelf" in r["rule"]
-        if transition and old is None:
-            continue  # transition rules only run on updates where the old value exists
+    rules = schema.get("x-kubernetes-validations", [])
+    if rules:  # converted once for all of this node's rules (a subtree's conversion is its size)
         activation = {"self": celpy.json_to_cel(new)}
-        if transition:
+        if old is not None:
             activation["oldSelf"] = celpy.json_to_cel(old)
+    for r in rules:
+        if "oldSelf" in r["rule"] and old is None:
+            continue  # transition rules only run on updates where the old value exists
         result = program(r["rule"]).evaluate(activation)
         if result is not True and result != celpy.celtypes.BoolType(True):
             errors.append(r["message"])
