@@ -21,6 +21,7 @@ from pipelinerl.spec import PipelineRLJob, dump_job
 
 log = logging.getLogger("pipelinerl.tracking")
 AXES = {"train": "step", "eval": "version"}  # kind → the field that is its x-axis
+WANDB_FINISH_TIMEOUT_S = 60.0
 
 
 def scalars(kind: str, values: dict[str, Any]) -> tuple[int, dict[str, float]] | None:
@@ -59,7 +60,9 @@ class Wandb:
             config=json.loads(job.model_dump_json(by_alias=True)),
             # W&B writes its run file every 15 s by default: a pod killed outright lost up to 15 s
             # of steps, those before the checkpoint it resumes from too, which no replay restores.
-            settings=wandb.Settings(x_transaction_log_flush_interval=1.0),
+            # finish() waits for every upload by default: with W&B unreachable, a finished
+            # trainer would never exit. What is not uploaded by then stays on disk (`wandb sync`).
+            settings=wandb.Settings(x_transaction_log_flush_interval=1.0, finish_timeout=WANDB_FINISH_TIMEOUT_S),
         )
         for kind, axis in AXES.items():
             self.run.define_metric(f"{kind}/{axis}")

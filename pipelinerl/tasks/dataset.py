@@ -14,7 +14,9 @@ force either way). A reward function gets
 what TRL passes: `completions` (strings, or assistant messages for conversational prompts),
 `prompts`, `completion_ids` and every other column of the row as keyword arguments, each a
 list of one; it returns a list of one float (a coroutine function may be used too). A
-completion counts as solved in evaluations when its reward reaches `success_reward`.
+completion counts as solved in evaluations when its reward reaches `success_reward`. A reward
+function that has not returned within `reward_timeout_s` (default 300; a remote judge that never
+answers) stops the generator with an error naming it, as one that raises does.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ class DatasetTask:
     reward_weights: list[float] | None = None
     chat_template: bool | None = None
     success_reward: float = 1.0
+    reward_timeout_s: float = 300.0
     seed: int = 0
     name: str = "dataset"
     _train: list[Problem] = field(default_factory=list, repr=False)
@@ -92,6 +95,8 @@ class DatasetTask:
             raise ValueError("spec.task.params.train is required for the dataset task (files of prompts)")
         if not self.reward:
             raise ValueError("spec.task.params.reward is required for the dataset task (module:function)")
+        if not self.reward_timeout_s > 0:
+            raise ValueError(f"spec.task.params.reward_timeout_s: must be > 0, got {self.reward_timeout_s!r}")
         names = [self.reward] if isinstance(self.reward, str) else list(self.reward)
         self._rewards = [(n, import_function(n, "reward")) for n in names]
         weights = self.reward_weights or [1.0] * len(names)
@@ -159,8 +164,14 @@ class DatasetTask:
         }
         total = 0.0
         for (name, fn), weight in zip(self._rewards, self.reward_weights or ()):  # set in __post_init__
+            call = fn(**kwargs) if inspect.iscoroutinefunction(fn) else asyncio.to_thread(fn, **kwargs)
             try:
-                out = await fn(**kwargs) if inspect.iscoroutinefunction(fn) else await asyncio.to_thread(fn, **kwargs)
+                out = await asyncio.wait_for(call, self.reward_timeout_s)
+            except TimeoutError:
+                raise RuntimeError(
+                    f"reward function {name} gave no reward for {problem.id} within {self.reward_timeout_s:g} s "
+                    f"(spec.task.params.reward_timeout_s)"
+                ) from None
             except Exception as err:
                 raise RuntimeError(
                     f"reward function {name} failed on {problem.id}: {type(err).__name__}: {err}"

@@ -3,6 +3,7 @@ text or chat messages, TRL-style reward functions, and errors that name the row 
 
 import asyncio
 import json
+import time
 
 import pytest
 from test_tasks import ScriptedPolicy  # tests/unit/test_tasks.py
@@ -33,6 +34,15 @@ def length_penalty(completions, **kwargs):
 
 def broken_reward(completions, **kwargs):
     return ["high"]
+
+
+async def silent_judge(completions, **kwargs):
+    await asyncio.sleep(3600)  # a remote judge that never answers
+
+
+def stuck_reward(completions, **kwargs):
+    time.sleep(1)  # a blocking call past the timeout (a thread cannot be cancelled: it ends on its own)
+    return [1.0]
 
 
 async def async_reward(completions, answer, **kwargs):
@@ -162,3 +172,21 @@ def test_a_builtin_models_tokenizer_keeps_the_spaces_of_a_prompt(tmp_path):
     assert load_tokenizer(str(tmp_path)).encode(text) == make_tokenizer().encode(text)
     assert load_tokenizer(str(tmp_path)).decode(make_tokenizer().encode(text)) == text
     assert AutoTokenizer.from_pretrained(tmp_path).encode(text) != make_tokenizer().encode(text)  # the bug it avoids
+
+
+@pytest.mark.parametrize("reward", ["silent_judge", "stuck_reward"])
+def test_a_reward_function_that_never_returns_is_given_up_on_naming_it(reward, tmp_path):
+    train = write_jsonl(tmp_path / "train.jsonl", rows(5))
+    params = {"train": train, "reward": f"test_dataset_task:{reward}", "test_rows": 1, "reward_timeout_s": 0.2}
+    task = make_task("dataset", params)
+    tok = make_tokenizer()
+    started = time.monotonic()
+    with pytest.raises(
+        RuntimeError,
+        match=rf"reward function test_dataset_task:{reward} gave no reward for train-4 within 0.2 s "
+        r"\(spec.task.params.reward_timeout_s\)",
+    ):
+        asyncio.run(task.rollout(ScriptedPolicy(tok, ["1"]), tok, task.test_problems(1)[0], 8))
+    assert time.monotonic() - started < 5
+    with pytest.raises(ValueError, match="spec.task.params.reward_timeout_s: must be > 0, got 0"):
+        make_task("dataset", params | {"reward_timeout_s": 0})

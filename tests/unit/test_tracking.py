@@ -10,7 +10,7 @@ import sys
 from wandb_records import wandb_history  # tests/wandb_records.py
 
 from pipelinerl.spec import parse_job
-from pipelinerl.tracking import Tracker, default_mlflow_uri, scalars
+from pipelinerl.tracking import WANDB_FINISH_TIMEOUT_S, Tracker, Wandb, default_mlflow_uri, scalars
 
 
 def job(**tracking):
@@ -40,6 +40,8 @@ def test_every_tracker_gets_the_rows_and_a_restart_continues_the_same_runs(tmp_p
     monkeypatch.setenv("WANDB_SILENT", "true")
     spec = dict(wandb={"project": "p", "mode": "offline"}, mlflow={}, tensorboard={})
     tracker = Tracker(job(**spec), tmp_path)
+    (wandb_backend,) = [b for b in tracker.backends if isinstance(b, Wandb)]
+    assert wandb_backend.run.settings.finish_timeout == WANDB_FINISH_TIMEOUT_S  # never waits forever on uploads
     for step in (1, 2, 3):
         tracker.log("train", {"step": step, "loss": 1.0 / step, "reward": 0.1 * step})
     tracker.log("eval", {"version": 2, "accuracy": 0.3, "final": False})  # later than train step 3
