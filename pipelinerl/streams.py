@@ -22,6 +22,7 @@ from pipelinerl.spec import JobSpec
 
 log = logging.getLogger("pipelinerl.streams")
 CONNECT_TIMEOUT_S = 10.0
+CLOSE_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 120.0  # a restarting service's reads of its position: NATS may be restarting too
 
 
@@ -97,7 +98,9 @@ async def connect(
     """A client that reconnects (for a while) through server restarts, unless `reconnect` is
     False (a one-off call that must fail fast, such as the operator's cleanup); `url`: one or more
     servers, comma-separated (`nats.url`); `user`/`password`: the job's NATS credentials, where
-    the server requires them (the chart's NATS does)."""
+    the server requires them (the chart's NATS does). `timeout_s` bounds the connect and a
+    publish's wait for the socket to take what is queued (past 2 MiB: nats-py waits with no
+    bound by default on a server that reads nothing; then the publish's own timeout runs)."""
 
     async def _err(e: Exception) -> None:
         print(f"[{name}] nats: {e}", file=sys.stderr)
@@ -108,11 +111,21 @@ async def connect(
         user=user,
         password=password,
         connect_timeout=timeout_s,
+        flush_timeout=timeout_s,
         reconnect_time_wait=0.5,
         max_reconnect_attempts=120 if reconnect else 0,
         allow_reconnect=reconnect,
         error_cb=_err,
     )
+
+
+async def close(nc: nats.NATS, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+    """Close `nc`, giving up after `timeout_s`: nats-py's close waits, with no bound, for what is
+    queued on a socket that may have stalled. Every caller has had its publishes acknowledged."""
+    try:
+        await asyncio.wait_for(nc.close(), timeout_s)
+    except TimeoutError:
+        print(f"[{nc.options.get('name')}] nats: not closed within {timeout_s:g} s; left to the exit", file=sys.stderr)
 
 
 async def ensure_streams(

@@ -16,7 +16,7 @@ from pipelinerl.messages import Metrics, MicroBatch, decode
 from pipelinerl.planner.calibration import Calibration, load_calibration
 from pipelinerl.planner.pilot import PilotError, completion_lengths, derive_calibration, format_taken, train_rows
 from pipelinerl.spec import PipelineRLJob, load_job
-from pipelinerl.streams import connect, stored_messages, wait_for
+from pipelinerl.streams import close, connect, stored_messages, wait_for
 
 READ_TIMEOUT_S = 60.0  # reading a stream's stored messages
 
@@ -34,7 +34,7 @@ async def _read(url: str, job: PipelineRLJob) -> tuple[list[dict], list[MicroBat
         metrics = await wait_for(stored_messages(js, subjects.stream("METRICS")), READ_TIMEOUT_S, "the METRICS stream")
         batches = await wait_for(stored_messages(js, subjects.stream("BATCHES")), READ_TIMEOUT_S, "the BATCHES stream")
     finally:
-        await nc.close()
+        await close(nc)
     rows = []
     for msg in metrics:
         row = decode(msg.data, Metrics)

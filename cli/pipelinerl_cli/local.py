@@ -30,7 +30,7 @@ from pipelinerl.learning import learning_alarm
 from pipelinerl.phases import decomposition
 from pipelinerl.ports import free_port
 from pipelinerl.spec import PipelineRLJob, SpecError, dump_job
-from pipelinerl.streams import connect, ensure_streams
+from pipelinerl.streams import close, connect, ensure_streams
 from pipelinerl.tiny_model import model_info, model_path_problem, resolve_model_path
 from pipelinerl_cli.supervisor import (
     CANNOT_RUN,
@@ -471,7 +471,7 @@ def run_local(
         try:
             await run.watch(nc, nats.url)
         finally:
-            await nc.close()
+            await close(nc)
 
     def _terminate(*_) -> None:
         raise KeyboardInterrupt  # SIGTERM stops the run like Ctrl-C: children are stopped too

@@ -172,7 +172,7 @@ def _on_job_store(args: argparse.Namespace, job: PipelineRLJob, client: str, cal
     import asyncio
 
     from pipelinerl.contracts import Env
-    from pipelinerl.streams import connect
+    from pipelinerl.streams import close, connect
 
     async def run(url: str) -> Any:
         login = os.environ.get(Env.NATS_USER), os.environ.get(Env.NATS_PASSWORD)
@@ -180,7 +180,7 @@ def _on_job_store(args: argparse.Namespace, job: PipelineRLJob, client: str, cal
         try:
             return await call(nc.jetstream())
         finally:
-            await nc.close()
+            await close(nc)
 
     if args.nats:
         return asyncio.run(run(args.nats))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from pipelinerl.contracts import JOB_LABEL, JobSubjects, OperatorEnv
-from pipelinerl.streams import connect, delete_streams, last_checkpoint, recover_store
+from pipelinerl.streams import close, connect, delete_streams, last_checkpoint, recover_store
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.credentials import job_credentials
 
@@ -63,7 +63,7 @@ class JobStreams:
             try:
                 return await call(nc.jetstream(timeout=short))
             finally:
-                await nc.close()
+                await close(nc)
 
         return await asyncio.wait_for(run(), self.timeout_s)
 

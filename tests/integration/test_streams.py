@@ -12,7 +12,7 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from pipelinerl import messages as m
 from pipelinerl.contracts import STREAM_SUFFIXES, JobSubjects
 from pipelinerl_cli.embedded_nats import EmbeddedNats
-from pipelinerl.streams import connect, ensure_streams
+from pipelinerl.streams import close, connect, ensure_streams
 
 SUBJECTS = JobSubjects("t-job")
 
@@ -298,3 +298,23 @@ def test_dead_letters_reads_a_namespaced_job_with_its_own_credentials(tmp_path):
     finally:
         server.kill()
         server.wait()
+
+
+async def test_a_stalled_server_bounds_a_publish_and_a_close(nats_server, capsys):
+    """A server that reads nothing (a frozen node): nats-py waits with no bound for its socket to
+    take a publish past 2 MiB queued, and for the queue at close; `connect`'s timeout bounds the
+    first, `close`'s the second."""
+    nc = await connect(nats_server.url, "stalled", timeout_s=0.5)
+    os.kill(nats_server.proc.pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        for _ in range(32):  # more than the sockets' buffers hold: the rest stays queued in the client
+            await nc.publish("stalled", b"x" * (1 << 20))
+        assert time.monotonic() - started < 30
+        assert "[stalled] nats: nats: flush timeout" in capsys.readouterr().err
+        started = time.monotonic()
+        await close(nc, timeout_s=1.0)
+        assert 1.0 <= time.monotonic() - started < 5
+        assert "[stalled] nats: not closed within 1 s" in capsys.readouterr().err
+    finally:
+        os.kill(nats_server.proc.pid, signal.SIGCONT)

@@ -30,7 +30,7 @@ from pipelinerl.prompt_fit import prompt_fit
 from pipelinerl.runtime import HealthServer, join_job, serve
 from pipelinerl.spec import JobSpec, PipelineRLJob, SpecError
 from pipelinerl.steps import counts_as_discarded, is_final, training_step
-from pipelinerl.streams import claim_problems, last_announcement, last_message, newest_batches, publish_once
+from pipelinerl.streams import claim_problems, close, last_announcement, last_message, newest_batches, publish_once
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
 from pipelinerl_generator.engine import Engine
@@ -114,7 +114,7 @@ class Generator:
         for t in loops:
             t.cancel()
         self.engine.shutdown()
-        await asyncio.wait_for(self.nc.close(), 10)  # every publish was already acked: no drain needed
+        await close(self.nc)
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)

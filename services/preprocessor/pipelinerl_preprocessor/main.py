@@ -41,7 +41,7 @@ from pipelinerl.contracts import STREAM_SUFFIXES, Env, PreprocessorStatus, Servi
 from pipelinerl.runtime import HealthServer, failpoint, join_job, serve
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.steps import is_final, newest_weights
-from pipelinerl.streams import dead_letter, last_announcement, newest_batches, publish_once, store_identity
+from pipelinerl.streams import close, dead_letter, last_announcement, newest_batches, publish_once, store_identity
 from pipelinerl_preprocessor.builder import StepBuilder, Wave
 from pipelinerl.group_checks import GroupLimits, group_problem
 
@@ -139,7 +139,7 @@ class Preprocessor:
                     break
                 await self._store(wave)
         watch.cancel()
-        await asyncio.wait_for(self.nc.close(), 10)  # every publish was already acked: no drain needed
+        await close(self.nc)
 
     def _catch_up(self, msgs: list[Msg]) -> None:
         """Every group left in the stream at the start has been handed over once a fetch comes
