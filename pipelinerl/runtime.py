@@ -17,9 +17,10 @@ from pydantic import BaseModel
 from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import DEFAULT_NATS_URL, Env, ServiceEnv
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import connect, ensure_streams
+from pipelinerl.streams import connect, ensure_streams, wait_for
 
 log = logging.getLogger("pipelinerl")
+JOIN_TIMEOUT_S = 120.0  # a service's first connection and streams (join_job)
 
 
 def service_env(role: str, job: PipelineRLJob, environ: Mapping[str, str] = os.environ) -> ServiceEnv:
@@ -79,11 +80,17 @@ class HealthServer:
 
 async def join_job(job: PipelineRLJob, env: ServiceEnv, client: str) -> Any:
     """This service's NATS connection (as `client`), the job's streams made sure of (created or
-    updated in place, at the sizes the job reserves)."""
-    nc = await connect(env.nats_url, client, env.nats_user, env.nats_password)
-    sizes = stream_bytes(job.spec)
-    await ensure_streams(nc.jetstream(), job.subjects, job.spec.nats.max_payload_mb, env.stream_replicas, sizes)
-    return nc
+    updated in place, at the sizes the job reserves); TimeoutError after JOIN_TIMEOUT_S (nats-py
+    retries a refused connection for about a minute, but waits far longer on a server that
+    accepts it and never answers)."""
+
+    async def join() -> Any:
+        nc = await connect(env.nats_url, client, env.nats_user, env.nats_password)
+        sizes = stream_bytes(job.spec)
+        await ensure_streams(nc.jetstream(), job.subjects, job.spec.nats.max_payload_mb, env.stream_replicas, sizes)
+        return nc
+
+    return await wait_for(join(), JOIN_TIMEOUT_S, f"the job's NATS at {env.nats_url}")
 
 
 def serve(run: Callable[[], Awaitable[None]], stop: Callable[[], None]) -> int:

@@ -98,6 +98,10 @@ def test_pipeline_mode_two_deepspeed_ranks_zero3(zero3_run):
     # its weights never change, so which version's they are is checked in tests/unit/test_output.py)
     assert not list((tmp_path / "models" / ".candidates").glob("*"))
     assert (tmp_path / "progress.png").stat().st_size > 10_000
+    # A clean run logs no error: each rank's NATS thread once ended with two ERRORs ("Task was
+    # destroyed but it is pending": nats-py's heartbeat checks, left running by its drain).
+    for log in sorted((tmp_path / "logs").glob("*.log")):
+        assert not [line for line in log.read_text().splitlines() if " ERROR " in line], log.name
 
 
 def test_plan_calibrates_from_a_local_run_folder(zero3_run, capsys):

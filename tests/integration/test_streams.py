@@ -318,3 +318,25 @@ async def test_a_stalled_server_bounds_a_publish_and_a_close(nats_server, capsys
         assert "[stalled] nats: not closed within 1 s" in capsys.readouterr().err
     finally:
         os.kill(nats_server.proc.pid, signal.SIGCONT)
+
+
+async def test_joining_a_server_that_accepts_and_never_answers_times_out_naming_it(monkeypatch):
+    """A service's first connection: nats-py retries a refused one for about a minute, but waits
+    far longer on a listener that never sends its INFO (a wedged server, a wrong port)."""
+    import socket
+
+    from pipelinerl import runtime
+    from pipelinerl.contracts import ServiceEnv
+    from pipelinerl.spec import parse_job
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog), never answers
+    url = f"nats://127.0.0.1:{silent.getsockname()[1]}"
+    monkeypatch.setattr(runtime, "JOIN_TIMEOUT_S", 1.0)
+    job = parse_job({"metadata": {"name": "silent"}, "spec": {}})
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match=f"timed out after 1s waiting for the job's NATS at {url}"):
+            await runtime.join_job(job, ServiceEnv("generator", nats_url=url, weights_addr="127.0.0.1:1"), "test")
+    finally:
+        silent.close()
+    assert time.monotonic() - started < 5

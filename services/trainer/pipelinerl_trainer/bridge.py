@@ -17,7 +17,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import ServiceEnv
-from pipelinerl.runtime import join_job
+from pipelinerl.runtime import JOIN_TIMEOUT_S, join_job
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import (
     READ_TIMEOUT_S,
@@ -41,7 +41,7 @@ class NatsBridge:
         self.done: queue.Queue[m.WeightUpdateDone] = queue.Queue()
         self.hellos: queue.Queue[tuple[float, m.GeneratorHello]] = queue.Queue()
         self.evals: queue.Queue[m.Metrics] = queue.Queue()
-        self.nc = self.call(join_job(job, env, client), 60)
+        self.nc = self.call(join_job(job, env, client), JOIN_TIMEOUT_S + 5)  # join_job says why first
         self.js = self.nc.jetstream()
 
     def call(self, coro, timeout_s: float) -> Any:
@@ -112,5 +112,15 @@ class NatsBridge:
     def close(self) -> None:
         try:
             self.call(self.nc.drain(), 30)
+            # nats-py leaves its JetStream subscriptions' heartbeat checks running after a drain:
+            # stopped with the loop, each was logged as an ERROR ("Task was destroyed but it is pending").
+            asyncio.run_coroutine_threadsafe(_cancel_the_rest(), self.loop).result(5)  # not in call's wait_for
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+async def _cancel_the_rest() -> None:
+    rest = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in rest:
+        task.cancel()
+    await asyncio.gather(*rest, return_exceptions=True)
