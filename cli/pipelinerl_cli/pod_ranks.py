@@ -80,7 +80,10 @@ def run_pod_ranks(argv: list[str], env: dict[str, str], role: str = "trainer", g
             p.wait(STOP_GRACE_S)
         except subprocess.TimeoutExpired:
             p.kill()
-            p.wait()
+            try:
+                p.wait(STOP_GRACE_S)
+            except subprocess.TimeoutExpired:  # in an uninterruptible wait (a GPU driver, NFS): the pod's end takes it
+                log.error("pod: rank process %d did not die on SIGKILL within %gs; leaving it", p.pid, STOP_GRACE_S)
     if failed:
         log.error(
             "pod: a rank exited with code %s; stopped the others (codes %s)", failed, [p.returncode for p in procs]

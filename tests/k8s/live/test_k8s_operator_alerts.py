@@ -87,8 +87,9 @@ async def test_a_job_not_ready_crash_looping_then_failed_fires_its_alerts(cluste
     }
     crash = rule_expr("PipelineRLJobCrashLooping")
     assert crash.count("[1h]") == 1
-    scaled["PipelineRLJobCrashLooping"] = crash.replace("[1h]", "[30s]")
+    scaled["PipelineRLJobCrashLooping"] = crash.replace("[1h]", "[2m]")  # the test's whole life
     phase = f'pipelinerl_job_phase{{namespace="{NS}", name="demo"}}'
+    failures = f'pipelinerl_job_failures{{namespace="{NS}", name="demo"}}'
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest())  # backoffLimit 2
         # Not ready: its StatefulSets have no ready pods yet.
@@ -111,7 +112,9 @@ async def test_a_job_not_ready_crash_looping_then_failed_fires_its_alerts(cluste
         for restarts in (1, 2, 3):
             await api.patch_pod_restarts("demo-prl-trainer-0", restarts)
             await eventually(lambda: status(emulator).get("failures") == restarts, what=f"failure {restarts}")
-            await asyncio.sleep(1.5)  # scraped between failures: each one a change
+            # Scraped before the next: each failure one change (a fixed 1.5 s wait missed one
+            # once, Prometheus scraping late on a loaded machine).
+            await eventually(lambda: prometheus.query(f"{failures} == {restarts}"), what=f"failure {restarts} scraped")
         await eventually(lambda: status(emulator).get("phase") == "Failed", what="Failed")
         await asyncio.sleep(SETTLE_S)
         failed = (looping_from, time.time())
