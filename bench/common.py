@@ -184,8 +184,9 @@ def method_flags(args) -> str:
     return flags + "".join(f" --sweep-with {p}" for p in args.sweep_with)
 
 
-# What an earlier result may differ in and still lend its sweep runs: how many runs, and which.
-RUN_COUNT_ARGS = set("rounds first_round lrs sweep_rounds reruns name reanalyse sweep_with sides modes".split())
+# What an earlier result may differ in and still lend its sweep runs: how many runs, which, and
+# what they are reported against.
+RUN_COUNT_ARGS = set("rounds first_round lrs sweep_rounds reruns name reanalyse sweep_with sides modes curve".split())
 
 
 def earlier_sweeps(paths: list[str], args) -> dict[str, dict[str, list[dict]]]:

@@ -15,8 +15,10 @@ example job's step (its samples at its lengths, packed, the trainer's loss, Adam
 samples/s ratio the pipeline can reach against each k for the tiny and the long-tail jobs'
 completion lengths (the calibrations' samples): conventional phases generate on both cores (one
 engine each, at the speed each keeps beside the other: `bench/engines_side_by_side.py`,
-measured here) and train on both; the pipeline splits the cores. And the planner's costs from
-this physics alone, one calibration per job (`machine_calibration`;
+measured here) and train on both; the pipeline splits the cores. Each request's own cost beside
+its decode steps (admission, output handling: short completions pay it per few tokens) is what
+the short rounds took beyond their steps on the curve (`fit_requests`). And the planner's costs
+from this physics alone, one calibration per job (`machine_calibration`;
 bench/results/NAME-JOB.calibration.yaml, for `pipelinerl plan --calibration`): what it predicts
 for a benchmark-11 run is a prediction nothing of that run was fitted to.
 """
@@ -27,7 +29,7 @@ import argparse
 import asyncio
 import os
 import time
-from dataclasses import replace
+from dataclasses import asdict, replace
 
 # Before torch loads OpenMP: on a shared machine, spin-waiting OpenMP threads (the default) slow
 # small-model work ~15x whenever other processes hold the cores; passive waiting keeps the figures
@@ -42,7 +44,15 @@ from bench.common import RESULTS, alternate, save, summary, table  # noqa: E402
 from bench.tiny_engine import decode_round, tiny_engine  # noqa: E402
 from bench.results_store import read_result  # noqa: E402
 from bench.calibrate_cpu import calibration_yaml  # noqa: E402
-from pipelinerl.planner.bound import DecodeCurve, Machine, bound, fit_curve, machine_calibration, phase_generation  # noqa: E402
+from pipelinerl.planner.bound import (  # noqa: E402
+    DecodeCurve,
+    Machine,
+    bound,
+    fit_curve,
+    fit_requests,
+    machine_calibration,
+    phase_generation,
+)
 from pipelinerl.planner.calibration import Lengths, load_calibration  # noqa: E402
 
 BATCHES = (1, 4, 16, 64, 128)
@@ -86,6 +96,13 @@ def job_length_model(job: str) -> Lengths | None:
     return None if calibration is None else load_calibration(calibration).lengths
 
 
+def job_filtered_fraction(job: str) -> float:
+    """An example job's share of groups dropped by zero-variance filtering, as its built-in
+    calibration holds it (a property of the task and model, like its lengths)."""
+    calibration = CALIBRATION_OF_JOB.get(os.path.basename(job))
+    return 0.0 if calibration is None else load_calibration(calibration).filtered_fraction
+
+
 def sample_of(lengths: Lengths) -> tuple[list[int], int]:
     """A sample of completion lengths (the mean, for a lognormal) and the prompt tokens."""
     return lengths.values or [int(lengths.mean_tokens or 1)], lengths.prompt_tokens
@@ -97,11 +114,12 @@ def job_lengths(job: str) -> tuple[list[int], int] | None:
     return None if lengths is None else sample_of(lengths)
 
 
-def predicted_phase_rate(job: str, engines: int, samples: int) -> float | None:
-    """The tokens/s the measured curve predicts for a conventional phase of `samples` completions
-    of `job` (the example's lengths, from its calibration) on `engines` engines, the tail
-    included; None without benchmark 12's result or for a job without a calibration."""
-    machine, lengths = saved_machine(job), job_lengths(job)
+def predicted_phase_rate(job: str, engines: int, samples: int, curve: str = "decode_curve") -> float | None:
+    """The tokens/s the measured curve (benchmark 12's result `curve`) predicts for a
+    conventional phase of `samples` completions of `job` (the example's lengths, from its
+    calibration) on `engines` engines, the tail and each request's cost included; None without
+    that result or for a job without a calibration."""
+    machine, lengths = saved_machine(job, curve), job_lengths(job)
     if machine is None or lengths is None:
         return None
     gen_s, _, tokens = phase_generation(replace(machine, cores=engines), lengths[0], lengths[1], samples)
@@ -109,13 +127,18 @@ def predicted_phase_rate(job: str, engines: int, samples: int) -> float | None:
 
 
 def bound_with_trainer(
-    job: str, k: int, samples_per_step: int, train_tokens_per_s: dict[int, float], engines: int | None = None
+    job: str,
+    k: int,
+    samples_per_step: int,
+    train_tokens_per_s: dict[int, float],
+    engines: int | None = None,
+    curve: str = "decode_curve",
 ):
-    """The bound (`pipelinerl.planner.bound.bound`) on benchmark 12's decode curve and engines,
-    with a run's own trainer rates by cores (its rows' tokens over its training seconds: the
-    whole step, not the bare forward and backward benchmark 12 times) and the conventional
-    phase's `engines` (None: one per core); None where it cannot be formed."""
-    machine, lengths = saved_machine(job), job_lengths(job)
+    """The bound (`pipelinerl.planner.bound.bound`) on benchmark 12's decode curve and engines
+    (its result `curve`), with a run's own trainer rates by cores (its rows' tokens over its
+    training seconds: the whole step, not the bare forward and backward benchmark 12 times) and
+    the conventional phase's `engines` (None: one per core); None where it cannot be formed."""
+    machine, lengths = saved_machine(job, curve), job_lengths(job)
     if machine is None or lengths is None or set(train_tokens_per_s) != set(machine.train_tokens_per_s):
         return None
     machine = replace(machine, train_tokens_per_s=train_tokens_per_s)
@@ -143,7 +166,14 @@ async def curve_points(path: str, repeats: int) -> list[dict]:
                 steps = [(b - a) / (LONG - SHORT) for a, b in zip(runs["short"], runs["long"])]
                 step = float(np.median(steps))
                 points.append(
-                    {"batch": batch, "context": context + (SHORT + LONG) / 2, "step_s": step, "steps_s": steps}
+                    {
+                        "batch": batch,
+                        "context": context + (SHORT + LONG) / 2,
+                        "step_s": step,
+                        "steps_s": steps,
+                        "prompt": context,
+                        "short_round_s": float(np.median(runs["short"])),  # per-request costs: `fit_requests`
+                    }
                 )
                 print(f"  batch {batch:3d}, prompt {context:3d}: {1000 * step:.2f} ms per decode step", flush=True)
     finally:
@@ -233,10 +263,13 @@ def main() -> None:
     print("decode step, one engine on one core (vLLM CPU build):", flush=True)
     points = asyncio.run(curve_points(path, args.repeats))
     curve = fit_curve([(p["batch"], p["context"], p["step_s"]) for p in points])
+    curve = fit_requests(curve, [(p["batch"], p["prompt"], SHORT, p["short_round_s"]) for p in points])
     print(
         f"fitted: {1000 * curve.base_s:.2f} ms + {1000 * curve.per_seq_s:.3f} ms per sequence + "
         f"{1e6 * curve.per_token_s:.3f} us per sequence and context token; a batch of 128 costs "
-        f"{curve.step_s(128, 128 * 48) / curve.step_s(1, 48):.1f}x one sequence's step"
+        f"{curve.step_s(128, 128 * 48) / curve.step_s(1, 48):.1f}x one sequence's step; each request "
+        f"{1000 * curve.request_s:.2f} ms beside its decode steps + {1e6 * curve.prefill_s_per_token:.1f} us "
+        "per prompt token"
     )
     train = {key: trainer_rates(path, job, args.repeats) for key, (job, _) in JOBS.items()}
     for key, rates in train.items():
@@ -247,7 +280,7 @@ def main() -> None:
     print(f"{cores} engines side by side, one thread each, unpinned (the colocated baseline's):", flush=True)
     engines = side_by_side.measure(cores, 64, args.side_by_side_seconds, args.repeats)
     print(f"each engine beside the others: {engines['engine_scaling']:.2f}x its tokens/s alone")
-    command = f"python -m bench.decode_curve --repeats {args.repeats}"
+    command = f"python -m bench.decode_curve --repeats {args.repeats} --name {args.name}"
     rows, bounds, calibrations = [], {}, {}
     for key, (job, result) in JOBS.items():
         machine = Machine(
@@ -263,9 +296,10 @@ def main() -> None:
             machine,
             model_lengths,
             f"physics-{key}",
-            f"measured: `{command}` (bench/results/{args.name}.json), its decode curve, engines side by side "
-            f"and trainer steps of {job}, nothing fitted to a run; lengths: the built-in calibration's sample; "
-            "the weight update unmeasured (0)",
+            f"measured: `{command}` (bench/results/{args.name}.json), its decode curve and per-request costs, "
+            f"engines side by side and trainer steps of {job}, nothing fitted to a run; the task's lengths and "
+            "filtered share: the built-in calibration's; the weight update unmeasured (0)",
+            job_filtered_fraction(job),
         )
         measured = measured_ratios(result)
         for k in KS:
@@ -285,7 +319,7 @@ def main() -> None:
     print(table([*headers, "measured (benchmark 11, one engine)"], rows))
     result = {
         "points": points,
-        "curve": {"base_s": curve.base_s, "per_seq_s": curve.per_seq_s, "per_token_s": curve.per_token_s},
+        "curve": asdict(curve),
         "trainer_tokens_per_s": {key: {str(c): s for c, s in rates.items()} for key, rates in train.items()},
         "engines_side_by_side": engines,
         "bounds": bounds,

@@ -32,7 +32,7 @@ from bench.common import summary  # noqa: E402
 
 TOKENS = 64  # per request and round
 START_TIMEOUT_S = 180.0  # a vLLM CPU engine starts in ~10-40 s here
-TRIES = 2  # of a measurement whose engines did not all start (vLLM's CPU start-up once hung here)
+TRIES = 2  # of a measurement whose engines did not all start (each try kills its engines first)
 
 
 class NotStarted(RuntimeError):
@@ -63,6 +63,21 @@ async def decode_for(path: str, batch: int, seconds: float) -> dict:
         engine.shutdown()
 
 
+def wait_ready(p: subprocess.Popen, deadline: float) -> None:
+    """Read `p`'s stdout until its line "ready" (vLLM logs to stdout before it), by the
+    deadline. Read from the pipe itself: a buffered readline can take "ready" into its buffer
+    with the line before it, and the pipe then stays silent (the start looked hung)."""
+    assert p.stdout is not None
+    fd, seen = p.stdout.fileno(), b""
+    while b"\nready\n" not in b"\n" + seen:
+        if not select.select([fd], [], [], max(0.0, deadline - time.time()))[0]:
+            raise NotStarted(f"an engine did not start in {START_TIMEOUT_S:.0f} s")
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            raise NotStarted(f"an engine process failed before it was ready ({p.wait()})")
+        seen = seen[-64:] + chunk  # enough to hold a line split across two reads
+
+
 def side_by_side(engines: int, batch: int, seconds: float) -> list[float]:
     """Tokens/s of each of `engines` engine processes decoding at once (1 thread each, unpinned):
     each starts its engine and says so; once all have, they start together."""
@@ -76,13 +91,7 @@ def side_by_side(engines: int, batch: int, seconds: float) -> list[float]:
     try:
         deadline = time.time() + START_TIMEOUT_S
         for p in procs:
-            line = "-"
-            while line and line.strip() != "ready":
-                if not select.select([p.stdout], [], [], max(0.0, deadline - time.time()))[0]:
-                    raise NotStarted(f"an engine did not start in {START_TIMEOUT_S:.0f} s")
-                line = p.stdout.readline()  # (a child writes whole lines)
-            if not line:
-                raise NotStarted(f"an engine process failed before it was ready ({p.wait()})")
+            wait_ready(p, deadline)
         start_at = time.time() + 1.0
         rates = []
         for p in procs:

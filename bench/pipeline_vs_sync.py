@@ -254,6 +254,12 @@ def main() -> None:
         help="the colocated baseline's engines (generator.replicas); 0: one per core (benchmark 11 before "
         "2026-12-02 ran one)",
     )
+    ap.add_argument(
+        "--curve",
+        default="decode_curve",
+        help="benchmark 12's result (bench/results/NAME.json) measured on this machine: the decode curve "
+        "each phase's generation and the bound are read against",
+    )
     add_method_args(ap)
     add_results_args(ap, "pipeline_vs_sync")
     args = ap.parse_args()
@@ -352,7 +358,8 @@ def phase_row(mode: str, run: dict, agg: dict, args) -> list:
         k = steps_per_generation(mode)
         samples = k * load_job(args.job).spec.trainer.samples_per_step
         engines = run.get("generators", 1)
-        predicted = predicted_phase_rate(args.job, engines, samples) if run.get("cores") == "colocated" else None
+        colocated = run.get("cores") == "colocated"
+        predicted = predicted_phase_rate(args.job, engines, samples, args.curve) if colocated else None
     return [mode, run.get("generators", 1), rate or "-", predicted or "-", *share]
 
 
@@ -375,7 +382,7 @@ def measured_bound(runs: dict[str, list[dict]], baseline: str, args) -> dict | N
     rates = {cores - 1: trainer_rate(runs["pipeline"]), cores: trainer_rate(base)}
     samples = load_job(args.job).spec.trainer.samples_per_step
     engines = base[0].get("generators", 1)
-    b = bound_with_trainer(args.job, steps_per_generation(baseline), samples, rates, engines)
+    b = bound_with_trainer(args.job, steps_per_generation(baseline), samples, rates, engines, args.curve)
     return None if b is None else {"ratio": b.ratio, "tail_share": b.tail_share, "trainer_tokens_per_s": rates}
 
 
@@ -393,6 +400,7 @@ def reproduce(args, modes: list[str]) -> str:
     command += "".join(f" --pipeline-set {x}" for x in args.pipeline_set)
     command += "" if modes == ["pipeline", "sync"] else " --modes " + " ".join(modes)
     command += "" if args.sync_cores == "split" else f" --sync-cores {args.sync_cores}"
+    command += "" if args.curve == "decode_curve" else f" --curve {args.curve}"
     command += f" --colocated-engines {args.colocated_engines}" if args.colocated_engines else ""
     command += "" if args.name == "pipeline_vs_sync" else f" --name {args.name}"
     command += "" if args.eval_problems == 2000 else f" --eval-problems {args.eval_problems}"

@@ -29,23 +29,27 @@ from pipelinerl.planner.calibration import Calibration, Lengths
 
 @dataclass(frozen=True)
 class DecodeCurve:
-    """One engine's decode step: base + Σ over running sequences (per_seq + per_token · context)."""
+    """One engine's decode step: base + Σ over running sequences (per_seq + per_token · context);
+    and what each request costs it outside its decode steps (`request_s`: admission, output
+    handling, the API's work per request; `prefill_s_per_token` of its prompt), which short
+    completions pay more of than long ones."""
 
     base_s: float
     per_seq_s: float
     per_token_s: float = 0.0
+    request_s: float = 0.0
+    prefill_s_per_token: float = 0.0
 
     def step_s(self, running: int, context_sum: float) -> float:
         return self.base_s + running * self.per_seq_s + context_sum * self.per_token_s
 
+    def request_cost(self, prompt: int) -> float:
+        return self.request_s + prompt * self.prefill_s_per_token
 
-def fit_curve(points: list[tuple[int, float, float]]) -> DecodeCurve:
-    """Least squares of measured (running sequences, mean context, step seconds) points on the
-    curve's three costs (each kept >= 0: a negative one is refitted without it)."""
-    b = np.array([p[0] for p in points], float)
-    ctx = np.array([p[1] for p in points], float)
-    y = np.array([p[2] for p in points], float)
-    columns = {"base": np.ones_like(b), "seq": b, "token": b * ctx}
+
+def _nonnegative_fit(columns: dict[str, np.ndarray], y: np.ndarray) -> dict[str, float]:
+    """Least squares of y on the columns, each coefficient kept >= 0 (a negative one is
+    refitted without it)."""
     names = list(columns)
     while True:
         x = np.stack([columns[n] for n in names], axis=1)
@@ -54,18 +58,43 @@ def fit_curve(points: list[tuple[int, float, float]]) -> DecodeCurve:
         if not negative or len(names) == 1:
             break
         names.remove(negative[0])
-    fitted = dict.fromkeys(columns, 0.0) | {n: max(0.0, float(c)) for n, c in zip(names, coef)}
+    return dict.fromkeys(columns, 0.0) | {n: max(0.0, float(c)) for n, c in zip(names, coef)}
+
+
+def fit_curve(points: list[tuple[int, float, float]]) -> DecodeCurve:
+    """Least squares of measured (running sequences, mean context, step seconds) points on the
+    curve's three decode costs."""
+    b = np.array([p[0] for p in points], float)
+    ctx = np.array([p[1] for p in points], float)
+    y = np.array([p[2] for p in points], float)
+    fitted = _nonnegative_fit({"base": np.ones_like(b), "seq": b, "token": b * ctx}, y)
     return DecodeCurve(fitted["base"], fitted["seq"], fitted["token"])
+
+
+def fit_requests(curve: DecodeCurve, rounds: list[tuple[int, int, int, float]]) -> DecodeCurve:
+    """`curve` with its per-request costs, from measured rounds (requests submitted at once,
+    prompt tokens each, tokens each decoded, seconds to the last): what a round took beyond its
+    decode steps on the curve, fitted as a round's fixed cost + per request (`request_s`) + per
+    prompt token (`prefill_s_per_token`)."""
+    extra = []
+    for batch, prompt, tokens, seconds in rounds:
+        steps = sum(curve.step_s(batch, batch * (prompt + t)) for t in range(tokens))
+        extra.append(seconds - steps)
+    b = np.array([r[0] for r in rounds], float)
+    prompts = np.array([r[1] for r in rounds], float)
+    fitted = _nonnegative_fit({"round": np.ones_like(b), "request": b, "prefill": b * prompts}, np.array(extra))
+    return replace(curve, request_s=fitted["request"], prefill_s_per_token=fitted["prefill"])
 
 
 def phase_seconds(curve: DecodeCurve, lengths: list[int], prompt: int, max_running: int) -> float:
     """One engine generating `lengths` (completion tokens each) from empty to the last token:
     continuous batching of at most `max_running` sequences, the waiting ones admitted as others
-    finish, every decode step paying the engine's base and each running sequence's share."""
+    finish, every decode step paying the engine's base and each running sequence's share, and
+    every request its own cost."""
     waiting = sorted(lengths, reverse=True)  # longest first: the order only shapes the tail
     running: list[int] = []  # tokens left per running sequence
     done_ctx: list[int] = []  # context of each running sequence
-    total = 0.0
+    total = len(lengths) * curve.request_cost(prompt)
     while waiting or running:
         while waiting and len(running) < max_running:
             running.append(waiting.pop())
@@ -86,9 +115,9 @@ def phase_seconds(curve: DecodeCurve, lengths: list[int], prompt: int, max_runni
 
 def full_batch_samples_per_s(curve: DecodeCurve, mean_length: float, prompt: int, batch: int) -> float:
     """One engine kept at `batch` running sequences (steady state: a finished one replaced at
-    once), contexts spread evenly over a sequence's life."""
+    once), contexts spread evenly over a sequence's life; each request's own cost paid too."""
     step = curve.step_s(batch, batch * (prompt + mean_length / 2))
-    return batch / (step * mean_length)
+    return 1 / (step * mean_length / batch + curve.request_cost(prompt))
 
 
 @dataclass(frozen=True)
@@ -156,13 +185,16 @@ def bound(
     return Bound(k, conventional, best, cores_g, max(0.0, 1 - first / gen_s) if gen_s else 0.0)
 
 
-def machine_calibration(m: Machine, lengths: Lengths, name: str, source: str) -> Calibration:
+def machine_calibration(
+    m: Machine, lengths: Lengths, name: str, source: str, filtered_fraction: float = 0.0
+) -> Calibration:
     """The planner's costs from the measured physics alone, nothing fitted to a run: each
-    engine's decode step as the curve's, slowed as an engine is beside busy cores (every engine
-    on this machine has a busy neighbour: another engine, or the trainer); training at the
-    trainer's tokens/s on one core, its scaling to every core as measured; the update's
-    seconds. The simulator then adds what the bound leaves out: admission, the lag budget,
-    waves, steps' boundaries."""
+    engine's decode step and per-request costs as the curve's, slowed as an engine is beside
+    busy cores (every engine on this machine has a busy neighbour: another engine, or the
+    trainer); training at the trainer's tokens/s on one core, its scaling to every core as
+    measured; the update's seconds. The task's own properties (its lengths, the share of groups
+    zero-variance filtering drops) are given. The simulator then adds what the bound leaves out:
+    admission, the lag budget, waves, steps' boundaries."""
     slower = m.engines_rate(m.cores) / m.cores
     one, every = m.train_tokens_per_s[1], m.train_tokens_per_s[m.cores]
     scaling = min(1.0, (every / (m.cores * one)) ** (1 / math.log2(m.cores))) if m.cores > 1 else 1.0
@@ -172,10 +204,13 @@ def machine_calibration(m: Machine, lengths: Lengths, name: str, source: str) ->
         decode_base_s=m.curve.base_s / slower,
         decode_per_seq_s=m.curve.per_seq_s / slower,
         decode_per_token_s=m.curve.per_token_s / slower,
+        request_s=m.curve.request_s / slower,
+        prefill_s_per_token=m.curve.prefill_s_per_token / slower,
         max_batch=m.max_running,
         train_s_per_token=1 / one,
         train_scaling=scaling,
         weight_sync_s=m.update_s,
         pause_s=m.update_s,
+        filtered_fraction=filtered_fraction,
         lengths=lengths,
     )

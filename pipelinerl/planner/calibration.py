@@ -7,6 +7,7 @@ A calibration is a YAML or JSON file of `Calibration` fields; the built-ins are 
     of contexts c_1..c_B (prompt + tokens so far)           + decode_per_token_s * c_i), B at most the
                                                            engine's batch (`engine_batch`)
     prefill of a prompt group (prefix cache shares it)     prefill_s_per_token * prompt_tokens
+      and each of its requests' own cost                   + attempts * request_s (the engine stalls)
     train step of T tokens on n trainer devices            T * train_s_per_token / (n * train_scaling^log2 n)
                                                            + optimizer_step_s; in pipeline mode the tokens
                                                            are computed in waves as their groups finish
@@ -100,6 +101,12 @@ class Calibration(BaseModel):
         "sequences (None: max_batch alone bounds the batch)",
     )
     prefill_s_per_token: float = Field(default=0.0, ge=0)
+    request_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="what each request costs its engine outside the decode steps (admission, output handling, "
+        "the serving API's work): short completions pay more of it per token",
+    )
     train_s_per_token: float = Field(gt=0, description="fwd+bwd per trained token on one trainer device")
     train_scaling: float = Field(default=1.0, gt=0, le=1, description="throughput kept per doubling of trainers")
     optimizer_step_s: float = Field(default=0.0, ge=0)

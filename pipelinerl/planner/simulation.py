@@ -133,7 +133,9 @@ class _Sim:
         self.base = p.calib.decode_base_s
         self.per_seq = p.calib.decode_per_seq_s + p.calib.decode_per_token_s * p.lengths.prompt_tokens
         self.per_tok = p.calib.decode_per_token_s
-        self.prefill_s = p.calib.prefill_s_per_token * p.lengths.prompt_tokens
+        # An engine stalls once per group for its prefill (the attempts share the prompt: prefix
+        # cache) and for each of its requests' own work.
+        self.group_stall_s = p.calib.prefill_s_per_token * p.lengths.prompt_tokens + p.attempts * p.calib.request_s
         # The admission budget's share: a step's groups (pipeline), a phase's (conventional k).
         self.share = self.groups_per_step * self.k
         self.slow = 1.0  # decode slow-down while the trainer computes (contention)
@@ -209,8 +211,7 @@ class _Sim:
     def _start_group(self, i: int, schedule: bool = True) -> None:
         e = self.engines[i]
         self._advance(e)
-        # Prefill stalls the engine once per group: the attempts share the prompt (prefix cache).
-        e.free_at = (e.free_at if e.free_at > self.now else self.now) + self.prefill_s
+        e.free_at = (e.free_at if e.free_at > self.now else self.now) + self.group_stall_s
         gid = len(self.g_engine)
         lengths = self._lengths(self.attempts)
         version = self.version if self.pipeline else self._weights

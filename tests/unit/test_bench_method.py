@@ -256,3 +256,34 @@ def test_a_reanalysis_pools_the_saved_rounds_and_runs_nothing(tmp_path):
         path.write_text(json.dumps({"runs": {"x": [{"seed": 42}]}}))
     with pytest.raises(SystemExit, match="x has two runs at one seed"):
         common.gather_runs(args, lambda tmp: pytest.fail("a reanalysis ran a side"), ["x"])
+
+
+def _child(script: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_an_engines_ready_line_is_seen_when_it_arrives_with_the_logs_before_it():
+    """Benchmark 12's engines side by side: vLLM logs to stdout before the child's "ready", and
+    both can arrive in one read. A buffered readline then held "ready" while select waited on a
+    silent pipe: the start looked hung for the whole timeout (it failed benchmark 12 twice)."""
+    from bench.engines_side_by_side import NotStarted, wait_ready
+
+    logs = "".join(f"INFO log line {i}\n" for i in range(200))
+    p = _child(f"import sys, time; sys.stdout.write({logs!r} + 'ready\\n'); sys.stdout.flush(); time.sleep(30)")
+    try:
+        t0 = time.time()
+        wait_ready(p, time.time() + 10)
+        assert time.time() - t0 < 5
+    finally:
+        p.kill()
+        p.wait()
+    quiet = _child("import time; print('not ready', flush=True); time.sleep(30)")  # never says it
+    try:
+        with pytest.raises(NotStarted, match="did not start"):
+            wait_ready(quiet, time.time() + 1)
+    finally:
+        quiet.kill()
+        quiet.wait()
+    dead = _child("print('INFO starting'); raise SystemExit(3)")
+    with pytest.raises(NotStarted, match=r"failed before it was ready \(3\)"):
+        wait_ready(dead, time.time() + 10)

@@ -311,6 +311,22 @@ def test_filtered_groups_are_generated_and_not_trained():
     assert plan(unfiltered, 16, calib).filtered == 0
 
 
+def test_each_request_stalls_its_engine_for_its_own_cost():
+    # Short completions (4 tokens, as the tiny job's): a request's own cost (admission, output
+    # handling) outweighs its decode steps, and a generator-bound run slows by it: per engine,
+    # attempts * request_s more per group.
+    free = ("decode_per_seq_s", "decode_per_token_s", "optimizer_step_s", "weight_sync_s", "pause_s")
+    calib = H100.model_copy(update=dict.fromkeys(free, 0.0) | {"train_s_per_token": 1e-9})
+    short = Lengths(distribution="empirical", values=[4], prompt_tokens=0)
+    args = dict(lengths=short, steps=20, warmup=4, max_running=64, **SMALL | {"calib": calib})
+    plain = simulate("pipeline", 4, 4, 4, **args)
+    costly = simulate("pipeline", 4, 4, 4, **args | {"calib": calib.model_copy(update={"request_s": 0.002})})
+    assert plain.gen_busy > 0.9 and costly.gen_busy < plain.gen_busy
+    # An engine's 64 running sequences take 4 steps (4 x 7 ms) and 64 requests (64 x 2 ms).
+    per_batch = 4 * calib.decode_base_s
+    assert plain.samples_per_s / costly.samples_per_s == pytest.approx((per_batch + 64 * 0.002) / per_batch, rel=0.1)
+
+
 def test_streamed_steps_hide_training_behind_generation():
     # Balanced stages with a variable generation time (zero-variance filtering): when the trainer
     # waits for a step, waves let it compute most of it while the rest is generated.
