@@ -136,7 +136,14 @@ def _plan(args: argparse.Namespace) -> int:
             calib = parse_calibration(
                 calib.model_dump() | {"filtered_fraction": args.filtered_fraction}, "command line"
             )
-        result = plan(job, args.gpus, calib, max_k=args.max_k, max_running=args.max_running)
+        result = plan(
+            job,
+            args.gpus,
+            calib,
+            max_k=args.max_k,
+            max_running=args.max_running,
+            baseline_logprob_pass=args.baseline_logprob_pass,
+        )
     except ValueError as err:  # a bad calibration, run folder or an impossible split, named in the message
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -354,6 +361,15 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="cap on sequences running per generator engine, in every mode (as the reference "
         "implementation's llm_max_rollouts); default: the calibration's batch",
+    )
+    p.add_argument(
+        "--baseline-logprob-pass",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="conventional baseline: the share of its training cost it adds to recompute the old policy's "
+        "log-probs in a forward pass of its own, as verl and TRL (steps_per_generation > 1) do: ~0.33, ~0.25 "
+        "with activation recomputation; default 0 (this project's sync mode takes the engines' log-probs)",
     )
     p.add_argument("--mean-tokens", type=float, help="override: lognormal completion lengths with this mean")
     p.add_argument("--length-sigma", type=float, help="override: lognormal sigma (0: all completions alike)")

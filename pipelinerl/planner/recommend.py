@@ -49,6 +49,7 @@ class Plan:
     colocated: tuple[SimResult, ...]  # each k, every device generating then training
     filtered: float = 0.0  # share of generated groups dropped by zero-variance filtering
     max_running: int | None = None  # cap on running sequences per engine, if any
+    baseline_logprob_pass: float = 0.0  # the conventional baseline's own log-prob pass (`SimParams`)
     # the pipeline / best k (split, colocated) ratios under each variant (`variants_of`)
     variants: dict[str, dict[str, float]] | None = None
 
@@ -185,11 +186,14 @@ def plan(
     seed: int = 0,
     max_k: int = MAX_K,
     max_running: int | None = None,
+    baseline_logprob_pass: float = 0.0,
 ) -> Plan:
     """Best pipeline config (split, then the smallest max lag within LAG_TOLERANCE of the best
     throughput) and the conventional baseline for each k (split at its best split, and
     colocated), for `gpus` devices. `max_running`: a cap on running sequences per engine in
-    every mode (the reference implementation's llm_max_rollouts)."""
+    every mode (the reference implementation's llm_max_rollouts). `baseline_logprob_pass`: the
+    share of its training cost the conventional baseline adds to recompute the old policy's
+    log-probs (a peer's trainer: `SimParams.logprob_pass`; 0 for this project's sync mode)."""
     spec = job.spec
     grid = splits(gpus, max(spec.trainer.gpus, 1), calib.gpus_per_engine)
     if not grid:
@@ -233,11 +237,13 @@ def plan(
     top = max(r.useful_samples_per_s for r in sweep)
     chosen = next(r for r in sweep if r.useful_samples_per_s >= (1 - LAG_TOLERANCE) * top)
 
+    baseline = common | {"logprob_pass": baseline_logprob_pass}
+
     def conventional(t: int, k: int, **change: Any) -> SimResult:
-        return simulate("sync", gpus - t, t, 0, steps_per_generation=k, **(common | change))
+        return simulate("sync", gpus - t, t, 0, steps_per_generation=k, **(baseline | change))
 
     def colocated_k(k: int, **change: Any) -> SimResult:
-        return simulate("sync", gpus, gpus, 0, steps_per_generation=k, colocated=True, **(common | change))
+        return simulate("sync", gpus, gpus, 0, steps_per_generation=k, colocated=True, **(baseline | change))
 
     split: list[SimResult] = []
     for k in ks(max_k):
@@ -278,6 +284,7 @@ def plan(
         colocated=colocated,
         filtered=filtered,
         max_running=max_running,
+        baseline_logprob_pass=baseline_logprob_pass,
         variants=variants,
     )
 
@@ -357,6 +364,8 @@ def format_plan(p: Plan) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     filtered = f", {100 * p.filtered:.0f}% of groups filtered as zero-variance" if p.filtered else ""
     capped = f", at most {p.max_running} sequences running per engine" if p.max_running else ""
+    if p.baseline_logprob_pass:
+        capped += f", the conventional baseline recomputing log-probs (+{100 * p.baseline_logprob_pass:.0f}% training)"
     lines = [
         f"{p.job}: {p.model}, {p.samples_per_step} samples/step ({p.attempts} attempts{filtered}), "
         f"maxTokens {p.max_tokens}, {p.gpus} devices{capped}, calibration {p.calibration}",

@@ -81,7 +81,11 @@ class SimParams:
     steps). `max_inflight`: groups an engine may run at once (the generator's
     `maxInflightGroups`; None: as many as its batch holds). `max_running`: sequences an engine
     may run at once (the reference implementation's `llm_max_rollouts`; None: the
-    calibration's batch). `trace`, when given, receives what admission hears, in the
+    calibration's batch). `logprob_pass` (sync mode): the share of a step's training cost a
+    baseline adds to recompute the old policy's log-probs in a forward pass of its own (verl;
+    TRL with steps_per_generation > 1): about 1/3 (a forward of a forward and backward), 1/4
+    with activation recomputation; 0 for this project's trainer, which takes the engines'
+    log-probs, as the reference implementation does. `trace`, when given, receives what admission hears, in the
     generators' terms (test_admission replays it).
 
     Without `steps`, the window adapts (CLIMB_LIFETIMES, WINDOW_LIFETIMES, MIN_STEPS above):
@@ -110,6 +114,7 @@ class SimParams:
     steps_per_generation: int = 1
     colocated: bool = False
     max_running: int | None = None
+    logprob_pass: float = 0.0
     window_lifetimes: float = WINDOW_LIFETIMES
     climb_lifetimes: float = CLIMB_LIFETIMES
 
@@ -143,6 +148,11 @@ class SimParams:
             raise ValueError(f"warmup ({warmup}) must be >= 0")
         self.warmup = warmup
         self.lengths = self.lengths or calib.lengths
+        if self.logprob_pass < 0 or (mode == "pipeline" and self.logprob_pass):
+            raise ValueError(
+                f"logprob_pass ({self.logprob_pass}) must be >= 0, and 0 in pipeline mode (its trainer takes "
+                "the engines' log-probs)"
+            )
         self.filtered = calib.filtered_fraction if self.filtered is None else self.filtered
         if not 0 <= self.filtered < 1:
             raise ValueError(f"filtered ({self.filtered}) must be in [0, 1)")

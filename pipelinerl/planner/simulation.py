@@ -135,6 +135,7 @@ class _Sim:
         self.per_tok = p.calib.decode_per_token_s
         # An engine stalls once per group for its prefill (the attempts share the prompt: prefix
         # cache) and for each of its requests' own work.
+        self.train_work = 1 + p.logprob_pass  # a baseline's own log-prob pass per trained token
         self.group_stall_s = p.calib.prefill_s_per_token * p.lengths.prompt_tokens + p.attempts * p.calib.request_s
         # The admission budget's share: a step's groups (pipeline), a phase's (conventional k).
         self.share = self.groups_per_step * self.k
@@ -409,7 +410,7 @@ class _Sim:
             self._admit()
         tokens = sum(sum(self.g_lengths[g]) for g in gids) + len(gids) * self.attempts * self.lengths.prompt_tokens
         overlap = any(e.running for e in self.engines)
-        seconds = self.c.train_s(tokens, self.n_train) * (1 + self.c.contention * overlap)
+        seconds = self.c.train_s(tokens, self.n_train) * (1 + self.c.contention * overlap) * self.train_work
         sends = last and (self.version + 1) % self.k == 0  # the phase's last step sends weights
         seconds += self.c.optimizer_step_s if last else 0.0
         self.computing = True

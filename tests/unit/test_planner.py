@@ -160,6 +160,27 @@ def test_conventional_k_trains_a_phase_in_k_steps_and_sends_weights_once():
     assert c.gen_busy + c.train_busy <= 1 + 1e-9 and c.label == "conventional k=2, colocated"
 
 
+def test_a_baseline_that_recomputes_log_probs_pays_a_forward_pass_per_trained_token():
+    # verl, and TRL with steps_per_generation > 1, recompute the old policy's log-probs before
+    # a phase's k steps: a forward pass over its tokens (1/3 of a forward and backward). This
+    # project's trainer takes the engines' log-probs, as the pipeline's does: no such pass.
+    calib = equal_lengths_calibration(max_batch=32)
+    common = dict(samples_per_step=32, attempts=8, calib=calib, max_tokens=100, steps=6, warmup=2)
+    half = 4 * 5e-4 * 20 + 50 * (0.01 + 0.001 * 32)
+    compute = 32 * 70 * 0.002 / (4 * 0.9**2)
+    r = simulate("sync", 1, 4, 0, steps_per_generation=2, logprob_pass=1 / 3, **common)
+    assert r.step_s == pytest.approx((2 * half + 2 * (compute * 4 / 3 + 0.3) + 0.2) / 2, rel=1e-9)
+    with pytest.raises(ValueError, match="logprob_pass"):
+        simulate("pipeline", 1, 4, 1, logprob_pass=0.25, **common)
+    # The plan prices it on the baseline only: the pipeline's rate stands, its ratios rise.
+    tiny = parse_job(yaml.safe_load(open("examples/tiny-cpu.yaml")))
+    cpu = load_calibration("cpu-tiny")
+    plain, peer = plan(tiny, 2, cpu, max_k=4), plan(tiny, 2, cpu, max_k=4, baseline_logprob_pass=1 / 3)
+    assert peer.pipeline == plain.pipeline and peer.baseline_logprob_pass == 1 / 3
+    assert peer.speedup_vs_best_colocated > plain.speedup_vs_best_colocated
+    assert "recomputing log-probs (+33% training)" in format_plan(peer)
+
+
 def test_conventional_k_amortises_the_long_tail():
     # A long-tailed phase waits for its longest sequence once per k steps; generation and
     # training never overlap (the trainer waits for the whole phase), split or colocated.
@@ -563,12 +584,14 @@ def test_cli_plan(capsys, tmp_path):
                 "6",
                 "--filtered-fraction",
                 "0.25",
+                "--baseline-logprob-pass",
+                "0.25",
             ]
         )
         == 0
     )
     data = json.loads(capsys.readouterr().out)
-    assert data["filtered"] == 0.25
+    assert data["filtered"] == 0.25 and data["baseline_logprob_pass"] == 0.25
     assert data["recommended"]["generators"] + data["recommended"]["trainers"] == 3
     assert data["speedup"] > 0 and len(data["lag_sweep"]) == len(LAGS)
     assert len(data["conventional"]) == len(data["colocated"]) == len(ks(32))
