@@ -31,8 +31,9 @@ from pipelinerl.planner.calibration import Calibration, Lengths
 class DecodeCurve:
     """One engine's decode step: base + Σ over running sequences (per_seq + per_token · context);
     and what each request costs it outside its decode steps (`request_s`: admission, output
-    handling, the API's work per request; `prefill_s_per_token` of its prompt), which short
-    completions pay more of than long ones."""
+    handling, the API's work per request; `prefill_s_per_token` of its prompt, charged per
+    request here, where the simulator shares it within a group), which short completions pay
+    more of than long ones."""
 
     base_s: float
     per_seq_s: float
