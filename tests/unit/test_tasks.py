@@ -209,3 +209,39 @@ def test_greedy_accuracy_counts_answers_that_stop_and_batches_by_prompt_length()
     ]
     assert greedy_accuracy(model, tok, problems, max_new_tokens=4) == pytest.approx(2 / 4)
     assert sorted(model.calls) == [4, 6]  # one generate per prompt length, none padded
+
+
+def test_a_groups_prompt_is_tokenized_once_for_all_its_attempts():
+    """The generator tokenizes a prompt per request; a group's attempts share it, so each
+    tokenizer remembers its last prompts (a per-request cost on short completions)."""
+    from pipelinerl.tasks import base
+
+    class Counting:
+        eos_token_id = 0
+
+        def __init__(self):
+            self.calls = 0
+
+        def encode(self, text, add_special_tokens=True):
+            self.calls += 1
+            return [ord(c) for c in text]
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
+            self.calls += 1
+            return [len(m["content"]) for m in messages] + [99]
+
+    tok = Counting()
+    first = base.prompt_ids(tok, "12+34=", chat_template=False)
+    first.append(-1)  # the caller's list is its own
+    assert base.prompt_ids(tok, "12+34=", chat_template=False) == [ord(c) for c in "12+34="] and tok.calls == 1
+    assert base.prompt_ids(tok, "12+34=", chat_template=True) == [6, 99] and tok.calls == 2  # another form
+    chat = [{"role": "user", "content": "hi"}]
+    assert base.prompt_ids(tok, chat, chat_template=True) == base.prompt_ids(tok, list(chat), True) == [2, 99]
+    assert tok.calls == 3
+    other = Counting()  # each tokenizer its own
+    assert base.prompt_ids(other, "12+34=", chat_template=False) and other.calls == 1
+    for i in range(base.PROMPT_CACHE_SIZE + 1):  # bounded: the oldest goes first
+        base.prompt_ids(tok, f"p{i}", chat_template=False)
+    calls = tok.calls
+    base.prompt_ids(tok, "12+34=", chat_template=False)
+    assert tok.calls == calls + 1
