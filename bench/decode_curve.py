@@ -53,7 +53,7 @@ from pipelinerl.planner.bound import (  # noqa: E402
     machine_calibration,
     phase_generation,
 )
-from pipelinerl.planner.calibration import Lengths, load_calibration  # noqa: E402
+from pipelinerl.planner.calibration import Calibration, Lengths, load_calibration  # noqa: E402
 
 BATCHES = (1, 4, 16, 64, 128)
 CONTEXTS = (8, 128)
@@ -90,17 +90,23 @@ def job_key(job: str) -> str | None:
     return next((key for key, (path, _) in JOBS.items() if os.path.basename(path) == os.path.basename(job)), None)
 
 
+def job_calibration(job: str) -> Calibration | None:
+    """An example job's built-in calibration: what it holds of the task (lengths, filtered share)."""
+    name = CALIBRATION_OF_JOB.get(os.path.basename(job))
+    return None if name is None else load_calibration(name)
+
+
 def job_length_model(job: str) -> Lengths | None:
     """An example job's completion and prompt lengths, as its built-in calibration holds them."""
-    calibration = CALIBRATION_OF_JOB.get(os.path.basename(job))
-    return None if calibration is None else load_calibration(calibration).lengths
+    calibration = job_calibration(job)
+    return None if calibration is None else calibration.lengths
 
 
 def job_filtered_fraction(job: str) -> float:
     """An example job's share of groups dropped by zero-variance filtering, as its built-in
     calibration holds it (a property of the task and model, like its lengths)."""
-    calibration = CALIBRATION_OF_JOB.get(os.path.basename(job))
-    return 0.0 if calibration is None else load_calibration(calibration).filtered_fraction
+    calibration = job_calibration(job)
+    return 0.0 if calibration is None else calibration.filtered_fraction
 
 
 def sample_of(lengths: Lengths) -> tuple[list[int], int]:

@@ -364,11 +364,11 @@ def format_plan(p: Plan) -> str:
     widths = [max(len(x) for x in col) for col in zip(head, *rows)]
     filtered = f", {100 * p.filtered:.0f}% of groups filtered as zero-variance" if p.filtered else ""
     capped = f", at most {p.max_running} sequences running per engine" if p.max_running else ""
-    if p.baseline_logprob_pass:
-        capped += f", the conventional baseline recomputing log-probs (+{100 * p.baseline_logprob_pass:.0f}% training)"
+    share = 100 * p.baseline_logprob_pass
+    recomputes = f", the conventional baseline recomputing log-probs (+{share:.0f}% training)" if share else ""
     lines = [
         f"{p.job}: {p.model}, {p.samples_per_step} samples/step ({p.attempts} attempts{filtered}), "
-        f"maxTokens {p.max_tokens}, {p.gpus} devices{capped}, calibration {p.calibration}",
+        f"maxTokens {p.max_tokens}, {p.gpus} devices{capped}{recomputes}, calibration {p.calibration}",
         "",
     ]
     lines += ["  ".join(x.ljust(w) for x, w in zip(row, widths)).rstrip() for row in (head, *rows)]

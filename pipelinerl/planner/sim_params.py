@@ -85,8 +85,8 @@ class SimParams:
     baseline adds to recompute the old policy's log-probs in a forward pass of its own (verl;
     TRL with steps_per_generation > 1): about 1/3 (a forward of a forward and backward), 1/4
     with activation recomputation; 0 for this project's trainer, which takes the engines'
-    log-probs, as the reference implementation does. `trace`, when given, receives what admission hears, in the
-    generators' terms (test_admission replays it).
+    log-probs, as the reference implementation does. `trace`, when given, receives what
+    admission hears, in the generators' terms (test_admission replays it).
 
     Without `steps`, the window adapts (CLIMB_LIFETIMES, WINDOW_LIFETIMES, MIN_STEPS above):
     the warm-up and the window are sized by the longest sequence's lifetime (`window_lifetimes`

@@ -133,9 +133,9 @@ class _Sim:
         self.base = p.calib.decode_base_s
         self.per_seq = p.calib.decode_per_seq_s + p.calib.decode_per_token_s * p.lengths.prompt_tokens
         self.per_tok = p.calib.decode_per_token_s
+        self.train_work = 1 + p.logprob_pass  # a baseline's own log-prob pass per trained token
         # An engine stalls once per group for its prefill (the attempts share the prompt: prefix
         # cache) and for each of its requests' own work.
-        self.train_work = 1 + p.logprob_pass  # a baseline's own log-prob pass per trained token
         self.group_stall_s = p.calib.prefill_s_per_token * p.lengths.prompt_tokens + p.attempts * p.calib.request_s
         # The admission budget's share: a step's groups (pipeline), a phase's (conventional k).
         self.share = self.groups_per_step * self.k
