@@ -2,8 +2,9 @@
 pipeline reach against conventional RL with k steps per phase, printed beside benchmark 11's
 measured samples/s ratios.
 
-    python -m bench.decode_curve     # ~9 min: the tiny model's curve, the trainer's steps at 1 and
-                                     # 2 cores, two engines side by side
+    python -m bench.decode_curve     # ~11 min: the tiny model's curve, the trainer's steps at 1 and
+                                     # 2 cores and beside an engine, two engines side by side, the
+                                     # tiny job's rollout path on one core
 
 Measured, one engine on one core (vLLM's CPU build through the generator's own `Engine`):
 the decode step's seconds against its running batch (1-128 sequences) and their contexts (8 and
@@ -15,9 +16,14 @@ example job's step (its samples at its lengths, packed, the trainer's loss, Adam
 samples/s ratio the pipeline can reach against each k for the tiny and the long-tail jobs'
 completion lengths (the calibrations' samples): conventional phases generate on both cores (one
 engine each, at the speed each keeps beside the other: `bench/engines_side_by_side.py`,
-measured here) and train on both; the pipeline splits the cores. Each request's own cost beside
-its decode steps (admission, output handling: short completions pay it per few tokens) is what
-the short rounds took beyond their steps on the curve (`fit_requests`). And the planner's costs
+measured here) and train on both; the pipeline splits the cores, its trainer on one beside a
+decoding engine (its tokens/s there, measured: `Machine.trainer_beside`). Each request's own
+cost beside its decode steps (admission, output handling: short completions pay it per few
+tokens): at the engine, what the short rounds took beyond their steps on the curve
+(`fit_requests`); on this machine, where the rest of the rollout path (the generator's process,
+the broker, the preprocessor) shares the engines' cores, what the tiny job's whole path gave a
+sample on one core beyond the engine's steps (`bench/rollout_path.py`, `path_request_s`), which
+the bound and the planner's costs take. And the planner's costs
 from this physics alone, one calibration per job (`machine_calibration`;
 bench/results/NAME-JOB.calibration.yaml, for `pipelinerl plan --calibration`): what it predicts
 for a benchmark-11 run is a prediction nothing of that run was fitted to.
@@ -40,6 +46,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench import engines_side_by_side as side_by_side  # noqa: E402
+from bench import rollout_path  # noqa: E402
 from bench.common import RESULTS, alternate, save, summary, table  # noqa: E402
 from bench.tiny_engine import decode_round, tiny_engine  # noqa: E402
 from bench.results_store import read_result  # noqa: E402
@@ -51,6 +58,7 @@ from pipelinerl.planner.bound import (  # noqa: E402
     fit_curve,
     fit_requests,
     machine_calibration,
+    path_request_s,
     phase_generation,
 )
 from pipelinerl.planner.calibration import Calibration, Lengths, load_calibration  # noqa: E402
@@ -60,6 +68,8 @@ CONTEXTS = (8, 128)
 SHORT, LONG = 16, 64  # decode tokens of the two rounds whose difference is a point
 KS = (1, 2, 4, 8)
 SAMPLES_PER_STEP = 128  # both jobs' (examples/tiny-cpu.yaml, long-tail-cpu.yaml)
+BESIDE_SECONDS = 600.0  # an engine decoding beside the trainer's steps (stopped once they are timed)
+PATH_GROUPS = 192  # groups per timed run of the rollout path (the tiny job's: 1,536 samples)
 JOBS = {
     "tiny": ("examples/tiny-cpu.yaml", "conventional_k-tiny"),
     "long-tail": ("examples/long-tail-cpu.yaml", "conventional_k-long-tail"),
@@ -77,12 +87,27 @@ def saved_machine(job: str, name: str = "decode_curve") -> Machine | None:
     train = data["trainer_tokens_per_s"].get(job_key(job))
     if train is None:
         return None
+    curve = DecodeCurve(**data["curve"])
+    if "rollout_path" in data:  # each request's cost on the whole path (older results: the engine's)
+        curve = replace(curve, request_s=data["rollout_path"]["request_s"])
     return Machine(
         cores=max(int(c) for c in train),
-        curve=DecodeCurve(**data["curve"]),
+        curve=curve,
         train_tokens_per_s={int(c): s["median"] for c, s in train.items()},
         engine_scaling=data.get("engines_side_by_side", {}).get("engine_scaling", 1.0),
+        trainer_beside=data.get("trainer_beside_engine", {}).get(job_key(job), {}).get("scaling", 1.0),
     )
+
+
+def rollout_path_costs(curve: DecodeCurve, measured: dict) -> dict:
+    """The rollout path's measurement (`bench/rollout_path.py`, the tiny job's) with the request
+    cost it implies on `curve` (`path_request_s`, the engine at its batch of 128)."""
+    lengths = job_lengths(JOBS["tiny"][0])
+    assert lengths is not None
+    request_s = path_request_s(
+        curve, measured["seconds_per_sample_median"], measured["tokens_per_sample_median"], lengths[1], 128
+    )
+    return measured | {"request_s": request_s, "engine_request_s": curve.request_s}
 
 
 def job_key(job: str) -> str | None:
@@ -122,13 +147,17 @@ def job_lengths(job: str) -> tuple[list[int], int] | None:
 
 def predicted_phase_rate(job: str, engines: int, samples: int, curve: str = "decode_curve") -> float | None:
     """The tokens/s the measured curve (benchmark 12's result `curve`) predicts for a
-    conventional phase of `samples` completions of `job` (the example's lengths, from its
-    calibration) on `engines` engines, the tail and each request's cost included; None without
-    that result or for a job without a calibration."""
+    conventional phase that trains `samples` completions of `job` (the example's lengths, from
+    its calibration) on `engines` engines, the tail and each request's cost included: its
+    trained tokens over the time to generate them and the groups filtering drops (the job's
+    filtered share), as a run's phases count them (`pipelinerl.phases`); None without that
+    result or for a job without a calibration."""
     machine, lengths = saved_machine(job, curve), job_lengths(job)
     if machine is None or lengths is None:
         return None
-    gen_s, _, tokens = phase_generation(replace(machine, cores=engines), lengths[0], lengths[1], samples)
+    generated = round(samples / (1 - job_filtered_fraction(job)))
+    gen_s, _, _ = phase_generation(replace(machine, cores=engines), lengths[0], lengths[1], generated)
+    _, _, tokens = phase_generation(replace(machine, cores=engines), lengths[0], lengths[1], samples)
     return tokens / gen_s
 
 
@@ -187,16 +216,18 @@ async def curve_points(path: str, repeats: int) -> list[dict]:
     return points
 
 
-def trainer_rates(path: str, job: str, repeats: int) -> dict[int, dict]:
+def trainer_rates(path: str, job: str, repeats: int) -> tuple[dict[int, dict], dict]:
     """Row tokens per second of the trainer's step on `job`'s shape, torch on 1 and on 2 threads
-    (alternated): its samples per step at the example's lengths (its calibration's sample),
-    packed into micro-batches of its microBatchTokens, each the trainer's loss
-    (`micro_batch_loss`) and backward, then the gradient clip and AdamW's step: as the trainer
-    computes a step (without DeepSpeed's bookkeeping), so its rate reads as a run's does."""
+    (alternated), and on 1 thread beside an engine decoding a full batch in another process (the
+    pipeline's trainer): its samples per step at the example's lengths (its calibration's
+    sample), packed into micro-batches of its microBatchTokens, each the trainer's loss
+    (`micro_batch_loss`) and backward, then the optimizer's step, all through the trainer's own
+    DeepSpeed engine (`build_engine`: the job's ZeRO stage, gradient clipping, AdamW; gloo, one
+    rank): as the trainer computes a step, so its rate reads as a run's does."""
     from pipelinerl import messages as m
     from pipelinerl.spec import load_job
     from pipelinerl_preprocessor.packing import StepSample, pack_wave, step_weight
-    from pipelinerl_trainer.model import load_model
+    from pipelinerl_trainer.model import build_engine
     from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
 
     example = load_job(job)
@@ -204,8 +235,10 @@ def trainer_rates(path: str, job: str, repeats: int) -> dict[int, dict]:
     model_lengths = job_length_model(job)
     assert model_lengths is not None, f"{job}: not an example job with a calibration (CALIBRATION_OF_JOB)"
     lengths, prompt = sample_of(model_lengths)
-    model = load_model(path).train()
-    vocab = model.config.vocab_size
+    one_rank_group()
+    engine = build_engine(spec.trainer, spec.weights_dtype, path)
+    engine.train()
+    vocab = engine.module.config.vocab_size
     rng = np.random.default_rng(0)
     items = []
     for i in range(spec.trainer.samples_per_step):
@@ -220,7 +253,6 @@ def trainer_rates(path: str, job: str, repeats: int) -> dict[int, dict]:
     batches = pack_wave(0, items, 1, spec.trainer.micro_batch_tokens, weight, last=True)[0]
     row_tokens = sum(len(mb.tokens) for mb in batches)
     cfg = step_config(example)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.trainer.learning_rate)
 
     def rate(threads: int):
         def once() -> float:
@@ -228,18 +260,30 @@ def trainer_rates(path: str, job: str, repeats: int) -> dict[int, dict]:
             t0 = time.perf_counter()
             tally = StepTally(cfg.max_lag, "cpu")
             for mb in batches:
-                micro_batch_loss(model, mb, 0, cfg, tally).backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.trainer.grad_clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+                engine.backward(micro_batch_loss(engine, mb, 0, cfg, tally))
+            engine.step()
             return row_tokens / (time.perf_counter() - t0)
 
         return once
 
     cores = [c for c in (1, 2) if c <= (os.cpu_count() or 1)]
     runs = alternate({str(c): rate(c) for c in cores}, repeats, warmup=2)
+    # The pipeline's trainer: one core, an engine decoding on the other (a full batch).
+    with side_by_side.running_engines(1, 64, BESIDE_SECONDS):
+        beside = [rate(1)() for _ in range(repeats + 1)][1:]
     torch.set_num_threads(os.cpu_count() or 1)
-    return {c: summary(runs[str(c)]) for c in cores}
+    return {c: summary(runs[str(c)]) for c in cores}, summary(beside)
+
+
+def one_rank_group() -> None:
+    """This process as the one rank of a trainers' group (gloo), as a trainer of one joins it."""
+    if torch.distributed.is_initialized():
+        return
+    from pipelinerl.ports import free_port
+    from pipelinerl_trainer.model import init_distributed
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    init_distributed(False, 60)
 
 
 def measured_ratios(result: str) -> dict[int, float]:
@@ -277,23 +321,36 @@ def main() -> None:
         f"{1000 * curve.request_s:.2f} ms beside its decode steps + {1e6 * curve.prefill_s_per_token:.1f} us "
         "per prompt token"
     )
-    train = {key: trainer_rates(path, job, args.repeats) for key, (job, _) in JOBS.items()}
+    timed = {key: trainer_rates(path, job, args.repeats) for key, (job, _) in JOBS.items()}
+    train = {key: rates for key, (rates, _) in timed.items()}
+    beside = {
+        key: {"tokens_per_s": b, "scaling": b["median"] / train[key][1]["median"]} for key, (_, b) in timed.items()
+    }
     for key, rates in train.items():
         print(
-            f"trainer tokens/s, {key} steps: " + ", ".join(f"{c} core(s) {s['median']:.0f}" for c, s in rates.items())
+            f"trainer tokens/s, {key} steps: "
+            + ", ".join(f"{c} core(s) {s['median']:.0f}" for c, s in rates.items())
+            + f"; 1 core beside an engine {beside[key]['tokens_per_s']['median']:.0f} ({beside[key]['scaling']:.2f}x)"
         )
     cores = max(train["tiny"])
     print(f"{cores} engines side by side, one thread each, unpinned (the colocated baseline's):", flush=True)
     engines = side_by_side.measure(cores, 64, args.side_by_side_seconds, args.repeats)
     print(f"each engine beside the others: {engines['engine_scaling']:.2f}x its tokens/s alone")
+    print("the tiny job's rollout path on one core (its engine, its generator's and intake's work):", flush=True)
+    rollout = rollout_path_costs(curve, rollout_path.measure(JOBS["tiny"][0], PATH_GROUPS, args.repeats))
+    print(
+        f"  {1000 * rollout['seconds_per_sample_median']:.2f} ms per sample: each request "
+        f"{1000 * rollout['request_s']:.2f} ms beside its decode steps (the engine's own {1000 * curve.request_s:.2f})"
+    )
     command = f"python -m bench.decode_curve --repeats {args.repeats} --name {args.name}"
     rows, bounds, calibrations = [], {}, {}
     for key, (job, result) in JOBS.items():
         machine = Machine(
             cores=cores,
-            curve=curve,
+            curve=replace(curve, request_s=rollout["request_s"]),
             train_tokens_per_s={c: s["median"] for c, s in train[key].items()},
             engine_scaling=engines["engine_scaling"],
+            trainer_beside=beside[key]["scaling"],
         )
         model_lengths = job_length_model(job)
         assert model_lengths is not None  # every JOBS entry has its calibration
@@ -302,9 +359,10 @@ def main() -> None:
             machine,
             model_lengths,
             f"physics-{key}",
-            f"measured: `{command}` (bench/results/{args.name}.json), its decode curve and per-request costs, "
-            f"engines side by side and trainer steps of {job}, nothing fitted to a run; the task's lengths and "
-            "filtered share: the built-in calibration's; the weight update unmeasured (0)",
+            f"measured: `{command}` (bench/results/{args.name}.json), its decode curve, each request's cost on "
+            f"the tiny job's rollout path, engines side by side and trainer steps of {job} (alone and beside an "
+            "engine), nothing fitted to a run; the task's lengths and filtered share: the built-in calibration's; "
+            "the weight update unmeasured (0)",
             job_filtered_fraction(job),
         )
         measured = measured_ratios(result)
@@ -328,6 +386,8 @@ def main() -> None:
         "curve": asdict(curve),
         "trainer_tokens_per_s": {key: {str(c): s for c, s in rates.items()} for key, rates in train.items()},
         "engines_side_by_side": engines,
+        "trainer_beside_engine": beside,
+        "rollout_path": rollout,
         "bounds": bounds,
     }
     saved = save(args.name, result, command)

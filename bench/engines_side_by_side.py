@@ -78,9 +78,11 @@ def wait_ready(p: subprocess.Popen, deadline: float) -> None:
         seen = seen[-64:] + chunk  # enough to hold a line split across two reads
 
 
-def side_by_side(engines: int, batch: int, seconds: float) -> list[float]:
-    """Tokens/s of each of `engines` engine processes decoding at once (1 thread each, unpinned):
-    each starts its engine and says so; once all have, they start together."""
+@contextlib.contextmanager
+def running_engines(engines: int, batch: int, seconds: float):
+    """`engines` engine processes (1 thread each, unpinned), each started and then decoding
+    rounds from the same moment for `seconds`; yields the processes once they have begun (each
+    prints its tokens and seconds when done) and kills them, their engine cores too, on leaving."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "bench.engines_side_by_side", "--child", "--batch", str(batch)]
     cmd += ["--seconds", str(seconds)]
@@ -93,21 +95,28 @@ def side_by_side(engines: int, batch: int, seconds: float) -> list[float]:
         for p in procs:
             wait_ready(p, deadline)
         start_at = time.time() + 1.0
-        rates = []
         for p in procs:
             p.stdin.write(f"{start_at}\n")
             p.stdin.flush()
+        time.sleep(1.0)
+        yield procs
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)  # vLLM's engine core outlives a killed parent
+
+
+def side_by_side(engines: int, batch: int, seconds: float) -> list[float]:
+    """Tokens/s of each of `engines` engine processes decoding at once (`running_engines`)."""
+    rates = []
+    with running_engines(engines, batch, seconds) as procs:
         for p in procs:
             out, _ = p.communicate(timeout=seconds + 120)
             if p.returncode:
                 raise SystemExit(f"an engine process failed ({p.returncode})")
             got = json.loads(out.strip().splitlines()[-1])
             rates.append(got["tokens"] / got["seconds"])
-        return rates
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)  # vLLM's engine core outlives a killed parent
+    return rates
 
 
 def measure(engines: int, batch: int, seconds: float, repeats: int) -> dict:

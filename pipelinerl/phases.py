@@ -23,7 +23,7 @@ from dataclasses import dataclass
 class Phase:
     steps: int
     samples: int
-    tokens: int  # completion tokens trained: what the generators generated for the phase
+    tokens: int  # completion tokens trained (groups filtered out were generated too: not counted)
     span_s: float
     train_s: float  # the trainer's compute and optimizer steps
     update_s: float  # the weight update after the phase
@@ -61,8 +61,8 @@ def phases(rows: list[dict], steps_per_phase: int) -> list[Phase]:
 
 def decomposition(rows: list[dict], steps_per_phase: int) -> dict | None:
     """Per phase, the median seconds waiting, training and updating, their shares of the time,
-    and the generators' tokens/s while the trainer waited (a conventional phase's generation
-    rate, the switch included); None before two phases."""
+    and the tokens trained per second the trainer waited (a conventional phase's generation
+    rate of what it trains, the switch included); None before two phases."""
     ps = phases(rows, steps_per_phase)
     if not ps:
         return None

@@ -87,6 +87,16 @@ def fit_requests(curve: DecodeCurve, rounds: list[tuple[int, int, int, float]]) 
     return replace(curve, request_s=fitted["request"], prefill_s_per_token=fitted["prefill"])
 
 
+def path_request_s(curve: DecodeCurve, seconds_per_sample: float, tokens: float, prompt: int, batch: int) -> float:
+    """Each request's own cost where the rest of the rollout path shares its engine's core (a CPU
+    machine: the generator's process, the broker, the preprocessor): what a core gave each
+    sample of the whole path measured on it (`bench/rollout_path.py`: `seconds_per_sample`,
+    `tokens` completion tokens each, the engine at `batch` running sequences), less the decode
+    steps' share on the curve and the prompt's prefill. Never below the engine's own."""
+    steps = curve.step_s(batch, batch * (prompt + tokens / 2)) * tokens / batch
+    return max(curve.request_s, seconds_per_sample - steps - prompt * curve.prefill_s_per_token)
+
+
 def phase_seconds(curve: DecodeCurve, lengths: list[int], prompt: int, max_running: int) -> float:
     """One engine generating `lengths` (completion tokens each) from empty to the last token:
     continuous batching of at most `max_running` sequences, the waiting ones admitted as others
@@ -134,6 +144,13 @@ class Machine:
     # Each engine's tokens/s beside the others (one per core) over its tokens/s alone: engines
     # sharing a memory bus each decode slower (`bench/engines_side_by_side.py` measures it).
     engine_scaling: float = 1.0
+    # The trainer's tokens/s on fewer cores than the machine's, an engine busy beside it (the
+    # pipeline's split), over its tokens/s there alone (`bench/decode_curve.py` measures it).
+    trainer_beside: float = 1.0
+
+    def train_rate(self, cores: int) -> float:
+        """The trainer's tokens/s on `cores`: beside busy engines unless it has them all."""
+        return self.train_tokens_per_s[cores] * (self.trainer_beside if cores < self.cores else 1.0)
 
     def engines_rate(self, engines: int) -> float:
         """What `engines` engines at once make, in units of one engine alone."""
@@ -174,12 +191,12 @@ def bound(
     every core."""
     tokens_per_sample = prompt + float(np.mean(lengths))
     gen_s, first, _ = phase_generation(replace(m, cores=engines or m.cores), lengths, prompt, k * samples_per_step)
-    train_s = k * samples_per_step * tokens_per_sample / m.train_tokens_per_s[m.cores]
+    train_s = k * samples_per_step * tokens_per_sample / m.train_rate(m.cores)
     conventional = k * samples_per_step / (gen_s + train_s + m.update_s)
     best, cores_g = 0.0, 1
     for g in range(1, m.cores):
         gen = m.engines_rate(g) * full_batch_samples_per_s(m.curve, float(np.mean(lengths)), prompt, m.max_running)
-        train = m.train_tokens_per_s[m.cores - g] / tokens_per_sample
+        train = m.train_rate(m.cores - g) / tokens_per_sample
         rate = min(gen, train / (1 + m.update_s * train / samples_per_step))
         if rate > best:
             best, cores_g = rate, g
@@ -192,12 +209,13 @@ def machine_calibration(
     """The planner's costs from the measured physics alone, nothing fitted to a run: each
     engine's decode step and per-request costs as the curve's, slowed as an engine is beside
     busy cores (every engine on this machine has a busy neighbour: another engine, or the
-    trainer); training at the trainer's tokens/s on one core, its scaling to every core as
-    measured; the update's seconds. The task's own properties (its lengths, the share of groups
+    trainer); training at the trainer's tokens/s on one core beside a busy engine (as it is
+    whenever it has fewer than every core), its scaling to every core (alone) as measured; the
+    update's seconds. The task's own properties (its lengths, the share of groups
     zero-variance filtering drops) are given. The simulator then adds what the bound leaves out:
     admission, the lag budget, waves, steps' boundaries."""
     slower = m.engines_rate(m.cores) / m.cores
-    one, every = m.train_tokens_per_s[1], m.train_tokens_per_s[m.cores]
+    one, every = m.train_rate(1), m.train_rate(m.cores)
     scaling = min(1.0, (every / (m.cores * one)) ** (1 / math.log2(m.cores))) if m.cores > 1 else 1.0
     return Calibration(
         name=name,

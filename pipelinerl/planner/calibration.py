@@ -105,7 +105,8 @@ class Calibration(BaseModel):
         default=0.0,
         ge=0,
         description="what each request costs its engine outside the decode steps (admission, output handling, "
-        "the serving API's work): short completions pay more of it per token",
+        "the serving API's work; where the rest of the rollout path shares the engines' cores, as on a CPU "
+        "machine, its work per request too): short completions pay more of it per token",
     )
     train_s_per_token: float = Field(gt=0, description="fwd+bwd per trained token on one trainer device")
     train_scaling: float = Field(default=1.0, gt=0, le=1, description="throughput kept per doubling of trainers")
