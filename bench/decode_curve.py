@@ -171,13 +171,14 @@ def bound_with_trainer(
 ):
     """The bound (`pipelinerl.planner.bound.bound`) on benchmark 12's decode curve and engines
     (its result `curve`), with a run's own trainer rates by cores (its rows' tokens over its
-    training seconds: the whole step, not the bare forward and backward benchmark 12 times) and
-    the conventional phase's `engines` (None: one per core); None where it cannot be formed."""
+    training seconds, each side's trainer where it ran: the pipeline's beside its engine), the
+    conventional phase's `engines` (None: one per core) and the job's filtered share; None where
+    it cannot be formed."""
     machine, lengths = saved_machine(job, curve), job_lengths(job)
     if machine is None or lengths is None or set(train_tokens_per_s) != set(machine.train_tokens_per_s):
         return None
-    machine = replace(machine, train_tokens_per_s=train_tokens_per_s)
-    return bound(machine, lengths[0], lengths[1], samples_per_step, k, engines)
+    machine = replace(machine, train_tokens_per_s=train_tokens_per_s, trainer_beside=1.0)
+    return bound(machine, lengths[0], lengths[1], samples_per_step, k, engines, job_filtered_fraction(job))
 
 
 async def curve_points(path: str, repeats: int) -> list[dict]:
@@ -367,8 +368,9 @@ def main() -> None:
         )
         measured = measured_ratios(result)
         for k in KS:
-            b = bound(machine, lengths, prompt, SAMPLES_PER_STEP, k)
-            one = bound(machine, lengths, prompt, SAMPLES_PER_STEP, k, engines=1)
+            filtered = job_filtered_fraction(job)
+            b = bound(machine, lengths, prompt, SAMPLES_PER_STEP, k, filtered=filtered)
+            one = bound(machine, lengths, prompt, SAMPLES_PER_STEP, k, engines=1, filtered=filtered)
             bounds[f"{key}/k={k}"] = {
                 "ratio": b.ratio,
                 "ratio_one_engine": one.ratio,

@@ -183,19 +183,29 @@ def phase_generation(m: Machine, lengths: list[int], prompt: int, samples: int) 
 
 
 def bound(
-    m: Machine, lengths: list[int], prompt: int, samples_per_step: int, k: int, engines: int | None = None
+    m: Machine,
+    lengths: list[int],
+    prompt: int,
+    samples_per_step: int,
+    k: int,
+    engines: int | None = None,
+    filtered: float = 0.0,
 ) -> Bound:
-    """The pipeline's samples/s over conventional k's, each at its best on `m` (the lengths: a
-    sample of the job's completion lengths; a phase draws k·S of them, cycling); the
-    conventional phase generates on `engines` engines (None: one per core) and trains on
-    every core."""
+    """The pipeline's samples/s (trained) over conventional k's, each at its best on `m` (the
+    lengths: a sample of the job's completion lengths; a phase draws its samples from them,
+    cycling); the conventional phase generates on `engines` engines (None: one per core) and
+    trains on every core. Both sides generate the groups zero-variance filtering drops
+    (`filtered`, a share of those generated) beside the k·S samples a phase trains."""
     tokens_per_sample = prompt + float(np.mean(lengths))
-    gen_s, first, _ = phase_generation(replace(m, cores=engines or m.cores), lengths, prompt, k * samples_per_step)
+    generated = round(k * samples_per_step / (1 - filtered))
+    gen_s, first, _ = phase_generation(replace(m, cores=engines or m.cores), lengths, prompt, generated)
     train_s = k * samples_per_step * tokens_per_sample / m.train_rate(m.cores)
     conventional = k * samples_per_step / (gen_s + train_s + m.update_s)
     best, cores_g = 0.0, 1
+    kept = 1 - filtered
     for g in range(1, m.cores):
-        gen = m.engines_rate(g) * full_batch_samples_per_s(m.curve, float(np.mean(lengths)), prompt, m.max_running)
+        full = full_batch_samples_per_s(m.curve, float(np.mean(lengths)), prompt, m.max_running)
+        gen = kept * m.engines_rate(g) * full
         train = m.train_rate(m.cores - g) / tokens_per_sample
         rate = min(gen, train / (1 + m.update_s * train / samples_per_step))
         if rate > best:

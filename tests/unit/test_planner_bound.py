@@ -147,6 +147,25 @@ def test_engines_that_slow_each_other_lengthen_the_conventional_phase():
     assert b.tail_share == pytest.approx(a.tail_share)
 
 
+def test_groups_filtering_drops_are_generated_on_both_sides_and_only_the_conventional_phase_waits():
+    """A share of groups generated and dropped (zero-variance filtering): the conventional
+    phase generates 1/(1 - share) as many samples as it trains, the pipeline's generators make
+    that much fewer trained samples; a trainer-bound pipeline hides them, so the ratio rises."""
+    curve = DecodeCurve(0.005, 0.0001, 0.0)
+    m = Machine(cores=2, curve=curve, train_tokens_per_s={1: 2_000.0, 2: 3_000.0})
+    plain = bound(m, [4] * 64, prompt=8, samples_per_step=128, k=8)
+    half = bound(m, [4] * 64, prompt=8, samples_per_step=128, k=8, filtered=0.5)
+    gen_s, _, _ = phase_generation(m, [4] * 64, 8, 2048)
+    train_s = 1024 * 12 / 3_000.0
+    assert half.conventional_samples_per_s == pytest.approx(1024 / (gen_s + train_s))
+    assert half.pipeline_samples_per_s == pytest.approx(plain.pipeline_samples_per_s)  # trainer-bound
+    assert half.ratio > plain.ratio
+    generator_bound = replace(m, train_tokens_per_s={1: 1e7, 2: 1.5e7})
+    a = bound(generator_bound, [4] * 64, prompt=8, samples_per_step=128, k=8)
+    b = bound(generator_bound, [4] * 64, prompt=8, samples_per_step=128, k=8, filtered=0.5)
+    assert b.pipeline_samples_per_s == pytest.approx(a.pipeline_samples_per_s / 2)
+
+
 def test_the_bound_with_a_runs_own_trainer_rates():
     """Benchmark 11 prints the bound on benchmark 12's decode curve with the trainer rates its
     own runs measured: a slower pipeline trainer (one core) lowers the pipeline's reach."""
