@@ -155,10 +155,11 @@ def predicted_phase_rate(job: str, engines: int, samples: int, curve: str = "dec
     machine, lengths = saved_machine(job, curve), job_lengths(job)
     if machine is None or lengths is None:
         return None
+    sample, prompt = lengths
     generated = round(samples / (1 - job_filtered_fraction(job)))
-    gen_s, _, _ = phase_generation(replace(machine, cores=engines), lengths[0], lengths[1], generated)
-    _, _, tokens = phase_generation(replace(machine, cores=engines), lengths[0], lengths[1], samples)
-    return tokens / gen_s
+    gen_s, _, _ = phase_generation(replace(machine, cores=engines), sample, prompt, generated)
+    trained = sum(sample[i % len(sample)] for i in range(samples))  # as phase_generation cycles them
+    return trained / gen_s
 
 
 def bound_with_trainer(

@@ -4,19 +4,20 @@ its engine runs on, everything a generator's process does for it included.
 A conventional phase on a CPU machine runs an engine per core, and beside each engine's core
 process the rest of the rollout path shares the same cores: the generator's own process (vLLM's
 client side: requests in, outputs out; the task's rollout and reward; the group's message and
-its publish), the broker, the preprocessor's intake. The decode curve's short rounds time an
-engine whose client has the other core to itself, so they leave that work out; on the tiny job's
-4-token completions it is a third of a sample's cost. Here the job's real path runs pinned to one
-core (this process, its engine core process and its nats-server all inherit the affinity): the
-job's task through the generator's `Engine` (its sampling, its attempts per group, as many groups
-at once as the job admits), each group published to the job's rollout stream on a real
-nats-server, and a consumer that takes, decodes and acknowledges every group as the
-preprocessor's intake does. Its seconds per sample are what a core gives a sample; beyond the
-engine's decode steps on the curve (and the prompt's prefill) they are each request's own cost,
-the planner's `request_s` for a machine whose engines share their cores with the rest
-(`pipelinerl.planner.bound.path_request_s`). Not in it: the preprocessor's packing into
-micro-batches, and the trainer's fetches (small beside the rest on the tiny job: ~5% of the
-phase's CPU, measured with per-process CPU times).
+its publish), the broker, the preprocessor. The decode curve's short rounds time an engine whose
+client has the other core to itself, so they leave that work out; on the tiny job's 4-token
+completions it is a third of a sample's cost. Here the job's real path runs pinned to one core
+(this process, its engine core process and its nats-server all inherit the affinity): the job's
+task through the generator's `Engine` (its sampling, its attempts per group, as many groups at
+once as the job admits), each group published to the job's rollout stream on a real nats-server,
+and the preprocessor's `StepBuilder` taking every group, packing its steps' micro-batches and
+publishing them, its trainer always ready. Its seconds per sample are what a core gives a
+sample; beyond the engine's decode steps on the curve (and the prompt's prefill) they are each
+request's own cost, the planner's `request_s` for a machine whose engines share their cores with
+the rest (`pipelinerl.planner.bound.path_request_s`). Not in it: the preprocessor's and the
+generators' service loops around that work (status, hellos, metrics) and the trainer's fetches
+(small on the tiny job: the preprocessor's whole process took ~5% of a phase's CPU, measured with
+per-process CPU times).
 
     python -m bench.rollout_path [--job examples/tiny-cpu.yaml] [--groups 192] [--repeats 3]
 """
@@ -27,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,7 +51,7 @@ async def run_path(job_file: str, groups: int, repeats: int) -> dict:
     from pipelinerl import books
     from pipelinerl import messages as m
     from pipelinerl.spec import load_job
-    from pipelinerl.streams import ensure_streams, publish_once
+    from pipelinerl.streams import close, ensure_streams, publish_once
     from pipelinerl.tasks import make_task
     from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
     from pipelinerl_cli.embedded_nats import EmbeddedNats
@@ -110,8 +112,9 @@ async def run_path(job_file: str, groups: int, repeats: int) -> dict:
         runs = [await one_run(groups) for _ in range(repeats)]
         built = builder.step
     finally:
-        await nc.close()
+        await close(nc)
         server.stop()
+        shutil.rmtree(server.store_dir, ignore_errors=True)
         engine.shutdown()
     samples = groups * attempts
     return {

@@ -202,10 +202,9 @@ def bound(
     train_s = k * samples_per_step * tokens_per_sample / m.train_rate(m.cores)
     conventional = k * samples_per_step / (gen_s + train_s + m.update_s)
     best, cores_g = 0.0, 1
-    kept = 1 - filtered
+    kept = (1 - filtered) * full_batch_samples_per_s(m.curve, float(np.mean(lengths)), prompt, m.max_running)
     for g in range(1, m.cores):
-        full = full_batch_samples_per_s(m.curve, float(np.mean(lengths)), prompt, m.max_running)
-        gen = kept * m.engines_rate(g) * full
+        gen = m.engines_rate(g) * kept  # samples trained of what one engine makes
         train = m.train_rate(m.cores - g) / tokens_per_sample
         rate = min(gen, train / (1 + m.update_s * train / samples_per_step))
         if rate > best:

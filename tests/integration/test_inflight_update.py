@@ -15,7 +15,7 @@ import pytest_asyncio
 import torch
 
 from pipelinerl.ports import free_port
-from pipelinerl_generator.engine import WeightsKept
+from pipelinerl_generator.engine import EngineStuck, WeightsKept
 from pipelinerl_generator.weight_receiver import WeightReceiverExtension
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -178,6 +178,9 @@ class Probe(WeightReceiverExtension):
 
     def probe_staging_alive(self) -> bool:
         return self._pipelinerl_transfer is not None and self._pipelinerl_transfer.thread.is_alive()
+
+    def probe_block(self, seconds: float) -> None:  # a call that holds the engine core's thread
+        time.sleep(seconds)
 
 
 # (the layerwise reload, weightSync.staged): staged in-place loading (the default), in-place
@@ -497,3 +500,22 @@ async def test_weights_vllm_derives_after_loading_send_the_update_through_its_re
         "gate: bf16x3_weight derived at load",
         "attn: attention sinks copied to float32",
     ]
+
+
+async def test_a_call_that_blocks_the_engine_core_is_given_up_on_in_bounded_time(engines):
+    """vLLM's one-worker executor (one GPU, the CPU build) runs a worker call on the engine
+    core's own thread and ignores vLLM's `timeout`: a call blocked there (an NCCL collective that
+    never completes does not raise) would be awaited forever, and generation with it. The
+    engine gives up on it after its bound, naming the call (EngineStuck: the generator stops,
+    its pod restarts); vLLM drops the late answer, and the core answers again once free."""
+    engine = (await engines(False)).engine
+    bound, engine.rpc_timeout_s = engine.rpc_timeout_s, 1.0
+    assert bound == 2 * SYNC_TIMEOUT_S + 30  # past every weight-sync wait of its own
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(EngineStuck, match="probe_block within 1 s"):
+            await engine._rpc("probe_block", 4.0)
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        engine.rpc_timeout_s = bound
+    assert await engine._rpc("probe_staging_alive") == [False]  # answered after the block

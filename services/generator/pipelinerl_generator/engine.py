@@ -38,6 +38,19 @@ class WeightsKept(RuntimeError):
     """A staged update failed before the swap: the live weights are untouched."""
 
 
+class EngineStuck(RuntimeError):
+    """The engine's core did not answer a call in time: it is blocked (a hung collective, a
+    stalled device), and so is its generation. Not recoverable in this process: the generator
+    stops, and its pod is restarted."""
+
+
+def rpc_timeout_s(weight_sync_timeout_s: float) -> float:
+    """The bound of each call into the engine's workers: past every weight-sync wait they make
+    themselves (a group's rendezvous, a transfer, each bounded by weightSync.timeoutSeconds),
+    so that only a blocked core reaches it."""
+    return 2 * weight_sync_timeout_s + 30.0
+
+
 @dataclass
 class UpdateStats:
     version: int
@@ -206,12 +219,32 @@ class Engine:
         self.version = -1  # the label of the weights held: -1 until `start` or an update sets it
         self.running = 0
         self.tokens_generated = 0
+        self.rpc_timeout_s = rpc_timeout_s(job.spec.weight_sync.timeout_seconds)
+
+    async def _rpc(self, method: str, *args: Any) -> list[Any]:
+        """`collective_rpc` on every worker, bounded (`_bounded`). vLLM passes its own `timeout`
+        to the executor only: the multiprocess executor (tensor parallelism) honours it, the
+        one-worker executor (a single GPU, the CPU build) runs the method on the engine core's
+        thread and ignores it, so a call blocked there (an NCCL collective that never completes
+        does not raise) would be awaited forever."""
+        return await self._bounded(self.llm.collective_rpc(method, args=args), method)
+
+    async def _bounded(self, call, what: str):
+        """A call into the engine core, given up on after `rpc_timeout_s` (vLLM drops the late
+        answer of a call given up on): EngineStuck, naming it."""
+        try:
+            return await asyncio.wait_for(call, self.rpc_timeout_s)
+        except TimeoutError:
+            raise EngineStuck(
+                f"the engine did not answer {what} within {self.rpc_timeout_s:.0f} s "
+                "(2 x weightSync.timeoutSeconds + 30): its core is blocked"
+            ) from None
 
     async def start(self, version: int = 0) -> None:
         await self.set_version(version)
 
     async def set_version(self, version: int) -> None:
-        await self.llm.update_weight_version(str(version))
+        await self._bounded(self.llm.update_weight_version(str(version)), "update_weight_version")
         self.version = version
 
     async def generate(self, prompt: list[int], max_tokens: int, greedy: bool = False) -> Completion:
@@ -255,16 +288,14 @@ class Engine:
         self, host: str, port: int, group: str, rank: int, world_size: int, timeout_s: float, token: str = ""
     ) -> None:
         backend = self.job.spec.weight_transport
-        await self.llm.collective_rpc(
-            "init_weight_group", args=(host, port, group, rank, world_size, timeout_s, backend, token)
-        )
+        await self._rpc("init_weight_group", host, port, group, rank, world_size, timeout_s, backend, token)
 
     async def prepare_updates(self) -> None:
         """Choose the loading path (`weight_receiver`) and allocate the staging copy, once: at
         the generator's start, so that a copy that does not fit fails the start, not an update."""
         if self.update_path is not None:
             return
-        infos = await self.llm.collective_rpc("prepare_weight_updates", args=(self.staged,))
+        infos = await self._rpc("prepare_weight_updates", self.staged)
         info = infos[0]
         self.update_path = info["path"]
         log.info(
@@ -300,14 +331,12 @@ class Engine:
         parallelism (`stages_beside`): receive inside the pause."""
         await self.prepare_updates()
         t0 = time.perf_counter()
-        staged = (
-            self.stages_beside
-            and self.running > 0
-            and all(await self.llm.collective_rpc("stage_weights", args=(buckets,)))
-        )
+        staged = self.stages_beside and self.running > 0 and all(await self._rpc("stage_weights", buckets))
         if staged:
             try:
                 await self._wait_staged(t0 + self.job.spec.weight_sync.timeout_seconds)
+            except EngineStuck:
+                raise
             except Exception as err:
                 raise WeightsKept(
                     f"staged update to version {version} failed, generating on with version "
@@ -318,17 +347,22 @@ class Engine:
         # The engine core's pause, not AsyncLLM.pause_generation: that adds a fixed 20 ms sleep
         # so aborted requests' last outputs arrive first, which "keep" mode does not need. It
         # returns once the batches in flight are done and the device is synchronized.
-        await self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)
+        await self._bounded(self.llm.engine_core.pause_scheduler_async(mode="keep", clear_cache=False), "pause")
+        resume = True
         try:
             if staged:
-                await self.llm.collective_rpc("commit_staged_weights")
+                await self._rpc("commit_staged_weights")
                 kept = ""
             else:
-                kept = next((e for e in await self.llm.collective_rpc("receive_weights", args=(buckets,)) if e), "")
+                kept = next((e for e in await self._rpc("receive_weights", buckets) if e), "")
             if not kept:
                 await self.set_version(version)
+        except EngineStuck:
+            resume = False  # the core answers nothing more: no resume to wait for
+            raise
         finally:
-            await self.llm.resume_generation()
+            if resume:
+                await self._bounded(self.llm.resume_generation(), "resume")
         if kept:
             raise WeightsKept(f"update to version {version} failed, generating on with version {self.version}: {kept}")
         t1 = time.perf_counter()
@@ -338,7 +372,7 @@ class Engine:
 
     async def _wait_staged(self, deadline: float) -> None:
         # Each poll is a utility call the engine answers between steps; staging errors surface here.
-        while not all(await self.llm.collective_rpc("staged_weights_ready")):
+        while not all(await self._rpc("staged_weights_ready")):
             if time.perf_counter() > deadline:
                 raise TimeoutError(
                     f"weights not received and loaded within weightSync.timeoutSeconds="

@@ -18,7 +18,7 @@ from pipelinerl.admission import Admission
 from pipelinerl.contracts import JobSubjects, ServiceEnv
 from pipelinerl.spec import JobSpec
 from pipelinerl.steps import weight_group_rank, weight_group_size
-from pipelinerl_generator.engine import Engine, WeightsKept
+from pipelinerl_generator.engine import Engine, EngineStuck, WeightsKept
 from pipelinerl_generator.metrics import UPDATE_PAUSE, VERSION
 
 log = logging.getLogger("pipelinerl.generator")
@@ -167,6 +167,8 @@ class WeightFollower:
                 self.spec.weight_sync.timeout_seconds,
                 self.env.weights_token or "",
             )
+        except EngineStuck:  # the engine itself is blocked: stop (and be restarted)
+            raise
         except Exception as err:  # aborted or timed out: the trainer forms another epoch
             log.warning("could not join weight group %s: %s", update.group, err)
             self.group = None
