@@ -519,3 +519,23 @@ async def test_a_call_that_blocks_the_engine_core_is_given_up_on_in_bounded_time
     finally:
         engine.rpc_timeout_s = bound
     assert await engine._rpc("probe_staging_alive") == [False]  # answered after the block
+
+
+async def test_a_core_stalled_in_a_step_fails_the_liveness_check(engines):
+    """The generator checks that its engine's core answers between steps (every 30 s): a core
+    held by anything (here a worker call sleeping on its thread, as a hung kernel would hold a
+    step) fails the check in bounded time with no weight update pending; a free core passes."""
+    engine = (await engines(False)).engine
+    await engine.check_alive()
+    bound, engine.rpc_timeout_s = engine.rpc_timeout_s, 1.0
+    blocked = asyncio.create_task(engine.llm.collective_rpc("probe_block", args=(4.0,)))
+    try:
+        await asyncio.sleep(0.2)  # the block has reached the core
+        t0 = time.monotonic()
+        with pytest.raises(EngineStuck, match="a liveness check"):
+            await engine.check_alive()
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        engine.rpc_timeout_s = bound
+        await blocked
+    await engine.check_alive()

@@ -240,6 +240,13 @@ class Engine:
                 "(2 x weightSync.timeoutSeconds + 30): its core is blocked"
             ) from None
 
+    async def check_alive(self) -> None:
+        """A round trip through the engine core's loop, which answers between its steps: a core
+        stalled in a step (a hung kernel, a device that stopped answering) raises EngineStuck
+        here even while no weight update calls into it. vLLM's multiprocess executor bounds a
+        step itself (VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS); the one-worker executor does not."""
+        await self._bounded(self.llm.is_paused(), "a liveness check")
+
     async def start(self, version: int = 0) -> None:
         await self.set_version(version)
 

@@ -9,6 +9,7 @@ the stored record has them) and hands it to `Generator`, whose loops all run on 
   generator continues (`restore_admission`);
 - weights (`weight_follower.WeightFollower`): hellos, membership epochs, in-flight updates.
   Nothing is generated before the first weights from the trainer arrive;
+- the engine's liveness: a core that stops answering stops the generator (to be restarted);
 - versions: the trainer's announcements free admission budget and trigger evaluations
   (`evaluator.Evaluator`).
 """
@@ -39,6 +40,7 @@ from pipelinerl_generator.metrics import GROUPS, INFLIGHT, SCRAPED, TOKENS, Busy
 from pipelinerl_generator.weight_follower import WeightFollower
 
 log = logging.getLogger("pipelinerl.generator")
+ENGINE_CHECK_S = 30.0
 
 
 class Generator:
@@ -98,7 +100,8 @@ class Generator:
             deliver_policy=DeliverPolicy.LAST_PER_SUBJECT,
             ordered_consumer=True,
         )
-        loops = await self.weights.listen()  # not in self.tasks: these run until the end
+        # Not in self.tasks: these run until the end.
+        loops = [*await self.weights.listen(), asyncio.create_task(self._watch_engine())]
         for t in loops:
             t.add_done_callback(self._done)  # a crash stops the generator, loudly
         # Whatever it loaded from disk, a generator generates only with weights the trainer sent
@@ -115,6 +118,13 @@ class Generator:
             t.cancel()
         self.engine.shutdown()
         await close(self.nc)
+
+    async def _watch_engine(self) -> None:
+        """Every ENGINE_CHECK_S, that the engine's core still answers (`Engine.check_alive`):
+        a core stalled in a step would otherwise leave every rollout waiting, with no error."""
+        while True:
+            await asyncio.sleep(ENGINE_CHECK_S)
+            await self.engine.check_alive()
 
     def _spawn(self, coro) -> None:
         t = asyncio.create_task(coro)
