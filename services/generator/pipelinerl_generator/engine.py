@@ -45,8 +45,8 @@ class EngineStuck(RuntimeError):
 
 
 def rpc_timeout_s(weight_sync_timeout_s: float) -> float:
-    """The bound of each call into the engine's workers: past every weight-sync wait they make
-    themselves (a group's rendezvous, a transfer, each bounded by weightSync.timeoutSeconds),
+    """The bound of each call into the engine core: past every weight-sync wait its workers
+    make themselves (a group's rendezvous, a transfer, each bounded by weightSync.timeoutSeconds),
     so that only a blocked core reaches it."""
     return 2 * weight_sync_timeout_s + 30.0
 
