@@ -101,11 +101,15 @@ def saved_machine(job: str, name: str = "decode_curve") -> Machine | None:
 
 def rollout_path_costs(curve: DecodeCurve, measured: dict) -> dict:
     """The rollout path's measurement (`bench/rollout_path.py`, the tiny job's) with the request
-    cost it implies on `curve` (`path_request_s`, the engine at its batch of 128)."""
+    cost it implies on `curve` (`path_request_s`, the engine at its full batch)."""
     lengths = job_lengths(JOBS["tiny"][0])
     assert lengths is not None
     request_s = path_request_s(
-        curve, measured["seconds_per_sample_median"], measured["tokens_per_sample_median"], lengths[1], 128
+        curve,
+        measured["seconds_per_sample_median"],
+        measured["tokens_per_sample_median"],
+        lengths[1],
+        Machine.max_running,
     )
     return measured | {"request_s": request_s, "engine_request_s": curve.request_s}
 
@@ -229,6 +233,9 @@ def trainer_rates(path: str, job: str, repeats: int) -> tuple[dict[int, dict], d
     from pipelinerl import messages as m
     from pipelinerl.spec import load_job
     from pipelinerl_preprocessor.packing import StepSample, pack_wave, step_weight
+    from pipelinerl.contracts import ServiceEnv
+    from pipelinerl.ports import free_port
+    from pipelinerl_trainer.main import join_torch_group
     from pipelinerl_trainer.model import build_engine
     from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
 
@@ -237,7 +244,8 @@ def trainer_rates(path: str, job: str, repeats: int) -> tuple[dict[int, dict], d
     model_lengths = job_length_model(job)
     assert model_lengths is not None, f"{job}: not an example job with a calibration (CALIBRATION_OF_JOB)"
     lengths, prompt = sample_of(model_lengths)
-    one_rank_group()
+    if not torch.distributed.is_initialized():  # this process as a trainer of one rank (gloo)
+        join_torch_group(example, ServiceEnv(role="trainer", master_port=free_port()))
     engine = build_engine(spec.trainer, spec.weights_dtype, path)
     engine.train()
     vocab = engine.module.config.vocab_size
@@ -275,17 +283,6 @@ def trainer_rates(path: str, job: str, repeats: int) -> tuple[dict[int, dict], d
         beside = [rate(1)() for _ in range(repeats + 1)][1:]
     torch.set_num_threads(os.cpu_count() or 1)
     return {c: summary(runs[str(c)]) for c in cores}, summary(beside)
-
-
-def one_rank_group() -> None:
-    """This process as the one rank of a trainers' group (gloo), as a trainer of one joins it."""
-    if torch.distributed.is_initialized():
-        return
-    from pipelinerl.ports import free_port
-    from pipelinerl_trainer.model import init_distributed
-
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    init_distributed(False, 60)
 
 
 def measured_ratios(result: str) -> dict[int, float]:
