@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import time
 from dataclasses import asdict, replace
 
 # Before torch loads OpenMP: on a shared machine, spin-waiting OpenMP threads (the default) slow
@@ -43,14 +42,21 @@ from dataclasses import asdict, replace
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
 from bench import engines_side_by_side as side_by_side  # noqa: E402
 from bench import rollout_path  # noqa: E402
-from bench.common import RESULTS, alternate, save, summary, table  # noqa: E402
-from bench.tiny_engine import decode_round, tiny_engine  # noqa: E402
-from bench.results_store import read_result  # noqa: E402
 from bench.calibrate_cpu import calibration_yaml  # noqa: E402
+from bench.common import RESULTS, alternate, save, table  # noqa: E402
+from bench.measured_machine import (  # noqa: E402
+    JOBS,
+    job_filtered_fraction,
+    job_length_model,
+    job_lengths,
+    measured_ratios,
+    sample_of,
+)
+from bench.tiny_engine import decode_round, tiny_engine  # noqa: E402
+from bench.trainer_rate import trainer_rates  # noqa: E402
 from pipelinerl.planner.bound import (  # noqa: E402
     DecodeCurve,
     Machine,
@@ -59,44 +65,14 @@ from pipelinerl.planner.bound import (  # noqa: E402
     fit_requests,
     machine_calibration,
     path_request_s,
-    phase_generation,
 )
-from pipelinerl.planner.calibration import Calibration, Lengths, load_calibration  # noqa: E402
 
 BATCHES = (1, 4, 16, 64, 128)
 CONTEXTS = (8, 128)
 SHORT, LONG = 16, 64  # decode tokens of the two rounds whose difference is a point
 KS = (1, 2, 4, 8)
 SAMPLES_PER_STEP = 128  # both jobs' (examples/tiny-cpu.yaml, long-tail-cpu.yaml)
-BESIDE_SECONDS = 600.0  # an engine decoding beside the trainer's steps (stopped once they are timed)
 PATH_GROUPS = 192  # groups per timed run of the rollout path (the tiny job's: 1,536 samples)
-JOBS = {
-    "tiny": ("examples/tiny-cpu.yaml", "conventional_k-tiny"),
-    "long-tail": ("examples/long-tail-cpu.yaml", "conventional_k-long-tail"),
-}
-CALIBRATION_OF_JOB = {"tiny-cpu.yaml": "cpu-tiny", "long-tail-cpu.yaml": "cpu-long-tail"}  # their lengths
-
-
-def saved_machine(job: str, name: str = "decode_curve") -> Machine | None:
-    """The machine benchmark 12 measured (bench/results/NAME.json), with the trainer's rates on
-    `job`'s steps, if it has run (and timed that job's)."""
-    path = RESULTS / f"{name}.json"
-    if not path.exists():
-        return None
-    data = read_result(path)
-    train = data["trainer_tokens_per_s"].get(job_key(job))
-    if train is None:
-        return None
-    curve = DecodeCurve(**data["curve"])
-    if "rollout_path" in data:  # each request's cost on the whole path (older results: the engine's)
-        curve = replace(curve, request_s=data["rollout_path"]["request_s"])
-    return Machine(
-        cores=max(int(c) for c in train),
-        curve=curve,
-        train_tokens_per_s={int(c): s["median"] for c, s in train.items()},
-        engine_scaling=data.get("engines_side_by_side", {}).get("engine_scaling", 1.0),
-        trainer_beside=data.get("trainer_beside_engine", {}).get(job_key(job), {}).get("scaling", 1.0),
-    )
 
 
 def rollout_path_costs(curve: DecodeCurve, measured: dict) -> dict:
@@ -112,78 +88,6 @@ def rollout_path_costs(curve: DecodeCurve, measured: dict) -> dict:
         Machine.max_running,
     )
     return measured | {"request_s": request_s, "engine_request_s": curve.request_s}
-
-
-def job_key(job: str) -> str | None:
-    """Benchmark 12's name of an example job (JOBS), by its file."""
-    return next((key for key, (path, _) in JOBS.items() if os.path.basename(path) == os.path.basename(job)), None)
-
-
-def job_calibration(job: str) -> Calibration | None:
-    """An example job's built-in calibration: what it holds of the task (lengths, filtered share)."""
-    name = CALIBRATION_OF_JOB.get(os.path.basename(job))
-    return None if name is None else load_calibration(name)
-
-
-def job_length_model(job: str) -> Lengths | None:
-    """An example job's completion and prompt lengths, as its built-in calibration holds them."""
-    calibration = job_calibration(job)
-    return None if calibration is None else calibration.lengths
-
-
-def job_filtered_fraction(job: str) -> float:
-    """An example job's share of groups dropped by zero-variance filtering, as its built-in
-    calibration holds it (a property of the task and model, like its lengths)."""
-    calibration = job_calibration(job)
-    return 0.0 if calibration is None else calibration.filtered_fraction
-
-
-def sample_of(lengths: Lengths) -> tuple[list[int], int]:
-    """A sample of completion lengths (the mean, for a lognormal) and the prompt tokens."""
-    return lengths.values or [int(lengths.mean_tokens or 1)], lengths.prompt_tokens
-
-
-def job_lengths(job: str) -> tuple[list[int], int] | None:
-    """An example job's sample of completion lengths and prompt tokens (`sample_of`)."""
-    lengths = job_length_model(job)
-    return None if lengths is None else sample_of(lengths)
-
-
-def predicted_phase_rate(job: str, engines: int, samples: int, curve: str = "decode_curve") -> float | None:
-    """The tokens/s the measured curve (benchmark 12's result `curve`) predicts for a
-    conventional phase that trains `samples` completions of `job` (the example's lengths, from
-    its calibration) on `engines` engines, the tail and each request's cost included: its
-    trained tokens over the time to generate them and the groups filtering drops (the job's
-    filtered share), as a run's phases count them (`pipelinerl.phases`); None without that
-    result or for a job without a calibration."""
-    machine, lengths = saved_machine(job, curve), job_lengths(job)
-    if machine is None or lengths is None:
-        return None
-    sample, prompt = lengths
-    generated = round(samples / (1 - job_filtered_fraction(job)))
-    gen_s, _, _ = phase_generation(replace(machine, cores=engines), sample, prompt, generated)
-    trained = sum(sample[i % len(sample)] for i in range(samples))  # as phase_generation cycles them
-    return trained / gen_s
-
-
-def bound_with_trainer(
-    job: str,
-    k: int,
-    samples_per_step: int,
-    train_tokens_per_s: dict[int, float],
-    engines: int | None = None,
-    curve: str = "decode_curve",
-):
-    """The bound (`pipelinerl.planner.bound.bound`) on benchmark 12's decode curve and engines
-    (its result `curve`), with a run's own trainer rates by cores (its rows' tokens over its
-    training seconds, each side's trainer where it ran: the pipeline's beside its engine), the
-    conventional phase's `engines` (None: one per core) and the job's filtered share; None where
-    it cannot be formed."""
-    machine, lengths = saved_machine(job, curve), job_lengths(job)
-    if machine is None or lengths is None or set(train_tokens_per_s) != set(machine.train_tokens_per_s):
-        return None
-    machine = replace(machine, train_tokens_per_s=train_tokens_per_s, trainer_beside=1.0)
-    return bound(machine, lengths[0], lengths[1], samples_per_step, k, engines, job_filtered_fraction(job))
 
 
 async def curve_points(path: str, repeats: int) -> list[dict]:
@@ -220,82 +124,6 @@ async def curve_points(path: str, repeats: int) -> list[dict]:
     finally:
         engine.shutdown()
     return points
-
-
-def trainer_rates(path: str, job: str, repeats: int) -> tuple[dict[int, dict], dict]:
-    """Row tokens per second of the trainer's step on `job`'s shape, torch on 1 and on 2 threads
-    (alternated), and on 1 thread beside an engine decoding a full batch in another process (the
-    pipeline's trainer): its samples per step at the example's lengths (its calibration's
-    sample), packed into micro-batches of its microBatchTokens, each the trainer's loss
-    (`micro_batch_loss`) and backward, then the optimizer's step, all through the trainer's own
-    DeepSpeed engine (`build_engine`: the job's ZeRO stage, gradient clipping, AdamW; gloo, one
-    rank): as the trainer computes a step, so its rate reads as a run's does."""
-    from pipelinerl import messages as m
-    from pipelinerl.spec import load_job
-    from pipelinerl_preprocessor.packing import StepSample, pack_wave, step_weight
-    from pipelinerl.contracts import ServiceEnv
-    from pipelinerl.ports import free_port
-    from pipelinerl_trainer.main import join_torch_group
-    from pipelinerl_trainer.model import build_engine
-    from pipelinerl_trainer.step import StepTally, micro_batch_loss, step_config
-
-    example = load_job(job)
-    spec = example.spec
-    model_lengths = job_length_model(job)
-    assert model_lengths is not None, f"{job}: not an example job with a calibration (CALIBRATION_OF_JOB)"
-    lengths, prompt = sample_of(model_lengths)
-    if not torch.distributed.is_initialized():  # this process as a trainer of one rank (gloo)
-        join_torch_group(example, ServiceEnv(role="trainer", master_port=free_port()))
-    engine = build_engine(spec.trainer, spec.weights_dtype, path)
-    engine.train()
-    vocab = engine.module.config.vocab_size
-    rng = np.random.default_rng(0)
-    items = []
-    for i in range(spec.trainer.samples_per_step):
-        n = lengths[i % len(lengths)]
-        tokens = [int(t) for t in rng.integers(3, vocab, prompt + n)]
-        sample = m.Sample(
-            tokens=tokens, mask=[0] * prompt + [1] * n, logprobs=[0.0] * prompt + [-0.5] * n,
-            versions=[-1] * prompt + [0] * n, reward=float(i % 2),
-        )  # fmt: skip
-        items.append(StepSample(sample, float(rng.normal())))
-    weight = step_weight(items, spec.rl.token_weighting, len(items))
-    batches = pack_wave(0, items, 1, spec.trainer.micro_batch_tokens, weight, last=True)[0]
-    row_tokens = sum(len(mb.tokens) for mb in batches)
-    cfg = step_config(example)
-
-    def rate(threads: int):
-        def once() -> float:
-            torch.set_num_threads(threads)
-            t0 = time.perf_counter()
-            tally = StepTally(cfg.max_lag, "cpu")
-            for mb in batches:
-                engine.backward(micro_batch_loss(engine, mb, 0, cfg, tally))
-            engine.step()
-            return row_tokens / (time.perf_counter() - t0)
-
-        return once
-
-    cores = [c for c in (1, 2) if c <= (os.cpu_count() or 1)]
-    runs = alternate({str(c): rate(c) for c in cores}, repeats, warmup=2)
-    # The pipeline's trainer: one core, an engine decoding on the other (a full batch).
-    with side_by_side.running_engines(1, 64, BESIDE_SECONDS):
-        beside = [rate(1)() for _ in range(repeats + 1)][1:]
-    torch.set_num_threads(os.cpu_count() or 1)
-    return {c: summary(runs[str(c)]) for c in cores}, summary(beside)
-
-
-def measured_ratios(result: str) -> dict[int, float]:
-    """Benchmark 11's pipeline / conventional k samples/s (median over its rounds), by k."""
-    path = RESULTS / f"{result}.json"
-    if not path.exists():
-        return {}
-    data = read_result(path)
-    out = {}
-    for mode, b in data.get("baselines", {}).items():
-        k = 1 if mode == "sync" else int(mode.removeprefix("sync-k"))
-        out[k] = b["samples_rate_ratio"]["median"]
-    return out
 
 
 def main() -> None:

@@ -345,7 +345,7 @@ def report(runs: dict[str, list[dict]], args, sweep: dict | None = None) -> None
 def phase_row(mode: str, run: dict, agg: dict, args) -> list:
     """A mode's generation rate and where its phases' time went; for a colocated conventional
     phase, what benchmark 12's decode curve predicts for it beside (from the job's lengths)."""
-    from bench.decode_curve import predicted_phase_rate
+    from bench.measured_machine import predicted_phase_rate
 
     phases = agg["phases"]
     shares = ("wait_share", "train_share", "update_share")
@@ -373,7 +373,7 @@ def trainer_rate(xs: list[dict]) -> float:
 def measured_bound(runs: dict[str, list[dict]], baseline: str, args) -> dict | None:
     """The throughput bound against a colocated `baseline` with the trainer rates these runs
     measured: the pipeline's trainer on its core, the baseline's on every core and its engines."""
-    from bench.decode_curve import bound_with_trainer
+    from bench.measured_machine import bound_with_trainer
 
     base = runs[baseline]
     if base[0].get("cores") != "colocated":

@@ -169,7 +169,7 @@ def test_groups_filtering_drops_are_generated_on_both_sides_and_only_the_convent
 def test_the_bound_with_a_runs_own_trainer_rates():
     """Benchmark 11 prints the bound on benchmark 12's decode curve with the trainer rates its
     own runs measured: a slower pipeline trainer (one core) lowers the pipeline's reach."""
-    from bench.decode_curve import bound_with_trainer, saved_machine
+    from bench.measured_machine import bound_with_trainer, saved_machine
 
     assert saved_machine("examples/long-tail-cpu.yaml") is not None  # bench/results/decode_curve.json is kept
     fast = bound_with_trainer("examples/long-tail-cpu.yaml", 8, 128, {1: 5000.0, 2: 5100.0})
@@ -246,7 +246,7 @@ def test_the_kept_physics_calibrations_are_benchmark_12s_kept_measurements(name)
     `machine_calibration` of bench/results/NAME.json and the job's task properties as its
     built-in calibration holds them: nothing else went into it. (decode_curve.json predates the
     per-request costs and the filtered share: it was made with neither.)"""
-    from bench.decode_curve import JOBS, job_filtered_fraction, job_length_model, saved_machine
+    from bench.measured_machine import JOBS, job_filtered_fraction, job_length_model, saved_machine
 
     from bench.common import RESULTS
     from pipelinerl.planner.calibration import load_calibration
@@ -316,7 +316,7 @@ def test_the_tiny_jobs_in_vitro_prediction_with_the_whole_rollout_path_is_within
 def test_a_phases_predicted_rate_counts_what_it_trains_over_the_time_to_generate_the_filtered_too():
     """Benchmark 11's phase rows count the tokens a phase trains over its wait; the groups
     filtering dropped were generated in it too. The curve's prediction beside them counts alike."""
-    from bench.decode_curve import job_filtered_fraction, job_lengths, predicted_phase_rate, saved_machine
+    from bench.measured_machine import job_filtered_fraction, job_lengths, predicted_phase_rate, saved_machine
 
     job = "examples/tiny-cpu.yaml"
     machine, lengths = saved_machine(job, "decode_curve-path"), job_lengths(job)
