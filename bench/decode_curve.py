@@ -2,9 +2,9 @@
 pipeline reach against conventional RL with k steps per phase, printed beside benchmark 11's
 measured samples/s ratios.
 
-    python -m bench.decode_curve     # ~11 min: the tiny model's curve, the trainer's steps at 1 and
+    python -m bench.decode_curve     # ~12 min: the tiny model's curve, the trainer's steps at 1 and
                                      # 2 cores and beside an engine, two engines side by side, the
-                                     # tiny job's rollout path on one core
+                                     # tiny job's rollout path on one core, with and without updates
 
 Measured, one engine on one core (vLLM's CPU build through the generator's own `Engine`):
 the decode step's seconds against its running batch (1-128 sequences) and their contexts (8 and
@@ -23,7 +23,10 @@ tokens): at the engine, what the short rounds took beyond their steps on the cur
 (`fit_requests`); on this machine, where the rest of the rollout path (the generator's process,
 the broker, the preprocessor) shares the engines' cores, what the tiny job's whole path gave a
 sample on one core beyond the engine's steps (`bench/rollout_path.py`, `path_request_s`), which
-the bound and the planner's costs take. And the planner's costs
+the bound and the planner's costs take. The weight update's costs, on the same path: what runs
+with the tiny job's updates landing at its steps (sent by the project's `WeightSender` from the
+other core) took beyond runs without, per update (each engine's `pause_s`), and the sender's
+seconds (the trainer's `update_s`). And the planner's costs
 from this physics alone, one calibration per job (`machine_calibration`;
 bench/results/NAME-JOB.calibration.yaml, for `pipelinerl plan --calibration`): what it predicts
 for a benchmark-11 run is a prediction nothing of that run was fitted to.
@@ -164,10 +167,16 @@ def main() -> None:
     engines = side_by_side.measure(cores, 64, args.side_by_side_seconds, args.repeats)
     print(f"each engine beside the others: {engines['engine_scaling']:.2f}x its tokens/s alone")
     print("the tiny job's rollout path on one core (its engine, its generator's and intake's work):", flush=True)
-    rollout = rollout_path_costs(curve, rollout_path.measure(JOBS["tiny"][0], PATH_GROUPS, args.repeats))
+    trainer_cpu = 1 if cores > 1 else 0  # the pipeline's trainer beside the path's core
+    measured = rollout_path.measure(JOBS["tiny"][0], PATH_GROUPS, args.repeats, trainer_cpu=trainer_cpu)
+    rollout = rollout_path_costs(curve, measured)
+    updates = rollout["update_costs"]
     print(
         f"  {1000 * rollout['seconds_per_sample_median']:.2f} ms per sample: each request "
-        f"{1000 * rollout['request_s']:.2f} ms beside its decode steps (the engine's own {1000 * curve.request_s:.2f})"
+        f"{1000 * rollout['request_s']:.2f} ms beside its decode steps (the engine's own "
+        f"{1000 * curve.request_s:.2f}); each weight update "
+        f"{1000 * updates['generator_s']:.1f} ms of the engine's core, "
+        f"{1000 * updates['trainer_s']:.1f} ms of the trainer's"
     )
     command = f"python -m bench.decode_curve --repeats {args.repeats} --name {args.name}"
     rows, bounds, calibrations = [], {}, {}
@@ -178,6 +187,8 @@ def main() -> None:
             train_tokens_per_s={c: s["median"] for c, s in train[key].items()},
             engine_scaling=engines["engine_scaling"],
             trainer_beside=beside[key]["scaling"],
+            update_s=updates["trainer_s"],
+            pause_s=max(0.0, updates["generator_s"]),
         )
         model_lengths = job_length_model(job)
         assert model_lengths is not None  # every JOBS entry has its calibration
@@ -188,8 +199,8 @@ def main() -> None:
             f"physics-{key}",
             f"measured: `{command}` (bench/results/{args.name}.json), its decode curve, each request's cost on "
             f"the tiny job's rollout path, engines side by side and trainer steps of {job} (alone and beside an "
-            "engine), nothing fitted to a run; the task's lengths and filtered share: the built-in calibration's; "
-            "the weight update unmeasured (0)",
+            "engine) and the weight update's costs to the path's core and the trainer (the tiny job's update), "
+            "nothing fitted to a run; the task's lengths and filtered share: the built-in calibration's",
             job_filtered_fraction(job),
         )
         measured = measured_ratios(result)

@@ -56,6 +56,7 @@ from pipelinerl_generator.weight_receiver import WeightReceiverExtension  # noqa
 HOST = "127.0.0.1"
 INCARNATION = "bench"  # the one generator's process id in the weight group
 TIMEOUT_S = 300.0  # generous: engine start of the largest model under load counts against the rendezvous
+RUN_TIMEOUT_S = 600.0  # the step sender's wait for its next version
 STREAMS = 4  # long requests kept running through every update
 MAX_TOKENS, MAX_SEQ = 256, 512
 GAP_S = 0.2  # between measurements, so requests make progress and every update lands mid-generation
@@ -262,6 +263,45 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
         gen_q.put(("stop", None))
 
 
+def step_sender_main(path: str, port: int, bucket_mb: int, cpu: int | None, gen_q, done_q, steps_q, res_q) -> None:
+    """A trainer process for the rollout path with updates (`bench/rollout_path.py`): on its own
+    core (`cpu`), the project's `WeightSender` sends the weights of each version `steps_q` names
+    as a run's trainer does after a step (`wait=False`: the previous update is confirmed at the
+    next); a None ends it, and its send statistics go to `res_q`."""
+    try:
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})
+        torch.set_num_threads(1)
+        from transformers import AutoModelForCausalLM
+
+        from pipelinerl.weight_group import open_store
+        from pipelinerl_trainer.weight_sender import WeightSender
+
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        sender = WeightSender(
+            _DeepSpeedStandIn(model),
+            0,
+            _BridgeStandIn(gen_q, done_q),
+            backend="gloo",
+            bucket_mb=bucket_mb,
+            timeout_s=TIMEOUT_S,
+            store=open_store(HOST, port, True, TIMEOUT_S),
+            liveness_s=float("inf"),
+        )
+        sent = []
+        while (version := steps_q.get(timeout=RUN_TIMEOUT_S)) is not None:
+            sent.append({"version": version, **sender.send(version, wait=False)})
+        sender.confirm()
+        res_q.put(("ok", sent))
+    except BaseException as e:  # report, never leave the generator side waiting
+        import traceback
+
+        res_q.put(("err", traceback.format_exc()))
+        raise SystemExit(1) from e
+    finally:
+        gen_q.put(("stop", None))
+
+
 # --- generator side: the main process ----------------------------------------------------------
 
 
@@ -274,9 +314,11 @@ async def keep_generating(engine, prompt: list[int], stop: asyncio.Event, done: 
             return
 
 
-async def serve(engine, gen_q, done_q, trainer, receive_s: dict, port: int) -> None:
+async def serve(engine, gen_q, done_q, trainer, receive_s: dict | None, port: int) -> None:
     """The generator's part: join the weight group and apply WeightUpdates as the service does;
-    run raw receives."""
+    run raw receives. With `receive_s` (this benchmark's measurement), the benchmark's receiver
+    times each load into it, and an update applied otherwise than asked (staged or in the
+    pause) fails."""
     from pipelinerl import messages as m
 
     group = None
@@ -302,12 +344,14 @@ async def serve(engine, gen_q, done_q, trainer, receive_s: dict, port: int) -> N
         )
         try:
             stats = await engine.update_weights(update.version, update.buckets)
-            if stats.staged != engine.staged:
+            if receive_s is not None and stats.staged != engine.staged:
                 raise RuntimeError(f"asked for staged={engine.staged}, the engine did staged={stats.staged}")
             reply.pause_seconds, reply.running_requests = stats.pause_seconds, stats.running_requests
         except Exception as e:
             reply.error = f"{type(e).__name__}: {e}"
         done_q.put(m.encode(reply))
+        if receive_s is None:
+            continue
         # After the reply, so outside the trainer's clock (it sleeps GAP_S before the next one).
         receive_s[update.version] = (await engine.llm.collective_rpc("bench_last_receive_s"))[0]
 

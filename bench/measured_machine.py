@@ -31,14 +31,18 @@ def saved_machine(job: str, name: str = "decode_curve") -> Machine | None:
     if train is None:
         return None
     curve = DecodeCurve(**data["curve"])
-    if "rollout_path" in data:  # each request's cost on the whole path (older results: the engine's)
-        curve = replace(curve, request_s=data["rollout_path"]["request_s"])
+    rollout = data.get("rollout_path", {})
+    if rollout:  # each request's cost on the whole path (older results: the engine's)
+        curve = replace(curve, request_s=rollout["request_s"])
+    updates = rollout.get("update_costs", {})  # older results: the update unmeasured (0)
     return Machine(
         cores=max(int(c) for c in train),
         curve=curve,
         train_tokens_per_s={int(c): s["median"] for c, s in train.items()},
         engine_scaling=data.get("engines_side_by_side", {}).get("engine_scaling", 1.0),
         trainer_beside=data.get("trainer_beside_engine", {}).get(job_key(job), {}).get("scaling", 1.0),
+        update_s=updates.get("trainer_s", 0.0),
+        pause_s=max(0.0, updates.get("generator_s", 0.0)),
     )
 
 

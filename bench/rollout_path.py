@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
 import os
 import shutil
 import subprocess
@@ -41,11 +42,62 @@ from bench.common import summary  # noqa: E402
 
 JOB = "examples/tiny-cpu.yaml"
 RUN_TIMEOUT_S = 600.0
+SETTLE_S = 60.0  # for the engine to apply the updates sent (a failed one never is)
 
 
-async def run_path(job_file: str, groups: int, repeats: int) -> dict:
+class StepUpdates:
+    """The job's weight updates at its steps' rate: a trainer process on its own core
+    (`bench.inflight_update.step_sender_main`: the project's `WeightSender` on the job's model)
+    sends a version each time `step` is called while `on`; this process applies each as the
+    generator service does (`bench.inflight_update.serve`: joins the group, `Engine.update_weights`,
+    staged while requests run)."""
+
+    def __init__(self, engine, path: str, bucket_mb: int, cpu: int):
+        from bench.inflight_update import serve, step_sender_main
+        from pipelinerl.ports import free_port
+
+        ctx = mp.get_context("spawn")
+        self.gen_q, done_q, self.steps_q, self.res_q = (ctx.Queue() for _ in range(4))
+        port = free_port()
+        args = (path, port, bucket_mb, cpu, self.gen_q, done_q, self.steps_q, self.res_q)
+        self.sender = ctx.Process(target=step_sender_main, args=args, daemon=True)
+        self.sender.start()
+        self.serving = asyncio.create_task(serve(engine, self.gen_q, done_q, self.sender, None, port))
+        self.on, self.version = False, 0
+
+    def step(self) -> None:
+        if self.on:
+            self.version += 1
+            self.steps_q.put(self.version)
+
+    async def settle(self, engine) -> None:
+        """Until the engine has applied every version sent (so none lands in the next run)."""
+        deadline = time.monotonic() + SETTLE_S
+        while engine.version < self.version:
+            if time.monotonic() > deadline or self.serving.done():
+                raise RuntimeError(f"the engine applied version {engine.version} of {self.version}")
+            await asyncio.sleep(0.01)
+
+    async def close(self) -> list[dict]:
+        """Each update's send statistics (the sender's, in version order)."""
+        self.steps_q.put(None)
+        try:
+            status, out = await asyncio.to_thread(self.res_q.get, True, RUN_TIMEOUT_S)
+            await asyncio.wait_for(self.serving, RUN_TIMEOUT_S)
+        finally:
+            self.sender.join(30)
+            if self.sender.is_alive():
+                self.sender.kill()
+        if status != "ok":
+            raise RuntimeError(f"the weight sender failed:\n{out}")
+        return out
+
+
+async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | None = None) -> dict:
     """In the pinned child: the job's rollout path, `repeats` timed runs of `groups` groups
-    (after one untimed run of a quarter as many)."""
+    (after one untimed run of a quarter as many). With `trainer_cpu`, each run is followed by one
+    with the job's weight updates landing at its steps (`StepUpdates`, the sender on that core),
+    so that their cost to the path's core is the difference."""
     import nats
 
     from pipelinerl import books
@@ -63,6 +115,7 @@ async def run_path(job_file: str, groups: int, repeats: int) -> dict:
     path = resolve_model_path(spec.model.path)
     engine = Engine(job, path)  # first: its core process is forked while no thread of ours runs
     await engine.start(0)
+    updates = None if trainer_cpu is None else StepUpdates(engine, path, spec.weight_sync.bucket_mb, trainer_cpu)
     task = make_task(spec.task.name, spec.task.params, seed=spec.task.seed)
     tokenizer = load_tokenizer(path)
     server = EmbeddedNats(Path(tempfile.mkdtemp(prefix="rollout-path-"))).start()
@@ -88,6 +141,7 @@ async def run_path(job_file: str, groups: int, repeats: int) -> dict:
         builder = StepBuilder(spec, spec.trainer_ranks, books.restore([]), caught_up=True)
 
         async def take(n: int) -> None:  # the preprocessor's loop, its trainer always ready
+            built = builder.step
             while n:
                 for msg in await intake.fetch(min(n, 64), timeout=30):
                     builder.take(msg, m.decode(msg.data, m.RolloutGroup))
@@ -101,62 +155,122 @@ async def run_path(job_file: str, groups: int, repeats: int) -> dict:
                     )
                     for msg in wave.acks:
                         await msg.ack()
+                    if builder.step > built and updates is not None:
+                        built = builder.step
+                        if n:  # a step's data is in: its update (the run's last would land after it)
+                            updates.step()
 
-        async def one_run(n: int) -> tuple[float, int, dict[str, float]]:
-            cpu0, t0 = cpu_seconds(), time.perf_counter()
+        async def one_run(n: int, updated: bool = False) -> tuple[float, int, dict[str, float], int]:
+            if updates is not None:
+                updates.on, first = updated, updates.version
+            sender = updates.sender.pid if updates is not None else None
+            cpu0, t0 = cpu_seconds(sender), time.perf_counter()
             tokens, _ = await asyncio.gather(asyncio.gather(*(group() for _ in range(n))), take(n))
-            seconds, cpu1 = time.perf_counter() - t0, cpu_seconds()
-            return seconds, sum(tokens), {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}
+            seconds, cpu1 = time.perf_counter() - t0, cpu_seconds(sender)
+            sent = 0
+            if updates is not None:
+                sent = updates.version - first
+                await updates.settle(engine)
+            return seconds, sum(tokens), {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}, sent
 
-        await one_run(max(1, groups // 4))
-        runs = [await one_run(groups) for _ in range(repeats)]
+        # Untimed; with updates, as long as a timed run (the weight group forms at its first).
+        warmup = await one_run(groups if updates is not None else max(1, groups // 4), updated=updates is not None)
+        runs, updated = [], []
+        for _ in range(repeats):
+            runs.append(await one_run(groups))
+            if updates is not None:
+                updated.append(await one_run(groups, updated=True))
         built = builder.step
+        sends = await updates.close() if updates is not None else []
+        updates = None
     finally:
+        if updates is not None:
+            updates.sender.kill()
         await close(nc)
         server.stop()
         shutil.rmtree(server.store_dir, ignore_errors=True)
         engine.shutdown()
     samples = groups * attempts
-    return {
+
+    def per_sample(rs: list) -> dict:
+        return {
+            "seconds_per_sample": [s / samples for s, _, _, _ in rs],
+            "tokens_per_sample": [t / samples for _, t, _, _ in rs],
+            # CPU seconds per sample of each process: where a sample's time on the core goes
+            "cpu_per_sample": [{k: v / samples for k, v in c.items()} for _, _, c, _ in rs],
+        }
+
+    out = {
         "groups": groups,
         "attempts": attempts,
-        "seconds_per_sample": [s / samples for s, _, _ in runs],
-        "tokens_per_sample": [t / samples for _, t, _ in runs],
-        # CPU seconds per sample of each process: where a sample's time on the core goes
-        "cpu_per_sample": [{k: v / samples for k, v in c.items()} for _, _, c in runs],
+        **per_sample(runs),
         "max_inflight_groups": spec.generator.max_inflight_groups,
         "steps_built": built,  # by the preprocessor's builder, every run's groups
     }
+    if trainer_cpu is not None:
+        timed = sends[warmup[3] :]  # the warm-up's formed the group
+        out["with_updates"] = per_sample(updated) | {"updates": [n for _, _, _, n in updated], "sends": timed}
+    return out
 
 
-def cpu_seconds() -> dict[str, float]:
+def cpu_seconds(sender: int | None = None) -> dict[str, float]:
     """CPU seconds so far of this process ("client": the generator's and the intake's work) and
-    of its children by name (vLLM's engine core, nats-server)."""
+    of its children by name (vLLM's engine core, nats-server; the weight sender, pid `sender`,
+    on its own core, and multiprocessing's resource tracker apart)."""
     import psutil
 
     me = psutil.Process()
     out = {"client": sum(me.cpu_times()[:2])}
     for child in me.children(recursive=True):
         try:
-            name = "nats-server" if "nats" in child.name() else "engine core"
+            if child.pid == sender:
+                name = "weight sender"
+            elif "resource_tracker" in " ".join(child.cmdline()):
+                name = "resource tracker"
+            else:
+                name = "nats-server" if "nats" in child.name() else "engine core"
             out[name] = out.get(name, 0.0) + sum(child.cpu_times()[:2])
         except psutil.NoSuchProcess:
             pass
     return out
 
 
-def measure(job: str, groups: int, repeats: int, cpu: int = 0) -> dict:
+def measure(job: str, groups: int, repeats: int, cpu: int = 0, trainer_cpu: int | None = None) -> dict:
     """The job's rollout path in a child process pinned to core `cpu` (one torch thread): its
-    seconds and completion tokens per sample (medians over `repeats` runs), and the runs."""
+    seconds and completion tokens per sample (medians over `repeats` runs), and the runs; with
+    `trainer_cpu`, also the weight updates' costs (`update_costs`)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "bench.rollout_path", "--child", "--job", job]
     cmd += ["--groups", str(groups), "--repeats", str(repeats), "--cpu", str(cpu)]
+    if trainer_cpu is not None:
+        cmd += ["--trainer-cpu", str(trainer_cpu)]
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=RUN_TIMEOUT_S, check=True).stdout
     got = json.loads(out.strip().splitlines()[-1])
     got["cpu"] = cpu
     got["seconds_per_sample_median"] = summary(got["seconds_per_sample"])["median"]
     got["tokens_per_sample_median"] = summary(got["tokens_per_sample"])["median"]
+    if "with_updates" in got:
+        got["update_costs"] = update_costs(got)
     return got
+
+
+def update_costs(got: dict) -> dict:
+    """What each weight update cost (medians): the path's core, the seconds the paired runs with
+    updates took beyond those without, per update (`generator_s`: receiving, loading and
+    re-packing beside decoding, and the pause); the trainer, its send (`trainer_s`: packing,
+    confirming the previous update, broadcasting); the generator's pause as it reported it."""
+    samples = got["groups"] * got["attempts"]
+    u = got["with_updates"]
+    extra = [
+        (b - a) * samples / n for a, b, n in zip(got["seconds_per_sample"], u["seconds_per_sample"], u["updates"]) if n
+    ]
+    sends = u["sends"]
+    return {
+        "generator_s": summary(extra)["median"],
+        "generator_s_runs": extra,
+        "trainer_s": summary([s["weight_sync_seconds"] for s in sends])["median"],
+        "pause_s": summary([s["weight_pause_max_seconds"] for s in sends])["median"],  # of the update before each
+    }
 
 
 def main() -> None:
@@ -165,6 +279,7 @@ def main() -> None:
     ap.add_argument("--groups", type=int, default=192)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cpu", type=int, default=0)
+    ap.add_argument("--trainer-cpu", type=int, help="also runs with the job's weight updates, sent from this core")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the pinned process
     args = ap.parse_args()
     from bench.models import project_caches
@@ -172,13 +287,19 @@ def main() -> None:
     project_caches()
     if args.child:
         os.sched_setaffinity(0, {args.cpu})  # before the engine: its core process inherits it
-        print(json.dumps(asyncio.run(run_path(args.job, args.groups, args.repeats))))
+        print(json.dumps(asyncio.run(run_path(args.job, args.groups, args.repeats, args.trainer_cpu))))
         return
-    got = measure(args.job, args.groups, args.repeats, args.cpu)
+    got = measure(args.job, args.groups, args.repeats, args.cpu, args.trainer_cpu)
     print(
         f"{args.job}, its rollout path on one core: {1000 * got['seconds_per_sample_median']:.2f} ms per sample "
         f"({got['tokens_per_sample_median']:.1f} completion tokens)"
     )
+    if "update_costs" in got:
+        c = got["update_costs"]
+        print(
+            f"each weight update: {1000 * c['generator_s']:.1f} ms of the path's core, {1000 * c['trainer_s']:.1f} ms "
+            f"of the trainer's (its send), the generator paused {1000 * c['pause_s']:.1f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -139,7 +139,10 @@ class Machine:
     cores: int
     curve: DecodeCurve
     train_tokens_per_s: dict[int, float]  # cores -> tokens/s of the trainer on that many
-    update_s: float = 0.0
+    update_s: float = 0.0  # the trainer's seconds per weight update (its send)
+    # Each engine's seconds lost per update: receiving and loading beside its decoding (on a CPU,
+    # the same core), and the pause (`bench/rollout_path.py` measures it on the rollout path).
+    pause_s: float = 0.0
     max_running: int = 128  # an engine's batch (vLLM's max_num_seqs)
     # Each engine's tokens/s beside the others (one per core) over its tokens/s alone: engines
     # sharing a memory bus each decode slower (`bench/engines_side_by_side.py` measures it).
@@ -195,18 +198,21 @@ def bound(
     lengths: a sample of the job's completion lengths; a phase draws its samples from them,
     cycling); the conventional phase generates on `engines` engines (None: one per core) and
     trains on every core. Both sides generate the groups zero-variance filtering drops
-    (`filtered`, a share of those generated) beside the k·S samples a phase trains."""
+    (`filtered`, a share of those generated) beside the k·S samples a phase trains. Each update
+    costs the pipeline's trainer `update_s` and each of its engines `pause_s` a step; a
+    conventional phase waits for the longer of the two once."""
     tokens_per_sample = prompt + float(np.mean(lengths))
     generated = round(k * samples_per_step / (1 - filtered))
     gen_s, first, _ = phase_generation(replace(m, cores=engines or m.cores), lengths, prompt, generated)
     train_s = k * samples_per_step * tokens_per_sample / m.train_rate(m.cores)
-    conventional = k * samples_per_step / (gen_s + train_s + m.update_s)
+    conventional = k * samples_per_step / (gen_s + train_s + max(m.update_s, m.pause_s))
     best, cores_g = 0.0, 1
     kept = (1 - filtered) * full_batch_samples_per_s(m.curve, float(np.mean(lengths)), prompt, m.max_running)
     for g in range(1, m.cores):
         gen = m.engines_rate(g) * kept  # samples trained of what one engine makes
         train = m.train_rate(m.cores - g) / tokens_per_sample
-        rate = min(gen, train / (1 + m.update_s * train / samples_per_step))
+        # Either side loses its update seconds each step (samples_per_step samples).
+        rate = min(gen / (1 + m.pause_s * gen / samples_per_step), train / (1 + m.update_s * train / samples_per_step))
         if rate > best:
             best, cores_g = rate, g
     return Bound(k, conventional, best, cores_g, max(0.0, 1 - first / gen_s) if gen_s else 0.0)
@@ -220,7 +226,7 @@ def machine_calibration(
     busy cores (every engine on this machine has a busy neighbour: another engine, or the
     trainer); training at the trainer's tokens/s on one core beside a busy engine (as it is
     whenever it has fewer than every core), its scaling to every core (alone) as measured; the
-    update's seconds. The task's own properties (its lengths, the share of groups
+    update's seconds, the trainer's and each engine's. The task's own properties (its lengths, the share of groups
     zero-variance filtering drops) are given. The simulator then adds what the bound leaves out:
     admission, the lag budget, waves, steps' boundaries."""
     slower = m.engines_rate(m.cores) / m.cores
@@ -238,7 +244,7 @@ def machine_calibration(
         train_s_per_token=1 / one,
         train_scaling=scaling,
         weight_sync_s=m.update_s,
-        pause_s=m.update_s,
+        pause_s=m.pause_s,
         filtered_fraction=filtered_fraction,
         lengths=lengths,
     )

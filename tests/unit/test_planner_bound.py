@@ -238,6 +238,28 @@ def test_a_trainer_beside_a_busy_engine_trains_slower_only_on_part_of_the_cores(
     assert b.conventional_samples_per_s == pytest.approx(a.conventional_samples_per_s)
 
 
+def test_each_update_costs_the_pipelines_sides_every_step_and_a_conventional_phase_once():
+    """`update_s` (the trainer's send) and `pause_s` (each engine's lost seconds) per update:
+    the pipeline updates every step, so a generator-bound one loses pause_s of each step's
+    generation and a trainer-bound one update_s of each step's training; a conventional phase
+    of k steps waits for the longer once. The planner's costs carry both."""
+    curve = DecodeCurve(0.005, 0.0001, 0.0)
+    m = Machine(cores=2, curve=curve, train_tokens_per_s={1: 1e7, 2: 1.5e7})  # generator-bound
+    costly = replace(m, update_s=0.01, pause_s=0.05)
+    a = bound(m, [4] * 64, prompt=8, samples_per_step=128, k=4)
+    b = bound(costly, [4] * 64, prompt=8, samples_per_step=128, k=4)
+    gen = a.pipeline_samples_per_s
+    assert b.pipeline_samples_per_s == pytest.approx(gen * (1 - 0.05 * b.pipeline_samples_per_s / 128))
+    per_phase = 4 * 128 / a.conventional_samples_per_s
+    assert 4 * 128 / b.conventional_samples_per_s == pytest.approx(per_phase + 0.05)
+    slow_trainer = replace(costly, train_tokens_per_s={1: 1_200.0, 2: 1_500.0})  # trainer-bound: 100 samples/s
+    t = bound(slow_trainer, [4] * 64, prompt=8, samples_per_step=128, k=4)
+    assert t.pipeline_samples_per_s == pytest.approx(100.0 * (1 - 0.01 * t.pipeline_samples_per_s / 128))
+    lengths = Lengths(distribution="empirical", values=[4] * 64, prompt_tokens=8)
+    c = machine_calibration(costly, lengths, "physics", "test")
+    assert (c.weight_sync_s, c.pause_s) == (0.01, 0.05)
+
+
 @pytest.mark.parametrize(
     "name", ["decode_curve", "decode_curve-requests", "decode_curve-path", "decode_curve-deepspeed"]
 )
