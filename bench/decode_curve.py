@@ -168,7 +168,8 @@ def main() -> None:
     print(f"each engine beside the others: {engines['engine_scaling']:.2f}x its tokens/s alone")
     print("the tiny job's rollout path on one core (its engine, its generator's and intake's work):", flush=True)
     trainer_cpu = 1 if cores > 1 else 0  # the pipeline's trainer beside the path's core
-    measured = rollout_path.measure(JOBS["tiny"][0], PATH_GROUPS, args.repeats, trainer_cpu=trainer_cpu)
+    # An update's cost is a few percent of a run's seconds: thrice the pairs (a run is ~4 s).
+    measured = rollout_path.measure(JOBS["tiny"][0], PATH_GROUPS, 3 * args.repeats, trainer_cpu=trainer_cpu)
     rollout = rollout_path_costs(curve, measured)
     updates = rollout["update_costs"]
     print(

@@ -19,7 +19,14 @@ generators' service loops around that work (status, hellos, metrics) and the tra
 (small on the tiny job: the preprocessor's whole process took ~5% of a phase's CPU, measured with
 per-process CPU times).
 
-    python -m bench.rollout_path [--job examples/tiny-cpu.yaml] [--groups 192] [--repeats 3]
+With `--trainer-cpu`, each run is paired with one in which the job's weight updates land at its
+steps: a trainer process on that core sends the job's model with the project's `WeightSender`
+each time the builder completes a step, and the engine applies each as the generator service
+does (staged while requests run). What the paired run took beyond its pair, per update, is each
+engine's cost of an update on its core (the planner's `pause_s`); the sender's seconds are the
+trainer's (`weight_sync_s`).
+
+    python -m bench.rollout_path [--job examples/tiny-cpu.yaml] [--groups 192] [--repeats 3] [--trainer-cpu 1]
 """
 
 from __future__ import annotations

@@ -261,7 +261,8 @@ def test_each_update_costs_the_pipelines_sides_every_step_and_a_conventional_pha
 
 
 @pytest.mark.parametrize(
-    "name", ["decode_curve", "decode_curve-requests", "decode_curve-path", "decode_curve-deepspeed"]
+    "name",
+    ["decode_curve", "decode_curve-requests", "decode_curve-path", "decode_curve-deepspeed", "decode_curve-updates"],
 )
 def test_the_kept_physics_calibrations_are_benchmark_12s_kept_measurements(name):
     """bench/results/NAME-JOB.calibration.yaml (what the in-vitro predictions read) is
@@ -324,12 +325,13 @@ def test_the_tiny_jobs_in_vitro_prediction_gets_the_ratio_and_leaves_costs_out_o
     assert all(predicted[side] > got[side] for side in got)
 
 
-@pytest.mark.parametrize("name", ["path", "deepspeed"])
+@pytest.mark.parametrize("name", ["path", "deepspeed", "updates"])
 def test_the_tiny_jobs_in_vitro_prediction_with_the_whole_rollout_path_is_within_15_percent(name):
     """The tiny job again, each request's cost measured on the job's whole rollout path on one
     core (`bench/rollout_path.py`) and the pipeline's trainer beside an engine (`deepspeed`: the
-    trainer's step timed through its DeepSpeed engine; `path`: the bare step): each side within
-    ±15% of its prediction, written first (docs/planner.md, *On this machine*)."""
+    trainer's step timed through its DeepSpeed engine; `path`: the bare step; `updates`: as
+    `deepspeed`, and the weight update's costs measured on the path): each side within ±15% of
+    its prediction, written first (docs/planner.md, *On this machine*)."""
     predicted, got = in_vitro("tiny", f"decode_curve-{name}-tiny.calibration.yaml", name=name)
     for side in got:
         assert abs(predicted[side] / got[side] - 1) <= 0.15, side
