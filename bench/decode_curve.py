@@ -37,7 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 # Before torch loads OpenMP: on a shared machine, spin-waiting OpenMP threads (the default) slow
 # small-model work ~15x whenever other processes hold the cores; passive waiting keeps the figures
@@ -55,6 +55,7 @@ from bench.measured_machine import (  # noqa: E402
     job_filtered_fraction,
     job_length_model,
     job_lengths,
+    machine_of,
     measured_ratios,
     sample_of,
 )
@@ -180,17 +181,18 @@ def main() -> None:
         f"{1000 * updates['trainer_s']:.1f} ms of the trainer's"
     )
     command = f"python -m bench.decode_curve --repeats {args.repeats} --name {args.name}"
+    result = {
+        "points": points,
+        "curve": asdict(curve),
+        "trainer_tokens_per_s": {key: {str(c): s for c, s in rates.items()} for key, rates in train.items()},
+        "engines_side_by_side": engines,
+        "trainer_beside_engine": beside,
+        "rollout_path": rollout,
+    }
     rows, bounds, calibrations = [], {}, {}
-    for key, (job, result) in JOBS.items():
-        machine = Machine(
-            cores=cores,
-            curve=replace(curve, request_s=rollout["request_s"]),
-            train_tokens_per_s={c: s["median"] for c, s in train[key].items()},
-            engine_scaling=engines["engine_scaling"],
-            trainer_beside=beside[key]["scaling"],
-            update_s=updates["trainer_s"],
-            pause_s=max(0.0, updates["generator_s"]),
-        )
+    for key, (job, runs) in JOBS.items():
+        machine = machine_of(result, key)
+        assert machine is not None  # every JOBS entry's trainer was timed
         model_lengths = job_length_model(job)
         assert model_lengths is not None  # every JOBS entry has its calibration
         lengths, prompt = sample_of(model_lengths)
@@ -204,7 +206,7 @@ def main() -> None:
             "nothing fitted to a run; the task's lengths and filtered share: the built-in calibration's",
             job_filtered_fraction(job),
         )
-        measured = measured_ratios(result)
+        measured = measured_ratios(runs)
         for k in KS:
             filtered = job_filtered_fraction(job)
             b = bound(machine, lengths, prompt, SAMPLES_PER_STEP, k, filtered=filtered)
@@ -221,16 +223,7 @@ def main() -> None:
             )
     headers = ["job", "k", "bound: pipeline / k samples/s", "phase in its tail", "bound, one engine a phase"]
     print(table([*headers, "measured (benchmark 11, one engine)"], rows))
-    result = {
-        "points": points,
-        "curve": asdict(curve),
-        "trainer_tokens_per_s": {key: {str(c): s for c, s in rates.items()} for key, rates in train.items()},
-        "engines_side_by_side": engines,
-        "trainer_beside_engine": beside,
-        "rollout_path": rollout,
-        "bounds": bounds,
-    }
-    saved = save(args.name, result, command)
+    saved = save(args.name, result | {"bounds": bounds}, command)
     print(f"wrote {saved}")
     for key, calib in calibrations.items():
         out = RESULTS / f"{args.name}-{key}.calibration.yaml"

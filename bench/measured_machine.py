@@ -21,26 +21,33 @@ CALIBRATION_OF_JOB = {"tiny-cpu.yaml": "cpu-tiny", "long-tail-cpu.yaml": "cpu-lo
 
 
 def saved_machine(job: str, name: str = "decode_curve") -> Machine | None:
-    """The machine benchmark 12 measured (bench/results/NAME.json), with the trainer's rates on
-    `job`'s steps, if it has run (and timed that job's)."""
+    """The machine benchmark 12 measured (bench/results/NAME.json) for `job`, if it has run (and
+    timed that job's trainer): `machine_of` its result."""
     path = RESULTS / f"{name}.json"
-    if not path.exists():
-        return None
-    data = read_result(path)
-    train = data["trainer_tokens_per_s"].get(job_key(job))
+    key = job_key(job)
+    return machine_of(read_result(path), key) if path.exists() and key is not None else None
+
+
+def machine_of(data: dict, key: str) -> Machine | None:
+    """The machine of benchmark 12's result `data`, with the trainer's rates on the steps of its
+    job `key` (None where it did not time them): the decode curve with each request's cost on the
+    rollout path (older results: the engine's), the engines side by side, the trainer beside an
+    engine, the weight update's costs (older results: unmeasured, 0; a median the pairs' noise
+    left below 0 counts as 0)."""
+    train = data["trainer_tokens_per_s"].get(key)
     if train is None:
         return None
     curve = DecodeCurve(**data["curve"])
     rollout = data.get("rollout_path", {})
-    if rollout:  # each request's cost on the whole path (older results: the engine's)
+    if rollout:
         curve = replace(curve, request_s=rollout["request_s"])
-    updates = rollout.get("update_costs", {})  # older results: the update unmeasured (0)
+    updates = rollout.get("update_costs", {})
     return Machine(
         cores=max(int(c) for c in train),
         curve=curve,
         train_tokens_per_s={int(c): s["median"] for c, s in train.items()},
         engine_scaling=data.get("engines_side_by_side", {}).get("engine_scaling", 1.0),
-        trainer_beside=data.get("trainer_beside_engine", {}).get(job_key(job), {}).get("scaling", 1.0),
+        trainer_beside=data.get("trainer_beside_engine", {}).get(key, {}).get("scaling", 1.0),
         update_s=updates.get("trainer_s", 0.0),
         pause_s=max(0.0, updates.get("generator_s", 0.0)),
     )
