@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import queue
@@ -160,30 +161,52 @@ class _BridgeStandIn:
         self.gen_q.put(("staged" if self.staged else "in pause", m.encode(msg)))
 
 
-def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg: dict) -> None:
+@contextlib.contextmanager
+def _trainer_side(gen_q, res_q):
+    """A trainer process's body: a failure is reported on `res_q` (never leaving the generator
+    side waiting), and the generator's `serve` is told to stop however the body ends."""
     try:
+        yield
+    except BaseException as e:
+        import traceback
+
+        res_q.put(("err", traceback.format_exc()))
+        raise SystemExit(1) from e
+    finally:
+        gen_q.put(("stop", None))
+
+
+def _sender(model, bridge: _BridgeStandIn, bucket_mb: int, port: int):
+    """The project's `WeightSender` on `model` (rank 0, gloo), serving the weight group's
+    rendezvous on `port`; the generator joins at the first update."""
+    from pipelinerl.weight_group import open_store
+    from pipelinerl_trainer.weight_sender import WeightSender
+
+    return WeightSender(
+        _DeepSpeedStandIn(model),
+        0,
+        bridge,
+        backend="gloo",
+        bucket_mb=bucket_mb,
+        timeout_s=TIMEOUT_S,
+        store=open_store(HOST, port, True, TIMEOUT_S),
+        liveness_s=float("inf"),
+    )
+
+
+def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg: dict) -> None:
+    with _trainer_side(gen_q, res_q):
         from transformers import Qwen2ForCausalLM
 
         from bench.common import alternate
-        from pipelinerl.weight_group import Snapshot, open_store, plan_buckets
-        from pipelinerl_trainer.weight_sender import WeightSender
+        from pipelinerl.weight_group import Snapshot, plan_buckets
 
         model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
-        weights_store = open_store(HOST, port, True, TIMEOUT_S)
-        store = dist.TCPStore(HOST, raw_port, 2, is_master=True, timeout=timedelta(seconds=TIMEOUT_S))
-        raw_pg = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=TIMEOUT_S))
         bridge = _BridgeStandIn(gen_q, done_q)
         # The generator joins the weight group at the first update (a warm-up round, not measured).
-        sender = WeightSender(
-            _DeepSpeedStandIn(model),
-            0,
-            bridge,
-            backend="gloo",
-            bucket_mb=cfg["bucket_mb"],
-            timeout_s=TIMEOUT_S,
-            store=weights_store,
-            liveness_s=float("inf"),
-        )
+        sender = _sender(model, bridge, cfg["bucket_mb"], port)
+        store = dist.TCPStore(HOST, raw_port, 2, is_master=True, timeout=timedelta(seconds=TIMEOUT_S))
+        raw_pg = dist.ProcessGroupGloo(store, 0, 2, timedelta(seconds=TIMEOUT_S))
         default_plan = sender.buckets
         shapes = [(n, list(p.shape), "float32") for n, p in sender.params]
         flat = torch.cat([p.detach().reshape(-1) for _, p in sender.params])  # the same bytes
@@ -254,13 +277,6 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
             runs = alternate(sides, cfg["sweep_repeats"])
             out["sweep"] = {lab: collect(runs, lab, plan, f"update {lab}", f"raw {lab}") for lab, plan in plans.items()}
         res_q.put(("ok", out))
-    except BaseException as e:  # report, never leave the generator side waiting
-        import traceback
-
-        res_q.put(("err", traceback.format_exc()))
-        raise SystemExit(1) from e
-    finally:
-        gen_q.put(("stop", None))
 
 
 def step_sender_main(path: str, port: int, bucket_mb: int, cpu: int | None, gen_q, done_q, steps_q, res_q) -> None:
@@ -268,38 +284,23 @@ def step_sender_main(path: str, port: int, bucket_mb: int, cpu: int | None, gen_
     core (`cpu`), the project's `WeightSender` sends the weights of each version `steps_q` names
     as a run's trainer does after a step (`wait=False`: the previous update is confirmed at the
     next); a None ends it, and its send statistics go to `res_q`."""
-    try:
+    with _trainer_side(gen_q, res_q):
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
         torch.set_num_threads(1)
         from transformers import AutoModelForCausalLM
 
-        from pipelinerl.weight_group import open_store
-        from pipelinerl_trainer.weight_sender import WeightSender
-
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        sender = WeightSender(
-            _DeepSpeedStandIn(model),
-            0,
+        sender = _sender(
+            AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
             _BridgeStandIn(gen_q, done_q),
-            backend="gloo",
-            bucket_mb=bucket_mb,
-            timeout_s=TIMEOUT_S,
-            store=open_store(HOST, port, True, TIMEOUT_S),
-            liveness_s=float("inf"),
+            bucket_mb,
+            port,
         )
         sent = []
         while (version := steps_q.get(timeout=RUN_TIMEOUT_S)) is not None:
             sent.append({"version": version, **sender.send(version, wait=False)})
         sender.confirm()
         res_q.put(("ok", sent))
-    except BaseException as e:  # report, never leave the generator side waiting
-        import traceback
-
-        res_q.put(("err", traceback.format_exc()))
-        raise SystemExit(1) from e
-    finally:
-        gen_q.put(("stop", None))
 
 
 # --- generator side: the main process ----------------------------------------------------------
