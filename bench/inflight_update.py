@@ -315,11 +315,12 @@ async def keep_generating(engine, prompt: list[int], stop: asyncio.Event, done: 
             return
 
 
-async def serve(engine, gen_q, done_q, trainer, receive_s: dict | None, port: int) -> None:
+async def serve(engine, gen_q, done_q, trainer, port: int, receive_s: dict | None = None) -> None:
     """The generator's part: join the weight group and apply WeightUpdates as the service does;
-    run raw receives. With `receive_s` (this benchmark's measurement), the benchmark's receiver
-    times each load into it, and an update applied otherwise than asked (staged or in the
-    pause) fails."""
+    run raw receives. With `receive_s` (this benchmark's own measurement), the benchmark's
+    receiver times each load into it, and an update applied otherwise than the round asked
+    (staged or in the pause) fails the round; without, as the service does, an update with no
+    request running is received in the pause."""
     from pipelinerl import messages as m
 
     group = None
@@ -395,7 +396,7 @@ async def run_size(size: str, cfg: dict, tmp: Path) -> dict:
             for i in range(STREAMS)
         ]
         receive_s = {}
-        await serve(engine, gen_q, done_q, trainer, receive_s, port)
+        await serve(engine, gen_q, done_q, trainer, port, receive_s)
         status, out = await asyncio.to_thread(res_q.get, True, 60)
         if status != "ok":
             raise RuntimeError(f"trainer side failed:\n{out}")

@@ -55,7 +55,7 @@ SETTLE_S = 60.0  # for the engine to apply the updates sent (a failed one never 
 class StepUpdates:
     """The job's weight updates at its steps' rate: a trainer process on its own core
     (`bench.inflight_update.step_sender_main`: the project's `WeightSender` on the job's model)
-    sends a version each time `step` is called while `on`; this process applies each as the
+    sends a version each time `step` is called; this process applies each as the
     generator service does (`bench.inflight_update.serve`: joins the group, `Engine.update_weights`,
     staged while requests run)."""
 
@@ -69,13 +69,12 @@ class StepUpdates:
         args = (path, port, bucket_mb, cpu, self.gen_q, done_q, self.steps_q, self.res_q)
         self.sender = ctx.Process(target=step_sender_main, args=args, daemon=True)
         self.sender.start()
-        self.serving = asyncio.create_task(serve(engine, self.gen_q, done_q, self.sender, None, port))
-        self.on, self.version = False, 0
+        self.serving = asyncio.create_task(serve(engine, self.gen_q, done_q, self.sender, port))
+        self.version = 0  # the newest sent
 
     def step(self) -> None:
-        if self.on:
-            self.version += 1
-            self.steps_q.put(self.version)
+        self.version += 1
+        self.steps_q.put(self.version)
 
     async def settle(self, engine) -> None:
         """Until the engine has applied every version sent (so none lands in the next run)."""
@@ -104,7 +103,8 @@ async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | 
     """In the pinned child: the job's rollout path, `repeats` timed runs of `groups` groups
     (after one untimed run of a quarter as many). With `trainer_cpu`, each run is followed by one
     with the job's weight updates landing at its steps (`StepUpdates`, the sender on that core),
-    so that their cost to the path's core is the difference."""
+    so that their cost to the path's core is the difference; the untimed run is then as long as
+    a timed one, with updates (the weight group forms at its first)."""
     import nats
 
     from pipelinerl import books
@@ -147,8 +147,8 @@ async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | 
 
         builder = StepBuilder(spec, spec.trainer_ranks, books.restore([]), caught_up=True)
 
-        async def take(n: int) -> None:  # the preprocessor's loop, its trainer always ready
-            built = builder.step
+        async def take(n: int, updated: bool) -> None:  # the preprocessor's loop, its trainer always ready
+            seen = builder.step
             while n:
                 for msg in await intake.fetch(min(n, 64), timeout=30):
                     builder.take(msg, m.decode(msg.data, m.RolloutGroup))
@@ -162,25 +162,23 @@ async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | 
                     )
                     for msg in wave.acks:
                         await msg.ack()
-                    if builder.step > built and updates is not None:
-                        built = builder.step
-                        if n:  # a step's data is in: its update (the run's last would land after it)
+                    if builder.step > seen:
+                        seen = builder.step
+                        if updated and n:  # a step's data is in: its update (the run's last would land after it)
+                            assert updates is not None
                             updates.step()
 
         async def one_run(n: int, updated: bool = False) -> tuple[float, int, dict[str, float], int]:
-            if updates is not None:
-                updates.on, first = updated, updates.version
             sender = updates.sender.pid if updates is not None else None
+            first = updates.version if updates is not None else 0
             cpu0, t0 = cpu_seconds(sender), time.perf_counter()
-            tokens, _ = await asyncio.gather(asyncio.gather(*(group() for _ in range(n))), take(n))
+            tokens, _ = await asyncio.gather(asyncio.gather(*(group() for _ in range(n))), take(n, updated))
             seconds, cpu1 = time.perf_counter() - t0, cpu_seconds(sender)
-            sent = 0
             if updates is not None:
-                sent = updates.version - first
                 await updates.settle(engine)
+            sent = (updates.version if updates is not None else 0) - first
             return seconds, sum(tokens), {k: cpu1[k] - cpu0.get(k, 0.0) for k in cpu1}, sent
 
-        # Untimed; with updates, as long as a timed run (the weight group forms at its first).
         warmup = await one_run(groups if updates is not None else max(1, groups // 4), updated=updates is not None)
         runs, updated = [], []
         for _ in range(repeats):
@@ -189,9 +187,8 @@ async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | 
                 updated.append(await one_run(groups, updated=True))
         built = builder.step
         sends = await updates.close() if updates is not None else []
-        updates = None
     finally:
-        if updates is not None:
+        if updates is not None and updates.sender.is_alive():  # a failure before `close`
             updates.sender.kill()
         await close(nc)
         server.stop()

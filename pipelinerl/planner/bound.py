@@ -226,9 +226,9 @@ def machine_calibration(
     busy cores (every engine on this machine has a busy neighbour: another engine, or the
     trainer); training at the trainer's tokens/s on one core beside a busy engine (as it is
     whenever it has fewer than every core), its scaling to every core (alone) as measured; the
-    update's seconds, the trainer's and each engine's. The task's own properties (its lengths, the share of groups
-    zero-variance filtering drops) are given. The simulator then adds what the bound leaves out:
-    admission, the lag budget, waves, steps' boundaries."""
+    update's seconds, the trainer's and each engine's. The task's own properties (its lengths,
+    the share of groups zero-variance filtering drops) are given. The simulator then adds what
+    the bound leaves out: admission, the lag budget, waves, steps' boundaries."""
     slower = m.engines_rate(m.cores) / m.cores
     one, every = m.train_rate(1), m.train_rate(m.cores)
     scaling = min(1.0, (every / (m.cores * one)) ** (1 / math.log2(m.cores))) if m.cores > 1 else 1.0

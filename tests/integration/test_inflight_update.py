@@ -5,6 +5,7 @@ Hugging Face: a trainer stand-in in a spawned process broadcasts weights over a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import time
 from dataclasses import dataclass
@@ -502,6 +503,16 @@ async def test_weights_vllm_derives_after_loading_send_the_update_through_its_re
     ]
 
 
+@contextlib.contextmanager
+def bound_of(engine, seconds: float):
+    """The engine's bound on calls into its core shortened to `seconds` for a test, then restored."""
+    bound, engine.rpc_timeout_s = engine.rpc_timeout_s, seconds
+    try:
+        yield bound
+    finally:
+        engine.rpc_timeout_s = bound
+
+
 async def test_a_call_that_blocks_the_engine_core_is_given_up_on_in_bounded_time(engines):
     """vLLM's one-worker executor (one GPU, the CPU build) runs a worker call on the engine
     core's own thread and ignores vLLM's `timeout`: a call blocked there (an NCCL collective that
@@ -509,15 +520,12 @@ async def test_a_call_that_blocks_the_engine_core_is_given_up_on_in_bounded_time
     engine gives up on it after its bound, naming the call (EngineStuck: the generator stops,
     its pod restarts); vLLM drops the late answer, and the core answers again once free."""
     engine = (await engines(False)).engine
-    bound, engine.rpc_timeout_s = engine.rpc_timeout_s, 1.0
-    assert bound == 2 * SYNC_TIMEOUT_S + 30  # past every weight-sync wait of its own
-    try:
+    with bound_of(engine, 1.0) as bound:
+        assert bound == 2 * SYNC_TIMEOUT_S + 30  # past every weight-sync wait of its own
         t0 = time.monotonic()
         with pytest.raises(EngineStuck, match="probe_block within 1 s"):
             await engine._rpc("probe_block", 4.0)
         assert time.monotonic() - t0 < 3.0
-    finally:
-        engine.rpc_timeout_s = bound
     assert await engine._rpc("probe_staging_alive") == [False]  # answered after the block
 
 
@@ -527,15 +535,14 @@ async def test_a_core_stalled_in_a_step_fails_the_liveness_check(engines):
     step) fails the check in bounded time with no weight update pending; a free core passes."""
     engine = (await engines(False)).engine
     await engine.check_alive()
-    bound, engine.rpc_timeout_s = engine.rpc_timeout_s, 1.0
     blocked = asyncio.create_task(engine.llm.collective_rpc("probe_block", args=(4.0,)))
     try:
-        await asyncio.sleep(0.2)  # the block has reached the core
-        t0 = time.monotonic()
-        with pytest.raises(EngineStuck, match="a liveness check"):
-            await engine.check_alive()
-        assert time.monotonic() - t0 < 3.0
+        with bound_of(engine, 1.0):
+            await asyncio.sleep(0.2)  # the block has reached the core
+            t0 = time.monotonic()
+            with pytest.raises(EngineStuck, match="a liveness check"):
+                await engine.check_alive()
+            assert time.monotonic() - t0 < 3.0
     finally:
-        engine.rpc_timeout_s = bound
         await blocked
     await engine.check_alive()

@@ -306,14 +306,24 @@ def in_vitro(job: str, calibration: str, name: str = "physics") -> tuple[dict[st
 
 
 @pytest.mark.parametrize(
-    "name, calibration",
-    [("physics", "decode_curve-long-tail"), ("updates", "decode_curve-updates-long-tail")],
+    "job, name, calibration",
+    [
+        ("long-tail", "physics", "decode_curve-long-tail"),
+        ("long-tail", "updates", "decode_curve-updates-long-tail"),
+        ("tiny", "path", "decode_curve-path-tiny"),
+        ("tiny", "deepspeed", "decode_curve-deepspeed-tiny"),
+        ("tiny", "updates", "decode_curve-updates-tiny"),
+    ],
 )
-def test_the_in_vitro_prediction_was_written_first_and_is_within_15_percent(name, calibration):
-    """Issue 54's in-vitro check on the long-tail job, held against the kept files: each side
-    within ±15% of its prediction (`physics`: benchmark 12's first curve and bare trainer step;
-    `updates`: the whole rollout path's costs, the weight update's, the trainer's DeepSpeed step)."""
-    predicted, got = in_vitro("long-tail", f"{calibration}.calibration.yaml", name=name)
+def test_each_in_vitro_prediction_was_written_first_and_is_within_15_percent(job, name, calibration):
+    """Issue 54's in-vitro checks, held against the kept files: each side of the run within
+    ±15% of the planner's prediction from benchmark 12's `calibration`, written before the run
+    (docs/planner.md, *On this machine*). Long-tail `physics`: benchmark 12's first curve and
+    the bare trainer step. Tiny: each request's cost measured on the job's whole rollout path on
+    one core (`bench/rollout_path.py`) and the pipeline's trainer beside an engine (`path`: the
+    bare step; `deepspeed`: the step through the trainer's DeepSpeed engine). `updates` (both
+    jobs): as `deepspeed`, and the weight update's costs measured on the path."""
+    predicted, got = in_vitro(job, f"{calibration}.calibration.yaml", name=name)
     for side in got:
         assert abs(predicted[side] / got[side] - 1) <= 0.15, side
 
@@ -328,18 +338,6 @@ def test_the_tiny_jobs_in_vitro_prediction_gets_the_ratio_and_leaves_costs_out_o
     ratio = (predicted["pipeline"] / predicted["sync-k8"]) / (got["pipeline"] / got["sync-k8"])
     assert abs(ratio - 1) <= 0.15
     assert all(predicted[side] > got[side] for side in got)
-
-
-@pytest.mark.parametrize("name", ["path", "deepspeed", "updates"])
-def test_the_tiny_jobs_in_vitro_prediction_with_the_whole_rollout_path_is_within_15_percent(name):
-    """The tiny job again, each request's cost measured on the job's whole rollout path on one
-    core (`bench/rollout_path.py`) and the pipeline's trainer beside an engine (`deepspeed`: the
-    trainer's step timed through its DeepSpeed engine; `path`: the bare step; `updates`: as
-    `deepspeed`, and the weight update's costs measured on the path): each side within ±15% of
-    its prediction, written first (docs/planner.md, *On this machine*)."""
-    predicted, got = in_vitro("tiny", f"decode_curve-{name}-tiny.calibration.yaml", name=name)
-    for side in got:
-        assert abs(predicted[side] / got[side] - 1) <= 0.15, side
 
 
 def test_a_phases_predicted_rate_counts_what_it_trains_over_the_time_to_generate_the_filtered_too():
