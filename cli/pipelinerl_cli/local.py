@@ -137,7 +137,7 @@ class LocalRun:
                 master_port=master_port if trainer else None,
             )
             name = role if world == 1 else f"{role}-{rank}"
-            self.services.append(Service(name, env, logs / f"{name}.log", job_file, cores.cpus, role_envs[role]))
+            self.services.append(Service(name, env, logs / f"{name}.log", job_file, cores, role_envs[role]))
         self._record_services()
 
     def check_services(self) -> bool:

@@ -21,11 +21,16 @@ CORES = ("default", "split", "colocated")
 
 @dataclass(frozen=True)
 class Cores:
-    """Where a service process runs: `cpus` it is pinned to (None: anywhere) and its compute
-    threads (the trainer's torch threads; a generator's vLLM engine threads)."""
+    """Where a service process runs: `cpus` it is pinned to (None: anywhere), its compute
+    threads (the trainer's torch threads; a generator's vLLM engine threads), and whether its
+    idle threads sleep at once (`passive`: OpenMP's passive wait) rather than spin for a while,
+    as libgomp's do by default: a trainer whose threads spin between its many small ops on the
+    cores its generators decode on took ~1.4 of 2 cores while waiting on them, and a tiny job's
+    steps took ~18% longer (docs/architecture.md)."""
 
     cpus: list[int] | None
     threads: int
+    passive: bool = False
 
 
 def core_plan(mode: str, cpus: list[int], trainers: int, generators: int) -> dict[tuple[str, int], Cores]:
@@ -38,7 +43,8 @@ def core_plan(mode: str, cpus: list[int], trainers: int, generators: int) -> dic
       trainer ranks, and among the generators): the conventional baseline as the paper runs it,
       each phase on the whole machine (the phases alternate, so they never compete; in pipeline
       mode they would);
-    - default: unpinned, the trainer ranks share the cores out, a generator has one thread.
+    - default: unpinned, the trainer ranks share the cores out, a generator has one thread;
+      their threads wait passively, as both stages run at once on the same cores.
 
     The light preprocessor is left unpinned, single-threaded."""
     if mode == "split":
@@ -56,8 +62,9 @@ def core_plan(mode: str, cpus: list[int], trainers: int, generators: int) -> dic
         raise ValueError(f"cores: one of {', '.join(CORES)}, not {mode!r}")
     per_trainer = max(1, len(cpus) // trainers)
     per_generator = max(1, len(cpus) // generators) if mode == "colocated" else 1
-    return {("trainer", r): Cores(None, per_trainer) for r in range(trainers)} | {
-        ("generator", r): Cores(None, per_generator) for r in range(generators)
+    passive = mode == "default"
+    return {("trainer", r): Cores(None, per_trainer, passive) for r in range(trainers)} | {
+        ("generator", r): Cores(None, per_generator, passive) for r in range(generators)
     }
 
 
@@ -104,10 +111,14 @@ def role_environ(entries, shell: Mapping[str, str], say=print) -> dict[str, str]
     return out
 
 
-def service_environ(shell: Mapping[str, str], env: ServiceEnv, role_env: Mapping[str, str]) -> dict[str, str]:
+def service_environ(
+    shell: Mapping[str, str], env: ServiceEnv, role_env: Mapping[str, str], passive: bool = False
+) -> dict[str, str]:
     """A service's environment: the shell's, then its role's `spec.<role>.env`, then the
-    service contract (`ServiceEnv`), each over the one before."""
+    service contract (`ServiceEnv`), each over the one before. `passive` (`Cores.passive`):
+    OpenMP's passive wait, unless the shell or the role sets a policy of its own."""
     return {
+        **({"OMP_WAIT_POLICY": "PASSIVE"} if passive else {}),
         # Not the W&B service of the process that launched the run (WANDB_SERVICE): it would hold
         # a killed trainer's run, and the restarted trainer's run would be refused as "in use".
         # Each service starts its own.
@@ -130,11 +141,11 @@ class Service:
         env: ServiceEnv,
         log_path: Path,
         job_file: Path,
-        cpus: list[int] | None = None,
+        cores: Cores = Cores(None, 1),
         role_env: dict[str, str] | None = None,
     ):
         self.name, self.role, self.rank, self.log_path = name, env.role, env.rank, log_path
-        self.env, self.job_file, self.cpus = env, job_file, cpus
+        self.env, self.job_file, self.cores = env, job_file, cores
         self.role_env = role_env or {}  # spec.<role>.env (role_environ)
         self.http_port = env.http_port
         self.restarts = 0
@@ -142,7 +153,7 @@ class Service:
         self.start()
 
     def start(self) -> None:
-        cpus = self.cpus
+        cpus = self.cores.cpus
 
         def setup() -> None:
             die_with_parent()
@@ -152,7 +163,7 @@ class Service:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "pipelinerl_cli", "service", self.role, str(self.job_file)],
-                env=service_environ(os.environ, self.env, self.role_env),
+                env=service_environ(os.environ, self.env, self.role_env, self.cores.passive),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -41,3 +41,13 @@ def test_a_service_gets_the_shell_then_its_role_env_then_the_contract_but_not_th
     assert trainer["OMP_NUM_THREADS"] == "1" and trainer["PYTHONUNBUFFERED"] == "1"
     generator = service_environ(shell, ServiceEnv(role="generator", torch_threads=2), {})
     assert generator["OMP_NUM_THREADS"] == "2" and generator["HF_HOME"] == "/shell"
+    assert "OMP_WAIT_POLICY" not in trainer | generator  # OpenMP's own default: its threads spin a while
+
+
+def test_a_service_on_shared_cores_waits_passively_unless_the_shell_or_its_role_says_otherwise():
+    from pipelinerl.contracts import ServiceEnv
+
+    trainer = ServiceEnv(role="trainer", rank=0, torch_threads=2)
+    assert service_environ({}, trainer, {}, passive=True)["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert service_environ({"OMP_WAIT_POLICY": "ACTIVE"}, trainer, {}, passive=True)["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert service_environ({}, trainer, {"OMP_WAIT_POLICY": "ACTIVE"}, passive=True)["OMP_WAIT_POLICY"] == "ACTIVE"

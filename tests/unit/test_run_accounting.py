@@ -27,7 +27,7 @@ def test_split_cores_give_each_process_its_own_cores_and_as_many_threads():
         ("trainer", 1): Cores([2, 4], 2),
     }
     used = [c for cores in plan.values() for c in cores.cpus or []]
-    assert len(used) == len(set(used))
+    assert len(used) == len(set(used)) and not any(c.passive for c in plan.values())
 
 
 def test_split_cores_refuse_too_few_cores():
@@ -40,8 +40,10 @@ def test_colocated_cores_give_the_trainer_and_the_generators_every_core_each():
     assert plan == {("trainer", 0): Cores(None, 2), ("generator", 0): Cores(None, 2)}
     two = core_plan("colocated", [0, 1, 2, 3], trainers=2, generators=2)
     assert {c.threads for c in two.values()} == {2} and all(c.cpus is None for c in two.values())
+    assert not any(c.passive for c in [*plan.values(), *two.values()])  # the phases alternate: never both at once
     default = core_plan("default", [0, 1], trainers=1, generators=1)
-    assert default == {("trainer", 0): Cores(None, 2), ("generator", 0): Cores(None, 1)}
+    # Both stages at once on the same cores: idle threads sleep rather than spin.
+    assert default == {("trainer", 0): Cores(None, 2, True), ("generator", 0): Cores(None, 1, True)}
     with pytest.raises(ValueError, match="cores: one of default, split, colocated"):
         core_plan("shared", [0, 1], trainers=1, generators=1)
 
