@@ -300,8 +300,10 @@ def main() -> None:
     )
     if "update_costs" in got:
         c = got["update_costs"]
+        runs = c["generator_s_runs"]
         print(
-            f"each weight update: {1000 * c['generator_s']:.1f} ms of the path's core, {1000 * c['trainer_s']:.1f} ms "
+            f"each weight update: {1000 * c['generator_s']:.1f} ms of the path's core ({len(runs)} pairs: "
+            f"{1000 * min(runs):.0f} to {1000 * max(runs):.0f} ms), {1000 * c['trainer_s']:.1f} ms "
             f"of the trainer's (its send), the generator paused {1000 * c['pause_s']:.1f} ms"
         )
 
