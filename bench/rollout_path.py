@@ -24,9 +24,11 @@ steps: a trainer process on that core sends the job's model with the project's `
 each time the builder completes a step, and the engine applies each as the generator service
 does (staged while requests run). What the paired run took beyond its pair, per update, is each
 engine's cost of an update on its core (the planner's `pause_s`); the sender's seconds are the
-trainer's (`weight_sync_s`).
+trainer's (`weight_sync_s`). One update a step is a few percent of a run, within the pairs'
+spread; `--updates-per-step 4` sends more (14-35 a run of 192 groups) and resolves it.
 
     python -m bench.rollout_path [--job examples/tiny-cpu.yaml] [--groups 192] [--repeats 3] [--trainer-cpu 1]
+                                 [--updates-per-step 1]
 """
 
 from __future__ import annotations
@@ -99,12 +101,14 @@ class StepUpdates:
         return out
 
 
-async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | None = None) -> dict:
+async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | None = None, per_step: int = 1) -> dict:
     """In the pinned child: the job's rollout path, `repeats` timed runs of `groups` groups
     (after one untimed run of a quarter as many). With `trainer_cpu`, each run is followed by one
     with the job's weight updates landing at its steps (`StepUpdates`, the sender on that core),
     so that their cost to the path's core is the difference; the untimed run is then as long as
-    a timed one, with updates (the weight group forms at its first)."""
+    a timed one, with updates (the weight group forms at its first). `per_step` > 1: besides each
+    step's update, one after each 1/per_step of a step's groups taken (up to per_step a step; more
+    updates a run, so that their cost stands out of the runs' spread)."""
     import nats
 
     from pipelinerl import books
@@ -147,12 +151,17 @@ async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | 
 
         builder = StepBuilder(spec, spec.trainer_ranks, books.restore([]), caught_up=True)
 
+        every = max(1, spec.trainer.samples_per_step // attempts // per_step)  # groups between extra updates
+
         async def take(n: int, updated: bool) -> None:  # the preprocessor's loop, its trainer always ready
-            seen = builder.step
+            seen, since = builder.step, 0  # groups taken since the last step began
             while n:
                 for msg in await intake.fetch(min(n, 64), timeout=30):
                     builder.take(msg, m.decode(msg.data, m.RolloutGroup))
-                    n -= 1
+                    n, since = n - 1, since + 1
+                    if updated and n and per_step > 1 and since % every == 0 and since < every * per_step:
+                        assert updates is not None
+                        updates.step()
                 while (wave := builder.next_wave()) is not None:
                     await asyncio.gather(
                         *(
@@ -163,7 +172,7 @@ async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | 
                     for msg in wave.acks:
                         await msg.ack()
                     if builder.step > seen:
-                        seen = builder.step
+                        seen, since = builder.step, 0
                         if updated and n:  # a step's data is in: its update (the run's last would land after it)
                             assert updates is not None
                             updates.step()
@@ -239,15 +248,17 @@ def cpu_seconds(sender: int | None = None) -> dict[str, float]:
     return out
 
 
-def measure(job: str, groups: int, repeats: int, cpu: int = 0, trainer_cpu: int | None = None) -> dict:
+def measure(
+    job: str, groups: int, repeats: int, cpu: int = 0, trainer_cpu: int | None = None, per_step: int = 1
+) -> dict:
     """The job's rollout path in a child process pinned to core `cpu` (one torch thread): its
     seconds and completion tokens per sample (medians over `repeats` runs), and the runs; with
-    `trainer_cpu`, also the weight updates' costs (`update_costs`)."""
+    `trainer_cpu`, also the weight updates' costs (`update_costs`), `per_step` updates a step."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "bench.rollout_path", "--child", "--job", job]
     cmd += ["--groups", str(groups), "--repeats", str(repeats), "--cpu", str(cpu)]
     if trainer_cpu is not None:
-        cmd += ["--trainer-cpu", str(trainer_cpu)]
+        cmd += ["--trainer-cpu", str(trainer_cpu), "--updates-per-step", str(per_step)]
     out = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=RUN_TIMEOUT_S, check=True).stdout
     got = json.loads(out.strip().splitlines()[-1])
     got["cpu"] = cpu
@@ -284,6 +295,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cpu", type=int, default=0)
     ap.add_argument("--trainer-cpu", type=int, help="also runs with the job's weight updates, sent from this core")
+    ap.add_argument("--updates-per-step", type=int, default=1, help="with --trainer-cpu: updates sent per step")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the pinned process
     args = ap.parse_args()
     from bench.models import project_caches
@@ -291,9 +303,12 @@ def main() -> None:
     project_caches()
     if args.child:
         os.sched_setaffinity(0, {args.cpu})  # before the engine: its core process inherits it
-        print(json.dumps(asyncio.run(run_path(args.job, args.groups, args.repeats, args.trainer_cpu))))
+        run = run_path(args.job, args.groups, args.repeats, args.trainer_cpu, args.updates_per_step)
+        print(json.dumps(asyncio.run(run)))
         return
-    got = measure(args.job, args.groups, args.repeats, args.cpu, args.trainer_cpu)
+    if args.updates_per_step < 1:
+        ap.error(f"--updates-per-step: at least 1, not {args.updates_per_step}")
+    got = measure(args.job, args.groups, args.repeats, args.cpu, args.trainer_cpu, args.updates_per_step)
     print(
         f"{args.job}, its rollout path on one core: {1000 * got['seconds_per_sample_median']:.2f} ms per sample "
         f"({got['tokens_per_sample_median']:.1f} completion tokens)"
@@ -302,7 +317,8 @@ def main() -> None:
         c = got["update_costs"]
         runs = c["generator_s_runs"]
         print(
-            f"each weight update: {1000 * c['generator_s']:.1f} ms of the path's core ({len(runs)} pairs: "
+            f"each weight update: {1000 * c['generator_s']:.1f} ms of the path's core ({len(runs)} pairs, "
+            f"{min(got['with_updates']['updates'])}-{max(got['with_updates']['updates'])} updates a run: "
             f"{1000 * min(runs):.0f} to {1000 * max(runs):.0f} ms), {1000 * c['trainer_s']:.1f} ms "
             f"of the trainer's (its send), the generator paused {1000 * c['pause_s']:.1f} ms"
         )
