@@ -151,12 +151,15 @@ async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | 
 
         builder = StepBuilder(spec, spec.trainer_ranks, books.restore([]), caught_up=True)
 
-        every = max(1, spec.trainer.samples_per_step // attempts // per_step)  # groups between extra updates
+        # Groups between extra updates, and the most taken at once: a step completes between two
+        # fetches with groups still to take, so its update is sent (taking all of a run's groups
+        # in one fetch, every step completed at its end and no update was sent).
+        every = max(1, spec.trainer.samples_per_step // attempts // per_step)
 
         async def take(n: int, updated: bool) -> None:  # the preprocessor's loop, its trainer always ready
             seen, since = builder.step, 0  # groups taken since the last step began
             while n:
-                for msg in await intake.fetch(min(n, 64), timeout=30):
+                for msg in await intake.fetch(min(n, every), timeout=30):
                     builder.take(msg, m.decode(msg.data, m.RolloutGroup))
                     n, since = n - 1, since + 1
                     if updated and n and per_step > 1 and since % every == 0 and since < every * per_step:
@@ -279,6 +282,8 @@ def update_costs(got: dict) -> dict:
     extra = [
         (b - a) * samples / n for a, b, n in zip(got["seconds_per_sample"], u["seconds_per_sample"], u["updates"]) if n
     ]
+    if not extra:
+        raise RuntimeError(f"no run with updates sent one ({u['updates']}): give it more groups than a step's")
     sends = u["sends"]
     return {
         "generator_s": summary(extra)["median"],
