@@ -157,14 +157,14 @@ async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | 
         every = max(1, spec.trainer.samples_per_step // attempts // per_step)
 
         async def take(n: int, updated: bool) -> None:  # the preprocessor's loop, its trainer always ready
+            send = updates.step if updated and updates is not None else None
             seen, since = builder.step, 0  # groups taken since the last step began
             while n:
                 for msg in await intake.fetch(min(n, every), timeout=30):
                     builder.take(msg, m.decode(msg.data, m.RolloutGroup))
                     n, since = n - 1, since + 1
-                    if updated and n and per_step > 1 and since % every == 0 and since < every * per_step:
-                        assert updates is not None
-                        updates.step()
+                    if send and n and per_step > 1 and since % every == 0 and since < every * per_step:
+                        send()
                 while (wave := builder.next_wave()) is not None:
                     await asyncio.gather(
                         *(
@@ -176,9 +176,8 @@ async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | 
                         await msg.ack()
                     if builder.step > seen:
                         seen, since = builder.step, 0
-                        if updated and n:  # a step's data is in: its update (the run's last would land after it)
-                            assert updates is not None
-                            updates.step()
+                        if send and n:  # a step's data is in: its update (the run's last would land after it)
+                            send()
 
         async def one_run(n: int, updated: bool = False) -> tuple[float, int, dict[str, float], int]:
             sender = updates.sender.pid if updates is not None else None

@@ -141,7 +141,7 @@ class Service:
         env: ServiceEnv,
         log_path: Path,
         job_file: Path,
-        cores: Cores = Cores(None, 1),
+        cores: Cores,
         role_env: dict[str, str] | None = None,
     ):
         self.name, self.role, self.rank, self.log_path = name, env.role, env.rank, log_path
