@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -109,6 +110,38 @@ def serve(run: Callable[[], Awaitable[None]], stop: Callable[[], None]) -> int:
 
     asyncio.run(_main())
     return 0
+
+
+AWAKE_SLICE_S = 0.25  # how often a bounded wait (`wait_awake`) looks at the clock
+LATE_S = 1.0  # a look later than this past its time: the process was not running meanwhile
+
+
+def awake_seconds(elapsed: float, asked: float, late_s: float = LATE_S) -> float:
+    """Of the `elapsed` seconds of a wait of `asked`, those this process was awake: all, unless
+    it woke more than `late_s` after it asked to (frozen: a SIGSTOP, a paused container or VM, or
+    its event loop held); then only what it asked for."""
+    return elapsed if elapsed <= asked + late_s else asked
+
+
+async def wait_awake(aw: Awaitable[Any], seconds: float) -> Any:
+    """`asyncio.wait_for(aw, seconds)` with `seconds` of this process's awake time. asyncio's
+    clock runs on while the process is frozen, so a bound counted in it fires on thawing, before
+    what was frozen along with it (a pod's other processes) could answer. Cancels `aw` and raises
+    TimeoutError when the bound passes."""
+    task = asyncio.ensure_future(aw)
+    awake, last = 0.0, time.monotonic()
+    try:
+        while True:
+            asked = min(AWAKE_SLICE_S, seconds - awake)
+            done, _ = await asyncio.wait({task}, timeout=asked)
+            if done:
+                return task.result()
+            now = time.monotonic()
+            awake, last = awake + awake_seconds(now - last, asked), now
+            if awake >= seconds:
+                raise TimeoutError(f"not done within {seconds:.0f} s awake")
+    finally:
+        task.cancel()  # nothing once it is done
 
 
 def failpoint(name: str) -> None:

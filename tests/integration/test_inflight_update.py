@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing as mp
+import os
+import signal
+import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -545,4 +548,28 @@ async def test_a_core_stalled_in_a_step_fails_the_liveness_check(engines):
             assert time.monotonic() - t0 < 3.0
     finally:
         await blocked
+    await engine.check_alive()
+
+
+async def test_a_generator_frozen_past_the_bound_with_a_call_pending_goes_on_when_thawed(engines):
+    """A paused pod (SIGSTOP to the generator's process and its engine core, a frozen node) for
+    longer than the bound on calls into the core, while one is pending: on thawing, the core
+    answers it, and the generator goes on. The bound counts the time the generator was awake
+    (its loop running): a freeze is no sign of a blocked core, and the core was frozen with it.
+    (Before, asyncio's clock counted the freeze: EngineStuck, a restart.)"""
+    engine = (await engines(False)).engine
+    core = engine.llm.engine_core.resources.engine_manager.processes[0].pid  # vLLM's handle
+    pids = f"{core} {os.getpid()}"
+    with bound_of(engine, 1.0):
+        os.kill(core, signal.SIGSTOP)  # the core first, so that the call stays pending
+        try:
+            call = asyncio.create_task(engine.check_alive())
+            # The generator's own process (this one) too, 0.3 s into the call, for 3 s; then both.
+            thaw = subprocess.Popen(["sh", "-c", f"sleep 0.3; kill -STOP {pids}; sleep 3; kill -CONT {pids}"])
+            t0 = time.monotonic()
+            await call
+            assert time.monotonic() - t0 > 3.0  # answered after the thaw, 3 s past the bound
+        finally:
+            os.kill(core, signal.SIGCONT)
+            thaw.wait(10)
     await engine.check_alive()

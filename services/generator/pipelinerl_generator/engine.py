@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pipelinerl.runtime import wait_awake
 from pipelinerl.spec import PipelineRLJob, SpecError
 from pipelinerl.tasks import Completion
 
@@ -230,10 +231,11 @@ class Engine:
         return await self._bounded(self.llm.collective_rpc(method, args=args), method)
 
     async def _bounded(self, call, what: str):
-        """A call into the engine core, given up on after `rpc_timeout_s` (vLLM drops the late
-        answer of a call given up on): EngineStuck, naming it."""
+        """A call into the engine core, given up on after `rpc_timeout_s` of the generator's awake
+        time (vLLM drops the late answer of a call given up on): EngineStuck, naming it. Awake
+        time: a pod paused longer than the bound, its core with it, goes on when thawed."""
         try:
-            return await asyncio.wait_for(call, self.rpc_timeout_s)
+            return await wait_awake(call, self.rpc_timeout_s)
         except TimeoutError:
             raise EngineStuck(
                 f"the engine did not answer {what} within {self.rpc_timeout_s:.0f} s "
