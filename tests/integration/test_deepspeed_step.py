@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -34,10 +36,10 @@ def _loss(model, batch: torch.Tensor, scale: float) -> torch.Tensor:
 def _compare(stage: int, path: str, port: int, out: mp.Queue) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import deepspeed
-
     from pipelinerl.spec import parse_job
-    from pipelinerl_trainer.model import build_engine, init_distributed, load_model
+    from pipelinerl_trainer.model import build_engine, import_deepspeed, init_distributed, load_model
+
+    deepspeed = import_deepspeed()
 
     job = parse_job(
         {
@@ -112,3 +114,15 @@ def test_bf16_weights_compute_while_zero_keeps_the_fp32_master_copy(tiny_qwen2, 
     module, stepped = in_a_rank_process(_dtypes, stage, tiny_qwen2)
     assert module == {torch.bfloat16}  # forward and backward in bf16
     assert stepped == {torch.float32}  # AdamW steps ZeRO's fp32 copy, which is cast back into the weights
+
+
+def test_deepspeed_is_imported_without_mlflow_which_a_job_can_still_import():
+    """DeepSpeed's autotuner imports mlflow whenever it is installed (1.65 s of every trainer
+    start); the trainer hides it from that import only. In a fresh process, as a trainer's."""
+    code = (
+        "import sys; from pipelinerl_trainer.model import import_deepspeed; import_deepspeed(); "
+        "assert 'mlflow' not in sys.modules, 'DeepSpeed imported mlflow'; import mlflow; print(mlflow.__name__)"
+    )
+    env = os.environ | {"DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.split()[-1] == "mlflow", done.stderr[-2000:]
