@@ -155,6 +155,9 @@ class _BridgeStandIn:
         self.hellos = queue_.Queue()
         self.hellos.put((time.monotonic(), m.GeneratorHello(generator=0, incarnation=INCARNATION, version=0)))
 
+    def now(self) -> float:
+        return time.monotonic()  # one process, never paused
+
     def publish(self, subject, msg, stream=True) -> None:
         from pipelinerl import messages as m
 

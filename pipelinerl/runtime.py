@@ -144,6 +144,38 @@ async def wait_awake(aw: Awaitable[Any], seconds: float) -> Any:
         task.cancel()  # nothing once it is done
 
 
+class AwakeClock:
+    """Seconds of this process's awake time, for judging peers by their silence: a process
+    frozen past the bound (a paused pod) must not, on thawing, take for gone every peer it could
+    not hear meanwhile, before its own thread reads what they sent. Ticked by an event loop
+    (`tick_forever`) every AWAKE_SLICE_S, a tick later than LATE_S counting only the slice;
+    read (`now`) from any thread. Never goes back."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._last = clock()  # the wall reading of the last tick
+        self._awake = 0.0  # awake seconds up to the last tick
+        self._read = 0.0  # the highest reading given
+
+    def tick(self) -> None:
+        with self._lock:
+            t = self._clock()
+            self._awake += awake_seconds(t - self._last, AWAKE_SLICE_S)
+            self._last = t
+
+    def now(self) -> float:
+        with self._lock:
+            since = awake_seconds(self._clock() - self._last, AWAKE_SLICE_S)
+            self._read = max(self._read, self._awake + since)
+            return self._read
+
+    async def tick_forever(self) -> None:
+        while True:
+            await asyncio.sleep(AWAKE_SLICE_S)
+            self.tick()
+
+
 def failpoint(name: str) -> None:
     """A kill -9 at exactly this point, for the fault tests: with `PIPELINERL_FAILPOINT` set to
     `name`, the process sends itself SIGKILL here (nothing runs after it, as in a real kill);

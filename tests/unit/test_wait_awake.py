@@ -1,14 +1,18 @@
-"""A bound counted in the process's awake time (`runtime.wait_awake`): what a frozen process (a
-paused pod) waited does not count; what it waited awake does. The real freeze, of a generator and
-its vLLM core by SIGSTOP, is in tests/integration/test_inflight_update.py."""
+"""Bounds and silences counted in the process's awake time (`runtime.wait_awake`,
+`runtime.AwakeClock`): what a frozen process (a paused pod) waited does not count; what it
+waited awake does. The real freeze of a generator and its vLLM core by SIGSTOP is in
+tests/integration/test_inflight_update.py; of this process, below."""
 
 import asyncio
+import os
+import subprocess
 import threading
 import time
 
 import pytest
+from pipelinerl_trainer.membership import Member, Membership
 
-from pipelinerl.runtime import AWAKE_SLICE_S, LATE_S, awake_seconds, wait_awake
+from pipelinerl.runtime import AWAKE_SLICE_S, LATE_S, AwakeClock, awake_seconds, wait_awake
 
 
 def test_a_look_on_time_counts_whole_and_a_late_one_only_the_slice_asked_for():
@@ -58,3 +62,56 @@ async def test_a_loop_held_past_the_bound_goes_on_waiting_for_what_was_held_with
         else:
             with pytest.raises(TimeoutError):
                 await waiting
+
+
+def test_the_awake_clock_counts_ticks_on_time_whole_a_freeze_as_one_slice_and_never_goes_back():
+    t = [100.0]
+    clock = AwakeClock(lambda: t[0])
+    for _ in range(4):
+        t[0] += AWAKE_SLICE_S
+        clock.tick()
+    assert clock.now() == pytest.approx(1.0)
+    t[0] += 0.1
+    assert clock.now() == pytest.approx(1.1)  # read between ticks: the time since the last one
+    t[0] += 300.0  # frozen for five minutes
+    assert clock.now() == pytest.approx(1.0 + AWAKE_SLICE_S)
+    clock.tick()
+    assert clock.now() == pytest.approx(1.0 + AWAKE_SLICE_S)
+    t[0] += AWAKE_SLICE_S + LATE_S  # a tick late on a busy machine: still awake
+    assert clock.now() == pytest.approx(1.0 + 2 * AWAKE_SLICE_S + LATE_S)
+    t[0] += 0.1  # later still, now taken for a freeze: the clock stays where it was read
+    assert clock.now() == pytest.approx(1.0 + 2 * AWAKE_SLICE_S + LATE_S)
+
+
+def test_a_process_frozen_past_the_liveness_bound_still_hears_its_peer_alive_on_thawing():
+    """The trainer's judgement of its generators (`Membership`, liveness 2 s here) in awake time,
+    the clock ticked by an event loop in its own thread as the trainer's NATS bridge ticks it: the
+    whole process SIGSTOPped for 3 s (a paused pod) right after a hello. On thawing, before a newer
+    hello is read, the generator is still alive by the awake clock; by the wall clock it is gone
+    (the trainer would re-form its weight group without it, then again with it)."""
+    clock, stop = AwakeClock(), threading.Event()
+
+    async def tick_until_stopped() -> None:
+        ticking = asyncio.ensure_future(clock.tick_forever())
+        while not stop.is_set():
+            await asyncio.sleep(0.05)
+        ticking.cancel()
+
+    ticker = threading.Thread(target=asyncio.run, args=(tick_until_stopped(),))
+    ticker.start()
+    try:
+        time.sleep(2 * AWAKE_SLICE_S)
+        generator = Member(0, "a")
+        awake, wall = Membership(2.0), Membership(2.0)
+        awake.hello(generator, 0, clock.now())
+        wall.hello(generator, 0, time.monotonic())
+        t0, a0 = time.monotonic(), clock.now()
+        me = os.getpid()
+        subprocess.run(["sh", "-c", f"kill -STOP {me}; sleep 3; kill -CONT {me}"], check=True, timeout=20)
+        assert time.monotonic() - t0 >= 3.0
+        assert clock.now() - a0 < 1.5  # the freeze counted as one slice
+        assert awake.alive(clock.now()) == (generator,)
+        assert wall.alive(time.monotonic()) == ()
+    finally:
+        stop.set()
+        ticker.join(5)

@@ -8,7 +8,6 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 import uuid
 from typing import Any
 
@@ -17,7 +16,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import ServiceEnv
-from pipelinerl.runtime import JOIN_TIMEOUT_S, join_job
+from pipelinerl.runtime import JOIN_TIMEOUT_S, AwakeClock, join_job
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import (
     READ_TIMEOUT_S,
@@ -40,9 +39,16 @@ class NatsBridge:
         self.batches: queue.Queue[tuple[int, m.MicroBatch]] = queue.Queue()
         self.done: queue.Queue[m.WeightUpdateDone] = queue.Queue()
         self.hellos: queue.Queue[tuple[float, m.GeneratorHello]] = queue.Queue()
+        # The generators' silence is judged in this process's awake time, ticked by the loop that
+        # reads their hellos: a trainer frozen past the liveness bound drops nobody on thawing.
+        self.clock = AwakeClock()
+        asyncio.run_coroutine_threadsafe(self.clock.tick_forever(), self.loop)
         self.evals: queue.Queue[m.Metrics] = queue.Queue()
         self.nc = self.call(join_job(job, env, client), JOIN_TIMEOUT_S + 5)  # join_job says why first
         self.js = self.nc.jetstream()
+
+    def now(self) -> float:
+        return self.clock.now()
 
     def call(self, coro, timeout_s: float) -> Any:
         return asyncio.run_coroutine_threadsafe(asyncio.wait_for(coro, timeout_s), self.loop).result()
@@ -68,7 +74,7 @@ class NatsBridge:
             self.done.put(m.decode(msg.data, m.WeightUpdateDone))
 
         async def on_hello(msg) -> None:
-            self.hellos.put((time.monotonic(), m.decode(msg.data, m.GeneratorHello)))
+            self.hellos.put((self.now(), m.decode(msg.data, m.GeneratorHello)))
 
         self.call(self.nc.subscribe(self.subjects.weights_done, cb=on_done), 30)
         self.call(self.nc.subscribe(self.subjects.weights_hello, cb=on_hello), 30)

@@ -54,9 +54,13 @@ class ReplyBridge(Protocol):
 
     subjects: JobSubjects
     done: queue.Queue[m.WeightUpdateDone]
-    hellos: queue.Queue[tuple[float, m.GeneratorHello]]  # (monotonic time received, hello)
+    hellos: queue.Queue[tuple[float, m.GeneratorHello]]  # (`now` when received, hello)
 
     def publish(self, subject: str, msg: m.Message, stream: bool = True) -> None: ...
+
+    def now(self) -> float:
+        """The clock of the membership and of the updates' deadlines: this process's awake time."""
+        ...
 
 
 class WeightSender:
@@ -133,11 +137,11 @@ class WeightSender:
             group.broadcast(snapshot)
         except WeightSyncError as err:  # a member died mid-broadcast: which one, gloo cannot say
             log.warning("weight broadcast of version %d failed, re-forming the group: %s", version, err)
-            self.membership.suspect(time.monotonic())
+            self.membership.suspect(self.bridge.now())
             self.broken_broadcasts += 1
             self._close_group()  # closes its connections: members still receiving fail at once
             return None
-        self.pending = (version, time.monotonic() + self.timeout_s, self.membership.members)
+        self.pending = (version, self.bridge.now() + self.timeout_s, self.membership.members)
         return self.confirm() if wait else {}
 
     def _current_group(self, version: int) -> WeightGroup | None:
@@ -145,7 +149,7 @@ class WeightSender:
         first where needed (members that do not come are dropped, up to FORM_ATTEMPTS epochs)."""
         for _ in range(FORM_ATTEMPTS):
             self._take_hellos()
-            members = self.membership.next_members(time.monotonic())
+            members = self.membership.next_members(self.bridge.now())
             if members is not None:
                 self._close_group()
                 if not members:
@@ -196,11 +200,12 @@ class WeightSender:
         replies: dict[Member, m.WeightUpdateDone] = {}
         while len(replies) < len(members):
             try:
-                r = self.bridge.done.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                r = self.bridge.done.get(timeout=max(0.0, min(1.0, deadline - self.bridge.now())))
             except queue.Empty:
                 self._take_hellos()
-                alive = set(self.membership.alive(time.monotonic()))
-                if time.monotonic() >= deadline or all(g in replies or g not in alive for g in members):
+                now = self.bridge.now()
+                alive = set(self.membership.alive(now))
+                if now >= deadline or all(g in replies or g not in alive for g in members):
                     break  # a generator killed mid-update says nothing more: no use waiting for it
                 continue
             member = Member(r.generator, r.incarnation)
@@ -220,7 +225,7 @@ class WeightSender:
         self.membership.drop(failed + missing)
         loaded = [r for g, r in replies.items() if not r.error]
         for r in loaded:
-            self.membership.hello(Member(r.generator, r.incarnation), version, time.monotonic())
+            self.membership.hello(Member(r.generator, r.incarnation), version, self.bridge.now())
         return {
             "weight_pause_max_seconds": max((r.pause_seconds for r in loaded), default=0.0),
             "updates_with_running_requests": sum(r.running_requests > 0 for r in loaded),
@@ -234,14 +239,14 @@ class WeightSender:
             return False
         self.confirm()
         self._take_hellos()
-        now = time.monotonic()
+        now = self.bridge.now()
         if self.membership.next_members(now) is None and not self.membership.behind(self.snapshot.version, now):
             return False
         return self.publish(wait=True) is not None
 
     def holders(self, version: int) -> list[Member]:
         """Generators alive that hold the weights of `version` (or newer)."""
-        now = time.monotonic()
+        now = self.bridge.now()
         self._take_hellos()
         return [g for g in self.membership.alive(now) if self.membership.holds.get(g, -1) >= version]
 
