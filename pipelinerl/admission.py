@@ -85,7 +85,7 @@ class Peer:
 
     queued: int
     oldest: int | None  # the weights version of its oldest group still generating; None: none runs
-    seen: float  # when heard (monotonic seconds)
+    seen: float  # when heard (the caller's clock: the generator's awake time)
 
 
 @dataclass

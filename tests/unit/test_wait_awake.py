@@ -12,6 +12,7 @@ import time
 import pytest
 from pipelinerl_trainer.membership import Member, Membership
 
+from pipelinerl.admission import Admission
 from pipelinerl.runtime import AWAKE_SLICE_S, LATE_S, AwakeClock, awake_seconds, wait_awake
 
 
@@ -84,11 +85,13 @@ def test_the_awake_clock_counts_ticks_on_time_whole_a_freeze_as_one_slice_and_ne
 
 
 def test_a_process_frozen_past_the_liveness_bound_still_hears_its_peer_alive_on_thawing():
-    """The trainer's judgement of its generators (`Membership`, liveness 2 s here) in awake time,
-    the clock ticked by an event loop in its own thread as the trainer's NATS bridge ticks it: the
-    whole process SIGSTOPped for 3 s (a paused pod) right after a hello. On thawing, before a newer
-    hello is read, the generator is still alive by the awake clock; by the wall clock it is gone
-    (the trainer would re-form its weight group without it, then again with it)."""
+    """Judgements of peers by their silence, in awake time, the clock ticked by an event loop in
+    its own thread (as the trainer's NATS bridge and the generator's loop tick theirs): the
+    trainer's of its generators (`Membership`) and a generator's of its peers (`Admission`), both
+    taking a peer silent for 2 s here for gone. The whole process SIGSTOPped for 3 s (a paused
+    pod) right after a hello: on thawing, before a newer hello is read, the peer is still alive by
+    the awake clock; by the wall clock it is gone (the trainer would re-form its weight group
+    without it, then again with it; the generator would admit groups without counting its peer's)."""
     clock, stop = AwakeClock(), threading.Event()
 
     async def tick_until_stopped() -> None:
@@ -105,6 +108,11 @@ def test_a_process_frozen_past_the_liveness_bound_still_hears_its_peer_alive_on_
         awake, wall = Membership(2.0), Membership(2.0)
         awake.hello(generator, 0, clock.now())
         wall.hello(generator, 0, time.monotonic())
+        admissions = [
+            Admission(groups_per_step=4, generators=2, max_lag=1, max_inflight=4, peer_ttl_s=2.0) for _ in range(2)
+        ]  # awake, wall
+        admissions[0].on_peer(1, 3, 0, clock.now())
+        admissions[1].on_peer(1, 3, 0, time.monotonic())
         t0, a0 = time.monotonic(), clock.now()
         me = os.getpid()
         subprocess.run(["sh", "-c", f"kill -STOP {me}; sleep 3; kill -CONT {me}"], check=True, timeout=20)
@@ -112,6 +120,9 @@ def test_a_process_frozen_past_the_liveness_bound_still_hears_its_peer_alive_on_
         assert clock.now() - a0 < 1.5  # the freeze counted as one slice
         assert awake.alive(clock.now()) == (generator,)
         assert wall.alive(time.monotonic()) == ()
+        admissions[0].expire_peers(clock.now())
+        admissions[1].expire_peers(time.monotonic())
+        assert [list(a.peers) for a in admissions] == [[1], []]
     finally:
         stop.set()
         ticker.join(5)

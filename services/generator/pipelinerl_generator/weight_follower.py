@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 import uuid
 from collections.abc import Callable
 
 from pipelinerl import messages as m
 from pipelinerl.admission import Admission
 from pipelinerl.contracts import JobSubjects, ServiceEnv
+from pipelinerl.runtime import AwakeClock
 from pipelinerl.spec import JobSpec
 from pipelinerl.steps import weight_group_rank, weight_group_size
 from pipelinerl_generator.engine import Engine, EngineStuck, WeightsKept
@@ -47,6 +47,9 @@ class WeightFollower:
         )
         self.wake, self.fail = wake, fail  # the admission loop: work may start; a fatal error: stop
         self.incarnation = uuid.uuid4().hex[:12]  # this process, to the weight group's membership
+        # Peers are judged by their silence in this process's awake time: a generator frozen past
+        # the peers' time to live forgets none on thawing before it reads their hellos.
+        self.clock = AwakeClock()
         self.group: str | None = None  # the weight group (membership epoch) joined
         self.holds_weights = asyncio.Event()  # the trainer's weights are loaded
         self.started_groups = asyncio.Event()  # the peers should hear of this one's queue now
@@ -55,10 +58,11 @@ class WeightFollower:
         self.update_waiting = asyncio.Event()
 
     async def listen(self) -> list[asyncio.Task]:
-        """Subscribe to updates and hellos; the hello and update loops, to cancel at the end."""
+        """Subscribe to updates and hellos; the hello, update and clock loops, to cancel at the end."""
         await self.nc.subscribe(self.subjects.weights_update, cb=self._on_weight_update)
         await self.nc.subscribe(self.subjects.weights_hello, cb=self._on_hello)
-        return [asyncio.create_task(self._say_hello()), asyncio.create_task(self._apply_updates())]
+        loops = (self._say_hello(), self._apply_updates(), self.clock.tick_forever())
+        return [asyncio.create_task(loop) for loop in loops]
 
     async def first_weights(self, timeout_s: float, stopping: asyncio.Event) -> bool:
         """Wait for the first weights from the trainer: True once loaded, False if stopped first."""
@@ -94,13 +98,13 @@ class WeightFollower:
                 await asyncio.wait_for(self.started_groups.wait(), HELLO_S)
             except asyncio.TimeoutError:
                 pass
-            a.expire_peers(time.monotonic())
+            a.expire_peers(self.clock.now())
 
     async def _on_hello(self, msg) -> None:
         """A peer's queue and oldest group in flight, for the cluster-wide admission rule."""
         hello = m.decode(msg.data, m.GeneratorHello)
         if hello.generator != self.env.rank:
-            self.admission.on_peer(hello.generator, hello.queued, hello.oldest, time.monotonic())
+            self.admission.on_peer(hello.generator, hello.queued, hello.oldest, self.clock.now())
             self.wake()
 
     async def _on_weight_update(self, msg) -> None:

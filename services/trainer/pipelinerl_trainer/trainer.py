@@ -160,13 +160,13 @@ class Trainer:
         """The next micro-batch of the step in training (older replayed ones are skipped); None
         once stopping. While none comes, `_while_waiting`."""
         step = step_version(self.position.version)
-        since = last_log = time.monotonic()
+        since, last_log = self.bridge.now(), time.monotonic()  # waited: in awake time (a paused pod)
         while not self.stop.is_set():
             try:
                 seq, mb = self.bridge.batches.get(timeout=1.0)
             except queue.Empty:
                 self._while_waiting()
-                waited = time.monotonic() - since
+                waited = self.bridge.now() - since
                 if time.monotonic() - last_log >= DATA_LOG_S:
                     log.info("step %d: waiting for data (%.0fs)", step, waited)
                     last_log = time.monotonic()
