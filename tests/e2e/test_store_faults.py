@@ -1,7 +1,9 @@
 """Faults a cluster has that a kill does not model, survived by a running job (`pipelinerl run` in
 its own process, as tests/e2e/test_faults.py), one after the other in one run: the preprocessor
-paused past its acknowledgement wait, the store's disk full, then the store lost. (The pause is
-also tested at length against a real nats-server: tests/integration/test_preprocessor.py.)"""
+paused past its acknowledgement wait, the trainer past its generators' liveness bound, the store's
+disk full, then the store lost. (The preprocessor's pause is also tested at length against a real
+nats-server: tests/integration/test_preprocessor.py; the trainer's judgement of a silence across a
+freeze, in tests/unit/test_wait_awake.py.)"""
 
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
     """0. SIGSTOP to the preprocessor while it holds groups, for longer than its acknowledgement
     wait (a frozen node, a paused container), then SIGCONT: JetStream has delivered the held
     groups again to the same, living consumer, which takes each once: nothing trained or credited
-    twice (the generator's queue stays true: nothing dropped for lag after).
+    twice (the generator's queue stays true: nothing dropped for lag after). Then the trainer
+    paused for longer than its generators' liveness bound: the weight group goes on in its epoch.
     1. The NATS store on a small filesystem of its own (a 256 MiB tmpfs the test mounts),
     filled to the last byte for 6 s while the job runs, then freed: JetStream, which goes on
     refusing writes after a write error even once there is room, is restarted by the runner when
@@ -72,6 +75,17 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
         preprocessor_log = (first.dir / "logs/preprocessor.log").read_text()
         assert "delivered again (delivery 2)" in preprocessor_log  # the pause outlasted the wait
         assert first.services()["preprocessor"]["restarts"] == 0
+
+        # The trainer paused past its generators' liveness bound (10 s of silence): on thawing it
+        # drops none and re-forms no epoch (it judges their silence in its awake time).
+        epoch = first.train()[-1]["weight_epoch"]
+        pid = first.services()["trainer"]["pid"]
+        os.killpg(pid, signal.SIGSTOP)
+        time.sleep(12)
+        os.killpg(pid, signal.SIGCONT)
+        first.wait_step(first.train()[-1]["step"] + 2)
+        assert [(r["weight_epoch"], r["generators_dropped"]) for r in first.train()[-2:]] == [(epoch, 0)] * 2
+        assert first.services()["trainer"]["restarts"] == 0
 
         filler = store / "filler"
         filled_at = time.time()
