@@ -13,7 +13,8 @@ default) up to its own cap, each going on whatever the others did:
    captured CUDA graph computes with the weights each commit brings, staged and in place, and a
    `.data` swap leaves it stale (tests/integration/test_commit_graphs.py); two NCCL ranks on the
    GPU, one killed mid-broadcast: the survivor raises WeightSyncError and sends the next epoch
-   exact weights (test_weight_group.py, `killed`);
+   exact weights; one killed between joining and connecting: the trainer's watchdog ends it
+   within its bound, or NCCL fails by itself first (test_weight_group.py, `killed`);
 3. commit-7B: the commit of a staged update for a Qwen2.5-7B TP-2 shard, timed (bench/gpu_commit.py);
 4. decode-curve: a decode step's time against the running batch (1-512) and the context (1K, 4K)
    for Qwen2.5-1.5B and -7B shapes, bf16, static KV cache, CUDA graphs (bench/gpu_decode.py): the

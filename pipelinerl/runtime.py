@@ -9,7 +9,6 @@ import logging
 import os
 import signal
 import threading
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -110,70 +109,6 @@ def serve(run: Callable[[], Awaitable[None]], stop: Callable[[], None]) -> int:
 
     asyncio.run(_main())
     return 0
-
-
-AWAKE_SLICE_S = 0.25  # how often a bounded wait (`wait_awake`) looks at the clock
-LATE_S = 1.0  # a look later than this past its time: the process was not running meanwhile
-
-
-def awake_seconds(elapsed: float, asked: float, late_s: float = LATE_S) -> float:
-    """Of the `elapsed` seconds of a wait of `asked`, those this process was awake: all, unless
-    it woke more than `late_s` after it asked to (frozen: a SIGSTOP, a paused container or VM, or
-    its event loop held); then only what it asked for."""
-    return elapsed if elapsed <= asked + late_s else asked
-
-
-async def wait_awake(aw: Awaitable[Any], seconds: float) -> Any:
-    """`asyncio.wait_for(aw, seconds)` with `seconds` of this process's awake time. asyncio's
-    clock runs on while the process is frozen, so a bound counted in it fires on thawing, before
-    what was frozen along with it (a pod's other processes) could answer. Cancels `aw` and raises
-    TimeoutError when the bound passes."""
-    task = asyncio.ensure_future(aw)
-    awake, last = 0.0, time.monotonic()
-    try:
-        while True:
-            asked = min(AWAKE_SLICE_S, seconds - awake)
-            done, _ = await asyncio.wait({task}, timeout=asked)
-            if done:
-                return task.result()
-            now = time.monotonic()
-            awake, last = awake + awake_seconds(now - last, asked), now
-            if awake >= seconds:
-                raise TimeoutError(f"not done within {seconds:.0f} s awake")
-    finally:
-        task.cancel()  # nothing once it is done
-
-
-class AwakeClock:
-    """Seconds of this process's awake time, for judging peers by their silence: a process
-    frozen past the bound (a paused pod) must not, on thawing, take for gone every peer it could
-    not hear meanwhile, before its own thread reads what they sent. Ticked by an event loop
-    (`tick_forever`) every AWAKE_SLICE_S, a tick later than LATE_S counting only the slice;
-    read (`now`) from any thread. Never goes back."""
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._last = clock()  # the wall reading of the last tick
-        self._awake = 0.0  # awake seconds up to the last tick
-        self._read = 0.0  # the highest reading given
-
-    def tick(self) -> None:
-        with self._lock:
-            t = self._clock()
-            self._awake += awake_seconds(t - self._last, AWAKE_SLICE_S)
-            self._last = t
-
-    def now(self) -> float:
-        with self._lock:
-            since = awake_seconds(self._clock() - self._last, AWAKE_SLICE_S)
-            self._read = max(self._read, self._awake + since)
-            return self._read
-
-    async def tick_forever(self) -> None:
-        while True:
-            await asyncio.sleep(AWAKE_SLICE_S)
-            self.tick()
 
 
 def failpoint(name: str) -> None:

@@ -171,6 +171,18 @@ def join_window(timeout_s: float, join_timeout_s: float | None = None) -> float:
     return min(JOIN_TIMEOUT_S, timeout_s)
 
 
+FORM_MARGIN_S = 10.0  # past a `form`'s own waits: the store's round trips, a loaded machine
+
+
+def form_bound(timeout_s: float, join_timeout_s: float | None = None) -> float:
+    """The longest a trainer's `WeightGroup.form` takes while every wait of ours holds: the join
+    window, then the group's connection and its authentication's collective, each within
+    `timeout_s`, plus FORM_MARGIN_S. NCCL sets its communicator up inside that first collective,
+    where no timeout of ours reaches (a peer dead since it joined can hold it there): the trainer
+    bounds the whole `form` with this (`pipelinerl.awake.Watchdog`)."""
+    return join_window(timeout_s, join_timeout_s) + 2 * timeout_s + FORM_MARGIN_S
+
+
 def proof(token: str, group_id: str, rank: int) -> bytes:
     """What `rank` shows the others of epoch `group_id` to prove it holds the job's token (fresh
     per epoch: group ids never repeat, so a proof seen once is worth nothing later)."""

@@ -6,16 +6,22 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import multiprocessing as mp
 import os
+import queue
 import threading
 import time
+from datetime import timedelta
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from pipelinerl.spec import parse_job
 from pipelinerl.weight_group import (
+    GROUP_PREFIX,
     JOIN_TIMEOUT_S,
     GroupAborted,
     GroupIncomplete,
@@ -405,6 +411,99 @@ def test_a_member_killed_mid_broadcast_raises_and_the_trainer_goes_on(port, back
         assert all(torch.equal(got[n], t.cpu()) for n, t in tensors.items())
     joiner.join(30)
     sender.close()
+
+
+class _TinyEngine:
+    """What WeightSender needs of a DeepSpeed engine (ZeRO-1: no gather)."""
+
+    def __init__(self) -> None:
+        self.module = torch.nn.Linear(4, 4)
+
+    def zero_optimization_stage(self) -> int:
+        return 1
+
+
+class _Bridge:
+    """What WeightSender needs of the trainer's NATS bridge: one generator said hello; the
+    update's group id is handed to the test (the generator's side reads it from NATS)."""
+
+    def __init__(self, group_ids) -> None:
+        from pipelinerl import messages as m
+
+        self.subjects = SimpleNamespace(weights_update="weights")
+        self.done: queue.Queue = queue.Queue()
+        self.hellos: queue.Queue = queue.Queue()
+        self.hellos.put((self.now(), m.GeneratorHello(generator=0, incarnation="a", version=-1)))
+        self.group_ids = group_ids
+
+    def publish(self, subject, msg, stream=True) -> None:
+        self.group_ids.put(msg.group)
+
+    def now(self) -> float:
+        return time.monotonic()
+
+
+def _trainer_sending(port, backend, bound_s, timeout_s, log_path, group_ids, out_q):
+    """The trainer's WeightSender (rank 0) sending version 1 to its one generator, its group's
+    timeout `timeout_s`, the watchdog's bound on forming the group shortened to `bound_s`.
+    Reports how the send ended, unless the watchdog ended the process first."""
+    import pipelinerl_trainer.weight_sender as ws
+
+    logging.basicConfig(filename=log_path, level=logging.INFO)
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+        os.environ["NCCL_HOSTID"] = "trainer"  # one GPU: two "hosts"
+    ws.form_bound = lambda timeout_s: bound_s
+    sender = ws.WeightSender(
+        _TinyEngine(),
+        0,
+        _Bridge(group_ids),
+        backend=backend,
+        bucket_mb=1,
+        timeout_s=timeout_s,
+        store=open_store(HOST, port, True, timeout_s),
+    )
+    sender.send(1)
+    out_q.put(f"send returned: {sender.status()}")
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")])],
+)
+def test_a_member_killed_before_the_group_connects_ends_the_trainer_within_its_bound(port, backend, tmp_path):
+    """A generator that said it was joining and died before connecting leaves the trainer's `form`
+    waiting in native code: gloo's connection (up to the group's timeout, here a minute), NCCL's
+    communicator set-up inside the first collective (no timeout of ours reaches it). The trainer's
+    watchdog ends the process at its bound on forming (shortened to 3 s here; `form_bound` in a
+    job) with the group named in its log, to be restarted; it never waits on. With NCCL the
+    bootstrap may also fail by itself first: bounded either way, and which one is printed."""
+    ctx = mp.get_context("spawn")
+    group_ids, out_q = ctx.Queue(), ctx.Queue()
+    log_path = tmp_path / "trainer.log"
+    trainer = ctx.Process(target=_trainer_sending, args=(port, backend, 3.0, 60.0, str(log_path), group_ids, out_q))
+    trainer.start()
+    try:
+        group_id = group_ids.get(timeout=60)
+        # The generator's side of the rendezvous, then nothing: killed right after the trainer's `go`.
+        epoch = dist.PrefixStore(f"{GROUP_PREFIX}/{group_id}", open_store(HOST, port, False, 30.0))
+        epoch.set("joining/1", "1")
+        epoch.wait(["go"], timedelta(seconds=30))
+        t0 = time.monotonic()
+        trainer.join(30)
+        ended_s = time.monotonic() - t0
+        log = log_path.read_text()
+        outcome = out_q.get(timeout=1) if not out_q.empty() else ""
+        print(f"{backend}: trainer exit code {trainer.exitcode} after {ended_s:.1f} s; {outcome or 'no report'}")
+        if backend == "gloo" or not outcome:
+            assert trainer.exitcode == 1
+            assert f"forming weight group {group_id}: not done within 3 s" in log
+            assert 2.5 <= ended_s < 8
+        else:  # NCCL failed the collective by itself first: the group dropped, the trainer goes on
+            assert ended_s < 8 and "generators_dropped" in outcome
+    finally:
+        trainer.kill()
+        trainer.join(10)
 
 
 # --- transport choice (weightSync.backend) ----------------------------------------------------

@@ -1,5 +1,5 @@
-"""Bounds and silences counted in the process's awake time (`runtime.wait_awake`,
-`runtime.AwakeClock`): what a frozen process (a paused pod) waited does not count; what it
+"""Bounds and silences counted in the process's awake time (`awake.wait_awake`,
+`awake.AwakeClock`): what a frozen process (a paused pod) waited does not count; what it
 waited awake does. The real freeze of a generator and its vLLM core by SIGSTOP is in
 tests/integration/test_inflight_update.py; of this process, below."""
 
@@ -13,7 +13,7 @@ import pytest
 from pipelinerl_trainer.membership import Member, Membership
 
 from pipelinerl.admission import Admission
-from pipelinerl.runtime import AWAKE_SLICE_S, LATE_S, AwakeClock, awake_seconds, wait_awake
+from pipelinerl.awake import AWAKE_SLICE_S, LATE_S, AwakeClock, awake_seconds, wait_awake
 
 
 def test_a_look_on_time_counts_whole_and_a_late_one_only_the_slice_asked_for():

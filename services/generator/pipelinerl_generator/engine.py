@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipelinerl.runtime import wait_awake
+from pipelinerl.awake import wait_awake
 from pipelinerl.spec import PipelineRLJob, SpecError
 from pipelinerl.tasks import Completion
 

@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 from pipelinerl import messages as m
 from pipelinerl.admission import Admission
+from pipelinerl.awake import AwakeClock
 from pipelinerl.contracts import JobSubjects, ServiceEnv
-from pipelinerl.runtime import AwakeClock
 from pipelinerl.spec import JobSpec
 from pipelinerl.steps import weight_group_rank, weight_group_size
 from pipelinerl_generator.engine import Engine, EngineStuck, WeightsKept

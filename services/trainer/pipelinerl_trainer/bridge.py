@@ -15,8 +15,9 @@ import nats.errors
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
+from pipelinerl.awake import AwakeClock
 from pipelinerl.contracts import ServiceEnv
-from pipelinerl.runtime import JOIN_TIMEOUT_S, AwakeClock, join_job
+from pipelinerl.runtime import JOIN_TIMEOUT_S, join_job
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import (
     READ_TIMEOUT_S,

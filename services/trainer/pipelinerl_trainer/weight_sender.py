@@ -22,6 +22,7 @@ import uuid
 from typing import Protocol
 
 from pipelinerl import messages as m
+from pipelinerl.awake import Watchdog
 from pipelinerl.contracts import JobSubjects
 from pipelinerl.steps import generator_of_rank, weight_group_size
 from pipelinerl.weight_group import (
@@ -31,6 +32,7 @@ from pipelinerl.weight_group import (
     WeightSyncError,
     buffer_device,
     dtype_name,
+    form_bound,
     plan_buckets,
 )
 from pipelinerl_trainer.membership import Member, Membership
@@ -100,6 +102,8 @@ class WeightSender:
         self.run_id = uuid.uuid4().hex[:8]  # this trainer process: its group ids never repeat a predecessor's
         self.pending: tuple[int, float, tuple[Member, ...]] | None = None  # (version, deadline, members) unconfirmed
         self.broken_broadcasts = 0  # broadcasts a member's failure broke (each re-forms the group)
+        # Bounds each `form` (`form_bound`): past it the trainer exits and is restarted.
+        self.watchdog = Watchdog()
 
     # -- all ranks ---------------------------------------------------------------------------
     def send(self, version: int, wait: bool = True) -> dict[str, float]:
@@ -170,14 +174,15 @@ class WeightSender:
             if self.group is not None:
                 return self.group
             try:
-                self.group = WeightGroup.form(
-                    self.store,
-                    self.group_id,
-                    weight_group_size(len(members), self.workers),
-                    self.timeout_s,
-                    self.backend,
-                    token=self.token,
-                )
+                with self.watchdog.bound(f"forming weight group {self.group_id}", form_bound(self.timeout_s)):
+                    self.group = WeightGroup.form(
+                        self.store,
+                        self.group_id,
+                        weight_group_size(len(members), self.workers),
+                        self.timeout_s,
+                        self.backend,
+                        token=self.token,
+                    )
                 log.info("weight group %s: generators %s", self.group_id, [g.generator for g in members])
                 return self.group
             except GroupIncomplete as err:
