@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from pipelinerl.awake import awake_seconds
+
 GROUP_PREFIX = "pipelinerl-weights"
 # How long the trainer waits for a new epoch's members to say they are joining. They said hello,
 # so they are up, but joining still takes each a NATS round trip, a vLLM collective_rpc, closing
@@ -35,6 +37,7 @@ GROUP_PREFIX = "pipelinerl-weights"
 # that never comes costs the trainer this wait once per epoch tried. Never longer than the members
 # themselves wait for `go` (the weight-sync timeout): by then they have given up.
 JOIN_TIMEOUT_S = 30.0
+JOIN_POLL_S = 0.01  # how often the trainer looks for the members' `joining` keys
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -243,15 +246,19 @@ class WeightGroup:
         join_timeout_s = join_window(timeout_s, join_timeout_s)
         epoch = dist.PrefixStore(f"{GROUP_PREFIX}/{group_id}", store)
         keys = [f"joining/{r}" for r in range(1, world_size)]
-        deadline = time.monotonic() + join_timeout_s
+        # The window counts this process's awake time: a trainer frozen in it (a paused pod, its
+        # store with it) gives its members what is left of the window on thawing.
+        waited, last = 0.0, time.monotonic()
         while keys and not epoch.check(keys):
-            if time.monotonic() > deadline:
+            if waited > join_timeout_s:
                 missing = [r for r, key in enumerate(keys, 1) if not epoch.check([key])]
                 epoch.set("go", "abort")
                 raise GroupIncomplete(
                     missing, f"weight group {group_id}: ranks {missing} did not join within {join_timeout_s:g} s"
                 )
-            time.sleep(0.01)
+            time.sleep(JOIN_POLL_S)
+            now = time.monotonic()
+            waited, last = waited + awake_seconds(now - last, JOIN_POLL_S), now
         epoch.set("go", "go")
         group = cls(epoch, _process_group(backend, epoch, 0, world_size, timeout_s), 0, world_size, timeout_s, backend)
         refused = group._authenticate(group_id, token)

@@ -10,6 +10,7 @@ import logging
 import multiprocessing as mp
 import os
 import queue
+import subprocess
 import threading
 import time
 from datetime import timedelta
@@ -248,6 +249,27 @@ def test_a_member_that_starts_slowly_joins_within_the_default_window(port):
         late.join(10)
         if late.is_alive():
             late.kill()
+
+
+def test_a_trainer_frozen_past_its_join_window_gives_its_members_the_rest_of_it_on_thawing(port):
+    """The window counts the trainer's awake time. The trainer (this process, its store with it)
+    SIGSTOPped for 3 s into a 2 s window; its member says it joins 0.5 s after the thaw: the group
+    forms. By the wall clock the window was over on thawing: GroupIncomplete, a re-formed epoch."""
+    store = open_store(HOST, port, True, 30.0)
+    formed: list = []
+    former = threading.Thread(target=lambda: formed.append(WeightGroup.form(store, "g", 2, 30.0, join_timeout_s=2.0)))
+    former.start()
+    time.sleep(0.3)
+    me = os.getpid()
+    t0 = time.monotonic()
+    subprocess.run(["sh", "-c", f"kill -STOP {me}; sleep 3; kill -CONT {me}"], check=True, timeout=20)
+    assert time.monotonic() - t0 >= 3.0
+    time.sleep(0.5)
+    member = WeightGroup.join(HOST, port, "g", 1, 2, 30.0)
+    former.join(30)
+    assert len(formed) == 1 and formed[0].world_size == 2
+    member.close()
+    formed[0].close()
 
 
 def test_epoch_nobody_joins_names_the_missing_ranks(port):
