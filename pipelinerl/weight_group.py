@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipelinerl.awake import awake_seconds
+from pipelinerl.awake import AwakeClock
 
 GROUP_PREFIX = "pipelinerl-weights"
 # How long the trainer waits for a new epoch's members to say they are joining. They said hello,
@@ -177,13 +177,13 @@ def join_window(timeout_s: float, join_timeout_s: float | None = None) -> float:
 FORM_MARGIN_S = 10.0  # past a `form`'s own waits: the store's round trips, a loaded machine
 
 
-def form_bound(timeout_s: float, join_timeout_s: float | None = None) -> float:
+def form_bound(timeout_s: float) -> float:
     """The longest a trainer's `WeightGroup.form` takes while every wait of ours holds: the join
     window, then the group's connection and its authentication's collective, each within
     `timeout_s`, plus FORM_MARGIN_S. NCCL sets its communicator up inside that first collective,
     where no timeout of ours reaches (a peer dead since it joined can hold it there): the trainer
     bounds the whole `form` with this (`pipelinerl.awake.Watchdog`)."""
-    return join_window(timeout_s, join_timeout_s) + 2 * timeout_s + FORM_MARGIN_S
+    return join_window(timeout_s) + 2 * timeout_s + FORM_MARGIN_S
 
 
 def proof(token: str, group_id: str, rank: int) -> bytes:
@@ -248,17 +248,16 @@ class WeightGroup:
         keys = [f"joining/{r}" for r in range(1, world_size)]
         # The window counts this process's awake time: a trainer frozen in it (a paused pod, its
         # store with it) gives its members what is left of the window on thawing.
-        waited, last = 0.0, time.monotonic()
+        waited = AwakeClock()
         while keys and not epoch.check(keys):
-            if waited > join_timeout_s:
+            if waited.now() > join_timeout_s:
                 missing = [r for r, key in enumerate(keys, 1) if not epoch.check([key])]
                 epoch.set("go", "abort")
                 raise GroupIncomplete(
                     missing, f"weight group {group_id}: ranks {missing} did not join within {join_timeout_s:g} s"
                 )
             time.sleep(JOIN_POLL_S)
-            now = time.monotonic()
-            waited, last = waited + awake_seconds(now - last, JOIN_POLL_S), now
+            waited.tick()
         epoch.set("go", "go")
         group = cls(epoch, _process_group(backend, epoch, 0, world_size, timeout_s), 0, world_size, timeout_s, backend)
         refused = group._authenticate(group_id, token)
