@@ -227,21 +227,26 @@ async def last_message(js, stream: str, subject: str, timeout_s: float = READ_TI
 
 
 async def _read_last(js, stream: str, subject: str, deadline: float):
-    """The stream's last message on `subject` (None: none), retried until `deadline`."""
+    """The stream's last message on `subject` (None: none), retried until `deadline`. A stream
+    not found is no answer either: the services made it at their start, so the store is lost
+    (then the reader's restart finds a new one) or JetStream is still recovering it."""
     delay = 0.5
     while True:
         try:
             return await js.get_last_msg(stream, subject)
-        except NotFoundError:
-            return None
+        except NotFoundError as err:
+            if err.err_code != STREAM_NOT_FOUND:
+                return None
+            failed: Exception = err
         except Exception as err:  # timeouts, a connection being re-established
-            if time.monotonic() + delay > deadline:
-                raise TimeoutError(
-                    f"could not read the last message on {subject}: {type(err).__name__}: {err}"
-                ) from None
-            log.warning("reading the last message on %s failed (%s: %s); retrying", subject, type(err).__name__, err)
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 5.0)
+            failed = err
+        if time.monotonic() + delay > deadline:
+            raise TimeoutError(
+                f"could not read the last message on {subject}: {type(failed).__name__}: {failed}"
+            ) from None
+        log.warning("reading the last message on %s failed (%s: %s); retrying", subject, type(failed).__name__, failed)
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, 5.0)
 
 
 async def last_announcement(js, subjects: JobSubjects, timeout_s: float = READ_TIMEOUT_S):
@@ -317,6 +322,7 @@ async def problems_claimed(js, subjects: JobSubjects, timeout_s: float = READ_TI
 
 
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: another append came first
+STREAM_NOT_FOUND = 10059  # ... and for a stream it does not hold (10037: no message on the subject)
 
 # No reply to a publish: the request or its ack lost while the client reconnects to a restarted
 # server, or JetStream still recovering its streams there.

@@ -133,6 +133,56 @@ async def test_a_read_that_times_out_is_retried_never_taken_for_empty(nats_serve
     await nc.close()
 
 
+async def test_a_stream_not_found_is_no_answer_never_taken_for_empty(nats_server):
+    # The job's streams gone (its store lost, or JetStream still recovering it after a restart):
+    # the claims read as 0 once made a checkpoint tell a recovered store to draw every problem
+    # again. The read is retried and names the missing stream when its time runs out; a stream
+    # made again meanwhile is read.
+    from pipelinerl.streams import claim_problems, delete_streams, last_message, problems_claimed
+
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js, SUBJECTS, 8)
+    await claim_problems(js, SUBJECTS, 20)
+    assert await problems_claimed(js, SUBJECTS) == 20
+    await delete_streams(js, SUBJECTS)
+    with pytest.raises(TimeoutError, match="stream not found"):
+        await problems_claimed(js, SUBJECTS, timeout_s=2)
+    read = asyncio.ensure_future(last_message(js, SUBJECTS.stream("CONTROL"), SUBJECTS.problems, timeout_s=30))
+    await asyncio.sleep(1)
+    assert not read.done()
+    await ensure_streams(js, SUBJECTS, 8)
+    assert await asyncio.wait_for(read, 30) is None  # the new store holds no claim yet
+    await nc.close()
+
+
+def test_a_checkpoint_takes_its_problem_claims_from_its_own_store_only(nats_server):
+    """A trainer checkpoint keeps the job's problem claims (a recovered store claims past them).
+    Read from a store that replaced the trainer's under the run, they would be the new store's,
+    and a store recovered from that checkpoint would draw trained problems again: StoreLost."""
+    from pipelinerl.contracts import ServiceEnv
+    from pipelinerl.spec import parse_job
+    from pipelinerl.streams import claim_problems, delete_streams
+    from pipelinerl_trainer.bridge import NatsBridge
+    from pipelinerl_trainer.position import Position, StoreLost
+    from pipelinerl_trainer.trainer import problems_claimed
+
+    job = parse_job({"metadata": {"name": SUBJECTS.job}, "spec": {}})
+    bridge = NatsBridge(job, ServiceEnv("trainer", nats_url=nats_server.url), "test")  # makes the streams
+    try:
+        position = Position(store=bridge.store_identity().id)
+        bridge.call(claim_problems(bridge.js, job.subjects, 20), 30)
+        assert problems_claimed(bridge, position) == 20
+        bridge.call(delete_streams(bridge.js, job.subjects), 30)  # the store replaced: a service made it anew
+        bridge.call(ensure_streams(bridge.js, job.subjects, 8), 30)
+        bridge.call(claim_problems(bridge.js, job.subjects, 4), 30)  # and a generator claimed in it
+        with pytest.raises(StoreLost, match=f"belongs to the job's NATS store {position.store}"):
+            problems_claimed(bridge, position)
+        assert bridge.problems_claimed() == 4  # what the checkpoint would have kept
+    finally:
+        bridge.close()
+
+
 async def test_a_claim_whose_read_times_out_is_retried_never_a_crash(nats_server):
     # A generator claims problems while nats-server restarts: a read with no reply (the client's
     # 5 s request timeout) is tried again until the claim's deadline, then names the subject.

@@ -57,6 +57,24 @@ class Model:
     max_positions: int | None
 
 
+
+def in_its_store(bridge: NatsBridge, position: Position) -> None:
+    """StoreLost where the job's store is no longer the one `position` belongs to."""
+    lost = position.check_store(bridge.store_identity(), starting=False)
+    if lost:
+        raise StoreLost(lost)
+
+
+def problems_claimed(bridge: NatsBridge, position: Position) -> int:
+    """The job's problem claims for a checkpoint, from the store `position` belongs to: read, then
+    that store checked to be the job's still (a store's id never comes back, so it held the count
+    read). From a store lost or replaced under the run, a checkpoint would tell a recovered store
+    to claim from its count (0 in a new one) and problems trained would be drawn again: StoreLost
+    instead, before saving, and the restart resumes from the previous checkpoint."""
+    claimed = bridge.problems_claimed()
+    in_its_store(bridge, position)
+    return claimed
+
 class Trainer:
     def __init__(
         self,
@@ -192,9 +210,7 @@ class Trainer:
         and the weight group's state is shown."""
         if time.monotonic() - self.store_checked >= STORE_CHECK_S:
             self.store_checked = time.monotonic()
-            lost = self.position.check_store(self.bridge.store_identity(), starting=False)
-            if lost:
-                raise StoreLost(lost)
+            in_its_store(self.bridge, self.position)
         if self.rank == 0:
             self.sender.resync()
             self.reporter.group_status(self.sender)
@@ -307,7 +323,7 @@ class Trainer:
             dist.all_gather(seqs, mine)
         else:
             seqs = [mine]
-        claimed = self.bridge.problems_claimed() if self.rank == 0 else 0  # recover-store reads rank 0's
+        claimed = problems_claimed(self.bridge, self.position) if self.rank == 0 else 0  # recover-store reads rank 0's
         state = self.position.kept({str(r): int(s.item()) for r, s in enumerate(seqs)}, claimed)
         checkpoint.save(self.engine, self.ckpt_dir, self.position.version, state, self.rank, self.env.local_rank or 0)
         self.position.saved()
