@@ -17,6 +17,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from nats.js.errors import NotFoundError
+
 from pipelinerl.contracts import JOB_LABEL, JobSubjects, OperatorEnv
 from pipelinerl.streams import close, connect, delete_streams, last_checkpoint, recover_store
 from pipelinerl_operator.config import OperatorConfig
@@ -92,7 +94,7 @@ class JobStreams:
             if await kube.list("v1", "Pod", self.namespace, f"{JOB_LABEL}={self.name}"):
                 return None  # still stopping: the trainer checkpoints on its way out
             try:
-                told = await self._as_job(lambda js: last_checkpoint(js, self.subjects, self.timeout_s))
+                told = await self._as_job(self._checkpoint_told)
             except Exception as err:  # noqa: BLE001 - told, and tried again next pass
                 self.event("Warning", "StreamsDeleteFailed", f"could not read the trainer's checkpoint record: {err!r}")
                 return None
@@ -100,6 +102,15 @@ class JobStreams:
         if not await self.delete():
             return None
         return record
+
+    async def _checkpoint_told(self, js: Any) -> Any:
+        """The trainer's newest checkpoint record; None where the job has no streams (its services
+        never made them). `last_checkpoint` retries a missing stream, a store being recovered."""
+        try:
+            await js.stream_info(self.subjects.stream("CONTROL"))
+        except NotFoundError:
+            return None
+        return await last_checkpoint(js, self.subjects, self.timeout_s)
 
     async def restore(self, job: Any, record: dict[str, Any]) -> str | None:
         """A resumed job's streams made again, going on from its trainer's checkpoint; why not yet."""

@@ -57,7 +57,6 @@ class Model:
     max_positions: int | None
 
 
-
 def in_its_store(bridge: NatsBridge, position: Position) -> None:
     """StoreLost where the job's store is no longer the one `position` belongs to."""
     lost = position.check_store(bridge.store_identity(), starting=False)
@@ -74,6 +73,7 @@ def problems_claimed(bridge: NatsBridge, position: Position) -> int:
     claimed = bridge.problems_claimed()
     in_its_store(bridge, position)
     return claimed
+
 
 class Trainer:
     def __init__(
