@@ -200,10 +200,12 @@ async def recover_store(
 
     await delete_streams(js, subjects)
     await ensure_streams(js, subjects, spec.nats.max_payload_mb, replicas, stream_bytes(spec))
-    identity = StoreIdentity(id=uuid.uuid4().hex, created=time.time(), adopts=adopt, adopted_step=step)
-    await js.publish(subjects.store, encode(identity), timeout=10.0)
     await js.publish(subjects.version, encode(PolicyVersion(version=step, timestamp=time.time())), timeout=10.0)
     await js.publish(subjects.problems, str(problems).encode(), timeout=10.0)
+    # Last: a store is adopted by its identity, so one cut short before it is never gone on from
+    # (with claims from 0, problems trained would be drawn again); the command is run again.
+    identity = StoreIdentity(id=uuid.uuid4().hex, created=time.time(), adopts=adopt, adopted_step=step)
+    await js.publish(subjects.store, encode(identity), timeout=10.0)
     return identity
 
 

@@ -316,15 +316,17 @@ class Trainer:
         )
 
     def _checkpoint(self) -> None:
-        # Where the last whole step ended: a step cut short by a stop is trained again in full.
-        mine = torch.tensor([self.position.step_seq], dtype=torch.long, device=self.engine.device)
-        seqs = [torch.zeros_like(mine) for _ in range(self.world)]
+        # Every rank's end of its last whole step (a step cut short by a stop is trained again in
+        # full), and the job's problem claims, read by rank 0 and kept by every rank: a pod with a
+        # volume of its own resumes from its own copy, and its StoreLost message names them.
+        claimed = problems_claimed(self.bridge, self.position) if self.rank == 0 else 0
+        mine = torch.tensor([self.position.step_seq, claimed], dtype=torch.long, device=self.engine.device)
+        rows = [torch.zeros_like(mine) for _ in range(self.world)]
         if self.world > 1:
-            dist.all_gather(seqs, mine)
+            dist.all_gather(rows, mine)
         else:
-            seqs = [mine]
-        claimed = problems_claimed(self.bridge, self.position) if self.rank == 0 else 0  # recover-store reads rank 0's
-        state = self.position.kept({str(r): int(s.item()) for r, s in enumerate(seqs)}, claimed)
+            rows = [mine]
+        state = self.position.kept({str(r): int(row[0]) for r, row in enumerate(rows)}, int(rows[0][1]))
         checkpoint.save(self.engine, self.ckpt_dir, self.position.version, state, self.rank, self.env.local_rank or 0)
         self.position.saved()
         if self.rank == 0:  # saved: what a store must go on from to resume this job (the operator reads it)
