@@ -183,15 +183,17 @@ class Metrics(Message):
 
 class StoreIdentity(Message):
     """Which store the job's streams are (one per JetStream store: a lost or replaced store has
-    another), written once when the streams are first created (`streams.ensure_streams`). The
-    trainer's checkpoints name the store their stream positions belong to; a store that
-    `pipelinerl recover-store` made for a checkpoint `adopts` its store."""
+    another), written once when the streams are first created (`streams.store_identity`), anew
+    where the store lost a stream the services' positions are counted in. The trainer's
+    checkpoints name the store their stream positions belong to; a store that `pipelinerl
+    recover-store` made for a checkpoint `adopts` its store."""
 
     TYPE: ClassVar[str] = "store_identity"
     id: str
     created: float  # wall clock
     adopts: str | None = None  # the lost store's id whose checkpoint this store goes on from
     adopted_step: int | None = None  # that checkpoint's step
+    replaced: str | None = None  # why it replaced the identity of a damaged store (`streams.ensure_streams`)
 
 
 class Checkpointed(Message):

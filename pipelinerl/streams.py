@@ -128,21 +128,72 @@ async def close(nc: nats.NATS, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
         print(f"[{nc.options.get('name')}] nats: not closed within {timeout_s:g} s; left to the exit", file=sys.stderr)
 
 
+# The streams the services' positions and books are counted in: a store that lost one of them, its
+# identity still there, is not the store its identity names. The others (METRICS, DEADLETTER) are
+# records: made again where missing, as a stream a later release adds must be.
+POSITION_STREAMS = ("ROLLOUTS", "BATCHES")
+
+
 async def ensure_streams(
     js, subjects: JobSubjects, max_payload_mb: int, replicas: int | None = None, sizes: dict[str, int] | None = None
 ) -> None:
     """Create the job's streams, or update them in place; safe to call from every service.
-    `replicas`: a service's `stream_replicas` (None: one copy); `sizes`: see stream_configs."""
+    `replicas`: a service's `stream_replicas` (None: one copy); `sizes`: see stream_configs.
+    A store whose identity is written (once all its streams were made) but which has lost one of
+    its POSITION_STREAMS (a damaged volume, a stream deleted by hand) gets a new identity before
+    the stream is made again empty: to the trainer it is another store (StoreLost, then the same
+    recovery as a store lost whole), never one gone on from with positions and books reset."""
+    identity = await _identity_if_any(js, subjects)  # read first: then a stream missing after it was lost
+    missing = []
     for cfg in stream_configs(subjects, max_payload_mb << 20, replicas or 1, sizes):
         try:
             await js.stream_info(cfg.name)
             await js.update_stream(cfg)
         except NotFoundError:
-            try:
-                await js.add_stream(cfg)
-            except Exception as err:  # another service created it in between
-                if "already in use" not in str(err):
-                    raise
+            missing.append(cfg)
+    lost = [c.name for c in missing if c.name in {subjects.stream(s) for s in POSITION_STREAMS}]
+    if identity is not None and lost:
+        await _replace_identity(js, subjects, identity, f"store {identity[0].id} lost its stream(s) {', '.join(lost)}")
+    for cfg in missing:
+        try:
+            await js.add_stream(cfg)
+        except Exception as err:  # another service created it in between
+            if "already in use" not in str(err):
+                raise
+
+
+async def _identity_if_any(js, subjects: JobSubjects):
+    """(the store's identity, its sequence) where the store has one; None where its CONTROL stream
+    or identity is not there (yet)."""
+    from pipelinerl.messages import MessageError, StoreIdentity, decode
+
+    try:
+        last = await js.get_last_msg(subjects.stream("CONTROL"), subjects.store)
+    except NotFoundError:
+        return None
+    try:
+        return decode(last.data, StoreIdentity), last.seq
+    except MessageError as err:
+        raise MessageError(f"the job's store identity on {subjects.store}: {err}") from None
+
+
+async def _replace_identity(js, subjects: JobSubjects, identity, why: str) -> None:
+    """A new identity in place of `identity` (StoreIdentity, sequence), saying `why`: appended only
+    if still the newest (services finding the damage together make one)."""
+    import uuid
+
+    from pipelinerl.messages import StoreIdentity, encode
+
+    new = StoreIdentity(id=uuid.uuid4().hex, created=time.time(), replaced=why)
+    try:
+        await js.publish(
+            subjects.store, encode(new), timeout=5.0, headers={"Nats-Expected-Last-Subject-Sequence": str(identity[1])}
+        )
+    except nats.js.errors.APIError as err:
+        if err.err_code != WRONG_LAST_SEQUENCE:
+            raise
+        return  # another service replaced it first
+    log.error("the job's store is damaged (%s): it is now store %s, which the trainer's checkpoint is not", why, new.id)
 
 
 async def store_identity(js, subjects: JobSubjects, adopts=None, timeout_s: float = READ_TIMEOUT_S):
@@ -192,12 +243,16 @@ async def recover_store(
     checkpoint's step announced with no group credited yet (the generators' books start again
     with the store; the preprocessor builds that step first) and problem claims going on past the
     checkpoint's. With the job's services stopped: running ones would keep the state of the store
-    they started in."""
+    they started in. A store made already for this checkpoint is left as it is (the operator's
+    record that it restored it may not have been written: its pods may run in it by now)."""
     import uuid
 
     from pipelinerl.capacity import stream_bytes
     from pipelinerl.messages import PolicyVersion, StoreIdentity, encode
 
+    made = await _identity_if_any(js, subjects)
+    if made is not None and (made[0].adopts, made[0].adopted_step) == (adopt, step):
+        return made[0]
     await delete_streams(js, subjects)
     await ensure_streams(js, subjects, spec.nats.max_payload_mb, replicas, stream_bytes(spec))
     await js.publish(subjects.version, encode(PolicyVersion(version=step, timestamp=time.time())), timeout=10.0)

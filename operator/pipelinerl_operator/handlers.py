@@ -325,7 +325,9 @@ async def _reconcile(
         await _restart_trainer_gang(kube, body, job, pods, roles)
         now = datetime.now(timezone.utc)
         status, events = compute(
-            _observed(body, job, now, previous, spec_error, roles, await _trainer_status(job, roles), pods, apply_error)
+            _observed(
+                body, job, now, previous, spec_error, roles, *await _trainer_status(job, roles), pods, apply_error
+            )
         )
         status["natsReservedBytes"] = held
         status["suspendedStore"] = kept or None  # a suspended job's checkpoint record, until its resume
@@ -420,13 +422,18 @@ async def _restart_trainer_gang(
         )
 
 
-async def _trainer_status(job: Any, roles: dict[str, RoleObserved]) -> Any:
-    """Trainer rank 0's /status, once it is ready (None before, or if it does not answer)."""
-    if job is None or roles["trainer"].ready == 0:
-        return None
+async def _trainer_status(job: Any, roles: dict[str, RoleObserved]) -> tuple[Any, str]:
+    """Trainer rank 0's /status once it is ready (None before, or if it does not answer), and its
+    StoreLost message whenever it answers: a trainer waiting for its store is never ready (its
+    /status is served from its start, its host resolved unready: `publishNotReadyAddresses`)."""
+    if job is None or roles["trainer"].replicas == 0:
+        return None, ""
     ns, name = job.namespace, job.name
     url = status_url(os.environ.get(OperatorEnv.TRAINER_STATUS_URL, DEFAULT_URL), name, ns, trainer_host(job, ns))
-    return await fetch_trainer_status(url)
+    report = await fetch_trainer_status(url)
+    if report is None:
+        return None, ""
+    return (report if roles["trainer"].ready else None), report.store_lost
 
 
 def _observed(
@@ -437,6 +444,7 @@ def _observed(
     spec_error: str | None,
     roles: dict[str, RoleObserved],
     trainer_status: Any,
+    store_lost: str,
     pods: list[dict[str, Any]],
     apply_error: str | None,
 ) -> Observed:
@@ -450,6 +458,7 @@ def _observed(
         suspend=bool(job and job.spec.suspend),
         roles=roles,
         trainer_status=trainer_status,
+        store_lost=store_lost,
         pod_restarts=_pod_restarts(pods, run_policy.failing_roles if run_policy else ["trainer"]),
         pod_problems=tuple(pod_problems(pods)),
         apply_error=apply_error,

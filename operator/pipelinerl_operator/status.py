@@ -65,7 +65,8 @@ class Observed:
     spec_error: str | None = None
     suspend: bool = False
     roles: dict[str, RoleObserved] = field(default_factory=dict)
-    trainer_status: TrainerStatus | None = None  # trainer rank 0 `/status`; None: unreachable
+    trainer_status: TrainerStatus | None = None  # trainer rank 0 `/status` once ready; None: unreachable
+    store_lost: str = ""  # ... its StoreLost message, ready or not (it waits for its store unready)
     pod_restarts: Mapping[str, int] = field(
         default_factory=dict
     )  # container restarts per pod of runPolicy.failingRoles
@@ -322,10 +323,10 @@ def _ready_condition(
         reason, message = "ApplyRefused", obs.apply_error
     elif terminal:
         reason, message = phase or "", fail_message
-    elif obs.trainer_status is not None and obs.trainer_status.store_lost and not obs.suspend:
+    elif obs.store_lost and not obs.suspend:
         # The trainer trains nothing until `pipelinerl recover-store` gives its checkpoint a store.
         phase = prev.get("phase") or "Running"
-        reason, message = "StoreLost", obs.trainer_status.store_lost
+        reason, message = "StoreLost", obs.store_lost
     elif obs.suspend:
         phase, reason, message = "Suspended", "Suspended", "spec.suspend is true; all roles scaled to zero"
     else:

@@ -256,7 +256,8 @@ def test_recover_store_on_a_cluster_makes_the_new_store_adopt_the_checkpoint(nat
 
     import yaml
 
-    from pipelinerl.streams import claim_problems, last_announcement, store_identity, stored_messages
+    from pipelinerl.spec import JobSpec
+    from pipelinerl.streams import claim_problems, last_announcement, recover_store, store_identity, stored_messages
 
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump({"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob",
@@ -295,6 +296,59 @@ def test_recover_store_on_a_cluster_makes_the_new_store_adopt_the_checkpoint(nat
     assert identity.id != fresh.id and (identity.adopts, identity.adopted_step) == ("lost", 4)
     assert (announced.version, announced.trained_groups, announced.finished) == (4, {}, False)
     assert rollouts == [] and claimed == 40
+
+    async def again():  # the operator's record of the restore not written: its next pass restores again
+        nc = await connect(nats_server.url, "test")
+        js = nc.jetstream()
+        try:
+            await js.publish(SUBJECTS.rollouts(0), m.encode(group(2)))  # the resumed pods at work in it
+            await recover_store(js, SUBJECTS, JobSpec(), "lost", 4, 40)
+            rollouts = await stored_messages(js, SUBJECTS.stream("ROLLOUTS"))
+            return await store_identity(js, SUBJECTS), rollouts, await claim_problems(js, SUBJECTS, 8)
+        finally:
+            await nc.close()
+
+    kept, rollouts, claimed = asyncio.run(again())
+    assert kept == identity and len(rollouts) == 1 and claimed == 48  # made once: nothing of theirs undone
+
+
+def test_a_store_that_lost_a_stream_of_positions_is_another_store_to_the_trainer(nats_server):
+    """A store whose identity is written but which lost its BATCHES (or ROLLOUTS) stream: the
+    first service to make it again empty gives the store a new identity first, once however many
+    find it together, so the trainer's checkpoint is StoreLost there, naming what was lost, never
+    gone on from with positions reset. A lost record stream (METRICS) is only made again."""
+    from pipelinerl.streams import store_identity
+    from pipelinerl_trainer.position import Position
+
+    async def scenario():
+        nc = await connect(nats_server.url, "test")
+        js = nc.jetstream()
+        try:
+            await ensure_streams(js, SUBJECTS, 8)
+            first = await store_identity(js, SUBJECTS)
+            await js.delete_stream(SUBJECTS.stream("METRICS"))
+            await ensure_streams(js, SUBJECTS, 8)
+            after_metrics = await store_identity(js, SUBJECTS)
+            seq = (await js.get_last_msg(SUBJECTS.stream("CONTROL"), SUBJECTS.store)).seq
+            await js.delete_stream(SUBJECTS.stream("BATCHES"))
+            await asyncio.gather(*(ensure_streams(js, SUBJECTS, 8) for _ in range(4)))  # services starting together
+            replaced = await js.get_last_msg(SUBJECTS.stream("CONTROL"), SUBJECTS.store)
+            await js.stream_info(SUBJECTS.stream("BATCHES"))  # made again
+            await ensure_streams(js, SUBJECTS, 8)  # a later start in the new store: nothing replaced
+            again = await store_identity(js, SUBJECTS)
+            return first, after_metrics, seq, replaced, again
+        finally:
+            await nc.close()
+
+    first, after_metrics, seq, replaced, again = asyncio.run(scenario())
+    assert after_metrics == first  # METRICS made again, the store the same
+    assert replaced.seq == seq + 1  # one new identity
+    new = m.decode(replaced.data, m.StoreIdentity)
+    assert new.id != first.id and new == again and new.adopts is None
+    assert new.replaced == f"store {first.id} lost its stream(s) {SUBJECTS.stream('BATCHES')}"
+    checkpoint = Position.restored({"step": 4, "consumed_seq": {"0": 57}, "store": first.id}, 0)
+    lost = checkpoint.check_store(new)
+    assert lost.startswith("StoreLost") and new.replaced in lost and f"--adopt {first.id} --step 4" in lost
 
 
 def test_dead_letters_reads_a_namespaced_job_with_its_own_credentials(tmp_path):

@@ -34,3 +34,22 @@ def test_candidates_are_promoted_or_dropped_as_results_come(tmp_path) -> None:
     assert json.loads((tmp_path / "best" / BEST_FILE).read_text()) == {"version": 6, "accuracy": 0.5}
     assert list(out.candidates.iterdir()) == [] and not (tmp_path / ".best.old").exists()
     assert Output(tmp_path, keep_best=True).best == {"version": 6, "accuracy": 0.5}  # a restarted trainer keeps it
+
+
+def test_a_promotion_cut_short_between_its_renames_is_settled_at_the_restart(tmp_path) -> None:
+    out = Output(tmp_path, keep_best=True)
+    export(out.candidate(2), "v2")
+    assert out.evaluated(2, 0.3)
+    export(out.candidate(4), "v4")
+    # Killed after the best was moved aside, before the candidate took its place: the earlier best is put back.
+    (tmp_path / "best").rename(tmp_path / ".best.old")
+    restarted = Output(tmp_path, keep_best=True)
+    assert restarted.best == {"version": 2, "accuracy": 0.3}
+    assert (tmp_path / "best" / "model.safetensors").read_text() == "v2" and not (tmp_path / ".best.old").exists()
+    assert not restarted.evaluated(4, 0.2) and (tmp_path / "best" / "model.safetensors").read_text() == "v2"
+    # Killed after the candidate took its place, before the earlier best was removed: it is removed.
+    export(restarted.candidate(6), "v6")
+    assert restarted.evaluated(6, 0.5)
+    export(tmp_path / ".best.old", "v2")
+    assert Output(tmp_path, keep_best=True).best == {"version": 6, "accuracy": 0.5}
+    assert not (tmp_path / ".best.old").exists()

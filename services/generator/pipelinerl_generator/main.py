@@ -273,11 +273,9 @@ async def restore_admission(spec: JobSpec, subjects: JobSubjects, js, rank: int)
         queued = m.decode(data, m.RolloutGroup).books if data is not None else None
     except m.MessageError as err:  # not ours to trust (it is dead-lettered downstream)
         log.error("the newest message on %s is not ours: %s", subjects.rollouts(rank), err)
-    try:
-        taken = books.restore(await newest_batches(js, subjects, spec.trainer_ranks))
-    except m.MessageError as err:
-        log.error("the preprocessor's record is not readable: %s", err)
-        taken = books.restore([])
+    # Not readable (MessageError): raised, as the preprocessor does: books taken from nothing would
+    # count every group published as still queued.
+    taken = books.restore(await newest_batches(js, subjects, spec.trainer_ranks))
     newest = books.newest_books(queued, taken.generators.get(str(rank)))
     if newest is not None:
         a.published, a.discarded = newest.published, newest.discarded

@@ -25,10 +25,23 @@ def is_better(accuracy: float, best: dict | None) -> bool:
     return best is None or accuracy > best["accuracy"]
 
 
+def _settle_promotion(root: Path) -> None:
+    """A promotion cut short (a kill between its renames) is settled: with no `best/` left, the
+    earlier best is put back (its successor's candidate is still there); with one, the earlier
+    best's removal is finished."""
+    best, old = root / "best", root / ".best.old"
+    if old.exists():
+        if best.exists():
+            shutil.rmtree(old)
+        else:
+            os.replace(old, best)
+
+
 class Output:
     def __init__(self, root: Path, keep_best: bool):
         self.root, self.keep_best = root, keep_best
         self.candidates = root / ".candidates"
+        _settle_promotion(root)
         found = root / "best" / BEST_FILE
         self.best: dict | None = json.loads(found.read_text()) if found.exists() else None  # a restart keeps it
 

@@ -70,9 +70,10 @@ class Position:
         )
         return (
             f"StoreLost: the trainer's position (step {self.version}{', its checkpoint' if starting else ''}) "
-            f"belongs to the job's NATS store {self.store}, but the store is now {identity.id} (lost or replaced: "
-            f"its streams, positions and books are not the trainer's). Nothing is trained until the new store goes "
-            f"on from the trainer's newest checkpoint: locally `pipelinerl recover-store JOB --run-dir DIR`, then "
+            f"belongs to the job's NATS store {self.store}, but the store is now {identity.id} ("
+            f"{identity.replaced or 'lost or replaced'}: its streams, positions and books are not the trainer's). "
+            f"Nothing is trained until the new store goes on from the trainer's newest checkpoint: locally "
+            f"`pipelinerl recover-store JOB --run-dir DIR`, then "
             f"`pipelinerl run JOB --run-dir DIR`; on a cluster, {cluster}"
         )
 

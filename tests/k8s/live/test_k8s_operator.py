@@ -188,6 +188,24 @@ async def test_scale_suspend_resume_and_spec_change(cluster, monkeypatch) -> Non
         )
 
 
+async def test_a_trainer_waiting_unready_for_its_lost_store_says_so_on_the_job(cluster) -> None:
+    """A restarted trainer that finds the store lost waits before it is ready (nothing to train):
+    its /status is read unready for that, while its progress is kept from when it was ready."""
+    emulator, api, trainer = cluster
+    trainer.reports["demo"] = {"step": 8, "version": 8, "finished": False, "weightSyncReady": True}
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest())
+        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"))
+        await all_ready(api)
+        await eventually(lambda: condition(emulator, "Ready").get("status") == "True", what="Ready")
+        lost = "StoreLost: the trainer's position (step 8, its checkpoint) belongs to the job's NATS store a, ..."
+        trainer.reports["demo"] = {"step": 0, "version": 0, "finished": False, "storeLost": lost}
+        await api.set_sts_status("demo-prl-trainer", 2, 0)
+        await eventually(lambda: condition(emulator, "Ready").get("reason") == "StoreLost", what="StoreLost")
+        assert condition(emulator, "Ready")["message"] == lost and status(emulator)["progress"]["step"] == 8
+        await eventually(lambda: "StoreLost" in events(emulator), what="a StoreLost event")
+
+
 async def test_failing_trainer_fails_after_backoff_limit(cluster) -> None:
     emulator, api, trainer = cluster
     trainer.reports["demo"] = {"step": 1, "version": 1, "finished": False, "weightSyncReady": True}

@@ -318,16 +318,20 @@ def test_no_new_version_for_the_progress_deadline_is_not_ready() -> None:
 
 
 def test_a_lost_store_is_not_ready_with_a_store_lost_event_until_recovered() -> None:
-    s, _ = run()
-    lost = {"step": 7, "version": 7, "weightSyncReady": True, "storeLost": "StoreLost: ... store a, now b"}
-    s, events = run(previous=s, now=T0 + timedelta(minutes=1), trainer_status=lost)
+    s, _ = run(trainer_status={"step": 7, "version": 7, "weightSyncReady": True})
+    # The restarted trainer waits for its store unready: its /status says only why.
+    lost = dict(
+        trainer_status=None, store_lost="StoreLost: ... store a, now b", roles={**UP, "trainer": RoleObserved(1, 1, 0)}
+    )
+    s, events = run(previous=s, now=T0 + timedelta(minutes=1), **lost)
     ready = cond(s, "Ready")
-    assert (ready["status"], ready["reason"], ready["message"]) == ("False", "StoreLost", lost["storeLost"])
+    assert (ready["status"], ready["reason"], ready["message"]) == ("False", "StoreLost", lost["store_lost"])
     assert s["phase"] == "Running" and [(e.type, e.reason) for e in events if e.reason == "StoreLost"] == [
         ("Warning", "StoreLost")
     ]
+    assert s["progress"]["step"] == 7  # the last progress known is kept
     JobStatus.model_validate(s)
-    s, events = run(previous=s, now=T0 + timedelta(minutes=2), trainer_status=lost)
+    s, events = run(previous=s, now=T0 + timedelta(minutes=2), **lost)
     assert not [e for e in events if e.reason == "StoreLost"]  # once, not at every reconcile
     s, events = run(previous=s, now=T0 + timedelta(minutes=3))  # recover-store ran: the trainer goes on
     assert cond(s, "Ready")["status"] == "True" and "Ready" in {e.reason for e in events}
