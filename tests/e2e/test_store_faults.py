@@ -1,9 +1,10 @@
 """Faults a cluster has that a kill does not model, survived by a running job (`pipelinerl run` in
 its own process, as tests/e2e/test_faults.py), one after the other in one run: the preprocessor
 paused past its acknowledgement wait, the trainer past its generators' liveness bound, the store's
-disk full, then the store lost. (The preprocessor's pause is also tested at length against a real
-nats-server: tests/integration/test_preprocessor.py; the trainer's judgement of a silence across a
-freeze, in tests/unit/test_wait_awake.py.)"""
+disk full, then the store lost; and, in a run of its own, a store that loses one stream. (The
+preprocessor's pause is also tested at length against a real nats-server:
+tests/integration/test_preprocessor.py; the trainer's judgement of a silence across a freeze, in
+tests/unit/test_wait_awake.py.)"""
 
 from __future__ import annotations
 
@@ -167,3 +168,31 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
         if prometheus is not None:
             prometheus.stop()
         subprocess.run(["umount", "-l", str(store)], check=False)
+
+
+def test_a_store_that_loses_its_batches_stream_under_the_run_stops_it_with_store_lost(start_run, tmp_path):
+    """The BATCHES stream deleted under a running job (a damaged volume, a stream deleted by hand),
+    CONTROL and the store's identity left: the preprocessor's publishes find no stream, it restarts
+    and makes the stream again, giving the store a new identity first; the trainer finds its
+    positions belong to another store and stops the run with StoreLost naming the lost stream,
+    never going on with positions and books reset (the preprocessor back at step 0, the trainer
+    dropping its batches as replays). `recover-store` then goes on from the checkpoint (the resumed
+    run after it: test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost)."""
+    name = "damaged"
+    job = fault_job(name, 12, trainer={"checkpointInterval": 2})
+    run = start_run(job, RUN_TIMEOUT_S)
+    run.wait_step(3)
+    on_running_nats(run, lambda js: js.delete_stream(JobSubjects(name).stream("BATCHES")))
+    code = run.proc.wait(timeout=RUN_TIMEOUT_S)
+    out = run.output()
+    lost = f"lost its stream(s) {JobSubjects(name).stream('BATCHES')}"
+    assert code != 0 and "StoreLost" in out and lost in out, out
+    train = run.train()
+    assert [r["step"] for r in train] == list(range(1, len(train) + 1)) and len(train) < 12
+    assert all(r["samples"] == SAMPLES for r in train)  # nothing trained from a reset stream
+    checkpoint = latest_step(run.dir / "checkpoints")
+    recover = ["recover-store", str(tmp_path / "job.yaml"), "--run-dir", str(run.dir)]
+    recovered = subprocess.run(
+        [sys.executable, "-m", "pipelinerl_cli", *recover], capture_output=True, text=True, timeout=120
+    )
+    assert recovered.returncode == 0 and f"goes on from the checkpoint of step {checkpoint}" in recovered.stdout
