@@ -37,8 +37,8 @@ share start groups, and the room they share is what (a) leaves each. A peer sile
 
 The queue counts every incarnation's groups: `published` and `discarded` continue from the
 generator's books in the stream, so a restarted generator neither over- nor under-fills it
-(groups of a dead incarnation are still trained), and a group JetStream drops as a duplicate
-of one already published is not counted again.
+(groups of a dead incarnation are still trained). A group is published once, whatever the
+retries: its id is the job's alone, and JetStream stores a retry of it once.
 
 A phased run (the conventional baseline, `phased`) counts its queue by phase instead: the groups
 this generator started on the phase's weights, less those it discarded. Nothing is consumed
@@ -96,7 +96,7 @@ class Admission:
     max_inflight: int
     steps_per_generation: int = 1  # k of the conventional baseline (sync mode)
     started: int = 0  # by this process
-    finished: int = 0  # by this process: published, or dropped as a duplicate
+    finished: int = 0  # by this process
     published: int = 0  # groups in the stream, every incarnation's
     discarded: int = 0  # of those, ones never trained (steps.counts_as_discarded)
     trained: int = 0  # this generator's groups in trained steps (announced by the trainer)
@@ -160,13 +160,13 @@ class Admission:
         self.phase_groups[self.weights_version] = self.phase_groups.get(self.weights_version, 0) + 1
         return self.weights_version
 
-    def on_finish(self, started_at: int, discarded: bool, published: bool = True) -> None:
+    def on_finish(self, started_at: int, discarded: bool) -> None:
+        """A group started at `started_at` was published (`discarded`: one it counts as such)."""
         self.finished += 1
         self.running.remove(started_at)
-        if published:
-            self.published += 1
-            self.discarded += int(discarded)
-        if discarded and started_at in self.phase_groups:  # (published or not: no place in the phase)
+        self.published += 1
+        self.discarded += int(discarded)
+        if discarded and started_at in self.phase_groups:  # no place in the phase
             self.phase_groups[started_at] -= 1
 
     def on_trained(self, trained_total: int, training_step: int = -1) -> None:

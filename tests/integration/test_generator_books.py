@@ -3,11 +3,14 @@ generator continues them (real nats-server; the generator without its engine).""
 
 import asyncio
 
+import nats.errors
+
 from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects, ServiceEnv
 from pipelinerl.spec import parse_job
-from pipelinerl.streams import connect, ensure_streams, last_message
-from pipelinerl_generator.main import Generator, restore_admission
+from pipelinerl.streams import connect, ensure_streams, last_message, stored_messages
+from pipelinerl.tasks.dataset import DatasetTask
+from pipelinerl_generator.main import Generator, group_id, restore_admission
 from pipelinerl_preprocessor.main import Preprocessor
 
 JOB = parse_job(
@@ -62,17 +65,44 @@ async def test_a_restarted_generator_continues_its_books(nats_server, tmp_path):
     assert a.queued == 1  # the earlier incarnation's third group is still to be trained
     # It never draws a problem the dead one drew (published or not): problems are claimed.
     assert await second._next_problem() not in drawn
-    # A group JetStream already holds (same problem, same id: a publish whose ack was lost) is
-    # not counted again.
-    await second._publish(group(drawn[2], [0, 1]), second.admission.on_start())
-    assert (a.published, a.finished, a.queued) == (3, 1, 1)
+    # A publish stored with its acknowledgement lost: sent again, stored once, counted once.
+    publish = second.js.publish
+
+    async def ack_lost(*args, **kwargs):
+        await publish(*args, **kwargs)
+        second.js.publish = publish
+        raise nats.errors.TimeoutError
+
+    second.js.publish = ack_lost
     await start_and_publish(second, [0, 1])
-    assert (a.published, a.queued) == (4, 2)
+    assert (a.published, a.finished, a.queued) == (4, 1, 2)
+    stored = await stored_messages(second.js, JobSubjects("books").stream("ROLLOUTS"))
+    assert [m.decode(x.data, m.RolloutGroup).books.published for x in stored] == [1, 2, 3, 4]  # one each
     await second.nc.close()
 
     third = await incarnation(nats_server, tmp_path)
     assert (third.admission.published, third.admission.discarded) == (4, 1)
     await third.nc.close()
+
+
+async def test_a_problem_drawn_again_in_a_later_epoch_is_a_group_of_its_own(nats_server, tmp_path):
+    """A dataset's rows come back with each epoch, under the same problem id: their groups are told
+    apart by the claimed index (`group_id`), so JetStream never drops a later epoch's group as a
+    duplicate of an earlier one within its window (10 minutes: a small dataset's epochs are shorter)."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "held out"}\n')
+    task = DatasetTask(train=str(rows), reward="builtins:len", test_rows=1)
+    gen = await incarnation(nats_server, tmp_path)
+    for index in range(4):  # two epochs of two rows
+        problem = task.train_problem(index)
+        g = group(index, [1, 0])
+        g.group_id = group_id(problem.id, index, 1)
+        await gen._publish(g, gen.admission.on_start())
+    stored = await stored_messages(gen.js, JobSubjects("books").stream("ROLLOUTS"))
+    ids = [m.decode(x.data, m.RolloutGroup).group_id for x in stored]
+    assert len(ids) == len(set(ids)) == 4 and len({task.train_problem(i).id for i in range(4)}) == 2
+    assert gen.admission.published == 4
+    await gen.nc.close()
 
 
 async def test_books_of_consumed_groups_come_from_the_preprocessors_record(nats_server, tmp_path):

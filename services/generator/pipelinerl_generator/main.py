@@ -4,8 +4,8 @@
 the stored record has them) and hands it to `Generator`, whose loops all run on one asyncio loop:
 - admission: start prompt groups while the lag budget allows (this generator's share, and the
   cluster's: peers' queues come with their hellos); each group runs G attempts
-  concurrently through the engine and is published to JetStream (msg id = group id, so a
-  retried publish is de-duplicated) with the generator's books, from which a restarted
+  concurrently through the engine and is published to JetStream (msg id = group id, the job's
+  alone: a retried publish is de-duplicated) with the generator's books, from which a restarted
   generator continues (`restore_admission`);
 - weights (`weight_follower.WeightFollower`): hellos, membership epochs, in-flight updates.
   Nothing is generated before the first weights from the trainer arrive;
@@ -149,7 +149,7 @@ class Generator:
             if self.admission.may_start():
                 started_at = self.admission.on_start()
                 self.first_group_at = self.first_group_at or time.time()
-                self._spawn(self._group(self.task.train_problem(await self._next_problem()), started_at))
+                self._spawn(self._group(await self._next_problem(), started_at))
                 self.weights.started_groups.set()  # tell the peers at once
                 continue
             self.wakeup.clear()
@@ -176,10 +176,11 @@ class Generator:
             self.problems.extend(range(start, start + block))
         return self.problems.popleft()
 
-    async def _group(self, problem, started_at: int) -> None:
+    async def _group(self, index: int, started_at: int) -> None:
         INFLIGHT.inc()
         self.busy.enter()
         try:
+            problem = self.task.train_problem(index)
             max_tokens = self.spec.generator.sampling.max_tokens
             samples = await asyncio.gather(
                 *[
@@ -187,9 +188,8 @@ class Generator:
                     for _ in range(self.spec.rl.attempts)
                 ]
             )
-            # The problem's id (each is drawn once: claim_problems) and the generator's rank.
             group = m.RolloutGroup(
-                group_id=f"{problem.id}@{self.env.rank}", generator=self.env.rank, samples=list(samples)
+                group_id=group_id(problem.id, index, self.env.rank), generator=self.env.rank, samples=list(samples)
             )
             await self._publish(group, started_at)
             TOKENS.inc(sum(s.num_generated for s in samples))
@@ -203,10 +203,9 @@ class Generator:
         discarded = counts_as_discarded(self.spec, group)
         async with self.publishing:
             group.books = books.GeneratorBooks(published=a.published + 1, discarded=a.discarded + discarded)
-            ack = await publish_once(self.js, self.subjects.rollouts(self.env.rank), m.encode(group), group.group_id)
-            if ack.duplicate:  # an earlier incarnation published it: it is in the books already
-                log.warning("group %s was already published: not counted again", group.group_id)
-            a.on_finish(started_at, discarded=discarded, published=not ack.duplicate)
+            # A duplicate is this call's own earlier try, stored with its ack lost: published.
+            await publish_once(self.js, self.subjects.rollouts(self.env.rank), m.encode(group), group.group_id)
+            a.on_finish(started_at, discarded=discarded)
         GROUPS.inc()
 
     async def _on_version(self, msg) -> None:
@@ -217,6 +216,13 @@ class Generator:
         if final:
             self.finished_version = pv.version
         self._spawn(self.evaluator.maybe_eval(pv.version, final=final))
+
+
+def group_id(problem: str, index: int, rank: int) -> str:
+    """A group's id, its message id in the rollout stream: the claimed index makes it the job's
+    alone (`claim_problems`); a problem's own id comes back with each epoch of a dataset, and
+    JetStream would drop the later group as a duplicate of the earlier within its window."""
+    return f"{problem}#{index}@{rank}"
 
 
 async def assemble(
