@@ -52,7 +52,8 @@ def held_out(folder: Path) -> Path:
 
 def job(test_file: Path) -> dict:
     manifest = yaml.safe_load((ROOT / "examples" / "trl" / "tiny-dataset.yaml").read_text())
-    manifest["spec"]["trainer"] |= {"maxSteps": STEPS, "checkpointInterval": CHECKPOINT}
+    # Every checkpoint's weights exported too: the checkpoints themselves are pruned to the newest two.
+    manifest["spec"]["trainer"] |= {"maxSteps": STEPS, "checkpointInterval": CHECKPOINT, "exportInterval": CHECKPOINT}
     manifest["spec"]["task"]["params"]["test"] = str(test_file)
     manifest["spec"]["eval"] = {"interval": STEPS, "problems": EVAL_PROBLEMS}
     manifest["spec"]["tracking"]["mlflow"] = {}
@@ -71,12 +72,12 @@ def kill_everything(run: RunProcess) -> None:
     run.out.close()
 
 
-def logprob_gap(checkpoint: Path, batches: list[m.MicroBatch]) -> float:
+def logprob_gap(weights: Path, batches: list[m.MicroBatch]) -> float:
     """Largest |recorded − recomputed| sampling logprob of the batches' generated tokens under
-    the checkpoint's weights (temperature 1, as the job samples)."""
+    a version's exported weights (temperature 1, as the job samples)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint / "hf").eval()
+    model = AutoModelForCausalLM.from_pretrained(weights).eval()
     gap = 0.0
     for mb in batches:
         with torch.no_grad():
@@ -132,8 +133,13 @@ def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_trackin
     for version in (CHECKPOINT, 2 * CHECKPOINT, 3 * CHECKPOINT):
         labelled = [b for b in batches if {v for v, k in zip(b.versions, b.mask) if k} == {version}][:4]
         assert labelled, version
-        assert logprob_gap(second.dir / "checkpoints" / f"step-{version}", labelled) < 1e-3
-        assert logprob_gap(second.dir / "checkpoints" / f"step-{version + CHECKPOINT}", labelled) > 0.1
+        exported = second.dir / "checkpoints" / "export"
+        assert logprob_gap(exported / f"version-{version}", labelled) < 1e-3
+        assert logprob_gap(exported / f"version-{version + CHECKPOINT}", labelled) > 0.1
+    assert sorted(d.name for d in (second.dir / "checkpoints").glob("step-*")) == [
+        f"step-{STEPS - CHECKPOINT}",
+        f"step-{STEPS}",
+    ]  # the newest two checkpoints kept
     # It learns (see the docstring for the figures): the first run's first ten steps against
     # the resumed run's last ten, and no loss on the held-out problems.
     rows = second.train()

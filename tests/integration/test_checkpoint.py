@@ -1,7 +1,8 @@
 """Trainer checkpoints when every trainer pod has a volume of its own (as on Kubernetes): two real
 DeepSpeed ZeRO-1 ranks on gloo, each saving to and resuming from its own folder only. The resumed
 ranks must continue exactly as the uninterrupted run (weights and Adam state restored), and when
-one pod's `latest` is a step behind (a crash between the pods' writes), both resume at that step."""
+one pod's `latest` is a step behind (a crash between the pods' writes), both resume at that step,
+which every pod keeps (the newest two checkpoints are)."""
 
 from __future__ import annotations
 
@@ -58,8 +59,9 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
     init_distributed(False, 60)
     pod = Path(root) / f"pod-{rank}" / "checkpoints"
     engine = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
-    for step in range(2):
-        _train(engine, step)
+    _train(engine, 0)
+    checkpoint.save(engine, pod, 1, {"step": 1, "rank": rank}, rank, local_rank=0)
+    _train(engine, 1)
     checkpoint.save(engine, pod, 2, {"step": 2, "rank": rank}, rank, local_rank=0)
     _train(engine, 2)
     after_three = _flat(engine)
@@ -77,6 +79,7 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
             torch.equal(_flat(resumed), after_three),
             sorted(p.name for p in (pod / "step-3").iterdir()),
             sorted(p.name for p in (pod / "step-3" / "ds" / "ds").iterdir()),
+            sorted(p.name for p in pod.iterdir()),
         )
     )
 
@@ -106,7 +109,8 @@ def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2):
         for p in procs:
             if p.is_alive():
                 p.kill()
-    for rank, (state, same_as_uninterrupted, step_files, ds_files) in results.items():
+    for rank, (state, same_as_uninterrupted, step_files, ds_files, kept) in results.items():
+        assert kept == ["latest", "step-2", "step-3"]  # the newest two: step 1's deleted
         assert state == {"step": 2, "rank": rank}  # both at the step every pod has
         assert same_as_uninterrupted  # weights and Adam moments came back from the pod's own folder
         # Each pod holds the model states and its own ZeRO shard; the HF weights are written once.

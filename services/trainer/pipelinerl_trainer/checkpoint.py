@@ -1,10 +1,10 @@
 """Checkpoints: DeepSpeed state (model, optimizer) + Hugging Face weights + what was consumed.
 
 Layout: <dir>/step-<N>/{ds/, hf/, state.json} and <dir>/latest (written last, atomically), so
-a crash mid-save leaves the previous checkpoint in force. Exports (weights only, for offline
-evaluation) go to <dir>/export/version-<N>/ (and to spec.output: output.py). All ranks call
-save/load/export (DeepSpeed saves its shards collectively; ZeRO-3 gathers the full weights
-collectively).
+a crash mid-save leaves the previous checkpoint in force; the newest two are kept (`prune`).
+Exports (weights only, for offline evaluation) go to <dir>/export/version-<N>/ (and to
+spec.output: output.py). All ranks call save/load/export (DeepSpeed saves its shards
+collectively; ZeRO-3 gathers the full weights collectively).
 
 Each trainer pod has a volume of its own, so <dir> is per pod: DeepSpeed writes with node-local
 storage (each pod's local rank 0 writes the model states next to its ranks' ZeRO shards), and
@@ -52,9 +52,20 @@ def save(
         tmp = ckpt_dir / "latest.tmp"
         tmp.write_text(tag)
         os.replace(tmp, ckpt_dir / "latest")
+        prune(ckpt_dir, step)
     if rank == 0:
         log.info("checkpoint %s written", target)
     return target
+
+
+def prune(ckpt_dir: Path, newest: int) -> None:
+    """Keep `newest` and the checkpoint before it, delete older ones: pods are at most one
+    checkpoint apart (`load` resumes from the newest one every pod has), and a volume that kept
+    them all would fill up in a long run, and then fail every save from there."""
+    steps = sorted(int(d.name.removeprefix("step-")) for d in ckpt_dir.glob("step-*") if d.name[5:].isdigit())
+    older = [s for s in steps if s < newest]
+    for step in older[:-1]:
+        shutil.rmtree(ckpt_dir / f"step-{step}", ignore_errors=True)
 
 
 def export(engine, target: Path, rank: int, model_path: str | None = None) -> Path:
