@@ -175,8 +175,8 @@ def _resources(spec: RoleSpec, role: str) -> dict[str, Any]:
             default = _quantity(resource, amount)
             limits[resource] = max(default, requests[resource], key=parse_quantity)
     if spec.gpus:
-        limits["nvidia.com/gpu"] = str(spec.gpus)
-        requests["nvidia.com/gpu"] = str(spec.gpus)
+        limits[GPU_RESOURCE] = str(spec.gpus)
+        requests[GPU_RESOURCE] = str(spec.gpus)
     return {"requests": requests, "limits": limits}
 
 
@@ -251,6 +251,8 @@ def _sidecar_resources(container: dict[str, Any]) -> None:
                 pass  # not a quantity: the policy check names it
     container["resources"] = {**given, "requests": requests, "limits": limits}
 
+
+GPU_RESOURCE = "nvidia.com/gpu"
 
 # Locked down (the "restricted" Pod Security Standard): writes go to the pod's volumes only. A
 # sidecar from the user's podTemplate gets the same.
@@ -336,6 +338,10 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
     theirs = {c.get("name"): c for kind in ("initContainers", "containers") for c in user.get(kind) or []}
     for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:  # a user's sidecars too
         c["securityContext"] = merge_pod(CONTAINER_SECURITY, (theirs.get(c["name"]) or {}).get("securityContext") or {})
+        if not ((c.get("resources") or {}).get("limits") or {}).get(GPU_RESOURCE):
+            # No GPU asked for: none seen, whatever the image's own environment says (CUDA base
+            # images set NVIDIA_VISIBLE_DEVICES=all, which the NVIDIA runtime honours by default).
+            c["env"] = [*(c.get("env") or []), {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
         if c["name"] != role:
             _sidecar_resources(c)
         if c.get("image") not in (cfg.cpu_image, cfg.gpu_image):

@@ -226,6 +226,8 @@ def leaks(pod: dict[str, Any], policy: JobPolicy, defaults: tuple[str, ...], own
             if c.get("imagePullPolicy") != "Always":
                 out.append(f"{c['name']}: pull policy")
         for var in c.get("env") or []:
+            if var == {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}:
+                continue  # the operator's own, on a container with no GPU asked for: none seen
             if str(var.get("name")).startswith("NVIDIA_") or var.get("name") == "CUDA_VISIBLE_DEVICES":
                 out.append(f"{c['name']}: {var.get('name')}")
         if c.get("volumeDevices"):

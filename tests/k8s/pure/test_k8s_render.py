@@ -226,6 +226,37 @@ def test_gpus_images_and_scheduling() -> None:
     assert not [o for o in render(job(), "ns", "u", CFG) if o["kind"] == "PodGroup"]  # no gang scheduler named
 
 
+def test_a_container_that_asks_for_no_gpu_sees_none_whatever_its_image_says() -> None:
+    """CUDA base images set NVIDIA_VISIBLE_DEVICES=all, which the NVIDIA runtime honours by
+    default: a container given the GPU image without a GPU request (a role's `image`, a sidecar,
+    an init container) would see every GPU of its node. Every container without a GPU limit gets
+    NVIDIA_VISIBLE_DEVICES=void; one with a limit gets what the device plugin hands it."""
+    sidecar = {"name": "probe", "image": CFG.gpu_image}
+    objs = by_name(
+        render(
+            job(
+                generator={"gpus": 1},
+                preprocessor={"image": CFG.gpu_image, "podTemplate": {"spec": {"initContainers": [sidecar]}}},
+                trainer={"podTemplate": {"spec": {"containers": [sidecar]}}},
+            ),
+            "ns",
+            "u",
+            CFG,
+        )
+    )
+
+    def devices(role: str) -> dict[str, list[str]]:
+        pod = objs[("StatefulSet", f"demo-prl-{role}")]["spec"]["template"]["spec"]
+        return {
+            c["name"]: [e.get("value") for e in c.get("env", []) if e["name"] == "NVIDIA_VISIBLE_DEVICES"]
+            for c in pod.get("initContainers", []) + pod["containers"]
+        }
+
+    assert devices("generator") == {"generator": []}
+    assert devices("preprocessor") == {"probe": ["void"], "preprocessor": ["void"]}
+    assert devices("trainer") == {"trainer": ["void"], "probe": ["void"]}
+
+
 def test_scaling_generators_in_a_queued_job_changes_no_pod_template() -> None:
     def templates(generators: int) -> dict:
         objs = render(
