@@ -28,7 +28,8 @@ __all__ = ["BUILTIN", "Completion", "Policy", "Problem", "SampleBuilder", "Task"
 
 def param_problems(name: str, params: dict[str, Any]) -> list[str]:
     """A built-in task's params against those its constructor takes (`seed` and `name` are the
-    spec's, underscored ones its own): each unknown one named, with the closest known one."""
+    spec's, underscored ones its own): each unknown one named, with the closest known one; then,
+    for a task that reads no files, their values (`check_param`)."""
     import inspect
 
     from pipelinerl.spec_base import closest
@@ -46,7 +47,15 @@ def param_problems(name: str, params: dict[str, Any]) -> list[str]:
             problems.append(
                 f"task.params.{key}: unknown for the {name} task ({hint}its params: {', '.join(known) or 'none'})"
             )
+    if not problems and name in FILELESS:  # built here as the generator would: their values checked
+        try:
+            cls(**params)
+        except ValueError as err:
+            problems.append(str(err))
     return problems
+
+
+FILELESS = ("arith", "chain", "guess")  # built-in tasks that read no files: built at admission too
 
 
 def make_task(name: str, params: dict[str, Any] | None = None, seed: int = 0) -> Task:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from pipelinerl.tasks.base import Policy, Problem, Tokenizer, exact_answer_rollout
+from pipelinerl.tasks.base import Policy, Problem, Tokenizer, check_param, exact_answer_rollout
 from pipelinerl.messages import Sample
 
 
@@ -22,6 +22,11 @@ class ArithTask:
     carry_out: bool = True  # False: only pairs whose sum keeps `digits` digits
     seed: int = 0
     name: str = "arith"
+
+    def __post_init__(self) -> None:
+        check_param("digits", self.digits, 1, 18)
+        if not isinstance(self.carry_out, bool):
+            raise ValueError(f"task.params.carry_out: must be true or false, not {self.carry_out!r}")
 
     def _operands(self, rng: random.Random) -> tuple[int, int]:
         lo, hi = 10 ** (self.digits - 1), 10**self.digits - 1

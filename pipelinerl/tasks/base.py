@@ -149,3 +149,13 @@ class SampleBuilder:
             success=success,
             truncated=self.truncated,
         )
+
+
+def check_param(name: str, value: object, lo: float, hi: float, kind: type = int) -> None:
+    """A built-in task's numeric parameter, of `kind` (int, or float: an int too) within lo..hi:
+    ValueError naming it otherwise (a bound keeps what the task computes from it small: the
+    operator's admission builds fileless tasks to check a job)."""
+    kinds = (int, float) if kind is float else (int,)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not lo <= value <= hi:
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"task.params.{name}: must be {what} within {lo:g}..{hi:g}, not {value!r}")

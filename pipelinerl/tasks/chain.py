@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 
 from pipelinerl.messages import Sample
-from pipelinerl.tasks.base import Policy, Problem, Tokenizer, exact_answer_rollout
+from pipelinerl.tasks.base import Policy, Problem, Tokenizer, check_param, exact_answer_rollout
 
 
 def worked(start: int, addend: int, steps: int) -> str:
@@ -37,12 +37,9 @@ class ChainTask:
     name: str = "chain"
 
     def __post_init__(self) -> None:
-        if not 1 <= self.max_steps <= 99:
-            raise ValueError(f"chain: max_steps must be within 1..99, not {self.max_steps}")
-        if self.tail < 0:
-            raise ValueError(f"chain: tail must be >= 0, not {self.tail}")
-        if self.start_max < 0:
-            raise ValueError(f"chain: start_max must be >= 0, not {self.start_max}")
+        check_param("max_steps", self.max_steps, 1, 99)
+        check_param("tail", self.tail, 0, 100, float)
+        check_param("start_max", self.start_max, 0, 10**9)
         self._weights = [k**-self.tail for k in range(1, self.max_steps + 1)]
 
     @staticmethod

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 
 from pipelinerl.messages import Sample
-from pipelinerl.tasks.base import Policy, Problem, SampleBuilder, Tokenizer, prompt_ids
+from pipelinerl.tasks.base import Policy, Problem, SampleBuilder, Tokenizer, check_param, prompt_ids
 
 
 @dataclass
@@ -21,6 +21,10 @@ class GuessTask:
     turns: int = 4
     seed: int = 0
     name: str = "guess"
+
+    def __post_init__(self) -> None:
+        check_param("max_number", self.max_number, 1, 10**9)
+        check_param("turns", self.turns, 1, 50)
 
     def train_problem(self, index: int) -> Problem:
         secret = random.Random(f"guess-train-{self.seed}-{index}").randint(0, self.max_number)

@@ -44,6 +44,9 @@ BASE = {
 # set whenever a CRD rule learns one; the test fails if the CRD starts refusing one of them.
 WEBHOOK_ONLY = {
     "task-param-misspelt",  # the task's constructor (pipelinerl.tasks.param_problems)
+    "task-param-huge",
+    "task-param-quoted",
+    "task-param-negative",
     "generator-memory-no-room-for-updates",  # the memory plan (pipelinerl.generator_memory)
     "engine-arg-misspelt",
     "engine-arg-wrong-type",
