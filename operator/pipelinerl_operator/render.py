@@ -93,10 +93,13 @@ NATS_CLIENT_PORT = 4222
 def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig) -> dict[str, Any]:
     """Ingress to the job's pods: from its own pods on any port (the weight group's and
     DeepSpeed's rendezvous, gloo's and NCCL's connections, whose ports are not fixed); to the
-    HTTP port (health, /metrics, /status) also from the operator and the metrics namespaces.
+    HTTP port (health, /metrics, /status) also from the operator (in its namespace) and the
+    metrics namespaces.
     Egress (where the install restricts it): to its own pods, NATS, DNS, and what the job lists."""
     own = {"podSelector": {"matchLabels": {JOB_LABEL: job.name}}}
-    readers = [{"namespaceSelector": {}, "podSelector": {"matchLabels": dict(OPERATOR_POD)}}]
+    # The operator's pods in its own namespace only: anyone who can make pods elsewhere can label them so.
+    operator = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": cfg.namespace}}}
+    readers = [operator | {"podSelector": {"matchLabels": dict(OPERATOR_POD)}}]
     readers += [
         {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}} for ns in cfg.metrics_namespaces
     ]

@@ -384,7 +384,7 @@ def test_the_jobs_credentials_reach_its_pods_only_by_reference() -> None:
 
 
 def test_the_network_policy_admits_only_the_jobs_own_pods_but_to_the_http_port() -> None:
-    cfg = OperatorConfig(auth_key="k", metrics_namespaces=("monitoring",))
+    cfg = OperatorConfig(auth_key="k", metrics_namespaces=("monitoring",), namespace="pipelinerl-system")
     objects = render(job(generator={"replicas": 3}, trainer={"replicas": 2}), "team-a", "uid-1", cfg)
     policy = by_name(objects)[("NetworkPolicy", "demo-pipelinerl")]
     selector = policy["spec"]["podSelector"]["matchLabels"]
@@ -397,6 +397,10 @@ def test_the_network_policy_admits_only_the_jobs_own_pods_but_to_the_http_port()
         f.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component") for f in readers["from"]
     ] == ["operator", None]
     assert readers["from"][1] == {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    # The operator's pods in the operator's namespace only (pods labelled as it elsewhere get nothing).
+    assert readers["from"][0]["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": "pipelinerl-system"}
+    }
     assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
 
 
