@@ -22,6 +22,7 @@ from pydantic.alias_generators import to_camel
 from pipelinerl import reserved
 from pipelinerl.contracts import HTTP_PORT, MASTER_PORT, ROLES, Progress
 from pipelinerl.k8s_types import DNS_1035_LABEL, RESOURCE_NAME
+from pipelinerl.spec_sections import OUTPUT_FOLDERS
 from pipelinerl.spec import (
     API_GROUP,
     IMMUTABLE,
@@ -382,6 +383,12 @@ ROOT_RULES = [
         f"self.metadata.name.matches('{_cel_regex(DNS_1035_LABEL)}')",
         "metadata.name must be a DNS-1035 label: a lowercase letter, then lowercase letters, digits or '-', "
         "not ending in '-'",
+    ),
+    (
+        "!has(self.spec) || !has(self.spec.output) || !has(self.spec.output.claimName) || "
+        f"!(self.metadata.name in {list(OUTPUT_FOLDERS)})",
+        f"metadata.name: a job with spec.output.claimName is not named {' or '.join(OUTPUT_FOLDERS)} "
+        "(its folder, <subPath>/<name>, would be another job's)",
     ),
 ]
 

@@ -49,6 +49,7 @@ from pipelinerl.spec_roles import (
     TrainerSpec,
 )
 from pipelinerl.spec_sections import (
+    OUTPUT_FOLDERS,
     EvalSpec,
     MlflowSpec,
     ModelSpec,
@@ -255,6 +256,16 @@ class PipelineRLJob(SpecModel):
     metadata: ObjectMeta
     spec: JobSpec = Field(default_factory=JobSpec)
     status: dict[str, Any] | None = Field(default=None, exclude=True)
+
+    @model_validator(mode="after")
+    def _not_an_output_folder(self) -> PipelineRLJob:
+        output = self.spec.output
+        if output is not None and output.claim_name and self.metadata.name in OUTPUT_FOLDERS:
+            raise ValueError(
+                f"metadata.name: a job with spec.output.claimName is not named {' or '.join(OUTPUT_FOLDERS)} "
+                f"(its folder, <subPath>/<name>, would be another job's)"
+            )
+        return self
 
     @property
     def name(self) -> str:

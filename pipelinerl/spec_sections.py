@@ -228,6 +228,11 @@ class TensorboardSpec(SpecModel):
     log_dir: str | None = Field(default=None, max_length=1024, description="Unset: tensorboard/ in the run directory.")
 
 
+# The folders of a job's output folder (services/trainer/.../output.py): no job on an output claim
+# is named as one, or its folder (<subPath>/<job name>) could be another job's final/ or best/.
+OUTPUT_FOLDERS = ("final", "best")
+
+
 class OutputSpec(SpecModel):
     """Where the trained model goes, outside the job's own volumes, so that it outlives the job:
     final/ (the last step's weights) and best/ (the trained version that scored highest on

@@ -33,7 +33,7 @@ from pipelinerl.contracts import (
     ServiceEnv,
 )
 from pipelinerl.k8s_types import parse_quantity, read_quantity
-from pipelinerl.spec import PipelineRLJob, RoleSpec
+from pipelinerl.spec import GPU_RESOURCE, PipelineRLJob, RoleSpec
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.names import (
     config_map_name,
@@ -251,8 +251,6 @@ def _sidecar_resources(container: dict[str, Any]) -> None:
                 pass  # not a quantity: the policy check names it
     container["resources"] = {**given, "requests": requests, "limits": limits}
 
-
-GPU_RESOURCE = "nvidia.com/gpu"
 
 # Locked down (the "restricted" Pod Security Standard): writes go to the pod's volumes only. A
 # sidecar from the user's podTemplate gets the same.
