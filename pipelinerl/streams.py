@@ -94,13 +94,17 @@ async def connect(
     password: str | None = None,
     reconnect: bool = True,
     timeout_s: float = CONNECT_TIMEOUT_S,
+    reconnect_wait_s: float = 0.5,
 ) -> nats.NATS:
-    """A client that reconnects (for a while) through server restarts, unless `reconnect` is
-    False (a one-off call that must fail fast, such as the operator's cleanup); `url`: one or more
-    servers, comma-separated (`nats.url`); `user`/`password`: the job's NATS credentials, where
-    the server requires them (the chart's NATS does). `timeout_s` bounds the connect and a
-    publish's wait for the socket to take what is queued (past 2 MiB: nats-py waits with no
-    bound by default on a server that reads nothing; then the publish's own timeout runs)."""
+    """A client that reconnects through server restarts, however long they take (every call on
+    it has a bound of its own: a client that gave up after a number of tries was closed for good,
+    and a service waiting on its subscriptions then waited forever, healthy to its probes),
+    unless `reconnect` is False (a one-off call that must fail fast, such as the operator's
+    cleanup); `url`: one or more servers, comma-separated (`nats.url`); `user`/`password`: the
+    job's NATS credentials, where the server requires them (the chart's NATS does). `timeout_s`
+    bounds the connect and a publish's wait for the socket to take what is queued (past
+    PENDING_BYTES: nats-py waits with no bound by default on a server that reads nothing; then
+    the publish's own timeout runs)."""
 
     async def _err(e: Exception) -> None:
         print(f"[{name}] nats: {e}", file=sys.stderr)
@@ -112,11 +116,18 @@ async def connect(
         password=password,
         connect_timeout=timeout_s,
         flush_timeout=timeout_s,
-        reconnect_time_wait=0.5,
-        max_reconnect_attempts=120 if reconnect else 0,
+        reconnect_time_wait=reconnect_wait_s,
+        max_reconnect_attempts=-1 if reconnect else 0,
         allow_reconnect=reconnect,
+        pending_size=PENDING_BYTES,
         error_cb=_err,
     )
+
+
+# What a client buffers while it reconnects: publishes past it are refused at once
+# (OutboundBufferLimitError; nats-py's default is 2 MiB, less than one micro-batch may be). What
+# is buffered is what the service holds anyway, each publish awaited: a wave of micro-batches.
+PENDING_BYTES = 256 << 20
 
 
 async def close(nc: nats.NATS, timeout_s: float = CLOSE_TIMEOUT_S) -> None:

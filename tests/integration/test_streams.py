@@ -444,3 +444,38 @@ async def test_joining_a_server_that_accepts_and_never_answers_times_out_naming_
     finally:
         silent.close()
     assert time.monotonic() - started < 5
+
+
+def test_a_service_connection_outlives_any_outage_and_what_it_publishes_meanwhile_is_stored(tmp_path):
+    """nats-server down for longer than nats-py's default number of reconnect tries (here with a
+    short wait between them: 120 tries took ~60 s at the services' 0.5 s): the client is not
+    closed for good (a service then waited on its subscriptions forever), and a publish larger
+    than nats-py's default reconnect buffer (2 MiB), made during the outage, is stored once the
+    server is back instead of refused at once."""
+    from pipelinerl.streams import publish_once, stored_messages
+
+    server = EmbeddedNats(tmp_path / "nats").start()
+
+    async def scenario():
+        nc = await connect(server.url, "outage", reconnect_wait_s=0.02)
+        js = nc.jetstream()
+        await ensure_streams(js, SUBJECTS, 8)
+        server.stop()
+        await asyncio.sleep(1)
+        big = os.urandom(3 << 20)
+        publishing = asyncio.create_task(publish_once(js, SUBJECTS.batches(0), big, "big", timeout_s=30, attempts=1))
+        tries_wait = time.monotonic() + 12  # well past 120 tries
+        while time.monotonic() < tries_wait:
+            assert not nc.is_closed, "the client gave up reconnecting"
+            await asyncio.sleep(0.5)
+        server.start()
+        ack = await asyncio.wait_for(publishing, 40)
+        stored = await stored_messages(js, SUBJECTS.stream("BATCHES"))
+        await nc.close()
+        return ack, stored, big
+
+    try:
+        ack, stored, big = asyncio.run(scenario())
+    finally:
+        server.stop()
+    assert not ack.duplicate and [x.data for x in stored] == [big]
