@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import Env, ServiceEnv
+from pipelinerl.runtime import failpoint
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.steps import sends_weights, step_version
 from pipelinerl_trainer import checkpoint
@@ -117,12 +118,18 @@ class Trainer:
         (also those that kept running through a restart of the trainer); then the micro-batches
         after the checkpoint's position come in."""
         version = self.position.version
-        if sends_weights(version, self.spec.steps_per_generation, last=False):
+        done = version >= self.spec.trainer.max_steps  # restarted after its final checkpoint
+        if sends_weights(version, self.spec.steps_per_generation, last=done):
             self.sender.send(version)  # (restarted mid-phase: the generators keep the phase's weights)
         if self.rank == 0:
             self.reporter.group_status(self.sender)
+        if done:  # what the final step did after its checkpoint: the model out, the final evaluation
+            if self.output is not None and not self.output.final.exists():
+                self._export_outputs(version, last=True)
+            if self.rank == 0:
+                self._await_final_weights()
         if version:
-            self._announce(finished=False)
+            self._announce(finished=done)
         self.bridge.consume_batches(self.rank, self.position.consumed_seq)
 
     def _train_step(self) -> dict | None:
@@ -266,14 +273,21 @@ class Trainer:
         interval = self.spec.trainer.checkpoint_interval
         if last or (interval and version % interval == 0):
             self._checkpoint()
+        if last:  # (tests: a kill after the final checkpoint, before the model is out)
+            failpoint("trainer-final-checkpointed")
         export = self.spec.trainer.export_interval
         if export and version % export == 0:
             checkpoint.export(self.engine, self.ckpt_dir / "export" / f"version-{version}", self.rank)
-        if self.output is not None:
-            if self.output.wants_candidate(version, self.spec.eval.interval, last):
-                checkpoint.export(self.engine, self.output.candidate(version), self.rank)
-            if last:
-                checkpoint.export(self.engine, self.output.final, self.rank)
+        self._export_outputs(version, last)
+
+    def _export_outputs(self, version: int, last: bool) -> None:
+        """spec.output's copies due at this version: an evaluated version's candidate, the final model."""
+        if self.output is None:
+            return
+        if self.output.wants_candidate(version, self.spec.eval.interval, last):
+            checkpoint.export(self.engine, self.output.candidate(version), self.rank)
+        if last:
+            checkpoint.export(self.engine, self.output.final, self.rank)
 
     def _await_final_weights(self) -> None:
         """The final evaluation needs a generator holding the final weights: if none does yet
