@@ -69,7 +69,7 @@ DEVICE_ENV_WHY = "the GPU runtime reads it: a pod gets the GPUs it requests (gpu
 ID_WHY = f"below {MIN_ID}: root's or a system ID, not allowed"
 HELM_CONFIG_MAP_WHY = "a Helm release record (HELM_DRIVER=configmap: the rendered values, the install key among them)"
 JOB_CONFIG_WHY = "another job's configuration"
-INSTALL_CONFIG_MAP_SUFFIXES = ("-pipelinerl-nats", "-pipelinerl-dashboards")
+INSTALL_CONFIG_MAP_SUFFIXES = ("-pipelinerl-nats", "-pipelinerl-dashboard")
 JOB_CONFIG_SUFFIX = "-pipelinerl-config"
 HELM_SECRET_WHY = "a Helm release Secret (it holds the release's rendered values, the install key among them)"
 INSTALL_SECRET_WHY = "the PipelineRL install's own"

@@ -393,8 +393,14 @@ def _placement(spec: dict[str, Any], where: str, policy: JobPolicy, bad: Problem
             bad(f"{at}.matchFields", "choosing nodes by name is not allowed (use allowed node labels)")
         for j, expr in enumerate(as_list(term.get("matchExpressions"))):
             expr = as_dict(expr)
-            values = as_list(expr.get("values")) if expr.get("operator") == "In" else []
-            _node_label(expr.get("key"), values, f"{at}.matchExpressions[{j}]", policy, bad)
+            _node_label(
+                expr.get("key"),
+                as_list(expr.get("values")),
+                f"{at}.matchExpressions[{j}]",
+                policy,
+                bad,
+                expr.get("operator"),
+            )
     for kind in ("podAffinity", "podAntiAffinity"):
         pods = as_dict(as_dict(spec.get("affinity")).get(kind))
         terms = as_list(pods.get("requiredDuringSchedulingIgnoredDuringExecution")) + [
@@ -432,12 +438,20 @@ def _topology_key(key: Any, at: str, policy: JobPolicy, bad: Problems) -> None:
         bad(at, f"{key!r}: a topology key only nodes with that label satisfy; one of: {listed}")
 
 
-def _node_label(key: Any, values: list[Any], at: str, policy: JobPolicy, bad: Problems) -> None:
+def _node_label(key: Any, values: list[Any], at: str, policy: JobPolicy, bad: Problems, operator: Any = "In") -> None:
+    """A node label a job selects on (`operator`: a match expression's) within jobPolicy.nodeLabels.
+    A label whose values are listed is selected with In only: NotIn, Exists, DoesNotExist, Gt
+    and Lt choose nodes by values outside the list."""
     allowed = policy.node_labels.get(key) if isinstance(key, str) else None
     if allowed is None:
         listed = ", ".join(sorted(policy.node_labels)) or "none"
         bad(at, f"node label {key!r} is not one jobs may select on (jobPolicy.nodeLabels: {listed})")
     elif "*" not in allowed:
+        if operator != "In":
+            bad(
+                at,
+                f"{key}: only `In` its allowed values, not {operator!r} (jobPolicy.nodeLabels: {', '.join(allowed)})",
+            )
         for value in values:
             if value not in allowed:
                 bad(at, f"{key}={value} is not an allowed value (jobPolicy.nodeLabels: {', '.join(allowed)})")

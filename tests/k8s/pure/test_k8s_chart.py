@@ -189,6 +189,18 @@ def test_optional_parts_toggle() -> None:
         assert metric in text
 
 
+def test_no_job_may_use_any_secret_or_config_map_the_chart_makes() -> None:
+    """Whatever the platform's policy lists: `never` refuses each one the chart renders, with
+    every optional part on (a suffix misspelt there left the dashboard's ConfigMap usable)."""
+    from pipelinerl_operator.job_policy import Install
+    from pipelinerl_operator.policy_checks import never
+
+    objects = render({**ALL_ON, "nats": {"replicas": 3}})
+    made = {(o["kind"], o["metadata"]["name"]) for o in objects if o["kind"] in ("Secret", "ConfigMap")}
+    assert {k for k, _ in made} == {"Secret", "ConfigMap"}
+    assert [(kind, name) for kind, name in sorted(made) if never(kind, name, Install()) is None] == []
+
+
 def test_the_dashboard_filters_by_job_and_shows_every_condition() -> None:
     import json
     from datetime import datetime, timezone

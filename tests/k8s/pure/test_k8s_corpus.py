@@ -111,6 +111,7 @@ WEBHOOK_ONLY = {
     "output-claim-not-listed",
     "ephemeral-clone-of-a-claim",
     "control-plane-toleration",
+    "node-label-not-in-listed-values",
     "tolerate-every-taint",
     "control-plane-node-selector",
     "node-affinity-by-name",
