@@ -21,12 +21,13 @@ def _list(value: Any) -> list[Any]:
 
 
 def _ports(rule: dict[str, Any]) -> list[tuple[int, int, str]]:
-    """(first, last, protocol) of each port of the rule; none if any is not a number."""
+    """(first, last, protocol) of each port of the rule; none if any is not a number, or a range
+    ends below its start (the API server refuses that NetworkPolicy)."""
     out = []
     for p in _list(rule.get("ports")):
         p = _dict(p)
         port, end = p.get("port"), p.get("endPort", p.get("port"))
-        if not isinstance(port, int) or not isinstance(end, int) or isinstance(port, bool):
+        if not isinstance(port, int) or not isinstance(end, int) or isinstance(port, bool) or end < port:
             return []
         out.append((port, end, str(p.get("protocol", "TCP"))))
     return out

@@ -64,8 +64,14 @@ def replicas(job: PipelineRLJob, role: str) -> int:
 
 def job_labels(job: PipelineRLJob, role: str | None) -> dict[str, str]:
     # The job's labels, less those the operator sets from the spec (queue, gang, its own).
+    mine = {k: v for k, v in job.metadata.labels.items() if not k.startswith(RESERVED_LABEL_PREFIXES)}
+    return mine | operator_labels(job, role)
+
+
+def operator_labels(job: PipelineRLJob, role: str | None) -> dict[str, str]:
+    """The labels the operator puts on a job's children, over any of the job's own of those names
+    (its selectors and NetworkPolicy find the job's pods by them)."""
     labels = {
-        **{k: v for k, v in job.metadata.labels.items() if not k.startswith(RESERVED_LABEL_PREFIXES)},
         "app.kubernetes.io/name": "pipelinerl",
         "app.kubernetes.io/instance": job.name,
         "app.kubernetes.io/managed-by": "pipelinerl-operator",

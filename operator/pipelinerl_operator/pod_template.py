@@ -39,6 +39,7 @@ from pipelinerl_operator.names import (
     config_map_name,
     gang_name,
     job_labels,
+    operator_labels,
     replicas,
     secret_name,
     service_account_name,
@@ -200,12 +201,10 @@ def _probe(path: str, period: int, failures: int) -> dict[str, Any]:
 
 
 def _pod_labels(job: PipelineRLJob, role: str, cfg: OperatorConfig) -> tuple[dict[str, str], dict[str, str]]:
-    # The job's own labels reach its pods only where the platform lets a job label them so.
-    labels = {
-        k: v
-        for k, v in job_labels(job, role).items()
-        if k not in job.metadata.labels or cfg.policy.pod_metadata_allowed(k)
-    }
+    # The job's own labels reach its pods only where the platform lets a job label them so; the
+    # operator's always (a job's label of one of their names is not taken for theirs).
+    ours = operator_labels(job, role)
+    labels = {k: v for k, v in job_labels(job, role).items() if k in ours or cfg.policy.pod_metadata_allowed(k)}
     annotations: dict[str, str] = {CONFIG_HASH_ANNOTATION: role_config_hash(job, role)}
     scheduling = job.spec.scheduling
     # The gang is the trainer ranks and the preprocessor: useless without each other, and fixed in

@@ -142,6 +142,7 @@ WEBHOOK_ONLY = {
     "egress-metadata-ip-port-80",
     "egress-private-network",
     "egress-other-port",
+    "egress-range-ends-below-its-start",
     "egress-to-pods",
     "nats-url-to-the-metadata-ip",
     "probe-another-host",

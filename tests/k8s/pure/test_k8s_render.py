@@ -528,6 +528,16 @@ def test_a_jobs_own_labels_reach_its_pods_only_where_the_platform_allows_their_p
             pod_labels = set(sts["spec"]["template"]["metadata"]["labels"])
             assert pod_labels & {"team", "sidecar.istio.io/inject"} == expected
             assert "sidecar.istio.io/inject" in sts["metadata"]["labels"]  # the StatefulSet itself keeps it
+    # A job's label of one of the operator's names: the operator's value on its pods, which its
+    # StatefulSet's selector and NetworkPolicy find them by (the pods had no job label at all).
+    manifest["metadata"]["labels"] = {"pipelinerl.dev/job": "x", "app.kubernetes.io/managed-by": "y"}
+    for sts in (o for o in render(parse_job(manifest), "team-a", "uid-1", CFG) if o["kind"] == "StatefulSet"):
+        pod_labels = sts["spec"]["template"]["metadata"]["labels"]
+        assert sts["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+        assert (
+            pod_labels["pipelinerl.dev/job"] == "demo"
+            and pod_labels["app.kubernetes.io/managed-by"] == "pipelinerl-operator"
+        )
 
 
 def test_job_pods_run_as_their_jobs_own_service_account_wherever_the_job_is() -> None:
