@@ -447,6 +447,26 @@ async def publish_once(
             await asyncio.sleep(attempt)
 
 
+ACK_TRY_S = 5.0  # one try of an acknowledgement's confirmation (`acknowledge`)
+
+
+async def acknowledge(msg, timeout_s: float = READ_TIMEOUT_S) -> None:
+    """A JetStream message acknowledged, with the server's confirmation (a plain ack is sent and
+    forgotten: one lost with a connection or a server restart came back after the ack wait, when
+    the step that settled it may be long gone). A try unanswered is made again until `timeout_s`
+    (JetStream confirms an ack of a message already acknowledged too), then TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            await msg.ack_sync(timeout=ACK_TRY_S)
+            return
+        except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as err:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"an acknowledgement not confirmed in {timeout_s:.0f}s ({NO_ACK_CAUSE})") from err
+            log.warning("an acknowledgement not confirmed (%s): sending it again", type(err).__name__)
+            await asyncio.sleep(0.5)
+
+
 async def dead_letter(js, subjects: JobSubjects, kind: str, data: bytes, reason: str, msg_id: str) -> None:
     """Keep a rejected message (`kind`: "rollout", "batch") with its reason, once per `msg_id`."""
     reason = " ".join(reason.encode("ascii", "backslashreplace").decode().split())[:4000]  # a header: one ASCII line

@@ -231,10 +231,10 @@ async def test_groups_whose_acknowledgements_were_lost_are_not_trained_or_counte
     def steps_and_groups(batches):
         return {b.step for b in batches}, {g for b in batches for g in b.group_ids}
 
-    async def lost(msg):  # the acknowledgements never reach NATS
+    async def lost(msg, timeout=None):  # killed before the acknowledgements reached NATS
         pass
 
-    monkeypatch.setattr(nats.aio.msg.Msg, "ack", lost)
+    monkeypatch.setattr(nats.aio.msg.Msg, "ack_sync", lost)
     pre = Preprocessor(job, env, trainer_ranks=1)
     task = asyncio.create_task(pre.run())
     too_long = m.Sample(tokens=[3] * 9, mask=[0] * 7 + [1, 1], logprobs=[0] * 9, versions=[-1] * 7 + [0, 0], reward=1)
@@ -266,6 +266,47 @@ async def test_groups_whose_acknowledgements_were_lost_are_not_trained_or_counte
     assert pre.stats["settled_before"] == 6
     assert pre.stats["filtered_groups"] == pre.stats["dead_lettered"] == 0
     await all_acknowledged(js, subjects)  # the handed-back groups, with the wave after them
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+    await nc.close()
+
+
+async def test_acknowledgements_lost_in_transit_are_sent_again_and_no_group_is_trained_twice(
+    nats_server, tmp_path, monkeypatch
+):
+    """A living preprocessor whose acknowledgements of a step's groups are lost on the way (a
+    connection dropped, a server restarting): sent and forgotten, they came back after the ack
+    wait, steps later, where no step knew them any more, and were trained again. Each is now
+    confirmed, and sent again until it is, before the next wave is stored."""
+    import nats.aio.client
+
+    from pipelinerl import streams
+    from pipelinerl_preprocessor import main as service
+
+    monkeypatch.setattr(service, "ACK_WAIT_S", 2.5)
+    monkeypatch.setattr(streams, "ACK_TRY_S", 0.5)
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "lt", WAVES)
+    await js.publish(subjects.version, m.encode(m.PolicyVersion(version=5, timestamp=0)))  # no backpressure
+    out = await js.pull_subscribe(subjects.batches(0), durable="t")
+    publish, dropped = nats.aio.client.Client.publish, []
+
+    async def lossy(self, subject, payload=b"", reply="", headers=None):
+        if subject.startswith("$JS.ACK.") and len(dropped) < 4 and subject not in dropped:
+            dropped.append(subject)  # the first acknowledgement of each of step 0's groups: lost
+            return
+        await publish(self, subject, payload, reply, headers)
+
+    monkeypatch.setattr(nats.aio.client.Client, "publish", lossy)
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    for i in range(12):
+        await publish_group(js, subjects, i)
+    steps = [await one_step(out) for _ in range(3)]
+    with pytest.raises(nats.errors.TimeoutError):  # nothing comes back past the ack wait to be trained again
+        await one_step(out, timeout=service.ACK_WAIT_S + 3)
+    trained = sorted(g for step in steps for b in step for g in set(b.group_ids))
+    assert len(dropped) == 4 and trained == sorted(f"g{i}" for i in range(12))
+    await all_acknowledged(js, subjects)
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()

@@ -41,7 +41,15 @@ from pipelinerl.contracts import STREAM_SUFFIXES, Env, PreprocessorStatus, Servi
 from pipelinerl.runtime import HealthServer, failpoint, join_job, serve
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.steps import is_final, newest_weights
-from pipelinerl.streams import close, dead_letter, last_announcement, newest_batches, publish_once, store_identity
+from pipelinerl.streams import (
+    acknowledge,
+    close,
+    dead_letter,
+    last_announcement,
+    newest_batches,
+    publish_once,
+    store_identity,
+)
 from pipelinerl_preprocessor.builder import StepBuilder, Wave
 from pipelinerl.group_checks import GroupLimits, group_problem
 
@@ -288,8 +296,9 @@ class Preprocessor:
         await asyncio.gather(*(self._publish(mb) for mb in wave.batches))
         if wave.last:  # (tests: a kill that loses the acknowledgements of a step's last wave)
             failpoint(f"preprocessor-stored-step-{wave.step}")
-        for msg in wave.acks:
-            await msg.ack()
+        # Confirmed before the next wave is stored: only the newest stored wave's can be lost
+        # (`books.restore`), and a group handed back is known by the step that settled it.
+        await asyncio.gather(*(acknowledge(msg) for msg in wave.acks))
         PENDING.set(len(self.builder.accepted))
         if not wave.last:
             return
