@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import time
 import uuid
 from pathlib import Path
@@ -141,8 +142,10 @@ class Tracker:
             self.backends.append(backend)
         if spec.tensorboard:
             self.backends.append(Tensorboard(job, run_dir))
-        if ids:
-            ids_file.write_text(json.dumps(ids))
+        if ids:  # whole or not at all: a kill or a full disk mid-write left a file no start could read
+            tmp = ids_file.with_name(ids_file.name + ".tmp")
+            tmp.write_text(json.dumps(ids))
+            os.replace(tmp, ids_file)
 
     @property
     def enabled(self) -> bool:

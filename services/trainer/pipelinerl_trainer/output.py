@@ -12,6 +12,7 @@ folder appears complete or not at all (written under a temporary name, then rena
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -28,13 +29,14 @@ def is_better(accuracy: float, best: dict | None) -> bool:
 def _settle_promotion(root: Path) -> None:
     """A promotion cut short (a kill between its renames) is settled: with no `best/` left, the
     earlier best is put back (its successor's candidate is still there); with one, the earlier
-    best's removal is finished."""
+    best's removal is finished. Every rank starting on a shared folder may do it: once is enough."""
     best, old = root / "best", root / ".best.old"
     if old.exists():
         if best.exists():
-            shutil.rmtree(old)
+            shutil.rmtree(old, ignore_errors=True)
         else:
-            os.replace(old, best)
+            with contextlib.suppress(FileNotFoundError):  # another rank put it back first
+                os.replace(old, best)
 
 
 class Output:
