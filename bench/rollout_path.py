@@ -114,7 +114,8 @@ async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | 
     from pipelinerl import books
     from pipelinerl import messages as m
     from pipelinerl.spec import load_job
-    from pipelinerl.streams import close, ensure_streams, publish_once
+    from pipelinerl.streams import close, publish_once
+    from pipelinerl.store import ensure_streams
     from pipelinerl.tasks import make_task
     from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
     from pipelinerl_cli.embedded_nats import EmbeddedNats

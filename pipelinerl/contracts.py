@@ -289,7 +289,7 @@ class JobSubjects:
 
     @property
     def store(self) -> str:
-        """Which store the streams are (`messages.StoreIdentity`, `streams.store_identity`)."""
+        """Which store the streams are (`messages.StoreIdentity`, `store.store_identity`)."""
         return f"prl.{self._token}.control.store"
 
     @property

@@ -183,7 +183,7 @@ class Metrics(Message):
 
 class StoreIdentity(Message):
     """Which store the job's streams are (one per JetStream store: a lost or replaced store has
-    another), written once when the streams are first created (`streams.store_identity`), anew
+    another), written once when the streams are first created (`store.store_identity`), anew
     where the store lost a stream the services' positions are counted in. The trainer's
     checkpoints name the store their stream positions belong to; a store that `pipelinerl
     recover-store` made for a checkpoint `adopts` its store."""
@@ -193,12 +193,12 @@ class StoreIdentity(Message):
     created: float  # wall clock
     adopts: str | None = None  # the lost store's id whose checkpoint this store goes on from
     adopted_step: int | None = None  # that checkpoint's step
-    replaced: str | None = None  # why it replaced the identity of a damaged store (`streams.ensure_streams`)
+    replaced: str | None = None  # why it replaced the identity of a damaged store (`store.ensure_streams`)
 
 
 class Checkpointed(Message):
     """The trainer's newest checkpoint, once saved (rank 0 tells it on the CONTROL stream): what a
-    job's store must go on from to resume it (`streams.recover_store`). The operator reads it when
+    job's store must go on from to resume it (`store.recover_store`). The operator reads it when
     it deletes a suspended job's streams, and makes the resumed job's store adopt it."""
 
     TYPE: ClassVar[str] = "checkpointed"

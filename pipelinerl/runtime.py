@@ -17,7 +17,8 @@ from pydantic import BaseModel
 from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import DEFAULT_NATS_URL, Env, ServiceEnv
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import connect, ensure_streams, wait_for
+from pipelinerl.streams import connect, wait_for
+from pipelinerl.store import ensure_streams
 
 log = logging.getLogger("pipelinerl")
 JOIN_TIMEOUT_S = 120.0  # a service's first connection and streams (join_job)

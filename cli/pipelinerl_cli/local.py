@@ -30,7 +30,8 @@ from pipelinerl.learning import learning_alarm
 from pipelinerl.phases import decomposition
 from pipelinerl.ports import free_port
 from pipelinerl.spec import PipelineRLJob, SpecError, dump_job
-from pipelinerl.streams import close, connect, ensure_streams
+from pipelinerl.streams import close, connect
+from pipelinerl.store import ensure_streams
 from pipelinerl.tiny_model import model_info, model_path_problem, resolve_model_path
 from pipelinerl_cli.supervisor import (
     CANNOT_RUN,

@@ -225,10 +225,10 @@ def _dead_letters(args: argparse.Namespace) -> int:
 def _recover_store(args: argparse.Namespace) -> int:
     """A lost or replaced NATS store (the trainer says StoreLost) made to go on from the trainer's
     checkpoint: locally from the run folder's newest checkpoint, on a cluster from what the
-    trainer's StoreLost message names (`pipelinerl.streams.recover_store`)."""
+    trainer's StoreLost message names (`pipelinerl.store.recover_store`)."""
     import json
 
-    from pipelinerl.streams import recover_store
+    from pipelinerl.store import recover_store
 
     job = _job_in(args)
     if args.run_dir:

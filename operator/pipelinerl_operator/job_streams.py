@@ -1,7 +1,7 @@
 """The operator's calls on a job's NATS streams (as the job's own NATS user, where it has one):
 delete them (a deleted or finished job's, a suspended one's once its pods are gone), read the
 trainer's newest checkpoint record first (what a suspended job resumes from), and make a resumed
-job's new store go on from it (`streams.recover_store`).
+job's new store go on from it (`store.recover_store`).
 
 Bounded: each gives up after `timeout_s`. `JobStreams` tells each outcome in an Event and never
 raises: the caller tries again at its next pass (or, for a deleted job, lets it go: the streams
@@ -20,7 +20,8 @@ from typing import Any, TypeVar
 from nats.js.errors import NotFoundError
 
 from pipelinerl.contracts import JOB_LABEL, JobSubjects, OperatorEnv
-from pipelinerl.streams import close, connect, delete_streams, last_checkpoint, recover_store
+from pipelinerl.streams import close, connect, delete_streams, last_checkpoint
+from pipelinerl.store import recover_store
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.credentials import job_credentials
 

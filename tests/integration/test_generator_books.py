@@ -8,7 +8,8 @@ import nats.errors
 from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects, ServiceEnv
 from pipelinerl.spec import parse_job
-from pipelinerl.streams import connect, ensure_streams, last_message, stored_messages
+from pipelinerl.streams import connect, last_message, stored_messages
+from pipelinerl.store import ensure_streams
 from pipelinerl.tasks.dataset import DatasetTask
 from pipelinerl_generator.main import Generator, group_id, restore_admission
 from pipelinerl_preprocessor.main import Preprocessor

@@ -9,7 +9,8 @@ import pytest
 from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects, ServiceEnv
 from pipelinerl.spec import parse_job
-from pipelinerl.streams import connect, ensure_streams
+from pipelinerl.streams import connect
+from pipelinerl.store import ensure_streams
 from pipelinerl_preprocessor.main import Preprocessor
 
 

@@ -12,7 +12,8 @@ from nats.js.api import AckPolicy, ConsumerConfig
 from pipelinerl import messages as m
 from pipelinerl.contracts import STREAM_SUFFIXES, JobSubjects
 from pipelinerl_cli.embedded_nats import EmbeddedNats
-from pipelinerl.streams import close, connect, ensure_streams
+from pipelinerl.streams import close, connect
+from pipelinerl.store import ensure_streams
 
 SUBJECTS = JobSubjects("t-job")
 
@@ -257,7 +258,8 @@ def test_recover_store_on_a_cluster_makes_the_new_store_adopt_the_checkpoint(nat
     import yaml
 
     from pipelinerl.spec import JobSpec
-    from pipelinerl.streams import claim_problems, last_announcement, recover_store, store_identity, stored_messages
+    from pipelinerl.streams import claim_problems, last_announcement, stored_messages
+    from pipelinerl.store import recover_store, store_identity
 
     manifest = tmp_path / "job.yaml"
     manifest.write_text(yaml.safe_dump({"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob",
@@ -317,7 +319,7 @@ def test_a_store_that_lost_a_stream_of_positions_is_another_store_to_the_trainer
     first service to make it again empty gives the store a new identity first, once however many
     find it together, so the trainer's checkpoint is StoreLost there, naming what was lost, never
     gone on from with positions reset. A lost record stream (METRICS) is only made again."""
-    from pipelinerl.streams import store_identity
+    from pipelinerl.store import store_identity
     from pipelinerl_trainer.position import Position
 
     async def scenario():
@@ -404,10 +406,13 @@ def test_dead_letters_reads_a_namespaced_job_with_its_own_credentials(tmp_path):
         server.wait()
 
 
-async def test_a_stalled_server_bounds_a_publish_and_a_close(nats_server, capsys):
+async def test_a_stalled_server_bounds_a_publish_and_a_close(nats_server, capsys, monkeypatch):
     """A server that reads nothing (a frozen node): nats-py waits with no bound for its socket to
-    take a publish past 2 MiB queued, and for the queue at close; `connect`'s timeout bounds the
-    first, `close`'s the second."""
+    take a publish past its buffer (`PENDING_BYTES`, 2 MiB here) queued, and for the queue at
+    close; `connect`'s timeout bounds the first, `close`'s the second."""
+    from pipelinerl import streams
+
+    monkeypatch.setattr(streams, "PENDING_BYTES", 2 << 20)
     nc = await connect(nats_server.url, "stalled", timeout_s=0.5)
     os.kill(nats_server.proc.pid, signal.SIGSTOP)
     try:

@@ -41,15 +41,8 @@ from pipelinerl.contracts import STREAM_SUFFIXES, Env, PreprocessorStatus, Servi
 from pipelinerl.runtime import HealthServer, failpoint, join_job, serve
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.steps import is_final, newest_weights
-from pipelinerl.streams import (
-    acknowledge,
-    close,
-    dead_letter,
-    last_announcement,
-    newest_batches,
-    publish_once,
-    store_identity,
-)
+from pipelinerl.streams import acknowledge, close, dead_letter, last_announcement, newest_batches, publish_once
+from pipelinerl.store import store_identity
 from pipelinerl_preprocessor.builder import StepBuilder, Wave
 from pipelinerl.group_checks import GroupLimits, group_problem
 

@@ -19,14 +19,8 @@ from pipelinerl.awake import AwakeClock
 from pipelinerl.contracts import ServiceEnv
 from pipelinerl.runtime import JOIN_TIMEOUT_S, join_job
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import (
-    READ_TIMEOUT_S,
-    dead_letter,
-    last_announcement,
-    problems_claimed,
-    publish_once,
-    store_identity,
-)
+from pipelinerl.streams import READ_TIMEOUT_S, dead_letter, last_announcement, problems_claimed, publish_once
+from pipelinerl.store import store_identity
 
 log = logging.getLogger("pipelinerl.trainer")
 

@@ -20,7 +20,8 @@ from pipelinerl.contracts import JobSubjects, ServiceEnv
 from pipelinerl_cli.embedded_nats import nats_server_binary
 from pipelinerl.ports import free_port
 from pipelinerl.spec import parse_job
-from pipelinerl.streams import connect, ensure_streams
+from pipelinerl.streams import connect
+from pipelinerl.store import ensure_streams
 from pipelinerl_operator.job_policy import parse_policy
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.render import render

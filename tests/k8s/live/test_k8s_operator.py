@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 from job_views import ROLES, STS, all_ready, allow, condition, events, manifest, obj, status, sts_template
 from operator_harness import JOBS, NS, eventually, running_operator
 from pipelinerl.contracts import JobSubjects
-from pipelinerl.streams import ensure_streams
+from pipelinerl.store import ensure_streams
 from pipelinerl_operator import metrics
 
 

@@ -29,7 +29,8 @@ from pipelinerl_cli.embedded_nats import nats_server_binary
 from pipelinerl.ports import free_port
 from pipelinerl.spec import parse_job
 from pipelinerl.messages import Checkpointed, encode
-from pipelinerl.streams import ensure_streams, last_announcement, problems_claimed, store_identity
+from pipelinerl.streams import last_announcement, problems_claimed
+from pipelinerl.store import ensure_streams, store_identity
 from pipelinerl_operator.credentials import nats_accounts
 
 ACCOUNTS_SECRET = "rl-pipelinerl-nats-accounts"  # the chart's name for it (release "rl")

@@ -1,0 +1,161 @@
+"""Which store a job's streams are, and what keeps it true: the streams made sure of (a store
+that lost one its positions are counted in gets a new identity), the store's identity (written
+once), and a lost or replaced store made to go on from a trainer checkpoint (`recover_store`).
+The plumbing it stands on (stream configs, reads, publishes) is `pipelinerl.streams`."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import nats.js.errors
+from nats.js.errors import NotFoundError
+
+from pipelinerl.contracts import JobSubjects
+from pipelinerl.spec import JobSpec
+from pipelinerl.streams import (
+    READ_TIMEOUT_S,
+    UNACKED,
+    WRONG_LAST_SEQUENCE,
+    read_last,
+    delete_streams,
+    stream_configs,
+)
+
+log = logging.getLogger("pipelinerl.store")
+
+
+# The streams the services' positions and books are counted in: a store that lost one of them, its
+# identity still there, is not the store its identity names. The others (METRICS, DEADLETTER) are
+# records: made again where missing, as a stream a later release adds must be.
+POSITION_STREAMS = ("ROLLOUTS", "BATCHES")
+
+
+async def ensure_streams(
+    js, subjects: JobSubjects, max_payload_mb: int, replicas: int | None = None, sizes: dict[str, int] | None = None
+) -> None:
+    """Create the job's streams, or update them in place; safe to call from every service.
+    `replicas`: a service's `stream_replicas` (None: one copy); `sizes`: see stream_configs.
+    A store whose identity is written (once all its streams were made) but which has lost one of
+    its POSITION_STREAMS (a damaged volume, a stream deleted by hand) gets a new identity before
+    the stream is made again empty: to the trainer it is another store (StoreLost, then the same
+    recovery as a store lost whole), never one gone on from with positions and books reset."""
+    identity = await _identity_if_any(js, subjects)  # read first: then a stream missing after it was lost
+    missing = []
+    for cfg in stream_configs(subjects, max_payload_mb << 20, replicas or 1, sizes):
+        try:
+            await js.stream_info(cfg.name)
+            await js.update_stream(cfg)
+        except NotFoundError:
+            missing.append(cfg)
+    lost = [c.name for c in missing if c.name in {subjects.stream(s) for s in POSITION_STREAMS}]
+    if identity is not None and lost:
+        await _replace_identity(js, subjects, identity, f"store {identity[0].id} lost its stream(s) {', '.join(lost)}")
+    for cfg in missing:
+        try:
+            await js.add_stream(cfg)
+        except Exception as err:  # another service created it in between
+            if "already in use" not in str(err):
+                raise
+
+
+async def _identity_if_any(js, subjects: JobSubjects):
+    """(the store's identity, its sequence) where the store has one; None where its CONTROL stream
+    or identity is not there (yet)."""
+    from pipelinerl.messages import MessageError, StoreIdentity, decode
+
+    try:
+        last = await js.get_last_msg(subjects.stream("CONTROL"), subjects.store)
+    except NotFoundError:
+        return None
+    try:
+        return decode(last.data, StoreIdentity), last.seq
+    except MessageError as err:
+        raise MessageError(f"the job's store identity on {subjects.store}: {err}") from None
+
+
+async def _replace_identity(js, subjects: JobSubjects, identity, why: str) -> None:
+    """A new identity in place of `identity` (StoreIdentity, sequence), saying `why`: appended only
+    if still the newest (services finding the damage together make one)."""
+    import uuid
+
+    from pipelinerl.messages import StoreIdentity, encode
+
+    new = StoreIdentity(id=uuid.uuid4().hex, created=time.time(), replaced=why)
+    try:
+        await js.publish(
+            subjects.store, encode(new), timeout=5.0, headers={"Nats-Expected-Last-Subject-Sequence": str(identity[1])}
+        )
+    except nats.js.errors.APIError as err:
+        if err.err_code != WRONG_LAST_SEQUENCE:
+            raise
+        return  # another service replaced it first
+    log.error("the job's store is damaged (%s): it is now store %s, which the trainer's checkpoint is not", why, new.id)
+
+
+async def store_identity(js, subjects: JobSubjects, adopts=None, timeout_s: float = READ_TIMEOUT_S):
+    """The job's store identity (`messages.StoreIdentity`), written here where the store has none
+    (its streams were just made: a new job, or a lost store's replacement). Written once: the
+    append is made only while the subject is empty (an expected last sequence of 0), so services
+    starting together agree on the one written first. `adopts`: (the lost store's id, the
+    checkpoint's step) that a new store goes on from (`pipelinerl recover-store`)."""
+    import uuid
+
+    from pipelinerl.messages import MessageError, StoreIdentity, decode, encode
+
+    stream = subjects.stream("CONTROL")
+    deadline = time.monotonic() + timeout_s
+    while True:
+        last = await read_last(js, stream, subjects.store, deadline)
+        if last is not None:
+            try:
+                return decode(last.data, StoreIdentity)
+            except MessageError as err:
+                raise MessageError(f"the job's store identity on {subjects.store}: {err}") from None
+        mine = StoreIdentity(id=uuid.uuid4().hex, created=time.time())
+        if adopts is not None:
+            mine.adopts, mine.adopted_step = adopts
+        try:
+            await js.publish(
+                subjects.store, encode(mine), timeout=5.0, headers={"Nats-Expected-Last-Subject-Sequence": "0"}
+            )
+            log.info("the job's store is new: identity %s", mine.id)
+            return mine
+        except UNACKED:
+            pass  # read again: stored or not
+        except nats.js.errors.APIError as err:
+            if err.err_code != WRONG_LAST_SEQUENCE:
+                raise
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"could not read or write the job's store identity on {subjects.store}")
+
+
+async def recover_store(
+    js, subjects: JobSubjects, spec: JobSpec, adopt: str, step: int, problems: int, replicas: int | None = None
+):
+    """Make the job's store, lost or replaced, go on from a trainer checkpoint (step `step`, taken
+    with store `adopt`, when `problems` problems were claimed): its streams emptied (what the
+    services made in it since the loss started from nothing), a store identity that adopts the
+    checkpoint's store (the trainer takes it and reads its micro-batches from the start), the
+    checkpoint's step announced with no group credited yet (the generators' books start again
+    with the store; the preprocessor builds that step first) and problem claims going on past the
+    checkpoint's. With the job's services stopped: running ones would keep the state of the store
+    they started in. A store made already for this checkpoint is left as it is (the operator's
+    record that it restored it may not have been written: its pods may run in it by now)."""
+    import uuid
+
+    from pipelinerl.capacity import stream_bytes
+    from pipelinerl.messages import PolicyVersion, StoreIdentity, encode
+
+    made = await _identity_if_any(js, subjects)
+    if made is not None and (made[0].adopts, made[0].adopted_step) == (adopt, step):
+        return made[0]
+    await delete_streams(js, subjects)
+    await ensure_streams(js, subjects, spec.nats.max_payload_mb, replicas, stream_bytes(spec))
+    await js.publish(subjects.version, encode(PolicyVersion(version=step, timestamp=time.time())), timeout=10.0)
+    await js.publish(subjects.problems, str(problems).encode(), timeout=10.0)
+    # Last: a store is adopted by its identity, so one cut short before it is never gone on from
+    # (with claims from 0, problems trained would be drawn again); the command is run again.
+    identity = StoreIdentity(id=uuid.uuid4().hex, created=time.time(), adopts=adopt, adopted_step=step)
+    await js.publish(subjects.store, encode(identity), timeout=10.0)
+    return identity
