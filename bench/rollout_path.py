@@ -120,6 +120,7 @@ async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | 
     from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
     from pipelinerl_cli.embedded_nats import EmbeddedNats
     from pipelinerl_generator.engine import Engine
+    from pipelinerl_generator.main import group_id
     from pipelinerl_preprocessor.builder import StepBuilder
 
     job = load_job(job_file)
@@ -142,11 +143,12 @@ async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | 
 
         async def group() -> int:
             async with admitted:
-                problem = task.train_problem(next(drawn))
+                index = next(drawn)
+                problem = task.train_problem(index)
                 samples = await asyncio.gather(
                     *[task.rollout(engine, tokenizer, problem, max_tokens) for _ in range(attempts)]
                 )
-                g = m.RolloutGroup(group_id=f"{problem.id}@0", generator=0, samples=list(samples))
+                g = m.RolloutGroup(group_id=group_id(problem.id, index, 0), generator=0, samples=list(samples))
                 await publish_once(js, subjects.rollouts(0), m.encode(g), g.group_id)
                 return sum(s.num_generated for s in samples)
 

@@ -62,7 +62,7 @@ class RolloutGroup(Message):
     """G attempts at one prompt: the unit the generator publishes and advantages are computed on."""
 
     TYPE: ClassVar[str] = "rollout_group"
-    group_id: str  # the problem's id: unique and stable, also the JetStream Nats-Msg-Id for de-duplication
+    group_id: str  # problem id, claimed index, generator (`generator.group_id`): the job's alone, the Nats-Msg-Id
     generator: int
     samples: list[Sample] = Field(min_length=1)
     books: GeneratorBooks = Field(default_factory=GeneratorBooks)

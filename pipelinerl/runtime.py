@@ -81,9 +81,8 @@ class HealthServer:
 
 async def join_job(job: PipelineRLJob, env: ServiceEnv, client: str) -> Any:
     """This service's NATS connection (as `client`), the job's streams made sure of (created or
-    updated in place, at the sizes the job reserves); TimeoutError after JOIN_TIMEOUT_S (nats-py
-    retries a refused connection for about a minute, but waits far longer on a server that
-    accepts it and never answers)."""
+    updated in place, at the sizes the job reserves); TimeoutError after JOIN_TIMEOUT_S (a server
+    that accepts the connection and never answers is waited on far longer than a refused one)."""
 
     async def join() -> Any:
         nc = await connect(env.nats_url, client, env.nats_user, env.nats_password)

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 
 import nats.js.errors
 from nats.js.errors import NotFoundError
 
+from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import JobSubjects
+from pipelinerl.messages import MessageError, PolicyVersion, StoreIdentity, decode, encode
 from pipelinerl.spec import JobSpec
 from pipelinerl.streams import (
     READ_TIMEOUT_S,
@@ -62,8 +65,6 @@ async def ensure_streams(
 async def _identity_if_any(js, subjects: JobSubjects):
     """(the store's identity, its sequence) where the store has one; None where its CONTROL stream
     or identity is not there (yet)."""
-    from pipelinerl.messages import MessageError, StoreIdentity, decode
-
     try:
         last = await js.get_last_msg(subjects.stream("CONTROL"), subjects.store)
     except NotFoundError:
@@ -77,10 +78,6 @@ async def _identity_if_any(js, subjects: JobSubjects):
 async def _replace_identity(js, subjects: JobSubjects, identity, why: str) -> None:
     """A new identity in place of `identity` (StoreIdentity, sequence), saying `why`: appended only
     if still the newest (services finding the damage together make one)."""
-    import uuid
-
-    from pipelinerl.messages import StoreIdentity, encode
-
     new = StoreIdentity(id=uuid.uuid4().hex, created=time.time(), replaced=why)
     try:
         await js.publish(
@@ -99,10 +96,6 @@ async def store_identity(js, subjects: JobSubjects, adopts=None, timeout_s: floa
     append is made only while the subject is empty (an expected last sequence of 0), so services
     starting together agree on the one written first. `adopts`: (the lost store's id, the
     checkpoint's step) that a new store goes on from (`pipelinerl recover-store`)."""
-    import uuid
-
-    from pipelinerl.messages import MessageError, StoreIdentity, decode, encode
-
     stream = subjects.stream("CONTROL")
     deadline = time.monotonic() + timeout_s
     while True:
@@ -142,12 +135,10 @@ async def recover_store(
     checkpoint's. With the job's services stopped: running ones would keep the state of the store
     they started in. A store made already for this checkpoint is left as it is (the operator's
     record that it restored it may not have been written: its pods may run in it by now)."""
-    import uuid
-
-    from pipelinerl.capacity import stream_bytes
-    from pipelinerl.messages import PolicyVersion, StoreIdentity, encode
-
-    made = await _identity_if_any(js, subjects)
+    try:
+        made = await _identity_if_any(js, subjects)
+    except MessageError:  # not readable: the store is made again below
+        made = None
     if made is not None and (made[0].adopts, made[0].adopted_step) == (adopt, step):
         return made[0]
     await delete_streams(js, subjects)

@@ -106,24 +106,32 @@ async def connect(
     job's NATS credentials, where the server requires them (the chart's NATS does). `timeout_s`
     bounds the connect and a publish's wait for the socket to take what is queued (past
     PENDING_BYTES: nats-py waits with no bound by default on a server that reads nothing; then
-    the publish's own timeout runs)."""
+    the publish's own timeout runs). The first connection is given FIRST_CONNECT_S (nats-py
+    would try a server that is not there for as long as it reconnects: forever)."""
 
     async def _err(e: Exception) -> None:
         print(f"[{name}] nats: {e}", file=sys.stderr)
 
-    return await nats.connect(
-        servers=url.split(","),
-        name=name,
-        user=user,
-        password=password,
-        connect_timeout=timeout_s,
-        flush_timeout=timeout_s,
-        reconnect_time_wait=reconnect_wait_s,
-        max_reconnect_attempts=-1 if reconnect else 0,
-        allow_reconnect=reconnect,
-        pending_size=PENDING_BYTES,
-        error_cb=_err,
+    return await wait_for(
+        nats.connect(
+            servers=url.split(","),
+            name=name,
+            user=user,
+            password=password,
+            connect_timeout=timeout_s,
+            flush_timeout=timeout_s,
+            reconnect_time_wait=reconnect_wait_s,
+            max_reconnect_attempts=-1 if reconnect else 0,
+            allow_reconnect=reconnect,
+            pending_size=PENDING_BYTES,
+            error_cb=_err,
+        ),
+        FIRST_CONNECT_S,
+        f"a first connection to NATS at {url}",
     )
+
+
+FIRST_CONNECT_S = 60.0
 
 
 # What a client buffers while it reconnects: publishes past it are refused at once

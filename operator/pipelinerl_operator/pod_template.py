@@ -251,6 +251,8 @@ def _sidecar_resources(container: dict[str, Any]) -> None:
     container["resources"] = {**given, "requests": requests, "limits": limits}
 
 
+NVIDIA_RESOURCES = "nvidia.com/"  # the device plugin's: nvidia.com/gpu, nvidia.com/mig-<profile>
+
 # Locked down (the "restricted" Pod Security Standard): writes go to the pod's volumes only. A
 # sidecar from the user's podTemplate gets the same.
 CONTAINER_SECURITY = {
@@ -335,9 +337,10 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
     theirs = {c.get("name"): c for kind in ("initContainers", "containers") for c in user.get(kind) or []}
     for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:  # a user's sidecars too
         c["securityContext"] = merge_pod(CONTAINER_SECURITY, (theirs.get(c["name"]) or {}).get("securityContext") or {})
-        if not ((c.get("resources") or {}).get("limits") or {}).get(GPU_RESOURCE):
-            # No GPU asked for: none seen, whatever the image's own environment says (CUDA base
-            # images set NVIDIA_VISIBLE_DEVICES=all, which the NVIDIA runtime honours by default).
+        limits = (c.get("resources") or {}).get("limits") or {}
+        if not any(str(name).startswith(NVIDIA_RESOURCES) for name in limits):
+            # No GPU asked for (whole or a MIG slice): none seen, whatever the image's environment
+            # says (CUDA base images set NVIDIA_VISIBLE_DEVICES=all, which the NVIDIA runtime honours).
             c["env"] = [*(c.get("env") or []), {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
         if c["name"] != role:
             _sidecar_resources(c)

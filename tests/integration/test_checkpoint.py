@@ -60,12 +60,12 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
     pod = Path(root) / f"pod-{rank}" / "checkpoints"
     engine = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
     _train(engine, 0)
-    checkpoint.save(engine, pod, 1, {"step": 1, "rank": rank}, rank, local_rank=0)
+    checkpoint.save(engine, pod, 1, {"step": 1, "rank": rank}, rank, local_rank=0, previous=0)
     _train(engine, 1)
-    checkpoint.save(engine, pod, 2, {"step": 2, "rank": rank}, rank, local_rank=0)
+    checkpoint.save(engine, pod, 2, {"step": 2, "rank": rank}, rank, local_rank=0, previous=1)
     _train(engine, 2)
     after_three = _flat(engine)
-    checkpoint.save(engine, pod, 3, {"step": 3, "rank": rank}, rank, local_rank=0)
+    checkpoint.save(engine, pod, 3, {"step": 3, "rank": rank}, rank, local_rank=0, previous=2)
     if rank == 1:  # this pod crashed before its `latest` moved to step 3
         (pod / "latest").write_text("step-2")
 

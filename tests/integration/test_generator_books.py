@@ -89,19 +89,25 @@ async def test_a_restarted_generator_continues_its_books(nats_server, tmp_path):
 async def test_a_problem_drawn_again_in_a_later_epoch_is_a_group_of_its_own(nats_server, tmp_path):
     """A dataset's rows come back with each epoch, under the same problem id: their groups are told
     apart by the claimed index (`group_id`), so JetStream never drops a later epoch's group as a
-    duplicate of an earlier one within its window (10 minutes: a small dataset's epochs are shorter)."""
+    duplicate of an earlier one within its window (10 minutes: a small dataset's epochs are shorter).
+    Through `Generator._group`, the dataset task's rows with its rollouts stood in for (no engine)."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": "a"}\n{"prompt": "b"}\n{"prompt": "held out"}\n')
     task = DatasetTask(train=str(rows), reward="builtins:len", test_rows=1)
+    sample = group(0, [1]).samples[0]
+
+    async def rollout(policy, tokenizer, problem, max_tokens, greedy=False):
+        return sample.model_copy(update={"reward": float(len(problem.prompt) % 2)})
+
+    task.rollout = rollout
     gen = await incarnation(nats_server, tmp_path)
+    gen.task = task
     for index in range(4):  # two epochs of two rows
-        problem = task.train_problem(index)
-        g = group(index, [1, 0])
-        g.group_id = group_id(problem.id, index, 1)
-        await gen._publish(g, gen.admission.on_start())
+        await gen._group(index, gen.admission.on_start())
     stored = await stored_messages(gen.js, JobSubjects("books").stream("ROLLOUTS"))
     ids = [m.decode(x.data, m.RolloutGroup).group_id for x in stored]
     assert len(ids) == len(set(ids)) == 4 and len({task.train_problem(i).id for i in range(4)}) == 2
+    assert ids == [group_id(task.train_problem(i).id, i, 1) for i in range(4)]
     assert gen.admission.published == 4
     await gen.nc.close()
 

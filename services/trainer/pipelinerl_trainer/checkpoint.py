@@ -38,8 +38,17 @@ def latest_step(ckpt_dir: Path) -> int | None:
 
 
 def save(
-    engine, ckpt_dir: Path, step: int, state: dict, rank: int, local_rank: int, model_path: str | None = None
+    engine,
+    ckpt_dir: Path,
+    step: int,
+    state: dict,
+    rank: int,
+    local_rank: int,
+    previous: int,
+    model_path: str | None = None,
 ) -> Path:
+    """Checkpoint `step`; `previous`: the run's checkpoint before it (the one it resumed from, or
+    saved last: 0 for none), which is kept with it (`prune`)."""
     tag = f"step-{step}"
     target = ckpt_dir / tag
     engine.save_checkpoint(str(target / "ds"), tag="ds", client_state={"pipelinerl": state})
@@ -52,20 +61,21 @@ def save(
         tmp = ckpt_dir / "latest.tmp"
         tmp.write_text(tag)
         os.replace(tmp, ckpt_dir / "latest")
-        prune(ckpt_dir, step)
+        prune(ckpt_dir, {step, previous})
     if rank == 0:
         log.info("checkpoint %s written", target)
     return target
 
 
-def prune(ckpt_dir: Path, newest: int) -> None:
-    """Keep `newest` and the checkpoint before it, delete older ones: pods are at most one
-    checkpoint apart (`load` resumes from the newest one every pod has), and a volume that kept
-    them all would fill up in a long run, and then fail every save from there."""
-    steps = sorted(int(d.name.removeprefix("step-")) for d in ckpt_dir.glob("step-*") if d.name[5:].isdigit())
-    older = [s for s in steps if s < newest]
-    for step in older[:-1]:
-        shutil.rmtree(ckpt_dir / f"step-{step}", ignore_errors=True)
+def prune(ckpt_dir: Path, keep: set[int]) -> None:
+    """Delete every checkpoint but `keep`: the one just saved and the run's previous one. Pods are
+    at most one checkpoint apart (`load` resumes from the newest one every pod has), so that one
+    may be the step a pod that missed this save resumes from; one this pod saved and the run did
+    not resume from (a stop's, another pod missing it) is not. A volume that kept them all would
+    fill up in a long run, and then fail every save from there."""
+    for d in ckpt_dir.glob("step-*"):
+        if d.name[5:].isdigit() and int(d.name[5:]) not in keep:
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def export(engine, target: Path, rank: int, model_path: str | None = None) -> Path:

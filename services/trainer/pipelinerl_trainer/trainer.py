@@ -124,11 +124,11 @@ class Trainer:
         if self.rank == 0:
             self.reporter.group_status(self.sender)
         if done:  # what the final step did after its checkpoint: the model out, the final evaluation
-            if self.output is not None and not self.output.final.exists():
-                self._export_outputs(version, last=True)
+            if self.output is not None and not self._agreed(self.output.final.exists()):
+                self._export_outputs(version, last=True)  # (collective: every rank, or none)
             if self.rank == 0:
                 self._await_final_weights()
-        if version:
+        if version and (self.rank == 0 or not done):  # the finish: rank 0's, once its weights are held
             self._announce(finished=done)
         self.bridge.consume_batches(self.rank, self.position.consumed_seq)
 
@@ -280,6 +280,14 @@ class Trainer:
             checkpoint.export(self.engine, self.ckpt_dir / "export" / f"version-{version}", self.rank)
         self._export_outputs(version, last)
 
+    def _agreed(self, mine: bool) -> bool:
+        """Rank 0's answer, on every rank (before a collective call that depends on it)."""
+        if self.world == 1:
+            return mine
+        value = torch.tensor([int(mine)], dtype=torch.long, device=self.engine.device)
+        dist.broadcast(value, src=0)
+        return bool(value.item())
+
     def _export_outputs(self, version: int, last: bool) -> None:
         """spec.output's copies due at this version: an evaluated version's candidate, the final model."""
         if self.output is None:
@@ -341,7 +349,15 @@ class Trainer:
         else:
             rows = [mine]
         state = self.position.kept({str(r): int(row[0]) for r, row in enumerate(rows)}, int(rows[0][1]))
-        checkpoint.save(self.engine, self.ckpt_dir, self.position.version, state, self.rank, self.env.local_rank or 0)
+        checkpoint.save(
+            self.engine,
+            self.ckpt_dir,
+            self.position.version,
+            state,
+            self.rank,
+            self.env.local_rank or 0,
+            previous=self.position.checkpointed,
+        )
         self.position.saved()
         if self.rank == 0:  # saved: what a store must go on from to resume this job (the operator reads it)
             told = m.Checkpointed(store=state["store"], step=self.position.version, problems=state["problems_claimed"])
