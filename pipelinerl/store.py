@@ -51,7 +51,8 @@ async def ensure_streams(
             await js.update_stream(cfg)
         except NotFoundError:
             missing.append(cfg)
-    lost = [c.name for c in missing if c.name in {subjects.stream(s) for s in POSITION_STREAMS}]
+    positions = {subjects.stream(s) for s in POSITION_STREAMS}
+    lost = [c.name for c in missing if c.name in positions]
     if identity is not None and lost:
         await _replace_identity(js, subjects, identity, f"store {identity[0].id} lost its stream(s) {', '.join(lost)}")
     for cfg in missing:
@@ -69,16 +70,26 @@ async def _identity_if_any(js, subjects: JobSubjects):
         last = await js.get_last_msg(subjects.stream("CONTROL"), subjects.store)
     except NotFoundError:
         return None
+    return _decoded(last, subjects), last.seq
+
+
+def _decoded(last, subjects: JobSubjects) -> StoreIdentity:
+    """The identity a stored message holds; MessageError naming its subject."""
     try:
-        return decode(last.data, StoreIdentity), last.seq
+        return decode(last.data, StoreIdentity)
     except MessageError as err:
         raise MessageError(f"the job's store identity on {subjects.store}: {err}") from None
+
+
+def _fresh(**fields) -> StoreIdentity:
+    """A new store identity (`fields`: what it adopts, or what it replaced)."""
+    return StoreIdentity(id=uuid.uuid4().hex, created=time.time(), **fields)
 
 
 async def _replace_identity(js, subjects: JobSubjects, identity, why: str) -> None:
     """A new identity in place of `identity` (StoreIdentity, sequence), saying `why`: appended only
     if still the newest (services finding the damage together make one)."""
-    new = StoreIdentity(id=uuid.uuid4().hex, created=time.time(), replaced=why)
+    new = _fresh(replaced=why)
     try:
         await js.publish(
             subjects.store, encode(new), timeout=5.0, headers={"Nats-Expected-Last-Subject-Sequence": str(identity[1])}
@@ -101,13 +112,8 @@ async def store_identity(js, subjects: JobSubjects, adopts=None, timeout_s: floa
     while True:
         last = await read_last(js, stream, subjects.store, deadline)
         if last is not None:
-            try:
-                return decode(last.data, StoreIdentity)
-            except MessageError as err:
-                raise MessageError(f"the job's store identity on {subjects.store}: {err}") from None
-        mine = StoreIdentity(id=uuid.uuid4().hex, created=time.time())
-        if adopts is not None:
-            mine.adopts, mine.adopted_step = adopts
+            return _decoded(last, subjects)
+        mine = _fresh() if adopts is None else _fresh(adopts=adopts[0], adopted_step=adopts[1])
         try:
             await js.publish(
                 subjects.store, encode(mine), timeout=5.0, headers={"Nats-Expected-Last-Subject-Sequence": "0"}
@@ -147,6 +153,6 @@ async def recover_store(
     await js.publish(subjects.problems, str(problems).encode(), timeout=10.0)
     # Last: a store is adopted by its identity, so one cut short before it is never gone on from
     # (with claims from 0, problems trained would be drawn again); the command is run again.
-    identity = StoreIdentity(id=uuid.uuid4().hex, created=time.time(), adopts=adopt, adopted_step=step)
+    identity = _fresh(adopts=adopt, adopted_step=step)
     await js.publish(subjects.store, encode(identity), timeout=10.0)
     return identity

@@ -11,7 +11,6 @@ import signal
 import threading
 
 import torch
-import torch.distributed as dist
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import MASTER_PORT, Env, ServiceEnv
@@ -27,7 +26,7 @@ from pipelinerl_trainer.model import build_engine, init_distributed, load_model
 from pipelinerl_trainer.output import Output
 from pipelinerl_trainer.position import Position, StoreLost
 from pipelinerl_trainer.reporting import Board, Reporter
-from pipelinerl_trainer.trainer import Model, Trainer
+from pipelinerl_trainer.trainer import Model, Trainer, from_rank0
 from pipelinerl_trainer.weight_sender import WeightSender
 
 log = logging.getLogger("pipelinerl.trainer")
@@ -74,11 +73,7 @@ def announced_version(bridge: NatsBridge, rank: int, world: int, device) -> int:
     if rank == 0:
         announced = bridge.last_announcement()
         newest = announced.version if announced else 0
-    if world > 1:
-        value = torch.tensor([newest], dtype=torch.long, device=device)
-        dist.broadcast(value, src=0)
-        newest = int(value.item())
-    return newest
+    return from_rank0(newest, world, device)
 
 
 def await_store(position: Position, bridge: NatsBridge, board: Board, env: ServiceEnv, stop: threading.Event) -> None:

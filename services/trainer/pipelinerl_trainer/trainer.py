@@ -47,6 +47,15 @@ DATA_TIMEOUT_S = float(os.environ.get(Env.DATA_TIMEOUT_S, "1800"))
 STORE_CHECK_S = 2.0  # while waiting for data: how often the job's store is checked (`_while_waiting`)
 
 
+def from_rank0(value: int, world: int, device) -> int:
+    """Rank 0's `value` on every rank (what a collective call that follows depends on)."""
+    if world == 1:
+        return value
+    tensor = torch.tensor([int(value)], dtype=torch.long, device=device)
+    dist.broadcast(tensor, src=0)
+    return int(tensor.item())
+
+
 @dataclass(frozen=True)
 class Model:
     """The model being trained (a DeepSpeed engine), its frozen reference (KL; None without), and
@@ -124,7 +133,7 @@ class Trainer:
         if self.rank == 0:
             self.reporter.group_status(self.sender)
         if done:  # what the final step did after its checkpoint: the model out, the final evaluation
-            if self.output is not None and not self._agreed(self.output.final.exists()):
+            if self.output is not None and not from_rank0(self.output.final.exists(), self.world, self.engine.device):
                 self._export_outputs(version, last=True)  # (collective: every rank, or none)
             if self.rank == 0:
                 self._await_final_weights()
@@ -279,14 +288,6 @@ class Trainer:
         if export and version % export == 0:
             checkpoint.export(self.engine, self.ckpt_dir / "export" / f"version-{version}", self.rank)
         self._export_outputs(version, last)
-
-    def _agreed(self, mine: bool) -> bool:
-        """Rank 0's answer, on every rank (before a collective call that depends on it)."""
-        if self.world == 1:
-            return mine
-        value = torch.tensor([int(mine)], dtype=torch.long, device=self.engine.device)
-        dist.broadcast(value, src=0)
-        return bool(value.item())
 
     def _export_outputs(self, version: int, last: bool) -> None:
         """spec.output's copies due at this version: an evaluated version's candidate, the final model."""

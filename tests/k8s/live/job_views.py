@@ -9,7 +9,7 @@ from typing import Any
 
 import kmock
 
-from operator_harness import JOBS, NS, Api
+from operator_harness import JOBS, NS, Api, eventually
 from pipelinerl.contracts import OperatorEnv
 
 STS = "apps/v1/statefulsets"
@@ -60,6 +60,14 @@ def events(emulator: kmock.KubernetesEmulator) -> list[str]:
 async def all_ready(api: Api, name: str = "demo", generators: int = 2, trainers: int = 2) -> None:
     for role, n in (("generator", generators), ("preprocessor", 1), ("trainer", trainers)):
         await api.set_sts_status(f"{name}-prl-{role}", n, n)
+
+
+async def ready_job(emulator: kmock.KubernetesEmulator, api: Api) -> None:
+    """The default job created, its pods up (the StatefulSet controller's part played), Ready."""
+    await api.create_job(manifest())
+    await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"))
+    await all_ready(api)
+    await eventually(lambda: condition(emulator, "Ready").get("status") == "True", what="Ready")
 
 
 def sts_template(emulator, role: str) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import os
 import nats
 from prometheus_client import generate_latest
 
-from job_views import ROLES, STS, all_ready, allow, condition, events, manifest, obj, status, sts_template
+from job_views import ROLES, STS, all_ready, allow, condition, events, manifest, obj, ready_job, status, sts_template
 from operator_harness import JOBS, NS, eventually, running_operator
 from pipelinerl.contracts import JobSubjects
 from pipelinerl.store import ensure_streams
@@ -194,10 +194,7 @@ async def test_a_trainer_waiting_unready_for_its_lost_store_says_so_on_the_job(c
     emulator, api, trainer = cluster
     trainer.reports["demo"] = {"step": 8, "version": 8, "finished": False, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
-        await api.create_job(manifest())
-        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"))
-        await all_ready(api)
-        await eventually(lambda: condition(emulator, "Ready").get("status") == "True", what="Ready")
+        await ready_job(emulator, api)
         lost = "StoreLost: the trainer's position (step 8, its checkpoint) belongs to the job's NATS store a, ..."
         trainer.reports["demo"] = {"step": 0, "version": 0, "finished": False, "storeLost": lost}
         await api.set_sts_status("demo-prl-trainer", 2, 0)
@@ -266,10 +263,7 @@ async def test_operator_restart_creates_no_duplicates(cluster) -> None:
     emulator, api, trainer = cluster
     trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
-        await api.create_job(manifest())
-        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"))
-        await all_ready(api)
-        await eventually(lambda: condition(emulator, "Ready").get("status") == "True")
+        await ready_job(emulator, api)
     creates_before = [c for c in emulator.creates if not c.startswith("events/")]
     async with running_operator(str(emulator.url)):
         trainer.reports["demo"]["step"] = 8  # the new operator picks up where the old one stopped
