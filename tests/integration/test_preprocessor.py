@@ -521,3 +521,30 @@ async def test_a_preprocessor_frozen_past_its_acknowledgement_wait_takes_each_he
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()
+
+
+async def test_a_fetch_jetstream_cannot_answer_yet_is_waited_out_not_fatal(tmp_path, caplog):
+    """A restarting nats-server answers a fetch 503 until its JetStream has recovered its streams:
+    here a real server without JetStream answers every fetch so. The preprocessor's fetch comes
+    back empty after a pause (it raised, and the preprocessor restarted)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import nats
+
+    from pipelinerl.ports import free_port
+    from pipelinerl_preprocessor.main import RETRY_S, fetch
+
+    port = free_port()
+    server = subprocess.Popen([str(Path(sys.executable).parent / "nats-server"), "-p", str(port)], cwd=tmp_path)
+    try:
+        nc = await nats.connect(f"nats://127.0.0.1:{port}", max_reconnect_attempts=20, reconnect_time_wait=0.1)
+        sub = await nc.jetstream().pull_subscribe_bind("preprocessor", stream="ROLLOUTS")
+        began = time.monotonic()
+        assert await fetch(sub) == [] and time.monotonic() - began >= RETRY_S
+        assert "JetStream unavailable (ServiceUnavailableError)" in caplog.text
+        await nc.close()
+    finally:
+        server.kill()
+        server.wait()

@@ -31,7 +31,8 @@ from collections import Counter as Tally
 
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
-from nats.js.errors import NotFoundError
+from nats.errors import NoRespondersError
+from nats.js.errors import NotFoundError, ServiceUnavailableError
 from prometheus_client import Counter, Gauge
 
 from pipelinerl import books
@@ -64,11 +65,28 @@ STREAM_MESSAGES = Gauge(
     "pipelinerl_stream_messages", "Messages stored in one of the job's JetStream streams", ["stream"]
 )
 STREAMS_EVERY_S = 15.0
+# A restarting nats-server's JetStream answers a fetch 503 (no responders) until it has recovered
+# its streams: the preprocessor waits it out (its connection reconnects for as long as it takes).
+UNAVAILABLE = (ServiceUnavailableError, NoRespondersError)
+RETRY_S = 1.0
 # A group this preprocessor took but has not published would be redelivered this long after it
 # died (its restarted self takes them back at once, see run); while alive it keeps them with a
 # keep-alive every quarter of it. A pause longer than this (SIGSTOP, a frozen node, a stall) has
 # them delivered again to the living preprocessor, which takes each once (`StepBuilder.returned`).
 ACK_WAIT_S = float(os.environ.get(Env.ACK_WAIT_S, "30"))
+
+
+async def fetch(sub) -> list[Msg]:
+    """The next rollout groups from the work queue; none when none came in a second, or while
+    JetStream is unavailable (answered at once: a pause, not a busy loop)."""
+    try:
+        return await sub.fetch(batch=64, timeout=1.0)
+    except TimeoutError:  # nats' and asyncio's timeouts both derive from it
+        return []
+    except UNAVAILABLE as err:
+        log.warning("JetStream unavailable (%s): fetching again in %.0fs", type(err).__name__, RETRY_S)
+        await asyncio.sleep(RETRY_S)
+        return []
 
 
 class Preprocessor:
@@ -125,10 +143,7 @@ class Preprocessor:
             if self._trainer_behind():
                 await asyncio.sleep(0.05)
                 continue
-            try:
-                msgs = await sub.fetch(batch=64, timeout=1.0)
-            except TimeoutError:  # nats' and asyncio's timeouts both derive from it
-                msgs = []
+            msgs = await fetch(sub)
             for msg in msgs:
                 await self._intake(msg)
             self._catch_up(msgs)

@@ -2,6 +2,8 @@
 
 Layout: <dir>/step-<N>/{ds/, hf/, state.json} and <dir>/latest (written last, atomically), so
 a crash mid-save leaves the previous checkpoint in force; the newest two are kept (`prune`).
+Every file is flushed to the disk before `latest` names it (`durable`): a node that loses power
+(not only a killed process) must not leave `latest` naming a checkpoint still in its page cache.
 Exports (weights only, for offline evaluation) go to <dir>/export/version-<N>/ (and to
 spec.output: output.py). All ranks call save/load/export (DeepSpeed saves its shards
 collectively; ZeRO-3 gathers the full weights collectively).
@@ -55,12 +57,15 @@ def save(
     _save_hf(engine, target / "hf", rank, model_path)
     if local_rank == 0:
         (target / "state.json").write_text(json.dumps(state, indent=1))
+        durable(target)  # this pod's part of the checkpoint, before any pod names it
     if dist.is_initialized():
         dist.barrier()
     if local_rank == 0:
         tmp = ckpt_dir / "latest.tmp"
         tmp.write_text(tag)
+        durable(tmp)
         os.replace(tmp, ckpt_dir / "latest")
+        durable(ckpt_dir)  # the rename itself
         prune(ckpt_dir, {step, previous})
     if rank == 0:
         log.info("checkpoint %s written", target)
@@ -84,9 +89,24 @@ def export(engine, target: Path, rank: int, model_path: str | None = None) -> Pa
     tmp = target.with_name(target.name + ".tmp")
     _save_hf(engine, tmp, rank, model_path)
     if rank == 0:
+        durable(tmp)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)  # a folder that exists is complete
+        durable(target.parent)
     return target
+
+
+def durable(path: Path) -> None:
+    """fsync `path` (a file, or a folder with everything under it, files before the folders that
+    name them), as a rename that publishes it needs: the data reach the disk before the name."""
+    if path.is_dir():
+        for child in path.iterdir():
+            durable(child)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _save_hf(engine, target: Path, rank: int, model_path: str | None) -> None:
@@ -103,13 +123,20 @@ def load(engine, ckpt_dir: Path) -> dict:
     """Restore the newest checkpoint all ranks have into `engine`; the consumed-data state, or {}
     if some rank has none (every rank then starts afresh, so all stay at the same step)."""
     mine = latest_step(ckpt_dir)
-    step = torch.tensor([-1 if mine is None else mine], dtype=torch.long, device=engine.device)
+    # The oldest and (negated) newest step any rank has, in one all-reduce.
+    steps = torch.tensor([-1 if mine is None else mine] * 2, dtype=torch.long, device=engine.device)
+    steps[1] *= -1
     if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(step, op=dist.ReduceOp.MIN)
-    agreed = int(step.item())
+        dist.all_reduce(steps, op=dist.ReduceOp.MIN)
+    agreed, newest = int(steps[0]), -int(steps[1])
     if agreed < 0:
-        if mine is not None:
-            log.warning("found checkpoint step-%d but another trainer pod has none: starting afresh", mine)
+        if newest >= 0:
+            log.warning(
+                "%s has no checkpoint while another trainer pod has step-%d: every rank starts afresh (its "
+                "first checkpoint was cut short, or a pod's checkpoint volume was lost or replaced)",
+                f"this pod ({ckpt_dir})" if mine is None else "a pod",
+                newest,
+            )
         return {}
     target = ckpt_dir / f"step-{agreed}"
     _, client = engine.load_checkpoint(str(target / "ds"), tag="ds")

@@ -214,9 +214,21 @@ class Trainer:
             if mb.step < step:
                 continue
             if mb.step > step:
-                raise RuntimeError(f"rank {self.rank}: got step {mb.step} while step {step} is incomplete")
+                raise RuntimeError(self._gap(step, mb.step))
             return mb
         return None
+
+    def _gap(self, step: int, got: int) -> str:
+        """Why step `got`'s micro-batch came while step `step` is incomplete: the stream holds the
+        steps since the newest checkpoint (`capacity.stream_bytes`), older ones are gone."""
+        since = f"checkpoint step-{self.position.checkpointed}" if self.position.checkpointed else "no checkpoint"
+        return (
+            f"rank {self.rank}: step {step}'s micro-batches are no longer in the job's BATCHES stream (the next "
+            f"it holds is step {got}'s), and this trainer goes on from {since}. The stream keeps the steps since "
+            "the newest checkpoint: a trainer pod whose checkpoint volume was lost or replaced makes every rank "
+            "start afresh (its log says so), which the stream cannot replay. Put the volume back, or start the "
+            "job again under a new name"
+        )
 
     def _while_waiting(self) -> None:
         """While no data comes: every STORE_CHECK_S, is the job's store still the one this rank's
