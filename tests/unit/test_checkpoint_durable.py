@@ -1,6 +1,7 @@
 """A checkpoint reaches the disk before `latest` names it (pipelinerl_trainer/checkpoint.py
 `durable`): every file and folder of it is fsynced before the rename that publishes it, so a node
-that loses power cannot leave `latest` naming data still in its page cache. The engine here is a
+that loses power cannot leave `latest` naming data still in its page cache; and a save a full
+volume refuses says so, not only torch's stream writer. The engine here is a
 stand-in that writes files as DeepSpeed and Hugging Face would (the real save and resume of two
 pods: tests/integration/test_checkpoint.py)."""
 
@@ -67,3 +68,25 @@ def test_an_export_is_on_disk_before_its_name_appears(tmp_path, events) -> None:
     published = events.index(("replace", target))
     assert ("fsync", target.with_name("version-3.tmp") / "model.safetensors") in events[:published]
     assert ("fsync", target.parent) in events[published:]
+
+
+class FullVolumeEngine(Engine):
+    def save_checkpoint(self, folder: str, tag: str, client_state: dict) -> None:
+        raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/3")
+
+
+@pytest.mark.parametrize("free", [0, 1 << 40])
+def test_a_checkpoint_a_full_volume_refuses_says_so(tmp_path, monkeypatch, free) -> None:
+    import shutil
+
+    from pipelinerl_trainer import checkpoint
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(20 << 30, 20 << 30, free))
+    with pytest.raises((OSError, RuntimeError)) as error:
+        checkpoint.save(FullVolumeEngine(), tmp_path, 5, {"step": 5}, rank=0, local_rank=0, previous=0)
+    if free:  # some other failure: torch's own error, as it was
+        assert type(error.value) is RuntimeError and "PytorchStreamWriter" in str(error.value)
+    else:
+        assert isinstance(error.value, OSError) and "its volume is full (0 MiB free of 20.0 GiB)" in str(error.value)
+        assert "spec.storage.size" in str(error.value) and "PytorchStreamWriter" in str(error.value.__cause__)
+    assert checkpoint.latest_step(tmp_path) is None

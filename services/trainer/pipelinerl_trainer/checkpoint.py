@@ -17,6 +17,7 @@ The full Hugging Face weights (hf/, exports) are written once, by global rank 0.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -53,11 +54,15 @@ def save(
     saved last: 0 for none), which is kept with it (`prune`)."""
     tag = f"step-{step}"
     target = ckpt_dir / tag
-    engine.save_checkpoint(str(target / "ds"), tag="ds", client_state={"pipelinerl": state})
-    _save_hf(engine, target / "hf", rank, model_path)
-    if local_rank == 0:
-        (target / "state.json").write_text(json.dumps(state, indent=1))
-        durable(target)  # this pod's part of the checkpoint, before any pod names it
+    try:
+        engine.save_checkpoint(str(target / "ds"), tag="ds", client_state={"pipelinerl": state})
+        _save_hf(engine, target / "hf", rank, model_path)
+        if local_rank == 0:
+            (target / "state.json").write_text(json.dumps(state, indent=1))
+            durable(target)  # this pod's part of the checkpoint, before any pod names it
+    except (OSError, RuntimeError) as err:
+        _raise_if_full(ckpt_dir, tag, err)
+        raise
     if dist.is_initialized():
         dist.barrier()
     if local_rank == 0:
@@ -70,6 +75,22 @@ def save(
     if rank == 0:
         log.info("checkpoint %s written", target)
     return target
+
+
+FULL_BELOW = 1 << 28  # free bytes under which a failed write is put down to a full volume
+
+
+def _raise_if_full(ckpt_dir: Path, tag: str, err: Exception) -> None:
+    """A write that failed on a full volume says so (torch's own error names its stream writer)."""
+    usage = shutil.disk_usage(ckpt_dir)
+    if usage.free < FULL_BELOW:
+        raise OSError(
+            errno.ENOSPC,
+            f"checkpoint {tag} not written to {ckpt_dir}: its volume is full ({usage.free >> 20} MiB free of "
+            f"{usage.total / 2**30:.1f} GiB). The newest two checkpoints are kept, each the model's weights and "
+            "optimizer state: give the trainer pods larger volumes (spec.storage.size; locally, the run "
+            "directory's disk), then restart the trainer; it resumes from the newest checkpoint",
+        ) from err
 
 
 def prune(ckpt_dir: Path, keep: set[int]) -> None:
