@@ -25,6 +25,13 @@ from pipelinerl.store import store_identity
 log = logging.getLogger("pipelinerl.trainer")
 
 
+def after(seq: int) -> ConsumerConfig:
+    """A consumer that delivers a stream's messages after sequence `seq` (0: all of them)."""
+    if seq:
+        return ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=seq + 1)
+    return ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
+
+
 class NatsBridge:
     def __init__(self, job: PipelineRLJob, env: ServiceEnv, client: str):
         self.subjects = job.subjects
@@ -38,7 +45,7 @@ class NatsBridge:
         # reads their hellos: a trainer frozen past the liveness bound drops nobody on thawing.
         self.clock = AwakeClock()
         asyncio.run_coroutine_threadsafe(self.clock.tick_forever(), self.loop)
-        self.evals: queue.Queue[m.Metrics] = queue.Queue()
+        self.evals: queue.Queue[tuple[int, m.Metrics]] = queue.Queue()  # (METRICS stream sequence, row)
         self.nc = self.call(join_job(job, env, client), JOIN_TIMEOUT_S + 5)  # join_job says why first
         self.js = self.nc.jetstream()
 
@@ -57,10 +64,10 @@ class NatsBridge:
                 log.error("micro-batch %d dead-lettered: %s", seq, err)
                 await dead_letter(self.js, self.subjects, "batch", msg.data, str(err), f"batch-{seq}")
 
-        config = ConsumerConfig(deliver_policy=DeliverPolicy.ALL)
-        if after_seq:
-            config = ConsumerConfig(deliver_policy=DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=after_seq + 1)
-        self.call(self.js.subscribe(self.subjects.batches(rank), cb=on_msg, ordered_consumer=True, config=config), 30)
+        self.call(
+            self.js.subscribe(self.subjects.batches(rank), cb=on_msg, ordered_consumer=True, config=after(after_seq)),
+            30,
+        )
 
     def listen_to_generators(self) -> None:
         """Rank 0: the generators' replies to weight updates, and their hellos."""
@@ -74,13 +81,19 @@ class NatsBridge:
         self.call(self.nc.subscribe(self.subjects.weights_done, cb=on_done), 30)
         self.call(self.nc.subscribe(self.subjects.weights_hello, cb=on_hello), 30)
 
-    def listen_to_evaluations(self) -> None:
-        """The generators' evaluation rows, live (for the experiment trackers)."""
+    def listen_to_evaluations(self, after_seq: int) -> None:
+        """The generators' evaluation rows from the METRICS stream, after sequence `after_seq`
+        (those published while this rank was down too: a live subscription missed them)."""
 
         async def on_eval(msg) -> None:
-            self.evals.put(m.decode(msg.data, m.Metrics))
+            self.evals.put((msg.metadata.sequence.stream, m.decode(msg.data, m.Metrics)))
 
-        self.call(self.nc.subscribe(self.subjects.metrics("eval"), cb=on_eval), 30)
+        self.call(
+            self.js.subscribe(
+                self.subjects.metrics("eval"), cb=on_eval, ordered_consumer=True, config=after(after_seq)
+            ),
+            30,
+        )
 
     def store_identity(self) -> m.StoreIdentity:
         """Which store the job's streams are (written by the first service to find none)."""

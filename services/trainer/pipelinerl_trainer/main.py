@@ -106,7 +106,7 @@ def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.
     bridge = NatsBridge(job, env, f"{job.name}-trainer-{rank}")
     await_store(position, bridge, board, env, stop)
     output = Output(env.output_dir, spec.output.best if spec.output else True) if env.output_dir else None
-    reporter = Reporter(job, rank, env.run_dir, board, bridge, output)
+    reporter = Reporter(job, rank, env.run_dir, board, bridge, output, position.store)
     # Rank 0 serves the weight group's rendezvous for its lifetime (every epoch meets in it).
     store = None
     if rank == 0:

@@ -5,7 +5,9 @@ weight group's state, and the generators' evaluations (trackers, the best versio
 from __future__ import annotations
 
 import collections
+import json
 import logging
+import os
 import queue
 import time
 from datetime import datetime, timezone
@@ -25,6 +27,9 @@ from pipelinerl_trainer.weight_sender import WeightSender
 
 log = logging.getLogger("pipelinerl.trainer")
 FINAL_EVAL_WAIT_S = 300.0  # for the trackers: the final evaluation comes after the last step
+# Rank 0's place in the evaluations (the METRICS stream sequence of the last one taken, in the
+# job's store): a restart goes on after it, so rows published while it was down are taken, once.
+EVALS_TAKEN = "evaluations-taken.json"
 
 
 class Board:
@@ -43,9 +48,17 @@ class Board:
 
 class Reporter:
     def __init__(
-        self, job: PipelineRLJob, rank: int, run_dir: Path, board: Board, bridge: NatsBridge, output: Output | None
+        self,
+        job: PipelineRLJob,
+        rank: int,
+        run_dir: Path,
+        board: Board,
+        bridge: NatsBridge,
+        output: Output | None,
+        store: str,
     ):
         self.spec, self.subjects, self.board, self.bridge, self.output = job.spec, job.subjects, board, bridge, output
+        self.taken, self.store = run_dir / EVALS_TAKEN, store
         self.tracker = Tracker(job, run_dir) if rank == 0 else None
         # Rank 0 takes the evaluations, for the trackers and to keep the best version.
         self.wants_evals = self.tracker is not None and (self.tracker.enabled or bool(output and output.keep_best))
@@ -54,7 +67,7 @@ class Reporter:
         if rank == 0:
             bridge.listen_to_generators()
             if self.wants_evals:
-                bridge.listen_to_evaluations()
+                bridge.listen_to_evaluations(self._evals_taken())
 
     def group_status(self, sender: WeightSender) -> dict:
         """Rank 0: the weight group, into the gauges and /status."""
@@ -110,7 +123,7 @@ class Reporter:
         deadline = time.monotonic() + (FINAL_EVAL_WAIT_S if wait_for_final else 0)
         while True:
             try:
-                row = self.bridge.evals.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
+                seq, row = self.bridge.evals.get(timeout=max(0.0, min(1.0, deadline - time.monotonic())))
             except queue.Empty:
                 if time.monotonic() >= deadline or stopping():
                     return
@@ -126,8 +139,19 @@ class Reporter:
                         accuracy,
                         self.output.root / "best",
                     )
+            self._took_eval(seq)
             if row.values.get("final"):
                 deadline = 0.0
+
+    def _evals_taken(self) -> int:
+        """The sequence of the last evaluation taken in this store (0: none, or another store's)."""
+        taken = json.loads(self.taken.read_text()) if self.taken.exists() else {}
+        return taken["seq"] if taken.get("store") == self.store else 0
+
+    def _took_eval(self, seq: int) -> None:
+        tmp = self.taken.with_name(self.taken.name + ".tmp")
+        tmp.write_text(json.dumps({"store": self.store, "seq": seq}))
+        os.replace(tmp, self.taken)  # whole or not at all
 
     def close(self, finished: bool, stopping) -> None:
         """The run is over: the final evaluation (when one is due), then the trackers close."""
