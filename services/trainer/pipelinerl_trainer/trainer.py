@@ -132,11 +132,10 @@ class Trainer:
             self.sender.send(version)  # (restarted mid-phase: the generators keep the phase's weights)
         if self.rank == 0:
             self.reporter.group_status(self.sender)
-        if done:  # what the final step did after its checkpoint: the model out, the final evaluation
-            if self.output is not None and not from_rank0(self.output.final.exists(), self.world, self.engine.device):
-                self._export_outputs(version, last=True)  # (collective: every rank, or none)
-            if self.rank == 0:
-                self._await_final_weights()
+        if version:
+            self._export_missing(version, last=done)
+        if done and self.rank == 0:  # the final evaluation needs the final weights held
+            self._await_final_weights()
         if version and (self.rank == 0 or not done):  # the finish: rank 0's, once its weights are held
             self._announce(finished=done)
         self.bridge.consume_batches(self.rank, self.position.consumed_seq)
@@ -300,6 +299,20 @@ class Trainer:
         if export and version % export == 0:
             checkpoint.export(self.engine, self.ckpt_dir / "export" / f"version-{version}", self.rank)
         self._export_outputs(version, last)
+
+    def _export_missing(self, version: int, last: bool) -> None:
+        """Restarted from the checkpoint of `version`: the copies a kill between that checkpoint and
+        its exports (`_save`) left unwritten. Each is collective: the ranks go by rank 0's folders."""
+        export = self.spec.trainer.export_interval
+        copy = self.ckpt_dir / "export" / f"version-{version}"
+        if export and version % export == 0 and not from_rank0(copy.exists(), self.world, self.engine.device):
+            checkpoint.export(self.engine, copy, self.rank)
+        if (
+            last
+            and self.output is not None
+            and not from_rank0(self.output.final.exists(), self.world, self.engine.device)
+        ):
+            self._export_outputs(version, last=True)
 
     def _export_outputs(self, version: int, last: bool) -> None:
         """spec.output's copies due at this version: an evaluated version's candidate, the final model."""
