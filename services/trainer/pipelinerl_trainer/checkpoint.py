@@ -82,7 +82,10 @@ FULL_BELOW = 1 << 28  # free bytes under which a failed write is put down to a f
 
 def _raise_if_full(ckpt_dir: Path, tag: str, err: Exception) -> None:
     """A write that failed on a full volume says so (torch's own error names its stream writer)."""
-    usage = shutil.disk_usage(ckpt_dir)
+    try:
+        usage = shutil.disk_usage(ckpt_dir)
+    except OSError:  # no folder to ask about: the error is not the disk's
+        return
     if usage.free < FULL_BELOW:
         raise OSError(
             errno.ENOSPC,

@@ -20,6 +20,7 @@ import os
 import queue
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
@@ -295,17 +296,23 @@ class Trainer:
             self._checkpoint()
         if last:  # (tests: a kill after the final checkpoint, before the model is out)
             failpoint("trainer-final-checkpointed")
-        export = self.spec.trainer.export_interval
-        if export and version % export == 0:
-            checkpoint.export(self.engine, self.ckpt_dir / "export" / f"version-{version}", self.rank)
+        if self._exports(version):
+            checkpoint.export(self.engine, self._export_copy(version), self.rank)
         self._export_outputs(version, last)
+
+    def _exports(self, version: int) -> bool:
+        """Whether `version`'s weights are copied out (trainer.exportInterval)."""
+        export = self.spec.trainer.export_interval
+        return bool(export) and version % export == 0
+
+    def _export_copy(self, version: int) -> Path:
+        return self.ckpt_dir / "export" / f"version-{version}"
 
     def _export_missing(self, version: int, last: bool) -> None:
         """Restarted from the checkpoint of `version`: the copies a kill between that checkpoint and
         its exports (`_save`) left unwritten. Each is collective: the ranks go by rank 0's folders."""
-        export = self.spec.trainer.export_interval
-        copy = self.ckpt_dir / "export" / f"version-{version}"
-        if export and version % export == 0 and not from_rank0(copy.exists(), self.world, self.engine.device):
+        copy = self._export_copy(version)
+        if self._exports(version) and not from_rank0(copy.exists(), self.world, self.engine.device):
             checkpoint.export(self.engine, copy, self.rank)
         if (
             last
