@@ -34,7 +34,8 @@ progress bars, DeepSpeed's INFO lines and Python warnings (the log keeps them) a
 compact summary: each part's status and every VERDICT line.
 
 `--smoke` runs the same parts on CPU (tiny shapes, gloo, no install where the packages
-import), in a few minutes: it keeps the script from rotting between GPU loans.
+import), in a few minutes: it keeps the script from rotting between GPU loans. Its pytest parts
+only collect their selections (none matching fails them): the test suite runs those tests itself.
 
 This file (and bench/gpu_probe.py) imports nothing outside the standard library: it runs before
 anything is installed.
@@ -100,6 +101,7 @@ class Record:
 def plan(smoke: bool, out: Path) -> list[Part]:
     """The parts after install, with their exact command lines (tests parse them)."""
     outdir = ["--results-dir", str(out)]
+    pytest = ["-m", "pytest", "-q", "-p", "no:cacheprovider"] + (["--collect-only"] if smoke else [])
     if smoke:  # the tiny shape on CPU; the 16k part's micro-batches twice the others'
         size = {"0.5B": ["--smoke"], "1.5B": ["--smoke"], "16k": ["--smoke", "--micro-batch-tokens", "512"]}
         update = ["--smoke", "--rounds", "2"]
@@ -118,7 +120,7 @@ def plan(smoke: bool, out: Path) -> list[Part]:
     return [
         Part(
             "weight-plane",
-            ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "90", "-rfE", "--tb=short"]
+            pytest + ["--timeout", "90", "-rfE", "--tb=short"]
             + ["tests/integration/test_commit_graphs.py", "tests/integration/test_weight_group.py"]
             + ["-k", ("cpu" if smoke else "cuda") + " or killed"],  # the smoke: the CPU stand-ins, gloo
             100,
@@ -138,7 +140,7 @@ def plan(smoke: bool, out: Path) -> list[Part]:
         ),
         Part(
             "gpu-tests",
-            ["-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout", "120", "-rfE", "--tb=short"]
+            pytest + ["--timeout", "120", "-rfE", "--tb=short"]
             + ["tests/gpu", "tests/integration/test_weight_group.py", "-k", "gpu or nccl"],
             150,
             pytest=True,
