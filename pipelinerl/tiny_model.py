@@ -23,11 +23,12 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from pipelinerl.contracts import Env
+
+if TYPE_CHECKING:  # torch is imported where a model is built or trained: `pipelinerl validate` and
+    import torch  # the runner only read names, paths and the tokenizer (importing it costs 1.4 s)
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,8 @@ def load_tokenizer(path: str):
 
 
 def make_model(seed: int = 0):
+    import torch
+
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -123,6 +126,8 @@ def make_model(seed: int = 0):
 
 def _encode_batch(tokenizer, prompts: list[str], answers: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """Token ids and a loss mask over answer + eos, right-padded."""
+    import torch
+
     rows = [(tokenizer.encode(p), tokenizer.encode(a) + [tokenizer.eos_token_id]) for p, a in zip(prompts, answers)]
     width = max(len(p) + len(a) for p, a in rows)
     ids = torch.full((len(rows), width), tokenizer.pad_token_id)
@@ -134,6 +139,8 @@ def _encode_batch(tokenizer, prompts: list[str], answers: list[str]) -> tuple[to
 
 
 def supervised_loss(model, ids: torch.Tensor, mask: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    import torch
+
     logits = model(input_ids=ids).logits[:, :-1]
     target, m = ids[:, 1:], mask[:, 1:]
     return torch.nn.functional.cross_entropy(logits[m], target[m], reduction=reduction)
@@ -143,6 +150,8 @@ def batch_loss(model, tokenizer, batch, buckets: int = 1) -> torch.Tensor:
     """Mean cross-entropy over the answer + EOS tokens of the problems in `batch`. With
     `buckets` > 1 the batch runs as that many forwards of problems sorted by length, so short
     ones are not padded to the longest (the same loss; 2-3x faster on the long-tail task)."""
+    import torch
+
     if buckets == 1:
         return supervised_loss(model, *_encode_batch(tokenizer, [p.prompt for p in batch], [p.answer for p in batch]))
     ordered = sorted(batch, key=lambda p: len(p.prompt) + len(p.answer))
@@ -158,11 +167,12 @@ def batch_loss(model, tokenizer, batch, buckets: int = 1) -> torch.Tensor:
     return torch.as_tensor(total) / tokens
 
 
-@torch.no_grad()
 def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int | None = None) -> float:
     """Share of problems whose greedy completion stops (EOS) with exactly the answer (stripped),
     as `exact_answer_rollout` rewards it. Prompts are batched by length (no padding). By default
     each may write its answer and two tokens more."""
+    import torch
+
     by_length: dict[int, list] = {}
     for p in problems:
         by_length.setdefault(len(tokenizer.encode(p.prompt)), []).append(p)
@@ -197,6 +207,8 @@ def warm_task(name: str):
 def warm_start(model, tokenizer, name: str = "tiny-arith", progress=print, max_steps: int | None = None) -> dict:
     """Supervised learning on the model's task (loss on answer + EOS) until its held-out greedy
     accuracy reaches the target: a deliberately partial start, for RL to take on."""
+    import torch
+
     warm, task = WARM_STARTS[name], warm_task(name)
     if max_steps is not None:
         warm = warm | {"max_steps": max_steps}
@@ -254,6 +266,8 @@ def deterministic_build(name: str, progress=print, max_steps: int | None = None)
     """The built-in model's weights from scratch: seeded, and single-threaded with deterministic
     kernels, so a build does not depend on the machine's thread count (it still depends on the
     CPU's kernels: hence the shipped weights)."""
+    import torch
+
     threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -303,6 +317,8 @@ def ship(name: str, progress=print) -> dict:
 
 
 def _ship(name: str, tokenizer, model, info: dict, progress=print) -> dict:
+    import torch
+
     from safetensors.torch import save_file
 
     state = {k: v.half().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}

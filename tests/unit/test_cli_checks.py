@@ -68,3 +68,20 @@ def test_a_local_model_folder_must_exist_one_only_the_cluster_sees_cannot_be_che
     (tmp_path / "models" / "qwen").mkdir(parents=True)
     assert cli(["validate", manifest(tmp_path, model={"path": "./models/qwen"})]) == 2
     assert "has no config.json" in capsys.readouterr().err
+
+
+def test_validate_checks_the_tiny_job_without_importing_torch():
+    """`validate`, and `run` before it starts anything, read the built-in model's names, paths and
+    tokenizer only: torch (1.4 s of every start) is imported where a model is built or trained."""
+    import json
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
+    code = (
+        f"import sys; from pipelinerl_cli.main import main; main(['validate', '{example}']); print(sorted(sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    modules = json.loads(done.stdout.splitlines()[-1])
+    assert "transformers" in modules and "torch" not in modules  # the tokenizer was built, without torch
