@@ -79,7 +79,8 @@ def test_validate_checks_the_tiny_job_without_importing_torch():
 
     example = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
     code = (
-        f"import sys; from pipelinerl_cli.main import main; main(['validate', '{example}']); print(sorted(sys.modules))"
+        "import json, sys; from pipelinerl_cli.main import main; "
+        f"main(['validate', '{example}']); print(json.dumps(list(sys.modules)))"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
