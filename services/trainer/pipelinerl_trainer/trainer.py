@@ -20,8 +20,8 @@ import os
 import queue
 import threading
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
