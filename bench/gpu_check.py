@@ -20,7 +20,7 @@ default) up to its own cap, each going on whatever the others did:
    for Qwen2.5-1.5B and -7B shapes, bf16, static KV cache, CUDA graphs (bench/gpu_decode.py): the
    curve the planner's decode costs and the throughput bound are fitted from;
 5. gpu-tests: the GPU tests (varlen flash attention, the bf16 forward, the sync-free loop, the
-   NCCL transport), 120 s per test at most; their summary lines (-rfE) printed, all in the log;
+   NCCL transport), 120 s per test at most; their summary lines (-rfEs) printed, all in the log;
 6. 0.5B: benchmark 6 at Qwen2-0.5B shapes, sides stock, plain, zero1, zero1+compile, with a
    profile (ZeRO-3 only shards, which one GPU does not need: 0.25× stock on an H200);
 7. 1.5B: at Qwen2-1.5B shapes, sides stock, zero1, zero1+compile (no compiled side in --smoke);
@@ -120,7 +120,7 @@ def plan(smoke: bool, out: Path) -> list[Part]:
     return [
         Part(
             "weight-plane",
-            pytest + ["--timeout", "90", "-rfE", "--tb=short"]
+            pytest + ["--timeout", "90", "-rfEsP", "--tb=short"]  # P: what a test prints (NOTE lines)
             + ["tests/integration/test_commit_graphs.py", "tests/integration/test_weight_group.py"]
             + ["-k", ("cpu" if smoke else "cuda") + " or killed"],  # the smoke: the CPU stand-ins, gloo
             100,
@@ -140,7 +140,7 @@ def plan(smoke: bool, out: Path) -> list[Part]:
         ),
         Part(
             "gpu-tests",
-            pytest + ["--timeout", "120", "-rfE", "--tb=short"]
+            pytest + ["--timeout", "120", "-rfEs", "--tb=short"]
             + ["tests/gpu", "tests/integration/test_weight_group.py", "-k", "gpu or nccl"],
             150,
             pytest=True,
@@ -211,13 +211,14 @@ def part_timeout(cap_s: float, left_s: float) -> float | None:
 PROGRESS = re.compile(r"\d+%\||\d+/\d+ \[[\d:<?]+|it/s\]|s/it\]")
 LOG_NOISE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,.]+\] \[(INFO|DEBUG|WARNING)\]")
 PY_WARNING = re.compile(r"\b\w*Warning: ")
-PYTEST_SHOWN = re.compile(r"^(FAILED|ERROR)\b|\b\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s")
+PYTEST_SHOWN = re.compile(r"^(FAILED|ERROR|SKIPPED|NOTE)\b|\b\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s")
 
 
 class Filter:
     """Decides, line by line, what of a part's output is printed: not progress bars, DeepSpeed's
     INFO/WARNING log lines, Python warnings (and the source line printed under each) or blank
-    lines; of pytest's output only its FAILED/ERROR summary lines and its totals."""
+    lines; of pytest's output only its FAILED/ERROR/SKIPPED summary lines, the NOTE lines a test prints
+    (what it found that a pass alone does not say) and its totals."""
 
     def __init__(self, pytest: bool = False) -> None:
         self.pytest = pytest

@@ -67,7 +67,7 @@ def test_every_command_line_the_check_runs_parses(smoke, tmp_path):
     assert args.name == got["weight-update"].result and args.results_dir == tmp_path
     assert args.size == ("smoke" if smoke else "1.5B")
     tests = got["gpu-tests"].argv
-    assert tests[:2] == ["-m", "pytest"] and tests[tests.index("--timeout") + 1] == "120" and "-rfE" in tests
+    assert tests[:2] == ["-m", "pytest"] and tests[tests.index("--timeout") + 1] == "120" and "-rfEs" in tests
     # The smoke collects the pytest parts' selections (the suite runs those tests); a GPU runs them.
     assert ("--collect-only" in plane) == ("--collect-only" in tests) == smoke
 
