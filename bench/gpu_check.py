@@ -135,7 +135,7 @@ def plan(smoke: bool, out: Path) -> list[Part]:
         Part(
             "decode-curve",
             ["-m", "bench.gpu_decode"] + (["--smoke"] if smoke else []) + ["--name", "gpu_decode"] + outdir,
-            90,
+            150,
             result="gpu_decode",
         ),
         Part(
@@ -211,7 +211,9 @@ def part_timeout(cap_s: float, left_s: float) -> float | None:
 PROGRESS = re.compile(r"\d+%\||\d+/\d+ \[[\d:<?]+|it/s\]|s/it\]")
 LOG_NOISE = re.compile(r"^\[\d{4}-\d\d-\d\d [\d:,.]+\] \[(INFO|DEBUG|WARNING)\]")
 PY_WARNING = re.compile(r"\b\w*Warning: ")
-PYTEST_SHOWN = re.compile(r"^(FAILED|ERROR|SKIPPED|NOTE)\b|\b\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s")
+PYTEST_SHOWN = re.compile(
+    r"^(FAILED|ERROR|SKIPPED|NOTE)\b|\b\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s"
+)
 
 
 class Filter:

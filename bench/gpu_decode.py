@@ -12,6 +12,13 @@ replayed; the median of the replays' times. A point whose KV cache does not fit 
 left after the weights is recorded as skipped, with the bytes it needed: the running batch is
 bounded by KV memory. Written to `gpu_decode.json` with the points the planner's decode curve is
 fitted from (`pipelinerl.planner.bound.fit_curve`: base + per sequence + per context token).
+
+Two attentions, side by side (`--attentions`): `sdpa`, transformers' own, which on CUDA with a
+mask (a static cache always has one) copies each KV head once per query head sharing it
+(`repeat_kv`) and falls back from the flash kernel, so its context cost is far above what a
+serving engine's decode kernel reads; and `grouped` (`grouped_attention` below), each KV head's
+cache read once by a matmul for all the query heads that share it, as vLLM's paged decode
+kernels do. Before timing, the two are checked to agree on one step (`agree` in the JSON).
 """
 
 from __future__ import annotations
@@ -38,6 +45,37 @@ MODELS: dict[str, dict] = {
     "smoke": SIZES["smoke"],
 }  # fmt: skip
 REPLAYS = 20
+ATTENTIONS = ("sdpa", "grouped")
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention with grouped KV heads without copying them: query head h uses KV head h // g (as
+    transformers' `repeat_kv` has it), so the g query heads of a KV head are its rows of one
+    matmul over the cache. `attention_mask`: sdpa's (True attends) or an additive one, either
+    (batch, 1, q, kv); None: causal over several queries (as sdpa's `is_causal`), else every
+    position. Returns (batch, q, heads, dim), None."""
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    group = heads // kv_heads
+    rows = query.reshape(batch, kv_heads, group * q_len, dim)  # row i: query head i // q_len of the group
+    scores = torch.matmul(rows, key.transpose(-1, -2)).float() * (dim**-0.5 if scaling is None else scaling)
+    if attention_mask is None and q_len > 1 and getattr(module, "is_causal", True):  # sdpa's is_causal
+        keys = key.shape[2]
+        attention_mask = torch.ones(q_len, keys, dtype=torch.bool, device=query.device).tril(keys - q_len)
+        attention_mask = attention_mask.expand(batch, 1, -1, -1)
+    if attention_mask is not None:
+        mask = attention_mask[:, :, None].expand(-1, -1, group, -1, -1).reshape(batch, 1, group * q_len, -1)
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
+    return out.reshape(batch, heads, q_len, dim).transpose(1, 2).contiguous(), None
+
+
+def register_grouped() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register("grouped", grouped_attention)
+    AttentionMaskInterface.register("grouped", ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])  # the same mask as sdpa's
 
 
 def kv_bytes(arch: dict, batch: int, positions: int, dtype_bytes: int = 2) -> int:
@@ -55,16 +93,38 @@ def static_cache(config, batch: int, length: int, device, dtype):
         return StaticCache(config=config, max_batch_size=batch, max_cache_len=length, device=device, dtype=dtype)
 
 
+def use(model, attention: str) -> None:
+    """Switch `model` (and its masks) to one of ATTENTIONS."""
+    if attention == "grouped":
+        register_grouped()
+    model.set_attn_implementation(attention)
+
+
+def one_step(model, batch: int, context: int):
+    """A decode step's inputs at `context` positions of a static cache, and the step itself."""
+    cache = static_cache(model.config, batch, context + 8, model.device, model.dtype)  # a few spare positions
+    ids = torch.randint(3, model.config.vocab_size, (batch, 1), device=model.device)
+    position = torch.tensor([context], device=model.device)
+    return cache, lambda: model(input_ids=ids, past_key_values=cache, cache_position=position, use_cache=True).logits
+
+
+def agreement(model, batch: int = 2, prompt: int = 64) -> float:
+    """How far the grouped attention's logits are from sdpa's, relative to their size (0:
+    identical): a prompt's prefill (causal) and the next token's decode step over its cache."""
+    ids = torch.randint(3, model.config.vocab_size, (batch, prompt + 1), device=model.device)
+    logits = {}
+    with torch.inference_mode():
+        for attention in ATTENTIONS:
+            use(model, attention)
+            first = model(input_ids=ids[:, :-1], use_cache=True)
+            step = model(input_ids=ids[:, -1:], past_key_values=first.past_key_values, use_cache=True)
+            logits[attention] = torch.cat([first.logits, step.logits], dim=1).float()
+    return float((logits["grouped"] - logits["sdpa"]).norm() / logits["sdpa"].norm())
+
+
 def step_seconds(model, batch: int, context: int, graphs: bool) -> float:
     """The median seconds of one decode step of `batch` sequences at `context` positions."""
-    device, dtype = model.device, model.dtype
-    cache = static_cache(model.config, batch, context + 8, device, dtype)  # a few spare positions
-    ids = torch.randint(3, model.config.vocab_size, (batch, 1), device=device)
-    position = torch.tensor([context], device=device)
-
-    def step() -> None:
-        model(input_ids=ids, past_key_values=cache, cache_position=position, use_cache=True)
-
+    _, step = one_step(model, batch, context)
     with torch.inference_mode():
         step()  # allocates the cache; warms the kernels
         run = step
@@ -90,7 +150,7 @@ def step_seconds(model, batch: int, context: int, graphs: bool) -> float:
     return statistics.median(times)
 
 
-def measure(name: str, batches: list[int], contexts: list[int], on_gpu: bool) -> dict:
+def measure(name: str, batches: list[int], contexts: list[int], attentions: list[str], on_gpu: bool) -> dict:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     arch = MODELS[name]
@@ -99,7 +159,10 @@ def measure(name: str, batches: list[int], contexts: list[int], on_gpu: bool) ->
     config = Qwen2Config(tie_word_embeddings=False, max_position_embeddings=max(contexts) + 8, **arch)
     torch.manual_seed(0)
     with torch.device(device):
-        model = Qwen2ForCausalLM(config).to(dtype).eval()
+        model = Qwen2ForCausalLM(config).eval()
+    agree = agreement(model)  # in float32, where the two can be held to float32's rounding
+    print(f"  {name}: grouped attention's logits within {agree:.1e} of sdpa's (float32)", flush=True)
+    model = model.to(dtype)
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     points = []
     for context in contexts:
@@ -110,18 +173,51 @@ def measure(name: str, batches: list[int], contexts: list[int], on_gpu: bool) ->
                 points.append({"batch": batch, "context": context, "skipped": f"KV cache {need / 1e9:.1f} GB"})
                 print(f"  {name} batch {batch} context {context}: skipped (KV {need / 1e9:.1f} GB)", flush=True)
                 continue
-            try:
-                seconds = step_seconds(model, batch, context, graphs=on_gpu)
-            except torch.OutOfMemoryError:
-                torch.cuda.empty_cache()
-                points.append({"batch": batch, "context": context, "skipped": "out of memory"})
-                continue
-            points.append({"batch": batch, "context": context, "step_s": seconds})
-            print(f"  {name} batch {batch:4d} context {context:5d}: {1000 * seconds:.2f} ms per step", flush=True)
-            if on_gpu:
-                torch.cuda.empty_cache()
+            for attention in attentions:  # side by side, point by point
+                use(model, attention)
+                point = {"batch": batch, "context": context, "attention": attention}
+                try:
+                    point["step_s"] = step_seconds(model, batch, context, graphs=on_gpu)
+                except torch.OutOfMemoryError:
+                    point["skipped"] = "out of memory"
+                points.append(point)
+                shown = f"{1000 * point['step_s']:.2f} ms per step" if "step_s" in point else point["skipped"]
+                print(f"  {name} batch {batch:4d} context {context:5d} {attention:>7}: {shown}", flush=True)
+                if on_gpu:
+                    torch.cuda.empty_cache()
     del model
-    return {"weights_bytes": weights, "dtype": str(dtype), "cuda_graphs": on_gpu, "points": points}
+    return {
+        "weights_bytes": weights, "dtype": str(dtype), "cuda_graphs": on_gpu, "agree": agree, "points": points,
+        "fits": {a: fit(points, a) for a in attentions},
+    }  # fmt: skip
+
+
+def fit(points: list[dict], attention: str) -> dict | None:
+    """The planner's three decode costs fitted to one attention's points (None where the planner
+    cannot be imported: the GPU image without the project's packages)."""
+    try:
+        from pipelinerl.planner.bound import fit_curve
+    except ImportError:
+        return None
+    mine = [p for p in points if p.get("attention") == attention and "step_s" in p]
+    measured = [(p["batch"], p["context"], p["step_s"]) for p in mine]
+    if len(measured) < 3:
+        return None
+    curve = fit_curve(measured)
+    return {"decode_base_s": curve.base_s, "decode_per_seq_s": curve.per_seq_s, "decode_per_token_s": curve.per_token_s}
+
+
+def verdict_lines(result: dict) -> list[str]:
+    lines = []
+    for name, model in result["models"].items():
+        for attention, f in model["fits"].items():
+            if f:
+                lines.append(
+                    f"VERDICT decode {name} ({attention}): {1e3 * f['decode_base_s']:.2f} ms a step"
+                    f" + {1e6 * f['decode_per_seq_s']:.1f} us a sequence + {1e9 * f['decode_per_token_s']:.1f} ns"
+                    f" a context token (logits within {model['agree']:.1e} of sdpa's)"
+                )
+    return lines
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -129,6 +225,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--models", default="1.5B,7B")
     ap.add_argument("--batches", default="1,8,32,128,512")
     ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--attentions", default=",".join(ATTENTIONS), help=f"of {', '.join(ATTENTIONS)}")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, eager")
     ap.add_argument("--name", default="gpu_decode", type=lambda s: s if NAME.fullmatch(s) else ap.error(s))
     ap.add_argument("--results-dir", type=Path)
@@ -145,9 +242,12 @@ def main(argv: list[str] | None = None) -> None:
     contexts = [int(c) for c in args.contexts.split(",")]
     result = {"device": str(machine()["device"]), "replays": REPLAYS, "models": {}}
     for name in args.models.split(","):
-        result["models"][name] = measure(name, batches, contexts, on_gpu)
+        result["models"][name] = measure(name, batches, contexts, args.attentions.split(","), on_gpu)
+        result["verdict_lines"] = verdict_lines(result)
         if folder is not None:  # after every model: a run cut short keeps what it measured
             save(args.name, result, "python -m bench.gpu_decode " + " ".join(argv or []), folder)
+    for line in result["verdict_lines"]:
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from bench import gpu_check, gpu_commit, gpu_decode, gpu_trainer, gpu_weight_update
 from bench.gpu_check import GRACE_S, MIN_PART_S, SUMMARY_S, Check, Filter, part_timeout, plan, without_deepspeed
@@ -309,13 +310,41 @@ def test_a_deepspeed_that_does_not_import_is_moved_out_of_the_scratch_site(tmp_p
 
 
 def test_the_decode_curve_part_measures_on_cpu_and_bounds_the_batch_by_kv_memory(tmp_path):
-    """Its smoke (tiny shapes, eager) writes a point per batch and context; the KV bytes it
-    checks a point against are the static cache's (keys and values, every layer)."""
+    """Its smoke (tiny shapes, eager) writes a point per batch, context and attention, and a fit
+    per attention; the KV bytes it checks a point against are the static cache's (keys and
+    values, every layer)."""
     gpu_decode.main(["--smoke", "--results-dir", str(tmp_path)])
     result = json.loads((tmp_path / "gpu_decode.json").read_text())
-    points = result["models"]["smoke"]["points"]
-    assert [(p["batch"], p["context"]) for p in points] == [(1, 16), (4, 16), (1, 32), (4, 32)]
-    assert all(p["step_s"] > 0 for p in points)
+    smoke = result["models"]["smoke"]
+    cells = [(b, c, a) for c in (16, 32) for b in (1, 4) for a in ("sdpa", "grouped")]
+    assert [(p["batch"], p["context"], p["attention"]) for p in smoke["points"]] == cells
+    assert all(p["step_s"] > 0 for p in smoke["points"])
+    assert smoke["agree"] < 1e-5 and set(smoke["fits"]) == {"sdpa", "grouped"}
+    assert len(result["verdict_lines"]) == 2
     seven = gpu_decode.MODELS["7B"]  # 28 layers, 4 KV heads of 128: 57,344 bytes a position in bf16
     assert gpu_decode.kv_bytes(seven, 1, 1) == 2 * 28 * 4 * 128 * 2
     assert gpu_decode.kv_bytes(seven, 512, 4096) > 100e9  # more than an H200 leaves after the weights
+
+
+def test_grouped_attention_is_sdpa_without_copying_kv_heads():
+    """The decode curve's `grouped` attention computes what transformers' sdpa computes (with its
+    KV heads copied per query head): causal without a mask, a boolean and an additive mask,
+    several queries and one; a grouping that pairs heads wrongly is caught."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    class Layer:
+        is_causal, training, num_key_value_groups = True, False, 4
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 9, 16), torch.randn(2, 2, 9, 16)
+    allowed = torch.rand(2, 1, 5, 9) > 0.3
+    allowed[..., 0] = True  # every query attends to something
+    additive = torch.zeros(2, 1, 5, 9).masked_fill(~allowed, float("-inf"))
+    for query, mask in [(q, allowed), (q, additive), (q[:, :, -1:], allowed[:, :, -1:]), (q, None)]:
+        keys, values = (k[:, :, :5], v[:, :, :5]) if mask is None else (k, v)  # causal: as many keys as queries
+        expected, _ = sdpa_attention_forward(Layer(), query, keys, values, mask, scaling=0.25)
+        got, _ = gpu_decode.grouped_attention(Layer(), query, keys, values, mask, scaling=0.25)
+        assert got.shape == expected.shape and torch.allclose(got, expected, atol=1e-5)
+    swapped = q.reshape(2, 4, 2, 5, 16).transpose(1, 2).reshape(2, 8, 5, 16)  # head h paired with KV head h % 2
+    wrong, _ = gpu_decode.grouped_attention(Layer(), swapped, k, v, allowed, scaling=0.25)
+    assert not torch.allclose(wrong, sdpa_attention_forward(Layer(), q, k, v, allowed, scaling=0.25)[0], atol=1e-3)
