@@ -2,7 +2,8 @@
 and at 32 H100s, appendix A.4's analytic case) and AReaL (arXiv 2505.24298, Table 1, 7B).
 
 Every case runs on ONE cost set, the shipped `h100-7b` calibration (its comments give each
-number's derivation from published hardware and model figures); none is fitted to a case. Each
+number's derivation: the decode costs measured on an H200 and carried to an H100, the rest from
+published hardware and model figures); none is fitted to a case. Each
 test writes down its inputs: which are published, which are estimated and from what. The
 planner's ratio must be within ±20% of the published one; where it is not, the test names the
 effect the model lacks and asserts the planner's current value with a tolerance, so that it
@@ -16,6 +17,10 @@ from __future__ import annotations
 
 import pytest
 
+import json
+from pathlib import Path
+
+from pipelinerl.planner.bound import fit_curve
 from pipelinerl.planner.calibration import Lengths, load_calibration
 from pipelinerl.planner.sim_params import SimResult
 from pipelinerl.planner.simulation import simulate
@@ -26,6 +31,30 @@ WITHIN = 0.20  # the target: within ±20% of the published ratio
 
 def ratio(pipeline: SimResult, baseline: SimResult) -> float:
     return pipeline.useful_samples_per_s / baseline.useful_samples_per_s
+
+
+def test_the_decode_costs_are_the_h200_curve_carried_to_an_h100():
+    """h100-7b's three decode costs follow from the measured curve (bench/results/gpu_decode.json,
+    the grouped attention) and the chips' published HBM bandwidths, as its comments derive them:
+    the step's base split into the weights' stream and a part that does not depend on the model's
+    size (both shapes have 28 layers), the stream and the KV reads slowed by 3.35 / 4.8 TB/s, the
+    per-sequence GEMMs (compute: the same peak) kept."""
+    measured = json.loads((Path(__file__).parents[2] / "bench/results/gpu_decode.json").read_text())
+    assert measured["device"].startswith("NVIDIA H200")
+    curve, weights = {}, {}
+    for size in ("1.5B", "7B"):
+        model = measured["models"][size]
+        points = [p for p in model["points"] if p.get("attention") == "grouped" and "step_s" in p]
+        assert len(points) >= 9 and model["agree"] < 1e-4  # the grouped attention computes sdpa's
+        curve[size] = fit_curve([(p["batch"], p["context"], p["step_s"]) for p in points])
+        weights[size] = model["weights_bytes"]
+    stream = (weights["7B"] - weights["1.5B"]) / (curve["7B"].base_s - curve["1.5B"].base_s)  # bytes/s
+    fixed = curve["7B"].base_s - weights["7B"] / stream
+    slower = 4.8 / 3.35
+    assert H100.decode_base_s == pytest.approx(fixed + weights["7B"] / stream * slower, rel=0.01)
+    assert H100.decode_per_seq_s == pytest.approx(curve["7B"].per_seq_s, rel=0.01)
+    assert H100.decode_per_token_s == pytest.approx(curve["7B"].per_token_s * slower, rel=0.01)
+    assert H100.tensor_parallel.fixed_s == pytest.approx(fixed, rel=0.01)
 
 
 # -- PipelineRL §5: 128 H100, k = 32 ---------------------------------------------------------
@@ -53,7 +82,7 @@ def test_paper_128_gpus_against_conventional_k32_colocated(paper_128):
     pipeline, k32 = paper_128
     published = 2.0
     r = ratio(pipeline, k32)
-    # MISSES (-48%). Effects the planner lacks: (1) the paper's ~2x is time to a reward, and its
+    # MISSES (-50%). Effects the planner lacks: (1) the paper's ~2x is time to a reward, and its
     # baseline at k = 32 trains on samples up to 31 versions old (ESS like k = 8, the paper says
     # of the pipeline), so the pipeline also learns more per sample: the planner counts samples
     # per second only; (2) the paper's conventional throughput is itself an estimate (measured
@@ -64,16 +93,17 @@ def test_paper_128_gpus_against_conventional_k32_colocated(paper_128):
     # time taken; training on 16 GPUs, corrected for 8x as many. At a balanced split (its 80
     # trainers keep pace with its 48 full engines) 2x needs that phase to generate at ~27% of a
     # full engine's rate (the ratio is 80/128 for the baseline's training plus 48/128/e for
-    # its generation at e: 2 = 0.625 + 0.375/e). The planner's phase generates at ~56% of the
+    # its generation at e: 2 = 0.625 + 0.375/e). The planner's phase generates at ~64% of the
     # pipeline's engines' rate (its engines' tokens over the phase's generating time), and
-    # neither a flatter decode curve (no per-sequence cost: 1.09x) nor cheaper training
-    # (1.32e-4 s per token: 0.93x) brings the ratio near 2x.
+    # neither a flatter decode curve (no per-sequence or context cost: 1.13x) nor cheaper
+    # training (1.32e-4 s per token: 0.90x) brings the ratio near 2x.
     assert abs(r / published - 1) > WITHIN
-    assert r == pytest.approx(1.04, rel=0.08)
-    # What the model does reproduce: the paper's split is near balance (its trainers ~93% busy,
-    # its engines full), the pipeline's lag stays far below a k = 32 phase's, and a k = 32 phase
-    # trains at lags 0..31.
-    assert pipeline.gen_fill > 0.75 and 0.85 < pipeline.train_busy <= 1
+    assert r == pytest.approx(0.99, rel=0.08)
+    # What the model does reproduce: the pipeline's engines stay full, its lag stays far below a
+    # k = 32 phase's, and a k = 32 phase trains at lags 0..31. What it does not: the paper's split
+    # is balanced; here its 80 trainers are ~77% busy (torch's decode carried to an H100 is
+    # slower than the paper's vLLM engines; at 56 + 72 they are 95% busy, 1.13x).
+    assert pipeline.gen_fill > 0.75 and 0.7 < pipeline.train_busy < 0.85
     assert pipeline.lag_mean < k32.lag_mean and k32.lag_max == 31
     assert pipeline.lag_max < 49  # the paper reached ~49 (lengths here are an estimate)
 
@@ -96,14 +126,12 @@ def test_paper_32_gpus_against_conventional_k4_colocated():
     k4 = simulate("sync", 32, 32, 0, steps_per_generation=4, colocated=True, **PAPER)
     published = 2.0
     r = ratio(pipeline, k4)
-    # MISSES (-31%). The same effects as at 128 GPUs (learning per sample at k = 4 vs the
-    # pipeline's lag is not modelled; the paper's conventional rate is an estimate). Here the
-    # k = 4 phase's long tail is amortised over 4 steps only, so the pipeline gains more than
-    # at k = 32. The pipeline is trainer-bound on 16 trainers; its max lag (~11) is near the
-    # published ~8.
-    assert abs(r / published - 1) > WITHIN
-    assert r == pytest.approx(1.39, rel=0.08)
-    assert pipeline.train_busy > 0.97 and 6 <= pipeline.lag_max <= 16 and k4.lag_max == 3
+    # Within 20% (1.62: -19%), at the edge: the effects the 128-GPU case lacks (learning per
+    # sample at k = 4 vs the pipeline's lag; the paper's conventional rate is an estimate) weigh
+    # less here, where the k = 4 phase's long tail is amortised over 4 steps only. The pipeline
+    # is trainer-bound on 16 trainers; its max lag (8) is the published ~8.
+    assert abs(r / published - 1) <= WITHIN
+    assert pipeline.train_busy > 0.97 and 6 <= pipeline.lag_max <= 10 and k4.lag_max == 3
 
 
 # -- PipelineRL appendix A.4: the analytic case ---------------------------------------------
@@ -128,6 +156,7 @@ def test_appendix_a4_under_its_own_premises():
     # here): decoding memory-bound, a step's time independent of its batch and contexts (the
     # calibration's weight streaming, 7 ms); no optimizer or weight-update time; training as
     # fast as the 44 generators at 192 sequences on the 84 trainers the appendix gives them.
+    # (The step is h100-7b's decode base; the ratio does not depend on it.)
     step = H100.decode_base_s
     premises = H100.model_copy(
         update=dict(
@@ -161,22 +190,22 @@ def test_appendix_a4_with_the_published_per_gpu_costs():
     pipeline, k134 = a4(H100)
     published = 1.57
     r = ratio(pipeline, k134)
-    # MISSES (-54%): under measured-style costs the appendix's premises do not hold, and the
+    # MISSES (-53%): under measured-style costs the appendix's premises do not hold, and the
     # planner models what breaks them: (1) a weight update (1.2 s) and an optimizer step
-    # (0.3 s) after every 128-sample step leave the 84 trainers the bottleneck (busy ~100%,
-    # engines idle ~40%), where the analysis has training keep pace; (2) a decode step costs
-    # more with more and longer sequences (KV reads, 192 sequences of up to 8k tokens), so the
-    # pipeline's full batches lose much of their edge over the baseline's draining ones.
+    # (0.3 s) after every 128-sample step load the 84 trainers (busy ~90%, engines idle ~40%),
+    # where the analysis has training keep pace; (2) a decode step costs more with more and
+    # longer sequences (KV reads, 192 sequences of up to 8k tokens), so the pipeline's full
+    # batches lose much of their edge over the baseline's draining ones.
     assert abs(r / published - 1) > WITHIN
-    assert r == pytest.approx(0.72, rel=0.08)
-    assert pipeline.train_busy > 0.97 and pipeline.gen_busy < 0.7
+    assert r == pytest.approx(0.74, rel=0.08)
+    assert pipeline.train_busy > 0.85 and pipeline.gen_busy < 0.7
 
 
 # -- AReaL (arXiv 2505.24298), Table 1: 7B math -------------------------------------------------
 # Published: 2.27x against AReaL's synchronous mode; H800s (the H100's compute and HBM: the same
 # cost set); 3/4 of the devices generate; 512 prompts x 16 attempts = 8,192 samples per step;
 # 27,648 max generated tokens; max staleness 8 (max lag 8).
-# Estimated: 128 devices (16 nodes: the ratio moves with the count, 1.64x at 64 and 2.12x at
+# Estimated: 128 devices (16 nodes: the ratio moves with the count, 1.87x at 64 and 2.50x at
 # 192); the baseline is AReaL with staleness 0 on the same split (conventional k = 1, split: our
 # reading of "its sync mode"); completions of the R1-distilled 7B lognormal with mean 8,000
 # tokens, sigma 0.8 (long reasoning on math; not published for the run), 100-token prompts;
@@ -195,5 +224,5 @@ def test_areal_7b_against_its_sync_mode():
     sync = simulate("sync", 96, 32, 0, **AREAL)
     published = 2.27
     r = ratio(pipeline, sync)
-    assert abs(r / published - 1) <= WITHIN  # 1.89: -17%
+    assert abs(r / published - 1) <= WITHIN  # 2.18: -4%
     assert pipeline.lag_max <= 8 and pipeline.engine_batch < H100.max_batch  # the KV cache binds
