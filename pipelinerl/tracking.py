@@ -125,6 +125,14 @@ class Tensorboard:
         self.writer.close()
 
 
+def write_whole(path: Path, data: object) -> None:
+    """`data` as JSON at `path`, whole or not at all: a kill or a full disk mid-write would leave
+    a file no restart could read."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
 class Tracker:
     """The job's trackers; `enabled` is False when it names none."""
 
@@ -142,10 +150,8 @@ class Tracker:
             self.backends.append(backend)
         if spec.tensorboard:
             self.backends.append(Tensorboard(job, run_dir))
-        if ids:  # whole or not at all: a kill or a full disk mid-write left a file no start could read
-            tmp = ids_file.with_name(ids_file.name + ".tmp")
-            tmp.write_text(json.dumps(ids))
-            os.replace(tmp, ids_file)
+        if ids:
+            write_whole(ids_file, ids)
 
     @property
     def enabled(self) -> bool:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import json
 import logging
-import os
 import queue
 import time
 from datetime import datetime, timezone
@@ -18,7 +17,7 @@ from pipelinerl.contracts import TrainerStatus
 from pipelinerl.learning import WINDOW, learning_alarm
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.streams import recent_unacknowledged
-from pipelinerl.tracking import Tracker
+from pipelinerl.tracking import Tracker, write_whole
 from pipelinerl_trainer import metrics as prom
 from pipelinerl_trainer.bridge import NatsBridge
 from pipelinerl_trainer.output import Output
@@ -149,9 +148,7 @@ class Reporter:
         return taken["seq"] if taken.get("store") == self.store else 0
 
     def _took_eval(self, seq: int) -> None:
-        tmp = self.taken.with_name(self.taken.name + ".tmp")
-        tmp.write_text(json.dumps({"store": self.store, "seq": seq}))
-        os.replace(tmp, self.taken)  # whole or not at all
+        write_whole(self.taken, {"store": self.store, "seq": seq})
 
     def close(self, finished: bool, stopping) -> None:
         """The run is over: the final evaluation (when one is due), then the trackers close."""
