@@ -518,8 +518,10 @@ def test_a_member_killed_before_the_group_connects_ends_the_trainer_within_its_b
         log = log_path.read_text()
         failed_first = f"weight group {group_id} failed to connect" in log
         returned = out_q.get(timeout=1) if not out_q.empty() else "-"
-        print(f"NOTE killed before connecting, {backend}: exit code {trainer.exitcode} after {ended_s:.1f} s;"
-              f" set-up failed by itself: {failed_first}")
+        print(
+            f"NOTE killed before connecting, {backend}: exit code {trainer.exitcode} after {ended_s:.1f} s;"
+            f" set-up failed by itself: {failed_first}"
+        )
         assert trainer.exitcode == 1, f"the trainer did not end ({returned}): {log[-2000:]}"
         if failed_first:  # NCCL's own error, then the next epoch's join window, cut at the bound
             assert backend == "nccl" and "not done within 3 s" in log and ended_s < 12
