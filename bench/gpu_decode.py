@@ -100,14 +100,6 @@ def use(model, attention: str) -> None:
     model.set_attn_implementation(attention)
 
 
-def one_step(model, batch: int, context: int):
-    """A decode step's inputs at `context` positions of a static cache, and the step itself."""
-    cache = static_cache(model.config, batch, context + 8, model.device, model.dtype)  # a few spare positions
-    ids = torch.randint(3, model.config.vocab_size, (batch, 1), device=model.device)
-    position = torch.tensor([context], device=model.device)
-    return cache, lambda: model(input_ids=ids, past_key_values=cache, cache_position=position, use_cache=True).logits
-
-
 def agreement(model, batch: int = 2, prompt: int = 64) -> float:
     """How far the grouped attention's logits are from sdpa's, relative to their size (0:
     identical): a prompt's prefill (causal) and the next token's decode step over its cache."""
@@ -124,7 +116,13 @@ def agreement(model, batch: int = 2, prompt: int = 64) -> float:
 
 def step_seconds(model, batch: int, context: int, graphs: bool) -> float:
     """The median seconds of one decode step of `batch` sequences at `context` positions."""
-    _, step = one_step(model, batch, context)
+    cache = static_cache(model.config, batch, context + 8, model.device, model.dtype)  # a few spare positions
+    ids = torch.randint(3, model.config.vocab_size, (batch, 1), device=model.device)
+    position = torch.tensor([context], device=model.device)
+
+    def step() -> None:
+        model(input_ids=ids, past_key_values=cache, cache_position=position, use_cache=True)
+
     with torch.inference_mode():
         step()  # allocates the cache; warms the kernels
         run = step
