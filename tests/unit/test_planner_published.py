@@ -15,10 +15,10 @@ a reward: the same thing only where both sides learn as much per sample.
 
 from __future__ import annotations
 
-import pytest
-
 import json
 from pathlib import Path
+
+import pytest
 
 from pipelinerl.planner.bound import fit_curve
 from pipelinerl.planner.calibration import Lengths, load_calibration
@@ -154,9 +154,9 @@ def a4(calib) -> tuple[SimResult, SimResult]:
 def test_appendix_a4_under_its_own_premises():
     # The analysis' premises (our reading; the appendix's own cost model is not reproduced
     # here): decoding memory-bound, a step's time independent of its batch and contexts (the
-    # calibration's weight streaming, 7 ms); no optimizer or weight-update time; training as
-    # fast as the 44 generators at 192 sequences on the 84 trainers the appendix gives them.
-    # (The step is h100-7b's decode base; the ratio does not depend on it.)
+    # calibration's base step, 8.88 ms; the ratio does not depend on it); no optimizer or
+    # weight-update time; training as fast as the 44 generators at 192 sequences on the 84
+    # trainers the appendix gives them.
     step = H100.decode_base_s
     premises = H100.model_copy(
         update=dict(
