@@ -324,21 +324,45 @@ async def publish_once(
 ACK_TRY_S = 5.0  # one try of an acknowledgement's confirmation (`acknowledge`)
 
 
-async def acknowledge(msg, timeout_s: float = READ_TIMEOUT_S) -> None:
+async def acknowledge(msg, js, timeout_s: float = READ_TIMEOUT_S) -> None:
     """A JetStream message acknowledged, with the server's confirmation (a plain ack is sent and
     forgotten: one lost with a connection or a server restart came back after the ack wait, when
     the step that settled it may be long gone). A try unanswered is made again until `timeout_s`
-    (JetStream confirms an ack of a message already acknowledged too), then TimeoutError."""
+    (JetStream confirms an ack of a message already acknowledged too), then TimeoutError; unless
+    the consumer no longer counts the message as delivered (`delivery_forgotten`): then no
+    confirmation will ever come, and the message comes again as the consumer's next."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             await msg.ack_sync(timeout=ACK_TRY_S)
             return
         except (nats.errors.TimeoutError, nats.errors.NoRespondersError) as err:
+            if await delivery_forgotten(js, msg):
+                log.warning(
+                    "message %d of %s: its delivery was lost with the server's restart, so its acknowledgement is "
+                    "never confirmed; it comes again, to be taken once",
+                    msg.metadata.sequence.stream,
+                    msg.metadata.stream,
+                )
+                return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"an acknowledgement not confirmed in {timeout_s:.0f}s ({NO_ACK_CAUSE})") from err
             log.warning("an acknowledgement not confirmed (%s): sending it again", type(err).__name__)
             await asyncio.sleep(0.5)
+
+
+async def delivery_forgotten(js, msg) -> bool:
+    """Whether the message's consumer has its next delivery at or before the message: a
+    nats-server killed before it stored its consumer's newest deliveries. JetStream then drops an
+    acknowledgement of the message with no reply (nats-server's `processAckMsg`: an ack at or past
+    the consumer's next sequence is not applied) and delivers the message again. False when the
+    consumer's state cannot be read now."""
+    md = msg.metadata
+    try:
+        info = await js.consumer_info(md.stream, md.consumer, timeout=ACK_TRY_S)
+    except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.Error):
+        return False
+    return info.delivered.stream_seq < md.sequence.stream
 
 
 async def dead_letter(js, subjects: JobSubjects, kind: str, data: bytes, reason: str, msg_id: str) -> None:

@@ -92,6 +92,39 @@ async def test_server_crash_keeps_acked_and_unacked_state(tmp_path):
     server.stop()
 
 
+async def test_an_acknowledgement_the_server_forgot_delivering_is_not_waited_on(nats_server):
+    """A nats-server killed before it stored its consumer's newest deliveries (a kill -9 just after
+    a fetch; CI saw the preprocessor wait its whole 120 s on three such acknowledgements, then
+    crash) never confirms an acknowledgement of them, and delivers them again. `acknowledge` sees
+    the consumer's next delivery at or before the message and stops waiting after one try; the
+    message comes again. Modelled here by the consumer made again, which leaves its next delivery
+    at the stream's first message as such a restart does (a real kill -9 leaves it so only
+    sometimes); with the server hung, the consumer's state unreadable, it waits to its bound."""
+    from pipelinerl.streams import ACK_TRY_S, acknowledge
+
+    nc, sub = await published(nats_server.url, 3)
+    js = nc.jetstream()
+    first = await sub.fetch(3, timeout=2)
+    await acknowledge(first[0], js)  # confirmed: g0 leaves the work queue
+    stream = SUBJECTS.stream("ROLLOUTS")
+    config = (await js.consumer_info(stream, "pre")).config
+    await js.delete_consumer(stream, "pre")
+    await js.add_consumer(stream, config)  # its next delivery: g1 again
+    started = time.monotonic()
+    await acknowledge(first[1], js, timeout_s=60)
+    assert time.monotonic() - started < 2 * ACK_TRY_S + 2  # one try and one read, not 60 s
+    again = await sub.fetch(3, timeout=2)
+    assert [m.decode(x.data, m.RolloutGroup).group_id for x in again] == ["g1", "g2"]
+    await acknowledge(again[0], js)  # the new delivery's is confirmed
+    hang(nats_server)
+    try:
+        with pytest.raises(TimeoutError, match="an acknowledgement not confirmed in 1s"):
+            await acknowledge(again[1], js, timeout_s=1)
+    finally:
+        resume(nats_server)
+    await nc.close()
+
+
 def hang(server: EmbeddedNats) -> None:
     """SIGSTOP the server and wait until it is stopped: the signal takes effect only when its
     threads next run, and on a loaded machine a request sent meanwhile still gets a reply."""

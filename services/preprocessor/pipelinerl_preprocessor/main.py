@@ -306,7 +306,7 @@ class Preprocessor:
             failpoint(f"preprocessor-stored-step-{wave.step}")
         # Confirmed before the next wave is stored: only the newest stored wave's can be lost
         # (`books.restore`), and a group handed back is known by the step that settled it.
-        await asyncio.gather(*(acknowledge(msg) for msg in wave.acks))
+        await asyncio.gather(*(acknowledge(msg, self.js) for msg in wave.acks))
         PENDING.set(len(self.builder.accepted))
         if not wave.last:
             return
