@@ -9,7 +9,6 @@ from bench.run_process import RunProcess
 from pipelinerl import messages as m
 from pipelinerl.books import Outcome
 
-RUN_TIMEOUT_S = 420
 SAMPLES = 16  # per step in tiny_job
 
 

@@ -6,6 +6,11 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+# A bound on one run of these jobs, against a hang, not a measure of speed: on a 2-core machine
+# whose cores ran Python 2.5x slower than the one before it (2026-12-04), runs that took ~200 s
+# there went past 420 s.
+RUN_TIMEOUT_S = 900
+
 
 def tiny_job(name: str, **spec) -> dict:
     base = {

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from jobs import stored, tiny_job  # tests/e2e/jobs.py
+from jobs import RUN_TIMEOUT_S, stored, tiny_job  # tests/e2e/jobs.py
 
 from pipelinerl import messages as m
 from pipelinerl.phases import decomposition
@@ -35,7 +35,7 @@ def test_conventional_rl_takes_k_steps_on_each_generation_phase_and_resumes_a_st
         trainer={"samplesPerStep": SAMPLES, "maxSteps": STEPS, "learningRate": 3e-4, "microBatchTokens": 128},
         eval={"interval": K, "problems": 64},
     )
-    first = start_run(job, timeout_s=240)
+    first = start_run(job, timeout_s=RUN_TIMEOUT_S)
     first.wait_step(K + 1)  # in the second phase (its steps take ~0.3 s: the stop most likely lands in it)
     first.stop()
     seen = len(first.train())
@@ -44,7 +44,7 @@ def test_conventional_rl_takes_k_steps_on_each_generation_phase_and_resumes_a_st
     assert checkpointed >= seen  # no interval checkpoint came (checkpointInterval 0): the stop's
     assert f"stopping: checkpointing step {checkpointed}" in (first.dir / "logs" / "trainer.log").read_text()
 
-    second = start_run(job, timeout_s=240)
+    second = start_run(job, timeout_s=RUN_TIMEOUT_S)
     second.finish()
     train = second.train()  # the first run's rows, then the second's
     assert [r["step"] for r in train[seen:]] == list(range(checkpointed + 1, STEPS + 1))  # nothing repeated

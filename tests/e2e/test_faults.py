@@ -10,7 +10,8 @@ import re
 import time
 
 import pytest
-from faults import RUN_TIMEOUT_S, SAMPLES, audit_streams, fault_job, mid_step, newest_stored  # tests/e2e/faults.py
+from faults import SAMPLES, audit_streams, fault_job, mid_step, newest_stored  # tests/e2e/faults.py
+from jobs import RUN_TIMEOUT_S  # tests/e2e/jobs.py
 
 from bench.run_process import RunProcess
 

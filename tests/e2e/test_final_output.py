@@ -9,8 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from faults import RUN_TIMEOUT_S  # tests/e2e/faults.py
-from jobs import tiny_job  # tests/e2e/jobs.py
+from jobs import RUN_TIMEOUT_S, tiny_job  # tests/e2e/jobs.py
 
 from pipelinerl.contracts import Env
 

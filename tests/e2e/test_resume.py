@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from jobs import stored  # tests/e2e/jobs.py
+from jobs import RUN_TIMEOUT_S, stored  # tests/e2e/jobs.py
 from wandb_records import wandb_history  # tests/wandb_records.py
 
 from bench.run_process import RunProcess
@@ -92,13 +92,13 @@ def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_trackin
     monkeypatch.chdir(ROOT)  # the manifest names its data and reward module from the repository root
     monkeypatch.setenv("WANDB_SILENT", "true")
     manifest = job(held_out(tmp_path))
-    first = start_run(manifest, timeout_s=400)
+    first = start_run(manifest, timeout_s=RUN_TIMEOUT_S)
     first.wait_step(KILL_AT)
     kill_everything(first)
     killed_at = first.train()[-1]["step"]
     before = len(first.train())
 
-    second = start_run(manifest, timeout_s=400)
+    second = start_run(manifest, timeout_s=RUN_TIMEOUT_S)
     second.finish()
     summary = json.loads((second.dir / "summary.json").read_text())
     resumed = second.train()[before:]

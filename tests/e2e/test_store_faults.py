@@ -16,8 +16,8 @@ import sys
 import time
 
 import pytest
-from faults import RUN_TIMEOUT_S, SAMPLES, audit_batches, fault_job, mid_step, on_running_nats  # tests/e2e/faults.py
-from jobs import stored  # tests/e2e/jobs.py
+from faults import SAMPLES, audit_batches, fault_job, mid_step, on_running_nats  # tests/e2e/faults.py
+from jobs import RUN_TIMEOUT_S, stored  # tests/e2e/jobs.py
 from prometheus_server import Prometheus, file_scrape_config, held, job_targets, rule_expr  # tests/prometheus_server.py
 
 from pipelinerl import messages as m

@@ -365,8 +365,8 @@ async def test_nats_starts_whatever_jobs_exist_and_only_running_jobs_have_accoun
                 for role, n in (("generator", 2), ("preprocessor", 1), ("trainer", 2)):
                     await api.set_sts_status(f"two-prl-{role}", n, n)
                 await eventually(lambda: status(emulator, "two").get("phase") == "Succeeded", timeout_s=60, what="done")
-                await eventually(
-                    lambda: jobs_in() == ["three"], timeout_s=60, what="the finished job's account retired"
+                await eventually(  # (kopf retries a resync whose request failed 60 s later)
+                    lambda: jobs_in() == ["three"], timeout_s=120, what="the finished job's account retired"
                 )
                 await eventually(
                     lambda: events(emulator).count("StreamsDeleted") >= 2, what="one's and two's, as their users"

@@ -4,14 +4,13 @@ allowlist, with the values hostile authors spell (quantities with spaces or as J
 node-choosing keys, prefixed labels, GPU-runtime variables, other tenants' Secrets...). Every
 job the operator would apply (render and its checks admit it) is held to the invariant on the
 rendered pods, by an oracle written apart from the checks: nothing the platform's policy does not
-allow reaches a pod, whatever the spelling. Seeded, and bounded in time.
+allow reaches a pod, whatever the spelling. Seeded: the same draw every run.
 """
 
 from __future__ import annotations
 
 import random
 import re
-import time
 from typing import Any
 
 import pytest
@@ -22,8 +21,7 @@ from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.job_policy import JobPolicy, parse_policy
 from pipelinerl_operator.render import RenderError, render
 
-EXAMPLES = 1500  # per policy
-BUDGET_S = 15.0
+EXAMPLES = 800  # per policy: a fixed draw (seeded), not what a time budget allows on the day
 
 LISTS = {
     "images": ["ghcr.io/pipelinerl", "docker.io/me"],
@@ -290,10 +288,8 @@ def test_no_drawn_pod_template_gets_past_the_policy(policy: str) -> None:
     rng = random.Random(55)
     draw = Draw(rng)
     cfg = OperatorConfig(auth_key="install-key", policy=POLICIES[policy])
-    started, admitted, refused = time.monotonic(), 0, 0
+    admitted, refused = 0, 0
     for i in range(EXAMPLES):
-        if time.monotonic() - started > BUDGET_S:
-            break
         role = rng.choice(["generator", "preprocessor", "trainer"])
         template = draw.template(role)
         manifest = {"metadata": {"name": "demo", "namespace": "team-a"}, "spec": {role: {"podTemplate": template}}}
@@ -307,7 +303,7 @@ def test_no_drawn_pod_template_gets_past_the_policy(policy: str) -> None:
             found = leaks(sts["spec"]["template"], cfg.policy, (cfg.cpu_image, cfg.gpu_image), "demo-pipelinerl-config")
             assert not found, f"example {i}: {found} reached a pod from {template}"
     # Not vacuous: many drawn, and some admitted (the oracle judged real pods).
-    assert admitted + refused >= 750 and admitted >= 100, (admitted, refused)
+    assert admitted + refused == EXAMPLES and admitted >= 100, (admitted, refused)
 
 
 @pytest.mark.parametrize(
