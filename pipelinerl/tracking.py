@@ -125,11 +125,11 @@ class Tensorboard:
         self.writer.close()
 
 
-def write_whole(path: Path, data: object) -> None:
+def write_whole(path: Path, data: object, indent: int | None = None) -> None:
     """`data` as JSON at `path`, whole or not at all: a kill or a full disk mid-write would leave
-    a file no restart could read."""
+    a file no restart could read (nor a reader a half-written one)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data))
+    tmp.write_text(json.dumps(data, indent=indent))
     os.replace(tmp, path)
 
 

@@ -33,6 +33,7 @@ from pipelinerl.spec import PipelineRLJob, SpecError, dump_job
 from pipelinerl.streams import close, connect
 from pipelinerl.store import ensure_streams
 from pipelinerl.tiny_model import model_info, model_path_problem, resolve_model_path
+from pipelinerl.tracking import write_whole
 from pipelinerl_cli.supervisor import (
     CANNOT_RUN,
     Cores,
@@ -249,9 +250,7 @@ class LocalRun:
                 "role": "nats",
                 "url": self.nats.url,
             }
-        tmp = self.run_dir / "services.json.tmp"
-        tmp.write_text(json.dumps(record, indent=1))
-        tmp.replace(self.run_dir / "services.json")  # readers never see half a file
+        write_whole(self.run_dir / "services.json", record, indent=1)  # readers never see half a file
 
     def stop_services(self) -> None:
         # All at once, as Kubernetes deletes a job's pods: one after another took 13-17 s (a vLLM
