@@ -2,7 +2,9 @@
 DeepSpeed ZeRO-1 ranks on gloo, each saving to and resuming from its own folder only. The resumed
 ranks must continue exactly as the uninterrupted run (weights and Adam state restored), and when
 one pod's `latest` is a step behind (a crash between the pods' writes), both resume at that step,
-which every pod keeps (the newest two checkpoints are)."""
+which every pod keeps (the newest two checkpoints are). A pod whose volume is lost takes the
+weights and data position of the pod that kept its checkpoints, instead of sending the job back to
+step 0."""
 
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ def _flat(engine) -> torch.Tensor:
     return torch.cat([p.detach().float().flatten() for p in engine.module.parameters()])
 
 
-def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
+def _job(rank: int, port: int, model: str):
+    """The rank's process made one of a two-pod trainer (gloo); the job both build engines for."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(WORLD),
@@ -45,8 +48,7 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
     )
     torch.set_num_threads(1)
     from pipelinerl.spec import parse_job
-    from pipelinerl_trainer import checkpoint
-    from pipelinerl_trainer.model import build_engine, init_distributed
+    from pipelinerl_trainer.model import init_distributed
 
     job = parse_job(
         {
@@ -57,6 +59,14 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
         }
     )
     init_distributed(False, 60)
+    return job
+
+
+def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
+    from pipelinerl_trainer import checkpoint
+    from pipelinerl_trainer.model import build_engine
+
+    job = _job(rank, port, model)
     pod = Path(root) / f"pod-{rank}" / "checkpoints"
     engine = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
     _train(engine, 0)
@@ -84,11 +94,40 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
     )
 
 
-def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2):
+def _rank_losing_its_volume(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
+    import shutil
+
+    from pipelinerl_trainer import checkpoint
+    from pipelinerl_trainer.model import build_engine
+
+    job = _job(rank, port, model)
+    pod = Path(root) / f"pod-{rank}" / "checkpoints"
+    engine = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
+    for step in (1, 2):
+        _train(engine, step - 1)
+        checkpoint.save(engine, pod, step, {"step": step, "rank": rank}, rank, local_rank=0, previous=step - 1)
+    at_two = _flat(engine)
+    if rank == 1:  # its volume lost: the pod starts on an empty one
+        shutil.rmtree(pod)
+
+    resumed = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
+    if rank == 1:  # weights unlike the run's, in the model and in ZeRO's fp32 copy: both must be replaced
+        with torch.no_grad():
+            for p in resumed.module.parameters():
+                p.zero_()
+        resumed.optimizer.refresh_fp32_params()
+    state = checkpoint.load(resumed, pod)
+    adopted = _flat(resumed)
+    _train(resumed, 2)
+    out.put((rank, state, torch.equal(adopted, at_two), float((_flat(resumed) - adopted).abs().max())))
+
+
+def _run(target, tmp_path: Path, model: Path) -> dict:
+    """Both ranks of `target` run to their result (rank, *rest), which is returned by rank."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tiny_qwen2), str(tmp_path), out)) for r in range(WORLD)]
+    procs = [ctx.Process(target=target, args=(r, port, str(model), str(tmp_path), out)) for r in range(WORLD)]
     for p in procs:
         p.start()
     results, deadline = {}, time.monotonic() + 240
@@ -109,6 +148,11 @@ def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2):
         for p in procs:
             if p.is_alive():
                 p.kill()
+    return results
+
+
+def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2):
+    results = _run(_rank, tmp_path, tiny_qwen2)
     for rank, (state, same_as_uninterrupted, step_files, ds_files, kept) in results.items():
         assert kept == ["latest", "step-2", "step-3"]  # the newest two: step 1's deleted
         assert state == {"step": 2, "rank": rank}  # both at the step every pod has
@@ -117,3 +161,13 @@ def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2):
         assert step_files == (["ds", "hf", "state.json"] if rank == 0 else ["ds", "state.json"])
         assert "mp_rank_00_model_states.pt" in ds_files
         assert [f for f in ds_files if "optim_states" in f] == [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]
+
+
+def test_a_pod_that_lost_its_volume_goes_on_from_the_pod_that_kept_its_checkpoint(tmp_path, tiny_qwen2):
+    results = _run(_rank_losing_its_volume, tmp_path, tiny_qwen2)
+    for rank, (state, adopted_the_run, moved) in results.items():
+        assert state == {"step": 2, "rank": 0}  # both at pod 0's step, with its data position
+        assert adopted_the_run  # exactly the weights the run had at step 2, on both pods
+        # One step on from them (fresh Adam: at most about the learning rate, 1e-4, per weight):
+        # a stale fp32 copy (rank 1's zeros) would have pulled its shard far back.
+        assert moved < 1e-3, f"rank {rank}: a weight moved {moved}"

@@ -11,7 +11,11 @@ collectively; ZeRO-3 gathers the full weights collectively).
 Each trainer pod has a volume of its own, so <dir> is per pod: DeepSpeed writes with node-local
 storage (each pod's local rank 0 writes the model states next to its ranks' ZeRO shards), and
 each pod's local rank 0 writes state.json and `latest`. On load the ranks agree on the newest
-step that every pod has (a crash between two pods' `latest` leaves them one step apart).
+step that every pod has (a crash between two pods' `latest` leaves them one step apart). A pod
+with none at all while another has one (its volume lost or replaced) does not send the job back
+to step 0: every rank takes the weights and the consumed-data state of the pod with the newest
+checkpoint (`adopt`), and only the Adam moments start afresh (ZeRO-1/2; under ZeRO-3 the pods'
+model files hold no whole weights, and every rank starts afresh as before).
 The full Hugging Face weights (hf/, exports) are written once, by global rank 0.
 """
 
@@ -145,7 +149,7 @@ def _save_hf(engine, target: Path, rank: int, model_path: str | None) -> None:
 
 def load(engine, ckpt_dir: Path) -> dict:
     """Restore the newest checkpoint all ranks have into `engine`; the consumed-data state, or {}
-    if some rank has none (every rank then starts afresh, so all stay at the same step)."""
+    where no rank has one. Where some rank has none and another has, `adopt` the newest."""
     mine = latest_step(ckpt_dir)
     # The oldest and (negated) newest step any rank has, in one all-reduce.
     steps = torch.tensor([-1 if mine is None else mine] * 2, dtype=torch.long, device=engine.device)
@@ -154,16 +158,49 @@ def load(engine, ckpt_dir: Path) -> dict:
         dist.all_reduce(steps, op=dist.ReduceOp.MIN)
     agreed, newest = int(steps[0]), -int(steps[1])
     if agreed < 0:
-        if newest >= 0:
-            log.warning(
-                "%s has no checkpoint while another trainer pod has step-%d: every rank starts afresh (its "
-                "first checkpoint was cut short, or a pod's checkpoint volume was lost or replaced)",
-                f"this pod ({ckpt_dir})" if mine is None else "a pod",
-                newest,
-            )
-        return {}
+        return adopt(engine, ckpt_dir, mine, newest) if newest >= 0 else {}
     target = ckpt_dir / f"step-{agreed}"
     _, client = engine.load_checkpoint(str(target / "ds"), tag="ds")
     state = (client or {}).get("pipelinerl", {})
     log.info("resumed from %s at step %s", target, state.get("step"))
     return state
+
+
+def adopt(engine, ckpt_dir: Path, mine: int | None, newest: int) -> dict:
+    """Some pod has no checkpoint (its first was cut short, or its volume was lost or replaced)
+    while another has step `newest`: the lowest rank holding that step loads its model weights
+    and sends them, with its consumed-data state, to every rank, which refresh their optimizer's
+    fp32 copy from them. The Adam moments of the lost pod's ZeRO shard are gone, so every rank's
+    start afresh (and the learning-rate warm-up again). Under ZeRO-3 every rank starts afresh."""
+    here = f"this pod ({ckpt_dir})" if mine is None else "a pod"
+    if engine.zero_optimization_stage() == 3:
+        log.warning(
+            "%s has no checkpoint while another trainer pod has step-%d: under ZeRO-3 no pod holds whole "
+            "weights, so every rank starts afresh",
+            here,
+            newest,
+        )
+        return {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    source = torch.tensor([rank if mine == newest else world], dtype=torch.long, device=engine.device)
+    dist.all_reduce(source, op=dist.ReduceOp.MIN)
+    src = int(source)
+    state: list[dict] = [{}]
+    if rank == src:  # its own files only: no collective inside DeepSpeed's module-only load
+        _, client = engine.load_checkpoint(str(ckpt_dir / f"step-{newest}" / "ds"), tag="ds", load_module_only=True)
+        state[0] = (client or {}).get("pipelinerl", {})
+    dist.broadcast_object_list(state, src=src, device=engine.device)
+    with torch.no_grad():
+        for tensor in [*engine.module.parameters(), *engine.module.buffers()]:
+            dist.broadcast(tensor.data, src=src)
+    if hasattr(engine.optimizer, "refresh_fp32_params"):  # the master copy ZeRO or bf16 keeps
+        engine.optimizer.refresh_fp32_params()
+    log.warning(
+        "%s has no checkpoint while another trainer pod has step-%d: every rank goes on from that pod's "
+        "weights and data position at step %s (rank %d's); the optimizer's moments start afresh",
+        here,
+        newest,
+        state[0].get("step"),
+        src,
+    )
+    return state[0]
