@@ -171,7 +171,7 @@ def adopt(engine, ckpt_dir: Path, mine: int | None, newest: int) -> dict:
     while another has step `newest`: the lowest rank holding that step loads its model weights
     and sends them, with its consumed-data state, to every rank, which refresh their optimizer's
     fp32 copy from them. The Adam moments of the lost pod's ZeRO shard are gone, so every rank's
-    start afresh (and the learning-rate warm-up again). Under ZeRO-3 every rank starts afresh."""
+    moments start afresh (and the learning-rate warm-up again). Under ZeRO-3 every rank starts afresh."""
     here = f"this pod ({ckpt_dir})" if mine is None else "a pod"
     if engine.zero_optimization_stage() == 3:
         log.warning(
