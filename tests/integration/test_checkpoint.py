@@ -28,7 +28,7 @@ def _batch(step: int) -> torch.Tensor:
 
 
 def _train(engine, step: int) -> None:
-    logits = engine(input_ids=_batch(step), use_cache=False).logits
+    logits = engine(input_ids=_batch(step).to(engine.device), use_cache=False).logits
     engine.backward(logits.float().logsumexp(-1).mean())
     engine.step()
 
@@ -37,8 +37,12 @@ def _flat(engine) -> torch.Tensor:
     return torch.cat([p.detach().float().flatten() for p in engine.module.parameters()])
 
 
-def _job(rank: int, port: int, model: str):
-    """The rank's process made one of a two-pod trainer (gloo); the job both build engines for."""
+def _job(rank: int, port: int, model: str, backend: str):
+    """The rank's process made one of a two-pod trainer (gloo on CPU in float32; NCCL in bfloat16,
+    both ranks on one GPU); the job both build engines for."""
+    gpu = backend == "nccl"
+    if gpu:  # two ranks on one GPU: each its own host id, so NCCL takes its socket transport
+        os.environ["NCCL_HOSTID"] = f"pod-{rank}"
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(WORLD),
@@ -55,18 +59,21 @@ def _job(rank: int, port: int, model: str):
             "apiVersion": "pipelinerl.dev/v1alpha1",
             "kind": "PipelineRLJob",
             "metadata": {"name": "ck"},
-            "spec": {"model": {"path": model}, "trainer": {"replicas": WORLD, "zeroStage": 1}},
+            "spec": {
+                "model": {"path": model, "dtype": "bfloat16" if gpu else "float32"},
+                "trainer": {"replicas": WORLD, "zeroStage": 1},
+            },
         }
     )
-    init_distributed(False, 60)
+    init_distributed(gpu, 60)
     return job
 
 
-def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
+def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue, backend: str) -> None:
     from pipelinerl_trainer import checkpoint
     from pipelinerl_trainer.model import build_engine
 
-    job = _job(rank, port, model)
+    job = _job(rank, port, model, backend)
     pod = Path(root) / f"pod-{rank}" / "checkpoints"
     engine = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
     _train(engine, 0)
@@ -94,13 +101,13 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
     )
 
 
-def _rank_losing_its_volume(rank: int, port: int, model: str, root: str, out: mp.Queue) -> None:
+def _rank_losing_its_volume(rank: int, port: int, model: str, root: str, out: mp.Queue, backend: str) -> None:
     import shutil
 
     from pipelinerl_trainer import checkpoint
     from pipelinerl_trainer.model import build_engine
 
-    job = _job(rank, port, model)
+    job = _job(rank, port, model, backend)
     pod = Path(root) / f"pod-{rank}" / "checkpoints"
     engine = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
     for step in (1, 2):
@@ -122,12 +129,13 @@ def _rank_losing_its_volume(rank: int, port: int, model: str, root: str, out: mp
     out.put((rank, state, torch.equal(adopted, at_two), float((_flat(resumed) - adopted).abs().max())))
 
 
-def _run(target, tmp_path: Path, model: Path) -> dict:
+def _run(target, tmp_path: Path, model: Path, backend: str) -> dict:
     """Both ranks of `target` run to their result (rank, *rest), which is returned by rank."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=target, args=(r, port, str(model), str(tmp_path), out)) for r in range(WORLD)]
+    args = [(r, port, str(model), str(tmp_path), out, backend) for r in range(WORLD)]
+    procs = [ctx.Process(target=target, args=a) for a in args]
     for p in procs:
         p.start()
     results, deadline = {}, time.monotonic() + 240
@@ -151,8 +159,16 @@ def _run(target, tmp_path: Path, model: Path) -> dict:
     return results
 
 
-def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2):
-    results = _run(_rank, tmp_path, tiny_qwen2)
+# nccl: the same on a GPU (bench/gpu_check.sh's checkpoint part); CI has none.
+BACKENDS = [
+    "gloo",
+    pytest.param("nccl", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2, backend):
+    results = _run(_rank, tmp_path, tiny_qwen2, backend)
     for rank, (state, same_as_uninterrupted, step_files, ds_files, kept) in results.items():
         assert kept == ["latest", "step-2", "step-3"]  # the newest two: step 1's deleted
         assert state == {"step": 2, "rank": rank}  # both at the step every pod has
@@ -160,11 +176,13 @@ def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2):
         # Each pod holds the model states and its own ZeRO shard; the HF weights are written once.
         assert step_files == (["ds", "hf", "state.json"] if rank == 0 else ["ds", "state.json"])
         assert "mp_rank_00_model_states.pt" in ds_files
-        assert [f for f in ds_files if "optim_states" in f] == [f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]
+        bf16 = "bf16_" if backend == "nccl" else ""  # DeepSpeed names a bfloat16 run's shards so (seen on an H200)
+        assert [f for f in ds_files if "optim_states" in f] == [f"{bf16}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]
 
 
-def test_a_pod_that_lost_its_volume_goes_on_from_the_pod_that_kept_its_checkpoint(tmp_path, tiny_qwen2):
-    results = _run(_rank_losing_its_volume, tmp_path, tiny_qwen2)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_pod_that_lost_its_volume_goes_on_from_the_pod_that_kept_its_checkpoint(tmp_path, tiny_qwen2, backend):
+    results = _run(_rank_losing_its_volume, tmp_path, tiny_qwen2, backend)
     for rank, (state, adopted_the_run, moved) in results.items():
         assert state == {"step": 2, "rank": 0}  # both at pod 0's step, with its data position
         assert adopted_the_run  # exactly the weights the run had at step 2, on both pods

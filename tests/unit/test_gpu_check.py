@@ -31,8 +31,12 @@ def parts(smoke: bool, out: Path) -> dict[str, gpu_check.Part]:
 @pytest.mark.parametrize("smoke", [False, True])
 def test_every_command_line_the_check_runs_parses(smoke, tmp_path):
     got = parts(smoke, tmp_path)
-    # ordered by value: the weight plane, the commit, the decode curve, tests, 0.5B, 1.5B, 16k fit, update
+    # newest first (the checkpoint), then by value: the weight plane, the commit, the decode
+    # curve, tests, 0.5B, 1.5B, 16k fit, update
     assert list(got) == list(gpu_check.PART_NAMES)
+    ckpt = got["checkpoint"]
+    assert ckpt.pytest and ckpt.needs_deepspeed and "tests/integration/test_checkpoint.py" in ckpt.argv
+    assert ckpt.argv[ckpt.argv.index("-k") + 1] == ("gloo" if smoke else "nccl")
     plane = got["weight-plane"].argv
     assert plane[:2] == ["-m", "pytest"] and plane[plane.index("-k") + 1] == ("cpu" if smoke else "cuda") + " or killed"
     assert "tests/integration/test_commit_graphs.py" in plane and "tests/integration/test_weight_group.py" in plane
@@ -162,6 +166,7 @@ def test_without_deepspeed_only_the_zero_sides_are_skipped(tmp_path):
     assert note == "sides zero1,zero1+compile skipped: DeepSpeed did not install; plain instead"
     assert without_deepspeed(got["1.5B-16k"]) == (None, "skipped: all its sides need DeepSpeed, which did not install")
     assert without_deepspeed(got["weight-update"]) == (None, "skipped: it needs DeepSpeed, which did not install")
+    assert without_deepspeed(got["checkpoint"]) == (None, "skipped: it needs DeepSpeed, which did not install")
 
 
 def test_parts_that_need_deepspeed_say_they_were_skipped_and_a_part_past_the_budget_too(tmp_path, capsys):
