@@ -357,9 +357,10 @@ async def test_two_replicas_take_turns_and_the_survivor_takes_over(cluster, tmp_
             "PIPELINERL_KUBE_SERVER": str(emulator.url),
             "PIPELINERL_WATCH_NAMESPACES": NS,
             "PIPELINERL_PEERING": "rl-pipelinerl",
-            # kopf touches every second below 11 s: a 6 s lifetime leaves a starved CI core 5 s
-            # before a live leader is taken for dead (3 s left 2 s)
-            "PIPELINERL_PEERING_LIFETIME": "6",
+            # kopf touches the peering `lifetime` less 5-10 s apart (at least every second), so a
+            # leader starved 5-10 s is taken for dead whatever the lifetime: 10 s leaves it 5-9 s
+            # at random (6 s left 5 s, which a loaded CI crossed: both replicas ran handlers)
+            "PIPELINERL_PEERING_LIFETIME": "10",
             "POD_ID": name,
             "PIPELINERL_METRICS_PORT": "0",
             "PIPELINERL_LIVENESS": f"http://127.0.0.1:{free_port()}/healthz",
