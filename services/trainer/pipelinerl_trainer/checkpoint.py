@@ -173,13 +173,9 @@ def adopt(engine, ckpt_dir: Path, mine: int | None, newest: int) -> dict:
     fp32 copy from them. The Adam moments of the lost pod's ZeRO shard are gone, so every rank's
     moments start afresh (and the learning-rate warm-up again). Under ZeRO-3 every rank starts afresh."""
     here = f"this pod ({ckpt_dir})" if mine is None else "a pod"
+    lost = f"{here} has no checkpoint while another trainer pod has step-{newest}"
     if engine.zero_optimization_stage() == 3:
-        log.warning(
-            "%s has no checkpoint while another trainer pod has step-%d: under ZeRO-3 no pod holds whole "
-            "weights, so every rank starts afresh",
-            here,
-            newest,
-        )
+        log.warning("%s: under ZeRO-3 no pod holds whole weights, so every rank starts afresh", lost)
         return {}
     rank, world = dist.get_rank(), dist.get_world_size()
     source = torch.tensor([rank if mine == newest else world], dtype=torch.long, device=engine.device)
@@ -196,10 +192,9 @@ def adopt(engine, ckpt_dir: Path, mine: int | None, newest: int) -> dict:
     if hasattr(engine.optimizer, "refresh_fp32_params"):  # the master copy ZeRO or bf16 keeps
         engine.optimizer.refresh_fp32_params()
     log.warning(
-        "%s has no checkpoint while another trainer pod has step-%d: every rank goes on from that pod's "
-        "weights and data position at step %s (rank %d's); the optimizer's moments start afresh",
-        here,
-        newest,
+        "%s: every rank goes on from that pod's weights and data position at step %s (rank %d's); the "
+        "optimizer's moments start afresh",
+        lost,
         state[0].get("step"),
         src,
     )
