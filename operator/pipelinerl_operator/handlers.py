@@ -205,16 +205,18 @@ def jobs(namespace: str | None, name: str, uid: str, body: kopf.Body, **_: Any) 
 @kopf.on.startup()
 async def nats_accounts_exist(settings: kopf.OperatorSettings, **_: Any) -> None:
     """The chart's NATS starts once its accounts Secret exists: create it (the operator's account
-    alone) if it does not; never overwrite it here (that would log every job out until the jobs'
+    alone; the store's books are written there at the first decision) if it does not; never
+    overwrite it here (that would log every job out until the jobs'
     next sync). Start-up runs before kopf's login: log in for our own client first."""
     cfg = operator_config()
     secret, namespace = accounts_secret_name()
-    if not (cfg.auth_key and secret and namespace):
+    if not (secret and namespace):
         return
     if STATE.kube is None:
         login(settings=settings)
     if STATE.kube is not None:
-        await STATE.kube.create(accounts_secret(secret, namespace, nats_accounts(cfg.auth_key, [])))
+        text = nats_accounts(cfg.auth_key, []) if cfg.auth_key else None
+        await STATE.kube.create(accounts_secret(secret, namespace, text))
 
 
 async def apply_owned(
@@ -540,7 +542,7 @@ async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
     name, ns, uid = meta["name"], meta["namespace"], meta.get("uid", "")
     cfg = operator_config()
     await _delete_statefulsets(STATE.kube, ns, name, uid, logger)
-    held = STATE.store.held(jobs).get(uid, ("", "", 0))[2]
+    held = await STATE.store.holding(jobs, STATE.kube, uid)
     if held or own_nats_url(body) or not cfg.nats_bundled:  # on the chart's NATS, no room means no streams
         await _streams(body, cfg, logger).delete()
     try:

@@ -67,6 +67,15 @@ class Failing(kmock.KubernetesError):
     message: str = "etcdserver: request timed out"
 
 
+@attrs.frozen
+class Conflict(kmock.KubernetesError):
+    """What an API server answers to a write on condition of a version the object has left."""
+
+    status: int = 409
+    reason: str = "Conflict"
+    message: str = "the object has been modified; please apply your changes to the latest version and try again"
+
+
 REQUESTS_KEPT = 64  # far more than are ever in flight at once
 
 
@@ -126,6 +135,11 @@ class Emulator(kmock.KubernetesEmulator):
             current = self._current(request)
             generation = int(current.get("metadata", {}).get("generation", 1))
             if isinstance(data, dict):
+                # A patch that says a resourceVersion is written only over that version, as the API
+                # server does (kubernetes#63104): the optimistic lock the NATS store's books rely on.
+                wanted = (data.get("metadata") or {}).get("resourceVersion")
+                if wanted and current and wanted != current["metadata"].get("resourceVersion"):
+                    raise Conflict()
                 if "spec" in data and request.subresource in (None, "", "scale"):  # not /status
                     generation += 1
                 data.setdefault("metadata", {}).update(resourceVersion=rv, generation=generation)

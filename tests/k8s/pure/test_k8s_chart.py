@@ -82,7 +82,7 @@ def test_cluster_wide_mode_watches_everything() -> None:
     objects = render({"clusterWide": True})
     kinds = {o["kind"] for o in objects}
     assert {"ClusterRole", "ClusterRoleBinding"} <= kinds
-    # Its one Role: patching the NATS accounts Secret, in its own namespace.
+    # Its one Role: reading and patching the NATS accounts Secret, in its own namespace.
     assert [o["metadata"]["name"] for o in objects if o["kind"] == "Role"] == ["rl-pipelinerl-operator-nats-accounts"]
     operator = next(o for o in objects if o["kind"] == "Deployment")
     env = {e["name"] for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
@@ -136,11 +136,15 @@ def test_operator_rbac_is_least_privilege() -> None:
         assert allowed == OPERATOR_CALLS | peering | (discovery if kind == "ClusterRole" else set())
 
 
-def test_the_operator_reads_no_secret_and_writes_over_only_the_nats_accounts() -> None:
+INSECURE = {"auth": {"enabled": False}, "acknowledgeInsecure": True}
+
+
+def test_the_operator_reads_and_writes_over_only_the_nats_accounts_secret() -> None:
     """Secrets may only be created where jobs run (a job's credentials: the operator never reads
-    them back, nor overwrites one it did not make); the one Secret it patches is the NATS
-    accounts Secret, by name, in its own namespace."""
-    for values in ({}, {"clusterWide": True}, {"watchNamespaces": ["team-b"]}):
+    them back, nor overwrites one it did not make); the one Secret it reads and patches is the NATS
+    accounts Secret (the jobs' accounts and the store's books), by name, in its own namespace, with
+    or without per-job credentials (the books are needed either way)."""
+    for values in ({}, {"clusterWide": True}, {"watchNamespaces": ["team-b"]}, INSECURE):
         objects = render(values)
         secret_rules = [
             (o["kind"], o["metadata"].get("namespace"), r)
@@ -150,7 +154,10 @@ def test_the_operator_reads_no_secret_and_writes_over_only_the_nats_accounts() -
             if "secrets" in r["resources"]
         ]
         assert all(
-            "get" not in r["verbs"] and "list" not in r["verbs"] and "watch" not in r["verbs"] for *_, r in secret_rules
+            "list" not in r["verbs"]
+            and "watch" not in r["verbs"]
+            and ("get" not in r["verbs"] or r.get("resourceNames"))
+            for *_, r in secret_rules
         )
         patching = [(kind, ns, r) for kind, ns, r in secret_rules if "patch" in r["verbs"]]
         assert patching == [
@@ -161,7 +168,7 @@ def test_the_operator_reads_no_secret_and_writes_over_only_the_nats_accounts() -
                     "apiGroups": [""],
                     "resources": ["secrets"],
                     "resourceNames": ["rl-pipelinerl-nats-accounts"],
-                    "verbs": ["patch"],
+                    "verbs": ["get", "patch"],
                 },
             )
         ]

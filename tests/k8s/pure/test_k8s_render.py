@@ -492,24 +492,10 @@ def test_two_jobs_of_one_name_in_two_namespaces_share_nothing() -> None:
     assert '"team-a.demo.uid-a2"' in nats_accounts("install-key", [("team-a", "demo", "uid-a2", 1 << 30)])
 
 
-def test_an_account_whose_job_gave_its_room_back_is_retired_before_it_goes() -> None:
-    """nats-server keeps an account's storage reserved when the account is dropped from its
-    configuration (until it restarts), and releases it when the account's JetStream is disabled:
-    a job's account is written disabled, with no user, for RETIRE_S after its job gives its room
-    back (its room counted as held meanwhile), then dropped; a job holding room again is enabled
-    again. (Checked on a real nats-server in tests/k8s/live/test_k8s_tenancy.py.)"""
+def test_a_retired_account_is_written_disabled_without_a_user() -> None:
+    """(When accounts retire: tests/k8s/pure/test_k8s_nats_books.py.)"""
     from pipelinerl_operator.credentials import nats_accounts
-    from pipelinerl_operator.nats_store import RETIRE_S, Reservations
 
-    a, b = {"a": ("team-a", 1)}, {"b": ("team-b", 2)}
-    books = Reservations()
-    assert books.retire(a | b, now=0.0) == []
-    assert books.retire(a, now=10.0) == ["b"]
-    assert books.retiring(now=10.0 + RETIRE_S - 1) == {"b": ("team-b", 2, 10.0)}  # its room still counts
-    assert books.retire(a, now=10.0 + RETIRE_S - 1) == ["b"]
-    assert books.retire(a | b, now=20.0) == []  # resumed: enabled again
-    assert books.retire({}, now=30.0) == ["a", "b"]
-    assert books.retire({}, now=30.0 + RETIRE_S) == [] and books.retiring(now=30.0 + RETIRE_S) == {}  # dropped
     text = nats_accounts("k", [("team-a", "demo", "u1", 1 << 30)], retired=["team-a.old.u0"])
     assert '"team-a.old.u0": { jetstream: disabled }' in text and text.count("user:") == 2  # the operator's, demo's
 
