@@ -4,7 +4,7 @@ ranks must continue exactly as the uninterrupted run (weights and Adam state res
 one pod's `latest` is a step behind (a crash between the pods' writes), both resume at that step,
 which every pod keeps (the newest two checkpoints are). A pod whose volume is lost takes the
 weights and data position of the pod that kept its checkpoints, instead of sending the job back to
-step 0."""
+step 0 (ZeRO-1, and ZeRO-3, whose pods hold only partitions)."""
 
 from __future__ import annotations
 
@@ -34,10 +34,14 @@ def _train(engine, step: int) -> None:
 
 
 def _flat(engine) -> torch.Tensor:
-    return torch.cat([p.detach().float().flatten() for p in engine.module.parameters()])
+    from pipelinerl_trainer.model import full_parameters
+
+    params = list(engine.module.parameters())
+    with full_parameters(engine, params):  # whole, under ZeRO-3
+        return torch.cat([p.detach().float().flatten() for p in params])
 
 
-def _job(rank: int, port: int, model: str, backend: str):
+def _job(rank: int, port: int, model: str, backend: str, stage: int = 1):
     """The rank's process made one of a two-pod trainer (gloo on CPU in float32; NCCL in bfloat16,
     both ranks on one GPU); the job both build engines for."""
     gpu = backend == "nccl"
@@ -61,7 +65,7 @@ def _job(rank: int, port: int, model: str, backend: str):
             "metadata": {"name": "ck"},
             "spec": {
                 "model": {"path": model, "dtype": "bfloat16" if gpu else "float32"},
-                "trainer": {"replicas": WORLD, "zeroStage": 1},
+                "trainer": {"replicas": WORLD, "zeroStage": stage},
             },
         }
     )
@@ -101,13 +105,17 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue, backend: s
     )
 
 
-def _rank_losing_its_volume(rank: int, port: int, model: str, root: str, out: mp.Queue, backend: str) -> None:
+def _rank_losing_its_volume(
+    rank: int, port: int, model: str, root: str, out: mp.Queue, backend: str, stage: int
+) -> None:
     import shutil
+
+    import deepspeed
 
     from pipelinerl_trainer import checkpoint
     from pipelinerl_trainer.model import build_engine
 
-    job = _job(rank, port, model, backend)
+    job = _job(rank, port, model, backend, stage)
     pod = Path(root) / f"pod-{rank}" / "checkpoints"
     engine = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
     for step in (1, 2):
@@ -118,23 +126,26 @@ def _rank_losing_its_volume(rank: int, port: int, model: str, root: str, out: mp
         shutil.rmtree(pod)
 
     resumed = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
-    if rank == 1:  # weights unlike the run's, in the model and in ZeRO's fp32 copy: both must be replaced
-        with torch.no_grad():
-            for p in resumed.module.parameters():
-                p.zero_()
-        resumed.optimizer.refresh_fp32_params()
+    # Weights unlike the run's on rank 1, in the model and in ZeRO's fp32 copy: both must be
+    # replaced (under ZeRO-3 its zeros are every rank's partitions).
+    with torch.no_grad():
+        for p in resumed.module.parameters():
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=1, enabled=stage == 3):
+                if rank == 1:
+                    p.zero_()
+    resumed.optimizer.refresh_fp32_params()
     state = checkpoint.load(resumed, pod)
     adopted = _flat(resumed)
     _train(resumed, 2)
     out.put((rank, state, torch.equal(adopted, at_two), float((_flat(resumed) - adopted).abs().max())))
 
 
-def _run(target, tmp_path: Path, model: Path, backend: str) -> dict:
+def _run(target, tmp_path: Path, model: Path, backend: str, *more) -> dict:
     """Both ranks of `target` run to their result (rank, *rest), which is returned by rank."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    args = [(r, port, str(model), str(tmp_path), out, backend) for r in range(WORLD)]
+    args = [(r, port, str(model), str(tmp_path), out, backend, *more) for r in range(WORLD)]
     procs = [ctx.Process(target=target, args=a) for a in args]
     for p in procs:
         p.start()
@@ -181,8 +192,9 @@ def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_pod_that_lost_its_volume_goes_on_from_the_pod_that_kept_its_checkpoint(tmp_path, tiny_qwen2, backend):
-    results = _run(_rank_losing_its_volume, tmp_path, tiny_qwen2, backend)
+@pytest.mark.parametrize("stage", [1, 3])  # ZeRO-3: the whole weights from rank 0's Hugging Face copy
+def test_a_pod_that_lost_its_volume_goes_on_from_the_pod_that_kept_its_checkpoint(tmp_path, tiny_qwen2, backend, stage):
+    results = _run(_rank_losing_its_volume, tmp_path, tiny_qwen2, backend, stage)
     for rank, (state, adopted_the_run, moved) in results.items():
         assert state == {"step": 2, "rank": 0}  # both at pod 0's step, with its data position
         assert adopted_the_run  # exactly the weights the run had at step 2, on both pods

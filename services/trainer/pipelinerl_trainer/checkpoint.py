@@ -14,8 +14,9 @@ each pod's local rank 0 writes state.json and `latest`. On load the ranks agree 
 step that every pod has (a crash between two pods' `latest` leaves them one step apart). A pod
 with none at all while another has one (its volume lost or replaced) does not send the job back
 to step 0: every rank takes the weights and the consumed-data state of the pod with the newest
-checkpoint (`adopt`), and only the Adam moments start afresh (ZeRO-1/2; under ZeRO-3 the pods'
-model files hold no whole weights, and every rank starts afresh as before).
+checkpoint (`adopt`), and only the Adam moments start afresh (under ZeRO-3 the pods' model files
+hold only their partitions: the whole weights come from rank 0's Hugging Face copy, and where
+rank 0's pod is the one that lost it, every rank starts afresh).
 The full Hugging Face weights (hf/, exports) are written once, by global rank 0.
 """
 
@@ -168,27 +169,32 @@ def load(engine, ckpt_dir: Path) -> dict:
 
 def adopt(engine, ckpt_dir: Path, mine: int | None, newest: int) -> dict:
     """Some pod has no checkpoint (its first was cut short, or its volume was lost or replaced)
-    while another has step `newest`: the lowest rank holding that step loads its model weights
-    and sends them, with its consumed-data state, to every rank, which refresh their optimizer's
-    fp32 copy from them. The Adam moments of the lost pod's ZeRO shard are gone, so every rank's
-    moments start afresh (and the learning-rate warm-up again). Under ZeRO-3 every rank starts afresh."""
+    while another has step `newest`: every rank takes the weights and consumed-data state of the
+    lowest rank holding that step, and refreshes its optimizer's fp32 copy from them. The Adam
+    moments of the lost pod's ZeRO shard are gone, so every rank's moments start afresh (and the
+    learning-rate warm-up again). ZeRO-1/2: that rank loads its model states and broadcasts them.
+    ZeRO-3: the pods' model files hold only their ranks' partitions, so the whole weights come from
+    the Hugging Face copy global rank 0 writes; where rank 0's pod lost it, every rank starts afresh."""
     here = f"this pod ({ckpt_dir})" if mine is None else "a pod"
     lost = f"{here} has no checkpoint while another trainer pod has step-{newest}"
-    if engine.zero_optimization_stage() == 3:
-        log.warning("%s: under ZeRO-3 no pod holds whole weights, so every rank starts afresh", lost)
-        return {}
+    step_dir = ckpt_dir / f"step-{newest}"
+    zero3 = engine.zero_optimization_stage() == 3
     rank, world = dist.get_rank(), dist.get_world_size()
-    source = torch.tensor([rank if mine == newest else world], dtype=torch.long, device=engine.device)
+    holds = mine == newest and (not zero3 or (step_dir / "hf").is_dir())
+    source = torch.tensor([rank if holds else world], dtype=torch.long, device=engine.device)
     dist.all_reduce(source, op=dist.ReduceOp.MIN)
     src = int(source)
+    if src == world:
+        log.warning(
+            "%s: under ZeRO-3 only global rank 0's pod holds whole weights, and it lost them: every rank starts afresh",
+            lost,
+        )
+        return {}
     state: list[dict] = [{}]
-    if rank == src:  # its own files only: no collective inside DeepSpeed's module-only load
-        _, client = engine.load_checkpoint(str(ckpt_dir / f"step-{newest}" / "ds"), tag="ds", load_module_only=True)
-        state[0] = (client or {}).get("pipelinerl", {})
+    if rank == src:
+        state[0] = json.loads((step_dir / "state.json").read_text())
     dist.broadcast_object_list(state, src=src, device=engine.device)
-    with torch.no_grad():
-        for tensor in [*engine.module.parameters(), *engine.module.buffers()]:
-            dist.broadcast(tensor.data, src=src)
+    (_partitions_from_hf if zero3 else _module_from_rank)(engine, step_dir, rank, src)
     if hasattr(engine.optimizer, "refresh_fp32_params"):  # the master copy ZeRO or bf16 keeps
         engine.optimizer.refresh_fp32_params()
     log.warning(
@@ -199,3 +205,35 @@ def adopt(engine, ckpt_dir: Path, mine: int | None, newest: int) -> dict:
         src,
     )
     return state[0]
+
+
+def _module_from_rank(engine, step_dir: Path, rank: int, src: int) -> None:
+    """ZeRO-1/2: rank `src` loads its own model states (no collective inside DeepSpeed's
+    module-only load) and sends every parameter and buffer."""
+    if rank == src:
+        engine.load_checkpoint(str(step_dir / "ds"), tag="ds", load_module_only=True)
+    with torch.no_grad():
+        for tensor in [*engine.module.parameters(), *engine.module.buffers()]:
+            dist.broadcast(tensor.data, src=src)
+
+
+def _partitions_from_hf(engine, step_dir: Path, rank: int, src: int) -> None:
+    """ZeRO-3: rank `src` reads the Hugging Face weights; each parameter is gathered whole, set
+    there, and partitioned again from it (DeepSpeed broadcasts a modifier rank's values on
+    leaving the gather), one at a time so that no rank ever holds the whole model."""
+    import deepspeed
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    if rank == src:
+        for f in sorted((step_dir / "hf").glob("*.safetensors")):
+            weights |= load_file(f)
+    with torch.no_grad():
+        for name, param in engine.module.named_parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=src):
+                if rank == src:
+                    param.data.copy_(weights[name])
+        for name, buffer in engine.module.named_buffers():  # whole on every rank under ZeRO-3
+            if rank == src and name in weights:
+                buffer.copy_(weights[name])
+            dist.broadcast(buffer.data, src=src)
