@@ -71,9 +71,10 @@ class _State:
     kube: Kube | None = None
     # kopf runs timers beside change handlers, and a body can lag behind our own status patch:
     # one lock per job serializes reconciles, and the last status we wrote is the `previous`
-    # the next one compares with (so condition flips post exactly one Event).
+    # the next one compares with (so condition flips post exactly one Event), while the job is
+    # still at the resourceVersion that pass read (`previous_status`).
     locks: dict[str, asyncio.Lock] = {}
-    last_status: dict[str, dict[str, Any]] = {}
+    last_status: dict[str, tuple[str | None, dict[str, Any]]] = {}
     store: Reservations = Reservations()  # the chart's NATS store (nats_store.py)
 
 
@@ -295,16 +296,28 @@ async def reconcile(
 ) -> dict[str, Any]:
     key = str(body["metadata"].get("uid") or f"{body['metadata']['namespace']}/{body['metadata']['name']}")
     async with STATE.locks.setdefault(key, asyncio.Lock()):
-        status = await _reconcile(body, patch, logger, STATE.last_status.get(key), jobs)
-        STATE.last_status[key] = status
+        version = body["metadata"].get("resourceVersion")
+        status = await _reconcile(body, patch, logger, previous_status(body, STATE.last_status.get(key)), jobs)
+        STATE.last_status[key] = (version, status)
         return status
+
+
+def previous_status(body: kopf.Body, last: tuple[str | None, dict[str, Any]] | None) -> dict[str, Any]:
+    """What the job's status was: the one this replica wrote last, while the job is still at the
+    version that pass read (the body has not caught up with the write); else the body's. A
+    replica's own memory is not the truth once the job has moved on: a replica paused while the
+    other took its turn (a finished job, a suspended job's checkpoint record) comes back to
+    statuses it never wrote, and writing over them from its memory would undo them."""
+    if last is not None and last[0] == body["metadata"].get("resourceVersion"):
+        return dict(last[1])
+    return dict(body.get("status") or {})
 
 
 async def _reconcile(
     body: kopf.Body,
     patch: kopf.Patch,
     logger: logging.Logger | logging.LoggerAdapter,
-    last_written: dict[str, Any] | None,
+    previous: dict[str, Any],
     jobs: kopf.Index,
 ) -> dict[str, Any]:
     """One pass: read the spec, apply its children, observe them, restart a trainer gang on a new
@@ -316,7 +329,6 @@ async def _reconcile(
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     metrics.reconciling(ns)
-    previous = dict(last_written or body.get("status") or {})
     logger.debug("reconciling generation %s", meta.get("generation"))
     cfg = operator_config()
     job, spec_error, children = _read_spec(body, previous, cfg, logger)
