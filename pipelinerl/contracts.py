@@ -43,6 +43,7 @@ NATS_ACCOUNTS_FILE = "accounts.conf"  # the key of the operator's accounts Secre
 JOB_LABEL = "pipelinerl.dev/job"
 ROLE_LABEL = "pipelinerl.dev/role"
 CONFIG_HASH_ANNOTATION = "pipelinerl.dev/config-hash"
+NATS_STORE_BOOKS_ANNOTATION = "pipelinerl.dev/nats-store"  # on the accounts Secret: the store's reservations
 POD_INDEX_LABEL = "apps.kubernetes.io/pod-index"  # set by the StatefulSet controller (Kubernetes ≥ 1.28)
 KUEUE_PREFIX = "kueue.x-k8s.io/"
 KUEUE_QUEUE_LABEL = f"{KUEUE_PREFIX}queue-name"

@@ -29,7 +29,15 @@ from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, stat
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.names import generator_selector, replicas, role_name, trainer_host
 from pipelinerl_operator.render import render
-from pipelinerl_operator.status import Observed, RoleObserved, compute, is_terminal, parse_ts, ttl_expired
+from pipelinerl_operator.status import (
+    Observed,
+    RoleObserved,
+    compute,
+    is_terminal,
+    parse_ts,
+    previous_status,
+    ttl_expired,
+)
 from pipelinerl_operator.nats_store import (
     JobRecord,
     Reservations,
@@ -300,17 +308,6 @@ async def reconcile(
         status = await _reconcile(body, patch, logger, previous_status(body, STATE.last_status.get(key)), jobs)
         STATE.last_status[key] = (version, status)
         return status
-
-
-def previous_status(body: kopf.Body, last: tuple[str | None, dict[str, Any]] | None) -> dict[str, Any]:
-    """What the job's status was: the one this replica wrote last, while the job is still at the
-    version that pass read (the body has not caught up with the write); else the body's. A
-    replica's own memory is not the truth once the job has moved on: a replica paused while the
-    other took its turn (a finished job, a suspended job's checkpoint record) comes back to
-    statuses it never wrote, and writing over them from its memory would undo them."""
-    if last is not None and last[0] == body["metadata"].get("resourceVersion"):
-        return dict(last[1])
-    return dict(body.get("status") or {})
 
 
 async def _reconcile(

@@ -22,14 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pipelinerl.capacity import admission_problem, reserved_bytes
-from pipelinerl.contracts import NATS_ACCOUNTS_FILE, OperatorEnv
+from pipelinerl.contracts import NATS_ACCOUNTS_FILE, NATS_STORE_BOOKS_ANNOTATION, OperatorEnv
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.credentials import job_account, nats_accounts, secret_data
 from pipelinerl_operator.kube import KubeError
 from pipelinerl_operator.pod_template import on_chart_nats
 from pipelinerl_operator.status import is_terminal
 
-BOOKS_ANNOTATION = "pipelinerl.dev/nats-store"  # the books, on the accounts Secret
 # How long a job's account stays, JetStream disabled, after its job gave its room back (and its
 # room counts as held): longer than a change of the accounts Secret takes to reach the server
 # (the kubelet's Secret sync, about a minute, then the chart's reloader).
@@ -144,7 +143,7 @@ def accounts_secret(name: str, namespace: str, text: str | None, books: Books | 
         "labels": {"app.kubernetes.io/name": "pipelinerl", "app.kubernetes.io/component": "nats"},
     }
     if books is not None:
-        meta["annotations"] = {BOOKS_ANNOTATION: books.dumps()}
+        meta["annotations"] = {NATS_STORE_BOOKS_ANNOTATION: books.dumps()}
     secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": meta}
     return secret | ({"data": secret_data({NATS_ACCOUNTS_FILE: text})} if text is not None else {})
 
@@ -182,7 +181,7 @@ class Reservations:
         obj = await kube.get("v1", "Secret", where[1], where[0]) or {}
         meta = obj.get("metadata") or {}
         try:  # only the operator writes them; books someone else spoiled are made again, as if lost
-            return Books.loads(meta["annotations"][BOOKS_ANNOTATION]), meta.get("resourceVersion"), True
+            return Books.loads(meta["annotations"][NATS_STORE_BOOKS_ANNOTATION]), meta.get("resourceVersion"), True
         except (KeyError, TypeError, ValueError):
             return Books.from_statuses(index, time.time()), meta.get("resourceVersion"), False
 

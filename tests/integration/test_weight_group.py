@@ -113,9 +113,13 @@ def test_plan_for_tensors_is_plain_data_and_rejects_bad_input():
 # --- real gloo groups (spawned processes) -------------------------------------------------
 
 
-def _receiver(port, rank, world, timeout_s, buckets, out_q, backend="gloo", group_id="g", token="", delay_s=0.0):
+def _receiver(
+    port, rank, world, timeout_s, buckets, out_q, backend="gloo", group_id="g", token="", delay_s=0.0, ready=None
+):
     try:
         time.sleep(delay_s)  # a member still starting up (importing torch, creating a CUDA context)
+        if ready is not None:
+            ready.set()  # imports done: a test's short join timeout is about the group, not process start
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
             if torch.cuda.device_count() == 1:  # NCCL refuses two ranks of one host on one GPU: another "host"
@@ -296,10 +300,14 @@ def test_a_member_that_never_comes_aborts_the_epoch_and_the_next_one_goes_on(por
     tensors = {"w": torch.arange(12.0).reshape(3, 4)}
     buckets = plan_buckets_for(tensors, bucket_bytes=1024)
     ctx = mp.get_context("spawn")
-    out_q = ctx.Queue()
-    first = ctx.Process(target=_receiver, args=(port, 1, 3, 30.0, buckets, out_q, "gloo", "e1"), daemon=True)
+    out_q, ready = ctx.Queue(), ctx.Event()
+    first = ctx.Process(
+        target=_receiver, args=(port, 1, 3, 30.0, buckets, out_q, "gloo", "e1", "", 0.0, ready), daemon=True
+    )
     first.start()
     try:
+        # Rank 1 started (a loaded CI once took over the 8 s below to spawn it and import torch).
+        assert ready.wait(60)
         with pytest.raises(GroupIncomplete) as err:
             WeightGroup.form(store, "e1", 3, 30.0, join_timeout_s=8.0)
         assert err.value.missing == [2]

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import load_file
 
 from pipelinerl_trainer.model import full_parameters
 
@@ -190,21 +191,35 @@ def adopt(engine, ckpt_dir: Path, mine: int | None, newest: int) -> dict:
             lost,
         )
         return {}
-    state: list[dict] = [{}]
+    shared: list = [{}, []]  # the data state; under ZeRO-3, the parameters rank 0's copy lacks
+    weights: dict[str, torch.Tensor] = {}
     if rank == src:
-        state[0] = json.loads((step_dir / "state.json").read_text())
-    dist.broadcast_object_list(state, src=src, device=engine.device)
-    (_partitions_from_hf if zero3 else _module_from_rank)(engine, step_dir, rank, src)
+        shared[0] = json.loads((step_dir / "state.json").read_text())
+        if zero3:
+            for f in sorted((step_dir / "hf").glob("*.safetensors")):
+                weights |= load_file(f)
+            shared[1] = [n for n, _ in engine.module.named_parameters() if n not in weights]
+    dist.broadcast_object_list(shared, src=src, device=engine.device)
+    state, missing = shared
+    if missing:  # on every rank: none waits in a collective the others left
+        raise RuntimeError(
+            f"{lost}, but rank 0's Hugging Face copy of it ({step_dir / 'hf'}) lacks {len(missing)} of the model's "
+            f"parameters ({', '.join(missing[:3])}): put the lost volume back, or run the job again"
+        )
+    if zero3:
+        _partitions_from(engine, weights, rank, src)
+    else:
+        _module_from_rank(engine, step_dir, rank, src)
     if hasattr(engine.optimizer, "refresh_fp32_params"):  # the master copy ZeRO or bf16 keeps
         engine.optimizer.refresh_fp32_params()
     log.warning(
         "%s: every rank goes on from that pod's weights and data position at step %s (rank %d's); the "
         "optimizer's moments start afresh",
         lost,
-        state[0].get("step"),
+        state.get("step"),
         src,
     )
-    return state[0]
+    return state
 
 
 def _module_from_rank(engine, step_dir: Path, rank: int, src: int) -> None:
@@ -217,17 +232,12 @@ def _module_from_rank(engine, step_dir: Path, rank: int, src: int) -> None:
             dist.broadcast(tensor.data, src=src)
 
 
-def _partitions_from_hf(engine, step_dir: Path, rank: int, src: int) -> None:
-    """ZeRO-3: rank `src` reads the Hugging Face weights; each parameter is gathered whole, set
-    there, and partitioned again from it (DeepSpeed broadcasts a modifier rank's values on
-    leaving the gather), one at a time so that no rank ever holds the whole model."""
+def _partitions_from(engine, weights: dict[str, torch.Tensor], rank: int, src: int) -> None:
+    """ZeRO-3: each parameter gathered whole, set on rank `src` from `weights` (its Hugging Face
+    copy), and partitioned again from it (DeepSpeed broadcasts a modifier rank's values on leaving
+    the gather), one at a time so that no rank ever holds the whole model on its device."""
     import deepspeed
-    from safetensors.torch import load_file
 
-    weights: dict[str, torch.Tensor] = {}
-    if rank == src:
-        for f in sorted((step_dir / "hf").glob("*.safetensors")):
-            weights |= load_file(f)
     with torch.no_grad():
         for name, param in engine.module.named_parameters():
             with deepspeed.zero.GatheredParameters([param], modifier_rank=src):

@@ -17,12 +17,12 @@ from job_views import condition, manifest, obj, status
 from operator_harness import JOBS, NS, eventually
 
 from pipelinerl.capacity import reserved_bytes
-from pipelinerl.contracts import NATS_ACCOUNTS_FILE, OperatorEnv
+from pipelinerl.contracts import NATS_ACCOUNTS_FILE, NATS_STORE_BOOKS_ANNOTATION, OperatorEnv
 from pipelinerl.ports import free_port
 from pipelinerl.spec import parse_job
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.kube import Kube
-from pipelinerl_operator.nats_store import BOOKS_ANNOTATION, Books, JobRecord, Reservations, accounts_secret
+from pipelinerl_operator.nats_store import Books, JobRecord, Reservations, accounts_secret
 
 SECRET = "rl-pipelinerl-nats-accounts"
 SECRETS = "v1/secrets"
@@ -30,7 +30,7 @@ GIB = 1 << 30
 
 
 def books_of(emulator) -> Books:
-    return Books.loads(obj(emulator, SECRETS, SECRET)["metadata"]["annotations"][BOOKS_ANNOTATION])
+    return Books.loads(obj(emulator, SECRETS, SECRET)["metadata"]["annotations"][NATS_STORE_BOOKS_ANNOTATION])
 
 
 def accounts_of(emulator) -> str:
@@ -101,7 +101,7 @@ async def test_books_spoiled_or_lost_are_made_again_from_the_jobs_statuses(clust
     kube = Kube(kopf.ConnectionInfo(server=str(emulator.url)))
     try:
         spoiled = accounts_secret(SECRET, NS, "# accounts")
-        spoiled["metadata"]["annotations"] = {BOOKS_ANNOTATION: "{not json"}
+        spoiled["metadata"]["annotations"] = {NATS_STORE_BOOKS_ANNOTATION: "{not json"}
         assert await kube.create(spoiled)
         problem, held = await Reservations().reserve(seen, cfg, kube, "u2", NS, "two", 6 * GIB)
         assert problem and held == 0  # one's 6 GiB, from its status, still count

@@ -259,28 +259,6 @@ async def test_finished_trainer_succeeds_and_ttl_deletes(cluster, monkeypatch) -
         await eventually(lambda: {"Succeeded", "TTLExpired", "StreamsDeleteFailed"} <= set(events(emulator)))
 
 
-async def test_a_replica_back_from_its_pause_goes_on_from_what_the_other_one_wrote(cluster) -> None:
-    """kopf's peering pauses a replica while another takes its turn; when the turn comes back,
-    the job may have moved on (here: finished, as the other replica's pass wrote it). The
-    returning replica goes on from the job's status, not from the last one it wrote itself: the
-    finished job stays finished and its pods are released (from its own memory it had written
-    the job Running again and kept its pods). The other replica's write is played by the test."""
-    emulator, api, trainer = cluster
-    trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False, "weightSyncReady": True}
-    async with running_operator(str(emulator.url)):
-        await ready_job(emulator, api)
-        assert status(emulator)["phase"] == "Running"
-        done = {"phase": "Succeeded", "completionTime": "2026-12-04T20:00:00Z"}
-        await api._call(
-            "PATCH", f"/apis/pipelinerl.dev/v1alpha1/namespaces/{NS}/pipelinerljobs/demo/status", {"status": done}
-        )
-        await eventually(
-            lambda: all(obj(emulator, STS, f"demo-prl-{r}")["spec"]["replicas"] == 0 for r in ROLES),
-            what="the finished job's pods released",
-        )
-        assert status(emulator)["phase"] == "Succeeded"
-
-
 async def test_operator_restart_creates_no_duplicates(cluster) -> None:
     emulator, api, trainer = cluster
     trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False, "weightSyncReady": True}
