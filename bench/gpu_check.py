@@ -10,8 +10,9 @@ default) up to its own cap, each going on whatever the others did:
    DeepSpeed's sdist is built without its ops or CUDA detection, and a failure there only
    skips what needs DeepSpeed;
 2. checkpoint: the trainer's checkpoints on the GPU (tests/integration/test_checkpoint.py, its
-   NCCL variants: two DeepSpeed ZeRO-1 ranks in bfloat16 on the one GPU): each pod resumes from
-   its own volume exactly, and a pod that lost its volume goes on from the one that kept it;
+   NCCL variants: two DeepSpeed ranks in bfloat16 on the one GPU): each pod resumes from its own
+   volume exactly (ZeRO-1), and a pod that lost its volume goes on from the one that kept it
+   (ZeRO-1, and ZeRO-3 from rank 0's Hugging Face copy);
 3. weight-plane: the in-flight update against what a GPU engine runs (torch only, no vLLM): a
    captured CUDA graph computes with the weights each commit brings, staged and in place, and a
    `.data` swap leaves it stale (tests/integration/test_commit_graphs.py); two NCCL ranks on the

@@ -215,8 +215,8 @@ def jobs(namespace: str | None, name: str, uid: str, body: kopf.Body, **_: Any) 
 async def nats_accounts_exist(settings: kopf.OperatorSettings, **_: Any) -> None:
     """The chart's NATS starts once its accounts Secret exists: create it (the operator's account
     alone; the store's books are written there at the first decision) if it does not; never
-    overwrite it here (that would log every job out until the jobs'
-    next sync). Start-up runs before kopf's login: log in for our own client first."""
+    overwrite it here (that would log every job out until the jobs' next sync). Start-up runs
+    before kopf's login: log in for our own client first."""
     cfg = operator_config()
     secret, namespace = accounts_secret_name()
     if not (secret and namespace):

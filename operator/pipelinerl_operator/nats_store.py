@@ -118,8 +118,9 @@ def decide(
         held[uid] = (namespace, name, need, mine[3] if mine else now)
     enabled = {job_account(ns, n, u) for u, (ns, n, _, _) in held.items()}
     for u, (ns, n, b, _) in books.held.items():
-        if job_account(ns, n, u) not in enabled and retire_s > 0:
-            retiring.setdefault(job_account(ns, n, u), (ns, b, now))
+        account = job_account(ns, n, u)
+        if account not in enabled and retire_s > 0:
+            retiring.setdefault(account, (ns, b, now))
     return problem, Books(held, {a: r for a, r in retiring.items() if a not in enabled})
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import kopf
+import pytest
 from job_views import condition, manifest, obj, status
 from operator_harness import JOBS, NS, eventually
 
@@ -37,6 +38,14 @@ def accounts_of(emulator) -> str:
     return base64.b64decode(obj(emulator, SECRETS, SECRET)["data"][NATS_ACCOUNTS_FILE]).decode()
 
 
+@pytest.fixture
+def cfg(monkeypatch) -> OperatorConfig:
+    """The operator's settings with the chart's accounts Secret, which keeps the books: a 10 GiB store."""
+    for name, value in {OperatorEnv.NATS_ACCOUNTS_SECRET: SECRET, OperatorEnv.NAMESPACE: NS}.items():
+        monkeypatch.setenv(name, value)
+    return OperatorConfig(auth_key="install-key", nats_store_bytes=10 * GIB)
+
+
 class ReadTogether:
     """A replica's API client whose first read of the books waits for the other replica's: both
     decide on the same books, and then both write."""
@@ -55,15 +64,12 @@ class ReadTogether:
         return getattr(self.kube, name)
 
 
-async def test_two_replicas_deciding_on_the_same_books_admit_one_job(cluster, monkeypatch) -> None:
+async def test_two_replicas_deciding_on_the_same_books_admit_one_job(cluster, cfg) -> None:
     """Two jobs that each fit the store but not together, decided at once by two replicas that
     both read the books before either writes: the second write is refused (409), its replica
     reads the first one's books and refuses its job. One account is written, and the books say
     the same. (An unconditional write would have admitted both: 12 GiB into a 10 GiB store.)"""
     emulator, _, _ = cluster
-    for name, value in {OperatorEnv.NATS_ACCOUNTS_SECRET: SECRET, OperatorEnv.NAMESPACE: NS}.items():
-        monkeypatch.setenv(name, value)
-    cfg = OperatorConfig(auth_key="install-key", nats_store_bytes=10 * GIB)
     seen = {(NS, "one"): [JobRecord("u1", 0)], (NS, "two"): [JobRecord("u2", 0)]}
     info = kopf.ConnectionInfo(server=str(emulator.url))
     kubes = [Kube(info), Kube(info)]
@@ -90,13 +96,10 @@ async def test_two_replicas_deciding_on_the_same_books_admit_one_job(cluster, mo
             await k.close()
 
 
-async def test_books_spoiled_or_lost_are_made_again_from_the_jobs_statuses(cluster, monkeypatch) -> None:
+async def test_books_spoiled_or_lost_are_made_again_from_the_jobs_statuses(cluster, cfg) -> None:
     """Only the operator writes the books; an annotation someone spoiled (or a Secret made anew,
     without one) is read as the jobs' statuses say, and written again at the next decision."""
     emulator, _, _ = cluster
-    for name, value in {OperatorEnv.NATS_ACCOUNTS_SECRET: SECRET, OperatorEnv.NAMESPACE: NS}.items():
-        monkeypatch.setenv(name, value)
-    cfg = OperatorConfig(auth_key="install-key", nats_store_bytes=10 * GIB)
     seen = {(NS, "one"): [JobRecord("u1", 6 * GIB)], (NS, "two"): [JobRecord("u2", 0)]}
     kube = Kube(kopf.ConnectionInfo(server=str(emulator.url)))
     try:
