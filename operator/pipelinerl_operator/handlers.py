@@ -1,12 +1,16 @@
 """Thin kopf wiring: observe, render, apply, compute status. The decisions live in render.py and status.py.
 
 Every trigger (create, spec update, operator resume, periodic resync) runs the same idempotent
-`reconcile`, so restarting the operator at any point converges without duplicates.
+`reconcile`, so restarting the operator at any point converges without duplicates. A pass
+writes the job's status only over the version of the job it read (`Overtaken` otherwise: the
+next pass starts from what was written meanwhile, by the other replica or by this one), and
+posts its Events only once that write stands.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import time
@@ -23,7 +27,7 @@ from pipelinerl_operator import admission, metrics
 from pipelinerl_operator.admission import MAX_MANIFEST_BYTES
 from pipelinerl_operator.config import from_env
 from pipelinerl_operator.credentials import nats_accounts
-from pipelinerl_operator.kube import Kube, KubeError
+from pipelinerl_operator.kube import Conflict, Kube, KubeError
 from pipelinerl_operator.pods import pod_problems, trainer_gang_to_restart
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
 from pipelinerl_operator.config import OperatorConfig
@@ -35,7 +39,6 @@ from pipelinerl_operator.status import (
     compute,
     is_terminal,
     parse_ts,
-    previous_status,
     ttl_expired,
 )
 from pipelinerl_operator.nats_store import (
@@ -77,13 +80,17 @@ class BoundedWebhookServer(kopf.WebhookServer):
 
 class _State:
     kube: Kube | None = None
-    # kopf runs timers beside change handlers, and a body can lag behind our own status patch:
-    # one lock per job serializes reconciles, and the last status we wrote is the `previous`
-    # the next one compares with (so condition flips post exactly one Event), while the job is
-    # still at the resourceVersion that pass read (`previous_status`).
-    locks: dict[str, asyncio.Lock] = {}
-    last_status: dict[str, tuple[str | None, dict[str, Any]]] = {}
+    locks: dict[str, asyncio.Lock] = {}  # kopf runs timers beside change handlers: one pass per job at a time
     store: Reservations = Reservations()  # the chart's NATS store (nats_store.py)
+
+
+class Overtaken(kopf.TemporaryError):
+    """The job was written between this pass's read and its status write (the other replica's
+    pass, a user's edit, kopf's own annotations): the pass is dropped unwritten and run again on
+    the job as it now is."""
+
+    def __init__(self) -> None:
+        super().__init__("the job changed during this pass: run again on what was written", delay=1)
 
 
 STATE = _State()
@@ -92,7 +99,6 @@ STATE = _State()
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     STATE.locks.clear()
-    STATE.last_status.clear()
     STATE.store = Reservations()
     # One finalizer for kopf's timer bookkeeping and our stream cleanup.
     settings.persistence.finalizer = FINALIZER
@@ -110,6 +116,9 @@ async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.watching.connect_timeout = 30
     if os.environ.get(OperatorEnv.WATCH_NAMESPACES):
         settings.scanning.disabled = True  # namespaced install: no cluster-wide CRD/namespace scans
+    # A deleted job's finalizer waits for its resync timer to exit; kopf looks again only on the
+    # job's next change or after this: a pass that ends unwritten (overtaken) makes no change.
+    settings.background.cancellation_polling = 2
     settings.peering.lifetime = int(os.environ.get(OperatorEnv.PEERING_LIFETIME) or 60)
     port = int(os.environ.get(OperatorEnv.METRICS_PORT, str(OPERATOR_METRICS_PORT)))
     metrics.JOBS.stale_after_s = 3 * RESYNC_SECONDS  # three passes missed: not this replica's to say
@@ -300,31 +309,26 @@ def _pod_restarts(pods: list[dict[str, Any]], roles: list[str]) -> dict[str, int
 
 
 async def reconcile(
-    body: kopf.Body, patch: kopf.Patch, logger: logging.Logger | logging.LoggerAdapter, jobs: kopf.Index
+    body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter, jobs: kopf.Index
 ) -> dict[str, Any]:
     key = str(body["metadata"].get("uid") or f"{body['metadata']['namespace']}/{body['metadata']['name']}")
     async with STATE.locks.setdefault(key, asyncio.Lock()):
-        version = body["metadata"].get("resourceVersion")
-        status = await _reconcile(body, patch, logger, previous_status(body, STATE.last_status.get(key)), jobs)
-        STATE.last_status[key] = (version, status)
-        return status
+        return await _reconcile(body, logger, jobs)
 
 
 async def _reconcile(
-    body: kopf.Body,
-    patch: kopf.Patch,
-    logger: logging.Logger | logging.LoggerAdapter,
-    previous: dict[str, Any],
-    jobs: kopf.Index,
+    body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter, jobs: kopf.Index
 ) -> dict[str, Any]:
     """One pass: read the spec, apply its children, observe them, restart a trainer gang on a new
-    template, compute the status and act on it."""
+    template, compute the status and act on it. kopf's body is live (updated as the watch brings
+    changes): the version and status the pass goes on from are taken at its start."""
     kube = STATE.kube
     if kube is None:
         raise kopf.TemporaryError("not logged in to the Kubernetes API yet", delay=5)
     started = time.monotonic()
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
+    version, previous = meta.get("resourceVersion"), copy.deepcopy(dict(body.get("status") or {}))
     metrics.reconciling(ns)
     logger.debug("reconciling generation %s", meta.get("generation"))
     cfg = operator_config()
@@ -343,8 +347,10 @@ async def _reconcile(
         status["natsReservedBytes"] = held
         status["suspendedStore"] = kept or None  # a suspended job's checkpoint record, until its resume
         status["credentialsSecret"] = made
-        await _act_on(kube, body, patch, logger, job, cfg, previous, status, events, now)
+        await _act_on(kube, body, version, logger, job, cfg, previous, status, events, now)
         return status
+    except Overtaken:
+        raise
     except Exception:
         metrics.RECONCILE_ERRORS.labels(ns).inc()
         raise
@@ -398,13 +404,12 @@ async def _reserve_and_apply(
     streams = _streams(body, cfg, logger)
     suspended = job is not None and job.spec.suspend
     if holds and not need:  # its account (and room) stays until its streams are gone: tried again next pass
-        released = await streams.release(kube, suspended)
-        if released is None:
+        kept, gone = await _release(kube, streams, suspended, kept)
+        if not gone:
             need = holds
-        elif suspended:
-            kept = released
     error, held = await STATE.store.reserve(jobs, cfg, STATE.kube, uid, meta["namespace"], meta["name"], need)
-    if not error and children and need and kept:  # resumed: its store goes on from its checkpoint first
+    # Resumed: its store goes on from its checkpoint first.
+    if not error and children and need and kept and not suspended:
         error = await streams.restore(job, kept)
         kept = kept if error else None
     if not error and children:
@@ -412,6 +417,20 @@ async def _reserve_and_apply(
     if error:
         logger.warning("not applied: %s", error)
     return error, held, kept, made
+
+
+async def _release(
+    kube: Kube, streams: JobStreams, suspended: bool, kept: dict[str, Any] | None
+) -> tuple[dict[str, Any] | None, bool]:
+    """A job's streams deleted before its room is given back: the suspended job's checkpoint record
+    (its resume restores the store from it) and whether they are gone. The record is read in one
+    pass, which writes it into the status, and the streams deleted in a later one, once it
+    stands: a pass whose status write is refused loses nothing it cannot do again."""
+    if suspended and not kept:
+        record = await streams.checkpoint_record(kube)
+        if record is None or record:  # not yet; or its record, to be written first
+            return record, False
+    return kept, await streams.delete()
 
 
 async def _restart_trainer_gang(
@@ -484,7 +503,7 @@ def _observed(
 async def _act_on(
     kube: Kube,
     body: kopf.Body,
-    patch: kopf.Patch,
+    version: str | None,
     logger: logging.Logger | logging.LoggerAdapter,
     job: Any,
     cfg: Any,
@@ -493,8 +512,8 @@ async def _act_on(
     events: list[Any],
     now: datetime,
 ) -> None:
-    """Write the status and its events; free the GPUs of a job that just ended; delete a finished
-    job whose TTL has run out."""
+    """Free the GPUs of a job that just ended; write the status over the job's `version` and post
+    its events; delete a finished job whose TTL has run out."""
     meta = body["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
     if job is not None and is_terminal(status) and not is_terminal(previous):
@@ -504,7 +523,13 @@ async def _act_on(
         error, _ = await apply_owned(kube, children, uid, previous.get("credentialsSecret"))
         if error:
             logger.warning("not scaled down: %s", error)
-    patch.status.update(status)
+    try:
+        await kube.write_status(API_VERSION, KIND, ns, name, status, version)
+    except Conflict:
+        made = status.get("credentialsSecret")
+        if made and made != previous.get("credentialsSecret"):  # a fact, whatever else was written
+            await kube.write_status(API_VERSION, KIND, ns, name, {"credentialsSecret": made}, None)
+        raise Overtaken() from None
     for e in events:
         logger.debug("event %s: %s", e.reason, e.message)
         _event(body, e.type, e.reason, e.message)
@@ -517,27 +542,27 @@ async def _act_on(
 # The resource handlers take the `jobs` index, which kopf passes by name; its callback protocols
 # cannot name an index, hence the type: ignore on each of them.
 @kopf.on.create(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
-async def created(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
-    status = await reconcile(body, patch, logger, jobs)
+async def created(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
+    status = await reconcile(body, logger, jobs)
     if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
         _event(body, "Normal", "Created", "created the ConfigMap, Services and StatefulSets")
 
 
 @kopf.on.update(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
-async def updated(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
-    status = await reconcile(body, patch, logger, jobs)
+async def updated(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
+    status = await reconcile(body, logger, jobs)
     if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
         _event(body, "Normal", "Updated", f"applied generation {status.get('observedGeneration')}")
 
 
 @kopf.on.resume(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
-async def resumed(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
-    await reconcile(body, patch, logger, jobs)
+async def resumed(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
+    await reconcile(body, logger, jobs)
 
 
 @kopf.timer(API_GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)  # type: ignore[arg-type]
-async def resync(body: kopf.Body, patch: kopf.Patch, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
-    await reconcile(body, patch, logger, jobs)
+async def resync(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
+    await reconcile(body, logger, jobs)
 
 
 @kopf.on.delete(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
@@ -561,7 +586,6 @@ async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
     metrics.JOBS.record(ns, name, None)
     key = str(meta.get("uid") or f"{ns}/{name}")
     STATE.locks.pop(key, None)
-    STATE.last_status.pop(key, None)
 
 
 async def _delete_statefulsets(

@@ -86,23 +86,18 @@ class JobStreams:
         self.event("Normal", "StreamsDeleted", f"deleted NATS streams: {', '.join(streams) or 'none'}")
         return True
 
-    async def release(self, kube: Any, suspended: bool) -> dict[str, Any] | None:
-        """Before the job's room is given back: its streams deleted. A suspended job's only once
-        its pods are gone, and with its trainer's newest checkpoint record read first, which its
-        resume restores the store from (returned; {} where there is none). None: not yet."""
-        record: dict[str, Any] = {}
-        if suspended:
-            if await kube.list("v1", "Pod", self.namespace, f"{JOB_LABEL}={self.name}"):
-                return None  # still stopping: the trainer checkpoints on its way out
-            try:
-                told = await self._as_job(self._checkpoint_told)
-            except Exception as err:  # noqa: BLE001 - told, and tried again next pass
-                self.event("Warning", "StreamsDeleteFailed", f"could not read the trainer's checkpoint record: {err!r}")
-                return None
-            record = {"store": told.store, "step": told.step, "problems": told.problems} if told else {}
-        if not await self.delete():
+    async def checkpoint_record(self, kube: Any) -> dict[str, Any] | None:
+        """A suspended job's trainer's newest checkpoint record, which its resume restores the store
+        from ({} where there is none), once its pods are gone (the trainer checkpoints on its way
+        out). None: not yet."""
+        if await kube.list("v1", "Pod", self.namespace, f"{JOB_LABEL}={self.name}"):
             return None
-        return record
+        try:
+            told = await self._as_job(self._checkpoint_told)
+        except Exception as err:  # noqa: BLE001 - told, and tried again next pass
+            self.event("Warning", "StreamsDeleteFailed", f"could not read the trainer's checkpoint record: {err!r}")
+            return None
+        return {"store": told.store, "step": told.step, "problems": told.problems} if told else {}
 
     async def _checkpoint_told(self, js: Any) -> Any:
         """The trainer's newest checkpoint record; None where the job has no streams (its services

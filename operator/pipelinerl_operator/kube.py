@@ -47,6 +47,11 @@ class KubeError(RuntimeError):
         self.status = status
 
 
+class Conflict(KubeError):
+    """409: the object was written since the version a write was made on condition of (a create:
+    an object of that name exists)."""
+
+
 def object_path(api_version: str, kind: str, namespace: str | None, name: str | None = None) -> str:
     base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
     if namespace:
@@ -120,7 +125,7 @@ class Kube:
                 return None
             text = await resp.text()
             if resp.status >= 400:
-                raise KubeError(resp.status, status_message(text))
+                raise (Conflict if resp.status == 409 else KubeError)(resp.status, status_message(text))
             return json.loads(text) if text else {}
 
     async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
@@ -156,11 +161,20 @@ class Kube:
         meta = obj["metadata"]
         try:
             await self._request("POST", object_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), obj)
-        except KubeError as err:
-            if err.status == 409:  # AlreadyExists
-                return False
-            raise
+        except Conflict:  # AlreadyExists
+            return False
         return True
+
+    async def write_status(
+        self, api_version: str, kind: str, namespace: str, name: str, status: dict[str, Any], version: str | None
+    ) -> None:
+        """Merge `status` into the object's status (a null removes a field), only while the object is
+        still at resourceVersion `version` (None: unconditionally); else Conflict."""
+        body: dict[str, Any] = {"status": status}
+        if version is not None:
+            body["metadata"] = {"resourceVersion": version}
+        path = object_path(api_version, kind, namespace, name) + "/status"
+        await self._request("PATCH", path, body, content_type="application/merge-patch+json")
 
     async def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
         return await self._request("DELETE", object_path(api_version, kind, namespace, name)) is not None

@@ -25,7 +25,7 @@ from pipelinerl.capacity import admission_problem, reserved_bytes
 from pipelinerl.contracts import NATS_ACCOUNTS_FILE, NATS_STORE_BOOKS_ANNOTATION, OperatorEnv
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.credentials import job_account, nats_accounts, secret_data
-from pipelinerl_operator.kube import KubeError
+from pipelinerl_operator.kube import Conflict
 from pipelinerl_operator.pod_template import on_chart_nats
 from pipelinerl_operator.status import is_terminal
 
@@ -154,10 +154,6 @@ def accounts_secret_name() -> tuple[str | None, str | None]:
     return os.environ.get(OperatorEnv.NATS_ACCOUNTS_SECRET), os.environ.get(OperatorEnv.NAMESPACE)
 
 
-class Conflict(Exception):
-    """Another replica wrote the books between this one's read and its write."""
-
-
 @dataclass
 class Reservations:
     """The I/O around `decide`: one decision at a time in this process (`lock`), each on the books
@@ -198,15 +194,10 @@ class Reservations:
         obj = accounts_secret(*where, text, books)
         if version is None:  # no Secret yet
             if not await kube.create(obj):
-                raise Conflict
+                raise Conflict(409, "the accounts Secret was made meanwhile")
             return
         obj["metadata"]["resourceVersion"] = version  # the API server's precondition
-        try:
-            await kube.apply(obj)
-        except KubeError as err:
-            if err.status == 409:
-                raise Conflict from err
-            raise
+        await kube.apply(obj)
 
     async def holding(self, index: Mapping, kube: Any, uid: str) -> int:
         """The bytes the job holds now."""

@@ -94,17 +94,6 @@ def parse_ts(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
-def previous_status(body: Mapping[str, Any], last: tuple[str | None, dict[str, Any]] | None) -> dict[str, Any]:
-    """What the job's status was: the one this replica wrote last, while the job is still at the
-    version that pass read (the body has not caught up with the write); else the body's. A
-    replica's own memory is not the truth once the job has moved on: a replica paused while the
-    other took its turn (a finished job, a suspended job's checkpoint record) comes back to
-    statuses it never wrote, and writing over them from its memory would undo them."""
-    if last is not None and last[0] == body["metadata"].get("resourceVersion"):
-        return dict(last[1])
-    return dict(body.get("status") or {})
-
-
 def is_terminal(status: dict[str, Any] | None) -> bool:
     return (status or {}).get("phase") in ("Succeeded", "Failed")
 

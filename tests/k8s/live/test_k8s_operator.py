@@ -4,6 +4,7 @@ resumed, failed, succeeded and deleted, the operator restarted or replaced by it
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 
@@ -257,6 +258,32 @@ async def test_finished_trainer_succeeds_and_ttl_deletes(cluster, monkeypatch) -
         # ttlSecondsAfterFinished: the operator deletes the job; the finalizer is released (NATS is absent here).
         await eventually(lambda: obj(emulator, JOBS, "demo") is None, timeout_s=15, what="TTL deletion")
         await eventually(lambda: {"Succeeded", "TTLExpired", "StreamsDeleteFailed"} <= set(events(emulator)))
+
+
+async def test_a_pass_in_flight_when_the_other_replica_writes_does_not_write_over_it(cluster) -> None:
+    """Two replicas can both be reconciling (kopf's peering is a turn, not a lock): here the other
+    one marks the job Succeeded (played by the test) while this one's pass, which read the job
+    Running, waits on the trainer. That pass's status write is refused (the job is no longer at
+    the version it read) and the next pass goes on from Succeeded: the job stays finished and its
+    pods are released. Written unconditionally, the pass put the job back to Running for good."""
+    emulator, api, trainer = cluster
+    trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False, "weightSyncReady": True}
+    async with running_operator(str(emulator.url)):
+        await ready_job(emulator, api)
+        assert status(emulator)["phase"] == "Running"
+        trainer.gate = asyncio.Event()
+        trainer.asked.clear()
+        await asyncio.wait_for(trainer.asked.wait(), 10)  # a pass in flight, having read the job Running
+        done = {"phase": "Succeeded", "completionTime": "2026-12-04T20:00:00Z"}
+        await api._call(
+            "PATCH", f"/apis/pipelinerl.dev/v1alpha1/namespaces/{NS}/pipelinerljobs/demo/status", {"status": done}
+        )
+        trainer.gate.set()
+        await eventually(
+            lambda: all(obj(emulator, STS, f"demo-prl-{r}")["spec"]["replicas"] == 0 for r in ROLES),
+            what="the finished job's pods released",
+        )
+        assert status(emulator)["phase"] == "Succeeded"
 
 
 async def test_operator_restart_creates_no_duplicates(cluster) -> None:

@@ -188,7 +188,13 @@ async def test_a_credentials_secret_the_operator_did_not_make_is_never_used(clus
         assert not any(obj(emulator, STS, f"demo-prl-{r}") for r in ROLES)  # no pod reads it
         await api._call("DELETE", f"/api/v1/namespaces/{NS}/secrets/{name}")
         await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"), timeout_s=30, what="its pods, with its own")
-        await eventually(lambda: status(emulator).get("credentialsSecret") == name, what="said in its status")
+        await eventually(
+            lambda: (
+                status(emulator).get("credentialsSecret") == name
+                and condition(emulator, "Ready").get("reason") != "ApplyRefused"
+            ),
+            what="said in its status",
+        )
         assert obj(emulator, "v1/secrets", name)["metadata"]["ownerReferences"][0]["uid"] == uid
     async with running_operator(str(emulator.url)):  # restarted: its own Secret is there (a create finds it)
         await asyncio.sleep(1)

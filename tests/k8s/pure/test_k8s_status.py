@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from pipelinerl.contracts import TrainerStatus
 from pipelinerl.crd import JobStatus
 from pipelinerl_operator.pods import PodProblem, pod_problems, trainer_gang_to_restart
-from pipelinerl_operator.status import Observed, RoleObserved, compute, previous_status, ttl_expired
+from pipelinerl_operator.status import Observed, RoleObserved, compute, ttl_expired
 
 T0 = datetime(2026, 11, 22, 3, 0, tzinfo=timezone.utc)
 UP = {"generator": RoleObserved(2, 2, 2), "preprocessor": RoleObserved(1, 1, 1), "trainer": RoleObserved(1, 1, 1)}
@@ -370,19 +370,3 @@ def test_a_trainer_template_change_restarts_the_whole_gang_once() -> None:
     assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", "t-1", deleting=True)], "t-2") == []
     assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", "t-1")], None) == []
     assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", None)], "t-2") == []
-
-
-def test_a_replica_compares_with_its_own_last_status_only_while_the_job_has_not_moved_on():
-    """Its last write is the `previous` while the job is at the version that pass read (kopf's
-    body lags its own patch: an Event posted once, not again). Once the job has moved on, the
-    job's status is: a replica paused while the other took its turn comes back to a job finished
-    meanwhile, and from its own memory (Running) it would write the job Running again, and keep
-    its pods. (A pass already running when the other replica writes still writes over it:
-    docs/kubernetes.md, not yet guarded.)"""
-    mine = {"phase": "Running", "natsReservedBytes": 7}
-    theirs = {"phase": "Succeeded", "natsReservedBytes": 0}
-    assert (
-        previous_status({"metadata": {"resourceVersion": "41"}, "status": {"phase": "Pending"}}, ("41", mine)) == mine
-    )
-    assert previous_status({"metadata": {"resourceVersion": "57"}, "status": theirs}, ("41", mine)) == theirs
-    assert previous_status({"metadata": {"resourceVersion": "57"}}, None) == {}
