@@ -88,6 +88,8 @@ class Emulator(kmock.KubernetesEmulator):
     creates: list[str] = []  # "plural/name" of every POST, to check nothing is created twice
     refuse: dict[str, str] = {}  # "plural/name" → the message of a 422 answered to writes of it
     failing: set[str] = set()  # plurals every request for which is answered 500
+    gates: dict[str, asyncio.Event] = {}  # plural → requests for it wait until it is set (`waiting` meanwhile)
+    waiting: asyncio.Event
 
     def _current(self, request) -> dict[str, Any]:  # type: ignore[no-untyped-def]
         for (res, ns, name), obj in list(self.objects.items()):
@@ -101,6 +103,10 @@ class Emulator(kmock.KubernetesEmulator):
         # tenancy test spent 90% of its CPU there, and its operator fell behind). No test reads
         # the log, so only its tail is kept; `request`, just appended, is in it.
         del self._requests[:-REQUESTS_KEPT]
+        gate = self.gates.get(request.resource.plural) if request.resource is not None else None
+        if gate is not None:
+            self.waiting.set()
+            await gate.wait()
         if (
             request.resource is not None
             and request.resource.plural == "pipelinerljobs"
@@ -186,6 +192,7 @@ def _nested(path: str, value: Any) -> dict[str, Any]:
 async def emulator() -> AsyncIterator[Emulator]:
     async with Emulator() as handler, kmock.Server(handler):
         handler.creates, handler.refuse, handler.failing = [], {}, set()
+        handler.gates, handler.waiting = {}, asyncio.Event()
         declare(handler)
         yield handler
 

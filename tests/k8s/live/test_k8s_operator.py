@@ -286,6 +286,40 @@ async def test_a_pass_in_flight_when_the_other_replica_writes_does_not_write_ove
         assert status(emulator)["phase"] == "Succeeded"
 
 
+async def test_a_suspended_jobs_record_the_other_replica_wrote_meanwhile_stands(cluster, monkeypatch) -> None:
+    """The suspended variant: the other replica (played by the test) has read the suspended job's
+    checkpoint record, written it into the status and given the job's room back while this
+    one's pass, which read the job holding room with no record, waits on the API server (its
+    listing of the job's pods held). That pass's write is refused, and the passes after it go on
+    from the record: it stands, and the room stays given back. (NATS is unreachable here, so this
+    replica never reads a record of its own.) Written unconditionally, the pass wrote the record
+    away and took the room again, and the job's resume would start its store afresh."""
+    from pipelinerl.capacity import reserved_bytes
+    from pipelinerl.spec import parse_job
+
+    emulator, api, _ = cluster
+    room = reserved_bytes(parse_job(manifest()).spec)
+    monkeypatch.setenv("PIPELINERL_NATS_STORE_BYTES", str(2 * room))
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest())
+        await eventually(lambda: status(emulator).get("natsReservedBytes") == room, what="its room")
+        emulator.gates["pods"] = gate = asyncio.Event()
+        emulator.waiting.clear()
+        await api.patch_job("demo", {"spec": {"suspend": True}})
+        await asyncio.wait_for(emulator.waiting.wait(), 10)  # a pass in flight, having read the job holding room
+        record = {"store": "a5a6bc9c889b4c4090c9fdd25e8c419b", "step": 7, "problems": 123}
+        await api._call(
+            "PATCH",
+            f"/apis/pipelinerl.dev/v1alpha1/namespaces/{NS}/pipelinerljobs/demo/status",
+            {"status": {"natsReservedBytes": 0, "suspendedStore": record}},
+        )
+        del emulator.gates["pods"]
+        gate.set()
+        await eventually(lambda: status(emulator).get("phase") == "Suspended", what="the passes after it")
+        await asyncio.sleep(2)  # several resyncs (0.3 s apart) more
+        assert status(emulator).get("suspendedStore") == record and status(emulator)["natsReservedBytes"] == 0
+
+
 async def test_operator_restart_creates_no_duplicates(cluster) -> None:
     emulator, api, trainer = cluster
     trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False, "weightSyncReady": True}
