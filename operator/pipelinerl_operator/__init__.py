@@ -1,1 +1,2 @@
-"""The PipelineRLJob operator: pure rendering (render.py) and status (status.py) wrapped by kopf (handlers.py)."""
+"""The PipelineRLJob operator: pure rendering (render.py) and status (status.py), applied by one
+reconciling pass (reconcile.py) that kopf runs (handlers.py)."""

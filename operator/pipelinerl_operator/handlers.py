@@ -1,62 +1,34 @@
-"""Thin kopf wiring: observe, render, apply, compute status. The decisions live in render.py and status.py.
-
-Every trigger (create, spec update, operator resume, periodic resync) runs the same idempotent
-`reconcile`, so restarting the operator at any point converges without duplicates. A pass
-writes the job's status only over the version of the job it read (`Overtaken` otherwise: the
-next pass starts from what was written meanwhile, by the other replica or by this one), and
-posts its Events only once that write stands.
+"""Thin kopf wiring: the operator's settings, its admission webhook, login, the jobs' index, and
+the handlers. Every trigger (create, spec update, operator resume, periodic resync) runs the same
+idempotent pass (reconcile.py), one at a time per job, so restarting the operator at any point
+converges without duplicates.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import os
-import time
-from datetime import datetime, timezone
 from typing import Any
 
 import aiohttp.web
 import kopf
 
-from pipelinerl.contracts import JOB_LABEL, OPERATOR_METRICS_PORT, ROLE_LABEL, ROLES, OperatorEnv
+from pipelinerl.contracts import JOB_LABEL, OPERATOR_METRICS_PORT, ROLES, OperatorEnv
 from pipelinerl.crd import PLURAL, VERSION
-from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError
+from pipelinerl.spec import API_GROUP, KIND, SpecError
 from pipelinerl_operator import admission, metrics
 from pipelinerl_operator.admission import MAX_MANIFEST_BYTES
-from pipelinerl_operator.config import from_env
 from pipelinerl_operator.credentials import nats_accounts
-from pipelinerl_operator.kube import Conflict, Kube, KubeError
-from pipelinerl_operator.pods import pod_problems, trainer_gang_to_restart
-from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
-from pipelinerl_operator.config import OperatorConfig
-from pipelinerl_operator.names import generator_selector, replicas, role_name, trainer_host
-from pipelinerl_operator.render import render
-from pipelinerl_operator.status import (
-    Observed,
-    RoleObserved,
-    compute,
-    is_terminal,
-    parse_ts,
-    ttl_expired,
-)
-from pipelinerl_operator.nats_store import (
-    JobRecord,
-    Reservations,
-    accounts_secret,
-    accounts_secret_name,
-    store_bytes_needed,
-)
-from pipelinerl_operator.job_streams import JobStreams, own_nats_url
+from pipelinerl_operator.job_streams import own_nats_url
+from pipelinerl_operator.kube import Kube, KubeError
+from pipelinerl_operator.names import role_name
+from pipelinerl_operator.nats_store import JobRecord, Reservations, accounts_secret, accounts_secret_name
+from pipelinerl_operator.reconcile import event, job_streams, operator_config, owned_by
+from pipelinerl_operator.reconcile import run as run_pass
 
 FINALIZER = f"{API_GROUP}/cleanup"
 RESYNC_SECONDS = float(os.environ.get(OperatorEnv.RESYNC_SECONDS, "15"))
-
-
-def operator_config() -> OperatorConfig:
-    """The install's settings, from this process's environment (as the chart sets it)."""
-    return from_env(os.environ)
 
 
 # An admission review holds the job at most twice (an update's old and new objects), each within
@@ -82,15 +54,6 @@ class _State:
     kube: Kube | None = None
     locks: dict[str, asyncio.Lock] = {}  # kopf runs timers beside change handlers: one pass per job at a time
     store: Reservations = Reservations()  # the chart's NATS store (nats_store.py)
-
-
-class Overtaken(kopf.TemporaryError):
-    """The job was written between this pass's read and its status write (the other replica's
-    pass, a user's edit, kopf's own annotations): the pass is dropped unwritten and run again on
-    the job as it now is."""
-
-    def __init__(self) -> None:
-        super().__init__("the job changed during this pass: run again on what was written", delay=1)
 
 
 STATE = _State()
@@ -237,306 +200,12 @@ async def nats_accounts_exist(settings: kopf.OperatorSettings, **_: Any) -> None
         await STATE.kube.create(accounts_secret(secret, namespace, text))
 
 
-async def apply_owned(
-    kube: Kube, children: list[dict[str, Any]], uid: str, made: str | None
-) -> tuple[str | None, str | None]:
-    """Apply the job's children in order; stop at the first that cannot be, and say why: an object
-    of that name the job does not own (never taken over: deleting the job would delete it), or
-    one the API server refused (invalid, quota, an admission webhook). Every path that writes a
-    child comes here (the terminal one included). The job's Secret is only ever created: its
-    values follow from the job's uid and never change, so the operator needs no right to read (nor
-    to overwrite) Secrets where jobs run. `made`: the Secret the job's status says the operator
-    created (status.credentialsSecret); one of that name found otherwise is someone else's, and
-    the job's pods never get it. Returns why it stopped (None: all applied) and the Secret the
-    operator has made, as the status keeps it."""
-    for obj in children:
-        meta = obj["metadata"]
-        what = f"{obj['kind']} {meta['name']}"
-        try:
-            if obj["kind"] == "Secret":
-                if not await kube.create(obj) and made != meta["name"]:
-                    return f"{what} already exists and this job did not make it: not used (delete it)", made
-                made = meta["name"]
-                continue
-            existing = await kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-            if existing is not None and not owned_by(existing, uid):
-                return (
-                    f"{what} already exists and is not this job's: not taken over (delete or rename it, "
-                    "or give the job another name)"
-                ), made
-            await kube.apply(obj)
-        except KubeError as err:
-            return f"{what}: {err}", made
-    return None, made
-
-
-def owned_by(obj: dict[str, Any], uid: str) -> bool:
-    return any(ref.get("uid") == uid and ref.get("controller") for ref in obj["metadata"].get("ownerReferences") or [])
-
-
-def _event(body: kopf.Body, type_: str, reason: str, message: str) -> None:
-    kopf.event(body, type=type_, reason=reason, message=message[:1024])
-
-
-def _streams(body: kopf.Body, cfg: OperatorConfig, logger: logging.Logger | logging.LoggerAdapter) -> JobStreams:
-    return JobStreams(body, cfg, lambda type_, reason, message: _event(body, type_, reason, message), logger)
-
-
-async def _observe_roles(kube: Kube, ns: str, job: Any, name: str) -> dict[str, RoleObserved]:
-    roles = {}
-    for role in ROLES:
-        sts = await kube.get("apps/v1", "StatefulSet", ns, role_name(name, role)) or {}
-        st = sts.get("status") or {}
-        desired = replicas(job, role) if job is not None else int((sts.get("spec") or {}).get("replicas", 0))
-        roles[role] = RoleObserved(
-            desired=desired,
-            replicas=int(st.get("replicas", 0) or 0),
-            ready=int(st.get("readyReplicas", 0) or 0),
-            update_revision=st.get("updateRevision"),
-        )
-    return roles
-
-
-def _pod_restarts(pods: list[dict[str, Any]], roles: list[str]) -> dict[str, int]:
-    """Container restarts per pod of the roles whose failures count (`runPolicy.failingRoles`)."""
-    return {
-        p["metadata"]["name"]: sum(
-            int(c.get("restartCount", 0) or 0) for c in (p.get("status") or {}).get("containerStatuses") or []
-        )
-        for p in pods
-        if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) in roles
-    }
-
-
 async def reconcile(
     body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter, jobs: kopf.Index
 ) -> dict[str, Any]:
     key = str(body["metadata"].get("uid") or f"{body['metadata']['namespace']}/{body['metadata']['name']}")
     async with STATE.locks.setdefault(key, asyncio.Lock()):
-        return await _reconcile(body, logger, jobs)
-
-
-async def _reconcile(
-    body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter, jobs: kopf.Index
-) -> dict[str, Any]:
-    """One pass: read the spec, apply its children, observe them, restart a trainer gang on a new
-    template, compute the status and act on it. kopf's body is live (updated as the watch brings
-    changes): the version and status the pass goes on from are taken at its start."""
-    kube = STATE.kube
-    if kube is None:
-        raise kopf.TemporaryError("not logged in to the Kubernetes API yet", delay=5)
-    started = time.monotonic()
-    meta = body["metadata"]
-    ns, name = meta["namespace"], meta["name"]
-    version, previous = meta.get("resourceVersion"), copy.deepcopy(dict(body.get("status") or {}))
-    metrics.reconciling(ns)
-    logger.debug("reconciling generation %s", meta.get("generation"))
-    cfg = operator_config()
-    job, spec_error, children = _read_spec(body, previous, cfg, logger)
-    try:
-        apply_error, held, kept, made = await _reserve_and_apply(kube, jobs, body, job, previous, children, cfg, logger)
-        roles = await _observe_roles(kube, ns, job, name)
-        pods = await kube.list("v1", "Pod", ns, f"{JOB_LABEL}={name}")
-        await _restart_trainer_gang(kube, body, job, pods, roles)
-        now = datetime.now(timezone.utc)
-        status, events = compute(
-            _observed(
-                body, job, now, previous, spec_error, roles, *await _trainer_status(job, roles), pods, apply_error
-            )
-        )
-        status["natsReservedBytes"] = held
-        status["suspendedStore"] = kept or None  # a suspended job's checkpoint record, until its resume
-        status["credentialsSecret"] = made
-        await _act_on(kube, body, version, logger, job, cfg, previous, status, events, now)
-        return status
-    except Overtaken:
-        raise
-    except Exception:
-        metrics.RECONCILE_ERRORS.labels(ns).inc()
-        raise
-    finally:
-        metrics.RECONCILE_SECONDS.observe(time.monotonic() - started)
-
-
-def _read_spec(
-    body: kopf.Body, previous: dict[str, Any], cfg: Any, logger: logging.Logger | logging.LoggerAdapter
-) -> tuple[Any, str | None, list[dict[str, Any]]]:
-    """The job as `validate` reads it, and its children as rendered now; or the spec's error."""
-    meta = body["metadata"]
-    ns, name = meta["namespace"], meta["name"]
-    try:
-        job = admission.check(
-            {
-                "apiVersion": API_VERSION,
-                "kind": KIND,
-                "metadata": {"name": name, "namespace": ns, "labels": dict(meta.get("labels") or {})},
-                "spec": dict(body.get("spec") or {}),
-            },
-            source=f"{KIND} {ns}/{name}",
-            cfg=cfg,
-        )
-    except SpecError as err:
-        logger.warning("invalid spec: %s", err)
-        return None, str(err), []
-    active = not job.spec.suspend and not is_terminal(previous)
-    output_written = previous.get("phase") == "Succeeded"
-    return job, None, render(job, ns, meta.get("uid", ""), cfg, active=active, output_written=output_written)
-
-
-async def _reserve_and_apply(
-    kube: Kube,
-    jobs: kopf.Index,
-    body: kopf.Body,
-    job: Any,
-    previous: dict[str, Any],
-    children: list[dict[str, Any]],
-    cfg: OperatorConfig,
-    logger: logging.Logger | logging.LoggerAdapter,
-) -> tuple[str | None, int, dict[str, Any] | None, str | None]:
-    """Hold (or give back) the job's room in the NATS store, then apply its children if it has
-    room; why not, otherwise; the bytes it holds; a suspended job's checkpoint record, kept until
-    its resume has restored its store from it; the credentials Secret the operator made."""
-    meta = body["metadata"]
-    uid = meta.get("uid", "")
-    need = store_bytes_needed(job, previous, cfg)
-    holds = int(previous.get("natsReservedBytes") or 0)
-    kept, made = previous.get("suspendedStore"), previous.get("credentialsSecret")
-    streams = _streams(body, cfg, logger)
-    suspended = job is not None and job.spec.suspend
-    if holds and not need:  # its account (and room) stays until its streams are gone: tried again next pass
-        kept, gone = await _release(kube, streams, suspended, kept)
-        if not gone:
-            need = holds
-    error, held = await STATE.store.reserve(jobs, cfg, STATE.kube, uid, meta["namespace"], meta["name"], need)
-    # Resumed: its store goes on from its checkpoint first.
-    if not error and children and need and kept and not suspended:
-        error = await streams.restore(job, kept)
-        kept = kept if error else None
-    if not error and children:
-        error, made = await apply_owned(kube, children, uid, made)
-    if error:
-        logger.warning("not applied: %s", error)
-    return error, held, kept, made
-
-
-async def _release(
-    kube: Kube, streams: JobStreams, suspended: bool, kept: dict[str, Any] | None
-) -> tuple[dict[str, Any] | None, bool]:
-    """A job's streams deleted before its room is given back: the suspended job's checkpoint record
-    (its resume restores the store from it) and whether they are gone. The record is read in one
-    pass, which writes it into the status, and the streams deleted in a later one, once it
-    stands: a pass whose status write is refused loses nothing it cannot do again."""
-    if suspended and not kept:
-        record = await streams.checkpoint_record(kube)
-        if record is None or record:  # not yet; or its record, to be written first
-            return record, False
-    return kept, await streams.delete()
-
-
-async def _restart_trainer_gang(
-    kube: Kube, body: kopf.Body, job: Any, pods: list[dict[str, Any]], roles: dict[str, RoleObserved]
-) -> None:
-    """Trainer ranks restart together on a new template (one rank alone cannot rejoin the others)."""
-    if job is None:
-        return
-    gang = trainer_gang_to_restart(pods, roles["trainer"].update_revision)
-    for pod in gang:
-        await kube.delete("v1", "Pod", body["metadata"]["namespace"], pod)
-    if gang:
-        _event(
-            body,
-            "Normal",
-            "TrainerGangRestarted",
-            f"trainer pods {', '.join(gang)} restart together on the "
-            f"new template (revision {roles['trainer'].update_revision}), from their checkpoint",
-        )
-
-
-async def _trainer_status(job: Any, roles: dict[str, RoleObserved]) -> tuple[Any, str]:
-    """Trainer rank 0's /status once it is ready (None before, or if it does not answer), and its
-    StoreLost message whenever it answers: a trainer waiting for its store is never ready (its
-    /status is served from its start, its host resolved unready: `publishNotReadyAddresses`)."""
-    if job is None or roles["trainer"].replicas == 0:
-        return None, ""
-    ns, name = job.namespace, job.name
-    url = status_url(os.environ.get(OperatorEnv.TRAINER_STATUS_URL, DEFAULT_URL), name, ns, trainer_host(job, ns))
-    report = await fetch_trainer_status(url)
-    if report is None:
-        return None, ""
-    return (report if roles["trainer"].ready else None), report.store_lost
-
-
-def _observed(
-    body: kopf.Body,
-    job: Any,
-    now: datetime,
-    previous: dict[str, Any],
-    spec_error: str | None,
-    roles: dict[str, RoleObserved],
-    trainer_status: Any,
-    store_lost: str,
-    pods: list[dict[str, Any]],
-    apply_error: str | None,
-) -> Observed:
-    meta = body["metadata"]
-    run_policy = job.spec.run_policy if job is not None else None
-    return Observed(
-        generation=int(meta.get("generation", 0) or 0),
-        now=now,
-        previous=previous,
-        spec_error=spec_error,
-        suspend=bool(job and job.spec.suspend),
-        roles=roles,
-        trainer_status=trainer_status,
-        store_lost=store_lost,
-        pod_restarts=_pod_restarts(pods, run_policy.failing_roles if run_policy else ["trainer"]),
-        pod_problems=tuple(pod_problems(pods)),
-        apply_error=apply_error,
-        created=parse_ts(meta["creationTimestamp"]) if meta.get("creationTimestamp") else None,
-        backoff_limit=run_policy.backoff_limit if run_policy else 0,
-        active_deadline_seconds=run_policy.active_deadline_seconds if run_policy else None,
-        progress_deadline_seconds=run_policy.progress_deadline_seconds if run_policy else None,
-        generator_selector=generator_selector(meta["name"]),
-    )
-
-
-async def _act_on(
-    kube: Kube,
-    body: kopf.Body,
-    version: str | None,
-    logger: logging.Logger | logging.LoggerAdapter,
-    job: Any,
-    cfg: Any,
-    previous: dict[str, Any],
-    status: dict[str, Any],
-    events: list[Any],
-    now: datetime,
-) -> None:
-    """Free the GPUs of a job that just ended; write the status over the job's `version` and post
-    its events; delete a finished job whose TTL has run out."""
-    meta = body["metadata"]
-    ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
-    if job is not None and is_terminal(status) and not is_terminal(previous):
-        # Free the GPUs; the checkpoints stay (or may now go with the job: the output is written).
-        # As owned as any other apply: an object of a child's name that is not the job's stays as it is.
-        children = render(job, ns, uid, cfg, active=False, output_written=status["phase"] == "Succeeded")
-        error, _ = await apply_owned(kube, children, uid, previous.get("credentialsSecret"))
-        if error:
-            logger.warning("not scaled down: %s", error)
-    try:
-        await kube.write_status(API_VERSION, KIND, ns, name, status, version)
-    except Conflict:
-        made = status.get("credentialsSecret")
-        if made and made != previous.get("credentialsSecret"):  # a fact, whatever else was written
-            await kube.write_status(API_VERSION, KIND, ns, name, {"credentialsSecret": made}, None)
-        raise Overtaken() from None
-    for e in events:
-        logger.debug("event %s: %s", e.reason, e.message)
-        _event(body, e.type, e.reason, e.message)
-    metrics.JOBS.record(ns, name, status)
-    if job is not None and ttl_expired(status, job.spec.run_policy.ttl_seconds_after_finished, now):
-        _event(body, "Normal", "TTLExpired", "deleting the finished job (runPolicy.ttlSecondsAfterFinished)")
-        await kube.delete(API_VERSION, KIND, ns, name)
+        return await run_pass(STATE.kube, STATE.store, body, logger, jobs)
 
 
 # The resource handlers take the `jobs` index, which kopf passes by name; its callback protocols
@@ -545,14 +214,14 @@ async def _act_on(
 async def created(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
     status = await reconcile(body, logger, jobs)
     if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
-        _event(body, "Normal", "Created", "created the ConfigMap, Services and StatefulSets")
+        event(body, "Normal", "Created", "created the ConfigMap, Services and StatefulSets")
 
 
 @kopf.on.update(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
 async def updated(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
     status = await reconcile(body, logger, jobs)
     if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
-        _event(body, "Normal", "Updated", f"applied generation {status.get('observedGeneration')}")
+        event(body, "Normal", "Updated", f"applied generation {status.get('observedGeneration')}")
 
 
 @kopf.on.resume(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
@@ -578,7 +247,7 @@ async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
     await _delete_statefulsets(STATE.kube, ns, name, uid, logger)
     held = await STATE.store.holding(jobs, STATE.kube, uid)
     if held or own_nats_url(body) or not cfg.nats_bundled:  # on the chart's NATS, no room means no streams
-        await _streams(body, cfg, logger).delete()
+        await job_streams(body, cfg, logger).delete()
     try:
         await STATE.store.reserve(jobs, cfg, STATE.kube, uid, ns, name, 0)  # its account goes with it
     except Exception as err:  # noqa: BLE001 - the next job's change (or the resync) writes it again

@@ -24,7 +24,7 @@ def role_name(job: str, role: str) -> str:
 
 def owned_name(job: str, what: str = "") -> str:
     """The name of a child that is not a role's: one no user object is likely to hold (and the
-    operator never takes over an object it does not own: handlers.apply_owned)."""
+    operator never takes over an object it does not own: reconcile.apply_owned)."""
     return f"{job}-pipelinerl" + (f"-{what}" if what else "")
 
 

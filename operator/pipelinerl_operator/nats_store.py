@@ -9,7 +9,7 @@ the decision is made again on what was written). kopf's peering takes turns, but
 lock (a replica starved of CPU for a few seconds is taken for gone while it still reconciles), so
 two replicas may decide at once: the condition keeps them from giving the same room twice.
 Without that Secret (no chart NATS named: one operator process, as in most tests), the books are
-kept in memory. The kopf wiring is in handlers.py."""
+kept in memory. The pass that calls it is in reconcile.py."""
 
 from __future__ import annotations
 

@@ -57,7 +57,7 @@ class RoleObserved:
 
 @dataclass(frozen=True)
 class Observed:
-    """Everything the status is computed from; gathered by the handlers."""
+    """Everything the status is computed from; gathered by a pass (reconcile.py)."""
 
     generation: int
     now: datetime

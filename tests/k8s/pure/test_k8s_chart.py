@@ -89,7 +89,7 @@ def test_cluster_wide_mode_watches_everything() -> None:
     assert "PIPELINERL_WATCH_NAMESPACES" not in env
 
 
-# What the operator calls (handlers.py, kube.py, kopf itself): no more, no less.
+# What the operator calls (handlers.py, reconcile.py, kube.py, kopf itself): no more, no less.
 OPERATOR_CALLS = {
     ("pipelinerl.dev", "pipelinerljobs", verb) for verb in ("get", "list", "watch", "patch", "delete")
 } | {
