@@ -26,6 +26,7 @@ from pipelinerl_operator.names import role_name
 from pipelinerl_operator.nats_store import JobRecord, Reservations, accounts_secret, accounts_secret_name
 from pipelinerl_operator.reconcile import event, job_streams, operator_config, owned_by
 from pipelinerl_operator.reconcile import run as run_pass
+from pipelinerl_operator.status import starting_point
 
 FINALIZER = f"{API_GROUP}/cleanup"
 RESYNC_SECONDS = float(os.environ.get(OperatorEnv.RESYNC_SECONDS, "15"))
@@ -53,6 +54,9 @@ class BoundedWebhookServer(kopf.WebhookServer):
 class _State:
     kube: Kube | None = None
     locks: dict[str, asyncio.Lock] = {}  # kopf runs timers beside change handlers: one pass per job at a time
+    # Per job, this replica's last pass: the version it read, the status it wrote and the version
+    # that write made (status.starting_point: kopf's body lags behind our own writes).
+    last: dict[str, tuple[str | None, dict[str, Any], str | None]] = {}
     store: Reservations = Reservations()  # the chart's NATS store (nats_store.py)
 
 
@@ -62,6 +66,7 @@ STATE = _State()
 @kopf.on.startup()
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     STATE.locks.clear()
+    STATE.last.clear()
     STATE.store = Reservations()
     # One finalizer for kopf's timer bookkeeping and our stream cleanup.
     settings.persistence.finalizer = FINALIZER
@@ -205,7 +210,11 @@ async def reconcile(
 ) -> dict[str, Any]:
     key = str(body["metadata"].get("uid") or f"{body['metadata']['namespace']}/{body['metadata']['name']}")
     async with STATE.locks.setdefault(key, asyncio.Lock()):
-        return await run_pass(STATE.kube, STATE.store, body, logger, jobs)
+        read = body["metadata"].get("resourceVersion")
+        start = starting_point(body, STATE.last.get(key))
+        status, written = await run_pass(STATE.kube, STATE.store, body, start, logger, jobs)
+        STATE.last[key] = (read, status, written)
+        return status
 
 
 # The resource handlers take the `jobs` index, which kopf passes by name; its callback protocols
@@ -255,6 +264,7 @@ async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
     metrics.JOBS.record(ns, name, None)
     key = str(meta.get("uid") or f"{ns}/{name}")
     STATE.locks.pop(key, None)
+    STATE.last.pop(key, None)
 
 
 async def _delete_statefulsets(

@@ -10,7 +10,6 @@ safe to do again, or recorded first: docs/kubernetes.md, "Two replicas".
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
 import time
@@ -51,18 +50,20 @@ async def run(
     kube: Kube | None,
     store: Reservations,
     body: kopf.Body,
+    start: tuple[dict[str, Any], str | None],
     logger: logging.Logger | logging.LoggerAdapter,
     jobs: kopf.Index,
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], str | None]:
     """One pass: read the spec, apply its children, observe them, restart a trainer gang on a new
-    template, compute the status and act on it. kopf's body is live (updated as the watch brings
-    changes): the version and status the pass goes on from are taken at its start."""
+    template, compute the status and act on it. `start`: the status it goes on from and the
+    version its write is made on condition of (status.starting_point). Returns the status and the
+    version its write made."""
     if kube is None:
         raise kopf.TemporaryError("not logged in to the Kubernetes API yet", delay=5)
     started = time.monotonic()
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
-    version, previous = meta.get("resourceVersion"), copy.deepcopy(dict(body.get("status") or {}))
+    previous, version = start
     metrics.reconciling(ns)
     logger.debug("reconciling generation %s", meta.get("generation"))
     cfg = operator_config()
@@ -83,8 +84,7 @@ async def run(
         status["natsReservedBytes"] = held
         status["suspendedStore"] = kept or None  # a suspended job's checkpoint record, until its resume
         status["credentialsSecret"] = made
-        await _act_on(kube, body, version, logger, job, cfg, previous, status, events, now)
-        return status
+        return status, await _act_on(kube, body, version, logger, job, cfg, previous, status, events, now)
     except Overtaken:
         raise
     except Exception:
@@ -207,7 +207,8 @@ async def _reserve_and_apply(
     meta = body["metadata"]
     uid = meta.get("uid", "")
     need = store_bytes_needed(job, previous, cfg)
-    holds = int(previous.get("natsReservedBytes") or 0)
+    # What the status says it holds, or the books: a pass whose status write was refused took room.
+    holds = max(int(previous.get("natsReservedBytes") or 0), await store.holding(jobs, kube, uid))
     kept, made = previous.get("suspendedStore"), previous.get("credentialsSecret")
     streams = job_streams(body, cfg, logger)
     suspended = job is not None and job.spec.suspend
@@ -319,11 +320,23 @@ async def _act_on(
     status: dict[str, Any],
     events: list[Any],
     now: datetime,
-) -> None:
-    """Free the GPUs of a job that just ended; write the status over the job's `version` and post
-    its events; delete a finished job whose TTL has run out."""
+) -> str | None:
+    """Write the status over the job's `version` and post its events; free the GPUs of a job that
+    has just ended (after the write: a pass that ended the job but was refused would otherwise leave
+    it Running with its pods gone, and the next pass would start them again; every pass after the
+    write renders it stopped anyway); delete a finished job whose TTL has run out. Returns the
+    version written."""
     meta = body["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
+    try:
+        written = await kube.write_status(API_VERSION, KIND, ns, name, status, version)
+    except Exception as err:
+        made = status.get("credentialsSecret")
+        if made and made != previous.get("credentialsSecret"):  # a fact, whatever else was written
+            await kube.write_status(API_VERSION, KIND, ns, name, {"credentialsSecret": made}, None, uid)
+        if isinstance(err, Conflict):
+            raise Overtaken() from None
+        raise
     if job is not None and is_terminal(status) and not is_terminal(previous):
         # Free the GPUs; the checkpoints stay (or may now go with the job: the output is written).
         # As owned as any other apply: an object of a child's name that is not the job's stays as it is.
@@ -331,13 +344,6 @@ async def _act_on(
         error, _ = await apply_owned(kube, children, uid, previous.get("credentialsSecret"))
         if error:
             logger.warning("not scaled down: %s", error)
-    try:
-        await kube.write_status(API_VERSION, KIND, ns, name, status, version)
-    except Conflict:
-        made = status.get("credentialsSecret")
-        if made and made != previous.get("credentialsSecret"):  # a fact, whatever else was written
-            await kube.write_status(API_VERSION, KIND, ns, name, {"credentialsSecret": made}, None)
-        raise Overtaken() from None
     for e in events:
         logger.debug("event %s: %s", e.reason, e.message)
         event(body, e.type, e.reason, e.message)
@@ -345,3 +351,4 @@ async def _act_on(
     if job is not None and ttl_expired(status, job.spec.run_policy.ttl_seconds_after_finished, now):
         event(body, "Normal", "TTLExpired", "deleting the finished job (runPolicy.ttlSecondsAfterFinished)")
         await kube.delete(API_VERSION, KIND, ns, name)
+    return written

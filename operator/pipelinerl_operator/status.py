@@ -94,6 +94,21 @@ def parse_ts(value: str) -> datetime:
     return datetime.fromisoformat(value.replace("Z", "+00:00"))
 
 
+def starting_point(
+    body: Mapping[str, Any], last: tuple[str | None, dict[str, Any], str | None] | None
+) -> tuple[dict[str, Any], str | None]:
+    """The status a pass goes on from, and the job's version its write is made on condition of.
+    `last`: this replica's last pass (the version it read, the status it wrote, the version that
+    write made). While the job is still at the version that pass read, the watch has not brought
+    the write yet: the pass goes on from that write (not from the status before it, which would
+    have it redo what the last pass did, e.g. scale a job that just finished up again). Else the
+    job's own status and version: what the other replica wrote meanwhile stands."""
+    version = body["metadata"].get("resourceVersion")
+    if last is not None and last[0] == version and last[2] is not None:
+        return copy.deepcopy(last[1]), last[2]
+    return copy.deepcopy(dict(body.get("status") or {})), version
+
+
 def is_terminal(status: dict[str, Any] | None) -> bool:
     return (status or {}).get("phase") in ("Succeeded", "Failed")
 

@@ -13,7 +13,7 @@ from prometheus_client import generate_latest
 
 from job_views import ROLES, STS, all_ready, allow, condition, events, manifest, obj, ready_job, status, sts_template
 from operator_harness import JOBS, NS, eventually, running_operator
-from pipelinerl.contracts import JobSubjects
+from pipelinerl.contracts import JobSubjects, OperatorEnv
 from pipelinerl.store import ensure_streams
 from pipelinerl_operator import metrics
 
@@ -252,7 +252,9 @@ async def test_finished_trainer_succeeds_and_ttl_deletes(cluster, monkeypatch) -
         assert retention() == "Retain"  # the checkpoints are the only copy of the model until the output is written
         await all_ready(api)
         await eventually(lambda: status(emulator).get("phase") == "Succeeded", what="Succeeded")
-        assert retention() == "Delete"  # the final model is on the output claim: the volumes may go with the job
+        # The final model is on the output claim: the volumes may go with the job (applied once the
+        # status that says so is written).
+        await eventually(lambda: retention() == "Delete", what="the volumes free to go")
         assert condition(emulator, "Succeeded")["message"] == "trainer finished at step 50"
         assert condition(emulator, "Progressing")["status"] == "False"
         # ttlSecondsAfterFinished: the operator deletes the job; the finalizer is released (NATS is absent here).
@@ -286,20 +288,24 @@ async def test_a_pass_in_flight_when_the_other_replica_writes_does_not_write_ove
         assert status(emulator)["phase"] == "Succeeded"
 
 
-async def test_a_suspended_jobs_record_the_other_replica_wrote_meanwhile_stands(cluster, monkeypatch) -> None:
+async def test_a_suspended_jobs_record_the_other_replica_wrote_meanwhile_stands(
+    cluster, nats_url: str, monkeypatch
+) -> None:
     """The suspended variant: the other replica (played by the test) has read the suspended job's
-    checkpoint record, written it into the status and given the job's room back while this
-    one's pass, which read the job holding room with no record, waits on the API server (its
-    listing of the job's pods held). That pass's write is refused, and the passes after it go on
-    from the record: it stands, and the room stays given back. (NATS is unreachable here, so this
-    replica never reads a record of its own.) Written unconditionally, the pass wrote the record
-    away and took the room again, and the job's resume would start its store afresh."""
+    checkpoint record, written it into the status, deleted the job's streams (NATS holds none of
+    its here) and given its room back while this one's pass, which read the job holding room with
+    no record, waits on the API server (its listing of the job's pods held). That pass finds no
+    record (the streams are gone) and would write none; its write is refused, and the passes
+    after it go on from the record: it stands, and the room stays given back. Written
+    unconditionally, the pass wrote the record away, and the job's resume would start its store
+    afresh."""
     from pipelinerl.capacity import reserved_bytes
     from pipelinerl.spec import parse_job
 
     emulator, api, _ = cluster
     room = reserved_bytes(parse_job(manifest()).spec)
     monkeypatch.setenv("PIPELINERL_NATS_STORE_BYTES", str(2 * room))
+    monkeypatch.setenv(OperatorEnv.DEFAULT_NATS_URL, nats_url)
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest())
         await eventually(lambda: status(emulator).get("natsReservedBytes") == room, what="its room")

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from pipelinerl.contracts import TrainerStatus
 from pipelinerl.crd import JobStatus
 from pipelinerl_operator.pods import PodProblem, pod_problems, trainer_gang_to_restart
-from pipelinerl_operator.status import Observed, RoleObserved, compute, ttl_expired
+from pipelinerl_operator.status import Observed, RoleObserved, compute, starting_point, ttl_expired
 
 T0 = datetime(2026, 11, 22, 3, 0, tzinfo=timezone.utc)
 UP = {"generator": RoleObserved(2, 2, 2), "preprocessor": RoleObserved(1, 1, 1), "trainer": RoleObserved(1, 1, 1)}
@@ -370,3 +370,25 @@ def test_a_trainer_template_change_restarts_the_whole_gang_once() -> None:
     assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", "t-1", deleting=True)], "t-2") == []
     assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", "t-1")], None) == []
     assert trainer_gang_to_restart([pod("demo-trainer-0", "trainer", None)], "t-2") == []
+
+
+def test_a_pass_goes_on_from_this_replicas_last_write_only_while_the_job_has_not_moved_on():
+    """While the job is still at the version this replica's last pass read, kopf's body has not
+    caught up with that pass's write: the next pass goes on from the write, on condition of the
+    version it made (from the body's older status it would redo what the last pass did, e.g.
+    scale a just-finished job up again, only to be refused). Once the job has moved on, the job's
+    own status and version: what the other replica wrote meanwhile stands."""
+    mine = {"phase": "Succeeded", "natsReservedBytes": 0}
+    theirs = {"phase": "Suspended", "suspendedStore": {"step": 7}}
+    before = {"metadata": {"resourceVersion": "41"}, "status": {"phase": "Running"}}
+    assert starting_point(before, ("41", mine, "42")) == (mine, "42")
+    assert starting_point({"metadata": {"resourceVersion": "57"}, "status": theirs}, ("41", mine, "42")) == (
+        theirs,
+        "57",
+    )
+    assert starting_point({"metadata": {"resourceVersion": "57"}}, None) == ({}, "57")
+    # A write whose version is unknown (the job gone meanwhile) is never a condition to write on.
+    assert starting_point(before, ("41", mine, None)) == ({"phase": "Running"}, "41")
+    previous, _ = starting_point(before, ("41", mine, "42"))
+    previous["phase"] = "Failed"  # a copy: the pass's changes do not reach the memory
+    assert mine["phase"] == "Succeeded"
