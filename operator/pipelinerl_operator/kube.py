@@ -166,24 +166,16 @@ class Kube:
         return True
 
     async def write_status(
-        self,
-        api_version: str,
-        kind: str,
-        namespace: str,
-        name: str,
-        status: dict[str, Any],
-        version: str | None,
-        uid: str | None = None,
+        self, api_version: str, kind: str, namespace: str, name: str, patch: dict[str, Any], version: str | None
     ) -> str | None:
-        """Merge `status` into the object's status (a null removes a field), only while the object is
-        still at resourceVersion `version` (None: whatever its version; else Conflict) and, with
-        `uid`, is that object (not one made again under its name: the API server refuses a uid
-        change). Returns the version written (None: the object is gone)."""
-        meta = {k: v for k, v in (("resourceVersion", version), ("uid", uid)) if v is not None}
+        """Merge `patch` into the object's status (RFC 7396: a null removes a field), only while the
+        object is still at resourceVersion `version` (None: whatever its version); else Conflict.
+        Returns the version written (None: the object is gone)."""
+        body: dict[str, Any] = {"status": patch}
+        if version is not None:
+            body["metadata"] = {"resourceVersion": version}
         path = object_path(api_version, kind, namespace, name) + "/status"
-        written = await self._request(
-            "PATCH", path, {"status": status, "metadata": meta}, content_type="application/merge-patch+json"
-        )
+        written = await self._request("PATCH", path, body, content_type="application/merge-patch+json")
         return ((written or {}).get("metadata") or {}).get("resourceVersion")
 
     async def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:

@@ -124,11 +124,10 @@ def decide(
     return problem, Books(held, {a: r for a, r in retiring.items() if a not in enabled})
 
 
-def store_bytes_needed(job: Any, previous: dict[str, Any], cfg: OperatorConfig) -> int:
+def store_bytes_needed(job: Any, previous: dict[str, Any], cfg: OperatorConfig, held: int) -> int:
     """What the job must hold in the chart's NATS store now: its streams' bytes while it runs on
-    the install's own NATS; with a spec that no longer parses, what it holds; suspended or
-    finished, nothing (handlers deletes its streams first, and gives the room back only then)."""
-    held = int(previous.get("natsReservedBytes") or 0)
+    the install's own NATS; with a spec that no longer parses, what it holds (`held`); suspended or
+    finished, nothing (the pass deletes its streams first, and gives the room back only then)."""
     if is_terminal(previous) or job is not None and job.spec.suspend:
         return 0
     if job is None:

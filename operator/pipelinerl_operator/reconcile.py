@@ -29,7 +29,15 @@ from pipelinerl_operator.nats_store import Reservations, store_bytes_needed
 from pipelinerl_operator.pods import pod_problems, trainer_gang_to_restart
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
 from pipelinerl_operator.render import render
-from pipelinerl_operator.status import Observed, RoleObserved, compute, is_terminal, parse_ts, ttl_expired
+from pipelinerl_operator.status import (
+    Observed,
+    RoleObserved,
+    compute,
+    is_terminal,
+    merge_patch,
+    parse_ts,
+    ttl_expired,
+)
 
 
 def operator_config() -> OperatorConfig:
@@ -95,7 +103,7 @@ async def run(
 
 
 async def apply_owned(
-    kube: Kube, children: list[dict[str, Any]], uid: str, made: str | None
+    kube: Kube, job: tuple[str, str, str], children: list[dict[str, Any]], made: str | None
 ) -> tuple[str | None, str | None]:
     """Apply the job's children in order; stop at the first that cannot be, and say why: an object
     of that name the job does not own (never taken over: deleting the job would delete it), or
@@ -104,14 +112,21 @@ async def apply_owned(
     values follow from the job's uid and never change, so the operator needs no right to read (nor
     to overwrite) Secrets where jobs run. `made`: the Secret the job's status says the operator
     created (status.credentialsSecret); one of that name found otherwise is someone else's, and
-    the job's pods never get it. Returns why it stopped (None: all applied) and the Secret the
-    operator has made, as the status keeps it."""
+    the job's pods never get it; one it makes is written into the job's status at once, whatever
+    the job's version (a pass that fails or is refused later must not lose it). `job`: its
+    namespace, name and uid. Returns why it stopped (None: all applied) and the Secret the operator
+    has made, as the status keeps it."""
+    namespace, name, uid = job
     for obj in children:
         meta = obj["metadata"]
         what = f"{obj['kind']} {meta['name']}"
         try:
             if obj["kind"] == "Secret":
-                if not await kube.create(obj) and made != meta["name"]:
+                if await kube.create(obj):
+                    await kube.write_status(
+                        API_VERSION, KIND, namespace, name, {"credentialsSecret": meta["name"]}, None
+                    )
+                elif made != meta["name"]:
                     return f"{what} already exists and this job did not make it: not used (delete it)", made
                 made = meta["name"]
                 continue
@@ -206,9 +221,9 @@ async def _reserve_and_apply(
     its resume has restored its store from it; the credentials Secret the operator made."""
     meta = body["metadata"]
     uid = meta.get("uid", "")
-    need = store_bytes_needed(job, previous, cfg)
     # What the status says it holds, or the books: a pass whose status write was refused took room.
     holds = max(int(previous.get("natsReservedBytes") or 0), await store.holding(jobs, kube, uid))
+    need = store_bytes_needed(job, previous, cfg, holds)
     kept, made = previous.get("suspendedStore"), previous.get("credentialsSecret")
     streams = job_streams(body, cfg, logger)
     suspended = job is not None and job.spec.suspend
@@ -222,7 +237,7 @@ async def _reserve_and_apply(
         error = await streams.restore(job, kept)
         kept = kept if error else None
     if not error and children:
-        error, made = await apply_owned(kube, children, uid, made)
+        error, made = await apply_owned(kube, (meta["namespace"], meta["name"], uid), children, made)
     if error:
         logger.warning("not applied: %s", error)
     return error, held, kept, made
@@ -329,19 +344,15 @@ async def _act_on(
     meta = body["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
     try:
-        written = await kube.write_status(API_VERSION, KIND, ns, name, status, version)
-    except Exception as err:
-        made = status.get("credentialsSecret")
-        if made and made != previous.get("credentialsSecret"):  # a fact, whatever else was written
-            await kube.write_status(API_VERSION, KIND, ns, name, {"credentialsSecret": made}, None, uid)
-        if isinstance(err, Conflict):
-            raise Overtaken() from None
-        raise
+        # `previous` is the job's status at `version` (or this replica's write that made it).
+        written = await kube.write_status(API_VERSION, KIND, ns, name, merge_patch(previous, status), version)
+    except Conflict:
+        raise Overtaken() from None
     if job is not None and is_terminal(status) and not is_terminal(previous):
         # Free the GPUs; the checkpoints stay (or may now go with the job: the output is written).
         # As owned as any other apply: an object of a child's name that is not the job's stays as it is.
         children = render(job, ns, uid, cfg, active=False, output_written=status["phase"] == "Succeeded")
-        error, _ = await apply_owned(kube, children, uid, previous.get("credentialsSecret"))
+        error, _ = await apply_owned(kube, (ns, name, uid), children, status.get("credentialsSecret"))
         if error:
             logger.warning("not scaled down: %s", error)
     for e in events:

@@ -109,6 +109,19 @@ def starting_point(
     return copy.deepcopy(dict(body.get("status") or {})), version
 
 
+def merge_patch(before: Any, after: Any) -> Any:
+    """The JSON merge patch (RFC 7396) that turns `before` into `after`: what `after` no longer has
+    is null (a patch of `after` alone would leave it behind: a resumed job's suspendedSince, counted
+    again by every pass), changed values as they are now, maps patched key by key."""
+    if not isinstance(before, dict) or not isinstance(after, dict):
+        return after
+    patch = {key: None for key in before if key not in after}
+    for key, value in after.items():
+        if key not in before or before[key] != value:
+            patch[key] = merge_patch(before.get(key), value)
+    return patch
+
+
 def is_terminal(status: dict[str, Any] | None) -> bool:
     return (status or {}).get("phase") in ("Succeeded", "Failed")
 

@@ -187,6 +187,12 @@ async def test_scale_suspend_resume_and_spec_change(cluster, monkeypatch) -> Non
             lambda: {"Suspended", "Resumed", "Degraded", "Recovered", "Updated"} <= set(events(emulator)),
             what=f"events, got {set(events(emulator))}",
         )
+        # The suspension is counted once (it stops the deadline's clock), and its start goes from
+        # the status: a field the status no longer has is removed, not left behind by the write.
+        assert "suspendedSince" not in status(emulator)
+        counted = status(emulator)["suspendedSeconds"]
+        await asyncio.sleep(1.5)  # passes 0.3 s apart
+        assert status(emulator)["suspendedSeconds"] == counted > 0
 
 
 async def test_a_trainer_waiting_unready_for_its_lost_store_says_so_on_the_job(cluster) -> None:

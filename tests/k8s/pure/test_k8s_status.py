@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from pipelinerl.contracts import TrainerStatus
 from pipelinerl.crd import JobStatus
 from pipelinerl_operator.pods import PodProblem, pod_problems, trainer_gang_to_restart
-from pipelinerl_operator.status import Observed, RoleObserved, compute, starting_point, ttl_expired
+from pipelinerl_operator.status import Observed, RoleObserved, compute, merge_patch, starting_point, ttl_expired
 
 T0 = datetime(2026, 11, 22, 3, 0, tzinfo=timezone.utc)
 UP = {"generator": RoleObserved(2, 2, 2), "preprocessor": RoleObserved(1, 1, 1), "trainer": RoleObserved(1, 1, 1)}
@@ -392,3 +392,48 @@ def test_a_pass_goes_on_from_this_replicas_last_write_only_while_the_job_has_not
     previous, _ = starting_point(before, ("41", mine, "42"))
     previous["phase"] = "Failed"  # a copy: the pass's changes do not reach the memory
     assert mine["phase"] == "Succeeded"
+
+
+def test_the_status_write_is_the_merge_patch_from_what_the_job_had():
+    """A pass writes the merge patch (RFC 7396) from the status it went on from to the one it
+    computed: a field the status no longer has goes (null), maps are patched key by key, lists
+    and values replaced; applied to the old status it gives the new one exactly."""
+    before = {
+        "phase": "Suspended",
+        "suspendedSince": "2026-12-04T20:00:00Z",
+        "suspendedSeconds": 3.0,
+        "progress": {"step": 7, "reward": 0.4},
+        "podRestarts": {"demo-prl-trainer-0": 1},
+        "conditions": [{"type": "Ready", "status": "False"}],
+    }
+    after = {
+        "phase": "Running",
+        "suspendedSeconds": 63.0,
+        "progress": {"step": 8},
+        "podRestarts": {"demo-prl-trainer-0": 1},
+        "conditions": [{"type": "Ready", "status": "True"}],
+        "suspendedStore": None,
+    }
+    patch = merge_patch(before, after)
+    assert patch == {
+        "phase": "Running",
+        "suspendedSince": None,
+        "suspendedSeconds": 63.0,
+        "progress": {"step": 8, "reward": None},
+        "conditions": [{"type": "Ready", "status": "True"}],
+        "suspendedStore": None,
+    }
+
+    def apply(target, patch):  # RFC 7396's own algorithm
+        if not isinstance(patch, dict):
+            return patch
+        out = dict(target) if isinstance(target, dict) else {}
+        for key, value in patch.items():
+            if value is None:
+                out.pop(key, None)
+            else:
+                out[key] = apply(out.get(key), value)
+        return out
+
+    assert apply(before, patch) == {k: v for k, v in after.items() if v is not None}
+    assert merge_patch(after, after) == {}
