@@ -24,7 +24,7 @@ from pipelinerl_operator.job_streams import own_nats_url
 from pipelinerl_operator.kube import Kube, KubeError
 from pipelinerl_operator.names import role_name
 from pipelinerl_operator.nats_store import JobRecord, Reservations, accounts_secret, accounts_secret_name
-from pipelinerl_operator.reconcile import event, job_streams, operator_config, owned_by
+from pipelinerl_operator.reconcile import Overtaken, event, job_streams, operator_config, owned_by
 from pipelinerl_operator.reconcile import run as run_pass
 from pipelinerl_operator.status import starting_point
 
@@ -217,25 +217,43 @@ async def reconcile(
         return status
 
 
+async def on_change(
+    body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter, jobs: kopf.Index
+) -> dict[str, Any] | None:
+    """A change's pass. One overtaken is left to the resync timer (its next pass, or its retry a
+    second later, goes on from what was written): a change handler retried by kopf writes its
+    progress into the job, which overtakes the other replica's pass in turn, and two replicas
+    reconciling at once kept refusing each other's passes that way."""
+    try:
+        return await reconcile(body, logger, jobs)
+    except Overtaken:
+        logger.info("overtaken: the resync goes on from what was written meanwhile")
+        return None
+
+
+def _valid(status: dict[str, Any]) -> bool:
+    return not any(c["reason"] == "InvalidSpec" for c in status["conditions"])
+
+
 # The resource handlers take the `jobs` index, which kopf passes by name; its callback protocols
 # cannot name an index, hence the type: ignore on each of them.
 @kopf.on.create(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
 async def created(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
-    status = await reconcile(body, logger, jobs)
-    if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
+    status = await on_change(body, logger, jobs)
+    if status is not None and _valid(status):
         event(body, "Normal", "Created", "created the ConfigMap, Services and StatefulSets")
 
 
 @kopf.on.update(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
 async def updated(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
-    status = await reconcile(body, logger, jobs)
-    if not any(c["reason"] == "InvalidSpec" for c in status["conditions"]):
+    status = await on_change(body, logger, jobs)
+    if status is not None and _valid(status):
         event(body, "Normal", "Updated", f"applied generation {status.get('observedGeneration')}")
 
 
 @kopf.on.resume(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
 async def resumed(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
-    await reconcile(body, logger, jobs)
+    await on_change(body, logger, jobs)
 
 
 @kopf.timer(API_GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)  # type: ignore[arg-type]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
@@ -45,6 +46,27 @@ def operator_config() -> OperatorConfig:
     return from_env(os.environ)
 
 
+@dataclass
+class JobRef:
+    """The job a pass writes, and the version its next status write is made on condition of (moved
+    on by the pass's own writes)."""
+
+    namespace: str
+    name: str
+    uid: str
+    version: str | None
+
+    async def write_status(self, kube: Kube, patch: dict[str, Any]) -> str | None:
+        """`patch` merged into the job's status over `version`, which moves on to the version written;
+        Overtaken when the job was written meanwhile. None: the job is gone."""
+        try:
+            written = await kube.write_status(API_VERSION, KIND, self.namespace, self.name, patch, self.version)
+        except Conflict:
+            raise Overtaken() from None
+        self.version = written
+        return written
+
+
 class Overtaken(kopf.TemporaryError):
     """The job was written between this pass's read and its status write (the other replica's
     pass, a user's edit, kopf's own annotations): the pass is dropped unwritten and run again on
@@ -72,13 +94,14 @@ async def run(
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     previous, version = start
+    ref = JobRef(ns, name, meta.get("uid", ""), version)
     metrics.reconciling(ns)
     logger.debug("reconciling generation %s", meta.get("generation"))
     cfg = operator_config()
     job, spec_error, children = _read_spec(body, previous, cfg, logger)
     try:
         apply_error, held, kept, made = await _reserve_and_apply(
-            kube, store, jobs, body, job, previous, children, cfg, logger
+            kube, store, jobs, body, ref, job, previous, children, cfg, logger
         )
         roles = await _observe_roles(kube, ns, job, name)
         pods = await kube.list("v1", "Pod", ns, f"{JOB_LABEL}={name}")
@@ -92,7 +115,7 @@ async def run(
         status["natsReservedBytes"] = held
         status["suspendedStore"] = kept or None  # a suspended job's checkpoint record, until its resume
         status["credentialsSecret"] = made
-        return status, await _act_on(kube, body, version, logger, job, cfg, previous, status, events, now)
+        return status, await _act_on(kube, body, ref, logger, job, cfg, previous, status, events, now)
     except Overtaken:
         raise
     except Exception:
@@ -103,7 +126,7 @@ async def run(
 
 
 async def apply_owned(
-    kube: Kube, job: tuple[str, str, str], children: list[dict[str, Any]], made: str | None
+    kube: Kube, ref: JobRef, children: list[dict[str, Any]], made: str | None
 ) -> tuple[str | None, str | None]:
     """Apply the job's children in order; stop at the first that cannot be, and say why: an object
     of that name the job does not own (never taken over: deleting the job would delete it), or
@@ -112,26 +135,23 @@ async def apply_owned(
     values follow from the job's uid and never change, so the operator needs no right to read (nor
     to overwrite) Secrets where jobs run. `made`: the Secret the job's status says the operator
     created (status.credentialsSecret); one of that name found otherwise is someone else's, and
-    the job's pods never get it; one it makes is written into the job's status at once, whatever
-    the job's version (a pass that fails or is refused later must not lose it). `job`: its
-    namespace, name and uid. Returns why it stopped (None: all applied) and the Secret the operator
-    has made, as the status keeps it."""
-    namespace, name, uid = job
+    the job's pods never get it; one it makes is written into the job's status at once (a pass
+    that fails or is refused later must not lose it): over the pass's version, else whatever the
+    job's version, and the pass is overtaken. Returns why it stopped (None: all applied) and the
+    Secret the operator has made, as the status keeps it."""
     for obj in children:
         meta = obj["metadata"]
         what = f"{obj['kind']} {meta['name']}"
         try:
             if obj["kind"] == "Secret":
                 if await kube.create(obj):
-                    await kube.write_status(
-                        API_VERSION, KIND, namespace, name, {"credentialsSecret": meta["name"]}, None
-                    )
+                    await _record_secret(kube, ref, meta["name"])
                 elif made != meta["name"]:
                     return f"{what} already exists and this job did not make it: not used (delete it)", made
                 made = meta["name"]
                 continue
             existing = await kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
-            if existing is not None and not owned_by(existing, uid):
+            if existing is not None and not owned_by(existing, ref.uid):
                 return (
                     f"{what} already exists and is not this job's: not taken over (delete or rename it, "
                     "or give the job another name)"
@@ -140,6 +160,16 @@ async def apply_owned(
         except KubeError as err:
             return f"{what}: {err}", made
     return None, made
+
+
+async def _record_secret(kube: Kube, ref: JobRef, secret: str) -> None:
+    fact = {"credentialsSecret": secret}
+    try:
+        if await ref.write_status(kube, fact) is None:
+            raise Overtaken()  # the job is gone: nothing more to write
+    except Overtaken:
+        await kube.write_status(API_VERSION, KIND, ref.namespace, ref.name, fact, None)
+        raise
 
 
 def owned_by(obj: dict[str, Any], uid: str) -> bool:
@@ -210,6 +240,7 @@ async def _reserve_and_apply(
     store: Reservations,
     jobs: kopf.Index,
     body: kopf.Body,
+    ref: JobRef,
     job: Any,
     previous: dict[str, Any],
     children: list[dict[str, Any]],
@@ -237,7 +268,7 @@ async def _reserve_and_apply(
         error = await streams.restore(job, kept)
         kept = kept if error else None
     if not error and children:
-        error, made = await apply_owned(kube, (meta["namespace"], meta["name"], uid), children, made)
+        error, made = await apply_owned(kube, ref, children, made)
     if error:
         logger.warning("not applied: %s", error)
     return error, held, kept, made
@@ -327,7 +358,7 @@ def _observed(
 async def _act_on(
     kube: Kube,
     body: kopf.Body,
-    version: str | None,
+    ref: JobRef,
     logger: logging.Logger | logging.LoggerAdapter,
     job: Any,
     cfg: Any,
@@ -336,23 +367,22 @@ async def _act_on(
     events: list[Any],
     now: datetime,
 ) -> str | None:
-    """Write the status over the job's `version` and post its events; free the GPUs of a job that
+    """Write the status over the pass's version of the job and post its events; free the GPUs of a job that
     has just ended (after the write: a pass that ended the job but was refused would otherwise leave
     it Running with its pods gone, and the next pass would start them again; every pass after the
     write renders it stopped anyway); delete a finished job whose TTL has run out. Returns the
     version written."""
     meta = body["metadata"]
     ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
-    try:
-        # `previous` is the job's status at `version` (or this replica's write that made it).
-        written = await kube.write_status(API_VERSION, KIND, ns, name, merge_patch(previous, status), version)
-    except Conflict:
-        raise Overtaken() from None
+    # `previous` is the job's status the pass started at (or this replica's write that made it);
+    # nothing changed, nothing written (and no other replica's pass overtaken by it).
+    patch = merge_patch(previous, status)
+    written = await ref.write_status(kube, patch) if patch else ref.version
     if job is not None and is_terminal(status) and not is_terminal(previous):
         # Free the GPUs; the checkpoints stay (or may now go with the job: the output is written).
         # As owned as any other apply: an object of a child's name that is not the job's stays as it is.
         children = render(job, ns, uid, cfg, active=False, output_written=status["phase"] == "Succeeded")
-        error, _ = await apply_owned(kube, (ns, name, uid), children, status.get("credentialsSecret"))
+        error, _ = await apply_owned(kube, ref, children, status.get("credentialsSecret"))
         if error:
             logger.warning("not scaled down: %s", error)
     for e in events:
