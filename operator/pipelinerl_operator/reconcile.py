@@ -115,7 +115,8 @@ async def run(
         status["natsReservedBytes"] = held
         status["suspendedStore"] = kept or None  # a suspended job's checkpoint record, until its resume
         status["credentialsSecret"] = made
-        return status, await _act_on(kube, body, ref, logger, job, cfg, previous, status, events, now)
+        await _act_on(kube, body, ref, logger, job, cfg, previous, status, events, now)
+        return status, ref.version
     except Overtaken:
         raise
     except Exception:
@@ -250,10 +251,8 @@ async def _reserve_and_apply(
     """Hold (or give back) the job's room in the NATS store, then apply its children if it has
     room; why not, otherwise; the bytes it holds; a suspended job's checkpoint record, kept until
     its resume has restored its store from it; the credentials Secret the operator made."""
-    meta = body["metadata"]
-    uid = meta.get("uid", "")
     # What the status says it holds, or the books: a pass whose status write was refused took room.
-    holds = max(int(previous.get("natsReservedBytes") or 0), await store.holding(jobs, kube, uid))
+    holds = max(int(previous.get("natsReservedBytes") or 0), await store.holding(jobs, kube, ref.uid))
     need = store_bytes_needed(job, previous, cfg, holds)
     kept, made = previous.get("suspendedStore"), previous.get("credentialsSecret")
     streams = job_streams(body, cfg, logger)
@@ -262,7 +261,7 @@ async def _reserve_and_apply(
         kept, gone = await _release(kube, streams, suspended, kept)
         if not gone:
             need = holds
-    error, held = await store.reserve(jobs, cfg, kube, uid, meta["namespace"], meta["name"], need)
+    error, held = await store.reserve(jobs, cfg, kube, ref.uid, ref.namespace, ref.name, need)
     # Resumed: its store goes on from its checkpoint first.
     if not error and children and need and kept and not suspended:
         error = await streams.restore(job, kept)
@@ -366,18 +365,18 @@ async def _act_on(
     status: dict[str, Any],
     events: list[Any],
     now: datetime,
-) -> str | None:
-    """Write the status over the pass's version of the job and post its events; free the GPUs of a job that
-    has just ended (after the write: a pass that ended the job but was refused would otherwise leave
-    it Running with its pods gone, and the next pass would start them again; every pass after the
-    write renders it stopped anyway); delete a finished job whose TTL has run out. Returns the
-    version written."""
-    meta = body["metadata"]
-    ns, name, uid = meta["namespace"], meta["name"], meta.get("uid", "")
+) -> None:
+    """Write the status over the pass's version of the job (`ref`, which moves on to the version
+    written) and post its events; free the GPUs of a job that has just ended (after the write: a
+    pass that ended the job but was refused would otherwise leave it Running with its pods gone,
+    and the next pass would start them again; every pass after the write renders it stopped
+    anyway); delete a finished job whose TTL has run out."""
+    ns, name, uid = ref.namespace, ref.name, ref.uid
     # `previous` is the job's status the pass started at (or this replica's write that made it);
     # nothing changed, nothing written (and no other replica's pass overtaken by it).
     patch = merge_patch(previous, status)
-    written = await ref.write_status(kube, patch) if patch else ref.version
+    if patch:
+        await ref.write_status(kube, patch)
     if job is not None and is_terminal(status) and not is_terminal(previous):
         # Free the GPUs; the checkpoints stay (or may now go with the job: the output is written).
         # As owned as any other apply: an object of a child's name that is not the job's stays as it is.
@@ -392,4 +391,3 @@ async def _act_on(
     if job is not None and ttl_expired(status, job.spec.run_policy.ttl_seconds_after_finished, now):
         event(body, "Normal", "TTLExpired", "deleting the finished job (runPolicy.ttlSecondsAfterFinished)")
         await kube.delete(API_VERSION, KIND, ns, name)
-    return written

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import socket
@@ -31,18 +30,12 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 class TrainerStatus:
-    """Serves `/status/<job>` like trainer rank 0 would; tests edit `reports`. With a `gate`, each
-    request waits for it (`asked` is set meanwhile): an operator's pass held in flight."""
+    """Serves `/status/<job>` like trainer rank 0 would; tests edit `reports`."""
 
     def __init__(self) -> None:
         self.reports: dict[str, dict[str, Any]] = {}
-        self.gate: asyncio.Event | None = None
-        self.asked = asyncio.Event()
 
     async def handle(self, request: web.Request) -> web.Response:
-        if self.gate is not None:
-            self.asked.set()
-            await self.gate.wait()
         report = self.reports.get(request.match_info["job"])
         if report is None:
             return web.Response(status=503)

@@ -226,6 +226,10 @@ class Api:
     async def patch_job(self, name: str, patch: dict[str, Any]) -> None:
         await self._call("PATCH", self._job_path(name), patch)
 
+    async def patch_job_status(self, name: str, status: dict[str, Any]) -> None:
+        """A write of the job's status by someone else: the other operator replica's pass."""
+        await self._call("PATCH", self._job_path(name) + "/status", {"status": status})
+
     async def scale_job(self, name: str, replicas: int) -> None:
         """`kubectl scale prl/NAME --replicas=N`: a write to the scale subresource."""
         await self._call("PATCH", self._job_path(name) + "/scale", {"spec": {"replicas": replicas}})

@@ -270,28 +270,29 @@ async def test_finished_trainer_succeeds_and_ttl_deletes(cluster, monkeypatch) -
 
 async def test_a_pass_in_flight_when_the_other_replica_writes_does_not_write_over_it(cluster) -> None:
     """Two replicas can both be reconciling (kopf's peering is a turn, not a lock): here the other
-    one marks the job Succeeded (played by the test) while this one's pass, which read the job
-    Running, waits on the trainer. That pass's status write is refused (the job is no longer at
-    the version it read) and the next pass goes on from Succeeded: the job stays finished and its
-    pods are released. Written unconditionally, the pass put the job back to Running for good."""
+    one marks the job Failed (played by the test) while this one's pass, which read the job
+    Running, waits on the API server (its listing of the job's pods held), and the trainer then
+    tells that pass it has finished. That pass's status write (Succeeded) is refused: the job is
+    no longer at the version it read. The next pass goes on from Failed, which stands, and the
+    job's pods are released. Written unconditionally, the pass turned the job Succeeded."""
     emulator, api, trainer = cluster
     trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
         await ready_job(emulator, api)
         assert status(emulator)["phase"] == "Running"
-        trainer.gate = asyncio.Event()
-        trainer.asked.clear()
-        await asyncio.wait_for(trainer.asked.wait(), 10)  # a pass in flight, having read the job Running
-        done = {"phase": "Succeeded", "completionTime": "2026-12-04T20:00:00Z"}
-        await api._call(
-            "PATCH", f"/apis/pipelinerl.dev/v1alpha1/namespaces/{NS}/pipelinerljobs/demo/status", {"status": done}
-        )
-        trainer.gate.set()
+        emulator.gates["pods"] = gate = asyncio.Event()
+        emulator.waiting.clear()
+        await asyncio.wait_for(emulator.waiting.wait(), 10)  # a pass in flight, having read the job Running
+        trainer.reports["demo"] = {"step": 50, "version": 50, "finished": True, "weightSyncReady": True}
+        await api.patch_job_status("demo", {"phase": "Failed", "completionTime": "2026-12-04T20:00:00Z"})
+        del emulator.gates["pods"]
+        gate.set()
         await eventually(
             lambda: all(obj(emulator, STS, f"demo-prl-{r}")["spec"]["replicas"] == 0 for r in ROLES),
-            what="the finished job's pods released",
+            what="the ended job's pods released",
         )
-        assert status(emulator)["phase"] == "Succeeded"
+        await asyncio.sleep(1)  # passes 0.3 s apart
+        assert status(emulator)["phase"] == "Failed"
 
 
 async def test_a_suspended_jobs_record_the_other_replica_wrote_meanwhile_stands(
@@ -320,11 +321,7 @@ async def test_a_suspended_jobs_record_the_other_replica_wrote_meanwhile_stands(
         await api.patch_job("demo", {"spec": {"suspend": True}})
         await asyncio.wait_for(emulator.waiting.wait(), 10)  # a pass in flight, having read the job holding room
         record = {"store": "a5a6bc9c889b4c4090c9fdd25e8c419b", "step": 7, "problems": 123}
-        await api._call(
-            "PATCH",
-            f"/apis/pipelinerl.dev/v1alpha1/namespaces/{NS}/pipelinerljobs/demo/status",
-            {"status": {"natsReservedBytes": 0, "suspendedStore": record}},
-        )
+        await api.patch_job_status("demo", {"natsReservedBytes": 0, "suspendedStore": record})
         del emulator.gates["pods"]
         gate.set()
         await eventually(lambda: status(emulator).get("phase") == "Suspended", what="the passes after it")
