@@ -193,14 +193,71 @@ def rounds_to_resolve(per_round: list[float | None], effect: float = 1.3) -> int
     """Rounds whose 90% t-interval tells a ratio of `effect` from 1 with 80% power, at the
     spread of these rounds' log ratios; None with fewer than two finite rounds."""
     logs = [math.log(v) for v in per_round if v is not None and 0 < v < math.inf]
-    if len(logs) < 2:
-        return None
-    sd = statistics.stdev(logs)
+    return rounds_for_sd(statistics.stdev(logs), effect) if len(logs) >= 2 else None
+
+
+def rounds_for_sd(sd: float, effect: float = 1.3) -> int | None:
+    """Rounds whose 90% t-interval tells `effect` from 1 with 80% power at a per-round spread
+    `sd` (of log ratios)."""
     for n in range(2, 100_000):
         t = T95[n - 2] if n - 1 <= len(T95) else 1.645
         if (t + Z80) * sd / math.sqrt(n) <= math.log(effect):
             return n
     return None
+
+
+def round_ratio(fast: dict, baseline: dict, gains: list[float], axis: str = "time") -> float | None:
+    """One round's baseline/fast ratio over the band: the median of its targets' ratios, a
+    censored target at its bound (`round_bound`), targets neither side reached left out."""
+    values = [v for v, _ in (round_bound(fast, baseline, g, axis) for g in gains) if v is not None]
+    return statistics.median(values) if values else None
+
+
+def evaluation_spread(
+    fast: list[dict], baseline: list[dict], gains: list[float], axis: str = "time", resamples: int = 200, seed: int = 0
+) -> dict | None:
+    """How much of the rounds' spread the held-out set's sampling makes: in each round whose runs
+    kept their per-problem results (`eval_correct`, aligned with `evals`), the problems drawn
+    again with replacement, one draw for every evaluation of both sides (they were posed the
+    same problems), and the round's ratio (`round_ratio`) read again; the spread of its log over
+    the draws. Beside it the spread seen between rounds, and the rounds a 1.3x ratio would need
+    with k times the problems (the set's part shrinks as 1/k, the runs' own part stays). None if
+    no round kept per-problem results."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    per_round, problems = [], 0
+    for f, b in zip(fast, baseline):
+        if not (f.get("eval_correct") and b.get("eval_correct")):
+            continue
+        correct = {id(x): np.array([[c == "1" for c in row] for row in x["eval_correct"]], float) for x in (f, b)}
+        problems = correct[id(f)].shape[1]
+        logs = []
+        for _ in range(resamples):
+            weights = np.bincount(rng.integers(0, problems, problems), minlength=problems) / problems
+            redrawn = [
+                x | {"evals": [e | {"accuracy": float(a)} for e, a in zip(x["evals"], correct[id(x)] @ weights)]}
+                for x in (f, b)
+            ]
+            r = round_ratio(*redrawn, gains, axis)
+            if r is not None and 0 < r < math.inf:
+                logs.append(math.log(r))
+        per_round.append(statistics.pstdev(logs) if len(logs) > 1 else None)
+    known = [v for v in per_round if v is not None]
+    if not known:
+        return None
+    sd = math.sqrt(statistics.fmean(v * v for v in known))
+    seen = [round_ratio(f, b, gains, axis) for f, b in zip(fast, baseline)]
+    logs = [math.log(v) for v in seen if v is not None and 0 < v < math.inf]
+    observed = statistics.stdev(logs) if len(logs) >= 2 else None
+    out = {"problems": problems, "sd": sd, "per_round_sd": per_round, "observed_sd": observed, "clock": axis}
+    if observed is not None:
+        runs_part = max(observed**2 - sd**2, 0.0)
+        out["share"] = min(sd**2 / observed**2, 1.0) if observed else None
+        out["rounds_for_1.3x_with_problems"] = {
+            f"x{k}": rounds_for_sd(math.sqrt(runs_part + sd**2 / k)) for k in (1, 4, 16)
+        }
+    return out
 
 
 def band_headline(fast: list[dict], baseline: list[dict], gains: list[float], axis: str = "time") -> dict:
@@ -214,14 +271,11 @@ def band_headline(fast: list[dict], baseline: list[dict], gains: list[float], ax
     bounded = [[round_bound(f, b, g, axis) for g in gains] for f, b in rounds]
     table = [[v for v, _ in row] for row in bounded]
 
-    def median_of(rows: list[list[float | None]]) -> float | None:
-        values = [r for row in rows for r in row if r is not None]
-        return statistics.median(values) if values else None
-
-    per_round = [median_of([row]) for row in table]
+    values = [v for row in table for v in row if v is not None]
+    per_round = [round_ratio(f, b, gains, axis) for f, b in rounds]
     early = sum(len(early_targets(x, gains, axis)) for x in fast + baseline)
     return {
-        "median": median_of(table),
+        "median": statistics.median(values) if values else None,
         **log_t_interval(per_round),
         "censored": sum(kind in ("at least", "at most") for row in bounded for _, kind in row),
         "rounds_for_1.3x": rounds_to_resolve(per_round),

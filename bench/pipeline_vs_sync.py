@@ -42,6 +42,8 @@ from pathlib import Path
 from bench.analysis import (
     accuracy_gap,
     band_headline,
+    evaluation_spread,
+    has_clock,
     best_setting,
     bootstrap_interval,
     pooled_ratio,
@@ -68,7 +70,7 @@ from pipelinerl_cli.local import run_local
 from pipelinerl.phases import decomposition
 from pipelinerl.spec import PipelineRLJob, load_job, parse_job, read_manifest
 from pipelinerl.tasks import make_task
-from pipelinerl.tiny_model import greedy_accuracy, load_tokenizer, resolve_model_path
+from pipelinerl.tiny_model import greedy_correct, load_tokenizer, resolve_model_path
 
 JOB = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
 
@@ -130,7 +132,9 @@ def evaluate_exports(exports_dir: Path, steps: list[dict], problems: int, job: P
     """Greedy held-out accuracy of the warm start and of every exported version (`version-N`
     folders), each timed at the moment its version went live (the trainer's report after the
     weight update), on the job's held-out problems as its own evaluation poses them (up to
-    `maxTokens` new tokens, right when it stops with the answer)."""
+    `maxTokens` new tokens, right when it stops with the answer). Each evaluation keeps its
+    per-problem results too (`correct`: "1" right, "0" not, in the problems' order; the same
+    problems for every version and side), which `analysis.evaluation_spread` resamples."""
     from transformers import AutoModelForCausalLM
 
     spec = job.spec
@@ -142,11 +146,13 @@ def evaluate_exports(exports_dir: Path, steps: list[dict], problems: int, job: P
     evals = []
     for version, path in [(0, base)] + [e for e in exports if e[0] > 0]:
         model = AutoModelForCausalLM.from_pretrained(path).eval()
+        right = greedy_correct(model, tokenizer, test, spec.generator.sampling.max_tokens)
         evals.append(
             {
                 "version": version,
                 "time": live.get(version, train_start(steps)),
-                "accuracy": greedy_accuracy(model, tokenizer, test, spec.generator.sampling.max_tokens),
+                "accuracy": sum(right) / len(right),
+                "correct": "".join("1" if r else "0" for r in right),
             }
         )
     return evals
@@ -193,6 +199,8 @@ def one_run(mode: str, args, tag: str, root: Path, seed: int | None = None, lr: 
         "seed": job.spec.trainer.seed,
         "learning_rate": job.spec.trainer.learning_rate,
         "steps_log": steps,
+        # Per-problem results apart: kept in the whole record only (bench/results_store.py).
+        "eval_correct": [e.pop("correct") for e in evals],
         "evals": evals,
         "warm_start_accuracy": evals[0]["accuracy"],
         "final_accuracy": evals[-1]["accuracy"],
@@ -209,6 +217,29 @@ def one_run(mode: str, args, tag: str, root: Path, seed: int | None = None, lr: 
         flush=True,
     )
     return x
+
+
+def print_evaluation_spread(fast: list[dict], baseline: list[dict], gains: list[float]) -> dict:
+    """The held-out set's part of the rounds' spread (`evaluation_spread`), from launch and in
+    samples; {} for runs saved without per-problem results."""
+    out = {}
+    for axis in [a for a in ("launch", "version") if all(has_clock(x, a) for x in fast + baseline)]:
+        h = evaluation_spread(fast, baseline, gains, axis)
+        if h is None:
+            continue
+        out[axis] = h
+        seen = "" if h["observed_sd"] is None else f" of the {h['observed_sd']:.2f} seen between rounds"
+        rounds = h.get("rounds_for_1.3x_with_problems") or {}
+        print(
+            f"  the held-out set's part of a round's spread ({'samples' if axis == 'version' else axis}): "
+            f"sd {h['sd']:.2f} of its log ratio{seen}, {h['problems']} problems redrawn"
+            + (
+                "; 1.3x needs " + ", ".join(f"{v} rounds with {k} the problems" for k, v in rounds.items())
+                if rounds
+                else ""
+            )
+        )
+    return out
 
 
 def main() -> None:
@@ -473,6 +504,7 @@ def compare(runs: dict[str, list[dict]], args, baseline: str = "sync") -> dict:
         + "; per round "
         + ", ".join(map(ratio_text, per_sample["per_round"]))
     )
+    out["evaluation_spread"] = print_evaluation_spread(runs["pipeline"], runs[baseline], band_gains(args))
     print("beside the headline (one target, rounds pooled or each alone):")
     pairs = [
         (s["time_to_target_s"], p["time_to_target_s"])

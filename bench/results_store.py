@@ -2,8 +2,9 @@
 the analyses need them.
 
 A result whose runs carry per-step records (`steps_log`: the learning-speed benchmarks, up to
-6 MB each) is kept as two files: NAME.json, its summary (every figure, setting, seed and warm
-start, each run's evaluations; only the per-step records left out, and `"full_record"` naming the
+6 MB each; `eval_correct`, each evaluation's per-problem results) is kept as two files:
+NAME.json, its summary (every figure, setting, seed and warm start, each run's evaluations;
+only those records left out, and `"full_record"` naming the
 other file), and NAME.json.xz, the whole result, xz-compressed (about a seventh of its size).
 Every other result is one plain NAME.json. A superseded result (kept as history, quoted by no
 current figure) keeps its summary only (`retire`): bench/results stays under LIMIT_BYTES.
@@ -24,7 +25,9 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).parent / "results"
-BULKY = "steps_log"  # the per-step records: 97% of the bytes of the learning-speed results
+# The per-step records (97% of the bytes of the learning-speed results) and each evaluation's
+# per-problem results (what `analysis.evaluation_spread` resamples).
+BULKY = ("steps_log", "eval_correct")
 FULL = "full_record"  # the summary's pointer to the whole result
 RETIRED = "per_step_records"  # in a retired result's summary, in place of FULL
 XZ = ".xz"
@@ -33,7 +36,7 @@ LIMIT_BYTES = 8_000_000  # bench/results as a whole
 
 def has_bulk(data: Any) -> bool:
     if isinstance(data, dict):
-        return BULKY in data or any(has_bulk(v) for v in data.values())
+        return any(k in data for k in BULKY) or any(has_bulk(v) for v in data.values())
     if isinstance(data, list):
         return any(has_bulk(v) for v in data)
     return False
@@ -42,7 +45,7 @@ def has_bulk(data: Any) -> bool:
 def summary_of(data: Any) -> Any:
     """`data` without its per-step records, anywhere in it."""
     if isinstance(data, dict):
-        return {k: summary_of(v) for k, v in data.items() if k != BULKY}
+        return {k: summary_of(v) for k, v in data.items() if k not in BULKY}
     if isinstance(data, list):
         return [summary_of(v) for v in data]
     return data

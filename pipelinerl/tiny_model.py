@@ -169,17 +169,23 @@ def batch_loss(model, tokenizer, batch, buckets: int = 1) -> torch.Tensor:
 
 def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int | None = None) -> float:
     """Share of problems whose greedy completion stops (EOS) with exactly the answer (stripped),
-    as `exact_answer_rollout` rewards it. Prompts are batched by length (no padding). By default
-    each may write its answer and two tokens more."""
+    as `exact_answer_rollout` rewards it (`greedy_correct`)."""
+    return sum(greedy_correct(model, tokenizer, problems, max_new_tokens)) / len(problems)
+
+
+def greedy_correct(model, tokenizer, problems, max_new_tokens: int | None = None) -> list[bool]:
+    """Per problem, in order: whether its greedy completion stops (EOS) with exactly the answer
+    (stripped). Prompts are batched by length (no padding). By default each may write its answer
+    and two tokens more."""
     import torch
 
-    by_length: dict[int, list] = {}
-    for p in problems:
-        by_length.setdefault(len(tokenizer.encode(p.prompt)), []).append(p)
-    right = 0
+    by_length: dict[int, list[int]] = {}
+    for i, p in enumerate(problems):
+        by_length.setdefault(len(tokenizer.encode(p.prompt)), []).append(i)
+    right = [False] * len(problems)
     for group in by_length.values():
-        ids = torch.tensor([tokenizer.encode(p.prompt) for p in group])
-        limit = max_new_tokens or max(len(tokenizer.encode(p.answer)) for p in group) + 2
+        ids = torch.tensor([tokenizer.encode(problems[i].prompt) for i in group])
+        limit = max_new_tokens or max(len(tokenizer.encode(problems[i].answer)) for i in group) + 2
         out = model.generate(
             input_ids=ids,
             attention_mask=torch.ones_like(ids),
@@ -187,11 +193,10 @@ def greedy_accuracy(model, tokenizer, problems, max_new_tokens: int | None = Non
             max_new_tokens=limit,
             pad_token_id=tokenizer.pad_token_id,
         )
-        for row, p in zip(out[:, ids.shape[1] :].tolist(), group):
+        for row, i in zip(out[:, ids.shape[1] :].tolist(), group):
             if tokenizer.eos_token_id in row:
-                text = tokenizer.decode(row[: row.index(tokenizer.eos_token_id)])
-                right += text.strip() == p.answer
-    return right / len(problems)
+                right[i] = tokenizer.decode(row[: row.index(tokenizer.eos_token_id)]).strip() == problems[i].answer
+    return right
 
 
 def warm_task(name: str):

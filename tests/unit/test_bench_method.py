@@ -19,10 +19,12 @@ from bench.analysis import (
     best_setting,
     curve,
     early_targets,
+    evaluation_spread,
     log_t_interval,
     round_bound,
     round_seed,
     rounds_to_resolve,
+    round_ratio,
     time_to_target,
 )
 
@@ -123,6 +125,44 @@ def test_the_rounds_a_ratio_needs_grow_with_the_spread():
     sd = __import__("statistics").stdev(math.log(v) for v in [0.8, 1.9, 1.1, 2.4, 0.9])
     assert (1.645 + 0.8416) * sd / math.sqrt(loose) <= math.log(1.3) * 1.05
     assert rounds_to_resolve([1.3, math.inf]) is None
+
+
+def graded(problems: int, per_second: float, offset: float = 0.0) -> dict:
+    """A run posed `problems` held-out problems, evaluated every 5 s from 30% right, rising
+    `per_second` of them a second; each evaluation's per-problem results kept, right on the
+    first ones (the same problems for every version and side)."""
+    points = [(5.0 * i + offset, 0.3 + per_second * 5.0 * i) for i in range(1, 13)]
+    x = run(0.3, points)
+    rights = [round(e["accuracy"] * problems) for e in x["evals"]]
+    x["eval_correct"] = ["1" * k + "0" * (problems - k) for k in rights]
+    return x
+
+
+def test_the_held_out_sets_part_of_the_spread_shrinks_with_its_problems_and_is_paired():
+    gains = [5, 10]
+    spread = {n: evaluation_spread([graded(n, 0.01)], [graded(n, 0.005)], gains) for n in (100, 1600)}
+    assert spread[100]["problems"] == 100 and spread[100]["observed_sd"] is None  # one round: none between rounds
+    assert 0 < spread[1600]["sd"] < spread[100]["sd"] / 2.5  # ~1/sqrt(problems)
+    # Both sides are redrawn with one draw: a side against itself is 1x whatever the draw.
+    same = graded(100, 0.01)
+    assert evaluation_spread([same], [same], gains)["sd"] == 0
+    # Without per-problem results (runs saved before), nothing to say.
+    bare = {k: v for k, v in same.items() if k != "eval_correct"}
+    assert evaluation_spread([bare], [bare], gains) is None
+
+
+def test_the_rounds_needed_with_more_problems_keep_the_runs_own_spread():
+    gains = [5, 10]
+    # 40 problems: the set's sampling makes about half the spread seen between rounds.
+    fast = [graded(40, 0.01, offset=o) for o in (0.0, 3.0, -2.0, 6.0)]
+    slow = [graded(40, r) for r in (0.005, 0.004, 0.006, 0.0045)]
+    h = evaluation_spread(fast, slow, gains, resamples=100)
+    seen = [round_ratio(f, b, gains) for f, b in zip(fast, slow)]
+    assert h["observed_sd"] == pytest.approx(__import__("statistics").stdev(math.log(v) for v in seen))
+    needs = h["rounds_for_1.3x_with_problems"]
+    assert needs["x1"] == rounds_to_resolve(seen)  # as many problems: the spread seen
+    assert needs["x16"] <= needs["x4"] < needs["x1"]
+    assert 0.2 < h["share"] < 0.8
 
 
 def test_rounds_differ_by_seed_and_sides_share_the_seeds():

@@ -182,7 +182,7 @@ def test_greedy_accuracy_counts_answers_that_stop_and_batches_by_prompt_length()
     import torch
 
     from pipelinerl.tasks.base import Problem
-    from pipelinerl.tiny_model import greedy_accuracy
+    from pipelinerl.tiny_model import greedy_accuracy, greedy_correct
 
     tok = make_tokenizer()
     eos = tok.eos_token_id
@@ -209,6 +209,8 @@ def test_greedy_accuracy_counts_answers_that_stop_and_batches_by_prompt_length()
     ]
     assert greedy_accuracy(model, tok, problems, max_new_tokens=4) == pytest.approx(2 / 4)
     assert sorted(model.calls) == [4, 6]  # one generate per prompt length, none padded
+    # Per problem in the problems' order, whatever the batching: what the benchmarks resample.
+    assert greedy_correct(model, tok, problems, max_new_tokens=4) == [True, True, False, False]
 
 
 def test_a_groups_prompt_is_tokenized_once_for_all_its_attempts():
