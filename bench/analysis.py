@@ -221,8 +221,10 @@ def evaluation_spread(
     again with replacement, one draw for every evaluation of both sides (they were posed the
     same problems), and the round's ratio (`round_ratio`) read again; the spread of its log over
     the draws. Beside it the spread seen between rounds, and the rounds a 1.3x ratio would need
-    with k times the problems (the set's part shrinks as 1/k, the runs' own part stays). None if
-    no round kept per-problem results."""
+    with k times the problems: the set's part shrinks as 1/k, the runs' own part (the spread
+    between rounds less the set's; none where the set's is larger) stays. An upper bound on the
+    set's part: every round is posed the same problems, so a part of the draw common to all
+    rounds does not spread them. None if no round kept per-problem results."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -230,14 +232,17 @@ def evaluation_spread(
     for f, b in zip(fast, baseline):
         if not (f.get("eval_correct") and b.get("eval_correct")):
             continue
-        correct = {id(x): np.array([[c == "1" for c in row] for row in x["eval_correct"]], float) for x in (f, b)}
-        problems = correct[id(f)].shape[1]
+        sides = [(x, np.array([[c == "1" for c in row] for row in x["eval_correct"]], float)) for x in (f, b)]
+        problems = sides[0][1].shape[1]
+        if sides[1][1].shape[1] != problems:
+            raise ValueError(
+                "the sides of a round were evaluated on different problems: they cannot be redrawn together"
+            )
         logs = []
         for _ in range(resamples):
             weights = np.bincount(rng.integers(0, problems, problems), minlength=problems) / problems
             redrawn = [
-                x | {"evals": [e | {"accuracy": float(a)} for e, a in zip(x["evals"], correct[id(x)] @ weights)]}
-                for x in (f, b)
+                x | {"evals": [e | {"accuracy": float(a)} for e, a in zip(x["evals"], m @ weights)]} for x, m in sides
             ]
             r = round_ratio(*redrawn, gains, axis)
             if r is not None and 0 < r < math.inf:

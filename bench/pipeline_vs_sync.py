@@ -228,13 +228,14 @@ def print_evaluation_spread(fast: list[dict], baseline: list[dict], gains: list[
         if h is None:
             continue
         out[axis] = h
-        seen = "" if h["observed_sd"] is None else f" of the {h['observed_sd']:.2f} seen between rounds"
+        seen = "" if h["observed_sd"] is None else f" (between rounds: {h['observed_sd']:.2f})"
         rounds = h.get("rounds_for_1.3x_with_problems") or {}
         print(
             f"  the held-out set's part of a round's spread ({'samples' if axis == 'version' else axis}): "
             f"sd {h['sd']:.2f} of its log ratio{seen}, {h['problems']} problems redrawn"
             + (
-                "; 1.3x needs " + ", ".join(f"{v} rounds with {k} the problems" for k, v in rounds.items())
+                f"; 1.3x would need {rounds['x1']} rounds at the larger of the two, {rounds['x4']} with 4x the "
+                f"problems, {rounds['x16']} with 16x"
                 if rounds
                 else ""
             )
