@@ -4,10 +4,10 @@ the analyses need them.
 A result whose runs carry per-step records (`steps_log`: the learning-speed benchmarks, up to
 6 MB each; `eval_correct`, each evaluation's per-problem results) is kept as two files:
 NAME.json, its summary (every figure, setting, seed and warm start, each run's evaluations;
-only those records left out, and `"full_record"` naming the
-other file), and NAME.json.xz, the whole result, xz-compressed (about a seventh of its size).
-Every other result is one plain NAME.json. A superseded result (kept as history, quoted by no
-current figure) keeps its summary only (`retire`): bench/results stays under LIMIT_BYTES.
+only those records left out, and `"full_record"` naming the other file), and NAME.json.xz, the
+whole result, xz-compressed (about a seventh of its size). Every other result is one plain
+NAME.json. A superseded result (kept as history, quoted by no current figure) keeps its summary
+only (`retire`): bench/results stays under LIMIT_BYTES.
 
 `read_result` reads either form, given NAME.json or NAME.json.xz, and always returns the whole
 result: `--reanalyse`, `--sweep-with`, `calibrate_cpu --from/--split-with` take the paths they
@@ -43,7 +43,7 @@ def has_bulk(data: Any) -> bool:
 
 
 def summary_of(data: Any) -> Any:
-    """`data` without its per-step records, anywhere in it."""
+    """`data` without its bulky records (`BULKY`), anywhere in it."""
     if isinstance(data, dict):
         return {k: summary_of(v) for k, v in data.items() if k not in BULKY}
     if isinstance(data, list):
