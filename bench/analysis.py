@@ -209,8 +209,12 @@ def rounds_for_sd(sd: float, effect: float = 1.3) -> int | None:
 def round_ratio(fast: dict, baseline: dict, gains: list[float], axis: str = "time") -> float | None:
     """One round's baseline/fast ratio over the band: the median of its targets' ratios, a
     censored target at its bound (`round_bound`), targets neither side reached left out."""
-    values = [v for v, _ in (round_bound(fast, baseline, g, axis) for g in gains) if v is not None]
-    return statistics.median(values) if values else None
+    return _median([round_bound(fast, baseline, g, axis)[0] for g in gains])
+
+
+def _median(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def evaluation_spread(
@@ -276,11 +280,10 @@ def band_headline(fast: list[dict], baseline: list[dict], gains: list[float], ax
     bounded = [[round_bound(f, b, g, axis) for g in gains] for f, b in rounds]
     table = [[v for v, _ in row] for row in bounded]
 
-    values = [v for row in table for v in row if v is not None]
-    per_round = [round_ratio(f, b, gains, axis) for f, b in rounds]
+    per_round = [_median(row) for row in table]  # each round's `round_ratio`
     early = sum(len(early_targets(x, gains, axis)) for x in fast + baseline)
     return {
-        "median": statistics.median(values) if values else None,
+        "median": _median([v for row in table for v in row]),
         **log_t_interval(per_round),
         "censored": sum(kind in ("at least", "at most") for row in bounded for _, kind in row),
         "rounds_for_1.3x": rounds_to_resolve(per_round),

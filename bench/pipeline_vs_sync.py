@@ -42,10 +42,10 @@ from pathlib import Path
 from bench.analysis import (
     accuracy_gap,
     band_headline,
-    evaluation_spread,
-    has_clock,
     best_setting,
     bootstrap_interval,
+    evaluation_spread,
+    has_clock,
     pooled_ratio,
     time_to_target,
     train_start,
@@ -191,6 +191,7 @@ def one_run(mode: str, args, tag: str, root: Path, seed: int | None = None, lr: 
     )
     steps = [{k: r.get(k) for k in keep} for r in records if r["kind"] == "train"]
     evals = evaluate_exports(run_dir / "checkpoints" / "export", steps, args.eval_problems, job)
+    correct = [e.pop("correct") for e in evals]  # kept apart: in the whole record only (bench/results_store.py)
     x = {
         **s,
         "cores": cores,
@@ -199,8 +200,7 @@ def one_run(mode: str, args, tag: str, root: Path, seed: int | None = None, lr: 
         "seed": job.spec.trainer.seed,
         "learning_rate": job.spec.trainer.learning_rate,
         "steps_log": steps,
-        # Per-problem results apart: kept in the whole record only (bench/results_store.py).
-        "eval_correct": [e.pop("correct") for e in evals],
+        "eval_correct": correct,
         "evals": evals,
         "warm_start_accuracy": evals[0]["accuracy"],
         "final_accuracy": evals[-1]["accuracy"],
