@@ -199,6 +199,20 @@ def greedy_correct(model, tokenizer, problems, max_new_tokens: int | None = None
     return right
 
 
+def answer_probability(model, tokenizer, problems) -> list[float]:
+    """Per problem, in order: the probability that sampling at temperature 1 writes exactly its
+    answer and then EOS, i.e. its expected exact-match reward without sampling noise (spellings
+    that differ but strip to the answer are not counted). One forward, right-padded: a causal
+    model's earlier positions do not see the padding."""
+    import torch
+
+    ids, mask = _encode_batch(tokenizer, [p.prompt for p in problems], [p.answer for p in problems])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, :-1].float()
+    chosen = torch.log_softmax(logits, -1).gather(2, ids[:, 1:, None])[..., 0]
+    return (chosen * mask[:, 1:]).sum(1).exp().tolist()
+
+
 def warm_task(name: str):
     """The task a built-in model is warm-started on."""
     from pipelinerl.tasks.arith import ArithTask

@@ -9,13 +9,15 @@ replay). Measured with the built-in task before the dataset one existed: a clean
 from the stream, the resumed run trained no tokens from step 19 on (every sample dropped for lag)
 and ended at 19.7%.
 
-Three CI runs of this test gained +12.0, +10.7 and +3.7 points of greedy accuracy on the example's
-300 held-out problems, while their mean training reward over the last ten steps rose +12, +11 and
-+10 points over the first ten: greedy accuracy swings with small weight changes (the +3.7 run
-trained as well as the others). So the reward of 1,280 on-policy samples at each end carries the
-"it learns" assertion, and the held-out set, 1,000 problems here, must not fall. Those runs took
-60 steps; 40 keep the margin (two runs of 60, read at step 40: reward +11 and +13 points, greedy
-accuracy 29.6% -> 38.4% and 34.3%) at two thirds of the time."""
+"It learns" is read from the chance that sampling writes each held-out answer exactly (1,000
+problems), computed from the weights: no sampling noise, so what varies is the training alone.
+Four runs (one in a full CI suite, three alone; 2026-12-05, 2-core EPYC) took it from 0.182 to
+0.292, 0.276, 0.263 and 0.273 (+0.08 to +0.11). What this test asserted before, the mean training
+reward of the last ten steps against the first ten, rose +6, +10, +11 and +13 points in those
+runs and +5 in a loaded CI run that failed its +5 bound: 128 samples a step of 16 prompts is too
+few to read a rise of ~10 points off twice ten steps. Greedy accuracy swings with small weight
+changes (three runs gained +12.0, +10.7 and +3.7 points on 300 problems), so it is asserted
+only not to fall."""
 
 from __future__ import annotations
 
@@ -32,30 +34,27 @@ from wandb_records import wandb_history  # tests/wandb_records.py
 
 from bench.run_process import RunProcess
 from pipelinerl import messages as m
+from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl.tracking import default_mlflow_uri
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, CHECKPOINT, KILL_AT, EVAL_PROBLEMS = 40, 10, 12, 1000
+STEPS, CHECKPOINT, KILL_AT = 40, 10, 12
 
 
-def held_out(folder: Path) -> Path:
-    """The arith task's first EVAL_PROBLEMS held-out problems (3 digits, no carry out, as the
-    warm start learned): the example's test file is the first 300 of them."""
+def held_out_problems() -> list:
+    """The arith task's first 1,000 held-out problems (3 digits, no carry out, as the warm start
+    learned): the example's test file is the first 300 of them."""
     from pipelinerl.tasks.arith import ArithTask
 
-    path = folder / "arith-test.jsonl"
-    problems = ArithTask(carry_out=False).test_problems(EVAL_PROBLEMS)
-    path.write_text("".join(json.dumps({"prompt": p.prompt, "answer": p.answer}) + "\n" for p in problems))
-    return path
+    return ArithTask(carry_out=False).test_problems(1000)
 
 
-def job(test_file: Path) -> dict:
+def job() -> dict:
     manifest = yaml.safe_load((ROOT / "examples" / "trl" / "tiny-dataset.yaml").read_text())
     # Every checkpoint's weights exported too: the checkpoints themselves are pruned to the newest two.
     manifest["spec"]["trainer"] |= {"maxSteps": STEPS, "checkpointInterval": CHECKPOINT, "exportInterval": CHECKPOINT}
-    manifest["spec"]["task"]["params"]["test"] = str(test_file)
-    manifest["spec"]["eval"] = {"interval": STEPS, "problems": EVAL_PROBLEMS}
+    manifest["spec"]["eval"]["interval"] = STEPS
     manifest["spec"]["tracking"]["mlflow"] = {}
     return manifest
 
@@ -70,6 +69,18 @@ def kill_everything(run: RunProcess) -> None:
             pass
     run.proc.wait(30)
     run.out.close()
+
+
+def answer_chance(weights: Path, warm: str) -> float:
+    """Mean over the held-out problems of the chance that sampling writes exactly the answer
+    (the warm start's tokenizer: an export's folder does not say it is a built-in model's)."""
+    from transformers import AutoModelForCausalLM
+
+    from pipelinerl.tiny_model import answer_probability, load_tokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(weights).eval()
+    chances = answer_probability(model, load_tokenizer(warm), held_out_problems())
+    return sum(chances) / len(chances)
 
 
 def logprob_gap(weights: Path, batches: list[m.MicroBatch]) -> float:
@@ -88,10 +99,10 @@ def logprob_gap(weights: Path, batches: list[m.MicroBatch]) -> float:
     return gap
 
 
-def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_tracking(tmp_path, monkeypatch, start_run):
+def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_tracking(monkeypatch, start_run):
     monkeypatch.chdir(ROOT)  # the manifest names its data and reward module from the repository root
     monkeypatch.setenv("WANDB_SILENT", "true")
-    manifest = job(held_out(tmp_path))
+    manifest = job()
     first = start_run(manifest, timeout_s=RUN_TIMEOUT_S)
     first.wait_step(KILL_AT)
     kill_everything(first)
@@ -140,15 +151,13 @@ def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_trackin
         f"step-{STEPS - CHECKPOINT}",
         f"step-{STEPS}",
     ]  # the newest two checkpoints kept
-    # It learns (see the docstring for the figures): the first run's first ten steps against
-    # the resumed run's last ten, and no loss on the held-out problems.
-    rows = second.train()
-    reward = {r["step"]: r["reward"] for r in rows}  # a replayed step: the resumed run's
-    first_ten, last_ten = (sum(reward[s] for s in steps) / 10 for steps in (range(1, 11), range(STEPS - 9, STEPS + 1)))
-    assert last_ten - first_ten >= 0.05, (first_ten, last_ten)
+    # It learns (see the docstring for the figures), and greedy decoding does no worse.
+    warm = resolve_model_path(manifest["spec"]["model"]["path"])
+    learned = answer_chance(second.dir / "checkpoints" / "export" / f"version-{STEPS}", warm)
+    assert learned - answer_chance(Path(warm), warm) >= 0.05, learned
     evals = [json.loads(line) for line in (second.dir / "metrics.jsonl").read_text().splitlines()]
-    warm = next(e for e in evals if e["kind"] == "eval" and e["version"] == 0)  # the first run's
-    assert warm["problems"] == EVAL_PROBLEMS and summary["final_accuracy"] >= warm["accuracy"], (warm, summary)
+    at_start = next(e for e in evals if e["kind"] == "eval" and e["version"] == 0)  # the first run's
+    assert summary["final_accuracy"] >= at_start["accuracy"], (at_start, summary)
 
     # The trackers hold both runs: every step (those after the checkpoint twice), and the final
     # evaluation; W&B's offline runs share one id, so `wandb sync` makes them one run. W&B's

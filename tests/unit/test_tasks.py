@@ -213,6 +213,29 @@ def test_greedy_accuracy_counts_answers_that_stop_and_batches_by_prompt_length()
     assert greedy_correct(model, tok, problems, max_new_tokens=4) == [True, True, False, False]
 
 
+def test_answer_probability_is_the_chance_that_sampling_writes_the_answer_then_stops():
+    """Against the chain rule taken one token at a time, each problem alone; the batch pads
+    problems of different lengths on the right without changing any of them."""
+    import torch
+
+    from pipelinerl.tasks.base import Problem
+    from pipelinerl.tiny_model import answer_probability, make_model
+
+    tok, model = make_tokenizer(), make_model(seed=3).eval()
+    problems = [Problem("a", "1+2=", "3"), Problem("b", "310+205=", "515"), Problem("c", "9+9=", "18")]
+    expected = []
+    for p in problems:
+        ids, chance = tok.encode(p.prompt), 1.0
+        for token in tok.encode(p.answer) + [tok.eos_token_id]:
+            with torch.no_grad():
+                chance *= float(torch.softmax(model(input_ids=torch.tensor([ids])).logits[0, -1], -1)[token])
+            ids = ids + [token]
+        expected.append(chance)
+    assert answer_probability(model, tok, problems) == pytest.approx(expected, rel=1e-4)
+    assert answer_probability(model, tok, problems[1:2]) == pytest.approx(expected[1:2], rel=1e-4)
+    assert 0 < min(expected) and max(expected) < 1
+
+
 def test_a_groups_prompt_is_tokenized_once_for_all_its_attempts():
     """The generator tokenizes a prompt per request; a group's attempts share it, so each
     tokenizer remembers its last prompts (a per-request cost on short completions)."""
