@@ -129,6 +129,16 @@ async def store_identity(js, subjects: JobSubjects, adopts=None, timeout_s: floa
             raise TimeoutError(f"could not read or write the job's store identity on {subjects.store}")
 
 
+async def made_from(js, subjects: JobSubjects, adopt: str, step: int):
+    """The job's store identity where its store was made to go on from the checkpoint of store
+    `adopt` at step `step` (`recover_store`); None where it was not, has none, or cannot be read."""
+    try:
+        made = await _identity_if_any(js, subjects)
+    except MessageError:
+        return None
+    return made[0] if made is not None and (made[0].adopts, made[0].adopted_step) == (adopt, step) else None
+
+
 async def recover_store(
     js, subjects: JobSubjects, spec: JobSpec, adopt: str, step: int, problems: int, replicas: int | None = None
 ):
@@ -141,12 +151,9 @@ async def recover_store(
     checkpoint's. With the job's services stopped: running ones would keep the state of the store
     they started in. A store made already for this checkpoint is left as it is (the operator's
     record that it restored it may not have been written: its pods may run in it by now)."""
-    try:
-        made = await _identity_if_any(js, subjects)
-    except MessageError:  # not readable: the store is made again below
-        made = None
-    if made is not None and (made[0].adopts, made[0].adopted_step) == (adopt, step):
-        return made[0]
+    made = await made_from(js, subjects, adopt, step)
+    if made is not None:
+        return made
     await delete_streams(js, subjects)
     await ensure_streams(js, subjects, spec.nats.max_payload_mb, replicas, stream_bytes(spec))
     await js.publish(subjects.version, encode(PolicyVersion(version=step, timestamp=time.time())), timeout=10.0)

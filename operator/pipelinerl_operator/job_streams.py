@@ -1,7 +1,7 @@
 """The operator's calls on a job's NATS streams (as the job's own NATS user, where it has one):
 delete them (a deleted or finished job's, a suspended one's once its pods are gone), read the
-trainer's newest checkpoint record first (what a suspended job resumes from), and make a resumed
-job's new store go on from it (`store.recover_store`).
+trainer's newest checkpoint record first (what a suspended job resumes from), make a resumed
+job's new store go on from it (`store.recover_store`), and tell whether a store was made so.
 
 Bounded: each gives up after `timeout_s`. `JobStreams` tells each outcome in an Event and never
 raises: the caller tries again at its next pass (or, for a deleted job, lets it go: the streams
@@ -21,7 +21,7 @@ from nats.js.errors import NotFoundError
 
 from pipelinerl.contracts import JOB_LABEL, JobSubjects, OperatorEnv
 from pipelinerl.streams import close, connect, delete_streams, last_checkpoint
-from pipelinerl.store import recover_store
+from pipelinerl.store import made_from, recover_store
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.credentials import job_credentials
 
@@ -107,6 +107,16 @@ class JobStreams:
         except NotFoundError:
             return None
         return await last_checkpoint(js, self.subjects, self.timeout_s)
+
+    async def restored_from(self, record: dict[str, Any]) -> bool | None:
+        """Whether the job's store was made to go on from this checkpoint record (`restore`); None
+        where NATS did not answer."""
+        try:
+            made = await self._as_job(lambda js: made_from(js, self.subjects, record["store"], record["step"]))
+        except Exception as err:  # noqa: BLE001 - not known: the caller leaves the store as it is
+            self.logger.info("reading the NATS store identity of %s/%s: %r", self.namespace, self.name, err)
+            return None
+        return made is not None
 
     async def restore(self, job: Any, record: dict[str, Any]) -> str | None:
         """A resumed job's streams made again, going on from its trainer's checkpoint; why not yet."""

@@ -258,7 +258,7 @@ async def _reserve_and_apply(
     streams = job_streams(body, cfg, logger)
     suspended = job is not None and job.spec.suspend
     if holds and not need:  # its account (and room) stays until its streams are gone: tried again next pass
-        kept, gone = await _release(kube, streams, suspended, kept)
+        kept, gone = await release_streams(kube, streams, suspended, kept)
         if not gone:
             need = holds
     error, held = await store.reserve(jobs, cfg, kube, ref.uid, ref.namespace, ref.name, need)
@@ -273,17 +273,24 @@ async def _reserve_and_apply(
     return error, held, kept, made
 
 
-async def _release(
+async def release_streams(
     kube: Kube, streams: JobStreams, suspended: bool, kept: dict[str, Any] | None
 ) -> tuple[dict[str, Any] | None, bool]:
     """A job's streams deleted before its room is given back: the suspended job's checkpoint record
     (its resume restores the store from it) and whether they are gone. The record is read in one
     pass, which writes it into the status, and the streams deleted in a later one, once it
-    stands: a pass whose status write is refused loses nothing it cannot do again."""
-    if suspended and not kept:
-        record = await streams.checkpoint_record(kube)
-        if record is None or record:  # not yet; or its record, to be written first
-            return record, False
+    stands: a pass whose status write is refused loses nothing it cannot do again. A store made
+    again from the kept record was made by a resume this pass did not see (the other replica's,
+    or one whose status write was refused before the job was suspended again): it is not deleted
+    while the job's pods may run in it, and a record they told there since replaces the kept one."""
+    if suspended:
+        again = await streams.restored_from(kept) if kept else False
+        if again is None:  # not known: next pass
+            return kept, False
+        if again or not kept:
+            record = await streams.checkpoint_record(kube)
+            if record is None or record:  # its pods not gone yet; or a record, to be written first
+                return record or kept, False
     return kept, await streams.delete()
 
 

@@ -329,6 +329,70 @@ async def test_a_suspended_jobs_record_the_other_replica_wrote_meanwhile_stands(
         assert status(emulator).get("suspendedStore") == record and status(emulator)["natsReservedBytes"] == 0
 
 
+async def test_a_store_made_again_from_the_kept_record_stands_while_the_job_may_run_in_it(
+    cluster, nats_url: str
+) -> None:
+    """A pass that read the job suspended with its checkpoint record kept (the record stands, its
+    streams not yet deleted) goes on after a resume it did not see made the store again from that
+    record: the other replica's, or one whose status write was refused before the job was
+    suspended again. While the job has pods, the restored store stands; once they are gone, a
+    record the trainer told there since replaces the kept one (its streams go a pass later); with
+    none, the kept record still holds and the streams go. Before, the pass deleted the restored
+    store under the running job, which then met a lost store."""
+    import logging
+
+    import kopf
+
+    from pipelinerl.contracts import JOB_LABEL
+    from pipelinerl.messages import Checkpointed, encode
+    from pipelinerl.spec import parse_job
+    from pipelinerl.store import recover_store, store_identity
+    from pipelinerl_operator.config import from_env
+    from pipelinerl_operator.job_streams import JobStreams
+    from pipelinerl_operator.kube import Kube
+    from pipelinerl_operator.reconcile import release_streams
+
+    emulator, api, _ = cluster
+    subjects, spec = JobSubjects("demo", NS), parse_job(manifest()).spec
+    body = {"metadata": {"name": "demo", "namespace": NS, "uid": "u"}, "spec": {}}
+    told: list[str] = []
+    cfg = from_env({OperatorEnv.DEFAULT_NATS_URL: nats_url})
+    streams = JobStreams(body, cfg, lambda _type, reason, _message: told.append(reason), logging.getLogger("test"))
+    kube = Kube(kopf.ConnectionInfo(server=str(emulator.url)))
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+
+    async def store() -> str | None:  # the store's identity; None where its streams are gone
+        try:
+            return (await store_identity(js, subjects, timeout_s=1)).id if await js.streams_info() else None
+        except TimeoutError:
+            return None
+
+    try:
+        await ensure_streams(js, subjects, 1)
+        suspended_in = await store_identity(js, subjects)
+        kept = {"store": suspended_in.id, "step": 7, "problems": 123}
+        restored = (await recover_store(js, subjects, spec, kept["store"], 7, 123)).id  # the resume
+        await api.create_pod("demo-prl-trainer-0", {JOB_LABEL: "demo"}, restarts=0)
+        assert await release_streams(kube, streams, True, kept) == (kept, False)
+        assert await store() == restored and told == []
+        # Its pods gone, having told no checkpoint there: the kept record holds; the streams go.
+        await kube.delete("v1", "Pod", NS, "demo-prl-trainer-0")
+        assert await release_streams(kube, streams, True, kept) == (kept, True)
+        assert await store() is None and told == ["StreamsDeleted"]
+        # Made again, and its trainer told a newer checkpoint there on its way out.
+        restored = (await recover_store(js, subjects, spec, kept["store"], 7, 123)).id
+        await js.publish(subjects.checkpoint, encode(Checkpointed(store=restored, step=9, problems=150)))
+        newer = {"store": restored, "step": 9, "problems": 150}
+        assert await release_streams(kube, streams, True, kept) == (newer, False)
+        assert await store() == restored
+        assert await release_streams(kube, streams, True, newer) == (newer, True)
+        assert await store() is None
+    finally:
+        await nc.close()
+        await kube.close()
+
+
 async def test_operator_restart_creates_no_duplicates(cluster) -> None:
     emulator, api, trainer = cluster
     trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False, "weightSyncReady": True}
