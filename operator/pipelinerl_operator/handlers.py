@@ -205,9 +205,20 @@ async def nats_accounts_exist(settings: kopf.OperatorSettings, **_: Any) -> None
         await STATE.kube.create(accounts_secret(secret, namespace, text))
 
 
+def forget_gone(jobs: kopf.Index) -> None:
+    """This replica's per-job state dropped for jobs no longer watched: deleted jobs whose
+    finalizer the other replica ran (this one's `deleted` never did). A lock held stays."""
+    live = {str(r.uid) for records in jobs.values() for r in records} | {f"{ns}/{name}" for ns, name in jobs}
+    for key in [k for k in STATE.last if k not in live]:
+        del STATE.last[key]
+    for key in [k for k, lock in STATE.locks.items() if k not in live and not lock.locked()]:
+        del STATE.locks[key]
+
+
 async def reconcile(
     body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter, jobs: kopf.Index
 ) -> dict[str, Any]:
+    forget_gone(jobs)
     key = str(body["metadata"].get("uid") or f"{body['metadata']['namespace']}/{body['metadata']['name']}")
     async with STATE.locks.setdefault(key, asyncio.Lock()):
         read = body["metadata"].get("resourceVersion")

@@ -437,3 +437,24 @@ def test_the_status_write_is_the_merge_patch_from_what_the_job_had():
 
     assert apply(before, patch) == {k: v for k, v in after.items() if v is not None}
     assert merge_patch(after, after) == {}
+
+
+async def test_a_replica_forgets_its_last_pass_over_jobs_no_longer_watched():
+    """Jobs deleted while the other replica held the turn never reach this one's `deleted`: each
+    pass drops the state this replica keeps for jobs its watch no longer holds (by uid, or by
+    namespace/name for a job without one), except a lock a pass still holds."""
+    import asyncio
+
+    from pipelinerl_operator.handlers import STATE, forget_gone
+    from pipelinerl_operator.nats_store import JobRecord
+
+    held = asyncio.Lock()
+    await held.acquire()
+    STATE.last.clear()
+    STATE.locks.clear()
+    STATE.last.update({k: ("1", {}, "2") for k in ("u-live", "u-gone", "team-a/nouid", "team-a/gone")})
+    STATE.locks.update({"u-live": asyncio.Lock(), "u-gone": asyncio.Lock(), "u-busy": held})
+    forget_gone({("team-a", "live"): [JobRecord("u-live", 0)], ("team-a", "nouid"): [JobRecord("", 0)]})
+    assert set(STATE.last) == {"u-live", "team-a/nouid"} and set(STATE.locks) == {"u-live", "u-busy"}
+    STATE.last.clear()
+    STATE.locks.clear()
