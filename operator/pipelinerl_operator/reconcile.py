@@ -374,7 +374,7 @@ async def _act_on(
     now: datetime,
 ) -> None:
     """Write the status over the pass's version of the job (`ref`, which moves on to the version
-    written) and post its events; free the GPUs of a job that has just ended (after the write: a
+    written) and post its events at once; free the GPUs of a job that has just ended (after the write: a
     pass that ended the job but was refused would otherwise leave it Running with its pods gone,
     and the next pass would start them again; every pass after the write renders it stopped
     anyway); delete a finished job whose TTL has run out."""
@@ -384,17 +384,18 @@ async def _act_on(
     patch = merge_patch(previous, status)
     if patch:
         await ref.write_status(kube, patch)
+    # The events of the status written, before anything else can fail: no later pass makes them.
+    for e in events:
+        logger.debug("event %s: %s", e.reason, e.message)
+        event(body, e.type, e.reason, e.message)
+    metrics.JOBS.record(ns, name, status)
     if job is not None and is_terminal(status) and not is_terminal(previous):
         # Free the GPUs; the checkpoints stay (or may now go with the job: the output is written).
         # As owned as any other apply: an object of a child's name that is not the job's stays as it is.
         children = render(job, ns, uid, cfg, active=False, output_written=status["phase"] == "Succeeded")
         error, _ = await apply_owned(kube, ref, children, status.get("credentialsSecret"))
         if error:
-            logger.warning("not scaled down: %s", error)
-    for e in events:
-        logger.debug("event %s: %s", e.reason, e.message)
-        event(body, e.type, e.reason, e.message)
-    metrics.JOBS.record(ns, name, status)
+            logger.warning("not scaled down: %s", error)  # the next pass renders it stopped again
     if job is not None and ttl_expired(status, job.spec.run_policy.ttl_seconds_after_finished, now):
         event(body, "Normal", "TTLExpired", "deleting the finished job (runPolicy.ttlSecondsAfterFinished)")
         await kube.delete(API_VERSION, KIND, ns, name)
