@@ -77,6 +77,7 @@ class Conflict(kmock.KubernetesError):
 
 
 REQUESTS_KEPT = 64  # far more than are ever in flight at once
+KUBE_TIMEOUT_S = 10  # the operator's client's (pipelinerl_operator.kube.Kube)
 
 
 class Emulator(kmock.KubernetesEmulator):
@@ -89,6 +90,9 @@ class Emulator(kmock.KubernetesEmulator):
     refuse: dict[str, str] = {}  # "plural/name" → the message of a 422 answered to writes of it
     failing: set[str] = set()  # plurals every request for which is answered 500
     gates: dict[str, asyncio.Event] = {}  # plural → requests for it wait until it is set (`waiting` meanwhile)
+    # The first request this says True of is answered only after the operator's client gave up
+    # on it (a timeout: a failure that is not the API's answer).
+    stall: Callable[[Any], bool] | None = None
     waiting: asyncio.Event
 
     def _current(self, request) -> dict[str, Any]:  # type: ignore[no-untyped-def]
@@ -103,6 +107,9 @@ class Emulator(kmock.KubernetesEmulator):
         # tenancy test spent 90% of its CPU there, and its operator fell behind). No test reads
         # the log, so only its tail is kept; `request`, just appended, is in it.
         del self._requests[:-REQUESTS_KEPT]
+        if self.stall is not None and self.stall(request):
+            self.stall = None
+            await asyncio.sleep(KUBE_TIMEOUT_S + 1)
         gate = self.gates.get(request.resource.plural) if request.resource is not None else None
         if gate is not None:
             self.waiting.set()
@@ -192,7 +199,7 @@ def _nested(path: str, value: Any) -> dict[str, Any]:
 async def emulator() -> AsyncIterator[Emulator]:
     async with Emulator() as handler, kmock.Server(handler):
         handler.creates, handler.refuse, handler.failing = [], {}, set()
-        handler.gates, handler.waiting = {}, asyncio.Event()
+        handler.gates, handler.waiting, handler.stall = {}, asyncio.Event(), None
         declare(handler)
         yield handler
 

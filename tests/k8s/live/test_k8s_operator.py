@@ -268,6 +268,38 @@ async def test_finished_trainer_succeeds_and_ttl_deletes(cluster, monkeypatch) -
         await eventually(lambda: {"Succeeded", "TTLExpired", "StreamsDeleteFailed"} <= set(events(emulator)))
 
 
+async def test_a_job_that_ends_tells_so_even_when_freeing_its_pods_fails(cluster) -> None:
+    """The pass that writes a job Succeeded posts its Events before it frees the job's pods: when
+    that scale-down times out (the API server answers after the operator's client gave up), the
+    Event stands, and a later pass scales the job down. Posted after it, the Event was lost: the
+    passes after the write, the job already ended, make none."""
+    emulator, api, trainer = cluster
+    trainer.reports["demo"] = {"step": 50, "version": 50, "maxSteps": 50, "finished": True, "weightSyncReady": True}
+    stalled: list[str] = []
+
+    def scale_down(request) -> bool:  # the first write of a StatefulSet that stops its pods
+        data = request.data if isinstance(request.data, dict) else {}
+        if request.method == "PATCH" and (data.get("spec") or {}).get("replicas") == 0:
+            stalled.append(request.name)
+            return True
+        return False
+
+    emulator.stall = scale_down
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest())
+        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"))
+        await all_ready(api)
+        await eventually(lambda: status(emulator).get("phase") == "Succeeded", what="Succeeded")
+        await eventually(lambda: stalled, timeout_s=15, what="the scale-down stalled")
+        await eventually(lambda: "Succeeded" in events(emulator), timeout_s=15, what="its Event")
+        await eventually(  # kopf runs a resync that raised again 60 s later
+            lambda: all(obj(emulator, STS, f"demo-prl-{r}")["spec"]["replicas"] == 0 for r in ROLES),
+            timeout_s=90,
+            what="its pods freed by a later pass",
+        )
+        assert len(stalled) == 1 and events(emulator).count("Succeeded") == 1
+
+
 async def test_a_pass_in_flight_when_the_other_replica_writes_does_not_write_over_it(cluster) -> None:
     """Two replicas can both be reconciling (kopf's peering is a turn, not a lock): here the other
     one marks the job Failed (played by the test) while this one's pass, which read the job
