@@ -3,7 +3,8 @@ JOB ?= examples/tiny-cpu.yaml
 PYTEST_ARGS ?=
 # Three pytest workers on 2 cores: with two, the cores were idle 39% of the suite (the e2e tests
 # wait on start-ups, restarts and timeouts), and it took 17 min 52 s; with three, 1.5% and
-# 15 min 43 s. Each test file stays on one worker, so module fixtures are built once.
+# 15 min 43 s (a 2-core Xeon VM; 25-27 min on 2-core AMD EPYC VMs, 2026-12-05). Each test file
+# stays on one worker, so module fixtures are built once.
 TEST_WORKERS ?= 3
 
 .PHONY: setup run test lint images test-containers
