@@ -113,8 +113,8 @@ class JobStreams:
         where NATS did not answer."""
         try:
             made = await self._as_job(lambda js: made_from(js, self.subjects, record["store"], record["step"]))
-        except Exception as err:  # noqa: BLE001 - not known: the caller leaves the store as it is
-            self.logger.info("reading the NATS store identity of %s/%s: %r", self.namespace, self.name, err)
+        except Exception as err:  # noqa: BLE001 - told; not known: the caller leaves the store as it is
+            self.event("Warning", "StreamsDeleteFailed", f"could not read the NATS store's identity: {err!r}")
             return None
         return made is not None
 

@@ -377,6 +377,7 @@ async def test_a_store_made_again_from_the_kept_record_stands_while_the_job_may_
 
     from pipelinerl.contracts import JOB_LABEL
     from pipelinerl.messages import Checkpointed, encode
+    from pipelinerl.ports import free_port
     from pipelinerl.spec import parse_job
     from pipelinerl.store import recover_store, store_identity
     from pipelinerl_operator.config import from_env
@@ -420,6 +421,11 @@ async def test_a_store_made_again_from_the_kept_record_stands_while_the_job_may_
         assert await store() == restored
         assert await release_streams(kube, streams, True, newer) == (newer, True)
         assert await store() is None
+        # NATS not answering: nothing is known, so nothing goes, and the Event says why.
+        gone = from_env({OperatorEnv.DEFAULT_NATS_URL: f"nats://127.0.0.1:{free_port()}"})
+        unreachable = JobStreams(body, gone, lambda _type, reason, _message: told.append(reason), streams.logger)
+        assert await release_streams(kube, unreachable, True, newer) == (newer, False)
+        assert told[-1] == "StreamsDeleteFailed"
     finally:
         await nc.close()
         await kube.close()
