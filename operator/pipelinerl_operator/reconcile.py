@@ -66,6 +66,13 @@ class JobRef:
         self.version = written
         return written
 
+    async def still_current(self, kube: Kube) -> None:
+        """Overtaken unless the job is still at `version`: a pass about to stop the job's pods reads
+        it again first, since a StatefulSet cannot be written on condition of the job's version."""
+        job = await kube.get(API_VERSION, KIND, self.namespace, self.name)
+        if job is not None and self.version is not None and job["metadata"].get("resourceVersion") != self.version:
+            raise Overtaken()
+
 
 class Overtaken(kopf.TemporaryError):
     """The job was written between this pass's read and its status write (the other replica's
@@ -157,10 +164,20 @@ async def apply_owned(
                     f"{what} already exists and is not this job's: not taken over (delete or rename it, "
                     "or give the job another name)"
                 ), made
+            if _stops_pods(existing, obj):  # a stale pass (suspended, ended) must not stop a resumed job's
+                await ref.still_current(kube)
             await kube.apply(obj)
         except KubeError as err:
             return f"{what}: {err}", made
     return None, made
+
+
+def _replicas(obj: dict[str, Any] | None) -> int:
+    return int(((obj or {}).get("spec") or {}).get("replicas") or 0)
+
+
+def _stops_pods(existing: dict[str, Any] | None, obj: dict[str, Any]) -> bool:
+    return obj["kind"] == "StatefulSet" and _replicas(existing) > 0 and _replicas(obj) == 0
 
 
 async def _record_secret(kube: Kube, ref: JobRef, secret: str) -> None:

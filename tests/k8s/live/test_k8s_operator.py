@@ -327,6 +327,37 @@ async def test_a_pass_in_flight_when_the_other_replica_writes_does_not_write_ove
         assert status(emulator)["phase"] == "Failed"
 
 
+async def test_a_pass_that_read_the_job_suspended_does_not_stop_the_pods_of_its_resume(cluster) -> None:
+    """The other replica's resume (played by the test: the job un-suspended) lands while this
+    one's pass, which read the job suspended, waits on the API server (its reads of the
+    StatefulSets held). About to stop the job's pods, that pass reads the job again, finds it
+    moved on and is dropped: the pods are never stopped. Before, they were stopped until the next
+    pass started them again (every rank restarted)."""
+    emulator, api, trainer = cluster
+    trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False, "weightSyncReady": True}
+    stopped: list[str] = []
+
+    def stopping(request) -> bool:  # records every write of a StatefulSet that stops its pods
+        data = request.data if isinstance(request.data, dict) else {}
+        if request.method == "PATCH" and (data.get("spec") or {}).get("replicas") == 0:
+            stopped.append(request.name)
+        return False
+
+    async with running_operator(str(emulator.url)):
+        await ready_job(emulator, api)
+        emulator.stall = stopping
+        emulator.gates["statefulsets"] = gate = asyncio.Event()
+        emulator.waiting.clear()
+        await api.patch_job("demo", {"spec": {"suspend": True}})
+        await asyncio.wait_for(emulator.waiting.wait(), 10)  # a pass in flight
+        await asyncio.sleep(0.5)  # the suspension's own pass started too (behind it, or it)
+        await api.patch_job("demo", {"spec": {"suspend": False}})
+        del emulator.gates["statefulsets"]
+        gate.set()
+        await asyncio.sleep(3)  # passes 0.3 s apart
+        assert stopped == [] and status(emulator)["phase"] == "Running"
+
+
 async def test_a_suspended_jobs_record_the_other_replica_wrote_meanwhile_stands(
     cluster, nats_url: str, monkeypatch
 ) -> None:
