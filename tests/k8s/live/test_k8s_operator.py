@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Callable
+from typing import Any
 
 
 import nats
@@ -268,6 +270,20 @@ async def test_finished_trainer_succeeds_and_ttl_deletes(cluster, monkeypatch) -
         await eventually(lambda: {"Succeeded", "TTLExpired", "StreamsDeleteFailed"} <= set(events(emulator)))
 
 
+def stopping_writes(seen: list[str], stall: bool) -> Callable[[Any], bool]:
+    """The emulator's `stall` predicate that notes in `seen` each StatefulSet written to no
+    replicas (a pass stopping the job's pods) and, if `stall`, stalls the first."""
+
+    def stops(request: Any) -> bool:
+        data = request.data if isinstance(request.data, dict) else {}
+        if request.method == "PATCH" and (data.get("spec") or {}).get("replicas") == 0:
+            seen.append(request.name)
+            return stall
+        return False
+
+    return stops
+
+
 async def test_a_job_that_ends_tells_so_even_when_freeing_its_pods_fails(cluster) -> None:
     """The pass that writes a job Succeeded posts its Events before it frees the job's pods: when
     that scale-down times out (the API server answers after the operator's client gave up), the
@@ -276,15 +292,7 @@ async def test_a_job_that_ends_tells_so_even_when_freeing_its_pods_fails(cluster
     emulator, api, trainer = cluster
     trainer.reports["demo"] = {"step": 50, "version": 50, "maxSteps": 50, "finished": True, "weightSyncReady": True}
     stalled: list[str] = []
-
-    def scale_down(request) -> bool:  # the first write of a StatefulSet that stops its pods
-        data = request.data if isinstance(request.data, dict) else {}
-        if request.method == "PATCH" and (data.get("spec") or {}).get("replicas") == 0:
-            stalled.append(request.name)
-            return True
-        return False
-
-    emulator.stall = scale_down
+    emulator.stall = stopping_writes(stalled, stall=True)
     async with running_operator(str(emulator.url)):
         await api.create_job(manifest())
         await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"))
@@ -336,16 +344,9 @@ async def test_a_pass_that_read_the_job_suspended_does_not_stop_the_pods_of_its_
     emulator, api, trainer = cluster
     trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False, "weightSyncReady": True}
     stopped: list[str] = []
-
-    def stopping(request) -> bool:  # records every write of a StatefulSet that stops its pods
-        data = request.data if isinstance(request.data, dict) else {}
-        if request.method == "PATCH" and (data.get("spec") or {}).get("replicas") == 0:
-            stopped.append(request.name)
-        return False
-
     async with running_operator(str(emulator.url)):
         await ready_job(emulator, api)
-        emulator.stall = stopping
+        emulator.stall = stopping_writes(stopped, stall=False)
         emulator.gates["statefulsets"] = gate = asyncio.Event()
         emulator.waiting.clear()
         await api.patch_job("demo", {"spec": {"suspend": True}})
