@@ -205,10 +205,18 @@ async def nats_accounts_exist(settings: kopf.OperatorSettings, **_: Any) -> None
         await STATE.kube.create(accounts_secret(secret, namespace, text))
 
 
+def _state_key(namespace: str, name: str, uid: str | None) -> str:
+    """A job's key in this replica's per-job state."""
+    return str(uid or f"{namespace}/{name}")
+
+
 def forget_gone(jobs: kopf.Index) -> None:
     """This replica's per-job state dropped for jobs no longer watched: deleted jobs whose
-    finalizer the other replica ran (this one's `deleted` never did). A lock held stays."""
-    live = {str(r.uid) for records in jobs.values() for r in records} | {f"{ns}/{name}" for ns, name in jobs}
+    finalizer the other replica ran (this one's `deleted` never did). A lock held stays. Read
+    through only while it holds more jobs than are watched (every pass comes here)."""
+    if len(STATE.last) <= len(jobs) and len(STATE.locks) <= len(jobs):
+        return
+    live = {_state_key(ns, name, r.uid) for (ns, name), records in jobs.items() for r in records}
     for key in [k for k in STATE.last if k not in live]:
         del STATE.last[key]
     for key in [k for k, lock in STATE.locks.items() if k not in live and not lock.locked()]:
@@ -219,9 +227,10 @@ async def reconcile(
     body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter, jobs: kopf.Index
 ) -> dict[str, Any]:
     forget_gone(jobs)
-    key = str(body["metadata"].get("uid") or f"{body['metadata']['namespace']}/{body['metadata']['name']}")
+    meta = body["metadata"]
+    key = _state_key(meta["namespace"], meta["name"], meta.get("uid"))
     async with STATE.locks.setdefault(key, asyncio.Lock()):
-        read = body["metadata"].get("resourceVersion")
+        read = meta.get("resourceVersion")
         start = starting_point(body, STATE.last.get(key))
         status, written = await run_pass(STATE.kube, STATE.store, body, start, logger, jobs)
         STATE.last[key] = (read, status, written)
@@ -291,7 +300,7 @@ async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
     except Exception as err:  # noqa: BLE001 - the next job's change (or the resync) writes it again
         logger.warning("could not remove the NATS account of %s/%s: %r", ns, name, err)
     metrics.JOBS.record(ns, name, None)
-    key = str(meta.get("uid") or f"{ns}/{name}")
+    key = _state_key(ns, name, uid)
     STATE.locks.pop(key, None)
     STATE.last.pop(key, None)
 
