@@ -101,6 +101,9 @@ def machine() -> dict[str, object]:
             name: {k: tiny_model.shipped_record(name)[k] for k in ("sha256", "warm_start_accuracy")}
             for name in tiny_model.WARM_STARTS
         },
+        # The kernels torch dispatches to: two VMs of one CPU model name differ here (AVX2 against
+        # AVX512), and the trainer's step with them (2.7x on the tiny long-tail job).
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": "cpu",
@@ -131,8 +134,11 @@ def pooled_runs(paths: list[str | Path], sides: list[str]) -> dict[str, list[dic
     """The saved runs (`{"runs": {side: [run, ...]}}`) of several results files, pooled per side,
     in file order; sides with no runs are left out."""
     runs: dict[str, list[dict]] = {side: [] for side in sides}
+    machines: dict[str, dict] = {}
     for path in paths:
-        saved = read_result(path)["runs"]
+        result = read_result(path)
+        machines[str(path)] = result.get("machine", {})
+        saved = result["runs"]
         for side in runs:
             runs[side] += saved.get(side, [])
     for side, xs in runs.items():  # the same round twice is a re-timing, not an independent round
@@ -141,7 +147,28 @@ def pooled_runs(paths: list[str | Path], sides: list[str]) -> dict[str, list[dic
             raise SystemExit(
                 f"--reanalyse: {side} has two runs at one seed ({sorted(seeds)}): give later rounds --first-round"
             )
+    same_machine(machines)
     return {side: xs for side, xs in runs.items() if xs}
+
+
+MACHINE_KEYS = ("cpu", "cpus", "cpu_capability", "device")
+
+
+def same_machine(machines: dict[str, dict]) -> None:
+    """Rounds pooled into one interval must come from one kind of machine: a ratio's spread
+    between machines is not its spread between seeds. Records that do not say (older ones) are
+    not held to it."""
+    first: dict[str, tuple[str, object]] = {}
+    for path, machine in machines.items():
+        for key in MACHINE_KEYS:
+            if machine.get(key) is None:
+                continue
+            seen = first.setdefault(key, (path, machine[key]))
+            if seen[1] != machine[key]:
+                raise SystemExit(
+                    f"--reanalyse: {seen[0]} ran on {key} {seen[1]!r}, {path} on {machine[key]!r}: "
+                    "rounds of different machines are not one sample"
+                )
 
 
 def set_fields(spec: dict, items: list[str]) -> None:

@@ -1,7 +1,7 @@
 """Cluster planner: predict pipeline vs sync throughput, lag and idle time before renting GPUs.
 
 A top-layer tool, like the CLI that runs it (`pipelinerl plan`): it imports the rules it
-simulates from the services (admission, packing), and nothing in pipelinerl's core imports it.
+simulates from pipelinerl's core (admission, steps), and nothing in pipelinerl's core imports it.
 The cost model and its assumptions are in docs/planner.md.
 
 - `calibration`: the per-device costs a simulation runs on (`Calibration`), loaded from a file

@@ -20,6 +20,7 @@ beside the measured ratios.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -124,11 +125,15 @@ def phase_seconds(curve: DecodeCurve, lengths: list[int], prompt: int, max_runni
     return total
 
 
-def full_batch_samples_per_s(curve: DecodeCurve, mean_length: float, prompt: int, batch: int) -> float:
-    """One engine kept at `batch` running sequences (steady state: a finished one replaced at
-    once), contexts spread evenly over a sequence's life; each request's own cost paid too."""
-    step = curve.step_s(batch, batch * (prompt + mean_length / 2))
-    return 1 / (step * mean_length / batch + curve.request_cost(prompt))
+def full_batch_samples_per_s(curve: DecodeCurve, lengths: Sequence[float], prompt: int, batch: int) -> float:
+    """One engine kept at `batch` running sequences of these completion `lengths` (steady state:
+    a finished one replaced at once); each request's own cost paid too. A place in the batch is
+    held by a completion in proportion to its length, and its context grows over that time, so
+    the mean context is prompt + E[L²] / (2 E[L]): above prompt + E[L] / 2 where lengths vary."""
+    mean = float(np.mean(lengths))
+    context = prompt + float(np.mean(np.square(lengths))) / (2 * mean)
+    step = curve.step_s(batch, batch * context)
+    return 1 / (step * mean / batch + curve.request_cost(prompt))
 
 
 @dataclass(frozen=True)
@@ -207,7 +212,7 @@ def bound(
     train_s = k * samples_per_step * tokens_per_sample / m.train_rate(m.cores)
     conventional = k * samples_per_step / (gen_s + train_s + max(m.update_s, m.pause_s))
     best, cores_g = 0.0, 1
-    kept = (1 - filtered) * full_batch_samples_per_s(m.curve, float(np.mean(lengths)), prompt, m.max_running)
+    kept = (1 - filtered) * full_batch_samples_per_s(m.curve, lengths, prompt, m.max_running)
     for g in range(1, m.cores):
         gen = m.engines_rate(g) * kept  # samples trained of what one engine makes
         train = m.train_rate(m.cores - g) / tokens_per_sample

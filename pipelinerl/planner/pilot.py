@@ -243,7 +243,10 @@ def _simulate_pilot(pilot: PipelineRLJob, calib: Calibration):
         calib,
         spec.generator.sampling.max_tokens,
         wave_groups=wave_groups(pilot, n_train, calib.lengths) if pipeline else 0,
-        max_inflight=spec.generator.max_inflight_groups,
+        # As `plan` simulates each mode: only the pipeline caps its groups in flight; a phased
+        # pilot generates k steps' samples a phase.
+        max_inflight=spec.generator.max_inflight_groups if pipeline else None,
+        steps_per_generation=spec.steps_per_generation,
         filtered=calib.filtered_fraction if spec.rl.filter_zero_variance else 0.0,
     )
 

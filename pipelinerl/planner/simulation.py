@@ -463,7 +463,8 @@ class _Sim:
             self._heard("trained", self.trained, self.done - 1)
         self._admit()
         self._window()
-        self._train()
+        if not self.stop:  # a step begun after the window closed would count in its lag and busy time
+            self._train()
 
     def _step_done(self, consumed: int) -> None:
         self.trained += consumed

@@ -142,3 +142,21 @@ def test_reanalysis_pools_the_rounds_of_several_files(tmp_path):
     b.write_text(json.dumps({"runs": {"pipeline": [{"r": 1}], "sync": [{"r": 1}], "trl": [{"r": 1}]}}))
     assert pooled_runs([a, b], ["pipeline", "sync"]) == {"pipeline": [{"r": 0}, {"r": 1}], "sync": [{"r": 1}]}
     assert pooled_runs([a], ["pipeline", "sync", "trl"]) == {"pipeline": [{"r": 0}], "trl": [{"r": 0}]}  # none of sync
+
+
+def test_reanalysis_pools_rounds_of_one_kind_of_machine_only(tmp_path):
+    """Two EPYC VMs whose torch kernels differ (AVX2, AVX512) are two machines; a record that
+    does not say (an older one) is not held to it."""
+    from bench.common import pooled_runs
+
+    def saved(name: str, **machine) -> Path:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"machine": {"cpu": "AMD EPYC", "cpus": 2} | machine, "runs": {"pipeline": [{}]}}))
+        return path
+
+    avx2, avx512, older = saved("a", cpu_capability="AVX2"), saved("b", cpu_capability="AVX512"), saved("c")
+    with pytest.raises(SystemExit, match=r"b.json on 'AVX512': rounds of different machines"):
+        pooled_runs([avx2, avx512], ["pipeline"])
+    assert len(pooled_runs([avx2, older], ["pipeline"])["pipeline"]) == 2
+    with pytest.raises(SystemExit, match="cpus"):
+        pooled_runs([older, saved("d", cpus=16)], ["pipeline"])

@@ -309,6 +309,15 @@ def test_conservation(mode, max_lag, waves):
     assert r.samples_in_flight <= (max(max_lag, 1) + 1) * per_step
 
 
+def test_the_trainers_busy_time_is_the_windows_steps_and_no_step_after_it():
+    """A generator-bound pipeline: its trainer is busy for each step the window measures (the
+    step's tokens, the optimizer step, the weights sent), and for no step begun after the window
+    closed (which would count in the busy time and in the lag)."""
+    r = simulate("pipeline", 4, 28, 2, lengths=lognormal(1000, 0.0), steps=7, warmup=2, **SMALL)
+    per_step = H100.train_s(512 * (1000 + 100), 28) + H100.optimizer_step_s + H100.weight_sync_s
+    assert r.train_busy == pytest.approx(5 * per_step / r.window_s) and r.train_busy < 0.9
+
+
 def test_filtered_groups_are_generated_and_not_trained():
     # Zero-variance groups free their admission slot when they finish, so the engine generates
     # replacements: about 1 / (1 - f) groups per trained one, and a longer sync step.

@@ -59,7 +59,18 @@ def test_contexts_grow_by_a_token_per_decode_step():
 
 def test_a_full_batch_of_steady_sequences():
     curve = DecodeCurve(0.01, 0.0, 0.0)  # a step costs the same at any batch
-    assert full_batch_samples_per_s(curve, 100.0, 0, 64) == pytest.approx(64 / (0.01 * 100))
+    assert full_batch_samples_per_s(curve, [100.0], 0, 64) == pytest.approx(64 / (0.01 * 100))
+
+
+def test_a_full_batch_of_mixed_lengths_reads_the_contexts_its_places_hold():
+    """Where the step pays per context token, a full batch of mixed lengths costs what its
+    places hold over time: a 3-token completion holds its place three times as long as a
+    1-token one, at contexts growing over it, so the mean context is E[L²] / (2 E[L]) = 1.25
+    tokens, where the mean length alone (2) says 1. Equal lengths: L / 2 either way."""
+    curve = DecodeCurve(0.0, 0.0, 1.0)  # a step costs its contexts' sum only
+    # 2 places: a step costs 2 x 1.25; 2 samples of mean length 2 take 2 steps.
+    assert full_batch_samples_per_s(curve, [1, 3], 0, 2) == pytest.approx(1 / (2 * 1.25))
+    assert full_batch_samples_per_s(curve, [2, 2], 0, 2) == pytest.approx(1 / (2 * 1.0))
 
 
 def test_the_requests_cost_is_what_short_rounds_took_beyond_their_decode_steps():
@@ -86,9 +97,9 @@ def test_each_request_costs_its_engine_beside_the_decode_steps():
     takes mostly that, where a decode curve alone would see 4 cheap steps."""
     curve = DecodeCurve(1.0, 0.1, 0.0, request_s=0.5, prefill_s_per_token=0.01)
     assert phase_seconds(curve, [2, 6], prompt=10, max_running=8) == pytest.approx(2 * 0.6 + 2 * 1.2 + 4 * 1.1)
-    steady = full_batch_samples_per_s(curve, 4.0, 10, 64)
+    steady = full_batch_samples_per_s(curve, [4.0], 10, 64)
     assert steady == pytest.approx(1 / (curve.step_s(64, 64 * 12) * 4 / 64 + 0.6))
-    assert steady < full_batch_samples_per_s(replace(curve, request_s=0.0, prefill_s_per_token=0.0), 4.0, 10, 64) / 2
+    assert steady < full_batch_samples_per_s(replace(curve, request_s=0.0, prefill_s_per_token=0.0), [4.0], 10, 64) / 2
 
 
 def test_a_request_on_the_whole_path_costs_what_a_core_gave_its_sample_beyond_the_engine():
@@ -102,7 +113,7 @@ def test_a_request_on_the_whole_path_costs_what_a_core_gave_its_sample_beyond_th
     assert path_request_s(curve, steps, tokens=4.0, prompt=8, batch=128) == 0.0005  # a faster path: the engine's
     # The steady full batch then runs at the measured rate.
     on_path = replace(curve, request_s=0.0015)
-    assert full_batch_samples_per_s(on_path, 4.0, 8, 128) == pytest.approx(1 / per_sample)
+    assert full_batch_samples_per_s(on_path, [4.0], 8, 128) == pytest.approx(1 / per_sample)
 
 
 LONG_TAIL = [int(x) for x in np.clip(np.random.default_rng(0).lognormal(np.log(40), 1.0, 512), 1, 400)]
@@ -207,9 +218,7 @@ def test_the_planner_on_the_machines_physics_trains_and_decodes_as_measured():
     assert trainer_bound.samples_per_s == pytest.approx(4_000.0 / tokens, rel=0.05)
     fast = machine_calibration(replace(m, train_tokens_per_s={1: 1e6, 2: 1.5e6}), lengths, "physics", "test")
     generator_bound = simulate("pipeline", 1, 1, 8, **(common | {"calib": fast}))
-    full = full_batch_samples_per_s(
-        replace(curve, base_s=0.005 / 0.8, per_seq_s=0.0001 / 0.8), np.mean(LONG_TAIL), 8, 128
-    )
+    full = full_batch_samples_per_s(replace(curve, base_s=0.005 / 0.8, per_seq_s=0.0001 / 0.8), LONG_TAIL, 8, 128)
     assert generator_bound.gen_busy > 0.95
     assert generator_bound.samples_per_s == pytest.approx(full, rel=0.15)
     # Each request's own cost stalls its engine (slowed beside a busy core, as its steps are); the

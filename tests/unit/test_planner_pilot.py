@@ -110,6 +110,25 @@ def test_the_decode_cost_is_scaled_until_the_pilot_decodes_as_fast_as_it_did():
     assert scale > 1  # the pilot's engine is slower than the built-in's
 
 
+def test_a_conventional_pilot_is_simulated_with_its_k_steps_a_phase():
+    """A sync pilot with k = 4 generated 4 steps' samples a phase: the decode cost is fitted to
+    that, as `plan` simulates conventional k (no cap on groups in flight), not to k = 1, which
+    decodes far fewer tokens per busy second (short phases, the batch draining each step)."""
+    doc = yaml.safe_load(TINY.read_text())
+    doc["spec"]["mode"] = "sync"
+    doc["spec"]["rl"]["stepsPerGeneration"] = 4
+    doc["spec"]["rl"].pop("maxLag", None)
+    doc["spec"]["eval"]["interval"] = 48
+    job = parse_job(doc, str(TINY))
+    calib, _ = derive_calibration(train_rows(metrics_jsonl()), job, BASE, [4, 4, 5], SUMMARY | {"mode": "sync"})
+    measured = (4 * 512 + 32 * 8 * 4) / (0.5 * 8.0)
+    n_gen, n_train = devices(job)
+    common = (n_gen, n_train, 0, job.spec.trainer.samples_per_step, job.spec.rl.attempts, calib, 8)
+    k4 = simulate("sync", *common, steps_per_generation=4)
+    assert k4.gen_tokens_per_busy_s == pytest.approx(measured, rel=0.03)
+    assert simulate("sync", *common).gen_tokens_per_busy_s < 0.9 * measured
+
+
 def test_without_the_runs_files_the_base_fills_in_and_says_so():
     calib, taken = derive_calibration(train_rows(metrics_jsonl()), pilot_job(), BASE, None, None)
     sources = {t.field: t.source for t in taken}
