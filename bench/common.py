@@ -87,6 +87,18 @@ def gpu_or_smoke(args, name: str) -> tuple[bool, Path | None]:
     return on_gpu, args.results_dir or (None if args.smoke else RESULTS)
 
 
+def cpu_generation() -> str | None:
+    """ "family F model M" from /proc/cpuinfo (None where it does not say)."""
+    try:
+        fields = dict(
+            (k.strip(), v.strip()) for k, _, v in (line.partition(":") for line in open("/proc/cpuinfo")) if v
+        )
+    except OSError:
+        return None
+    family, model = fields.get("cpu family"), fields.get("model")
+    return f"family {family} model {model}" if family and model else None
+
+
 def machine() -> dict[str, object]:
     import torch
 
@@ -101,8 +113,10 @@ def machine() -> dict[str, object]:
             name: {k: tiny_model.shipped_record(name)[k] for k in ("sha256", "warm_start_accuracy")}
             for name in tiny_model.WARM_STARTS
         },
-        # The kernels torch dispatches to: two VMs of one CPU model name differ here (AVX2 against
-        # AVX512), and the trainer's step with them (2.7x on the tiny long-tail job).
+        # VMs name their CPU alike ("AMD EPYC") across generations that train 2.7x apart (the
+        # long-tail job's step on a family 23 model 1, Zen 1, against the EPYC of 2026-12-03):
+        # the generation, and the kernels torch dispatches to on it, tell them apart.
+        "cpu_generation": cpu_generation(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -151,7 +165,7 @@ def pooled_runs(paths: list[str | Path], sides: list[str]) -> dict[str, list[dic
     return {side: xs for side, xs in runs.items() if xs}
 
 
-MACHINE_KEYS = ("cpu", "cpus", "cpu_capability", "device")
+MACHINE_KEYS = ("cpu", "cpus", "cpu_generation", "cpu_capability", "device")
 
 
 def same_machine(machines: dict[str, dict]) -> None:

@@ -145,8 +145,8 @@ def test_reanalysis_pools_the_rounds_of_several_files(tmp_path):
 
 
 def test_reanalysis_pools_rounds_of_one_kind_of_machine_only(tmp_path):
-    """Two EPYC VMs whose torch kernels differ (AVX2, AVX512) are two machines; a record that
-    does not say (an older one) is not held to it."""
+    """Two "AMD EPYC" VMs of different generations, or whose torch kernels differ, are two
+    machines; a record that does not say (an older one) is not held to it."""
     from bench.common import pooled_runs
 
     def saved(name: str, **machine) -> Path:
@@ -158,5 +158,8 @@ def test_reanalysis_pools_rounds_of_one_kind_of_machine_only(tmp_path):
     with pytest.raises(SystemExit, match=r"b.json on 'AVX512': rounds of different machines"):
         pooled_runs([avx2, avx512], ["pipeline"])
     assert len(pooled_runs([avx2, older], ["pipeline"])["pipeline"]) == 2
+    zen1, zen2 = saved("e", cpu_generation="family 23 model 1"), saved("f", cpu_generation="family 23 model 49")
+    with pytest.raises(SystemExit, match="cpu_generation"):
+        pooled_runs([zen1, zen2], ["pipeline"])
     with pytest.raises(SystemExit, match="cpus"):
         pooled_runs([older, saved("d", cpus=16)], ["pipeline"])
