@@ -12,4 +12,6 @@ The cost model and its assumptions are in docs/planner.md.
 - `bound`: the samples/s ratio the pipeline can reach against conventional k from measured
   physics alone (a decode curve, the trainer by cores), with the tail counted.
 - `recommend`: the search over device splits and max lags (`plan`) and its report (`format_plan`).
+- `pilot`: a calibration from a pilot run's files (`derive_calibration`: `pipelinerl plan
+  --calibrate-from`).
 """

@@ -103,7 +103,9 @@ def phase_seconds(curve: DecodeCurve, lengths: list[int], prompt: int, max_runni
     continuous batching of at most `max_running` sequences, the waiting ones admitted as others
     finish, every decode step paying the engine's base and each running sequence's share, and
     every request its own cost."""
-    waiting = sorted(lengths, reverse=True)  # longest first: the order only shapes the tail
+    # Admitted shortest first (`pop` takes the end of the descending list): a tail as long as
+    # the arrival order a real engine sees gives it, not the shorter one of longest first.
+    waiting = sorted(lengths, reverse=True)
     running: list[int] = []  # tokens left per running sequence
     done_ctx: list[int] = []  # context of each running sequence
     total = len(lengths) * curve.request_cost(prompt)

@@ -63,6 +63,10 @@ class Lengths(BaseModel):
             x = rng.lognormal(mu, self.sigma, size=n)
         return np.clip(np.rint(x), 1, max_tokens).astype(np.int64)
 
+    def mean(self, max_tokens: int) -> float:
+        """The mean completion at this cap, from a fixed sample (the same for every caller)."""
+        return float(np.mean(self.sample(np.random.default_rng(0), 4096, max_tokens)))
+
 
 class TensorParallel(BaseModel):
     """How an engine's costs change with its devices, for the planner's range over tensor
@@ -137,8 +141,7 @@ class Calibration(BaseModel):
         not modelled)."""
         cap = min(self.max_batch, max_running or self.max_batch)
         if self.kv_cache_tokens:
-            mean = float(np.mean(lengths.sample(np.random.default_rng(0), 4096, max_tokens)))
-            cap = min(cap, max(1, int(self.kv_cache_tokens // (lengths.prompt_tokens + mean))))
+            cap = min(cap, max(1, int(self.kv_cache_tokens // (lengths.prompt_tokens + lengths.mean(max_tokens)))))
         return cap
 
     def train_s(self, tokens: float, n_train: int) -> float:

@@ -108,7 +108,8 @@ def derive_calibration(
     sigma), `summary` its summary.json (None: from a stream, no generator busy time)."""
     if len(rows) < MIN_STEPS:
         raise PilotError(f"{where}: {len(rows)} trained step(s); a pilot needs at least {MIN_STEPS}")
-    steady = sorted(rows, key=lambda r: r.get("step", 0))[1:]  # step 1 carries the start-up
+    ordered = sorted(rows, key=lambda r: r.get("step", 0))
+    steady = ordered[1:]  # step 1 carries the start-up
     spec = pilot.spec
     n_gen, n_train = devices(pilot)
     taken: list[Taken] = []
@@ -186,8 +187,10 @@ def derive_calibration(
     # Decode: one pilot cannot tell the per-step from the per-sequence cost, so the base's
     # decode costs are scaled together until the pilot, simulated, decodes as many tokens per
     # busy engine-second as the run did (generated tokens: trained ones, plus the filtered
-    # groups' at the same mean length).
-    window = float(steady[-1]["time"]) - float(rows[0]["time"]) if "time" in steady[-1] and "time" in rows[0] else 0.0
+    # groups' at the same mean length). Busy as the run counts it: while a generator holds a
+    # group, its prefill, each request's own cost (the base's, kept) and the update pauses in it.
+    first = ordered[0]
+    window = float(steady[-1]["time"]) - float(first["time"]) if "time" in steady[-1] and "time" in first else 0.0
     # generator_busy_fraction sums the generators' busy seconds (a group or an evaluation
     # running) over the window from the first step's end to the last's, as the rows' tokens.
     busy = (summary or {}).get("generator_busy_fraction")
@@ -198,9 +201,9 @@ def derive_calibration(
         for _ in range(DECODE_FIT_ROUNDS):
             trial = _scaled(calib, scale)
             sim = _simulate_pilot(pilot, trial)
-            if not sim.gen_tokens_per_busy_s:
+            if not sim.gen_tokens_per_held_s:
                 break
-            scale *= sim.gen_tokens_per_busy_s / measured
+            scale *= sim.gen_tokens_per_held_s / measured
         calib = _scaled(calib, scale)
         take(
             "decode_*, prefill_s_per_token",

@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from pipelinerl.planner.calibration import Calibration, Lengths, at_tensor_parallel
-from pipelinerl.planner.sim_params import CLIMB_LIFETIMES, WINDOW_LIFETIMES, SimResult
-from pipelinerl.planner.sim_params import wave_groups
+from pipelinerl.planner.sim_params import CLIMB_LIFETIMES, WINDOW_LIFETIMES, SimResult, wave_groups
 from pipelinerl.planner.simulation import simulate
 from pipelinerl.spec import PipelineRLJob
 
@@ -139,10 +138,8 @@ def splits(gpus: int, trainer_granularity: int, gpus_per_engine: int) -> list[in
     ]
 
 
-def _best(grid: list[int], run: Callable[[int], SimResult]) -> SimResult:
-    """Maximise useful samples/s over the splits by golden-section search: throughput is
-    unimodal in the split (too few trainers starve on training, too few generators on
-    generation), and each probe is reused by the next, so 128 choices cost ~10 simulations."""
+def _probe(grid: list[int], run: Callable[[int], SimResult]) -> tuple[Callable[[int], float], dict[int, SimResult]]:
+    """A split's useful samples/s by its index in `grid`, each simulated once (the results kept)."""
     cache: dict[int, SimResult] = {}
 
     def f(i: int) -> float:
@@ -150,6 +147,14 @@ def _best(grid: list[int], run: Callable[[int], SimResult]) -> SimResult:
             cache[i] = run(grid[i])
         return cache[i].useful_samples_per_s
 
+    return f, cache
+
+
+def _best(grid: list[int], run: Callable[[int], SimResult]) -> SimResult:
+    """Maximise useful samples/s over the splits by golden-section search: throughput is
+    unimodal in the split (too few trainers starve on training, too few generators on
+    generation), and each probe is reused by the next, so 128 choices cost ~10 simulations."""
+    f, cache = _probe(grid, run)
     lo, hi = 0, len(grid) - 1
     while hi - lo > 3:
         d = round((hi - lo) * 0.382)
@@ -164,18 +169,13 @@ def _best(grid: list[int], run: Callable[[int], SimResult]) -> SimResult:
 def _climb(grid: list[int], start: int, run: Callable[[int], SimResult]) -> SimResult:
     """The best split near `start` (a neighbouring k's best): hill-climb one grid step at a
     time while throughput rises (the optimum moves little from k to 2k)."""
-    cache: dict[int, SimResult] = {}
-
-    def f(i: int) -> float:
-        if i not in cache:
-            cache[i] = run(grid[i])
-        return cache[i].useful_samples_per_s
-
+    f, cache = _probe(grid, run)
     i = min(range(len(grid)), key=lambda j: abs(grid[j] - start))
     for step in (-1, 1):
         while 0 <= i + step < len(grid) and f(i + step) > f(i):
             i += step
-    return cache[i] if i in cache else run(grid[i])
+    f(i)
+    return cache[i]
 
 
 def plan(

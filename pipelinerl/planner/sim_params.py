@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 
 from pipelinerl.planner.calibration import Calibration, Lengths
 from pipelinerl.spec import PipelineRLJob
@@ -53,6 +52,9 @@ class SimResult:
     longest_s: float = 0.0  # the longest lifetime of a group seen (admission to finish)
     engine_batch: int = 0  # running sequences an engine holds at most
     gen_tokens_per_busy_s: float = 0.0  # tokens an engine decodes per second of decoding
+    # ... and per second it holds a group (prefills, request costs and pauses too): what a run's
+    # generator_busy_fraction counts
+    gen_tokens_per_held_s: float = 0.0
     lag_settled: bool = True  # False: a trainer-bound pipeline's lag was still climbing (the window's lag is low)
 
     @property
@@ -138,6 +140,12 @@ class SimParams:
             )
         if max_running is not None and max_running < 1:
             raise ValueError(f"max_running ({max_running}) must be >= 1")
+        if max_lag < 0:
+            raise ValueError(f"max_lag ({max_lag}) must be >= 0")
+        if self.max_inflight is not None and self.max_inflight < 1:
+            raise ValueError(f"max_inflight ({self.max_inflight}) must be >= 1 (None: no cap)")
+        if n_gen % calib.gpus_per_engine:
+            raise ValueError(f"n_gen ({n_gen}) must be whole engines of {calib.gpus_per_engine} devices ({calib.name})")
         if steps is not None:
             warmup = (max_lag + 2 if mode == "pipeline" and max_lag else 0) if warmup is None else warmup
             if not 0 <= warmup < steps:
@@ -166,7 +174,6 @@ def wave_groups(job: PipelineRLJob, trainer_ranks: int, lengths: Lengths) -> int
     if spec.rl.token_weighting != "sample":
         return 0
     max_tokens = spec.generator.sampling.max_tokens
-    completion = float(np.mean(lengths.sample(np.random.default_rng(0), 4096, max_tokens)))
-    group = spec.rl.attempts * (lengths.prompt_tokens + completion)
+    group = spec.rl.attempts * (lengths.prompt_tokens + lengths.mean(max_tokens))
     longest = lengths.prompt_tokens + max_tokens
     return max(1, int(wave_capacity(trainer_ranks, spec.trainer.micro_batch_tokens, longest) // group))

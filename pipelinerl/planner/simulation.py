@@ -44,6 +44,7 @@ class _Engine:
     free_at: float = 0.0  # paused (weight update) or prefilling until then
     token: int = 0  # invalidates this engine's scheduled event
     busy: float = 0.0  # time spent decoding
+    held: float = 0.0  # time holding a group (decoding, prefilling, paused): a generator's busy time
     fill: float = 0.0  # integral of running sequences over time
     tokens: float = 0.0  # tokens decoded: decode steps times the sequences running in each
     groups: int = 0  # started, not finished (the generator's max_inflight_groups caps it)
@@ -71,7 +72,7 @@ class _Sim:
         self.window_lifetimes, self.climb_lifetimes = p.window_lifetimes, p.climb_lifetimes
         self.c, self.attempts, self.max_tokens, self.lengths = p.calib, p.attempts, p.max_tokens, p.lengths
         self.filtered = p.filtered
-        self.max_inflight = p.max_inflight or 1 << 30
+        self.max_inflight = p.max_inflight if p.max_inflight is not None else 1 << 30
         self.mode, self.n_gen, self.n_train = p.mode, p.n_gen, p.n_train
         self.pipeline = p.mode == "pipeline"
         # Sync mode is max_lag 0: one phase of groups admitted, consumed only after the update.
@@ -84,6 +85,8 @@ class _Sim:
         self.wave_groups = p.wave_groups if self.pipeline else 0
         self.cap = p.calib.engine_batch(p.lengths, p.max_tokens, p.max_running)
         # The step last started, as the generators' Admission hears it from the trainer (none yet).
+        # Only a pipeline with a lag budget hears it before the step ends; phased modes (sync,
+        # conventional k) keep -1 and are held by `queued`, a whole phase's groups at a time.
         self.training_step = -1
         # What admission hears, as the generators' Admission calls, each with the budget and the
         # queue after it (simulate's `trace`).
@@ -137,8 +140,6 @@ class _Sim:
         # An engine stalls once per group for its prefill (the attempts share the prompt: prefix
         # cache) and for each of its requests' own work.
         self.group_stall_s = p.calib.prefill_s_per_token * p.lengths.prompt_tokens + p.attempts * p.calib.request_s
-        # The admission budget's share: a step's groups (pipeline), a phase's (conventional k).
-        self.share = self.groups_per_step * self.k
         self.slow = 1.0  # decode slow-down while the trainer computes (contention)
         self.computing = self.syncing = False
         self.done = 0  # steps trained (and, at a phase's end, synced)
@@ -147,7 +148,7 @@ class _Sim:
         # Trained tokens by lag, measured steps only. A conventional phase trains its step j at lag j.
         self.lag_tokens = np.zeros((self.max_lag if self.pipeline else self.k - 1) + 1)
         self.dropped = 0.0
-        self.snap = (0.0, 0.0, 0.0)
+        self.snap = (0.0, 0.0, 0.0, 0.0)
         if not self.min_warmup:
             self.warm_at = 0  # measured from the start
 
@@ -173,6 +174,8 @@ class _Sim:
             e.tokens += d * n
             e.busy += dt
             e.fill += dt * n
+        if e.groups:
+            e.held += now - e.t_ref
         e.t_ref = now
 
     def _schedule(self, i: int) -> None:
@@ -197,7 +200,7 @@ class _Sim:
         """The next n lengths: popped one by one from a pool of 4096 draws, refilled when empty."""
         pool = self.pool
         if len(pool) >= n:
-            out = pool[: -n - 1 : -1] if n < len(pool) else pool[::-1]
+            out = pool[: -n - 1 : -1]
             del pool[-n:]
             return out
         out = []
@@ -342,6 +345,8 @@ class _Sim:
             e.tokens += d * n
             e.busy += dt
             e.fill += dt * n
+        if e.groups:
+            e.held += now - e.t_ref
         e.t_ref = now
         raised = False  # the oldest group still generating finished: every engine may gain budget
         g_left = self.g_left
@@ -531,13 +536,14 @@ class _Sim:
             else:
                 self.lag_tokens[lag] += tokens
 
-    def _engine_totals(self) -> tuple[float, float, float]:
+    def _engine_totals(self) -> tuple[float, float, float, float]:
         for e in self.engines:
             self._advance(e)
         return (
             sum(e.busy for e in self.engines),
             sum(e.fill for e in self.engines),
             sum(e.tokens for e in self.engines),
+            sum(e.held for e in self.engines),
         )
 
     def run(self) -> SimResult:
@@ -556,7 +562,7 @@ class _Sim:
             else:
                 self._on_synced(a)
         assert self.warm_at is not None
-        busy, fill, decoded = (x - y for x, y in zip(self._engine_totals(), self.snap))
+        busy, fill, decoded, held = (x - y for x, y in zip(self._engine_totals(), self.snap))
         window = self.step_end[-1] - self.warm_t
         measured = self.done - self.warm_at
         n_eng = len(self.engines)
@@ -587,6 +593,7 @@ class _Sim:
             longest_s=self.longest,
             engine_batch=self.cap,
             gen_tokens_per_busy_s=decoded / busy if busy else 0.0,
+            gen_tokens_per_held_s=decoded / held if held else 0.0,
             lag_settled=self.lag_settled,
         )
 

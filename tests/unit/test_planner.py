@@ -200,6 +200,8 @@ def test_conventional_k_amortises_the_long_tail():
         (dict(mode="sync", n_gen=8, n_train=24, max_lag=0, colocated=True), "colocated"),
         (dict(mode="sync", n_gen=8, n_train=24, max_lag=0, steps_per_generation=4, steps=6), "whole phases"),
         (dict(mode="sync", n_gen=8, n_train=24, max_lag=0, max_running=0), "max_running"),
+        (dict(mode="pipeline", n_gen=8, n_train=24, max_lag=-1), "max_lag"),
+        (dict(mode="pipeline", n_gen=8, n_train=24, max_lag=2, max_inflight=0), "max_inflight"),
     ],
 )
 def test_impossible_simulations_are_refused(kwargs, match):
@@ -502,6 +504,8 @@ def test_tensor_parallel_splits_what_streams_and_keeps_what_does_not():
         assert getattr(back, field) == pytest.approx(getattr(h, field)), field
     assert abs(back.kv_cache_tokens - h.kv_cache_tokens) <= 1
     assert at_tensor_parallel(h, 1) is h
+    with pytest.raises(ValueError, match=r"n_gen \(7\) must be whole engines of 2 devices"):
+        simulate("pipeline", 7, 9, 2, **(SMALL | {"calib": tp2}))
     with pytest.raises(ValueError, match="no KV cache on 1 device"):
         at_tensor_parallel(tp2.model_copy(update={"tensor_parallel": x.model_copy(update={"weights_bytes": 1e12})}), 1)
     with pytest.raises(ValueError, match="no tensor_parallel scaling"):

@@ -104,7 +104,7 @@ def test_the_decode_cost_is_scaled_until_the_pilot_decodes_as_fast_as_it_did():
         wave_groups=wave_groups(job, n_train, calib.lengths),
         max_inflight=job.spec.generator.max_inflight_groups,
     )
-    assert sim.gen_tokens_per_busy_s == pytest.approx(measured, rel=0.03)
+    assert sim.gen_tokens_per_held_s == pytest.approx(measured, rel=0.03)
     scale = calib.decode_base_s / BASE.decode_base_s
     assert calib.decode_per_seq_s / BASE.decode_per_seq_s == pytest.approx(scale)
     assert scale > 1  # the pilot's engine is slower than the built-in's
@@ -125,8 +125,21 @@ def test_a_conventional_pilot_is_simulated_with_its_k_steps_a_phase():
     n_gen, n_train = devices(job)
     common = (n_gen, n_train, 0, job.spec.trainer.samples_per_step, job.spec.rl.attempts, calib, 8)
     k4 = simulate("sync", *common, steps_per_generation=4)
-    assert k4.gen_tokens_per_busy_s == pytest.approx(measured, rel=0.03)
-    assert simulate("sync", *common).gen_tokens_per_busy_s < 0.9 * measured
+    assert k4.gen_tokens_per_held_s == pytest.approx(measured, rel=0.03)
+    assert simulate("sync", *common).gen_tokens_per_held_s < 0.9 * measured
+
+
+def test_the_decode_cost_fitted_leaves_room_for_what_each_request_costs_beside_it():
+    """A generator's busy time holds each request's own cost too (the base's, which a pilot
+    cannot tell apart): the same run against a base whose requests cost more leaves less of its
+    busy time to decoding, so its decode costs come out lower, not the same."""
+    rows, job = train_rows(metrics_jsonl()), pilot_job()
+    plain, _ = derive_calibration(rows, job, BASE, [4, 4, 5], SUMMARY)
+    costly, _ = derive_calibration(rows, job, BASE.model_copy(update={"request_s": 0.002}), [4, 4, 5], SUMMARY)
+    assert costly.decode_base_s < 0.9 * plain.decode_base_s
+    # The order the rows come in does not matter.
+    again, _ = derive_calibration(list(reversed(rows)), job, BASE, [4, 4, 5], SUMMARY)
+    assert again == plain
 
 
 def test_without_the_runs_files_the_base_fills_in_and_says_so():
