@@ -127,16 +127,17 @@ def machine() -> dict[str, object]:
     return info
 
 
-def save(name: str, result: dict, command: str, folder: Path = RESULTS) -> Path:
-    """bench/results/<name>.json (or `folder`/<name>.json) with the machine, the command that
-    reproduces it and the time (a summary and the whole result compressed where its runs carry
-    per-step records: bench/results_store.py)."""
+def save(name: str, result: dict, command: str, folder: Path = RESULTS, ran_on: dict | None = None) -> Path:
+    """bench/results/<name>.json (or `folder`/<name>.json) with the machine (`ran_on`: the one its
+    rounds ran on, where that is not this one), the command that reproduces it and the time (a
+    summary and the whole result compressed where its runs carry per-step records:
+    bench/results_store.py)."""
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{name}.json"
     payload = {
         "benchmark": name,
         "command": command,
-        "machine": machine(),
+        "machine": ran_on or machine(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **result,
     }
@@ -163,6 +164,17 @@ def pooled_runs(paths: list[str | Path], sides: list[str]) -> dict[str, list[dic
             )
     same_machine(machines)
     return {side: xs for side, xs in runs.items() if xs}
+
+
+def pooled_machine(paths: list[str | Path]) -> dict:
+    """The machine saved results' rounds ran on (what each says, the first saying it; they agree:
+    `same_machine`), and the one that pooled them."""
+    merged: dict = {}
+    for path in paths:
+        for key, value in read_result(path).get("machine", {}).items():
+            if value is not None:
+                merged.setdefault(key, value)
+    return merged | {"reanalysed_on": machine()}
 
 
 MACHINE_KEYS = ("cpu", "cpus", "cpu_generation", "cpu_capability", "device")
@@ -293,15 +305,24 @@ def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, part
 
 def add_results_args(ap, name: str) -> None:
     """--name and --reanalyse, read by `gather_runs` and `save_runs`."""
-    ap.add_argument("--name", default=name, help="results file: bench/results/NAME.json")
-    ap.add_argument("--reanalyse", metavar="JSON", nargs="+",
-                    help="rebuild the report from saved results (their rounds pooled), run nothing")  # fmt: skip
+    ap.add_argument("--name", help=f"results file: bench/results/NAME.json (default {name}; with --reanalyse: none)")
+    ap.add_argument(
+        "--reanalyse",
+        metavar="JSON",
+        nargs="+",
+        help="rebuild the report from saved results (their rounds pooled), run nothing; kept only with --name",
+    )
+    ap.set_defaults(default_name=name)
 
 
 def gather_runs(args, sides: Callable[[Path], dict[str, Callable[..., dict]]], names: list[str]) -> tuple[dict, dict]:
     """The runs per side to report, and the sweep: with --reanalyse the saved results' rounds
     pooled (no sweep), else `run_rounds` from the job's seed, `sides(scratch folder)` giving each
     side's run, the runs so far kept in RESULTS/NAME.partial.json (--reanalyse reads it too)."""
+    # A report rebuilt from saved results is printed, and kept only under a name given for it:
+    # kept under the benchmark's own name it would replace that file's record.
+    args.keep = bool(args.name) or not args.reanalyse
+    args.name = args.name or args.default_name
     if args.reanalyse:
         runs = pooled_runs(args.reanalyse, names)
         args.rounds = max(len(xs) for xs in runs.values())
@@ -319,8 +340,12 @@ def save_sweep(args, sweep: dict, command: str) -> None:
 
 
 def save_runs(args, result: dict, command: str) -> None:
-    """`save` the report, and drop the runs-so-far file that it now supersedes."""
-    save(args.name, result, command)
+    """`save` the report, and drop the runs-so-far file that it now supersedes; a report rebuilt
+    from saved results only where a --name was given (`gather_runs`), with their machine."""
+    if not args.keep:
+        print("(a report only: give --name to keep it)")
+        return
+    save(args.name, result, command, ran_on=pooled_machine(args.reanalyse) if args.reanalyse else None)
     if not args.reanalyse:
         (RESULTS / f"{args.name}.partial.json").unlink(missing_ok=True)
 

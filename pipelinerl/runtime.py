@@ -93,9 +93,15 @@ async def join_job(job: PipelineRLJob, env: ServiceEnv, client: str) -> Any:
     return await wait_for(join(), JOIN_TIMEOUT_S, f"the job's NATS at {env.nats_url}")
 
 
-def serve(run: Callable[[], Awaitable[None]], stop: Callable[[], None]) -> int:
+FAILED_EXIT_S = 30.0  # a failed service's wind-down, at most, before the process exits anyway
+
+
+def serve(run: Callable[[], Awaitable[None]], stop: Callable[[], None], failed_exit_s: float = FAILED_EXIT_S) -> int:
     """Runs an asyncio service to its end; SIGTERM or SIGINT calls `stop` (the service winds
-    down) and exits anyway if that stalls (`exit_soon`)."""
+    down) and exits anyway if that stalls (`exit_soon`). A service that fails exits with 1 within
+    `failed_exit_s` whatever it leaves running: asyncio.run's teardown joins the default
+    executor's threads without a bound, and one stuck there (a task's reward function waiting on
+    a remote call with no timeout of its own) would keep a failed pod alive and healthy."""
 
     def stopped() -> None:
         stop()
@@ -105,7 +111,12 @@ def serve(run: Callable[[], Awaitable[None]], stop: Callable[[], None]) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopped)
-        await run()
+        try:
+            await run()
+        except BaseException as err:
+            log.error("service failed: %r; exiting within %.0f s", err, failed_exit_s)
+            exit_soon(failed_exit_s, code=1)
+            raise
 
     asyncio.run(_main())
     return 0
@@ -120,9 +131,10 @@ def failpoint(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def exit_soon(seconds: float = 20.0) -> None:
-    """Called on SIGTERM: if the clean shutdown stalls (e.g. NATS is already gone), exit anyway."""
-    timer = threading.Timer(seconds, os._exit, args=(0,))
+def exit_soon(seconds: float = 20.0, code: int = 0) -> None:
+    """Called on SIGTERM (or a failure, `code` 1): if the shutdown stalls (e.g. NATS is already
+    gone, a thread no one can stop), exit anyway."""
+    timer = threading.Timer(seconds, os._exit, args=(code,))
     timer.daemon = True
     timer.start()
 

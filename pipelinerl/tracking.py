@@ -5,6 +5,11 @@ train rows as `train/<name>` at their step, evaluations as `eval/<name>` at the 
 they evaluated (W&B: against its own x-axis, so a late evaluation is never dropped as out of
 order). Only numbers are logged. Each tracker's run id is kept in the run directory, so a
 restarted trainer continues the same run. The trackers' packages are imported only when asked for.
+
+A tracker's outage must not stop training: rows go to the trackers from a thread of their own,
+through a bounded queue (rows beyond it are dropped, and counted), so a tracker that hangs costs
+the trainer nothing; MLflow's own HTTP retries (120 s a request, 7 tries by default) are cut to
+what a start-up can wait for, unless set.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import json
 import logging
 import math
 import os
+import queue
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -23,6 +30,9 @@ from pipelinerl.spec import PipelineRLJob, dump_job
 log = logging.getLogger("pipelinerl.tracking")
 AXES = {"train": "step", "eval": "version"}  # kind → the field that is its x-axis
 WANDB_FINISH_TIMEOUT_S = 60.0
+QUEUE_ROWS = 10_000  # rows waiting for the trackers at most (a slow tracker's backlog)
+CLOSE_TIMEOUT_S = 60.0  # close waits this long for the rows still queued
+MLFLOW_HTTP = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "10", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2"}  # unless set
 
 
 def scalars(kind: str, values: dict[str, Any]) -> tuple[int, dict[str, float]] | None:
@@ -87,6 +97,8 @@ class Mlflow:
 
         spec = job.spec.tracking.mlflow
         assert spec is not None  # made only where the job asks for it
+        for key, value in MLFLOW_HTTP.items():
+            os.environ.setdefault(key, value)
         self.client = mlflow.MlflowClient(spec.tracking_uri or default_mlflow_uri(run_dir))
         name = spec.experiment or job.name
         found = self.client.get_experiment_by_name(name)
@@ -152,22 +164,50 @@ class Tracker:
             self.backends.append(Tensorboard(job, run_dir))
         if ids:
             write_whole(ids_file, ids)
+        self.rows: queue.Queue[tuple[str, tuple[int, dict[str, float]]] | None] = queue.Queue(QUEUE_ROWS)
+        self.dropped = 0
+        self.sender: threading.Thread | None = None
 
     @property
     def enabled(self) -> bool:
         return bool(self.backends)
 
     def log(self, kind: str, values: dict[str, Any]) -> None:
+        """Queue the row for the trackers; never waits on them."""
         row = scalars(kind, values)
-        if row is None:
+        if row is None or not self.backends:
             return
-        for backend in self.backends:
-            try:
-                backend.log(kind, *row)
-            except Exception as err:  # a tracker's outage must not stop training
-                log.warning("%s: could not log %s row: %s", type(backend).__name__, kind, err)
+        if self.sender is None:
+            self.sender = threading.Thread(target=self._send, name="tracking", daemon=True)
+            self.sender.start()
+        try:
+            self.rows.put_nowait((kind, row))
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped in (1, 100, 10_000):
+                log.warning("trackers %d rows behind: %d row(s) dropped", QUEUE_ROWS, self.dropped)
 
-    def close(self) -> None:
+    def _send(self) -> None:
+        while (item := self.rows.get()) is not None:
+            kind, row = item
+            for backend in self.backends:
+                try:
+                    backend.log(kind, *row)
+                except Exception as err:  # a tracker's outage must not stop training
+                    log.warning("%s: could not log %s row: %s", type(backend).__name__, kind, err)
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Send the rows still queued (for `timeout_s` at most), then close each tracker."""
+        if self.sender is not None:
+            deadline = time.monotonic() + timeout_s
+            try:
+                self.rows.put(None, timeout=timeout_s)  # the sender takes rows until it meets this
+                self.sender.join(max(0.0, deadline - time.monotonic()))
+            except queue.Full:
+                pass
+            if self.sender.is_alive():
+                log.warning("trackers still sending after %.0f s: %d row(s) left unsent", timeout_s, self.rows.qsize())
+                return  # closing them would wait on the same outage
         for backend in self.backends:
             try:
                 backend.close()

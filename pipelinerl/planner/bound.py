@@ -93,7 +93,8 @@ def path_request_s(curve: DecodeCurve, seconds_per_sample: float, tokens: float,
     machine: the generator's process, the broker, the preprocessor): what a core gave each
     sample of the whole path measured on it (`bench/rollout_path.py`: `seconds_per_sample`,
     `tokens` completion tokens each, the engine at `batch` running sequences), less the decode
-    steps' share on the curve and the prompt's prefill. Never below the engine's own."""
+    steps' share on the curve and the prompt's prefill. Never below the engine's own. The path's
+    completions are of one length (the tiny job's): a place's mean context is prompt + tokens / 2."""
     steps = curve.step_s(batch, batch * (prompt + tokens / 2)) * tokens / batch
     return max(curve.request_s, seconds_per_sample - steps - prompt * curve.prefill_s_per_token)
 

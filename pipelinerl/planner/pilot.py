@@ -30,7 +30,8 @@ from pipelinerl.planner.simulation import simulate
 from pipelinerl.spec import PipelineRLJob
 
 MIN_STEPS = 3  # train rows a pilot needs: the first step (start-up) is left out
-DECODE_FIT_ROUNDS = 4  # fixed-point rounds of the decode scale (each a simulation of the pilot)
+DECODE_FIT_ROUNDS = 8  # fixed-point rounds of the decode scale at most (each a simulation of the pilot)
+DECODE_FIT_TOLERANCE = 0.01  # ... until the pilot, simulated, decodes within 1% of the run
 
 
 class PilotError(ValueError):
@@ -111,6 +112,7 @@ def derive_calibration(
     ordered = sorted(rows, key=lambda r: r.get("step", 0))
     steady = ordered[1:]  # step 1 carries the start-up
     spec = pilot.spec
+    k = spec.steps_per_generation
     n_gen, n_train = devices(pilot)
     taken: list[Taken] = []
 
@@ -187,29 +189,44 @@ def derive_calibration(
     # Decode: one pilot cannot tell the per-step from the per-sequence cost, so the base's
     # decode costs are scaled together until the pilot, simulated, decodes as many tokens per
     # busy engine-second as the run did (generated tokens: trained ones, plus the filtered
-    # groups' at the same mean length). Busy as the run counts it: while a generator holds a
-    # group, its prefill, each request's own cost (the base's, kept) and the update pauses in it.
+    # groups' at the same mean length). Busy as the run counts it while a generator holds a
+    # group: its prefill, each request's own cost (the base's, kept) and the update pauses in it
+    # (the run's busy time also holds its evaluations and publishing, which the simulation has not).
     first = ordered[0]
     window = float(steady[-1]["time"]) - float(first["time"]) if "time" in steady[-1] and "time" in first else 0.0
     # generator_busy_fraction sums the generators' busy seconds (a group or an evaluation
-    # running) over the window from the first step's end to the last's, as the rows' tokens.
+    # running) over the window from the first step's end to the last's. What they generated in
+    # it: the steps whose samples were generated there (a phase of k steps is generated before
+    # its first step trains), at the steady steps' mean tokens.
     busy = (summary or {}).get("generator_busy_fraction")
-    if busy and window > 0:
-        generated = tokens * (1 + filtered_groups * spec.rl.attempts / samples)
+    in_window = generated_steps(int(first.get("step", 1)), int(ordered[-1].get("step", len(ordered))), k)
+    if busy and window > 0 and in_window:
+        generated = tokens / len(steady) * in_window * (1 + filtered_groups * spec.rl.attempts / samples)
         measured = generated / (busy * window)
-        scale = 1.0
+        scale, got = 1.0, 0.0
         for _ in range(DECODE_FIT_ROUNDS):
-            trial = _scaled(calib, scale)
-            sim = _simulate_pilot(pilot, trial)
-            if not sim.gen_tokens_per_held_s:
-                break
-            scale *= sim.gen_tokens_per_held_s / measured
+            got = _simulate_pilot(pilot, _scaled(calib, scale)).gen_tokens_per_held_s
+            if not got or abs(got / measured - 1) <= DECODE_FIT_TOLERANCE or not 1e-3 < scale * got / measured < 1e3:
+                break  # converged, or running off: decode costs a thousand times the base's either way
+            scale *= got / measured
+        if abs(got / measured - 1) > 2 * DECODE_FIT_TOLERANCE:
+            # The part of a busy second the scale does not move (each request's own cost, the
+            # pauses) leaves less than the run's time per token: no decode cost reproduces it.
+            raise PilotError(
+                f"{where}: its generators decoded {measured:,.0f} tokens per busy second; with {base.name}'s "
+                f"per-request costs and the pauses measured, no decode cost reproduces that (the nearest: "
+                f"{got:,.0f} at x{scale:.3g}): give a base without per-request costs, or one of this hardware"
+            )
         calib = _scaled(calib, scale)
         take(
             "decode_*, prefill_s_per_token",
             f"{base.name}'s x {scale:.3g}",
             f"{where}: {measured:,.0f} tokens per busy generator-second (summary.json generator_busy_fraction "
             f"{busy:.2f} over {window:.0f} s); the pilot, simulated with them, decodes as fast",
+        )
+    elif busy and window > 0:
+        take(
+            "decode_*, prefill_s_per_token", f"{base.name}'s", f"{where}: no phase of {k} steps generated after step 1"
         )
     else:
         take("decode_*, prefill_s_per_token", f"{base.name}'s", f"{where}: no generator busy time (summary.json)")
@@ -219,6 +236,13 @@ def derive_calibration(
         take(kept, shown, f"{base.name} (a pilot cannot measure it)")
     source = f"calibrated from {where} on base {base.name}: " + "; ".join(f"{t.field} <- {t.source}" for t in taken)
     return parse_calibration(calib.model_dump() | {"source": source}, where), taken
+
+
+def generated_steps(first: int, last: int, k: int) -> int:
+    """Steps whose samples were generated between the ends of steps `first` and `last`: every
+    one in a pipeline (k = 1); with k steps a phase, the whole phases begun in that time (a phase
+    is generated after the previous one's last step, before its own first step trains)."""
+    return (math.ceil(last / k) - math.ceil(first / k)) * k
 
 
 def _scaled(calib: Calibration, scale: float) -> Calibration:

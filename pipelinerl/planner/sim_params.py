@@ -144,7 +144,7 @@ class SimParams:
             raise ValueError(f"max_lag ({max_lag}) must be >= 0")
         if self.max_inflight is not None and self.max_inflight < 1:
             raise ValueError(f"max_inflight ({self.max_inflight}) must be >= 1 (None: no cap)")
-        if n_gen % calib.gpus_per_engine:
+        if n_gen % calib.gpus_per_engine and not colocated:  # colocated: the devices left over only train
             raise ValueError(f"n_gen ({n_gen}) must be whole engines of {calib.gpus_per_engine} devices ({calib.name})")
         if steps is not None:
             warmup = (max_lag + 2 if mode == "pipeline" and max_lag else 0) if warmup is None else warmup

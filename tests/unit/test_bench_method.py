@@ -298,6 +298,22 @@ def test_a_reanalysis_pools_the_saved_rounds_and_runs_nothing(tmp_path):
         common.gather_runs(args, lambda tmp: pytest.fail("a reanalysis ran a side"), ["x"])
 
 
+def test_a_reanalysis_is_kept_only_under_a_name_given_and_with_its_rounds_machine(tmp_path, monkeypatch, capsys):
+    """Kept under the benchmark's own name, a reanalysis would replace that file (its record and
+    machine); kept under a given name, it says where its rounds ran, not where it was recomputed."""
+    a = tmp_path / "a.json"
+    a.write_text(json.dumps({"machine": {"cpu": "Intel(R) Xeon(R) Processor", "cpus": 2}, "runs": {"x": [{"r": 0}]}}))
+    saved = []
+    monkeypatch.setattr(common, "save", lambda name, result, command, ran_on=None: saved.append((name, ran_on)))
+    for name in (None, "again"):
+        args = argparse.Namespace(reanalyse=[a], rounds=1, name=name, default_name="pipeline_vs_sync")
+        common.gather_runs(args, lambda tmp: pytest.fail("a reanalysis ran a side"), ["x"])
+        common.save_runs(args, {}, "python -m bench.pipeline_vs_sync --reanalyse a.json")
+    assert "give --name to keep it" in capsys.readouterr().out
+    [(name, ran_on)] = saved
+    assert name == "again" and ran_on["cpu"] == "Intel(R) Xeon(R) Processor" and "reanalysed_on" in ran_on
+
+
 def _child(script: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, start_new_session=True)
 

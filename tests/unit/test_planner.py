@@ -106,6 +106,10 @@ def test_sync_step_follows_the_cost_equations(pause_s):
     assert r.step_s == pytest.approx(step, rel=1e-9)
     assert r.gen_busy == pytest.approx(decode / step, rel=1e-9)
     assert r.train_busy == pytest.approx((train + 0.2) / step, rel=1e-9)
+    # Held (a generator's busy time): from its groups' admission at the broadcast's end, the rest
+    # of the pause, the prefills, the decode; not the training, when it holds none.
+    held = max(0.0, pause_s - 0.2) + prefill + decode
+    assert r.gen_tokens_per_held_s == pytest.approx(32 * 50 / held, rel=1e-9)
 
 
 def test_a_decode_step_slows_as_its_sequences_contexts_grow():
@@ -506,6 +510,18 @@ def test_tensor_parallel_splits_what_streams_and_keeps_what_does_not():
     assert at_tensor_parallel(h, 1) is h
     with pytest.raises(ValueError, match=r"n_gen \(7\) must be whole engines of 2 devices"):
         simulate("pipeline", 7, 9, 2, **(SMALL | {"calib": tp2}))
+    # Colocated, every device trains and the whole engines generate (8 of 9 devices): the plan's
+    # TP-2 variant on an odd device count.
+    odd = simulate("sync", 9, 9, 0, colocated=True, **(SMALL | {"calib": tp2}))
+    even = simulate("sync", 8, 8, 0, colocated=True, **(SMALL | {"calib": tp2}))
+    assert odd.samples_per_s > even.samples_per_s  # one more trainer, the same engines
+    tiny_gpu = job(
+        model={"path": "Qwen/Qwen2.5-7B", "maxSeqLen": 1024},
+        rl={"attempts": 8},
+        generator={"gpus": 1, "sampling": {"maxTokens": 256}},
+        trainer={"gpus": 1},
+    )
+    assert "TP 2" in plan(tiny_gpu, 9, h, max_k=2).variants
     with pytest.raises(ValueError, match="no KV cache on 1 device"):
         at_tensor_parallel(tp2.model_copy(update={"tensor_parallel": x.model_copy(update={"weights_bytes": 1e12})}), 1)
     with pytest.raises(ValueError, match="no tensor_parallel scaling"):

@@ -17,6 +17,7 @@ from pipelinerl.planner.pilot import (
     completion_lengths,
     derive_calibration,
     devices,
+    generated_steps,
     format_taken,
     train_rows,
 )
@@ -129,6 +130,34 @@ def test_a_conventional_pilot_is_simulated_with_its_k_steps_a_phase():
     assert simulate("sync", *common).gen_tokens_per_held_s < 0.9 * measured
 
 
+def test_a_conventional_pilots_window_counts_the_phases_generated_in_it():
+    # Between the ends of steps 1 and 6 at k = 4: phase 2 (steps 5-8) was generated; 5 steps
+    # trained. A pipeline (k = 1) generates each step's samples as it goes.
+    assert [generated_steps(1, last, 4) for last in (3, 4, 5, 6, 8, 9)] == [0, 0, 4, 4, 4, 8]
+    assert generated_steps(1, 6, 1) == 5 and generated_steps(2, 6, 1) == 4
+    # A k = 4 pilot of 3 steps generated nothing after its first: its decode costs stay the base's.
+    doc = yaml.safe_load(TINY.read_text())
+    doc["spec"].update(mode="sync", eval={"interval": 48})
+    doc["spec"]["rl"] = {k: v for k, v in doc["spec"]["rl"].items() if k != "maxLag"} | {"stepsPerGeneration": 4}
+    job = parse_job(doc, str(TINY))
+    calib, taken = derive_calibration(train_rows(metrics_jsonl(3)), job, BASE, [4, 4, 5], SUMMARY)
+    assert calib.decode_base_s == BASE.decode_base_s
+    assert (
+        "no phase of 4 steps generated after step 1"
+        in {t.field: t.source for t in taken}["decode_*, prefill_s_per_token"]
+    )
+
+
+def test_a_pilot_faster_than_its_bases_request_costs_allow_is_refused():
+    """Each request's own cost (the base's) is not scaled: where it alone takes longer than the
+    run's busy time per token, no decode cost reproduces the run, and the planner says so."""
+    slow_requests = BASE.model_copy(update={"request_s": 0.5})
+    with pytest.raises(
+        PilotError, match="cpu-tiny's per-request costs and the pauses measured, no decode cost reproduces"
+    ):
+        derive_calibration(train_rows(metrics_jsonl()), pilot_job(), slow_requests, [4, 4, 5], SUMMARY, where="run")
+
+
 def test_the_decode_cost_fitted_leaves_room_for_what_each_request_costs_beside_it():
     """A generator's busy time holds each request's own cost too (the base's, which a pilot
     cannot tell apart): the same run against a base whose requests cost more leaves less of its
@@ -137,6 +166,11 @@ def test_the_decode_cost_fitted_leaves_room_for_what_each_request_costs_beside_i
     plain, _ = derive_calibration(rows, job, BASE, [4, 4, 5], SUMMARY)
     costly, _ = derive_calibration(rows, job, BASE.model_copy(update={"request_s": 0.002}), [4, 4, 5], SUMMARY)
     assert costly.decode_base_s < 0.9 * plain.decode_base_s
+    n_gen, n_train = devices(job)
+    waves = wave_groups(job, n_train, costly.lengths)
+    cap = job.spec.generator.max_inflight_groups
+    sim = simulate("pipeline", n_gen, n_train, job.spec.max_lag, 128, 8, costly, 8, wave_groups=waves, max_inflight=cap)
+    assert sim.gen_tokens_per_held_s == pytest.approx((4 * 512 + 32 * 8 * 4) / (0.5 * 8.0), rel=0.02)  # converged
     # The order the rows come in does not matter.
     again, _ = derive_calibration(list(reversed(rows)), job, BASE, [4, 4, 5], SUMMARY)
     assert again == plain

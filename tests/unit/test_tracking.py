@@ -6,6 +6,8 @@ import math
 import os
 import subprocess
 import sys
+import threading
+import time
 
 from wandb_records import wandb_history  # tests/wandb_records.py
 
@@ -34,6 +36,50 @@ def test_no_tracking_asked_for_is_a_no_op(tmp_path):
     tracker.log("train", {"step": 1, "loss": 1.0})
     tracker.close()
     assert list(tmp_path.iterdir()) == []
+
+
+class Hung:
+    """A tracker whose server stopped answering: each call waits until the test ends."""
+
+    def __init__(self):
+        self.released = threading.Event()
+
+    def log(self, kind, x, values):
+        self.released.wait(60)
+
+    def close(self):
+        self.released.wait(60)
+
+
+class Kept:
+    def __init__(self):
+        self.rows = []
+        self.closed = False
+
+    def log(self, kind, x, values):
+        self.rows.append((kind, x))
+
+    def close(self):
+        self.closed = True
+
+
+def test_a_tracker_that_hangs_costs_the_trainer_nothing(tmp_path):
+    tracker = Tracker(job(), tmp_path)
+    hung, kept = Hung(), Kept()
+    tracker.backends += [kept]
+    started = time.monotonic()
+    for step in range(1, 4):
+        tracker.log("train", {"step": step, "loss": 1.0})
+    tracker.close(timeout_s=5)
+    assert kept.rows == [("train", 1), ("train", 2), ("train", 3)] and kept.closed  # in order, all sent
+    tracker = Tracker(job(), tmp_path)
+    tracker.backends += [hung]
+    for step in range(1, 20_001):  # far beyond the queue: the rest dropped, and counted
+        tracker.log("train", {"step": step, "loss": 1.0})
+    assert tracker.dropped > 0
+    tracker.close(timeout_s=0.5)  # gives up on the rows left, and does not close a hung tracker
+    assert time.monotonic() - started < 10
+    hung.released.set()
 
 
 def test_every_tracker_gets_the_rows_and_a_restart_continues_the_same_runs(tmp_path, monkeypatch):

@@ -278,9 +278,11 @@ class Trainer:
             metrics |= self.sender.send(version, wait=last or self.spec.waits_for_weights)
         else:
             metrics |= NO_UPDATE
-        if last and self.rank == 0:
-            self._await_final_weights()
         self._save(last)
+        if last and self.rank == 0:
+            # After the checkpoint's collectives: the other ranks wait in them only as long as the
+            # default group's timeout, which this wait for a generator could outlast.
+            self._await_final_weights()
         metrics["replayed"] = int(version <= self.floor)
         if self.rank == 0:
             self.reporter.step(
