@@ -9,6 +9,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -22,6 +23,22 @@ from pipelinerl.store import ensure_streams
 
 log = logging.getLogger("pipelinerl")
 JOIN_TIMEOUT_S = 120.0  # a service's first connection and streams (join_job)
+# An asyncio service whose loop has not run for this long is stuck (a call that blocks it, with
+# no timeout): /healthz says so, and its pod's liveness probe restarts it.
+LOOP_STALL_S = 120.0
+LOOP_BEAT_S = 1.0
+
+
+class LoopBeat:
+    """When the serving loop last ran (`serve` beats it; None where no loop is served, as in the
+    trainer, whose steps may hold its thread for long)."""
+
+    at: float | None = None
+
+    @classmethod
+    def stalled_s(cls, now: float) -> float:
+        """Seconds the loop has been stalled beyond LOOP_STALL_S's allowance (0: it is running)."""
+        return 0.0 if cls.at is None or now - cls.at < LOOP_STALL_S else now - cls.at
 
 
 def service_env(role: str, job: PipelineRLJob, environ: Mapping[str, str] = os.environ) -> ServiceEnv:
@@ -55,6 +72,9 @@ class HealthServer:
 
         @app.get("/healthz")
         def healthz() -> Response:
+            stalled = LoopBeat.stalled_s(time.monotonic())
+            if stalled:
+                return Response(f"event loop stalled for {stalled:.0f} s", status_code=503)
             return Response("ok" if self.healthy else "unhealthy", status_code=200 if self.healthy else 503)
 
         @app.get("/readyz")
@@ -107,16 +127,25 @@ def serve(run: Callable[[], Awaitable[None]], stop: Callable[[], None], failed_e
         stop()
         exit_soon()
 
+    async def beat() -> None:
+        while True:
+            LoopBeat.at = time.monotonic()
+            await asyncio.sleep(LOOP_BEAT_S)
+
     async def _main() -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stopped)
+        beating = asyncio.create_task(beat())
         try:
             await run()
         except BaseException as err:
             log.error("service failed: %r; exiting within %.0f s", err, failed_exit_s)
             exit_soon(failed_exit_s, code=1)
             raise
+        finally:
+            beating.cancel()
+            LoopBeat.at = None  # a finished service stays up, not stuck (stay_up_until_stopped)
 
     asyncio.run(_main())
     return 0

@@ -1,14 +1,18 @@
-"""A failed service exits (`pipelinerl.runtime.serve`) whatever it leaves running: a thread stuck
-in the default executor (a reward function's remote call with no timeout of its own) would hold
-asyncio.run's teardown, and the pod, alive and healthy, forever. Run as its own process."""
+"""A service stuck or failed does not stay up as if healthy (`pipelinerl.runtime`): a failed one
+exits whatever it leaves running (a thread stuck in the default executor, a reward function's
+remote call with no timeout of its own, would hold asyncio.run's teardown, and the pod, forever),
+and one whose event loop is blocked says so on /healthz, which its pod's liveness probe reads.
+Each run as its own process."""
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 import time
 
-SERVICE = """
+FAILED = """
 import asyncio, time
 from pipelinerl.runtime import serve
 
@@ -23,7 +27,51 @@ serve(run, lambda: None, failed_exit_s=1)
 
 def test_a_failed_service_exits_with_1_even_with_a_thread_stuck_in_the_executor():
     started = time.monotonic()
-    done = subprocess.run([sys.executable, "-c", SERVICE], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", FAILED], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert time.monotonic() - started < 60  # not the stuck thread's 600 s
     assert "service failed: RuntimeError('the reward timed out'); exiting within 1 s" in done.stderr
+
+
+STALLED = """
+import asyncio, json, sys, time, urllib.error, urllib.request
+from pydantic import BaseModel
+import pipelinerl.runtime as rt
+
+rt.LOOP_STALL_S, rt.LOOP_BEAT_S = 1.0, 0.1
+port = int(sys.argv[1])
+
+def health():
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as reply:
+            return reply.status, reply.read().decode()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read().decode()
+    except OSError:
+        return None, ""
+
+async def run():
+    rt.HealthServer("test", port, BaseModel).start()
+    while health()[0] is None:  # the server's thread starting
+        await asyncio.sleep(0.2)
+    await asyncio.sleep(0.3)
+    seen = [health()]
+    time.sleep(1.5)  # a call that blocks the loop
+    seen.append(health())  # asked from the loop's own thread, still blocked: the server thread answers
+    await asyncio.sleep(0.5)
+    seen.append(health())
+    print(json.dumps(seen))
+
+rt.serve(run, lambda: None)
+"""
+
+
+def test_a_blocked_event_loop_fails_the_health_check_until_it_runs_again():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, "-c", STALLED, str(port)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    before, during, after = json.loads(done.stdout.strip().splitlines()[-1])
+    assert before == [200, "ok"] and after == [200, "ok"]
+    assert during[0] == 503 and during[1].startswith("event loop stalled for")
