@@ -23,8 +23,8 @@ from pipelinerl.store import ensure_streams
 
 log = logging.getLogger("pipelinerl")
 JOIN_TIMEOUT_S = 120.0  # a service's first connection and streams (join_job)
-# An asyncio service whose loop has not run for this long is stuck (a call that blocks it, with
-# no timeout): /healthz says so, and its pod's liveness probe restarts it.
+# An asyncio service whose loop has not run for this long once it is ready is stuck (a call that
+# blocks it, with no timeout): /healthz says so, and its pod's liveness probe restarts it.
 LOOP_STALL_S = 120.0
 LOOP_BEAT_S = 1.0
 
@@ -72,7 +72,8 @@ class HealthServer:
 
         @app.get("/healthz")
         def healthz() -> Response:
-            stalled = LoopBeat.stalled_s(time.monotonic())
+            # Watched once ready: before, a GPU generator's loop loads its model (minutes).
+            stalled = LoopBeat.stalled_s(time.monotonic()) if self.ready else 0.0
             if stalled:
                 return Response(f"event loop stalled for {stalled:.0f} s", status_code=503)
             return Response("ok" if self.healthy else "unhealthy", status_code=200 if self.healthy else 503)
