@@ -278,8 +278,12 @@ def run_rounds(sides: dict[str, Callable[..., dict]], args, base_seed: int, part
     seeds = [round_seed(base_seed, SWEEP_SEED_OFFSET + i) for i in range(args.sweep_rounds)]
     earlier = earlier_sweeps(args.sweep_with, args)
 
-    def keep() -> None:  # the runs so far, with what extends or reanalyses them
-        partial.write_text(json.dumps({"args": vars(args), "runs": runs, "sweep": sweep}, default=str) + "\n")
+    here = machine()
+
+    def keep() -> None:  # the runs so far, with what extends or reanalyses them (and where they ran)
+        partial.write_text(
+            json.dumps({"args": vars(args), "machine": here, "runs": runs, "sweep": sweep}, default=str) + "\n"
+        )
 
     for side, run in sides.items() if args.lrs else ():
         tried = sweep["runs"][side] = dict(earlier.get(side, {}))  # at the same seeds as these

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -142,7 +143,8 @@ def serve(run: Callable[[], Awaitable[None]], stop: Callable[[], None], failed_e
             await run()
         except BaseException as err:
             log.error("service failed: %r; exiting within %.0f s", err, failed_exit_s)
-            exit_soon(failed_exit_s, code=1)
+            trace = "".join(traceback.format_exception(err))
+            exit_soon(failed_exit_s, code=1, why=f"the wind-down did not end; the failure:\n{trace}")
             raise
         finally:
             beating.cancel()
@@ -161,10 +163,17 @@ def failpoint(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def exit_soon(seconds: float = 20.0, code: int = 0) -> None:
+def exit_soon(seconds: float = 20.0, code: int = 0, why: str = "") -> None:
     """Called on SIGTERM (or a failure, `code` 1): if the shutdown stalls (e.g. NATS is already
-    gone, a thread no one can stop), exit anyway."""
-    timer = threading.Timer(seconds, os._exit, args=(code,))
+    gone, a thread no one can stop), exit anyway, saying `why` (a failure's traceback, which the
+    stalled shutdown would never print)."""
+
+    def leave() -> None:
+        if why:
+            log.error("exiting with %d: %s", code, why)
+        os._exit(code)
+
+    timer = threading.Timer(seconds, leave)
     timer.daemon = True
     timer.start()
 

@@ -6,10 +6,11 @@ they evaluated (W&B: against its own x-axis, so a late evaluation is never dropp
 order). Only numbers are logged. Each tracker's run id is kept in the run directory, so a
 restarted trainer continues the same run. The trackers' packages are imported only when asked for.
 
-A tracker's outage must not stop training: rows go to the trackers from a thread of their own,
-through a bounded queue (rows beyond it are dropped, and counted), so a tracker that hangs costs
-the trainer nothing; MLflow's own HTTP retries (120 s a request, 7 tries by default) are cut to
-what a start-up can wait for, unless set.
+A tracker's outage must not stop training, nor the other trackers: each gets the rows from a
+thread of its own, through a bounded queue (rows beyond it are dropped, and counted), so one that
+hangs costs the trainer and the others nothing; MLflow's own HTTP retries (120 s a request, 7
+tries by default) are cut to what a start-up can wait for, unless set (in this process's
+environment, which its children inherit).
 """
 
 from __future__ import annotations
@@ -164,52 +165,84 @@ class Tracker:
             self.backends.append(Tensorboard(job, run_dir))
         if ids:
             write_whole(ids_file, ids)
-        self.rows: queue.Queue[tuple[str, tuple[int, dict[str, float]]] | None] = queue.Queue(QUEUE_ROWS)
-        self.dropped = 0
-        self.sender: threading.Thread | None = None
+        self.feeds: list[Feed] | None = None  # each tracker's sender, from the first row
 
     @property
     def enabled(self) -> bool:
         return bool(self.backends)
 
     def log(self, kind: str, values: dict[str, Any]) -> None:
-        """Queue the row for the trackers; never waits on them."""
+        """Queue the row for each tracker; never waits on them."""
         row = scalars(kind, values)
         if row is None or not self.backends:
             return
-        if self.sender is None:
-            self.sender = threading.Thread(target=self._send, name="tracking", daemon=True)
-            self.sender.start()
+        if self.feeds is None:
+            self.feeds = [Feed(b) for b in self.backends]
+        for feed in self.feeds:
+            feed.put(kind, row)
+
+    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        """Send the rows still queued (for `timeout_s` at most, all trackers together), then
+        close each tracker that took them all; one still sending is left (closing it would wait
+        on the same outage)."""
+        deadline = time.monotonic() + timeout_s
+        feeds = self.feeds or [Feed(b, start=False) for b in self.backends]
+        for feed in feeds:  # every sender told first, so they all finish meanwhile
+            feed.end()
+        for feed in feeds:
+            feed.finish(deadline)
+
+
+class Feed:
+    """One tracker's rows, sent from a thread of its own through a bounded queue: a tracker that
+    hangs holds up only its own rows (beyond the queue they are dropped, and counted)."""
+
+    def __init__(self, backend: Backend, start: bool = True):
+        self.backend, self.dropped, self.ended = backend, 0, False
+        self.rows: queue.Queue[tuple[str, tuple[int, dict[str, float]]] | None] = queue.Queue(QUEUE_ROWS)
+        self.name = type(backend).__name__
+        self.thread = threading.Thread(target=self._send, name=f"tracking-{self.name}", daemon=True)
+        if start:
+            self.thread.start()
+
+    def put(self, kind: str, row: tuple[int, dict[str, float]]) -> None:
         try:
             self.rows.put_nowait((kind, row))
         except queue.Full:
             self.dropped += 1
             if self.dropped in (1, 100, 10_000):
-                log.warning("trackers %d rows behind: %d row(s) dropped", QUEUE_ROWS, self.dropped)
+                log.warning("%s: %d rows behind, %d row(s) dropped", self.name, QUEUE_ROWS, self.dropped)
 
     def _send(self) -> None:
         while (item := self.rows.get()) is not None:
             kind, row = item
-            for backend in self.backends:
-                try:
-                    backend.log(kind, *row)
-                except Exception as err:  # a tracker's outage must not stop training
-                    log.warning("%s: could not log %s row: %s", type(backend).__name__, kind, err)
-
-    def close(self, timeout_s: float = CLOSE_TIMEOUT_S) -> None:
-        """Send the rows still queued (for `timeout_s` at most), then close each tracker."""
-        if self.sender is not None:
-            deadline = time.monotonic() + timeout_s
             try:
-                self.rows.put(None, timeout=timeout_s)  # the sender takes rows until it meets this
-                self.sender.join(max(0.0, deadline - time.monotonic()))
+                self.backend.log(kind, *row)
+            except BaseException as err:  # a tracker's outage must not stop training, nor this thread
+                log.warning("%s: could not log %s row: %s", self.name, kind, err)
+
+    def end(self) -> None:
+        """The sender takes the rows queued, then stops (at `finish`, where its queue is full)."""
+        try:
+            self.rows.put_nowait(None)
+            self.ended = True
+        except queue.Full:
+            self.ended = False
+
+    def finish(self, deadline: float) -> None:
+        if self.thread.is_alive():
+            try:
+                if not self.ended:
+                    self.rows.put(None, timeout=max(0.0, deadline - time.monotonic()))
+                self.thread.join(max(0.0, deadline - time.monotonic()))
             except queue.Full:
                 pass
-            if self.sender.is_alive():
-                log.warning("trackers still sending after %.0f s: %d row(s) left unsent", timeout_s, self.rows.qsize())
-                return  # closing them would wait on the same outage
-        for backend in self.backends:
-            try:
-                backend.close()
-            except Exception as err:
-                log.warning("%s: could not close: %s", type(backend).__name__, err)
+            if self.thread.is_alive():
+                log.warning(
+                    "%s: still sending at close, %d row(s) left unsent; not closed", self.name, self.rows.qsize()
+                )
+                return
+        try:
+            self.backend.close()
+        except Exception as err:
+            log.warning("%s: could not close: %s", self.name, err)

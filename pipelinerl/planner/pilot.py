@@ -30,8 +30,9 @@ from pipelinerl.planner.simulation import simulate
 from pipelinerl.spec import PipelineRLJob
 
 MIN_STEPS = 3  # train rows a pilot needs: the first step (start-up) is left out
-DECODE_FIT_ROUNDS = 8  # fixed-point rounds of the decode scale at most (each a simulation of the pilot)
+DECODE_FIT_ROUNDS = 8  # secant steps of the decode scale at most (each a simulation of the pilot)
 DECODE_FIT_TOLERANCE = 0.01  # ... until the pilot, simulated, decodes within 1% of the run
+SCALES = (1e-3, 1e3)  # the decode scales tried, of the base's: beyond them the base is not this hardware's
 
 
 class PilotError(ValueError):
@@ -112,7 +113,6 @@ def derive_calibration(
     ordered = sorted(rows, key=lambda r: r.get("step", 0))
     steady = ordered[1:]  # step 1 carries the start-up
     spec = pilot.spec
-    k = spec.steps_per_generation
     n_gen, n_train = devices(pilot)
     taken: list[Taken] = []
 
@@ -188,45 +188,22 @@ def derive_calibration(
 
     # Decode: one pilot cannot tell the per-step from the per-sequence cost, so the base's
     # decode costs are scaled together until the pilot, simulated, decodes as many tokens per
-    # busy engine-second as the run did (generated tokens: trained ones, plus the filtered
-    # groups' at the same mean length). Busy as the run counts it while a generator holds a
-    # group: its prefill, each request's own cost (the base's, kept) and the update pauses in it
-    # (the run's busy time also holds its evaluations and publishing, which the simulation has not).
-    first = ordered[0]
-    window = float(steady[-1]["time"]) - float(first["time"]) if "time" in steady[-1] and "time" in first else 0.0
-    # generator_busy_fraction sums the generators' busy seconds (a group or an evaluation
-    # running) over the window from the first step's end to the last's. What they generated in
-    # it: the steps whose samples were generated there (a phase of k steps is generated before
-    # its first step trains), at the steady steps' mean tokens.
+    # busy generator-second as the run did: summary.json's generated tokens/s over its busy
+    # fraction, both over the run's steady window (every token the generators made, the filtered
+    # groups' and evaluations' too). Busy as the run counts it while a generator holds a group:
+    # its prefill, each request's own cost (the base's, kept) and the update pauses in it (the
+    # run's also holds its evaluations and publishing, which the simulation has not).
     busy = (summary or {}).get("generator_busy_fraction")
-    in_window = generated_steps(int(first.get("step", 1)), int(ordered[-1].get("step", len(ordered))), k)
-    if busy and window > 0 and in_window:
-        generated = tokens / len(steady) * in_window * (1 + filtered_groups * spec.rl.attempts / samples)
-        measured = generated / (busy * window)
-        scale, got = 1.0, 0.0
-        for _ in range(DECODE_FIT_ROUNDS):
-            got = _simulate_pilot(pilot, _scaled(calib, scale)).gen_tokens_per_held_s
-            if not got or abs(got / measured - 1) <= DECODE_FIT_TOLERANCE or not 1e-3 < scale * got / measured < 1e3:
-                break  # converged, or running off: decode costs a thousand times the base's either way
-            scale *= got / measured
-        if abs(got / measured - 1) > 2 * DECODE_FIT_TOLERANCE:
-            # The part of a busy second the scale does not move (each request's own cost, the
-            # pauses) leaves less than the run's time per token: no decode cost reproduces it.
-            raise PilotError(
-                f"{where}: its generators decoded {measured:,.0f} tokens per busy second; with {base.name}'s "
-                f"per-request costs and the pauses measured, no decode cost reproduces that (the nearest: "
-                f"{got:,.0f} at x{scale:.3g}): give a base without per-request costs, or one of this hardware"
-            )
+    rate = (summary or {}).get("generated_tokens_per_second")
+    if busy and rate:
+        measured = rate / busy
+        scale = _fit_decode_scale(pilot, calib, measured, where, base.name)
         calib = _scaled(calib, scale)
         take(
             "decode_*, prefill_s_per_token",
             f"{base.name}'s x {scale:.3g}",
-            f"{where}: {measured:,.0f} tokens per busy generator-second (summary.json generator_busy_fraction "
-            f"{busy:.2f} over {window:.0f} s); the pilot, simulated with them, decodes as fast",
-        )
-    elif busy and window > 0:
-        take(
-            "decode_*, prefill_s_per_token", f"{base.name}'s", f"{where}: no phase of {k} steps generated after step 1"
+            f"{where}: {measured:,.0f} tokens per busy generator-second (summary.json generated_tokens_per_second "
+            f"{rate:,.0f} / generator_busy_fraction {busy:.2f}); the pilot, simulated with them, decodes as fast",
         )
     else:
         take("decode_*, prefill_s_per_token", f"{base.name}'s", f"{where}: no generator busy time (summary.json)")
@@ -238,11 +215,39 @@ def derive_calibration(
     return parse_calibration(calib.model_dump() | {"source": source}, where), taken
 
 
-def generated_steps(first: int, last: int, k: int) -> int:
-    """Steps whose samples were generated between the ends of steps `first` and `last`: every
-    one in a pipeline (k = 1); with k steps a phase, the whole phases begun in that time (a phase
-    is generated after the previous one's last step, before its own first step trains)."""
-    return (math.ceil(last / k) - math.ceil(first / k)) * k
+def _fit_decode_scale(pilot: PipelineRLJob, calib: Calibration, measured: float, where: str, base: str) -> float:
+    """The scale of `calib`'s decode costs at which the pilot, simulated, decodes `measured`
+    tokens per busy generator-second (within DECODE_FIT_TOLERANCE). A busy second's time per
+    token is about linear in the scale (the decode part scales; each request's own cost and the
+    pauses do not): secant steps on it, from the base and a proportional guess. PilotError where
+    no scale in SCALES reproduces the run (its fixed part alone is slower than the run)."""
+    target = 1 / measured
+
+    def per_token(scale: float) -> float:
+        got = _simulate_pilot(pilot, _scaled(calib, scale)).gen_tokens_per_held_s
+        return 1 / got if got else math.inf
+
+    s0, y0 = 1.0, per_token(1.0)
+    if not math.isfinite(y0):
+        raise PilotError(f"{where}: the pilot, simulated on {base}'s costs, decodes nothing")
+    s1, y1 = target / y0, y0
+    for _ in range(DECODE_FIT_ROUNDS):
+        if abs(y0 / target - 1) <= DECODE_FIT_TOLERANCE:
+            return s0
+        if not SCALES[0] < s1 < SCALES[1]:
+            break
+        y1 = per_token(s1)
+        if y1 == y0 or not math.isfinite(y1):
+            s0, y0 = s1, y1
+            break
+        s0, y0, s1 = s1, y1, s1 + (target - y1) * (s1 - s0) / (y1 - y0)
+    if abs(y0 / target - 1) <= DECODE_FIT_TOLERANCE:
+        return s0
+    raise PilotError(
+        f"{where}: its generators decoded {measured:,.0f} tokens per busy second; with {base}'s per-request "
+        f"costs and the pauses measured, no decode cost from x{SCALES[0]:g} to x{SCALES[1]:g} of {base}'s "
+        "reproduces that: give a base without per-request costs, or one of this hardware"
+    )
 
 
 def _scaled(calib: Calibration, scale: float) -> Calibration:

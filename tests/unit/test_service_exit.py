@@ -31,6 +31,9 @@ def test_a_failed_service_exits_with_1_even_with_a_thread_stuck_in_the_executor(
     assert done.returncode == 1
     assert time.monotonic() - started < 60  # not the stuck thread's 600 s
     assert "service failed: RuntimeError('the reward timed out'); exiting within 1 s" in done.stderr
+    # The teardown never ended, so Python never printed the traceback: the exit says it.
+    assert "exiting with 1: the wind-down did not end; the failure:" in done.stderr
+    assert 'File "<string>", line 8, in run\nRuntimeError: the reward timed out' in done.stderr
 
 
 STALLED = """
