@@ -145,9 +145,9 @@ def save(name: str, result: dict, command: str, folder: Path = RESULTS, ran_on: 
     return path
 
 
-def pooled_runs(paths: list[str | Path], sides: list[str]) -> dict[str, list[dict]]:
+def pooled_runs(paths: list[str | Path], sides: list[str]) -> tuple[dict[str, list[dict]], dict]:
     """The saved runs (`{"runs": {side: [run, ...]}}`) of several results files, pooled per side,
-    in file order; sides with no runs are left out."""
+    in file order (sides with no runs are left out), and the machine they ran on (`one_machine`)."""
     runs: dict[str, list[dict]] = {side: [] for side in sides}
     machines: dict[str, dict] = {}
     for path in paths:
@@ -162,39 +162,31 @@ def pooled_runs(paths: list[str | Path], sides: list[str]) -> dict[str, list[dic
             raise SystemExit(
                 f"--reanalyse: {side} has two runs at one seed ({sorted(seeds)}): give later rounds --first-round"
             )
-    same_machine(machines)
-    return {side: xs for side, xs in runs.items() if xs}
-
-
-def pooled_machine(paths: list[str | Path]) -> dict:
-    """The machine saved results' rounds ran on (what each says, the first saying it; they agree:
-    `same_machine`), and the one that pooled them."""
-    merged: dict = {}
-    for path in paths:
-        for key, value in read_result(path).get("machine", {}).items():
-            if value is not None:
-                merged.setdefault(key, value)
-    return merged | {"reanalysed_on": machine()}
+    return {side: xs for side, xs in runs.items() if xs}, one_machine(machines)
 
 
 MACHINE_KEYS = ("cpu", "cpus", "cpu_generation", "cpu_capability", "device")
 
 
-def same_machine(machines: dict[str, dict]) -> None:
-    """Rounds pooled into one interval must come from one kind of machine: a ratio's spread
+def one_machine(machines: dict[str, dict]) -> dict:
+    """The machine pooled rounds ran on: each field as the first record saying it. Rounds pooled
+    into one interval must come from one kind of machine (MACHINE_KEYS agree): a ratio's spread
     between machines is not its spread between seeds. Records that do not say (older ones) are
     not held to it."""
-    first: dict[str, tuple[str, object]] = {}
+    merged: dict = {}
+    said: dict[str, str] = {}  # field -> the file that said it first
     for path, machine in machines.items():
-        for key in MACHINE_KEYS:
-            if machine.get(key) is None:
+        for key, value in machine.items():
+            if value is None:
                 continue
-            seen = first.setdefault(key, (path, machine[key]))
-            if seen[1] != machine[key]:
+            if key not in merged:
+                merged[key], said[key] = value, path
+            elif key in MACHINE_KEYS and merged[key] != value:
                 raise SystemExit(
-                    f"--reanalyse: {seen[0]} ran on {key} {seen[1]!r}, {path} on {machine[key]!r}: "
+                    f"--reanalyse: {said[key]} ran on {key} {merged[key]!r}, {path} on {value!r}: "
                     "rounds of different machines are not one sample"
                 )
+    return merged
 
 
 def set_fields(spec: dict, items: list[str]) -> None:
@@ -328,7 +320,7 @@ def gather_runs(args, sides: Callable[[Path], dict[str, Callable[..., dict]]], n
     args.keep = bool(args.name) or not args.reanalyse
     args.name = args.name or args.default_name
     if args.reanalyse:
-        runs = pooled_runs(args.reanalyse, names)
+        runs, args.ran_on = pooled_runs(args.reanalyse, names)
         args.rounds = max(len(xs) for xs in runs.values())
         return runs, {}
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -349,7 +341,7 @@ def save_runs(args, result: dict, command: str) -> None:
     if not args.keep:
         print("(a report only: give --name to keep it)")
         return
-    save(args.name, result, command, ran_on=pooled_machine(args.reanalyse) if args.reanalyse else None)
+    save(args.name, result, command, ran_on=args.ran_on | {"reanalysed_on": machine()} if args.reanalyse else None)
     if not args.reanalyse:
         (RESULTS / f"{args.name}.partial.json").unlink(missing_ok=True)
 

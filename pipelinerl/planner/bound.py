@@ -104,8 +104,9 @@ def phase_seconds(curve: DecodeCurve, lengths: list[int], prompt: int, max_runni
     continuous batching of at most `max_running` sequences, the waiting ones admitted as others
     finish, every decode step paying the engine's base and each running sequence's share, and
     every request its own cost."""
-    # Admitted shortest first (`pop` takes the end of the descending list): a tail as long as
-    # the arrival order a real engine sees gives it, not the shorter one of longest first.
+    # Admitted shortest first (`pop` takes the end of the descending list): the longest start
+    # last, a tail at the long end of what arrival orders give (the long-tail job's phase of 512
+    # on the EPYC curve: 3.18 s against 3.10-3.17 s in five random orders, 2.85 s longest first).
     waiting = sorted(lengths, reverse=True)
     running: list[int] = []  # tokens left per running sequence
     done_ctx: list[int] = []  # context of each running sequence

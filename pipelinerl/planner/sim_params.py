@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-
 from pipelinerl.planner.calibration import Calibration, Lengths
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.steps import wave_capacity

@@ -140,8 +140,9 @@ def test_reanalysis_pools_the_rounds_of_several_files(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     a.write_text(json.dumps({"runs": {"pipeline": [{"r": 0}], "trl": [{"r": 0}]}}))
     b.write_text(json.dumps({"runs": {"pipeline": [{"r": 1}], "sync": [{"r": 1}], "trl": [{"r": 1}]}}))
-    assert pooled_runs([a, b], ["pipeline", "sync"]) == {"pipeline": [{"r": 0}, {"r": 1}], "sync": [{"r": 1}]}
-    assert pooled_runs([a], ["pipeline", "sync", "trl"]) == {"pipeline": [{"r": 0}], "trl": [{"r": 0}]}  # none of sync
+    assert pooled_runs([a, b], ["pipeline", "sync"])[0] == {"pipeline": [{"r": 0}, {"r": 1}], "sync": [{"r": 1}]}
+    # none of sync:
+    assert pooled_runs([a], ["pipeline", "sync", "trl"])[0] == {"pipeline": [{"r": 0}], "trl": [{"r": 0}]}
 
 
 def test_reanalysis_pools_rounds_of_one_kind_of_machine_only(tmp_path):
@@ -157,7 +158,8 @@ def test_reanalysis_pools_rounds_of_one_kind_of_machine_only(tmp_path):
     avx2, avx512, older = saved("a", cpu_capability="AVX2"), saved("b", cpu_capability="AVX512"), saved("c")
     with pytest.raises(SystemExit, match=r"b.json on 'AVX512': rounds of different machines"):
         pooled_runs([avx2, avx512], ["pipeline"])
-    assert len(pooled_runs([avx2, older], ["pipeline"])["pipeline"]) == 2
+    runs, ran_on = pooled_runs([avx2, older], ["pipeline"])
+    assert len(runs["pipeline"]) == 2 and ran_on["cpu_capability"] == "AVX2"  # as the record saying it
     zen1, zen2 = saved("e", cpu_generation="family 23 model 1"), saved("f", cpu_generation="family 23 model 49")
     with pytest.raises(SystemExit, match="cpu_generation"):
         pooled_runs([zen1, zen2], ["pipeline"])

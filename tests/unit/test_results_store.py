@@ -77,7 +77,7 @@ def test_save_keeps_a_new_result_in_the_same_form(tmp_path):
 def test_the_loaders_read_the_whole_runs_through_a_summarys_path():
     path = RESULTS / "pipeline_vs_sync.json"
     assert FULL in json.loads(path.read_text())  # the repository keeps its summary
-    runs = pooled_runs([path], ["pipeline", "sync"])  # --reanalyse
+    runs, _ = pooled_runs([path], ["pipeline", "sync"])  # --reanalyse
     assert len(runs["pipeline"]) == len(runs["sync"]) == 10
     assert all(run["steps_log"] for xs in runs.values() for run in xs)
     from bench.calibrate_cpu import load  # calibrate_cpu --from
