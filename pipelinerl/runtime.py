@@ -143,6 +143,7 @@ def serve(run: Callable[[], Awaitable[None]], stop: Callable[[], None], failed_e
             await run()
         except BaseException as err:
             log.error("service failed: %r; exiting within %.0f s", err, failed_exit_s)
+            ExitCode.failed = True  # a SIGTERM's timer, if it fires first, exits with 1 too
             trace = "".join(traceback.format_exception(err))
             exit_soon(failed_exit_s, code=1, why=f"the wind-down did not end; the failure:\n{trace}")
             raise
@@ -163,15 +164,23 @@ def failpoint(name: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class ExitCode:
+    """Whether the service has failed: then a forced exit leaves with 1 whichever timer fires,
+    a SIGTERM's included (a failure in its wind-down is still a failure)."""
+
+    failed = False
+
+
 def exit_soon(seconds: float = 20.0, code: int = 0, why: str = "") -> None:
     """Called on SIGTERM (or a failure, `code` 1): if the shutdown stalls (e.g. NATS is already
     gone, a thread no one can stop), exit anyway, saying `why` (a failure's traceback, which the
     stalled shutdown would never print)."""
 
     def leave() -> None:
+        exit_code = 1 if ExitCode.failed else code
         if why:
-            log.error("exiting with %d: %s", code, why)
-        os._exit(code)
+            log.error("exiting with %d: %s", exit_code, why)
+        os._exit(exit_code)
 
     timer = threading.Timer(seconds, leave)
     timer.daemon = True

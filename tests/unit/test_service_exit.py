@@ -36,6 +36,31 @@ def test_a_failed_service_exits_with_1_even_with_a_thread_stuck_in_the_executor(
     assert 'File "<string>", line 8, in run\nRuntimeError: the reward timed out' in done.stderr
 
 
+FAILED_WINDING_DOWN = """
+import asyncio, os, signal, time
+from pipelinerl.runtime import serve
+
+stopping = asyncio.Event()
+
+async def run():
+    loop = asyncio.get_running_loop()
+    loop.call_later(0.2, os.kill, os.getpid(), signal.SIGTERM)
+    await stopping.wait()
+    loop.run_in_executor(None, time.sleep, 600)  # the wind-down leaves a thread no one can stop
+    raise RuntimeError("the final checkpoint failed")
+
+serve(run, stopping.set, failed_exit_s=60)
+"""
+
+
+def test_a_service_failing_in_its_sigterm_wind_down_exits_with_1():
+    """SIGTERM's timer (20 s) fires before the failure's (60 s here): it exits with 1 too, not
+    the 0 of a clean stop."""
+    done = subprocess.run([sys.executable, "-c", FAILED_WINDING_DOWN], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert "service failed: RuntimeError('the final checkpoint failed')" in done.stderr
+
+
 STALLED = """
 import asyncio, json, sys, time, urllib.error, urllib.request
 from pydantic import BaseModel
