@@ -165,7 +165,7 @@ class Tracker:
             self.backends.append(Tensorboard(job, run_dir))
         if ids:
             write_whole(ids_file, ids)
-        self.feeds: list[Feed] | None = None  # each tracker's sender, from the first row
+        self.feeds = [Feed(b) for b in self.backends]  # each tracker's sender
 
     @property
     def enabled(self) -> bool:
@@ -174,10 +174,8 @@ class Tracker:
     def log(self, kind: str, values: dict[str, Any]) -> None:
         """Queue the row for each tracker; never waits on them."""
         row = scalars(kind, values)
-        if row is None or not self.backends:
+        if row is None:
             return
-        if self.feeds is None:
-            self.feeds = [Feed(b) for b in self.backends]
         for feed in self.feeds:
             feed.put(kind, row)
 
@@ -186,10 +184,9 @@ class Tracker:
         close each tracker that took them all; one still sending is left (closing it would wait
         on the same outage)."""
         deadline = time.monotonic() + timeout_s
-        feeds = self.feeds or [Feed(b, start=False) for b in self.backends]
-        for feed in feeds:  # every sender told first, so they all finish meanwhile
+        for feed in self.feeds:  # every sender told first, so they all finish meanwhile
             feed.end()
-        for feed in feeds:
+        for feed in self.feeds:
             feed.finish(deadline)
 
 
@@ -197,13 +194,12 @@ class Feed:
     """One tracker's rows, sent from a thread of its own through a bounded queue: a tracker that
     hangs holds up only its own rows (beyond the queue they are dropped, and counted)."""
 
-    def __init__(self, backend: Backend, start: bool = True):
+    def __init__(self, backend: Backend):
         self.backend, self.dropped, self.ended = backend, 0, False
         self.rows: queue.Queue[tuple[str, tuple[int, dict[str, float]]] | None] = queue.Queue(QUEUE_ROWS)
         self.name = type(backend).__name__
         self.thread = threading.Thread(target=self._send, name=f"tracking-{self.name}", daemon=True)
-        if start:
-            self.thread.start()
+        self.thread.start()
 
     def put(self, kind: str, row: tuple[int, dict[str, float]]) -> None:
         try:

@@ -13,7 +13,7 @@ from wandb_records import wandb_history  # tests/wandb_records.py
 
 from pipelinerl import tracking
 from pipelinerl.spec import parse_job
-from pipelinerl.tracking import WANDB_FINISH_TIMEOUT_S, Tracker, Wandb, default_mlflow_uri, scalars
+from pipelinerl.tracking import WANDB_FINISH_TIMEOUT_S, Feed, Tracker, Wandb, default_mlflow_uri, scalars
 
 
 def job(**tracking):
@@ -68,7 +68,7 @@ def test_a_tracker_that_hangs_costs_the_trainer_and_the_other_trackers_nothing(t
     monkeypatch.setattr(tracking, "QUEUE_ROWS", 100)
     tracker = Tracker(job(), tmp_path)
     hung, kept = Hung(), Kept()
-    tracker.backends += [hung, kept]
+    tracker.feeds = [Feed(hung), Feed(kept)]
     started = time.monotonic()
     for step in range(1, 151):  # beyond a tracker's queue
         tracker.log("train", {"step": step, "loss": 1.0})
