@@ -14,6 +14,7 @@ import traceback
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import nats.errors
 from pydantic import BaseModel
 
 from pipelinerl.capacity import stream_bytes
@@ -24,6 +25,7 @@ from pipelinerl.store import ensure_streams
 
 log = logging.getLogger("pipelinerl")
 JOIN_TIMEOUT_S = 120.0  # a service's first connection and streams (join_job)
+JOIN_RETRY_S = 1.0  # between join_job's tries at the streams, where a request went unanswered
 # An asyncio service whose loop has not run for this long once it is ready is stuck (a call that
 # blocks it, with no timeout): /healthz says so, and its pod's liveness probe restarts it.
 LOOP_STALL_S = 120.0
@@ -108,9 +110,14 @@ async def join_job(job: PipelineRLJob, env: ServiceEnv, client: str) -> Any:
 
     async def join() -> Any:
         nc = await connect(env.nats_url, client, env.nats_user, env.nats_password)
-        sizes = stream_bytes(job.spec)
-        await ensure_streams(nc.jetstream(), job.subjects, job.spec.nats.max_payload_mb, env.stream_replicas, sizes)
-        return nc
+        sizes, payload_mb = stream_bytes(job.spec), job.spec.nats.max_payload_mb
+        while True:
+            try:
+                await ensure_streams(nc.jetstream(), job.subjects, payload_mb, env.stream_replicas, sizes)
+                return nc
+            except nats.errors.TimeoutError:  # one request unanswered in its 5 s: a loaded server
+                log.warning("the job's NATS did not answer a stream request in time; asking again")
+                await asyncio.sleep(JOIN_RETRY_S)
 
     return await wait_for(join(), JOIN_TIMEOUT_S, f"the job's NATS at {env.nats_url}")
 

@@ -388,8 +388,14 @@ async def stored_messages(js, stream: str, newest: int | None = None) -> list:
 
 
 async def wait_for(coro, timeout_s: float, what: str):
-    """await with a timeout that names what it was waiting for."""
+    """await with a timeout that names what it was waiting for. A timeout of the awaited call's own
+    (nats-py's is a TimeoutError too: a request unanswered in its 5 s) goes out as it is: it
+    is not this wait's, and reported as one it named a deadline that had not passed."""
+    scope = asyncio.timeout(timeout_s)
     try:
-        return await asyncio.wait_for(coro, timeout_s)
-    except asyncio.TimeoutError:
-        raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}") from None
+        async with scope:
+            return await coro
+    except TimeoutError:
+        if scope.expired():
+            raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}") from None
+        raise
