@@ -21,11 +21,17 @@ from typing import Any
 TABLE = Path(__file__).with_name("engine_args.json")
 
 # Arguments PipelineRL sets from the spec (or itself): setting them twice would contradict it.
+# An engine is generator.tensorParallel workers, one weight-group rank each: workers beyond them
+# (pipeline stages, prefill-context or data-parallel ranks) would take another engine's ranks.
+_ONE_ENGINE = "an engine spans generator.tensorParallel GPUs; more engines: generator.replicas"
 OWNED = {
     "model": "set model.path",
     "dtype": "set model.dtype",
     "max_model_len": "set model.maxSeqLen",
     "tensor_parallel_size": "set generator.tensorParallel",
+    "pipeline_parallel_size": _ONE_ENGINE,
+    "prefill_context_parallel_size": _ONE_ENGINE,
+    "data_parallel_size": _ONE_ENGINE,
     "seed": "PipelineRL seeds each generator from task.seed",
     "worker_extension_cls": "PipelineRL's weight-update extension must stay loaded",
     "logprobs_mode": "the trainer's importance ratios need the sampling policy's own log-probs (processed_logprobs)",

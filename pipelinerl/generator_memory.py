@@ -5,10 +5,11 @@ KV cache (it refuses to start unless that much is free, then fills what its prof
 with KV cache). Everything an in-flight weight update allocates later comes out of the rest:
 the staging copy (one copy of this worker's weights: `weightSync.staged`), the receive ring
 (`weight_group.RECEIVE_RING` buffers of the largest bucket), the NCCL weight group's buffers;
-the CUDA context sits there too. `plan` puts each in its place and says whether it fits;
-`validate`, the webhook and `plan` show it, and the generator checks it again at its start with
-the device's real size and the model's own config (and sets the utilization where the job
-leaves it unset).
+the CUDA context sits there too, and at tensorParallel > 1 vLLM's own tensor-parallel
+communicator (made before vLLM measures what it may use, so outside its budget as well). `plan`
+puts each in its place and says whether it fits; `validate`, the webhook and `plan` show it, and
+the generator checks it again at its start with the device's real size and the model's own
+config (and sets the utilization where the job leaves it unset).
 
 Estimates are marked as such: vLLM's working memory (activations at its token budget, CUDA
 graphs), the CUDA context and NCCL's buffers are not measured here.
@@ -233,7 +234,7 @@ def plan(
         weights=weights,
         staging=weights if staged else 0,
         receive=RECEIVE_RING * max(bucket_mb * MiB, shape.largest_tensor() * size),
-        nccl=NCCL_BYTES if nccl else 0,
+        nccl=NCCL_BYTES * (int(nccl) + int(tp > 1)),  # the weight group's; vLLM's tensor-parallel group's
         context=CONTEXT_BYTES,
         working=working,
         kv_per_token=shape.kv_bytes_per_token(tp, size),

@@ -134,13 +134,19 @@ def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, 
     and raises DistBackendError, as gloo raises. By default the watchdog would instead kill the
     process (TORCH_NCCL_ASYNC_ERROR_HANDLING=3). The process's other groups (DeepSpeed's, vLLM's)
     keep torch's defaults. Every collective here is issued asynchronously and waited on: a
-    synchronous one returns no work to wait on, and would have no timeout at all."""
+    synchronous one returns no work to wait on, and would have no timeout at all.
+
+    Its collectives run on a stream NCCL draws from torch's high-priority pool at the set-up of
+    each epoch's communicator: drawn round-robin from the default pool, which vLLM's and
+    DeepSpeed's streams come from, it would now and then be the engine's compute stream, and a
+    broadcast waiting for its peers would hold up every decode step queued behind it."""
     timeout = timedelta(seconds=timeout_s)
     try:
         if backend == "gloo":
             return dist.ProcessGroupGloo(store, rank, world_size, timeout)
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
+        options.is_high_priority_stream = True
         with _environ(TORCH_NCCL_BLOCKING_WAIT="1"):
             return dist.ProcessGroupNCCL(store, rank, world_size, options)
     except RuntimeError as e:  # gloo connect errors subclass RuntimeError
@@ -390,12 +396,15 @@ class WeightGroup:
         """The receive ring's memory, as allocated now."""
         return sum(b.numel() for b in self._receive_buffers)
 
-    def close(self) -> None:
-        """Release the group. One whose collective failed is aborted: its communicator may still
-        hold a collective that will never complete, which a shutdown would wait for."""
+    def close(self, in_flight: bool = False) -> None:
+        """Release the group. One that may hold a collective that will never complete is aborted,
+        not shut down (NCCL's shutdown waits for the communicator's kernels to finish): one whose
+        collective failed, or, `in_flight`, one that another thread is still receiving from (a
+        transfer given up on: aborted, its wait raises, as a lost peer's would)."""
         pg, self.pg = self.pg, None  # type: ignore[assignment]
         if pg is not None:
-            ending = getattr(pg, "abort" if self.failed else "shutdown", None) or getattr(pg, "shutdown", None)
+            abort = self.failed or in_flight
+            ending = getattr(pg, "abort" if abort else "shutdown", None) or getattr(pg, "shutdown", None)
             if ending is not None:
                 try:
                     ending()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelinerl_generator.staging import StagingCopy, Transfer
+from pipelinerl_generator.staging import StagingCopy, Transfer, side_stream
 
 DEVICES = [
     "cpu",
@@ -128,3 +128,15 @@ def test_control_a_data_swap_leaves_the_captured_forward_on_the_old_weights(devi
     new = model(ids)
     assert not torch.allclose(new, old)
     torch.testing.assert_close(replay(), old, rtol=0, atol=0)  # silently stale
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_staged_updates_run_on_a_stream_the_engine_never_draws():
+    """vLLM draws its streams from torch's default-priority pool, handed out round-robin (32):
+    two whole turns of it never hand out the staging stream, which stays one for every update."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    staging = side_stream(device)
+    drawn = {torch.cuda.Stream(device).cuda_stream for _ in range(64)}
+    assert len(drawn) >= 2 and staging.cuda_stream not in drawn
+    assert side_stream(device) is staging and staging.priority < 0

@@ -385,6 +385,69 @@ def _receiving_member(port, backend, ready, timeout_s):
             pass
 
 
+def _abandoning_member(port, backend, timeout_s, out_q):
+    """Joins epoch "g" as rank 1, receives on a thread of its own (as a staged update does) an
+    update the trainer never sends, and after 1 s closes the group as an engine closes the group
+    of a transfer it gave up on: how long the close took, how long the thread then took to end,
+    and how it ended."""
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(0)
+            os.environ["NCCL_HOSTID"] = "member-abandoning"  # one GPU: two "hosts"
+        group = WeightGroup.join(HOST, port, "g", 1, 2, timeout_s, backend)
+        raised = []
+
+        def receive():
+            try:
+                for _ in group.receive_buckets(plan_buckets([("w", [1024], "float32")], 4096)):
+                    pass
+            except WeightSyncError as e:
+                raised.append(repr(e))
+
+        thread = threading.Thread(target=receive)
+        thread.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        group.close(in_flight=True)
+        closed_s = time.monotonic() - t0
+        thread.join(timeout_s + 30)
+        out_q.put(("ok", closed_s, time.monotonic() - t0, thread.is_alive(), raised))
+    except BaseException as e:  # report instead of hanging the parent
+        out_q.put(("err", repr(e), None, None, None))
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")])],
+)
+def test_a_receive_given_up_on_ends_when_its_group_is_closed(port, backend, monkeypatch):
+    """A generator that gave an update up (its deadline passed) closes that epoch's group while
+    its staging thread still waits in a broadcast the trainer never sends: the wait ends by
+    raising. NCCL's group is aborted, which ends it at once (its shutdown would wait for the
+    communicator's kernels, the pending broadcast's among them); gloo's close, abort or shutdown
+    alike, waits for the pending receive, which ends at the collective timeout (or as soon as the
+    trainer closes its side)."""
+    timeout_s = 30.0 if backend == "nccl" else 8.0
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+        monkeypatch.setenv("NCCL_HOSTID", "trainer")
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    member = ctx.Process(target=_abandoning_member, args=(port, backend, timeout_s, out_q), daemon=True)
+    member.start()
+    try:
+        trainer = WeightGroup.form(open_store(HOST, port, True, 60.0), "g", 2, timeout_s, backend=backend)
+        status, closed_s, ended_s, alive, raised = out_q.get(timeout=120)  # the trainer sends nothing
+        assert status == "ok", closed_s
+        assert not alive and raised, "the receive did not end by raising"
+        bound = 10 if backend == "nccl" else timeout_s + 5
+        assert closed_s < bound and ended_s < bound, f"closed in {closed_s:.1f} s, the receive ended in {ended_s:.1f} s"
+        trainer.close()
+    finally:
+        member.kill()
+        member.join(10)
+
+
 BIG = 16 << 20  # 64 MiB of float32 per update: a broadcast long enough to be killed in
 KILL_TIMEOUT_S = 8.0
 

@@ -51,3 +51,13 @@ def test_errors_name_each_argument() -> None:
     assert errors[1] == "engineArgs.enforce_eager: expected bool, got int 1"
     assert errors[2].startswith("engineArgs.kv_cache_dtype: must be one of auto, ")
     assert errors[3].startswith("engineArgs.seed: set by PipelineRL")
+
+
+def test_workers_beyond_the_engines_tensor_parallel_ones_are_refused() -> None:
+    """Each of an engine's workers takes a rank of the weight group (the engine's first plus its
+    index in generator.tensorParallel): a pipeline, prefill-context or data-parallel worker would
+    take another engine's rank."""
+    for name in ("pipeline_parallel_size", "prefill_context_parallel_size", "data_parallel_size"):
+        (error,) = engine_arg_errors({name: 2})
+        assert error.startswith(f"engineArgs.{name}: set by PipelineRL") and "generator.tensorParallel" in error
+    assert engine_arg_errors({"decode_context_parallel_size": 2}) == []  # within the tensor-parallel workers

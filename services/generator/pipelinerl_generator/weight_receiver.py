@@ -102,7 +102,8 @@ class WeightReceiverExtension:
         # Blocks until the trainer lets the epoch's members connect (or calls it off:
         # GroupAborted).
         if self._pipelinerl_weight_group is not None:
-            self._pipelinerl_weight_group.close()
+            transfer = self._pipelinerl_transfer
+            self._pipelinerl_weight_group.close(in_flight=transfer is not None and transfer.thread.is_alive())
             self._pipelinerl_weight_group = None
         self._pipelinerl_end_abandoned_transfer(timeout_s)
         self._pipelinerl_weight_group = WeightGroup.join(
