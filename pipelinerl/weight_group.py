@@ -228,7 +228,7 @@ class WeightGroup:
         self.device = buffer_device(backend)
         # RECEIVE_RING flat byte buffers, kept across updates: fresh large CPU buffers come from
         # mmap untouched and would be page-faulted in on every update (bench/README.md,
-        # benchmark 2). Each holds the largest bucket seen; a bucket is a dtype view of one.
+        # benchmark 2). Each holds the largest bucket; a bucket is a dtype view of one.
         self._receive_buffers: list[torch.Tensor] = []
         self.failed = False  # a collective of this group raised: close() aborts it
 
@@ -369,8 +369,10 @@ class WeightGroup:
         """
         if self.rank == 0:
             raise RuntimeError("receive_buckets is for ranks >= 1 (generators)")
+        self._size_ring(buckets)
         for i, b in enumerate(buckets):
-            buf = self._receive_buffer(i, b)
+            buf = self._receive_buffers[i % RECEIVE_RING][: b["numel"] * DTYPES[b["dtype"]].itemsize]
+            buf = buf.view(DTYPES[b["dtype"]])
             self._broadcast(buf, f"bucket {i + 1}/{len(buckets)}")
             for t in b["tensors"]:
                 yield t["name"], buf[t["offset"] : t["offset"] + t["numel"]].view(t["shape"])
@@ -381,20 +383,15 @@ class WeightGroup:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _receive_buffer(self, i: int, bucket: dict[str, Any]) -> torch.Tensor:
-        dtype = DTYPES[bucket["dtype"]]
-        nbytes = bucket["numel"] * dtype.itemsize
-        slot = i % RECEIVE_RING
-        if slot == len(self._receive_buffers):
-            self._receive_buffers.append(torch.empty(0, dtype=torch.uint8, device=self.device))
-        if self._receive_buffers[slot].numel() < nbytes:  # grown to the largest bucket, then kept
-            self._receive_buffers[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        return self._receive_buffers[slot][:nbytes].view(dtype)
-
-    @property
-    def receive_bytes(self) -> int:
-        """The receive ring's memory, as allocated now."""
-        return sum(b.numel() for b in self._receive_buffers)
+    def _size_ring(self, buckets: list[dict[str, Any]]) -> None:
+        """Allocate the ring at the largest bucket's size at once: grown bucket by bucket, each
+        buffer outgrown would stay reserved by CUDA's caching allocator, beside the memory plan."""
+        nbytes = max((b["numel"] * DTYPES[b["dtype"]].itemsize for b in buckets), default=0)
+        slots = min(RECEIVE_RING, len(buckets))
+        ring = self._receive_buffers
+        if len(ring) < slots or ring[0].numel() < nbytes:
+            ring.clear()  # freed before the new ones are allocated
+            ring.extend(torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(slots))
 
     def close(self, in_flight: bool = False) -> None:
         """Release the group. One that may hold a collective that will never complete is aborted,

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from pipelinerl.spec import parse_job
 from pipelinerl.weight_group import (
+    DTYPES,
     GROUP_PREFIX,
     JOIN_TIMEOUT_S,
     GroupAborted,
@@ -125,8 +126,15 @@ def _receiver(
             if torch.cuda.device_count() == 1:  # NCCL refuses two ranks of one host on one GPU: another "host"
                 os.environ["NCCL_HOSTID"] = f"receiver-{rank}"
         group = WeightGroup.join(HOST, port, group_id, rank, world, timeout_s, backend, token)
-        # Two updates: the second reuses the first one's buffers (views are copied out).
-        got = [{n: t.cpu().clone() for n, t in group.receive_buckets(buckets)} for _ in range(2)]
+        # Two updates: the second reuses the first one's buffers (views are copied out), both
+        # allocated at the largest bucket's size before the first (never grown: on a GPU each
+        # buffer outgrown would stay reserved by the caching allocator).
+        got, rings = [], []
+        for _ in range(2):
+            got.append({n: t.cpu().clone() for n, t in group.receive_buckets(buckets)})
+            rings.append([(b.data_ptr(), b.numel()) for b in group._receive_buffers])
+        largest = max(b["numel"] * DTYPES[b["dtype"]].itemsize for b in buckets)
+        assert rings[0] == rings[1] and {n for _, n in rings[0]} == {largest}, (rings, largest)
         group.close()
         blob = io.BytesIO()
         torch.save(got, blob)  # plain bytes: tensors put on a queue would share memory with this exiting process
