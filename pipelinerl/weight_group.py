@@ -95,6 +95,11 @@ def plan_buckets(named_shapes_dtypes: list[tuple[str, list[int], str]], bucket_b
     return buckets
 
 
+def bucket_nbytes(bucket: dict[str, Any]) -> int:
+    """A planned bucket's size in bytes (its flat buffer's)."""
+    return bucket["numel"] * DTYPES[bucket["dtype"]].itemsize
+
+
 def check_backend(backend: str) -> None:
     """Refuse a transport this process cannot run, with the reason (never swapped silently)."""
     if backend == "gloo":
@@ -371,8 +376,7 @@ class WeightGroup:
             raise RuntimeError("receive_buckets is for ranks >= 1 (generators)")
         self._size_ring(buckets)
         for i, b in enumerate(buckets):
-            buf = self._receive_buffers[i % RECEIVE_RING][: b["numel"] * DTYPES[b["dtype"]].itemsize]
-            buf = buf.view(DTYPES[b["dtype"]])
+            buf = self._receive_buffers[i % RECEIVE_RING][: bucket_nbytes(b)].view(DTYPES[b["dtype"]])
             self._broadcast(buf, f"bucket {i + 1}/{len(buckets)}")
             for t in b["tensors"]:
                 yield t["name"], buf[t["offset"] : t["offset"] + t["numel"]].view(t["shape"])
@@ -386,7 +390,7 @@ class WeightGroup:
     def _size_ring(self, buckets: list[dict[str, Any]]) -> None:
         """Allocate the ring at the largest bucket's size at once: grown bucket by bucket, each
         buffer outgrown would stay reserved by CUDA's caching allocator, beside the memory plan."""
-        nbytes = max((b["numel"] * DTYPES[b["dtype"]].itemsize for b in buckets), default=0)
+        nbytes = max(map(bucket_nbytes, buckets), default=0)
         slots = min(RECEIVE_RING, len(buckets))
         ring = self._receive_buffers
         if len(ring) < slots or ring[0].numel() < nbytes:

@@ -22,7 +22,6 @@ import torch.distributed as dist
 
 from pipelinerl.spec import parse_job
 from pipelinerl.weight_group import (
-    DTYPES,
     GROUP_PREFIX,
     JOIN_TIMEOUT_S,
     GroupAborted,
@@ -31,6 +30,7 @@ from pipelinerl.weight_group import (
     WeightGroup,
     WeightSyncError,
     WeightSyncTimeout,
+    bucket_nbytes,
     dtype_name,
     join_window,
     open_store,
@@ -133,7 +133,7 @@ def _receiver(
         for _ in range(2):
             got.append({n: t.cpu().clone() for n, t in group.receive_buckets(buckets)})
             rings.append([(b.data_ptr(), b.numel()) for b in group._receive_buffers])
-        largest = max(b["numel"] * DTYPES[b["dtype"]].itemsize for b in buckets)
+        largest = max(map(bucket_nbytes, buckets))
         assert rings[0] == rings[1] and {n for _, n in rings[0]} == {largest}, (rings, largest)
         group.close()
         blob = io.BytesIO()
