@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from faults import SAMPLES, audit_batches, fault_job, mid_step, on_running_nats  # tests/e2e/faults.py
+from faults import SAMPLES, audit_batches, fault_job, on_running_nats  # tests/e2e/faults.py
 from jobs import RUN_TIMEOUT_S, stored  # tests/e2e/jobs.py
 from prometheus_server import Prometheus, file_scrape_config, held, job_targets, rule_expr  # tests/prometheus_server.py
 
@@ -26,6 +26,21 @@ from pipelinerl.streams import stored_messages
 from pipelinerl_trainer.checkpoint import latest_step
 
 pytestmark = pytest.mark.slow
+
+
+def freeze_holding_groups(run, name: str, pid: int, before_step: int) -> None:
+    """SIGSTOP to the preprocessor at a moment JetStream counts groups delivered to it and not
+    acknowledged, read from the server while it is frozen (seen holding groups over HTTP, it may
+    store its wave and acknowledge them before the signal lands: a CI run did); thawed again at
+    once, and tried again, when it holds none."""
+    rollouts = JobSubjects(name).stream("ROLLOUTS")
+    while True:
+        os.killpg(pid, signal.SIGSTOP)
+        if on_running_nats(run, lambda js: js.consumer_info(rollouts, "preprocessor")).num_ack_pending:
+            return
+        os.killpg(pid, signal.SIGCONT)
+        assert len(run.train()) < before_step, f"not frozen holding groups before step {before_step}"
+        time.sleep(0.1)
 
 
 def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(start_run, tmp_path):
@@ -42,10 +57,10 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
     2. Then the store deleted and nats-server restarted empty (a lost or replaced volume): the
     trainer finds its positions belong to another store and stops the run with StoreLost, never
     restarting silently from zero. `pipelinerl recover-store` makes the new store go on from the
-    trainer's newest checkpoint (step 4 or 8: the run goes on while Prometheus scrapes), and the
+    trainer's newest checkpoint (step 4, 8 or 12: the run goes on while Prometheus scrapes), and the
     run resumes there: the steps after it again, each full, no problem of the checkpoint's lineage
     drawn again, the metrics history kept."""
-    steps, name = 12, "store"
+    steps, name = 16, "store"  # steps to spare: a loaded machine trains several while a fault is staged
     store = tmp_path / "run" / "nats"
     store.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256M", "tmpfs", str(store)], check=True)
@@ -67,14 +82,13 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
         first = start_run(job, RUN_TIMEOUT_S)
         first.wait_step(1)
         targets.write_text(json.dumps(job_targets(first.services(), "local", name)))
-        first.wait_until(lambda _: mid_step(first, name), "the preprocessor holding groups mid-step")
         pid = first.services()["preprocessor"]["pid"]
-        os.killpg(pid, signal.SIGSTOP)
+        freeze_holding_groups(first, name, pid, before_step=steps - 8)
         time.sleep(ack_wait + 5)
         os.killpg(pid, signal.SIGCONT)
         first.wait_step(first.train()[-1]["step"] + 1)  # on after the pause
-        preprocessor_log = (first.dir / "logs/preprocessor.log").read_text()
-        assert "delivered again (delivery 2)" in preprocessor_log  # the pause outlasted the wait
+        preprocessor_log = first.dir / "logs/preprocessor.log"
+        first.wait_until(lambda _: "delivered again (delivery 2)" in preprocessor_log.read_text(), "a redelivery")
         assert first.services()["preprocessor"]["restarts"] == 0
 
         # The trainer paused past its generators' liveness bound (10 s of silence): on thawing it
@@ -127,6 +141,7 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
         trained_before = {g for step in range(4) for mbs in by_step[step].values() for mb in mbs for g in mb.group_ids}
 
         rows_before = len(first.train())
+        assert rows_before < steps, "the run finished before its store could be lost"
         for path in store.iterdir():  # the store, from under the running server
             subprocess.run(["rm", "-rf", str(path)], check=True)
         first.kill("nats-server")  # restarted by the runner, empty
