@@ -109,6 +109,26 @@ def test_paper_128_gpus_against_conventional_k32_colocated(paper_128):
     assert pipeline.lag_max < 49  # the paper reached ~49 (lengths here are an estimate)
 
 
+def test_paper_128_gpus_misses_whatever_its_estimated_inputs():
+    """The miss is not the estimates': over completion lengths of mean 1K-4K tokens and sigma
+    0.5-1.6 (the paper's split), and over splits of 40-72 generation GPUs at 64 or 128 running
+    sequences per engine (both sides; the estimated lengths), the ratio stays within 0.78-1.13x,
+    below the -20% edge of the published ~2x."""
+    ratios = []
+    for mean, sigma in [(1000, 0.5), (1000, 1.6), (4000, 0.5), (4000, 1.6)]:
+        lengths = Lengths(mean_tokens=mean, sigma=sigma, prompt_tokens=200)
+        pipeline = simulate("pipeline", 48, 80, 64, **(PAPER | {"lengths": lengths}))
+        k32 = simulate("sync", 128, 128, 0, steps_per_generation=32, colocated=True, **(PAPER | {"lengths": lengths}))
+        ratios.append(ratio(pipeline, k32))
+    for generators in (40, 56, 72):
+        for running in (64, 128):
+            paper = PAPER | {"max_running": running}
+            pipeline = simulate("pipeline", generators, 128 - generators, 64, **paper)
+            k32 = simulate("sync", 128, 128, 0, steps_per_generation=32, colocated=True, **paper)
+            ratios.append(ratio(pipeline, k32))
+    assert 0.7 < min(ratios) and max(ratios) < 2.0 * (1 - WITHIN), ratios
+
+
 def test_paper_128_gpus_simulates_fast_enough(paper_128):
     # The measuring window spans several lifetimes of the longest sequence (start-up and long
     # tail are out of the rate), at 128 GPUs.
