@@ -30,9 +30,9 @@ pytestmark = pytest.mark.slow
 
 def freeze_holding_groups(run, name: str, pid: int, before_step: int) -> None:
     """SIGSTOP to the preprocessor at a moment JetStream counts groups delivered to it and not
-    acknowledged, read from the server while it is frozen (seen holding groups over HTTP, it may
-    store its wave and acknowledge them before the signal lands: a CI run did); thawed again at
-    once, and tried again, when it holds none."""
+    acknowledged, as the server tells while the process is frozen; thawed at once and tried again
+    when it holds none. (Seen holding groups over HTTP, it could store its wave and acknowledge
+    them before the signal landed: a `make test` run failed so.)"""
     rollouts = JobSubjects(name).stream("ROLLOUTS")
     while True:
         os.killpg(pid, signal.SIGSTOP)
