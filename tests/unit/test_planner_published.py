@@ -71,11 +71,18 @@ def test_the_decode_costs_are_the_h200_curve_carried_to_an_h100():
 PAPER = dict(samples_per_step=1024, attempts=8, calib=H100, max_tokens=8192, max_running=64)
 
 
+def at_128(generators: int = 48, **inputs) -> tuple[SimResult, SimResult]:
+    """The pipeline on `generators` of the 128 GPUs (the rest training) and colocated k = 32 on
+    all of them, with the paper's inputs (`PAPER`, changed by `inputs`)."""
+    paper = PAPER | inputs
+    pipeline = simulate("pipeline", generators, 128 - generators, 64, **paper)
+    k32 = simulate("sync", 128, 128, 0, steps_per_generation=32, colocated=True, **paper)
+    return pipeline, k32
+
+
 @pytest.fixture(scope="module")
 def paper_128():
-    pipeline = simulate("pipeline", 48, 80, 64, **PAPER)
-    k32 = simulate("sync", 128, 128, 0, steps_per_generation=32, colocated=True, **PAPER)
-    return pipeline, k32
+    return at_128()
 
 
 def test_paper_128_gpus_against_conventional_k32_colocated(paper_128):
@@ -89,9 +96,9 @@ def test_paper_128_gpus_against_conventional_k32_colocated(paper_128):
     # (measured on a few nodes and corrected), which this cost model cannot reproduce; and its
     # engines are vLLM's, these costs a torch decode's. With these per-GPU costs, colocated
     # k = 32 amortises its phase's long tail over 32 steps and keeps pace with the pipeline in
-    # samples per second. How the paper estimated it (§5): generation
-    # on 16 GPUs, 8 batches of 128 x k sequences (8k per GPU at 64 running), the longest batch's
-    # time taken; training on 16 GPUs, corrected for 8x as many. At a balanced split (its 80
+    # samples per second. How the paper estimated it (§5): generation on 16 GPUs, 8 batches of
+    # 128 x k sequences (8k per GPU at 64 running), the longest batch's time taken; training on
+    # 16 GPUs, corrected for 8x as many. At a balanced split (its 80
     # trainers keep pace with its 48 full engines) 2x needs that phase to generate at ~27% of a
     # full engine's rate (the ratio is 80/128 for the baseline's training plus 48/128/e for
     # its generation at e: 2 = 0.625 + 0.375/e). The planner's phase generates at ~64% of the
@@ -114,18 +121,12 @@ def test_paper_128_gpus_misses_whatever_its_estimated_inputs():
     0.5-1.6 (the paper's split), and over splits of 40-72 generation GPUs at 64 or 128 running
     sequences per engine (both sides; the estimated lengths), the ratio stays within 0.78-1.13x,
     below the -20% edge of the published ~2x."""
-    ratios = []
-    for mean, sigma in [(1000, 0.5), (1000, 1.6), (4000, 0.5), (4000, 1.6)]:
-        lengths = Lengths(mean_tokens=mean, sigma=sigma, prompt_tokens=200)
-        pipeline = simulate("pipeline", 48, 80, 64, **(PAPER | {"lengths": lengths}))
-        k32 = simulate("sync", 128, 128, 0, steps_per_generation=32, colocated=True, **(PAPER | {"lengths": lengths}))
-        ratios.append(ratio(pipeline, k32))
-    for generators in (40, 56, 72):
-        for running in (64, 128):
-            paper = PAPER | {"max_running": running}
-            pipeline = simulate("pipeline", generators, 128 - generators, 64, **paper)
-            k32 = simulate("sync", 128, 128, 0, steps_per_generation=32, colocated=True, **paper)
-            ratios.append(ratio(pipeline, k32))
+    cases = [
+        at_128(lengths=Lengths(mean_tokens=mean, sigma=sigma, prompt_tokens=200))
+        for mean, sigma in [(1000, 0.5), (1000, 1.6), (4000, 0.5), (4000, 1.6)]
+    ]
+    cases += [at_128(generators, max_running=running) for generators in (40, 56, 72) for running in (64, 128)]
+    ratios = [ratio(pipeline, k32) for pipeline, k32 in cases]
     assert 0.7 < min(ratios) and max(ratios) < 2.0 * (1 - WITHIN), ratios
 
 
@@ -149,8 +150,8 @@ def test_paper_32_gpus_against_conventional_k4_colocated():
     r = ratio(pipeline, k4)
     # Within 20% (1.62: -19%), at the edge: whatever the 128-GPU case lacks (the paper's
     # conventional rate is an estimate) weighs less here, where the k = 4 phase's long tail is
-    # amortised over 4 steps only. The pipeline
-    # is trainer-bound on 16 trainers; its max lag (8) is the published ~8.
+    # amortised over 4 steps only. The pipeline is trainer-bound on 16 trainers; its max lag (8)
+    # is the published ~8.
     assert abs(r / published - 1) <= WITHIN
     assert pipeline.train_busy > 0.97 and 6 <= pipeline.lag_max <= 10 and k4.lag_max == 3
 
