@@ -96,8 +96,8 @@ def test_paper_128_gpus_against_conventional_k32_colocated(paper_128):
     # curves for k = 8, 16, 32 and the pipeline indistinguishable (Fig. 5b), so this ratio is the
     # one to compare: learning per sample does not explain the miss. Here the pipeline is
     # trainer-bound: each 1,024-sample step (~3.7 s) carries a 0.3 s optimizer step and the
-    # 1.2 s weight update (both estimates, pipelinerl/calibrations/h100-7b.yaml), during which
-    # the engines pause too. The ratio hinges on that update
+    # 1.2 s weight update (both estimates, pipelinerl/calibrations/h100-7b.yaml). The ratio
+    # hinges on the trainers' time for that update
     # (test_paper_128_gpus_hinges_on_the_weight_update). Also unreproduced: the paper's
     # conventional throughput is itself an estimate (§5: generation on 16 GPUs, 8 batches of
     # 128 x k sequences at 64 running, the longest batch's time taken; training on 16 GPUs,
@@ -137,24 +137,20 @@ def test_paper_128_gpus_misses_whatever_its_estimated_inputs():
 
 
 def test_paper_128_gpus_hinges_on_the_weight_update():
-    """The estimated cost the ratio turns on: the weight update after each step (trainers and
-    engines both wait for it; the calibration's 1.2 s: ZeRO-3's gather, then NCCL's broadcast,
-    each 15.2 GB at ~25 GB/s). The broadcast alone (0.6 s) gives ~1.48x; 0.3 s, within 20% of the
-    published ~2x. Measuring it at the paper's scale is what would settle the case."""
+    """The estimated cost the ratio turns on: the trainers' time for the weight update after each
+    step (the calibration's 1.2 s: ZeRO-3's gather, then NCCL's broadcast, each 15.2 GB at
+    ~25 GB/s). The broadcast alone (0.6 s) gives ~1.48x; 0.3 s, within 20% of the published ~2x.
+    The engines' pause for it does not count here (the trainers bind): paused only for a staged
+    commit, as this project's engines are, the ratio stays 1.25x. Measuring the trainers' update
+    at that scale is what would settle the case."""
     ratios = []
     for update_s in (0.6, 0.3):
         faster = H100.model_copy(update=dict(weight_sync_s=update_s, pause_s=update_s))
         ratios.append(ratio(*at_128(calib=faster)))
     assert ratios[0] == pytest.approx(1.48, rel=0.08)
     assert abs(ratios[1] / 2.0 - 1) <= WITHIN
-
-
-def test_paper_128_gpus_simulates_fast_enough(paper_128):
-    # The measuring window spans several lifetimes of the longest sequence (start-up and long
-    # tail are out of the rate), at 128 GPUs.
-    pipeline, k32 = paper_128
-    assert pipeline.window_s >= 3 * pipeline.longest_s
-    assert k32.window_s >= k32.step_s * 32  # whole phases
+    staged = H100.model_copy(update=dict(pause_s=0.005))
+    assert ratio(*at_128(calib=staged)) == pytest.approx(1.25, rel=0.08)
 
 
 # -- PipelineRL, the 32-H100 version: k = 4 -------------------------------------------------
