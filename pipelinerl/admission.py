@@ -95,6 +95,9 @@ class Admission:
     max_lag: int
     max_inflight: int
     steps_per_generation: int = 1  # k of the conventional baseline (sync mode)
+    # trainer.maxSteps: weights of this version are the last; a group started on them would never
+    # be trained (sync mode would generate a whole phase while the trainer checkpoints and ends)
+    max_steps: int | None = None
     started: int = 0  # by this process
     finished: int = 0  # by this process
     published: int = 0  # groups in the stream, every incarnation's
@@ -148,6 +151,7 @@ class Admission:
     def may_start(self) -> bool:
         return (
             self.weights_version >= 0
+            and (self.max_steps is None or self.weights_version < self.max_steps)
             and self.queued < self.budget
             and self.cluster_room > 0
             and self.inflight < self.max_inflight

@@ -383,3 +383,23 @@ def test_a_peers_old_group_in_flight_holds_this_generators_share():
     assert a.oldest == 5 and a.budget == 0 and not a.may_start()
     a.on_peer(0, queued=1, oldest=None, now=0.5)  # it finished
     assert fill(a) == 2
+
+
+@pytest.mark.parametrize(("max_lag", "k"), [(3, 4), (1, 1)])
+def test_the_last_weights_start_nothing(max_lag, k):
+    """Weights of version maxSteps come after the last step: a group started on them would never
+    be trained. In sync mode the final weights land before the trainer's final checkpoint and its
+    `finished` announcement, and a whole phase would be generated meanwhile (seen in CI under
+    load: the BATCHES stream held a phase past the last step). The control: without the cap the
+    same books start groups."""
+    books = dict(groups_per_step=4, generators=1, max_lag=max_lag, max_inflight=1000, steps_per_generation=k)
+    capped, control = Admission(**books, max_steps=8), Admission(**books)
+    for a in (capped, control):
+        a.on_weights(8 - k, generators=1)  # the last phase's (or step's) weights
+        started = fill(a)
+        assert started > 0
+        for _ in range(started):
+            a.on_finish(8 - k, discarded=False)
+        a.on_trained(32, training_step=7)  # every step trained
+        a.on_weights(8, generators=1)  # the final weights
+    assert fill(control) > 0 and fill(capped) == 0

@@ -272,6 +272,7 @@ async def restore_admission(spec: JobSpec, subjects: JobSubjects, js, rank: int)
         max_lag=spec.max_lag,
         max_inflight=spec.generator.max_inflight_groups,
         steps_per_generation=spec.steps_per_generation,
+        max_steps=spec.trainer.max_steps,
     )
     queued = None
     data = await last_message(js, subjects.stream("ROLLOUTS"), subjects.rollouts(rank))
