@@ -568,6 +568,84 @@ def _trainer_sending(port, backend, bound_s, timeout_s, log_path, group_ids, out
     out_q.put(f"send returned: {sender.status()}")  # not expected: the watchdog ends it first
 
 
+def _sender(port, group_ids, backend="gloo"):
+    """Rank 0's WeightSender of a one-layer model, its one generator having said hello."""
+    import pipelinerl_trainer.weight_sender as ws
+
+    return ws.WeightSender(
+        _TinyEngine(), 0, _Bridge(group_ids), backend=backend, bucket_mb=1, timeout_s=60.0,
+        store=open_store(HOST, port, True, 60.0),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")])],
+)
+def test_the_trainer_trains_on_while_its_update_is_sent_and_the_next_waits_for_it(port, backend, monkeypatch):
+    """Pipeline mode's send (`wait=False`) returns once the weights are packed: the broadcast
+    (here still waiting for its generator to join) goes on from a thread while the trainer trains
+    on. The next send waits for it first, so the snapshot is not packed over mid-send; the
+    generator receives each version exactly. With NCCL the thread's stream first waits for the
+    packing queued on the trainer's (`Snapshot.handoff`)."""
+    from pipelinerl import messages as m
+
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+        monkeypatch.setenv("NCCL_HOSTID", "trainer")
+    group_ids: queue.Queue = queue.Queue()
+    sender = _sender(port, group_ids, backend)
+    layer = sender.engine.module
+    sent = []
+    t0 = time.monotonic()
+    stats = sender.send(1, wait=False)
+    returned_s = time.monotonic() - t0
+    sent.append({n: p.detach().clone() for n, p in layer.named_parameters()})
+    group_id = group_ids.get(timeout=30)  # announced by the thread, after send returned
+    assert returned_s < 5 and sender.flight is not None and sender.flight.is_alive()
+    assert stats["weight_updates"] == 1 and stats["weight_sync_seconds"] < returned_s + 0.1
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    generator = ctx.Process(target=_receiver, args=(port, 1, 2, 60.0, sender.buckets, out_q, backend, group_id))
+    generator.start()
+    try:
+        with torch.no_grad():
+            layer.weight.add_(1.0)  # the trainer's next step, while version 1 is sent from the snapshot
+        assert sender.finish() == {} and sender.flight is None  # (nothing confirmed before version 1)
+        sender.bridge.done.put(
+            m.WeightUpdateDone(version=1, generator=0, incarnation="a", pause_seconds=0.25, running_requests=3)
+        )
+        sent.append({n: p.detach().clone() for n, p in layer.named_parameters()})
+        sender.send(2, wait=False)
+        confirmed = sender.finish()  # the thread confirmed version 1, then sent version 2
+        assert confirmed == {"weight_pause_max_seconds": 0.25, "updates_with_running_requests": 1}
+        rank, status, payload = out_q.get(timeout=60)
+        assert status == "ok", payload
+        got = torch.load(io.BytesIO(payload))
+        assert [all(torch.equal(g[n], t) for n, t in want.items()) for g, want in zip(got, sent)] == [True, True]
+        assert sender.failures == 0 and sender.status()["generators_in_group"] == 1
+    finally:
+        generator.kill()
+        generator.join(10)
+        sender._close_group()
+
+
+def test_what_an_update_in_flight_raises_is_raised_by_the_next_call_that_needs_the_group(port, monkeypatch):
+    """An error the thread met (not a generator's failure, which only drops it) reaches the
+    trainer's own thread at the next send, resync or holders, as it would have from a send that
+    waited; after it the sender has nothing in flight."""
+    sender = _sender(port, queue.Queue())
+
+    def broken(wait):
+        raise RuntimeError("the store is gone")
+
+    monkeypatch.setattr(sender, "publish", broken)
+    sender.send(1, wait=False)
+    with pytest.raises(RuntimeError, match="the store is gone"):
+        sender.holders(1)
+    assert sender.flight is None and sender.finish() == {}
+
+
 @pytest.mark.parametrize(
     "backend",
     ["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")])],
