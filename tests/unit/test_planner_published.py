@@ -136,6 +136,14 @@ def test_paper_128_gpus_misses_whatever_its_estimated_inputs():
     assert 0.7 < min(ratios) and max(ratios) < 2.0 * (1 - WITHIN), ratios
 
 
+def test_paper_128_gpus_simulates_fast_enough(paper_128):
+    # The measuring window spans several lifetimes of the longest sequence (start-up and long
+    # tail are out of the rate), at 128 GPUs.
+    pipeline, k32 = paper_128
+    assert pipeline.window_s >= 3 * pipeline.longest_s
+    assert k32.window_s >= k32.step_s * 32  # whole phases
+
+
 def test_paper_128_gpus_hinges_on_the_weight_update():
     """The estimated cost the ratio turns on: the trainers' time for the weight update after each
     step (the calibration's 1.2 s: ZeRO-3's gather, then NCCL's broadcast, each 15.2 GB at
