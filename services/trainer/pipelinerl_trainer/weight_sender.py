@@ -15,9 +15,10 @@ anything else that needs the group, waits for it first (`finish`), so the snapsh
 packed over while it is sent and a generator takes one update at a time. What the trainer is
 held up by an update is then the packing (ZeRO-3's gather), the previous update's confirmation
 (its replies usually come during the step) and whatever of the previous broadcast outlasted a
-step: at scale, where the broadcast is a large share of a step, that is the trainers' time the
-pipeline gains (docs/planner.md). Generators only admit work the lag budget allows for the
-weights they actually hold, so this never makes data staler than `maxLag`."""
+step: at scale, where the broadcast is a large share of a step,
+that is the trainers' time the pipeline gains (docs/planner.md). Generators only admit work the
+lag budget allows for the weights they actually hold, so this never makes data staler than
+`maxLag`."""
 
 from __future__ import annotations
 
@@ -136,7 +137,7 @@ class WeightSender:
         if self.snapshot is not None:
             self.snapshot.version = version
             stats |= self.confirm()
-            stats |= self.publish(wait) or {}
+            stats |= self.publish(wait, beside=not wait) or {}
         stats["weight_sync_seconds"] = time.perf_counter() - t0
         stats["weight_updates"] = 1
         return stats
@@ -155,18 +156,17 @@ class WeightSender:
             raise error
 
     # -- rank 0 -------------------------------------------------------------------------------
-    def publish(self, wait: bool) -> dict[str, float] | None:
+    def publish(self, wait: bool, beside: bool = False) -> dict[str, float] | None:
         """Broadcast the snapshot to the generators alive, in a new epoch where membership
-        changed: with `wait`, here and until they have loaded it; without, from a thread (`finish`
-        waits for it). None if it reached nobody. A generator's failure drops it; it never raises
-        for one."""
+        changed (`beside`: the broadcast from a thread, `finish` waits for it); None if it reached
+        nobody. A generator's failure drops it; it never raises for one."""
         snapshot = self.snapshot
         assert snapshot is not None and snapshot.version is not None, "rank 0 publishes what it packed"
         version = snapshot.version
         group = self._current_group(version)
         if group is None:
             return None
-        if not wait:
+        if beside:
             handoff = snapshot.handoff()
             self.flight = threading.Thread(
                 target=self._fly, args=(group, version, handoff), name=f"weights-{version}", daemon=True
@@ -175,7 +175,7 @@ class WeightSender:
             return {}
         if not self._broadcast(group, version):
             return None
-        return self.confirm()
+        return self.confirm() if wait else {}
 
     def _broadcast(self, group: WeightGroup, version: int) -> bool:
         """Send the snapshot and record it as pending; False if a member's failure broke it."""
