@@ -8,14 +8,12 @@ or fails to load is dropped and the job goes on with the others; none is ever wa
 a deadline. While the trainer waits for data, `resync` brings generators that joined or fell
 behind up to the snapshot's version, without the other ranks.
 
-The trainer need not wait for the broadcast either: rank 0 confirms the previous update and
-forms the epoch in its own thread, then broadcasts the snapshot (a copy of its own) from another
-while every rank trains the next step, and the generators load it meanwhile; the next update, or
-anything else that needs the group, waits for it first (`finish`), so the snapshot is never
-packed over while it is sent and a generator takes one update at a time. What the trainer is
-held up by an update is then the packing (ZeRO-3's gather), the previous update's confirmation
-(its replies usually come during the step) and whatever of the previous broadcast outlasted a
-step: at scale, where the broadcast is a large share of a step,
+The trainer need not wait for the broadcast either: rank 0 sends the snapshot (a copy of its
+own) from a thread while every rank trains the next step, and the generators load it meanwhile;
+the next update, or anything else that needs the group, waits for it first (`finish`), so the
+snapshot is never packed over while it is sent and a generator takes one update at a time. What
+the trainer is held up by an update is then the packing (ZeRO-3's gather) and whatever of the
+previous broadcast outlasted a step: at scale, where the broadcast is a large share of a step,
 that is the trainers' time the pipeline gains (docs/planner.md). Generators only admit work the
 lag budget allows for the weights they actually hold, so this never makes data staler than
 `maxLag`."""
@@ -114,21 +112,20 @@ class WeightSender:
         # Bounds each `form` (`form_bound`) and the wait for an update in flight: past either the
         # trainer exits and is restarted.
         self.watchdog = Watchdog()
-        self.flight: threading.Thread | None = None  # rank 0's broadcast sent while the trainer trains on
-        self.flight_error: BaseException | None = None
+        self.flight: threading.Thread | None = None  # rank 0's update being sent while the trainer trains on
+        self.flight_outcome: dict[str, float] | BaseException = {}
 
     # -- all ranks ---------------------------------------------------------------------------
     def send(self, version: int, wait: bool = True) -> dict[str, float]:
-        """Pack the weights of `version` (the broadcast in flight finished first); rank 0 confirms
-        the previous update and broadcasts this one: with `wait`, here, and until the generators
-        have loaded it; without, the broadcast from a thread while the trainer trains on. The
-        pause statistics are those of the latest update confirmed. Below the floor: nothing (on
-        every rank alike)."""
+        """Pack the weights of `version` (the update in flight finished first); rank 0 confirms the
+        previous update and broadcasts this one: with `wait`, here, and until the generators have
+        loaded it; without, from a thread while the trainer trains on. The pause statistics are
+        those of the latest update confirmed. Below the floor: nothing (on every rank alike)."""
         t0 = time.perf_counter()
         stats = dict(NO_UPDATE)
         if version < self.floor:
             return stats
-        self.finish()
+        stats |= self.finish()
         for i, bucket in enumerate(self.buckets):
             params = [self.by_name[t["name"]] for t in bucket["tensors"]]
             with full_parameters(self.engine, params):
@@ -136,69 +133,63 @@ class WeightSender:
                     self.snapshot.pack(i, {t["name"]: p.data for t, p in zip(bucket["tensors"], params)})
         if self.snapshot is not None:
             self.snapshot.version = version
-            stats |= self.confirm()
-            stats |= self.publish(wait, beside=not wait) or {}
+            if wait:
+                stats |= self.confirm()
+                stats |= self.publish(wait=True) or {}
+            else:
+                handoff = self.snapshot.handoff()
+                self.flight = threading.Thread(
+                    target=self._fly, args=(handoff,), name=f"weights-{version}", daemon=True
+                )
+                self.flight.start()
         stats["weight_sync_seconds"] = time.perf_counter() - t0
         stats["weight_updates"] = 1
         return stats
 
-    def finish(self) -> None:
-        """Rank 0: wait for the broadcast in flight, if one is (within the longest its buckets'
-        timeouts allow, else the watchdog ends the process), and raise what it raised (a
-        generator's failure only drops it). Elsewhere: nothing to wait for."""
+    def finish(self) -> dict[str, float]:
+        """Rank 0: wait for the update in flight, if one is (within the longest its waits allow,
+        else the watchdog ends the process), and return the statistics of the update it
+        confirmed; raise what it raised. Elsewhere: nothing to wait for."""
         flight, self.flight = self.flight, None
         if flight is None:
-            return
-        with self.watchdog.bound("the weight broadcast in flight", (1 + len(self.buckets)) * self.timeout_s):
+            return {}
+        bound = (2 + len(self.buckets)) * self.timeout_s + FORM_ATTEMPTS * form_bound(self.timeout_s)
+        with self.watchdog.bound("the weight update in flight", bound):
             flight.join()
-        error, self.flight_error = self.flight_error, None
-        if error is not None:
-            raise error
+        outcome, self.flight_outcome = self.flight_outcome, {}
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return outcome
 
     # -- rank 0 -------------------------------------------------------------------------------
-    def publish(self, wait: bool, beside: bool = False) -> dict[str, float] | None:
+    def publish(self, wait: bool) -> dict[str, float] | None:
         """Broadcast the snapshot to the generators alive, in a new epoch where membership
-        changed (`beside`: the broadcast from a thread, `finish` waits for it); None if it reached
-        nobody. A generator's failure drops it; it never raises for one."""
+        changed; None if it reached nobody. A generator's failure drops it; it never raises for one."""
         snapshot = self.snapshot
         assert snapshot is not None and snapshot.version is not None, "rank 0 publishes what it packed"
         version = snapshot.version
         group = self._current_group(version)
         if group is None:
             return None
-        if beside:
-            handoff = snapshot.handoff()
-            self.flight = threading.Thread(
-                target=self._fly, args=(group, version, handoff), name=f"weights-{version}", daemon=True
-            )
-            self.flight.start()
-            return {}
-        if not self._broadcast(group, version):
-            return None
-        return self.confirm() if wait else {}
-
-    def _broadcast(self, group: WeightGroup, version: int) -> bool:
-        """Send the snapshot and record it as pending; False if a member's failure broke it."""
-        assert self.snapshot is not None
         try:
-            group.broadcast(self.snapshot)
+            group.broadcast(snapshot)
         except WeightSyncError as err:  # a member died mid-broadcast: which one, gloo cannot say
             log.warning("weight broadcast of version %d failed, re-forming the group: %s", version, err)
             self.membership.suspect(self.bridge.now())
             self.broken_broadcasts += 1
             self._close_group()  # closes its connections: members still receiving fail at once
-            return False
+            return None
         self.pending = (version, self.bridge.now() + self.timeout_s, self.membership.members)
-        return True
+        return self.confirm() if wait else {}
 
-    def _fly(self, group: WeightGroup, version: int, handoff: Callable[[], None]) -> None:
-        """The thread of a broadcast sent while the trainer trains on; what it raises is kept for
-        `finish`."""
+    def _fly(self, handoff: Callable[[], None]) -> None:
+        """The thread of an update sent while the trainer trains on: confirm the previous
+        update, broadcast this one, keep the outcome for `finish`."""
         try:
             handoff()
-            self._broadcast(group, version)
+            self.flight_outcome = self.confirm() | (self.publish(wait=False) or {})
         except BaseException as err:  # noqa: BLE001 - raised in the trainer's thread, by `finish`
-            self.flight_error = err
+            self.flight_outcome = err
 
     def _current_group(self, version: int) -> WeightGroup | None:
         """Announce the update and return the group to broadcast it in, forming a new epoch's
