@@ -8,24 +8,17 @@ or fails to load is dropped and the job goes on with the others; none is ever wa
 a deadline. While the trainer waits for data, `resync` brings generators that joined or fell
 behind up to the snapshot's version, without the other ranks.
 
-The trainer need not wait for the broadcast either: rank 0 sends the snapshot (a copy of its
-own) from a thread while every rank trains the next step, and the generators load it meanwhile;
-the next update, or anything else that needs the group, waits for it first (`finish`), so the
-snapshot is never packed over while it is sent and a generator takes one update at a time. What
-the trainer is held up by an update is then the packing (ZeRO-3's gather) and whatever of the
-previous broadcast outlasted a step: at scale, where the broadcast is a large share of a step,
-that is the trainers' time the pipeline gains (docs/planner.md). Generators only admit work the
-lag budget allows for the weights they actually hold, so this never makes data staler than
-`maxLag`."""
+The trainer need not wait for the replies: once the bytes are sent it can train on while the
+generators load them, and the replies are collected before the next update (a generator
+takes one update at a time). Generators only admit work the lag budget allows for the weights
+they actually hold, so this never makes data staler than `maxLag`."""
 
 from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from typing import Protocol
 
 from pipelinerl import messages as m
@@ -109,23 +102,18 @@ class WeightSender:
         self.run_id = uuid.uuid4().hex[:8]  # this trainer process: its group ids never repeat a predecessor's
         self.pending: tuple[int, float, tuple[Member, ...]] | None = None  # (version, deadline, members) unconfirmed
         self.broken_broadcasts = 0  # broadcasts a member's failure broke (each re-forms the group)
-        # Bounds each `form` (`form_bound`) and the wait for an update in flight: past either the
-        # trainer exits and is restarted.
+        # Bounds each `form` (`form_bound`): past it the trainer exits and is restarted.
         self.watchdog = Watchdog()
-        self.flight: threading.Thread | None = None  # rank 0's update being sent while the trainer trains on
-        self.flight_outcome: dict[str, float] | BaseException = {}
 
     # -- all ranks ---------------------------------------------------------------------------
     def send(self, version: int, wait: bool = True) -> dict[str, float]:
-        """Pack the weights of `version` (the update in flight finished first); rank 0 confirms the
-        previous update and broadcasts this one: with `wait`, here, and until the generators have
-        loaded it; without, from a thread while the trainer trains on. The pause statistics are
+        """Pack the weights of `version`; rank 0 confirms the previous update and broadcasts this
+        one (with `wait`, also until the generators have loaded it). The pause statistics are
         those of the latest update confirmed. Below the floor: nothing (on every rank alike)."""
         t0 = time.perf_counter()
         stats = dict(NO_UPDATE)
         if version < self.floor:
             return stats
-        stats |= self.finish()
         for i, bucket in enumerate(self.buckets):
             params = [self.by_name[t["name"]] for t in bucket["tensors"]]
             with full_parameters(self.engine, params):
@@ -133,33 +121,11 @@ class WeightSender:
                     self.snapshot.pack(i, {t["name"]: p.data for t, p in zip(bucket["tensors"], params)})
         if self.snapshot is not None:
             self.snapshot.version = version
-            if wait:
-                stats |= self.confirm()
-                stats |= self.publish(wait=True) or {}
-            else:
-                handoff = self.snapshot.handoff()
-                self.flight = threading.Thread(
-                    target=self._fly, args=(handoff,), name=f"weights-{version}", daemon=True
-                )
-                self.flight.start()
+            stats |= self.confirm()
+            stats |= self.publish(wait) or {}
         stats["weight_sync_seconds"] = time.perf_counter() - t0
         stats["weight_updates"] = 1
         return stats
-
-    def finish(self) -> dict[str, float]:
-        """Rank 0: wait for the update in flight, if one is (within the longest its waits allow,
-        else the watchdog ends the process), and return the statistics of the update it
-        confirmed; raise what it raised. Elsewhere: nothing to wait for."""
-        flight, self.flight = self.flight, None
-        if flight is None:
-            return {}
-        bound = (2 + len(self.buckets)) * self.timeout_s + FORM_ATTEMPTS * form_bound(self.timeout_s)
-        with self.watchdog.bound("the weight update in flight", bound):
-            flight.join()
-        outcome, self.flight_outcome = self.flight_outcome, {}
-        if isinstance(outcome, BaseException):
-            raise outcome
-        return outcome
 
     # -- rank 0 -------------------------------------------------------------------------------
     def publish(self, wait: bool) -> dict[str, float] | None:
@@ -181,15 +147,6 @@ class WeightSender:
             return None
         self.pending = (version, self.bridge.now() + self.timeout_s, self.membership.members)
         return self.confirm() if wait else {}
-
-    def _fly(self, handoff: Callable[[], None]) -> None:
-        """The thread of an update sent while the trainer trains on: confirm the previous
-        update, broadcast this one, keep the outcome for `finish`."""
-        try:
-            handoff()
-            self.flight_outcome = self.confirm() | (self.publish(wait=False) or {})
-        except BaseException as err:  # noqa: BLE001 - raised in the trainer's thread, by `finish`
-            self.flight_outcome = err
 
     def _current_group(self, version: int) -> WeightGroup | None:
         """Announce the update and return the group to broadcast it in, forming a new epoch's
@@ -285,7 +242,6 @@ class WeightSender:
         reached a generator."""
         if self.snapshot is None or self.snapshot.version is None:
             return False
-        self.finish()
         self.confirm()
         self._take_hellos()
         now = self.bridge.now()
@@ -295,7 +251,6 @@ class WeightSender:
 
     def holders(self, version: int) -> list[Member]:
         """Generators alive that hold the weights of `version` (or newer)."""
-        self.finish()
         now = self.bridge.now()
         self._take_hellos()
         return [g for g in self.membership.alive(now) if self.membership.holds.get(g, -1) >= version]
