@@ -285,8 +285,8 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
 def step_sender_main(path: str, port: int, bucket_mb: int, cpu: int | None, gen_q, done_q, steps_q, res_q) -> None:
     """A trainer process for the rollout path with updates (`bench/rollout_path.py`): on its own
     core (`cpu`), the project's `WeightSender` sends the weights of each version `steps_q` names
-    as a run's trainer does after a step (`wait=False`: the previous update is confirmed at the
-    next); a None ends it, and its send statistics go to `res_q`."""
+    as a run's trainer does after a step (`wait=False`: sent from a thread, the previous update
+    finished and confirmed at the next); a None ends it, and its send statistics go to `res_q`."""
     with _trainer_side(gen_q, res_q):
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})
@@ -302,6 +302,7 @@ def step_sender_main(path: str, port: int, bucket_mb: int, cpu: int | None, gen_
         sent = []
         while (version := steps_q.get(timeout=RUN_TIMEOUT_S)) is not None:
             sent.append({"version": version, **sender.send(version, wait=False)})
+        sender.finish()
         sender.confirm()
         res_q.put(("ok", sent))
 

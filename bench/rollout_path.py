@@ -23,7 +23,8 @@ With `--trainer-cpu`, each run is paired with one in which the job's weight upda
 steps: a trainer process on that core sends the job's model with the project's `WeightSender`
 each time the builder completes a step, and the engine applies each as the generator service
 does (staged while requests run). What the paired run took beyond its pair, per update, is each
-engine's cost of an update on its core (the planner's `pause_s`); the sender's seconds are the
+engine's cost of an update on its core (the planner's `pause_s`); the seconds the sender holds
+its caller up (packing, and the previous update's thread when it outlasted a step) are the
 trainer's (`weight_sync_s`). One update a step is a few percent of a run, within the pairs'
 spread; `--updates-per-step 4` sends more (14-35 a run of 192 groups) and resolves it.
 

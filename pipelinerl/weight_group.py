@@ -19,7 +19,7 @@ import hmac
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -425,6 +425,22 @@ class Snapshot:
         self.buckets = buckets
         self.buffers = [torch.empty(b["numel"], dtype=DTYPES[b["dtype"]], device=device) for b in buckets]
         self.version: int | None = None  # of the weights packed (None: nothing yet)
+
+    def handoff(self) -> Callable[[], None]:
+        """What a thread that sends the buffers calls before it does: on a GPU, its stream waits
+        for the packing queued so far on the caller's (a collective waits for its own thread's
+        current stream only); on CPU the copies are done already."""
+        device = self.buffers[0].device if self.buffers else torch.device("cpu")
+        if device.type != "cuda":
+            return lambda: None
+        packed = torch.cuda.Event()
+        packed.record(torch.cuda.current_stream(device))
+
+        def wait() -> None:
+            torch.cuda.set_device(device)
+            torch.cuda.current_stream(device).wait_event(packed)
+
+        return wait
 
     def pack(self, index: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy bucket `index`'s tensors (by name) into its buffer, casting to the planned dtype."""

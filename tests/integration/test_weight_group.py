@@ -568,6 +568,95 @@ def _trainer_sending(port, backend, bound_s, timeout_s, log_path, group_ids, out
     out_q.put(f"send returned: {sender.status()}")  # not expected: the watchdog ends it first
 
 
+def _sender(port, group_ids, backend="gloo"):
+    """Rank 0's WeightSender of a one-layer model, its one generator having said hello."""
+    import pipelinerl_trainer.weight_sender as ws
+
+    return ws.WeightSender(
+        _TinyEngine(), 0, _Bridge(group_ids), backend=backend, bucket_mb=1, timeout_s=60.0,
+        store=open_store(HOST, port, True, 60.0),
+    )  # fmt: skip
+
+
+def _receiver_of_announced(port, group_ids, buckets, out_q, backend):
+    """A generator that joins the epoch the trainer announces and receives two updates."""
+    _receiver(port, 1, 2, 60.0, buckets, out_q, backend, group_ids.get(timeout=60))
+
+
+@pytest.mark.parametrize(
+    "backend",
+    ["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")])],
+)
+def test_the_trainer_trains_on_while_its_update_is_sent_and_the_next_waits_for_it(port, backend, monkeypatch):
+    """Pipeline mode's send (`wait=False`) confirms, forms the epoch and returns once the
+    broadcast has started from a thread (held here until released, as a large model's would
+    run): the trainer trains on, changing its weights, while the snapshot goes out unchanged. The
+    next send waits for it first; the generator receives each version exactly. With NCCL the
+    thread's stream first waits for the packing queued on the trainer's (`Snapshot.handoff`)."""
+    from pipelinerl import messages as m
+
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+        monkeypatch.setenv("NCCL_HOSTID", "trainer")
+    released = threading.Event()
+    broadcast = WeightGroup.broadcast
+
+    def held(self, snapshot):
+        assert released.wait(60)
+        broadcast(self, snapshot)
+
+    monkeypatch.setattr(WeightGroup, "broadcast", held)
+    ctx = mp.get_context("spawn")
+    group_ids, out_q = ctx.Queue(), ctx.Queue()
+    sender = _sender(port, group_ids, backend)
+    generator = ctx.Process(target=_receiver_of_announced, args=(port, group_ids, sender.buckets, out_q, backend))
+    generator.start()
+    try:
+        layer = sender.engine.module
+        sent = [{n: p.detach().clone() for n, p in layer.named_parameters()}]
+        stats = sender.send(1, wait=False)  # returns with the broadcast held in its thread
+        assert stats["weight_updates"] == 1 and sender.flight is not None and sender.flight.is_alive()
+        assert sender.status()["generators_in_group"] == 1  # the epoch formed in the trainer's thread
+        with torch.no_grad():
+            layer.weight.add_(1.0)  # the trainer's next step, while version 1 is still to be sent
+        sent.append({n: p.detach().clone() for n, p in layer.named_parameters()})
+        released.set()
+        sender.bridge.done.put(
+            m.WeightUpdateDone(version=1, generator=0, incarnation="a", pause_seconds=0.25, running_requests=3)
+        )
+        confirmed = sender.send(2, wait=False)  # waits for version 1's broadcast, confirms it
+        assert confirmed["weight_pause_max_seconds"] == 0.25 and confirmed["updates_with_running_requests"] == 1
+        sender.finish()
+        rank, status, payload = out_q.get(timeout=60)
+        assert status == "ok", payload
+        got = torch.load(io.BytesIO(payload))
+        assert [all(torch.equal(g[n], t) for n, t in want.items()) for g, want in zip(got, sent)] == [True, True]
+        assert sender.failures == 0 and sender.flight is None
+    finally:
+        released.set()
+        generator.kill()
+        generator.join(10)
+        sender._close_group()
+
+
+def test_what_a_broadcast_in_flight_raises_is_raised_by_the_next_call_that_needs_the_group(port, monkeypatch):
+    """An error the thread met (not a generator's failure, which only drops it) reaches the
+    trainer's own thread at the next send, resync or holders, as it would have from a send that
+    waited; after it the sender has nothing in flight."""
+    sender = _sender(port, queue.Queue())
+    monkeypatch.setattr(sender, "_current_group", lambda version: SimpleNamespace())
+
+    def broken(group, version):
+        raise RuntimeError("the snapshot is gone")
+
+    monkeypatch.setattr(sender, "_broadcast", broken)
+    sender.send(1, wait=False)
+    with pytest.raises(RuntimeError, match="the snapshot is gone"):
+        sender.holders(1)
+    assert sender.flight is None
+    sender.finish()  # nothing left to raise
+
+
 @pytest.mark.parametrize(
     "backend",
     ["gloo", pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")])],

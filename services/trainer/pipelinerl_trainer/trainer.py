@@ -351,6 +351,11 @@ class Trainer:
             # Stopped (suspend, a drain, Ctrl-C): keep every step taken, within the grace period.
             log.info("stopping: checkpointing step %d (the last one was %d)", p.version, p.checkpointed)
             self._checkpoint()
+        if self.rank == 0:  # the update in flight ends before the bridge it talks over closes
+            try:
+                self.sender.finish()
+            except Exception as err:  # noqa: BLE001 - stopping anyway; the generators go on without it
+                log.warning("the weight update in flight failed as the trainer stopped: %r", err)
         finished = p.version >= self.spec.trainer.max_steps
         self.reporter.board.update(finished=finished)
         self.reporter.close(finished, self.stop.is_set)

@@ -8,17 +8,25 @@ or fails to load is dropped and the job goes on with the others; none is ever wa
 a deadline. While the trainer waits for data, `resync` brings generators that joined or fell
 behind up to the snapshot's version, without the other ranks.
 
-The trainer need not wait for the replies: once the bytes are sent it can train on while the
-generators load them, and the replies are collected before the next update (a generator
-takes one update at a time). Generators only admit work the lag budget allows for the weights
-they actually hold, so this never makes data staler than `maxLag`."""
+The trainer need not wait for the broadcast either: rank 0 confirms the previous update and
+forms the epoch in its own thread, then broadcasts the snapshot (a copy of its own) from another
+while every rank trains the next step, and the generators load it meanwhile; the next update, or
+anything else that needs the group, waits for it first (`finish`), so the snapshot is never
+packed over while it is sent and a generator takes one update at a time. What the trainer is
+held up by an update is then the packing (ZeRO-3's gather), the previous update's confirmation
+(its replies usually come during the step) and whatever of the previous broadcast outlasted a
+step: at scale, where the broadcast is a large share of a step, that is the trainers' time the
+pipeline gains (docs/planner.md). Generators only admit work the lag budget allows for the
+weights they actually hold, so this never makes data staler than `maxLag`."""
 
 from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Protocol
 
 from pipelinerl import messages as m
@@ -102,18 +110,24 @@ class WeightSender:
         self.run_id = uuid.uuid4().hex[:8]  # this trainer process: its group ids never repeat a predecessor's
         self.pending: tuple[int, float, tuple[Member, ...]] | None = None  # (version, deadline, members) unconfirmed
         self.broken_broadcasts = 0  # broadcasts a member's failure broke (each re-forms the group)
-        # Bounds each `form` (`form_bound`): past it the trainer exits and is restarted.
+        # Bounds each `form` (`form_bound`) and the wait for an update in flight: past either the
+        # trainer exits and is restarted.
         self.watchdog = Watchdog()
+        self.flight: threading.Thread | None = None  # rank 0's broadcast sent while the trainer trains on
+        self.flight_error: BaseException | None = None
 
     # -- all ranks ---------------------------------------------------------------------------
     def send(self, version: int, wait: bool = True) -> dict[str, float]:
-        """Pack the weights of `version`; rank 0 confirms the previous update and broadcasts this
-        one (with `wait`, also until the generators have loaded it). The pause statistics are
-        those of the latest update confirmed. Below the floor: nothing (on every rank alike)."""
+        """Pack the weights of `version` (the broadcast in flight finished first); rank 0 confirms
+        the previous update and broadcasts this one: with `wait`, here, and until the generators
+        have loaded it; without, the broadcast from a thread while the trainer trains on. The
+        pause statistics are those of the latest update confirmed. Below the floor: nothing (on
+        every rank alike)."""
         t0 = time.perf_counter()
         stats = dict(NO_UPDATE)
         if version < self.floor:
             return stats
+        self.finish()
         for i, bucket in enumerate(self.buckets):
             params = [self.by_name[t["name"]] for t in bucket["tensors"]]
             with full_parameters(self.engine, params):
@@ -127,26 +141,64 @@ class WeightSender:
         stats["weight_updates"] = 1
         return stats
 
+    def finish(self) -> None:
+        """Rank 0: wait for the broadcast in flight, if one is (within the longest its buckets'
+        timeouts allow, else the watchdog ends the process), and raise what it raised (a
+        generator's failure only drops it). Elsewhere: nothing to wait for."""
+        flight, self.flight = self.flight, None
+        if flight is None:
+            return
+        with self.watchdog.bound("the weight broadcast in flight", (1 + len(self.buckets)) * self.timeout_s):
+            flight.join()
+        error, self.flight_error = self.flight_error, None
+        if error is not None:
+            raise error
+
     # -- rank 0 -------------------------------------------------------------------------------
     def publish(self, wait: bool) -> dict[str, float] | None:
         """Broadcast the snapshot to the generators alive, in a new epoch where membership
-        changed; None if it reached nobody. A generator's failure drops it; it never raises for one."""
+        changed: with `wait`, here and until they have loaded it; without, from a thread (`finish`
+        waits for it). None if it reached nobody. A generator's failure drops it; it never raises
+        for one."""
         snapshot = self.snapshot
         assert snapshot is not None and snapshot.version is not None, "rank 0 publishes what it packed"
         version = snapshot.version
         group = self._current_group(version)
         if group is None:
             return None
+        if not wait:
+            handoff = snapshot.handoff()
+            self.flight = threading.Thread(
+                target=self._fly, args=(group, version, handoff), name=f"weights-{version}", daemon=True
+            )
+            self.flight.start()
+            return {}
+        if not self._broadcast(group, version):
+            return None
+        return self.confirm()
+
+    def _broadcast(self, group: WeightGroup, version: int) -> bool:
+        """Send the snapshot and record it as pending; False if a member's failure broke it."""
+        assert self.snapshot is not None
         try:
-            group.broadcast(snapshot)
+            group.broadcast(self.snapshot)
         except WeightSyncError as err:  # a member died mid-broadcast: which one, gloo cannot say
             log.warning("weight broadcast of version %d failed, re-forming the group: %s", version, err)
             self.membership.suspect(self.bridge.now())
             self.broken_broadcasts += 1
             self._close_group()  # closes its connections: members still receiving fail at once
-            return None
+            return False
         self.pending = (version, self.bridge.now() + self.timeout_s, self.membership.members)
-        return self.confirm() if wait else {}
+        return True
+
+    def _fly(self, group: WeightGroup, version: int, handoff: Callable[[], None]) -> None:
+        """The thread of a broadcast sent while the trainer trains on; what it raises is kept for
+        `finish`."""
+        try:
+            handoff()
+            self._broadcast(group, version)
+        except BaseException as err:  # noqa: BLE001 - raised in the trainer's thread, by `finish`
+            self.flight_error = err
 
     def _current_group(self, version: int) -> WeightGroup | None:
         """Announce the update and return the group to broadcast it in, forming a new epoch's
@@ -242,6 +294,7 @@ class WeightSender:
         reached a generator."""
         if self.snapshot is None or self.snapshot.version is None:
             return False
+        self.finish()
         self.confirm()
         self._take_hellos()
         now = self.bridge.now()
@@ -251,6 +304,7 @@ class WeightSender:
 
     def holders(self, version: int) -> list[Member]:
         """Generators alive that hold the weights of `version` (or newer)."""
+        self.finish()
         now = self.bridge.now()
         self._take_hellos()
         return [g for g in self.membership.alive(now) if self.membership.holds.get(g, -1) >= version]
