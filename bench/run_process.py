@@ -52,11 +52,13 @@ class RunProcess:
     def wait_step(self, step: int) -> None:
         self.wait_until(lambda train: train and train[-1]["step"] >= step, f"step {step}")
 
-    def wait_until(self, done, what: str) -> None:
-        """Until `done(train rows)` holds, while the run goes on."""
-        while not done(self.train()):
-            assert self.proc.poll() is None, f"the run ended before {what}:\n{self.output()}"
-            assert time.monotonic() < self.deadline, f"no {what} in time:\n{self.output()}"
+    def wait_until(self, done, what: str, shown=None) -> None:
+        """Until `done(train rows)` holds, while the run goes on; a failure names `what` and
+        `shown(train rows)` where given."""
+        while not done(train := self.train()):
+            seen = f"\n{shown(train)}" if shown else ""
+            assert self.proc.poll() is None, f"the run ended before {what}:{seen}\n{self.output()}"
+            assert time.monotonic() < self.deadline, f"no {what} in time:{seen}\n{self.output()}"
             time.sleep(0.2)
 
     def stop(self) -> None:

@@ -22,6 +22,16 @@ def groups_from(row: dict, generator: int) -> int:
     return row.get(f"groups_from_generator_{generator}", 0)
 
 
+def changes(train: list[dict]) -> list[tuple[int, int, int, bool]]:
+    """(step, weight epoch, generators in the group, generator 1 fed it) where any but the step changed."""
+    out: list[tuple[int, int, int, bool]] = []
+    for r in train:
+        row = (r["step"], r["weight_epoch"], r["generators_in_group"], groups_from(r, 1) > 0)
+        if not out or out[-1][1:] != row[1:]:
+            out.append(row)
+    return out
+
+
 def test_one_generator_of_two_dies_and_rejoins(start_run):
     # Runs until the restarted generator has fed two steps, then stops. One group in flight per
     # generator: the survivor alone then keeps the trainer waiting rather than both cores busy,
@@ -50,7 +60,11 @@ def test_one_generator_of_two_dies_and_rejoins(start_run):
             and r["generators_in_group"] == 2
         ]
 
-    run.wait_until(lambda train: len(back(train)) >= 2, "two steps fed by the restarted generator")
+    run.wait_until(
+        lambda train: len(back(train)) >= 2,
+        "two steps fed by the restarted generator",
+        lambda train: f"killed after step {killed_at} in epoch {epoch}; changes: {changes(train)}",
+    )
     run.stop()
     train = run.train()
     assert [r["step"] for r in train] == list(range(1, len(train) + 1))  # the trainer never stopped nor repeated
