@@ -84,6 +84,14 @@ class RunProcess:
         os.killpg(pid, signal.SIGKILL)
         return pid, self.train()[-1]["step"]
 
+    def restarted(self, name: str, pid: int) -> int:
+        """The pid of `name`'s next process once the runner has started it in place of `pid`."""
+        while (now := self.services()[name]["pid"]) == pid:
+            assert self.proc.poll() is None, f"the run ended before {name} was restarted:\n{self.output()}"
+            assert time.monotonic() < self.deadline, f"{name} was not restarted in time:\n{self.output()}"
+            time.sleep(0.05)
+        return now
+
     def finish(self) -> None:
         try:
             code = self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
