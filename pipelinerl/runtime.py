@@ -5,6 +5,7 @@ NATS, serving until stopped, shutdown."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import os
 import signal
@@ -30,6 +31,7 @@ JOIN_RETRY_S = 1.0  # between join_job's tries at the streams, where a request w
 # blocks it, with no timeout): /healthz says so, and its pod's liveness probe restarts it.
 LOOP_STALL_S = 120.0
 LOOP_BEAT_S = 1.0
+SERVER_STOP_S = 5.0  # the health server's wait for its last requests at exit
 
 
 class LoopBeat:
@@ -99,8 +101,17 @@ class HealthServer:
         import uvicorn
 
         server = uvicorn.Server(uvicorn.Config(self.app, host="0.0.0.0", port=self.port, log_level="warning"))
-        threading.Thread(target=server.run, name="http", daemon=True).start()
+        thread = threading.Thread(target=server.run, name="http", daemon=True)
+        thread.start()
+        # Stopped at exit, before the interpreter tears its modules down: a daemon thread still
+        # in uvicorn's loop then can crash the process (SIGSEGV), a clean exit read as a failure.
+        atexit.register(_stop_server, server, thread)
         return self
+
+
+def _stop_server(server, thread: threading.Thread) -> None:
+    server.should_exit = True  # its loop looks every 0.1 s; requests in flight are answered
+    thread.join(SERVER_STOP_S)
 
 
 async def join_job(job: PipelineRLJob, env: ServiceEnv, client: str) -> Any:

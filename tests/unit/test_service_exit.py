@@ -1,8 +1,9 @@
 """A service stuck or failed does not stay up as if healthy (`pipelinerl.runtime`): a failed one
 exits whatever it leaves running (a thread stuck in the default executor, a reward function's
 remote call with no timeout of its own, would hold asyncio.run's teardown, and the pod, forever),
-and one whose event loop is blocked says so on /healthz, which its pod's liveness probe reads.
-Each run as its own process."""
+and one whose event loop is blocked says so on /healthz, which its pod's liveness probe reads;
+one that ends stops its health server before the interpreter tears down. Each run as its own
+process."""
 
 from __future__ import annotations
 
@@ -106,3 +107,34 @@ def test_a_blocked_event_loop_of_a_ready_service_fails_the_health_check_until_it
     loading, before, during, after = json.loads(done.stdout.strip().splitlines()[-1])
     assert loading == before == after == [200, "ok"]
     assert during[0] == 503 and during[1].startswith("event loop stalled for")
+
+
+EXITING = """
+import atexit, sys, threading, urllib.request
+from pydantic import BaseModel
+import pipelinerl.runtime as rt
+
+port = int(sys.argv[1])
+# atexit runs last what was registered first: this looks after the server's own stop has run.
+atexit.register(lambda: print("http thread at exit:", any(t.name == "http" for t in threading.enumerate())))
+rt.HealthServer("test", port, BaseModel).start()
+for _ in range(100):
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5).read()
+        break
+    except OSError:
+        threading.Event().wait(0.1)
+print("answered")
+"""
+
+
+def test_the_health_server_is_stopped_before_the_interpreter_tears_down():
+    """Its uvicorn loop runs in a daemon thread: left running while the interpreter finalizes
+    its modules, it can crash a process that ends cleanly (once in CI: -11, SIGSEGV, for a
+    service whose output was complete). At exit it is stopped and joined first."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run([sys.executable, "-c", EXITING, str(port)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["answered", "http", "thread", "at", "exit:", "False"], done.stdout
