@@ -13,7 +13,8 @@ and ended at 19.7%.
 problems), computed from the weights: no sampling noise, so what varies is the training alone.
 Four runs (one in a full CI suite, three alone; 2026-12-05, 2-core EPYC) took it from 0.182 to
 0.292, 0.276, 0.263 and 0.273 (+0.08 to +0.11); with the trainer's broadcast on a thread, two
-alone +0.107 and +0.104 and two in full CI suites +0.096 and +0.043 (2026-12-06, 2-core Xeon;
+alone +0.107 and +0.104, two beside two busy processes +0.115 and +0.112, and two in full CI
+suites +0.096 and +0.043 (2026-12-06, 2-core Xeon;
 that run's training reward still rose, 0.32 to 0.39 over its first and last ten steps, with no
 sample dropped and ESS 0.985), so the bound is +0.03. What this test asserted before, the mean training
 reward of the last ten steps against the first ten, rose +6, +10, +11 and +13 points in those
