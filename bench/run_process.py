@@ -55,11 +55,7 @@ class RunProcess:
     def wait_until(self, done, what: str, shown=None) -> None:
         """Until `done(train rows)` holds, while the run goes on; a failure names `what` and
         `shown(train rows)` where given."""
-        while not done(train := self.train()):
-            seen = f"\n{shown(train)}" if shown else ""
-            assert self.proc.poll() is None, f"the run ended before {what}:{seen}\n{self.output()}"
-            assert time.monotonic() < self.deadline, f"no {what} in time:{seen}\n{self.output()}"
-            time.sleep(0.2)
+        self._until(lambda: done(self.train()), what, lambda: f"\n{shown(self.train())}" if shown else "")
 
     def stop(self) -> None:
         """Stop the run as Ctrl-C does (every service stops; the trainer checkpoints first)."""
@@ -86,11 +82,15 @@ class RunProcess:
 
     def restarted(self, name: str, pid: int) -> int:
         """The pid of `name`'s next process once the runner has started it in place of `pid`."""
-        while (now := self.services()[name]["pid"]) == pid:
-            assert self.proc.poll() is None, f"the run ended before {name} was restarted:\n{self.output()}"
-            assert time.monotonic() < self.deadline, f"{name} was not restarted in time:\n{self.output()}"
-            time.sleep(0.05)
-        return now
+        self._until(lambda: self.services()[name]["pid"] != pid, f"restart of {name}", every_s=0.05)
+        return self.services()[name]["pid"]
+
+    def _until(self, ok, what: str, seen=lambda: "", every_s: float = 0.2) -> None:
+        """Poll `ok()` while the run goes on, within its deadline; a failure names `what`, then `seen()`."""
+        while not ok():
+            assert self.proc.poll() is None, f"the run ended before {what}:{seen()}\n{self.output()}"
+            assert time.monotonic() < self.deadline, f"no {what} in time:{seen()}\n{self.output()}"
+            time.sleep(every_s)
 
     def finish(self) -> None:
         try:

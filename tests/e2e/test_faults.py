@@ -68,8 +68,9 @@ def test_one_generator_of_two_dies_and_rejoins(start_run):
         run.wait_until(lambda t: len(steps(t, killed_at, epoch, 1, False)) >= 2, "two steps fed by one", shown)
     finally:
         os.killpg(restarted, signal.SIGCONT)
-    alone = steps(run.train(), killed_at, epoch, 1, False)
-    alone_epoch = max(r["weight_epoch"] for r in run.train() if r["step"] in alone)
+    train = run.train()
+    alone = steps(train, killed_at, epoch, 1, False)
+    alone_epoch = max(r["weight_epoch"] for r in train if r["step"] in alone)
     # Then it joins a newer epoch of two and feeds steps again.
     run.wait_until(lambda t: len(steps(t, alone[-1], alone_epoch, 2, True)) >= 2, "two steps fed by the restart", shown)
     run.stop()
