@@ -12,7 +12,8 @@ faults in tests/k8s/live/test_k8s_operator_alerts.py, and test_k8s_monitoring.py
 against its registry; no kubelet runs here.
 
 Faulted: real faults on the running services (a stopped preprocessor, a generator stopped short of
-the weight sync's deadline and past it, a generator's groups arriving far too old, poison), and
+the weight sync's deadline and past it, a generator's engine core stalled while its process answers,
+a generator's groups arriving far too old, poison), and
 each job-pod alert's whole expression, with its thresholds and windows scaled to what a fault of
 seconds reaches (promtool holds the thresholds themselves: tests/monitoring), returns series for
 this job while its fault lasts and none in the healthy stretch before: a broken join or label
@@ -30,6 +31,7 @@ import os
 import re
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from jobs import RUN_TIMEOUT_S, stored, tiny_job  # tests/e2e/jobs.py
@@ -159,6 +161,7 @@ SCALED = {
     "PipelineRLLearningAlarm": [],  # the trainer's own window (10 steps); `for:` is not in the expression
     "PipelineRLWeightSyncSlow": [("[30m]", "[3s]"), ("> 30", "> 1")],
     "PipelineRLWeightSyncFailures": [("[30m]", "[2m]"), ("> 3", "> 0")],
+    "PipelineRLGeneratorOutOfWeightGroup": [],  # a count against the group's size; `for:` is not in it
     "PipelineRLStreamFilling": [("> 0.8", "> 0")],
     "PipelineRLDeadLetters": [("> 10", "> 3")],
 }
@@ -170,10 +173,10 @@ HELD_WHEN_HEALTHY = {"PipelineRLStreamFilling"}
 # Read from job pods but driven elsewhere: JetStream not acknowledging (a publish waits 30 s for
 # its acknowledgement: tests/e2e/test_store_faults.py fills the store's disk).
 NOT_HERE = {"PipelineRLStoreNotAcknowledging"}
-# Nor a generator up and out of the group: a dropped generator here rejoins at the next update,
-# often within a second of waking, too soon for 1-second scrapes to see it reliably (in CI one
-# run in three missed it); promtool's cases hold the rule.
-NOT_HERE |= {"PipelineRLGeneratorOutOfWeightGroup"}
+# The generator's process answers scrapes and says hello while its engine core is stalled, but
+# joins no epoch; it stops itself (EngineStuck) once a call into the core has waited this long in
+# its awake time (engine.rpc_timeout_s: 2 x weightSync.timeoutSeconds + 30), so the stall is shorter.
+ENGINE_STALL_MAX_S = 2 * SYNC_TIMEOUT_S + 30 - 10
 
 
 def scaled(alert: str) -> str:
@@ -215,6 +218,28 @@ def stuck_generator(run, seconds: float, groups_per_wave: int = 40) -> None:
     asyncio.run(publish())
 
 
+def engine_core(run, name: str) -> int:
+    """The pid of a generator's vLLM engine core: the one child of its process."""
+    pid = run.services()[name]["pid"]
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    cores = [int(c) for c in children if Path(f"/proc/{c}/cmdline").read_bytes().startswith(b"VLLM::EngineCore")]
+    assert len(cores) == 1, f"{name} (pid {pid}): children {children}, engine cores {cores}"
+    return cores[0]
+
+
+def stall_engine(run, name: str, until, most_s: float) -> None:
+    """SIGSTOP only a generator's engine core (a hung kernel, a device that stopped answering)
+    until `until()` holds or `most_s` have passed."""
+    core = engine_core(run, name)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        end = time.monotonic() + most_s
+        while not until() and time.monotonic() < end:
+            time.sleep(0.5)
+    finally:
+        os.kill(core, signal.SIGCONT)
+
+
 def backlog(run, by_role: dict) -> None:
     """Steps waiting for the trainer (it frozen while the generator and the preprocessor go on), so
     that it steps, and sends weights, while the generator is frozen next: a generator-bound run
@@ -253,6 +278,20 @@ def test_each_job_pod_alert_holds_under_its_fault_and_not_before(live, prometheu
     run.wait_step(run.train()[-1]["step"] + 3)  # back up, then joined again
     time.sleep(SCRAPED_S)
     windows["PipelineRLWeightSyncFailures"] = (t0, time.time())
+
+    t0 = time.time()
+    backlog(run, by_role)
+    # Its process answers scrapes (up) and says hello, so the trainer invites it to each new epoch,
+    # but the stalled core joins none: dropped, up and out of the group until the core goes on.
+    out = scaled("PipelineRLGeneratorOutOfWeightGroup")
+    stall_engine(
+        run,
+        by_role["generator"],
+        until=lambda: any(float(s["value"][1]) >= SCRAPED_S for s in held(prometheus, out, t0, time.time())),
+        most_s=ENGINE_STALL_MAX_S,
+    )
+    run.wait_step(run.train()[-1]["step"] + 3)  # the core went on, and the generator joined again
+    windows["PipelineRLGeneratorOutOfWeightGroup"] = (t0, time.time())
 
     t0 = time.time()
     stuck_generator(run, seconds=4)  # most of each step's samples too old: over budget, and the alarm
