@@ -43,7 +43,11 @@ pytestmark = [pytest.mark.containers, pytest.mark.slow, pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parents[2]
 TAG = os.environ.get("TAG", "dev")
 SERVICES = f"localhost/pipelinerl-services:{TAG}"
-VALUES = {"services": {"image": {"repository": "localhost/pipelinerl-services", "tag": TAG}, "pullPolicy": "Never"}}
+OPERATOR = f"localhost/pipelinerl-operator:{TAG}"
+VALUES = {
+    "services": {"image": {"repository": "localhost/pipelinerl-services", "tag": TAG}, "pullPolicy": "Never"},
+    "operator": {"image": {"repository": "localhost/pipelinerl-operator", "tag": TAG, "pullPolicy": "Never"}},
+}
 # This host refuses podman's default limits (above its own): the open-file limit it has, and a
 # process limit in the range it lets a container set.
 ULIMITS = ["--ulimit=nofile={}:{}".format(*resource.getrlimit(resource.RLIMIT_NOFILE)), "--ulimit=nproc=4096:4096"]
@@ -119,8 +123,9 @@ class Cluster:
 def cluster(tmp_path):
     if os.geteuid() != 0:
         pytest.fail("the rendered pods run under rootful podman (make test-containers as root)")
-    if subprocess.run(["podman", "image", "exists", SERVICES]).returncode:
-        pytest.fail(f"{SERVICES} not built: run `make images`")
+    for image in (SERVICES, OPERATOR):
+        if subprocess.run(["podman", "image", "exists", image]).returncode:
+            pytest.fail(f"{image} not built: run `make images`")
     c = Cluster(tmp_path)
     yield c
     c.close()
@@ -132,6 +137,19 @@ def status(ip: str) -> dict:
             return json.loads(r.read())
     except (OSError, ValueError):
         return {}
+
+
+def volume_stats(url: str, timeout_s: float = 60) -> dict[str, float]:
+    """The samples a volume-stats sidecar serves, once it answers."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=3) as r:
+                lines = r.read().decode().splitlines()
+            return {k: float(v) for k, v in (line.split() for line in lines if line and not line.startswith("#"))}
+        except OSError:
+            assert time.monotonic() < deadline, f"no answer from {url} in {timeout_s:.0f} s"
+            time.sleep(1)
 
 
 def healthy(url: str) -> bool:
@@ -157,16 +175,26 @@ def test_the_rendered_tiny_job_trains_to_its_last_step_as_podman_containers(clus
     services = [o for o in chart + job_objects if o["kind"] == "Service"]
     images = {
         SERVICES: kubelet.Image(SERVICES),
+        OPERATOR: kubelet.Image(OPERATOR),
         # The chart's NATS image is a registry pull: the services image carries the same server.
         next(
-            c["image"] for o in chart if o["kind"] == "StatefulSet" for c in o["spec"]["template"]["spec"]["containers"]
+            c["image"]
+            for o in chart
+            if o["kind"] == "StatefulSet"
+            for c in o["spec"]["template"]["spec"]["containers"]
+            if c["name"] == "nats"
         ): kubelet.Image(SERVICES, ("nats-server",)),
     }
     nats_sts = next(o for o in chart if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-pipelinerl-nats")
     (nats_pod,) = kubelet.stateful_set_pods(nats_sts)
     # The reloader sidecar only follows later account changes; this job's account is there from the start.
-    cluster.start(nats_pod, ["nats"], objects, services, images)
+    cluster.start(nats_pod, ["nats", "volume-stats"], objects, services, images)
     nats = kubelet.podman_name(nats_pod, "nats")
+    # Its volume-stats sidecar reads the volume it is given (read-only), as its own user.
+    volume = os.statvfs(tmp_path / "team-a" / nats_pod.name / "data")
+    served = volume_stats(f"http://{cluster.ip(kubelet.podman_name(nats_pod, 'volume-stats'))}:7777/metrics")
+    assert served["pipelinerl_nats_volume_capacity_bytes"] == volume.f_blocks * volume.f_frsize
+    assert abs(served["pipelinerl_nats_volume_available_bytes"] - volume.f_bavail * volume.f_frsize) < 2**30
 
     pods = [p for o in job_objects if o["kind"] == "StatefulSet" for p in kubelet.stateful_set_pods(o)]
     for pod in pods:

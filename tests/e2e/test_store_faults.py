@@ -22,6 +22,7 @@ from prometheus_server import Prometheus, file_scrape_config, held, job_targets,
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import Env, JobSubjects
+from pipelinerl.ports import free_port
 from pipelinerl.streams import stored_messages
 from pipelinerl_trainer.checkpoint import latest_step
 
@@ -50,7 +51,8 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
     twice (the generator's queue stays true: nothing dropped for lag after). Then the trainer
     paused for longer than its generators' liveness bound: the weight group goes on in its epoch.
     1. The NATS store on a small filesystem of its own (a 256 MiB tmpfs the test mounts),
-    filled to the last byte for 6 s while the job runs, then freed: JetStream, which goes on
+    filled to the last byte for 6 s while the job runs (read by the chart's volume-stats sidecar,
+    scraped: the NATS-volume alert holds while it is full, not before), then freed: JetStream, which goes on
     refusing writes after a write error even once there is room, is restarted by the runner when
     its /healthz says so and its disk has room; the services ride the outage out on their publish
     retries (naming the likely cause); every step full, nothing trained twice.
@@ -64,7 +66,7 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
     store = tmp_path / "run" / "nats"
     store.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256M", "tmpfs", str(store)], check=True)
-    prometheus = None
+    prometheus = volume_stats = None
     try:
         ack_wait = 4
         job = fault_job(
@@ -78,10 +80,17 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
         # (Prometheus ready before the run, which is timed; told the services' ports once known).
         targets = tmp_path / "targets.json"
         prometheus = Prometheus(tmp_path / "prometheus", [file_scrape_config(targets, "local")])
+        # The store's volume as the chart's NATS pods serve it (their volume-stats sidecar).
+        volume_port = free_port()
+        volume_stats = subprocess.Popen(
+            [sys.executable, "-m", "pipelinerl_operator.volume_stats", "--path", str(store)]
+            + ["--port", str(volume_port), "--address", "127.0.0.1"]
+        )
+        volume_target = {"targets": [f"127.0.0.1:{volume_port}"], "labels": {"namespace": "local", "pod": "nats-0"}}
         prometheus.wait_ready()
         first = start_run(job, RUN_TIMEOUT_S)
         first.wait_step(1)
-        targets.write_text(json.dumps(job_targets(first.services(), "local", name)))
+        targets.write_text(json.dumps(job_targets(first.services(), "local", name) + [volume_target]))
         pid = first.services()["preprocessor"]["pid"]
         freeze_holding_groups(first, name, pid, before_step=steps - 8)
         time.sleep(ack_wait + 5)
@@ -113,6 +122,8 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
                 assert err.errno == 28  # ENOSPC: the store's disk is full
         full_at = first.train()[-1]["step"]
         time.sleep(6)
+        volume_full = held(prometheus, rule_expr("PipelineRLNatsVolumeFilling"), filled_at, time.time())
+        volume_before = held(prometheus, rule_expr("PipelineRLNatsVolumeFilling"), filled_at - 20, filled_at - 1)
         filler.unlink()
         first.wait_until(lambda _: first.services()["nats-server"]["restarts"] >= 1, "nats-server restarted")
         # On after the disk has room again, and past the checkpoint of step 4.
@@ -136,6 +147,10 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
             time.sleep(1)
         assert not held(prometheus, unacknowledged, filled_at - 20, filled_at)  # not before the disk filled
         assert [(s["metric"]["namespace"], s["metric"]["pipelinerl_dev_job"]) for s in fired] == [("local", name)]
+        assert [(s["metric"]["namespace"], s["metric"]["pod"]) for s in volume_full] == [("local", "nats-0")]
+        assert not volume_before and held(
+            prometheus, "pipelinerl_nats_volume_available_bytes", filled_at - 20, filled_at
+        )
         before = on_running_nats(first, lambda js: stored_messages(js, JobSubjects(name).stream("BATCHES")))
         by_step, _, _ = audit_batches([m.decode(x.data, m.MicroBatch) for x in before], 5, 1)
         trained_before = {g for step in range(4) for mbs in by_step[step].values() for mb in mbs for g in mb.group_ids}
@@ -182,6 +197,9 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
     finally:
         if prometheus is not None:
             prometheus.stop()
+        if volume_stats is not None:
+            volume_stats.terminate()
+            volume_stats.wait(timeout=10)
         subprocess.run(["umount", "-l", str(store)], check=False)
 
 

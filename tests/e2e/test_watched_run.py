@@ -7,9 +7,9 @@ rules file loaded. Every data-plane dashboard query (template variables substitu
 series for the run, every alert rule must evaluate without error, every series an alert reads
 must exist, and nothing fires for the healthy run. Not from a run: the job-state panels and
 alerts read the operator's view of each PipelineRLJob (`pipelinerl_job_*`), others the
-operator's own series (`pipelinerl_operator_*`) or the kubelet's: the operator's are driven by
-faults in tests/k8s/live/test_k8s_operator_alerts.py, and test_k8s_monitoring.py checks them
-against its registry; no kubelet runs here.
+operator's own series (`pipelinerl_operator_*`) or the NATS pods' volume stats: the operator's are
+driven by faults in tests/k8s/live/test_k8s_operator_alerts.py, and test_k8s_monitoring.py checks
+them against its registry; the volume's by a full disk in tests/e2e/test_store_faults.py.
 
 Faulted: real faults on the running services (a stopped preprocessor, a generator stopped short of
 the weight sync's deadline and past it, a generator's engine core stalled while its process answers,
@@ -58,8 +58,8 @@ STEPS = 150  # at about 0.2 s a step: room for the faults, then the poison
 SYNC_TIMEOUT_S = 6.0
 SCRAPED_S = 3  # a fault's last effects scraped (every second) and in a short window's rate
 FORGER = 7  # no such generator: the forged groups' credit cannot disturb a real one's admission
-# Series that come from the operator (its own, and each job's state) or the kubelet, not from a job's pods.
-ELSEWHERE = re.compile(r"^(pipelinerl_job_|pipelinerl_operator_|kubelet_)")
+# Series that come from the operator (its own, and each job's state) or the NATS pods, not from a job's pods.
+ELSEWHERE = re.compile(r"^(pipelinerl_job_|pipelinerl_operator_|pipelinerl_nats_volume_)")
 
 
 @pytest.fixture(scope="module")

@@ -383,8 +383,12 @@ def test_nats_and_the_operator_take_connections_only_from_whom_they_serve() -> N
     objects = render({"nats": {"replicas": 3}, "metricsNamespaces": ["monitoring"]})
     policies = {o["metadata"]["name"]: o["spec"] for o in objects if o["kind"] == "NetworkPolicy"}
     nats, operator = policies["rl-pipelinerl-nats"], policies["rl-pipelinerl-operator"]
-    clients, routes = nats["ingress"]
+    clients, routes, volume_stats = nats["ingress"]
     assert clients["ports"] == [{"port": 4222, "protocol": "TCP"}]
+    assert volume_stats == {  # the volume-stats sidecar's, from Prometheus's namespace only
+        "from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+        "ports": [{"port": 7777, "protocol": "TCP"}],
+    }
     assert [f["podSelector"]["matchLabels"] for f in clients["from"]] == [
         {"app.kubernetes.io/managed-by": "pipelinerl-operator"},  # job pods, in any namespace
         {"app.kubernetes.io/instance": "rl", "app.kubernetes.io/component": "operator"},

@@ -5,6 +5,7 @@ defined where they come from: the operator's registry (the jobs' state and its o
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -100,3 +101,42 @@ def test_the_docs_plain_prometheus_relabelling_is_the_service_monitors():
     documented = yaml.safe_load(block[: block.index("```")])["metric_relabel_configs"]
     # the chart's (action replace is Prometheus' default)
     assert documented == [{k: v for k, v in r.items() if k != "action"} for r in operator_metric_relabelling()]
+
+
+def test_the_nats_volume_series_are_the_volume_stats_sidecars_and_it_is_scraped(tmp_path):
+    from pipelinerl_operator.volume_stats import VolumeCollector, volume_bytes
+
+    used = {s for s in queried_series() if s.startswith("pipelinerl_nats_volume_")}
+    families = list(VolumeCollector(tmp_path).collect())
+    assert used and used <= {f.name for f in families}
+    # statvfs of the mount, as the kubelet reads it: what an unprivileged writer may still use
+    st = os.statvfs(tmp_path)
+    assert volume_bytes(tmp_path) == (st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize)
+    assert 0 < volume_bytes(tmp_path)[1] <= volume_bytes(tmp_path)[0]
+
+    objects = render({"metrics": {"serviceMonitor": {"enabled": True}}, "nats": {"volumeStatsPort": 7788}})
+    (nats,) = [o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"] == "rl-pipelinerl-nats"]
+    pod = nats["spec"]["template"]
+    containers = {c["name"]: c for c in pod["spec"]["containers"]}
+    sidecar, server = containers["volume-stats"], containers["nats"]
+    (operator,) = [
+        o for o in objects if o["kind"] == "Deployment" and o["metadata"]["name"] == "rl-pipelinerl-operator"
+    ]
+    assert sidecar["image"] == operator["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert sidecar["command"] == ["python", "-m", "pipelinerl_operator.volume_stats"]
+    assert sidecar["args"] == ["--path", "/data", "--port", "7788"]
+    data = next(m for m in server["volumeMounts"] if m["name"] == "data")
+    assert sidecar["volumeMounts"] == [{"name": "data", "mountPath": data["mountPath"], "readOnly": True}]
+    assert sidecar["securityContext"]["readOnlyRootFilesystem"] and sidecar["resources"]["limits"]
+    (monitor,) = [o for o in objects if o["kind"] == "PodMonitor" and o["metadata"]["name"] == "rl-pipelinerl-nats"]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert sidecar["ports"] == [{"name": endpoint["port"], "containerPort": 7788, "protocol": "TCP"}]
+    # No NATS of the chart's: nothing to scrape.
+    objects = render(
+        {
+            "metrics": {"serviceMonitor": {"enabled": True}},
+            "nats": {"enabled": False, "externalUrl": "nats://nats.example:4222"},
+        }
+    )
+    assert not [o for o in objects if o["kind"] == "PodMonitor" and o["metadata"]["name"] == "rl-pipelinerl-nats"]
