@@ -181,6 +181,12 @@ class Admission:
     def on_peer(self, rank: int, queued: int, oldest: int | None, now: float) -> None:
         self.peers[rank] = Peer(queued, oldest, now)
 
+    def forget_peer(self, rank: int) -> None:
+        """A peer stuck in a weight update past its deadline (its process answers, its engine does
+        not): counted as gone, as the trainer counts it. Its groups in flight cannot finish in
+        time, and their old version would keep every other generator's admission shut."""
+        self.peers.pop(rank, None)
+
     def expire_peers(self, now: float) -> None:
         """Forget peers silent for longer than `peer_ttl_s` (dead: their groups in flight are lost)."""
         self.peers = {r: p for r, p in self.peers.items() if now - p.seen <= self.peer_ttl_s}

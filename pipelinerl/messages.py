@@ -147,6 +147,9 @@ class GeneratorHello(Message):
     version: int  # of the weights it holds; -1: none yet (it generates nothing until it gets some)
     queued: int = 0  # groups started and neither consumed nor discarded (`Admission.queued`)
     oldest: int | None = None  # weights version of its oldest group still generating; None: none runs
+    # How long (its awake seconds) the weight update it is applying has run; 0: none. Past the
+    # update deadline its engine is not answering: the trainer invites it to no new epoch.
+    busy_seconds: float = 0.0
 
 
 class WeightUpdate(Message):

@@ -1,7 +1,13 @@
-"""What the fault tests share (tests/e2e/test_faults.py, test_store_faults.py): their jobs, reads of
-a running run's nats-server, and the audit of what a finished run stored."""
+"""What the fault tests share (tests/e2e/test_faults.py, test_store_faults.py, test_watched_run.py):
+their jobs, a generator's engine core stalled, reads of a running run's nats-server, and the audit
+of what a finished run stored."""
 
 from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
 
 from jobs import stored, tiny_job  # tests/e2e/jobs.py
 
@@ -16,6 +22,32 @@ def fault_job(name: str, steps: int, **spec) -> dict:
     # Short weight-sync deadlines: a dead member costs at most that long.
     base = {"weightSync": {"timeoutSeconds": 20}, "eval": {"interval": 0}, "rl": {"maxLag": 1}}
     return tiny_job(name, **(base | spec | {"trainer": {"maxSteps": steps} | spec.get("trainer", {})}))
+
+
+def engine_core(run: RunProcess, name: str) -> int:
+    """The pid of a generator's vLLM engine core: the one child of its process."""
+    pid = run.services()[name]["pid"]
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    cores = [int(c) for c in children if Path(f"/proc/{c}/cmdline").read_bytes().startswith(b"VLLM::EngineCore")]
+    assert len(cores) == 1, f"{name} (pid {pid}): children {children}, engine cores {cores}"
+    return cores[0]
+
+
+def stall_engine(run: RunProcess, name: str, until, weight_sync_timeout_s: float) -> None:
+    """SIGSTOP only a generator's engine core (a hung kernel, a device that stopped answering)
+    while its process answers scrapes and says hello, until `until()` holds. At most 10 s short
+    of the bound after which the generator stops itself (a call into its core waited that long
+    in its awake time: `rpc_timeout_s`), so that it is the same process that goes on."""
+    from pipelinerl_generator.engine import rpc_timeout_s
+
+    core = engine_core(run, name)
+    os.kill(core, signal.SIGSTOP)
+    try:
+        end = time.monotonic() + rpc_timeout_s(weight_sync_timeout_s) - 10
+        while not until() and time.monotonic() < end:
+            time.sleep(0.5)
+    finally:
+        os.kill(core, signal.SIGCONT)
 
 
 def on_running_nats(run: RunProcess, read):

@@ -31,9 +31,9 @@ import os
 import re
 import signal
 import time
-from pathlib import Path
 
 import pytest
+from faults import stall_engine  # tests/e2e/faults.py
 from jobs import RUN_TIMEOUT_S, stored, tiny_job  # tests/e2e/jobs.py
 
 from prometheus_server import (
@@ -173,10 +173,6 @@ HELD_WHEN_HEALTHY = {"PipelineRLStreamFilling"}
 # Read from job pods but driven elsewhere: JetStream not acknowledging (a publish waits 30 s for
 # its acknowledgement: tests/e2e/test_store_faults.py fills the store's disk).
 NOT_HERE = {"PipelineRLStoreNotAcknowledging"}
-# The generator's process answers scrapes and says hello while its engine core is stalled, but
-# joins no epoch; it stops itself (EngineStuck) once a call into the core has waited this long in
-# its awake time (engine.rpc_timeout_s: 2 x weightSync.timeoutSeconds + 30), so the stall is shorter.
-ENGINE_STALL_MAX_S = 2 * SYNC_TIMEOUT_S + 30 - 10
 
 
 def scaled(alert: str) -> str:
@@ -216,28 +212,6 @@ def stuck_generator(run, seconds: float, groups_per_wave: int = 40) -> None:
             await nc.close()
 
     asyncio.run(publish())
-
-
-def engine_core(run, name: str) -> int:
-    """The pid of a generator's vLLM engine core: the one child of its process."""
-    pid = run.services()[name]["pid"]
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    cores = [int(c) for c in children if Path(f"/proc/{c}/cmdline").read_bytes().startswith(b"VLLM::EngineCore")]
-    assert len(cores) == 1, f"{name} (pid {pid}): children {children}, engine cores {cores}"
-    return cores[0]
-
-
-def stall_engine(run, name: str, until, most_s: float) -> None:
-    """SIGSTOP only a generator's engine core (a hung kernel, a device that stopped answering)
-    until `until()` holds or `most_s` have passed."""
-    core = engine_core(run, name)
-    os.kill(core, signal.SIGSTOP)
-    try:
-        end = time.monotonic() + most_s
-        while not until() and time.monotonic() < end:
-            time.sleep(0.5)
-    finally:
-        os.kill(core, signal.SIGCONT)
 
 
 def backlog(run, by_role: dict) -> None:
@@ -288,7 +262,7 @@ def test_each_job_pod_alert_holds_under_its_fault_and_not_before(live, prometheu
         run,
         by_role["generator"],
         until=lambda: any(float(s["value"][1]) >= SCRAPED_S for s in held(prometheus, out, t0, time.time())),
-        most_s=ENGINE_STALL_MAX_S,
+        weight_sync_timeout_s=SYNC_TIMEOUT_S,
     )
     run.wait_step(run.train()[-1]["step"] + 3)  # the core went on, and the generator joined again
     windows["PipelineRLGeneratorOutOfWeightGroup"] = (t0, time.time())

@@ -385,6 +385,17 @@ def test_a_peers_old_group_in_flight_holds_this_generators_share():
     assert fill(a) == 2
 
 
+def test_a_peer_stuck_in_a_weight_update_no_longer_holds_admission():
+    # Generator 0's engine stopped answering mid-update, its group started at version 5 with it;
+    # the trainer dropped it and sends generator 1 the whole step. Counted as gone, not waited for.
+    a = Admission(groups_per_step=4, generators=2, max_lag=1, max_inflight=100, weights_version=6, training_step=6)
+    a.on_peer(0, queued=3, oldest=5, now=0.0)
+    a.on_weights(7, generators=1)
+    assert not a.may_start()  # its old group in flight holds the whole cluster
+    a.forget_peer(0)
+    assert a.oldest == 7 and fill(a) == 8
+
+
 @pytest.mark.parametrize(("max_lag", "k"), [(3, 4), (1, 1)])
 def test_the_last_weights_start_nothing(max_lag, k):
     """Weights of version maxSteps come after the last step: a group started on them would never

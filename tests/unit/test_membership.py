@@ -79,3 +79,26 @@ def test_after_a_failed_broadcast_only_generators_heard_from_again_count():
     assert m.broken and m.next_members(0.6) == ()  # nobody yet: no epoch formed around a corpse
     m.hello(A, 4, 1.0)
     assert m.next_members(1.1) == (A,)
+
+
+def test_a_generator_stuck_in_an_update_is_invited_to_no_epoch_until_that_update_ends():
+    # Its process says hello while its engine does not answer (a hung kernel): the update it is
+    # applying runs past the deadline, so it could join no epoch. The others go on without it.
+    m = Membership(liveness_s=10, stuck_s=6)
+    m.hello(A, 4, 0.0)
+    m.hello(B, 4, 0.0)
+    m.open((A, B))
+    m.hello(B, 4, 3.0, busy_s=3.0)  # an update under way, within its deadline: still counted on
+    assert m.next_members(3.0) is None
+    m.drop([B])  # did not confirm in time
+    m.hello(A, 5, 7.0)
+    m.hello(B, 4, 7.0, busy_s=7.0)  # alive, but still in the update it was dropped from
+    assert m.alive(7.0) == (A, B) and m.ready(7.0) == (A,)
+    assert m.next_members(7.0) == (A,)
+    m.open((A,))
+    assert m.next_members(8.0) is None and m.behind(5, 8.0) == []  # no resend to it either
+    m.hello(A, 9, 20.0)
+    m.hello(B, 4, 20.0, busy_s=20.0)
+    assert m.next_members(20.0) is None
+    m.hello(B, 4, 21.0)  # the update ended (failed: it kept version 4): back in the next epoch
+    assert m.next_members(21.0) == (A, B) and m.behind(9, 21.0) == [B]

@@ -56,6 +56,7 @@ class WeightFollower:
         self.updates_in_flight = 0  # updates applied while requests were running
         self.next_update: m.WeightUpdate | None = None
         self.update_waiting = asyncio.Event()
+        self.applying_since: float | None = None  # on `clock`: when the update being applied began
 
     async def listen(self) -> list[asyncio.Task]:
         """Subscribe to updates and hellos; the hello, update and clock loops, to cancel at the end."""
@@ -89,6 +90,7 @@ class WeightFollower:
                 version=a.weights_version,
                 queued=a.queued,
                 oldest=min(a.running, default=None),
+                busy_seconds=self.busy_seconds(),
             )
             try:
                 await self.nc.publish(self.subjects.weights_hello, m.encode(hello))
@@ -100,12 +102,20 @@ class WeightFollower:
                 pass
             a.expire_peers(self.clock.now())
 
+    def busy_seconds(self) -> float:
+        """How long the update being applied has run (awake seconds); 0: none is."""
+        return 0.0 if self.applying_since is None else self.clock.now() - self.applying_since
+
     async def _on_hello(self, msg) -> None:
         """A peer's queue and oldest group in flight, for the cluster-wide admission rule."""
         hello = m.decode(msg.data, m.GeneratorHello)
-        if hello.generator != self.env.rank:
+        if hello.generator == self.env.rank:
+            return
+        if hello.busy_seconds > self.spec.weight_sync.timeout_seconds:  # the trainer's rule for stuck
+            self.admission.forget_peer(hello.generator)
+        else:
             self.admission.on_peer(hello.generator, hello.queued, hello.oldest, self.clock.now())
-            self.wake()
+        self.wake()
 
     async def _on_weight_update(self, msg) -> None:
         """Keep only the newest update: one that arrives while another is applied supersedes any
@@ -119,7 +129,11 @@ class WeightFollower:
             self.update_waiting.clear()
             update, self.next_update = self.next_update, None
             if update is not None:
-                await self._apply(update)
+                self.applying_since = self.clock.now()
+                try:
+                    await self._apply(update)
+                finally:
+                    self.applying_since = None
 
     async def _apply(self, update: m.WeightUpdate) -> None:
         me = (self.env.rank, self.incarnation)

@@ -104,7 +104,7 @@ class WeightSender:
         )
         self.by_name = dict(self.params)
         self.snapshot = Snapshot(self.buckets, buffer_device(backend)) if rank == 0 else None
-        self.membership = Membership(liveness_s)
+        self.membership = Membership(liveness_s, stuck_s=timeout_s)  # stuck: past the update's own deadline
         self.group: WeightGroup | None = None
         self.group_id = ""
         self.run_id = uuid.uuid4().hex[:8]  # this trainer process: its group ids never repeat a predecessor's
@@ -330,7 +330,7 @@ class WeightSender:
                 at, hello = self.bridge.hellos.get_nowait()
             except queue.Empty:
                 return
-            self.membership.hello(Member(hello.generator, hello.incarnation), hello.version, at)
+            self.membership.hello(Member(hello.generator, hello.incarnation), hello.version, at, hello.busy_seconds)
 
     def _close_group(self) -> None:
         if self.group is not None:
