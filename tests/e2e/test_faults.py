@@ -120,6 +120,8 @@ def test_a_generator_whose_engine_hangs_is_left_out_and_the_other_trains_on_unti
     stall_engine(run, "generator-1", lambda: len(alone(run.train())) >= 10, weight_sync_timeout_s=timeout_s)
     train = run.train()
     assert len(alone(train)) >= 10, f"hung after step {hung_at} in epoch {epoch}; changes: {changes(train)}"
+    trainer_log = (run.dir / "logs" / "trainer.log").read_text()
+    assert "generator 1 is still in a weight update after " in trainer_log
     back = max(r["weight_epoch"] for r in train)
     run.wait_until(
         lambda t: (
@@ -129,6 +131,7 @@ def test_a_generator_whose_engine_hangs_is_left_out_and_the_other_trains_on_unti
         lambda t: f"changes: {changes(t)}",
     )
     run.stop()
+    assert "generator 1: its update ended, it joins the next epoch" in (run.dir / "logs" / "trainer.log").read_text()
     train = run.train()
     assert [r["step"] for r in train] == list(range(1, len(train) + 1))
     assert all(r["samples"] == SAMPLES and r["tokens"] > 0 for r in train)

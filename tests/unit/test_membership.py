@@ -93,7 +93,7 @@ def test_a_generator_stuck_in_an_update_is_invited_to_no_epoch_until_that_update
     m.drop([B])  # did not confirm in time
     m.hello(A, 5, 7.0)
     m.hello(B, 4, 7.0, busy_s=7.0)  # alive, but still in the update it was dropped from
-    assert m.alive(7.0) == (A, B) and m.ready(7.0) == (A,)
+    assert m.alive(7.0) == (A, B) and m.ready(7.0) == (A,) and m.stuck() == {B}
     assert m.next_members(7.0) == (A,)
     m.open((A,))
     assert m.next_members(8.0) is None and m.behind(5, 8.0) == []  # no resend to it either
@@ -101,4 +101,5 @@ def test_a_generator_stuck_in_an_update_is_invited_to_no_epoch_until_that_update
     m.hello(B, 4, 20.0, busy_s=20.0)
     assert m.next_members(20.0) is None
     m.hello(B, 4, 21.0)  # the update ended (failed: it kept version 4): back in the next epoch
+    assert m.stuck() == set()
     assert m.next_members(21.0) == (A, B) and m.behind(9, 21.0) == [B]

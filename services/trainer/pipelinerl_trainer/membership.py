@@ -50,7 +50,12 @@ class Membership:
 
     def ready(self, now: float) -> tuple[Member, ...]:
         """Alive, and not stuck in an update: those a new epoch can count on to join."""
-        return tuple(m for m in self.alive(now) if self.busy.get(m, 0.0) <= self.stuck_s)
+        stuck = self.stuck()
+        return tuple(m for m in self.alive(now) if m not in stuck)
+
+    def stuck(self) -> set[Member]:
+        """Those whose newest hello said their update has run past `stuck_s`."""
+        return {m for m, busy in self.busy.items() if busy > self.stuck_s}
 
     def suspect(self, now: float) -> None:
         """A broadcast failed and gloo cannot say who died: from now on count only the generators

@@ -330,7 +330,17 @@ class WeightSender:
                 at, hello = self.bridge.hellos.get_nowait()
             except queue.Empty:
                 return
-            self.membership.hello(Member(hello.generator, hello.incarnation), hello.version, at, hello.busy_seconds)
+            member, stuck = Member(hello.generator, hello.incarnation), self.membership.stuck()
+            self.membership.hello(member, hello.version, at, hello.busy_seconds)
+            if member in self.membership.stuck() - stuck:
+                log.warning(
+                    "generator %d is still in a weight update after %.0f s (its engine does not answer): "
+                    "left out of new epochs until that update ends",
+                    hello.generator,
+                    hello.busy_seconds,
+                )
+            elif member in stuck - self.membership.stuck():
+                log.info("generator %d: its update ended, it joins the next epoch", hello.generator)
 
     def _close_group(self) -> None:
         if self.group is not None:
