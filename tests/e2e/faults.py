@@ -1,6 +1,6 @@
-"""What the fault tests share (tests/e2e/test_faults.py, test_store_faults.py, test_watched_run.py):
-their jobs, a generator's engine core stalled, reads of a running run's nats-server, and the audit
-of what a finished run stored."""
+"""What the fault tests share (tests/e2e/test_faults.py, test_engine_hang.py, test_store_faults.py,
+test_watched_run.py): their jobs, which generators fed a step, a generator's engine core stalled,
+reads of a running run's nats-server, and the audit of what a finished run stored."""
 
 from __future__ import annotations
 
@@ -22,6 +22,20 @@ def fault_job(name: str, steps: int, **spec) -> dict:
     # Short weight-sync deadlines: a dead member costs at most that long.
     base = {"weightSync": {"timeoutSeconds": 20}, "eval": {"interval": 0}, "rl": {"maxLag": 1}}
     return tiny_job(name, **(base | spec | {"trainer": {"maxSteps": steps} | spec.get("trainer", {})}))
+
+
+def groups_from(row: dict, generator: int) -> int:
+    return row.get(f"groups_from_generator_{generator}", 0)
+
+
+def changes(train: list[dict]) -> list[tuple[int, int, int, bool]]:
+    """(step, weight epoch, generators in the group, generator 1 fed it) where any but the step changed."""
+    out: list[tuple[int, int, int, bool]] = []
+    for r in train:
+        row = (r["step"], r["weight_epoch"], r["generators_in_group"], groups_from(r, 1) > 0)
+        if not out or out[-1][1:] != row[1:]:
+            out.append(row)
+    return out
 
 
 def engine_core(run: RunProcess, name: str) -> int:
