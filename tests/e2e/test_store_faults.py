@@ -122,8 +122,9 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
                 assert err.errno == 28  # ENOSPC: the store's disk is full
         full_at = first.train()[-1]["step"]
         time.sleep(6)
-        volume_full = held(prometheus, rule_expr("PipelineRLNatsVolumeFilling"), filled_at, time.time())
-        volume_before = held(prometheus, rule_expr("PipelineRLNatsVolumeFilling"), filled_at - 20, filled_at - 1)
+        volume_filling = rule_expr("PipelineRLNatsVolumeFilling")
+        volume_full = held(prometheus, volume_filling, filled_at, time.time())
+        volume_before = held(prometheus, volume_filling, filled_at - 20, filled_at - 1)
         filler.unlink()
         first.wait_until(lambda _: first.services()["nats-server"]["restarts"] >= 1, "nats-server restarted")
         # On after the disk has room again, and past the checkpoint of step 4.

@@ -1,5 +1,6 @@
 """Membership epochs of the weight group as pure state transitions (pipelinerl_trainer.membership)."""
 
+from pipelinerl.messages import GeneratorHello
 from pipelinerl_trainer.membership import Member, Membership
 
 A, B = Member(0, "a1"), Member(1, "b1")
@@ -84,22 +85,26 @@ def test_after_a_failed_broadcast_only_generators_heard_from_again_count():
 def test_a_generator_stuck_in_an_update_is_invited_to_no_epoch_until_that_update_ends():
     # Its process says hello while its engine does not answer (a hung kernel): the update it is
     # applying runs past the deadline, so it could join no epoch. The others go on without it.
-    m = Membership(liveness_s=10, stuck_s=6)
+    def stuck(busy_s: float) -> bool:
+        return GeneratorHello(generator=1, incarnation="b1", version=4, busy_seconds=busy_s).stuck(6)
+
+    assert not stuck(0.0) and not stuck(3.0) and not stuck(6.0) and stuck(7.0)
+    m = Membership(liveness_s=10)
     m.hello(A, 4, 0.0)
     m.hello(B, 4, 0.0)
     m.open((A, B))
-    m.hello(B, 4, 3.0, busy_s=3.0)  # an update under way, within its deadline: still counted on
+    m.hello(B, 4, 3.0, stuck=stuck(3.0))  # an update under way, within its deadline: still counted on
     assert m.next_members(3.0) is None
     m.drop([B])  # did not confirm in time
     m.hello(A, 5, 7.0)
-    m.hello(B, 4, 7.0, busy_s=7.0)  # alive, but still in the update it was dropped from
-    assert m.alive(7.0) == (A, B) and m.ready(7.0) == (A,) and m.stuck() == {B}
+    m.hello(B, 4, 7.0, stuck=stuck(7.0))  # alive, but still in the update it was dropped from
+    assert m.alive(7.0) == (A, B) and m.ready(7.0) == (A,) and m.stuck == {B}
     assert m.next_members(7.0) == (A,)
     m.open((A,))
     assert m.next_members(8.0) is None and m.behind(5, 8.0) == []  # no resend to it either
     m.hello(A, 9, 20.0)
-    m.hello(B, 4, 20.0, busy_s=20.0)
+    m.hello(B, 4, 20.0, stuck=stuck(20.0))
     assert m.next_members(20.0) is None
     m.hello(B, 4, 21.0)  # the update ended (failed: it kept version 4): back in the next epoch
-    assert m.stuck() == set()
+    assert m.stuck == set()
     assert m.next_members(21.0) == (A, B) and m.behind(9, 21.0) == [B]

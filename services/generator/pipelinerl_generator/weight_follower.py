@@ -111,7 +111,7 @@ class WeightFollower:
         hello = m.decode(msg.data, m.GeneratorHello)
         if hello.generator == self.env.rank:
             return
-        if hello.busy_seconds > self.spec.weight_sync.timeout_seconds:  # the trainer's rule for stuck
+        if hello.stuck(self.spec.weight_sync.timeout_seconds):
             self.admission.forget_peer(hello.generator)
         else:
             self.admission.on_peer(hello.generator, hello.queued, hello.oldest, self.clock.now())

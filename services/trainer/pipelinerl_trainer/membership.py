@@ -7,7 +7,7 @@ rendezvous prefix) before a broadcast when the generators alive differ from the 
 members, or when the group broke. A generator that misses a deadline (does not join, does not
 confirm an update in time, fails to load) is dropped, never waited for; once it says hello again
 it joins the next epoch and first receives the current weights. Unless its hello says it is still
-applying an update past the update deadline (`stuck_s`): its process answers while its engine does
+applying an update past the update deadline (`GeneratorHello.stuck`): its process answers while its engine does
 not (a hung kernel, a device that stopped answering), so it could join no epoch, and inviting it
 to each one would hold every generator's weights back by a join window each time. It is invited
 again once its hellos say that update ended. Times are the caller's clock.
@@ -27,35 +27,32 @@ class Member:
 @dataclass
 class Membership:
     liveness_s: float  # a generator whose last hello is older is taken for gone
-    stuck_s: float = float("inf")  # a generator applying one update longer than this cannot join
     epoch: int = 0  # epochs opened so far (0: no group yet)
     members: tuple[Member, ...] = ()  # of the current epoch, weight-group ranks 1.. in this order
     broken: bool = True  # the current group cannot be used again (or there is none)
     seen: dict[Member, float] = field(default_factory=dict)  # last hello
     holds: dict[Member, int] = field(default_factory=dict)  # the version each said it holds (-1: none)
-    busy: dict[Member, float] = field(default_factory=dict)  # how long each said its update has run (0: none)
+    stuck: set[Member] = field(default_factory=set)  # whose newest hello said it is stuck in an update
     dropped: int = 0  # members dropped so far
     heard_after: float = float("-inf")  # only hellos newer than this count (see `suspect`)
 
-    def hello(self, member: Member, version: int, now: float, busy_s: float = 0.0) -> None:
+    def hello(self, member: Member, version: int, now: float, stuck: bool = False) -> None:
         for old in [m for m in self.seen if m.generator == member.generator and m != member]:
             self._forget(old)  # the same pod restarted: its previous process is gone
         self.seen[member] = now
         # A hello sent before an update was confirmed must not take the member back.
         self.holds[member] = max(version, self.holds.get(member, -1))
-        self.busy[member] = busy_s
+        if stuck:
+            self.stuck.add(member)
+        else:
+            self.stuck.discard(member)
 
     def alive(self, now: float) -> tuple[Member, ...]:
         return tuple(sorted(m for m, t in self.seen.items() if now - t <= self.liveness_s and t > self.heard_after))
 
     def ready(self, now: float) -> tuple[Member, ...]:
         """Alive, and not stuck in an update: those a new epoch can count on to join."""
-        stuck = self.stuck()
-        return tuple(m for m in self.alive(now) if m not in stuck)
-
-    def stuck(self) -> set[Member]:
-        """Those whose newest hello said their update has run past `stuck_s`."""
-        return {m for m, busy in self.busy.items() if busy > self.stuck_s}
+        return tuple(m for m in self.alive(now) if m not in self.stuck)
 
     def suspect(self, now: float) -> None:
         """A broadcast failed and gloo cannot say who died: from now on count only the generators
@@ -90,4 +87,4 @@ class Membership:
     def _forget(self, member: Member) -> None:
         self.seen.pop(member, None)
         self.holds.pop(member, None)
-        self.busy.pop(member, None)
+        self.stuck.discard(member)

@@ -104,7 +104,7 @@ class WeightSender:
         )
         self.by_name = dict(self.params)
         self.snapshot = Snapshot(self.buckets, buffer_device(backend)) if rank == 0 else None
-        self.membership = Membership(liveness_s, stuck_s=timeout_s)  # stuck: past the update's own deadline
+        self.membership = Membership(liveness_s)
         self.group: WeightGroup | None = None
         self.group_id = ""
         self.run_id = uuid.uuid4().hex[:8]  # this trainer process: its group ids never repeat a predecessor's
@@ -330,16 +330,17 @@ class WeightSender:
                 at, hello = self.bridge.hellos.get_nowait()
             except queue.Empty:
                 return
-            member, stuck = Member(hello.generator, hello.incarnation), self.membership.stuck()
-            self.membership.hello(member, hello.version, at, hello.busy_seconds)
-            if member in self.membership.stuck() - stuck:
+            member = Member(hello.generator, hello.incarnation)
+            was_stuck, stuck = member in self.membership.stuck, hello.stuck(self.timeout_s)
+            self.membership.hello(member, hello.version, at, stuck)
+            if stuck and not was_stuck:
                 log.warning(
                     "generator %d is still in a weight update after %.0f s (its engine does not answer): "
                     "left out of new epochs until that update ends",
                     hello.generator,
                     hello.busy_seconds,
                 )
-            elif member in stuck - self.membership.stuck():
+            elif was_stuck and not stuck:
                 log.info("generator %d: its update ended, it joins the next epoch", hello.generator)
 
     def _close_group(self) -> None:
