@@ -9,32 +9,36 @@ default) up to its own cap, each going on whatever the others did:
    (`scripts/gpu-wheels.sh`) into a scratch folder, skipped where they import already;
    DeepSpeed's sdist is built without its ops or CUDA detection, and a failure there only
    skips what needs DeepSpeed;
-2. weight-plane: the in-flight update against what a GPU engine runs (torch only, no vLLM): a
+2. trainer-peers: two trainer ranks on the GPU all-reducing over NCCL in a group of torch's
+   default timeout (as DeepSpeed's gradient all-reduce), one killed or frozen: the other is ended
+   within the ranks' watch's bound (pipelinerl_trainer.peers), and the NOTE lines say whether
+   NCCL noticed a killed peer by itself first (tests/integration/test_trainer_collectives.py);
+3. weight-plane: the in-flight update against what a GPU engine runs (torch only, no vLLM): a
    captured CUDA graph computes with the weights each commit brings, staged and in place, and a
    `.data` swap leaves it stale (tests/integration/test_commit_graphs.py); two NCCL ranks on the
    GPU, one killed mid-broadcast: the survivor raises WeightSyncError and sends the next epoch
    exact weights; one killed between joining and connecting: the trainer's watchdog ends it
    within its bound, or NCCL fails by itself first (test_weight_group.py, `killed`);
-3. gpu-tests: the GPU tests (varlen flash attention, the bf16 forward, the sync-free loop, the
+4. gpu-tests: the GPU tests (varlen flash attention, the bf16 forward, the sync-free loop, the
    NCCL transport), 120 s per test at most; their summary lines (-rfEs) printed, all in the log;
-4. weight-update: a 1.5B weight update timed end to end (DeepSpeed pack, NCCL, receive): the
+5. weight-update: a 1.5B weight update timed end to end (DeepSpeed pack, NCCL, receive): the
    trainers' time per update, which decides the planner's ratio at the paper's scale;
-5. checkpoint: the trainer's checkpoints on the GPU (tests/integration/test_checkpoint.py, its
+6. checkpoint: the trainer's checkpoints on the GPU (tests/integration/test_checkpoint.py, its
    NCCL variants: two DeepSpeed ranks in bfloat16 on the one GPU): each pod resumes from its own
    volume exactly (ZeRO-1), and a pod that lost its volume goes on from the one that kept it
    (ZeRO-1, and ZeRO-3 from rank 0's Hugging Face copy);
-6. commit-7B: the commit of a staged update for a Qwen2.5-7B TP-2 shard, timed (bench/gpu_commit.py);
-7. decode-curve: a decode step's time against the running batch (1-512) and the context (1K, 4K)
+7. commit-7B: the commit of a staged update for a Qwen2.5-7B TP-2 shard, timed (bench/gpu_commit.py);
+8. decode-curve: a decode step's time against the running batch (1-512) and the context (1K, 4K)
    for Qwen2.5-1.5B and -7B shapes, bf16, static KV cache, CUDA graphs (bench/gpu_decode.py): the
    curve the planner's decode costs and the throughput bound are fitted from;
-8. 0.5B: benchmark 6 at Qwen2-0.5B shapes, sides stock, plain, zero1, zero1+compile, with a
+9. 0.5B: benchmark 6 at Qwen2-0.5B shapes, sides stock, plain, zero1, zero1+compile, with a
    profile (ZeRO-3 only shards, which one GPU does not need: 0.25× stock on an H200);
-9. 1.5B: at Qwen2-1.5B shapes, sides stock, zero1, zero1+compile (no compiled side in --smoke);
-10. 1.5B-16k: one 1.5B ZeRO-1 step of 16,384-token micro-batches under an 80 GB memory cap.
+10. 1.5B: at Qwen2-1.5B shapes, sides stock, zero1, zero1+compile (no compiled side in --smoke);
+11. 1.5B-16k: one 1.5B ZeRO-1 step of 16,384-token micro-batches under an 80 GB memory cap.
 
-The parts whose code changed since the last GPU loan come first (the weight plane's staging
-stream and ring, the NCCL receive given up), then the figure the planner turns on; the parts
-passed on 2026-12-04 after them.
+The parts whose code changed since the last GPU loan come first (the trainer ranks' watch, never
+run on a GPU; the weight plane's staging stream and ring, the NCCL receive given up), then the
+figure the planner turns on; the parts passed on 2026-12-04 after them.
 
 Everything goes to $OUT as it happens (a temporary folder where $OUT is unset): the whole output
 in gpu_check.log, each benchmark's JSON (written by the benchmark after each side), and
@@ -77,6 +81,7 @@ GRACE_S = 10  # SIGTERM to SIGKILL: a benchmark saves what it has
 MIN_PART_S = 30  # a part that would get less is skipped
 SUMMARY_S = 5  # kept back for the summary
 PART_NAMES = (
+    "trainer-peers",
     "weight-plane",
     "gpu-tests",
     "weight-update",
@@ -137,6 +142,13 @@ def plan(smoke: bool, out: Path) -> list[Part]:
         return ",".join(s for s in names.split(",") if not (smoke and s.endswith("+compile")))
 
     return [
+        Part(
+            "trainer-peers",
+            pytest + ["--timeout", "90", "-rfEsP", "--tb=short"]  # P: the NOTE lines (what ended the rank)
+            + ["tests/integration/test_trainer_collectives.py", "-k", "gloo" if smoke else "nccl"],
+            80,
+            pytest=True,
+        ),
         Part(
             "weight-plane",
             pytest + ["--timeout", "90", "-rfEsP", "--tb=short"]  # P: what a test prints (NOTE lines)

@@ -123,12 +123,19 @@ class Watchdog:
             self.clock.tick()
             late = self.overdue()
             if late is not None:
-                log.critical(
-                    "%s: not done within %.0f s of this process's awake time (blocked past every timeout of "
-                    "ours): exiting so that the process is restarted",
-                    *late,
+                what, bound = late
+                end_process(
+                    self._exit,
+                    f"{what}: not done within {bound:.0f} s of this process's awake time (blocked past every "
+                    f"timeout of ours): exiting so that the process is restarted",
                 )
-                for handler in logging.getLogger().handlers:
-                    handler.flush()
-                self._exit(1)
                 return
+
+
+def end_process(exit: Callable[[int], Any], why: str) -> None:
+    """End this process from a thread of its own (code 1, to be restarted), saying why: its main
+    thread may be blocked in native code that nothing can be raised into."""
+    log.critical("%s", why)
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    exit(1)

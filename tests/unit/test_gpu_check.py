@@ -31,9 +31,11 @@ def parts(smoke: bool, out: Path) -> dict[str, gpu_check.Part]:
 @pytest.mark.parametrize("smoke", [False, True])
 def test_every_command_line_the_check_runs_parses(smoke, tmp_path):
     got = parts(smoke, tmp_path)
-    # newest first (the checkpoint), then by value: the weight plane, the commit, the decode
-    # curve, tests, 0.5B, 1.5B, 16k fit, update
-    assert list(got) == list(gpu_check.PART_NAMES)
+    # newest first (the trainer ranks' watch), then by value
+    assert list(got) == list(gpu_check.PART_NAMES) and gpu_check.PART_NAMES[0] == "trainer-peers"
+    peers = got["trainer-peers"].argv
+    assert peers[:2] == ["-m", "pytest"] and "tests/integration/test_trainer_collectives.py" in peers
+    assert peers[peers.index("-k") + 1] == ("gloo" if smoke else "nccl")
     ckpt = got["checkpoint"]
     assert ckpt.pytest and ckpt.needs_deepspeed and "tests/integration/test_checkpoint.py" in ckpt.argv
     assert ckpt.argv[ckpt.argv.index("-k") + 1] == ("gloo" if smoke else "nccl")
@@ -244,6 +246,8 @@ def test_the_smoke_mode_runs_the_whole_check_on_cpu_and_keeps_everything_in_out(
         "VERDICT commit of a staged update (smoke shape",
     ):
         assert line in summary, line
+    peers = next(p for p in check["parts"] if p["name"] == "trainer-peers")  # gloo: a rank killed, one frozen
+    assert any(re.search(r"\b2/\d+ tests collected", line) for line in peers["summary_lines"]), peers
     plane = next(p for p in check["parts"] if p["name"] == "weight-plane")
     # collected: the two commit tests' CPU stand-ins and the members killed, mid-broadcast and
     # before connecting, over gloo and NCCL (on a GPU they run; the suite runs the CPU ones)

@@ -1,7 +1,8 @@
 """Trainer service: one DeepSpeed rank of the trainer (`trainer.Trainer` trains), assembled here
 in the order its parts need each other: `/status` first (`reporting.Board`), the ranks' torch
-group, the model, the newest checkpoint (`position.Position`), NATS, what goes out
-(`reporting.Reporter`), the weight group and its sender."""
+group (and the watch over the other ranks: `peers`), the model, the newest checkpoint
+(`position.Position`), NATS, what goes out (`reporting.Reporter`), the weight group and its
+sender."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from pipelinerl_trainer import metrics as prom
 from pipelinerl_trainer.bridge import NatsBridge
 from pipelinerl_trainer.model import build_engine, init_distributed, load_model
 from pipelinerl_trainer.output import Output
+from pipelinerl_trainer.peers import PeerWatch, say_started
 from pipelinerl_trainer.position import Position, StoreLost
 from pipelinerl_trainer.reporting import Board, Reporter
 from pipelinerl_trainer.trainer import Model, Trainer, from_rank0
@@ -33,22 +35,28 @@ log = logging.getLogger("pipelinerl.trainer")
 STORE_POLL_S = 10.0  # a trainer whose store was lost looks again this often for one recovered for it
 
 
-def join_torch_group(job: PipelineRLJob, env: ServiceEnv) -> None:
-    """This rank in the trainers' torch.distributed group (DeepSpeed's), on its GPU if any."""
+def join_torch_group(job: PipelineRLJob, env: ServiceEnv) -> PeerWatch | None:
+    """This rank in the trainers' torch.distributed group (DeepSpeed's), on its GPU if any, and
+    the watch over the other ranks (`peers`; None for a gang of one)."""
     on_gpu = job.spec.trainer.gpus > 0
-    local_rank = env.local_rank or 0
+    local_rank, world = env.local_rank or 0, env.world_size or 1
+    addr, port = env.master_addr or "127.0.0.1", env.master_port or MASTER_PORT
     os.environ.update(
         {
             Env.TORCH_RANK: str(env.rank),
-            Env.TORCH_WORLD_SIZE: str(env.world_size or 1),
+            Env.TORCH_WORLD_SIZE: str(world),
             Env.TORCH_LOCAL_RANK: str(local_rank),
-            Env.MASTER_ADDR: env.master_addr or "127.0.0.1",
-            Env.MASTER_PORT: str(env.master_port or MASTER_PORT),
+            Env.MASTER_ADDR: addr,
+            Env.MASTER_PORT: str(port),
         }
     )
     if on_gpu:
         torch.cuda.set_device(local_rank)
-    init_distributed(on_gpu, job.spec.weight_sync.timeout_seconds * 5)
+    timeout_s = job.spec.weight_sync.timeout_seconds
+    if world > 1 and env.rank > 0:
+        say_started(addr, port, env.rank, timeout_s)
+    init_distributed(on_gpu, timeout_s * 5)
+    return PeerWatch.of_ranks(addr, port, env.rank, world, timeout_s)
 
 
 def build_model(job: PipelineRLJob, model_path: str) -> Model:
@@ -98,7 +106,7 @@ def await_store(position: Position, bridge: NatsBridge, board: Board, env: Servi
 
 def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.Event) -> Trainer:
     spec, rank, world = job.spec, env.rank, env.world_size or 1
-    join_torch_group(job, env)
+    peers = join_torch_group(job, env)
     model_path = resolve_model_path(spec.model.path)
     model = build_model(job, model_path)
     position = Position.restored(checkpoint.load(model.engine, env.run_dir / "checkpoints"), rank)
@@ -149,7 +157,7 @@ def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.
         spec.trainer.zero_stage,
         model_path,
     )
-    return Trainer(job, env, model, position, bridge, sender, reporter, output, floor, stop)
+    return Trainer(job, env, model, position, bridge, sender, reporter, output, floor, stop, peers)
 
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:

@@ -37,6 +37,7 @@ from pipelinerl_trainer import metrics as prom
 from pipelinerl_trainer.bridge import NatsBridge
 from pipelinerl_trainer.checks import bad_samples, describe, without
 from pipelinerl_trainer.output import Output
+from pipelinerl_trainer.peers import PeerWatch
 from pipelinerl_trainer.position import Position, StoreLost
 from pipelinerl_trainer.reporting import Reporter
 from pipelinerl_trainer.step import ComputeClock, StepTally, micro_batch_loss, step_config
@@ -99,6 +100,7 @@ class Trainer:
         output: Output | None,
         floor: int,
         stop: threading.Event,
+        peers: PeerWatch | None,
     ):
         self.job, self.spec, self.env = job, job.spec, env
         self.rank, self.world = env.rank, env.world_size or 1
@@ -111,6 +113,7 @@ class Trainer:
         # below it while the steps after the checkpoint are replayed.
         self.floor = floor
         self.stop = stop
+        self.peers = peers  # the other ranks' watch, to close when this rank's loop ends
         self.store_checked = time.monotonic()  # when the job's store was last checked (`_while_waiting`)
 
     def run(self) -> int:
@@ -119,6 +122,8 @@ class Trainer:
             if metrics is None:
                 break
             self._after_step(metrics)
+        if self.peers:
+            self.peers.close()
         self._wind_down()
         return 0
 
