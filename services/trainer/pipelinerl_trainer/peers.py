@@ -1,8 +1,9 @@
 """Whether the other trainer ranks are still there, and the end of a rank whose gang lost one.
 
 A collective waits for a rank that stopped answering without closing its connections (its node
-frozen or powered off; on a GPU also one that died, within a node: NCCL's shared memory and P2P
-transports notice nothing) for as long as its group's timeout, and DeepSpeed runs ZeRO's
+frozen or powered off; with NCCL also one that died where its transport does not see it go: NCCL
+reports a lost peer from its socket and InfiniBand transports, read in its documentation, not
+measured here) for as long as its group's timeout, and DeepSpeed runs ZeRO's
 gradient all-reduce in a group of its own (a clone of the world group) made with torch's default
 timeout: 30 minutes for gloo, 10 for NCCL. Measured here: rank 0 of two waited in it for more
 than 14 minutes, until the test gave up, while rank 1 was frozen (SIGSTOP). So each rank beats,
