@@ -383,6 +383,11 @@ def _write(name: str, target: Path, progress) -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(tmp)
+    if not (tmp / "config.json").exists():  # a folder without it would be taken for the model, for good
+        raise RuntimeError(
+            f"writing {name} to {target}: transformers wrote no model (its save_pretrained writes only on "
+            "torch.distributed's rank 0): write built-ins before joining a process group"
+        )
     tokenizer.save_pretrained(tmp)
     (tmp / "pipelinerl-model.json").write_text(json.dumps(info, indent=1))
     shutil.rmtree(target, ignore_errors=True)

@@ -63,8 +63,10 @@ def podman(*args: str, check: bool = True, timeout: float = 120) -> str:
 
 
 def short_job() -> dict:
+    """The tiny job, shorter, with two trainer pods: their ranks meet at trainer-0's name under the
+    headless Service, as in a cluster, and watch each other through its rendezvous store."""
     data = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
-    data["spec"]["trainer"] |= {"maxSteps": STEPS, "checkpointInterval": STEPS // 2}
+    data["spec"]["trainer"] |= {"replicas": 2, "maxSteps": STEPS, "checkpointInterval": STEPS // 2}
     data["spec"]["eval"] = {"interval": STEPS // 2, "problems": 100}
     return data
 
@@ -222,11 +224,12 @@ def test_the_rendered_tiny_job_trains_to_its_last_step_as_podman_containers(clus
     codes = {pod: cluster.state(c)[1] for pod, c in names.items()}
     assert codes == dict.fromkeys(names, 0), {p: cluster.logs(names[p]) for p, code in codes.items() if code}
 
-    # The trainer's claim holds its last checkpoint, written as the pod's non-root user.
-    run = tmp_path / namespace / f"{job.name}-prl-trainer-0" / "run"
-    latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
-    assert json.loads((latest / "state.json").read_text())["step"] == STEPS
-    assert latest.stat().st_uid == 10001
+    # Each trainer pod's claim holds its last checkpoint, written as the pod's non-root user.
+    for rank in (0, 1):
+        run = tmp_path / namespace / f"{job.name}-prl-trainer-{rank}" / "run"
+        latest = run / "checkpoints" / (run / "checkpoints" / "latest").read_text()
+        assert json.loads((latest / "state.json").read_text())["step"] == STEPS
+        assert latest.stat().st_uid == 10001
     # The job's metrics stream, read with the job's own login: one row per step, the evaluations.
     creds = job_credentials(KEY_STANDIN, namespace, job.name, uid)
     url = f"nats://{cluster.ip(nats)}:4222"

@@ -73,3 +73,39 @@ def test_a_built_in_model_is_its_shipped_weights_at_its_recorded_accuracy(name, 
     # Exact where it was built; another CPU's float32 kernels may flip a near-tie or two of 500.
     assert accuracy == pytest.approx(record["warm_start_accuracy"], abs=0.01)
     assert tiny_model.WARM_STARTS[name]["target_min"] <= record["warm_start_accuracy"] < 0.5
+
+
+RANK_WRITES = """
+import os, sys
+from datetime import timedelta
+import torch.distributed as dist
+from pipelinerl.tiny_model import resolve_model_path
+rank = int(sys.argv[1])
+os.environ["PIPELINERL_CACHE"] = sys.argv[2 + rank]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[4]}", rank=rank, world_size=2,
+                        timeout=timedelta(seconds=60))
+try:
+    print("wrote", resolve_model_path("builtin:tiny-random", progress=lambda _: None), flush=True)
+except RuntimeError as err:
+    print("refused", err, flush=True)
+dist.barrier()
+"""
+
+
+def test_a_built_in_written_by_a_rank_other_than_0_of_a_process_group_is_refused_not_left_broken(tmp_path):
+    """transformers' save_pretrained writes a model only on torch.distributed's rank 0: a trainer
+    pod of rank 1 with a cache of its own once wrote the built-in's folder without its config and
+    weights, and failed on it at every restart (the folder counted as written). The trainer writes
+    built-ins before it joins its group; written after, the folder is refused and not left."""
+    from pipelinerl.ports import free_port
+
+    caches = [tmp_path / "rank0", tmp_path / "rank1"]
+    argv = [str(c) for c in caches] + [str(free_port())]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", RANK_WRITES, str(r), *argv], stdout=subprocess.PIPE, text=True)
+        for r in (0, 1)
+    ]
+    outs = [p.communicate(timeout=180)[0].splitlines()[-1] for p in procs]  # (after DeepSpeed's notes)
+    assert outs[0].startswith("wrote") and (caches[0] / "models").is_dir()
+    assert outs[1].startswith("refused") and "only on torch.distributed's rank 0" in outs[1], outs[1]
+    assert not list((caches[1] / "models").glob("*/pipelinerl-model.json"))  # nothing left to be taken for it

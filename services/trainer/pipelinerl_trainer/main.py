@@ -106,8 +106,10 @@ def await_store(position: Position, bridge: NatsBridge, board: Board, env: Servi
 
 def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.Event) -> Trainer:
     spec, rank, world = job.spec, env.rank, env.world_size or 1
-    peers = join_torch_group(job, env)
+    # Before the torch group: a built-in's folder is written here, and transformers' save_pretrained
+    # writes a model only on torch.distributed's rank 0 (each trainer pod has a cache of its own).
     model_path = resolve_model_path(spec.model.path)
+    peers = join_torch_group(job, env)
     model = build_model(job, model_path)
     position = Position.restored(checkpoint.load(model.engine, env.run_dir / "checkpoints"), rank)
     prom.started(spec.trainer.max_steps, position.version, spec.max_lag)
