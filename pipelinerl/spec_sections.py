@@ -108,7 +108,8 @@ class WeightSyncSpec(SpecModel):
         default=120.0,
         gt=0.0,
         le=86400.0,
-        description="Bound of every weight-sync wait; a generator past it is dropped, not waited for.",
+        description="Bound of every weight-sync wait; a generator past it is dropped, not waited for. Also how "
+        "long trainer ranks wait for one that stopped answering before all restart from the checkpoint.",
     )
     port: int = Field(default=WEIGHTS_PORT, ge=1024, le=65535, description="Trainer rank 0's weight rendezvous port.")
     staged: bool = Field(
