@@ -22,7 +22,7 @@ from pipelinerl.ports import free_port
 from pipelinerl_trainer.peers import FORMED_KEY, LEFT, Hearing, PeerWatch, say_started, start_key
 
 ROOT = Path(__file__).resolve().parents[2]
-BOUND_S = 2.0
+BOUND_S = 3.0  # a beat a second: room for a loaded machine's late ones
 
 
 def test_a_rank_whose_count_stands_still_past_the_bound_is_silent_and_one_that_left_never():
@@ -109,7 +109,7 @@ def test_rank_0_ends_its_process_once_rank_1_died_or_froze_past_the_bound(fault,
         t0 = time.monotonic()
         until(lambda: exits, 3 * BOUND_S)
         assert exits == [1] and BOUND_S - 1.0 <= time.monotonic() - t0 <= BOUND_S + 2.0
-        assert "trainer rank 1 said nothing for 2 s" in caplog.text and "restarts and resumes" in caplog.text
+        assert "trainer rank 1 said nothing for 3 s" in caplog.text and "restarts and resumes" in caplog.text
     finally:
         one.kill()
         watch.close()
@@ -156,9 +156,9 @@ def test_a_rank_that_left_is_not_waited_for_and_rank_0_leaves_once_the_others_sa
 @pytest.mark.slow
 def test_a_whole_gang_frozen_past_the_bound_goes_on_when_thawed():
     """Both ranks frozen together (a paused VM) for longer than the bound: rank 0 counts the freeze
-    one slice of its awake time, so it does not take rank 1 for gone on thawing. (A bound of 3 s:
+    one slice of its awake time, so it does not take rank 1 for gone on thawing. (A bound of 4 s:
     up to a beat's second before the freeze and one after it count.)"""
-    port, bound_s = free_port(), 3.0
+    port, bound_s = free_port(), 4.0
     server = dist.TCPStore("127.0.0.1", port, None, True, timedelta(seconds=bound_s), wait_for_workers=False)
     one = peer(1, port, master=False, bound_s=bound_s)
     exits: list[int] = []
