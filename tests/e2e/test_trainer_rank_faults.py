@@ -20,12 +20,15 @@ from jobs import RUN_TIMEOUT_S  # tests/e2e/jobs.py
 
 pytestmark = pytest.mark.slow
 
-TIMEOUT_S = 20  # fault_job's weightSync.timeoutSeconds: the bound on a silent rank
+TIMEOUT_S = 10  # weightSync.timeoutSeconds: the bound on a silent rank
 
 
 def test_a_frozen_trainer_rank_ends_its_gang_which_resumes_together_from_the_checkpoint(start_run):
-    steps, name = 20, "rank"
-    run = start_run(fault_job(name, steps, trainer={"replicas": 2, "checkpointInterval": 4}), RUN_TIMEOUT_S)
+    steps, name = 16, "rank"
+    job = fault_job(
+        name, steps, trainer={"replicas": 2, "checkpointInterval": 4}, weightSync={"timeoutSeconds": TIMEOUT_S}
+    )
+    run = start_run(job, RUN_TIMEOUT_S)
     run.wait_step(6)
     frozen = run.services()["trainer-1"]["pid"]
     os.killpg(frozen, signal.SIGSTOP)
