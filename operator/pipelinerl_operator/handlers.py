@@ -276,7 +276,9 @@ async def resumed(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
     await on_change(body, logger, jobs)
 
 
-@kopf.timer(API_GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS)  # type: ignore[arg-type]
+# A pass that raised (the API server timed out, answered 5xx) is tried again at the same cadence,
+# not after kopf's default backoff for errors (60 s): every pass is idempotent.
+@kopf.timer(API_GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, backoff=RESYNC_SECONDS)  # type: ignore[arg-type]
 async def resync(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
     await reconcile(body, logger, jobs)
 

@@ -216,7 +216,11 @@ class Api:
 
     def __init__(self, base: str):
         self.base = base.rstrip("/")
-        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10))
+        # A connection per call: a kept-alive one holds a server task open past the operator's
+        # stop, which kopf then waits 5 s for (every task made after its start counts as its own).
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(force_close=True), timeout=aiohttp.ClientTimeout(total=10)
+        )
 
     async def _call(self, method: str, path: str, body: Any = None) -> Any:
         async with self.session.request(method, self.base + path, json=body) as resp:
