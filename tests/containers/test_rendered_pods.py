@@ -64,9 +64,11 @@ def podman(*args: str, check: bool = True, timeout: float = 120) -> str:
 
 def short_job() -> dict:
     """The tiny job, shorter, with two trainer pods: their ranks meet at trainer-0's name under the
-    headless Service, as in a cluster, and watch each other through its rendezvous store."""
+    headless Service, as in a cluster, and watch each other through its rendezvous store; and two
+    generator pods, each in the weight group rank 0 serves, over the pod network."""
     data = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
     data["spec"]["trainer"] |= {"replicas": 2, "maxSteps": STEPS, "checkpointInterval": STEPS // 2}
+    data["spec"]["generator"] |= {"replicas": 2}
     data["spec"]["eval"] = {"interval": STEPS // 2, "problems": 100}
     return data
 
@@ -234,7 +236,11 @@ def test_the_rendered_tiny_job_trains_to_its_last_step_as_podman_containers(clus
     creds = job_credentials(KEY_STANDIN, namespace, job.name, uid)
     url = f"nats://{cluster.ip(nats)}:4222"
     rows = asyncio.run(metrics(url, creds["natsUser"], creds["natsPassword"], JobSubjects(job.name, namespace)))
-    assert [r.values["step"] for r in rows if r.kind == "train"] == list(range(1, STEPS + 1))
+    train = [r.values for r in rows if r.kind == "train"]
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    # Both generator pods fed the job, and both were in the weight group at its end.
+    assert all(sum(r.get(f"groups_from_generator_{i}", 0) for r in train) > 0 for i in (0, 1))
+    assert train[-1]["generators_in_group"] == 2
     versions = [r.values["version"] for r in rows if r.kind == "eval"]
     assert versions[0] == 0 and STEPS // 2 in versions and versions[-1] == STEPS
 
