@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
@@ -69,6 +70,7 @@ def short_job() -> dict:
     data = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
     data["spec"]["trainer"] |= {"replicas": 2, "maxSteps": STEPS, "checkpointInterval": STEPS // 2}
     data["spec"]["generator"] |= {"replicas": 2}
+    data["spec"]["weightSync"] = {"timeoutSeconds": 10}  # the frozen generator below is dropped after it
     data["spec"]["eval"] = {"interval": STEPS // 2, "problems": 100}
     return data
 
@@ -85,7 +87,7 @@ class Cluster:
         dirs = {}
         for volume in kubelet.folder_volumes(pod):
             folder = self.root / pod.namespace / pod.name / volume
-            folder.mkdir(parents=True)
+            folder.mkdir(parents=True, exist_ok=True)  # a claim outlives its pod
             dirs[volume] = folder
         for volume, files in kubelet.volume_files(pod, objects).items():
             for name, text in files.items():
@@ -105,6 +107,17 @@ class Cluster:
             args[2:2] = ULIMITS
             podman(*args[1:])
             self.containers.append(kubelet.podman_name(pod, name))
+
+    def replace(self, pod: kubelet.Pod, container: str, *start_args) -> None:
+        """The pod deleted (SIGTERM, its grace period) and made again by its StatefulSet: the same
+        name, its emptyDirs new, its claims kept, an address from the network's pool."""
+        name = kubelet.podman_name(pod, container)
+        podman("rm", "-f", "-t", str(pod.spec["terminationGracePeriodSeconds"]), name, timeout=120)
+        self.containers.remove(name)
+        for volume, kind in kubelet.folder_volumes(pod).items():
+            if kind != "claim":
+                shutil.rmtree(self.root / pod.namespace / pod.name / volume)
+        self.start(pod, [container], *start_args)
 
     def ip(self, container: str) -> str:
         return podman("inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", container)
@@ -209,6 +222,32 @@ def test_the_rendered_tiny_job_trains_to_its_last_step_as_podman_containers(clus
     # Succeeded), checking each pod's /healthz on its pod address meanwhile; then scale to zero
     # (SIGTERM, the pods' grace period) and require a clean exit from each.
     trainer = names[f"{job.name}-prl-trainer-0"]
+    by_name = {pod.name: pod for pod in pods}
+    gen0, gen1 = (f"{job.name}-prl-generator-{i}" for i in (0, 1))
+
+    def until(done, what: str, timeout_s: float = RUN_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            assert time.monotonic() < deadline, f"no {what} in {timeout_s:.0f} s:\n" + "\n".join(
+                f"{p}:\n{cluster.logs(c)}" for p, c in names.items()
+            )
+            time.sleep(2)
+
+    def step() -> int:
+        return status(cluster.ip(trainer)).get("step", 0)
+
+    # generator-1's pod deleted and made again while generator-0 is frozen (podman pause), so that
+    # the steps after it are fed by the new pod alone: it finds the trainer by its name and joins
+    # the weight group again over the pod network, with whatever address it got.
+    until(lambda: step() >= 3, "step 3")
+    old_ip = cluster.ip(names[gen1])
+    podman("pause", names[gen0])
+    replaced_at = step()
+    cluster.replace(by_name[gen1], by_name[gen1].spec["containers"][0]["name"], objects, services, images)
+    until(lambda: step() >= replaced_at + 3, f"3 steps after step {replaced_at} fed by the new {gen1}")
+    fed = status(cluster.ip(names[gen1])).get("groupsFinished", 0)
+    podman("unpause", names[gen0])
+    assert fed > 0, f"the new {gen1} (address {cluster.ip(names[gen1])}, was {old_ip}) made no group"
     answered: set[str] = set()
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not status(cluster.ip(trainer)).get("finished"):
@@ -240,7 +279,7 @@ def test_the_rendered_tiny_job_trains_to_its_last_step_as_podman_containers(clus
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     # Both generator pods fed the job, and both were in the weight group at its end.
     assert all(sum(r.get(f"groups_from_generator_{i}", 0) for r in train) > 0 for i in (0, 1))
-    assert train[-1]["generators_in_group"] == 2
+    assert train[-1]["generators_in_group"] == 2  # generator-0, thawed, joined again
     versions = [r.values["version"] for r in rows if r.kind == "eval"]
     assert versions[0] == 0 and STEPS // 2 in versions and versions[-1] == STEPS
 
