@@ -218,9 +218,6 @@ def test_the_rendered_tiny_job_trains_to_its_last_step_as_podman_containers(clus
         cluster.start(pod, [pod.spec["containers"][0]["name"]], objects, services, images)
     names = {pod.name: kubelet.podman_name(pod, pod.spec["containers"][0]["name"]) for pod in pods}
 
-    # As the operator: poll trainer rank 0's /status until it says finished (status.compute's
-    # Succeeded), checking each pod's /healthz on its pod address meanwhile; then scale to zero
-    # (SIGTERM, the pods' grace period) and require a clean exit from each.
     trainer = names[f"{job.name}-prl-trainer-0"]
     by_name = {pod.name: pod for pod in pods}
     gen0, gen1 = (f"{job.name}-prl-generator-{i}" for i in (0, 1))
@@ -248,6 +245,10 @@ def test_the_rendered_tiny_job_trains_to_its_last_step_as_podman_containers(clus
     fed = status(cluster.ip(names[gen1])).get("groupsFinished", 0)
     podman("unpause", names[gen0])
     assert fed > 0, f"the new {gen1} (address {cluster.ip(names[gen1])}, was {old_ip}) made no group"
+
+    # As the operator: poll trainer rank 0's /status until it says finished (status.compute's
+    # Succeeded), checking each pod's /healthz on its pod address meanwhile; then scale to zero
+    # (SIGTERM, the pods' grace period) and require a clean exit from each.
     answered: set[str] = set()
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not status(cluster.ip(trainer)).get("finished"):
