@@ -38,6 +38,10 @@ class Image:
     entrypoint: tuple[str, ...] = ()
 
 
+# The pod's restartPolicy as podman's (which restarts at once: the kubelet backs off, up to 5 min).
+RESTART = {"Always": "always", "OnFailure": "on-failure", "Never": "no"}
+
+
 @dataclass
 class Pod:
     """One pod of a StatefulSet, as its controller makes it."""
@@ -199,6 +203,7 @@ def run_args(
     image = images[container["image"]]
     args = ["podman", "run", "--detach", "--name", podman_name(pod, container_name)]
     args += ["--network", network, "--hostname", pod.name, "--pull", "never"]
+    args += ["--restart", RESTART[pod.spec.get("restartPolicy", "Always")]]  # one that ends starts again in place
     args += [f"--network-alias={a}" for a in aliases]
     args += _security(pod, container) + _limits(container, host_cores)
     for key, value in env_values(pod, container, objects).items():

@@ -83,6 +83,7 @@ def test_security_context_volumes_and_limits_carry_over(objects) -> None:
     assert "--cap-drop=ALL" in args and flag_values(args, "--security-opt") == ["no-new-privileges"]
     assert flag_values(args, "--cpus") == ["2"]  # the limit of 4, capped at the host's cores
     assert flag_values(args, "--memory") == ["8g"]
+    assert flag_values(args, "--restart") == ["always"]  # a StatefulSet's pods: restartPolicy Always
     volumes = flag_values(args, "--volume")
     assert "/host/job-config:/etc/pipelinerl:ro" in volumes and "/host/run:/var/lib/pipelinerl/run:rw" in volumes
     assert flag_values(args, "--mount") == ["type=tmpfs,destination=/dev/shm"]  # emptyDir medium: Memory

@@ -1,8 +1,10 @@
 """The tiny job's pods as the operator renders them, run as podman containers from the images
 `make images` builds, the way a kubelet would run them (tests/containers/kubelet.py): the chart's
 NATS pod with the accounts the operator writes, then the job's StatefulSets' pods, on one
-private network whose DNS answers the cluster's names. The job trains to its last step and
-every service exits 0; each pod's health endpoint answers while it runs.
+private network whose DNS answers the cluster's names. Mid-run a generator pod is deleted and
+made again, then trainer-0's pod is lost and made again, each at another address, and the job goes
+on by the pods' names. The job trains to its last step and every service exits 0; each pod's
+health endpoint answers while it runs.
 
 `make test-containers` (CI runs it after `make test`): needs root, podman and the images.
 """
@@ -89,17 +91,16 @@ class Cluster:
             folder = self.root / pod.namespace / pod.name / volume
             folder.mkdir(parents=True, exist_ok=True)  # a claim outlives its pod
             dirs[volume] = folder
-        for volume, files in kubelet.volume_files(pod, objects).items():
-            for name, text in files.items():
-                (dirs[volume] / name).write_text(text)
         fs_group = (pod.spec.get("securityContext") or {}).get("fsGroup")
         group = fs_group if fs_group is not None else 0
         for folder in dirs.values():  # what the kubelet does with fsGroup: the group owns, setgid
             os.chown(folder, 0, group)
             folder.chmod(0o2775)
-            for f in folder.iterdir():
-                os.chown(f, 0, group)
-                f.chmod(0o644)
+        for volume, files in kubelet.volume_files(pod, objects).items():
+            for name, text in files.items():  # (a kept claim's contents stay as its pods wrote them)
+                (dirs[volume] / name).write_text(text)
+                os.chown(dirs[volume] / name, 0, group)
+                (dirs[volume] / name).chmod(0o644)
         for name in containers:
             args = kubelet.run_args(
                 pod, name, objects, images, dirs, self.network, kubelet.dns_names(pod, services), os.cpu_count() or 1
@@ -108,11 +109,13 @@ class Cluster:
             podman(*args[1:])
             self.containers.append(kubelet.podman_name(pod, name))
 
-    def replace(self, pod: kubelet.Pod, container: str, *start_args) -> None:
-        """The pod deleted (SIGTERM, its grace period) and made again by its StatefulSet: the same
-        name, its emptyDirs new, its claims kept, an address from the network's pool."""
+    def replace(self, pod: kubelet.Pod, container: str, *start_args, lost: bool = False) -> None:
+        """The pod deleted (SIGTERM, its grace period) or lost (SIGKILL: its node gone) and made
+        again by its StatefulSet: the same name, its emptyDirs new, its claims kept, an address
+        from the network's pool."""
         name = kubelet.podman_name(pod, container)
-        podman("rm", "-f", "-t", str(pod.spec["terminationGracePeriodSeconds"]), name, timeout=120)
+        grace = 0 if lost else pod.spec["terminationGracePeriodSeconds"]
+        podman("rm", "-f", "-t", str(grace), name, timeout=120)
         self.containers.remove(name)
         for volume, kind in kubelet.folder_volumes(pod).items():
             if kind != "claim":
@@ -126,6 +129,9 @@ class Cluster:
         out = podman("inspect", "-f", "{{.State.Status}} {{.State.ExitCode}}", container)
         status, code = out.split()
         return status, int(code)
+
+    def restarts(self, container: str) -> int:
+        return int(podman("inspect", "-f", "{{.RestartCount}}", container))
 
     def logs(self, container: str) -> str:
         return podman("logs", "--tail", "40", container, check=False)
@@ -218,9 +224,11 @@ def test_the_rendered_tiny_job_trains_to_its_last_step_as_podman_containers(clus
         cluster.start(pod, [pod.spec["containers"][0]["name"]], objects, services, images)
     names = {pod.name: kubelet.podman_name(pod, pod.spec["containers"][0]["name"]) for pod in pods}
 
-    trainer = names[f"{job.name}-prl-trainer-0"]
+    trainer0, trainer1 = (f"{job.name}-prl-trainer-{i}" for i in (0, 1))
+    trainer = names[trainer0]
     by_name = {pod.name: pod for pod in pods}
     gen0, gen1 = (f"{job.name}-prl-generator-{i}" for i in (0, 1))
+    checkpoint = STEPS // 2
 
     def until(done, what: str, timeout_s: float = RUN_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -246,15 +254,26 @@ def test_the_rendered_tiny_job_trains_to_its_last_step_as_podman_containers(clus
     podman("unpause", names[gen0])
     assert fed > 0, f"the new {gen1} (address {cluster.ip(names[gen1])}, was {old_ip}) made no group"
 
+    # trainer-0's pod lost (SIGKILL) past the checkpoint and made again with its claim, at another
+    # address: trainer-1 finds its rank 0 gone and ends (its watch), and starts again in place;
+    # the new gang meets at trainer-0's name and resumes from the checkpoint, and the generators
+    # join its weight group by that name.
+    until(lambda: step() > checkpoint + 1, f"step {checkpoint + 2}")
+    old_ip = cluster.ip(trainer)
+    container = by_name[trainer0].spec["containers"][0]["name"]
+    cluster.replace(by_name[trainer0], container, objects, services, images, lost=True)
+    print(f"{trainer0} at {old_ip}, then {cluster.ip(trainer)}")
+
     # As the operator: poll trainer rank 0's /status until it says finished (status.compute's
     # Succeeded), checking each pod's /healthz on its pod address meanwhile; then scale to zero
     # (SIGTERM, the pods' grace period) and require a clean exit from each.
     answered: set[str] = set()
     deadline = time.monotonic() + RUN_TIMEOUT_S
     while not status(cluster.ip(trainer)).get("finished"):
-        states = {p: cluster.state(c) for p, c in names.items()}
-        exited = {p: s for p, s in states.items() if s[0] == "exited"}
-        assert not exited, "\n".join(f"{p} exited {s[1]}:\n{cluster.logs(names[p])}" for p, s in exited.items())
+        # Only trainer-1 may have ended (and started again in place): its rank 0 was lost.
+        ended = {p: cluster.restarts(c) for p, c in names.items() if p != trainer1}
+        shown = "\n".join(f"{p} restarted {n}x:\n{cluster.logs(names[p])}" for p, n in ended.items() if n)
+        assert not any(ended.values()), shown
         answered |= {p for p, c in names.items() if healthy(f"http://{cluster.ip(c)}:{HTTP_PORT}/healthz")}
         assert time.monotonic() < deadline, "not finished:\n" + "\n".join(cluster.logs(c) for c in names.values())
         time.sleep(2)
@@ -277,7 +296,12 @@ def test_the_rendered_tiny_job_trains_to_its_last_step_as_podman_containers(clus
     url = f"nats://{cluster.ip(nats)}:4222"
     rows = asyncio.run(metrics(url, creds["natsUser"], creds["natsPassword"], JobSubjects(job.name, namespace)))
     train = [r.values for r in rows if r.kind == "train"]
-    assert [r["step"] for r in train] == list(range(1, STEPS + 1))
+    steps = [r["step"] for r in train]
+    # The first gang's steps, past the checkpoint; then the new gang's, each once from there.
+    back = next(i for i in range(1, len(steps)) if steps[i] <= steps[i - 1])
+    assert steps[:back] == list(range(1, back + 1)) and back > checkpoint, steps
+    assert steps[back:] == list(range(checkpoint + 1, STEPS + 1)), steps
+    assert cluster.restarts(names[trainer1]) >= 1
     # Both generator pods fed the job, and both were in the weight group at its end.
     assert all(sum(r.get(f"groups_from_generator_{i}", 0) for r in train) > 0 for i in (0, 1))
     assert train[-1]["generators_in_group"] == 2  # generator-0, thawed, joined again
