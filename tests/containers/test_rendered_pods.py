@@ -109,18 +109,20 @@ class Cluster:
             podman(*args[1:])
             self.containers.append(kubelet.podman_name(pod, name))
 
-    def replace(self, pod: kubelet.Pod, container: str, *start_args, lost: bool = False) -> None:
+    def replace(self, pod: kubelet.Pod, *start_args, lost: bool = False) -> None:
         """The pod deleted (SIGTERM, its grace period) or lost (SIGKILL: its node gone) and made
         again by its StatefulSet: the same name, its emptyDirs new, its claims kept, an address
         from the network's pool."""
-        name = kubelet.podman_name(pod, container)
+        containers = [c["name"] for c in pod.spec["containers"]]
         grace = 0 if lost else pod.spec["terminationGracePeriodSeconds"]
-        podman("rm", "-f", "-t", str(grace), name, timeout=120)
-        self.containers.remove(name)
+        for container in containers:
+            name = kubelet.podman_name(pod, container)
+            podman("rm", "-f", "-t", str(grace), name, timeout=120)
+            self.containers.remove(name)
         for volume, kind in kubelet.folder_volumes(pod).items():
             if kind != "claim":
                 shutil.rmtree(self.root / pod.namespace / pod.name / volume)
-        self.start(pod, [container], *start_args)
+        self.start(pod, containers, *start_args)
 
     def ip(self, container: str) -> str:
         return podman("inspect", "-f", "{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}", container)
@@ -248,7 +250,7 @@ def test_the_rendered_tiny_job_trains_to_its_last_step_as_podman_containers(clus
     old_ip = cluster.ip(names[gen1])
     podman("pause", names[gen0])
     replaced_at = step()
-    cluster.replace(by_name[gen1], by_name[gen1].spec["containers"][0]["name"], objects, services, images)
+    cluster.replace(by_name[gen1], objects, services, images)
     until(lambda: step() >= replaced_at + 3, f"3 steps after step {replaced_at} fed by the new {gen1}")
     fed = status(cluster.ip(names[gen1])).get("groupsFinished", 0)
     podman("unpause", names[gen0])
@@ -260,23 +262,23 @@ def test_the_rendered_tiny_job_trains_to_its_last_step_as_podman_containers(clus
     # join its weight group by that name.
     until(lambda: step() > checkpoint + 1, f"step {checkpoint + 2}")
     old_ip = cluster.ip(trainer)
-    container = by_name[trainer0].spec["containers"][0]["name"]
-    cluster.replace(by_name[trainer0], container, objects, services, images, lost=True)
+    cluster.replace(by_name[trainer0], objects, services, images, lost=True)
     print(f"{trainer0} at {old_ip}, then {cluster.ip(trainer)}")
 
     # As the operator: poll trainer rank 0's /status until it says finished (status.compute's
     # Succeeded), checking each pod's /healthz on its pod address meanwhile; then scale to zero
     # (SIGTERM, the pods' grace period) and require a clean exit from each.
     answered: set[str] = set()
-    deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not status(cluster.ip(trainer)).get("finished"):
+
+    def finished() -> bool:
         # Only trainer-1 may have ended (and started again in place): its rank 0 was lost.
         ended = {p: cluster.restarts(c) for p, c in names.items() if p != trainer1}
         shown = "\n".join(f"{p} restarted {n}x:\n{cluster.logs(names[p])}" for p, n in ended.items() if n)
         assert not any(ended.values()), shown
-        answered |= {p for p, c in names.items() if healthy(f"http://{cluster.ip(c)}:{HTTP_PORT}/healthz")}
-        assert time.monotonic() < deadline, "not finished:\n" + "\n".join(cluster.logs(c) for c in names.values())
-        time.sleep(2)
+        answered.update(p for p, c in names.items() if healthy(f"http://{cluster.ip(c)}:{HTTP_PORT}/healthz"))
+        return bool(status(cluster.ip(trainer)).get("finished"))
+
+    until(finished, "finish")
     answered |= {p for p, c in names.items() if healthy(f"http://{cluster.ip(c)}:{HTTP_PORT}/healthz")}
     assert answered == set(names)  # every pod's /healthz answered on its pod address
     grace = str(pods[0].spec["terminationGracePeriodSeconds"])
