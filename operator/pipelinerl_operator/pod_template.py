@@ -253,6 +253,19 @@ def _sidecar_resources(container: dict[str, Any]) -> None:
 
 NVIDIA_RESOURCES = "nvidia.com/"  # the device plugin's: nvidia.com/gpu, nvidia.com/mig-<profile>
 
+
+def _given_gpus(limits: Any) -> bool:
+    """Whether the device plugin hands a container with these limits a GPU: a limit above 0 of
+    one of its resources. A limit of 0 hands none (so the container must be kept from seeing the
+    node's), as does one Kubernetes cannot read (the policy check refuses it)."""
+    for name, value in (limits if isinstance(limits, dict) else {}).items():
+        try:
+            if str(name).startswith(NVIDIA_RESOURCES) and read_quantity(value) > 0:
+                return True
+        except ValueError:
+            pass
+    return False
+
 # Locked down (the "restricted" Pod Security Standard): writes go to the pod's volumes only. A
 # sidecar from the user's podTemplate gets the same.
 CONTAINER_SECURITY = {
@@ -337,8 +350,7 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
     theirs = {c.get("name"): c for kind in ("initContainers", "containers") for c in user.get(kind) or []}
     for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]:  # a user's sidecars too
         c["securityContext"] = merge_pod(CONTAINER_SECURITY, (theirs.get(c["name"]) or {}).get("securityContext") or {})
-        limits = (c.get("resources") or {}).get("limits") or {}
-        if not any(str(name).startswith(NVIDIA_RESOURCES) for name in limits):
+        if not _given_gpus((c.get("resources") or {}).get("limits")):
             # No GPU asked for (whole or a MIG slice): none seen, whatever the image's environment
             # says (CUDA base images set NVIDIA_VISIBLE_DEVICES=all, which the NVIDIA runtime honours).
             c["env"] = [*(c.get("env") or []), {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]

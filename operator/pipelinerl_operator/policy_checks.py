@@ -459,7 +459,23 @@ def _node_label(key: Any, values: list[Any], at: str, policy: JobPolicy, bad: Pr
 
 def _resources(containers: list[tuple[str, dict[str, Any]]], role: str, policy: JobPolicy, bad: Problems) -> None:
     """Each pod's requests and limits, its containers summed, within the policy's maxima (named as
-    the role's resources: the service container's, where sidecars add theirs)."""
+    the role's resources: the service container's, where sidecars add theirs); and, per container,
+    what Kubernetes refuses: a request of a resource it never overcommits (a device plugin's, such
+    as nvidia.com/gpu; hugepages) without a limit equal to it."""
+    for list_name, c in containers:
+        requests, limits = (as_dict(as_dict(c.get("resources")).get(k)) for k in ("requests", "limits"))
+        for name, value in requests.items():
+            if _overcommitted(name):
+                continue
+            at = f"{role}.resources.limits.{name}"
+            if c.get("name") != role:
+                at = f"{role}.podTemplate.spec.{list_name}[{c.get('name', '?')}].resources.limits.{name}"
+            try:
+                equal = name in limits and read_quantity(value) == read_quantity(limits[name])
+            except ValueError:
+                continue  # unreadable: the sums below name it
+            if not equal:
+                bad(at, f"{name} is never overcommitted: its limit must be set, equal to its request ({value})")
     for kind in ("requests", "limits"):
         total: dict[str, Decimal] = {}
         for _, c in containers:
@@ -478,6 +494,12 @@ def _resources(containers: list[tuple[str, dict[str, Any]]], role: str, policy: 
                     f"{amount.normalize():f} per pod (its containers summed) is more than a pod may ask for "
                     f"(jobPolicy.maxPodResources.{name}: {cap})",
                 )
+
+
+def _overcommitted(resource: str) -> bool:
+    """Whether Kubernetes lets a request of this resource stay below its limit: its own resources
+    (no domain, or a kubernetes.io one), hugepages excepted."""
+    return ("/" not in resource or "kubernetes.io/" in resource) and not resource.startswith("hugepages-")
 
 
 def volume_sizes(spec: dict[str, Any], where: str) -> Iterator[tuple[int, str, str, Any]]:

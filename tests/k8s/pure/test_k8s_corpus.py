@@ -58,6 +58,8 @@ WEBHOOK_ONLY = {
     "requests-above-limits",
     "memory-requests-above-limits",
     "gpu-limit-without-gpus",
+    "sidecar-gpu-request-without-limit",
+    "sidecar-gpu-request-below-limit",
     "pod-template-container-unnamed",
     "pod-template-sidecar-without-image",
     "pod-template-typo",

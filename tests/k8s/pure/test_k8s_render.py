@@ -230,14 +230,20 @@ def test_a_container_that_asks_for_no_gpu_sees_none_whatever_its_image_says() ->
     """CUDA base images set NVIDIA_VISIBLE_DEVICES=all, which the NVIDIA runtime honours by
     default: a container given the GPU image without a GPU request (a role's `image`, a sidecar,
     an init container) would see every GPU of its node. Every container without a GPU limit gets
-    NVIDIA_VISIBLE_DEVICES=void; one with a limit gets what the device plugin hands it."""
+    NVIDIA_VISIBLE_DEVICES=void; one with a limit gets what the device plugin hands it. A limit
+    of 0 hands none, so it gets void too."""
     sidecar = {"name": "probe", "image": CFG.gpu_image}
+    none_asked = {"resources": {"limits": {"nvidia.com/gpu": 0}}}
     objs = by_name(
         render(
             job(
                 generator={"gpus": 1},
                 preprocessor={"image": CFG.gpu_image, "podTemplate": {"spec": {"initContainers": [sidecar]}}},
-                trainer={"podTemplate": {"spec": {"containers": [sidecar]}}},
+                trainer={
+                    "image": CFG.gpu_image,
+                    **none_asked,
+                    "podTemplate": {"spec": {"containers": [{**sidecar, **none_asked}]}},
+                },
             ),
             "ns",
             "u",
