@@ -84,7 +84,11 @@ async def cluster(trainer_status):
     """The Kubernetes emulator, a client acting as kubectl and the controllers, the trainer stand-in."""
     from operator_harness import Api, emulator
 
+    from chart import not_granted
+
     async with emulator() as server:
         api = Api(str(server.url))
         yield server, api, trainer_status
         await api.close()
+        # The emulator grants every call; a real API server only what the chart's RBAC does.
+        assert not not_granted(server.calls), f"calls the chart's RBAC does not grant: {not_granted(server.calls)}"

@@ -76,6 +76,7 @@ class Conflict(kmock.KubernetesError):
     message: str = "the object has been modified; please apply your changes to the latest version and try again"
 
 
+OPERATOR_AGENTS = ("kopf/", "pipelinerl-operator")
 REQUESTS_KEPT = 64  # far more than are ever in flight at once
 KUBE_TIMEOUT_S = 10  # the operator's client's (pipelinerl_operator.kube.Kube)
 
@@ -94,6 +95,24 @@ class Emulator(kmock.KubernetesEmulator):
     # on it (a timeout: a failure that is not the API's answer).
     stall: Callable[[Any], bool] | None = None
     waiting: asyncio.Event
+    # (API group, resource[/subresource], verb, name) of every call the operator made: kopf's and
+    # its own client's, told apart from this harness's by their User-Agent (tests/k8s/chart.py
+    # holds them against the chart's RBAC, which the emulator does not enforce).
+    calls: set[tuple[str, str, str, str | None]] = set()
+
+    def _record(self, request) -> None:  # type: ignore[no-untyped-def]
+        agent = str((request.headers or {}).get("User-Agent", ""))
+        if request.resource is None or request.resource.plural is None or not agent.startswith(OPERATOR_AGENTS):
+            return  # discovery: every authenticated client may read it (system:discovery)
+        method = str(request.method.value if hasattr(request.method, "value") else request.method).upper()
+        if method == "GET":
+            verb = "watch" if request.params.get("watch") in ("true", "1") else ("get" if request.name else "list")
+        else:
+            verb = {"POST": "create", "PATCH": "patch", "PUT": "update"}.get(method) or (
+                "delete" if request.name else "deletecollection"
+            )
+        resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
+        self.calls.add((request.resource.group or "", resource, verb, request.name))
 
     def _current(self, request) -> dict[str, Any]:  # type: ignore[no-untyped-def]
         for (res, ns, name), obj in list(self.objects.items()):
@@ -107,6 +126,7 @@ class Emulator(kmock.KubernetesEmulator):
         # tenancy test spent 90% of its CPU there, and its operator fell behind). No test reads
         # the log, so only its tail is kept; `request`, just appended, is in it.
         del self._requests[:-REQUESTS_KEPT]
+        self._record(request)
         if self.stall is not None and self.stall(request):
             self.stall = None
             await asyncio.sleep(KUBE_TIMEOUT_S + 1)
@@ -198,7 +218,7 @@ def _nested(path: str, value: Any) -> dict[str, Any]:
 @contextlib.asynccontextmanager
 async def emulator() -> AsyncIterator[Emulator]:
     async with Emulator() as handler, kmock.Server(handler):
-        handler.creates, handler.refuse, handler.failing = [], {}, set()
+        handler.creates, handler.refuse, handler.failing, handler.calls = [], {}, set(), set()
         handler.gates, handler.waiting, handler.stall = {}, asyncio.Event(), None
         declare(handler)
         yield handler

@@ -107,6 +107,7 @@ OPERATOR_CALLS = {
         )
         for verb in ("get", "create", "patch")
     },  # get: whether the job owns what it is about to apply
+    ("apps", "statefulsets", "delete"),  # the job's own, left by `--cascade=orphan`, as the job goes
     ("", "secrets", "create"),  # a job's credentials (never read, never overwritten); the NATS accounts
     ("", "pods", "list"),
     ("", "pods", "delete"),
