@@ -34,6 +34,10 @@ OWNED = {
     "data_parallel_size": _ONE_ENGINE,
     "seed": "PipelineRL seeds each generator from task.seed",
     "worker_extension_cls": "PipelineRL's weight-update extension must stay loaded",
+    # vLLM then sizes its KV cache by these alone, ignoring gpu_memory_utilization, which the
+    # generator's memory plan sets so that the weight update's buffers fit beside the engine.
+    "kv_cache_memory_bytes": "the memory plan budgets vLLM by gpu_memory_utilization",
+    "num_gpu_blocks_override": "the memory plan budgets vLLM by gpu_memory_utilization",
     "logprobs_mode": "the trainer's importance ratios need the sampling policy's own log-probs (processed_logprobs)",
 }
 

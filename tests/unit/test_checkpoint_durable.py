@@ -1,7 +1,8 @@
 """A checkpoint reaches the disk before `latest` names it (pipelinerl_trainer/checkpoint.py
 `durable`): every file and folder of it is fsynced before the rename that publishes it, so a node
 that loses power cannot leave `latest` naming data still in its page cache; and a save a full
-volume refuses says so, not only torch's stream writer. The engine here is a
+volume refuses says so, not only torch's stream writer; a volume holds two checkpoints at most,
+the one being written included. The engine here is a
 stand-in that writes files as DeepSpeed and Hugging Face would (the real save and resume of two
 pods: tests/integration/test_checkpoint.py)."""
 
@@ -90,3 +91,47 @@ def test_a_checkpoint_a_full_volume_refuses_says_so(tmp_path, monkeypatch, free)
         assert isinstance(error.value, OSError) and "its volume is full (0 MiB free of 20.0 GiB)" in str(error.value)
         assert "spec.storage.size" in str(error.value) and "PytorchStreamWriter" in str(error.value.__cause__)
     assert checkpoint.latest_step(tmp_path) is None
+
+
+class CountingEngine(Engine):
+    """Records how many checkpoints the volume holds while each is written (its own included)."""
+
+    held: list[int] = []
+
+    def save_checkpoint(self, folder: str, tag: str, client_state: dict) -> None:
+        super().save_checkpoint(folder, tag, client_state)
+        self.held.append(len(list(Path(folder).parents[1].glob("step-*"))))
+
+
+def test_a_volume_holds_two_checkpoints_at_most_even_while_one_is_written(tmp_path) -> None:
+    from pipelinerl_trainer import checkpoint
+
+    engine = CountingEngine()
+    engine.held = []
+    (tmp_path / "step-7" / "ds").mkdir(parents=True)  # one a crash cut short, of a step trained again
+    for step, previous in ((5, 0), (7, 5), (9, 7), (11, 9)):
+        checkpoint.save(engine, tmp_path, step, {"step": step}, rank=0, local_rank=0, previous=previous)
+    assert engine.held == [1, 2, 2, 2]
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-11", "step-9"]
+    assert checkpoint.latest_step(tmp_path) == 11
+
+
+class CrashingEngine(Engine):
+    def save_checkpoint(self, folder: str, tag: str, client_state: dict) -> None:
+        raise KeyboardInterrupt  # the process dies mid-save
+
+
+def test_a_crash_mid_save_leaves_latest_naming_a_whole_checkpoint_the_run_resumed_from(tmp_path) -> None:
+    """This pod saved step 13 on a stop, another pod did not: the run resumed from 10. Making room
+    for step 20 deletes 13, so `latest` is pointed back at 10 first: a crash in the save leaves
+    this pod resuming from 10, as every pod can."""
+    from pipelinerl_trainer import checkpoint
+
+    for step in (10, 13):
+        checkpoint.save(Engine(), tmp_path, step, {"step": step}, rank=0, local_rank=0, previous=10 if step == 13 else 0)
+    assert checkpoint.latest_step(tmp_path) == 13
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(CrashingEngine(), tmp_path, 20, {"step": 20}, rank=0, local_rank=0, previous=10)
+    assert checkpoint.latest_step(tmp_path) == 10
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-10"]
+    assert (tmp_path / "step-10" / "state.json").exists()

@@ -118,17 +118,16 @@ def threads_running() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def core_start_method(gpus: int, executor: str, threads: int) -> str | None:
-    """How AsyncLLM starts its engine core process on the CPU build (None: on GPUs, vLLM's own
-    choice). vLLM's CPU platform sets spawn, so the core imports vLLM again (~17 CPU-seconds of
-    every generator start). Forked, it starts from this process's imports: safe while no thread
-    of ours runs (none can hold a lock the child would inherit taken) and no OpenMP pool exists
-    (it breaks in a forked child). vLLM's own zmq threads start after this check, as on its GPU
-    fork path, and the child never uses that context. An executor other than "uni" (tensor
-    parallelism, or VLLM_ENABLE_V1_MULTIPROCESSING=1) starts workers from the core, which by
-    then runs threads: spawn."""
-    if gpus:
-        return None
+def core_start_method(executor: str, threads: int) -> str:
+    """How AsyncLLM starts its engine core process. vLLM's CPU platform sets spawn, so the core
+    imports vLLM again (~17 CPU-seconds of every generator start). Forked, it starts from this
+    process's imports: safe while no thread of ours runs (none can hold a lock the child would
+    inherit taken) and no OpenMP pool exists (it breaks in a forked child). vLLM's own zmq
+    threads start after this check, and the child never uses that context. An executor other
+    than "uni" (tensor parallelism, or VLLM_ENABLE_V1_MULTIPROCESSING=1) starts workers from the
+    core, which by then runs threads: spawn. The same holds on GPUs, where vLLM itself would fork
+    unless CUDA is already initialised: a GPU generator builds its engine with its health server
+    and NATS client running, so its core is spawned."""
     return "fork" if executor == "uni" and threads == 1 else "spawn"
 
 
@@ -204,12 +203,11 @@ class Engine:
                 args = engine_args(job, model_path, seed, utilization)
                 config = args.create_engine_config()
         executor = str(config.parallel_config.distributed_executor_backend)
-        core_start = core_start_method(generator.gpus, executor, threads_running())
-        if core_start:
-            os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = core_start
+        core_start = core_start_method(executor, threads_running())
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = core_start
         if core_start == "fork":
             forget_parent_signals_after_fork()
-        log.info("engine core: %s", core_start or "vLLM's start method")
+        log.info("engine core: %s", core_start)
         with compile_disabled(generator.gpus == 0 and config.model_config.enforce_eager):
             self.llm = AsyncLLM.from_vllm_config(
                 config, enable_log_requests=args.enable_log_requests, disable_log_stats=args.disable_log_stats

@@ -231,7 +231,8 @@ async def assemble(
     """Build what a generator uses and hand it in. On the CPU build the engine comes first, while
     no thread of ours runs (its core process is then forked, not spawned: `engine.core_start_method`;
     it starts in seconds); even the task waits (a dataset task's loader, pyarrow, starts threads).
-    On GPUs the health server answers while the model downloads and loads, which can take long.
+    On GPUs the health server answers while the model downloads and loads, which can take long
+    (the core is then spawned: a fork would copy the server's thread mid-way).
     `status`: what the health server's /status serves until the generator exists."""
     spec = job.spec
     model_path = resolve_model_path(spec.model.path)

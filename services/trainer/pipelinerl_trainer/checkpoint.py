@@ -1,7 +1,8 @@
 """Checkpoints: DeepSpeed state (model, optimizer) + Hugging Face weights + what was consumed.
 
 Layout: <dir>/step-<N>/{ds/, hf/, state.json} and <dir>/latest (written last, atomically), so
-a crash mid-save leaves the previous checkpoint in force; the newest two are kept (`prune`).
+a crash mid-save leaves the previous checkpoint in force; the newest two are kept (`prune`), and
+only one of them while the next is written (`make_room`): a volume needs room for two.
 Every file is flushed to the disk before `latest` names it (`durable`): a node that loses power
 (not only a killed process) must not leave `latest` naming a checkpoint still in its page cache.
 Exports (weights only, for offline evaluation) go to <dir>/export/version-<N>/ (and to
@@ -57,9 +58,12 @@ def save(
     model_path: str | None = None,
 ) -> Path:
     """Checkpoint `step`; `previous`: the run's checkpoint before it (the one it resumed from, or
-    saved last: 0 for none), which is kept with it (`prune`)."""
+    saved last: 0 for none), which is kept with it (`prune`). Called by every rank after a
+    collective that every rank reaches only once its previous save is whole, `latest` included."""
     tag = f"step-{step}"
     target = ckpt_dir / tag
+    if local_rank == 0:
+        make_room(ckpt_dir, previous)
     try:
         engine.save_checkpoint(str(target / "ds"), tag="ds", client_state={"pipelinerl": state})
         _save_hf(engine, target / "hf", rank, model_path)
@@ -72,11 +76,7 @@ def save(
     if dist.is_initialized():
         dist.barrier()
     if local_rank == 0:
-        tmp = ckpt_dir / "latest.tmp"
-        tmp.write_text(tag)
-        durable(tmp)
-        os.replace(tmp, ckpt_dir / "latest")
-        durable(ckpt_dir)  # the rename itself
+        _publish_latest(ckpt_dir, tag)
         prune(ckpt_dir, {step, previous})
     if rank == 0:
         log.info("checkpoint %s written", target)
@@ -96,10 +96,35 @@ def _raise_if_full(ckpt_dir: Path, tag: str, err: Exception) -> None:
         raise OSError(
             errno.ENOSPC,
             f"checkpoint {tag} not written to {ckpt_dir}: its volume is full ({usage.free >> 20} MiB free of "
-            f"{usage.total / 2**30:.1f} GiB). The newest two checkpoints are kept, each the model's weights and "
-            "optimizer state: give the trainer pods larger volumes (spec.storage.size; locally, the run "
+            f"{usage.total / 2**30:.1f} GiB). A volume holds two checkpoints (the newest one, and the next while it is written), each "
+            "the model's weights and optimizer state: give the trainer pods larger volumes (spec.storage.size; locally, the run "
             "directory's disk), then restart the trainer; it resumes from the newest checkpoint",
         ) from err
+
+
+def make_room(ckpt_dir: Path, previous: int) -> None:
+    """Before a save: only the run's previous checkpoint stays, so a volume holds two checkpoints
+    at most, the one being written included. Every pod has `previous` whole (the run resumed from
+    it, or every pod saved it before the collective this save follows), so no pod can resume from
+    anything older. `latest` is pointed at it first (a pod may hold a newer one the run did not
+    resume from), so that no crash leaves it naming a folder deleted here. What goes: the
+    checkpoint before `previous`, one the run did not resume from, one a crash cut short."""
+    kept = ckpt_dir / f"step-{previous}"
+    if latest_step(ckpt_dir) != previous or not kept.is_dir():
+        if previous and kept.is_dir():
+            _publish_latest(ckpt_dir, kept.name)
+        elif (ckpt_dir / "latest").exists():
+            (ckpt_dir / "latest").unlink()
+            durable(ckpt_dir)
+    prune(ckpt_dir, {previous})
+
+
+def _publish_latest(ckpt_dir: Path, tag: str) -> None:
+    tmp = ckpt_dir / "latest.tmp"
+    tmp.write_text(tag)
+    durable(tmp)
+    os.replace(tmp, ckpt_dir / "latest")
+    durable(ckpt_dir)  # the rename itself
 
 
 def prune(ckpt_dir: Path, keep: set[int]) -> None:

@@ -55,6 +55,7 @@ WEBHOOK_ONLY = {
     "engine-arg-contradicts-tp",
     "engine-arg-owned-model",
     "engine-arg-owned-seq-len",
+    "engine-arg-owned-kv-cache-bytes",
     "requests-above-limits",
     "memory-requests-above-limits",
     "gpu-limit-without-gpus",
