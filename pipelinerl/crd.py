@@ -63,13 +63,16 @@ class StatusModel(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
 
+CONDITION_MESSAGE_MAX = 32768  # as metav1.Condition
+
+
 class Condition(StatusModel):
     """The standard `metav1.Condition` shape."""
 
     type: str = Field(max_length=316)
     status: Literal["True", "False", "Unknown"]
     reason: str = Field(max_length=1024)
-    message: str = Field(default="", max_length=32768)
+    message: str = Field(default="", max_length=CONDITION_MESSAGE_MAX)
     last_transition_time: str = Field(description="RFC 3339 time the status last changed.")
     observed_generation: int | None = Field(default=None, ge=0)
 

@@ -23,7 +23,11 @@ from pipelinerl.spec import KIND, PipelineRLJob, SpecError, check_depth, immutab
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.render import RenderError, render
 
-MAX_MANIFEST_BYTES = 256 * 1024  # a job's JSON; checking one costs CPU in proportion (the webhook's too)
+# A job's JSON (what `job_manifest` keeps of it): checking one costs CPU in proportion (the
+# webhook's too), and the object holds it up to twice more in annotations (kubectl's
+# last-applied-configuration, kopf's last-handled-configuration), which Kubernetes caps at 256 KiB
+# in all: a larger job could be created but not applied again or handled.
+MAX_MANIFEST_BYTES = 100 * 1024
 # The oldest Kubernetes the chart admits (`kubeVersion` in Chart.yaml): the pod-index label
 # that ranks are read from is there from 1.28.
 KUBE_VERSION = "1.28"
@@ -68,6 +72,19 @@ def _name_field(obj: dict[str, Any], path: list[Any], message: str) -> str:
         rest = ".".join(map(str, path[3:]))
         return f"spec.network.egress.{path[2] - 3}{'.' + rest if rest else ''}: {message}"
     return f"{obj.get('kind')} {obj['metadata']['name']}: {dotted}: {message}"
+
+
+def job_manifest(obj: Any) -> dict[str, Any]:
+    """What of a stored job (or one under review) its manifest is, as `validate` reads a file:
+    its kind, name, namespace, labels and spec; not the annotations, managed fields and status
+    the API server and the operator add."""
+    meta = obj.get("metadata") or {}
+    return {
+        "apiVersion": obj.get("apiVersion"),
+        "kind": obj.get("kind"),
+        "metadata": {k: meta[k] for k in ("name", "generateName", "namespace", "labels") if k in meta},
+        "spec": obj.get("spec"),
+    }
 
 
 def check(manifest: Any, old: Any = None, source: str = "manifest", cfg: OperatorConfig | None = None) -> PipelineRLJob:

@@ -32,10 +32,12 @@ FINALIZER = f"{API_GROUP}/cleanup"
 RESYNC_SECONDS = float(os.environ.get(OperatorEnv.RESYNC_SECONDS, "15"))
 
 
-# An admission review holds the job at most twice (an update's old and new objects), each within
-# admission.MAX_MANIFEST_BYTES: a larger body is refused unread (the webhook's port is reachable
-# from the API server, and wherever the network lets callers in).
-MAX_REVIEW_BYTES = 2 * MAX_MANIFEST_BYTES + 64 * 1024
+# An admission review holds the job at most twice (an update's old and new objects), each its
+# manifest (admission.MAX_MANIFEST_BYTES), its annotations (at most 256 KiB, Kubernetes' bound:
+# kubectl's and kopf's copies of it), its managed fields (about the manifest's size) and its
+# status: a larger body is refused unread (the webhook's port is reachable from the API server,
+# and wherever the network lets callers in). It is aiohttp's own bound on a body too.
+MAX_REVIEW_BYTES = 2 * (2 * MAX_MANIFEST_BYTES + 256 * 1024) + 64 * 1024
 
 
 class BoundedWebhookServer(kopf.WebhookServer):
@@ -140,8 +142,8 @@ def validate_job(
     meta = body.get("metadata") or {}
     try:
         job = admission.check(
-            dict(body),
-            dict(stored) if stored else None,
+            admission.job_manifest(body),
+            admission.job_manifest(stored) if stored else None,
             source=f"{KIND} {meta.get('namespace', '')}/{meta.get('name', '')}",
             cfg=operator_config(),
         )

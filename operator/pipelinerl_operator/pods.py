@@ -44,7 +44,9 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
         found = None
         for c in (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or []):
             waiting = (c.get("state") or {}).get("waiting") or {}
-            killed = (c.get("state") or {}).get("terminated") or (c.get("lastState") or {}).get("terminated") or {}
+            killed = (c.get("state") or {}).get("terminated") or {}
+            if not c.get("ready"):  # the restart before: the cause while it crash-loops or comes back up
+                killed = killed or (c.get("lastState") or {}).get("terminated") or {}
             if killed.get("reason") == "OOMKilled":
                 limit = f" (exit code {killed.get('exitCode')}): raise the role's memory limit"
                 found = PodProblem(role, name, c.get("name"), "OOMKilled", f"killed for memory{limit}")

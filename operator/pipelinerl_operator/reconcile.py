@@ -235,16 +235,7 @@ def _read_spec(
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     try:
-        job = admission.check(
-            {
-                "apiVersion": API_VERSION,
-                "kind": KIND,
-                "metadata": {"name": name, "namespace": ns, "labels": dict(meta.get("labels") or {})},
-                "spec": dict(body.get("spec") or {}),
-            },
-            source=f"{KIND} {ns}/{name}",
-            cfg=cfg,
-        )
+        job = admission.check(admission.job_manifest(body), source=f"{KIND} {ns}/{name}", cfg=cfg)
     except SpecError as err:
         logger.warning("invalid spec: %s", err)
         return None, str(err), []

@@ -13,7 +13,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from pipelinerl.contracts import Progress, TrainerStatus
-from pipelinerl.crd import JobStatus
+from pipelinerl.crd import CONDITION_MESSAGE_MAX, JobStatus
 from pipelinerl_operator.pods import REASONS as POD_REASONS
 from pipelinerl_operator.pods import PodProblem
 
@@ -149,7 +149,7 @@ class _Conditions:
                 "type": type_,
                 "status": status,
                 "reason": reason,
-                "message": message,
+                "message": clipped(message, CONDITION_MESSAGE_MAX),
                 "lastTransitionTime": since,
                 "observedGeneration": self._generation,
             }
@@ -233,7 +233,12 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
     now = _ts(obs.now)
     conds = _Conditions(prev.get("conditions", []), now, obs.generation)
     progress = progress_from(obs.trainer_status, prev.get("progress") or {})
-    failures, incident = count_failures(prev, obs.pod_restarts, obs.now)
+    if obs.spec_error is None:
+        failures, incident = count_failures(prev, obs.pod_restarts, obs.now)
+        restarts = dict(obs.pod_restarts)
+    else:  # its runPolicy unread: nothing counted, nothing ended by it (counting goes on once it is fixed)
+        failures, incident = int(prev.get("failures", 0) or 0), prev.get("lastIncident")
+        restarts = dict(prev.get("podRestarts") or {})
     roles = {r: obs.roles.get(r, RoleObserved(desired=0)) for r in ROLE_CONDITIONS}
     clocks = _clocks(obs, prev, progress, now)
 
@@ -262,7 +267,7 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
             "generatorSelector": obs.generator_selector,
             "progress": progress,
             "failures": failures,
-            "podRestarts": dict(obs.pod_restarts),
+            "podRestarts": restarts,
             "lastIncident": incident,
             "startTime": prev.get("startTime") or (now if phase == "Running" else None),
             "completionTime": prev.get("completionTime") or (now if terminal else None),
@@ -285,6 +290,8 @@ def _terminal_outcome(
         phase = prev["phase"]
         before = _cond(prev, phase) or {}
         return phase, before.get("reason", phase), before.get("message", "")
+    if obs.spec_error is not None:  # a spec that no longer reads (a policy tightened since, a scale past it)
+        return None, "", ""
     deadline = obs.active_deadline_seconds
     if obs.trainer_status and obs.trainer_status.finished:
         return "Succeeded", "", f"trainer finished at step {progress.get('step', 0)}"
@@ -347,13 +354,13 @@ def _ready_condition(
         phase = phase or prev.get("phase") or "Pending"
         reason, message = "InvalidSpec", obs.spec_error
     elif obs.apply_error is not None and not terminal:
-        phase = phase or prev.get("phase") or "Pending"
+        phase = phase or ("Suspended" if obs.suspend else _resumed(prev, "Pending"))
         reason, message = "ApplyRefused", obs.apply_error
     elif terminal:
         reason, message = phase or "", fail_message
     elif obs.store_lost and not obs.suspend:
         # The trainer trains nothing until `pipelinerl recover-store` gives its checkpoint a store.
-        phase = prev.get("phase") or "Running"
+        phase = _resumed(prev, "Running")
         reason, message = "StoreLost", obs.store_lost
     elif obs.suspend:
         phase, reason, message = "Suspended", "Suspended", "spec.suspend is true; all roles scaled to zero"
@@ -372,6 +379,21 @@ def _ready_condition(
     ready = not not_ready_any(conds) and active and obs.apply_error is None and not stalled and reason != "StoreLost"
     conds.set("Ready", ready, reason, message)
     return phase, ready, reason
+
+
+def clipped(text: str, limit: int) -> str:
+    """`text` within `limit` characters, saying how much was cut (a spec's errors can run long)."""
+    if len(text) <= limit:
+        return text
+    tail = f" ... (cut: {len(text)} characters in all)"
+    return text[: limit - len(tail)] + tail
+
+
+def _resumed(prev: dict[str, Any], otherwise: str) -> str:
+    """The phase of a job not suspended that cannot tell more this pass: the one it had, but for
+    Suspended, which its spec no longer says."""
+    phase = prev.get("phase")
+    return phase if phase and phase != "Suspended" else otherwise
 
 
 def _degraded_condition(

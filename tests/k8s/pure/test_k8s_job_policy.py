@@ -5,6 +5,7 @@ through every door: tests/k8s/pure/test_k8s_corpus.py.)"""
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -388,6 +389,38 @@ def test_a_manifest_too_large_to_check_cheaply_is_refused_at_every_door(
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(manifest))
     assert cli(["validate", str(tmp_path / "job.yaml")]) == 2
     assert "more than a job may be" in capsys.readouterr().err
+
+
+def test_the_webhook_measures_the_manifest_as_validate_does_not_what_the_server_added() -> None:
+    """An update of a large job carries two more copies of it in annotations (kubectl's
+    last-applied-configuration, kopf's last-handled-configuration), managed fields and a status:
+    the webhook checks the manifest in them, as `validate` and the operator do, so that a job they
+    admit can be applied again (it refused every update of a job past a third of the bound)."""
+    manifest = {
+        "apiVersion": "pipelinerl.dev/v1alpha1",
+        "kind": "PipelineRLJob",
+        "metadata": {"name": "demo", "namespace": "team-a"},
+        "spec": {"generator": {"env": [{"name": f"NOTE_{i}", "value": "x" * 1400} for i in range(60)]}},
+    }
+    text = json.dumps(manifest)
+    assert MAX_MANIFEST_BYTES * 0.75 < len(text) < MAX_MANIFEST_BYTES
+
+    def stored(suspend: bool) -> dict:
+        obj = copy.deepcopy(manifest)
+        obj["spec"]["suspend"] = suspend
+        obj["metadata"] |= {
+            "annotations": {
+                "kubectl.kubernetes.io/last-applied-configuration": text,
+                "pipelinerl.dev/last-handled-configuration": json.dumps({"spec": manifest["spec"]}),
+            },
+            "managedFields": [{"manager": "kubectl", "fieldsV1": {"f:spec": manifest["spec"]}}],
+            "uid": "u",
+            "resourceVersion": "7",
+        }
+        obj["status"] = {"phase": "Running", "conditions": [{"type": "Ready", "message": "x" * 4000}]}
+        return obj
+
+    validate_job(body=stored(True), old=stored(False), operation="UPDATE")  # admitted: nothing raised
 
 
 def test_the_operator_fails_loudly_on_a_bad_policy(monkeypatch: pytest.MonkeyPatch) -> None:

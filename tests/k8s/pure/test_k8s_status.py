@@ -112,6 +112,33 @@ def test_suspend_and_invalid_spec() -> None:
     assert [e.reason for e in events] == ["InvalidSpec"]
 
 
+def test_a_running_jobs_spec_that_no_longer_reads_neither_fails_nor_counts_it() -> None:
+    """A spec refused on a running job (a policy tightened since, `kubectl scale` past it: the
+    webhook does not see scale writes) leaves its runPolicy unread: the pass counts no failure
+    and ends nothing by it, and keeps the pods' counts as they were, so that fixing the spec
+    counts only restarts that happened since."""
+    running, _ = run(pod_restarts={"demo-trainer-0": 0, "demo-preprocessor-0": 0})
+    running, _ = run(previous=running, pod_restarts={"demo-trainer-0": 1, "demo-preprocessor-0": 0})
+    assert running["failures"] == 1 and running["phase"] == "Running"
+    restarts = {"demo-trainer-0": 2}  # what a pass without the spec counts: the trainer's alone
+    invalid, _ = run(previous=running, spec_error="generator.replicas: more pods than a job may run", pod_restarts=restarts)
+    assert invalid["phase"] == "Running" and invalid["failures"] == 1  # backoffLimit unread: not 0
+    assert cond(invalid, "Ready")["reason"] == "InvalidSpec"
+    assert invalid["podRestarts"] == {"demo-trainer-0": 1, "demo-preprocessor-0": 0}
+    fixed, _ = run(previous=invalid, pod_restarts={"demo-trainer-0": 2, "demo-preprocessor-0": 0})
+    assert fixed["phase"] == "Running" and fixed["failures"] == 2  # the trainer's one restart since
+    JobStatus.model_validate(invalid)
+
+
+def test_a_condition_message_past_the_crds_bound_is_cut_and_says_so() -> None:
+    problems = "; ".join(f"spec.generator.podTemplate.spec.containers[side].env[{i}]: not allowed" for i in range(900))
+    s, _ = run(spec_error=problems)
+    message = cond(s, "Ready")["message"]
+    assert len(problems) > 32768 and len(message) == 32768
+    assert message.startswith(problems[:1000]) and message.endswith(f"(cut: {len(problems)} characters in all)")
+    JobStatus.model_validate(s)
+
+
 def test_malformed_or_missing_trainer_report_keeps_previous_progress() -> None:
     first, _ = run(trainer_status={"step": 5, "version": 5, "weightSyncReady": True})
     with pytest.raises(ValidationError):  # progress.fetch_trainer_status reads such a report as None
@@ -283,6 +310,28 @@ def test_pod_problems_show_in_the_role_conditions_ready_and_events() -> None:
     }
     again, events = run(previous=s, roles=roles, pod_problems=tuple(pod_problems(PODS)), trainer_status=None)
     assert not [e for e in events if e.reason in ("ImagePullBackOff", "OOMKilled", "Unschedulable")]  # said once
+
+
+def test_a_container_back_up_after_being_killed_for_memory_is_no_problem() -> None:
+    oomed = {"name": "generator", "lastState": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}
+    coming_back = pod("demo-generator-0", "generator", containerStatuses=[oomed | {"state": {"running": {}}}])
+    back = pod("demo-generator-0", "generator", containerStatuses=[oomed | {"state": {"running": {}}, "ready": True}])
+    assert [p.reason for p in pod_problems([coming_back])] == ["OOMKilled"]
+    assert pod_problems([back]) == []
+
+
+def test_the_phase_beside_a_refused_apply_or_a_lost_store_follows_suspend() -> None:
+    suspended, _ = run(suspend=True, roles={r: RoleObserved(o.desired) for r, o in UP.items()})
+    assert suspended["phase"] == "Suspended"
+    # Resumed, waiting for room in the NATS store: no longer Suspended.
+    waiting, _ = run(previous=suspended, apply_error="no room in the NATS store", trainer_status=None)
+    assert waiting["phase"] == "Pending" and cond(waiting, "Suspended")["status"] == "False"
+    lost, _ = run(previous=suspended, store_lost="StoreLost: ...", trainer_status=None)
+    assert lost["phase"] == "Running"
+    # Suspended while an apply is refused: Suspended.
+    running, _ = run()
+    again, _ = run(previous=running, suspend=True, apply_error="StatefulSet demo-prl-trainer: HTTP 500")
+    assert again["phase"] == "Suspended" and cond(again, "Suspended")["status"] == "True"
 
 
 def test_a_refused_apply_is_a_condition_and_an_event() -> None:
