@@ -13,10 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-# Encoded sizes per token, with a margin over what was measured (a micro-batch's token 36 bytes,
-# a rollout's 17: msgpack of the token, its mask, logprob, version, advantage and weight).
-BATCH_BYTES_PER_TOKEN = 48
-ROLLOUT_BYTES_PER_TOKEN = 24
+from pipelinerl.contracts import BATCH_BYTES_PER_TOKEN, ROLLOUT_BYTES_PER_TOKEN
+
 MIN_STREAM_BYTES = 16 << 20
 SMALL_STREAM_BYTES = {"CONTROL": 1 << 20, "METRICS": 64 << 20, "DEADLETTER": 64 << 20}
 
@@ -62,3 +60,4 @@ def admission_problem(
             f"{mine / gib:.2f} GiB and this one needs {need / gib:.2f} GiB: it starts once there is room"
         )
     return None
+

@@ -38,6 +38,16 @@ POD_TMP_DIR = "/tmp"  # in pods: a volume, also HOME (libraries write under ~/.c
 POD_USER = 10001  # the non-root user job pods run as (the images' own)
 NATS_ACCOUNTS_FILE = "accounts.conf"  # the key of the operator's accounts Secret; the chart's NATS includes it
 
+# ---------------------------------------------------------------- message sizes
+
+# Encoded sizes per token, with a margin over what was measured (a micro-batch's token 36 bytes,
+# a rollout's 17: msgpack of the token, its mask, logprob, version, advantage and weight).
+BATCH_BYTES_PER_TOKEN = 48
+ROLLOUT_BYTES_PER_TOKEN = 24
+# What a micro-batch carries beside its tokens: the step's books (its groups' ids, filtered ones
+# too, and every generator's books), with a wide margin over what a step of a few thousand groups takes.
+BOOKS_BYTES = 1 << 20
+
 # ---------------------------------------------------------------- labels and annotations
 
 JOB_LABEL = "pipelinerl.dev/job"

@@ -20,7 +20,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from pipelinerl import reserved
-from pipelinerl.contracts import HTTP_PORT, MASTER_PORT, ROLES, Progress
+from pipelinerl.contracts import (
+    BATCH_BYTES_PER_TOKEN,
+    BOOKS_BYTES,
+    HTTP_PORT,
+    MASTER_PORT,
+    ROLES,
+    ROLLOUT_BYTES_PER_TOKEN,
+    Progress,
+)
 from pipelinerl.k8s_types import DNS_1035_LABEL, RESOURCE_NAME
 from pipelinerl.spec_sections import OUTPUT_FOLDERS
 from pipelinerl.spec import (
@@ -269,6 +277,18 @@ SPEC_RULES: list[tuple[str, str, str]] = [
         "",
         "self.trainer.microBatchTokens >= self.model.maxSeqLen",
         "trainer.microBatchTokens must be at least model.maxSeqLen (one sample must fit)",
+    ),
+    (
+        "",
+        f"self.rl.attempts * self.model.maxSeqLen * {ROLLOUT_BYTES_PER_TOKEN} <= self.nats.maxPayloadMb * 1048576",
+        f"nats.maxPayloadMb is too small for a rollout group: rl.attempts x model.maxSeqLen tokens at up to "
+        f"{ROLLOUT_BYTES_PER_TOKEN} bytes each",
+    ),
+    (
+        "",
+        f"self.trainer.microBatchTokens * {BATCH_BYTES_PER_TOKEN} + {BOOKS_BYTES} <= self.nats.maxPayloadMb * 1048576",
+        f"nats.maxPayloadMb is too small for a micro-batch: trainer.microBatchTokens at up to "
+        f"{BATCH_BYTES_PER_TOKEN} bytes each, and the step's books",
     ),
     (
         "generator",

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
-from pipelinerl.contracts import JobSubjects
+from pipelinerl.contracts import BATCH_BYTES_PER_TOKEN, BOOKS_BYTES, ROLLOUT_BYTES_PER_TOKEN, JobSubjects
 from pipelinerl.k8s_types import DNS_1123_LABEL
 from pipelinerl.spec_base import (
     API_GROUP,
@@ -137,6 +137,8 @@ class JobSpec(SpecModel):
             )
         if self.trainer.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError("trainer.microBatchTokens must be at least model.maxSeqLen (one sample must fit)")
+        for problem in _message_problems(self):
+            raise ValueError(problem)
         if (self.trainer.gpus or self.generator.gpus) and self.model.path.startswith("builtin:"):
             raise ValueError(
                 f"model.path: a GPU job needs a Hugging Face model ({self.model.path} is the CPU example's toy model)"
@@ -419,3 +421,26 @@ def immutable_changes(old: PipelineRLJob, new: PipelineRLJob) -> list[str]:
 
 def dump_job(job: PipelineRLJob) -> str:
     return dump_yaml(job.model_dump(mode="json", by_alias=True, exclude_none=True))
+
+
+def _message_problems(spec: JobSpec) -> list[str]:
+    """The messages a job would publish that NATS would refuse (`nats.maxPayloadMb`): a rollout
+    group (every attempt at its longest) and a micro-batch (full, with its books). Published, one
+    would fail on every retry, and the service that made it would restart into it again."""
+    payload = spec.nats.max_payload_mb << 20
+    group = spec.rl.attempts * spec.model.max_seq_len * ROLLOUT_BYTES_PER_TOKEN
+    batch = spec.trainer.micro_batch_tokens * BATCH_BYTES_PER_TOKEN + BOOKS_BYTES
+    problems = []
+    if group > payload:
+        problems.append(
+            f"nats.maxPayloadMb ({spec.nats.max_payload_mb}) is too small for a rollout group: rl.attempts "
+            f"({spec.rl.attempts}) x model.maxSeqLen ({spec.model.max_seq_len}) tokens at up to "
+            f"{ROLLOUT_BYTES_PER_TOKEN} bytes each take {group / 2**20:.1f} MiB"
+        )
+    if batch > payload:
+        problems.append(
+            f"nats.maxPayloadMb ({spec.nats.max_payload_mb}) is too small for a micro-batch: "
+            f"trainer.microBatchTokens ({spec.trainer.micro_batch_tokens}) at up to {BATCH_BYTES_PER_TOKEN} bytes "
+            f"each, and the step's books, take {batch / 2**20:.1f} MiB"
+        )
+    return problems
