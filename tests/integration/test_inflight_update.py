@@ -359,6 +359,31 @@ async def test_request_spanning_an_update_mixes_versions(rig):
     assert (got[n_old:] - lp_a[n_old:]).abs().max() > 1e-2
 
 
+async def test_a_request_made_during_an_updates_pause_runs_on_the_new_weights_alone(rig):
+    """Its prompt's KV cache is the new weights' too: it waits for the pause to end and is salted
+    with the new version. (Made with the old version's salt, its prompt's full blocks came from
+    the prefix cache that an earlier request filled under model A.)"""
+    if not rig.in_place or rig.staged:
+        pytest.skip("one path suffices: nothing runs, so the pause lasts the whole transfer")
+    engine = rig.engine
+    if rig.current != "A":
+        await rig.update("A")
+    prompt = (rig.tokenizer.encode(PROMPTS[0]) * 40)[:140]  # more than a block (128 tokens on CPU)
+    await engine.generate(prompt, 8, greedy=True)  # its blocks cached, salted with A's version
+    version = engine.version + 1
+    update = asyncio.create_task(engine.update_weights(version, rig.buckets))  # paused, waiting to receive
+    await asyncio.sleep(1.0)
+    request = asyncio.create_task(engine.generate(prompt, 8, greedy=True))
+    await asyncio.sleep(1.0)
+    rig.cmd_q.put(("send", "B", rig.buckets))
+    await update
+    await reply(rig.res_q)
+    rig.current = "B"
+    c = await request
+    assert set(c.versions) == {version}
+    assert c.tokens == hf_greedy(rig.hf["B"], prompt, 8)
+
+
 async def test_updates_in_flight_leave_exactly_the_new_weights_live(rig):
     """Update after update with a request running (staged on the default path, as in pipeline
     mode): each time, a new request is exactly the new model's, text and sampling logprobs, so

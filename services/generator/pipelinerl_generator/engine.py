@@ -217,6 +217,10 @@ class Engine:
         self.update_path: str | None = None  # staged, in_place or reload: `prepare_updates`
         self.version = -1  # the label of the weights held: -1 until `start` or an update sets it
         self.running = 0
+        # Clear while an update's pause lasts: a request submitted then waits, so that it is
+        # salted with the version it runs on (its prompt would otherwise hit older blocks).
+        self.unpaused = asyncio.Event()
+        self.unpaused.set()
         self.tokens_generated = 0
         self.rpc_timeout_s = rpc_timeout_s(job.spec.weight_sync.timeout_seconds)
 
@@ -268,11 +272,13 @@ class Engine:
             detokenize=False,  # tasks decode the token ids themselves; vLLM's per-step detokenizing is wasted
         )
         final = None
+        await self.unpaused.wait()
         self.running += 1
         try:
             # update_weights keeps the KV cache (running requests continue), so the prefix cache
             # still holds blocks computed by older weights; salting with the version keeps a new
-            # request from reusing them (it would otherwise sample from stale-weight KV).
+            # request from reusing them (it would otherwise sample from stale-weight KV). One
+            # already queued in vLLM when an update lands keeps its salt, as a running one its KV.
             inputs: TokensPrompt = {"prompt_token_ids": prompt, "cache_salt": f"v{self.version}"}
             async for out in self.llm.generate(inputs, params, request_id=uuid.uuid4().hex):
                 final = out
@@ -351,6 +357,21 @@ class Engine:
                 ) from err
         t_pause = time.perf_counter()
         running = self.running
+        self.unpaused.clear()
+        try:
+            kept = await self._paused_update(version, buckets, staged)
+        finally:
+            self.unpaused.set()  # a stuck core stops the generator: its requests fail there
+        if kept:
+            raise WeightsKept(f"update to version {version} failed, generating on with version {self.version}: {kept}")
+        t1 = time.perf_counter()
+        return UpdateStats(
+            version=version, pause_seconds=t1 - t_pause, running_requests=running, seconds=t1 - t0, staged=staged
+        )
+
+    async def _paused_update(self, version: int, buckets: list, staged: bool) -> str:
+        """The update's pause: the staged weights committed, or the whole update received and
+        loaded; the version set where it succeeded. Why the old weights were kept, or ""."""
         # The engine core's pause, not AsyncLLM.pause_generation: that adds a fixed 20 ms sleep
         # so aborted requests' last outputs arrive first, which "keep" mode does not need. It
         # returns once the batches in flight are done and the device is synchronized.
@@ -370,12 +391,7 @@ class Engine:
         finally:
             if resume:
                 await self._bounded(self.llm.resume_generation(), "resume")
-        if kept:
-            raise WeightsKept(f"update to version {version} failed, generating on with version {self.version}: {kept}")
-        t1 = time.perf_counter()
-        return UpdateStats(
-            version=version, pause_seconds=t1 - t_pause, running_requests=running, seconds=t1 - t0, staged=staged
-        )
+        return kept
 
     async def _wait_staged(self, deadline: float) -> None:
         # Each poll is a utility call the engine answers between steps; staging errors surface here.
