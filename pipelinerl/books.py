@@ -103,6 +103,11 @@ class StepLedger(BaseModel):
     # The newest books of each generator (by rank) among every group the preprocessor has taken
     # so far, whole run: a group taken but in no stored wave is acknowledged only once this is.
     generators: dict[str, GeneratorBooks] = Field(default_factory=dict)
+    # Every ROLLOUTS message at or below this stream sequence is settled by this wave or an earlier
+    # one, and so are these above it (a message still waiting holds the mark back): one delivered
+    # again after a restart (nats-server's, or the preprocessor's) was taken once.
+    settled_through: int = Field(default=0, ge=0)
+    settled_above: list[str] = Field(default_factory=list)
     waves: int = Field(default=0, ge=0)  # waves of the step stored, this one included
     wave_first: int = Field(default=0, ge=0)  # this wave's first micro-batch index (on every rank)
     wave_last: int = Field(default=-1, ge=-1)  # and its last (every rank gets as many)
@@ -111,7 +116,12 @@ class StepLedger(BaseModel):
     def snapshot(self) -> StepLedger:
         """A copy that later changes to this one leave alone (entries are immutable)."""
         return self.model_copy(
-            update={"groups": list(self.groups), "returned": list(self.returned), "generators": dict(self.generators)}
+            update={
+                "groups": list(self.groups),
+                "returned": list(self.returned),
+                "generators": dict(self.generators),
+                "settled_above": list(self.settled_above),
+            }
         )
 
     def entries(self, outcome: Outcome) -> list[GroupEntry]:
@@ -223,6 +233,7 @@ class Restored:
     # their acknowledgement, they are settled again, uncounted (`settle_again`).
     settled: frozenset[str]
     torn: Torn | None  # a wave stored in part, to publish again first
+    settled_through: int = 0  # the newest wave's `StepLedger.settled_through`
 
     @property
     def generators(self) -> dict[str, GeneratorBooks]:
@@ -232,8 +243,10 @@ class Restored:
 def restore(newest: Sequence[StoredBatch | None]) -> Restored:
     """Where the books stand, from the newest micro-batch stored on each trainer rank (None:
     nothing yet). A wave is stored before the groups in it are acknowledged, and the next wave
-    only after that, so only the newest stored wave can have lost its acknowledgements, or be
-    stored in part; its ledger is the newest (that of the step stored last, with the most waves)."""
+    only after that, so only the newest stored wave can be stored in part; its ledger is the
+    newest (that of the step stored last, with the most waves), and says which groups were
+    settled (its own, and any at or below its mark or named above it: a nats-server restart can
+    lose the acknowledgements of several steps)."""
     known = [b for b in newest if b is not None]
     if not known:
         return Restored(step=0, ledger=StepLedger(), next_index=0, settled=frozenset(), torn=None)
@@ -258,9 +271,9 @@ def restore(newest: Sequence[StoredBatch | None]) -> Restored:
             },
             ledger=top.snapshot(),
         )
-    settled = frozenset(top.ids - set(torn.groups if torn else ()))
+    settled = frozenset((top.ids | set(top.settled_above)) - set(torn.groups if torn else ()))
+    through = top.settled_through
     if top.closed and torn is None:
-        return Restored(
-            step=step + 1, ledger=StepLedger(generators=generators), next_index=0, settled=settled, torn=None
-        )
-    return Restored(step=step, ledger=ledger, next_index=top.wave_last + 1, settled=settled, torn=torn)
+        new = StepLedger(generators=generators)
+        return Restored(step=step + 1, ledger=new, next_index=0, settled=settled, torn=None, settled_through=through)
+    return Restored(step, ledger, top.wave_last + 1, settled, torn, through)

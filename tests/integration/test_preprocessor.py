@@ -489,6 +489,50 @@ async def test_a_wave_stored_on_some_ranks_only_is_published_again_as_it_was(nat
     await nc.close()
 
 
+async def test_a_torn_wave_is_not_given_up_on_while_jetstream_cannot_answer_yet(nats_server, tmp_path, monkeypatch):
+    """The restarted preprocessor's first fetches fail (JetStream still recovering after a restart
+    of its own, or the connection reconnecting): an empty answer is not taken for a stream with
+    nothing left in it, so the torn wave's groups, still in ROLLOUTS, are packed again when they
+    come, not replaced by sentinels (losing their samples while the books count them trained)."""
+    from pipelinerl_preprocessor import main as service
+
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "tornu", WAVES | {"mode": "sync"})
+    outs = [await js.pull_subscribe(subjects.batches(r), durable=f"t{r}") for r in (0, 1)]
+    publish = Preprocessor._publish
+
+    async def killed() -> None:
+        await asyncio.sleep(1.0)  # rank 0's is stored by then
+        raise ConnectionError("killed while storing the wave")
+
+    monkeypatch.setattr(Preprocessor, "_publish", lambda self, mb: killed() if mb.rank == 1 else publish(self, mb))
+    pre = Preprocessor(job, env, trainer_ranks=2)
+    task = asyncio.create_task(pre.run())
+    for i in range(4):  # one step, one wave (sync mode): one row per rank
+        await publish_group(js, subjects, i)
+    await asyncio.gather(task, return_exceptions=True)
+    await pre.nc.close()
+    monkeypatch.undo()
+    unanswered = 3
+
+    async def recovering(sub):
+        nonlocal unanswered
+        if unanswered:
+            unanswered -= 1
+            return []  # as `fetch` answers a 503 (or a timeout) after its pause
+        return await fetch(sub)
+
+    fetch = service.fetch
+    monkeypatch.setattr(service, "fetch", recovering)
+    pre = Preprocessor(job, env, trainer_ranks=2)
+    task = asyncio.create_task(pre.run())
+    (again,) = [m.decode(x.data, m.MicroBatch) for x in await outs[1].fetch(5, timeout=10)]
+    assert unanswered == 0 and again.group_ids and again.tokens  # packed again, not a sentinel
+    await wait_until(lambda: pre.builder.step == 1)
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+    await nc.close()
+
+
 async def test_a_preprocessor_frozen_past_its_acknowledgement_wait_takes_each_held_group_once(
     nats_server, tmp_path, monkeypatch
 ):

@@ -3,7 +3,9 @@
 them in fetches of any size and stores waves, the trainer consumes steps, and any service is
 killed at any point and restarted from what is stored: the preprocessor (its acknowledgements of
 the newest wave lost or not, or in the middle of storing a wave), the trainer (back to its
-checkpoint, replaying), a generator (just after a publish it never counted); and the preprocessor
+checkpoint, replaying), a generator (just after a publish it never counted), nats-server (its
+newest acknowledgements and deliveries forgotten: those groups come again, to the living
+preprocessor, whatever steps settled them); and the preprocessor
 paused at any point for longer than the acknowledgement wait, so that everything it holds is
 delivered to it again while it lives. (It is the only service a pause can harm so: the trainer
 reads its micro-batches through an ordered consumer that acknowledges nothing, a generator reads
@@ -51,6 +53,8 @@ class WorkQueue:
         self.msgs: dict[int, tuple[int, bytes]] = {}  # seq -> (generator, data): stored, not acknowledged
         self.last_seq = 0
         self.delivered: set[int] = set()  # to the current consumer
+        self.acked: list[tuple[int, tuple[int, bytes]]] = []  # the newest acknowledgements applied
+        self.forgotten: set[int] = set()  # delivered before a restart forgot it: acks dropped till delivered again
 
     def publish(self, generator: int, data: bytes) -> int:
         self.last_seq += 1
@@ -65,6 +69,7 @@ class WorkQueue:
         pending = sorted(s for s in self.msgs if s not in self.delivered)
         got = pending[:n]
         self.delivered.update(got)
+        self.forgotten.difference_update(got)
         return [(s, len(pending) - i - 1) for i, s in enumerate(got)]
 
     def expire(self) -> None:
@@ -73,7 +78,22 @@ class WorkQueue:
         self.delivered = {s for s in self.delivered if s not in self.msgs}
 
     def ack(self, seq: int) -> None:
-        self.msgs.pop(seq, None)
+        if seq in self.forgotten:  # at or past the consumer's next delivery: dropped, unanswered
+            return  # (`streams.acknowledge` then returns: the message comes again)
+        if seq in self.msgs:
+            self.acked = [*self.acked[-40:], (seq, self.msgs.pop(seq))]
+
+    def restart_server(self, rnd: random.Random) -> None:
+        """nats-server killed and started again before it stored its newest state: the newest
+        acknowledgements are lost (those messages are in the stream again) and the consumer's
+        delivered pointer goes back before them, so it hands over again everything delivered since;
+        until then, an acknowledgement of one of those is dropped with no answer."""
+        lost = self.acked[len(self.acked) - rnd.randint(0, len(self.acked)) :]
+        self.acked = self.acked[: len(self.acked) - len(lost)]
+        self.msgs.update(lost)
+        back = min([s for s, _ in lost] + [max(self.delivered, default=0) + 1 - rnd.randint(0, 3)])
+        self.forgotten |= {s for s in self.delivered if s >= back}
+        self.delivered = {s for s in self.delivered if s < back}
 
     def newest(self, generator: int) -> bytes | None:
         mine = [s for s, (g, _) in self.msgs.items() if g == generator]
@@ -175,11 +195,11 @@ class Preprocessor:
         try:
             group = m.decode(data, m.RolloutGroup)
         except m.MessageError:
-            if not b.returned(seq, books.undecodable_id(seq)):
+            if not b.returned(seq, books.undecodable_id(seq), seq):
                 b.dead_lettered(seq, books.undecodable_id(seq), None)
             return
         b.note_books(group)
-        if b.returned(seq, group.group_id):
+        if b.returned(seq, group.group_id, seq):
             return
         problem = group_problem(group, self.limits())
         if problem:
@@ -300,6 +320,9 @@ def run(seed: int, spec, ranks: int, generators: int, steps: int) -> World:
                 if rnd.random() < 0.5:  # the acknowledgements it had sent arrived before the wait ran out
                     w.pre.flush()
                 w.queue.expire()
+            elif not quiet and event < 0.95:
+                kills["nats-server"] += 1
+                w.queue.restart_server(rnd)
         except Killed:
             if event < 0.3:
                 kills["generator"] += 1

@@ -52,6 +52,12 @@ class StepBuilder:
         # (message, ledger entry id) of groups in no micro-batch: acknowledged with the next wave
         self.settled: list[tuple[Any, str]] = []
         self.caught_up = caught_up  # every group left in the stream at the start has been handed over
+        # The newest stream sequence taken. The consumer hands a message over for the first time
+        # in stream order, so one at or below it that the builder does not hold was settled
+        # already (`returned`), however many steps ago. Restored: the stored books' floor.
+        self.taken_through = restored.settled_through
+        self.seqs: dict[str, int] = {}  # the stream sequence of each message held, by entry id
+        self.settled_seqs: dict[str, int] = {}  # of those settled above the mark (`_settled_through`)
 
     def held(self) -> list[Any]:
         """Messages taken and not yet acknowledged."""
@@ -61,12 +67,14 @@ class StepBuilder:
         key = str(group.generator)
         self.ledger.generators[key] = newest_books(group.books, self.ledger.generators.get(key))
 
-    def returned(self, ref: Any, group_id: str) -> bool:
-        """A group delivered again that this builder holds already, or that the current or the
-        previous step settled: handed back because a kill lost its acknowledgement, or delivered
-        again to this live consumer because a pause (SIGSTOP, a frozen node, a long stall)
-        outlasted the acknowledgement wait. Acknowledged with the next wave, never taken or
-        credited twice (True); False for a group not seen before."""
+    def returned(self, ref: Any, group_id: str, seq: int) -> bool:
+        """A group delivered again (stream sequence `seq`) that this builder holds already, or
+        that a step settled: handed back because a kill lost its acknowledgement (the previous
+        process's newest step: `settled_before`), because a restarted nats-server forgot the
+        consumer's newest deliveries and so dropped their acknowledgements (any step this builder
+        stored: `taken_through`), or delivered again to this live consumer because a pause
+        (SIGSTOP, a frozen node, a long stall) outlasted the acknowledgement wait. Acknowledged
+        with the next wave, never taken or credited twice (True); False for a group not seen before."""
         # Held: the newest delivery takes the place of the earlier one, acknowledged with the wave
         # that stores the group (acknowledged sooner, the message would go before it is stored).
         for i, (_, group) in enumerate(self.accepted):
@@ -77,10 +85,15 @@ class StepBuilder:
             if entry == group_id:
                 self.settled[i] = (ref, entry)
                 return True
-        if group_id in self.settled_before:  # the previous stored step's: acknowledged with this one
-            settle_again(self.ledger, group_id)
-        elif group_id not in self.ledger.ids or group_id in (self.torn.groups if self.torn else ()):
-            return False  # new (or of a wave stored in part, which it comes back to be stored again)
+        again = group_id in (self.torn.groups if self.torn else ())  # of a wave stored in part: stored again
+        if group_id in self.ledger.ids and not again:  # settled by this step's earlier waves
+            pass
+        elif group_id in self.settled_before or (seq <= self.taken_through and not again):
+            settle_again(self.ledger, group_id)  # an earlier step's: acknowledged with this one
+        else:
+            self.taken_through = max(self.taken_through, seq)
+            self.seqs[group_id] = seq
+            return False  # new
         self.settled.append((ref, group_id))
         return True
 
@@ -142,9 +155,11 @@ class StepBuilder:
         count = len(per_rank[0])
         self.ledger.waves += 1
         self.ledger.wave_first, self.ledger.wave_last, self.ledger.closed = self.index, self.index + count - 1, last
-        batches = self._carrying([mb for mbs in per_rank for mb in mbs], self.ledger)
-        wave = Wave(self.step, batches, [ref for ref, _ in take + self.settled], last, len(take))
+        acks = [ref for ref, _ in take + self.settled]
+        self._settle([g.group_id for _, g in take] + [entry for _, entry in self.settled])
         self.settled = []
+        batches = self._carrying([mb for mbs in per_rank for mb in mbs], self.ledger)
+        wave = Wave(self.step, batches, acks, last, len(take))
         self._stored(last)
         return wave
 
@@ -183,6 +198,7 @@ class StepBuilder:
             again=True,
             lost=lost,
         )
+        self._settle([g.group_id for _, g in take] + [entry for _, entry in self.settled if entry in named])
         self.settled = [(ref, entry) for ref, entry in self.settled if entry not in named]
         self.ledger.returned = [i for i in self.ledger.returned if i not in named]
         self._stored(last)
@@ -197,6 +213,16 @@ class StepBuilder:
         return pack_wave(
             self.step, samples, self.ranks, self.spec.trainer.micro_batch_tokens, weight, first_index, last
         )
+
+    def _settle(self, ids: list[str]) -> None:
+        """The wave being stored settles `ids`: its ledger's mark, below the oldest message still
+        held (none: the newest taken), and the ids settled above it."""
+        for entry in ids:
+            if entry in self.seqs:
+                self.settled_seqs[entry] = self.seqs.pop(entry)
+        mark = min(self.seqs.values(), default=self.taken_through + 1) - 1
+        self.settled_seqs = {k: v for k, v in self.settled_seqs.items() if v > mark}
+        self.ledger.settled_through, self.ledger.settled_above = mark, sorted(self.settled_seqs)
 
     def _carrying(self, batches: list[MicroBatch], ledger: StepLedger) -> list[MicroBatch]:
         snapshot = ledger.snapshot()  # the builder's own goes on changing

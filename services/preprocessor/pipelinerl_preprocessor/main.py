@@ -29,6 +29,7 @@ import os
 import time
 from collections import Counter as Tally
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from nats.errors import NoRespondersError
@@ -42,7 +43,15 @@ from pipelinerl.contracts import STREAM_SUFFIXES, Env, PreprocessorStatus, Servi
 from pipelinerl.runtime import HealthServer, failpoint, join_job, serve
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.steps import is_final, newest_weights
-from pipelinerl.streams import acknowledge, close, dead_letter, last_announcement, newest_batches, publish_once
+from pipelinerl.streams import (
+    READ_TIMEOUT_S,
+    acknowledge,
+    close,
+    dead_letter,
+    last_announcement,
+    newest_batches,
+    publish_once,
+)
 from pipelinerl.store import store_identity
 from pipelinerl_preprocessor.builder import StepBuilder, Wave
 from pipelinerl.group_checks import GroupLimits, group_problem
@@ -146,7 +155,7 @@ class Preprocessor:
             msgs = await fetch(sub)
             for msg in msgs:
                 await self._intake(msg)
-            self._catch_up(msgs)
+            await self._catch_up(sub, msgs)
             while not self._trainer_behind():
                 for group in self.builder.drop_stale():
                     self._dropped_stale(group)
@@ -157,14 +166,23 @@ class Preprocessor:
         watch.cancel()
         await close(self.nc)
 
-    def _catch_up(self, msgs: list[Msg]) -> None:
-        """Every group left in the stream at the start has been handed over once a fetch comes
-        back empty or reaches the stream's end then (the consumer delivers in stream order)."""
+    async def _catch_up(self, sub, msgs: list[Msg]) -> None:
+        """Every group left in the stream at the start has been handed over once a fetch reaches
+        the stream's end then (the consumer delivers in stream order), or the consumer says it
+        has nothing more to deliver. An empty fetch alone says nothing: JetStream may not have
+        answered (recovering after a restart, a reconnecting client), and a wave stored in part
+        before the restart would then be evened out with sentinels while its groups still wait."""
         if self.builder.caught_up:
             return
-        if not msgs or any(
-            msg.metadata.sequence.stream >= self.backlog or msg.metadata.num_pending == 0 for msg in msgs
-        ):
+        if msgs:
+            caught = any(msg.metadata.sequence.stream >= self.backlog or msg.metadata.num_pending == 0 for msg in msgs)
+        else:
+            try:
+                caught = (await asyncio.wait_for(sub.consumer_info(), READ_TIMEOUT_S)).num_pending == 0
+            except (TimeoutError, nats.errors.Error) as err:
+                log.warning("the rollouts consumer's state not read (%s): asking again", type(err).__name__)
+                caught = False
+        if caught:
             self.builder.caught_up = True
             log.info("took every group left in the stream at the start (%d pending)", len(self.builder.accepted))
 
@@ -254,7 +272,7 @@ class Preprocessor:
     def _returned(self, msg, entry_id: str) -> bool:
         """Taken or settled already, delivered again (a kill lost its acknowledgement, or a pause
         outlasted the acknowledgement wait): taken once, never again, never counted twice."""
-        if not self.builder.returned(msg, entry_id):
+        if not self.builder.returned(msg, entry_id, msg.metadata.sequence.stream):
             return False
         log.warning(
             "%s delivered again (delivery %d): taken already, not again (a restart lost its acknowledgement, "
