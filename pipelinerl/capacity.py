@@ -60,4 +60,3 @@ def admission_problem(
             f"{mine / gib:.2f} GiB and this one needs {need / gib:.2f} GiB: it starts once there is room"
         )
     return None
-

@@ -266,6 +266,7 @@ def _given_gpus(limits: Any) -> bool:
             pass
     return False
 
+
 # Locked down (the "restricted" Pod Security Standard): writes go to the pod's volumes only. A
 # sidecar from the user's podTemplate gets the same.
 CONTAINER_SECURITY = {

@@ -128,7 +128,9 @@ def test_a_crash_mid_save_leaves_latest_naming_a_whole_checkpoint_the_run_resume
     from pipelinerl_trainer import checkpoint
 
     for step in (10, 13):
-        checkpoint.save(Engine(), tmp_path, step, {"step": step}, rank=0, local_rank=0, previous=10 if step == 13 else 0)
+        checkpoint.save(
+            Engine(), tmp_path, step, {"step": step}, rank=0, local_rank=0, previous=10 if step == 13 else 0
+        )
     assert checkpoint.latest_step(tmp_path) == 13
     with pytest.raises(KeyboardInterrupt):
         checkpoint.save(CrashingEngine(), tmp_path, 20, {"step": 20}, rank=0, local_rank=0, previous=10)

@@ -96,9 +96,10 @@ def _raise_if_full(ckpt_dir: Path, tag: str, err: Exception) -> None:
         raise OSError(
             errno.ENOSPC,
             f"checkpoint {tag} not written to {ckpt_dir}: its volume is full ({usage.free >> 20} MiB free of "
-            f"{usage.total / 2**30:.1f} GiB). A volume holds two checkpoints (the newest one, and the next while it is written), each "
-            "the model's weights and optimizer state: give the trainer pods larger volumes (spec.storage.size; locally, the run "
-            "directory's disk), then restart the trainer; it resumes from the newest checkpoint",
+            f"{usage.total / 2**30:.1f} GiB). A volume holds two checkpoints (the newest one, and the next "
+            "while it is written), each the model's weights and optimizer state: give the trainer pods larger "
+            "volumes (spec.storage.size; locally, the run directory's disk), then restart the trainer; it "
+            "resumes from the newest checkpoint",
         ) from err
 
 

@@ -121,7 +121,9 @@ def test_a_running_jobs_spec_that_no_longer_reads_neither_fails_nor_counts_it() 
     running, _ = run(previous=running, pod_restarts={"demo-trainer-0": 1, "demo-preprocessor-0": 0})
     assert running["failures"] == 1 and running["phase"] == "Running"
     restarts = {"demo-trainer-0": 2}  # what a pass without the spec counts: the trainer's alone
-    invalid, _ = run(previous=running, spec_error="generator.replicas: more pods than a job may run", pod_restarts=restarts)
+    invalid, _ = run(
+        previous=running, spec_error="generator.replicas: more pods than a job may run", pod_restarts=restarts
+    )
     assert invalid["phase"] == "Running" and invalid["failures"] == 1  # backoffLimit unread: not 0
     assert cond(invalid, "Ready")["reason"] == "InvalidSpec"
     assert invalid["podRestarts"] == {"demo-trainer-0": 1, "demo-preprocessor-0": 0}
