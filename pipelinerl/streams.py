@@ -41,7 +41,7 @@ def stream_configs(
     return [
         # Rollouts: work for the preprocessor, one subject per generator, removed once acked by
         # it (a removal survives a kill -9 of nats-server; an acknowledgement may not). Full:
-        # new publishes are refused, nothing queued is dropped.
+        # new publishes are refused (and wait for room: `publish_once`), nothing queued is dropped.
         StreamConfig(
             name=subjects.stream("ROLLOUTS"),
             subjects=[subjects.rollouts(">")],
@@ -291,18 +291,48 @@ def recent_unacknowledged(within_s: float = 120.0) -> str:
     return _unacknowledged[-1][1]
 
 
+ROOM_WAIT_S = 1800.0  # how long a publish waits for room in a full stream (`publish_once`)
+ROOM_POLL_S = 2.0
+
+
+def stream_full(err: Exception) -> bool:
+    """JetStream refused a message for its stream's limits (ROLLOUTS, which drops nothing queued:
+    `maximum bytes exceeded`), not for a failure of its own."""
+    return isinstance(err, nats.js.errors.APIError) and str(err.description or "").startswith("maximum ")
+
+
 async def publish_once(
-    js, subject: str, data: bytes, msg_id: str, headers: dict | None = None, timeout_s: float = 30.0, attempts: int = 3
+    js,
+    subject: str,
+    data: bytes,
+    msg_id: str,
+    headers: dict | None = None,
+    timeout_s: float = 30.0,
+    attempts: int = 3,
+    room_wait_s: float = ROOM_WAIT_S,
 ):
     """Publish to a stream until acknowledged, at most `attempts` tries of `timeout_s` each. The
     message id makes a retry idempotent: JetStream stores it once and acks a repeat as a
-    duplicate (`ack.duplicate`), so a publish whose ack was lost is simply sent again."""
-    for attempt in range(1, attempts + 1):
+    duplicate (`ack.duplicate`), so a publish whose ack was lost is simply sent again. A stream
+    full to its limits is waited on, up to `room_wait_s`: ROLLOUTS fills when the preprocessor
+    takes nothing (its trainer behind) while generators publish groups admission does not bound
+    (those the preprocessor filters), and drains as the trainer goes on; failing, a generator
+    would restart and lose every group it is writing."""
+    attempt, full_since = 1, None
+    while True:
         try:
             return await js.publish(
                 subject, data, timeout=timeout_s, headers={**(headers or {}), "Nats-Msg-Id": msg_id}
             )
         except UNACKED as err:
+            if stream_full(err):
+                if full_since is None:
+                    full_since = time.monotonic()
+                    log.warning("%s is full (%s): %s waits for room", subject, err.description, msg_id)
+                elif time.monotonic() - full_since > room_wait_s:
+                    raise TimeoutError(f"{subject} full for {room_wait_s:.0f}s: {msg_id} not stored ({err})") from err
+                await asyncio.sleep(ROOM_POLL_S)
+                continue
             UNACKNOWLEDGED.inc()
             _unacknowledged[:] = [(time.time(), f"a publish to {subject} not acknowledged ({NO_ACK_CAUSE})")]
             if attempt == attempts:
@@ -319,6 +349,7 @@ async def publish_once(
                 attempts,
             )
             await asyncio.sleep(attempt)
+            attempt += 1
 
 
 ACK_TRY_S = 5.0  # one try of an acknowledgement's confirmation (`acknowledge`)

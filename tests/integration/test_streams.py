@@ -272,6 +272,48 @@ async def test_a_publish_whose_ack_is_lost_is_sent_again_and_stored_once(nats_se
     await nc.close()
 
 
+async def test_a_publish_to_a_full_work_queue_waits_for_room_and_is_stored_once(nats_server, monkeypatch):
+    """ROLLOUTS refuses new groups when full (it drops nothing queued): a generator's publish
+    waits for the preprocessor to take some, where it failed and restarted the generator, which
+    lost every group it was writing. Bounded: a stream that stays full fails it, naming why."""
+    from pipelinerl import streams
+    from pipelinerl.capacity import stream_bytes
+    from pipelinerl.spec import JobSpec
+    from pipelinerl.streams import publish_once, stored_messages
+
+    monkeypatch.setattr(streams, "ROOM_POLL_S", 0.2)
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js, SUBJECTS, 8, sizes=stream_bytes(JobSpec()) | {"ROLLOUTS": 1200})
+    i = 0
+
+    async def fill() -> None:
+        nonlocal i
+        while True:
+            try:
+                await publish(js, i)
+            except Exception as err:  # noqa: BLE001
+                assert streams.stream_full(err), err
+                return
+            i += 1
+
+    await fill()
+    full = i
+    waiting = asyncio.ensure_future(publish_once(js, SUBJECTS.rollouts(0), m.encode(group(99)), "g99"))
+    await asyncio.sleep(4)  # past the tries a publish JetStream does not acknowledge gets
+    assert not waiting.done()
+    sub = await js.pull_subscribe(SUBJECTS.rollouts(">"), durable="pre")
+    for msg in await sub.fetch(2, timeout=5):  # the preprocessor takes two: room for one more
+        await msg.ack_sync()
+    await asyncio.wait_for(waiting, 10)
+    stored = [m.decode(x.data, m.RolloutGroup).group_id for x in await stored_messages(js, SUBJECTS.stream("ROLLOUTS"))]
+    assert stored.count("g99") == 1 and len(stored) == full - 1
+    await fill()
+    with pytest.raises(TimeoutError, match="full for 1s: g100 not stored .*maximum bytes exceeded"):
+        await publish_once(js, SUBJECTS.rollouts(0), m.encode(group(100)), "g100", room_wait_s=1)
+    await nc.close()
+
+
 def test_a_server_that_cannot_take_its_port_is_not_mistaken_for_the_one_there(tmp_path, nats_server):
     # Another server took the port between free_port() and the start (tests and benchmarks side
     # by side): this one fails to bind, and its start says so instead of handing out the
