@@ -10,7 +10,6 @@ import logging
 import os
 import signal
 import threading
-from pathlib import Path
 
 import torch
 
@@ -30,7 +29,7 @@ from pipelinerl_trainer.peers import PeerWatch, say_started
 from pipelinerl_trainer.position import Position, StoreLost
 from pipelinerl_trainer.reporting import Board, Reporter
 from pipelinerl_trainer.trainer import Model, Trainer, from_rank0
-from pipelinerl_trainer.weight_sender import WeightSender, recorded_sent
+from pipelinerl_trainer.weight_sender import WeightSender
 
 log = logging.getLogger("pipelinerl.trainer")
 STORE_POLL_S = 10.0  # a trainer whose store was lost looks again this often for one recovered for it
@@ -75,14 +74,13 @@ def build_model(job: PipelineRLJob, model_path: str) -> Model:
     )
 
 
-def newest_sent(bridge: NatsBridge, rank: int, world: int, device, record: Path) -> int:
-    """The newest version a predecessor announced on the job's stream, or began to broadcast
-    (`weight_sender.recorded_sent`: killed before announcing it, its generators may hold it), as
-    every rank sees it: rank 0 reads both."""
+def announced_version(bridge: NatsBridge, rank: int, world: int, device) -> int:
+    """The newest version announced on the job's stream (by a predecessor, if this trainer was
+    restarted), as every rank sees it: rank 0 reads it."""
     newest = 0
     if rank == 0:
         announced = bridge.last_announcement()
-        newest = max(announced.version if announced else 0, recorded_sent(record))
+        newest = announced.version if announced else 0
     return from_rank0(newest, world, device)
 
 
@@ -130,10 +128,9 @@ def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.
         )
     # A restarted trainer first replays the steps its predecessor took after the checkpoint,
     # from their micro-batches still in the stream: the same data, each step once in the
-    # lineage that goes on. Until it is past the newest version announced or sent it sends and
+    # lineage that goes on. Until it is past the newest version announced it sends and
     # announces nothing, so no generator's weights nor any announced version go back.
-    sent_record = env.run_dir / "weights-sent"
-    floor = newest_sent(bridge, rank, world, model.engine.device, sent_record)
+    floor = announced_version(bridge, rank, world, model.engine.device)
     if floor > position.version:
         log.info(
             "replaying the steps that make versions %d-%d (trained before the restart): no weights "
@@ -153,7 +150,6 @@ def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.
         workers_per_generator=spec.generator.tensor_parallel,
         floor=floor,
         token=env.weights_token or "",
-        sent_record=sent_record if rank == 0 else None,
     )
     log.info(
         "trainer rank %d/%d at step %d (ZeRO-%d, model %s)",

@@ -22,13 +22,11 @@ weights they actually hold, so this never makes data staler than `maxLag`."""
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from pathlib import Path
 from typing import Protocol
 
 from pipelinerl import messages as m
@@ -75,30 +73,6 @@ class ReplyBridge(Protocol):
         ...
 
 
-def record_sent(path: Path, version: int) -> None:
-    """Before a broadcast: its version, where a successor reads it (`recorded_sent`). A trainer
-    killed after broadcasting a version and before announcing it leaves the generators holding a
-    version the stream never announced; its successor, replaying from its checkpoint, would
-    otherwise send them the one before. On disk before the broadcast begins."""
-    tmp = path.with_name(path.name + ".tmp")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp.write_text(str(version))
-    fd = os.open(tmp, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-
-
-def recorded_sent(path: Path) -> int:
-    """The newest version a predecessor began to broadcast (0: none recorded)."""
-    try:
-        return int(path.read_text())
-    except (FileNotFoundError, ValueError):
-        return 0
-
-
 class WeightSender:
     """Runs on every trainer rank (ZeRO-3 gathers are collectives); only rank 0 talks, and only
     rank 0 has a `store` (the rendezvous every epoch's group meets in)."""
@@ -117,13 +91,11 @@ class WeightSender:
         liveness_s: float = LIVENESS_S,
         floor: int = 0,
         token: str = "",
-        sent_record: Path | None = None,
     ):
         self.engine, self.rank, self.bridge, self.store = engine, rank, bridge, store
         # Nothing older than this version is sent (a restarted trainer replaying steps its
         # predecessor sent already): a generator's weights never go back.
         self.floor = floor
-        self.sent_record = sent_record  # rank 0's: the newest version it began to broadcast (`recorded_sent`)
         self.token = token  # the job's weight token: members prove they hold it (WeightGroup._authenticate)
         self.backend, self.timeout_s, self.workers = backend, timeout_s, workers_per_generator
         self.params = named_weights(engine)
@@ -194,8 +166,6 @@ class WeightSender:
         group = self._current_group(version)
         if group is None:
             return None
-        if self.sent_record is not None:
-            record_sent(self.sent_record, version)
         if not wait:
             handoff = snapshot.handoff()
             self.flight = threading.Thread(
