@@ -308,6 +308,11 @@ class JobSubjects:
         """The trainer's newest checkpoint (`messages.Checkpointed`)."""
         return f"prl.{self._token}.control.checkpoint"
 
+    @property
+    def sent(self) -> str:
+        """The newest version trainer rank 0 began to broadcast (`messages.WeightsSent`)."""
+        return f"prl.{self._token}.control.sent"
+
     def metrics(self, kind: str | None = None) -> str:
         return f"prl.{self._token}.metrics.{kind or '*'}"
 

@@ -137,6 +137,16 @@ class PolicyVersion(Message):
     trained_groups: dict[str, int] = Field(default_factory=dict)
 
 
+class WeightsSent(Message):
+    """Trainer rank 0, before it broadcasts a version: a trainer killed between the broadcast and
+    the announcement leaves the generators holding a version the stream never announced; its
+    successor sends nothing older (`floor`). In the store: a store made again forgets it, as it
+    forgets the announcements."""
+
+    TYPE: ClassVar[str] = "weights_sent"
+    version: int
+
+
 class GeneratorHello(Message):
     """Generator → trainer and the other generators, every second and after it starts groups:
     I am alive, hold these weights, and have this admission queue (`Admission.on_peer`)."""
@@ -226,6 +236,7 @@ MESSAGE_TYPES: dict[str, type[Message]] = {
         Metrics,
         StoreIdentity,
         Checkpointed,
+        WeightsSent,
     )
 }
 M = TypeVar("M", bound=Message)

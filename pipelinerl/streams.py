@@ -60,10 +60,10 @@ def stream_configs(
             **common,
         ),
         # Control: the latest policy version, the next training problem unclaimed, which store
-        # this is and the trainer's newest checkpoint, only.
+        # this is, the trainer's newest checkpoint and the newest version it began to send, only.
         StreamConfig(
             name=subjects.stream("CONTROL"),
-            subjects=[subjects.version, subjects.problems, subjects.store, subjects.checkpoint],
+            subjects=[subjects.version, subjects.problems, subjects.store, subjects.checkpoint, subjects.sent],
             retention=RetentionPolicy.LIMITS,
             max_msgs_per_subject=1,
             max_bytes=size["CONTROL"],
@@ -200,6 +200,14 @@ async def last_announcement(js, subjects: JobSubjects, timeout_s: float = READ_T
     return decode(data, PolicyVersion) if data is not None else None
 
 
+async def last_sent(js, subjects: JobSubjects, timeout_s: float = READ_TIMEOUT_S) -> int:
+    """The newest version trainer rank 0 began to broadcast (0: none); as `last_announcement`."""
+    from pipelinerl.messages import WeightsSent, decode
+
+    data = await last_message(js, subjects.stream("CONTROL"), subjects.sent, timeout_s)
+    return decode(data, WeightsSent).version if data is not None else 0
+
+
 async def newest_batches(js, subjects: JobSubjects, ranks: int, timeout_s: float = READ_TIMEOUT_S) -> list:
     """The newest micro-batch stored for each trainer rank (None: none yet), from which the
     books are restored (`books.restore`); reads that fail are retried (`last_message`). One that
@@ -328,7 +336,7 @@ async def publish_once(
             if stream_full(err):
                 if full_since is None:
                     full_since = time.monotonic()
-                    log.warning("%s is full (%s): %s waits for room", subject, err.description, msg_id)
+                    log.warning("%s is full (%s): %s waits for room", subject, err, msg_id)
                 elif time.monotonic() - full_since > room_wait_s:
                     raise TimeoutError(f"{subject} full for {room_wait_s:.0f}s: {msg_id} not stored ({err})") from err
                 await asyncio.sleep(ROOM_POLL_S)

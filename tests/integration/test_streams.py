@@ -314,6 +314,26 @@ async def test_a_publish_to_a_full_work_queue_waits_for_room_and_is_stored_once(
     await nc.close()
 
 
+async def test_the_newest_version_sent_is_kept_in_the_store_and_forgotten_with_it(nats_server):
+    """The trainer's record of the version it began to broadcast (`WeightsSent`, its successor's
+    floor) is the store's newest one, and a store made again to go on from a checkpoint
+    (`recover_store`) holds none, as it holds only the checkpoint's announcement."""
+    from pipelinerl.spec import JobSpec
+    from pipelinerl.store import recover_store
+    from pipelinerl.streams import last_announcement, last_sent
+
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js, SUBJECTS, 8)
+    assert await last_sent(js, SUBJECTS) == 0
+    for version in (6, 7):
+        await js.publish(SUBJECTS.sent, m.encode(m.WeightsSent(version=version)), timeout=5)
+    assert await last_sent(js, SUBJECTS) == 7
+    await recover_store(js, SUBJECTS, JobSpec(), adopt="lost", step=4, problems=40)
+    assert await last_sent(js, SUBJECTS) == 0 and (await last_announcement(js, SUBJECTS)).version == 4
+    await nc.close()
+
+
 def test_a_server_that_cannot_take_its_port_is_not_mistaken_for_the_one_there(tmp_path, nats_server):
     # Another server took the port between free_port() and the start (tests and benchmarks side
     # by side): this one fails to bind, and its start says so instead of handing out the

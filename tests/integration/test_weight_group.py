@@ -531,14 +531,18 @@ class _Bridge:
     def __init__(self, group_ids) -> None:
         from pipelinerl import messages as m
 
-        self.subjects = SimpleNamespace(weights_update="weights")
+        self.subjects = SimpleNamespace(weights_update="weights", sent="sent")
         self.done: queue.Queue = queue.Queue()
         self.hellos: queue.Queue = queue.Queue()
         self.hellos.put((self.now(), m.GeneratorHello(generator=0, incarnation="a", version=-1)))
         self.group_ids = group_ids
+        self.sent: list[int] = []  # what the store would hold: each WeightsSent's version
 
     def publish(self, subject, msg, stream=True) -> None:
-        self.group_ids.put(msg.group)
+        if subject == "sent":
+            self.sent.append(msg.version)
+        else:
+            self.group_ids.put(msg.group)
 
     def now(self) -> float:
         return time.monotonic()
@@ -655,6 +659,26 @@ def test_what_a_broadcast_in_flight_raises_is_raised_by_the_next_call_that_needs
         sender.holders(1)
     assert sender.flight is None
     sender.finish()  # nothing left to raise
+
+
+def test_each_version_is_recorded_in_the_store_before_its_broadcast_begins(port, monkeypatch):
+    """A trainer killed after broadcasting a version and before announcing it leaves the
+    generators holding a version the stream never announced: its successor takes the recorded one
+    as its floor (`main.newest_sent`) and sends nothing older, where it would have replayed up to
+    the announced version and sent it, taking the generators' weights back a version. In the
+    store (CONTROL), not on the trainer's volume: a store made again (`recover-store`) forgets it
+    with the announcements, and the generators are then sent the checkpoint's weights."""
+    sender = _sender(port, queue.Queue())
+    monkeypatch.setattr(sender, "_current_group", lambda version: SimpleNamespace())
+    seen: list[list[int]] = []
+    monkeypatch.setattr(sender, "_broadcast", lambda group, version: seen.append(list(sender.bridge.sent)) or True)
+    sender.send(3)
+    sender.send(4, wait=False)
+    sender.finish()
+    assert seen == [[3], [3, 4]]
+    monkeypatch.setattr(sender, "_current_group", lambda version: None)  # nobody to send to: nothing sent
+    sender.send(5)
+    assert sender.bridge.sent == [3, 4]
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,14 @@ from pipelinerl.awake import AwakeClock
 from pipelinerl.contracts import ServiceEnv
 from pipelinerl.runtime import JOIN_TIMEOUT_S, join_job
 from pipelinerl.spec import PipelineRLJob
-from pipelinerl.streams import READ_TIMEOUT_S, dead_letter, last_announcement, problems_claimed, publish_once
+from pipelinerl.streams import (
+    READ_TIMEOUT_S,
+    dead_letter,
+    last_announcement,
+    last_sent,
+    problems_claimed,
+    publish_once,
+)
 from pipelinerl.store import store_identity
 
 log = logging.getLogger("pipelinerl.trainer")
@@ -105,6 +112,10 @@ class NatsBridge:
     def last_announcement(self) -> m.PolicyVersion | None:
         """The newest version announced on the job's stream (None: none yet)."""
         return self.call(last_announcement(self.js, self.subjects), READ_TIMEOUT_S + 5)
+
+    def last_sent(self) -> int:
+        """The newest version rank 0 began to broadcast, in the job's store (0: none)."""
+        return self.call(last_sent(self.js, self.subjects), READ_TIMEOUT_S + 5)
 
     def publish(self, subject: str, msg: m.Message, stream: bool = True) -> None:
         """To a stream: until acknowledged (its id, new per call, makes a resend idempotent), so a

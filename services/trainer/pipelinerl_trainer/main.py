@@ -74,13 +74,14 @@ def build_model(job: PipelineRLJob, model_path: str) -> Model:
     )
 
 
-def announced_version(bridge: NatsBridge, rank: int, world: int, device) -> int:
-    """The newest version announced on the job's stream (by a predecessor, if this trainer was
-    restarted), as every rank sees it: rank 0 reads it."""
+def newest_sent(bridge: NatsBridge, rank: int, world: int, device) -> int:
+    """The newest version a predecessor announced on the job's stream, or began to broadcast
+    (`messages.WeightsSent`: killed before announcing it, its generators may hold it), as every
+    rank sees it: rank 0 reads both."""
     newest = 0
     if rank == 0:
         announced = bridge.last_announcement()
-        newest = announced.version if announced else 0
+        newest = max(announced.version if announced else 0, bridge.last_sent())
     return from_rank0(newest, world, device)
 
 
@@ -128,9 +129,9 @@ def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.
         )
     # A restarted trainer first replays the steps its predecessor took after the checkpoint,
     # from their micro-batches still in the stream: the same data, each step once in the
-    # lineage that goes on. Until it is past the newest version announced it sends and
+    # lineage that goes on. Until it is past the newest version announced or sent it sends and
     # announces nothing, so no generator's weights nor any announced version go back.
-    floor = announced_version(bridge, rank, world, model.engine.device)
+    floor = newest_sent(bridge, rank, world, model.engine.device)
     if floor > position.version:
         log.info(
             "replaying the steps that make versions %d-%d (trained before the restart): no weights "

@@ -166,6 +166,7 @@ class WeightSender:
         group = self._current_group(version)
         if group is None:
             return None
+        self.bridge.publish(self.bridge.subjects.sent, m.WeightsSent(version=version))  # before it can be held
         if not wait:
             handoff = snapshot.handoff()
             self.flight = threading.Thread(
