@@ -229,8 +229,9 @@ class Restored:
     step: int  # the step to build: the newest stored, if it is not complete, else the next
     ledger: StepLedger  # that step's ledger so far (a new step's: every generator's newest books only)
     next_index: int  # the next micro-batch index of the step, on every rank
-    # Groups the newest stored step settled (trained ones included): handed back after a kill lost
-    # their acknowledgement, they are settled again, uncounted (`settle_again`).
+    # Groups the newest stored step settled (trained ones included), and those its ledger names
+    # settled above its mark: handed back after a kill lost their acknowledgement, they are
+    # settled again, uncounted (`settle_again`).
     settled: frozenset[str]
     torn: Torn | None  # a wave stored in part, to publish again first
     settled_through: int = 0  # the newest wave's `StepLedger.settled_through`
