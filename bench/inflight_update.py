@@ -141,8 +141,9 @@ class _Replies:
 
 
 class _BridgeStandIn:
-    class subjects:  # noqa: N801 - mirrors JobSubjects' attribute
+    class subjects:  # noqa: N801 - mirrors JobSubjects' attributes
         weights_update = "weights.update"
+        sent = "control.sent"  # the record of the version sent: kept by the store, which this has none of
 
     def __init__(self, gen_q, done_q):
         import queue as queue_
@@ -161,7 +162,8 @@ class _BridgeStandIn:
     def publish(self, subject, msg, stream=True) -> None:
         from pipelinerl import messages as m
 
-        self.gen_q.put(("staged" if self.staged else "in pause", m.encode(msg)))
+        if subject == self.subjects.weights_update:
+            self.gen_q.put(("staged" if self.staged else "in pause", m.encode(msg)))
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import torch
 class Module(torch.nn.Linear):
     config = type("Config", (), {"_name_or_path": "/nonexistent"})()
 
-    def save_pretrained(self, target: Path, safe_serialization: bool) -> None:
+    def save_pretrained(self, target: Path, safe_serialization: bool, state_dict: dict | None = None) -> None:
         target.mkdir(parents=True)
         (target / "model.safetensors").write_bytes(b"weights")
 
@@ -137,3 +137,46 @@ def test_a_crash_mid_save_leaves_latest_naming_a_whole_checkpoint_the_run_resume
     assert checkpoint.latest_step(tmp_path) == 10
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-10"]
     assert (tmp_path / "step-10" / "state.json").exists()
+
+
+def test_zero3_gathers_the_weights_one_parameter_at_a_time_to_write_them(tmp_path, monkeypatch) -> None:
+    """Under ZeRO-3 the Hugging Face copy is gathered parameter by parameter (peak device memory:
+    the largest one; gathering them all at once needed the whole model on every rank's device),
+    and rank 0 writes exactly the model's weights and persistent buffers."""
+    import contextlib
+
+    from pipelinerl_trainer import checkpoint
+
+    class Model(torch.nn.Module):
+        config = Module.config
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)
+            self.register_buffer("scale", torch.ones(2))
+            self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+        def save_pretrained(self, target: Path, safe_serialization: bool, state_dict: dict | None = None) -> None:
+            target.mkdir(parents=True)
+            self.written = state_dict
+
+    class Zero3(Engine):
+        module = Model()
+
+        def zero_optimization_stage(self) -> int:
+            return 3
+
+    gathered: list[int] = []
+
+    @contextlib.contextmanager
+    def full_parameters(engine, params):
+        gathered.append(len(params))
+        yield
+
+    monkeypatch.setattr(checkpoint, "full_parameters", full_parameters)
+    engine = Zero3()
+    checkpoint.export(engine, tmp_path / "export" / "version-1", rank=0)
+    assert gathered == [1, 1, 1, 1]  # a.weight, a.bias, b.weight, b.bias
+    want = {n: t for n, t in engine.module.state_dict().items()}
+    assert set(engine.module.written) == set(want) == {"a.weight", "a.bias", "b.weight", "b.bias", "scale"}
+    assert all(torch.equal(engine.module.written[n], t) for n, t in want.items())

@@ -166,13 +166,25 @@ def durable(path: Path) -> None:
 
 
 def _save_hf(engine, target: Path, rank: int, model_path: str | None) -> None:
-    with full_parameters(engine, list(engine.module.parameters())):
-        if rank == 0:
-            engine.module.save_pretrained(target, safe_serialization=True)
-            src = Path(model_path or engine.module.config._name_or_path)
-            for name in TOKENIZER_FILES:
-                if (src / name).exists():
-                    shutil.copy(src / name, target / name)
+    """The whole weights as a Hugging Face folder, written by global rank 0. Under ZeRO-3 every
+    rank joins in gathering them one parameter at a time, as `adopt` does (peak device memory: the
+    largest parameter, not the model), rank 0 copying each to host memory."""
+    module = engine.module
+    state = None
+    if engine.zero_optimization_stage() == 3:
+        state = {}
+        for name, param in module.named_parameters():
+            with full_parameters(engine, [param]):
+                if rank == 0:
+                    state[name] = param.data.detach().to("cpu", copy=True)
+        persistent = set(module.state_dict())  # names only: the parameters in it are partitions
+        state |= {n: b.detach().to("cpu", copy=True) for n, b in module.named_buffers() if n in persistent}
+    if rank == 0:
+        module.save_pretrained(target, state_dict=state, safe_serialization=True)
+        src = Path(model_path or module.config._name_or_path)
+        for name in TOKENIZER_FILES:
+            if (src / name).exists():
+                shutil.copy(src / name, target / name)
 
 
 def load(engine, ckpt_dir: Path) -> dict:

@@ -116,6 +116,8 @@ async def test_a_job_not_ready_crash_looping_then_failed_fires_its_alerts(cluste
             # once, Prometheus scraping late on a loaded machine).
             await eventually(lambda: prometheus.query(f"{failures} == {restarts}"), what=f"failure {restarts} scraped")
         await eventually(lambda: status(emulator).get("phase") == "Failed", what="Failed")
+        # Scraped before the window closes (a loaded machine's Prometheus scraped it too late once).
+        await eventually(lambda: prometheus.query(scaled["PipelineRLJobFailed"]), what="Failed scraped")
         await asyncio.sleep(SETTLE_S)
         failed = (looping_from, time.time())
         windows = {
