@@ -57,7 +57,7 @@ class StepBuilder:
         # already (`returned`), however many steps ago. Restored: the stored books' floor.
         self.taken_through = restored.settled_through
         self.seqs: dict[str, int] = {}  # the stream sequence of each message held, by entry id
-        self.settled_seqs: dict[str, int] = {}  # of those settled above the mark (`_settled_through`)
+        self.settled_seqs: dict[str, int] = {}  # of those settled above the mark (`_settle`)
 
     def held(self) -> list[Any]:
         """Messages taken and not yet acknowledged."""
