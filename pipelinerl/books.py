@@ -104,10 +104,10 @@ class StepLedger(BaseModel):
     # so far, whole run: a group taken but in no stored wave is acknowledged only once this is.
     generators: dict[str, GeneratorBooks] = Field(default_factory=dict)
     # Every ROLLOUTS message at or below this stream sequence is settled by this wave or an earlier
-    # one, and so are these above it (a message still waiting holds the mark back): one delivered
-    # again after a restart (nats-server's, or the preprocessor's) was taken once.
+    # one, and so are those at these sequences above it (a message still waiting holds the mark
+    # back): one delivered again after a restart (nats-server's, or the preprocessor's) was taken once.
     settled_through: int = Field(default=0, ge=0)
-    settled_above: list[str] = Field(default_factory=list)
+    settled_above: list[int] = Field(default_factory=list)
     waves: int = Field(default=0, ge=0)  # waves of the step stored, this one included
     wave_first: int = Field(default=0, ge=0)  # this wave's first micro-batch index (on every rank)
     wave_last: int = Field(default=-1, ge=-1)  # and its last (every rank gets as many)
@@ -229,12 +229,12 @@ class Restored:
     step: int  # the step to build: the newest stored, if it is not complete, else the next
     ledger: StepLedger  # that step's ledger so far (a new step's: every generator's newest books only)
     next_index: int  # the next micro-batch index of the step, on every rank
-    # Groups the newest stored step settled (trained ones included), and those its ledger names
-    # settled above its mark: handed back after a kill lost their acknowledgement, they are
-    # settled again, uncounted (`settle_again`).
+    # Groups the newest stored step settled (trained ones included): handed back after a kill lost
+    # their acknowledgement, they are settled again, uncounted (`settle_again`).
     settled: frozenset[str]
     torn: Torn | None  # a wave stored in part, to publish again first
     settled_through: int = 0  # the newest wave's `StepLedger.settled_through`
+    settled_above: frozenset[int] = frozenset()  # and its `settled_above`
 
     @property
     def generators(self) -> dict[str, GeneratorBooks]:
@@ -246,8 +246,8 @@ def restore(newest: Sequence[StoredBatch | None]) -> Restored:
     nothing yet). A wave is stored before the groups in it are acknowledged, and the next wave
     only after that, so only the newest stored wave can be stored in part; its ledger is the
     newest (that of the step stored last, with the most waves), and says which groups were
-    settled (its own, and any at or below its mark or named above it: a nats-server restart can
-    lose the acknowledgements of several steps)."""
+    settled (its own, and any at or below its mark or at a sequence it names above it: a
+    nats-server restart can lose the acknowledgements of several steps)."""
     known = [b for b in newest if b is not None]
     if not known:
         return Restored(step=0, ledger=StepLedger(), next_index=0, settled=frozenset(), torn=None)
@@ -272,9 +272,8 @@ def restore(newest: Sequence[StoredBatch | None]) -> Restored:
             },
             ledger=top.snapshot(),
         )
-    settled = frozenset((top.ids | set(top.settled_above)) - set(torn.groups if torn else ()))
-    through = top.settled_through
+    settled = frozenset(top.ids - set(torn.groups if torn else ()))
+    through, above = top.settled_through, frozenset(top.settled_above)
     if top.closed and torn is None:
-        new = StepLedger(generators=generators)
-        return Restored(step=step + 1, ledger=new, next_index=0, settled=settled, torn=None, settled_through=through)
-    return Restored(step, ledger, top.wave_last + 1, settled, torn, through)
+        return Restored(step + 1, StepLedger(generators=generators), 0, settled, None, through, above)
+    return Restored(step, ledger, top.wave_last + 1, settled, torn, through, above)

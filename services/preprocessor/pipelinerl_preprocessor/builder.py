@@ -54,8 +54,10 @@ class StepBuilder:
         self.caught_up = caught_up  # every group left in the stream at the start has been handed over
         # The newest stream sequence taken. The consumer hands a message over for the first time
         # in stream order, so one at or below it that the builder does not hold was settled
-        # already (`returned`), however many steps ago. Restored: the stored books' floor.
-        self.taken_through = restored.settled_through
+        # already (`returned`), however many steps ago. Restored: the stored books' mark, and the
+        # sequences settled above it.
+        self.taken_through = self.mark = restored.settled_through
+        self.settled_above = restored.settled_above
         self.seqs: dict[str, int] = {}  # the stream sequence of each message held, by entry id
         self.settled_seqs: dict[str, int] = {}  # of those settled above the mark (`_settle`)
 
@@ -88,12 +90,15 @@ class StepBuilder:
         again = group_id in (self.torn.groups if self.torn else ())  # of a wave stored in part: stored again
         if group_id in self.ledger.ids and not again:  # settled by this step's earlier waves
             pass
-        elif group_id in self.settled_before or (seq <= self.taken_through and not again):
+        elif group_id in self.settled_before or (
+            not again and (seq <= self.taken_through or seq in self.settled_above)
+        ):
             settle_again(self.ledger, group_id)  # an earlier step's: acknowledged with this one
         else:
             self.taken_through = max(self.taken_through, seq)
             self.seqs[group_id] = seq
             return False  # new
+        self.seqs[group_id] = seq  # held again, till the wave that acknowledges it is stored
         self.settled.append((ref, group_id))
         return True
 
@@ -216,13 +221,14 @@ class StepBuilder:
 
     def _settle(self, ids: list[str]) -> None:
         """The wave being stored settles `ids`: its ledger's mark, below the oldest message still
-        held (none: the newest taken), and the ids settled above it."""
+        held (none: the newest taken), never lowered (a message delivered again below it was
+        settled before), and the sequences settled above it."""
         for entry in ids:
             if entry in self.seqs:
                 self.settled_seqs[entry] = self.seqs.pop(entry)
-        mark = min(self.seqs.values(), default=self.taken_through + 1) - 1
-        self.settled_seqs = {k: v for k, v in self.settled_seqs.items() if v > mark}
-        self.ledger.settled_through, self.ledger.settled_above = mark, sorted(self.settled_seqs)
+        self.mark = max(self.mark, min(self.seqs.values(), default=self.taken_through + 1) - 1)
+        self.settled_seqs = {k: v for k, v in self.settled_seqs.items() if v > self.mark}
+        self.ledger.settled_through, self.ledger.settled_above = self.mark, sorted(self.settled_seqs.values())
 
     def _carrying(self, batches: list[MicroBatch], ledger: StepLedger) -> list[MicroBatch]:
         snapshot = ledger.snapshot()  # the builder's own goes on changing
