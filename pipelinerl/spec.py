@@ -137,8 +137,8 @@ class JobSpec(SpecModel):
             )
         if self.trainer.micro_batch_tokens < self.model.max_seq_len:
             raise ValueError("trainer.microBatchTokens must be at least model.maxSeqLen (one sample must fit)")
-        for problem in _message_problems(self):
-            raise ValueError(problem)
+        if problems := _message_problems(self):
+            raise ValueError(problems[0])
         if (self.trainer.gpus or self.generator.gpus) and self.model.path.startswith("builtin:"):
             raise ValueError(
                 f"model.path: a GPU job needs a Hugging Face model ({self.model.path} is the CPU example's toy model)"

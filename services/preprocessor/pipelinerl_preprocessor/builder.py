@@ -59,7 +59,7 @@ class StepBuilder:
         self.taken_through = self.mark = restored.settled_through
         self.settled_above = restored.settled_above
         self.seqs: dict[str, int] = {}  # the stream sequence of each message held, by entry id
-        self.settled_seqs: dict[str, int] = {}  # of those settled above the mark (`_settle`)
+        self.settled_seqs: set[int] = set()  # of those settled above the mark (`_settle`)
 
     def held(self) -> list[Any]:
         """Messages taken and not yet acknowledged."""
@@ -223,12 +223,10 @@ class StepBuilder:
         """The wave being stored settles `ids`: its ledger's mark, below the oldest message still
         held (none: the newest taken), never lowered (a message delivered again below it was
         settled before), and the sequences settled above it."""
-        for entry in ids:
-            if entry in self.seqs:
-                self.settled_seqs[entry] = self.seqs.pop(entry)
+        self.settled_seqs.update(self.seqs.pop(entry) for entry in ids if entry in self.seqs)
         self.mark = max(self.mark, min(self.seqs.values(), default=self.taken_through + 1) - 1)
-        self.settled_seqs = {k: v for k, v in self.settled_seqs.items() if v > self.mark}
-        self.ledger.settled_through, self.ledger.settled_above = self.mark, sorted(self.settled_seqs.values())
+        self.settled_seqs = {seq for seq in self.settled_seqs if seq > self.mark}
+        self.ledger.settled_through, self.ledger.settled_above = self.mark, sorted(self.settled_seqs)
 
     def _carrying(self, batches: list[MicroBatch], ledger: StepLedger) -> list[MicroBatch]:
         snapshot = ledger.snapshot()  # the builder's own goes on changing

@@ -111,12 +111,12 @@ def make_room(ckpt_dir: Path, previous: int) -> None:
     resume from), so that no crash leaves it naming a folder deleted here. What goes: the
     checkpoint before `previous`, one the run did not resume from, one a crash cut short."""
     kept = ckpt_dir / f"step-{previous}"
-    if latest_step(ckpt_dir) != previous or not kept.is_dir():
-        if previous and kept.is_dir():
+    if previous and kept.is_dir():
+        if latest_step(ckpt_dir) != previous:
             _publish_latest(ckpt_dir, kept.name)
-        elif (ckpt_dir / "latest").exists():
-            (ckpt_dir / "latest").unlink()
-            durable(ckpt_dir)
+    elif (ckpt_dir / "latest").exists():
+        (ckpt_dir / "latest").unlink()
+        durable(ckpt_dir)
     prune(ckpt_dir, {previous})
 
 
@@ -177,8 +177,9 @@ def _save_hf(engine, target: Path, rank: int, model_path: str | None) -> None:
             with full_parameters(engine, [param]):
                 if rank == 0:
                     state[name] = param.data.detach().to("cpu", copy=True)
-        persistent = set(module.state_dict())  # names only: the parameters in it are partitions
-        state |= {n: b.detach().to("cpu", copy=True) for n, b in module.named_buffers() if n in persistent}
+        if rank == 0:
+            persistent = set(module.state_dict())  # names only: the parameters in it are partitions
+            state |= {n: b.detach().to("cpu", copy=True) for n, b in module.named_buffers() if n in persistent}
     if rank == 0:
         module.save_pretrained(target, state_dict=state, safe_serialization=True)
         src = Path(model_path or module.config._name_or_path)
