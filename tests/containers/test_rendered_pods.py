@@ -65,6 +65,18 @@ def podman(*args: str, check: bool = True, timeout: float = 120) -> str:
     return done.stdout.strip()
 
 
+def pause(name: str, tries: int = 5) -> None:
+    """`podman pause`, tried again where runc could not freeze: on cgroup v1 (this host) its freezer
+    gives up when the cgroup stays FREEZING through its retries, as a busy multi-threaded process
+    can make it, and thaws the cgroup again ("a game of chances", runc's fs/freezer.go)."""
+    for attempt in range(tries):
+        done = subprocess.run(["podman", "pause", name], capture_output=True, text=True, timeout=120)
+        if not done.returncode:
+            return
+        assert "unable to freeze" in done.stderr and attempt < tries - 1, f"podman pause {name}: {done.stderr}"
+        time.sleep(1)
+
+
 def short_job() -> dict:
     """The tiny job, shorter, with two trainer pods: their ranks meet at trainer-0's name under the
     headless Service, as in a cluster, and watch each other through its rendezvous store; and two
@@ -248,7 +260,7 @@ def test_the_rendered_tiny_job_trains_to_its_last_step_as_podman_containers(clus
     # the weight group again over the pod network, with whatever address it got.
     until(lambda: step() >= 3, "step 3")
     old_ip = cluster.ip(names[gen1])
-    podman("pause", names[gen0])
+    pause(names[gen0])
     replaced_at = step()
     cluster.replace(by_name[gen1], objects, services, images)
     until(lambda: step() >= replaced_at + 3, f"3 steps after step {replaced_at} fed by the new {gen1}")
