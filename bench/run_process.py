@@ -80,6 +80,17 @@ class RunProcess:
         os.killpg(pid, signal.SIGKILL)
         return pid, self.train()[-1]["step"]
 
+    def kill_everything(self) -> None:
+        """SIGKILL the runner, every service's process group and nats-server at once (a power cut)."""
+        pids = [s["pid"] for s in self.services().values()]
+        for pid in [self.proc.pid, *pids]:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait(30)
+        self.out.close()
+
     def restarted(self, name: str, pid: int) -> int:
         """The pid of `name`'s next process once the runner has started it in place of `pid`."""
         self._until(lambda: self.services()[name]["pid"] != pid, f"restart of {name}", every_s=0.05)

@@ -26,8 +26,6 @@ only not to fall."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 from pathlib import Path
 
 import pytest
@@ -36,7 +34,6 @@ import yaml
 from jobs import RUN_TIMEOUT_S, stored  # tests/e2e/jobs.py
 from wandb_records import wandb_history  # tests/wandb_records.py
 
-from bench.run_process import RunProcess
 from pipelinerl import messages as m
 from pipelinerl.tiny_model import resolve_model_path
 from pipelinerl.tracking import default_mlflow_uri
@@ -61,18 +58,6 @@ def job() -> dict:
     manifest["spec"]["eval"]["interval"] = STEPS
     manifest["spec"]["tracking"]["mlflow"] = {}
     return manifest
-
-
-def kill_everything(run: RunProcess) -> None:
-    """SIGKILL the runner, every service's process group and nats-server at once."""
-    pids = [s["pid"] for s in run.services().values()]
-    for pid in [run.proc.pid, *pids]:
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    run.proc.wait(30)
-    run.out.close()
 
 
 def answer_chance(weights: Path, warm: str) -> float:
@@ -109,7 +94,7 @@ def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_trackin
     manifest = job()
     first = start_run(manifest, timeout_s=RUN_TIMEOUT_S)
     first.wait_step(KILL_AT)
-    kill_everything(first)
+    first.kill_everything()
     killed_at = first.train()[-1]["step"]
     before = len(first.train())
 

@@ -22,7 +22,7 @@ def test_a_step_missing_from_the_stream_names_the_checkpoint_and_the_lost_volume
     trainer = Trainer.__new__(Trainer)  # only what `_next_batch` reads
     batches: queue.Queue = queue.Queue()
     trainer.bridge = SimpleNamespace(batches=batches, now=time.monotonic)
-    trainer.position, trainer.rank, trainer.stop = Position(), 1, threading.Event()
+    trainer.position, trainer.rank, trainer.stop, trainer.peers = Position(), 1, threading.Event(), None
     step = step_version(0)
     batches.put((7, m.MicroBatch(step=step - 1, rank=1, index=0)))  # older: skipped
     batches.put((8, m.MicroBatch(step=step, rank=1, index=0)))

@@ -28,16 +28,18 @@ from pipelinerl_trainer.output import Output
 from pipelinerl_trainer.peers import PeerWatch, say_started
 from pipelinerl_trainer.position import Position, StoreLost
 from pipelinerl_trainer.reporting import Board, Reporter
-from pipelinerl_trainer.trainer import Model, Trainer, from_rank0
+from pipelinerl_trainer.stopping import StopVote
+from pipelinerl_trainer.trainer import DATA_TIMEOUT_S, Model, Trainer, from_rank0
 from pipelinerl_trainer.weight_sender import WeightSender
 
 log = logging.getLogger("pipelinerl.trainer")
 STORE_POLL_S = 10.0  # a trainer whose store was lost looks again this often for one recovered for it
 
 
-def join_torch_group(job: PipelineRLJob, env: ServiceEnv) -> PeerWatch | None:
-    """This rank in the trainers' torch.distributed group (DeepSpeed's), on its GPU if any, and
-    the watch over the other ranks (`peers`; None for a gang of one)."""
+def join_torch_group(job: PipelineRLJob, env: ServiceEnv, stop: threading.Event) -> tuple[PeerWatch | None, StopVote]:
+    """This rank in the trainers' torch.distributed group (DeepSpeed's), on its GPU if any; the
+    watch over the other ranks (`peers`; None for a gang of one), which tells them when `stop` is
+    set; and the ranks' vote on stopping (`stopping`)."""
     on_gpu = job.spec.trainer.gpus > 0
     local_rank, world = env.local_rank or 0, env.world_size or 1
     addr, port = env.master_addr or "127.0.0.1", env.master_port or MASTER_PORT
@@ -56,7 +58,8 @@ def join_torch_group(job: PipelineRLJob, env: ServiceEnv) -> PeerWatch | None:
     if world > 1 and env.rank > 0:
         say_started(addr, port, env.rank, timeout_s)
     init_distributed(on_gpu, timeout_s * 5)
-    return PeerWatch.of_ranks(addr, port, env.rank, world, timeout_s)
+    vote = StopVote.of_ranks(world, DATA_TIMEOUT_S + timeout_s)  # a vote waits for a rank waiting for data
+    return PeerWatch.of_ranks(addr, port, env.rank, world, timeout_s, stop), vote
 
 
 def build_model(job: PipelineRLJob, model_path: str) -> Model:
@@ -110,7 +113,7 @@ def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.
     # Before the torch group: a built-in's folder is written here, and transformers' save_pretrained
     # writes a model only on torch.distributed's rank 0 (each trainer pod has a cache of its own).
     model_path = resolve_model_path(spec.model.path)
-    peers = join_torch_group(job, env)
+    peers, vote = join_torch_group(job, env, stop)
     model = build_model(job, model_path)
     position = Position.restored(checkpoint.load(model.engine, env.run_dir / "checkpoints"), rank)
     prom.started(spec.trainer.max_steps, position.version, spec.max_lag)
@@ -160,7 +163,7 @@ def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.
         spec.trainer.zero_stage,
         model_path,
     )
-    return Trainer(job, env, model, position, bridge, sender, reporter, output, floor, stop, peers)
+    return Trainer(job, env, model, position, bridge, sender, reporter, output, floor, stop, peers, vote)
 
 
 def main(job: PipelineRLJob, env: ServiceEnv) -> int:

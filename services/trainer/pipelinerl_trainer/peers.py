@@ -16,6 +16,10 @@ it must: the lost rank's part of the ZeRO state since the checkpoint is gone wit
 leaves (its loop ended: finished or stopped) says so first, and rank 0 waits for that before
 leaving itself. A rank alive but stuck (a hung kernel) beats on: torch's timeouts still end it.
 
+A rank asked to stop (its SIGTERM) says so in the store with its next beat, and every rank that
+hears it is asked too (`asked`): a drain ends one pod, and the gang then stops together, each
+rank with the stop checkpoint (`stopping`), rather than losing the steps since the last one.
+
 A rank whose process ended and was started again (a container restarted in place: a crash, an
 out-of-memory kill) says so in the store it finds before it joins the ranks' group
 (`say_started`); rank 0 ends the old gang at once on that word, and the new process waits for
@@ -40,6 +44,7 @@ log = logging.getLogger("pipelinerl.trainer")
 BEAT_S = 1.0
 LEFT = 1 << 40  # added to a rank's count when it leaves: never taken for silent after that
 FORMED_KEY = "pipelinerl/trainer-gang-formed"  # set by rank 0 once every rank of its gang beat
+STOP_KEY = "pipelinerl/trainer-stop"  # counts the ranks asked to stop by their own signal
 
 
 def beat_key(rank: int) -> str:
@@ -127,12 +132,21 @@ def say_started(host: str, port: int, rank: int, bound_s: float, exit: Callable[
 class PeerWatch:
     """This rank's beat and, on rank 0, the account of the others', on a thread of its own (it
     needs the GIL, which torch's collectives release while they wait). `store`: a client of the
-    ranks' rendezvous store (`rendezvous_client`); `exit`: the tests' stand-in for `os._exit`."""
+    ranks' rendezvous store (`rendezvous_client`); `stop`: set when this rank is asked to stop (its
+    signal), which the others hear; `asked`: set when another rank was; `exit`: the tests'
+    stand-in for `os._exit`."""
 
     def __init__(
-        self, store: Any, rank: int, world: int, bound_s: float, exit: Callable[[int], Any] = os._exit
+        self,
+        store: Any,
+        rank: int,
+        world: int,
+        bound_s: float,
+        stop: threading.Event | None = None,
+        exit: Callable[[int], Any] = os._exit,
     ) -> None:
         self.store, self.rank, self.bound_s, self._exit = store, rank, bound_s, exit
+        self.stop, self.asked, self._said_stop = stop or threading.Event(), threading.Event(), False
         self.clock = AwakeClock()
         heard = tuple(range(1, world)) if rank == 0 else ()  # rank 0 hears the others; they hear its store
         self.hearing = Hearing(heard, bound_s, self.clock.now())
@@ -143,12 +157,14 @@ class PeerWatch:
         self._thread.start()
 
     @classmethod
-    def of_ranks(cls, host: str, port: int, rank: int, world: int, bound_s: float) -> PeerWatch | None:
+    def of_ranks(
+        cls, host: str, port: int, rank: int, world: int, bound_s: float, stop: threading.Event | None = None
+    ) -> PeerWatch | None:
         """The watch of a rank in a gang of `world`, over the rendezvous store at host:port (its
         torch group formed, so the store is up); None for a gang of one."""
         if world == 1:
             return None
-        return cls(rendezvous_client(host, port, bound_s), rank, world, bound_s)
+        return cls(rendezvous_client(host, port, bound_s), rank, world, bound_s, stop)
 
     def _run(self) -> None:
         next_beat = time.monotonic()
@@ -185,8 +201,17 @@ class PeerWatch:
             "a beat into trainer rank 0's store (rank 0 or its node stopped answering)", self.bound_s
         ):
             self.store.add(beat_key(self.rank), 1)
+            self._hear_stop()
             if self.rank == 0:
                 self._hear()
+
+    def _hear_stop(self) -> None:
+        """Say this rank was asked to stop, once; hear whether another was."""
+        say = self.stop.is_set() and not self._said_stop
+        asked = self.store.add(STOP_KEY, int(say))
+        self._said_stop |= say
+        if asked > int(self._said_stop):
+            self.asked.set()
 
     def _hear(self) -> None:
         formed, now = self.hearing.formed, self.clock.now()

@@ -41,6 +41,7 @@ from pipelinerl_trainer.peers import PeerWatch
 from pipelinerl_trainer.position import Position, StoreLost
 from pipelinerl_trainer.reporting import Reporter
 from pipelinerl_trainer.step import ComputeClock, StepTally, micro_batch_loss, step_config
+from pipelinerl_trainer.stopping import PEER_STOPPED, StopVote
 from pipelinerl_trainer.weight_sender import NO_UPDATE, WeightSender
 
 log = logging.getLogger("pipelinerl.trainer")
@@ -101,6 +102,7 @@ class Trainer:
         floor: int,
         stop: threading.Event,
         peers: PeerWatch | None,
+        vote: StopVote,
     ):
         self.job, self.spec, self.env = job, job.spec, env
         self.rank, self.world = env.rank, env.world_size or 1
@@ -112,12 +114,15 @@ class Trainer:
         # The newest version already announced (by a predecessor): nothing is sent or announced
         # below it while the steps after the checkpoint are replayed.
         self.floor = floor
-        self.stop = stop
-        self.peers = peers  # the other ranks' watch, to close when this rank's loop ends
+        self.stop = stop  # this rank asked to stop (its signal)
+        self.peers = peers  # the other ranks' watch (their asks to stop), to close when this rank's loop ends
+        self.vote, self.stopped = vote, False  # stopped: every rank agreed to, at the same micro-batch
         self.store_checked = time.monotonic()  # when the job's store was last checked (`_while_waiting`)
 
     def run(self) -> int:
-        while self.position.version < self.spec.trainer.max_steps and not self.stop.is_set():
+        """0 once finished or stopped by this rank's signal; PEER_STOPPED where another rank's
+        stopped the gang (this process restarts to join the next one)."""
+        while self.position.version < self.spec.trainer.max_steps:
             metrics = self._train_step()
             if metrics is None:
                 break
@@ -125,7 +130,13 @@ class Trainer:
         if self.peers:
             self.peers.close()
         self._wind_down()
+        if self.stopped and not self.stop.is_set():
+            log.info("stopped with the other ranks, one of which was asked to: exiting to join the next gang")
+            return PEER_STOPPED
         return 0
+
+    def _asked_to_stop(self) -> bool:
+        return self.stop.is_set() or bool(self.peers and self.peers.asked.is_set())
 
     # -- phases --------------------------------------------------------------------------------
     def start(self) -> None:
@@ -156,8 +167,10 @@ class Trainer:
         count = 0
         while True:
             mb = self._next_batch()
-            if mb is None:
+            if self.vote(mb is None, self._while_waiting):
+                self.stopped = True
                 return None
+            assert mb is not None  # (the rank without one voted to stop)
             count += 1
             if mb.last:
                 self._consumed(mb)
@@ -200,7 +213,7 @@ class Trainer:
         once stopping. While none comes, `_while_waiting`."""
         step = step_version(self.position.version)
         since, last_log = self.bridge.now(), time.monotonic()  # waited: in awake time (a paused pod)
-        while not self.stop.is_set():
+        while not self._asked_to_stop():
             try:
                 seq, mb = self.bridge.batches.get(timeout=1.0)
             except queue.Empty:
@@ -352,7 +365,7 @@ class Trainer:
     def _wind_down(self) -> None:
         """Stopped or done: keep every step taken, the final evaluation, close."""
         p = self.position
-        if self.stop.is_set() and p.version > p.checkpointed:
+        if self.stopped and p.version > p.checkpointed:
             # Stopped (suspend, a drain, Ctrl-C): keep every step taken, within the grace period.
             log.info("stopping: checkpointing step %d (the last one was %d)", p.version, p.checkpointed)
             self._checkpoint()
@@ -363,7 +376,7 @@ class Trainer:
                 log.warning("the weight update in flight failed as the trainer stopped: %r", err)
         finished = p.version >= self.spec.trainer.max_steps
         self.reporter.board.update(finished=finished)
-        self.reporter.close(finished, self.stop.is_set)
+        self.reporter.close(finished, self._asked_to_stop)
         self.bridge.close()
 
     # -- what goes out ---------------------------------------------------------------------------

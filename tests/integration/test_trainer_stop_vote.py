@@ -1,0 +1,104 @@
+"""Two trainer ranks asked to stop at different moments, one with micro-batches waiting and the
+other waiting for its next: with the vote before each micro-batch (`pipelinerl_trainer.stopping`)
+and the word going round the ranks' store (`peers.PeerWatch.asked`), both stop at the same
+micro-batch and meet in the stop checkpoint's collective, having trained as many. Each micro-batch
+is a collective in the world group, as ZeRO-3's forward is. Real processes, a real gloo group."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BOUND_S = 4.0
+ASKED_AT_S = 4.0
+
+pytestmark = pytest.mark.slow
+
+
+def rank_process(rank: int, port: int, stopped: int, arrive: list[float]) -> subprocess.Popen:
+    """Rank `rank` of 2: its micro-batches come at the times `arrive` (s after the start, none
+    after them); rank `stopped` is asked to stop (its signal) at ASKED_AT_S."""
+    code = textwrap.dedent(
+        f"""
+        import json, threading, time
+        from datetime import timedelta
+        import torch, torch.distributed as dist
+        from pipelinerl_trainer.peers import PeerWatch
+        from pipelinerl_trainer.stopping import StopVote
+        dist.init_process_group("gloo", timeout=timedelta(seconds=30))
+        stop = threading.Event()
+        watch = PeerWatch.of_ranks("127.0.0.1", {port}, {rank}, 2, {BOUND_S}, stop)
+        vote = StopVote.of_ranks(2, 30)
+        start = time.monotonic()
+        if {rank} == {stopped}:
+            threading.Timer({ASKED_AT_S}, stop.set).start()
+        arrive, trained, waited = {arrive!r}, 0, 0
+
+        def next_batch():
+            while not (stop.is_set() or watch.asked.is_set()):
+                if trained < len(arrive) and time.monotonic() - start >= arrive[trained]:
+                    return trained
+                time.sleep(0.01)
+            return None
+
+        def while_waiting():
+            global waited
+            waited += 1
+
+        while not vote(next_batch() is None, while_waiting):
+            dist.all_reduce(torch.ones(4))  # the micro-batch's collective
+            trained += 1
+        rows = [torch.zeros(1, dtype=torch.long) for _ in range(2)]
+        dist.all_gather(rows, torch.tensor([trained]))  # the stop checkpoint's
+        print(json.dumps({{"trained": [int(r) for r in rows], "waited": waited, "asked": watch.asked.is_set()}}))
+        watch.close()
+        """
+    )
+    env = os.environ | {
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "services/trainer")]),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "WORLD_SIZE": "2",
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+    )
+
+
+@pytest.mark.parametrize(
+    "stopped, arrive",
+    [
+        # Rank 0 asked while rank 1 has micro-batches waiting (all of them came at once, and rank
+        # 1 waits in the vote for rank 0's, which come one every 1.3 s).
+        (0, [[1.3 * i for i in range(1, 30)], [0.0] * 30]),
+        # Rank 1 drained while rank 0 waits for a micro-batch that does not come: rank 0 hears it
+        # from the store, with a beat, and votes to stop.
+        (1, [[0.2, 0.4], [0.0] * 30]),
+    ],
+    ids=["asked-with-work-waiting", "drained-while-the-other-waits"],
+)
+def test_ranks_asked_at_different_moments_stop_at_the_same_micro_batch(port, stopped, arrive) -> None:
+    ranks = [rank_process(r, port, stopped, arrive[r]) for r in (0, 1)]
+    try:
+        outs = []
+        for p in ranks:
+            out, err = p.communicate(timeout=60)
+            assert p.returncode == 0, err[-3000:]
+            outs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in ranks:
+            p.kill()
+    trained = outs[0]["trained"]
+    assert outs[1]["trained"] == trained and trained[0] == trained[1], outs
+    assert 2 <= trained[0] < 29, outs  # stopped midway, after what came before the ask
+    assert outs[1]["waited"] >= 1, outs  # rank 1 waited in the vote for rank 0, its duties going on
+    if stopped == 1:
+        assert outs[0]["asked"] and trained[0] == 2, outs  # rank 0 stopped on rank 1's word
