@@ -227,11 +227,15 @@ def forget_gone(jobs: kopf.Index) -> None:
 
 async def reconcile(
     body: kopf.Body, logger: logging.Logger | logging.LoggerAdapter, jobs: kopf.Index
-) -> dict[str, Any]:
+) -> dict[str, Any] | None:
+    """A pass over the job, one at a time per job; none once its deletion began (a resync's body is
+    kopf's live view of the job: a pass that waited for `deleted` would apply what it removed)."""
     forget_gone(jobs)
     meta = body["metadata"]
     key = _state_key(meta["namespace"], meta["name"], meta.get("uid"))
     async with STATE.locks.setdefault(key, asyncio.Lock()):
+        if meta.get("deletionTimestamp"):
+            return None
         read = meta.get("resourceVersion")
         start = starting_point(body, STATE.last.get(key))
         status, written = await run_pass(STATE.kube, STATE.store, body, start, logger, jobs)
@@ -294,6 +298,16 @@ async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
     an account no later job gets: `credentials.job_account`)."""
     meta = body["metadata"]
     name, ns, uid = meta["name"], meta["namespace"], meta.get("uid", "")
+    key = _state_key(ns, name, uid)
+    async with STATE.locks.setdefault(key, asyncio.Lock()):  # after a pass in flight, which could apply again
+        await _delete_job(body, name, ns, uid, logger, jobs)
+        STATE.locks.pop(key, None)
+        STATE.last.pop(key, None)
+
+
+async def _delete_job(
+    body: kopf.Body, name: str, ns: str, uid: str, logger: logging.Logger | logging.LoggerAdapter, jobs: kopf.Index
+) -> None:
     cfg = operator_config()
     await _delete_statefulsets(STATE.kube, ns, name, uid, logger)
     held = await STATE.store.holding(jobs, STATE.kube, uid)
@@ -304,9 +318,6 @@ async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
     except Exception as err:  # noqa: BLE001 - the next job's change (or the resync) writes it again
         logger.warning("could not remove the NATS account of %s/%s: %r", ns, name, err)
     metrics.JOBS.record(ns, name, None)
-    key = _state_key(ns, name, uid)
-    STATE.locks.pop(key, None)
-    STATE.last.pop(key, None)
 
 
 async def _delete_statefulsets(

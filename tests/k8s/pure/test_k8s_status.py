@@ -509,3 +509,37 @@ async def test_a_replica_forgets_its_last_pass_over_jobs_no_longer_watched():
     assert set(STATE.last) == {"u-live", "team-a/nouid"} and set(STATE.locks) == {"u-live", "u-busy"}
     STATE.last.clear()
     STATE.locks.clear()
+
+
+async def test_a_deletion_waits_for_the_pass_in_flight_and_no_pass_follows_it(monkeypatch):
+    """A resync pass in flight when the job's deletion begins could apply its StatefulSets and
+    take its NATS room again after `deleted` removed them: `deleted` takes the job's lock, and a
+    pass that waited for it sees the deletion in kopf's live view of the job and does nothing."""
+    import asyncio
+    import logging
+
+    from pipelinerl_operator import handlers
+
+    done: list[str] = []
+
+    async def delete_job(*_args) -> None:
+        done.append("deleted")
+
+    async def run_pass(*_args):
+        raise AssertionError("a pass ran over a job being deleted")
+
+    monkeypatch.setattr(handlers, "_delete_job", delete_job)
+    monkeypatch.setattr(handlers, "run_pass", run_pass)
+    handlers.STATE.locks.clear()
+    body = {"metadata": {"name": "j", "namespace": "team-a", "uid": "u-1", "resourceVersion": "7"}}
+    pass_in_flight = handlers.STATE.locks.setdefault("u-1", asyncio.Lock())
+    await pass_in_flight.acquire()
+    deletion = asyncio.create_task(handlers.deleted(body=body, logger=logging.getLogger("t"), jobs={}))
+    await asyncio.sleep(0.05)
+    assert done == []  # waits for the pass
+    body["metadata"]["deletionTimestamp"] = "2026-12-06T00:00:00Z"  # kopf's live body
+    resync = asyncio.create_task(handlers.reconcile(body, logging.getLogger("t"), {}))
+    pass_in_flight.release()
+    await deletion
+    assert done == ["deleted"] and await resync is None and "u-1" not in handlers.STATE.locks
+    handlers.STATE.locks.clear()
