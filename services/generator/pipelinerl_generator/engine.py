@@ -382,7 +382,7 @@ class Engine:
                 await self._rpc("commit_staged_weights")
                 kept = ""
             else:
-                kept = next((e for e in await self._rpc("receive_weights", buckets) if e), "")
+                kept = one_version(await self._rpc("receive_weights", buckets), version)
             if not kept:
                 await self.set_version(version)
         except EngineStuck:
@@ -405,6 +405,18 @@ class Engine:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+
+
+def one_version(kept: list[str], version: int) -> str:
+    """Why the workers kept their weights (each worker's word from `receive_weights`: "" where it
+    loaded `version`), or "". Where some loaded it and others kept theirs (tensor parallelism: a
+    transfer failed on one worker only), the engine's shards hold two versions: no label is true
+    of them, so the generator stops (and is restarted with the weights sent to it then)."""
+    why = next((k for k in kept if k), "")
+    if why and not all(kept):
+        loaded = [i for i, k in enumerate(kept) if not k]
+        raise RuntimeError(f"workers {loaded} loaded version {version} while the others kept theirs ({why})")
+    return why
 
 
 def token_versions(spans, n: int) -> list[int]:
