@@ -29,8 +29,10 @@ from pipelinerl_operator.render import RenderError, render
 # in all: a larger job could be created but not applied again or handled.
 MAX_MANIFEST_BYTES = 100 * 1024
 # The oldest Kubernetes the chart admits (`kubeVersion` in Chart.yaml): the pod-index label
-# that ranks are read from is there from 1.28.
-KUBE_VERSION = "1.28"
+# that ranks are read from is there from 1.28, and sidecars (an init container's `restartPolicy:
+# Always`, which a podTemplate may add) from 1.29, where the SidecarContainers gate is on by
+# default: on 1.28 it is off and such a container runs as an init container that never ends.
+KUBE_VERSION = "1.29"
 # jsonschema's wording for an unknown field: name the field itself, as `validate` does.
 _UNEXPECTED = re.compile(r"^Additional properties are not allowed \('([^']+)' was unexpected\)$")
 

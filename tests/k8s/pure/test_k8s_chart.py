@@ -26,8 +26,8 @@ ALL_ON = {
 }
 
 
-# Every Kubernetes release the chart admits (kubeVersion >= 1.28), up to the newest schemas here.
-CLAIMED = [f"1.{minor}" for minor in range(28, 38)]
+# Every Kubernetes release the chart admits (kubeVersion >= 1.29), up to the newest schemas here.
+CLAIMED = [f"1.{minor}" for minor in range(29, 38)]
 
 
 @pytest.mark.parametrize(
@@ -362,7 +362,7 @@ def test_the_chart_admits_only_kubernetes_versions_the_operator_supports() -> No
     from pipelinerl_operator.admission import KUBE_VERSION
 
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
-    assert chart["kubeVersion"].startswith(f">={KUBE_VERSION}.0")  # the pod-index label: 1.28
+    assert chart["kubeVersion"].startswith(f">={KUBE_VERSION}.0")  # the pod-index label (1.28), sidecars (1.29)
 
 
 def test_turning_a_protection_off_takes_an_acknowledgement_and_the_notes_say_what_is_off() -> None:
