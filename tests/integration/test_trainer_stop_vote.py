@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -22,7 +24,7 @@ ASKED_AT_S = 4.0
 pytestmark = pytest.mark.slow
 
 
-def rank_process(rank: int, port: int, stopped: int, arrive: list[float]) -> subprocess.Popen:
+def rank_process(rank: int, port: int, stopped: int | None, arrive: list[float]) -> subprocess.Popen:
     """Rank `rank` of 2: its micro-batches come at the times `arrive` (s after the start, none
     after them); rank `stopped` is asked to stop (its signal) at ASKED_AT_S."""
     code = textwrap.dedent(
@@ -102,3 +104,23 @@ def test_ranks_asked_at_different_moments_stop_at_the_same_micro_batch(port, sto
     assert outs[1]["waited"] >= 1, outs  # rank 1 waited in the vote for rank 0, its duties going on
     if stopped == 1:
         assert outs[0]["asked"] and trained[0] == 2, outs  # rank 0 stopped on rank 1's word
+
+
+def test_a_vote_waiting_for_a_rank_that_died_fails_at_once(port) -> None:
+    """Rank 0 waits in the vote for rank 1, which waits for its micro-batch and is killed: rank
+    0's vote raises the group's error within moments, before the ranks' watch's bound."""
+    ranks = [rank_process(r, port, None, arrive) for r, arrive in ((0, [0.0] * 30), (1, []))]
+    try:
+        time.sleep(3.0)  # both in their groups; rank 0 waiting in the vote
+        assert ranks[0].poll() is None
+        ranks[1].send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        _, err = ranks[0].communicate(timeout=60)
+        ended_s = time.monotonic() - t0
+    finally:
+        for p in ranks:
+            p.kill()
+            p.wait()
+    assert ranks[0].returncode != 0 and "said nothing" not in err, err[-3000:]  # not the watch
+    assert ended_s < BOUND_S, (ended_s, err[-3000:])
+    assert "pipelinerl_trainer/stopping.py" in err, err[-3000:]  # in the vote

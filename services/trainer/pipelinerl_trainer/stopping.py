@@ -18,7 +18,6 @@ micro-batch without blocking this rank's duties meanwhile (`while_waiting`, rank
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -26,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 WAITING_TICK_S = 1.0  # while the others have not voted: `while_waiting` this often
-POLL_S = (0.0001, 0.05)  # the first look again for the others' votes, and the longest between looks
 PEER_STOPPED = 75  # the exit code of a rank stopped by another's word (EX_TEMPFAIL: it restarts, joins the next gang)
 
 
@@ -50,12 +48,13 @@ class StopVote:
             return stopping
         flag = torch.tensor([int(stopping)], dtype=torch.int32)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        pause, tick = POLL_S[0], time.monotonic() + WAITING_TICK_S
-        while not work.is_completed():
-            if time.monotonic() >= tick:
+        while True:
+            try:  # a wait bounded by a timeout raises at it, the vote going on (torch's Work.wait)
+                work.wait(timeout=timedelta(seconds=WAITING_TICK_S))
+                break
+            except RuntimeError:
+                if work.is_completed():
+                    work.wait()  # the vote's own failure (a rank gone) raises here
+                    break
                 while_waiting()
-                tick = time.monotonic() + WAITING_TICK_S
-            time.sleep(pause)
-            pause = min(2 * pause, POLL_S[1])
-        work.wait()  # a failed vote (a rank gone) raises here
         return bool(flag.item())
