@@ -472,6 +472,33 @@ async def test_an_update_given_up_on_leaves_the_next_epoch_free_to_stage(rig):
     assert c.tokens == hf_greedy(rig.hf[rig.current], prompt, N_GREEDY)
 
 
+async def test_an_update_whose_first_weights_never_come_keeps_the_engine_whole(rig):
+    """Inside the pause (in place, or vLLM's layerwise reload), an update whose first bucket never
+    comes keeps the live weights, and the engine generates on with them. vLLM's reload swaps every
+    layer's tensors for meta ones as soon as it is called (`initialize_layerwise_reload`), so it
+    is called only once the first weights are here."""
+    if rig.staged:
+        pytest.skip("a staged update that fails touches the staging copy only (above)")
+    engine, sync = rig.engine, rig.engine.job.spec.weight_sync
+
+    async def join(timeout_s: float) -> None:
+        epoch = f"g-{time.monotonic_ns()}"
+        rig.cmd_q.put(("init", epoch))
+        await engine.join_weight_group(HOST, rig.port, epoch, 1, 2, timeout_s)
+        await reply(rig.res_q)
+
+    version, prompt = engine.version, rig.tokenizer.encode(PROMPTS[3])
+    await join(3.0)  # the group's wait for a bucket
+    try:
+        with pytest.raises(WeightsKept, match=f"update to version {version + 1} failed, generating on"):
+            await engine.update_weights(version + 1, rig.buckets)  # nothing is sent
+        assert engine.version == version
+        c = await engine.generate(prompt, N_GREEDY, greedy=True)
+        assert c.tokens == hf_greedy(rig.hf[rig.current], prompt, N_GREEDY)
+    finally:
+        await join(sync.timeout_seconds)
+
+
 async def test_sampling_logprobs_at_a_temperature_are_the_trainers_own(engines):
     """At temperature 0.7 the log-prob vLLM reports for each sampled token is the one the trainer
     computes for it with the same weights (its packed forward and fused head, logits / T): on-policy

@@ -36,6 +36,7 @@ Attribute names must not clash with Worker attributes.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -135,9 +136,14 @@ class WeightReceiverExtension:
                 model = self.model_runner.get_model()  # type: ignore[attr-defined]
                 self._pipelinerl_load_in_place(model, self._pipelinerl_packed_layers(model), weights)
             else:
-                # vLLM's layerwise reload keeps a layer's tensors until the layer is complete: the
-                # ring's views would be overwritten by then, so each is cloned (a layer's worth).
-                self.reload_weights(weights_iterator=((name, t.clone()) for name, t in weights))  # type: ignore[attr-defined]
+                # vLLM's layerwise reload swaps every layer's tensors for meta ones before it takes
+                # a weight (`initialize_layerwise_reload`): the first is received before it is
+                # called, so that a transfer failing there leaves the model as it was. It keeps a
+                # layer's tensors until the layer is complete: the ring's views would be
+                # overwritten by then, so each is cloned (a layer's worth).
+                first = next(weights)
+                received = itertools.chain([first], weights)
+                self.reload_weights(weights_iterator=((name, t.clone()) for name, t in received))  # type: ignore[attr-defined]
                 self._pipelinerl_retie_lm_head()
         except WeightSyncError as err:
             if weights.taken:
