@@ -36,6 +36,10 @@ POD_OUTPUT_DIR = "/var/lib/pipelinerl/output"  # in trainer pods: spec.output's 
 POD_CACHE_DIR = "/var/cache/pipelinerl"  # in pods: built models, engine caches (a volume; the root fs is read-only)
 POD_TMP_DIR = "/tmp"  # in pods: a volume, also HOME (libraries write under ~/.cache)
 POD_USER = 10001  # the non-root user job pods run as (the images' own)
+# A trainer rank's exit code where it stopped before the run's end (its signal, or another rank's:
+# `pipelinerl_trainer.stopping`), its stop checkpoint written: started again, it resumes from
+# there. Not a failure: the operator does not count it, the local runner restarts it.
+STOPPED_EXIT = 75  # EX_TEMPFAIL
 NATS_ACCOUNTS_FILE = "accounts.conf"  # the key of the operator's accounts Secret; the chart's NATS includes it
 
 # ---------------------------------------------------------------- message sizes

@@ -24,7 +24,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
 from pipelinerl.capacity import stream_bytes
-from pipelinerl.contracts import GeneratorStatus, ServiceEnv
+from pipelinerl.contracts import STOPPED_EXIT, GeneratorStatus, ServiceEnv
 from pipelinerl_cli.embedded_nats import EmbeddedNats
 from pipelinerl.learning import learning_alarm
 from pipelinerl.phases import decomposition
@@ -221,7 +221,10 @@ class LocalRun:
         delay = self.restart.delay(restarts, code)
         if delay is None:
             raise ServiceDied(name, code, log_path, tail(log_path))
-        why = cause(tail(log_path)) if code > 0 else None  # a crash, not a kill: say what it died of
+        if code == STOPPED_EXIT:  # a trainer rank: the gang stopped (one of its processes was asked to)
+            why: str | None = "stopped with its gang, its checkpoint written"
+        else:  # a crash, not a kill: say what it died of
+            why = cause(tail(log_path)) if code > 0 else None
         print(  # a warning, even when quiet
             f"  {name} exited with code {code}{f' ({why})' if why else ''}: restarting it in {delay:.0f}s "
             f"(restart {restarts + 1} of {self.restart.limit})",

@@ -17,13 +17,18 @@ import logging
 import signal
 import subprocess
 import threading
+import time
 
-from pipelinerl.contracts import Env, ServiceEnv
+from pipelinerl.contracts import STOPPED_EXIT, Env, ServiceEnv
 from pipelinerl_cli.processes import die_with_parent
 
 log = logging.getLogger("pipelinerl")
 POLL_S = 1.0
 STOP_GRACE_S = 30.0
+# Signalled (or a trainer rank stopped with its gang), the ranks wind down on their own (a
+# trainer's stop checkpoint; each ends itself past its service's bound, `runtime.exit_soon`):
+# waited for past the pod's grace period, which the kubelet enforces anyway.
+SIGNALLED_WAIT_S = 90.0
 
 
 def rank_envs(env: dict[str, str], role: str = "trainer", gpus_per_rank: int = 1) -> list[dict[str, str]]:
@@ -48,8 +53,10 @@ def rank_envs(env: dict[str, str], role: str = "trainer", gpus_per_rank: int = 1
 
 
 def run_pod_ranks(argv: list[str], env: dict[str, str], role: str = "trainer", gpus_per_rank: int = 1) -> int:
-    """Run `argv` once per rank of the pod and wait: 0 once all exit 0; else the first failure's
-    code, after stopping the rest. SIGTERM/SIGINT are passed on to every rank."""
+    """Run `argv` once per rank of the pod and wait: 0 once all exit 0; STOPPED_EXIT once all
+    ended and some stopped before the end (trainer ranks stop together); else the first
+    failure's code, after stopping the rest. SIGTERM/SIGINT are passed on to every rank, which
+    are then waited for (up to SIGNALLED_WAIT_S)."""
     procs = [subprocess.Popen(argv, env=e, preexec_fn=die_with_parent) for e in rank_envs(env, role, gpus_per_rank)]
     log.info("pod: started %d ranks (pids %s)", len(procs), [p.pid for p in procs])
     stopping = threading.Event()
@@ -61,14 +68,18 @@ def run_pod_ranks(argv: list[str], env: dict[str, str], role: str = "trainer", g
                 p.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    failed = 0
+    failed, ending_by = 0, None
     try:
-        while not stopping.is_set():
+        while True:
             codes = [p.poll() for p in procs]
-            failed = next((c for c in codes if c not in (None, 0)), 0)
-            if failed or all(c == 0 for c in codes):
+            failed = next((c for c in codes if c not in (None, 0, STOPPED_EXIT)), 0)
+            if failed or None not in codes:
                 break
-            stopping.wait(POLL_S)
+            if stopping.is_set() or STOPPED_EXIT in codes:  # ending: the rest follow on their own
+                ending_by = ending_by or time.monotonic() + SIGNALLED_WAIT_S
+                if time.monotonic() >= ending_by:
+                    break
+            time.sleep(POLL_S)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
@@ -88,4 +99,5 @@ def run_pod_ranks(argv: list[str], env: dict[str, str], role: str = "trainer", g
         log.error(
             "pod: a rank exited with code %s; stopped the others (codes %s)", failed, [p.returncode for p in procs]
         )
-    return failed
+        return failed
+    return STOPPED_EXIT if STOPPED_EXIT in (p.returncode for p in procs) else 0

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from pipelinerl.contracts import ROLE_LABEL
+from pipelinerl.contracts import ROLE_LABEL, STOPPED_EXIT
 
 # Container waiting reasons that will not clear by themselves.
 WAITING = (
@@ -63,6 +63,17 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
         if found:
             out.append(found)
     return out
+
+
+def pods_stopped(pods: list[dict[str, Any]]) -> frozenset[str]:
+    """The pods whose container last ended with STOPPED_EXIT: a trainer rank that stopped with its
+    gang, its checkpoint written (another trainer pod was drained), restarted to resume."""
+    return frozenset(
+        p["metadata"]["name"]
+        for p in pods
+        for c in (p.get("status") or {}).get("containerStatuses") or []
+        if ((c.get("lastState") or {}).get("terminated") or {}).get("exitCode") == STOPPED_EXIT
+    )
 
 
 REVISION_LABEL = "controller-revision-hash"  # set by the StatefulSet controller on each pod

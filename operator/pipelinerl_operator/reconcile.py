@@ -27,7 +27,7 @@ from pipelinerl_operator.job_streams import JobStreams
 from pipelinerl_operator.kube import Conflict, Kube, KubeError
 from pipelinerl_operator.names import generator_selector, replicas, role_name, trainer_host
 from pipelinerl_operator.nats_store import Reservations, store_bytes_needed
-from pipelinerl_operator.pods import pod_problems, trainer_gang_to_restart
+from pipelinerl_operator.pods import pod_problems, pods_stopped, trainer_gang_to_restart
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
 from pipelinerl_operator.render import render
 from pipelinerl_operator.status import (
@@ -359,6 +359,7 @@ def _observed(
         trainer_status=trainer_status,
         store_lost=store_lost,
         pod_restarts=_pod_restarts(pods, run_policy.failing_roles if run_policy else ["trainer"]),
+        pods_stopped=pods_stopped(pods),
         pod_problems=tuple(pod_problems(pods)),
         apply_error=apply_error,
         created=parse_ts(meta["creationTimestamp"]) if meta.get("creationTimestamp") else None,

@@ -70,6 +70,7 @@ class Observed:
     pod_restarts: Mapping[str, int] = field(
         default_factory=dict
     )  # container restarts per pod of runPolicy.failingRoles
+    pods_stopped: frozenset[str] = frozenset()  # ... whose last restart followed a trainer's STOPPED_EXIT
     backoff_limit: int = 3
     active_deadline_seconds: int | None = None  # counted from creation, suspended time left out
     progress_deadline_seconds: int | None = None  # no new policy version for this long: not progressing
@@ -202,17 +203,21 @@ def _running_seconds(obs: Observed, clocks: dict[str, Any]) -> float | None:
 INCIDENT_WINDOW = timedelta(minutes=2)
 
 
-def count_failures(prev: dict[str, Any], restarts: Mapping[str, int], now: datetime) -> tuple[int, dict | None]:
+def count_failures(
+    prev: dict[str, Any], restarts: Mapping[str, int], now: datetime, stopped: frozenset[str] = frozenset()
+) -> tuple[int, dict | None]:
     """Failures, per incident: the pods (of `runPolicy.failingRoles`) whose restart count rose
     since the last reconcile join the current incident if it began within INCIDENT_WINDOW and
     they are not in it yet (one cause, e.g. a gang's collective broken by one rank, restarts several pods: one
     failure); every other restart is a failure of its own (a pod crash-looping fails again and
-    again). A pod recreated with its count reset is a new baseline, not a failure."""
+    again). A pod recreated with its count reset is a new baseline, not a failure. The last restart
+    of a pod in `stopped` is none either: its trainer stopped with its gang (another trainer pod
+    drained or evicted), its checkpoint written, and starts again to resume from it."""
     failures = int(prev.get("failures", 0) or 0)
     seen = prev.get("podRestarts") or {}
     incident = copy.deepcopy(prev.get("lastIncident"))
     for pod, count in sorted(restarts.items()):
-        rise = count - int(seen.get(pod, 0))
+        rise = count - int(seen.get(pod, 0)) - int(pod in stopped)
         if (
             rise > 0
             and incident
@@ -234,7 +239,7 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
     conds = _Conditions(prev.get("conditions", []), now, obs.generation)
     progress = progress_from(obs.trainer_status, prev.get("progress") or {})
     if obs.spec_error is None:
-        failures, incident = count_failures(prev, obs.pod_restarts, obs.now)
+        failures, incident = count_failures(prev, obs.pod_restarts, obs.now, obs.pods_stopped)
         restarts = dict(obs.pod_restarts)
     else:  # its runPolicy unread: nothing counted, nothing ended by it (counting goes on once it is fixed)
         failures, incident = int(prev.get("failures", 0) or 0), prev.get("lastIncident")

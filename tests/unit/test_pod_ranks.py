@@ -1,12 +1,18 @@
 """Multi-GPU trainer pods (pipelinerl/pod_ranks.py): each rank's environment, and the supervisor
-run on real child processes (a failing rank stops the pod's others and fails the pod)."""
+run on real child processes (a failing rank stops the pod's others and fails the pod; ranks
+stopped with their gang, or signalled, end on their own)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
 import time
 
+from pipelinerl.contracts import STOPPED_EXIT
+from pipelinerl_cli import pod_ranks
 from pipelinerl_cli.pod_ranks import rank_envs, run_pod_ranks
 
 POD = {"PIPELINERL_RANK": "1", "PIPELINERL_RANKS_PER_POD": "4", "PIPELINERL_HTTP_PORT": "8000", "KEEP": "x"}
@@ -55,3 +61,29 @@ def test_a_generator_pod_runs_one_engine_per_tensor_parallel_gpus():
     envs = rank_envs(pod | {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, "generator", gpus_per_rank=2)
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["4,5", "6,7"]
     assert all("CUDA_VISIBLE_DEVICES" not in e for e in rank_envs(POD))  # a trainer rank picks its GPU itself
+
+
+def test_trainer_ranks_stopped_with_their_gang_end_the_pod_once_all_have(tmp_path):
+    """A rank stopped before the end (STOPPED_EXIT, its gang stopped) is no failure: its siblings,
+    which heard the same word, finish their stop checkpoints, and the pod then exits with it."""
+    script = (
+        "import os, sys, time; r = os.environ['PIPELINERL_LOCAL_RANK']; time.sleep(0 if r == '0' else 2);"
+        f" open(os.path.join({str(tmp_path)!r}, r), 'w').close(); sys.exit({STOPPED_EXIT})"
+    )
+    assert run_pod_ranks([sys.executable, "-c", script], POD) == STOPPED_EXIT
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "2", "3"]  # none cut short
+
+
+def test_a_signalled_pod_waits_for_its_ranks_to_wind_down(tmp_path, monkeypatch):
+    """SIGTERM to the pod: every rank gets it and winds down on its own (a stop checkpoint), past
+    STOP_GRACE_S: the pod waits for them, up to SIGNALLED_WAIT_S, rather than killing them."""
+    monkeypatch.setattr(pod_ranks, "STOP_GRACE_S", 0.5)
+    script = (
+        "import os, signal, sys, time; asked = []; signal.signal(signal.SIGTERM, lambda *_: asked.append(1))\n"
+        "while not asked: time.sleep(0.05)\n"
+        f"time.sleep(2); open(os.path.join({str(tmp_path)!r}, os.environ['PIPELINERL_LOCAL_RANK']), 'w').close()\n"
+        f"sys.exit({STOPPED_EXIT})"
+    )
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    assert run_pod_ranks([sys.executable, "-c", script], POD) == STOPPED_EXIT
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "2", "3"]

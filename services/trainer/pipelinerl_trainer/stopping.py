@@ -25,7 +25,6 @@ import torch
 import torch.distributed as dist
 
 WAITING_TICK_S = 1.0  # while the others have not voted: `while_waiting` this often
-PEER_STOPPED = 75  # the exit code of a rank stopped by another's word (EX_TEMPFAIL: it restarts, joins the next gang)
 
 
 class StopVote:

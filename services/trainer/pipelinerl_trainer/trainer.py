@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pipelinerl import messages as m
-from pipelinerl.contracts import Env, ServiceEnv
+from pipelinerl.contracts import STOPPED_EXIT, Env, ServiceEnv
 from pipelinerl.runtime import failpoint
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.steps import sends_weights, step_version
@@ -41,7 +41,7 @@ from pipelinerl_trainer.peers import PeerWatch
 from pipelinerl_trainer.position import Position, StoreLost
 from pipelinerl_trainer.reporting import Reporter
 from pipelinerl_trainer.step import ComputeClock, StepTally, micro_batch_loss, step_config
-from pipelinerl_trainer.stopping import PEER_STOPPED, StopVote
+from pipelinerl_trainer.stopping import StopVote
 from pipelinerl_trainer.weight_sender import NO_UPDATE, WeightSender
 
 log = logging.getLogger("pipelinerl.trainer")
@@ -120,19 +120,19 @@ class Trainer:
         self.store_checked = time.monotonic()  # when the job's store was last checked (`_while_waiting`)
 
     def run(self) -> int:
-        """0 once finished or stopped by this rank's signal; PEER_STOPPED where another rank's
-        stopped the gang (this process restarts to join the next one)."""
+        """0 once finished; STOPPED_EXIT once stopped before the end (this rank's signal or
+        another's), its stop checkpoint written: a process started again resumes from it (a pod
+        not being deleted restarts, to join the next gang)."""
         while self.position.version < self.spec.trainer.max_steps:
             metrics = self._train_step()
             if metrics is None:
                 break
             self._after_step(metrics)
-        if self.peers:
-            self.peers.close()
         self._wind_down()
-        if self.stopped and not self.stop.is_set():
-            log.info("stopped with the other ranks, one of which was asked to: exiting to join the next gang")
-            return PEER_STOPPED
+        if self.position.version < self.spec.trainer.max_steps:
+            asked = "this rank" if self.stop.is_set() else "another rank"
+            log.info("stopped with the other ranks (%s was asked to): exiting with %d", asked, STOPPED_EXIT)
+            return STOPPED_EXIT
         return 0
 
     def _asked_to_stop(self) -> bool:
@@ -254,6 +254,8 @@ class Trainer:
         train: StoreLost, rather than waiting out the data timeout)? Rank 0: generators that
         joined or fell behind get the weights (their generation is what the trainer waits for),
         and the weight group's state is shown."""
+        if self._asked_to_stop():
+            return  # voting to stop: the stop checkpoint, within the grace period, comes first
         if time.monotonic() - self.store_checked >= STORE_CHECK_S:
             self.store_checked = time.monotonic()
             in_its_store(self.bridge, self.position)
@@ -369,6 +371,8 @@ class Trainer:
             # Stopped (suspend, a drain, Ctrl-C): keep every step taken, within the grace period.
             log.info("stopping: checkpointing step %d (the last one was %d)", p.version, p.checkpointed)
             self._checkpoint()
+        if self.peers:  # after the last collective: a rank lost in it still ends the others
+            self.peers.close()
         if self.rank == 0:  # the update in flight ends before the bridge it talks over closes
             try:
                 self.sender.finish()
@@ -376,7 +380,7 @@ class Trainer:
                 log.warning("the weight update in flight failed as the trainer stopped: %r", err)
         finished = p.version >= self.spec.trainer.max_steps
         self.reporter.board.update(finished=finished)
-        self.reporter.close(finished, self._asked_to_stop)
+        self.reporter.close(finished, self.stop.is_set)
         self.bridge.close()
 
     # -- what goes out ---------------------------------------------------------------------------
@@ -399,13 +403,26 @@ class Trainer:
         # Every rank's end of its last whole step (a step cut short by a stop is trained again in
         # full), and the job's problem claims, read by rank 0 and kept by every rank: a pod with a
         # volume of its own resumes from its own copy, and its StoreLost message names them.
-        claimed = problems_claimed(self.bridge, self.position) if self.rank == 0 else 0
+        # Rank 0's failure to read them (StoreLost, NATS gone) is every rank's, after the gather:
+        # the others would wait in it for the group's timeout.
+        claimed, failure = 0, None
+        if self.rank == 0:
+            try:
+                claimed = problems_claimed(self.bridge, self.position)
+            except Exception as err:  # noqa: BLE001 - raised below, on every rank
+                claimed, failure = -1, err
         mine = torch.tensor([self.position.step_seq, claimed], dtype=torch.long, device=self.engine.device)
         rows = [torch.zeros_like(mine) for _ in range(self.world)]
         if self.world > 1:
             dist.all_gather(rows, mine)
         else:
             rows = [mine]
+        if failure is not None:
+            raise failure
+        if int(rows[0][1]) < 0:
+            raise RuntimeError(
+                "trainer rank 0 could not read the job's problem claims for the checkpoint (its log says why)"
+            )
         state = self.position.kept({str(r): int(row[0]) for r, row in enumerate(rows)}, int(rows[0][1]))
         checkpoint.save(
             self.engine,

@@ -103,6 +103,26 @@ def test_failures_are_counted_per_incident_and_never_decrease() -> None:
     JobStatus.model_validate(sixth)
 
 
+def test_trainer_pods_that_stopped_with_their_gang_are_no_failure() -> None:
+    """One trainer pod drained: the others stop with it, their stop checkpoint written, and exit
+    STOPPED_EXIT to start again (`pipelinerl_trainer.stopping`): no failure. A crash after that
+    is one."""
+    from pipelinerl_operator.pods import pods_stopped
+
+    def pod(name: str, code: int | None) -> dict:
+        last = {"terminated": {"exitCode": code}} if code is not None else {}
+        return {"metadata": {"name": name}, "status": {"containerStatuses": [{"lastState": last}]}}
+
+    stopped = pods_stopped([pod("t-0", 75), pod("t-1", 1), pod("t-2", None)])
+    assert stopped == {"t-0"}
+    first, _ = run(pod_restarts={"t-0": 0, "t-1": 0})
+    second, _ = run(previous=first, pod_restarts={"t-0": 1, "t-1": 0}, pods_stopped=frozenset({"t-0"}))
+    third, _ = run(previous=second, pod_restarts={"t-0": 1, "t-1": 0}, pods_stopped=frozenset({"t-0"}))
+    assert (second["failures"], third["failures"]) == (0, 0)
+    crashed, _ = run(previous=third, now=T0 + timedelta(minutes=5), pod_restarts={"t-0": 2, "t-1": 0})
+    assert crashed["failures"] == 1
+
+
 def test_suspend_and_invalid_spec() -> None:
     suspended, events = run(suspend=True, roles={r: RoleObserved(o.desired) for r, o in UP.items()})
     assert suspended["phase"] == "Suspended" and cond(suspended, "Suspended")["status"] == "True"
