@@ -78,6 +78,11 @@ def save(
     if local_rank == 0:
         _publish_latest(ckpt_dir, tag)
         prune(ckpt_dir, {step, previous})
+    if dist.is_initialized():
+        # Every pod's `latest` names it before it returns: the caller then tells the job's store
+        # this step (`messages.Checkpointed`), which a suspended job's store goes on from, and the
+        # pods must resume from it (they resume from the oldest `latest` among them).
+        dist.barrier()
     if rank == 0:
         log.info("checkpoint %s written", target)
     return target
