@@ -26,6 +26,9 @@ log = logging.getLogger("pipelinerl.streams")
 CONNECT_TIMEOUT_S = 10.0
 CLOSE_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 120.0  # a restarting service's reads of its position: NATS may be restarting too
+# How long JetStream remembers a message id, so that a publish sent again is stored once
+# (`publish_once`); a server keeps the ids of this long's messages in memory.
+DUPLICATE_WINDOW_S = 600.0
 
 
 def stream_configs(
@@ -36,7 +39,10 @@ def stream_configs(
     (`capacity.stream_bytes` of the job; None: of a job with the default spec)."""
     size = sizes or stream_bytes(JobSpec())
     common: dict[str, Any] = dict(
-        storage=StorageType.FILE, max_msg_size=max_msg_bytes, duplicate_window=600.0, num_replicas=replicas
+        storage=StorageType.FILE,
+        max_msg_size=max_msg_bytes,
+        duplicate_window=DUPLICATE_WINDOW_S,
+        num_replicas=replicas,
     )
     return [
         # Rollouts: work for the preprocessor, one subject per generator, removed once acked by
@@ -325,9 +331,16 @@ async def publish_once(
     full to its limits is waited on, up to `room_wait_s`: ROLLOUTS fills when the preprocessor
     takes nothing (its trainer behind) while generators publish groups admission does not bound
     (those the preprocessor filters), and drains as the trainer goes on; failing, a generator
-    would restart and lose every group it is writing."""
-    attempt, full_since = 1, None
+    would restart and lose every group it is writing.
+
+    A try left unanswered may have been stored: sent again within the stream's duplicate window
+    it is a duplicate, past it a second copy. So it is not sent again once half the window has
+    gone since the first such try (a process frozen between a publish and its ack: a paused pod,
+    a node that stopped answering): TimeoutError instead, and the service restarts from what its
+    streams hold."""
+    attempt, full_since, unknown_since = 1, None, None
     while True:
+        sent_at = time.monotonic()
         try:
             return await js.publish(
                 subject, data, timeout=timeout_s, headers={**(headers or {}), "Nats-Msg-Id": msg_id}
@@ -346,6 +359,13 @@ async def publish_once(
             if attempt == attempts:
                 raise TimeoutError(
                     f"publish of {msg_id} to {subject} not acknowledged in {attempts} tries ({NO_ACK_CAUSE})"
+                ) from err
+            unknown_since = unknown_since or sent_at
+            if time.monotonic() - unknown_since >= DUPLICATE_WINDOW_S / 2:
+                raise TimeoutError(
+                    f"publish of {msg_id} to {subject} not acknowledged for {time.monotonic() - unknown_since:.0f} s "
+                    f"(this process was frozen, or {NO_ACK_CAUSE}): not sent again, as past the stream's duplicate "
+                    f"window ({DUPLICATE_WINDOW_S:.0f} s) JetStream could store it twice"
                 ) from err
             log.warning(
                 "publish of %s to %s not acknowledged (%s: %s); sending it again (%d of %d)",

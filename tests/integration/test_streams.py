@@ -272,6 +272,41 @@ async def test_a_publish_whose_ack_is_lost_is_sent_again_and_stored_once(nats_se
     await nc.close()
 
 
+async def test_a_publish_unanswered_past_half_the_duplicate_window_is_not_sent_again(nats_server, monkeypatch):
+    """A publisher frozen between a publish JetStream stored and its ack (a paused pod) finds the
+    try unanswered when it thaws. Sent again past the stream's duplicate window, it would be
+    stored twice (a group trained twice); the publish fails instead, once half the window has gone,
+    and the service restarts from what its streams hold. Within it, a retry is stored once (above).
+    The window here is 2 s; the freeze is the test's stand-in, the server real."""
+    import nats
+
+    from pipelinerl import streams
+    from pipelinerl.streams import publish_once, stored_messages
+
+    monkeypatch.setattr(streams, "DUPLICATE_WINDOW_S", 2.0)
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js, SUBJECTS, 8)
+
+    class FrozenAfterTheFirstPublish:
+        tries = 0
+
+        async def publish(self, *args, **kwargs):
+            self.tries += 1
+            ack = await js.publish(*args, **kwargs)
+            if self.tries == 1:  # stored; the process frozen past the window before it reads the ack
+                await asyncio.sleep(2.5)
+                raise nats.errors.TimeoutError
+            return ack
+
+    frozen = FrozenAfterTheFirstPublish()
+    with pytest.raises(TimeoutError, match=r"g5 to .* not acknowledged for \d s .*not sent again"):
+        await publish_once(frozen, SUBJECTS.rollouts(0), m.encode(group(5)), "g5", timeout_s=1)
+    stored = await stored_messages(js, SUBJECTS.stream("ROLLOUTS"))
+    assert frozen.tries == 1 and [m.decode(x.data, m.RolloutGroup).group_id for x in stored] == ["g5"]
+    await nc.close()
+
+
 async def test_a_publish_to_a_full_work_queue_waits_for_room_and_is_stored_once(nats_server, monkeypatch):
     """ROLLOUTS refuses new groups when full (it drops nothing queued): a generator's publish
     waits for the preprocessor to take some, where it failed and restarted the generator, which
