@@ -19,7 +19,7 @@ import hmac
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -415,6 +415,22 @@ class WeightGroup:
         self._receive_buffers = []
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream weight transfers beside the main work run on (a generator's staged update, the
+    trainer's broadcast in flight): one per device for the process's life, at a raised priority.
+    torch hands out pool streams round-robin, 32 per priority, and vLLM and DeepSpeed draw theirs
+    from the default priority's pool: a stream drawn there for every transfer would be one of
+    theirs every 32nd time (a transfer then stalling the decode steps, or the gradient reductions,
+    queued behind it), and the caching allocator reuses a block only on the stream that freed it.
+    No stream of vLLM's or DeepSpeed's is drawn at a raised priority."""
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+    return _SIDE_STREAMS[device]
+
+
 class Snapshot:
     """Weights packed into one flat buffer per bucket, where the transport sends from: the
     trainer keeps the last version sent, so a generator that joins later gets it without the
@@ -426,21 +442,31 @@ class Snapshot:
         self.buffers = [torch.empty(b["numel"], dtype=DTYPES[b["dtype"]], device=device) for b in buckets]
         self.version: int | None = None  # of the weights packed (None: nothing yet)
 
-    def handoff(self) -> Callable[[], None]:
-        """What a thread that sends the buffers calls before it does: on a GPU, its stream waits
-        for the packing queued so far on the caller's (a collective waits for its own thread's
-        current stream only); on CPU the copies are done already."""
+    def handoff(self) -> contextlib.AbstractContextManager:
+        """What a thread that sends the buffers while the caller trains on sends them in. On a GPU,
+        a stream of its own (`side_stream`) that waits for the packing queued so far on the
+        caller's stream, and for nothing else: a collective waits for the current stream of the thread that issues it,
+        and its `wait()` makes that stream wait for it, while every thread's current stream starts
+        as the device's default one, the one training runs on: on it, the broadcast would wait for
+        the training kernels queued before each bucket and hold back those queued after. The
+        group's blocking wait returns once a bucket is sent, so the buffers are free again once
+        the thread ends. On CPU the copies are done already."""
         device = self.buffers[0].device if self.buffers else torch.device("cpu")
         if device.type != "cuda":
-            return lambda: None
+            return contextlib.nullcontext()
         packed = torch.cuda.Event()
         packed.record(torch.cuda.current_stream(device))
 
-        def wait() -> None:
+        @contextlib.contextmanager
+        def on_its_own_stream():
             torch.cuda.set_device(device)
-            torch.cuda.current_stream(device).wait_event(packed)
+            stream = side_stream(device)
+            stream.wait_event(packed)
+            with torch.cuda.stream(stream):
+                yield
+            stream.synchronize()
 
-        return wait
+        return on_its_own_stream()
 
     def pack(self, index: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Copy bucket `index`'s tensors (by name) into its buffer, casting to the planned dtype."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelinerl_generator.staging import StagingCopy, Transfer, side_stream
+from pipelinerl.weight_group import side_stream
+from pipelinerl_generator.staging import StagingCopy, Transfer
 
 DEVICES = [
     "cpu",

@@ -643,6 +643,73 @@ def test_the_trainer_trains_on_while_its_update_is_sent_and_the_next_waits_for_i
         sender._close_group()
 
 
+def _late_member(port, hold_s, out_q):
+    """Joins epoch "g" over NCCL as rank 1, receives one update at once, and the next only
+    `hold_s` later (a generator still busy when the trainer sends)."""
+    try:
+        torch.cuda.set_device(0)
+        os.environ["NCCL_HOSTID"] = "member-late"  # one GPU: two "hosts"
+        group = WeightGroup.join(HOST, port, "g", 1, 2, 60.0, "nccl")
+        buckets = plan_buckets([("w", [BIG], "float32")], BIG * 4)
+        for update in range(2):
+            time.sleep(hold_s * update)
+            for _ in group.receive_buckets(buckets):
+                pass
+        torch.cuda.synchronize()
+        group.close()
+        out_q.put(("ok", None))
+    except BaseException as e:  # report instead of hanging the parent
+        out_q.put(("err", repr(e)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
+def test_a_broadcast_in_flight_holds_back_no_training_kernel(port, monkeypatch):
+    """Pipeline mode sends the weights from a thread while the trainer trains on, on the thread's
+    own stream (`Snapshot.handoff`): a broadcast still waiting for a generator holds back no
+    kernel the trainer queues meanwhile. On the default stream, which is every thread's current
+    one and the one training runs on, a bucket's `wait()` made it wait for the broadcast: here,
+    for the seconds the member took to come."""
+    hold_s = 3.0
+    torch.cuda.set_device(0)
+    monkeypatch.setenv("NCCL_HOSTID", "trainer")
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    member = ctx.Process(target=_late_member, args=(port, hold_s, out_q), daemon=True)
+    member.start()
+    try:
+        group = WeightGroup.form(open_store(HOST, port, True, 60.0), "g", 2, 60.0, backend="nccl")
+        snapshot = Snapshot(plan_buckets([("w", [BIG], "float32")], BIG * 4), torch.device("cuda", 0))
+        snapshot.pack(0, {"w": torch.ones(BIG, device="cuda")})
+        group.broadcast(snapshot)  # the first: NCCL's communicator set up, the member ready
+        handoff, raised = snapshot.handoff(), []
+
+        def fly() -> None:
+            try:
+                with handoff:
+                    group.broadcast(snapshot)
+            except BaseException as e:  # noqa: BLE001 - asserted below
+                raised.append(e)
+
+        flight = threading.Thread(target=fly)
+        t0 = time.monotonic()
+        flight.start()
+        time.sleep(0.5)  # the bucket issued and waited on by the thread
+        x = torch.randn(2048, 2048, device="cuda")
+        t1 = time.monotonic()
+        (x @ x).sum().item()  # a training kernel, queued on the default stream, and its result read
+        trained_s = time.monotonic() - t1
+        flight.join(60)
+        sent_s = time.monotonic() - t0
+        assert not raised and out_q.get(timeout=60) == ("ok", None), raised
+        print(f"NOTE a training kernel took {trained_s:.3f} s while the broadcast in flight took {sent_s:.1f} s")
+        assert sent_s >= hold_s - 0.5 and trained_s < 1.0
+        group.close()
+    finally:
+        member.kill()
+        member.join(10)
+
+
 def test_what_a_broadcast_in_flight_raises_is_raised_by_the_next_call_that_needs_the_group(port, monkeypatch):
     """An error the thread met (not a generator's failure, which only drops it) reaches the
     trainer's own thread at the next send, resync or holders, as it would have from a send that

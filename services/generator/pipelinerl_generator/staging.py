@@ -17,6 +17,8 @@ from types import MethodType
 
 import torch
 
+from pipelinerl.weight_group import side_stream
+
 
 class StagingCopy:
     """A second copy of a model's parameters, as a shallow copy of its module tree: each module
@@ -77,21 +79,6 @@ def _copy_param(
     return params[id(p)]
 
 
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream staged updates run on: one per device for the process's life, at a raised
-    priority. torch hands out pool streams round-robin, 32 per priority, and vLLM draws its
-    compute and copy streams from the default priority's pool: a stream drawn there for every
-    update would be the engine's own every 32nd time (its transfer then stalling the decode steps
-    queued behind it, uncounted in the pause), and the caching allocator reuses a block only on
-    the stream that freed it. No stream of vLLM's or DeepSpeed's is drawn at a raised priority."""
-    if device not in _SIDE_STREAMS:
-        _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
-    return _SIDE_STREAMS[device]
-
-
 class Transfer:
     """A staged load running on a thread of its own, beside generation; keeps what it raised.
     On a GPU it issues its copies on a stream of its own (`side_stream`), so they overlap the
@@ -107,9 +94,11 @@ class Transfer:
         try:
             if self.device.type == "cuda":
                 stream = side_stream(self.device)
-                with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                    work()
-                stream.synchronize()
+                try:
+                    with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                        work()
+                finally:  # failed too: nothing it queued is left running over the staging copy
+                    stream.synchronize()
             else:
                 work()
         except BaseException as err:  # noqa: BLE001 - handed to the engine by staged_weights_ready

@@ -21,12 +21,12 @@ weights they actually hold, so this never makes data staler than `maxLag`."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
 from typing import Protocol
 
 from pipelinerl import messages as m
@@ -192,12 +192,12 @@ class WeightSender:
         self.pending = (version, self.bridge.now() + self.timeout_s, self.membership.members)
         return True
 
-    def _fly(self, group: WeightGroup, version: int, handoff: Callable[[], None]) -> None:
-        """The thread of a broadcast sent while the trainer trains on; what it raises is kept for
-        `finish`."""
+    def _fly(self, group: WeightGroup, version: int, handoff: contextlib.AbstractContextManager) -> None:
+        """The thread of a broadcast sent while the trainer trains on (`Snapshot.handoff`: on a
+        stream of its own); what it raises is kept for `finish`."""
         try:
-            handoff()
-            self._broadcast(group, version)
+            with handoff:
+                self._broadcast(group, version)
         except BaseException as err:  # noqa: BLE001 - raised in the trainer's thread, by `finish`
             self.flight_error = err
 
