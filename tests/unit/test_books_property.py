@@ -40,6 +40,7 @@ from pipelinerl_preprocessor.builder import StepBuilder
 from pipelinerl.group_checks import GroupLimits, group_problem
 
 ATTEMPTS = 2
+ROLLOUTS_STEPS = 4  # ROLLOUTS holds this many steps of groups (maxLag + pendingSteps + 2)
 
 
 class Killed(Exception):
@@ -297,7 +298,10 @@ def run(seed: int, spec, ranks: int, generators: int, steps: int) -> World:
         try:
             if event < 0.3:
                 gen = rnd.choice(w.generators)
-                if len(w.queue.msgs) - len(w.pre.builder.settled) < 3 * spec.groups_per_step:  # admission, roughly
+                # Admission, roughly: the groups queued, those settled (filtered ones) left out; and
+                # ROLLOUTS full refuses the publish (`capacity.stream_bytes`: a few steps of groups).
+                admitted = len(w.queue.msgs) - len(w.pre.builder.settled) < 3 * spec.groups_per_step
+                if admitted and len(w.queue.msgs) < ROLLOUTS_STEPS * spec.groups_per_step:
                     gen.publish(dies=not quiet and rnd.random() < 0.02)
             elif event < 0.5:
                 w.pre.fetch(rnd.randint(1, 6))

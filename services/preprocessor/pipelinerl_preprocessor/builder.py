@@ -5,7 +5,8 @@ for a step (`take`: filtered there, or accepted), dead-lettered (`dead_lettered`
 step (`drop_stale`), or delivered again after it was taken or settled (`returned`: after a restart
 or a pause that outlasted the acknowledgement wait). `next_wave` says what to
 store next: part of the step (`steps.next_wave`), its micro-batches each carrying the ledger as of
-that wave, and the messages to acknowledge once they are all stored.
+that wave, and the messages to acknowledge once they are all stored; or, once a step's worth of
+groups is settled with nothing to train, a wave of the books alone.
 
 A restarted builder (from `books.restore`) goes on with the step its predecessor was building:
 the groups its predecessor held come back unacknowledged and go into that step, the one they were
@@ -57,9 +58,11 @@ class StepBuilder:
         # already (`returned`), however many steps ago. Restored: the stored books' mark, and the
         # sequences settled above it.
         self.taken_through = self.mark = restored.settled_through
-        self.settled_above = restored.settled_above
         self.seqs: dict[str, int] = {}  # the stream sequence of each message held, by entry id
-        self.settled_seqs: set[int] = set()  # of those settled above the mark (`_settle`)
+        # The sequences settled above the mark, restored ones included: every ledger stored names
+        # them until the mark passes them (a restored one left out, a second restart would take
+        # that message, delivered again by a nats-server restart, for a new one).
+        self.settled_seqs: set[int] = set(restored.settled_above)
 
     def held(self) -> list[Any]:
         """Messages taken and not yet acknowledged."""
@@ -90,9 +93,7 @@ class StepBuilder:
         again = group_id in (self.torn.groups if self.torn else ())  # of a wave stored in part: stored again
         if group_id in self.ledger.ids and not again:  # settled by this step's earlier waves
             pass
-        elif group_id in self.settled_before or (
-            not again and (seq <= self.taken_through or seq in self.settled_above)
-        ):
+        elif group_id in self.settled_before or (not again and (seq <= self.taken_through or seq in self.settled_seqs)):
             settle_again(self.ledger, group_id)  # an earlier step's: acknowledged with this one
         else:
             self.taken_through = max(self.taken_through, seq)
@@ -151,8 +152,13 @@ class StepBuilder:
             self.spec.streams_steps,
             steps_left_in_phase(self.step, self.spec.steps_per_generation),
         )
-        if not n:
+        if not n and len(self.settled) < self.spec.groups_per_step:
             return None
+        # With none to train (n = 0): a wave of books only, one sentinel per rank that stores the
+        # ledger, so the groups settled meanwhile are acknowledged. They leave ROLLOUTS only then,
+        # and admission does not bound them (filtered groups): a step that waits for its whole
+        # phase (sync mode, token weighting) would otherwise hold them until ROLLOUTS is full,
+        # and the generators, refused, would wait with it.
         take, self.accepted = self.accepted[:n], self.accepted[n:]
         for _, group in take:
             credit(self.ledger, Outcome.TRAINED, group.group_id, group.generator, len(group.samples), False)
