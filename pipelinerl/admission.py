@@ -173,6 +173,13 @@ class Admission:
         if discarded and started_at in self.phase_groups:  # no place in the phase
             self.phase_groups[started_at] -= 1
 
+    def abandon(self, started_at: int) -> None:
+        """A group started at `started_at` was given up before it was published (its problem
+        cannot be generated): no place in the queue, nor in the phase."""
+        self.running.remove(started_at)
+        if started_at in self.phase_groups:
+            self.phase_groups[started_at] -= 1
+
     def on_trained(self, trained_total: int, training_step: int = -1) -> None:
         # Announcements can arrive out of order after reconnects: never go backwards.
         self.trained = max(self.trained, trained_total)

@@ -19,7 +19,7 @@ import pytest_asyncio
 import torch
 
 from pipelinerl.ports import free_port
-from pipelinerl_generator.engine import EngineStuck, WeightsKept
+from pipelinerl_generator.engine import EngineStuck, PromptTooLong, WeightsKept
 from pipelinerl_generator.weight_receiver import WeightReceiverExtension
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -497,6 +497,19 @@ async def test_an_update_whose_first_weights_never_come_keeps_the_engine_whole(r
         assert c.tokens == hf_greedy(rig.hf[rig.current], prompt, N_GREEDY)
     finally:
         await join(sync.timeout_seconds)
+
+
+async def test_a_prompt_that_leaves_no_room_in_the_context_is_refused_and_the_engine_goes_on(engines):
+    """`prompt_fit` measures a sample of a task's prompts: a longer one met later is refused
+    (`PromptTooLong`, which the generator skips: the problem is not trained), where vLLM's own
+    refusal failed the group and stopped the generator."""
+    rig = await engines(False)
+    engine = rig.engine
+    with pytest.raises(PromptTooLong, match="256 tokens leaves no room"):
+        await engine.generate([5] * engine.job.spec.model.max_seq_len, 4)
+    prompt = rig.tokenizer.encode(PROMPTS[0])
+    c = await engine.generate(prompt, N_GREEDY, greedy=True)
+    assert c.tokens == hf_greedy(rig.hf[rig.current], prompt, N_GREEDY)
 
 
 async def test_sampling_logprobs_at_a_temperature_are_the_trainers_own(engines):

@@ -49,6 +49,19 @@ def test_sync_mode_one_step_and_discards_free_budget():
     assert a.trained == 3
 
 
+def test_a_group_given_up_before_it_is_published_frees_its_place():
+    """A problem whose prompt is too long for model.maxSeqLen is skipped (`PromptTooLong`): its
+    group is abandoned, not published, and takes no place in the queue or the phase."""
+    a = Admission(groups_per_step=4, generators=1, max_lag=1, max_inflight=1000, training_step=0, weights_version=0)
+    assert fill(a) == 4
+    a.abandon(0)
+    assert fill(a) == 1 and a.published == 0
+    sync = Admission(groups_per_step=4, generators=1, max_lag=0, max_inflight=1000, weights_version=0)
+    assert fill(sync) == 4
+    sync.abandon(0)
+    assert sync.phase_groups[0] == 3 and fill(sync) == 1
+
+
 def test_share_and_inflight_cap():
     a = Admission(groups_per_step=10, generators=3, max_lag=2, max_inflight=5, training_step=0, weights_version=0)
     assert a.share == 4 and a.budget == 8

@@ -39,6 +39,12 @@ class WeightsKept(RuntimeError):
     """A staged update failed before the swap: the live weights are untouched."""
 
 
+class PromptTooLong(ValueError):
+    """A prompt that leaves no room for a generated token within model.maxSeqLen (vLLM refuses
+    it). `prompt_fit` measures a sample of a task's prompts only: the problem is skipped, not the
+    generator stopped (it would meet the problem again after its restart)."""
+
+
 class EngineStuck(RuntimeError):
     """The engine's core did not answer a call in time: it is blocked (a hung collective, a
     stalled device), and so is its generation. Not recoverable in this process: the generator
@@ -271,6 +277,11 @@ class Engine:
             stop_token_ids=[self.eos] if self.eos is not None else None,
             detokenize=False,  # tasks decode the token ids themselves; vLLM's per-step detokenizing is wasted
         )
+        if len(prompt) >= self.job.spec.model.max_seq_len:
+            raise PromptTooLong(
+                f"a prompt of {len(prompt)} tokens leaves no room for a generated one in model.maxSeqLen "
+                f"({self.job.spec.model.max_seq_len})"
+            )
         final = None
         await self.unpaused.wait()
         self.running += 1
@@ -286,6 +297,8 @@ class Engine:
             self.running -= 1
         assert final is not None, "vLLM ended a request without output"
         c = final.outputs[0]
+        if c.finish_reason in ("abort", "error"):  # not a completion: scored as one, it would be trained
+            raise RuntimeError(f"vLLM ended a request with finish reason {c.finish_reason!r}")
         tokens = list(c.token_ids)
         # logprobs=0 asked for the sampled token's at every position: vLLM's union type allows none
         logprobs = [lp[t].logprob for lp, t in zip(c.logprobs, tokens)]  # type: ignore[arg-type, index]

@@ -14,7 +14,7 @@ from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects
 from pipelinerl.spec import JobSpec
 from pipelinerl.streams import publish_once
-from pipelinerl_generator.engine import Engine
+from pipelinerl_generator.engine import Engine, PromptTooLong
 from pipelinerl_generator.metrics import BusyClock
 
 log = logging.getLogger("pipelinerl.generator")
@@ -64,15 +64,26 @@ class Evaluator:
         max_tokens = self.spec.generator.sampling.max_tokens
         self.busy.enter()
         try:
-            samples = await asyncio.gather(
-                *[self.task.rollout(self.engine, self.tokenizer, p, max_tokens, greedy=True) for p in problems]
-            )
+            scored = await asyncio.gather(*[self._scored(p, max_tokens) for p in problems])
         finally:
             self.busy.leave()
+        samples = [s for s in scored if s is not None]
+        if not samples:
+            log.warning("no evaluation of version %d: every held-out prompt is too long for model.maxSeqLen", version)
+            return None
         return {
             "version": version,
             "accuracy": sum(s.success for s in samples) / len(samples),
             "reward": sum(s.reward for s in samples) / len(samples),
             "problems": len(samples),
+            "skipped": len(scored) - len(samples),
             "seconds": time.time() - t0,
         }
+
+    async def _scored(self, problem, max_tokens: int):
+        """A held-out problem's greedy sample; None where its prompt is too long (`PromptTooLong`)."""
+        try:
+            return await self.task.rollout(self.engine, self.tokenizer, problem, max_tokens, greedy=True)
+        except PromptTooLong as err:
+            log.warning("held-out problem %s skipped: %s", problem.id, err)
+            return None

@@ -34,9 +34,9 @@ from pipelinerl.steps import counts_as_discarded, is_final, training_step
 from pipelinerl.streams import claim_problems, close, last_announcement, last_message, newest_batches, publish_once
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
-from pipelinerl_generator.engine import Engine
+from pipelinerl_generator.engine import Engine, PromptTooLong
 from pipelinerl_generator.evaluator import Evaluator
-from pipelinerl_generator.metrics import GROUPS, INFLIGHT, SCRAPED, TOKENS, BusyClock
+from pipelinerl_generator.metrics import GROUPS, INFLIGHT, SCRAPED, SKIPPED, TOKENS, BusyClock
 from pipelinerl_generator.weight_follower import WeightFollower
 
 log = logging.getLogger("pipelinerl.generator")
@@ -182,12 +182,18 @@ class Generator:
         try:
             problem = self.task.train_problem(index)
             max_tokens = self.spec.generator.sampling.max_tokens
-            samples = await asyncio.gather(
-                *[
-                    self.task.rollout(self.engine, self.tokenizer, problem, max_tokens)
-                    for _ in range(self.spec.rl.attempts)
-                ]
-            )
+            try:
+                samples = await asyncio.gather(
+                    *[
+                        self.task.rollout(self.engine, self.tokenizer, problem, max_tokens)
+                        for _ in range(self.spec.rl.attempts)
+                    ]
+                )
+            except PromptTooLong as err:
+                log.warning("training problem %s (%d) skipped: %s", problem.id, index, err)
+                SKIPPED.inc()
+                self.admission.abandon(started_at)
+                return
             group = m.RolloutGroup(
                 group_id=group_id(problem.id, index, self.env.rank), generator=self.env.rank, samples=list(samples)
             )

@@ -12,6 +12,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 GROUPS = Counter("pipelinerl_generator_groups_total", "Prompt groups published")
 TOKENS = Counter("pipelinerl_generator_tokens_total", "Tokens generated")
+SKIPPED = Counter(
+    "pipelinerl_generator_problems_skipped_total", "Problems skipped: prompt longer than model.maxSeqLen allows"
+)
 VERSION = Gauge("pipelinerl_generator_policy_version", "Policy version of the engine weights")
 INFLIGHT = Gauge("pipelinerl_generator_inflight_groups", "Prompt groups being generated")
 UPDATE_PAUSE = Gauge("pipelinerl_generator_weight_update_pause_seconds", "Pause of the last weight update")

@@ -167,7 +167,10 @@ class WeightFollower:
             log.exception("weight update to version %d failed", update.version)
             reply.error = f"{type(err).__name__}: {err}"
             self.fail(err)
-        await self.nc.publish(self.subjects.weights_done, m.encode(reply))
+        try:
+            await self.nc.publish(self.subjects.weights_done, m.encode(reply))
+        except Exception as err:  # NATS reconnecting: the trainer takes the silence for a failure, sends again
+            log.warning("weight update %d's reply not sent: %s", update.version, err)
         self.wake()
 
     async def _join(self, update: m.WeightUpdate) -> bool:
