@@ -46,20 +46,42 @@ def secret_data(values: dict[str, str]) -> dict[str, str]:
     return {k: base64.b64encode(v.encode()).decode() for k, v in values.items()}
 
 
-def nats_accounts(key: str, jobs: Iterable[tuple[str, str, str, int]], retired: Iterable[str] = ()) -> str:
+# A job's processes that may hold a connection to NATS, per pod: up to a node's GPUs of ranks or
+# engines, twice over for connections a restarted process left for the server to notice gone.
+CONNECTIONS_PER_POD = 16
+
+
+def account_limits(file_bytes: int, replicas: int, max_job_pods: int) -> str:
+    """What one job's account may take of the server beside its room in the store (`file_bytes`,
+    every copy), so that its pods' code, whatever it runs, cannot take the server from the
+    others: connections and subscriptions (each holds server memory), consumers, and no stream
+    larger than one copy of its room (else one stream of a single copy could fill one server of a
+    replicated NATS: its room counts the copies)."""
+    connections = CONNECTIONS_PER_POD * max_job_pods + 16
+    return (
+        f"jetstream: {{ max_file: {file_bytes}, max_mem: 0, max_streams: 8, max_consumers: {4 * connections}, "
+        f"disk_max_stream_bytes: {file_bytes // replicas}, max_bytes_required: true }}, "
+        f"limits: {{ max_connections: {connections}, max_subscriptions: {64 * connections} }}, "
+    )
+
+
+def nats_accounts(
+    key: str,
+    jobs: Iterable[tuple[str, str, str, int]],
+    retired: Iterable[str] = (),
+    replicas: int = 1,
+    max_job_pods: int = 64,
+) -> str:
     """The `accounts` block of the NATS server's configuration (included by the chart's
     nats.conf, reloaded when it changes): one account per job (namespace, name, uid, the bytes
-    its streams reserve; named by `job_account`), one user in it, JetStream within that job's own
-    limit (file storage only; every stream must say its size), and the operator's own account;
-    `retired`: accounts whose job gave its room back, kept a while with JetStream disabled and no
-    user (`nats_store.Reservations.retire`)."""
+    its streams reserve, every copy; named by `job_account`), one user in it, JetStream within
+    that job's own limit (file storage only; every stream must say its size) and the server's
+    other resources within `account_limits` (`replicas`: the chart's NATS servers; `max_job_pods`:
+    jobPolicy.maxJobPods), and the operator's own account; `retired`: accounts whose job gave its
+    room back, kept a while with JetStream disabled and no user (`nats_store.Reservations.retire`)."""
 
     def account(name: str, user: str, password: str, file_bytes: int | None) -> str:
-        js = (
-            f"jetstream: {{ max_file: {file_bytes}, max_mem: 0, max_streams: 8, max_bytes_required: true }}, "
-            if file_bytes is not None
-            else ""
-        )
+        js = account_limits(file_bytes, replicas, max_job_pods) if file_bytes is not None else ""
         login = f"{{ user: {json.dumps(user)}, password: {json.dumps(password)} }}"
         return f"  {json.dumps(name)}: {{ {js}users: [ {login} ] }}"
 

@@ -189,7 +189,11 @@ class Reservations:
             self.memory = books
             return
         accounts = books.accounts(cfg.nats_replicas)
-        text = nats_accounts(cfg.auth_key, accounts, sorted(books.retired)) if cfg.auth_key else None
+        text = (
+            nats_accounts(cfg.auth_key, accounts, sorted(books.retired), cfg.nats_replicas, cfg.policy.max_job_pods)
+            if cfg.auth_key
+            else None
+        )
         obj = accounts_secret(*where, text, books)
         if version is None:  # no Secret yet
             if not await kube.create(obj):

@@ -138,6 +138,36 @@ async def refused(url: str, **creds) -> bool:
     return False
 
 
+async def test_a_jobs_account_takes_no_more_of_the_server_than_its_limits(tmp_path) -> None:
+    """Whatever a job's pods run, its account takes the shared server's connections and
+    subscriptions only up to its limits (jobPolicy.maxJobPods: 1 here, 32 connections), and no
+    stream of one copy larger than one copy of its room (2 replicas here: half its bytes), which
+    on a replicated NATS would put all of it on one server. The server is the chart's, real."""
+    from pipelinerl_operator.credentials import job_credentials
+
+    server = ChartNats(tmp_path)
+    need = 64 << 20
+    server.accounts(nats_accounts("install-key", [(NS, "demo", "u1", need)], replicas=2, max_job_pods=1))
+    server.start()
+    creds = job_credentials("install-key", NS, "demo", "u1")
+    login = {"user": creds["natsUser"], "password": creds["natsPassword"]}
+    conns = []
+    try:
+        for _ in range(32):
+            conns.append(await nats.connect(server.url, allow_reconnect=False, **login))
+        with pytest.raises(Exception, match="maximum account active connections exceeded"):
+            await nats.connect(server.url, allow_reconnect=False, max_reconnect_attempts=0, connect_timeout=2, **login)
+        js = conns[0].jetstream()
+        config = nats.js.api.StreamConfig(name="big", subjects=["big.>"], max_bytes=need // 2 + 1)
+        with pytest.raises(nats.js.errors.APIError, match="maximum|exceed|limit"):
+            await js.add_stream(config)
+        await js.add_stream(nats.js.api.StreamConfig(name="fits", subjects=["fits.>"], max_bytes=need // 2))
+    finally:
+        for nc in conns:
+            await nc.close()
+        server.stop()
+
+
 async def test_each_job_has_its_own_nats_account_and_no_other_client_gets_in(cluster, tmp_path, monkeypatch) -> None:
     emulator, api, _ = cluster
     server = ChartNats(tmp_path)
