@@ -50,6 +50,11 @@ def training_step(announcement: Any) -> int:
     return announcement.version if announcement.training else announcement.version - 1
 
 
+# How long the final evaluation is waited for after the last step: by the trainer, for its
+# report and the trackers, and by generator 0, which abandons its rollouts first.
+FINAL_EVAL_WAIT_S = 300.0
+
+
 def is_final(announcement: Any, max_steps: int) -> bool:
     """A PolicyVersion that ends the job: the trainer's last (`finished`), and not a stale one read
     before a resume that raised `trainer.maxSteps` (its version is short of it)."""

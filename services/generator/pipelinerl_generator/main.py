@@ -30,7 +30,7 @@ from pipelinerl.contracts import GeneratorStatus, JobSubjects, ServiceEnv
 from pipelinerl.prompt_fit import prompt_fit
 from pipelinerl.runtime import HealthServer, join_job, serve
 from pipelinerl.spec import JobSpec, PipelineRLJob, SpecError
-from pipelinerl.steps import counts_as_discarded, is_final, training_step
+from pipelinerl.steps import FINAL_EVAL_WAIT_S, counts_as_discarded, is_final, training_step
 from pipelinerl.streams import claim_problems, close, last_announcement, last_message, newest_batches, publish_once
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
@@ -69,6 +69,7 @@ class Generator:
         self.finished_version: int | None = None
         self.errors: list[BaseException] = []
         self.tasks: set[asyncio.Task] = set()
+        self.rollouts: set[asyncio.Task] = set()  # of those, the groups being generated
         self.problems: collections.deque[int] = collections.deque()  # claimed training problems, not yet drawn
         self.publishing = asyncio.Lock()  # one publish at a time: each group carries the books after it
 
@@ -126,13 +127,16 @@ class Generator:
             await asyncio.sleep(ENGINE_CHECK_S)
             await self.engine.check_alive()
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro, rollout: bool = False) -> None:
         t = asyncio.create_task(coro)
         self.tasks.add(t)
+        if rollout:
+            self.rollouts.add(t)
         t.add_done_callback(self._done)
 
     def _done(self, t: asyncio.Task) -> None:
         self.tasks.discard(t)
+        self.rollouts.discard(t)
         error = None if t.cancelled() else t.exception()
         if error is not None:
             self._fail(error)
@@ -149,7 +153,7 @@ class Generator:
             if self.admission.may_start():
                 started_at = self.admission.on_start()
                 self.first_group_at = self.first_group_at or time.time()
-                self._spawn(self._group(await self._next_problem(), started_at))
+                self._spawn(self._group(await self._next_problem(), started_at), rollout=True)
                 self.weights.started_groups.set()  # tell the peers at once
                 continue
             self.wakeup.clear()
@@ -159,10 +163,15 @@ class Generator:
                 pass
         if self.errors:
             raise self.errors[0]
-        if self.finished_version is not None and self.tasks:
-            # Finished: let the final evaluation complete (bounded); rollouts still running are
-            # abandoned below, nobody will train them.
-            await asyncio.wait(list(self.tasks), timeout=self.spec.weight_sync.timeout_seconds)
+        if self.finished_version is not None:
+            # Finished: rollouts still running are abandoned (nobody will train them) before the
+            # final evaluation is waited for, which they would slow, as long as the trainer waits.
+            for t in list(self.rollouts):
+                t.cancel()
+            if self.tasks:
+                _, pending = await asyncio.wait(list(self.tasks), timeout=FINAL_EVAL_WAIT_S)
+                if pending:
+                    log.warning("the final evaluation did not end within %.0f s: given up", FINAL_EVAL_WAIT_S)
         for t in list(self.tasks):
             t.cancel()
 

@@ -16,6 +16,7 @@ from pipelinerl import messages as m
 from pipelinerl.contracts import TrainerStatus
 from pipelinerl.learning import WINDOW, learning_alarm
 from pipelinerl.spec import PipelineRLJob
+from pipelinerl.steps import FINAL_EVAL_WAIT_S
 from pipelinerl.streams import recent_unacknowledged
 from pipelinerl.tracking import Tracker, write_whole
 from pipelinerl_trainer import metrics as prom
@@ -25,7 +26,6 @@ from pipelinerl_trainer.position import Position
 from pipelinerl_trainer.weight_sender import WeightSender
 
 log = logging.getLogger("pipelinerl.trainer")
-FINAL_EVAL_WAIT_S = 300.0  # for the trackers: the final evaluation comes after the last step
 # Rank 0's place in the evaluations (the METRICS stream sequence of the last one taken, in the
 # job's store): a restart goes on after it, so rows published while it was down are taken, once.
 EVALS_TAKEN = "evaluations-taken.json"
