@@ -199,7 +199,9 @@ class Admission:
         self.peers = {r: p for r, p in self.peers.items() if now - p.seen <= self.peer_ttl_s}
 
     def on_weights(self, version: int, generators: int) -> None:
-        """New weights loaded, sent to `generators` generators: the step is shared among them."""
-        self.weights_version = max(self.weights_version, version)
+        """New weights loaded, sent to `generators` generators: the step is shared among them. The
+        engine's version, even an older one (never expected, said where it happens): the hello
+        reports it, and the trainer then sends the newest weights again."""
+        self.weights_version = version
         self.generators = generators
         self.phase_groups = {v: n for v, n in self.phase_groups.items() if v >= self.weights_version}
