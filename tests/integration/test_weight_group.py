@@ -664,7 +664,7 @@ def _late_member(port, hold_s, out_q):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
-def test_a_broadcast_in_flight_holds_back_no_training_kernel(port, monkeypatch):
+def test_a_broadcast_in_flight_holds_back_no_training_kernel_on_cuda(port, monkeypatch):
     """Pipeline mode sends the weights from a thread while the trainer trains on, on the thread's
     own stream (`Snapshot.handoff`): a broadcast still waiting for a generator holds back no
     kernel the trainer queues meanwhile. On the default stream, which is every thread's current
