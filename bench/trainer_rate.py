@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 import os
 import time
 
@@ -39,7 +40,7 @@ def trainer_rates(path: str, job: str, repeats: int) -> tuple[dict[int, dict], d
     assert model_lengths is not None, f"{job}: not an example job with a calibration (CALIBRATION_OF_JOB)"
     lengths, prompt = sample_of(model_lengths)
     if not torch.distributed.is_initialized():  # this process as a trainer of one rank (gloo)
-        join_torch_group(example, ServiceEnv(role="trainer", master_port=free_port()))
+        join_torch_group(example, ServiceEnv(role="trainer", master_port=free_port()), threading.Event())
     engine = build_engine(spec.trainer, spec.weights_dtype, path)
     engine.train()
     vocab = engine.module.config.vocab_size

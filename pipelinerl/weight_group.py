@@ -462,9 +462,11 @@ class Snapshot:
             torch.cuda.set_device(device)
             stream = side_stream(device)
             stream.wait_event(packed)
-            with torch.cuda.stream(stream):
-                yield
-            stream.synchronize()
+            try:
+                with torch.cuda.stream(stream):
+                    yield
+            finally:  # failed too: nothing it queued is left reading the buffers the next send packs
+                stream.synchronize()
 
         return on_its_own_stream()
 

@@ -160,8 +160,9 @@ class LocalRun:
             code = s.proc.poll()
             if code not in (None, 0):
                 s.reap()
-                s.restart_at = now + self._backoff(s.name, s.restarts, code, s.log_path)
+                s.restart_at = now + self._backoff(s.name, s.failures, code, s.log_path)
                 s.restarts += 1
+                s.failures += int(code != STOPPED_EXIT)
         return trainers_done
 
     def _check_nats(self) -> None:
@@ -216,15 +217,16 @@ class LocalRun:
         self._record_services()
 
     def _backoff(self, name: str, restarts: int, code: int, log_path: Path) -> float:
-        """Seconds until `name`, which exited with `code` after `restarts` restarts, is started
-        again; ServiceDied (with its log's tail) once the restart policy gives up on it."""
+        """Seconds until `name`, which exited with `code` after `restarts` restarts after
+        failures, is started again; ServiceDied (with its log's tail) once the restart policy
+        gives up on it."""
         delay = self.restart.delay(restarts, code)
         if delay is None:
             raise ServiceDied(name, code, log_path, tail(log_path))
         if code == STOPPED_EXIT:  # a trainer rank: the gang stopped (one of its processes was asked to)
-            why: str | None = "stopped with its gang, its checkpoint written"
-        else:  # a crash, not a kill: say what it died of
-            why = cause(tail(log_path)) if code > 0 else None
+            print(f"  {name} stopped with its gang, its checkpoint written: starting it again", flush=True)
+            return delay
+        why = cause(tail(log_path)) if code > 0 else None  # a crash, not a kill: say what it died of
         print(  # a warning, even when quiet
             f"  {name} exited with code {code}{f' ({why})' if why else ''}: restarting it in {delay:.0f}s "
             f"(restart {restarts + 1} of {self.restart.limit})",

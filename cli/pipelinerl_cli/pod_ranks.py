@@ -72,7 +72,10 @@ def run_pod_ranks(argv: list[str], env: dict[str, str], role: str = "trainer", g
     try:
         while True:
             codes = [p.poll() for p in procs]
-            failed = next((c for c in codes if c not in (None, 0, STOPPED_EXIT)), 0)
+            # (a rank the forwarded signal ended before its handler was set: stopped, not failed)
+            failed = next(
+                (c for c in codes if c not in (None, 0, STOPPED_EXIT) and not (stopping.is_set() and c < 0)), 0
+            )
             if failed or None not in codes:
                 break
             if stopping.is_set() or STOPPED_EXIT in codes:  # ending: the rest follow on their own
@@ -83,9 +86,9 @@ def run_pod_ranks(argv: list[str], env: dict[str, str], role: str = "trainer", g
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
+    cut = [p for p in procs if p.poll() is None]
+    for p in cut:
+        p.terminate()
     for p in procs:
         try:
             p.wait(STOP_GRACE_S)
@@ -95,9 +98,14 @@ def run_pod_ranks(argv: list[str], env: dict[str, str], role: str = "trainer", g
                 p.wait(STOP_GRACE_S)
             except subprocess.TimeoutExpired:  # in an uninterruptible wait (a GPU driver, NFS): the pod's end takes it
                 log.error("pod: rank process %d did not die on SIGKILL within %gs; leaving it", p.pid, STOP_GRACE_S)
+    codes = [p.returncode for p in procs]
     if failed:
-        log.error(
-            "pod: a rank exited with code %s; stopped the others (codes %s)", failed, [p.returncode for p in procs]
-        )
+        log.error("pod: a rank exited with code %s; stopped the others (codes %s)", failed, codes)
         return failed
-    return STOPPED_EXIT if STOPPED_EXIT in (p.returncode for p in procs) else 0
+    if cut:  # still winding down at SIGNALLED_WAIT_S: cut off, its checkpoint unwritten
+        log.error(
+            "pod: %d rank(s) did not end within %gs and were stopped (codes %s)", len(cut), SIGNALLED_WAIT_S, codes
+        )
+        return 1
+    signalled = stopping.is_set() and any(c is not None and c < 0 for c in codes)
+    return STOPPED_EXIT if STOPPED_EXIT in codes or signalled else 0

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelinerl.contracts import ServiceEnv
+from pipelinerl.contracts import STOPPED_EXIT, ServiceEnv
 from pipelinerl_cli.processes import die_with_parent
 
 CORES = ("default", "split", "colocated")
@@ -82,6 +82,8 @@ class RestartPolicy:
     def delay(self, restarts: int, code: int = 1) -> float | None:
         """Seconds to wait before restart number `restarts` + 1 of a process that exited with
         `code`; None: give up (also at once for CANNOT_RUN: it would fail the same way again)."""
+        if code == STOPPED_EXIT:  # a trainer rank stopped with its gang, its checkpoint written: no failure
+            return self.base_s
         if not self.on_failure or restarts >= self.limit or code == CANNOT_RUN:
             return None
         return min(self.base_s * 2**restarts, self.max_s)
@@ -149,6 +151,7 @@ class Service:
         self.role_env = role_env or {}  # spec.<role>.env (role_environ)
         self.http_port = env.http_port
         self.restarts = 0
+        self.failures = 0  # of those, after a failure (a STOPPED_EXIT is none): what the restart policy counts
         self.restart_at: float | None = None  # monotonic time of a scheduled restart
         self.start()
 

@@ -234,7 +234,7 @@ async def reconcile(
     meta = body["metadata"]
     key = _state_key(meta["namespace"], meta["name"], meta.get("uid"))
     async with STATE.locks.setdefault(key, asyncio.Lock()):
-        if meta.get("deletionTimestamp"):
+        if body["metadata"].get("deletionTimestamp"):  # read now: kopf swaps the live body's content
             return None
         read = meta.get("resourceVersion")
         start = starting_point(body, STATE.last.get(key))

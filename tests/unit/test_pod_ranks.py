@@ -87,3 +87,17 @@ def test_a_signalled_pod_waits_for_its_ranks_to_wind_down(tmp_path, monkeypatch)
     threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
     assert run_pod_ranks([sys.executable, "-c", script], POD) == STOPPED_EXIT
     assert sorted(p.name for p in tmp_path.iterdir()) == ["0", "1", "2", "3"]
+
+
+def test_ranks_that_do_not_wind_down_in_time_are_cut_off_and_fail_the_pod(monkeypatch):
+    """Signalled, a rank that has not ended by SIGNALLED_WAIT_S is stopped: its stop checkpoint
+    unwritten, the pod fails (it does not say STOPPED_EXIT, which says the checkpoint is there)."""
+    monkeypatch.setattr(pod_ranks, "SIGNALLED_WAIT_S", 1.0)
+    monkeypatch.setattr(pod_ranks, "STOP_GRACE_S", 0.5)
+    script = (
+        "import signal, time; signal.signal(signal.SIGTERM, lambda *_: None); print('up', flush=True); time.sleep(600)"
+    )
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    t0 = time.monotonic()
+    assert run_pod_ranks([sys.executable, "-c", script], POD) == 1
+    assert time.monotonic() - t0 < 15

@@ -26,6 +26,15 @@ def test_a_service_that_cannot_run_the_job_is_not_restarted():
     assert "cannot run as written" in str(ServiceDied("generator", CANNOT_RUN, None, ""))  # type: ignore[arg-type]
 
 
+def test_a_trainer_rank_stopped_with_its_gang_is_started_again_as_no_failure():
+    """STOPPED_EXIT: its checkpoint written, it resumes from there (as the operator, which counts no
+    failure for it), whatever the policy and the failures before."""
+    from pipelinerl.contracts import STOPPED_EXIT
+
+    for policy in (RestartPolicy(limit=3), RestartPolicy(on_failure=False), RestartPolicy(limit=0)):
+        assert policy.delay(5, code=STOPPED_EXIT) == policy.base_s
+
+
 def test_a_failure_is_named_by_the_last_exception_its_log_shows():
     log = """Traceback (most recent call last):
   File "x.py", line 3, in <module>

@@ -191,14 +191,15 @@ class Generator:
         try:
             problem = self.task.train_problem(index)
             max_tokens = self.spec.generator.sampling.max_tokens
+            attempts = [
+                asyncio.ensure_future(self.task.rollout(self.engine, self.tokenizer, problem, max_tokens))
+                for _ in range(self.spec.rl.attempts)
+            ]
             try:
-                samples = await asyncio.gather(
-                    *[
-                        self.task.rollout(self.engine, self.tokenizer, problem, max_tokens)
-                        for _ in range(self.spec.rl.attempts)
-                    ]
-                )
+                samples = await asyncio.gather(*attempts)
             except PromptTooLong as err:
+                for attempt in attempts:  # the others would generate on, for nothing
+                    attempt.cancel()
                 log.warning("training problem %s (%d) skipped: %s", problem.id, index, err)
                 SKIPPED.inc()
                 self.admission.abandon(started_at)

@@ -171,7 +171,9 @@ def main(job: PipelineRLJob, env: ServiceEnv) -> int:
 
     def on_sigterm(*_) -> None:
         stop.set()
-        exit_soon(60)
+        # Past the pods' grace period: stopped without its checkpoint, a failure (STOPPED_EXIT
+        # would say it was written; 0, that the run finished).
+        exit_soon(60, code=1, why="the stop (its vote, its checkpoint) did not end within 60 s")
 
     signal.signal(signal.SIGTERM, on_sigterm)
     torch.set_num_threads(env.torch_threads or 1)

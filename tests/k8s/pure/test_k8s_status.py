@@ -557,7 +557,7 @@ async def test_a_deletion_waits_for_the_pass_in_flight_and_no_pass_follows_it(mo
     deletion = asyncio.create_task(handlers.deleted(body=body, logger=logging.getLogger("t"), jobs={}))
     await asyncio.sleep(0.05)
     assert done == []  # waits for the pass
-    body["metadata"]["deletionTimestamp"] = "2026-12-06T00:00:00Z"  # kopf's live body
+    body["metadata"] = body["metadata"] | {"deletionTimestamp": "2026-12-06T00:00:00Z"}  # kopf's live body
     resync = asyncio.create_task(handlers.reconcile(body, logging.getLogger("t"), {}))
     pass_in_flight.release()
     await deletion
