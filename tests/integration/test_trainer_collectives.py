@@ -11,15 +11,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+from rank_processes import rank_of_two  # tests/integration/rank_processes.py
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
 GPUS = torch.cuda.device_count()
 BOUND_S = 4.0  # the watch's bound (weightSync.timeoutSeconds in a job)
 
@@ -54,17 +52,8 @@ def rank_process(rank: int, port: int, backend: str) -> subprocess.Popen:
                 torch.cuda.synchronize()
         """
     )
-    env = os.environ | {
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "services/trainer")]),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": str(rank),
-        "WORLD_SIZE": "2",
-        "NCCL_HOSTID": f"trainer-rank-{rank}",  # one GPU: two "hosts" (PLATFORM.md)
-    }
-    return subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    # One GPU: two "hosts" (PLATFORM.md).
+    return rank_of_two(code, rank, port, NCCL_HOSTID=f"trainer-rank-{rank}")
 
 
 @pytest.mark.parametrize("fault", ["killed", "frozen"])

@@ -7,17 +7,14 @@ is a collective in the world group, as ZeRO-3's forward is. Real processes, a re
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+from rank_processes import rank_of_two  # tests/integration/rank_processes.py
 
-ROOT = Path(__file__).resolve().parents[2]
 BOUND_S = 4.0
 ASKED_AT_S = 4.0
 
@@ -38,6 +35,7 @@ def rank_process(rank: int, port: int, stopped: int | None, arrive: list[float])
         stop = threading.Event()
         watch = PeerWatch.of_ranks("127.0.0.1", {port}, {rank}, 2, {BOUND_S}, stop)
         vote = StopVote.of_ranks(2, 30)
+        print("ready", flush=True)
         start = time.monotonic()
         if {rank} == {stopped}:
             threading.Timer({ASKED_AT_S}, stop.set).start()
@@ -61,18 +59,10 @@ def rank_process(rank: int, port: int, stopped: int | None, arrive: list[float])
         dist.all_gather(rows, torch.tensor([trained]))  # the stop checkpoint's
         print(json.dumps({{"trained": [int(r) for r in rows], "waited": waited, "asked": watch.asked.is_set()}}))
         watch.close()
+        dist.destroy_process_group()  # as the trainer does: left to the exit, gloo aborted it now and then
         """
     )
-    env = os.environ | {
-        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "services/trainer")]),
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": str(rank),
-        "WORLD_SIZE": "2",
-    }
-    return subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
+    return rank_of_two(code, rank, port)
 
 
 @pytest.mark.parametrize(
@@ -111,7 +101,9 @@ def test_a_vote_waiting_for_a_rank_that_died_fails_at_once(port) -> None:
     0's vote raises the group's error within moments, before the ranks' watch's bound."""
     ranks = [rank_process(r, port, None, arrive) for r, arrive in ((0, [0.0] * 30), (1, []))]
     try:
-        time.sleep(3.0)  # both in their groups; rank 0 waiting in the vote
+        for p in ranks:  # both in their groups (a loaded machine imports torch slowly)
+            assert p.stdout is not None and p.stdout.readline() == "ready\n", p.stderr.read() if p.stderr else ""
+        time.sleep(1.0)  # rank 0 waiting in the vote
         assert ranks[0].poll() is None
         ranks[1].send_signal(signal.SIGKILL)
         t0 = time.monotonic()

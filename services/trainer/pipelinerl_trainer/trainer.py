@@ -129,6 +129,11 @@ class Trainer:
                 break
             self._after_step(metrics)
         self._wind_down()
+        if dist.is_initialized():
+            # Every torch group (DeepSpeed's, the vote's) ends here: left to the interpreter's
+            # exit, gloo's threads now and then aborted the process (SIGABRT, 1 run in 16 of two
+            # ranks here), which took its exit code.
+            dist.destroy_process_group()
         if self.position.version < self.spec.trainer.max_steps:
             asked = "this rank" if self.stop.is_set() else "another rank"
             log.info("stopped with the other ranks (%s was asked to): exiting with %d", asked, STOPPED_EXIT)
