@@ -144,12 +144,11 @@ def test_the_generator_then_the_trainer_then_nats_die_and_nothing_acknowledged_i
 
 
 def kill_mid_step(run: RunProcess, name: str) -> bool:
-    """SIGKILL the preprocessor as soon as it is mid-step; whether it still was when it died."""
+    """SIGKILL the preprocessor as soon as it is mid-step; whether it still seemed to be when it
+    died (read at once: a publish it had sent may still reach nats-server after the read, and one
+    read later may find the step completed by its successor)."""
     run.wait_until(lambda _: mid_step(run, name), "the preprocessor mid-step")
     run.kill("preprocessor")
-    # What the process had sent when it died still reaches nats-server from its socket: read the
-    # stream after that (read at once, it once missed a micro-batch the restart then found).
-    time.sleep(1.0)
     newest = newest_stored(run, name)
     return newest is not None and not newest.last
 
@@ -189,9 +188,11 @@ def test_the_preprocessor_killed_mid_step_once_then_twice_loses_nothing(start_ru
     run.finish()
     train = run.train()
     log = (run.dir / "logs/preprocessor.log").read_text()
-    # Each kill from outside left a step stored in part (checked once the process was dead), and
-    # the next preprocessor continued it rather than closing it short.
-    assert sum(mid) >= 2 and log.count("left partial by a restart") == sum(mid), mid
+    # The kills from outside left a step stored in part, and the next preprocessor continued it
+    # rather than closing it short: as its restarts say (the test's own reads of the stream race
+    # the publishes in flight when it died, either way: they are shown, not counted).
+    partial = log.count("left partial by a restart")
+    assert partial >= 2, (partial, mid)
 
     assert [r["step"] for r in train] == list(range(1, steps + 1))  # both ranks in lock-step throughout
     assert all(r["samples"] == SAMPLES and r["tokens"] > 0 for r in train), [(r["step"], r["samples"]) for r in train]
