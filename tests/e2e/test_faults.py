@@ -145,8 +145,8 @@ def test_the_generator_then_the_trainer_then_nats_die_and_nothing_acknowledged_i
 
 def kill_mid_step(run: RunProcess, name: str) -> bool:
     """SIGKILL the preprocessor as soon as it is mid-step; whether it still seemed to be when it
-    died (read at once: a publish it had sent may still reach nats-server after the read, and one
-    read later may find the step completed by its successor)."""
+    died (read at once: a publish it had sent may still reach nats-server after the read; read a
+    second later, those publishes, the step's last wave among them, are stored)."""
     run.wait_until(lambda _: mid_step(run, name), "the preprocessor mid-step")
     run.kill("preprocessor")
     newest = newest_stored(run, name)
