@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-import threading
 import os
+import threading
 import time
 
 import numpy as np

@@ -216,11 +216,11 @@ class LocalRun:
         self.nats_restarts += 1
         self._record_services()
 
-    def _backoff(self, name: str, restarts: int, code: int, log_path: Path) -> float:
-        """Seconds until `name`, which exited with `code` after `restarts` restarts after
-        failures, is started again; ServiceDied (with its log's tail) once the restart policy
+    def _backoff(self, name: str, failures: int, code: int, log_path: Path) -> float:
+        """Seconds until `name`, which exited with `code` after `failures` restarts that followed
+        a failure, is started again; ServiceDied (with its log's tail) once the restart policy
         gives up on it."""
-        delay = self.restart.delay(restarts, code)
+        delay = self.restart.delay(failures, code)
         if delay is None:
             raise ServiceDied(name, code, log_path, tail(log_path))
         if code == STOPPED_EXIT:  # a trainer rank: the gang stopped (one of its processes was asked to)
@@ -229,7 +229,7 @@ class LocalRun:
         why = cause(tail(log_path)) if code > 0 else None  # a crash, not a kill: say what it died of
         print(  # a warning, even when quiet
             f"  {name} exited with code {code}{f' ({why})' if why else ''}: restarting it in {delay:.0f}s "
-            f"(restart {restarts + 1} of {self.restart.limit})",
+            f"(restart {failures + 1} of {self.restart.limit})",
             file=sys.stderr,
             flush=True,
         )
