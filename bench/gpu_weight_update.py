@@ -2,8 +2,11 @@
 weights packed from the trainer's DeepSpeed engine (ZeRO-1, bf16) into the trainer's snapshot,
 broadcast over NCCL to a receiver process on the same GPU and received into a generator's
 buffers, the way `WeightSender` and the generator's receiver do it (`full_parameters`,
-`Snapshot.pack`, `WeightGroup.form/join`, `receive_buckets`). Every bucket is checked exact (a
-checksum on each side).
+`Snapshot.pack`, `WeightGroup.form/join`, `receive_buckets`). Two sides, alternating round by
+round: the snapshot on the GPU, and staged (in pinned host memory, each bucket copied back
+through a ring of two GPU buffers as it is sent: what the trainer does for a model more than
+`SNAPSHOT_GPU_SHARE` of its GPU, `snapshot_staged`). Every bucket is checked exact (a checksum
+on each side).
 
 One GPU holds both ranks: NCCL refuses two ranks of one host on one device, so each process
 names its own NCCL_HOSTID and NCCL takes them for two hosts (its socket transport, slower than
@@ -102,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(0)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from pipelinerl.weight_group import Snapshot, WeightGroup, dtype_name, open_store, plan_buckets
+    from pipelinerl.weight_group import Snapshot, WeightGroup, bucket_nbytes, dtype_name, open_store, plan_buckets
     from pipelinerl_trainer.model import build_engine, full_parameters, init_distributed, named_weights
 
     dtype = "bfloat16" if on_gpu else "float32"
@@ -119,8 +122,8 @@ def main(argv: list[str] | None = None) -> None:
     params = named_weights(engine)
     by_name = dict(params)
     buckets = plan_buckets([(n, list(p.shape), dtype_name(p.dtype)) for n, p in params], args.bucket_mb << 20)
-    snapshot = Snapshot(buckets, device)
-    nbytes = sum(b.numel() * b.element_size() for b in snapshot.buffers)
+    snapshots = {"gpu": Snapshot(buckets, device), "staged": Snapshot(buckets, device, staged=True)}
+    nbytes = sum(map(bucket_nbytes, buckets))
     transport = "NCCL on one GPU (two NCCL_HOSTIDs)" if on_gpu else "gloo on the CPU"
     what = (
         f"{args.size}: {nbytes / 2**30:.2f} GiB of {dtype} weights in {len(buckets)} buckets "
@@ -132,15 +135,18 @@ def main(argv: list[str] | None = None) -> None:
     store = open_store("127.0.0.1", port, True, TIMEOUT_S)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    proc = ctx.Process(target=_receiver, args=(port, buckets, args.rounds + 1, backend, out), daemon=True)
+    rounds = (args.rounds + 1) * len(snapshots)
+    proc = ctx.Process(target=_receiver, args=(port, buckets, rounds, backend, out), daemon=True)
     proc.start()
-    times: dict[str, list[float]] = {"pack": [], "broadcast": [], "update": []}  # update: until received
+    phases = ("pack", "broadcast", "update")  # update: until received
+    times: dict[str, dict[str, list[float]]] = {side: {k: [] for k in phases} for side in snapshots}
     exact = True
     error = None
     try:
         # The receiver is a fresh process: importing torch (and a CUDA context) takes seconds.
         group = WeightGroup.form(store, "bench", 2, TIMEOUT_S, backend, join_timeout_s=TIMEOUT_S, token=TOKEN)
-        for r in range(args.rounds + 1):  # the first round warms the transport up and is not counted
+        for r, side in ((r, side) for r in range(args.rounds + 1) for side in snapshots):
+            snapshot = snapshots[side]  # the first round of each warms the transport up and is not counted
             sync(on_gpu)
             t0 = time.perf_counter()
             for i, bucket in enumerate(buckets):
@@ -158,8 +164,8 @@ def main(argv: list[str] | None = None) -> None:
                 raise RuntimeError(f"receiver failed: {payload}")
             exact &= payload == checksums(snapshot_tensors(snapshot, buckets))
             if r:
-                for k, v in zip(times, (t1 - t0, t2 - t1, t3 - t0)):
-                    times[k].append(v)
+                for k, v in zip(phases, (t1 - t0, t2 - t1, t3 - t0)):
+                    times[side][k].append(v)
         group.close()
     except Exception as e:  # recorded: the JSON says what stopped it
         error = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
@@ -168,16 +174,24 @@ def main(argv: list[str] | None = None) -> None:
         proc.kill()
     result: dict = {"size": args.size, "backend": backend, "bytes": nbytes, "buckets": len(buckets)}
     if error is None:
-        gbps = nbytes / summary(times["broadcast"])["median"] / 1e9
-        med = {k: summary(v)["median"] for k, v in times.items()}
-        rows = [[k, med[k], f"{min(v):.3f}-{max(v):.3f}"] for k, v in times.items()]
-        print(table(["phase", "seconds (median)", "spread"], rows))
+        med = {side: {k: summary(v)["median"] for k, v in t.items()} for side, t in times.items()}
+        gbps = {side: nbytes / m["broadcast"] / 1e9 for side, m in med.items()}
+        rows = [
+            [side, k, med[side][k], f"{min(v):.3f}-{max(v):.3f}"] for side, t in times.items() for k, v in t.items()
+        ]
+        print(table(["snapshot", "phase", "seconds (median)", "spread"], rows))
+        gpu, staged = med["gpu"], med["staged"]
         verdict = (
-            f"VERDICT weight update {args.size}: {med['update']:.3g} s end to end (pack {med['pack']:.3g} s, "
-            f"broadcast {med['broadcast']:.3g} s at {gbps:.3g} GB/s), "
-            + ("received exactly" if exact else "RECEIVED WEIGHTS DIFFER")
+            f"VERDICT weight update {args.size}: {gpu['update']:.3g} s end to end (pack {gpu['pack']:.3g} s, "
+            f"broadcast {gpu['broadcast']:.3g} s at {gbps['gpu']:.3g} GB/s); staged through host memory "
+            f"{staged['update']:.3g} s ({staged['update'] / gpu['update']:.2f}×: pack {staged['pack']:.3g} s, "
+            f"broadcast {staged['broadcast']:.3g} s), " + ("received exactly" if exact else "RECEIVED WEIGHTS DIFFER")
         )
-        result |= {"seconds": {k: summary(v) for k, v in times.items()}, "broadcast_gb_per_s": gbps, "exact": exact}
+        result |= {
+            "seconds": {side: {k: summary(v) for k, v in t.items()} for side, t in times.items()},
+            "broadcast_gb_per_s": gbps,
+            "exact": exact,
+        }
     else:
         verdict = f"VERDICT weight update {args.size}: FAILED: {error}"
         result["error"] = error

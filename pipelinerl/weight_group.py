@@ -49,6 +49,12 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 # the loader still copies out of bucket i - 1. Two bound the update's transfer memory at two
 # buckets, whatever the model's size (one per bucket was the whole unsharded model, kept).
 RECEIVE_RING = 2
+SEND_RING = 2  # a staged snapshot's bucket buffers on the sender's GPU (`Snapshot`), likewise
+# The trainer's snapshot stays on its GPU only where the whole model takes at most this share of
+# the GPU's memory (bfloat16: models up to ~5B parameters on an 80 GB H100); a larger one is kept
+# in host memory (`snapshot_staged`). DeepSpeed keeps no budget for it: ZeRO-3's shards, the
+# gathered layers and the activations of a step share the GPU with it, the broadcast beside them.
+SNAPSHOT_GPU_SHARE = 0.125
 _ENV_LOCK = threading.Lock()
 
 
@@ -115,6 +121,18 @@ def check_backend(backend: str) -> None:
 def buffer_device(backend: str) -> torch.device:
     """Where a transport moves buffers from: host memory (gloo), or this process's GPU (NCCL)."""
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+
+def snapshot_staged(model_bytes: int, device: torch.device, gpu_bytes: int | None = None) -> bool:
+    """Whether the trainer's snapshot of a model of `model_bytes` (in the planned dtypes) is kept
+    in host memory and staged through the GPU bucket by bucket (`Snapshot`): only for a GPU
+    transport, where the model is more than SNAPSHOT_GPU_SHARE of the GPU's memory (`gpu_bytes`:
+    the device's total where not given). A staged update costs a copy to the host as it is packed
+    and a copy back as it is sent, and host memory the size of the model on rank 0's node."""
+    if device.type != "cuda":
+        return False
+    total = gpu_bytes if gpu_bytes is not None else torch.cuda.get_device_properties(device).total_memory
+    return model_bytes > SNAPSHOT_GPU_SHARE * total
 
 
 def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.Store:
@@ -359,7 +377,9 @@ class WeightGroup:
         """Sender (rank 0): broadcast each bucket's flat buffer (~2x faster than per-tensor sends)."""
         if self.rank != 0:
             raise RuntimeError("broadcast is for rank 0 (trainer)")
-        for i, buf in enumerate(snapshot.buffers):
+        if snapshot.device != self.device:
+            raise ValueError(f"a snapshot for {snapshot.device} sent over a group on {self.device}")
+        for i, buf in enumerate(snapshot.outgoing()):
             self._broadcast(buf, f"bucket {i + 1}/{len(snapshot.buffers)}, {buf.numel() * buf.element_size()} bytes")
 
     def receive_buckets(self, buckets: list[dict[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -434,13 +454,37 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 class Snapshot:
     """Weights packed into one flat buffer per bucket, where the transport sends from: the
     trainer keeps the last version sent, so a generator that joins later gets it without the
-    trainer ranks gathering again. One copy of the model (host memory with gloo, GPU memory with
-    NCCL)."""
+    trainer ranks gathering again. One copy of the model, on the transport's `device` (host
+    memory with gloo, GPU memory with NCCL) or, `staged`, in host memory (pinned where the
+    transport is a GPU), each bucket copied into a ring of SEND_RING bucket buffers on `device`
+    as it is sent: what a model that would take too much of the trainer's GPU costs there
+    (`snapshot_staged`)."""
 
-    def __init__(self, buckets: list[dict[str, Any]], device: torch.device) -> None:
-        self.buckets = buckets
-        self.buffers = [torch.empty(b["numel"], dtype=DTYPES[b["dtype"]], device=device) for b in buckets]
+    def __init__(self, buckets: list[dict[str, Any]], device: torch.device, staged: bool = False) -> None:
+        self.buckets, self.device, self.staged = buckets, device, staged
+        home, pinned = (torch.device("cpu"), device.type == "cuda") if staged else (device, False)
+        self.buffers = [
+            torch.empty(b["numel"], dtype=DTYPES[b["dtype"]], device=home, pin_memory=pinned) for b in buckets
+        ]
         self.version: int | None = None  # of the weights packed (None: nothing yet)
+        self._ring: list[torch.Tensor] = []  # staged: allocated at the first send, kept
+
+    def outgoing(self) -> Iterator[torch.Tensor]:
+        """Each bucket's buffer as the transport sends it, in order: the buffer itself, or
+        (staged) its copy in ring slot i % SEND_RING. Consume each before asking for the next:
+        the next copy into a slot is queued on the sending stream after that stream's wait for
+        the broadcast of the bucket the slot held, so it never overwrites one still being sent."""
+        if not self.staged:
+            yield from self.buffers
+            return
+        nbytes = max(map(bucket_nbytes, self.buckets), default=0)
+        if not self._ring:
+            slots = min(SEND_RING, len(self.buckets))
+            self._ring = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(slots)]
+        for i, buf in enumerate(self.buffers):
+            slot = self._ring[i % SEND_RING][: bucket_nbytes(self.buckets[i])].view(buf.dtype)
+            slot.copy_(buf, non_blocking=True)  # from pinned memory: queued on the sending stream
+            yield slot
 
     def handoff(self) -> contextlib.AbstractContextManager:
         """What a thread that sends the buffers while the caller trains on sends them in. On a GPU,
@@ -451,7 +495,7 @@ class Snapshot:
         the training kernels queued before each bucket and hold back those queued after. The
         group's blocking wait returns once a bucket is sent, so the buffers are free again once
         the thread ends. On CPU the copies are done already."""
-        device = self.buffers[0].device if self.buffers else torch.device("cpu")
+        device = self.device
         if device.type != "cuda":
             return contextlib.nullcontext()
         packed = torch.cuda.Event()

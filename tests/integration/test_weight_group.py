@@ -35,6 +35,7 @@ from pipelinerl.weight_group import (
     join_window,
     open_store,
     plan_buckets,
+    snapshot_staged,
 )
 
 HOST = "127.0.0.1"
@@ -45,11 +46,27 @@ def plan_buckets_for(tensors, bucket_bytes):
     return plan_buckets([(n, list(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()], bucket_bytes)
 
 
-def send(group, tensors, buckets):
-    snapshot = Snapshot(buckets, group.device)
+def send(group, tensors, buckets, staged=False, snapshot=None):
+    """Pack `tensors` and broadcast them as the trainer does in flight: from a thread of its own,
+    in the stream `Snapshot.handoff` gives it. Returns the snapshot (pass it back to reuse it)."""
+    snapshot = snapshot or Snapshot(buckets, group.device, staged)
     for i in range(len(buckets)):
         snapshot.pack(i, tensors)
-    group.broadcast(snapshot)
+    handoff, failed = snapshot.handoff(), []
+
+    def fly():
+        try:
+            with handoff:
+                group.broadcast(snapshot)
+        except BaseException as err:  # noqa: BLE001 - raised in the test's thread
+            failed.append(err)
+
+    flight = threading.Thread(target=fly)
+    flight.start()
+    flight.join()
+    if failed:
+        raise failed[0]
+    return snapshot
 
 
 def names(buckets):
@@ -111,6 +128,22 @@ def test_plan_for_tensors_is_plain_data_and_rejects_bad_input():
         plan_buckets_for({"i": torch.zeros(2, dtype=torch.int32)}, bucket_bytes=1024)
 
 
+def test_the_trainer_keeps_its_snapshot_on_its_gpu_only_where_the_model_is_a_small_share_of_it():
+    cuda, h100, gib = torch.device("cuda", 0), 80 * 2**30, 2**30
+    assert not snapshot_staged(3 * gib, cuda, h100)  # 1.5B in bfloat16
+    assert not snapshot_staged(10 * gib, cuda, h100)  # an eighth: still on the GPU
+    assert snapshot_staged(10 * gib + 1, cuda, h100)
+    assert snapshot_staged(15 * gib, cuda, h100)  # 7B: host memory, staged through the GPU
+    assert not snapshot_staged(10**12, torch.device("cpu"))  # gloo sends from host memory anyway
+
+
+def test_a_snapshot_is_sent_only_over_a_group_on_its_device():
+    group = SimpleNamespace(rank=0, device=torch.device("cpu"))
+    snapshot = Snapshot([], torch.device("cuda", 0))  # no bucket: nothing allocated
+    with pytest.raises(ValueError, match="snapshot for cuda:0 sent over a group on cpu"):
+        WeightGroup.broadcast(group, snapshot)  # type: ignore[arg-type]
+
+
 # --- real gloo groups (spawned processes) -------------------------------------------------
 
 
@@ -151,7 +184,10 @@ def _idle_member(port, world, timeout_s, hold_s, ready):
     group.close()
 
 
-def test_broadcast_round_trips_to_two_receivers_are_exact(port):
+@pytest.mark.parametrize("staged", [False, True], ids=["snapshot", "staged-snapshot"])
+def test_broadcast_round_trips_to_two_receivers_are_exact(port, staged):
+    """Twice, the second update over the first's buffers; a staged snapshot (host memory, each
+    bucket sent through a ring of two: `snapshot_staged`) delivers the same bytes."""
     g = torch.Generator().manual_seed(0)
     tensors = {
         "embed": torch.randn(7, 5, generator=g),
@@ -171,8 +207,10 @@ def test_broadcast_round_trips_to_two_receivers_are_exact(port):
     try:
         sender = WeightGroup.form(open_store(HOST, port, True, 30.0), "g", 3, 30.0)
         second = {n: -2 * t for n, t in tensors.items()}
-        send(sender, tensors, buckets)
-        send(sender, second, buckets)
+        snapshot = send(sender, tensors, buckets, staged)
+        send(sender, second, buckets, snapshot=snapshot)
+        if staged:  # two bucket buffers on the transport's device, kept, whatever the bucket count
+            assert [r.numel() for r in snapshot._ring] == [max(map(bucket_nbytes, buckets))] * 2
         results = {}
         for _ in procs:
             rank, status, got = out_q.get(timeout=60)
@@ -817,28 +855,39 @@ def test_nccl_without_a_gpu_is_refused_before_any_rendezvous(port):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
-def test_nccl_broadcast_round_trips_gpu_to_gpu(port, monkeypatch):
+@pytest.mark.parametrize("staged", [False, True], ids=["snapshot", "staged-snapshot"])
+def test_nccl_broadcast_round_trips_gpu_to_gpu(port, monkeypatch, staged):
     """On two GPUs, or on one: NCCL refuses two ranks of one host on one device, so there each
-    process names its own NCCL_HOSTID and NCCL takes them for two hosts (socket transport)."""
+    process names its own NCCL_HOSTID and NCCL takes them for two hosts (socket transport). A
+    staged snapshot (pinned host memory, each bucket copied into a ring of two on the GPU on the
+    broadcast's stream) delivers the same bytes: a copy into a slot still being sent would not."""
     torch.cuda.set_device(0)
     if GPUS == 1:
         monkeypatch.setenv("NCCL_HOSTID", "trainer")
     g = torch.Generator().manual_seed(0)
-    tensors = {"w": torch.randn(64, 32, generator=g).cuda(), "b": torch.randn(7, generator=g).to(torch.bfloat16).cuda()}
+    tensors = {
+        "w": torch.randn(64, 32, generator=g).cuda(),
+        "b": torch.randn(7, generator=g).to(torch.bfloat16).cuda(),
+        "w2": torch.randn(16, 16, generator=g).cuda(),
+        "w3": torch.randn(300, generator=g).cuda(),
+    }
     buckets = plan_buckets_for(tensors, bucket_bytes=1024)
+    assert len(buckets) == 4  # the ring of two goes round twice
+    second = {n: -2 * t for n, t in tensors.items()}
     ctx = mp.get_context("spawn")
     out_q = ctx.Queue()
     proc = ctx.Process(target=_receiver, args=(port, 1, 2, 60.0, buckets, out_q, "nccl"), daemon=True)
     proc.start()
     sender = WeightGroup.form(open_store(HOST, port, True, 60.0), "g", 2, 60.0, backend="nccl")
     assert sender.device.type == "cuda"
-    for _ in range(2):
-        send(sender, tensors, buckets)
+    snapshot = send(sender, tensors, buckets, staged)
+    send(sender, second, buckets, snapshot=snapshot)
+    assert snapshot.buffers[0].is_pinned() == staged
     rank, status, payload = out_q.get(timeout=120)
     assert status == "ok", payload
-    for got in torch.load(io.BytesIO(payload)):
-        assert set(got) == set(tensors)
-        for name, t in tensors.items():
-            assert torch.equal(got[name], t.cpu())
+    for got, sent in zip(torch.load(io.BytesIO(payload)), (tensors, second)):
+        assert set(got) == set(sent)
+        for name, t in sent.items():
+            assert torch.equal(got[name], t.cpu()), name
     proc.join(30)
     sender.close()

@@ -39,9 +39,11 @@ from pipelinerl.weight_group import (
     WeightGroup,
     WeightSyncError,
     buffer_device,
+    bucket_nbytes,
     dtype_name,
     form_bound,
     plan_buckets,
+    snapshot_staged,
 )
 from pipelinerl_trainer.membership import Member, Membership
 from pipelinerl_trainer.model import TrainingEngine, full_parameters, named_weights
@@ -103,7 +105,7 @@ class WeightSender:
             [(n, list(_full_shape(p)), dtype_name(p.dtype)) for n, p in self.params], bucket_mb << 20
         )
         self.by_name = dict(self.params)
-        self.snapshot = Snapshot(self.buckets, buffer_device(backend)) if rank == 0 else None
+        self.snapshot = snapshot_for(self.buckets, buffer_device(backend)) if rank == 0 else None
         self.membership = Membership(liveness_s)
         self.group: WeightGroup | None = None
         self.group_id = ""
@@ -348,6 +350,19 @@ class WeightSender:
         if self.group is not None:
             self.group.close()
             self.group = None
+
+
+def snapshot_for(buckets: list[dict], device) -> Snapshot:
+    """Rank 0's snapshot: on the GPU, or in host memory where the model is too large a share of
+    it (`snapshot_staged`), which the log says."""
+    nbytes = sum(map(bucket_nbytes, buckets))
+    staged = snapshot_staged(nbytes, device)
+    if staged:
+        log.info(
+            "the weight snapshot (%.1f GiB) is kept in host memory, each bucket staged through the GPU as it is sent",
+            nbytes / 2**30,
+        )
+    return Snapshot(buckets, device, staged)
 
 
 def _full_shape(p) -> tuple[int, ...]:
