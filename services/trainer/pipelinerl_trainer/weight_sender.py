@@ -355,12 +355,15 @@ class WeightSender:
 def snapshot_for(buckets: list[dict], device) -> Snapshot:
     """Rank 0's snapshot: on the GPU, or in host memory where the model is too large a share of
     it (`snapshot_staged`), which the log says."""
-    nbytes = sum(map(bucket_nbytes, buckets))
-    staged = snapshot_staged(nbytes, device)
-    if staged:
+    sizes = [bucket_nbytes(b) for b in buckets]
+    staged = snapshot_staged(sum(sizes), device)
+    if staged:  # torch's pinned-memory allocator rounds each buffer up to a power of two
+        pinned = sum(1 << (n - 1).bit_length() for n in sizes if n)
         log.info(
-            "the weight snapshot (%.1f GiB) is kept in host memory, each bucket staged through the GPU as it is sent",
-            nbytes / 2**30,
+            "the weight snapshot (%.1f GiB) is kept in host memory (%.1f GiB pinned), each bucket "
+            "staged through the GPU as it is sent",
+            sum(sizes) / 2**30,
+            pinned / 2**30,
         )
     return Snapshot(buckets, device, staged)
 
