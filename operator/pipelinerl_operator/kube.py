@@ -29,6 +29,7 @@ PLURALS = {
     "NetworkPolicy": "networkpolicies",
     "ServiceAccount": "serviceaccounts",
     "PodGroup": "podgroups",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
 }
 
 

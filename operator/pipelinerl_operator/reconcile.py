@@ -55,6 +55,7 @@ class JobRef:
     name: str
     uid: str
     version: str | None
+    created: str = ""  # metadata.creationTimestamp
 
     async def write_status(self, kube: Kube, patch: dict[str, Any]) -> str | None:
         """`patch` merged into the job's status over `version`, which moves on to the version written;
@@ -101,7 +102,7 @@ async def run(
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     previous, version = start
-    ref = JobRef(ns, name, meta.get("uid", ""), version)
+    ref = JobRef(ns, name, meta.get("uid", ""), version, meta.get("creationTimestamp", ""))
     metrics.reconciling(ns)
     logger.debug("reconciling generation %s", meta.get("generation"))
     cfg = operator_config()
@@ -166,10 +167,39 @@ async def apply_owned(
                 ), made
             if _stops_pods(existing, obj):  # a stale pass (suspended, ended) must not stop a resumed job's
                 await ref.still_current(kube)
+            if _replicas(obj) > _replicas(existing) and (earlier := await _earlier_claim(kube, ref, obj)):
+                return earlier, made
             await kube.apply(obj)
         except KubeError as err:
             return f"{what}: {err}", made
     return None, made
+
+
+async def _earlier_claim(kube: Kube, ref: JobRef, sts: dict[str, Any]) -> str | None:
+    """Why a StatefulSet about to start pods must not: a claim its pods would mount (the claims
+    are named for the job, `<template>-<statefulset>-<ordinal>`, not for its uid) that was made
+    before the job, so an earlier job of its name kept it when it was deleted
+    (`runPolicy.checkpointRetention`). Mounted, its checkpoints would be taken for this job's
+    (the trainer then finds its store lost), and a retention policy of Delete would delete them
+    with this job. One of this job's own (kept while it was suspended, or past a StatefulSet
+    deleted by hand) was made after it. None where there is none."""
+    if not ref.created:
+        return None
+    created = parse_ts(ref.created)
+    name = sts["metadata"]["name"]
+    for template in sts["spec"].get("volumeClaimTemplates") or []:
+        for ordinal in range(_replicas(sts)):
+            claim = f"{template['metadata']['name']}-{name}-{ordinal}"
+            found = await kube.get("v1", "PersistentVolumeClaim", ref.namespace, claim)
+            made = ((found or {}).get("metadata") or {}).get("creationTimestamp")
+            if made and parse_ts(made) < created:
+                return (
+                    f"PersistentVolumeClaim {claim} was made at {made}, before this job ({ref.created}): an earlier "
+                    "job of this name kept it when it was deleted (runPolicy.checkpointRetention), and its "
+                    "checkpoints are not this job's: not mounted. Copy out what it holds, then delete it "
+                    f"(kubectl delete pvc {claim} -n {ref.namespace}), or give the job another name"
+                )
+    return None
 
 
 def _replicas(obj: dict[str, Any] | None) -> int:

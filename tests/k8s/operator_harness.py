@@ -43,6 +43,7 @@ RESOURCES = {
     "v1/serviceaccounts": dict(namespaced=True, kind="ServiceAccount"),
     "networking.k8s.io/v1/networkpolicies": dict(namespaced=True, kind="NetworkPolicy"),
     "v1/pods": dict(namespaced=True, kind="Pod", subresources={"status"}),
+    "v1/persistentvolumeclaims": dict(namespaced=True, kind="PersistentVolumeClaim"),
     "v1/events": dict(namespaced=True, kind="Event"),
     "v1/namespaces": dict(namespaced=False, kind="Namespace"),
     "kopf.dev/v1/kopfpeerings": dict(namespaced=True, kind="KopfPeering"),

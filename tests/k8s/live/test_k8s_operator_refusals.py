@@ -170,6 +170,37 @@ async def test_an_object_the_job_does_not_own_is_never_taken_over(cluster) -> No
         assert not obj(emulator, "v1/serviceaccounts", "demo-pipelinerl").get("metadata", {}).get("ownerReferences")
 
 
+async def test_a_trainer_volume_an_earlier_job_of_its_name_kept_is_never_mounted(cluster) -> None:
+    """A claim named as the trainer's first pod's (`run-<statefulset>-0`) made before the job, as
+    one an earlier job of the name left (runPolicy.checkpointRetention): no trainer StatefulSet
+    is made to mount it, the condition says which claim and what to do; once it is gone, and one
+    made with the job stands in its place (the job's own, kept past a StatefulSet deleted by
+    hand), the trainers are applied."""
+    emulator, api, _ = cluster
+    claims = f"/api/v1/namespaces/{NS}/persistentvolumeclaims"
+    kept = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "run-demo-prl-trainer-0", "namespace": NS, "creationTimestamp": "2026-11-21T09:00:00Z"},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    await api.create(claims, kept)
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest())
+        await eventually(lambda: condition(emulator, "Ready").get("reason") == "ApplyRefused", what="ApplyRefused")
+        message = condition(emulator, "Ready")["message"]
+        assert (
+            "PersistentVolumeClaim run-demo-prl-trainer-0 was made at 2026-11-21T09:00:00Z, before this job" in message
+        )
+        assert "kubectl delete pvc run-demo-prl-trainer-0 -n team-a" in message
+        assert not obj(emulator, STS, "demo-prl-trainer")
+        await api._call("DELETE", f"{claims}/run-demo-prl-trainer-0")
+        del kept["metadata"]["creationTimestamp"]  # made now: the emulator stamps it as it stamped the job
+        await api.create(claims, kept)
+        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"), what="the trainers applied")
+        await eventually(lambda: condition(emulator, "Ready").get("reason") != "ApplyRefused", what="not refused")
+
+
 async def test_a_credentials_secret_the_operator_did_not_make_is_never_used(cluster, monkeypatch) -> None:
     """Someone makes the job's credentials Secret (its name has the job's uid: only once the job
     exists) before the operator's first pass: the operator, which cannot read Secrets, tells its

@@ -111,6 +111,7 @@ OPERATOR_CALLS = {
     ("", "secrets", "create"),  # a job's credentials (never read, never overwritten); the NATS accounts
     ("", "pods", "list"),
     ("", "pods", "delete"),
+    ("", "persistentvolumeclaims", "get"),  # a trainer volume an earlier job of the name kept
     ("", "events", "create"),
 }
 
