@@ -281,9 +281,11 @@ class LocalRun:
             elif row.kind == "eval":
                 self.evals.append(record)
                 tag = "warm start" if record["version"] == 0 else ("final" if record.get("final") else "eval")
+                lo, hi = record.get("weights_version_min"), record.get("weights_version_max")
+                weights = f" (weights of versions {lo}-{hi}: updates landed meanwhile)" if lo != hi else ""
                 self.say(
                     f"  [{tag}] version {record['version']}: held-out accuracy {record['accuracy']:.1%} "
-                    f"on {record['problems']} problems"
+                    f"on {record['problems']} problems{weights}"
                 )
 
         # Only this run's metrics: a resumed run's stream still holds the earlier ones.

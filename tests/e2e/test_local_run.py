@@ -64,6 +64,10 @@ def test_pipeline_mode_two_deepspeed_ranks_zero3(zero3_run):
     # generator outpaces training and idles at the lag bound): test_inflight_update proves it.
     evals = rows(tmp_path, "eval")
     assert evals[0]["version"] == 0 and evals[-1]["final"] and evals[-1]["version"] == 6
+    # Each row says which weights its completions were made with: the version's, or newer ones
+    # that landed while it ran; the final one's, once training has ended, only the final weights.
+    assert all(e["version"] <= e["weights_version_min"] <= e["weights_version_max"] <= 6 for e in evals)
+    assert evals[-1]["weights_version_min"] == evals[-1]["weights_version_max"] == 6
     # The generator's engine core was forked from it (one thread then), not spawned: its start
     # skips vLLM's second import (engine.core_start_method).
     assert "engine core: fork" in (tmp_path / "logs" / "generator.log").read_text()

@@ -45,7 +45,14 @@ class Evaluator:
             return
         if self.newest is None or version >= self.newest["version"]:
             self.newest = values
-        log.info("eval at version %d: accuracy %.3f%s", version, values["accuracy"], " (final)" if final else "")
+        log.info(
+            "eval at version %d (weights %d-%d): accuracy %.3f%s",
+            version,
+            values["weights_version_min"],
+            values["weights_version_max"],
+            values["accuracy"],
+            " (final)" if final else "",
+        )
         row = m.Metrics(
             source=f"generator-{self.rank}", kind="eval", values=values | {"final": final}, timestamp=time.time()
         )
@@ -71,8 +78,13 @@ class Evaluator:
         if not samples:
             log.warning("no evaluation of version %d: every held-out prompt is too long for model.maxSeqLen", version)
             return None
+        # Updates land while it runs (generation never stops): the weights each token was made
+        # with, so a row of `version` is read as what it is, the weights of version..newest.
+        made_with = [v for s in samples for v in s.versions if v >= 0] or [version]
         return {
             "version": version,
+            "weights_version_min": min(made_with),
+            "weights_version_max": max(made_with),
             "accuracy": sum(s.success for s in samples) / len(samples),
             "reward": sum(s.reward for s in samples) / len(samples),
             "problems": len(samples),
