@@ -51,10 +51,12 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 RECEIVE_RING = 2
 SEND_RING = 2  # a staged snapshot's bucket buffers on the sender's GPU (`Snapshot`), likewise
 # The trainer's snapshot stays on its GPU only where the whole model takes at most this share of
-# the GPU's memory (bfloat16: models up to ~5B parameters on an 80 GB H100); a larger one is kept
-# in host memory (`snapshot_staged`). DeepSpeed keeps no budget for it: ZeRO-3's shards, the
-# gathered layers and the activations of a step share the GPU with it, the broadcast beside them.
-SNAPSHOT_GPU_SHARE = 0.125
+# the GPU's memory (bfloat16 on an 80 GB H100: up to ~10B parameters, so a 7B model's 15 GB stays,
+# as at the paper's scale; 14B and larger are kept in host memory: `snapshot_staged`). DeepSpeed
+# keeps no budget for it: the ZeRO states (16 bytes a parameter in mixed precision, over the
+# ranks under ZeRO-3: 15 GB a GPU for 7B over 8), the gathered layers and a step's activations
+# share the GPU with it.
+SNAPSHOT_GPU_SHARE = 0.25
 _ENV_LOCK = threading.Lock()
 
 

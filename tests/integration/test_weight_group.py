@@ -131,9 +131,10 @@ def test_plan_for_tensors_is_plain_data_and_rejects_bad_input():
 def test_the_trainer_keeps_its_snapshot_on_its_gpu_only_where_the_model_is_a_small_share_of_it():
     cuda, h100, gib = torch.device("cuda", 0), 80 * 2**30, 2**30
     assert not snapshot_staged(3 * gib, cuda, h100)  # 1.5B in bfloat16
-    assert not snapshot_staged(10 * gib, cuda, h100)  # an eighth: still on the GPU
-    assert snapshot_staged(10 * gib + 1, cuda, h100)
-    assert snapshot_staged(15 * gib, cuda, h100)  # 7B: host memory, staged through the GPU
+    assert not snapshot_staged(15 * gib, cuda, h100)  # 7B
+    assert not snapshot_staged(20 * gib, cuda, h100)  # a quarter: still on the GPU
+    assert snapshot_staged(20 * gib + 1, cuda, h100)
+    assert snapshot_staged(28 * gib, cuda, h100)  # 14B: host memory, staged through the GPU
     assert not snapshot_staged(10**12, torch.device("cpu"))  # gloo sends from host memory anyway
 
 
