@@ -205,7 +205,11 @@ class StorageSpec(SpecModel):
     per trainer pod that survives suspend/resume; deleted with the job per runPolicy.checkpointRetention."""
 
     size: PositiveQuantity = Field(default="20Gi", description="Each trainer pod's checkpoint volume.")
-    storage_class_name: DnsSubdomain | None = Field(default=None, description="Unset: the cluster default.")
+    storage_class_name: DnsSubdomain | None = Field(
+        default=None,
+        description="Unset: the cluster default; on Kubernetes a named class must be one the platform "
+        "lists (jobPolicy.storageClassNames).",
+    )
 
 
 class WandbSpec(SpecModel):

@@ -137,6 +137,11 @@ class JobPolicy(PolicyModel):
     priority_class_names: list[str] = Field(default_factory=list)
     scheduler_names: list[str] = Field(default_factory=list)
     csi_drivers: list[str] = Field(default_factory=list, description="Drivers of inline CSI volumes.")
+    storage_class_names: list[str] = Field(
+        default_factory=list,
+        description="StorageClasses a job's volumes may name (spec.storage.storageClassName, an ephemeral "
+        "volume's claim); one that names none gets the cluster's default class.",
+    )
     localhost_profiles: list[str] = Field(
         default_factory=list,
         description="Node-local seccomp and AppArmor profiles (localhostProfile) jobs may use: a profile "

@@ -517,6 +517,14 @@ def volume_sizes(spec: dict[str, Any], where: str) -> Iterator[tuple[int, str, s
                 yield i, f"{at}.ephemeral.volumeClaimTemplate.spec.resources.{kind}.{name}", name, value
 
 
+def storage_class(name: Any, at: str, policy: JobPolicy, bad: Problems) -> None:
+    """A StorageClass a job's volume names: one the platform lists (a class decides the disks'
+    cost, speed and where their data lives)."""
+    if name not in policy.storage_class_names:
+        listed = ", ".join(policy.storage_class_names) or "none: the cluster's default class only"
+        bad(at, f"{name!r} is not a storage class jobs may use (jobPolicy.storageClassNames: {listed})")
+
+
 def _volumes(spec: dict[str, Any], where: str, policy: JobPolicy, bad: Problems) -> None:
     cap = parse_quantity(policy.max_volume_size)
     for _, field, name, value in volume_sizes(spec, where):
@@ -527,6 +535,10 @@ def _volumes(spec: dict[str, Any], where: str, policy: JobPolicy, bad: Problems)
             bad(field, f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})")
     for volume in as_list(spec.get("volumes")):
         volume = as_dict(volume)
+        claim = as_dict(as_dict(as_dict(volume.get("ephemeral")).get("volumeClaimTemplate")).get("spec"))
+        if claim.get("storageClassName") is not None:
+            at = f"{where}.volumes[{volume.get('name', '?')}].ephemeral.volumeClaimTemplate.spec.storageClassName"
+            storage_class(claim["storageClassName"], at, policy, bad)
         if "csi" in volume and as_dict(volume["csi"]).get("driver") not in policy.csi_drivers:
             drivers = ", ".join(policy.csi_drivers) or "none"
             at = f"{where}.volumes[{volume.get('name', '?')}]"

@@ -23,6 +23,7 @@ from pipelinerl_operator.policy_checks import (
     as_list,
     check_reference,
     gib,
+    storage_class,
     volume_sizes,
 )
 
@@ -116,6 +117,8 @@ def spec_violations(
             f"{scheduling.scheduler_name!r} is not a scheduler jobs may use "
             f"(jobPolicy.schedulerNames: {', '.join(policy.scheduler_names) or 'none'})",
         )
+    if s.storage.storage_class_name:
+        storage_class(s.storage.storage_class_name, "storage.storageClassName", policy, bad)
     if parse_quantity(s.storage.size) > parse_quantity(policy.max_volume_size):
         bad("storage.size", f"larger than a volume may be (jobPolicy.maxVolumeSize: {policy.max_volume_size})")
     if s.output and s.output.claim_name:

@@ -122,6 +122,8 @@ WEBHOOK_ONLY = {
     "node-label-value-not-listed",
     "priority-class-not-listed",
     "scheduler-not-listed",
+    "storage-class-not-listed",
+    "ephemeral-storage-class-not-listed",
     "unlisted-pod-field",
     "huge-ephemeral-volume",
     "huge-empty-dir",

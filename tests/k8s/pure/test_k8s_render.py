@@ -27,6 +27,7 @@ POLICY = parse_policy(
         "volumeClaims": ["*/models", "*/team-models"],
         "schedulerNames": ["volcano"],
         "priorityClassNames": ["high"],
+        "storageClassNames": ["fast"],
         "natsServers": ["nats.example:4222", "a:4222", "b:7422"],
         "maxJobPods": 2048,  # the edge cases: 64 generators, the most replicas a role may have
         "maxJobGpus": 1024,
