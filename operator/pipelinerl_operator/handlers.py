@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
+from datetime import datetime, timezone
 from typing import Any
 
 import aiohttp.web
@@ -26,10 +28,17 @@ from pipelinerl_operator.names import role_name
 from pipelinerl_operator.nats_store import JobRecord, Reservations, accounts_secret, accounts_secret_name
 from pipelinerl_operator.reconcile import Overtaken, event, job_streams, operator_config, owned_by
 from pipelinerl_operator.reconcile import run as run_pass
-from pipelinerl_operator.status import starting_point
+from pipelinerl_operator.status import at_rest, starting_point, ttl_expired
 
 FINALIZER = f"{API_GROUP}/cleanup"
 RESYNC_SECONDS = float(os.environ.get(OperatorEnv.RESYNC_SECONDS, "15"))
+# A job at rest (ended, or suspended, its pods and its store's room gone: `status.at_rest`) is
+# passed over by the resync for this long after a pass that found and left it so: a pass is some
+# 25 API calls (every child read and applied, the StatefulSets and pods read), and jobs that ended
+# stay until deleted (hundreds where no ttlSecondsAfterFinished is set), each costing them every
+# RESYNC_SECONDS. An edit still makes a pass at once (the change handlers); a child edited or
+# deleted by hand is put back within this long; a TTL that runs out is acted on at the next tick.
+IDLE_RESYNC_SECONDS = 300.0
 
 
 # An admission review holds the job at most twice (an update's old and new objects), each its
@@ -59,6 +68,7 @@ class _State:
     # Per job, this replica's last pass: the version it read, the status it wrote and the version
     # that write made (status.starting_point: kopf's body lags behind our own writes).
     last: dict[str, tuple[str | None, dict[str, Any], str | None]] = {}
+    rested: dict[str, float] = {}  # per job, when (monotonic) a pass last found and left it at rest
     store: Reservations = Reservations()  # the chart's NATS store (nats_store.py)
 
 
@@ -69,6 +79,7 @@ STATE = _State()
 async def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     STATE.locks.clear()
     STATE.last.clear()
+    STATE.rested.clear()
     STATE.store = Reservations()
     # One finalizer for kopf's timer bookkeeping and our stream cleanup.
     settings.persistence.finalizer = FINALIZER
@@ -221,6 +232,7 @@ def forget_gone(jobs: kopf.Index) -> None:
     live = {_state_key(ns, name, r.uid) for (ns, name), records in jobs.items() for r in records}
     for key in [k for k in STATE.last if k not in live]:
         del STATE.last[key]
+        STATE.rested.pop(key, None)
     for key in [k for k, lock in STATE.locks.items() if k not in live and not lock.locked()]:
         del STATE.locks[key]
 
@@ -240,7 +252,23 @@ async def reconcile(
         start = starting_point(body, STATE.last.get(key))
         status, written = await run_pass(STATE.kube, STATE.store, body, start, logger, jobs)
         STATE.last[key] = (read, status, written)
+        if at_rest(start[0]) and at_rest(status):
+            STATE.rested[key] = time.monotonic()
+        else:
+            STATE.rested.pop(key, None)
         return status
+
+
+def resting(body: kopf.Body) -> bool:
+    """Whether the resync passes over the job now: this replica's latest pass over it found and
+    left it at rest less than IDLE_RESYNC_SECONDS ago, and its TTL, if any, has not run out."""
+    meta = body["metadata"]
+    key = _state_key(meta["namespace"], meta["name"], meta.get("uid"))
+    since, last = STATE.rested.get(key), STATE.last.get(key)
+    if since is None or last is None or time.monotonic() - since >= IDLE_RESYNC_SECONDS:
+        return False
+    ttl = ((body.get("spec") or {}).get("runPolicy") or {}).get("ttlSecondsAfterFinished")
+    return not ttl_expired(last[1], ttl if isinstance(ttl, int) else None, datetime.now(timezone.utc))
 
 
 async def on_change(
@@ -286,7 +314,8 @@ async def resumed(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
 # not after kopf's default backoff for errors (60 s): every pass is idempotent.
 @kopf.timer(API_GROUP, VERSION, PLURAL, interval=RESYNC_SECONDS, initial_delay=RESYNC_SECONDS, backoff=RESYNC_SECONDS)  # type: ignore[arg-type]
 async def resync(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
-    await reconcile(body, logger, jobs)
+    if not resting(body):
+        await reconcile(body, logger, jobs)
 
 
 @kopf.on.delete(API_GROUP, VERSION, PLURAL)  # type: ignore[arg-type]
@@ -303,6 +332,7 @@ async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: A
         await _delete_job(body, name, ns, uid, logger, jobs)
         STATE.locks.pop(key, None)
         STATE.last.pop(key, None)
+        STATE.rested.pop(key, None)
 
 
 async def _delete_job(

@@ -525,6 +525,19 @@ def events_between(prev: dict[str, Any], new: dict[str, Any]) -> list[Event]:
     return events
 
 
+def at_rest(status: dict[str, Any]) -> bool:
+    """Whether nothing but an edit moves the job on: ended or suspended, no pod of it left, no
+    room held in the NATS store (its streams' release takes passes), nothing refused that a
+    change in the cluster could let through (ApplyRefused: a name taken, a claim in the way)."""
+    ready: dict[str, Any] = next((c for c in status.get("conditions") or [] if c.get("type") == "Ready"), {})
+    return (
+        status.get("phase") in ("Succeeded", "Failed", "Suspended")
+        and not status.get("natsReservedBytes")
+        and ready.get("reason") != "ApplyRefused"
+        and not any((r or {}).get("replicas") for r in (status.get("roles") or {}).values())
+    )
+
+
 def ttl_expired(status: dict[str, Any], ttl_seconds: int | None, now: datetime) -> bool:
     if ttl_seconds is None or not is_terminal(status) or not status.get("completionTime"):
         return False

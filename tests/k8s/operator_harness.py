@@ -10,6 +10,7 @@ play the API server's validation where a test needs a write refused (`Emulator.r
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import uuid
@@ -100,6 +101,7 @@ class Emulator(kmock.KubernetesEmulator):
     # its own client's, told apart from this harness's by their User-Agent (tests/k8s/chart.py
     # holds them against the chart's RBAC, which the emulator does not enforce).
     calls: set[tuple[str, str, str, str | None]] = set()
+    counts: collections.Counter[str] = collections.Counter()  # the operator's calls per resource (plural)
 
     def _record(self, request) -> None:  # type: ignore[no-untyped-def]
         agent = str((request.headers or {}).get("User-Agent", ""))
@@ -114,6 +116,7 @@ class Emulator(kmock.KubernetesEmulator):
             )
         resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
         self.calls.add((request.resource.group or "", resource, verb, request.name))
+        self.counts[request.resource.plural] += 1
 
     def _current(self, request) -> dict[str, Any]:  # type: ignore[no-untyped-def]
         for (res, ns, name), obj in list(self.objects.items()):
@@ -220,6 +223,7 @@ def _nested(path: str, value: Any) -> dict[str, Any]:
 async def emulator() -> AsyncIterator[Emulator]:
     async with Emulator() as handler, kmock.Server(handler):
         handler.creates, handler.refuse, handler.failing, handler.calls = [], {}, set(), set()
+        handler.counts = collections.Counter()
         handler.gates, handler.waiting, handler.stall = {}, asyncio.Event(), None
         declare(handler)
         yield handler

@@ -17,7 +17,7 @@ from job_views import ROLES, STS, all_ready, allow, condition, events, manifest,
 from operator_harness import JOBS, NS, eventually, running_operator
 from pipelinerl.contracts import JobSubjects, OperatorEnv
 from pipelinerl.store import ensure_streams
-from pipelinerl_operator import metrics
+from pipelinerl_operator import handlers, metrics
 
 
 async def test_create_renders_children_and_turns_ready_with_progress(cluster) -> None:
@@ -475,6 +475,30 @@ async def test_operator_restart_creates_no_duplicates(cluster) -> None:
     creates_after = [c for c in emulator.creates if not c.startswith("events/")]
     assert creates_after == creates_before and len(set(creates_after)) == len(creates_after) == 1 + 9, creates_after
     assert condition(emulator, "Ready")["status"] == "True"
+
+
+async def test_a_job_at_rest_costs_the_resync_no_call_until_its_idle_stretch_ends(cluster, monkeypatch) -> None:
+    """A suspended job (no pods, no room in the store) is at rest once a pass found it so: the
+    resync (every 0.3 s here) makes no API call for it for IDLE_RESYNC_SECONDS, then one pass
+    puts back a StatefulSet deleted by hand; an edit (the resume) is acted on at once."""
+    emulator, api, _ = cluster
+    monkeypatch.setattr(handlers, "IDLE_RESYNC_SECONDS", 6.0)
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest(suspend=True))
+        await eventually(lambda: status(emulator).get("phase") == "Suspended", what="Suspended")
+        await eventually(lambda: handlers.STATE.rested, what="at rest")
+        emulator.counts.clear()
+        await asyncio.sleep(2.0)  # six resync ticks
+        assert not emulator.counts, emulator.counts
+        await api._call("DELETE", f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo-prl-generator")
+        await eventually(lambda: obj(emulator, STS, "demo-prl-generator"), timeout_s=15, what="put back")
+        assert emulator.counts["statefulsets"] > 0
+        await api.patch_job("demo", {"spec": {"suspend": False}})
+        await eventually(lambda: _replicas(obj(emulator, STS, "demo-prl-trainer")) == 2, timeout_s=3, what="resumed")
+
+
+def _replicas(sts: dict[str, Any] | None) -> int:
+    return int(((sts or {}).get("spec") or {}).get("replicas") or 0)
 
 
 async def test_deletion_removes_this_jobs_nats_streams(cluster, nats_url: str, monkeypatch) -> None:

@@ -10,7 +10,15 @@ from pydantic import ValidationError
 from pipelinerl.contracts import TrainerStatus
 from pipelinerl.crd import JobStatus
 from pipelinerl_operator.pods import PodProblem, pod_problems, trainer_gang_to_restart
-from pipelinerl_operator.status import Observed, RoleObserved, compute, merge_patch, starting_point, ttl_expired
+from pipelinerl_operator.status import (
+    Observed,
+    RoleObserved,
+    at_rest,
+    compute,
+    merge_patch,
+    starting_point,
+    ttl_expired,
+)
 
 T0 = datetime(2026, 11, 22, 3, 0, tzinfo=timezone.utc)
 UP = {"generator": RoleObserved(2, 2, 2), "preprocessor": RoleObserved(1, 1, 1), "trainer": RoleObserved(1, 1, 1)}
@@ -180,6 +188,22 @@ def test_ttl() -> None:
     assert not ttl_expired(done, None, T0 + timedelta(days=9))
     assert not ttl_expired(done, 60, T0 + timedelta(seconds=30))
     assert ttl_expired(done, 60, T0 + timedelta(seconds=60))
+
+
+def test_a_job_is_at_rest_once_ended_or_suspended_with_nothing_left_to_move() -> None:
+    """What the resync passes over (handlers.resting): no pod left, no store room held, nothing
+    refused that the cluster could let through; a running job never."""
+    gone = {r: RoleObserved(0, 0, 0) for r in UP}
+    assert not at_rest(run()[0])
+    done, _ = run(trainer_status={"finished": True, "step": 1})
+    assert done["phase"] == "Succeeded" and not at_rest(done)  # its pods not gone yet
+    stopped, _ = run(previous=done, roles=gone, trainer_status={"finished": True, "step": 1})
+    assert stopped["phase"] == "Succeeded" and at_rest(stopped)
+    assert not at_rest(stopped | {"natsReservedBytes": 1 << 20})  # its streams' release takes passes
+    suspended, _ = run(roles=gone, suspend=True)
+    assert suspended["phase"] == "Suspended" and at_rest(suspended)
+    refused, _ = run(roles=gone, suspend=True, apply_error="PersistentVolumeClaim run-x was made before this job")
+    assert cond(refused, "Ready")["reason"] == "ApplyRefused" and not at_rest(refused)
 
 
 def test_generators_out_of_the_weight_group_degrade_the_job() -> None:
