@@ -19,7 +19,7 @@ import hmac
 import os
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -355,12 +355,18 @@ class WeightGroup:
             self.close()
         return refused
 
-    def _broadcast(self, buf: torch.Tensor, what: str) -> None:
+    def _broadcast(self, buf: torch.Tensor, what: str, meanwhile: Callable[[], Any] | None = None) -> Any:
+        """Broadcast `buf` and wait for it; `meanwhile` (its result returned) is called once the
+        broadcast is issued, before the wait: on a GPU its work is queued on the current stream
+        while the collective runs on NCCL's, which waited for the current stream up to its issue."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         t0 = time.monotonic()
         try:
-            self.pg.broadcast([buf], opts).wait()
+            work = self.pg.broadcast([buf], opts)
+            ahead = meanwhile() if meanwhile is not None else None
+            work.wait()
+            return ahead
         except RuntimeError as e:  # gloo, and NCCL with blocking wait, raise on a timeout or a lost peer
             self.failed = True
             peers = f"{self.world_size - 1} generators" if self.rank == 0 else "trainer"
@@ -381,8 +387,14 @@ class WeightGroup:
             raise RuntimeError("broadcast is for rank 0 (trainer)")
         if snapshot.device != self.device:
             raise ValueError(f"a snapshot for {snapshot.device} sent over a group on {self.device}")
-        for i, buf in enumerate(snapshot.outgoing()):
-            self._broadcast(buf, f"bucket {i + 1}/{len(snapshot.buffers)}, {buf.numel() * buf.element_size()} bytes")
+        n = len(snapshot.buffers)
+        buf = snapshot.stage(0) if n else None
+        for i in range(n):
+            assert buf is not None
+            # A staged snapshot's next bucket is copied into the other slot while this one is sent.
+            following = (lambda i=i: snapshot.stage(i + 1)) if i + 1 < n else None
+            what = f"bucket {i + 1}/{n}, {buf.numel() * buf.element_size()} bytes"
+            buf = self._broadcast(buf, what, following)
 
     def receive_buckets(self, buckets: list[dict[str, Any]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Receiver: yields (name, tensor) views, receiving each bucket lazily into the ring of
@@ -469,24 +481,24 @@ class Snapshot:
             torch.empty(b["numel"], dtype=DTYPES[b["dtype"]], device=home, pin_memory=pinned) for b in buckets
         ]
         self.version: int | None = None  # of the weights packed (None: nothing yet)
-        self._ring: list[torch.Tensor] = []  # staged: allocated at the first send, kept
+        # Staged: SEND_RING buffers of the largest bucket on `device`, allocated now (beside
+        # training, a GPU out of memory would fail an update mid-run instead of the start).
+        nbytes = max(map(bucket_nbytes, buckets), default=0)
+        slots = min(SEND_RING, len(buckets)) if staged else 0
+        self._ring = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
 
-    def outgoing(self) -> Iterator[torch.Tensor]:
-        """Each bucket's buffer as the transport sends it, in order: the buffer itself, or
-        (staged) its copy in ring slot i % SEND_RING. Consume each before asking for the next:
-        the next copy into a slot is queued on the sending stream after that stream's wait for
-        the broadcast of the bucket the slot held, so it never overwrites one still being sent."""
+    def stage(self, index: int) -> torch.Tensor:
+        """Bucket `index`'s buffer as the transport sends it: the buffer itself, or (staged) its
+        copy in ring slot index % SEND_RING, queued on the current stream (from pinned memory:
+        the host goes on). The caller queues it once the broadcast of the bucket that slot held
+        was waited for on that stream (`WeightGroup.broadcast`: while the broadcast of the bucket
+        in the other slot is under way), so it never overwrites a bucket still being sent."""
+        buf = self.buffers[index]
         if not self.staged:
-            yield from self.buffers
-            return
-        nbytes = max(map(bucket_nbytes, self.buckets), default=0)
-        if not self._ring:
-            slots = min(SEND_RING, len(self.buckets))
-            self._ring = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(slots)]
-        for i, buf in enumerate(self.buffers):
-            slot = self._ring[i % SEND_RING][: bucket_nbytes(self.buckets[i])].view(buf.dtype)
-            slot.copy_(buf, non_blocking=True)  # from pinned memory: queued on the sending stream
-            yield slot
+            return buf
+        slot = self._ring[index % SEND_RING][: bucket_nbytes(self.buckets[index])].view(buf.dtype)
+        slot.copy_(buf, non_blocking=True)
+        return slot
 
     def handoff(self) -> contextlib.AbstractContextManager:
         """What a thread that sends the buffers while the caller trains on sends them in. On a GPU,

@@ -282,7 +282,8 @@ class LocalRun:
                 self.evals.append(record)
                 tag = "warm start" if record["version"] == 0 else ("final" if record.get("final") else "eval")
                 lo, hi = record.get("weights_version_min"), record.get("weights_version_max")
-                weights = f" (weights of versions {lo}-{hi}: updates landed meanwhile)" if lo != hi else ""
+                newer = lo is not None and (lo, hi) != (record["version"], record["version"])
+                weights = f" (made with the weights of versions {lo}-{hi})" if newer else ""
                 self.say(
                     f"  [{tag}] version {record['version']}: held-out accuracy {record['accuracy']:.1%} "
                     f"on {record['problems']} problems{weights}"

@@ -147,7 +147,14 @@ async def apply_owned(
     the job's pods never get it; one it makes is written into the job's status at once (a pass
     that fails or is refused later must not lose it): over the pass's version, else whatever the
     job's version, and the pass is overtaken. Returns why it stopped (None: all applied) and the
-    Secret the operator has made, as the status keeps it."""
+    Secret the operator has made, as the status keeps it. Before any: a claim in the way of pods
+    about to start (`_earlier_claim`), which would leave the job's other pods holding their GPUs
+    with no trainer."""
+    try:
+        if earlier := await _earlier_claim(kube, ref, children):
+            return earlier, made
+    except KubeError as err:
+        return f"reading the trainers' claims: {err}", made
     for obj in children:
         meta = obj["metadata"]
         what = f"{obj['kind']} {meta['name']}"
@@ -167,31 +174,35 @@ async def apply_owned(
                 ), made
             if _stops_pods(existing, obj):  # a stale pass (suspended, ended) must not stop a resumed job's
                 await ref.still_current(kube)
-            if _replicas(obj) > _replicas(existing) and (earlier := await _earlier_claim(kube, ref, obj)):
-                return earlier, made
             await kube.apply(obj)
         except KubeError as err:
             return f"{what}: {err}", made
     return None, made
 
 
-async def _earlier_claim(kube: Kube, ref: JobRef, sts: dict[str, Any]) -> str | None:
-    """Why a StatefulSet about to start pods must not: a claim its pods would mount (the claims
-    are named for the job, `<template>-<statefulset>-<ordinal>`, not for its uid) that was made
-    before the job, so an earlier job of its name kept it when it was deleted
-    (`runPolicy.checkpointRetention`). Mounted, its checkpoints would be taken for this job's
-    (the trainer then finds its store lost), and a retention policy of Delete would delete them
-    with this job. One of this job's own (kept while it was suspended, or past a StatefulSet
-    deleted by hand) was made after it. None where there is none."""
+async def _earlier_claim(kube: Kube, ref: JobRef, children: list[dict[str, Any]]) -> str | None:
+    """Why the children's StatefulSets about to start pods (made, resumed) must not: a claim
+    their pods would mount (the claims are named for the job, `<template>-<statefulset>-<ordinal>`,
+    not for its uid) that was made before the job, so an earlier job of its name kept it when it
+    was deleted (`runPolicy.checkpointRetention`). Mounted, its checkpoints would be taken for
+    this job's (the trainer then finds its store lost), and a retention policy of Delete would
+    delete them with this job. One of this job's own (kept while it was suspended, or past a
+    StatefulSet deleted by hand) was made after it. None where there is none."""
     if not ref.created:
         return None
     created = parse_ts(ref.created)
-    name = sts["metadata"]["name"]
-    for template in sts["spec"].get("volumeClaimTemplates") or []:
-        for ordinal in range(_replicas(sts)):
-            claim = f"{template['metadata']['name']}-{name}-{ordinal}"
-            found = await kube.get("v1", "PersistentVolumeClaim", ref.namespace, claim)
-            made = ((found or {}).get("metadata") or {}).get("creationTimestamp")
+    for sts in children:
+        templates = sts["spec"].get("volumeClaimTemplates") if sts["kind"] == "StatefulSet" else None
+        if not templates or not _replicas(sts):
+            continue
+        name = sts["metadata"]["name"]
+        if _replicas(await kube.get("apps/v1", "StatefulSet", ref.namespace, name)) >= _replicas(sts):
+            continue  # its pods run, on claims they hold
+        for claim in (f"{t['metadata']['name']}-{name}-{i}" for t in templates for i in range(_replicas(sts))):
+            found = (await kube.get("v1", "PersistentVolumeClaim", ref.namespace, claim) or {}).get("metadata") or {}
+            made = found.get("creationTimestamp")
+            if made and found.get("deletionTimestamp"):
+                return f"PersistentVolumeClaim {claim} is being deleted: the pods that mount it start once it is gone"
             if made and parse_ts(made) < created:
                 return (
                     f"PersistentVolumeClaim {claim} was made at {made}, before this job ({ref.created}): an earlier "

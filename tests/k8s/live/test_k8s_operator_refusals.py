@@ -172,8 +172,9 @@ async def test_an_object_the_job_does_not_own_is_never_taken_over(cluster) -> No
 
 async def test_a_trainer_volume_an_earlier_job_of_its_name_kept_is_never_mounted(cluster) -> None:
     """A claim named as the trainer's first pod's (`run-<statefulset>-0`) made before the job, as
-    one an earlier job of the name left (runPolicy.checkpointRetention): no trainer StatefulSet
-    is made to mount it, the condition says which claim and what to do; once it is gone, and one
+    one an earlier job of the name left (runPolicy.checkpointRetention): no StatefulSet is made
+    (the trainers would mount it, the others hold GPUs with no trainer), the condition says which
+    claim and what to do; once it is gone, and one
     made with the job stands in its place (the job's own, kept past a StatefulSet deleted by
     hand), the trainers are applied."""
     emulator, api, _ = cluster
@@ -193,7 +194,7 @@ async def test_a_trainer_volume_an_earlier_job_of_its_name_kept_is_never_mounted
             "PersistentVolumeClaim run-demo-prl-trainer-0 was made at 2026-11-21T09:00:00Z, before this job" in message
         )
         assert "kubectl delete pvc run-demo-prl-trainer-0 -n team-a" in message
-        assert not obj(emulator, STS, "demo-prl-trainer")
+        assert not any(obj(emulator, STS, f"demo-prl-{r}") for r in ROLES)  # no GPU held without a trainer
         await api._call("DELETE", f"{claims}/run-demo-prl-trainer-0")
         del kept["metadata"]["creationTimestamp"]  # made now: the emulator stamps it as it stamped the job
         await api.create(claims, kept)
