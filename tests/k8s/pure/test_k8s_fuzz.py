@@ -29,6 +29,7 @@ LISTS = {
     "tolerations": [{"key": "nvidia.com/gpu"}],
     "podMetadataPrefixes": ["example.com"],
     "localhostProfiles": ["profiles/vetted.json"],
+    "storageClassNames": ["fast"],
 }
 POLICIES = {  # references listed by name; or every name listed, where only the never-rules stand
     "listed": parse_policy(
@@ -47,7 +48,7 @@ STRINGS = {
     "name": ["hf-token", "settings", "models", "hf-token", "settings", "models", "NVIDIA_MOFED", "NVIDIA_GDS",
              "other-pipelinerl-credentials", "sh.helm.release.v1.rl.v1",
              "rl-pipelinerl-auth", "team-b-data", "run-other-prl-trainer-0", "other-pipelinerl-config",
-             "data-rl-pipelinerl-nats-0", "generator", "trainer", "side"],
+             "data-rl-pipelinerl-nats-0", "generator", "trainer", "side", "fast", "premium"],
     "cidr": ["10.0.0.0/8", "64:ff9b::a00:0/104", "0.0.0.0/0", "::ffff:169.254.169.254/128"],
     "path": ["/", "/var/run/docker.sock", "/models", "profiles/vetted.json", "profiles/open.json"],
     "other": ["true", "false", "Always", "IfNotPresent", "Never", "Localhost", "RuntimeDefault", "Unconfined",
@@ -151,6 +152,10 @@ class Draw:
             field = rng.choice(focus if rng.random() < 0.6 else names)
             if field not in ("name", "containers"):
                 target[field] = self.value(schema["properties"][field], field, 2)
+        if rng.random() < 0.1:  # a claim's storage class: deeper than the drawn fields reach
+            claim = {"storageClassName": rng.choice(STRINGS["name"]), "resources": {"requests": {"storage": "1Gi"}}}
+            volume = {"name": "scratch", "ephemeral": {"volumeClaimTemplate": {"spec": claim}}}
+            spec["volumes"] = [v for v in spec.get("volumes") or [] if isinstance(v, dict)] + [volume]
         return template
 
 
@@ -245,6 +250,9 @@ def leaks(pod: dict[str, Any], policy: JobPolicy, defaults: tuple[str, ...], own
         kinds = set(v) - {"name"}
         if kinds - VOLUME_KINDS:
             out.append(f"volume {kinds}")
+        claim = ((v.get("ephemeral") or {}).get("volumeClaimTemplate") or {}).get("spec") or {}
+        if "storageClassName" in claim and claim["storageClassName"] not in policy.storage_class_names:
+            out.append(f"storage class {claim['storageClassName']!r}")
         size = (v.get("emptyDir") or {}).get("sizeLimit")
         try:
             if size is not None and kube_number(size) > volume_cap:
