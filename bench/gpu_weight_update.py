@@ -3,9 +3,9 @@ weights packed from the trainer's DeepSpeed engine (ZeRO-1, bf16) into the train
 broadcast over NCCL to a receiver process on the same GPU and received into a generator's
 buffers, the way `WeightSender` and the generator's receiver do it (`full_parameters`,
 `Snapshot.pack`, `WeightGroup.form/join`, `receive_buckets`). Two sides, alternating round by
-round: the snapshot on the GPU, and staged (in pinned host memory, each bucket copied back
-through a ring of two GPU buffers as it is sent: what the trainer does for a model more than
-`SNAPSHOT_GPU_SHARE` of its GPU, `snapshot_staged`). Every bucket is checked exact (a checksum
+round: the snapshot on the GPU, and in pinned host memory (each bucket copied back through a
+ring of two GPU buffers as it is sent: what the trainer does for a model more than
+`SNAPSHOT_GPU_SHARE` of its GPU, `snapshot_in_host`). Every bucket is checked exact (a checksum
 on each side).
 
 One GPU holds both ranks: NCCL refuses two ranks of one host on one device, so each process
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     params = named_weights(engine)
     by_name = dict(params)
     buckets = plan_buckets([(n, list(p.shape), dtype_name(p.dtype)) for n, p in params], args.bucket_mb << 20)
-    snapshots = {"gpu": Snapshot(buckets, device), "staged": Snapshot(buckets, device, staged=True)}
+    snapshots = {"gpu": Snapshot(buckets, device), "host": Snapshot(buckets, device, in_host=True)}
     nbytes = sum(map(bucket_nbytes, buckets))
     transport = "NCCL on one GPU (two NCCL_HOSTIDs)" if on_gpu else "gloo on the CPU"
     what = (
@@ -182,12 +182,12 @@ def main(argv: list[str] | None = None) -> None:
             [side, k, med[side][k], f"{min(v):.3f}-{max(v):.3f}"] for side, t in times.items() for k, v in t.items()
         ]
         print(table(["snapshot", "phase", "seconds (median)", "spread"], rows))
-        gpu, staged = med["gpu"], med["staged"]
+        gpu, host = med["gpu"], med["host"]
         verdict = (
             f"VERDICT weight update {args.size}: {gpu['update']:.3g} s end to end (pack {gpu['pack']:.3g} s, "
-            f"broadcast {gpu['broadcast']:.3g} s at {gbps['gpu']:.3g} GB/s); staged through host memory "
-            f"{staged['update']:.3g} s ({staged['update'] / gpu['update']:.2f}×: pack {staged['pack']:.3g} s, "
-            f"broadcast {staged['broadcast']:.3g} s), " + ("received exactly" if exact else "RECEIVED WEIGHTS DIFFER")
+            f"broadcast {gpu['broadcast']:.3g} s at {gbps['gpu']:.3g} GB/s); kept in host memory "
+            f"{host['update']:.3g} s ({host['update'] / gpu['update']:.2f}×: pack {host['pack']:.3g} s, "
+            f"broadcast {host['broadcast']:.3g} s), " + ("received exactly" if exact else "RECEIVED WEIGHTS DIFFER")
         )
         result |= {
             "seconds": {side: {k: summary(v) for k, v in t.items()} for side, t in times.items()},

@@ -49,10 +49,10 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 # the loader still copies out of bucket i - 1. Two bound the update's transfer memory at two
 # buckets, whatever the model's size (one per bucket was the whole unsharded model, kept).
 RECEIVE_RING = 2
-SEND_RING = 2  # a staged snapshot's bucket buffers on the sender's GPU (`Snapshot`), likewise
+SEND_RING = 2  # a host snapshot's bucket buffers on the sender's GPU (`Snapshot`), likewise
 # The trainer's snapshot stays on its GPU only where the whole model takes at most this share of
 # the GPU's memory (bfloat16 on an 80 GB H100: up to ~10B parameters, so a 7B model's 15 GB stays,
-# as at the paper's scale; 14B and larger are kept in host memory: `snapshot_staged`). DeepSpeed
+# as at the paper's scale; 14B and larger are kept in host memory: `snapshot_in_host`). DeepSpeed
 # keeps no budget for it: the ZeRO states (16 bytes a parameter in mixed precision, over the
 # ranks under ZeRO-3: 15 GB a GPU for 7B over 8), the gathered layers and a step's activations
 # share the GPU with it.
@@ -125,11 +125,11 @@ def buffer_device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def snapshot_staged(model_bytes: int, device: torch.device, gpu_bytes: int | None = None) -> bool:
+def snapshot_in_host(model_bytes: int, device: torch.device, gpu_bytes: int | None = None) -> bool:
     """Whether the trainer's snapshot of a model of `model_bytes` (in the planned dtypes) is kept
-    in host memory and staged through the GPU bucket by bucket (`Snapshot`): only for a GPU
+    in host memory and sent through the GPU bucket by bucket (`Snapshot`): only for a GPU
     transport, where the model is more than SNAPSHOT_GPU_SHARE of the GPU's memory (`gpu_bytes`:
-    the device's total where not given). A staged update costs a copy to the host as it is packed
+    the device's total where not given). Such an update costs a copy to the host as it is packed
     and a copy back as it is sent, and host memory the size of the model on rank 0's node."""
     if device.type != "cuda":
         return False
@@ -391,7 +391,7 @@ class WeightGroup:
         buf = snapshot.stage(0) if n else None
         for i in range(n):
             assert buf is not None
-            # A staged snapshot's next bucket is copied into the other slot while this one is sent.
+            # A host snapshot's next bucket is copied into the other slot while this one is sent.
             following = (lambda i=i: snapshot.stage(i + 1)) if i + 1 < n else None
             what = f"bucket {i + 1}/{n}, {buf.numel() * buf.element_size()} bytes"
             buf = self._broadcast(buf, what, following)
@@ -469,32 +469,32 @@ class Snapshot:
     """Weights packed into one flat buffer per bucket, where the transport sends from: the
     trainer keeps the last version sent, so a generator that joins later gets it without the
     trainer ranks gathering again. One copy of the model, on the transport's `device` (host
-    memory with gloo, GPU memory with NCCL) or, `staged`, in host memory (pinned where the
+    memory with gloo, GPU memory with NCCL) or, `in_host`, in host memory (pinned where the
     transport is a GPU), each bucket copied into a ring of SEND_RING bucket buffers on `device`
     as it is sent: what a model that would take too much of the trainer's GPU costs there
-    (`snapshot_staged`)."""
+    (`snapshot_in_host`)."""
 
-    def __init__(self, buckets: list[dict[str, Any]], device: torch.device, staged: bool = False) -> None:
-        self.buckets, self.device, self.staged = buckets, device, staged
-        home, pinned = (torch.device("cpu"), device.type == "cuda") if staged else (device, False)
+    def __init__(self, buckets: list[dict[str, Any]], device: torch.device, in_host: bool = False) -> None:
+        self.buckets, self.device, self.in_host = buckets, device, in_host
+        home, pinned = (torch.device("cpu"), device.type == "cuda") if in_host else (device, False)
         self.buffers = [
             torch.empty(b["numel"], dtype=DTYPES[b["dtype"]], device=home, pin_memory=pinned) for b in buckets
         ]
         self.version: int | None = None  # of the weights packed (None: nothing yet)
-        # Staged: SEND_RING buffers of the largest bucket on `device`, allocated now (beside
+        # In host memory: SEND_RING buffers of the largest bucket on `device`, allocated now (beside
         # training, a GPU out of memory would fail an update mid-run instead of the start).
         nbytes = max(map(bucket_nbytes, buckets), default=0)
-        slots = min(SEND_RING, len(buckets)) if staged else 0
+        slots = min(SEND_RING, len(buckets)) if in_host else 0
         self._ring = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(slots)]
 
     def stage(self, index: int) -> torch.Tensor:
-        """Bucket `index`'s buffer as the transport sends it: the buffer itself, or (staged) its
+        """Bucket `index`'s buffer as the transport sends it: the buffer itself, or (in host memory) its
         copy in ring slot index % SEND_RING, queued on the current stream (from pinned memory:
         the host goes on). The caller queues it once the broadcast of the bucket that slot held
         was waited for on that stream (`WeightGroup.broadcast`: while the broadcast of the bucket
         in the other slot is under way), so it never overwrites a bucket still being sent."""
         buf = self.buffers[index]
-        if not self.staged:
+        if not self.in_host:
             return buf
         slot = self._ring[index % SEND_RING][: bucket_nbytes(self.buckets[index])].view(buf.dtype)
         slot.copy_(buf, non_blocking=True)

@@ -35,7 +35,7 @@ from pipelinerl.weight_group import (
     join_window,
     open_store,
     plan_buckets,
-    snapshot_staged,
+    snapshot_in_host,
 )
 
 HOST = "127.0.0.1"
@@ -46,10 +46,10 @@ def plan_buckets_for(tensors, bucket_bytes):
     return plan_buckets([(n, list(t.shape), dtype_name(t.dtype)) for n, t in tensors.items()], bucket_bytes)
 
 
-def send(group, tensors, buckets, staged=False, snapshot=None):
+def send(group, tensors, buckets, in_host=False, snapshot=None):
     """Pack `tensors` and broadcast them as the trainer does in flight: from a thread of its own,
     in the stream `Snapshot.handoff` gives it. Returns the snapshot (pass it back to reuse it)."""
-    snapshot = snapshot or Snapshot(buckets, group.device, staged)
+    snapshot = snapshot or Snapshot(buckets, group.device, in_host)
     for i in range(len(buckets)):
         snapshot.pack(i, tensors)
     handoff, failed = snapshot.handoff(), []
@@ -130,12 +130,12 @@ def test_plan_for_tensors_is_plain_data_and_rejects_bad_input():
 
 def test_the_trainer_keeps_its_snapshot_on_its_gpu_only_where_the_model_is_a_small_share_of_it():
     cuda, h100, gib = torch.device("cuda", 0), 80 * 2**30, 2**30
-    assert not snapshot_staged(3 * gib, cuda, h100)  # 1.5B in bfloat16
-    assert not snapshot_staged(15 * gib, cuda, h100)  # 7B
-    assert not snapshot_staged(20 * gib, cuda, h100)  # a quarter: still on the GPU
-    assert snapshot_staged(20 * gib + 1, cuda, h100)
-    assert snapshot_staged(28 * gib, cuda, h100)  # 14B: host memory, staged through the GPU
-    assert not snapshot_staged(10**12, torch.device("cpu"))  # gloo sends from host memory anyway
+    assert not snapshot_in_host(3 * gib, cuda, h100)  # 1.5B in bfloat16
+    assert not snapshot_in_host(15 * gib, cuda, h100)  # 7B
+    assert not snapshot_in_host(20 * gib, cuda, h100)  # a quarter: still on the GPU
+    assert snapshot_in_host(20 * gib + 1, cuda, h100)
+    assert snapshot_in_host(28 * gib, cuda, h100)  # 14B: host memory, sent through the GPU
+    assert not snapshot_in_host(10**12, torch.device("cpu"))  # gloo sends from host memory anyway
 
 
 def test_a_snapshot_is_sent_only_over_a_group_on_its_device():
@@ -185,10 +185,10 @@ def _idle_member(port, world, timeout_s, hold_s, ready):
     group.close()
 
 
-@pytest.mark.parametrize("staged", [False, True], ids=["snapshot", "staged-snapshot"])
-def test_broadcast_round_trips_to_two_receivers_are_exact(port, staged):
-    """Twice, the second update over the first's buffers; a staged snapshot (host memory, each
-    bucket sent through a ring of two: `snapshot_staged`) delivers the same bytes."""
+@pytest.mark.parametrize("in_host", [False, True], ids=["gpu-snapshot", "host-snapshot"])
+def test_broadcast_round_trips_to_two_receivers_are_exact(port, in_host):
+    """Twice, the second update over the first's buffers; a snapshot in host memory (each
+    bucket sent through a ring of two: `snapshot_in_host`) delivers the same bytes."""
     g = torch.Generator().manual_seed(0)
     tensors = {
         "embed": torch.randn(7, 5, generator=g),
@@ -208,9 +208,9 @@ def test_broadcast_round_trips_to_two_receivers_are_exact(port, staged):
     try:
         sender = WeightGroup.form(open_store(HOST, port, True, 30.0), "g", 3, 30.0)
         second = {n: -2 * t for n, t in tensors.items()}
-        snapshot = send(sender, tensors, buckets, staged)
+        snapshot = send(sender, tensors, buckets, in_host)
         send(sender, second, buckets, snapshot=snapshot)
-        if staged:  # two bucket buffers on the transport's device, kept, whatever the bucket count
+        if in_host:  # two bucket buffers on the transport's device, kept, whatever the bucket count
             assert [r.numel() for r in snapshot._ring] == [max(map(bucket_nbytes, buckets))] * 2
         results = {}
         for _ in procs:
@@ -856,11 +856,11 @@ def test_nccl_without_a_gpu_is_refused_before_any_rendezvous(port):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS < 1, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("staged", [False, True], ids=["snapshot", "staged-snapshot"])
-def test_nccl_broadcast_round_trips_gpu_to_gpu(port, monkeypatch, staged):
+@pytest.mark.parametrize("in_host", [False, True], ids=["gpu-snapshot", "host-snapshot"])
+def test_nccl_broadcast_round_trips_gpu_to_gpu(port, monkeypatch, in_host):
     """On two GPUs, or on one: NCCL refuses two ranks of one host on one device, so there each
     process names its own NCCL_HOSTID and NCCL takes them for two hosts (socket transport). A
-    staged snapshot (pinned host memory, each bucket copied into a ring of two on the GPU on the
+    snapshot in host memory (pinned, each bucket copied into a ring of two on the GPU on the
     broadcast's stream) delivers the same bytes: a copy into a slot still being sent would not."""
     torch.cuda.set_device(0)
     if GPUS == 1:
@@ -881,9 +881,9 @@ def test_nccl_broadcast_round_trips_gpu_to_gpu(port, monkeypatch, staged):
     proc.start()
     sender = WeightGroup.form(open_store(HOST, port, True, 60.0), "g", 2, 60.0, backend="nccl")
     assert sender.device.type == "cuda"
-    snapshot = send(sender, tensors, buckets, staged)
+    snapshot = send(sender, tensors, buckets, in_host)
     send(sender, second, buckets, snapshot=snapshot)
-    assert snapshot.buffers[0].is_pinned() == staged
+    assert snapshot.buffers[0].is_pinned() == in_host
     rank, status, payload = out_q.get(timeout=120)
     assert status == "ok", payload
     for got, sent in zip(torch.load(io.BytesIO(payload)), (tensors, second)):

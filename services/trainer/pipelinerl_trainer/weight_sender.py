@@ -43,7 +43,7 @@ from pipelinerl.weight_group import (
     dtype_name,
     form_bound,
     plan_buckets,
-    snapshot_staged,
+    snapshot_in_host,
 )
 from pipelinerl_trainer.membership import Member, Membership
 from pipelinerl_trainer.model import TrainingEngine, full_parameters, named_weights
@@ -354,18 +354,18 @@ class WeightSender:
 
 def snapshot_for(buckets: list[dict], device) -> Snapshot:
     """Rank 0's snapshot: on the GPU, or in host memory where the model is too large a share of
-    it (`snapshot_staged`), which the log says."""
+    it (`snapshot_in_host`), which the log says."""
     sizes = [bucket_nbytes(b) for b in buckets]
-    staged = snapshot_staged(sum(sizes), device)
-    if staged:  # torch's pinned-memory allocator rounds each buffer up to a power of two
+    in_host = snapshot_in_host(sum(sizes), device)
+    if in_host:  # torch's pinned-memory allocator rounds each buffer up to a power of two
         pinned = sum(1 << (n - 1).bit_length() for n in sizes if n)
         log.info(
             "the weight snapshot (%.1f GiB) is kept in host memory (%.1f GiB pinned), each bucket "
-            "staged through the GPU as it is sent",
+            "sent through the GPU as it is sent",
             sum(sizes) / 2**30,
             pinned / 2**30,
         )
-    return Snapshot(buckets, device, staged)
+    return Snapshot(buckets, device, in_host)
 
 
 def _full_shape(p) -> tuple[int, ...]:
