@@ -13,6 +13,7 @@ import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import nats.errors
@@ -52,6 +53,18 @@ def service_env(role: str, job: PipelineRLJob, environ: Mapping[str, str] = os.e
         role, nats_url=job.spec.nats.url or DEFAULT_NATS_URL, weights_addr=f"127.0.0.1:{job.spec.weight_sync.port}"
     )
     return ServiceEnv.from_environ(role, environ, defaults)
+
+
+def memory_limit_bytes(cgroup: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """This container's memory limit: cgroup v2's `memory.max`, or v1's `memory.limit_in_bytes`;
+    None where it has none (v2's "max", v1's page-rounded 2^63) or neither can be read."""
+    for path in (cgroup / "memory.max", cgroup / "memory" / "memory.limit_in_bytes"):
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        return int(text) if text.isdigit() and int(text) < 1 << 62 else None
+    return None
 
 
 def setup_logging(name: str) -> None:

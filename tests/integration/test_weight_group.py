@@ -138,6 +138,33 @@ def test_the_trainer_keeps_its_snapshot_on_its_gpu_only_where_the_model_is_a_sma
     assert not snapshot_in_host(10**12, torch.device("cpu"))  # gloo sends from host memory anyway
 
 
+def test_a_snapshot_in_host_memory_the_container_cannot_hold_stops_the_trainer_at_its_start():
+    """Pinned buffers round up to a power of two; more than the container's memory limit is the
+    trainer's SpecError at its start, naming the field, not an OOM kill at its first update."""
+    from pipelinerl_trainer.weight_sender import host_memory_problem, pinned_bytes
+
+    buckets = plan_buckets([(f"w{i}", [3 << 30], "bfloat16") for i in range(4)], 1 << 30)  # 6 GiB each
+    assert pinned_bytes(buckets) == 4 * (8 << 30)
+    assert host_memory_problem(buckets, None) == host_memory_problem(buckets, 32 << 30) == ""
+    problem = host_memory_problem(buckets, 31 << 30)
+    assert problem.startswith("trainer.resources.limits.memory:") and "32.0 GiB" in problem and "31.0 GiB" in problem
+
+
+def test_the_containers_memory_limit_is_read_from_either_cgroup_version(tmp_path):
+    from pipelinerl.runtime import memory_limit_bytes
+
+    assert memory_limit_bytes(tmp_path) is None  # neither file: no limit known
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1, unlimited
+    assert memory_limit_bytes(tmp_path) is None
+    (tmp_path / "memory" / "memory.limit_in_bytes").write_text("68719476736\n")
+    assert memory_limit_bytes(tmp_path) == 64 << 30
+    (tmp_path / "memory.max").write_text("max\n")  # v2 first: unlimited
+    assert memory_limit_bytes(tmp_path) is None
+    (tmp_path / "memory.max").write_text("17179869184\n")
+    assert memory_limit_bytes(tmp_path) == 16 << 30
+
+
 def test_a_snapshot_is_sent_only_over_a_group_on_its_device():
     group = SimpleNamespace(rank=0, device=torch.device("cpu"))
     snapshot = Snapshot([], torch.device("cuda", 0))  # no bucket: nothing allocated

@@ -32,6 +32,8 @@ from typing import Protocol
 from pipelinerl import messages as m
 from pipelinerl.awake import Watchdog
 from pipelinerl.contracts import JobSubjects
+from pipelinerl.runtime import memory_limit_bytes
+from pipelinerl.spec import SpecError
 from pipelinerl.steps import generator_of_rank, weight_group_size
 from pipelinerl.weight_group import (
     GroupIncomplete,
@@ -352,13 +354,35 @@ class WeightSender:
             self.group = None
 
 
+def pinned_bytes(buckets: list[dict]) -> int:
+    """What a snapshot in host memory pins: torch's pinned-memory allocator rounds each buffer up
+    to a power of two."""
+    return sum(1 << (n - 1).bit_length() for n in map(bucket_nbytes, buckets) if n)
+
+
+def host_memory_problem(buckets: list[dict], limit: int | None) -> str:
+    """Why a snapshot in host memory cannot be kept within the container's memory `limit`
+    (None: no limit): its pinned buffers alone would not fit ("" where they do). The trainer then
+    stops at its start, naming the field, rather than being killed for memory at its first update."""
+    pinned = pinned_bytes(buckets)
+    if limit is None or pinned <= limit:
+        return ""
+    return (
+        f"trainer.resources.limits.memory: rank 0 keeps the weight snapshot in pinned host memory (the model is "
+        f"more than a quarter of its GPU's): {pinned / 2**30:.1f} GiB, more than the container may hold "
+        f"({limit / 2**30:.1f} GiB); raise it (a checkpoint's Hugging Face copy needs the model's size again)"
+    )
+
+
 def snapshot_for(buckets: list[dict], device) -> Snapshot:
     """Rank 0's snapshot: on the GPU, or in host memory where the model is too large a share of
-    it (`snapshot_in_host`), which the log says."""
+    it (`snapshot_in_host`), which the log says; SpecError where that cannot fit the container."""
     sizes = [bucket_nbytes(b) for b in buckets]
     in_host = snapshot_in_host(sum(sizes), device)
-    if in_host:  # torch's pinned-memory allocator rounds each buffer up to a power of two
-        pinned = sum(1 << (n - 1).bit_length() for n in sizes if n)
+    if in_host:
+        if problem := host_memory_problem(buckets, memory_limit_bytes()):
+            raise SpecError(problem)
+        pinned = pinned_bytes(buckets)
         log.info(
             "the weight snapshot (%.1f GiB) is kept in host memory (%.1f GiB pinned), each bucket "
             "sent through the GPU as it is sent",
