@@ -68,6 +68,21 @@ class EgressRule(PolicyModel):
         return v
 
 
+class NatsServer(PolicyModel):
+    """A NATS server a job's own spec.nats.url may name, and where it is: job pods reach its port
+    at these addresses only (none: anywhere on that port, since a NetworkPolicy cannot name a host)."""
+
+    server: Annotated[str, StringConstraints(pattern=HOST_PORT)]
+    cidrs: list[str] = Field(default_factory=list)
+
+    @field_validator("cidrs")
+    @classmethod
+    def _networks(cls, v: list[str]) -> list[str]:
+        for cidr in v:
+            ipaddress.ip_network(cidr)
+        return v
+
+
 class DnsPeers(PolicyModel):
     """Where job pods resolve names: the cluster DNS pods (and node-local caches, by address)."""
 
@@ -162,8 +177,10 @@ class JobPolicy(PolicyModel):
     volume_claims: list[Annotated[str, StringConstraints(pattern=NAMESPACED)]] = Field(
         default_factory=list, description="PersistentVolumeClaims jobs may mount: 'namespace/name', '*' for either."
     )
-    nats_servers: list[Annotated[str, StringConstraints(pattern=HOST_PORT)]] = Field(
-        default_factory=list, description="host:port of NATS servers a job's own spec.nats.url may name."
+    nats_servers: list[Annotated[str, StringConstraints(pattern=HOST_PORT)] | NatsServer] = Field(
+        default_factory=list,
+        description="NATS servers a job's own spec.nats.url may name: host:port, or {server: host:port, "
+        "cidrs: [...]} where job pods reach it at those addresses only (a host:port alone: anywhere on its port).",
     )
     egress: list[EgressRule] = Field(
         default_factory=lambda: [
@@ -179,6 +196,17 @@ class JobPolicy(PolicyModel):
     namespace_share: float = Field(
         default=0.8, gt=0, le=1, description="Share of the NATS store the jobs of one namespace may reserve together."
     )
+
+    def nats_server(self, server: str) -> NatsServer | None:
+        """The listed entry for `server` (host:port); None where it is not listed."""
+        for entry in self.nats_servers:
+            listed = entry if isinstance(entry, NatsServer) else NatsServer(server=entry)
+            if listed.server == server:
+                return listed
+        return None
+
+    def nats_server_names(self) -> list[str]:
+        return [e.server if isinstance(e, NatsServer) else e for e in self.nats_servers]
 
     def pod_metadata_allowed(self, key: str) -> bool:
         """A label or annotation a job may put on its pods: no prefix, or one the platform lists."""

@@ -128,11 +128,11 @@ def spec_violations(
         if url.strip():
             parts = urlsplit(url.strip())
             server = f"{parts.hostname}:{parts.port or 4222}"
-            if server not in policy.nats_servers:
+            if policy.nats_server(server) is None:
                 bad(
                     "nats.url",
                     f"{server} is not a NATS server jobs may use "
-                    f"(jobPolicy.natsServers: {', '.join(policy.nats_servers) or 'none'})",
+                    f"(jobPolicy.natsServers: {', '.join(policy.nats_server_names()) or 'none'})",
                 )
     for i, rule in enumerate(s.network.egress):
         for problem in egress_problems(rule, policy):

@@ -127,7 +127,8 @@ def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorCo
 def _nats_egress(job: PipelineRLJob, cfg: OperatorConfig) -> dict[str, Any]:
     """The chart's NATS pods on its client port; the chart's external NATS on its URLs' ports, at
     its addresses where the chart lists them; a job's own servers (jobPolicy.natsServers): their
-    ports, anywhere (a NetworkPolicy cannot name a host)."""
+    ports, at the addresses the policy lists for them, anywhere where it lists none for one of
+    them (a NetworkPolicy cannot name a host)."""
     if on_chart_nats(job) and cfg.nats_bundled:
         return {
             "to": [
@@ -139,10 +140,18 @@ def _nats_egress(job: PipelineRLJob, cfg: OperatorConfig) -> dict[str, Any]:
             "ports": [{"port": NATS_CLIENT_PORT, "protocol": "TCP"}],
         }
     urls = job.spec.nats.url or cfg.nats_url
-    ports = sorted({urlsplit(u.strip()).port or NATS_CLIENT_PORT for u in urls.split(",") if u.strip()})
-    rule: dict[str, Any] = {"ports": [{"port": p, "protocol": "TCP"} for p in ports]}
-    if on_chart_nats(job) and cfg.nats_external_cidrs:
-        rule["to"] = [{"ipBlock": {"cidr": c}} for c in cfg.nats_external_cidrs]
+    servers = [
+        (s.hostname, s.port or NATS_CLIENT_PORT) for s in (urlsplit(u.strip()) for u in urls.split(",") if u.strip())
+    ]
+    rule: dict[str, Any] = {"ports": [{"port": p, "protocol": "TCP"} for p in sorted({p for _, p in servers})]}
+    if on_chart_nats(job):
+        cidrs: tuple[str, ...] = cfg.nats_external_cidrs
+    else:
+        listed = [cfg.policy.nats_server(f"{host}:{port}") for host, port in servers]
+        found = [e.cidrs for e in listed if e is not None and e.cidrs]
+        cidrs = tuple(dict.fromkeys(c for each in found for c in each)) if len(found) == len(listed) else ()
+    if cidrs:
+        rule["to"] = [{"ipBlock": {"cidr": c}} for c in cidrs]
     return rule
 
 

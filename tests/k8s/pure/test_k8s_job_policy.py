@@ -62,6 +62,8 @@ def test_the_charts_policy_is_the_operators_safe_default() -> None:
         {"volumeClaims": ["team-a/models/x"]},
         {"images": ["fluent"]},  # no registry host
         {"natsServers": ["nats.example"]},  # no port
+        {"natsServers": [{"server": "nats.example", "cidrs": ["10.0.0.0/8"]}]},
+        {"natsServers": [{"cidrs": ["10.0.0.0/8"]}]},  # no server
         {"namespaceShare": 2},
         {"maxPodResources": {"cpu": "lots"}},
         {"tolerations": [{"effect": "NoSchedule"}]},  # no key

@@ -28,7 +28,13 @@ POLICY = parse_policy(
         "schedulerNames": ["volcano"],
         "priorityClassNames": ["high"],
         "storageClassNames": ["fast"],
-        "natsServers": ["nats.example:4222", "a:4222", "b:7422"],
+        "natsServers": [
+            "nats.example:4222",
+            "a:4222",
+            "b:7422",
+            {"server": "c:4222", "cidrs": ["10.8.0.0/16"]},
+            {"server": "d:4222", "cidrs": ["10.9.0.5/32", "10.8.0.0/16"]},
+        ],
         "maxJobPods": 2048,  # the edge cases: 64 generators, the most replicas a role may have
         "maxJobGpus": 1024,
     }
@@ -464,7 +470,14 @@ def test_job_pods_may_connect_only_to_their_job_nats_dns_and_what_the_job_lists(
     own_server = by_name(render(job(nats={"url": "nats://a:4222,tls://b:7422"}), "team-a", "u", cfg))
     assert own_server[("NetworkPolicy", "demo-pipelinerl")]["spec"]["egress"][1] == {
         "ports": [{"port": 4222, "protocol": "TCP"}, {"port": 7422, "protocol": "TCP"}]
-    }  # its servers' ports
+    }  # its servers' ports, anywhere: the policy lists no address for them
+    located = by_name(render(job(nats={"url": "nats://c:4222,nats://d:4222"}), "team-a", "u", cfg))
+    assert located[("NetworkPolicy", "demo-pipelinerl")]["spec"]["egress"][1] == {
+        "ports": [{"port": 4222, "protocol": "TCP"}],
+        "to": [{"ipBlock": {"cidr": "10.8.0.0/16"}}, {"ipBlock": {"cidr": "10.9.0.5/32"}}],
+    }  # at the addresses the policy lists for each
+    partly = by_name(render(job(nats={"url": "nats://c:4222,nats://a:4222"}), "team-a", "u", cfg))
+    assert "to" not in partly[("NetworkPolicy", "demo-pipelinerl")]["spec"]["egress"][1]  # a's: anywhere
     open_egress = by_name(render(job(), "team-a", "u", OperatorConfig(restrict_egress=False)))
     assert open_egress[("NetworkPolicy", "demo-pipelinerl")]["spec"]["policyTypes"] == ["Ingress"]
 
