@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.cuda.set_device(0)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from pipelinerl.weight_group import Snapshot, WeightGroup, bucket_nbytes, dtype_name, open_store, plan_buckets
+    from pipelinerl.weight_group import WeightGroup, bucket_nbytes, dtype_name, open_store, plan_buckets
+    from pipelinerl.weight_snapshot import Snapshot
     from pipelinerl_trainer.model import build_engine, full_parameters, init_distributed, named_weights
 
     dtype = "bfloat16" if on_gpu else "float32"

@@ -204,7 +204,8 @@ def _trainer_main(path: str, port: int, raw_port: int, gen_q, done_q, res_q, cfg
         from transformers import Qwen2ForCausalLM
 
         from bench.common import alternate
-        from pipelinerl.weight_group import Snapshot, plan_buckets
+        from pipelinerl.weight_group import plan_buckets
+        from pipelinerl.weight_snapshot import Snapshot
 
         model = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32)
         bridge = _BridgeStandIn(gen_q, done_q)

@@ -88,7 +88,8 @@ def _sender_main(paths: dict[str, str], port: int, cmd_q, res_q) -> None:
     torch.set_num_threads(1)
     from safetensors.torch import load_file
 
-    from pipelinerl.weight_group import Snapshot, WeightGroup, open_store
+    from pipelinerl.weight_group import WeightGroup, open_store
+    from pipelinerl.weight_snapshot import Snapshot
 
     state = {name: load_file(f"{p}/model.safetensors") for name, p in paths.items()}
     group = store = None

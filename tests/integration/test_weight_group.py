@@ -26,7 +26,6 @@ from pipelinerl.weight_group import (
     JOIN_TIMEOUT_S,
     GroupAborted,
     GroupIncomplete,
-    Snapshot,
     WeightGroup,
     WeightSyncError,
     WeightSyncTimeout,
@@ -35,8 +34,8 @@ from pipelinerl.weight_group import (
     join_window,
     open_store,
     plan_buckets,
-    snapshot_in_host,
 )
+from pipelinerl.weight_snapshot import Snapshot, snapshot_in_host
 
 HOST = "127.0.0.1"
 GPUS = torch.cuda.device_count()

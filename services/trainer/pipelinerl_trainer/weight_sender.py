@@ -37,7 +37,6 @@ from pipelinerl.spec import SpecError
 from pipelinerl.steps import generator_of_rank, weight_group_size
 from pipelinerl.weight_group import (
     GroupIncomplete,
-    Snapshot,
     WeightGroup,
     WeightSyncError,
     buffer_device,
@@ -45,8 +44,8 @@ from pipelinerl.weight_group import (
     dtype_name,
     form_bound,
     plan_buckets,
-    snapshot_in_host,
 )
+from pipelinerl.weight_snapshot import Snapshot, snapshot_in_host
 from pipelinerl_trainer.membership import Member, Membership
 from pipelinerl_trainer.model import TrainingEngine, full_parameters, named_weights
 
