@@ -10,7 +10,7 @@ import asyncio
 import logging
 import os
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import aiohttp.web
@@ -28,7 +28,7 @@ from pipelinerl_operator.names import role_name
 from pipelinerl_operator.nats_store import JobRecord, Reservations, accounts_secret, accounts_secret_name
 from pipelinerl_operator.reconcile import Overtaken, event, job_streams, operator_config, owned_by
 from pipelinerl_operator.reconcile import run as run_pass
-from pipelinerl_operator.status import at_rest, starting_point, ttl_expired
+from pipelinerl_operator.status import at_rest, parse_ts, starting_point, ttl_expired
 
 FINALIZER = f"{API_GROUP}/cleanup"
 RESYNC_SECONDS = float(os.environ.get(OperatorEnv.RESYNC_SECONDS, "15"))
@@ -39,6 +39,10 @@ RESYNC_SECONDS = float(os.environ.get(OperatorEnv.RESYNC_SECONDS, "15"))
 # RESYNC_SECONDS. An edit still makes a pass at once (the change handlers); a child edited or
 # deleted by hand is put back within this long; a TTL that runs out is acted on at the next tick.
 IDLE_RESYNC_SECONDS = 300.0
+# A deleted job's streams wait this long at most for its pods to go (a trainer checkpoints on its
+# way out, in the 60 s of grace its pods get), looking every PODS_POLL_S.
+PODS_GONE_WAIT_S = 180.0
+PODS_POLL_S = 3.0
 
 
 # An admission review holds the job at most twice (an update's old and new objects), each its
@@ -322,9 +326,10 @@ async def resync(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: An
 async def deleted(body: kopf.Body, logger: kopf.Logger, jobs: kopf.Index, **_: Any) -> None:
     """Children go by garbage collection (ownerReferences), unless the job was deleted with
     `--cascade=orphan`: its StatefulSets are deleted here either way (nothing else would stop
-    their pods). Then its NATS streams, and only then its account (deleting them needs it). Never
-    blocks deletion: a NATS failure is reported and the finalizer is released (what is left is in
-    an account no later job gets: `credentials.job_account`)."""
+    their pods). Then, once its pods are gone (`_pods_left`), its NATS streams, and only then its
+    account (deleting them needs it). Never blocks deletion for long: a NATS failure is reported
+    and the finalizer is released (what is left is in an account no later job gets:
+    `credentials.job_account`)."""
     meta = body["metadata"]
     name, ns, uid = meta["name"], meta["namespace"], meta.get("uid", "")
     key = _state_key(ns, name, uid)
@@ -340,6 +345,8 @@ async def _delete_job(
 ) -> None:
     cfg = operator_config()
     await _delete_statefulsets(STATE.kube, ns, name, uid, logger)
+    if await _pods_left(STATE.kube, ns, name, body):
+        raise kopf.TemporaryError("its pods are still there: its streams go once they are", delay=PODS_POLL_S)
     held = await STATE.store.holding(jobs, STATE.kube, uid)
     if held or own_nats_url(body) or not cfg.nats_bundled:  # on the chart's NATS, no room means no streams
         await job_streams(body, cfg, logger).delete()
@@ -348,6 +355,21 @@ async def _delete_job(
     except Exception as err:  # noqa: BLE001 - the next job's change (or the resync) writes it again
         logger.warning("could not remove the NATS account of %s/%s: %r", ns, name, err)
     metrics.JOBS.record(ns, name, None)
+
+
+async def _pods_left(kube: Kube | None, ns: str, name: str, body: kopf.Body) -> bool:
+    """Whether the deleted job's streams wait for its pods: a pod still up could make them again
+    once deleted (a service that starts, or restarts in place, joins the job, which makes its
+    streams), in an account no later job gets, on the NATS volume for good. Not past
+    PODS_GONE_WAIT_S since the deletion (a lost node's pods stay Terminating until the node
+    controller gives up on them), nor where the pods cannot be listed."""
+    since = body["metadata"].get("deletionTimestamp")
+    if kube is None or (since and datetime.now(timezone.utc) - parse_ts(since) > timedelta(seconds=PODS_GONE_WAIT_S)):
+        return False
+    try:
+        return bool(await kube.list("v1", "Pod", ns, f"{JOB_LABEL}={name}"))
+    except KubeError:
+        return False
 
 
 async def _delete_statefulsets(

@@ -526,6 +526,42 @@ async def test_deletion_removes_this_jobs_nats_streams(cluster, nats_url: str, m
         await nc.close()
 
 
+async def test_a_deleted_jobs_streams_go_once_its_pods_are_gone(cluster, nats_url: str, monkeypatch) -> None:
+    """A pod of the job still up when it is deleted (a trainer checkpointing on its way out) could
+    make its streams again (a service that starts joins the job): they are deleted, and the job
+    let go, only once its pods are gone; past PODS_GONE_WAIT_S, whatever is left."""
+    emulator, api, _ = cluster
+    allow(monkeypatch, natsServers=[nats_url.removeprefix("nats://")])
+    nc = await nats.connect(nats_url, connect_timeout=2)
+    js = nc.jetstream(timeout=2)
+    await ensure_streams(js, JobSubjects("demo", NS), 1)
+    labels = {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer"}
+    try:
+        async with running_operator(str(emulator.url)):
+            await api.create_job(manifest(nats={"url": nats_url}))
+            await eventually(
+                lambda: "pipelinerl.dev/cleanup" in obj(emulator, JOBS, "demo")["metadata"].get("finalizers", [])
+            )
+            await api.create_pod("demo-prl-trainer-0", labels, restarts=0)
+            await api.delete_job("demo")
+            await eventually(lambda: not obj(emulator, STS, "demo-prl-trainer"), what="its StatefulSets deleted")
+            await asyncio.sleep(2 * handlers.PODS_POLL_S)
+            assert obj(emulator, JOBS, "demo") is not None  # held while its pod is there
+            assert len(await js.streams_info()) == len(JobSubjects("demo", NS).streams)
+            await api._call("DELETE", f"/api/v1/namespaces/{NS}/pods/demo-prl-trainer-0")
+            await eventually(lambda: obj(emulator, JOBS, "demo") is None, timeout_s=15, what="deleted")
+            assert await js.streams_info() == []
+            # A pod that never goes (its node lost) holds the deletion no longer than the bound.
+            monkeypatch.setattr(handlers, "PODS_GONE_WAIT_S", 0.0)
+            await api.create_job(manifest("late", nats={"url": nats_url}))
+            await eventually(lambda: obj(emulator, STS, "late-prl-trainer"), what="the second job's trainers")
+            await api.create_pod("late-prl-trainer-0", {**labels, "pipelinerl.dev/job": "late"}, restarts=0)
+            await api.delete_job("late")
+            await eventually(lambda: obj(emulator, JOBS, "late") is None, timeout_s=15, what="deleted, pod or not")
+    finally:
+        await nc.close()
+
+
 async def test_a_job_deleted_with_orphan_cascade_leaves_no_statefulset_behind(cluster) -> None:
     """`kubectl delete prl demo --cascade=orphan`: the garbage collector strips the children's
     ownerReferences instead of deleting them (done here by hand: kmock has no garbage collector),
