@@ -15,7 +15,7 @@ import ipaddress
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 from pydantic.alias_generators import to_camel
 
 from pipelinerl.k8s_types import Quantity
@@ -47,25 +47,20 @@ class PortRule(PolicyModel):
         return protocol == self.protocol and self.port <= port and end <= (self.end_port or self.port)
 
 
+def _network(cidr: str) -> str:
+    ipaddress.ip_network(cidr)  # ValueError names it
+    return cidr
+
+
+Cidr = Annotated[str, AfterValidator(_network)]
+
+
 class EgressRule(PolicyModel):
     """Destinations jobs may reach: a CIDR less its exceptions, on these ports (unset: any)."""
 
-    cidr: str
-    except_: list[str] = Field(default_factory=list, alias="except")
+    cidr: Cidr
+    except_: list[Cidr] = Field(default_factory=list, alias="except")
     ports: list[PortRule] | None = None
-
-    @field_validator("cidr")
-    @classmethod
-    def _network(cls, v: str) -> str:
-        ipaddress.ip_network(v)  # ValueError names it
-        return v
-
-    @field_validator("except_")
-    @classmethod
-    def _networks(cls, v: list[str]) -> list[str]:
-        for cidr in v:
-            ipaddress.ip_network(cidr)
-        return v
 
 
 class NatsServer(PolicyModel):
@@ -73,14 +68,7 @@ class NatsServer(PolicyModel):
     at these addresses only (none: anywhere on that port, since a NetworkPolicy cannot name a host)."""
 
     server: Annotated[str, StringConstraints(pattern=HOST_PORT)]
-    cidrs: list[str] = Field(default_factory=list)
-
-    @field_validator("cidrs")
-    @classmethod
-    def _networks(cls, v: list[str]) -> list[str]:
-        for cidr in v:
-            ipaddress.ip_network(cidr)
-        return v
+    cidrs: list[Cidr] = Field(default_factory=list)
 
 
 class DnsPeers(PolicyModel):
