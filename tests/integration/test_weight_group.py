@@ -458,12 +458,13 @@ def _receiving_member(port, backend, ready, timeout_s):
             pass
 
 
-def _abandoning_member(port, backend, timeout_s, out_q):
+def _abandoning_member(port, backend, timeout_s, out_q, ready):
     """Joins epoch "g" as rank 1, receives on a thread of its own (as a staged update does) an
     update the trainer never sends, and after 1 s closes the group as an engine closes the group
     of a transfer it gave up on: how long the close took, how long the thread then took to end,
     and how it ended."""
     try:
+        ready.set()  # imports done: the group's timeout is about the group, not a loaded machine's process start
         if backend == "nccl":
             torch.cuda.set_device(0)
             os.environ["NCCL_HOSTID"] = "member-abandoning"  # one GPU: two "hosts"
@@ -505,10 +506,11 @@ def test_a_receive_given_up_on_ends_when_its_group_is_closed(port, backend, monk
         torch.cuda.set_device(0)
         monkeypatch.setenv("NCCL_HOSTID", "trainer")
     ctx = mp.get_context("spawn")
-    out_q = ctx.Queue()
-    member = ctx.Process(target=_abandoning_member, args=(port, backend, timeout_s, out_q), daemon=True)
+    out_q, ready = ctx.Queue(), ctx.Event()
+    member = ctx.Process(target=_abandoning_member, args=(port, backend, timeout_s, out_q, ready), daemon=True)
     member.start()
     try:
+        assert ready.wait(60)
         trainer = WeightGroup.form(open_store(HOST, port, True, 60.0), "g", 2, timeout_s, backend=backend)
         status, closed_s, ended_s, alive, raised = out_q.get(timeout=120)  # the trainer sends nothing
         assert status == "ok", closed_s
