@@ -18,6 +18,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import httpx
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -90,6 +91,8 @@ class LocalRun:
         self.services: list[Service] = []
         self.train: list[dict] = []
         self.evals: list[dict] = []
+        self.metrics_file: TextIO | None = None  # metrics.jsonl, open for appending while the run is watched
+        self.metrics_unwritten = 0  # rows the disk would not take (kept for the summary all the same)
         self.gen_tokens, self.gen_busy = Running(), Running()  # summed over generators, across restarts
         self.gen_polled: tuple[float, float] | None = None  # (time, tokens) at the last poll
         self.gen_rate = 0.0
@@ -266,28 +269,39 @@ class LocalRun:
             s.stop(terminated=True)
 
     # -- progress --------------------------------------------------------------------------
+    def take_metric(self, row: m.Metrics) -> None:
+        """A metrics row: kept for the summary and the plot, appended to metrics.jsonl, an
+        evaluation said. A row the disk will not take is counted and said once; the run goes on
+        (and so does the row, in the job's METRICS stream where that has room)."""
+        record = {"kind": row.kind, "source": row.source, "time": row.timestamp - self.t0, **row.values}
+        assert self.metrics_file is not None, "rows are taken while the run is watched"
+        try:
+            self.metrics_file.write(json.dumps(record) + "\n")
+            self.metrics_file.flush()
+        except OSError as err:
+            self.metrics_unwritten += 1
+            if self.metrics_unwritten == 1:
+                self.say(f"  warning: metrics.jsonl takes no more rows ({err.strerror}): the run goes on without them")
+        if row.kind == "train":
+            self.train.append(record)
+        elif row.kind == "eval":
+            self.evals.append(record)
+            tag = "warm start" if record["version"] == 0 else ("final" if record.get("final") else "eval")
+            lo, hi = record.get("weights_version_min"), record.get("weights_version_max")
+            newer = lo is not None and (lo, hi) != (record["version"], record["version"])
+            weights = f" (made with the weights of versions {lo}-{hi})" if newer else ""
+            self.say(
+                f"  [{tag}] version {record['version']}: held-out accuracy {record['accuracy']:.1%} "
+                f"on {record['problems']} problems{weights}"
+            )
+
     async def watch(self, nc, nats_url: str) -> None:
         js = nc.jetstream()
         await ensure_streams(js, self.subjects, self.spec.nats.max_payload_mb, sizes=stream_bytes(self.spec))
-        metrics_file = open(self.run_dir / "metrics.jsonl", "a")
+        self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
 
         async def on_metric(msg) -> None:
-            row = m.decode(msg.data, m.Metrics)
-            record = {"kind": row.kind, "source": row.source, "time": row.timestamp - self.t0, **row.values}
-            metrics_file.write(json.dumps(record) + "\n")
-            metrics_file.flush()
-            if row.kind == "train":
-                self.train.append(record)
-            elif row.kind == "eval":
-                self.evals.append(record)
-                tag = "warm start" if record["version"] == 0 else ("final" if record.get("final") else "eval")
-                lo, hi = record.get("weights_version_min"), record.get("weights_version_max")
-                newer = lo is not None and (lo, hi) != (record["version"], record["version"])
-                weights = f" (made with the weights of versions {lo}-{hi})" if newer else ""
-                self.say(
-                    f"  [{tag}] version {record['version']}: held-out accuracy {record['accuracy']:.1%} "
-                    f"on {record['problems']} problems{weights}"
-                )
+            self.take_metric(m.decode(msg.data, m.Metrics))
 
         # Only this run's metrics: a resumed run's stream still holds the earlier ones.
         first = (await js.stream_info(self.subjects.stream("METRICS"))).state.last_seq + 1
@@ -317,7 +331,10 @@ class LocalRun:
                     self.say("  (no final evaluation arrived in time)")
                     break
                 await asyncio.sleep(0.5)
-        metrics_file.close()
+        try:
+            self.metrics_file.close()
+        except OSError:
+            pass  # its last rows were counted as they failed
 
     async def poll_generators(self, http) -> None:
         for s in self.services:
@@ -374,8 +391,21 @@ class LocalRun:
             "mean_ess": sum(t["ess"] for t in self.train) / len(self.train) if self.train else None,
             "samples_rejected": sum(t.get("samples_rejected", 0) for t in self.train),
             "learning_alarm": learning_alarm(self.train),
+            **({"metrics_rows_unwritten": self.metrics_unwritten} if self.metrics_unwritten else {}),
             **self.throughput(),
         }
+
+    def write_summary(self, summary: dict) -> tuple[Path | None, str]:
+        """summary.json, whole or not at all (a full disk leaves no half summary for `plan
+        --calibrate-from` to misread), then progress.png: the plot's path, and what could not be
+        written ("" where all was)."""
+        path = self.run_dir / "summary.json"
+        try:
+            write_whole(path, summary, indent=1)
+            path = self.run_dir / "progress.png"
+            return self.plot(), ""
+        except OSError as err:
+            return None, f"{path}: {err.strerror}"
 
     def throughput(self) -> dict:
         """Rates over the steady part of the run: from the end of the first step to the end of
@@ -507,8 +537,10 @@ def run_local(
         nats.stop()
     signal.signal(signal.SIGINT, signal.default_int_handler)
     summary = run.summary()
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    plot = run.plot()
+    plot, unwritten = run.write_summary(summary)
+    if unwritten:
+        print(f"\nerror: {unwritten}: the summary below is all there is", file=sys.stderr, flush=True)
+        code = code or 1
     run.say("\nsummary: " + json.dumps(summary, indent=1))
     if plot:
         run.say(f"plot: {plot}")

@@ -145,3 +145,26 @@ def test_throughput_uses_the_steady_window(tmp_path):
     assert out["generated_tokens_per_second"] == pytest.approx(2400 / 4)
     # a step a phase (the pipeline): each waited 2 - 1.4 - 0.1 s for its data
     assert out["phases"]["phases"] == 2 and out["phases"]["wait_seconds"] == pytest.approx(0.5)
+
+
+def test_a_full_disk_costs_the_run_its_metrics_files_rows_not_the_rows(tmp_path, capsys):
+    """metrics.jsonl on a full disk (/dev/full: every write ENOSPC): each row is still kept for
+    the summary and the plot, counted, and the run told once; nothing raises into the NATS
+    callback that delivers the rows."""
+    run = LocalRun(load_job(EXAMPLE), tmp_path)
+    run.metrics_file = open("/dev/full", "a")
+    for step in (1, 2):
+        values = {"step": step, "reward": 0.5, "loss": 0.1, "lag_max": 0, "ess": 1, "samples": 16, "tokens": 64}
+        values |= {"train_seconds": 1.0, "dropped_for_lag": 0}
+        run.take_metric(m.Metrics(source="trainer-0", kind="train", values=values, timestamp=time.time()))
+    assert [t["step"] for t in run.train] == [1, 2] and run.metrics_unwritten == 2
+    assert capsys.readouterr().out.count("metrics.jsonl takes no more rows (No space left on device)") == 1
+    summary = run.summary()
+    assert summary["metrics_rows_unwritten"] == 2
+    (tmp_path / "summary.json.tmp").symlink_to("/dev/full")  # the whole-file write's first step
+    plot, unwritten = run.write_summary(summary)
+    assert (
+        plot is None
+        and unwritten == f"{tmp_path / 'summary.json'}: No space left on device"
+        and not (tmp_path / "summary.json").exists()
+    )
