@@ -142,7 +142,11 @@ def write_whole(path: Path, data: object, indent: int | None = None) -> None:
     """`data` as JSON at `path`, whole or not at all: a kill or a full disk mid-write would leave
     a file no restart could read (nor a reader a half-written one)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=indent))
+    try:
+        tmp.write_text(json.dumps(data, indent=indent))
+    except OSError:
+        tmp.unlink(missing_ok=True)  # no half-written file left beside the whole one
+        raise
     os.replace(tmp, path)
 
 

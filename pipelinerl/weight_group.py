@@ -22,15 +22,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from pipelinerl.awake import AwakeClock
-
-if TYPE_CHECKING:
-    from pipelinerl.weight_snapshot import Snapshot
 
 GROUP_PREFIX = "pipelinerl-weights"
 # How long the trainer waits for a new epoch's members to say they are joining. They said hello,
@@ -54,6 +51,15 @@ DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in DTYPES.items()}
 # buckets, whatever the model's size (one per bucket was the whole unsharded model, kept).
 RECEIVE_RING = 2
 _ENV_LOCK = threading.Lock()
+
+
+class Outgoing(Protocol):
+    """What `WeightGroup.broadcast` sends: the trainer's snapshot (`pipelinerl.weight_snapshot`)."""
+
+    device: torch.device
+    buffers: list[torch.Tensor]
+
+    def stage(self, index: int) -> torch.Tensor: ...
 
 
 class WeightSyncError(RuntimeError):
@@ -365,7 +371,7 @@ class WeightGroup:
                 f"weight broadcast {'to' if self.rank == 0 else 'from'} {peers} {how} ({what}): {e}"
             ) from e
 
-    def broadcast(self, snapshot: Snapshot) -> None:
+    def broadcast(self, snapshot: Outgoing) -> None:
         """Sender (rank 0): broadcast each bucket's flat buffer (~2x faster than per-tensor sends)."""
         if self.rank != 0:
             raise RuntimeError("broadcast is for rank 0 (trainer)")

@@ -271,17 +271,21 @@ class LocalRun:
     # -- progress --------------------------------------------------------------------------
     def take_metric(self, row: m.Metrics) -> None:
         """A metrics row: kept for the summary and the plot, appended to metrics.jsonl, an
-        evaluation said. A row the disk will not take is counted and said once; the run goes on
-        (and so does the row, in the job's METRICS stream where that has room)."""
+        evaluation said. Once the disk refuses a row the file is closed where it stands (a row
+        left in its buffer could be written torn later) and that row and every later one is
+        counted, the first said; the run goes on (and so do the rows, in the job's METRICS stream
+        where that has room)."""
         record = {"kind": row.kind, "source": row.source, "time": row.timestamp - self.t0, **row.values}
-        assert self.metrics_file is not None, "rows are taken while the run is watched"
         try:
+            if self.metrics_file is None:
+                raise OSError(0, "closed after a write failed")
             self.metrics_file.write(json.dumps(record) + "\n")
             self.metrics_file.flush()
         except OSError as err:
             self.metrics_unwritten += 1
-            if self.metrics_unwritten == 1:
+            if self.metrics_file is not None:
                 self.say(f"  warning: metrics.jsonl takes no more rows ({err.strerror}): the run goes on without them")
+                self._close_metrics()
         if row.kind == "train":
             self.train.append(record)
         elif row.kind == "eval":
@@ -294,6 +298,14 @@ class LocalRun:
                 f"  [{tag}] version {record['version']}: held-out accuracy {record['accuracy']:.1%} "
                 f"on {record['problems']} problems{weights}"
             )
+
+    def _close_metrics(self) -> None:
+        metrics_file, self.metrics_file = self.metrics_file, None
+        if metrics_file is not None:
+            try:
+                metrics_file.close()
+            except OSError:
+                pass  # rows it still held were counted as their writes failed
 
     async def watch(self, nc, nats_url: str) -> None:
         js = nc.jetstream()
@@ -331,10 +343,7 @@ class LocalRun:
                     self.say("  (no final evaluation arrived in time)")
                     break
                 await asyncio.sleep(0.5)
-        try:
-            self.metrics_file.close()
-        except OSError:
-            pass  # its last rows were counted as they failed
+        self._close_metrics()
 
     async def poll_generators(self, http) -> None:
         for s in self.services:
@@ -399,13 +408,14 @@ class LocalRun:
         """summary.json, whole or not at all (a full disk leaves no half summary for `plan
         --calibrate-from` to misread), then progress.png: the plot's path, and what could not be
         written ("" where all was)."""
-        path = self.run_dir / "summary.json"
         try:
-            write_whole(path, summary, indent=1)
-            path = self.run_dir / "progress.png"
+            write_whole(self.run_dir / "summary.json", summary, indent=1)
+        except OSError as err:
+            return None, f"{self.run_dir / 'summary.json'}: {err.strerror}: the summary below is all there is"
+        try:
             return self.plot(), ""
         except OSError as err:
-            return None, f"{path}: {err.strerror}"
+            return None, f"{self.run_dir / 'progress.png'}: {err.strerror} (summary.json is written)"
 
     def throughput(self) -> dict:
         """Rates over the steady part of the run: from the end of the first step to the end of
@@ -539,7 +549,7 @@ def run_local(
     summary = run.summary()
     plot, unwritten = run.write_summary(summary)
     if unwritten:
-        print(f"\nerror: {unwritten}: the summary below is all there is", file=sys.stderr, flush=True)
+        print(f"\nerror: {unwritten}", file=sys.stderr, flush=True)
         code = code or 1
     run.say("\nsummary: " + json.dumps(summary, indent=1))
     if plot:

@@ -254,25 +254,31 @@ async def reconcile(
             return None
         read = meta.get("resourceVersion")
         start = starting_point(body, STATE.last.get(key))
+        STATE.rested.pop(key, None)  # a pass that raises (overtaken, an API error) leaves no rest behind
         status, written = await run_pass(STATE.kube, STATE.store, body, start, logger, jobs)
         STATE.last[key] = (read, status, written)
         if at_rest(start[0]) and at_rest(status):
             STATE.rested[key] = time.monotonic()
-        else:
-            STATE.rested.pop(key, None)
         return status
 
 
 def resting(body: kopf.Body) -> bool:
     """Whether the resync passes over the job now: this replica's latest pass over it found and
-    left it at rest less than IDLE_RESYNC_SECONDS ago, and its TTL, if any, has not run out."""
+    left it at rest less than IDLE_RESYNC_SECONDS ago, the job is as that pass read or wrote it
+    (nobody else wrote it since: the other replica, a user), and its TTL, if any, has not run
+    out. A job passed over keeps its metrics (they go stale unrecorded)."""
     meta = body["metadata"]
     key = _state_key(meta["namespace"], meta["name"], meta.get("uid"))
     since, last = STATE.rested.get(key), STATE.last.get(key)
     if since is None or last is None or time.monotonic() - since >= IDLE_RESYNC_SECONDS:
         return False
+    if meta.get("resourceVersion") not in (last[0], last[2]):
+        return False
     ttl = ((body.get("spec") or {}).get("runPolicy") or {}).get("ttlSecondsAfterFinished")
-    return not ttl_expired(last[1], ttl if isinstance(ttl, int) else None, datetime.now(timezone.utc))
+    if ttl_expired(last[1], ttl if isinstance(ttl, int) else None, datetime.now(timezone.utc)):
+        return False
+    metrics.JOBS.record(meta["namespace"], meta["name"], last[1])
+    return True
 
 
 async def on_change(
@@ -345,8 +351,8 @@ async def _delete_job(
 ) -> None:
     cfg = operator_config()
     await _delete_statefulsets(STATE.kube, ns, name, uid, logger)
-    if await _pods_left(STATE.kube, ns, name, body):
-        raise kopf.TemporaryError("its pods are still there: its streams go once they are", delay=PODS_POLL_S)
+    while await _pods_left(STATE.kube, ns, name, body):  # polled here: kopf logs each retry as an error
+        await asyncio.sleep(PODS_POLL_S)
     held = await STATE.store.holding(jobs, STATE.kube, uid)
     if held or own_nats_url(body) or not cfg.nats_bundled:  # on the chart's NATS, no room means no streams
         await job_streams(body, cfg, logger).delete()

@@ -49,6 +49,8 @@ class PortRule(PolicyModel):
 
 def _network(cidr: str) -> str:
     ipaddress.ip_network(cidr)  # ValueError names it
+    if "/" not in cidr:  # a NetworkPolicy's ipBlock refuses a bare address
+        raise ValueError(f"{cidr!r} has no prefix length (write {cidr}/32 for one IPv4 address)")
     return cidr
 
 

@@ -112,7 +112,7 @@ def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorCo
         spec["policyTypes"].append("Egress")
         spec["egress"] = [
             {"to": [own]},
-            _nats_egress(job, cfg),
+            *_nats_egress(job, cfg),
             dns_egress(cfg.policy),
             *egress_rules(job.spec.network.egress, cfg.policy),  # within the platform's
         ]
@@ -124,35 +124,40 @@ def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorCo
     }
 
 
-def _nats_egress(job: PipelineRLJob, cfg: OperatorConfig) -> dict[str, Any]:
+def _nats_egress(job: PipelineRLJob, cfg: OperatorConfig) -> list[dict[str, Any]]:
     """The chart's NATS pods on its client port; the chart's external NATS on its URLs' ports, at
-    its addresses where the chart lists them; a job's own servers (jobPolicy.natsServers): their
-    ports, at the addresses the policy lists for them, anywhere where it lists none for one of
-    them (a NetworkPolicy cannot name a host)."""
+    its addresses where the chart lists them; each of a job's own servers (jobPolicy.natsServers)
+    on its port, at the addresses the policy lists for it, anywhere where it lists none (a
+    NetworkPolicy cannot name a host). A rule each: one server's port is never another's way to
+    the addresses listed for it."""
     if on_chart_nats(job) and cfg.nats_bundled:
-        return {
-            "to": [
-                {
-                    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": cfg.namespace}},
-                    "podSelector": {"matchLabels": dict(NATS_POD)},
-                }
-            ],
-            "ports": [{"port": NATS_CLIENT_PORT, "protocol": "TCP"}],
-        }
-    urls = job.spec.nats.url or cfg.nats_url
-    servers = [
-        (s.hostname, s.port or NATS_CLIENT_PORT) for s in (urlsplit(u.strip()) for u in urls.split(",") if u.strip())
-    ]
-    rule: dict[str, Any] = {"ports": [{"port": p, "protocol": "TCP"} for p in sorted({p for _, p in servers})]}
-    if on_chart_nats(job):
-        cidrs: tuple[str, ...] = cfg.nats_external_cidrs
-    else:
-        listed = [cfg.policy.nats_server(f"{host}:{port}") for host, port in servers]
-        found = [e.cidrs for e in listed if e is not None and e.cidrs]
-        cidrs = tuple(dict.fromkeys(c for each in found for c in each)) if len(found) == len(listed) else ()
-    if cidrs:
-        rule["to"] = [{"ipBlock": {"cidr": c}} for c in cidrs]
-    return rule
+        return [
+            {
+                "to": [
+                    {
+                        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": cfg.namespace}},
+                        "podSelector": {"matchLabels": dict(NATS_POD)},
+                    }
+                ],
+                "ports": [{"port": NATS_CLIENT_PORT, "protocol": "TCP"}],
+            }
+        ]
+    urls = [urlsplit(u.strip()) for u in (job.spec.nats.url or cfg.nats_url).split(",") if u.strip()]
+    servers = sorted({(u.hostname or "", u.port or NATS_CLIENT_PORT) for u in urls}, key=lambda s: (s[1], s[0]))
+    if on_chart_nats(job):  # the chart's external NATS: one rule, at the addresses the chart lists
+        rule: dict[str, Any] = {"ports": [{"port": p, "protocol": "TCP"} for p in sorted({p for _, p in servers})]}
+        if cfg.nats_external_cidrs:
+            rule["to"] = [{"ipBlock": {"cidr": c}} for c in cfg.nats_external_cidrs]
+        return [rule]
+    rules: list[dict[str, Any]] = []
+    for host, port in servers:
+        listed = cfg.policy.nats_server(f"{host}:{port}")
+        rule = {"ports": [{"port": port, "protocol": "TCP"}]}
+        if listed is not None and listed.cidrs:
+            rule["to"] = [{"ipBlock": {"cidr": c}} for c in listed.cidrs]
+        if rule not in rules:
+            rules.append(rule)
+    return rules
 
 
 def pod_group(job: PipelineRLJob, namespace: str, uid: str) -> dict[str, Any]:

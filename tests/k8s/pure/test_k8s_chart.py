@@ -448,7 +448,12 @@ def test_nats_and_the_operator_take_connections_only_from_whom_they_serve() -> N
             {
                 "apiServer": {"cidrs": ["172.20.0.10/32"]},
                 "nats": {"enabled": False, "externalUrl": "nats://nats.shared:4333", "externalCidrs": ["10.9.0.0/16"]},
-                "jobPolicy": {"natsServers": ["nats.team-a.svc:7422"]},
+                "jobPolicy": {
+                    "natsServers": [
+                        "nats.team-a.svc:7422",
+                        {"server": "nats.team-b.svc:4222", "cidrs": ["10.7.0.0/16"]},
+                    ]
+                },
             }
         )
         if o["kind"] == "NetworkPolicy"
@@ -461,7 +466,10 @@ def test_nats_and_the_operator_take_connections_only_from_whom_they_serve() -> N
         "ports": [{"port": 4333, "protocol": "TCP"}],
         "to": [{"ipBlock": {"cidr": "10.9.0.0/16"}}],
     }
-    assert fenced["egress"][4] == {"ports": [{"port": 7422, "protocol": "TCP"}]}
+    assert fenced["egress"][4:] == [
+        {"ports": [{"port": 7422, "protocol": "TCP"}]},  # anywhere: a NetworkPolicy cannot name a host
+        {"ports": [{"port": 4222, "protocol": "TCP"}], "to": [{"ipBlock": {"cidr": "10.7.0.0/16"}}]},
+    ]
     # NATS monitoring (no login, it lists accounts) listens on loopback only; no port or Service exposes it.
     conf = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "rl-pipelinerl-nats")
     assert 'http: "127.0.0.1:8222"' in conf["data"]["nats.conf"] and "http_port" not in conf["data"]["nats.conf"]

@@ -467,3 +467,15 @@ def test_only_the_operator_or_a_cluster_admin_drops_the_cleanup_finalizer(monkey
         body=dropped, old=stored, operation="UPDATE", userinfo={"username": "root", "groups": ["system:masters"]}
     )
     validate_job(body=stored, old=dropped, operation="UPDATE", userinfo=author)  # adding it back is anyone's
+
+
+def test_a_policy_address_without_a_prefix_length_is_refused_before_any_networkpolicy_is() -> None:
+    """A NetworkPolicy's ipBlock refuses `10.0.0.5`: the policy does first, naming the field
+    (every job rendering it would otherwise be ApplyRefused)."""
+    for bad, field in (
+        ({"egress": [{"cidr": "10.0.0.5"}]}, "egress.0.cidr"),
+        ({"natsServers": [{"server": "nats.example:4222", "cidrs": ["10.0.0.5"]}]}, "cidrs.0"),
+    ):
+        with pytest.raises(PolicyError, match=rf"{field}.*'10.0.0.5' has no prefix length"):
+            parse_policy(bad)
+    assert parse_policy({"egress": [{"cidr": "10.0.0.5/32"}]}).egress[0].cidr == "10.0.0.5/32"
