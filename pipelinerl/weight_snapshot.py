@@ -35,6 +35,12 @@ def snapshot_in_host(model_bytes: int, device: torch.device, gpu_bytes: int | No
     return model_bytes > SNAPSHOT_GPU_SHARE * total
 
 
+def pinned_bytes(buckets: list[dict[str, Any]]) -> int:
+    """What a snapshot in host memory pins: torch's pinned-memory allocator rounds each buffer up
+    to a power of two."""
+    return sum(1 << (n - 1).bit_length() for n in map(bucket_nbytes, buckets) if n)
+
+
 class Snapshot:
     """Weights packed into one flat buffer per bucket, where the transport sends from: the
     trainer keeps the last version sent, so a generator that joins later gets it without the

@@ -276,14 +276,14 @@ class LocalRun:
         counted, the first said; the run goes on (and so do the rows, in the job's METRICS stream
         where that has room)."""
         record = {"kind": row.kind, "source": row.source, "time": row.timestamp - self.t0, **row.values}
-        try:
-            if self.metrics_file is None:
-                raise OSError(0, "closed after a write failed")
-            self.metrics_file.write(json.dumps(record) + "\n")
-            self.metrics_file.flush()
-        except OSError as err:
+        if self.metrics_file is None:
             self.metrics_unwritten += 1
-            if self.metrics_file is not None:
+        else:
+            try:
+                self.metrics_file.write(json.dumps(record) + "\n")
+                self.metrics_file.flush()
+            except OSError as err:
+                self.metrics_unwritten += 1
                 self.say(f"  warning: metrics.jsonl takes no more rows ({err.strerror}): the run goes on without them")
                 self._close_metrics()
         if row.kind == "train":

@@ -34,7 +34,8 @@ FINALIZER = f"{API_GROUP}/cleanup"
 RESYNC_SECONDS = float(os.environ.get(OperatorEnv.RESYNC_SECONDS, "15"))
 # A job at rest (ended, or suspended, its pods and its store's room gone: `status.at_rest`) is
 # passed over by the resync for this long after a pass that found and left it so: a pass is some
-# 25 API calls (every child read and applied, the StatefulSets and pods read), and jobs that ended
+# 12 API calls for a suspended job (every child read and applied, the StatefulSets and pods read;
+# more for a running one), and jobs that ended
 # stay until deleted (hundreds where no ttlSecondsAfterFinished is set), each costing them every
 # RESYNC_SECONDS. An edit still makes a pass at once (the change handlers); a child edited or
 # deleted by hand is put back within this long; a TTL that runs out is acted on at the next tick.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
@@ -71,6 +72,15 @@ class NatsServer(PolicyModel):
 
     server: Annotated[str, StringConstraints(pattern=HOST_PORT)]
     cidrs: list[Cidr] = Field(default_factory=list)
+
+
+NATS_PORT = 4222  # a NATS URL's port where it names none
+
+
+def url_servers(urls: str) -> list[tuple[str, int]]:
+    """(host, port) of each server a comma-separated NATS URL list names, in order."""
+    parts = [urlsplit(u.strip()) for u in urls.split(",") if u.strip()]
+    return [(p.hostname or "", p.port or NATS_PORT) for p in parts]
 
 
 class DnsPeers(PolicyModel):
@@ -187,16 +197,13 @@ class JobPolicy(PolicyModel):
         default=0.8, gt=0, le=1, description="Share of the NATS store the jobs of one namespace may reserve together."
     )
 
+    def nats_server_entries(self) -> list[NatsServer]:
+        """`nats_servers`, each in the object form (a host:port alone lists no addresses)."""
+        return [e if isinstance(e, NatsServer) else NatsServer(server=e) for e in self.nats_servers]
+
     def nats_server(self, server: str) -> NatsServer | None:
         """The listed entry for `server` (host:port); None where it is not listed."""
-        for entry in self.nats_servers:
-            listed = entry if isinstance(entry, NatsServer) else NatsServer(server=entry)
-            if listed.server == server:
-                return listed
-        return None
-
-    def nats_server_names(self) -> list[str]:
-        return [e.server if isinstance(e, NatsServer) else e for e in self.nats_servers]
+        return next((e for e in self.nats_server_entries() if e.server == server), None)
 
     def pod_metadata_allowed(self, key: str) -> bool:
         """A label or annotation a job may put on its pods: no prefix, or one the platform lists."""

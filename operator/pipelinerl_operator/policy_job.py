@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from decimal import Decimal
 from typing import Any
-from urllib.parse import urlsplit
 
 from pipelinerl.capacity import reserved_bytes
 from pipelinerl.contracts import ROLE_LABEL
 from pipelinerl.k8s_types import parse_quantity, read_quantity
 from pipelinerl.reserved import is_device_env
 from pipelinerl_operator.egress import egress_problems
-from pipelinerl_operator.job_policy import Install, JobPolicy
+from pipelinerl_operator.job_policy import Install, JobPolicy, url_servers
 from pipelinerl_operator.policy_checks import (
     DEVICE_ENV_WHY,
     GIB,
@@ -124,16 +123,10 @@ def spec_violations(
     if s.output and s.output.claim_name:
         check_reference("PersistentVolumeClaim", "output.claimName", s.output.claim_name, namespace,
                    policy.volume_claims, "volumeClaims", install, bad)  # fmt: skip
-    for url in (s.nats.url or "").split(","):
-        if url.strip():
-            parts = urlsplit(url.strip())
-            server = f"{parts.hostname}:{parts.port or 4222}"
-            if policy.nats_server(server) is None:
-                bad(
-                    "nats.url",
-                    f"{server} is not a NATS server jobs may use "
-                    f"(jobPolicy.natsServers: {', '.join(policy.nats_server_names()) or 'none'})",
-                )
+    for host, port in url_servers(s.nats.url or ""):
+        if policy.nats_server(f"{host}:{port}") is None:
+            listed = ", ".join(e.server for e in policy.nats_server_entries()) or "none"
+            bad("nats.url", f"{host}:{port} is not a NATS server jobs may use (jobPolicy.natsServers: {listed})")
     for i, rule in enumerate(s.network.egress):
         for problem in egress_problems(rule, policy):
             bad(f"network.egress.{i}{problem[0]}", problem[1])

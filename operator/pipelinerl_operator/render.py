@@ -12,7 +12,6 @@ only by reference. Everything is owned by the job, so deleting the job garbage-c
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
 
 from pipelinerl.contracts import (
     HTTP_PORT,
@@ -27,6 +26,7 @@ from pipelinerl_operator.credentials import job_credentials, secret_data
 from pipelinerl_operator.egress import dns_egress, egress_rules
 from pipelinerl_operator.pod_security import pod_violations
 from pipelinerl_operator.config import OperatorConfig
+from pipelinerl_operator.job_policy import NATS_PORT, url_servers
 from pipelinerl_operator.names import (
     config_map_name,
     gang_name,
@@ -87,7 +87,6 @@ def secret(job: PipelineRLJob, namespace: str, uid: str, key: str) -> dict[str, 
 
 OPERATOR_POD = {"app.kubernetes.io/name": "pipelinerl", "app.kubernetes.io/component": "operator"}
 NATS_POD = {"app.kubernetes.io/name": "pipelinerl", "app.kubernetes.io/component": "nats"}
-NATS_CLIENT_PORT = 4222
 
 
 def network_policy(job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig) -> dict[str, Any]:
@@ -139,11 +138,10 @@ def _nats_egress(job: PipelineRLJob, cfg: OperatorConfig) -> list[dict[str, Any]
                         "podSelector": {"matchLabels": dict(NATS_POD)},
                     }
                 ],
-                "ports": [{"port": NATS_CLIENT_PORT, "protocol": "TCP"}],
+                "ports": [{"port": NATS_PORT, "protocol": "TCP"}],
             }
         ]
-    urls = [urlsplit(u.strip()) for u in (job.spec.nats.url or cfg.nats_url).split(",") if u.strip()]
-    servers = sorted({(u.hostname or "", u.port or NATS_CLIENT_PORT) for u in urls}, key=lambda s: (s[1], s[0]))
+    servers = sorted(set(url_servers(job.spec.nats.url or cfg.nats_url)), key=lambda s: (s[1], s[0]))
     if on_chart_nats(job):  # the chart's external NATS: one rule, at the addresses the chart lists
         rule: dict[str, Any] = {"ports": [{"port": p, "protocol": "TCP"} for p in sorted({p for _, p in servers})]}
         if cfg.nats_external_cidrs:

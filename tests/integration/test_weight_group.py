@@ -35,7 +35,7 @@ from pipelinerl.weight_group import (
     open_store,
     plan_buckets,
 )
-from pipelinerl.weight_snapshot import Snapshot, snapshot_in_host
+from pipelinerl.weight_snapshot import Snapshot, pinned_bytes, snapshot_in_host
 
 HOST = "127.0.0.1"
 GPUS = torch.cuda.device_count()
@@ -140,12 +140,13 @@ def test_the_trainer_keeps_its_snapshot_on_its_gpu_only_where_the_model_is_a_sma
 def test_a_snapshot_in_host_memory_the_container_cannot_hold_stops_the_trainer_at_its_start():
     """Pinned buffers round up to a power of two; more than the container's memory limit is the
     trainer's SpecError at its start, naming the field, not an OOM kill at its first update."""
-    from pipelinerl_trainer.weight_sender import host_memory_problem, pinned_bytes
+    from pipelinerl_trainer.weight_sender import host_memory_problem
 
     buckets = plan_buckets([(f"w{i}", [3 << 30], "bfloat16") for i in range(4)], 1 << 30)  # 6 GiB each
-    assert pinned_bytes(buckets) == 4 * (8 << 30)
-    assert host_memory_problem(buckets, None) == host_memory_problem(buckets, 32 << 30) == ""
-    problem = host_memory_problem(buckets, 31 << 30)
+    pinned = pinned_bytes(buckets)
+    assert pinned == 4 * (8 << 30)
+    assert host_memory_problem(pinned, None) == host_memory_problem(pinned, 32 << 30) == ""
+    problem = host_memory_problem(pinned, 31 << 30)
     assert problem.startswith("trainer.resources.limits.memory:") and "32.0 GiB" in problem and "31.0 GiB" in problem
 
 

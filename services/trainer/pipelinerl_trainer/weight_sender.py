@@ -45,7 +45,7 @@ from pipelinerl.weight_group import (
     form_bound,
     plan_buckets,
 )
-from pipelinerl.weight_snapshot import Snapshot, snapshot_in_host
+from pipelinerl.weight_snapshot import Snapshot, pinned_bytes, snapshot_in_host
 from pipelinerl_trainer.membership import Member, Membership
 from pipelinerl_trainer.model import TrainingEngine, full_parameters, named_weights
 
@@ -353,17 +353,10 @@ class WeightSender:
             self.group = None
 
 
-def pinned_bytes(buckets: list[dict]) -> int:
-    """What a snapshot in host memory pins: torch's pinned-memory allocator rounds each buffer up
-    to a power of two."""
-    return sum(1 << (n - 1).bit_length() for n in map(bucket_nbytes, buckets) if n)
-
-
-def host_memory_problem(buckets: list[dict], limit: int | None) -> str:
+def host_memory_problem(pinned: int, limit: int | None) -> str:
     """Why a snapshot in host memory cannot be kept within the container's memory `limit`
-    (None: no limit): its pinned buffers alone would not fit ("" where they do). The trainer then
+    (None: no limit): its `pinned` buffers alone would not fit ("" where they do). The trainer then
     stops at its start, naming the field, rather than being killed for memory at its first update."""
-    pinned = pinned_bytes(buckets)
     if limit is None or pinned <= limit:
         return ""
     return (
@@ -376,19 +369,19 @@ def host_memory_problem(buckets: list[dict], limit: int | None) -> str:
 def snapshot_for(buckets: list[dict], device) -> Snapshot:
     """Rank 0's snapshot: on the GPU, or in host memory where the model is too large a share of
     it (`snapshot_in_host`), which the log says; SpecError where that cannot fit the container."""
-    sizes = [bucket_nbytes(b) for b in buckets]
-    in_host = snapshot_in_host(sum(sizes), device)
-    if in_host:
-        if problem := host_memory_problem(buckets, memory_limit_bytes()):
-            raise SpecError(problem)
-        pinned = pinned_bytes(buckets)
-        log.info(
-            "the weight snapshot (%.1f GiB) is kept in host memory (%.1f GiB pinned), each bucket "
-            "sent through the GPU as it is sent",
-            sum(sizes) / 2**30,
-            pinned / 2**30,
-        )
-    return Snapshot(buckets, device, in_host)
+    model = sum(map(bucket_nbytes, buckets))
+    if not snapshot_in_host(model, device):
+        return Snapshot(buckets, device)
+    pinned = pinned_bytes(buckets)
+    if problem := host_memory_problem(pinned, memory_limit_bytes()):
+        raise SpecError(problem)
+    log.info(
+        "the weight snapshot (%.1f GiB) is kept in host memory (%.1f GiB pinned), each bucket copied to "
+        "the GPU as it is sent",
+        model / 2**30,
+        pinned / 2**30,
+    )
+    return Snapshot(buckets, device, in_host=True)
 
 
 def _full_shape(p) -> tuple[int, ...]:
