@@ -18,7 +18,9 @@ default) up to its own cap, each going on whatever the others did:
    `.data` swap leaves it stale (tests/integration/test_commit_graphs.py); two NCCL ranks on the
    GPU, one killed mid-broadcast: the survivor raises WeightSyncError and sends the next epoch
    exact weights; one killed between joining and connecting: the trainer's watchdog ends it
-   within its bound, or NCCL fails by itself first (test_weight_group.py, `killed`);
+   within its bound, or NCCL fails by itself first (test_weight_group.py, `killed`); a generator
+   worker joining on a thread of its own while its GPU computes, its communicator set up there
+   or on the polling thread (test_weight_join.py);
 4. gpu-tests: the GPU tests (varlen flash attention, the bf16 forward, the sync-free loop, the
    NCCL transport), 120 s per test at most; their summary lines (-rfEs) printed, all in the log;
 5. weight-update: a 1.5B weight update timed end to end (DeepSpeed pack, NCCL, receive): the
@@ -153,6 +155,7 @@ def plan(smoke: bool, out: Path) -> list[Part]:
             "weight-plane",
             pytest + ["--timeout", "90", "-rfEsP", "--tb=short"]  # P: what a test prints (NOTE lines)
             + ["tests/integration/test_commit_graphs.py", "tests/integration/test_weight_group.py"]
+            + ["tests/integration/test_weight_join.py"]
             + ["-k", ("cpu" if smoke else "cuda") + " or killed"],  # the smoke: the CPU stand-ins, gloo
             100,
             pytest=True,

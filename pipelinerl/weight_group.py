@@ -21,6 +21,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -298,9 +299,24 @@ class WeightGroup:
         backend: str = "gloo",
         token: str = "",
     ) -> WeightGroup:
-        """Generator side: join epoch `group_id` as `rank` (≥ 1). Raises GroupAborted if the
-        trainer called the epoch off or a member (the trainer included) lacks the job's `token`,
-        WeightSyncTimeout if no trainer answers in time."""
+        """Generator side: join epoch `group_id` as `rank` (≥ 1): `invitation`, then `accept`."""
+        return cls.invitation(host, port, group_id, rank, world_size, timeout_s, backend, token).accept()
+
+    @staticmethod
+    def invitation(
+        host: str,
+        port: int,
+        group_id: str,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        backend: str = "gloo",
+        token: str = "",
+    ) -> Invitation:
+        """Generator side, the first half of joining: say this rank is joining epoch `group_id`
+        and wait for the trainer's `go`, which comes once every member has said so. The wait
+        for the others is here; `Invitation.accept` then connects. Raises GroupAborted if the
+        trainer called the epoch off, WeightSyncTimeout if no trainer answers in time."""
         check_backend(backend)
         store = open_store(host, port, False, timeout_s)
         epoch = dist.PrefixStore(f"{GROUP_PREFIX}/{group_id}", store)
@@ -313,13 +329,7 @@ class WeightGroup:
             ) from e
         if epoch.get("go") == b"abort":
             raise GroupAborted(f"weight group {group_id}: called off by the trainer (a member did not join)")
-        group = cls(
-            epoch, _process_group(backend, epoch, rank, world_size, timeout_s), rank, world_size, timeout_s, backend
-        )
-        refused = group._authenticate(group_id, token)
-        if refused:
-            raise GroupAborted(f"weight group {group_id}: ranks {refused} (0: the trainer) {cls.AUTH}")
-        return group
+        return Invitation(epoch, group_id, rank, world_size, timeout_s, backend, token)
 
     def _authenticate(self, group_id: str, token: str) -> list[int]:
         """Before any weights move, every rank shows every other its proof of the job's token;
@@ -437,6 +447,30 @@ class WeightGroup:
                     pass
         self.store = None  # type: ignore[assignment]
         self._receive_buffers = []
+
+
+@dataclass
+class Invitation:
+    """A generator's place in an epoch the trainer has let go (`WeightGroup.invitation`)."""
+
+    epoch: dist.Store
+    group_id: str
+    rank: int
+    world_size: int
+    timeout_s: float
+    backend: str
+    token: str
+
+    def accept(self) -> WeightGroup:
+        """Connect to the epoch's members and prove the job's token to them. Raises GroupAborted
+        where a member (the trainer included) lacks it, WeightSyncTimeout where one does not come.
+        Over NCCL the communicator is set up here (its first collective), on this thread's device."""
+        pg = _process_group(self.backend, self.epoch, self.rank, self.world_size, self.timeout_s)
+        group = WeightGroup(self.epoch, pg, self.rank, self.world_size, self.timeout_s, self.backend)
+        refused = group._authenticate(self.group_id, self.token)
+        if refused:
+            raise GroupAborted(f"weight group {self.group_id}: ranks {refused} (0: the trainer) {WeightGroup.AUTH}")
+        return group
 
 
 _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}

@@ -500,6 +500,56 @@ async def test_an_update_whose_first_weights_never_come_keeps_the_engine_whole(r
         await join(sync.timeout_seconds)
 
 
+async def test_a_join_waits_for_its_epochs_members_while_the_engine_generates_on(engines):
+    """Joining an epoch waits for its other members, up to the trainer's join window where one is
+    late, on the workers' threads: requests go on decoding meanwhile at the engine's own pace
+    (inside `collective_rpc` the engine took no step), and the group joined
+    carries the next update."""
+    rig = await engines(False)
+    engine, sync = rig.engine, rig.engine.job.spec.weight_sync
+    prompt = rig.tokenizer.encode(PROMPTS[1])
+    stop, window_s = asyncio.Event(), 2.0
+
+    async def generate_on(max_tokens: int) -> None:
+        while not stop.is_set():
+            await engine.generate(prompt, max_tokens)
+
+    def decoded() -> int:  # tokens of the requests completed, and of those running
+        running = list(engine.llm.output_processor.request_states.values())
+        return engine.tokens_generated + sum(s.detokenizer.num_output_tokens() for s in running)
+
+    async def completed_in(seconds: float) -> int:
+        before = decoded()
+        await asyncio.sleep(seconds)
+        return decoded() - before
+
+    # Requests of several lengths: they do not all end at once (an ended one's tokens are counted
+    # only once the caller has its output: a moment, while one of every length may be there).
+    streams = [asyncio.create_task(generate_on(n)) for n in range(20, LONG_TOKENS, 30)]
+    epoch = f"g-{time.monotonic_ns()}"
+    joining = None
+    try:
+        await wait_for_output_tokens(engine, 10)
+        alone = await completed_in(window_s)
+        joining = asyncio.create_task(engine.join_weight_group(HOST, rig.port, epoch, 1, 2, sync.timeout_seconds))
+        await asyncio.sleep(0.5)  # the worker said it is joining: it waits for the trainer's `go`
+        joined = await completed_in(window_s)
+        assert not joining.done(), joining.exception()
+        assert joined >= alone / 2 > 0, f"{joined} tokens decoded while the join waited, {alone} before"
+        rig.cmd_q.put(("init", epoch))  # the trainer forms the epoch: `go`
+        await joining
+        await reply(rig.res_q)
+        stats = await rig.update("B" if rig.current == "A" else "A")
+    finally:
+        stop.set()
+        if joining is not None:
+            joining.cancel()
+        await asyncio.gather(*streams)
+    assert engine.version == stats.version and stats.running_requests > 0
+    c = await engine.generate(prompt, N_GREEDY, greedy=True)
+    assert c.tokens == hf_greedy(rig.hf[rig.current], prompt, N_GREEDY)
+
+
 async def test_a_prompt_that_leaves_no_room_in_the_context_is_refused_and_the_engine_goes_on(engines):
     """`prompt_fit` measures a sample of a task's prompts: a longer one met later is refused
     (`PromptTooLong`, which the generator skips: the problem is not trained), where vLLM's own

@@ -41,7 +41,9 @@ def test_every_command_line_the_check_runs_parses(smoke, tmp_path):
     assert ckpt.argv[ckpt.argv.index("-k") + 1] == ("gloo" if smoke else "nccl")
     plane = got["weight-plane"].argv
     assert plane[:2] == ["-m", "pytest"] and plane[plane.index("-k") + 1] == ("cpu" if smoke else "cuda") + " or killed"
-    assert "tests/integration/test_commit_graphs.py" in plane and "tests/integration/test_weight_group.py" in plane
+    assert {f"tests/integration/test_{name}.py" for name in ("commit_graphs", "weight_group", "weight_join")} <= set(
+        plane
+    )
     commit = got["commit-7B"].argv
     assert commit[:2] == ["-m", "bench.gpu_commit"] and ("--smoke" in commit) == smoke
     commit_args = gpu_commit.parse_args(commit[2:])

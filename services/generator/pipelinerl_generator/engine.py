@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # vLLM is imported where it runs: importing it costs seconds
 
 log = logging.getLogger(__name__)
 EXTENSION = "pipelinerl_generator.weight_receiver.WeightReceiverExtension"
-STAGED_POLL_S = 0.005
+POLL_S = 0.005  # how often the engine asks its workers whether work beside generation is done
 
 
 class WeightsKept(RuntimeError):
@@ -313,8 +313,24 @@ class Engine:
     async def join_weight_group(
         self, host: str, port: int, group: str, rank: int, world_size: int, timeout_s: float, token: str = ""
     ) -> None:
+        """Join a weight group's epoch beside generation: the workers wait for the epoch's other
+        members, and connect, on threads of their own (`init_weight_group`), while the engine
+        steps on; each poll is a call the core answers between steps. Bounded as a call into the
+        core (`rpc_timeout_s`, past every wait of the join's own): NCCL setting a communicator up
+        with a peer dead since it joined blocks past all of them (EngineStuck)."""
         backend = self.job.spec.weight_transport
-        await self._rpc("init_weight_group", host, port, group, rank, world_size, timeout_s, backend, token)
+        await self._rpc(
+            "init_weight_group", host, port, group, rank, world_size, timeout_s, backend, token, self.works_beside
+        )
+
+        async def joined() -> None:
+            while not all(await self._rpc("weight_group_joined")):
+                await asyncio.sleep(POLL_S)
+
+        try:
+            await wait_awake(joined(), self.rpc_timeout_s)
+        except TimeoutError:
+            raise EngineStuck(f"the weight group join did not end within {self.rpc_timeout_s:.0f} s") from None
 
     async def prepare_updates(self) -> None:
         """Choose the loading path (`weight_receiver`) and allocate the staging copy, once: at
@@ -340,14 +356,19 @@ class Engine:
             await self.prepare_updates()
 
     @property
+    def works_beside(self) -> bool:
+        """Whether the weight group's collectives may run on a thread of each worker, beside
+        generation: not over NCCL with tensor parallelism, where that thread's communicator would
+        run beside the worker's own tensor-parallel all-reduces on the same GPU, which NCCL does
+        not support (two communicators' kernels can deadlock)."""
+        return not (self.job.spec.weight_transport == "nccl" and self.job.spec.generator.tensor_parallel > 1)
+
+    @property
     def stages_beside(self) -> bool:
-        """Staged updates are received beside generation, on a thread of each worker, except
-        over NCCL with tensor parallelism: that thread's communicator would run beside the
-        worker's own tensor-parallel all-reduces on the same GPU, which NCCL does not support
-        (two communicators' kernels can deadlock). There they are received inside the pause,
-        on the worker's thread, still into the staging copy: the pause then lasts the transfer."""
-        tp = self.job.spec.generator.tensor_parallel
-        return self.update_path == "staged" and not (self.job.spec.weight_transport == "nccl" and tp > 1)
+        """Staged updates are received beside generation where `works_beside`; otherwise inside
+        the pause, on the worker's thread, still into the staging copy: the pause then lasts the
+        transfer."""
+        return self.update_path == "staged" and self.works_beside
 
     async def update_weights(self, version: int, buckets: list[dict]) -> UpdateStats:
         """With requests running: receive and load the new weights into the staging copy beside
@@ -414,7 +435,7 @@ class Engine:
                     f"weights not received and loaded within weightSync.timeoutSeconds="
                     f"{self.job.spec.weight_sync.timeout_seconds}"
                 )
-            await asyncio.sleep(STAGED_POLL_S)
+            await asyncio.sleep(POLL_S)
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -80,14 +80,16 @@ def _copy_param(
 
 
 class Transfer:
-    """A staged load running on a thread of its own, beside generation; keeps what it raised.
-    On a GPU it issues its copies on a stream of its own (`side_stream`), so they overlap the
-    engine's steps instead of queueing between them, and waits for them before it counts as done."""
+    """Weight-group work on a thread of its own, beside generation (a staged load, a join); keeps
+    what it returned or raised. On a GPU it runs on this worker's device and issues its work on a
+    stream of its own (`side_stream`), so its copies overlap the engine's steps instead of
+    queueing between them, and waits for them before it counts as done."""
 
-    def __init__(self, work, device: torch.device) -> None:
+    def __init__(self, work, device: torch.device, name: str = "pipelinerl-stage-weights") -> None:
+        self.result = None
         self.error: BaseException | None = None
         self.device = device
-        self.thread = threading.Thread(target=self._run, args=(work,), name="pipelinerl-stage-weights", daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
         self.thread.start()
 
     def _run(self, work) -> None:
@@ -96,10 +98,10 @@ class Transfer:
                 stream = side_stream(self.device)
                 try:
                     with torch.cuda.device(self.device), torch.cuda.stream(stream):
-                        work()
+                        self.result = work()
                 finally:  # failed too: nothing it queued is left running over the staging copy
                     stream.synchronize()
             else:
-                work()
-        except BaseException as err:  # noqa: BLE001 - handed to the engine by staged_weights_ready
+                self.result = work()
+        except BaseException as err:  # noqa: BLE001 - handed to the engine by the worker's poll
             self.error = err

@@ -6,6 +6,7 @@ from the engine side with ``collective_rpc`` (as ``Engine.update_weights`` does)
 
     await engine.collective_rpc("prepare_weight_updates", args=(staged,))  # once: the loading path
     await engine.collective_rpc("init_weight_group", args=(host, port, group, rank, world, timeout_s, backend, token))
+    while not all(await engine.collective_rpc("weight_group_joined")): await asyncio.sleep(...)  # beside generation
     # staged (default): receive and load into the staging copy beside generation
     await engine.collective_rpc("stage_weights", args=(buckets,))   # [False]: no staging copy
     while not all(await engine.collective_rpc("staged_weights_ready")): await asyncio.sleep(...)
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch
 
-from pipelinerl.weight_group import WeightGroup, WeightSyncError
+from pipelinerl.weight_group import Invitation, WeightGroup, WeightSyncError, buffer_device, check_backend
 from pipelinerl_generator.staging import StagingCopy, Transfer
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class WeightReceiverExtension:
     _pipelinerl_path: str | None = None  # staged, in_place or reload (prepare_weight_updates)
     _pipelinerl_staging: StagingCopy | None = None
     _pipelinerl_transfer: Transfer | None = None
+    _pipelinerl_joining: Transfer | None = None  # a join running beside generation
 
     def prepare_weight_updates(self, staged: bool) -> dict[str, Any]:
         """Choose this engine's loading path and allocate the staging copy where staged: at
@@ -94,22 +96,59 @@ class WeightReceiverExtension:
         timeout_s: float,
         backend: str,
         token: str = "",
+        connect_beside: bool = True,
     ) -> None:
-        """Join weight group `group` (a membership epoch), leaving the previous one."""
+        """Leave the weight group held and start joining `group` (a membership epoch) on a thread,
+        so that the engine generates on while the epoch's members gather (up to the trainer's
+        join window where one is late): `weight_group_joined` says when it is done. The thread
+        also connects where `connect_beside`; otherwise the connection is made on the worker's
+        thread, inside `weight_group_joined` (NCCL with tensor parallelism: the new
+        communicator's first collective would run beside the worker's own all-reduces)."""
         # `rank` is this engine's first rank in the weight group; collective_rpc
         # sends the same args to every worker, so worker i of a TP/PP engine
         # (self.rank == i) takes rank + i. Every worker receives full tensors:
         # vLLM's loaders shard them. With NCCL, on this worker's GPU (vLLM has set it).
-        # Blocks until the trainer lets the epoch's members connect (or calls it off:
-        # GroupAborted).
         if self._pipelinerl_weight_group is not None:
             transfer = self._pipelinerl_transfer
             self._pipelinerl_weight_group.close(in_flight=transfer is not None and transfer.thread.is_alive())
             self._pipelinerl_weight_group = None
         self._pipelinerl_end_abandoned_transfer(timeout_s)
-        self._pipelinerl_weight_group = WeightGroup.join(
-            host, port, group, rank + int(getattr(self, "rank", 0)), world_size, timeout_s, backend, token
-        )
+        self._pipelinerl_end_abandoned_join(timeout_s)
+        check_backend(backend)
+        rank += int(getattr(self, "rank", 0))
+
+        def join() -> Invitation | WeightGroup:
+            invitation = WeightGroup.invitation(host, port, group, rank, world_size, timeout_s, backend, token)
+            return invitation.accept() if connect_beside else invitation
+
+        self._pipelinerl_joining = Transfer(join, buffer_device(backend), "pipelinerl-join-weights")
+
+    def weight_group_joined(self) -> bool:
+        """True once the group `init_weight_group` began joining is held; False while the thread
+        still joins; raises what joining raised (GroupAborted, WeightSyncTimeout)."""
+        joining = self._pipelinerl_joining
+        if joining is None:
+            raise RuntimeError("no weight group is being joined")
+        if joining.thread.is_alive():
+            return False
+        self._pipelinerl_joining = None
+        if joining.error is not None:
+            raise joining.error
+        joined = joining.result
+        self._pipelinerl_weight_group = joined.accept() if isinstance(joined, Invitation) else joined
+        return True
+
+    def _pipelinerl_end_abandoned_join(self, timeout_s: float) -> None:
+        """A join the engine gave up on ends at its own timeouts: wait for it, and close the group
+        it may have joined meanwhile (its epoch is over: the trainer forms another)."""
+        joining, self._pipelinerl_joining = self._pipelinerl_joining, None
+        if joining is None:
+            return
+        joining.thread.join(timeout_s)
+        if joining.thread.is_alive():
+            raise TimeoutError(f"an abandoned weight-group join still runs after {timeout_s:.0f} s")
+        if isinstance(joining.result, WeightGroup):
+            joining.result.close()
 
     def receive_weights(self, buckets: list[dict[str, Any]]) -> str:
         """Receive and load, inside the pause (on this worker's thread, between engine steps);
