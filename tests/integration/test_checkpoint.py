@@ -2,7 +2,8 @@
 DeepSpeed ZeRO-1 ranks on gloo, each saving to and resuming from its own folder only. The resumed
 ranks must continue exactly as the uninterrupted run (weights and Adam state restored), and when
 one pod's `latest` is a step behind (a crash between the pods' writes), both resume at that step,
-which every pod keeps (the newest two checkpoints are). A pod whose volume is lost takes the
+which every pod keeps (the newest two checkpoints are); both go back to that one where the job's
+store goes on from it. A pod whose volume is lost takes the
 weights and data position of the pod that kept its checkpoints, instead of sending the job back to
 step 0 (ZeRO-1, and ZeRO-3, whose pods hold only partitions)."""
 
@@ -83,6 +84,7 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue, backend: s
     _train(engine, 0)
     checkpoint.save(engine, pod, 1, {"step": 1, "rank": rank}, rank, local_rank=0, previous=0)
     _train(engine, 1)
+    after_two = _flat(engine)
     checkpoint.save(engine, pod, 2, {"step": 2, "rank": rank}, rank, local_rank=0, previous=1)
     _train(engine, 2)
     after_three = _flat(engine)
@@ -93,10 +95,18 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue, backend: s
     resumed = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
     state = checkpoint.load(resumed, pod)
     _train(resumed, 2)  # the step the crash lost, again
+    # Both pods at step 3 again, and the job's store made to go on from step 2 (its record of step 3
+    # never told): both go back to step 2 (`step_the_store_goes_on_from`).
+    (pod / "latest").write_text("step-3")
+    back = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
+    went_back = checkpoint.load(back, pod, resume=2) == {"step": 2, "rank": rank} and torch.equal(
+        _flat(back), after_two
+    )
     out.put(
         (
             rank,
             state,
+            went_back,
             torch.equal(_flat(resumed), after_three),
             sorted(p.name for p in (pod / "step-3").iterdir()),
             sorted(p.name for p in (pod / "step-3" / "ds" / "ds").iterdir()),
@@ -180,9 +190,10 @@ BACKENDS = [
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2, backend):
     results = _run(_rank, tmp_path, tiny_qwen2, backend)
-    for rank, (state, same_as_uninterrupted, step_files, ds_files, kept) in results.items():
+    for rank, (state, went_back, same_as_uninterrupted, step_files, ds_files, kept) in results.items():
         assert kept == ["latest", "step-2", "step-3"]  # the newest two: step 1's deleted
         assert state == {"step": 2, "rank": rank}  # both at the step every pod has
+        assert went_back  # to the one their store goes on from, from their newest, exactly
         assert same_as_uninterrupted  # weights and Adam moments came back from the pod's own folder
         # Each pod holds the model states and its own ZeRO shard; the HF weights are written once.
         assert step_files == (["ds", "hf", "state.json"] if rank == 0 else ["ds", "state.json"])

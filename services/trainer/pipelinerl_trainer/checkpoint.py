@@ -193,10 +193,35 @@ def _save_hf(engine, target: Path, rank: int, model_path: str | None) -> None:
                 shutil.copy(src / name, target / name)
 
 
-def load(engine, ckpt_dir: Path) -> dict:
-    """Restore the newest checkpoint all ranks have into `engine`; the consumed-data state, or {}
-    where no rank has one. Where some rank has none and another has, `adopt` the newest."""
-    mine = latest_step(ckpt_dir)
+def step_the_store_goes_on_from(ckpt_dir: Path, identity) -> int | None:
+    """The checkpoint to resume from where the job's store (`identity`, a StoreIdentity) was made
+    to go on from an older one of this pod's than its newest: that one, where the pod still holds
+    it (a save keeps the previous checkpoint), else None (the newest). The operator restores a
+    resumed job's store from the newest checkpoint the trainer told; a stop that saved a newer one
+    but did not tell it (rank 0 killed between the two, NATS unreachable) leaves that record one
+    checkpoint behind, and the pods' newest would not be the store's (StoreLost)."""
+    newest, step = latest_step(ckpt_dir), identity.adopted_step
+    if newest is None or step is None or step >= newest or identity.adopts is None:
+        return None
+    if _saved_state(ckpt_dir, newest).get("store") != identity.adopts:
+        return None  # the newest belongs to another store: this one goes on from no checkpoint of it
+    held = _saved_state(ckpt_dir, step)
+    return step if (held.get("store"), held.get("step")) == (identity.adopts, step) else None
+
+
+def _saved_state(ckpt_dir: Path, step: int) -> dict:
+    """The state a checkpoint of this pod's holds ({}: none, or unreadable)."""
+    try:
+        return json.loads((ckpt_dir / f"step-{step}" / "state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def load(engine, ckpt_dir: Path, resume: int | None = None) -> dict:
+    """Restore the newest checkpoint all ranks have into `engine` (or `resume`, the one the job's
+    store goes on from: `step_the_store_goes_on_from`); the consumed-data state, or {} where no
+    rank has one. Where some rank has none and another has, `adopt` the newest."""
+    mine = latest_step(ckpt_dir) if resume is None else resume
     # The oldest and (negated) newest step any rank has, in one all-reduce.
     steps = torch.tensor([-1 if mine is None else mine] * 2, dtype=torch.long, device=engine.device)
     steps[1] *= -1

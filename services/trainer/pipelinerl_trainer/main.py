@@ -115,9 +115,19 @@ def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.
     model_path = resolve_model_path(spec.model.path)
     peers, vote = join_torch_group(job, env, stop)
     model = build_model(job, model_path)
-    position = Position.restored(checkpoint.load(model.engine, env.run_dir / "checkpoints"), rank)
-    prom.started(spec.trainer.max_steps, position.version, spec.max_lag)
     bridge = NatsBridge(job, env, f"{job.name}-trainer-{rank}")
+    ckpts = env.run_dir / "checkpoints"
+    resume = checkpoint.step_the_store_goes_on_from(ckpts, bridge.store_identity())
+    if resume is not None:
+        log.warning(
+            "the job's store goes on from this pod's checkpoint of step %d, not from its newest (step %d, "
+            "never told to the store): resuming from step %d; the steps after it are trained again",
+            resume,
+            checkpoint.latest_step(ckpts),
+            resume,
+        )
+    position = Position.restored(checkpoint.load(model.engine, ckpts, resume), rank)
+    prom.started(spec.trainer.max_steps, position.version, spec.max_lag)
     await_store(position, bridge, board, env, stop)
     output = Output(env.output_dir, spec.output.best if spec.output else True) if env.output_dir else None
     reporter = Reporter(job, rank, env.run_dir, board, bridge, output, position.store)
