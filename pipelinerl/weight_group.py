@@ -163,7 +163,7 @@ def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, 
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         options.is_high_priority_stream = True
-        with _environ(TORCH_NCCL_BLOCKING_WAIT="1"):
+        with _environ(**NCCL_ENVIRONMENT):
             return dist.ProcessGroupNCCL(store, rank, world_size, options)
     except RuntimeError as e:  # gloo connect errors subclass RuntimeError
         raise WeightSyncTimeout(
@@ -171,10 +171,23 @@ def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, 
         ) from e
 
 
+NCCL_ENVIRONMENT = {"TORCH_NCCL_BLOCKING_WAIT": "1"}  # what an NCCL weight group's constructor reads
+
+
+def set_nccl_environment() -> None:
+    """Set NCCL_ENVIRONMENT for the process's life, where weight groups are made on a thread
+    beside native work that reads the environment (a generator's join beside the engine's steps:
+    glibc's setenv is not safe beside another thread's getenv). Call it from the thread that runs
+    that work, before the group's thread starts, and after the process's own NCCL groups are made
+    (vLLM makes its own at start)."""
+    os.environ.update(NCCL_ENVIRONMENT)
+
+
 @contextlib.contextmanager
 def _environ(**values: str):
     """Environment variables set while a constructor reads them, then restored (one at a time:
-    the environment is the process's)."""
+    the environment is the process's). Those already set so are left alone (`set_nccl_environment`)."""
+    values = {k: v for k, v in values.items() if os.environ.get(k) != v}
     with _ENV_LOCK:
         before = {k: os.environ.get(k) for k in values}
         os.environ.update(values)

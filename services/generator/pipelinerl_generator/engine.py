@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipelinerl.awake import wait_awake
 from pipelinerl.spec import PipelineRLJob, SpecError
+from pipelinerl.weight_group import WeightSyncError, form_bound
 from pipelinerl.tasks import Completion
 
 if TYPE_CHECKING:  # vLLM is imported where it runs: importing it costs seconds
@@ -33,6 +34,7 @@ if TYPE_CHECKING:  # vLLM is imported where it runs: importing it costs seconds
 log = logging.getLogger(__name__)
 EXTENSION = "pipelinerl_generator.weight_receiver.WeightReceiverExtension"
 POLL_S = 0.005  # how often the engine asks its workers whether work beside generation is done
+JOIN_MARGIN_S = 30.0  # past the trainer's bound on forming an epoch: the store's round trips, a loaded machine
 
 
 class WeightsKept(RuntimeError):
@@ -314,23 +316,22 @@ class Engine:
         self, host: str, port: int, group: str, rank: int, world_size: int, timeout_s: float, token: str = ""
     ) -> None:
         """Join a weight group's epoch beside generation: the workers wait for the epoch's other
-        members, and connect, on threads of their own (`init_weight_group`), while the engine
-        steps on; each poll is a call the core answers between steps. Bounded as a call into the
-        core (`rpc_timeout_s`, past every wait of the join's own): NCCL setting a communicator up
-        with a peer dead since it joined blocks past all of them (EngineStuck)."""
+        members, and connect where `works_beside`, on threads of their own (`init_weight_group`),
+        while the engine steps on; each poll is a call the core answers between steps. Bounded
+        past the trainer's own bound on forming the epoch (it is ended past that): NCCL setting a
+        communicator up with a peer dead since it joined blocks past every timeout (EngineStuck)."""
         backend = self.job.spec.weight_transport
         await self._rpc(
             "init_weight_group", host, port, group, rank, world_size, timeout_s, backend, token, self.works_beside
         )
-
-        async def joined() -> None:
-            while not all(await self._rpc("weight_group_joined")):
-                await asyncio.sleep(POLL_S)
-
+        bound = form_bound(timeout_s) + JOIN_MARGIN_S
         try:
-            await wait_awake(joined(), self.rpc_timeout_s)
+            await wait_awake(self._until_done("weight_group_joined"), bound)
         except TimeoutError:
-            raise EngineStuck(f"the weight group join did not end within {self.rpc_timeout_s:.0f} s") from None
+            raise EngineStuck(f"the weight group join did not end within {bound:.0f} s") from None
+        failed = next(filter(None, await self._rpc("accept_weight_group")), "")
+        if failed:
+            raise WeightSyncError(failed)
 
     async def prepare_updates(self) -> None:
         """Choose the loading path (`weight_receiver`) and allocate the staging copy, once: at
@@ -428,13 +429,28 @@ class Engine:
         return kept
 
     async def _wait_staged(self, deadline: float) -> None:
-        # Each poll is a utility call the engine answers between steps; staging errors surface here.
-        while not all(await self._rpc("staged_weights_ready")):
+        try:
+            await self._until_done("staged_weights_ready", deadline)
+        except TimeoutError:
+            raise TimeoutError(
+                f"weights not received and loaded within weightSync.timeoutSeconds="
+                f"{self.job.spec.weight_sync.timeout_seconds}"
+            ) from None
+
+    async def _until_done(self, method: str, deadline: float = float("inf")) -> None:
+        """Poll a worker call about work running beside generation (each answers None while it
+        runs, "" once done, else why it failed: raised here as WeightSyncError) until every worker
+        is done; TimeoutError past `deadline` (perf_counter). Each poll is a call the engine core
+        answers between steps."""
+        while True:
+            states = await self._rpc(method)
+            failed = next(filter(None, states), "")
+            if failed:
+                raise WeightSyncError(failed)
+            if None not in states:
+                return
             if time.perf_counter() > deadline:
-                raise TimeoutError(
-                    f"weights not received and loaded within weightSync.timeoutSeconds="
-                    f"{self.job.spec.weight_sync.timeout_seconds}"
-                )
+                raise TimeoutError(f"{method}: not done by its deadline")
             await asyncio.sleep(POLL_S)
 
     def shutdown(self) -> None:

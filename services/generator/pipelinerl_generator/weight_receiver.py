@@ -6,10 +6,11 @@ from the engine side with ``collective_rpc`` (as ``Engine.update_weights`` does)
 
     await engine.collective_rpc("prepare_weight_updates", args=(staged,))  # once: the loading path
     await engine.collective_rpc("init_weight_group", args=(host, port, group, rank, world, timeout_s, backend, token))
-    while not all(await engine.collective_rpc("weight_group_joined")): await asyncio.sleep(...)  # beside generation
+    while None in await engine.collective_rpc("weight_group_joined"): await asyncio.sleep(...)  # beside generation
+    await engine.collective_rpc("accept_weight_group")
     # staged (default): receive and load into the staging copy beside generation
     await engine.collective_rpc("stage_weights", args=(buckets,))   # [False]: no staging copy
-    while not all(await engine.collective_rpc("staged_weights_ready")): await asyncio.sleep(...)
+    while None in await engine.collective_rpc("staged_weights_ready"): await asyncio.sleep(...)  # "": done
     await engine.engine_core.pause_scheduler_async(mode="keep", clear_cache=False)  # running requests kept
     await engine.collective_rpc("commit_staged_weights")   # or receive_weights(buckets) inside the pause
     await engine.update_weight_version(str(version))  # tags tokens sampled from now on
@@ -44,7 +45,14 @@ from typing import Any
 
 import torch
 
-from pipelinerl.weight_group import Invitation, WeightGroup, WeightSyncError, buffer_device, check_backend
+from pipelinerl.weight_group import (
+    Invitation,
+    WeightGroup,
+    WeightSyncError,
+    buffer_device,
+    check_backend,
+    set_nccl_environment,
+)
 from pipelinerl_generator.staging import StagingCopy, Transfer
 
 logger = logging.getLogger(__name__)
@@ -57,6 +65,8 @@ class WeightReceiverExtension:
     _pipelinerl_staging: StagingCopy | None = None
     _pipelinerl_transfer: Transfer | None = None
     _pipelinerl_joining: Transfer | None = None  # a join running beside generation
+    _pipelinerl_invitation: Invitation | None = None  # joined, to connect in accept_weight_group
+    _pipelinerl_abandoned: tuple[Transfer, ...] = ()  # joins given up on, still running
 
     def prepare_weight_updates(self, staged: bool) -> dict[str, Any]:
         """Choose this engine's loading path and allocate the staging copy where staged: at
@@ -100,9 +110,9 @@ class WeightReceiverExtension:
     ) -> None:
         """Leave the weight group held and start joining `group` (a membership epoch) on a thread,
         so that the engine generates on while the epoch's members gather (up to the trainer's
-        join window where one is late): `weight_group_joined` says when it is done. The thread
-        also connects where `connect_beside`; otherwise the connection is made on the worker's
-        thread, inside `weight_group_joined` (NCCL with tensor parallelism: the new
+        join window where one is late): poll `weight_group_joined`, then call
+        `accept_weight_group`. The thread also connects where `connect_beside`; otherwise every
+        worker connects in `accept_weight_group`, together (NCCL with tensor parallelism: the new
         communicator's first collective would run beside the worker's own all-reduces)."""
         # `rank` is this engine's first rank in the weight group; collective_rpc
         # sends the same args to every worker, so worker i of a TP/PP engine
@@ -112,9 +122,15 @@ class WeightReceiverExtension:
             transfer = self._pipelinerl_transfer
             self._pipelinerl_weight_group.close(in_flight=transfer is not None and transfer.thread.is_alive())
             self._pipelinerl_weight_group = None
+        self._pipelinerl_invitation = None
         self._pipelinerl_end_abandoned_transfer(timeout_s)
-        self._pipelinerl_end_abandoned_join(timeout_s)
+        if self._pipelinerl_joining is not None:  # given up on: it ends at its own timeouts
+            self._pipelinerl_abandoned += (self._pipelinerl_joining,)
+            self._pipelinerl_joining = None
+        self._pipelinerl_close_abandoned()
         check_backend(backend)
+        if backend == "nccl":
+            set_nccl_environment()  # here: the join's thread must not change it beside the engine's steps
         rank += int(getattr(self, "rank", 0))
 
         def join() -> Invitation | WeightGroup:
@@ -123,32 +139,43 @@ class WeightReceiverExtension:
 
         self._pipelinerl_joining = Transfer(join, buffer_device(backend), "pipelinerl-join-weights")
 
-    def weight_group_joined(self) -> bool:
-        """True once the group `init_weight_group` began joining is held; False while the thread
-        still joins; raises what joining raised (GroupAborted, WeightSyncTimeout)."""
+    def weight_group_joined(self) -> str | None:
+        """None while the join's thread runs; "" once it is done; else why it failed. Never raises:
+        at the first worker that raises, vLLM's multiprocess executor (tensor parallelism) leaves
+        the other workers' answers queued, to be read as the answers of the calls that follow."""
         joining = self._pipelinerl_joining
         if joining is None:
-            raise RuntimeError("no weight group is being joined")
+            joined = self._pipelinerl_weight_group is not None or self._pipelinerl_invitation is not None
+            return "" if joined else "no weight group is being joined"
         if joining.thread.is_alive():
-            return False
+            return None
         self._pipelinerl_joining = None
         if joining.error is not None:
-            raise joining.error
-        joined = joining.result
-        self._pipelinerl_weight_group = joined.accept() if isinstance(joined, Invitation) else joined
-        return True
+            return why(joining.error)
+        if isinstance(joining.result, Invitation):
+            self._pipelinerl_invitation = joining.result
+        else:
+            self._pipelinerl_weight_group = joining.result
+        return ""
 
-    def _pipelinerl_end_abandoned_join(self, timeout_s: float) -> None:
-        """A join the engine gave up on ends at its own timeouts: wait for it, and close the group
-        it may have joined meanwhile (its epoch is over: the trainer forms another)."""
-        joining, self._pipelinerl_joining = self._pipelinerl_joining, None
-        if joining is None:
-            return
-        joining.thread.join(timeout_s)
-        if joining.thread.is_alive():
-            raise TimeoutError(f"an abandoned weight-group join still runs after {timeout_s:.0f} s")
-        if isinstance(joining.result, WeightGroup):
-            joining.result.close()
+    def accept_weight_group(self) -> str:
+        """Once every worker has joined: connect where the join's thread did not, every worker in
+        this one call (the connection is a collective). "" once connected, else why not."""
+        invitation, self._pipelinerl_invitation = self._pipelinerl_invitation, None
+        if invitation is not None:
+            try:
+                self._pipelinerl_weight_group = invitation.accept()
+            except Exception as err:  # noqa: BLE001 - told, never raised (`weight_group_joined`)
+                return why(err)
+        return "" if self._pipelinerl_weight_group is not None else "no weight group was joined"
+
+    def _pipelinerl_close_abandoned(self) -> None:
+        """Close what joins given up on joined, once their threads have ended (never waited for)."""
+        ended = [j for j in self._pipelinerl_abandoned if not j.thread.is_alive()]
+        self._pipelinerl_abandoned = tuple(j for j in self._pipelinerl_abandoned if j.thread.is_alive())
+        for joining in ended:
+            if isinstance(joining.result, WeightGroup):
+                joining.result.close()
 
     def receive_weights(self, buckets: list[dict[str, Any]]) -> str:
         """Receive and load, inside the pause (on this worker's thread, between engine steps);
@@ -165,7 +192,7 @@ class WeightReceiverExtension:
                 self._pipelinerl_load_in_place(staging.model, staging.packed, group.receive_buckets(buckets))
             except Exception as err:  # noqa: BLE001 - the staging copy alone saw it
                 logger.warning("weights not loaded, the live ones are kept: %s", err)
-                return f"{type(err).__name__}: {err}"
+                return why(err)
             staging.commit()
             self._pipelinerl_synchronize()
             return ""
@@ -188,7 +215,7 @@ class WeightReceiverExtension:
             if weights.taken:
                 raise RuntimeError(f"weight transfer failed with the live weights half-loaded: {err}") from err
             logger.warning("weights not received, the live ones are kept: %s", err)
-            return f"{type(err).__name__}: {err}"
+            return why(err)
         self._pipelinerl_synchronize()
         return ""
 
@@ -219,18 +246,18 @@ class WeightReceiverExtension:
         )
         return True
 
-    def staged_weights_ready(self) -> bool:
-        """True once the staged weights are loaded; raises what staging raised (the live
-        weights are then untouched)."""
+    def staged_weights_ready(self) -> str | None:
+        """None while the staged weights are received and loaded; "" once they are; else why
+        staging failed (the live weights are then untouched). Never raises (`weight_group_joined`)."""
         transfer = self._pipelinerl_transfer
         if transfer is None:
-            raise RuntimeError("no weights are being staged")
+            return "no weights are being staged"
         if transfer.thread.is_alive():
-            return False
+            return None
         if transfer.error is not None:
             self._pipelinerl_transfer = None
-            raise transfer.error
-        return True
+            return why(transfer.error)
+        return ""
 
     def _pipelinerl_end_abandoned_transfer(self, timeout_s: float) -> None:
         """An update the engine gave up on (its deadline passed: WeightsKept) may still be
@@ -247,7 +274,7 @@ class WeightReceiverExtension:
     def commit_staged_weights(self) -> None:
         """Copy the staged weights into the live storage. Call while generation is paused: the
         next engine step uses them."""
-        if not self.staged_weights_ready():
+        if self.staged_weights_ready() != "":
             raise RuntimeError("commit_staged_weights called before the staged weights were loaded")
         self._pipelinerl_transfer = None
         self._pipelinerl_staging.commit()  # type: ignore[union-attr]
@@ -324,6 +351,11 @@ class WeightReceiverExtension:
         if current_platform.is_cpu():
             with torch.no_grad():
                 _repack_cpu_gemm(lm_head)
+
+
+def why(err: BaseException) -> str:
+    """A failure as a worker call tells it (its answer, not raised: `weight_group_joined`)."""
+    return f"{type(err).__name__}: {err}"
 
 
 class _Counted:
