@@ -1,17 +1,20 @@
 """How the engine polls its workers for work beside generation (a join, a staged transfer): every
 worker's answer counts (None: still running; "": done; else why it failed), never the first's
-alone; an NCCL engine with tensor parallelism connects its workers' new group in one call. The
+alone; an NCCL engine with tensor parallelism connects its workers' new group in one call; a
+call that raises all the same stops a generator of several workers. The
 engine core is a stand-in answering per worker; the real one: tests/integration/test_inflight_update.py
 (one worker, as the CPU build runs) and test_weight_join.py (the workers' side)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 
 from pipelinerl.spec import parse_job
 from pipelinerl.weight_group import WeightSyncError
 from pipelinerl_generator import engine as engine_module
-from pipelinerl_generator.engine import Engine
+from pipelinerl_generator.engine import Engine, EngineStuck, WorkersOutOfStep
 
 
 def engine_answering(answers: dict[str, list[list]], backend: str = "gloo", tp: int = 1) -> tuple[Engine, list]:
@@ -78,3 +81,20 @@ async def test_staged_weights_not_ready_by_the_deadline_time_out_naming_the_sett
     with pytest.raises(TimeoutError, match="not received and loaded within weightSync.timeoutSeconds"):
         await engine._wait_staged(deadline=0.0)
     assert [c[0] for c in calls] == ["staged_weights_ready"]
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+async def test_a_worker_call_that_raises_with_several_workers_stops_the_generator(tp):
+    """vLLM's multiprocess executor reads no further answers once one worker's says it raised:
+    the others' then answer the calls that follow. The engine stops (EngineStuck), where one
+    worker (the one-worker executor) raises as any call."""
+    engine, _ = engine_answering({}, tp=tp)
+
+    async def collective_rpc(method, args=()):
+        raise Exception("Worker failed with error 'TimeoutError: an abandoned transfer'")
+
+    engine.llm = SimpleNamespace(collective_rpc=collective_rpc)
+    del engine._rpc  # the real one, over the stand-in core
+    with pytest.raises(WorkersOutOfStep if tp > 1 else Exception, match="an abandoned transfer") as err:
+        await engine._rpc("init_weight_group")
+    assert isinstance(err.value, EngineStuck) == (tp > 1)

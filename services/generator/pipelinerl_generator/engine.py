@@ -53,6 +53,14 @@ class EngineStuck(RuntimeError):
     stops, and its pod is restarted."""
 
 
+class WorkersOutOfStep(EngineStuck):
+    """A worker call raised in an engine of several workers (tensor parallelism): vLLM's
+    multiprocess executor raises at the first worker that failed and leaves the others' answers
+    queued, to be read as the answers of the calls that follow. Every call the generator makes
+    routinely answers its failures instead (`weight_receiver`); one that raises all the same stops
+    the generator, which is restarted."""
+
+
 def rpc_timeout_s(weight_sync_timeout_s: float) -> float:
     """The bound of each call into the engine core: past every weight-sync wait its workers
     make themselves (a group's rendezvous, a transfer, each bounded by weightSync.timeoutSeconds),
@@ -237,8 +245,16 @@ class Engine:
         to the executor only: the multiprocess executor (tensor parallelism) honours it, the
         one-worker executor (a single GPU, the CPU build) runs the method on the engine core's
         thread and ignores it, so a call blocked there (an NCCL collective that never completes
-        does not raise) would be awaited forever."""
-        return await self._bounded(self.llm.collective_rpc(method, args=args), method)
+        does not raise) would be awaited forever. With several workers, one that raised leaves
+        the executor's answers out of step (WorkersOutOfStep)."""
+        try:
+            return await self._bounded(self.llm.collective_rpc(method, args=args), method)
+        except EngineStuck:
+            raise
+        except Exception as err:
+            if self.job.spec.generator.tensor_parallel > 1:
+                raise WorkersOutOfStep(f"worker call {method} raised with several workers: {err}") from err
+            raise
 
     async def _bounded(self, call, what: str):
         """A call into the engine core, given up on after `rpc_timeout_s` of the generator's awake
