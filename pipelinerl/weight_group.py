@@ -180,15 +180,18 @@ def set_nccl_environment() -> None:
     glibc's setenv is not safe beside another thread's getenv). Call it from the thread that runs
     that work, before the group's thread starts, and after the process's own NCCL groups are made
     (vLLM makes its own at start)."""
-    os.environ.update(NCCL_ENVIRONMENT)
+    with _ENV_LOCK:
+        for k, v in NCCL_ENVIRONMENT.items():
+            if os.environ.get(k) != v:
+                os.environ[k] = v
 
 
 @contextlib.contextmanager
 def _environ(**values: str):
     """Environment variables set while a constructor reads them, then restored (one at a time:
     the environment is the process's). Those already set so are left alone (`set_nccl_environment`)."""
-    values = {k: v for k, v in values.items() if os.environ.get(k) != v}
     with _ENV_LOCK:
+        values = {k: v for k, v in values.items() if os.environ.get(k) != v}
         before = {k: os.environ.get(k) for k in values}
         os.environ.update(values)
         try:

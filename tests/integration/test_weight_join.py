@@ -23,6 +23,7 @@ from pipelinerl.weight_group import (
     plan_buckets,
 )
 from pipelinerl.weight_snapshot import Snapshot
+from pipelinerl_generator.staging import Transfer
 from pipelinerl_generator.weight_receiver import WeightReceiverExtension
 
 HOST = "127.0.0.1"
@@ -53,7 +54,7 @@ def test_a_join_waits_on_its_thread_and_connects_where_told(connect_beside, monk
     store = open_store(HOST, port, True, TIMEOUT_S)
     worker = WeightReceiverExtension()
     t0 = time.monotonic()
-    worker.init_weight_group(HOST, port, "e1", 1, 2, TIMEOUT_S, "gloo", "", connect_beside)
+    assert worker.init_weight_group(HOST, port, "e1", 1, 2, TIMEOUT_S, "gloo", "", connect_beside) == ""
     assert time.monotonic() - t0 < 1.0
     time.sleep(0.5)
     assert worker.weight_group_joined() is None  # waiting for the trainer's `go`
@@ -184,3 +185,13 @@ def test_a_join_beside_sets_nccl_up_where_told_while_the_device_computes_on_cuda
         member.join(10)
         if member.is_alive():
             member.kill()
+
+
+def test_a_worker_whose_given_up_update_still_receives_says_it_can_take_no_weights():
+    """An update given up on whose transfer outlives the group's timeout would write into the
+    staging copy under the next one: the worker says so (the engine stops the generator)."""
+    worker = WeightReceiverExtension()
+    worker._pipelinerl_transfer = Transfer(lambda: time.sleep(3.0), torch.device("cpu"))
+    said = worker.init_weight_group(HOST, free_port(), "e1", 1, 2, 0.5, "gloo")
+    assert said == "TimeoutError: an abandoned weight update still receives after 0 s"
+    assert worker._pipelinerl_joining is None

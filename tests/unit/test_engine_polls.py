@@ -98,3 +98,11 @@ async def test_a_worker_call_that_raises_with_several_workers_stops_the_generato
     with pytest.raises(WorkersOutOfStep if tp > 1 else Exception, match="an abandoned transfer") as err:
         await engine._rpc("init_weight_group")
     assert isinstance(err.value, EngineStuck) == (tp > 1)
+
+
+async def test_workers_that_can_take_no_weights_stop_the_generator():
+    cannot = "TimeoutError: an abandoned weight update still receives after 60 s"
+    engine, calls = engine_answering({"init_weight_group": [["", cannot]]}, tp=2)
+    with pytest.raises(EngineStuck, match="can take no weights: TimeoutError: an abandoned"):
+        await engine.join_weight_group("h", 1, "e1", 1, 3, 30.0)
+    assert [c[0] for c in calls] == ["init_weight_group"]

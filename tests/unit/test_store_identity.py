@@ -46,3 +46,31 @@ def test_only_a_store_recovered_for_this_checkpoint_is_adopted():
     # Its streams start empty: read from sequence 0, no group credited in them yet.
     assert (p.store, p.consumed_seq, p.step_seq, p.trained_groups, p.version) == ("c", 0, 0, {}, 4)
     assert p.kept({"0": 0}, 10)["problems_claimed"] == 40  # claims never go back
+
+
+def test_rank_0_tells_its_checkpoint_on_a_store_made_to_go_on_from_it():
+    """A resumed job's store holds no record of the checkpoint it was made from until the next
+    save: rank 0 tells it as it takes the store, so that a suspend before that save restores the
+    store from it again (`main.await_store`). A store it goes on in, or takes first, is not told."""
+    import threading
+    from types import SimpleNamespace
+
+    from pipelinerl.contracts import ServiceEnv
+    from pipelinerl_trainer.main import await_store
+
+    def told(position: Position, store: m.StoreIdentity, rank: int = 0) -> list:
+        said: list = []
+        bridge = SimpleNamespace(
+            store_identity=lambda: store,
+            publish=lambda subject, msg: said.append((subject, msg)),
+            subjects=SimpleNamespace(checkpoint="ckpt"),
+        )
+        board = SimpleNamespace(update=lambda **kw: None)
+        await_store(position, bridge, board, ServiceEnv(role="trainer", rank=rank), threading.Event())
+        return said
+
+    said = told(at_checkpoint("a"), identity("b", adopts="a", step=4))
+    assert said == [("ckpt", m.Checkpointed(store="a", step=4, problems=40))]
+    assert told(at_checkpoint("a"), identity("b", adopts="a", step=4), rank=1) == []
+    assert told(at_checkpoint("a"), identity("a")) == []
+    assert told(Position.restored({}, 0), identity("a")) == []

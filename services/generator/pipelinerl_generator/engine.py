@@ -49,8 +49,8 @@ class PromptTooLong(ValueError):
 
 class EngineStuck(RuntimeError):
     """The engine's core did not answer a call in time: it is blocked (a hung collective, a
-    stalled device), and so is its generation. Not recoverable in this process: the generator
-    stops, and its pod is restarted."""
+    stalled device), and so is its generation; or its workers can take no weights any more. Not
+    recoverable in this process: the generator stops, and its pod is restarted."""
 
 
 class WorkersOutOfStep(EngineStuck):
@@ -337,9 +337,10 @@ class Engine:
         past the trainer's own bound on forming the epoch (it is ended past that): NCCL setting a
         communicator up with a peer dead since it joined blocks past every timeout (EngineStuck)."""
         backend = self.job.spec.weight_transport
-        await self._rpc(
-            "init_weight_group", host, port, group, rank, world_size, timeout_s, backend, token, self.works_beside
-        )
+        args = (host, port, group, rank, world_size, timeout_s, backend, token, self.works_beside)
+        cannot = next(filter(None, await self._rpc("init_weight_group", *args)), "")
+        if cannot:  # an update given up on still receives into the staging copy, or no transport
+            raise EngineStuck(f"the engine's workers can take no weights: {cannot}")
         bound = form_bound(timeout_s) + JOIN_MARGIN_S
         try:
             await wait_awake(self._until_done("weight_group_joined"), bound)

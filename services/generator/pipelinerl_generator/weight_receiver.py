@@ -107,13 +107,14 @@ class WeightReceiverExtension:
         backend: str,
         token: str = "",
         connect_beside: bool = True,
-    ) -> None:
+    ) -> str:
         """Leave the weight group held and start joining `group` (a membership epoch) on a thread,
         so that the engine generates on while the epoch's members gather (up to the trainer's
         join window where one is late): poll `weight_group_joined`, then call
         `accept_weight_group`. The thread also connects where `connect_beside`; otherwise every
         worker connects in `accept_weight_group`, together (NCCL with tensor parallelism: the new
-        communicator's first collective would run beside the worker's own all-reduces)."""
+        communicator's first collective would run beside the worker's own all-reduces). "" once
+        started, else why this worker can take no weights any more (told, never raised)."""
         # `rank` is this engine's first rank in the weight group; collective_rpc
         # sends the same args to every worker, so worker i of a TP/PP engine
         # (self.rank == i) takes rank + i. Every worker receives full tensors:
@@ -123,12 +124,15 @@ class WeightReceiverExtension:
             self._pipelinerl_weight_group.close(in_flight=transfer is not None and transfer.thread.is_alive())
             self._pipelinerl_weight_group = None
         self._pipelinerl_invitation = None
-        self._pipelinerl_end_abandoned_transfer(timeout_s)
         if self._pipelinerl_joining is not None:  # given up on: it ends at its own timeouts
             self._pipelinerl_abandoned += (self._pipelinerl_joining,)
             self._pipelinerl_joining = None
         self._pipelinerl_close_abandoned()
-        check_backend(backend)
+        try:
+            self._pipelinerl_end_abandoned_transfer(timeout_s)
+            check_backend(backend)
+        except Exception as err:  # noqa: BLE001 - told (`weight_group_joined`)
+            return why(err)
         if backend == "nccl":
             set_nccl_environment()  # here: the join's thread must not change it beside the engine's steps
         rank += int(getattr(self, "rank", 0))
@@ -138,6 +142,7 @@ class WeightReceiverExtension:
             return invitation.accept() if connect_beside else invitation
 
         self._pipelinerl_joining = Transfer(join, buffer_device(backend), "pipelinerl-join-weights")
+        return ""
 
     def weight_group_joined(self) -> str | None:
         """None while the join's thread runs; "" once it is done; else why it failed. Never raises:
@@ -262,7 +267,8 @@ class WeightReceiverExtension:
     def _pipelinerl_end_abandoned_transfer(self, timeout_s: float) -> None:
         """An update the engine gave up on (its deadline passed: WeightsKept) may still be
         receiving from the group just closed. Its thread ends with that group (a failed receive)
-        or at the group's collective timeout; wait for it, so the next update can stage."""
+        or at the group's collective timeout; wait for it, so the next update can stage (one
+        still receiving after `timeout_s` would write into the staging copy under the next)."""
         transfer = self._pipelinerl_transfer
         if transfer is None:
             return

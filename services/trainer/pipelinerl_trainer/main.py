@@ -93,8 +93,9 @@ def await_store(position: Position, bridge: NatsBridge, board: Board, env: Servi
     replaced store stops a local run (StoreLost: the runner does not restart what cannot run);
     a pod trains nothing, says why on /status (the operator's StoreLost condition and Event),
     tells its checkpoint on the new store (rank 0: what the operator makes the store go on from
-    when the job is suspended and resumed) and waits."""
-    told = False
+    when the job is suspended and resumed) and waits. Rank 0 of a trainer that takes a store made
+    to go on from its checkpoint tells that checkpoint on it."""
+    told, taken = False, position.store
     while lost := position.check_store(bridge.store_identity()):
         board.update(store_lost=lost)
         log.error("%s", lost)
@@ -106,6 +107,11 @@ def await_store(position: Position, bridge: NatsBridge, board: Board, env: Servi
             told = True
         stop.wait(STORE_POLL_S)
     board.update(store_lost="")
+    if env.rank == 0 and taken and position.store != taken:
+        # A store made to go on from this checkpoint: it is the one a suspend before the next
+        # save restores again (a resumed job's store holds no record of it until then).
+        record = m.Checkpointed(store=taken, step=position.version, problems=position.problems_claimed)
+        bridge.publish(bridge.subjects.checkpoint, record)
 
 
 def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.Event) -> Trainer:
