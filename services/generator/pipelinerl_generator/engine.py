@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from pipelinerl.awake import wait_awake
 from pipelinerl.spec import PipelineRLJob, SpecError
-from pipelinerl.weight_group import WeightSyncError, form_bound
 from pipelinerl.tasks import Completion
+from pipelinerl.weight_group import WeightSyncError, form_bound
 
 if TYPE_CHECKING:  # vLLM is imported where it runs: importing it costs seconds
     from vllm.inputs import TokensPrompt
