@@ -19,7 +19,7 @@ import pytest_asyncio
 import torch
 
 from pipelinerl.ports import free_port
-from pipelinerl_generator.engine import EngineStuck, PromptTooLong, WeightsKept
+from pipelinerl_generator.engine import EngineStuck, PromptTooLong, WeightsKept, WorkersOutOfStep
 from pipelinerl_generator.weight_receiver import WeightReceiverExtension
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
@@ -96,11 +96,12 @@ def _sender_main(paths: dict[str, str], port: int, cmd_q, res_q) -> None:
     while True:
         cmd, *args = cmd_q.get()
         try:
-            if cmd == "init":  # a new epoch, named args[0] (default "g")
+            if cmd == "init":  # a new epoch, named args[0] (default "g"), of args[1] ranks (default 2)
                 if group is not None:
                     group.close()
                 store = store or open_store(HOST, port, True, SYNC_TIMEOUT_S)
-                group = WeightGroup.form(store, args[0] if args else "g", 2, SYNC_TIMEOUT_S)
+                epoch, world = (list(args) + ["g", 2][len(args) :])[:2]  # its name, its size
+                group = WeightGroup.form(store, epoch, world, SYNC_TIMEOUT_S)
                 res_q.put(("ok", None))
             elif cmd == "send":
                 which, buckets = args
@@ -688,3 +689,73 @@ async def test_a_generator_frozen_past_the_bound_with_a_call_pending_goes_on_whe
             thaw.wait(10)
             os.kill(core, signal.SIGCONT)
     await engine.check_alive()
+
+
+async def test_an_engine_of_two_workers_joins_beside_generation_and_its_answers_stay_in_step(tmp_path, monkeypatch):
+    """Tensor parallelism runs vLLM's multiprocess executor, which raises at the first worker
+    whose call raised and leaves the others' answers queued. Two CPU workers (ranks 1 and 2 of a
+    real gloo epoch): both join beside generation and an update lands on both shards; a join
+    the trainer calls off is told by both, and the next call's answers are its own; a call that
+    raises all the same stops the generator (WorkersOutOfStep)."""
+    from safetensors.torch import load_file
+
+    from pipelinerl.spec import parse_job
+    from pipelinerl.tiny_model import make_tokenizer
+    from pipelinerl.weight_group import GROUP_PREFIX, WeightSyncError, dtype_name, open_store, plan_buckets
+    from pipelinerl_generator.engine import Engine
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a worker per core (vLLM binds one per NUMA node)
+    paths = {name: save_model(tmp_path / name, seed) for name, seed in SEEDS.items()}
+    job = parse_job(
+        {
+            "apiVersion": "pipelinerl.dev/v1alpha1",
+            "kind": "PipelineRLJob",
+            "metadata": {"name": "inflight-tp"},
+            "spec": {
+                "model": {"path": paths["A"], "maxSeqLen": 256, "dtype": "float32"},
+                "weightSync": {"backend": "gloo", "bucketMb": 1, "timeoutSeconds": SYNC_TIMEOUT_S},
+            },
+        }
+    )
+    # The spec gives tensor parallelism GPUs only (a CPU pod gains nothing by it); vLLM's CPU build
+    # runs it, which is all this test needs.
+    object.__setattr__(job.spec.generator, "tensor_parallel", 2)
+    weights = load_file(f"{paths['A']}/model.safetensors")
+    buckets = plan_buckets([(n, list(t.shape), dtype_name(t.dtype)) for n, t in weights.items()], 1 << 20)
+    ctx = mp.get_context("spawn")
+    cmd_q, res_q, port = ctx.Queue(), ctx.Queue(), free_port()
+    sender = ctx.Process(target=_sender_main, args=(paths, port, cmd_q, res_q), daemon=True)
+    sender.start()
+    engine = Engine(job, paths["A"])
+    tok = make_tokenizer()
+    prompt = tok.encode(PROMPTS[0])
+    try:
+        await engine.start(0)
+        cmd_q.put(("init", "t1", 3))
+        await engine.join_weight_group(HOST, port, "t1", 1, 3, SYNC_TIMEOUT_S)
+        await reply(res_q)
+        running = asyncio.create_task(engine.generate(prompt, LONG_TOKENS))
+        await wait_for_output_tokens(engine, 5)
+        cmd_q.put(("send", "B", buckets))
+        stats = await engine.update_weights(1, buckets)
+        await reply(res_q)
+        await running
+        assert stats.staged and engine.version == 1
+        hf_b = load_hf(paths["B"])
+        assert (await engine.generate(prompt, N_GREEDY, greedy=True)).tokens == hf_greedy(hf_b, prompt, N_GREEDY)
+
+        called_off = open_store(HOST, port, False, 10.0)
+        called_off.set(f"{GROUP_PREFIX}/t2/go", "abort")
+        with pytest.raises(WeightSyncError, match="called off by the trainer"):
+            await engine.join_weight_group(HOST, port, "t2", 1, 3, SYNC_TIMEOUT_S)
+        assert await engine._rpc("weight_group_joined") == ["no weight group is being joined"] * 2
+        assert (await engine.generate(prompt, N_GREEDY, greedy=True)).tokens == hf_greedy(hf_b, prompt, N_GREEDY)
+
+        with pytest.raises(WorkersOutOfStep, match="commit_staged_weights"):
+            await engine._rpc("commit_staged_weights")  # nothing staged: it raises on both workers
+    finally:
+        cmd_q.put(("close",))
+        engine.shutdown()
+        sender.join(10)
+        if sender.is_alive():
+            sender.kill()
