@@ -197,20 +197,20 @@ class Probe(WeightReceiverExtension):
 PATHS = {"staged": (False, True), "in_pause": (False, False), "reload": (True, True)}
 
 
-async def start_rig(root: Path, reload: bool) -> Rig:
+def models_and_job(root: Path, name: str):
+    """Models A and B saved under `root`, a job generating with A, and the bucket plan of its
+    weights (several buckets)."""
     from safetensors.torch import load_file
 
     from pipelinerl.spec import parse_job
-    from pipelinerl.tiny_model import make_tokenizer
     from pipelinerl.weight_group import dtype_name, plan_buckets
-    from pipelinerl_generator.engine import Engine
 
-    paths = {name: save_model(root / name, seed) for name, seed in SEEDS.items()}
+    paths = {model: save_model(root / model, seed) for model, seed in SEEDS.items()}
     job = parse_job(
         {
             "apiVersion": "pipelinerl.dev/v1alpha1",
             "kind": "PipelineRLJob",
-            "metadata": {"name": "inflight"},
+            "metadata": {"name": name},
             "spec": {
                 "model": {"path": paths["A"], "maxSeqLen": 256, "dtype": "float32"},
                 "generator": {"sampling": {"maxTokens": LONG_TOKENS}},
@@ -218,25 +218,45 @@ async def start_rig(root: Path, reload: bool) -> Rig:
             },
         }
     )
-    # The probe replaces PipelineRL's extension, which validation refuses from a manifest.
-    job.spec.generator.engine_args["worker_extension_cls"] = f"{__name__}.{Probe.__name__}"
-    sync = job.spec.weight_sync
     weights = load_file(f"{paths['A']}/model.safetensors")
-    buckets = plan_buckets([(n, list(t.shape), dtype_name(t.dtype)) for n, t in weights.items()], sync.bucket_mb << 20)
+    bucket_bytes = job.spec.weight_sync.bucket_mb << 20
+    buckets = plan_buckets([(n, list(t.shape), dtype_name(t.dtype)) for n, t in weights.items()], bucket_bytes)
     assert len(buckets) > 1  # exercise several buckets
+    return paths, job, buckets
 
+
+def start_sender(paths: dict[str, str]):
+    """The trainer stand-in, spawned: its command and reply queues, its store's port, the process."""
     ctx = mp.get_context("spawn")
-    cmd_q, res_q = ctx.Queue(), ctx.Queue()
-    port = free_port()
+    cmd_q, res_q, port = ctx.Queue(), ctx.Queue(), free_port()
     sender = ctx.Process(target=_sender_main, args=(paths, port, cmd_q, res_q), daemon=True)
     sender.start()
+    return cmd_q, res_q, port, sender
+
+
+def stop(cmd_q, engine, sender) -> None:
+    cmd_q.put(("close",))
+    engine.shutdown()
+    sender.join(10)
+    if sender.is_alive():
+        sender.kill()
+
+
+async def start_rig(root: Path, reload: bool) -> Rig:
+    from pipelinerl.tiny_model import make_tokenizer
+    from pipelinerl_generator.engine import Engine
+
+    paths, job, buckets = models_and_job(root, "inflight")
+    # The probe replaces PipelineRL's extension, which validation refuses from a manifest.
+    job.spec.generator.engine_args["worker_extension_cls"] = f"{__name__}.{Probe.__name__}"
+    cmd_q, res_q, port, sender = start_sender(paths)
     engine = Engine(job, paths["A"])
     rig = Rig(engine, make_tokenizer(), {}, buckets, cmd_q, res_q, port, sender, paths)
     try:
         await engine.start(0)
         await engine.llm.collective_rpc("probe_force_reload", args=(reload,))  # before any update
         cmd_q.put(("init",))
-        await engine.join_weight_group(HOST, port, "g", 1, 2, sync.timeout_seconds)
+        await engine.join_weight_group(HOST, port, "g", 1, 2, job.spec.weight_sync.timeout_seconds)
         await reply(res_q)
         rig.hf = {n: load_hf(p) for n, p in paths.items()}
     except BaseException:
@@ -246,11 +266,7 @@ async def start_rig(root: Path, reload: bool) -> Rig:
 
 
 def stop_rig(rig: Rig) -> None:
-    rig.cmd_q.put(("close",))
-    rig.engine.shutdown()
-    rig.sender.join(10)
-    if rig.sender.is_alive():
-        rig.sender.kill()
+    stop(rig.cmd_q, rig.engine, rig.sender)
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -697,35 +713,16 @@ async def test_an_engine_of_two_workers_joins_beside_generation_and_its_answers_
     real gloo epoch): both join beside generation and an update lands on both shards; a join
     the trainer calls off is told by both, and the next call's answers are its own; a call that
     raises all the same stops the generator (WorkersOutOfStep)."""
-    from safetensors.torch import load_file
-
-    from pipelinerl.spec import parse_job
     from pipelinerl.tiny_model import make_tokenizer
-    from pipelinerl.weight_group import GROUP_PREFIX, WeightSyncError, dtype_name, open_store, plan_buckets
+    from pipelinerl.weight_group import GROUP_PREFIX, WeightSyncError, open_store
     from pipelinerl_generator.engine import Engine
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")  # a worker per core (vLLM binds one per NUMA node)
-    paths = {name: save_model(tmp_path / name, seed) for name, seed in SEEDS.items()}
-    job = parse_job(
-        {
-            "apiVersion": "pipelinerl.dev/v1alpha1",
-            "kind": "PipelineRLJob",
-            "metadata": {"name": "inflight-tp"},
-            "spec": {
-                "model": {"path": paths["A"], "maxSeqLen": 256, "dtype": "float32"},
-                "weightSync": {"backend": "gloo", "bucketMb": 1, "timeoutSeconds": SYNC_TIMEOUT_S},
-            },
-        }
-    )
+    paths, job, buckets = models_and_job(tmp_path, "inflight-tp")
     # The spec gives tensor parallelism GPUs only (a CPU pod gains nothing by it); vLLM's CPU build
     # runs it, which is all this test needs.
     object.__setattr__(job.spec.generator, "tensor_parallel", 2)
-    weights = load_file(f"{paths['A']}/model.safetensors")
-    buckets = plan_buckets([(n, list(t.shape), dtype_name(t.dtype)) for n, t in weights.items()], 1 << 20)
-    ctx = mp.get_context("spawn")
-    cmd_q, res_q, port = ctx.Queue(), ctx.Queue(), free_port()
-    sender = ctx.Process(target=_sender_main, args=(paths, port, cmd_q, res_q), daemon=True)
-    sender.start()
+    cmd_q, res_q, port, sender = start_sender(paths)
     engine = Engine(job, paths["A"])
     tok = make_tokenizer()
     prompt = tok.encode(PROMPTS[0])
@@ -754,8 +751,4 @@ async def test_an_engine_of_two_workers_joins_beside_generation_and_its_answers_
         with pytest.raises(WorkersOutOfStep, match="commit_staged_weights"):
             await engine._rpc("commit_staged_weights")  # nothing staged: it raises on both workers
     finally:
-        cmd_q.put(("close",))
-        engine.shutdown()
-        sender.join(10)
-        if sender.is_alive():
-            sender.kill()
+        stop(cmd_q, engine, sender)

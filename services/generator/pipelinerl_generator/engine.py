@@ -21,6 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from pipelinerl.awake import wait_awake
@@ -338,16 +339,15 @@ class Engine:
         communicator up with a peer dead since it joined blocks past every timeout (EngineStuck)."""
         backend = self.job.spec.weight_transport
         args = (host, port, group, rank, world_size, timeout_s, backend, token, self.works_beside)
-        cannot = next(filter(None, await self._rpc("init_weight_group", *args)), "")
-        if cannot:  # an update given up on still receives into the staging copy, or no transport
+        # An update given up on still receiving into the staging copy, or no transport: stop.
+        if cannot := told(await self._rpc("init_weight_group", *args)):
             raise EngineStuck(f"the engine's workers can take no weights: {cannot}")
         bound = form_bound(timeout_s) + JOIN_MARGIN_S
         try:
             await wait_awake(self._until_done("weight_group_joined"), bound)
         except TimeoutError:
             raise EngineStuck(f"the weight group join did not end within {bound:.0f} s") from None
-        failed = next(filter(None, await self._rpc("accept_weight_group")), "")
-        if failed:
+        if failed := told(await self._rpc("accept_weight_group")):
             raise WeightSyncError(failed)
 
     async def prepare_updates(self) -> None:
@@ -461,8 +461,7 @@ class Engine:
         answers between steps."""
         while True:
             states = await self._rpc(method)
-            failed = next(filter(None, states), "")
-            if failed:
+            if failed := told(states):
                 raise WeightSyncError(failed)
             if None not in states:
                 return
@@ -474,12 +473,17 @@ class Engine:
         self.llm.shutdown()
 
 
+def told(answers: Sequence[str | None]) -> str:
+    """The first failure the workers told in their answers to a call ("" or None: none)."""
+    return next(filter(None, answers), "")
+
+
 def one_version(kept: list[str], version: int) -> str:
     """Why the workers kept their weights (each worker's word from `receive_weights`: "" where it
     loaded `version`), or "". Where some loaded it and others kept theirs (tensor parallelism: a
     transfer failed on one worker only), the engine's shards hold two versions: no label is true
     of them, so the generator stops (and is restarted with the weights sent to it then)."""
-    why = next((k for k in kept if k), "")
+    why = told(kept)
     if why and not all(kept):
         loaded = [i for i, k in enumerate(kept) if not k]
         raise RuntimeError(f"workers {loaded} loaded version {version} while the others kept theirs ({why})")

@@ -176,11 +176,13 @@ class WeightReceiverExtension:
 
     def _pipelinerl_close_abandoned(self) -> None:
         """Close what joins given up on joined, once their threads have ended (never waited for)."""
-        ended = [j for j in self._pipelinerl_abandoned if not j.thread.is_alive()]
-        self._pipelinerl_abandoned = tuple(j for j in self._pipelinerl_abandoned if j.thread.is_alive())
-        for joining in ended:
-            if isinstance(joining.result, WeightGroup):
+        running = []
+        for joining in self._pipelinerl_abandoned:
+            if joining.thread.is_alive():
+                running.append(joining)
+            elif isinstance(joining.result, WeightGroup):
                 joining.result.close()
+        self._pipelinerl_abandoned = tuple(running)
 
     def receive_weights(self, buckets: list[dict[str, Any]]) -> str:
         """Receive and load, inside the pause (on this worker's thread, between engine steps);
