@@ -172,24 +172,23 @@ def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, 
 
 
 NCCL_ENVIRONMENT = {"TORCH_NCCL_BLOCKING_WAIT": "1"}  # what an NCCL weight group's constructor reads
+NCCL_DEFAULTS = {"TORCH_NCCL_BLOCKING_WAIT": "0"}  # torch's own, for the process's other groups
 
 
-def set_nccl_environment() -> None:
-    """Set NCCL_ENVIRONMENT for the process's life, where weight groups are made on a thread
-    beside native work that reads the environment (a generator's join beside the engine's steps:
-    glibc's setenv is not safe beside another thread's getenv). Call it from the thread that runs
-    that work, before the group's thread starts, and after the process's own NCCL groups are made
-    (vLLM makes its own at start)."""
-    with _ENV_LOCK:
-        for k, v in NCCL_ENVIRONMENT.items():
-            if os.environ.get(k) != v:
-                os.environ[k] = v
+def reserve_nccl_environment() -> None:
+    """Put NCCL_ENVIRONMENT's names in the environment at torch's defaults where absent: at the
+    start of a process that makes weight groups, before any thread (a pod's entrypoint). Every
+    later change of them (`_environ`) then replaces a value, which glibc's
+    setenv does in place (one pointer, the old string kept); adding a name reallocates the array
+    NCCL's and torch's own threads may be reading with getenv at that moment, removing one shifts it."""
+    for k, v in NCCL_DEFAULTS.items():
+        os.environ.setdefault(k, v)
 
 
 @contextlib.contextmanager
 def _environ(**values: str):
     """Environment variables set while a constructor reads them, then restored (one at a time:
-    the environment is the process's). Those already set so are left alone (`set_nccl_environment`)."""
+    the environment is the process's; its names reserved at the start, `reserve_nccl_environment`)."""
     with _ENV_LOCK:
         values = {k: v for k, v in values.items() if os.environ.get(k) != v}
         before = {k: os.environ.get(k) for k in values}

@@ -85,6 +85,10 @@ def _service(args: argparse.Namespace) -> int:
     rank processes of a multi-GPU trainer pod or a generator pod of several engines."""
     from pipelinerl.runtime import service_env, setup_logging, stay_up_until_stopped
 
+    if args.role in ("generator", "trainer"):
+        from pipelinerl.weight_group import reserve_nccl_environment
+
+        reserve_nccl_environment()  # first: nothing has started a thread yet
     job = load_job(args.job)
     env = service_env(args.role, job)
     if (env.ranks_per_pod or 1) > 1:

@@ -51,7 +51,6 @@ from pipelinerl.weight_group import (
     WeightSyncError,
     buffer_device,
     check_backend,
-    set_nccl_environment,
 )
 from pipelinerl_generator.staging import StagingCopy, Transfer
 
@@ -133,8 +132,6 @@ class WeightReceiverExtension:
             check_backend(backend)
         except Exception as err:  # noqa: BLE001 - told (`weight_group_joined`)
             return why(err)
-        if backend == "nccl":
-            set_nccl_environment()  # here: the join's thread must not change it beside the engine's steps
         rank += int(getattr(self, "rank", 0))
 
         def join() -> Invitation | WeightGroup:
