@@ -130,11 +130,20 @@ def _stop_server(server, thread: threading.Thread) -> None:
 async def join_job(job: PipelineRLJob, env: ServiceEnv, client: str) -> Any:
     """This service's NATS connection (as `client`), the job's streams made sure of (created or
     updated in place, at the sizes the job reserves); TimeoutError after JOIN_TIMEOUT_S (a server
-    that accepts the connection and never answers is waited on far longer than a refused one)."""
+    that accepts the connection and never answers is waited on far longer than a refused one).
+    A server whose max_payload is below the job's `nats.maxPayloadMb` is refused at once: it would
+    refuse the job's largest messages at every retry, whenever one came."""
 
     async def join() -> Any:
         nc = await connect(env.nats_url, client, env.nats_user, env.nats_password)
         sizes, payload_mb = stream_bytes(job.spec), job.spec.nats.max_payload_mb
+        if nc.max_payload < payload_mb << 20:
+            await nc.close()
+            raise ValueError(
+                f"nats.maxPayloadMb ({payload_mb}) is over the max_payload of the job's NATS at {env.nats_url} "
+                f"({nc.max_payload / 2**20:g} MiB): lower the job's, or raise the server's (the chart's "
+                "nats.maxPayloadMb)"
+            )
         while True:
             try:
                 await ensure_streams(nc.jetstream(), job.subjects, payload_mb, env.stream_replicas, sizes)

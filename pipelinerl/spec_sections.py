@@ -190,6 +190,12 @@ class NetworkSpec(SpecModel):
     )
 
 
+# nats-server's file store refuses a record (the message, its subject and headers) of 32 MiB or
+# more ("message too large", nats-server#6798), whatever its max_payload: the largest whole MiB a
+# message and its headers stay under.
+MAX_PAYLOAD_MB = 31
+
+
 class NatsSpec(SpecModel):
     url: str | None = Field(
         default=None,
@@ -197,7 +203,13 @@ class NatsSpec(SpecModel):
         pattern=NATS_URL,
         description="nats:// or tls:// URL(s), comma-separated; unset: embedded server (local) or the chart's.",
     )
-    max_payload_mb: int = Field(default=8, ge=1, le=64, description="Largest NATS message (a micro-batch) in MiB.")
+    max_payload_mb: int = Field(
+        default=8,
+        ge=1,
+        le=MAX_PAYLOAD_MB,
+        description=f"Largest NATS message (a micro-batch) in MiB; at most {MAX_PAYLOAD_MB}: JetStream stores no "
+        "message of 32 MiB or more.",
+    )
 
 
 class StorageSpec(SpecModel):

@@ -581,6 +581,45 @@ async def test_joining_a_server_that_accepts_and_never_answers_times_out_naming_
     assert time.monotonic() - started < 5
 
 
+async def test_a_job_whose_messages_the_server_would_refuse_is_refused_at_its_join(nats_server):
+    """The embedded server takes messages of 8 MiB (its default), the job says they may be 16."""
+    from pipelinerl import runtime
+    from pipelinerl.contracts import ServiceEnv
+    from pipelinerl.spec import parse_job
+
+    job = parse_job({"metadata": {"name": "big"}, "spec": {"nats": {"maxPayloadMb": 16}}})
+    env = ServiceEnv("generator", nats_url=nats_server.url, weights_addr="127.0.0.1:1")
+    with pytest.raises(ValueError, match=r"nats.maxPayloadMb \(16\) is over the max_payload .* \(8 MiB\)"):
+        await runtime.join_job(job, env, "test")
+
+
+async def test_the_largest_message_a_job_may_publish_is_stored_and_read_back(tmp_path):
+    """JetStream's file store refuses a record of 32 MiB or more whatever the server's max_payload:
+    `nats.maxPayloadMb` stops below (MAX_PAYLOAD_MB). A message that large, with its headers, is
+    stored and read back; one MiB more is refused."""
+    from nats.js.errors import APIError
+
+    from pipelinerl.spec_sections import MAX_PAYLOAD_MB
+
+    server = EmbeddedNats(tmp_path / "nats", max_payload_mb=MAX_PAYLOAD_MB + 2).start()  # past the store's limit
+    nc = await connect(server.url, "test")
+    try:
+        js = nc.jetstream(timeout=30)
+        await ensure_streams(js, SUBJECTS, MAX_PAYLOAD_MB + 2, sizes={s: 128 << 20 for s in STREAM_SUFFIXES})
+        largest = os.urandom(MAX_PAYLOAD_MB << 20)
+        await js.publish(SUBJECTS.rollouts(0), largest, headers={"Nats-Msg-Id": "largest"}, timeout=30)
+        with pytest.raises(APIError, match="message too large"):
+            await js.publish(
+                SUBJECTS.rollouts(0), largest + bytes(1 << 20), headers={"Nats-Msg-Id": "over"}, timeout=30
+            )
+        sub = await js.pull_subscribe(SUBJECTS.rollouts(">"), durable="pre")
+        [msg] = await sub.fetch(1, timeout=30)
+        assert msg.data == largest
+    finally:
+        await nc.close()
+        server.stop()
+
+
 async def test_joining_a_server_too_loaded_to_answer_a_stream_request_in_time_asks_again(
     nats_server, monkeypatch, caplog
 ):
