@@ -10,6 +10,7 @@ safe to do again, or recorded first: docs/kubernetes.md, "Two replicas".
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+import aiohttp
 import kopf
 
 from pipelinerl.contracts import JOB_LABEL, ROLE_LABEL, ROLES, OperatorEnv
@@ -121,8 +123,9 @@ async def run(
             )
         )
         status["natsReservedBytes"] = held
-        status["suspendedStore"] = kept or None  # a suspended job's checkpoint record, until its resume
-        status["credentialsSecret"] = made
+        # A suspended job's checkpoint record, until its resume; the Secret the operator made. Unset,
+        # absent (as the API server keeps a status): a null would be patched again by every pass.
+        status.update({k: v for k, v in (("suspendedStore", kept), ("credentialsSecret", made)) if v})
         await _act_on(kube, body, ref, logger, job, cfg, previous, status, events, now)
         return status, ref.version
     except Overtaken:
@@ -229,14 +232,28 @@ def _stops_pods(existing: dict[str, Any] | None, obj: dict[str, Any]) -> bool:
     return obj["kind"] == "StatefulSet" and _replicas(existing) > 0 and _replicas(obj) == 0
 
 
+RECORD_TRIES = 4  # writes of a Secret's record the API server failed, in all (`_record_secret`)
+
+
 async def _record_secret(kube: Kube, ref: JobRef, secret: str) -> None:
+    """The Secret just made, written into the job's status. Unrecorded, no later pass could tell it
+    from someone else's (the operator cannot read Secrets), and the job would be refused until a
+    user deleted it: a write the API server fails (an error, throttled, timed out) is tried again,
+    RECORD_TRIES in all, 1, 2, 3 s apart."""
     fact = {"credentialsSecret": secret}
-    try:
-        if await ref.write_status(kube, fact) is None:
-            raise Overtaken()  # the job is gone: nothing more to write
-    except Overtaken:
-        await kube.write_status(API_VERSION, KIND, ref.namespace, ref.name, fact, None)
-        raise
+    for attempt in range(1, RECORD_TRIES + 1):
+        try:
+            try:
+                if await ref.write_status(kube, fact) is None:
+                    raise Overtaken()  # the job is gone: nothing more to write
+                return
+            except Overtaken:
+                await kube.write_status(API_VERSION, KIND, ref.namespace, ref.name, fact, None)
+                raise
+        except (KubeError, asyncio.TimeoutError, aiohttp.ClientError):
+            if attempt == RECORD_TRIES:
+                raise
+            await asyncio.sleep(attempt)
 
 
 def owned_by(obj: dict[str, Any], uid: str) -> bool:

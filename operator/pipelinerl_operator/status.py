@@ -256,6 +256,10 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
     _weight_sync_condition(conds, obs, progress, active)
     stalled = _stalled(obs, prev, progress, clocks, active)
     phase, ready, ready_reason = _ready_condition(conds, obs, prev, roles, phase, fail_message, stalled, active)
+    if phase != "Running" and prev.get("phase") != "Running":
+        # Its clock starts as it runs: until then held (else every pass of a job queued for
+        # its GPUs would write its status again).
+        clocks["lastProgressTime"] = prev.get("lastProgressTime") or now
     unacknowledged = obs.trainer_status.store_unacknowledged if obs.trainer_status else ""
     _degraded_condition(conds, progress, roles["generator"], failures, phase, active, unacknowledged)
     _progressing_condition(conds, ready, ready_reason, stalled, active, progress)

@@ -102,6 +102,7 @@ class Emulator(kmock.KubernetesEmulator):
     # holds them against the chart's RBAC, which the emulator does not enforce).
     calls: set[tuple[str, str, str, str | None]] = set()
     counts: collections.Counter[str] = collections.Counter()  # the operator's calls per resource (plural)
+    verbs: collections.Counter[tuple[str, str]] = collections.Counter()  # ... per resource[/subresource] and verb
 
     def _record(self, request) -> None:  # type: ignore[no-untyped-def]
         agent = str((request.headers or {}).get("User-Agent", ""))
@@ -117,6 +118,7 @@ class Emulator(kmock.KubernetesEmulator):
         resource = request.resource.plural + (f"/{request.subresource}" if request.subresource else "")
         self.calls.add((request.resource.group or "", resource, verb, request.name))
         self.counts[request.resource.plural] += 1
+        self.verbs[(resource, verb)] += 1
 
     def _current(self, request) -> dict[str, Any]:  # type: ignore[no-untyped-def]
         for (res, ns, name), obj in list(self.objects.items()):
@@ -223,7 +225,7 @@ def _nested(path: str, value: Any) -> dict[str, Any]:
 async def emulator() -> AsyncIterator[Emulator]:
     async with Emulator() as handler, kmock.Server(handler):
         handler.creates, handler.refuse, handler.failing, handler.calls = [], {}, set(), set()
-        handler.counts = collections.Counter()
+        handler.counts, handler.verbs = collections.Counter(), collections.Counter()
         handler.gates, handler.waiting, handler.stall = {}, asyncio.Event(), None
         declare(handler)
         yield handler

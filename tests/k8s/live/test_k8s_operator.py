@@ -499,6 +499,20 @@ async def test_a_job_at_rest_costs_the_resync_no_call_until_its_idle_stretch_end
         await eventually(lambda: _replicas(obj(emulator, STS, "demo-prl-trainer")) == 2, timeout_s=3, what="resumed")
 
 
+async def test_a_pass_that_changes_nothing_writes_nothing(cluster) -> None:
+    """A job whose passes find it as they left it (its pods not up: kmock runs none) gets no
+    status write from the resync (every 0.3 s here), only reads."""
+    emulator, api, _ = cluster
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest())
+        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"), what="applied")
+        await asyncio.sleep(1.5)  # the first passes' writes settle
+        emulator.verbs.clear()
+        await asyncio.sleep(2.0)  # six resync ticks
+        assert emulator.verbs[("statefulsets", "get")] > 0, "passes ran"
+        assert not emulator.verbs[("pipelinerljobs/status", "patch")], emulator.verbs
+
+
 def _rests(emulator) -> bool:
     version = obj(emulator, JOBS, "demo")["metadata"]["resourceVersion"]
     return any(version in (last[0], last[2]) for last in handlers.STATE.last.values()) and bool(handlers.STATE.rested)

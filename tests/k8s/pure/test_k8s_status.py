@@ -412,6 +412,20 @@ def test_no_new_version_for_the_progress_deadline_is_not_ready() -> None:
     assert cond(s, "Ready")["status"] == "True" and s["lastProgressTime"] == "2026-11-22T03:17:00Z"
 
 
+def test_the_progress_clock_is_held_while_the_job_waits_and_starts_as_it_runs() -> None:
+    """A job queued for its GPUs is passed over and over: each pass must leave its status as it
+    was (a status write per pass otherwise). The deadline counts from when it runs."""
+    waiting = dict(roles={**UP, "trainer": RoleObserved(1, 1, 0)}, trainer_status=None)
+    s, _ = run(**waiting)
+    assert s["phase"] == "Pending" and s["lastProgressTime"] == "2026-11-22T03:00:00Z"
+    later, _ = run(previous=s, now=T0 + timedelta(hours=3), **waiting)
+    assert later == s
+    running, _ = run(previous=later, now=T0 + timedelta(hours=3, minutes=1), progress_deadline_seconds=600)
+    assert running["phase"] == "Running" and running["lastProgressTime"] == "2026-11-22T06:01:00Z"
+    s, _ = run(previous=running, now=T0 + timedelta(hours=3, minutes=9), progress_deadline_seconds=600)
+    assert cond(s, "Ready")["status"] == "True"
+
+
 def test_a_lost_store_is_not_ready_with_a_store_lost_event_until_recovered() -> None:
     s, _ = run(trainer_status={"step": 7, "version": 7, "weightSyncReady": True})
     # The restarted trainer waits for its store unready: its /status says only why.

@@ -1,0 +1,64 @@
+"""The record of the credentials Secret the operator made (`reconcile._record_secret`): unrecorded,
+no later pass can tell it from someone else's, so a write the API server fails is tried again.
+The API server is a stand-in (none runs here) that fails the status writes it is told to."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pipelinerl_operator import reconcile
+from pipelinerl_operator.kube import Conflict, KubeError
+from pipelinerl_operator.reconcile import RECORD_TRIES, JobRef, Overtaken, _record_secret
+
+
+class ApiServer:
+    """Status writes of one job: `failures` are raised first, one per write, in order."""
+
+    def __init__(self, *failures: BaseException) -> None:
+        self.failures = list(failures)
+        self.written: list[tuple[dict, str | None]] = []
+
+    async def write_status(self, api_version, kind, namespace, name, patch, version):
+        if self.failures:
+            raise self.failures.pop(0)
+        self.written.append((patch, version))
+        return "8"
+
+
+@pytest.fixture
+def slept(monkeypatch) -> list[float]:
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+
+    monkeypatch.setattr(reconcile.asyncio, "sleep", sleep)
+    return waits
+
+
+def ref() -> JobRef:
+    return JobRef("team-a", "demo", "uid-1", version="7")
+
+
+async def test_a_record_the_api_server_fails_is_written_on_a_later_try(slept):
+    api = ApiServer(KubeError(503, "etcd leader changed"), asyncio.TimeoutError())
+    job = ref()
+    await _record_secret(api, job, "demo-uid-1-creds")  # type: ignore[arg-type]
+    assert api.written == [({"credentialsSecret": "demo-uid-1-creds"}, "7")]
+    assert job.version == "8" and slept == [1, 2]
+
+
+async def test_a_record_the_api_server_keeps_failing_fails_the_pass(slept):
+    api = ApiServer(*(KubeError(500, "down") for _ in range(RECORD_TRIES)))
+    with pytest.raises(KubeError, match="down"):
+        await _record_secret(api, ref(), "s")  # type: ignore[arg-type]
+    assert not api.written and slept == list(range(1, RECORD_TRIES))
+
+
+async def test_a_job_written_meanwhile_gets_the_record_whatever_its_version_and_the_pass_is_overtaken(slept):
+    api = ApiServer(Conflict(409, "the object has been modified"))
+    with pytest.raises(Overtaken):
+        await _record_secret(api, ref(), "s")  # type: ignore[arg-type]
+    assert api.written == [({"credentialsSecret": "s"}, None)] and not slept
