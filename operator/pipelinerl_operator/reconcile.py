@@ -179,7 +179,7 @@ async def apply_owned(
                     f"{what} already exists and is not this job's: not taken over (delete or rename it, "
                     "or give the job another name)"
                 ), made
-            if _stops_pods(existing, obj):  # a stale pass (suspended, ended) must not stop a resumed job's
+            if _moves_pods(existing, obj):  # a stale pass must not stop a resumed job's, nor start a stopped one's
                 await ref.still_current(kube)
             await kube.apply(obj)
         except KubeError as err:
@@ -228,8 +228,8 @@ def _replicas(obj: dict[str, Any] | None) -> int:
     return int(((obj or {}).get("spec") or {}).get("replicas") or 0)
 
 
-def _stops_pods(existing: dict[str, Any] | None, obj: dict[str, Any]) -> bool:
-    return obj["kind"] == "StatefulSet" and _replicas(existing) > 0 and _replicas(obj) == 0
+def _moves_pods(existing: dict[str, Any] | None, obj: dict[str, Any]) -> bool:
+    return obj["kind"] == "StatefulSet" and _replicas(existing) != _replicas(obj)
 
 
 RECORD_TRIES = 4  # writes of a Secret's record the API server failed, in all (`_record_secret`)

@@ -278,6 +278,8 @@ def render(
         objects.append(service(job, role, namespace, uid))
         objects.append(stateful_set(job, role, namespace, uid, cfg, active, output_written))
     check_pods(job, objects, cfg)
+    if not active:  # its pods stop first: a child refused after them does not keep them (and their GPUs)
+        objects.sort(key=lambda o: o["kind"] != "StatefulSet")
     return objects
 
 

@@ -359,6 +359,38 @@ async def test_a_pass_that_read_the_job_suspended_does_not_stop_the_pods_of_its_
         assert stopped == [] and status(emulator)["phase"] == "Running"
 
 
+async def test_a_pass_that_read_the_job_resumed_does_not_start_the_pods_of_its_suspension(cluster) -> None:
+    """The mirror of the one above: the job is resumed and, while the resume's pass waits on the
+    API server (its reads of the StatefulSets held), suspended again (the other replica, played by
+    the test). About to start the pods, that pass reads the job again, finds it moved on and is
+    dropped: no pod is started. Started, the trainer would have written a new store the
+    suspension's next pass then deleted."""
+    emulator, api, _ = cluster
+    started: list[str] = []
+
+    def starts(request: Any) -> bool:
+        data = request.data if isinstance(request.data, dict) else {}
+        if request.method == "PATCH" and (data.get("spec") or {}).get("replicas"):
+            started.append(request.name)
+        return False
+
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest(suspend=True))
+        await eventually(lambda: status(emulator).get("phase") == "Suspended", what="Suspended")
+        await eventually(lambda: _rests(emulator), what="at rest")
+        emulator.stall = starts
+        emulator.gates["statefulsets"] = gate = asyncio.Event()
+        emulator.waiting.clear()
+        await api.patch_job("demo", {"spec": {"suspend": False}})
+        await asyncio.wait_for(emulator.waiting.wait(), 10)  # the resume's pass in flight
+        await api.patch_job("demo", {"spec": {"suspend": True}})
+        del emulator.gates["statefulsets"]
+        gate.set()
+        await asyncio.sleep(3)  # passes 0.3 s apart
+        assert started == [] and status(emulator)["phase"] == "Suspended"
+        assert not any(_replicas(obj(emulator, STS, f"demo-prl-{r}")) for r in ROLES)
+
+
 async def test_a_suspended_jobs_record_the_other_replica_wrote_meanwhile_stands(
     cluster, nats_url: str, monkeypatch
 ) -> None:

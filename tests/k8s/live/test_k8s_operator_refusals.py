@@ -260,7 +260,8 @@ async def test_a_failed_job_takes_over_nothing_on_its_way_out(cluster) -> None:
         theirs = obj(emulator, kind, name)
         assert not theirs["metadata"].get("ownerReferences"), f"{kind} {name} taken over: {theirs['metadata']}"
     assert obj(emulator, "v1/services", "demo-prl-generator")["spec"]["selector"] == {"app": "theirs"}
-    assert not obj(emulator, STS, "demo-prl-generator")  # nothing after the refused child
+    # Stopped, its StatefulSets come first (none refused: they hold no pod), then the refused child.
+    assert all(obj(emulator, STS, f"demo-prl-{r}")["spec"]["replicas"] == 0 for r in ROLES)
 
 
 async def test_a_job_the_nats_store_cannot_hold_waits_and_holds_nothing_until_there_is_room(

@@ -9,7 +9,7 @@ import pytest
 import yaml
 from k8s_schema import restricted_violations
 
-from pipelinerl.contracts import POD_GROUP_API
+from pipelinerl.contracts import POD_GROUP_API, ROLES
 from pipelinerl.spec import MAX_JOB_NAME, SpecError, load_job, parse_job
 from pipelinerl_operator.job_policy import parse_policy
 from pipelinerl_operator.config import OperatorConfig
@@ -287,10 +287,14 @@ def test_scaling_generators_in_a_queued_job_changes_no_pod_template() -> None:
     assert templates(4) == templates(6)
 
 
-def test_suspend_scales_to_zero() -> None:
+def test_suspend_scales_to_zero_before_anything_else_is_applied() -> None:
+    """Children are applied in order, up to the first refused: a stopped job's pods stop first."""
+    kinds = [o["kind"] for o in render(job(), "ns", "u", CFG, active=False)]
+    assert kinds[: len(ROLES)] == ["StatefulSet"] * len(ROLES) and kinds.count("StatefulSet") == len(ROLES)
     for obj in render(job(), "ns", "u", CFG, active=False):
         if obj["kind"] == "StatefulSet":
             assert obj["spec"]["replicas"] == 0
+    assert [o["kind"] for o in render(job(), "ns", "u", CFG)][-1] == "StatefulSet"  # running: after what they read
 
 
 def test_pod_template_merges_under_ours() -> None:
