@@ -318,7 +318,6 @@ SPEC_RULES: list[tuple[str, str, str]] = [
         "has(self.claimName) || has(self.path)",
         "output: set claimName (Kubernetes), path (pipelinerl run) or both",
     ),
-    *[(path, "self == oldSelf", f"{path} is immutable: create a new job to change it") for path in IMMUTABLE],
 ]
 _RESERVED_LIST = ", ".join(f"'{n}'" for n in sorted(RESERVED_ENV))
 ENV_RULE = (f"!(self.name in [{_RESERVED_LIST}])", "env name is reserved (set by PipelineRL itself)")
@@ -426,10 +425,26 @@ def _add_rule(node: dict[str, Any], rule: str, message: str) -> None:
     node.setdefault("x-kubernetes-validations", []).append({"rule": rule, "message": message})
 
 
+def _add_immutable(schema: dict[str, Any], path: str) -> None:
+    """`path` may not change on an update. A field that may be unset is held from its parent
+    (always there: defaulted): a rule on the field itself runs only where the old object and the
+    new one both have it, so setting or unsetting it would pass."""
+    message = f"{path} is immutable: create a new job to change it"
+    parent, _, leaf = path.rpartition(".")
+    above = _node(schema, parent)
+    if "default" in above["properties"][leaf] or leaf in above.get("required", []):
+        _add_rule(_node(schema, path), "self == oldSelf", message)
+    else:
+        rule = f"has(self.{leaf}) == has(oldSelf.{leaf}) && (!has(self.{leaf}) || self.{leaf} == oldSelf.{leaf})"
+        _add_rule(above, rule, message)
+
+
 def spec_schema() -> dict[str, Any]:
     schema = model_schema(JobSpec)
     for path, rule, message in SPEC_RULES:
         _add_rule(_node(schema, path), rule, message)
+    for path in IMMUTABLE:
+        _add_immutable(schema, path)
     for role in ROLES:
         env = _node(schema, f"{role}.env")
         _add_rule(env, *ENV_UNIQUE_RULE)

@@ -32,7 +32,8 @@ TASK_IMPORT_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_
 GPU_RESOURCE = "nvidia.com/gpu"
 # Fields a running job cannot change: the model, task and layout its checkpoints belong to, and
 # the trainer's volume claim templates (a StatefulSet refuses changes to them).
-IMMUTABLE = ("mode", "model", "task", "trainer.replicas", "trainer.gpus", "trainer.zeroStage", "storage")
+# Where the job's streams are (nats.url) too: moved while it runs, the operator would lose them.
+IMMUTABLE = ("mode", "model", "task", "trainer.replicas", "trainer.gpus", "trainer.zeroStage", "storage", "nats.url")
 # Env names the operator sets itself; a user template may not override them.
 RESERVED_ENV = reserved_env()
 
