@@ -28,7 +28,7 @@ from pipelinerl_operator.names import role_name
 from pipelinerl_operator.nats_store import JobRecord, Reservations, accounts_secret, accounts_secret_name
 from pipelinerl_operator.reconcile import Overtaken, event, job_streams, operator_config, owned_by
 from pipelinerl_operator.reconcile import run as run_pass
-from pipelinerl_operator.status import at_rest, parse_ts, starting_point, ttl_expired
+from pipelinerl_operator.status import at_rest, parse_ts, starting_point, ttl_expired, ttl_of
 
 FINALIZER = f"{API_GROUP}/cleanup"
 RESYNC_SECONDS = float(os.environ.get(OperatorEnv.RESYNC_SECONDS, "15"))
@@ -275,8 +275,7 @@ def resting(body: kopf.Body) -> bool:
         return False
     if meta.get("resourceVersion") not in (last[0], last[2]):
         return False
-    ttl = ((body.get("spec") or {}).get("runPolicy") or {}).get("ttlSecondsAfterFinished")
-    if ttl_expired(last[1], ttl if isinstance(ttl, int) else None, datetime.now(timezone.utc)):
+    if ttl_expired(last[1], ttl_of(body), datetime.now(timezone.utc)):
         return False
     metrics.JOBS.record(meta["namespace"], meta["name"], last[1])
     return True

@@ -40,6 +40,7 @@ from pipelinerl_operator.status import (
     merge_patch,
     parse_ts,
     ttl_expired,
+    ttl_of,
 )
 
 
@@ -471,6 +472,6 @@ async def _act_on(
         error, _ = await apply_owned(kube, ref, children, status.get("credentialsSecret"))
         if error:
             logger.warning("not scaled down: %s", error)  # the next pass renders it stopped again
-    if job is not None and ttl_expired(status, job.spec.run_policy.ttl_seconds_after_finished, now):
+    if ttl_expired(status, ttl_of(body), now):
         event(body, "Normal", "TTLExpired", "deleting the finished job (runPolicy.ttlSecondsAfterFinished)")
         await kube.delete(API_VERSION, KIND, ns, name)

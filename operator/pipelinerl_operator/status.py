@@ -251,9 +251,11 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
     terminal = phase in ("Succeeded", "Failed")
     suspended = obs.suspend and not terminal
     active = not suspended and not terminal and obs.spec_error is None
+    # A spec that no longer reads leaves the pods as they are: they are told as they are.
     for role, type_ in ROLE_CONDITIONS.items():
-        _role_condition(conds, type_, roles[role], active, [p for p in obs.pod_problems if p.role == role])
-    _weight_sync_condition(conds, obs, progress, active)
+        problems = [p for p in obs.pod_problems if p.role == role]
+        _role_condition(conds, type_, roles[role], not suspended and not terminal, problems)
+    _weight_sync_condition(conds, obs, progress, not suspended and not terminal)
     stalled = _stalled(obs, prev, progress, clocks, active)
     phase, ready, ready_reason = _ready_condition(conds, obs, prev, roles, phase, fail_message, stalled, active)
     if phase != "Running" and prev.get("phase") != "Running":
@@ -540,6 +542,13 @@ def at_rest(status: dict[str, Any]) -> bool:
         and ready.get("reason") != "ApplyRefused"
         and not any((r or {}).get("replicas") for r in (status.get("roles") or {}).values())
     )
+
+
+def ttl_of(body: Mapping[str, Any]) -> int | None:
+    """runPolicy.ttlSecondsAfterFinished, read from the job as stored: a finished job whose spec
+    no longer reads (a policy tightened since) is deleted all the same."""
+    ttl = ((body.get("spec") or {}).get("runPolicy") or {}).get("ttlSecondsAfterFinished")
+    return ttl if isinstance(ttl, int) and not isinstance(ttl, bool) else None
 
 
 def ttl_expired(status: dict[str, Any], ttl_seconds: int | None, now: datetime) -> bool:

@@ -270,6 +270,24 @@ async def test_finished_trainer_succeeds_and_ttl_deletes(cluster, monkeypatch) -
         await eventually(lambda: {"Succeeded", "TTLExpired", "StreamsDeleteFailed"} <= set(events(emulator)))
 
 
+async def test_a_finished_job_whose_spec_no_longer_reads_is_deleted_at_its_ttl(cluster, monkeypatch) -> None:
+    """The platform's policy tightened after the job finished (its output claim no longer
+    allowed): the job's spec no longer reads, and its TTL, read from the job as stored, still
+    deletes it."""
+    emulator, api, trainer = cluster
+    allow(monkeypatch, volumeClaims=[f"{NS}/models"])
+    trainer.reports["demo"] = {"step": 50, "version": 50, "maxSteps": 50, "finished": True, "weightSyncReady": True}
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest(runPolicy={"ttlSecondsAfterFinished": 4}, output={"claimName": "models"}))
+        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"))
+        await all_ready(api)
+        await eventually(lambda: status(emulator).get("phase") == "Succeeded", what="Succeeded")
+        allow(monkeypatch)  # the claim no longer allowed
+        await eventually(lambda: condition(emulator, "Ready").get("reason") == "InvalidSpec", what="unread")
+        await eventually(lambda: obj(emulator, JOBS, "demo") is None, timeout_s=15, what="TTL deletion")
+        assert "TTLExpired" in events(emulator)
+
+
 def stopping_writes(seen: list[str], stall: bool) -> Callable[[Any], bool]:
     """The emulator's `stall` predicate that notes in `seen` each StatefulSet written to no
     replicas (a pass stopping the job's pods) and, if `stall`, stalls the first."""

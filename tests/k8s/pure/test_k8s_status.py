@@ -138,6 +138,9 @@ def test_suspend_and_invalid_spec() -> None:
     invalid, events = run(spec_error="generator.tensorParallel (2) needs at least as many generator.gpus (1)")
     assert cond(invalid, "Ready")["reason"] == "InvalidSpec" and invalid["phase"] == "Pending"
     assert [e.reason for e in events] == ["InvalidSpec"]
+    # Its pods, left as they are, are told as they are (not "ScaledDown").
+    assert cond(invalid, "GeneratorsReady")["reason"] == "AllReplicasReady"
+    assert cond(invalid, "WeightSyncReady")["reason"] == "GroupFormed"
 
 
 def test_a_running_jobs_spec_that_no_longer_reads_neither_fails_nor_counts_it() -> None:
