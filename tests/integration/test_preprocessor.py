@@ -592,3 +592,29 @@ async def test_a_fetch_jetstream_cannot_answer_yet_is_waited_out_not_fatal(tmp_p
     finally:
         server.kill()
         server.wait()
+
+
+async def test_a_preprocessor_whose_consumer_is_gone_stops_to_be_restarted(nats_server, tmp_path):
+    """Its stream made again (or the store lost), the work queue's consumer is gone: a pull is
+    answered 503 as while JetStream recovers, but nothing would make the consumer again. The
+    preprocessor stops, saying so, and its restart (as Kubernetes would) takes the groups."""
+    from pipelinerl_preprocessor.main import ConsumerLost
+
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "cl", WAVES | {"mode": "sync"})
+    out = await js.pull_subscribe(subjects.batches(0), durable="t")
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    await wait_until(lambda: pre.status().model_dump()["next_step"] == 0 and pre.builder.caught_up)
+    await js.delete_consumer(subjects.stream("ROLLOUTS"), "preprocessor")
+    with pytest.raises(ConsumerLost, match="the rollouts consumer is gone"):
+        await asyncio.wait_for(task, 15)
+    await pre.nc.close()
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    for i in range(4):
+        await publish_group(js, subjects, i)
+    step = await one_step(out)
+    assert {g for b in step for g in b.group_ids} == {"g0", "g1", "g2", "g3"}
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+    await nc.close()

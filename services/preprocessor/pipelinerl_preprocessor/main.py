@@ -85,14 +85,26 @@ RETRY_S = 1.0
 ACK_WAIT_S = float(os.environ.get(Env.ACK_WAIT_S, "30"))
 
 
+class ConsumerLost(RuntimeError):
+    """The preprocessor's consumer of the work queue is gone (the store lost, or its stream made
+    again): nothing would make it again but the preprocessor's restart."""
+
+
 async def fetch(sub) -> list[Msg]:
     """The next rollout groups from the work queue; none when none came in a second, or while
-    JetStream is unavailable (answered at once: a pause, not a busy loop)."""
+    JetStream is unavailable (answered at once: a pause, not a busy loop). ConsumerLost where it
+    is unavailable because the consumer is gone (a pull to no consumer is answered 503 too)."""
     try:
         return await sub.fetch(batch=64, timeout=1.0)
     except TimeoutError:  # nats' and asyncio's timeouts both derive from it
         return []
     except UNAVAILABLE as err:
+        try:
+            await asyncio.wait_for(sub.consumer_info(), READ_TIMEOUT_S)
+        except NotFoundError as gone:
+            raise ConsumerLost(f"the rollouts consumer is gone ({gone}): restarting makes it again") from None
+        except (TimeoutError, nats.errors.Error):
+            pass  # JetStream itself unavailable (recovering after a restart): waited out
         log.warning("JetStream unavailable (%s): fetching again in %.0fs", type(err).__name__, RETRY_S)
         await asyncio.sleep(RETRY_S)
         return []
