@@ -338,8 +338,15 @@ async def publish_once(
     gone since the first such try (a process frozen between a publish and its ack: a paused pod,
     a node that stopped answering): TimeoutError instead, and the service restarts from what its
     streams hold."""
-    attempt, full_since, unknown_since = 1, None, None
+    attempt, full_since, unknown_since, unanswered = 1, None, None, None
     while True:
+        # Right before each send (a back-off or a wait for room may be where the process froze).
+        if unknown_since is not None and time.monotonic() - unknown_since >= DUPLICATE_WINDOW_S / 2:
+            raise TimeoutError(
+                f"publish of {msg_id} to {subject} not acknowledged for {time.monotonic() - unknown_since:.0f} s "
+                f"(this process was frozen, or {NO_ACK_CAUSE}): not sent again, as past the stream's duplicate "
+                f"window ({DUPLICATE_WINDOW_S:.0f} s) JetStream could store it twice"
+            ) from unanswered
         sent_at = time.monotonic()
         try:
             return await js.publish(
@@ -360,13 +367,7 @@ async def publish_once(
                 raise TimeoutError(
                     f"publish of {msg_id} to {subject} not acknowledged in {attempts} tries ({NO_ACK_CAUSE})"
                 ) from err
-            unknown_since = unknown_since or sent_at
-            if time.monotonic() - unknown_since >= DUPLICATE_WINDOW_S / 2:
-                raise TimeoutError(
-                    f"publish of {msg_id} to {subject} not acknowledged for {time.monotonic() - unknown_since:.0f} s "
-                    f"(this process was frozen, or {NO_ACK_CAUSE}): not sent again, as past the stream's duplicate "
-                    f"window ({DUPLICATE_WINDOW_S:.0f} s) JetStream could store it twice"
-                ) from err
+            unknown_since, unanswered = unknown_since or sent_at, err
             log.warning(
                 "publish of %s to %s not acknowledged (%s: %s); sending it again (%d of %d)",
                 msg_id,

@@ -307,6 +307,40 @@ async def test_a_publish_unanswered_past_half_the_duplicate_window_is_not_sent_a
     await nc.close()
 
 
+async def test_a_publish_is_not_sent_again_once_its_back_off_outlasts_half_the_duplicate_window(
+    nats_server, monkeypatch
+):
+    """The window is looked at right before each send: a try answered at once with no ack (stored
+    all the same), then a back-off (1 s) past the stream's duplicate window (0.9 s here, as a
+    process frozen there would be): sent again, it was stored twice."""
+    import nats.errors
+
+    from pipelinerl import streams
+    from pipelinerl.streams import publish_once, stored_messages
+
+    monkeypatch.setattr(streams, "DUPLICATE_WINDOW_S", 0.9)
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js, SUBJECTS, 8)
+
+    class UnansweredAtFirst:
+        tries = 0
+
+        async def publish(self, *args, **kwargs):
+            self.tries += 1
+            ack = await js.publish(*args, **kwargs)
+            if self.tries == 1:
+                raise nats.errors.TimeoutError
+            return ack
+
+    first = UnansweredAtFirst()
+    with pytest.raises(TimeoutError, match=r"g6 to .* not acknowledged for \d s .*not sent again"):
+        await publish_once(first, SUBJECTS.rollouts(0), m.encode(group(6)), "g6", timeout_s=1)
+    stored = await stored_messages(js, SUBJECTS.stream("ROLLOUTS"))
+    assert first.tries == 1 and [m.decode(x.data, m.RolloutGroup).group_id for x in stored] == ["g6"]
+    await nc.close()
+
+
 async def test_a_publish_to_a_full_work_queue_waits_for_room_and_is_stored_once(nats_server, monkeypatch):
     """ROLLOUTS refuses new groups when full (it drops nothing queued): a generator's publish
     waits for the preprocessor to take some, where it failed and restarted the generator, which
