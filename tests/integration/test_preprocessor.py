@@ -9,7 +9,7 @@ import pytest
 from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects, ServiceEnv
 from pipelinerl.spec import parse_job
-from pipelinerl.streams import connect
+from pipelinerl.streams import connect, stored_messages
 from pipelinerl.store import ensure_streams
 from pipelinerl_preprocessor.main import Preprocessor
 
@@ -181,6 +181,40 @@ async def test_steps_stream_in_waves_and_a_restart_continues_a_partial_step(nats
     assert {g for b in [w3, *rest] for g in b.group_ids} == {"g4", "g5", "g6", "g7"}
     assert rest[-1].ledger.samples == 8 and rest[-1].ledger.credits == {"0": 2, "1": 2}
     await wait_until(lambda: pre.builder.step == 2)
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+    await nc.close()
+
+
+async def test_a_ranks_micro_batches_are_stored_in_order_whatever_their_publishes_take(
+    nats_server, tmp_path, monkeypatch
+):
+    """A wave of two micro-batches for one rank, the first one's publish slow (a try unanswered
+    and sent again): the second waits for it. Stored the other way round, a restarted
+    preprocessor would read the wave as stored through the newest (`books.restore`), and the
+    trainer would step after it without the first."""
+    from pipelinerl_preprocessor import main as preprocessor
+
+    sent = preprocessor.publish_once
+
+    async def first_slow(js, subject, data, msg_id, **kw):
+        if msg_id == "0-0-0":
+            await asyncio.sleep(0.5)
+        return await sent(js, subject, data, msg_id, **kw)
+
+    monkeypatch.setattr(preprocessor, "publish_once", first_slow)
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "po", WAVES)
+    await js.publish(subjects.version, m.encode(m.PolicyVersion(version=5, timestamp=0)))  # no backpressure
+    for i in range(4):  # in the stream before it starts: one wave of two rows (g0 + g1, g2 + g3)
+        await publish_group(js, subjects, i)
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    for _ in range(100):
+        stored = [m.decode(x.data, m.MicroBatch) for x in await stored_messages(js, subjects.stream("BATCHES"))]
+        if len(stored) == 2:
+            break
+        await asyncio.sleep(0.1)
+    assert [(b.step, b.index, b.last) for b in stored] == [(0, 0, False), (0, 1, True)]
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()

@@ -317,8 +317,9 @@ class Preprocessor:
         GROUPS_IN.labels("dead_lettered").inc()
         self.builder.dead_lettered(msg, group.group_id if group is not None else books.undecodable_id(seq), group)
 
-    def _publish(self, mb: m.MicroBatch):
-        return publish_once(self.js, self.subjects.batches(mb.rank), m.encode(mb), f"{mb.step}-{mb.rank}-{mb.index}")
+    async def _publish_in_order(self, batches: list[m.MicroBatch]) -> None:
+        for mb in batches:
+            await publish_once(self.js, self.subjects.batches(mb.rank), m.encode(mb), f"{mb.step}-{mb.rank}-{mb.index}")
 
     async def _store(self, wave: Wave) -> None:
         if wave.lost:
@@ -330,8 +331,13 @@ class Preprocessor:
             )
         elif wave.again:
             log.warning("step %d: publishing again the wave stored in part before the restart", wave.step)
-        # Stored durably before the inputs are released.
-        await asyncio.gather(*(self._publish(mb) for mb in wave.batches))
+        # Stored durably before the inputs are released; each rank's in order, the ranks side by
+        # side: a rank's newest stored micro-batch must be its furthest (`books.restore` reads a
+        # wave as stored through it), and a try sent again lands after those sent beside it.
+        ranks: dict[int, list[m.MicroBatch]] = {}
+        for mb in wave.batches:
+            ranks.setdefault(mb.rank, []).append(mb)
+        await asyncio.gather(*(self._publish_in_order(batches) for batches in ranks.values()))
         if wave.last:  # (tests: a kill that loses the acknowledgements of a step's last wave)
             failpoint(f"preprocessor-stored-step-{wave.step}")
         # Confirmed before the next wave is stored: only the newest stored wave's can be lost
