@@ -319,7 +319,10 @@ class Preprocessor:
 
     async def _publish_in_order(self, batches: list[m.MicroBatch]) -> None:
         for mb in batches:
-            await publish_once(self.js, self.subjects.batches(mb.rank), m.encode(mb), f"{mb.step}-{mb.rank}-{mb.index}")
+            await self._publish(mb)
+
+    def _publish(self, mb: m.MicroBatch):
+        return publish_once(self.js, self.subjects.batches(mb.rank), m.encode(mb), f"{mb.step}-{mb.rank}-{mb.index}")
 
     async def _store(self, wave: Wave) -> None:
         if wave.lost:
