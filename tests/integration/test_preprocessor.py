@@ -652,3 +652,28 @@ async def test_a_preprocessor_whose_consumer_is_gone_stops_to_be_restarted(nats_
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()
+
+
+async def test_groups_delivered_but_not_taken_keep_a_restart_from_counting_itself_caught_up(nats_server, tmp_path):
+    """The groups left in the stream at a restart are all delivered (the consumer has none
+    pending) but not all taken: delivered on a connection that dropped, they come again only after
+    the ack wait. Until they do, the preprocessor is not caught up (it would even out a wave
+    stored in part with sentinels while its groups still wait)."""
+    from nats.js.api import ConsumerConfig as Config
+
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "cu", WAVES)
+    for i in range(2):
+        await publish_group(js, subjects, i)
+    rollouts = subjects.stream("ROLLOUTS")
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    pre.js, pre.backlog = js, 2
+    sub = await js.pull_subscribe(subjects.rollouts(">"), durable="preprocessor", config=Config(ack_wait=30))
+    lost = await js.pull_subscribe_bind("preprocessor", stream=rollouts)  # the connection that dropped
+    delivered = await lost.fetch(2, timeout=5)
+    await pre._catch_up(sub, [])
+    assert not pre.builder.caught_up
+    for msg in delivered:  # what their redelivery hands over, taken
+        pre.builder.accepted.append((msg, None))
+    await pre._catch_up(sub, [])
+    assert pre.builder.caught_up
+    await nc.close()

@@ -181,20 +181,24 @@ class Preprocessor:
     async def _catch_up(self, sub, msgs: list[Msg]) -> None:
         """Every group left in the stream at the start has been handed over once a fetch reaches
         the stream's end then (the consumer delivers in stream order), or the consumer says it
-        has nothing more to deliver. An empty fetch alone says nothing: JetStream may not have
-        answered (recovering after a restart, a reconnecting client), and a wave stored in part
-        before the restart would then be evened out with sentinels while its groups still wait."""
+        has nothing more to deliver; and has been taken here: the consumer counts no more
+        delivered and unacknowledged than this preprocessor holds (a delivery lost on the way, in
+        a reconnect, comes again only after the ack wait). An empty fetch alone says nothing:
+        JetStream may not have answered (recovering after a restart, a reconnecting client), and
+        a wave stored in part before the restart would then be evened out with sentinels while its
+        groups still wait."""
         if self.builder.caught_up:
             return
-        if msgs:
-            caught = any(msg.metadata.sequence.stream >= self.backlog or msg.metadata.num_pending == 0 for msg in msgs)
-        else:
-            try:
-                caught = (await asyncio.wait_for(sub.consumer_info(), READ_TIMEOUT_S)).num_pending == 0
-            except (TimeoutError, nats.errors.Error) as err:
-                log.warning("the rollouts consumer's state not read (%s): asking again", type(err).__name__)
-                caught = False
-        if caught:
+        if msgs and not any(
+            msg.metadata.sequence.stream >= self.backlog or msg.metadata.num_pending == 0 for msg in msgs
+        ):
+            return
+        try:
+            info = await asyncio.wait_for(sub.consumer_info(), READ_TIMEOUT_S)
+        except (TimeoutError, nats.errors.Error) as err:
+            log.warning("the rollouts consumer's state not read (%s): asking again", type(err).__name__)
+            return
+        if info.num_pending == 0 and (info.num_ack_pending or 0) <= len(self.builder.held()):
             self.builder.caught_up = True
             log.info("took every group left in the stream at the start (%d pending)", len(self.builder.accepted))
 
