@@ -1,6 +1,8 @@
-"""A trainer whose next step's micro-batches are gone from the stream (it went on from an older
-checkpoint than the stream's replay covers: a pod's checkpoint volume lost, every rank afresh)
-stops with an error that says so, not with "got step 31 while step 1 is incomplete"."""
+"""What a trainer rank takes from its stream of micro-batches (`Trainer._next_batch`): a step
+whose micro-batches are gone from the stream (it went on from an older checkpoint than the
+stream's replay covers: a pod's checkpoint volume lost, every rank afresh) stops it with an error
+that says so, not with "got step 31 while step 1 is incomplete"; a micro-batch stored twice is
+taken once; one missing or unreadable stops it."""
 
 from __future__ import annotations
 
@@ -15,14 +17,20 @@ from pipelinerl import messages as m
 from pipelinerl.steps import step_version
 
 
-def test_a_step_missing_from_the_stream_names_the_checkpoint_and_the_lost_volume() -> None:
+def reader() -> tuple:
+    """A trainer with only what `_next_batch` reads, and the queue its micro-batches come in."""
     from pipelinerl_trainer.position import Position
     from pipelinerl_trainer.trainer import Trainer
 
-    trainer = Trainer.__new__(Trainer)  # only what `_next_batch` reads
+    trainer = Trainer.__new__(Trainer)
     batches: queue.Queue = queue.Queue()
     trainer.bridge = SimpleNamespace(batches=batches, now=time.monotonic)
     trainer.position, trainer.rank, trainer.stop, trainer.peers = Position(), 1, threading.Event(), None
+    return trainer, batches
+
+
+def test_a_step_missing_from_the_stream_names_the_checkpoint_and_the_lost_volume() -> None:
+    trainer, batches = reader()
     step = step_version(0)
     batches.put((7, m.MicroBatch(step=step - 1, rank=1, index=0)))  # older: skipped
     batches.put((8, m.MicroBatch(step=step, rank=1, index=0)))
@@ -33,3 +41,25 @@ def test_a_step_missing_from_the_stream_names_the_checkpoint_and_the_lost_volume
     assert f"step {step}'s micro-batches are no longer in the job's BATCHES stream" in str(error.value)
     assert f"step {step + 30}'s" in str(error.value) and "no checkpoint" in str(error.value)
     assert "checkpoint volume was lost" in str(error.value) and trainer.position.consumed_seq == 40
+
+
+def test_a_micro_batch_stored_twice_is_taken_once_and_one_missing_stops_the_rank() -> None:
+    """A preprocessor restarted past the stream's duplicate window stores a wave again: the rank
+    takes each index once. An index missing (lost) stops it, naming it: going on, this rank would
+    run fewer passes than the others (their collectives out of step), or step without the last."""
+    trainer, batches = reader()
+    step = step_version(0)
+    for seq, index in ((1, 0), (2, 1), (3, 0), (4, 1), (5, 2)):  # indices 0 and 1 stored again
+        batches.put((seq, m.MicroBatch(step=step, rank=1, index=index)))
+    assert [trainer._next_batch(i).index for i in range(3)] == [0, 1, 2]
+    assert trainer.position.consumed_seq == 5
+    batches.put((6, m.MicroBatch(step=step, rank=1, index=4)))
+    with pytest.raises(RuntimeError, match=f"step {step}'s micro-batch 3 is not in the job's BATCHES stream"):
+        trainer._next_batch(3)
+
+
+def test_an_unreadable_micro_batch_stops_the_rank_naming_it() -> None:
+    trainer, batches = reader()
+    batches.put((9, m.MessageError("micro_batch: rank: field required")))
+    with pytest.raises(RuntimeError, match="micro-batch at sequence 9 of the job's BATCHES stream cannot be read"):
+        trainer._next_batch()

@@ -45,7 +45,7 @@ class NatsBridge:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="nats", daemon=True)
         self.thread.start()
-        self.batches: queue.Queue[tuple[int, m.MicroBatch]] = queue.Queue()
+        self.batches: queue.Queue[tuple[int, m.MicroBatch | m.MessageError]] = queue.Queue()  # unreadable: the error
         self.done: queue.Queue[m.WeightUpdateDone] = queue.Queue()
         self.hellos: queue.Queue[tuple[float, m.GeneratorHello]] = queue.Queue()
         # The generators' silence is judged in this process's awake time, ticked by the loop that
@@ -67,9 +67,13 @@ class NatsBridge:
             seq = msg.metadata.sequence.stream
             try:
                 self.batches.put((seq, m.decode(msg.data, m.MicroBatch)))
-            except m.MessageError as err:  # not from our preprocessor: kept aside, never trained
-                log.error("micro-batch %d dead-lettered: %s", seq, err)
-                await dead_letter(self.js, self.subjects, "batch", msg.data, str(err), f"batch-{seq}")
+            except m.MessageError as err:  # not from our preprocessor: kept aside; the trainer stops on it
+                log.error("micro-batch %d unreadable, dead-lettered: %s", seq, err)
+                self.batches.put((seq, err))
+                try:
+                    await dead_letter(self.js, self.subjects, "batch", msg.data, str(err), f"batch-{seq}")
+                except Exception as failed:  # noqa: BLE001 - nats-py would hand it to its error callback
+                    log.error("micro-batch %d not dead-lettered: %r", seq, failed)
 
         self.call(
             self.js.subscribe(self.subjects.batches(rank), cb=on_msg, ordered_consumer=True, config=after(after_seq)),

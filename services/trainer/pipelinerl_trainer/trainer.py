@@ -171,7 +171,7 @@ class Trainer:
         clock = ComputeClock(self.engine.device)
         count = 0
         while True:
-            mb = self._next_batch()
+            mb = self._next_batch(count)
             if self.vote(mb is None, self._while_waiting):
                 self.stopped = True
                 return None
@@ -213,9 +213,12 @@ class Trainer:
             "trainer_tokens_per_second": metrics["tokens"] / elapsed,
         }  # all ranks together
 
-    def _next_batch(self) -> m.MicroBatch | None:
-        """The next micro-batch of the step in training (older replayed ones are skipped); None
-        once stopping. While none comes, `_while_waiting`."""
+    def _next_batch(self, index: int = 0) -> m.MicroBatch | None:
+        """The step's micro-batch `index` on this rank (older replayed ones, and one of a step
+        stored again by a preprocessor restarted past the stream's duplicate window, are skipped);
+        None once stopping. While none comes, `_while_waiting`. One missing, or unreadable, stops
+        the trainer: the ranks run the same passes, and a rank that went on without it would
+        train on, out of step with the others or without the step's last."""
         step = step_version(self.position.version)
         since, last_log = self.bridge.now(), time.monotonic()  # waited: in awake time (a paused pod)
         while not self._asked_to_stop():
@@ -234,10 +237,20 @@ class Trainer:
                     )
                 continue
             self.position.took(seq)
-            if mb.step < step:
+            if isinstance(mb, m.MessageError):
+                raise RuntimeError(
+                    f"rank {self.rank}: the micro-batch at sequence {seq} of the job's BATCHES stream cannot be "
+                    f"read ({mb}): the step cannot be trained without it"
+                )
+            if mb.step < step or mb.step == step and mb.index < index:
                 continue
             if mb.step > step:
                 raise RuntimeError(self._gap(step, mb.step))
+            if mb.index > index:
+                raise RuntimeError(
+                    f"rank {self.rank}: step {step}'s micro-batch {index} is not in the job's BATCHES stream "
+                    f"(the next there is its micro-batch {mb.index}, at sequence {seq})"
+                )
             return mb
         return None
 
