@@ -88,9 +88,64 @@ def test_a_checkpoint_a_full_volume_refuses_says_so(tmp_path, monkeypatch, free)
     if free:  # some other failure: torch's own error, as it was
         assert type(error.value) is RuntimeError and "PytorchStreamWriter" in str(error.value)
     else:
-        assert isinstance(error.value, OSError) and "its volume is full (0 MiB free of 20.0 GiB)" in str(error.value)
+        assert isinstance(error.value, OSError) and "full or over its quota (0 MiB free of 20.0 GiB)" in str(
+            error.value
+        )
         assert "spec.storage.size" in str(error.value) and "PytorchStreamWriter" in str(error.value.__cause__)
     assert checkpoint.latest_step(tmp_path) is None
+
+
+class SafetensorsFullEngine(Engine):
+    """DeepSpeed's part written; the Hugging Face copy's write refused as safetensors refuses it (its
+    error derives from Exception alone)."""
+
+    class SafetensorError(Exception):
+        pass
+
+    class Full(Module):
+        def save_pretrained(self, target: Path, safe_serialization: bool, state_dict: dict | None = None) -> None:
+            target.mkdir(parents=True)
+            raise SafetensorsFullEngine.SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    module = Full(2, 2)
+
+
+def test_a_checkpoint_cut_short_by_a_full_volume_is_removed_and_said_whatever_raised(tmp_path, monkeypatch) -> None:
+    """safetensors' own error, not an OSError, is put down to the full volume too, and what the save
+    wrote is removed (nothing names it; left, it kept the volume full for the logs and the store)."""
+    import shutil
+
+    from pipelinerl_trainer import checkpoint
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(20 << 30, 20 << 30, 0))
+    with pytest.raises(OSError, match=r"checkpoint step-5 not written to .*: its volume is full"):
+        checkpoint.save(SafetensorsFullEngine(), tmp_path, 5, {"step": 5}, rank=0, local_rank=0, previous=0)
+    assert not (tmp_path / "step-5").exists() and checkpoint.latest_step(tmp_path) is None
+
+
+def test_an_export_a_full_volume_refuses_says_so_and_leaves_no_folder(tmp_path, monkeypatch) -> None:
+    import shutil
+
+    from pipelinerl_trainer import checkpoint
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(20 << 30, 20 << 30, 0))
+    target = tmp_path / "output" / "final"
+    with pytest.raises(OSError, match=rf"{target} not written: its volume is full.*spec.output's claim"):
+        checkpoint.export(SafetensorsFullEngine(), target, rank=0)
+    assert not (tmp_path / "output").exists() or not any((tmp_path / "output").iterdir())
+
+
+def test_a_write_over_its_quota_is_said_so_with_room_left(tmp_path) -> None:
+    import errno
+
+    from pipelinerl_trainer import checkpoint
+
+    class OverQuota(Engine):
+        def save_checkpoint(self, folder: str, tag: str, client_state: dict) -> None:
+            raise RuntimeError("PytorchStreamWriter failed") from OSError(errno.EDQUOT, "Disk quota exceeded")
+
+    with pytest.raises(OSError, match="its volume is full or over its quota"):
+        checkpoint.save(OverQuota(), tmp_path, 5, {"step": 5}, rank=0, local_rank=0, previous=0)
 
 
 class CountingEngine(Engine):

@@ -70,8 +70,12 @@ def save(
         if local_rank == 0:
             (target / "state.json").write_text(json.dumps(state, indent=1))
             durable(target)  # this pod's part of the checkpoint, before any pod names it
-    except (OSError, RuntimeError) as err:
-        _raise_if_full(ckpt_dir, tag, err)
+    except Exception as err:  # torch's RuntimeError, safetensors' own error, an OSError
+        full = _full_error(ckpt_dir, f"checkpoint {tag} not written to {ckpt_dir}", err, CHECKPOINT_ROOM)
+        if local_rank == 0:  # what it wrote would keep the volume full (no `latest` names it)
+            shutil.rmtree(target, ignore_errors=True)
+        if full is not None:
+            raise full from err
         raise
     if dist.is_initialized():
         dist.barrier()
@@ -89,23 +93,33 @@ def save(
 
 
 FULL_BELOW = 1 << 28  # free bytes under which a failed write is put down to a full volume
+CHECKPOINT_ROOM = (
+    "A volume holds two checkpoints (the newest one, and the next while it is written), each the model's "
+    "weights and optimizer state: give the trainer pods larger volumes (spec.storage.size; locally, the run "
+    "directory's disk), then restart the trainer; it resumes from the newest checkpoint"
+)
 
 
-def _raise_if_full(ckpt_dir: Path, tag: str, err: Exception) -> None:
-    """A write that failed on a full volume says so (torch's own error names its stream writer)."""
+def _full_error(folder: Path, what: str, err: BaseException, remedy: str) -> OSError | None:
+    """A write that failed on a full volume (or over its quota), said so with `what` failed and
+    `remedy` (torch's and safetensors' own errors name their stream writer, not the folder);
+    None where the failure is not the disk's."""
     try:
-        usage = shutil.disk_usage(ckpt_dir)
+        usage = shutil.disk_usage(folder)
     except OSError:  # no folder to ask about: the error is not the disk's
-        return
-    if usage.free < FULL_BELOW:
-        raise OSError(
-            errno.ENOSPC,
-            f"checkpoint {tag} not written to {ckpt_dir}: its volume is full ({usage.free >> 20} MiB free of "
-            f"{usage.total / 2**30:.1f} GiB). A volume holds two checkpoints (the newest one, and the next "
-            "while it is written), each the model's weights and optimizer state: give the trainer pods larger "
-            "volumes (spec.storage.size; locally, the run directory's disk), then restart the trainer; it "
-            "resumes from the newest checkpoint",
-        ) from err
+        return None
+    causes, cause = [], err
+    while cause is not None:
+        causes.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    refused = any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in causes)
+    if usage.free >= FULL_BELOW and not refused:
+        return None
+    return OSError(
+        errno.ENOSPC,
+        f"{what}: its volume is full or over its quota ({usage.free >> 20} MiB free of "
+        f"{usage.total / 2**30:.1f} GiB). {remedy}",
+    )
 
 
 def make_room(ckpt_dir: Path, previous: int) -> None:
@@ -148,13 +162,29 @@ def export(engine, target: Path, rank: int, model_path: str | None = None) -> Pa
     """The current weights as a Hugging Face folder at `target` (no optimizer state): cheap enough
     to take every few steps, so versions can be evaluated offline without slowing the run."""
     tmp = target.with_name(target.name + ".tmp")
-    _save_hf(engine, tmp, rank, model_path)
+    try:
+        _save_hf(engine, tmp, rank, model_path)
+        if rank == 0:
+            durable(tmp)
+    except Exception as err:
+        full = _full_error(target.parent, f"{target} not written", err, EXPORT_ROOM)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:
+            raise full from err
+        raise
     if rank == 0:
-        durable(tmp)
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)  # a folder that exists is complete
         durable(target.parent)
     return target
+
+
+EXPORT_ROOM = (
+    "Each exported version, and the output's final model and best candidate, is the model's weights: give "
+    "the volume room (spec.output's claim; the trainer's spec.storage.size for trainer.exportInterval's "
+    "versions), then restart the trainer; it writes what is missing again"
+)
 
 
 def durable(path: Path) -> None:
