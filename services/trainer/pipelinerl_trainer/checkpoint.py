@@ -108,7 +108,8 @@ def _full_error(folder: Path, what: str, err: BaseException, remedy: str) -> OSE
         usage = shutil.disk_usage(folder)
     except OSError:  # no folder to ask about: the error is not the disk's
         return None
-    causes, cause = [], err
+    causes: list[BaseException] = []
+    cause: BaseException | None = err
     while cause is not None:
         causes.append(cause)
         cause = cause.__cause__ or cause.__context__
