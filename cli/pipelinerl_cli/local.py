@@ -10,6 +10,7 @@ log tail are shown with a non-zero exit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
@@ -83,6 +84,7 @@ class LocalRun:
         self.nats, self.nats_restarts = nats, 0
         self.nats_restart_at: float | None = None
         self.nats_checked = self.nats_full_said = 0.0  # monotonic: JetStream's health asked, "disk full" said
+        self.services_unwritten_said = False
         # (run time, generators' summed busy seconds, their summed tokens generated)
         self.busy: list[tuple[float, float, float]] = []
         self.first_group: float | None = None  # run time the first generator began generating
@@ -258,7 +260,12 @@ class LocalRun:
                 "role": "nats",
                 "url": self.nats.url,
             }
-        write_whole(self.run_dir / "services.json", record, indent=1)  # readers never see half a file
+        try:
+            write_whole(self.run_dir / "services.json", record, indent=1)  # readers never see half a file
+        except OSError as err:  # a full disk: the run goes on (its checkpoint's failure says why)
+            if not self.services_unwritten_said:
+                self.say(f"  warning: {self.run_dir / 'services.json'} not written ({err.strerror}): the run goes on")
+                self.services_unwritten_said = True
 
     def stop_services(self) -> None:
         # All at once, as Kubernetes deletes a job's pods: one after another took 13-17 s (a vLLM
@@ -279,13 +286,19 @@ class LocalRun:
         if self.metrics_file is None:
             self.metrics_unwritten += 1
         else:
+            size = None
             try:
+                size = os.fstat(self.metrics_file.fileno()).st_size  # appended at: the file's end
                 self.metrics_file.write(json.dumps(record) + "\n")
                 self.metrics_file.flush()
             except OSError as err:
                 self.metrics_unwritten += 1
                 self.say(f"  warning: metrics.jsonl takes no more rows ({err.strerror}): the run goes on without them")
+                name = self.metrics_file.name
                 self._close_metrics()
+                if size is not None and os.path.isfile(name):  # a row written in part is cut off
+                    with contextlib.suppress(OSError):
+                        os.truncate(name, size)
         if row.kind == "train":
             self.train.append(record)
         elif row.kind == "eval":

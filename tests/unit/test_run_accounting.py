@@ -147,6 +147,51 @@ def test_throughput_uses_the_steady_window(tmp_path):
     assert out["phases"]["phases"] == 2 and out["phases"]["wait_seconds"] == pytest.approx(0.5)
 
 
+def test_a_row_the_disk_takes_in_part_is_cut_off_so_the_file_holds_whole_rows(tmp_path, capsys):
+    """A full disk can take the first part of a row (the room left in its last block): the row is
+    cut off, or a run resumed in the same folder would glue its next row onto it, and the whole
+    file would no longer read (`plan --calibrate-from`)."""
+    import json
+
+    run = LocalRun(load_job(EXAMPLE), tmp_path)
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"kind": "train", "step": 0}\n')
+
+    class FillsUp:
+        def __init__(self) -> None:
+            self.file = open(path, "a")
+            self.name = str(path)
+
+        def fileno(self) -> int:
+            return self.file.fileno()
+
+        def write(self, text: str) -> int:
+            self.file.write(text[: len(text) // 2])
+            self.file.flush()
+            raise OSError(28, "No space left on device")
+
+        def flush(self) -> None:
+            self.file.flush()
+
+        def close(self) -> None:
+            self.file.close()
+
+    run.metrics_file = FillsUp()  # type: ignore[assignment]
+    values = {"step": 1, "reward": 0.5, "loss": 0.1, "lag_max": 0, "ess": 1, "samples": 16, "tokens": 64}
+    run.take_metric(m.Metrics(source="trainer-0", kind="train", values=values, timestamp=time.time()))
+    assert [json.loads(line) for line in path.read_text().splitlines()] == [{"kind": "train", "step": 0}]
+    assert run.metrics_unwritten == 1 and run.metrics_file is None
+
+
+def test_a_full_disk_costs_the_run_its_services_record_not_the_run(tmp_path, capsys):
+    run = LocalRun(load_job(EXAMPLE), tmp_path)
+    (tmp_path / "services.json.tmp").symlink_to("/dev/full")  # the whole-file write's first step
+    run._record_services()
+    run._record_services()
+    said = capsys.readouterr().out
+    assert said.count(f"{tmp_path / 'services.json'} not written (No space left on device)") == 1
+
+
 def test_a_full_disk_costs_the_run_its_metrics_files_rows_not_the_rows(tmp_path, capsys):
     """metrics.jsonl on a full disk (/dev/full: every write ENOSPC): each row is still kept for
     the summary and the plot, counted, and the run told once; nothing raises into the NATS
