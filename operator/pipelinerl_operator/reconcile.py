@@ -154,9 +154,8 @@ async def apply_owned(
     Secret the operator has made, as the status keeps it. Before any: a claim in the way of pods
     about to start (`_earlier_claim`), which would leave the job's other pods holding their GPUs
     with no trainer."""
-    read: dict[str, dict[str, Any] | None] = {}  # StatefulSets the claim check read: not read twice
     try:
-        if earlier := await _earlier_claim(kube, ref, children, read):
+        if earlier := await _earlier_claim(kube, ref, children):
             return earlier, made
     except KubeError as err:
         return f"reading the trainers' claims: {err}", made
@@ -171,10 +170,7 @@ async def apply_owned(
                     return f"{what} already exists and this job did not make it: not used (delete it)", made
                 made = meta["name"]
                 continue
-            if obj["kind"] == "StatefulSet" and meta["name"] in read:
-                existing = read[meta["name"]]
-            else:
-                existing = await kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+            existing = await kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
             if existing is not None and not owned_by(existing, ref.uid):
                 return (
                     f"{what} already exists and is not this job's: not taken over (delete or rename it, "
@@ -188,17 +184,14 @@ async def apply_owned(
     return None, made
 
 
-async def _earlier_claim(
-    kube: Kube, ref: JobRef, children: list[dict[str, Any]], read: dict[str, dict[str, Any] | None]
-) -> str | None:
+async def _earlier_claim(kube: Kube, ref: JobRef, children: list[dict[str, Any]]) -> str | None:
     """Why the children's StatefulSets about to start pods (made, resumed) must not: a claim
     their pods would mount (the claims are named for the job, `<template>-<statefulset>-<ordinal>`,
     not for its uid) that was made before the job, so an earlier job of its name kept it when it
     was deleted (`runPolicy.checkpointRetention`). Mounted, its checkpoints would be taken for
     this job's (the trainer then finds its store lost), and a retention policy of Delete would
     delete them with this job. One of this job's own (kept while it was suspended, or past a
-    StatefulSet deleted by hand) was made after it. None where there is none. The StatefulSets it
-    reads are left in `read`, by name (the apply that follows reads them no more)."""
+    StatefulSet deleted by hand) was made after it. None where there is none."""
     if not ref.created:
         return None
     created = parse_ts(ref.created)
@@ -207,8 +200,7 @@ async def _earlier_claim(
         if not templates or not _replicas(sts):
             continue
         name = sts["metadata"]["name"]
-        read[name] = await kube.get("apps/v1", "StatefulSet", ref.namespace, name)
-        if _replicas(read[name]) >= _replicas(sts):
+        if _replicas(await kube.get("apps/v1", "StatefulSet", ref.namespace, name)) >= _replicas(sts):
             continue  # its pods run, on claims they hold
         for claim in (f"{t['metadata']['name']}-{name}-{i}" for t in templates for i in range(_replicas(sts))):
             found = (await kube.get("v1", "PersistentVolumeClaim", ref.namespace, claim) or {}).get("metadata") or {}
