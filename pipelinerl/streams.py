@@ -354,6 +354,9 @@ async def publish_once(
             )
         except UNACKED as err:
             if stream_full(err):
+                # Refused, so not stored (JetStream looks for a duplicate before at its limits): no
+                # earlier try of it was, and the wait for room is not bounded by the window.
+                unknown_since = unanswered = None
                 if full_since is None:
                     full_since = time.monotonic()
                     log.warning("%s is full (%s): %s waits for room", subject, err, msg_id)

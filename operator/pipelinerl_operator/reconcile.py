@@ -165,10 +165,10 @@ async def apply_owned(
         try:
             if obj["kind"] == "Secret":
                 if await kube.create(obj):
+                    made = meta["name"]  # the pass's own status write records it, should this one fail
                     await _record_secret(kube, ref, meta["name"])
                 elif made != meta["name"]:
                     return f"{what} already exists and this job did not make it: not used (delete it)", made
-                made = meta["name"]
                 continue
             existing = await kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
             if existing is not None and not owned_by(existing, ref.uid):

@@ -327,6 +327,8 @@ def _weight_sync_condition(conds: _Conditions, obs: Observed, progress: dict[str
     pods_ready = all(conds.get(t) for t in ROLE_CONDITIONS.values())
     if not active:
         conds.set("WeightSyncReady", False, "ScaledDown", "")
+    elif obs.spec_error is not None:  # the trainer not asked: nothing known of its group
+        conds.set("WeightSyncReady", False, "InvalidSpec", "the spec no longer reads: the trainer is not asked")
     elif obs.trainer_status is None:
         conds.set("WeightSyncReady", False, "TrainerUnreachable", "trainer rank 0 /status did not answer")
     elif not obs.trainer_status.weight_sync_ready or not pods_ready:

@@ -341,6 +341,44 @@ async def test_a_publish_is_not_sent_again_once_its_back_off_outlasts_half_the_d
     await nc.close()
 
 
+async def test_a_full_stream_is_waited_on_past_the_window_of_an_earlier_unanswered_try(nats_server, monkeypatch):
+    """A try unanswered (not stored: it never reached the server), then the stream full for longer
+    than half the duplicate window: "full" says no try was stored, so the wait for room goes on
+    (a restarted generator would lose every group it is writing) and the message is stored once."""
+    import nats.errors
+    import nats.js.errors
+
+    from pipelinerl import streams
+    from pipelinerl.streams import publish_once, stored_messages
+
+    monkeypatch.setattr(streams, "DUPLICATE_WINDOW_S", 3.0)  # half of it: past the 1 s back-off, before 2.5 s
+    monkeypatch.setattr(streams, "ROOM_POLL_S", 0.2)
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js, SUBJECTS, 8)
+
+    class LostThenFull:
+        tries, full_until = 0, 0.0
+
+        async def publish(self, *args, **kwargs):
+            self.tries += 1
+            if self.tries == 1:
+                self.full_until = time.monotonic() + 2.5
+                raise nats.errors.TimeoutError
+            if time.monotonic() < self.full_until:
+                raise nats.js.errors.ServiceUnavailableError(
+                    code=503, err_code=10077, description="maximum bytes exceeded"
+                )
+            return await js.publish(*args, **kwargs)
+
+    stub = LostThenFull()
+    ack = await publish_once(stub, SUBJECTS.rollouts(0), m.encode(group(7)), "g7", timeout_s=1)
+    assert not ack.duplicate and stub.tries > 3
+    stored = await stored_messages(js, SUBJECTS.stream("ROLLOUTS"))
+    assert [m.decode(x.data, m.RolloutGroup).group_id for x in stored] == ["g7"]
+    await nc.close()
+
+
 async def test_a_publish_to_a_full_work_queue_waits_for_room_and_is_stored_once(nats_server, monkeypatch):
     """ROLLOUTS refuses new groups when full (it drops nothing queued): a generator's publish
     waits for the preprocessor to take some, where it failed and restarted the generator, which

@@ -189,16 +189,16 @@ class Preprocessor:
         groups still wait."""
         if self.builder.caught_up:
             return
-        if msgs and not any(
-            msg.metadata.sequence.stream >= self.backlog or msg.metadata.num_pending == 0 for msg in msgs
-        ):
+        reached = any(msg.metadata.sequence.stream >= self.backlog or msg.metadata.num_pending == 0 for msg in msgs)
+        if msgs and not reached:
             return
         try:
             info = await asyncio.wait_for(sub.consumer_info(), READ_TIMEOUT_S)
         except (TimeoutError, nats.errors.Error) as err:
             log.warning("the rollouts consumer's state not read (%s): asking again", type(err).__name__)
             return
-        if info.num_pending == 0 and (info.num_ack_pending or 0) <= len(self.builder.held()):
+        # Past the end: what is pending now is newer (generators publish on).
+        if (reached or info.num_pending == 0) and (info.num_ack_pending or 0) <= len(self.builder.held()):
             self.builder.caught_up = True
             log.info("took every group left in the stream at the start (%d pending)", len(self.builder.accepted))
 

@@ -140,7 +140,7 @@ def test_suspend_and_invalid_spec() -> None:
     assert [e.reason for e in events] == ["InvalidSpec"]
     # Its pods, left as they are, are told as they are (not "ScaledDown").
     assert cond(invalid, "GeneratorsReady")["reason"] == "AllReplicasReady"
-    assert cond(invalid, "WeightSyncReady")["reason"] == "GroupFormed"
+    assert cond(invalid, "WeightSyncReady")["reason"] == "InvalidSpec"  # its trainer is not asked
 
 
 def test_a_running_jobs_spec_that_no_longer_reads_neither_fails_nor_counts_it() -> None:
