@@ -136,6 +136,7 @@ class OperatorEnv:
     METRICS_NAMESPACES = "PIPELINERL_METRICS_NAMESPACES"  # comma-separated: may scrape job pods
     NATS_REPLICAS = "PIPELINERL_NATS_REPLICAS"  # servers of the chart's NATS (a JetStream cluster when > 1)
     NATS_STORE_BYTES = "PIPELINERL_NATS_STORE_BYTES"  # its JetStream store (max_file_store), per server
+    NATS_MAX_PAYLOAD_MB = "PIPELINERL_NATS_MAX_PAYLOAD_MB"  # its max_payload: jobs on it may ask no more
     NATS_RETIRE_SECONDS = "PIPELINERL_NATS_RETIRE_SECONDS"  # a given-back account's time disabled (tests)
     JOB_EGRESS = "PIPELINERL_JOB_EGRESS"  # "restricted" (default) or "open": job pods' egress
     JOB_POLICY = "PIPELINERL_JOB_POLICY"  # JSON: what jobs may ask for (the chart's jobPolicy; job_policy.JobPolicy)

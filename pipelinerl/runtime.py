@@ -141,8 +141,8 @@ async def join_job(job: PipelineRLJob, env: ServiceEnv, client: str) -> Any:
             await nc.close()
             raise ValueError(
                 f"nats.maxPayloadMb ({payload_mb}) is over the max_payload of the job's NATS at {env.nats_url} "
-                f"({nc.max_payload / 2**20:g} MiB): lower the job's, or raise the server's (the chart's "
-                "nats.maxPayloadMb)"
+                f"({nc.max_payload / 2**20:g} MiB): lower the job's, or raise the server's max_payload (the chart's "
+                "nats.maxPayloadMb, where the chart runs it)"
             )
         while True:
             try:

@@ -43,6 +43,7 @@ class OperatorConfig:
     metrics_namespaces: tuple[str, ...] = ()
     nats_replicas: int = 1  # servers of the chart's NATS: each stream of a job on it is kept by all of them
     nats_store_bytes: int = 0  # the chart's NATS store (each server's): jobs beyond it are refused; 0: unchecked
+    nats_max_payload_mb: int = 0  # the chart's NATS's max_payload: jobs on it asking more are refused; 0: unchecked
     # The chart's NATS runs in the install (its pods, its accounts); False: `nats.externalUrl`, a
     # server someone else runs, reached at `nats_external_cidrs` (none: anywhere on its ports).
     nats_bundled: bool = True
@@ -75,6 +76,7 @@ CHART_DEFAULTS: dict[str, Any] = {
         "replicas": 1,
         "routesExistingSecret": "",
         "storageGi": 20,
+        "maxPayloadMb": 8,
         "externalUrl": "",
         "externalCidrs": [],
     },
@@ -127,6 +129,7 @@ def from_env(env: Mapping[str, str]) -> OperatorConfig:
         metrics_namespaces=tuple(n for n in get(OperatorEnv.METRICS_NAMESPACES, "").split(",") if n),
         nats_replicas=int(get(OperatorEnv.NATS_REPLICAS) or 1),
         nats_store_bytes=int(get(OperatorEnv.NATS_STORE_BYTES) or 0),
+        nats_max_payload_mb=int(get(OperatorEnv.NATS_MAX_PAYLOAD_MB) or 0),
         restrict_egress=get(OperatorEnv.JOB_EGRESS, "restricted") != "open",
         namespace=get(OperatorEnv.NAMESPACE, defaults.namespace),
         nats_bundled=get(OperatorEnv.NATS_BUNDLED, "true") != "false",
@@ -196,6 +199,7 @@ def chart_env(
         env[OperatorEnv.NATS_STORE_BYTES] = str(
             int(_at(v, "nats.storageGi", (int, float), source)) * STORE_BYTES_PER_GI
         )
+        env[OperatorEnv.NATS_MAX_PAYLOAD_MB] = str(_at(v, "nats.maxPayloadMb", int, source))
     if v.get("metricsNamespaces"):
         env[OperatorEnv.METRICS_NAMESPACES] = ",".join(v["metricsNamespaces"])
     return env

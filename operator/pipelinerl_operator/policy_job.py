@@ -12,8 +12,9 @@ from pipelinerl.capacity import reserved_bytes
 from pipelinerl.contracts import ROLE_LABEL
 from pipelinerl.k8s_types import parse_quantity, read_quantity
 from pipelinerl.reserved import is_device_env
+from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.egress import egress_problems
-from pipelinerl_operator.job_policy import Install, JobPolicy, url_servers
+from pipelinerl_operator.job_policy import JobPolicy, url_servers
 from pipelinerl_operator.policy_checks import (
     DEVICE_ENV_WHY,
     GIB,
@@ -93,12 +94,10 @@ def total_violations(
     return bad.items
 
 
-def spec_violations(
-    job: Any, policy: JobPolicy, namespace: str, install: Install, store_bytes: int, bundled_nats: bool
-) -> list[str]:
-    """What the job's spec itself asks for, beyond its pods."""
+def spec_violations(job: Any, namespace: str, cfg: OperatorConfig) -> list[str]:
+    """What the job's spec itself asks for, beyond its pods, of the install `cfg`."""
     bad = Problems()
-    s = job.spec
+    s, policy, install = job.spec, cfg.policy, cfg.install
     for role in ("generator", "preprocessor", "trainer"):
         for var in getattr(s, role).env:
             if is_device_env(var.name):
@@ -130,7 +129,14 @@ def spec_violations(
     for i, rule in enumerate(s.network.egress):
         for problem in egress_problems(rule, policy):
             bad(f"network.egress.{i}{problem[0]}", problem[1])
-    if s.nats.url is None and bundled_nats and store_bytes:
+    if s.nats.url is None and cfg.nats_max_payload_mb and s.nats.max_payload_mb > cfg.nats_max_payload_mb:
+        bad(
+            "nats.maxPayloadMb",
+            f"more than the install's NATS takes ({cfg.nats_max_payload_mb} MiB: the chart's nats.maxPayloadMb): "
+            "lower it, or have the install's raised",
+        )
+    if s.nats.url is None and cfg.nats_bundled and cfg.nats_store_bytes:
+        store_bytes = cfg.nats_store_bytes
         limit = min(store_bytes * policy.namespace_share, (policy.max_job_store_gi or float("inf")) * GIB)
         need = reserved_bytes(s)
         if need > limit:

@@ -308,9 +308,7 @@ def check_pods(job: PipelineRLJob, objects: list[dict[str, Any]], cfg: OperatorC
                 cfg.install,
                 bad,
             )
-    problems = bad.items + policy_job.spec_violations(
-        job, cfg.policy, namespace, cfg.install, cfg.nats_store_bytes, cfg.nats_bundled
-    )
+    problems = bad.items + policy_job.spec_violations(job, namespace, cfg)
     statefulsets = [o for o in objects if o["kind"] == "StatefulSet"]
     problems += policy_job.total_violations({r: replicas(job, r) for r in ROLES}, statefulsets, job, cfg.policy)
     if problems:

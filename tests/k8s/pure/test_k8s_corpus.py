@@ -28,7 +28,7 @@ from pipelinerl.crd import crd_manifest
 from pipelinerl.contracts import OperatorEnv
 from pipelinerl.spec import dump_yaml
 from pipelinerl_operator.handlers import validate_job
-from pipelinerl_operator.config import DEFAULT_STORE_BYTES
+from pipelinerl_operator.config import CHART_DEFAULTS, DEFAULT_STORE_BYTES
 
 CORPUS = yaml.safe_load((Path(__file__).parents[1] / "manifest_corpus.yaml").read_text())
 CRD = crd_manifest()
@@ -43,6 +43,7 @@ BASE = {
 # list, quantities compared, Kubernetes' pod schema inside the free-form podTemplate). Shrink this
 # set whenever a CRD rule learns one; the test fails if the CRD starts refusing one of them.
 WEBHOOK_ONLY = {
+    "payload-over-the-installs-nats",  # the install's NATS (the chart's nats.maxPayloadMb)
     "task-param-misspelt",  # the task's constructor (pipelinerl.tasks.param_problems)
     "task-param-huge",
     "task-param-quoted",
@@ -229,6 +230,7 @@ def manifests(case: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | No
 def chart_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     """The webhook's settings as the chart gives them: the default NATS store (validate assumes it)."""
     monkeypatch.setenv(OperatorEnv.NATS_STORE_BYTES, str(DEFAULT_STORE_BYTES))
+    monkeypatch.setenv(OperatorEnv.NATS_MAX_PAYLOAD_MB, str(CHART_DEFAULTS["nats"]["maxPayloadMb"]))
     monkeypatch.delenv(OperatorEnv.JOB_POLICY, raising=False)
 
 
