@@ -61,3 +61,31 @@ def test_rows_published_while_the_trainer_was_down_are_taken_after_its_restart_a
         assert not list((out / ".candidates").iterdir())  # every candidate settled
     finally:
         bridge.close()
+
+
+def test_a_best_copy_the_disk_refuses_costs_the_run_the_copy_not_the_run(nats_server, tmp_path, caplog):
+    """The output's volume full as a version is promoted: said, naming the folder; the row is
+    taken all the same (raised, it stopped the trainer, and every restart took the same row again)."""
+    from pipelinerl_trainer.bridge import NatsBridge
+    from pipelinerl_trainer.output import BEST_FILE, Output
+    from pipelinerl_trainer.reporting import Board, Reporter
+
+    job = parse_job({"metadata": {"name": "full"}, "spec": {"eval": {"interval": 2}}})
+    out, run = tmp_path / "output", tmp_path / "run"
+    run.mkdir()
+    candidate = out / ".candidates" / "version-2"
+    candidate.mkdir(parents=True)
+    (candidate / BEST_FILE).symlink_to("/dev/full")  # every write: ENOSPC
+    bridge = NatsBridge(job, ServiceEnv("trainer", nats_url=nats_server.url), "trainer-0")
+    try:
+        reporter = Reporter(job, 0, run, Board(0, 6), bridge, Output(out, keep_best=True), bridge.store_identity().id)
+        values = {"version": 2, "accuracy": 0.5, "problems": 8, "final": False}
+        row = m.Metrics(source="generator-0", kind="eval", values=values, timestamp=time.time())
+        bridge.publish(job.subjects.metrics("eval"), row)
+        deadline = time.monotonic() + 10
+        while not reporter._evals_taken() and time.monotonic() < deadline:
+            reporter.take_evaluations()
+        assert reporter._evals_taken() > 0 and reporter.output.best is None
+        assert f"version 2 not taken as the best in {out}" in caplog.text and "No space left" in caplog.text
+    finally:
+        bridge.close()

@@ -131,7 +131,12 @@ class Reporter:
                 self.tracker.log("eval", row.values)
             if self.output is not None:
                 version, accuracy = int(row.values["version"]), float(row.values["accuracy"])  # type: ignore[arg-type]
-                if self.output.evaluated(version, accuracy):
+                try:
+                    promoted = self.output.evaluated(version, accuracy)
+                except OSError as err:  # the best copy is a convenience: training goes on without it
+                    log.error("version %d not taken as the best in %s: %s", version, self.output.root, err)
+                    promoted = False
+                if promoted:
                     log.info(
                         "version %d is the best on evaluation so far (accuracy %.3f): %s",
                         version,
