@@ -291,6 +291,9 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
         "startupProbe": _probe("/healthz", 10, 180),  # model loading may take many minutes
         "livenessProbe": _probe("/healthz", 20, 6),
         "readinessProbe": _probe("/readyz", 10, 3),
+        # A service that fails says why last (its exception): the kubelet keeps its log's tail as
+        # the container's termination message, which the job's conditions then quote (`pods`).
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [
             {"name": "job-config", "mountPath": JOB_FILE_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},

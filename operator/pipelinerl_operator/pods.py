@@ -51,7 +51,10 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
                 limit = f" (exit code {killed.get('exitCode')}): raise the role's memory limit"
                 found = PodProblem(role, name, c.get("name"), "OOMKilled", f"killed for memory{limit}")
             elif waiting.get("reason") in WAITING:
-                found = PodProblem(role, name, c.get("name"), waiting["reason"], waiting.get("message", ""))
+                message = waiting.get("message", "")
+                if waiting["reason"] == "CrashLoopBackOff" and (said := last_words(c)):
+                    message = f"{said} ({message})" if message else said
+                found = PodProblem(role, name, c.get("name"), waiting["reason"], message)
             if found:
                 break
         if found is None:
@@ -63,6 +66,17 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
         if found:
             out.append(found)
     return out
+
+
+LAST_WORDS = 400  # characters of a crashed container's last line quoted in the job's conditions
+
+
+def last_words(container_status: dict[str, Any]) -> str:
+    """The last line a container that crashed left in its termination message (its log's tail,
+    `FallbackToLogsOnError`): a service's last line is its exception, naming what failed."""
+    terminated = (container_status.get("lastState") or {}).get("terminated") or {}
+    lines = [line.strip() for line in str(terminated.get("message") or "").splitlines() if line.strip()]
+    return lines[-1][:LAST_WORDS] if lines else ""
 
 
 def pods_stopped(pods: list[dict[str, Any]]) -> frozenset[str]:

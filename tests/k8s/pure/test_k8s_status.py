@@ -337,6 +337,31 @@ def test_pod_problems_are_read_with_pod_and_container_named() -> None:
     ]
 
 
+def test_a_crash_loop_is_told_with_the_crashed_services_last_line() -> None:
+    """The trainer's container keeps its log's tail as its termination message
+    (FallbackToLogsOnError): its last line, the exception, names what failed (a full volume)."""
+    said = (
+        "OSError: [Errno 28] checkpoint step-40 not written to /run/checkpoints: its volume is full or over its quota"
+    )
+    crashed = pod(
+        "demo-trainer-0",
+        "trainer",
+        containerStatuses=[
+            {
+                "name": "trainer",
+                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting failed"}},
+                "lastState": {
+                    "terminated": {"exitCode": 1, "message": f"Traceback (most recent call last):\n  ...\n{said}\n\n"}
+                },
+            }
+        ],
+    )
+    (problem,) = pod_problems([crashed])
+    assert problem.reason == "CrashLoopBackOff" and problem.message == f"{said} (back-off 40s restarting failed)"
+    s, _ = run(roles={**UP, "trainer": RoleObserved(1, 1, 0)}, pod_problems=(problem,), trainer_status=None)
+    assert said in cond(s, "TrainerReady")["message"]
+
+
 def test_pod_problems_show_in_the_role_conditions_ready_and_events() -> None:
     healthy, _ = run()
     roles = {
