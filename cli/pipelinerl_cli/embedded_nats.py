@@ -28,8 +28,11 @@ def nats_server_binary() -> str:
 class EmbeddedNats:
     """A nats-server with JetStream on a free loopback port, storing under `store_dir`."""
 
-    def __init__(self, store_dir: Path, max_payload_mb: int = 8, port: int | None = None):
+    def __init__(self, store_dir: Path, max_payload_mb: int = 8, port: int | None = None, store_bytes: int = 0):
         self.store_dir = Path(store_dir)
+        # JetStream's store, as the streams reserve it (0: nats-server's own, 75% of the disk's free
+        # space at its start: a restart on a disk short of the job's reservations refuses its streams).
+        self.store_bytes = store_bytes
         self.port = port or free_port()
         self.monitor_port = free_port()  # its /healthz, on loopback
         self.max_payload_mb = max_payload_mb
@@ -42,7 +45,8 @@ class EmbeddedNats:
     def start(self, timeout_s: float = 15.0) -> EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats.conf"
-        conf.write_text(f"max_payload: {self.max_payload_mb * 1024 * 1024}\n")
+        store = f"jetstream {{ max_file_store: {self.store_bytes} }}\n" if self.store_bytes else ""
+        conf.write_text(f"max_payload: {self.max_payload_mb * 1024 * 1024}\n{store}")
         log = open(self.store_dir / "nats.log", "ab")
         binary = nats_server_binary()
         self.proc = subprocess.Popen(

@@ -775,3 +775,19 @@ def test_a_service_connection_outlives_any_outage_and_what_it_publishes_meanwhil
     finally:
         server.stop()
     assert not ack.duplicate and [x.data for x in stored] == [big]
+
+
+def test_a_local_runs_store_is_sized_by_its_job_not_by_the_disks_free_space(tmp_path):
+    """Left to itself nats-server sizes JetStream's store at 75% of the disk's free space at its
+    start: restarted on a disk that filled up (the local runner restarts it once 64 MiB are free),
+    it refused the job's streams ("insufficient storage resources"). Given the job's room, it
+    takes them whatever the disk has free."""
+    import json
+    import urllib.request
+
+    server = EmbeddedNats(tmp_path / "nats", store_bytes=5 << 40).start()  # 5 TiB: more than this disk
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.monitor_port}/jsz", timeout=5) as answer:
+            assert json.load(answer)["config"]["max_storage"] == 5 << 40
+    finally:
+        server.stop()
