@@ -159,6 +159,12 @@ class Kube:
             return created or {}
         return applied
 
+    async def scale(self, api_version: str, kind: str, namespace: str, name: str, replicas: int) -> None:
+        """Set the object's spec.replicas alone (a merge patch: what else the operator applied stays)."""
+        path = object_path(api_version, kind, namespace, name)
+        body = {"spec": {"replicas": replicas}}
+        await self._request("PATCH", path, body, content_type="application/merge-patch+json")
+
     async def create(self, obj: dict[str, Any]) -> bool:
         """Create `obj` unless an object of its name exists (then leave that one as it is)."""
         meta = obj["metadata"]

@@ -217,6 +217,24 @@ async def _earlier_claim(kube: Kube, ref: JobRef, children: list[dict[str, Any]]
     return None
 
 
+async def _stop_unread(kube: Kube, ref: JobRef, body: kopf.Body) -> str | None:
+    """A job whose spec no longer reads (a policy tightened since) renders nothing; suspended
+    (`spec.suspend`, read from the job as stored), its own StatefulSets are scaled to none all the
+    same: a suspension frees its GPUs. Why not, if it could not be."""
+    if (body.get("spec") or {}).get("suspend") is not True:
+        return None
+    try:
+        for role in ROLES:
+            name = role_name(ref.name, role)
+            sts = await kube.get("apps/v1", "StatefulSet", ref.namespace, name)
+            if sts is not None and owned_by(sts, ref.uid) and _replicas(sts):
+                await ref.still_current(kube)
+                await kube.scale("apps/v1", "StatefulSet", ref.namespace, name, 0)
+    except KubeError as err:
+        return f"scaling the suspended job's pods to none: {err}"
+    return None
+
+
 def _replicas(obj: dict[str, Any] | None) -> int:
     return int(((obj or {}).get("spec") or {}).get("replicas") or 0)
 
@@ -335,6 +353,8 @@ async def _reserve_and_apply(
         kept = kept if error else None
     if not error and children:
         error, made = await apply_owned(kube, ref, children, made)
+    elif job is None:
+        error = await _stop_unread(kube, ref, body)
     if error:
         logger.warning("not applied: %s", error)
     return error, held, kept, made
@@ -413,7 +433,7 @@ def _observed(
         now=now,
         previous=previous,
         spec_error=spec_error,
-        suspend=bool(job and job.spec.suspend),
+        suspend=job.spec.suspend if job is not None else (body.get("spec") or {}).get("suspend") is True,
         roles=roles,
         trainer_status=trainer_status,
         store_lost=store_lost,

@@ -272,72 +272,47 @@ async def test_a_publish_whose_ack_is_lost_is_sent_again_and_stored_once(nats_se
     await nc.close()
 
 
-async def test_a_publish_unanswered_past_half_the_duplicate_window_is_not_sent_again(nats_server, monkeypatch):
+@pytest.mark.parametrize(
+    "window_s, frozen_s",
+    [(2.0, 2.5), (0.9, 0.0)],
+    ids=["frozen-before-its-ack", "frozen-in-its-back-off"],
+)
+async def test_a_publish_unanswered_past_half_the_duplicate_window_is_not_sent_again(
+    nats_server, monkeypatch, window_s, frozen_s
+):
     """A publisher frozen between a publish JetStream stored and its ack (a paused pod) finds the
     try unanswered when it thaws. Sent again past the stream's duplicate window, it would be
     stored twice (a group trained twice); the publish fails instead, once half the window has gone,
     and the service restarts from what its streams hold. Within it, a retry is stored once (above).
-    The window here is 2 s; the freeze is the test's stand-in, the server real."""
+    The window is looked at right before each send: frozen in the back-off (1 s, past a 0.9 s
+    window) counts as much as frozen before the ack. The freeze is the test's stand-in, the server
+    real."""
     import nats
 
     from pipelinerl import streams
     from pipelinerl.streams import publish_once, stored_messages
 
-    monkeypatch.setattr(streams, "DUPLICATE_WINDOW_S", 2.0)
+    monkeypatch.setattr(streams, "DUPLICATE_WINDOW_S", window_s)
     nc = await connect(nats_server.url, "test")
     js = nc.jetstream()
     await ensure_streams(js, SUBJECTS, 8)
 
-    class FrozenAfterTheFirstPublish:
+    class Frozen:
         tries = 0
 
         async def publish(self, *args, **kwargs):
             self.tries += 1
             ack = await js.publish(*args, **kwargs)
             if self.tries == 1:  # stored; the process frozen past the window before it reads the ack
-                await asyncio.sleep(2.5)
+                await asyncio.sleep(frozen_s)
                 raise nats.errors.TimeoutError
             return ack
 
-    frozen = FrozenAfterTheFirstPublish()
+    frozen = Frozen()
     with pytest.raises(TimeoutError, match=r"g5 to .* not acknowledged for \d s .*not sent again"):
         await publish_once(frozen, SUBJECTS.rollouts(0), m.encode(group(5)), "g5", timeout_s=1)
     stored = await stored_messages(js, SUBJECTS.stream("ROLLOUTS"))
     assert frozen.tries == 1 and [m.decode(x.data, m.RolloutGroup).group_id for x in stored] == ["g5"]
-    await nc.close()
-
-
-async def test_a_publish_is_not_sent_again_once_its_back_off_outlasts_half_the_duplicate_window(
-    nats_server, monkeypatch
-):
-    """The window is looked at right before each send: a try answered at once with no ack (stored
-    all the same), then a back-off (1 s) past the stream's duplicate window (0.9 s here, as a
-    process frozen there would be): sent again, it was stored twice."""
-    import nats.errors
-
-    from pipelinerl import streams
-    from pipelinerl.streams import publish_once, stored_messages
-
-    monkeypatch.setattr(streams, "DUPLICATE_WINDOW_S", 0.9)
-    nc = await connect(nats_server.url, "test")
-    js = nc.jetstream()
-    await ensure_streams(js, SUBJECTS, 8)
-
-    class UnansweredAtFirst:
-        tries = 0
-
-        async def publish(self, *args, **kwargs):
-            self.tries += 1
-            ack = await js.publish(*args, **kwargs)
-            if self.tries == 1:
-                raise nats.errors.TimeoutError
-            return ack
-
-    first = UnansweredAtFirst()
-    with pytest.raises(TimeoutError, match=r"g6 to .* not acknowledged for \d s .*not sent again"):
-        await publish_once(first, SUBJECTS.rollouts(0), m.encode(group(6)), "g6", timeout_s=1)
-    stored = await stored_messages(js, SUBJECTS.stream("ROLLOUTS"))
-    assert first.tries == 1 and [m.decode(x.data, m.RolloutGroup).group_id for x in stored] == ["g6"]
     await nc.close()
 
 

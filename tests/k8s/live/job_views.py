@@ -62,9 +62,9 @@ async def all_ready(api: Api, name: str = "demo", generators: int = 2, trainers:
         await api.set_sts_status(f"{name}-prl-{role}", n, n)
 
 
-async def ready_job(emulator: kmock.KubernetesEmulator, api: Api) -> None:
-    """The default job created, its pods up (the StatefulSet controller's part played), Ready."""
-    await api.create_job(manifest())
+async def ready_job(emulator: kmock.KubernetesEmulator, api: Api, **spec: Any) -> None:
+    """The default job (with `spec`) created, its pods up (the StatefulSet controller's part played), Ready."""
+    await api.create_job(manifest(**spec))
     await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"))
     await all_ready(api)
     await eventually(lambda: condition(emulator, "Ready").get("status") == "True", what="Ready")

@@ -11,6 +11,7 @@ from typing import Any
 
 
 import nats
+import pytest
 from prometheus_client import generate_latest
 
 from job_views import ROLES, STS, all_ready, allow, condition, events, manifest, obj, ready_job, status, sts_template
@@ -247,12 +248,15 @@ async def test_failing_trainer_fails_after_backoff_limit(cluster) -> None:
         assert status(emulator)["phase"] == "Failed"
 
 
-async def test_finished_trainer_succeeds_and_ttl_deletes(cluster, monkeypatch) -> None:
+@pytest.mark.parametrize("tightened", [False, True], ids=["as-it-was", "policy-tightened-since"])
+async def test_finished_trainer_succeeds_and_ttl_deletes(cluster, monkeypatch, tightened) -> None:
+    """With the platform's policy tightened after the job finished (its output claim no longer
+    allowed), its spec no longer reads: its TTL, read from the job as stored, deletes it all the same."""
     emulator, api, trainer = cluster
     allow(monkeypatch, volumeClaims=[f"{NS}/models"])
     trainer.reports["demo"] = {"step": 50, "version": 50, "maxSteps": 50, "finished": True, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
-        await api.create_job(manifest(runPolicy={"ttlSecondsAfterFinished": 1}, output={"claimName": "models"}))
+        await api.create_job(manifest(runPolicy={"ttlSecondsAfterFinished": 4}, output={"claimName": "models"}))
         await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"))
         retention = lambda: obj(emulator, STS, "demo-prl-trainer")["spec"]["persistentVolumeClaimRetentionPolicy"][  # noqa: E731
             "whenDeleted"
@@ -265,27 +269,35 @@ async def test_finished_trainer_succeeds_and_ttl_deletes(cluster, monkeypatch) -
         await eventually(lambda: retention() == "Delete", what="the volumes free to go")
         assert condition(emulator, "Succeeded")["message"] == "trainer finished at step 50"
         assert condition(emulator, "Progressing")["status"] == "False"
+        if tightened:
+            allow(monkeypatch)  # the claim no longer allowed
+            await eventually(lambda: condition(emulator, "Ready").get("reason") == "InvalidSpec", what="unread")
         # ttlSecondsAfterFinished: the operator deletes the job; the finalizer is released (NATS is absent here).
         await eventually(lambda: obj(emulator, JOBS, "demo") is None, timeout_s=15, what="TTL deletion")
-        await eventually(lambda: {"Succeeded", "TTLExpired", "StreamsDeleteFailed"} <= set(events(emulator)))
+        await eventually(lambda: {"Succeeded", "TTLExpired"} <= set(events(emulator)))
+        if not tightened:
+            await eventually(lambda: "StreamsDeleteFailed" in events(emulator))
 
 
-async def test_a_finished_job_whose_spec_no_longer_reads_is_deleted_at_its_ttl(cluster, monkeypatch) -> None:
-    """The platform's policy tightened after the job finished (its output claim no longer
-    allowed): the job's spec no longer reads, and its TTL, read from the job as stored, still
-    deletes it."""
+async def test_a_running_job_whose_spec_no_longer_reads_is_stopped_by_its_suspension(cluster, monkeypatch) -> None:
+    """A policy tightened under a running job (its output claim no longer allowed): the operator
+    renders nothing for it and leaves its pods as they are, said as they are. Suspended, its own
+    StatefulSets are scaled to none all the same: a suspension frees the job's GPUs."""
     emulator, api, trainer = cluster
+    trainer.reports["demo"] = {"step": 7, "version": 7, "finished": False, "weightSyncReady": True}
     allow(monkeypatch, volumeClaims=[f"{NS}/models"])
-    trainer.reports["demo"] = {"step": 50, "version": 50, "maxSteps": 50, "finished": True, "weightSyncReady": True}
     async with running_operator(str(emulator.url)):
-        await api.create_job(manifest(runPolicy={"ttlSecondsAfterFinished": 4}, output={"claimName": "models"}))
-        await eventually(lambda: obj(emulator, STS, "demo-prl-trainer"))
-        await all_ready(api)
-        await eventually(lambda: status(emulator).get("phase") == "Succeeded", what="Succeeded")
+        await ready_job(emulator, api, output={"claimName": "models"})
         allow(monkeypatch)  # the claim no longer allowed
         await eventually(lambda: condition(emulator, "Ready").get("reason") == "InvalidSpec", what="unread")
-        await eventually(lambda: obj(emulator, JOBS, "demo") is None, timeout_s=15, what="TTL deletion")
-        assert "TTLExpired" in events(emulator)
+        assert condition(emulator, "TrainerReady")["reason"] == "AllReplicasReady"  # left as they are
+        assert all(_replicas(obj(emulator, STS, f"demo-prl-{r}")) for r in ROLES)
+        await api.patch_job("demo", {"spec": {"suspend": True}})
+        await eventually(
+            lambda: not any(_replicas(obj(emulator, STS, f"demo-prl-{r}")) for r in ROLES), what="scaled to none"
+        )
+        await eventually(lambda: condition(emulator, "TrainerReady").get("reason") == "ScaledDown", what="said")
+        assert condition(emulator, "Ready")["reason"] == "InvalidSpec"
 
 
 def stopping_writes(seen: list[str], stall: bool) -> Callable[[Any], bool]:
