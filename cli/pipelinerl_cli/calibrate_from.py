@@ -50,7 +50,7 @@ def _stored_batches(run: Path, job: PipelineRLJob) -> list[MicroBatch]:
 
     if not (run / "nats").is_dir():
         return []
-    server = EmbeddedNats(run / "nats", job.spec.nats.max_payload_mb).start()
+    server = EmbeddedNats.of_job(run / "nats", job.spec).start()
     try:
         return asyncio.run(_read(server.url, job))[1]
     finally:

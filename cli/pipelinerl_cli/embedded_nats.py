@@ -12,7 +12,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
+from pipelinerl.capacity import reserved_bytes
 from pipelinerl.ports import free_port
 from pipelinerl_cli.processes import die_with_parent
 
@@ -37,6 +39,13 @@ class EmbeddedNats:
         self.monitor_port = free_port()  # its /healthz, on loopback
         self.max_payload_mb = max_payload_mb
         self.proc: subprocess.Popen | None = None
+
+    @classmethod
+    def of_job(cls, store_dir: Path, spec: Any) -> EmbeddedNats:
+        """The server of a job's local run (`pipelinerl run`, and the commands that open its
+        store): the job's largest message, and a store the size of its streams' room and 64 MiB
+        of the store's own books."""
+        return cls(store_dir, spec.nats.max_payload_mb, store_bytes=reserved_bytes(spec) + (64 << 20))
 
     @property
     def url(self) -> str:

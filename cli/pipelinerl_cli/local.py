@@ -25,7 +25,7 @@ import httpx
 from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
-from pipelinerl.capacity import reserved_bytes, stream_bytes
+from pipelinerl.capacity import stream_bytes
 from pipelinerl.contracts import STOPPED_EXIT, GeneratorStatus, ServiceEnv
 from pipelinerl_cli.embedded_nats import EmbeddedNats
 from pipelinerl.learning import learning_alarm
@@ -524,8 +524,7 @@ def run_local(
     run.say(f"pipelinerl: running {job.name!r} ({job.spec.mode} mode, max lag {job.spec.max_lag}) in {run_dir}")
     model_path = resolve_model_path(job.spec.model.path)
     run.say(f"  model {model_path} {model_info(model_path) or ''}")
-    store = reserved_bytes(job.spec) + NATS_ROOM_BYTES  # the streams' room, and the store's own books
-    nats = run.nats = EmbeddedNats(run_dir / "nats", job.spec.nats.max_payload_mb, store_bytes=store).start()
+    nats = run.nats = EmbeddedNats.of_job(run_dir / "nats", job.spec).start()
     code = 0
 
     async def main() -> None:

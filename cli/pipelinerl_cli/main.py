@@ -4,6 +4,7 @@ list a job's dead letters, emit the CRD."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -75,7 +76,8 @@ def _run(args: argparse.Namespace) -> int:
     from pipelinerl_cli.local import run_local
 
     # What validate refuses (with no --policy: the chart's defaults) never starts.
-    job = _checked(args.job, _install(None), runs_here=True)
+    # Its NATS is its own, started with the job's max_payload: not the chart's.
+    job = _checked(args.job, dataclasses.replace(_install(None), nats_max_payload_mb=0), runs_here=True)
     cores = "split" if args.pin_cores else args.cores
     return run_local(job, run_dir=args.run_dir, cores=cores, restart=args.restart == "on-failure")
 
@@ -197,7 +199,7 @@ def _on_job_store(args: argparse.Namespace, job: PipelineRLJob, client: str, cal
         return asyncio.run(run(args.nats))
     from pipelinerl_cli.embedded_nats import EmbeddedNats
 
-    server = EmbeddedNats(Path(args.run_dir) / "nats", job.spec.nats.max_payload_mb).start()
+    server = EmbeddedNats.of_job(Path(args.run_dir) / "nats", job.spec).start()
     try:
         return asyncio.run(run(server.url))
     finally:

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -153,8 +154,10 @@ def validate_job(
             "streams and StatefulSets (delete the job instead)",
             code=403,
         )
-    if stored is not None and stored.get("spec") == body.get("spec"):
-        return  # metadata, finalizers, status: never blocked, even for a job older rules admitted
+    if stored is not None and _but_suspend(stored) == _but_suspend(body):
+        # Metadata, finalizers, status, a suspension or a resume: never blocked, even for a job
+        # older rules admitted (a job whose spec no longer reads is stopped by its suspension).
+        return
     meta = body.get("metadata") or {}
     try:
         job = admission.check(
@@ -167,6 +170,10 @@ def validate_job(
         raise kopf.AdmissionError(str(err), code=422) from None
     if warnings is not None:
         warnings.extend(admission.job_warnings(job))
+
+
+def _but_suspend(job: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in (job.get("spec") or {}).items() if k != "suspend"}
 
 
 if os.environ.get(OperatorEnv.WEBHOOK_PORT):  # kopf refuses webhook handlers with no server to serve them

@@ -291,9 +291,6 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
         "startupProbe": _probe("/healthz", 10, 180),  # model loading may take many minutes
         "livenessProbe": _probe("/healthz", 20, 6),
         "readinessProbe": _probe("/readyz", 10, 3),
-        # A service that fails says why last (its exception): the kubelet keeps its log's tail as
-        # the container's termination message, which the job's conditions then quote (`pods`).
-        "terminationMessagePolicy": "FallbackToLogsOnError",
         "volumeMounts": [
             {"name": "job-config", "mountPath": JOB_FILE_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
@@ -360,6 +357,9 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
             c["env"] = [*(c.get("env") or []), {"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
         if c["name"] != role:
             _sidecar_resources(c)
+        else:  # unless the job's template says otherwise: the kubelet keeps a failed service's log
+            # tail (its exception) as its termination message, which the job's conditions quote (`pods`)
+            c.setdefault("terminationMessagePolicy", "FallbackToLogsOnError")
         if c.get("image") not in (cfg.cpu_image, cfg.gpu_image):
             # A job's own image is pulled every time, so the registry checks the job's pull rights:
             # a cached copy on the node may be another tenant's (pulled with their credentials).

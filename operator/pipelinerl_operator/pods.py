@@ -3,6 +3,7 @@ in the job's conditions and Events, with the pod and the container named."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,12 +72,20 @@ def pod_problems(pods: list[dict[str, Any]]) -> list[PodProblem]:
 LAST_WORDS = 400  # characters of a crashed container's last line quoted in the job's conditions
 
 
+EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*: \S")  # "module.Name: message", as Python prints one
+
+
 def last_words(container_status: dict[str, Any]) -> str:
-    """The last line a container that crashed left in its termination message (its log's tail,
-    `FallbackToLogsOnError`): a service's last line is its exception, naming what failed."""
+    """What a container that crashed said of it, from its termination message (its log's tail,
+    `FallbackToLogsOnError`): the exception of its last traceback (a pod of several ranks logs
+    the others' shutdown after it), else its last line that reads as one, else its last line."""
     terminated = (container_status.get("lastState") or {}).get("terminated") or {}
-    lines = [line.strip() for line in str(terminated.get("message") or "").splitlines() if line.strip()]
-    return lines[-1][:LAST_WORDS] if lines else ""
+    lines = [line.rstrip() for line in str(terminated.get("message") or "").splitlines() if line.strip()]
+    tracebacks = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):")]
+    after = lines[tracebacks[-1] + 1 :] if tracebacks else []
+    said = next((line for line in after if not line[0].isspace()), None)
+    said = said or next((line for line in reversed(lines) if EXCEPTION_LINE.match(line)), None)
+    return (said or (lines[-1] if lines else "")).strip()[:LAST_WORDS]
 
 
 def pods_stopped(pods: list[dict[str, Any]]) -> frozenset[str]:

@@ -354,7 +354,7 @@ async def _reserve_and_apply(
     if not error and children:
         error, made = await apply_owned(kube, ref, children, made)
     elif job is None:
-        error = await _stop_unread(kube, ref, body)
+        error = error or await _stop_unread(kube, ref, body)
     if error:
         logger.warning("not applied: %s", error)
     return error, held, kept, made

@@ -86,3 +86,14 @@ def test_validate_checks_the_tiny_job_without_importing_torch():
     assert done.returncode == 0, done.stderr[-2000:]
     modules = json.loads(done.stdout.splitlines()[-1])
     assert "transformers" in modules and "torch" not in modules  # the tokenizer was built, without torch
+
+
+def test_run_takes_a_payload_its_own_nats_takes_that_the_charts_would_not(tmp_path, capsys, monkeypatch):
+    """`pipelinerl run` starts its own NATS with the job's max_payload: the chart's (8 MiB), which
+    `validate` holds a job on the install's NATS to, is not its limit."""
+    started = []
+    monkeypatch.setattr("pipelinerl_cli.local.run_local", lambda job, **_: started.append(job) or 0)
+    path = manifest(tmp_path, nats={"maxPayloadMb": 16})
+    assert cli(["validate", path]) == 2
+    assert "spec.nats.maxPayloadMb: more than the install's NATS takes (8 MiB" in capsys.readouterr().err
+    assert cli(["run", path]) == 0 and started[0].spec.nats.max_payload_mb == 16

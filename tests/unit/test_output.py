@@ -53,3 +53,27 @@ def test_a_promotion_cut_short_between_its_renames_is_settled_at_the_restart(tmp
     export(tmp_path / ".best.old", "v2")
     assert Output(tmp_path, keep_best=True).best == {"version": 6, "accuracy": 0.5}
     assert not (tmp_path / ".best.old").exists()
+
+
+def test_a_promotion_the_disk_refuses_leaves_the_earlier_best_in_place(tmp_path, monkeypatch) -> None:
+    """The candidate's rename into best/ refused (a network volume, a quota): the earlier best,
+    moved aside, is put back at once (the trainer goes on: nothing settles it at a restart)."""
+    import os
+
+    import pytest
+
+    out = Output(tmp_path, keep_best=True)
+    export(out.candidate(2), "v2")
+    assert out.evaluated(2, 0.3)
+    export(out.candidate(4), "v4")
+    rename = os.replace
+
+    def refused(src, dst):
+        if str(src).endswith("version-4"):
+            raise OSError(122, "Disk quota exceeded")
+        return rename(src, dst)
+
+    monkeypatch.setattr(os, "replace", refused)
+    with pytest.raises(OSError, match="quota"):
+        out.evaluated(4, 0.5)
+    assert (tmp_path / "best" / "model.safetensors").read_text() == "v2" and not (tmp_path / ".best.old").exists()

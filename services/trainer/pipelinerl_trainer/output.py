@@ -70,7 +70,11 @@ class Output:
             shutil.rmtree(old, ignore_errors=True)
             if best.exists():
                 os.replace(best, old)
-            os.replace(candidate, best)
+            try:
+                os.replace(candidate, best)
+            except OSError:  # the earlier best put back: never left without one
+                _settle_promotion(self.root)
+                raise
             shutil.rmtree(old, ignore_errors=True)
             self.best = record
         for other in self.candidates.glob("version-*") if self.candidates.exists() else []:

@@ -479,3 +479,30 @@ def test_a_policy_address_without_a_prefix_length_is_refused_before_any_networkp
         with pytest.raises(PolicyError, match=rf"{field}.*'10.0.0.5' has no prefix length"):
             parse_policy(bad)
     assert parse_policy({"egress": [{"cidr": "10.0.0.5/32"}]}).egress[0].cidr == "10.0.0.5/32"
+
+
+def test_a_suspension_or_a_resume_is_admitted_whatever_rules_came_since(monkeypatch) -> None:
+    """A policy tightened under a job (its output claim no longer allowed): an update of its spec
+    is refused, but not its suspension, nor its resume (the operator stops a job whose spec no
+    longer reads by its suspension)."""
+    import copy
+
+    import kopf
+
+    monkeypatch.setenv(OperatorEnv.JOB_POLICY, json.dumps({"volumeClaims": ["default/models"]}))
+    stored = {
+        "apiVersion": "pipelinerl.dev/v1alpha1",
+        "kind": "PipelineRLJob",
+        "metadata": {"name": "demo", "namespace": "default"},
+        "spec": {"output": {"claimName": "models"}},
+    }
+    validate_job(body=stored, old=None, operation="CREATE")
+    monkeypatch.setenv(OperatorEnv.JOB_POLICY, json.dumps({}))
+    suspended = copy.deepcopy(stored)
+    suspended["spec"]["suspend"] = True
+    validate_job(body=suspended, old=stored, operation="UPDATE")
+    validate_job(body=stored, old=suspended, operation="UPDATE")  # resumed
+    edited = copy.deepcopy(suspended)
+    edited["spec"]["trainer"] = {"maxSteps": 10}
+    with pytest.raises(kopf.AdmissionError, match="spec.output.claimName"):
+        validate_job(body=edited, old=suspended, operation="UPDATE")

@@ -337,11 +337,16 @@ def test_pod_problems_are_read_with_pod_and_container_named() -> None:
     ]
 
 
-def test_a_crash_loop_is_told_with_the_crashed_services_last_line() -> None:
+def test_a_crash_loop_is_told_with_the_crashed_services_exception() -> None:
     """The trainer's container keeps its log's tail as its termination message
-    (FallbackToLogsOnError): its last line, the exception, names what failed (a full volume)."""
+    (FallbackToLogsOnError): the exception of its last traceback names what failed (a full
+    volume), whatever the pod's launcher logged after it as it stopped the other ranks."""
     said = (
         "OSError: [Errno 28] checkpoint step-40 not written to /run/checkpoints: its volume is full or over its quota"
+    )
+    tail = (
+        'Traceback (most recent call last):\n  File "/app/main.py", line 9, in <module>\n    main()\n'
+        f"{said}\nrank 1 stopping: SIGTERM\n2026-12-06 pod ERROR pod: a rank exited with code 1; stopped the others\n"
     )
     crashed = pod(
         "demo-trainer-0",
@@ -350,9 +355,7 @@ def test_a_crash_loop_is_told_with_the_crashed_services_last_line() -> None:
             {
                 "name": "trainer",
                 "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting failed"}},
-                "lastState": {
-                    "terminated": {"exitCode": 1, "message": f"Traceback (most recent call last):\n  ...\n{said}\n\n"}
-                },
+                "lastState": {"terminated": {"exitCode": 1, "message": tail}},
             }
         ],
     )
