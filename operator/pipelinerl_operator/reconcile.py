@@ -261,9 +261,11 @@ async def _record_secret(kube: Kube, ref: JobRef, secret: str) -> None:
             except Overtaken:
                 await kube.write_status(API_VERSION, KIND, ref.namespace, ref.name, fact, None)
                 raise
-        except (KubeError, asyncio.TimeoutError, aiohttp.ClientError):
-            if attempt == RECORD_TRIES:
-                raise
+        except (KubeError, asyncio.TimeoutError, aiohttp.ClientError) as err:
+            if attempt == RECORD_TRIES:  # as the API server's answer: the pass's status write then records it
+                if isinstance(err, KubeError):
+                    raise
+                raise KubeError(0, f"recording {secret} in the job's status: {err!r}") from err
             await asyncio.sleep(attempt)
 
 
