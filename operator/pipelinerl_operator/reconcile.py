@@ -246,6 +246,9 @@ def _moves_pods(existing: dict[str, Any] | None, obj: dict[str, Any]) -> bool:
 RECORD_TRIES = 4  # writes of a Secret's record the API server failed, in all (`_record_secret`)
 
 
+RECORD_BACKOFF_S = 1.0  # between those writes: 1, 2, 3 times it
+
+
 async def _record_secret(kube: Kube, ref: JobRef, secret: str) -> None:
     """The Secret just made, written into the job's status. Unrecorded, no later pass could tell it
     from someone else's (the operator cannot read Secrets), and the job would be refused until a
@@ -266,7 +269,7 @@ async def _record_secret(kube: Kube, ref: JobRef, secret: str) -> None:
                 if isinstance(err, KubeError):
                     raise
                 raise KubeError(0, f"recording {secret} in the job's status: {err!r}") from err
-            await asyncio.sleep(attempt)
+            await asyncio.sleep(attempt * RECORD_BACKOFF_S)
 
 
 def owned_by(obj: dict[str, Any], uid: str) -> bool:
@@ -486,6 +489,7 @@ async def _act_on(
         error, _ = await apply_owned(kube, ref, children, status.get("credentialsSecret"))
         if error:
             logger.warning("not scaled down: %s", error)  # the next pass renders it stopped again
-    if ttl_expired(status, ttl_of(body), now):
+    ttl = job.spec.run_policy.ttl_seconds_after_finished if job is not None else ttl_of(body)
+    if ttl_expired(status, ttl, now):
         event(body, "Normal", "TTLExpired", "deleting the finished job (runPolicy.ttlSecondsAfterFinished)")
         await kube.delete(API_VERSION, KIND, ns, name)

@@ -19,49 +19,45 @@ class ApiServer:
     def __init__(self, *failures: BaseException) -> None:
         self.failures = list(failures)
         self.written: list[tuple[dict, str | None]] = []
+        self.tries = 0
 
     async def write_status(self, api_version, kind, namespace, name, patch, version):
+        self.tries += 1
         if self.failures:
             raise self.failures.pop(0)
         self.written.append((patch, version))
         return "8"
 
 
-@pytest.fixture
-def slept(monkeypatch) -> list[float]:
-    waits: list[float] = []
-
-    async def sleep(s: float) -> None:
-        waits.append(s)
-
-    monkeypatch.setattr(reconcile.asyncio, "sleep", sleep)
-    return waits
+@pytest.fixture(autouse=True)
+def quick(monkeypatch) -> None:
+    monkeypatch.setattr(reconcile, "RECORD_BACKOFF_S", 0.001)
 
 
 def ref() -> JobRef:
     return JobRef("team-a", "demo", "uid-1", version="7")
 
 
-async def test_a_record_the_api_server_fails_is_written_on_a_later_try(slept):
+async def test_a_record_the_api_server_fails_is_written_on_a_later_try():
     api = ApiServer(KubeError(503, "etcd leader changed"), asyncio.TimeoutError())
     job = ref()
     await _record_secret(api, job, "demo-uid-1-creds")  # type: ignore[arg-type]
     assert api.written == [({"credentialsSecret": "demo-uid-1-creds"}, "7")]
-    assert job.version == "8" and slept == [1, 2]
+    assert job.version == "8" and api.tries == 3
 
 
 @pytest.mark.parametrize("failure", [KubeError(500, "down"), asyncio.TimeoutError()], ids=["refused", "timed-out"])
-async def test_a_record_the_api_server_keeps_failing_is_an_answer_the_pass_reports(slept, failure):
+async def test_a_record_the_api_server_keeps_failing_is_an_answer_the_pass_reports(failure):
     """Told as the API server's answer (KubeError), whatever failed: `apply_owned` then reports it
     and the pass's own status write records the Secret."""
     api = ApiServer(*(failure for _ in range(RECORD_TRIES)))
     with pytest.raises(KubeError):
         await _record_secret(api, ref(), "s")  # type: ignore[arg-type]
-    assert not api.written and slept == list(range(1, RECORD_TRIES))
+    assert not api.written and api.tries == RECORD_TRIES
 
 
-async def test_a_job_written_meanwhile_gets_the_record_whatever_its_version_and_the_pass_is_overtaken(slept):
+async def test_a_job_written_meanwhile_gets_the_record_whatever_its_version_and_the_pass_is_overtaken():
     api = ApiServer(Conflict(409, "the object has been modified"))
     with pytest.raises(Overtaken):
         await _record_secret(api, ref(), "s")  # type: ignore[arg-type]
-    assert api.written == [({"credentialsSecret": "s"}, None)] and not slept
+    assert api.written == [({"credentialsSecret": "s"}, None)] and api.tries == 2
