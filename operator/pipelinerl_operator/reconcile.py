@@ -39,6 +39,7 @@ from pipelinerl_operator.status import (
     is_terminal,
     merge_patch,
     parse_ts,
+    suspended_as_stored,
     ttl_expired,
     ttl_of,
 )
@@ -219,9 +220,9 @@ async def _earlier_claim(kube: Kube, ref: JobRef, children: list[dict[str, Any]]
 
 async def _stop_unread(kube: Kube, ref: JobRef, body: kopf.Body) -> str | None:
     """A job whose spec no longer reads (a policy tightened since) renders nothing; suspended
-    (`spec.suspend`, read from the job as stored), its own StatefulSets are scaled to none all the
-    same: a suspension frees its GPUs. Why not, if it could not be."""
-    if (body.get("spec") or {}).get("suspend") is not True:
+    (`suspended_as_stored`), its own StatefulSets are scaled to none all the same: a suspension
+    frees its GPUs. Why not, if it could not be."""
+    if not suspended_as_stored(body):
         return None
     try:
         for role in ROLES:
@@ -438,7 +439,7 @@ def _observed(
         now=now,
         previous=previous,
         spec_error=spec_error,
-        suspend=job.spec.suspend if job is not None else (body.get("spec") or {}).get("suspend") is True,
+        suspend=job.spec.suspend if job is not None else suspended_as_stored(body),
         roles=roles,
         trainer_status=trainer_status,
         store_lost=store_lost,

@@ -250,12 +250,12 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
     phase, fail_reason, fail_message = _terminal_outcome(obs, prev, progress, failures, incident, clocks)
     terminal = phase in ("Succeeded", "Failed")
     suspended = obs.suspend and not terminal
-    active = not suspended and not terminal and obs.spec_error is None
-    # A spec that no longer reads leaves the pods as they are: they are told as they are.
+    running = not suspended and not terminal  # its pods asked for (as they are, where its spec no longer reads)
+    active = running and obs.spec_error is None
     for role, type_ in ROLE_CONDITIONS.items():
         problems = [p for p in obs.pod_problems if p.role == role]
-        _role_condition(conds, type_, roles[role], not suspended and not terminal, problems)
-    _weight_sync_condition(conds, obs, progress, not suspended and not terminal)
+        _role_condition(conds, type_, roles[role], running, problems)
+    _weight_sync_condition(conds, obs, progress, running)
     stalled = _stalled(obs, prev, progress, clocks, active)
     phase, ready, ready_reason = _ready_condition(conds, obs, prev, roles, phase, fail_message, stalled, active)
     if phase != "Running" and prev.get("phase") != "Running":
@@ -544,6 +544,11 @@ def at_rest(status: dict[str, Any]) -> bool:
         and ready.get("reason") != "ApplyRefused"
         and not any((r or {}).get("replicas") for r in (status.get("roles") or {}).values())
     )
+
+
+def suspended_as_stored(body: Mapping[str, Any]) -> bool:
+    """spec.suspend, read from the job as stored: a job whose spec no longer reads is stopped by it."""
+    return (body.get("spec") or {}).get("suspend") is True
 
 
 def ttl_of(body: Mapping[str, Any]) -> int | None:

@@ -23,6 +23,7 @@ The full Hugging Face weights (hf/, exports) are written once, by global rank 0.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -64,19 +65,12 @@ def save(
     target = ckpt_dir / tag
     if local_rank == 0:
         make_room(ckpt_dir, previous)
-    try:
+    with _written(target, f"checkpoint {tag} not written to {ckpt_dir}", CHECKPOINT_ROOM, local_rank == 0):
         engine.save_checkpoint(str(target / "ds"), tag="ds", client_state={"pipelinerl": state})
         _save_hf(engine, target / "hf", rank, model_path)
         if local_rank == 0:
             (target / "state.json").write_text(json.dumps(state, indent=1))
             durable(target)  # this pod's part of the checkpoint, before any pod names it
-    except Exception as err:  # torch's RuntimeError, safetensors' own error, an OSError
-        full = _full_error(ckpt_dir, f"checkpoint {tag} not written to {ckpt_dir}", err, CHECKPOINT_ROOM)
-        if local_rank == 0:  # what it wrote would keep the volume full (no `latest` names it)
-            shutil.rmtree(target, ignore_errors=True)
-        if full is not None:
-            raise full from err
-        raise
     if dist.is_initialized():
         dist.barrier()
     if local_rank == 0:
@@ -98,6 +92,22 @@ CHECKPOINT_ROOM = (
     "weights and optimizer state: give the trainer pods larger volumes (spec.storage.size; locally, the run "
     "directory's disk), then restart the trainer; it resumes from the newest checkpoint"
 )
+
+
+@contextlib.contextmanager
+def _written(folder: Path, what: str, remedy: str, removes: bool):
+    """A folder written whole or not at all: a write that fails (torch's RuntimeError,
+    safetensors' own error, an OSError) has what it wrote removed where `removes` (this pod's
+    writer: nothing names it, and left it keeps the volume full), and a full volume said so."""
+    try:
+        yield
+    except Exception as err:
+        full = _full_error(folder.parent, what, err, remedy)
+        if removes:
+            shutil.rmtree(folder, ignore_errors=True)
+        if full is not None:
+            raise full from err
+        raise
 
 
 def _full_error(folder: Path, what: str, err: BaseException, remedy: str) -> OSError | None:
@@ -163,17 +173,10 @@ def export(engine, target: Path, rank: int, model_path: str | None = None) -> Pa
     """The current weights as a Hugging Face folder at `target` (no optimizer state): cheap enough
     to take every few steps, so versions can be evaluated offline without slowing the run."""
     tmp = target.with_name(target.name + ".tmp")
-    try:
+    with _written(tmp, f"{target} not written", EXPORT_ROOM, rank == 0):
         _save_hf(engine, tmp, rank, model_path)
         if rank == 0:
             durable(tmp)
-    except Exception as err:
-        full = _full_error(target.parent, f"{target} not written", err, EXPORT_ROOM)
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        if full is not None:
-            raise full from err
-        raise
     if rank == 0:
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)  # a folder that exists is complete
