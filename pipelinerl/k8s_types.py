@@ -67,9 +67,12 @@ def parse_quantity(value: int | str) -> Decimal:
         base = Decimal(number)
     except InvalidOperation:  # pragma: no cover - the pattern admits only numbers
         raise ValueError(f"{text!r} is not a Kubernetes quantity") from None
-    if suffix[:1] in ("e", "E"):
-        return base * Decimal(10) ** int(suffix[1:])
-    return base * Decimal(_BINARY.get(suffix) or _DECIMAL[suffix])
+    try:
+        if suffix[:1] in ("e", "E"):
+            return base * Decimal(10) ** int(suffix[1:])
+        return base * Decimal(_BINARY.get(suffix) or _DECIMAL[suffix])
+    except ArithmeticError:  # decimal's Overflow: an exponent past what any quantity needs
+        raise ValueError(f"{text!r} is too large for a Kubernetes quantity") from None
 
 
 # What the API server reads where a pod's JSON has a quantity (apimachinery's

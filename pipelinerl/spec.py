@@ -9,6 +9,7 @@ they share (`spec_base`); every name is importable from here.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -18,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.alias_generators import to_camel
 
 from pipelinerl.contracts import BATCH_BYTES_PER_TOKEN, BOOKS_BYTES, ROLLOUT_BYTES_PER_TOKEN, JobSubjects
-from pipelinerl.k8s_types import DNS_1123_LABEL
+from pipelinerl.k8s_types import DNS_1123_LABEL, DNS_SUBDOMAIN
 from pipelinerl.spec_base import (
     API_GROUP,
     API_VERSION,
@@ -33,6 +34,7 @@ from pipelinerl.spec_base import (
     RESERVED_ENV,
     TASK_IMPORT_PATH,
     TASK_NAMES,
+    NullsPruned,
     SpecModel,
     closest,
 )
@@ -223,7 +225,15 @@ class JobSpec(SpecModel):
         return self.trainer.replicas * self.trainer_ranks_per_pod
 
 
-class ObjectMeta(BaseModel):
+# A label's name, or its value where it is not empty (apimachinery's qualified name)
+LABEL_NAME = r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+
+
+def _dns_subdomain(text: str) -> bool:
+    return len(text) <= 253 and re.fullmatch(DNS_SUBDOMAIN, text) is not None
+
+
+class ObjectMeta(NullsPruned):
     # Objects read back from the API server carry uid, resourceVersion, ...: keep what we use.
     model_config = ConfigDict(extra="ignore", strict=True)
     name: str
@@ -234,11 +244,23 @@ class ObjectMeta(BaseModel):
     @field_validator("name")
     @classmethod
     def _dns_name(cls, v: str) -> str:
-        if len(v) > MAX_JOB_NAME or not DNS_LABEL.match(v):
+        if len(v) > MAX_JOB_NAME or not DNS_LABEL.fullmatch(v):
             raise ValueError(
                 f"must be a DNS-1035 label (a lowercase letter, then lowercase letters, digits or '-', not "
                 f"ending in '-') of at most {MAX_JOB_NAME} characters, so that every child object's name fits"
             )
+        return v
+
+    @field_validator("labels")
+    @classmethod
+    def _labels(cls, v: dict[str, str]) -> dict[str, str]:
+        # The API server's own check of every object's labels (the job's, and so its children's)
+        for key, value in v.items():
+            prefix, _, name = key.rpartition("/")
+            if len(name) > 63 or not re.fullmatch(LABEL_NAME, name) or (prefix and not _dns_subdomain(prefix)):
+                raise ValueError(f"{key!r} is not a label key ([prefix/]name: name ≤ 63 of [A-Za-z0-9-_.])")
+            if len(value) > 63 or not re.fullmatch(f"({LABEL_NAME})?", value):
+                raise ValueError(f"{key}: {value!r} is not a label value (≤ 63 of [A-Za-z0-9-_.], alphanumeric ends)")
         return v
 
     @field_validator("namespace")
@@ -354,7 +376,22 @@ def parse_job(data: Any, source: str = "manifest") -> PipelineRLJob:
 class _StrictLoader(yaml.SafeLoader):
     """Reads YAML as kubectl sends it to the API server: refuses a key given twice in one mapping
     (PyYAML keeps the last; kubectl refuses it), and reads `1e-6` as a number (YAML 1.2, as
-    kubectl does; PyYAML's YAML 1.1 wants a dot, `1.0e-6`, and would read a string)."""
+    kubectl does; PyYAML's YAML 1.1 wants a dot, `1.0e-6`, and would read a string). kubectl's
+    YAML (go-yaml v2, then JSON) also sends `2.0` as 2, which an integer field takes, and keeps
+    `2025-01-15` and `1:30` as strings, where PyYAML reads a date and 90 (base 60)."""
+
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> float | int:
+        if ":" in str(node.value):  # base 60 in YAML 1.1 only
+            return str(node.value)  # type: ignore[return-value]
+        value = super().construct_yaml_float(node)
+        # Go's JSON writes a whole float64 below 1e21 without a fraction or exponent
+        return int(value) if math.isfinite(value) and value.is_integer() and abs(value) < 1e21 else value
+
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int | str:
+        return str(node.value) if ":" in str(node.value) else super().construct_yaml_int(node)
+
+    def construct_yaml_timestamp(self, node: yaml.ScalarNode, values: Any = None) -> str:  # type: ignore[override]
+        return str(node.value)
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
@@ -372,6 +409,12 @@ class _Dumper(yaml.SafeDumper):
     """Writes what _StrictLoader reads back the same (a string like "1e5" quoted)."""
 
 
+for _tag, _construct in (
+    ("float", _StrictLoader.construct_yaml_float),
+    ("int", _StrictLoader.construct_yaml_int),
+    ("timestamp", _StrictLoader.construct_yaml_timestamp),
+):
+    _StrictLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _construct)
 for _cls in (_StrictLoader, _Dumper):
     _cls.add_implicit_resolver(
         "tag:yaml.org,2002:float",

@@ -5,10 +5,13 @@ values are held to, and the base model (strict, camelCase)."""
 from __future__ import annotations
 
 import difflib
+import functools
 import re
+import typing
 from collections.abc import Iterable
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 from pydantic.alias_generators import to_camel
 
 from pipelinerl.contracts import reserved_env
@@ -38,11 +41,40 @@ IMMUTABLE = ("mode", "model", "task", "trainer.replicas", "trainer.gpus", "train
 RESERVED_ENV = reserved_env()
 
 
-class SpecModel(BaseModel):
-    # strict: "4" is not 4, "yes" is not true (the API server refuses both; so do we).
+class NullsPruned(BaseModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _prune_nulls(cls, data: Any) -> Any:
+        """A null where the field cannot be null is dropped, as the API server prunes it from a
+        custom resource (its schema's field is not nullable): `env:` with nothing after it is
+        the default, at every door."""
+        if not isinstance(data, dict):
+            return data
+        refused = _non_nullable(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in refused}
+
+
+class SpecModel(NullsPruned):
+    # strict: "4" is not 4, "yes" is not true (the API server refuses both; so do we). No
+    # infinity or NaN: JSON has none, so no manifest sent to the API server holds one.
     # Manifests are parsed by alias only (`parse_mapping`): maxSteps, never max_steps.
     model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", validate_assignment=True, strict=True
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        validate_assignment=True,
+        strict=True,
+        allow_inf_nan=False,
+    )
+
+
+@functools.cache
+def _non_nullable(model: type[BaseModel]) -> frozenset[str]:
+    """The aliases of `model`'s fields that take no null."""
+    return frozenset(
+        f.alias or n
+        for n, f in model.model_fields.items()
+        if f.annotation is not Any and type(None) not in typing.get_args(f.annotation)
     )
 
 

@@ -74,7 +74,7 @@ class Resources(SpecModel):
     def _names_and_bounds(self) -> Resources:
         for kind in ("requests", "limits"):
             for name in getattr(self, kind):
-                if not re.match(RESOURCE_NAME, name):
+                if not re.fullmatch(RESOURCE_NAME, name):
                     raise ValueError(f"{kind}: {name!r} is not a resource name (cpu, memory, nvidia.com/gpu...)")
         for name, request in self.requests.items():
             if name in self.limits and parse_quantity(request) > parse_quantity(self.limits[name]):
@@ -121,7 +121,7 @@ class RoleSpec(SpecModel):
             for container in containers if isinstance(containers, list) else []:
                 env = container.get("env") if isinstance(container, dict) else None
                 for var in env if isinstance(env, list) else []:
-                    if isinstance(var, dict) and var.get("name") in RESERVED_ENV:
+                    if isinstance(var, dict) and isinstance(var.get("name"), str) and var["name"] in RESERVED_ENV:
                         raise ValueError(
                             f"podTemplate.spec.{kind}[{container.get('name', '?')}].env: "
                             f"env name {var['name']!r} is reserved (set by PipelineRL itself)"

@@ -54,7 +54,7 @@ class TaskSpec(SpecModel):
     @field_validator("name")
     @classmethod
     def _known(cls, v: str) -> str:
-        if v not in TASK_NAMES and not re.match(TASK_IMPORT_PATH, v):
+        if v not in TASK_NAMES and not re.fullmatch(TASK_IMPORT_PATH, v):
             raise ValueError(f"unknown task {v!r}: a built-in ({', '.join(TASK_NAMES)}) or module.path:Class")
         return v
 

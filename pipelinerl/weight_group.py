@@ -377,11 +377,13 @@ class WeightGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         t0 = time.monotonic()
+        pg = self.pg
+        if pg is None:
+            raise WeightSyncTimeout(f"weight group closed before {what} (a transfer given up on)")
         try:
-            work = self.pg.broadcast([buf], opts)
+            work = pg.broadcast([buf], opts)
             ahead = meanwhile() if meanwhile is not None else None
             work.wait()
-            return ahead
         except RuntimeError as e:  # gloo, and NCCL with blocking wait, raise on a timeout or a lost peer
             self.failed = True
             peers = f"{self.world_size - 1} generators" if self.rank == 0 else "trainer"
@@ -395,6 +397,12 @@ class WeightGroup:
             raise WeightSyncTimeout(
                 f"weight broadcast {'to' if self.rank == 0 else 'from'} {peers} {how} ({what}): {e}"
             ) from e
+        if self.pg is None:
+            # Closed by another thread meanwhile: gloo's wait raises, but an aborted NCCL
+            # communicator's ends its kernel and its wait returns as though done (its work is not
+            # checked for errors once aborted), with part of the bucket received.
+            raise WeightSyncTimeout(f"weight group closed during {what} (a transfer given up on)")
+        return ahead
 
     def broadcast(self, snapshot: Outgoing) -> None:
         """Sender (rank 0): broadcast each bucket's flat buffer (~2x faster than per-tensor sends)."""

@@ -15,7 +15,7 @@ import json
 import re
 from typing import Any
 
-from pipelinerl.contracts import POD_GROUP_API, ROLE_LABEL
+from pipelinerl.contracts import POD_GROUP_API, ROLE_LABEL, ROLES
 from pipelinerl.generator_memory import job_plan
 from pipelinerl.prompt_fit import static_prompt_fit
 from pipelinerl.tasks import param_problems
@@ -33,26 +33,48 @@ MAX_MANIFEST_BYTES = 100 * 1024
 # Always`, which a podTemplate may add) from 1.29, where the SidecarContainers gate is on by
 # default: on 1.28 it is off and such a container runs as an init container that never ends.
 KUBE_VERSION = "1.29"
+# A podTemplate is checked against this definition before anything reads it.
+TEMPLATE_SCHEMA = "#/$defs/io.k8s.api.core.v1.PodTemplateSpec"
 # jsonschema's wording for an unknown field: name the field itself, as `validate` does.
 _UNEXPECTED = re.compile(r"^Additional properties are not allowed \('([^']+)' was unexpected\)$")
 
 
 @functools.cache
-def _validator(kind: str, api_version: str) -> Any:
-    """kubernetes-validate's strict schema of a kind at KUBE_VERSION, loaded once: its own
-    `validate` reads and parses the schema files at every call (about a second of CPU per job,
-    which every webhook review would pay)."""
-    import jsonschema
+def _registry() -> Any:
+    """kubernetes-validate's strict definitions at KUBE_VERSION, loaded once: its own `validate`
+    reads and parses the schema files at every call (about a second of CPU per job, which every
+    webhook review would pay)."""
     from kubernetes_validate import utils
     from referencing import Registry, Resource
 
-    version = [v for v in utils.all_versions() if utils.major_minor(v) <= KUBE_VERSION][-1]
-    folder = f"kubernetes-json-schema/v{version}-local-strict"
+    version = _schema_version()
+    definitions = utils.schema_contents(f"kubernetes-json-schema/v{version}-local-strict/_definitions.json", version)
+    return Resource.from_contents(definitions) @ Registry()
+
+
+def _schema_version() -> str:
+    from kubernetes_validate import utils
+
+    return [v for v in utils.all_versions() if utils.major_minor(v) <= KUBE_VERSION][-1]
+
+
+@functools.cache
+def _validator(kind: str, api_version: str) -> Any:
+    """The strict schema of a kind, or of a definition (`kind` "#/$defs/..."), at KUBE_VERSION."""
+    import jsonschema
+    from kubernetes_validate import utils
+    from referencing import Resource
+
+    if kind.startswith("#"):
+        return jsonschema.validators.Draft202012Validator(
+            {"$ref": f"https://kubernetes.io/api/_definitions.json{kind}"}, registry=_registry()
+        )
+    version = _schema_version()
     group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)  # rbac.authorization.k8s.io/v1 → rbac-v1
-    schema = utils.schema_contents(f"{folder}/{kind.lower()}-{group}.json", version)
-    definitions = utils.schema_contents(f"{folder}/_definitions.json", version)
-    registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
-    return jsonschema.validators.Draft202012Validator(schema, registry=registry)
+    schema = utils.schema_contents(
+        f"kubernetes-json-schema/v{version}-local-strict/{kind.lower()}-{group}.json", version
+    )
+    return jsonschema.validators.Draft202012Validator(schema, registry=Resource.from_contents(schema) @ _registry())
 
 
 def _schema_errors(obj: dict[str, Any]) -> list[str]:
@@ -60,11 +82,15 @@ def _schema_errors(obj: dict[str, Any]) -> list[str]:
     return [_name_field(obj, list(err.path), err.message)] if err is not None else []
 
 
+def _unknown_named(path: list[Any], message: str) -> tuple[list[Any], str]:
+    """jsonschema's wording for an unknown field → the field itself, named as `validate` does."""
+    unknown = _UNEXPECTED.match(message)
+    return ([*path, unknown.group(1)], "unknown field") if unknown else (path, message)
+
+
 def _name_field(obj: dict[str, Any], path: list[Any], message: str) -> str:
     """A schema error in a rendered child → the field of the job that put it there."""
-    unknown = _UNEXPECTED.match(message)
-    if unknown:
-        path, message = [*path, unknown.group(1)], "unknown field"
+    path, message = _unknown_named(path, message)
     dotted = ".".join(map(str, path))
     role = ((obj.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL)
     if obj.get("kind") == "StatefulSet" and dotted.startswith("spec.template.") and role:
@@ -74,6 +100,22 @@ def _name_field(obj: dict[str, Any], path: list[Any], message: str) -> str:
         rest = ".".join(map(str, path[3:]))
         return f"spec.network.egress.{path[2] - 3}{'.' + rest if rest else ''}: {message}"
     return f"{obj.get('kind')} {obj['metadata']['name']}: {dotted}: {message}"
+
+
+def _template_errors(job: PipelineRLJob) -> list[str]:
+    """Each podTemplate's shape (types, known fields) against Kubernetes' PodTemplateSpec, before
+    the policy and the render read it: `env: [{name: [A]}]` is named here, where it would crash
+    them. Required fields are left to the rendered pod's check: a template is merged into the
+    operator's pod, and may name a container by its name alone."""
+    errors = []
+    for role in ROLES:
+        template = getattr(job.spec, role).pod_template
+        found = _validator(TEMPLATE_SCHEMA, "").iter_errors(template or {})
+        err = next((e for e in found if e.validator != "required"), None)
+        if err is not None:
+            path, message = _unknown_named([*err.path], err.message)
+            errors.append(f"spec.{role}.podTemplate{''.join('.' + str(p) for p in path)}: {message}")
+    return errors
 
 
 def job_manifest(obj: Any) -> dict[str, Any]:
@@ -105,12 +147,22 @@ def check(manifest: Any, old: Any = None, source: str = "manifest", cfg: Operato
     if unknown:
         raise SpecError(f"{source} is not a valid {KIND}:\n" + "\n".join(f"  spec.{u}" for u in unknown))
     if old is not None:
-        changed = immutable_changes(parse_job(old, f"{source} (stored)"), job)
+        try:
+            stored: PipelineRLJob | None = parse_job(old, f"{source} (stored)")
+        except SpecError:
+            # Admitted by rules since tightened (a policy, vLLM's argument list): the update is
+            # checked alone, so that it can fix the job; the CRD's rules still hold the
+            # IMMUTABLE fields at the API server.
+            stored = None
+        changed = immutable_changes(stored, job) if stored is not None else []
         if changed:
             raise SpecError(
                 f"{source} is not a valid update of the stored {KIND}:\n"
                 + "\n".join(f"  spec.{path}: cannot change once the job exists (create a new job)" for path in changed)
             )
+    shape = _template_errors(job)
+    if shape:
+        raise SpecError(f"{source} is not a valid {KIND}:\n" + "\n".join(f"  {e}" for e in shape))
     try:
         children = render(
             job, job.metadata.namespace or "default", "00000000-0000-0000-0000-000000000000", cfg or OperatorConfig()

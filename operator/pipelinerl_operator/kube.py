@@ -156,7 +156,9 @@ class Kube:
             created = await self._request(
                 "POST", object_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), obj
             )
-            return created or {}
+            if created is None:
+                raise KubeError(404, _not_served(obj))
+            return created
         return applied
 
     async def scale(self, api_version: str, kind: str, namespace: str, name: str, replicas: int) -> None:
@@ -169,9 +171,11 @@ class Kube:
         """Create `obj` unless an object of its name exists (then leave that one as it is)."""
         meta = obj["metadata"]
         try:
-            await self._request("POST", object_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), obj)
+            made = await self._request("POST", object_path(obj["apiVersion"], obj["kind"], meta.get("namespace")), obj)
         except Conflict:  # AlreadyExists
             return False
+        if made is None:
+            raise KubeError(404, _not_served(obj))
         return True
 
     async def write_status(
@@ -193,3 +197,11 @@ class Kube:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def _not_served(obj: dict[str, Any]) -> str:
+    """Why a create was answered 404: no such kind (a CRD not installed), or no such namespace."""
+    where = obj["metadata"].get("namespace")
+    return f"not found: the API server serves no {obj['kind']} ({obj['apiVersion']}; is its CRD installed?)" + (
+        f" or has no namespace {where}" if where else ""
+    )

@@ -129,13 +129,19 @@ def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_trackin
             steps_of.setdefault(gid, set()).add(b.step)
     assert len(steps_of) >= STEPS * 16 and all(len(s) == 1 for s in steps_of.values())
     # The tokens labelled with a checkpoint's version were sampled from exactly its weights
-    # (the generator's label is the weights it holds); a neighbour's differ clearly.
+    # (the generator's label is the weights it holds); a neighbour's differ clearly. Read off
+    # micro-batches whose every token has that label: a sequence that spans an update was
+    # written beside a KV cache of older weights. A version whose few steps packed none such is
+    # passed over (version 20 once, 2026-12-07, with other processes busy beside the run).
+    exported = second.dir / "checkpoints" / "export"
+    checked = 0
     for version in (CHECKPOINT, 2 * CHECKPOINT, 3 * CHECKPOINT):
         labelled = [b for b in batches if {v for v, k in zip(b.versions, b.mask) if k} == {version}][:4]
-        assert labelled, version
-        exported = second.dir / "checkpoints" / "export"
-        assert logprob_gap(exported / f"version-{version}", labelled) < 1e-3
-        assert logprob_gap(exported / f"version-{version + CHECKPOINT}", labelled) > 0.1
+        if labelled:
+            checked += 1
+            assert logprob_gap(exported / f"version-{version}", labelled) < 1e-3
+            assert logprob_gap(exported / f"version-{version + CHECKPOINT}", labelled) > 0.1
+    assert checked >= 2, "too few micro-batches of one version to check the labels against"
     assert sorted(d.name for d in (second.dir / "checkpoints").glob("step-*")) == [
         f"step-{STEPS - CHECKPOINT}",
         f"step-{STEPS}",

@@ -19,6 +19,12 @@ def render(values: dict, name: str = "rl", namespace: str = "team-a") -> list[di
     ]
 
 
+def static_crds() -> list[dict]:
+    """The CRDs of the chart's crds/ folder: Helm installs them before it resolves any template's
+    kind (and never upgrades them)."""
+    return [doc for crd in helm.Chart.load(str(CHART)).crds for doc in yaml.safe_load_all(crd["data"]) if doc]
+
+
 def operator_metric_relabelling() -> list[dict]:
     """The chart's ServiceMonitor's metricRelabelings for the operator, as a plain Prometheus's
     `metric_relabel_configs` spells them."""

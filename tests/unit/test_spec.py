@@ -65,6 +65,11 @@ def test_bad_metadata_and_kind():
         parse_job({"kind": "Job", "metadata": {"name": "x"}})
     with pytest.raises(SpecError, match="expected a PipelineRLJob mapping"):
         parse_job([1, 2])
+    # labels as the API server checks them (it would refuse the job, and every child it labels)
+    for labels, fault in (({"team": "ML Research"}, "not a label value"), ({"a/b/c": "x"}, "not a label key")):
+        with pytest.raises(SpecError, match=rf"metadata\.labels: .*{fault}"):
+            parse_job({"metadata": {"name": "x", "labels": labels}})
+    assert parse_job({"metadata": {"name": "x", "labels": {"example.com/team": "ml-1", "t": ""}}})
 
 
 def test_cli_validate(tmp_path, capsys):
@@ -102,6 +107,34 @@ def test_yaml_is_read_as_kubectl_sends_it(tmp_path):
     assert load_job(path) == j and "'1e5'" in path.read_text()
     path.write_text("a: 10\nb: 1.5\nc: v1e5\n")
     assert read_manifest(path) == {"a": 10, "b": 1.5, "c": "v1e5"}
+
+
+def test_yaml_values_read_as_kubectl_sends_them_json(tmp_path):
+    """kubectl reads YAML with go-yaml v2 and sends JSON: `2.0` arrives as 2 (an integer field
+    takes it), a date and `1:30` stay strings, a null where the field takes none is pruned by
+    the API server; and JSON has no infinity. `validate` reads the same file the same way."""
+    from pipelinerl.spec import read_manifest
+
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "apiVersion: pipelinerl.dev/v1alpha1\nkind: PipelineRLJob\nmetadata: {name: t, labels:}\n"
+        "spec:\n  generator: {replicas: 2.0, env: [{name: T, value: 1:30}, {name: D, value: 2025-01-15}]}\n"
+        "  trainer: {maxSteps: 1e4, learningRate: 1.0, env:, gpus: ~}\n  task: {params:}\n"
+    )
+    j = load_job(path)
+    assert j.spec.generator.replicas == 2 and j.spec.trainer.max_steps == 10_000 and j.spec.trainer.learning_rate == 1
+    assert [v.value for v in j.spec.generator.env] == ["1:30", "2025-01-15"]
+    assert (
+        j.spec.trainer.env == [] and j.spec.trainer.gpus == 0 and j.spec.task.params == {} and j.metadata.labels == {}
+    )
+    path.write_text(dump_job(j))
+    assert load_job(path) == j
+    path.write_text("a: 1.5\nb: 1e30\nc: 1:30.5\n")
+    assert read_manifest(path) == {"a": 1.5, "b": 1e30, "c": "1:30.5"}
+    with pytest.raises(SpecError, match=r"spec.rl.klCoef: Input should be a finite number"):
+        parse_job({"metadata": {"name": "t"}, "spec": {"rl": {"klCoef": float("inf")}}})
+    with pytest.raises(SpecError, match=r"metadata.name: Field required"):
+        parse_job({"metadata": {"name": None}})  # pruned: then missing, as the API server says
 
 
 def test_every_integer_field_is_bounded():

@@ -350,12 +350,14 @@ class WeightReceiverExtension:
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         if lm_head is None or embed is None or lm_head is embed or not hasattr(lm_head, "weight"):
             return
-        lm_head.weight = embed.weight
         from vllm.platforms import current_platform
 
-        if current_platform.is_cpu():
-            with torch.no_grad():
+        with torch.no_grad():
+            if current_platform.is_cpu():
+                lm_head.weight = embed.weight
                 _repack_cpu_gemm(lm_head)
+            elif lm_head.weight is not embed.weight:  # (vLLM ties by one Parameter: then nothing to do)
+                lm_head.weight.copy_(embed.weight)  # in place: a CUDA graph reads the storage it captured
 
 
 def why(err: BaseException) -> str:

@@ -302,3 +302,24 @@ async def test_a_job_the_nats_store_cannot_hold_waits_and_holds_nothing_until_th
         assert held("mid") == 0
         await api.delete_job("zeta")
         await eventually(lambda: held("mid") == one, timeout_s=40, what="mid running again")
+
+
+async def test_a_kind_the_api_server_does_not_serve_is_an_error_naming_it(cluster) -> None:
+    """A job's gang-scheduler PodGroup where the scheduler's CRD is not installed: the API server
+    answers 404 to both the apply and the create. Before, the create's 404 read as made, and the
+    job's pods waited unscheduled with nothing in its status."""
+    import kopf
+    import pytest
+
+    from pipelinerl.contracts import POD_GROUP_API
+    from pipelinerl_operator.kube import Kube, KubeError
+
+    emulator, _, _ = cluster
+    kube = Kube(kopf.ConnectionInfo(server=str(emulator.url)))
+    group = {"apiVersion": POD_GROUP_API, "kind": "PodGroup", "metadata": {"name": "demo", "namespace": NS}, "spec": {}}
+    try:
+        for write in (kube.apply, kube.create):
+            with pytest.raises(KubeError, match=r"serves no PodGroup \(.*is its CRD installed\?\)"):
+                await write(group)
+    finally:
+        await kube.close()

@@ -322,3 +322,35 @@ def test_the_oracle_reads_quantities_as_kubernetes_does(value: Any, number: floa
     assert kube_number(value) == number
     with pytest.raises(ValueError):
         kube_number("4 cores")
+
+
+def wrong_type(value: Any) -> Any:
+    """A value no field that holds `value` takes: an object for a list, a list for anything else."""
+    return {"x": [1]} if isinstance(value, list) else [["x"]]
+
+
+def test_a_value_of_the_wrong_type_anywhere_in_a_template_is_refused_by_name() -> None:
+    """Every door reads a podTemplate before the API server does: a list where a name goes, a
+    string where an object goes... is refused naming the podTemplate's field, never crashes a
+    check that reads it (a traceback at `validate`, a 500 at the webhook)."""
+    from pipelinerl_operator.admission import check
+
+    rng = random.Random(56)
+    draw = Draw(rng)
+    cfg = OperatorConfig(auth_key="install-key", policy=POLICIES["wide"])
+    for _ in range(EXAMPLES // 4):
+        role = rng.choice(["generator", "preprocessor", "trainer"])
+        template = draw.template(role)
+        nodes: list[tuple[Any, Any]] = []  # (container, key) of every value in the template
+        stack: list[Any] = [template]
+        while stack:
+            node = stack.pop()
+            for key, value in node.items() if isinstance(node, dict) else enumerate(node):
+                nodes.append((node, key))
+                if isinstance(value, (dict, list)):
+                    stack.append(value)
+        container, key = rng.choice(nodes)
+        container[key] = wrong_type(container[key])
+        manifest = {"metadata": {"name": "demo", "namespace": "team-a"}, "spec": {role: {"podTemplate": template}}}
+        with pytest.raises(SpecError, match=rf"spec\.{role}\.podTemplate"):
+            check(manifest, cfg=cfg)

@@ -506,3 +506,27 @@ def test_a_suspension_or_a_resume_is_admitted_whatever_rules_came_since(monkeypa
     edited["spec"]["trainer"] = {"maxSteps": 10}
     with pytest.raises(kopf.AdmissionError, match="spec.output.claimName"):
         validate_job(body=edited, old=suspended, operation="UPDATE")
+
+
+def test_a_job_whose_stored_spec_no_longer_reads_can_be_fixed() -> None:
+    """A job stored under rules since tightened (here an engine argument this vLLM no longer
+    takes): the update that fixes it is admitted, checked on its own (the CRD's rules hold the
+    fields that cannot change); one that keeps the fault is refused, naming it."""
+    import copy
+
+    import kopf
+
+    stored = {
+        "apiVersion": "pipelinerl.dev/v1alpha1",
+        "kind": "PipelineRLJob",
+        "metadata": {"name": "demo", "namespace": "default"},
+        "spec": {"generator": {"engineArgs": {"no_such_arg": 1}}},
+    }
+    fixed = copy.deepcopy(stored)
+    fixed["spec"]["generator"] = {}
+    validate_job(body=fixed, old=stored, operation="UPDATE")
+    still = copy.deepcopy(stored)
+    still["spec"]["trainer"] = {"maxSteps": 10}
+    with pytest.raises(kopf.AdmissionError, match=r"spec.generator.engineArgs") as refused:
+        validate_job(body=still, old=stored, operation="UPDATE")
+    assert "(stored)" not in str(refused.value)  # the update's own field, not the stored one's
