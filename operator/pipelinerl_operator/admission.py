@@ -82,15 +82,11 @@ def _schema_errors(obj: dict[str, Any]) -> list[str]:
     return [_name_field(obj, list(err.path), err.message)] if err is not None else []
 
 
-def _unknown_named(path: list[Any], message: str) -> tuple[list[Any], str]:
-    """jsonschema's wording for an unknown field → the field itself, named as `validate` does."""
-    unknown = _UNEXPECTED.match(message)
-    return ([*path, unknown.group(1)], "unknown field") if unknown else (path, message)
-
-
 def _name_field(obj: dict[str, Any], path: list[Any], message: str) -> str:
     """A schema error in a rendered child → the field of the job that put it there."""
-    path, message = _unknown_named(path, message)
+    unknown = _UNEXPECTED.match(message)
+    if unknown:
+        path, message = [*path, unknown.group(1)], "unknown field"
     dotted = ".".join(map(str, path))
     role = ((obj.get("metadata") or {}).get("labels") or {}).get(ROLE_LABEL)
     if obj.get("kind") == "StatefulSet" and dotted.startswith("spec.template.") and role:
@@ -103,18 +99,18 @@ def _name_field(obj: dict[str, Any], path: list[Any], message: str) -> str:
 
 
 def _template_errors(job: PipelineRLJob) -> list[str]:
-    """Each podTemplate's shape (types, known fields) against Kubernetes' PodTemplateSpec, before
-    the policy and the render read it: `env: [{name: [A]}]` is named here, where it would crash
-    them. Required fields are left to the rendered pod's check: a template is merged into the
-    operator's pod, and may name a container by its name alone."""
+    """Each podTemplate's types against Kubernetes' PodTemplateSpec, before the policy and the
+    render read it: `env: [{name: [A]}]` is named here, where it would crash them. Unknown and
+    required fields are left to the rendered pod's check (after the policy's, which names a field
+    it forbids more precisely): a template is merged into the operator's pod, and may name a
+    container by its name alone."""
     errors = []
     for role in ROLES:
         template = getattr(job.spec, role).pod_template
         found = _validator(TEMPLATE_SCHEMA, "").iter_errors(template or {})
-        err = next((e for e in found if e.validator != "required"), None)
+        err = next((e for e in found if e.validator not in ("required", "additionalProperties")), None)
         if err is not None:
-            path, message = _unknown_named([*err.path], err.message)
-            errors.append(f"spec.{role}.podTemplate{''.join('.' + str(p) for p in path)}: {message}")
+            errors.append(f"spec.{role}.podTemplate{''.join('.' + str(p) for p in err.path)}: {err.message}")
     return errors
 
 

@@ -13,10 +13,17 @@ import jsonschema
 
 
 def apply_defaults(schema: dict[str, Any], obj: Any) -> Any:
-    """Fill `default`s the way the API server does: for absent properties of present objects, recursively."""
+    """Fill `default`s the way the API server does: for absent properties of present objects,
+    recursively. A null where the schema has no `nullable` is absent (the server prunes it, or
+    defaults it where there is a default: PruneNonNullableNullsWithoutDefaults, then Default)."""
     obj = copy.deepcopy(obj)
+    if isinstance(obj, dict) and isinstance(schema.get("additionalProperties"), dict):
+        values = schema["additionalProperties"]
+        obj = {k: apply_defaults(values, v) for k, v in obj.items() if v is not None or values.get("nullable")}
     if isinstance(obj, dict) and "properties" in schema:
         for key, sub in schema["properties"].items():
+            if key in obj and obj[key] is None and not sub.get("nullable"):
+                del obj[key]
             if key not in obj and "default" in sub:
                 obj[key] = copy.deepcopy(sub["default"])
             if key in obj:

@@ -78,6 +78,15 @@ class Conflict(kmock.KubernetesError):
     message: str = "the object has been modified; please apply your changes to the latest version and try again"
 
 
+@attrs.frozen
+class NotServed(kmock.KubernetesError):
+    """What an API server answers for a kind it does not serve (a CRD not installed)."""
+
+    status: int = 404
+    reason: str = "NotFound"
+    message: str = "the server could not find the requested resource"
+
+
 OPERATOR_AGENTS = ("kopf/", "pipelinerl-operator")
 REQUESTS_KEPT = 64  # far more than are ever in flight at once
 KUBE_TIMEOUT_S = 10  # the operator's client's (pipelinerl_operator.kube.Kube)
@@ -92,6 +101,7 @@ class Emulator(kmock.KubernetesEmulator):
     creates: list[str] = []  # "plural/name" of every POST, to check nothing is created twice
     refuse: dict[str, str] = {}  # "plural/name" → the message of a 422 answered to writes of it
     failing: set[str] = set()  # plurals every request for which is answered 500
+    unserved: set[str] = set()  # plurals the server does not serve (their CRD not installed): 404
     gates: dict[str, asyncio.Event] = {}  # plural → requests for it wait until it is set (`waiting` meanwhile)
     # The first request this says True of is answered only after the operator's client gave up
     # on it (a timeout: a failure that is not the API's answer).
@@ -154,6 +164,8 @@ class Emulator(kmock.KubernetesEmulator):
             request.data.update(_nested(SCALE["specReplicasPath"], replicas))
         if request.resource is not None and request.resource.plural in self.failing:
             raise Failing()
+        if request.resource is not None and request.resource.plural in self.unserved:
+            raise NotServed()
         if request.method in ("PATCH", "POST", "PUT") and request.resource is not None:
             name = request.name or ((request.data or {}).get("metadata") or {}).get("name")
             refused = self.refuse.get(f"{request.resource.plural}/{name}")
@@ -225,6 +237,7 @@ def _nested(path: str, value: Any) -> dict[str, Any]:
 async def emulator() -> AsyncIterator[Emulator]:
     async with Emulator() as handler, kmock.Server(handler):
         handler.creates, handler.refuse, handler.failing, handler.calls = [], {}, set(), set()
+        handler.unserved = set()
         handler.counts, handler.verbs = collections.Counter(), collections.Counter()
         handler.gates, handler.waiting, handler.stall = {}, asyncio.Event(), None
         declare(handler)

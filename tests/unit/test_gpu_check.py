@@ -231,10 +231,15 @@ def test_the_smoke_mode_runs_the_whole_check_on_cpu_and_keeps_everything_in_out(
         ("install", "ok"),
         *((name, "ok") for name in gpu_check.PART_NAMES),
     ]
-    for name in ("gpu_trainer-0.5B", "gpu_trainer-1.5B", "gpu_trainer-1.5B-16k"):
+    for name, ran in (
+        ("gpu_trainer-0.5B", ["stock", "plain", "zero1"]),  # stock HF, plain PyTorch, real DeepSpeed
+        ("gpu_trainer-1.5B", ["stock", "zero1"]),
+        ("gpu_trainer-1.5B-16k", ["zero1"]),
+    ):
         report = json.loads((out / f"{name}.json").read_text())
         sides = report["sides"]
-        assert report["size"] == "smoke" and all("seconds" in r for r in sides.values()), (name, sides)
+        assert report["size"] == "smoke" and list(sides) == ran, (name, sides)
+        assert all("seconds" in r for r in sides.values()), (name, sides)
     assert json.loads((out / "gpu_weight_update-1.5B.json").read_text())["exact"] is True
     assert json.loads((out / "gpu_commit-7B.json").read_text())["exact"] is True
     assert all(p["step_s"] > 0 for p in json.loads((out / "gpu_decode.json").read_text())["models"]["smoke"]["points"])

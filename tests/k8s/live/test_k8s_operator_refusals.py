@@ -315,6 +315,7 @@ async def test_a_kind_the_api_server_does_not_serve_is_an_error_naming_it(cluste
     from pipelinerl_operator.kube import Kube, KubeError
 
     emulator, _, _ = cluster
+    emulator.unserved.add("podgroups")
     kube = Kube(kopf.ConnectionInfo(server=str(emulator.url)))
     group = {"apiVersion": POD_GROUP_API, "kind": "PodGroup", "metadata": {"name": "demo", "namespace": NS}, "spec": {}}
     try:

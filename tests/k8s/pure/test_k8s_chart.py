@@ -69,7 +69,10 @@ def test_every_object_validates_strictly_on_every_claimed_version(values: dict) 
 def test_namespaced_mode_has_no_cluster_scoped_objects() -> None:
     objects = render({"watchNamespaces": ["team-b"]})
     kinds = {o["kind"] for o in objects}
-    assert not kinds & {"ClusterRole", "ClusterRoleBinding"}
+    # No cluster-wide rights: the one ClusterRoles are the CRD's user roles (bound by aggregation
+    # into the cluster's own roles, test below), never the operator's.
+    assert "ClusterRoleBinding" not in kinds
+    assert all(o["metadata"]["name"].startswith("pipelinerl.dev:") for o in objects if o["kind"] == "ClusterRole")
     roles = {(o["kind"], o["metadata"]["namespace"]) for o in objects if o["kind"] in ("Role", "RoleBinding")}
     assert roles == {(k, ns) for k in ("Role", "RoleBinding") for ns in ("team-a", "team-b")}
     operator = next(o for o in objects if o["kind"] == "Deployment")
@@ -122,6 +125,27 @@ OPERATOR_CALLS = {
     ("", "persistentvolumeclaims", "get"),  # a trainer volume an earlier job of the name kept
     ("", "events", "create"),
 }
+
+
+def test_namespace_editors_run_jobs_and_viewers_read_them_by_aggregation() -> None:
+    """The cluster's admin and edit roles gain jobs (and their scale: `kubectl scale`), view
+    reads them; no user role writes a job's status, the operator's alone. Installed with the
+    CRD, by the one release that installs it."""
+    roles = {o["metadata"]["name"]: o for o in render({}) if o["kind"] == "ClusterRole"}
+    edit, view = roles["pipelinerl.dev:jobs-edit"], roles["pipelinerl.dev:jobs-view"]
+    aggregates = {k.rsplit("-", 1)[1] for k, v in edit["metadata"]["labels"].items() if "aggregate-to" in k and v}
+    assert aggregates == {"admin", "edit"}
+    assert view["metadata"]["labels"]["rbac.authorization.k8s.io/aggregate-to-view"] == "true"
+
+    def grants(role: dict) -> dict[str, set[str]]:
+        return {r: set(rule["verbs"]) for rule in role["rules"] for r in rule["resources"]}
+
+    assert {"create", "patch", "delete"} <= grants(edit)["pipelinerljobs"]
+    assert "update" in grants(edit)["pipelinerljobs/scale"]
+    assert grants(edit)["pipelinerljobs/status"] == grants(view)["pipelinerljobs"] == {"get", "list", "watch"}
+    assert all(v == {"get", "list", "watch"} for v in grants(view).values())
+    others = render({"crds": {"install": False}})
+    assert not [o for o in others if o["metadata"]["name"].startswith("pipelinerl.dev:")]
 
 
 def test_operator_rbac_is_least_privilege() -> None:

@@ -20,17 +20,17 @@ from typing import Any
 
 import kopf
 import pytest
-import yaml
 
 from k8s_schema import admit, all_rules
 from pipelinerl_cli.main import main as cli
 from pipelinerl.crd import crd_manifest
 from pipelinerl.contracts import OperatorEnv
-from pipelinerl.spec import dump_yaml
+from pipelinerl.spec import dump_yaml, load_yaml
 from pipelinerl_operator.handlers import validate_job
 from pipelinerl_operator.config import CHART_DEFAULTS, DEFAULT_STORE_BYTES
 
-CORPUS = yaml.safe_load((Path(__file__).parents[1] / "manifest_corpus.yaml").read_text())
+# Read as kubectl reads it (and sends it as JSON): `2.0` is 2, a date a string (load_yaml).
+CORPUS = load_yaml((Path(__file__).parents[1] / "manifest_corpus.yaml").read_text())
 CRD = crd_manifest()
 BASE = {
     "apiVersion": "pipelinerl.dev/v1alpha1",
