@@ -7,6 +7,7 @@ converges without duplicates.
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import time
@@ -14,6 +15,7 @@ from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import aiohttp
 import aiohttp.web
 import kopf
 
@@ -172,12 +174,33 @@ def validate_job(
         warnings.extend(admission.job_warnings(job))
 
 
+async def validate_scale(body: Any, warnings: list[str] | None = None, userinfo: Any = None, **_: Any) -> None:
+    """`kubectl scale` (the job's scale subresource: spec.generator.replicas), refused where the
+    same edit of the job would be: past the platform's limits, or past what the job can run. The
+    review holds a Scale, not the job: the job is read (a job gone is the API server's to answer)."""
+    meta = body.get("metadata") or {}
+    try:
+        if STATE.kube is None:
+            raise KubeError(0, "no client yet (the operator is starting)")
+        stored = await STATE.kube.get(f"{API_GROUP}/{VERSION}", KIND, meta.get("namespace"), meta.get("name", ""))
+    except (KubeError, asyncio.TimeoutError, aiohttp.ClientError) as err:
+        raise kopf.AdmissionError(f"the job's scale cannot be checked now (try again): {err}", code=503) from None
+    if stored is None:
+        return
+    scaled = copy.deepcopy(stored)
+    scaled.setdefault("spec", {}).setdefault("generator", {})["replicas"] = (body.get("spec") or {}).get("replicas")
+    validate_job(body=scaled, old=stored, operation="UPDATE", warnings=warnings, userinfo=userinfo)
+
+
 def _but_suspend(job: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in (job.get("spec") or {}).items() if k != "suspend"}
 
 
 if os.environ.get(OperatorEnv.WEBHOOK_PORT):  # kopf refuses webhook handlers with no server to serve them
     kopf.on.validate(API_GROUP, VERSION, PLURAL, id="validate-job", operations=["CREATE", "UPDATE"])(validate_job)
+    kopf.on.validate(API_GROUP, VERSION, PLURAL, id="validate-scale", subresource="scale", operations=["UPDATE"])(
+        validate_scale
+    )
 
 
 def login(settings: kopf.OperatorSettings, **_: Any) -> kopf.ConnectionInfo | None:

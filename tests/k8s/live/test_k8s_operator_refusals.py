@@ -18,8 +18,11 @@ from operator_harness import JOBS, NS, eventually, running_operator
 from pipelinerl.contracts import OperatorEnv
 
 
-async def review(operation: str, new: dict[str, Any], old: dict[str, Any] | None = None) -> dict[str, Any]:
-    """An AdmissionReview as the API server POSTs it to the operator's webhook; its answer."""
+async def review(
+    operation: str, new: dict[str, Any], old: dict[str, Any] | None = None, subresource: str | None = None
+) -> dict[str, Any]:
+    """An AdmissionReview as the API server POSTs it to the operator's webhook (the job's, or its
+    `subresource`'s: the chart's path for each); its answer."""
     request = {
         "uid": "r-1",
         "operation": operation,
@@ -31,7 +34,10 @@ async def review(operation: str, new: dict[str, Any], old: dict[str, Any] | None
         "kind": {"group": "pipelinerl.dev", "version": "v1alpha1", "kind": "PipelineRLJob"},
         "resource": {"group": "pipelinerl.dev", "version": "v1alpha1", "resource": "pipelinerljobs"},
     }
-    url = f"http://127.0.0.1:{os.environ['PIPELINERL_WEBHOOK_PORT']}/validate-job"
+    if subresource:
+        request |= {"subResource": subresource, "kind": {"group": "autoscaling", "version": "v1", "kind": "Scale"}}
+    path = {None: "/validate-job", "scale": "/validate-scale"}[subresource]
+    url = f"http://127.0.0.1:{os.environ['PIPELINERL_WEBHOOK_PORT']}{path}"
     body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}
     for _ in range(50):  # kopf opens the server once it has discovered the resources
         try:
@@ -324,3 +330,30 @@ async def test_a_kind_the_api_server_does_not_serve_is_an_error_naming_it(cluste
                 await write(group)
     finally:
         await kube.close()
+
+
+async def test_kubectl_scale_past_the_platforms_limit_is_refused_at_the_door(cluster, monkeypatch) -> None:
+    """`kubectl scale` writes the job's scale subresource: the API server sends the webhook a
+    Scale, not the job (the chart's second rule, its own path). The webhook reads the job and
+    checks it as scaled, as it checks the same edit of the job: past jobPolicy.maxJobPods it is
+    refused, naming the limit; within it, admitted. Before, only the reconcile saw it, and the
+    job went InvalidSpec after the fact."""
+    emulator, api, _ = cluster
+    allow(monkeypatch, maxJobPods=7)  # two trainer ranks, a preprocessor, and up to 4 generators
+    await api.create_job(manifest(generator={"replicas": 2}))
+
+    def scale(replicas: int) -> dict[str, Any]:
+        return {
+            "apiVersion": "autoscaling/v1",
+            "kind": "Scale",
+            "metadata": {"name": "demo", "namespace": NS},
+            "spec": {"replicas": replicas},
+        }
+
+    async with running_operator(str(emulator.url)):
+        assert (await review("UPDATE", scale(4), scale(2), subresource="scale"))["allowed"] is True
+        refused = await review("UPDATE", scale(5), scale(2), subresource="scale")
+        assert refused["allowed"] is False and refused["status"]["code"] == 422, refused
+        assert "8 pods, every role together" in refused["status"]["message"]  # (jobPolicy.maxJobPods: 7)
+        gone = scale(9) | {"metadata": {"name": "other", "namespace": NS}}  # no such job: the API server's 404
+        assert (await review("UPDATE", gone, gone, subresource="scale"))["allowed"] is True
