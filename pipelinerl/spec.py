@@ -10,6 +10,7 @@ they share (`spec_base`); every name is importable from here.
 from __future__ import annotations
 
 import math
+import random
 import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -241,13 +242,24 @@ class ObjectMeta(NullsPruned):
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _generated_name(cls, data: Any) -> Any:
+        # `generateName` alone (kubectl create): the API server appends 5 random characters
+        # before any check sees the job; so do we.
+        if isinstance(data, dict) and not data.get("name") and isinstance(data.get("generateName"), str):
+            suffix = "".join(random.choices("bcdfghjklmnpqrstvwxz2456789", k=5))
+            return {**data, "name": data["generateName"] + suffix}
+        return data
+
     @field_validator("name")
     @classmethod
     def _dns_name(cls, v: str) -> str:
         if len(v) > MAX_JOB_NAME or not DNS_LABEL.fullmatch(v):
             raise ValueError(
                 f"must be a DNS-1035 label (a lowercase letter, then lowercase letters, digits or '-', not "
-                f"ending in '-') of at most {MAX_JOB_NAME} characters, so that every child object's name fits"
+                f"ending in '-') of at most {MAX_JOB_NAME} characters, so that every child object's name fits "
+                f"(a generateName at most {MAX_JOB_NAME - 5}: the API server adds 5)"
             )
         return v
 

@@ -70,6 +70,11 @@ def test_bad_metadata_and_kind():
         with pytest.raises(SpecError, match=rf"metadata\.labels: .*{fault}"):
             parse_job({"metadata": {"name": "x", "labels": labels}})
     assert parse_job({"metadata": {"name": "x", "labels": {"example.com/team": "ml-1", "t": ""}}})
+    # generateName alone (kubectl create): named as the API server names it, 5 characters added
+    named = parse_job({"metadata": {"generateName": "job-"}}).metadata.name
+    assert named.startswith("job-") and len(named) == 9
+    with pytest.raises(SpecError, match=r"metadata\.name: .*a generateName at most 30"):
+        parse_job({"metadata": {"generateName": "x" * 31}})
 
 
 def test_cli_validate(tmp_path, capsys):
