@@ -57,9 +57,10 @@ class RunProcess:
         `shown(train rows)` where given."""
         self._until(lambda: done(self.train()), what, lambda: f"\n{shown(self.train())}" if shown else "")
 
-    def stop(self) -> None:
-        """Stop the run as Ctrl-C does (every service stops; the trainer checkpoints first)."""
-        os.kill(self.proc.pid, signal.SIGTERM)
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        """Stop the run as Ctrl-C does (every service stops; the trainer checkpoints first):
+        SIGTERM, or SIGHUP (its terminal closed)."""
+        os.kill(self.proc.pid, sig)
         code = self.proc.wait(timeout=120)
         self.out.close()
         assert code == 130, self.output()

@@ -535,14 +535,17 @@ def run_local(
             await close(nc)
 
     def _terminate(*_) -> None:
-        raise KeyboardInterrupt  # SIGTERM stops the run like Ctrl-C: children are stopped too
+        raise KeyboardInterrupt  # SIGTERM, or the terminal closed: stopped like Ctrl-C, children too
 
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         run.t0 = time.time()
         asyncio.run(main())
     except KeyboardInterrupt:
-        run.say("\ninterrupted: stopping services")
+        run.say(
+            "\ninterrupted: stopping services (to go on from its last checkpoint: "
+            f"pipelinerl run JOB --run-dir {run_dir})"
+        )
         code = 130
     except ServiceDied as err:
         why = cause(err.tail)
@@ -554,7 +557,8 @@ def run_local(
         )
         code = CANNOT_RUN if err.code == CANNOT_RUN else 1
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abort the clean-up
         run.stop_services()
         nats.stop()

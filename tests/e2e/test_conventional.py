@@ -3,12 +3,13 @@
 on the weights of its first step, the trainer takes 4 steps on consecutive mini-batches of it
 (step j of the phase at lag j, importance-weighted), and the weights go out once per phase.
 
-The run is stopped in its second phase (SIGTERM, as a suspend, a drain or Ctrl-C sends) and run
+The run is stopped in its second phase (SIGHUP, its terminal closed, stopping it as SIGTERM and Ctrl-C do) and run
 again: the trainer checkpoints the step it reached before it exits, and the run goes on from
 there, the rest of that phase from its stored micro-batches at the lags they had."""
 
 import json
 import math
+import signal
 
 import pytest
 
@@ -37,7 +38,8 @@ def test_conventional_rl_takes_k_steps_on_each_generation_phase_and_resumes_a_st
     )
     first = start_run(job, timeout_s=RUN_TIMEOUT_S)
     first.wait_step(K + 1)  # in the second phase (its steps take ~0.3 s: the stop most likely lands in it)
-    first.stop()
+    first.stop(signal.SIGHUP)  # its terminal closed: stopped as SIGTERM and Ctrl-C stop it
+    assert f"pipelinerl run JOB --run-dir {first.dir.resolve()}" in first.output()  # how to go on
     seen = len(first.train())
     # The trainer may finish a step after the runner stopped listening: at least every step seen.
     checkpointed = int((first.dir / "checkpoints" / "latest").read_text().removeprefix("step-"))
