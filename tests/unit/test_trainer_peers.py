@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -134,6 +135,28 @@ def test_rank_1_ends_its_process_once_rank_0_and_its_store_died_or_froze(fault, 
     finally:
         zero.kill()
         watch.close()
+
+
+@pytest.mark.slow
+def test_a_rank_leaving_while_rank_0_is_frozen_ends_within_the_bound(caplog):
+    """A rank's last word to rank 0's store, after its watch thread ended (its loop finished):
+    rank 0 frozen then (a paused node), the store never answers; the rank's process ends at the
+    bound rather than wait for it forever (a store op has no timeout of its own)."""
+    port = free_port()
+    zero = peer(0, port, master=True)
+    exits: list[int] = []
+    watch = PeerWatch(client(port), 1, 2, BOUND_S, exit=exits.append)
+    closing = threading.Thread(target=watch.close, daemon=True)
+    try:
+        os.kill(zero.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        closing.start()
+        until(lambda: exits, 3 * BOUND_S)
+        assert exits[:1] == [1] and time.monotonic() - t0 <= BOUND_S + 2.0
+        assert "leaving trainer rank 0's store" in caplog.text
+    finally:
+        zero.kill()  # its store's connection closes: the add blocked in it ends
+        closing.join(10)
 
 
 @pytest.mark.slow

@@ -238,8 +238,11 @@ class PeerWatch:
                 while not self.hearing.all_left() and time.monotonic() < end:
                     self._hear()
                     time.sleep(AWAKE_SLICE_S)
-            else:
-                self.store.add(beat_key(self.rank), LEFT)
+            else:  # its watch thread ended: its own bound, for rank 0 frozen as this rank leaves
+                with self.watchdog.bound(
+                    "leaving trainer rank 0's store (rank 0 or its node stopped answering)", self.bound_s
+                ):
+                    self.store.add(beat_key(self.rank), LEFT)
         except Exception as err:  # noqa: BLE001 - leaving anyway
             log.warning("trainer rank %d left without the others' word: %r", self.rank, err)
 
