@@ -88,6 +88,7 @@ class Env:
     RUN_DIR = "PIPELINERL_RUN_DIR"
     OUTPUT_DIR = "PIPELINERL_OUTPUT_DIR"  # trainers: where spec.output goes (unset: no output)
     HTTP_PORT = "PIPELINERL_HTTP_PORT"
+    LISTEN_HOST = "PIPELINERL_LISTEN_HOST"  # the address a service's ports listen on (unset: every one)
     EXIT_WHEN_DONE = "PIPELINERL_EXIT_WHEN_DONE"
     TORCH_THREADS = "PIPELINERL_TORCH_THREADS"
     # The job's credentials (on Kubernetes from the job's Secret, never in its ConfigMap)
@@ -160,6 +161,9 @@ class ServiceEnv:
     run_dir: Path = Path("runs")
     output_dir: Path | None = None  # trainers: spec.output's folder
     http_port: int = HTTP_PORT  # 0: any free port (extra ranks of a multi-GPU trainer pod)
+    # Where a service's ports (HTTP, the trainer's weight rendezvous) listen: a pod's every
+    # address; a local run's loopback only (a laptop's run is not served to its network).
+    listen_host: str = "0.0.0.0"
     # Set by the local runner only (a user may set them on a cluster):
     exit_when_done: bool | None = None  # exit once finished; in a StatefulSet a finished service stays up
     torch_threads: int | None = None  # compute threads: the trainer's torch threads, a generator engine's (unset: 1)
@@ -184,6 +188,7 @@ class ServiceEnv:
         "run_dir": Env.RUN_DIR,
         "output_dir": Env.OUTPUT_DIR,
         "http_port": Env.HTTP_PORT,
+        "listen_host": Env.LISTEN_HOST,
         "exit_when_done": Env.EXIT_WHEN_DONE,
         "torch_threads": Env.TORCH_THREADS,
         "local_rank": Env.LOCAL_RANK,

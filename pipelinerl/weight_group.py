@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import hmac
 import os
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -130,9 +131,18 @@ def buffer_device(backend: str) -> torch.device:
 
 def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.Store:
     """The rendezvous store: trainer rank 0 serves it for its lifetime (every epoch's group meets
-    in it under its own prefix); each generator connects to it to join an epoch."""
+    in it under its own prefix); each generator connects to it to join an epoch. The server
+    listens on `host` where it names one address (a local run's loopback): torch's own server
+    listens on every address whatever it is given, so it is handed a socket bound here."""
     try:
-        return dist.TCPStore(host, port, None, is_master, timedelta(seconds=timeout_s), wait_for_workers=False)
+        fd = None
+        if is_master and host not in ("", "0.0.0.0", "::"):
+            fd = socket.create_server((host, port)).detach()  # the store's now: it closes it
+        return dist.TCPStore(
+            host, port, None, is_master, timedelta(seconds=timeout_s), wait_for_workers=False, master_listen_fd=fd
+        )
+    except OSError as e:  # the address taken or not this machine's
+        raise WeightSyncTimeout(f"weight group rendezvous at {host}:{port}: cannot serve: {e}") from e
     except RuntimeError as e:  # DistStoreError subclasses RuntimeError
         side = "cannot serve" if is_master else "no trainer"
         raise WeightSyncTimeout(

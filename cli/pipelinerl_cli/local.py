@@ -136,6 +136,7 @@ class LocalRun:
                 weights_token=token,
                 run_dir=self.run_dir,
                 http_port=free_port(),
+                listen_host="127.0.0.1",
                 exit_when_done=True,
                 torch_threads=cores.threads,
                 output_dir=Path(output.path).expanduser().resolve() if trainer and output and output.path else None,

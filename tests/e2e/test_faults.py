@@ -22,6 +22,7 @@ from faults import (  # tests/e2e/faults.py
     newest_stored,
 )
 from jobs import RUN_TIMEOUT_S  # tests/e2e/jobs.py
+from listening import listening_addresses  # tests/listening.py
 
 from bench.run_process import RunProcess
 
@@ -37,6 +38,11 @@ def test_one_generator_of_two_dies_and_rejoins(start_run):
     # Killed once it has fed a step: generator-0 alone may reach any given step before it joins.
     run.wait_until(lambda train: any(groups_from(r, 1) > 0 for r in train), "a step fed by generator-1")
     epoch = run.train()[-1]["weight_epoch"]  # read before the kill: read after, it may count the epoch the kill started
+    # A local run's ports are its own machine's: every service's HTTP port, and the trainer's
+    # weight rendezvous, listen on loopback only.
+    weights = int(re.search(r"rendezvous on port (\d+)", (run.dir / "logs" / "trainer.log").read_text())[1])
+    ports = [s["http_port"] for s in run.services().values() if "http_port" in s] + [weights]
+    assert [listening_addresses(p) for p in ports] == [{"127.0.0.1"}] * len(ports)
     pid, killed_at = run.kill("generator-1")
 
     def shown(train: list[dict]) -> str:
