@@ -161,10 +161,10 @@ class ServiceEnv:
     run_dir: Path = Path("runs")
     output_dir: Path | None = None  # trainers: spec.output's folder
     http_port: int = HTTP_PORT  # 0: any free port (extra ranks of a multi-GPU trainer pod)
-    # Where a service's ports (HTTP, the trainer's weight rendezvous) listen: a pod's every
-    # address; a local run's loopback only (a laptop's run is not served to its network).
-    listen_host: str = "0.0.0.0"
     # Set by the local runner only (a user may set them on a cluster):
+    # where a service's ports (HTTP, the trainer's weight rendezvous) listen: unset, every
+    # address (a pod's); a local run's loopback only (a laptop's run is not served to its network)
+    listen_host: str | None = None
     exit_when_done: bool | None = None  # exit once finished; in a StatefulSet a finished service stays up
     torch_threads: int | None = None  # compute threads: the trainer's torch threads, a generator engine's (unset: 1)
     world_size: int | None = None  # trainers: DeepSpeed ranks in all (generators need no count: elastic)
@@ -251,7 +251,7 @@ JOB_SECRET_KEYS = {"natsUser": Env.NATS_USER, "natsPassword": Env.NATS_PASSWORD,
 
 def reserved_env() -> frozenset[str]:
     """Variables PipelineRL sets itself: a user's env or pod template may not override them."""
-    own = set(ServiceEnv._NAMES.values()) - {Env.EXIT_WHEN_DONE, Env.TORCH_THREADS}
+    own = set(ServiceEnv._NAMES.values()) - {Env.EXIT_WHEN_DONE, Env.TORCH_THREADS, Env.LISTEN_HOST}
     return frozenset(own | {Env.TORCH_RANK, Env.TORCH_WORLD_SIZE, Env.TORCH_LOCAL_RANK})
 
 

@@ -68,9 +68,9 @@ def parse_quantity(value: int | str) -> Decimal:
     except InvalidOperation:  # pragma: no cover - the pattern admits only numbers
         raise ValueError(f"{text!r} is not a Kubernetes quantity") from None
     try:
-        if suffix[:1] in ("e", "E"):
-            return base * Decimal(10) ** int(suffix[1:])
-        return base * Decimal(_BINARY.get(suffix) or _DECIMAL[suffix])
+        if suffix in _BINARY or suffix in _DECIMAL:  # "E" and "Ei" are units (exa), "e3" an exponent
+            return base * Decimal(_BINARY.get(suffix) or _DECIMAL[suffix])
+        return base * Decimal(10) ** int(suffix[1:])
     except ArithmeticError:  # decimal's Overflow: an exponent past what any quantity needs
         raise ValueError(f"{text!r} is too large for a Kubernetes quantity") from None
 

@@ -269,7 +269,8 @@ class ObjectMeta(NullsPruned):
         # The API server's own check of every object's labels (the job's, and so its children's)
         for key, value in v.items():
             prefix, _, name = key.rpartition("/")
-            if len(name) > 63 or not re.fullmatch(LABEL_NAME, name) or (prefix and not _dns_subdomain(prefix)):
+            bad_prefix = "/" in key and not _dns_subdomain(prefix)
+            if len(name) > 63 or not re.fullmatch(LABEL_NAME, name) or bad_prefix:
                 raise ValueError(f"{key!r} is not a label key ([prefix/]name: name ≤ 63 of [A-Za-z0-9-_.])")
             if len(value) > 63 or not re.fullmatch(f"({LABEL_NAME})?", value):
                 raise ValueError(f"{key}: {value!r} is not a label value (≤ 63 of [A-Za-z0-9-_.], alphanumeric ends)")

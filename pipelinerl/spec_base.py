@@ -50,8 +50,9 @@ class NullsPruned(BaseModel):
         the default, at every door."""
         if not isinstance(data, dict):
             return data
-        refused = _non_nullable(cls)
-        return {k: v for k, v in data.items() if v is not None or k not in refused}
+        refused, maps = _non_nullable(cls), _maps_of_non_nullable(cls)
+        pruned = {k: v for k, v in data.items() if v is not None or k not in refused}
+        return {k: _without_nulls(v) if k in maps else v for k, v in pruned.items()}
 
 
 class SpecModel(NullsPruned):
@@ -68,14 +69,30 @@ class SpecModel(NullsPruned):
     )
 
 
+def _without_nulls(value: Any) -> Any:
+    return {k: v for k, v in value.items() if v is not None} if isinstance(value, dict) else value
+
+
+def _takes_null(annotation: Any) -> bool:
+    return annotation is Any or type(None) in typing.get_args(annotation)
+
+
+@functools.cache
+def _maps_of_non_nullable(model: type[BaseModel]) -> frozenset[str]:
+    """The aliases of `model`'s map fields whose values take no null (`requests: {cpu: null}`:
+    the API server prunes that entry too)."""
+    out = set()
+    for name, field in model.model_fields.items():
+        for kind in (field.annotation, *typing.get_args(field.annotation)):
+            if typing.get_origin(kind) is dict and not _takes_null(typing.get_args(kind)[1]):
+                out.add(field.alias or name)
+    return frozenset(out)
+
+
 @functools.cache
 def _non_nullable(model: type[BaseModel]) -> frozenset[str]:
     """The aliases of `model`'s fields that take no null."""
-    return frozenset(
-        f.alias or n
-        for n, f in model.model_fields.items()
-        if f.annotation is not Any and type(None) not in typing.get_args(f.annotation)
-    )
+    return frozenset(f.alias or n for n, f in model.model_fields.items() if not _takes_null(f.annotation))
 
 
 def closest(word: str, names: Iterable[str]) -> str | None:

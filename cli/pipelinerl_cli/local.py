@@ -102,7 +102,8 @@ class LocalRun:
 
     def say(self, text: str) -> None:
         if not self.quiet:
-            print(text, flush=True)
+            with contextlib.suppress(OSError):  # a terminal gone (SIGHUP): the run goes on saying nothing
+                print(text, flush=True)
 
     # -- processes -------------------------------------------------------------------------
     def start_services(self, nats_url: str) -> None:
@@ -538,14 +539,16 @@ def run_local(
     def _terminate(*_) -> None:
         raise KeyboardInterrupt  # SIGTERM, or the terminal closed: stopped like Ctrl-C, children too
 
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    # SIGHUP: the terminal closed; not where it is ignored (nohup: the run outlives the terminal)
+    hangup = [signal.SIGHUP] if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN else []
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, *hangup)}
     try:
         run.t0 = time.time()
         asyncio.run(main())
     except KeyboardInterrupt:
         run.say(
             "\ninterrupted: stopping services (to go on from its last checkpoint: "
-            f"pipelinerl run JOB --run-dir {run_dir})"
+            f"pipelinerl run {run_dir / 'job.yaml'} --run-dir {run_dir})"
         )
         code = 130
     except ServiceDied as err:

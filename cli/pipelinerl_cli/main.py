@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipelinerl.contracts import ROLES
 from pipelinerl.planner.calibration import CALIBRATIONS
-from pipelinerl.spec import PipelineRLJob, SpecError, dump_job, load_job, read_manifest
+from pipelinerl.spec import PipelineRLJob, SpecError, dump_job, load_job, parse_job, read_manifest
 
 if TYPE_CHECKING:
     from pipelinerl_operator.config import OperatorConfig
@@ -37,6 +37,15 @@ def _checked(
     if namespace and isinstance(manifest, dict) and isinstance(manifest.get("metadata"), dict):
         manifest["metadata"].setdefault("namespace", namespace)  # as `kubectl apply -n` places it
     job = check(manifest, old, source=path, cfg=cfg)
+    if old is not None:
+        try:
+            parse_job(old, str(against))
+        except SpecError as err:  # the webhook checks such an update on its own too (admission.check)
+            print(
+                f"warning: {against} no longer reads, so the fields that cannot change were not compared "
+                f"(the API server's CRD rules compare them):\n{err}",
+                file=sys.stderr,
+            )
     problem, note = model_path_problem(job.spec.model.path, runs_here)
     if problem:
         raise SpecError(f"{path} cannot run:\n  spec.{problem}")

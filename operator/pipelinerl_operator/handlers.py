@@ -179,17 +179,22 @@ async def validate_scale(body: Any, warnings: list[str] | None = None, userinfo:
     same edit of the job would be: past the platform's limits, or past what the job can run. The
     review holds a Scale, not the job: the job is read (a job gone is the API server's to answer)."""
     meta = body.get("metadata") or {}
+    if not meta.get("namespace") or not meta.get("name"):
+        raise kopf.AdmissionError("a Scale without its job's namespace and name cannot be checked", code=400)
     try:
         if STATE.kube is None:
             raise KubeError(0, "no client yet (the operator is starting)")
-        stored = await STATE.kube.get(f"{API_GROUP}/{VERSION}", KIND, meta.get("namespace"), meta.get("name", ""))
+        stored = await STATE.kube.get(f"{API_GROUP}/{VERSION}", KIND, meta["namespace"], meta["name"])
     except (KubeError, asyncio.TimeoutError, aiohttp.ClientError) as err:
         raise kopf.AdmissionError(f"the job's scale cannot be checked now (try again): {err}", code=503) from None
     if stored is None:
         return
     scaled = copy.deepcopy(stored)
-    scaled.setdefault("spec", {}).setdefault("generator", {})["replicas"] = (body.get("spec") or {}).get("replicas")
-    validate_job(body=scaled, old=stored, operation="UPDATE", warnings=warnings, userinfo=userinfo)
+    scaled.setdefault("spec", {}).setdefault("generator", {})["replicas"] = (body.get("spec") or {}).get("replicas", 0)
+    # the whole check takes CPU (a cold one seconds): off the event loop kopf serves from
+    await asyncio.to_thread(
+        validate_job, body=scaled, old=stored, operation="UPDATE", warnings=warnings, userinfo=userinfo
+    )
 
 
 def _but_suspend(job: Mapping[str, Any]) -> dict[str, Any]:

@@ -66,7 +66,11 @@ def test_bad_metadata_and_kind():
     with pytest.raises(SpecError, match="expected a PipelineRLJob mapping"):
         parse_job([1, 2])
     # labels as the API server checks them (it would refuse the job, and every child it labels)
-    for labels, fault in (({"team": "ML Research"}, "not a label value"), ({"a/b/c": "x"}, "not a label key")):
+    for labels, fault in (
+        ({"team": "ML Research"}, "not a label value"),
+        ({"a/b/c": "x"}, "not a label key"),
+        ({"/team": "x"}, "not a label key"),  # an empty prefix
+    ):
         with pytest.raises(SpecError, match=rf"metadata\.labels: .*{fault}"):
             parse_job({"metadata": {"name": "x", "labels": labels}})
     assert parse_job({"metadata": {"name": "x", "labels": {"example.com/team": "ml-1", "t": ""}}})
@@ -92,6 +96,18 @@ def test_cli_validate(tmp_path, capsys):
     broken.write_text("spec: [unclosed")
     assert cli(["validate", str(broken)]) == 2
     assert "cannot read manifest" in capsys.readouterr().err
+
+
+def test_validate_against_an_old_manifest_that_no_longer_reads_checks_the_update_alone(tmp_path, capsys):
+    """As the webhook does (a job stored under rules since tightened can be fixed), saying that
+    the fields that cannot change were not compared."""
+    head = "apiVersion: pipelinerl.dev/v1alpha1\nkind: PipelineRLJob\nmetadata: {name: x}\n"
+    (tmp_path / "old.yaml").write_text(head + "spec:\n  generator: {engineArgs: {no_such_arg: 1}}\n")
+    (tmp_path / "new.yaml").write_text(head + "spec: {}\n")
+    assert cli(["validate", str(tmp_path / "new.yaml"), "--against", str(tmp_path / "old.yaml")]) == 0
+    err = capsys.readouterr().err
+    assert "old.yaml no longer reads, so the fields that cannot change were not compared" in err
+    assert "engineArgs.no_such_arg" in err
 
 
 def test_yaml_is_read_as_kubectl_sends_it(tmp_path):
@@ -225,3 +241,13 @@ def test_a_built_in_tasks_params_are_its_constructors():
         "task.params._rewards"
     ]
     assert param_problems("mypackage.tasks:Mine", {"anything": 1}) == []  # its constructor judges, when built
+
+
+def test_quantities_read_as_kubernetes_reads_them():
+    """E and Ei are units (exa), e3 an exponent; one past what decimal holds is an error, not a crash."""
+    from pipelinerl.k8s_types import parse_quantity
+
+    assert parse_quantity("1Ei") == 2**60 and parse_quantity("1E") == 10**18 and parse_quantity("2e3") == 2000
+    assert parse_quantity("500m") * 2 == 1 and parse_quantity(16) == 16
+    with pytest.raises(ValueError, match="too large for a Kubernetes quantity"):
+        parse_quantity("1e1000000")

@@ -148,6 +148,8 @@ def test_a_rank_leaving_while_rank_0_is_frozen_ends_within_the_bound(caplog):
     watch = PeerWatch(client(port), 1, 2, BOUND_S, exit=exits.append)
     closing = threading.Thread(target=watch.close, daemon=True)
     try:
+        watch._stop.set()  # its loop ended (as close() stops it first), so no beat of its own is in flight
+        watch._thread.join()
         os.kill(zero.pid, signal.SIGSTOP)
         t0 = time.monotonic()
         closing.start()

@@ -140,7 +140,7 @@ def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.
     # Rank 0 serves the weight group's rendezvous for its lifetime (every epoch meets in it).
     store = None
     if rank == 0:
-        store = open_store(env.listen_host, env.weights_port, True, spec.weight_sync.timeout_seconds)
+        store = open_store(env.listen_host or "0.0.0.0", env.weights_port, True, spec.weight_sync.timeout_seconds)
         log.info(
             "weight group (%s) rendezvous on port %d; generators join as they come",
             spec.weight_transport,
