@@ -93,6 +93,7 @@ class LocalRun:
         self.services: list[Service] = []
         self.train: list[dict] = []
         self.evals: list[dict] = []
+        self.earlier_evals: list[dict] = []  # a resumed run's, from its metrics.jsonl (the warm start's)
         self.metrics_file: TextIO | None = None  # metrics.jsonl, open for appending while the run is watched
         self.metrics_unwritten = 0  # rows the disk would not take (kept for the summary all the same)
         self.gen_tokens, self.gen_busy = Running(), Running()  # summed over generators, across restarts
@@ -325,6 +326,7 @@ class LocalRun:
     async def watch(self, nc, nats_url: str) -> None:
         js = nc.jetstream()
         await ensure_streams(js, self.subjects, self.spec.nats.max_payload_mb, sizes=stream_bytes(self.spec))
+        self.earlier_evals = _rows(self.run_dir / "metrics.jsonl", "eval")
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
 
         async def on_metric(msg) -> None:
@@ -395,7 +397,7 @@ class LocalRun:
 
     # -- results ---------------------------------------------------------------------------
     def summary(self) -> dict:
-        first = next((e for e in self.evals if e["version"] == 0), None)
+        first = next((e for e in [*self.earlier_evals, *self.evals] if e["version"] == 0), None)
         final = next((e for e in reversed(self.evals) if e.get("final")), self.evals[-1] if self.evals else None)
         lags = [t["lag_max"] for t in self.train]
         return {
@@ -505,6 +507,18 @@ class LocalRun:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         return path
+
+
+def _rows(path: Path, kind: str) -> list[dict]:
+    """The rows of one kind in a metrics.jsonl (a line cut short, or none at all, skipped)."""
+    rows = []
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                row = json.loads(line)
+                if isinstance(row, dict) and row.get("kind") == kind:
+                    rows.append(row)
+    return rows
 
 
 def run_local(

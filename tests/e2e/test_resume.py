@@ -153,6 +153,7 @@ def test_a_run_killed_outright_resumes_learns_like_a_clean_one_and_keeps_trackin
     evals = [json.loads(line) for line in (second.dir / "metrics.jsonl").read_text().splitlines()]
     at_start = next(e for e in evals if e["kind"] == "eval" and e["version"] == 0)  # the first run's
     assert summary["final_accuracy"] >= at_start["accuracy"], (at_start, summary)
+    assert summary["warm_start_accuracy"] == at_start["accuracy"]  # the resumed run's summary reads it too
 
     # The trackers hold both runs: every step (those after the checkpoint twice), and the final
     # evaluation; W&B's offline runs share one id, so `wandb sync` makes them one run. W&B's
