@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from k8s_schema import restricted_violations
-from pipelinerl.spec import load_job, parse_job
+from pipelinerl.spec import load_job, load_yaml, parse_job
 from pipelinerl_operator.job_policy import parse_policy
 from pipelinerl_operator.pod_security import pod_violations
 from pipelinerl_operator.config import OperatorConfig
@@ -37,7 +37,7 @@ def violations(pod: dict, job_name: str = "demo") -> list[str]:
     return pod_violations(pod, service_account=service_account_name(job_name, CFG))
 
 
-CORPUS = yaml.safe_load((Path(__file__).parents[1] / "manifest_corpus.yaml").read_text())
+CORPUS = load_yaml((Path(__file__).parents[1] / "manifest_corpus.yaml").read_text())  # as kubectl reads it
 
 
 def example(path: Path):
