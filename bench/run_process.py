@@ -22,8 +22,14 @@ class RunProcess:
         manifest = tmp_path / "job.yaml"
         manifest.write_text(yaml.safe_dump(job))
         self.out = open(tmp_path / "run.out", "wb")
+        # SIGHUP as a terminal's process has it: under nohup (as CI may run) it is inherited
+        # ignored, and the run would rightly outlive a hang-up (`stop(signal.SIGHUP)`)
+        main = (
+            "import runpy, signal; signal.signal(signal.SIGHUP, signal.SIG_DFL); "
+            "runpy.run_module('pipelinerl_cli', run_name='__main__', alter_sys=True)"
+        )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pipelinerl_cli", "run", str(manifest), "--run-dir", str(self.dir)],
+            [sys.executable, "-c", main, "run", str(manifest), "--run-dir", str(self.dir)],
             stdout=self.out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

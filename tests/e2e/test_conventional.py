@@ -39,7 +39,8 @@ def test_conventional_rl_takes_k_steps_on_each_generation_phase_and_resumes_a_st
     first = start_run(job, timeout_s=RUN_TIMEOUT_S)
     first.wait_step(K + 1)  # in the second phase (its steps take ~0.3 s: the stop most likely lands in it)
     first.stop(signal.SIGHUP)  # its terminal closed: stopped as SIGTERM and Ctrl-C stop it
-    assert f"pipelinerl run JOB --run-dir {first.dir.resolve()}" in first.output()  # how to go on
+    run_dir = first.dir.resolve()
+    assert f"pipelinerl run {run_dir / 'job.yaml'} --run-dir {run_dir}" in first.output()  # how to go on
     seen = len(first.train())
     # The trainer may finish a step after the runner stopped listening: at least every step seen.
     checkpointed = int((first.dir / "checkpoints" / "latest").read_text().removeprefix("step-"))

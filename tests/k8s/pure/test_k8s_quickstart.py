@@ -197,7 +197,8 @@ def test_every_kubectl_command_names_its_namespace(doc) -> None:
     inline = re.findall(r"`(kubectl [^`]+)`", re.sub(r"```.*?```", "", text, flags=re.DOTALL).replace("\n", " "))
     commands = [x[x.index("kubectl ") :] for x in fenced + inline if "kubectl " in x and len(x.split()) > 2]
     cluster_wide = re.compile(
-        r"kubectl (get|describe) (priorityclass|nodes|crd)|kubectl \S.* -A\b|kubectl (apply|delete) -f (charts/pipelinerl/)?crds/"
+        r"kubectl (get|describe) (priorityclass|nodes|crd)|kubectl \S.* -A\b"
+        r"|kubectl (apply|delete) -f (charts/pipelinerl/)?crds/"
     )
     loose = [c for c in commands if not re.search(r"(^|\s)(-n|--namespace)(\s|=)", c) and not cluster_wide.search(c)]
     assert commands and not loose, "\n".join(loose)
