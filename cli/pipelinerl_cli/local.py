@@ -533,6 +533,10 @@ def run_local(
     problem, _ = model_path_problem(job.spec.model.path, runs_here=True)
     if problem:  # else each service fails after its start-up, with the model hub's word for it
         raise SpecError(problem)
+    try:  # the cores asked for, before anything starts
+        core_plan(cores, sorted(os.sched_getaffinity(0)), job.spec.trainer_ranks, job.spec.generator_engines)
+    except ValueError as err:
+        raise SpecError(f"{err}: run it unpinned (without --pin-cores, or --cores default)") from None
     run_dir = Path(run_dir or Path("runs") / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     policy = RestartPolicy(on_failure=restart, limit=job.spec.run_policy.backoff_limit)

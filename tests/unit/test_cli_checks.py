@@ -97,3 +97,18 @@ def test_run_takes_a_payload_its_own_nats_takes_that_the_charts_would_not(tmp_pa
     assert cli(["validate", path]) == 2
     assert "spec.nats.maxPayloadMb: more than the install's NATS takes (8 MiB" in capsys.readouterr().err
     assert cli(["run", path]) == 0 and started[0].spec.nats.max_payload_mb == 16
+
+
+def test_run_asking_for_more_cores_than_there_are_says_so_and_starts_nothing(tmp_path, monkeypatch):
+    """`--pin-cores` with a core per generator and trainer rank: fewer cores than that is an
+    error naming the fix, before the run's folder or its NATS exist (it was a traceback after)."""
+    import os
+
+    from pipelinerl.spec import SpecError, load_job
+    from pipelinerl_cli.local import run_local
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1})
+    job = load_job(manifest(tmp_path, generator={"replicas": 3}))
+    with pytest.raises(SpecError, match=r"needs a core per trainer rank and generator \(4\).*--cores default"):
+        run_local(job, run_dir=tmp_path / "run", cores="split")
+    assert not (tmp_path / "run").exists()
