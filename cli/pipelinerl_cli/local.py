@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -509,6 +510,20 @@ class LocalRun:
         return path
 
 
+def _lock(run_dir: Path) -> TextIO:
+    """One run per folder: a second `pipelinerl run` there would start a NATS of its own on the
+    same store, and services writing the same checkpoints."""
+    lock = open(run_dir / ".run.lock", "a")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise SpecError(
+            f"{run_dir} is in use by another `pipelinerl run`: stop it, or give this one --run-dir"
+        ) from None
+    return lock
+
+
 def _rows(path: Path, kind: str) -> list[dict]:
     """The rows of one kind in a metrics.jsonl (a line cut short, or none at all, skipped)."""
     rows = []
@@ -539,6 +554,7 @@ def run_local(
         raise SpecError(f"{err}: run it unpinned (without --pin-cores, or --cores default)") from None
     run_dir = Path(run_dir or Path("runs") / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
+    in_use = _lock(run_dir)  # held to the end of the run
     policy = RestartPolicy(on_failure=restart, limit=job.spec.run_policy.backoff_limit)
     run = LocalRun(job, run_dir, quiet=quiet, cores=cores, restart=policy)
     run.say(f"pipelinerl: running {job.name!r} ({job.spec.mode} mode, max lag {job.spec.max_lag}) in {run_dir}")
@@ -596,4 +612,5 @@ def run_local(
     if code == 0 and summary["learning_alarm"]:
         print(f"\nerror: the run ended without learning: {summary['learning_alarm']}", file=sys.stderr, flush=True)
         code = 2
+    in_use.close()
     return code

@@ -112,3 +112,20 @@ def test_run_asking_for_more_cores_than_there_are_says_so_and_starts_nothing(tmp
     with pytest.raises(SpecError, match=r"needs a core per trainer rank and generator \(4\).*--cores default"):
         run_local(job, run_dir=tmp_path / "run", cores="split")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_second_run_in_a_folder_in_use_is_refused_before_it_starts_anything(tmp_path):
+    """Its own NATS on the same store, and services writing the same checkpoints: refused,
+    naming the way out, before its NATS starts."""
+    import fcntl
+
+    from pipelinerl.spec import SpecError, load_job
+    from pipelinerl_cli.local import run_local
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with open(run_dir / ".run.lock", "a") as held:  # the first run's
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(SpecError, match=r"is in use by another `pipelinerl run`"):
+            run_local(load_job(manifest(tmp_path)), run_dir=run_dir)
+    assert not (run_dir / "nats").exists()
