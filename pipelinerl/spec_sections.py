@@ -62,8 +62,9 @@ class TaskSpec(SpecModel):
 class RLSpec(SpecModel):
     loss: Literal["reinforce", "ppo", "gspo", "cispo"] = Field(
         default="reinforce",
-        description="reinforce: truncated-IS REINFORCE (the reference's); ppo: PPO-clip; gspo: sequence-level ratio; "
-        "cispo: clipped IS weight on the log-prob (ScaleRL).",
+        description="reinforce: truncated-IS REINFORCE (the reference's); ppo: PPO-clip; gspo: sequence-level ratio, "
+        "each sample's term its tokens' mean; cispo: the IS weight on the log-prob clipped above only (ScaleRL, "
+        "MiniMax-M1: reinforce's term under the name those papers give it).",
     )
     attempts: int = Field(default=8, ge=2, le=1024, description="Samples per prompt (group size G).")
     max_lag: int | None = Field(

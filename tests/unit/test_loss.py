@@ -77,6 +77,12 @@ def test_cispo_clips_weight_but_keeps_gradient():
     assert loss.item() == pytest.approx(-1.2 * math.log(2.0))
     loss.backward()
     assert new.grad.item() == pytest.approx(-1.2)
+    # Bounded above only, sg(clip(r, ·, 1+ε)): a token the policy moved away from (r = 0.5) keeps
+    # its weight 0.5, not a floor of 1 - ε_low = 0.8.
+    new, old, adv, w = setup([math.log(0.5)], [0.0], [1.0], [1.0])
+    loss, stats = policy_loss(new, old, adv, w, LossConfig("cispo", epsilon_low=0.2, epsilon_high=0.2))
+    loss.backward()
+    assert new.grad.item() == pytest.approx(-0.5) and stats["clipped"] == 0
 
 
 def test_gspo_uses_sequence_ratio():
@@ -84,8 +90,19 @@ def test_gspo_uses_sequence_ratio():
     ids = T([0, 0, 1])
     loss, _ = policy_loss(new, old, adv, w, LossConfig("gspo", epsilon_low=1.0, epsilon_high=1.0), sample_ids=ids)
     s0 = math.sqrt(2.0)  # exp(mean(log 2, 0))
-    assert loss.item() == pytest.approx(-(0.5 * s0 + 0.5 * s0 + 1.0))
+    # each token's term is its sample's mean: sample 0 (two tokens of weight 0.5) weighs 0.5 in all
+    assert loss.item() == pytest.approx(-(0.5 * s0 + 1.0))
     assert sequence_mean(T([2.0, 4.0, 7.0]), ids, T([1, 1, 1])).tolist() == [3.0, 3.0, 7.0]
+
+
+def test_gspo_weighs_a_sample_the_same_whatever_its_length():
+    """GSPO: (1/G) Σ_i s_i A_i (1/|y_i|) Σ_t ∇logπ_t. Two on-policy samples of 2 and 6 tokens,
+    the same advantage and token weight: the same total gradient (it was 1 against 3)."""
+    new, old, adv, w = setup([0.0] * 8, [0.0] * 8, [1.0] * 8, [0.5] * 8)
+    ids = T([0, 0, 1, 1, 1, 1, 1, 1])
+    policy_loss(new, old, adv, w, LossConfig("gspo"), sample_ids=ids)[0].backward()
+    totals = [new.grad[:2].sum().item(), new.grad[2:].sum().item()]
+    assert totals == pytest.approx([-0.5, -0.5])
 
 
 def test_kl_and_entropy_terms():
@@ -97,6 +114,11 @@ def test_kl_and_entropy_terms():
     k3 = math.exp(-1.0) + 1.0 - 1.0
     assert loss.item() == pytest.approx(0.1 * k3 - 0.01 * 0.7)
     assert stats["kl_sum"].item() == pytest.approx(k3)
+    # An untrained position (a prompt token, weight 0) whose reference logprob is far above the
+    # policy's: its k3 term would overflow, and 0 · inf is NaN in the loss; it is left out.
+    new, old, adv, w = setup([-1.0, -200.0], [-1.0, -200.0], [0.0, 0.0], [1.0, 0.0])
+    loss, _ = policy_loss(new, old, adv, w, LossConfig("reinforce", kl_coef=0.1), ref_logprobs=T([-2.0, 0.0]))
+    assert loss.item() == pytest.approx(0.1 * k3)
 
 
 def test_ess():

@@ -88,9 +88,11 @@ def policy_loss(
         per_token = -advantages * new_logprobs * is_weight
         clipped = weight_ratio > hi
     elif cfg.kind == "cispo":
-        is_weight = weight_ratio.clamp(min=lo, max=hi).detach()
+        # sg(clip(r, ·, 1+ε)): bounded above only (MiniMax-M1 sets no lower bound; a floor at
+        # 1-ε_low weighed a token the policy moved away from as though it had not moved)
+        is_weight = weight_ratio.clamp(max=hi).detach()
         per_token = -advantages * new_logprobs * is_weight
-        clipped = (weight_ratio > hi) | (weight_ratio < lo)
+        clipped = weight_ratio > hi
     elif cfg.kind == "ppo":
         per_token = -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
         clipped = ((ratio > hi) & (advantages > 0)) | ((ratio < lo) & (advantages < 0))
@@ -98,10 +100,12 @@ def policy_loss(
         if sample_ids is None:
             raise ValueError("gspo needs sample_ids to form sequence-level ratios")
         # GSPO-token form: the value is the sequence ratio exp(mean log r), the gradient flows
-        # through each token's own logprob, which equals sequence-level GSPO for sequence advantages.
+        # through each token's own logprob; each token's term is its sample's mean (1/|y_i|), so
+        # a sample weighs w_t whatever its length, as in sequence-level GSPO for sequence advantages.
         seq_log_ratio = sequence_mean(log_ratio, sample_ids, trained)
         ratio = (seq_log_ratio.detach() + new_logprobs - new_logprobs.detach()).exp()
-        per_token = -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
+        lengths = sequence_sum(torch.ones_like(ratio), sample_ids, trained).clamp(min=1)
+        per_token = -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages) / lengths
         clipped = ((ratio > hi) & (advantages > 0)) | ((ratio < lo) & (advantages < 0))
     else:
         raise ValueError(f"unknown loss {cfg.kind!r} (reinforce, ppo, gspo, cispo)")
@@ -109,8 +113,8 @@ def policy_loss(
     loss = (weights * per_token).sum()
     kl = None
     if cfg.kl_coef > 0 and ref_logprobs is not None:
-        x = ref_logprobs - new_logprobs
-        kl = x.exp() - x - 1  # k3 estimator: unbiased, always ≥ 0
+        x = torch.where(trained, ref_logprobs - new_logprobs, torch.zeros_like(new_logprobs))
+        kl = x.exp() - x - 1  # k3 estimator: unbiased, always ≥ 0 (0 where untrained, never 0 · inf)
         loss = loss + cfg.kl_coef * (weights * kl).sum()
     if cfg.entropy_coef > 0 and entropy is not None:
         loss = loss - cfg.entropy_coef * (weights * entropy).sum()

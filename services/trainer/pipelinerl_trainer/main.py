@@ -67,7 +67,8 @@ def build_model(job: PipelineRLJob, model_path: str) -> Model:
     engine = build_engine(spec.trainer, spec.weights_dtype, model_path)
     reference = None
     if spec.rl.kl_coef > 0:
-        reference = load_model(model_path, spec.weights_dtype).eval().requires_grad_(False)
+        # on the engine's device (loaded on the host; a whole copy on each rank, ZeRO-3 too)
+        reference = load_model(model_path, spec.weights_dtype).eval().requires_grad_(False).to(engine.device)
     module = engine.module
     return Model(
         engine,
