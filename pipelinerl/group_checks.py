@@ -41,6 +41,8 @@ def sample_problem(s: Sample, limits: GroupLimits) -> str | None:
         return f"{len(s.tokens)} tokens, more than model.maxSeqLen ({limits.max_seq_len})"
     if min(s.tokens) < 0:
         return f"negative token id {min(s.tokens)}"
+    if s.mask and s.mask[0]:  # packed, a sample's first token is predicted from the row before it
+        return "its first token is generated (a sample starts with its prompt)"
     for j, (mask, lp, v) in enumerate(zip(s.mask, s.logprobs, s.versions)):
         if mask not in (0, 1):
             return f"mask {mask} at token {j} (0 or 1)"

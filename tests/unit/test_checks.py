@@ -40,6 +40,7 @@ def test_a_sound_group_passes():
         ),
         (dict(tokens=[3, -1, 5, 6]), "sample 1: negative token id -1"),
         (dict(mask=[0, 2, 1, 1]), "sample 1: mask 2 at token 1 (0 or 1)"),
+        (dict(mask=[1, 0, 1, 1], versions=[5, -1, 5, 5]), "sample 1: its first token is generated"),
         (dict(logprobs=[0.0, 0.0, math.nan, -1.0]), "sample 1: logprob nan at token 2"),
         (dict(logprobs=[0.0, 0.0, -math.inf, -1.0]), "sample 1: logprob -inf at token 2"),
         (dict(logprobs=[0.0, 0.0, 0.7, -1.0]), "sample 1: logprob 0.7 at token 2"),
