@@ -83,7 +83,12 @@ class RLSpec(SpecModel):
         "steps on consecutive mini-batches of it (step j of the phase trains at lag j) and sends the weights once. "
         "1 in pipeline mode.",
     )
-    epsilon_low: float = Field(default=0.2, ge=0.0, le=10.0, description="Lower clip of the ratio: 1 - epsilonLow.")
+    epsilon_low: float = Field(
+        default=0.2,
+        ge=0.0,
+        le=10.0,
+        description="Lower clip of the ratio, 1 - epsilonLow (ppo and gspo; reinforce and cispo have none).",
+    )
     epsilon_high: float = Field(
         default=0.2, ge=0.0, le=100.0, description="Upper clip or truncation of the ratio: 1 + epsilonHigh."
     )

@@ -104,8 +104,7 @@ class LocalRun:
 
     def say(self, text: str) -> None:
         if not self.quiet:
-            with contextlib.suppress(OSError):  # a terminal gone (SIGHUP): the run goes on saying nothing
-                print(text, flush=True)
+            tell(text)
 
     # -- processes -------------------------------------------------------------------------
     def start_services(self, nats_url: str) -> None:
@@ -207,14 +206,14 @@ class LocalRun:
         if free < NATS_ROOM_BYTES:
             if now - self.nats_full_said >= NATS_FULL_SAY_S:
                 self.nats_full_said = now
-                print(
+                tell(
                     f"  nats-server: JetStream cannot write ({problem}); its disk has {free >> 20} MiB free: "
                     f"waiting for room",
                     file=sys.stderr,
                     flush=True,
                 )
             return
-        print(
+        tell(
             f"  nats-server: JetStream cannot write ({problem}); restarting it, its disk has room again "
             f"({free >> 20} MiB free)",
             file=sys.stderr,
@@ -233,10 +232,10 @@ class LocalRun:
         if delay is None:
             raise ServiceDied(name, code, log_path, tail(log_path))
         if code == STOPPED_EXIT:  # a trainer rank: the gang stopped (one of its processes was asked to)
-            print(f"  {name} stopped with its gang, its checkpoint written: starting it again", flush=True)
+            tell(f"  {name} stopped with its gang, its checkpoint written: starting it again", flush=True)
             return delay
         why = cause(tail(log_path)) if code > 0 else None  # a crash, not a kill: say what it died of
-        print(  # a warning, even when quiet
+        tell(  # a warning, even when quiet
             f"  {name} exited with code {code}{f' ({why})' if why else ''}: restarting it in {delay:.0f}s "
             f"(restart {failures + 1} of {self.restart.limit})",
             file=sys.stderr,
@@ -510,17 +509,22 @@ class LocalRun:
         return path
 
 
-def _lock(run_dir: Path) -> TextIO:
-    """One run per folder: a second `pipelinerl run` there would start a NATS of its own on the
-    same store, and services writing the same checkpoints."""
+def tell(*args: object, file: TextIO | None = None, flush: bool = True) -> None:
+    """print, where a terminal gone (closed, or its session detached) cannot end the run: EIO."""
+    with contextlib.suppress(OSError):
+        print(*args, file=file or sys.stdout, flush=flush)
+
+
+def lock_run_dir(run_dir: Path, instead: str) -> TextIO:
+    """One process per run folder: a second `pipelinerl run` there, or a command opening its
+    store (`dead-letters`, `recover-store`), would start a NATS of its own on the same store.
+    Held until the returned file is closed (or the process ends)."""
     lock = open(run_dir / ".run.lock", "a")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.close()
-        raise SpecError(
-            f"{run_dir} is in use by another `pipelinerl run`: stop it, or give this one --run-dir"
-        ) from None
+        raise SpecError(f"{run_dir} is in use by another `pipelinerl run`: {instead}") from None
     return lock
 
 
@@ -554,7 +558,15 @@ def run_local(
         raise SpecError(f"{err}: run it unpinned (without --pin-cores, or --cores default)") from None
     run_dir = Path(run_dir or Path("runs") / f"{job.name}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    in_use = _lock(run_dir)  # held to the end of the run
+    in_use = lock_run_dir(run_dir, "stop it, or give this one another --run-dir")
+    try:
+        return _run_in(job, run_dir, quiet, cores, restart)
+    finally:
+        in_use.close()
+
+
+def _run_in(job: PipelineRLJob, run_dir: Path, quiet: bool, cores: str, restart: bool) -> int:
+    """The run itself, in `run_dir`, which this process holds."""
     policy = RestartPolicy(on_failure=restart, limit=job.spec.run_policy.backoff_limit)
     run = LocalRun(job, run_dir, quiet=quiet, cores=cores, restart=policy)
     run.say(f"pipelinerl: running {job.name!r} ({job.spec.mode} mode, max lag {job.spec.max_lag}) in {run_dir}")
@@ -587,7 +599,7 @@ def run_local(
         code = 130
     except ServiceDied as err:
         why = cause(err.tail)
-        print(
+        tell(
             f"\nerror: {err}{f' ({why})' if why else ''}; stopping the other services. "
             f"Last lines of {err.log_path}:\n{err.tail}",
             file=sys.stderr,
@@ -604,13 +616,12 @@ def run_local(
     summary = run.summary()
     plot, unwritten = run.write_summary(summary)
     if unwritten:
-        print(f"\nerror: {unwritten}", file=sys.stderr, flush=True)
+        tell(f"\nerror: {unwritten}", file=sys.stderr, flush=True)
         code = code or 1
     run.say("\nsummary: " + json.dumps(summary, indent=1))
     if plot:
         run.say(f"plot: {plot}")
     if code == 0 and summary["learning_alarm"]:
-        print(f"\nerror: the run ended without learning: {summary['learning_alarm']}", file=sys.stderr, flush=True)
+        tell(f"\nerror: the run ended without learning: {summary['learning_alarm']}", file=sys.stderr, flush=True)
         code = 2
-    in_use.close()
     return code

@@ -207,12 +207,17 @@ def _on_job_store(args: argparse.Namespace, job: PipelineRLJob, client: str, cal
     if args.nats:
         return asyncio.run(run(args.nats))
     from pipelinerl_cli.embedded_nats import EmbeddedNats
+    from pipelinerl_cli.local import lock_run_dir
 
-    server = EmbeddedNats.of_job(Path(args.run_dir) / "nats", job.spec).start()
+    in_use = lock_run_dir(Path(args.run_dir), "ask its NATS instead: --nats <its url, in services.json>")
     try:
-        return asyncio.run(run(server.url))
+        server = EmbeddedNats.of_job(Path(args.run_dir) / "nats", job.spec).start()
+        try:
+            return asyncio.run(run(server.url))
+        finally:
+            server.stop()
     finally:
-        server.stop()
+        in_use.close()
 
 
 def _dead_letters(args: argparse.Namespace) -> int:

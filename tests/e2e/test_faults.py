@@ -167,7 +167,7 @@ def test_the_preprocessor_killed_mid_step_once_then_twice_loses_nothing(start_ru
     and the streams hold each step once per rank, whole."""
     from pipelinerl.contracts import Env
 
-    # The last kill lands near step 15; the steps after it are margin, not more test (40 before).
+    # The last kill lands near step 11; the steps after it are margin, not more test (40 before).
     steps, name = 28, "pre"
     job = fault_job(
         name,

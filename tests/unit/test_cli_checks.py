@@ -114,7 +114,7 @@ def test_run_asking_for_more_cores_than_there_are_says_so_and_starts_nothing(tmp
     assert not (tmp_path / "run").exists()
 
 
-def test_a_second_run_in_a_folder_in_use_is_refused_before_it_starts_anything(tmp_path):
+def test_a_second_run_in_a_folder_in_use_is_refused_before_it_starts_anything(tmp_path, capsys):
     """Its own NATS on the same store, and services writing the same checkpoints: refused,
     naming the way out, before its NATS starts."""
     import fcntl
@@ -128,4 +128,7 @@ def test_a_second_run_in_a_folder_in_use_is_refused_before_it_starts_anything(tm
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(SpecError, match=r"is in use by another `pipelinerl run`"):
             run_local(load_job(manifest(tmp_path)), run_dir=run_dir)
-    assert not (run_dir / "nats").exists()
+        assert not (run_dir / "nats").exists()
+        (run_dir / "nats").mkdir()  # a command opening the run's store is told to ask its NATS
+        assert cli(["dead-letters", manifest(tmp_path), "--run-dir", str(run_dir)]) == 2
+    assert "ask its NATS instead: --nats" in capsys.readouterr().err

@@ -103,6 +103,11 @@ def test_gspo_weighs_a_sample_the_same_whatever_its_length():
     policy_loss(new, old, adv, w, LossConfig("gspo"), sample_ids=ids)[0].backward()
     totals = [new.grad[:2].sum().item(), new.grad[2:].sum().item()]
     assert totals == pytest.approx([-0.5, -0.5])
+    # Its KL term is its sample's mean too, as weighty against the policy's as in the other losses.
+    ref = T([-1.0] * 8)
+    loss, _ = policy_loss(new, old, T([0.0] * 8), w, LossConfig("gspo", kl_coef=1.0), sample_ids=ids, ref_logprobs=ref)
+    k3 = math.exp(-1.0)  # e^x - x - 1 at x = -1
+    assert loss.item() == pytest.approx(0.5 * k3 + 0.5 * k3)
 
 
 def test_kl_and_entropy_terms():

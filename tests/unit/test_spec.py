@@ -140,7 +140,8 @@ def test_yaml_values_read_as_kubectl_sends_them_json(tmp_path):
     path.write_text(
         "apiVersion: pipelinerl.dev/v1alpha1\nkind: PipelineRLJob\nmetadata: {name: t, labels:}\n"
         "spec:\n  generator: {replicas: 2.0, env: [{name: T, value: 1:30}, {name: D, value: 2025-01-15}]}\n"
-        "  trainer: {maxSteps: 1e4, learningRate: 1.0, env:, gpus: ~}\n  task: {params:}\n"
+        "  trainer: {maxSteps: 1e4, learningRate: 1.0, env:, gpus: ~, resources: {requests: {cpu: ~, memory: 1Gi}}}\n"
+        "  task: {params:}\n"
     )
     j = load_job(path)
     assert j.spec.generator.replicas == 2 and j.spec.trainer.max_steps == 10_000 and j.spec.trainer.learning_rate == 1
@@ -148,6 +149,7 @@ def test_yaml_values_read_as_kubectl_sends_them_json(tmp_path):
     assert (
         j.spec.trainer.env == [] and j.spec.trainer.gpus == 0 and j.spec.task.params == {} and j.metadata.labels == {}
     )
+    assert j.spec.trainer.resources.requests == {"memory": "1Gi"}  # a map's null entry pruned too
     path.write_text(dump_job(j))
     assert load_job(path) == j
     path.write_text("a: 1.5\nb: 1e30\nc: 1:30.5\n")

@@ -104,8 +104,9 @@ def policy_loss(
         # a sample weighs w_t whatever its length, as in sequence-level GSPO for sequence advantages.
         seq_log_ratio = sequence_mean(log_ratio, sample_ids, trained)
         ratio = (seq_log_ratio.detach() + new_logprobs - new_logprobs.detach()).exp()
-        lengths = sequence_sum(torch.ones_like(ratio), sample_ids, trained).clamp(min=1)
-        per_token = -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages) / lengths
+        per_token = -torch.minimum(ratio * advantages, ratio.clamp(lo, hi) * advantages)
+        # the KL and entropy terms too: their weight against the policy's is the other losses'
+        weights = weights / sequence_sum(torch.ones_like(ratio), sample_ids, trained).clamp(min=1)
         clipped = ((ratio > hi) & (advantages > 0)) | ((ratio < lo) & (advantages < 0))
     else:
         raise ValueError(f"unknown loss {cfg.kind!r} (reinforce, ppo, gspo, cispo)")
