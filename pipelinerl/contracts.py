@@ -202,6 +202,10 @@ class ServiceEnv:
     }
 
     @property
+    def listen_address(self) -> str:
+        return self.listen_host or "0.0.0.0"
+
+    @property
     def weights_host(self) -> str:
         return self.weights_addr.rpartition(":")[0] or "127.0.0.1"
 

@@ -80,7 +80,7 @@ class HealthServer:
     """FastAPI app with the four standard endpoints, served by uvicorn in a daemon thread
     (so it answers even while the service's own thread is busy in torch code)."""
 
-    def __init__(self, role: str, port: int, status: Callable[[], BaseModel], host: str | None = None):
+    def __init__(self, role: str, port: int, status: Callable[[], BaseModel], host: str = "0.0.0.0"):
         from fastapi import FastAPI, Response
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -113,9 +113,7 @@ class HealthServer:
     def start(self) -> HealthServer:
         import uvicorn
 
-        server = uvicorn.Server(
-            uvicorn.Config(self.app, host=self.host or "0.0.0.0", port=self.port, log_level="warning")
-        )
+        server = uvicorn.Server(uvicorn.Config(self.app, host=self.host, port=self.port, log_level="warning"))
         thread = threading.Thread(target=server.run, name="http", daemon=True)
         thread.start()
         # Stopped at exit, before the interpreter tears its modules down: a daemon thread still

@@ -50,7 +50,7 @@ class NullsPruned(BaseModel):
         the default, at every door."""
         if not isinstance(data, dict):
             return data
-        refused, maps = _non_nullable(cls), _maps_of_non_nullable(cls)
+        refused, maps = _null_rules(cls)
         pruned = {k: v for k, v in data.items() if v is not None or k not in refused}
         return {k: _without_nulls(v) if k in maps else v for k, v in pruned.items()}
 
@@ -78,21 +78,18 @@ def _takes_null(annotation: Any) -> bool:
 
 
 @functools.cache
-def _maps_of_non_nullable(model: type[BaseModel]) -> frozenset[str]:
-    """The aliases of `model`'s map fields whose values take no null (`requests: {cpu: null}`:
-    the API server prunes that entry too)."""
-    out = set()
+def _null_rules(model: type[BaseModel]) -> tuple[frozenset[str], frozenset[str]]:
+    """The aliases of `model`'s fields that take no null, and of its map fields whose values take
+    none (`requests: {cpu: null}`: the API server prunes that entry too)."""
+    refused, maps = set(), set()
     for name, field in model.model_fields.items():
+        alias = field.alias or name
+        if not _takes_null(field.annotation):
+            refused.add(alias)
         for kind in (field.annotation, *typing.get_args(field.annotation)):
             if typing.get_origin(kind) is dict and not _takes_null(typing.get_args(kind)[1]):
-                out.add(field.alias or name)
-    return frozenset(out)
-
-
-@functools.cache
-def _non_nullable(model: type[BaseModel]) -> frozenset[str]:
-    """The aliases of `model`'s fields that take no null."""
-    return frozenset(f.alias or n for n, f in model.model_fields.items() if not _takes_null(f.annotation))
+                maps.add(alias)
+    return frozenset(refused), frozenset(maps)
 
 
 def closest(word: str, names: Iterable[str]) -> str | None:

@@ -210,14 +210,12 @@ class LocalRun:
                     f"  nats-server: JetStream cannot write ({problem}); its disk has {free >> 20} MiB free: "
                     f"waiting for room",
                     file=sys.stderr,
-                    flush=True,
                 )
             return
         tell(
             f"  nats-server: JetStream cannot write ({problem}); restarting it, its disk has room again "
             f"({free >> 20} MiB free)",
             file=sys.stderr,
-            flush=True,
         )
         self.nats.stop()
         self.nats.start()
@@ -232,14 +230,13 @@ class LocalRun:
         if delay is None:
             raise ServiceDied(name, code, log_path, tail(log_path))
         if code == STOPPED_EXIT:  # a trainer rank: the gang stopped (one of its processes was asked to)
-            tell(f"  {name} stopped with its gang, its checkpoint written: starting it again", flush=True)
+            tell(f"  {name} stopped with its gang, its checkpoint written: starting it again")
             return delay
         why = cause(tail(log_path)) if code > 0 else None  # a crash, not a kill: say what it died of
         tell(  # a warning, even when quiet
             f"  {name} exited with code {code}{f' ({why})' if why else ''}: restarting it in {delay:.0f}s "
             f"(restart {failures + 1} of {self.restart.limit})",
             file=sys.stderr,
-            flush=True,
         )
         return delay
 
@@ -509,10 +506,10 @@ class LocalRun:
         return path
 
 
-def tell(*args: object, file: TextIO | None = None, flush: bool = True) -> None:
-    """print, where a terminal gone (closed, or its session detached) cannot end the run: EIO."""
+def tell(*args: object, file: TextIO | None = None) -> None:
+    """print (flushed), where a terminal gone (closed, or its session detached) cannot end the run: EIO."""
     with contextlib.suppress(OSError):
-        print(*args, file=file or sys.stdout, flush=flush)
+        print(*args, file=file or sys.stdout, flush=True)
 
 
 def lock_run_dir(run_dir: Path, instead: str) -> TextIO:
@@ -603,7 +600,6 @@ def _run_in(job: PipelineRLJob, run_dir: Path, quiet: bool, cores: str, restart:
             f"\nerror: {err}{f' ({why})' if why else ''}; stopping the other services. "
             f"Last lines of {err.log_path}:\n{err.tail}",
             file=sys.stderr,
-            flush=True,
         )
         code = CANNOT_RUN if err.code == CANNOT_RUN else 1
     finally:
@@ -616,12 +612,12 @@ def _run_in(job: PipelineRLJob, run_dir: Path, quiet: bool, cores: str, restart:
     summary = run.summary()
     plot, unwritten = run.write_summary(summary)
     if unwritten:
-        tell(f"\nerror: {unwritten}", file=sys.stderr, flush=True)
+        tell(f"\nerror: {unwritten}", file=sys.stderr)
         code = code or 1
     run.say("\nsummary: " + json.dumps(summary, indent=1))
     if plot:
         run.say(f"plot: {plot}")
     if code == 0 and summary["learning_alarm"]:
-        tell(f"\nerror: the run ended without learning: {summary['learning_alarm']}", file=sys.stderr, flush=True)
+        tell(f"\nerror: the run ended without learning: {summary['learning_alarm']}", file=sys.stderr)
         code = 2
     return code

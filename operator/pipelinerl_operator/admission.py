@@ -34,7 +34,7 @@ MAX_MANIFEST_BYTES = 100 * 1024
 # default: on 1.28 it is off and such a container runs as an init container that never ends.
 KUBE_VERSION = "1.29"
 # A podTemplate is checked against this definition before anything reads it.
-TEMPLATE_SCHEMA = "#/$defs/io.k8s.api.core.v1.PodTemplateSpec"
+TEMPLATE_SCHEMA = "https://kubernetes.io/api/_definitions.json#/$defs/io.k8s.api.core.v1.PodTemplateSpec"
 # jsonschema's wording for an unknown field: name the field itself, as `validate` does.
 _UNEXPECTED = re.compile(r"^Additional properties are not allowed \('([^']+)' was unexpected\)$")
 
@@ -60,21 +60,24 @@ def _schema_version() -> str:
 
 @functools.cache
 def _validator(kind: str, api_version: str) -> Any:
-    """The strict schema of a kind, or of a definition (`kind` "#/$defs/..."), at KUBE_VERSION."""
+    """The strict schema of a kind at KUBE_VERSION."""
     import jsonschema
     from kubernetes_validate import utils
     from referencing import Resource
 
-    if kind.startswith("#"):
-        return jsonschema.validators.Draft202012Validator(
-            {"$ref": f"https://kubernetes.io/api/_definitions.json{kind}"}, registry=_registry()
-        )
     version = _schema_version()
     group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)  # rbac.authorization.k8s.io/v1 → rbac-v1
     schema = utils.schema_contents(
         f"kubernetes-json-schema/v{version}-local-strict/{kind.lower()}-{group}.json", version
     )
     return jsonschema.validators.Draft202012Validator(schema, registry=Resource.from_contents(schema) @ _registry())
+
+
+@functools.cache
+def _template_validator() -> Any:
+    import jsonschema
+
+    return jsonschema.validators.Draft202012Validator({"$ref": TEMPLATE_SCHEMA}, registry=_registry())
 
 
 def _schema_errors(obj: dict[str, Any]) -> list[str]:
@@ -107,7 +110,7 @@ def _template_errors(job: PipelineRLJob) -> list[str]:
     errors = []
     for role in ROLES:
         template = getattr(job.spec, role).pod_template
-        found = _validator(TEMPLATE_SCHEMA, "").iter_errors(template or {})
+        found = _template_validator().iter_errors(template or {})
         err = next((e for e in found if e.validator not in ("required", "additionalProperties")), None)
         if err is not None:
             errors.append(f"spec.{role}.podTemplate{''.join('.' + str(p) for p in err.path)}: {err.message}")

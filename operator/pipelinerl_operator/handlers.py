@@ -21,7 +21,7 @@ import kopf
 
 from pipelinerl.contracts import JOB_LABEL, OPERATOR_METRICS_PORT, ROLES, OperatorEnv
 from pipelinerl.crd import PLURAL, VERSION
-from pipelinerl.spec import API_GROUP, KIND, SpecError
+from pipelinerl.spec import API_GROUP, API_VERSION, KIND, SpecError
 from pipelinerl_operator import admission, metrics
 from pipelinerl_operator.admission import MAX_MANIFEST_BYTES
 from pipelinerl_operator.credentials import nats_accounts
@@ -184,7 +184,7 @@ async def validate_scale(body: Any, warnings: list[str] | None = None, userinfo:
     try:
         if STATE.kube is None:
             raise KubeError(0, "no client yet (the operator is starting)")
-        stored = await STATE.kube.get(f"{API_GROUP}/{VERSION}", KIND, meta["namespace"], meta["name"])
+        stored = await STATE.kube.get(API_VERSION, KIND, meta["namespace"], meta["name"])
     except (KubeError, asyncio.TimeoutError, aiohttp.ClientError) as err:
         raise kopf.AdmissionError(f"the job's scale cannot be checked now (try again): {err}", code=503) from None
     if stored is None:

@@ -256,7 +256,7 @@ async def assemble(
     cpu = not spec.generator.gpus
     engine = Engine(job, model_path, seed=seed) if cpu else None
     task = make_task(spec.task.name, spec.task.params, seed=spec.task.seed)
-    http = HealthServer("generator", env.http_port, status, env.listen_host).start()
+    http = HealthServer("generator", env.http_port, status, env.listen_address).start()
     nc = await join_job(job, env, f"{job.name}-generator-{env.rank}")
     engine = engine or Engine(job, model_path, seed=seed)
     tokenizer = load_tokenizer(model_path)  # prompts are tokenized here; vLLM takes token ids

@@ -128,7 +128,7 @@ class Preprocessor:
         return PreprocessorStatus.model_validate(now | dict(self.stats))
 
     async def run(self) -> None:
-        http = HealthServer("preprocessor", self.env.http_port, self.status, self.env.listen_host).start()
+        http = HealthServer("preprocessor", self.env.http_port, self.status, self.env.listen_address).start()
         self.nc = await join_job(self.job, self.env, f"{self.job.name}-preprocessor")
         self.js = self.nc.jetstream()
         await self._resume()

@@ -141,7 +141,7 @@ def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.
     # Rank 0 serves the weight group's rendezvous for its lifetime (every epoch meets in it).
     store = None
     if rank == 0:
-        store = open_store(env.listen_host or "0.0.0.0", env.weights_port, True, spec.weight_sync.timeout_seconds)
+        store = open_store(env.listen_address, env.weights_port, True, spec.weight_sync.timeout_seconds)
         log.info(
             "weight group (%s) rendezvous on port %d; generators join as they come",
             spec.weight_transport,
@@ -195,7 +195,7 @@ def main(job: PipelineRLJob, env: ServiceEnv) -> int:
     signal.signal(signal.SIGTERM, on_sigterm)
     torch.set_num_threads(env.torch_threads or 1)
     board = Board(env.rank, job.spec.trainer.max_steps)
-    http = HealthServer("trainer", env.http_port, board.status, env.listen_host).start()
+    http = HealthServer("trainer", env.http_port, board.status, env.listen_address).start()
     trainer = assemble(job, env, board, stop)
     trainer.start()
     http.ready = True
