@@ -162,9 +162,10 @@ def test_the_preprocessor_killed_mid_step_once_then_twice_loses_nothing(start_ru
     """The preprocessor dies four times or more, with two trainer ranks: at a failure point after storing
     step 2's last wave and before acknowledging its groups (a real kill -9, where it loses the
     acknowledgements); then, from outside, once mid-step, and twice 3 steps apart, each time mid-step
-    holding groups for a step stored in part (once more, up to twice, until two restarts found one). Each restart continues that step with the groups handed back. Every step
-    trains a full batch, nothing is dropped for lag or stale, no group is trained twice or lost,
-    and the streams hold each step once per rank, whole."""
+    holding groups for a step stored in part (once more, up to twice, until two restarts found one).
+    Each restart continues that step with the groups handed back. Every step trains a full batch,
+    nothing is dropped for lag or stale, no group is trained twice or lost, and the streams hold
+    each step once per rank, whole."""
     from pipelinerl.contracts import Env
 
     # The last kill lands near step 11; the steps after it are margin, not more test (40 before).
