@@ -41,6 +41,8 @@ def test_one_generator_of_two_dies_and_rejoins(start_run):
     # weight rendezvous, listen on loopback only.
     weights = int(re.search(r"rendezvous on port (\d+)", (run.dir / "logs" / "trainer.log").read_text())[1])
     ports = [s["http_port"] for s in run.services().values() if "http_port" in s] + [weights]
+    # (a service restarting, as a loaded machine's may, listens again once it is back)
+    run.wait_until(lambda _: all(listening_addresses(p) for p in ports), "every port listening")
     assert [listening_addresses(p) for p in ports] == [{"127.0.0.1"}] * len(ports)
     pid, killed_at = run.kill("generator-1")
 
