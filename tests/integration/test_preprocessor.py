@@ -632,13 +632,23 @@ async def test_a_preprocessor_whose_consumer_is_gone_stops_to_be_restarted(nats_
     """Its stream made again (or the store lost), the work queue's consumer is gone: a pull is
     answered 503 as while JetStream recovers, but nothing would make the consumer again. The
     preprocessor stops, saying so, and its restart (as Kubernetes would) takes the groups."""
+    from nats.js.errors import NotFoundError
+
     from pipelinerl_preprocessor.main import ConsumerLost
 
     job, env, nc, js, subjects = await start(nats_server, tmp_path, "cl", WAVES | {"mode": "sync"})
     out = await js.pull_subscribe(subjects.batches(0), durable="t")
     pre = Preprocessor(job, env, trainer_ranks=1)
     task = asyncio.create_task(pre.run())
-    await wait_until(lambda: pre.status().model_dump()["next_step"] == 0 and pre.builder.caught_up)
+    # Its consumer made (caught_up is set before: the stream was empty at the start).
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            await js.consumer_info(subjects.stream("ROLLOUTS"), "preprocessor")
+            break
+        except NotFoundError:
+            assert time.monotonic() < deadline, "the preprocessor made no consumer"
+            await asyncio.sleep(0.05)
     await js.delete_consumer(subjects.stream("ROLLOUTS"), "preprocessor")
     with pytest.raises(ConsumerLost, match="the rollouts consumer is gone"):
         await asyncio.wait_for(task, 15)
