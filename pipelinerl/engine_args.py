@@ -105,6 +105,13 @@ def engine_arg_errors(engine_args: dict[str, Any]) -> list[str]:
     """One message per argument vLLM would refuse or PipelineRL already sets, naming it."""
     known = table()["args"]
     errors = []
+    overrides = engine_args.get("hf_overrides") or {}  # the generator adds head_dtype to them
+    if not isinstance(overrides, dict):
+        errors.append(f"engineArgs.hf_overrides: expected dict, got {_kind(overrides)} {overrides!r}")
+    elif "head_dtype" in overrides:
+        errors.append(
+            "engineArgs.hf_overrides.head_dtype: set by PipelineRL (the LM head runs in fp32, as the trainer's)"
+        )
     for name, value in engine_args.items():
         if name in OWNED:
             errors.append(f"engineArgs.{name}: set by PipelineRL ({OWNED[name]})")

@@ -1,6 +1,7 @@
 """The trainer's GPU path on a real GPU (skipped where none is visible; `bash bench/gpu_check.sh`
 runs them with the GPU benchmark): torch's variable-length flash attention is the kernel that
-runs and equals the masked row, the compiled log-prob head equals the eager one, the trainer's
+runs and equals the masked row, the LM head's one-GEMM fp32 logits equal the cast-up ones, the
+compiled log-prob head equals the eager one, the trainer's
 forward in bf16 equals stock Hugging Face's, and the micro-batch loop runs under
 `torch.cuda.set_sync_debug_mode("error")`."""
 
@@ -39,12 +40,29 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+def test_the_lm_heads_fp32_gemm_over_bf16_operands_equals_the_cast_up_product():
+    """CUDA's GEMM writes fp32 logits from bf16 operands (`torch.mm(out_dtype=)`, vLLM's fp32
+    head too): the cast-up product of the same values to fp32 summation order, far closer than
+    a bf16 head."""
+    from pipelinerl_trainer.logprob_head import head_logits, head_weight
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = torch.randn(512, 896, generator=g, device="cuda").bfloat16()
+    w = (torch.randn(151_936, 896, generator=g, device="cuda") * 0.05).bfloat16()
+    assert head_weight(w, torch.bfloat16).dtype == torch.bfloat16  # no fp32 copy of the weight
+    got = head_logits(h, head_weight(w, torch.bfloat16))
+    assert got.dtype == torch.float32
+    want = h.double() @ w.double().T
+    assert (err := relative_error(got, want)) < 1e-5, f"fp32 head: relative error {err:.2e}"
+    assert relative_error((h @ w.T).float(), want) > 10 * err  # a bf16 head rounds every logit
+
+
 def test_the_compiled_log_prob_head_is_the_default_and_equals_the_eager_one():
     from pipelinerl_trainer.logprob_head import compiled_by_default, linear_logprobs
 
     assert compiled_by_default(CUDA), "Triton is missing: the head's chunk arithmetic would run eager"
     g = torch.Generator(device="cuda").manual_seed(0)
-    n, hidden, vocab = 2500, 896, 151_936  # Qwen2-0.5B's head; compiled: a chunk of 1766 tokens and a shorter one
+    n, hidden, vocab = 2500, 896, 151_936  # Qwen2-0.5B's head; compiled: two chunks of 883 tokens and a shorter one
     h = torch.randn(n, hidden, generator=g, device="cuda")
     w = torch.randn(vocab, hidden, generator=g, device="cuda") * 0.05
     targets = torch.randint(0, vocab, (n,), generator=g, device="cuda")

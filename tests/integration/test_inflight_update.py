@@ -610,6 +610,23 @@ async def test_sampling_logprobs_at_a_temperature_are_the_trainers_own(engines):
     assert effective_sample_size(r.sum().item(), (r * r).sum().item(), r.numel()) > 0.9999
 
 
+async def test_the_engine_computes_its_lm_head_in_fp32_over_bf16_weights(tiny_qwen2):
+    """The rig's engines run in float32, where the head's dtype is the model's: a bf16 job's
+    engine is configured (not started) to compute its LM head in fp32 as the trainer does, with a
+    job's own hf_overrides kept beside it."""
+    from pipelinerl.spec import parse_job
+    from pipelinerl_generator.engine import engine_args
+
+    spec = {"model": {"path": str(tiny_qwen2), "dtype": "bfloat16"}}
+    spec["generator"] = {"engineArgs": {"hf_overrides": {"rope_theta": 5000.0}}}
+    job = parse_job(
+        {"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "metadata": {"name": "h"}, "spec": spec}
+    )
+    config = engine_args(job, str(tiny_qwen2), seed=0).create_model_config()
+    assert (config.dtype, config.head_dtype) == (torch.bfloat16, torch.float32)
+    assert config.hf_config.rope_theta == 5000.0
+
+
 async def test_weights_vllm_derives_after_loading_send_the_update_through_its_reload():
     """`load_blockers` names what an in-place copy would leave stale; the tiny model has none
     (the engines above take the staged path), plain linear layers have none."""

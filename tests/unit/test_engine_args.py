@@ -61,3 +61,13 @@ def test_workers_beyond_the_engines_tensor_parallel_ones_are_refused() -> None:
         (error,) = engine_arg_errors({name: 2})
         assert error.startswith(f"engineArgs.{name}: set by PipelineRL") and "generator.tensorParallel" in error
     assert engine_arg_errors({"decode_context_parallel_size": 2}) == []  # within the tensor-parallel workers
+
+
+def test_the_lm_heads_dtype_is_the_generators_own() -> None:
+    """The generator adds head_dtype (fp32, as the trainer's head) to the job's hf_overrides."""
+    assert engine_arg_errors({"hf_overrides": {"rope_theta": 5000.0}}) == []
+    (error,) = engine_arg_errors({"hf_overrides": {"head_dtype": "bfloat16"}})
+    assert error.startswith("engineArgs.hf_overrides.head_dtype: set by PipelineRL")
+    assert engine_arg_errors({"hf_overrides": '{"rope_theta": 1}'}) == [
+        "engineArgs.hf_overrides: expected dict, got str '{\"rope_theta\": 1}'"
+    ]

@@ -1,7 +1,8 @@
 """The fused, chunked log-prob head equals the reference arithmetic (the LM head's matmul, then
 `token_logprobs`) within 1e-5, values and gradients of hidden states and weight, whatever the
-chunking; its compiled chunk arithmetic (the GPU's) equals the eager one, here compiled for the
-CPU; and its peak memory is a few chunks, not the [tokens, vocabulary] logits."""
+chunking; its logits are fp32 from 16-bit operands (the LM head in fp32); its compiled chunk
+arithmetic (the GPU's) equals the eager one, here compiled for the CPU; and its peak memory is a
+few chunks, not the [tokens, vocabulary] logits."""
 
 import pytest
 import torch
@@ -54,15 +55,28 @@ def test_only_the_gradients_asked_for_flow():
     torch.testing.assert_close(h.grad, hr.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_autocast_computes_the_matmul_in_bf16_like_the_reference():
-    h, w, targets = inputs(vocab=300)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        lp, ent = linear_logprobs(h, w, targets, 1.0, 16)
-        ref_lp, ref_ent = reference(h, w, targets, 1.0)
+@pytest.mark.parametrize("how", ["autocast", "weights"])
+def test_bf16_operands_give_fp32_logits_not_rounded_to_bf16(how):
+    """Under bf16 autocast, or with bf16 weights (DeepSpeed's bf16), the head takes bf16 operands
+    and keeps its logits in fp32, as vLLM's fp32 head does: equal to the fp32 product of the same
+    bf16 values, and measurably off the bf16-rounded logits (what a bf16 head computes)."""
+    h, w, targets = inputs(n=64, hidden=64, vocab=300)
+    w = (w.detach() * 2).requires_grad_()  # logits up to a few tens, as a trained model's
+    hb, wb = h.detach().bfloat16(), w.detach().bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=how == "autocast"):
+        if how == "autocast":
+            lp, ent = linear_logprobs(h, w, targets, 0.7, 16)
+        else:
+            h, w = hb.clone().requires_grad_(), wb.clone().requires_grad_()
+            lp, ent = linear_logprobs(h, w, targets, 0.7, 16)
     assert lp.dtype == torch.float32
-    torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=1e-4)  # the same bf16 matmul, fp32 after it
-    lp.sum().backward()
-    assert h.grad.dtype == torch.float32 and w.grad.dtype == torch.float32
+    fp32_head, _ = reference(hb.float(), wb.float(), targets, 0.7)
+    bf16_head, _ = reference(hb, wb, targets, 0.7)  # logits rounded to bf16 before the fp32 log-softmax
+    torch.testing.assert_close(lp, fp32_head, atol=1e-5, rtol=1e-5)
+    assert (lp - bf16_head).abs().max() > 1e-2
+    (lp.sum() + ent.sum()).backward()
+    assert h.grad.dtype == h.dtype and w.grad.dtype == w.dtype
+    assert h.grad.isfinite().all() and w.grad.isfinite().all()
 
 
 def losses_and_grads(compiled, temperature, chunk, autocast=False, n=50, vocab=97):
@@ -82,7 +96,7 @@ def test_the_compiled_chunk_arithmetic_equals_the_eager_one():
         got, want = (losses_and_grads(c, temperature, chunk) for c in (True, False))
         for a, b, name in zip(got, want, names):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=f"{name} at T={temperature}, chunk {chunk}")
-    # Under bf16 autocast both take the same bf16 matmul and hand back bf16 logit gradients.
+    # Under bf16 autocast both take the same bf16 operands to fp32 logits.
     got, want = (losses_and_grads(c, 1.0, 16, autocast=True, vocab=300) for c in (True, False))
     for a, b, name in zip(got, want, names):
         torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3, msg=f"{name} under autocast")
@@ -94,7 +108,7 @@ def test_only_cuda_compiles_the_chunk_arithmetic_by_default():
 
 def test_chunks_hold_a_budget_of_logits():
     assert chunk_tokens(151_936) == (256 << 20) // (4 * 151_936)  # 441 tokens of Qwen2's vocabulary
-    assert chunk_tokens(151_936, 512 << 20, 2) == 1766  # compiled, bf16: no fp32 copy of the chunk
+    assert chunk_tokens(151_936, 512 << 20) == 883  # compiled: no copy of the chunk beside its logits
     assert chunk_tokens(10, budget=16) == 1
 
 

@@ -100,7 +100,12 @@ def engine_args(job: PipelineRLJob, model_path: str, seed: int, utilization: flo
     )
     if utilization is not None:  # the generator's memory plan: room beside vLLM for weight updates
         args["gpu_memory_utilization"] = utilization
-    args.update(generator.engine_args)
+    extra = dict(generator.engine_args)
+    # The LM head in fp32, as the trainer's (`logprob_head`): logits kept in fp32 from the 16-bit
+    # operands, not rounded to bf16 first, for train/inference parity. vLLM computes the head
+    # after the graphed forward, in its sampler's memory profile; on CUDA one GEMM writes fp32.
+    args["hf_overrides"] = (extra.pop("hf_overrides", None) or {}) | {"head_dtype": "float32"}
+    args.update(extra)
     return AsyncEngineArgs(**args)
 
 

@@ -6,17 +6,23 @@ the logits, their fp32 copy, the log-softmax and the entropy's product are 5 GB 
 head's matmul, the temperature, the log-softmax, the picked token and the entropy are computed
 one chunk of tokens at a time, keeping only two numbers per token; the backward pass recomputes
 each chunk's logits and turns them into the gradients of the hidden states and of the head's
-weight. The arithmetic is `token_logprobs`'s: the matmul in the compute dtype (the weights', or
-autocast's), the rest in fp32.
+weight. The arithmetic is `token_logprobs`'s on fp32 logits.
+
+The LM head runs in fp32 (REFERENCE: train/inference parity): its operands are in the compute
+dtype (the weights', or autocast's), their products summed and kept in fp32, never rounded to 16
+bits (a bf16 logit of 20 is off by up to 0.06, and so is its log-prob). The generator's vLLM
+computes its head so too (`head_dtype`, which the generator sets): on CUDA both are one GEMM
+writing fp32 (`torch.mm(out_dtype=)`); elsewhere the operands are cast up first, the same numbers.
 
 Two ways to do a chunk's arithmetic after its matmul, equal to rounding (tests):
-- eager (the CPU path): in place on one fp32 copy of the chunk's logits, `LOGIT_CHUNK_BYTES` of
-  them; a dozen passes over it, each its own kernel.
+- eager (the CPU path): in place on the chunk's fp32 logits, `LOGIT_CHUNK_BYTES` of them; a
+  dozen passes over them, each its own kernel.
 - compiled (CUDA, where Triton is installed): the same formulas under torch.compile, which fuses
-  them into a few kernels that read the chunk's logits in the compute dtype and write one
-  gradient in it: no fp32 copy, so chunks of `COMPILED_CHUNK_BYTES` of logits. On a GPU the
-  eager passes cost several times the head's matmuls: on an H200 at Qwen2-0.5B shapes they were
-  the top kernels of the step, and compiling them took it from 1.64 to 1.11 s (benchmark 6).
+  them into a few kernels that read the chunk's logits and write one gradient in the compute
+  dtype: no copy of the chunk, so chunks of `COMPILED_CHUNK_BYTES` of logits. On a GPU the
+  eager passes cost several times the head's matmuls: on an H200 at Qwen2-0.5B shapes (with the
+  logits then in bf16) they were the top kernels of the step, and compiling them took it from
+  1.64 to 1.11 s (benchmark 6).
 
 With z = logits / temperature, p = softmax(z), H = -Σ p log p:
   d log p[a] / dz = onehot(a) - p,    dH / dz = -p (log p + H).
@@ -29,17 +35,32 @@ import importlib.util
 
 import torch
 
-LOGIT_CHUNK_BYTES = 256 << 20  # eager: fp32 logits of one chunk (two such buffers are alive at once)
-COMPILED_CHUNK_BYTES = 512 << 20  # compiled: logits of one chunk in the compute dtype (and its gradient)
+LOGIT_CHUNK_BYTES = 256 << 20  # eager: the fp32 logits of one chunk (two such buffers are alive at once)
+COMPILED_CHUNK_BYTES = 512 << 20  # compiled: the fp32 logits of one chunk (and its gradient, in the compute dtype)
+FP32_OUT = (torch.bfloat16, torch.float16)  # the operand dtypes a CUDA GEMM sums into fp32 output
 
 
-def chunk_tokens(vocab: int, budget: int = LOGIT_CHUNK_BYTES, itemsize: int = 4) -> int:
-    return max(1, budget // (itemsize * vocab))
+def chunk_tokens(vocab: int, budget: int = LOGIT_CHUNK_BYTES) -> int:
+    return max(1, budget // (4 * vocab))
 
 
 def _compute_dtype(weight: torch.Tensor) -> torch.dtype:
     kind = weight.device.type
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else weight.dtype
+
+
+def head_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The head's weight as `head_logits` takes it: in the compute dtype where a GEMM writes fp32
+    from it (CUDA, 16-bit); elsewhere cast up to fp32, once a pass (16-bit values are exact in fp32)."""
+    w = weight.to(dtype)
+    return w if w.is_cuda and dtype in FP32_OUT else w.float()
+
+
+def head_logits(hidden: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """hidden [n, H] (compute dtype), `head_weight`'s w [V, H] → fp32 logits [n, V]."""
+    if w.dtype == torch.float32:
+        return hidden.float() @ w.T
+    return torch.mm(hidden, w.t(), out_dtype=torch.float32)
 
 
 def compiled_by_default(device: torch.device) -> bool:
@@ -51,20 +72,20 @@ def compiled_by_default(device: torch.device) -> bool:
 
 
 def chunk_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
-    """Logits [n, V] (compute dtype) → fp32 (log-sum-exp, log p(target), entropy) [n] of z."""
-    z = logits.float() / temperature
+    """fp32 logits [n, V] → fp32 (log-sum-exp, log p(target), entropy) [n] of z."""
+    z = logits / temperature
     lse = torch.logsumexp(z, -1)
     logp = z - lse[:, None]
     return lse, logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
 
 
-def chunk_grad(logits, targets, lse, entropy, g_lp, g_ent, temperature: float) -> torch.Tensor:
-    """dL/dlogits [n, V] in the logits' dtype, given dL/dlogp(target) and dL/dH per row."""
-    logp = logits.float() / temperature - lse[:, None]
+def chunk_grad(logits, targets, lse, entropy, g_lp, g_ent, temperature: float, dtype: torch.dtype) -> torch.Tensor:
+    """dL/dlogits [n, V] in `dtype` (the head weight's), given dL/dlogp(target) and dL/dH per row."""
+    logp = logits / temperature - lse[:, None]
     p = logp.exp()
     onehot = torch.arange(logits.shape[1], device=logits.device)[None, :] == targets[:, None]
     grad = ((logp + entropy[:, None]) * -g_ent[:, None] - g_lp[:, None]) * p + torch.where(onehot, g_lp[:, None], 0.0)
-    return (grad / temperature).to(logits.dtype)
+    return (grad / temperature).to(dtype)
 
 
 @functools.cache
@@ -84,19 +105,19 @@ def _eager_stats(logits: torch.Tensor, targets: torch.Tensor, temperature: float
     return lse, logprobs, -z.exp().mul_(z).sum(-1)
 
 
-def _eager_grad(logits, targets, lse, entropy, g_lp, g_ent, temperature: float) -> torch.Tensor:
+def _eager_grad(logits, targets, lse, entropy, g_lp, g_ent, temperature: float, dtype: torch.dtype) -> torch.Tensor:
     logp = _scaled(logits, temperature).sub_(lse[:, None])
     p = logp.exp()
     # dL/dz = g_lp (onehot - p) - g_ent p (log p + H), built in logp's buffer
     grad = logp.add_(entropy[:, None]).mul_(-g_ent[:, None]).sub_(g_lp[:, None]).mul_(p)
     del p
     grad.scatter_add_(1, targets[:, None], g_lp[:, None])
-    return grad.div_(temperature).to(logits.dtype)
+    return grad.div_(temperature).to(dtype)
 
 
 def _scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = logits.float()
-    return z.div_(temperature) if temperature != 1.0 else z
+    """In place: the logits are the chunk's own fp32 buffer."""
+    return logits.div_(temperature) if temperature != 1.0 else logits
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -107,11 +128,11 @@ class _LinearLogprobs(torch.autograd.Function):
         entropy = hidden.new_empty(n, dtype=torch.float32)
         lse = hidden.new_empty(n, dtype=torch.float32)
         stats = _compiled()[0] if compiled else _eager_stats
-        w = weight.to(dtype)
+        w = head_weight(weight, dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             for a in range(0, n, chunk):
                 s = slice(a, min(n, a + chunk))
-                lse[s], logprobs[s], entropy[s] = stats(hidden[s].to(dtype) @ w.T, targets[s], temperature)
+                lse[s], logprobs[s], entropy[s] = stats(head_logits(hidden[s].to(dtype), w), targets[s], temperature)
         ctx.save_for_backward(hidden, weight, targets, lse, entropy)
         ctx.temperature, ctx.chunk, ctx.dtype, ctx.compiled = temperature, chunk, dtype, compiled
         return logprobs, entropy
@@ -121,7 +142,7 @@ class _LinearLogprobs(torch.autograd.Function):
         hidden, weight, targets, lse, entropy = ctx.saved_tensors
         dtype = ctx.dtype
         n = hidden.shape[0]
-        w = weight.to(dtype)
+        w = head_weight(weight, dtype)
         grad_of = _compiled()[1] if ctx.compiled else _eager_grad
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = (
@@ -133,11 +154,14 @@ class _LinearLogprobs(torch.autograd.Function):
             for a in range(0, n, ctx.chunk):
                 s = slice(a, min(n, a + ctx.chunk))
                 h = hidden[s].to(dtype)
-                grad = grad_of(h @ w.T, targets[s], lse[s], entropy[s], g_lp[s], g_ent[s], ctx.temperature)
+                logits = head_logits(h, w)
+                grad = grad_of(logits, targets[s], lse[s], entropy[s], g_lp[s], g_ent[s], ctx.temperature, w.dtype)
+                del logits
+                h = h.to(w.dtype)
                 if grad_hidden is not None:
                     grad_hidden[s] = (grad @ w).to(hidden.dtype)
                 if grad_weight is not None:  # accumulated in fp32 over the chunks
-                    if dtype == torch.float32:
+                    if w.dtype == torch.float32:
                         grad_weight.addmm_(grad.T, h)
                     else:
                         grad_weight.add_(grad.T @ h)
@@ -161,6 +185,5 @@ def linear_logprobs(
     compiled = compiled_by_default(hidden.device) if compiled is None else compiled
     dtype = _compute_dtype(weight)
     if chunk is None:
-        budget, itemsize = (COMPILED_CHUNK_BYTES, dtype.itemsize) if compiled else (LOGIT_CHUNK_BYTES, 4)
-        chunk = chunk_tokens(weight.shape[0], budget, itemsize)
+        chunk = chunk_tokens(weight.shape[0], COMPILED_CHUNK_BYTES if compiled else LOGIT_CHUNK_BYTES)
     return _LinearLogprobs.apply(hidden, weight, targets, float(temperature), chunk, dtype, compiled)
