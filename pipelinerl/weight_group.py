@@ -129,25 +129,27 @@ def buffer_device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def open_store(host: str, port: int, is_master: bool, timeout_s: float) -> dist.Store:
+def open_store(
+    host: str, port: int, is_master: bool, timeout_s: float, what: str = "weight group rendezvous"
+) -> dist.Store:
     """The rendezvous store: trainer rank 0 serves it for its lifetime (every epoch's group meets
     in it under its own prefix); each generator connects to it to join an epoch. The server
     listens on `host` where it names one address (a local run's loopback): torch's own server
-    listens on every address whatever it is given, so it is handed a socket bound here."""
+    listens on every address whatever it is given, so it is handed a socket bound here. (The
+    trainer ranks' own store is served so too: `what` names it in errors.)"""
     try:
         fd = None
         if is_master and host not in ("", "0.0.0.0", "::"):
-            fd = socket.create_server((host, port)).detach()  # the store's now: it closes it
+            family = socket.AF_INET6 if ":" in host else socket.AF_INET
+            fd = socket.create_server((host, port), family=family).detach()  # the store's now: it closes it
         return dist.TCPStore(
             host, port, None, is_master, timedelta(seconds=timeout_s), wait_for_workers=False, master_listen_fd=fd
         )
     except OSError as e:  # the address taken or not this machine's
-        raise WeightSyncTimeout(f"weight group rendezvous at {host}:{port}: cannot serve: {e}") from e
+        raise WeightSyncTimeout(f"{what} at {host}:{port}: cannot serve: {e}") from e
     except RuntimeError as e:  # DistStoreError subclasses RuntimeError
         side = "cannot serve" if is_master else "no trainer"
-        raise WeightSyncTimeout(
-            f"weight group rendezvous at {host}:{port}: {side} (timeout {timeout_s:g} s): {e}"
-        ) from e
+        raise WeightSyncTimeout(f"{what} at {host}:{port}: {side} (timeout {timeout_s:g} s): {e}") from e
 
 
 def _process_group(backend: str, store: dist.Store, rank: int, world_size: int, timeout_s: float):

@@ -250,6 +250,7 @@ class LocalRun:
                 "role": s.role,
                 "rank": s.rank,
                 "http_port": s.http_port,
+                **({"master_port": s.env.master_port} if s.env.master_port and s.rank == 0 else {}),
             }
             for s in self.services
         }

@@ -37,10 +37,11 @@ def test_one_generator_of_two_dies_and_rejoins(start_run):
     # Killed once it has fed a step: generator-0 alone may reach any given step before it joins.
     run.wait_until(lambda train: any(groups_from(r, 1) > 0 for r in train), "a step fed by generator-1")
     epoch = run.train()[-1]["weight_epoch"]  # read before the kill: read after, it may count the epoch the kill started
-    # A local run's ports are its own machine's: every service's HTTP port, and the trainer's
-    # weight rendezvous, listen on loopback only.
+    # A local run's ports are its own machine's: every service's HTTP port, the trainer's weight
+    # rendezvous and its ranks' own, listen on loopback only.
     weights = int(re.search(r"rendezvous on port (\d+)", (run.dir / "logs" / "trainer.log").read_text())[1])
-    ports = [s["http_port"] for s in run.services().values() if "http_port" in s] + [weights]
+    services = run.services().values()
+    ports = [s[k] for s in services for k in ("http_port", "master_port") if k in s] + [weights]
     # (a service restarting, as a loaded machine's may, listens again once it is back)
     run.wait_until(lambda _: all(listening_addresses(p) for p in ports), "every port listening")
     assert [listening_addresses(p) for p in ports] == [{"127.0.0.1"}] * len(ports)

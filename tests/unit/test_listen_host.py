@@ -24,6 +24,9 @@ def test_the_weight_rendezvous_listens_where_it_is_told():
     everywhere = free_port()
     kept = open_store("0.0.0.0", everywhere, True, 5.0)  # noqa: F841 - served while it lives
     assert listening_addresses(everywhere) & {"0.0.0.0", "::"}
+    v6 = free_port()
+    kept_v6 = open_store("::1", v6, True, 5.0)  # noqa: F841 - IPv6's loopback, as a pod's listen host may be
+    assert listening_addresses(v6) == {"::1"}
 
 
 def test_the_health_server_listens_where_it_is_told():

@@ -57,7 +57,7 @@ def join_torch_group(job: PipelineRLJob, env: ServiceEnv, stop: threading.Event)
     timeout_s = job.spec.weight_sync.timeout_seconds
     if world > 1 and env.rank > 0:
         say_started(addr, port, env.rank, timeout_s)
-    init_distributed(on_gpu, timeout_s * 5)
+    init_distributed(on_gpu, timeout_s * 5, env.listen_address)
     vote = StopVote.of_ranks(world, DATA_TIMEOUT_S + timeout_s)  # a vote waits for a rank waiting for data
     return PeerWatch.of_ranks(addr, port, env.rank, world, timeout_s, stop), vote
 

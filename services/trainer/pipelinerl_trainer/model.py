@@ -8,14 +8,15 @@ import sys
 import types
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from pipelinerl.spec import TrainerSpec
-from pipelinerl.weight_group import DTYPES
+from pipelinerl.weight_group import DTYPES, open_store
 from pipelinerl_trainer.logprob_head import linear_logprobs
 from pipelinerl_trainer.packed_attention import Packing, use_packed_attention
+from pipelinerl_trainer.peers import rendezvous_client
 
 
 def import_deepspeed():
@@ -33,7 +34,13 @@ def import_deepspeed():
     return deepspeed
 
 
-def init_distributed(on_gpu: bool, timeout_s: float) -> None:
+def init_distributed(on_gpu: bool, timeout_s: float, listen_host: str = "0.0.0.0") -> None:
+    """The ranks' torch group, from torch's variables (RANK, WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT; LOCAL_RANK on a GPU), which DeepSpeed then takes as its own. Its store is made
+    here, not by torch from the variables: rank 0 serves it on `listen_host` alone where that
+    names one address (a local run's loopback), where torch's own server listens on every one."""
+    import torch.distributed as dist
+
     if not on_gpu:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     deepspeed = import_deepspeed()
@@ -42,7 +49,19 @@ def init_distributed(on_gpu: bool, timeout_s: float) -> None:
         # use; gloo is fast enough for the tiny models run on CPU. (sys.modules: the attribute
         # `deepspeed.comm.torch` is shadowed by the torch package itself.)
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
-    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s))
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    port = int(os.environ["MASTER_PORT"])
+    if rank == 0:
+        store = open_store(listen_host, port, True, timeout_s, "the trainer ranks' rendezvous")
+    else:
+        store = rendezvous_client(os.environ["MASTER_ADDR"], port, timeout_s)
+    extra: dict[str, Any] = {}
+    if on_gpu and world > 1:  # as DeepSpeed binds it: NCCL's communicator made at once, on this rank's GPU
+        extra["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if on_gpu else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **extra)
+    deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
 
 
 def ds_config(trainer: TrainerSpec, dtype: str) -> dict:
