@@ -63,7 +63,7 @@ class Outcome(StrEnum):
     DEAD_LETTERED = "dead_lettered"  # cannot be trained (the preprocessor's checks, or not decodable)
 
 
-ENTRY_FIELDS = ("id", "generator", "outcome", "samples", "credited", "wave")
+ENTRY_FIELDS = ("id", "generator", "outcome", "samples", "credited", "wave", "reward_sum")
 
 
 class GroupEntry(BaseModel):
@@ -77,6 +77,7 @@ class GroupEntry(BaseModel):
     samples: int = Field(ge=0)
     credited: bool  # frees a place in its generator's admission queue (not one it counted discarded)
     wave: int = Field(ge=0)  # the wave of the step that acknowledged it
+    reward_sum: float = 0.0  # its samples' rewards summed (0 where dead-lettered: not trusted)
 
     @model_validator(mode="before")
     @classmethod
@@ -89,7 +90,7 @@ class GroupEntry(BaseModel):
 
     @model_serializer
     def _as_list(self) -> list:
-        return [self.id, self.generator, self.outcome.value, self.samples, self.credited, self.wave]
+        return [self.id, self.generator, self.outcome.value, self.samples, self.credited, self.wave, self.reward_sum]
 
 
 class StepLedger(BaseModel):
@@ -141,6 +142,15 @@ class StepLedger(BaseModel):
         return len(self.entries(Outcome.FILTERED))
 
     @property
+    def sampled_reward(self) -> float | None:
+        """Mean reward of the samples the step took, trained or filtered: the policy's reward.
+        The trained ones alone are biased where zero-variance groups are filtered (with 0/1
+        rewards their mean tends to 1/2 whatever the policy). None: the step took none."""
+        took = self.entries(Outcome.TRAINED) + self.entries(Outcome.FILTERED)
+        samples = sum(e.samples for e in took)
+        return sum(e.reward_sum for e in took) / samples if samples else None
+
+    @property
     def dead_lettered(self) -> int:
         return len(self.entries(Outcome.DEAD_LETTERED))
 
@@ -171,7 +181,13 @@ def undecodable_id(sequence: int) -> str:
 
 
 def credit(
-    ledger: StepLedger, outcome: Outcome, group_id: str, generator: int | None, samples: int, discarded: bool
+    ledger: StepLedger,
+    outcome: Outcome,
+    group_id: str,
+    generator: int | None,
+    samples: int,
+    discarded: bool,
+    reward_sum: float = 0.0,
 ) -> GroupEntry:
     """Record a group's outcome in the step being built, acknowledged with its next wave.
 
@@ -190,6 +206,7 @@ def credit(
         samples=samples,
         credited=generator is not None and not discarded,
         wave=ledger.waves,
+        reward_sum=reward_sum,
     )
     ledger.groups.append(entry)
     return entry

@@ -14,12 +14,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pipelinerl.books import GeneratorBooks, StepLedger
 
+# 7: each ledger entry's reward_sum;
 # 6: MicroBatch.ledger (one StepLedger) instead of step_samples, step_groups_filtered,
 # step_groups_rejected, step_samples_stale, step_groups_by_generator, generator_books and
 # settled_group_ids; 5: MicroBatch.settled_group_ids; 4: MicroBatch.lengths instead of sample_ids;
 # 3: RolloutGroup.books;
 # 2: without problem_id/start_version/gen_seconds, PolicyVersion without step
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 
 class MessageError(ValueError):

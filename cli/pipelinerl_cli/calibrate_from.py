@@ -12,7 +12,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from pipelinerl.messages import Metrics, MicroBatch, decode
+from pipelinerl.messages import MessageError, Metrics, MicroBatch, decode
 from pipelinerl.planner.calibration import Calibration, load_calibration
 from pipelinerl.planner.pilot import PilotError, completion_lengths, derive_calibration, format_taken, train_rows
 from pipelinerl.spec import PipelineRLJob, load_job
@@ -35,12 +35,15 @@ async def _read(url: str, job: PipelineRLJob) -> tuple[list[dict], list[MicroBat
         batches = await wait_for(stored_messages(js, subjects.stream("BATCHES")), READ_TIMEOUT_S, "the BATCHES stream")
     finally:
         await close(nc)
-    rows = []
-    for msg in metrics:
-        row = decode(msg.data, Metrics)
-        if row.kind == "train":
-            rows.append({"kind": row.kind, "time": row.timestamp, **row.values})
-    return rows, [decode(msg.data, MicroBatch) for msg in batches]
+    try:
+        rows = []
+        for msg in metrics:
+            row = decode(msg.data, Metrics)
+            if row.kind == "train":
+                rows.append({"kind": row.kind, "time": row.timestamp, **row.values})
+        return rows, [decode(msg.data, MicroBatch) for msg in batches]
+    except MessageError as e:  # a run of another build (the schema version)
+        raise PilotError(f"job {job.name}: a stored message this build cannot read: {e}") from e
 
 
 def _stored_batches(run: Path, job: PipelineRLJob) -> list[MicroBatch]:

@@ -39,7 +39,10 @@ RECONCILE_SECONDS = Histogram(
 PROGRESS = {
     "pipelinerl_job_progress_step": ("Trainer step", ("progress", "step")),
     "pipelinerl_job_progress_version": ("Policy version", ("progress", "version")),
-    "pipelinerl_job_progress_reward": ("Mean reward of the last step", ("progress", "reward")),
+    "pipelinerl_job_progress_reward": (
+        "Mean reward of the samples the last step took, trained or filtered",
+        ("progress", "reward"),
+    ),
     "pipelinerl_job_progress_lag_mean": ("Mean policy lag of trained tokens", ("progress", "lagMean")),
     "pipelinerl_job_progress_tokens_per_second": ("Trainer tokens per second", ("progress", "tokensPerSecond")),
     "pipelinerl_job_generators_ready": ("Ready generator replicas", ("roles", "generator", "ready")),

@@ -60,6 +60,8 @@ def test_pipeline_mode_two_deepspeed_ranks_zero3(zero3_run):
     assert all(r["lag_max"] <= 2 for r in train) and summary["samples_dropped_for_lag"] == 0
     assert max(r["lag_max"] for r in train) >= 1  # generation really ran ahead of training
     assert all(r["samples"] == 16 for r in train) and all(r["micro_batches"] >= 2 for r in train)
+    # Nothing filtered here: the policy's reward (the ledger's sums) is the trained samples' (the ranks' tallies).
+    assert all(r["groups_filtered"] == 0 and r["reward"] == pytest.approx(r["reward_trained"]) for r in train)
     # Whether an update lands on running requests here depends on timing (on this CPU the
     # generator outpaces training and idles at the lag bound): test_inflight_update proves it.
     evals = rows(tmp_path, "eval")

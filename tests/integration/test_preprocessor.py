@@ -124,6 +124,8 @@ async def test_preprocessor_service(nats_server, tmp_path):
         assert sorted(set(advs)) == [-1.0, 1.0]  # leave-one-out on rewards {1, 0}
         final = next(b for b in per_rank[0] if b.step == step and b.last)
         assert sum(final.ledger.credits.values()) == 2
+        # The policy's reward: step 0 took g1 (1, 1) too, filtered, beside two groups of 1 and 0.
+        assert final.ledger.sampled_reward == (4 / 6 if step == 0 else 1 / 2)
     # Acked inputs are gone from the work queue; the waiting group is still held (unacked).
     info = await js.consumer_info(subjects.stream("ROLLOUTS"), "preprocessor")
     assert info.num_ack_pending == 1 and info.num_pending == 0

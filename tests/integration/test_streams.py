@@ -766,3 +766,24 @@ def test_a_local_runs_store_is_sized_by_its_job_not_by_the_disks_free_space(tmp_
             assert json.load(answer)["config"]["max_storage"] == 5 << 40
     finally:
         server.stop()
+
+
+async def test_calibrating_from_the_store_of_another_build_says_so(nats_server):
+    """`plan --calibrate-from` a job whose store holds micro-batches of another schema version:
+    a PilotError naming the job and the version, not a traceback."""
+    import msgpack
+
+    from pipelinerl.planner.pilot import PilotError
+    from pipelinerl.spec import parse_job
+    from pipelinerl_cli.calibrate_from import _read
+
+    job = parse_job({"metadata": {"name": "t-job"}, "spec": {}})
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js, SUBJECTS, 8)
+    body = msgpack.unpackb(m.encode(m.MicroBatch(step=0, rank=0, index=0)))
+    body["v"] = m.SCHEMA_VERSION - 1
+    await js.publish(SUBJECTS.batches(0), msgpack.packb(body), timeout=5)
+    await close(nc)
+    with pytest.raises(PilotError, match=rf"job t-job: a stored message this build cannot read: .*version {body['v']}"):
+        await _read(nats_server.url, job)

@@ -13,6 +13,7 @@ tensor operation (on a GPU, bench/gpu_check.sh runs the same step under
 lists, and the grouped kernel's gather plan from its lengths, is host work by construction (CPU
 tensors made from host lists, then copied without waiting) and is not counted."""
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -115,6 +116,7 @@ def test_the_micro_batch_loop_reads_nothing_back(monkeypatch):
         assert counter.syncs == [], f"{kind}: host syncs in the micro-batch loop: {counter.syncs}"
         metrics = tally.finish().metrics()  # the one read, at the step's end
         assert metrics["samples"] == sum(len(b.rewards) for b in batches) and metrics["tokens"] > 0
+        assert metrics["reward_trained"] == pytest.approx(sum(sum(b.rewards) for b in batches) / metrics["samples"])
         assert metrics["dropped_for_lag"] > 0  # versions 0 at version 2 are over max lag 1
 
 

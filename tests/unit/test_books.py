@@ -43,6 +43,24 @@ def test_each_outcome_is_credited_to_its_generator_unless_it_counted_the_group_d
         credit(ledger, Outcome.TRAINED, "h@0", 0, 4, discarded=True)
 
 
+def test_the_policys_reward_counts_the_filtered_groups_the_trained_one_does_not():
+    """Binary rewards, groups of 4: two mixed groups trained (1 and 3 right), an all-right and
+    an all-wrong one filtered, a stale and a dead-lettered one left out. The policy's reward is
+    that of the 16 samples it took, 8 right; the trained samples' alone is 4 of 8 whatever the
+    filtered groups say."""
+    ledger = StepLedger()
+    assert ledger.sampled_reward is None
+    credit(ledger, Outcome.TRAINED, "a", 0, 4, False, reward_sum=1.0)
+    credit(ledger, Outcome.TRAINED, "b", 0, 4, False, reward_sum=3.0)
+    credit(ledger, Outcome.FILTERED, "c", 0, 4, True, reward_sum=4.0)
+    credit(ledger, Outcome.FILTERED, "d", 0, 4, True, reward_sum=0.0)
+    credit(ledger, Outcome.STALE, "e", 0, 4, False, reward_sum=4.0)
+    credit(ledger, Outcome.DEAD_LETTERED, "f", 0, 4, False)
+    assert ledger.sampled_reward == 8 / 16
+    credit(ledger, Outcome.FILTERED, "g", 0, 4, True, reward_sum=4.0)  # one more solved
+    assert ledger.sampled_reward == 12 / 20
+
+
 def test_entries_are_numbered_by_the_wave_that_acknowledges_them():
     ledger = StepLedger()
     credit(ledger, Outcome.TRAINED, "a", 0, 2, False)
@@ -56,18 +74,18 @@ def test_entries_are_numbered_by_the_wave_that_acknowledges_them():
 
 def test_the_ledger_rides_on_the_micro_batch_compactly_and_is_checked_by_field():
     ledger = StepLedger(generators={"0": GeneratorBooks(published=9, discarded=2)})
-    credit(ledger, Outcome.TRAINED, "p12@0", 0, 8, False)
+    credit(ledger, Outcome.TRAINED, "p12@0", 0, 8, False, reward_sum=3.0)
     ledger.waves, ledger.wave_last, ledger.closed = 1, 0, True
     mb = m.MicroBatch(step=3, rank=0, index=0, last=True, ledger=ledger)
     data = m.encode(mb)
     assert m.decode(data, m.MicroBatch) == mb
     body = msgpack.unpackb(data)
-    assert body["ledger"]["groups"] == [["p12@0", 0, "trained", 8, True, 0]]  # an entry is a list on the wire
+    assert body["ledger"]["groups"] == [["p12@0", 0, "trained", 8, True, 0, 3.0]]  # an entry is a list on the wire
     body["ledger"]["groups"][0][3] = -1
     with pytest.raises(m.MessageError, match=r"micro_batch: ledger\.groups\.0\.samples"):
         m.decode(msgpack.packb(body), m.MicroBatch)
     body["ledger"]["groups"][0] = ["p12@0", 0, "trained"]
-    with pytest.raises(m.MessageError, match="a ledger entry has 6 fields"):
+    with pytest.raises(m.MessageError, match="a ledger entry has 7 fields"):
         m.decode(msgpack.packb(body), m.MicroBatch)
 
 

@@ -111,11 +111,16 @@ class StepBuilder:
         credit(self.ledger, Outcome.DEAD_LETTERED, entry_id, generator, samples, discarded)
         self.settled.append((ref, entry_id))
 
+    def _credit(self, outcome: Outcome, group: RolloutGroup, discarded: bool = False) -> None:
+        samples = group.samples
+        reward_sum = sum(s.reward for s in samples)
+        credit(self.ledger, outcome, group.group_id, group.generator, len(samples), discarded, reward_sum)
+
     def take(self, ref: Any, group: RolloutGroup) -> Outcome | None:
         """A group that can be trained: filtered (returned), or accepted for a wave (None). It
         passed the checks, so its generator counted it discarded exactly when it is filtered."""
         if filtered(self.spec, group):
-            credit(self.ledger, Outcome.FILTERED, group.group_id, group.generator, len(group.samples), True)
+            self._credit(Outcome.FILTERED, group, discarded=True)
             self.settled.append((ref, group.group_id))
             return Outcome.FILTERED
         self.accepted.append((ref, group))
@@ -130,7 +135,7 @@ class StepBuilder:
             if group.group_id in again or not hopelessly_stale(group, self.step, self.spec.max_lag):
                 keep.append((ref, group))
                 continue
-            credit(self.ledger, Outcome.STALE, group.group_id, group.generator, len(group.samples), False)
+            self._credit(Outcome.STALE, group)
             self.settled.append((ref, group.group_id))
             dropped.append(group)
         self.accepted = keep
@@ -161,7 +166,7 @@ class StepBuilder:
         # and the generators, refused, would wait with it.
         take, self.accepted = self.accepted[:n], self.accepted[n:]
         for _, group in take:
-            credit(self.ledger, Outcome.TRAINED, group.group_id, group.generator, len(group.samples), False)
+            self._credit(Outcome.TRAINED, group)
         per_rank = self._pack([g for _, g in take], self.index, last)
         count = len(per_rank[0])
         self.ledger.waves += 1

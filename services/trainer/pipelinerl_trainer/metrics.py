@@ -19,7 +19,7 @@ PROGRESS_TIME = Gauge(
     "Unix time of the last optimizer step (before the first: of the start)",
 )
 PROGRESS_TIME.set_to_current_time()  # the process's start: a trainer stuck loading its model is stalled too
-REWARD = Gauge("pipelinerl_trainer_reward", "Mean reward of the last step's samples")
+REWARD = Gauge("pipelinerl_trainer_reward", "Mean reward of the samples the last step took, trained or filtered")
 LAG = Gauge("pipelinerl_trainer_lag_mean", "Mean token lag of the last step")
 LAG_MAX = Gauge("pipelinerl_trainer_lag_max", "Largest token lag trained in the last step")
 ESS = Gauge("pipelinerl_trainer_ess", "Effective sample size of the last step, in (0, 1] (1: on-policy)")

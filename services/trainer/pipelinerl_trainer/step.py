@@ -84,7 +84,7 @@ class StepTally:
         lag_tokens = sum(c for _, c in counted)
         return {
             "loss": s["loss"],
-            "reward": s["reward_sum"] / max(n, 1),
+            "reward_trained": s["reward_sum"] / max(n, 1),
             "samples": int(n),
             "tokens": int(tokens),
             "row_tokens": int(s["row_tokens"]),  # prompts included: what the forward pass computes

@@ -196,11 +196,14 @@ class Trainer:
         optimizer_s = optimizer.seconds()
         elapsed = clock.seconds() + optimizer_s
         ledger = mb.ledger  # the step's books, as its final micro-batch carries them
+        reward = ledger.sampled_reward
         metrics["dropped_for_lag"] += ledger.stale_samples  # the preprocessor's, whole groups
         self.position.stepped(metrics["samples"], ledger.dead_lettered, metrics["samples_rejected"])
         return {
             "step": self.position.version,
             **metrics,
+            # the policy's reward: the trained samples' (`reward_trained`) with the filtered ones'
+            "reward": reward if reward is not None else metrics["reward_trained"],
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
             "groups_filtered": ledger.filtered,
             "groups_rejected": ledger.dead_lettered,
