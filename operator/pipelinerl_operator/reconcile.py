@@ -165,7 +165,16 @@ async def apply_owned(
         what = f"{obj['kind']} {meta['name']}"
         try:
             if obj["kind"] == "Secret":
-                if await kube.create(obj):
+                try:
+                    created = await kube.create(obj)
+                except (asyncio.TimeoutError, aiohttp.ClientError):
+                    # The answer lost, maybe not the create: the server may have made it, which a
+                    # later pass's create (refused: it exists) could tell from someone else's
+                    # only by this job's record. Where it was not made, that pass makes it.
+                    made = meta["name"]
+                    await _record_secret(kube, ref, made)
+                    raise
+                if created:
                     made = meta["name"]  # the pass's own status write records it, should this one fail
                     await _record_secret(kube, ref, meta["name"])
                 elif made != meta["name"]:

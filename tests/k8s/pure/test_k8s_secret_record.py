@@ -61,3 +61,40 @@ async def test_a_job_written_meanwhile_gets_the_record_whatever_its_version_and_
     with pytest.raises(Overtaken):
         await _record_secret(api, ref(), "s")  # type: ignore[arg-type]
     assert api.written == [({"credentialsSecret": "s"}, None)] and api.tries == 2
+
+
+class CreatingApiServer(ApiServer):
+    """Creates Secrets (409 where one of that name exists), the first create's answer lost
+    (timed out) after the Secret was made, where told so."""
+
+    def __init__(self, *existing: str, lose_first_answer: bool = False) -> None:
+        super().__init__()
+        self.secrets, self.lose = set(existing), lose_first_answer
+
+    async def create(self, obj):
+        name = obj["metadata"]["name"]
+        if name in self.secrets:
+            return False
+        self.secrets.add(name)
+        if self.lose:
+            self.lose = False
+            raise asyncio.TimeoutError()
+        return True
+
+
+def secret(name: str) -> dict:
+    return {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": name, "namespace": "team-a"}}
+
+
+async def test_a_secret_whose_creates_answer_was_lost_is_this_jobs_on_the_next_pass():
+    """The create timed out after the server made the Secret: the record says it is this job's,
+    so the next pass (its create refused: it exists) uses it rather than refusing the job until
+    someone deletes it. One that existed before the job is still refused."""
+    api = CreatingApiServer(lose_first_answer=True)
+    with pytest.raises(asyncio.TimeoutError):
+        await reconcile.apply_owned(api, ref(), [secret("s")], None)  # type: ignore[arg-type]
+    assert api.written == [({"credentialsSecret": "s"}, "7")]
+    assert await reconcile.apply_owned(api, ref(), [secret("s")], "s") == (None, "s")  # type: ignore[arg-type]
+    foreign = CreatingApiServer("s")
+    stopped, made = await reconcile.apply_owned(foreign, ref(), [secret("s")], None)  # type: ignore[arg-type]
+    assert "Secret s already exists and this job did not make it" in stopped and made is None
