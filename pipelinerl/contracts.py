@@ -40,6 +40,9 @@ POD_USER = 10001  # the non-root user job pods run as (the images' own)
 # `pipelinerl_trainer.stopping`), its stop checkpoint written: started again, it resumes from
 # there. Not a failure: the operator does not count it, the local runner restarts it.
 STOPPED_EXIT = 75  # EX_TEMPFAIL
+# A service told to stop (SIGTERM) has this long: a pod's grace period, the trainer's own bound on
+# its stop (the ranks' vote and the stop checkpoint), and what a local run gives each service.
+STOP_GRACE_S = 60
 NATS_ACCOUNTS_FILE = "accounts.conf"  # the key of the operator's accounts Secret; the chart's NATS includes it
 
 # ---------------------------------------------------------------- message sizes

@@ -499,7 +499,12 @@ class Invitation:
     def accept(self) -> WeightGroup:
         """Connect to the epoch's members and prove the job's token to them. Raises GroupAborted
         where a member (the trainer included) lacks it, WeightSyncTimeout where one does not come.
-        Over NCCL the communicator is set up here (its first collective), on this thread's device."""
+        Over NCCL the communicator is set up here (its first collective), on this thread's device,
+        once the device's queued work has ended: a vLLM worker accepts between steps, but its last
+        step may still run (async scheduling), and its tensor-parallel all-reduces beside this
+        communicator's first kernels could deadlock (two communicators on one GPU)."""
+        if self.backend == "nccl":
+            torch.cuda.synchronize()
         pg = _process_group(self.backend, self.epoch, self.rank, self.world_size, self.timeout_s)
         group = WeightGroup(self.epoch, pg, self.rank, self.world_size, self.timeout_s, self.backend)
         refused = group._authenticate(self.group_id, self.token)

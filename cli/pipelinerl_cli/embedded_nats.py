@@ -56,30 +56,30 @@ class EmbeddedNats:
         conf = self.store_dir / "nats.conf"
         store = f"jetstream {{ max_file_store: {self.store_bytes} }}\n" if self.store_bytes else ""
         conf.write_text(f"max_payload: {self.max_payload_mb * 1024 * 1024}\n{store}")
-        log = open(self.store_dir / "nats.log", "ab")
         binary = nats_server_binary()
-        self.proc = subprocess.Popen(
-            [
-                binary,
-                "-c",
-                str(conf),
-                "-js",
-                "-a",
-                "127.0.0.1",
-                "-p",
-                str(self.port),
-                "-m",
-                str(self.monitor_port),
-                "-sd",
-                str(self.store_dir),
-                "--ports_file_dir",
-                str(self.store_dir),
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            preexec_fn=die_with_parent,
-        )
+        with open(self.store_dir / "nats.log", "ab") as log:  # the server's now: closed here once it has it
+            self.proc = subprocess.Popen(
+                [
+                    binary,
+                    "-c",
+                    str(conf),
+                    "-js",
+                    "-a",
+                    "127.0.0.1",
+                    "-p",
+                    str(self.port),
+                    "-m",
+                    str(self.monitor_port),
+                    "-sd",
+                    str(self.store_dir),
+                    "--ports_file_dir",
+                    str(self.store_dir),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                preexec_fn=die_with_parent,
+            )
         ports = self.store_dir / f"{Path(binary).name}_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:

@@ -152,11 +152,13 @@ class LocalRun:
 
     def check_services(self) -> bool:
         """True when the trainers have all finished. A process that failed is restarted after a
-        backoff (nats-server too); ServiceDied once the restart policy gives up on it. (A service
-        exits 0 only once the trainer announced the end, which may reach it before this run
-        has read the last step's metrics.)"""
+        backoff (nats-server too); ServiceDied once the restart policy gives up on it. A generator
+        or the preprocessor exits 0 once the trainer announced the end, after the last step's
+        metrics: one that exits 0 before those reached this run (stopped by a signal: `kill` of
+        its pid) is restarted as a failure, as Kubernetes restarts a container whatever its code."""
         self._check_nats()
         trainers_done = all(s.proc.poll() == 0 and s.restart_at is None for s in self.services if s.role == "trainer")
+        ended = trainers_done or bool(self.train and self.train[-1]["step"] >= self.spec.trainer.max_steps)
         now = time.monotonic()
         for s in self.services:
             if s.restart_at is not None:
@@ -166,7 +168,7 @@ class LocalRun:
                     self._record_services()
                 continue
             code = s.proc.poll()
-            if code not in (None, 0):
+            if code not in (None, 0) or (code == 0 and s.role != "trainer" and not ended):
                 s.reap()
                 s.restart_at = now + self._backoff(s.name, s.failures, code, s.log_path)
                 s.restarts += 1
@@ -603,12 +605,18 @@ def _run_in(job: PipelineRLJob, run_dir: Path, quiet: bool, cores: str, restart:
             file=sys.stderr,
         )
         code = CANNOT_RUN if err.code == CANNOT_RUN else 1
+    except (OSError, RuntimeError) as err:  # the run's own NATS lost for good (restarted and not listening)
+        tell(f"\nerror: {type(err).__name__}: {err}; stopping the services", file=sys.stderr)
+        code = 1
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not abort the clean-up
+        # A second Ctrl-C, SIGTERM or hang-up must not abort the clean-up: the trainer may be
+        # writing its stop checkpoint, under the run folder's lock.
+        for sig in (signal.SIGINT, *previous):
+            signal.signal(sig, signal.SIG_IGN)
         run.stop_services()
         nats.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     summary = run.summary()
     plot, unwritten = run.write_summary(summary)

@@ -4,6 +4,7 @@ its pod would be (`RestartPolicy`), and how a failure is named (`cause`, `Servic
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -13,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelinerl.contracts import STOPPED_EXIT, ServiceEnv
+from pipelinerl.contracts import STOP_GRACE_S, STOPPED_EXIT, ServiceEnv
 from pipelinerl_cli.processes import die_with_parent
 
 CORES = ("default", "split", "colocated")
@@ -191,9 +192,10 @@ class Service:
             except ProcessLookupError:
                 pass
 
-    def stop(self, timeout_s: float = 20.0, terminated: bool = False) -> None:
-        """Terminate it (unless `terminated` already), give it `timeout_s` to exit, then kill
-        whatever is left of its process group."""
+    def stop(self, timeout_s: float = STOP_GRACE_S + 5, terminated: bool = False) -> None:
+        """Terminate it (unless `terminated` already), give it `timeout_s` to exit (a trainer's stop
+        checkpoint may take its whole grace period, past which it ends itself), then kill whatever
+        is left of its process group."""
         if not terminated:
             self.terminate()
         try:
@@ -201,7 +203,11 @@ class Service:
         except subprocess.TimeoutExpired:
             pass
         self.reap()
-        self.proc.wait(timeout=10)
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # in an uninterruptible wait (a driver, NFS): the others still stop
+            with contextlib.suppress(OSError):  # the terminal gone
+                print(f"  {self.name} did not end on SIGKILL within 10 s; left to the system", file=sys.stderr)
 
 
 def tail(log_path: Path, lines: int = 40) -> str:

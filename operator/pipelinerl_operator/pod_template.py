@@ -30,6 +30,7 @@ from pipelinerl.contracts import (
     POD_USER,
     ROLES,
     Env,
+    STOP_GRACE_S,
     ServiceEnv,
 )
 from pipelinerl.k8s_types import parse_quantity, read_quantity
@@ -321,7 +322,7 @@ def pod_template(job: PipelineRLJob, role: str, namespace: str, uid: str, cfg: O
     pod_spec: dict[str, Any] = {
         "serviceAccountName": service_account_name(job.name, cfg),
         "automountServiceAccountToken": False,  # job pods never call the Kubernetes API
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": STOP_GRACE_S,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": POD_USER,

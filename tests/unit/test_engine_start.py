@@ -93,3 +93,29 @@ def test_compile_is_off_in_a_core_started_meanwhile_and_back_on_after():
     assert not torch._dynamo.config.disable and "TORCH_COMPILE_DISABLE" not in os.environ
     with compile_disabled(False):
         assert not torch._dynamo.config.disable
+
+
+def test_a_checkpoint_quantized_ahead_is_refused_by_field_and_online_quantization_is_not():
+    """Its packed weights and scales have no counterpart in the trainer's 16-bit broadcast (vLLM's
+    reload would cast the weights into them silently); a 16-bit checkpoint is quantized online."""
+    from pipelinerl_generator.engine import quantized_ahead
+
+    assert quantized_ahead({"model_type": "qwen2", "torch_dtype": "bfloat16"}) is None
+    refused = quantized_ahead({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
+    assert refused is not None and refused.startswith("spec.model.path: a checkpoint quantized ahead (fp8)")
+    assert "engineArgs.quantization" in refused
+
+
+def test_staged_updates_are_received_inside_the_pause_with_expert_load_balancing():
+    """Its rearrangements, made in steps, move experts and the map a transfer beside the steps
+    would load them by."""
+    from pipelinerl.spec import parse_job
+    from pipelinerl_generator.engine import Engine
+
+    def beside(engine_args: dict) -> bool:
+        engine = Engine.__new__(Engine)  # the decision alone: no vLLM engine started
+        engine.job = parse_job({"metadata": {"name": "e"}, "spec": {"generator": {"engineArgs": engine_args}}})
+        engine.update_path = "staged"
+        return engine.stages_beside
+
+    assert beside({}) and not beside({"enable_eplb": True})

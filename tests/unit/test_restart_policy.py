@@ -72,3 +72,34 @@ def test_the_runner_names_why_a_service_exited_in_its_own_output(tmp_path, capsy
     with pytest.raises(ServiceDied, match="generator exited with code 2 \\(the job cannot run as written") as died:
         run._backoff("generator", 0, CANNOT_RUN, log)
     assert cause(died.value.tail) == "spec.model.maxSeqLen: 12 leaves no room for a completion"
+
+
+class Exited:
+    """A service process as the runner sees it, exited with `code` (None: running)."""
+
+    def __init__(self, name: str, role: str, code: int | None, log) -> None:
+        self.name, self.role, self.log_path = name, role, log
+        self.proc = type("Proc", (), {"poll": lambda _self: code})()
+        self.restart_at, self.failures, self.restarts = None, 0, 0
+
+    def reap(self) -> None:
+        pass
+
+
+def test_a_service_that_exits_0_before_the_runs_end_is_restarted_and_after_it_is_not(tmp_path, capsys):
+    """A generator stopped by a signal (`kill` of its pid) exits 0 as at the run's end: restarted,
+    as Kubernetes restarts a container whatever its code, until the last step's metrics came in."""
+    from pipelinerl.spec import parse_job
+    from pipelinerl_cli.local import LocalRun
+
+    run = LocalRun(parse_job({"metadata": {"name": "t"}, "spec": {"trainer": {"maxSteps": 5}}}), tmp_path, quiet=True)
+    (log := tmp_path / "generator.log").write_text("INFO stopped\n")
+    trainer, generator = Exited("trainer", "trainer", None, log), Exited("generator", "generator", 0, log)
+    run.services = [trainer, generator]  # type: ignore[list-item]
+    run.train = [{"step": 4}]
+    assert not run.check_services()
+    assert generator.restart_at is not None and generator.restarts == generator.failures == 1
+    assert "generator exited with code 0: restarting it in 1s (restart 1 of 3)" in capsys.readouterr().err
+    ended = Exited("generator", "generator", 0, log)
+    run.services, run.train = [trainer, ended], [{"step": 4}, {"step": 5}]  # type: ignore[list-item]
+    assert not run.check_services() and ended.restart_at is None  # the end announced: left as it is

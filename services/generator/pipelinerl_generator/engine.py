@@ -109,6 +109,22 @@ def engine_args(job: PipelineRLJob, model_path: str, seed: int, utilization: flo
     return AsyncEngineArgs(**args)
 
 
+def quantized_ahead(hf_config: dict[str, Any]) -> str | None:
+    """Why the engine cannot take the trainer's weights into this checkpoint: one quantized ahead
+    (a `quantization_config`: FP8, AWQ, GPTQ, compressed-tensors) holds packed weights and scales
+    the trainer's 16-bit broadcast has no counterpart for, and vLLM's reload would cast the
+    weights into the packed storage with the scales unset, silently. vLLM's online quantization
+    of a 16-bit checkpoint (`quantization: fp8`) is re-run at each reload."""
+    config = hf_config.get("quantization_config")
+    if not config:
+        return None
+    method = config.get("quant_method", "quantized") if isinstance(config, dict) else "quantized"
+    return (
+        f"spec.model.path: a checkpoint quantized ahead ({method}) cannot take the trainer's 16-bit "
+        "weights: train from its 16-bit original (vLLM may quantize that online: generator.engineArgs.quantization)"
+    )
+
+
 def planned_utilization(job: PipelineRLJob, hf_config: dict[str, Any]) -> float | None:
     """The generator's memory plan (`pipelinerl.generator_memory`) with the model's own config
     and this GPU's real size: SpecError, by field, where weight updates cannot fit beside vLLM;
@@ -219,6 +235,8 @@ class Engine:
         self.sampling = generator.sampling
         args = engine_args(job, model_path, seed)
         config = args.create_engine_config()  # where the CPU platform sets spawn
+        if refused := quantized_ahead(config.model_config.hf_config.to_dict()):
+            raise SpecError(refused)
         if generator.gpus:
             utilization = planned_utilization(job, config.model_config.hf_config.to_dict())
             if utilization is not None:
@@ -390,8 +408,11 @@ class Engine:
     def stages_beside(self) -> bool:
         """Staged updates are received beside generation where `works_beside`; otherwise inside
         the pause, on the worker's thread, still into the staging copy: the pause then lasts the
-        transfer."""
-        return self.update_path == "staged" and self.works_beside
+        transfer. Also inside it with expert-load balancing: its rearrangements, made in steps,
+        move experts and the map the loaders place them by, which a transfer beside the steps
+        would read before a rearrangement and the commit write after it."""
+        eplb = bool(self.job.spec.generator.engine_args.get("enable_eplb"))
+        return self.update_path == "staged" and self.works_beside and not eplb
 
     async def update_weights(self, version: int, buckets: list[dict]) -> UpdateStats:
         """With requests running: receive and load the new weights into the staging copy beside

@@ -14,7 +14,7 @@ import threading
 import torch
 
 from pipelinerl import messages as m
-from pipelinerl.contracts import MASTER_PORT, Env, ServiceEnv
+from pipelinerl.contracts import MASTER_PORT, STOP_GRACE_S, Env, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.steps import version_after
@@ -190,7 +190,7 @@ def main(job: PipelineRLJob, env: ServiceEnv) -> int:
         stop.set()
         # Past the pods' grace period: stopped without its checkpoint, a failure (STOPPED_EXIT
         # would say it was written; 0, that the run finished).
-        exit_soon(60, code=1, why="the stop (its vote, its checkpoint) did not end within 60 s")
+        exit_soon(STOP_GRACE_S, code=1, why=f"the stop (its vote, its checkpoint) did not end within {STOP_GRACE_S} s")
 
     signal.signal(signal.SIGTERM, on_sigterm)
     torch.set_num_threads(env.torch_threads or 1)
