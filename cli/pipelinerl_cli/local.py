@@ -95,6 +95,7 @@ class LocalRun:
         self.train: list[dict] = []
         self.evals: list[dict] = []
         self.earlier_evals: list[dict] = []  # a resumed run's, from its metrics.jsonl (the warm start's)
+        self.earlier_step = 0  # a resumed run's last step, from its metrics.jsonl
         self.metrics_file: TextIO | None = None  # metrics.jsonl, open for appending while the run is watched
         self.metrics_unwritten = 0  # rows the disk would not take (kept for the summary all the same)
         self.gen_tokens, self.gen_busy = Running(), Running()  # summed over generators, across restarts
@@ -158,7 +159,8 @@ class LocalRun:
         its pid) is restarted as a failure, as Kubernetes restarts a container whatever its code."""
         self._check_nats()
         trainers_done = all(s.proc.poll() == 0 and s.restart_at is None for s in self.services if s.role == "trainer")
-        ended = trainers_done or bool(self.train and self.train[-1]["step"] >= self.spec.trainer.max_steps)
+        step = self.train[-1]["step"] if self.train else self.earlier_step  # (a finished run resumed: its last)
+        ended = trainers_done or step >= self.spec.trainer.max_steps
         now = time.monotonic()
         for s in self.services:
             if s.restart_at is not None:
@@ -327,6 +329,7 @@ class LocalRun:
         js = nc.jetstream()
         await ensure_streams(js, self.subjects, self.spec.nats.max_payload_mb, sizes=stream_bytes(self.spec))
         self.earlier_evals = _rows(self.run_dir / "metrics.jsonl", "eval")
+        self.earlier_step = max((r["step"] for r in _rows(self.run_dir / "metrics.jsonl", "train")), default=0)
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
 
         async def on_metric(msg) -> None:

@@ -103,3 +103,6 @@ def test_a_service_that_exits_0_before_the_runs_end_is_restarted_and_after_it_is
     ended = Exited("generator", "generator", 0, log)
     run.services, run.train = [trainer, ended], [{"step": 4}, {"step": 5}]  # type: ignore[list-item]
     assert not run.check_services() and ended.restart_at is None  # the end announced: left as it is
+    resumed = Exited("generator", "generator", 0, log)  # a finished run resumed: its rows are the earlier ones
+    run.services, run.train, run.earlier_step = [trainer, resumed], [], 5  # type: ignore[list-item]
+    assert not run.check_services() and resumed.restart_at is None
