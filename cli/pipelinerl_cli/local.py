@@ -50,6 +50,7 @@ from pipelinerl_cli.supervisor import (
 )
 
 FINAL_EVAL_TIMEOUT_S = 300.0
+ROWS_IN_FLIGHT_S = 5.0  # the services gone, the rows they published are this close behind
 NATS_HEALTH_S = 2.0  # how often nats-server's JetStream health is asked
 NATS_ROOM_BYTES = 64 << 20  # free space on its store's disk before a JetStream that cannot write is restarted
 NATS_FULL_SAY_S = 30.0  # how often "waiting for room" is said
@@ -159,8 +160,7 @@ class LocalRun:
         its pid) is restarted as a failure, as Kubernetes restarts a container whatever its code."""
         self._check_nats()
         trainers_done = all(s.proc.poll() == 0 and s.restart_at is None for s in self.services if s.role == "trainer")
-        step = self.train[-1]["step"] if self.train else self.earlier_step  # (a finished run resumed: its last)
-        ended = trainers_done or step >= self.spec.trainer.max_steps
+        ended = trainers_done or self._last_step() >= self.spec.trainer.max_steps
         now = time.monotonic()
         for s in self.services:
             if s.restart_at is not None:
@@ -281,13 +281,15 @@ class LocalRun:
             s.stop(terminated=True)
 
     # -- progress --------------------------------------------------------------------------
-    def take_metric(self, row: m.Metrics) -> None:
+    def take_metric(self, row: m.Metrics, seq: int | None = None) -> None:
         """A metrics row: kept for the summary and the plot, appended to metrics.jsonl, an
         evaluation said. Once the disk refuses a row the file is closed where it stands (a row
         left in its buffer could be written torn later) and that row and every later one is
         counted, the first said; the run goes on (and so do the rows, in the job's METRICS stream
         where that has room)."""
         record = {"kind": row.kind, "source": row.source, "time": row.timestamp - self.t0, **row.values}
+        if seq is not None:  # its METRICS stream sequence: a resumed run reads on after the last one written
+            record["seq"] = seq
         if self.metrics_file is None:
             self.metrics_unwritten += 1
         else:
@@ -328,15 +330,15 @@ class LocalRun:
     async def watch(self, nc, nats_url: str) -> None:
         js = nc.jetstream()
         await ensure_streams(js, self.subjects, self.spec.nats.max_payload_mb, sizes=stream_bytes(self.spec))
-        self.earlier_evals = _rows(self.run_dir / "metrics.jsonl", "eval")
-        self.earlier_step = max((r["step"] for r in _rows(self.run_dir / "metrics.jsonl", "train")), default=0)
+        earlier = _rows(self.run_dir / "metrics.jsonl")
+        self.earlier_evals = [r for r in earlier if r.get("kind") == "eval"]
+        self.earlier_step = max((r["step"] for r in earlier if r.get("kind") == "train"), default=0)
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
 
         async def on_metric(msg) -> None:
-            self.take_metric(m.decode(msg.data, m.Metrics))
+            self.take_metric(m.decode(msg.data, m.Metrics), msg.metadata.sequence.stream)
 
-        # Only this run's metrics: a resumed run's stream still holds the earlier ones.
-        first = (await js.stream_info(self.subjects.stream("METRICS"))).state.last_seq + 1
+        first = first_unread(earlier, (await js.stream_info(self.subjects.stream("METRICS"))).state.last_seq)
         await js.subscribe(
             self.subjects.metrics(">"),
             cb=on_metric,
@@ -356,14 +358,25 @@ class LocalRun:
                 if finished:
                     break
                 await asyncio.sleep(0.5)
+            # The trainers are done: their last rows (the last step's, and the final evaluation the
+            # trainer waited for) are published, maybe still on their way here. Waited for as long
+            # as a generator runs (its final evaluation), a moment once none does.
             deadline = time.time() + FINAL_EVAL_TIMEOUT_S
-            while self.spec.eval.interval and not any(e.get("final") for e in self.evals):
+            while not (last_row := self._last_step() >= self.spec.trainer.max_steps) or (
+                self.spec.eval.interval and not any(e.get("final") for e in self.evals)
+            ):
                 self.check_services()
+                if all(s.proc.poll() is not None for s in self.services if s.role == "generator"):
+                    deadline = min(deadline, time.time() + ROWS_IN_FLIGHT_S)
                 if time.time() > deadline:
-                    self.say("  (no final evaluation arrived in time)")
+                    self.say(f"  (no {'final evaluation' if last_row else 'row of the last step'} arrived in time)")
                     break
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(0.2)
         self._close_metrics()
+
+    def _last_step(self) -> int:
+        """The newest step this run has a row of (a finished run resumed: its metrics.jsonl's)."""
+        return self.train[-1]["step"] if self.train else self.earlier_step
 
     async def poll_generators(self, http) -> None:
         for s in self.services:
@@ -531,16 +544,25 @@ def lock_run_dir(run_dir: Path, instead: str) -> TextIO:
     return lock
 
 
-def _rows(path: Path, kind: str) -> list[dict]:
-    """The rows of one kind in a metrics.jsonl (a line cut short, or none at all, skipped)."""
+def _rows(path: Path) -> list[dict]:
+    """The rows of a metrics.jsonl (a line cut short, or none at all, skipped)."""
     rows = []
     with contextlib.suppress(OSError):
         for line in path.read_text().splitlines():
             with contextlib.suppress(ValueError):
                 row = json.loads(line)
-                if isinstance(row, dict) and row.get("kind") == kind:
+                if isinstance(row, dict):
                     rows.append(row)
     return rows
+
+
+def first_unread(rows: list[dict], last_seq: int) -> int:
+    """The METRICS stream sequence a run reads from, given the rows its metrics.jsonl holds: the
+    one after the last written, so that rows published after an earlier runner stopped reading
+    (the trainer's step in progress as it stopped) are not lost; else (none recorded, or the
+    stream made again since: it is behind them) only what comes from now on."""
+    written = next((r["seq"] for r in reversed(rows) if isinstance(r.get("seq"), int)), None)
+    return written + 1 if written is not None and written <= last_seq else last_seq + 1
 
 
 def run_local(

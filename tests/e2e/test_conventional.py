@@ -42,7 +42,8 @@ def test_conventional_rl_takes_k_steps_on_each_generation_phase_and_resumes_a_st
     run_dir = first.dir.resolve()
     assert f"pipelinerl run {run_dir / 'job.yaml'} --run-dir {run_dir}" in first.output()  # how to go on
     seen = len(first.train())
-    # The trainer may finish a step after the runner stopped listening: at least every step seen.
+    # The trainer may finish a step after the runner stopped listening (its row then read by the
+    # next run, from the stream): at least every step seen.
     checkpointed = int((first.dir / "checkpoints" / "latest").read_text().removeprefix("step-"))
     assert checkpointed >= seen  # no interval checkpoint came (checkpointInterval 0): the stop's
     assert f"stopping: checkpointing step {checkpointed}" in (first.dir / "logs" / "trainer.log").read_text()
@@ -50,7 +51,8 @@ def test_conventional_rl_takes_k_steps_on_each_generation_phase_and_resumes_a_st
     second = start_run(job, timeout_s=RUN_TIMEOUT_S)
     second.finish()
     train = second.train()  # the first run's rows, then the second's
-    assert [r["step"] for r in train[seen:]] == list(range(checkpointed + 1, STEPS + 1))  # nothing repeated
+    assert [r["step"] for r in train] == list(range(1, STEPS + 1))  # every step's row once: none lost, none repeated
+    assert [r["seq"] for r in train] == sorted({r["seq"] for r in train})  # in the stream's order
 
     # Step s (1-based) is step j = (s - 1) % K of its phase and trains every token at lag j,
     # resumed or not.

@@ -213,3 +213,17 @@ def test_a_full_disk_costs_the_run_its_metrics_files_rows_not_the_rows(tmp_path,
         and unwritten.startswith(f"{tmp_path / 'summary.json'}: No space left on device")
         and not (tmp_path / "summary.json").exists()
     )
+
+
+def test_a_resumed_run_reads_the_metrics_stream_on_after_the_last_row_written():
+    """Rows published after the earlier runner stopped reading (the trainer's step in progress as
+    it stopped) are read by the next; a folder with no sequence recorded, or a stream made again
+    since (behind the rows), reads only what comes from now on."""
+    from pipelinerl_cli.local import first_unread
+
+    rows = [{"kind": "train", "step": 1, "seq": 4}, {"kind": "eval", "seq": 7}, {"oops": 1}]
+    assert first_unread(rows, last_seq=9) == 8  # 8 and 9 came after the earlier runner stopped
+    assert first_unread(rows, last_seq=7) == 8  # nothing since
+    assert first_unread(rows, last_seq=3) == 4  # the stream made again: from now on
+    assert first_unread([{"kind": "train", "step": 1}], last_seq=9) == 10  # an older folder's rows
+    assert first_unread([], last_seq=0) == 1
