@@ -39,6 +39,7 @@ class EmbeddedNats:
         self.monitor_port = free_port()  # its /healthz, on loopback
         self.max_payload_mb = max_payload_mb
         self.proc: subprocess.Popen | None = None
+        self.held: tuple[int, ...] = ()  # descriptors the server keeps open: its run folder's lock
 
     @classmethod
     def of_job(cls, store_dir: Path, spec: Any) -> EmbeddedNats:
@@ -79,6 +80,7 @@ class EmbeddedNats:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=die_with_parent,
+                pass_fds=self.held,
             )
         ports = self.store_dir / f"{Path(binary).name}_{self.proc.pid}.ports"
         deadline = time.monotonic() + timeout_s

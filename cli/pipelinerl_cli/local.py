@@ -97,6 +97,7 @@ class LocalRun:
         self.evals: list[dict] = []
         self.earlier_evals: list[dict] = []  # a resumed run's, from its metrics.jsonl (the warm start's)
         self.earlier_step = 0  # a resumed run's last step, from its metrics.jsonl
+        self.held: tuple[int, ...] = ()  # descriptors its processes keep open: the run folder's lock
         self.metrics_file: TextIO | None = None  # metrics.jsonl, open for appending while the run is watched
         self.metrics_unwritten = 0  # rows the disk would not take (kept for the summary all the same)
         self.gen_tokens, self.gen_busy = Running(), Running()  # summed over generators, across restarts
@@ -149,7 +150,7 @@ class LocalRun:
                 master_port=master_port if trainer else None,
             )
             name = role if world == 1 else f"{role}-{rank}"
-            self.services.append(Service(name, env, logs / f"{name}.log", job_file, cores, role_envs[role]))
+            self.services.append(Service(name, env, logs / f"{name}.log", job_file, cores, role_envs[role], self.held))
         self._record_services()
 
     def check_services(self) -> bool:
@@ -534,7 +535,9 @@ def tell(*args: object, file: TextIO | None = None) -> None:
 def lock_run_dir(run_dir: Path, instead: str) -> TextIO:
     """One process per run folder: a second `pipelinerl run` there, or a command opening its
     store (`dead-letters`, `recover-store`), would start a NATS of its own on the same store.
-    Held until the returned file is closed (or the process ends)."""
+    Held until the returned file is closed (or the process ends), and by the processes given its
+    descriptor (a run's services and NATS: until the last has ended, a runner killed outright
+    leaving them to wind down, the trainer's stop checkpoint included)."""
     lock = open(run_dir / ".run.lock", "a")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -585,19 +588,22 @@ def run_local(
     run_dir.mkdir(parents=True, exist_ok=True)
     in_use = lock_run_dir(run_dir, "stop it, or give this one another --run-dir")
     try:
-        return _run_in(job, run_dir, quiet, cores, restart)
+        return _run_in(job, run_dir, quiet, cores, restart, in_use.fileno())
     finally:
         in_use.close()
 
 
-def _run_in(job: PipelineRLJob, run_dir: Path, quiet: bool, cores: str, restart: bool) -> int:
-    """The run itself, in `run_dir`, which this process holds."""
+def _run_in(job: PipelineRLJob, run_dir: Path, quiet: bool, cores: str, restart: bool, lock: int) -> int:
+    """The run itself, in `run_dir`, which this process holds (`lock`: its lock's descriptor)."""
     policy = RestartPolicy(on_failure=restart, limit=job.spec.run_policy.backoff_limit)
     run = LocalRun(job, run_dir, quiet=quiet, cores=cores, restart=policy)
+    run.held = (lock,)
     run.say(f"pipelinerl: running {job.name!r} ({job.spec.mode} mode, max lag {job.spec.max_lag}) in {run_dir}")
     model_path = resolve_model_path(job.spec.model.path)
     run.say(f"  model {model_path} {model_info(model_path) or ''}")
-    nats = run.nats = EmbeddedNats.of_job(run_dir / "nats", job.spec).start()
+    nats = run.nats = EmbeddedNats.of_job(run_dir / "nats", job.spec)
+    nats.held = run.held
+    nats.start()
     code = 0
 
     async def main() -> None:

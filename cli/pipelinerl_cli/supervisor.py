@@ -149,8 +149,10 @@ class Service:
         job_file: Path,
         cores: Cores,
         role_env: dict[str, str] | None = None,
+        held: tuple[int, ...] = (),
     ):
         self.name, self.role, self.rank, self.log_path = name, env.role, env.rank, log_path
+        self.held = held  # descriptors the process keeps open: the run folder's lock (`lock_run_dir`)
         self.env, self.job_file, self.cores = env, job_file, cores
         self.role_env = role_env or {}  # spec.<role>.env (role_environ)
         self.http_port = env.http_port
@@ -175,6 +177,7 @@ class Service:
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=setup,
+                pass_fds=self.held,
             )
 
     def reap(self) -> None:

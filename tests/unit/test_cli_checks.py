@@ -132,3 +132,23 @@ def test_a_second_run_in_a_folder_in_use_is_refused_before_it_starts_anything(tm
         (run_dir / "nats").mkdir()  # a command opening the run's store is told to ask its NATS
         assert cli(["dead-letters", manifest(tmp_path), "--run-dir", str(run_dir)]) == 2
     assert "ask its NATS instead: --nats" in capsys.readouterr().err
+
+
+def test_a_runs_services_hold_its_folder_until_the_last_has_ended(tmp_path):
+    """A runner killed outright leaves its services to wind down (the trainer's stop checkpoint):
+    the folder stays in use, its lock held by each service it started, until they have ended."""
+    from pipelinerl.contracts import ServiceEnv
+    from pipelinerl.spec import SpecError
+    from pipelinerl_cli.local import lock_run_dir
+    from pipelinerl_cli.supervisor import Cores, Service
+
+    lock = lock_run_dir(tmp_path, "")
+    (job := tmp_path / "job.yaml").write_text("not: a job\n")  # the service fails at once, having held it
+    service = Service(
+        "generator", ServiceEnv("generator"), tmp_path / "g.log", job, Cores(None, 1), held=(lock.fileno(),)
+    )
+    lock.close()  # the runner gone
+    with pytest.raises(SpecError, match="in use by another"):
+        lock_run_dir(tmp_path, "")
+    assert service.proc.wait(timeout=60) != 0
+    lock_run_dir(tmp_path, "").close()  # free once it has ended
