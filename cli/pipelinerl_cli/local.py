@@ -84,6 +84,7 @@ class LocalRun:
         self.cores = cores
         self.restart = restart or RestartPolicy(limit=job.spec.run_policy.backoff_limit)
         self.nats, self.nats_restarts = nats, 0
+        self.nats_health_restarts = 0  # of those, for a JetStream that could not write (`_check_jetstream`)
         self.nats_restart_at: float | None = None
         self.nats_checked = self.nats_full_said = 0.0  # monotonic: JetStream's health asked, "disk full" said
         self.services_unwritten_said = False
@@ -217,14 +218,19 @@ class LocalRun:
                     file=sys.stderr,
                 )
             return
+        # Spaced as a crash's restarts (a restart that does not help, a stream damaged otherwise,
+        # is not repeated every NATS_HEALTH_S).
+        wait = min(self.restart.base_s * 2**self.nats_health_restarts, self.restart.max_s)
         tell(
             f"  nats-server: JetStream cannot write ({problem}); restarting it, its disk has room again "
-            f"({free >> 20} MiB free)",
+            f"({free >> 20} MiB free); next look in {wait:.0f}s",
             file=sys.stderr,
         )
         self.nats.stop()
         self.nats.start()
         self.nats_restarts += 1
+        self.nats_health_restarts += 1
+        self.nats_checked = now + wait
         self._record_services()
 
     def _backoff(self, name: str, failures: int, code: int, log_path: Path) -> float:
