@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from pipelinerl.contracts import Env
 from pipelinerl.spec import TrainerSpec
 from pipelinerl.weight_group import DTYPES, open_store
 from pipelinerl_trainer.logprob_head import linear_logprobs
@@ -49,15 +50,15 @@ def init_distributed(on_gpu: bool, timeout_s: float, listen_host: str = "0.0.0.0
         # use; gloo is fast enough for the tiny models run on CPU. (sys.modules: the attribute
         # `deepspeed.comm.torch` is shadowed by the torch package itself.)
         sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None  # type: ignore[attr-defined]
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    port = int(os.environ["MASTER_PORT"])
+    rank, world = int(os.environ[Env.TORCH_RANK]), int(os.environ[Env.TORCH_WORLD_SIZE])
+    port = int(os.environ[Env.MASTER_PORT])
     if rank == 0:
         store = open_store(listen_host, port, True, timeout_s, "the trainer ranks' rendezvous")
     else:
-        store = rendezvous_client(os.environ["MASTER_ADDR"], port, timeout_s)
+        store = rendezvous_client(os.environ[Env.MASTER_ADDR], port, timeout_s)
     extra: dict[str, Any] = {}
     if on_gpu and world > 1:  # as DeepSpeed binds it: NCCL's communicator made at once, on this rank's GPU
-        extra["device_id"] = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        extra["device_id"] = torch.device("cuda", int(os.environ.get(Env.TORCH_LOCAL_RANK, 0)))
     backend = "nccl" if on_gpu else "gloo"
     timeout = timedelta(seconds=timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **extra)
