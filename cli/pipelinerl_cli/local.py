@@ -19,6 +19,7 @@ import shutil
 import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import TextIO
 
@@ -27,7 +28,8 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
 from pipelinerl.capacity import stream_bytes
-from pipelinerl.contracts import STOPPED_EXIT, GeneratorStatus, ServiceEnv
+from pipelinerl.contracts import STOP_GRACE_S, STOPPED_EXIT, GeneratorStatus, ServiceEnv
+from pipelinerl.steps import is_final
 from pipelinerl_cli.embedded_nats import EmbeddedNats
 from pipelinerl.learning import learning_alarm
 from pipelinerl.phases import decomposition
@@ -97,7 +99,7 @@ class LocalRun:
         self.train: list[dict] = []
         self.evals: list[dict] = []
         self.earlier_evals: list[dict] = []  # a resumed run's, from its metrics.jsonl (the warm start's)
-        self.earlier_step = 0  # a resumed run's last step, from its metrics.jsonl
+        self.announced_end = False  # the trainer announced its last step (`steps.is_final`)
         self.held: tuple[int, ...] = ()  # descriptors its processes keep open: the run folder's lock
         self.metrics_file: TextIO | None = None  # metrics.jsonl, open for appending while the run is watched
         self.metrics_unwritten = 0  # rows the disk would not take (kept for the summary all the same)
@@ -157,12 +159,12 @@ class LocalRun:
     def check_services(self) -> bool:
         """True when the trainers have all finished. A process that failed is restarted after a
         backoff (nats-server too); ServiceDied once the restart policy gives up on it. A generator
-        or the preprocessor exits 0 once the trainer announced the end, after the last step's
-        metrics: one that exits 0 before those reached this run (stopped by a signal: `kill` of
-        its pid) is restarted as a failure, as Kubernetes restarts a container whatever its code."""
+        or the preprocessor exits 0 once the trainer announced the end: one that exits 0 before
+        that announcement reached this run (stopped by a signal: `kill` of its pid) is restarted
+        as a failure, as Kubernetes restarts a container whatever its code."""
         self._check_nats()
         trainers_done = all(s.proc.poll() == 0 and s.restart_at is None for s in self.services if s.role == "trainer")
-        ended = trainers_done or self._last_step() >= self.spec.trainer.max_steps
+        ended = trainers_done or self.announced_end
         now = time.monotonic()
         for s in self.services:
             if s.restart_at is not None:
@@ -284,8 +286,9 @@ class LocalRun:
         # engine's shutdown alone 4-6 s), and each service's grace period runs from the same start.
         for s in self.services:
             s.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S + 5  # one grace period for all, as for a job's pods
         for s in reversed(self.services):
-            s.stop(terminated=True)
+            s.stop(max(0.0, deadline - time.monotonic()), terminated=True)
 
     # -- progress --------------------------------------------------------------------------
     def take_metric(self, row: m.Metrics, seq: int | None = None) -> None:
@@ -313,6 +316,8 @@ class LocalRun:
                 if size is not None and os.path.isfile(name):  # a row written in part is cut off
                     with contextlib.suppress(OSError):
                         os.truncate(name, size)
+        if row.timestamp < self.t0:  # an earlier runner's, published as it stopped: in the file alone
+            return
         if row.kind == "train":
             self.train.append(record)
         elif row.kind == "eval":
@@ -339,11 +344,18 @@ class LocalRun:
         await ensure_streams(js, self.subjects, self.spec.nats.max_payload_mb, sizes=stream_bytes(self.spec))
         earlier = _rows(self.run_dir / "metrics.jsonl")
         self.earlier_evals = [r for r in earlier if r.get("kind") == "eval"]
-        self.earlier_step = max((r["step"] for r in earlier if r.get("kind") == "train"), default=0)
         self.metrics_file = open(self.run_dir / "metrics.jsonl", "a")
 
         async def on_metric(msg) -> None:
             self.take_metric(m.decode(msg.data, m.Metrics), msg.metadata.sequence.stream)
+
+        async def on_version(msg) -> None:  # the trainer's announcements: the end among them
+            self.announced_end = self.announced_end or is_final(m.decode(msg.data, m.PolicyVersion), max_steps)
+
+        max_steps = self.spec.trainer.max_steps
+        await js.subscribe(
+            self.subjects.version, cb=on_version, deliver_policy=DeliverPolicy.LAST_PER_SUBJECT, ordered_consumer=True
+        )
 
         first = first_unread(earlier, (await js.stream_info(self.subjects.stream("METRICS"))).state.last_seq)
         await js.subscribe(
@@ -365,25 +377,23 @@ class LocalRun:
                 if finished:
                     break
                 await asyncio.sleep(0.5)
-            # The trainers are done: their last rows (the last step's, and the final evaluation the
-            # trainer waited for) are published, maybe still on their way here. Waited for as long
-            # as a generator runs (its final evaluation), a moment once none does.
+            # The trainers are done: their last rows (the last step's, unless a trainer restarted
+            # after its final checkpoint; the final evaluation the trainer waited for) are
+            # published, maybe still on their way here. Waited for as long as a generator runs
+            # (its final evaluation), a moment once none does.
             deadline = time.time() + FINAL_EVAL_TIMEOUT_S
-            while not (last_row := self._last_step() >= self.spec.trainer.max_steps) or (
+            while not (self.train and self.train[-1]["step"] >= self.spec.trainer.max_steps) or (
                 self.spec.eval.interval and not any(e.get("final") for e in self.evals)
             ):
                 self.check_services()
                 if all(s.proc.poll() is not None for s in self.services if s.role == "generator"):
                     deadline = min(deadline, time.time() + ROWS_IN_FLIGHT_S)
                 if time.time() > deadline:
-                    self.say(f"  (no {'final evaluation' if last_row else 'row of the last step'} arrived in time)")
+                    if self.spec.eval.interval and not any(e.get("final") for e in self.evals):
+                        self.say("  (no final evaluation arrived in time)")
                     break
                 await asyncio.sleep(0.2)
         self._close_metrics()
-
-    def _last_step(self) -> int:
-        """The newest step this run has a row of (a finished run resumed: its metrics.jsonl's)."""
-        return self.train[-1]["step"] if self.train else self.earlier_step
 
     async def poll_generators(self, http) -> None:
         for s in self.services:
@@ -393,8 +403,8 @@ class LocalRun:
                 status = GeneratorStatus.model_validate(
                     (await http.get(f"http://127.0.0.1:{s.http_port}/status")).json()
                 )
-            except (httpx.HTTPError, ValueError):
-                return
+            except (httpx.HTTPError, ValueError):  # starting (or restarting): its counts as last read
+                continue
             self.gen_tokens.add((s.name, s.proc.pid), status.tokens)
             self.gen_busy.add((s.name, s.proc.pid), status.busy_seconds)
             if status.first_group_at is not None:
@@ -643,17 +653,19 @@ def _run_in(job: PipelineRLJob, run_dir: Path, quiet: bool, cores: str, restart:
         )
         code = CANNOT_RUN if err.code == CANNOT_RUN else 1
     except (OSError, RuntimeError) as err:  # the run's own NATS lost for good (restarted and not listening)
-        tell(f"\nerror: {type(err).__name__}: {err}; stopping the services", file=sys.stderr)
+        tell(f"\n{traceback.format_exc()}error: {type(err).__name__}: {err}; stopping the services", file=sys.stderr)
         code = 1
     finally:
         # A second Ctrl-C, SIGTERM or hang-up must not abort the clean-up: the trainer may be
         # writing its stop checkpoint, under the run folder's lock.
         for sig in (signal.SIGINT, *previous):
             signal.signal(sig, signal.SIG_IGN)
-        run.stop_services()
-        nats.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        try:
+            run.stop_services()
+            nats.stop()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     summary = run.summary()
     plot, unwritten = run.write_summary(summary)

@@ -128,8 +128,9 @@ def service_environ(
         **{k: v for k, v in shell.items() if k != "WANDB_SERVICE"},
         "PYTHONUNBUFFERED": "1",
         # gloo's groups (the weight group, DeepSpeed's) listen where the host's name resolves,
-        # often its network address: a run on loopback keeps its collectives there too
-        **({"GLOO_SOCKET_IFNAME": "lo"} if env.listen_host in ("127.0.0.1", "::1") else {}),
+        # often its network address, and NCCL's bootstrap on the first interface it finds: a run
+        # on loopback keeps its collectives there too
+        **({"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"} if env.listen_host in ("127.0.0.1", "::1") else {}),
         # the vLLM engine's threads (the trainer sets its own from torch_threads)
         "OMP_NUM_THREADS": str(env.torch_threads or 1) if env.role == "generator" else "1",
         **role_env,
