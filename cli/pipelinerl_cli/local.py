@@ -52,6 +52,9 @@ from pipelinerl_cli.supervisor import (
 )
 
 FINAL_EVAL_TIMEOUT_S = 300.0
+# `pipelinerl run`'s exit code for a run that finished without learning (`learning.learning_alarm`);
+# 2 (CANNOT_RUN) is a job that cannot run as written, 1 a failure, 130 a stop.
+NOT_LEARNING = 3
 ROWS_IN_FLIGHT_S = 5.0  # the services gone, the rows they published are this close behind
 NATS_HEALTH_S = 2.0  # how often nats-server's JetStream health is asked
 NATS_ROOM_BYTES = 64 << 20  # free space on its store's disk before a JetStream that cannot write is restarted
@@ -677,5 +680,5 @@ def _run_in(job: PipelineRLJob, run_dir: Path, quiet: bool, cores: str, restart:
         run.say(f"plot: {plot}")
     if code == 0 and summary["learning_alarm"]:
         tell(f"\nerror: the run ended without learning: {summary['learning_alarm']}", file=sys.stderr)
-        code = 2
+        code = NOT_LEARNING
     return code
