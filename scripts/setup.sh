@@ -22,7 +22,7 @@ echo "setting up .venv (first time: ~2-3 minutes)..." >&2
 .venv/bin/python -m pip --version >/dev/null 2>&1 || { rm -rf .venv && "$PY" -m venv .venv; } ||
   fail "could not make .venv with $PY (Debian/Ubuntu: sudo apt-get install python3.11-venv)"
 pip() { .venv/bin/python -m pip --disable-pip-version-check -q "$@"; }
-pip install --upgrade pip
+pip install pip==26.3  # pinned as the lock pins the rest (a newer pip may resolve or build differently)
 # pip byte-compiles one file after another (~90 of its ~190 s here); compileall shares that out
 # over the cores (~55 s on 2). Python never writes the bytecode later where PYTHONDONTWRITEBYTECODE
 # is set (as on this project's machines), so it is made now. Its status is ignored: a file this
