@@ -4,6 +4,7 @@ drive jobs through it."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import signal
@@ -88,7 +89,8 @@ class RunProcess:
         return pid, self.train()[-1]["step"]
 
     def kill_everything(self) -> None:
-        """SIGKILL the runner, every service's process group and nats-server at once (a power cut)."""
+        """SIGKILL the runner, every service's process group and nats-server at once (a power cut);
+        returns once the run folder's lock is free (each of those processes held it)."""
         pids = [s["pid"] for s in self.services().values()]
         for pid in [self.proc.pid, *pids]:
             try:
@@ -97,6 +99,15 @@ class RunProcess:
                 pass
         self.proc.wait(30)
         self.out.close()
+        deadline = time.monotonic() + 30
+        with open(self.dir / ".run.lock", "a") as lock:
+            while True:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return  # released as the file closes
+                except BlockingIOError:
+                    assert time.monotonic() < deadline, "the killed run's processes still hold its folder"
+                    time.sleep(0.05)
 
     def restarted(self, name: str, pid: int) -> int:
         """The pid of `name`'s next process once the runner has started it in place of `pid`."""

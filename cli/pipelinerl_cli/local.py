@@ -56,6 +56,9 @@ FINAL_EVAL_TIMEOUT_S = 300.0
 # 2 (CANNOT_RUN) is a job that cannot run as written, 1 a failure, 130 a stop.
 NOT_LEARNING = 3
 ROWS_IN_FLIGHT_S = 5.0  # the services gone, the rows they published are this close behind
+# A service's exit 0 with the end not announced here is judged early after this long: an ordered
+# consumer's recovery after a NATS restart (two missed heartbeats), with margin.
+EARLY_EXIT_S = 30.0
 NATS_HEALTH_S = 2.0  # how often nats-server's JetStream health is asked
 NATS_ROOM_BYTES = 64 << 20  # free space on its store's disk before a JetStream that cannot write is restarted
 NATS_FULL_SAY_S = 30.0  # how often "waiting for room" is said
@@ -103,6 +106,7 @@ class LocalRun:
         self.evals: list[dict] = []
         self.earlier_evals: list[dict] = []  # a resumed run's, from its metrics.jsonl (the warm start's)
         self.announced_end = False  # the trainer announced its last step (`steps.is_final`)
+        self.exited_at: dict[str, float] = {}  # services seen exited 0 before the end, when (monotonic)
         self.held: tuple[int, ...] = ()  # descriptors its processes keep open: the run folder's lock
         self.metrics_file: TextIO | None = None  # metrics.jsonl, open for appending while the run is watched
         self.metrics_unwritten = 0  # rows the disk would not take (kept for the summary all the same)
@@ -162,9 +166,10 @@ class LocalRun:
     def check_services(self) -> bool:
         """True when the trainers have all finished. A process that failed is restarted after a
         backoff (nats-server too); ServiceDied once the restart policy gives up on it. A generator
-        or the preprocessor exits 0 once the trainer announced the end: one that exits 0 before
-        that announcement reached this run (stopped by a signal: `kill` of its pid) is restarted
-        as a failure, as Kubernetes restarts a container whatever its code."""
+        or the preprocessor exits 0 once the trainer announced the end: one that exits 0 with no
+        word of that announcement here within EARLY_EXIT_S (this run's consumer may be catching up
+        after a NATS restart) stopped before the end (a signal: `kill` of its pid), and is
+        restarted as a failure, as Kubernetes restarts a container whatever its code."""
         self._check_nats()
         trainers_done = all(s.proc.poll() == 0 and s.restart_at is None for s in self.services if s.role == "trainer")
         ended = trainers_done or self.announced_end
@@ -177,11 +182,16 @@ class LocalRun:
                     self._record_services()
                 continue
             code = s.proc.poll()
-            if code not in (None, 0) or (code == 0 and s.role != "trainer" and not ended):
-                s.reap()
-                s.restart_at = now + self._backoff(s.name, s.failures, code, s.log_path)
-                s.restarts += 1
-                s.failures += int(code != STOPPED_EXIT)
+            early = code == 0 and s.role != "trainer" and not ended
+            if code is None or (code == 0 and not early):
+                continue
+            if early and now - self.exited_at.setdefault(s.name, now) < EARLY_EXIT_S:
+                continue  # the end may be announced to this run yet
+            self.exited_at.pop(s.name, None)
+            s.reap()
+            s.restart_at = now + self._backoff(s.name, s.failures, code, s.log_path)
+            s.restarts += 1
+            s.failures += int(code != STOPPED_EXIT)
         return trainers_done
 
     def _check_nats(self) -> None:
@@ -556,7 +566,7 @@ def lock_run_dir(run_dir: Path, instead: str) -> TextIO:
     store (`dead-letters`, `recover-store`), would start a NATS of its own on the same store.
     Held until the returned file is closed (or the process ends), and by the processes given its
     descriptor (a run's services and NATS: until the last has ended, a runner killed outright
-    leaving them to wind down, the trainer's stop checkpoint included)."""
+    leaving them to wind down)."""
     lock = open(run_dir / ".run.lock", "a")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
