@@ -235,7 +235,7 @@ class LocalRun:
             return
         # Spaced as a crash's restarts (a restart that does not help, a stream damaged otherwise,
         # is not repeated every NATS_HEALTH_S).
-        wait = min(self.restart.base_s * 2**self.nats_health_restarts, self.restart.max_s)
+        wait = self.restart.spacing(self.nats_health_restarts)
         tell(
             f"  nats-server: JetStream cannot write ({problem}); restarting it, its disk has room again "
             f"({free >> 20} MiB free); next look in {wait:.0f}s",
@@ -395,14 +395,16 @@ class LocalRun:
             # published, maybe still on their way here. Waited for as long as a generator runs
             # (its final evaluation), a moment once none does.
             deadline = time.time() + FINAL_EVAL_TIMEOUT_S
-            while not (self.train and self.train[-1]["step"] >= self.spec.trainer.max_steps) or (
-                self.spec.eval.interval and not any(e.get("final") for e in self.evals)
-            ):
+
+            def final_missing() -> bool:
+                return bool(self.spec.eval.interval) and not any(e.get("final") for e in self.evals)
+
+            while not (self.train and self.train[-1]["step"] >= self.spec.trainer.max_steps) or final_missing():
                 self.check_services()
                 if all(s.proc.poll() is not None for s in self.services if s.role == "generator"):
                     deadline = min(deadline, time.time() + ROWS_IN_FLIGHT_S)
                 if time.time() > deadline:
-                    if self.spec.eval.interval and not any(e.get("final") for e in self.evals):
+                    if final_missing():
                         self.say("  (no final evaluation arrived in time)")
                     break
                 await asyncio.sleep(0.2)

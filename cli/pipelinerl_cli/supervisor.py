@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipelinerl.contracts import STOP_GRACE_S, STOPPED_EXIT, ServiceEnv
+from pipelinerl.contracts import STOPPED_EXIT, ServiceEnv
 from pipelinerl_cli.processes import die_with_parent
 
 CORES = ("default", "split", "colocated")
@@ -87,6 +87,10 @@ class RestartPolicy:
             return self.base_s
         if not self.on_failure or restarts >= self.limit or code == CANNOT_RUN:
             return None
+        return self.spacing(restarts)
+
+    def spacing(self, restarts: int) -> float:
+        """The backoff before restart number `restarts` + 1: doubling from base_s, capped at max_s."""
         return min(self.base_s * 2**restarts, self.max_s)
 
 
@@ -196,7 +200,7 @@ class Service:
             except ProcessLookupError:
                 pass
 
-    def stop(self, timeout_s: float = STOP_GRACE_S + 5, terminated: bool = False) -> None:
+    def stop(self, timeout_s: float, terminated: bool = False) -> None:
         """Terminate it (unless `terminated` already), give it `timeout_s` to exit (a trainer's stop
         checkpoint may take its whole grace period, past which it ends itself), then kill whatever
         is left of its process group."""
