@@ -113,6 +113,7 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue, backend: s
             sorted(p.name for p in pod.iterdir()),
         )
     )
+    _end()
 
 
 def _rank_losing_its_volume(
@@ -148,6 +149,15 @@ def _rank_losing_its_volume(
     adopted = _flat(resumed)
     _train(resumed, 2)
     out.put((rank, state, torch.equal(adopted, at_two), float((_flat(resumed) - adopted).abs().max())))
+    _end()
+
+
+def _end() -> None:
+    """The rank's groups ended as the trainer ends them: left to the interpreter's exit, gloo's
+    threads now and then abort the process (SIGABRT: 'terminate called without an active exception')."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
 
 
 def _run(target, tmp_path: Path, model: Path, backend: str, *more) -> dict:
