@@ -121,7 +121,7 @@ async def run_path(job_file: str, groups: int, repeats: int, trainer_cpu: int | 
     from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
     from pipelinerl_cli.embedded_nats import EmbeddedNats
     from pipelinerl_generator.engine import Engine
-    from pipelinerl_generator.main import group_id
+    from pipelinerl.claims import group_id
     from pipelinerl_preprocessor.builder import StepBuilder
 
     job = load_job(job_file)

@@ -105,7 +105,12 @@ class Incident(StatusModel):
 class SuspendedStore(StatusModel):
     store: str = Field(max_length=64, description="The store the checkpoint's stream positions belong to.")
     step: int = Field(ge=0)
-    problems: int = Field(ge=0, description="The job's problem claims at the checkpoint.")
+    problems: int = Field(ge=0, description="The job's problem claims at the checkpoint: their count.")
+    redraw: str = Field(
+        default="",
+        max_length=262144,
+        description="Indices under that count its steps did not settle, drawn again ('3-5,9').",
+    )
 
 
 class JobStatus(StatusModel):

@@ -13,14 +13,15 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipelinerl.books import GeneratorBooks, StepLedger
+from pipelinerl.claims import Claims
 
-# 7: each ledger entry's reward_sum;
+# 8: Checkpointed.redraw; 7: each ledger entry's reward_sum;
 # 6: MicroBatch.ledger (one StepLedger) instead of step_samples, step_groups_filtered,
 # step_groups_rejected, step_samples_stale, step_groups_by_generator, generator_books and
 # settled_group_ids; 5: MicroBatch.settled_group_ids; 4: MicroBatch.lengths instead of sample_ids;
 # 3: RolloutGroup.books;
 # 2: without problem_id/start_version/gen_seconds, PolicyVersion without step
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 
 class MessageError(ValueError):
@@ -222,7 +223,17 @@ class Checkpointed(Message):
     TYPE: ClassVar[str] = "checkpointed"
     store: str  # the store its stream positions belong to (`StoreIdentity.id`)
     step: int
-    problems: int  # the job's problem claims at that checkpoint
+    problems: int = Field(ge=0)  # the job's problem claims at that checkpoint (`claims.Claims`): their count
+    redraw: str = ""  # ... and those under it the checkpoint's steps did not settle: drawn again ('3-5,9')
+
+    @property
+    def claims(self) -> Claims:
+        return Claims.of(self.problems, self.redraw, "checkpointed.redraw")
+
+    @model_validator(mode="after")
+    def _claims_valid(self) -> Checkpointed:
+        self.claims  # noqa: B018 - raises naming the field
+        return self
 
 
 MESSAGE_TYPES: dict[str, type[Message]] = {

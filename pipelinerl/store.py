@@ -13,6 +13,7 @@ import nats.js.errors
 from nats.js.errors import NotFoundError
 
 from pipelinerl.capacity import stream_bytes
+from pipelinerl.claims import Claims
 from pipelinerl.contracts import JobSubjects
 from pipelinerl.messages import MessageError, PolicyVersion, StoreIdentity, decode, encode
 from pipelinerl.spec import JobSpec
@@ -140,24 +141,25 @@ async def made_from(js, subjects: JobSubjects, adopt: str, step: int):
 
 
 async def recover_store(
-    js, subjects: JobSubjects, spec: JobSpec, adopt: str, step: int, problems: int, replicas: int | None = None
+    js, subjects: JobSubjects, spec: JobSpec, adopt: str, step: int, claims: Claims, replicas: int | None = None
 ):
     """Make the job's store, lost or replaced, go on from a trainer checkpoint (step `step`, taken
-    with store `adopt`, when `problems` problems were claimed): its streams emptied (what the
+    with store `adopt`, with the job's problem claims then, `claims`): its streams emptied (what the
     services made in it since the loss started from nothing), a store identity that adopts the
     checkpoint's store (the trainer takes it and reads its micro-batches from the start), the
     checkpoint's step announced with no group credited yet (the generators' books start again
     with the store; the preprocessor builds that step first) and problem claims going on past the
-    checkpoint's. With the job's services stopped: running ones would keep the state of the store
-    they started in. A store made already for this checkpoint is left as it is (the operator's
-    record that it restored it may not have been written: its pods may run in it by now)."""
+    checkpoint's, those claimed then but not settled by its steps drawn again first. With the
+    job's services stopped: running ones would keep the state of the store they started in. A
+    store made already for this checkpoint is left as it is (the operator's record that it restored it
+    may not have been written: its pods may run in it by now)."""
     made = await made_from(js, subjects, adopt, step)
     if made is not None:
         return made
     await delete_streams(js, subjects)
     await ensure_streams(js, subjects, spec.nats.max_payload_mb, replicas, stream_bytes(spec))
     await js.publish(subjects.version, encode(PolicyVersion(version=step, timestamp=time.time())), timeout=10.0)
-    await js.publish(subjects.problems, str(problems).encode(), timeout=10.0)
+    await js.publish(subjects.problems, claims.text().encode(), timeout=10.0)
     # Last: a store is adopted by its identity, so one cut short before it is never gone on from
     # (with claims from 0, problems trained would be drawn again); the command is run again.
     identity = _fresh(adopts=adopt, adopted_step=step)

@@ -19,6 +19,7 @@ from nats.js.errors import NotFoundError
 from prometheus_client import Counter
 
 from pipelinerl.capacity import stream_bytes
+from pipelinerl.claims import Claims
 from pipelinerl.contracts import DEADLETTER_REASON, JobSubjects
 from pipelinerl.spec import JobSpec
 
@@ -231,12 +232,13 @@ async def newest_batches(js, subjects: JobSubjects, ranks: int, timeout_s: float
     return out
 
 
-async def claim_problems(js, subjects: JobSubjects, count: int, timeout_s: float = READ_TIMEOUT_S) -> int:
-    """The first of `count` training problem indices that no generator has drawn or will: the
-    job's claims are a counter on the CONTROL stream, advanced by an append that JetStream makes
-    only if nobody appended since it was read (an expected last sequence); a claimer that lost
-    the race reads again. Whatever the generators' number, incarnations or arrivals, no two get
-    one index; a claim whose acknowledgement was lost leaves a gap, never an overlap."""
+async def claim_problems(js, subjects: JobSubjects, count: int, timeout_s: float = READ_TIMEOUT_S) -> list[int]:
+    """`count` training problem indices that no generator has drawn or will (those to draw again
+    after a store recovery first, `claims.Claims`): the job's claims are one record on the CONTROL
+    stream, replaced by an append that JetStream makes only if nobody appended since it was read
+    (an expected last sequence); a claimer that lost the race reads again. Whatever the
+    generators' number, incarnations or arrivals, no two get one index; a claim whose
+    acknowledgement was lost leaves its indices unsettled, never given twice."""
     subject, stream = subjects.problems, subjects.stream("CONTROL")
     deadline = time.monotonic() + timeout_s
     while True:
@@ -244,23 +246,30 @@ async def claim_problems(js, subjects: JobSubjects, count: int, timeout_s: float
             last = await read_last(js, stream, subject, deadline)
         except TimeoutError as err:
             raise TimeoutError(f"could not claim training problems on {subject} in {timeout_s:.0f}s ({err})") from None
-        seq, start = (last.seq, int(last.data)) if last is not None else (0, 0)
+        seq, claims = (last.seq, _claims(last.data, subject)) if last is not None else (0, Claims())
+        taken, after = claims.take(count)
         try:
             await js.publish(
-                subject,
-                str(start + count).encode(),
-                timeout=5.0,
-                headers={"Nats-Expected-Last-Subject-Sequence": str(seq)},
+                subject, after.text().encode(), timeout=5.0, headers={"Nats-Expected-Last-Subject-Sequence": str(seq)}
             )
-            return start
+            return taken
         except UNACKED:
-            pass  # lost or no ack: read again (the claim, if stored, is a gap)
+            pass  # lost or no ack: read again (the claim, if stored, leaves its indices unsettled)
         except nats.js.errors.APIError as err:
             if err.err_code != WRONG_LAST_SEQUENCE:
                 raise
         if time.monotonic() > deadline:
             raise TimeoutError(f"could not claim training problems on {subject} in {timeout_s:.0f}s")
         await asyncio.sleep(0.01)
+
+
+def _claims(data: bytes, subject: str) -> Claims:
+    from pipelinerl.messages import MessageError
+
+    try:
+        return Claims.parse(data.decode(errors="replace"))
+    except ValueError as err:
+        raise MessageError(f"{subject}: {err}") from None
 
 
 async def last_checkpoint(js, subjects: JobSubjects, timeout_s: float = READ_TIMEOUT_S):
@@ -272,9 +281,9 @@ async def last_checkpoint(js, subjects: JobSubjects, timeout_s: float = READ_TIM
 
 
 async def problems_claimed(js, subjects: JobSubjects, timeout_s: float = READ_TIMEOUT_S) -> int:
-    """How many training problems the job's generators have claimed (`claim_problems`)."""
+    """The job's problem claims' count (`claim_problems`): every index below it was claimed."""
     data = await last_message(js, subjects.stream("CONTROL"), subjects.problems, timeout_s)
-    return int(data) if data is not None else 0
+    return _claims(data, subjects.problems).next if data is not None else 0
 
 
 WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: another append came first

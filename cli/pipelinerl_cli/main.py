@@ -248,6 +248,7 @@ def _recover_store(args: argparse.Namespace) -> int:
     trainer's StoreLost message names (`pipelinerl.store.recover_store`)."""
     import json
 
+    from pipelinerl.claims import Claims
     from pipelinerl.store import recover_store
 
     job = _job_in(args)
@@ -260,21 +261,26 @@ def _recover_store(args: argparse.Namespace) -> int:
         state = json.loads((ckpts / tag / "state.json").read_text())
         if not state.get("store"):
             raise SpecError(f"the checkpoint {tag} names no store (taken before stores had identities)")
-        adopt, step, problems = state["store"], state["step"], state.get("problems_claimed", 0)
+        adopt, step, claims = state["store"], state["step"], Claims.at_checkpoint(state)
     elif args.adopt is None or args.step is None or args.problems is None:
         raise SpecError("--nats needs --adopt, --step and --problems (the trainer's StoreLost message names them)")
     else:
-        adopt, step, problems = args.adopt, args.step, args.problems
+        try:
+            adopt, step, claims = args.adopt, args.step, Claims.of(args.problems, args.redraw or "", "--redraw")
+        except ValueError as err:
+            raise SpecError(str(err)) from None
 
     identity = _on_job_store(
         args,
         job,
         "pipelinerl-recover-store",
-        lambda js: recover_store(js, job.subjects, job.spec, adopt, step, problems),
+        lambda js: recover_store(js, job.subjects, job.spec, adopt, step, claims),
     )
+    redrawn = sum(b - a for a, b in claims.redraw)
+    again = f", the {redrawn} claimed then but not settled by its steps drawn again first" if redrawn else ""
     print(
         f"store {identity.id} goes on from the checkpoint of step {step} (store {adopt}); problem claims from "
-        f"{problems}; its streams start empty"
+        f"{claims.next}{again}; its streams start empty"
     )
     return 0
 
@@ -426,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--step", type=int, help="with --nats: the checkpoint's step")
     p.add_argument("--problems", type=int, help="with --nats: problems claimed at the checkpoint")
+    p.add_argument(
+        "--redraw", metavar="RANGES", help="with --nats: those under --problems the checkpoint did not settle ('3-5,9')"
+    )
     p.add_argument("-n", "--namespace", help="the job's namespace (default: the manifest's)")
     p.set_defaults(func=_recover_store)
 

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from nats.js.errors import NotFoundError
 
 from pipelinerl.contracts import JOB_LABEL, JobSubjects, OperatorEnv
+from pipelinerl.messages import Checkpointed
 from pipelinerl.streams import close, connect, delete_streams, last_checkpoint
 from pipelinerl.store import made_from, recover_store
 from pipelinerl_operator.config import OperatorConfig
@@ -97,7 +98,7 @@ class JobStreams:
         except Exception as err:  # noqa: BLE001 - told, and tried again next pass
             self.event("Warning", "StreamsDeleteFailed", f"could not read the trainer's checkpoint record: {err!r}")
             return None
-        return {"store": told.store, "step": told.step, "problems": told.problems} if told else {}
+        return told.model_dump(exclude_defaults=True) if told else {}
 
     async def _checkpoint_told(self, js: Any) -> Any:
         """The trainer's newest checkpoint record; None where the job has no streams (its services
@@ -121,10 +122,9 @@ class JobStreams:
     async def restore(self, job: Any, record: dict[str, Any]) -> str | None:
         """A resumed job's streams made again, going on from its trainer's checkpoint; why not yet."""
         try:
+            told = Checkpointed.model_validate(record)
             await self._as_job(
-                lambda js: recover_store(
-                    js, self.subjects, job.spec, record["store"], record["step"], record["problems"], self.replicas
-                )
+                lambda js: recover_store(js, self.subjects, job.spec, told.store, told.step, told.claims, self.replicas)
             )
         except Exception as err:  # noqa: BLE001 - its account may not be on the server yet: next pass
             self.logger.info("restoring the NATS store of %s/%s: %r", self.namespace, self.name, err)

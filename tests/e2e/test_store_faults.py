@@ -21,6 +21,7 @@ from jobs import RUN_TIMEOUT_S, stored  # tests/e2e/jobs.py
 from prometheus_server import Prometheus, file_scrape_config, held, job_targets, rule_expr  # tests/prometheus_server.py
 
 from pipelinerl import messages as m
+from pipelinerl.claims import Claims, claimed_index, with_indices
 from pipelinerl.contracts import Env, JobSubjects
 from pipelinerl.ports import free_port
 from pipelinerl.streams import stored_messages
@@ -61,7 +62,8 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
     restarting silently from zero. `pipelinerl recover-store` makes the new store go on from the
     trainer's newest checkpoint (a multiple of 4: the run goes on while Prometheus scrapes), and the
     run resumes there: the steps after it again, each full, no problem of the checkpoint's lineage
-    drawn again, the metrics history kept."""
+    drawn again and none lost (those claimed then but not settled by its steps are drawn again),
+    the metrics history kept."""
     steps, name = 20, "store"  # steps to spare: a loaded machine trains several while a fault is staged
     store = tmp_path / "run" / "nats"
     store.mkdir(parents=True)
@@ -180,6 +182,16 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
         assert len(first.train()) < rows_before + 3  # it stopped; no silent restart from step 0 trained on
         checkpoint = latest_step(first.dir / "checkpoints")
         assert checkpoint >= 4
+        # The problems claimed at the checkpoint that its steps did not settle (queued, in flight or
+        # in a generator's unused block when the store was lost): the trainer's record of them is
+        # the lost store's ledgers', and there are some to draw again.
+        lost = [m.decode(x.data, m.MicroBatch) for x in before]
+        settled_then = {claimed_index(e.id) for mb in lost if mb.step < checkpoint for e in mb.ledger.groups}
+        state = json.loads((first.dir / "checkpoints" / f"step-{checkpoint}" / "state.json").read_text())
+        claims = Claims.at_checkpoint(state)
+        assert None not in settled_then and claims == Claims.unsettled(claims.next, with_indices([], settled_then))
+        redraw = {i for a, b in claims.redraw for i in range(a, b)}
+        assert redraw, claims
 
         recover = ["recover-store", str(tmp_path / "job.yaml"), "--run-dir", str(first.dir)]
         recovered = subprocess.run(
@@ -201,6 +213,9 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
         assert {mb.step for mb in batches} >= set(range(checkpoint, steps))  # the new store starts at the checkpoint
         drawn_after = {g for mb in batches for g in mb.group_ids}
         assert not drawn_after & trained_before, "a problem of the checkpoint's lineage was drawn again"
+        # ... and none is lost: each drawn again and settled after the recovery, none settled twice.
+        settled_after = {claimed_index(e.id) for mb in batches for e in mb.ledger.groups}
+        assert redraw <= settled_after and not settled_then & settled_after, (redraw - settled_after, claims)
         assert "resumed from" in (second.dir / "logs/trainer.log").read_text()
         # The trainer told its newest checkpoint on the store (what the operator resumes a suspended job from;
         # the stream keeps the newest record alone: the one told as the trainer took the store is replaced).

@@ -11,7 +11,8 @@ from pipelinerl.spec import parse_job
 from pipelinerl.streams import connect, last_message, stored_messages
 from pipelinerl.store import ensure_streams
 from pipelinerl.tasks.dataset import DatasetTask
-from pipelinerl_generator.main import Generator, group_id, restore_admission
+from pipelinerl.claims import group_id
+from pipelinerl_generator.main import Generator, restore_admission
 from pipelinerl_preprocessor.main import Preprocessor
 
 JOB = parse_job(
@@ -140,25 +141,33 @@ async def test_books_of_consumed_groups_come_from_the_preprocessors_record(nats_
 
 
 async def test_problems_are_drawn_once_whatever_the_generators(nats_server):
-    """Generators claim blocks of the problem stream from one counter (an append JetStream makes
-    only if nobody appended since it was read): claimers racing, of different block sizes (as
-    generators that started with different replica counts), never get one index twice."""
+    """Generators claim blocks of the problem stream from one record (replaced by an append
+    JetStream makes only if nobody appended since it was read): claimers racing, of different
+    block sizes (as generators that started with different replica counts), never get one index
+    twice. From a store made to go on from a checkpoint (`recover_store`), the indices claimed
+    then and not settled by its steps are drawn first, each once, then fresh ones past its count."""
+    from pipelinerl.claims import Claims
     from pipelinerl.streams import claim_problems
 
     subjects = JobSubjects("claims")
     clients = [await connect(nats_server.url, f"claimer-{i}") for i in range(3)]
     await ensure_streams(clients[0].jetstream(), subjects, 8)
+    recovered = Claims.of(100, "3-9,20,50-59")
+    await clients[0].jetstream().publish(subjects.problems, recovered.text().encode())
 
-    async def claimer(nc, block: int) -> list[int]:
-        got = []
-        for _ in range(15):
-            start = await claim_problems(nc.jetstream(), subjects, block)
-            got += range(start, start + block)
-        return got
+    async def claimer(nc, block: int) -> list[list[int]]:
+        return [await claim_problems(nc.jetstream(), subjects, block) for _ in range(15)]
 
-    drawn = await asyncio.gather(*(claimer(nc, block) for nc, block in zip(clients, (2, 3, 5))))
-    everything = [i for d in drawn for i in d]
+    claims = await asyncio.gather(*(claimer(nc, block) for nc, block in zip(clients, (2, 3, 5))))
+    assert all(len(c) == block for cs, block in zip(claims, (2, 3, 5)) for c in cs)
+    everything = [i for cs in claims for c in cs for i in c]
+    redraw = [i for a, b in recovered.redraw for i in range(a, b)]
     assert len(everything) == len(set(everything)) == 15 * (2 + 3 + 5)
-    assert sorted(everything) == list(range(len(everything)))  # no gaps either, when no claim is lost
+    # No gaps either, when no claim is lost.
+    assert sorted(everything) == redraw + list(range(100, 100 + len(everything) - len(redraw)))
+    # The redrawn first: once a claimer got a fresh index, none was left to draw again.
+    for cs in claims:
+        fresh = [i >= 100 for c in cs for i in c]
+        assert fresh == sorted(fresh)
     for nc in clients:
         await nc.close()

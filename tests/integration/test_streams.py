@@ -225,7 +225,7 @@ async def test_a_claim_whose_read_times_out_is_retried_never_a_crash(nats_server
     nc = await connect(nats_server.url, "test")
     js = nc.jetstream()
     await ensure_streams(js, SUBJECTS, 8)
-    assert await claim_problems(js, SUBJECTS, 4) == 0
+    assert await claim_problems(js, SUBJECTS, 4) == [0, 1, 2, 3]
     hang(nats_server)
     try:
         claim = asyncio.ensure_future(claim_problems(js, SUBJECTS, 4))
@@ -233,14 +233,14 @@ async def test_a_claim_whose_read_times_out_is_retried_never_a_crash(nats_server
         assert not claim.done()
     finally:
         resume(nats_server)
-    assert await asyncio.wait_for(claim, 30) == 4
+    assert await asyncio.wait_for(claim, 30) == [4, 5, 6, 7]
     hang(nats_server)
     try:
         with pytest.raises(TimeoutError, match=f"could not claim training problems on {SUBJECTS.problems}"):
             await claim_problems(js, SUBJECTS, 4, timeout_s=3)
     finally:
         resume(nats_server)
-    assert await claim_problems(js, SUBJECTS, 4) >= 8  # a claim stored without its ack is a gap
+    assert min(await claim_problems(js, SUBJECTS, 4)) >= 8  # a claim stored without its ack is a gap
     await nc.close()
 
 
@@ -400,6 +400,7 @@ async def test_the_newest_version_sent_is_kept_in_the_store_and_forgotten_with_i
     """The trainer's record of the version it began to broadcast (`WeightsSent`, its successor's
     floor) is the store's newest one, and a store made again to go on from a checkpoint
     (`recover_store`) holds none, as it holds only the checkpoint's announcement."""
+    from pipelinerl.claims import Claims
     from pipelinerl.spec import JobSpec
     from pipelinerl.store import recover_store
     from pipelinerl.streams import last_announcement, last_sent
@@ -411,7 +412,7 @@ async def test_the_newest_version_sent_is_kept_in_the_store_and_forgotten_with_i
     for version in (6, 7):
         await js.publish(SUBJECTS.sent, m.encode(m.WeightsSent(version=version)), timeout=5)
     assert await last_sent(js, SUBJECTS) == 7
-    await recover_store(js, SUBJECTS, JobSpec(), adopt="lost", step=4, problems=40)
+    await recover_store(js, SUBJECTS, JobSpec(), adopt="lost", step=4, claims=Claims(40))
     assert await last_sent(js, SUBJECTS) == 0 and (await last_announcement(js, SUBJECTS)).version == 4
     await nc.close()
 
@@ -425,15 +426,17 @@ def test_a_server_that_cannot_take_its_port_is_not_mistaken_for_the_one_there(tm
 
 
 def test_recover_store_on_a_cluster_makes_the_new_store_adopt_the_checkpoint(nats_server, tmp_path):
-    """`pipelinerl recover-store JOB --nats URL --adopt --step --problems` (the job suspended; what
-    the trainer's StoreLost names), against a real nats-server: whatever the services made in the
-    new store since the loss is gone; the store's identity adopts the lost one at that step, the
-    step is announced with nothing credited, claims go on past the checkpoint's."""
+    """`pipelinerl recover-store JOB --nats URL --adopt --step --problems --redraw` (the job
+    suspended; what the trainer's StoreLost names), against a real nats-server: whatever the
+    services made in the new store since the loss is gone; the store's identity adopts the lost
+    one at that step, the step is announced with nothing credited, claims go on past the
+    checkpoint's, those it did not settle drawn again first."""
     import subprocess
     import sys
 
     import yaml
 
+    from pipelinerl.claims import Claims
     from pipelinerl.spec import JobSpec
     from pipelinerl.streams import claim_problems, last_announcement, stored_messages
     from pipelinerl.store import recover_store, store_identity
@@ -455,10 +458,16 @@ def test_recover_store_on_a_cluster_makes_the_new_store_adopt_the_checkpoint(nat
     cmd = ["recover-store", str(manifest), "--nats", nats_server.url, "--adopt", "lost", "--step", "4"]
     missing = subprocess.run([sys.executable, "-m", "pipelinerl_cli", *cmd], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "--problems" in missing.stderr  # all three, or nothing
+    cmd += ["--problems", "40", "--redraw"]
+    bad = subprocess.run(
+        [sys.executable, "-m", "pipelinerl_cli", *cmd, "30-41"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2 and "--redraw: 30-41 reaches past the 40 problems claimed" in bad.stderr, bad.stderr
     done = subprocess.run(
-        [sys.executable, "-m", "pipelinerl_cli", *cmd, "--problems", "40"], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "pipelinerl_cli", *cmd, "7,30-31"], capture_output=True, text=True, timeout=60
     )
     assert done.returncode == 0, done.stderr
+    assert "problem claims from 40, the 3 claimed then but not settled by its steps drawn again first" in done.stdout
 
     async def after():
         nc = await connect(nats_server.url, "test")
@@ -474,21 +483,21 @@ def test_recover_store_on_a_cluster_makes_the_new_store_adopt_the_checkpoint(nat
     identity, announced, rollouts, claimed = asyncio.run(after())
     assert identity.id != fresh.id and (identity.adopts, identity.adopted_step) == ("lost", 4)
     assert (announced.version, announced.trained_groups, announced.finished) == (4, {}, False)
-    assert rollouts == [] and claimed == 40
+    assert rollouts == [] and claimed == [7, 30, 31, 40, 41, 42, 43, 44]  # those not settled first
 
     async def again():  # the operator's record of the restore not written: its next pass restores again
         nc = await connect(nats_server.url, "test")
         js = nc.jetstream()
         try:
             await js.publish(SUBJECTS.rollouts(0), m.encode(group(2)))  # the resumed pods at work in it
-            await recover_store(js, SUBJECTS, JobSpec(), "lost", 4, 40)
+            await recover_store(js, SUBJECTS, JobSpec(), "lost", 4, Claims.of(40, "7,30-31"))
             rollouts = await stored_messages(js, SUBJECTS.stream("ROLLOUTS"))
             return await store_identity(js, SUBJECTS), rollouts, await claim_problems(js, SUBJECTS, 8)
         finally:
             await nc.close()
 
     kept, rollouts, claimed = asyncio.run(again())
-    assert kept == identity and len(rollouts) == 1 and claimed == 48  # made once: nothing of theirs undone
+    assert kept == identity and len(rollouts) == 1 and claimed == list(range(45, 53))  # made once: nothing undone
 
 
 def test_a_store_that_lost_a_stream_of_positions_is_another_store_to_the_trainer(nats_server):

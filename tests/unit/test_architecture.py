@@ -45,6 +45,7 @@ PURE = {
     "pipelinerl.admission",
     "pipelinerl.books",
     "pipelinerl.capacity",
+    "pipelinerl.claims",
     "pipelinerl.crd",
     "pipelinerl.generator_memory",
     "pipelinerl.group_checks",

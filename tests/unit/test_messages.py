@@ -3,6 +3,7 @@ import pytest
 
 from pipelinerl.messages import (
     SCHEMA_VERSION,
+    Checkpointed,
     MessageError,
     MicroBatch,
     PolicyVersion,
@@ -46,6 +47,11 @@ def test_wrong_type_version_and_fields_are_named():
         decode(msgpack.packb(body), RolloutGroup)
     with pytest.raises(MessageError, match="not valid msgpack"):
         decode(b"\xc1", RolloutGroup)
+    told = Checkpointed(store="s", step=4, problems=40, redraw="3-5,9")
+    assert decode(encode(told), Checkpointed).claims.redraw == ((3, 6), (9, 10))
+    body = msgpack.unpackb(encode(told)) | {"redraw": "9-3"}
+    with pytest.raises(MessageError, match="checkpointed.redraw: '9-3' is not an index or a range"):
+        decode(msgpack.packb(body), Checkpointed)
 
 
 def test_zero_variance_groups_are_flagged():

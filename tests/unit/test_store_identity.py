@@ -3,6 +3,7 @@ the store, a restart in the same store goes on, a lost or replaced store is Stor
 and while running), and only a store `recover-store` made for this very checkpoint is adopted."""
 
 from pipelinerl import messages as m
+from pipelinerl.claims import Claims
 from pipelinerl_trainer.position import Position
 
 
@@ -12,7 +13,7 @@ def identity(id_: str, adopts: str | None = None, step: int | None = None) -> m.
 
 def at_checkpoint(store: str, step: int = 4) -> Position:
     state = {"step": step, "consumed_seq": {"0": 57}, "trained_groups": {"0": 16}, "store": store}
-    state["problems_claimed"] = 40
+    state |= {"problems_claimed": 40, "problems_settled": [[0, 30], [32, 40]]}
     return Position.restored(state, 0)
 
 
@@ -22,6 +23,9 @@ def test_a_first_start_takes_the_store_and_a_restart_in_it_goes_on():
     assert fresh.kept({"0": 0}, 12)["store"] == "a"
     old = Position.restored({"step": 3, "consumed_seq": {"0": 9}}, 0)  # from before stores had identities
     assert old.check_store(identity("a")) == "" and old.store == "a" and old.consumed_seq == 9
+    # From before settled problems were kept: nothing drawn again (as then), not every problem.
+    older = Position.restored({"step": 3, "store": "a", "problems_claimed": 40}, 0)
+    assert older.claims() == Claims(40) and "--problems 40`" in older.check_store(identity("b"))
     same = at_checkpoint("a")
     assert same.check_store(identity("a")) == "" and same.consumed_seq == 57 and same.trained_groups == {"0": 16}
 
@@ -30,7 +34,7 @@ def test_a_lost_store_is_store_lost_with_the_recovery_named():
     p = at_checkpoint("a")
     lost = p.check_store(identity("b"))
     assert lost.startswith("StoreLost:") and "store a" in lost and "now b" in lost
-    assert "--adopt a --step 4 --problems 40" in lost and "--run-dir" in lost
+    assert "--adopt a --step 4 --problems 40 --redraw 30-31`" in lost and "--run-dir" in lost
     assert "suspend the job, then resume it" in lost  # on a cluster the operator restores it
     assert p.store == "a" and p.consumed_seq == 57  # nothing taken from the other store
     running = at_checkpoint("a")
@@ -70,7 +74,7 @@ def test_rank_0_tells_its_checkpoint_on_a_store_made_to_go_on_from_it():
         return said
 
     said = told(at_checkpoint("a"), identity("b", adopts="a", step=4))
-    assert said == [("ckpt", m.Checkpointed(store="a", step=4, problems=40))]
+    assert said == [("ckpt", m.Checkpointed(store="a", step=4, problems=40, redraw="30-31"))]
     assert told(at_checkpoint("a"), identity("b", adopts="a", step=4), rank=1) == []
     assert told(at_checkpoint("a"), identity("a")) == []
     assert told(Position.restored({}, 0), identity("a")) == []

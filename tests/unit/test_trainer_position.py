@@ -9,9 +9,10 @@ def test_a_step_moves_the_position_and_the_checkpoint_keeps_it():
     p = Position.restored({}, rank=0)
     assert (p.version, p.consumed_seq, p.trained_groups) == (0, 0, {})
     ledger = StepLedger()
-    credit(ledger, Outcome.TRAINED, "a@0", 0, 4, False)
-    credit(ledger, Outcome.STALE, "b@1", 1, 4, False)
-    credit(ledger, Outcome.FILTERED, "c@1", 1, 4, True)
+    credit(ledger, Outcome.TRAINED, "a#0@0", 0, 4, False)
+    credit(ledger, Outcome.STALE, "b#1@1", 1, 4, False)
+    credit(ledger, Outcome.FILTERED, "c#3@1", 1, 4, True)
+    credit(ledger, Outcome.DEAD_LETTERED, "rollout-12", None, 0, False)  # not decodable: no index
     p.took(7)
     p.consumed(ledger)  # the final micro-batch: its groups are consumed, before the step is taken
     assert p.trained_groups == {"0": 1, "1": 1} and p.version == 0 and p.step_seq == 0
@@ -19,7 +20,8 @@ def test_a_step_moves_the_position_and_the_checkpoint_keeps_it():
     p.stepped(samples=4, rejected_groups=2, rejected_samples=1)
     assert (p.version, p.step_seq, p.samples, p.rejected_groups, p.rejected_samples) == (1, 9, 4, 2, 1)
     p.took(11)  # part of the next step: a checkpoint resumes where the last whole step ended
-    kept = p.kept({"0": p.step_seq, "1": 12})
+    kept = p.kept({"0": p.step_seq, "1": 12}, problems_claimed=6)
+    assert kept["problems_settled"] == [[0, 2], [3, 4]]  # whatever the outcome
     again = Position.restored(kept, rank=0)
     assert again == Position(
         version=1,
@@ -30,7 +32,12 @@ def test_a_step_moves_the_position_and_the_checkpoint_keeps_it():
         samples=4,
         rejected_groups=2,
         rejected_samples=1,
+        problems_claimed=6,
+        problems_settled=[(0, 2), (3, 4)],
     )
     assert Position.restored(kept, rank=1).consumed_seq == 12
-    p.saved()
+    p.saved(kept)
     assert p.checkpointed == 1
+    # What a store made to go on from it claims from: past the 6 claimed, 2, 4 and 5 drawn again first.
+    told = p.record("s")
+    assert (told.store, told.step, told.problems, told.redraw) == ("s", 1, 6, "2,4-5")

@@ -26,6 +26,7 @@ from nats.js.api import DeliverPolicy
 from pipelinerl import books
 from pipelinerl import messages as m
 from pipelinerl.admission import Admission
+from pipelinerl.claims import group_id
 from pipelinerl.contracts import GeneratorStatus, JobSubjects, ServiceEnv
 from pipelinerl.prompt_fit import prompt_fit
 from pipelinerl.runtime import HealthServer, join_job, serve
@@ -178,11 +179,11 @@ class Generator:
     async def _next_problem(self) -> int:
         """The next training problem: from a block claimed for this generator alone (a step's
         share), so that whatever the generators' number, restarts or arrivals, each problem is
-        drawn once (a claimed block an incarnation did not finish is left unused)."""
+        drawn once (a claimed block an incarnation did not finish is left unused, and drawn again
+        only where the store is made to go on from a checkpoint: `claims`)."""
         if not self.problems:
             block = max(1, self.admission.share)
-            start = await claim_problems(self.js, self.subjects, block)
-            self.problems.extend(range(start, start + block))
+            self.problems.extend(await claim_problems(self.js, self.subjects, block))
         return self.problems.popleft()
 
     async def _group(self, index: int, started_at: int) -> None:
@@ -232,13 +233,6 @@ class Generator:
         if final:
             self.finished_version = pv.version
         self._spawn(self.evaluator.maybe_eval(pv.version, final=final))
-
-
-def group_id(problem: str, index: int, rank: int) -> str:
-    """A group's id, its message id in the rollout stream: the claimed index makes it the job's
-    alone (`claim_problems`); a problem's own id comes back with each epoch of a dataset, and
-    JetStream would drop the later group as a duplicate of the earlier within its window."""
-    return f"{problem}#{index}@{rank}"
 
 
 async def assemble(

@@ -13,7 +13,6 @@ import threading
 
 import torch
 
-from pipelinerl import messages as m
 from pipelinerl.contracts import MASTER_PORT, STOP_GRACE_S, Env, ServiceEnv
 from pipelinerl.runtime import HealthServer, exit_soon
 from pipelinerl.spec import PipelineRLJob
@@ -103,16 +102,14 @@ def await_store(position: Position, bridge: NatsBridge, board: Board, env: Servi
         if env.exit_when_done or stop.is_set():
             raise StoreLost(lost)
         if env.rank == 0 and not told:
-            record = m.Checkpointed(store=position.store, step=position.version, problems=position.problems_claimed)
-            bridge.publish(bridge.subjects.checkpoint, record)
+            bridge.publish(bridge.subjects.checkpoint, position.record(position.store))
             told = True
         stop.wait(STORE_POLL_S)
     board.update(store_lost="")
     if env.rank == 0 and taken and position.store != taken:
         # A store made to go on from this checkpoint: it is the one a suspend before the next
         # save restores again (a resumed job's store holds no record of it until then).
-        record = m.Checkpointed(store=taken, step=position.version, problems=position.problems_claimed)
-        bridge.publish(bridge.subjects.checkpoint, record)
+        bridge.publish(bridge.subjects.checkpoint, position.record(taken))
 
 
 def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.Event) -> Trainer:

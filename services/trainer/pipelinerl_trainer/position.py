@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipelinerl.books import StepLedger
+from pipelinerl.messages import Checkpointed
+from pipelinerl.claims import Claims, Range, claimed_index, gaps, with_indices
 from pipelinerl.spec import SpecError
 from pipelinerl.steps import version_after
 
@@ -28,6 +30,8 @@ class Position:
     rejected_samples: int = 0  # dead-lettered by the trainer (the model cannot take them), whole run
     store: str = ""  # the job's store (`messages.StoreIdentity.id`) the stream positions belong to
     problems_claimed: int = 0  # the job's problem claims at the checkpoint (a recovered store goes on past them)
+    # The problem indices the steps taken settled, whole run (`claims`: a recovered store draws the rest again).
+    problems_settled: list[Range] = field(default_factory=list)
 
     @classmethod
     def restored(cls, state: dict, rank: int) -> Position:
@@ -35,6 +39,7 @@ class Position:
         seq = state.get("consumed_seq", {}).get(str(rank), 0)
         rejected = state.get("rejected", {"groups": 0, "samples": 0})
         version = state.get("step", 0)
+        claims = Claims.at_checkpoint(state)
         return cls(
             version=version,
             trained_groups=dict(state.get("trained_groups", {})),
@@ -45,7 +50,8 @@ class Position:
             rejected_groups=rejected["groups"],
             rejected_samples=rejected["samples"],
             store=state.get("store", ""),
-            problems_claimed=state.get("problems_claimed", 0),
+            problems_claimed=claims.next,
+            problems_settled=gaps(claims.redraw, claims.next),
         )
 
     def check_store(self, identity, starting: bool = True) -> str:
@@ -64,7 +70,7 @@ class Position:
             "suspend the job, then resume it: the trainer has told this checkpoint on the new store, and the "
             "operator makes the resumed job's store go on from it (on a NATS of the job's own, with the job "
             f"suspended: `pipelinerl recover-store JOB --nats URL -n NAMESPACE --adopt {self.store} "
-            f"--step {self.version} --problems {self.problems_claimed}`)"
+            f"--step {self.version} {claims_options(self.claims())}`)"
             if starting
             else "the restarted trainer says how"
         )
@@ -82,9 +88,21 @@ class Position:
         self.consumed_seq = seq
 
     def consumed(self, ledger: StepLedger) -> None:
-        """The step's final micro-batch is here: its groups are consumed, credited to their generators."""
+        """The step's final micro-batch is here: its groups are consumed, credited to their
+        generators, and their problems settled."""
         for g, c in ledger.credits.items():
             self.trained_groups[g] = self.trained_groups.get(g, 0) + c
+        indices = (claimed_index(e.id) for e in ledger.groups)
+        self.problems_settled = with_indices(self.problems_settled, (i for i in indices if i is not None))
+
+    def claims(self) -> Claims:
+        """What a store made to go on from the newest checkpoint claims from (as it saved them)."""
+        return Claims.unsettled(self.problems_claimed, self.problems_settled)
+
+    def record(self, store: str) -> Checkpointed:
+        """The newest checkpoint's record, told on the job's `store` (what a store goes on from)."""
+        claims = self.claims()
+        return Checkpointed(store=store, step=self.checkpointed, problems=claims.next, redraw=claims.redraw_text)
 
     def stepped(self, samples: int, rejected_groups: int, rejected_samples: int) -> None:
         """The optimizer stepped: the next version, and the step's counts."""
@@ -94,13 +112,15 @@ class Position:
         self.rejected_groups += rejected_groups
         self.rejected_samples += rejected_samples
 
-    def saved(self) -> None:
-        """A checkpoint of this version is written."""
+    def saved(self, state: dict) -> None:
+        """A checkpoint of this version is written, with `state` (`kept`)."""
         self.checkpointed = self.version
+        self.problems_claimed = state["problems_claimed"]
 
     def kept(self, step_seqs: dict[str, int], problems_claimed: int = 0) -> dict:
         """A checkpoint's state (`step_seqs`: every rank's `step_seq`, by rank; `problems_claimed`:
-        the job's problem claims then, where a recovered store's claims go on)."""
+        the job's problem claims' count then, where a recovered store's claims go on, and which
+        of those the steps settled: the rest it draws again)."""
         return {
             "step": self.version,
             "samples": self.samples,
@@ -109,4 +129,10 @@ class Position:
             "consumed_seq": step_seqs,
             "store": self.store,
             "problems_claimed": max(problems_claimed, self.problems_claimed),
+            "problems_settled": [list(r) for r in self.problems_settled],
         }
+
+
+def claims_options(claims: Claims) -> str:
+    """`pipelinerl recover-store`'s options for `claims` (with --nats, as a StoreLost message names them)."""
+    return f"--problems {claims.next}" + (f" --redraw {claims.redraw_text}" if claims.redraw else "")

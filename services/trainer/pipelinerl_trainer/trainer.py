@@ -454,7 +454,6 @@ class Trainer:
             self.env.local_rank or 0,
             previous=self.position.checkpointed,
         )
-        self.position.saved()
+        self.position.saved(state)
         if self.rank == 0:  # saved: what a store must go on from to resume this job (the operator reads it)
-            told = m.Checkpointed(store=state["store"], step=self.position.version, problems=state["problems_claimed"])
-            self.bridge.publish(self.job.subjects.checkpoint, told)
+            self.bridge.publish(self.job.subjects.checkpoint, self.position.record(state["store"]))

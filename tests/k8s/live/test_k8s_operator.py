@@ -469,6 +469,7 @@ async def test_a_store_made_again_from_the_kept_record_stands_while_the_job_may_
 
     import kopf
 
+    from pipelinerl.claims import Claims
     from pipelinerl.contracts import JOB_LABEL
     from pipelinerl.messages import Checkpointed, encode
     from pipelinerl.ports import free_port
@@ -499,7 +500,7 @@ async def test_a_store_made_again_from_the_kept_record_stands_while_the_job_may_
         await ensure_streams(js, subjects, 1)
         suspended_in = await store_identity(js, subjects)
         kept = {"store": suspended_in.id, "step": 7, "problems": 123}
-        restored = (await recover_store(js, subjects, spec, kept["store"], 7, 123)).id  # the resume
+        restored = (await recover_store(js, subjects, spec, kept["store"], 7, Claims(123))).id  # the resume
         await api.create_pod("demo-prl-trainer-0", {JOB_LABEL: "demo"}, restarts=0)
         assert await release_streams(kube, streams, True, kept) == (kept, False)
         assert await store() == restored and told == []
@@ -508,9 +509,9 @@ async def test_a_store_made_again_from_the_kept_record_stands_while_the_job_may_
         assert await release_streams(kube, streams, True, kept) == (kept, True)
         assert await store() is None and told == ["StreamsDeleted"]
         # Made again, and its trainer told a newer checkpoint there on its way out.
-        restored = (await recover_store(js, subjects, spec, kept["store"], 7, 123)).id
-        await js.publish(subjects.checkpoint, encode(Checkpointed(store=restored, step=9, problems=150)))
-        newer = {"store": restored, "step": 9, "problems": 150}
+        restored = (await recover_store(js, subjects, spec, kept["store"], 7, Claims(123))).id
+        await js.publish(subjects.checkpoint, encode(Checkpointed(store=restored, step=9, problems=150, redraw="140")))
+        newer = {"store": restored, "step": 9, "problems": 150, "redraw": "140"}
         assert await release_streams(kube, streams, True, kept) == (newer, False)
         assert await store() == restored
         assert await release_streams(kube, streams, True, newer) == (newer, True)

@@ -29,7 +29,7 @@ from pipelinerl_cli.embedded_nats import nats_server_binary
 from pipelinerl.ports import free_port
 from pipelinerl.spec import parse_job
 from pipelinerl.messages import Checkpointed, encode
-from pipelinerl.streams import last_announcement, problems_claimed
+from pipelinerl.streams import claim_problems, last_announcement, problems_claimed
 from pipelinerl.store import ensure_streams, store_identity
 from pipelinerl_operator.credentials import nats_accounts
 
@@ -365,7 +365,7 @@ async def test_nats_starts_whatever_jobs_exist_and_only_running_jobs_have_accoun
                     await ensure_streams(nc.jetstream(), JobSubjects(n, NS), 1, sizes=sizes)
                     if n == "one":
                         identity = await store_identity(nc.jetstream(), JobSubjects(n, NS))
-                        told = Checkpointed(store=identity.id, step=7, problems=123)
+                        told = Checkpointed(store=identity.id, step=7, problems=123, redraw="100-101,120")
                         await nc.jetstream().publish(JobSubjects(n, NS).checkpoint, encode(told))
                     await nc.close()
 
@@ -377,7 +377,7 @@ async def test_nats_starts_whatever_jobs_exist_and_only_running_jobs_have_accoun
                 await eventually(
                     lambda: (
                         status(emulator, "one").get("suspendedStore")
-                        == {"store": identity.id, "step": 7, "problems": 123}
+                        == {"store": identity.id, "step": 7, "problems": 123, "redraw": "100-101,120"}
                         and status(emulator, "one")["natsReservedBytes"] == 0
                     ),
                     timeout_s=60,
@@ -424,6 +424,8 @@ async def test_nats_starts_whatever_jobs_exist_and_only_running_jobs_have_accoun
                 assert (restored.adopts, restored.adopted_step) == (identity.id, 7)
                 assert (await last_announcement(nc.jetstream(), ones)).version == 7
                 assert await problems_claimed(nc.jetstream(), ones) == 123
+                # Those claimed at the checkpoint and not settled by it, drawn again first.
+                assert await claim_problems(nc.jetstream(), ones, 4) == [100, 101, 120, 123]
                 await nc.close()
     finally:
         server.stop()
