@@ -7,7 +7,11 @@ take first. A group's id names its index (`group_id`); a trainer step's ledger s
 it took (trained, filtered, stale or dead-lettered), and the trainer keeps the settled indices with
 each checkpoint. A store lost and made to go on from that checkpoint (`store.recover_store`) draws
 again every index claimed then and not settled by it (`Claims.unsettled`): the groups queued,
-in flight or in a generator's unused block when the store was lost. No index is settled twice.
+in flight or in a generator's unused block when the store was lost. No index settled by a step is
+drawn again. Unsettled too, and so drawn again at a recovery: the blocks generators left unused
+at their restarts, problems a generator skips (a prompt too long for the model), a lost claim's
+indices, and a group that could not be decoded (its index unknown). Those gaps never close
+otherwise, so the trainer keeps only the newest `MAX_GAPS` (`newest_gaps`): the older are given up.
 
 Index sets are sorted, disjoint half-open ranges `(start, stop)`; as text `3-5,9` (inclusive).
 """
@@ -18,6 +22,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 Range = tuple[int, int]  # [start, stop)
+# The unsettled ranges a checkpoint keeps, the newest: a store lost mid-run leaves one or two per
+# generator and step in flight. It bounds the record (the job's status, `recover-store --redraw`).
+MAX_GAPS = 2048
 
 
 def group_id(problem: str, index: int, rank: int) -> str:
@@ -44,6 +51,14 @@ def with_indices(ranges: Sequence[Range], indices: Iterable[int]) -> list[Range]
         else:
             merged.append((start, stop))
     return merged
+
+
+def newest_gaps(ranges: list[Range], most: int) -> list[Range]:
+    """`ranges` leaving at most `most` gaps, the newest (highest): older ones are filled, given up."""
+    if len(ranges) <= most + 1:
+        return ranges
+    cut = len(ranges) - most - 1
+    return [(ranges[0][0], ranges[cut][1]), *ranges[cut + 1 :]]
 
 
 def gaps(ranges: Sequence[Range], below: int) -> list[Range]:

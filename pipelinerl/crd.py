@@ -108,7 +108,8 @@ class SuspendedStore(StatusModel):
     problems: int = Field(ge=0, description="The job's problem claims at the checkpoint: their count.")
     redraw: str = Field(
         default="",
-        max_length=262144,
+        max_length=65536,
+        pattern=r"^([0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*)?$",
         description="Indices under that count its steps did not settle, drawn again ('3-5,9').",
     )
 

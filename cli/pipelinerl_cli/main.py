@@ -250,8 +250,12 @@ def _recover_store(args: argparse.Namespace) -> int:
 
     from pipelinerl.claims import Claims
     from pipelinerl.store import recover_store
+    from pipelinerl.streams import last_checkpoint
 
     job = _job_in(args)
+    given = [f"--{o}" for o in ("adopt", "step", "problems", "redraw") if getattr(args, o) is not None]
+    if args.run_dir and given:
+        raise SpecError(f"{', '.join(given)}: with --nats only (a local run's checkpoint names them)")
     if args.run_dir:
         ckpts = Path(args.run_dir) / "checkpoints"
         latest = ckpts / "latest"
@@ -261,21 +265,30 @@ def _recover_store(args: argparse.Namespace) -> int:
         state = json.loads((ckpts / tag / "state.json").read_text())
         if not state.get("store"):
             raise SpecError(f"the checkpoint {tag} names no store (taken before stores had identities)")
-        adopt, step, claims = state["store"], state["step"], Claims.at_checkpoint(state)
+        chosen = state["store"], state["step"], Claims.at_checkpoint(state)
+    elif not given:
+        chosen = None  # the checkpoint the trainer told on the new store as it found it lost
     elif args.adopt is None or args.step is None or args.problems is None:
-        raise SpecError("--nats needs --adopt, --step and --problems (the trainer's StoreLost message names them)")
+        raise SpecError("--adopt, --step and --problems go together (the trainer's StoreLost message names them)")
     else:
         try:
-            adopt, step, claims = args.adopt, args.step, Claims.of(args.problems, args.redraw or "", "--redraw")
+            chosen = args.adopt, args.step, Claims.of(args.problems, args.redraw or "", "--redraw")
         except ValueError as err:
             raise SpecError(str(err)) from None
 
-    identity = _on_job_store(
-        args,
-        job,
-        "pipelinerl-recover-store",
-        lambda js: recover_store(js, job.subjects, job.spec, adopt, step, claims),
-    )
+    async def recover(js):
+        if chosen is None and (told := await last_checkpoint(js, job.subjects)) is None:
+            raise SpecError(
+                f"no checkpoint told on the job's store at {args.nats}: give --adopt, --step and --problems "
+                "(and --redraw) as the trainer's StoreLost message names them"
+            )
+        adopt, step, claims = chosen or (told.store, told.step, told.claims)
+        return adopt, step, claims, await recover_store(js, job.subjects, job.spec, adopt, step, claims)
+
+    adopt, step, claims, identity = _on_job_store(args, job, "pipelinerl-recover-store", recover)
+    if identity.id == adopt:
+        print(f"store {adopt} is the checkpoint's own (step {step}): nothing to recover, the trainer goes on in it")
+        return 0
     redrawn = sum(b - a for a, b in claims.redraw)
     again = f", the {redrawn} claimed then but not settled by its steps drawn again first" if redrawn else ""
     print(
@@ -428,7 +441,10 @@ def main(argv: list[str] | None = None) -> int:
     where.add_argument("--run-dir", help="a local run's folder (its store and checkpoints)")
     where.add_argument("--nats", metavar="URL", help="the NATS server of a job on a cluster (the job suspended)")
     p.add_argument(
-        "--adopt", metavar="STORE", help="with --nats: the lost store's id (the trainer's StoreLost message)"
+        "--adopt",
+        metavar="STORE",
+        help="with --nats: the lost store's id (the trainer's StoreLost message; left out, with the three below: "
+        "read from the checkpoint record the trainer told on the new store)",
     )
     p.add_argument("--step", type=int, help="with --nats: the checkpoint's step")
     p.add_argument("--problems", type=int, help="with --nats: problems claimed at the checkpoint")

@@ -499,6 +499,34 @@ def test_recover_store_on_a_cluster_makes_the_new_store_adopt_the_checkpoint(nat
     kept, rollouts, claimed = asyncio.run(again())
     assert kept == identity and len(rollouts) == 1 and claimed == list(range(45, 53))  # made once: nothing undone
 
+    # Without the options: the checkpoint the trainer told on the store (as it found it lost), none
+    # there refused; the checkpoint's own store (never lost) left as it is; the options alone with --nats.
+    def cli(*more: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "pipelinerl_cli", "recover-store", str(manifest), *more]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+    none_told = cli("--nats", nats_server.url)
+    assert none_told.returncode == 2 and "no checkpoint told on the job's store" in none_told.stderr
+
+    async def tell(record: m.Checkpointed) -> None:
+        nc = await connect(nats_server.url, "test")
+        await nc.jetstream().publish(SUBJECTS.checkpoint, m.encode(record))
+        await nc.close()
+
+    asyncio.run(tell(m.Checkpointed(store=identity.id, step=9, problems=60)))
+    own = cli("--nats", nats_server.url)
+    assert own.returncode == 0 and f"store {identity.id} is the checkpoint's own (step 9): nothing" in own.stdout
+    asyncio.run(tell(m.Checkpointed(store="lost-2", step=6, problems=60, redraw="50")))
+    told = cli("--nats", nats_server.url)
+    assert (
+        told.returncode == 0
+        and "the checkpoint of step 6 (store lost-2); problem claims from 60, the 1 " in told.stdout
+    )
+    identity, _, _, claimed = asyncio.run(after())
+    assert (identity.adopts, identity.adopted_step) == ("lost-2", 6) and claimed == [50, *range(60, 67)]
+    local = cli("--run-dir", str(tmp_path), "--redraw", "3")
+    assert local.returncode == 2 and "--redraw: with --nats only" in local.stderr, local.stderr
+
 
 def test_a_store_that_lost_a_stream_of_positions_is_another_store_to_the_trainer(nats_server):
     """A store whose identity is written but which lost its BATCHES (or ROLLOUTS) stream: the

@@ -6,7 +6,16 @@ import random
 
 import pytest
 
-from pipelinerl.claims import Claims, claimed_index, gaps, group_id, parse_ranges, ranges_text, with_indices
+from pipelinerl.claims import (
+    Claims,
+    claimed_index,
+    gaps,
+    group_id,
+    newest_gaps,
+    parse_ranges,
+    ranges_text,
+    with_indices,
+)
 
 
 @pytest.mark.parametrize("problem", ["gsm8k-17", "a#b@c", "#", "x@1#2"])
@@ -26,6 +35,14 @@ def test_ranges_merge_and_their_gaps_are_the_rest_below_a_count():
     assert gaps(ranges, 12) == [(3, 5), (8, 9), (10, 12)]
     assert gaps(ranges, 6) == [(3, 5)]
     assert gaps([], 3) == [(0, 3)] and gaps([(0, 3)], 3) == [] and gaps([], 0) == []
+
+
+def test_only_the_newest_gaps_are_kept_the_older_given_up():
+    ranges = [(0, 2), (3, 5), (6, 8), (9, 10)]  # gaps 2, 5, 8
+    assert newest_gaps(ranges, 3) == ranges
+    assert newest_gaps(ranges, 2) == [(0, 5), (6, 8), (9, 10)]  # 2 given up: taken for settled
+    assert newest_gaps(ranges, 0) == [(0, 10)]
+    assert gaps(newest_gaps(ranges, 1), 12) == [(8, 9), (10, 12)]
 
 
 def test_ranges_text_round_trips_and_bad_text_names_its_field():

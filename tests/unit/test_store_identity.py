@@ -36,6 +36,13 @@ def test_a_lost_store_is_store_lost_with_the_recovery_named():
     assert lost.startswith("StoreLost:") and "store a" in lost and "now b" in lost
     assert "--adopt a --step 4 --problems 40 --redraw 30-31`" in lost and "--run-dir" in lost
     assert "suspend the job, then resume it" in lost  # on a cluster the operator restores it
+    assert "`pipelinerl recover-store JOB --nats URL -n NAMESPACE`, which reads that record" in lost
+    # Ranges to draw again past what a message can carry are left to the record.
+    many = Position.restored({"step": 4, "store": "a", "problems_claimed": 4000, "problems_settled": [
+        [i, i + 1] for i in range(0, 4000, 2)]}, 0)  # fmt: skip
+    said = many.check_store(identity("b"))
+    assert "--problems 4000` and the 2000 ranges to draw again it names (too many to name here)" in said
+    assert len(said) < 2000
     assert p.store == "a" and p.consumed_seq == 57  # nothing taken from the other store
     running = at_checkpoint("a")
     assert "restarted trainer says how" in running.check_store(identity("b"), starting=False)

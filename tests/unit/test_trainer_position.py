@@ -41,3 +41,19 @@ def test_a_step_moves_the_position_and_the_checkpoint_keeps_it():
     # What a store made to go on from it claims from: past the 6 claimed, 2, 4 and 5 drawn again first.
     told = p.record("s")
     assert (told.store, told.step, told.problems, told.redraw) == ("s", 1, 6, "2,4-5")
+
+
+def test_the_settled_problems_keep_only_the_newest_gaps():
+    """Gaps that never close (problems skipped as too long, blocks left by restarted generators)
+    would grow the checkpoint and the store's record without bound: the oldest are given up."""
+    from pipelinerl.claims import MAX_GAPS
+
+    p = Position.restored({}, rank=0)
+    for i in range(MAX_GAPS + 10):
+        ledger = StepLedger()
+        credit(ledger, Outcome.TRAINED, f"p#{2 * i}@0", 0, 4, False)  # every odd index a gap
+        p.consumed(ledger)
+    p.saved(p.kept({"0": 0}, problems_claimed=2 * (MAX_GAPS + 10)))
+    redraw = p.claims().redraw  # the newest gaps between settled indices, and the last claimed index
+    assert len(redraw) == MAX_GAPS + 1 and redraw[0] == (19, 20)  # 1, 3, ..., 17 given up
+    assert redraw[-1] == (2 * MAX_GAPS + 19, 2 * MAX_GAPS + 20)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from pipelinerl.books import StepLedger
 from pipelinerl.messages import Checkpointed
-from pipelinerl.claims import Claims, Range, claimed_index, gaps, with_indices
+from pipelinerl.claims import MAX_GAPS, Claims, Range, claimed_index, gaps, newest_gaps, with_indices
 from pipelinerl.spec import SpecError
 from pipelinerl.steps import version_after
 
@@ -66,11 +66,17 @@ class Position:
         if starting and identity.adopts == self.store and identity.adopted_step == self.version:
             self.store, self.consumed_seq, self.step_seq, self.trained_groups = identity.id, 0, 0, {}
             return ""
+        claims, said = self.claims(), ""
+        options = f"--adopt {self.store} --step {self.version} --problems {claims.next}"
+        if len(claims.redraw_text) <= REDRAW_SAID:
+            options += f" --redraw {claims.redraw_text}" * bool(claims.redraw)
+        else:
+            said = f" and the {len(claims.redraw)} ranges to draw again it names (too many to name here)"
         cluster = (
             "suspend the job, then resume it: the trainer has told this checkpoint on the new store, and the "
             "operator makes the resumed job's store go on from it (on a NATS of the job's own, with the job "
-            f"suspended: `pipelinerl recover-store JOB --nats URL -n NAMESPACE --adopt {self.store} "
-            f"--step {self.version} {claims_options(self.claims())}`)"
+            "suspended: `pipelinerl recover-store JOB --nats URL -n NAMESPACE`, which reads that record; should it "
+            f"be gone, add `{options}`{said})"
             if starting
             else "the restarted trainer says how"
         )
@@ -93,7 +99,8 @@ class Position:
         for g, c in ledger.credits.items():
             self.trained_groups[g] = self.trained_groups.get(g, 0) + c
         indices = (claimed_index(e.id) for e in ledger.groups)
-        self.problems_settled = with_indices(self.problems_settled, (i for i in indices if i is not None))
+        settled = with_indices(self.problems_settled, (i for i in indices if i is not None))
+        self.problems_settled = newest_gaps(settled, MAX_GAPS)
 
     def claims(self) -> Claims:
         """What a store made to go on from the newest checkpoint claims from (as it saved them)."""
@@ -133,6 +140,4 @@ class Position:
         }
 
 
-def claims_options(claims: Claims) -> str:
-    """`pipelinerl recover-store`'s options for `claims` (with --nats, as a StoreLost message names them)."""
-    return f"--problems {claims.next}" + (f" --redraw {claims.redraw_text}" if claims.redraw else "")
+REDRAW_SAID = 1000  # characters of ranges to draw again a StoreLost message names at most
