@@ -133,11 +133,11 @@ async def store_identity(js, subjects: JobSubjects, adopts=None, timeout_s: floa
 async def made_from(js, subjects: JobSubjects, adopt: str, step: int):
     """The job's store identity where its store was made to go on from the checkpoint of store
     `adopt` at step `step` (`recover_store`); None where it was not, has none, or cannot be read."""
-    made = await _readable_identity(js, subjects)
+    made = await current_identity(js, subjects)
     return made if made is not None and (made.adopts, made.adopted_step) == (adopt, step) else None
 
 
-async def _readable_identity(js, subjects: JobSubjects):
+async def current_identity(js, subjects: JobSubjects):
     """The job's store identity; None where it has none or it cannot be read."""
     try:
         made = await _identity_if_any(js, subjects)
@@ -158,10 +158,11 @@ async def recover_store(
     checkpoint's, those claimed then but not settled by its steps drawn again first. With the
     job's services stopped: running ones would keep the state of the store they started in. A
     store made already for this checkpoint is left as it is (the operator's record that it restored it
-    may not have been written: its pods may run in it by now), and so is the checkpoint's own store
-    (never lost, its streams deleted by nobody), which the trainer goes on in as after a restart."""
-    made = await _readable_identity(js, subjects)
-    if made is not None and (made.id == adopt or (made.adopts, made.adopted_step) == (adopt, step)):
+    may not have been written: its pods may run in it by now). A store is always made anew, even
+    from the checkpoint's own store: the operator tells a store its job's pods may run in by its
+    adopting the record (`made_from`)."""
+    made = await made_from(js, subjects, adopt, step)
+    if made is not None:
         return made
     await delete_streams(js, subjects)
     await ensure_streams(js, subjects, spec.nats.max_payload_mb, replicas, stream_bytes(spec))

@@ -249,7 +249,7 @@ def _recover_store(args: argparse.Namespace) -> int:
     import json
 
     from pipelinerl.claims import Claims
-    from pipelinerl.store import recover_store
+    from pipelinerl.store import current_identity, recover_store
     from pipelinerl.streams import last_checkpoint
 
     job = _job_in(args)
@@ -283,6 +283,9 @@ def _recover_store(args: argparse.Namespace) -> int:
                 "(and --redraw) as the trainer's StoreLost message names them"
             )
         adopt, step, claims = chosen or (told.store, told.step, told.claims)
+        current = await current_identity(js, job.subjects)
+        if current is not None and current.id == adopt:  # never lost: its streams are the checkpoint's
+            return adopt, step, claims, current
         return adopt, step, claims, await recover_store(js, job.subjects, job.spec, adopt, step, claims)
 
     adopt, step, claims, identity = _on_job_store(args, job, "pipelinerl-recover-store", recover)
