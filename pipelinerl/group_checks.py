@@ -23,10 +23,14 @@ class GroupLimits:
     # The newest weights that exist: the trainer's announced version + 1 (sent before announced);
     # None: not checked (a generator's own check).
     newest_version: int | None = None
+    attempts: int | None = None  # rl.attempts: the samples of every group (None: not checked)
 
 
 def group_problem(group: RolloutGroup, limits: GroupLimits) -> str | None:
     """Why `group` cannot be trained, or None if it can."""
+    if limits.attempts is not None and len(group.samples) != limits.attempts:
+        # Its advantages need the group whole (leave-one-out), and a step's weights assume rl.attempts.
+        return f"{len(group.samples)} samples, not rl.attempts ({limits.attempts})"
     for i, sample in enumerate(group.samples):
         problem = sample_problem(sample, limits)
         if problem:

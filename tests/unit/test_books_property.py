@@ -5,9 +5,10 @@ killed at any point and restarted from what is stored: the preprocessor (its ack
 the newest wave lost or not, or in the middle of storing a wave), the trainer (back to its
 checkpoint, replaying), a generator (just after a publish it never counted), nats-server (its
 newest acknowledgements and deliveries forgotten: those groups come again, to the living
-preprocessor, whatever steps settled them); and the preprocessor
-paused at any point for longer than the acknowledgement wait, so that everything it holds is
-delivered to it again while it lives. (It is the only service a pause can harm so: the trainer
+preprocessor, whatever steps settled them); a delivery lost on the way (a connection dropped
+with it in flight: it comes again after later ones, once the acknowledgement wait has passed);
+and the preprocessor paused at any point for longer than the acknowledgement wait, so that
+everything it holds is delivered to it again while it lives. (It is the only service a pause can harm so: the trainer
 reads its micro-batches through an ordered consumer that acknowledges nothing, a generator reads
 no work queue; paused, they are only slow, which the random interleavings already are.)
 
@@ -56,6 +57,7 @@ class WorkQueue:
         self.delivered: set[int] = set()  # to the current consumer
         self.acked: list[tuple[int, tuple[int, bytes]]] = []  # the newest acknowledgements applied
         self.forgotten: set[int] = set()  # delivered before a restart forgot it: acks dropped till delivered again
+        self.lost: set[int] = set()  # delivered, lost on the way (a dropped connection): come again after the wait
 
     def publish(self, generator: int, data: bytes) -> int:
         self.last_seq += 1
@@ -63,20 +65,30 @@ class WorkQueue:
         return self.last_seq
 
     def new_consumer(self) -> None:
-        self.delivered = set()
+        self.delivered, self.lost = set(), set()
 
-    def fetch(self, n: int) -> list[tuple[int, int]]:
-        """(seq, messages still pending after it), in stream order."""
+    def fetch(self, n: int, rnd: random.Random | None = None) -> list[tuple[int, int]]:
+        """(seq, messages still pending after it), in stream order; with `rnd`, a delivery now and
+        then lost on the way (the connection dropped with it in flight: the consumer counts it
+        delivered, and later ones are delivered before it comes again)."""
         pending = sorted(s for s in self.msgs if s not in self.delivered)
         got = pending[:n]
         self.delivered.update(got)
         self.forgotten.difference_update(got)
-        return [(s, len(pending) - i - 1) for i, s in enumerate(got)]
+        lost = {s for s in got if rnd is not None and rnd.random() < 0.05}
+        self.lost |= lost
+        return [(s, len(pending) - i - 1) for i, s in enumerate(got) if s not in lost]
+
+    def wait_passed(self) -> None:
+        """The acknowledgement wait passed for the deliveries lost on the way: they come again."""
+        self.delivered -= self.lost
+        self.lost = set()
 
     def expire(self) -> None:
         """The acknowledgement wait passed for everything the consumer holds (its process was paused
         for longer: SIGSTOP, a frozen node): JetStream delivers it again, to the same live consumer."""
         self.delivered = {s for s in self.delivered if s not in self.msgs}
+        self.lost = set()
 
     def ack(self, seq: int) -> None:
         if seq in self.forgotten:  # at or past the consumer's next delivery: dropped, unanswered
@@ -150,6 +162,8 @@ class Generator:
         if rnd.random() < 0.03:  # ahead of the trainer: dead-lettered, but its generator cannot tell
             version = w.announced.version + 2
         rewards = rnd.choice([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [1.0, float("nan")]])
+        if rnd.random() < 0.02:  # fewer samples than rl.attempts: dead-lettered (no leave-one-out baseline)
+            rewards = rewards[:1]
         samples = []
         for reward in rewards:
             n = 7 if rnd.random() < 0.02 else rnd.randint(1, 4)  # 7: longer than maxSeqLen, dead-lettered
@@ -184,11 +198,12 @@ class Preprocessor:
         self.builder.caught_up = self.backlog == 0
         self.unflushed: list[int] = []  # acknowledgements sent, not yet known to be stored
 
-    def fetch(self, n: int) -> None:
-        got = self.world.queue.fetch(n)
+    def fetch(self, n: int, lossy: bool) -> None:
+        got = self.world.queue.fetch(n, self.world.rnd if lossy else None)
         for seq, _ in got:
             self.intake(seq)
-        if not got or any(seq >= self.backlog or pending == 0 for seq, pending in got):
+        # `_catch_up`: and the consumer counts no more delivered unacknowledged than it holds (none lost on the way).
+        if (not got or any(seq >= self.backlog or pending == 0 for seq, pending in got)) and not self.world.queue.lost:
             self.builder.caught_up = True
 
     def intake(self, seq: int) -> None:
@@ -212,7 +227,8 @@ class Preprocessor:
             b.take(seq, group)
 
     def limits(self) -> GroupLimits:
-        return GroupLimits(max_seq_len=self.world.spec.model.max_seq_len, newest_version=newest_weights(self.version))
+        spec = self.world.spec
+        return GroupLimits(spec.model.max_seq_len, newest_weights(self.version), attempts=spec.rl.attempts)
 
     def behind(self) -> bool:
         self.version = self.world.announced.version
@@ -304,7 +320,7 @@ def run(seed: int, spec, ranks: int, generators: int, steps: int) -> World:
                 if admitted and len(w.queue.msgs) < ROLLOUTS_STEPS * spec.groups_per_step:
                     gen.publish(dies=not quiet and rnd.random() < 0.02)
             elif event < 0.5:
-                w.pre.fetch(rnd.randint(1, 6))
+                w.pre.fetch(rnd.randint(1, 6), lossy=not quiet)
             elif event < 0.7:
                 w.pre.waves(torn=not quiet and rnd.random() < 0.05)
             elif event < 0.78:
@@ -327,6 +343,10 @@ def run(seed: int, spec, ranks: int, generators: int, steps: int) -> World:
             elif not quiet and event < 0.95:
                 kills["nats-server"] += 1
                 w.queue.restart_server(rnd)
+            elif event < 0.96:
+                w.queue.wait_passed()
+            elif event < 0.97:  # the service reads the stream's first sequence (`_watch_streams`)
+                w.pre.builder.gone_below(min(w.queue.msgs, default=w.queue.last_seq + 1))
         except Killed:
             if event < 0.3:
                 kills["generator"] += 1

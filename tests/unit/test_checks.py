@@ -29,6 +29,15 @@ def test_a_sound_group_passes():
     assert group_problem(group(sample(logprobs=[0.0, 0.0, -0.5, 5e-4])), LIMITS) is None  # engine rounding
 
 
+def test_a_group_of_another_size_than_rl_attempts_is_refused():
+    """One sample has no leave-one-out baseline: taken, it crashed the preprocessor on every
+    redelivery; fewer or more than rl.attempts would be trained at the wrong weight."""
+    limits = GroupLimits(max_seq_len=8, attempts=2)
+    assert group_problem(group(sample(), sample(reward=0.0)), limits) is None
+    assert group_problem(group(sample()), limits) == "1 samples, not rl.attempts (2)"
+    assert group_problem(group(sample(), sample(), sample()), limits) == "3 samples, not rl.attempts (2)"
+
+
 @pytest.mark.parametrize(
     "change, expected",
     [

@@ -57,7 +57,7 @@ class StepBuilder:
         # in stream order, so one at or below it that the builder does not hold was settled
         # already (`returned`), however many steps ago. Restored: the stored books' mark, and the
         # sequences settled above it.
-        self.taken_through = self.mark = restored.settled_through
+        self.mark = restored.settled_through
         self.seqs: dict[str, int] = {}  # the stream sequence of each message held, by entry id
         # The sequences settled above the mark, restored ones included: every ledger stored names
         # them until the mark passes them (a restored one left out, a second restart would take
@@ -76,10 +76,12 @@ class StepBuilder:
         """A group delivered again (stream sequence `seq`) that this builder holds already, or
         that a step settled: handed back because a kill lost its acknowledgement (the previous
         process's newest step: `settled_before`), because a restarted nats-server forgot the
-        consumer's newest deliveries and so dropped their acknowledgements (any step this builder
-        stored: `taken_through`), or delivered again to this live consumer because a pause
-        (SIGSTOP, a frozen node, a long stall) outlasted the acknowledgement wait. Acknowledged
-        with the next wave, never taken or credited twice (True); False for a group not seen before."""
+        consumer's newest deliveries and so dropped their acknowledgements (any step's: its
+        sequence settled), or delivered again to this live consumer because a pause (SIGSTOP, a
+        frozen node, a long stall) outlasted the acknowledgement wait. Acknowledged with the next
+        wave, never taken or credited twice (True); False for a group not seen before. Known by its
+        sequence only where that was settled: a delivery lost on the way (a dropped connection)
+        comes again after later ones, and is new."""
         # Held: the newest delivery takes the place of the earlier one, acknowledged with the wave
         # that stores the group (acknowledged sooner, the message would go before it is stored).
         for i, (_, group) in enumerate(self.accepted):
@@ -93,15 +95,21 @@ class StepBuilder:
         again = group_id in (self.torn.groups if self.torn else ())  # of a wave stored in part: stored again
         if group_id in self.ledger.ids and not again:  # settled by this step's earlier waves
             pass
-        elif group_id in self.settled_before or (not again and (seq <= self.taken_through or seq in self.settled_seqs)):
+        elif group_id in self.settled_before or (not again and (seq <= self.mark or seq in self.settled_seqs)):
             settle_again(self.ledger, group_id)  # an earlier step's: acknowledged with this one
         else:
-            self.taken_through = max(self.taken_through, seq)
             self.seqs[group_id] = seq
             return False  # new
         self.seqs[group_id] = seq  # held again, till the wave that acknowledges it is stored
         self.settled.append((ref, group_id))
         return True
+
+    def gone_below(self, first_seq: int) -> None:
+        """The rollout stream holds no message below `first_seq` (a work queue removes what is
+        acknowledged, and only settled messages are): none can come again, so the mark passes
+        the sequences there this builder never saw (deliveries lost on the way, taken since by
+        none), which would otherwise hold it back and grow every ledger's `settled_above`."""
+        self._advance(first_seq - 1)
 
     def dead_lettered(self, ref: Any, entry_id: str, group: RolloutGroup | None) -> None:
         """A message that cannot be trained (`group` None: not even decoded), kept aside by the
@@ -231,12 +239,19 @@ class StepBuilder:
         )
 
     def _settle(self, ids: list[str]) -> None:
-        """The wave being stored settles `ids`: its ledger's mark, below the oldest message still
-        held (none: the newest taken), never lowered (a message delivered again below it was
-        settled before), and the sequences settled above it."""
+        """The wave being stored settles `ids`: their sequences, and its ledger's mark."""
         self.settled_seqs.update(self.seqs.pop(entry) for entry in ids if entry in self.seqs)
-        self.mark = max(self.mark, min(self.seqs.values(), default=self.taken_through + 1) - 1)
-        self.settled_seqs = {seq for seq in self.settled_seqs if seq > self.mark}
+        self._advance(self.mark)
+
+    def _advance(self, floor: int) -> None:
+        """The mark: at least `floor`, then over every sequence settled right above it; never
+        lowered (a message delivered again below it was settled before). Not over a sequence
+        not seen yet: a delivery lost on the way comes again later, and is new then."""
+        mark = max(self.mark, floor)
+        while mark + 1 in self.settled_seqs:
+            mark += 1
+        self.mark = mark
+        self.settled_seqs = {seq for seq in self.settled_seqs if seq > mark}
         self.ledger.settled_through, self.ledger.settled_above = self.mark, sorted(self.settled_seqs)
 
     def _carrying(self, batches: list[MicroBatch], ledger: StepLedger) -> list[MicroBatch]:

@@ -204,7 +204,8 @@ class Preprocessor:
 
     async def _watch_streams(self) -> None:
         """Every STREAMS_EVERY_S, how full each of the job's streams is (for the store alert and
-        the queue panels); a read that fails is logged and tried again next time."""
+        the queue panels), and the rollout stream's first sequence, below which no message can
+        come again (`StepBuilder.gone_below`); a read that fails is logged and tried again next time."""
         while True:
             for suffix in STREAM_SUFFIXES:
                 try:
@@ -215,6 +216,8 @@ class Preprocessor:
                 STREAM_BYTES.labels(suffix).set(info.state.bytes)
                 STREAM_MESSAGES.labels(suffix).set(info.state.messages)
                 STREAM_LIMIT.labels(suffix).set(info.config.max_bytes or 0)
+                if suffix == "ROLLOUTS":
+                    self.builder.gone_below(info.state.first_seq)
             await asyncio.sleep(STREAMS_EVERY_S)
 
     def _trainer_behind(self) -> bool:
@@ -256,7 +259,9 @@ class Preprocessor:
             self._on_announcement(announced)
 
     def _limits(self) -> GroupLimits:
-        return GroupLimits(max_seq_len=self.spec.model.max_seq_len, newest_version=newest_weights(self.trainer_version))
+        return GroupLimits(
+            self.spec.model.max_seq_len, newest_weights(self.trainer_version), attempts=self.spec.rl.attempts
+        )
 
     async def _intake(self, msg) -> None:
         b, seq = self.builder, msg.metadata.sequence.stream
