@@ -57,6 +57,24 @@ def test_the_lm_heads_fp32_gemm_over_bf16_operands_equals_the_cast_up_product():
     assert relative_error((h @ w.T).float(), want) > 10 * err  # a bf16 head rounds every logit
 
 
+def test_the_heads_weight_gradient_over_bf16_operands_is_summed_in_fp32():
+    """The backward adds each chunk's grad.T @ h into the fp32 gradient in one GEMM
+    (`add_weight_grad`): the product of the same values to fp32 summation order, not a bf16
+    product rounded before it is added (as it was)."""
+    from pipelinerl_trainer.logprob_head import add_weight_grad
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    grad = (torch.randn(883, 151_936, generator=g, device="cuda") * 1e-3).bfloat16()
+    h = torch.randn(883, 896, generator=g, device="cuda").bfloat16()
+    acc = torch.randn(151_936, 896, generator=g, device="cuda") * 1e-2
+    want = acc.double() + grad.double().T @ h.double()
+    rounded = acc + (grad.T @ h).float()  # the bf16 product, rounded, then added
+    add_weight_grad(acc, grad, h)
+    assert acc.dtype == torch.float32
+    assert (err := relative_error(acc, want)) < 1e-5, f"fp32 sum: relative error {err:.2e}"
+    assert relative_error(rounded, want) > 10 * err
+
+
 def test_the_compiled_log_prob_head_is_the_default_and_equals_the_eager_one():
     from pipelinerl_trainer.logprob_head import compiled_by_default, linear_logprobs
 

@@ -63,6 +63,16 @@ def head_logits(hidden: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.mm(hidden, w.t(), out_dtype=torch.float32)
 
 
+def add_weight_grad(acc: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> None:
+    """acc (fp32 [V, H]) += grad.T @ h over a chunk, `head_weight`'s operands: summed in fp32 and
+    never rounded to 16 bits; on CUDA one GEMM accumulating 16-bit operands into the fp32 sum
+    (`torch.addmm(out_dtype=)`, no [V, H] product of its own)."""
+    if grad.dtype == torch.float32:
+        acc.addmm_(grad.T, h)
+    else:
+        torch.addmm(acc, grad.T, h, out_dtype=torch.float32, out=acc)
+
+
 def compiled_by_default(device: torch.device) -> bool:
     """The compiled chunk arithmetic where it pays and compiles: CUDA with Triton."""
     return device.type == "cuda" and importlib.util.find_spec("triton") is not None
@@ -160,11 +170,8 @@ class _LinearLogprobs(torch.autograd.Function):
                 h = h.to(w.dtype)
                 if grad_hidden is not None:
                     grad_hidden[s] = (grad @ w).to(hidden.dtype)
-                if grad_weight is not None:  # accumulated in fp32 over the chunks
-                    if w.dtype == torch.float32:
-                        grad_weight.addmm_(grad.T, h)
-                    else:
-                        grad_weight.add_(grad.T @ h)
+                if grad_weight is not None:
+                    add_weight_grad(grad_weight, grad, h)
                 del grad
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
