@@ -138,16 +138,18 @@ def test_the_trainer_keeps_its_snapshot_on_its_gpu_only_where_the_model_is_a_sma
 
 
 def test_a_snapshot_in_host_memory_the_container_cannot_hold_stops_the_trainer_at_its_start():
-    """Pinned buffers round up to a power of two; more than the container's memory limit is the
-    trainer's SpecError at its start, naming the field, not an OOM kill at its first update."""
+    """Pinned buffers round up to a power of two, and each checkpoint gathers the whole model into
+    host memory beside them; more than the container's memory limit is the trainer's SpecError at
+    its start, naming the field, not an OOM kill at its first update or checkpoint."""
     from pipelinerl_trainer.weight_sender import host_memory_problem
 
     buckets = plan_buckets([(f"w{i}", [3 << 30], "bfloat16") for i in range(4)], 1 << 30)  # 6 GiB each
-    pinned = pinned_bytes(buckets)
-    assert pinned == 4 * (8 << 30)
-    assert host_memory_problem(pinned, None) == host_memory_problem(pinned, 32 << 30) == ""
-    problem = host_memory_problem(pinned, 31 << 30)
-    assert problem.startswith("trainer.resources.limits.memory:") and "32.0 GiB" in problem and "31.0 GiB" in problem
+    pinned, model = pinned_bytes(buckets), sum(map(bucket_nbytes, buckets))
+    assert (pinned, model) == (4 * (8 << 30), 24 << 30)
+    assert host_memory_problem(pinned, model, None) == host_memory_problem(pinned, model, 56 << 30) == ""
+    problem = host_memory_problem(pinned, model, 55 << 30)
+    assert problem.startswith("trainer.resources.limits.memory:") and "32.0 GiB" in problem and "24.0 GiB" in problem
+    assert "(55.0 GiB)" in problem
 
 
 def test_the_containers_memory_limit_is_read_from_either_cgroup_version(tmp_path):

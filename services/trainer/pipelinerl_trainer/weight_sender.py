@@ -353,16 +353,19 @@ class WeightSender:
             self.group = None
 
 
-def host_memory_problem(pinned: int, limit: int | None) -> str:
-    """Why a snapshot in host memory cannot be kept within the container's memory `limit`
-    (None: no limit): its `pinned` buffers alone would not fit ("" where they do). The trainer then
-    stops at its start, naming the field, rather than being killed for memory at its first update."""
-    if limit is None or pinned <= limit:
+def host_memory_problem(pinned: int, model: int, limit: int | None) -> str:
+    """Why a snapshot in host memory cannot be kept within the container's memory `limit` (None:
+    no limit): its `pinned` buffers, and beside them at every checkpoint and export the model's
+    whole weights (`model` bytes) gathered into host memory to be written, would not fit ("" where
+    they do). The trainer then stops at its start, naming the field, rather than being killed for
+    memory at its first update or checkpoint."""
+    if limit is None or pinned + model <= limit:
         return ""
     return (
         f"trainer.resources.limits.memory: rank 0 keeps the weight snapshot in pinned host memory (the model is "
-        f"more than a quarter of its GPU's): {pinned / 2**30:.1f} GiB, more than the container may hold "
-        f"({limit / 2**30:.1f} GiB); raise it (a checkpoint's Hugging Face copy needs the model's size again)"
+        f"more than a quarter of its GPU's), {pinned / 2**30:.1f} GiB, and each checkpoint gathers the whole "
+        f"model there again to write it, {model / 2**30:.1f} GiB: more than the container may hold "
+        f"({limit / 2**30:.1f} GiB); raise it"
     )
 
 
@@ -373,7 +376,7 @@ def snapshot_for(buckets: list[dict], device) -> Snapshot:
     if not snapshot_in_host(model, device):
         return Snapshot(buckets, device)
     pinned = pinned_bytes(buckets)
-    if problem := host_memory_problem(pinned, memory_limit_bytes()):
+    if problem := host_memory_problem(pinned, model, memory_limit_bytes()):
         raise SpecError(problem)
     log.info(
         "the weight snapshot (%.1f GiB) is kept in host memory (%.1f GiB pinned), each bucket copied to "
