@@ -98,7 +98,12 @@ class RLSpec(SpecModel):
         "token's own ratio (token), or its sample's product of ratios (sequence), which also corrects "
         "for how likely the token's prefix was.",
     )
-    kl_coef: float = Field(default=0.0, ge=0.0, description="Weight of a k3 KL penalty to the initial model (0: none).")
+    kl_coef: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="Weight of a k3 KL penalty to the initial model (0: none). Above 0 every trainer rank "
+        "holds a whole copy of the initial model on its GPU, under ZeRO-3 too.",
+    )
     entropy_coef: float = Field(default=0.0, ge=0.0, description="Weight of an entropy bonus (0: none).")
     normalize_advantages: bool = Field(default=False, description="Divide advantages by group std.")
     filter_zero_variance: bool = Field(default=True, description="Drop groups whose rewards are all equal.")
