@@ -57,3 +57,29 @@ def test_the_mark_passes_sequences_never_seen_once_the_stream_holds_none_below()
     b.gone_below(9)
     assert (b.mark, b.settled_seqs) == (8, set())  # what the next wave's ledger carries
     assert not deliver(b, 5)  # below the mark: settled
+
+
+def test_a_wave_stored_in_part_that_packs_differently_now_is_refused_by_name():
+    """A wave a kill left stored in part is packed again from the same groups; packed differently
+    now (the job's micro-batch size changed across the restart), even to fewer micro-batches than
+    were stored, the builder says so, naming the rank and micro-batch, instead of going on."""
+    import pytest
+
+    def spec(tokens: int):
+        job = {
+            "model": {"maxSeqLen": 8},
+            "generator": {"sampling": {"maxTokens": 4}},
+            "rl": {"attempts": 2},
+            "trainer": {"samplesPerStep": 8, "microBatchTokens": tokens},
+        }
+        return parse_job({"metadata": {"name": "torn"}, "spec": job}).spec
+
+    b = StepBuilder(spec(8), 1, books.restore([None]), caught_up=True)
+    assert all(deliver(b, seq) for seq in (1, 2, 3, 4))
+    wave = b.next_wave()
+    assert wave and len(wave.batches) >= 3  # 8 samples of 3 tokens, two to a row of 8
+    restored = books.restore([wave.batches[1]])  # killed after its second micro-batch was stored
+    again = StepBuilder(spec(32), 1, restored, caught_up=True)  # now all in one micro-batch
+    assert all(deliver(again, seq) for seq in (1, 2, 3, 4))
+    with pytest.raises(RuntimeError, match=r"rank 0, micro-batch 1: nothing where \['p#"):
+        again.next_wave()

@@ -205,11 +205,13 @@ class StepBuilder:
         else:
             per_rank = self._pack([g for _, g in take], torn.first, last)
             for rank, ids in torn.newest.items():
-                repacked = next(mb for mb in per_rank[rank] if mb.index == torn.stored[rank])
-                if repacked.group_ids != ids or per_rank[rank][-1].index != wave_last:
+                mbs = per_rank[rank] if rank < len(per_rank) else []  # (a job now of fewer ranks)
+                repacked = next((mb for mb in mbs if mb.index == torn.stored[rank]), None)
+                if repacked is None or repacked.group_ids != ids or mbs[-1].index != wave_last:
+                    now = f"{repacked.group_ids}" if repacked is not None else "nothing"
                     raise RuntimeError(
                         f"step {self.step}: the wave stored in part before the restart packs differently "
-                        f"now (rank {rank}, micro-batch {repacked.index}: {repacked.group_ids} where {ids} is stored)"
+                        f"now (rank {rank}, micro-batch {torn.stored[rank]}: {now} where {ids} is stored)"
                     )
             batches = [mb for rank, mbs in enumerate(per_rank) for mb in mbs if mb.index > torn.stored[rank]]
         named = torn.ledger.ids
