@@ -155,7 +155,7 @@ def next_wave(
     the rest is generated: the longest prefix first-fit decreasing is sure to pack into `ranks`
     rows (`wave_capacity`). A first group too large for that goes alone.
     """
-    need = groups_per_step - in_step
+    need = max(0, groups_per_step - in_step)  # (a step continued under a job now of fewer groups: full)
     if len(pending) >= need + (steps_left - 1) * groups_per_step:
         return need, True
     if not stream:

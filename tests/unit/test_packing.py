@@ -79,6 +79,7 @@ def test_next_wave_streams_full_rows_and_ends_the_step():
     # The step (4 groups) is complete: everything it needs goes, and ends it.
     assert next_wave(groups, 0, 4, 1, 64, stream=True) == (4, True)
     assert next_wave(groups[:2], 2, 4, 1, 64, stream=True) == (2, True)
+    assert next_wave(groups[:2], 6, 4, 1, 64, stream=True) == (0, True)  # continued with fewer groups a step
     # Not complete: a wave leaves once more is pending than is sure to fit one row per rank
     # (2 ranks x (64 - 10) = 108 tokens: two groups do, the third does not).
     assert next_wave(groups[:2], 0, 8, 2, 64, stream=True) == (0, False)
