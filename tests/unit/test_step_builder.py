@@ -83,3 +83,32 @@ def test_a_wave_stored_in_part_that_packs_differently_now_is_refused_by_name():
     assert all(deliver(again, seq) for seq in (1, 2, 3, 4))
     with pytest.raises(RuntimeError, match=r"rank 0, micro-batch 1: nothing where \['p#"):
         again.next_wave()
+
+
+def test_a_step_continued_under_a_job_of_fewer_groups_a_step_closes_with_what_it_holds():
+    """samplesPerStep lowered across a restart, with the step in progress holding more groups than
+    a step now takes: it is closed with what it holds (a wave of the books alone), not handed a
+    negative count of groups to take (all but the last few pending, before)."""
+
+    def spec(samples: int):
+        job = {
+            "model": {"maxSeqLen": 8},
+            "generator": {"sampling": {"maxTokens": 4}},
+            "rl": {"attempts": 2},
+            "trainer": {"samplesPerStep": samples, "microBatchTokens": 8},
+        }
+        return parse_job({"metadata": {"name": "fewer"}, "spec": job}).spec
+
+    b = StepBuilder(spec(8), 1, books.restore([None]), caught_up=True)  # four groups a step
+    stored = []
+    for seq in (1, 2):  # each group more than a row holds: a wave of its own, the step not ended
+        assert deliver(b, seq)
+        wave = b.next_wave()
+        assert wave is not None and not wave.last and wave.groups == 1
+        stored += wave.batches
+    again = StepBuilder(spec(2), 1, books.restore([stored[-1]]), caught_up=True)  # now one group a step
+    assert deliver(again, 3)
+    closing = again.next_wave()
+    assert closing is not None and closing.last and (closing.step, closing.groups) == (0, 0)
+    taken = again.next_wave()  # the next step takes the pending group
+    assert taken is not None and (taken.step, taken.groups, taken.last) == (1, 1, True)

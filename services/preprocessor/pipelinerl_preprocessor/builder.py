@@ -165,7 +165,7 @@ class StepBuilder:
             self.spec.streams_steps,
             steps_left_in_phase(self.step, self.spec.steps_per_generation),
         )
-        if not n and len(self.settled) < self.spec.groups_per_step:
+        if not n and not last and len(self.settled) < self.spec.groups_per_step:
             return None
         # With none to train (n = 0): a wave of books only, one sentinel per rank that stores the
         # ledger, so the groups settled meanwhile are acknowledged. They leave ROLLOUTS only then,
