@@ -23,14 +23,12 @@ class GroupLimits:
     # The newest weights that exist: the trainer's announced version + 1 (sent before announced);
     # None: not checked (a generator's own check).
     newest_version: int | None = None
-    attempts: int | None = None  # rl.attempts: the samples of every group (None: not checked)
 
 
 def group_problem(group: RolloutGroup, limits: GroupLimits) -> str | None:
     """Why `group` cannot be trained, or None if it can."""
-    if limits.attempts is not None and len(group.samples) != limits.attempts:
-        # Its advantages need the group whole (leave-one-out), and a step's weights assume rl.attempts.
-        return f"{len(group.samples)} samples, not rl.attempts ({limits.attempts})"
+    if len(group.samples) < 2:  # (rl.attempts is at least 2: no generator of the job makes one)
+        return "1 sample: a group needs at least 2 (its advantages' leave-one-out baseline)"
     for i, sample in enumerate(group.samples):
         problem = sample_problem(sample, limits)
         if problem:

@@ -97,10 +97,7 @@ def counts_as_discarded(spec: Any, group: Any) -> bool:
     it cannot be trained (`group_checks`: the preprocessor dead-letters it). Counted, it holds no
     place in admission: a conventional phase, whose first step waits for the whole phase, would
     wait for it forever."""
-    return (
-        filtered(spec, group)
-        or group_problem(group, GroupLimits(spec.model.max_seq_len, attempts=spec.rl.attempts)) is not None
-    )
+    return filtered(spec, group) or group_problem(group, GroupLimits(spec.model.max_seq_len)) is not None
 
 
 def steps_left_in_phase(step: int, steps_per_generation: int) -> int:

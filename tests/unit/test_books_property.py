@@ -162,7 +162,7 @@ class Generator:
         if rnd.random() < 0.03:  # ahead of the trainer: dead-lettered, but its generator cannot tell
             version = w.announced.version + 2
         rewards = rnd.choice([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0], [1.0, float("nan")]])
-        if rnd.random() < 0.02:  # fewer samples than rl.attempts: dead-lettered (no leave-one-out baseline)
+        if rnd.random() < 0.02:  # one sample: dead-lettered (no leave-one-out baseline)
             rewards = rewards[:1]
         samples = []
         for reward in rewards:
@@ -197,13 +197,22 @@ class Preprocessor:
         self.backlog = world.queue.last_seq
         self.builder.caught_up = self.backlog == 0
         self.unflushed: list[int] = []  # acknowledgements sent, not yet known to be stored
+        self.waited = False  # the acknowledgement wait has passed since it started consuming
 
     def fetch(self, n: int, lossy: bool) -> None:
         got = self.world.queue.fetch(n, self.world.rnd if lossy else None)
         for seq, _ in got:
             self.intake(seq)
-        # `_catch_up`: and the consumer counts no more delivered unacknowledged than it holds (none lost on the way).
-        if (not got or any(seq >= self.backlog or pending == 0 for seq, pending in got)) and not self.world.queue.lost:
+        # `_catch_up`: and the consumer counts no more delivered unacknowledged than it holds (a
+        # delivery lost on the way comes again only after the wait).
+        # A group of a wave stored in part not back: waited for past the ack wait of every delivery
+        # lost on the way (the service: past the ack wait from its start, when they are delivered).
+        q = self.world.queue
+        ack_pending = sum(s in q.msgs for s in q.delivered)
+        num_pending = sum(s not in q.delivered for s in q.msgs)
+        reached = num_pending == 0 or any(seq >= self.backlog or pending == 0 for seq, pending in got)
+        waited = self.waited and not q.lost
+        if reached and ack_pending <= len(self.builder.held()) and (waited or not self.builder.torn_waits()):
             self.builder.caught_up = True
 
     def intake(self, seq: int) -> None:
@@ -227,8 +236,7 @@ class Preprocessor:
             b.take(seq, group)
 
     def limits(self) -> GroupLimits:
-        spec = self.world.spec
-        return GroupLimits(spec.model.max_seq_len, newest_weights(self.version), attempts=spec.rl.attempts)
+        return GroupLimits(max_seq_len=self.world.spec.model.max_seq_len, newest_version=newest_weights(self.version))
 
     def behind(self) -> bool:
         self.version = self.world.announced.version
@@ -340,11 +348,13 @@ def run(seed: int, spec, ranks: int, generators: int, steps: int) -> World:
                 if rnd.random() < 0.5:  # the acknowledgements it had sent arrived before the wait ran out
                     w.pre.flush()
                 w.queue.expire()
+                w.pre.waited = True
             elif not quiet and event < 0.95:
                 kills["nats-server"] += 1
                 w.queue.restart_server(rnd)
             elif event < 0.96:
                 w.queue.wait_passed()
+                w.pre.waited = True
             elif event < 0.97:  # the service reads the stream's first sequence (`_watch_streams`)
                 w.pre.builder.gone_below(min(w.queue.msgs, default=w.queue.last_seq + 1))
         except Killed:
@@ -427,8 +437,14 @@ CASES = {
 }
 
 
+# Seeds that found a fault the first 16 miss (as the model draws now): 444, a group of a wave
+# stored in part whose delivery was lost on the way, hidden by a nats-server restart from the
+# catch-up's count (`StepBuilder.torn_waits`).
+FOUND = {"pipeline, 3 ranks": [444]}
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_the_books_balance_whatever_fails_when(case):
     spec, ranks, generators = CASES[case]
-    for seed in range(16):
+    for seed in [*range(16), *FOUND.get(case, [])]:
         run(seed, spec, ranks, generators, steps=10)

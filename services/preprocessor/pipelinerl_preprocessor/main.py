@@ -83,6 +83,7 @@ RETRY_S = 1.0
 # keep-alive every quarter of it. A pause longer than this (SIGSTOP, a frozen node, a stall) has
 # them delivered again to the living preprocessor, which takes each once (`StepBuilder.returned`).
 ACK_WAIT_S = float(os.environ.get(Env.ACK_WAIT_S, "30"))
+TORN_MARGIN_S = 10.0  # past the ack wait, for a group of a wave stored in part to come again
 
 
 class ConsumerLost(RuntimeError):
@@ -120,6 +121,7 @@ class Preprocessor:
         self.stopping = asyncio.Event()
         self.builder = StepBuilder(self.spec, trainer_ranks, books.restore([]))  # until `_resume` reads the streams
         self.backlog = 0  # the rollout stream's last sequence at the start: handed over whole before any wave
+        self.consuming_since = 0.0  # monotonic time the rollout consumer was made
         self.stats: Tally = Tally()  # counts named as PreprocessorStatus fields
 
     def status(self) -> PreprocessorStatus:
@@ -145,6 +147,7 @@ class Preprocessor:
         rollouts = self.subjects.stream("ROLLOUTS")
         self.backlog = (await self.js.stream_info(rollouts)).state.last_seq
         self.builder.caught_up = self.backlog == 0
+        self.consuming_since = time.monotonic()
         with contextlib.suppress(NotFoundError):
             await self.js.delete_consumer(rollouts, "preprocessor")
         sub = await self.js.pull_subscribe(
@@ -197,7 +200,11 @@ class Preprocessor:
         except (TimeoutError, nats.errors.Error) as err:
             log.warning("the rollouts consumer's state not read (%s): asking again", type(err).__name__)
             return
-        # Past the end: what is pending now is newer (generators publish on).
+        # Past the end: what is pending now is newer (generators publish on). A group of the wave
+        # stored in part not back yet is waited for past the ack wait: a nats-server restart can
+        # make the consumer count fewer held than this preprocessor holds, hiding one lost on the way.
+        if self.builder.torn_waits() and time.monotonic() - self.consuming_since < ACK_WAIT_S + TORN_MARGIN_S:
+            return
         if (reached or info.num_pending == 0) and (info.num_ack_pending or 0) <= len(self.builder.held()):
             self.builder.caught_up = True
             log.info("took every group left in the stream at the start (%d pending)", len(self.builder.accepted))
@@ -259,9 +266,7 @@ class Preprocessor:
             self._on_announcement(announced)
 
     def _limits(self) -> GroupLimits:
-        return GroupLimits(
-            self.spec.model.max_seq_len, newest_weights(self.trainer_version), attempts=self.spec.rl.attempts
-        )
+        return GroupLimits(max_seq_len=self.spec.model.max_seq_len, newest_version=newest_weights(self.trainer_version))
 
     async def _intake(self, msg) -> None:
         b, seq = self.builder, msg.metadata.sequence.stream
