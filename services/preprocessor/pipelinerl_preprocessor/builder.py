@@ -53,10 +53,9 @@ class StepBuilder:
         # (message, ledger entry id) of groups in no micro-batch: acknowledged with the next wave
         self.settled: list[tuple[Any, str]] = []
         self.caught_up = caught_up  # every group left in the stream at the start has been handed over
-        # The newest stream sequence taken. The consumer hands a message over for the first time
-        # in stream order, so one at or below it that the builder does not hold was settled
-        # already (`returned`), however many steps ago. Restored: the stored books' mark, and the
-        # sequences settled above it.
+        # Every stream sequence at or below the mark is settled: a message there delivered again
+        # was settled already (`returned`), however many steps ago. Restored: the stored books'
+        # mark, and the sequences settled above it; it passes only settled ones (`_advance`).
         self.mark = restored.settled_through
         self.seqs: dict[str, int] = {}  # the stream sequence of each message held, by entry id
         # The sequences settled above the mark, restored ones included: every ledger stored names
