@@ -66,7 +66,8 @@ def head_logits(hidden: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def add_weight_grad(acc: torch.Tensor, grad: torch.Tensor, h: torch.Tensor) -> None:
     """acc (fp32 [V, H]) += grad.T @ h over a chunk, `head_weight`'s operands: summed in fp32 and
     never rounded to 16 bits; on CUDA one GEMM accumulating 16-bit operands into the fp32 sum
-    (`torch.addmm(out_dtype=)`, no [V, H] product of its own)."""
+    (`torch.addmm(out_dtype=)`, no [V, H] product of its own; an fp32 sum beside 16-bit operands
+    is taken since pytorch#167931, Nov 2025: vLLM 0.32's image has torch 2.13)."""
     if grad.dtype == torch.float32:
         acc.addmm_(grad.T, h)
     else:
