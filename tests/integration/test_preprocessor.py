@@ -578,7 +578,7 @@ async def test_a_preprocessor_frozen_past_its_acknowledgement_wait_takes_each_he
     every group is trained in one step only, each step's ledger credits its four groups."""
     from pipelinerl_preprocessor import main as service
 
-    monkeypatch.setattr(service, "ACK_WAIT_S", 2.5)  # (its keep-alive: every fetch, at most 1 s apart)
+    monkeypatch.setattr(service, "ACK_WAIT_S", 2.5)  # (its keep-alive: every ACK_WAIT_S / 4, on the event loop)
     # A step goes out whole (token weighting: its loss weights need all of it), so groups are held.
     spec = WAVES | {"rl": {"attempts": 2, "tokenWeighting": "token"}}
     job, env, nc, js, subjects = await start(nats_server, tmp_path, "fz", spec)
@@ -598,6 +598,41 @@ async def test_a_preprocessor_frozen_past_its_acknowledgement_wait_takes_each_he
     for n, step in enumerate(steps):
         assert {b.step for b in step} == {n} and step[-1].ledger.credits == {"0": 2, "1": 2}
     assert pre.stats["settled_before"] >= 3  # the copies of the held groups, recognised
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+    await nc.close()
+
+
+async def test_a_store_slower_than_the_acknowledgement_wait_keeps_its_groups(nats_server, tmp_path, monkeypatch):
+    """Storing a wave takes longer than the acknowledgement wait (JetStream slow to answer: a full
+    disk, a loaded server): the groups it holds, in the wave and waiting for the next, are told in
+    progress meanwhile, so JetStream delivers none of them again to the living preprocessor."""
+    from pipelinerl_preprocessor import main as service
+
+    monkeypatch.setattr(service, "ACK_WAIT_S", 2.5)
+    sent, slow = service.publish_once, asyncio.Event()
+
+    async def slow_publish(*args, **kwargs):
+        if not slow.is_set():  # the step's first micro-batch: 3 acknowledgement waits
+            slow.set()
+            await asyncio.sleep(7.5)
+        return await sent(*args, **kwargs)
+
+    monkeypatch.setattr(service, "publish_once", slow_publish)
+    spec = WAVES | {"rl": {"attempts": 2, "tokenWeighting": "token"}}  # a step goes out whole
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "sl", spec)
+    out = await js.pull_subscribe(subjects.batches(0), durable="t")
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    for i in range(6):  # a step of four, and two waiting for the next
+        await publish_group(js, subjects, i)
+    step = await one_step(out, timeout=30)
+    assert slow.is_set() and {g for b in step for g in b.group_ids} == {f"g{i}" for i in range(4)}
+    assert pre.stats["settled_before"] == 0, "held groups were delivered again"
+    for i in range(6, 8):
+        await publish_group(js, subjects, i)
+    assert {g for b in await one_step(out) for g in b.group_ids} == {f"g{i}" for i in range(4, 8)}
+    assert pre.stats["settled_before"] == 0
     pre.stopping.set()
     await asyncio.wait_for(task, 10)
     await nc.close()

@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import os
 import time
+from typing import Any
 from collections import Counter as Tally
 
 import nats.errors
@@ -122,6 +123,7 @@ class Preprocessor:
         self.builder = StepBuilder(self.spec, trainer_ranks, books.restore([]))  # until `_resume` reads the streams
         self.backlog = 0  # the rollout stream's last sequence at the start: handed over whole before any wave
         self.consuming_since = 0.0  # monotonic time the rollout consumer was made
+        self.storing: list[Any] = []  # the messages of the wave being stored, acknowledged once it is
         self.stats: Tally = Tally()  # counts named as PreprocessorStatus fields
 
     def status(self) -> PreprocessorStatus:
@@ -157,13 +159,8 @@ class Preprocessor:
         )
         http.ready = True
         log.info("preprocessor ready; next step %d, %d trainer ranks", self.builder.step, self.ranks)
-        watch = asyncio.create_task(self._watch_streams())
-        last_keepalive = time.monotonic()
+        watch, alive = asyncio.create_task(self._watch_streams()), asyncio.create_task(self._keep_alive())
         while not self.stopping.is_set() and not self.finished:
-            if time.monotonic() - last_keepalive > ACK_WAIT_S / 4:  # also while the trainer is behind
-                for msg in self.builder.held():  # waiting for a wave: not abandoned
-                    await msg.in_progress()
-                last_keepalive = time.monotonic()
             if self._trainer_behind():
                 await asyncio.sleep(0.05)
                 continue
@@ -179,6 +176,7 @@ class Preprocessor:
                     break
                 await self._store(wave)
         watch.cancel()
+        alive.cancel()
         await close(self.nc)
 
     async def _catch_up(self, sub, msgs: list[Msg]) -> None:
@@ -208,6 +206,20 @@ class Preprocessor:
         if (reached or info.num_pending == 0) and (info.num_ack_pending or 0) <= len(self.builder.held()):
             self.builder.caught_up = True
             log.info("took every group left in the stream at the start (%d pending)", len(self.builder.accepted))
+
+    async def _keep_alive(self) -> None:
+        """Every ACK_WAIT_S / 4, the messages held (waiting for a wave, or in the wave being
+        stored) told in progress, whatever the loop waits on (the trainer behind, a store slower
+        than the ack wait: a full disk): JetStream then delivers none of them again to this live
+        process. (Told of one acknowledged meanwhile, JetStream ignores it.)"""
+        while True:
+            await asyncio.sleep(ACK_WAIT_S / 4)
+            for msg in self.builder.held() + self.storing:
+                try:
+                    await msg.in_progress()
+                except nats.errors.Error as err:  # a client reconnecting: the next round
+                    log.info("keep-alive of held rollouts not sent (%s)", type(err).__name__)
+                    break
 
     async def _watch_streams(self) -> None:
         """Every STREAMS_EVERY_S, how full each of the job's streams is (for the store alert and
@@ -354,12 +366,14 @@ class Preprocessor:
         ranks: dict[int, list[m.MicroBatch]] = {}
         for mb in wave.batches:
             ranks.setdefault(mb.rank, []).append(mb)
+        self.storing = wave.acks  # kept alive meanwhile (`_keep_alive`)
         await asyncio.gather(*(self._publish_in_order(batches) for batches in ranks.values()))
         if wave.last:  # (tests: a kill that loses the acknowledgements of a step's last wave)
             failpoint(f"preprocessor-stored-step-{wave.step}")
         # Confirmed before the next wave is stored: only the newest stored wave's can be lost
         # (`books.restore`), and a group handed back is known by the step that settled it.
         await asyncio.gather(*(acknowledge(msg, self.js) for msg in wave.acks))
+        self.storing = []
         PENDING.set(len(self.builder.accepted))
         if not wave.last:
             return
