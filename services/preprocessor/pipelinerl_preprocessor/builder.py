@@ -66,7 +66,10 @@ class StepBuilder:
     def torn_waits(self) -> bool:
         """A wave stored in part has a group not handed over (yet): published again without it, the
         ranks would be evened out with sentinels and its samples lost (`_again`)."""
-        return self.torn is not None and not set(self.torn.groups) <= {g.group_id for _, g in self.accepted}
+        if self.torn is None:
+            return False
+        back = {g.group_id for _, g in self.accepted} | {entry for _, entry in self.settled}  # (settled: refused)
+        return not set(self.torn.groups) <= back
 
     def held(self) -> list[Any]:
         """Messages taken and not yet acknowledged."""

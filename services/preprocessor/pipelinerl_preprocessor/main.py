@@ -122,7 +122,7 @@ class Preprocessor:
         self.stopping = asyncio.Event()
         self.builder = StepBuilder(self.spec, trainer_ranks, books.restore([]))  # until `_resume` reads the streams
         self.backlog = 0  # the rollout stream's last sequence at the start: handed over whole before any wave
-        self.consuming_since = 0.0  # monotonic time the rollout consumer was made
+        self.answered_since = 0.0  # since when JetStream answers the rollout consumer (made, or read)
         self.storing: list[Any] = []  # the messages of the wave being stored, acknowledged once it is
         self.stats: Tally = Tally()  # counts named as PreprocessorStatus fields
 
@@ -149,7 +149,7 @@ class Preprocessor:
         rollouts = self.subjects.stream("ROLLOUTS")
         self.backlog = (await self.js.stream_info(rollouts)).state.last_seq
         self.builder.caught_up = self.backlog == 0
-        self.consuming_since = time.monotonic()
+        self.answered_since = time.monotonic()
         with contextlib.suppress(NotFoundError):
             await self.js.delete_consumer(rollouts, "preprocessor")
         sub = await self.js.pull_subscribe(
@@ -197,12 +197,14 @@ class Preprocessor:
             info = await asyncio.wait_for(sub.consumer_info(), READ_TIMEOUT_S)
         except (TimeoutError, nats.errors.Error) as err:
             log.warning("the rollouts consumer's state not read (%s): asking again", type(err).__name__)
+            self.answered_since = time.monotonic()  # (a lost delivery comes again an ack wait after it answers)
             return
-        # Past the end: what is pending now is newer (generators publish on). A group of the wave
-        # stored in part not back yet is waited for past the ack wait: a nats-server restart can
-        # make the consumer count fewer held than this preprocessor holds, hiding one lost on the way.
-        if self.builder.torn_waits() and time.monotonic() - self.consuming_since < ACK_WAIT_S + TORN_MARGIN_S:
+        # A group of the wave stored in part not back yet is waited for past the ack wait since
+        # JetStream last answered: a nats-server restart can make the consumer count fewer held
+        # than this preprocessor holds, hiding one whose delivery was lost on the way.
+        if self.builder.torn_waits() and time.monotonic() - self.answered_since < ACK_WAIT_S + TORN_MARGIN_S:
             return
+        # Past the end: what is pending now is newer (generators publish on).
         if (reached or info.num_pending == 0) and (info.num_ack_pending or 0) <= len(self.builder.held()):
             self.builder.caught_up = True
             log.info("took every group left in the stream at the start (%d pending)", len(self.builder.accepted))
@@ -214,11 +216,13 @@ class Preprocessor:
         process. (Told of one acknowledged meanwhile, JetStream ignores it.)"""
         while True:
             await asyncio.sleep(ACK_WAIT_S / 4)
+            if not self.nc.is_connected:  # (buffered meanwhile, they would fill the reconnect buffer)
+                continue
             for msg in self.builder.held() + self.storing:
                 try:
                     await msg.in_progress()
-                except nats.errors.Error as err:  # a client reconnecting: the next round
-                    log.info("keep-alive of held rollouts not sent (%s)", type(err).__name__)
+                except Exception as err:  # noqa: BLE001 - never ends the task: the next round
+                    log.info("keep-alive of held rollouts not sent (%r)", err)
                     break
 
     async def _watch_streams(self) -> None:
