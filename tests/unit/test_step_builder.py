@@ -8,12 +8,19 @@ from pipelinerl import messages as m
 from pipelinerl.spec import parse_job
 from pipelinerl_preprocessor.builder import StepBuilder
 
-SPEC = parse_job(
-    {
-        "metadata": {"name": "lost"},
-        "spec": {"rl": {"attempts": 2}, "trainer": {"samplesPerStep": 4, "microBatchTokens": 64}},
+
+def spec(samples: int, tokens: int):
+    """A job of groups of two samples of 3 tokens, `samples` a step, micro-batches of `tokens`."""
+    job = {
+        "model": {"maxSeqLen": 8},
+        "generator": {"sampling": {"maxTokens": 4}},
+        "rl": {"attempts": 2},
+        "trainer": {"samplesPerStep": samples, "microBatchTokens": tokens},
     }
-).spec  # two groups a step
+    return parse_job({"metadata": {"name": "builder"}, "spec": job}).spec
+
+
+SPEC = spec(4, 64)  # two groups a step
 
 
 def group(n: int) -> m.RolloutGroup:
@@ -65,21 +72,12 @@ def test_a_wave_stored_in_part_that_packs_differently_now_is_refused_by_name():
     were stored, the builder says so, naming the rank and micro-batch, instead of going on."""
     import pytest
 
-    def spec(tokens: int):
-        job = {
-            "model": {"maxSeqLen": 8},
-            "generator": {"sampling": {"maxTokens": 4}},
-            "rl": {"attempts": 2},
-            "trainer": {"samplesPerStep": 8, "microBatchTokens": tokens},
-        }
-        return parse_job({"metadata": {"name": "torn"}, "spec": job}).spec
-
-    b = StepBuilder(spec(8), 1, books.restore([None]), caught_up=True)
+    b = StepBuilder(spec(8, 8), 1, books.restore([None]), caught_up=True)
     assert all(deliver(b, seq) for seq in (1, 2, 3, 4))
     wave = b.next_wave()
     assert wave and len(wave.batches) >= 3  # 8 samples of 3 tokens, two to a row of 8
     restored = books.restore([wave.batches[1]])  # killed after its second micro-batch was stored
-    again = StepBuilder(spec(32), 1, restored, caught_up=True)  # now all in one micro-batch
+    again = StepBuilder(spec(8, 32), 1, restored, caught_up=True)  # now all in one micro-batch
     assert all(deliver(again, seq) for seq in (1, 2, 3, 4))
     with pytest.raises(RuntimeError, match=r"rank 0, micro-batch 1: nothing where \['p#"):
         again.next_wave()
@@ -90,23 +88,14 @@ def test_a_step_continued_under_a_job_of_fewer_groups_a_step_closes_with_what_it
     a step now takes: it is closed with what it holds (a wave of the books alone), not handed a
     negative count of groups to take (all but the last few pending, before)."""
 
-    def spec(samples: int):
-        job = {
-            "model": {"maxSeqLen": 8},
-            "generator": {"sampling": {"maxTokens": 4}},
-            "rl": {"attempts": 2},
-            "trainer": {"samplesPerStep": samples, "microBatchTokens": 8},
-        }
-        return parse_job({"metadata": {"name": "fewer"}, "spec": job}).spec
-
-    b = StepBuilder(spec(8), 1, books.restore([None]), caught_up=True)  # four groups a step
+    b = StepBuilder(spec(8, 8), 1, books.restore([None]), caught_up=True)  # four groups a step
     stored = []
     for seq in (1, 2):  # each group more than a row holds: a wave of its own, the step not ended
         assert deliver(b, seq)
         wave = b.next_wave()
         assert wave is not None and not wave.last and wave.groups == 1
         stored += wave.batches
-    again = StepBuilder(spec(2), 1, books.restore([stored[-1]]), caught_up=True)  # now one group a step
+    again = StepBuilder(spec(2, 8), 1, books.restore([stored[-1]]), caught_up=True)  # now one group a step
     assert deliver(again, 3)
     closing = again.next_wave()
     assert closing is not None and closing.last and (closing.step, closing.groups) == (0, 0)

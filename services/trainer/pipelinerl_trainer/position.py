@@ -7,10 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipelinerl.books import StepLedger
-from pipelinerl.messages import Checkpointed
 from pipelinerl.claims import MAX_GAPS, Claims, Range, claimed_index, gaps, newest_gaps, with_indices
+from pipelinerl.messages import Checkpointed
 from pipelinerl.spec import SpecError
 from pipelinerl.steps import version_after
+
+REDRAW_SAID = 1000  # characters of ranges to draw again a StoreLost message names at most
 
 
 class StoreLost(SpecError):
@@ -68,10 +70,10 @@ class Position:
             return ""
         claims, said = self.claims(), ""
         options = f"--adopt {self.store} --step {self.version} --problems {claims.next}"
-        if len(claims.redraw_text) <= REDRAW_SAID:
-            options += f" --redraw {claims.redraw_text}" * bool(claims.redraw)
-        else:
+        if len(claims.redraw_text) > REDRAW_SAID:
             said = f" and the {len(claims.redraw)} ranges to draw again it names (too many to name here)"
+        elif claims.redraw:
+            options += f" --redraw {claims.redraw_text}"
         cluster = (
             "suspend the job, then resume it: the trainer has told this checkpoint on the new store, and the "
             "operator makes the resumed job's store go on from it (on a NATS of the job's own, with the job "
@@ -138,6 +140,3 @@ class Position:
             "problems_claimed": max(problems_claimed, self.problems_claimed),
             "problems_settled": [list(r) for r in self.problems_settled],
         }
-
-
-REDRAW_SAID = 1000  # characters of ranges to draw again a StoreLost message names at most
