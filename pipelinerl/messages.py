@@ -2,12 +2,14 @@
 
 Every message is a msgpack map {"v": SCHEMA_VERSION, "t": <type tag>, ...fields}. Decoding
 checks the version and the type tag and validates the fields with pydantic, so a malformed
-message raises `MessageError` naming the message type and the field at fault.
+message raises `MessageError` naming the message type and the field at fault. A build also reads
+the version before its own (`UPGRADES`).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar, TypeVar
+from collections.abc import Callable
+from typing import Any, ClassVar, TypeVar
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -22,6 +24,14 @@ from pipelinerl.claims import Claims
 # 3: RolloutGroup.books;
 # 2: without problem_id/start_version/gen_seconds, PolicyVersion without step
 SCHEMA_VERSION = 8
+# How a body of the version before this build's reads as one of its own. An upgrade rolls a running
+# job onto the new build (the operator renders its pods with the new images) while its streams
+# still hold what the old build wrote: queued groups, the step's micro-batches, the CONTROL records.
+# Unreadable, they would stop its trainer and generators at every restart. A bump says here how
+# its predecessor's bodies read (a test decodes each message type written the old way).
+UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    7: lambda body: body,  # 8 only added Checkpointed.redraw, which defaults to none
+}
 
 
 class MessageError(ValueError):
@@ -270,9 +280,11 @@ def decode(data: bytes, expected: type[M]) -> M:
         raise MessageError(f"{expected.TYPE}: expected a map, got {type(body).__name__}")
     version, tag = body.pop("v", None), body.pop("t", None)
     if version != SCHEMA_VERSION:
-        raise MessageError(
-            f"{expected.TYPE}: schema version {version!r} unsupported (this build speaks {SCHEMA_VERSION})"
-        )
+        upgrade = UPGRADES.get(version) if isinstance(version, int) else None
+        if upgrade is None:
+            readable = " and ".join(map(str, sorted([*UPGRADES, SCHEMA_VERSION])))
+            raise MessageError(f"{expected.TYPE}: schema version {version!r} unsupported (this build reads {readable})")
+        body = upgrade(body)
     if tag != expected.TYPE:
         raise MessageError(f"expected a {expected.TYPE} message, got {tag!r}")
     try:

@@ -819,7 +819,7 @@ async def test_calibrating_from_the_store_of_another_build_says_so(nats_server):
     js = nc.jetstream()
     await ensure_streams(js, SUBJECTS, 8)
     body = msgpack.unpackb(m.encode(m.MicroBatch(step=0, rank=0, index=0)))
-    body["v"] = m.SCHEMA_VERSION - 1
+    body["v"] = min(m.UPGRADES) - 1  # the newest this build does not read
     await js.publish(SUBJECTS.batches(0), msgpack.packb(body), timeout=5)
     await close(nc)
     with pytest.raises(PilotError, match=rf"job t-job: a stored message this build cannot read: .*version {body['v']}"):

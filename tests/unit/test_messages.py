@@ -1,14 +1,23 @@
 import msgpack
 import pytest
 
+from pipelinerl.books import GeneratorBooks, GroupEntry, Outcome, StepLedger
 from pipelinerl.messages import (
+    MESSAGE_TYPES,
     SCHEMA_VERSION,
+    UPGRADES,
     Checkpointed,
+    GeneratorHello,
     MessageError,
+    Metrics,
     MicroBatch,
     PolicyVersion,
     RolloutGroup,
     Sample,
+    StoreIdentity,
+    WeightsSent,
+    WeightUpdate,
+    WeightUpdateDone,
     decode,
     encode,
 )
@@ -52,6 +61,58 @@ def test_wrong_type_version_and_fields_are_named():
     body = msgpack.unpackb(encode(told)) | {"redraw": "9-3"}
     with pytest.raises(MessageError, match="checkpointed.redraw: '9-3' is not an index or a range"):
         decode(msgpack.packb(body), Checkpointed)
+
+
+def one_of_each() -> list:
+    """A message of each type, with its optional fields set."""
+    ledger = StepLedger(
+        groups=[GroupEntry(id="p#3@0", generator=0, outcome=Outcome.TRAINED, samples=2, credited=True, wave=0)],
+        generators={"0": GeneratorBooks(published=4, discarded=1)},
+        settled_through=7,
+        waves=1,
+        wave_last=0,
+        closed=True,
+    )
+    mb = MicroBatch(
+        step=2, rank=1, index=0, last=True, tokens=[5, 6], positions=[0, 1], mask=[0, 1], advantages=[0, 0.5],
+        logprobs=[0, -0.1], versions=[-1, 2], weights=[0, 1], lengths=[2], rewards=[1.0], group_ids=["p#3@0"],
+        ledger=ledger,
+    )  # fmt: skip
+    return [
+        group().model_copy(update={"books": GeneratorBooks(published=3)}),
+        mb,
+        PolicyVersion(version=3, finished=True, training=True, timestamp=1.5, trained_groups={"0": 4}),
+        WeightsSent(version=3),
+        GeneratorHello(generator=1, incarnation="i", version=2, queued=3, oldest=1, busy_seconds=0.5),
+        WeightUpdate(version=3, buckets=[{"names": ["w"]}], group="g", members=[(0, "i")]),
+        WeightUpdateDone(version=3, generator=0, incarnation="i", pause_seconds=0.1, running_requests=2, error="e"),
+        Metrics(source="trainer", kind="train", values={"loss": 0.5, "tag": "x", "none": None}, timestamp=2.0),
+        StoreIdentity(id="s", created=1.0, adopts="t", adopted_step=4, replaced="why"),
+        Checkpointed(store="s", step=4, problems=40),
+    ]
+
+
+ADDED_SINCE_7 = {"checkpointed": {"redraw"}}  # what version 7 of each type did not have
+
+
+def test_what_the_previous_build_wrote_reads_the_same():
+    """An upgrade rolls a running job onto this build with its streams full of what the build before
+    wrote (queued groups, the step's micro-batches, the CONTROL records): each type reads as written
+    by this build. Older versions are refused, naming what this build reads."""
+    examples = one_of_each()
+    assert {type(x) for x in examples} == set(MESSAGE_TYPES.values())
+    assert sorted(UPGRADES) == [SCHEMA_VERSION - 1]
+    for msg in examples:
+        body = msgpack.unpackb(encode(msg), strict_map_key=False)
+        old = {k: v for k, v in body.items() if k not in ADDED_SINCE_7.get(msg.TYPE, ())} | {"v": 7}
+        assert decode(msgpack.packb(old), type(msg)) == msg, msg.TYPE
+        with pytest.raises(
+            MessageError, match=rf"{msg.TYPE}: schema version 6 unsupported \(this build reads 7 and 8\)"
+        ):
+            decode(msgpack.packb(old | {"v": 6}), type(msg))
+    for version in (None, "8", [8], 8.5):
+        with pytest.raises(MessageError, match="unsupported"):
+            decode(msgpack.packb(body | {"v": version}), type(msg))
 
 
 def test_zero_variance_groups_are_flagged():
