@@ -8,10 +8,12 @@ it took (trained, filtered, stale or dead-lettered), and the trainer keeps the s
 each checkpoint. A store lost and made to go on from that checkpoint (`store.recover_store`) draws
 again every index claimed then and not settled by it (`Claims.unsettled`): the groups queued,
 in flight or in a generator's unused block when the store was lost. No index settled by a step is
-drawn again. Unsettled too, and so drawn again at a recovery: the blocks generators left unused
-at their restarts, problems a generator skips (a prompt too long for the model), a lost claim's
-indices, and a group that could not be decoded (its index unknown). Those gaps never close
-otherwise, so the trainer keeps only the newest `MAX_GAPS` (`newest_gaps`): the older are given up.
+drawn again. A restarted generator draws first what it held (`streams.hold_problems`). Unsettled
+too, and so drawn again at a recovery: a block claimed by a generator killed before it recorded
+it, the group of one killed inside its publish, what a rank scaled away held, problems a generator
+skips (a prompt too long for the model), a lost claim's indices, and a group that could not be
+decoded (its index unknown). Those gaps never close otherwise, so the trainer keeps only the
+newest `MAX_GAPS` (`newest_gaps`): the older are given up.
 
 Index sets are sorted, disjoint half-open ranges `(start, stop)`; as text `3-5,9` (inclusive).
 """
@@ -51,6 +53,18 @@ def with_indices(ranges: Sequence[Range], indices: Iterable[int]) -> list[Range]
         else:
             merged.append((start, stop))
     return merged
+
+
+def without_index(ranges: Sequence[Range], index: int) -> list[Range]:
+    """`ranges` less `index`."""
+    out: list[Range] = []
+    for start, stop in ranges:
+        out += [r for r in ((start, min(stop, index)), (max(start, index + 1), stop)) if r[0] < r[1]]
+    return out
+
+
+def indices(ranges: Sequence[Range]) -> list[int]:
+    return [i for start, stop in ranges for i in range(start, stop)]
 
 
 def newest_gaps(ranges: list[Range], most: int) -> list[Range]:

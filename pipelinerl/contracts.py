@@ -315,6 +315,10 @@ class JobSubjects:
         """The next training problem no generator has claimed (`streams.claim_problems`)."""
         return f"prl.{self._token}.control.problems"
 
+    def held(self, generator: int | str) -> str:
+        """The training problems a generator holds (`streams.hold_problems`): a record per rank."""
+        return f"prl.{self._token}.control.held.{generator}"
+
     @property
     def store(self) -> str:
         """Which store the streams are (`messages.StoreIdentity`, `store.store_identity`)."""

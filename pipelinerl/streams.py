@@ -9,6 +9,7 @@ import asyncio
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import nats
@@ -19,7 +20,7 @@ from nats.js.errors import NotFoundError
 from prometheus_client import Counter
 
 from pipelinerl.capacity import stream_bytes
-from pipelinerl.claims import Claims
+from pipelinerl.claims import Claims, Range, parse_ranges, ranges_text
 from pipelinerl.contracts import DEADLETTER_REASON, JobSubjects
 from pipelinerl.spec import JobSpec
 
@@ -66,11 +67,19 @@ def stream_configs(
             discard=DiscardPolicy.OLD,
             **common,
         ),
-        # Control: the latest policy version, the next training problem unclaimed, which store
-        # this is, the trainer's newest checkpoint and the newest version it began to send, only.
+        # Control: the latest policy version, the next training problem unclaimed, the problems
+        # each generator holds, which store this is, the trainer's newest checkpoint and the newest
+        # version it began to send, only.
         StreamConfig(
             name=subjects.stream("CONTROL"),
-            subjects=[subjects.version, subjects.problems, subjects.store, subjects.checkpoint, subjects.sent],
+            subjects=[
+                subjects.version,
+                subjects.problems,
+                subjects.held(">"),
+                subjects.store,
+                subjects.checkpoint,
+                subjects.sent,
+            ],
             retention=RetentionPolicy.LIMITS,
             max_msgs_per_subject=1,
             max_bytes=size["CONTROL"],
@@ -261,6 +270,36 @@ async def claim_problems(js, subjects: JobSubjects, count: int, timeout_s: float
         if time.monotonic() > deadline:
             raise TimeoutError(f"could not claim training problems on {subject} in {timeout_s:.0f}s")
         await asyncio.sleep(0.01)
+
+
+async def held_problems(js, subjects: JobSubjects, rank: int, timeout_s: float = READ_TIMEOUT_S) -> list[Range]:
+    """The training problems generator `rank`'s incarnations claimed and did not publish a group of
+    (`hold_problems`): its restart draws them first."""
+    from pipelinerl.messages import MessageError
+
+    subject = subjects.held(rank)
+    data = await last_message(js, subjects.stream("CONTROL"), subject, timeout_s)
+    try:
+        return parse_ranges(data.decode(errors="replace"), subject) if data is not None else []
+    except ValueError as err:
+        raise MessageError(str(err)) from None
+
+
+async def hold_problems(
+    js, subjects: JobSubjects, rank: int, held: Sequence[Range], timeout_s: float = READ_TIMEOUT_S
+) -> None:
+    """Record the problems generator `rank` holds: claimed (or taken over from its predecessor) and
+    no group of them published yet. Replaced as a whole (one record per rank, written by its one
+    live incarnation), sent again until acknowledged: the same record twice is the record."""
+    subject, deadline = subjects.held(rank), time.monotonic() + timeout_s
+    while True:
+        try:
+            await js.publish(subject, ranges_text(held).encode(), timeout=5.0)
+            return
+        except UNACKED as err:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"could not record the problems held on {subject} in {timeout_s:.0f}s") from err
+        await asyncio.sleep(0.1)
 
 
 def _claims(data: bytes, subject: str) -> Claims:

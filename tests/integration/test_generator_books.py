@@ -2,16 +2,18 @@
 generator continues them (real nats-server; the generator without its engine)."""
 
 import asyncio
+from types import SimpleNamespace
 
 import nats.errors
 
 from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects, ServiceEnv
 from pipelinerl.spec import parse_job
-from pipelinerl.streams import connect, last_message, stored_messages
+from pipelinerl.streams import connect, held_problems, last_message, problems_claimed, stored_messages
 from pipelinerl.store import ensure_streams
 from pipelinerl.tasks.dataset import DatasetTask
-from pipelinerl.claims import group_id
+from pipelinerl.claims import group_id, indices
+from pipelinerl_generator.engine import PromptTooLong
 from pipelinerl_generator.main import Generator, restore_admission
 from pipelinerl_preprocessor.main import Preprocessor
 
@@ -34,19 +36,20 @@ def group(problem: int, rewards: list[float]) -> m.RolloutGroup:
     return m.RolloutGroup(group_id=f"p{problem}@1", generator=1, samples=samples)
 
 
-async def incarnation(nats_server, tmp_path) -> Generator:
+async def incarnation(nats_server, tmp_path, job=JOB) -> Generator:
     """A generator as `assemble` builds one, from what the stream holds (no engine, task or HTTP)."""
     env = ServiceEnv("generator", rank=1, nats_url=nats_server.url, run_dir=tmp_path, http_port=0)
     nc = await connect(nats_server.url, "generator-1")
-    await ensure_streams(nc.jetstream(), JobSubjects("books"), 8)
-    admission = await restore_admission(JOB.spec, JOB.subjects, nc.jetstream(), env.rank)
-    return Generator(JOB, env, nc, None, None, None, admission, None, asyncio.Event(), asyncio.Event())
+    await ensure_streams(nc.jetstream(), job.subjects, 8)
+    admission = await restore_admission(job.spec, job.subjects, nc.jetstream(), env.rank)
+    held = await held_problems(nc.jetstream(), job.subjects, env.rank)
+    return Generator(job, env, nc, None, None, None, admission, None, asyncio.Event(), asyncio.Event(), held)
 
 
 async def start_and_publish(gen: Generator, rewards: list[float]) -> int:
     problem = await gen._next_problem()
     started_at = gen.admission.on_start()
-    await gen._publish(group(problem, rewards), started_at)
+    await gen._publish(group(problem, rewards), started_at, problem)
     return problem
 
 
@@ -65,18 +68,25 @@ async def test_a_restarted_generator_continues_its_books(nats_server, tmp_path):
     a = second.admission
     assert (a.published, a.discarded, a.trained) == (3, 1, 1)
     assert a.queued == 1  # the earlier incarnation's third group is still to be trained
-    # It never draws a problem the dead one drew (published or not): problems are claimed.
-    assert await second._next_problem() not in drawn
+    # It draws first the problem the dead one was generating (held, its group never published),
+    # then problems nobody drew: never one whose group was published.
+    assert second.held == [(drawn[3], drawn[3] + 1)]
+    assert await second._next_problem() == drawn[3]
+    unpublished = await second._next_problem()
+    assert unpublished not in drawn
     # A publish stored with its acknowledgement lost: sent again, stored once, counted once.
+    problem = await second._next_problem()
     publish = second.js.publish
 
-    async def ack_lost(*args, **kwargs):
-        await publish(*args, **kwargs)
-        second.js.publish = publish
-        raise nats.errors.TimeoutError
+    async def ack_lost(subject, *args, **kwargs):
+        await publish(subject, *args, **kwargs)
+        if subject.startswith(JobSubjects("books").rollouts("")):
+            second.js.publish = publish
+            raise nats.errors.TimeoutError
 
     second.js.publish = ack_lost
-    await start_and_publish(second, [0, 1])
+    await second._publish(group(problem, [0, 1]), a.on_start(), problem)
+    assert second.js.publish == publish  # the group's publish was the one that lost its ack
     assert (a.published, a.finished, a.queued) == (4, 1, 2)
     stored = await stored_messages(second.js, JobSubjects("books").stream("ROLLOUTS"))
     assert [m.decode(x.data, m.RolloutGroup).books.published for x in stored] == [1, 2, 3, 4]  # one each
@@ -84,7 +94,45 @@ async def test_a_restarted_generator_continues_its_books(nats_server, tmp_path):
 
     third = await incarnation(nats_server, tmp_path)
     assert (third.admission.published, third.admission.discarded) == (4, 1)
+    assert indices(third.held) == sorted([drawn[3], unpublished])  # the published one let go
     await third.nc.close()
+
+
+async def test_a_restart_draws_first_the_block_and_groups_its_predecessor_held(nats_server, tmp_path):
+    """Problems are claimed a block at a time (a step's share, 3 here); what an incarnation held
+    when it died (the rest of its block, its groups in flight) its restart draws first, each once.
+    A skipped problem (its prompt too long) is let go like a published one. Through
+    `Generator._group`, the task's rollouts stood in for (no engine)."""
+    job = parse_job({"metadata": {"name": "held"}, "spec": {"rl": {"attempts": 2}, "trainer": {"samplesPerStep": 6}}})
+    sample = group(0, [1]).samples[0]
+
+    async def rollout(policy, tokenizer, problem, max_tokens, greedy=False):
+        if problem.id == "too-long":
+            raise PromptTooLong("a prompt of 9 tokens leaves no room")
+        return sample
+
+    task = SimpleNamespace(rollout=rollout, train_problem=lambda i: SimpleNamespace(id="too-long" if i == 1 else "p"))
+    first = await incarnation(nats_server, tmp_path, job)
+    first.task = task
+    assert first.admission.share == 3 and first.held == []
+    assert await first._next_problem() == 0 and first.held == [(0, 3)]  # the block, recorded before it is drawn
+    await first._group(0, first.admission.on_start())  # published
+    assert await first._next_problem() == 1 and first.held == [(1, 3)]
+    await first._group(1, first.admission.on_start())  # skipped
+    assert await first._next_problem() == 2 and first.held == [(2, 3)]  # in flight when it dies
+    assert await first._next_problem() == 3 and first.held == [(2, 6)]  # of the next block
+    await first.nc.close()  # it dies
+
+    second = await incarnation(nats_server, tmp_path, job)
+    assert second.held == [(2, 6)]
+    assert [await second._next_problem() for _ in range(5)] == [2, 3, 4, 5, 6]  # a block claimed for 6
+    assert await problems_claimed(second.js, job.subjects) == 9
+    second.task = task
+    await second._group(3, second.admission.on_start())
+    assert second.held == [(2, 3), (4, 9)]
+    stored = await stored_messages(second.js, job.subjects.stream("ROLLOUTS"))
+    assert [m.decode(x.data, m.RolloutGroup).group_id for x in stored] == ["p#0@1", "p#3@1"]
+    await second.nc.close()
 
 
 async def test_a_problem_drawn_again_in_a_later_epoch_is_a_group_of_its_own(nats_server, tmp_path):

@@ -11,10 +11,12 @@ from pipelinerl.claims import (
     claimed_index,
     gaps,
     group_id,
+    indices,
     newest_gaps,
     parse_ranges,
     ranges_text,
     with_indices,
+    without_index,
 )
 
 
@@ -35,6 +37,21 @@ def test_ranges_merge_and_their_gaps_are_the_rest_below_a_count():
     assert gaps(ranges, 12) == [(3, 5), (8, 9), (10, 12)]
     assert gaps(ranges, 6) == [(3, 5)]
     assert gaps([], 3) == [(0, 3)] and gaps([(0, 3)], 3) == [] and gaps([], 0) == []
+
+
+def test_an_index_let_go_leaves_the_rest_as_ranges():
+    """What a generator holds loses each index as its group is published (`without_index`), in any
+    order: the rest, and nothing else, stays."""
+    rng = random.Random(7)
+    for _ in range(200):
+        held = sorted(rng.sample(range(40), rng.randint(0, 20)))
+        ranges = with_indices([], held)
+        assert indices(ranges) == held
+        for index in rng.sample(range(40), 10):
+            ranges = without_index(ranges, index)
+            held = [i for i in held if i != index]
+            assert indices(ranges) == held and ranges == with_indices([], held)
+    assert without_index([(0, 5)], 2) == [(0, 2), (3, 5)] and without_index([(3, 4)], 3) == []
 
 
 def test_only_the_newest_gaps_are_kept_the_older_given_up():

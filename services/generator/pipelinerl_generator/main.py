@@ -26,13 +26,22 @@ from nats.js.api import DeliverPolicy
 from pipelinerl import books
 from pipelinerl import messages as m
 from pipelinerl.admission import Admission
-from pipelinerl.claims import group_id
+from pipelinerl.claims import Range, group_id, indices, ranges_text, with_indices, without_index
 from pipelinerl.contracts import GeneratorStatus, JobSubjects, ServiceEnv
 from pipelinerl.prompt_fit import prompt_fit
 from pipelinerl.runtime import HealthServer, join_job, serve
 from pipelinerl.spec import JobSpec, PipelineRLJob, SpecError
 from pipelinerl.steps import FINAL_EVAL_WAIT_S, counts_as_discarded, is_final, training_step
-from pipelinerl.streams import claim_problems, close, last_announcement, last_message, newest_batches, publish_once
+from pipelinerl.streams import (
+    claim_problems,
+    close,
+    held_problems,
+    hold_problems,
+    last_announcement,
+    last_message,
+    newest_batches,
+    publish_once,
+)
 from pipelinerl.tasks import make_task
 from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
 from pipelinerl_generator.engine import Engine, PromptTooLong
@@ -57,6 +66,7 @@ class Generator:
         http: HealthServer,
         stopping: asyncio.Event,
         wakeup: asyncio.Event,
+        held: list[Range] | None = None,
     ) -> None:
         self.job, self.env, self.spec, self.subjects = job, env, job.spec, job.subjects
         self.nc, self.js, self.engine, self.task, self.tokenizer = nc, nc.jetstream(), engine, task, tokenizer
@@ -71,7 +81,11 @@ class Generator:
         self.errors: list[BaseException] = []
         self.tasks: set[asyncio.Task] = set()
         self.rollouts: set[asyncio.Task] = set()  # of those, the groups being generated
-        self.problems: collections.deque[int] = collections.deque()  # claimed training problems, not yet drawn
+        # Training problems this rank holds (`streams.hold_problems`): claimed, by this incarnation or
+        # one before it, and no group of them published; and of those, the ones not yet drawn.
+        self.held: list[Range] = held or []
+        self.problems: collections.deque[int] = collections.deque(indices(self.held))
+        self.holding = asyncio.Lock()  # one record of them written at a time, the newest last
         self.publishing = asyncio.Lock()  # one publish at a time: each group carries the books after it
 
     # -- status ----------------------------------------------------------------------------
@@ -179,12 +193,25 @@ class Generator:
     async def _next_problem(self) -> int:
         """The next training problem: from a block claimed for this generator alone (a step's
         share), so that whatever the generators' number, restarts or arrivals, each problem is
-        drawn once (a claimed block an incarnation did not finish is left unused, and drawn again
-        only where the store is made to go on from a checkpoint: `claims`)."""
+        drawn once. What an incarnation held and did not publish (its unused block, its groups in
+        flight) its restart draws first. Lost are only a block claimed by one killed before it
+        recorded it, and the group of one killed inside its publish: drawn again where the store is
+        made to go on from a checkpoint (`claims`)."""
         if not self.problems:
-            block = max(1, self.admission.share)
-            self.problems.extend(await claim_problems(self.js, self.subjects, block))
+            taken = await claim_problems(self.js, self.subjects, max(1, self.admission.share))
+            await self._hold(with_indices(self.held, taken))
+            self.problems.extend(taken)
         return self.problems.popleft()
+
+    async def _hold(self, held: list[Range]) -> None:
+        async with self.holding:
+            self.held = held
+            await hold_problems(self.js, self.subjects, self.env.rank, held)
+
+    async def _let_go(self, index: int) -> None:
+        """Before its group is published (or it is skipped): a restart draws it again only if
+        its group was never published, never a second time."""
+        await self._hold(without_index(self.held, index))
 
     async def _group(self, index: int, started_at: int) -> None:
         INFLIGHT.inc()
@@ -203,19 +230,22 @@ class Generator:
                     attempt.cancel()
                 log.warning("training problem %s (%d) skipped: %s", problem.id, index, err)
                 SKIPPED.inc()
+                await self._let_go(index)
                 self.admission.abandon(started_at)
                 return
             group = m.RolloutGroup(
                 group_id=group_id(problem.id, index, self.env.rank), generator=self.env.rank, samples=list(samples)
             )
-            await self._publish(group, started_at)
+            await self._publish(group, started_at, index)
             TOKENS.inc(sum(s.num_generated for s in samples))
         finally:
             INFLIGHT.dec()
             self.busy.leave()
             self.wakeup.set()
 
-    async def _publish(self, group: m.RolloutGroup, started_at: int) -> None:
+    async def _publish(self, group: m.RolloutGroup, started_at: int, index: int) -> None:
+        """Publish the group of problem `index`."""
+        await self._let_go(index)
         a = self.admission
         discarded = counts_as_discarded(self.spec, group)
         async with self.publishing:
@@ -257,8 +287,11 @@ async def assemble(
     check_prompts_fit(spec, task, tokenizer)
     await engine.prepare_updates()  # the staging copy, allocated now: one that does not fit fails here
     admission = await restore_admission(spec, job.subjects, nc.jetstream(), env.rank)
+    held = await held_problems(nc.jetstream(), job.subjects, env.rank)
+    if held:
+        log.info("generator %d draws first the problems it held before: %s", env.rank, ranges_text(held))
     log.info("generator %d assembled (model %s)", env.rank, model_path)
-    return Generator(job, env, nc, engine, task, tokenizer, admission, http, stopping, wakeup)
+    return Generator(job, env, nc, engine, task, tokenizer, admission, http, stopping, wakeup, held)
 
 
 def check_prompts_fit(spec: JobSpec, task, tokenizer) -> None:
