@@ -15,7 +15,7 @@ from nats.js.errors import NotFoundError
 from pipelinerl.capacity import stream_bytes
 from pipelinerl.claims import Claims
 from pipelinerl.contracts import JobSubjects
-from pipelinerl.messages import MessageError, PolicyVersion, StoreIdentity, decode, encode
+from pipelinerl.messages import Checkpointed, MessageError, PolicyVersion, StoreIdentity, decode, encode
 from pipelinerl.spec import JobSpec
 from pipelinerl.streams import (
     READ_TIMEOUT_S,
@@ -168,6 +168,10 @@ async def recover_store(
     await ensure_streams(js, subjects, spec.nats.max_payload_mb, replicas, stream_bytes(spec))
     await js.publish(subjects.version, encode(PolicyVersion(version=step, timestamp=time.time())), timeout=10.0)
     await js.publish(subjects.problems, claims.text().encode(), timeout=10.0)
+    # The checkpoint it goes on from, told as its trainer tells one: a job suspended again before
+    # its trainer told any (its pods never started) keeps it, and its next resume goes on from it.
+    told = Checkpointed(store=adopt, step=step, problems=claims.next, redraw=claims.redraw_text)
+    await js.publish(subjects.checkpoint, encode(told), timeout=10.0)
     # Last: a store is adopted by its identity, so one cut short before it is never gone on from
     # (with claims from 0, problems trained would be drawn again); the command is run again.
     identity = _fresh(adopts=adopt, adopted_step=step)

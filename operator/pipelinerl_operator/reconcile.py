@@ -384,16 +384,24 @@ async def release_streams(
     stands: a pass whose status write is refused loses nothing it cannot do again. A store made
     again from the kept record was made by a resume this pass did not see (the other replica's,
     or one whose status write was refused before the job was suspended again): it is not deleted
-    while the job's pods may run in it, and a record they told there since replaces the kept one."""
+    while the job's pods may run in it, and a newer record they told there since replaces the kept
+    one. A store made from a record holds it (`recover_store`; its trainer tells it again at its
+    start): read back, it is nothing new, and the streams go."""
     if suspended:
         again = await streams.restored_from(kept) if kept else False
         if again is None:  # not known: next pass
             return kept, False
         if again or not kept:
             record = await streams.checkpoint_record(kube)
-            if record is None or record:  # its pods not gone yet; or a record, to be written first
-                return record or kept, False
+            if record is None:  # its pods not gone yet
+                return kept, False
+            if record and not same_checkpoint(record, kept):  # to be written first
+                return record, False
     return kept, await streams.delete()
+
+
+def same_checkpoint(record: dict[str, Any], kept: dict[str, Any] | None) -> bool:
+    return kept is not None and (record["store"], record["step"]) == (kept["store"], kept["step"])
 
 
 async def _restart_trainer_gang(

@@ -455,6 +455,14 @@ def test_recover_store_on_a_cluster_makes_the_new_store_adopt_the_checkpoint(nat
         return fresh
 
     fresh = asyncio.run(before())
+
+    def cli(*more: str) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "-m", "pipelinerl_cli", "recover-store", str(manifest), *more]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+    # Without the options: the checkpoint the trainer told on the store (as it found it lost); none there, refused.
+    none_told = cli("--nats", nats_server.url)
+    assert none_told.returncode == 2 and "no checkpoint told on the job's store" in none_told.stderr
     cmd = ["recover-store", str(manifest), "--nats", nats_server.url, "--adopt", "lost", "--step", "4"]
     missing = subprocess.run([sys.executable, "-m", "pipelinerl_cli", *cmd], capture_output=True, text=True, timeout=60)
     assert missing.returncode == 2 and "--problems" in missing.stderr  # all three, or nothing
@@ -499,15 +507,12 @@ def test_recover_store_on_a_cluster_makes_the_new_store_adopt_the_checkpoint(nat
     kept, rollouts, claimed = asyncio.run(again())
     assert kept == identity and len(rollouts) == 1 and claimed == list(range(45, 53))  # made once: nothing undone
 
-    # Without the options: the checkpoint the trainer told on the store (as it found it lost), none
-    # there refused; the checkpoint's own store (never lost) left as it is; the options alone with --nats.
-    def cli(*more: str) -> subprocess.CompletedProcess:
-        argv = [sys.executable, "-m", "pipelinerl_cli", "recover-store", str(manifest), *more]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    # The store holds the checkpoint it goes on from, told: without the options, that one, made already.
+    same = cli("--nats", nats_server.url)
+    assert same.returncode == 0 and "goes on from the checkpoint of step 4 (store lost)" in same.stdout, same.stdout
+    assert asyncio.run(after())[0] == identity
 
-    none_told = cli("--nats", nats_server.url)
-    assert none_told.returncode == 2 and "no checkpoint told on the job's store" in none_told.stderr
-
+    # The checkpoint's own store (never lost) left as it is; the options alone with --nats.
     async def tell(record: m.Checkpointed) -> None:
         nc = await connect(nats_server.url, "test")
         await nc.jetstream().publish(SUBJECTS.checkpoint, m.encode(record))

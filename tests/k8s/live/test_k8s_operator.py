@@ -516,6 +516,23 @@ async def test_a_store_made_again_from_the_kept_record_stands_while_the_job_may_
         assert await store() == restored
         assert await release_streams(kube, streams, True, newer) == (newer, True)
         assert await store() is None
+        # Resumed (the kept record left the status with the restore), suspended again before its
+        # trainer told any checkpoint (its pods never started): the record the store holds, the
+        # one it was made from, is kept, and the streams go a pass later. Before, they went at
+        # once with no record, and the next resume met a lost store.
+        await recover_store(js, subjects, spec, kept["store"], 7, Claims(123, ((5, 9),)))
+        again = kept | {"redraw": "5-8"}
+        assert await release_streams(kube, streams, True, None) == (again, False)
+        assert await store() is not None
+        assert await release_streams(kube, streams, True, again) == (again, True)
+        assert await store() is None
+        # ... or after its trainer told it again at its start: the same checkpoint is nothing new.
+        # Before, each pass read it back as a record to write first, and the streams never went.
+        await recover_store(js, subjects, spec, kept["store"], 7, Claims(123))
+        await js.publish(subjects.checkpoint, encode(Checkpointed(store=kept["store"], step=7, problems=123)))
+        assert await release_streams(kube, streams, True, None) == (kept, False)
+        assert await release_streams(kube, streams, True, kept) == (kept, True)
+        assert await store() is None
         # NATS not answering: nothing is known, so nothing goes, and the Event says why.
         gone = from_env({OperatorEnv.DEFAULT_NATS_URL: f"nats://127.0.0.1:{free_port()}"})
         unreachable = JobStreams(body, gone, lambda _type, reason, _message: told.append(reason), streams.logger)
