@@ -1,7 +1,7 @@
 """Is the run still learning? Alarms over the newest steps' metrics (pure).
 
 A run can go on stepping while it learns nothing: every sample dropped for lag (a resume that
-went wrong), every micro-batch rejected, a loss gone non-finite. The trainer logs the alarm
+went wrong), every micro-batch rejected, a loss gone non-finite, every update skipped. The trainer logs the alarm
 and reports it in its status (the operator turns it into the job's `Degraded` condition);
 `pipelinerl run` exits non-zero when a run ends in one.
 """
@@ -22,6 +22,12 @@ def learning_alarm(steps: list[dict]) -> str | None:
     bad_loss = [r["step"] for r in window if not math.isfinite(r["loss"])]
     if bad_loss:
         return f"NonFiniteLoss: the loss of step(s) {_steps(bad_loss)} is not finite"
+    # fp16's loss scale skips a few steps at a start as it falls: a whole window is no learning.
+    if len(window) == WINDOW and all(r.get("step_skipped") for r in window):
+        return (
+            f"StepsSkipped: the optimizer applied no update at steps {window[0]['step']}–{window[-1]['step']} "
+            "(their gradients were not finite)"
+        )
     empty = []
     for r in reversed(window):
         if r["tokens"] > 0:

@@ -126,3 +126,34 @@ def test_deepspeed_is_imported_without_mlflow_which_a_job_can_still_import():
     env = os.environ | {"DS_ACCELERATOR": "cpu"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.split()[-1] == "mlflow", done.stderr[-2000:]
+
+
+def _non_finite(stage: int, path: str, port: int, out: mp.Queue) -> None:
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from pipelinerl.spec import parse_job
+    from pipelinerl_trainer.model import build_engine, import_deepspeed, init_distributed
+
+    job = parse_job({"metadata": {"name": "ds"}, "spec": {"model": {"path": path}, "trainer": {"zeroStage": stage}}})
+    init_distributed(False, 60)
+    engine = build_engine(job.spec.trainer, job.spec.weights_dtype, path)
+    params = list(engine.module.parameters())
+
+    def weights() -> torch.Tensor:
+        with import_deepspeed().zero.GatheredParameters(params, modifier_rank=None, enabled=stage == 3):
+            return torch.cat([p.detach().flatten().clone() for p in params])
+
+    applied = []
+    for scale in (float("nan"), 1.0):
+        before = weights()
+        engine.backward(_loss(engine, torch.randint(2, 32, (1, 12)), scale))
+        engine.step()
+        applied.append((engine.was_step_applied(), bool((weights() != before).any())))
+    out.put(applied)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_step_of_non_finite_gradients_is_skipped_and_says_so(tiny_qwen2, stage):
+    """DeepSpeed applies no update where the gradients are not finite, and tells it
+    (`was_step_applied`), which the trainer reports as `step_skipped`: the next step applies."""
+    assert in_a_rank_process(_non_finite, stage, tiny_qwen2) == [(False, False), (True, True)]

@@ -43,3 +43,15 @@ def test_groups_dropped_before_packing_count_as_dropped():
         step(i, samples=64, dropped=80, samples_stale=64) for i in range(1, 11)
     ]  # half the groups stale, 16 more late
     assert learning_alarm(rows).startswith("MostSamplesDropped: 800 of the 1280 samples")
+
+
+def test_a_window_of_skipped_updates_is_no_learning_a_few_are_not():
+    """fp16's loss scale skips a few steps as it falls at a start (and a bf16 step of non-finite
+    gradients is skipped alone): only a whole window of updates skipped raises the alarm."""
+    rows = [step(i) for i in range(1, 4)] + [step(i, step_skipped=1) for i in range(4, 13)]
+    assert learning_alarm(rows) is None
+    rows.append(step(13, step_skipped=1))
+    assert learning_alarm(rows) == (
+        "StepsSkipped: the optimizer applied no update at steps 4–13 (their gradients were not finite)"
+    )
+    assert learning_alarm(rows + [step(14)]) is None

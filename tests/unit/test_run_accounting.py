@@ -227,3 +227,26 @@ def test_a_resumed_run_reads_the_metrics_stream_on_after_the_last_row_written():
     assert first_unread(rows, last_seq=3) == 4  # the stream made again: from now on
     assert first_unread([{"kind": "train", "step": 1}], last_seq=9) == 10  # an older folder's rows
     assert first_unread([], last_seq=0) == 1
+
+
+def test_a_rejected_sample_is_packed_but_counted_neither_trained_nor_in_the_reward():
+    """The trainer blanks a sample the model cannot take (`checks.without`) and trains the rest of
+    its row: the step's samples and reward are the others'. Before, the blanked sample counted as
+    trained (and its reward in `reward_trained`) as well as rejected."""
+    from pipelinerl_trainer.checks import without
+
+    def model(input_ids, position_ids, packing, temperature):
+        n = input_ids.shape[1]
+        return torch.full((n,), -math.log(5), requires_grad=True), torch.full((n,), math.log(5))
+
+    mb = m.MicroBatch(
+        step=0, rank=0, index=0, last=True, tokens=[1, 2, 3, 1, 4, 999], positions=[0, 1, 2] * 2,
+        mask=[0, 1, 1] * 2, advantages=[0.0, 1.0, 1.0, 0.0, -1.0, -1.0], logprobs=[0.0, -1.6, -1.6] * 2,
+        versions=[4, 4, 4, 4, 4, 4], weights=[0.0, 0.5, 0.5] * 2, lengths=[3, 3], rewards=[0.25, 1.0],
+    )  # fmt: skip
+    tally = StepTally(max_lag=2)
+    tally.add(rejected=1)  # as `Trainer._reject` counts it
+    micro_batch_loss(model, without(mb, {1}), 5, StepConfig(LossConfig("reinforce"), 1.0, max_lag=2), tally)
+    metrics = tally.metrics()
+    assert (metrics["samples"], metrics["samples_rejected"], metrics["tokens"]) == (1, 1, 2)
+    assert metrics["reward_trained"] == 0.25

@@ -51,7 +51,8 @@ def describe(mb: m.MicroBatch, bad: dict[int, str]) -> str:
 
 def without(mb: m.MicroBatch, bad: set[int]) -> m.MicroBatch:
     """`mb` with the `bad` samples blanked: token 0 at position 0, nothing to learn from (each
-    keeps its length, so the row's sequences stay where they were)."""
+    keeps its length, so the row's sequences stay where they were), and no reward: the step's
+    trained samples and their reward count them out (`StepTally`: `samples` less `rejected`)."""
     keep = [sid not in bad for sid, n in enumerate(mb.lengths) for _ in range(n)]
 
     def blank(values: list, zero) -> list:
@@ -66,5 +67,6 @@ def without(mb: m.MicroBatch, bad: set[int]) -> m.MicroBatch:
             logprobs=blank(mb.logprobs, 0.0),
             weights=blank(mb.weights, 0.0),
             versions=blank(mb.versions, -1),
+            rewards=[0.0 if sid in bad else r for sid, r in enumerate(mb.rewards)],
         )
     )

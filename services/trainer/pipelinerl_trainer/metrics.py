@@ -35,6 +35,10 @@ SAMPLES = Counter(
     "pipelinerl_trainer_samples_total",
     "Samples given to steps: trained, or dropped for lag (by the preprocessor as stale, or by the trainer)",
 )
+SKIPPED_STEPS = Counter(
+    "pipelinerl_trainer_steps_skipped_total",
+    "Optimizer steps that applied no update (non-finite gradients, or an fp16 loss-scale overflow)",
+)
 DROPPED = Counter("pipelinerl_trainer_samples_dropped_total", "Samples dropped for exceeding max lag")
 REJECTED = Counter(
     "pipelinerl_trainer_samples_rejected_total", "Samples the model cannot take (dead-lettered, not trained)"
@@ -85,6 +89,7 @@ def reported(metrics: dict, alarm: bool) -> None:
     SAMPLES.inc(metrics["samples"] + metrics["samples_stale"])
     DROPPED.inc(metrics["dropped_for_lag"])
     EMPTY_STEPS.inc(metrics["tokens"] == 0)
+    SKIPPED_STEPS.inc(metrics.get("step_skipped", 0))
     for key, count in metrics.items():
         if key.startswith("tokens_lag_"):
             TOKENS_BY_LAG.labels(key.removeprefix("tokens_lag_")).inc(count)

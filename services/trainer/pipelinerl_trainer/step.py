@@ -79,7 +79,7 @@ class StepTally:
         assert totals is not None  # finish() sets them
         s = dict(zip(SUMS, totals))
         hist = totals[len(SUMS) :]
-        tokens, n = s["tokens"], s["samples"]
+        tokens, n = s["tokens"], s["samples"] - s["rejected"]  # rejected samples are packed, not trained
         counted = [(lag, int(c)) for lag, c in enumerate(hist) if c]
         lag_tokens = sum(c for _, c in counted)
         return {

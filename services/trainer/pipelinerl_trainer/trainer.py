@@ -192,6 +192,12 @@ class Trainer:
         with optimizer:
             self.engine.step()
         grad_norm = self.engine.get_global_grad_norm()
+        # Non-finite gradients (or an fp16 loss-scale overflow): DeepSpeed applied no update, alike
+        # on every rank (the overflow is reduced over them). The version goes on, its weights the
+        # same; the step's samples are consumed, not learned.
+        skipped = not self.engine.was_step_applied()
+        if skipped:
+            log.warning("step %d: the optimizer applied no update (gradient norm %s)", version, grad_norm)
         metrics = tally.finish(self.world).metrics()  # the step's one read of the device
         optimizer_s = optimizer.seconds()
         elapsed = clock.seconds() + optimizer_s
@@ -205,6 +211,7 @@ class Trainer:
             # the policy's reward: the trained samples' (`reward_trained`) with the filtered ones'
             "reward": reward if reward is not None else metrics["reward_trained"],
             "grad_norm": float(grad_norm) if grad_norm is not None else None,
+            "step_skipped": int(skipped),
             "groups_filtered": ledger.filtered,
             "groups_rejected": ledger.dead_lettered,
             "samples_stale": ledger.stale_samples,
