@@ -448,11 +448,18 @@ async def test_update_that_misses_a_weight_fails_naming_it(rig):
     assert isinstance(failed.value, WeightsKept) == rig.staged
     await reply(rig.res_q)
     assert engine.version == version
-    c = await running
     if rig.staged:  # the failed update loaded into the second copy only: the live weights are intact
+        c = await running
         assert c.tokens == hf_greedy(rig.hf[rig.current], prompt, LONG_TOKENS)
         assert c.versions == [version] * LONG_TOKENS
-    await rig.update("A")  # a full update repairs the engine
+    else:  # half-loaded, labelled as before: the engine stays paused, no token is sampled from them
+        seen = await wait_for_output_tokens(engine, 10)
+        await asyncio.sleep(1.0)
+        assert await wait_for_output_tokens(engine, 10) == seen and not running.done()
+    await rig.update("A")  # a full update repairs the engine (and resumes it)
+    if not rig.staged:
+        c = await running
+        assert set(c.versions[:seen]) == {version} and set(c.versions[seen:]) == {engine.version}
     c = await engine.generate(prompt, N_GREEDY, greedy=True)
     assert c.tokens == hf_greedy(rig.hf["A"], prompt, N_GREEDY)
 

@@ -449,7 +449,10 @@ class Engine:
 
     async def _paused_update(self, version: int, buckets: list, staged: bool) -> str:
         """The update's pause: the staged weights committed, or the whole update received and
-        loaded; the version set where it succeeded. Why the old weights were kept, or ""."""
+        loaded; the version set where it succeeded. Why the old weights were kept, or "". Anything
+        raised leaves the engine paused: the weights may be half-loaded, or their shards of two
+        versions, under the old label, and the generator stops; resumed, its running requests
+        would sample tokens from them, which a group finishing before the stop would publish."""
         # The engine core's pause, not AsyncLLM.pause_generation: that adds a fixed 20 ms sleep
         # so aborted requests' last outputs arrive first, which "keep" mode does not need. It
         # returns once the batches in flight are done and the device is synchronized.
@@ -463,8 +466,8 @@ class Engine:
                 kept = one_version(await self._rpc("receive_weights", buckets), version)
             if not kept:
                 await self.set_version(version)
-        except EngineStuck:
-            resume = False  # the core answers nothing more: no resume to wait for
+        except BaseException:
+            resume = False
             raise
         finally:
             if resume:
