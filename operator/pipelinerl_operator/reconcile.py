@@ -159,6 +159,8 @@ async def apply_owned(
         if earlier := await _earlier_claim(kube, ref, children):
             return earlier, made
     except KubeError as err:
+        if passing(err):
+            raise
         return f"reading the trainers' claims: {err}", made
     for obj in children:
         meta = obj["metadata"]
@@ -190,8 +192,17 @@ async def apply_owned(
                 await ref.still_current(kube)
             await kube.apply(obj)
         except KubeError as err:
+            if passing(err):
+                raise
             return f"{what}: {err}", made
     return None, made
+
+
+def passing(err: KubeError) -> bool:
+    """An API server that could not serve a request (overloaded, etcd or a webhook unreachable),
+    not one that refused it: the pass is retried, as on a timeout, the job's conditions left as
+    they were (an `ApplyRefused` for it would flip Ready and post Events, then flip back)."""
+    return err.status == 429 or err.status >= 500
 
 
 async def _earlier_claim(kube: Kube, ref: JobRef, children: list[dict[str, Any]]) -> str | None:

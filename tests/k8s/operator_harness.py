@@ -101,6 +101,7 @@ class Emulator(kmock.KubernetesEmulator):
     creates: list[str] = []  # "plural/name" of every POST, to check nothing is created twice
     refuse: dict[str, str] = {}  # "plural/name" → the message of a 422 answered to writes of it
     failing: set[str] = set()  # plurals every request for which is answered 500
+    failing_writes: set[str] = set()  # "plural/name" whose writes are answered 500 (a webhook unreachable)
     unserved: set[str] = set()  # plurals the server does not serve (their CRD not installed): 404
     gates: dict[str, asyncio.Event] = {}  # plural → requests for it wait until it is set (`waiting` meanwhile)
     # The first request this says True of is answered only after the operator's client gave up
@@ -171,6 +172,8 @@ class Emulator(kmock.KubernetesEmulator):
             refused = self.refuse.get(f"{request.resource.plural}/{name}")
             if refused:
                 raise Invalid(message=refused)
+            if f"{request.resource.plural}/{name}" in self.failing_writes:
+                raise Failing(message='Internal error occurred: failed calling webhook "quota.example.com"')
         Emulator._version += 1
         rv = str(Emulator._version)
         data = request.data
@@ -237,6 +240,7 @@ def _nested(path: str, value: Any) -> dict[str, Any]:
 async def emulator() -> AsyncIterator[Emulator]:
     async with Emulator() as handler, kmock.Server(handler):
         handler.creates, handler.refuse, handler.failing, handler.calls = [], {}, set(), set()
+        handler.failing_writes = set()
         handler.unserved = set()
         handler.counts, handler.verbs = collections.Counter(), collections.Counter()
         handler.gates, handler.waiting, handler.stall = {}, asyncio.Event(), None

@@ -157,6 +157,25 @@ async def test_a_refused_apply_and_a_stuck_pod_are_told_in_the_status_and_events
         await eventually(lambda: "Unschedulable" in events(emulator), what="Unschedulable event")
 
 
+async def test_an_api_server_that_cannot_serve_a_write_is_retried_not_told_as_a_refusal(cluster) -> None:
+    """A 500 (an admission webhook unreachable, etcd overloaded) on a child's write: the pass is
+    retried, the job's conditions left as they were. Before, it read as a refusal: Ready turned
+    False with `ApplyRefused` and an Event, then back at the next pass."""
+    emulator, api, trainer = cluster
+    trainer.reports["demo"] = {"step": 3, "version": 3, "finished": False, "weightSyncReady": True}
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest())
+        await eventually(lambda: all(obj(emulator, STS, f"demo-prl-{r}") for r in ROLES), what="StatefulSets")
+        await all_ready(api)
+        await eventually(lambda: condition(emulator, "Ready").get("status") == "True", what="Ready")
+        emulator.failing_writes.add("statefulsets/demo-prl-generator")
+        await api.patch_job("demo", {"spec": {"generator": {"replicas": 3}}})
+        await asyncio.sleep(3)  # passes 0.3 s apart, each refused its write
+        assert condition(emulator, "Ready")["status"] == "True" and "ApplyRefused" not in events(emulator)
+        emulator.failing_writes.clear()
+        await all_ready(api, generators=3)
+
+
 async def test_an_object_the_job_does_not_own_is_never_taken_over(cluster) -> None:
     """A user's ServiceAccount already holds the name of the job's: the operator stops there
     (nothing of the job's is applied after it, no pod runs as that account), says so in the
