@@ -77,3 +77,36 @@ def test_a_promotion_the_disk_refuses_leaves_the_earlier_best_in_place(tmp_path,
     with pytest.raises(OSError, match="quota"):
         out.evaluated(4, 0.5)
     assert (tmp_path / "best" / "model.safetensors").read_text() == "v2" and not (tmp_path / ".best.old").exists()
+
+
+def test_a_trainer_restarted_from_an_evaluated_versions_checkpoint_exports_its_missing_candidate(
+    tmp_path, monkeypatch
+) -> None:
+    """Killed between the checkpoint of an evaluated version and its candidate's export: the
+    restart exports it (its evaluation, asked for again, finds it), unless its result was taken
+    (the best is that version or a later one). Before, only the final model was made again, and
+    the version could never become the best."""
+    from types import SimpleNamespace
+
+    from pipelinerl.spec import parse_job
+    from pipelinerl_trainer import trainer as t
+
+    exported: list[str] = []
+    monkeypatch.setattr(t.checkpoint, "export", lambda engine, path, rank: exported.append(path.name))
+    spec = parse_job({"metadata": {"name": "o"}, "spec": {"eval": {"interval": 2}}}).spec
+    out = Output(tmp_path, keep_best=True)
+    fake = SimpleNamespace(spec=spec, output=out, world=1, rank=0, engine=SimpleNamespace(device="cpu"))
+    fake._exports, fake._export_copy = (lambda version: False), (lambda version: tmp_path / "export")
+    fake._export_outputs = lambda version, last: t.Trainer._export_outputs(fake, version, last)  # type: ignore[arg-type]
+
+    def restarted_at(version: int, last: bool = False) -> list[str]:
+        exported.clear()
+        t.Trainer._export_missing(fake, version, last)  # type: ignore[arg-type]
+        return list(exported)
+
+    assert restarted_at(4) == ["version-4"] and restarted_at(5) == []  # 5 is not evaluated
+    export(out.candidate(4), "v4")
+    assert restarted_at(4) == []  # there already
+    out.best = {"version": 6, "accuracy": 0.5}
+    assert restarted_at(6) == [] and restarted_at(8) == ["version-8"]
+    assert restarted_at(9, last=True) == ["version-9", "final"]  # the last version is evaluated too

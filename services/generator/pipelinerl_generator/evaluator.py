@@ -29,6 +29,7 @@ class Evaluator:
         self.evaluations: dict[int, asyncio.Future] = {}  # version -> its evaluation (shared by reports)
         self.reported: set[tuple[int, bool]] = set()  # (version, final) published
         self.newest: dict | None = None  # the evaluation of the highest version so far (/metrics)
+        self.last_report: asyncio.Future | None = None  # done once the report asked for last is out (or given up)
 
     async def maybe_eval(self, version: int, final: bool = False) -> None:
         """Evaluate `version` at the eval interval and the final one, on generator 0 only."""
@@ -38,11 +39,24 @@ class Evaluator:
         if not final and (interval == 0 or version % interval):
             return
         self.reported.add((version, final))
-        if version not in self.evaluations:
-            self.evaluations[version] = asyncio.ensure_future(self._evaluate(version))
-        values = await self.evaluations[version]
-        if values is None:
-            return
+        # Reports go out in the order they were asked for (versions as announced), whichever
+        # evaluation ends first: the trainer drops every best-model candidate up to a version
+        # whose result comes in (`Output.evaluated`), so an earlier one's result coming later
+        # would find its candidate gone.
+        before, done = self.last_report, asyncio.get_running_loop().create_future()
+        self.last_report = done
+        try:
+            if version not in self.evaluations:
+                self.evaluations[version] = asyncio.ensure_future(self._evaluate(version))
+            values = await self.evaluations[version]
+            if before is not None:
+                await asyncio.shield(before)
+            if values is not None:
+                await self._report(version, final, values)
+        finally:
+            done.set_result(None)
+
+    async def _report(self, version: int, final: bool, values: dict) -> None:
         if self.newest is None or version >= self.newest["version"]:
             self.newest = values
         log.info(

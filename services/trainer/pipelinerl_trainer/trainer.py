@@ -364,12 +364,17 @@ class Trainer:
         copy = self._export_copy(version)
         if self._exports(version) and not from_rank0(copy.exists(), self.world, self.engine.device):
             checkpoint.export(self.engine, copy, self.rank)
-        if (
-            last
-            and self.output is not None
-            and not from_rank0(self.output.final.exists(), self.world, self.engine.device)
-        ):
+        out = self.output
+        if out is None:
+            return
+        if last and not from_rank0(out.final.exists(), self.world, self.engine.device):
             self._export_outputs(version, last=True)
+        elif not last and out.wants_candidate(version, self.spec.eval.interval):
+            # Its evaluation, asked for again as the version is announced again, finds it (one whose
+            # result was taken and not promoted is dropped by the next result).
+            taken = out.candidate(version).exists() or (out.best or {}).get("version", -1) >= version
+            if not from_rank0(taken, self.world, self.engine.device):
+                checkpoint.export(self.engine, out.candidate(version), self.rank)
 
     def _export_outputs(self, version: int, last: bool) -> None:
         """spec.output's copies due at this version: an evaluated version's candidate, the final model."""
