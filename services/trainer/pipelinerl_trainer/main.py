@@ -33,6 +33,12 @@ from pipelinerl_trainer.weight_sender import WeightSender
 
 log = logging.getLogger("pipelinerl.trainer")
 STORE_POLL_S = 10.0  # a trainer whose store was lost looks again this often for one recovered for it
+# The ranks' world group's collective timeout. Ranks wait in its collectives while rank 0 alone
+# works: writing the checkpoint's whole-model copy and syncing its folder (minutes for a large
+# model on a network volume), or confirming a weight update and forming the next group at a
+# checkpoint step. A rank dead or frozen meanwhile ends every rank within weightSync.timeoutSeconds
+# (`peers.PeerWatch`), so this bounds only a collective that hangs with every rank alive.
+COLLECTIVE_TIMEOUT_S = 3600.0
 
 
 def join_torch_group(job: PipelineRLJob, env: ServiceEnv, stop: threading.Event) -> tuple[PeerWatch | None, StopVote]:
@@ -56,7 +62,7 @@ def join_torch_group(job: PipelineRLJob, env: ServiceEnv, stop: threading.Event)
     timeout_s = job.spec.weight_sync.timeout_seconds
     if world > 1 and env.rank > 0:
         say_started(addr, port, env.rank, timeout_s)
-    init_distributed(on_gpu, timeout_s * 5, env.listen_address)
+    init_distributed(on_gpu, timeout_s * 5, env.listen_address, COLLECTIVE_TIMEOUT_S)
     vote = StopVote.of_ranks(world, DATA_TIMEOUT_S + timeout_s)  # a vote waits for a rank waiting for data
     return PeerWatch.of_ranks(addr, port, env.rank, world, timeout_s, stop), vote
 

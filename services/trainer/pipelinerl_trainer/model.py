@@ -35,11 +35,15 @@ def import_deepspeed():
     return deepspeed
 
 
-def init_distributed(on_gpu: bool, timeout_s: float, listen_host: str = "0.0.0.0") -> None:
+def init_distributed(
+    on_gpu: bool, timeout_s: float, listen_host: str = "0.0.0.0", collective_timeout_s: float | None = None
+) -> None:
     """The ranks' torch group, from torch's variables (RANK, WORLD_SIZE, MASTER_ADDR and
     MASTER_PORT; LOCAL_RANK on a GPU), which DeepSpeed then takes as its own. Its store is made
     here, not by torch from the variables: rank 0 serves it on `listen_host` alone where that
-    names one address (a local run's loopback), where torch's own server listens on every one."""
+    names one address (a local run's loopback), where torch's own server listens on every one.
+    `timeout_s` bounds the rendezvous, `collective_timeout_s` (default: the same) the group's
+    collectives."""
     import torch.distributed as dist
 
     if not on_gpu:
@@ -60,7 +64,7 @@ def init_distributed(on_gpu: bool, timeout_s: float, listen_host: str = "0.0.0.0
     if on_gpu and world > 1:  # as DeepSpeed binds it: NCCL's communicator made at once, on this rank's GPU
         extra["device_id"] = torch.device("cuda", int(os.environ.get(Env.TORCH_LOCAL_RANK, 0)))
     backend = "nccl" if on_gpu else "gloo"
-    timeout = timedelta(seconds=timeout_s)
+    timeout = timedelta(seconds=collective_timeout_s or timeout_s)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout, **extra)
     deepspeed.init_distributed(dist_backend=backend, timeout=timeout)
 
