@@ -215,6 +215,23 @@ def _environ(**values: str):
                     os.environ[k] = v
 
 
+@contextlib.contextmanager
+def received_whole(weights: Iterator[tuple[str, torch.Tensor]]):
+    """Load from `weights` (`WeightGroup.receive_buckets`) inside it: a load that raises before it
+    took them all (a loader's error, nothing to do with the transfer) has the rest received
+    anyway, unused, before its error goes on. A broadcast needs every member: the trainer and the
+    other members would otherwise wait for this one to the group's timeout, and all lose the
+    update (a tensor-parallel engine receiving inside its pause, paused that long). A transfer
+    that failed has ended the iterator: nothing more is received."""
+    try:
+        yield weights
+    except Exception:
+        with contextlib.suppress(Exception):
+            for _ in weights:
+                pass
+        raise
+
+
 def join_window(timeout_s: float, join_timeout_s: float | None = None) -> float:
     """The trainer's wait for an epoch's `joining` keys: `join_timeout_s` where given, else
     JOIN_TIMEOUT_S capped at the group's `timeout_s` (a member's own wait for `go`)."""

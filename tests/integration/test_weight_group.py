@@ -28,6 +28,7 @@ from pipelinerl.weight_group import (
     GroupIncomplete,
     WeightGroup,
     WeightSyncError,
+    received_whole,
     WeightSyncTimeout,
     bucket_nbytes,
     dtype_name,
@@ -204,6 +205,59 @@ def _receiver(
         out_q.put((rank, "ok", blob.getvalue()))
     except BaseException as e:  # report instead of hanging the parent
         out_q.put((rank, "err", repr(e)))
+
+
+def _member_whose_loader_fails(port, timeout_s, buckets, out_q):
+    """Rank 1: its loader raises at the first tensor of the first update; it takes the second."""
+    try:
+        group = WeightGroup.join(HOST, port, "g", 1, 3, timeout_s)
+        try:
+            with received_whole(group.receive_buckets(buckets)) as weights:
+                next(weights)
+                raise ValueError("the loader's own error")
+        except ValueError as err:
+            raised = repr(err)
+        second = {n: t.clone() for n, t in group.receive_buckets(buckets)}
+        group.close()
+        out_q.put((1, raised, sorted(second)))
+    except BaseException as e:  # report instead of hanging the parent
+        out_q.put((1, "err", repr(e)))
+
+
+def test_a_members_loader_error_keeps_the_broadcast_going_for_the_others(port):
+    """A broadcast needs every member: a loader that raises mid-update has the rest of it received
+    anyway (`received_whole`), so the trainer's send and the other member's update finish at once
+    instead of at the group's timeout, and the group takes the next update."""
+    tensors = {f"w{i}": torch.full((16,), float(i)) for i in range(6)}
+    buckets = plan_buckets_for(tensors, bucket_bytes=64)
+    assert len(buckets) == 6
+    ctx = mp.get_context("spawn")
+    out_q = ctx.Queue()
+    procs = [
+        ctx.Process(target=_member_whose_loader_fails, args=(port, 10.0, buckets, out_q), daemon=True),
+        ctx.Process(target=_receiver, args=(port, 2, 3, 10.0, buckets, out_q), daemon=True),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        sender = WeightGroup.form(open_store(HOST, port, True, 30.0), "g", 3, 10.0)
+        sent = []
+        for _ in range(2):
+            t0 = time.monotonic()
+            send(sender, tensors, buckets)
+            sent.append(time.monotonic() - t0)
+        results = dict((r[0], r[1:]) for r in (out_q.get(timeout=60) for _ in procs))
+        sender.close()
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert max(sent) < 5.0, sent  # not the group's 10 s timeout
+    assert results[1] == ('ValueError("the loader\'s own error")', sorted(tensors))
+    status, got = results[2]
+    assert status == "ok"
+    assert all(torch.equal(update[n], t) for update in torch.load(io.BytesIO(got)) for n, t in tensors.items())
 
 
 def _idle_member(port, world, timeout_s, hold_s, ready):

@@ -51,6 +51,7 @@ from pipelinerl.weight_group import (
     WeightSyncError,
     buffer_device,
     check_backend,
+    received_whole,
 )
 from pipelinerl_generator.staging import StagingCopy, Transfer
 
@@ -193,7 +194,7 @@ class WeightReceiverExtension:
         staging = self._pipelinerl_staging
         if staging is not None:
             try:
-                self._pipelinerl_load_in_place(staging.model, staging.packed, group.receive_buckets(buckets))
+                self._pipelinerl_stage(staging, group, buckets)
             except Exception as err:  # noqa: BLE001 - the staging copy alone saw it
                 logger.warning("weights not loaded, the live ones are kept: %s", err)
                 return why(err)
@@ -202,19 +203,8 @@ class WeightReceiverExtension:
             return ""
         weights = _Counted(group.receive_buckets(buckets))
         try:
-            if self._pipelinerl_path == "in_place":
-                model = self.model_runner.get_model()  # type: ignore[attr-defined]
-                self._pipelinerl_load_in_place(model, self._pipelinerl_packed_layers(model), weights)
-            else:
-                # vLLM's layerwise reload swaps every layer's tensors for meta ones before it takes
-                # a weight (`initialize_layerwise_reload`): the first is received before it is
-                # called, so that a transfer failing there leaves the model as it was. It keeps a
-                # layer's tensors until the layer is complete: the ring's views would be
-                # overwritten by then, so each is cloned (a layer's worth).
-                first = next(weights)
-                received = itertools.chain([first], weights)
-                self.reload_weights(weights_iterator=((name, t.clone()) for name, t in received))  # type: ignore[attr-defined]
-                self._pipelinerl_retie_lm_head()
+            with received_whole(weights):
+                self._pipelinerl_load_live(weights)
         except WeightSyncError as err:
             if weights.taken:
                 raise RuntimeError(f"weight transfer failed with the live weights half-loaded: {err}") from err
@@ -222,6 +212,26 @@ class WeightReceiverExtension:
             return why(err)
         self._pipelinerl_synchronize()
         return ""
+
+    def _pipelinerl_load_live(self, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+        if self._pipelinerl_path == "in_place":
+            model = self.model_runner.get_model()  # type: ignore[attr-defined]
+            self._pipelinerl_load_in_place(model, self._pipelinerl_packed_layers(model), weights)
+            return
+        # vLLM's layerwise reload swaps every layer's tensors for meta ones before it takes a weight
+        # (`initialize_layerwise_reload`): the first is received before it is called, so that a
+        # transfer failing there leaves the model as it was. It keeps a layer's tensors until the
+        # layer is complete: the ring's views would be overwritten by then, so each is cloned (a
+        # layer's worth).
+        first = next(weights)
+        received = itertools.chain([first], weights)
+        self.reload_weights(weights_iterator=((name, t.clone()) for name, t in received))  # type: ignore[attr-defined]
+        self._pipelinerl_retie_lm_head()
+
+    def _pipelinerl_stage(self, staging: StagingCopy, group: WeightGroup, buckets: list[dict[str, Any]]) -> None:
+        """Receive and load the update into the staging copy."""
+        with received_whole(group.receive_buckets(buckets)) as weights:
+            self._pipelinerl_load_in_place(staging.model, staging.packed, weights)
 
     def _pipelinerl_group(self) -> WeightGroup:
         if self._pipelinerl_weight_group is None:
@@ -244,10 +254,7 @@ class WeightReceiverExtension:
         if staging is None:
             return False
         group = self._pipelinerl_group()
-        self._pipelinerl_transfer = Transfer(
-            lambda: self._pipelinerl_load_in_place(staging.model, staging.packed, group.receive_buckets(buckets)),
-            group.device,
-        )
+        self._pipelinerl_transfer = Transfer(lambda: self._pipelinerl_stage(staging, group, buckets), group.device)
         return True
 
     def staged_weights_ready(self) -> str | None:
