@@ -290,7 +290,6 @@ class WeightGroup:
         # mmap untouched and would be page-faulted in on every update (bench/README.md,
         # benchmark 2). Each holds the largest bucket; a bucket is a dtype view of one.
         self._receive_buffers: list[torch.Tensor] = []
-        self.failed = False  # a collective of this group raised: close() aborts it
 
     @classmethod
     def form(
@@ -385,7 +384,6 @@ class WeightGroup:
         try:
             self.pg.allgather([shown], [mine]).wait()
         except RuntimeError as e:
-            self.failed = True
             self.close()
             raise WeightSyncTimeout(
                 f"weight group {group_id}: authentication failed or timed out after {self.timeout_s:g} s: {e}"
@@ -414,7 +412,6 @@ class WeightGroup:
             ahead = meanwhile() if meanwhile is not None else None
             work.wait()
         except RuntimeError as e:  # gloo, and NCCL with blocking wait, raise on a timeout or a lost peer
-            self.failed = True
             peers = f"{self.world_size - 1} generators" if self.rank == 0 else "trainer"
             elapsed = time.monotonic() - t0
             # Say which happened: nobody answered in time, or a peer's connection closed early.
@@ -483,15 +480,16 @@ class WeightGroup:
             ring.clear()  # freed before the new ones are allocated
             ring.extend(torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(slots))
 
-    def close(self, in_flight: bool = False) -> None:
-        """Release the group. One that may hold a collective that will never complete is aborted,
-        not shut down (NCCL's shutdown waits for the communicator's kernels to finish): one whose
-        collective failed, or, `in_flight`, one that another thread is still receiving from (a
-        transfer given up on: aborted, its wait raises, as a lost peer's would)."""
+    def close(self) -> None:
+        """Release the group: aborted, never shut down. NCCL's shutdown flushes the communicator
+        (ncclCommFinalize, then ncclCommDestroy), which waits for its peers: a group closed because
+        a member was lost (a new epoch, a failed broadcast) would hold the caller there, an engine
+        core's thread until its call is given up on. Abort ends at once, and ends a collective
+        another thread still waits in (a transfer given up on: its wait raises, as a lost peer's
+        would). A process group without `abort` is shut down."""
         pg, self.pg = self.pg, None  # type: ignore[assignment]
         if pg is not None:
-            abort = self.failed or in_flight
-            ending = getattr(pg, "abort" if abort else "shutdown", None) or getattr(pg, "shutdown", None)
+            ending = getattr(pg, "abort", None) or getattr(pg, "shutdown", None)
             if ending is not None:
                 try:
                     ending()

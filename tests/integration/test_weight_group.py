@@ -539,7 +539,7 @@ def _abandoning_member(port, backend, timeout_s, out_q, ready):
         thread.start()
         time.sleep(1.0)
         t0 = time.monotonic()
-        group.close(in_flight=True)
+        group.close()
         closed_s = time.monotonic() - t0
         thread.join(timeout_s + 30)
         out_q.put(("ok", closed_s, time.monotonic() - t0, thread.is_alive(), raised))

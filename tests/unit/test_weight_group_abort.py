@@ -17,7 +17,7 @@ def test_a_wait_that_returns_after_its_group_was_closed_raises():
 
     class Work:
         def wait(self) -> bool:
-            group.close(in_flight=True)  # the other thread's close, while this one waits
+            group.close()  # the other thread's close, while this one waits
             return True
 
     class AbortedNccl:  # a stand-in for NCCL's process group (no GPU here)
@@ -37,3 +37,21 @@ def test_a_wait_that_returns_after_its_group_was_closed_raises():
     assert pg.aborted
     with pytest.raises(WeightSyncTimeout, match="closed before"):
         group._broadcast(torch.zeros(4), "bucket 2/2")
+
+
+def test_a_group_is_closed_by_abort_never_by_a_shutdown_that_waits_for_its_peers():
+    """NCCL's shutdown flushes the communicator (ncclCommFinalize, ncclCommDestroy) and waits for
+    its peers: a healthy group closed as a member was lost (a new epoch) would hold the closing
+    engine core there. Every close aborts. Before, a group whose collectives had all succeeded was
+    shut down."""
+    calls: list[str] = []
+
+    class Nccl:  # a stand-in for NCCL's process group (no GPU here)
+        def abort(self):
+            calls.append("abort")
+
+        def shutdown(self):
+            calls.append("shutdown")
+
+    WeightGroup(None, Nccl(), 1, 2, 5.0, "gloo").close()  # type: ignore[arg-type]
+    assert calls == ["abort"]

@@ -120,8 +120,7 @@ class WeightReceiverExtension:
         # (self.rank == i) takes rank + i. Every worker receives full tensors:
         # vLLM's loaders shard them. With NCCL, on this worker's GPU (vLLM has set it).
         if self._pipelinerl_weight_group is not None:
-            transfer = self._pipelinerl_transfer
-            self._pipelinerl_weight_group.close(in_flight=transfer is not None and transfer.thread.is_alive())
+            self._pipelinerl_weight_group.close()  # a transfer still receiving from it raises
             self._pipelinerl_weight_group = None
         self._pipelinerl_invitation = None
         if self._pipelinerl_joining is not None:  # given up on: it ends at its own timeouts
