@@ -445,6 +445,40 @@ def _add_immutable(schema: dict[str, Any], path: str) -> None:
         _add_rule(above, rule, message)
 
 
+def _free(**properties: dict[str, Any]) -> dict[str, Any]:
+    """A free-form object (its unknown fields kept) that declares `properties`: the API server's
+    CEL sees only declared fields of an object, and refuses a CRD whose rule reads another."""
+    node: dict[str, Any] = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    return node | {"properties": properties} if properties else node
+
+
+def _list() -> dict[str, Any]:
+    return {"type": "array", "items": _free()}
+
+
+def pod_template_read() -> dict[str, Any]:
+    """The fields of a pod template the rules read, with their types in Kubernetes' PodSpec."""
+    ids = {f: {"type": "integer"} for f in ("runAsUser", "runAsGroup", "fsGroup")}
+    return _free(
+        spec=_free(
+            hostNetwork={"type": "boolean"},
+            hostPID={"type": "boolean"},
+            hostIPC={"type": "boolean"},
+            nodeName={"type": "string"},
+            runtimeClassName={"type": "string"},
+            shareProcessNamespace={"type": "boolean"},
+            hostAliases=_list(),
+            dnsConfig=_free(),
+            dnsPolicy={"type": "string"},
+            resourceClaims=_list(),
+            overhead=_free(),
+            priorityClassName={"type": "string"},
+            schedulerName={"type": "string"},
+            securityContext=_free(**ids),
+        )
+    )
+
+
 def spec_schema() -> dict[str, Any]:
     schema = model_schema(JobSpec)
     for path, rule, message in SPEC_RULES:
@@ -458,6 +492,7 @@ def spec_schema() -> dict[str, Any]:
             _add_rule(env["items"], *item_rule)
         _add_rule(env["items"]["properties"]["valueFrom"], *VALUE_FROM_RULE)
         _add_rule(_node(schema, f"{role}.resources"), *RESOURCES_RULE)
+        _node(schema, f"{role}.podTemplate")["properties"] = pod_template_read()["properties"]
         _add_rule(_node(schema, f"{role}.podTemplate"), *HOST_NAMESPACES_RULE)
         _add_rule(env["items"], *ENV_DEVICE_RULE)
         _add_rule(env["items"], *ENV_INSTALL_SECRET_RULE)
@@ -465,6 +500,7 @@ def spec_schema() -> dict[str, Any]:
             _add_rule(_node(schema, f"{role}.podTemplate"), *pod_rule)
     _add_rule(_node(schema, "output"), *OUTPUT_CLAIM_RULE)
     _add_rule(_node(schema, "scheduling"), *PRIORITY_RULE)
+    _node(schema, "network.egress")["items"]["properties"] = {"to": _list(), "ports": _list()}  # a NetworkPolicy's
     for egress_rule in EGRESS_RULES:
         _add_rule(_node(schema, "network.egress"), *egress_rule)
     return schema

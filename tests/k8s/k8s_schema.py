@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from typing import Any
 
 import celpy
@@ -42,7 +43,7 @@ def to_jsonschema(node: Any) -> Any:
     out = {k: to_jsonschema(v) for k, v in node.items() if not k.startswith("x-kubernetes") and k != "nullable"}
     if node.get("nullable") and "type" in node:
         out["type"] = [node["type"], "null"]
-    if node.get("x-kubernetes-preserve-unknown-fields") and "properties" not in node:
+    if node.get("x-kubernetes-preserve-unknown-fields"):  # its declared fields typed, the rest kept
         out.pop("additionalProperties", None)
     elif node.get("type") == "object" and "properties" in node:
         out["additionalProperties"] = False  # the server would prune; we want to hear about typos
@@ -52,6 +53,52 @@ def to_jsonschema(node: Any) -> Any:
 def schema_errors(schema: dict[str, Any], obj: Any) -> list[str]:
     validator = jsonschema.Draft4Validator(to_jsonschema(schema))
     return sorted(f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj))
+
+
+_STRING = re.compile(r"'(?:[^'\\]|\\.)*'")
+_ITERATION = re.compile(r"\b((?:self|oldSelf|[a-z])(?:\.\w+)*)\.(?:all|exists_one|exists|filter|map)\((\w+),")
+_ACCESS = re.compile(r"\b(self|oldSelf|[a-z])(?=\.)((?:\.[A-Za-z_]\w*)+)(\s*\()?")
+
+
+def undeclared_fields(node: dict[str, Any], rule: str, root: bool = False) -> list[str]:
+    """The fields `rule` (on schema `node`) reads that the schema does not declare. The API
+    server types a rule by the schema when the CRD is written: an object without declared
+    properties (free-form, x-kubernetes-preserve-unknown-fields) has no field CEL may select, and
+    the CRD is refused ("compilation failed: undefined field"). cel-python, untyped, runs them."""
+    text = _STRING.sub("''", rule)
+    scope: dict[str, dict[str, Any] | None] = {"self": node, "oldSelf": node}
+    for m in _ITERATION.finditer(text):
+        base, *names = m.group(1).split(".")
+        target, _ = _select(scope.get(base), names, root and base in ("self", "oldSelf"))
+        if target is not None:  # an array's items; a map's keys (strings)
+            scope[m.group(2)] = target.get("items") if target.get("type") == "array" else {"type": "string"}
+    missing = []
+    for m in _ACCESS.finditer(text):
+        base, chain, call = m.groups()
+        names = chain[1:].split(".")[: -1 if call else None]  # a method's name is no field
+        if base in scope and names:
+            _, bad = _select(scope[base], names, root and base in ("self", "oldSelf"))
+            if bad:
+                missing.append(f"{base}.{bad}")
+    return missing
+
+
+def _select(node: dict[str, Any] | None, names: list[str], root: bool) -> tuple[dict[str, Any] | None, str]:
+    """The schema node `names` select from `node`, or where the selection fails."""
+    for i, name in enumerate(names):
+        if node is None:
+            return None, ""
+        if root and i == 0 and name == "metadata":  # the server declares metadata.name and generateName
+            ok = len(names) == 1 or names[1] in ("name", "generateName")
+            return None, "" if ok else ".".join(names[:2])
+        props = node.get("properties") or {}
+        if name in props:
+            node = props[name]
+        elif isinstance(node.get("additionalProperties"), dict):  # a map: its values
+            node = node["additionalProperties"]
+        else:
+            return None, ".".join(names[: i + 1])
+    return node, ""
 
 
 @functools.cache

@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from k8s_schema import program, admit, all_rules, apply_defaults
+from k8s_schema import program, admit, all_rules, apply_defaults, undeclared_fields
 from pipelinerl.crd import crd_manifest, crd_yaml
 from pipelinerl.spec import JobSpec, parse_job
 
@@ -85,6 +85,32 @@ def test_every_cel_rule_compiles() -> None:
     assert len(rules) >= 20
     for _, rule, _ in rules:
         program(rule)
+
+
+def test_every_field_a_cel_rule_reads_is_declared_in_the_schema() -> None:
+    """The API server types each rule by the schema as the CRD is written, and refuses the CRD
+    where a rule reads a field the schema does not declare (a free-form object's, kept with
+    x-kubernetes-preserve-unknown-fields, has none): before, the podTemplate and egress rules read
+    such fields, and the CRD could not be installed."""
+
+    def walk(node: dict[str, Any], path: str) -> list[str]:
+        found = [
+            f"{path or '<root>'}: {field} in {r['rule'][:80]!r}"
+            for r in node.get("x-kubernetes-validations", [])
+            for field in undeclared_fields(node, r["rule"], root=node is SCHEMA)
+        ]
+        for key, sub in node.get("properties", {}).items():
+            found += walk(sub, f"{path}.{key}" if path else key)
+        if "items" in node:
+            found += walk(node["items"], f"{path}[]")
+        return found
+
+    assert walk(SCHEMA, "") == []
+    # The check itself: it finds what a free-form object hides, and follows macros' variables.
+    free = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    assert undeclared_fields(free, "!has(self.spec) || self.spec.x") == ["self.spec", "self.spec"]
+    listed = {"type": "array", "items": {"type": "object", "properties": {"to": {"type": "array"}}}}
+    assert undeclared_fields(listed, "self.all(r, has(r.to) && has(r.ports))") == ["r.ports"]
 
 
 def test_printer_columns_with_kubectl_jsonpath(tmp_path: Path) -> None:
