@@ -115,8 +115,10 @@ async def run(
         apply_error, held, kept, made = await _reserve_and_apply(
             kube, store, jobs, body, ref, job, previous, children, cfg, logger
         )
-        roles = await _observe_roles(kube, ns, job, name)
-        pods = await kube.list("v1", "Pod", ns, f"{JOB_LABEL}={name}")
+        sets = await _owned_statefulsets(kube, ns, name, ref.uid)
+        roles = _observe_roles(job, sets)
+        uids = {sts["metadata"].get("uid") for sts in sets.values()}
+        pods = [p for p in await kube.list("v1", "Pod", ns, f"{JOB_LABEL}={name}") if not _foreign_pod(p, uids)]
         await _restart_trainer_gang(kube, body, job, pods, roles)
         now = datetime.now(timezone.utc)
         status, events = compute(
@@ -305,10 +307,30 @@ def job_streams(body: kopf.Body, cfg: OperatorConfig, logger: logging.Logger | l
     return JobStreams(body, cfg, lambda type_, reason, message: event(body, type_, reason, message), logger)
 
 
-async def _observe_roles(kube: Kube, ns: str, job: Any, name: str) -> dict[str, RoleObserved]:
+async def _owned_statefulsets(kube: Kube, ns: str, name: str, uid: str) -> dict[str, dict[str, Any]]:
+    """The job's role StatefulSets, by role; one of the name it does not own (an earlier job's,
+    left behind; the pass refuses to apply over it) is not the job's to observe: its pods' state,
+    restarts and trainer would be read as the job's."""
+    sets = {}
+    for role in ROLES:
+        sts = await kube.get("apps/v1", "StatefulSet", ns, role_name(name, role))
+        if sts is not None and owned_by(sts, uid):
+            sets[role] = sts
+    return sets
+
+
+def _foreign_pod(pod: dict[str, Any], statefulsets: set[str]) -> bool:
+    """A pod of the job's labels that a StatefulSet other than the job's own controls."""
+    refs = pod["metadata"].get("ownerReferences") or []
+    return any(
+        r.get("controller") and r.get("kind") == "StatefulSet" and r.get("uid") not in statefulsets for r in refs
+    )
+
+
+def _observe_roles(job: Any, sets: dict[str, dict[str, Any]]) -> dict[str, RoleObserved]:
     roles = {}
     for role in ROLES:
-        sts = await kube.get("apps/v1", "StatefulSet", ns, role_name(name, role)) or {}
+        sts = sets.get(role) or {}
         st = sts.get("status") or {}
         desired = replicas(job, role) if job is not None else int((sts.get("spec") or {}).get("replicas", 0))
         roles[role] = RoleObserved(

@@ -195,6 +195,55 @@ async def test_an_object_the_job_does_not_own_is_never_taken_over(cluster) -> No
         assert not obj(emulator, "v1/serviceaccounts", "demo-pipelinerl").get("metadata", {}).get("ownerReferences")
 
 
+async def test_a_statefulset_of_its_name_the_job_does_not_own_is_not_observed_as_its_own(cluster) -> None:
+    """An earlier job's trainer StatefulSet left behind (its deletion failed), its pod restarting
+    and its trainer finished: the new job of that name refuses to apply over it, and reads none of
+    it as its own. Before, its restarts counted against the new job's backoffLimit and the old
+    trainer's `finished` could make the new job Succeeded."""
+    emulator, api, trainer = cluster
+    trainer.reports["demo"] = {"step": 100, "version": 100, "finished": True, "weightSyncReady": True}
+    earlier = [{"apiVersion": "pipelinerl.dev/v1alpha1", "kind": "PipelineRLJob", "name": "demo", "uid": "earlier"}]
+    theirs = {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": {
+            "name": "demo-prl-trainer",
+            "namespace": NS,
+            "ownerReferences": [earlier[0] | {"controller": True}],
+        },
+        "spec": {"replicas": 1},
+    }
+    await api.create(f"/apis/apps/v1/namespaces/{NS}/statefulsets", theirs)
+    await api.set_sts_status("demo-prl-trainer", 1, 1)
+    sts_uid = obj(emulator, STS, "demo-prl-trainer")["metadata"]["uid"]
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "demo-prl-trainer-0",
+            "namespace": NS,
+            "labels": {"pipelinerl.dev/job": "demo", "pipelinerl.dev/role": "trainer"},
+            "ownerReferences": [
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "StatefulSet",
+                    "name": "demo-prl-trainer",
+                    "uid": sts_uid,
+                    "controller": True,
+                }
+            ],
+        },
+        "status": {"containerStatuses": [{"name": "trainer", "restartCount": 50}]},
+    }
+    await api.create(f"/api/v1/namespaces/{NS}/pods", pod)
+    async with running_operator(str(emulator.url)):
+        await api.create_job(manifest())
+        await eventually(lambda: condition(emulator, "Ready").get("reason") == "ApplyRefused", what="ApplyRefused")
+        assert "StatefulSet demo-prl-trainer already exists" in condition(emulator, "Ready")["message"]
+        await asyncio.sleep(2)  # several passes
+        assert status(emulator).get("phase") not in ("Succeeded", "Failed") and not status(emulator).get("failures")
+
+
 async def test_a_trainer_volume_an_earlier_job_of_its_name_kept_is_never_mounted(cluster) -> None:
     """A claim named as the trainer's first pod's (`run-<statefulset>-0`) made before the job, as
     one an earlier job of the name left (runPolicy.checkpointRetention): no StatefulSet is made
