@@ -139,11 +139,16 @@ class Tensorboard:
 
 
 def write_whole(path: Path, data: object, indent: int | None = None) -> None:
-    """`data` as JSON at `path`, whole or not at all: a kill or a full disk mid-write would leave
-    a file no restart could read (nor a reader a half-written one)."""
+    """`data` as JSON at `path`, whole or not at all (`write_text_whole`)."""
+    write_text_whole(path, json.dumps(data, indent=indent))
+
+
+def write_text_whole(path: Path, text: str) -> None:
+    """`text` at `path`, whole or not at all: a kill or a full disk mid-write would leave a file
+    no restart could read (nor a reader a half-written one)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(json.dumps(data, indent=indent))
+        tmp.write_text(text)
     except OSError:
         tmp.unlink(missing_ok=True)  # no half-written file left beside the whole one
         raise

@@ -50,14 +50,20 @@ def _stored_batches(run: Path, job: PipelineRLJob) -> list[MicroBatch]:
     """The micro-batches a finished local run's store still holds (its nats-server started
     again on the run's store)."""
     from pipelinerl_cli.embedded_nats import EmbeddedNats
+    from pipelinerl_cli.local import lock_run_dir
 
     if not (run / "nats").is_dir():
         return []
-    server = EmbeddedNats.of_job(run / "nats", job.spec).start()
+    # A run still going: a second nats-server on its store would run beside its own.
+    lock = lock_run_dir(run, "wait for it to end, or --calibrate-from its NATS (its URL is in services.json)")
     try:
-        return asyncio.run(_read(server.url, job))[1]
+        server = EmbeddedNats.of_job(run / "nats", job.spec).start()
+        try:
+            return asyncio.run(_read(server.url, job))[1]
+        finally:
+            server.stop()
     finally:
-        server.stop()
+        lock.close()
 
 
 def calibration_from_run(source: str, job: PipelineRLJob, base: str | None = None) -> tuple[Calibration, str]:

@@ -38,7 +38,7 @@ from pipelinerl.spec import PipelineRLJob, SpecError, dump_job
 from pipelinerl.streams import close, connect
 from pipelinerl.store import ensure_streams
 from pipelinerl.tiny_model import model_info, model_path_problem, resolve_model_path
-from pipelinerl.tracking import write_whole
+from pipelinerl.tracking import write_text_whole, write_whole
 from pipelinerl_cli.supervisor import (
     CANNOT_RUN,
     Cores,
@@ -121,8 +121,8 @@ class LocalRun:
 
     # -- processes -------------------------------------------------------------------------
     def start_services(self, nats_url: str) -> None:
-        job_file = self.run_dir / "job.yaml"
-        job_file.write_text(dump_job(self.job))
+        job_file = self.run_dir / "job.yaml"  # what a resumed run is started from: never left torn
+        write_text_whole(job_file, dump_job(self.job))
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
         gens, trainers = self.spec.generator_engines, self.spec.trainer_ranks
@@ -332,6 +332,10 @@ class LocalRun:
         if row.timestamp < self.t0:  # an earlier runner's, published as it stopped: in the file alone
             return
         if row.kind == "train":
+            # A trainer restarted from its checkpoint trains the steps after it again: each step's
+            # newest row counts (the summary's samples, drops and lags once, its clock the run's).
+            while self.train and self.train[-1]["step"] >= record["step"]:
+                self.train.pop()
             self.train.append(record)
         elif row.kind == "eval":
             self.evals.append(record)

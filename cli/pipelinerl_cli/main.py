@@ -193,12 +193,17 @@ def _on_job_store(args: argparse.Namespace, job: PipelineRLJob, client: str, cal
     the local run in `--run-dir`, its nats-server started here for the call."""
     import asyncio
 
+    import nats.errors
+
     from pipelinerl.contracts import Env
     from pipelinerl.streams import close, connect
 
     async def run(url: str) -> Any:
         login = os.environ.get(Env.NATS_USER), os.environ.get(Env.NATS_PASSWORD)
-        nc = await connect(url, client, *login, reconnect=False)
+        try:
+            nc = await connect(url, client, *login, reconnect=False)
+        except (OSError, TimeoutError, nats.errors.Error) as err:
+            raise SpecError(f"--nats {url}: cannot reach NATS ({type(err).__name__}: {err})") from None
         try:
             return await call(nc.jetstream())
         finally:
@@ -466,3 +471,6 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a path given that cannot be used (--run-dir naming a file, no permission)
+        print(f"error: {err}", file=sys.stderr)
+        return 1

@@ -131,7 +131,10 @@ def test_a_second_run_in_a_folder_in_use_is_refused_before_it_starts_anything(tm
         assert not (run_dir / "nats").exists()
         (run_dir / "nats").mkdir()  # a command opening the run's store is told to ask its NATS
         assert cli(["dead-letters", manifest(tmp_path), "--run-dir", str(run_dir)]) == 2
-    assert "ask its NATS instead: --nats" in capsys.readouterr().err
+        assert "ask its NATS instead: --nats" in capsys.readouterr().err
+        (run_dir / "metrics.jsonl").write_text("")  # ... and so is a calibration from it
+        assert cli(["plan", manifest(tmp_path), "--gpus", "2", "--calibrate-from", str(run_dir)]) == 2
+        assert "or --calibrate-from its NATS" in capsys.readouterr().err
 
 
 def test_a_runs_services_hold_its_folder_until_the_last_has_ended(tmp_path):
@@ -152,3 +155,22 @@ def test_a_runs_services_hold_its_folder_until_the_last_has_ended(tmp_path):
         lock_run_dir(tmp_path, "")
     assert service.proc.wait(timeout=60) != 0
     lock_run_dir(tmp_path, "").close()  # free once it has ended
+
+
+def test_a_nats_that_is_not_there_and_a_run_folder_that_is_a_file_are_errors_not_tracebacks(tmp_path, capsys):
+    """`--nats` at an address nobody serves fails at once, naming it (before: nats-py tried it for
+    the whole first-connection bound, a minute, then a traceback); a `--run-dir` naming a file is
+    an error naming it."""
+    import time
+
+    from pipelinerl.ports import free_port
+
+    url = f"nats://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    assert cli(["dead-letters", manifest(tmp_path), "--nats", url]) == 2
+    assert time.monotonic() - t0 < 10
+    assert f"error: --nats {url}: cannot reach NATS" in capsys.readouterr().err
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    assert cli(["run", manifest(tmp_path), "--run-dir", str(taken)]) == 1
+    assert f"error: [Errno 17] File exists: '{taken}'" in capsys.readouterr().err

@@ -250,3 +250,14 @@ def test_a_rejected_sample_is_packed_but_counted_neither_trained_nor_in_the_rewa
     metrics = tally.metrics()
     assert (metrics["samples"], metrics["samples_rejected"], metrics["tokens"]) == (1, 1, 2)
     assert metrics["reward_trained"] == 0.25
+
+
+def test_steps_a_restarted_trainer_trains_again_count_once(tmp_path):
+    """The trainer killed past its step-2 checkpoint trains steps 3 and 4 again: the summary
+    counts each step's newest row (before, samples and drops of steps 3-4 counted twice)."""
+    run = LocalRun(load_job(EXAMPLE), tmp_path, quiet=True)
+    for step, t, dropped in [(1, 1, 0), (2, 2, 0), (3, 3, 5), (4, 4, 5), (3, 8, 1), (4, 9, 1), (5, 10, 0)]:
+        values = {"step": step, "samples": 16, "dropped_for_lag": dropped}
+        run.take_metric(m.Metrics(source="trainer", kind="train", values=values, timestamp=run.t0 + t))
+    assert [(r["step"], r["time"]) for r in run.train] == [(1, 1), (2, 2), (3, 8), (4, 9), (5, 10)]
+    assert sum(r["dropped_for_lag"] for r in run.train) == 2
