@@ -69,6 +69,14 @@ def send(group, tensors, buckets, in_host=False, snapshot=None):
     return snapshot
 
 
+def reap(procs) -> None:
+    """Member processes ended: joined, or killed after 10 s."""
+    for p in procs:
+        p.join(10)
+        if p.is_alive():
+            p.kill()
+
+
 def names(buckets):
     return [[t["name"] for t in b["tensors"]] for b in buckets]
 
@@ -249,10 +257,7 @@ def test_a_members_loader_error_keeps_the_broadcast_going_for_the_others(port):
         results = dict((r[0], r[1:]) for r in (out_q.get(timeout=60) for _ in procs))
         sender.close()
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+        reap(procs)
     assert max(sent) < 5.0, sent  # not the group's 10 s timeout
     assert results[1] == ('ValueError("the loader\'s own error")', sorted(tensors))
     status, got = results[2]
@@ -302,10 +307,7 @@ def test_broadcast_round_trips_to_two_receivers_are_exact(port, in_host):
             results[rank] = torch.load(io.BytesIO(got))
         sender.close()
     finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+        reap(procs)
     assert sorted(results) == [1, 2]
     for first, again in results.values():
         for got, sent in ((first, tensors), (again, second)):
@@ -347,10 +349,7 @@ def test_a_member_without_the_job_token_is_refused_before_any_weights_move(port)
         assert all(torch.equal(got[n], t) for got in torch.load(io.BytesIO(blob)) for n, t in tensors.items())
         group.close()
     finally:
-        for p in (intruder, member):
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+        reap([intruder, member])
 
 
 def test_the_join_window_is_half_a_minute_and_never_longer_than_the_members_wait():
