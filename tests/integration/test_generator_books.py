@@ -135,6 +135,22 @@ async def test_a_restart_draws_first_the_block_and_groups_its_predecessor_held(n
     await second.nc.close()
 
 
+async def test_groups_published_together_each_let_their_problem_go(nats_server, tmp_path):
+    """Six groups of a block finishing at once: each takes its index off what the others left, so
+    the record holds none of them after (before, one computed from what it read while another
+    wrote put that one's index back: its restart drew a published problem again, and the
+    duplicate's books stalled its admission)."""
+    job = parse_job(
+        {"metadata": {"name": "together"}, "spec": {"rl": {"attempts": 2}, "trainer": {"samplesPerStep": 12}}}
+    )
+    gen = await incarnation(nats_server, tmp_path, job)
+    drawn = [await gen._next_problem() for _ in range(6)]
+    assert gen.held == [(0, 6)] and drawn == list(range(6))
+    await asyncio.gather(*(gen._publish(group(i, [1, 0]), gen.admission.on_start(), i) for i in drawn))
+    assert gen.held == [] and await held_problems(gen.js, job.subjects, 1) == []
+    await gen.nc.close()
+
+
 async def test_a_problem_drawn_again_in_a_later_epoch_is_a_group_of_its_own(nats_server, tmp_path):
     """A dataset's rows come back with each epoch, under the same problem id: their groups are told
     apart by the claimed index (`group_id`), so JetStream never drops a later epoch's group as a

@@ -20,6 +20,7 @@ import asyncio
 import collections
 import logging
 import time
+from collections.abc import Callable
 
 from nats.js.api import DeliverPolicy
 
@@ -199,19 +200,22 @@ class Generator:
         made to go on from a checkpoint (`claims`)."""
         if not self.problems:
             taken = await claim_problems(self.js, self.subjects, max(1, self.admission.share))
-            await self._hold(with_indices(self.held, taken))
+            await self._hold(lambda held: with_indices(held, taken))
             self.problems.extend(taken)
         return self.problems.popleft()
 
-    async def _hold(self, held: list[Range]) -> None:
+    async def _hold(self, change: Callable[[list[Range]], list[Range]]) -> None:
+        """Record what this rank holds after `change`, made under the lock: groups finishing
+        together each take their index off what the other left (one computed from what it read
+        before the other's write would put that index back, and a restart would draw it twice)."""
         async with self.holding:
-            self.held = held
-            await hold_problems(self.js, self.subjects, self.env.rank, held)
+            self.held = change(self.held)
+            await hold_problems(self.js, self.subjects, self.env.rank, self.held)
 
     async def _let_go(self, index: int) -> None:
         """Before its group is published (or it is skipped): a restart draws it again only if
         its group was never published, never a second time."""
-        await self._hold(without_index(self.held, index))
+        await self._hold(lambda held: without_index(held, index))
 
     async def _group(self, index: int, started_at: int) -> None:
         INFLIGHT.inc()
