@@ -252,6 +252,14 @@ class TrainerSpec(RoleSpec):
         ),
     )
 
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _stage_not_a_bool(cls, value: Any) -> Any:
+        # A literal matches by equality: true would be stage 1 here, and the CRD (an integer) refuses it.
+        if isinstance(value, bool):
+            raise ValueError("a ZeRO stage is 0, 1, 2 or 3, not a boolean")
+        return value
+
     @model_validator(mode="after")
     def _warmup_within_run(self) -> TrainerSpec:
         if self.warmup_steps > self.max_steps:

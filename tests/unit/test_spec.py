@@ -51,6 +51,7 @@ def test_conventional_k_steps_per_generation():
         ({"trainr": {}}, r"spec\.trainr: unknown field"),
         ({"generator": {"env": [{"name": "RANK", "value": "3"}]}}, r"env name 'RANK' is reserved"),
         ({"generator": {"sampling": {"temperature": 0}}}, r"temperature: Input should be greater than 0"),
+        ({"trainer": {"zeroStage": True}}, r"spec\.trainer\.zeroStage: a ZeRO stage is 0, 1, 2 or 3, not a boolean"),
     ],
 )
 def test_errors_name_the_field(spec, message):
