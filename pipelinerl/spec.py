@@ -234,6 +234,12 @@ def _dns_subdomain(text: str) -> bool:
     return len(text) <= 253 and re.fullmatch(DNS_SUBDOMAIN, text) is not None
 
 
+OBJECT_META_FIELDS = frozenset(
+    "name generateName namespace selfLink uid resourceVersion generation creationTimestamp deletionTimestamp "
+    "deletionGracePeriodSeconds labels annotations ownerReferences finalizers managedFields".split()
+)  # metav1.ObjectMeta's
+
+
 class ObjectMeta(NullsPruned):
     # Objects read back from the API server carry uid, resourceVersion, ...: keep what we use.
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -241,6 +247,17 @@ class ObjectMeta(NullsPruned):
     namespace: str | None = None
     labels: dict[str, str] = Field(default_factory=dict)
     annotations: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_fields(cls, data: Any) -> Any:
+        # kubectl's strict field validation (its default) refuses a field ObjectMeta does not have.
+        if isinstance(data, dict):
+            for key in data:
+                if key not in OBJECT_META_FIELDS:
+                    close = closest(str(key), sorted(OBJECT_META_FIELDS))
+                    raise ValueError(f"{key}: unknown field" + (f" (did you mean {close}?)" if close else ""))
+        return data
 
     @model_validator(mode="before")
     @classmethod

@@ -75,6 +75,10 @@ def test_bad_metadata_and_kind():
         with pytest.raises(SpecError, match=rf"metadata\.labels: .*{fault}"):
             parse_job({"metadata": {"name": "x", "labels": labels}})
     assert parse_job({"metadata": {"name": "x", "labels": {"example.com/team": "ml-1", "t": ""}}})
+    # a field ObjectMeta does not have (kubectl's strict field validation refuses it); the server's own are read
+    with pytest.raises(SpecError, match=r"metadata: lables: unknown field \(did you mean labels\?\)"):
+        parse_job({"metadata": {"name": "x", "lables": {"team": "a"}}})
+    assert parse_job({"metadata": {"name": "x", "uid": "u", "resourceVersion": "7", "managedFields": []}})
     # generateName alone (kubectl create): named as the API server names it, 5 characters added
     named = parse_job({"metadata": {"generateName": "job-"}}).metadata.name
     assert named.startswith("job-") and len(named) == 9
