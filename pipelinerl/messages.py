@@ -169,12 +169,13 @@ class GeneratorHello(Message):
     version: int  # of the weights it holds; -1: none yet (it generates nothing until it gets some)
     queued: int = 0  # groups started and neither consumed nor discarded (`Admission.queued`)
     oldest: int | None = None  # weights version of its oldest group still generating; None: none runs
-    # How long (its awake seconds) the weight update it is applying has run; 0: none.
+    # How long (its awake seconds) its engine has not answered: the weight update it is applying,
+    # or a liveness check; 0: neither is under way.
     busy_seconds: float = 0.0
 
     def stuck(self, deadline_s: float) -> bool:
-        """Still in an update past its deadline (weightSync.timeoutSeconds): its engine does not
-        answer. The trainer invites it to no new epoch, its peers' admission counts it gone."""
+        """Its engine has not answered for longer than an update's deadline (weightSync.timeoutSeconds).
+        The trainer invites it to no new epoch, its peers' admission counts it gone."""
         return self.busy_seconds > deadline_s
 
 

@@ -137,7 +137,7 @@ async def connect(
             connect_timeout=timeout_s,
             flush_timeout=timeout_s,
             reconnect_time_wait=reconnect_wait_s,
-            max_reconnect_attempts=-1 if reconnect else 1,  # nats-py gives a server up only past a count > 0
+            max_reconnect_attempts=-1 if reconnect else 0,
             allow_reconnect=reconnect,
             pending_size=PENDING_BYTES,
             error_cb=_err,

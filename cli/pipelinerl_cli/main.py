@@ -186,6 +186,9 @@ def _job_in(args: argparse.Namespace) -> PipelineRLJob:
     return job
 
 
+NATS_CONNECT_S = 10.0  # a one-off command's wait for the --nats server
+
+
 def _on_job_store(args: argparse.Namespace, job: PipelineRLJob, client: str, call: Any) -> Any:
     """`call(js)` on the job's JetStream: at `--nats URL`, logged in as the job's pods are (on the
     chart's NATS every job has its own account: PIPELINERL_NATS_USER and PIPELINERL_NATS_PASSWORD,
@@ -200,10 +203,10 @@ def _on_job_store(args: argparse.Namespace, job: PipelineRLJob, client: str, cal
 
     async def run(url: str) -> Any:
         login = os.environ.get(Env.NATS_USER), os.environ.get(Env.NATS_PASSWORD)
-        try:
-            nc = await connect(url, client, *login, reconnect=False)
+        try:  # nats-py tries a server that is not there for as long as it is let
+            nc = await asyncio.wait_for(connect(url, client, *login, reconnect=False), NATS_CONNECT_S)
         except (OSError, TimeoutError, nats.errors.Error) as err:
-            raise SpecError(f"--nats {url}: cannot reach NATS ({type(err).__name__}: {err})") from None
+            raise SpecError(f"--nats {url}: cannot reach NATS within {NATS_CONNECT_S:g} s ({err!r})") from None
         try:
             return await call(nc.jetstream())
         finally:

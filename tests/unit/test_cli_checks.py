@@ -158,9 +158,9 @@ def test_a_runs_services_hold_its_folder_until_the_last_has_ended(tmp_path):
 
 
 def test_a_nats_that_is_not_there_and_a_run_folder_that_is_a_file_are_errors_not_tracebacks(tmp_path, capsys):
-    """`--nats` at an address nobody serves fails at once, naming it (before: nats-py tried it for
-    the whole first-connection bound, a minute, then a traceback); a `--run-dir` naming a file is
-    an error naming it."""
+    """`--nats` at an address nobody serves fails within NATS_CONNECT_S, naming it (before: nats-py
+    tried it for the whole first-connection bound, a minute, then a traceback); a `--run-dir`
+    naming a file is an error naming it."""
     import time
 
     from pipelinerl.ports import free_port
@@ -168,7 +168,7 @@ def test_a_nats_that_is_not_there_and_a_run_folder_that_is_a_file_are_errors_not
     url = f"nats://127.0.0.1:{free_port()}"
     t0 = time.monotonic()
     assert cli(["dead-letters", manifest(tmp_path), "--nats", url]) == 2
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 20
     assert f"error: --nats {url}: cannot reach NATS" in capsys.readouterr().err
     taken = tmp_path / "a-file"
     taken.write_text("")

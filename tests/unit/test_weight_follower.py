@@ -58,3 +58,29 @@ async def test_a_join_that_succeeds_takes_the_epoch_and_its_rank():
     f = follower(engine)
     assert await f._join(update(f)) is True and f.group == "epoch-1"
     assert engine.joined[0][2:4] == ("epoch-1", 1)  # rank 1: the trainer holds 0
+
+
+async def test_an_engine_that_does_not_answer_a_liveness_check_is_busy_and_past_the_deadline_stuck():
+    """A core stalled between updates: its unanswered liveness check counts as busy, so its
+    hellos say it is stuck past weightSync.timeoutSeconds, as one stalled in an update (before,
+    only an update counted: its groups in flight held its peers' admission until it gave up)."""
+    import asyncio
+
+    class Stalled:
+        answer = asyncio.Event()
+
+        async def check_alive(self) -> None:
+            await self.answer.wait()
+
+    engine = Stalled()
+    f = follower(engine)
+    assert f.busy_seconds() == 0.0
+    check = asyncio.create_task(f.check_engine())
+    await asyncio.sleep(0.3)
+    busy = f.busy_seconds()
+    assert busy >= 0.25
+    hello = m.GeneratorHello(generator=1, incarnation="i", version=3, busy_seconds=busy)
+    assert hello.stuck(0.2) and not hello.stuck(10.0)
+    engine.answer.set()
+    await check
+    assert f.busy_seconds() == 0.0

@@ -137,11 +137,13 @@ class Generator:
         await close(self.nc)
 
     async def _watch_engine(self) -> None:
-        """Every ENGINE_CHECK_S, that the engine's core still answers (`Engine.check_alive`):
-        a core stalled in a step would otherwise leave every rollout waiting, with no error."""
+        """Every ENGINE_CHECK_S (half weightSync.timeoutSeconds where that is shorter), that the
+        engine's core still answers (`WeightFollower.check_engine`): a core stalled in a step would
+        otherwise leave every rollout waiting, with no error, and its peers' admission with them."""
+        every = min(ENGINE_CHECK_S, self.spec.weight_sync.timeout_seconds / 2)
         while True:
-            await asyncio.sleep(ENGINE_CHECK_S)
-            await self.engine.check_alive()
+            await asyncio.sleep(every)
+            await self.weights.check_engine()
 
     def _spawn(self, coro, rollout: bool = False) -> None:
         t = asyncio.create_task(coro)

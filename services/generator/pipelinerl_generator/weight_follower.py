@@ -57,6 +57,7 @@ class WeightFollower:
         self.next_update: m.WeightUpdate | None = None
         self.update_waiting = asyncio.Event()
         self.applying_since: float | None = None  # on `clock`: when the update being applied began
+        self.checking_since: float | None = None  # on `clock`: when the pending liveness check began
 
     async def listen(self) -> list[asyncio.Task]:
         """Subscribe to updates and hellos; the hello, update and clock loops, to cancel at the end."""
@@ -103,8 +104,22 @@ class WeightFollower:
             a.expire_peers(self.clock.now())
 
     def busy_seconds(self) -> float:
-        """How long the update being applied has run (awake seconds); 0: none is."""
-        return 0.0 if self.applying_since is None else self.clock.now() - self.applying_since
+        """How long the engine has not answered (awake seconds): the update being applied, or a
+        liveness check (`check_engine`); 0: neither is under way."""
+        since = [t for t in (self.applying_since, self.checking_since) if t is not None]
+        return self.clock.now() - min(since) if since else 0.0
+
+    async def check_engine(self) -> None:
+        """That the engine's core answers (`Engine.check_alive`), counted in `busy_seconds` while it
+        does not. A core stalled between updates holds its groups in flight, and with them every
+        peer's admission (their version is the cluster's oldest), until this process gives up on
+        it (`Engine.rpc_timeout_s`); past weightSync.timeoutSeconds its hellos say it is stuck, as
+        in an update, and the trainer and its peers leave it out until it answers."""
+        self.checking_since = self.clock.now()
+        try:
+            await self.engine.check_alive()
+        finally:
+            self.checking_since = None
 
     async def _on_hello(self, msg) -> None:
         """A peer's queue and oldest group in flight, for the cluster-wide admission rule."""

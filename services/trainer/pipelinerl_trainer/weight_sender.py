@@ -339,13 +339,13 @@ class WeightSender:
             self.membership.hello(member, hello.version, at, stuck)
             if stuck and not was_stuck:
                 log.warning(
-                    "generator %d is still in a weight update after %.0f s (its engine does not answer): "
-                    "left out of new epochs until that update ends",
+                    "generator %d's engine has not answered for %.0f s (a weight update or a liveness check): "
+                    "left out of new epochs until it does",
                     hello.generator,
                     hello.busy_seconds,
                 )
             elif was_stuck and not stuck:
-                log.info("generator %d: its update ended, it joins the next epoch", hello.generator)
+                log.info("generator %d: its engine answers again, it joins the next epoch", hello.generator)
 
     def _close_group(self) -> None:
         if self.group is not None:
