@@ -33,6 +33,7 @@ JOIN_RETRY_S = 1.0  # between join_job's tries at the streams, where a request w
 LOOP_STALL_S = 120.0
 LOOP_BEAT_S = 1.0
 SERVER_STOP_S = 5.0  # the health server's wait for its last requests at exit
+SERVER_START_S = 30.0  # the health server's wait to listen, at a service's start
 
 
 class LoopBeat:
@@ -119,6 +120,14 @@ class HealthServer:
         # Stopped at exit, before the interpreter tears its modules down: a daemon thread still
         # in uvicorn's loop then can crash the process (SIGSEGV), a clean exit read as a failure.
         atexit.register(_stop_server, server, thread)
+        # Listening, or the service fails: uvicorn ends its thread where it cannot bind the port
+        # (sys.exit there ends the thread alone), and the service would run on with no probes to
+        # answer and no /status for its runner to read.
+        deadline = time.monotonic() + SERVER_START_S
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise OSError(f"the HTTP server could not listen on {self.host}:{self.port} (the port in use?)")
+            time.sleep(0.01)
         return self
 
 

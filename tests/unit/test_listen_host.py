@@ -39,3 +39,21 @@ def test_the_health_server_listens_where_it_is_told():
     assert listening_addresses(port) == {"127.0.0.1"}
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=5) as reply:
         assert reply.status == 200
+
+
+def test_a_health_server_that_cannot_listen_fails_its_service():
+    """Its port taken: the service's start fails naming it (uvicorn ends its own thread where it
+    cannot bind, and the service ran on with no probes and no /status)."""
+    import socket
+
+    import pytest
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        with pytest.raises(OSError, match=f"could not listen on 127.0.0.1:{port}"):
+            HealthServer("test", port, BaseModel, "127.0.0.1").start()
+    finally:
+        taken.close()
