@@ -27,7 +27,6 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any
 from collections import Counter as Tally
 
 import nats.errors
@@ -123,7 +122,7 @@ class Preprocessor:
         self.builder = StepBuilder(self.spec, trainer_ranks, books.restore([]))  # until `_resume` reads the streams
         self.backlog = 0  # the rollout stream's last sequence at the start: handed over whole before any wave
         self.answered_since = 0.0  # since when JetStream answers the rollout consumer (made, or read)
-        self.storing: list[Any] = []  # the messages of the wave being stored, acknowledged once it is
+        self.storing: list[Msg] = []  # the messages of the wave being stored, acknowledged once it is
         self.stats: Tally = Tally()  # counts named as PreprocessorStatus fields
 
     def status(self) -> PreprocessorStatus:

@@ -114,7 +114,8 @@ def await_store(position: Position, bridge: NatsBridge, board: Board, env: Servi
     board.update(store_lost="")
     if env.rank == 0 and taken and position.store != taken:
         # A store made to go on from this checkpoint: it is the one a suspend before the next
-        # save restores again (a resumed job's store holds no record of it until then).
+        # save restores again. `recover_store` tells it as it makes the store; told again here
+        # for a store an earlier build made, which holds no record of it until then.
         bridge.publish(bridge.subjects.checkpoint, position.record(taken))
 
 
