@@ -428,21 +428,30 @@ async def test_updates_in_flight_leave_exactly_the_new_weights_live(rig):
         assert await engine.llm.collective_rpc("probe_live_storage") == storage, "a live weight moved"
 
 
-async def test_update_that_misses_a_weight_fails_naming_it(rig):
-    if not rig.in_place:
-        pytest.skip("vLLM's reload path only logs weights it did not load")
+@pytest.mark.parametrize(
+    "dropped, weight",
+    [
+        ("model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj"),
+        # One shard of a stacked parameter: vLLM counts qkv_proj as loaded at its first shard.
+        ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.qkv_proj"),
+    ],
+    ids=["a-whole-weight", "a-shard-of-qkv"],
+)
+async def test_update_that_misses_a_weight_fails_naming_it(rig, dropped, weight):
+    """On every loading path an update whose tensors leave part of a weight unwritten fails,
+    naming it: loaded in place, that part would keep the previous version's values; reloaded, it
+    would be uninitialised memory, which vLLM processes without a word."""
     from pipelinerl.weight_group import plan_buckets
 
     engine = rig.engine
     tensors = [(t["name"], t["shape"], b["dtype"]) for b in rig.buckets for t in b["tensors"]]
-    dropped = "model.layers.0.mlp.down_proj.weight"
     assert dropped in [t[0] for t in tensors]
     partial = plan_buckets([t for t in tensors if t[0] != dropped], 1 << 20)
     rig.cmd_q.put(("send", "B", partial))
     version, prompt = engine.version, rig.tokenizer.encode(PROMPTS[1])
     running = asyncio.create_task(engine.generate(prompt, LONG_TOKENS, greedy=True))  # staged if it can be
     await wait_for_output_tokens(engine, 10)
-    with pytest.raises(Exception, match=f"did not cover 1 parameters.*{dropped}") as failed:
+    with pytest.raises(Exception, match=rf"did not cover 1 weights, e\.g\. {weight}\b") as failed:
         await engine.update_weights(version + 1, partial)
     # A staged failure keeps the live weights: the generator generates on (else it must stop).
     assert isinstance(failed.value, WeightsKept) == rig.staged
@@ -559,7 +568,8 @@ async def test_a_join_waits_for_its_epochs_members_while_the_engine_generates_on
         await asyncio.sleep(0.5)  # the worker said it is joining: it waits for the trainer's `go`
         joined = await completed_in(window_s)
         assert not joining.done(), joining.exception()
-        assert joined >= alone / 2 > 0, f"{joined} tokens decoded while the join waited, {alone} before"
+        # a blocked engine decodes nothing here; the bound leaves room for a loaded machine's pace
+        assert joined >= alone / 4 > 0, f"{joined} tokens decoded while the join waited, {alone} before"
         rig.cmd_q.put(("init", epoch))  # the trainer forms the epoch: `go`
         await joining
         await reply(rig.res_q)

@@ -53,6 +53,7 @@ from pipelinerl.weight_group import (
     check_backend,
     received_whole,
 )
+from pipelinerl_generator.coverage import WriteCounter, not_covered, reload_uncovered
 from pipelinerl_generator.staging import StagingCopy, Transfer
 
 logger = logging.getLogger(__name__)
@@ -224,7 +225,21 @@ class WeightReceiverExtension:
         # layer's worth).
         first = next(weights)
         received = itertools.chain([first], weights)
-        self.reload_weights(weights_iterator=((name, t.clone()) for name, t in received))  # type: ignore[attr-defined]
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
+        load, uncovered = model.load_weights, []
+
+        def load_and_count(weights: Iterable[tuple[str, torch.Tensor]]):
+            loaded = load(weights)
+            uncovered.extend(reload_uncovered(model, self._pipelinerl_tied()))  # before vLLM processes them
+            return loaded
+
+        model.load_weights = load_and_count  # what vLLM's reload calls, between its set-up and finalisation
+        try:
+            self.reload_weights(weights_iterator=((name, t.clone()) for name, t in received))  # type: ignore[attr-defined]
+        finally:
+            del model.load_weights
+        if uncovered:  # finalised all the same: kept or garbage there; the generator stops
+            raise not_covered(uncovered)
         self._pipelinerl_retie_lm_head()
 
     def _pipelinerl_stage(self, staging: StagingCopy, group: WeightGroup, buckets: list[dict[str, Any]]) -> None:
@@ -306,12 +321,12 @@ class WeightReceiverExtension:
         weights need no processing (`load_blockers`), so it is the copy alone."""
         from vllm.config import set_current_vllm_config
 
-        expected = {name for name, _ in model.named_parameters()}
+        written = WriteCounter(dict(model.named_parameters()))
         with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
-            loaded = model.load_weights(weights)  # type: ignore[operator]  # vLLM's models have it, nn.Module not
-            missing = expected - set(loaded or ())
-            if missing:  # a kept weight would otherwise keep stale (or, before any load, unset) values
-                raise RuntimeError(f"weight update did not cover {len(missing)} parameters, e.g. {sorted(missing)[:3]}")
+            with written:
+                model.load_weights(weights)  # type: ignore[operator]  # vLLM's models have it, nn.Module not
+            if uncovered := written.uncovered():  # what was not written keeps the previous version
+                raise not_covered(uncovered)
             for layer in packed:
                 _repack_cpu_gemm(layer)
 
@@ -343,15 +358,17 @@ class WeightReceiverExtension:
         self._pipelinerl_packed = packed
         return packed
 
+    def _pipelinerl_tied(self) -> bool:
+        return bool(getattr(self.model_runner.model_config.hf_text_config, "tie_word_embeddings", False))  # type: ignore[attr-defined]
+
     def _pipelinerl_retie_lm_head(self) -> None:
         # With tie_word_embeddings the checkpoint has no lm_head.weight, so the
         # reload never "loads" lm_head: it gets its old kernel tensors back and,
         # on CPU, keeps its old pre-packed GEMM closure (layer.cpu_linear) ->
         # logits from stale weights. Re-tie and re-pack from the new embedding.
-        model = self.model_runner.get_model()  # type: ignore[attr-defined]
-        hf_config = self.model_runner.model_config.hf_text_config  # type: ignore[attr-defined]
-        if not getattr(hf_config, "tie_word_embeddings", False):
+        if not self._pipelinerl_tied():
             return
+        model = self.model_runner.get_model()  # type: ignore[attr-defined]
         lm_head = getattr(model, "lm_head", None)
         embed = getattr(getattr(model, "model", None), "embed_tokens", None)
         if lm_head is None or embed is None or lm_head is embed or not hasattr(lm_head, "weight"):
