@@ -3,8 +3,10 @@
 vLLM takes `gpu_memory_utilization` of the device for the weights, its working memory and the
 KV cache (it refuses to start unless that much is free, then fills what its profile leaves
 with KV cache). Everything an in-flight weight update allocates later comes out of the rest:
-the staging copy (one copy of this worker's weights: `weightSync.staged`), the receive ring
-(`weight_group.RECEIVE_RING` buffers of the largest bucket), the NCCL weight group's buffers;
+the staging copy (one copy of this worker's weights: `weightSync.staged`) or, for a model vLLM
+quantizes online (`engineArgs.quantization`: the layerwise reload, which cannot stage), the
+reload's buffers; the receive ring (`weight_group.RECEIVE_RING` buffers of the largest bucket),
+the NCCL weight group's buffers;
 the CUDA context sits there too, and at tensorParallel > 1 vLLM's own tensor-parallel
 communicator (made before vLLM measures what it may use, so outside its budget as well). `plan`
 puts each in its place and says whether it fits; `validate`, the webhook and `plan` show it, and
@@ -132,6 +134,13 @@ class ModelShape:
             out.append(("lm_head.weight", (vocab, h)))
         return out
 
+    def reload_peak(self, tp: int) -> int:
+        """Elements vLLM's layerwise reload holds beside the live weights at its peak, at the
+        largest layer: the layer's tensors as received (whole, each cloned by the receiver until
+        the layer is complete) and the layer materialised in this worker's shard."""
+        whole = dict(self.worker_tensors(1))
+        return max(math.prod(whole[name]) + math.prod(shape) for name, shape in self.worker_tensors(tp))
+
     def largest_tensor(self) -> int:
         """Elements of the largest tensor the trainer sends (whole, unsharded): the embedding."""
         return self.vocab * self.hidden
@@ -171,6 +180,7 @@ class MemoryPlan:
     explicit_utilization: bool
     weights: int
     staging: int
+    reload: int  # vLLM's layerwise reload's buffers (a model quantized online); 0 where it stages
     receive: int
     nccl: int
     context: int
@@ -183,7 +193,7 @@ class MemoryPlan:
     @property
     def outside(self) -> int:
         """What must fit beside vLLM's budget."""
-        return self.staging + self.receive + self.nccl + self.context
+        return self.staging + self.reload + self.receive + self.nccl + self.context
 
     @property
     def kv_bytes(self) -> int:
@@ -203,7 +213,9 @@ class MemoryPlan:
             f"  vLLM's budget {g(budget)} (utilization {self.utilization:.2f}, {how}): weights {g(self.weights)}, "
             f"~working memory {g(self.working)}, KV cache {g(max(0, self.kv_bytes))} = {self.kv_sequences} sequences "
             f"of maxSeqLen {self.max_seq_len} (the generator may run {self.concurrent})",
-            f"  outside it, {g(self.gpu_bytes - budget)}: staging copy {g(self.staging)}, receive ring "
+            f"  outside it, {g(self.gpu_bytes - budget)}: "
+            + (f"reload buffers {g(self.reload)}" if self.reload else f"staging copy {g(self.staging)}")
+            + ", receive ring "
             f"{g(self.receive)}, ~NCCL {g(self.nccl)}, ~CUDA context {g(self.context)} = {g(self.outside)}",
         ]
 
@@ -216,13 +228,16 @@ def plan(
     dtype: str,
     staged: bool,
     nccl: bool,
+    quantized: bool = False,
     bucket_mb: int,
     max_seq_len: int,
     concurrent: int,
     utilization: float | None,
 ) -> MemoryPlan:
     """The plan of one generator GPU; `utilization` None: the largest that leaves the update
-    room (`fit_utilization`). `errors` says, by field, why it cannot run."""
+    room (`fit_utilization`). `quantized`: vLLM quantizes the model online, so every update goes
+    through its layerwise reload, with no staging copy (`weight_receiver.load_blockers`); the
+    weights are counted unquantized (an upper bound). `errors` says, by field, why it cannot run."""
     size = DTYPE_BYTES[dtype]
     weights = shape.worker_params(tp) * size
     hidden, inter, vocab = shape.hidden, shape.intermediate // tp, -(-shape.vocab // tp)
@@ -232,7 +247,8 @@ def plan(
         utilization=0.0,
         explicit_utilization=utilization is not None,
         weights=weights,
-        staging=weights if staged else 0,
+        staging=weights if staged and not quantized else 0,
+        reload=shape.reload_peak(tp) * size if quantized else 0,
         receive=RECEIVE_RING * max(bucket_mb * MiB, shape.largest_tensor() * size),
         nccl=NCCL_BYTES * (int(nccl) + int(tp > 1)),  # the weight group's; vLLM's tensor-parallel group's
         context=CONTEXT_BYTES,
@@ -249,9 +265,11 @@ def plan(
         p.errors.append(
             f"generator.engineArgs.gpu_memory_utilization ({p.utilization:.2f}) leaves {room / GiB:.1f} GiB of the "
             f"{gpu_bytes / GiB:.1f} GiB GPU outside vLLM's budget; in-flight weight updates need {p.outside / GiB:.1f} "
-            f"GiB there (staging copy {p.staging / GiB:.1f}, receive ring {p.receive / GiB:.1f}, NCCL and CUDA "
-            f"context ~{(p.nccl + p.context) / GiB:.1f}): {fix}, weightSync.staged: false, a smaller "
-            "weightSync.bucketMb, or more generator.tensorParallel"
+            f"GiB there ({'reload buffers' if quantized else 'staging copy'} {(p.reload + p.staging) / GiB:.1f}, "
+            f"receive ring {p.receive / GiB:.1f}, NCCL and CUDA "
+            f"context ~{(p.nccl + p.context) / GiB:.1f}): {fix}, "
+            + ("" if quantized else "weightSync.staged: false, ")
+            + "a smaller weightSync.bucketMb, or more generator.tensorParallel"
         )
     elif p.kv_sequences < 1:
         p.errors.append(
@@ -301,6 +319,7 @@ def job_plan(
             dtype=spec.weights_dtype,
             staged=spec.weight_sync.staged,
             nccl=spec.weight_transport == "nccl",
+            quantized=bool(gen.engine_args.get("quantization")),
             bucket_mb=spec.weight_sync.bucket_mb,
             max_seq_len=spec.model.max_seq_len,
             concurrent=gen.max_inflight_groups * spec.rl.attempts,

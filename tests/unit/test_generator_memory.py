@@ -112,3 +112,24 @@ def test_a_plan_the_manifest_cannot_make_is_a_warning_not_a_refusal():
     no_selector = parse_job(gpu_job({"podTemplate": None}))
     assert any("nodeSelector" in w for w in job_warnings(no_selector))
     assert job_plan(parse_job(gpu_job({"gpus": 0}, trainer={"gpus": 0})).spec) == (None, "")  # a CPU job: no plan
+
+
+def test_a_model_quantized_online_plans_the_reload_not_a_staging_copy():
+    """vLLM quantizing online (engineArgs.quantization) takes every update through its layerwise
+    reload: no staging copy, but the largest layer twice over beside the weights (its tensors as
+    received, cloned whole; the layer materialised in the worker's shard)."""
+    job = parse_job(gpu_job({"engineArgs": {"quantization": "fp8"}}))
+    memory, _ = job_plan(job.spec)
+    assert memory.staging == 0
+    vocab, hidden = 152064, 3584  # Qwen2.5-7B's embedding (and untied head): its largest layer
+    assert memory.reload == (vocab * hidden + vocab * hidden) * 2
+    tp2 = ModelShape.from_config(KNOWN_MODELS["qwen2.5-7b"]).reload_peak(2)
+    assert tp2 == vocab * hidden + vocab // 2 * hidden  # the received tensor whole, the worker's half
+    assert any("reload buffers 2.0 GiB" in line for line in memory.lines())
+    staged, _ = job_plan(parse_job(gpu_job()).spec)
+    assert memory.outside < staged.outside and memory.reload < staged.staging  # 2 GiB against 15
+    check(gpu_job({"engineArgs": {"quantization": "fp8", "gpu_memory_utilization": 0.92}}))
+    with pytest.raises(SpecError, match="staging copy"):  # where a staging copy does not fit
+        check(gpu_job({"engineArgs": {"gpu_memory_utilization": 0.92}}))
+    with pytest.raises(SpecError, match=r"reload buffers 2\.0, .*at most 0\.92, a smaller weightSync"):
+        check(gpu_job({"engineArgs": {"quantization": "fp8", "gpu_memory_utilization": 0.95}}))
