@@ -116,7 +116,8 @@ def _positive_quantity(value: int | str) -> int | str:
 _INT_OR_STRING: dict[str, Any] = {
     "x-kubernetes-int-or-string": True,
     "anyOf": [{"type": "integer"}, {"type": "string"}],
-    "pattern": QUANTITY,
+    "pattern": QUANTITY,  # a string's (an unsigned quantity)
+    "minimum": 0,  # an integer's
 }
 Quantity = Annotated[int | str, AfterValidator(_quantity), WithJsonSchema(_INT_OR_STRING)]
 PositiveQuantity = Annotated[
