@@ -178,14 +178,19 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
     node.pop("title", None)
     if node.get("x-kubernetes-int-or-string"):  # a quantity: integer or string, as Kubernetes has it
         return node
-    if "anyOf" in node:  # `X | None` → X, nullable
+    if "anyOf" in node:  # `X | None` → X: nullable only where null is not the default
         variants = [v for v in node.pop("anyOf") if v.get("type") != "null"]
         if len(variants) != 1:
             raise ValueError(f"cannot express union {variants} in a structural schema")
-        node = {**variants[0], **node, "nullable": True}
+        node = {**variants[0], **node}
         node.pop("title", None)
         if node.get("default", 0) is None:
+            # Null means absent: the API server prunes a null of a field not nullable, as
+            # `validate` reads it, so that a stored null and a field left out compare equal in the
+            # rules that keep a section immutable (`oldSelf`).
             del node["default"]
+        else:
+            node["nullable"] = True
     if "const" in node:
         node["enum"] = [node.pop("const")]
     for bound in ("Minimum", "Maximum"):  # JSON schema 2020 number → OpenAPI 3.0 boolean
@@ -196,6 +201,7 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
     if node.get("type") == "object":
         props = node.get("properties")
         if props:
+            optional = {k for k, v in props.items() if any(u.get("type") == "null" for u in v.get("anyOf", []))}
             node["properties"] = {k: _structural(v) for k, v in props.items()}
             for key, prop in node["properties"].items():
                 # A nested object gets `{}` so the API server applies its fields' defaults.
@@ -204,7 +210,7 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
                     prop.get("type") == "object"
                     and "properties" in prop
                     and key not in node.get("required", [])
-                    and not prop.get("nullable")
+                    and key not in optional
                 ):
                     prop.setdefault("default", {})
             node.pop("additionalProperties", None)
