@@ -9,7 +9,7 @@ import nats.errors
 from pipelinerl import messages as m
 from pipelinerl.contracts import JobSubjects, ServiceEnv
 from pipelinerl.spec import parse_job
-from pipelinerl.streams import connect, held_problems, last_message, problems_claimed, stored_messages
+from pipelinerl.streams import connect, held_problems, hold_problems, last_message, problems_claimed, stored_messages
 from pipelinerl.store import ensure_streams
 from pipelinerl.tasks.dataset import DatasetTask
 from pipelinerl.claims import group_id, indices
@@ -135,19 +135,30 @@ async def test_a_restart_draws_first_the_block_and_groups_its_predecessor_held(n
     await second.nc.close()
 
 
-async def test_groups_published_together_each_let_their_problem_go(nats_server, tmp_path):
+async def test_groups_published_together_each_let_their_problem_go(nats_server, tmp_path, monkeypatch):
     """Six groups of a block finishing at once: each takes its index off what the others left, so
     the record holds none of them after (before, one computed from what it read while another
     wrote put that one's index back: its restart drew a published problem again, and the
-    duplicate's books stalled its admission)."""
+    duplicate's books stalled its admission). The burst costs two record writes, not six: the
+    first group's, and one carrying the five changes made while it was written."""
+    from pipelinerl_generator import main
+
     job = parse_job(
         {"metadata": {"name": "together"}, "spec": {"rl": {"attempts": 2}, "trainer": {"samplesPerStep": 12}}}
     )
     gen = await incarnation(nats_server, tmp_path, job)
     drawn = [await gen._next_problem() for _ in range(6)]
     assert gen.held == [(0, 6)] and drawn == list(range(6))
+    written: list[list] = []
+
+    async def counted(js, subjects, rank, held, *args):
+        written.append(list(held))
+        await hold_problems(js, subjects, rank, held, *args)
+
+    monkeypatch.setattr(main, "hold_problems", counted)
     await asyncio.gather(*(gen._publish(group(i, [1, 0]), gen.admission.on_start(), i) for i in drawn))
     assert gen.held == [] and await held_problems(gen.js, job.subjects, 1) == []
+    assert written == [[(1, 6)], []]
     await gen.nc.close()
 
 

@@ -87,6 +87,7 @@ class Generator:
         self.held: list[Range] = held or []
         self.problems: collections.deque[int] = collections.deque(indices(self.held))
         self.holding = asyncio.Lock()  # one record of them written at a time, the newest last
+        self.held_changes = self.held_written = 0  # changes made to `held`; of those, recorded
         self.publishing = asyncio.Lock()  # one publish at a time: each group carries the books after it
 
     # -- status ----------------------------------------------------------------------------
@@ -207,12 +208,20 @@ class Generator:
         return self.problems.popleft()
 
     async def _hold(self, change: Callable[[list[Range]], list[Range]]) -> None:
-        """Record what this rank holds after `change`, made under the lock: groups finishing
-        together each take their index off what the other left (one computed from what it read
-        before the other's write would put that index back, and a restart would draw it twice)."""
+        """Make `change` to what this rank holds and return once a record of it is stored. Changes
+        are made at once, in turn (groups finishing together each take their index off what the
+        others left: one computed from what it read before another's write would put that index
+        back, and a restart would draw it twice); one record is written at a time, the newest
+        whole, so a burst of groups finishing together costs two writes, not one each."""
+        self.held = change(self.held)
+        self.held_changes += 1
+        mine = self.held_changes
         async with self.holding:
-            self.held = change(self.held)
-            await hold_problems(self.js, self.subjects, self.env.rank, self.held)
+            if self.held_written >= mine:  # a record written since carried this change
+                return
+            changes, held = self.held_changes, self.held
+            await hold_problems(self.js, self.subjects, self.env.rank, held)
+            self.held_written = changes
 
     async def _let_go(self, index: int) -> None:
         """Before its group is published (or it is skipped): a restart draws it again only if
