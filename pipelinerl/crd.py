@@ -1,7 +1,7 @@
 """The PipelineRLJob CustomResourceDefinition, generated from the pydantic models in `spec.py`.
 
 `spec` comes from `JobSpec`'s JSON schema, converted into a Kubernetes structural schema
-(inlined refs, `nullable` instead of `anyOf null`, OpenAPI v3.0 exclusive bounds, defaults on
+(inlined refs, `X | None` as X, nullable for optional sections only, OpenAPI v3.0 exclusive bounds, defaults on
 nested objects so the API server fills them in). `status` comes from the `JobStatus` models
 below: kopf/the API server silently prune status fields that the schema does not declare, so
 every field the operator writes must be here. Cross-field rules that pydantic checks in
@@ -185,11 +185,13 @@ def _structural(node: dict[str, Any]) -> dict[str, Any]:
         node = {**variants[0], **node}
         node.pop("title", None)
         if node.get("default", 0) is None:
-            # Null means absent: the API server prunes a null of a field not nullable, as
-            # `validate` reads it, so that a stored null and a field left out compare equal in the
-            # rules that keep a section immutable (`oldSelf`).
             del node["default"]
-        else:
+        # A scalar's null means absent: the API server prunes a null of a field not nullable, as
+        # `validate` reads it, so that a stored null and a field left out compare equal in the
+        # rules that keep a section immutable (`oldSelf`). An optional section (an object) stays
+        # nullable: server-side apply can leave null where a manager stops sending a map it owned
+        # (kubernetes#103011), which a non-nullable object schema would refuse.
+        if node.get("type") == "object" or "default" in node:
             node["nullable"] = True
     if "const" in node:
         node["enum"] = [node.pop("const")]
