@@ -417,8 +417,24 @@ class _StrictLoader(yaml.SafeLoader):
         # Go's JSON writes a whole float64 below 1e21 without a fraction or exponent
         return int(value) if math.isfinite(value) and value.is_integer() and abs(value) < 1e21 else value
 
-    def construct_yaml_int(self, node: yaml.ScalarNode) -> int | str:
-        return str(node.value) if ":" in str(node.value) else super().construct_yaml_int(node)
+    def construct_yaml_int(self, node: yaml.ScalarNode) -> int | float | str:
+        """go-yaml v2's integer: underscores dropped, then Go's ParseInt with base 0 (`0x`/`0X`
+        hex, `0o`/`0O` and a leading 0 octal, `0b`/`0B` binary); where that fails (`09`), a float
+        (then sent whole, as 9). PyYAML reads `0o17`, `0X1F` and `09` as strings."""
+        text = str(node.value)
+        if ":" in text:  # base 60 in YAML 1.1 only
+            return text
+        plain = text.replace("_", "")
+        body = plain.lstrip("+-")
+        sign = -1 if plain.startswith("-") else 1
+        try:
+            return sign * (int(body, 8) if re.fullmatch(r"0[0-7]+", body) else int(body, 0))
+        except ValueError:
+            return self.construct_yaml_float(node)
+
+    def construct_yaml_bool(self, node: yaml.ScalarNode) -> bool:
+        """go-yaml v2 also reads y, Y, n and N as booleans (PyYAML: strings)."""
+        return self.construct_scalar(node).lower() in ("y", "yes", "true", "on")  # type: ignore[union-attr]
 
     def construct_yaml_timestamp(self, node: yaml.ScalarNode, values: Any = None) -> str:  # type: ignore[override]
         return str(node.value)
@@ -426,13 +442,20 @@ class _StrictLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=True)
+            # JSON's keys are strings: kubectl (sigs.k8s.io/yaml) sends `y:` as "true", `1:` as "1"
+            key = _json_key(self.construct_object(key_node, deep=True))
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r} (the first value would be silently lost)", key_node.start_mark
                 )
             seen.add(key)
-        return super().construct_mapping(node, deep=deep)
+        return {_json_key(k): v for k, v in super().construct_mapping(node, deep=deep).items()}
+
+
+def _json_key(key: Any) -> Any:
+    if isinstance(key, bool):
+        return "true" if key else "false"
+    return str(key) if isinstance(key, int) else key
 
 
 class _Dumper(yaml.SafeDumper):
@@ -442,15 +465,22 @@ class _Dumper(yaml.SafeDumper):
 for _tag, _construct in (
     ("float", _StrictLoader.construct_yaml_float),
     ("int", _StrictLoader.construct_yaml_int),
+    ("bool", _StrictLoader.construct_yaml_bool),
     ("timestamp", _StrictLoader.construct_yaml_timestamp),
 ):
     _StrictLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _construct)
-for _cls in (_StrictLoader, _Dumper):
+for _cls in (_StrictLoader, _Dumper):  # after PyYAML's own resolvers: tried when none of them matched
     _cls.add_implicit_resolver(
         "tag:yaml.org,2002:float",
         re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
         list("-+.0123456789"),
     )
+    _cls.add_implicit_resolver(
+        "tag:yaml.org,2002:int",
+        re.compile(r"^[-+]?(0[xX][0-9a-fA-F_]+|0[oO][0-7_]+|0[bB][01_]+|[0-9][0-9_]*)$"),
+        list("-+0123456789"),
+    )
+    _cls.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^[yYnN]$"), list("yYnN"))
 
 
 def load_yaml(text: str) -> Any:

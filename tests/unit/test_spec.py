@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
 from pipelinerl_cli.main import main as cli
 from pipelinerl.spec import SpecError, dump_job, load_job, parse_job
@@ -163,6 +164,34 @@ def test_yaml_values_read_as_kubectl_sends_them_json(tmp_path):
         parse_job({"metadata": {"name": "t"}, "spec": {"rl": {"klCoef": float("inf")}}})
     with pytest.raises(SpecError, match=r"metadata.name: Field required"):
         parse_job({"metadata": {"name": None}})  # pruned: then missing, as the API server says
+
+
+@pytest.mark.parametrize(
+    "text, sent",
+    [
+        ("0o17", 15), ("0X1F", 31), ("0B11", 3), ("017", 15), ("09", 9), ("1_000", 1000), ("-0x10", -16),
+        ("08.5", 8.5), ("y", True), ("N", False), ("yes", True), ("off", False),
+        ("_1", "_1"), ("0b2", "0b2"), ("1:30", "1:30"), ("v1", "v1"),
+    ],
+)  # fmt: skip
+def test_plain_scalars_read_as_go_yaml_v2_reads_them(text, sent):
+    """kubectl reads YAML with go-yaml v2: an integer is Go's (`0o17`, `0X1F`, a leading-zero
+    octal; `09` a float, sent as 9), and y/n are booleans; PyYAML's YAML 1.1 read the first
+    and last ones as strings. What the project writes it reads back the same."""
+    from pipelinerl.spec import dump_yaml, load_yaml
+
+    assert load_yaml(f"a: {text}") == {"a": sent} and type(load_yaml(f"a: {text}")["a"]) is type(sent)
+    assert load_yaml(dump_yaml({"a": text})) == {"a": text}
+
+
+def test_mapping_keys_are_sent_as_json_strings():
+    """JSON's keys are strings: kubectl sends `y:` as "true" and `1:` as "1", and two keys that
+    come out the same are one given twice."""
+    from pipelinerl.spec import load_yaml
+
+    assert load_yaml("y: 1\n3: x\nz: {on: 1}") == {"true": 1, "3": "x", "z": {"true": 1}}
+    with pytest.raises(yaml.YAMLError, match="duplicate key '1'"):
+        load_yaml('1: a\n"1": b')
 
 
 def test_every_integer_field_is_bounded():

@@ -84,3 +84,13 @@ def test_every_commit_copies_into_the_same_storage():
             torch.testing.assert_close(p, new[name])
         assert [p.data_ptr() for p in model.parameters()] == live
         assert [s.data_ptr() for _, s in staging.pairs] == staged
+
+
+def test_the_copy_starts_from_the_live_values():
+    """Padding a load never writes (`weight_loader_numel`) is committed over the live padding:
+    it must hold the live values, not uninitialised memory."""
+    model = Model()
+    staging = StagingCopy(model, [])
+    for (name, live), (_, staged) in zip(model.named_parameters(), staging.model.named_parameters()):
+        assert staged.data_ptr() != live.data_ptr()
+        torch.testing.assert_close(staged, live, msg=name)

@@ -15,6 +15,8 @@ name as loaded at the first shard. So coverage is counted in elements written:
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -22,22 +24,36 @@ _aten = torch.ops.aten
 WRITES = {_aten.copy_.default, _aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default}
 
 
+def not_loaded_names() -> set[str]:
+    """Parameter names vLLM never loads from a checkpoint (`SKIP_LOAD_TENSORS`: expert maps, a
+    router's `e_score_correction_bias`, a buffer in Hugging Face's model, so never sent)."""
+    from vllm.model_executor.model_loader.reload.meta import SKIP_LOAD_TENSORS
+
+    return set(SKIP_LOAD_TENSORS)
+
+
 class WriteCounter(TorchDispatchMode):
-    """Elements written (copied in, filled) into each of `params`' storage while active. Each op
-    under it pays a Python call: a load is a few ops per tensor (tens of thousands for a large
-    MoE's per-expert loaders, about a second)."""
+    """Elements written (copied in, filled) into each of `params` while active, each write
+    credited to the parameter whose memory it falls in (parameters may share one buffer). A
+    dispatch mode is the thread's own: the engine's steps on another thread (a staged update
+    loads beside them) do not pass through it. Each op under it pays a Python call: a load is a
+    few ops per tensor (tens of thousands for a large MoE's per-expert loaders, about a second)."""
 
     def __init__(self, params: dict[str, torch.Tensor]) -> None:
         super().__init__()
-        self.params = {name: p for name, p in params.items() if p.numel() > 0}
-        self._by_storage = {p.untyped_storage().data_ptr(): name for name, p in self.params.items()}
+        skip = not_loaded_names()
+        self.params = {n: p for n, p in params.items() if p.numel() > 0 and n.rsplit(".", 1)[-1] not in skip}
+        spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), n) for n, p in self.params.items())
+        self._starts = [start for start, _, _ in spans]
+        self._spans = spans
         self.written = dict.fromkeys(self.params, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in WRITES and isinstance(args[0], torch.Tensor):
-            name = self._by_storage.get(args[0].untyped_storage().data_ptr())
-            if name is not None:
-                self.written[name] += args[0].numel()
+            at = args[0].data_ptr()
+            i = bisect.bisect_right(self._starts, at) - 1
+            if i >= 0 and at < self._spans[i][1]:
+                self.written[self._spans[i][2]] += args[0].numel()
         return func(*args, **(kwargs or {}))
 
     def uncovered(self) -> list[str]:
@@ -51,29 +67,45 @@ class WriteCounter(TorchDispatchMode):
         return out
 
 
+def missing_expert_shards(arrived: set[tuple[int, str]], experts: int, shards: tuple[str, ...]) -> list[str]:
+    """The (expert, shard) weights of an MoE layer no loader call brought, as `expert/shard`."""
+    return [f"{e}/{s}" for e in range(experts) for s in shards if (e, s) not in arrived]
+
+
 def reload_uncovered(model: torch.nn.Module, tied_head: bool) -> list[str]:
     """During vLLM's layerwise reload, once its loaders have taken the update (before
     `finalize_layerwise_reload`): the layers with parameters whose weights did not all come.
     A layer all of whose elements came has been processed already, and left the count. Left out:
     layers of buffers alone (rotary caches, attention scales: not in a checkpoint), attention
     layers (vLLM finalises them at the end, with their optional scales), a tied LM head (the
-    receiver ties it to the embedding afterwards) and a vocabulary embedding's padding rows
-    (its one tensor came, or nothing did)."""
+    receiver ties it to the embedding afterwards), a vocabulary embedding's padding rows (its one
+    tensor came, or nothing did). An MoE layer short of its count (an online-quantized one pads
+    its sizes, undeclared) is complete where every expert's every shard came (its loader calls)."""
     from vllm.model_executor.layers.attention import is_deferred_attention_layer
-    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
     from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
 
-    head = getattr(model, "lm_head", None) if tied_head else None
     out = []
     for name, layer in model.named_modules():
         info = LAYERWISE_INFO.get(layer)
-        if info is None or not info.can_load() or not layer._parameters or layer is head:
+        if info is None or not info.can_load() or not any(p is not None for p in layer._parameters.values()):
             continue
-        if is_deferred_attention_layer(layer):
+        if is_deferred_attention_layer(layer) or (tied_head and isinstance(layer, ParallelLMHead)):
             continue
         loaded, total = info.load_numel, info.load_numel_total or 0
-        if loaded == 0 or (loaded < total and not isinstance(layer, VocabParallelEmbedding)):
-            out.append(f"{name} ({loaded} of {total} elements)")
+        if loaded > 0 and isinstance(layer, VocabParallelEmbedding):
+            continue
+        moe = getattr(layer, "moe_config", None)
+        if loaded > 0 and moe is not None:
+            calls = [args.arguments for _, args in info.loaded_weights]
+            arrived = {(a["expert_id"], a["shard_id"]) for a in calls if "expert_id" in a and "shard_id" in a}
+            # gated: gate (w1), down (w2), up (w3); otherwise the shards any expert took
+            shards = ("w1", "w2", "w3") if moe.is_act_and_mul else tuple(sorted({s for _, s in arrived}))
+            missing = missing_expert_shards(arrived, moe.num_logical_experts, shards)
+            if missing:
+                out.append(f"{name} (experts' weights missing: {', '.join(missing[:4])})")
+            continue
+        out.append(f"{name} ({loaded} of {total} elements)")
     return out
 
 

@@ -68,8 +68,12 @@ def _copy_param(
     p: torch.nn.Parameter, owner: torch.nn.Module, twin: torch.nn.Module, params: dict
 ) -> torch.nn.Parameter:
     if id(p) not in params:
-        # Uninitialised: every staged load must cover every parameter before a commit (checked).
+        # The live values to start with: every staged load must write every parameter before a
+        # commit (`coverage`), but not the padding a layer declares (`weight_loader_numel`),
+        # which the commit copies over the live padding all the same.
         staged = torch.empty_strided(p.size(), p.stride(), dtype=p.dtype, device=p.device)
+        with torch.no_grad():
+            staged.copy_(p)
         staged.__class__ = p.__class__
         staged.__dict__ = {
             key: value.__func__.__get__(twin) if isinstance(value, MethodType) and value.__self__ is owner else value
