@@ -16,7 +16,7 @@ from typing import Any
 
 from pipelinerl.capacity import reserved_bytes
 from pipelinerl.ports import free_port
-from pipelinerl_cli.processes import die_with_parent
+from pipelinerl_cli.processes import dying_with_this_process
 
 
 def nats_server_binary() -> str:
@@ -79,7 +79,7 @@ class EmbeddedNats:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=die_with_parent,
+                preexec_fn=dying_with_this_process(),
                 pass_fds=self.held,
             )
         ports = self.store_dir / f"{Path(binary).name}_{self.proc.pid}.ports"

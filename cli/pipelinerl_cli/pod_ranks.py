@@ -20,7 +20,7 @@ import threading
 import time
 
 from pipelinerl.contracts import STOPPED_EXIT, Env, ServiceEnv
-from pipelinerl_cli.processes import die_with_parent
+from pipelinerl_cli.processes import dying_with_this_process
 
 log = logging.getLogger("pipelinerl")
 POLL_S = 1.0
@@ -57,7 +57,9 @@ def run_pod_ranks(argv: list[str], env: dict[str, str], role: str = "trainer", g
     ended and some stopped before the end (trainer ranks stop together); else the first
     failure's code, after stopping the rest. SIGTERM/SIGINT are passed on to every rank, which
     are then waited for (up to SIGNALLED_WAIT_S)."""
-    procs = [subprocess.Popen(argv, env=e, preexec_fn=die_with_parent) for e in rank_envs(env, role, gpus_per_rank)]
+    procs = [
+        subprocess.Popen(argv, env=e, preexec_fn=dying_with_this_process()) for e in rank_envs(env, role, gpus_per_rank)
+    ]
     log.info("pod: started %d ranks (pids %s)", len(procs), [p.pid for p in procs])
     stopping = threading.Event()
 

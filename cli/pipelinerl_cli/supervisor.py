@@ -167,10 +167,10 @@ class Service:
         self.start()
 
     def start(self) -> None:
-        cpus = self.cores.cpus
+        cpus, runner = self.cores.cpus, os.getpid()
 
         def setup() -> None:
-            die_with_parent()
+            die_with_parent(runner)
             if cpus:
                 os.sched_setaffinity(0, cpus)
 

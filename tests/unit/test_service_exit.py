@@ -138,3 +138,20 @@ def test_the_health_server_is_stopped_before_the_interpreter_tears_down():
     done = subprocess.run([sys.executable, "-c", EXITING, str(port)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["answered", "http", "thread", "at", "exit:", "False"], done.stdout
+
+
+def test_a_child_whose_parent_died_before_it_asked_to_die_with_it_ends_at_once():
+    """The kernel's parent-death signal covers only a death after the request: a child forked
+    just before its parent was killed checks the parent's pid, and ends instead of running on."""
+    import signal
+    import subprocess
+    import sys
+
+    from pipelinerl_cli.processes import die_with_parent, dying_with_this_process
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a pid that is no one's parent now
+    orphan = subprocess.Popen(["sleep", "30"], preexec_fn=lambda: die_with_parent(gone.pid))
+    assert orphan.wait(timeout=10) == -signal.SIGTERM
+    child = subprocess.Popen(["sleep", "0.1"], preexec_fn=dying_with_this_process())
+    assert child.wait(timeout=10) == 0  # its parent alive: it runs
