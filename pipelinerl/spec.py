@@ -403,53 +403,109 @@ def parse_job(data: Any, source: str = "manifest") -> PipelineRLJob:
     return parse_mapping(PipelineRLJob, data, source, KIND, SpecError)
 
 
+_GO_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")  # go-yaml v2's yamlStyleFloat
+_GO_INT_DIGITS = {"x": "0123456789abcdefABCDEF", "o": "01234567", "b": "01"}
+
+
+def _go_int(body: str) -> int | None:
+    """Go's strconv.ParseInt(body, 0) without its sign: `0x`/`0o`/`0b` (either case) and a
+    leading-zero octal, else decimal; None where Go reads no integer."""
+    prefix = body[1:2].lower() if body[:1] == "0" else ""
+    if prefix in _GO_INT_DIGITS:
+        digits, base = body[2:], {"x": 16, "o": 8, "b": 2}[prefix]
+    elif body[:1] == "0" and len(body) > 1:
+        digits, base = body[1:], 8
+    else:
+        digits, base = body, 10
+    ok = digits and all(
+        c in (_GO_INT_DIGITS[prefix] if prefix in _GO_INT_DIGITS else "0123456789"[:base]) for c in digits
+    )
+    return int(digits, base) if ok else None
+
+
+def go_number(text: str) -> int | float | str:
+    """A plain scalar that starts like a number, as go-yaml v2 resolves it and Go's JSON then
+    writes it: underscores dropped; an integer (ParseInt, base 0) within int64 or uint64; else a
+    float where it looks like one (`09` is 9.0, written 9; a whole float below 1e21 is written
+    without a fraction, as an integer field takes it); else (or out of float64's range) the text."""
+    plain = text.replace("_", "")
+    sign, body = (plain[0], plain[1:]) if plain[:1] in "+-" else ("", plain)
+    value = _go_int(body)
+    if value is not None and -(2**63) <= (value := -value if sign == "-" else value) < 2**64:
+        return value
+    if not _GO_FLOAT.fullmatch(plain):
+        return text
+    number = float(plain)
+    if math.isinf(number):
+        return text
+    return int(number) if number.is_integer() and abs(number) < 1e21 else number
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """Reads YAML as kubectl sends it to the API server: refuses a key given twice in one mapping
-    (PyYAML keeps the last; kubectl refuses it), and reads `1e-6` as a number (YAML 1.2, as
-    kubectl does; PyYAML's YAML 1.1 wants a dot, `1.0e-6`, and would read a string). kubectl's
-    YAML (go-yaml v2, then JSON) also sends `2.0` as 2, which an integer field takes, and keeps
-    `2025-01-15` and `1:30` as strings, where PyYAML reads a date and 90 (base 60)."""
+    """Reads YAML as kubectl sends it to the API server (go-yaml v2, then JSON): refuses a key
+    given twice in one mapping (PyYAML keeps the last; kubectl refuses it); reads numbers as Go
+    does (`go_number`: `1e-6`, `+.5`, `0o17`, `09` are numbers, which PyYAML's YAML 1.1 reads as
+    strings; `2.0` arrives as 2), y/Y/n/N as booleans, and mapping keys as JSON's strings (`y:`
+    is "true", `1:` is "1"); merges (`<<`) as go-yaml does, in document order; keeps `2025-01-15`,
+    `1:30` (PyYAML: a date, base 60 90), `=` and a value under an unknown tag as strings; and
+    refuses infinity and NaN, which JSON cannot hold (kubectl fails on them)."""
 
-    def construct_yaml_float(self, node: yaml.ScalarNode) -> float | int:
-        if ":" in str(node.value):  # base 60 in YAML 1.1 only
-            return str(node.value)  # type: ignore[return-value]
-        value = super().construct_yaml_float(node)
-        # Go's JSON writes a whole float64 below 1e21 without a fraction or exponent
-        return int(value) if math.isfinite(value) and value.is_integer() and abs(value) < 1e21 else value
-
-    def construct_yaml_int(self, node: yaml.ScalarNode) -> int | float | str:
-        """go-yaml v2's integer: underscores dropped, then Go's ParseInt with base 0 (`0x`/`0X`
-        hex, `0o`/`0O` and a leading 0 octal, `0b`/`0B` binary); where that fails (`09`), a float
-        (then sent whole, as 9). PyYAML reads `0o17`, `0X1F` and `09` as strings."""
+    def construct_yaml_float(self, node: yaml.ScalarNode) -> int | float | str:
         text = str(node.value)
         if ":" in text:  # base 60 in YAML 1.1 only
             return text
-        plain = text.replace("_", "")
-        body = plain.lstrip("+-")
-        sign = -1 if plain.startswith("-") else 1
-        try:
-            return sign * (int(body, 8) if re.fullmatch(r"0[0-7]+", body) else int(body, 0))
-        except ValueError:
-            return self.construct_yaml_float(node)
+        if text.lstrip("+-").lower() in (".inf", ".nan"):
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{text}: JSON (what kubectl sends) has no infinity or NaN", node.start_mark
+            )
+        return go_number(text)
+
+    construct_yaml_int = construct_yaml_float  # type: ignore[assignment]
 
     def construct_yaml_bool(self, node: yaml.ScalarNode) -> bool:
-        """go-yaml v2 also reads y, Y, n and N as booleans (PyYAML: strings)."""
         return self.construct_scalar(node).lower() in ("y", "yes", "true", "on")  # type: ignore[union-attr]
 
     def construct_yaml_timestamp(self, node: yaml.ScalarNode, values: Any = None) -> str:  # type: ignore[override]
         return str(node.value)
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    def construct_as_string(self, node: yaml.ScalarNode) -> str:
+        return str(node.value)
+
+    def construct_untagged(self, suffix: str, node: yaml.Node) -> Any:
+        """A node under a tag go-yaml does not know (`!foo`): read as if untagged (a scalar: its text)."""
+        if isinstance(node, yaml.MappingNode):
+            return self.construct_mapping(node, deep=True)
+        if isinstance(node, yaml.SequenceNode):
+            return self.construct_sequence(node, deep=True)
+        return str(node.value)
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:  # type: ignore[override]
+        out: dict[Any, Any] = {}
         seen: set[Any] = set()
-        for key_node, _ in node.value:
-            # JSON's keys are strings: kubectl (sigs.k8s.io/yaml) sends `y:` as "true", `1:` as "1"
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # go-yaml v2: merged here, later keys overwriting
+                merged = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for source in reversed(merged):  # of a list of maps, the first wins
+                    if not isinstance(source, yaml.MappingNode):
+                        raise yaml.constructor.ConstructorError(
+                            None, None, "a merge (<<) takes a mapping or a list of mappings", source.start_mark
+                        )
+                    out.update(self.construct_mapping(source, deep=True))
+                continue
             key = _json_key(self.construct_object(key_node, deep=True))
-            if key in seen:
+            try:
+                given_twice = key in seen
+            except TypeError:  # a list or a mapping as a key
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a mapping key must be a scalar (kubectl refuses it)", key_node.start_mark
+                ) from None
+            if given_twice:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r} (the first value would be silently lost)", key_node.start_mark
                 )
             seen.add(key)
-        return {_json_key(k): v for k, v in super().construct_mapping(node, deep=deep).items()}
+            out[key] = self.construct_object(value_node, deep=deep)
+        return out
 
 
 def _json_key(key: Any) -> Any:
@@ -467,18 +523,14 @@ for _tag, _construct in (
     ("int", _StrictLoader.construct_yaml_int),
     ("bool", _StrictLoader.construct_yaml_bool),
     ("timestamp", _StrictLoader.construct_yaml_timestamp),
+    ("value", _StrictLoader.construct_as_string),
 ):
     _StrictLoader.add_constructor(f"tag:yaml.org,2002:{_tag}", _construct)
+_StrictLoader.add_multi_constructor("!", _StrictLoader.construct_untagged)
 for _cls in (_StrictLoader, _Dumper):  # after PyYAML's own resolvers: tried when none of them matched
+    # anything that starts like a number is one for go-yaml to try (`go_number`: the text otherwise)
     _cls.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(r"^[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)[eE][-+]?[0-9]+$"),
-        list("-+.0123456789"),
-    )
-    _cls.add_implicit_resolver(
-        "tag:yaml.org,2002:int",
-        re.compile(r"^[-+]?(0[xX][0-9a-fA-F_]+|0[oO][0-7_]+|0[bB][01_]+|[0-9][0-9_]*)$"),
-        list("-+0123456789"),
+        "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9._][0-9a-zA-Z_.+-]*$"), list("-+.0123456789")
     )
     _cls.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^[yYnN]$"), list("yYnN"))
 

@@ -1,5 +1,5 @@
 """The operator's calls on a job's NATS streams (as the job's own NATS user, where it has one):
-delete them (a deleted or finished job's, a suspended one's once its pods are gone), read the
+delete them (a deleted job's; a finished or suspended one's once its pods are gone), read the
 trainer's newest checkpoint record first (what a suspended job resumes from), make a resumed
 job's new store go on from it (`store.recover_store`), and tell whether a store was made so.
 
@@ -87,11 +87,15 @@ class JobStreams:
         self.event("Normal", "StreamsDeleted", f"deleted NATS streams: {', '.join(streams) or 'none'}")
         return True
 
+    async def pods_gone(self, kube: Any) -> bool:
+        """Whether none of the job's pods is left (those on their way out still use its streams)."""
+        return not await kube.list("v1", "Pod", self.namespace, f"{JOB_LABEL}={self.name}")
+
     async def checkpoint_record(self, kube: Any) -> dict[str, Any] | None:
         """A suspended job's trainer's newest checkpoint record, which its resume restores the store
         from ({} where there is none), once its pods are gone (the trainer checkpoints on its way
         out). None: not yet."""
-        if await kube.list("v1", "Pod", self.namespace, f"{JOB_LABEL}={self.name}"):
+        if not await self.pods_gone(kube):
             return None
         try:
             told = await self._as_job(self._checkpoint_told)

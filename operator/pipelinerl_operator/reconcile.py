@@ -419,17 +419,20 @@ async def release_streams(
     or one whose status write was refused before the job was suspended again): it is not deleted
     while the job's pods may run in it, and a newer record they told there since replaces the kept
     one. A store made from a record holds it (`recover_store`; its trainer tells it again at its
-    start): read back, it is nothing new, and the streams go."""
-    if suspended:
-        again = await streams.restored_from(kept) if kept else False
-        if again is None:  # not known: next pass
+    start): read back, it is nothing new, and the streams go. A finished job's go once its pods
+    are gone: those on their way out still publish and read there (and a service starting makes
+    its job's streams: a store deleted under it would be made again, outside the books)."""
+    if not suspended:
+        return kept, await streams.pods_gone(kube) and await streams.delete()
+    again = await streams.restored_from(kept) if kept else False
+    if again is None:  # not known: next pass
+        return kept, False
+    if again or not kept:
+        record = await streams.checkpoint_record(kube)
+        if record is None:  # its pods not gone yet
             return kept, False
-        if again or not kept:
-            record = await streams.checkpoint_record(kube)
-            if record is None:  # its pods not gone yet
-                return kept, False
-            if record and not same_checkpoint(record, kept):  # to be written first
-                return record, False
+        if record and not same_checkpoint(record, kept):  # to be written first
+            return record, False
     return kept, await streams.delete()
 
 

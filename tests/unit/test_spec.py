@@ -172,6 +172,9 @@ def test_yaml_values_read_as_kubectl_sends_them_json(tmp_path):
         ("0o17", 15), ("0X1F", 31), ("0B11", 3), ("017", 15), ("09", 9), ("1_000", 1000), ("-0x10", -16),
         ("08.5", 8.5), ("y", True), ("N", False), ("yes", True), ("off", False),
         ("_1", "_1"), ("0b2", "0b2"), ("1:30", "1:30"), ("v1", "v1"),
+        ("+.5", 0.5), ("1_e5", 100000), ("-_1", -1), ("0x_", "0x_"), ("1.0e+500", "1.0e+500"),
+        ("0x10000000000000000", "0x10000000000000000"), ("99999999999999999999", 10**20), ("=", "="),
+        ("!foo bar", "bar"),
     ],
 )  # fmt: skip
 def test_plain_scalars_read_as_go_yaml_v2_reads_them(text, sent):
@@ -182,6 +185,21 @@ def test_plain_scalars_read_as_go_yaml_v2_reads_them(text, sent):
 
     assert load_yaml(f"a: {text}") == {"a": sent} and type(load_yaml(f"a: {text}")["a"]) is type(sent)
     assert load_yaml(dump_yaml({"a": text})) == {"a": text}
+
+
+def test_merges_infinities_and_keys_as_kubectl_has_them():
+    """Merges (`<<`) as go-yaml v2 makes them: in document order, a later key overwriting, of a
+    list of maps the first winning (PyYAML refused every merge here); infinity and NaN refused
+    (JSON has none: kubectl fails); a list as a key refused, as kubectl refuses it."""
+    from pipelinerl.spec import load_yaml
+
+    text = "x: &x {k: 1, j: 1}\nafter: {k: 2, <<: *x}\nbefore: {<<: *x, k: 2}\nlist: {<<: [*x, {k: 3, m: 3}]}"
+    assert load_yaml(text) == {
+        "x": {"k": 1, "j": 1}, "after": {"k": 1, "j": 1}, "before": {"k": 2, "j": 1}, "list": {"k": 1, "j": 1, "m": 3}
+    }  # fmt: skip
+    for bad, why in ((".inf", "no infinity or NaN"), ("[.nan]", "no infinity or NaN"), ("{? [a] : 1}", "key must be")):
+        with pytest.raises(yaml.YAMLError, match=why):
+            load_yaml(f"a: {bad}")
 
 
 def test_mapping_keys_are_sent_as_json_strings():

@@ -464,7 +464,8 @@ async def test_a_store_made_again_from_the_kept_record_stands_while_the_job_may_
     suspended again. While the job has pods, the restored store stands; once they are gone, a
     record the trainer told there since replaces the kept one (its streams go a pass later); with
     none, the kept record still holds and the streams go. Before, the pass deleted the restored
-    store under the running job, which then met a lost store."""
+    store under the running job, which then met a lost store. A finished job's streams, too, go
+    only once its pods are gone."""
     import logging
 
     import kopf
@@ -532,6 +533,15 @@ async def test_a_store_made_again_from_the_kept_record_stands_while_the_job_may_
         await js.publish(subjects.checkpoint, encode(Checkpointed(store=kept["store"], step=7, problems=123)))
         assert await release_streams(kube, streams, True, None) == (kept, False)
         assert await release_streams(kube, streams, True, kept) == (kept, True)
+        assert await store() is None
+        # Finished (not suspended): its streams go once its pods are gone, not under a pod on its
+        # way out (a service starting there would make them again, outside the books).
+        await ensure_streams(js, subjects, 1)
+        await api.create_pod("demo-prl-generator-0", {JOB_LABEL: "demo"}, restarts=0)
+        assert await release_streams(kube, streams, False, None) == (None, False)
+        assert await store() is not None
+        await kube.delete("v1", "Pod", NS, "demo-prl-generator-0")
+        assert await release_streams(kube, streams, False, None) == (None, True)
         assert await store() is None
         # NATS not answering: nothing is known, so nothing goes, and the Event says why.
         gone = from_env({OperatorEnv.DEFAULT_NATS_URL: f"nats://127.0.0.1:{free_port()}"})
