@@ -404,23 +404,20 @@ def parse_job(data: Any, source: str = "manifest") -> PipelineRLJob:
 
 
 _GO_FLOAT = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")  # go-yaml v2's yamlStyleFloat
-_GO_INT_DIGITS = {"x": "0123456789abcdefABCDEF", "o": "01234567", "b": "01"}
+_GO_BASES = {"x": (16, "0123456789abcdefABCDEF"), "o": (8, "01234567"), "b": (2, "01")}
 
 
 def _go_int(body: str) -> int | None:
     """Go's strconv.ParseInt(body, 0) without its sign: `0x`/`0o`/`0b` (either case) and a
     leading-zero octal, else decimal; None where Go reads no integer."""
-    prefix = body[1:2].lower() if body[:1] == "0" else ""
-    if prefix in _GO_INT_DIGITS:
-        digits, base = body[2:], {"x": 16, "o": 8, "b": 2}[prefix]
-    elif body[:1] == "0" and len(body) > 1:
-        digits, base = body[1:], 8
+    prefix = body[1:2].lower() if body.startswith("0") else ""
+    if prefix in _GO_BASES:
+        (base, allowed), digits = _GO_BASES[prefix], body[2:]
+    elif body.startswith("0") and len(body) > 1:
+        (base, allowed), digits = _GO_BASES["o"], body[1:]
     else:
-        digits, base = body, 10
-    ok = digits and all(
-        c in (_GO_INT_DIGITS[prefix] if prefix in _GO_INT_DIGITS else "0123456789"[:base]) for c in digits
-    )
-    return int(digits, base) if ok else None
+        base, allowed, digits = 10, "0123456789", body
+    return int(digits, base) if digits and set(digits) <= set(allowed) else None
 
 
 def go_number(text: str) -> int | float | str:

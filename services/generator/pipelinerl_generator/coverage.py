@@ -43,15 +43,15 @@ class WriteCounter(TorchDispatchMode):
         super().__init__()
         skip = not_loaded_names()
         self.params = {n: p for n, p in params.items() if p.numel() > 0 and n.rsplit(".", 1)[-1] not in skip}
-        spans = sorted((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), n) for n, p in self.params.items())
-        self._starts = [start for start, _, _ in spans]
-        self._spans = spans
+        self._spans = sorted(
+            (p.data_ptr(), p.data_ptr() + p.numel() * p.element_size(), n) for n, p in self.params.items()
+        )
         self.written = dict.fromkeys(self.params, 0)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func in WRITES and isinstance(args[0], torch.Tensor):
             at = args[0].data_ptr()
-            i = bisect.bisect_right(self._starts, at) - 1
+            i = bisect.bisect_right(self._spans, at, key=lambda span: span[0]) - 1
             if i >= 0 and at < self._spans[i][1]:
                 self.written[self._spans[i][2]] += args[0].numel()
         return func(*args, **(kwargs or {}))
