@@ -570,7 +570,8 @@ async def test_operator_restart_creates_no_duplicates(cluster) -> None:
 async def test_a_job_at_rest_costs_the_resync_no_call_until_its_idle_stretch_ends(cluster, monkeypatch) -> None:
     """A suspended job (no pods, no room in the store) is at rest once a pass found it so: the
     resync (every 0.3 s here) makes no API call for it for IDLE_RESYNC_SECONDS, then one pass
-    puts back a StatefulSet deleted by hand; an edit (the resume) is acted on at once."""
+    puts back a StatefulSet deleted by hand; an edit (the resume) is acted on without waiting out
+    the idle stretch."""
     emulator, api, _ = cluster
     monkeypatch.setattr(handlers, "IDLE_RESYNC_SECONDS", 6.0)
     async with running_operator(str(emulator.url)):
@@ -585,8 +586,12 @@ async def test_a_job_at_rest_costs_the_resync_no_call_until_its_idle_stretch_end
         await api._call("DELETE", f"/apis/apps/v1/namespaces/{NS}/statefulsets/demo-prl-generator")
         await eventually(lambda: obj(emulator, STS, "demo-prl-generator"), timeout_s=15, what="put back")
         assert emulator.counts["statefulsets"] > 0
+        # The edit is acted on well within a (now long) idle stretch: a pass left at rest does not
+        # hold back one the edit made. Not in 3 s: an overtaken pass retries a second later, and a
+        # loaded machine took longer than that.
+        monkeypatch.setattr(handlers, "IDLE_RESYNC_SECONDS", 60.0)
         await api.patch_job("demo", {"spec": {"suspend": False}})
-        await eventually(lambda: _replicas(obj(emulator, STS, "demo-prl-trainer")) == 2, timeout_s=3, what="resumed")
+        await eventually(lambda: _replicas(obj(emulator, STS, "demo-prl-trainer")) == 2, timeout_s=15, what="resumed")
 
 
 async def test_a_pass_that_changes_nothing_writes_nothing(cluster) -> None:
