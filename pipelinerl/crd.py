@@ -30,6 +30,7 @@ from pipelinerl.contracts import (
     Progress,
 )
 from pipelinerl.k8s_types import DNS_1035_LABEL, RESOURCE_NAME
+from pipelinerl.spec_base import BUILTIN_MODELS, MODEL_PATH_PLACED
 from pipelinerl.spec_sections import OUTPUT_FOLDERS
 from pipelinerl.spec import (
     API_GROUP,
@@ -321,6 +322,12 @@ SPEC_RULES: list[tuple[str, str, str]] = [
         "(self.trainer.gpus == 0 && self.generator.gpus == 0) || !self.model.path.startsWith('builtin:')",
         "model.path: a GPU job needs a Hugging Face model (builtin:tiny-arith is the CPU example's toy model)",
     ),
+    (
+        "model",
+        f"!self.path.startsWith('builtin:') || self.path in {_cel_list(BUILTIN_MODELS)}",
+        f"model.path: unknown built-in model: {', '.join(BUILTIN_MODELS)}",
+    ),
+    ("model", "!self.path.startsWith('.') && !self.path.startsWith('~')", f"model.path: {MODEL_PATH_PLACED}"),
     (
         "task",
         f"self.name in {_cel_list(TASK_NAMES)} || self.name.matches('{_cel_regex(TASK_IMPORT_PATH)}')",

@@ -43,10 +43,10 @@ def static_prompt_fit(job: Any) -> tuple[list[str], list[str]] | None:
     """`prompt_fit` before the job runs, where it can be known: a built-in model (its tokenizer is
     the project's) and a built-in task that reads no files. None where it cannot."""
     from pipelinerl.tasks import FILELESS, make_task
-    from pipelinerl.tiny_model import BUILTINS, make_tokenizer
+    from pipelinerl.tiny_model import BUILTIN_MODELS, make_tokenizer
 
     spec = job.spec
-    if spec.model.path not in BUILTINS or spec.task.name not in FILELESS:
+    if spec.model.path not in BUILTIN_MODELS or spec.task.name not in FILELESS:
         return None
     try:
         task = make_task(spec.task.name, spec.task.params, seed=spec.task.seed)

@@ -31,6 +31,14 @@ MAX_STEPS = 10**9
 MAX_SECONDS = 10**10
 DNS_LABEL = re.compile(DNS_1035_LABEL)
 TASK_NAMES = ("arith", "chain", "dataset", "guess", "math")  # pipelinerl.tasks.BUILTIN (a test keeps them equal)
+# The models the package builds itself (pipelinerl.tiny_model): any other `builtin:` is refused.
+BUILTIN_MODELS = ("builtin:tiny-arith", "builtin:tiny-chain", "builtin:tiny-random")
+# A relative or ~ path names a folder by where a process runs and whose home it is: a pod's are its
+# image's (/app, root), not the author's, and a run resumed from elsewhere would read another folder.
+MODEL_PATH_PLACED = (
+    "a relative or ~ path is read from wherever the services run (in a pod: the image's folder): give the model "
+    "folder's absolute path, or a hub id"
+)
 TASK_IMPORT_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 GPU_RESOURCE = "nvidia.com/gpu"
 # Fields a running job cannot change: the model, task and layout its checkpoints belong to, and

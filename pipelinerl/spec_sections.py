@@ -16,9 +16,11 @@ from pipelinerl.k8s_types import (
     PositiveQuantity,
 )
 from pipelinerl.spec_base import (
+    BUILTIN_MODELS,
     MAX_SECONDS,
     MAX_SEED,
     MAX_STEPS,
+    MODEL_PATH_PLACED,
     TASK_IMPORT_PATH,
     TASK_NAMES,
     SpecModel,
@@ -30,8 +32,9 @@ class ModelSpec(SpecModel):
         default="builtin:tiny-arith",
         min_length=1,
         max_length=1024,
-        description="Hugging Face model folder (or hub id), or builtin:tiny-arith / builtin:tiny-chain (their "
-        "warm-started weights ship with the package).",
+        description="A Hugging Face model folder by its absolute path (in a cluster: on a volume the pod template "
+        "mounts), a hub id (Qwen/Qwen2.5-0.5B), or builtin:tiny-arith / builtin:tiny-chain (their warm-started "
+        "weights ship with the package) / builtin:tiny-random.",
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         default="auto",
@@ -39,6 +42,15 @@ class ModelSpec(SpecModel):
         "float32 on CPU.",
     )
     max_seq_len: int = Field(default=64, ge=8, le=131072, description="Prompt + completion tokens.")
+
+    @field_validator("path")
+    @classmethod
+    def _placed(cls, v: str) -> str:
+        if v.startswith("builtin:") and v not in BUILTIN_MODELS:
+            raise ValueError(f"unknown built-in model {v!r}: {', '.join(BUILTIN_MODELS)}")
+        if v.startswith((".", "~")):  # no hub id starts so
+            raise ValueError(MODEL_PATH_PLACED)
+        return v
 
 
 class TaskSpec(SpecModel):

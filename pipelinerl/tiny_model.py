@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pipelinerl.contracts import Env
+from pipelinerl.spec_base import BUILTIN_MODELS
 
 if TYPE_CHECKING:  # torch is imported where a model is built or trained: `pipelinerl validate` and
     import torch  # the runner only read names, paths and the tokenizer (importing it costs 1.4 s)
@@ -77,7 +78,6 @@ WARM_CHAIN: dict[str, Any] = dict(
     seed=1234,
 )
 WARM_STARTS = {"tiny-arith": WARM, "tiny-chain": WARM_CHAIN}
-BUILTINS = ("builtin:tiny-arith", "builtin:tiny-chain", "builtin:tiny-random")
 SHIPPED = Path(__file__).parent / "builtin_models"  # the warm-started models' weights and records
 
 
@@ -266,7 +266,7 @@ def _fingerprint(name: str) -> str:
 
 def resolve_model_path(path: str, progress=None) -> str:
     """A model folder for `spec.model.path`: writes (once, under a file lock) the built-ins'."""
-    if path not in BUILTINS:
+    if path not in BUILTIN_MODELS:
         return path
     progress = progress or (lambda msg: print(msg, flush=True))
     name = path.split(":", 1)[1]
@@ -396,27 +396,32 @@ def _write(name: str, target: Path, progress) -> None:
 
 
 def model_path_problem(path: str, runs_here: bool) -> tuple[str | None, str | None]:
-    """(error, note) on `model.path`, told from how the path looks, before anything starts.
+    """(error, note) on `model.path`, told from how the path looks, before anything starts (the
+    spec has refused relative and ~ paths: MODEL_PATH_PLACED).
 
-    A relative or ~ path names a folder on this machine: it must be a Hugging Face model folder.
     An absolute path may be one only the cluster's pods see (a volume their pod template mounts,
     e.g. a PersistentVolumeClaim): missing here, it is an error only for a job that runs here
     (`runs_here`: `pipelinerl run`); `validate` says it cannot check it. A path that exists here
     must be a model folder. Built-ins and hub ids (`Qwen/Qwen2.5-0.5B`) are left to the engines,
-    which download them."""
-    if path in BUILTINS or not (path.startswith(("/", ".", "~")) or Path(path).exists()):
+    which download them; a hub id that names a folder here is that folder to `pipelinerl run` and
+    a hub id to a pod: `run` asks for the absolute path, `validate` notes it."""
+    folder = Path(path)
+    if path in BUILTIN_MODELS or not (path.startswith("/") or folder.exists()):
         return None, None
-    folder = Path(path).expanduser()
-    if not folder.exists() and path.startswith("/") and not runs_here:
+    if not path.startswith("/"):
+        told = f"model.path: {path!r} is a folder here (relative to the current folder), a hub id in a pod"
+        if runs_here:
+            return f"{told}: give the folder's absolute path ({folder.resolve()})", None
+        return None, f"{told}: give the folder's absolute path if the folder is meant"
+    if not folder.exists() and not runs_here:
         return None, (
             f"model.path: {path!r} is not on this machine; an absolute path may be a volume only the "
             "cluster's pods mount (e.g. a PersistentVolumeClaim), which cannot be checked from here "
             "(`pipelinerl run` needs it on this machine)"
         )
     if not folder.is_dir():
-        where = "on this machine: a relative or ~ path names a local folder" if path[0] in ".~" else "on this machine"
         model = "a Hugging Face model folder, or a hub id such as Qwen/Qwen2.5-0.5B"
-        return f"model.path: no folder {path!r} {where} ({model})", None
+        return f"model.path: no folder {path!r} on this machine ({model})", None
     if not (folder / "config.json").exists():
         return f"model.path: {path!r} has no config.json (not a Hugging Face model folder)", None
     return None, None

@@ -47,13 +47,6 @@ def test_run_refuses_what_validate_refuses_and_starts_nothing(tmp_path, capsys, 
 
 def test_a_local_model_folder_must_exist_one_only_the_cluster_sees_cannot_be_checked(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    # A relative (or ~) path names a folder on this machine: refused by both.
-    path = manifest(tmp_path, model={"path": "./models/qwen"})
-    assert cli(["validate", path]) == 2
-    err = capsys.readouterr().err
-    assert (
-        "spec.model.path: no folder './models/qwen' on this machine: a relative or ~ path names a local folder" in err
-    )
     # An absolute path may be a volume only the pods mount: validate says it cannot check it ...
     path = manifest(tmp_path, model={"path": "/models/qwen-7b"})
     assert cli(["validate", path]) == 0
@@ -66,8 +59,29 @@ def test_a_local_model_folder_must_exist_one_only_the_cluster_sees_cannot_be_che
     assert not (tmp_path / "run").exists()
     # A folder that is there must be a model folder.
     (tmp_path / "models" / "qwen").mkdir(parents=True)
-    assert cli(["validate", manifest(tmp_path, model={"path": "./models/qwen"})]) == 2
+    assert cli(["validate", manifest(tmp_path, model={"path": str(tmp_path / "models" / "qwen")})]) == 2
     assert "has no config.json" in capsys.readouterr().err
+
+
+def test_a_model_path_read_by_where_it_runs_is_refused_or_told(tmp_path, capsys, monkeypatch):
+    """A relative or ~ path is refused at every door (in a pod it is the image's folder); a hub id
+    that names a folder here is that folder to a local run and a hub id to a pod: `run` asks for
+    the folder's absolute path before starting anything, `validate` notes it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "models" / "qwen").mkdir(parents=True)
+    (tmp_path / "models" / "qwen" / "config.json").write_text("{}")
+    for relative in ("./models/qwen", "~/models/qwen"):
+        path = manifest(tmp_path, model={"path": relative})
+        for command in (["validate", path], ["run", path, "--run-dir", str(tmp_path / "run")]):
+            assert cli(command) == 2
+            err = capsys.readouterr().err
+            assert "spec.model.path" in err and "give the model folder's absolute path, or a hub id" in err
+    path = manifest(tmp_path, model={"path": "models/qwen"})
+    assert cli(["validate", path]) == 0
+    assert "warning: spec.model.path: 'models/qwen' is a folder here" in capsys.readouterr().err
+    assert cli(["run", path, "--run-dir", str(tmp_path / "run")]) == 2
+    assert f"give the folder's absolute path ({tmp_path / 'models' / 'qwen'})" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
 
 
 def test_validate_checks_the_tiny_job_without_importing_torch():
