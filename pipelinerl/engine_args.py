@@ -40,6 +40,13 @@ OWNED = {
     "num_gpu_blocks_override": "the memory plan budgets vLLM by gpu_memory_utilization",
     "logprobs_mode": "the trainer's importance ratios need the sampling policy's own log-probs (processed_logprobs)",
 }
+# Arguments whose feature in-flight updates cannot keep, refused where set to anything but off.
+# Expert-load balancing moves experts between slots as the engine runs, while a weight update
+# loads each expert by name into the slot vLLM placed it in at start (its initial expert map).
+UNSUPPORTED = {
+    "enable_eplb": "expert-load balancing moves experts between slots as the engine runs, and a weight update "
+    "loads each expert into the slot it started in: the updates would write the wrong experts",
+}
 
 
 def _describe(tp: Any) -> tuple[set[str], list[Any] | None]:
@@ -115,6 +122,9 @@ def engine_arg_errors(engine_args: dict[str, Any]) -> list[str]:
     for name, value in engine_args.items():
         if name in OWNED:
             errors.append(f"engineArgs.{name}: set by PipelineRL ({OWNED[name]})")
+            continue
+        if name in UNSUPPORTED and value:
+            errors.append(f"engineArgs.{name}: not with in-flight weight updates ({UNSUPPORTED[name]})")
             continue
         if name not in known:
             close = difflib.get_close_matches(name, known, n=3)

@@ -71,3 +71,11 @@ def test_the_lm_heads_dtype_is_the_generators_own() -> None:
     assert engine_arg_errors({"hf_overrides": '{"rope_theta": 1}'}) == [
         "engineArgs.hf_overrides: expected dict, got str '{\"rope_theta\": 1}'"
     ]
+
+
+def test_expert_load_balancing_is_refused_off_it_is_taken() -> None:
+    """vLLM's weight loaders place each expert by its initial expert map; EPLB moves experts away
+    from it as the engine runs, so an in-flight update would write the wrong experts."""
+    (error,) = engine_arg_errors({"enable_eplb": True})
+    assert error.startswith("engineArgs.enable_eplb: not with in-flight weight updates") and "wrong experts" in error
+    assert engine_arg_errors({"enable_eplb": False}) == []

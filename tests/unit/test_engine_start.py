@@ -104,18 +104,3 @@ def test_a_checkpoint_quantized_ahead_is_refused_by_field_and_online_quantizatio
     refused = quantized_ahead({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}})
     assert refused is not None and refused.startswith("spec.model.path: a checkpoint quantized ahead (fp8)")
     assert "engineArgs.quantization" in refused
-
-
-def test_staged_updates_are_received_inside_the_pause_with_expert_load_balancing():
-    """Its rearrangements, made in steps, move experts and the map a transfer beside the steps
-    would load them by."""
-    from pipelinerl.spec import parse_job
-    from pipelinerl_generator.engine import Engine
-
-    def beside(engine_args: dict) -> bool:
-        engine = Engine.__new__(Engine)  # the decision alone: no vLLM engine started
-        engine.job = parse_job({"metadata": {"name": "e"}, "spec": {"generator": {"engineArgs": engine_args}}})
-        engine.update_path = "staged"
-        return engine.stages_beside
-
-    assert beside({}) and not beside({"enable_eplb": True})

@@ -408,11 +408,8 @@ class Engine:
     def stages_beside(self) -> bool:
         """Staged updates are received beside generation where `works_beside`; otherwise inside
         the pause, on the worker's thread, still into the staging copy: the pause then lasts the
-        transfer. Also inside it with expert-load balancing: its rearrangements, made in steps,
-        move experts and the map the loaders place them by, which a transfer beside the steps
-        would read before a rearrangement and the commit write after it."""
-        eplb = bool(self.job.spec.generator.engine_args.get("enable_eplb"))
-        return self.update_path == "staged" and self.works_beside and not eplb
+        transfer."""
+        return self.update_path == "staged" and self.works_beside
 
     async def update_weights(self, version: int, buckets: list[dict]) -> UpdateStats:
         """With requests running: receive and load the new weights into the staging copy beside

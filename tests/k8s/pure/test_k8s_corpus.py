@@ -57,6 +57,7 @@ WEBHOOK_ONLY = {
     "engine-arg-owned-model",
     "engine-arg-owned-seq-len",
     "engine-arg-owned-kv-cache-bytes",
+    "engine-arg-eplb",
     "requests-above-limits",
     "memory-requests-above-limits",
     "gpu-limit-without-gpus",
