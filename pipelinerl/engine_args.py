@@ -40,7 +40,7 @@ OWNED = {
     "num_gpu_blocks_override": "the memory plan budgets vLLM by gpu_memory_utilization",
     "logprobs_mode": "the trainer's importance ratios need the sampling policy's own log-probs (processed_logprobs)",
 }
-# Arguments whose feature in-flight updates cannot keep, refused where set to anything but off.
+# Arguments whose feature in-flight updates cannot keep, refused where switched on.
 # Expert-load balancing moves experts between slots as the engine runs, while a weight update
 # loads each expert by name into the slot vLLM placed it in at start (its initial expert map).
 UNSUPPORTED = {
@@ -123,7 +123,7 @@ def engine_arg_errors(engine_args: dict[str, Any]) -> list[str]:
         if name in OWNED:
             errors.append(f"engineArgs.{name}: set by PipelineRL ({OWNED[name]})")
             continue
-        if name in UNSUPPORTED and value:
+        if name in UNSUPPORTED and value is True:
             errors.append(f"engineArgs.{name}: not with in-flight weight updates ({UNSUPPORTED[name]})")
             continue
         if name not in known:

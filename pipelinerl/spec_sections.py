@@ -48,7 +48,8 @@ class ModelSpec(SpecModel):
     def _placed(cls, v: str) -> str:
         if v.startswith("builtin:") and v not in BUILTIN_MODELS:
             raise ValueError(f"unknown built-in model {v!r}: {', '.join(BUILTIN_MODELS)}")
-        if v.startswith((".", "~")):  # no hub id starts so
+        # No hub id starts with . or ~, nor has two slashes (org/name); a URI (s3://) is vLLM's.
+        if v.startswith((".", "~")) or not (v.startswith("/") or "://" in v or v.count("/") < 2):
             raise ValueError(MODEL_PATH_PLACED)
         return v
 

@@ -409,7 +409,8 @@ def model_path_problem(path: str, runs_here: bool) -> tuple[str | None, str | No
     if path in BUILTIN_MODELS or not (path.startswith("/") or folder.exists()):
         return None, None
     if not path.startswith("/"):
-        told = f"model.path: {path!r} is a folder here (relative to the current folder), a hub id in a pod"
+        here = "a folder" if folder.is_dir() else "a file"
+        told = f"model.path: {path!r} is {here} here (relative to the current folder), a hub id in a pod"
         if runs_here:
             return f"{told}: give the folder's absolute path ({folder.resolve()})", None
         return None, f"{told}: give the folder's absolute path if the folder is meant"

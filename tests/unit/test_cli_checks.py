@@ -70,7 +70,7 @@ def test_a_model_path_read_by_where_it_runs_is_refused_or_told(tmp_path, capsys,
     monkeypatch.chdir(tmp_path)
     (tmp_path / "models" / "qwen").mkdir(parents=True)
     (tmp_path / "models" / "qwen" / "config.json").write_text("{}")
-    for relative in ("./models/qwen", "~/models/qwen"):
+    for relative in ("./models/qwen", "~/models/qwen", "work/models/qwen"):
         path = manifest(tmp_path, model={"path": relative})
         for command in (["validate", path], ["run", path, "--run-dir", str(tmp_path / "run")]):
             assert cli(command) == 2

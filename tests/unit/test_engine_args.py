@@ -79,3 +79,4 @@ def test_expert_load_balancing_is_refused_off_it_is_taken() -> None:
     (error,) = engine_arg_errors({"enable_eplb": True})
     assert error.startswith("engineArgs.enable_eplb: not with in-flight weight updates") and "wrong experts" in error
     assert engine_arg_errors({"enable_eplb": False}) == []
+    assert engine_arg_errors({"enable_eplb": "false"}) == ["engineArgs.enable_eplb: expected bool, got str 'false'"]

@@ -58,6 +58,12 @@ WEBHOOK_ONLY = {
     "engine-arg-owned-seq-len",
     "engine-arg-owned-kv-cache-bytes",
     "engine-arg-eplb",
+    # added once jobs could be stored: no ratcheting on 1.29 (pipelinerl/crd.py, the CEL rules)
+    "model-path-relative",
+    "model-path-parent",
+    "model-path-home",
+    "model-path-relative-folders",
+    "model-builtin-unknown",
     "requests-above-limits",
     "memory-requests-above-limits",
     "gpu-limit-without-gpus",
