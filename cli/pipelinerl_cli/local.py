@@ -34,7 +34,7 @@ from pipelinerl_cli.embedded_nats import EmbeddedNats
 from pipelinerl.learning import learning_alarm
 from pipelinerl.phases import decomposition
 from pipelinerl.ports import free_port
-from pipelinerl.spec import PipelineRLJob, SpecError, dump_job
+from pipelinerl.spec import PipelineRLJob, SpecError, dump_job, immutable_changes, load_job
 from pipelinerl.streams import close, connect
 from pipelinerl.store import ensure_streams
 from pipelinerl.tiny_model import model_info, model_path_problem, resolve_model_path
@@ -567,6 +567,34 @@ def tell(*args: object, file: TextIO | None = None) -> None:
         print(*args, file=file or sys.stdout, flush=True)
 
 
+def resumed_job_problem(run_dir: Path, job: PipelineRLJob) -> str | None:
+    """Why `job` cannot go on from the run in `run_dir` (its job.yaml), whose checkpoints, streams
+    and claims it would take for its own: another job's, or one a field that cannot change differs
+    from (IMMUTABLE: the API server refuses such an update of a job as well). None for a new folder;
+    one whose job no longer reads (an older release's) is said and not compared."""
+    stored = run_dir / "job.yaml"
+    if not stored.exists():
+        return None
+    try:
+        old = load_job(stored)
+    except SpecError as err:
+        tell(
+            f"warning: {stored} no longer reads, so the fields that cannot change were not compared:\n{err}",
+            file=sys.stderr,
+        )
+        return None
+    instead = "give this one another --run-dir"
+    if (old.namespace, old.name) != (job.namespace, job.name):
+        return f"{run_dir} holds the run of job {old.namespace}/{old.name}, not {job.namespace}/{job.name}: {instead}"
+    if changed := immutable_changes(old, job):
+        fields = ", ".join(f"spec.{path}" for path in changed)
+        return (
+            f"{run_dir} holds this job's run with other {fields}, which cannot change (its checkpoints and "
+            f"streams are of them): set them as they were, or {instead}"
+        )
+    return None
+
+
 def lock_run_dir(run_dir: Path, instead: str) -> TextIO:
     """One process per run folder: a second `pipelinerl run` there, or a command opening its
     store (`dead-letters`, `recover-store`), would start a NATS of its own on the same store.
@@ -623,6 +651,8 @@ def run_local(
     run_dir.mkdir(parents=True, exist_ok=True)
     in_use = lock_run_dir(run_dir, "stop it, or give this one another --run-dir")
     try:
+        if problem := resumed_job_problem(run_dir, job):
+            raise SpecError(problem)
         return _run_in(job, run_dir, quiet, cores, restart, in_use.fileno())
     finally:
         in_use.close()

@@ -84,6 +84,35 @@ def test_a_model_path_read_by_where_it_runs_is_refused_or_told(tmp_path, capsys,
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_folder_goes_on_only_with_its_job_and_the_fields_that_cannot_change_as_they_were(
+    tmp_path, capsys, monkeypatch
+):
+    """Re-running in a run's folder resumes it, from its checkpoints, streams and claims: another
+    job, or this one with a field the API server would not let change (the model, the task, the
+    trainer's ranks...), is refused before anything starts; other fields may change."""
+    from pipelinerl.spec import dump_job, load_job
+
+    started = []
+    monkeypatch.setattr("pipelinerl_cli.local._run_in", lambda job, *_: started.append(job) or 0)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "job.yaml").write_text(dump_job(load_job(manifest(tmp_path))))
+    resume = ["--run-dir", str(run_dir)]
+    assert cli(["run", manifest(tmp_path, trainer={"maxSteps": 500}), *resume]) == 0
+    assert started[-1].spec.trainer.max_steps == 500
+    assert cli(["run", manifest(tmp_path, task={"name": "chain"}, trainer={"replicas": 2}), *resume]) == 2
+    err = capsys.readouterr().err
+    assert f"{run_dir} holds this job's run with other spec.task, spec.trainer.replicas, which cannot change" in err
+    other = yaml.safe_load(Path(manifest(tmp_path)).read_text())
+    other["metadata"]["name"] = "u"
+    (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
+    assert cli(["run", str(tmp_path / "other.yaml"), *resume]) == 2
+    assert f"{run_dir} holds the run of job default/t, not default/u: give this one another --run-dir" in (
+        capsys.readouterr().err
+    )
+    assert len(started) == 1
+
+
 def test_validate_checks_the_tiny_job_without_importing_torch():
     """`validate`, and `run` before it starts anything, read the built-in model's names, paths and
     tokenizer only: torch (1.4 s of every start) is imported where a model is built or trained."""
