@@ -40,9 +40,8 @@ OWNED = {
     "num_gpu_blocks_override": "the memory plan budgets vLLM by gpu_memory_utilization",
     "logprobs_mode": "the trainer's importance ratios need the sampling policy's own log-probs (processed_logprobs)",
 }
-# Arguments whose feature in-flight updates cannot keep, refused where switched on.
-# Expert-load balancing moves experts between slots as the engine runs, while a weight update
-# loads each expert by name into the slot vLLM placed it in at start (its initial expert map).
+# Arguments whose feature in-flight updates cannot keep, refused where switched on (vLLM's
+# loaders place experts by its initial expert map).
 UNSUPPORTED = {
     "enable_eplb": "expert-load balancing moves experts between slots as the engine runs, and a weight update "
     "loads each expert into the slot it started in: the updates would write the wrong experts",

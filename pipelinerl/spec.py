@@ -77,7 +77,7 @@ __all__ = [  # the spec's names, wherever they are defined
     "ObjectMeta", "OutputSpec", "PipelineRLJob", "PreprocessorSpec", "RLSpec", "Resources", "RoleSpec", "RunPolicy",
     "SamplingSpec", "SchedulingSpec", "SpecError", "SpecModel", "StorageSpec", "TaskSpec", "TensorboardSpec",
     "TrackingSpec", "TrainerSpec", "WandbSpec", "WeightSyncSpec", "dump_job", "dump_yaml", "format_errors",
-    "immutable_changes", "load_job", "load_yaml", "parse_job", "parse_mapping", "read_manifest",
+    "immutable_changes", "load_job", "spec_value", "load_yaml", "parse_job", "parse_mapping", "read_manifest",
 ]  # fmt: skip
 
 
@@ -559,16 +559,17 @@ def load_job(path: str | Path) -> PipelineRLJob:
     return parse_job(read_manifest(path), str(path))
 
 
+def spec_value(job: PipelineRLJob, path: str) -> Any:
+    """The spec's value at a dotted camelCase path (`trainer.replicas`), as JSON has it."""
+    node: Any = job.spec.model_dump(mode="json", by_alias=True)
+    for part in path.split("."):
+        node = node[part]
+    return node
+
+
 def immutable_changes(old: PipelineRLJob, new: PipelineRLJob) -> list[str]:
     """The IMMUTABLE fields (camelCase paths) that differ between a stored job and its update."""
-
-    def at(job: PipelineRLJob, path: str) -> Any:
-        node: Any = job.spec.model_dump(mode="json", by_alias=True)
-        for part in path.split("."):
-            node = node[part]
-        return node
-
-    return [path for path in IMMUTABLE if at(old, path) != at(new, path)]
+    return [path for path in IMMUTABLE if spec_value(old, path) != spec_value(new, path)]
 
 
 def dump_job(job: PipelineRLJob) -> str:

@@ -34,7 +34,7 @@ from pipelinerl_cli.embedded_nats import EmbeddedNats
 from pipelinerl.learning import learning_alarm
 from pipelinerl.phases import decomposition
 from pipelinerl.ports import free_port
-from pipelinerl.spec import PipelineRLJob, SpecError, dump_job, immutable_changes, load_job
+from pipelinerl.spec import PipelineRLJob, SpecError, dump_job, immutable_changes, load_job, spec_value
 from pipelinerl.streams import close, connect
 from pipelinerl.store import ensure_streams
 from pipelinerl.tiny_model import model_info, model_path_problem, resolve_model_path
@@ -123,6 +123,7 @@ class LocalRun:
     def start_services(self, nats_url: str) -> None:
         job_file = self.run_dir / "job.yaml"  # what a resumed run is started from: never left torn
         write_text_whole(job_file, dump_job(self.job))
+        write_text_whole(self.run_dir / RAN_JOB, dump_job(self.job))  # the runner's record: job.yaml may be edited
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
         gens, trainers = self.spec.generator_engines, self.spec.trainer_ranks
@@ -567,12 +568,19 @@ def tell(*args: object, file: TextIO | None = None) -> None:
         print(*args, file=file or sys.stdout, flush=True)
 
 
+RAN_JOB = ".job.yaml"  # in a run's folder: the job it last ran, which `resumed_job_problem` compares with
+# The fields that cannot change on a cluster that a local run does not read (its NATS is its own,
+# its checkpoints in its folder).
+NOT_READ_HERE = ("storage", "nats.url")
+
+
 def resumed_job_problem(run_dir: Path, job: PipelineRLJob) -> str | None:
-    """Why `job` cannot go on from the run in `run_dir` (its job.yaml), whose checkpoints, streams
-    and claims it would take for its own: another job's, or one a field that cannot change differs
-    from (IMMUTABLE: the API server refuses such an update of a job as well). None for a new folder;
-    one whose job no longer reads (an older release's) is said and not compared."""
-    stored = run_dir / "job.yaml"
+    """Why `job` cannot go on from the run in `run_dir`, whose checkpoints, streams and claims it
+    would take for its own: another job's, or one a field that cannot change differs from
+    (IMMUTABLE: the API server refuses such an update of a job as well). Compared with the job the
+    folder last ran (RAN_JOB; job.yaml beside it may have been edited). None for a new folder; one
+    whose job no longer reads (an older release's) is said and not compared."""
+    stored = run_dir / RAN_JOB
     if not stored.exists():
         return None
     try:
@@ -586,11 +594,16 @@ def resumed_job_problem(run_dir: Path, job: PipelineRLJob) -> str | None:
     instead = "give this one another --run-dir"
     if (old.namespace, old.name) != (job.namespace, job.name):
         return f"{run_dir} holds the run of job {old.namespace}/{old.name}, not {job.namespace}/{job.name}: {instead}"
-    if changed := immutable_changes(old, job):
-        fields = ", ".join(f"spec.{path}" for path in changed)
+    changed = [path for path in immutable_changes(old, job) if path not in NOT_READ_HERE]
+    if changed:
+        shown = {
+            path: [json.dumps(spec_value(j, path), separators=(",", ":"), sort_keys=True) for j in (old, job)]
+            for path in changed
+        }
+        was = "; ".join(f"spec.{path}: {then} now {now}" for path, (then, now) in shown.items())
         return (
-            f"{run_dir} holds this job's run with other {fields}, which cannot change (its checkpoints and "
-            f"streams are of them): set them as they were, or {instead}"
+            f"{run_dir} holds this job's run with fields that cannot change (its checkpoints and streams are "
+            f"of them) as they were: {was}. Set them as they were, or {instead}"
         )
     return None
 

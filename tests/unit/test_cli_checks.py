@@ -89,20 +89,29 @@ def test_a_run_folder_goes_on_only_with_its_job_and_the_fields_that_cannot_chang
 ):
     """Re-running in a run's folder resumes it, from its checkpoints, streams and claims: another
     job, or this one with a field the API server would not let change (the model, the task, the
-    trainer's ranks...), is refused before anything starts; other fields may change."""
+    trainer's ranks...), is refused before anything starts, compared with the job the folder last
+    ran (its job.yaml edited in place too); other fields may change, and so may those a local run
+    does not read (storage, nats.url)."""
     from pipelinerl.spec import dump_job, load_job
+    from pipelinerl_cli.local import RAN_JOB
 
     started = []
     monkeypatch.setattr("pipelinerl_cli.local._run_in", lambda job, *_: started.append(job) or 0)
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "job.yaml").write_text(dump_job(load_job(manifest(tmp_path))))
+    ran = dump_job(load_job(manifest(tmp_path)))
+    (run_dir / RAN_JOB).write_text(ran)
     resume = ["--run-dir", str(run_dir)]
-    assert cli(["run", manifest(tmp_path, trainer={"maxSteps": 500}), *resume]) == 0
+    assert cli(["run", manifest(tmp_path, trainer={"maxSteps": 500}, storage={"size": "20Gi"}), *resume]) == 0
     assert started[-1].spec.trainer.max_steps == 500
     assert cli(["run", manifest(tmp_path, task={"name": "chain"}, trainer={"replicas": 2}), *resume]) == 2
     err = capsys.readouterr().err
-    assert f"{run_dir} holds this job's run with other spec.task, spec.trainer.replicas, which cannot change" in err
+    assert f"{run_dir} holds this job's run with fields that cannot change" in err
+    assert '"name":"arith"' in err and '"name":"chain"' in err and "spec.trainer.replicas: 1 now 2" in err
+    # job.yaml in the folder, edited in place and run: compared with what the folder ran
+    (run_dir / "job.yaml").write_text(ran.replace("builtin:tiny-arith", "builtin:tiny-chain"))
+    assert cli(["run", str(run_dir / "job.yaml"), *resume]) == 2
+    assert 'spec.model: {"dtype":"auto","maxSeqLen":64,"path":"builtin:tiny-arith"} now' in capsys.readouterr().err
     other = yaml.safe_load(Path(manifest(tmp_path)).read_text())
     other["metadata"]["name"] = "u"
     (tmp_path / "other.yaml").write_text(yaml.safe_dump(other))
