@@ -438,6 +438,15 @@ def go_number(text: str) -> int | float | str:
     return int(number) if number.is_integer() and abs(number) < 1e21 else number
 
 
+# go-yaml v2's boolean words, in the cases it reads (its resolve table).
+GO_BOOLS = {
+    word: value
+    for words, value in (("y yes true on", True), ("n no false off", False))
+    for lower in words.split()
+    for word in (lower, lower.capitalize(), lower.upper())
+}
+
+
 class _StrictLoader(yaml.SafeLoader):
     """Reads YAML as kubectl sends it to the API server (go-yaml v2, then JSON): refuses a key
     given twice in one mapping (PyYAML keeps the last; kubectl refuses it); reads numbers as Go
@@ -460,7 +469,13 @@ class _StrictLoader(yaml.SafeLoader):
     construct_yaml_int = construct_yaml_float  # type: ignore[assignment]
 
     def construct_yaml_bool(self, node: yaml.ScalarNode) -> bool:
-        return self.construct_scalar(node).lower() in ("y", "yes", "true", "on")  # type: ignore[union-attr]
+        """go-yaml v2's booleans; anything else under `!!bool` (`!!bool 1`) refused, as go-yaml does."""
+        text = str(node.value)
+        if text not in GO_BOOLS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{text!r} is not a boolean (true/false, yes/no, on/off, y/n)", node.start_mark
+            )
+        return GO_BOOLS[text]
 
     def construct_yaml_timestamp(self, node: yaml.ScalarNode, values: Any = None) -> str:  # type: ignore[override]
         return str(node.value)

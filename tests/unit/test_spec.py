@@ -174,7 +174,7 @@ def test_yaml_values_read_as_kubectl_sends_them_json(tmp_path):
         ("_1", "_1"), ("0b2", "0b2"), ("1:30", "1:30"), ("v1", "v1"),
         ("+.5", 0.5), ("1_e5", 100000), ("-_1", -1), ("0x_", "0x_"), ("1.0e+500", "1.0e+500"),
         ("0x10000000000000000", "0x10000000000000000"), ("99999999999999999999", 10**20), ("=", "="),
-        ("!foo bar", "bar"),
+        ("!foo bar", "bar"), ("!!bool ON", True), ("!!bool 'No'", False), ("oFF", "oFF"),
     ],
 )  # fmt: skip
 def test_plain_scalars_read_as_go_yaml_v2_reads_them(text, sent):
@@ -190,14 +190,20 @@ def test_plain_scalars_read_as_go_yaml_v2_reads_them(text, sent):
 def test_merges_infinities_and_keys_as_kubectl_has_them():
     """Merges (`<<`) as go-yaml v2 makes them: in document order, a later key overwriting, of a
     list of maps the first winning (PyYAML refused every merge here); infinity and NaN refused
-    (JSON has none: kubectl fails); a list as a key refused, as kubectl refuses it."""
+    (JSON has none: kubectl fails); a list as a key, and a `!!bool` that is none, refused, as
+    kubectl refuses them."""
     from pipelinerl.spec import load_yaml
 
     text = "x: &x {k: 1, j: 1}\nafter: {k: 2, <<: *x}\nbefore: {<<: *x, k: 2}\nlist: {<<: [*x, {k: 3, m: 3}]}"
     assert load_yaml(text) == {
         "x": {"k": 1, "j": 1}, "after": {"k": 1, "j": 1}, "before": {"k": 2, "j": 1}, "list": {"k": 1, "j": 1, "m": 3}
     }  # fmt: skip
-    for bad, why in ((".inf", "no infinity or NaN"), ("[.nan]", "no infinity or NaN"), ("{? [a] : 1}", "key must be")):
+    for bad, why in (
+        (".inf", "no infinity or NaN"),
+        ("[.nan]", "no infinity or NaN"),
+        ("{? [a] : 1}", "key must be"),
+        ("!!bool 1", "'1' is not a boolean"),  # go-yaml v2 refuses it; it was read as false
+    ):
         with pytest.raises(yaml.YAMLError, match=why):
             load_yaml(f"a: {bad}")
 
