@@ -33,6 +33,11 @@ def own_nats_url(body: Mapping[str, Any]) -> str | None:
     return ((body.get("spec") or {}).get("nats") or {}).get("url")
 
 
+# A restore's JetStream requests (`recover_store`): the identity read twice, five streams deleted,
+# looked up and made, four records written (counted in tests/integration/test_streams.py).
+RESTORE_REQUESTS = 21
+
+
 @dataclass
 class JobStreams:
     """One job's streams, as the operator reaches them (`body`: the job object), each outcome told
@@ -56,8 +61,9 @@ class JobStreams:
         self.timeout_s = float(os.environ.get(OperatorEnv.NATS_TIMEOUT, "10"))
         self.subjects = JobSubjects(self.name, self.namespace)
 
-    async def _as_job(self, call: Callable[[Any], Awaitable[T]]) -> T:
-        """`call` on the job's JetStream, connected as the job; raises after `timeout_s`."""
+    async def _as_job(self, call: Callable[[Any], Awaitable[T]], requests: int = 1) -> T:
+        """`call` on the job's JetStream, connected as the job; raises after `timeout_s` for each
+        of the requests it makes (`requests`)."""
 
         async def run() -> T:
             short = min(3.0, self.timeout_s)
@@ -69,7 +75,7 @@ class JobStreams:
             finally:
                 await close(nc)
 
-        return await asyncio.wait_for(run(), self.timeout_s)
+        return await asyncio.wait_for(run(), self.timeout_s * requests)
 
     async def delete(self) -> bool:
         """The streams deleted; False where NATS did not answer."""
@@ -127,8 +133,14 @@ class JobStreams:
         """A resumed job's streams made again, going on from its trainer's checkpoint; why not yet."""
         try:
             told = Checkpointed.model_validate(record)
+            # Each try starts over (a store cut short is made again whole): a bound a slow NATS
+            # cluster always overran (each stream made or deleted is a consensus round there)
+            # would hold the job suspended for good.
             await self._as_job(
-                lambda js: recover_store(js, self.subjects, job.spec, told.store, told.step, told.claims, self.replicas)
+                lambda js: recover_store(
+                    js, self.subjects, job.spec, told.store, told.step, told.claims, self.replicas
+                ),
+                requests=RESTORE_REQUESTS,
             )
         except Exception as err:  # noqa: BLE001 - its account may not be on the server yet: next pass
             self.logger.info("restoring the NATS store of %s/%s: %r", self.namespace, self.name, err)

@@ -417,6 +417,65 @@ async def test_the_newest_version_sent_is_kept_in_the_store_and_forgotten_with_i
     await nc.close()
 
 
+class _CutAfter:
+    """A JetStream context whose `calls`-th request, and every one after, times out: a restore cut
+    short there (the operator bounds each by its NATS timeout)."""
+
+    def __init__(self, js, calls: int) -> None:
+        self.js, self.left = js, calls
+
+    def __getattr__(self, name: str):
+        method = getattr(self.js, name)
+
+        async def call(*args, **kwargs):
+            self.left -= 1
+            if self.left < 0:
+                raise asyncio.TimeoutError(f"cut short at {name}")
+            return await method(*args, **kwargs)
+
+        return call
+
+
+async def test_a_restore_cut_short_anywhere_is_never_taken_as_made_and_the_next_one_makes_it_whole(nats_server):
+    """`recover_store` cut short after each of its requests in turn (streams deleted, some made,
+    the version or the claims written): the store is never taken as made from the checkpoint
+    (`made_from`, which the operator's next pass asks), and the next restore makes the same store
+    an uncut one does: the step announced, claims going on past the checkpoint's with its
+    unsettled ones first, the checkpoint told, the identity adopting it."""
+    from pipelinerl.claims import Claims
+    from pipelinerl.spec import JobSpec
+    from pipelinerl.store import made_from, recover_store
+    from pipelinerl.streams import claim_problems, last_announcement, last_checkpoint
+    from pipelinerl_operator.job_streams import RESTORE_REQUESTS
+
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    try:
+        cuts = 0
+        while True:
+            await ensure_streams(js, SUBJECTS, 8)
+            await js.publish(SUBJECTS.rollouts(0), m.encode(group(1)))  # the lost store's leftovers
+            cut = _CutAfter(js, cuts)
+            try:
+                await recover_store(cut, SUBJECTS, JobSpec(), "lost", 4, Claims.of(40, "7"))
+            except asyncio.TimeoutError:
+                assert await made_from(js, SUBJECTS, "lost", 4) is None, f"taken as made, cut after {cuts} requests"
+                made = await recover_store(js, SUBJECTS, JobSpec(), "lost", 4, Claims.of(40, "7"))
+            else:
+                break  # no request left to cut after
+            assert await made_from(js, SUBJECTS, "lost", 4) == made
+            assert (await last_announcement(js, SUBJECTS)).version == 4
+            told = await last_checkpoint(js, SUBJECTS, 5.0)
+            assert (told.store, told.step, told.problems, told.redraw) == ("lost", 4, 40, "7")
+            assert await claim_problems(js, SUBJECTS, 3) == [7, 40, 41]
+            await js.purge_stream(SUBJECTS.stream("CONTROL"))  # the next round's store has no identity
+            cuts += 1
+        # every request of a restore was cut after in turn; the operator bounds a restore by their number
+        assert cuts == RESTORE_REQUESTS
+    finally:
+        await nc.close()
+
+
 def test_a_server_that_cannot_take_its_port_is_not_mistaken_for_the_one_there(tmp_path, nats_server):
     # Another server took the port between free_port() and the start (tests and benchmarks side
     # by side): this one fails to bind, and its start says so instead of handing out the
