@@ -77,7 +77,7 @@ __all__ = [  # the spec's names, wherever they are defined
     "ObjectMeta", "OutputSpec", "PipelineRLJob", "PreprocessorSpec", "RLSpec", "Resources", "RoleSpec", "RunPolicy",
     "SamplingSpec", "SchedulingSpec", "SpecError", "SpecModel", "StorageSpec", "TaskSpec", "TensorboardSpec",
     "TrackingSpec", "TrainerSpec", "WandbSpec", "WeightSyncSpec", "dump_job", "dump_yaml", "format_errors",
-    "immutable_changes", "load_job", "spec_value", "load_yaml", "parse_job", "parse_mapping", "read_manifest",
+    "immutable_changes", "load_job", "load_yaml", "parse_job", "parse_mapping", "read_manifest", "spec_value",
 ]  # fmt: skip
 
 
