@@ -190,8 +190,9 @@ class RunPolicy(SpecModel):
     checkpoint_retention: Literal["DeleteAfterOutput", "Retain", "Delete"] = Field(
         default="DeleteAfterOutput",
         description="The trainer volumes (checkpoints) when the job is deleted "
-        "(ttlSecondsAfterFinished too): DeleteAfterOutput deletes them only once spec.output holds the final "
-        "model (the job succeeded with an output), else keeps them; Retain always keeps them; Delete never does.",
+        "(ttlSecondsAfterFinished too): DeleteAfterOutput deletes them only once an output claim "
+        "(spec.output.claimName) holds the final model (the job succeeded with one), else keeps them; Retain always "
+        "keeps them; Delete never does.",
     )
 
 

@@ -30,6 +30,7 @@ def _checked(
     and its model path as far as it can be from here (SpecError); its warnings printed.
     `validate` and `run` both call it, `run` before it starts anything."""
     from pipelinerl.tiny_model import model_path_problem
+    from pipelinerl_cli.cluster_only import cluster_only_given
     from pipelinerl_operator.admission import check, job_warnings
 
     old = read_manifest(against) if against else None
@@ -49,7 +50,10 @@ def _checked(
     problem, note = model_path_problem(job.spec.model.path, runs_here)
     if problem:
         raise SpecError(f"{path} cannot run:\n  spec.{problem}")
-    for warning in job_warnings(job) + ([f"spec.{note}"] if note else []):
+    warnings = job_warnings(job, runs_here) + ([f"spec.{note}"] if note else [])
+    if runs_here and (ignored := cluster_only_given(job)):
+        warnings.append(f"{', '.join(ignored)}: the operator's, on a cluster; a local run leaves them alone")
+    for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     return job
 

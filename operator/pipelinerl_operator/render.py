@@ -188,10 +188,12 @@ def service(job: PipelineRLJob, role: str, namespace: str, uid: str) -> dict[str
 
 
 def volumes_deletable(job: PipelineRLJob, output_written: bool) -> bool:
-    """Whether the trainer volumes may go with the job (`runPolicy.checkpointRetention`)."""
+    """Whether the trainer volumes may go with the job (`runPolicy.checkpointRetention`). Written
+    out means to an output claim: `output.path` alone is `pipelinerl run`'s, a pod writes it nowhere."""
     retention = job.spec.run_policy.checkpoint_retention
+    output = job.spec.output
     return retention == "Delete" or (
-        retention == "DeleteAfterOutput" and job.spec.output is not None and output_written
+        retention == "DeleteAfterOutput" and output is not None and output.claim_name is not None and output_written
     )
 
 

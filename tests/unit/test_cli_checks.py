@@ -122,6 +122,41 @@ def test_a_run_folder_goes_on_only_with_its_job_and_the_fields_that_cannot_chang
     assert len(started) == 1
 
 
+def test_run_names_the_fields_only_the_operator_acts_on_and_validate_an_output_no_pod_writes(
+    tmp_path, capsys, monkeypatch
+):
+    """A local run leaves the cluster's fields alone (a deadline never fires, limits are not
+    applied): it names those the manifest sets, and only those. On a cluster an output.path alone
+    is written nowhere (and the trainer volumes are then kept): validate says so, run does not."""
+    from pipelinerl.spec import load_job, spec_value
+    from pipelinerl_cli.cluster_only import CLUSTER_ONLY, cluster_only_given
+
+    monkeypatch.setattr("pipelinerl_cli.local.run_local", lambda *_, **__: 0)
+    example = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
+    assert cluster_only_given(load_job(example)) == []
+    spec = {
+        "suspend": True,
+        "runPolicy": {"activeDeadlineSeconds": 600, "backoffLimit": 5},
+        "trainer": {"resources": {"limits": {"memory": "8Gi"}}, "maxSteps": 10},
+        "output": {"path": str(tmp_path / "out")},
+    }
+    path = manifest(tmp_path, **spec)
+    assert cli(["run", path]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "warning: spec.suspend, spec.runPolicy.activeDeadlineSeconds, spec.trainer.resources: the operator's, on a "
+        "cluster; a local run leaves them alone" in err
+    )
+    assert "output.path" not in err
+    assert cli(["validate", path]) == 0
+    err = capsys.readouterr().err
+    assert "warning: spec.output.path: `pipelinerl run`'s; in a pod the model is written nowhere" in err
+    assert "a local run leaves them alone" not in err
+    with_output = load_job(manifest(tmp_path, output={"claimName": "models"}))
+    for path in CLUSTER_ONLY:
+        spec_value(with_output, path)  # each names a field of the spec (else KeyError)
+
+
 def test_validate_checks_the_tiny_job_without_importing_torch():
     """`validate`, and `run` before it starts anything, read the built-in model's names, paths and
     tokenizer only: torch (1.4 s of every start) is imported where a model is built or trained."""

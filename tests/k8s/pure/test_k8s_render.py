@@ -575,15 +575,16 @@ def test_job_pods_run_as_their_jobs_own_service_account_wherever_the_job_is() ->
 @pytest.mark.parametrize(
     "retention, output, written, deleted",
     [
-        ("DeleteAfterOutput", True, False, False),  # running: the checkpoints are the only copy
-        ("DeleteAfterOutput", True, True, True),  # succeeded: the final model is on the output claim
-        ("DeleteAfterOutput", False, True, False),  # no output: the checkpoints are the model
-        ("Retain", True, True, False),
-        ("Delete", False, False, True),
+        ("DeleteAfterOutput", {"claimName": "models"}, False, False),  # running: the checkpoints are the only copy
+        ("DeleteAfterOutput", {"claimName": "models"}, True, True),  # succeeded: the final model is on the claim
+        ("DeleteAfterOutput", None, True, False),  # no output: the checkpoints are the model
+        ("DeleteAfterOutput", {"path": "/models"}, True, False),  # `pipelinerl run`'s output: no pod writes it
+        ("Retain", {"claimName": "models"}, True, False),
+        ("Delete", None, False, True),
     ],
 )
 def test_trainer_volumes_go_with_the_job_only_per_the_retention_policy(retention, output, written, deleted) -> None:
-    spec = {"runPolicy": {"checkpointRetention": retention}, **({"output": {"claimName": "models"}} if output else {})}
+    spec = {"runPolicy": {"checkpointRetention": retention}, **({"output": output} if output else {})}
     trainer = by_name(render(job(**spec), "ns", "u", CFG, output_written=written))[("StatefulSet", "demo-prl-trainer")]
     assert trainer["spec"]["persistentVolumeClaimRetentionPolicy"] == {
         "whenDeleted": "Delete" if deleted else "Retain",
