@@ -173,7 +173,8 @@ class RunPolicy(SpecModel):
         max_length=3,
         description="Roles whose pod "
         "restarts count against backoffLimit. Generators are left out by default: the job goes on without any "
-        "one of them (Degraded while some are missing), so a restarting generator degrades it, never fails it.",
+        "one of them (Degraded while some are missing), so a restarting generator degrades it, never fails it. "
+        "`pipelinerl run` counts every process's restarts, each against backoffLimit.",
     )
     active_deadline_seconds: int | None = Field(
         default=None, ge=1, le=MAX_SECONDS, description="From creation; time suspended is not counted."
