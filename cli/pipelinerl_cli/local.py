@@ -28,7 +28,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy
 
 from pipelinerl import messages as m
 from pipelinerl.capacity import stream_bytes
-from pipelinerl.contracts import STOP_GRACE_S, STOPPED_EXIT, GeneratorStatus, ServiceEnv
+from pipelinerl.contracts import ROLES, STOP_GRACE_S, STOPPED_EXIT, GeneratorStatus, ServiceEnv
 from pipelinerl.steps import is_final
 from pipelinerl_cli.embedded_nats import EmbeddedNats
 from pipelinerl.learning import learning_alarm
@@ -656,6 +656,11 @@ def run_local(
     problem, _ = model_path_problem(job.spec.model.path, runs_here=True)
     if problem:  # else each service fails after its start-up, with the model hub's word for it
         raise SpecError(problem)
+    if gpus := [f"spec.{role}.gpus" for role in ROLES if getattr(job.spec, role).gpus]:
+        raise SpecError(  # else each process fails at its start, its restarts spent first
+            f"{', '.join(gpus)}: `pipelinerl run` runs every process on this machine's cores (the CPU builds of "
+            "torch and vLLM) and gives none a GPU of its own: a job with GPUs runs on a cluster"
+        )
     try:  # the cores asked for, before anything starts
         core_plan(cores, sorted(os.sched_getaffinity(0)), job.spec.trainer_ranks, job.spec.generator_engines)
     except ValueError as err:

@@ -157,6 +157,22 @@ def test_run_names_the_fields_only_the_operator_acts_on_and_validate_an_output_n
         spec_value(with_output, path)  # each names a field of the spec (else KeyError)
 
 
+def test_run_refuses_a_job_with_gpus_before_it_starts_anything(tmp_path, capsys):
+    """The local runner places processes on cores, with the CPU builds: a GPU job's processes
+    would each fail at their start (after their restarts), or share one GPU."""
+    model = tmp_path / "qwen"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    path = manifest(tmp_path, model={"path": str(model)}, trainer={"gpus": 2}, generator={"gpus": 1})
+    assert cli(["validate", path]) == 0  # a cluster runs it
+    capsys.readouterr()
+    assert cli(["run", path, "--run-dir", str(tmp_path / "run")]) == 2
+    assert "spec.generator.gpus, spec.trainer.gpus: `pipelinerl run` runs every process on this machine's cores" in (
+        capsys.readouterr().err
+    )
+    assert not (tmp_path / "run").exists()
+
+
 def test_validate_checks_the_tiny_job_without_importing_torch():
     """`validate`, and `run` before it starts anything, read the built-in model's names, paths and
     tokenizer only: torch (1.4 s of every start) is imported where a model is built or trained."""
