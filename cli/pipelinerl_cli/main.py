@@ -88,9 +88,9 @@ def _print_memory_plan(job: PipelineRLJob) -> None:
 def _run(args: argparse.Namespace) -> int:
     from pipelinerl_cli.local import run_local
 
-    # What validate refuses (with no --policy: the chart's defaults) never starts.
-    # Its NATS is its own, started with the job's max_payload: not the chart's.
-    job = _checked(args.job, dataclasses.replace(_install(None), nats_max_payload_mb=0), runs_here=True)
+    # What validate refuses (with the same --policy; none: the chart's defaults) never starts.
+    # Its NATS is its own, started with the job's max_payload: not the install's.
+    job = _checked(args.job, dataclasses.replace(_install(args.policy), nats_max_payload_mb=0), runs_here=True)
     cores = "split" if args.pin_cores else args.cores
     return run_local(job, run_dir=args.run_dir, cores=cores, restart=args.restart == "on-failure")
 
@@ -352,6 +352,12 @@ def main(argv: list[str] | None = None) -> int:
         help="split: as --pin-cores; colocated: the trainer and the generators may each use every core (sync "
         "mode's phases alternate, each on the whole machine, as the conventional baseline runs); default: "
         "unpinned, the trainer uses the cores, a generator one thread",
+    )
+    p.add_argument(
+        "--policy",
+        metavar="FILE",
+        help="check the job as validate --policy does (a manifest reading a Secret the platform lists, say); "
+        "default: the chart's defaults",
     )
     p.add_argument(
         "--restart",

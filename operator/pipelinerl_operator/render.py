@@ -285,6 +285,17 @@ def render(
     return objects
 
 
+def _as_written(job: PipelineRLJob, problem: str) -> str:
+    """A problem of the rendered pod named where its author wrote it: a role's own `env` entry
+    reaches the role's container (`<role>.podTemplate.spec.containers[<role>].env[NAME]`)."""
+    for role in ROLES:
+        for var in getattr(job.spec, role).env:
+            rendered = f"{role}.podTemplate.spec.containers[{role}].env[{var.name}]"
+            if problem.startswith(rendered):
+                return f"{role}.env[{var.name}]{problem[len(rendered) :]}"
+    return problem
+
+
 def check_pods(job: PipelineRLJob, objects: list[dict[str, Any]], cfg: OperatorConfig) -> None:
     """Refuse a job that asks for more than its author may have: its podTemplate's fields, its
     pods as rendered (the podTemplate merged in) and its spec, against the platform's policy
@@ -310,7 +321,7 @@ def check_pods(job: PipelineRLJob, objects: list[dict[str, Any]], cfg: OperatorC
                 cfg.install,
                 bad,
             )
-    problems = bad.items + policy_job.spec_violations(job, namespace, cfg)
+    problems = [_as_written(job, p) for p in bad.items] + policy_job.spec_violations(job, namespace, cfg)
     statefulsets = [o for o in objects if o["kind"] == "StatefulSet"]
     problems += policy_job.total_violations({r: replicas(job, r) for r in ROLES}, statefulsets, job, cfg.policy)
     if problems:

@@ -202,6 +202,24 @@ def test_run_takes_a_payload_its_own_nats_takes_that_the_charts_would_not(tmp_pa
     assert cli(["run", path]) == 0 and started[0].spec.nats.max_payload_mb == 16
 
 
+def test_run_checks_with_the_platforms_policy_where_given_as_validate_does(tmp_path, capsys, monkeypatch):
+    """A role's env from a Secret (the run takes it from the shell) passes where the platform's
+    policy lists the Secret: `run --policy` checks as `validate --policy` does."""
+    started = []
+    monkeypatch.setattr("pipelinerl_cli.local.run_local", lambda job, **_: started.append(job) or 0)
+    secret = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "token"}}}
+    path = manifest(tmp_path, trainer={"env": [secret]})
+    policy = tmp_path / "values.yaml"
+    policy.write_text(yaml.safe_dump({"jobPolicy": {"secrets": ["default/hf-token"]}}))
+    for command in (["validate", path], ["run", path]):
+        assert cli(command) == 2
+        # named where it was written (it reaches the trainer's container in the rendered pod)
+        refused = capsys.readouterr().err
+        assert "spec.trainer.env[HF_TOKEN].valueFrom.secretKeyRef.name: Secret 'hf-token' is not one jobs" in refused
+        assert cli([*command, "--policy", str(policy)]) == 0
+    assert len(started) == 1
+
+
 def test_run_asking_for_more_cores_than_there_are_says_so_and_starts_nothing(tmp_path, monkeypatch):
     """`--pin-cores` with a core per generator and trainer rank: fewer cores than that is an
     error naming the fix, before the run's folder or its NATS exist (it was a traceback after)."""
