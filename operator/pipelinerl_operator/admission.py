@@ -182,9 +182,9 @@ def check(manifest: Any, old: Any = None, source: str = "manifest", cfg: Operato
 
 
 def job_warnings(job: PipelineRLJob, runs_here: bool = False) -> list[str]:
-    """What runs, but not as the author may expect (completions that would be cut; on a cluster,
-    an output only `pipelinerl run` writes), or is checked only once it runs (a generator memory
-    plan the manifest cannot make). `runs_here`: for `pipelinerl run`, not a cluster."""
+    """What runs, but not as the author may expect (completions that would be cut, GPUs no process
+    uses; on a cluster, an output only `pipelinerl run` writes), or is checked only once it runs
+    (a generator memory plan the manifest cannot make). `runs_here`: for `pipelinerl run`."""
     fit = static_prompt_fit(job)
     _, unplanned = job_plan(job.spec)
     memory = [f"generator GPU memory not planned here, only at the generator's start: {unplanned}"]
@@ -193,8 +193,13 @@ def job_warnings(job: PipelineRLJob, runs_here: bool = False) -> list[str]:
         "spec.output.path: `pipelinerl run`'s; in a pod the model is written nowhere but the trainer volumes, "
         "which are then kept (set output.claimName)"
     ]
+    idle_gpus = [
+        f"spec.preprocessor.gpus: the preprocessor uses no GPU (it scores and packs on the CPU): its "
+        f"{job.spec.preprocessor.gpus} per pod would sit idle"
+    ]
     return (
         ([f"spec.{w}" for w in fit[1]] if fit else [])
         + (memory if unplanned else [])
         + (local_output if output and output.claim_name is None and not runs_here else [])
+        + (idle_gpus if job.spec.preprocessor.gpus else [])
     )

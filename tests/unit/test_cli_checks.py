@@ -152,6 +152,8 @@ def test_run_names_the_fields_only_the_operator_acts_on_and_validate_an_output_n
     err = capsys.readouterr().err
     assert "warning: spec.output.path: `pipelinerl run`'s; in a pod the model is written nowhere" in err
     assert "a local run leaves them alone" not in err
+    assert cli(["validate", manifest(tmp_path, preprocessor={"gpus": 1})]) == 0
+    assert "warning: spec.preprocessor.gpus: the preprocessor uses no GPU" in capsys.readouterr().err
     with_output = load_job(manifest(tmp_path, output={"claimName": "models"}))
     for path in CLUSTER_ONLY:
         spec_value(with_output, path)  # each names a field of the spec (else KeyError)
