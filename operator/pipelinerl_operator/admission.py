@@ -21,7 +21,7 @@ from pipelinerl.prompt_fit import static_prompt_fit
 from pipelinerl.tasks import param_problems
 from pipelinerl.spec import KIND, PipelineRLJob, SpecError, check_depth, immutable_changes, parse_job
 from pipelinerl_operator.config import OperatorConfig
-from pipelinerl_operator.render import RenderError, render
+from pipelinerl_operator.render import RenderError, render, volumes_deletable
 
 # A job's JSON (what `job_manifest` keeps of it): checking one costs CPU in proportion (the
 # webhook's too), and the object holds it up to twice more in annotations (kubectl's
@@ -202,4 +202,25 @@ def job_warnings(job: PipelineRLJob, runs_here: bool = False) -> list[str]:
         + (memory if unplanned else [])
         + (local_output if output and output.claim_name is None and not runs_here else [])
         + (idle_gpus if job.spec.preprocessor.gpus else [])
+        + ([] if runs_here else _tracking_in_volumes(job))
     )
+
+
+def _tracking_in_volumes(job: PipelineRLJob) -> list[str]:
+    """Trackers writing into the run directory, which in a pod is the trainer's volume: gone with
+    it where the job's volumes go with the job (`runPolicy.checkpointRetention`)."""
+    tracking = job.spec.tracking
+    if tracking is None or not volumes_deletable(job, output_written=True):
+        return []
+    local = {
+        "mlflow": "trackingUri" if tracking.mlflow and not tracking.mlflow.tracking_uri else None,
+        "tensorboard": "logDir" if tracking.tensorboard and not tracking.tensorboard.log_dir else None,
+        "wandb": "mode: online" if tracking.wandb and tracking.wandb.mode == "offline" else None,
+    }
+    retention = job.spec.run_policy.checkpoint_retention
+    return [
+        f"spec.tracking.{name}: written into the trainer's volume, which goes with the job "
+        f"(runPolicy.checkpointRetention: {retention}): set {instead}, or Retain"
+        for name, instead in local.items()
+        if instead
+    ]

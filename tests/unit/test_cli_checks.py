@@ -154,6 +154,13 @@ def test_run_names_the_fields_only_the_operator_acts_on_and_validate_an_output_n
     assert "a local run leaves them alone" not in err
     assert cli(["validate", manifest(tmp_path, preprocessor={"gpus": 1})]) == 0
     assert "warning: spec.preprocessor.gpus: the preprocessor uses no GPU" in capsys.readouterr().err
+    # a tracker's files in the run directory: on a cluster the trainer's volume, gone with the job where it goes
+    path = manifest(tmp_path, tracking={"mlflow": {}}, runPolicy={"checkpointRetention": "Delete"})
+    assert cli(["validate", path]) == 0
+    assert "warning: spec.tracking.mlflow: written into the trainer's volume, which goes with the job" in (
+        capsys.readouterr().err
+    )
+    assert cli(["run", path]) == 0 and "spec.tracking" not in capsys.readouterr().err
     with_output = load_job(manifest(tmp_path, output={"claimName": "models"}))
     for path in CLUSTER_ONLY:
         spec_value(with_output, path)  # each names a field of the spec (else KeyError)
