@@ -255,20 +255,27 @@ class WandbSpec(SpecModel):
     entity: str | None = Field(default=None, max_length=128, description="W&B entity (team or user).")
     mode: Literal["online", "offline"] = Field(
         default="online",
-        description="offline: files in the run directory, for `wandb sync` later (online needs WANDB_API_KEY).",
+        description="offline: files in the run directory (in a pod: the trainer's volume), for `wandb sync` later "
+        "(online needs WANDB_API_KEY).",
     )
     tags: list[str] = Field(default_factory=list, max_length=64, description="W&B run tags.")
 
 
 class MlflowSpec(SpecModel):
     tracking_uri: str | None = Field(
-        default=None, max_length=1024, description="Unset: a SQLite store in the run directory (mlflow.db)."
+        default=None,
+        max_length=1024,
+        description="Unset: a SQLite store in the run directory (mlflow.db; in a pod: the trainer's volume).",
     )
     experiment: str | None = Field(default=None, max_length=256, description="Unset: the job's name.")
 
 
 class TensorboardSpec(SpecModel):
-    log_dir: str | None = Field(default=None, max_length=1024, description="Unset: tensorboard/ in the run directory.")
+    log_dir: str | None = Field(
+        default=None,
+        max_length=1024,
+        description="Unset: tensorboard/ in the run directory (in a pod: the trainer's volume).",
+    )
 
 
 # The folders of a job's output folder (services/trainer/.../output.py): no job on an output claim
