@@ -574,12 +574,14 @@ RAN_JOB = ".job.yaml"  # in a run's folder: the job it last ran, which `resumed_
 NOT_READ_HERE = ("storage", "nats.url")
 
 
-def resumed_job_problem(run_dir: Path, job: PipelineRLJob) -> str | None:
+def resumed_job_problem(
+    run_dir: Path, job: PipelineRLJob, instead: str = "give this one another --run-dir"
+) -> str | None:
     """Why `job` cannot go on from the run in `run_dir`, whose checkpoints, streams and claims it
     would take for its own: another job's, or one a field that cannot change differs from
     (IMMUTABLE: the API server refuses such an update of a job as well). Compared with the job the
     folder last ran (RAN_JOB; job.yaml beside it may have been edited). None for a new folder; one
-    whose job no longer reads (an older release's) is said and not compared."""
+    whose job no longer reads (an older release's) is said and not compared. `instead`: the way out."""
     stored = run_dir / RAN_JOB
     if not stored.exists():
         return None
@@ -591,7 +593,6 @@ def resumed_job_problem(run_dir: Path, job: PipelineRLJob) -> str | None:
             file=sys.stderr,
         )
         return None
-    instead = "give this one another --run-dir"
     if (old.namespace, old.name) != (job.namespace, job.name):
         return f"{run_dir} holds the run of job {old.namespace}/{old.name}, not {job.namespace}/{job.name}: {instead}"
     changed = [path for path in immutable_changes(old, job) if path not in NOT_READ_HERE]

@@ -219,10 +219,12 @@ def _on_job_store(args: argparse.Namespace, job: PipelineRLJob, client: str, cal
     if args.nats:
         return asyncio.run(run(args.nats))
     from pipelinerl_cli.embedded_nats import EmbeddedNats
-    from pipelinerl_cli.local import lock_run_dir
+    from pipelinerl_cli.local import lock_run_dir, resumed_job_problem
 
     in_use = lock_run_dir(Path(args.run_dir), "ask its NATS instead: --nats <its url, in services.json>")
     try:
+        if problem := resumed_job_problem(Path(args.run_dir), job, f"name its own: {Path(args.run_dir) / 'job.yaml'}"):
+            raise SpecError(problem)
         server = EmbeddedNats.of_job(Path(args.run_dir) / "nats", job.spec).start()
         try:
             return asyncio.run(run(server.url))

@@ -91,7 +91,7 @@ def test_a_run_folder_goes_on_only_with_its_job_and_the_fields_that_cannot_chang
     job, or this one with a field the API server would not let change (the model, the task, the
     trainer's ranks...), is refused before anything starts, compared with the job the folder last
     ran (its job.yaml edited in place too); other fields may change, and so may those a local run
-    does not read (storage, nats.url)."""
+    does not read (storage, nats.url). Another job's manifest is not read against its store either."""
     from pipelinerl.spec import dump_job, load_job
     from pipelinerl_cli.local import RAN_JOB
 
@@ -120,6 +120,9 @@ def test_a_run_folder_goes_on_only_with_its_job_and_the_fields_that_cannot_chang
         capsys.readouterr().err
     )
     assert len(started) == 1
+    (run_dir / "nats").mkdir()  # nor is another job's manifest read against the folder's store
+    assert cli(["dead-letters", str(tmp_path / "other.yaml"), *resume]) == 2
+    assert f"not default/u: name its own: {run_dir / 'job.yaml'}" in capsys.readouterr().err
 
 
 def test_run_names_the_fields_only_the_operator_acts_on_and_validate_an_output_no_pod_writes(
