@@ -187,23 +187,21 @@ def job_warnings(job: PipelineRLJob, runs_here: bool = False) -> list[str]:
     (a generator memory plan the manifest cannot make). `runs_here`: for `pipelinerl run`."""
     fit = static_prompt_fit(job)
     _, unplanned = job_plan(job.spec)
-    memory = [f"generator GPU memory not planned here, only at the generator's start: {unplanned}"]
+    warnings = [f"spec.{w}" for w in fit[1]] if fit else []
+    if unplanned:
+        warnings.append(f"generator GPU memory not planned here, only at the generator's start: {unplanned}")
     output = job.spec.output
-    local_output = [
-        "spec.output.path: `pipelinerl run`'s; in a pod the model is written nowhere but the trainer volumes, "
-        "which are then kept (set output.claimName)"
-    ]
-    idle_gpus = [
-        f"spec.preprocessor.gpus: the preprocessor uses no GPU (it scores and packs on the CPU): its "
-        f"{job.spec.preprocessor.gpus} per pod would sit idle"
-    ]
-    return (
-        ([f"spec.{w}" for w in fit[1]] if fit else [])
-        + (memory if unplanned else [])
-        + (local_output if output and output.claim_name is None and not runs_here else [])
-        + (idle_gpus if job.spec.preprocessor.gpus else [])
-        + ([] if runs_here else _tracking_in_volumes(job))
-    )
+    if output and output.claim_name is None and not runs_here:
+        warnings.append(
+            "spec.output.path: `pipelinerl run`'s; in a pod the model is written nowhere but the trainer volumes, "
+            "which are then kept (set output.claimName)"
+        )
+    if job.spec.preprocessor.gpus:
+        warnings.append(
+            f"spec.preprocessor.gpus: the preprocessor uses no GPU (it scores and packs on the CPU): its "
+            f"{job.spec.preprocessor.gpus} per pod would sit idle"
+        )
+    return warnings if runs_here else warnings + _tracking_in_volumes(job)
 
 
 def _tracking_in_volumes(job: PipelineRLJob) -> list[str]:
