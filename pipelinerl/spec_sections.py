@@ -227,7 +227,7 @@ class NatsSpec(SpecModel):
         default=None,
         max_length=1024,
         pattern=NATS_URL,
-        description="nats:// or tls:// URL(s), comma-separated; unset: embedded server (local) or the chart's.",
+        description="nats:// or tls:// URL(s), comma-separated; unset: the chart's (a local run starts its own).",
     )
     max_payload_mb: int = Field(
         default=8,

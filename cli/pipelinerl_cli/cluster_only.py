@@ -20,6 +20,7 @@ CLUSTER_ONLY = (
     "scheduling",
     "storage",
     "network",
+    "nats.url",  # a local run starts its own nats-server
     "output.claimName",
     "output.subPath",
 )

@@ -230,6 +230,15 @@ def test_run_checks_with_the_platforms_policy_where_given_as_validate_does(tmp_p
         assert "spec.trainer.env[HF_TOKEN].valueFrom.secretKeyRef.name: Secret 'hf-token' is not one jobs" in refused
         assert cli([*command, "--policy", str(policy)]) == 0
     assert len(started) == 1
+    # a job's own NATS server: refused where the policy lists none; where it does, run names it as left alone
+    path = manifest(tmp_path, nats={"url": "nats://nats.team:4222"})
+    policy.write_text(yaml.safe_dump({"jobPolicy": {"natsServers": ["nats.team:4222"]}}))
+    assert cli(["run", path]) == 2
+    assert "spec.nats.url: nats.team:4222 is not a NATS server jobs may use" in capsys.readouterr().err
+    assert cli(["run", path, "--policy", str(policy)]) == 0
+    assert "warning: spec.nats.url: the operator's, on a cluster; a local run leaves them alone" in (
+        capsys.readouterr().err
+    )
 
 
 def test_run_asking_for_more_cores_than_there_are_says_so_and_starts_nothing(tmp_path, monkeypatch):
