@@ -45,7 +45,7 @@ def learning_alarm(steps: list[dict]) -> str | None:
     if samples and dropped / samples > MOST_DROPPED:
         return (
             f"MostSamplesDropped: {dropped} of the {samples} samples of steps {window[0]['step']}–"
-            f"{window[-1]['step']} were dropped for lag (rl.maxLag)"
+            f"{window[-1]['step']} lost tokens to lag, wholly or in part (rl.maxLag)"
         )
     return None
 

@@ -126,6 +126,25 @@ def test_kl_and_entropy_terms():
     assert loss.item() == pytest.approx(0.1 * k3)
 
 
+@pytest.mark.parametrize("kind", ["reinforce", "cispo", "ppo", "gspo"])
+def test_a_token_far_off_policy_leaves_the_loss_its_gradient_and_the_ess_finite(kind):
+    """An engine logprob of -95 against the policy's -0.1: exp(94.9) is inf in fp32, and PPO's
+    loss was NaN where the advantage is 0 (inf · 0; DeepSpeed then skips the whole step) while
+    the ESS read the inf sums as 1.0. The log-ratio is bounded first (MAX_LOG_RATIO)."""
+    from pipelinerl_trainer.loss import MAX_LOG_RATIO
+
+    new, old, adv, w = setup([0.0, -0.1, -0.2], [0.0, -95.0, -0.3], [0.0, 0.0, 1.0], [0.0, 1.0, 1.0])
+    cfg = LossConfig(kind, kl_coef=0.1)
+    ids = T([0, 0, 1])
+    loss, stats = policy_loss(new, old, adv, w, cfg, sample_ids=ids, ref_logprobs=T([0.0, 0.0, -120.0]))
+    loss.backward()
+    assert math.isfinite(loss.item()) and bool(torch.isfinite(new.grad).all()), (loss, new.grad)
+    ess = effective_sample_size(stats["ratio_sum"].item(), stats["ratio_sq_sum"].item(), stats["tokens"].item())
+    if kind != "gspo":  # one token of two at e^20 against one near 1: all but one sample's worth
+        assert stats["ratio_sum"].item() == pytest.approx(math.exp(MAX_LOG_RATIO) + math.exp(0.1), rel=1e-5)
+        assert ess == pytest.approx(0.5, abs=1e-6)
+
+
 def test_ess():
     assert effective_sample_size(4.0, 4.0, 4) == 1.0
     assert effective_sample_size(3.0, 5.0, 2) == pytest.approx(9 / 10)

@@ -15,6 +15,13 @@ from dataclasses import dataclass
 import torch
 
 
+# The bound on a log-ratio before it is exponentiated (ratio ≤ e^20 ≈ 4.9e8, its square finite in
+# fp32). Past ~88.7, exp is inf: PPO's loss is then NaN where A = 0 (inf · 0) and DeepSpeed skips
+# the whole step for one token, and the ESS read the inf sums as 1.0. The clipped losses weigh such
+# a token no differently below the bound; past it, no gradient flows through the ratio.
+MAX_LOG_RATIO = 20.0
+
+
 @dataclass(frozen=True)
 class LossConfig:
     kind: str = "reinforce"  # reinforce | ppo | gspo | cispo
@@ -70,6 +77,7 @@ def policy_loss(
     0-dim tensors on the inputs' device)."""
     trained = weights > 0
     log_ratio = torch.where(trained, new_logprobs - old_logprobs, torch.zeros_like(new_logprobs))
+    log_ratio = log_ratio.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     ratio = log_ratio.exp()
     hi, lo = 1.0 + cfg.epsilon_high, 1.0 - cfg.epsilon_low
     if cfg.importance not in ("token", "sequence"):
@@ -114,7 +122,7 @@ def policy_loss(
     loss = (weights * per_token).sum()
     kl = None
     if cfg.kl_coef > 0 and ref_logprobs is not None:
-        x = torch.where(trained, ref_logprobs - new_logprobs, torch.zeros_like(new_logprobs))
+        x = torch.where(trained, ref_logprobs - new_logprobs, torch.zeros_like(new_logprobs)).clamp(max=MAX_LOG_RATIO)
         kl = x.exp() - x - 1  # k3 estimator: unbiased, always ≥ 0 (0 where untrained, never 0 · inf)
         loss = loss + cfg.kl_coef * (weights * kl).sum()
     if cfg.entropy_coef > 0 and entropy is not None:
