@@ -10,18 +10,14 @@ step 0 (ZeRO-1, and ZeRO-3, whose pods hold only partitions)."""
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
-import queue
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from pipelinerl.ports import free_port
+from rank_processes import end_ranks, run_ranks, trainer_rank_job, whole_weights  # tests/integration/rank_processes.py
 
 pytestmark = pytest.mark.slow
-WORLD = 2
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -34,60 +30,20 @@ def _train(engine, step: int) -> None:
     engine.step()
 
 
-def _flat(engine) -> torch.Tensor:
-    from pipelinerl_trainer.model import full_parameters
-
-    params = list(engine.module.parameters())
-    with full_parameters(engine, params):  # whole, under ZeRO-3
-        return torch.cat([p.detach().float().flatten() for p in params])
-
-
-def _job(rank: int, port: int, model: str, backend: str, stage: int = 1):
-    """The rank's process made one of a two-pod trainer (gloo on CPU in float32; NCCL in bfloat16,
-    both ranks on one GPU); the job both build engines for."""
-    gpu = backend == "nccl"
-    if gpu:  # two ranks on one GPU: each its own host id, so NCCL takes its socket transport
-        os.environ["NCCL_HOSTID"] = f"pod-{rank}"
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(WORLD),
-        LOCAL_RANK="0",  # one rank per pod
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    from pipelinerl.spec import parse_job
-    from pipelinerl_trainer.model import init_distributed
-
-    job = parse_job(
-        {
-            "apiVersion": "pipelinerl.dev/v1alpha1",
-            "kind": "PipelineRLJob",
-            "metadata": {"name": "ck"},
-            "spec": {
-                "model": {"path": model, "dtype": "bfloat16" if gpu else "float32"},
-                "trainer": {"replicas": WORLD, "zeroStage": stage},
-            },
-        }
-    )
-    init_distributed(gpu, 60)
-    return job
-
-
 def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue, backend: str) -> None:
     from pipelinerl_trainer import checkpoint
     from pipelinerl_trainer.model import build_engine
 
-    job = _job(rank, port, model, backend)
+    job = trainer_rank_job(rank, port, model, backend)
     pod = Path(root) / f"pod-{rank}" / "checkpoints"
     engine = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
     _train(engine, 0)
     checkpoint.save(engine, pod, 1, {"step": 1, "rank": rank}, rank, local_rank=0, previous=0)
     _train(engine, 1)
-    after_two = _flat(engine)
+    after_two = whole_weights(engine)
     checkpoint.save(engine, pod, 2, {"step": 2, "rank": rank}, rank, local_rank=0, previous=1)
     _train(engine, 2)
-    after_three = _flat(engine)
+    after_three = whole_weights(engine)
     checkpoint.save(engine, pod, 3, {"step": 3, "rank": rank}, rank, local_rank=0, previous=2)
     if rank == 1:  # this pod crashed before its `latest` moved to step 3
         (pod / "latest").write_text("step-2")
@@ -100,20 +56,20 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue, backend: s
     (pod / "latest").write_text("step-3")
     back = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
     went_back = checkpoint.load(back, pod, resume=2) == {"step": 2, "rank": rank} and torch.equal(
-        _flat(back), after_two
+        whole_weights(back), after_two
     )
     out.put(
         (
             rank,
             state,
             went_back,
-            torch.equal(_flat(resumed), after_three),
+            torch.equal(whole_weights(resumed), after_three),
             sorted(p.name for p in (pod / "step-3").iterdir()),
             sorted(p.name for p in (pod / "step-3" / "ds" / "ds").iterdir()),
             sorted(p.name for p in pod.iterdir()),
         )
     )
-    _end()
+    end_ranks()
 
 
 def _rank_losing_its_volume(
@@ -126,13 +82,13 @@ def _rank_losing_its_volume(
     from pipelinerl_trainer import checkpoint
     from pipelinerl_trainer.model import build_engine
 
-    job = _job(rank, port, model, backend, stage)
+    job = trainer_rank_job(rank, port, model, backend, stage)
     pod = Path(root) / f"pod-{rank}" / "checkpoints"
     engine = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
     for step in (1, 2):
         _train(engine, step - 1)
         checkpoint.save(engine, pod, step, {"step": step, "rank": rank}, rank, local_rank=0, previous=step - 1)
-    at_two = _flat(engine)
+    at_two = whole_weights(engine)
     if rank == 1:  # its volume lost: the pod starts on an empty one
         shutil.rmtree(pod)
 
@@ -146,48 +102,10 @@ def _rank_losing_its_volume(
                     p.zero_()
     resumed.optimizer.refresh_fp32_params()
     state = checkpoint.load(resumed, pod)
-    adopted = _flat(resumed)
+    adopted = whole_weights(resumed)
     _train(resumed, 2)
-    out.put((rank, state, torch.equal(adopted, at_two), float((_flat(resumed) - adopted).abs().max())))
-    _end()
-
-
-def _end() -> None:
-    """The rank's groups ended as the trainer ends them: left to the interpreter's exit, gloo's
-    threads now and then abort the process (SIGABRT: 'terminate called without an active exception')."""
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
-
-
-def _run(target, tmp_path: Path, model: Path, backend: str, *more) -> dict:
-    """Both ranks of `target` run to their result (rank, *rest), which is returned by rank."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    args = [(r, port, str(model), str(tmp_path), out, backend, *more) for r in range(WORLD)]
-    procs = [ctx.Process(target=target, args=a) for a in args]
-    for p in procs:
-        p.start()
-    results, deadline = {}, time.monotonic() + 240
-    try:
-        while len(results) < WORLD:
-            # A rank that dies leaves the other blocked in a collective: fail at once, not at the deadline.
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            assert not dead and time.monotonic() < deadline, f"rank exit codes {dead}, results {sorted(results)}"
-            try:
-                rank, *rest = out.get(timeout=1)
-                results[rank] = rest
-            except queue.Empty:
-                pass
-        for p in procs:
-            p.join(60)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    return results
+    out.put((rank, state, torch.equal(adopted, at_two), float((whole_weights(resumed) - adopted).abs().max())))
+    end_ranks()
 
 
 # nccl: the same on a GPU (bench/gpu_check.sh's checkpoint part); CI has none.
@@ -199,7 +117,7 @@ BACKENDS = [
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2, backend):
-    results = _run(_rank, tmp_path, tiny_qwen2, backend)
+    results = run_ranks(_rank, tmp_path, tiny_qwen2, backend)
     for rank, (state, went_back, same_as_uninterrupted, step_files, ds_files, kept) in results.items():
         assert kept == ["latest", "step-2", "step-3"]  # the newest two: step 1's deleted
         assert state == {"step": 2, "rank": rank}  # both at the step every pod has
@@ -215,7 +133,7 @@ def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("stage", [1, 3])  # ZeRO-3: the whole weights from rank 0's Hugging Face copy
 def test_a_pod_that_lost_its_volume_goes_on_from_the_pod_that_kept_its_checkpoint(tmp_path, tiny_qwen2, backend, stage):
-    results = _run(_rank_losing_its_volume, tmp_path, tiny_qwen2, backend, stage)
+    results = run_ranks(_rank_losing_its_volume, tmp_path, tiny_qwen2, backend, stage)
     for rank, (state, adopted_the_run, moved) in results.items():
         assert state == {"step": 2, "rank": 0}  # both at pod 0's step, with its data position
         assert adopted_the_run  # exactly the weights the run had at step 2, on both pods

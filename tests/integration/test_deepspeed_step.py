@@ -4,7 +4,7 @@ micro-batches, so the trainer calls backward() per micro-batch and step() itself
 (`managed_gradient_accumulation: false`); a wrong accumulation setting would silently train on
 one micro-batch of each step, or scale its gradients. The loss goes through the trainer's own
 forward (packed rows, fused log-prob head), under ZeRO-1 and ZeRO-3. Each case runs in a fresh
-process (one gloo rank), as a trainer pod does."""
+process (one gloo rank), as a trainer pod does; and two ranks take the step one takes."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pipelinerl.ports import free_port
+from rank_processes import run_ranks  # tests/integration/rank_processes.py
 
 pytestmark = pytest.mark.slow
 LR = 1e-2  # large enough that a missing micro-batch or a wrong scale moves the weights visibly
@@ -157,3 +158,78 @@ def test_a_step_of_non_finite_gradients_is_skipped_and_says_so(tiny_qwen2, stage
     """DeepSpeed applies no update where the gradients are not finite, and tells it
     (`was_step_applied`), which the trainer reports as `step_skipped`: the next step applies."""
     assert in_a_rank_process(_non_finite, stage, tiny_qwen2) == [(False, False), (True, True)]
+
+
+def _samples(seed: int, n: int) -> list:
+    """`n` samples of a step, as the preprocessor hands them to packing (their advantages drawn)."""
+    import random
+
+    from pipelinerl import messages as m
+    from pipelinerl_preprocessor.packing import StepSample
+
+    rng = random.Random(seed)
+    samples = []
+    for i in range(n):
+        k = rng.randint(3, 12)
+        sample = m.Sample(
+            tokens=[rng.randrange(2, 30) for _ in range(4 + k)],
+            mask=[0] * 4 + [1] * k,
+            logprobs=[0.0] * 4 + [-1.0] * k,
+            versions=[-1] * 4 + [0] * k,
+            reward=float(i % 2),
+        )
+        samples.append(StepSample(sample, advantage=rng.gauss(0, 1)))
+    return samples
+
+
+# Two steps' samples (seed, count), each packed into rows of 48 tokens: spread over two ranks,
+# each step leaves one rank a sentinel, and the steps hold 2 and 3 passes.
+STEPS = ((12, 12), (17, 17))
+
+
+def _data_parallel(rank: int, port: int, model: str, root: str, out: mp.Queue, backend: str, stage: int) -> None:
+    from rank_processes import WORLD, end_ranks, trainer_rank_job, whole_weights
+
+    from pipelinerl_preprocessor.packing import pack_wave
+    from pipelinerl_trainer.model import build_engine, load_model
+    from pipelinerl_trainer.step import StepTally, backward, micro_batch_loss, step_config
+
+    job = trainer_rank_job(rank, port, model, backend, stage, learningRate=LR, warmupSteps=0)
+    engine = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
+    cfg, spec = step_config(job), job.spec.trainer
+    plain = load_model(model)  # one rank's step over all of the step's samples: plain PyTorch
+    opt = torch.optim.AdamW(plain.parameters(), lr=LR, weight_decay=spec.weight_decay)
+    norms, passes = [], []
+    for step, (seed, n) in enumerate(STEPS):
+        samples = _samples(seed, n)
+        mine = pack_wave(step, samples, WORLD, 48, 1 / n, last=True)[rank]
+        passes.append([len(mb.tokens) for mb in mine])
+        for mb in mine:
+            backward(engine, micro_batch_loss(engine, mb, 0, cfg, StepTally(job.spec.max_lag)), WORLD)
+        engine.step()
+        for mb in pack_wave(step, samples, 1, 48, 1 / n, last=True)[0]:
+            micro_batch_loss(plain, mb, 0, cfg, StepTally(job.spec.max_lag)).backward()
+        expected = float(torch.nn.utils.clip_grad_norm_(plain.parameters(), spec.grad_clip))
+        opt.step()
+        opt.zero_grad()
+        norms.append((float(engine.get_global_grad_norm()), expected))
+    trained, start = whole_weights(engine), torch.cat([p.detach().flatten() for p in load_model(model).parameters()])
+    expected = torch.cat([p.detach().flatten() for p in plain.parameters()])
+    out.put((rank, norms, passes, float((expected - start).abs().max()), float((trained - expected).abs().max())))
+    end_ranks()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_step_on_two_ranks_is_the_step_one_rank_takes_over_all_its_samples(tmp_path, tiny_qwen2, stage):
+    """The preprocessor spreads a step's rows over the ranks, each sample weighing 1/samplesPerStep
+    wherever it lands; DeepSpeed averages the ranks' gradients, which the trainer's backward scales
+    back (`step.backward`). Two ranks on gloo then take the step one rank takes over all of the
+    samples: the same gradient norm (AdamW's first steps hide a gradient's scale, the norm does
+    not) and the same weights, under ZeRO-1 (reduced at the step) and ZeRO-3 (at each backward)."""
+    results = run_ranks(_data_parallel, tmp_path, tiny_qwen2, "gloo", stage)
+    for step, (ours, theirs) in enumerate(zip(results[0][1], results[1][1])):
+        assert len(ours) == len(theirs) == step + 2 and 0 in ours + theirs  # a sentinel's pass (no tokens)
+    for rank, (norms, passes, moved, diff) in results.items():
+        for got, expected in norms:
+            assert got == pytest.approx(expected, rel=1e-4), (rank, norms)
+        assert moved > 1e-2 and diff < 1e-4, (rank, moved, diff)

@@ -144,6 +144,13 @@ def micro_batch_loss(
     return loss
 
 
+def backward(engine, loss: torch.Tensor, world: int) -> None:
+    """A micro-batch's backward on one of `world` data-parallel ranks. DeepSpeed averages the
+    gradients over the ranks, while the loss weights already sum over them (a sample weighs
+    1/samplesPerStep on whichever rank it lands): scaled back, the ranks' step is one rank's."""
+    engine.backward(loss * world)
+
+
 def policy_logprobs(model, b: DeviceBatch, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token (log-prob, entropy) of the batch's row under `model`."""
     return model(input_ids=b.tokens[None], position_ids=b.positions[None], packing=b.packing, temperature=temperature)

@@ -40,7 +40,7 @@ from pipelinerl_trainer.output import Output
 from pipelinerl_trainer.peers import PeerWatch
 from pipelinerl_trainer.position import Position, StoreLost
 from pipelinerl_trainer.reporting import Reporter
-from pipelinerl_trainer.step import ComputeClock, StepTally, micro_batch_loss, step_config
+from pipelinerl_trainer.step import ComputeClock, StepTally, backward, micro_batch_loss, step_config
 from pipelinerl_trainer.stopping import StopVote
 from pipelinerl_trainer.weight_sender import NO_UPDATE, WeightSender
 
@@ -184,8 +184,7 @@ class Trainer:
                 mb = self._reject(mb, bad, tally)
             with clock:
                 loss = micro_batch_loss(self.engine, mb, version, self.step_cfg, tally, self.model.reference)
-                # DeepSpeed averages gradients over data-parallel ranks; weights already sum over them.
-                self.engine.backward(loss * self.world)
+                backward(self.engine, loss, self.world)
             if mb.last:
                 break
         optimizer = ComputeClock(self.engine.device)
