@@ -10,7 +10,10 @@ variance), stale (too old for the step) or dead-lettered (it cannot be trained).
 - `StepLedger`: what one step has settled so far, group by group, and each generator's newest
   books; carried once on every micro-batch (`MicroBatch.ledger`), the final wave's being the
   step's. Its counts (samples, filtered, dead-lettered, stale samples, credits) are read from its
-  entries, never kept beside them;
+  entries, never kept beside them, but for the untrained groups of its earlier waves, folded into
+  counts and index ranges (`Folded`): a step may settle many times its trained groups (most
+  filtered: a task too hard or too easy), and a ledger naming each on every micro-batch of every
+  wave grew with their square, past NATS's largest message;
 - `credit`: the one place a group's outcome is recorded, and whether it frees a place in its
   generator's admission queue (`GroupEntry.credited`): the trainer sums a step's `credits` into
   `trained_groups` when the step is consumed;
@@ -28,11 +31,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, overload
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+
+from pipelinerl.claims import Range, claimed_index, with_indices
 
 
 class GeneratorBooks(BaseModel):
@@ -93,11 +98,53 @@ class GroupEntry(BaseModel):
         return [self.id, self.generator, self.outcome.value, self.samples, self.credited, self.wave, self.reward_sum]
 
 
+class Folded(BaseModel):
+    """The untrained groups (filtered, stale, dead-lettered) of a step's earlier waves, as counts
+    and the problem indices their ids name (`claims.claimed_index`): all any reader asks of them
+    once their wave is stored (`StepLedger.fold`)."""
+
+    model_config = ConfigDict(extra="forbid")
+    filtered: int = Field(default=0, ge=0)
+    dead_lettered: int = Field(default=0, ge=0)
+    stale_samples: int = Field(default=0, ge=0)
+    filtered_samples: int = Field(default=0, ge=0)  # the policy's reward counts filtered groups too
+    filtered_reward: float = 0.0
+    credits: dict[str, int] = Field(default_factory=dict)  # by generator, as `StepLedger.credits`
+    indices: list[Range] = Field(default_factory=list)  # merged half-open ranges
+    unindexed: list[str] = Field(default_factory=list)  # ids naming no index (`undecodable_id`): rare
+
+    def add(self, e: GroupEntry) -> None:
+        if e.outcome == Outcome.FILTERED:
+            self.filtered += 1
+            self.filtered_samples += e.samples
+            self.filtered_reward += e.reward_sum
+        elif e.outcome == Outcome.DEAD_LETTERED:
+            self.dead_lettered += 1
+        else:
+            self.stale_samples += e.samples
+        if e.credited:
+            self.credits[str(e.generator)] = self.credits.get(str(e.generator), 0) + 1
+        index = claimed_index(e.id)
+        if index is None:
+            self.unindexed.append(e.id)
+        else:
+            self.indices = with_indices(self.indices, [index])
+
+    def holds(self, group_id: str) -> bool:
+        index = claimed_index(group_id)
+        if index is None:
+            return group_id in self.unindexed
+        return any(start <= index < stop for start, stop in self.indices)
+
+
 class StepLedger(BaseModel):
     """What a step has settled up to a wave, carried by every micro-batch of that wave."""
 
     model_config = ConfigDict(extra="forbid")
-    groups: list[GroupEntry] = Field(default_factory=list)  # in the order settled (trained: packed)
+    # In the order settled (trained: packed); of the untrained ones, only those of the newest wave
+    # and after it: the earlier are folded.
+    groups: list[GroupEntry] = Field(default_factory=list)
+    folded: Folded = Field(default_factory=Folded)
     # Settled by an earlier step (and credited there), handed back after a kill lost their
     # acknowledgement: acknowledged again with this step, counted nowhere.
     returned: list[str] = Field(default_factory=list)
@@ -119,11 +166,23 @@ class StepLedger(BaseModel):
         return self.model_copy(
             update={
                 "groups": list(self.groups),
+                "folded": self.folded.model_copy(deep=True),
                 "returned": list(self.returned),
                 "generators": dict(self.generators),
                 "settled_above": list(self.settled_above),
             }
         )
+
+    def fold(self) -> None:
+        """Fold the untrained entries of the waves stored so far (`Folded`): the next wave's
+        ledger names only the groups it acknowledges, and the step's trained ones."""
+        kept = []
+        for e in self.groups:
+            if e.outcome != Outcome.TRAINED and e.wave < self.waves:
+                self.folded.add(e)
+            else:
+                kept.append(e)
+        self.groups = kept
 
     def entries(self, outcome: Outcome) -> list[GroupEntry]:
         return [e for e in self.groups if e.outcome == outcome]
@@ -139,7 +198,7 @@ class StepLedger(BaseModel):
 
     @property
     def filtered(self) -> int:
-        return len(self.entries(Outcome.FILTERED))
+        return len(self.entries(Outcome.FILTERED)) + self.folded.filtered
 
     @property
     def sampled_reward(self) -> float | None:
@@ -147,27 +206,35 @@ class StepLedger(BaseModel):
         The trained ones alone are biased where zero-variance groups are filtered (with 0/1
         rewards their mean tends to 1/2 whatever the policy). None: the step took none."""
         took = self.entries(Outcome.TRAINED) + self.entries(Outcome.FILTERED)
-        samples = sum(e.samples for e in took)
-        return sum(e.reward_sum for e in took) / samples if samples else None
+        samples = sum(e.samples for e in took) + self.folded.filtered_samples
+        reward = sum(e.reward_sum for e in took) + self.folded.filtered_reward
+        return reward / samples if samples else None
 
     @property
     def dead_lettered(self) -> int:
-        return len(self.entries(Outcome.DEAD_LETTERED))
+        return len(self.entries(Outcome.DEAD_LETTERED)) + self.folded.dead_lettered
 
     @property
     def stale_samples(self) -> int:
         """Samples of groups too old for the step: dropped for lag by the preprocessor."""
-        return sum(e.samples for e in self.entries(Outcome.STALE))
+        return sum(e.samples for e in self.entries(Outcome.STALE)) + self.folded.stale_samples
 
     @property
     def credits(self) -> dict[str, int]:
         """Groups of each generator (by rank) the step frees from its admission queue."""
-        return dict(Counter(str(e.generator) for e in self.groups if e.credited))
+        return dict(Counter(str(e.generator) for e in self.groups if e.credited) + Counter(self.folded.credits))
 
-    @property
-    def ids(self) -> set[str]:
-        """Every group acknowledged with the step's waves."""
-        return {e.id for e in self.groups} | set(self.returned)
+    def settles(self, group_id: str) -> bool:
+        """Whether the step's waves settle the group (not one handed back: `returned`)."""
+        return any(e.id == group_id for e in self.groups) or self.folded.holds(group_id)
+
+    def knows(self, group_id: str) -> bool:
+        """Whether the group is acknowledged with the step's waves: settled by them, or handed back."""
+        return self.settles(group_id) or group_id in self.returned
+
+    def settled_indices(self) -> list[Range]:
+        """The problem indices the step settled (`claims`), as merged ranges."""
+        return with_indices(self.folded.indices, [i for e in self.groups if (i := claimed_index(e.id)) is not None])
 
     def wave_groups(self, wave: int) -> list[str]:
         """The trained groups of one wave, in the order they were packed."""
@@ -242,13 +309,25 @@ class Torn:
 
 
 @dataclass(frozen=True)
+class Settled:
+    """The groups a stored step's waves acknowledged (`StepLedger.knows`), less `but` (those of a
+    wave stored in part: stored again)."""
+
+    ledger: StepLedger = field(default_factory=StepLedger)
+    but: frozenset[str] = frozenset()
+
+    def __contains__(self, group_id: object) -> bool:
+        return isinstance(group_id, str) and group_id not in self.but and self.ledger.knows(group_id)
+
+
+@dataclass(frozen=True)
 class Restored:
     step: int  # the step to build: the newest stored, if it is not complete, else the next
     ledger: StepLedger  # that step's ledger so far (a new step's: every generator's newest books only)
     next_index: int  # the next micro-batch index of the step, on every rank
     # Groups the newest stored step settled (trained ones included): handed back after a kill lost
     # their acknowledgement, they are settled again, uncounted (`settle_again`).
-    settled: frozenset[str]
+    settled: Settled
     torn: Torn | None  # a wave stored in part, to publish again first
     settled_through: int = 0  # the newest wave's `StepLedger.settled_through`
     settled_above: frozenset[int] = frozenset()  # and its `settled_above`
@@ -267,7 +346,7 @@ def restore(newest: Sequence[StoredBatch | None]) -> Restored:
     nats-server restart can lose the acknowledgements of several steps)."""
     known = [b for b in newest if b is not None]
     if not known:
-        return Restored(step=0, ledger=StepLedger(), next_index=0, settled=frozenset(), torn=None)
+        return Restored(step=0, ledger=StepLedger(), next_index=0, settled=Settled(), torn=None)
     generators: dict[str, GeneratorBooks] = {}
     for b in known:
         for g, books in b.ledger.generators.items():
@@ -289,7 +368,7 @@ def restore(newest: Sequence[StoredBatch | None]) -> Restored:
             },
             ledger=top.snapshot(),
         )
-    settled = frozenset(top.ids - set(torn.groups if torn else ()))
+    settled = Settled(top.snapshot(), frozenset(torn.groups if torn else ()))
     through, above = top.settled_through, frozenset(top.settled_above)
     if top.closed and torn is None:
         return Restored(step + 1, StepLedger(generators=generators), 0, settled, None, through, above)

@@ -17,20 +17,20 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pipelinerl.books import GeneratorBooks, StepLedger
 from pipelinerl.claims import Claims
 
-# 8: Checkpointed.redraw; 7: each ledger entry's reward_sum;
+# 9: StepLedger.folded; 8: Checkpointed.redraw; 7: each ledger entry's reward_sum;
 # 6: MicroBatch.ledger (one StepLedger) instead of step_samples, step_groups_filtered,
 # step_groups_rejected, step_samples_stale, step_groups_by_generator, generator_books and
 # settled_group_ids; 5: MicroBatch.settled_group_ids; 4: MicroBatch.lengths instead of sample_ids;
 # 3: RolloutGroup.books;
 # 2: without problem_id/start_version/gen_seconds, PolicyVersion without step
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 # How a body of the version before this build's reads as one of its own. An upgrade rolls a running
 # job onto the new build (the operator renders its pods with the new images) while its streams
 # still hold what the old build wrote: queued groups, the step's micro-batches, the CONTROL records.
 # Unreadable, they would stop its trainer and generators at every restart. A bump says here how
 # its predecessor's bodies read (a test decodes each message type written the old way).
 UPGRADES: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    7: lambda body: body,  # 8 only added Checkpointed.redraw, which defaults to none
+    8: lambda body: body,  # 9 only added StepLedger.folded, which defaults to nothing folded
 }
 
 

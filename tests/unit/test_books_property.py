@@ -176,7 +176,7 @@ class Generator:
                     reward=reward,
                 )  # fmt: skip
             )
-        group = m.RolloutGroup(group_id=f"p{w.problems}@{self.rank}", generator=self.rank, samples=samples)
+        group = m.RolloutGroup(group_id=f"p{w.problems}#{w.problems}@{self.rank}", generator=self.rank, samples=samples)
         discarded = counts_as_discarded(w.spec, group)
         group.books = books.GeneratorBooks(published=self.published + 1, discarded=self.discarded + discarded)
         w.queue.publish(self.rank, m.encode(group))
@@ -383,7 +383,7 @@ def check_books(w: World) -> None:
         assert sum(samples.values()) == ledger.samples == spec.trainer.samples_per_step, step
         assert samples == {e.id: e.samples for e in ledger.entries(Outcome.TRAINED)}, step
         assert ledger.trained_groups == spec.groups_per_step
-        settled.update(e.id for e in ledger.groups)
+        settled.update(gid for gid in w.published if ledger.settles(gid))  # untrained ones folded too
         credited.update(ledger.credits)
     # Trained at most once, settled once, the trainer's credits are the ledgers'.
     assert max(settled.values()) == 1, [g for g, n in settled.items() if n > 1]
@@ -395,7 +395,7 @@ def check_books(w: World) -> None:
         for mb in (m.decode(d, m.MicroBatch) for d in stored):
             if mb.step not in newest or mb.ledger.waves > newest[mb.step].waves:
                 newest[mb.step] = mb.ledger
-    everywhere = Counter(e.id for ledger in newest.values() for e in ledger.groups)
+    everywhere = Counter(gid for ledger in newest.values() for gid in w.published if ledger.settles(gid))
     assert max(everywhere.values()) == 1, [g for g, n in everywhere.items() if n > 1]
     waiting = set()
     for _, data in w.queue.msgs.values():

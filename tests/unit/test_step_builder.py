@@ -101,3 +101,34 @@ def test_a_step_continued_under_a_job_of_fewer_groups_a_step_closes_with_what_it
     assert closing is not None and closing.last and (closing.step, closing.groups) == (0, 0)
     taken = again.next_wave()  # the next step takes the pending group
     assert taken is not None and (taken.step, taken.groups, taken.last) == (1, 1, True)
+
+
+def test_a_step_of_many_filtered_groups_carries_a_ledger_of_bounded_size():
+    """A step closes only once its groups are trained: on a task the policy always or never solves,
+    it settles many times that many filtered groups first, in waves of the books alone. Their
+    ledgers name the untrained groups of their own wave only, the earlier folded into counts and
+    index ranges (`books.Folded`): a ledger naming all of them on every micro-batch grew with the
+    square of the step and passed NATS's largest message. The books read the same."""
+    b = StepBuilder(SPEC, 1, books.restore([None]), caught_up=True)
+    solved = m.Sample(tokens=[3, 4, 5], mask=[0, 1, 1], logprobs=[0.0, -1.0, -1.0], versions=[-1, 0, 0], reward=1.0)
+    sizes, seq = [], 0
+    for seq in range(1, 2001):
+        filtered = m.RolloutGroup(group_id=f"p#{seq}@0", generator=0, samples=[solved, solved])
+        assert b.take(seq, filtered) == books.Outcome.FILTERED
+        wave = b.next_wave()
+        if wave is not None:
+            assert wave.groups == 0 and len(wave.acks) == SPEC.groups_per_step
+            sizes.append(len(m.encode(wave.batches[0])))
+    assert len(sizes) == 1000 and max(sizes) < 700, sizes[-1]  # wholly named, the last was 66 KB
+    assert deliver(b, 2001) and deliver(b, 2002)
+    closing = b.next_wave()
+    assert closing is not None and closing.last and closing.groups == 2
+    ledger = closing.batches[-1].ledger
+    assert (ledger.trained_groups, ledger.filtered, ledger.credits, ledger.sampled_reward) == (
+        2,
+        2000,
+        {"0": 2},
+        4002 / 4004,
+    )
+    assert ledger.settled_indices() == [(1, 2003)]
+    assert all(ledger.settles(f"p#{n}@0") for n in (1, 999, 2000, 2002)) and not ledger.settles("p#2003@0")

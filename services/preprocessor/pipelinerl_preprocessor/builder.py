@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelinerl.books import Outcome, Restored, StepLedger, Torn, credit, newest_books, settle_again
+from pipelinerl.books import Outcome, Restored, Settled, StepLedger, Torn, credit, newest_books, settle_again
 from pipelinerl.messages import MicroBatch, RolloutGroup
 from pipelinerl.spec import JobSpec
 from pipelinerl.steps import counts_as_discarded, filtered, hopelessly_stale, next_wave, steps_left_in_phase
@@ -100,7 +100,7 @@ class StepBuilder:
                 self.settled[i] = (ref, entry)
                 return True
         again = group_id in (self.torn.groups if self.torn else ())  # of a wave stored in part: stored again
-        if group_id in self.ledger.ids and not again:  # settled by this step's earlier waves
+        if self.ledger.knows(group_id) and not again:  # settled by this step's earlier waves
             pass
         elif group_id in self.settled_before or (not again and (seq <= self.mark or seq in self.settled_seqs)):
             settle_again(self.ledger, group_id)  # an earlier step's: acknowledged with this one
@@ -184,6 +184,7 @@ class StepBuilder:
             self._credit(Outcome.TRAINED, group)
         per_rank = self._pack([g for _, g in take], self.index, last)
         count = len(per_rank[0])
+        self.ledger.fold()  # the earlier waves' untrained groups: counted, no longer named
         self.ledger.waves += 1
         self.ledger.wave_first, self.ledger.wave_last, self.ledger.closed = self.index, self.index + count - 1, last
         acks = [ref for ref, _ in take + self.settled]
@@ -221,7 +222,7 @@ class StepBuilder:
                         f"now (rank {rank}, micro-batch {torn.stored[rank]}: {now} where {ids} is stored)"
                     )
             batches = [mb for rank, mbs in enumerate(per_rank) for mb in mbs if mb.index > torn.stored[rank]]
-        named = torn.ledger.ids
+        named = Settled(torn.ledger)
         wave = Wave(
             self.step,
             self._carrying(batches, torn.ledger),
@@ -276,6 +277,6 @@ class StepBuilder:
             self.index = self.ledger.wave_last + 1
             return
         waiting = [e.model_copy(update={"wave": 0}) for e in self.ledger.groups if e.wave == self.ledger.waves]
-        self.settled_before = frozenset(self.ledger.ids)  # delivered again later: known (`returned`)
+        self.settled_before = Settled(self.ledger)  # delivered again later: known (`returned`)
         self.step, self.index = self.step + 1, 0
         self.ledger = StepLedger(groups=waiting, generators=dict(self.ledger.generators))

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipelinerl.books import StepLedger
-from pipelinerl.claims import MAX_GAPS, Claims, Range, claimed_index, gaps, newest_gaps, with_indices
+from pipelinerl.claims import MAX_GAPS, Claims, Range, gaps, newest_gaps, with_indices
 from pipelinerl.messages import Checkpointed
 from pipelinerl.spec import SpecError
 from pipelinerl.steps import version_after
@@ -100,8 +100,7 @@ class Position:
         generators, and their problems settled."""
         for g, c in ledger.credits.items():
             self.trained_groups[g] = self.trained_groups.get(g, 0) + c
-        indices = (claimed_index(e.id) for e in ledger.groups)
-        settled = with_indices(self.problems_settled, (i for i in indices if i is not None))
+        settled = with_indices([*self.problems_settled, *ledger.settled_indices()], ())
         self.problems_settled = newest_gaps(settled, MAX_GAPS)
 
     def claims(self) -> Claims:
