@@ -35,7 +35,12 @@ def stream_bytes(spec: Any) -> dict[str, int]:
 
 
 def reserved_bytes(spec: Any) -> int:
-    return sum(stream_bytes(spec).values())
+    """The job's room in the store (its NATS account's limit): its streams' sizes, and one largest
+    message beside each. nats-server checks an account's limit with the incoming message counted,
+    before a full stream drops its oldest: an account of exactly its streams' sizes refused every
+    write once they were full (its micro-batches and metrics, with the rollouts queued)."""
+    streams = stream_bytes(spec)
+    return sum(streams.values()) + len(streams) * (spec.nats.max_payload_mb << 20)
 
 
 def admission_problem(

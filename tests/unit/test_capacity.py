@@ -17,7 +17,8 @@ def test_batches_hold_what_a_restarted_trainer_replays():
     assert stream_bytes(big)["BATCHES"] == 23 * 512 * 4096 * 48
     assert stream_bytes(big)["ROLLOUTS"] == (4 + 2 + 2) * 512 * 4096 * 24  # the lag budget's groups
     assert stream_bytes(spec())["ROLLOUTS"] == MIN_STREAM_BYTES  # small jobs: a floor
-    assert reserved_bytes(big) == sum(stream_bytes(big).values())
+    # and one largest message (8 MiB) beside each of the five: the account's limit counts the incoming one
+    assert reserved_bytes(big) == sum(stream_bytes(big).values()) + 5 * 8 * 2**20
     assert stream_bytes(spec(trainer={"checkpointInterval": 0, "maxSteps": 7}))["BATCHES"] == MIN_STREAM_BYTES
 
 
