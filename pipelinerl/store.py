@@ -5,6 +5,7 @@ The plumbing it stands on (stream configs, reads, publishes) is `pipelinerl.stre
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -128,6 +129,7 @@ async def store_identity(js, subjects: JobSubjects, adopts=None, timeout_s: floa
                 raise
         if time.monotonic() > deadline:
             raise TimeoutError(f"could not read or write the job's store identity on {subjects.store}")
+        await asyncio.sleep(0.1)  # a refusal answered at once would otherwise be asked again at once
 
 
 async def made_from(js, subjects: JobSubjects, adopt: str, step: int):

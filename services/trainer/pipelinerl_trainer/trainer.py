@@ -232,7 +232,7 @@ class Trainer:
         since, last_log = self.bridge.now(), time.monotonic()  # waited: in awake time (a paused pod)
         while not self._asked_to_stop():
             try:
-                seq, mb = self.bridge.batches.get(timeout=1.0)
+                seq, data = self.bridge.batches.get(timeout=1.0)
             except queue.Empty:
                 self._while_waiting()
                 waited = self.bridge.now() - since
@@ -246,11 +246,7 @@ class Trainer:
                     )
                 continue
             self.position.took(seq)
-            if isinstance(mb, m.MessageError):
-                raise RuntimeError(
-                    f"rank {self.rank}: the micro-batch at sequence {seq} of the job's BATCHES stream cannot be "
-                    f"read ({mb}): the step cannot be trained without it"
-                )
+            mb = self._decoded(seq, data)
             if mb.step < step or mb.step == step and mb.index < index:
                 continue
             if mb.step > step:
@@ -262,6 +258,21 @@ class Trainer:
                 )
             return mb
         return None
+
+    def _decoded(self, seq: int, data: bytes) -> m.MicroBatch:
+        """The micro-batch at stream sequence `seq`; one that cannot be read (not from this job's
+        preprocessor) is kept aside, and stops the trainer: the step cannot be trained without it."""
+        try:
+            return m.decode(data, m.MicroBatch)
+        except m.MessageError as err:
+            try:
+                self.bridge.dead_letter(data, str(err), f"batch-{seq}")
+            except Exception as failed:  # noqa: BLE001 - the refusal below says what matters
+                log.error("micro-batch %d not dead-lettered: %r", seq, failed)
+            raise RuntimeError(
+                f"rank {self.rank}: the micro-batch at sequence {seq} of the job's BATCHES stream cannot be "
+                f"read ({err}): the step cannot be trained without it"
+            ) from None
 
     def _gap(self, step: int, got: int) -> str:
         """Why step `got`'s micro-batch came while step `step` is incomplete: the stream holds the
