@@ -267,9 +267,7 @@ def plan(
             f"{gpu_bytes / GiB:.1f} GiB GPU outside vLLM's budget; in-flight weight updates need {p.outside / GiB:.1f} "
             f"GiB there ({'reload buffers' if quantized else 'staging copy'} {(p.reload + p.staging) / GiB:.1f}, "
             f"receive ring {p.receive / GiB:.1f}, NCCL and CUDA "
-            f"context ~{(p.nccl + p.context) / GiB:.1f}): {fix}, "
-            + ("" if quantized else "weightSync.staged: false, ")
-            + "a smaller weightSync.bucketMb, or more generator.tensorParallel"
+            f"context ~{(p.nccl + p.context) / GiB:.1f}): {room_fixes(fix, staged=not quantized)}"
         )
     elif p.kv_sequences < 1:
         p.errors.append(
@@ -279,6 +277,33 @@ def plan(
             "generator.tensorParallel, a larger GPU, or a smaller model.maxSeqLen"
         )
     return p
+
+
+def room_fixes(first: str, staged: bool) -> str:
+    """What leaves an update's buffers room beside vLLM: `first`, then the job's other levers."""
+    return (
+        f"{first}, "
+        + ("weightSync.staged: false, " if staged else "")
+        + ("a smaller weightSync.bucketMb, or more generator.tensorParallel")
+    )
+
+
+def update_room_problem(free: int, total: int, utilization: float, staging: int, receive: int, nccl: int) -> str:
+    """Whether an update's buffers fit in what a GPU has free once vLLM has started (its budget,
+    `utilization` of `total`, taken): "" where they do, else why, by field, with the utilization
+    that leaves them room. The generator's check at its start, for every model: `plan` estimates
+    beforehand for the dense decoders it knows, and leaves vLLM its default where it knows none
+    (a mixture of experts: the staging copy then met an out-of-memory error at its allocation)."""
+    need = staging + receive + nccl
+    if need <= free:
+        return ""
+    fit = math.floor((utilization - (need - free) / total) * 100) / 100
+    return (
+        f"generator.engineArgs.gpu_memory_utilization ({utilization:.2f}) leaves {free / GiB:.1f} GiB of this "
+        f"{total / GiB:.1f} GiB GPU free once vLLM has started; in-flight weight updates need {need / GiB:.1f} GiB "
+        f"there (staging copy {staging / GiB:.1f}, receive ring {receive / GiB:.1f}, NCCL ~{nccl / GiB:.1f}): "
+        + room_fixes(f"at most {fit:.2f}", staged=staging > 0)
+    )
 
 
 def fit_utilization(gpu_bytes: int, outside: int) -> float:

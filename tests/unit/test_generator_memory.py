@@ -18,6 +18,7 @@ from pipelinerl.generator_memory import (
     job_plan,
     known_config,
     plan,
+    update_room_problem,
 )
 from pipelinerl.spec import SpecError, parse_job, read_manifest
 from pipelinerl_operator.admission import check, job_warnings
@@ -94,6 +95,23 @@ def test_unset_utilization_is_the_largest_that_leaves_the_update_room():
     assert memory.gpu_bytes - int(memory.utilization * memory.gpu_bytes) >= memory.outside
     small, _ = job_plan(parse_job(gpu_job(model={"path": "/models/Qwen2.5-0.5B"})).spec)
     assert small.utilization == 0.92  # never above vLLM's own default
+
+
+def test_a_model_no_plan_covers_is_refused_at_the_start_where_its_update_finds_no_room():
+    """A mixture of experts is planned by none: vLLM keeps its default budget, and the staging copy
+    met an out-of-memory error at its allocation. The generator measures what vLLM left free once
+    started, and says by field what leaves the update room (the utilization, to the hundredth)."""
+    total, free = 80 * GiB, 6 * GiB  # vLLM's 0.92 taken, the CUDA context beside it
+    why = update_room_problem(free, total, 0.92, staging=28 * GiB, receive=512 * MiB, nccl=NCCL_BYTES)
+    assert why.startswith("generator.engineArgs.gpu_memory_utilization (0.92) leaves 6.0 GiB of this 80.0 GiB GPU")
+    assert (
+        "need 28.8 GiB there (staging copy 28.0, receive ring 0.5, NCCL ~0.2): at most 0.63, weightSync.staged" in why
+    )
+    need = 28 * GiB + 512 * MiB + NCCL_BYTES  # at 0.63 vLLM leaves it room, at 0.64 it does not
+    assert free + (0.92 - 0.64) * total < need <= free + (0.92 - 0.63) * total
+    assert update_room_problem(free, total, 0.92, staging=0, receive=512 * MiB, nccl=NCCL_BYTES) == ""  # in place
+    no_staging = update_room_problem(free, total, 0.92, staging=0, receive=8 * GiB, nccl=0)
+    assert "weightSync.staged" not in no_staging and "a smaller weightSync.bucketMb" in no_staging
 
 
 def test_a_model_too_large_for_its_gpus_is_refused():

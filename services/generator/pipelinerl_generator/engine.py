@@ -378,7 +378,12 @@ class Engine:
         the generator's start, so that a copy that does not fit fails the start, not an update."""
         if self.update_path is not None:
             return
-        infos = await self._rpc("prepare_weight_updates", self.staged)
+        spec = self.job.spec
+        infos = await self._rpc(
+            "prepare_weight_updates", self.staged, spec.weight_sync.bucket_mb << 20, spec.weight_transport == "nccl"
+        )
+        if room := next((i["room"] for i in infos if i["room"]), ""):
+            raise SpecError(f"spec.{room}")
         info = infos[0]
         self.update_path = info["path"]
         log.info(

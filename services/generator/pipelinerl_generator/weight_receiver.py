@@ -46,6 +46,7 @@ from typing import Any
 import torch
 
 from pipelinerl.weight_group import (
+    RECEIVE_RING,
     Invitation,
     WeightGroup,
     WeightSyncError,
@@ -69,30 +70,61 @@ class WeightReceiverExtension:
     _pipelinerl_invitation: Invitation | None = None  # joined, to connect in accept_weight_group
     _pipelinerl_abandoned: tuple[Transfer, ...] = ()  # joins given up on, still running
 
-    def prepare_weight_updates(self, staged: bool) -> dict[str, Any]:
+    def prepare_weight_updates(self, staged: bool, bucket_bytes: int = 0, nccl: bool = False) -> dict[str, Any]:
         """Choose this engine's loading path and allocate the staging copy where staged: at
         start, so a copy that does not fit fails the generator's start, not its first update.
-        What was chosen and why, for the engine's log. (Called again with another `staged`, it
-        allocates or frees the copy: tests switch paths on one engine.)"""
+        What was chosen and why, for the engine's log; `room`: why the update's buffers (the copy,
+        the receive ring of `bucket_bytes` buckets, the weight group's NCCL buffers) do not fit
+        in what the GPU has free beside vLLM, if they do not (nothing allocated then). (Called
+        again with another `staged`, it allocates or frees the copy: tests switch paths on one
+        engine.)"""
         if self._pipelinerl_transfer is not None:
             raise RuntimeError("the loading path cannot change while weights are being staged")
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         if self._pipelinerl_path is None:
             self._pipelinerl_blockers = self._pipelinerl_load_blockers(model)
+        room = ""
         if self._pipelinerl_blockers:
             self._pipelinerl_path, self._pipelinerl_staging = "reload", None
         elif staged:
             self._pipelinerl_path = "staged"
             if self._pipelinerl_staging is None:
-                self._pipelinerl_staging = StagingCopy(model, self._pipelinerl_packed_layers(model))
+                room = self._pipelinerl_room(model, True, bucket_bytes, nccl)
+                if not room:
+                    self._pipelinerl_staging = StagingCopy(model, self._pipelinerl_packed_layers(model))
         else:
             self._pipelinerl_path, self._pipelinerl_staging = "in_place", None
+            room = self._pipelinerl_room(model, False, bucket_bytes, nccl)
         staging = self._pipelinerl_staging
         return {
             "path": self._pipelinerl_path,
             "blockers": self._pipelinerl_blockers[:5],
             "staging_bytes": staging.nbytes if staging else 0,
+            "room": room,
         }
+
+    def _pipelinerl_room(self, model: torch.nn.Module, staged: bool, bucket_bytes: int, nccl: bool) -> str:
+        """`generator_memory.update_room_problem` on this worker's GPU, measured after vLLM took
+        its budget ("" on CPU: no budget there). The ring holds whole tensors (loaders shard them):
+        a sharded one's whole size is at most its shard's times the tensor-parallel size."""
+        device = next(model.parameters()).device
+        if device.type != "cuda":
+            return ""
+        from pipelinerl.generator_memory import NCCL_BYTES, VLLM_DEFAULT_UTILIZATION, update_room_problem
+
+        params = {id(p): p for p in model.parameters()}.values()  # tied ones once
+        sizes = [p.numel() * p.element_size() for p in params]
+        tp = int(getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1))
+        free, total = torch.cuda.mem_get_info(device)
+        utilization = getattr(getattr(self, "cache_config", None), "gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION)
+        return update_room_problem(
+            free,
+            total,
+            float(utilization),
+            staging=sum(sizes) if staged else 0,
+            receive=RECEIVE_RING * max(bucket_bytes, max(sizes) * tp),
+            nccl=NCCL_BYTES if nccl else 0,
+        )
 
     def _pipelinerl_load_blockers(self, model: torch.nn.Module) -> list[str]:
         return load_blockers(model)
