@@ -50,7 +50,8 @@ class NatsBridge:
         self.thread.start()
         # (stream sequence, the micro-batch as stored): decoded by the trainer as it takes each. The
         # ordered consumer pushes a restarted rank's whole replay at once (it holds nothing back
-        # for a callback that is slow); decoded here, it held ~185 bytes a token, stored ~36.
+        # for a callback that is slow); decoded here, it held ~185 bytes a token, stored ~36. At most
+        # this rank's share of BATCHES, which the job's reservation bounds (`capacity.stream_bytes`).
         self.batches: queue.Queue[tuple[int, bytes]] = queue.Queue()
         self.done: queue.Queue[m.WeightUpdateDone] = queue.Queue()
         self.hellos: queue.Queue[tuple[float, m.GeneratorHello]] = queue.Queue()
