@@ -10,11 +10,12 @@ again every index claimed then and not settled by it (`Claims.unsettled`): the g
 in flight or in a generator's unused block when the store was lost. No index settled by a step is
 drawn again. A restarted generator draws first what it held (`streams.hold_problems`). Unsettled
 too, and so drawn again at a recovery: a block claimed by a generator killed before it recorded
-it, the group of one killed inside its publish (or stopped while its index was let go: a record
-written for a group finishing beside it carried that change), what a rank scaled away held, problems a generator
-skips (a prompt too long for the model), a lost claim's indices, and a group that could not be
-decoded (its index unknown). Those gaps never close otherwise, so the trainer keeps only the
-newest `MAX_GAPS` (`newest_gaps`): the older are given up.
+it, the groups of one killed inside its publish (that one's, and those waiting behind it; or
+stopped while an index was let go: a record written for a group finishing beside it carried that
+change), what a rank scaled away held, problems a generator skips (a prompt too long for the
+model), a lost claim's indices, and a group that could not be decoded (its index unknown). Those
+gaps never close otherwise, so the trainer keeps only the newest `MAX_GAPS` (`newest_gaps`): the
+older are given up.
 
 Index sets are sorted, disjoint half-open ranges `(start, stop)`; as text `3-5,9` (inclusive).
 """

@@ -28,6 +28,7 @@ WEIGHTS_PORT = 29600  # trainer rank 0: weight-group rendezvous (weightSync.port
 OPERATOR_METRICS_PORT = 8080
 OPERATOR_HEALTH_PORT = 8081
 DEFAULT_NATS_URL = "nats://127.0.0.1:4222"
+EVALUATING_GENERATOR = 0  # the generator that runs the held-out evaluations (the final one too)
 
 JOB_FILE_DIR = "/etc/pipelinerl"  # in pods: the job manifest, from the job's ConfigMap
 JOB_FILE = f"{JOB_FILE_DIR}/job.yaml"

@@ -69,3 +69,29 @@ def test_an_unreadable_micro_batch_stops_the_rank_naming_it() -> None:
     [(data, reason, msg_id)] = trainer.bridge.letters  # kept aside, as it came
     assert (data, msg_id) == (b"\x81\xa1v\x01", "batch-9") and "schema version 1 unsupported" in reason
     assert trainer.position.consumed_seq == 9
+
+
+def test_the_final_weights_are_sent_again_until_the_generator_that_evaluates_holds_them() -> None:
+    """Generator 0 evaluates, the final evaluation too. Dropped from the last update while
+    generator 1 took it, it held older weights: the trainer, seeing a holder, announced the finish,
+    and generator 0 waited for weights that never came (no final evaluation, the trainer waiting
+    for one). The trainer sends them again until generator 0 holds them."""
+    from pipelinerl.spec import parse_job
+    from pipelinerl_trainer.membership import Member
+    from pipelinerl_trainer.trainer import Trainer
+
+    trainer, _ = reader()
+    trainer.spec = parse_job({"metadata": {"name": "t"}, "spec": {}}).spec
+    trainer.position.version = 5
+    holds = {Member(1, "b"): 5, Member(0, "a"): 4}
+    sent = []
+
+    def resync() -> bool:
+        sent.append(True)
+        holds[Member(0, "a")] = 5  # it takes them the next time they are sent
+        return True
+
+    holders = lambda version: [g for g, v in holds.items() if v >= version]  # noqa: E731
+    trainer.sender = SimpleNamespace(holders=holders, resync=resync)
+    Trainer._await_final_weights(trainer)
+    assert sent == [True] and holds[Member(0, "a")] == 5

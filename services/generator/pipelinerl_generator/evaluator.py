@@ -11,7 +11,7 @@ import time
 import uuid
 
 from pipelinerl import messages as m
-from pipelinerl.contracts import JobSubjects
+from pipelinerl.contracts import EVALUATING_GENERATOR, JobSubjects
 from pipelinerl.spec import JobSpec
 from pipelinerl.streams import publish_once
 from pipelinerl_generator.engine import Engine, PromptTooLong
@@ -34,7 +34,7 @@ class Evaluator:
     async def maybe_eval(self, version: int, final: bool = False) -> None:
         """Evaluate `version` at the eval interval and the final one, on generator 0 only."""
         interval = self.spec.eval.interval
-        if self.rank != 0 or (version, final) in self.reported:
+        if self.rank != EVALUATING_GENERATOR or (version, final) in self.reported:
             return
         if not final and (interval == 0 or version % interval):
             return

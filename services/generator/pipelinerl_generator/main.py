@@ -193,14 +193,17 @@ class Generator:
                     log.warning("the final evaluation did not end within %.0f s: given up", FINAL_EVAL_WAIT_S)
         for t in list(self.tasks):
             t.cancel()
+        for error in self.errors:  # since the finish (the final evaluation's publish, say): training is done
+            log.error("after the trainer finished: %r", error)
 
     async def _next_problem(self) -> int:
         """The next training problem: from a block claimed for this generator alone (a step's
         share), so that whatever the generators' number, restarts or arrivals, each problem is
         drawn once. What an incarnation held and did not publish (its unused block, its groups in
         flight) its restart draws first. Lost are only a block claimed by one killed before it
-        recorded it, and the group of one killed inside its publish: drawn again where the store is
-        made to go on from a checkpoint (`claims`)."""
+        recorded it, and the groups of one killed inside its publish (that one's, and those finished
+        behind it, waiting to publish): drawn again where the store is made to go on from a
+        checkpoint (`claims`)."""
         if not self.problems:
             taken = await claim_problems(self.js, self.subjects, max(1, self.admission.share))
             await self._hold(lambda held: with_indices(held, taken))

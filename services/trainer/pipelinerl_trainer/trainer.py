@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from pipelinerl import messages as m
-from pipelinerl.contracts import STOPPED_EXIT, Env, ServiceEnv
+from pipelinerl.contracts import EVALUATING_GENERATOR, STOPPED_EXIT, Env, ServiceEnv
 from pipelinerl.runtime import failpoint
 from pipelinerl.spec import PipelineRLJob
 from pipelinerl.steps import sends_weights, step_version
@@ -396,13 +396,20 @@ class Trainer:
             checkpoint.export(self.engine, self.output.final, self.rank)
 
     def _await_final_weights(self) -> None:
-        """The final evaluation needs a generator holding the final weights: if none does yet
-        (none was up, or all were dropped), keep sending them to whoever comes, for a while."""
+        """The final evaluation needs the generator that evaluates holding the final weights: if it
+        does not yet (it was not up, or was dropped from the last update while another took it),
+        keep sending them to whoever comes, for a while."""
         version = self.position.version
         deadline = time.monotonic() + self.spec.weight_sync.timeout_seconds * 5
-        while not self.sender.holders(version) and not self.stop.is_set():
+        while not self.stop.is_set():
+            if any(g.generator == EVALUATING_GENERATOR for g in self.sender.holders(version)):
+                return
             if time.monotonic() > deadline:
-                log.warning("no generator holds the final weights (version %d): no final evaluation", version)
+                log.warning(
+                    "generator %d does not hold the final weights (version %d): no final evaluation",
+                    EVALUATING_GENERATOR,
+                    version,
+                )
                 return
             if not self.sender.resync():
                 time.sleep(1.0)
