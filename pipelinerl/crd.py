@@ -129,7 +129,9 @@ class JobStatus(StatusModel):
         "pod restarts of runPolicy.failingRoles, pods restarting together counted once.",
     )
     pod_restarts: dict[str, int] = Field(
-        default_factory=dict, description="Container restarts seen per pod of runPolicy.failingRoles."
+        default_factory=dict,
+        description="Container restarts seen per pod, every role's: a role added to runPolicy.failingRoles is "
+        "charged from then on.",
     )
     last_incident: Incident | None = None
     start_time: str | None = None

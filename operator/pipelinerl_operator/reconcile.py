@@ -342,15 +342,21 @@ def _observe_roles(job: Any, sets: dict[str, dict[str, Any]]) -> dict[str, RoleO
     return roles
 
 
-def _pod_restarts(pods: list[dict[str, Any]], roles: list[str]) -> dict[str, int]:
-    """Container restarts per pod of the roles whose failures count (`runPolicy.failingRoles`)."""
+def _pod_restarts(pods: list[dict[str, Any]]) -> dict[str, int]:
+    """Container restarts per pod."""
     return {
         p["metadata"]["name"]: sum(
             int(c.get("restartCount", 0) or 0) for c in (p.get("status") or {}).get("containerStatuses") or []
         )
         for p in pods
-        if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) in roles
     }
+
+
+def _pods_of(pods: list[dict[str, Any]], roles: list[str]) -> frozenset[str]:
+    """The pods of `roles` (those whose failures count: `runPolicy.failingRoles`)."""
+    return frozenset(
+        p["metadata"]["name"] for p in pods if (p["metadata"].get("labels") or {}).get(ROLE_LABEL) in roles
+    )
 
 
 def _read_spec(
@@ -496,7 +502,8 @@ def _observed(
         roles=roles,
         trainer_status=trainer_status,
         store_lost=store_lost,
-        pod_restarts=_pod_restarts(pods, run_policy.failing_roles if run_policy else ["trainer"]),
+        pod_restarts=_pod_restarts(pods),
+        failing_pods=_pods_of(pods, run_policy.failing_roles if run_policy else []),
         pods_stopped=pods_stopped(pods),
         pod_problems=tuple(pod_problems(pods)),
         apply_error=apply_error,

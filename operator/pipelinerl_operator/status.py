@@ -67,9 +67,10 @@ class Observed:
     roles: dict[str, RoleObserved] = field(default_factory=dict)
     trainer_status: TrainerStatus | None = None  # trainer rank 0 `/status` once ready; None: unreachable
     store_lost: str = ""  # ... its StoreLost message, ready or not (it waits for its store unready)
-    pod_restarts: Mapping[str, int] = field(
-        default_factory=dict
-    )  # container restarts per pod of runPolicy.failingRoles
+    pod_restarts: Mapping[str, int] = field(default_factory=dict)  # container restarts per pod, every role's
+    # ... the pods of runPolicy.failingRoles among them, whose restarts are failures (None: all). Every
+    # pod's count is kept, so a role added to failingRoles later is charged from then on only.
+    failing_pods: frozenset[str] | None = None
     pods_stopped: frozenset[str] = frozenset()  # ... whose last restart followed a trainer's STOPPED_EXIT
     backoff_limit: int = 3
     active_deadline_seconds: int | None = None  # counted from creation, suspended time left out
@@ -204,10 +205,14 @@ INCIDENT_WINDOW = timedelta(minutes=2)
 
 
 def count_failures(
-    prev: dict[str, Any], restarts: Mapping[str, int], now: datetime, stopped: frozenset[str] = frozenset()
+    prev: dict[str, Any],
+    restarts: Mapping[str, int],
+    now: datetime,
+    stopped: frozenset[str] = frozenset(),
+    failing: frozenset[str] | None = None,
 ) -> tuple[int, dict | None]:
-    """Failures, per incident: the pods (of `runPolicy.failingRoles`) whose restart count rose
-    since the last reconcile join the current incident if it began within INCIDENT_WINDOW and
+    """Failures, per incident: the pods (`failing`, those of `runPolicy.failingRoles`; None: all)
+    whose restart count rose since the last reconcile join the current incident if it began within INCIDENT_WINDOW and
     they are not in it yet (one cause, e.g. a gang's collective broken by one rank, restarts several pods: one
     failure); every other restart is a failure of its own (a pod crash-looping fails again and
     again). A pod recreated with its count reset is a new baseline, not a failure. The last restart
@@ -217,6 +222,8 @@ def count_failures(
     seen = prev.get("podRestarts") or {}
     incident = copy.deepcopy(prev.get("lastIncident"))
     for pod, count in sorted(restarts.items()):
+        if failing is not None and pod not in failing:
+            continue
         rise = count - int(seen.get(pod, 0)) - int(pod in stopped)
         if (
             rise > 0
@@ -239,7 +246,7 @@ def compute(obs: Observed) -> tuple[dict[str, Any], list[Event]]:
     conds = _Conditions(prev.get("conditions", []), now, obs.generation)
     progress = progress_from(obs.trainer_status, prev.get("progress") or {})
     if obs.spec_error is None:
-        failures, incident = count_failures(prev, obs.pod_restarts, obs.now, obs.pods_stopped)
+        failures, incident = count_failures(prev, obs.pod_restarts, obs.now, obs.pods_stopped, obs.failing_pods)
         restarts = dict(obs.pod_restarts)
     else:  # its runPolicy unread: nothing counted, nothing ended by it (counting goes on once it is fixed)
         failures, incident = int(prev.get("failures", 0) or 0), prev.get("lastIncident")

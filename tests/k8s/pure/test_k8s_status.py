@@ -163,6 +163,27 @@ def test_a_running_jobs_spec_that_no_longer_reads_neither_fails_nor_counts_it() 
     JobStatus.model_validate(invalid)
 
 
+def test_a_role_added_to_failing_roles_is_charged_only_for_restarts_after_it() -> None:
+    """Every pod's restart count is kept, the failing roles' alone charged: a job whose generators
+    restarted 4 and 3 times over days, uncharged, then given `failingRoles: [trainer, generator]`,
+    is charged from there on only. Counting them afresh, it failed at once (7 > backoffLimit 3)."""
+    pods = {"j-trainer-0": 0, "j-generator-0": 4, "j-generator-1": 3}
+    trainer_only = frozenset({"j-trainer-0"})
+    days, _ = run(pod_restarts=pods, failing_pods=trainer_only, backoff_limit=3)
+    assert days["failures"] == 0 and days["podRestarts"] == pods
+    both = trainer_only | {"j-generator-0", "j-generator-1"}
+    edited, _ = run(previous=days, now=T0 + timedelta(minutes=1), pod_restarts=pods, failing_pods=both, backoff_limit=3)
+    assert edited["failures"] == 0 and edited["phase"] == "Running"
+    later, _ = run(
+        previous=edited,
+        now=T0 + timedelta(minutes=10),
+        pod_restarts=pods | {"j-generator-1": 4},
+        failing_pods=both,
+        backoff_limit=3,
+    )
+    assert later["failures"] == 1  # its restart since
+
+
 def test_a_condition_message_past_the_crds_bound_is_cut_and_says_so() -> None:
     problems = "; ".join(f"spec.generator.podTemplate.spec.containers[side].env[{i}]: not allowed" for i in range(900))
     s, _ = run(spec_error=problems)
