@@ -124,11 +124,12 @@ def decide(
     return problem, Books(held, {a: r for a, r in retiring.items() if a not in enabled})
 
 
-def store_bytes_needed(job: Any, previous: dict[str, Any], cfg: OperatorConfig, held: int) -> int:
+def store_bytes_needed(job: Any, previous: dict[str, Any], cfg: OperatorConfig, held: int, suspended: bool) -> int:
     """What the job must hold in the chart's NATS store now: its streams' bytes while it runs on
-    the install's own NATS; with a spec that no longer parses, what it holds (`held`); suspended or
-    finished, nothing (the pass deletes its streams first, and gives the room back only then)."""
-    if is_terminal(previous) or job is not None and job.spec.suspend:
+    the install's own NATS; with a spec that no longer parses, what it holds (`held`); suspended
+    (as stored, whether its spec reads or not) or finished, nothing (the pass deletes its streams
+    first, and gives the room back only then)."""
+    if is_terminal(previous) or suspended:
         return 0
     if job is None:
         return held

@@ -392,10 +392,12 @@ async def _reserve_and_apply(
     its resume has restored its store from it; the credentials Secret the operator made."""
     # What the status says it holds, or the books: a pass whose status write was refused took room.
     holds = max(int(previous.get("natsReservedBytes") or 0), await store.holding(jobs, kube, ref.uid))
-    need = store_bytes_needed(job, previous, cfg, holds)
+    # A job whose spec no longer reads is suspended by its stored spec (`_stop_unread` stops its
+    # pods): its room goes back as any suspended job's, its checkpoint record kept first.
+    suspended = job.spec.suspend if job is not None else suspended_as_stored(body)
+    need = store_bytes_needed(job, previous, cfg, holds, suspended)
     kept, made = previous.get("suspendedStore"), previous.get("credentialsSecret")
     streams = job_streams(body, cfg, logger)
-    suspended = job is not None and job.spec.suspend
     if holds and not need:  # its account (and room) stays until its streams are gone: tried again next pass
         kept, gone = await release_streams(kube, streams, suspended, kept)
         if not gone:

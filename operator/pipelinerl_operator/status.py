@@ -370,8 +370,8 @@ def _ready_condition(
 ) -> tuple[str | None, bool, str]:
     """Sets Ready; returns the phase, whether the job is ready and why (not)."""
     terminal = phase in ("Succeeded", "Failed")
-    if obs.spec_error is not None:
-        phase = phase or prev.get("phase") or "Pending"
+    if obs.spec_error is not None:  # its pods stopped where its stored spec says suspend, else as they are
+        phase = phase or ("Suspended" if obs.suspend else _resumed(prev, prev.get("phase") or "Pending"))
         reason, message = "InvalidSpec", obs.spec_error
     elif obs.apply_error is not None and not terminal:
         phase = phase or ("Suspended" if obs.suspend else _resumed(prev, "Pending"))

@@ -300,6 +300,9 @@ async def test_a_running_job_whose_spec_no_longer_reads_is_stopped_by_its_suspen
         )
         await eventually(lambda: condition(emulator, "TrainerReady").get("reason") == "ScaledDown", what="said")
         assert condition(emulator, "Ready")["reason"] == "InvalidSpec"
+        # Suspended as any job: its phase says so (it said Running), and its room in the NATS store
+        # goes back once its streams are gone (`store_bytes_needed`; no NATS here to delete them).
+        await eventually(lambda: status(emulator).get("phase") == "Suspended", what="Suspended")
 
 
 def stopping_writes(seen: list[str], stall: bool) -> Callable[[Any], bool]:

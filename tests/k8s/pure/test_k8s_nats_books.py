@@ -86,3 +86,19 @@ def test_the_books_read_back_as_written() -> None:
     assert Books.from_statuses(index(("a", "x", "u1", 0), ("b", "y", "u2", 3)), now=4.0) == Books(
         {"u2": ("b", "y", 3, 4.0)}
     )
+
+
+def test_a_job_needs_no_room_suspended_as_stored_whether_its_spec_reads_or_not() -> None:
+    """A job whose spec no longer reads (a policy tightened since) keeps the room it holds while it
+    runs; suspended (its stored spec says so: its pods are stopped all the same), it needs none,
+    and its room goes back once its streams are gone. It kept it for good before, and a job waiting
+    for room waited with it."""
+    from pipelinerl.spec import parse_job
+    from pipelinerl_operator.nats_store import store_bytes_needed
+
+    cfg = OperatorConfig(nats_store_bytes=10 << 30)
+    assert store_bytes_needed(None, {"phase": "Running"}, cfg, held=7, suspended=False) == 7
+    assert store_bytes_needed(None, {"phase": "Running"}, cfg, held=7, suspended=True) == 0
+    assert store_bytes_needed(None, {"phase": "Succeeded"}, cfg, held=7, suspended=False) == 0
+    job = parse_job({"metadata": {"name": "j"}, "spec": {"suspend": True}})
+    assert store_bytes_needed(job, {"phase": "Running"}, cfg, held=7, suspended=True) == 0
