@@ -360,7 +360,8 @@ class JobSubjects:
 
 
 class StatusBody(BaseModel):
-    """camelCase JSON, as Kubernetes status fields are; unknown keys are refused."""
+    """camelCase JSON, as Kubernetes status fields are; unknown keys are refused (the operator leaves a
+    trainer's out first: `progress.read_trainer_status`)."""
 
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+
 import aiohttp
 
 from pipelinerl.contracts import HTTP_PORT, TrainerStatus
@@ -19,9 +21,24 @@ def status_url(template: str, job: str, namespace: str, host: str) -> str:
 MAX_STATUS_BYTES = 64 * 1024
 
 
+# The keys a `TrainerStatus` reads: others, a trainer of another release's (a job's own
+# trainer.image, an upgrade rolling the operator and the pods apart), are left out, not refused:
+# refused, the job's trainer read as unreachable and its finish was never seen.
+KNOWN_KEYS = {f.alias or name for name, f in TrainerStatus.model_fields.items()} | set(TrainerStatus.model_fields)
+
+
+def read_trainer_status(body: bytes) -> TrainerStatus:
+    """The report in `body`, keys this build does not know left out; ValueError if it is not one."""
+    data = json.loads(body)
+    if isinstance(data, dict):
+        data = {k: v for k, v in data.items() if k in KNOWN_KEYS}
+    return TrainerStatus.model_validate(data)
+
+
 async def fetch_trainer_status(url: str, timeout_s: float = 3.0) -> TrainerStatus | None:
-    """None also for a body that is not a `TrainerStatus`, or longer than MAX_STATUS_BYTES (a
-    malformed report must not break reconciliation, nor fill the operator's memory)."""
+    """None also for a body that is not a `TrainerStatus` (`read_trainer_status`), or longer than
+    MAX_STATUS_BYTES (a malformed report must not break reconciliation, nor fill the operator's
+    memory)."""
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
             async with session.get(url) as resp:
@@ -32,6 +49,6 @@ async def fetch_trainer_status(url: str, timeout_s: float = 3.0) -> TrainerStatu
                     body += await resp.content.read(MAX_STATUS_BYTES + 1 - len(body))
                 if len(body) > MAX_STATUS_BYTES:
                     return None
-                return TrainerStatus.model_validate_json(body)
+                return read_trainer_status(body)
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, OSError):  # pydantic's error is a ValueError
         return None

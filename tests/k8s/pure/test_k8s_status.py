@@ -201,6 +201,19 @@ def test_malformed_or_missing_trainer_report_keeps_previous_progress() -> None:
     assert second["progress"]["step"] == 5
 
 
+def test_a_report_with_keys_of_another_release_is_read_and_a_malformed_one_is_not() -> None:
+    """A trainer of another release (a job's own trainer.image, an upgrade rolling the operator and
+    the pods apart) reports keys this build does not know: they are left out. Refused, the trainer
+    read as unreachable, and its `finished` was never seen: the job held its GPUs to a deadline."""
+    from pipelinerl_operator.progress import read_trainer_status
+
+    newer = read_trainer_status(b'{"step": 9, "version": 9, "finished": true, "tokensPerDollar": 3}')
+    assert (newer.step, newer.finished) == (9, True)
+    for body in (b'{"step": "many"}', b"[1, 2]", b"not json"):
+        with pytest.raises(ValueError):
+            read_trainer_status(body)
+
+
 def test_weight_group_not_formed_is_not_ready() -> None:
     status, _ = run(trainer_status={"step": 0, "version": 0})  # the trainer still waits for generators
     assert cond(status, "WeightSyncReady")["reason"] == "WaitingForMembers"
