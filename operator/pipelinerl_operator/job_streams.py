@@ -52,10 +52,10 @@ class JobStreams:
         meta = self.body["metadata"]
         self.name, self.namespace, uid = meta["name"], meta["namespace"], meta.get("uid", "")
         own = own_nats_url(self.body)
-        # On the chart's NATS the streams live in the job's own account: reached as its user.
-        creds = (
-            job_credentials(self.cfg.auth_key, self.namespace, self.name, uid) if self.cfg.auth_key and not own else {}
-        )
+        # On the chart's NATS the streams live in the job's own account: reached as its user. On an
+        # external one (the chart's disabled) there are no such accounts: reached as its pods reach it.
+        key = self.cfg.auth_key if not own and self.cfg.nats_bundled else None
+        creds = job_credentials(key, self.namespace, self.name, uid) if key else {}
         self.url, self.user, self.password = own or self.cfg.nats_url, creds.get("natsUser"), creds.get("natsPassword")
         self.replicas = self.cfg.nats_replicas if self.cfg.nats_replicas > 1 and not own else None
         self.timeout_s = float(os.environ.get(OperatorEnv.NATS_TIMEOUT, "10"))

@@ -102,3 +102,22 @@ def test_a_job_needs_no_room_suspended_as_stored_whether_its_spec_reads_or_not()
     assert store_bytes_needed(None, {"phase": "Succeeded"}, cfg, held=7, suspended=False) == 0
     job = parse_job({"metadata": {"name": "j"}, "spec": {"suspend": True}})
     assert store_bytes_needed(job, {"phase": "Running"}, cfg, held=7, suspended=True) == 0
+
+
+def test_the_operator_reaches_a_jobs_streams_as_its_pods_do() -> None:
+    """On the chart's NATS as the job's own user (its account holds them); on an external NATS
+    (the chart's disabled) or the job's own `nats.url`, as the URL says: no such user exists
+    there, and the streams of a deleted job were left for a later job of its name."""
+    import logging
+
+    from pipelinerl_operator.job_streams import JobStreams
+
+    def streams(bundled: bool, url: str | None = None) -> JobStreams:
+        body = {"metadata": {"name": "j", "namespace": "ns", "uid": "u"}, "spec": {"nats": {"url": url}}}
+        cfg = OperatorConfig(auth_key="k" * 32, nats_bundled=bundled, nats_url="nats://u:p@nats.example:4222")
+        return JobStreams(body, cfg, lambda *_: None, logging.getLogger("test"))
+
+    assert streams(bundled=True).user is not None
+    external, own = streams(bundled=False), streams(bundled=True, url="nats://mine:4222")
+    assert (external.user, external.password, external.url) == (None, None, "nats://u:p@nats.example:4222")
+    assert (own.user, own.url) == (None, "nats://mine:4222")
