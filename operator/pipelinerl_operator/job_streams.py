@@ -15,6 +15,7 @@ import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from nats.js.errors import NotFoundError
@@ -25,6 +26,7 @@ from pipelinerl.streams import close, connect, delete_streams, last_checkpoint
 from pipelinerl.store import made_from, recover_store
 from pipelinerl_operator.config import OperatorConfig
 from pipelinerl_operator.credentials import job_credentials
+from pipelinerl_operator.status import parse_ts
 
 T = TypeVar("T")
 
@@ -36,6 +38,17 @@ def own_nats_url(body: Mapping[str, Any]) -> str | None:
 # A restore's JetStream requests (`recover_store`): the identity read twice, five streams deleted,
 # looked up and made, four records written (counted in tests/integration/test_streams.py).
 RESTORE_REQUESTS = 21
+
+
+# A pod still listed this long past its deletion time (its grace period's end) is taken for gone:
+# a lost node's pods stay Terminating until the node controller gives up on them, and they reach
+# no NATS meanwhile. Waited for, a finished or suspended job held its room in the store for good.
+STUCK_TERMINATING_S = 180.0
+
+
+def stuck_terminating(pod: Mapping[str, Any], now: datetime) -> bool:
+    since = (pod.get("metadata") or {}).get("deletionTimestamp")
+    return isinstance(since, str) and (now - parse_ts(since)).total_seconds() > STUCK_TERMINATING_S
 
 
 @dataclass
@@ -94,8 +107,12 @@ class JobStreams:
         return True
 
     async def pods_gone(self, kube: Any) -> bool:
-        """Whether none of the job's pods is left (those on their way out still use its streams)."""
-        return not await kube.list("v1", "Pod", self.namespace, f"{JOB_LABEL}={self.name}")
+        """Whether none of the job's pods is left (those on their way out still use its streams),
+        but those stuck Terminating (`stuck_terminating`)."""
+        now = datetime.now(timezone.utc)
+        return all(
+            stuck_terminating(p, now) for p in await kube.list("v1", "Pod", self.namespace, f"{JOB_LABEL}={self.name}")
+        )
 
     async def checkpoint_record(self, kube: Any) -> dict[str, Any] | None:
         """A suspended job's trainer's newest checkpoint record, which its resume restores the store

@@ -121,3 +121,23 @@ def test_the_operator_reaches_a_jobs_streams_as_its_pods_do() -> None:
     external, own = streams(bundled=False), streams(bundled=True, url="nats://mine:4222")
     assert (external.user, external.password, external.url) == (None, None, "nats://u:p@nats.example:4222")
     assert (own.user, own.url) == (None, "nats://mine:4222")
+
+
+def test_a_pod_stuck_terminating_past_its_grace_is_taken_for_gone() -> None:
+    """A finished or suspended job's streams (and its room in the store) wait for its pods to go;
+    a lost node's pods stay Terminating until the node controller gives up on them: one deleted
+    more than STUCK_TERMINATING_S past its grace no longer holds the room for good."""
+    from datetime import datetime, timedelta, timezone
+
+    from pipelinerl_operator.job_streams import STUCK_TERMINATING_S, stuck_terminating
+
+    now = datetime(2026, 12, 7, 12, 0, tzinfo=timezone.utc)
+
+    def pod(deleted_s_ago: float | None) -> dict:
+        when = None if deleted_s_ago is None else (now - timedelta(seconds=deleted_s_ago)).isoformat()
+        return {"metadata": {"name": "p", "deletionTimestamp": when} if when else {"name": "p"}}
+
+    assert not stuck_terminating(pod(None), now)  # running
+    assert not stuck_terminating(pod(-30), now)  # in its grace
+    assert not stuck_terminating(pod(STUCK_TERMINATING_S - 1), now)
+    assert stuck_terminating(pod(STUCK_TERMINATING_S + 1), now)
