@@ -134,6 +134,13 @@ class JobStatus(StatusModel):
         "charged from then on.",
     )
     last_incident: Incident | None = None
+    output_written: str | None = Field(
+        default=None,
+        max_length=512,
+        description="Where the job's model was written when it succeeded (claimName/subPath): under "
+        "runPolicy.checkpointRetention DeleteAfterOutput its trainer volumes go with it only while spec.output "
+        "still names that place.",
+    )
     start_time: str | None = None
     completion_time: str | None = None
     suspended_seconds: float = Field(

@@ -21,7 +21,7 @@ from pipelinerl.prompt_fit import static_prompt_fit
 from pipelinerl.tasks import param_problems
 from pipelinerl.spec import KIND, PipelineRLJob, SpecError, check_depth, immutable_changes, parse_job
 from pipelinerl_operator.config import OperatorConfig
-from pipelinerl_operator.render import RenderError, render, volumes_deletable
+from pipelinerl_operator.render import RenderError, output_place, render, volumes_deletable
 
 # A job's JSON (what `job_manifest` keeps of it): checking one costs CPU in proportion (the
 # webhook's too), and the object holds it up to twice more in annotations (kubectl's
@@ -208,7 +208,7 @@ def _tracking_in_volumes(job: PipelineRLJob) -> list[str]:
     """Trackers writing into the run directory, which in a pod is the trainer's volume: gone with
     it where the job's volumes go with the job (`runPolicy.checkpointRetention`)."""
     tracking = job.spec.tracking
-    if tracking is None or not volumes_deletable(job, output_written=True):
+    if tracking is None or not volumes_deletable(job, written_to=output_place(job)):
         return []
     local = {
         "mlflow": "trackingUri" if tracking.mlflow and not tracking.mlflow.tracking_uri else None,

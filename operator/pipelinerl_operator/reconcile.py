@@ -31,7 +31,7 @@ from pipelinerl_operator.names import generator_selector, replicas, role_name, t
 from pipelinerl_operator.nats_store import Reservations, store_bytes_needed
 from pipelinerl_operator.pods import pod_problems, pods_stopped, trainer_gang_to_restart
 from pipelinerl_operator.progress import DEFAULT_URL, fetch_trainer_status, status_url
-from pipelinerl_operator.render import render
+from pipelinerl_operator.render import output_place, render
 from pipelinerl_operator.status import (
     Observed,
     RoleObserved,
@@ -127,6 +127,8 @@ async def run(
             )
         )
         status["natsReservedBytes"] = held
+        if written := output_written(previous, status, job):
+            status["outputWritten"] = written
         # A suspended job's checkpoint record, until its resume; the Secret the operator made. Unset,
         # absent (as the API server keeps a status): a null would be patched again by every pass.
         status.update({k: v for k, v in (("suspendedStore", kept), ("credentialsSecret", made)) if v})
@@ -359,6 +361,17 @@ def _pods_of(pods: list[dict[str, Any]], roles: list[str]) -> frozenset[str]:
     )
 
 
+def output_written(previous: dict[str, Any], status: dict[str, Any], job: Any) -> str | None:
+    """Where the job's model was written (`render.output_place`), from the pass that finds it
+    succeeded on: with the spec its pods ran with then, not as edited since (an output claim added
+    to a finished job holds nothing, and its volumes hold the only copy)."""
+    if status.get("phase") != "Succeeded":
+        return None
+    if previous.get("phase") == "Succeeded" or job is None:
+        return previous.get("outputWritten")
+    return output_place(job)
+
+
 def _read_spec(
     body: kopf.Body, previous: dict[str, Any], cfg: Any, logger: logging.Logger | logging.LoggerAdapter
 ) -> tuple[Any, str | None, list[dict[str, Any]]]:
@@ -371,8 +384,7 @@ def _read_spec(
         logger.warning("invalid spec: %s", err)
         return None, str(err), []
     active = not job.spec.suspend and not is_terminal(previous)
-    output_written = previous.get("phase") == "Succeeded"
-    return job, None, render(job, ns, meta.get("uid", ""), cfg, active=active, output_written=output_written)
+    return job, None, render(job, ns, meta.get("uid", ""), cfg, active=active, written_to=previous.get("outputWritten"))
 
 
 async def _reserve_and_apply(
@@ -548,7 +560,7 @@ async def _act_on(
     if job is not None and is_terminal(status) and not is_terminal(previous):
         # Free the GPUs; the checkpoints stay (or may now go with the job: the output is written).
         # As owned as any other apply: an object of a child's name that is not the job's stays as it is.
-        children = render(job, ns, uid, cfg, active=False, output_written=status["phase"] == "Succeeded")
+        children = render(job, ns, uid, cfg, active=False, written_to=status.get("outputWritten"))
         error, _ = await apply_owned(kube, ref, children, status.get("credentialsSecret"))
         if error:
             logger.warning("not scaled down: %s", error)  # the next pass renders it stopped again

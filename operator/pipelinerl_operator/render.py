@@ -187,14 +187,21 @@ def service(job: PipelineRLJob, role: str, namespace: str, uid: str) -> dict[str
     }
 
 
-def volumes_deletable(job: PipelineRLJob, output_written: bool) -> bool:
-    """Whether the trainer volumes may go with the job (`runPolicy.checkpointRetention`). Written
-    out means to an output claim: `output.path` alone is `pipelinerl run`'s, a pod writes it nowhere."""
-    retention = job.spec.run_policy.checkpoint_retention
+def output_place(job: PipelineRLJob) -> str | None:
+    """Where the job's pods write its model (`claimName/subPath`); None: nowhere (`output.path`
+    alone is `pipelinerl run`'s)."""
     output = job.spec.output
-    return retention == "Delete" or (
-        retention == "DeleteAfterOutput" and output is not None and output.claim_name is not None and output_written
-    )
+    return f"{output.claim_name}/{output.sub_path or ''}" if output is not None and output.claim_name else None
+
+
+def volumes_deletable(job: PipelineRLJob, written_to: str | None) -> bool:
+    """Whether the trainer volumes may go with the job (`runPolicy.checkpointRetention`).
+    `written_to`: where the model was written when the job succeeded (`status.outputWritten`);
+    after output only while the spec still names that place (an output claim added to a finished
+    job holds nothing)."""
+    retention = job.spec.run_policy.checkpoint_retention
+    place = output_place(job)
+    return retention == "Delete" or (retention == "DeleteAfterOutput" and place is not None and place == written_to)
 
 
 def stateful_set(
@@ -204,7 +211,7 @@ def stateful_set(
     uid: str,
     cfg: OperatorConfig,
     active: bool,
-    output_written: bool = False,
+    written_to: str | None = None,
 ) -> dict[str, Any]:
     name = role_name(job.name, role)
     spec: dict[str, Any] = {
@@ -229,7 +236,7 @@ def stateful_set(
         # Checkpoints survive suspend (scale to 0); with the job they go per the retention policy,
         # never while they hold the only copy of a model the job was to write out.
         spec["persistentVolumeClaimRetentionPolicy"] = {
-            "whenDeleted": "Delete" if volumes_deletable(job, output_written) else "Retain",
+            "whenDeleted": "Delete" if volumes_deletable(job, written_to) else "Retain",
             "whenScaled": "Retain",
         }
     return {
@@ -264,10 +271,15 @@ def validate_renderable(job: PipelineRLJob) -> None:
 
 
 def render(
-    job: PipelineRLJob, namespace: str, uid: str, cfg: OperatorConfig, active: bool = True, output_written: bool = False
+    job: PipelineRLJob,
+    namespace: str,
+    uid: str,
+    cfg: OperatorConfig,
+    active: bool = True,
+    written_to: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every child object of the job; `active=False` (suspended, finished) scales all roles to zero;
-    `output_written`: the job succeeded with its output written (see `volumes_deletable`)."""
+    `written_to`: where the job's model was written when it succeeded (see `volumes_deletable`)."""
     validate_renderable(job)
     objects = [config_map(job, namespace, uid), network_policy(job, namespace, uid, cfg)]
     if cfg.service_account is None:
@@ -278,7 +290,7 @@ def render(
         objects.append(pod_group(job, namespace, uid))
     for role in ROLES:
         objects.append(service(job, role, namespace, uid))
-        objects.append(stateful_set(job, role, namespace, uid, cfg, active, output_written))
+        objects.append(stateful_set(job, role, namespace, uid, cfg, active, written_to))
     check_pods(job, objects, cfg)
     if not active:  # its pods stop first: a child refused after them does not keep them (and their GPUs)
         objects.sort(key=lambda o: o["kind"] != "StatefulSet")

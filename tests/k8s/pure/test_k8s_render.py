@@ -573,23 +573,42 @@ def test_job_pods_run_as_their_jobs_own_service_account_wherever_the_job_is() ->
 
 
 @pytest.mark.parametrize(
-    "retention, output, written, deleted",
+    "retention, output, written_to, deleted",
     [
-        ("DeleteAfterOutput", {"claimName": "models"}, False, False),  # running: the checkpoints are the only copy
-        ("DeleteAfterOutput", {"claimName": "models"}, True, True),  # succeeded: the final model is on the claim
-        ("DeleteAfterOutput", None, True, False),  # no output: the checkpoints are the model
-        ("DeleteAfterOutput", {"path": "/models"}, True, False),  # `pipelinerl run`'s output: no pod writes it
-        ("Retain", {"claimName": "models"}, True, False),
-        ("Delete", None, False, True),
+        ("DeleteAfterOutput", {"claimName": "models"}, None, False),  # running: the checkpoints are the only copy
+        ("DeleteAfterOutput", {"claimName": "models"}, "models/", True),  # succeeded: the final model is on the claim
+        ("DeleteAfterOutput", {"claimName": "models", "subPath": "a"}, "models/a", True),
+        # The claim or its subPath added or changed after the job succeeded: no pod wrote there.
+        ("DeleteAfterOutput", {"claimName": "models"}, "other/", False),
+        ("DeleteAfterOutput", {"claimName": "models", "subPath": "b"}, "models/a", False),
+        ("DeleteAfterOutput", None, None, False),  # no output: the checkpoints are the model
+        ("DeleteAfterOutput", {"path": "/models"}, None, False),  # `pipelinerl run`'s output: no pod writes it
+        ("Retain", {"claimName": "models"}, "models/", False),
+        ("Delete", None, None, True),
     ],
 )
-def test_trainer_volumes_go_with_the_job_only_per_the_retention_policy(retention, output, written, deleted) -> None:
+def test_trainer_volumes_go_with_the_job_only_per_the_retention_policy(retention, output, written_to, deleted) -> None:
     spec = {"runPolicy": {"checkpointRetention": retention}, **({"output": output} if output else {})}
-    trainer = by_name(render(job(**spec), "ns", "u", CFG, output_written=written))[("StatefulSet", "demo-prl-trainer")]
+    trainer = by_name(render(job(**spec), "ns", "u", CFG, written_to=written_to))[("StatefulSet", "demo-prl-trainer")]
     assert trainer["spec"]["persistentVolumeClaimRetentionPolicy"] == {
         "whenDeleted": "Delete" if deleted else "Retain",
         "whenScaled": "Retain",
     }
+
+
+def test_where_the_output_was_written_is_the_spec_the_job_succeeded_with() -> None:
+    """The pass that finds the job succeeded records where its pods wrote the model; later passes
+    keep that, whatever the spec says since (a claim added to a finished job holds nothing: its
+    volumes, deleted with it, took the only copy)."""
+    from pipelinerl_operator.reconcile import output_written
+
+    ran, edited = job(output={"claimName": "models"}), job(output={"claimName": "later"})
+    running, done = {"phase": "Running"}, {"phase": "Succeeded"}
+    assert output_written(running, running, ran) is None
+    assert output_written(running, done, ran) == "models/"  # the pass it succeeds on
+    assert output_written(done | {"outputWritten": "models/"}, done, edited) == "models/"
+    assert output_written(done, done, edited) is None  # succeeded before it was recorded: kept, not guessed
+    assert output_written(running, done, job()) is None  # written nowhere
 
 
 def test_every_pod_asks_for_resources_the_user_did_not_name() -> None:
