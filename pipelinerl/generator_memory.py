@@ -281,11 +281,8 @@ def plan(
 
 def room_fixes(first: str, staged: bool) -> str:
     """What leaves an update's buffers room beside vLLM: `first`, then the job's other levers."""
-    return (
-        f"{first}, "
-        + ("weightSync.staged: false, " if staged else "")
-        + ("a smaller weightSync.bucketMb, or more generator.tensorParallel")
-    )
+    staging = "weightSync.staged: false, " if staged else ""
+    return f"{first}, {staging}a smaller weightSync.bucketMb, or more generator.tensorParallel"
 
 
 def update_room_problem(free: int, total: int, utilization: float, staging: int, receive: int, nccl: int) -> str:
