@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from pipelinerl.generator_memory import NCCL_BYTES, VLLM_DEFAULT_UTILIZATION, update_room_problem
 from pipelinerl.weight_group import (
     RECEIVE_RING,
     Invitation,
@@ -110,10 +111,7 @@ class WeightReceiverExtension:
         device = next(model.parameters()).device
         if device.type != "cuda":
             return ""
-        from pipelinerl.generator_memory import NCCL_BYTES, VLLM_DEFAULT_UTILIZATION, update_room_problem
-
-        params = {id(p): p for p in model.parameters()}.values()  # tied ones once
-        sizes = [p.numel() * p.element_size() for p in params]
+        sizes = [p.numel() * p.element_size() for p in model.parameters()]  # (tied ones once)
         tp = int(getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1))
         free, total = torch.cuda.mem_get_info(device)
         utilization = getattr(getattr(self, "cache_config", None), "gpu_memory_utilization", VLLM_DEFAULT_UTILIZATION)
