@@ -8,14 +8,16 @@ it took (trained, filtered, stale or dead-lettered), and the trainer keeps the s
 each checkpoint. A store lost and made to go on from that checkpoint (`store.recover_store`) draws
 again every index claimed then and not settled by it (`Claims.unsettled`): the groups queued,
 in flight or in a generator's unused block when the store was lost. No index settled by a step is
-drawn again. A restarted generator draws first what it held (`streams.hold_problems`). Unsettled
-too, and so drawn again at a recovery: a block claimed by a generator killed before it recorded
-it, the groups of one killed inside its publish (that one's, and those waiting behind it; or
-stopped while an index was let go: a record written for a group finishing beside it carried that
-change), what a rank scaled away held, problems a generator skips (a prompt too long for the
-model), a lost claim's indices, and a group that could not be decoded (its index unknown). Those
-gaps never close otherwise, so the trainer keeps only the newest `MAX_GAPS` (`newest_gaps`): the
-older are given up.
+drawn again. A generator stopping gives back what it holds (`streams.give_back_problems`): the
+next claims take it first, a peer's where the job no longer runs that rank (scaled down); a
+generator killed outright leaves it to its restart (`streams.hold_problems`). Unsettled too, and
+so drawn again at a recovery: a block claimed by a generator killed before it recorded it, the
+groups of one killed inside its publish (that one's, and those waiting behind it; or stopped
+while an index was let go: a record written for a group finishing beside it carried that
+change), what a rank killed outright and then scaled away held, problems a generator skips (a
+prompt too long for the model), a lost claim's indices, and a group that could not be decoded
+(its index unknown). Those gaps never close otherwise, so the trainer keeps only the newest
+`MAX_GAPS` (`newest_gaps`): the older are given up.
 
 Index sets are sorted, disjoint half-open ranges `(start, stop)`; as text `3-5,9` (inclusive).
 """
@@ -147,6 +149,14 @@ class Claims:
                 rest.insert(0, (start + n, stop))
         fresh = count - len(taken)
         return taken + list(range(self.next, self.next + fresh)), Claims(self.next + fresh, tuple(rest))
+
+    def given_back(self, ranges: Sequence[Range]) -> Claims:
+        """These claims with `ranges`, claimed and never drawn (a stopping generator's,
+        `streams.give_back_problems`), to draw again first."""
+        redraw = with_indices([*self.redraw, *ranges], ())
+        if redraw and redraw[-1][1] > self.next:
+            raise ValueError(f"problems given back {ranges_text(ranges)} reach past the {self.next} claimed")
+        return Claims(self.next, tuple(redraw))
 
     @classmethod
     def unsettled(cls, claimed: int, settled: Sequence[Range]) -> Claims:

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -243,32 +244,57 @@ async def newest_batches(js, subjects: JobSubjects, ranks: int, timeout_s: float
 
 async def claim_problems(js, subjects: JobSubjects, count: int, timeout_s: float = READ_TIMEOUT_S) -> list[int]:
     """`count` training problem indices that no generator has drawn or will (those to draw again
-    after a store recovery first, `claims.Claims`): the job's claims are one record on the CONTROL
-    stream, replaced by an append that JetStream makes only if nobody appended since it was read
-    (an expected last sequence); a claimer that lost the race reads again. Whatever the
-    generators' number, incarnations or arrivals, no two get one index; a claim whose
+    first, `claims.Claims`): the job's claims are one record on the CONTROL stream, replaced by an
+    append that JetStream makes only if nobody appended since it was read (`_change_claims`).
+    Whatever the generators' number, incarnations or arrivals, no two get one index; a claim whose
     acknowledgement was lost leaves its indices unsettled, never given twice."""
+    taken, _ = await _change_claims(
+        js, subjects, lambda claims: claims.take(count), "claim training problems", timeout_s
+    )
+    return taken
+
+
+async def give_back_problems(
+    js, subjects: JobSubjects, rank: int, held: Sequence[Range], timeout_s: float = READ_TIMEOUT_S
+) -> None:
+    """Generator `rank`, stopping, gives back the problems it holds (`hold_problems`): whichever
+    generator claims next draws them first, its own restart or, where the job no longer runs it
+    (scaled down), a peer. Its record is emptied first: a stop cut short between the two writes
+    leaves them unsettled (drawn again at a recovery), never drawn twice. Every try of the claims'
+    append carries one message id, so a try stored with its acknowledgement lost answers the next
+    as a duplicate: they are not added again after a peer drew them."""
+    await hold_problems(js, subjects, rank, [], timeout_s)
+    msg_id = f"give-back-{rank}-{uuid.uuid4().hex}"
+    await _change_claims(
+        js, subjects, lambda claims: (None, claims.given_back(held)), "give back problems", timeout_s, msg_id
+    )
+
+
+async def _change_claims(js, subjects: JobSubjects, change, what: str, timeout_s: float, msg_id: str | None = None):
+    """`change(claims)` -> (result, claims after), appended to the claims record only if nobody
+    appended since it was read (an expected last sequence); a change that lost the race, or whose
+    append went unanswered, reads again and is made anew (`msg_id`: one for every try, so one
+    stored unanswered answers the next as a duplicate). The result of the change stored."""
     subject, stream = subjects.problems, subjects.stream("CONTROL")
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             last = await read_last(js, stream, subject, deadline)
         except TimeoutError as err:
-            raise TimeoutError(f"could not claim training problems on {subject} in {timeout_s:.0f}s ({err})") from None
+            raise TimeoutError(f"could not {what} on {subject} in {timeout_s:.0f}s ({err})") from None
         seq, claims = (last.seq, _claims(last.data, subject)) if last is not None else (0, Claims())
-        taken, after = claims.take(count)
+        result, after = change(claims)
+        headers = {"Nats-Expected-Last-Subject-Sequence": str(seq)} | ({"Nats-Msg-Id": msg_id} if msg_id else {})
         try:
-            await js.publish(
-                subject, after.text().encode(), timeout=5.0, headers={"Nats-Expected-Last-Subject-Sequence": str(seq)}
-            )
-            return taken
+            await js.publish(subject, after.text().encode(), timeout=5.0, headers=headers)
+            return result, after
         except UNACKED:
-            pass  # lost or no ack: read again (the claim, if stored, leaves its indices unsettled)
+            pass  # lost or no ack: read again (a claim, if stored, leaves its indices unsettled)
         except nats.js.errors.APIError as err:
             if err.err_code != WRONG_LAST_SEQUENCE:
                 raise
         if time.monotonic() > deadline:
-            raise TimeoutError(f"could not claim training problems on {subject} in {timeout_s:.0f}s")
+            raise TimeoutError(f"could not {what} on {subject} in {timeout_s:.0f}s")
         await asyncio.sleep(0.01)
 
 

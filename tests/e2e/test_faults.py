@@ -20,8 +20,12 @@ from faults import (  # tests/e2e/faults.py
     mid_step,
     newest_stored,
 )
-from jobs import RUN_TIMEOUT_S  # tests/e2e/jobs.py
+from jobs import RUN_TIMEOUT_S, stored  # tests/e2e/jobs.py
 from listening import listening_addresses  # tests/listening.py
+
+from pipelinerl import messages as m
+from pipelinerl.claims import Claims, indices, parse_ranges
+from pipelinerl.contracts import JobSubjects
 
 from bench.run_process import RunProcess
 
@@ -89,6 +93,23 @@ def test_one_generator_of_two_dies_and_rejoins(start_run):
     assert services["generator-1"]["restarts"] == 1 and services["generator-1"]["pid"] == restarted
     assert services["generator-0"]["restarts"] == 0 and services["trainer"]["restarts"] == 0
     assert train[-1]["generators_in_group"] == 2  # ends with both again
+    # Stopped, each generator gave back what it held (its unused block, its groups in flight,
+    # cancelled): the job's claims draw exactly those first, the generators' records are empty,
+    # and no step settled any of them.
+    logs = [(run.dir / "logs" / f"generator-{r}.log").read_text() for r in range(2)]
+    given = [
+        i
+        for log in logs
+        for text in re.findall(r"gave back the problems it held: (\S+)", log)
+        for i in indices(parse_ranges(text, "log"))
+    ]
+    assert not any("could not give back" in log for log in logs)
+    records = {x.subject: x.data for x in stored(run.dir, "gen2", "CONTROL")}
+    subjects = JobSubjects("gen2")
+    assert [records.get(subjects.held(r)) or b"" for r in range(2)] == [b"", b""]  # (empty: None)
+    assert sorted(indices(Claims.parse(records[subjects.problems].decode()).redraw)) == sorted(given)
+    ledgers = [m.decode(x.data, m.MicroBatch).ledger for x in stored(run.dir, "gen2", "BATCHES")]
+    assert not set(given) & {i for ledger in ledgers for i in indices(ledger.settled_indices())}
 
 
 def test_the_generator_then_the_trainer_then_nats_die_and_nothing_acknowledged_is_lost(start_run):

@@ -162,6 +162,54 @@ async def test_groups_published_together_each_let_their_problem_go(nats_server, 
     await gen.nc.close()
 
 
+async def test_a_stopping_generator_gives_back_what_it_holds_for_the_next_claims_each_drawn_once(nats_server, tmp_path):
+    """Told to stop (a scale-down, a drained node), a generator cancels its groups in flight and
+    gives back what it holds (the rest of its block, those groups): the next claims, a peer's,
+    take them first, and its record is empty, so its own restart draws none of them. Its give-back
+    stored with the acknowledgement lost, then a peer's claim of two of them: the retry is answered
+    as a duplicate, not made again, so neither is drawn twice. Through `Generator._group` and the
+    admission loop's end, rollouts that never end stood in for (no engine)."""
+    from pipelinerl.claims import Claims
+    from pipelinerl.streams import claim_problems
+
+    job = parse_job({"metadata": {"name": "back"}, "spec": {"rl": {"attempts": 2}, "trainer": {"samplesPerStep": 8}}})
+
+    async def rollout(policy, tokenizer, problem, max_tokens, greedy=False):
+        await asyncio.Event().wait()  # generating when the stop comes
+
+    gen = await incarnation(nats_server, tmp_path, job)
+    gen.task = SimpleNamespace(rollout=rollout, train_problem=lambda i: SimpleNamespace(id="p"))
+    for _ in range(2):
+        gen._spawn(gen._group(await gen._next_problem(), gen.admission.on_start()), rollout=True)
+    await asyncio.sleep(0.1)
+    assert gen.held == [(0, 4)] and len(gen.rollouts) == 2  # a block of 4: two in flight, two unused
+    gen.stopping.set()
+    await gen._admission_loop()  # ends: its groups cancelled
+
+    peer = await connect(nats_server.url, "generator-0")
+    drawn_by_peer: list[int] = []
+    publish = gen.js.publish
+
+    async def ack_lost(subject, *args, **kwargs):
+        await publish(subject, *args, **kwargs)
+        if subject == job.subjects.problems:
+            gen.js.publish = publish
+            drawn_by_peer.extend(await claim_problems(peer.jetstream(), job.subjects, 2))
+            raise nats.errors.TimeoutError
+
+    gen.js.publish = ack_lost
+    await gen._give_back()
+    assert gen.js.publish == publish and drawn_by_peer == [0, 1]  # the groups it had in flight, first
+    assert not gen.rollouts and await held_problems(gen.js, job.subjects, 1) == []
+    last = await last_message(gen.js, job.subjects.stream("CONTROL"), job.subjects.problems)
+    assert Claims.parse(last.decode()) == Claims(4, ((2, 4),))  # given back once: 0 and 1 not again
+    assert await claim_problems(peer.jetstream(), job.subjects, 4) == [2, 3, 4, 5]
+    restarted = await incarnation(nats_server, tmp_path, job)
+    assert restarted.held == [] and not list(restarted.problems)
+    for nc in (gen.nc, peer, restarted.nc):
+        await nc.close()
+
+
 async def test_a_problem_drawn_again_in_a_later_epoch_is_a_group_of_its_own(nats_server, tmp_path):
     """A dataset's rows come back with each epoch, under the same problem id: their groups are told
     apart by the claimed index (`group_id`), so JetStream never drops a later epoch's group as a

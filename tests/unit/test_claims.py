@@ -118,3 +118,29 @@ def test_claimers_after_a_recovery_draw_every_index_once_whatever_their_blocks()
             range(60, len(drawn) + 60 - len(redraw))
         )
         assert not redraw & {i for a, b in settled for i in range(a, b)}
+
+
+def test_problems_given_back_are_drawn_again_first_by_the_next_claims_each_once():
+    """Generators stopping give back what they hold: the next claims take it first, whoever
+    claims, and with the indices still to draw again it is each drawn once."""
+    rng = random.Random(11)
+    for _ in range(200):
+        claims, held = Claims.of(30, "2-4"), []
+        drawn = [i for i in range(30) if not 2 <= i <= 4]  # (before)
+        for _ in range(rng.randint(1, 6)):
+            taken, claims = claims.take(rng.randint(1, 5))
+            kept = [i for i in taken if rng.random() < 0.5]  # the rest published, or held by another
+            drawn += [i for i in taken if i not in kept]
+            held.append(with_indices([], kept))
+            if rng.random() < 0.5:
+                claims = claims.given_back(held.pop())
+        for ranges in held:
+            claims = claims.given_back(ranges)
+        redraw = {i for a, b in claims.redraw for i in range(a, b)}
+        assert not redraw & set(drawn) and len(set(drawn)) == len(drawn)
+        assert redraw | set(drawn) == set(range(claims.next))  # nothing claimed is lost
+        taken, after = claims.take(len(redraw) + 2)
+        assert set(taken[: len(redraw)]) == redraw and taken[len(redraw) :] == [claims.next, claims.next + 1]
+    assert Claims.of(10, "1").given_back([(1, 3), (5, 6)]) == Claims(10, ((1, 3), (5, 6)))
+    with pytest.raises(ValueError, match="given back 8-10 reach past the 10 claimed"):
+        Claims(10).given_back([(8, 11)])

@@ -36,6 +36,7 @@ from pipelinerl.steps import FINAL_EVAL_WAIT_S, counts_as_discarded, is_final, t
 from pipelinerl.streams import (
     claim_problems,
     close,
+    give_back_problems,
     held_problems,
     hold_problems,
     last_announcement,
@@ -52,6 +53,7 @@ from pipelinerl_generator.weight_follower import WeightFollower
 
 log = logging.getLogger("pipelinerl.generator")
 ENGINE_CHECK_S = 30.0
+GIVE_BACK_S = 15.0  # within a pod's grace period (contracts.STOP_GRACE_S), the engine's shutdown after
 
 
 class Generator:
@@ -132,6 +134,8 @@ class Generator:
             log.info("generator %d ready at version %d", self.env.rank, self.engine.version)
             self._spawn(self.evaluator.maybe_eval(self.engine.version))
             await self._admission_loop()
+        if self.stopping.is_set() and self.finished_version is None and not self.errors:
+            await self._give_back()
         for t in loops:
             t.cancel()
         self.engine.shutdown()
@@ -196,14 +200,33 @@ class Generator:
         for error in self.errors:  # since the finish (the final evaluation's publish, say): training is done
             log.error("after the trainer finished: %r", error)
 
+    async def _give_back(self) -> None:
+        """Told to stop (a restart, a scale-down, a drained node): the problems this rank holds are
+        given back for the next claims to take first (`streams.give_back_problems`), once its
+        groups cancelled have ended (none is let go meanwhile). Where that fails (NATS away), its
+        restart draws them, or a recovery where its record was emptied already."""
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=GIVE_BACK_S)
+        if not self.held:
+            return
+        held = list(self.held)
+        try:
+            await give_back_problems(self.js, self.subjects, self.env.rank, held, timeout_s=GIVE_BACK_S)
+        except Exception as err:  # noqa: BLE001 - stopping either way
+            log.warning(
+                "generator %d could not give back the problems it held (%s): %r", self.env.rank, ranges_text(held), err
+            )
+            return
+        log.info("generator %d gave back the problems it held: %s", self.env.rank, ranges_text(held))
+
     async def _next_problem(self) -> int:
         """The next training problem: from a block claimed for this generator alone (a step's
         share), so that whatever the generators' number, restarts or arrivals, each problem is
-        drawn once. What an incarnation held and did not publish (its unused block, its groups in
-        flight) its restart draws first. Lost are only a block claimed by one killed before it
-        recorded it, and the groups of one killed inside its publish (that one's, and those finished
-        behind it, waiting to publish): drawn again where the store is made to go on from a
-        checkpoint (`claims`)."""
+        drawn once. What an incarnation killed outright held and did not publish (its unused block,
+        its groups in flight) its restart draws first (one told to stop gives it back:
+        `_give_back`). Lost are only a block claimed by one killed before it recorded it, and the
+        groups of one killed inside its publish (that one's, and those finished behind it, waiting
+        to publish): drawn again where the store is made to go on from a checkpoint (`claims`)."""
         if not self.problems:
             taken = await claim_problems(self.js, self.subjects, max(1, self.admission.share))
             await self._hold(lambda held: with_indices(held, taken))
