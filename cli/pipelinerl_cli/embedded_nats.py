@@ -56,7 +56,9 @@ class EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         conf = self.store_dir / "nats.conf"
         store = f"jetstream {{ max_file_store: {self.store_bytes} }}\n" if self.store_bytes else ""
-        conf.write_text(f"max_payload: {self.max_payload_mb * 1024 * 1024}\n{store}")
+        text = f"max_payload: {self.max_payload_mb * 1024 * 1024}\n{store}"
+        if not conf.exists() or conf.read_text() != text:  # a restart's on a full disk must not truncate it
+            conf.write_text(text)
         binary = nats_server_binary()
         with open(self.store_dir / "nats.log", "ab") as log:  # the server's now: closed here once it has it
             self.proc = subprocess.Popen(

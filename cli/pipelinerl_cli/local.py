@@ -121,9 +121,11 @@ class LocalRun:
 
     # -- processes -------------------------------------------------------------------------
     def start_services(self, nats_url: str) -> None:
-        job_file = self.run_dir / "job.yaml"  # what a resumed run is started from: never left torn
-        write_text_whole(job_file, dump_job(self.job))
-        write_text_whole(self.run_dir / RAN_JOB, dump_job(self.job))  # the runner's record: job.yaml may be edited
+        write_text_whole(self.run_dir / "job.yaml", dump_job(self.job))  # what a resumed run is started from
+        # The runner's record, which the services (and their restarts) read: job.yaml may be
+        # edited meanwhile, for the next run.
+        ran = self.run_dir / RAN_JOB
+        write_text_whole(ran, dump_job(self.job))
         logs = self.run_dir / "logs"
         logs.mkdir(exist_ok=True)
         gens, trainers = self.spec.generator_engines, self.spec.trainer_ranks
@@ -161,7 +163,7 @@ class LocalRun:
                 master_port=master_port if trainer else None,
             )
             name = role if world == 1 else f"{role}-{rank}"
-            self.services.append(Service(name, env, logs / f"{name}.log", job_file, cores, role_envs[role], self.held))
+            self.services.append(Service(name, env, logs / f"{name}.log", ran, cores, role_envs[role], self.held))
         self._record_services()
 
     def check_services(self) -> bool:
@@ -203,19 +205,29 @@ class LocalRun:
         if self.nats_restart_at is not None:
             if now >= self.nats_restart_at:
                 self.nats_restart_at = None
-                self.nats.start()
+                try:
+                    self.nats.start()
+                except (OSError, RuntimeError) as err:  # it died again starting, or never listened
+                    tell(f"  nats-server did not start again: {err}", file=sys.stderr)
+                    self._nats_exited(now, self.nats.proc.returncode if self.nats.proc else None)
                 self._record_services()
             return
         assert self.nats.proc is not None  # started with the run
         code = self.nats.proc.poll()
         if code is not None:
-            self.nats_restart_at = now + self._backoff(
-                "nats-server", self.nats_restarts, code, self.nats.store_dir / "nats.log"
-            )
-            self.nats_restarts += 1
+            self._nats_exited(now, code)
         elif now - self.nats_checked >= NATS_HEALTH_S:
             self.nats_checked = now
             self._check_jetstream(now)
+
+    def _nats_exited(self, now: float, code: int | None) -> None:
+        """nats-server ended (`code`; None: unknown): restarted after a backoff counted by its
+        crashes only (not the restarts for a disk that had been full), or ServiceDied."""
+        assert self.nats is not None
+        crashes = self.nats_restarts - self.nats_health_restarts
+        log_path = self.nats.store_dir / "nats.log"
+        self.nats_restart_at = now + self._backoff("nats-server", crashes, 1 if code is None else code, log_path, False)
+        self.nats_restarts += 1
 
     def _check_jetstream(self, now: float) -> None:
         """JetStream that cannot write (a full disk) refuses writes until nats-server restarts,
@@ -249,13 +261,13 @@ class LocalRun:
         self.nats_checked = now + wait
         self._record_services()
 
-    def _backoff(self, name: str, failures: int, code: int, log_path: Path) -> float:
-        """Seconds until `name`, which exited with `code` after `failures` restarts that followed
-        a failure, is started again; ServiceDied (with its log's tail) once the restart policy
-        gives up on it."""
-        delay = self.restart.delay(failures, code)
+    def _backoff(self, name: str, failures: int, code: int, log_path: Path, service: bool = True) -> float:
+        """Seconds until `name` (a `service`, or nats-server), which exited with `code` after
+        `failures` restarts that followed a failure, is started again; ServiceDied (with its log's
+        tail) once the restart policy gives up on it."""
+        delay = self.restart.delay(failures, code, service)
         if delay is None:
-            raise ServiceDied(name, code, log_path, tail(log_path))
+            raise ServiceDied(name, code, log_path, tail(log_path), service)
         if code == STOPPED_EXIT:  # a trainer rank: the gang stopped (one of its processes was asked to)
             tell(f"  {name} stopped with its gang, its checkpoint written: starting it again")
             return delay
@@ -719,7 +731,7 @@ def _run_in(job: PipelineRLJob, run_dir: Path, quiet: bool, cores: str, restart:
             f"Last lines of {err.log_path}:\n{err.tail}",
             file=sys.stderr,
         )
-        code = CANNOT_RUN if err.code == CANNOT_RUN else 1
+        code = CANNOT_RUN if err.hopeless else 1
     except (OSError, RuntimeError) as err:  # the run's own NATS lost for good (restarted and not listening)
         tell(f"\n{traceback.format_exc()}error: {type(err).__name__}: {err}; stopping the services", file=sys.stderr)
         code = 1

@@ -80,12 +80,13 @@ class RestartPolicy:
     base_s: float = 1.0
     max_s: float = 30.0
 
-    def delay(self, restarts: int, code: int = 1) -> float | None:
+    def delay(self, restarts: int, code: int = 1, service: bool = True) -> float | None:
         """Seconds to wait before restart number `restarts` + 1 of a process that exited with
-        `code`; None: give up (also at once for CANNOT_RUN: it would fail the same way again)."""
+        `code`; None: give up (also at once for a `service`'s CANNOT_RUN: it would fail the same
+        way again; nats-server's 2 is a Go panic, a crash like any other)."""
         if code == STOPPED_EXIT:  # a trainer rank stopped with its gang, its checkpoint written: no failure
             return self.base_s
-        if not self.on_failure or restarts >= self.limit or code == CANNOT_RUN:
+        if not self.on_failure or restarts >= self.limit or (service and code == CANNOT_RUN):
             return None
         return self.spacing(restarts)
 
@@ -240,7 +241,8 @@ def cause(log_tail: str) -> str | None:
 class ServiceDied(RuntimeError):
     """A process the restart policy gave up on."""
 
-    def __init__(self, name: str, code: int | None, log_path: Path, tail: str):
-        hopeless = " (the job cannot run as written: a restart would fail the same way)" if code == CANNOT_RUN else ""
-        super().__init__(f"{name} exited with code {code}{hopeless}")
+    def __init__(self, name: str, code: int | None, log_path: Path, tail: str, service: bool = True):
+        self.hopeless = service and code == CANNOT_RUN  # the job cannot run as written
+        said = " (the job cannot run as written: a restart would fail the same way)" if self.hopeless else ""
+        super().__init__(f"{name} exited with code {code}{said}")
         self.code, self.log_path, self.tail = code, log_path, tail

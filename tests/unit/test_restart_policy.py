@@ -109,3 +109,51 @@ def test_a_service_that_exits_0_before_the_runs_end_is_restarted_and_after_it_is
     ended = Exited("generator", "generator", 0, log)
     run.services, run.train, run.announced_end = [trainer, ended], [], True  # type: ignore[list-item]
     assert not run.check_services() and ended.restart_at is None  # the end announced: left as it is
+
+
+class FakeNats:
+    """nats-server as the runner supervises it: exits with `code`; a start that fails while `broken`."""
+
+    def __init__(self, store_dir) -> None:
+        self.store_dir, self.code, self.broken, self.starts, self.url = store_dir, None, False, 0, "nats://x"
+        self.proc = type("Proc", (), {"poll": lambda _s: self.code, "returncode": property(lambda _s: self.code)})()
+        self.proc.pid = 1
+
+    def start(self) -> None:
+        self.starts += 1
+        if self.broken:
+            self.code = 1
+            raise RuntimeError("nats-server exited with 1")
+        self.code = None
+
+    def jetstream_problem(self) -> str:
+        return ""
+
+
+def test_nats_server_crashes_are_counted_apart_from_restarts_for_a_full_disk_and_a_panic_is_a_crash(tmp_path, capsys):
+    """nats-server's restarts for a JetStream that could not write (a disk that had been full) do
+    not use up its crashes' allowance; its exit 2 is a Go panic (restarted, never "the job cannot
+    run as written"); a restart that fails to start is a crash too, restarted after a backoff,
+    until the policy gives up: ServiceDied, not hopeless (the run exits 1)."""
+    from pipelinerl.spec import parse_job
+    from pipelinerl_cli.local import LocalRun
+
+    nats = FakeNats(tmp_path)
+    (tmp_path / "nats.log").write_text("panic: runtime error\n")
+    run = LocalRun(parse_job({"metadata": {"name": "t"}}), tmp_path, quiet=True, nats=nats)  # type: ignore[arg-type]
+    run.nats_restarts = run.nats_health_restarts = 3  # the disk was full three times
+    nats.code = CANNOT_RUN  # a panic
+    run._check_nats()
+    assert (
+        run.nats_restart_at is not None
+        and "nats-server exited with code 2: restarting it in 1s (restart 1 of 3)" in (capsys.readouterr().err)
+    )
+    nats.broken = True
+    for restart in (2, 3):
+        run.nats_restart_at = 0.0  # due
+        run._check_nats()  # starts, fails: scheduled again
+        assert run.nats_restart_at is not None and f"(restart {restart} of 3)" in capsys.readouterr().err
+    run.nats_restart_at = 0.0
+    with pytest.raises(ServiceDied, match="nats-server exited with code 1$") as died:
+        run._check_nats()
+    assert not died.value.hopeless and nats.starts == 3
