@@ -41,9 +41,11 @@ def test_a_generator_whose_engine_hangs_is_left_out_and_the_other_trains_on_unti
             and not groups_from(r, 1)
         ]
 
-    stall_engine(run, "generator-1", lambda: len(alone(run.train())) >= 10, weight_sync_timeout_s=timeout_s)
+    # Five steps: the stall is capped at 32 s (`stall_engine`), which a loaded machine's hang detection
+    # and slower steps of one generator share.
+    stall_engine(run, "generator-1", lambda: len(alone(run.train())) >= 5, weight_sync_timeout_s=timeout_s)
     train = run.train()
-    assert len(alone(train)) >= 10, f"hung after step {hung_at} in epoch {epoch}; changes: {changes(train)}"
+    assert len(alone(train)) >= 5, f"hung after step {hung_at} in epoch {epoch}; changes: {changes(train)}"
     trainer_log = (run.dir / "logs" / "trainer.log").read_text()
     assert "generator 1's engine has not answered for " in trainer_log
     back = max(r["weight_epoch"] for r in train)
