@@ -38,6 +38,11 @@ class MessageError(ValueError):
     """A message that cannot be decoded; it is never acked as if processed."""
 
 
+class NewerSchema(MessageError):
+    """A message of a schema version after this build's: written by a newer build (a service rolled
+    onto it first, in an upgrade), which reads it. Left for that build, never refused as malformed."""
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     TYPE: ClassVar[str]
@@ -284,7 +289,10 @@ def decode(data: bytes, expected: type[M]) -> M:
         upgrade = UPGRADES.get(version) if isinstance(version, int) else None
         if upgrade is None:
             readable = " and ".join(map(str, sorted([*UPGRADES, SCHEMA_VERSION])))
-            raise MessageError(f"{expected.TYPE}: schema version {version!r} unsupported (this build reads {readable})")
+            newer = isinstance(version, int) and version > SCHEMA_VERSION
+            raise (NewerSchema if newer else MessageError)(
+                f"{expected.TYPE}: schema version {version!r} unsupported (this build reads {readable})"
+            )
         body = upgrade(body)
     if tag != expected.TYPE:
         raise MessageError(f"expected a {expected.TYPE} message, got {tag!r}")

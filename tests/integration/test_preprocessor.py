@@ -726,3 +726,28 @@ async def test_groups_delivered_but_not_taken_keep_a_restart_from_counting_itsel
     await pre._catch_up(sub, delivered)
     assert pre.builder.caught_up
     await nc.close()
+
+
+async def test_a_group_of_a_newer_build_is_neither_refused_nor_acknowledged_the_preprocessor_stops(
+    nats_server, tmp_path
+):
+    """A generator rolled onto a newer build before the preprocessor (an upgrade) writes a schema
+    this one cannot read: not dead-lettered as malformed (its credit lost, its generator's
+    admission place held for good; in a conventional phase, the phase never whole), nor
+    acknowledged: the preprocessor stops (NewerBuild) and the group waits in the stream for its
+    restart on the newer image."""
+    import msgpack
+
+    from pipelinerl.streams import stored_messages
+    from pipelinerl_preprocessor.main import NewerBuild
+
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "newer", WAVES)
+    body = msgpack.unpackb(m.encode(rollout(0, [1, 0]))) | {"v": m.SCHEMA_VERSION + 1}
+    await js.publish(subjects.rollouts(0), msgpack.packb(body), headers={"Nats-Msg-Id": "g0"})
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    with pytest.raises(NewerBuild, match="rollout at sequence 1 is of a newer build .*schema version"):
+        await asyncio.wait_for(pre.run(), 15)
+    await pre.nc.close()
+    assert await stored_messages(js, subjects.stream("DEADLETTER")) == []
+    assert [x.data for x in await stored_messages(js, subjects.stream("ROLLOUTS"))] == [msgpack.packb(body)]
+    await nc.close()

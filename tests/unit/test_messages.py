@@ -11,6 +11,7 @@ from pipelinerl.messages import (
     MessageError,
     Metrics,
     MicroBatch,
+    NewerSchema,
     PolicyVersion,
     RolloutGroup,
     Sample,
@@ -48,8 +49,13 @@ def test_wrong_type_version_and_fields_are_named():
         decode(data, RolloutGroup)
     body = msgpack.unpackb(encode(group()))
     body["v"] = 99
-    with pytest.raises(MessageError, match="schema version 99"):
+    with pytest.raises(NewerSchema, match="schema version 99"):  # a newer build's: left for it
         decode(msgpack.packb(body), RolloutGroup)
+    for older in (1, "x", None):  # an older one's than the build before this one, or none at all
+        body["v"] = older
+        with pytest.raises(MessageError, match="schema version") as error:
+            decode(msgpack.packb(body), RolloutGroup)
+        assert not isinstance(error.value, NewerSchema)
     body["v"] = SCHEMA_VERSION
     body["samples"][0]["mask"] = [1]
     with pytest.raises(MessageError, match=r"samples\.0.*mask has 1 entries for 4 tokens"):

@@ -12,6 +12,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import msgpack
 import pytest
 
 from pipelinerl import messages as m
@@ -69,6 +70,15 @@ def test_an_unreadable_micro_batch_stops_the_rank_naming_it() -> None:
     [(data, reason, msg_id)] = trainer.bridge.letters  # kept aside, as it came
     assert (data, msg_id) == (b"\x81\xa1v\x01", "batch-9") and "schema version 1 unsupported" in reason
     assert trainer.position.consumed_seq == 9
+
+
+def test_a_micro_batch_of_a_newer_build_stops_the_rank_for_its_restart_on_it_and_is_not_kept_aside() -> None:
+    trainer, batches = reader()
+    body = msgpack.unpackb(m.encode(m.MicroBatch(step=step_version(0), rank=1, index=0))) | {"v": m.SCHEMA_VERSION + 1}
+    batches.put((9, msgpack.packb(body)))
+    with pytest.raises(RuntimeError, match="micro-batch at sequence 9 of the job's BATCHES stream is of a newer build"):
+        trainer._next_batch()
+    assert trainer.bridge.letters == []  # not dead-lettered: the newer trainer trains it
 
 
 def test_the_final_weights_are_sent_again_until_the_generator_that_evaluates_holds_them() -> None:

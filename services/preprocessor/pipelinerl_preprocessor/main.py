@@ -91,6 +91,11 @@ class ConsumerLost(RuntimeError):
     again): nothing would make it again but the preprocessor's restart."""
 
 
+class NewerBuild(RuntimeError):
+    """A rollout written by a newer build than this preprocessor's: it stops without refusing or
+    acknowledging it (a failure, restarted; in an upgrade, onto the newer image that reads it)."""
+
+
 async def fetch(sub) -> list[Msg]:
     """The next rollout groups from the work queue; none when none came in a second, or while
     JetStream is unavailable (answered at once: a pause, not a busy loop). ConsumerLost where it
@@ -287,6 +292,13 @@ class Preprocessor:
         b, seq = self.builder, msg.metadata.sequence.stream
         try:
             group = m.decode(msg.data, m.RolloutGroup)
+        except m.NewerSchema as err:
+            # A generator rolled onto a newer build first (an upgrade): neither refused nor
+            # acknowledged, the group waits in the stream for this preprocessor's restart on it.
+            raise NewerBuild(
+                f"the rollout at sequence {seq} is of a newer build ({err}): a generator runs a newer image than "
+                "this preprocessor; it stops, and its restart on that image takes the group"
+            ) from None
         except m.MessageError as err:
             if not self._returned(msg, books.undecodable_id(seq)):
                 self.stats["malformed"] += 1

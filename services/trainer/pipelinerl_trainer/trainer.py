@@ -260,10 +260,17 @@ class Trainer:
         return None
 
     def _decoded(self, seq: int, data: bytes) -> m.MicroBatch:
-        """The micro-batch at stream sequence `seq`; one that cannot be read (not from this job's
-        preprocessor) is kept aside, and stops the trainer: the step cannot be trained without it."""
+        """The micro-batch at stream sequence `seq`; one that cannot be read stops the trainer: the
+        step cannot be trained without it. Kept aside (dead-lettered) where it is not from this
+        job's preprocessor; one of a newer build (an upgrade: the preprocessor rolled onto it
+        first) is read by this trainer's restart on that build."""
         try:
             return m.decode(data, m.MicroBatch)
+        except m.NewerSchema as err:
+            raise RuntimeError(
+                f"rank {self.rank}: the micro-batch at sequence {seq} of the job's BATCHES stream is of a newer "
+                f"build ({err}): the preprocessor runs a newer image than this trainer, whose restart on it reads it"
+            ) from None
         except m.MessageError as err:
             try:
                 self.bridge.dead_letter(data, str(err), f"batch-{seq}")
