@@ -482,9 +482,12 @@ async def acknowledge(msg, js, timeout_s: float = READ_TIMEOUT_S) -> None:
                     msg.metadata.stream,
                 )
                 return
+            which = f"message {msg.metadata.sequence.stream} of {msg.metadata.stream}"
             if time.monotonic() > deadline:
-                raise TimeoutError(f"an acknowledgement not confirmed in {timeout_s:.0f}s ({NO_ACK_CAUSE})") from err
-            log.warning("an acknowledgement not confirmed (%s): sending it again", type(err).__name__)
+                raise TimeoutError(
+                    f"the acknowledgement of {which} not confirmed in {timeout_s:.0f}s ({NO_ACK_CAUSE})"
+                ) from err
+            log.warning("the acknowledgement of %s not confirmed (%s): sending it again", which, type(err).__name__)
             await asyncio.sleep(0.5)
 
 

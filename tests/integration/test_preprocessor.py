@@ -638,6 +638,41 @@ async def test_a_store_slower_than_the_acknowledgement_wait_keeps_its_groups(nat
     await nc.close()
 
 
+async def test_groups_fetched_behind_a_slow_dead_letter_are_kept_alive_meanwhile(nats_server, tmp_path, monkeypatch):
+    """One message of a fetch takes longer than the acknowledgement wait to settle (its dead
+    letter's publish rides out a NATS restart): the groups fetched with it, not taken yet, are told
+    in progress meanwhile. Before, their wait ran out then, and JetStream delivered them again
+    while they waited for the rest of their step (each copy logged as a restart's lost
+    acknowledgement)."""
+    from pipelinerl_preprocessor import main as service
+
+    monkeypatch.setattr(service, "ACK_WAIT_S", 2.5)
+    sent = service.dead_letter
+
+    async def slow_dead_letter(*args, **kwargs):
+        await asyncio.sleep(7.5)  # 3 acknowledgement waits
+        return await sent(*args, **kwargs)
+
+    monkeypatch.setattr(service, "dead_letter", slow_dead_letter)
+    job, env, nc, js, subjects = await start(nats_server, tmp_path, "dl", WAVES)
+    out = await js.pull_subscribe(subjects.batches(0), durable="t")
+    await js.publish(subjects.rollouts(0), b"\x93garbage")
+    for i in range(2):  # fetched with it: half a step, held after (the fetches go on meanwhile)
+        await publish_group(js, subjects, i)
+    pre = Preprocessor(job, env, trainer_ranks=1)
+    task = asyncio.create_task(pre.run())
+    await wait_until(lambda: pre.stats["dead_lettered"] == 1, timeout=15)
+    await asyncio.sleep(2)
+    for i in range(2, 4):
+        await publish_group(js, subjects, i)
+    step = await one_step(out, timeout=30)
+    assert {g for b in step for g in b.group_ids} == {f"g{i}" for i in range(4)} and pre.stats["dead_lettered"] == 1
+    assert pre.stats["settled_before"] == 0, "groups fetched behind the dead letter were delivered again"
+    pre.stopping.set()
+    await asyncio.wait_for(task, 10)
+    await nc.close()
+
+
 async def test_a_fetch_jetstream_cannot_answer_yet_is_waited_out_not_fatal(tmp_path, caplog):
     """A restarting nats-server answers a fetch 503 until its JetStream has recovered its streams:
     here a real server without JetStream answers every fetch so. The preprocessor's fetch comes

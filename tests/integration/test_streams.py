@@ -118,7 +118,8 @@ async def test_an_acknowledgement_the_server_forgot_delivering_is_not_waited_on(
     await acknowledge(again[0], js)  # the new delivery's is confirmed
     hang(nats_server)
     try:
-        with pytest.raises(TimeoutError, match="an acknowledgement not confirmed in 1s"):
+        seq = again[1].metadata.sequence.stream  # named, with its stream
+        with pytest.raises(TimeoutError, match=f"acknowledgement of message {seq} of {stream} not confirmed in 1s"):
             await acknowledge(again[1], js, timeout_s=1)
     finally:
         resume(nats_server)

@@ -128,6 +128,7 @@ class Preprocessor:
         self.backlog = 0  # the rollout stream's last sequence at the start: handed over whole before any wave
         self.answered_since = 0.0  # since when JetStream answers the rollout consumer (made, or read)
         self.storing: list[Msg] = []  # the messages of the wave being stored, acknowledged once it is
+        self.fetched: list[Msg] = []  # the messages of the last fetch, not all taken yet
         self.stats: Tally = Tally()  # counts named as PreprocessorStatus fields
 
     def status(self) -> PreprocessorStatus:
@@ -168,9 +169,10 @@ class Preprocessor:
             if self._trainer_behind():
                 await asyncio.sleep(0.05)
                 continue
-            msgs = await fetch(sub)
-            for msg in msgs:
+            msgs = self.fetched = await fetch(sub)
+            for msg in msgs:  # (one may wait long: a dead letter's publish, the trainer's version read)
                 await self._intake(msg)
+            self.fetched = []
             await self._catch_up(sub, msgs)
             while not self._trainer_behind():
                 for group in self.builder.drop_stale():
@@ -214,15 +216,15 @@ class Preprocessor:
             log.info("took every group left in the stream at the start (%d pending)", len(self.builder.accepted))
 
     async def _keep_alive(self) -> None:
-        """Every ACK_WAIT_S / 4, the messages held (waiting for a wave, or in the wave being
-        stored) told in progress, whatever the loop waits on (the trainer behind, a store slower
-        than the ack wait: a full disk): JetStream then delivers none of them again to this live
-        process. (Told of one acknowledged meanwhile, JetStream ignores it.)"""
+        """Every ACK_WAIT_S / 4, the messages held (fetched and not all taken yet, waiting for a
+        wave, or in the wave being stored) told in progress, whatever the loop waits on (the trainer
+        behind, a store slower than the ack wait: a full disk): JetStream then delivers none of
+        them again to this live process. (Told of one acknowledged meanwhile, JetStream ignores it.)"""
         while True:
             await asyncio.sleep(ACK_WAIT_S / 4)
             if not self.nc.is_connected:  # (buffered meanwhile, they would fill the reconnect buffer)
                 continue
-            for msg in self.builder.held() + self.storing:
+            for msg in self.fetched + self.builder.held() + self.storing:
                 try:
                     await msg.in_progress()
                 except Exception as err:  # noqa: BLE001 - never ends the task: the next round
