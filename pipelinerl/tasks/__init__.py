@@ -9,7 +9,7 @@ import importlib
 from typing import Any
 
 from pipelinerl.tasks.arith import ArithTask
-from pipelinerl.tasks.base import Completion, Policy, Problem, SampleBuilder, Task
+from pipelinerl.tasks.base import Completion, Policy, Problem, PromptTooLong, SampleBuilder, Task
 from pipelinerl.tasks.chain import ChainTask
 from pipelinerl.tasks.dataset import DatasetTask
 from pipelinerl.tasks.guess import GuessTask
@@ -23,7 +23,17 @@ BUILTIN: dict[str, type] = {
     "math": MathTask,
 }
 
-__all__ = ["BUILTIN", "Completion", "Policy", "Problem", "SampleBuilder", "Task", "make_task", "param_problems"]
+__all__ = [
+    "BUILTIN",
+    "Completion",
+    "Policy",
+    "Problem",
+    "PromptTooLong",
+    "SampleBuilder",
+    "Task",
+    "make_task",
+    "param_problems",
+]
 
 
 def param_problems(name: str, params: dict[str, Any]) -> list[str]:

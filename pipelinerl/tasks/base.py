@@ -24,6 +24,14 @@ class Completion:
     finish_reason: str  # "stop" or "length"
 
 
+class PromptTooLong(ValueError):
+    """A prompt that leaves no room for a generated token within model.maxSeqLen (vLLM refuses
+    it), raised by `Policy.generate`. `prompt_fit` measures a sample of a task's first prompts
+    only: the problem is skipped, not the generator stopped (it would meet the problem again after
+    its restart). A multi-turn task's later turn that meets it has run out of context: its episode
+    ends there, unsolved."""
+
+
 class Policy(Protocol):
     async def generate(self, prompt: list[int], max_tokens: int, greedy: bool = False) -> Completion: ...
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipelinerl.messages import Sample
-from pipelinerl.tasks.base import Policy, Problem, SampleBuilder, Tokenizer, has_chat_template, prompt_ids
+from pipelinerl.tasks.base import Policy, Problem, SampleBuilder, Tokenizer, check_param, has_chat_template, prompt_ids
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -109,6 +109,7 @@ class DatasetTask:
         if self.test:
             self._test = self._problems(data_files(self.test, "test"), "test")
         else:  # hold out the last rows: never trained on
+            check_param("test_rows", self.test_rows, 1, 10**7)
             if len(train) <= self.test_rows:
                 raise ValueError(
                     f"spec.task.params.train: {len(train)} rows, not more than test_rows "

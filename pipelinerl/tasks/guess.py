@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 
 from pipelinerl.messages import Sample
-from pipelinerl.tasks.base import Policy, Problem, SampleBuilder, Tokenizer, check_param, prompt_ids
+from pipelinerl.tasks.base import Policy, Problem, PromptTooLong, SampleBuilder, Tokenizer, check_param, prompt_ids
 
 
 @dataclass
@@ -47,7 +47,13 @@ class GuessTask:
     ) -> Sample:
         sample = SampleBuilder(prompt_ids(tokenizer, problem.prompt, chat_template=False))
         for turn in range(self.turns):
-            completion = await policy.generate(sample.tokens, max_tokens, greedy=greedy)
+            try:
+                completion = await policy.generate(sample.tokens, max_tokens, greedy=greedy)
+            except PromptTooLong:
+                if not turn:
+                    raise  # the problem's own prompt: skipped
+                sample.truncated = True  # out of context before the secret was found: unsolved
+                break
             sample.add_completion(completion)
             if completion.finish_reason != "stop":
                 break

@@ -1,8 +1,10 @@
 """`math`: GSM8K-style word problems from JSON-lines files, rewarded on the final number.
 
 Each line: {"question": "...", "answer": "... #### 42"} (GSM8K's format; a bare "42" works too).
-The prompt uses the model's chat template when it has one. The completion's last number is
-compared with the reference (commas and a trailing ".0" ignored).
+The prompt uses the model's chat template when it has one. The completion's number (the first
+after '####', else the last) equals the reference's as a value: `1,234` is 1234, `18.00` is 18,
+`-0` is 0, `.5` is `1/2`. Without `test_file` the last `test_rows` lines of `train_file` are held
+out, never trained on.
 """
 
 from __future__ import annotations
@@ -11,24 +13,37 @@ import json
 import random
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from pathlib import Path
 
 from pipelinerl.messages import Sample
-from pipelinerl.tasks.base import Policy, Problem, SampleBuilder, Tokenizer, has_chat_template, prompt_ids
+from pipelinerl.tasks.base import (
+    Policy,
+    Problem,
+    SampleBuilder,
+    Tokenizer,
+    check_param,
+    has_chat_template,
+    prompt_ids,
+)
 
-NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+# A number: thousands grouped by commas, or plain digits (with decimals, or over a denominator),
+# or decimals alone; a sign before any.
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?(?:/\d+)?|\.\d+)")
 INSTRUCTION = "Solve the problem step by step. Put the final answer after '####'."
 
 
 def final_number(text: str) -> str | None:
-    """The answer after '####' if present, else the last number in the text, normalised."""
+    """The number after '####' if present, else the last in the text, as its value's canonical
+    text (`Fraction`'s: '1234', '1/2', '-3'); None where there is none (or a zero denominator)."""
     tail = text.split("####")[-1] if "####" in text else text
     found = NUMBER.findall(tail)
     if not found:
         return None
-    value = found[0] if "####" in text else found[-1]
-    value = value.replace(",", "")
-    return value[:-2] if value.endswith(".0") else value
+    try:
+        return str(Fraction((found[0] if "####" in text else found[-1]).replace(",", "")))
+    except ZeroDivisionError:
+        return None
 
 
 def load_problems(path: str | Path, kind: str) -> list[Problem]:
@@ -39,9 +54,11 @@ def load_problems(path: str | Path, kind: str) -> list[Problem]:
         try:
             row = json.loads(line)
             answer = final_number(str(row["answer"]))
-            problems.append(Problem(id=f"{kind}-{i}", prompt=row["question"], answer=answer))
         except (ValueError, KeyError) as err:
             raise ValueError(f"spec.task.params: {path} line {i + 1}: {err!r}") from None
+        if answer is None:  # never solvable
+            raise ValueError(f"spec.task.params: {path} line {i + 1}: the answer {row['answer']!r} holds no number")
+        problems.append(Problem(id=f"{kind}-{i}", prompt=row["question"], answer=answer))
     if not problems:
         raise ValueError(f"spec.task.params: {path} holds no problems")
     return problems
@@ -51,14 +68,27 @@ def load_problems(path: str | Path, kind: str) -> list[Problem]:
 class MathTask:
     train_file: str = ""
     test_file: str = ""
+    test_rows: int = 100
     seed: int = 0
     name: str = "math"
     _train: list[Problem] = field(default_factory=list, repr=False)
+    _test: list[Problem] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if not self.train_file:
             raise ValueError("spec.task.params.train_file is required for the math task")
-        self._train = load_problems(self.train_file, "train")
+        train = load_problems(self.train_file, "train")
+        if self.test_file:
+            self._test = load_problems(self.test_file, "test")
+        else:  # hold out the last lines: never trained on
+            check_param("test_rows", self.test_rows, 1, 10**7)
+            if len(train) <= self.test_rows:
+                raise ValueError(
+                    f"spec.task.params.train_file: {len(train)} problems, not more than test_rows "
+                    f"({self.test_rows}) to hold out; give a test_file or lower test_rows"
+                )
+            train, self._test = train[: -self.test_rows], train[-self.test_rows :]
+        self._train = train
 
     def train_problem(self, index: int) -> Problem:
         # Epochs in a seeded order, so any index is reproducible.
@@ -68,7 +98,7 @@ class MathTask:
         return self._train[order[offset]]
 
     def test_problems(self, count: int) -> list[Problem]:
-        return load_problems(self.test_file or self.train_file, "test")[:count]
+        return self._test[:count]
 
     async def rollout(
         self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int, greedy: bool = False

@@ -13,7 +13,7 @@ from pipelinerl.streams import connect, held_problems, hold_problems, last_messa
 from pipelinerl.store import ensure_streams
 from pipelinerl.tasks.dataset import DatasetTask
 from pipelinerl.claims import group_id, indices
-from pipelinerl_generator.engine import PromptTooLong
+from pipelinerl.tasks import PromptTooLong
 from pipelinerl_generator.main import Generator, restore_admission
 from pipelinerl_preprocessor.main import Preprocessor
 

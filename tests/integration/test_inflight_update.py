@@ -19,7 +19,8 @@ import pytest_asyncio
 import torch
 
 from pipelinerl.ports import free_port
-from pipelinerl_generator.engine import EngineStuck, PromptTooLong, WeightsKept, WorkersOutOfStep
+from pipelinerl.tasks import PromptTooLong
+from pipelinerl_generator.engine import EngineStuck, WeightsKept, WorkersOutOfStep
 from pipelinerl_generator.weight_receiver import WeightReceiverExtension
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

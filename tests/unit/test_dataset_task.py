@@ -130,6 +130,10 @@ def test_chat_prompts_from_parquet_with_an_async_reward(tmp_path):
             "row 1: no field 'question' (columns: prompt, answer, level; set prompt_field)",
         ),
         ({"train": "TRAIN", "reward": "test_dataset_task:spy_reward", "test_rows": 40}, "40) to hold out"),
+        (  # (all of train was held out, and the generators divided by zero)
+            {"train": "TRAIN", "reward": "test_dataset_task:spy_reward", "test_rows": 0},
+            "task.params.test_rows: must be an integer within 1",
+        ),
         (
             {"train": "TRAIN", "reward": ["test_dataset_task:spy_reward"], "reward_weights": [1, 2]},
             "2 weights for 1 reward functions",

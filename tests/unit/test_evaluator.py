@@ -31,3 +31,20 @@ def test_a_later_versions_report_waits_for_the_earlier_ones():
 
     asyncio.run(announced())
     assert reported == [(10, False), (20, False), (20, True)]  # 15 not due, 30 not evaluated, 10 once
+
+
+def test_no_evaluation_at_all_with_interval_0_not_even_the_final_one():
+    """eval.interval 0 disables evaluations: the final one held the generator's finish up to
+    FINAL_EVAL_WAIT_S for a row nobody waits for (the trainer does not, with interval 0)."""
+    job = parse_job({"metadata": {"name": "ev"}, "spec": {"eval": {"interval": 0}}})
+    evaluator = Evaluator(job.spec, 0, job.subjects, None, None, None, None, None)  # type: ignore[arg-type]
+    evaluated: list[int] = []
+
+    async def evaluate(version: int) -> dict | None:
+        evaluated.append(version)
+        return None
+
+    evaluator._evaluate = evaluate  # type: ignore[method-assign]
+    asyncio.run(evaluator.maybe_eval(0))
+    asyncio.run(evaluator.maybe_eval(20, final=True))
+    assert evaluated == []

@@ -74,6 +74,28 @@ def test_guess_feedback_and_failure():
     assert s.reward == 0.0 and not s.success
 
 
+def test_a_guess_episode_out_of_context_ends_unsolved_and_a_first_prompt_too_long_is_skipped():
+    """A later turn whose conversation leaves no room for a guess within model.maxSeqLen
+    (`PromptTooLong`) ends the episode, unsolved and kept (reward 0, truncated): skipped, it left
+    the model's hardest secrets out of training and out of the held-out accuracy's count."""
+    from pipelinerl.tasks import PromptTooLong
+
+    class Short(ScriptedPolicy):
+        async def generate(self, prompt, max_tokens, greedy=False) -> Completion:
+            if len(prompt) >= 8:
+                raise PromptTooLong(f"a prompt of {len(prompt)} tokens leaves no room")
+            return await super().generate(prompt, max_tokens, greedy)
+
+    tok = make_tokenizer()
+    task = GuessTask(turns=4)
+    problem = next(p for p in task.test_problems(20) if p.answer not in (200, 201))
+    s = asyncio.run(task.rollout(Short(tok, ["200", "201", "202"]), tok, problem, 4))
+    assert (s.reward, s.success, s.truncated) == (0.0, False, True)
+    assert tok.decode(s.tokens, skip_special_tokens=True) == ":200<201<" and sum(s.mask) == 8
+    with pytest.raises(PromptTooLong):
+        asyncio.run(task.rollout(Short(tok, []), tok, problem.__class__(id="x", prompt=":" * 9, answer=1), 4))
+
+
 def test_make_task_errors():
     assert isinstance(make_task("guess", {"turns": 3}), GuessTask)
     assert isinstance(make_task("pipelinerl.tasks.arith:ArithTask"), ArithTask)
@@ -88,12 +110,26 @@ def test_math_task_from_jsonl(tmp_path):
 
     assert final_number("so 3 + 4 = 7 #### 1,234") == "1234"
     assert final_number("the result is 12.0") == "12" and final_number("no digits") is None
+    # Compared as values: the same number written otherwise is the same answer, another is not.
+    for same in [("18.00", "18"), ("-0", "0"), ("007", "7"), ("#### .5", "0.50"), ("#### 3/4", "0.75")]:
+        assert final_number(same[0]) == final_number(same[1]), same
+    for other in [("#### 3/4", "3"), ("#### .5", "5"), ("1,2,3", "123"), ("12,345", "12")]:
+        assert final_number(other[0]) != final_number(other[1]), other
+    assert final_number("#### 1/0") is None
     data = tmp_path / "train.jsonl"
-    data.write_text('{"question": "2+3?", "answer": "2+3=5 #### 5"}\n{"question": "7*6?", "answer": "42"}\n')
-    task = make_task("math", {"train_file": str(data)}, seed=1)
+    rows = ['{"question": "2+3?", "answer": "2+3=5 #### 5"}', '{"question": "7*6?", "answer": "42"}']
+    data.write_text("\n".join([*rows, '{"question": "1+1?", "answer": "#### 2"}']) + "\n")
+    task = make_task("math", {"train_file": str(data), "test_rows": 1}, seed=1)
     assert isinstance(task, MathTask)
     assert {task.train_problem(i).answer for i in range(2)} == {"5", "42"}  # one epoch covers all
-    assert task.train_problem(7) == MathTask(train_file=str(data), seed=1).train_problem(7)
+    assert task.train_problem(7) == MathTask(train_file=str(data), test_rows=1, seed=1).train_problem(7)
+    # Without a test file its last lines are held out, never trained on (they were trained on too).
+    assert [p.prompt for p in task.test_problems(5)] == ["1+1?"]
+    assert "1+1?" not in {task.train_problem(i).prompt for i in range(20)}
+    with pytest.raises(ValueError, match="3 problems, not more than test_rows \\(100\\) to hold out"):
+        make_task("math", {"train_file": str(data)})
+    with pytest.raises(ValueError, match="task.params.test_rows: must be an integer within 1"):
+        make_task("math", {"train_file": str(data), "test_rows": 0})
     tok = make_tokenizer()
     p = task.test_problems(1)[0]
     good = asyncio.run(task.rollout(ScriptedPolicy(tok, [f"12+3=15 #### {p.answer}"]), tok, p, 32))
@@ -101,6 +137,9 @@ def test_math_task_from_jsonl(tmp_path):
     assert good.reward == 1.0 and bad.reward == 0.0
     data.write_text('{"question": "x"}\n')
     with pytest.raises(ValueError, match="line 1"):
+        make_task("math", {"train_file": str(data)})
+    data.write_text('{"question": "x", "answer": "none"}\n')
+    with pytest.raises(ValueError, match="line 1: the answer 'none' holds no number"):
         make_task("math", {"train_file": str(data)})
 
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipelinerl.awake import wait_awake
 from pipelinerl.spec import PipelineRLJob, SpecError
-from pipelinerl.tasks import Completion
+from pipelinerl.tasks import Completion, PromptTooLong
 from pipelinerl.weight_group import WeightSyncError, form_bound
 
 if TYPE_CHECKING:  # vLLM is imported where it runs: importing it costs seconds
@@ -40,12 +40,6 @@ JOIN_MARGIN_S = 30.0  # past the trainer's bound on forming an epoch: the store'
 
 class WeightsKept(RuntimeError):
     """A staged update failed before the swap: the live weights are untouched."""
-
-
-class PromptTooLong(ValueError):
-    """A prompt that leaves no room for a generated token within model.maxSeqLen (vLLM refuses
-    it). `prompt_fit` measures a sample of a task's prompts only: the problem is skipped, not the
-    generator stopped (it would meet the problem again after its restart)."""
 
 
 class EngineStuck(RuntimeError):

@@ -14,7 +14,8 @@ from pipelinerl import messages as m
 from pipelinerl.contracts import EVALUATING_GENERATOR, JobSubjects
 from pipelinerl.spec import JobSpec
 from pipelinerl.streams import publish_once
-from pipelinerl_generator.engine import Engine, PromptTooLong
+from pipelinerl.tasks import PromptTooLong
+from pipelinerl_generator.engine import Engine
 from pipelinerl_generator.metrics import BusyClock
 
 log = logging.getLogger("pipelinerl.generator")
@@ -32,11 +33,12 @@ class Evaluator:
         self.last_report: asyncio.Future | None = None  # done once the report asked for last is out (or given up)
 
     async def maybe_eval(self, version: int, final: bool = False) -> None:
-        """Evaluate `version` at the eval interval and the final one, on generator 0 only."""
+        """Evaluate `version` at the eval interval and the final one, on generator 0 only (none
+        with eval.interval 0: the trainer waits for no final one then)."""
         interval = self.spec.eval.interval
         if self.rank != EVALUATING_GENERATOR or (version, final) in self.reported:
             return
-        if not final and (interval == 0 or version % interval):
+        if interval == 0 or (not final and version % interval):
             return
         self.reported.add((version, final))
         # Reports go out in the order they were asked for (versions as announced), whichever

@@ -44,9 +44,9 @@ from pipelinerl.streams import (
     newest_batches,
     publish_once,
 )
-from pipelinerl.tasks import make_task
+from pipelinerl.tasks import PromptTooLong, make_task
 from pipelinerl.tiny_model import load_tokenizer, resolve_model_path
-from pipelinerl_generator.engine import Engine, PromptTooLong
+from pipelinerl_generator.engine import Engine
 from pipelinerl_generator.evaluator import Evaluator
 from pipelinerl_generator.metrics import GROUPS, INFLIGHT, SCRAPED, SKIPPED, TOKENS, BusyClock
 from pipelinerl_generator.weight_follower import WeightFollower
