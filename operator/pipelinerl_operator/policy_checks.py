@@ -31,6 +31,7 @@ so a problem is told once.
 
 from __future__ import annotations
 
+import posixpath
 import re
 from collections.abc import Iterator
 from decimal import Decimal
@@ -49,6 +50,7 @@ from pipelinerl.reserved import (
     SPEC_INSTEAD,
 )
 from pipelinerl_operator.job_policy import Install, JobPolicy
+from pipelinerl_operator.pod_security import APPARMOR_ANNOTATION
 
 GIB = 1 << 30
 HOSTNAME_LABEL = "kubernetes.io/hostname"  # on every node: spreading over it chooses none
@@ -236,7 +238,7 @@ def template_violations(role: str, template: Any, policy: JobPolicy, bad: Proble
     allowed_fields(meta, POD_META_FIELDS, f"{where}.metadata", bad)
     for kind in ("labels", "annotations"):
         reserved = RESERVED_LABEL_PREFIXES if kind == "labels" else RESERVED_ANNOTATION_PREFIXES
-        for key in as_dict(meta.get(kind)):
+        for key, value in as_dict(meta.get(kind)).items():
             if key.startswith(reserved):
                 bad(f"{where}.metadata.{kind}[{key}]", "reserved: PipelineRL and the job's spec set these")
             elif not policy.pod_metadata_allowed(key):
@@ -245,6 +247,14 @@ def template_violations(role: str, template: Any, policy: JobPolicy, bad: Proble
                     f"{where}.metadata.{kind}[{key}]",
                     f"a prefix the platform does not let jobs set on pods (jobPolicy.podMetadataPrefixes: {listed})",
                 )
+            elif (
+                kind == "annotations"
+                and key.startswith(APPARMOR_ANNOTATION)
+                and isinstance(value, str)
+                and value.startswith("localhost/")
+                and value.removeprefix("localhost/") not in policy.localhost_profiles
+            ):
+                bad(f"{where}.metadata.{kind}[{key}]", _node_profile_refused(policy))
     spec = as_dict(template.get("spec"))
     allowed_fields(spec, POD_SPEC_FIELDS, f"{where}.spec", bad)
     allowed_fields(as_dict(spec.get("securityContext")), POD_SECURITY_FIELDS, f"{where}.spec.securityContext", bad)
@@ -307,8 +317,16 @@ def pod_policy_violations(
         for hook in ("postStart", "preStop"):
             _handler_host(as_dict(as_dict(c.get("lifecycle")).get(hook)), f"{at}.lifecycle.{hook}", bad)
         for mount in as_list(c.get("volumeMounts")):
-            if isinstance(mount, dict) and mount.get("mountPropagation") not in (None, "None"):
+            if not isinstance(mount, dict):
+                continue
+            if mount.get("mountPropagation") not in (None, "None"):
                 bad(f"{at}.volumeMounts[{mount.get('name', '?')}].mountPropagation", "only None")
+            if _gpu_device_list(mount.get("mountPath")):
+                bad(
+                    f"{at}.volumeMounts[{mount.get('name', '?')}].mountPath",
+                    f"not under {GPU_DEVICE_LIST}: NVIDIA's container runtime may read mounts there as the GPUs "
+                    "to give the container (every GPU of the node, whatever it was granted)",
+                )
         for port in as_list(c.get("ports")):
             if isinstance(port, dict) and port.get("hostIP"):
                 bad(f"{at}.ports[{port.get('name', port.get('containerPort'))}].hostIP", "not allowed")
@@ -321,12 +339,7 @@ def pod_policy_violations(
         for kind in ("seccompProfile", "appArmorProfile"):
             profile = as_dict(sc.get(kind))
             if profile.get("type") == "Localhost" and profile.get("localhostProfile") not in policy.localhost_profiles:
-                listed = ", ".join(policy.localhost_profiles) or "none"
-                bad(
-                    f"{at}.{kind}.localhostProfile",
-                    f"not a node profile jobs may use (jobPolicy.localhostProfiles: {listed}): one may allow more "
-                    "than RuntimeDefault",
-                )
+                bad(f"{at}.{kind}.localhostProfile", _node_profile_refused(policy))
     _resources(containers, role, policy, bad)
     _volumes(spec, where, policy, bad)
     for path, name in references("Secret", spec, where):
@@ -338,6 +351,27 @@ def pod_policy_violations(
     for path, name in references("ConfigMap", spec, where):
         if name != own_config:  # the job's own manifest, which the operator mounts
             check_reference("ConfigMap", path, name, namespace, policy.config_maps, "configMaps", install, bad)
+
+
+def _node_profile_refused(policy: JobPolicy) -> str:
+    listed = ", ".join(policy.localhost_profiles) or "none"
+    return (
+        f"not a node profile jobs may use (jobPolicy.localhostProfiles: {listed}): one may allow more than "
+        "RuntimeDefault"
+    )
+
+
+# Where NVIDIA's container toolkit reads a container's GPUs from mounts' paths where the node sets
+# accept-nvidia-visible-devices-as-volume-mounts (its hardened setting: "/all" there is every GPU).
+GPU_DEVICE_LIST = "/var/run/nvidia-container-devices"
+
+
+def _gpu_device_list(path: object) -> bool:
+    """A mount path at or under GPU_DEVICE_LIST (or /run's, which /var/run names), however spelt."""
+    if not isinstance(path, str):
+        return False
+    normal = posixpath.normpath("/" + path.strip().lstrip("/")).removeprefix("/var")
+    return normal == "/run/nvidia-container-devices" or normal.startswith("/run/nvidia-container-devices/")
 
 
 def _handler_host(handler: dict[str, Any], at: str, bad: Problems) -> None:

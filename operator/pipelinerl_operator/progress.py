@@ -38,10 +38,12 @@ def read_trainer_status(body: bytes) -> TrainerStatus:
 async def fetch_trainer_status(url: str, timeout_s: float = 3.0) -> TrainerStatus | None:
     """None also for a body that is not a `TrainerStatus` (`read_trainer_status`), or longer than
     MAX_STATUS_BYTES (a malformed report must not break reconciliation, nor fill the operator's
-    memory)."""
+    memory), or a redirect: the job author's code answers, and followed, it would have the
+    operator read another team's trainer (its report copied into this job's status) or any host
+    the operator reaches."""
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-            async with session.get(url) as resp:
+            async with session.get(url, allow_redirects=False) as resp:
                 if resp.status != 200 or (resp.content_length or 0) > MAX_STATUS_BYTES:
                     return None
                 body = await resp.content.read(MAX_STATUS_BYTES + 1)  # what has come, up to the cap

@@ -49,7 +49,13 @@ async def test_a_trainer_status_body_is_read_up_to_a_cap_only() -> None:
     async def plain(request: web.Request) -> web.Response:
         return web.json_response(REPORT)
 
-    for handler, expected in ((plain, 3), (padded, None), (endless, None)):
+    async def hop(request: web.Request) -> web.Response:
+        """A redirect to a report (another team's trainer, say; here its own, which answers): not followed."""
+        if request.query.get("hop"):
+            return await plain(request)
+        raise web.HTTPFound(str(request.url.with_query(hop=1)))
+
+    for handler, expected in ((plain, 3), (padded, None), (endless, None), (hop, None)):
         runner, url = await serve(handler)
         try:
             status = await fetch_trainer_status(url, timeout_s=10)

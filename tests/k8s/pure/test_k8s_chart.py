@@ -17,6 +17,8 @@ from pipelinerl.crd import crd_yaml
 
 MONITORING = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}  # Prometheus-operator kinds: no upstream schema
 CERT_MANAGER = {"Issuer", "Certificate"}  # cert-manager's kinds: no upstream schema either
+# No NATS of the chart's: the jobs share one identity on the external one (no account each).
+EXTERNAL_NATS = {"nats": {"enabled": False, "externalUrl": "nats://nats.shared:4222"}, "acknowledgeInsecure": True}
 ALL_ON = {
     "metrics": {
         "serviceMonitor": {"enabled": True},
@@ -36,7 +38,7 @@ CLAIMED = [f"1.{minor}" for minor in range(29, 38)]
         {},
         {"watchNamespaces": ["team-b"], **ALL_ON},
         {"clusterWide": True, **ALL_ON},
-        {"nats": {"enabled": False, "externalUrl": "nats://nats.shared:4222"}},
+        EXTERNAL_NATS,
         {"nats": {"replicas": 3}},
     ],
 )
@@ -205,15 +207,11 @@ def test_the_operator_reads_and_writes_over_only_the_nats_accounts_secret() -> N
                 },
             )
         ]
-    assert not [
-        o
-        for o in render({"nats": {"enabled": False, "externalUrl": "nats://x:4222"}})
-        if o["metadata"]["name"].endswith("-nats-accounts")
-    ]
+    assert not [o for o in render(EXTERNAL_NATS) if o["metadata"]["name"].endswith("-nats-accounts")]
 
 
 def test_optional_parts_toggle() -> None:
-    kinds = [o["kind"] for o in render({"nats": {"enabled": False, "externalUrl": "nats://x:4222"}})]
+    kinds = [o["kind"] for o in render(EXTERNAL_NATS)]
     assert "StatefulSet" not in kinds and "ServiceMonitor" not in kinds
     objects = render(ALL_ON)
     dashboard = next(o for o in objects if o["kind"] == "ConfigMap" and o["metadata"]["name"].endswith("-dashboard"))
@@ -314,6 +312,7 @@ def test_chart_installs_and_upgrades_the_generated_crd() -> None:
         {"webhook": {"failurePolicy": "Ignore"}},
         {"networkPolicies": {"enabled": False}},
         {"jobEgress": "open"},
+        {"nats": {"enabled": False, "externalUrl": "nats://nats.shared:4222"}},
         {"jobEgress": "anywhere"},
     ],
 )
@@ -404,10 +403,11 @@ def test_turning_a_protection_off_takes_an_acknowledgement_and_the_notes_say_wha
         "webhook": {"failurePolicy": "Ignore"},
         "jobEgress": "open",
         "networkPolicies": {"enabled": False},
+        "nats": {"enabled": False, "externalUrl": "nats://nats.shared:4222"},
         "acknowledgeInsecure": True,
     }
     notes = chart.render(off, name="rl", namespace="team-a")["pipelinerl/templates/NOTES.txt"]
-    for what in ("auth.enabled", "failurePolicy: Ignore", "jobEgress: open", "networkPolicies.enabled"):
+    for what in ("auth.enabled", "failurePolicy: Ignore", "jobEgress: open", "networkPolicies.enabled", "nats.enabled"):
         assert what in notes, what
     assert "WARNING" not in chart.render({}, name="rl", namespace="team-a")["pipelinerl/templates/NOTES.txt"]
 
@@ -479,6 +479,7 @@ def test_nats_and_the_operator_take_connections_only_from_whom_they_serve() -> N
             {
                 "apiServer": {"cidrs": ["172.20.0.10/32"]},
                 "nats": {"enabled": False, "externalUrl": "nats://nats.shared:4333", "externalCidrs": ["10.9.0.0/16"]},
+                "acknowledgeInsecure": True,
                 "jobPolicy": {
                     "natsServers": [
                         "nats.team-a.svc:7422",

@@ -327,7 +327,14 @@ def test_the_charts_external_nats_is_reachable_under_restricted_egress() -> None
     assert "PIPELINERL_NATS_PASSWORD" not in env and "PIPELINERL_WEIGHTS_TOKEN" in env
     # The chart says which: its own NATS, or an external one at these addresses.
     external = chart_env(
-        {"nats": {"enabled": False, "externalUrl": "nats://nats.shared.example:4333", "externalCidrs": ["10.9.0.0/16"]}}
+        {
+            "nats": {
+                "enabled": False,
+                "externalUrl": "nats://nats.shared.example:4333",
+                "externalCidrs": ["10.9.0.0/16"],
+            },
+            "acknowledgeInsecure": True,
+        }
     )
     assert external[OperatorEnv.NATS_BUNDLED] == "false" and external[OperatorEnv.NATS_EXTERNAL_CIDRS] == "10.9.0.0/16"
 

@@ -137,6 +137,7 @@ def test_the_nats_volume_series_are_the_volume_stats_sidecars_and_it_is_scraped(
         {
             "metrics": {"serviceMonitor": {"enabled": True}},
             "nats": {"enabled": False, "externalUrl": "nats://nats.example:4222"},
+            "acknowledgeInsecure": True,
         }
     )
     assert not [o for o in objects if o["kind"] == "PodMonitor" and o["metadata"]["name"] == "rl-pipelinerl-nats"]
