@@ -220,6 +220,9 @@ class ExitCode:
     failed = False
 
 
+LEAVING = threading.Event()  # a stop (or a failure) is under way: `exit_soon` armed
+
+
 def exit_soon(seconds: float = 20.0, code: int = 0, why: str = "") -> None:
     """Called on SIGTERM (or a failure, `code` 1): if the shutdown stalls (e.g. NATS is already
     gone, a thread no one can stop), exit anyway, saying `why` (a failure's traceback, which the
@@ -231,6 +234,7 @@ def exit_soon(seconds: float = 20.0, code: int = 0, why: str = "") -> None:
             log.error("exiting with %d: %s", exit_code, why)
         os._exit(exit_code)
 
+    LEAVING.set()
     timer = threading.Timer(seconds, leave)
     timer.daemon = True
     timer.start()
@@ -243,4 +247,6 @@ def stay_up_until_stopped(role: str) -> None:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if LEAVING.is_set():  # told to stop already, as it finished (its SIGTERM's timer would end it)
+        return
     stop.wait()

@@ -71,6 +71,20 @@ def test_an_export_is_on_disk_before_its_name_appears(tmp_path, events) -> None:
     assert ("fsync", target.parent) in events[published:]
 
 
+def test_publishing_syncs_the_folder_that_names_it_not_what_its_neighbours_hold(tmp_path, events) -> None:
+    """The export's parent is another's (locally, the user's own output folder): its entries are
+    synced, nothing in them opened (a FIFO there blocked the export for good; a folder of every
+    export kept was walked at each one)."""
+    from pipelinerl_trainer import checkpoint
+
+    os.mkfifo(tmp_path / "a-fifo")
+    (tmp_path / "older" / "deep").mkdir(parents=True)
+    (tmp_path / "older" / "deep" / "weights").write_bytes(b"w")
+    target = checkpoint.export(Engine(), tmp_path / "version-3", rank=0)
+    published = events.index(("replace", target))
+    assert [p for kind, p in events[published:] if kind == "fsync"] == [tmp_path]
+
+
 class FullVolumeEngine(Engine):
     def save_checkpoint(self, folder: str, tag: str, client_state: dict) -> None:
         raise RuntimeError("[enforce fail at inline_container.cc:778] . PytorchStreamWriter failed writing file data/3")

@@ -155,3 +155,23 @@ def test_a_child_whose_parent_died_before_it_asked_to_die_with_it_ends_at_once()
     assert orphan.wait(timeout=10) == -signal.SIGTERM
     child = subprocess.Popen(["sleep", "0.1"], preexec_fn=dying_with_this_process())
     assert child.wait(timeout=10) == 0  # its parent alive: it runs
+
+
+TOLD_AS_IT_FINISHED = """
+from pipelinerl.runtime import exit_soon, stay_up_until_stopped
+
+# A trainer's SIGTERM during its last step: its stop's timer armed (a failure if it fires), then
+# the run ends all the same, finished.
+exit_soon(30, code=1, why="the stop did not end")
+stay_up_until_stopped("trainer")
+print("left")
+"""
+
+
+def test_a_service_told_to_stop_as_it_finished_does_not_stay_up_for_a_second_signal():
+    """A finished service stays up (a StatefulSet restarts one that exits) until stopped; one whose
+    SIGTERM came while it finished leaves at once, exiting 0 (it waited for a second signal that
+    never comes, until its stop's timer ended it with 1: a finished run counted a failure)."""
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", TOLD_AS_IT_FINISHED], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "left") and time.monotonic() - started < 25

@@ -146,7 +146,7 @@ def make_room(ckpt_dir: Path, previous: int) -> None:
             _publish_latest(ckpt_dir, kept.name)
     elif (ckpt_dir / "latest").exists():
         (ckpt_dir / "latest").unlink()
-        durable(ckpt_dir)
+        durable_entries(ckpt_dir)
     prune(ckpt_dir, {previous})
 
 
@@ -155,7 +155,7 @@ def _publish_latest(ckpt_dir: Path, tag: str) -> None:
     tmp.write_text(tag)
     durable(tmp)
     os.replace(tmp, ckpt_dir / "latest")
-    durable(ckpt_dir)  # the rename itself
+    durable_entries(ckpt_dir)  # the rename itself
 
 
 def prune(ckpt_dir: Path, keep: set[int]) -> None:
@@ -180,7 +180,7 @@ def export(engine, target: Path, rank: int, model_path: str | None = None) -> Pa
     if rank == 0:
         shutil.rmtree(target, ignore_errors=True)
         os.replace(tmp, target)  # a folder that exists is complete
-        durable(target.parent)
+        durable_entries(target.parent)
     return target
 
 
@@ -192,11 +192,19 @@ EXPORT_ROOM = (
 
 
 def durable(path: Path) -> None:
-    """fsync `path` (a file, or a folder with everything under it, files before the folders that
-    name them), as a rename that publishes it needs: the data reach the disk before the name."""
-    if path.is_dir():
+    """fsync `path` (a file, or a folder this process wrote with everything under it, files before
+    the folders that name them), as a rename that publishes it needs: the data reach the disk
+    before the name."""
+    if path.is_dir() and not path.is_symlink():
         for child in path.iterdir():
             durable(child)
+    durable_entries(path)
+
+
+def durable_entries(path: Path) -> None:
+    """fsync `path` alone: for a folder, its entries (a rename or removal in it), not what they
+    name. Its parents are another's (the output's folder is a user's own, locally): a walk there
+    would open whatever it holds (a FIFO would block it) and grow with every export kept."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
