@@ -2,8 +2,9 @@
 DeepSpeed ZeRO-1 ranks on gloo, each saving to and resuming from its own folder only. The resumed
 ranks must continue exactly as the uninterrupted run (weights and Adam state restored), and when
 one pod's `latest` is a step behind (a crash between the pods' writes), both resume at that step,
-which every pod keeps (the newest two checkpoints are); both go back to that one where the job's
-store goes on from it. A pod whose volume is lost takes the
+which every pod keeps (the newest two checkpoints are), unless every pod's part of the newer one
+is whole (the crash came after the save's collective): then both go on from it; both go back to
+the older one where the job's store goes on from it. A pod whose volume is lost takes the
 weights and data position of the pod that kept its checkpoints, instead of sending the job back to
 step 0 (ZeRO-1, and ZeRO-3, whose pods hold only partitions)."""
 
@@ -45,12 +46,22 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue, backend: s
     _train(engine, 2)
     after_three = whole_weights(engine)
     checkpoint.save(engine, pod, 3, {"step": 3, "rank": rank}, rank, local_rank=0, previous=2)
-    if rank == 1:  # this pod crashed before its `latest` moved to step 3
+    if rank == 1:  # this pod crashed while writing step 3: its part not whole, its `latest` at step 2
+        (pod / "step-3" / checkpoint.WHOLE).unlink()
         (pod / "latest").write_text("step-2")
 
     resumed = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
     state = checkpoint.load(resumed, pod)
     _train(resumed, 2)  # the step the crash lost, again
+    # Killed after the save's collective instead (every pod's part whole), before its `latest`
+    # moved: both go on from step 3, which every pod holds whole (before, from step 2; a run's
+    # first save cut so on rank 0's pod under ZeRO-3 went back to step 0).
+    if rank == 1:
+        (pod / "step-3" / checkpoint.WHOLE).write_text("step-3")
+    whole = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
+    went_on = checkpoint.load(whole, pod) == {"step": 3, "rank": rank} and torch.equal(
+        whole_weights(whole), after_three
+    )
     # Both pods at step 3 again, and the job's store made to go on from step 2 (its record of step 3
     # never told): both go back to step 2 (`step_the_store_goes_on_from`).
     (pod / "latest").write_text("step-3")
@@ -62,6 +73,7 @@ def _rank(rank: int, port: int, model: str, root: str, out: mp.Queue, backend: s
         (
             rank,
             state,
+            went_on,
             went_back,
             torch.equal(whole_weights(resumed), after_three),
             sorted(p.name for p in (pod / "step-3").iterdir()),
@@ -108,6 +120,32 @@ def _rank_losing_its_volume(
     end_ranks()
 
 
+def _rank_unnamed_first(rank: int, port: int, model: str, root: str, out: mp.Queue, backend: str) -> None:
+    from pipelinerl_trainer import checkpoint
+    from pipelinerl_trainer.model import build_engine
+
+    job = trainer_rank_job(rank, port, model, backend, 3)
+    pod = Path(root) / f"pod-{rank}" / "checkpoints"
+    engine = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
+    _train(engine, 0)
+    checkpoint.save(engine, pod, 1, {"step": 1, "rank": rank}, rank, local_rank=0, previous=0)
+    at_one = whole_weights(engine)
+    if rank == 0:  # killed after the save's collective, before its `latest` named step 1
+        (pod / "latest").unlink()
+    resumed = build_engine(job.spec.trainer, job.spec.weights_dtype, model)
+    state = checkpoint.load(resumed, pod)
+    out.put((rank, state, torch.equal(whole_weights(resumed), at_one)))
+    end_ranks()
+
+
+def test_a_first_save_rank_0s_pod_did_not_name_is_resumed_from_not_started_afresh(tmp_path, tiny_qwen2):
+    """ZeRO-3's whole weights are rank 0's Hugging Face copy: its pod killed between the first
+    save's collective and its `latest`, the run went back to step 0 (the other pod, which named
+    it, holds only partitions). Its part whole (`checkpoint.WHOLE`), every pod resumes from it."""
+    for rank, (state, same) in run_ranks(_rank_unnamed_first, tmp_path, tiny_qwen2, "gloo").items():
+        assert state == {"step": 1, "rank": rank} and same
+
+
 # nccl: the same on a GPU (bench/gpu_check.sh's checkpoint part); CI has none.
 BACKENDS = [
     "gloo",
@@ -118,13 +156,14 @@ BACKENDS = [
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_each_pod_resumes_from_its_own_volume(tmp_path, tiny_qwen2, backend):
     results = run_ranks(_rank, tmp_path, tiny_qwen2, backend)
-    for rank, (state, went_back, same_as_uninterrupted, step_files, ds_files, kept) in results.items():
+    for rank, (state, went_on, went_back, same_as_uninterrupted, step_files, ds_files, kept) in results.items():
         assert kept == ["latest", "step-2", "step-3"]  # the newest two: step 1's deleted
         assert state == {"step": 2, "rank": rank}  # both at the step every pod has
+        assert went_on  # to the newest every pod holds whole, named by `latest` or not
         assert went_back  # to the one their store goes on from, from their newest, exactly
         assert same_as_uninterrupted  # weights and Adam moments came back from the pod's own folder
         # Each pod holds the model states and its own ZeRO shard; the HF weights are written once.
-        assert step_files == (["ds", "hf", "state.json"] if rank == 0 else ["ds", "state.json"])
+        assert step_files == (["ds", "hf", "state.json", "whole"] if rank == 0 else ["ds", "state.json", "whole"])
         assert "mp_rank_00_model_states.pt" in ds_files
         bf16 = "bf16_" if backend == "nccl" else ""  # DeepSpeed names a bfloat16 run's shards so (seen on an H200)
         assert [f for f in ds_files if "optim_states" in f] == [f"{bf16}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"]

@@ -55,7 +55,7 @@ def test_every_file_of_a_checkpoint_is_on_disk_before_latest_names_it(tmp_path, 
     synced = {p for kind, p in events[:published] if kind == "fsync"}
     written = {p for p in (tmp_path / "step-5").rglob("*")} | {tmp_path / "step-5"}
     assert written <= synced, sorted(written - synced)
-    assert {"ds", "hf", "state.json"} == {p.name for p in (tmp_path / "step-5").iterdir()}
+    assert {"ds", "hf", "state.json", "whole"} == {p.name for p in (tmp_path / "step-5").iterdir()}
     assert ("fsync", tmp_path / "latest.tmp") in events[:published]
     assert ("fsync", tmp_path) in events[published:]  # the rename itself
     assert checkpoint.latest_step(tmp_path) == 5

@@ -1,7 +1,7 @@
 """Checkpoints: DeepSpeed state (model, optimizer) + Hugging Face weights + what was consumed.
 
-Layout: <dir>/step-<N>/{ds/, hf/, state.json} and <dir>/latest (written last, atomically), so
-a crash mid-save leaves the previous checkpoint in force; the newest two are kept (`prune`), and
+Layout: <dir>/step-<N>/{ds/, hf/, state.json, whole} and <dir>/latest (written last,
+atomically), so a crash mid-save leaves the previous checkpoint in force; the newest two are kept (`prune`), and
 only one of them while the next is written (`make_room`): a volume needs room for two.
 Every file is flushed to the disk before `latest` names it (`durable`): a node that loses power
 (not only a killed process) must not leave `latest` naming a checkpoint still in its page cache.
@@ -11,8 +11,9 @@ collectively; ZeRO-3 gathers the full weights collectively).
 
 Each trainer pod has a volume of its own, so <dir> is per pod: DeepSpeed writes with node-local
 storage (each pod's local rank 0 writes the model states next to its ranks' ZeRO shards), and
-each pod's local rank 0 writes state.json and `latest`. On load the ranks agree on the newest
-step that every pod has (a crash between two pods' `latest` leaves them one step apart). A pod
+each pod's local rank 0 writes state.json, `whole` and `latest`. On load the ranks agree on the
+newest step that every pod has whole (a crash between two pods' `latest` leaves them one step
+apart; `newest_whole`). A pod
 with none at all while another has one (its volume lost or replaced) does not send the job back
 to step 0: every rank takes the weights and the consumed-data state of the pod with the newest
 checkpoint (`adopt`), and only the Adam moments start afresh (under ZeRO-3 the pods' model files
@@ -39,6 +40,20 @@ from pipelinerl_trainer.model import full_parameters
 
 log = logging.getLogger("pipelinerl.trainer")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+WHOLE = "whole"  # in a step's folder: this pod's part of it is on its disk, whole
+
+
+def newest_whole(ckpt_dir: Path) -> int | None:
+    """This pod's newest checkpoint: the one `latest` names, or a newer one whose part here is
+    whole (WHOLE: the pod was killed after the save's collective, before its `latest` named it;
+    every pod's part was whole then). Taken as the newest, the ranks' agreement on the newest
+    every pod has (`load`) finds it where all pods hold it; before, a first save cut so on rank 0's
+    pod sent a ZeRO-3 run back to step 0, its only whole weights unnamed."""
+    marked = [int(d.name[5:]) for d in ckpt_dir.glob("step-*") if d.name[5:].isdigit() and (d / WHOLE).is_file()]
+    named = latest_step(ckpt_dir)
+    return max([*marked, *([] if named is None else [named])], default=None)
 
 
 def latest_step(ckpt_dir: Path) -> int | None:
@@ -71,6 +86,9 @@ def save(
         if local_rank == 0:
             (target / "state.json").write_text(json.dumps(state, indent=1))
             durable(target)  # this pod's part of the checkpoint, before any pod names it
+            (target / WHOLE).write_text(tag)  # ... and then said whole (`newest_whole`)
+            durable(target / WHOLE)
+            durable_entries(target)
     if dist.is_initialized():
         dist.barrier()
     if local_rank == 0:
@@ -242,7 +260,7 @@ def step_the_store_goes_on_from(ckpt_dir: Path, identity) -> int | None:
     resumed job's store from the newest checkpoint the trainer told; a stop that saved a newer one
     but did not tell it (rank 0 killed between the two, NATS unreachable) leaves that record one
     checkpoint behind, and the pods' newest would not be the store's (StoreLost)."""
-    newest, step = latest_step(ckpt_dir), identity.adopted_step
+    newest, step = newest_whole(ckpt_dir), identity.adopted_step
     if newest is None or step is None or step >= newest or identity.adopts is None:
         return None
     if _saved_state(ckpt_dir, newest).get("store") != identity.adopts:
@@ -263,7 +281,7 @@ def load(engine, ckpt_dir: Path, resume: int | None = None) -> dict:
     """Restore the newest checkpoint all ranks have into `engine` (or `resume`, the one the job's
     store goes on from: `step_the_store_goes_on_from`); the consumed-data state, or {} where no
     rank has one. Where some rank has none and another has, `adopt` the newest."""
-    mine = latest_step(ckpt_dir) if resume is None else resume
+    mine = newest_whole(ckpt_dir) if resume is None else resume
     # The oldest and (negated) newest step any rank has, in one all-reduce.
     steps = torch.tensor([-1 if mine is None else mine] * 2, dtype=torch.long, device=engine.device)
     steps[1] *= -1

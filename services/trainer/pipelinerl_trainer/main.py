@@ -134,7 +134,7 @@ def assemble(job: PipelineRLJob, env: ServiceEnv, board: Board, stop: threading.
             "the job's store goes on from this pod's checkpoint of step %d, not from its newest (step %d, "
             "never told to the store): resuming from step %d; the steps after it are trained again",
             resume,
-            checkpoint.latest_step(ckpts),
+            checkpoint.newest_whole(ckpts),
             resume,
         )
     position = Position.restored(checkpoint.load(model.engine, ckpts, resume), rank)
