@@ -13,8 +13,10 @@ through the model's chat template and text is used as it is (`chat_template: tru
 force either way). A reward function gets
 what TRL passes: `completions` (strings, or assistant messages for conversational prompts),
 `prompts`, `completion_ids` and every other column of the row as keyword arguments, each a
-list of one; it returns a list of one float (a coroutine function may be used too). A
-completion counts as solved in evaluations when its reward reaches `success_reward`. A reward
+list of one; it returns a list of one number (a coroutine function may be used too), or of None
+where it does not apply to that completion (TRL's None: it adds nothing). A completion counts as
+solved in evaluations when its reward reaches `success_reward` and it ended by itself (one cut
+at `maxTokens` is trained with its reward, never counted solved). A reward
 function that has not returned within `reward_timeout_s` (default 300; a remote judge that never
 answers) stops the generator with an error naming it, as one that raises does.
 """
@@ -26,6 +28,7 @@ import glob
 import importlib
 import inspect
 import math
+import numbers
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -177,14 +180,15 @@ class DatasetTask:
                 raise RuntimeError(
                     f"reward function {name} failed on {problem.id}: {type(err).__name__}: {err}"
                 ) from err
-            if not (
-                isinstance(out, (list, tuple))
-                and len(out) == 1
-                and isinstance(out[0], (int, float))
-                and math.isfinite(out[0])
-            ):
+            if not (isinstance(out, (list, tuple)) and len(out) == 1):
                 raise ValueError(
-                    f"reward function {name} returned {out!r} for {problem.id}: expected a list of one finite float"
+                    f"reward function {name} returned {out!r} for {problem.id}: expected a list of one finite number"
+                )
+            if out[0] is None:  # not for this completion (TRL's None)
+                continue
+            if not (isinstance(out[0], numbers.Real) and math.isfinite(out[0])):
+                raise ValueError(
+                    f"reward function {name} returned {out!r} for {problem.id}: expected a list of one finite number"
                 )
             total += weight * float(out[0])
         return total
@@ -203,4 +207,4 @@ class DatasetTask:
         sample.add_completion(completion)
         text = tokenizer.decode(completion.tokens, skip_special_tokens=True)
         reward = await self.score(problem, text, completion.tokens)
-        return sample.build(reward=reward, success=reward >= self.success_reward)
+        return sample.build(reward=reward, success=reward >= self.success_reward and completion.finish_reason == "stop")

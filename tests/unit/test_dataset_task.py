@@ -36,6 +36,16 @@ def broken_reward(completions, **kwargs):
     return ["high"]
 
 
+def numpy_reward(completions, **kwargs):
+    import numpy
+
+    return [numpy.float32(1.0)]
+
+
+def not_for_this_one(completions, **kwargs):
+    return [None]
+
+
 async def silent_judge(completions, **kwargs):
     await asyncio.sleep(3600)  # a remote judge that never answers
 
@@ -157,7 +167,7 @@ def test_a_bad_row_and_a_bad_reward_are_named(tmp_path):
     with pytest.raises(
         ValueError,
         match=r"reward function test_dataset_task:broken_reward returned \['high'\] "
-        r"for train-4: expected a list of one finite float",
+        r"for train-4: expected a list of one finite number",
     ):
         asyncio.run(task.rollout(ScriptedPolicy(tok, ["1"]), tok, task.test_problems(1)[0], 8))
 
@@ -194,3 +204,26 @@ def test_a_reward_function_that_never_returns_is_given_up_on_naming_it(reward, t
     assert time.monotonic() - started < 5
     with pytest.raises(ValueError, match="spec.task.params.reward_timeout_s: must be > 0, got 0"):
         make_task("dataset", params | {"reward_timeout_s": 0})
+
+
+def test_a_reward_of_none_adds_nothing_a_numpy_number_counts_and_a_cut_completion_is_never_solved(tmp_path):
+    """As TRL takes them: None from a function that does not apply to a completion (it adds
+    nothing to the weighted sum), a numpy number as a number. A completion cut at maxTokens keeps
+    its reward (trained with it) but is never counted solved (it inflated held-out accuracy)."""
+    from pipelinerl.tasks import Completion
+
+    train = write_jsonl(tmp_path / "train.jsonl", rows(5))
+    params = {"train": train, "reward": ["test_dataset_task:numpy_reward", "test_dataset_task:not_for_this_one"]}
+    task = make_task("dataset", params | {"test_rows": 1})
+    tok = make_tokenizer()
+    problem = task.test_problems(1)[0]
+    solved = asyncio.run(task.rollout(ScriptedPolicy(tok, ["1"]), tok, problem, 8))
+    assert (solved.reward, solved.success) == (1.0, True)
+
+    class Cut(ScriptedPolicy):
+        async def generate(self, prompt, max_tokens, greedy=False) -> Completion:
+            ids = self.tok.encode("12345678")[:max_tokens]
+            return Completion(ids, [-0.1] * len(ids), [3] * len(ids), "length")
+
+    cut = asyncio.run(task.rollout(Cut(tok, []), tok, problem, 8))
+    assert (cut.reward, cut.success, cut.truncated) == (1.0, False, True)
