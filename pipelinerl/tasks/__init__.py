@@ -5,11 +5,10 @@ Third-party tasks plug in by import path: `task.name: mypackage.module:MyTask`.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 from pipelinerl.tasks.arith import ArithTask
-from pipelinerl.tasks.base import Completion, Policy, Problem, PromptTooLong, SampleBuilder, Task
+from pipelinerl.tasks.base import Completion, Policy, Problem, PromptTooLong, SampleBuilder, Task, import_object
 from pipelinerl.tasks.chain import ChainTask
 from pipelinerl.tasks.dataset import DatasetTask
 from pipelinerl.tasks.guess import GuessTask
@@ -72,8 +71,7 @@ def make_task(name: str, params: dict[str, Any] | None = None, seed: int = 0) ->
     if name in BUILTIN:
         cls = BUILTIN[name]
     elif ":" in name:
-        module, attr = name.split(":", 1)
-        cls = getattr(importlib.import_module(module), attr)
+        cls = import_object(name, "spec.task.name", "Class")
     else:
         raise ValueError(f"spec.task.name: unknown task {name!r} (built-ins: {', '.join(BUILTIN)}; or module:Class)")
     try:

@@ -7,6 +7,7 @@ environment tokens in between (those are not trained on: mask 0).
 
 from __future__ import annotations
 
+import importlib
 import json
 import weakref
 from collections import OrderedDict
@@ -157,6 +158,23 @@ class SampleBuilder:
             success=success,
             truncated=self.truncated,
         )
+
+
+def import_object(path: str, field: str, kind: str) -> Any:
+    """`module:name` (a task's class, a reward function), imported; ValueError naming `field` for
+    anything that fails, the module's own error included (a syntax error, a missing dependency)."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"{field}: {path!r} is not module:{kind}")
+    hint = (
+        f" (a module's dotted name, not a file: {module[:-3]!r}, its folder on PYTHONPATH)"
+        if module.endswith(".py")
+        else ""
+    )
+    try:
+        return getattr(importlib.import_module(module), name)
+    except Exception as err:  # noqa: BLE001 - whatever the user's module raises, named by the field
+        raise ValueError(f"{field}: cannot import {path!r}: {type(err).__name__}: {err}{hint}") from None
 
 
 def check_param(name: str, value: object, lo: float, hi: float, kind: type = int) -> None:

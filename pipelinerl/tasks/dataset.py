@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import importlib
 import inspect
 import math
 import numbers
@@ -35,7 +34,16 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pipelinerl.messages import Sample
-from pipelinerl.tasks.base import Policy, Problem, SampleBuilder, Tokenizer, check_param, has_chat_template, prompt_ids
+from pipelinerl.tasks.base import (
+    Policy,
+    Problem,
+    SampleBuilder,
+    Tokenizer,
+    check_param,
+    has_chat_template,
+    import_object,
+    prompt_ids,
+)
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow"}
 
@@ -64,13 +72,7 @@ def load_rows(files: list[str]) -> list[dict[str, Any]]:
 
 
 def import_function(path: str, param: str) -> Callable:
-    module, _, attr = path.partition(":")
-    if not module or not attr:
-        raise ValueError(f"spec.task.params.{param}: {path!r} is not module:function")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"spec.task.params.{param}: cannot import {path!r}: {err}") from None
+    fn = import_object(path, f"spec.task.params.{param}", "function")
     if not callable(fn):
         raise ValueError(f"spec.task.params.{param}: {path!r} is not callable")
     return fn

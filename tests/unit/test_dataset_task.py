@@ -227,3 +227,21 @@ def test_a_reward_of_none_adds_nothing_a_numpy_number_counts_and_a_cut_completio
 
     cut = asyncio.run(task.rollout(Cut(tok, []), tok, problem, 8))
     assert (cut.reward, cut.success, cut.truncated) == (1.0, False, True)
+
+
+def test_a_reward_or_task_module_that_cannot_be_imported_is_named_by_its_field(tmp_path, monkeypatch):
+    """Whatever the user's module raises on import (a syntax error, a missing dependency) names the
+    field, as a missing one does; a file name given for a module says what to give."""
+    (tmp_path / "typo_rewards.py").write_text("def reward(completions:\n")
+    (tmp_path / "needs_more.py").write_text("import no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    train = write_jsonl(tmp_path / "train.jsonl", rows(5))
+    for reward, said in [
+        ("typo_rewards:reward", "SyntaxError"),
+        ("needs_more:reward", "ModuleNotFoundError: No module named 'no_such_dependency'"),
+        ("rewards.py:reward", "a module's dotted name, not a file: 'rewards'"),
+    ]:
+        with pytest.raises(ValueError, match=f"spec.task.params.reward: cannot import '{reward}': .*{said}"):
+            make_task("dataset", {"train": train, "reward": reward, "test_rows": 1})
+    with pytest.raises(ValueError, match="spec.task.name: cannot import 'typo_rewards:MyTask': SyntaxError"):
+        make_task("typo_rewards:MyTask")
