@@ -97,7 +97,7 @@ async def _replace_identity(js, subjects: JobSubjects, identity, why: str) -> No
             subjects.store, encode(new), timeout=5.0, headers={"Nats-Expected-Last-Subject-Sequence": str(identity[1])}
         )
     except nats.js.errors.APIError as err:
-        if err.err_code != WRONG_LAST_SEQUENCE:
+        if err.err_code not in WRONG_LAST_SEQUENCE:
             raise
         return  # another service replaced it first
     log.error("the job's store is damaged (%s): it is now store %s, which the trainer's checkpoint is not", why, new.id)
@@ -125,7 +125,7 @@ async def store_identity(js, subjects: JobSubjects, adopts=None, timeout_s: floa
         except UNACKED:
             pass  # read again: stored or not
         except nats.js.errors.APIError as err:
-            if err.err_code != WRONG_LAST_SEQUENCE:
+            if err.err_code not in WRONG_LAST_SEQUENCE:
                 raise
         if time.monotonic() > deadline:
             raise TimeoutError(f"could not read or write the job's store identity on {subjects.store}")

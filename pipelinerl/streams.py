@@ -246,8 +246,8 @@ async def claim_problems(js, subjects: JobSubjects, count: int, timeout_s: float
     """`count` training problem indices that no generator has drawn or will (those to draw again
     first, `claims.Claims`): the job's claims are one record on the CONTROL stream, replaced by an
     append that JetStream makes only if nobody appended since it was read (`_change_claims`).
-    Whatever the generators' number, incarnations or arrivals, no two get one index; a claim whose
-    acknowledgement was lost leaves its indices unsettled, never given twice."""
+    Whatever the generators' number, incarnations or arrivals, no two get one index; a claim left
+    undecided leaves its indices unsettled, never given twice."""
     taken, _ = await _change_claims(
         js, subjects, lambda claims: claims.take(count), "claim training problems", timeout_s
     )
@@ -259,24 +259,28 @@ async def give_back_problems(
 ) -> None:
     """Generator `rank`, stopping, gives back the problems it holds (`hold_problems`): whichever
     generator claims next draws them first, its own restart or, where the job no longer runs it
-    (scaled down), a peer. Its record is emptied first: a stop cut short between the two writes
-    leaves them unsettled (drawn again at a recovery), never drawn twice. Every try of the claims'
-    append carries one message id, so a try stored with its acknowledgement lost answers the next
-    as a duplicate: they are not added again after a peer drew them."""
+    (scaled down), a peer. Its record is emptied first: a stop cut short between the two writes,
+    or a give-back not made in time (`_change_claims`), leaves them unsettled (drawn again at a
+    recovery), never drawn twice. Both writes within `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
     await hold_problems(js, subjects, rank, [], timeout_s)
-    msg_id = f"give-back-{rank}-{uuid.uuid4().hex}"
-    await _change_claims(
-        js, subjects, lambda claims: (None, claims.given_back(held)), "give back problems", timeout_s, msg_id
-    )
+    change = lambda claims: (None, claims.given_back(held))  # noqa: E731
+    await _change_claims(js, subjects, change, "give back problems", max(0.1, deadline - time.monotonic()), True)
 
 
-async def _change_claims(js, subjects: JobSubjects, change, what: str, timeout_s: float, msg_id: str | None = None):
+async def _change_claims(js, subjects: JobSubjects, change, what: str, timeout_s: float, same_effect: bool = False):
     """`change(claims)` -> (result, claims after), appended to the claims record only if nobody
-    appended since it was read (an expected last sequence); a change that lost the race, or whose
-    append went unanswered, reads again and is made anew (`msg_id`: one for every try, so one
-    stored unanswered answers the next as a duplicate). The result of the change stored."""
+    appended since it was read (an expected last sequence), made anew from a fresh read until one
+    is; not made by `timeout_s`: TimeoutError. An append left undecided (a lost acknowledgement, a
+    NATS restart, a clustered stream still applying it) may have been stored. Where whichever
+    append is stored has `same_effect` (a give-back), the next carry its message id, so that one
+    stored answers them as a duplicate, never made twice over a peer's claim; else (a claim, whose
+    indices are its own) each has a fresh id, and one stored undecided leaves a gap, never an index
+    given twice. (A refused id is never used again: a clustered stream keeps it as in process.)
+    The result of the change stored."""
     subject, stream = subjects.problems, subjects.stream("CONTROL")
     deadline = time.monotonic() + timeout_s
+    undecided: str | None = None  # the id of an append perhaps stored, of `same_effect`
     while True:
         try:
             last = await read_last(js, stream, subject, deadline)
@@ -284,15 +288,23 @@ async def _change_claims(js, subjects: JobSubjects, change, what: str, timeout_s
             raise TimeoutError(f"could not {what} on {subject} in {timeout_s:.0f}s ({err})") from None
         seq, claims = (last.seq, _claims(last.data, subject)) if last is not None else (0, Claims())
         result, after = change(claims)
-        headers = {"Nats-Expected-Last-Subject-Sequence": str(seq)} | ({"Nats-Msg-Id": msg_id} if msg_id else {})
+        msg_id = undecided or uuid.uuid4().hex
         try:
-            await js.publish(subject, after.text().encode(), timeout=5.0, headers=headers)
+            await js.publish(
+                subject,
+                after.text().encode(),
+                timeout=5.0,
+                headers={"Nats-Expected-Last-Subject-Sequence": str(seq), "Nats-Msg-Id": msg_id},
+            )
             return result, after
         except UNACKED:
-            pass  # lost or no ack: read again (a claim, if stored, leaves its indices unsettled)
+            undecided = msg_id if same_effect else None
         except nats.js.errors.APIError as err:
-            if err.err_code != WRONG_LAST_SEQUENCE:
+            if err.err_code == DUPLICATE_IN_PROCESS:  # (of `same_effect` only: others' ids are fresh)
+                undecided = msg_id
+            elif err.err_code not in WRONG_LAST_SEQUENCE:
                 raise
+            # refused: another append came first (perhaps an undecided one of this id, read next)
         if time.monotonic() > deadline:
             raise TimeoutError(f"could not {what} on {subject} in {timeout_s:.0f}s")
         await asyncio.sleep(0.01)
@@ -351,7 +363,10 @@ async def problems_claimed(js, subjects: JobSubjects, timeout_s: float = READ_TI
     return _claims(data, subjects.problems).next if data is not None else 0
 
 
-WRONG_LAST_SEQUENCE = 10071  # JetStream's error code: another append came first
+# JetStream's error codes where another append came first (10164: a clustered stream's, for one
+# still being applied), and where an append of this message id is still being applied.
+WRONG_LAST_SEQUENCE = frozenset({10071, 10164})
+DUPLICATE_IN_PROCESS = 10158
 STREAM_NOT_FOUND = 10059  # ... and for a stream it does not hold (10037: no message on the subject)
 
 # No reply to a publish: the request or its ack lost while the client reconnects to a restarted

@@ -255,10 +255,14 @@ class LocalRun:
             file=sys.stderr,
         )
         self.nats.stop()
-        self.nats.start()
         self.nats_restarts += 1
         self.nats_health_restarts += 1
         self.nats_checked = now + wait
+        try:
+            self.nats.start()
+        except (OSError, RuntimeError) as err:  # it died starting, or never listened: a crash
+            tell(f"  nats-server did not start again: {err}", file=sys.stderr)
+            self._nats_exited(now, self.nats.proc.returncode if self.nats.proc else None)
         self._record_services()
 
     def _backoff(self, name: str, failures: int, code: int, log_path: Path, service: bool = True) -> float:

@@ -269,6 +269,13 @@ def template_violations(role: str, template: Any, policy: JobPolicy, bad: Proble
             if kind == "initContainers" and c.get("restartPolicy") not in (None, "Always"):
                 bad(f"{at}.restartPolicy", "only Always (a sidecar)")
     for volume in as_list(spec.get("volumes")):
+        empty = as_dict(as_dict(volume).get("emptyDir"))
+        if "emptyDir" in as_dict(volume) and empty.get("medium") != "Memory" and "sizeLimit" not in empty:
+            bad(
+                f"{where}.spec.volumes[{volume.get('name', '?')}].emptyDir.sizeLimit",
+                "required (up to jobPolicy.maxVolumeSize): a disk emptyDir without one fills the node's disk "
+                "unbounded, its neighbours' pods evicted with it (one in memory counts against the pod's memory)",
+            )
         if isinstance(volume, dict) and "ephemeral" in volume:
             template = as_dict(as_dict(volume["ephemeral"]).get("volumeClaimTemplate"))
             at = f"{where}.spec.volumes[{volume.get('name', '?')}].ephemeral.volumeClaimTemplate"

@@ -148,6 +148,10 @@ class SampleBuilder:
         self.versions += c.versions
         self.truncated = self.truncated or c.finish_reason == "length"
 
+    def cut(self, length: int) -> None:
+        """Keep the first `length` tokens (an environment's reply the episode ended before)."""
+        del self.tokens[length:], self.mask[length:], self.logprobs[length:], self.versions[length:]
+
     def build(self, reward: float, success: bool) -> Sample:
         return Sample(
             tokens=self.tokens,

@@ -46,15 +46,20 @@ class GuessTask:
         self, policy: Policy, tokenizer: Tokenizer, problem: Problem, max_tokens: int, greedy: bool = False
     ) -> Sample:
         sample = SampleBuilder(prompt_ids(tokenizer, problem.prompt, chat_template=False))
+        answered = len(sample.tokens)  # the sequence up to the model's last turn
         for turn in range(self.turns):
             try:
                 completion = await policy.generate(sample.tokens, max_tokens, greedy=greedy)
             except PromptTooLong:
                 if not turn:
                     raise  # the problem's own prompt: skipped
-                sample.truncated = True  # out of context before the secret was found: unsolved
+                # Out of context before the secret was found: unsolved, kept up to its last guess
+                # (with the reply after it, longer than model.maxSeqLen, its group was refused).
+                sample.cut(answered)
+                sample.truncated = True
                 break
             sample.add_completion(completion)
+            answered = len(sample.tokens)
             if completion.finish_reason != "stop":
                 break
             reply = self.feedback(tokenizer.decode(completion.tokens, skip_special_tokens=True), problem.answer)

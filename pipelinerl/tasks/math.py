@@ -3,8 +3,10 @@
 Each line: {"question": "...", "answer": "... #### 42"} (GSM8K's format; a bare "42" works too).
 The prompt uses the model's chat template when it has one. The completion's number (the first
 after '####', else the last) equals the reference's as a value: `1,234` is 1234, `18.00` is 18,
-`-0` is 0, `.5` is `1/2`. Without `test_file` the last `test_rows` lines of `train_file` are held
-out, never trained on.
+`-0` is 0, `.5` is `1/2`. Without `test_file` the last `test_rows` lines (100) of `train_file`
+are held out, never trained on (a file of no more lines is refused: give a `test_file`). A job
+run before this rule, without `test_file`, draws other problems for the same indices once
+resumed on it (its training list is shorter).
 """
 
 from __future__ import annotations
@@ -29,20 +31,25 @@ from pipelinerl.tasks.base import (
 
 # A number: thousands grouped by commas, or plain digits (with decimals, or over a denominator),
 # or decimals alone; a sign before any.
-NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?(?:/\d+)?|\.\d+)")
+NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+/\d+|\d+(?:\.\d+)?|\.\d+)")
+LONGEST = 100  # digits: a longer "number" (a completion repeating digits) is no answer
 INSTRUCTION = "Solve the problem step by step. Put the final answer after '####'."
 
 
 def final_number(text: str) -> str | None:
     """The number after '####' if present, else the last in the text, as its value's canonical
-    text (`Fraction`'s: '1234', '1/2', '-3'); None where there is none (or a zero denominator)."""
+    text (`Fraction`'s: '1234', '1/2', '-3'); None where there is none (or a zero denominator, or
+    over LONGEST digits)."""
     tail = text.split("####")[-1] if "####" in text else text
     found = NUMBER.findall(tail)
     if not found:
         return None
+    number = (found[0] if "####" in text else found[-1]).replace(",", "")
+    if len(number) > LONGEST:
+        return None
     try:
-        return str(Fraction((found[0] if "####" in text else found[-1]).replace(",", "")))
-    except ZeroDivisionError:
+        return str(Fraction(number))
+    except (ZeroDivisionError, ValueError):
         return None
 
 

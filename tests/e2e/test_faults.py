@@ -107,7 +107,8 @@ def test_one_generator_of_two_dies_and_rejoins(start_run):
     records = {x.subject: x.data for x in stored(run.dir, "gen2", "CONTROL")}
     subjects = JobSubjects("gen2")
     assert [records.get(subjects.held(r)) or b"" for r in range(2)] == [b"", b""]  # (empty: None)
-    assert sorted(indices(Claims.parse(records[subjects.problems].decode()).redraw)) == sorted(given)
+    # (as sets: one stopping as the other gives back may draw those indices and give them back too)
+    assert set(indices(Claims.parse(records[subjects.problems].decode()).redraw)) == set(given)
     ledgers = [m.decode(x.data, m.MicroBatch).ledger for x in stored(run.dir, "gen2", "BATCHES")]
     assert not set(given) & {i for ledger in ledgers for i in indices(ledger.settled_indices())}
 

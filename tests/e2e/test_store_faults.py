@@ -46,13 +46,13 @@ def freeze_holding_groups(run, name: str, pid: int, before_step: int) -> None:
         time.sleep(0.1)
 
 
-def unsettled_checkpoint(run_dir: Path) -> bool:
-    """Whether the run's newest checkpoint claims problems its steps did not settle."""
+def unsettled_checkpoint(run_dir: Path) -> int | None:
+    """The run's newest checkpoint's step where it claims problems its steps did not settle."""
     step = latest_step(run_dir / "checkpoints")
     if step is None:
-        return False
+        return None
     state = json.loads((run_dir / "checkpoints" / f"step-{step}" / "state.json").read_text())
-    return bool(Claims.at_checkpoint(state).redraw)
+    return step if Claims.at_checkpoint(state).redraw else None
 
 
 def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(start_run, tmp_path):
@@ -180,8 +180,15 @@ def test_a_paused_preprocessor_then_the_stores_disk_full_then_the_store_lost(sta
         # (a generator's block in flight), for the recovery to draw them again. One taken while the
         # only generator waited on its lag bound, its block used up, has none (a CI run lost the
         # store after such a one): the next is waited for then.
-        first.wait_until(lambda _: unsettled_checkpoint(first.dir), "a checkpoint with unsettled claims")
-        checkpoint = latest_step(first.dir / "checkpoints")
+        seen: list[int | None] = [None]  # the step found (not a newer one, saved since)
+
+        def unsettled(_) -> bool:
+            seen[0] = unsettled_checkpoint(first.dir)
+            return seen[0] is not None
+
+        first.wait_until(unsettled, "a checkpoint with unsettled claims")
+        checkpoint = seen[0]
+        assert checkpoint is not None
         before = on_running_nats(first, lambda js: stored_messages(js, JobSubjects(name).stream("BATCHES")))
         by_step, _, _ = audit_batches([m.decode(x.data, m.MicroBatch) for x in before], checkpoint, 1)
         trained_before = {

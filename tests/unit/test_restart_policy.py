@@ -126,8 +126,13 @@ class FakeNats:
             raise RuntimeError("nats-server exited with 1")
         self.code = None
 
+    problem = ""
+
     def jetstream_problem(self) -> str:
-        return ""
+        return self.problem
+
+    def stop(self) -> None:
+        self.code = -15
 
 
 def test_nats_server_crashes_are_counted_apart_from_restarts_for_a_full_disk_and_a_panic_is_a_crash(tmp_path, capsys):
@@ -157,3 +162,21 @@ def test_nats_server_crashes_are_counted_apart_from_restarts_for_a_full_disk_and
     with pytest.raises(ServiceDied, match="nats-server exited with code 1$") as died:
         run._check_nats()
     assert not died.value.hopeless and nats.starts == 3
+
+
+def test_a_restart_for_a_disk_that_had_been_full_that_fails_to_start_is_a_crash_restarted_after_a_backoff(
+    tmp_path, capsys
+):
+    """JetStream that could not write is restarted once its disk has room; a start that fails then
+    (it died starting, or never listened) is a crash like any other, not the run's end."""
+    from pipelinerl.spec import parse_job
+    from pipelinerl_cli.local import LocalRun
+
+    nats = FakeNats(tmp_path)
+    (tmp_path / "nats.log").write_text("[ERR] JetStream write error\n")
+    run = LocalRun(parse_job({"metadata": {"name": "t"}}), tmp_path, quiet=True, nats=nats)  # type: ignore[arg-type]
+    nats.problem, nats.broken = "JetStream stream write error", True
+    run._check_jetstream(0.0)
+    assert nats.starts == 1 and run.nats_restart_at is not None
+    assert (run.nats_restarts, run.nats_health_restarts) == (2, 1)
+    assert "did not start again" in capsys.readouterr().err

@@ -76,24 +76,27 @@ def test_guess_feedback_and_failure():
 
 def test_a_guess_episode_out_of_context_ends_unsolved_and_a_first_prompt_too_long_is_skipped():
     """A later turn whose conversation leaves no room for a guess within model.maxSeqLen
-    (`PromptTooLong`) ends the episode, unsolved and kept (reward 0, truncated): skipped, it left
-    the model's hardest secrets out of training and out of the held-out accuracy's count."""
+    (`PromptTooLong`) ends the episode, unsolved and kept (reward 0, truncated) up to its last
+    guess, within model.maxSeqLen: skipped, it left the model's hardest secrets out of training
+    and out of the held-out accuracy's count; kept with the reply after it, the group was refused
+    as too long."""
     from pipelinerl.tasks import PromptTooLong
 
-    class Short(ScriptedPolicy):
+    class Short(ScriptedPolicy):  # model.maxSeqLen 11, as vLLM takes it (prompt and completion within)
         async def generate(self, prompt, max_tokens, greedy=False) -> Completion:
-            if len(prompt) >= 8:
+            if len(prompt) >= 11:
                 raise PromptTooLong(f"a prompt of {len(prompt)} tokens leaves no room")
-            return await super().generate(prompt, max_tokens, greedy)
+            return await super().generate(prompt, min(max_tokens, 11 - len(prompt)), greedy)
 
     tok = make_tokenizer()
     task = GuessTask(turns=4)
     problem = next(p for p in task.test_problems(20) if p.answer not in (200, 201))
     s = asyncio.run(task.rollout(Short(tok, ["200", "201", "202"]), tok, problem, 4))
     assert (s.reward, s.success, s.truncated) == (0.0, False, True)
-    assert tok.decode(s.tokens, skip_special_tokens=True) == ":200<201<" and sum(s.mask) == 8
+    assert tok.decode(s.tokens, skip_special_tokens=True) == ":200<201" and sum(s.mask) == 8
+    assert len(s.tokens) == len(s.mask) == len(s.versions) == len(s.logprobs) == 10 <= 11
     with pytest.raises(PromptTooLong):
-        asyncio.run(task.rollout(Short(tok, []), tok, problem.__class__(id="x", prompt=":" * 9, answer=1), 4))
+        asyncio.run(task.rollout(Short(tok, []), tok, problem.__class__(id="x", prompt=":" * 11, answer=1), 4))
 
 
 def test_make_task_errors():
@@ -115,7 +118,8 @@ def test_math_task_from_jsonl(tmp_path):
         assert final_number(same[0]) == final_number(same[1]), same
     for other in [("#### 3/4", "3"), ("#### .5", "5"), ("1,2,3", "123"), ("12,345", "12")]:
         assert final_number(other[0]) != final_number(other[1]), other
-    assert final_number("#### 1/0") is None
+    assert final_number("#### 1/0") is None and final_number("1" * 5000) is None  # (Fraction raised on both)
+    assert final_number("1.5/2") == "2"  # (a decimal over a denominator raised too)
     data = tmp_path / "train.jsonl"
     rows = ['{"question": "2+3?", "answer": "2+3=5 #### 5"}', '{"question": "7*6?", "answer": "42"}']
     data.write_text("\n".join([*rows, '{"question": "1+1?", "answer": "#### 2"}']) + "\n")

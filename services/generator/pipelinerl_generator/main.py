@@ -53,7 +53,7 @@ from pipelinerl_generator.weight_follower import WeightFollower
 
 log = logging.getLogger("pipelinerl.generator")
 ENGINE_CHECK_S = 30.0
-GIVE_BACK_S = 15.0  # within a pod's grace period (contracts.STOP_GRACE_S), the engine's shutdown after
+GIVE_BACK_S = 10.0  # well within a stop's own bound (runtime.exit_soon's 20 s), the engine's shutdown after
 
 
 class Generator:
@@ -203,15 +203,20 @@ class Generator:
     async def _give_back(self) -> None:
         """Told to stop (a restart, a scale-down, a drained node): the problems this rank holds are
         given back for the next claims to take first (`streams.give_back_problems`), once its
-        groups cancelled have ended (none is let go meanwhile). Where that fails (NATS away), its
-        restart draws them, or a recovery where its record was emptied already."""
+        groups cancelled have ended (none is let go meanwhile; one that has not is left, and what
+        it holds with it, to its restart). Where that fails (NATS away), its restart draws them,
+        or a recovery where its record was emptied already. All within GIVE_BACK_S."""
+        deadline = time.monotonic() + GIVE_BACK_S
         if self.tasks:
-            await asyncio.wait(list(self.tasks), timeout=GIVE_BACK_S)
+            _, pending = await asyncio.wait(list(self.tasks), timeout=GIVE_BACK_S / 3)
+            if pending:
+                log.warning("generator %d: groups still ending; what it holds is left to its restart", self.env.rank)
+                return
         if not self.held:
             return
         held = list(self.held)
         try:
-            await give_back_problems(self.js, self.subjects, self.env.rank, held, timeout_s=GIVE_BACK_S)
+            await give_back_problems(self.js, self.subjects, self.env.rank, held, deadline - time.monotonic())
         except Exception as err:  # noqa: BLE001 - stopping either way
             log.warning(
                 "generator %d could not give back the problems it held (%s): %r", self.env.rank, ranges_text(held), err

@@ -47,10 +47,11 @@ WHOLE = "whole"  # in a step's folder: this pod's part of it is on its disk, who
 
 def newest_whole(ckpt_dir: Path) -> int | None:
     """This pod's newest checkpoint: the one `latest` names, or a newer one whose part here is
-    whole (WHOLE: the pod was killed after the save's collective, before its `latest` named it;
-    every pod's part was whole then). Taken as the newest, the ranks' agreement on the newest
-    every pod has (`load`) finds it where all pods hold it; before, a first save cut so on rank 0's
-    pod sent a ZeRO-3 run back to step 0, its only whole weights unnamed."""
+    whole (WHOLE, written once it is on disk; the pod was killed before its `latest` named it).
+    The ranks resume from the oldest of their pods' newest (`load`), so a step some pod holds
+    only in part is resumed from by none; one every pod holds whole is, named or not. Before, a
+    first save cut after its collective on rank 0's pod sent a ZeRO-3 run back to step 0, its
+    only whole weights unnamed."""
     marked = [int(d.name[5:]) for d in ckpt_dir.glob("step-*") if d.name[5:].isdigit() and (d / WHOLE).is_file()]
     named = latest_step(ckpt_dir)
     return max([*marked, *([] if named is None else [named])], default=None)

@@ -147,6 +147,38 @@ async def test_job_streams_on_a_three_server_cluster_survive_losing_one(tmp_path
         cluster.stop()
 
 
+async def test_claims_and_give_backs_racing_on_a_replicated_stream_draw_every_index_once(tmp_path) -> None:
+    """Generators on each server of a cluster claim problems and give some back, all at once, on the
+    job's replicated CONTROL stream, where an append another came first to may be refused as
+    10164 (not 10071) and a refused message id is kept as in process (10158): no claim fails, no
+    index is kept twice, and every index claimed is kept once or waits to be drawn again."""
+    from pipelinerl.claims import Claims, indices, with_indices
+    from pipelinerl.streams import claim_problems, give_back_problems
+
+    cluster = Cluster(tmp_path)
+    try:
+        ncs = [await connect(url, f"generator-{i}") for i, url in enumerate(cluster.urls)]
+        await retried(lambda: ensure_streams(ncs[0].jetstream(timeout=5), SUBJECTS, 1, replicas=3), "a cluster formed")
+
+        async def generator(rank: int, nc) -> list[int]:
+            js, kept = nc.jetstream(timeout=5), []
+            for _ in range(12):
+                taken = await claim_problems(js, SUBJECTS, 3, timeout_s=60)
+                kept += taken[:2]
+                await give_back_problems(js, SUBJECTS, rank, with_indices([], taken[2:]), timeout_s=60)
+            return kept
+
+        kept = [i for got in await asyncio.gather(*(generator(r, nc) for r, nc in enumerate(ncs))) for i in got]
+        last = await ncs[0].jetstream(timeout=5).get_last_msg(SUBJECTS.stream("CONTROL"), SUBJECTS.problems)
+        claims = Claims.parse(last.data.decode())
+        assert len(kept) == len(set(kept)) == 3 * 12 * 2
+        assert sorted(kept + indices(claims.redraw)) == list(range(claims.next))
+        for nc in ncs:
+            await nc.close()
+    finally:
+        cluster.stop()
+
+
 def wait_for_port(port: int) -> None:
     deadline = time.monotonic() + 10
     while socket.socket().connect_ex(("127.0.0.1", port)) != 0:

@@ -161,6 +161,7 @@ WEBHOOK_ONLY = {
     "probe-another-host",
     "pre-stop-another-host",
     "mount-propagation",
+    "empty-dir-unbounded",
     "gpu-device-list-mount",
     "gpu-device-list-mount-spelt-otherwise",
     "host-ip",

@@ -177,6 +177,7 @@ def kube_number(value: Any) -> float:
     return float(match.group(1) + (match.group(2) or "")) * _UNITS.get(match.group(3) or "", 1)
 
 
+OPERATOR_SCRATCH = {"cache", "tmp", "run"}  # the operator's own disk emptyDirs (pod_template.py)
 OPERATOR_KEY_PREFIXES = ("app.kubernetes.io", "pipelinerl.dev", "kueue.x-k8s.io", "scheduling.x-k8s.io")
 VOLUME_KINDS = {"emptyDir", "configMap", "secret", "projected", "persistentVolumeClaim", "ephemeral", "downwardAPI"}
 
@@ -254,6 +255,9 @@ def leaks(pod: dict[str, Any], policy: JobPolicy, defaults: tuple[str, ...], own
         if "storageClassName" in claim and claim["storageClassName"] not in policy.storage_class_names:
             out.append(f"storage class {claim['storageClassName']!r}")
         size = (v.get("emptyDir") or {}).get("sizeLimit")
+        disk = "emptyDir" in v and (v["emptyDir"] or {}).get("medium") != "Memory"
+        if disk and size is None and v.get("name") not in OPERATOR_SCRATCH:
+            out.append("emptyDir unbounded")
         try:
             if size is not None and kube_number(size) > volume_cap:
                 out.append("emptyDir size")
