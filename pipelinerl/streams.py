@@ -438,9 +438,15 @@ async def publish_once(
             ) from unanswered
         sent_at = time.monotonic()
         try:
-            return await js.publish(
-                subject, data, timeout=timeout_s, headers={**(headers or {}), "Nats-Msg-Id": msg_id}
-            )
+            try:
+                return await js.publish(
+                    subject, data, timeout=timeout_s, headers={**(headers or {}), "Nats-Msg-Id": msg_id}
+                )
+            except nats.js.errors.APIError as err:
+                if err.err_code != DUPLICATE_IN_PROCESS:
+                    raise
+                # A clustered stream still applying an earlier try of it: unanswered as yet.
+                raise nats.errors.TimeoutError from err
         except UNACKED as err:
             if stream_full(err):
                 # Refused, so not stored (JetStream looks for a duplicate before at its limits): no

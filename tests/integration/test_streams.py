@@ -273,6 +273,35 @@ async def test_a_publish_whose_ack_is_lost_is_sent_again_and_stored_once(nats_se
     await nc.close()
 
 
+async def test_a_publish_a_clustered_stream_is_still_applying_is_sent_again_not_a_failure(nats_server):
+    """A clustered stream answers a try of a message id it is still applying (an earlier try's,
+    unanswered) with 10158, "duplicate message id is in process": the publish is sent again as
+    one unanswered, and stored once (it raised, and the generator or preprocessor restarted)."""
+    import nats.js.errors
+
+    from pipelinerl.streams import publish_once, stored_messages
+
+    nc = await connect(nats_server.url, "test")
+    js = nc.jetstream()
+    await ensure_streams(js, SUBJECTS, 8)
+    publish, tries = js.publish, []
+
+    async def in_process(subject, *args, **kwargs):
+        tries.append(subject)
+        if len(tries) == 1:
+            await publish(subject, *args, **kwargs)  # stored, its answer still to come
+            raise nats.js.errors.APIError(code=409, err_code=10158, description="duplicate message id is in process")
+        return await publish(subject, *args, **kwargs)
+
+    js.publish = in_process
+    ack = await publish_once(js, SUBJECTS.rollouts(0), m.encode(group(9)), "g9", timeout_s=2)
+    js.publish = publish
+    assert len(tries) == 2 and ack.duplicate
+    stored = await stored_messages(js, SUBJECTS.stream("ROLLOUTS"))
+    assert [m.decode(x.data, m.RolloutGroup).group_id for x in stored] == ["g9"]
+    await nc.close()
+
+
 @pytest.mark.parametrize(
     "window_s, frozen_s",
     [(2.0, 2.5), (0.9, 0.0)],
