@@ -181,6 +181,18 @@ def import_object(path: str, field: str, kind: str) -> Any:
         raise ValueError(f"{field}: cannot import {path!r}: {type(err).__name__}: {err}{hint}") from None
 
 
+def held_out(problems: list[Problem], rows: int, field: str) -> tuple[list[Problem], list[Problem]]:
+    """A training set's problems less its last `rows` (a task's `test_rows`), and those, held out:
+    never trained on. ValueError naming `field` where none would be left to train on."""
+    check_param("test_rows", rows, 1, 10**7)
+    if len(problems) <= rows:
+        raise ValueError(
+            f"spec.task.params.{field}: {len(problems)} problems, not more than test_rows ({rows}) to hold out; "
+            "give a test set or lower test_rows"
+        )
+    return problems[:-rows], problems[-rows:]
+
+
 def check_param(name: str, value: object, lo: float, hi: float, kind: type = int) -> None:
     """A built-in task's numeric parameter, of `kind` (int, or float: an int too) within lo..hi:
     ValueError naming it otherwise (a bound keeps what the task computes from it small: the

@@ -39,8 +39,8 @@ from pipelinerl.tasks.base import (
     Problem,
     SampleBuilder,
     Tokenizer,
-    check_param,
     has_chat_template,
+    held_out,
     import_object,
     prompt_ids,
 )
@@ -113,14 +113,8 @@ class DatasetTask:
         train = self._problems(data_files(self.train, "train"), "train")
         if self.test:
             self._test = self._problems(data_files(self.test, "test"), "test")
-        else:  # hold out the last rows: never trained on
-            check_param("test_rows", self.test_rows, 1, 10**7)
-            if len(train) <= self.test_rows:
-                raise ValueError(
-                    f"spec.task.params.train: {len(train)} rows, not more than test_rows "
-                    f"({self.test_rows}) to hold out; give a test set or lower test_rows"
-                )
-            train, self._test = train[: -self.test_rows], train[-self.test_rows :]
+        else:
+            train, self._test = held_out(train, self.test_rows, "train")
         self._train = train
 
     def _problems(self, files: list[str], kind: str) -> list[Problem]:

@@ -24,12 +24,12 @@ from pipelinerl.tasks.base import (
     Problem,
     SampleBuilder,
     Tokenizer,
-    check_param,
     has_chat_template,
+    held_out,
     prompt_ids,
 )
 
-# A number: thousands grouped by commas, or plain digits (with decimals, or over a denominator),
+# A number: thousands grouped by commas, or plain digits (over a denominator, or with decimals),
 # or decimals alone; a sign before any.
 NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+/\d+|\d+(?:\.\d+)?|\.\d+)")
 LONGEST = 100  # digits: a longer "number" (a completion repeating digits) is no answer
@@ -87,14 +87,8 @@ class MathTask:
         train = load_problems(self.train_file, "train")
         if self.test_file:
             self._test = load_problems(self.test_file, "test")
-        else:  # hold out the last lines: never trained on
-            check_param("test_rows", self.test_rows, 1, 10**7)
-            if len(train) <= self.test_rows:
-                raise ValueError(
-                    f"spec.task.params.train_file: {len(train)} problems, not more than test_rows "
-                    f"({self.test_rows}) to hold out; give a test_file or lower test_rows"
-                )
-            train, self._test = train[: -self.test_rows], train[-self.test_rows :]
+        else:
+            train, self._test = held_out(train, self.test_rows, "train_file")
         self._train = train
 
     def train_problem(self, index: int) -> Problem:
