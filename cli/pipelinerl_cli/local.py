@@ -205,12 +205,7 @@ class LocalRun:
         if self.nats_restart_at is not None:
             if now >= self.nats_restart_at:
                 self.nats_restart_at = None
-                try:
-                    self.nats.start()
-                except (OSError, RuntimeError) as err:  # it died again starting, or never listened
-                    tell(f"  nats-server did not start again: {err}", file=sys.stderr)
-                    self._nats_exited(now, self.nats.proc.returncode if self.nats.proc else None)
-                self._record_services()
+                self._start_nats(now)
             return
         assert self.nats.proc is not None  # started with the run
         code = self.nats.proc.poll()
@@ -219,6 +214,16 @@ class LocalRun:
         elif now - self.nats_checked >= NATS_HEALTH_S:
             self.nats_checked = now
             self._check_jetstream(now)
+
+    def _start_nats(self, now: float) -> None:
+        """nats-server started again; one that dies starting, or never listens, is a crash."""
+        assert self.nats is not None
+        try:
+            self.nats.start()
+        except (OSError, RuntimeError) as err:
+            tell(f"  nats-server did not start again: {err}", file=sys.stderr)
+            self._nats_exited(now, self.nats.proc.returncode if self.nats.proc else None)
+        self._record_services()
 
     def _nats_exited(self, now: float, code: int | None) -> None:
         """nats-server ended (`code`; None: unknown): restarted after a backoff counted by its
@@ -258,12 +263,7 @@ class LocalRun:
         self.nats_restarts += 1
         self.nats_health_restarts += 1
         self.nats_checked = now + wait
-        try:
-            self.nats.start()
-        except (OSError, RuntimeError) as err:  # it died starting, or never listened: a crash
-            tell(f"  nats-server did not start again: {err}", file=sys.stderr)
-            self._nats_exited(now, self.nats.proc.returncode if self.nats.proc else None)
-        self._record_services()
+        self._start_nats(now)
 
     def _backoff(self, name: str, failures: int, code: int, log_path: Path, service: bool = True) -> float:
         """Seconds until `name` (a `service`, or nats-server), which exited with `code` after

@@ -176,13 +176,10 @@ class DatasetTask:
                 raise RuntimeError(
                     f"reward function {name} failed on {problem.id}: {type(err).__name__}: {err}"
                 ) from err
-            if not (isinstance(out, (list, tuple)) and len(out) == 1):
-                raise ValueError(
-                    f"reward function {name} returned {out!r} for {problem.id}: expected a list of one finite number"
-                )
-            if out[0] is None:  # not for this completion (TRL's None)
+            one = isinstance(out, (list, tuple)) and len(out) == 1
+            if one and out[0] is None:  # not for this completion (TRL's None)
                 continue
-            if not (isinstance(out[0], numbers.Real) and math.isfinite(out[0])):
+            if not (one and isinstance(out[0], numbers.Real) and math.isfinite(out[0])):
                 raise ValueError(
                     f"reward function {name} returned {out!r} for {problem.id}: expected a list of one finite number"
                 )
